@@ -1,0 +1,334 @@
+"""Configuration: the model's architecture (ModelConfig), the engine's knobs (EngineConfig)
+and one request's decoding knobs (SamplingParams).
+
+All three are frozen dataclasses. `ModelConfig.from_hf` is the only place that knows how the
+Hugging Face config.json of each supported family spells things; the model code reads
+ModelConfig only. This module never imports jax.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json (or a user-supplied setting) that we cannot honour; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. kind: "linear" (positions / factor) or "llama3" (Llama 3.1 wavelength bands)."""
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One decoder-only transformer. Every supported HF family maps onto these fields."""
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    activation: str = "silu"            # silu | gelu (erf) | gelu_tanh | relu
+    gated_mlp: bool = True              # act(x W_gate) * (x W_up) -> W_down; else act(x W_fc) -> W_proj
+    norm: str = "rmsnorm"               # rmsnorm | layernorm
+    norm_eps: float = 1e-6
+    position: str = "rope"              # rope | alibi | learned | sinusoidal
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    sliding_window: int | None = None   # a query at q sees keys k with q - window < k <= q
+    # Per layer: True where the sliding window applies (Qwen2 mixes full and windowed layers).
+    # None means every layer uses `sliding_window` when it is set.
+    sliding_layers: tuple[bool, ...] | None = None
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    tie_embeddings: bool = False
+    embed_norm: bool = False            # BLOOM: LayerNorm right after the token embedding
+    residual_post_norm: bool = False    # BLOOM's apply_residual_connection_post_layernorm
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self) -> None:
+        checks = {
+            "vocab_size": self.vocab_size > 0, "d_model": self.d_model > 0,
+            "n_layers": self.n_layers > 0, "n_heads": self.n_heads > 0,
+            "n_kv_heads": self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0,
+            "head_dim": self.head_dim > 0, "ffn_dim": self.ffn_dim > 0,
+            "activation": self.activation in ("silu", "gelu", "gelu_tanh", "relu"),
+            "norm": self.norm in ("rmsnorm", "layernorm"),
+            "position": self.position in ("rope", "alibi", "learned", "sinusoidal"),
+            "sliding_window": self.sliding_window is None or self.sliding_window > 0,
+            "sliding_layers": self.sliding_layers is None or len(self.sliding_layers) == self.n_layers,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ConfigError(f"invalid ModelConfig field(s) {bad}: {self}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ConfigError(f"rope needs an even head_dim, got {self.head_dim}")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of one layer, or None for full causal attention."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
+
+    def num_params(self) -> int:
+        """Exact parameter count of this architecture (embeddings included, tied counted once)."""
+        d, f, h, kv, hd = self.d_model, self.ffn_dim, self.n_heads, self.n_kv_heads, self.head_dim
+        norm_p = d if self.norm == "rmsnorm" else 2 * d
+        attn = d * hd * (h + 2 * kv) + h * hd * d
+        attn += (hd * (h + 2 * kv) if self.qkv_bias else 0) + (d if self.out_bias else 0)
+        mlp = (3 if self.gated_mlp else 2) * d * f
+        mlp += ((2 * f if self.gated_mlp else f) + d) if self.mlp_bias else 0
+        total = self.n_layers * (attn + mlp + 2 * norm_p) + norm_p
+        total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        total += self.max_position_embeddings * d if self.position == "learned" else 0
+        total += norm_p if self.embed_norm else 0
+        return total
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown ModelConfig field(s): {sorted(unknown)}")
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        for k in ("sliding_layers", "eos_token_ids"):
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, config: str | Path | dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face config.json (a path to the file or its folder, or the parsed dict)."""
+        if not isinstance(config, dict):
+            path = Path(config)
+            path = path / "config.json" if path.is_dir() else path
+            try:
+                config = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise ConfigError(f"no config.json at {path}") from None
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        archs = config.get("architectures") or []
+        model_type = config.get("model_type", "")
+        arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type, "")
+        builder = _HF_BUILDERS.get(arch)
+        if builder is None:
+            raise ConfigError(
+                f"unsupported architecture {arch or model_type!r} (config.json 'architectures'); "
+                f"supported: {sorted(_HF_BUILDERS)}")
+        try:
+            return builder(config, arch)
+        except KeyError as e:
+            raise ConfigError(f"config.json for {arch} is missing field {e.args[0]!r}") from None
+
+
+def _eos_ids(c: dict[str, Any]) -> tuple[int, ...]:
+    eos = c.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _rope_from_hf(c: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older files: rope_theta + rope_scaling.
+    params = dict(c.get("rope_parameters") or {})
+    legacy = c.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+    scaling = {**legacy, **params}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", None):
+        return theta, None
+    if kind == "linear":
+        return theta, RopeScaling("linear", float(scaling["factor"]))
+    if kind == "llama3":
+        return theta, RopeScaling(
+            "llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
+            float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
+    raise ConfigError(f"unsupported rope scaling type {kind!r} (config.json rope_parameters/rope_scaling); "
+                      "supported: default, linear, llama3")
+
+
+def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    theta, scaling = _rope_from_hf(c)
+    window = c.get("sliding_window")
+    sliding_layers = None
+    if arch == "Qwen2ForCausalLM":
+        # Qwen2 uses the window only when use_sliding_window is set, and then only on some layers.
+        types = c.get("layer_types")
+        if not c.get("use_sliding_window", False):
+            window = None
+        elif types is not None:
+            sliding_layers = tuple(t == "sliding_attention" for t in types)
+        else:
+            start = c.get("max_window_layers", c["num_hidden_layers"])
+            sliding_layers = tuple(i >= start for i in range(c["num_hidden_layers"]))
+    elif arch == "LlamaForCausalLM":
+        window = None
+    act = c.get("hidden_act", "silu")
+    if act not in ("silu", "swish", "gelu", "relu", "gelu_pytorch_tanh"):
+        raise ConfigError(f"unsupported hidden_act {act!r} in config.json")
+    bias = bool(c.get("attention_bias", False))
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c["num_hidden_layers"], n_heads=h,
+        n_kv_heads=c.get("num_key_value_heads") or h, head_dim=c.get("head_dim") or d // h,
+        ffn_dim=c["intermediate_size"],
+        activation={"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(act, act),
+        gated_mlp=True, norm="rmsnorm", norm_eps=float(c.get("rms_norm_eps", 1e-6)), position="rope",
+        rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=c.get("max_position_embeddings", 2048),
+        sliding_window=window, sliding_layers=sliding_layers,
+        qkv_bias=bias or arch == "Qwen2ForCausalLM", out_bias=bias, mlp_bias=bool(c.get("mlp_bias", False)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
+def _gpt2(c: dict[str, Any], arch: str) -> ModelConfig:
+    if c.get("scale_attn_by_inverse_layer_idx") or c.get("reorder_and_upcast_attn"):
+        raise ConfigError("GPT-2 options scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+    if not c.get("scale_attn_weights", True):
+        raise ConfigError("GPT-2 with scale_attn_weights=false is not supported")
+    d, h = c["n_embd"], c["n_head"]
+    act = c.get("activation_function", "gelu_new")
+    acts = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
+            "silu": "silu", "swish": "silu"}
+    if act not in acts:
+        raise ConfigError(f"unsupported activation_function {act!r} in config.json")
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c["n_layer"], n_heads=h, n_kv_heads=h,
+        head_dim=d // h, ffn_dim=c.get("n_inner") or 4 * d, activation=acts[act], gated_mlp=False,
+        norm="layernorm", norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), position="learned",
+        max_position_embeddings=c.get("n_positions", 1024), qkv_bias=True, out_bias=True, mlp_bias=True,
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
+def _bloom(c: dict[str, Any], arch: str) -> ModelConfig:
+    d = c.get("hidden_size", c.get("n_embed"))
+    h = c.get("n_head", c.get("num_attention_heads"))
+    if d is None or h is None:
+        raise ConfigError("BLOOM config.json needs hidden_size (or n_embed) and n_head")
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c.get("n_layer", c.get("num_hidden_layers")),
+        n_heads=h, n_kv_heads=h, head_dim=d // h, ffn_dim=4 * d, activation="gelu_tanh", gated_mlp=False,
+        norm="layernorm", norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), position="alibi",
+        max_position_embeddings=c.get("seq_length", 2048), qkv_bias=True, out_bias=True, mlp_bias=True,
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)), embed_norm=True,
+        residual_post_norm=bool(c.get("apply_residual_connection_post_layernorm", False)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
+_HF_BUILDERS = {
+    "LlamaForCausalLM": _llama_like, "MistralForCausalLM": _llama_like, "Qwen2ForCausalLM": _llama_like,
+    "GPT2LMHeadModel": _gpt2, "BloomForCausalLM": _bloom,
+}
+_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM"}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request decodes. temperature 0 means greedy."""
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0                      # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None         # top-N logprobs per generated token
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers but store tuples so the params stay hashable and immutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        problems = []
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            problems.append(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            problems.append(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not self.repetition_penalty > 0:
+            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
+            problems.append(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= 128:
+            problems.append(f"n must be an integer in [1, 128], got {self.n!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            problems.append(f"stop must be non-empty strings, got {self.stop!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The serving engine's knobs (see DESIGN.md)."""
+    dtype: str = "bfloat16"
+    attention: str = "auto"             # pallas | xla | auto
+    quantize: str | None = None         # None | int8 | int4
+    kv_dtype: str | None = None         # None (= dtype) | int8
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    max_num_seqs: int = 64
+    block_size: int = 16
+    num_blocks: int | None = None       # None: sized from free memory
+    batching: str = "continuous"        # static | dynamic | continuous
+    max_model_len: int | None = None    # None: the model's max_position_embeddings
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        choices = {"dtype": ("bfloat16", "float32", "float16"), "attention": ("pallas", "xla", "auto"),
+                   "quantize": (None, "int8", "int4"), "kv_dtype": (None, "int8", "bfloat16", "float32"),
+                   "batching": ("static", "dynamic", "continuous")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,0 +1,200 @@
+"""The engine: step() = schedule -> execute -> update, plus detokenization and stop strings.
+
+One engine serves all three front doors (Generator, HTTP server, batch script). It is not
+thread-safe by itself; Generator serialises access with its lock, the server drives it from
+one loop thread.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.config import EngineConfig, SamplingParams
+from jaxinfer.host.block_manager import BlockManager
+from jaxinfer.host.request import Request
+from jaxinfer.host.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.models.decoder import Decoder
+from jaxinfer.runner import CompileCounter, ModelRunner, RunnerConfig, default_num_blocks
+from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, hold_back
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to one sample of a request (a streaming delta)."""
+    request_id: str             # the request as the caller named it
+    sample_index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class _TextState:
+    detok: IncrementalDetokenizer | None
+    stops: tuple[str, ...]
+    text: str = ""              # all text decoded so far (after stop truncation)
+    emitted: int = 0            # how much of text has been handed out
+
+
+@dataclass
+class StepStats:
+    step_times: list[float] = field(default_factory=list)
+    num_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, model: Decoder, tokenizer: Tokenizer | None, cfg: EngineConfig,
+                 max_num_batched_tokens: int = 512, batch_window_s: float = 0.05):
+        self.model_cfg = model.cfg
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.max_model_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
+        kv_dtype = jnp.int8 if cfg.kv_dtype == "int8" else jnp.dtype(cfg.kv_dtype or cfg.dtype)
+        if cfg.kv_dtype == "int8":
+            raise ValueError("kv_dtype='int8' needs the quantized KV path, which is not available yet")
+        weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        num_blocks = cfg.num_blocks or default_num_blocks(
+            self.model_cfg, cfg.block_size, kv_dtype, weight_bytes, cfg.max_num_seqs, self.max_model_len)
+        tokens_budget = max(max_num_batched_tokens, 8)
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
+        eos = eos or self.model_cfg.eos_token_ids
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, self.max_model_len, batch_window_s),
+            self.blocks, eos_ids=eos)
+        attention = "xla" if cfg.attention == "auto" else cfg.attention
+        self.runner = ModelRunner(model, RunnerConfig(cfg.block_size, num_blocks, cfg.max_num_seqs,
+                                                      tokens_budget, self.max_model_len, attention), kv_dtype)
+        self.weight_bytes = weight_bytes
+        self._text: dict[str, _TextState] = {}
+        self._groups: dict[str, list[str]] = {}   # request id -> ids of its n samples
+        self._ids = itertools.count()
+        self.stats_ = StepStats()
+        self.compiles_at_warmup: int | None = None
+
+    def warmup(self) -> None:
+        self.runner.warmup()
+        self.compiles_at_warmup = CompileCounter.count
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> str:
+        """Queue a request (n samples); returns its id. Raises ValueError for prompts that cannot fit."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.model_cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_cfg.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}, "
+                             f"so it is {len(prompt_ids) - self.max_model_len + 1} tokens too long")
+        need = self.blocks.blocks_for(min(len(prompt_ids) + params.max_tokens, self.max_model_len))
+        if need > self.blocks.num_blocks - 1:
+            raise ValueError(f"the request needs {need} KV blocks but the cache has {self.blocks.num_blocks - 1}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else random.getrandbits(32)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        make = lambda i, rid: Request(rid, list(prompt_ids), params, seed, sample_index=i,  # noqa: E731
+                                      priority=priority, arrival_time=now)
+        leader = make(0, request_id)
+        leader.pending_forks = [make(i, f"{request_id}#{i}") for i in range(1, params.n)]
+        # the samples share the prompt's full blocks, except the one holding the last prompt token
+        leader.fork_at = (len(prompt_ids) - 1) // self.blocks.block_size * self.blocks.block_size
+        self._groups[request_id] = [r.request_id for r in [leader, *leader.pending_forks]]
+        for r in [leader, *leader.pending_forks]:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
+            self._text[r.request_id] = _TextState(detok, params.stop)
+        self.scheduler.add(leader)
+        return request_id
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Abort every sample of a request; returns their final (empty) deltas."""
+        outs = []
+        for rid in self._groups.pop(request_id, []):
+            req = self.scheduler.requests.get(rid)
+            if req is not None and not req.finished:
+                self.scheduler.abort(rid)
+                outs.append(self._delta(req, 0))
+        return outs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.seqs:
+            return []
+        t0 = time.perf_counter()
+        samples = self.runner.execute(plan, self.blocks.tables)
+        self.stats_.step_times.append(time.perf_counter() - t0)
+        self.stats_.num_steps += 1
+        self.stats_.prompt_tokens += sum(min(q.num_tokens, max(0, len(q.request.prompt_ids) - q.start))
+                                         for q in plan.seqs)
+        updated = self.scheduler.update(plan, samples)
+        self.stats_.generation_tokens += len(updated)
+        return [self._delta(req, 1) for req in updated]
+
+    def _delta(self, req: Request, new_tokens: int) -> RequestOutput:
+        st = self._text[req.request_id]
+        new_ids = req.output_ids[len(req.output_ids) - new_tokens:] if new_tokens else []
+        if st.detok is not None:
+            for t in new_ids:
+                st.text += st.detok.add(t)
+            if req.finished:
+                st.text += st.detok.flush()
+            if st.stops:
+                cut = find_stop(st.text, st.stops, max(st.emitted, 0))
+                if cut is not None:
+                    st.text = st.text[:cut]
+                    if not req.finished:
+                        self.scheduler.finish(req, "stop")
+        visible = len(st.text) if req.finished or not st.stops else len(st.text) - hold_back(st.text, st.stops)
+        visible = max(visible, st.emitted)
+        text, st.emitted = st.text[st.emitted:visible], visible
+        lps = req.output_logprobs[len(req.output_logprobs) - len(new_ids):] if new_ids else []
+        tops = req.output_top_logprobs[-len(new_ids):] if new_ids and req.params.logprobs else []
+        rid, _, _ = req.request_id.partition("#")
+        if req.finished:
+            del self._text[req.request_id]
+            group = self._groups.get(rid)
+            if group is not None and all(g not in self._text for g in group):
+                del self._groups[rid]
+        return RequestOutput(rid, req.sample_index, text, new_ids, lps, tops, req.finished, req.finish_reason)
+
+    # ---------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        s = self.stats_
+        compiles = None if self.compiles_at_warmup is None else CompileCounter.count - self.compiles_at_warmup
+        return {
+            "compilations_after_warmup": compiles,
+            "kv_blocks_total": self.blocks.num_blocks - 1,
+            "kv_blocks_used": self.blocks.num_used,
+            "kv_blocks_free": self.blocks.num_free,
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": s.num_steps,
+            "prompt_tokens": s.prompt_tokens,
+            "generation_tokens": s.generation_tokens,
+            "median_step_time_s": float(np.median(s.step_times)) if s.step_times else None,
+            "weight_bytes": self.weight_bytes,
+            "max_model_len": self.max_model_len,
+            "block_size": self.cfg.block_size,
+        }
+

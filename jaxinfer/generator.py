@@ -1,0 +1,232 @@
+"""Generator: the public Python API (DESIGN.md, "The public surface").
+
+    gen = Generator.from_pretrained(path)          # HF folder or native checkpoint; None = bundled model
+    gen.generate(["prompt", [1, 2, 3]], SamplingParams(max_tokens=32))
+    for delta in gen.stream("prompt", params): ...
+    gen.logits([1, 2, 3])                           # float32 [T, vocab], one full forward, no cache
+
+It owns one Engine. Calls from several threads are safe: each engine step runs under a lock and
+its results are dispatched to per-request queues, so all callers' requests share every step.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.config import EngineConfig, SamplingParams
+from jaxinfer.engine import Engine, RequestOutput
+from jaxinfer.tokenizer import Tokenizer, load_tokenizer
+from jaxinfer.weights import load_model
+
+DEFAULT_MODEL = "jaxinfer-tiny-llama"
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+def default_model_path() -> Path:
+    """The bundled target model (override with $JAXINFER_MODEL)."""
+    return Path(os.environ.get("JAXINFER_MODEL", CHECKPOINTS / DEFAULT_MODEL))
+
+
+@dataclass
+class Completion:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+@dataclass
+class GenerationOutput:
+    """One prompt's result; `samples` has n completions, the attributes mirror the first."""
+    request_id: str
+    prompt_token_ids: list[int]
+    samples: list[Completion]
+
+    @property
+    def text(self) -> str:
+        return self.samples[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.samples[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.samples[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self.samples[0].logprobs
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]]:
+        return self.samples[0].top_logprobs
+
+
+@dataclass
+class StreamDelta:
+    text: str
+    token_ids: list[int]
+    sample_index: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Generator:
+    def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, max_num_batched_tokens: int = 512,
+                 warmup: bool = True):
+        self.model_cfg = model.cfg
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.engine = Engine(model, tokenizer, cfg, max_num_batched_tokens)
+        graphdef, params = nnx.split(model)
+        self._forward = jax.jit(lambda p, t, pos: nnx.merge(graphdef, p)(t, pos)[0])
+        self._params = params
+        self._lock = threading.Lock()
+        self._queues: dict[str, deque[RequestOutput]] = {}
+        if warmup:
+            self.engine.warmup()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None = None, dtype: str = "bfloat16", attention: str = "auto",
+                        quantize: str | None = None, kv_dtype: str | None = None, tensor_parallel: int = 1,
+                        pipeline_parallel: int = 1, max_num_seqs: int = 64, block_size: int = 16,
+                        num_blocks: int | None = None, batching: str = "continuous",
+                        max_model_len: int | None = None, max_num_batched_tokens: int = 512,
+                        warmup: bool = True) -> "Generator":
+        cfg = EngineConfig(dtype=dtype, attention=attention, quantize=quantize, kv_dtype=kv_dtype,
+                           tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                           max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
+                           batching=batching, max_model_len=max_model_len)
+        unavailable = {"quantize": quantize, "tensor_parallel": tensor_parallel > 1 or None,
+                       "pipeline_parallel": pipeline_parallel > 1 or None, "attention='pallas'":
+                       attention == "pallas" or None}
+        asked = [k for k, v in unavailable.items() if v]
+        if asked:
+            raise ValueError(f"{', '.join(asked)}: not available in this version of jaxinfer")
+        path = Path(path) if path is not None else default_model_path()
+        model, _ = load_model(path, dtype)
+        return cls(model, load_tokenizer(path), cfg, max_num_batched_tokens, warmup)
+
+    # ---------------------------------------------------------------- inputs
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (no tokenizer.json or tokenizer.model in its "
+                                 "folder): pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not all(isinstance(t, (int, np.integer)) for t in ids):
+            raise ValueError("a prompt must be a string or a list of integer token ids")
+        return [int(t) for t in ids]
+
+    # ---------------------------------------------------------------- driving the engine
+    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> str:
+        with self._lock:
+            rid = self.engine.add_request(prompt_ids, params)
+            self._queues[rid] = deque()
+        return rid
+
+    def _pump(self) -> None:
+        """Run one engine step (if no other thread is running one) and dispatch its deltas."""
+        with self._lock:
+            if not self.engine.has_unfinished():
+                return
+            deltas = self.engine.step()
+            for d in deltas:
+                q = self._queues.get(d.request_id)
+                if q is not None:
+                    q.append(d)
+        if not deltas:
+            time.sleep(0.0005)  # dynamic batching: waiting for its window to close
+
+    def _deltas(self, rid: str, n: int) -> Iterator[RequestOutput]:
+        queue, done = self._queues[rid], 0
+        try:
+            while done < n:
+                while queue:
+                    d = queue.popleft()
+                    done += d.finished
+                    yield d
+                if done < n:
+                    self._pump()
+        finally:
+            if done < n:  # the caller stopped early: free the request's blocks
+                self.abort(rid)
+            self._queues.pop(rid, None)
+
+    # ---------------------------------------------------------------- public API
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        encoded = [self._encode(p) for p in prompts]
+        rids = []
+        try:
+            for ids, p in zip(encoded, plist):
+                rids.append(self._submit(ids, p))
+        except ValueError as e:
+            for rid in rids:
+                self.abort(rid)
+            raise ValueError(f"prompt {len(rids)}: {e}") from None
+        outs = []
+        streams = [self._deltas(rid, p.n) for rid, p in zip(rids, plist)]
+        results = [[Completion() for _ in range(p.n)] for p in plist]
+        for stream, samples in zip(streams, results):
+            for d in stream:
+                c = samples[d.sample_index]
+                c.text += d.text
+                c.token_ids += d.token_ids
+                c.logprobs += d.logprobs
+                c.top_logprobs += d.top_logprobs
+                if d.finished:
+                    c.finish_reason = d.finish_reason
+        for rid, ids, samples in zip(rids, encoded, results):
+            outs.append(GenerationOutput(rid, ids, samples))
+        return outs
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        params = params or SamplingParams()
+        rid = self._submit(self._encode(prompt), params)
+        for d in self._deltas(rid, params.n):
+            if d.text or d.token_ids or d.finished:
+                yield StreamDelta(d.text, d.token_ids, d.sample_index, d.logprobs,
+                                  d.finish_reason if d.finished else None)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self.engine.abort(request_id)
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """float32 [T, vocab]: one full causal forward of the tokens, no cache."""
+        ids = self._encode(token_ids)
+        t = len(ids)
+        if not 0 < t <= self.model_cfg.max_position_embeddings:
+            raise ValueError(f"logits needs 1..{self.model_cfg.max_position_embeddings} tokens, got {t}")
+        padded = max(16, 1 << (t - 1).bit_length())   # bucketed: a few compilations, not one per length
+        tokens = np.zeros(padded, np.int32)
+        tokens[:t] = ids
+        positions = np.arange(padded, dtype=np.int32)
+        if self.model_cfg.position == "learned":
+            positions = np.minimum(positions, self.model_cfg.max_position_embeddings - 1)
+        out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions))
+        return np.asarray(out, np.float32)[:t]  # slice on the host: no extra XLA op
+
+    def stats(self) -> dict:
+        with self._lock:
+            return self.engine.stats()

@@ -1,0 +1,87 @@
+"""A request's state on the host: its tokens, progress, status and timestamps (for TTFT/TPOT).
+
+vLLM-v1 style: there is no prefill or decode phase. A request has `all_ids` (prompt + output)
+and `num_computed_tokens` (how many of them have K/V in the cache); each step the scheduler
+gives it some of the missing tokens. Never imports jax.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from jaxinfer.config import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int                          # resolved seed (random when the user gave none)
+    sample_index: int = 0              # which of the n samples of its group this is
+    priority: int = 0                  # lower runs first; FCFS within a priority
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None   # "stop" | "length" | "abort"
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    # n > 1: the other samples wait here until this one has computed the shared prompt prefix
+    pending_forks: list["Request"] = field(default_factory=list)
+    fork_at: int = 0                   # prompt tokens to compute before forking (block aligned)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token: int, logprob: float, top: list[tuple[int, float]] | None,
+                     now: float) -> None:
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+
+    def finish(self, reason: str, now: float | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.monotonic() if now is None else now
+
+    # --- the metrics of the field, per request (seconds) ---
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first: (last - first) / (n - 1)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def itl(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]

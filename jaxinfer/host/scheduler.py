@@ -1,0 +1,234 @@
+"""Which requests get how many tokens this step. Pure Python; never imports jax.
+
+There is no prefill or decode phase (vLLM v1): each running request has tokens whose K/V are
+not yet in the cache (a prompt chunk, or the one token sampled last step), and `schedule()`
+hands them out under a per-step token budget, running requests first, then waiting ones.
+When KV blocks run out, the newest (lowest-priority) running request is preempted: its blocks
+are freed and it is recomputed later. Three policies:
+  - continuous: iteration-level scheduling; every step admits waiting requests;
+  - static: a fixed batch of up to max_num_seqs requests runs to completion before the next;
+  - dynamic: like static, but a batch is formed only once max_num_seqs requests are waiting or
+    the oldest has waited batch_window_s (what arrived within the window).
+n > 1: the first sample computes the prompt up to the last full block, then the other samples
+fork from it, sharing those blocks and computing only the rest.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from jaxinfer.host.block_manager import BlockManager
+from jaxinfer.host.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = "continuous"          # continuous | static | dynamic
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    batch_window_s: float = 0.05        # dynamic batching: how long the oldest request may wait
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    start: int          # num_computed_tokens before this step
+    num_tokens: int     # tokens computed this step: all_ids[start : start + num_tokens]
+    sample: bool        # the chunk ends at the request's last token: draw the next one
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+@dataclass
+class StepSample:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, block_manager: BlockManager, eos_ids: tuple[int, ...] = (),
+                 clock=time.monotonic):
+        assert cfg.policy in ("continuous", "static", "dynamic"), cfg.policy
+        self.cfg, self.blocks, self.eos_ids, self.clock = cfg, block_manager, tuple(eos_ids), clock
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.batch: set[str] | None = None      # static/dynamic: the batch being run
+        self.num_preemptions = 0
+        self._order = 0
+        self._keys: dict[str, tuple] = {}
+
+    # ------------------------------------------------------------------ queue
+    def _key(self, req: Request) -> tuple:
+        return self._keys[req.request_id]
+
+    def add(self, req: Request) -> None:
+        self._order += 1
+        self._keys[req.request_id] = (req.priority, req.arrival_time, self._order)
+        self.requests[req.request_id] = req
+        for child in req.pending_forks:
+            self._order += 1
+            self._keys[child.request_id] = (child.priority, child.arrival_time, self._order)
+            self.requests[child.request_id] = child
+        if req.pending_forks and req.fork_at == 0:
+            self._fork(req)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        keys = [self._key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, self._key(req)), req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + sum(len(r.pending_forks) for r in self.requests.values())
+
+    # ------------------------------------------------------------------ schedule
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        end = req.fork_at if req.pending_forks else req.num_tokens
+        end = min(end, self.cfg.max_model_len)
+        return max(0, min(end - req.num_computed_tokens, budget))
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self._enqueue(req)
+
+    def _form_batch(self) -> None:
+        """static / dynamic: start the next batch when the previous one has finished."""
+        if self.batch is not None and any(rid in self.batch for rid in
+                                          (r.request_id for r in self.waiting + self.running)):
+            return
+        self.batch = None
+        if not self.waiting:
+            return
+        if self.cfg.policy == "dynamic" and len(self.waiting) < self.cfg.max_num_seqs:
+            oldest = min(r.arrival_time for r in self.waiting)
+            if self.clock() - oldest < self.cfg.batch_window_s:
+                return
+        self.batch = {r.request_id for r in self.waiting[: self.cfg.max_num_seqs]}
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        queue = sorted(self.running, key=self._key)
+        i = 0
+        while i < len(queue) and budget > 0:
+            req = queue[i]
+            n = self._num_new_tokens(req, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = queue.pop()               # the newest / lowest-priority not yet scheduled
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.seqs.append(self._scheduled(req, n))
+                budget -= n
+                i += 1
+        if out.preempted:
+            return out
+        if self.cfg.policy != "continuous":
+            self._form_batch()
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            if self.batch is not None and req.request_id not in self.batch or (
+                    self.cfg.policy != "continuous" and self.batch is None):
+                break
+            n = self._num_new_tokens(req, budget)
+            if n == 0 or not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
+                break
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.seqs.append(self._scheduled(req, n))
+            budget -= n
+        return out
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        return ScheduledSeq(req, start, n, sample=start + n == req.num_tokens and not req.pending_forks)
+
+    # ------------------------------------------------------------------ update
+    def update(self, out: SchedulerOutput, samples: dict[str, StepSample], now: float | None = None
+               ) -> list[Request]:
+        """Apply one step's results; returns the requests that got a token (some now finished)."""
+        now = self.clock() if now is None else now
+        updated = []
+        for seq in out.seqs:
+            req = seq.request
+            if req.finished:        # aborted while the step ran
+                continue
+            req.num_computed_tokens = seq.start + seq.num_tokens
+            if req.pending_forks and req.num_computed_tokens >= req.fork_at:
+                self._fork(req)
+            if not seq.sample:
+                continue
+            s = samples[req.request_id]
+            req.append_token(s.token, s.logprob, s.top, now)
+            updated.append(req)
+            reason = self._stop_reason(req, s.token)
+            if reason:
+                self.finish(req, reason, now)
+        return updated
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            return "stop"
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            return "length"
+        return None
+
+    def _fork(self, parent: Request) -> None:
+        for child in parent.pending_forks:
+            if child.finished:      # aborted before it forked
+                continue
+            if parent.fork_at:
+                self.blocks.fork(parent.request_id, child.request_id, parent.fork_at // self.blocks.block_size)
+            child.num_computed_tokens = parent.fork_at
+            if self.batch is not None and parent.request_id in self.batch:
+                self.batch.add(child.request_id)
+            self._enqueue(child)
+        parent.pending_forks = []
+
+    def finish(self, req: Request, reason: str, now: float | None = None) -> None:
+        """Finish (or abort) a request wherever it is, freeing its blocks and its pending forks."""
+        for child in req.pending_forks:
+            child.finish(reason, now)
+            self.requests.pop(child.request_id, None)
+            self._keys.pop(child.request_id, None)
+        req.pending_forks = []
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.free(req.request_id)
+        req.finish(reason, now)
+        self.requests.pop(req.request_id, None)
+        self._keys.pop(req.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self.finish(req, "abort")
+        return req

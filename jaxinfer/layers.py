@@ -1,0 +1,159 @@
+"""Building blocks of the decoder: linear maps, norms, MLPs, embeddings and positions.
+
+Every parameter is an `nnx.Param` with `logical_axes` metadata naming its dimensions in the
+vocabulary of sharding.py (vocab, embed, heads, kv_heads, head_dim, mlp, position), so a mesh
+can shard it without the model knowing about meshes. Norms, softmax and position maths run in
+float32 whatever the parameter dtype; matmuls run in the parameter dtype with float32 results
+where it matters (the LM head).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.config import ModelConfig, RopeScaling
+
+
+def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype, rngs: nnx.Rngs | None, std: float = 0.02,
+          init: str = "normal") -> nnx.Param:
+    """A parameter with logical axis names. Random init is only for tests and training from scratch."""
+    assert len(shape) == len(axes), (shape, axes)
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros" or rngs is None:
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+class Norm(nnx.Module):
+    """RMSNorm (Llama family) or LayerNorm with bias (GPT-2, BLOOM), computed in float32."""
+
+    def __init__(self, dim: int, kind: str, eps: float, dtype, rngs: nnx.Rngs | None):
+        self.kind, self.eps = kind, eps
+        self.scale = param((dim,), ("embed",), dtype, rngs, init="ones")
+        self.bias = param((dim,), ("embed",), dtype, rngs, init="zeros") if kind == "layernorm" else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        if self.kind == "rmsnorm":
+            y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+            # HF casts back to the input dtype before multiplying by the weight.
+            return self.scale[...] * y.astype(x.dtype)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, contract: int = 1) -> jax.Array:
+    """x [..., in...] @ kernel [in..., out...] (+ bias [out...]); `contract` = number of input dims."""
+    x_axes = tuple(range(x.ndim - contract, x.ndim))
+    y = jax.lax.dot_general(x, kernel, ((x_axes, tuple(range(contract))), ((), ())))
+    return y + bias if bias is not None else y
+
+
+class MLP(nnx.Module):
+    """Gated (SwiGLU-style: act(x W_gate) * x W_up) or plain (act(x W_fc)) feed-forward."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
+        d, f = cfg.d_model, cfg.ffn_dim
+        self.act, self.gated = cfg.activation, cfg.gated_mlp
+        self.up = param((d, f), ("embed", "mlp"), dtype, rngs)
+        self.gate = param((d, f), ("embed", "mlp"), dtype, rngs) if cfg.gated_mlp else None
+        self.down = param((f, d), ("mlp", "embed"), dtype, rngs)
+        bias = cfg.mlp_bias
+        self.up_bias = param((f,), ("mlp",), dtype, rngs, init="zeros") if bias else None
+        self.gate_bias = param((f,), ("mlp",), dtype, rngs, init="zeros") if bias and cfg.gated_mlp else None
+        self.down_bias = param((d,), ("embed",), dtype, rngs, init="zeros") if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        act = ACTIVATIONS[self.act]
+        h = dense(x, self.up[...], _val(self.up_bias))
+        if self.gated:
+            h = act(dense(x, self.gate[...], _val(self.gate_bias))) * h
+        else:
+            h = act(h)
+        return dense(h, self.down[...], _val(self.down_bias))
+
+
+def _val(p: nnx.Param | None) -> jax.Array | None:
+    return None if p is None else p[...]
+
+
+# ----------------------------------------------------------------------------------- positions
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies [head_dim/2] (float32), with linear or Llama-3.1 scaling applied."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    if scaling.kind == "linear":
+        return (inv_freq / scaling.factor).astype(np.float32)
+    assert scaling.kind == "llama3", scaling
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate x [T, heads, head_dim] by positions [T]; HF's rotate_half layout (halves, not pairs)."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]      # (T, hd/2)
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]          # (T, 1, hd)
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    # HF applies cos/sin in the activation dtype; doing it in f32 is at least as accurate.
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def alibi_slopes(n_heads: int) -> np.ndarray:
+    """ALiBi slopes [n_heads] (Press et al.; BLOOM's handling of head counts that are not powers of 2)."""
+    closest = 2 ** math.floor(math.log2(n_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** p for p in range(1, closest + 1)]
+    if closest != n_heads:
+        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra_base ** p for p in range(1, 1 + 2 * min(closest, n_heads - closest), 2)]
+    return np.asarray(slopes, np.float32)
+
+
+def sinusoidal_table(n_positions: int, dim: int) -> np.ndarray:
+    """The Transformer's fixed sinusoidal positions (Vaswani et al. 2017, sec. 3.5):
+    PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(p / 10000^(2i/d)).  Shape [n_positions, dim]."""
+    pos = np.arange(n_positions, dtype=np.float64)[:, None]
+    i = np.arange(0, dim, 2, dtype=np.float64)[None, :]
+    angle = pos / np.power(10000.0, i / dim)
+    table = np.zeros((n_positions, dim), np.float64)
+    table[:, 0::2] = np.sin(angle)
+    table[:, 1::2] = np.cos(angle[:, : dim // 2])
+    return table.astype(np.float32)
+
+
+def sinusoidal_embedding(positions: jax.Array, dim: int) -> jax.Array:
+    """The same formula evaluated on the fly for positions [T] -> [T, dim] (no table, no length limit)."""
+    i = jnp.arange(0, dim, 2, dtype=jnp.float32)
+    angle = positions.astype(jnp.float32)[:, None] / jnp.power(10000.0, i / dim)[None, :]
+    out = jnp.zeros((positions.shape[0], dim), jnp.float32)
+    out = out.at[:, 0::2].set(jnp.sin(angle))
+    return out.at[:, 1::2].set(jnp.cos(angle[:, : dim // 2]))

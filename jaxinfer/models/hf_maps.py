@@ -1,0 +1,120 @@
+"""Hugging Face tensor names -> the decoder's parameter paths, per family.
+
+Each family gives, for every parameter path of models/decoder.py, the HF tensor name(s) it
+comes from and a numpy transform into our layout:
+    q/k/v  [d_model, heads, head_dim]     o [heads, head_dim, d_model]
+    mlp    up/gate [d_model, ffn]         down [ffn, d_model]        lm_head [d_model, vocab]
+torch Linear stores [out, in] (transpose); GPT-2's Conv1D stores [in, out] (no transpose);
+BLOOM fuses q, k, v per head as [heads, 3, head_dim, d_model].
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+
+Transform = Callable[..., np.ndarray]
+# our parameter path -> (HF tensor names, transform(*tensors) -> array in our layout)
+WeightMap = dict[str, tuple[tuple[str, ...], Transform]]
+
+
+def _ident(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _t(x: np.ndarray) -> np.ndarray:
+    return x.T
+
+
+def _norm(m: WeightMap, ours: str, hf: str, layernorm: bool) -> None:
+    m[f"{ours}/scale"] = ((f"{hf}.weight",), _ident)
+    if layernorm:
+        m[f"{ours}/bias"] = ((f"{hf}.bias",), _ident)
+
+
+def _llama_map(cfg: ModelConfig) -> WeightMap:
+    h, kv, hd, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+    m: WeightMap = {"embed": (("model.embed_tokens.weight",), _ident)}
+    for i in range(cfg.n_layers):
+        p, o = f"model.layers.{i}", f"layers/{i}"
+        _norm(m, f"{o}/attn_norm", f"{p}.input_layernorm", False)
+        _norm(m, f"{o}/mlp_norm", f"{p}.post_attention_layernorm", False)
+        for name, heads in (("q", h), ("k", kv), ("v", kv)):
+            m[f"{o}/attn/{name}"] = ((f"{p}.self_attn.{name}_proj.weight",),
+                                     lambda w, n=heads: w.T.reshape(d, n, hd))
+            if cfg.qkv_bias:
+                m[f"{o}/attn/{name}_bias"] = ((f"{p}.self_attn.{name}_proj.bias",),
+                                              lambda b, n=heads: b.reshape(n, hd))
+        m[f"{o}/attn/o"] = ((f"{p}.self_attn.o_proj.weight",), lambda w: w.T.reshape(h, hd, d))
+        if cfg.out_bias:
+            m[f"{o}/attn/o_bias"] = ((f"{p}.self_attn.o_proj.bias",), _ident)
+        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            m[f"{o}/mlp/{ours}"] = ((f"{p}.mlp.{theirs}.weight",), _t)
+            if cfg.mlp_bias:
+                m[f"{o}/mlp/{ours}_bias"] = ((f"{p}.mlp.{theirs}.bias",), _ident)
+    _norm(m, "final_norm", "model.norm", False)
+    if not cfg.tie_embeddings:
+        m["lm_head"] = (("lm_head.weight",), _t)
+    return m
+
+
+def _gpt2_map(cfg: ModelConfig) -> WeightMap:
+    h, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+    m: WeightMap = {"embed": (("transformer.wte.weight",), _ident),
+                    "pos_embed": (("transformer.wpe.weight",), _ident)}
+    for i in range(cfg.n_layers):
+        p, o = f"transformer.h.{i}", f"layers/{i}"
+        _norm(m, f"{o}/attn_norm", f"{p}.ln_1", True)
+        _norm(m, f"{o}/mlp_norm", f"{p}.ln_2", True)
+        for j, name in enumerate("qkv"):  # c_attn is Conv1D [d, 3d]: columns q | k | v
+            m[f"{o}/attn/{name}"] = ((f"{p}.attn.c_attn.weight",),
+                                     lambda w, j=j: w[:, j * d:(j + 1) * d].reshape(d, h, hd))
+            m[f"{o}/attn/{name}_bias"] = ((f"{p}.attn.c_attn.bias",),
+                                          lambda b, j=j: b[j * d:(j + 1) * d].reshape(h, hd))
+        m[f"{o}/attn/o"] = ((f"{p}.attn.c_proj.weight",), lambda w: w.reshape(h, hd, d))
+        m[f"{o}/attn/o_bias"] = ((f"{p}.attn.c_proj.bias",), _ident)
+        m[f"{o}/mlp/up"] = ((f"{p}.mlp.c_fc.weight",), _ident)
+        m[f"{o}/mlp/up_bias"] = ((f"{p}.mlp.c_fc.bias",), _ident)
+        m[f"{o}/mlp/down"] = ((f"{p}.mlp.c_proj.weight",), _ident)
+        m[f"{o}/mlp/down_bias"] = ((f"{p}.mlp.c_proj.bias",), _ident)
+    _norm(m, "final_norm", "transformer.ln_f", True)
+    if not cfg.tie_embeddings:
+        m["lm_head"] = (("lm_head.weight",), _t)
+    return m
+
+
+def _bloom_map(cfg: ModelConfig) -> WeightMap:
+    h, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+    m: WeightMap = {"embed": (("transformer.word_embeddings.weight",), _ident)}
+    _norm(m, "embed_norm", "transformer.word_embeddings_layernorm", True)
+    for i in range(cfg.n_layers):
+        p, o = f"transformer.h.{i}", f"layers/{i}"
+        _norm(m, f"{o}/attn_norm", f"{p}.input_layernorm", True)
+        _norm(m, f"{o}/mlp_norm", f"{p}.post_attention_layernorm", True)
+        for j, name in enumerate("qkv"):  # fused per head: [h, 3, hd, d]
+            m[f"{o}/attn/{name}"] = ((f"{p}.self_attention.query_key_value.weight",),
+                                     lambda w, j=j: w.reshape(h, 3, hd, d)[:, j].transpose(2, 0, 1))
+            m[f"{o}/attn/{name}_bias"] = ((f"{p}.self_attention.query_key_value.bias",),
+                                          lambda b, j=j: b.reshape(h, 3, hd)[:, j])
+        m[f"{o}/attn/o"] = ((f"{p}.self_attention.dense.weight",), lambda w: w.T.reshape(h, hd, d))
+        m[f"{o}/attn/o_bias"] = ((f"{p}.self_attention.dense.bias",), _ident)
+        m[f"{o}/mlp/up"] = ((f"{p}.mlp.dense_h_to_4h.weight",), _t)
+        m[f"{o}/mlp/up_bias"] = ((f"{p}.mlp.dense_h_to_4h.bias",), _ident)
+        m[f"{o}/mlp/down"] = ((f"{p}.mlp.dense_4h_to_h.weight",), _t)
+        m[f"{o}/mlp/down_bias"] = ((f"{p}.mlp.dense_4h_to_h.bias",), _ident)
+    _norm(m, "final_norm", "transformer.ln_f", True)
+    if not cfg.tie_embeddings:
+        m["lm_head"] = (("lm_head.weight",), _t)
+    return m
+
+
+_MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen2ForCausalLM": _llama_map,
+         "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map}
+# Checkpoints saved from the bare model class (GPT2Model, BloomModel) lack this prefix.
+OPTIONAL_PREFIXES = ("transformer.",)
+
+
+def hf_weight_map(cfg: ModelConfig) -> WeightMap:
+    return _MAPS[cfg.architecture](cfg)

@@ -1,0 +1,220 @@
+"""SchedulerOutput -> bucketed device arrays -> one jitted step (model + KV write + sampling).
+
+The host-to-device contract, in one place:
+  host (numpy, built here from the scheduler's plan)        device (one jitted call)
+  tokens, positions      [T]   prompt chunks + decode tokens  -> embeddings, RoPE / ALiBi / masks
+  seq_ids, slot_mapping  [T]   row of each token, its KV slot  -> K/V scattered into the pages
+  block_tables [S, B], context_lens [S]                         -> paged attention reads
+  logits_indices [S]     last token of each sequence that samples -> LM head on S rows only
+  SamplingBatch          [S]   per-row sampling params + history -> token ids, logprobs
+The KV pages live on the device and are donated to every step, so they are updated in place.
+T is bucketed to powers of two up to the token budget, S = min(T, max_num_seqs) and B (blocks
+per sequence) to powers of four: each (T, B) pair compiles once at warm-up and never again.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.host.scheduler import SchedulerOutput, StepSample
+from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, init_kv_pages, kv_bytes_per_token
+from jaxinfer.models.decoder import Decoder
+from jaxinfer.sampling import SamplingBatch, sample
+
+
+class CompileCounter:
+    """Counts XLA backend compilations in this process (every jit, eager op or kernel)."""
+    _lock = threading.Lock()
+    count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if not cls._installed:
+                jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+                cls._installed = True
+
+    @classmethod
+    def _on_event(cls, event: str, duration: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            cls.count += 1
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    attention: str = "xla"
+
+
+def _pow2_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= base
+    return out + [hi]
+
+
+class ModelRunner:
+    def __init__(self, model: Decoder, cfg: RunnerConfig, kv_dtype):
+        CompileCounter.install()
+        self.model_cfg: ModelConfig = model.cfg
+        self.cfg = cfg
+        self.graphdef, self.params = nnx.split(model)
+        mc = self.model_cfg
+        self.kv_pages = init_kv_pages(mc.n_layers, mc.n_kv_heads, mc.head_dim, cfg.num_blocks,
+                                      cfg.block_size, kv_dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_dtype)
+        self.token_buckets = _pow2_buckets(min(8, cfg.max_num_batched_tokens), cfg.max_num_batched_tokens)
+        max_blocks = -(-cfg.max_model_len // cfg.block_size)
+        self.block_buckets = _pow2_buckets(min(4, max_blocks), max_blocks, base=4)
+        self._no_history: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+
+    # -------------------------------------------------------------------- device
+    def _step_impl(self, params, kv_pages, tokens, positions, meta, logits_indices, sb):
+        model = nnx.merge(self.graphdef, params)
+        logits, kv_pages = model(tokens, positions, kv_pages, meta, logits_indices, impl=self.cfg.attention)
+        return sample(logits, sb), kv_pages
+
+    # -------------------------------------------------------------------- buckets
+    def num_seqs_for(self, t: int) -> int:
+        return min(t, self.cfg.max_num_seqs)
+
+    @staticmethod
+    def _bucket(n: int, buckets: list[int]) -> int:
+        for b in buckets:
+            if n <= b:
+                return b
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+    def _history(self, s: int, rows: list, any_penalty: bool) -> tuple[jax.Array, jax.Array]:
+        h = self.cfg.max_model_len
+        if not any_penalty:
+            if s not in self._no_history:   # built once per bucket at warm-up: no per-step transfer
+                self._no_history[s] = (jnp.full((s, h), -1, jnp.int32), jnp.zeros((s, h), jnp.bool_))
+            return self._no_history[s]
+        hist = np.full((s, h), -1, np.int32)
+        is_out = np.zeros((s, h), np.bool_)
+        for i, req in enumerate(rows):
+            if req is None:
+                continue
+            ids = req.all_ids
+            hist[i, : len(ids)] = ids
+            is_out[i, len(req.prompt_ids): len(ids)] = True
+        return jnp.asarray(hist), jnp.asarray(is_out)
+
+    # -------------------------------------------------------------------- host -> device
+    def prepare(self, out: SchedulerOutput, tables: dict[str, list[int]]):
+        """Numpy arrays for one step, padded to the (T, S, B) bucket."""
+        bs = self.cfg.block_size
+        t = self._bucket(max(out.num_batched_tokens, 1), self.token_buckets)
+        s = self.num_seqs_for(t)
+        need_blocks = max((-(-(q.start + q.num_tokens) // bs) for q in out.seqs), default=1)
+        b = self._bucket(need_blocks, self.block_buckets)
+        assert len(out.seqs) <= s
+        tokens = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        seq_ids = np.zeros(t, np.int32)
+        slots = np.full(t, PAD_SLOT, np.int32)
+        block_tables = np.zeros((s, b), np.int32)
+        context_lens = np.zeros(s, np.int32)
+        logits_indices = np.zeros(s, np.int32)
+        rows: list = [None] * s
+        cursor = 0
+        for i, q in enumerate(out.seqs):
+            req, n = q.request, q.num_tokens
+            table = np.asarray(tables[req.request_id], np.int32)
+            pos = np.arange(q.start, q.start + n, dtype=np.int32)
+            tokens[cursor: cursor + n] = req.all_ids[q.start: q.start + n]
+            positions[cursor: cursor + n] = pos
+            seq_ids[cursor: cursor + n] = i
+            slots[cursor: cursor + n] = table[pos // bs] * bs + pos % bs
+            block_tables[i, : len(table)] = table
+            context_lens[i] = q.start + n
+            logits_indices[i] = cursor + n - 1
+            if q.sample:
+                rows[i] = req
+            cursor += n
+        return tokens, positions, AttentionMetadata(seq_ids, slots, block_tables, context_lens), logits_indices, rows
+
+    def _sampling_batch(self, rows: list, positions_of_rows: np.ndarray) -> SamplingBatch:
+        s = len(rows)
+        f = lambda v: np.full(s, v, np.float32)  # noqa: E731
+        temp, top_p, min_p, rep, pres, freq = f(0.0), f(1.0), f(0.0), f(1.0), f(0.0), f(0.0)
+        top_k, seed, index = np.zeros(s, np.int32), np.zeros(s, np.uint32), np.zeros(s, np.int32)
+        for i, req in enumerate(rows):
+            if req is None:
+                continue
+            p = req.params
+            temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+            seed[i], index[i] = req.seed & 0xFFFFFFFF, req.sample_index
+        any_penalty = bool(np.any((rep != 1) | (pres != 0) | (freq != 0)))
+        hist, is_out = self._history(s, rows, any_penalty)
+        return SamplingBatch(temp, top_k, top_p, min_p, rep, pres, freq, seed, index,
+                             positions_of_rows.astype(np.int32), hist, is_out)
+
+    def execute(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, StepSample]:
+        tokens, positions, meta, logits_indices, rows = self.prepare(out, tables)
+        # The drawn token's position is one past the last computed token of its row.
+        sb = self._sampling_batch(rows, positions[logits_indices] + 1)
+        (ids, lps, top_ids, top_lps), self.kv_pages = self._step(
+            self.params, self.kv_pages, tokens, positions, meta, logits_indices, sb)
+        ids, lps = np.asarray(ids), np.asarray(lps)
+        want_top = any(r is not None and r.params.logprobs for r in rows)
+        if want_top:
+            top_ids, top_lps = np.asarray(top_ids), np.asarray(top_lps)
+        result = {}
+        for i, req in enumerate(rows):
+            if req is None:
+                continue
+            k = req.params.logprobs or 0
+            top = [(int(a), float(b)) for a, b in zip(top_ids[i, :k], top_lps[i, :k])] if k else None
+            result[req.request_id] = StepSample(int(ids[i]), float(lps[i]), top)
+        return result
+
+    def warmup(self) -> int:
+        """Compile every (T, B) bucket; returns the number of shapes. Penalties need no variant:
+        lax.cond compiles both branches, and the history's shape never changes."""
+        for t in self.token_buckets:
+            s = self.num_seqs_for(t)
+            for b in self.block_buckets:
+                tokens = np.zeros(t, np.int32)
+                meta = AttentionMetadata(np.zeros(t, np.int32), np.full(t, PAD_SLOT, np.int32),
+                                         np.zeros((s, b), np.int32), np.zeros(s, np.int32))
+                sb = self._sampling_batch([None] * s, np.zeros(s, np.int32))
+                (ids, *_), self.kv_pages = self._step(self.params, self.kv_pages, tokens, tokens, meta,
+                                                      np.zeros(s, np.int32), sb)
+                ids.block_until_ready()
+        return len(self.token_buckets) * len(self.block_buckets)
+
+
+def default_num_blocks(model_cfg: ModelConfig, block_size: int, kv_dtype, weight_bytes: int,
+                       max_num_seqs: int, max_model_len: int, memory_fraction: float = 0.9) -> int:
+    """Size the KV pool from free device memory (GPU/TPU), or, on CPU, from what max_num_seqs
+    sequences of max_model_len need capped at a quarter of host RAM."""
+    per_block = block_size * kv_bytes_per_token(model_cfg.n_layers, model_cfg.n_kv_heads,
+                                                model_cfg.head_dim, kv_dtype)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] * memory_fraction - stats.get("bytes_in_use", 0) - weight_bytes
+        return max(2, int(free // per_block))
+    wanted = max_num_seqs * math.ceil(max_model_len / block_size) + 1
+    try:
+        import os
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 8 << 30
+    return max(2, min(wanted, int(ram // 4 // per_block)))

@@ -1,0 +1,105 @@
+"""The jittable sampler: one row per sampled token, each row with its own parameters.
+
+Order of operations per row (the order vLLM and HF apply them):
+  1. penalties on the raw logits, from the row's history (prompt + output so far):
+     repetition (CTRL: divide positive / multiply negative logits of every seen token),
+     frequency (subtract freq * count of the token in the output),
+     presence (subtract pres once for every token present in the output);
+  2. temperature: logits / T (greedy rows use T = 1 for their logprobs);
+  3. logprobs: log_softmax of the logits after steps 1-2, i.e. the distribution after
+     penalties and temperature, before top-k / top-p / min-p truncation;
+  4. truncation: top-k, then top-p (smallest set whose mass >= p), then min-p
+     (keep tokens with p >= min_p * p_max), each on the tempered distribution;
+  5. draw: Gumbel-max with a key derived only from (seed, sample index, position), so a
+     row's draw never depends on what else is in the batch. Greedy rows take the argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+MAX_LOGPROBS = 20
+NEG_INF = -jnp.inf
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as device arrays ([N] each; history [N, H])."""
+    temperature: jax.Array      # f32; 0 = greedy
+    top_k: jax.Array            # i32; 0 = off
+    top_p: jax.Array            # f32; 1 = off
+    min_p: jax.Array            # f32; 0 = off
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    seed: jax.Array             # u32
+    sample_index: jax.Array     # i32: which of the request's n samples this row is
+    position: jax.Array         # i32: position of the token being drawn
+    history: jax.Array          # i32 [N, H]: prompt + output ids, -1 padded (penalties only)
+    history_is_output: jax.Array  # bool [N, H]
+
+
+def row_keys(seed: jax.Array, sample_index: jax.Array, position: jax.Array) -> jax.Array:
+    def one(s, i, p):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(s), i), p)
+    return jax.vmap(one)(seed, sample_index, position)
+
+
+def apply_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    n, v = logits.shape
+    rows = jnp.broadcast_to(jnp.arange(n)[:, None], b.history.shape)
+    ids = jnp.where(b.history >= 0, b.history, v)                   # padding -> dropped
+    seen = jnp.zeros((n, v), jnp.bool_).at[rows, ids].set(True, mode="drop")
+    counts = jnp.zeros((n, v), jnp.float32).at[rows, ids].add(
+        b.history_is_output.astype(jnp.float32), mode="drop")
+    rep = b.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - b.frequency_penalty[:, None] * counts
+    return logits - b.presence_penalty[:, None] * (counts > 0)
+
+
+def truncate(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    """Mask (to -inf) the tokens outside each row's top-k / top-p / min-p set."""
+    v = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)                        # (N, V)
+    k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, v), v)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    logits = jnp.where(logits < kth, NEG_INF, logits)
+    sorted_desc = jnp.where(jnp.arange(v)[None, :] < k[:, None], sorted_desc, NEG_INF)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    # top-p: keep sorted token i while the mass before it is < p (the top token always stays)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < b.top_p[:, None]
+    cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < cutoff, NEG_INF, logits)
+    # min-p relative to the most likely token: p >= min_p * p_max <=> logit >= max + log(min_p)
+    top = sorted_desc[:, :1]
+    floor = jnp.where(b.min_p[:, None] > 0, top + jnp.log(jnp.maximum(b.min_p[:, None], 1e-30)), NEG_INF)
+    return jnp.where(logits < floor, NEG_INF, logits)
+
+
+def sample(logits: jax.Array, b: SamplingBatch, want_top_logprobs: bool = True
+           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """logits [N, V] f32 -> (token ids [N], their logprobs [N], top ids [N, 20], top logprobs [N, 20])."""
+    any_penalty = jnp.any((b.repetition_penalty != 1) | (b.presence_penalty != 0) | (b.frequency_penalty != 0))
+    logits = jax.lax.cond(any_penalty, apply_penalties, lambda l, _: l, logits, b)
+    greedy = b.temperature <= 0
+    logits = logits / jnp.where(greedy, 1.0, b.temperature)[:, None]
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    any_truncation = jnp.any(((b.top_k > 0) | (b.top_p < 1) | (b.min_p > 0)) & ~greedy)
+    filtered = jax.lax.cond(any_truncation, truncate, lambda l, _: l, logits, b)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(
+        row_keys(b.seed, b.sample_index, b.position))
+    drawn = jnp.argmax(filtered + gumbel, axis=-1)
+    ids = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
+    if want_top_logprobs:
+        top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    else:
+        top_lp = jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32)
+    return ids, chosen, top_ids.astype(jnp.int32), top_lp
+

@@ -1,0 +1,335 @@
+"""Text <-> token ids for jaxinfer: loading a checkpoint's tokenizer, streaming detokenization
+and stop-string matching.
+
+Two on-disk formats are supported: a HuggingFace fast tokenizer (``tokenizer.json``, via the
+``tokenizers`` library) and a SentencePiece model (``tokenizer.model``). Special-token ids and the
+chat template come from the HF side files (``tokenizer_config.json``, ``special_tokens_map.json``,
+``generation_config.json``, ``config.json``) when present.
+
+This module is imported by the CLI and the server before any device work starts, so it must stay
+cheap: it never imports jax, and the tokenizer libraries are imported only when a file is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Tokenizer",
+    "TokenizerError",
+    "IncrementalDetokenizer",
+    "load_tokenizer",
+    "find_stop",
+    "hold_back",
+]
+
+_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+_TEMPLATE_FILE = "chat_template.jinja"  # newer transformers write the template here instead
+_REPLACEMENT = "\ufffd"
+# How many prompt tokens seed the detokenizer window (vLLM uses the same number): enough for the
+# decoders to see the context a leading-space marker or a split multi-byte char depends on.
+_PROMPT_CONTEXT = 5
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file exists but cannot be read or parsed."""
+
+
+class Tokenizer:
+    """A loaded tokenizer; build it with :func:`load_tokenizer`.
+
+    Wraps either a ``sentencepiece.SentencePieceProcessor`` (``kind == "sentencepiece"``) or a
+    ``tokenizers.Tokenizer`` (``kind == "hf"``).
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        kind: str,
+        files: list[Path],
+        *,
+        bos_id: int | None,
+        eos_ids: tuple[int, ...],
+        pad_id: int | None,
+        chat_template: str | None,
+        add_bos: bool,
+    ) -> None:
+        self._backend = backend
+        self.kind = kind
+        self.files = files
+        self.bos_id = bos_id
+        self.eos_ids = eos_ids
+        self.pad_id = pad_id
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+        if kind == "sentencepiece":
+            self.vocab_size: int = backend.get_piece_size()
+        else:
+            self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+                f"eos_ids={self.eos_ids}, pad_id={self.pad_id})")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.kind == "hf":
+            return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        ids: list[int] = self._backend.encode(text, out_type=int)
+        if add_special_tokens and self.add_bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self.kind == "hf":
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        sp = self._backend
+        # A model's embedding table is often padded past the tokenizer's vocabulary, so sampled ids
+        # can be out of range; drop them (as the tokenizers library does) instead of raising.
+        ids = [int(i) for i in ids if 0 <= i < self.vocab_size]
+        text_ids = [i for i in ids if not sp.is_control(i)]
+        text: str = sp.decode(text_ids)
+        if skip_special_tokens or len(text_ids) == len(ids):
+            return text
+        # SentencePiece always renders control pieces (<s>, </s>, <pad>) as "". Decoding the runs
+        # between them separately would drop each run's leading-space marker, so decode the whole
+        # text once and splice the pieces in at the offsets where their prefixes end.
+        parts: list[str] = []
+        prev = n_text = 0
+        for i in ids:
+            if sp.is_control(i):
+                cut = min(max(prev, len(sp.decode(text_ids[:n_text]))), len(text))
+                parts += [text[prev:cut], sp.id_to_piece(i)]
+                prev = cut
+            else:
+                n_text += 1
+        parts.append(text[prev:])
+        return "".join(parts)
+
+    def id_to_piece(self, i: int) -> str:
+        """The vocabulary entry for ``i`` ("" when out of range, see ``decode``)."""
+        if self.kind == "hf":
+            piece = self._backend.id_to_token(int(i))
+            return piece if piece is not None else ""
+        return self._backend.id_to_piece(int(i)) if 0 <= i < self.vocab_size else ""
+
+    def token_to_id(self, token: str) -> int | None:
+        return _token_id(self._backend, self.kind, token)
+
+    def save(self, out_dir: str | Path) -> None:
+        """Copy the files this tokenizer was loaded from into ``out_dir``."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in self.files:
+            dst = out / f.name
+            # Re-saving into the source folder is a no-op, not an error.
+            if dst.exists() and dst.resolve() == f.resolve():
+                continue
+            shutil.copyfile(f, dst)
+
+
+def _token_id(backend: Any, kind: str, token: str) -> int | None:
+    if kind == "hf":
+        return backend.token_to_id(token)
+    # piece_to_id answers unk_id for unknown pieces, so check the round trip.
+    i = backend.piece_to_id(token)
+    return i if backend.id_to_piece(i) == token else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path}: cannot read tokenizer side file: {e}") from e
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_str(v: Any) -> str | None:
+    # tokenizer_config.json stores special tokens either as plain strings or as serialized
+    # AddedToken dicts ({"content": "</s>", "lstrip": false, ...}).
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
+def _id_list(v: Any) -> list[int]:
+    if isinstance(v, bool):
+        return []
+    if isinstance(v, int):
+        return [v]
+    if isinstance(v, list):
+        return [x for x in v if isinstance(x, int) and not isinstance(x, bool)]
+    return []
+
+
+def _chat_template(cfg: dict[str, Any]) -> str | None:
+    t = cfg.get("chat_template")
+    if isinstance(t, str):
+        return t
+    if isinstance(t, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        for entry in t:
+            if isinstance(entry, dict) and entry.get("name") == "default":
+                tmpl = entry.get("template")
+                return tmpl if isinstance(tmpl, str) else None
+    return None
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """Load the tokenizer in folder ``path``; None when it has neither tokenizer.json nor
+    tokenizer.model. Prefers tokenizer.json: when both exist it is the one transformers uses."""
+    folder = Path(path)
+    hf_file, sp_file = folder / "tokenizer.json", folder / "tokenizer.model"
+    backend: Any
+    if hf_file.is_file():
+        kind, main = "hf", hf_file
+        try:
+            import tokenizers
+
+            backend = tokenizers.Tokenizer.from_file(str(hf_file))
+        except Exception as e:  # the Rust side raises bare Exception subclasses
+            raise TokenizerError(f"{hf_file}: cannot load tokenizer: {e}") from e
+    elif sp_file.is_file():
+        kind, main = "sentencepiece", sp_file
+        try:
+            import sentencepiece
+
+            backend = sentencepiece.SentencePieceProcessor(model_file=str(sp_file))
+        except Exception as e:
+            raise TokenizerError(f"{sp_file}: cannot load tokenizer: {e}") from e
+    else:
+        return None
+
+    files = [main]
+    cfgs: dict[str, dict[str, Any]] = {}
+    for name in _SIDE_FILES:
+        if (folder / name).is_file():
+            cfgs[name] = _read_json(folder / name)
+            files.append(folder / name)
+    # config.json describes the model, not the tokenizer: read for special ids but never copied.
+    model_cfg = _read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
+    tok_cfg = cfgs.get("tokenizer_config.json", {})
+    st_map = cfgs.get("special_tokens_map.json", {})
+    gen_cfg = cfgs.get("generation_config.json", {})
+
+    def named_id(key: str) -> list[int]:
+        out = []
+        for cfg in (tok_cfg, st_map):
+            s = _token_str(cfg.get(key))
+            i = _token_id(backend, kind, s) if s is not None else None
+            if i is not None:
+                out.append(i)
+        return out
+
+    def model_id(getter: str) -> list[int]:
+        if kind != "sentencepiece":
+            return []
+        i = getattr(backend, getter)()
+        return [i] if i >= 0 else []
+
+    def candidates(key: str) -> list[int]:
+        # Tokenizer files first: they name the token the text actually uses; the model configs
+        # and the SentencePiece model only fill gaps.
+        return (named_id(f"{key}_token") + _id_list(gen_cfg.get(f"{key}_token_id"))
+                + _id_list(model_cfg.get(f"{key}_token_id")) + model_id(f"{key}_id"))
+
+    bos = candidates("bos")
+    pad = candidates("pad")
+    # All eos sources are kept: generation_config often lists several ids (e.g. end-of-text and
+    # end-of-turn) and stopping on any of them is what the model's authors intend.
+    eos_ids = tuple(dict.fromkeys(
+        _id_list(gen_cfg.get("eos_token_id")) + candidates("eos")))
+    bos_id = bos[0] if bos else None
+    pad_id = pad[0] if pad else None
+
+    chat_template = _chat_template(tok_cfg)
+    if chat_template is None and (folder / _TEMPLATE_FILE).is_file():
+        chat_template = (folder / _TEMPLATE_FILE).read_text(encoding="utf-8")
+        files.append(folder / _TEMPLATE_FILE)
+
+    if kind == "hf":
+        # The post-processor in tokenizer.json decides whether BOS is added; probe it rather than
+        # trusting tokenizer_config's add_bos_token, which the fast tokenizer does not read.
+        probe = backend.encode("a", add_special_tokens=True).ids
+        add_bos = bos_id is not None and probe[:1] == [bos_id]
+    else:
+        flag = tok_cfg.get("add_bos_token")
+        add_bos = bos_id is not None and (flag if isinstance(flag, bool) else True)
+    return Tokenizer(backend, kind, files, bos_id=bos_id, eos_ids=eos_ids, pad_id=pad_id,
+                     chat_template=chat_template, add_bos=add_bos)
+
+
+class IncrementalDetokenizer:
+    """Streaming detokenization (the vLLM prefix_offset/read_offset scheme): decode a window of the
+    ids so that SentencePiece's leading-space marker and byte-fallback pieces come out right, and
+    never emit text that ends in an incomplete UTF-8 sequence (U+FFFD at the end means: wait for
+    more ids).
+
+    ``ids[prefix_offset:read_offset]`` is the context already emitted; each step decodes it with
+    and without the new ids and emits the difference. The prompt seeds that context but is never
+    emitted.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = [int(i) for i in prompt_ids]
+        self.read_offset = len(self.ids)
+        self.prefix_offset = max(self.read_offset - _PROMPT_CONTEXT, 0)
+        self.text = ""
+
+    def _step(self, force: bool) -> str:
+        dec = self.tokenizer.decode
+        prefix = dec(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        full = dec(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        # A trailing U+FFFD is (almost always) a multi-byte char whose remaining bytes are still
+        # to come; emitting it now would put a replacement char into the stream for good.
+        if len(full) <= len(prefix) or (full.endswith(_REPLACEMENT) and not force):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+    def add(self, token_id: int) -> str:
+        """Append one id; return the text it completes (may be "")."""
+        self.ids.append(int(token_id))
+        return self._step(force=False)
+
+    def flush(self) -> str:
+        """At end of stream: emit whatever is held back, even a trailing replacement char."""
+        return self._step(force=True)
+
+
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Index where the earliest stop string in ``text`` begins, or None.
+
+    Only occurrences that end at or after ``start`` count: ``start`` is the length of the text
+    already checked, so a stop spanning the previous delta and the new one is still found, while
+    the search stays proportional to the delta rather than the whole text.
+    """
+    best: int | None = None
+    for s in stops:
+        if not s:
+            continue
+        i = text.find(s, max(0, start - len(s) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+def hold_back(text: str, stops: Sequence[str]) -> int:
+    """Number of trailing chars of ``text`` that are a proper prefix of some stop string; a stream
+    must hold them back until it knows whether the stop string completes."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

@@ -1,0 +1,231 @@
+"""Checkpoints in and out: HF safetensors folders -> Decoder, and the native format (orbax).
+
+HF folders: config.json + model.safetensors, or sharded model-0000x-of-0000y.safetensors with
+model.safetensors.index.json. Tensors are read one at a time through a memory map (the
+safetensors header is parsed here so that bfloat16 maps to numpy via ml_dtypes and a damaged
+file is reported by file and tensor name), transformed into our layout, shape-checked, cast.
+
+Native folders: config.json ({"format": "jaxinfer", "model": ModelConfig, "dtype"}),
+params/ (an orbax-checkpoint of the parameter tree), and the tokenizer files.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from jaxinfer.config import ConfigError, ModelConfig
+from jaxinfer.models.decoder import Decoder, abstract_decoder
+from jaxinfer.models.hf_maps import OPTIONAL_PREFIXES, hf_weight_map
+
+
+class CheckpointError(ValueError):
+    """A checkpoint we cannot load; the message names the file and, where it applies, the tensor."""
+
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+              "BOOL": np.bool_}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class SafetensorsFile:
+    """A parsed safetensors header over a memory-mapped file; get() returns zero-copy views."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file (only {size} bytes)")
+            (header_len,) = struct.unpack("<Q", raw)
+            if header_len > size - 8:
+                raise CheckpointError(f"{path}: truncated safetensors header "
+                                      f"({header_len} header bytes declared, file has {size})")
+            try:
+                header = json.loads(f.read(header_len))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
+        header.pop("__metadata__", None)
+        self.data_start = 8 + header_len
+        data_size = size - self.data_start
+        self.tensors: dict[str, tuple[Any, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            try:
+                dtype = _ST_DTYPES[info["dtype"]]
+                shape = tuple(int(s) for s in info["shape"])
+                start, end = (int(o) for o in info["data_offsets"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry ({e!r})") from None
+            if end - start != math.prod(shape) * np.dtype(dtype).itemsize:
+                raise CheckpointError(f"{path}: tensor {name!r} of shape {shape} {info['dtype']} "
+                                      f"declares {end - start} bytes")
+            if end > data_size:
+                raise CheckpointError(f"{path}: file is truncated: tensor {name!r} needs bytes "
+                                      f"[{start}, {end}) of the data section but it has only {data_size}")
+            self.tensors[name] = (dtype, shape, start, end)
+        self._mmap: np.memmap | None = None
+
+    def get(self, name: str) -> np.ndarray:
+        dtype, shape, start, end = self.tensors[name]
+        if self._mmap is None:
+            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+        return self._mmap[self.data_start + start: self.data_start + end].view(dtype).reshape(shape)
+
+
+class SafetensorsFolder:
+    """All tensors of an HF checkpoint folder, sharded or not, by name."""
+
+    def __init__(self, folder: Path):
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e!r})") from None
+            names = sorted(set(weight_map.values()))
+        else:
+            names = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not names:
+            raise CheckpointError(f"{folder}: no *.safetensors files (and no model.safetensors.index.json)")
+        self.files: dict[str, SafetensorsFile] = {}
+        self.where: dict[str, SafetensorsFile] = {}
+        for n in names:
+            p = folder / n
+            if not p.exists():
+                raise CheckpointError(f"{p}: listed in {index.name} but missing" if index.exists()
+                                      else f"{p}: missing")
+            f = self.files[n] = SafetensorsFile(p)
+            for t in f.tensors:
+                self.where[t] = f
+
+    def get(self, name: str) -> np.ndarray:
+        for candidate in (name, *(name[len(p):] for p in OPTIONAL_PREFIXES if name.startswith(p))):
+            if candidate in self.where:
+                return self.where[candidate].get(candidate)
+        raise CheckpointError(f"tensor {name!r} not found in {sorted(self.files)} "
+                              f"({len(self.where)} tensors present)")
+
+    def source(self, name: str) -> str:
+        f = self.where.get(name) or next((self.where[name[len(p):]] for p in OPTIONAL_PREFIXES
+                                          if name[len(p):] in self.where), None)
+        return str(f.path) if f else "?"
+
+
+def _set_params(model: Decoder, arrays: dict[str, jax.Array]) -> Decoder:
+    """Put a flat {'layers/0/attn/q': array} dict into an (abstract) Decoder."""
+    graphdef, state = nnx.split(model)
+    flat = state.flat_state()
+    missing = [p for p, _ in flat if "/".join(map(str, p)) not in arrays]
+    assert not missing, f"parameters not provided: {missing[:5]}"
+    for path, var in flat:
+        var.set_value(arrays["/".join(map(str, path))])
+    return nnx.merge(graphdef, nnx.State.from_flat_path(flat))
+
+
+def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None = None) -> Decoder:
+    """Load an HF safetensors folder into a Decoder in `dtype`, checking every shape."""
+    folder = Path(folder)
+    cfg = cfg or ModelConfig.from_hf(folder)
+    st = SafetensorsFolder(folder)
+    jdtype = DTYPES[dtype]
+    model = abstract_decoder(cfg, jdtype)
+    expected = {"/".join(map(str, p)): tuple(v.get_value().shape)
+                for p, v in nnx.state(model, nnx.Param).flat_state()}
+    arrays: dict[str, jax.Array] = {}
+    for ours, (hf_names, transform) in hf_weight_map(cfg).items():
+        tensors = [st.get(n) for n in hf_names]
+        try:
+            value = np.asarray(transform(*tensors))
+        except ValueError as e:  # a reshape that does not fit: the tensor has the wrong shape
+            raise CheckpointError(
+                f"{st.source(hf_names[0])}: tensor {hf_names[0]!r} has shape {tensors[0].shape}, "
+                f"which does not fit parameter {ours} of shape {expected[ours]} ({e})") from None
+        if value.shape != expected[ours]:
+            raise CheckpointError(
+                f"{st.source(hf_names[0])}: tensor {hf_names[0]!r} has shape {tensors[0].shape}; "
+                f"expected a tensor giving {ours} of shape {expected[ours]} for this config.json")
+        arrays[ours] = jnp.asarray(value.astype(np.float32) if value.dtype != np.float32 else value,
+                                   dtype=jdtype)
+    return _set_params(model, arrays)
+
+
+# ------------------------------------------------------------------------------- native format
+
+NATIVE_FORMAT = "jaxinfer"
+
+
+def is_native(folder: str | Path) -> bool:
+    cfg = Path(folder) / "config.json"
+    try:
+        return json.loads(cfg.read_text()).get("format") == NATIVE_FORMAT
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def save_native(model: Decoder, out_dir: str | Path, dtype: str, tokenizer=None,
+                extra: dict[str, Any] | None = None) -> None:
+    """Write config.json + params/ (orbax) + tokenizer files into out_dir."""
+    import orbax.checkpoint as ocp
+
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jdtype = DTYPES[dtype]
+    params = {"/".join(map(str, p)): v.get_value().astype(jdtype)
+              for p, v in nnx.state(model, nnx.Param).flat_state()}
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(out_dir / "params", params, force=True)
+    ckptr.wait_until_finished()
+    meta = {"format": NATIVE_FORMAT, "version": 1, "dtype": dtype, "model": model.cfg.to_dict(), **(extra or {})}
+    (out_dir / "config.json").write_text(json.dumps(meta, indent=2))
+    if tokenizer is not None:
+        tokenizer.save(out_dir)
+
+
+def read_native_config(folder: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
+    path = Path(folder) / "config.json"
+    meta = json.loads(path.read_text())
+    try:
+        return ModelConfig.from_dict(meta["model"]), meta
+    except (KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"{path}: invalid native config ({e})") from None
+
+
+def load_native(folder: str | Path, dtype: str | None = None) -> Decoder:
+    import orbax.checkpoint as ocp
+
+    folder = Path(folder).resolve()
+    cfg, meta = read_native_config(folder)
+    stored = DTYPES[meta.get("dtype", "float32")]
+    target = abstract_decoder(cfg, stored)
+    abstract = {"/".join(map(str, p)): jax.ShapeDtypeStruct(v.get_value().shape, stored)
+                for p, v in nnx.state(target, nnx.Param).flat_state()}
+    params_dir = folder / "params"
+    if not params_dir.exists():
+        raise CheckpointError(f"{params_dir}: missing (native checkpoint parameters)")
+    try:
+        restored = ocp.StandardCheckpointer().restore(params_dir, abstract)
+    except Exception as e:  # orbax raises many types; the user needs the folder and the cause
+        raise CheckpointError(f"{params_dir}: cannot restore parameters: {e}") from None
+    jdtype = DTYPES[dtype] if dtype else stored
+    return _set_params(abstract_decoder(cfg, jdtype), {k: v.astype(jdtype) for k, v in restored.items()})
+
+
+def load_model(path: str | Path, dtype: str = "float32") -> tuple[Decoder, ModelConfig]:
+    """An HF or native folder -> (Decoder, ModelConfig). Errors name the path at fault."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such model folder")
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path}: no config.json (expected an HF model folder or a jaxinfer checkpoint)")
+    model = load_native(path, dtype) if is_native(path) else load_hf(path, dtype)
+    return model, model.cfg

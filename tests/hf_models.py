@@ -1,0 +1,61 @@
+"""Tiny random-weight models of the five supported HF architectures, built with transformers.
+
+Two shapes per family cover: odd vocab sizes, tied and untied embeddings, n_kv_heads in
+{1, 2, n_heads}, Llama-3 and linear rope scaling, sliding windows shorter than the sequence.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+_COMMON = dict(hidden_size=64, num_attention_heads=4, max_position_embeddings=256)
+
+CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama-gqa-llama3": ("llama", dict(_COMMON, vocab_size=131, intermediate_size=96, num_hidden_layers=2,
+                                       num_key_value_heads=2, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False)),
+    "llama-mqa-tied-linear": ("llama", dict(_COMMON, vocab_size=97, intermediate_size=80, num_hidden_layers=3,
+                                            num_key_value_heads=1, tie_word_embeddings=True,
+                                            rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                            attention_bias=True, mlp_bias=True)),
+    "mistral-window": ("mistral", dict(_COMMON, vocab_size=113, intermediate_size=96, num_hidden_layers=2,
+                                       num_key_value_heads=2, sliding_window=7)),
+    "mistral-mha": ("mistral", dict(_COMMON, vocab_size=128, intermediate_size=64, num_hidden_layers=2,
+                                    num_key_value_heads=4, sliding_window=None, head_dim=32)),
+    "qwen2-tied": ("qwen2", dict(_COMMON, vocab_size=151, intermediate_size=96, num_hidden_layers=2,
+                                 num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2-window": ("qwen2", dict(_COMMON, vocab_size=99, intermediate_size=64, num_hidden_layers=3,
+                                   num_key_value_heads=1, tie_word_embeddings=False, use_sliding_window=True,
+                                   sliding_window=6, max_window_layers=1)),
+    "gpt2": ("gpt2", dict(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+    "gpt2-untied-relu": ("gpt2", dict(vocab_size=89, n_embd=48, n_layer=3, n_head=2, n_positions=128,
+                                      n_inner=100, activation_function="relu", tie_word_embeddings=False)),
+    "bloom": ("bloom", dict(vocab_size=103, hidden_size=64, n_layer=2, n_head=4)),
+    "bloom-6heads-postnorm": ("bloom", dict(vocab_size=91, hidden_size=48, n_layer=2, n_head=6,
+                                            apply_residual_connection_post_layernorm=True)),
+}
+
+
+def build_hf_model(name: str, seed: int = 0):
+    import torch
+    import transformers as tf
+
+    family, kwargs = CONFIGS[name]
+    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+           "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
+           "bloom": (tf.BloomConfig, tf.BloomForCausalLM)}[family]
+    torch.manual_seed(seed)
+    config = cls[0](**kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = cls[1](config).eval()
+    # transformers' init leaves many biases and norm weights at 0 / 1: randomise every
+    # parameter so that each one matters for the comparison.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(".bias") or "norm" in n or "ln_" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save_hf_model(name: str, folder: Path) -> str:
+    build_hf_model(name).save_pretrained(folder)
+    return str(folder)
