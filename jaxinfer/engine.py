@@ -52,6 +52,7 @@ class StepStats:
     num_steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    compilations_after_warmup: int = 0   # XLA compilations inside this engine's steps
 
 
 class Engine:
@@ -82,11 +83,12 @@ class Engine:
         self._groups: dict[str, list[str]] = {}   # request id -> ids of its n samples
         self._ids = itertools.count()
         self.stats_ = StepStats()
-        self.compiles_at_warmup: int | None = None
+        self.warmed_up = False
 
     def warmup(self) -> None:
+        """Compile every step shape now; afterwards serving must compile nothing (counted per step)."""
         self.runner.warmup()
-        self.compiles_at_warmup = CompileCounter.count
+        self.warmed_up = True
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -125,7 +127,8 @@ class Engine:
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Abort every sample of a request; returns their final (empty) deltas."""
         outs = []
-        for rid in self._groups.pop(request_id, []):
+        # samples before their leader: finishing the leader also ends its not-yet-forked samples
+        for rid in reversed(self._groups.pop(request_id, [])):
             req = self.scheduler.requests.get(rid)
             if req is not None and not req.finished:
                 self.scheduler.abort(rid)
@@ -140,9 +143,11 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.seqs:
             return []
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), CompileCounter.count
         samples = self.runner.execute(plan, self.blocks.tables)
         self.stats_.step_times.append(time.perf_counter() - t0)
+        if self.warmed_up:
+            self.stats_.compilations_after_warmup += CompileCounter.count - c0
         self.stats_.num_steps += 1
         self.stats_.prompt_tokens += sum(min(q.num_tokens, max(0, len(q.request.prompt_ids) - q.start))
                                          for q in plan.seqs)
@@ -180,9 +185,8 @@ class Engine:
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
         s = self.stats_
-        compiles = None if self.compiles_at_warmup is None else CompileCounter.count - self.compiles_at_warmup
         return {
-            "compilations_after_warmup": compiles,
+            "compilations_after_warmup": s.compilations_after_warmup if self.warmed_up else None,
             "kv_blocks_total": self.blocks.num_blocks - 1,
             "kv_blocks_used": self.blocks.num_used,
             "kv_blocks_free": self.blocks.num_free,

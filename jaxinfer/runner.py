@@ -18,7 +18,6 @@ import threading
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -103,7 +102,7 @@ class ModelRunner:
         h = self.cfg.max_model_len
         if not any_penalty:
             if s not in self._no_history:   # built once per bucket at warm-up: no per-step transfer
-                self._no_history[s] = (jnp.full((s, h), -1, jnp.int32), jnp.zeros((s, h), jnp.bool_))
+                self._no_history[s] = jax.device_put((np.full((s, h), -1, np.int32), np.zeros((s, h), np.bool_)))
             return self._no_history[s]
         hist = np.full((s, h), -1, np.int32)
         is_out = np.zeros((s, h), np.bool_)
@@ -113,7 +112,7 @@ class ModelRunner:
             ids = req.all_ids
             hist[i, : len(ids)] = ids
             is_out[i, len(req.prompt_ids): len(ids)] = True
-        return jnp.asarray(hist), jnp.asarray(is_out)
+        return hist, is_out   # numpy: the jitted step transfers it (jnp.asarray would compile a copy)
 
     # -------------------------------------------------------------------- host -> device
     def prepare(self, out: SchedulerOutput, tables: dict[str, list[int]]):

@@ -72,7 +72,9 @@ def truncate(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     # top-p: keep sorted token i while the mass before it is < p (the top token always stays)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_before < b.top_p[:, None]
+    # top_p >= 1 means off: float32 cumsum reaches 1.0 before the tail of a large vocabulary
+    keep = (mass_before < b.top_p[:, None]) | (b.top_p[:, None] >= 1.0)
+    keep = keep.at[:, 0].set(True)
     cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits < cutoff, NEG_INF, logits)
     # min-p relative to the most likely token: p >= min_p * p_max <=> logit >= max + log(min_p)

@@ -93,7 +93,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + sum(len(r.pending_forks) for r in self.requests.values())
+        return len(self.waiting) + len(self.running) + sum(
+            not c.finished for r in self.requests.values() for c in r.pending_forks)
 
     # ------------------------------------------------------------------ schedule
     def _num_new_tokens(self, req: Request, budget: int) -> int:
@@ -109,6 +110,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.running.remove(req)
         self._enqueue(req)
+
+    def _reclaim_waiting(self) -> bool:
+        """Free the blocks of the newest waiting request that holds some (a forked sample that
+        shares its prompt's blocks); it will recompute. False if no waiting request holds blocks."""
+        for req in reversed(self.waiting):
+            if self.blocks.table(req.request_id):
+                self.blocks.free(req.request_id)
+                req.num_computed_tokens = 0
+                self.num_preemptions += 1
+                return True
+        return False
 
     def _form_batch(self) -> None:
         """static / dynamic: start the next batch when the previous one has finished."""
@@ -136,6 +148,8 @@ class Scheduler:
                 i += 1
                 continue
             while not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
+                if queue[-1] is req and self._reclaim_waiting():
+                    continue
                 victim = queue.pop()               # the newest / lowest-priority not yet scheduled
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -150,14 +164,16 @@ class Scheduler:
         if self.cfg.policy != "continuous":
             self._form_batch()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
-            if self.batch is not None and req.request_id not in self.batch or (
-                    self.cfg.policy != "continuous" and self.batch is None):
-                break
+            if self.cfg.policy == "continuous":
+                req = self.waiting[0]
+            else:   # only members of the current batch; later arrivals may sort ahead of them
+                req = next((r for r in self.waiting if self.batch and r.request_id in self.batch), None)
+                if req is None:
+                    break
             n = self._num_new_tokens(req, budget)
             if n == 0 or not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.seqs.append(self._scheduled(req, n))
@@ -213,6 +229,7 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str, now: float | None = None) -> None:
         """Finish (or abort) a request wherever it is, freeing its blocks and its pending forks."""
+        now = self.clock() if now is None else now
         for child in req.pending_forks:
             child.finish(reason, now)
             self.requests.pop(child.request_id, None)

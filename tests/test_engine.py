@@ -1,0 +1,185 @@
+"""The paged continuous-batching engine against naive decoding and against itself in isolation.
+
+References: greedy decoding by repeated full forwards (`gen.logits`, already proven equal to
+HF transformers), numpy log-softmax, and the same request run alone.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from jaxinfer import Generator, SamplingParams
+
+SMALL = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=16, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def gen(hf_model_dir) -> Generator:
+    return Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **SMALL)
+
+
+def _prompts(n: int, vocab: int, lo: int = 3, hi: int = 60, seed: int = 0) -> list[list[int]]:
+    rng = np.random.RandomState(seed)
+    return [rng.randint(3, vocab, rng.randint(lo, hi)).tolist() for _ in range(n)]
+
+
+def naive_greedy(gen: Generator, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(np.argmax(gen.logits(ids)[-1])))
+    return ids[len(prompt):]
+
+
+def _all_free(gen: Generator) -> bool:
+    s = gen.stats()
+    return s["kv_blocks_used"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-llama3", "mistral-window", "qwen2-window", "gpt2", "bloom-6heads-postnorm"])
+def test_paged_engine_equals_naive_decoding(name, hf_model_dir):
+    g = Generator.from_pretrained(hf_model_dir(name), **{**SMALL, "max_num_batched_tokens": 16}, warmup=False)
+    prompts = _prompts(3, g.model_cfg.vocab_size, 5, 40, seed=1)
+    outs = g.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == naive_greedy(g, p, 20)
+    assert _all_free(g)
+
+
+def test_greedy_output_independent_of_batch(gen):
+    prompts = _prompts(16, gen.model_cfg.vocab_size, 2, 90, seed=2)
+    params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True)
+              for m in np.random.RandomState(3).randint(1, 30, 16)]
+    batched = gen.generate(prompts, params)
+    for i in (0, 5, 11):
+        alone = gen.generate([prompts[i]], params[i])[0]
+        assert alone.token_ids == batched[i].token_ids
+    assert batched[5].token_ids == naive_greedy(gen, prompts[5], params[5].max_tokens)
+
+
+def test_seeded_sampling_independent_of_batch(gen):
+    prompts = _prompts(16, gen.model_cfg.vocab_size, 2, 90, seed=4)
+    params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=40, seed=100 + i, ignore_eos=True)
+              for i in range(16)]
+    batched = gen.generate(prompts, params)
+    for i in (0, 7, 15):
+        assert gen.generate([prompts[i]], params[i])[0].token_ids == batched[i].token_ids
+    assert len({tuple(o.token_ids) for o in batched}) > 1
+
+
+def test_preemption_gives_identical_outputs(hf_model_dir, gen):
+    # 12 blocks of 8 tokens for 12 requests that each need up to 9 blocks: heavy preemption.
+    tight = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **{**SMALL, "num_blocks": 13})
+    prompts = _prompts(12, tight.model_cfg.vocab_size, 20, 60, seed=5)
+    params = [SamplingParams(max_tokens=16, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(12)]
+    ample = gen.generate(prompts, params)
+    squeezed = tight.generate(prompts, params)
+    assert tight.stats()["num_preemptions"] > 0
+    assert [o.token_ids for o in squeezed] == [o.token_ids for o in ample]
+    assert _all_free(tight)
+
+
+def test_blocks_free_after_finish_and_abort(gen):
+    eng = gen.engine
+    prompts = _prompts(6, gen.model_cfg.vocab_size, 50, 100, seed=6)
+    rids = [eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
+    eng.step()                        # budget 32: the first request is mid-prefill
+    assert gen.stats()["kv_blocks_used"] > 0
+    eng.abort(rids[0])                # mid-prefill
+    eng.abort(rids[5])                # still waiting
+    for _ in range(8):
+        eng.step()
+    eng.abort(rids[1])                # running
+    while eng.has_unfinished():
+        eng.step()
+    assert _all_free(gen)
+    # a stream abandoned by its consumer aborts its request
+    for i, _ in enumerate(gen.stream(prompts[2], SamplingParams(max_tokens=50, ignore_eos=True))):
+        if i == 3:
+            break
+    assert _all_free(gen)
+
+
+def test_no_compilation_after_warmup_over_200_requests(gen):
+    rng = np.random.RandomState(7)
+    vocab = gen.model_cfg.vocab_size
+    prompts = [rng.randint(3, vocab, rng.randint(1, 100)).tolist() for _ in range(200)]
+    params = [SamplingParams(max_tokens=int(rng.randint(1, 28)), temperature=float(rng.choice([0, 0.7])),
+                             top_k=int(rng.choice([0, 5])), repetition_penalty=float(rng.choice([1.0, 1.2])),
+                             logprobs=int(rng.choice([0, 3])), seed=i, ignore_eos=True) for i in range(200)]
+    outs = gen.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert gen.stats()["compilations_after_warmup"] == 0
+    assert _all_free(gen)
+
+
+def test_logprobs_are_log_softmax_of_the_model(gen):
+    prompt = _prompts(1, gen.model_cfg.vocab_size, 10, 11, seed=8)[0]
+    out = gen.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=5, ignore_eos=True))[0]
+    ids = list(prompt)
+    for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+        row = gen.logits(ids)[-1].astype(np.float64)
+        ref = row - row.max() - np.log(np.exp(row - row.max()).sum())
+        assert lp == pytest.approx(ref[tok], abs=1e-4)
+        assert [t for t, _ in top] == np.argsort(-ref)[:5].tolist()
+        np.testing.assert_allclose([v for _, v in top], np.sort(ref)[::-1][:5], atol=1e-4)
+        ids.append(tok)
+
+
+def test_n_samples_share_prompt_and_first_equals_n1(gen):
+    prompt = _prompts(1, gen.model_cfg.vocab_size, 37, 38, seed=9)[0]
+    p1 = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    single = gen.generate([prompt], p1)[0]
+    multi = gen.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=5, n=4, ignore_eos=True))[0]
+    assert len(multi.samples) == 4
+    assert multi.samples[0].token_ids == single.token_ids   # key depends on (seed, sample index, position)
+    assert len({tuple(s.token_ids) for s in multi.samples}) > 1
+    greedy = gen.generate([prompt], SamplingParams(max_tokens=8, temperature=0, n=3, ignore_eos=True))[0]
+    assert all(s.token_ids == naive_greedy(gen, prompt, 8) for s in greedy.samples)
+    assert _all_free(gen)
+
+
+def test_stop_token_ids_and_max_tokens(gen):
+    prompt = _prompts(1, gen.model_cfg.vocab_size, 12, 13, seed=10)[0]
+    free = naive_greedy(gen, prompt, 15)
+    stop_tok = free[6]
+    out = gen.generate([prompt], SamplingParams(max_tokens=15, temperature=0, stop_token_ids=[stop_tok]))[0]
+    assert out.token_ids == free[: free.index(stop_tok) + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_threads_share_the_engine(gen):
+    prompts = _prompts(8, gen.model_cfg.vocab_size, 5, 50, seed=11)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in gen.generate(prompts, params)]
+    results: dict[int, list[int]] = {}
+
+    def worker(i):
+        results[i] = gen.generate([prompts[i]], params)[0].token_ids
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [results[i] for i in range(8)] == expected
+    assert _all_free(gen)
+
+
+def test_prompt_too_long_is_rejected_with_the_excess(gen):
+    with pytest.raises(ValueError, match="130 tokens.*context is 128.*3 tokens too long"):
+        gen.generate([[5] * 130])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        gen.generate([[5, 10**6]])
+    assert _all_free(gen)
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+def test_static_and_dynamic_policies_give_the_same_tokens(policy, hf_model_dir, gen):
+    g = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **{**SMALL, "max_num_seqs": 4},
+                                  batching=policy, warmup=False)
+    prompts = _prompts(7, g.model_cfg.vocab_size, 5, 40, seed=12)
+    params = SamplingParams(max_tokens=9, temperature=0.7, seed=3, ignore_eos=True)
+    assert [o.token_ids for o in g.generate(prompts, params)] == [o.token_ids for o in gen.generate(prompts, params)]
+    assert _all_free(g)
