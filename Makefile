@@ -3,8 +3,8 @@
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
-PROMPT  ?= And God said
-MAX_TOKENS ?= 64
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
 
 .PHONY: run test install clean
 
@@ -22,8 +22,9 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
 
 install: $(VENV)/.installed
 
+# The main job: the OpenAI-compatible server on the bundled model.
 run: $(VENV)/.installed
-	$(BIN)/jaxinfer generate "$(PROMPT)" --max-tokens $(MAX_TOKENS)
+	$(BIN)/jaxinfer serve --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed-test
 	$(BIN)/pytest

@@ -1,4 +1,4 @@
-"""`jaxinfer generate | convert` (and, as they land, serve | batch | bench | plan | eval-ppl).
+"""`jaxinfer generate | serve | batch | convert | eval-ppl` (bench and plan as they land).
 
 Flags are parsed here and only here; each command calls the library.
 """
@@ -64,6 +64,71 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from jaxinfer.evaluate import eval_ppl
+    from jaxinfer.generator import default_model_path
+    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.weights import load_model
+
+    path = Path(args.model) if args.model else default_model_path()
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        raise ValueError(f"{path}: the model has no tokenizer; eval-ppl scores text")
+    text_path = Path(args.text) if args.text else path / "heldout.txt"
+    model, _ = load_model(path, args.dtype)
+    result = eval_ppl(model, tokenizer, text_path.read_text(encoding="utf-8"), args.window, args.stride)
+    result = {"model": str(path), "text": str(text_path), "dtype": args.dtype, **result}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{text_path}: {result['tokens']} tokens, {result['bytes']} bytes; "
+              f"perplexity {result['ppl']:.3f}, bits per byte {result['bits_per_byte']:.4f}")
+    return 0
+
+
+def _served_name(args: argparse.Namespace) -> str:
+    from jaxinfer.generator import default_model_path
+    return args.served_model_name or Path(args.model or default_model_path()).resolve().name
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: folder name)")
+
+
+def _generator(args: argparse.Namespace):
+    from jaxinfer import Generator
+    return Generator.from_pretrained(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                                     max_num_batched_tokens=args.max_num_batched_tokens,
+                                     max_model_len=args.max_model_len, block_size=args.block_size,
+                                     num_blocks=args.num_blocks, batching=args.batching)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from serve.app import build_app
+
+    gen = _generator(args)
+    app = build_app(gen, _served_name(args), api_key=args.api_key, max_queue=args.max_queue)
+    print(f"serving {_served_name(args)} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from serve.batch import run_batch
+
+    summary = run_batch(_generator(args), args.input, args.output, _served_name(args), progress=not args.quiet)
+    print(json.dumps(summary), file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="JAX/XLA LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +154,33 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out_dir")
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     c.set_defaults(func=cmd_convert)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _model_arg(sv)
+    _engine_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    sv.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
+    sv.add_argument("--log-level", default="info")
+    sv.set_defaults(func=cmd_serve)
+
+    bt = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) offline")
+    _model_arg(bt)
+    _engine_args(bt)
+    bt.add_argument("input")
+    bt.add_argument("output")
+    bt.add_argument("--quiet", action="store_true")
+    bt.set_defaults(func=cmd_batch)
+
+    e = sub.add_parser("eval-ppl", help="perplexity and bits per byte of a text file")
+    _model_arg(e)
+    e.set_defaults(dtype="float32")
+    e.add_argument("--text", default=None, help="UTF-8 text file (default: the model's heldout.txt)")
+    e.add_argument("--window", type=int, default=256)
+    e.add_argument("--stride", type=int, default=None, help="default: window // 2")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_eval_ppl)
     return parser
 
 

@@ -287,8 +287,8 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0.0 <= self.min_p <= 1.0:
             problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not self.repetition_penalty > 0:
-            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not 0.01 <= self.repetition_penalty <= 100:
+            problems.append(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")

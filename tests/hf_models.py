@@ -59,3 +59,32 @@ def build_hf_model(name: str, seed: int = 0):
 def save_hf_model(name: str, folder: Path) -> str:
     build_hf_model(name).save_pretrained(folder)
     return str(folder)
+
+
+TEXT_WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly "
+              "zebras and hackers write code in the night; café naïve über").split()
+
+
+def save_text_model(folder: Path, vocab: int = 400, seed: int = 0) -> Path:
+    """A random tiny Llama with a SentencePiece BPE (byte fallback) trained here on TEXT_WORDS."""
+    import io
+
+    import numpy as np
+    import sentencepiece as spm
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.RandomState(seed)
+    lines = [" ".join(rng.choice(TEXT_WORDS, rng.randint(4, 14))) for _ in range(400)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab,
+                                   model_type="bpe", byte_fallback=True, character_coverage=0.99,
+                                   bos_id=1, eos_id=2, unk_id=0, pad_id=3)
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                                 max_position_embeddings=256)).save_pretrained(folder)
+    return folder

@@ -1,0 +1,73 @@
+"""Perplexity and bits per byte of a text (`jaxinfer eval-ppl`).
+
+The text is encoded once with the model's tokenizer (BOS prepended when the tokenizer adds one;
+BOS is never scored). Long texts are scored with a sliding window: windows of `window` tokens
+advance by `stride` (default window // 2) and each scores only the tokens no earlier window
+scored, so every token after the first is scored exactly once, with at least window - stride
+tokens of context (except near the start).
+    perplexity    = exp(total NLL / scored tokens)
+    bits per byte = total NLL / ln 2 / UTF-8 bytes of the text
+Bits per byte compares models with different tokenizers; perplexity does not.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.models.decoder import Decoder
+from jaxinfer.tokenizer import Tokenizer
+
+
+def score_windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, first scored position, end) per window over n tokens; positions 1..n-1 once each."""
+    spans, scored_to, begin = [], 1, 0
+    while True:
+        end = min(begin + window, n)
+        if end > scored_to:
+            spans.append((begin, scored_to, end))
+            scored_to = end
+        if end >= n:
+            return spans
+        begin += stride
+
+
+def eval_ppl(model: Decoder, tokenizer: Tokenizer, text: str, window: int = 256, stride: int | None = None,
+             batch: int = 8) -> dict[str, Any]:
+    stride = stride or window // 2
+    if not 0 < stride <= window <= model.cfg.max_position_embeddings:
+        raise ValueError(f"need 0 < stride ({stride}) <= window ({window}) <= the model's "
+                         f"max_position_embeddings ({model.cfg.max_position_embeddings})")
+    ids = np.asarray(tokenizer.encode(text), np.int32)
+    if len(ids) < 2:
+        raise ValueError("the text has fewer than two tokens: nothing to score")
+    spans = score_windows(len(ids), window, stride)
+    n_rows = -(-len(spans) // batch) * batch
+    windows = np.zeros((n_rows, window), np.int32)
+    targets = np.zeros((n_rows, window - 1), bool)     # row j predicts token j + 1 of the window
+    for i, (b, s, e) in enumerate(spans):
+        windows[i, : e - b] = ids[b:e]
+        targets[i, s - b - 1: e - b - 1] = True
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def window_nll(params, w, mask):          # w [B, W], mask [B, W-1] -> summed NLL [B]
+        m = nnx.merge(graphdef, params)
+        pos = jnp.arange(w.shape[1], dtype=jnp.int32)
+        logits = jax.vmap(lambda t: m(t, pos)[0])(w)                        # (B, W, V)
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        nll = -jnp.take_along_axis(logp, w[:, 1:, None], axis=-1)[..., 0]   # (B, W-1)
+        return jnp.sum(jnp.where(mask, nll, 0.0), axis=1)
+
+    total = 0.0
+    for i in range(0, n_rows, batch):
+        total += float(np.sum(np.asarray(window_nll(params, windows[i: i + batch], targets[i: i + batch]),
+                                         np.float64)))
+    n_tokens, n_bytes = int(targets.sum()), len(text.encode("utf-8"))
+    return {"nll": total, "tokens": n_tokens, "bytes": n_bytes, "loss": total / n_tokens,
+            "ppl": math.exp(total / n_tokens), "bits_per_byte": total / math.log(2) / n_bytes,
+            "window": window, "stride": stride}

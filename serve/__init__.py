@@ -1,0 +1,1 @@
+"""The HTTP front door (OpenAI-compatible FastAPI app) and the offline batch script, on the one engine."""

@@ -1,0 +1,306 @@
+"""The OpenAI-compatible HTTP server (FastAPI, run by uvicorn) on one Generator's engine.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
+events), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics.
+Errors use OpenAI's error JSON: bad requests (malformed JSON, wrong types, out-of-range values,
+prompts longer than the context) get 400, an unknown model 404, a full queue 429 with
+Retry-After, a missing or wrong API key 401. A client that disconnects aborts its request.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from jaxinfer.engine import RequestOutput
+from jaxinfer.generator import Generator
+from serve.bridge import AsyncEngine, Submission
+from serve.metrics import ServerMetrics
+from serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                            OpenAIError, TokenizeRequest, chat_body, chat_logprobs, completion_body,
+                            completion_logprobs, new_id, now, usage)
+
+# The bundled model has no chat template of its own; this plain one is documented in the README.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
+class ServerState:
+    def __init__(self, gen: Generator, model_name: str, api_key: str | None, max_queue: int):
+        self.gen, self.model_name, self.api_key = gen, model_name, api_key
+        self.tokenizer = gen.tokenizer
+        self.max_model_len = gen.engine.max_model_len
+        self.metrics = ServerMetrics(model_name)
+        self.engine = AsyncEngine(gen, self.metrics, max_queue)
+        template = (self.tokenizer.chat_template if self.tokenizer else None) or DEFAULT_CHAT_TEMPLATE
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        self.chat_template_text = template
+        self.chat_template = env.from_string(template)
+
+    # -------------------------------------------------------------- inputs
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise OpenAIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+                              param="model", code="model_not_found")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer: send prompts as lists of token ids", param="prompt")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(self, messages: list[ChatMessage]) -> list[int]:
+        tok = self.tokenizer
+        try:
+            text = self.chat_template.render(
+                messages=[{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt=True,
+                bos_token=tok.id_to_piece(tok.bos_id) if tok and tok.bos_id is not None else "",
+                eos_token=tok.id_to_piece(tok.eos_ids[0]) if tok and tok.eos_ids else "")
+        except TemplateError as e:
+            raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        # HF templates write the BOS token themselves; ours does not
+        return self.encode(text, add_special_tokens="bos_token" not in self.chat_template_text)
+
+    def check_length(self, prompt: list[int], max_tokens: int) -> None:
+        if not prompt:
+            raise OpenAIError(400, "the prompt is empty", param="prompt")
+        total = len(prompt) + max_tokens
+        if total > self.max_model_len:
+            raise OpenAIError(
+                400, f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                     f"{total} tokens ({len(prompt)} in the prompt, {max_tokens} for the completion), "
+                     f"{total - self.max_model_len} too many. Please reduce the prompt or max_tokens.",
+                param="max_tokens" if len(prompt) < self.max_model_len else "prompt",
+                code="context_length_exceeded")
+
+    def default_max_tokens(self, prompt_len: int, requested: int | None) -> int:
+        return requested if requested is not None else max(1, self.max_model_len - prompt_len)
+
+    def token_str(self, token_id: int) -> str:
+        """A token as text for logprobs, unique per id (OpenAI keys top_logprobs by it): SentencePiece
+        pieces with the word marker as a space (byte pieces stay '<0x..>'); byte-level BPE decoded,
+        or its raw piece where it is a partial UTF-8 character."""
+        tok = self.tokenizer
+        if tok is None:
+            return f"token_id:{token_id}"
+        if tok.kind == "sentencepiece":
+            return tok.id_to_piece(token_id).replace("\u2581", " ")
+        text = tok.decode([token_id], skip_special_tokens=False)
+        return text if text and "\ufffd" not in text else tok.id_to_piece(token_id)
+
+
+def _raise_template_error(message: str):
+    raise TemplateError(message)
+
+
+def _error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        if err.get("type") == "json_invalid":
+            return f"the request body is not valid JSON: {err.get('msg')}"
+        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    return "; ".join(parts) or "invalid request"
+
+
+async def _collect(sub: Submission) -> list[list[RequestOutput]]:
+    """Every delta of every sample, grouped per (prompt, sample)."""
+    per = {rid: [[] for _ in range(sub.n)] for rid in sub.request_ids}
+    remaining = len(sub.request_ids) * sub.n
+    while remaining:
+        d: RequestOutput = await sub.queue.get()
+        per[d.request_id][d.sample_index].append(d)
+        remaining -= d.finished
+    return [samples for rid in sub.request_ids for samples in per[rid]]
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_queue: int = 1024) -> FastAPI:
+    state = ServerState(gen, model_name, api_key, max_queue)
+    app = FastAPI(title="jaxinfer", version="0.1.0",
+                  description="OpenAI-compatible completions and chat completions on the jaxinfer engine")
+    app.state.server = state
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        state.engine.start()
+
+    @app.on_event("shutdown")
+    async def _stop() -> None:
+        state.engine.stop()
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        return _error_response(OpenAIError(400, _validation_message(exc)))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception):
+        return _error_response(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if state.api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
+                return _error_response(OpenAIError(401, "missing or invalid API key (Authorization: Bearer ...)",
+                                                   type_="authentication_error", code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not state.engine.alive:
+            return JSONResponse({"status": "error", "error": repr(state.engine.error)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": now(),
+                                            "owned_by": "jaxinfer", "max_model_len": state.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise OpenAIError(400, "give exactly one of prompt or messages")
+        ids = state.encode(req.prompt, req.add_special_tokens) if req.prompt is not None else state.render_chat(req.messages)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        state.check_model(req.model)
+        if state.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer")
+        vocab = gen.model_cfg.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        state.check_model(req.model)
+        if req.echo:
+            raise OpenAIError(400, "echo is not supported", param="echo")
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [state.encode(p)]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = [state.encode(x) for x in p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        elif p and all(isinstance(x, list) for x in p):
+            prompts = [list(x) for x in p]
+        else:
+            raise OpenAIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+        max_tokens = state.default_max_tokens(max(len(x) for x in prompts), req.max_tokens)
+        for ids in prompts:
+            state.check_length(ids, max_tokens)
+        params = req.sampling_params(max_tokens, req.logprobs)
+        sub = state.engine.submit(prompts, params)
+        rid, created = new_id("cmpl"), now()
+        n_prompt = sum(len(x) for x in prompts)
+
+        if req.stream:
+            async def events() -> AsyncIterator[str]:
+                finished, n_out, offsets = False, 0, {}
+                try:
+                    remaining = len(sub.request_ids) * sub.n
+                    while remaining:
+                        d: RequestOutput = await sub.queue.get()
+                        remaining -= d.finished
+                        index = sub.request_ids.index(d.request_id) * sub.n + d.sample_index
+                        n_out += len(d.token_ids)
+                        if not (d.text or d.token_ids or d.finished):
+                            continue
+                        lp = None
+                        if req.logprobs is not None:
+                            lp = completion_logprobs([d], state.token_str)
+                            lp["text_offset"] = [o + offsets.get(index, 0) for o in lp["text_offset"]]
+                        offsets[index] = offsets.get(index, 0) + len(d.text)
+                        yield _sse({"id": rid, "object": "text_completion", "created": created,
+                                    "model": state.model_name,
+                                    "choices": [{"index": index, "text": d.text, "logprobs": lp,
+                                                 "finish_reason": d.finish_reason if d.finished else None}]})
+                    finished = True
+                    if req.stream_options and req.stream_options.include_usage:
+                        yield _sse({"id": rid, "object": "text_completion", "created": created,
+                                    "model": state.model_name, "choices": [], "usage": usage(n_prompt, n_out)})
+                    yield "data: [DONE]\n\n"
+                finally:
+                    state.engine.release(sub, finished)
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        try:
+            groups = await _collect(sub)
+        finally:
+            state.engine.release(sub, finished=True)
+        return completion_body(rid, created, state.model_name, groups, n_prompt, state.token_str,
+                               req.logprobs is not None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        state.check_model(req.model)
+        prompt = state.render_chat(req.messages)
+        max_tokens = state.default_max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens)
+        state.check_length(prompt, max_tokens)
+        if req.top_logprobs and not req.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        sub = state.engine.submit([prompt], params)
+        rid, created = new_id("chatcmpl"), now()
+
+        if req.stream:
+            async def events() -> AsyncIterator[str]:
+                finished, n_out = False, 0
+                base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+                try:
+                    for i in range(sub.n):
+                        yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                         "logprobs": None, "finish_reason": None}]})
+                    remaining = sub.n
+                    while remaining:
+                        d: RequestOutput = await sub.queue.get()
+                        remaining -= d.finished
+                        n_out += len(d.token_ids)
+                        if not (d.text or d.token_ids or d.finished):
+                            continue
+                        yield _sse({**base, "choices": [{"index": d.sample_index,
+                                                         "delta": {"content": d.text} if d.text else {},
+                                                         "logprobs": chat_logprobs([d], state.token_str) if req.logprobs else None,
+                                                         "finish_reason": d.finish_reason if d.finished else None}]})
+                    finished = True
+                    if req.stream_options and req.stream_options.include_usage:
+                        yield _sse({**base, "choices": [], "usage": usage(len(prompt), n_out)})
+                    yield "data: [DONE]\n\n"
+                finally:
+                    state.engine.release(sub, finished)
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        try:
+            groups = await _collect(sub)
+        finally:
+            state.engine.release(sub, finished=True)
+        return chat_body(rid, created, state.model_name, groups, len(prompt), state.token_str, req.logprobs)
+
+    return app

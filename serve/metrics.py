@@ -1,0 +1,66 @@
+"""Prometheus metrics of the server (GET /metrics), one registry per app.
+
+Latencies are the field's definitions: TTFT = first token - arrival, inter-token latency =
+gap between consecutive tokens of a request, end-to-end = finish - arrival (seconds).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from jaxinfer.host.request import Request
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, label = self.registry, {"model_name": model_name}
+        self.ttft = Histogram("jaxinfer_time_to_first_token_seconds", "Time to first token", ["model_name"],
+                              buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
+        self.itl = Histogram("jaxinfer_inter_token_latency_seconds", "Time between consecutive output tokens",
+                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
+        self.e2e = Histogram("jaxinfer_e2e_request_latency_seconds", "End-to-end request latency",
+                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
+        self.waiting = Gauge("jaxinfer_num_requests_waiting", "Requests waiting to be scheduled",
+                             ["model_name"], registry=r).labels(**label)
+        self.running = Gauge("jaxinfer_num_requests_running", "Sequences running", ["model_name"],
+                             registry=r).labels(**label)
+        self.kv_used = Gauge("jaxinfer_kv_blocks_used", "KV cache blocks in use", ["model_name"],
+                             registry=r).labels(**label)
+        self.kv_total = Gauge("jaxinfer_kv_blocks_total", "KV cache blocks", ["model_name"],
+                              registry=r).labels(**label)
+        self.compilations = Gauge("jaxinfer_compilations_after_warmup", "XLA compilations after warm-up",
+                                  ["model_name"], registry=r).labels(**label)
+        self.preemptions = Counter("jaxinfer_num_preemptions", "Requests preempted", ["model_name"],
+                                   registry=r).labels(**label)
+        self.prompt_tokens = Counter("jaxinfer_prompt_tokens", "Prompt tokens computed", ["model_name"],
+                                     registry=r).labels(**label)
+        self.generation_tokens = Counter("jaxinfer_generation_tokens", "Tokens generated", ["model_name"],
+                                         registry=r).labels(**label)
+        self.finished = Counter("jaxinfer_request_success", "Finished requests", ["model_name", "finish_reason"],
+                                registry=r)
+        self._label = label
+        self._last = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
+
+    def observe_step(self, engine) -> None:
+        s = engine.stats()
+        self.waiting.set(s["num_waiting"])
+        self.running.set(s["num_running"])
+        self.kv_used.set(s["kv_blocks_used"])
+        self.kv_total.set(s["kv_blocks_total"])
+        self.compilations.set(s["compilations_after_warmup"] or 0)
+        for key, counter in (("num_preemptions", self.preemptions), ("prompt_tokens", self.prompt_tokens),
+                             ("generation_tokens", self.generation_tokens)):
+            if s[key] > self._last[key]:
+                counter.inc(s[key] - self._last[key])
+                self._last[key] = s[key]
+
+    def observe_finished(self, req: Request) -> None:
+        if req.ttft is not None:
+            self.ttft.observe(req.ttft)
+        for gap in req.itl:
+            self.itl.observe(gap)
+        if req.finish_time is not None:
+            self.e2e.observe(req.finish_time - req.arrival_time)
+        self.finished.labels(finish_reason=req.finish_reason or "unknown", **self._label).inc()

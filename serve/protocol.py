@@ -1,0 +1,177 @@
+"""OpenAI request schemas -> SamplingParams, and the response bodies. Shared by the HTTP server
+and the offline batch script so both speak exactly the same dialect."""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxinfer.config import SamplingParams
+
+MAX_N = 16
+
+
+class OpenAIError(Exception):
+    """An error with an HTTP status and the OpenAI error JSON shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share (OpenAI's names) plus vLLM-style extras."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    user: str | None = None
+    # extras (vLLM names)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=10.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop) or len(stop) > 16:
+            raise OpenAIError(400, "stop must be at most 16 non-empty strings", param="stop")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                seed=None if self.seed is None else self.seed % 2**32, stop=tuple(stop),
+                stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                logprobs=logprobs, n=self.n)
+        except ValueError as e:
+            raise OpenAIError(400, str(e)) from None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    max_tokens: int | None = Field(default=16, ge=1)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):   # content parts: only text parts are supported
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise OpenAIError(400, "only text content parts are supported", param="messages")
+                parts.append(part["text"])
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _lp(v: float) -> float:
+    """JSON has no infinities: OpenAI reports an impossible token's logprob as -9999.0."""
+    return v if math.isfinite(v) else -9999.0
+
+
+def completion_logprobs(outs: list, token_str) -> dict:
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, lps, tops, offsets, offset = [], [], [], [], 0
+    for d in outs:
+        for i, t in enumerate(d.token_ids):
+            s = token_str(t)
+            offsets.append(offset)
+            offset += len(s)
+            tokens.append(s)
+            lps.append(_lp(d.logprobs[i]))
+            tops.append({token_str(a): _lp(b) for a, b in d.top_logprobs[i]} if d.top_logprobs else {})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(outs: list, token_str) -> dict:
+    """OpenAI chat logprobs: content = [{token, logprob, bytes, top_logprobs}]."""
+    content = []
+    for d in outs:
+        for i, t in enumerate(d.token_ids):
+            s = token_str(t)
+            tops = [{"token": token_str(a), "logprob": _lp(b), "bytes": list(token_str(a).encode())}
+                    for a, b in (d.top_logprobs[i] if d.top_logprobs else [])]
+            content.append({"token": s, "logprob": _lp(d.logprobs[i]), "bytes": list(s.encode()), "top_logprobs": tops})
+    return {"content": content}
+
+
+def completion_body(rid: str, created: int, model: str, groups: list[list], n_prompt: int, token_str,
+                    logprobs: bool) -> dict:
+    """A non-streaming /v1/completions response from each choice's deltas."""
+    choices = [{"index": i, "text": "".join(d.text for d in g),
+                "logprobs": completion_logprobs(g, token_str) if logprobs else None,
+                "finish_reason": g[-1].finish_reason} for i, g in enumerate(groups)]
+    n_out = sum(len(d.token_ids) for g in groups for d in g)
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(n_prompt, n_out)}
+
+
+def chat_body(rid: str, created: int, model: str, groups: list[list], n_prompt: int, token_str,
+              logprobs: bool) -> dict:
+    """A non-streaming /v1/chat/completions response from each choice's deltas."""
+    choices = [{"index": i, "message": {"role": "assistant", "content": "".join(d.text for d in g)},
+                "logprobs": chat_logprobs(g, token_str) if logprobs else None,
+                "finish_reason": g[-1].finish_reason} for i, g in enumerate(groups)]
+    n_out = sum(len(d.token_ids) for g in groups for d in g)
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(n_prompt, n_out)}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def now() -> int:
+    return int(time.time())

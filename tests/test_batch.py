@@ -1,0 +1,101 @@
+"""`jaxinfer batch`: 200 lines (some malformed) -> 200 output lines in input order; a run killed
+half-way resumes without redoing the ids it finished."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.hf_models import save_text_model
+
+FLAGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+         "--block-size", "8", "--quiet", "--served-model-name", "tiny"]
+
+
+def _lines(n: int = 200) -> list[str]:
+    out = []
+    for i in range(n):
+        if i % 29 == 5:
+            out.append("{this is not json")
+        elif i % 29 == 11:
+            out.append(json.dumps({"custom_id": f"r{i}", "url": "/v1/completions",
+                                   "body": {"model": "tiny", "prompt": "fox", "max_tokens": -1}}))
+        elif i % 29 == 17:
+            out.append(json.dumps({"custom_id": f"r{i}", "url": "/v1/embeddings", "body": {}}))
+        elif i % 2:
+            out.append(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                   "body": {"model": "tiny", "messages": [{"role": "user", "content": f"zebra {i}"}],
+                                            "max_tokens": 6 + i % 5, "temperature": 0.7, "seed": i}}))
+        else:
+            out.append(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                   "body": {"model": "tiny", "prompt": f"the lazy dog {i}", "max_tokens": 60,
+                                            "temperature": 0, "ignore_eos": True}}))
+    return out
+
+
+def _run(model, inp, out, wait=True):
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "batch", "--model", str(model), str(inp), str(out), *FLAGS]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    if wait:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return save_text_model(tmp_path_factory.mktemp("batch") / "model")
+
+
+def test_batch_file_with_bad_lines_and_resume(model, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = _lines()
+    inp.write_text("\n".join(lines) + "\n")
+    proc = _run(model, inp, out, wait=False)
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            done = sum(1 for l in out.read_text().splitlines() if '"status_code": 200' in l) if out.exists() else 0
+            if done >= 60:
+                break
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    first = {}
+    for l in out.read_text().splitlines():
+        try:
+            rec = json.loads(l)
+        except json.JSONDecodeError:
+            continue
+        if rec["error"] is None:
+            first[rec["custom_id"]] = rec["id"]
+    assert 60 <= len(first) < 180, "the kill should land half-way"
+
+    result = _run(model, inp, out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stderr.strip().splitlines()[-1])
+    records = [json.loads(l) for l in out.read_text().splitlines()]
+    assert len(records) == 200 == summary["lines"]
+    # input order, keyed by custom_id (malformed JSON lines have none)
+    for i, (line, rec) in enumerate(zip(lines, records)):
+        if line.startswith("{this"):
+            assert rec["custom_id"] is None and "not valid JSON" in rec["error"]["message"]
+        else:
+            assert rec["custom_id"] == f"r{i}"
+    bad = [r for r in records if r["error"] is not None]
+    assert len(bad) == sum(1 for i in range(200) if i % 29 in (5, 11, 17))
+    assert any("max_tokens" in r["error"]["message"] for r in bad)
+    assert any("/v1/embeddings" in r["error"]["message"] for r in bad)
+    # nothing finished in the first run was redone: same result ids, and the second run skipped them
+    for cid, rid in first.items():
+        assert next(r for r in records if r["custom_id"] == cid)["id"] == rid
+    assert summary["ran"] == 200 - len(bad) - len(first)
+    ok = [r for r in records if r["error"] is None]
+    assert all(r["response"]["status_code"] == 200 for r in ok)
+    done = next(r for r in ok if r["custom_id"] == "r0")["response"]["body"]
+    assert done["object"] == "text_completion" and done["usage"]["completion_tokens"] == 60

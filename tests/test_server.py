@@ -1,0 +1,253 @@
+"""The HTTP server as a real process on 127.0.0.1, driven by the official `openai` client and httpx.
+
+Every loop here is bounded in count and time, and every process started is killed at the end.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.hf_models import save_text_model
+
+openai = pytest.importorskip("openai")
+
+ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-batched-tokens", "64",
+                "--max-num-seqs", "16", "--block-size", "8"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, *extra: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(model.parent / f"server-{self.port}.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(model), "--port", str(self.port),
+             "--served-model-name", "tiny", "--log-level", "warning", *ENGINE_FLAGS, *extra],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {Path(self.log.name).read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise RuntimeError("server did not become healthy in 240 s")
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_text_model(tmp_path_factory.mktemp("served") / "model")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = Server(model_dir)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def _wait_blocks_free(server: Server, timeout: float = 30) -> float:
+    deadline = time.monotonic() + timeout
+    used = server.metric("jaxinfer_kv_blocks_used")
+    while used and time.monotonic() < deadline:
+        time.sleep(0.2)
+        used = server.metric("jaxinfer_kv_blocks_used")
+    return used
+
+
+def test_models_and_completions(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    r = client.completions.create(model="tiny", prompt="the quick brown", max_tokens=12, temperature=0)
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 0
+    again = client.completions.create(model="tiny", prompt="the quick brown", max_tokens=12, temperature=0)
+    assert again.choices[0].text == r.choices[0].text
+
+
+def test_chat_and_streaming_chat_agree(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "seven wizards"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0.8, seed=11)
+    assert full.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0.8, seed=11,
+                                            stream=True, stream_options={"include_usage": True})
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert text == full.choices[0].message.content
+    assert finish == full.choices[0].finish_reason
+    assert usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_n_seed_stop_and_logprobs(client):
+    r = client.completions.create(model="tiny", prompt="hackers write", max_tokens=16, temperature=1.0, n=2, seed=3)
+    assert len(r.choices) == 2 and {c.index for c in r.choices} == {0, 1}
+    r2 = client.completions.create(model="tiny", prompt="hackers write", max_tokens=16, temperature=1.0, n=2, seed=3)
+    assert [c.text for c in r.choices] == [c.text for c in r2.choices]
+    # stop string: cut a free-running greedy text at a substring
+    free = client.completions.create(model="tiny", prompt="lazy dog", max_tokens=30, temperature=0).choices[0].text
+    stop = free[len(free) // 2: len(free) // 2 + 3]
+    cut = client.completions.create(model="tiny", prompt="lazy dog", max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].text == free[: free.index(stop)] and cut.choices[0].finish_reason == "stop"
+    lp = client.completions.create(model="tiny", prompt="lazy dog", max_tokens=5, temperature=0, logprobs=3)
+    block = lp.choices[0].logprobs
+    assert len(block.token_logprobs) == len(block.tokens) == 5
+    assert all(len(t) == 3 for t in block.top_logprobs)
+    assert all(v <= 0 for v in block.token_logprobs)
+    # greedy: the chosen token is the most likely one
+    assert all(abs(max(t.values()) - v) < 1e-5 for t, v in zip(block.top_logprobs, block.token_logprobs))
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fox"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 for c in chat.choices[0].logprobs.content)
+
+
+def test_64_concurrent_streams_equal_non_streaming(server, client):
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+        async def one(i):
+            kw = dict(model="tiny", prompt=f"zebras {i} and hackers", max_tokens=8 + i % 17, temperature=0.9,
+                      seed=i)
+            text = ""
+            async for chunk in await aclient.completions.create(stream=True, **kw):
+                text += chunk.choices[0].text if chunk.choices else ""
+            return text, kw
+
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), timeout=600)
+
+    results = asyncio.run(run())
+    assert len(results) == 64
+    for text, kw in results[::7]:
+        assert client.completions.create(**kw).choices[0].text == text
+    assert _wait_blocks_free(server) == 0
+
+
+def test_disconnects_free_their_blocks(server):
+    body = {"model": "tiny", "prompt": "the night", "max_tokens": 100, "temperature": 0.5, "seed": 1,
+            "stream": True, "ignore_eos": True}
+    for _ in range(6):
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            for i, _line in enumerate(r.iter_lines()):
+                if i == 4:
+                    break              # hang up mid-stream
+    assert _wait_blocks_free(server) == 0
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("body,raw,status,needle", [
+    (None, b"{not json", 400, "not valid JSON"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": "many"}, None, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": -5}, None, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "n": 10000}, None, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "temperature": "hot"}, None, 400, "temperature"),
+    ({"model": "tiny", "prompt": "fox " * 200, "max_tokens": 4}, None, 400, "maximum context length is 128"),
+    ({"model": "gpt-9", "prompt": "x"}, None, 404, "gpt-9"),
+    ({"model": "tiny"}, None, 400, "prompt"),
+    ({"model": "tiny", "prompt": [1, 2, 999999]}, None, 400, "outside the vocabulary"),
+])
+def test_bad_requests_get_clear_4xx(server, body, raw, status, needle):
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30) if raw is None else httpx.post(
+        f"{server.url}/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+
+
+def test_chat_validation_and_tokenize_round_trip(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=30)
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400
+    toks = httpx.post(f"{server.url}/tokenize", json={"prompt": "seven wizards"}, timeout=30).json()
+    assert toks["count"] == len(toks["tokens"]) > 1
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": toks["tokens"]}, timeout=30).json()["prompt"]
+    assert text == "seven wizards"
+
+
+def test_metrics_report_latencies_and_counters(server, client):
+    client.completions.create(model="tiny", prompt="fox", max_tokens=5, temperature=0)
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for name in ("jaxinfer_time_to_first_token_seconds_count", "jaxinfer_inter_token_latency_seconds_count",
+                 "jaxinfer_e2e_request_latency_seconds_count", "jaxinfer_generation_tokens_total",
+                 "jaxinfer_prompt_tokens_total", "jaxinfer_num_requests_waiting", "jaxinfer_kv_blocks_used",
+                 "jaxinfer_num_preemptions_total", "jaxinfer_compilations_after_warmup"):
+        assert name in text, name
+    assert server.metric("jaxinfer_compilations_after_warmup") == 0
+
+
+def test_api_key_and_queue_limit(model_dir):
+    s = Server(model_dir, "--api-key", "sekret", "--max-queue", "2")
+    try:
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sekret", timeout=120, max_retries=0)
+        assert c.completions.create(model="tiny", prompt="fox", max_tokens=3).choices
+
+        async def flood():
+            async with httpx.AsyncClient(timeout=120) as h:
+                return await asyncio.gather(*(h.post(
+                    f"{s.url}/v1/completions", headers={"Authorization": "Bearer sekret"},
+                    json={"model": "tiny", "prompt": "fox", "max_tokens": 30}) for _ in range(24)))
+        codes = [r.status_code for r in asyncio.run(flood())]
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+        limited = next(r for r in asyncio.run(flood()) if r.status_code == 429) if 429 in codes else None
+        assert limited is None or limited.headers.get("retry-after") == "1"
+    finally:
+        s.close()
+
+
+def test_schemathesis_finds_no_server_errors(server):
+    st = Path(sys.executable).with_name("schemathesis")
+    if not st.exists():
+        pytest.skip("schemathesis is not installed")
+    result = subprocess.run(
+        [str(st), "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "25",
+         "--request-timeout", "60", "--seed", "1", "--no-color"],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -1,0 +1,100 @@
+"""Text-level behaviour of the engine with a real tokenizer: stop strings, streaming, string prompts.
+
+The model is a random tiny Llama whose vocabulary is a SentencePiece BPE trained here, so its
+output is arbitrary text made of real pieces (with multi-character tokens and byte fallback).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxinfer import Generator, SamplingParams
+from jaxinfer.tokenizer import load_tokenizer
+from tests.hf_models import TEXT_WORDS, save_text_model
+
+WORDS = TEXT_WORDS
+
+
+@pytest.fixture(scope="module")
+def text_gen(tmp_path_factory) -> Generator:
+    folder = save_text_model(tmp_path_factory.mktemp("sp-llama"))
+    return Generator.from_pretrained(folder, dtype="float32", max_model_len=128, max_num_batched_tokens=32,
+                                     max_num_seqs=8, block_size=8)
+
+
+def test_string_prompt_is_encoded_by_the_tokenizer(text_gen):
+    tok = load_tokenizer(text_gen.engine.tokenizer.files[0].parent)
+    a = text_gen.generate("the lazy dog", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    b = text_gen.generate([tok.encode("the lazy dog")], SamplingParams(max_tokens=8, temperature=0,
+                                                                       ignore_eos=True))[0]
+    assert a.prompt_token_ids == tok.encode("the lazy dog") and a.token_ids == b.token_ids
+    assert a.text == tok.decode(a.token_ids)
+
+
+def test_stop_strings_cut_the_text_across_token_boundaries(text_gen):
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    free = text_gen.generate("seven wizards", params)[0]
+    text = free.text
+    assert len(text) > 20
+    # a stop string that starts inside one token and ends inside another
+    starts = np.cumsum([len(text_gen.tokenizer.decode(free.token_ids[:i])) for i in range(1, len(free.token_ids))])
+    k = next(s for s in range(len(text) // 3, len(text) - 4) if s + 1 not in starts and s not in starts)
+    stop = text[k: k + 4]
+    out = text_gen.generate("seven wizards", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                            stop=[stop, "\x00never"]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+    assert out.token_ids == free.token_ids[: len(out.token_ids)]
+    # streamed: the same text, the stop string never shown, no partial prefix left dangling
+    deltas = list(text_gen.stream("seven wizards", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                                  stop=[stop])))
+    assert "".join(d.text for d in deltas) == out.text
+    assert deltas[-1].finish_reason == "stop" and all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_stream_equals_generate(text_gen):
+    params = SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True)
+    full = text_gen.generate("hackers write", params)[0]
+    deltas = list(text_gen.stream("hackers write", params))
+    assert "".join(d.text for d in deltas) == full.text
+    assert sum((d.token_ids for d in deltas), []) == full.token_ids
+    assert deltas[-1].finish_reason == "length"
+
+
+def test_eval_ppl_matches_transformers_nll(text_gen):
+    """Sliding-window NLL against HF transformers scoring the same windows (window 32, stride 16)."""
+    import math
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from jaxinfer.evaluate import eval_ppl
+    from jaxinfer.weights import load_model
+
+    folder = text_gen.engine.tokenizer.files[0].parent
+    hf = LlamaForCausalLM.from_pretrained(folder).eval()
+    model, _ = load_model(folder, "float32")
+    rng = np.random.RandomState(1)
+    text = " ".join(rng.choice(WORDS, 60)) + "\n" + " ".join(rng.choice(WORDS, 30))
+    ids = text_gen.tokenizer.encode(text)
+    assert len(ids) > 70
+    result = eval_ppl(model, text_gen.tokenizer, text, window=32, stride=16)
+    # reference: score token i (i >= 1) once, in the first window [b, b+32) with b % 16 == 0 that contains
+    # it beyond the part scored by the previous window
+    total, scored = 0.0, set()
+    b = 0
+    while True:
+        e = min(b + 32, len(ids))
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([ids[b:e]])).logits[0].double(), -1).numpy()
+        for i in range(max(b + 1, 1), e):
+            if i not in scored:
+                total -= logp[i - b - 1, ids[i]]
+                scored.add(i)
+        if e >= len(ids):
+            break
+        b += 16
+    assert scored == set(range(1, len(ids))) and result["tokens"] == len(ids) - 1
+    assert result["nll"] == pytest.approx(total, rel=1e-5)
+    assert result["bits_per_byte"] == pytest.approx(total / math.log(2) / len(text.encode()), rel=1e-5)
+    assert result["ppl"] == pytest.approx(math.exp(total / (len(ids) - 1)), rel=1e-5)
