@@ -88,6 +88,10 @@ def paged_attention_xla(q: jax.Array, kv: LayerKV, positions: jax.Array, meta: A
     # Gather each sequence's pages in logical order: (Hkv, S, max_blocks, bs, D) -> (Hkv, S, L, D)
     k_seq = kv.k[:, meta.block_tables].reshape(hkv, s, max_blocks * bs, d)
     v_seq = kv.v[:, meta.block_tables].reshape(hkv, s, max_blocks * bs, d)
+    if kv.k_scale is not None:   # int8 pages: dequantize what was gathered
+        k_seq = k_seq * kv.k_scale[:, meta.block_tables].reshape(hkv, s, -1)[..., None]
+        v_seq = v_seq * kv.v_scale[:, meta.block_tables].reshape(hkv, s, -1)[..., None]
+        k_seq, v_seq = k_seq.astype(q.dtype), v_seq.astype(q.dtype)
     k_tok = k_seq[:, meta.seq_ids]                                      # (Hkv, T, L, D)
     v_tok = v_seq[:, meta.seq_ids]
     qg = q.reshape(t, hkv, h // hkv, d)

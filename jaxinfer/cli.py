@@ -86,6 +86,19 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from jaxinfer.export import export_hf
+    from jaxinfer.generator import default_model_path
+    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.weights import load_model
+
+    path = Path(args.model) if args.model else default_model_path()
+    model, cfg = load_model(path, "float32")
+    export_hf(model, args.out_dir, load_tokenizer(path))
+    print(f"wrote {args.out_dir}: {cfg.architecture} in the Hugging Face layout (float32 safetensors)")
+    return 0
+
+
 def _served_name(args: argparse.Namespace) -> str:
     from jaxinfer.generator import default_model_path
     return args.served_model_name or Path(args.model or default_model_path()).resolve().name
@@ -155,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     c.set_defaults(func=cmd_convert)
 
+    ex = sub.add_parser("export-hf", help="write a (Llama-family) model as an HF transformers folder")
+    ex.add_argument("out_dir")
+    ex.add_argument("--model", default=None)
+    ex.set_defaults(func=cmd_export_hf)
+
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _model_arg(sv)
     _engine_args(sv)
@@ -181,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--stride", type=int, default=None, help="default: window // 2")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval_ppl)
+
+    from jaxinfer.plan import add_plan_parser
+    add_plan_parser(sub)
     return parser
 
 

@@ -7,6 +7,7 @@ one loop thread.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import random
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import EngineConfig, SamplingParams
+from jaxinfer.devices import spec_for_kind
 from jaxinfer.host.block_manager import BlockManager
 from jaxinfer.host.request import Request
 from jaxinfer.host.scheduler import Scheduler, SchedulerConfig
@@ -48,7 +50,8 @@ class _TextState:
 
 @dataclass
 class StepStats:
-    step_times: list[float] = field(default_factory=list)
+    step_times: deque = field(default_factory=lambda: deque(maxlen=1024))
+    bandwidth: deque = field(default_factory=lambda: deque(maxlen=64))   # bytes/s of recent steps
     num_steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -63,8 +66,6 @@ class Engine:
         self.cfg = cfg
         self.max_model_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
         kv_dtype = jnp.int8 if cfg.kv_dtype == "int8" else jnp.dtype(cfg.kv_dtype or cfg.dtype)
-        if cfg.kv_dtype == "int8":
-            raise ValueError("kv_dtype='int8' needs the quantized KV path, which is not available yet")
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         num_blocks = cfg.num_blocks or default_num_blocks(
             self.model_cfg, cfg.block_size, kv_dtype, weight_bytes, cfg.max_num_seqs, self.max_model_len)
@@ -79,6 +80,7 @@ class Engine:
         self.runner = ModelRunner(model, RunnerConfig(cfg.block_size, num_blocks, cfg.max_num_seqs,
                                                       tokens_budget, self.max_model_len, attention), kv_dtype)
         self.weight_bytes = weight_bytes
+        self.device_spec = spec_for_kind(jax.devices()[0].device_kind)
         self._text: dict[str, _TextState] = {}
         self._groups: dict[str, list[str]] = {}   # request id -> ids of its n samples
         self._ids = itertools.count()
@@ -145,7 +147,11 @@ class Engine:
             return []
         t0, c0 = time.perf_counter(), CompileCounter.count
         samples = self.runner.execute(plan, self.blocks.tables)
-        self.stats_.step_times.append(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        self.stats_.step_times.append(dt)
+        # bytes this step had to read: every weight once, plus each sequence's whole KV context
+        context = sum(q.start + q.num_tokens for q in plan.seqs)
+        self.stats_.bandwidth.append((self.weight_bytes + context * self.runner.kv_bytes_per_token) / dt)
         if self.warmed_up:
             self.stats_.compilations_after_warmup += CompileCounter.count - c0
         self.stats_.num_steps += 1
@@ -185,6 +191,7 @@ class Engine:
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
         s = self.stats_
+        bw = float(np.median(s.bandwidth)) if s.bandwidth else None
         return {
             "compilations_after_warmup": s.compilations_after_warmup if self.warmed_up else None,
             "kv_blocks_total": self.blocks.num_blocks - 1,
@@ -197,6 +204,8 @@ class Engine:
             "prompt_tokens": s.prompt_tokens,
             "generation_tokens": s.generation_tokens,
             "median_step_time_s": float(np.median(s.step_times)) if s.step_times else None,
+            "achieved_bandwidth_bytes_per_s": bw,
+            "mbu": None if bw is None or self.device_spec is None else bw / self.device_spec.bandwidth,
             "weight_bytes": self.weight_bytes,
             "max_model_len": self.max_model_len,
             "block_size": self.cfg.block_size,

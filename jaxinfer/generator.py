@@ -26,6 +26,7 @@ from flax import nnx
 from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.engine import Engine, RequestOutput
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
+from jaxinfer.models.decoder import quantize_decoder
 from jaxinfer.weights import load_model
 
 DEFAULT_MODEL = "jaxinfer-tiny-llama"
@@ -109,7 +110,7 @@ class Generator:
                            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                            max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                            batching=batching, max_model_len=max_model_len)
-        unavailable = {"quantize": quantize, "tensor_parallel": tensor_parallel > 1 or None,
+        unavailable = {"tensor_parallel": tensor_parallel > 1 or None,
                        "pipeline_parallel": pipeline_parallel > 1 or None, "attention='pallas'":
                        attention == "pallas" or None}
         asked = [k for k, v in unavailable.items() if v]
@@ -117,6 +118,8 @@ class Generator:
             raise ValueError(f"{', '.join(asked)}: not available in this version of jaxinfer")
         path = Path(path) if path is not None else default_model_path()
         model, _ = load_model(path, dtype)
+        if quantize is not None:
+            quantize_decoder(model, quantize)
         return cls(model, load_tokenizer(path), cfg, max_num_batched_tokens, warmup)
 
     # ---------------------------------------------------------------- inputs

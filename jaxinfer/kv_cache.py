@@ -50,20 +50,38 @@ class AttentionMetadata:
 
 def init_kv_pages(n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                   dtype) -> list[LayerKV]:
+    """int8 pages carry float32 scales per (kv head, token): value = int8 * scale."""
     shape = (n_kv_heads, num_blocks, block_size, head_dim)
+    if jnp.dtype(dtype) == jnp.int8:
+        return [LayerKV(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8),
+                        jnp.ones(shape[:3], jnp.float32), jnp.ones(shape[:3], jnp.float32)) for _ in range(n_layers)]
     return [LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(n_layers)]
 
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype) -> int:
-    """K and V of one token in all layers: 2 * bytes * n_layers * n_kv_heads * head_dim."""
-    return 2 * jnp.dtype(dtype).itemsize * n_layers * n_kv_heads * head_dim
+    """K and V of one token in all layers: 2 * bytes * n_layers * n_kv_heads * head_dim
+    (+ the two float32 scales per kv head of int8 pages)."""
+    scales = 2 * 4 * n_layers * n_kv_heads if jnp.dtype(dtype) == jnp.int8 else 0
+    return 2 * jnp.dtype(dtype).itemsize * n_layers * n_kv_heads * head_dim + scales
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., head_dim] -> int8 values and float32 scales [...] (symmetric, per token per head)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale[..., None]), -127, 127).astype(jnp.int8)
+    return q, scale
 
 
 def write_kv(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:
     """Scatter this step's k, v [T, n_kv_heads, head_dim] into their slots (in place when donated)."""
     hkv, nb, bs, hd = layer.k.shape
-    k_flat = layer.k.reshape(hkv, nb * bs, hd)
-    v_flat = layer.v.reshape(hkv, nb * bs, hd)
-    k_flat = k_flat.at[:, slot_mapping].set(k.transpose(1, 0, 2).astype(k_flat.dtype), mode="drop")
-    v_flat = v_flat.at[:, slot_mapping].set(v.transpose(1, 0, 2).astype(v_flat.dtype), mode="drop")
-    return LayerKV(k_flat.reshape(hkv, nb, bs, hd), v_flat.reshape(hkv, nb, bs, hd))
+    k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)                     # (Hkv, T, hd)
+
+    def put(pages, new):
+        flat = pages.reshape(hkv, nb * bs, *pages.shape[3:])
+        return flat.at[:, slot_mapping].set(new.astype(flat.dtype), mode="drop").reshape(pages.shape)
+    if layer.k_scale is None:
+        return LayerKV(put(layer.k, k), put(layer.v, v))
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    return LayerKV(put(layer.k, kq), put(layer.v, vq), put(layer.k_scale, ks), put(layer.v_scale, vs))

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.quant import QuantizedWeight, qdot
 
 
 def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype, rngs: nnx.Rngs | None, std: float = 0.02,
@@ -52,17 +53,21 @@ class Norm(nnx.Module):
         if self.kind == "rmsnorm":
             y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
             # HF casts back to the input dtype before multiplying by the weight.
-            return self.scale[...] * y.astype(x.dtype)
+            return self.scale.get_value() * y.astype(x.dtype)
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+        return (y * self.scale.get_value().astype(jnp.float32) + self.bias.get_value().astype(jnp.float32)).astype(x.dtype)
 
 
-def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, contract: int = 1) -> jax.Array:
-    """x [..., in...] @ kernel [in..., out...] (+ bias [out...]); `contract` = number of input dims."""
-    x_axes = tuple(range(x.ndim - contract, x.ndim))
-    y = jax.lax.dot_general(x, kernel, ((x_axes, tuple(range(contract))), ((), ())))
+def dense(x: jax.Array, kernel, bias: jax.Array | None, contract: int = 1) -> jax.Array:
+    """x [..., in...] @ kernel [in..., out...] (+ bias [out...]); `contract` = number of input dims.
+    A QuantizedWeight kernel goes through quant.qdot (Pallas on GPU, dequantizing XLA elsewhere)."""
+    if isinstance(kernel, QuantizedWeight):
+        y = qdot(x, kernel, contract=contract).astype(x.dtype)
+    else:
+        x_axes = tuple(range(x.ndim - contract, x.ndim))
+        y = jax.lax.dot_general(x, kernel, ((x_axes, tuple(range(contract))), ((), ())))
     return y + bias if bias is not None else y
 
 
@@ -82,16 +87,16 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         act = ACTIVATIONS[self.act]
-        h = dense(x, self.up[...], _val(self.up_bias))
+        h = dense(x, self.up.get_value(), param_value(self.up_bias))
         if self.gated:
-            h = act(dense(x, self.gate[...], _val(self.gate_bias))) * h
+            h = act(dense(x, self.gate.get_value(), param_value(self.gate_bias))) * h
         else:
             h = act(h)
-        return dense(h, self.down[...], _val(self.down_bias))
+        return dense(h, self.down.get_value(), param_value(self.down_bias))
 
 
-def _val(p: nnx.Param | None) -> jax.Array | None:
-    return None if p is None else p[...]
+def param_value(p: nnx.Param | None):
+    return None if p is None else p.get_value()
 
 
 # ----------------------------------------------------------------------------------- positions

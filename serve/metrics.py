@@ -38,6 +38,11 @@ class ServerMetrics:
                                      registry=r).labels(**label)
         self.generation_tokens = Counter("jaxinfer_generation_tokens", "Tokens generated", ["model_name"],
                                          registry=r).labels(**label)
+        self.mbu = Gauge("jaxinfer_mbu", "Model bandwidth utilisation of recent steps (bytes read / step time / "
+                         "peak bandwidth); NaN when the device's peak is unknown", ["model_name"],
+                         registry=r).labels(**label)
+        self.bandwidth = Gauge("jaxinfer_achieved_bandwidth_bytes_per_second", "Bytes read per second by recent steps",
+                               ["model_name"], registry=r).labels(**label)
         self.finished = Counter("jaxinfer_request_success", "Finished requests", ["model_name", "finish_reason"],
                                 registry=r)
         self._label = label
@@ -50,6 +55,9 @@ class ServerMetrics:
         self.kv_used.set(s["kv_blocks_used"])
         self.kv_total.set(s["kv_blocks_total"])
         self.compilations.set(s["compilations_after_warmup"] or 0)
+        self.mbu.set(float("nan") if s["mbu"] is None else s["mbu"])
+        if s["achieved_bandwidth_bytes_per_s"] is not None:
+            self.bandwidth.set(s["achieved_bandwidth_bytes_per_s"])
         for key, counter in (("num_preemptions", self.preemptions), ("prompt_tokens", self.prompt_tokens),
                              ("generation_tokens", self.generation_tokens)):
             if s[key] > self._last[key]:

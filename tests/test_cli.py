@@ -24,3 +24,21 @@ def test_convert_then_generate_matches_hf(hf_model_dir, tmp_path, capsys):
                                                         eos_token_id=None, pad_token_id=0)[0, len(ids):]
     assert line["token_ids"] == ref.tolist()
     assert line["finish_reason"] == "length"
+
+
+def test_export_hf_round_trip_loads_in_transformers(hf_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    for name in ("llama-gqa-llama3", "qwen2-window", "mistral-window"):
+        src = hf_model_dir(name)
+        assert main(["export-hf", str(tmp_path / name), "--model", src]) == 0
+        ref = build_hf_model(name)
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        ids = torch.tensor([[5, 9, 33, 2, 41, 7, 19, 60, 3, 11]])
+        with torch.no_grad():
+            np.testing.assert_allclose(back(ids).logits.numpy(), ref(ids).logits.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_export_hf_refuses_other_families(hf_model_dir, tmp_path, capsys):
+    assert main(["export-hf", str(tmp_path / "x"), "--model", hf_model_dir("gpt2")]) == 2
+    assert "Llama family" in capsys.readouterr().err

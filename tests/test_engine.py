@@ -183,3 +183,38 @@ def test_static_and_dynamic_policies_give_the_same_tokens(policy, hf_model_dir, 
     params = SamplingParams(max_tokens=9, temperature=0.7, seed=3, ignore_eos=True)
     assert [o.token_ids for o in g.generate(prompts, params)] == [o.token_ids for o in gen.generate(prompts, params)]
     assert _all_free(g)
+
+
+def test_live_mbu_is_bytes_read_over_step_time(gen, monkeypatch):
+    from jaxinfer.devices import DeviceSpec
+
+    gen.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    eng = gen.engine
+    monkeypatch.setattr(eng, "device_spec", DeviceSpec("test", 0, 1e9, 0))
+    st = gen.stats()
+    # the last step decoded one token with 3 + 2 = 5 tokens of context
+    step_bytes = st["weight_bytes"] + 5 * eng.runner.kv_bytes_per_token
+    assert eng.stats_.bandwidth[-1] == pytest.approx(step_bytes / eng.stats_.step_times[-1])
+    assert st["mbu"] == pytest.approx(st["achieved_bandwidth_bytes_per_s"] / 1e9)
+    assert eng.runner.kv_bytes_per_token == 2 * 4 * gen.model_cfg.n_layers * gen.model_cfg.n_kv_heads * gen.model_cfg.head_dim
+
+
+def test_int8_kv_cache_close_to_float(hf_model_dir, gen):
+    """int8 KV (per token per head scales): greedy tokens mostly unchanged, logprobs close."""
+    q = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **SMALL, kv_dtype="int8", warmup=False)
+    assert q.engine.runner.kv_pages[0].k.dtype == np.int8
+    prompts = _prompts(4, gen.model_cfg.vocab_size, 10, 40, seed=13)
+    p = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
+    ref, got = gen.generate(prompts, p), q.generate(prompts, p)
+    first = [a.token_ids[0] == b.token_ids[0] for a, b in zip(ref, got)]
+    assert all(first)                              # the first step reads only what it just wrote
+    lp_ref, lp_got = np.array(ref[0].logprobs[:3]), np.array(got[0].logprobs[:3])
+    assert np.abs(lp_ref - lp_got).max() < 0.05
+    assert _all_free(q)
+
+
+def test_quantized_weights_generate(hf_model_dir):
+    for method in ("int8", "int4"):
+        g = Generator.from_pretrained(hf_model_dir("qwen2-tied"), **SMALL, quantize=method, warmup=False)
+        out = g.generate([[5, 9, 33, 2, 41]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+        assert out.token_ids == naive_greedy(g, [5, 9, 33, 2, 41], 10)  # paged path == full forward, quantized

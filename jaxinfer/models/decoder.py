@@ -19,8 +19,9 @@ from flax import nnx
 from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import AttentionMetadata, LayerKV
-from jaxinfer.layers import (MLP, Norm, alibi_slopes, apply_rope, dense, param, rope_inv_freq,
+from jaxinfer.layers import (MLP, Norm, alibi_slopes, apply_rope, dense, param, param_value, rope_inv_freq,
                              sinusoidal_embedding)
+from jaxinfer.quant import quantize
 
 
 class Attention(nnx.Module):
@@ -40,9 +41,9 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, kv: LayerKV | None,
                  meta: AttentionMetadata | None, impl: str) -> tuple[jax.Array, LayerKV | None]:
         cfg = self.cfg
-        q = dense(x, self.q[...], _val(self.q_bias))                    # (T, H, hd)
-        k = dense(x, self.k[...], _val(self.k_bias))                    # (T, Hkv, hd)
-        v = dense(x, self.v[...], _val(self.v_bias))
+        q = dense(x, self.q.get_value(), param_value(self.q_bias))                    # (T, H, hd)
+        k = dense(x, self.k.get_value(), param_value(self.k_bias))                    # (T, Hkv, hd)
+        v = dense(x, self.v.get_value(), param_value(self.v_bias))
         alibi = None
         if cfg.position == "rope":
             inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
@@ -51,7 +52,7 @@ class Attention(nnx.Module):
             alibi = jnp.asarray(alibi_slopes(cfg.n_heads))
         out, kv = attention(q, k, v, positions, scale=cfg.head_dim ** -0.5, window=self.window,
                             alibi=alibi, kv=kv, meta=meta, impl=impl)
-        return dense(out, self.o[...], _val(self.o_bias), contract=2), kv   # (T, D)
+        return dense(out, self.o.get_value(), param_value(self.o_bias), contract=2), kv   # (T, D)
 
 
 class Block(nnx.Module):
@@ -88,9 +89,9 @@ class Decoder(nnx.Module):
                       meta: AttentionMetadata | None = None,
                       impl: str = "xla") -> tuple[jax.Array, list[LayerKV] | None]:
         """The final-norm hidden states [T, D] and the updated pages."""
-        x = self.embed[...][tokens]                                     # (T, D)
+        x = self.embed.get_value()[tokens]                                     # (T, D)
         if self.pos_embed is not None:
-            x = x + self.pos_embed[...][positions]
+            x = x + self.pos_embed.get_value()[positions]
         elif self.cfg.position == "sinusoidal":
             x = x + sinusoidal_embedding(positions, self.cfg.d_model).astype(x.dtype)
         if self.embed_norm is not None:
@@ -104,7 +105,7 @@ class Decoder(nnx.Module):
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Hidden states [N, D] -> float32 logits [N, vocab]."""
-        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        w = self.embed.get_value().T if self.lm_head is None else self.lm_head.get_value()
         return jnp.dot(h, w, preferred_element_type=jnp.float32)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_pages: list[LayerKV] | None = None,
@@ -115,10 +116,6 @@ class Decoder(nnx.Module):
         if logits_indices is not None:
             h = h[logits_indices]
         return self.logits(h), kv_pages
-
-
-def _val(p: nnx.Param | None) -> jax.Array | None:
-    return None if p is None else p[...]
 
 
 def abstract_decoder(cfg: ModelConfig, dtype) -> Decoder:
@@ -135,3 +132,29 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def count_params(model: Decoder) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+
+# matmul weights that quantize (name -> contracted leading dims); embeddings, norms, biases and
+# the LM head stay in the model dtype (as llama.cpp keeps the output layer at higher precision)
+_QUANTIZED = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1}
+
+
+def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Decoder:
+    """Weight-only quantization in place: "int8" (per output channel) or "int4" (group-wise along K,
+    symmetric; the group shrinks to 64 or 32 when K is not a multiple of 128, and a matrix whose K
+    fits none of them stays int8)."""
+    bits = {"int8": 8, "int4": 4}[method]
+    for path, var in nnx.state(model, nnx.Param).flat_state():
+        name = str(path[-1])
+        if name not in _QUANTIZED or len(path) < 2:
+            continue
+        w = var.get_value()
+        contract = _QUANTIZED[name]
+        k = int(np.prod(w.shape[:contract]))
+        if bits == 4:
+            g = next((g for g in (group_size, 64, 32) if k % g == 0 and g <= group_size), None)
+            qw = quantize(w, 4, group_size=g, contract=contract) if g else quantize(w, 8, contract=contract)
+        else:
+            qw = quantize(w, 8, contract=contract)
+        var.set_value(qw)
+    return model

@@ -1,0 +1,443 @@
+"""`jaxinfer plan`: a capacity planner. Pure arithmetic on a ModelConfig and a device table;
+it never imports jax (nor anything that does), so it answers instantly on any machine.
+
+Given a model (an HF config.json or a preset), a device, weight and KV dtypes, a context
+length and a TP x PP layout, it reports how the memory splits and what the roofline allows.
+
+Notation: P parameters, L layers, d = d_model, H / H_kv query / KV heads, h = head_dim,
+T = context (tokens per sequence), M = memory per device, f = memory fraction,
+BW = peak HBM bandwidth per device (bytes/s), F = peak dense FLOP/s per device.
+
+Parameters
+    P exact = ModelConfig.num_params(). Shown beside the textbook approximation
+    P ~ 12 L d^2 + embeddings (4 d^2 attention + 8 d^2 MLP per layer when H_kv = H and
+    ffn = 4d; embeddings = vocab * d, twice when untied). GQA and SwiGLU's ffn ~ 8/3 * 4d
+    make the approximation drift by a few percent; the exact count is what everything uses.
+
+Weight bytes (weight-only quantization, the layout of jaxinfer.quant)
+    Quantized: every matmul weight of every layer (q, k, v, o; gate, up, down or fc, proj),
+    as 2-D [K, N] matrices (K contracted). Kept at 16 bits (bf16): token embedding, lm_head,
+    norms, biases, learned positions.
+      bfloat16: 2 B/param everywhere.        float32: 4 B/param everywhere.
+      int8:  1 B per matmul param + per-output-channel scale, f32 (4 B) per column N
+             (jaxinfer.quant's int8 format).
+      int4:  0.5 B per matmul param + one 2-byte scale per group of 128 along K
+             (ceil(K/128) * N scales per matrix; GPTQ/AWQ-style fp16/bf16 scales,
+             symmetric, so no zero points). Note jaxinfer.quant stores int4 scales as f32;
+             set INT4_SCALE_BYTES = 4 to plan for that (+1.6% matmul bytes).
+
+KV cache
+    kv_bytes_per_token = 2 (K and V) * bytes(kv_dtype) * L * H_kv * h
+      int8 KV adds per-token, per-head f32 scales for K and V: + 2 * 4 * L * H_kv.
+    kv_bytes_per_sequence = kv_bytes_per_token * T.
+    Sliding windows do not shrink it: jaxinfer's paged cache keeps every token's block.
+
+Per-device layout (TP shards heads, PP shards layers)
+    per_device_weight_bytes = weight_bytes / (tp * pp)   (an even split; replicated
+      embeddings or uneven stages make the real figure a little larger).
+    KV heads per device = ceil(H_kv / tp): sharded when H_kv >= tp (H_kv / tp each), else
+      each device holds one KV head, replicated tp / H_kv times (as vLLM does).
+    Layers per device = ceil(L / pp).
+    per_device_kv_bytes_per_token = 2 * bytes(kv) * ceil(L/pp) * ceil(H_kv/tp) * h (+ scales)
+    per_device_kv_budget_bytes = M * f - per_device_weight_bytes
+    max_sequences = floor(per_device_kv_budget_bytes / (per_device_kv_bytes_per_token * T))
+      which, when tp divides H_kv and pp divides L, is the aggregate
+      floor((M * f * tp * pp - weight_bytes) / kv_bytes_per_sequence).
+
+Roofline
+    B* = F / BW, FLOPs per byte: the arithmetic intensity at the ridge point. F is the bf16
+    tensor-core peak for bf16 / int8 / int4 weights (weight-only quantization dequantizes
+    into bf16 matmuls, so the int8 tensor-core peak does not apply) and the TF32 peak for
+    float32 weights (XLA's default precision for f32 dots on A100/H100).
+
+    Decode at batch 1 is bandwidth-bound: each token streams every weight once plus the
+    sequence's KV. With tp devices reading their shards in parallel and pp stages in turn:
+      decode_tokens_per_s_bs1 = BW / (weight_bytes / tp + pp * per_device_kv_bytes_per_seq)
+                              = BW * tp / (weight_bytes + kv_bytes_per_sequence)  (even split)
+    (T tokens of KV: the end of a full-context sequence, the slowest step; no communication
+    cost is counted, so TP > 1 is an upper bound.)
+
+    Batch where decode turns compute-bound. One decode step over B sequences reads the
+    weights once, W = P * b bytes (b = weight_bytes / P, bytes per parameter), and does
+    2 FLOPs (a multiply and an add) per parameter per token: 2 * P * B FLOPs. Its arithmetic
+    intensity is 2 P B / (P b) = 2 B / b FLOPs/byte, which reaches B* when
+      B = B* * b / 2   (= compute_bound_batch; B* itself for bf16, B*/4 for int4).
+    Ignored: KV reads, which grow with B and have intensity ~1, so the real crossover is
+    later (and at long contexts attention stays bandwidth-bound at any batch). TP and PP
+    scale F and BW together and leave it unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from jaxinfer.config import ModelConfig, RopeScaling
+
+GiB = 2**30
+INT4_GROUP_SIZE = 128
+INT4_SCALE_BYTES = 4        # one float32 scale per group, as jaxinfer/quant.py stores them
+INT8_SCALE_BYTES = 4        # one f32 scale per output channel (jaxinfer.quant)
+KV_INT8_SCALE_BYTES = 4     # one f32 scale per token, per KV head, for K and for V
+
+WEIGHT_DTYPES = ("bfloat16", "float32", "int8", "int4")
+KV_DTYPES = ("bfloat16", "float32", "int8")
+_BYTES = {"bfloat16": 2, "float32": 4, "int8": 1, "int4": 0.5}
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator's peaks. flops_* are dense (no 2:4 sparsity) tensor-core figures."""
+    name: str
+    label: str
+    memory_bytes: int
+    bandwidth: float            # peak memory bandwidth, bytes/s
+    flops_bf16: float           # FLOP/s
+    flops_tf32: float           # FLOP/s, for float32 weights
+    ops_int8: float             # OP/s; only W8A8 kernels could use it (jaxinfer's are weight-only)
+    assumed: tuple[str, ...] = ()   # sentences naming figures that are not datasheet values
+    source: str = ""
+
+
+# Vendor datasheets; the sheets print sparse tensor-core peaks, halved here to dense.
+# "80GB" / "141GB" of HBM are binary gigabytes (GiB); nvidia-smi shows slightly less after
+# reserved memory, which --memory-fraction absorbs.
+DEVICES: dict[str, Device] = {
+    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: 80GB HBM3, 3.35TB/s,
+    # BF16 1,979 TFLOPS*, TF32 989 TFLOPS*, INT8 3,958 TOPS* (* with sparsity).
+    "h100": Device("h100", "NVIDIA H100 SXM 80GB", 80 * GiB, 3.35e12, 989e12, 494.5e12, 1979e12,
+                   source="NVIDIA H100 Tensor Core GPU datasheet (SXM)"),
+    # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 141GB HBM3e, 4.8TB/s, same compute as H100 SXM.
+    "h200": Device("h200", "NVIDIA H200 SXM 141GB", 141 * GiB, 4.8e12, 989e12, 494.5e12, 1979e12,
+                   source="NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
+    # NVIDIA A100 Tensor Core GPU datasheet: 40GB HBM2 1,555GB/s; BF16 312 TFLOPS, TF32 156, INT8 624 TOPS.
+    "a100-40gb": Device("a100-40gb", "NVIDIA A100 40GB", 40 * GiB, 1.555e12, 312e12, 156e12, 624e12,
+                        source="NVIDIA A100 Tensor Core GPU datasheet (40GB SXM)"),
+    # Same datasheet, 80GB HBM2e SXM: 2,039GB/s.
+    "a100-80gb": Device("a100-80gb", "NVIDIA A100 80GB", 80 * GiB, 2.039e12, 312e12, 156e12, 624e12,
+                        source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)"),
+}
+# A host CPU: memory from the OS, the rest are round-number assumptions (a few-channel DDR
+# server socket, ~1 TFLOP/s of AVX-512 bf16); pass --memory-gib to override the memory.
+CPU_BANDWIDTH = 50e9
+CPU_FLOPS = 1e12
+DEVICE_NAMES = (*DEVICES, "cpu")
+
+
+def _rope31() -> RopeScaling:
+    return RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+
+
+def _llama(**kw: Any) -> ModelConfig:
+    base = dict(activation="silu", gated_mlp=True, norm="rmsnorm", norm_eps=1e-5, position="rope",
+                architecture="LlamaForCausalLM")
+    return ModelConfig(**{**base, **kw})
+
+
+# Published shapes (each model's config.json on the Hugging Face hub).
+PRESETS: dict[str, ModelConfig] = {
+    "llama-2-7b": _llama(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128,
+                         ffn_dim=11008, max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,)),
+    "llama-2-13b": _llama(vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=40, head_dim=128,
+                          ffn_dim=13824, max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,)),
+    "llama-2-70b": _llama(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
+                          ffn_dim=28672, max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,)),
+    "llama-3.1-8b": _llama(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                           ffn_dim=14336, max_position_embeddings=131072, rope_theta=500000.0,
+                           rope_scaling=_rope31(), bos_token_id=128000, eos_token_ids=(128001,)),
+    "llama-3.1-70b": _llama(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
+                            ffn_dim=28672, max_position_embeddings=131072, rope_theta=500000.0,
+                            rope_scaling=_rope31(), bos_token_id=128000, eos_token_ids=(128001,)),
+    "mistral-7b": _llama(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                         ffn_dim=14336, max_position_embeddings=32768, sliding_window=4096,
+                         bos_token_id=1, eos_token_ids=(2,), architecture="MistralForCausalLM"),
+    "qwen2-7b": _llama(vocab_size=152064, d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128,
+                       ffn_dim=18944, max_position_embeddings=131072, rope_theta=1000000.0, norm_eps=1e-6,
+                       qkv_bias=True, bos_token_id=151643, eos_token_ids=(151643,),
+                       architecture="Qwen2ForCausalLM"),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def _os_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        raise ValueError("cannot read this host's memory size; pass --memory-gib") from None
+
+
+def get_device(name: str, memory_gib: float | None = None) -> Device:
+    """The device table entry; memory_gib (GiB per device) overrides the capacity."""
+    if name not in DEVICE_NAMES:
+        raise ValueError(f"unknown device {name!r}; choose from: {', '.join(DEVICE_NAMES)}")
+    if memory_gib is not None and not memory_gib > 0:
+        raise ValueError(f"--memory-gib must be > 0, got {memory_gib}")
+    mem = None if memory_gib is None else int(memory_gib * GiB)
+    given = (f"memory {memory_gib:g} GiB per device is from --memory-gib",) if mem else ()
+    if name == "cpu":
+        assumed = (f"CPU bandwidth {CPU_BANDWIDTH / 1e9:g} GB/s is an assumption, not a measurement",
+                   f"CPU peak {CPU_FLOPS / 1e12:g} TFLOP/s is an assumption, not a measurement") + given
+        return Device("cpu", "host CPU", mem or _os_memory_bytes(), CPU_BANDWIDTH, CPU_FLOPS, CPU_FLOPS, CPU_FLOPS,
+                      assumed=assumed, source="memory: os.sysconf (or --memory-gib); bandwidth, FLOP/s: assumed")
+    dev = DEVICES[name]
+    return dev if mem is None else dataclasses.replace(dev, memory_bytes=mem, assumed=given)
+
+
+def approx_params(cfg: ModelConfig) -> int:
+    """12 L d^2 + embeddings (token embedding, lm_head when untied, learned positions)."""
+    emb = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+    emb += cfg.max_position_embeddings * cfg.d_model if cfg.position == "learned" else 0
+    return 12 * cfg.n_layers * cfg.d_model**2 + emb
+
+
+def layer_matmul_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """[K, N] (contracted, output) of each quantizable matmul weight in one layer."""
+    d, f, hd = cfg.d_model, cfg.ffn_dim, cfg.head_dim
+    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    attn = [(d, q), (d, kv), (d, kv), (q, d)]
+    mlp = [(d, f), (d, f), (f, d)] if cfg.gated_mlp else [(d, f), (f, d)]
+    return attn + mlp
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str) -> dict[str, int]:
+    """{"matmul", "scales", "other", "total"} bytes of all weights stored as `dtype`."""
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"unknown weight dtype {dtype!r}; choose from: {', '.join(WEIGHT_DTYPES)}")
+    shapes = layer_matmul_shapes(cfg)
+    n_matmul = cfg.n_layers * sum(k * n for k, n in shapes)
+    n_other = cfg.num_params() - n_matmul
+    if dtype in ("bfloat16", "float32"):
+        b = _BYTES[dtype]
+        out = {"matmul": n_matmul * b, "scales": 0, "other": n_other * b}
+    elif dtype == "int8":
+        scales = cfg.n_layers * sum(n for _, n in shapes) * INT8_SCALE_BYTES
+        out = {"matmul": n_matmul, "scales": scales, "other": n_other * 2}
+    else:
+        groups = cfg.n_layers * sum(math.ceil(k / INT4_GROUP_SIZE) * n for k, n in shapes)
+        packed = cfg.n_layers * sum(math.ceil(k / 2) * n for k, n in shapes)    # two 4-bit values per byte along K
+        out = {"matmul": packed, "scales": groups * INT4_SCALE_BYTES, "other": n_other * 2}
+    out["total"] = out["matmul"] + out["scales"] + out["other"]
+    return out
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, *, layers: int | None = None,
+                       kv_heads: int | None = None) -> int:
+    """2 * bytes(kv_dtype) * layers * kv_heads * head_dim (+ int8 scales); default: the whole model."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose from: {', '.join(KV_DTYPES)}")
+    layers = cfg.n_layers if layers is None else layers
+    kv_heads = cfg.n_kv_heads if kv_heads is None else kv_heads
+    total = 2 * int(_BYTES[kv_dtype]) * layers * kv_heads * cfg.head_dim
+    if kv_dtype == "int8":
+        total += 2 * KV_INT8_SCALE_BYTES * layers * kv_heads
+    return total
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    model: str
+    architecture: str
+    device: str
+    device_label: str
+    device_source: str
+    dtype: str
+    kv_dtype: str
+    context: int
+    tp: int
+    pp: int
+    memory_fraction: float
+    params: int
+    params_approx: int
+    weight_bytes: int
+    weight_bytes_breakdown: dict[str, int]
+    bytes_per_param: float
+    kv_bytes_per_token: int
+    kv_bytes_per_sequence: int
+    kv_sharding: str                    # "sharded" | "replicated" (over tp)
+    per_device_memory_bytes: int
+    per_device_usable_bytes: int
+    per_device_weight_bytes: int
+    per_device_kv_bytes_per_token: int
+    per_device_kv_bytes_per_sequence: int
+    per_device_kv_budget_bytes: int
+    max_sequences: int
+    max_kv_tokens: int
+    peak_flops: float
+    peak_flops_kind: str
+    bandwidth: float
+    b_star: float
+    compute_bound_batch: float
+    decode_tokens_per_s_bs1: float
+    decode_ms_per_token_bs1: float
+    assumptions: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["assumptions"], d["warnings"] = list(self.assumptions), list(self.warnings)
+        return d
+
+
+def plan(cfg: ModelConfig, device: Device, *, dtype: str = "bfloat16", kv_dtype: str | None = None,
+         context: int | None = None, tp: int = 1, pp: int = 1, memory_fraction: float = 0.9,
+         model_name: str | None = None) -> CapacityPlan:
+    """The capacity plan; formulas in the module docstring. kv_dtype None: dtype if it is a
+    float type, else bfloat16. context None: the model's max_position_embeddings."""
+    kv_dtype = kv_dtype or (dtype if dtype in ("bfloat16", "float32") else "bfloat16")
+    context = cfg.max_position_embeddings if context is None else context
+    problems = []
+    if not (isinstance(tp, int) and tp >= 1):
+        problems.append(f"tp must be an integer >= 1, got {tp!r}")
+    if not (isinstance(pp, int) and 1 <= pp <= cfg.n_layers):
+        problems.append(f"pp must be an integer in [1, n_layers={cfg.n_layers}], got {pp!r}")
+    if not (isinstance(context, int) and context >= 1):
+        problems.append(f"context must be an integer >= 1, got {context!r}")
+    if not 0 < memory_fraction <= 1:
+        problems.append(f"memory fraction must be in (0, 1], got {memory_fraction!r}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    warnings = []
+    if context > cfg.max_position_embeddings:
+        warnings.append(f"context {context} exceeds the model's max_position_embeddings {cfg.max_position_embeddings}")
+    if cfg.n_heads % tp:
+        warnings.append(f"tp={tp} does not divide n_heads={cfg.n_heads}; engines reject this layout")
+    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+        warnings.append(f"tp={tp} and n_kv_heads={cfg.n_kv_heads} do not divide one another")
+    if cfg.n_layers % pp:
+        warnings.append(f"pp={pp} does not divide n_layers={cfg.n_layers}; the largest stage sets the KV figures")
+
+    wb = weight_bytes(cfg, dtype)
+    params = cfg.num_params()
+    kv_tok = kv_bytes_per_token(cfg, kv_dtype)
+    dev_kv_tok = kv_bytes_per_token(cfg, kv_dtype, layers=math.ceil(cfg.n_layers / pp),
+                                    kv_heads=math.ceil(cfg.n_kv_heads / tp))
+    dev_weights = math.ceil(wb["total"] / (tp * pp))
+    usable = int(device.memory_bytes * memory_fraction)
+    budget = usable - dev_weights
+    if budget <= 0:
+        warnings.append(f"weights ({dev_weights / GiB:.2f} GiB per device) do not fit in "
+                        f"{usable / GiB:.2f} GiB usable; raise tp/pp or quantize")
+    max_seqs = max(0, budget // (dev_kv_tok * context))
+    if 0 < budget and max_seqs == 0:
+        warnings.append(f"not one sequence of {context} tokens fits in the KV budget; lower --context")
+
+    flops_kind = "tf32" if dtype == "float32" else "bf16"
+    flops = device.flops_tf32 if dtype == "float32" else device.flops_bf16
+    b_star = flops / device.bandwidth
+    bytes_per_param = wb["total"] / params
+    step_bytes_bs1 = wb["total"] / tp + pp * dev_kv_tok * context    # read per device chain per token
+    tok_s = device.bandwidth / step_bytes_bs1
+
+    assumptions = [
+        "weights split evenly over tp*pp devices; no activation, workspace or communication memory "
+        "beyond what --memory-fraction leaves",
+        "decode at batch 1 streams all weights and one full-context sequence's KV per token at peak bandwidth",
+    ]
+    if dtype in ("int8", "int4"):
+        assumptions.append("token embedding, lm_head, norms and biases stay bfloat16; " + (
+            "int8: per-output-channel f32 scales" if dtype == "int8" else
+            f"int4: one {INT4_SCALE_BYTES}-byte scale per group of {INT4_GROUP_SIZE} (symmetric, no zero points)"))
+    if kv_dtype == "int8":
+        assumptions.append("int8 KV: one f32 scale per token per KV head, for K and for V")
+    if cfg.sliding_window is not None:
+        assumptions.append(f"sliding window {cfg.sliding_window} ignored: the paged cache keeps every token")
+    assumptions += device.assumed
+
+    return CapacityPlan(
+        model=model_name or cfg.architecture, architecture=cfg.architecture, device=device.name,
+        device_label=device.label, device_source=device.source, dtype=dtype, kv_dtype=kv_dtype,
+        context=context, tp=tp, pp=pp,
+        memory_fraction=memory_fraction, params=params, params_approx=approx_params(cfg),
+        weight_bytes=wb["total"], weight_bytes_breakdown=wb, bytes_per_param=bytes_per_param,
+        kv_bytes_per_token=kv_tok, kv_bytes_per_sequence=kv_tok * context,
+        kv_sharding="sharded" if cfg.n_kv_heads >= tp else "replicated",
+        per_device_memory_bytes=device.memory_bytes, per_device_usable_bytes=usable,
+        per_device_weight_bytes=dev_weights, per_device_kv_bytes_per_token=dev_kv_tok,
+        per_device_kv_bytes_per_sequence=dev_kv_tok * context, per_device_kv_budget_bytes=budget,
+        max_sequences=max_seqs, max_kv_tokens=max(0, budget // dev_kv_tok),
+        peak_flops=flops, peak_flops_kind=flops_kind, bandwidth=device.bandwidth, b_star=b_star,
+        compute_bound_batch=b_star * bytes_per_param / 2, decode_tokens_per_s_bs1=tok_s,
+        decode_ms_per_token_bs1=1e3 / tok_s, assumptions=tuple(assumptions), warnings=tuple(warnings))
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:,.2f} GiB"
+
+
+def format_plan(p: CapacityPlan) -> str:
+    """The human-readable report."""
+    n_dev = p.tp * p.pp
+    wb = p.weight_bytes_breakdown
+    approx_err = (p.params_approx - p.params) / p.params * 100
+    lines = [
+        f"{p.model} on {n_dev} x {p.device_label} (tp={p.tp}, pp={p.pp}); weights {p.dtype}, "
+        f"KV {p.kv_dtype}, context {p.context:,} tokens",
+        "",
+        f"parameters        {p.params:,} exact   (12*L*d^2 + embeddings ~ {p.params_approx:,}, {approx_err:+.1f}%)",
+        f"weights           {_gib(p.weight_bytes)} = matmul {_gib(wb['matmul'])} + scales {_gib(wb['scales'])}"
+        f" + other {_gib(wb['other'])}   ({p.bytes_per_param:.3f} B/param)",
+        f"KV cache          {p.kv_bytes_per_token:,} B/token, {_gib(p.kv_bytes_per_sequence)} per sequence "
+        f"of {p.context:,} tokens",
+        "",
+        f"per device        memory {_gib(p.per_device_memory_bytes)} x {p.memory_fraction} = "
+        f"{_gib(p.per_device_usable_bytes)} usable",
+        f"                  weights {_gib(p.per_device_weight_bytes)} (/ tp*pp = {n_dev})",
+        f"                  KV budget {_gib(p.per_device_kv_budget_bytes)}; KV {p.kv_sharding} over tp: "
+        f"{p.per_device_kv_bytes_per_token:,} B/token, {_gib(p.per_device_kv_bytes_per_sequence)} per sequence",
+        f"capacity          {p.max_sequences:,} sequences of {p.context:,} tokens "
+        f"({p.max_kv_tokens:,} KV tokens in all)",
+        "",
+        f"B* (ridge point)  {p.peak_flops / 1e12:,.1f} TFLOP/s {p.peak_flops_kind} / {p.bandwidth / 1e12:.3f} TB/s "
+        f"= {p.b_star:.1f} FLOP/byte",
+        f"compute-bound at  batch ~ {p.compute_bound_batch:.0f}   "
+        f"(B* x {p.bytes_per_param:.3f} B/param / 2 FLOP/param)",
+        f"decode, batch 1   ~ {p.decode_tokens_per_s_bs1:,.1f} tok/s ({p.decode_ms_per_token_bs1:.2f} ms/token), "
+        "bandwidth-bound",
+    ]
+    lines += ["", f"device figures: {p.device_source}", "assumptions:"] + [f"  - {a}" for a in p.assumptions]
+    if p.warnings:
+        lines += ["warnings:"] + [f"  ! {w}" for w in p.warnings]
+    return "\n".join(lines)
+
+
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `jaxinfer plan` on an argparse subparsers object."""
+    p = subparsers.add_parser("plan", help="capacity planner: memory, max sequences, roofline (no jax)",
+                              description="Estimate weight and KV memory, how many sequences fit and the "
+                                          "bandwidth/compute roofline for a model on a device.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", default=None, help="an HF config.json (or its folder)")
+    src.add_argument("--preset", default=None, choices=list(PRESETS), help="a built-in model shape")
+    p.add_argument("--device", default="h100", choices=list(DEVICE_NAMES))
+    p.add_argument("--memory-gib", type=float, default=None, help="memory per device in GiB (overrides the table)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(WEIGHT_DTYPES), help="weight storage")
+    p.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES),
+                   help="default: --dtype for float weights, else bfloat16")
+    p.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's max)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--memory-fraction", type=float, default=0.9)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.preset is not None:
+        cfg, name = get_preset(args.preset), args.preset
+    else:
+        cfg, name = ModelConfig.from_hf(args.config), str(args.config)
+    result = plan(cfg, get_device(args.device, args.memory_gib), dtype=args.dtype, kv_dtype=args.kv_dtype,
+                  context=args.context, tp=args.tp, pp=args.pp, memory_fraction=args.memory_fraction,
+                  model_name=name)
+    print(json.dumps(result.to_dict()) if args.json else format_plan(result))
+    return 0

@@ -1,0 +1,343 @@
+"""Weight-only quantization: the load-time quantizer, the QuantizedWeight pytree, and qdot.
+
+    qw = quantize_int4(w, group_size=128, symmetric=True)     # w [d, h, hd] float
+    y = qdot(x, qw)                                           # x [..., d] -> [..., h, hd]
+
+An N-D weight is quantized as the 2-D matrix [K, N], K = prod(shape[:contract]) (the contracted,
+leading dims) and N = prod(shape[contract:]); ``contract`` is stored with the weight.
+
+Formats (see pallas_kernels.quant_matmul for the kernel side):
+* int8: per output channel, symmetric. q int8 [K, N] in [-127, 127], scales f32 [N] = max|w[:, n]| / 127.
+* int4: per group of ``group_size`` consecutive k, packed two per byte along K (uint8 [K//2, N],
+  low nibble = even k, high nibble = odd k), scales f32 [K//g, N].
+  - symmetric: scale = max|w_group| / 7, q = clip(round(w / scale), -8, 7) stored as a 4-bit two's
+    complement nibble; zeros None.
+  - asymmetric: the group's range [min(w_min, 0), max(w_max, 0)] (0 is always included so that the
+    integer zero point lies in [0, 15] and 0.0 is exact), scale = range / 15,
+    zero = clip(round(-min / scale), 0, 15) (uint8 [K//g, N]), q = clip(round(w / scale) + zero, 0, 15).
+All rounding is round-to-nearest (ties to even); an all-zero column/group gets scale 1.0 (q = 0).
+Error bound (symmetric and asymmetric): |w - dequant(w)| <= scale / 2 elementwise (plus f32 rounding),
+hence |x @ w - x @ dequant(w)| <= sum_k |x_k| * scale_k / 2 per output (see the *_bound helpers).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels import autotune as _autotune
+from pallas_kernels.quant_matmul import (
+    default_block_m,
+    dequantize_weight,
+    pack_int4,
+    quant_matmul,
+    unpack_int4,
+)
+
+__all__ = [
+    "QuantizedWeight",
+    "quantize",
+    "quantize_int8",
+    "quantize_int4",
+    "dequantize",
+    "qdot",
+    "pack_int4",
+    "unpack_int4",
+    "elementwise_error_bound",
+    "matmul_error_bound",
+    "pallas_block_candidates",
+    "select_blocks",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantized [K, N] matrix standing for a float weight of logical shape `shape`.
+
+    Data (pytree leaves): q (int8 [K, N] or packed uint8 [K//2, N]), scales (f32 [N] or [K//g, N]),
+    zeros (uint8 [K//g, N] for asymmetric int4, else None).
+    Static metadata: bits (8 | 4), group_size (None for int8), shape (logical N-D shape),
+    contract (number of leading dims of `shape` that are contracted, i.e. K = prod(shape[:contract])).
+    """
+    q: Any
+    scales: Any
+    zeros: Any
+    bits: int
+    group_size: int | None
+    shape: tuple[int, ...]
+    contract: int = 1
+
+    @property
+    def k(self) -> int:
+        return math.prod(self.shape[:self.contract])
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.shape[self.contract:])
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zeros is None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.size) * a.dtype.itemsize for a in (self.q, self.scales, self.zeros)
+                   if a is not None)
+
+
+jax.tree_util.register_dataclass(
+    QuantizedWeight,
+    data_fields=["q", "scales", "zeros"],
+    meta_fields=["bits", "group_size", "shape", "contract"],
+)
+
+
+def _as_2d(w, contract: int) -> tuple[jax.Array, tuple[int, ...], int, int]:
+    shape = tuple(int(d) for d in w.shape)
+    if not 1 <= contract <= len(shape):
+        raise ValueError(f"contract={contract} must be in [1, {len(shape)}] for shape {shape}")
+    k, n = math.prod(shape[:contract]), math.prod(shape[contract:])
+    return jnp.asarray(w, jnp.float32).reshape(k, n), shape, k, n
+
+
+def quantize_int8(w, *, contract: int = 1) -> QuantizedWeight:
+    """Per-output-channel symmetric int8: scale[n] = max_k |w[k, n]| / 127, q = round(w / scale)."""
+    w2, shape, _, _ = _as_2d(w, contract)
+    amax = jnp.max(jnp.abs(w2), axis=0)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
+    q = jnp.clip(jnp.round(w2 / scale[None, :]), -127, 127).astype(jnp.int8)
+    return QuantizedWeight(q, scale, None, bits=8, group_size=None, shape=shape, contract=contract)
+
+
+def quantize_int4(w, group_size: int = 128, symmetric: bool = True, *, contract: int = 1) -> QuantizedWeight:
+    """Group-wise (along K) int4, packed two per byte along K (low nibble = even k)."""
+    w2, shape, k, n = _as_2d(w, contract)
+    g = int(group_size)
+    if g <= 0 or g % 2:
+        raise ValueError(f"group_size must be a positive even number, got {group_size}")
+    if k % g:
+        raise ValueError(f"K={k} (shape {shape}, contract={contract}) is not a multiple of group_size={g}")
+    wg = w2.reshape(k // g, g, n)
+    if symmetric:
+        amax = jnp.max(jnp.abs(wg), axis=1)
+        scale = jnp.where(amax > 0, amax / 7.0, 1.0).astype(jnp.float32)
+        q = jnp.clip(jnp.round(wg / scale[:, None, :]), -8, 7)
+        zeros = None
+    else:
+        lo = jnp.minimum(jnp.min(wg, axis=1), 0.0)
+        hi = jnp.maximum(jnp.max(wg, axis=1), 0.0)
+        rng = hi - lo
+        scale = jnp.where(rng > 0, rng / 15.0, 1.0).astype(jnp.float32)
+        zero = jnp.clip(jnp.round(-lo / scale), 0, 15)
+        q = jnp.clip(jnp.round(wg / scale[:, None, :]) + zero[:, None, :], 0, 15)
+        zeros = zero.astype(jnp.uint8)
+    packed = pack_int4(q.astype(jnp.int32).reshape(k, n))
+    return QuantizedWeight(packed, scale, zeros, bits=4, group_size=g, shape=shape, contract=contract)
+
+
+def quantize(w, bits: int, *, group_size: int = 128, symmetric: bool = True, contract: int = 1) -> QuantizedWeight:
+    """Dispatch: bits=8 -> quantize_int8, bits=4 -> quantize_int4."""
+    if bits == 8:
+        if not symmetric:
+            raise ValueError("int8 quantization is symmetric only")
+        return quantize_int8(w, contract=contract)
+    if bits == 4:
+        return quantize_int4(w, group_size, symmetric, contract=contract)
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+def dequantize(qw: QuantizedWeight) -> jax.Array:
+    """-> f32 array of the logical shape."""
+    w = dequantize_weight(qw.q, qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
+    return w.reshape(qw.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Error bounds (used by the tests; numpy in, numpy out).
+# --------------------------------------------------------------------------------------------
+
+def _scale_per_element(qw: QuantizedWeight) -> np.ndarray:
+    s = np.asarray(qw.scales, np.float64)
+    if qw.bits == 8:
+        return np.broadcast_to(s[None, :], (qw.k, qw.n))
+    return np.repeat(s, qw.group_size, axis=0)
+
+
+def elementwise_error_bound(qw: QuantizedWeight, rel_slack: float = 2.0 ** -14) -> np.ndarray:
+    """[K, N] bound on |w - dequant(w)|: scale / 2 (round to nearest), plus `rel_slack * scale`
+    for the f32 rounding of w / scale and of q * scale (|q| <= 15 or 127, so ~2^-16 * scale)."""
+    return _scale_per_element(qw) * (0.5 + rel_slack)
+
+
+def matmul_error_bound(x, qw: QuantizedWeight) -> np.ndarray:
+    """[..., N] bound on |x @ w - x @ dequant(w)|: sum_k |x_k| * scale_k / 2 (no rounding slack)."""
+    x2 = np.abs(np.asarray(x, np.float64)).reshape(-1, qw.k)
+    b = x2 @ (_scale_per_element(qw) * 0.5)
+    return b.reshape(tuple(np.shape(x)[:np.ndim(x) - qw.contract]) + (qw.n,))
+
+
+# --------------------------------------------------------------------------------------------
+# qdot.
+# --------------------------------------------------------------------------------------------
+
+def _compute_dtype(dtype):
+    dtype = jnp.dtype(dtype)
+    return dtype if dtype in (jnp.bfloat16, jnp.float16, jnp.float32) else jnp.dtype(jnp.float32)
+
+
+def _precision(cdt):
+    return lax.Precision.HIGHEST if cdt == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _xla_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
+    """Dequantize per call in XLA (always works): int8 scales the f32 accumulator, int4 dequantizes."""
+    cdt = _compute_dtype(x2.dtype)
+    xc = x2.astype(cdt)
+    if qw.bits == 8:
+        y = jnp.dot(xc, qw.q.astype(cdt), preferred_element_type=jnp.float32, precision=_precision(cdt))
+        y = y * qw.scales.astype(jnp.float32)[None, :]
+    else:
+        w = dequantize_weight(qw.q, qw.scales, qw.zeros, bits=4, group_size=qw.group_size).astype(cdt)
+        y = jnp.dot(xc, w, preferred_element_type=jnp.float32, precision=_precision(cdt))
+    return y.astype(x2.dtype)
+
+
+_BLOCK_NK = (256, 128, 64, 32, 16)
+
+
+def _valid_bk(bk: int, k: int, bits: int, g: int | None) -> bool:
+    if k % bk:
+        return False
+    if bits == 4:
+        return bk >= 32 and (bk % g == 0 or g % bk == 0)
+    return True
+
+
+def pallas_block_candidates(m: int, k: int, n: int, bits: int, group_size: int | None) -> list[dict]:
+    """Launch configs valid on GPU for this problem; [0] is the default. [] if the kernel can't run."""
+    bns = [b for b in _BLOCK_NK if n % b == 0]
+    bks = [b for b in _BLOCK_NK if _valid_bk(b, k, bits, group_size)]
+    if not bns or not bks:
+        return []
+    bm0 = default_block_m(m)
+    bn0 = next((b for b in bns if b <= 128), bns[-1])
+    bk0 = next((b for b in bks if b <= 128), bks[-1])
+    default = dict(block_m=bm0, block_n=bn0, block_k=bk0, num_warps=4, num_stages=3)
+    cands = [default]
+    bms = [bm0, 128] if m > 64 else [bm0]      # bm0 = 16/32/64 by M (<= 64 for m > 64)
+
+    def add(**kw):
+        c = dict(default, **kw)
+        if c not in cands:
+            cands.append(c)
+
+    for bm in bms:
+        for bn in bns[:3]:
+            for bk in bks[:3]:
+                add(block_m=bm, block_n=bn, block_k=bk)
+    add(num_warps=8)
+    add(num_stages=4)
+    add(num_stages=2)
+    return cands[:16]
+
+
+def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_path: str | None = None,
+                  force: bool = False, max_candidates: int | None = None) -> dict | None:
+    """Launch config for quant_matmul: autotuned (cached on disk) on GPU, the default elsewhere.
+
+    None if no config is valid. Measuring runs the kernel on synthetic inputs of the same
+    shapes/dtypes (eagerly, also when called while tracing). JAXINFER_AUTOTUNE=0 disables measuring.
+    """
+    cands = pallas_block_candidates(m, k, n, qw.bits, qw.group_size)
+    if max_candidates is not None:
+        cands = cands[:max_candidates]
+    if not cands:
+        return None
+    if os.environ.get("JAXINFER_AUTOTUNE", "1") == "0" and not force:
+        return cands[0]
+    m_class = min(default_block_m(m) if m <= 64 else m, 512)   # M buckets: 16, 32, 64, ..., 512
+    kname = f"quant_matmul_int{qw.bits}" + (
+        "" if qw.bits == 8 else f"_g{qw.group_size}_{'sym' if qw.symmetric else 'asym'}")
+    key = f"{_autotune.shape_class(m_class, k, n)}_{jnp.dtype(dtype).name}"
+
+    # Synthetic operands are made concretely even while tracing (ensure_compile_time_eval), and
+    # each candidate is compiled ahead of time (lower().compile() traces in its own context, so it
+    # is not staged into an enclosing jit), then the executable runs eagerly.
+    with jax.ensure_compile_time_eval():
+        args = (jnp.ones((m, k), dtype), jnp.zeros(qw.q.shape, qw.q.dtype),
+                jnp.ones(qw.scales.shape, jnp.float32),
+                None if qw.zeros is None else jnp.zeros(qw.zeros.shape, qw.zeros.dtype))
+    compiled: dict[str, Any] = {}
+
+    def run(cfg):
+        key_ = repr(sorted(cfg.items()))
+        if key_ not in compiled:
+            fn = jax.jit(lambda x, w, s, z: quant_matmul(x, w, s, z, bits=qw.bits,
+                                                         group_size=qw.group_size, **cfg))
+            compiled[key_] = fn.lower(*args).compile()
+        return compiled[key_](*args)
+
+    try:
+        return _autotune.autotune(kname, key, cands, run, cache_path=cache_path, force=force)
+    except Exception as e:  # noqa: BLE001 -- tuning must never break inference
+        log.warning("autotune for %s %s failed (%s); using defaults", kname, key, e)
+        return cands[0]
+
+
+def _resolve_impl(impl: str) -> str:
+    if impl not in ("auto", "pallas", "xla"):
+        raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return impl
+
+
+def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict | None = None,
+         interpret: bool | None = None) -> jax.Array:
+    """x [..., K-dims] @ w [K-dims, N-dims] -> [..., N-dims] (`contract` = number of K dims).
+
+    w: a float array (plain lax.dot_general, like layers.dense) or a QuantizedWeight
+    (its `contract` must match). impl: "pallas" (quant_matmul kernel), "xla" (dequantize per call),
+    "auto" (pallas on GPU when the shapes fit the kernel, else xla). Leading dims of x are
+    flattened to M; the output has x's dtype. blocks: explicit quant_matmul launch config
+    (default: select_blocks).
+    """
+    if not isinstance(w, QuantizedWeight):
+        x_axes = tuple(range(x.ndim - contract, x.ndim))
+        return lax.dot_general(x, w, ((x_axes, tuple(range(contract))), ((), ())))
+    if contract != w.contract:
+        raise ValueError(f"qdot contract={contract} but the weight was quantized with contract={w.contract}")
+    kdims, ndims = w.shape[:contract], w.shape[contract:]
+    if tuple(x.shape[x.ndim - contract:]) != tuple(kdims) or x.ndim < contract:
+        raise ValueError(f"x {x.shape} does not end with the contracted dims {kdims} of weight {w.shape}")
+    lead = tuple(x.shape[:x.ndim - contract])
+    m = math.prod(lead)
+    x2 = x.reshape(m, w.k)
+    mode = _resolve_impl(impl)
+    cfg = None
+    if mode == "pallas" and m > 0:
+        cfg = blocks if blocks is not None else select_blocks(m, w.k, w.n, w, x.dtype)
+        if cfg is None:
+            if impl == "pallas":
+                raise ValueError(f"quant_matmul cannot tile K={w.k}, N={w.n} "
+                                 f"(bits={w.bits}, group_size={w.group_size}); use impl='xla'")
+            mode = "xla"
+    if mode == "pallas" and m > 0:
+        y2 = quant_matmul(x2, w.q, w.scales, w.zeros, bits=w.bits, group_size=w.group_size,
+                          interpret=interpret, **cfg)
+    else:
+        y2 = _xla_matmul(x2, w)
+    return y2.reshape(lead + tuple(ndims))

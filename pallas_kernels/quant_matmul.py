@@ -1,0 +1,314 @@
+"""Weight-only quantized matmul (int8 per-channel, int4 group-wise) as a Pallas (Triton-style) kernel.
+
+    y[M, N] = x[M, K] @ dequant(w)[K, N]      (f32 accumulation, output in x's dtype)
+
+Weight formats (the kernel reads the weights at 1 or 0.5 bytes per element and dequantizes them
+inside the tile; nothing is dequantized in HBM):
+
+* ``bits=8`` -- per output channel, symmetric: ``w`` int8 ``[K, N]`` in [-127, 127], ``scales`` f32
+  ``[N]``; ``dequant(w) = w * scales[None, :]``. The per-channel scale is constant along K, so the
+  kernel converts the int8 tile exactly to the activation dtype, accumulates ``x @ q`` in f32, and
+  multiplies the accumulator by the scale once (mathematically identical, fewer multiplies).
+* ``bits=4`` -- group-wise along K with group size ``g`` (32, 64 or 128; K % g == 0):
+  ``scales`` f32 ``[K // g, N]``.
+
+  Packing: two 4-bit values per byte along K, ``w`` uint8 ``[K // 2, N]``:
+  ``w[r, n] = nib(q[2r, n]) | (nib(q[2r + 1, n]) << 4)`` -- the LOW nibble holds the EVEN k,
+  the HIGH nibble the ODD k.
+
+  - symmetric (``zeros=None``): ``q`` is signed int4 in [-8, 7], stored as its 4-bit two's
+    complement (``nib(q) = q & 0xF``); ``dequant = q * scale[k // g]``.
+  - asymmetric (``zeros`` ``[K // g, N]``, any int dtype, values in [0, 15]; uint8 recommended):
+    ``q`` unsigned in [0, 15]; ``dequant = (q - zero[k // g]) * scale[k // g]``.
+
+Tiling: grid over (M / block_m, N / block_n); each program loops over K in blocks of ``block_k``
+(fori_loop) with an f32 ``[block_m, block_n]`` accumulator. M is zero-padded up to a multiple of
+block_m (activations only; the padding rows are sliced off). N % block_n == 0 and K % block_k == 0
+are required (block sizes are clamped to N and K first). For int4, block_k must be a multiple of
+group_size or divide it. On GPU (Triton) all block sizes must be powers of two >= 16
+(block_k >= 32 for int4, because each nibble half is a dot with K = block_k / 2).
+
+For int4 the activations are viewed (free reshape) as ``[M, K/2, 2]`` and passed twice, once for
+the even and once for the odd columns, so that the kernel never has to interleave the two nibble
+halves: ``y = x_even @ dequant(lo) + x_odd @ dequant(hi)``.
+
+This module imports jax only.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = [
+    "quant_matmul",
+    "quant_matmul_reference",
+    "dequantize_weight",
+    "pack_int4",
+    "unpack_int4",
+    "default_block_m",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Packing helpers (pure jnp, shared with the load-time quantizer).
+# --------------------------------------------------------------------------------------------
+
+def pack_int4(q: jax.Array) -> jax.Array:
+    """q [K, N] ints in [-8, 7] (two's complement nibble) or [0, 15] -> uint8 [K // 2, N].
+
+    Low nibble = even k (row 2r), high nibble = odd k (row 2r + 1).
+    """
+    if q.ndim != 2 or q.shape[0] % 2:
+        raise ValueError(f"pack_int4 expects [K, N] with even K, got {q.shape}")
+    u = q.astype(jnp.int32) & 0xF
+    return (u[0::2] | (u[1::2] << 4)).astype(jnp.uint8)
+
+
+def unpack_int4(packed: jax.Array, *, signed: bool) -> jax.Array:
+    """uint8 [K // 2, N] -> int32 [K, N]; signed: nibbles are two's complement in [-8, 7]."""
+    p = packed.astype(jnp.int32)
+    lo, hi = p & 0xF, (p >> 4) & 0xF
+    if signed:
+        lo, hi = (lo ^ 8) - 8, (hi ^ 8) - 8
+    k2, n = packed.shape
+    return jnp.stack([lo, hi], axis=1).reshape(2 * k2, n)
+
+
+def dequantize_weight(w, scales, zeros=None, *, bits: int, group_size: int | None = None) -> jax.Array:
+    """Kernel-format weight -> f32 [K, N] (the definition the kernel implements)."""
+    if bits == 8:
+        return w.astype(jnp.float32) * scales.astype(jnp.float32)[None, :]
+    if bits == 4:
+        q = unpack_int4(w, signed=zeros is None)
+        k, n = q.shape
+        g = group_size
+        q = q.reshape(k // g, g, n)
+        if zeros is not None:
+            q = q - zeros.astype(jnp.int32)[:, None, :]
+        return (q.astype(jnp.float32) * scales.astype(jnp.float32)[:, None, :]).reshape(k, n)
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+def quant_matmul_reference(x, w, scales, zeros=None, *, bits: int, group_size: int | None = None):
+    """Pure-jnp reference: dequantize to f32, then x @ w in f32 (HIGHEST precision); x's dtype out."""
+    wf = dequantize_weight(w, scales, zeros, bits=bits, group_size=group_size)
+    y = jnp.dot(x.astype(jnp.float32), wf, precision=lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels.
+# --------------------------------------------------------------------------------------------
+
+def _int8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, num_k, compute_dtype, precision):
+    bm, bn = o_ref.shape
+
+    def body(kb, acc):
+        ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+        x = x_ref[:, ks].astype(compute_dtype)
+        w = w_ref[ks, :].astype(compute_dtype)  # int8 is exact in bf16/f16/f32
+        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision)
+
+    acc = lax.fori_loop(0, num_k, body, jnp.zeros((bm, bn), jnp.float32))
+    scale = s_ref[...].astype(jnp.float32)
+    o_ref[...] = (acc * scale[None, :]).astype(o_ref.dtype)
+
+
+def _int4_kernel(xe_ref, xo_ref, w_ref, s_ref, *rest, block_k, num_k, group_size, symmetric,
+                 compute_dtype, precision):
+    if symmetric:
+        (o_ref,) = rest
+        z_ref = None
+    else:
+        z_ref, o_ref = rest
+    bm, bn = o_ref.shape
+    hk = block_k // 2                       # packed rows per K block
+    if block_k >= group_size:
+        n_s, glen = block_k // group_size, group_size   # groups per K block, k's per group
+    else:
+        n_s, glen = 1, block_k              # the K block lies inside one group
+
+    def body(kb, acc):
+        ks = pl.ds(pl.multiple_of(kb * hk, hk), hk)
+        if block_k >= group_size:
+            s_start = kb * n_s
+        else:
+            s_start = lax.div(kb, group_size // block_k)
+        ss = pl.ds(s_start, n_s)
+        packed = w_ref[ks, :].astype(jnp.int32)         # [hk, bn], values 0..255
+        lo = packed & 0xF                               # even k
+        hi = (packed >> 4) & 0xF                        # odd k
+        if symmetric:
+            lo, hi = (lo ^ 8) - 8, (hi ^ 8) - 8         # 4-bit two's complement -> [-8, 7]
+        scale = s_ref[ss, :].astype(jnp.float32)                   # [n_s, bn]
+        zero = None if z_ref is None else z_ref[ss, :].astype(jnp.int32)
+
+        def dequant(q):                                 # [hk, bn] int32 -> [hk, bn] compute dtype
+            if n_s == 1:                                # one group per K block: [1, bn] broadcasts
+                if zero is not None:
+                    q = q - zero
+                return (q.astype(jnp.float32) * scale).astype(compute_dtype)
+            q = q.reshape(n_s, glen // 2, bn)           # several groups: per-group broadcast
+            if zero is not None:
+                q = q - zero[:, None, :]
+            q = q.astype(jnp.float32) * scale[:, None, :]
+            return q.reshape(hk, bn).astype(compute_dtype)
+
+        xe = xe_ref[:, ks].astype(compute_dtype)
+        xo = xo_ref[:, ks].astype(compute_dtype)
+        acc = acc + jnp.dot(xe, dequant(lo), preferred_element_type=jnp.float32, precision=precision)
+        acc = acc + jnp.dot(xo, dequant(hi), preferred_element_type=jnp.float32, precision=precision)
+        return acc
+
+    acc = lax.fori_loop(0, num_k, body, jnp.zeros((bm, bn), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Wrapper.
+# --------------------------------------------------------------------------------------------
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def default_block_m(m: int) -> int:
+    """16 (the smallest Triton dot tile) .. 64, by M."""
+    return min(64, max(16, _next_pow2(m)))
+
+
+def _compute_dtype(dtype):
+    return dtype if dtype in (jnp.bfloat16, jnp.float16, jnp.float32) else jnp.dtype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "bits", "group_size", "block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret"))
+def _quant_matmul(x, w, scales, zeros, *, bits, group_size, block_m, block_n, block_k,
+                  num_warps, num_stages, interpret):
+    m, k = x.shape
+    n = w.shape[1]
+    mp = pl.cdiv(m, block_m) * block_m
+    if mp != m:
+        x = jnp.pad(x, ((0, mp - m), (0, 0)))
+    cdt = _compute_dtype(x.dtype)
+    precision = lax.Precision.HIGHEST if cdt == jnp.float32 else lax.Precision.DEFAULT
+    grid = (mp // block_m, n // block_n)
+    num_k = k // block_k
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    out_shape = jax.ShapeDtypeStruct((mp, n), x.dtype)
+    out_spec = pl.BlockSpec((block_m, block_n), lambda i, j: (i, j))
+
+    if bits == 8:
+        kernel = functools.partial(_int8_kernel, block_k=block_k, num_k=num_k,
+                                   compute_dtype=cdt, precision=precision)
+        in_specs = [
+            pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
+            pl.BlockSpec((k, block_n), lambda i, j: (0, j)),
+            pl.BlockSpec((block_n,), lambda i, j: (j,)),
+        ]
+        args = (x, w, scales)
+        name = "quant_matmul_int8"
+    else:
+        symmetric = zeros is None
+        kernel = functools.partial(_int4_kernel, block_k=block_k, num_k=num_k,
+                                   group_size=group_size, symmetric=symmetric,
+                                   compute_dtype=cdt, precision=precision)
+        x3 = x.reshape(mp, k // 2, 2)   # free view: [..., 0] = even k, [..., 1] = odd k
+        ng = k // group_size
+        in_specs = [
+            pl.BlockSpec((block_m, k // 2, None), lambda i, j: (i, 0, 0)),
+            pl.BlockSpec((block_m, k // 2, None), lambda i, j: (i, 0, 1)),
+            pl.BlockSpec((k // 2, block_n), lambda i, j: (0, j)),
+            pl.BlockSpec((ng, block_n), lambda i, j: (0, j)),
+        ]
+        args = (x3, x3, w, scales)
+        if not symmetric:
+            in_specs.append(pl.BlockSpec((ng, block_n), lambda i, j: (0, j)))
+            args = args + (zeros,)
+        name = "quant_matmul_int4_sym" if symmetric else "quant_matmul_int4_asym"
+
+    out = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_spec,
+        out_shape=out_shape,
+        compiler_params=params,
+        interpret=interpret,
+        name=name,
+    )(*args)
+    return out[:m] if mp != m else out
+
+
+def quant_matmul(x, w, scales, zeros=None, *, bits: int, group_size: int | None = None,
+                 block_m: int | None = None, block_n: int = 128, block_k: int = 128,
+                 num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None):
+    """x [M, K] (bf16/f16/f32) @ dequant(w) -> [M, N] in x's dtype, f32 accumulation.
+
+    bits=8: w int8 [K, N], scales [N], zeros/group_size must be None.
+    bits=4: w uint8 [K // 2, N] (low nibble = even k), scales [K // g, N], group_size=g,
+            zeros None (symmetric, signed nibbles) or [K // g, N] in [0, 15] (asymmetric).
+    block_m=None picks ``default_block_m(M)``; block_n / block_k are clamped to N / K.
+    interpret=None means ``jax.default_backend() == "cpu"``.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K], got shape {x.shape}")
+    if w.ndim != 2:
+        raise ValueError(f"w must be 2-D, got shape {w.shape}")
+    m, k = x.shape
+    n = w.shape[1]
+    if bits == 8:
+        if w.dtype != jnp.int8:
+            raise TypeError(f"bits=8 expects int8 weights, got {w.dtype}")
+        if w.shape[0] != k:
+            raise ValueError(f"K mismatch: x {x.shape} vs w {w.shape}")
+        if scales.shape != (n,):
+            raise ValueError(f"bits=8 expects scales [N]={n}, got {scales.shape}")
+        if zeros is not None or group_size is not None:
+            raise ValueError("bits=8 is per-channel symmetric: zeros and group_size must be None")
+    elif bits == 4:
+        if w.dtype != jnp.uint8:
+            raise TypeError(f"bits=4 expects packed uint8 weights, got {w.dtype}")
+        if group_size is None or group_size <= 0 or group_size % 2:
+            raise ValueError(f"bits=4 needs an even group_size (32/64/128), got {group_size}")
+        if k % 2 or w.shape[0] != k // 2:
+            raise ValueError(f"K mismatch: x {x.shape} vs packed w {w.shape} (expects [K//2, N])")
+        if k % group_size:
+            raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
+        if scales.shape != (k // group_size, n):
+            raise ValueError(f"scales must be [K//g, N]={(k // group_size, n)}, got {scales.shape}")
+        if zeros is not None and zeros.shape != scales.shape:
+            raise ValueError(f"zeros must be [K//g, N]={scales.shape}, got {zeros.shape}")
+    else:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+    bm = default_block_m(m) if block_m is None else int(block_m)
+    bn = min(int(block_n), n)
+    bk = min(int(block_k), k)
+    if bm <= 0 or bn <= 0 or bk <= 0:
+        raise ValueError("block sizes must be positive")
+    if n % bn:
+        raise ValueError(f"N={n} is not a multiple of block_n={bn}")
+    if k % bk:
+        raise ValueError(f"K={k} is not a multiple of block_k={bk}")
+    if bits == 4:
+        if bk % 2:
+            raise ValueError(f"block_k={bk} must be even for int4")
+        if not (bk % group_size == 0 or group_size % bk == 0):
+            raise ValueError(f"block_k={bk} must be a multiple or a divisor of group_size={group_size}")
+    if not interpret:
+        min_k = 32 if bits == 4 else 16
+        for name, b, lo in (("block_m", bm, 16), ("block_n", bn, 16), ("block_k", bk, min_k)):
+            if b < lo or b & (b - 1):
+                raise ValueError(f"on GPU {name} must be a power of two >= {lo}, got {b}")
+
+    return _quant_matmul(x, w, scales, zeros, bits=bits, group_size=group_size if bits == 4 else None,
+                         block_m=bm, block_n=bn, block_k=bk, num_warps=int(num_warps),
+                         num_stages=int(num_stages), interpret=bool(interpret))

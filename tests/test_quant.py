@@ -1,0 +1,462 @@
+"""Weight-only quantization: Pallas quant_matmul (interpret mode on CPU) vs reference, the load-time
+quantizer's error bounds, int4 packing, qdot on N-D weights, and the on-disk autotuner."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import quant
+from jaxinfer.quant import QuantizedWeight, dequantize, qdot, quantize_int4, quantize_int8
+from pallas_kernels import autotune as at
+from pallas_kernels.quant_matmul import (
+    pack_int4,
+    quant_matmul,
+    quant_matmul_reference,
+    unpack_int4,
+)
+
+F32_RTOL = 1e-5
+BF16_RTOL = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def _isolated_autotune_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXINFER_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    at.clear_memory_cache()
+    yield
+    at.clear_memory_cache()
+
+
+# ------------------------------------------------------------------------------------------------
+# numpy helpers written independently of the code under test
+# ------------------------------------------------------------------------------------------------
+
+def np_pack(q: np.ndarray) -> np.ndarray:
+    """[K, N] ints -> uint8 [K/2, N]: low nibble = even k, high nibble = odd k."""
+    u = q.astype(np.int64) & 0xF
+    return (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
+
+
+def np_unpack(p: np.ndarray, signed: bool) -> np.ndarray:
+    p = p.astype(np.int64)
+    lo, hi = p & 0xF, p >> 4
+    if signed:
+        lo = np.where(lo >= 8, lo - 16, lo)
+        hi = np.where(hi >= 8, hi - 16, hi)
+    out = np.empty((2 * p.shape[0], p.shape[1]), np.int64)
+    out[0::2], out[1::2] = lo, hi
+    return out
+
+
+def np_dequant(qw: QuantizedWeight) -> np.ndarray:
+    """[K, N] float64 dequantized weight from the raw QuantizedWeight fields."""
+    s = np.asarray(qw.scales, np.float64)
+    if qw.bits == 8:
+        return np.asarray(qw.q, np.float64) * s[None, :]
+    q = np_unpack(np.asarray(qw.q), signed=qw.zeros is None).astype(np.float64)
+    s_el = np.repeat(s, qw.group_size, axis=0)
+    if qw.zeros is not None:
+        q = q - np.repeat(np.asarray(qw.zeros, np.float64), qw.group_size, axis=0)
+    return q * s_el
+
+
+def np_scale_per_element(qw: QuantizedWeight) -> np.ndarray:
+    s = np.asarray(qw.scales, np.float64)
+    if qw.bits == 8:
+        return np.broadcast_to(s[None, :], (qw.k, qw.n))
+    return np.repeat(s, qw.group_size, axis=0)
+
+
+def rel_err(y, ref) -> float:
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(y - ref)) / np.max(np.abs(ref)))
+
+
+def weight_matrix(rng, k, n):
+    """Gaussian weights with a few outlier columns and one all-zero column."""
+    w = rng.standard_normal((k, n)).astype(np.float32) * 0.05
+    w[:, 1] *= 20.0
+    w[3, 2] = 1.5
+    w[:, 0] = 0.0
+    return w
+
+
+# ------------------------------------------------------------------------------------------------
+# kernel vs reference
+# ------------------------------------------------------------------------------------------------
+
+# (name, bits, group_size, symmetric, K, block_k) -- K has >= 3 blocks of block_k everywhere;
+# g=32 has 2 groups per K block, g=64 one, g=128 a K block inside a group (block_k < g).
+KINDS = [
+    ("int8", 8, None, True, 96, 32),
+    ("int4_g32_sym", 4, 32, True, 192, 64),
+    ("int4_g32_asym", 4, 32, False, 192, 64),
+    ("int4_g64_sym", 4, 64, True, 192, 64),
+    ("int4_g64_asym", 4, 64, False, 192, 64),
+    ("int4_g128_sym", 4, 128, True, 384, 64),
+    ("int4_g128_asym", 4, 128, False, 384, 64),
+]
+N, BLOCK_N = 48, 16                 # 3 blocks along N
+# M=64: 4 blocks of 16; M=5: 3 blocks of 2, the last one partial; M=1: decode (padded to 16).
+M_BLOCKS = [(1, None), (5, 2), (64, 16)]
+
+
+def random_kernel_operands(rng, bits, g, symmetric, k, n):
+    if bits == 8:
+        w = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
+        return w, jnp.asarray(rng.uniform(1e-3, 2e-2, n), jnp.float32), None
+    q = rng.integers(-8, 8, (k, n)) if symmetric else rng.integers(0, 16, (k, n))
+    w = jnp.asarray(np_pack(q))
+    s = jnp.asarray(rng.uniform(1e-3, 5e-2, (k // g, n)), jnp.float32)
+    z = None if symmetric else jnp.asarray(rng.integers(0, 16, (k // g, n)), jnp.uint8)
+    return w, s, z
+
+
+# f32 over every (kind, M); bf16 activations over every kind at M=5 (partial last M block) --
+# the full cross product would double the interpret-mode compile time for no new code path.
+KERNEL_CASES = ([(kind, m, bm, "float32") for kind in KINDS for m, bm in M_BLOCKS]
+                + [(kind, 5, 2, "bfloat16") for kind in KINDS])
+
+
+@pytest.mark.parametrize("kind,m,block_m,dtype", KERNEL_CASES,
+                         ids=[f"{c[0][0]}-M{c[1]}-{c[3]}" for c in KERNEL_CASES])
+def test_kernel_matches_reference(kind, m, block_m, dtype):
+    name, bits, g, sym, k, bk = kind
+    rng = np.random.default_rng(hash((name, m, dtype)) % 2**32)
+    w, s, z = random_kernel_operands(rng, bits, g, sym, k, N)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    y = quant_matmul(x, w, s, z, bits=bits, group_size=g, block_m=block_m, block_n=BLOCK_N,
+                     block_k=bk, interpret=True)
+    assert y.shape == (m, N) and y.dtype == x.dtype
+    # reference in f32 from the same (possibly bf16-rounded) activations, not cast back
+    ref = quant_matmul_reference(x.astype(jnp.float32), w, s, z, bits=bits, group_size=g)
+    # and independently in numpy float64
+    qw = QuantizedWeight(w, s, z, bits=bits, group_size=g, shape=(k, N))
+    ref_np = np.asarray(x, np.float64) @ np_dequant(qw)
+    assert rel_err(ref, ref_np) < 1e-6
+    tol = F32_RTOL if dtype == "float32" else BF16_RTOL
+    assert rel_err(y, ref) < tol
+    assert rel_err(y, ref_np) < tol
+
+
+def test_kernel_default_blocks_and_interpret_default():
+    """interpret=None on CPU -> interpret mode; default blocks clamp to the problem."""
+    rng = np.random.default_rng(1)
+    w, s, z = random_kernel_operands(rng, 4, 32, False, 64, 32)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    y = quant_matmul(x, w, s, z, bits=4, group_size=32)
+    ref = quant_matmul_reference(x, w, s, z, bits=4, group_size=32)
+    assert rel_err(y, ref) < F32_RTOL
+
+
+def test_kernel_rejects_bad_arguments():
+    rng = np.random.default_rng(2)
+    w, s, _ = random_kernel_operands(rng, 4, 32, True, 96, 48)
+    x = jnp.ones((2, 96), jnp.float32)
+    with pytest.raises(ValueError, match="block_n"):
+        quant_matmul(x, w, s, bits=4, group_size=32, block_n=32, interpret=True)    # 48 % 32
+    with pytest.raises(ValueError, match="group_size"):
+        quant_matmul(x, w, s, bits=4, group_size=32, block_k=48, block_n=16, interpret=True)
+    with pytest.raises(TypeError):
+        quant_matmul(x, w.astype(jnp.int8), s, bits=4, group_size=32, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        quant_matmul(x, w, s, bits=4, group_size=32, block_n=48, block_k=32, interpret=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# quantizer
+# ------------------------------------------------------------------------------------------------
+
+QUANTIZERS = [
+    ("int8", lambda w: quantize_int8(w)),
+    ("int4_g32_sym", lambda w: quantize_int4(w, 32, True)),
+    ("int4_g32_asym", lambda w: quantize_int4(w, 32, False)),
+    ("int4_g64_sym", lambda w: quantize_int4(w, 64, True)),
+    ("int4_g64_asym", lambda w: quantize_int4(w, 64, False)),
+    ("int4_g128_sym", lambda w: quantize_int4(w, 128, True)),
+    ("int4_g128_asym", lambda w: quantize_int4(w, 128, False)),
+]
+
+
+@pytest.mark.parametrize("name,fn", QUANTIZERS, ids=[q[0] for q in QUANTIZERS])
+def test_quantizer_round_trip_within_bound(name, fn):
+    k, n = 256, 24
+    w = weight_matrix(np.random.default_rng(3), k, n)
+    qw = fn(w)
+    assert qw.shape == (k, n) and qw.contract == 1
+    w64 = w.astype(np.float64)
+    dq = np.asarray(dequantize(qw), np.float64)
+    np.testing.assert_allclose(dq, np_dequant(qw), rtol=1e-6, atol=1e-9)
+    s_el = np_scale_per_element(qw)
+    # round to nearest: |w - dq| <= scale/2, plus f32 rounding of w/scale and q*scale
+    # (|q| <= 127 -> at most ~128 * 2^-24 * scale each); checked for every element.
+    bound = s_el * 0.5 + s_el * 2.0 ** -14
+    err = np.abs(w64 - dq)
+    assert np.all(err <= bound), (name, float(np.max(err / bound)))
+    np.testing.assert_array_equal(quant.elementwise_error_bound(qw) >= s_el * 0.5, True)
+    assert float(np.max(np.abs(dq[:, 0]))) == 0.0                # all-zero column is exact
+    s = np.asarray(qw.scales, np.float64)
+    if qw.bits == 8:
+        q = np.asarray(qw.q)
+        assert qw.q.dtype == jnp.int8 and q.min() >= -127 and q.max() <= 127
+        amax = np.abs(w64).max(axis=0)
+        np.testing.assert_allclose(s[1:], amax[1:] / 127, rtol=1e-6)
+    else:
+        g = qw.group_size
+        assert qw.q.dtype == jnp.uint8 and qw.q.shape == (k // 2, n) and s.shape == (k // g, n)
+        q = np_unpack(np.asarray(qw.q), signed=qw.symmetric)
+        amax = np.abs(w64).reshape(k // g, g, n).max(axis=1)
+        if qw.symmetric:
+            assert qw.zeros is None and q.min() >= -8 and q.max() <= 7
+            np.testing.assert_allclose(s[:, 1:], amax[:, 1:] / 7, rtol=1e-6)
+        else:
+            z = np.asarray(qw.zeros)
+            assert qw.zeros.dtype == jnp.uint8 and z.shape == (k // g, n)
+            assert q.min() >= 0 and q.max() <= 15 and z.max() <= 15
+            lo = np.minimum(w64.reshape(k // g, g, n).min(axis=1), 0)
+            hi = np.maximum(w64.reshape(k // g, g, n).max(axis=1), 0)
+            np.testing.assert_allclose(s[:, 1:], (hi - lo)[:, 1:] / 15, rtol=1e-6)
+
+
+def test_quantizer_rejects_bad_group():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        quantize_int4(np.ones((96, 8), np.float32), 64)
+
+
+# ------------------------------------------------------------------------------------------------
+# packing
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_int4_packing_matches_numpy(signed):
+    rng = np.random.default_rng(4)
+    q = rng.integers(-8, 8, (64, 10)) if signed else rng.integers(0, 16, (64, 10))
+    packed = np.asarray(pack_int4(jnp.asarray(q)))
+    assert packed.dtype == np.uint8 and packed.shape == (32, 10)
+    np.testing.assert_array_equal(packed, np_pack(q))
+    # low nibble = even k, high nibble = odd k
+    np.testing.assert_array_equal(packed & 0xF, q[0::2] & 0xF)
+    np.testing.assert_array_equal(packed >> 4, q[1::2] & 0xF)
+    np.testing.assert_array_equal(np_unpack(packed, signed), q)
+    np.testing.assert_array_equal(np.asarray(unpack_int4(jnp.asarray(packed), signed=signed)), q)
+
+
+def test_quantized_int4_storage_matches_numpy_pack():
+    """The quantizer's packed bytes are np_pack of the integer codes round(w/s) (+ zero)."""
+    w = weight_matrix(np.random.default_rng(5), 64, 8)
+    for sym in (True, False):
+        qw = quantize_int4(w, 32, sym)
+        q = np_unpack(np.asarray(qw.q), signed=sym)
+        np.testing.assert_array_equal(np_pack(q), np.asarray(qw.q))
+        s = np.repeat(np.asarray(qw.scales), 32, axis=0)
+        codes = np.round(w / s) if sym else np.round(w / s) + np.repeat(np.asarray(qw.zeros), 32, axis=0)
+        codes = np.clip(codes, -8, 7) if sym else np.clip(codes, 0, 15)
+        # float32 division may land exactly on a .5 tie differently; allow those rare off-by-one codes
+        assert np.mean(codes == q) > 0.999 and np.max(np.abs(codes - q)) <= 1
+
+
+# ------------------------------------------------------------------------------------------------
+# qdot
+# ------------------------------------------------------------------------------------------------
+
+QDOT_WEIGHTS = [
+    ("int8", lambda w, c: quantize_int8(w, contract=c)),
+    ("int4_g32_sym", lambda w, c: quantize_int4(w, 32, True, contract=c)),
+    ("int4_g32_asym", lambda w, c: quantize_int4(w, 32, False, contract=c)),
+]
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("name,fn", QDOT_WEIGHTS, ids=[q[0] for q in QDOT_WEIGHTS])
+def test_qdot_nd_weights_match_einsum(name, fn, impl):
+    rng = np.random.default_rng(6)
+    d, h, hd = 96, 3, 16
+    # q/k/v projection: [d, h, hd], contract=1: K = 96, N = 48 (3 blocks of 32 / 16)
+    w_qkv = rng.standard_normal((d, h, hd)).astype(np.float32) * 0.1
+    qw = fn(w_qkv, 1)
+    assert qw.shape == (d, h, hd) and (qw.k, qw.n) == (96, 48)
+    x = rng.standard_normal((2, 3, d)).astype(np.float32)        # M = 6
+    y = qdot(jnp.asarray(x), qw, 1, impl=impl)
+    dq = np.asarray(dequantize(qw), np.float64)
+    assert dq.shape == (d, h, hd)
+    ref = np.einsum("btd,dhk->bthk", x.astype(np.float64), dq)
+    assert y.shape == (2, 3, h, hd) and y.dtype == jnp.float32
+    assert rel_err(y, ref) < F32_RTOL
+    # output projection: [h, hd2, d], contract=2: K = 96, N = 48
+    hd2, d2 = 32, 48
+    w_o = rng.standard_normal((h, hd2, d2)).astype(np.float32) * 0.1
+    qo = fn(w_o, 2)
+    xo = rng.standard_normal((5, h, hd2)).astype(np.float32)    # M = 5
+    yo = qdot(jnp.asarray(xo), qo, 2, impl=impl)
+    ref_o = np.einsum("thk,hkd->td", xo.astype(np.float64), np.asarray(dequantize(qo), np.float64))
+    assert yo.shape == (5, d2)
+    assert rel_err(yo, ref_o) < F32_RTOL
+    # bf16 activations
+    yb = qdot(jnp.asarray(xo, jnp.bfloat16), qo, 2, impl=impl)
+    ref_b = np.einsum("thk,hkd->td", np.asarray(jnp.asarray(xo, jnp.bfloat16), np.float64),
+                      np.asarray(dequantize(qo), np.float64))
+    assert yb.dtype == jnp.bfloat16 and rel_err(yb, ref_b) < BF16_RTOL
+
+
+@pytest.mark.parametrize("name,fn", QDOT_WEIGHTS, ids=[q[0] for q in QDOT_WEIGHTS])
+def test_qdot_error_vs_float_within_bound(name, fn):
+    """|x @ w - qdot(x, q(w))| <= sum_k |x_k| scale_k / 2 (+ f32 rounding slack), every output."""
+    rng = np.random.default_rng(7)
+    d, f = 96, 64                                                 # MLP up projection [d, ffn]
+    w = weight_matrix(rng, d, f)
+    qw = fn(w, 1)
+    x = rng.standard_normal((4, 5, d)).astype(np.float32)
+    y = np.asarray(qdot(jnp.asarray(x), qw, impl="pallas"), np.float64)
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    xa = np.abs(x.astype(np.float64))
+    bound = xa @ (np_scale_per_element(qw) / 2)
+    # f32 slack: quantizer rounding (2^-14 * scale per element) and the f32 accumulation.
+    slack = xa @ (np_scale_per_element(qw) * 2.0 ** -14) + 1e-5 * (xa @ np.abs(w.astype(np.float64)))
+    err = np.abs(y - exact)
+    assert np.all(err <= bound + slack), float(np.max(err / (bound + slack)))
+    np.testing.assert_allclose(quant.matmul_error_bound(x, qw), bound, rtol=1e-12)
+    assert np.mean(err) < np.mean(bound)                          # the bound is not vacuous
+
+
+def test_qdot_float_weights_auto_and_pytree():
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((3, 32, 48)).astype(np.float32)
+    x = rng.standard_normal((5, 3, 32)).astype(np.float32)
+    y = qdot(jnp.asarray(x), jnp.asarray(w), 2)
+    np.testing.assert_allclose(np.asarray(y), np.einsum("thk,hkd->td", x, w), rtol=1e-4, atol=1e-4)
+
+    qw = quantize_int4(w, 32, False, contract=2)
+    leaves, treedef = jax.tree_util.tree_flatten(qw)
+    assert len(leaves) == 3 and len(jax.tree_util.tree_leaves(quantize_int4(w, 32, True, contract=2))) == 2
+    rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert (rebuilt.bits, rebuilt.group_size, rebuilt.shape, rebuilt.contract) == (4, 32, (3, 32, 48), 2)
+    assert rebuilt.q is leaves[0] and rebuilt.zeros is leaves[2]
+    # a QuantizedWeight passes through jit as an argument (static metadata, array leaves)
+    f = jax.jit(lambda x, w: qdot(x, w, 2))
+    y_auto = f(jnp.asarray(x), qw)                                 # auto == xla on CPU
+    y_xla = qdot(jnp.asarray(x), qw, 2, impl="xla")
+    np.testing.assert_allclose(np.asarray(y_auto), np.asarray(y_xla), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="contract"):
+        qdot(jnp.asarray(x), qw, 1)
+    with pytest.raises(ValueError):
+        qdot(jnp.asarray(x), qw, 2, impl="triton")
+
+
+# ------------------------------------------------------------------------------------------------
+# autotune
+# ------------------------------------------------------------------------------------------------
+
+def test_shape_class_buckets_to_powers_of_two():
+    assert at.shape_class(1, 5, 96, 4096) == "1x8x128x4096"
+    assert at.shape_class(17, 33) == "32x64"
+
+
+def _sleepy(delays, calls):
+    def run(cfg):
+        calls.append(cfg["v"])
+        time.sleep(delays[cfg["v"]])
+        return jnp.zeros(())
+    return run
+
+
+def test_autotune_measures_caches_and_rereads(tmp_path):
+    path = str(tmp_path / "sub" / "cache.json")
+    cands = [{"v": 0}, {"v": 1}, {"v": 2}]
+    delays = {0: 0.02, 1: 0.001, 2: 0.01}
+
+    # CPU: the defaults, nothing measured, nothing written
+    calls: list[int] = []
+    assert at.autotune("k", "8x128", cands, _sleepy(delays, calls), cache_path=path) == {"v": 0}
+    assert calls == [] and not (tmp_path / "sub").exists()
+
+    # forced: every candidate warmed up and timed; the fastest wins and is written to disk
+    winner = at.autotune("k", "8x128", cands, _sleepy(delays, calls), cache_path=path, force=True, iters=3)
+    assert winner == {"v": 1}
+    assert sorted(set(calls)) == [0, 1, 2] and len(calls) == 3 * (1 + 3)
+    data = json.loads(open(path).read())
+    key = at.cache_key("k", "8x128")
+    assert list(data["entries"]) == [key]
+    assert at.device_kind() in key and jax.__version__ in key and "|k|" in key and key.endswith("8x128")
+    assert data["entries"][key]["config"] == {"v": 1}
+    assert data["entries"][key]["jax_version"] == jax.__version__
+
+    # re-read from disk (fresh process simulated by dropping the in-memory memo): no measuring
+    at.clear_memory_cache()
+
+    def boom(cfg):
+        raise AssertionError("must not measure on a cache hit")
+    assert at.autotune("k", "8x128", cands, boom, cache_path=path, force=True) == {"v": 1}
+
+    # a fake non-CPU device key measures too, under its own key; candidates that fail are skipped
+    calls.clear()
+    fake = "gpu:Fake H100"
+
+    def partly_broken(cfg):
+        if cfg["v"] == 1:
+            raise RuntimeError("does not compile")
+        return _sleepy(delays, calls)(cfg)
+    assert at.autotune("k", "8x128", cands, partly_broken, cache_path=path, device_key=fake, iters=2) == {"v": 2}
+    entries = at.load_cache(path)
+    fake_key = at.cache_key("k", "8x128", device_key=fake)
+    assert set(entries) == {key, fake_key} and fake in fake_key and jax.__version__ in fake_key
+    assert entries[fake_key]["failed"] == 1
+
+    # a cached winner that is no longer a candidate is re-measured
+    at.clear_memory_cache()
+    assert at.autotune("k", "8x128", [{"v": 0}, {"v": 2}], _sleepy(delays, calls), cache_path=path,
+                       force=True, iters=2) == {"v": 2}
+    with pytest.raises(RuntimeError, match="every candidate failed"):
+        at.autotune("k2", "1", cands, boom, cache_path=path, force=True)
+
+
+def test_autotune_default_cache_path_and_concurrent_writers(tmp_path, monkeypatch):
+    path = tmp_path / "env_cache.json"
+    monkeypatch.setenv("JAXINFER_AUTOTUNE_CACHE", str(path))
+    assert at.default_cache_path() == str(path)
+    cands = [{"v": 0}, {"v": 1}]
+    errors = []
+
+    def worker(i):
+        try:
+            at.autotune(f"kern{i}", "1x1", cands, lambda c: jnp.zeros(()), force=True, warmup=0, iters=1)
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    entries = json.loads(path.read_text())["entries"]
+    assert len(entries) == 8 and all(e["config"] in cands for e in entries.values())
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_select_blocks_tunes_while_tracing(tmp_path):
+    """The quant_matmul tuning closure runs eagerly even when qdot is being traced under jit."""
+    path = str(tmp_path / "qm.json")
+    qw = quantize_int4(np.random.default_rng(9).standard_normal((96, 48)).astype(np.float32), 32)
+    # CPU default: candidates[0], valid for the shape
+    cfg0 = quant.select_blocks(5, 96, 48, qw, jnp.float32)
+    assert cfg0 == quant.pallas_block_candidates(5, 96, 48, 4, 32)[0]
+    assert cfg0["block_n"] == 16 and cfg0["block_k"] == 32 and cfg0["block_m"] == 16
+    seen = []
+
+    @jax.jit
+    def traced(x):
+        seen.append(quant.select_blocks(5, 96, 48, qw, jnp.float32, cache_path=path, force=True,
+                                        max_candidates=2))
+        return x * 2
+
+    traced(jnp.ones(3))
+    assert seen and seen[0] in quant.pallas_block_candidates(5, 96, 48, 4, 32)[:2]
+    (entry,) = at.load_cache(path).values()
+    assert entry["failed"] == 0 and len(entry["measured"]) == 2
+    assert entry["kernel"] == "quant_matmul_int4_g32_sym"
