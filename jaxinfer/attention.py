@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.kv_cache import AttentionMetadata, LayerKV, write_kv
+from pallas_kernels.flash_attention import flash_attention, ragged_paged_attention
 
 NEG_INF = -1e30  # finite, so fully-masked padding rows give zeros instead of NaN
 
@@ -25,13 +26,27 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
               kv: LayerKV | None = None, meta: AttentionMetadata | None = None,
               impl: str = "xla") -> tuple[jax.Array, LayerKV | None]:
     """q [T, H, D], k/v [T, Hkv, D], positions [T] -> (out [T, H, D], updated pages or None)."""
-    if impl != "xla":
-        raise ValueError(f"attention implementation {impl!r} is not available; use 'xla'")
+    if impl not in ("xla", "pallas"):
+        raise ValueError(f"unknown attention implementation {impl!r}; use 'xla' or 'pallas'")
     if kv is None:
+        if impl == "pallas":
+            return flash_attention(q, k, v, scale=scale, causal=True, window=window, alibi_slopes=alibi), None
         return dense_causal_attention(q, k, v, positions, scale=scale, window=window, alibi=alibi), None
     assert meta is not None, "paged attention needs AttentionMetadata"
     kv = write_kv(kv, k, v, meta.slot_mapping)
+    if impl == "pallas":
+        out = ragged_paged_attention(q, kv.k, kv.v, positions, meta.seq_ids, meta.query_start_loc,
+                                     meta.block_tables, meta.context_lens, scale=scale, window=window,
+                                     alibi_slopes=alibi, k_scale=kv.k_scale, v_scale=kv.v_scale)
+        return out.astype(q.dtype), kv
     return paged_attention_xla(q, kv, positions, meta, scale=scale, window=window, alibi=alibi), kv
+
+
+def resolve_impl(requested: str) -> str:
+    """'auto' -> the Pallas kernels on GPU, XLA elsewhere (on CPU they only run interpreted)."""
+    if requested == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return requested
 
 
 def _mask_and_bias(q_pos: jax.Array, k_pos: jax.Array, window: int | None, alibi: jax.Array | None,

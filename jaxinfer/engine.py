@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxinfer.attention import resolve_impl
 from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.devices import spec_for_kind
 from jaxinfer.host.block_manager import BlockManager
@@ -76,7 +77,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, self.max_model_len, batch_window_s),
             self.blocks, eos_ids=eos)
-        attention = "xla" if cfg.attention == "auto" else cfg.attention
+        attention = resolve_impl(cfg.attention)
         self.runner = ModelRunner(model, RunnerConfig(cfg.block_size, num_blocks, cfg.max_num_seqs,
                                                       tokens_budget, self.max_model_len, attention), kv_dtype)
         self.weight_bytes = weight_bytes

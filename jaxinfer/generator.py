@@ -92,7 +92,8 @@ class Generator:
         self.cfg = cfg
         self.engine = Engine(model, tokenizer, cfg, max_num_batched_tokens)
         graphdef, params = nnx.split(model)
-        self._forward = jax.jit(lambda p, t, pos: nnx.merge(graphdef, p)(t, pos)[0])
+        impl = self.engine.runner.cfg.attention
+        self._forward = jax.jit(lambda p, t, pos: nnx.merge(graphdef, p)(t, pos, impl=impl)[0])
         self._params = params
         self._lock = threading.Lock()
         self._queues: dict[str, deque[RequestOutput]] = {}
@@ -111,8 +112,7 @@ class Generator:
                            max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                            batching=batching, max_model_len=max_model_len)
         unavailable = {"tensor_parallel": tensor_parallel > 1 or None,
-                       "pipeline_parallel": pipeline_parallel > 1 or None, "attention='pallas'":
-                       attention == "pallas" or None}
+                       "pipeline_parallel": pipeline_parallel > 1 or None}
         asked = [k for k, v in unavailable.items() if v]
         if asked:
             raise ValueError(f"{', '.join(asked)}: not available in this version of jaxinfer")

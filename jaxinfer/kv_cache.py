@@ -46,6 +46,7 @@ class AttentionMetadata:
     slot_mapping: jax.Array   # [T] int32: flat slot this token's K/V is written to (PAD_SLOT: padding)
     block_tables: jax.Array   # [S, max_blocks] int32: logical block -> physical block (0 = null)
     context_lens: jax.Array   # [S] int32: tokens of each sequence in the cache after this step
+    query_start_loc: jax.Array  # [S+1] int32: offset of each sequence's first token in this step
 
 
 def init_kv_pages(n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,

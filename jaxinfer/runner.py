@@ -130,6 +130,7 @@ class ModelRunner:
         block_tables = np.zeros((s, b), np.int32)
         context_lens = np.zeros(s, np.int32)
         logits_indices = np.zeros(s, np.int32)
+        query_start = np.zeros(s + 1, np.int32)
         rows: list = [None] * s
         cursor = 0
         for i, q in enumerate(out.seqs):
@@ -146,7 +147,10 @@ class ModelRunner:
             if q.sample:
                 rows[i] = req
             cursor += n
-        return tokens, positions, AttentionMetadata(seq_ids, slots, block_tables, context_lens), logits_indices, rows
+            query_start[i + 1] = cursor
+        query_start[len(out.seqs) + 1:] = cursor           # padding rows: empty chunks
+        meta = AttentionMetadata(seq_ids, slots, block_tables, context_lens, query_start)
+        return tokens, positions, meta, logits_indices, rows
 
     def _sampling_batch(self, rows: list, positions_of_rows: np.ndarray) -> SamplingBatch:
         s = len(rows)
@@ -192,7 +196,7 @@ class ModelRunner:
             for b in self.block_buckets:
                 tokens = np.zeros(t, np.int32)
                 meta = AttentionMetadata(np.zeros(t, np.int32), np.full(t, PAD_SLOT, np.int32),
-                                         np.zeros((s, b), np.int32), np.zeros(s, np.int32))
+                                         np.zeros((s, b), np.int32), np.zeros(s, np.int32), np.zeros(s + 1, np.int32))
                 sb = self._sampling_batch([None] * s, np.zeros(s, np.int32))
                 (ids, *_), self.kv_pages = self._step(self.params, self.kv_pages, tokens, tokens, meta,
                                                       np.zeros(s, np.int32), sb)

@@ -1,0 +1,415 @@
+"""Pallas attention kernels (pallas_kernels/) against their jnp references and a float64 numpy
+implementation of the masking definition, in interpret mode on CPU (the kernels' default there).
+
+Definition (numpy below): a query token at position p of sequence s sees cache position l iff
+l <= p, l < context_len[s] and, with a window W, p - W < l; ALiBi adds slope_h * (l - p); int8
+pages dequantize to int8 * scale; softmax over the visible keys; nothing visible -> 0.
+Tolerance: max|a - b| / max|b| < 1e-5 (float32), < 1e-2 (bfloat16).
+
+Shapes are small (interpret mode is slow) but every tiled dimension has >= 3 tiles: query tiles,
+KV compute blocks, sequences, and num_splits partitions.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.flash_attention import (flash_attention, flash_attention_reference,
+                                            ragged_paged_attention,
+                                            ragged_paged_attention_reference, ragged_tile_table)
+from pallas_kernels.paged_attention import (default_interpret, paged_attention,
+                                            paged_attention_reference)
+
+TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+def rel_err(a, b) -> float:
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert np.isfinite(a).all()
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def seed(*params) -> int:
+    """A per-case seed that does not depend on PYTHONHASHSEED."""
+    return zlib.crc32(repr(params).encode())
+
+
+def f64(x):
+    return None if x is None else np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Independent numpy implementation of the definition (float64, loops)
+# ----------------------------------------------------------------------------------------------
+
+def np_attend(qv, keys, vals, k_pos, p, *, scale, window, slope):
+    """qv [D], keys/vals [L, D], k_pos [L] (already restricted to l < context_len)."""
+    vis = k_pos <= p if p is not None else np.ones(len(k_pos), bool)
+    if window is not None:
+        vis &= k_pos > (p if p is not None else 0) - window
+    if not vis.any():
+        return np.zeros(qv.shape[0])
+    sc = keys[vis] @ qv * scale
+    if slope is not None:
+        sc = sc + slope * (k_pos[vis] - p)
+    w = np.exp(sc - sc.max())
+    return (w / w.sum()) @ vals[vis]
+
+
+def np_paged(q, k_pages, v_pages, positions, seq_ids, block_tables, context_lens, *, scale,
+             window=None, slopes=None, k_scale=None, v_scale=None, covered=None):
+    q, slopes = f64(q), f64(slopes)
+    kf = f64(k_pages) if k_scale is None else f64(k_pages) * f64(k_scale)[..., None]
+    vf = f64(v_pages) if v_scale is None else f64(v_pages) * f64(v_scale)[..., None]
+    t_, h_, d = q.shape
+    hkv, _, bs, _ = kf.shape
+    g = h_ // hkv
+    bt, lens = np.asarray(block_tables), np.asarray(context_lens)
+    out = np.zeros((t_, h_, d))
+    for t in range(t_):
+        if covered is not None and not covered[t]:
+            continue
+        s, p = int(seq_ids[t]), int(positions[t])
+        ls = np.arange(int(lens[s]))
+        phys, off = bt[s, ls // bs], ls % bs
+        for h in range(h_):
+            out[t, h] = np_attend(q[t, h], kf[h // g, phys, off], vf[h // g, phys, off], ls, p,
+                                  scale=scale, window=window,
+                                  slope=None if slopes is None else slopes[h])
+    return out
+
+
+def np_dense(q, k, v, *, scale, causal, window=None, slopes=None):
+    q, k, v, slopes = f64(q), f64(k), f64(v), f64(slopes)
+    t_, h_, d = q.shape
+    g = h_ // k.shape[1]
+    out = np.zeros((t_, h_, d))
+    ls = np.arange(t_)
+    for t in range(t_):
+        for h in range(h_):
+            if causal:
+                out[t, h] = np_attend(q[t, h], k[:, h // g], v[:, h // g], ls, t, scale=scale,
+                                      window=window, slope=None if slopes is None else slopes[h])
+            else:  # no l <= p; the window still bounds l from below, ALiBi still adds slope*(l-p)
+                vis = ls > t - window if window is not None else np.ones(t_, bool)
+                sc = k[vis, h // g] @ q[t, h] * scale
+                if slopes is not None:
+                    sc = sc + slopes[h] * (ls[vis] - t)
+                w = np.exp(sc - sc.max())
+                out[t, h] = (w / w.sum()) @ v[vis, h // g]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Problem builders
+# ----------------------------------------------------------------------------------------------
+
+def make_cache(rng, *, ctx_lens, hkv, d, bs, dtype, quant, spare_blocks=3, extra_cols=1):
+    """Pages with shuffled physical blocks; the null block 0 and spare blocks hold large garbage
+    so any unmasked read of them shows. Returns (k, v, k_scale, v_scale, block_tables)."""
+    nblk = [-(-c // bs) for c in ctx_lens]
+    max_blocks = max(nblk) + extra_cols
+    nb = 1 + sum(nblk) + spare_blocks
+    phys = rng.permutation(np.arange(1, nb))
+    bt = np.zeros((len(ctx_lens), max_blocks), np.int32)
+    i = 0
+    for s, n in enumerate(nblk):
+        bt[s, :n] = phys[i:i + n]
+        i += n
+    used = np.zeros(nb, bool)
+    used[bt[bt > 0]] = True
+    shape = (hkv, nb, bs, d)
+    if quant:
+        k = rng.integers(-127, 128, shape).astype(np.int8)
+        v = rng.integers(-127, 128, shape).astype(np.int8)
+        ks = rng.uniform(0.004, 0.03, shape[:3]).astype(np.float32)
+        vs = rng.uniform(0.004, 0.03, shape[:3]).astype(np.float32)
+        k[:, ~used], v[:, ~used] = 127, -127
+        ks[:, ~used], vs[:, ~used] = 3.0, 3.0
+        return (jnp.asarray(k), jnp.asarray(v), jnp.asarray(ks), jnp.asarray(vs), jnp.asarray(bt))
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    k[:, ~used], v[:, ~used] = 40.0, -40.0
+    return (jnp.asarray(k, dtype), jnp.asarray(v, dtype), None, None, jnp.asarray(bt))
+
+
+def make_ragged(rng, *, chunks, n_pad, hkv, g, d, bs, dtype, quant):
+    """chunks: [(prior_context, new_tokens)] per sequence (new_tokens == 1: a decode token)."""
+    ctx = [p + n for p, n in chunks]
+    k, v, ks, vs, bt = make_cache(rng, ctx_lens=ctx, hkv=hkv, d=d, bs=bs, dtype=dtype, quant=quant)
+    pos, sid, qsl = [], [], [0]
+    for s, (p, n) in enumerate(chunks):
+        pos += range(p, p + n)
+        sid += [s] * n
+        qsl.append(qsl[-1] + n)
+    pos += [0] * n_pad          # bucket padding: outside every chunk
+    sid += [0] * n_pad
+    t = len(pos)
+    q = jnp.asarray(rng.standard_normal((t, hkv * g, d)), dtype)
+    meta = dict(positions=jnp.asarray(pos, jnp.int32), seq_ids=jnp.asarray(sid, jnp.int32),
+                query_start_loc=jnp.asarray(qsl, jnp.int32), block_tables=bt,
+                context_lens=jnp.asarray(ctx, jnp.int32))
+    return q, k, v, ks, vs, meta
+
+
+def slopes_for(rng, h):
+    return jnp.asarray(rng.uniform(0.01, 0.15, h), jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode: paged_attention
+# ----------------------------------------------------------------------------------------------
+
+# (dtype, block_size, G, window, alibi, int8, num_splits, pages_per_compute_block, check_numpy)
+DECODE_CASES = [
+    ("float32", 8, 1, None, False, False, 1, 1, True),
+    ("float32", 16, 4, 20, True, False, 1, 1, True),
+    ("float32", 32, 8, None, False, False, 3, 1, True),
+    ("float32", 8, 4, None, True, True, 4, 2, True),
+    ("float32", 16, 3, 37, False, False, 3, 1, True),
+    ("bfloat16", 16, 4, 24, False, True, 2, 1, True),
+    ("bfloat16", 8, 8, 30, True, False, 1, 2, False),
+    ("bfloat16", 32, 1, None, True, True, 3, 1, False),
+]
+
+
+@pytest.mark.parametrize("dtype,bs,g,window,alibi,quant,splits,ppcb,check_np", DECODE_CASES)
+def test_paged_decode(dtype, bs, g, window, alibi, quant, splits, ppcb, check_np):
+    rng = np.random.default_rng(seed(dtype, bs, g, window, alibi, quant, splits))
+    hkv, d = 2, 16 if g >= 4 else 32
+    # >= 3 sequences; contexts spanning >= 3 compute blocks, partial last pages, a 1-token and an
+    # empty (padding row) context.
+    ctx = [3 * bs * ppcb + 5, 5 * bs * ppcb - 3, 1, 2 * bs + 1, 0]
+    k, v, ks, vs, bt = make_cache(rng, ctx_lens=[max(c, 1) for c in ctx], hkv=hkv, d=d, bs=bs,
+                                  dtype=jnp.dtype(dtype), quant=quant)
+    lens = jnp.asarray(ctx, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((len(ctx), hkv * g, d)), dtype)
+    kw = dict(scale=d ** -0.5, window=window, k_scale=ks, v_scale=vs,
+              alibi_slopes=slopes_for(rng, hkv * g) if alibi else None)
+    out = paged_attention(q, k, v, bt, lens, pages_per_compute_block=ppcb, num_splits=splits, **kw)
+    ref = paged_attention_reference(q, k, v, bt, lens, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, ref) < TOL[dtype]
+    assert float(jnp.abs(out[-1].astype(jnp.float32)).max()) == 0.0     # empty context -> 0
+    if check_np:
+        want = np_paged(q, k, v, lens - 1, np.arange(len(ctx)), bt, lens, scale=d ** -0.5,
+                        window=window, slopes=kw["alibi_slopes"], k_scale=ks, v_scale=vs)
+        assert rel_err(ref, want) < TOL[dtype]
+        assert rel_err(out, want) < TOL[dtype]
+
+
+def test_paged_decode_splits_agree():
+    """num_splits only changes the partition of the context, not the result."""
+    rng = np.random.default_rng(7)
+    ctx = [150, 37, 96, 5]
+    k, v, _, _, bt = make_cache(rng, ctx_lens=ctx, hkv=2, d=16, bs=8, dtype=jnp.float32,
+                                quant=False)
+    q = jnp.asarray(rng.standard_normal((4, 8, 16)), jnp.float32)
+    lens = jnp.asarray(ctx, jnp.int32)
+    outs = [paged_attention(q, k, v, bt, lens, scale=0.25, window=64, pages_per_compute_block=1,
+                            num_splits=n) for n in (1, 5)]
+    assert rel_err(outs[1], outs[0]) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefill: ragged_paged_attention
+# ----------------------------------------------------------------------------------------------
+
+# (dtype, block_size, G, window, alibi, int8, block_q, pages_per_compute_block, check_numpy)
+RAGGED_CASES = [
+    ("float32", 8, 1, None, False, False, 8, 1, True),
+    ("float32", 16, 4, 24, True, False, 4, 1, True),
+    ("float32", 32, 8, None, False, True, 4, 1, True),
+    ("float32", 8, 3, 11, True, True, 8, 2, True),
+    ("bfloat16", 16, 4, 40, True, True, 8, 1, True),
+    ("bfloat16", 8, 8, None, False, False, 8, 2, False),
+    ("bfloat16", 32, 1, 50, False, False, 16, 1, False),
+]
+
+
+@pytest.mark.parametrize("dtype,bs,g,window,alibi,quant,bq,ppcb,check_np", RAGGED_CASES)
+def test_ragged_paged(dtype, bs, g, window, alibi, quant, bq, ppcb, check_np):
+    rng = np.random.default_rng(seed(dtype, bs, g, window, alibi, quant, bq))
+    hkv, d = 2, 16 if g >= 4 else 32
+    blk = bs * ppcb
+    # A mixed step: prefill chunks with prior context (>= 3 query tiles, >= 3 KV blocks), a
+    # first chunk with no prior context, decode tokens, then bucket padding.
+    chunks = [(2 * blk + 3, 3 * bq + 2), (3 * blk + 1, 1), (0, 3 * bq - 1), (blk - 2, 1),
+              (blk + 5, bq + 1), (4, 1)]
+    q, k, v, ks, vs, meta = make_ragged(rng, chunks=chunks, n_pad=3, hkv=hkv, g=g, d=d, bs=bs,
+                                        dtype=jnp.dtype(dtype), quant=quant)
+    kw = dict(scale=d ** -0.5, window=window, k_scale=ks, v_scale=vs,
+              alibi_slopes=slopes_for(rng, hkv * g) if alibi else None)
+    out = ragged_paged_attention(q, k, v, **meta, block_q=bq, pages_per_compute_block=ppcb, **kw)
+    ref = ragged_paged_attention_reference(q, k, v, **meta, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, ref) < TOL[dtype]
+    assert float(jnp.abs(out[-3:].astype(jnp.float32)).max()) == 0.0    # padding tokens -> 0
+    if check_np:
+        t = q.shape[0]
+        want = np_paged(q, k, v, meta["positions"], meta["seq_ids"], meta["block_tables"],
+                        meta["context_lens"], scale=d ** -0.5, window=window,
+                        slopes=kw["alibi_slopes"], k_scale=ks, v_scale=vs,
+                        covered=np.arange(t) < t - 3)
+        assert rel_err(ref, want) < TOL[dtype]
+        assert rel_err(out, want) < TOL[dtype]
+
+
+def test_ragged_decode_only_matches_decode_kernel():
+    """A step of decode tokens only (chunks of length 1) gives what the decode kernel gives."""
+    rng = np.random.default_rng(3)
+    chunks = [(40, 1), (7, 1), (64, 1), (17, 1)]
+    q, k, v, ks, vs, meta = make_ragged(rng, chunks=chunks, n_pad=0, hkv=2, g=4, d=16, bs=8,
+                                        dtype=jnp.float32, quant=True)
+    kw = dict(scale=0.25, window=33, k_scale=ks, v_scale=vs, alibi_slopes=slopes_for(rng, 8))
+    rag = ragged_paged_attention(q, k, v, **meta, block_q=4, pages_per_compute_block=1, **kw)
+    dec = paged_attention(q, k, v, meta["block_tables"], meta["context_lens"],
+                          pages_per_compute_block=2, num_splits=2, **kw)
+    assert rel_err(rag, dec) < 1e-5
+
+
+@pytest.mark.parametrize("bq", [1, 4, 16])
+def test_ragged_tile_table_partitions_tokens(bq):
+    """Tiles cover every chunk token exactly once, never straddle sequences, fit in the grid."""
+    lens = np.array([5, 0, 1, 17, 4, 1, 32])
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t = int(qsl[-1]) + 2
+    info = np.asarray(ragged_tile_table(jnp.asarray(qsl), jnp.arange(7, dtype=jnp.int32), t, bq))
+    seen = np.zeros(t, int)
+    for seq, start, n, ctx in info:
+        assert 0 <= n <= bq and ctx == seq
+        if n:
+            assert qsl[seq] <= start and start + n <= qsl[seq + 1]
+            seen[start:start + n] += 1
+    assert (seen[:qsl[-1]] == 1).all() and (seen[qsl[-1]:] == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# One sequence: flash_attention
+# ----------------------------------------------------------------------------------------------
+
+# (dtype, T, G, causal, window, alibi, block_q, block_k, check_numpy)
+FLASH_CASES = [
+    ("float32", 50, 1, True, None, False, 16, 16, True),
+    ("float32", 45, 4, True, 13, True, 8, 16, True),
+    ("float32", 40, 8, False, None, False, 8, 8, True),
+    ("float32", 37, 3, False, None, True, 8, 8, True),
+    ("bfloat16", 64, 4, True, 20, False, 16, 8, True),
+    ("bfloat16", 33, 8, True, None, True, 8, 8, False),
+]
+
+
+@pytest.mark.parametrize("dtype,t,g,causal,window,alibi,bq,bk,check_np", FLASH_CASES)
+def test_flash(dtype, t, g, causal, window, alibi, bq, bk, check_np):
+    rng = np.random.default_rng(seed(dtype, t, g, causal, window, alibi))
+    hkv, d = 2, 16 if g >= 4 else 32
+    q = jnp.asarray(rng.standard_normal((t, hkv * g, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((t, hkv, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((t, hkv, d)), dtype)
+    kw = dict(scale=d ** -0.5, causal=causal, window=window,
+              alibi_slopes=slopes_for(rng, hkv * g) if alibi else None)
+    out = flash_attention(q, k, v, block_q=bq, block_k=bk, **kw)
+    ref = flash_attention_reference(q, k, v, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, ref) < TOL[dtype]
+    if check_np:
+        want = np_dense(q, k, v, scale=d ** -0.5, causal=causal, window=window,
+                        slopes=kw["alibi_slopes"])
+        assert rel_err(ref, want) < TOL[dtype]
+        assert rel_err(out, want) < TOL[dtype]
+
+
+# ----------------------------------------------------------------------------------------------
+# The jnp references agree with jaxinfer's XLA attention (the semantics the engine uses)
+# ----------------------------------------------------------------------------------------------
+
+def test_references_match_jaxinfer_xla():
+    from jaxinfer.attention import dense_causal_attention, paged_attention_xla
+    from jaxinfer.kv_cache import AttentionMetadata, LayerKV
+
+    rng = np.random.default_rng(11)
+    slopes = slopes_for(rng, 8)
+    q = jnp.asarray(rng.standard_normal((30, 8, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((30, 2, 16)), jnp.float32)
+    pos = jnp.arange(30, dtype=jnp.int32)
+    for window, al in ((None, None), (9, slopes)):
+        want = dense_causal_attention(q, k, k, pos, scale=0.3, window=window, alibi=al)
+        got = flash_attention_reference(q, k, k, scale=0.3, window=window, alibi_slopes=al)
+        assert rel_err(got, want) < 1e-6
+
+    q, kp, vp, _, _, meta = make_ragged(rng, chunks=[(20, 9), (5, 1), (0, 12)], n_pad=0, hkv=2,
+                                        g=4, d=16, bs=8, dtype=jnp.float32, quant=False)
+    md = AttentionMetadata(seq_ids=meta["seq_ids"], slot_mapping=meta["seq_ids"],
+                           block_tables=meta["block_tables"], context_lens=meta["context_lens"])
+    for window, al in ((None, None), (9, slopes)):
+        want = paged_attention_xla(q, LayerKV(kp, vp), meta["positions"], md, scale=0.3,
+                                   window=window, alibi=al)
+        got = ragged_paged_attention_reference(q, kp, vp, **meta, scale=0.3, window=window,
+                                               alibi_slopes=al)
+        assert rel_err(got, want) < 1e-6
+
+
+# ----------------------------------------------------------------------------------------------
+# Interpret default, and the kernels lower for the Triton GPU backend (no GPU needed to lower)
+# ----------------------------------------------------------------------------------------------
+
+def test_interpret_default():
+    assert default_interpret() == (jax.default_backend() == "cpu")
+
+
+def _lowers_for_triton(fn, *args) -> bool:
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return "triton" in text
+
+
+@pytest.mark.parametrize("kernel", ["decode", "ragged", "flash"])
+def test_lowers_for_triton(kernel):
+    hkv, g, d, bs, nb, s, t = 2, 4, 64, 16, 24, 3, 40
+    q = jnp.zeros((s if kernel == "decode" else t, hkv * g, d), jnp.bfloat16)
+    pages = jnp.zeros((hkv, nb, bs, d), jnp.int8)
+    scales = jnp.ones((hkv, nb, bs), jnp.float32)
+    bt, lens = jnp.zeros((s, 6), jnp.int32), jnp.zeros((s,), jnp.int32)
+    common = dict(scale=0.125, window=32, alibi_slopes=jnp.ones((hkv * g,)), interpret=False)
+    if kernel == "decode":
+        fn = lambda q, kp, vp, ks, vs: paged_attention(q, kp, vp, bt, lens, k_scale=ks, v_scale=vs,
+                                                       num_splits=2, **common)
+        assert _lowers_for_triton(fn, q, pages, pages, scales, scales)
+    elif kernel == "ragged":
+        ids = jnp.zeros((t,), jnp.int32)
+        fn = lambda q, kp, vp, ks, vs: ragged_paged_attention(
+            q, kp, vp, ids, ids, jnp.zeros((s + 1,), jnp.int32), bt, lens, k_scale=ks, v_scale=vs,
+            **common)
+        assert _lowers_for_triton(fn, q, pages, pages, scales, scales)
+    else:
+        kv = jnp.zeros((t, hkv, d), jnp.bfloat16)
+        fn = lambda q, k, v: flash_attention(q, k, v, **common)
+        assert _lowers_for_triton(fn, q, kv, kv)
+
+
+def test_lowers_for_triton_tiny_shapes():
+    """Tiles too small for tl.dot (G = 1, T = 3, page size 8) are grown to 16 rows / keys on GPU
+    (the kernel names carry the block sizes)."""
+    def lowered(fn, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    q = jnp.zeros((3, 2, 16), jnp.float32)
+    kv = jnp.zeros((3, 2, 16), jnp.float32)
+    assert "flash_attention_bq16_bk16" in lowered(lambda q, k, v: flash_attention(
+        q, k, v, scale=0.25, block_q=1, block_k=1, interpret=False), q, kv, kv)
+    pages = jnp.zeros((2, 5, 8, 16), jnp.float32)
+    bt, lens = jnp.zeros((3, 2), jnp.int32), jnp.ones((3,), jnp.int32)
+    assert "paged_decode_ppcb2_splits1" in lowered(lambda q, kp, vp: paged_attention(
+        q, kp, vp, bt, lens, scale=0.25, pages_per_compute_block=1, interpret=False),
+        q, pages, pages)
+    ids = jnp.zeros((3,), jnp.int32)
+    qsl = jnp.arange(4, dtype=jnp.int32)
+    assert "ragged_paged_attention_bq16_ppcb2" in lowered(lambda q, kp, vp: ragged_paged_attention(
+        q, kp, vp, ids, ids, qsl, bt, lens, scale=0.25, block_q=1, pages_per_compute_block=1,
+        interpret=False), q, pages, pages)
