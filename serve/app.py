@@ -125,6 +125,15 @@ async def _collect(sub: Submission) -> list[list[RequestOutput]]:
     return [samples for rid in sub.request_ids for samples in per[rid]]
 
 
+async def _respond(state: "ServerState", sub: Submission, build) -> dict:
+    """Wait for every choice, release the submission, and build the response body from the deltas."""
+    try:
+        groups = await _collect(sub)
+    finally:
+        state.engine.release(sub, finished=True)
+    return build(groups)
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -251,12 +260,8 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
                     state.engine.release(sub, finished)
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        try:
-            groups = await _collect(sub)
-        finally:
-            state.engine.release(sub, finished=True)
-        return completion_body(rid, created, state.model_name, groups, n_prompt, state.token_str,
-                               req.logprobs is not None)
+        return await _respond(state, sub, lambda groups: completion_body(
+            rid, created, state.model_name, groups, n_prompt, state.token_str, req.logprobs is not None))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -297,10 +302,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
                     state.engine.release(sub, finished)
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        try:
-            groups = await _collect(sub)
-        finally:
-            state.engine.release(sub, finished=True)
-        return chat_body(rid, created, state.model_name, groups, len(prompt), state.token_str, req.logprobs)
+        return await _respond(state, sub, lambda groups: chat_body(
+            rid, created, state.model_name, groups, len(prompt), state.token_str, req.logprobs))
 
     return app
