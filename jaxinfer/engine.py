@@ -26,6 +26,7 @@ from jaxinfer.host.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.runner import CompileCounter, ModelRunner, RunnerConfig, default_num_blocks
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, hold_back
+from jaxinfer.sharding import bytes_per_device, model_mesh
 
 
 @dataclass
@@ -68,8 +69,13 @@ class Engine:
         self.max_model_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
         kv_dtype = jnp.int8 if cfg.kv_dtype == "int8" else jnp.dtype(cfg.kv_dtype or cfg.dtype)
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        mesh = model_mesh(model)
+        tp = 1 if mesh is None else mesh.shape["tensor"]
         num_blocks = cfg.num_blocks or default_num_blocks(
-            self.model_cfg, cfg.block_size, kv_dtype, weight_bytes, cfg.max_num_seqs, self.max_model_len)
+            self.model_cfg, cfg.block_size, kv_dtype,
+            weight_bytes if mesh is None else max(bytes_per_device(model).values()),
+            cfg.max_num_seqs, self.max_model_len,
+            kv_shards=tp if self.model_cfg.n_kv_heads % tp == 0 else 1)
         tokens_budget = max(max_num_batched_tokens, 8)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()

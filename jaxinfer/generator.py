@@ -111,15 +111,21 @@ class Generator:
                            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                            max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                            batching=batching, max_model_len=max_model_len)
-        unavailable = {"tensor_parallel": tensor_parallel > 1 or None,
-                       "pipeline_parallel": pipeline_parallel > 1 or None}
+        unavailable = {"pipeline_parallel": pipeline_parallel > 1 or None}
         asked = [k for k, v in unavailable.items() if v]
         if asked:
             raise ValueError(f"{', '.join(asked)}: not available in this version of jaxinfer")
         path = Path(path) if path is not None else default_model_path()
-        model, _ = load_model(path, dtype)
+        mesh = None
+        if tensor_parallel > 1:
+            from jaxinfer.sharding import make_mesh
+            mesh = make_mesh(tensor_parallel=tensor_parallel)   # clear error if too few devices
+        model, _ = load_model(path, dtype, mesh=mesh)           # each weight read straight into its shards
         if quantize is not None:
             quantize_decoder(model, quantize)
+            if mesh is not None:   # QuantizedWeights: replicated on the mesh (sharding.py docstring)
+                from jaxinfer.sharding import shard_decoder
+                shard_decoder(model, mesh)
         return cls(model, load_tokenizer(path), cfg, max_num_batched_tokens, warmup)
 
     # ---------------------------------------------------------------- inputs

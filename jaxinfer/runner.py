@@ -26,6 +26,7 @@ from jaxinfer.host.scheduler import SchedulerOutput, StepSample
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, init_kv_pages, kv_bytes_per_token
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.sampling import SamplingBatch, sample
+from jaxinfer.sharding import kv_sharding, model_mesh
 
 
 class CompileCounter:
@@ -72,8 +73,15 @@ class ModelRunner:
         self.cfg = cfg
         self.graphdef, self.params = nnx.split(model)
         mc = self.model_cfg
-        self.kv_pages = init_kv_pages(mc.n_layers, mc.n_kv_heads, mc.head_dim, cfg.num_blocks,
-                                      cfg.block_size, kv_dtype)
+        self.mesh = model_mesh(self.params)   # None unless the model was sharded (sharding.shard_decoder)
+        make_pages = lambda: init_kv_pages(mc.n_layers, mc.n_kv_heads, mc.head_dim, cfg.num_blocks,  # noqa: E731
+                                           cfg.block_size, kv_dtype)
+        if self.mesh is None:
+            self.kv_sharding = None
+            self.kv_pages = make_pages()
+        else:   # allocated in place on every device: the global pool never sits on one device
+            self.kv_sharding = kv_sharding(self.mesh, mc.n_kv_heads)
+            self.kv_pages = jax.jit(make_pages, out_shardings=self.kv_sharding)()
         self.kv_bytes_per_token = kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_dtype)
         self.token_buckets = _pow2_buckets(min(8, cfg.max_num_batched_tokens), cfg.max_num_batched_tokens)
         max_blocks = -(-cfg.max_model_len // cfg.block_size)
@@ -85,6 +93,8 @@ class ModelRunner:
     def _step_impl(self, params, kv_pages, tokens, positions, meta, logits_indices, sb):
         model = nnx.merge(self.graphdef, params)
         logits, kv_pages = model(tokens, positions, kv_pages, meta, logits_indices, impl=self.cfg.attention)
+        if self.kv_sharding is not None:   # pages leave as they came: donation in place, no recompiles
+            kv_pages = jax.lax.with_sharding_constraint(kv_pages, self.kv_sharding)
         return sample(logits, sb), kv_pages
 
     # -------------------------------------------------------------------- buckets
@@ -205,11 +215,13 @@ class ModelRunner:
 
 
 def default_num_blocks(model_cfg: ModelConfig, block_size: int, kv_dtype, weight_bytes: int,
-                       max_num_seqs: int, max_model_len: int, memory_fraction: float = 0.9) -> int:
+                       max_num_seqs: int, max_model_len: int, memory_fraction: float = 0.9,
+                       kv_shards: int = 1) -> int:
     """Size the KV pool from free device memory (GPU/TPU), or, on CPU, from what max_num_seqs
-    sequences of max_model_len need capped at a quarter of host RAM."""
+    sequences of max_model_len need capped at a quarter of host RAM. weight_bytes: per device;
+    kv_shards: how many devices split each block (tp when kv heads are sharded, else 1)."""
     per_block = block_size * kv_bytes_per_token(model_cfg.n_layers, model_cfg.n_kv_heads,
-                                                model_cfg.head_dim, kv_dtype)
+                                                model_cfg.head_dim, kv_dtype) // kv_shards
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] * memory_fraction - stats.get("bytes_in_use", 0) - weight_bytes

@@ -5,6 +5,8 @@
     shard_decoder(model, mesh, rules)                   # every nnx.Param -> its NamedSharding, in place
     gen = Generator(model, tok, cfg)                    # the runner's nnx.split keeps the shardings
     gen.engine.runner.kv_pages = shard_kv_pages(gen.engine.runner.kv_pages, mesh, model.cfg.n_kv_heads)
+    bytes_per_device(model)                             # {device: parameter bytes it holds}
+    model_mesh(model)                                   # the mesh a sharded model lives on, or None
 
 The model never mentions meshes: every parameter carries `logical_axes` metadata (layers.py), and
 ShardingRules maps each logical axis to a mesh axis (or None = replicated):
@@ -73,7 +75,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxinfer.quant import QuantizedWeight
 
 __all__ = ["MESH_AXES", "ShardingRules", "DEFAULT_RULES", "make_mesh", "rules_for", "param_sharding",
-           "shard_decoder", "kv_sharding", "shard_kv_pages", "bytes_per_device", "load_sharded"]
+           "shard_decoder", "model_mesh", "kv_sharding", "shard_kv_pages", "bytes_per_device", "load_sharded"]
 
 MESH_AXES = ("data", "pipeline", "tensor")
 
@@ -221,6 +223,18 @@ def shard_decoder(model, mesh: Mesh, rules: Mapping[str, str | None] | None = No
             continue
         node.set_value(jax.device_put(value, sharding))
     return model
+
+
+def model_mesh(model_or_state) -> Mesh | None:
+    """The mesh a sharded model (or its nnx State) lives on: that of the first parameter placed
+    with a NamedSharding over more than one device; None for a single-device model. Lets the
+    runner place its KV pages to match without the mesh being passed down to it."""
+    state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
+    for leaf in jax.tree.leaves(state):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+            return sharding.mesh
+    return None
 
 
 # ------------------------------------------------------------------------------------ KV pages

@@ -132,15 +132,23 @@ def _set_params(model: Decoder, arrays: dict[str, jax.Array]) -> Decoder:
     return nnx.merge(graphdef, nnx.State.from_flat_path(flat))
 
 
-def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None = None) -> Decoder:
-    """Load an HF safetensors folder into a Decoder in `dtype`, checking every shape."""
+def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None = None,
+            mesh=None, rules=None) -> Decoder:
+    """Load an HF safetensors folder into a Decoder in `dtype`, checking every shape. With a mesh,
+    each parameter is read from the memmap shard by shard straight onto its devices
+    (sharding.load_sharded; rules default to sharding.rules_for(cfg, mesh))."""
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_hf(folder)
     st = SafetensorsFolder(folder)
     jdtype = DTYPES[dtype]
     model = abstract_decoder(cfg, jdtype)
-    expected = {"/".join(map(str, p)): tuple(v.get_value().shape)
-                for p, v in nnx.state(model, nnx.Param).flat_state()}
+    flat = nnx.state(model, nnx.Param).flat_state()
+    expected = {"/".join(map(str, p)): tuple(v.get_value().shape) for p, v in flat}
+    if mesh is not None:
+        from jaxinfer.sharding import load_sharded, param_sharding, rules_for
+        rules = rules if rules is not None else rules_for(cfg, mesh)
+        shardings = {"/".join(map(str, p)): param_sharding(v.get_metadata().get("logical_axes"), rules, mesh,
+                                                           tuple(v.get_value().shape)) for p, v in flat}
     arrays: dict[str, jax.Array] = {}
     for ours, (hf_names, transform) in hf_weight_map(cfg).items():
         tensors = [st.get(n) for n in hf_names]
@@ -154,8 +162,12 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
             raise CheckpointError(
                 f"{st.source(hf_names[0])}: tensor {hf_names[0]!r} has shape {tensors[0].shape}; "
                 f"expected a tensor giving {ours} of shape {expected[ours]} for this config.json")
-        arrays[ours] = jnp.asarray(value.astype(np.float32) if value.dtype != np.float32 else value,
-                                   dtype=jdtype)
+        if mesh is None:
+            arrays[ours] = jnp.asarray(value.astype(np.float32) if value.dtype != np.float32 else value,
+                                       dtype=jdtype)
+        else:   # value is (a view of) the memmap: each device's callback reads only its slice
+            arrays[ours] = load_sharded(lambda idx, v=value: v[idx].astype(np.float32), expected[ours],
+                                        shardings[ours], dtype=jdtype)
     return _set_params(model, arrays)
 
 
@@ -200,14 +212,20 @@ def read_native_config(folder: str | Path) -> tuple[ModelConfig, dict[str, Any]]
         raise CheckpointError(f"{path}: invalid native config ({e})") from None
 
 
-def load_native(folder: str | Path, dtype: str | None = None) -> Decoder:
+def load_native(folder: str | Path, dtype: str | None = None, mesh=None, rules=None) -> Decoder:
     import orbax.checkpoint as ocp
 
     folder = Path(folder).resolve()
     cfg, meta = read_native_config(folder)
     stored = DTYPES[meta.get("dtype", "float32")]
     target = abstract_decoder(cfg, stored)
-    abstract = {"/".join(map(str, p)): jax.ShapeDtypeStruct(v.get_value().shape, stored)
+    sharding = lambda v: None  # noqa: E731
+    if mesh is not None:   # orbax restores each shard straight onto its device
+        from jaxinfer.sharding import param_sharding, rules_for
+        rules = rules if rules is not None else rules_for(cfg, mesh)
+        sharding = lambda v: param_sharding(v.get_metadata().get("logical_axes"), rules, mesh,  # noqa: E731
+                                            tuple(v.get_value().shape))
+    abstract = {"/".join(map(str, p)): jax.ShapeDtypeStruct(v.get_value().shape, stored, sharding=sharding(v))
                 for p, v in nnx.state(target, nnx.Param).flat_state()}
     params_dir = folder / "params"
     if not params_dir.exists():
@@ -220,12 +238,14 @@ def load_native(folder: str | Path, dtype: str | None = None) -> Decoder:
     return _set_params(abstract_decoder(cfg, jdtype), {k: v.astype(jdtype) for k, v in restored.items()})
 
 
-def load_model(path: str | Path, dtype: str = "float32") -> tuple[Decoder, ModelConfig]:
-    """An HF or native folder -> (Decoder, ModelConfig). Errors name the path at fault."""
+def load_model(path: str | Path, dtype: str = "float32", mesh=None, rules=None) -> tuple[Decoder, ModelConfig]:
+    """An HF or native folder -> (Decoder, ModelConfig). Errors name the path at fault.
+    mesh: place every parameter on it by sharding.rules_for (or `rules`) while loading."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such model folder")
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path}: no config.json (expected an HF model folder or a jaxinfer checkpoint)")
-    model = load_native(path, dtype) if is_native(path) else load_hf(path, dtype)
+    model = (load_native(path, dtype, mesh=mesh, rules=rules) if is_native(path)
+             else load_hf(path, dtype, mesh=mesh, rules=rules))
     return model, model.cfg
