@@ -1,4 +1,4 @@
-"""`jaxinfer generate | serve | batch | convert | eval-ppl` (bench and plan as they land).
+"""`jaxinfer generate | serve | batch | bench | plan | convert | export-hf | eval-ppl`.
 
 Flags are parsed here and only here; each command calls the library.
 """
@@ -202,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from jaxinfer.plan import add_plan_parser
     add_plan_parser(sub)
+    from bench.benchmark import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxinfer.weights import CheckpointError
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"jaxinfer {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,344 @@
+"""The field's serving metrics, computed from request timestamps and an engine step log.
+
+Per request (definitions of vLLM's benchmarks/benchmark_serving.py; times in one clock, seconds):
+    TTFT  = first_token - arrival                      time to first token
+    E2EL  = finish - arrival                           end-to-end latency (finish = last token)
+    TPOT  = (E2EL - TTFT) / (output_tokens - 1)        only requests with > 1 output token
+    ITL   = gaps between consecutive output tokens (client side: SSE chunks), pooled over requests
+Each is summarised as n, mean, std, p50, p90, p99 (np.percentile, linear interpolation) in ms.
+Over the run (duration = the benchmark's wall time, first submission to last completion):
+    request_throughput     = completed requests / duration          (req/s)
+    output_throughput      = total output tokens / duration         (tok/s)
+    total_token_throughput = (input + output tokens) / duration     (tok/s)
+
+From the engine's step log (StepLog; offline mode only), per step with sequences s, each computing
+n_s tokens starting at position start_s (so its context after the step is c_s = start_s + n_s):
+    bytes(step) = W + sum_s c_s * kv_bytes_per_token
+        W = weight bytes one step reads: every parameter except an untied input-embedding table
+            (a gather of T rows, not a read of the table); kv_bytes_per_token = 2*L*H_kv*d_head*itemsize.
+            KV *writes* of the step's new tokens are not counted (vLLM/Databricks MBU convention).
+    flops(step) = 2 * P_body * T + 2 * V * d_model * S + sum_s sum_layers 4 * H * d_head * sum_{i<n_s} k_{s,i}
+        T = sum_s n_s tokens, S = number of sequences (the LM head runs on one row per sequence),
+        P_body = parameters outside the embedding / LM-head tables (blocks + norms + biases),
+        k_{s,i} = start_s + i + 1 keys seen by query i (causal), capped at the layer's sliding window;
+        4 = 2 FLOPs per multiply-add x (QK^T + PV).
+    MBU = sum bytes / sum step time / peak bandwidth;  MFU = sum flops / sum step time / peak FLOP/s
+(time-weighted over steps, i.e. the aggregate achieved rate over peak). `_decode` variants use only
+the steps in which every sequence computed one token (pure decode). Step time is the wall time of
+`engine.step()` (schedule + host prep + device + detokenize), so host overhead lowers MBU/MFU.
+The schedule is read exactly: StepLog wraps the engine's `scheduler.schedule` to keep a copy of
+each plan's (start, num_tokens) pairs; it does not change what the engine does.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+# --------------------------------------------------------------------------- per-request metrics
+@dataclass
+class RequestRecord:
+    """One request's timestamps (seconds, one clock) and token counts."""
+    arrival: float                              # submitted (offline) / sent (client)
+    first_token: float | None                   # first output token (client: first SSE chunk with choices)
+    finish: float | None                        # last output token
+    token_times: list[float] = field(default_factory=list)   # each output token (client: each chunk)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    success: bool = True
+    error: str = ""
+
+    @classmethod
+    def from_request(cls, req: Any) -> "RequestRecord":
+        """From a finished jaxinfer.host.request.Request (engine clock: time.monotonic)."""
+        finish = req.token_times[-1] if req.token_times else req.finish_time
+        return cls(req.arrival_time, req.first_token_time, finish, list(req.token_times),
+                   len(req.prompt_ids), len(req.output_ids), success=req.first_token_time is not None)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2el(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2 or self.ttft is None or self.e2el is None:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itl(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+def distribution(values: Iterable[float], scale: float = 1.0,
+                 percentiles: Sequence[int] = PERCENTILES) -> dict[str, float | int | None]:
+    """n, mean, std and percentiles (np.percentile, linear) of values * scale; None when empty."""
+    v = np.asarray([x for x in values if x is not None], np.float64) * scale
+    out: dict[str, float | int | None] = {"n": int(v.size)}
+    empty = v.size == 0
+    out["mean"] = None if empty else float(v.mean())
+    out["std"] = None if empty else float(v.std())
+    for p in percentiles:
+        out[f"p{p}"] = None if empty else float(np.percentile(v, p))
+    return out
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float,
+              percentiles: Sequence[int] = PERCENTILES) -> dict[str, Any]:
+    """The run's metrics (vLLM benchmark_serving definitions); latencies in ms."""
+    ok = [r for r in records if r.success]
+    total_in = sum(r.prompt_tokens for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    ms = 1000.0
+    return {
+        "duration_s": duration_s,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration_s if duration_s > 0 else None,
+        "output_throughput": total_out / duration_s if duration_s > 0 else None,
+        "total_token_throughput": (total_in + total_out) / duration_s if duration_s > 0 else None,
+        "ttft_ms": distribution((r.ttft for r in ok), ms, percentiles),
+        "tpot_ms": distribution((r.tpot for r in ok), ms, percentiles),
+        "itl_ms": distribution((g for r in ok for g in r.itl), ms, percentiles),
+        "e2el_ms": distribution((r.e2el for r in ok), ms, percentiles),
+    }
+
+
+# --------------------------------------------------------------------------- step log, MBU / MFU
+@dataclass
+class StepRecord:
+    """One engine step: its wall time and, per scheduled sequence, (start, num_tokens)."""
+    time_s: float
+    spans: list[tuple[int, int]]
+    execute_s: float | None = None     # the engine's own timing of runner.execute, for reference
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.spans)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.spans)
+
+    @property
+    def context_lens(self) -> list[int]:
+        return [s + n for s, n in self.spans]
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(self.spans) and all(n == 1 for _, n in self.spans)
+
+
+class StepLog:
+    """Drive an Engine step by step and log each step's plan and wall time.
+
+        log = StepLog(engine)
+        while engine.has_unfinished():
+            outputs = log.step()
+    It wraps `engine.scheduler.schedule` (on the instance) to keep a copy of each plan's spans.
+    """
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.steps: list[StepRecord] = []
+        self._plan: list[tuple[int, int]] | None = None
+        sched = engine.scheduler
+        self._original = sched.schedule
+
+        def schedule():
+            plan = self._original()
+            self._plan = [(q.start, q.num_tokens) for q in plan.seqs]
+            return plan
+
+        sched.schedule = schedule
+
+    def step(self) -> list:
+        self._plan = None
+        n_exec = len(self.engine.stats_.step_times)
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        dt = time.perf_counter() - t0
+        if self._plan:
+            times = self.engine.stats_.step_times
+            self.steps.append(StepRecord(dt, self._plan, times[-1] if len(times) > n_exec else None))
+        return outputs
+
+    def detach(self) -> None:
+        self.engine.scheduler.__dict__.pop("schedule", None)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one step of a model costs in bytes and FLOPs (formulas in the module docstring)."""
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    d_model: int
+    vocab_size: int
+    body_params: int                      # parameters run on every token (all but embedding tables)
+    weight_bytes_read: int                # W: bytes of weights one step reads
+    kv_bytes_per_token: int               # K and V of one token, all layers
+    windows: tuple[int | None, ...] = ()  # per layer sliding window (None = full causal)
+
+    @classmethod
+    def from_config(cls, cfg: Any, weight_itemsize: float, kv_itemsize: int) -> "ModelCost":
+        table = cfg.vocab_size * cfg.d_model
+        pos = cfg.max_position_embeddings * cfg.d_model if cfg.position == "learned" else 0
+        total = cfg.num_params()
+        body = total - table * (1 if cfg.tie_embeddings else 2) - pos
+        # read per step: the blocks + the LM head (the tied table is the head); not the input table
+        read = body + table
+        kv = 2 * kv_itemsize * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+        return cls(cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_model, cfg.vocab_size, body,
+                   int(round(read * weight_itemsize)), kv,
+                   tuple(cfg.layer_window(i) for i in range(cfg.n_layers)))
+
+    @classmethod
+    def from_engine(cls, engine: Any) -> "ModelCost":
+        cfg = engine.model_cfg
+        itemsize = engine.weight_bytes / cfg.num_params()
+        kv_itemsize = engine.runner.kv_bytes_per_token // (2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim)
+        return cls.from_config(cfg, itemsize, kv_itemsize)
+
+    def _layer_windows(self) -> list[int | None]:
+        return list(self.windows) if self.windows else [None] * self.n_layers
+
+    def step_bytes(self, step: StepRecord) -> float:
+        per_layer = self.kv_bytes_per_token / self.n_layers
+        kv = 0.0
+        for w in self._layer_windows():
+            kv += per_layer * sum(c if w is None else min(c, w) for c in step.context_lens)
+        return self.weight_bytes_read + kv
+
+    def step_flops(self, step: StepRecord) -> float:
+        linear = 2.0 * self.body_params * step.num_tokens + 2.0 * self.vocab_size * self.d_model * step.num_seqs
+        attn = 0.0
+        for w in self._layer_windows():
+            keys = 0
+            for start, n in step.spans:
+                if w is None:      # sum of start + 1 .. start + n
+                    keys += n * start + n * (n + 1) // 2
+                else:
+                    keys += int(np.minimum(np.arange(start + 1, start + n + 1, dtype=np.int64), w).sum())
+            attn += 4.0 * self.n_heads * self.head_dim * keys
+        return linear + attn
+
+
+def utilization(steps: Sequence[StepRecord], cost: ModelCost, peak_bandwidth: float | None,
+                peak_flops: float | None) -> dict[str, Any]:
+    """MBU / MFU over all steps and over pure-decode steps (time-weighted aggregates)."""
+    def agg(sel: list[StepRecord], suffix: str) -> dict[str, Any]:
+        t = sum(s.time_s for s in sel)
+        b = sum(cost.step_bytes(s) for s in sel)
+        f = sum(cost.step_flops(s) for s in sel)
+        bw = b / t if t > 0 else None
+        fl = f / t if t > 0 else None
+        return {
+            f"num_steps{suffix}": len(sel), f"step_time_s{suffix}": t,
+            f"achieved_bandwidth_Bps{suffix}": bw, f"achieved_flops{suffix}": fl,
+            f"mbu{suffix}": bw / peak_bandwidth if bw is not None and peak_bandwidth else None,
+            f"mfu{suffix}": fl / peak_flops if fl is not None and peak_flops else None,
+        }
+    out = agg(list(steps), "")
+    out |= agg([s for s in steps if s.is_decode], "_decode")
+    out["step_time_ms"] = distribution((s.time_s for s in steps), 1000.0)
+    out["weight_bytes_read"] = cost.weight_bytes_read
+    out["kv_bytes_per_token"] = cost.kv_bytes_per_token
+    return out
+
+
+# --------------------------------------------------------------------------- device peaks
+# (substring of jax's device_kind, lower case; name; bytes/s; FLOP/s by compute dtype), first match wins.
+# GPU float32: JAX's default matmul precision uses TF32 tensor cores on Ampere and later.
+DEVICE_PEAKS: list[tuple[str, str, float, dict[str, float]]] = [
+    ("h100 pcie", "H100 PCIe", 2.0e12, {"bfloat16": 756e12, "float16": 756e12, "float32": 378e12}),
+    ("h100", "H100 SXM", 3.35e12, {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}),
+    ("h200", "H200", 4.8e12, {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}),
+    ("a100", "A100", 2.0e12, {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}),
+    ("v5 lite", "TPU v5e", 8.19e11, {"bfloat16": 197e12, "float32": 197e12}),
+    ("v5e", "TPU v5e", 8.19e11, {"bfloat16": 197e12, "float32": 197e12}),
+    ("v6", "TPU v6e", 1.64e12, {"bfloat16": 918e12, "float32": 918e12}),
+    ("v5", "TPU v5p", 2.765e12, {"bfloat16": 459e12, "float32": 459e12}),
+    ("v4", "TPU v4", 1.2e12, {"bfloat16": 275e12, "float32": 275e12}),
+]
+
+
+def table_peaks(device_kind: str, dtype: str = "bfloat16") -> dict[str, Any] | None:
+    kind = device_kind.lower()
+    for key, name, bw, flops in DEVICE_PEAKS:
+        if key in kind:
+            return {"name": name, "bandwidth_Bps": bw, "flops": flops.get(dtype, flops["bfloat16"]),
+                    "flops_dtype": dtype, "source": "table"}
+    return None
+
+
+def measure_cpu_bandwidth(mib: int = 256, reps: int = 7, threads: int | None = None) -> dict[str, Any]:
+    """Host memory bandwidth: a numpy copy of a `mib` MiB array split over `threads` threads
+    (numpy releases the GIL while copying); bytes read + written / time, median of `reps`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = threads or os.cpu_count() or 1
+    n = mib * (1 << 20) // 8
+    src = np.ones(n, np.float64)
+    dst = np.empty_like(src)
+    bounds = np.linspace(0, n, threads + 1).astype(int)
+    chunks = [(dst[a:b], src[a:b]) for a, b in zip(bounds, bounds[1:])]
+    samples = []
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            list(pool.map(lambda c: np.copyto(*c), chunks))
+            samples.append(2 * src.nbytes / (time.perf_counter() - t0))
+    samples = samples[1:]   # the first copy faults the destination pages in
+    return {"bandwidth_Bps": float(np.median(samples)), "samples": samples, "threads": threads,
+            "method": f"numpy copy of {mib} MiB, {threads} threads, (read + write bytes) / time, median of {reps}"}
+
+
+def measure_cpu_flops(n: int = 2048, reps: int = 5) -> dict[str, Any]:
+    """Peak FLOP/s: a jitted n x n float32 matmul on jax's CPU backend, 2 n^3 / time, median of `reps`."""
+    import jax
+    import jax.numpy as jnp
+
+    cpu = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(a, a).block_until_ready()
+        samples.append(2.0 * n ** 3 / (time.perf_counter() - t0))
+    return {"flops": float(np.median(samples)), "samples": samples,
+            "method": f"jax.jit float32 matmul {n}x{n} on CPU, 2n^3 / time, median of {reps}"}
+
+
+def device_peaks(device_kind: str, platform: str, dtype: str = "bfloat16", bandwidth: float | None = None,
+                 flops: float | None = None) -> dict[str, Any]:
+    """Peaks for MBU / MFU: user values, else the table, else (CPU or unknown) measured here."""
+    out = table_peaks(device_kind, dtype) if platform != "cpu" else None
+    out = dict(out or {"name": device_kind, "bandwidth_Bps": None, "flops": None, "source": "measured"})
+    if bandwidth is None and out["bandwidth_Bps"] is None and platform == "cpu":
+        m = measure_cpu_bandwidth()
+        out["bandwidth_Bps"], out["bandwidth_measurement"] = m["bandwidth_Bps"], m
+    if flops is None and out["flops"] is None and platform == "cpu":
+        m = measure_cpu_flops()
+        out["flops"], out["flops_measurement"] = m["flops"], m
+        out["flops_dtype"] = "float32"
+    if bandwidth is not None:
+        out["bandwidth_Bps"], out["bandwidth_source"] = bandwidth, "user"
+    if flops is not None:
+        out["flops"], out["flops_source"] = flops, "user"
+    return out
+
