@@ -76,8 +76,12 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         raise ValueError(f"{path}: the model has no tokenizer; eval-ppl scores text")
     text_path = Path(args.text) if args.text else path / "heldout.txt"
     model, _ = load_model(path, args.dtype)
-    result = eval_ppl(model, tokenizer, text_path.read_text(encoding="utf-8"), args.window, args.stride)
-    result = {"model": str(path), "text": str(text_path), "dtype": args.dtype, **result}
+    if args.quantize:
+        from jaxinfer.models.decoder import quantize_decoder
+        quantize_decoder(model, args.quantize)
+    result = eval_ppl(model, tokenizer, text_path.read_text(encoding="utf-8"), args.window, args.stride,
+                      kv_dtype=args.kv_dtype)
+    result = {"model": str(path), "text": str(text_path), "dtype": args.dtype, "quantize": args.quantize, **result}
     if args.json:
         print(json.dumps(result))
     else:
@@ -197,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--text", default=None, help="UTF-8 text file (default: the model's heldout.txt)")
     e.add_argument("--window", type=int, default=256)
     e.add_argument("--stride", type=int, default=None, help="default: window // 2")
+    e.add_argument("--quantize", default=None, choices=["int8", "int4"], help="weight-only quantization")
+    e.add_argument("--kv-dtype", default=None, choices=["int8", "bfloat16", "float32"],
+                   help="score through the paged KV cache in this dtype")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval_ppl)
 

@@ -8,6 +8,9 @@ tokens of context (except near the start).
     perplexity    = exp(total NLL / scored tokens)
     bits per byte = total NLL / ln 2 / UTF-8 bytes of the text
 Bits per byte compares models with different tokenizers; perplexity does not.
+With kv_dtype (e.g. "int8") each window runs the engine's paged path instead of the plain
+forward: its K/V are written into pages of that dtype and attention reads them back, so the
+score includes the KV quantization error exactly as serving sees it.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxinfer.kv_cache import AttentionMetadata, init_kv_pages
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.tokenizer import Tokenizer
 
@@ -36,8 +40,28 @@ def score_windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]
         begin += stride
 
 
+def _window_logits_fn(model: Decoder, window: int, kv_dtype: str | None):
+    """(params, tokens [W]) -> logits [W, V]: the plain causal forward, or with kv_dtype the
+    engine's paged path (K/V written into pages of that dtype, then read back by attention)."""
+    graphdef, _ = nnx.split(model)
+    pos = jnp.arange(window, dtype=jnp.int32)
+    if kv_dtype is None:
+        return lambda params, t: nnx.merge(graphdef, params)(t, pos)[0]
+    cfg, bs = model.cfg, 16
+    n_blocks = -(-window // bs)
+    meta = AttentionMetadata(jnp.zeros(window, jnp.int32), pos + bs,          # block 0 is the null block
+                             jnp.arange(1, n_blocks + 1, dtype=jnp.int32)[None], jnp.array([window], jnp.int32),
+                             jnp.array([0, window], jnp.int32))
+    dtype = jnp.int8 if kv_dtype == "int8" else jnp.dtype(kv_dtype)
+
+    def run(params, t):
+        pages = init_kv_pages(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks + 1, bs, dtype)
+        return nnx.merge(graphdef, params)(t, pos, pages, meta)[0]
+    return run
+
+
 def eval_ppl(model: Decoder, tokenizer: Tokenizer, text: str, window: int = 256, stride: int | None = None,
-             batch: int = 8) -> dict[str, Any]:
+             batch: int = 8, kv_dtype: str | None = None) -> dict[str, Any]:
     stride = stride or window // 2
     if not 0 < stride <= window <= model.cfg.max_position_embeddings:
         raise ValueError(f"need 0 < stride ({stride}) <= window ({window}) <= the model's "
@@ -52,13 +76,12 @@ def eval_ppl(model: Decoder, tokenizer: Tokenizer, text: str, window: int = 256,
     for i, (b, s, e) in enumerate(spans):
         windows[i, : e - b] = ids[b:e]
         targets[i, s - b - 1: e - b - 1] = True
-    graphdef, params = nnx.split(model)
+    _, params = nnx.split(model)
+    forward = _window_logits_fn(model, window, kv_dtype)
 
     @jax.jit
     def window_nll(params, w, mask):          # w [B, W], mask [B, W-1] -> summed NLL [B]
-        m = nnx.merge(graphdef, params)
-        pos = jnp.arange(w.shape[1], dtype=jnp.int32)
-        logits = jax.vmap(lambda t: m(t, pos)[0])(w)                        # (B, W, V)
+        logits = jax.vmap(lambda t: forward(params, t))(w)                  # (B, W, V)
         logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
         nll = -jnp.take_along_axis(logp, w[:, 1:, None], axis=-1)[..., 0]   # (B, W-1)
         return jnp.sum(jnp.where(mask, nll, 0.0), axis=1)
@@ -70,4 +93,4 @@ def eval_ppl(model: Decoder, tokenizer: Tokenizer, text: str, window: int = 256,
     n_tokens, n_bytes = int(targets.sum()), len(text.encode("utf-8"))
     return {"nll": total, "tokens": n_tokens, "bytes": n_bytes, "loss": total / n_tokens,
             "ppl": math.exp(total / n_tokens), "bits_per_byte": total / math.log(2) / n_bytes,
-            "window": window, "stride": stride}
+            "window": window, "stride": stride, "kv_dtype": kv_dtype}

@@ -98,3 +98,17 @@ def test_eval_ppl_matches_transformers_nll(text_gen):
     assert result["nll"] == pytest.approx(total, rel=1e-5)
     assert result["bits_per_byte"] == pytest.approx(total / math.log(2) / len(text.encode()), rel=1e-5)
     assert result["ppl"] == pytest.approx(math.exp(total / (len(ids) - 1)), rel=1e-5)
+
+
+def test_eval_ppl_paged_path_equals_plain_and_int8_is_close(text_gen):
+    from jaxinfer.evaluate import eval_ppl
+    from jaxinfer.weights import load_model
+
+    folder = text_gen.engine.tokenizer.files[0].parent
+    model, _ = load_model(folder, "float32")
+    text = " ".join(np.random.RandomState(2).choice(WORDS, 80))
+    plain = eval_ppl(model, text_gen.tokenizer, text, window=32, stride=16)
+    paged = eval_ppl(model, text_gen.tokenizer, text, window=32, stride=16, kv_dtype="float32")
+    int8 = eval_ppl(model, text_gen.tokenizer, text, window=32, stride=16, kv_dtype="int8")
+    assert paged["nll"] == pytest.approx(plain["nll"], rel=1e-5)       # same maths through the pages
+    assert int8["nll"] != plain["nll"] and int8["nll"] == pytest.approx(plain["nll"], rel=2e-2)
