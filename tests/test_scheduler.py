@@ -950,3 +950,14 @@ def test_waiting_forked_sample_does_not_livelock_a_tight_pool():
     h.add("A", 4, max_tokens=20)                       # needs all 6 blocks at the end: admissible
     h.add("L", 9, max_tokens=15, n=2)                  # L#1 forks at 8 and waits (max_num_seqs)
     h.run(max_steps=400)
+
+
+def test_host_tier_never_imports_jax():
+    import subprocess
+    import sys
+
+    code = ("import sys, jaxinfer.host.scheduler, jaxinfer.host.block_manager, jaxinfer.host.request; "
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

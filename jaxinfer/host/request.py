@@ -10,7 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from jaxinfer.config import SamplingParams
+from ..config import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -18,8 +18,8 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from jaxinfer.host.block_manager import BlockManager
-from jaxinfer.host.request import Request, RequestStatus
+from .block_manager import BlockManager
+from .request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
