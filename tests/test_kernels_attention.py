@@ -347,7 +347,8 @@ def test_references_match_jaxinfer_xla():
     q, kp, vp, _, _, meta = make_ragged(rng, chunks=[(20, 9), (5, 1), (0, 12)], n_pad=0, hkv=2,
                                         g=4, d=16, bs=8, dtype=jnp.float32, quant=False)
     md = AttentionMetadata(seq_ids=meta["seq_ids"], slot_mapping=meta["seq_ids"],
-                           block_tables=meta["block_tables"], context_lens=meta["context_lens"])
+                           block_tables=meta["block_tables"], context_lens=meta["context_lens"],
+                           query_start_loc=meta["query_start_loc"])
     for window, al in ((None, None), (9, slopes)):
         want = paged_attention_xla(q, LayerKV(kp, vp), meta["positions"], md, scale=0.3,
                                    window=window, alibi=al)
