@@ -78,7 +78,9 @@ class ModelRunner:
                                            cfg.block_size, kv_dtype)
         if self.mesh is None:
             self.kv_sharding = None
-            self.kv_pages = make_pages()
+            # committed to the device like every step's output, so warm-up compiles the same executable
+            # that serving uses (an uncommitted first input keys a different jit cache entry)
+            self.kv_pages = jax.device_put(make_pages(), jax.devices()[0])
         else:   # allocated in place on every device: the global pool never sits on one device
             self.kv_sharding = kv_sharding(self.mesh, mc.n_kv_heads)
             self.kv_pages = jax.jit(make_pages, out_shardings=self.kv_sharding)()

@@ -102,7 +102,8 @@ def test_blocks_free_after_finish_and_abort(gen):
     assert _all_free(gen)
 
 
-def test_no_compilation_after_warmup_over_200_requests(gen):
+def test_no_compilation_after_warmup_over_200_requests(hf_model_dir):
+    gen = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **SMALL)    # fresh: nothing served yet
     rng = np.random.RandomState(7)
     vocab = gen.model_cfg.vocab_size
     prompts = [rng.randint(3, vocab, rng.randint(1, 100)).tolist() for _ in range(200)]
