@@ -187,11 +187,11 @@ def test_static_and_dynamic_policies_give_the_same_tokens(policy, hf_model_dir, 
 
 
 def test_live_mbu_is_bytes_read_over_step_time(gen, monkeypatch):
-    from jaxinfer.devices import DeviceSpec
+    from jaxinfer.plan import Device
 
     gen.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     eng = gen.engine
-    monkeypatch.setattr(eng, "device_spec", DeviceSpec("test", 0, 1e9, 0))
+    monkeypatch.setattr(eng, "device_spec", Device("test", "test", 0, 1e9, 0.0, 0.0, 0.0))
     st = gen.stats()
     # the last step decoded one token with 3 + 2 = 5 tokens of context
     step_bytes = st["weight_bytes"] + 5 * eng.runner.kv_bytes_per_token
