@@ -18,6 +18,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from jaxinfer.config import SamplingParams
 from jaxinfer.engine import RequestOutput
 from jaxinfer.generator import Generator
 from serve.bridge import AsyncEngine, Submission
@@ -79,6 +80,38 @@ class ServerState:
                      f"{total - self.max_model_len} too many. Please reduce the prompt or max_tokens.",
                 param="max_tokens" if len(prompt) < self.max_model_len else "prompt",
                 code="context_length_exceeded")
+
+    def completion_inputs(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+        """A /v1/completions body -> its prompts as token ids and the sampling params (both front
+        doors, server and batch script, validate through here)."""
+        self.check_model(req.model)
+        if req.echo:
+            raise OpenAIError(400, "echo is not supported", param="echo")
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [self.encode(p)]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = [self.encode(x) for x in p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        elif p and all(isinstance(x, list) for x in p):
+            prompts = [list(x) for x in p]
+        else:
+            raise OpenAIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+        max_tokens = self.default_max_tokens(max(len(x) for x in prompts), req.max_tokens)
+        for ids in prompts:
+            self.check_length(ids, max_tokens)
+        return prompts, req.sampling_params(max_tokens, req.logprobs)
+
+    def chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """A /v1/chat/completions body -> the rendered prompt's token ids and the sampling params."""
+        self.check_model(req.model)
+        prompt = self.render_chat(req.messages)
+        max_tokens = self.default_max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens)
+        self.check_length(prompt, max_tokens)
+        if req.top_logprobs and not req.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return prompt, req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
 
     def default_max_tokens(self, prompt_len: int, requested: int | None) -> int:
         return requested if requested is not None else max(1, self.max_model_len - prompt_len)
@@ -208,24 +241,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        state.check_model(req.model)
-        if req.echo:
-            raise OpenAIError(400, "echo is not supported", param="echo")
-        p = req.prompt
-        if isinstance(p, str):
-            prompts = [state.encode(p)]
-        elif p and all(isinstance(x, str) for x in p):
-            prompts = [state.encode(x) for x in p]
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [list(p)]
-        elif p and all(isinstance(x, list) for x in p):
-            prompts = [list(x) for x in p]
-        else:
-            raise OpenAIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
-        max_tokens = state.default_max_tokens(max(len(x) for x in prompts), req.max_tokens)
-        for ids in prompts:
-            state.check_length(ids, max_tokens)
-        params = req.sampling_params(max_tokens, req.logprobs)
+        prompts, params = state.completion_inputs(req)
         sub = state.engine.submit(prompts, params)
         rid, created = new_id("cmpl"), now()
         n_prompt = sum(len(x) for x in prompts)
@@ -265,13 +281,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        state.check_model(req.model)
-        prompt = state.render_chat(req.messages)
-        max_tokens = state.default_max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens)
-        state.check_length(prompt, max_tokens)
-        if req.top_logprobs and not req.logprobs:
-            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        prompt, params = state.chat_inputs(req)
         sub = state.engine.submit([prompt], params)
         rid, created = new_id("chatcmpl"), now()
 

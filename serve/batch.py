@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from jaxinfer.config import SamplingParams
 from jaxinfer.generator import Generator
 from serve.app import ServerState
 from serve.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_body, completion_body,
@@ -35,6 +36,7 @@ class Job:
     url: str
     request: Any
     prompts: list[list[int]]
+    params: SamplingParams
     rids: list[str] | None = None
 
 
@@ -64,26 +66,17 @@ def parse_line(state: ServerState, line_no: int, text: str) -> Job | dict:
         return _error_line(line_no, cid, 400, f"url must be one of {sorted(ROUTES)}, got {url!r}")
     try:
         req = ROUTES[url].model_validate(obj.get("body"))
-        state.check_model(req.model)
         if url == "/v1/completions":
-            p = req.prompt
-            prompts = ([state.encode(p)] if isinstance(p, str) else [state.encode(x) for x in p]
-                       if p and all(isinstance(x, str) for x in p) else [list(p)]
-                       if p and all(isinstance(x, int) for x in p) else [list(x) for x in p])
-            max_tokens = state.default_max_tokens(max(map(len, prompts)), req.max_tokens)
-            req._params = req.sampling_params(max_tokens, req.logprobs)
+            prompts, params = state.completion_inputs(req)
         else:
-            prompts = [state.render_chat(req.messages)]
-            max_tokens = state.default_max_tokens(len(prompts[0]), req.max_completion_tokens or req.max_tokens)
-            req._params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        for ids in prompts:
-            state.check_length(ids, max_tokens)
+            prompt, params = state.chat_inputs(req)
+            prompts = [prompt]
     except ValidationError as e:
         return _error_line(line_no, cid, 400, "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
                                                          for x in e.errors()[:5]))
     except OpenAIError as e:
         return _error_line(line_no, cid, e.status, e.message)
-    return Job(line_no, cid, url, req, prompts)
+    return Job(line_no, cid, url, req, prompts, params)
 
 
 def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -> dict:
@@ -138,16 +131,16 @@ def run_batch(gen: Generator, in_path: str | Path, out_path: str | Path, model_n
     pending: dict[int, int] = {}
     for job in jobs:
         try:
-            job.rids = [eng.add_request(p, job.request._params) for p in job.prompts]
+            job.rids = [eng.add_request(p, job.params) for p in job.prompts]
         except ValueError as e:
             for rid in job.rids or []:
                 eng.abort(rid)
             record(job.custom_id, _error_line(job.line, job.custom_id, 400, str(e)))
             continue
-        pending[id(job)] = len(job.rids) * job.request.n
+        pending[id(job)] = len(job.rids) * job.params.n
         for rid in job.rids:
             owner[rid] = job
-            outputs[rid] = [[] for _ in range(job.request.n)]
+            outputs[rid] = [[] for _ in range(job.params.n)]
     t0, n_tokens = time.perf_counter(), 0
     bar = tqdm(total=len(pending), disable=not progress, unit="req", desc="batch")
     while eng.has_unfinished():
