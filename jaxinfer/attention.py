@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.kv_cache import AttentionMetadata, LayerKV, write_kv
+from jaxinfer.kv_cache import AttentionMetadata, LayerKV, quantize_kv, write_kv
 from pallas_kernels.flash_attention import flash_attention, ragged_paged_attention
 
 NEG_INF = -1e30  # finite, so fully-masked padding rows give zeros instead of NaN
@@ -39,7 +39,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
                                      meta.block_tables, meta.context_lens, scale=scale, window=window,
                                      alibi_slopes=alibi, k_scale=kv.k_scale, v_scale=kv.v_scale)
         return out.astype(q.dtype), kv
-    return paged_attention_xla(q, kv, positions, meta, scale=scale, window=window, alibi=alibi), kv
+    return paged_attention_xla(q, k, v, kv, positions, meta, scale=scale, window=window, alibi=alibi), kv
 
 
 def resolve_impl(requested: str) -> str:
@@ -89,30 +89,121 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
     return out.reshape(t, h, d).astype(q.dtype)
 
 
-def paged_attention_xla(q: jax.Array, kv: LayerKV, positions: jax.Array, meta: AttentionMetadata, *,
-                        scale: float, window: int | None = None,
-                        alibi: jax.Array | None = None) -> jax.Array:
-    """Ragged paged attention by gathering each token's sequence context. q [T,H,D] -> [T,H,D].
+def _gather_context(kv: LayerKV, block_tables: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Each sequence's pages in logical order: (Hkv, S, max_blocks * bs, D), dequantized if int8."""
+    hkv, _, bs, d = kv.k.shape
+    s, max_blocks = block_tables.shape
+    k_seq = kv.k[:, block_tables].reshape(hkv, s, max_blocks * bs, d)
+    v_seq = kv.v[:, block_tables].reshape(hkv, s, max_blocks * bs, d)
+    if kv.k_scale is not None:
+        k_seq = (k_seq * kv.k_scale[:, block_tables].reshape(hkv, s, -1)[..., None]).astype(dtype)
+        v_seq = (v_seq * kv.v_scale[:, block_tables].reshape(hkv, s, -1)[..., None]).astype(dtype)
+    return k_seq, v_seq
 
-    Memory is O(T * max_context): fine for decode and for the bucketed prefill chunks the
-    engine schedules; the Pallas kernels are the fast path on GPU.
-    """
+
+def paged_attention_reference(q: jax.Array, kv: LayerKV, positions: jax.Array, meta: AttentionMetadata, *,
+                              scale: float, window: int | None = None,
+                              alibi: jax.Array | None = None) -> jax.Array:
+    """The plain definition, after this step's K/V were written: every token gathers its own
+    sequence's whole context from the pages. Memory O(T * max_context * D): a reference only."""
     t, h, d = q.shape
     hkv, _, bs, _ = kv.k.shape
-    s, max_blocks = meta.block_tables.shape
-    # Gather each sequence's pages in logical order: (Hkv, S, max_blocks, bs, D) -> (Hkv, S, L, D)
-    k_seq = kv.k[:, meta.block_tables].reshape(hkv, s, max_blocks * bs, d)
-    v_seq = kv.v[:, meta.block_tables].reshape(hkv, s, max_blocks * bs, d)
-    if kv.k_scale is not None:   # int8 pages: dequantize what was gathered
-        k_seq = k_seq * kv.k_scale[:, meta.block_tables].reshape(hkv, s, -1)[..., None]
-        v_seq = v_seq * kv.v_scale[:, meta.block_tables].reshape(hkv, s, -1)[..., None]
-        k_seq, v_seq = k_seq.astype(q.dtype), v_seq.astype(q.dtype)
-    k_tok = k_seq[:, meta.seq_ids]                                      # (Hkv, T, L, D)
-    v_tok = v_seq[:, meta.seq_ids]
+    k_seq, v_seq = _gather_context(kv, meta.block_tables, q.dtype)
+    k_tok, v_tok = k_seq[:, meta.seq_ids], v_seq[:, meta.seq_ids]             # (Hkv, T, L, D)
     qg = q.reshape(t, hkv, h // hkv, d)
     scores = jnp.einsum("tkgd,ktld->kgtl", qg, k_tok, preferred_element_type=jnp.float32) * scale
-    k_pos = jnp.arange(max_blocks * bs, dtype=jnp.int32)
+    k_pos = jnp.arange(k_seq.shape[2], dtype=jnp.int32)
     in_context = k_pos[None, :] < meta.context_lens[meta.seq_ids][:, None]
     valid, bias = _mask_and_bias(positions, k_pos, window, alibi, extra_valid=in_context)
     out = _softmax_attend(scores, valid, bias, v_tok, "ktld")
     return out.reshape(t, h, d).astype(q.dtype)
+
+
+def _partial_attend(scores: jax.Array, valid: jax.Array, bias: jax.Array | None, v: jax.Array,
+                    v_spec: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Unnormalised softmax pieces over one set of keys: scores [Hkv, G, Q, L] f32 ->
+    (row max [Hkv,G,Q], sum of exp [Hkv,G,Q], exp-weighted sum of v [Hkv,G,Q,D]); empty rows: (-inf, 0, 0)."""
+    hkv, g = scores.shape[:2]
+    if bias is not None:
+        scores = scores + bias.reshape(hkv, g, *bias.shape[1:])
+    scores = jnp.where(valid[None, None], scores, NEG_INF)
+    m = jnp.max(scores, axis=-1)
+    p = jnp.where(valid[None, None], jnp.exp(scores - m[..., None]), 0.0)
+    acc = jnp.einsum(f"kgql,{v_spec}->kgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m, jnp.sum(p, axis=-1), acc
+
+
+def _merge(parts: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
+    """Combine softmax pieces over disjoint key sets (flash-attention's merge) -> [Hkv, G, Q, D]."""
+    m = parts[0][0]
+    for pm, _, _ in parts[1:]:
+        m = jnp.maximum(m, pm)
+    num = sum(acc * jnp.exp(pm - m)[..., None] for pm, _, acc in parts)
+    den = sum(pl * jnp.exp(pm - m) for pm, pl, _ in parts)
+    return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+
+
+def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: jax.Array,
+                        meta: AttentionMetadata, *, scale: float, window: int | None = None,
+                        alibi: jax.Array | None = None) -> jax.Array:
+    """Ragged paged attention without a per-token context gather. q [T,H,D], this step's k/v
+    [T,Hkv,D] (already written to kv) -> [T,H,D].
+
+    A token's keys are split into disjoint sets whose softmax pieces are merged:
+      1. this step's tokens of its own sequence (dense [T, T], causal by position): every prefill
+         chunk and every decode token's own key;
+      2. the context cached before this step, for sequences with one token this step (decode):
+         one query per sequence against its gathered pages, [S, L];
+      3. the same for the few multi-token chunks that continue a cached context (a chunked
+         prefill's later chunks, n > 1 samples after their fork): meta.prior_rows, each [T, L] and
+         skipped (lax.cond) when its slot is empty (-1). The scheduler caps them per step.
+    A first prefill chunk has no cached context, so sets 2 and 3 are empty for it. The pages are
+    read once per sequence (S x L), not once per token (T x L).
+    """
+    t, h, d = q.shape
+    hkv = kv.k.shape[0]
+    g = h // hkv
+    qsl = meta.query_start_loc
+    qlen = qsl[1:] - qsl[:-1]                                            # [S]
+    cached = meta.context_lens - qlen                                    # [S] before this step
+    tok_valid = jnp.arange(t) < qsl[-1]
+    qg = q.reshape(t, hkv, g, d)
+    if kv.k_scale is not None:   # this step's keys as the int8 pages hold them
+        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+        k, v = (kq * ks[..., None]).astype(q.dtype), (vq * vs[..., None]).astype(q.dtype)
+
+    # 1. within this step
+    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * scale
+    same = (meta.seq_ids[:, None] == meta.seq_ids[None, :]) & tok_valid[:, None] & tok_valid[None, :]
+    valid, bias = _mask_and_bias(positions, positions, window, alibi, extra_valid=same)
+    parts = [_partial_attend(scores, valid, bias, v.astype(q.dtype), "lkd")]
+
+    # 2. decode rows: the row's one query against its cached context
+    k_seq, v_seq = _gather_context(kv, meta.block_tables, q.dtype)      # (Hkv, S, L, D)
+    k_pos = jnp.arange(k_seq.shape[2], dtype=jnp.int32)
+    first = jnp.minimum(qsl[:-1], t - 1)
+    sr = jnp.einsum("skgd,ksld->kgsl", qg[first], k_seq, preferred_element_type=jnp.float32) * scale
+    valid_r, bias_r = _mask_and_bias(positions[first], k_pos, window, alibi,
+                                     extra_valid=k_pos[None, :] < cached[:, None])
+    m_r, l_r, acc_r = _partial_attend(sr, valid_r, bias_r, v_seq, "kqld")
+    single = (qlen == 1)[meta.seq_ids] & tok_valid                     # [T]
+    parts.append((jnp.where(single, m_r[:, :, meta.seq_ids], NEG_INF),
+                  jnp.where(single, l_r[:, :, meta.seq_ids], 0.0),
+                  jnp.where(single[:, None], acc_r[:, :, meta.seq_ids], 0.0)))
+
+    # 3. multi-token chunks that continue a cached context
+    if meta.prior_rows is not None:
+        def continued(row):
+            extra = (meta.seq_ids == row)[:, None] & tok_valid[:, None] & (k_pos[None, :] < cached[row])
+            sc = jnp.einsum("tkgd,kld->kgtl", qg, k_seq[:, row], preferred_element_type=jnp.float32) * scale
+            vmask, vbias = _mask_and_bias(positions, k_pos, window, alibi, extra_valid=extra)
+            return _partial_attend(sc, vmask, vbias, v_seq[:, row], "kld")
+
+        empty = (jnp.full((hkv, g, t), NEG_INF, jnp.float32), jnp.zeros((hkv, g, t), jnp.float32),
+                 jnp.zeros((hkv, g, t, d), jnp.float32))
+        for slot in range(meta.prior_rows.shape[0]):
+            row = meta.prior_rows[slot]
+            parts.append(jax.lax.cond(row >= 0, continued, lambda _: empty, jnp.maximum(row, 0)))
+
+    out = _merge(parts)                                                  # (Hkv, G, T, D)
+    return out.transpose(2, 0, 1, 3).reshape(t, h, d).astype(q.dtype)

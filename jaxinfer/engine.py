@@ -80,12 +80,15 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
         eos = eos or self.model_cfg.eos_token_ids
-        self.scheduler = Scheduler(
-            SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, self.max_model_len, batch_window_s),
-            self.blocks, eos_ids=eos)
         attention = resolve_impl(cfg.attention)
+        partial = 4 if attention == "xla" else None
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, self.max_model_len, batch_window_s,
+                            max_partial_prefills=partial),
+            self.blocks, eos_ids=eos)
         self.runner = ModelRunner(model, RunnerConfig(cfg.block_size, num_blocks, cfg.max_num_seqs,
-                                                      tokens_budget, self.max_model_len, attention), kv_dtype)
+                                                      tokens_budget, self.max_model_len, attention, partial),
+                                  kv_dtype)
         self.weight_bytes = weight_bytes
         self.device_spec = spec_for_kind(jax.devices()[0].device_kind)
         self._text: dict[str, _TextState] = {}

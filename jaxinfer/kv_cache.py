@@ -47,6 +47,9 @@ class AttentionMetadata:
     block_tables: jax.Array   # [S, max_blocks] int32: logical block -> physical block (0 = null)
     context_lens: jax.Array   # [S] int32: tokens of each sequence in the cache after this step
     query_start_loc: jax.Array  # [S+1] int32: offset of each sequence's first token in this step
+    # [P] int32: rows whose chunk has several tokens AND continues a cached context (-1: empty
+    # slot). The XLA attention handles these P rows separately; None means there are none.
+    prior_rows: jax.Array | None = None
 
 
 def init_kv_pages(n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,

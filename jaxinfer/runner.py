@@ -56,6 +56,9 @@ class RunnerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     attention: str = "xla"
+    # multi-token chunks that continue a cached context, per step (the XLA attention's prior_rows
+    # slots; the scheduler defers the rest to later steps). None: no limit (the Pallas kernel).
+    max_partial_prefills: int | None = 4
 
 
 def _pow2_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
@@ -161,8 +164,19 @@ class ModelRunner:
             cursor += n
             query_start[i + 1] = cursor
         query_start[len(out.seqs) + 1:] = cursor           # padding rows: empty chunks
-        meta = AttentionMetadata(seq_ids, slots, block_tables, context_lens, query_start)
+        meta = AttentionMetadata(seq_ids, slots, block_tables, context_lens, query_start,
+                                 self._prior_rows(out))
         return tokens, positions, meta, logits_indices, rows
+
+    def _prior_rows(self, out: SchedulerOutput) -> np.ndarray:
+        slots = self.cfg.max_partial_prefills or 0
+        rows = [i for i, q in enumerate(out.seqs) if q.start > 0 and q.num_tokens > 1]
+        if self.cfg.max_partial_prefills is None:
+            return np.full(0, -1, np.int32)
+        if len(rows) > slots:
+            raise ValueError(f"{len(rows)} chunks continue a cached context; the step has {slots} slots "
+                             "(SchedulerConfig.max_partial_prefills must match)")
+        return np.asarray(rows + [-1] * (slots - len(rows)), np.int32)
 
     def _sampling_batch(self, rows: list, positions_of_rows: np.ndarray) -> SamplingBatch:
         s = len(rows)
@@ -208,7 +222,8 @@ class ModelRunner:
             for b in self.block_buckets:
                 tokens = np.zeros(t, np.int32)
                 meta = AttentionMetadata(np.zeros(t, np.int32), np.full(t, PAD_SLOT, np.int32),
-                                         np.zeros((s, b), np.int32), np.zeros(s, np.int32), np.zeros(s + 1, np.int32))
+                                         np.zeros((s, b), np.int32), np.zeros(s, np.int32), np.zeros(s + 1, np.int32),
+                                         self._prior_rows(SchedulerOutput()))
                 sb = self._sampling_batch([None] * s, np.zeros(s, np.int32))
                 (ids, *_), self.kv_pages = self._step(self.params, self.kv_pages, tokens, tokens, meta,
                                                       np.zeros(s, np.int32), sb)

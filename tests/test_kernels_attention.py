@@ -331,7 +331,7 @@ def test_flash(dtype, t, g, causal, window, alibi, bq, bk, check_np):
 # ----------------------------------------------------------------------------------------------
 
 def test_references_match_jaxinfer_xla():
-    from jaxinfer.attention import dense_causal_attention, paged_attention_xla
+    from jaxinfer.attention import dense_causal_attention, paged_attention_reference
     from jaxinfer.kv_cache import AttentionMetadata, LayerKV
 
     rng = np.random.default_rng(11)
@@ -350,7 +350,7 @@ def test_references_match_jaxinfer_xla():
                            block_tables=meta["block_tables"], context_lens=meta["context_lens"],
                            query_start_loc=meta["query_start_loc"])
     for window, al in ((None, None), (9, slopes)):
-        want = paged_attention_xla(q, LayerKV(kp, vp), meta["positions"], md, scale=0.3,
+        want = paged_attention_reference(q, LayerKV(kp, vp), meta["positions"], md, scale=0.3,
                                    window=window, alibi=al)
         got = ragged_paged_attention_reference(q, kp, vp, **meta, scale=0.3, window=window,
                                                alibi_slopes=al)
