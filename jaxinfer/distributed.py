@@ -29,7 +29,6 @@ This module imports jax only; it must run before any other jax call of the proce
 from __future__ import annotations
 
 import atexit
-import hashlib
 import itertools
 import json
 import os
@@ -42,7 +41,7 @@ import jax
 import numpy as np
 
 __all__ = ["ENV_VARS", "ProcessGroup", "initialize", "check_mesh_spans_processes", "StepChannel", "encode",
-           "decode", "step_arrays", "step_inputs", "fingerprint"]
+           "decode", "step_arrays", "step_inputs"]
 
 ENV_VARS = {"coordinator_address": "JAXINFER_COORDINATOR_ADDRESS", "num_processes": "JAXINFER_NUM_PROCESSES",
             "process_id": "JAXINFER_PROCESS_ID"}
@@ -194,11 +193,6 @@ def step_inputs(arrays: list, meta_cls, sb_cls) -> tuple:
     return tokens, positions, meta, logits_indices, sb
 
 
-def fingerprint(**settings) -> str:
-    """A short digest of everything that decides which programs a process compiles and runs."""
-    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 # ------------------------------------------------------------------------------- the channel
 
 class StepChannel:
@@ -217,18 +211,19 @@ class StepChannel:
         if group.is_leader:   # followers must not wait forever if the caller never closes
             atexit.register(_close_at_exit, weakref.ref(self))
 
-    def check_same(self, name: str, value: str) -> None:
-        """Every process states `value`; raise ValueError on each process if any differs from
-        process 0's (before any multi-process program, which would otherwise hang on a mismatch)."""
+    def check_same(self, name: str, settings: dict) -> None:
+        """Every process states its settings (whatever decides which programs it compiles and runs);
+        raise ValueError on every process if any differs from process 0's. Runs before the first
+        multi-process program, which would otherwise hang or fail on a mismatch."""
         key = f"{self._prefix}/{name}"
-        self._client.key_value_set(f"{key}/{self.group.process_id}", value)
-        values = [self._client.blocking_key_value_get(f"{key}/{p}", self.timeout_s * 1000)
+        self._client.key_value_set(f"{key}/{self.group.process_id}", json.dumps(settings, sort_keys=True, default=str))
+        stated = [json.loads(self._client.blocking_key_value_get(f"{key}/{p}", self.timeout_s * 1000))
                   for p in range(self.group.num_processes)]
-        differ = [p for p, v in enumerate(values) if v != values[0]]
+        differ = {f"process {p}": {k: v for k, v in s.items() if stated[0].get(k) != v}
+                  for p, s in enumerate(stated) if s != stated[0]}
         if differ:
-            raise ValueError(f"multi-host: {name} of process(es) {differ} differs from process 0's "
-                             f"({[values[p] for p in differ]} vs {values[0]}); start every process "
-                             "with the same model and engine settings")
+            raise ValueError(f"multi-host: {name} differ from process 0's {stated[0]}: {differ}; start every "
+                             "process with the same model and engine settings")
 
     # ---------------------------------------------------------------- leader
     def publish(self, kind: str, arrays: Sequence[np.ndarray | None] = ()) -> None:

@@ -10,6 +10,8 @@ its results are dispatched to per-request queues, so all callers' requests share
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import threading
 import time
@@ -132,10 +134,10 @@ class Generator:
         if group is not None:
             distributed.check_mesh_spans_processes(mesh)
             channel = distributed.StepChannel(group)
-            config_json = path / "config.json"
-            channel.check_same("settings", distributed.fingerprint(
-                engine=cfg, max_num_batched_tokens=max_num_batched_tokens, warmup=warmup,
-                model_config=config_json.read_bytes() if config_json.exists() else None))
+            config_json = path / "config.json"   # the model: its config (paths may differ per host)
+            model_sha = hashlib.sha256(config_json.read_bytes()).hexdigest()[:16] if config_json.exists() else None
+            channel.check_same("settings", dict(dataclasses.asdict(cfg), max_num_batched_tokens=max_num_batched_tokens,
+                                                warmup=warmup, model_config_sha256=model_sha))
         model, _ = load_model(path, dtype, mesh=mesh)           # each weight read straight into its shards
         if quantize is not None:
             quantize_decoder(model, quantize)
@@ -275,6 +277,11 @@ class Generator:
         self._forward = jax.jit(self._forward, out_shardings=NamedSharding(self.engine.runner.mesh, PartitionSpec()))
         if channel.group.is_leader:   # every step's host inputs go to the other processes first
             self.engine.runner.publish_step = lambda *inputs: channel.publish("step", step_arrays(*inputs))
+
+    @property
+    def process_group(self):
+        """The jaxinfer.distributed.ProcessGroup of a multi-host generator, else None."""
+        return None if self._channel is None else self._channel.group
 
     @property
     def is_leader(self) -> bool:

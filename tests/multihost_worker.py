@@ -18,7 +18,7 @@ import time
 PROMPTS = ["the quick brown fox", "seven wizards quietly", [5, 9, 13, 2, 77, 31]]
 LOGITS_PROMPT = [1, 40, 7, 300, 12, 99, 5]
 # float32 so that TP's different summation order cannot flip a token; small buckets keep warm-up short
-SETTINGS = dict(dtype="float32", attention="xla", max_num_seqs=4, block_size=8, num_blocks=64, max_model_len=64,
+SETTINGS = dict(dtype="float32", max_num_seqs=4, block_size=8, num_blocks=64, max_model_len=64,
                 max_num_batched_tokens=16)
 
 
@@ -53,8 +53,14 @@ def main() -> None:
     t0 = time.perf_counter()
 
     from jaxinfer import Generator
-    gen = Generator.from_pretrained(args.model_dir, tensor_parallel=8, coordinator_address=args.coordinator_address,
-                                    num_processes=args.num_processes, process_id=args.process_id, **SETTINGS)
+    try:
+        gen = Generator.from_pretrained(args.model_dir, tensor_parallel=8, num_processes=args.num_processes,
+                                        coordinator_address=args.coordinator_address, process_id=args.process_id,
+                                        **SETTINGS)
+    except ValueError as e:   # e.g. the processes disagree on their settings
+        with open(args.out_json, "w") as f:
+            json.dump({"error": str(e)}, f)
+        raise SystemExit(3)
     import jax
     import numpy as np
     from flax import nnx
