@@ -225,6 +225,10 @@ class StepChannel:
             raise ValueError(f"multi-host: {name} differ from process 0's {stated[0]}: {differ}; start every "
                              "process with the same model and engine settings")
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # ---------------------------------------------------------------- leader
     def publish(self, kind: str, arrays: Sequence[np.ndarray | None] = ()) -> None:
         assert self.group.is_leader and not self._closed

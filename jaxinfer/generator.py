@@ -293,6 +293,8 @@ class Generator:
             g = self._channel.group
             raise RuntimeError(f"process {g.process_id} of {g.num_processes} takes no requests: process 0 "
                                "schedules every step; call follow() on this process")
+        if self._channel is not None and self._channel.closed:
+            raise RuntimeError("this multi-host generator is closed: its followers have stopped")
 
     def follow(self) -> int:
         """Multi-host, every process but 0: run each step (and gen.logits call) of process 0, in

@@ -89,6 +89,12 @@ def main() -> None:
         result["logits"] = gen.logits(LOGITS_PROMPT).tolist()
         result["stats"] = gen.stats()
         gen.close()
+        gen.close()   # idempotent
+        try:
+            gen.generate(["the"])
+            result["after_close_error"] = None
+        except RuntimeError as e:
+            result["after_close_error"] = str(e)
     else:
         try:
             gen.generate(["the"])

@@ -226,6 +226,7 @@ def test_follower_runs_every_step_and_compiles_nothing_new(group_result):
     # after warm-up both compiled only the gen.logits forward, the same on each process
     assert follower["compiles_after_warmup"] == leader["compiles_after_warmup"] <= 2
     assert "process 1 of 2 takes no requests" in follower["follower_generate_error"]
+    assert "generator is closed" in leader["after_close_error"]
 
 
 def test_single_process_generator_has_no_followers(reference):
