@@ -10,8 +10,16 @@ inputs. Before the leader runs a program it publishes that program's host inputs
 of the runner's host-to-device contract: tokens, positions, AttentionMetadata, logits_indices,
 SamplingBatch) as message k in the jax.distributed coordination service's key-value store; the
 other processes (followers) wait for message k, decode it and call the same executable. They never
-read the results: the sampled ids come out replicated, and only the leader fetches them. Message
-"stop" ends a follower's loop (Generator.close, also run at exit on the leader).
+read the results: the sampled ids (and gen.logits rows) are constrained to be replicated, and only
+the leader fetches them. Message "stop" ends a follower's loop (Generator.close, also run at exit
+on the leader). Weights need no messages: every process builds the same global arrays with
+jax.make_array_from_callback (weights.load_hf) or orbax (load_native), reading only the shards of
+its own devices.
+
+Before anything is loaded, every process states its settings (EngineConfig, token budget, a hash
+of the model's config.json) and all refuse to start if any differs from process 0's: mismatched
+programs would hang in their collectives instead of failing. If a process dies, jax's
+coordination service terminates the others (its heartbeat), so no follower waits forever.
 
 Why the key-value store and not multihost_utils.broadcast_one_to_all: the store lives on the host
 (gRPC to the coordinator on process 0), so sending a step compiles nothing (after warm-up, zero

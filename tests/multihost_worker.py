@@ -17,9 +17,10 @@ import time
 
 PROMPTS = ["the quick brown fox", "seven wizards quietly", [5, 9, 13, 2, 77, 31]]
 LOGITS_PROMPT = [1, 40, 7, 300, 12, 99, 5]
-# float32 so that TP's different summation order cannot flip a token; small buckets keep warm-up short
-SETTINGS = dict(dtype="float32", max_num_seqs=4, block_size=8, num_blocks=64, max_model_len=64,
-                max_num_batched_tokens=16)
+# float32 so that TP's different summation order cannot flip a token. One step shape (8 tokens, 4
+# blocks per sequence): warm-up compiles once, prompts are prefilled in chunks over several steps.
+SETTINGS = dict(dtype="float32", max_num_seqs=4, block_size=8, num_blocks=64, max_model_len=32,
+                max_num_batched_tokens=8)
 
 
 def sampling_params():

@@ -241,8 +241,8 @@ def test_processes_with_different_settings_refuse_to_start(model_dir, tmp_path):
     both stop with the differing setting named, before loading or compiling anything."""
     port = _free_port()
     serve = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
-             "--max-num-seqs", "8", "--block-size", "8", "--num-blocks", "64", "--max-model-len", "64",
-             "--max-num-batched-tokens", "16", "--tensor-parallel", "8",
+             "--max-num-seqs", "8", "--block-size", "8", "--num-blocks", "64", "--max-model-len", "32",
+             "--max-num-batched-tokens", "8", "--tensor-parallel", "8",
              "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1"]
     codes = _run_group([
         ([sys.executable, "-m", "tests.multihost_worker", str(model_dir), str(tmp_path / "p0.json"),
