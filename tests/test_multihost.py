@@ -10,12 +10,16 @@ Each group is bounded in time and its processes are killed in a finally block.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import jax
@@ -120,30 +124,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_group(commands: list[tuple[list[str], dict]], logs: Path) -> list[int]:
-    """Start every process, wait for all within GROUP_TIMEOUT_S; kill the survivors in any case."""
+@contextlib.contextmanager
+def _group(commands: list[tuple[list[str], dict]], logs: Path):
+    """Start every process (4 CPU devices each); on leaving, kill whichever is still running."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
     procs = []
     try:
         for i, (cmd, extra_env) in enumerate(commands):
-            out = open(logs / f"process{i}.log", "w")
-            procs.append(subprocess.Popen(["nice", "-n", "10", *cmd], cwd=ROOT, env=dict(env, **extra_env),
-                                          stdout=out, stderr=subprocess.STDOUT))
-            out.close()
-        deadline = time.monotonic() + GROUP_TIMEOUT_S
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if any(p.poll() is None for p in procs):
-            tails = "\n".join(f"--- process {i}\n{(logs / f'process{i}.log').read_text()[-3000:]}"
-                              for i in range(len(procs)))
-            pytest.fail(f"the process group did not finish within {GROUP_TIMEOUT_S}s\n{tails}")
-        return [p.returncode for p in procs]
+            with open(logs / f"process{i}.log", "w") as out:
+                procs.append(subprocess.Popen(["nice", "-n", "10", *cmd], cwd=ROOT, env=dict(env, **extra_env),
+                                              stdout=out, stderr=subprocess.STDOUT))
+        yield procs
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+def _wait(procs, deadline: float, logs: Path) -> list[int]:
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if any(p.poll() is None for p in procs):
+        tails = "\n".join(f"--- process {i}\n{_log(logs, i)}" for i in range(len(procs)))
+        pytest.fail(f"the process group did not finish within {GROUP_TIMEOUT_S}s\n{tails}")
+    return [p.returncode for p in procs]
+
+
+def _run_group(commands: list[tuple[list[str], dict]], logs: Path) -> list[int]:
+    """Run the processes to completion within GROUP_TIMEOUT_S; their exit codes."""
+    deadline = time.monotonic() + GROUP_TIMEOUT_S
+    with _group(commands, logs) as procs:
+        return _wait(procs, deadline, logs)
 
 
 def _log(logs: Path, i: int) -> str:
@@ -236,14 +249,18 @@ def test_single_process_generator_has_no_followers(reference):
         gen.follow()
 
 
+def _serve_cmd(model_dir: Path, coordinator: str, num_seqs: int = SETTINGS["max_num_seqs"]) -> list[str]:
+    return [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
+            "--max-num-seqs", str(num_seqs), "--block-size", "8", "--num-blocks", "64", "--max-model-len", "32",
+            "--max-num-batched-tokens", "8", "--tensor-parallel", "8", "--coordinator-address", coordinator,
+            "--num-processes", "2"]
+
+
 def test_processes_with_different_settings_refuse_to_start(model_dir, tmp_path):
     """Process 0 (the worker, max_num_seqs 4) and process 1 (`jaxinfer serve --max-num-seqs 8`):
     both stop with the differing setting named, before loading or compiling anything."""
     port = _free_port()
-    serve = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
-             "--max-num-seqs", "8", "--block-size", "8", "--num-blocks", "64", "--max-model-len", "32",
-             "--max-num-batched-tokens", "8", "--tensor-parallel", "8",
-             "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1"]
+    serve = _serve_cmd(model_dir, f"127.0.0.1:{port}", num_seqs=8) + ["--process-id", "1"]
     codes = _run_group([
         ([sys.executable, "-m", "tests.multihost_worker", str(model_dir), str(tmp_path / "p0.json"),
           "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"], {}),
@@ -254,3 +271,39 @@ def test_processes_with_different_settings_refuse_to_start(model_dir, tmp_path):
     assert "multi-host: settings differ" in err0 and "'max_num_seqs': 8" in err0
     assert "jaxinfer serve: error: multi-host: settings differ" in _log(tmp_path, 1)
     assert "'process 1': {'max_num_seqs': 8}" in _log(tmp_path, 1)
+
+
+def test_jaxinfer_serve_on_two_processes(model_dir, reference, tmp_path):
+    """`jaxinfer serve` on two processes (flags on process 0, env vars on process 1): process 0 answers
+    HTTP like the one-process reference, process 1 binds no port; Ctrl-C on process 0 stops both."""
+    assert SETTINGS == dict(dtype="float32", max_num_seqs=4, block_size=8, num_blocks=64, max_model_len=32,
+                            max_num_batched_tokens=8)   # what _serve_cmd spells out as flags
+    coordinator, http = f"127.0.0.1:{_free_port()}", _free_port()
+    follower_http = _free_port()
+    deadline = time.monotonic() + GROUP_TIMEOUT_S
+    with _group([(_serve_cmd(model_dir, coordinator) + ["--process-id", "0", "--port", str(http)], {}),
+                 (_serve_cmd(model_dir, coordinator)[:-4] + ["--port", str(follower_http)],
+                  {"JAXINFER_COORDINATOR_ADDRESS": coordinator, "JAXINFER_NUM_PROCESSES": "2",
+                   "JAXINFER_PROCESS_ID": "1"})], tmp_path) as procs:
+        while True:
+            assert all(p.poll() is None for p in procs), f"{_log(tmp_path, 0)}\n{_log(tmp_path, 1)}"
+            assert time.monotonic() < deadline, "the server did not come up in time"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=2)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        body = json.dumps({"model": "model", "prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", body,
+                                     {"content-type": "application/json"})
+        choice = json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(f"http://127.0.0.1:{follower_http}/health", timeout=2)
+        procs[0].send_signal(signal.SIGINT)
+        codes = _wait(procs, deadline, tmp_path)
+    ref_text, _, ref_reason, _ = reference["outputs"]["greedy"][0][0]
+    assert (choice["text"], choice["finish_reason"]) == (ref_text, ref_reason)
+    assert codes == [0, 0], f"exit codes {codes}\n{_log(tmp_path, 0)}\n{_log(tmp_path, 1)}"
+    assert "process 1 of 2: following process 0" in _log(tmp_path, 1)
+    assert "process 1: process 0 closed after" in _log(tmp_path, 1)
