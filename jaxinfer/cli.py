@@ -16,6 +16,32 @@ def _model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
 
 
+def _multihost_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-host (jax.distributed; every process runs the same command)")
+    g.add_argument("--coordinator-address", default=None,
+                   help="host:port of process 0 (default: $JAXINFER_COORDINATOR_ADDRESS)")
+    g.add_argument("--num-processes", type=int, default=None, help="default: $JAXINFER_NUM_PROCESSES")
+    g.add_argument("--process-id", type=int, default=None,
+                   help="0 serves; the others follow its steps (default: $JAXINFER_PROCESS_ID)")
+    g.add_argument("--tensor-parallel", type=int, default=1,
+                   help="devices to shard over (multi-host: all devices of all processes)")
+
+
+def _multihost_kwargs(args: argparse.Namespace) -> dict:
+    return dict(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+                process_id=args.process_id, tensor_parallel=args.tensor_parallel)
+
+
+def _follow(gen) -> int:
+    """Multi-host processes other than 0: run process 0's steps until it shuts down."""
+    g = gen.process_group
+    print(f"process {g.process_id} of {g.num_processes}: following process 0 ({g.coordinator_address})",
+          file=sys.stderr, flush=True)
+    n = gen.follow()
+    print(f"process {g.process_id}: process 0 closed after {n} steps", file=sys.stderr, flush=True)
+    return 0
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
@@ -27,7 +53,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from jaxinfer import Generator, SamplingParams
 
     gen = Generator.from_pretrained(args.model, dtype=args.dtype, max_num_seqs=max(1, args.n),
-                                    max_num_batched_tokens=args.max_num_batched_tokens)
+                                    max_num_batched_tokens=args.max_num_batched_tokens, **_multihost_kwargs(args))
+    if not gen.is_leader:
+        return _follow(gen)
     prompt = _parse_ids(args.ids) if args.ids is not None else args.prompt
     if prompt is None:
         raise SystemExit("give a prompt (or --ids)")
@@ -123,7 +151,7 @@ def _generator(args: argparse.Namespace):
     return Generator.from_pretrained(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                      max_num_batched_tokens=args.max_num_batched_tokens,
                                      max_model_len=args.max_model_len, block_size=args.block_size,
-                                     num_blocks=args.num_blocks, batching=args.batching)
+                                     num_blocks=args.num_blocks, batching=args.batching, **_multihost_kwargs(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -132,16 +160,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serve.app import build_app
 
     gen = _generator(args)
+    if not gen.is_leader:   # no HTTP here: process 0 takes every request
+        return _follow(gen)
     app = build_app(gen, _served_name(args), api_key=args.api_key, max_queue=args.max_queue)
     print(f"serving {_served_name(args)} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    gen.close()   # multi-host: the followers return
     return 0
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
     from serve.batch import run_batch
 
-    summary = run_batch(_generator(args), args.input, args.output, _served_name(args), progress=not args.quiet)
+    gen = _generator(args)
+    if not gen.is_leader:
+        return _follow(gen)
+    summary = run_batch(gen, args.input, args.output, _served_name(args), progress=not args.quiet)
+    gen.close()
     print(json.dumps(summary), file=sys.stderr)
     return 0
 
@@ -164,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print JSON lines")
     g.add_argument("--max-num-batched-tokens", type=int, default=256)
+    _multihost_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("convert", help="convert an HF safetensors folder to the native format")
@@ -185,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     sv.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
     sv.add_argument("--log-level", default="info")
+    _multihost_args(sv)
     sv.set_defaults(func=cmd_serve)
 
     bt = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) offline")
@@ -193,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("input")
     bt.add_argument("output")
     bt.add_argument("--quiet", action="store_true")
+    _multihost_args(bt)
     bt.set_defaults(func=cmd_batch)
 
     e = sub.add_parser("eval-ppl", help="perplexity and bits per byte of a text file")

@@ -10,6 +10,8 @@ its results are dispatched to per-request queues, so all callers' requests share
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import threading
 import time
@@ -97,6 +99,7 @@ class Generator:
         self._params = params
         self._lock = threading.Lock()
         self._queues: dict[str, deque[RequestOutput]] = {}
+        self._channel = None   # multi-host: a jaxinfer.distributed.StepChannel (from_pretrained)
         if warmup:
             self.engine.warmup()
 
@@ -106,7 +109,12 @@ class Generator:
                         pipeline_parallel: int = 1, max_num_seqs: int = 64, block_size: int = 16,
                         num_blocks: int | None = None, batching: str = "continuous",
                         max_model_len: int | None = None, max_num_batched_tokens: int = 512,
-                        warmup: bool = True) -> "Generator":
+                        warmup: bool = True, coordinator_address: str | None = None,
+                        num_processes: int | None = None, process_id: int | None = None) -> "Generator":
+        """Multi-host: coordinator_address ("host:port" of process 0), num_processes and process_id
+        (or $JAXINFER_COORDINATOR_ADDRESS, $JAXINFER_NUM_PROCESSES, $JAXINFER_PROCESS_ID), the same
+        settings in every process, tensor_parallel over the devices of all processes. Process 0
+        takes the requests; every other process calls follow() (jaxinfer.distributed)."""
         cfg = EngineConfig(dtype=dtype, attention=attention, quantize=quantize, kv_dtype=kv_dtype,
                            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                            max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
@@ -116,17 +124,30 @@ class Generator:
         if asked:
             raise ValueError(f"{', '.join(asked)}: not available in this version of jaxinfer")
         path = Path(path) if path is not None else default_model_path()
+        from jaxinfer import distributed   # joins before any other jax call (jax's rule)
+        group = distributed.initialize(coordinator_address, num_processes, process_id)
         mesh = None
         if tensor_parallel > 1:
             from jaxinfer.sharding import make_mesh
             mesh = make_mesh(tensor_parallel=tensor_parallel)   # clear error if too few devices
+        channel = None
+        if group is not None:
+            distributed.check_mesh_spans_processes(mesh)
+            channel = distributed.StepChannel(group)
+            config_json = path / "config.json"   # the model: its config (paths may differ per host)
+            model_sha = hashlib.sha256(config_json.read_bytes()).hexdigest()[:16] if config_json.exists() else None
+            channel.check_same("settings", dict(dataclasses.asdict(cfg), max_num_batched_tokens=max_num_batched_tokens,
+                                                warmup=warmup, model_config_sha256=model_sha))
         model, _ = load_model(path, dtype, mesh=mesh)           # each weight read straight into its shards
         if quantize is not None:
             quantize_decoder(model, quantize)
             if mesh is not None:   # QuantizedWeights: replicated on the mesh (sharding.py docstring)
                 from jaxinfer.sharding import shard_decoder
                 shard_decoder(model, mesh)
-        return cls(model, load_tokenizer(path), cfg, max_num_batched_tokens, warmup)
+        gen = cls(model, load_tokenizer(path), cfg, max_num_batched_tokens, warmup)
+        if channel is not None:
+            gen._join(channel)
+        return gen
 
     # ---------------------------------------------------------------- inputs
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -142,6 +163,7 @@ class Generator:
 
     # ---------------------------------------------------------------- driving the engine
     def _submit(self, prompt_ids: list[int], params: SamplingParams) -> str:
+        self._check_leader()
         with self._lock:
             rid = self.engine.add_request(prompt_ids, params)
             self._queues[rid] = deque()
@@ -233,9 +255,67 @@ class Generator:
         positions = np.arange(padded, dtype=np.int32)
         if self.model_cfg.position == "learned":
             positions = np.minimum(positions, self.model_cfg.max_position_embeddings - 1)
-        out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions))
-        return np.asarray(out, np.float32)[:t]  # slice on the host: no extra XLA op
+        if self._channel is None:
+            out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions))
+            return np.asarray(out, np.float32)[:t]  # slice on the host: no extra XLA op
+        self._check_leader()
+        with self._lock:   # multi-host: programs run in message order, each read before the next
+            self._channel.publish("logits", [tokens, positions])
+            out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions))
+            return np.asarray(out, np.float32)[:t]
 
     def stats(self) -> dict:
         with self._lock:
             return self.engine.stats()
+
+    # ---------------------------------------------------------------- multi-host (jaxinfer.distributed)
+    def _join(self, channel) -> None:
+        from jax.sharding import NamedSharding, PartitionSpec
+        from jaxinfer.distributed import step_arrays
+        self._channel = channel
+        # process 0 reads whole logits rows: replicated, not left vocab-sharded across processes
+        self._forward = jax.jit(self._forward, out_shardings=NamedSharding(self.engine.runner.mesh, PartitionSpec()))
+        if channel.group.is_leader:   # every step's host inputs go to the other processes first
+            self.engine.runner.publish_step = lambda *inputs: channel.publish("step", step_arrays(*inputs))
+
+    @property
+    def process_group(self):
+        """The jaxinfer.distributed.ProcessGroup of a multi-host generator, else None."""
+        return None if self._channel is None else self._channel.group
+
+    @property
+    def is_leader(self) -> bool:
+        """True on a single process and on process 0 of a multi-host group (which takes requests)."""
+        return self._channel is None or self._channel.group.is_leader
+
+    def _check_leader(self) -> None:
+        if not self.is_leader:
+            g = self._channel.group
+            raise RuntimeError(f"process {g.process_id} of {g.num_processes} takes no requests: process 0 "
+                               "schedules every step; call follow() on this process")
+        if self._channel is not None and self._channel.closed:
+            raise RuntimeError("this multi-host generator is closed: its followers have stopped")
+
+    def follow(self) -> int:
+        """Multi-host, every process but 0: run each step (and gen.logits call) of process 0, in
+        order, until process 0 calls close() or exits. Returns how many programs it ran."""
+        if self._channel is None or self._channel.group.is_leader:
+            raise RuntimeError("follow() is for multi-host processes other than 0 "
+                               "(Generator.from_pretrained(..., process_id=1, ...))")
+        from jaxinfer.distributed import step_inputs
+        from jaxinfer.kv_cache import AttentionMetadata
+        from jaxinfer.sampling import SamplingBatch
+        runner = self.engine.runner
+        return self._channel.follow({
+            "step": lambda *arrays: runner.run_published(*step_inputs(list(arrays), AttentionMetadata,
+                                                                      SamplingBatch)),
+            "logits": lambda tokens, positions: self._forward(self._params, jnp.asarray(tokens),
+                                                              jnp.asarray(positions)),
+        })
+
+    def close(self) -> None:
+        """Multi-host, process 0: release the followers (their follow() returns). Idempotent; runs at
+        exit if not called. No-op on a single process and on followers."""
+        if self._channel is not None:
+            with self._lock:
+                self._channel.close()

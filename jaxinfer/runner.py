@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
@@ -93,6 +95,9 @@ class ModelRunner:
         self.block_buckets = _pow2_buckets(min(4, max_blocks), max_blocks, base=4)
         self._no_history: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        # multi-host (jaxinfer.distributed): on process 0, called with each step's host inputs before
+        # the step runs, so that the other processes run the same step (run_published)
+        self.publish_step: Callable[..., None] | None = None
 
     # -------------------------------------------------------------------- device
     def _step_impl(self, params, kv_pages, tokens, positions, meta, logits_indices, sb):
@@ -100,7 +105,10 @@ class ModelRunner:
         logits, kv_pages = model(tokens, positions, kv_pages, meta, logits_indices, impl=self.cfg.attention)
         if self.kv_sharding is not None:   # pages leave as they came: donation in place, no recompiles
             kv_pages = jax.lax.with_sharding_constraint(kv_pages, self.kv_sharding)
-        return sample(logits, sb), kv_pages
+        samples = sample(logits, sb)
+        if self.mesh is not None and jax.process_count() > 1:   # multi-host: process 0 reads every row
+            samples = jax.lax.with_sharding_constraint(samples, NamedSharding(self.mesh, PartitionSpec()))
+        return samples, kv_pages
 
     # -------------------------------------------------------------------- buckets
     def num_seqs_for(self, t: int) -> int:
@@ -199,6 +207,8 @@ class ModelRunner:
         tokens, positions, meta, logits_indices, rows = self.prepare(out, tables)
         # The drawn token's position is one past the last computed token of its row.
         sb = self._sampling_batch(rows, positions[logits_indices] + 1)
+        if self.publish_step is not None:
+            self.publish_step(tokens, positions, meta, logits_indices, sb)
         (ids, lps, top_ids, top_lps), self.kv_pages = self._step(
             self.params, self.kv_pages, tokens, positions, meta, logits_indices, sb)
         ids, lps = np.asarray(ids), np.asarray(lps)
@@ -213,6 +223,14 @@ class ModelRunner:
             top = [(int(a), float(b)) for a, b in zip(top_ids[i, :k], top_lps[i, :k])] if k else None
             result[req.request_id] = StepSample(int(ids[i]), float(lps[i]), top)
         return result
+
+    def run_published(self, tokens, positions, meta, logits_indices, sb) -> None:
+        """Multi-host followers: run the step process 0 prepared (same executable, pages donated).
+        The results stay on the devices; only process 0 reads them. sb.history None: no penalties
+        (process 0 used its cached empty history, this process uses its own)."""
+        if sb.history is None:
+            sb.history, sb.history_is_output = self._history(len(logits_indices), [], False)
+        _, self.kv_pages = self._step(self.params, self.kv_pages, tokens, positions, meta, logits_indices, sb)
 
     def warmup(self) -> int:
         """Compile every (T, B) bucket; returns the number of shapes. Penalties need no variant:
@@ -239,14 +257,23 @@ def default_num_blocks(model_cfg: ModelConfig, block_size: int, kv_dtype, weight
     kv_shards: how many devices split each block (tp when kv heads are sharded, else 1)."""
     per_block = block_size * kv_bytes_per_token(model_cfg.n_layers, model_cfg.n_kv_heads,
                                                 model_cfg.head_dim, kv_dtype) // kv_shards
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] * memory_fraction - stats.get("bytes_in_use", 0) - weight_bytes
-        return max(2, int(free // per_block))
+        return _same_on_every_process(max(2, int(free // per_block)))
     wanted = max_num_seqs * math.ceil(max_model_len / block_size) + 1
     try:
         import os
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = 8 << 30
-    return max(2, min(wanted, int(ram // 4 // per_block)))
+    return _same_on_every_process(max(2, min(wanted, int(ram // 4 // per_block))))
+
+
+def _same_on_every_process(num_blocks: int) -> int:
+    """Multi-host: every process must allocate the same pool (one global array), the largest that
+    fits on all of them."""
+    if jax.process_count() == 1:
+        return num_blocks
+    from jax.experimental import multihost_utils
+    return int(np.min(multihost_utils.process_allgather(np.int32(num_blocks))))
