@@ -315,6 +315,7 @@ class EngineConfig:
     kv_dtype: str | None = None         # None (= dtype) | int8
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    pipeline_microbatches: int | None = None   # micro-batches per step with pipeline_parallel > 1 (None: = pp)
     max_num_seqs: int = 64
     block_size: int = 16
     num_blocks: int | None = None       # None: sized from free memory
@@ -329,6 +330,8 @@ class EngineConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
+            raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
         for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -24,6 +24,7 @@ from jaxinfer.host.block_manager import BlockManager
 from jaxinfer.host.request import Request
 from jaxinfer.host.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.models.decoder import Decoder
+from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
 from jaxinfer.runner import CompileCounter, ModelRunner, RunnerConfig, default_num_blocks
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, hold_back
 from jaxinfer.sharding import bytes_per_device, model_mesh
@@ -71,11 +72,12 @@ class Engine:
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         mesh = model_mesh(model)
         tp = 1 if mesh is None else mesh.shape["tensor"]
+        pp = 1 if mesh is None else mesh.shape["pipeline"]   # pipeline ranks hold their layers' pages only
         num_blocks = cfg.num_blocks or default_num_blocks(
             self.model_cfg, cfg.block_size, kv_dtype,
             weight_bytes if mesh is None else max(bytes_per_device(model).values()),
             cfg.max_num_seqs, self.max_model_len,
-            kv_shards=tp if self.model_cfg.n_kv_heads % tp == 0 else 1)
+            kv_shards=(tp if self.model_cfg.n_kv_heads % tp == 0 else 1) * pp)
         tokens_budget = max(max_num_batched_tokens, 8)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
@@ -86,9 +88,12 @@ class Engine:
             SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, self.max_model_len, batch_window_s,
                             max_partial_prefills=partial),
             self.blocks, eos_ids=eos)
-        self.runner = ModelRunner(model, RunnerConfig(cfg.block_size, num_blocks, cfg.max_num_seqs,
-                                                      tokens_budget, self.max_model_len, attention, partial),
-                                  kv_dtype)
+        runner_cfg = RunnerConfig(cfg.block_size, num_blocks, cfg.max_num_seqs, tokens_budget, self.max_model_len,
+                                  attention, partial)
+        if isinstance(model, PipelinedDecoder):
+            self.runner = PipelineRunner(model, runner_cfg, kv_dtype, cfg.pipeline_microbatches or model.pp)
+        else:
+            self.runner = ModelRunner(model, runner_cfg, kv_dtype)
         self.weight_bytes = weight_bytes
         self.device_spec = spec_for_kind(jax.devices()[0].device_kind)
         self._text: dict[str, _TextState] = {}

@@ -119,13 +119,19 @@ class Generator:
                            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                            max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                            batching=batching, max_model_len=max_model_len)
-        unavailable = {"pipeline_parallel": pipeline_parallel > 1 or None}
-        asked = [k for k, v in unavailable.items() if v]
-        if asked:
-            raise ValueError(f"{', '.join(asked)}: not available in this version of jaxinfer")
         path = Path(path) if path is not None else default_model_path()
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
         group = distributed.initialize(coordinator_address, num_processes, process_id)
+        if pipeline_parallel > 1:
+            if quantize is not None:
+                raise ValueError(f"quantize={quantize!r} is not available with pipeline_parallel > 1")
+            if group is not None:
+                raise ValueError("pipeline_parallel > 1 is not available across several processes (multi-host)")
+            from jaxinfer.pipeline import load_pipelined
+            from jaxinfer.sharding import make_mesh
+            mesh = make_mesh(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
+            model = load_pipelined(path, dtype, mesh)   # each device reads only its stage's layers
+            return cls(model, load_tokenizer(path), cfg, max_num_batched_tokens, warmup)
         mesh = None
         if tensor_parallel > 1:
             from jaxinfer.sharding import make_mesh

@@ -79,16 +79,7 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         mc = self.model_cfg
         self.mesh = model_mesh(self.params)   # None unless the model was sharded (sharding.shard_decoder)
-        make_pages = lambda: init_kv_pages(mc.n_layers, mc.n_kv_heads, mc.head_dim, cfg.num_blocks,  # noqa: E731
-                                           cfg.block_size, kv_dtype)
-        if self.mesh is None:
-            self.kv_sharding = None
-            # committed to the device like every step's output, so warm-up compiles the same executable
-            # that serving uses (an uncommitted first input keys a different jit cache entry)
-            self.kv_pages = jax.device_put(make_pages(), jax.devices()[0])
-        else:   # allocated in place on every device: the global pool never sits on one device
-            self.kv_sharding = kv_sharding(self.mesh, mc.n_kv_heads)
-            self.kv_pages = jax.jit(make_pages, out_shardings=self.kv_sharding)()
+        self.kv_sharding, self.kv_pages = self._init_kv_pages(kv_dtype)
         self.kv_bytes_per_token = kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_dtype)
         self.token_buckets = _pow2_buckets(min(8, cfg.max_num_batched_tokens), cfg.max_num_batched_tokens)
         max_blocks = -(-cfg.max_model_len // cfg.block_size)
@@ -98,6 +89,19 @@ class ModelRunner:
         # multi-host (jaxinfer.distributed): on process 0, called with each step's host inputs before
         # the step runs, so that the other processes run the same step (run_published)
         self.publish_step: Callable[..., None] | None = None
+
+    def _init_kv_pages(self, kv_dtype):
+        """(sharding or None, the zeroed KV pages: one LayerKV per layer)."""
+        mc, cfg = self.model_cfg, self.cfg
+        make_pages = lambda: init_kv_pages(mc.n_layers, mc.n_kv_heads, mc.head_dim, cfg.num_blocks,  # noqa: E731
+                                           cfg.block_size, kv_dtype)
+        if self.mesh is None:
+            # committed to the device like every step's output, so warm-up compiles the same executable
+            # that serving uses (an uncommitted first input keys a different jit cache entry)
+            return None, jax.device_put(make_pages(), jax.devices()[0])
+        # allocated in place on every device: the global pool never sits on one device
+        sharding = kv_sharding(self.mesh, mc.n_kv_heads)
+        return sharding, jax.jit(make_pages, out_shardings=sharding)()
 
     # -------------------------------------------------------------------- device
     def _step_impl(self, params, kv_pages, tokens, positions, meta, logits_indices, sb):
@@ -138,13 +142,17 @@ class ModelRunner:
         return hist, is_out   # numpy: the jitted step transfers it (jnp.asarray would compile a copy)
 
     # -------------------------------------------------------------------- host -> device
-    def prepare(self, out: SchedulerOutput, tables: dict[str, list[int]]):
-        """Numpy arrays for one step, padded to the (T, S, B) bucket."""
+    def prepare(self, out: SchedulerOutput, tables: dict[str, list[int]], buckets: tuple[int, int] | None = None):
+        """Numpy arrays for one step, padded to the (T, S, B) bucket (`buckets`: this (T, B) instead
+        of the smallest that fits; pipeline micro-batches share one)."""
         bs = self.cfg.block_size
         t = self._bucket(max(out.num_batched_tokens, 1), self.token_buckets)
-        s = self.num_seqs_for(t)
         need_blocks = max((-(-(q.start + q.num_tokens) // bs) for q in out.seqs), default=1)
         b = self._bucket(need_blocks, self.block_buckets)
+        if buckets is not None:
+            assert buckets[0] >= t and buckets[1] >= b, (buckets, t, b)
+            t, b = buckets
+        s = self.num_seqs_for(t)
         assert len(out.seqs) <= s
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
@@ -211,6 +219,11 @@ class ModelRunner:
             self.publish_step(tokens, positions, meta, logits_indices, sb)
         (ids, lps, top_ids, top_lps), self.kv_pages = self._step(
             self.params, self.kv_pages, tokens, positions, meta, logits_indices, sb)
+        return self._results(rows, ids, lps, top_ids, top_lps)
+
+    @staticmethod
+    def _results(rows: list, ids, lps, top_ids, top_lps) -> dict[str, StepSample]:
+        """The sampled row i -> its request's StepSample (padding rows, None, are skipped)."""
         ids, lps = np.asarray(ids), np.asarray(lps)
         want_top = any(r is not None and r.params.logprobs for r in rows)
         if want_top:

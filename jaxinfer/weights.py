@@ -132,6 +132,24 @@ def _set_params(model: Decoder, arrays: dict[str, jax.Array]) -> Decoder:
     return nnx.merge(graphdef, nnx.State.from_flat_path(flat))
 
 
+def hf_value(st: SafetensorsFolder, ours: str, hf_names: tuple[str, ...], transform,
+             expected: tuple[int, ...]) -> np.ndarray:
+    """Parameter `ours` in our layout from its HF tensors (memmap views where the transform allows),
+    shape-checked against `expected`."""
+    tensors = [st.get(n) for n in hf_names]
+    try:
+        value = np.asarray(transform(*tensors))
+    except ValueError as e:  # a reshape that does not fit: the tensor has the wrong shape
+        raise CheckpointError(
+            f"{st.source(hf_names[0])}: tensor {hf_names[0]!r} has shape {tensors[0].shape}, "
+            f"which does not fit parameter {ours} of shape {expected} ({e})") from None
+    if value.shape != expected:
+        raise CheckpointError(
+            f"{st.source(hf_names[0])}: tensor {hf_names[0]!r} has shape {tensors[0].shape}; "
+            f"expected a tensor giving {ours} of shape {expected} for this config.json")
+    return value
+
+
 def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None = None,
             mesh=None, rules=None) -> Decoder:
     """Load an HF safetensors folder into a Decoder in `dtype`, checking every shape. With a mesh,
@@ -151,17 +169,7 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
                                                            tuple(v.get_value().shape)) for p, v in flat}
     arrays: dict[str, jax.Array] = {}
     for ours, (hf_names, transform) in hf_weight_map(cfg).items():
-        tensors = [st.get(n) for n in hf_names]
-        try:
-            value = np.asarray(transform(*tensors))
-        except ValueError as e:  # a reshape that does not fit: the tensor has the wrong shape
-            raise CheckpointError(
-                f"{st.source(hf_names[0])}: tensor {hf_names[0]!r} has shape {tensors[0].shape}, "
-                f"which does not fit parameter {ours} of shape {expected[ours]} ({e})") from None
-        if value.shape != expected[ours]:
-            raise CheckpointError(
-                f"{st.source(hf_names[0])}: tensor {hf_names[0]!r} has shape {tensors[0].shape}; "
-                f"expected a tensor giving {ours} of shape {expected[ours]} for this config.json")
+        value = hf_value(st, ours, hf_names, transform, expected[ours])
         if mesh is None:
             arrays[ours] = jnp.asarray(value.astype(np.float32) if value.dtype != np.float32 else value,
                                        dtype=jdtype)

@@ -85,10 +85,9 @@ class Decoder(nnx.Module):
         self.final_norm = Norm(d, cfg.norm, cfg.norm_eps, dtype, rngs)
         self.lm_head = None if cfg.tie_embeddings else param((d, cfg.vocab_size), ("embed", "vocab"), dtype, rngs)
 
-    def hidden_states(self, tokens: jax.Array, positions: jax.Array, kv_pages: list[LayerKV] | None = None,
-                      meta: AttentionMetadata | None = None,
-                      impl: str = "xla") -> tuple[jax.Array, list[LayerKV] | None]:
-        """The final-norm hidden states [T, D] and the updated pages."""
+    def embed_tokens(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """tokens [T], positions [T] -> the first block's input [T, D] (token + position
+        embeddings, then the embedding norm where the family has one)."""
         x = self.embed.get_value()[tokens]                                     # (T, D)
         if self.pos_embed is not None:
             x = x + self.pos_embed.get_value()[positions]
@@ -96,6 +95,13 @@ class Decoder(nnx.Module):
             x = x + sinusoidal_embedding(positions, self.cfg.d_model).astype(x.dtype)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
+        return x
+
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array, kv_pages: list[LayerKV] | None = None,
+                      meta: AttentionMetadata | None = None,
+                      impl: str = "xla") -> tuple[jax.Array, list[LayerKV] | None]:
+        """The final-norm hidden states [T, D] and the updated pages."""
+        x = self.embed_tokens(tokens, positions)
         new_pages = [] if kv_pages is not None else None
         for i, block in enumerate(self.layers):
             x, layer_kv = block(x, positions, None if kv_pages is None else kv_pages[i], meta, impl)

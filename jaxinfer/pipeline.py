@@ -1,0 +1,341 @@
+"""Pipeline parallelism: the decoder's layers split into stages over the mesh's "pipeline" axis.
+
+    mesh = make_mesh(tensor_parallel=2, pipeline_parallel=2)
+    model = load_pipelined(path, "bfloat16", mesh)     # or pipeline_decoder(decoder, mesh)
+    gen = Generator(model, tokenizer, EngineConfig(pipeline_parallel=2, pipeline_microbatches=4))
+
+Layout. Every per-layer parameter is stacked to a leading layer axis, [n_layers, ...], placed
+with NamedSharding(P("pipeline", *its tensor-parallel spec)): pipeline rank p holds layers
+p*Lp .. p*Lp + Lp - 1 (Lp = n_layers / pp; n_layers % pp != 0 is a ValueError) and, within its
+stage, tensor parallelism shards them as sharding.py says. Embeddings, the final norm and the LM
+head are not stacked: they stay replicated over "pipeline" (sharded over "tensor"). The KV pages
+are Lp LayerKV whose arrays are [pp, Hkv, NB, bs, D] sharded P("pipeline", "tensor" or None):
+entry j of rank p is global layer p*Lp + j, so each device holds its own layers' pages only and
+each local layer's pages are a buffer of their own (scattered in place when donated).
+
+The forward (PipelinedDecoder.__call__) embeds all tokens, then runs the stages under
+jax.shard_map manual over "pipeline" only; "tensor" (and "data") stay automatic, so GSPMD
+keeps partitioning each stage's matmuls exactly as in plain tensor parallelism. A step's
+sequences are split by the runner into M micro-batches [M, T] (balanced by tokens, one padded
+bucket shape). Inside, a loop of n + pp - 1 iterations (n <= M non-empty micro-batches, a traced
+trip count, so a small step does not pay for M): at iteration i, stage p runs its Lp blocks
+(the ordinary Block module and the one attention entry point, each micro-batch with its own
+AttentionMetadata) on micro-batch i - p, then jax.lax.ppermute passes the [T, D] activation to
+stage p + 1. Stage 0 reads the embeddings instead; the last stage keeps the hidden states of
+the rows that sample. Iterations where i - p is outside [0, n) are the bubble: the stage computes
+on a clipped micro-batch with every KV write dropped (slot PAD_SLOT) and its result discarded.
+After the loop one psum over "pipeline" (zeros everywhere but the last stage: exact) hands the
+[M, S, D] states to the final norm, LM head and sampler, which run as in tensor parallelism.
+
+The bubble. With n micro-batches and pp stages each stage is busy n of the n + pp - 1
+iterations, so the idle fraction is
+
+    bubble = (pp - 1) / (n + pp - 1)        pp = 4: n = 1 -> 75 %, n = 4 -> 43 %, n = 8 -> 27 %
+
+and a step takes (n + pp - 1) iterations of one stage's work on a T/n-token micro-batch, against
+pp such stage-times per micro-batch without micro-batching. The step is synchronous (sampling
+needs every micro-batch), so the bubble recurs every step, in prefill and decode alike; more
+micro-batches shrink it but each is padded to at least the smallest token bucket (8), so decode
+of few sequences gains nothing from splitting. Sequences are the unit: one long prefill chunk is
+one micro-batch (it is not split across micro-batches). Measured numbers: bench/README or the
+branch's report; on fake CPU devices they say little (all "devices" share the host's cores).
+
+Communication per iteration: one [T/n, d_model] activation point-to-point per stage boundary
+(ppermute), and once per step the [M, S, d_model] psum of the sampled rows.
+
+Loading (load_pipelined): an HF folder is read straight into the stacked layout, each device's
+callback reading only its layers' slices from the safetensors memmaps (sharding.load_sharded).
+A native checkpoint, or an in-memory Decoder (pipeline_decoder), is restacked through host
+memory one parameter at a time (each device's slice copied from the host to that device).
+
+Not supported with pipeline_parallel > 1: weight quantization (quantize=...).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.host.scheduler import ScheduledSeq, SchedulerOutput, StepSample
+from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV, init_kv_pages
+from jaxinfer.models.decoder import Block, Decoder, abstract_decoder
+from jaxinfer.quant import QuantizedWeight
+from jaxinfer.runner import ModelRunner, RunnerConfig
+from jaxinfer.sampling import sample
+from jaxinfer.sharding import load_sharded, param_sharding, rules_for
+
+__all__ = ["PipelinedDecoder", "pipeline_decoder", "load_pipelined", "PipelineRunner", "split_microbatches",
+           "bubble_fraction", "layers_per_stage"]
+
+# a sliding window wider than any context: a layer without a window, in a stage whose other ranks
+# have one at the same local index (the mask rel > -window then never cuts)
+_NO_WINDOW = 2**30
+
+
+def bubble_fraction(num_microbatches: int, pp: int) -> float:
+    """The idle fraction of each stage in one step: (pp - 1) / (n + pp - 1)."""
+    return (pp - 1) / (num_microbatches + pp - 1)
+
+
+def layers_per_stage(cfg: ModelConfig, pp: int) -> int:
+    if pp < 1 or cfg.n_layers % pp:
+        raise ValueError(f"pipeline_parallel={pp} must divide the model's {cfg.n_layers} layers "
+                         f"(each stage holds n_layers / pipeline_parallel of them)")
+    return cfg.n_layers // pp
+
+
+# ------------------------------------------------------------------------------------ the model
+
+class PipelinedDecoder(nnx.Module):
+    """Decoder's contract over micro-batches: tokens [M, T] -> logits [M * S, vocab] (or [T] -> [T, vocab]).
+
+    `outer` is a Decoder without layers (embeddings, final norm, LM head); `layers` one Block whose
+    every Param is stacked [n_layers, ...] with logical axes ("layers", ...), sharded over "pipeline".
+    """
+
+    def __init__(self, outer: Decoder, layers: Block, mesh: Mesh):
+        self.cfg = outer.cfg
+        self.outer = outer
+        self.layers = layers
+        self.mesh = mesh
+        self.pp = int(mesh.shape["pipeline"])
+        self.lp = layers_per_stage(self.cfg, self.pp)
+
+    def _window(self, j: int, p: jax.Array):
+        """The sliding window of local layer j on stage p: static when every stage agrees."""
+        ws = [self.cfg.layer_window(q * self.lp + j) for q in range(self.pp)]
+        if len(set(ws)) == 1:
+            return ws[0]
+        return jnp.asarray([_NO_WINDOW if w is None else w for w in ws], jnp.int32)[p]
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, kv_pages: list[LayerKV] | None = None,
+                 meta: AttentionMetadata | None = None, logits_indices: jax.Array | None = None,
+                 impl: str = "xla", num_microbatches: jax.Array | None = None):
+        """tokens/positions [M, T], meta fields [M, ...], logits_indices [M, S] (rows that sample;
+        None: all T), num_microbatches: how many of the M are non-empty (they come first).
+        1-D tokens [T]: one micro-batch, logits [T or S, vocab]. Returns (float32 logits, pages)."""
+        if tokens.ndim == 1:
+            tokens, positions = tokens[None], positions[None]
+            meta = None if meta is None else jax.tree.map(lambda a: a[None], meta)
+            logits_indices = None if logits_indices is None else logits_indices[None]
+        m, t = tokens.shape
+        if logits_indices is None:
+            logits_indices = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (m, t))
+        n = jnp.asarray(m if num_microbatches is None else num_microbatches, jnp.int32)
+        x = self.outer.embed_tokens(tokens.reshape(-1), positions.reshape(-1)).reshape(m, t, -1)   # (M, T, D)
+        h, kv_pages = self._run_stages(x, positions, kv_pages, meta, logits_indices, impl, n)
+        h = self.outer.final_norm(h.reshape(-1, h.shape[-1]))                                       # (M*S, D)
+        return self.outer.logits(h), kv_pages
+
+    def _run_stages(self, x0, positions, kv_pages, meta, logits_indices, impl, n):
+        """x0 [M, T, D] -> the last layer's output at logits_indices [M, S, D], updated pages."""
+        pp, lp, m = self.pp, self.lp, x0.shape[0]
+        s = logits_indices.shape[1]
+        block_gd, block_state = nnx.split(self.layers)
+        paged = kv_pages is not None
+
+        def body(block_state, x0, positions, logits_indices, n, kv_pages, meta):
+            p = jax.lax.axis_index("pipeline")
+            blocks = []
+            for j in range(lp):   # this rank's layers, unrolled: each local layer's pages stay separate
+                blk = nnx.merge(block_gd, jax.tree.map(lambda a, j=j: a[j], block_state))
+                blk.attn.window = self._window(j, p)
+                blocks.append(blk)
+            pages = [jax.tree.map(lambda a: a[0], kv) for kv in kv_pages] if paged else None
+
+            def iteration(i, carry):
+                x_recv, pages, out = carry
+                k = i - p                                           # this stage's micro-batch
+                valid = (k >= 0) & (k < n)
+                k = jnp.clip(k, 0, m - 1)
+                x = jnp.where(p == 0, x0[jnp.minimum(i, m - 1)], x_recv)
+                pos = positions[k]
+                meta_k = None
+                if paged:
+                    meta_k = jax.tree.map(lambda a: a[k], meta)
+                    meta_k.slot_mapping = jnp.where(valid, meta_k.slot_mapping, PAD_SLOT)   # bubble: no writes
+                new_pages = []
+                for j, blk in enumerate(blocks):
+                    x, kv = blk(x, pos, pages[j] if paged else None, meta_k, impl)
+                    new_pages.append(kv)
+                rows = x[logits_indices[k]]                                                 # (S, D)
+                keep = valid & (p == pp - 1)
+                out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(keep, rows, out[k]), k, 0)
+                x_next = jax.lax.ppermute(x, "pipeline", [(q, q + 1) for q in range(pp - 1)])
+                return x_next, (new_pages if paged else None), out
+
+            carry = (jnp.zeros_like(x0[0]), pages, jnp.zeros((m, s, x0.shape[-1]), x0.dtype))
+            _, pages, out = jax.lax.fori_loop(0, n + pp - 1, iteration, carry)
+            out = jax.lax.psum(out, "pipeline")     # zeros except on the last stage: exact
+            return out, ([jax.tree.map(lambda a: a[None], kv) for kv in pages] if paged else None)
+
+        in_specs = (P("pipeline"), P(), P(), P(), P(), P("pipeline") if paged else None, P() if paged else None)
+        staged = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
+                               out_specs=(P(), P("pipeline") if paged else None),
+                               axis_names=frozenset({"pipeline"}), check_vma=False)
+        return staged(block_state, x0, positions, logits_indices, n, kv_pages, meta)
+
+
+def _stacked_sharding(mesh: Mesh, rules, axes, shape: tuple[int, ...]) -> NamedSharding:
+    """A stacked [n_layers, *shape] parameter: layers over "pipeline", the rest as tensor parallelism says."""
+    return NamedSharding(mesh, P("pipeline", *param_sharding(axes, rules, mesh, shape).spec))
+
+
+def _assemble(cfg: ModelConfig, dtype, mesh: Mesh, outer_values: dict, layer_values: dict) -> PipelinedDecoder:
+    """A PipelinedDecoder from placed arrays: outer 'embed' -> array, stacked 'attn/q' -> [L, ...]."""
+    outer = abstract_decoder(cfg, dtype)
+    outer.layers = nnx.List([])
+    block = nnx.eval_shape(lambda: Block(cfg, 0, dtype, None))
+    for module, values, stacked in ((outer, outer_values, False), (block, layer_values, True)):
+        for path, node in nnx.iter_graph(module):
+            if isinstance(node, nnx.Param):
+                node.set_value(values["/".join(map(str, path))])
+                if stacked:
+                    node.set_metadata("logical_axes", ("layers", *node.get_metadata()["logical_axes"]))
+    return PipelinedDecoder(outer, block, mesh)
+
+
+def _param_specs(cfg: ModelConfig, dtype):
+    """name -> (logical axes, shape) of the Decoder's parameters; layer i's as 'layers/i/...'."""
+    flat = nnx.state(abstract_decoder(cfg, dtype), nnx.Param).flat_state()
+    return {"/".join(map(str, p)): (v.get_metadata().get("logical_axes"), tuple(v.get_value().shape)) for p, v in flat}
+
+
+def _place(cfg: ModelConfig, dtype, mesh: Mesh, read) -> PipelinedDecoder:
+    """read(name) -> numpy value of a Decoder parameter (name as in _param_specs). Each device's
+    shard is built from the layers it holds only."""
+    layers_per_stage(cfg, int(mesh.shape["pipeline"]))
+    rules = rules_for(cfg, mesh)
+    specs = _param_specs(cfg, dtype)
+    outer, stacked = {}, {}
+    for name, (axes, shape) in specs.items():
+        if not name.startswith("layers/"):
+            outer[name] = load_sharded(lambda idx, v=read(name): v[idx], shape, param_sharding(axes, rules, mesh, shape),
+                                       dtype=dtype)
+        elif name.startswith("layers/0/"):
+            rel = name[len("layers/0/"):]
+
+            def stage_slice(index, rel=rel):   # index[0]: this device's layers
+                return np.stack([np.asarray(read(f"layers/{i}/{rel}"))[index[1:]]
+                                 for i in range(*index[0].indices(cfg.n_layers))])
+            stacked[rel] = load_sharded(stage_slice, (cfg.n_layers, *shape), _stacked_sharding(mesh, rules, axes, shape),
+                                        dtype=dtype)
+    return _assemble(cfg, dtype, mesh, outer, stacked)
+
+
+def pipeline_decoder(model: Decoder, mesh: Mesh) -> PipelinedDecoder:
+    """Restack an in-memory Decoder onto `mesh` (through host memory, one parameter at a time)."""
+    values = {"/".join(map(str, p)): v.get_value() for p, v in nnx.state(model, nnx.Param).flat_state()}
+    if any(isinstance(v, QuantizedWeight) for v in values.values()):
+        raise ValueError("quantized weights are not supported with pipeline_parallel > 1")
+    dtype = values["embed"].dtype
+    cache: dict[str, np.ndarray] = {}
+
+    def read(name):
+        if name not in cache:
+            cache[name] = np.asarray(values[name])
+        return cache[name]
+    return _place(model.cfg, dtype, mesh, read)
+
+
+def load_pipelined(path: str | Path, dtype: str, mesh: Mesh) -> PipelinedDecoder:
+    """An HF folder (read straight into each device's layers) or a native checkpoint (restored to
+    host memory, then restacked) -> a PipelinedDecoder on `mesh`."""
+    from jaxinfer.weights import DTYPES, CheckpointError, SafetensorsFolder, hf_value, is_native, load_model
+    from jaxinfer.models.hf_maps import hf_weight_map
+
+    path = Path(path)
+    if is_native(path):
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            model, _ = load_model(path, dtype)
+        return pipeline_decoder(model, mesh)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path}: no config.json (expected an HF model folder or a jaxinfer checkpoint)")
+    cfg = ModelConfig.from_hf(path)
+    layers_per_stage(cfg, int(mesh.shape["pipeline"]))
+    st, wmap, jdtype = SafetensorsFolder(path), hf_weight_map(cfg), DTYPES[dtype]
+    specs = _param_specs(cfg, jdtype)
+    read = lambda name: hf_value(st, name, *wmap[name], specs[name][1]).astype(np.float32)  # noqa: E731
+    return _place(cfg, jdtype, mesh, read)
+
+
+# ------------------------------------------------------------------------------------ the runner
+
+def split_microbatches(seqs: list[ScheduledSeq], m: int) -> list[list[ScheduledSeq]]:
+    """m groups balanced by tokens (longest first into the lightest group), non-empty groups first,
+    each in the scheduler's order."""
+    groups: list[list[int]] = [[] for _ in range(m)]
+    load = [0] * m
+    for i in sorted(range(len(seqs)), key=lambda i: -seqs[i].num_tokens):
+        g = min(range(m), key=lambda g: (load[g], len(groups[g])))
+        groups[g].append(i)
+        load[g] += seqs[i].num_tokens
+    groups.sort(key=lambda g: (not g, g[0] if g else 0))
+    return [[seqs[i] for i in sorted(g)] for g in groups]
+
+
+class PipelineRunner(ModelRunner):
+    """ModelRunner for a PipelinedDecoder: each step's sequences in `microbatches` micro-batches of
+    one shared (T, S, B) bucket, stacked [M, ...]. Warm-up compiles every (T, B) bucket; the number
+    of non-empty micro-batches is a traced scalar, so nothing compiles afterwards."""
+
+    def __init__(self, model: PipelinedDecoder, cfg: RunnerConfig, kv_dtype, microbatches: int):
+        if microbatches < 1:
+            raise ValueError(f"pipeline_microbatches must be >= 1, got {microbatches}")
+        self.pp, self.lp, self.microbatches = model.pp, model.lp, microbatches
+        super().__init__(model, cfg, kv_dtype)
+
+    def _init_kv_pages(self, kv_dtype):
+        """Lp LayerKV of [pp, Hkv, NB, bs, D]: entry j of pipeline rank p is global layer p * Lp + j."""
+        mc, cfg, pp = self.model_cfg, self.cfg, self.pp
+        tp = int(self.mesh.shape["tensor"])
+        sharding = NamedSharding(self.mesh, P("pipeline", "tensor") if mc.n_kv_heads % tp == 0 else P("pipeline"))
+        make = lambda: jax.tree.map(lambda a: jnp.broadcast_to(a, (pp, *a.shape)),  # noqa: E731
+                                    init_kv_pages(self.lp, mc.n_kv_heads, mc.head_dim, cfg.num_blocks,
+                                                  cfg.block_size, kv_dtype))
+        return sharding, jax.jit(make, out_shardings=sharding)()
+
+    def _step_impl(self, params, kv_pages, tokens, positions, meta, logits_indices, num_microbatches, sb):
+        model = nnx.merge(self.graphdef, params)
+        logits, kv_pages = model(tokens, positions, kv_pages, meta, logits_indices, impl=self.cfg.attention,
+                                 num_microbatches=num_microbatches)
+        kv_pages = jax.lax.with_sharding_constraint(kv_pages, self.kv_sharding)
+        return sample(logits, sb), kv_pages
+
+    def prepare_microbatches(self, out: SchedulerOutput, tables: dict[str, list[int]]):
+        """Stacked numpy arrays [M, ...] for one step, every micro-batch padded to the same bucket."""
+        groups = split_microbatches(out.seqs, self.microbatches)
+        bs = self.cfg.block_size
+        t = max(self._bucket(max(sum(q.num_tokens for q in g), 1), self.token_buckets) for g in groups)
+        need = max((-(-(q.start + q.num_tokens) // bs) for q in out.seqs), default=1)
+        parts = [self.prepare(SchedulerOutput(g), tables, buckets=(t, self._bucket(need, self.block_buckets)))
+                 for g in groups]
+        tokens, positions, logits_indices = (np.stack([part[i] for part in parts]) for i in (0, 1, 3))
+        meta = jax.tree.map(lambda *a: np.stack(a), *[part[2] for part in parts])
+        rows = [r for part in parts for r in part[4]]
+        return tokens, positions, meta, logits_indices, np.int32(sum(1 for g in groups if g)), rows
+
+    def execute(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, StepSample]:
+        tokens, positions, meta, logits_indices, n, rows = self.prepare_microbatches(out, tables)
+        sb = self._sampling_batch(rows, np.take_along_axis(positions, logits_indices, 1).reshape(-1) + 1)
+        (ids, lps, top_ids, top_lps), self.kv_pages = self._step(
+            self.params, self.kv_pages, tokens, positions, meta, logits_indices, n, sb)
+        return self._results(rows, ids, lps, top_ids, top_lps)
+
+    def warmup(self) -> int:
+        for t in self.token_buckets:
+            for b in self.block_buckets:
+                part = self.prepare(SchedulerOutput(), {}, buckets=(t, b))
+                stack = lambda a: np.stack([a] * self.microbatches)  # noqa: E731
+                tokens, positions, logits_indices = stack(part[0]), stack(part[1]), stack(part[3])
+                meta = jax.tree.map(stack, part[2])
+                sb = self._sampling_batch(part[4] * self.microbatches, np.zeros(logits_indices.size, np.int32))
+                (ids, *_), self.kv_pages = self._step(self.params, self.kv_pages, tokens, positions, meta,
+                                                      logits_indices, np.int32(1), sb)
+                ids.block_until_ready()
+        return len(self.token_buckets) * len(self.block_buckets)
