@@ -36,11 +36,13 @@ CONFIGS: dict[str, tuple[str, dict]] = {
 }
 
 
-def build_hf_model(name: str, seed: int = 0):
+def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
+    """overrides: HF config fields replacing CONFIGS[name]'s (e.g. more layers)."""
     import torch
     import transformers as tf
 
     family, kwargs = CONFIGS[name]
+    kwargs = {**kwargs, **(overrides or {})}
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
            "bloom": (tf.BloomConfig, tf.BloomForCausalLM)}[family]
@@ -56,8 +58,8 @@ def build_hf_model(name: str, seed: int = 0):
     return model
 
 
-def save_hf_model(name: str, folder: Path) -> str:
-    build_hf_model(name).save_pretrained(folder)
+def save_hf_model(name: str, folder: Path, overrides: dict | None = None) -> str:
+    build_hf_model(name, overrides=overrides).save_pretrained(folder)
     return str(folder)
 
 
