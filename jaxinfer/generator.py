@@ -110,15 +110,19 @@ class Generator:
                         num_blocks: int | None = None, batching: str = "continuous",
                         max_model_len: int | None = None, max_num_batched_tokens: int = 512,
                         warmup: bool = True, coordinator_address: str | None = None,
-                        num_processes: int | None = None, process_id: int | None = None) -> "Generator":
+                        num_processes: int | None = None, process_id: int | None = None,
+                        pipeline_microbatches: int | None = None) -> "Generator":
         """Multi-host: coordinator_address ("host:port" of process 0), num_processes and process_id
         (or $JAXINFER_COORDINATOR_ADDRESS, $JAXINFER_NUM_PROCESSES, $JAXINFER_PROCESS_ID), the same
         settings in every process, tensor_parallel over the devices of all processes. Process 0
-        takes the requests; every other process calls follow() (jaxinfer.distributed)."""
+        takes the requests; every other process calls follow() (jaxinfer.distributed).
+        pipeline_parallel > 1 (one process): each step runs as pipeline_microbatches micro-batches
+        (None: pipeline_parallel of them; jaxinfer.pipeline)."""
         cfg = EngineConfig(dtype=dtype, attention=attention, quantize=quantize, kv_dtype=kv_dtype,
                            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                            max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
-                           batching=batching, max_model_len=max_model_len)
+                           batching=batching, max_model_len=max_model_len,
+                           pipeline_microbatches=pipeline_microbatches)
         path = Path(path) if path is not None else default_model_path()
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
         group = distributed.initialize(coordinator_address, num_processes, process_id)

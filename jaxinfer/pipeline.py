@@ -294,7 +294,8 @@ class PipelineRunner(ModelRunner):
         """Lp LayerKV of [pp, Hkv, NB, bs, D]: entry j of pipeline rank p is global layer p * Lp + j."""
         mc, cfg, pp = self.model_cfg, self.cfg, self.pp
         tp = int(self.mesh.shape["tensor"])
-        sharding = NamedSharding(self.mesh, P("pipeline", "tensor") if mc.n_kv_heads % tp == 0 else P("pipeline"))
+        kv_heads_split = tp > 1 and mc.n_kv_heads % tp == 0
+        sharding = NamedSharding(self.mesh, P("pipeline", "tensor") if kv_heads_split else P("pipeline"))
         make = lambda: jax.tree.map(lambda a: jnp.broadcast_to(a, (pp, *a.shape)),  # noqa: E731
                                     init_kv_pages(self.lp, mc.n_kv_heads, mc.head_dim, cfg.num_blocks,
                                                   cfg.block_size, kv_dtype))

@@ -14,8 +14,9 @@ ShardingRules maps each logical axis to a mesh axis (or None = replicated):
     heads, kv_heads, mlp, vocab -> "tensor"     (Megatron: column-parallel q/k/v, up/gate, LM head;
                                                  row-parallel o and down; vocab-parallel embedding)
     embed, head_dim, position  -> None          (replicated)
-    layers                     -> "pipeline"    (no parameter has a layer axis today: layers are a
-                                                 Python list; pipeline parallelism is out of scope here)
+    layers                     -> "pipeline"    (the Decoder's layers are a Python list with no layer
+                                                 axis; pipeline.py stacks them to [n_layers, ...] and
+                                                 places that axis on "pipeline" itself)
 
 rules_for(cfg, mesh) drops an axis whose size the tensor degree does not divide: kv_heads when
 n_kv_heads % tp (GQA/MQA with fewer KV heads than devices: k, v, their biases and the KV pages are

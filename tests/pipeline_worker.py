@@ -6,7 +6,8 @@ already initialised jax with one device). Prints one line `RESULT {json}`; the t
     python -m tests.pipeline_worker --bubble TMP_DIR   # step times for M = 1, pp, 2 pp (no asserts)
 
 TMP_DIR/<name>/ are written by the test with tests.hf_models.save_hf_model(name, folder, MODELS[name])
-(torch is imported there, never here).
+(torch is imported there, never here); for --bubble, TMP_DIR/bubble/ is
+save_hf_model("llama-gqa-llama3", TMP_DIR / "bubble", BUBBLE_MODEL).
 """
 from __future__ import annotations
 
@@ -24,16 +25,20 @@ MODELS = {
     "llama-gqa-llama3": {"num_hidden_layers": 4, "initializer_range": 0.1},
     "qwen2-window": {"num_hidden_layers": 4, "initializer_range": 0.1},
 }
+BUBBLE_MODEL = {"num_hidden_layers": 8, "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 8,
+                "num_key_value_heads": 2, "initializer_range": 0.05}
 # (tensor_parallel, pipeline_parallel, micro-batches or None for the default = pp)
 LAYOUTS = {
     "llama-gqa-llama3": [(1, 2, None), (1, 4, None), (2, 2, None), (4, 2, 3)],
     "qwen2-window": [(1, 2, 3), (1, 4, None), (2, 2, None)],
 }
 LOGITS_PROMPT = [3, 17, 42, 9, 60, 5, 77, 12, 8, 60, 33, 1, 14, 15]
-# mixed lengths, more prompts than max_num_seqs; the 21-token one is prefilled in chunks (budget 16),
-# its second chunk continuing a cached context (AttentionMetadata.prior_rows)
+# mixed lengths, more prompts than max_num_seqs; the 21-token one is prefilled in chunks (token budget
+# 8: one token bucket, so warm-up compiles one step per layout), its later chunks continuing a cached
+# context (AttentionMetadata.prior_rows)
 PROMPTS = [[3, 17, 42, 9, 50], [5, 6, 7], list(range(10, 31)), [20], [8, 9, 10, 11, 12, 13, 14, 15, 16]]
 MAX_TOKENS = 8
+TOKEN_BUDGET = 8
 
 
 def engine_config(tp: int = 1, pp: int = 1, microbatches: int | None = None):
@@ -79,19 +84,24 @@ def main(tmp: Path) -> dict:
     for name, layouts in LAYOUTS.items():
         folder = tmp / name
         ref_model, cfg = load_model(folder, "float32")
-        ref = Generator(ref_model, None, engine_config(), max_num_batched_tokens=16)
+        ref = Generator(ref_model, None, engine_config(), max_num_batched_tokens=TOKEN_BUDGET)
         ref_logits = ref.logits(LOGITS_PROMPT)
         ref_tokens = [o.token_ids for o in ref.generate(PROMPTS, sp)]
         entry = {"ref_tokens": ref_tokens, "ref_compiles": ref.stats()["compilations_after_warmup"], "layouts": {}}
         for tp, pp, micro in layouts:
             t_layout = time.perf_counter()
-            mesh = make_mesh(tensor_parallel=tp, pipeline_parallel=pp)
-            model = load_pipelined(folder, "float32", mesh)
-            gen = Generator(model, None, engine_config(tp, pp, micro), max_num_batched_tokens=16)
+            ecfg = engine_config(tp, pp, micro)
+            gen = Generator.from_pretrained(folder, ecfg.dtype, ecfg.attention, tensor_parallel=tp, pipeline_parallel=pp,
+                                            max_num_seqs=ecfg.max_num_seqs, block_size=ecfg.block_size,
+                                            num_blocks=ecfg.num_blocks, max_model_len=ecfg.max_model_len,
+                                            max_num_batched_tokens=TOKEN_BUDGET, pipeline_microbatches=micro)
+            runner = gen.engine.runner
+            model = nnx.merge(runner.graphdef, runner.params)
+            mesh = model.mesh
+            assert mesh.shape["tensor"] == tp and mesh.shape["pipeline"] == pp
             logits = gen.logits(LOGITS_PROMPT)
             c0 = CompileCounter.count
             tokens = [o.token_ids for o in gen.generate(PROMPTS, sp)]
-            runner = gen.engine.runner
             per_device = bytes_per_device(model)
             entry["layouts"][f"tp{tp}pp{pp}"] = {
                 "tp": tp, "pp": pp, "microbatches": runner.microbatches,
@@ -148,7 +158,9 @@ def bubble(tmp: Path, pp: int = 4, n_seqs: int = 8, prompt_len: int = 16, repeat
             model = load_pipelined(folder, "float32", make_mesh(pipeline_parallel=pp))
         ecfg = EngineConfig(dtype="float32", attention="xla", max_num_seqs=n_seqs, block_size=8, num_blocks=64,
                             max_model_len=64, pipeline_parallel=pp if micro else 1, pipeline_microbatches=micro)
-        gen = Generator(model, None, ecfg, max_num_batched_tokens=n_seqs * prompt_len)
+        # no warm-up (it would compile every token bucket): the first repeat compiles the two shapes
+        # used, and the medians over the repeats leave those compiling steps out
+        gen = Generator(model, None, ecfg, max_num_batched_tokens=n_seqs * prompt_len, warmup=False)
         prefill, decode = [], []
         for _ in range(repeats):
             engine = gen.engine
