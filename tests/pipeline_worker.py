@@ -41,11 +41,20 @@ MAX_TOKENS = 8
 TOKEN_BUDGET = 8
 
 
-def engine_config(tp: int = 1, pp: int = 1, microbatches: int | None = None):
+def engine_config(tp: int = 1, pp: int = 1, microbatches: int | None = None, kv_dtype: str | None = None):
     from jaxinfer.config import EngineConfig
     return EngineConfig(dtype="float32", attention="xla", max_num_seqs=4, block_size=8, num_blocks=48,
                         max_model_len=32, tensor_parallel=tp, pipeline_parallel=pp,
-                        pipeline_microbatches=microbatches)
+                        pipeline_microbatches=microbatches, kv_dtype=kv_dtype)
+
+
+def pipelined_generator(folder: Path, tp: int, pp: int, micro: int | None, kv_dtype: str | None = None):
+    from jaxinfer.generator import Generator
+    ecfg = engine_config(tp, pp, micro, kv_dtype)
+    return Generator.from_pretrained(folder, ecfg.dtype, ecfg.attention, kv_dtype=kv_dtype, tensor_parallel=tp,
+                                     pipeline_parallel=pp, max_num_seqs=ecfg.max_num_seqs, block_size=ecfg.block_size,
+                                     num_blocks=ecfg.num_blocks, max_model_len=ecfg.max_model_len,
+                                     max_num_batched_tokens=TOKEN_BUDGET, pipeline_microbatches=micro)
 
 
 def _weights(model, mesh) -> dict:
@@ -90,11 +99,7 @@ def main(tmp: Path) -> dict:
         entry = {"ref_tokens": ref_tokens, "ref_compiles": ref.stats()["compilations_after_warmup"], "layouts": {}}
         for tp, pp, micro in layouts:
             t_layout = time.perf_counter()
-            ecfg = engine_config(tp, pp, micro)
-            gen = Generator.from_pretrained(folder, ecfg.dtype, ecfg.attention, tensor_parallel=tp, pipeline_parallel=pp,
-                                            max_num_seqs=ecfg.max_num_seqs, block_size=ecfg.block_size,
-                                            num_blocks=ecfg.num_blocks, max_model_len=ecfg.max_model_len,
-                                            max_num_batched_tokens=TOKEN_BUDGET, pipeline_microbatches=micro)
+            gen = pipelined_generator(folder, tp, pp, micro)
             runner = gen.engine.runner
             model = nnx.merge(runner.graphdef, runner.params)
             mesh = model.mesh
@@ -115,6 +120,13 @@ def main(tmp: Path) -> dict:
                 "kv_spec": list(runner.kv_pages[0].k.sharding.spec),
                 "seconds": time.perf_counter() - t_layout,
             }
+        if name == "llama-gqa-llama3":   # int8 KV pages (with their scales) split over stages too
+            ref8 = Generator(ref_model, None, engine_config(kv_dtype="int8"), max_num_batched_tokens=TOKEN_BUDGET)
+            gen8 = pipelined_generator(folder, 2, 2, None, kv_dtype="int8")
+            entry["int8_kv"] = {"ref_tokens": [o.token_ids for o in ref8.generate(PROMPTS, sp)],
+                                "tokens": [o.token_ids for o in gen8.generate(PROMPTS, sp)],
+                                "compilations_after_warmup": gen8.stats()["compilations_after_warmup"],
+                                "scale_spec": list(gen8.engine.runner.kv_pages[0].k_scale.sharding.spec)}
         # the other two ways in: an in-memory Decoder and a native checkpoint, same stacked values
         mesh = make_mesh(pipeline_parallel=2)
         from_hf = nnx.state(load_pipelined(folder, "float32", mesh), nnx.Param)

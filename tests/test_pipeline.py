@@ -3,11 +3,13 @@
 Host-side checks (micro-batch split, the bubble formula, the layer-count error) run here. The
 multi-device checks run once, in a subprocess with 8 virtual CPU devices (tests/pipeline_worker.py):
 PP 2 and 4, TP 2 x PP 2 and TP 4 x PP 2 on a 4-layer Llama with GQA (2 KV heads < TP 4) and PP 2 / 4,
-TP 2 x PP 2 on a 4-layer Qwen2 with 1 KV head and per-layer sliding windows, each against the same
-model on one device: (a) full-forward logits within 1e-5 relative, (b) identical greedy generations
-through Generator (mixed prompt lengths, a chunked prefill, more prompts than sequences), zero
-compilations after warm-up, (c) each device holds only its stage's layers: per-device bytes of every
-stacked layer weight = total / pp (/ tp where "tensor" shards it), read from the arrays' shardings.
+TP 2 x PP 2 on a 4-layer Qwen2 with 1 KV head and per-layer sliding windows, each built by
+Generator.from_pretrained and compared with the same model on one device: (a) full-forward logits
+within 1e-5 relative, (b) identical greedy generations (mixed prompt lengths, a chunked prefill,
+more prompts than sequences; also with int8 KV pages at TP 2 x PP 2) and zero compilations after
+warm-up, (c) each device holds only its stage's layers: per-device bytes of every stacked layer
+weight = total / pp (/ tp where "tensor" shards it), read from the arrays' shardings; KV pages
+likewise split over the stages.
 """
 from __future__ import annotations
 
@@ -149,6 +151,12 @@ def test_pp_kv_pages_split_over_stages(pp_result):
         heads_split = tp > 1 and kv_heads % tp == 0       # GQA/MQA with fewer KV heads than tp: replicated
         assert run["kv_per_device_bytes"] == [full // (pp * (tp if heads_split else 1))] * (pp * tp), (name, tp, pp)
         assert run["kv_spec"] == (["pipeline", "tensor"] if heads_split else ["pipeline"]), (name, tp, pp)
+
+
+def test_pp_int8_kv_pages_identical_to_one_device(pp_result):
+    int8 = pp_result["configs"]["llama-gqa-llama3"]["int8_kv"]
+    assert int8["tokens"] == int8["ref_tokens"] and int8["compilations_after_warmup"] == 0
+    assert int8["scale_spec"] == ["pipeline", "tensor"]          # TP 2 x PP 2, 2 KV heads: both split
 
 
 def test_pp_loading_paths_and_errors(pp_result):
