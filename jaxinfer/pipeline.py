@@ -57,7 +57,12 @@ callback reading only its layers' slices from the safetensors memmaps (sharding.
 A native checkpoint, or an in-memory Decoder (pipeline_decoder), is restacked through host
 memory one parameter at a time (each device's slice copied from the host to that device).
 
-Not supported with pipeline_parallel > 1: weight quantization (quantize=...).
+Limits. Not supported with pipeline_parallel > 1: weight quantization (quantize=...) and several
+processes (multi-host). Only the XLA attention is tested inside the stages (the Pallas kernels
+need a static window, which stages with differing per-layer windows do not have). Micro-batches
+overlap within one engine step only; steps themselves are not pipelined (vLLM's virtual engines
+keep pp steps in flight instead), so for memory-bound decode, where a stage's time is reading
+its weights whatever the micro-batch size, M = 1 gives the lowest step latency.
 """
 from __future__ import annotations
 
