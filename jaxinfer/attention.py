@@ -185,7 +185,8 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
     sr = jnp.einsum("skgd,ksld->kgsl", qg[first], k_seq, preferred_element_type=jnp.float32) * scale
     valid_r, bias_r = _mask_and_bias(positions[first], k_pos, window, alibi,
                                      extra_valid=k_pos[None, :] < cached[:, None])
-    m_r, l_r, acc_r = _partial_attend(sr, valid_r, bias_r, v_seq, "kqld")
+    # float32 operands: XLA:CPU has no bf16 x bf16 -> f32 kernel for this two-batch-dim dot
+    m_r, l_r, acc_r = _partial_attend(sr, valid_r, bias_r, v_seq.astype(jnp.float32), "kqld")
     single = (qlen == 1)[meta.seq_ids] & tok_valid                     # [T]
     parts.append((jnp.where(single, m_r[:, :, meta.seq_ids], NEG_INF),
                   jnp.where(single, l_r[:, :, meta.seq_ids], 0.0),

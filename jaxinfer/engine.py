@@ -83,7 +83,7 @@ class Engine:
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
         eos = eos or self.model_cfg.eos_token_ids
         attention = resolve_impl(cfg.attention)
-        partial = 4 if attention == "xla" else None
+        partial = 1 if attention == "xla" else None
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, self.max_model_len, batch_window_s,
                             max_partial_prefills=partial),

@@ -60,7 +60,7 @@ class RunnerConfig:
     attention: str = "xla"
     # multi-token chunks that continue a cached context, per step (the XLA attention's prior_rows
     # slots; the scheduler defers the rest to later steps). None: no limit (the Pallas kernel).
-    max_partial_prefills: int | None = 4
+    max_partial_prefills: int | None = 1
 
 
 def _pow2_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
