@@ -185,10 +185,10 @@ class ModelRunner:
         return tokens, positions, meta, logits_indices, rows
 
     def _prior_rows(self, out: SchedulerOutput) -> np.ndarray:
-        slots = self.cfg.max_partial_prefills or 0
-        rows = [i for i, q in enumerate(out.seqs) if q.start > 0 and q.num_tokens > 1]
-        if self.cfg.max_partial_prefills is None:
+        slots = self.cfg.max_partial_prefills
+        if slots is None:
             return np.full(0, -1, np.int32)
+        rows = [i for i, q in enumerate(out.seqs) if q.start > 0 and q.num_tokens > 1]
         if len(rows) > slots:
             raise ValueError(f"{len(rows)} chunks continue a cached context; the step has {slots} slots "
                              "(SchedulerConfig.max_partial_prefills must match)")

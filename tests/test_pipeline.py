@@ -13,11 +13,6 @@ likewise split over the stages.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -28,7 +23,8 @@ from jaxinfer.config import SamplingParams
 from jaxinfer.pipeline import bubble_fraction, layers_per_stage, split_microbatches
 from tests.pipeline_worker import LAYOUTS, MODELS, PROMPTS
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.fake_devices import run_worker
+
 WORKER_TIMEOUT_S = 900   # ~1.5 min of CPU; generous for a host shared with other jobs
 RTOL = 1e-5
 
@@ -79,18 +75,7 @@ def pp_result(tmp_path_factory):
     for name, overrides in MODELS.items():
         save_hf_model(name, tmp / name, overrides)
     save_hf_model("qwen2-window", tmp / "three-layers")            # 3 layers: not divisible by pp 2
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
-    cmd = ["nice", "-n", "10", sys.executable, "-m", "tests.pipeline_worker", str(tmp)]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"pipeline worker exceeded {WORKER_TIMEOUT_S}s; stderr tail:\n{(e.stderr or '')[-3000:]}")
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"worker failed (rc {proc.returncode}):\n{proc.stderr[-5000:]}"
-    result = json.loads(lines[-1][len("RESULT "):])
-    assert result["n_devices"] == 8
-    return result
+    return run_worker("tests.pipeline_worker", tmp, WORKER_TIMEOUT_S)
 
 
 def _runs(result):

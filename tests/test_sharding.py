@@ -10,11 +10,6 @@ biases and an odd vocab (131), against the same model on one device:
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +24,8 @@ from jaxinfer.sharding import (DEFAULT_RULES, ShardingRules, bytes_per_device, k
                                model_mesh, param_sharding, rules_for, shard_decoder, shard_kv_pages)
 from tests.sharding_worker import CONFIGS, TPS
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.fake_devices import run_worker
+
 WORKER_TIMEOUT_S = 300
 RTOL = 1e-5
 
@@ -125,18 +121,7 @@ def tp_result(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     for name in CONFIGS:
         save_llama(name, tmp / name)
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
-    cmd = ["nice", "-n", "10", sys.executable, "-m", "tests.sharding_worker", str(tmp)]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"sharding worker exceeded {WORKER_TIMEOUT_S}s; stderr tail:\n{(e.stderr or '')[-3000:]}")
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"worker failed (rc {proc.returncode}):\n{proc.stderr[-5000:]}"
-    result = json.loads(lines[-1][len("RESULT "):])
-    assert result["n_devices"] == 8
-    return result
+    return run_worker("tests.sharding_worker", tmp, WORKER_TIMEOUT_S)
 
 
 def _runs(result):

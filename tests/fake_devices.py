@@ -1,0 +1,28 @@
+"""Run a test worker module in a subprocess with 8 fake CPU devices and return its RESULT json
+(the pytest process has already initialised jax with one device)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_worker(module: str, arg: Path, timeout_s: int, devices: int = 8) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip())
+    cmd = ["nice", "-n", "10", sys.executable, "-m", module, str(arg)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{module} exceeded {timeout_s}s; stderr tail:\n{(e.stderr or '')[-3000:]}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"{module} failed (rc {proc.returncode}):\n{proc.stderr[-5000:]}"
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["n_devices"] == devices
+    return result
