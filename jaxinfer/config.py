@@ -309,7 +309,7 @@ class SamplingParams:
 @dataclass(frozen=True)
 class EngineConfig:
     """The serving engine's knobs (see DESIGN.md)."""
-    dtype: str = "bfloat16"
+    dtype: str = "auto"                 # auto (float32 on CPU, else bfloat16) | bfloat16 | float32 | float16
     attention: str = "auto"             # pallas | xla | auto
     quantize: str | None = None         # None | int8 | int4
     kv_dtype: str | None = None         # None (= dtype) | int8
@@ -324,7 +324,7 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        choices = {"dtype": ("bfloat16", "float32", "float16"), "attention": ("pallas", "xla", "auto"),
+        choices = {"dtype": ("auto", "bfloat16", "float32", "float16"), "attention": ("pallas", "xla", "auto"),
                    "quantize": (None, "int8", "int4"), "kv_dtype": (None, "int8", "bfloat16", "float32"),
                    "batching": ("static", "dynamic", "continuous")}
         for name, allowed in choices.items():

@@ -26,6 +26,7 @@ from jaxinfer.host.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
 from jaxinfer.runner import CompileCounter, ModelRunner, RunnerConfig, default_num_blocks
+from jaxinfer.weights import resolve_dtype
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, hold_back
 from jaxinfer.sharding import bytes_per_device, model_mesh
 
@@ -68,7 +69,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.max_model_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
-        kv_dtype = jnp.int8 if cfg.kv_dtype == "int8" else jnp.dtype(cfg.kv_dtype or cfg.dtype)
+        kv_dtype = jnp.int8 if cfg.kv_dtype == "int8" else jnp.dtype(cfg.kv_dtype or resolve_dtype(cfg.dtype))
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         mesh = model_mesh(model)
         tp = 1 if mesh is None else mesh.shape["tensor"]

@@ -29,7 +29,7 @@ from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.engine import Engine, RequestOutput
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.models.decoder import quantize_decoder
-from jaxinfer.weights import load_model
+from jaxinfer.weights import resolve_dtype, load_model
 
 DEFAULT_MODEL = "jaxinfer-tiny-llama"
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
@@ -104,7 +104,7 @@ class Generator:
             self.engine.warmup()
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, dtype: str = "bfloat16", attention: str = "auto",
+    def from_pretrained(cls, path: str | Path | None = None, dtype: str = "auto", attention: str = "auto",
                         quantize: str | None = None, kv_dtype: str | None = None, tensor_parallel: int = 1,
                         pipeline_parallel: int = 1, max_num_seqs: int = 64, block_size: int = 16,
                         num_blocks: int | None = None, batching: str = "continuous",
@@ -126,6 +126,8 @@ class Generator:
         path = Path(path) if path is not None else default_model_path()
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
         group = distributed.initialize(coordinator_address, num_processes, process_id)
+        dtype = resolve_dtype(dtype)   # after initialize: it asks jax for the backend
+        cfg = dataclasses.replace(cfg, dtype=dtype)
         if pipeline_parallel > 1:
             if quantize is not None:
                 raise ValueError(f"quantize={quantize!r} is not available with pipeline_parallel > 1")

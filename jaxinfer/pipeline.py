@@ -325,9 +325,8 @@ class PipelineRunner(ModelRunner):
     def prepare_microbatches(self, out: SchedulerOutput, tables: dict[str, list[int]]):
         """Stacked numpy arrays [M, ...] for one step, every micro-batch padded to the same bucket."""
         groups = split_microbatches(out.seqs, self.microbatches)
-        bs = self.cfg.block_size
         t = max(self._bucket(max(sum(q.num_tokens for q in g), 1), self.token_buckets) for g in groups)
-        need = max((-(-(q.start + q.num_tokens) // bs) for q in out.seqs), default=1)
+        need = self.blocks_needed(out.seqs)
         parts = [self.prepare(SchedulerOutput(g), tables, buckets=(t, self._bucket(need, self.block_buckets)))
                  for g in groups]
         tokens, positions, logits_indices = (np.stack([part[i] for part in parts]) for i in (0, 1, 3))

@@ -125,6 +125,13 @@ class ModelRunner:
                 return b
         raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
+    def blocks_needed(self, seqs) -> int:
+        """Block-table width a step needs. The XLA attention reads from the pages only what was
+        cached before this step (this step's tokens attend among themselves); the Pallas kernel
+        reads everything, this step's tokens included, through the pages."""
+        bs, reads_step = self.cfg.block_size, self.cfg.attention != "xla"
+        return max(1, max((-(-(q.start + q.num_tokens * reads_step) // bs) for q in seqs), default=1))
+
     def _history(self, s: int, rows: list, any_penalty: bool) -> tuple[jax.Array, jax.Array]:
         h = self.cfg.max_model_len
         if not any_penalty:
@@ -147,8 +154,7 @@ class ModelRunner:
         of the smallest that fits; pipeline micro-batches share one)."""
         bs = self.cfg.block_size
         t = self._bucket(max(out.num_batched_tokens, 1), self.token_buckets)
-        need_blocks = max((-(-(q.start + q.num_tokens) // bs) for q in out.seqs), default=1)
-        b = self._bucket(need_blocks, self.block_buckets)
+        b = self._bucket(self.blocks_needed(out.seqs), self.block_buckets)
         if buckets is not None:
             assert buckets[0] >= t and buckets[1] >= b, (buckets, t, b)
             t, b = buckets
@@ -172,7 +178,7 @@ class ModelRunner:
             positions[cursor: cursor + n] = pos
             seq_ids[cursor: cursor + n] = i
             slots[cursor: cursor + n] = table[pos // bs] * bs + pos % bs
-            block_tables[i, : len(table)] = table
+            block_tables[i, : min(len(table), b)] = table[:b]
             context_lens[i] = q.start + n
             logits_indices[i] = cursor + n - 1
             if q.sample:

@@ -11,7 +11,8 @@ Order of operations per row (the order vLLM and HF apply them):
   4. truncation: top-k, then top-p (smallest set whose mass >= p), then min-p
      (keep tokens with p >= min_p * p_max), each on the tempered distribution;
   5. draw: Gumbel-max with a key derived only from (seed, sample index, position), so a
-     row's draw never depends on what else is in the batch. Greedy rows take the argmax.
+     row's draw never depends on what else is in the batch. Greedy rows take the argmax (a batch
+     of greedy rows only skips the draw and the truncation).
 """
 from __future__ import annotations
 
@@ -93,9 +94,15 @@ def sample(logits: jax.Array, b: SamplingBatch, want_top_logprobs: bool = True
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     any_truncation = jnp.any(((b.top_k > 0) | (b.top_p < 1) | (b.min_p > 0)) & ~greedy)
     filtered = jax.lax.cond(any_truncation, truncate, lambda l, _: l, logits, b)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(
-        row_keys(b.seed, b.sample_index, b.position))
-    drawn = jnp.argmax(filtered + gumbel, axis=-1)
+
+    def draw(filtered: jax.Array) -> jax.Array:
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(
+            row_keys(b.seed, b.sample_index, b.position))
+        return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
+
+    # an all-greedy batch skips the draw: the Gumbel noise (threefry over the whole vocabulary per
+    # row) is the sampler's largest cost on CPU
+    drawn = jax.lax.cond(jnp.any(~greedy), draw, lambda f: jnp.zeros(f.shape[:1], jnp.int32), filtered)
     ids = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
     if want_top_logprobs:

@@ -246,9 +246,19 @@ def load_native(folder: str | Path, dtype: str | None = None, mesh=None, rules=N
     return _set_params(abstract_decoder(cfg, jdtype), {k: v.astype(jdtype) for k, v in restored.items()})
 
 
+def resolve_dtype(dtype: str) -> str:
+    """"auto" -> float32 on CPU (XLA:CPU runs bfloat16 matmuls about 2x slower than float32: the
+    bundled model decodes at ~105 vs ~210 tok/s on one stream), bfloat16 on accelerators."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
 def load_model(path: str | Path, dtype: str = "float32", mesh=None, rules=None) -> tuple[Decoder, ModelConfig]:
     """An HF or native folder -> (Decoder, ModelConfig). Errors name the path at fault.
-    mesh: place every parameter on it by sharding.rules_for (or `rules`) while loading."""
+    mesh: place every parameter on it by sharding.rules_for (or `rules`) while loading.
+    dtype: the compute/storage dtype of the float weights, or "auto" (resolve_dtype)."""
+    dtype = resolve_dtype(dtype)
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such model folder")
