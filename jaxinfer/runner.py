@@ -205,6 +205,7 @@ class ModelRunner:
         f = lambda v: np.full(s, v, np.float32)  # noqa: E731
         temp, top_p, min_p, rep, pres, freq = f(0.0), f(1.0), f(0.0), f(1.0), f(0.0), f(0.0)
         top_k, seed, index = np.zeros(s, np.int32), np.zeros(s, np.uint32), np.zeros(s, np.int32)
+        num_logprobs = np.zeros(s, np.int32)
         for i, req in enumerate(rows):
             if req is None:
                 continue
@@ -212,10 +213,11 @@ class ModelRunner:
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
             rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
             seed[i], index[i] = req.seed & 0xFFFFFFFF, req.sample_index
+            num_logprobs[i] = p.logprobs or 0
         any_penalty = bool(np.any((rep != 1) | (pres != 0) | (freq != 0)))
         hist, is_out = self._history(s, rows, any_penalty)
         return SamplingBatch(temp, top_k, top_p, min_p, rep, pres, freq, seed, index,
-                             positions_of_rows.astype(np.int32), hist, is_out)
+                             positions_of_rows.astype(np.int32), num_logprobs, hist, is_out)
 
     def execute(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, StepSample]:
         tokens, positions, meta, logits_indices, rows = self.prepare(out, tables)

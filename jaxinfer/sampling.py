@@ -39,6 +39,8 @@ class SamplingBatch:
     seed: jax.Array             # u32
     sample_index: jax.Array     # i32: which of the request's n samples this row is
     position: jax.Array         # i32: position of the token being drawn
+    num_logprobs: jax.Array     # i32: top logprobs the row wants (0 = none; the step computes
+                                #      MAX_LOGPROBS for every row when any row wants some)
     history: jax.Array          # i32 [N, H]: prompt + output ids, -1 padded (penalties only)
     history_is_output: jax.Array  # bool [N, H]
 
@@ -84,8 +86,7 @@ def truncate(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     return jnp.where(logits < floor, NEG_INF, logits)
 
 
-def sample(logits: jax.Array, b: SamplingBatch, want_top_logprobs: bool = True
-           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def sample(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [N, V] f32 -> (token ids [N], their logprobs [N], top ids [N, 20], top logprobs [N, 20])."""
     any_penalty = jnp.any((b.repetition_penalty != 1) | (b.presence_penalty != 0) | (b.frequency_penalty != 0))
     logits = jax.lax.cond(any_penalty, apply_penalties, lambda l, _: l, logits, b)
@@ -105,10 +106,9 @@ def sample(logits: jax.Array, b: SamplingBatch, want_top_logprobs: bool = True
     drawn = jax.lax.cond(jnp.any(~greedy), draw, lambda f: jnp.zeros(f.shape[:1], jnp.int32), filtered)
     ids = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
-    if want_top_logprobs:
-        top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-    else:
-        top_lp = jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.float32)
-        top_ids = jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32)
+    no_top = lambda lp: (jnp.zeros((lp.shape[0], MAX_LOGPROBS), jnp.float32),  # noqa: E731
+                         jnp.zeros((lp.shape[0], MAX_LOGPROBS), jnp.int32))
+    top_lp, top_ids = jax.lax.cond(jnp.any(b.num_logprobs > 0),
+                                   lambda lp: tuple(jax.lax.top_k(lp, MAX_LOGPROBS)), no_top, logprobs)
     return ids, chosen, top_ids.astype(jnp.int32), top_lp
 

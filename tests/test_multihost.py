@@ -103,7 +103,8 @@ def test_step_inputs_round_trip():
     f = np.linspace(0, 1, s, dtype=np.float32)
     hist = jax.device_put(np.full((s, 16), -1, np.int32))     # the runner's cached empty history
     sb = SamplingBatch(f, np.arange(s, dtype=np.int32), f + 1, f, f, f, f, np.arange(s, dtype=np.uint32) * 7,
-                       np.zeros(s, np.int32), np.arange(s, dtype=np.int32) + 5, hist, hist > 0)
+                       np.zeros(s, np.int32), np.arange(s, dtype=np.int32) + 5, np.full(s, 2, np.int32),
+                       hist, hist > 0)
     tokens, positions = np.arange(t, dtype=np.int32) * 3, np.arange(t, dtype=np.int32)
     logits_indices = np.array([2, 3, 0, 0], np.int32)
     _, sent = decode(encode("step", step_arrays(tokens, positions, meta, logits_indices, sb)))
@@ -111,7 +112,7 @@ def test_step_inputs_round_trip():
     assert np.array_equal(tk, tokens) and np.array_equal(ps, positions) and np.array_equal(li, logits_indices)
     for field in ("seq_ids", "slot_mapping", "block_tables", "context_lens", "query_start_loc", "prior_rows"):
         assert np.array_equal(getattr(m2, field), getattr(meta, field)), field
-    for field in ("temperature", "top_k", "top_p", "seed", "position"):
+    for field in ("temperature", "top_k", "top_p", "seed", "position", "num_logprobs"):
         assert np.array_equal(getattr(sb2, field), getattr(sb, field)), field
     assert sb2.history is None and sb2.history_is_output is None    # device arrays are not sent
 

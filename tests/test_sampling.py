@@ -83,8 +83,9 @@ def np_truncated_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, m
 def make_batch(n, **fields):
     """SamplingBatch of n rows with neutral defaults; scalars in `fields` are broadcast."""
     defaults = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                    presence_penalty=0.0, frequency_penalty=0.0, seed=0, sample_index=0, position=0)
-    dtypes = dict(top_k=np.int32, sample_index=np.int32, position=np.int32, seed=np.uint32)
+                    presence_penalty=0.0, frequency_penalty=0.0, seed=0, sample_index=0, position=0,
+                    num_logprobs=20)
+    dtypes = dict(top_k=np.int32, sample_index=np.int32, position=np.int32, seed=np.uint32, num_logprobs=np.int32)
     arrays = {}
     for name, default in defaults.items():
         val = fields.pop(name, default)
