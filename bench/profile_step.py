@@ -1,0 +1,125 @@
+"""Where a decode step's time goes: XLA's own per-op trace of the engine's jitted step.
+
+    python bench/profile_step.py [--model PATH] [--batch-sizes 1,64] [--out bench/results/...json]
+
+For each batch size: `b` greedy requests (prompts of 16..128 tokens) are run until every one is
+decoding, then the same decode step is timed (median of --reps, no profiler) and traced
+(jax.profiler, --trace-steps steps). The trace's per-thunk events are summed per source op (the
+`op_name` XLA keeps from the jnp call that made it: a dot's einsum spec, gather, exp, ...), so the
+JSON says which parts of the model the step spends its time in. Traced times run about 1.3-2x the
+untraced step (the profiler's own cost); compare shares, not absolute values.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxinfer import Generator, SamplingParams
+from jaxinfer.generator import default_model_path
+
+
+def decode_step_inputs(gen: Generator, batch: int, seed: int):
+    """Run `batch` requests until all are decoding; returns the runner's inputs for the next step."""
+    eng, runner = gen.engine, gen.engine.runner
+    rng = np.random.RandomState(seed)
+    vocab = gen.model_cfg.vocab_size
+    for _ in range(batch):
+        eng.add_request(rng.randint(3, vocab, rng.randint(16, 129)).tolist(),
+                        SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    while True:
+        plan = eng.scheduler.schedule()
+        if len(plan.seqs) == batch and all(q.num_tokens == 1 for q in plan.seqs):
+            break
+        eng.scheduler.update(plan, runner.execute(plan, eng.blocks.tables))
+    tokens, positions, meta, logits_indices, rows = runner.prepare(plan, eng.blocks.tables)
+    sb = runner._sampling_batch(rows, positions[logits_indices] + 1)
+    return tokens, positions, meta, logits_indices, sb
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the op_name metadata of the jnp call that produced it."""
+    return {m.group(1): m.group(2) for m in re.finditer(r'^\s*%?(\S+) = .*?op_name="([^"]+)"', hlo_text, re.M)}
+
+
+def profile(gen: Generator, batch: int, reps: int, trace_steps: int, seed: int) -> dict:
+    runner = gen.engine.runner
+    args = decode_step_inputs(gen, batch, seed)
+    names = op_names(runner._step.lower(runner.params, runner.kv_pages, *args).compile().as_text())
+
+    def step():
+        out, runner.kv_pages = runner._step(runner.params, runner.kv_pages, *args)
+        jax.block_until_ready(out)
+
+    step()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(trace_steps):
+                step()
+        trace = json.load(gzip.open(next(Path(d).rglob("*perfetto_trace.json.gz"))))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    by_op: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for e in events:
+        hlo_op = e.get("args", {}).get("hlo_op") if e.get("ph") == "X" else None
+        if hlo_op is None or e["name"].startswith("end:"):
+            continue
+        op = re.sub(r"^jit\(_step_impl\)/", "", names.get(hlo_op, hlo_op))
+        if op.rsplit("/", 1)[-1] in ("cond", "while"):
+            continue   # a conditional's or loop's own event spans the ops inside it, counted themselves
+        by_op[op] += e["dur"]
+        count[op] += 1
+    total = sum(by_op.values())
+    return {
+        "batch": batch, "tokens_bucket": int(len(args[0])), "seqs_bucket": int(len(args[3])),
+        "context_bucket": int(args[2].block_tables.shape[1] * gen.engine.cfg.block_size),
+        "max_context": int(np.max(args[2].context_lens)),
+        "step_median_ms": 1e3 * float(np.median(times)), "traced_step_ms": total / 1e3 / trace_steps,
+        "ops": [{"op": op, "ms_per_step": us / 1e3 / trace_steps, "share": us / total,
+                 "calls_per_step": count[op] / trace_steps} for op, us in by_op.most_common(25)],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-sizes", default="1,64")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--trace-steps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    path = Path(args.model) if args.model else default_model_path()
+    results = []
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        gen = Generator.from_pretrained(path, dtype=args.dtype, max_num_seqs=b)
+        r = profile(gen, b, args.reps, args.trace_steps, args.seed)
+        print(f"batch {b}: step {r['step_median_ms']:.2f} ms (T={r['tokens_bucket']}, L={r['context_bucket']}); "
+              + ", ".join(f"{o['op'][:40]} {100 * o['share']:.0f}%" for o in r["ops"][:6]), flush=True)
+        results.append(r)
+        del gen
+    report = {"benchmark": "decode step profile", "date": time.strftime("%Y-%m-%d"), "model": str(path),
+              "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
+              "jax": jax.__version__, "config": vars(args), "results": results}
+    out = Path(args.out or f"bench/results/{time.strftime('%Y-%m-%d')}-{jax.default_backend()}-step-profile.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
