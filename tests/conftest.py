@@ -4,6 +4,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# no persistent compilation cache (jaxinfer.cli): every test compiles what it runs, in this process
+# and in the servers and workers it starts
+os.environ["JAXINFER_COMPILATION_CACHE"] = "off"
 
 import pytest
 

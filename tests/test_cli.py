@@ -42,3 +42,19 @@ def test_export_hf_round_trip_loads_in_transformers(hf_model_dir, tmp_path):
 def test_export_hf_refuses_other_families(hf_model_dir, tmp_path, capsys):
     assert main(["export-hf", str(tmp_path / "x"), "--model", hf_model_dir("gpt2")]) == 2
     assert "Llama family" in capsys.readouterr().err
+
+
+def test_compilation_cache_folder_from_env_or_off(monkeypatch, tmp_path):
+    import jax
+
+    from jaxinfer.cli import enable_compilation_cache
+    before = jax.config.jax_compilation_cache_dir
+    monkeypatch.setenv("JAXINFER_COMPILATION_CACHE", "off")     # what conftest sets for every test
+    assert enable_compilation_cache() is None
+    assert jax.config.jax_compilation_cache_dir == before
+    monkeypatch.setenv("JAXINFER_COMPILATION_CACHE", str(tmp_path / "xla"))
+    try:
+        assert enable_compilation_cache() == str(tmp_path / "xla")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
