@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from bench.benchmark import device_info, device_slug, results_path, write_report
 from jaxinfer import Generator, SamplingParams
 from jaxinfer.generator import default_model_path
 
@@ -112,12 +113,11 @@ def main() -> None:
               + ", ".join(f"{o['op'][:40]} {100 * o['share']:.0f}%" for o in r["ops"][:6]), flush=True)
         results.append(r)
         del gen
+    info = device_info()
     report = {"benchmark": "decode step profile", "date": time.strftime("%Y-%m-%d"), "model": str(path),
-              "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
-              "jax": jax.__version__, "config": vars(args), "results": results}
-    out = Path(args.out or f"bench/results/{time.strftime('%Y-%m-%d')}-{jax.default_backend()}-step-profile.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+              "device": info, "jax": jax.__version__, "config": vars(args), "results": results}
+    out = results_path(args.out, device_slug(info), "step-profile")
+    write_report(report, out, "", "", plot=False)
     print(f"wrote {out}")
 
 
