@@ -209,7 +209,7 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
     first = jnp.minimum(qsl[:-1], t - 1)
 
     def decode_rows(_):
-        k_seq, v_seq = _gather_context(kv, meta.block_tables, q.dtype)  # (Hkv, S, L, D)
+        k_seq, v_seq = _gather_context(kv, meta.block_tables, jnp.float32)  # (Hkv, S, L, D); int8: dequantized
         valid_r, bias_r = _mask_and_bias(positions[first], k_pos, window, alibi,
                                          extra_valid=k_pos[None, :] < cached[:, None])
         m_r, l_r, acc_r = _decode_rows(qg[first], k_seq, v_seq, valid_r, bias_r, scale)

@@ -69,10 +69,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.max_model_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
-        # KV pages: kv_dtype, else the engine's dtype; "auto" there means the dtype the weights are in
-        model_dtype = model.embed.get_value().dtype if hasattr(model, "embed") else resolve_dtype(cfg.dtype)
-        kv_dtype = jnp.int8 if cfg.kv_dtype == "int8" else jnp.dtype(
-            cfg.kv_dtype or (model_dtype if cfg.dtype == "auto" else cfg.dtype))
+        # KV pages: kv_dtype, else the engine's dtype, where "auto" means the dtype the weights are in
+        dtype = cfg.dtype
+        if dtype == "auto":
+            dtype = model.embed.get_value().dtype if hasattr(model, "embed") else resolve_dtype(dtype)
+        kv_dtype = jnp.int8 if cfg.kv_dtype == "int8" else jnp.dtype(cfg.kv_dtype or dtype)
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         mesh = model_mesh(model)
         tp = 1 if mesh is None else mesh.shape["tensor"]

@@ -31,6 +31,9 @@ from jaxinfer.sampling import SamplingBatch, sample
 from jaxinfer.sharding import kv_sharding, model_mesh
 
 
+INT32_MAX = np.iinfo(np.int32).max
+
+
 class CompileCounter:
     """Counts XLA backend compilations in this process (every jit, eager op or kernel)."""
     _lock = threading.Lock()
@@ -210,7 +213,8 @@ class ModelRunner:
             if req is None:
                 continue
             p = req.params
-            temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            # top_k past the vocabulary means "off" and may exceed int32 (the API takes any integer)
+            temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, min(p.top_k, INT32_MAX), p.top_p, p.min_p
             rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
             seed[i], index[i] = req.seed & 0xFFFFFFFF, req.sample_index
             num_logprobs[i] = p.logprobs or 0
