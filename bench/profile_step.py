@@ -26,6 +26,7 @@ import numpy as np
 from bench.benchmark import device_info, device_slug, results_path, write_report
 from jaxinfer import Generator, SamplingParams
 from jaxinfer.generator import default_model_path
+from jaxinfer.step import step as jaxinfer_step
 
 
 def decode_step_inputs(gen: Generator, batch: int, seed: int):
@@ -41,9 +42,7 @@ def decode_step_inputs(gen: Generator, batch: int, seed: int):
         if len(plan.seqs) == batch and all(q.num_tokens == 1 for q in plan.seqs):
             break
         eng.scheduler.update(plan, runner.execute(plan, eng.blocks.tables))
-    tokens, positions, meta, logits_indices, rows = runner.prepare(plan, eng.blocks.tables)
-    sb = runner._sampling_batch(rows, positions[logits_indices] + 1)
-    return tokens, positions, meta, logits_indices, sb
+    return runner.prepare(plan, eng.blocks.tables)[0], plan.num_decode_iters
 
 
 def op_names(hlo_text: str) -> dict[str, str]:
@@ -53,11 +52,12 @@ def op_names(hlo_text: str) -> dict[str, str]:
 
 def profile(gen: Generator, batch: int, reps: int, trace_steps: int, seed: int) -> dict:
     runner = gen.engine.runner
-    args = decode_step_inputs(gen, batch, seed)
-    names = op_names(runner._step.lower(runner.params, runner.kv_pages, *args).compile().as_text())
+    inputs, iters = decode_step_inputs(gen, batch, seed)
+    names = op_names(jaxinfer_step.lower(runner.params, runner.kv_pages, inputs, settings=runner.settings)
+                     .compile().as_text())
 
     def step():
-        out, runner.kv_pages = runner._step(runner.params, runner.kv_pages, *args)
+        out, runner.kv_pages = jaxinfer_step(runner.params, runner.kv_pages, inputs, settings=runner.settings)
         jax.block_until_ready(out)
 
     step()
@@ -78,17 +78,18 @@ def profile(gen: Generator, batch: int, reps: int, trace_steps: int, seed: int) 
         hlo_op = e.get("args", {}).get("hlo_op") if e.get("ph") == "X" else None
         if hlo_op is None or e["name"].startswith("end:"):
             continue
-        op = re.sub(r"^jit\(_step_impl\)/", "", names.get(hlo_op, hlo_op))
+        op = re.sub(r"^jit\([^)]*\)/|while/body/", "", names.get(hlo_op, hlo_op))
         if op.rsplit("/", 1)[-1] in ("cond", "while"):
             continue   # a conditional's or loop's own event spans the ops inside it, counted themselves
         by_op[op] += e["dur"]
         count[op] += 1
     total = sum(by_op.values())
     return {
-        "batch": batch, "tokens_bucket": int(len(args[0])), "seqs_bucket": int(len(args[3])),
-        "context_bucket": int(args[2].block_tables.shape[1] * gen.engine.cfg.block_size),
-        "max_context": int(np.max(args[2].context_lens)),
+        "batch": batch, "tokens_bucket": int(len(inputs.tokens)), "seqs_bucket": int(len(inputs.logits_indices)),
+        "context_bucket": int(inputs.meta.block_tables.shape[1] * gen.engine.cfg.block_size),
+        "max_context": int(np.max(inputs.meta.context_lens)), "decode_iterations_per_step": iters,
         "step_median_ms": 1e3 * float(np.median(times)), "traced_step_ms": total / 1e3 / trace_steps,
+        "per_token_ms": 1e3 * float(np.median(times)) / iters,
         "ops": [{"op": op, "ms_per_step": us / 1e3 / trace_steps, "share": us / total,
                  "calls_per_step": count[op] / trace_steps} for op, us in by_op.most_common(25)],
     }
@@ -102,14 +103,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--trace-steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-decode-steps", type=int, default=8, help="decode iterations per step (1: off)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     path = Path(args.model) if args.model else default_model_path()
     results = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        gen = Generator.from_pretrained(path, dtype=args.dtype, max_num_seqs=b)
+        gen = Generator.from_pretrained(path, dtype=args.dtype, max_num_seqs=b, max_decode_steps=args.max_decode_steps)
         r = profile(gen, b, args.reps, args.trace_steps, args.seed)
-        print(f"batch {b}: step {r['step_median_ms']:.2f} ms (T={r['tokens_bucket']}, L={r['context_bucket']}); "
+        print(f"batch {b}: step {r['step_median_ms']:.2f} ms for {r['decode_iterations_per_step']} iterations "
+              f"(T={r['tokens_bucket']}, L={r['context_bucket']}); "
               + ", ".join(f"{o['op'][:40]} {100 * o['share']:.0f}%" for o in r["ops"][:6]), flush=True)
         results.append(r)
         del gen

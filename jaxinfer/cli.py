@@ -144,6 +144,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
+    p.add_argument("--kv-dtype", default=None, choices=["int8", "float16", "bfloat16", "float32"],
+                   help="KV cache dtype (default: the model's dtype)")
+    p.add_argument("--max-decode-steps", type=int, default=8,
+                   help="decode iterations one step may run on device when every sequence decodes "
+                        "(1 while requests wait or prefill runs)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: folder name)")
 
 
@@ -152,7 +157,8 @@ def _generator(args: argparse.Namespace):
     return Generator.from_pretrained(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                      max_num_batched_tokens=args.max_num_batched_tokens,
                                      max_model_len=args.max_model_len, block_size=args.block_size,
-                                     num_blocks=args.num_blocks, batching=args.batching, **_multihost_kwargs(args))
+                                     num_blocks=args.num_blocks, batching=args.batching, kv_dtype=args.kv_dtype,
+                                     max_decode_steps=args.max_decode_steps, **_multihost_kwargs(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -241,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--window", type=int, default=256)
     e.add_argument("--stride", type=int, default=None, help="default: window // 2")
     e.add_argument("--quantize", default=None, choices=["int8", "int4"], help="weight-only quantization")
-    e.add_argument("--kv-dtype", default=None, choices=["int8", "bfloat16", "float32"],
+    e.add_argument("--kv-dtype", default=None, choices=["int8", "float16", "bfloat16", "float32"],
                    help="score through the paged KV cache in this dtype")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval_ppl)

@@ -312,7 +312,7 @@ class EngineConfig:
     dtype: str = "auto"                 # auto (float32 on CPU, else bfloat16) | bfloat16 | float32 | float16
     attention: str = "auto"             # pallas | xla | auto
     quantize: str | None = None         # None | int8 | int4
-    kv_dtype: str | None = None         # None (= dtype) | int8
+    kv_dtype: str | None = None         # None (= dtype) | int8 | float16 | bfloat16 | float32
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     pipeline_microbatches: int | None = None   # micro-batches per step with pipeline_parallel > 1 (None: = pp)
@@ -321,17 +321,18 @@ class EngineConfig:
     num_blocks: int | None = None       # None: sized from free memory
     batching: str = "continuous"        # static | dynamic | continuous
     max_model_len: int | None = None    # None: the model's max_position_embeddings
+    max_decode_steps: int = 8           # decode iterations per step on device when every row decodes
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         choices = {"dtype": ("auto", "bfloat16", "float32", "float16"), "attention": ("pallas", "xla", "auto"),
-                   "quantize": (None, "int8", "int4"), "kv_dtype": (None, "int8", "bfloat16", "float32"),
+                   "quantize": (None, "int8", "int4"), "kv_dtype": (None, "int8", "float16", "bfloat16", "float32"),
                    "batching": ("static", "dynamic", "continuous")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
         if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
             raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
-        for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "block_size"):
+        for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "block_size", "max_decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

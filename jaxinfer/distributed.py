@@ -43,7 +43,7 @@ import os
 import weakref
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -185,20 +185,15 @@ def decode(message: bytes) -> tuple[str, list[np.ndarray | None]]:
     return header["kind"], arrays
 
 
-def step_arrays(tokens, positions, meta, logits_indices, sb) -> list[np.ndarray | None]:
-    """The runner's step inputs as a flat list of host arrays. A device array (the runner's cached
-    empty penalty history) is sent as None: the follower uses its own copy."""
-    leaves = [tokens, positions, *(getattr(meta, f.name) for f in fields(meta)), logits_indices,
-              *(getattr(sb, f.name) for f in fields(sb))]
-    return [None if isinstance(x, jax.Array) else x for x in leaves]
+def step_arrays(inputs) -> list[np.ndarray | None]:
+    """A step's StepInputs as a flat list of host arrays (its pytree leaves, in order). A device
+    array (the runner's cached empty penalty history) is sent as None: the follower uses its own."""
+    return [None if isinstance(x, jax.Array) else np.asarray(x) for x in jax.tree.leaves(inputs)]
 
 
-def step_inputs(arrays: list, meta_cls, sb_cls) -> tuple:
-    """Inverse of step_arrays: (tokens, positions, meta, logits_indices, sb); hist may be None."""
-    m = len(fields(meta_cls))
-    tokens, positions, rest = arrays[0], arrays[1], arrays[2:]
-    meta, logits_indices, sb = meta_cls(*rest[:m]), rest[m], sb_cls(*rest[m + 1:])
-    return tokens, positions, meta, logits_indices, sb
+def step_inputs(arrays: list, treedef):
+    """Inverse of step_arrays, given the StepInputs treedef (ModelRunner.empty_inputs has it)."""
+    return jax.tree.unflatten(treedef, arrays)
 
 
 # ------------------------------------------------------------------------------- the channel

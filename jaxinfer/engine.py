@@ -50,6 +50,8 @@ class _TextState:
     stops: tuple[str, ...]
     text: str = ""              # all text decoded so far (after stop truncation)
     emitted: int = 0            # how much of text has been handed out
+    marks: list[int] = field(default_factory=list)   # len(text) after each token of this step
+    stopped: bool = False       # a stop string completed (text is cut before it)
 
 
 @dataclass
@@ -89,12 +91,14 @@ class Engine:
         eos = eos or self.model_cfg.eos_token_ids
         attention = resolve_impl(cfg.attention)
         partial = 1 if attention == "xla" else None
+        # multi-step decoding runs the model inside a device loop; the pipeline's stages do not loop
+        decode_steps = 1 if isinstance(model, PipelinedDecoder) else cfg.max_decode_steps
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, self.max_model_len, batch_window_s,
-                            max_partial_prefills=partial),
+                            max_partial_prefills=partial, max_decode_steps=decode_steps),
             self.blocks, eos_ids=eos)
         runner_cfg = RunnerConfig(cfg.block_size, num_blocks, cfg.max_num_seqs, tokens_budget, self.max_model_len,
-                                  attention, partial)
+                                  attention, partial, max_decode_steps=decode_steps, eos_ids=tuple(eos))
         if isinstance(model, PipelinedDecoder):
             self.runner = PipelineRunner(model, runner_cfg, kv_dtype, cfg.pipeline_microbatches or model.pp)
         else:
@@ -162,51 +166,88 @@ class Engine:
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        """One scheduler step (one or, when every row decodes, several tokens per row); returns one
+        delta per new token (and a final empty one for requests that finish without a token)."""
         plan = self.scheduler.schedule()
         if not plan.seqs:
             return []
         t0, c0 = time.perf_counter(), CompileCounter.count
         samples = self.runner.execute(plan, self.blocks.tables)
         dt = time.perf_counter() - t0
-        self.stats_.step_times.append(dt)
-        # bytes this step had to read: every weight once, plus each sequence's whole KV context
-        context = sum(q.start + q.num_tokens for q in plan.seqs)
-        self.stats_.bandwidth.append((self.weight_bytes + context * self.runner.kv_bytes_per_token) / dt)
+        # bytes read: every iteration reads every weight once plus each sequence's whole KV context,
+        # which grows by one token per iteration of a multi-step decode
+        its = [max(1, len(samples.get(q.request.request_id, ()))) for q in plan.seqs]
+        iters = max(its)
+        context = sum(n * (q.start + q.num_tokens) + n * (n - 1) // 2 for q, n in zip(plan.seqs, its))
+        self.stats_.step_times.append(dt / iters)
+        self.stats_.bandwidth.append((iters * self.weight_bytes + context * self.runner.kv_bytes_per_token) / dt)
         if self.warmed_up:
             self.stats_.compilations_after_warmup += CompileCounter.count - c0
         self.stats_.num_steps += 1
         self.stats_.prompt_tokens += sum(min(q.num_tokens, max(0, len(q.request.prompt_ids) - q.start))
                                          for q in plan.seqs)
-        updated = self.scheduler.update(plan, samples)
-        self.stats_.generation_tokens += len(updated)
-        return [self._delta(req, 1) for req in updated]
+        before = {q.request.request_id: len(q.request.output_ids) for q in plan.seqs}
+        for q in plan.seqs:
+            st = self._text.get(q.request.request_id)
+            if st is not None:
+                st.marks.clear()
+        updated = self.scheduler.update(plan, samples, stop_check=self._stop_check)
+        deltas = []
+        for req in updated:
+            new = len(req.output_ids) - before[req.request_id]
+            self.stats_.generation_tokens += new
+            deltas += self._deltas(req, new)
+        return deltas
+
+    def _stop_check(self, req: Request) -> bool:
+        """Detokenize the request's newest token; True when that completes one of its stop strings
+        (the text is cut where the stop string begins)."""
+        st = self._text[req.request_id]
+        if st.detok is None:
+            return False
+        checked = len(st.text)
+        st.text += st.detok.add(req.output_ids[-1])
+        st.marks.append(len(st.text))
+        if not st.stops:
+            return False
+        cut = find_stop(st.text, st.stops, max(checked, st.emitted))
+        if cut is None:
+            return False
+        st.text, st.stopped = st.text[:cut], True
+        return True
 
     def _delta(self, req: Request, new_tokens: int) -> RequestOutput:
+        """The request's last delta of this step (abort: no tokens, finished)."""
+        return self._deltas(req, new_tokens)[-1]
+
+    def _deltas(self, req: Request, new_tokens: int) -> list[RequestOutput]:
+        """One RequestOutput per new token (at least one): its text is what became visible with it;
+        text that may still turn out to start a stop string is held back until it cannot."""
         st = self._text[req.request_id]
-        new_ids = req.output_ids[len(req.output_ids) - new_tokens:] if new_tokens else []
-        if st.detok is not None:
-            for t in new_ids:
-                st.text += st.detok.add(t)
-            if req.finished:
-                st.text += st.detok.flush()
-            if st.stops:
-                cut = find_stop(st.text, st.stops, max(st.emitted, 0))
-                if cut is not None:
-                    st.text = st.text[:cut]
-                    if not req.finished:
-                        self.scheduler.finish(req, "stop")
+        if req.finished and st.detok is not None and not st.stopped:
+            st.text += st.detok.flush()
+            if st.stops:   # the flushed tail may still hold a stop string
+                cut = find_stop(st.text, st.stops, st.emitted)
+                st.text = st.text if cut is None else st.text[:cut]
         visible = len(st.text) if req.finished or not st.stops else len(st.text) - hold_back(st.text, st.stops)
-        visible = max(visible, st.emitted)
-        text, st.emitted = st.text[st.emitted:visible], visible
-        lps = req.output_logprobs[len(req.output_logprobs) - len(new_ids):] if new_ids else []
-        tops = req.output_top_logprobs[-len(new_ids):] if new_ids and req.params.logprobs else []
+        new_ids = req.output_ids[len(req.output_ids) - new_tokens:] if new_tokens else []
+        lps = req.output_logprobs[len(req.output_logprobs) - new_tokens:] if new_tokens else []
+        tops = req.output_top_logprobs[-new_tokens:] if new_tokens and req.params.logprobs else []
         rid, _, _ = req.request_id.partition("#")
+        outs = []
+        for j in range(max(new_tokens, 1)):
+            last = j >= new_tokens - 1
+            end = visible if last or j >= len(st.marks) else min(st.marks[j], visible)
+            end = max(end, st.emitted)
+            text, st.emitted = st.text[st.emitted:end], end
+            outs.append(RequestOutput(rid, req.sample_index, text, new_ids[j:j + 1], lps[j:j + 1], tops[j:j + 1],
+                                      req.finished and last, req.finish_reason if last else None))
         if req.finished:
             del self._text[req.request_id]
             group = self._groups.get(rid)
             if group is not None and all(g not in self._text for g in group):
                 del self._groups[rid]
-        return RequestOutput(rid, req.sample_index, text, new_ids, lps, tops, req.finished, req.finish_reason)
+        return outs
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:

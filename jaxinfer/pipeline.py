@@ -81,6 +81,7 @@ from jaxinfer.models.decoder import Block, Decoder, abstract_decoder
 from jaxinfer.quant import QuantizedWeight
 from jaxinfer.runner import ModelRunner, RunnerConfig
 from jaxinfer.sampling import sample
+from jaxinfer.step import StepInputs, StepOutputs, StepSettings
 from jaxinfer.sharding import load_sharded, param_sharding, rules_for
 
 __all__ = ["PipelinedDecoder", "pipeline_decoder", "load_pipelined", "PipelineRunner", "split_microbatches",
@@ -315,41 +316,48 @@ class PipelineRunner(ModelRunner):
                                                   cfg.block_size, kv_dtype))
         return sharding, jax.jit(make, out_shardings=sharding)()
 
-    def _step_impl(self, params, kv_pages, tokens, positions, meta, logits_indices, num_microbatches, sb):
-        model = nnx.merge(self.graphdef, params)
-        logits, kv_pages = model(tokens, positions, kv_pages, meta, logits_indices, impl=self.cfg.attention,
-                                 num_microbatches=num_microbatches)
-        kv_pages = jax.lax.with_sharding_constraint(kv_pages, self.kv_sharding)
-        return sample(logits, sb), kv_pages
-
     def prepare_microbatches(self, out: SchedulerOutput, tables: dict[str, list[int]]):
-        """Stacked numpy arrays [M, ...] for one step, every micro-batch padded to the same bucket."""
+        """(StepInputs stacked [M, ...] with every micro-batch padded to the same bucket and the
+        sampling rows flattened [M*S], the number of non-empty micro-batches, the rows)."""
         groups = split_microbatches(out.seqs, self.microbatches)
         t = max(self._bucket(max(sum(q.num_tokens for q in g), 1), self.token_buckets) for g in groups)
-        need = self.blocks_needed(out.seqs)
-        parts = [self.prepare(SchedulerOutput(g), tables, buckets=(t, self._bucket(need, self.block_buckets)))
-                 for g in groups]
-        tokens, positions, logits_indices = (np.stack([part[i] for part in parts]) for i in (0, 1, 3))
-        meta = jax.tree.map(lambda *a: np.stack(a), *[part[2] for part in parts])
-        rows = [r for part in parts for r in part[4]]
-        return tokens, positions, meta, logits_indices, np.int32(sum(1 for g in groups if g)), rows
+        b = self._bucket(self.blocks_needed(out.seqs), self.block_buckets)
+        parts = [self.prepare(SchedulerOutput(g), tables, buckets=(t, b)) for g in groups]
+        return self._stack(parts, sum(1 for g in groups if g))
 
-    def execute(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, StepSample]:
-        tokens, positions, meta, logits_indices, n, rows = self.prepare_microbatches(out, tables)
+    def _stack(self, parts: list[tuple[StepInputs, list]], n: int) -> tuple[StepInputs, np.int32, list]:
+        xs, rows = [x for x, _ in parts], [r for _, part_rows in parts for r in part_rows]
+        tokens, positions, logits_indices = (np.stack([getattr(x, f) for x in xs])
+                                             for f in ("tokens", "positions", "logits_indices"))
+        meta = jax.tree.map(lambda *a: np.stack(a), *[x.meta for x in xs])
         sb = self._sampling_batch(rows, np.take_along_axis(positions, logits_indices, 1).reshape(-1) + 1)
-        (ids, lps, top_ids, top_lps), self.kv_pages = self._step(
-            self.params, self.kv_pages, tokens, positions, meta, logits_indices, n, sb)
-        return self._results(rows, ids, lps, top_ids, top_lps)
+        inputs = StepInputs(tokens, positions, meta, logits_indices, sb, np.concatenate([x.stop_ids for x in xs]),
+                            np.concatenate([x.max_new for x in xs]), np.int32(1))
+        return inputs, np.int32(n), rows
+
+    def execute(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, list[StepSample]]:
+        inputs, n, rows = self.prepare_microbatches(out, tables)
+        outputs, self.kv_pages = pipeline_step(self.params, self.kv_pages, inputs, n, settings=self.settings)
+        return self._results(rows, outputs)
 
     def warmup(self) -> int:
         for t in self.token_buckets:
             for b in self.block_buckets:
-                part = self.prepare(SchedulerOutput(), {}, buckets=(t, b))
-                stack = lambda a: np.stack([a] * self.microbatches)  # noqa: E731
-                tokens, positions, logits_indices = stack(part[0]), stack(part[1]), stack(part[3])
-                meta = jax.tree.map(stack, part[2])
-                sb = self._sampling_batch(part[4] * self.microbatches, np.zeros(logits_indices.size, np.int32))
-                (ids, *_), self.kv_pages = self._step(self.params, self.kv_pages, tokens, positions, meta,
-                                                      logits_indices, np.int32(1), sb)
-                ids.block_until_ready()
+                inputs, n, _ = self._stack([self.prepare(SchedulerOutput(), {}, buckets=(t, b))] * self.microbatches, 1)
+                outputs, self.kv_pages = pipeline_step(self.params, self.kv_pages, inputs, n, settings=self.settings)
+                outputs.ids.block_until_ready()
         return len(self.token_buckets) * len(self.block_buckets)
+
+
+def _pipeline_step(params, kv_pages, inputs: StepInputs, num_microbatches: jax.Array, settings: StepSettings
+                   ) -> tuple[StepOutputs, list[LayerKV]]:
+    """step.step for a PipelinedDecoder: one iteration over M micro-batches (the stages do not loop)."""
+    model = nnx.merge(settings.graphdef, params)
+    logits, kv_pages = model(inputs.tokens, inputs.positions, kv_pages, inputs.meta, inputs.logits_indices,
+                             impl=settings.attention, num_microbatches=num_microbatches)
+    kv_pages = jax.lax.with_sharding_constraint(kv_pages, settings.kv_sharding)
+    ids, lps, top_ids, top_lps = sample(logits, inputs.sampling)
+    return StepOutputs(ids[None], lps[None], top_ids[None], top_lps[None], (inputs.max_new > 0).astype(jnp.int32)), kv_pages
+
+
+pipeline_step = jax.jit(_pipeline_step, static_argnames="settings", donate_argnames="kv_pages")

@@ -1,15 +1,12 @@
-"""SchedulerOutput -> bucketed device arrays -> one jitted step (model + KV write + sampling).
+"""SchedulerOutput -> bucketed StepInputs -> one call of the jitted step (jaxinfer/step.py).
 
-The host-to-device contract, in one place:
-  host (numpy, built here from the scheduler's plan)        device (one jitted call)
-  tokens, positions      [T]   prompt chunks + decode tokens  -> embeddings, RoPE / ALiBi / masks
-  seq_ids, slot_mapping  [T]   row of each token, its KV slot  -> K/V scattered into the pages
-  block_tables [S, B], context_lens [S]                         -> paged attention reads
-  logits_indices [S]     last token of each sequence that samples -> LM head on S rows only
-  SamplingBatch          [S]   per-row sampling params + history -> token ids, logprobs
-The KV pages live on the device and are donated to every step, so they are updated in place.
+The host-to-device contract is `step.StepInputs` (its docstring has the table); this module packs
+the scheduler's plan into it as numpy arrays padded to a few bucketed shapes and turns the
+StepOutputs back into per-request samples. The KV pages live on the device and are donated to
+every step, so they are updated in place.
 T is bucketed to powers of two up to the token budget, S = min(T, max_num_seqs) and B (blocks
-per sequence) to powers of four: each (T, B) pair compiles once at warm-up and never again.
+per sequence) to powers of four: each (T, B) pair compiles once at warm-up and never again
+(multi-step decoding runs inside the same program, so it adds no shape).
 """
 from __future__ import annotations
 
@@ -27,8 +24,9 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, init_kv_pages, kv_bytes_per_token
 from jaxinfer.models.decoder import Decoder
-from jaxinfer.sampling import SamplingBatch, sample
+from jaxinfer.sampling import SamplingBatch
 from jaxinfer.sharding import kv_sharding, model_mesh
+from jaxinfer.step import MAX_STOP_IDS, StepInputs, StepOutputs, StepSettings, step
 
 
 INT32_MAX = np.iinfo(np.int32).max
@@ -64,6 +62,8 @@ class RunnerConfig:
     # multi-token chunks that continue a cached context, per step (the XLA attention's prior_rows
     # slots; the scheduler defers the rest to later steps). None: no limit (the Pallas kernel).
     max_partial_prefills: int | None = 1
+    max_decode_steps: int = 1            # K: decode iterations one call may run (StepSettings.max_iters)
+    eos_ids: tuple[int, ...] = ()        # end a row on device unless the request ignores EOS
 
 
 def _pow2_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
@@ -88,7 +88,10 @@ class ModelRunner:
         max_blocks = -(-cfg.max_model_len // cfg.block_size)
         self.block_buckets = _pow2_buckets(min(4, max_blocks), max_blocks, base=4)
         self._no_history: dict[int, tuple[jax.Array, jax.Array]] = {}
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        replicate = (NamedSharding(self.mesh, PartitionSpec())
+                     if self.mesh is not None and jax.process_count() > 1 else None)
+        self.settings = StepSettings(self.graphdef, cfg.attention, max(1, cfg.max_decode_steps), self.kv_sharding,
+                                     replicate)
         # multi-host (jaxinfer.distributed): on process 0, called with each step's host inputs before
         # the step runs, so that the other processes run the same step (run_published)
         self.publish_step: Callable[..., None] | None = None
@@ -106,17 +109,6 @@ class ModelRunner:
         sharding = kv_sharding(self.mesh, mc.n_kv_heads)
         return sharding, jax.jit(make_pages, out_shardings=sharding)()
 
-    # -------------------------------------------------------------------- device
-    def _step_impl(self, params, kv_pages, tokens, positions, meta, logits_indices, sb):
-        model = nnx.merge(self.graphdef, params)
-        logits, kv_pages = model(tokens, positions, kv_pages, meta, logits_indices, impl=self.cfg.attention)
-        if self.kv_sharding is not None:   # pages leave as they came: donation in place, no recompiles
-            kv_pages = jax.lax.with_sharding_constraint(kv_pages, self.kv_sharding)
-        samples = sample(logits, sb)
-        if self.mesh is not None and jax.process_count() > 1:   # multi-host: process 0 reads every row
-            samples = jax.lax.with_sharding_constraint(samples, NamedSharding(self.mesh, PartitionSpec()))
-        return samples, kv_pages
-
     # -------------------------------------------------------------------- buckets
     def num_seqs_for(self, t: int) -> int:
         return min(t, self.cfg.max_num_seqs)
@@ -133,7 +125,9 @@ class ModelRunner:
         cached before this step (this step's tokens attend among themselves); the Pallas kernel
         reads everything, this step's tokens included, through the pages."""
         bs, reads_step = self.cfg.block_size, self.cfg.attention != "xla"
-        return max(1, max((-(-(q.start + q.num_tokens * reads_step) // bs) for q in seqs), default=1))
+        # multi-step decoding writes positions start .. start + max_draws - 1, each slot from the table
+        return max(1, max((-(-(q.start + q.num_tokens * reads_step + (q.max_draws if q.max_draws > 1 else 0))
+                                // bs) for q in seqs), default=1))
 
     def _history(self, s: int, rows: list, any_penalty: bool) -> tuple[jax.Array, jax.Array]:
         h = self.cfg.max_model_len
@@ -152,9 +146,11 @@ class ModelRunner:
         return hist, is_out   # numpy: the jitted step transfers it (jnp.asarray would compile a copy)
 
     # -------------------------------------------------------------------- host -> device
-    def prepare(self, out: SchedulerOutput, tables: dict[str, list[int]], buckets: tuple[int, int] | None = None):
-        """Numpy arrays for one step, padded to the (T, S, B) bucket (`buckets`: this (T, B) instead
-        of the smallest that fits; pipeline micro-batches share one)."""
+    def prepare(self, out: SchedulerOutput, tables: dict[str, list[int]], buckets: tuple[int, int] | None = None
+                ) -> tuple[StepInputs, list]:
+        """The step's StepInputs (numpy, padded to the (T, S, B) bucket; `buckets`: this (T, B) instead
+        of the smallest that fits, as pipeline micro-batches share one) and its rows: the request
+        each row samples for, or None."""
         bs = self.cfg.block_size
         t = self._bucket(max(out.num_batched_tokens, 1), self.token_buckets)
         b = self._bucket(self.blocks_needed(out.seqs), self.block_buckets)
@@ -172,6 +168,7 @@ class ModelRunner:
         logits_indices = np.zeros(s, np.int32)
         query_start = np.zeros(s + 1, np.int32)
         rows: list = [None] * s
+        max_new = np.zeros(s, np.int32)
         cursor = 0
         for i, q in enumerate(out.seqs):
             req, n = q.request, q.num_tokens
@@ -186,12 +183,28 @@ class ModelRunner:
             logits_indices[i] = cursor + n - 1
             if q.sample:
                 rows[i] = req
+                max_new[i] = q.max_draws
             cursor += n
             query_start[i + 1] = cursor
         query_start[len(out.seqs) + 1:] = cursor           # padding rows: empty chunks
         meta = AttentionMetadata(seq_ids, slots, block_tables, context_lens, query_start,
                                  self._prior_rows(out))
-        return tokens, positions, meta, logits_indices, rows
+        # the drawn token's position is one past the last computed token of its row
+        sb = self._sampling_batch(rows, positions[logits_indices] + 1)
+        inputs = StepInputs(tokens, positions, meta, logits_indices, sb, self._stop_ids(rows), max_new,
+                            np.int32(out.num_decode_iters))
+        return inputs, rows
+
+    def _stop_ids(self, rows: list) -> np.ndarray:
+        """[S, MAX_STOP_IDS]: the ids that end each row on device (-1 padded). Ids beyond the first
+        MAX_STOP_IDS are left to the host, which discards what a row drew after its stop."""
+        out = np.full((len(rows), MAX_STOP_IDS), -1, np.int32)
+        for i, req in enumerate(rows):
+            if req is not None:
+                ids = (() if req.params.ignore_eos else self.cfg.eos_ids) + req.params.stop_token_ids
+                ids = ids[:MAX_STOP_IDS]
+                out[i, :len(ids)] = ids
+        return out
 
     def _prior_rows(self, out: SchedulerOutput) -> np.ndarray:
         slots = self.cfg.max_partial_prefills
@@ -223,54 +236,53 @@ class ModelRunner:
         return SamplingBatch(temp, top_k, top_p, min_p, rep, pres, freq, seed, index,
                              positions_of_rows.astype(np.int32), num_logprobs, hist, is_out)
 
-    def execute(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, StepSample]:
-        tokens, positions, meta, logits_indices, rows = self.prepare(out, tables)
-        # The drawn token's position is one past the last computed token of its row.
-        sb = self._sampling_batch(rows, positions[logits_indices] + 1)
+    def execute(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, list[StepSample]]:
+        inputs, rows = self.prepare(out, tables)
         if self.publish_step is not None:
-            self.publish_step(tokens, positions, meta, logits_indices, sb)
-        (ids, lps, top_ids, top_lps), self.kv_pages = self._step(
-            self.params, self.kv_pages, tokens, positions, meta, logits_indices, sb)
-        return self._results(rows, ids, lps, top_ids, top_lps)
+            self.publish_step(inputs)
+        outputs, self.kv_pages = step(self.params, self.kv_pages, inputs, settings=self.settings)
+        return self._results(rows, outputs)
 
     @staticmethod
-    def _results(rows: list, ids, lps, top_ids, top_lps) -> dict[str, StepSample]:
-        """The sampled row i -> its request's StepSample (padding rows, None, are skipped)."""
-        ids, lps = np.asarray(ids), np.asarray(lps)
+    def _results(rows: list, outputs: StepOutputs) -> dict[str, list[StepSample]]:
+        """Row i's drawn tokens -> its request's StepSamples (padding rows, None, are skipped). One
+        device-to-host copy: the ids, logprobs and counts (the top-N only when some row asked)."""
+        ids, lps, drawn = jax.device_get((outputs.ids, outputs.logprobs, outputs.num_drawn))
         want_top = any(r is not None and r.params.logprobs for r in rows)
         if want_top:
-            top_ids, top_lps = np.asarray(top_ids), np.asarray(top_lps)
+            top_ids, top_lps = jax.device_get((outputs.top_ids, outputs.top_logprobs))
         result = {}
         for i, req in enumerate(rows):
             if req is None:
                 continue
             k = req.params.logprobs or 0
-            top = [(int(a), float(b)) for a, b in zip(top_ids[i, :k], top_lps[i, :k])] if k else None
-            result[req.request_id] = StepSample(int(ids[i]), float(lps[i]), top)
+            result[req.request_id] = [
+                StepSample(int(ids[j, i]), float(lps[j, i]),
+                           [(int(a), float(b)) for a, b in zip(top_ids[j, i, :k], top_lps[j, i, :k])] if k else None)
+                for j in range(int(drawn[i]))]
         return result
 
-    def run_published(self, tokens, positions, meta, logits_indices, sb) -> None:
+    def run_published(self, inputs: StepInputs) -> None:
         """Multi-host followers: run the step process 0 prepared (same executable, pages donated).
-        The results stay on the devices; only process 0 reads them. sb.history None: no penalties
-        (process 0 used its cached empty history, this process uses its own)."""
+        The results stay on the devices; only process 0 reads them. A None penalty history: process 0
+        used its cached empty history, this process uses its own."""
+        sb = inputs.sampling
         if sb.history is None:
-            sb.history, sb.history_is_output = self._history(len(logits_indices), [], False)
-        _, self.kv_pages = self._step(self.params, self.kv_pages, tokens, positions, meta, logits_indices, sb)
+            sb.history, sb.history_is_output = self._history(len(inputs.logits_indices), [], False)
+        _, self.kv_pages = step(self.params, self.kv_pages, inputs, settings=self.settings)
+
+    def empty_inputs(self, t: int, b: int) -> StepInputs:
+        """A step of bucket (T, B) with no tokens: what warm-up runs (and the follower's treedef)."""
+        return self.prepare(SchedulerOutput(), {}, buckets=(t, b))[0]
 
     def warmup(self) -> int:
         """Compile every (T, B) bucket; returns the number of shapes. Penalties need no variant:
         lax.cond compiles both branches, and the history's shape never changes."""
         for t in self.token_buckets:
-            s = self.num_seqs_for(t)
             for b in self.block_buckets:
-                tokens = np.zeros(t, np.int32)
-                meta = AttentionMetadata(np.zeros(t, np.int32), np.full(t, PAD_SLOT, np.int32),
-                                         np.zeros((s, b), np.int32), np.zeros(s, np.int32), np.zeros(s + 1, np.int32),
-                                         self._prior_rows(SchedulerOutput()))
-                sb = self._sampling_batch([None] * s, np.zeros(s, np.int32))
-                (ids, *_), self.kv_pages = self._step(self.params, self.kv_pages, tokens, tokens, meta,
-                                                      np.zeros(s, np.int32), sb)
-                ids.block_until_ready()
+                outputs, self.kv_pages = step(self.params, self.kv_pages, self.empty_inputs(t, b),
+                                              settings=self.settings)
+                outputs.ids.block_until_ready()
         return len(self.token_buckets) * len(self.block_buckets)
 
 

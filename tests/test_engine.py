@@ -193,8 +193,9 @@ def test_live_mbu_is_bytes_read_over_step_time(gen, monkeypatch):
     eng = gen.engine
     monkeypatch.setattr(eng, "device_spec", Device("test", "test", 0, 1e9, 0.0, 0.0, 0.0))
     st = gen.stats()
-    # the last step decoded one token with 3 + 2 = 5 tokens of context
-    step_bytes = st["weight_bytes"] + 5 * eng.runner.kv_bytes_per_token
+    # the last step ran 2 decode iterations on device (multi-step) with 3 + 1 and 3 + 2 tokens of
+    # context: per iteration it read the weights once and (4 + 5) / 2 tokens of KV on average
+    step_bytes = st["weight_bytes"] + (4 + 5) / 2 * eng.runner.kv_bytes_per_token
     assert eng.stats_.bandwidth[-1] == pytest.approx(step_bytes / eng.stats_.step_times[-1])
     assert st["mbu"] == pytest.approx(st["achieved_bandwidth_bytes_per_s"] / 1e9)
     assert eng.runner.kv_bytes_per_token == 2 * 4 * gen.model_cfg.n_layers * gen.model_cfg.n_kv_heads * gen.model_cfg.head_dim

@@ -28,6 +28,7 @@ import pytest
 
 from jaxinfer import distributed
 from jaxinfer.distributed import ENV_VARS, decode, encode, step_arrays, step_inputs
+from jaxinfer.step import MAX_STOP_IDS, StepInputs
 from jaxinfer.kv_cache import AttentionMetadata
 from jaxinfer.sampling import SamplingBatch
 from tests.multihost_worker import LOGITS_PROMPT, PROMPTS, SETTINGS, run_requests
@@ -107,9 +108,13 @@ def test_step_inputs_round_trip():
                        hist, hist > 0)
     tokens, positions = np.arange(t, dtype=np.int32) * 3, np.arange(t, dtype=np.int32)
     logits_indices = np.array([2, 3, 0, 0], np.int32)
-    _, sent = decode(encode("step", step_arrays(tokens, positions, meta, logits_indices, sb)))
-    tk, ps, m2, li, sb2 = step_inputs(sent, AttentionMetadata, SamplingBatch)
+    stop_ids, max_new = np.full((s, MAX_STOP_IDS), -1, np.int32), np.array([1, 4, 0, 0], np.int32)
+    inputs = StepInputs(tokens, positions, meta, logits_indices, sb, stop_ids, max_new, np.int32(4))
+    _, sent = decode(encode("step", step_arrays(inputs)))
+    got = step_inputs(sent, jax.tree.structure(inputs))
+    tk, ps, m2, li, sb2 = got.tokens, got.positions, got.meta, got.logits_indices, got.sampling
     assert np.array_equal(tk, tokens) and np.array_equal(ps, positions) and np.array_equal(li, logits_indices)
+    assert np.array_equal(got.stop_ids, stop_ids) and np.array_equal(got.max_new, max_new) and got.num_iters == 4
     for field in ("seq_ids", "slot_mapping", "block_tables", "context_lens", "query_start_loc", "prior_rows"):
         assert np.array_equal(getattr(m2, field), getattr(meta, field)), field
     for field in ("temperature", "top_k", "top_p", "seed", "position", "num_logprobs"):

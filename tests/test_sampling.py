@@ -419,3 +419,33 @@ def test_top_p_one_masks_nothing_in_a_truncating_batch():
     filtered = np.asarray(truncate(jnp.asarray(logits), b))
     assert np.isinf(filtered[0]).sum() == v - 5                 # the top-k row is truncated
     assert np.all(np.isfinite(filtered[1])), f"{np.isinf(filtered[1]).sum()} tokens masked with top_p=1"
+
+
+# ------------------------------------------------------------- truncation from the top 256 candidates
+
+def test_truncation_from_top_candidates_matches_numpy_and_falls_back_past_them():
+    """truncate() reads each row's top 256 logits (lax.top_k) and takes the full sort when a cut lies
+    past them; either way it keeps exactly the set numpy's definition keeps, at V = 1000."""
+    from jaxinfer.sampling import TOP_CANDIDATES, truncate_sorted
+    rng = np.random.default_rng(1)    # a seed whose cuts all sit >= 4e-4 from a boundary
+    v = 1000
+    assert v > TOP_CANDIDATES
+    peaked = rng.standard_normal(v) * 4.0
+    flat = rng.standard_normal(v) * 0.05
+    cases = [  # (logits, top_k, top_p, min_p): inside the candidates ...
+        (peaked, 0, 0.9, 0.0), (peaked, 40, 1.0, 0.0), (peaked, 40, 0.8, 0.02), (peaked, 0, 1.0, 0.1),
+        (peaked, 256, 0.95, 0.0), (flat, 10, 1.0, 0.0),
+        # ... and past them: the k-th largest of 300, and a top-p set wider than 256 tokens
+        (peaked, 300, 1.0, 0.0), (flat, 0, 0.5, 0.0)]
+    for group in (cases[:6], cases):     # a batch that stays on the candidates, one that falls back
+        logits = np.stack([c[0] for c in group]).astype(np.float32)
+        b = make_batch(len(group), top_k=np.array([c[1] for c in group]), top_p=np.array([c[2] for c in group]),
+                       min_p=np.array([c[3] for c in group]))
+        kept = np.isfinite(np.asarray(jax.jit(truncate)(jnp.asarray(logits), b)))
+        kept_sorted = np.isfinite(np.asarray(jax.jit(truncate_sorted)(jnp.asarray(logits), b)))
+        for i, (lg, k, p, mp) in enumerate(group):
+            # margin: float32 cumsum over <= 1000 terms is off by < 1000 * 2**-24 ~ 6e-5
+            expected = np_truncated_probs(lg, top_k=k, top_p=p, min_p=mp, margin=1e-4) > 0
+            assert np.array_equal(kept[i], expected), (i, kept[i].sum(), expected.sum())
+            assert np.array_equal(kept_sorted[i], expected)
+    assert expected.sum() > TOP_CANDIDATES     # the last case's set really lies past the candidates

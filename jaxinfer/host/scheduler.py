@@ -11,11 +11,19 @@ are freed and it is recomputed later. Three policies:
     the oldest has waited batch_window_s (what arrived within the window).
 n > 1: the first sample computes the prompt up to the last full block, then the other samples
 fork from it, sharing those blocks and computing only the rest.
+Multi-step decoding: when every scheduled row decodes one token and nobody waits for admission,
+the step may run up to max_decode_steps decode iterations on the device (step.py). Each row gets
+blocks for all its draws up front (`max_draws`); if they do not fit, the step runs one iteration.
+While requests wait (or prefill runs) a step is one iteration, so TTFT does not pay for it.
+Every finish condition is decided in `update`, token by token: stop ids and EOS, stop strings
+(through the engine's `stop_check`, which owns the detokenizer), max_tokens and the context
+length, in that order of precedence; tokens drawn after a finish are discarded, never counted.
 """
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -32,6 +40,7 @@ class SchedulerConfig:
     # chunks of several tokens that continue a cached context (later chunks of a chunked prefill,
     # n > 1 samples after their fork) per step; more wait a step. None: no limit.
     max_partial_prefills: int | None = None
+    max_decode_steps: int = 1           # decode iterations one step may run when every row decodes
 
 
 @dataclass
@@ -40,12 +49,14 @@ class ScheduledSeq:
     start: int          # num_computed_tokens before this step
     num_tokens: int     # tokens computed this step: all_ids[start : start + num_tokens]
     sample: bool        # the chunk ends at the request's last token: draw the next one
+    max_draws: int = 1  # tokens the row may draw this step (> 1: multi-step decoding)
 
 
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_decode_iters: int = 1   # > 1: every row decodes, up to this many iterations on device
 
     @property
     def num_batched_tokens(self) -> int:
@@ -184,7 +195,29 @@ class Scheduler:
             self.running.append(req)
             out.seqs.append(self._scheduled(req, n))
             budget -= n
+        self._plan_decode_iters(out)
         return out
+
+    def draws_left(self, req: Request) -> int:
+        """Tokens the request may still draw: max_tokens and the context length both bound it."""
+        return max(0, min(req.params.max_tokens - len(req.output_ids), self.cfg.max_model_len - req.num_tokens))
+
+    def _plan_decode_iters(self, out: SchedulerOutput) -> None:
+        """Several decode iterations in one step when every row decodes and nobody waits."""
+        k = self.cfg.max_decode_steps
+        if k <= 1 or self.waiting or not out.seqs or any(
+                q.num_tokens != 1 or not q.sample for q in out.seqs):
+            return
+        draws = [min(k, self.draws_left(q.request)) for q in out.seqs]
+        if max(draws) <= 1:
+            return
+        for q, d in zip(out.seqs, draws):
+            # blocks taken here and not used (a later row did not fit) serve the request's next steps
+            if not self.blocks.allocate(q.request.request_id, q.start + d):
+                return
+        for q, d in zip(out.seqs, draws):
+            q.max_draws = max(d, 1)
+        out.num_decode_iters = max(draws)
 
     def _over_partial_limit(self, req: Request, n: int) -> bool:
         if self.cfg.max_partial_prefills is None or req.num_computed_tokens == 0 or n == 1:
@@ -198,11 +231,13 @@ class Scheduler:
         return ScheduledSeq(req, start, n, sample=start + n == req.num_tokens and not req.pending_forks)
 
     # ------------------------------------------------------------------ update
-    def update(self, out: SchedulerOutput, samples: dict[str, StepSample], now: float | None = None
-               ) -> list[Request]:
-        """Apply one step's results; returns the requests that got a token (some now finished)."""
+    def update(self, out: SchedulerOutput, samples: dict[str, list[StepSample]], now: float | None = None,
+               stop_check: Callable[[Request], bool] | None = None) -> list[Request]:
+        """Apply one step's results (per row: its drawn tokens in order, or one StepSample) until a
+        token finishes the row; the rest are discarded. stop_check(req), called after each appended
+        token, says whether a stop string has just completed. Returns the requests that got tokens."""
         now = self.clock() if now is None else now
-        updated = []
+        updated: list[Request] = []
         for seq in out.seqs:
             req = seq.request
             if req.finished:        # aborted while the step ran
@@ -212,17 +247,24 @@ class Scheduler:
                 self._fork(req)
             if not seq.sample:
                 continue
-            s = samples[req.request_id]
-            req.append_token(s.token, s.logprob, s.top, now)
-            updated.append(req)
-            reason = self._stop_reason(req, s.token)
-            if reason:
-                self.finish(req, reason, now)
+            drawn = samples[req.request_id]
+            for j, s in enumerate([drawn] if isinstance(drawn, StepSample) else drawn):
+                # iteration j computed position start + j and drew the token after it
+                req.num_computed_tokens = seq.start + seq.num_tokens + j
+                req.append_token(s.token, s.logprob, s.top, now)
+                if j == 0:
+                    updated.append(req)
+                reason = self._stop_reason(req, s.token, stop_check)
+                if reason:
+                    self.finish(req, reason, now)
+                    break
         return updated
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
+    def _stop_reason(self, req: Request, token: int, stop_check: Callable[[Request], bool] | None) -> str | None:
         p = req.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            return "stop"
+        if stop_check is not None and stop_check(req):
             return "stop"
         if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
             return "length"

@@ -1,0 +1,153 @@
+"""One engine step on the device: the typed host-to-device contract and the jitted step function.
+
+The contract (SGLang states its ScheduleBatch -> ForwardBatch the same way):
+  host, numpy (runner.ModelRunner.prepare builds it from the scheduler's plan)   device
+  StepInputs.tokens, positions [T]     this step's tokens, flattened rows   -> embeddings, RoPE / ALiBi
+  StepInputs.meta                      AttentionMetadata (kv_cache.py)      -> K/V writes, paged reads
+  StepInputs.logits_indices [S]        last token of each row               -> LM head on S rows only
+  StepInputs.sampling                  SamplingBatch [S]                    -> token ids, logprobs
+  StepInputs.stop_ids [S, M]           ids that end a row on device (EOS unless ignore_eos, the row's
+                                       stop_token_ids; -1 padded)
+  StepInputs.max_new [S]               tokens each row may draw this call (0: the row does not sample)
+  StepInputs.num_iters []              decode iterations to run (1 unless every row decodes)
+and back, one device-to-host copy of StepOutputs: ids/logprobs [K, S] (+ top-N [K, S, 20]) and
+num_drawn [S]. The KV pages are donated, so they are updated in place.
+
+`step` is one module-level jitted function of (params, kv_pages, inputs) with everything it is
+compiled for in the static `StepSettings`, so the compiled program depends on nothing hidden.
+
+Multi-step decoding: when every row of a step decodes (one token each), the scheduler asks for
+up to K iterations. Iteration i feeds the tokens sampled by iteration i - 1 straight back in:
+positions and context lengths grow by one, each row's next KV slot comes from its block table
+(the scheduler allocated blocks for all K tokens up front), and the sampler's position (hence
+its key, from (seed, sample index, position)) advances, so every draw is the one a one-token step
+would make. A row stops on device at a stop id or when it has drawn max_new tokens; the loop ends
+when every row has stopped or after num_iters iterations. A stopped row writes no more KV. The
+host applies stop strings afterwards and discards what follows a stop (engine.py). A mixed step
+(prefill chunks) runs the same program with num_iters = 1, so multi-step adds no compilation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV
+from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, sample
+
+MAX_STOP_IDS = 8   # stop ids checked on device per row; a row with more is checked by the host only
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepInputs:
+    tokens: jax.Array           # [T] int32
+    positions: jax.Array        # [T] int32
+    meta: AttentionMetadata
+    logits_indices: jax.Array   # [S] int32
+    sampling: SamplingBatch     # [S] rows
+    stop_ids: jax.Array         # [S, MAX_STOP_IDS] int32, -1 padded
+    max_new: jax.Array          # [S] int32
+    num_iters: jax.Array        # [] int32, 1 <= num_iters <= StepSettings.max_iters
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepOutputs:
+    ids: jax.Array              # [K, S] int32: token drawn by row s at iteration k
+    logprobs: jax.Array         # [K, S] float32
+    top_ids: jax.Array          # [K, S, MAX_LOGPROBS] int32 (zeros unless some row asked for logprobs)
+    top_logprobs: jax.Array     # [K, S, MAX_LOGPROBS] float32
+    num_drawn: jax.Array        # [S] int32: how many of ids[:, s] are real
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What `step` is compiled for (static: hashable)."""
+    graphdef: nnx.GraphDef
+    attention: str                      # "xla" | "pallas"
+    max_iters: int = 1                  # K: output rows of StepOutputs
+    kv_sharding: NamedSharding | None = None   # pages leave as they came (TP): in-place donation
+    replicate_samples: NamedSharding | None = None   # multi-host: process 0 reads every row
+
+
+def _advance(inputs: StepInputs, ids: jax.Array, drew: jax.Array, going: jax.Array, block_size: int
+             ) -> StepInputs:
+    """The next decode iteration's inputs: row s's token becomes ids[s] one position later, for the
+    rows still going; the others write nothing (PAD_SLOT). Penalties see what was drawn (drew).
+    Valid only when every row of the step holds one token (the scheduler's condition for
+    num_iters > 1)."""
+    meta, li = inputs.meta, inputs.logits_indices
+    t = inputs.tokens.shape[0]
+    row_of_tok = meta.seq_ids
+    real = meta.slot_mapping != PAD_SLOT
+    tok_going = going[row_of_tok] & real & (jnp.arange(t) == li[row_of_tok])
+    tokens = jnp.where(tok_going, ids[row_of_tok], inputs.tokens)
+    positions = jnp.where(tok_going, inputs.positions + 1, inputs.positions)
+    block = jnp.take_along_axis(meta.block_tables[row_of_tok], (positions // block_size)[:, None], axis=1)[:, 0]
+    slots = jnp.where(tok_going, block * block_size + positions % block_size, PAD_SLOT)
+    meta = AttentionMetadata(**{**vars(meta), "slot_mapping": slots,
+                                "context_lens": meta.context_lens + going.astype(jnp.int32)})
+    sb = inputs.sampling
+    any_penalty = jnp.any((sb.repetition_penalty != 1) | (sb.presence_penalty != 0) | (sb.frequency_penalty != 0))
+    sb = jax.lax.cond(any_penalty, _record_history, lambda b, *_: b, sb, ids, drew)
+    sb = SamplingBatch(**{**vars(sb), "position": sb.position + going.astype(jnp.int32)})
+    return StepInputs(tokens, positions, meta, li, sb, inputs.stop_ids, inputs.max_new, inputs.num_iters)
+
+
+def _record_history(sb: SamplingBatch, ids: jax.Array, drew: jax.Array) -> SamplingBatch:
+    """Penalties see the tokens drawn by earlier iterations: history[s, position] = the drawn id."""
+    rows = jnp.arange(ids.shape[0])
+    col = jnp.where(drew, sb.position, sb.history.shape[1])                # out of range: dropped
+    return SamplingBatch(**{**vars(sb), "history": sb.history.at[rows, col].set(ids, mode="drop"),
+                            "history_is_output": sb.history_is_output.at[rows, col].set(True, mode="drop")})
+
+
+def _step(params, kv_pages: list[LayerKV], inputs: StepInputs, settings: StepSettings
+          ) -> tuple[StepOutputs, list[LayerKV]]:
+    model = nnx.merge(settings.graphdef, params)
+    s, k = inputs.logits_indices.shape[0], settings.max_iters
+    block_size = kv_pages[0].k.shape[-2]
+
+    def iteration(i, kv, x: StepInputs, out: StepOutputs, done):
+        """One forward + sample; returns the drawn ids and the updated kv, outputs and done."""
+        logits, kv = model(x.tokens, x.positions, kv, x.meta, x.logits_indices, impl=settings.attention)
+        if settings.kv_sharding is not None:
+            kv = jax.lax.with_sharding_constraint(kv, settings.kv_sharding)
+        ids, lps, top_ids, top_lps = sample(logits, x.sampling)
+        drew = ~done
+        drawn = out.num_drawn + drew.astype(jnp.int32)
+        out = StepOutputs(out.ids.at[i].set(jnp.where(drew, ids, 0)), out.logprobs.at[i].set(lps),
+                          out.top_ids.at[i].set(top_ids), out.top_logprobs.at[i].set(top_lps), drawn)
+        stopped = jnp.any(ids[:, None] == x.stop_ids, axis=1)
+        return ids, drew, kv, out, done | (drew & stopped) | (drawn >= x.max_new)
+
+    def body(carry):
+        i, kv, x, out, done = carry
+        ids, drew, kv, out, done = iteration(i, kv, x, out, done)
+        # the next iteration's inputs (unused after the last one; cheap next to the forward)
+        return i + 1, kv, _advance(x, ids, drew, ~done, block_size), out, done
+
+    def cond(carry):
+        i, _, x, _, done = carry
+        # the first iteration always runs: a step whose rows draw nothing still writes its K/V
+        return (i == 0) | ((i < x.num_iters) & jnp.any(~done))
+
+    out = StepOutputs(jnp.zeros((k, s), jnp.int32), jnp.zeros((k, s), jnp.float32),
+                      jnp.zeros((k, s, MAX_LOGPROBS), jnp.int32), jnp.zeros((k, s, MAX_LOGPROBS), jnp.float32),
+                      jnp.zeros((s,), jnp.int32))
+    carry = (jnp.int32(0), kv_pages, inputs, out, inputs.max_new <= 0)
+    if k == 1:   # one iteration, no loop (the model is traced once either way)
+        _, kv_pages, _, out, _ = body(carry)
+    else:
+        _, kv_pages, _, out, _ = jax.lax.while_loop(cond, body, carry)
+    if settings.replicate_samples is not None:
+        out = jax.lax.with_sharding_constraint(out, settings.replicate_samples)
+    return out, kv_pages
+
+
+step = jax.jit(_step, static_argnames="settings", donate_argnames="kv_pages")
+
