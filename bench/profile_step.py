@@ -53,11 +53,12 @@ def op_names(hlo_text: str) -> dict[str, str]:
 def profile(gen: Generator, batch: int, reps: int, trace_steps: int, seed: int) -> dict:
     runner = gen.engine.runner
     inputs, iters = decode_step_inputs(gen, batch, seed)
-    names = op_names(jaxinfer_step.lower(runner.params, runner.kv_pages, inputs, settings=runner.settings)
+    names = op_names(jaxinfer_step.lower(runner.params, runner.kv_pages, inputs, runner._no_prev, settings=runner.settings)
                      .compile().as_text())
 
     def step():
-        out, runner.kv_pages = jaxinfer_step(runner.params, runner.kv_pages, inputs, settings=runner.settings)
+        out, runner.kv_pages = jaxinfer_step(runner.params, runner.kv_pages, inputs, runner._no_prev,
+                                              settings=runner.settings)
         jax.block_until_ready(out)
 
     step()

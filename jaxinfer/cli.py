@@ -149,6 +149,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-decode-steps", type=int, default=8,
                    help="decode iterations one step may run on device when every sequence decodes "
                         "(1 while requests wait or prefill runs)")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="wait for each step's tokens before planning the next")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: folder name)")
 
 
@@ -158,7 +160,8 @@ def _generator(args: argparse.Namespace):
                                      max_num_batched_tokens=args.max_num_batched_tokens,
                                      max_model_len=args.max_model_len, block_size=args.block_size,
                                      num_blocks=args.num_blocks, batching=args.batching, kv_dtype=args.kv_dtype,
-                                     max_decode_steps=args.max_decode_steps, **_multihost_kwargs(args))
+                                     max_decode_steps=args.max_decode_steps, async_scheduling=args.async_scheduling,
+                                     **_multihost_kwargs(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

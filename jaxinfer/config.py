@@ -302,6 +302,11 @@ class SamplingParams:
             raise ValueError("; ".join(problems))
 
     @property
+    def uses_history(self) -> bool:
+        """The penalties read the request's token history."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
@@ -322,6 +327,7 @@ class EngineConfig:
     batching: str = "continuous"        # static | dynamic | continuous
     max_model_len: int | None = None    # None: the model's max_position_embeddings
     max_decode_steps: int = 8           # decode iterations per step on device when every row decodes
+    async_scheduling: bool = True       # plan and dispatch step N+1 before step N's tokens reach the host
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -22,10 +22,10 @@ from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.devices import spec_for_kind
 from jaxinfer.host.block_manager import BlockManager
 from jaxinfer.host.request import Request
-from jaxinfer.host.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.host.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
-from jaxinfer.runner import CompileCounter, ModelRunner, RunnerConfig, default_num_blocks
+from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig, default_num_blocks
 from jaxinfer.weights import resolve_dtype
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, hold_back
 from jaxinfer.sharding import bytes_per_device, model_mesh
@@ -57,6 +57,7 @@ class _TextState:
 @dataclass
 class StepStats:
     step_times: deque = field(default_factory=lambda: deque(maxlen=1024))
+    host_times: deque = field(default_factory=lambda: deque(maxlen=1024))   # engine.step() less waiting
     bandwidth: deque = field(default_factory=lambda: deque(maxlen=64))   # bytes/s of recent steps
     num_steps: int = 0
     prompt_tokens: int = 0
@@ -110,6 +111,12 @@ class Engine:
         self._ids = itertools.count()
         self.stats_ = StepStats()
         self.warmed_up = False
+        # async scheduling needs the device to feed in-flight tokens: not across pipeline stages (one
+        # step at a time) nor multi-host (followers run published steps; see runner.publish_step)
+        self.async_scheduling = cfg.async_scheduling and not isinstance(self.runner, PipelineRunner)
+        self._inflight: Launched | None = None
+        self._waited = 0.0
+        self._last_done = 0.0
 
     def warmup(self) -> None:
         """Compile every step shape now; afterwards serving must compile nothing (counted per step)."""
@@ -166,14 +173,50 @@ class Engine:
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """One scheduler step (one or, when every row decodes, several tokens per row); returns one
-        delta per new token (and a final empty one for requests that finish without a token)."""
+        """One engine step; returns one delta per new token (and a final empty one for requests that
+        finish without a token). Synchronous: schedule, run, update. Async scheduling: schedule and
+        dispatch step N+1 (its decode rows read step N's tokens on the device), then wait for step N
+        and apply it while the device runs N+1, so the deltas returned are step N's."""
+        t0 = time.perf_counter()
+        prev, self._inflight = self._inflight, None
+        deltas = []
+        if prev is not None and any(q.sample and q.request.params.uses_history for q in prev.plan.seqs):
+            deltas += self._complete(prev)    # penalties read the host's history: it needs step N's tokens
+            prev = None
         plan = self.scheduler.schedule()
-        if not plan.seqs:
-            return []
-        t0, c0 = time.perf_counter(), CompileCounter.count
-        samples = self.runner.execute(plan, self.blocks.tables)
-        dt = time.perf_counter() - t0
+        launched = self._launch(plan, prev) if plan.seqs else None
+        if launched is not None and not self.async_scheduling:
+            deltas += self._complete(launched)
+            launched = None
+        if prev is not None:
+            deltas += self._complete(prev)
+        self._inflight = launched
+        self.stats_.host_times.append(time.perf_counter() - t0 - self._waited)
+        self._waited = 0.0
+        return deltas
+
+    def _launch(self, plan: SchedulerOutput, prev: Launched | None) -> Launched:
+        c0 = CompileCounter.count
+        launched = self.runner.launch(plan, self.blocks.tables, prev)
+        launched.t_launch = time.perf_counter()
+        if self.warmed_up:
+            self.stats_.compilations_after_warmup += CompileCounter.count - c0
+        self.scheduler.launched(plan)
+        self.stats_.num_steps += 1
+        self.stats_.prompt_tokens += sum(min(q.num_tokens, max(0, len(q.request.prompt_ids) - q.start))
+                                         for q in plan.seqs)
+        return launched
+
+    def _complete(self, launched: Launched) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and apply them: stop conditions, text, deltas."""
+        plan = launched.plan
+        t_wait = time.perf_counter()
+        samples = self.runner.fetch(launched)
+        done = time.perf_counter()
+        self._waited += done - t_wait
+        # the device's time for this step: from its dispatch, or from the end of the step before it
+        dt = max(done - max(launched.t_launch, self._last_done), 1e-9)
+        self._last_done = done
         # bytes read: every iteration reads every weight once plus each sequence's whole KV context,
         # which grows by one token per iteration of a multi-step decode
         its = [max(1, len(samples.get(q.request.request_id, ()))) for q in plan.seqs]
@@ -181,11 +224,6 @@ class Engine:
         context = sum(n * (q.start + q.num_tokens) + n * (n - 1) // 2 for q, n in zip(plan.seqs, its))
         self.stats_.step_times.append(dt / iters)
         self.stats_.bandwidth.append((iters * self.weight_bytes + context * self.runner.kv_bytes_per_token) / dt)
-        if self.warmed_up:
-            self.stats_.compilations_after_warmup += CompileCounter.count - c0
-        self.stats_.num_steps += 1
-        self.stats_.prompt_tokens += sum(min(q.num_tokens, max(0, len(q.request.prompt_ids) - q.start))
-                                         for q in plan.seqs)
         before = {q.request.request_id: len(q.request.output_ids) for q in plan.seqs}
         for q in plan.seqs:
             st = self._text.get(q.request.request_id)
@@ -265,6 +303,8 @@ class Engine:
             "prompt_tokens": s.prompt_tokens,
             "generation_tokens": s.generation_tokens,
             "median_step_time_s": float(np.median(s.step_times)) if s.step_times else None,
+            "median_host_time_per_step_s": float(np.median(s.host_times)) if s.host_times else None,
+            "async_scheduling": self.async_scheduling,
             "achieved_bandwidth_bytes_per_s": bw,
             "mbu": None if bw is None or self.device_spec is None else bw / self.device_spec.bandwidth,
             "weight_bytes": self.weight_bytes,

@@ -111,20 +111,23 @@ class Generator:
                         max_model_len: int | None = None, max_num_batched_tokens: int = 512,
                         warmup: bool = True, coordinator_address: str | None = None,
                         num_processes: int | None = None, process_id: int | None = None,
-                        pipeline_microbatches: int | None = None, max_decode_steps: int = 8) -> "Generator":
+                        pipeline_microbatches: int | None = None, max_decode_steps: int = 8,
+                        async_scheduling: bool = True) -> "Generator":
         """Multi-host: coordinator_address ("host:port" of process 0), num_processes and process_id
         (or $JAXINFER_COORDINATOR_ADDRESS, $JAXINFER_NUM_PROCESSES, $JAXINFER_PROCESS_ID), the same
         settings in every process, tensor_parallel over the devices of all processes. Process 0
         takes the requests; every other process calls follow() (jaxinfer.distributed).
         max_decode_steps: decode iterations one step may run on the device when every sequence
-        decodes and none waits (1 turns multi-step decoding off; step.py).
+        decodes and none waits (1 turns multi-step decoding off; step.py). async_scheduling: plan and
+        dispatch each step before the previous one's tokens reach the host (engine.py).
         pipeline_parallel > 1 (one process): each step runs as pipeline_microbatches micro-batches
         (None: pipeline_parallel of them; jaxinfer.pipeline)."""
         cfg = EngineConfig(dtype=dtype, attention=attention, quantize=quantize, kv_dtype=kv_dtype,
                            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                            max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                            batching=batching, max_model_len=max_model_len,
-                           pipeline_microbatches=pipeline_microbatches, max_decode_steps=max_decode_steps)
+                           pipeline_microbatches=pipeline_microbatches, max_decode_steps=max_decode_steps,
+                           async_scheduling=async_scheduling)
         path = Path(path) if path is not None else default_model_path()
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
         group = distributed.initialize(coordinator_address, num_processes, process_id)
@@ -289,6 +292,8 @@ class Generator:
         self._channel = channel
         # process 0 reads whole logits rows: replicated, not left vocab-sharded across processes
         self._forward = jax.jit(self._forward, out_shardings=NamedSharding(self.engine.runner.mesh, PartitionSpec()))
+        # followers run each step from its published host inputs: every input token must be on the host
+        self.engine.async_scheduling = False
         if channel.group.is_leader:   # every step's host inputs go to the other processes first
             self.engine.runner.publish_step = lambda inputs: channel.publish("step", step_arrays(inputs))
 

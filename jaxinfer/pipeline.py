@@ -79,7 +79,7 @@ from jaxinfer.host.scheduler import ScheduledSeq, SchedulerOutput, StepSample
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV, init_kv_pages
 from jaxinfer.models.decoder import Block, Decoder, abstract_decoder
 from jaxinfer.quant import QuantizedWeight
-from jaxinfer.runner import ModelRunner, RunnerConfig
+from jaxinfer.runner import Launched, ModelRunner, RunnerConfig
 from jaxinfer.sampling import sample
 from jaxinfer.step import StepInputs, StepOutputs, StepSettings
 from jaxinfer.sharding import load_sharded, param_sharding, rules_for
@@ -332,13 +332,15 @@ class PipelineRunner(ModelRunner):
         meta = jax.tree.map(lambda *a: np.stack(a), *[x.meta for x in xs])
         sb = self._sampling_batch(rows, np.take_along_axis(positions, logits_indices, 1).reshape(-1) + 1)
         inputs = StepInputs(tokens, positions, meta, logits_indices, sb, np.concatenate([x.stop_ids for x in xs]),
-                            np.concatenate([x.max_new for x in xs]), np.int32(1))
+                            np.concatenate([x.max_new for x in xs]), np.int32(1), np.stack([x.from_prev for x in xs]))
         return inputs, np.int32(n), rows
 
-    def execute(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, list[StepSample]]:
+    def launch(self, out: SchedulerOutput, tables: dict[str, list[int]], prev: Launched | None = None
+               ) -> Launched:
+        assert prev is None, "the pipeline runs steps one at a time (no async scheduling)"
         inputs, n, rows = self.prepare_microbatches(out, tables)
         outputs, self.kv_pages = pipeline_step(self.params, self.kv_pages, inputs, n, settings=self.settings)
-        return self._results(rows, outputs)
+        return Launched(out, rows, outputs)
 
     def warmup(self) -> int:
         for t in self.token_buckets:
@@ -357,7 +359,8 @@ def _pipeline_step(params, kv_pages, inputs: StepInputs, num_microbatches: jax.A
                              impl=settings.attention, num_microbatches=num_microbatches)
     kv_pages = jax.lax.with_sharding_constraint(kv_pages, settings.kv_sharding)
     ids, lps, top_ids, top_lps = sample(logits, inputs.sampling)
-    return StepOutputs(ids[None], lps[None], top_ids[None], top_lps[None], (inputs.max_new > 0).astype(jnp.int32)), kv_pages
+    drawn = (inputs.max_new > 0).astype(jnp.int32)
+    return StepOutputs(ids[None], lps[None], top_ids[None], top_lps[None], drawn, ids), kv_pages
 
 
 pipeline_step = jax.jit(_pipeline_step, static_argnames="settings", donate_argnames="kv_pages")

@@ -51,6 +51,15 @@ class CompileCounter:
             cls.count += 1
 
 
+@dataclass
+class Launched:
+    """A dispatched step: its plan, the request each row samples for, and its (future) outputs."""
+    plan: SchedulerOutput
+    rows: list
+    outputs: StepOutputs
+    t_launch: float = 0.0
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     block_size: int
@@ -90,8 +99,11 @@ class ModelRunner:
         self._no_history: dict[int, tuple[jax.Array, jax.Array]] = {}
         replicate = (NamedSharding(self.mesh, PartitionSpec())
                      if self.mesh is not None and jax.process_count() > 1 else None)
-        self.settings = StepSettings(self.graphdef, cfg.attention, max(1, cfg.max_decode_steps), self.kv_sharding,
-                                     replicate)
+        self.settings = StepSettings(self.graphdef, cfg.attention, max(1, cfg.max_decode_steps),
+                                     self.num_seqs_for(self.token_buckets[-1]), self.kv_sharding, replicate)
+        # the prev_tokens of a step whose tokens the host all knows (no previous step in flight)
+        self._no_prev = jax.device_put(np.zeros(self.settings.max_iters * self.settings.max_rows, np.int32),
+                                       jax.devices()[0] if self.mesh is None else NamedSharding(self.mesh, PartitionSpec()))
         # multi-host (jaxinfer.distributed): on process 0, called with each step's host inputs before
         # the step runs, so that the other processes run the same step (run_published)
         self.publish_step: Callable[..., None] | None = None
@@ -169,12 +181,17 @@ class ModelRunner:
         query_start = np.zeros(s + 1, np.int32)
         rows: list = [None] * s
         max_new = np.zeros(s, np.int32)
+        from_prev = np.full(t, -1, np.int32)
         cursor = 0
         for i, q in enumerate(out.seqs):
             req, n = q.request, q.num_tokens
             table = np.asarray(tables[req.request_id], np.int32)
             pos = np.arange(q.start, q.start + n, dtype=np.int32)
-            tokens[cursor: cursor + n] = req.all_ids[q.start: q.start + n]
+            known = req.all_ids[q.start: q.start + n]
+            tokens[cursor: cursor + len(known)] = known
+            if len(known) < n:   # the last token is still on the device (async scheduling)
+                assert len(known) == n - 1 and req.inflight_index >= 0, (req.request_id, len(known), n)
+                from_prev[cursor + n - 1] = req.inflight_index
             positions[cursor: cursor + n] = pos
             seq_ids[cursor: cursor + n] = i
             slots[cursor: cursor + n] = table[pos // bs] * bs + pos % bs
@@ -192,7 +209,7 @@ class ModelRunner:
         # the drawn token's position is one past the last computed token of its row
         sb = self._sampling_batch(rows, positions[logits_indices] + 1)
         inputs = StepInputs(tokens, positions, meta, logits_indices, sb, self._stop_ids(rows), max_new,
-                            np.int32(out.num_decode_iters))
+                            np.int32(out.num_decode_iters), from_prev)
         return inputs, rows
 
     def _stop_ids(self, rows: list) -> np.ndarray:
@@ -237,11 +254,26 @@ class ModelRunner:
                              positions_of_rows.astype(np.int32), num_logprobs, hist, is_out)
 
     def execute(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, list[StepSample]]:
+        """Run one step and wait for its tokens."""
+        return self.fetch(self.launch(out, tables))
+
+    def launch(self, out: SchedulerOutput, tables: dict[str, list[int]], prev: Launched | None = None
+               ) -> Launched:
+        """Dispatch one step without waiting for it. prev: the step still in flight, whose tokens on
+        the device feed this step's rows that continue it (async scheduling)."""
         inputs, rows = self.prepare(out, tables)
         if self.publish_step is not None:
             self.publish_step(inputs)
-        outputs, self.kv_pages = step(self.params, self.kv_pages, inputs, settings=self.settings)
-        return self._results(rows, outputs)
+        prev_tokens = self._no_prev if prev is None else prev.outputs.next_tokens
+        outputs, self.kv_pages = step(self.params, self.kv_pages, inputs, prev_tokens, settings=self.settings)
+        for i, (q, req) in enumerate(zip(out.seqs, rows)):
+            if req is not None:    # where this row's last draw will lie in outputs.next_tokens
+                req.inflight_index = (q.max_draws - 1) * self.settings.max_rows + i
+        return Launched(out, rows, outputs)
+
+    def fetch(self, launched: Launched) -> dict[str, list[StepSample]]:
+        """Wait for a launched step; its tokens per request."""
+        return self._results(launched.rows, launched.outputs)
 
     @staticmethod
     def _results(rows: list, outputs: StepOutputs) -> dict[str, list[StepSample]]:
@@ -269,7 +301,7 @@ class ModelRunner:
         sb = inputs.sampling
         if sb.history is None:
             sb.history, sb.history_is_output = self._history(len(inputs.logits_indices), [], False)
-        _, self.kv_pages = step(self.params, self.kv_pages, inputs, settings=self.settings)
+        _, self.kv_pages = step(self.params, self.kv_pages, inputs, self._no_prev, settings=self.settings)
 
     def empty_inputs(self, t: int, b: int) -> StepInputs:
         """A step of bucket (T, B) with no tokens: what warm-up runs (and the follower's treedef)."""
@@ -280,7 +312,7 @@ class ModelRunner:
         lax.cond compiles both branches, and the history's shape never changes."""
         for t in self.token_buckets:
             for b in self.block_buckets:
-                outputs, self.kv_pages = step(self.params, self.kv_pages, self.empty_inputs(t, b),
+                outputs, self.kv_pages = step(self.params, self.kv_pages, self.empty_inputs(t, b), self._no_prev,
                                               settings=self.settings)
                 outputs.ids.block_until_ready()
         return len(self.token_buckets) * len(self.block_buckets)

@@ -10,8 +10,11 @@ The contract (SGLang states its ScheduleBatch -> ForwardBatch the same way):
                                        stop_token_ids; -1 padded)
   StepInputs.max_new [S]               tokens each row may draw this call (0: the row does not sample)
   StepInputs.num_iters []              decode iterations to run (1 unless every row decodes)
+  StepInputs.from_prev [T]             async scheduling: where a token still on the device lies in the
+                                       previous step's next_tokens (-1: the host's token)
 and back, one device-to-host copy of StepOutputs: ids/logprobs [K, S] (+ top-N [K, S, 20]) and
-num_drawn [S]. The KV pages are donated, so they are updated in place.
+num_drawn [S]. next_tokens [K * max_rows] stays on the device as the next step's `prev_tokens`
+(async scheduling, runner.py). The KV pages are donated, so they are updated in place.
 
 `step` is one module-level jitted function of (params, kv_pages, inputs) with everything it is
 compiled for in the static `StepSettings`, so the compiled program depends on nothing hidden.
@@ -52,6 +55,7 @@ class StepInputs:
     stop_ids: jax.Array         # [S, MAX_STOP_IDS] int32, -1 padded
     max_new: jax.Array          # [S] int32
     num_iters: jax.Array        # [] int32, 1 <= num_iters <= StepSettings.max_iters
+    from_prev: jax.Array        # [T] int32: index into the previous step's next_tokens, or -1
 
 
 @jax.tree_util.register_dataclass
@@ -62,6 +66,7 @@ class StepOutputs:
     top_ids: jax.Array          # [K, S, MAX_LOGPROBS] int32 (zeros unless some row asked for logprobs)
     top_logprobs: jax.Array     # [K, S, MAX_LOGPROBS] float32
     num_drawn: jax.Array        # [S] int32: how many of ids[:, s] are real
+    next_tokens: jax.Array      # [K * max_rows] int32: ids[k, s] at k * max_rows + s (stays on device)
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ class StepSettings:
     graphdef: nnx.GraphDef
     attention: str                      # "xla" | "pallas"
     max_iters: int = 1                  # K: output rows of StepOutputs
+    max_rows: int = 1                   # the largest S of any bucket (next_tokens' row stride)
     kv_sharding: NamedSharding | None = None   # pages leave as they came (TP): in-place donation
     replicate_samples: NamedSharding | None = None   # multi-host: process 0 reads every row
 
@@ -95,7 +101,8 @@ def _advance(inputs: StepInputs, ids: jax.Array, drew: jax.Array, going: jax.Arr
     any_penalty = jnp.any((sb.repetition_penalty != 1) | (sb.presence_penalty != 0) | (sb.frequency_penalty != 0))
     sb = jax.lax.cond(any_penalty, _record_history, lambda b, *_: b, sb, ids, drew)
     sb = SamplingBatch(**{**vars(sb), "position": sb.position + going.astype(jnp.int32)})
-    return StepInputs(tokens, positions, meta, li, sb, inputs.stop_ids, inputs.max_new, inputs.num_iters)
+    return StepInputs(tokens, positions, meta, li, sb, inputs.stop_ids, inputs.max_new, inputs.num_iters,
+                      inputs.from_prev)
 
 
 def _record_history(sb: SamplingBatch, ids: jax.Array, drew: jax.Array) -> SamplingBatch:
@@ -106,9 +113,13 @@ def _record_history(sb: SamplingBatch, ids: jax.Array, drew: jax.Array) -> Sampl
                             "history_is_output": sb.history_is_output.at[rows, col].set(True, mode="drop")})
 
 
-def _step(params, kv_pages: list[LayerKV], inputs: StepInputs, settings: StepSettings
+def _step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings
           ) -> tuple[StepOutputs, list[LayerKV]]:
+    """prev_tokens [K * max_rows]: the previous step's next_tokens (zeros when every token is known)."""
     model = nnx.merge(settings.graphdef, params)
+    tokens = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
+    inputs = StepInputs(tokens, *(getattr(inputs, f) for f in ("positions", "meta", "logits_indices", "sampling",
+                                                               "stop_ids", "max_new", "num_iters", "from_prev")))
     s, k = inputs.logits_indices.shape[0], settings.max_iters
     block_size = kv_pages[0].k.shape[-2]
 
@@ -121,7 +132,8 @@ def _step(params, kv_pages: list[LayerKV], inputs: StepInputs, settings: StepSet
         drew = ~done
         drawn = out.num_drawn + drew.astype(jnp.int32)
         out = StepOutputs(out.ids.at[i].set(jnp.where(drew, ids, 0)), out.logprobs.at[i].set(lps),
-                          out.top_ids.at[i].set(top_ids), out.top_logprobs.at[i].set(top_lps), drawn)
+                          out.top_ids.at[i].set(top_ids), out.top_logprobs.at[i].set(top_lps), drawn,
+                          out.next_tokens)
         stopped = jnp.any(ids[:, None] == x.stop_ids, axis=1)
         return ids, drew, kv, out, done | (drew & stopped) | (drawn >= x.max_new)
 
@@ -138,12 +150,14 @@ def _step(params, kv_pages: list[LayerKV], inputs: StepInputs, settings: StepSet
 
     out = StepOutputs(jnp.zeros((k, s), jnp.int32), jnp.zeros((k, s), jnp.float32),
                       jnp.zeros((k, s, MAX_LOGPROBS), jnp.int32), jnp.zeros((k, s, MAX_LOGPROBS), jnp.float32),
-                      jnp.zeros((s,), jnp.int32))
+                      jnp.zeros((s,), jnp.int32), jnp.zeros((k * settings.max_rows,), jnp.int32))
     carry = (jnp.int32(0), kv_pages, inputs, out, inputs.max_new <= 0)
     if k == 1:   # one iteration, no loop (the model is traced once either way)
         _, kv_pages, _, out, _ = body(carry)
     else:
         _, kv_pages, _, out, _ = jax.lax.while_loop(cond, body, carry)
+    next_tokens = jnp.zeros((k, settings.max_rows), jnp.int32).at[:, :s].set(out.ids).reshape(-1)
+    out = StepOutputs(out.ids, out.logprobs, out.top_ids, out.top_logprobs, out.num_drawn, next_tokens)
     if settings.replicate_samples is not None:
         out = jax.lax.with_sharding_constraint(out, settings.replicate_samples)
     return out, kv_pages

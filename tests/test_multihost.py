@@ -109,7 +109,8 @@ def test_step_inputs_round_trip():
     tokens, positions = np.arange(t, dtype=np.int32) * 3, np.arange(t, dtype=np.int32)
     logits_indices = np.array([2, 3, 0, 0], np.int32)
     stop_ids, max_new = np.full((s, MAX_STOP_IDS), -1, np.int32), np.array([1, 4, 0, 0], np.int32)
-    inputs = StepInputs(tokens, positions, meta, logits_indices, sb, stop_ids, max_new, np.int32(4))
+    inputs = StepInputs(tokens, positions, meta, logits_indices, sb, stop_ids, max_new, np.int32(4),
+                        np.full(t, -1, np.int32))
     _, sent = decode(encode("step", step_arrays(inputs)))
     got = step_inputs(sent, jax.tree.structure(inputs))
     tk, ps, m2, li, sb2 = got.tokens, got.positions, got.meta, got.logits_indices, got.sampling

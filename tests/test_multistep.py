@@ -1,5 +1,7 @@
-"""Multi-step decoding (several decode iterations per jitted call, step.py) changes nothing a
-request sees: the same tokens, logprobs, text and finish reasons as one iteration per step.
+"""Multi-step decoding (several decode iterations per jitted call, step.py) and async scheduling
+(step N+1 planned and dispatched before step N's tokens reach the host, engine.py) change nothing
+a request sees: the same tokens, logprobs, text and finish reasons as one iteration per step,
+each step's tokens on the host before the next is planned.
 
 References: the same engine with max_decode_steps=1 (itself proven equal to naive full-forward
 decoding and to HF transformers in test_engine.py / test_hf_parity.py), and hand-built stop
@@ -36,8 +38,8 @@ def _all_free(gen: Generator) -> bool:
 
 @pytest.mark.parametrize("name", ["llama-gqa-llama3", "mistral-window", "qwen2-window", "gpt2", "bloom-6heads-postnorm"])
 def test_multistep_equals_one_iteration_per_step(name, hf_model_dir):
-    one = Generator.from_pretrained(hf_model_dir(name), **SMALL, max_decode_steps=1)
-    many = Generator.from_pretrained(hf_model_dir(name), **SMALL, max_decode_steps=5)
+    one = Generator.from_pretrained(hf_model_dir(name), **SMALL, max_decode_steps=1, async_scheduling=False)
+    many = Generator.from_pretrained(hf_model_dir(name), **SMALL, max_decode_steps=5, async_scheduling=True)
     vocab = one.model_cfg.vocab_size
     prompts = _prompts(4, vocab, seed=7)
     greedy = SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)
@@ -60,14 +62,32 @@ def test_multistep_equals_one_iteration_per_step(name, hf_model_dir):
     lp_many = many.generate([prompts[1]], params[1])[0]
     np.testing.assert_allclose(lp_many.logprobs, lp_one.logprobs, rtol=0, atol=1e-5)
     assert [[t for t, _ in top] for top in lp_many.top_logprobs] == [[t for t, _ in top] for top in lp_one.top_logprobs]
-    assert many.engine.scheduler.cfg.max_decode_steps == 5 and _all_free(one) and _all_free(many)
+    assert many.engine.scheduler.cfg.max_decode_steps == 5 and many.engine.async_scheduling
+    assert _all_free(one) and _all_free(many)
+
+
+@pytest.mark.parametrize("k, async_scheduling", [(1, True), (4, False)])
+def test_async_scheduling_and_multistep_each_alone(k, async_scheduling, hf_model_dir):
+    ref = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **SMALL, max_decode_steps=1,
+                                    async_scheduling=False)
+    g = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **SMALL, max_decode_steps=k,
+                                  async_scheduling=async_scheduling)
+    prompts = _prompts(6, g.model_cfg.vocab_size, seed=4)
+    params = [SamplingParams(max_tokens=int(m), temperature=t, seed=3, ignore_eos=True, n=n, logprobs=lp)
+              for m, t, n, lp in zip((1, 7, 20, 13, 2, 25), (0, 0.8, 0, 1.0, 0.5, 0.7), (1, 1, 2, 1, 1, 3),
+                                     (None, 2, None, None, 1, None))]
+    assert _run(g, prompts, params) == _run(ref, prompts, params)
+    # penalties read the host's history: the engine waits for the step in flight first, same tokens
+    pen = SamplingParams(max_tokens=15, temperature=0.9, seed=8, repetition_penalty=1.5, presence_penalty=0.5)
+    assert _run(g, prompts[:3], pen) == _run(ref, prompts[:3], pen)
+    assert _all_free(g)
 
 
 def test_multistep_under_preemption(hf_model_dir):
     # 12 usable blocks of 8 tokens for 6 requests growing to ~50 tokens: preemption is certain
     kw = {**SMALL, "num_blocks": 13, "max_num_seqs": 6}
-    one = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **kw, max_decode_steps=1)
-    many = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **kw, max_decode_steps=6)
+    one = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **kw, max_decode_steps=1, async_scheduling=False)
+    many = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **kw, max_decode_steps=6, async_scheduling=True)
     prompts = _prompts(6, one.model_cfg.vocab_size, seed=3)
     params = SamplingParams(max_tokens=30, temperature=0.8, seed=2, ignore_eos=True)
     assert _run(one, prompts, params) == _run(many, prompts, params)
@@ -80,8 +100,8 @@ def text_gens(tmp_path_factory):
     folder = save_text_model(tmp_path_factory.mktemp("sp-llama-multistep"))
     kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8, block_size=8,
               warmup=False)
-    return (Generator.from_pretrained(folder, **kw, max_decode_steps=1),
-            Generator.from_pretrained(folder, **kw, max_decode_steps=6))
+    return (Generator.from_pretrained(folder, **kw, max_decode_steps=1, async_scheduling=False),
+            Generator.from_pretrained(folder, **kw, max_decode_steps=6, async_scheduling=True))
 
 
 def test_stop_strings_with_multistep(text_gens):
@@ -113,7 +133,7 @@ def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(text_gens):
 
 def test_zero_compilations_after_warmup_with_multistep(hf_model_dir):
     g = Generator.from_pretrained(hf_model_dir("qwen2-window"), **{**SMALL, "warmup": True, "max_model_len": 64},
-                                  max_decode_steps=4)
+                                  max_decode_steps=4, async_scheduling=True)
     prompts = _prompts(5, g.model_cfg.vocab_size, seed=9)
     g.generate(prompts, [SamplingParams(max_tokens=int(m), temperature=t, seed=1, ignore_eos=True, logprobs=lp)
                          for m, t, lp in zip((3, 20, 9, 30, 14), (0, 0.7, 0, 1.0, 0.5), (None, 2, None, None, 5))])
@@ -166,7 +186,7 @@ def test_scheduler_discards_what_follows_a_stop_and_falls_back_without_blocks():
     assert out.num_decode_iters == 4
     # the device drew 3 tokens, the 2nd of them EOS (2): the 3rd is discarded, never counted
     s.update(out, {"a": [StepSample(9, 0.0), StepSample(2, 0.0), StepSample(8, 0.0)]})
-    assert req.output_ids == [7, 9, 2] and req.finish_reason == "stop" and req.num_computed_tokens == 6
+    assert req.output_ids == [7, 9, 2] and req.finish_reason == "stop" and req.num_inflight == 0
     assert not s.has_unfinished() and bm.num_used == 0
     # a pool too small for 4 draws up front (3 usable blocks of 4 tokens; 13 tokens would need 4):
     # one iteration, the normal path
@@ -175,3 +195,24 @@ def test_scheduler_discards_what_follows_a_stop_and_falls_back_without_blocks():
     _feed(s, s.schedule())
     out = s.schedule()
     assert out.num_decode_iters == 1 and out.seqs[0].max_draws == 1
+
+
+def test_scheduler_plans_the_next_step_while_tokens_are_in_flight():
+    s, bm = _scheduler(1)
+    req = _req("a", 5, 3)
+    s.add(req)
+    first = s.schedule()
+    s.launched(first)                          # dispatched; its token is not on the host yet
+    assert req.num_inflight == 1 and req.num_computed_tokens == 5 and req.num_tokens == 6
+    second = s.schedule()                      # the in-flight token is the next step's input
+    assert [(q.start, q.num_tokens, q.sample) for q in second.seqs] == [(5, 1, True)]
+    s.launched(second)
+    assert req.num_inflight == 2 and s.draws_left(req) == 1
+    s.update(first, {"a": [StepSample(9, 0.0)]})
+    assert req.output_ids == [9] and req.num_inflight == 1
+    third = s.schedule()
+    s.launched(third)
+    assert s.draws_left(req) == 0 and not s.schedule().seqs    # nothing left to draw: not scheduled
+    s.update(second, {"a": [StepSample(2, 0.0)]})             # EOS: the third step's token is discarded
+    s.update(third, {"a": [StepSample(8, 0.0)]})
+    assert req.output_ids == [9, 2] and req.finish_reason == "stop" and bm.num_used == 0

@@ -2,7 +2,9 @@
 
 vLLM-v1 style: there is no prefill or decode phase. A request has `all_ids` (prompt + output)
 and `num_computed_tokens` (how many of them have K/V in the cache); each step the scheduler
-gives it some of the missing tokens. Never imports jax.
+gives it some of the missing tokens. With async scheduling a step is dispatched before the
+previous one's tokens reach the host: those tokens are `num_inflight` placeholders at the end
+(counted in num_tokens, not in all_ids), fed to the next step from the device. Never imports jax.
 """
 from __future__ import annotations
 
@@ -42,6 +44,11 @@ class Request:
     # n > 1: the other samples wait here until this one has computed the shared prompt prefix
     pending_forks: list["Request"] = field(default_factory=list)
     fork_at: int = 0                   # prompt tokens to compute before forking (block aligned)
+    # tokens drawn by dispatched steps whose values the host has not seen yet (async scheduling)
+    num_inflight: int = 0
+    # where the device holds the last in-flight token: an index into the previous step's
+    # StepOutputs.next_tokens, which the next step reads its input token from
+    inflight_index: int = -1
 
     @property
     def all_ids(self) -> list[int]:
@@ -49,6 +56,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + output tokens, the in-flight ones included (what scheduling plans with)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt + output tokens the host holds (len(all_ids))."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property

@@ -18,6 +18,12 @@ While requests wait (or prefill runs) a step is one iteration, so TTFT does not 
 Every finish condition is decided in `update`, token by token: stop ids and EOS, stop strings
 (through the engine's `stop_check`, which owns the detokenizer), max_tokens and the context
 length, in that order of precedence; tokens drawn after a finish are discarded, never counted.
+A step's results come back in two calls: `launched(plan)` when the step is on the device
+(progress advances as if every row drew all it may; the draws are in-flight placeholders) and
+`update(plan, samples)` when its tokens reach the host. Synchronous engines call them back to back;
+with async scheduling the next step is planned and dispatched in between, its decode rows fed the
+in-flight tokens on the device. A waiting request with in-flight tokens is not admitted until
+they arrive (it needs them to recompute), and a row that has drawn all it may is not scheduled.
 """
 from __future__ import annotations
 
@@ -57,6 +63,7 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_decode_iters: int = 1   # > 1: every row decodes, up to this many iterations on device
+    launched: bool = False      # Scheduler.launched has applied it
 
     @property
     def num_batched_tokens(self) -> int:
@@ -113,6 +120,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def _num_new_tokens(self, req: Request, budget: int) -> int:
+        if req.num_inflight and (req.status is not RequestStatus.RUNNING or self.draws_left(req) == 0):
+            return 0   # recompute needs the in-flight tokens; or nothing is left to draw
         end = req.fork_at if req.pending_forks else req.num_tokens
         end = min(end, self.cfg.max_model_len)
         return max(0, min(end - req.num_computed_tokens, budget))
@@ -200,7 +209,8 @@ class Scheduler:
 
     def draws_left(self, req: Request) -> int:
         """Tokens the request may still draw: max_tokens and the context length both bound it."""
-        return max(0, min(req.params.max_tokens - len(req.output_ids), self.cfg.max_model_len - req.num_tokens))
+        return max(0, min(req.params.max_tokens - len(req.output_ids) - req.num_inflight,
+                          self.cfg.max_model_len - req.num_tokens))
 
     def _plan_decode_iters(self, out: SchedulerOutput) -> None:
         """Several decode iterations in one step when every row decodes and nobody waits."""
@@ -231,26 +241,40 @@ class Scheduler:
         return ScheduledSeq(req, start, n, sample=start + n == req.num_tokens and not req.pending_forks)
 
     # ------------------------------------------------------------------ update
+    def launched(self, out: SchedulerOutput) -> None:
+        """The plan's step is on the device: every row's K/V will be written, so progress advances
+        now; a sampling row's draws become in-flight placeholders (update resolves them)."""
+        out.launched = True
+        for seq in out.seqs:
+            req = seq.request
+            if req.finished:        # aborted before the step was dispatched
+                continue
+            req.num_computed_tokens = seq.start + seq.num_tokens
+            if req.pending_forks and req.num_computed_tokens >= req.fork_at:
+                self._fork(req)
+            if seq.sample:
+                # draw j > 0 is made after the K/V of position start + num_tokens + j - 1 is written
+                req.num_computed_tokens += seq.max_draws - 1
+                req.num_inflight += seq.max_draws
+
     def update(self, out: SchedulerOutput, samples: dict[str, list[StepSample]], now: float | None = None,
                stop_check: Callable[[Request], bool] | None = None) -> list[Request]:
         """Apply one step's results (per row: its drawn tokens in order, or one StepSample) until a
         token finishes the row; the rest are discarded. stop_check(req), called after each appended
         token, says whether a stop string has just completed. Returns the requests that got tokens."""
+        if not out.launched:
+            self.launched(out)
         now = self.clock() if now is None else now
         updated: list[Request] = []
         for seq in out.seqs:
             req = seq.request
-            if req.finished:        # aborted while the step ran
-                continue
-            req.num_computed_tokens = seq.start + seq.num_tokens
-            if req.pending_forks and req.num_computed_tokens >= req.fork_at:
-                self._fork(req)
             if not seq.sample:
+                continue
+            req.num_inflight -= seq.max_draws
+            if req.finished:        # aborted, or finished by an earlier step's tokens
                 continue
             drawn = samples[req.request_id]
             for j, s in enumerate([drawn] if isinstance(drawn, StepSample) else drawn):
-                # iteration j computed position start + j and drew the token after it
-                req.num_computed_tokens = seq.start + seq.num_tokens + j
                 req.append_token(s.token, s.logprob, s.top, now)
                 if j == 0:
                     updated.append(req)
@@ -266,7 +290,7 @@ class Scheduler:
             return "stop"
         if stop_check is not None and stop_check(req):
             return "stop"
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+        if len(req.output_ids) >= p.max_tokens or req.num_known_tokens >= self.cfg.max_model_len:
             return "length"
         return None
 
