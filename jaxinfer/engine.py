@@ -7,10 +7,12 @@ one loop thread.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +67,10 @@ class StepStats:
 
 
 class Engine:
+    # Test-only hook: called with no arguments at the very start of every step() (a fault injector
+    # raises, a step log records, a slow-down sleeps). None in production.
+    fault_injector: Callable[[], None] | None = None
+
     def __init__(self, model: Decoder, tokenizer: Tokenizer | None, cfg: EngineConfig,
                  max_num_batched_tokens: int = 512, batch_window_s: float = 0.05):
         self.model_cfg = model.cfg
@@ -85,6 +91,16 @@ class Engine:
             weight_bytes if mesh is None else max(bytes_per_device(model).values()),
             cfg.max_num_seqs, self.max_model_len,
             kv_shards=(tp if self.model_cfg.n_kv_heads % tp == 0 else 1) * pp)
+        pool_tokens = (num_blocks - 1) * cfg.block_size   # block 0 is the pad block
+        if self.max_model_len > pool_tokens:   # one sequence of max_model_len must fit in the pool
+            if cfg.max_model_len is not None:
+                raise ValueError(f"max_model_len={cfg.max_model_len} does not fit in the KV cache: {num_blocks - 1} "
+                                 f"blocks of {cfg.block_size} tokens hold {pool_tokens}; raise num_blocks or "
+                                 f"lower max_model_len to at most {pool_tokens}")
+            logging.getLogger("jaxinfer").warning(
+                "max_model_len capped at %d (the model allows %d): the KV cache holds %d tokens "
+                "(%d blocks of %d)", pool_tokens, self.max_model_len, pool_tokens, num_blocks - 1, cfg.block_size)
+            self.max_model_len = pool_tokens
         tokens_budget = max(max_num_batched_tokens, 8)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
@@ -168,6 +184,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step (one or, when every row decodes, several tokens per row); returns one
         delta per new token (and a final empty one for requests that finish without a token)."""
+        if self.fault_injector is not None:
+            self.fault_injector()
         plan = self.scheduler.schedule()
         if not plan.seqs:
             return []
