@@ -91,15 +91,13 @@ class Engine:
             weight_bytes if mesh is None else max(bytes_per_device(model).values()),
             cfg.max_num_seqs, self.max_model_len,
             kv_shards=(tp if self.model_cfg.n_kv_heads % tp == 0 else 1) * pp)
-        pool_tokens = (num_blocks - 1) * cfg.block_size   # block 0 is the pad block
+        pool_tokens = (num_blocks - 1) * cfg.block_size   # block 0 is the null block
         if self.max_model_len > pool_tokens:   # one sequence of max_model_len must fit in the pool
-            if cfg.max_model_len is not None:
-                raise ValueError(f"max_model_len={cfg.max_model_len} does not fit in the KV cache: {num_blocks - 1} "
-                                 f"blocks of {cfg.block_size} tokens hold {pool_tokens}; raise num_blocks or "
-                                 f"lower max_model_len to at most {pool_tokens}")
             logging.getLogger("jaxinfer").warning(
-                "max_model_len capped at %d (the model allows %d): the KV cache holds %d tokens "
-                "(%d blocks of %d)", pool_tokens, self.max_model_len, pool_tokens, num_blocks - 1, cfg.block_size)
+                "max_model_len capped at %d (%s %d): the KV cache holds %d tokens (%d blocks of %d); "
+                "raise num_blocks for longer sequences", pool_tokens,
+                "max_model_len was" if cfg.max_model_len else "the model allows", self.max_model_len,
+                pool_tokens, num_blocks - 1, cfg.block_size)
             self.max_model_len = pool_tokens
         tokens_budget = max(max_num_batched_tokens, 8)
         self.blocks = BlockManager(num_blocks, cfg.block_size)

@@ -12,10 +12,9 @@ run on a worker thread, never on the event loop.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, AsyncIterator
-
-import asyncio
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError

@@ -53,29 +53,36 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def find_invalid_text(obj: Any, path: str = "") -> str | None:
+def find_invalid_text(obj: Any) -> str | None:
     """The path of the first string (or key) in a parsed JSON value that is not valid Unicode text
-    (a lone UTF-16 surrogate such as "\\ud800" parses to one), else None."""
-    if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            where = f"{path}.{k}" if path else str(k)
-            if isinstance(k, str) and find_invalid_text(k) is not None:
+    (a lone UTF-16 surrogate such as "\\ud800" parses to one), else None. Iterative: a body nested
+    as deep as the JSON parser allows must not overflow the stack here."""
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
                 return path or "body"
-            bad = find_invalid_text(v, where)
-            if bad is not None:
-                return bad
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            bad = find_invalid_text(v, f"{path}[{i}]")
-            if bad is not None:
-                return bad
+        elif isinstance(value, dict):
+            items = []
+            for k, v in value.items():
+                if not _is_text(k):
+                    return path or "body"
+                items.append((f"{path}.{k}" if path else k, v))
+            stack.extend(reversed(items))
+        elif isinstance(value, list):
+            stack.extend(reversed([(f"{path}[{i}]", v) for i, v in enumerate(value)]))
     return None
+
+
+def _is_text(s: Any) -> bool:
+    try:
+        s.encode("utf-8")
+    except (UnicodeEncodeError, AttributeError):
+        return False
+    return True
 
 
 def _refuse(param: str, message: str) -> PydanticCustomError:
