@@ -82,8 +82,8 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
             prompt, params = state.chat_inputs(req)
             prompts = [prompt]
     except ValidationError as e:
-        return _error_line(line_no, cid, 400, "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
-                                                         for x in e.errors()[:5]))
+        return _error_line(line_no, cid, 400, "; ".join(
+            f"{'.'.join(map(str, x['loc']))}: {x['msg']}" if x["loc"] else x["msg"] for x in e.errors()[:5]))
     except OpenAIError as e:
         return _error_line(line_no, cid, e.status, e.message)
     except Exception as e:   # one line's surprise never ends the run

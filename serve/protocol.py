@@ -1,5 +1,10 @@
 """OpenAI request schemas -> SamplingParams, and the response bodies. Shared by the HTTP server
-and the offline batch script so both speak exactly the same dialect."""
+and the offline batch script so both speak exactly the same dialect.
+
+Every request body is checked before its fields are: text must be valid Unicode (JSON's "\\ud800"
+escapes parse to lone surrogates that no tokenizer can encode), OpenAI fields we do not implement
+are refused (UNSUPPORTED_FIELDS), unknown extras are ignored with a logged warning. Sampling bounds
+themselves live in SamplingParams; this module only maps OpenAI's field names onto it."""
 from __future__ import annotations
 
 import logging

@@ -113,7 +113,9 @@ def test_batch_keys_by_line_reports_bad_lines_and_goes_on(model, tmp_path):
 
     lines = [req("dup", "the lazy dog"), req("dup", "seven wizards"), b'{"custom_id": "bad", "body": "\xff\xfe"}',
              req("sur", "abc\ud800def"), b"[1, 2, 3]", req("\udc00", "fox"),
-             req("last", "zebras")]
+             req("last", "zebras"),
+             json.dumps({"custom_id": "lb", "url": "/v1/completions",
+                         "body": {"model": "tiny", "prompt": "fox", "logit_bias": {"5": 100}}}).encode()]
     assert b"\\ud800" in lines[3]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_bytes(b"\n".join(lines) + b"\n")
@@ -122,8 +124,8 @@ def test_batch_keys_by_line_reports_bad_lines_and_goes_on(model, tmp_path):
                                     max_num_seqs=8, block_size=8, warmup=False)
     summary = run_batch(gen, inp, out, "tiny", progress=False)
     records = [json.loads(l) for l in out.read_text().splitlines()]
-    assert len(records) == summary["lines"] == 7 and summary["ran"] == 3
-    assert [r["line"] for r in records] == list(range(7))
+    assert len(records) == summary["lines"] == 8 and summary["ran"] == 3
+    assert [r["line"] for r in records] == list(range(8))
     dup = records[:2]
     assert [r["custom_id"] for r in dup] == ["dup", "dup"] and all(r["error"] is None for r in dup)
     assert dup[0]["response"]["body"]["choices"] != dup[1]["response"]["body"]["choices"]
@@ -133,8 +135,9 @@ def test_batch_keys_by_line_reports_bad_lines_and_goes_on(model, tmp_path):
     assert "line 5" in records[4]["error"]["message"] and "not a JSON object" in records[4]["error"]["message"]
     assert records[5]["custom_id"] is None and "custom_id" in records[5]["error"]["message"]
     assert records[6]["custom_id"] == "last" and records[6]["error"] is None
+    assert records[7]["error"]["message"] == "logit_bias is not supported by this server"
     # resuming a finished run redoes nothing and keeps both duplicates
     again = run_batch(gen, inp, out, "tiny", progress=False)
-    assert again["ran"] == 0 and again["skipped"] == 7
+    assert again["ran"] == 0 and again["skipped"] == 8
     assert [json.loads(l)["id"] for l in out.read_text().splitlines()] == [r["id"] for r in records]
     assert gen.stats()["kv_blocks_used"] == 0
