@@ -294,7 +294,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": state.tokenizer.decode(req.tokens)}
+        return {"prompt": await run_in_threadpool(state.tokenizer.decode, req.tokens)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
