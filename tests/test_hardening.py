@@ -119,10 +119,10 @@ from serve.app import build_app
 
 model, port, trigger = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 gen = Generator.from_pretrained(model, dtype="float32", max_model_len=128, max_num_batched_tokens=64,
-                                max_num_seqs=8, block_size=8, warmup=False)
+                                max_num_seqs=8, block_size=8, warmup=False, max_decode_steps=1)
 
 def fault():   # the test-only step hook: slow steps, then an engine that dies once the trigger exists
-    time.sleep(0.02)
+    time.sleep(0.03)
     if trigger.exists():
         raise RuntimeError("injected fault")
 
@@ -205,7 +205,7 @@ def test_dead_engine_fails_every_request_and_sigterm_exits(model_dir, tmp_path):
 
 # ------------------------------------------------------------------ 2. non-streaming disconnects abort
 def test_non_streaming_disconnect_aborts_and_frees_blocks(srv, gen):
-    gen.engine.fault_injector = lambda: time.sleep(0.02)   # 120 tokens take >= 2.4 s
+    gen.engine.fault_injector = lambda: time.sleep(0.2)   # 120 tokens take >= 15 steps of 8 tokens: >= 3 s
     before = gen.stats()["generation_tokens"]
     n, max_tokens = 8, 120
     payload = json.dumps({"model": "tiny", "prompt": "the night", "max_tokens": max_tokens, "ignore_eos": True,
