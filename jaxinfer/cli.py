@@ -164,6 +164,12 @@ def _generator(args: argparse.Namespace):
                                      **_multihost_kwargs(args))
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $JAXINFER_API_KEY (which, unlike a flag, does not show in `ps`)."""
+    import os
+    return args.api_key or os.environ.get("JAXINFER_API_KEY") or None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -172,7 +178,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gen = _generator(args)
     if not gen.is_leader:   # no HTTP here: process 0 takes every request
         return _follow(gen)
-    app = build_app(gen, _served_name(args), api_key=args.api_key, max_queue=args.max_queue)
+    app = build_app(gen, _served_name(args), api_key=_api_key(args), max_queue=args.max_queue,
+                    max_request_bytes=args.max_request_bytes)
     print(f"serving {_served_name(args)} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     gen.close()   # multi-host: the followers return
@@ -228,8 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(sv)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    sv.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
+    sv.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' on every route but /health "
+                         "(default: $JAXINFER_API_KEY, which keeps the key out of `ps`)")
+    sv.add_argument("--max-queue", type=int, default=1024,
+                    help="sequences (prompts x n) waiting for the engine before 429; a request with more gets 400")
+    sv.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                    help="larger request bodies get 413 (default 4 MiB)")
     sv.add_argument("--log-level", default="info")
     _multihost_args(sv)
     sv.set_defaults(func=cmd_serve)

@@ -10,9 +10,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+
+# Stop strings: at most this many per request, each at most this many characters. The engine looks
+# for them in each step's new text plus the last MAX_STOP_LENGTH - 1 characters, so a step's stop
+# check costs O(MAX_STOP_STRINGS * (new text + MAX_STOP_LENGTH)), never the output length.
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 512
+# The longest context a config may declare (Llama 4 Scout declares 10M): beyond it a config is a typo.
+MAX_POSITIONS = 1 << 24
 
 
 class ConfigError(ValueError):
@@ -62,6 +72,18 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self) -> None:
+        ints = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                "max_position_embeddings")
+        floats = ("norm_eps", "rope_theta")
+        wrong = [f"{k}={getattr(self, k)!r} must be an integer" for k in ints if not _is_int(getattr(self, k))]
+        wrong += [f"{k}={getattr(self, k)!r} must be a number" for k in floats if not _is_number(getattr(self, k))]
+        if self.sliding_window is not None and not _is_int(self.sliding_window):
+            wrong.append(f"sliding_window={self.sliding_window!r} must be an integer or null")
+        if wrong:
+            raise ConfigError(f"invalid ModelConfig: {'; '.join(wrong)}")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            raise ConfigError(f"invalid ModelConfig: max_position_embeddings={self.max_position_embeddings} is "
+                              f"beyond the {MAX_POSITIONS} positions jaxinfer supports")
         checks = {
             "vocab_size": self.vocab_size > 0, "d_model": self.d_model > 0,
             "n_layers": self.n_layers > 0, "n_heads": self.n_heads > 0,
@@ -125,6 +147,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, config: str | Path | dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face config.json (a path to the file or its folder, or the parsed dict)."""
+        where = "config.json"
         if not isinstance(config, dict):
             path = Path(config)
             path = path / "config.json" if path.is_dir() else path
@@ -132,8 +155,11 @@ class ModelConfig:
                 config = json.loads(path.read_text())
             except FileNotFoundError:
                 raise ConfigError(f"no config.json at {path}") from None
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ConfigError(f"{path} is not valid JSON: {e}") from None
+            where = str(path)
+            if not isinstance(config, dict):
+                raise ConfigError(f"{path}: expected a JSON object, got {type(config).__name__}")
         archs = config.get("architectures") or []
         model_type = config.get("model_type", "")
         arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type, "")
@@ -142,10 +168,50 @@ class ModelConfig:
             raise ConfigError(
                 f"unsupported architecture {arch or model_type!r} (config.json 'architectures'); "
                 f"supported: {sorted(_HF_BUILDERS)}")
+        _check_hf_fields(config, where)
         try:
             return builder(config, arch)
         except KeyError as e:
-            raise ConfigError(f"config.json for {arch} is missing field {e.args[0]!r}") from None
+            raise ConfigError(f"{where} for {arch} is missing field {e.args[0]!r}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        except (TypeError, ValueError) as e:   # a field of a type the checks above did not foresee
+            raise ConfigError(f"{where}: a field has the wrong type for {arch} ({e})") from None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# config.json fields (every supported family's names) that must be positive integers / numbers
+_HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_embed", "n_head",
+                  "n_layer", "n_inner", "n_positions", "seq_length", "max_window_layers")
+_HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
+
+
+def _check_hf_fields(c: dict[str, Any], where: str) -> None:
+    """One clear line for a field of the wrong type or an absurd size, before any arithmetic on it."""
+    for k in _HF_INT_FIELDS:
+        v = c.get(k)
+        if v is not None and (not _is_int(v) or v <= 0):
+            raise ConfigError(f"{where}: field {k!r} must be a positive integer, got {v!r}")
+    for k in _HF_FLOAT_FIELDS:
+        v = c.get(k)
+        if v is not None and not _is_number(v):
+            raise ConfigError(f"{where}: field {k!r} must be a number, got {v!r}")
+    w = c.get("sliding_window")
+    if w is not None and (not _is_int(w) or w <= 0):
+        raise ConfigError(f"{where}: field 'sliding_window' must be a positive integer or null, got {w!r}")
+    for k in ("max_position_embeddings", "n_positions", "seq_length"):
+        v = c.get(k)
+        if v is not None and v > MAX_POSITIONS:
+            raise ConfigError(f"{where}: field {k!r} = {v} is beyond the {MAX_POSITIONS} positions jaxinfer "
+                              "supports")
 
 
 def _eos_ids(c: dict[str, Any]) -> tuple[int, ...]:
@@ -298,6 +364,11 @@ class SamplingParams:
             problems.append(f"n must be an integer in [1, 128], got {self.n!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append(f"stop must be non-empty strings, got {self.stop!r}")
+        elif len(self.stop) > MAX_STOP_STRINGS:
+            problems.append(f"stop must be at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        elif any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            problems.append(f"stop strings must be at most {MAX_STOP_LENGTH} characters each, got one of "
+                            f"{max(map(len, self.stop))}")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -7,10 +7,12 @@ one loop thread.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +68,10 @@ class StepStats:
 
 
 class Engine:
+    # Test-only hook: called with no arguments at the very start of every step() (a fault injector
+    # raises, a step log records, a slow-down sleeps). None in production.
+    fault_injector: Callable[[], None] | None = None
+
     def __init__(self, model: Decoder, tokenizer: Tokenizer | None, cfg: EngineConfig,
                  max_num_batched_tokens: int = 512, batch_window_s: float = 0.05):
         self.model_cfg = model.cfg
@@ -86,6 +92,14 @@ class Engine:
             weight_bytes if mesh is None else max(bytes_per_device(model).values()),
             cfg.max_num_seqs, self.max_model_len,
             kv_shards=(tp if self.model_cfg.n_kv_heads % tp == 0 else 1) * pp)
+        pool_tokens = (num_blocks - 1) * cfg.block_size   # block 0 is the null block
+        if self.max_model_len > pool_tokens:   # one sequence of max_model_len must fit in the pool
+            logging.getLogger("jaxinfer").warning(
+                "max_model_len capped at %d (%s %d): the KV cache holds %d tokens (%d blocks of %d); "
+                "raise num_blocks for longer sequences", pool_tokens,
+                "max_model_len was" if cfg.max_model_len else "the model allows", self.max_model_len,
+                pool_tokens, num_blocks - 1, cfg.block_size)
+            self.max_model_len = pool_tokens
         tokens_budget = max(max_num_batched_tokens, 8)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
@@ -177,6 +191,8 @@ class Engine:
         finish without a token). Synchronous: schedule, run, update. Async scheduling: schedule and
         dispatch step N+1 (its decode rows read step N's tokens on the device), then wait for step N
         and apply it while the device runs N+1, so the deltas returned are step N's."""
+        if self.fault_injector is not None:
+            self.fault_injector()
         t0 = time.perf_counter()
         prev, self._inflight = self._inflight, None
         deltas = []

@@ -2,7 +2,8 @@
 (config.json + model.safetensors + tokenizer files) that transformers loads as-is.
 
 The inverse of models/hf_maps.py for the Llama family; other families are refused with a clear
-error rather than written wrongly.
+error rather than written wrongly. The tokenizer_config.json written beside the tokenizer makes
+transformers' AutoTokenizer and llama.cpp's convert_hf_to_gguf.py tokenize as jaxinfer does.
 """
 from __future__ import annotations
 
@@ -77,6 +78,37 @@ def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in t.items()}
 
 
+def tokenizer_config(tokenizer, cfg: ModelConfig, existing: dict | None = None) -> dict:
+    """tokenizer_config.json for `tokenizer` as jaxinfer.tokenizer uses it, over `existing` (the
+    source folder's, if any). What a reader would otherwise guess differently:
+    - add_prefix_space: transformers' Llama tokenizer and llama.cpp both prepend a word marker
+      ("And" -> "_And") unless told not to; we encode with the SentencePiece model's own
+      normalizer, so follow its add_dummy_prefix (probed: does "a" come out with the marker?);
+    - split_special_tokens: we read "<s>" in a prompt as text, never as the BOS id;
+    - add_bos_token / add_eos_token: what our encode() adds."""
+    out = dict(existing or {})
+    piece = tokenizer.id_to_piece
+    special = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_ids[0] if tokenizer.eos_ids else None,
+               "pad_token": tokenizer.pad_id}
+    if tokenizer.kind == "sentencepiece":
+        sp = tokenizer._backend
+        special["unk_token"] = sp.unk_id() if sp.unk_id() >= 0 else None
+        out |= {"tokenizer_class": "LlamaTokenizer", "legacy": False, "sp_model_kwargs": {},
+                "add_prefix_space": sp.encode("a", out_type=str)[0].startswith("\u2581"),
+                "split_special_tokens": True}
+    else:
+        out.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    for name, i in special.items():
+        if i is not None and name not in out:
+            out[name] = piece(i)
+    out |= {"add_bos_token": bool(tokenizer.add_bos), "add_eos_token": False,
+            "clean_up_tokenization_spaces": False}
+    out.setdefault("model_max_length", cfg.max_position_embeddings)
+    if tokenizer.chat_template and "chat_template" not in out:
+        out["chat_template"] = tokenizer.chat_template
+    return out
+
+
 def export_hf(model: Decoder, out_dir: str | Path, tokenizer=None) -> Path:
     from safetensors.numpy import save_file
 
@@ -87,4 +119,7 @@ def export_hf(model: Decoder, out_dir: str | Path, tokenizer=None) -> Path:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer is not None:
         tokenizer.save(out_dir)
+        existing = next((f for f in tokenizer.files if f.name == "tokenizer_config.json"), None)
+        config = tokenizer_config(tokenizer, model.cfg, json.loads(existing.read_text()) if existing else None)
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
     return out_dir

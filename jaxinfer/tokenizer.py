@@ -325,11 +325,21 @@ def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
 
 def hold_back(text: str, stops: Sequence[str]) -> int:
     """Number of trailing chars of ``text`` that are a proper prefix of some stop string; a stream
-    must hold them back until it knows whether the stop string completes."""
+    must hold them back until it knows whether the stop string completes.
+
+    Only the last ``len(s) - 1`` chars can hold a proper prefix of ``s``, so each stop costs
+    O(len(s)) C-level work per call however long ``text`` grows (stop lengths are bounded by
+    SamplingParams)."""
     best = 0
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
+        if len(s) < 2:
+            continue
+        tail = text[-(len(s) - 1):]
+        # the longest suffix of tail that starts s: try start positions left to right (longest first)
+        i = tail.find(s[0])
+        while 0 <= i < len(tail) - best:
+            if s.startswith(tail[i:]):
+                best = len(tail) - i
                 break
+            i = tail.find(s[0], i + 1)
     return best

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -241,9 +242,20 @@ def load_native(folder: str | Path, dtype: str | None = None, mesh=None, rules=N
     try:
         restored = ocp.StandardCheckpointer().restore(params_dir, abstract)
     except Exception as e:  # orbax raises many types; the user needs the folder and the cause
-        raise CheckpointError(f"{params_dir}: cannot restore parameters: {e}") from None
+        raise CheckpointError(_restore_error(params_dir, e)) from None
     jdtype = DTYPES[dtype] if dtype else stored
     return _set_params(abstract_decoder(cfg, jdtype), {k: v.astype(jdtype) for k, v in restored.items()})
+
+
+def _restore_error(params_dir: Path, e: Exception) -> str:
+    """One line for an orbax/TensorStore failure, whose message can be a 60-line spec dump: the
+    first sentence, and the tensor it names (the relative kvstore 'path' inside the dump)."""
+    text = str(e)
+    first = text.split(" See full TensorStore details")[0].splitlines()[0] if text else type(e).__name__
+    tensors = [p.rstrip("/") for p in re.findall(r"'path': '([^']+)'", text) if not p.startswith("/")]
+    where = f"tensor {tensors[-1]!r}" if tensors else "parameters"
+    damaged = " (a file under it is damaged or truncated)" if tensors else ""
+    return f"{params_dir}: cannot restore {where}{damaged}: {first[:300]}"
 
 
 def resolve_dtype(dtype: str) -> str:

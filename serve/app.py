@@ -2,18 +2,25 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
 events), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics.
-Errors use OpenAI's error JSON: bad requests (malformed JSON, wrong types, out-of-range values,
-prompts longer than the context) get 400, an unknown model 404, a full queue 429 with
-Retry-After, a missing or wrong API key 401. A client that disconnects aborts its request.
+Every error uses OpenAI's error JSON {"error": {"message", "type", "param", "code"}}: bad requests
+(malformed JSON or UTF-8, wrong types, out-of-range values, text that is not valid Unicode, fields we
+do not implement, prompts longer than the context, more sequences than the queue holds) get 400,
+an unknown model or route 404, a wrong method 405, a body over --max-request-bytes 413, a full
+queue 429 with Retry-After, a missing or wrong API key 401 (serve.guard), a stopped engine 503.
+A client that disconnects, streaming or not, aborts its request. Tokenization and chat templating
+run on a worker thread, never on the event loop.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -21,7 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from jaxinfer.config import SamplingParams
 from jaxinfer.engine import RequestOutput
 from jaxinfer.generator import Generator
-from serve.bridge import AsyncEngine, Submission
+from serve.bridge import AsyncEngine, EngineDeadError, Submission
+from serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard, error_bytes
 from serve.metrics import ServerMetrics
 from serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                             OpenAIError, TokenizeRequest, chat_body, chat_logprobs, completion_body,
@@ -55,7 +63,10 @@ class ServerState:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer: send prompts as lists of token ids", param="prompt")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except UnicodeError:   # the request models refuse such text first; this is the backstop
+            raise OpenAIError(400, "the prompt is not valid Unicode text", param="prompt") from None
 
     def render_chat(self, messages: list[ChatMessage]) -> list[int]:
         tok = self.tokenizer
@@ -133,18 +144,47 @@ def _raise_template_error(message: str):
     raise TemplateError(message)
 
 
-def _error_response(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def _error_response(e: OpenAIError) -> Response:
+    return Response(error_bytes(e), status_code=e.status, headers=e.headers, media_type="application/json")
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    """pydantic's errors -> one 400 whose param is the first field at fault."""
+    parts, param = [], None
     for err in exc.errors()[:5]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         if err.get("type") == "json_invalid":
-            return f"the request body is not valid JSON: {err.get('msg')}"
-        parts.append(f"{loc or 'body'}: {err.get('msg')}")
-    return "; ".join(parts) or "invalid request"
+            return OpenAIError(400, f"the request body is not valid JSON: {err.get('msg')}")
+        ctx = err.get("ctx") or {}
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        param = param or ctx.get("param") or (loc.split(".")[0] if loc else None)
+        parts.append(err.get("msg") if "param" in ctx else f"{loc or 'body'}: {err.get('msg')}")
+    return OpenAIError(400, "; ".join(parts) or "invalid request", param=param)
+
+
+_HTTP_ERRORS = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed"),
+                413: ("invalid_request_error", "request_too_large")}
+
+
+def _http_error(request: Request, exc: StarletteHTTPException) -> OpenAIError:
+    """Starlette's own errors (unknown route, wrong method, unreadable body) in OpenAI's shape."""
+    type_, code = _HTTP_ERRORS.get(exc.status_code, ("invalid_request_error", None))
+    message = str(exc.detail)
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    elif exc.status_code == 400 and exc.__cause__ is not None:   # FastAPI: the body could not be parsed
+        message = f"the request body is not valid JSON ({type(exc.__cause__).__name__}: {exc.__cause__})"[:500]
+    if exc.status_code >= 500:
+        type_ = "server_error"
+    return OpenAIError(exc.status_code, message, type_=type_, code=code, headers=dict(exc.headers or {}))
+
+
+async def _next_delta(sub: Submission) -> RequestOutput:
+    d = await sub.queue.get()
+    if isinstance(d, EngineDeadError):
+        raise d
+    return d
 
 
 async def _collect(sub: Submission) -> list[list[RequestOutput]]:
@@ -152,30 +192,50 @@ async def _collect(sub: Submission) -> list[list[RequestOutput]]:
     per = {rid: [[] for _ in range(sub.n)] for rid in sub.request_ids}
     remaining = len(sub.request_ids) * sub.n
     while remaining:
-        d: RequestOutput = await sub.queue.get()
+        d = await _next_delta(sub)
         per[d.request_id][d.sample_index].append(d)
         remaining -= d.finished
     return [samples for rid in sub.request_ids for samples in per[rid]]
 
 
-async def _respond(state: "ServerState", sub: Submission, build) -> dict:
-    """Wait for every choice, release the submission, and build the response body from the deltas."""
+DISCONNECT_POLL_S = 0.2
+
+
+async def _respond(state: "ServerState", sub: Submission, request: Request, build) -> dict | Response:
+    """Wait for every choice, release the submission, and build the response body from the deltas.
+    A client that hangs up first gets its request aborted (its KV blocks freed) within a poll."""
+    collect = asyncio.ensure_future(_collect(sub))
+    finished = False
     try:
-        groups = await _collect(sub)
+        while not collect.done():
+            await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
+            if not collect.done() and await request.is_disconnected():
+                return Response(status_code=499)   # nobody reads it; nginx's "client closed request"
+        groups, finished = collect.result(), True
     finally:
-        state.engine.release(sub, finished=True)
+        if not collect.done():
+            collect.cancel()
+        state.engine.release(sub, finished=finished)
     return build(groups)
+
+
+def _sse_error(e: OpenAIError) -> str:
+    return f"data: {error_bytes(e).decode()}\n\n"
 
 
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_queue: int = 1024) -> FastAPI:
+def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_queue: int = 1024,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """api_key: required on every route but /health (serve.guard); max_queue: sequences (prompts x n)
+    waiting for the engine before 429; max_request_bytes: larger bodies get 413."""
     state = ServerState(gen, model_name, api_key, max_queue)
     app = FastAPI(title="jaxinfer", version="0.1.0",
                   description="OpenAI-compatible completions and chat completions on the jaxinfer engine")
     app.state.server = state
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
 
     @app.on_event("startup")
     async def _start() -> None:
@@ -190,20 +250,16 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        return _error_response(OpenAIError(400, _validation_message(exc)))
+    async def _invalid_request(_: Request, exc: RequestValidationError):
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(request: Request, exc: StarletteHTTPException):
+        return _error_response(_http_error(request, exc))
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception):
         return _error_response(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error"))
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-                return _error_response(OpenAIError(401, "missing or invalid API key (Authorization: Bearer ...)",
-                                                   type_="authentication_error", code="invalid_api_key"))
-        return await call_next(request)
 
     @app.get("/health")
     async def health():
@@ -225,7 +281,8 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
         state.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages")
-        ids = state.encode(req.prompt, req.add_special_tokens) if req.prompt is not None else state.render_chat(req.messages)
+        ids = await run_in_threadpool(lambda: state.encode(req.prompt, req.add_special_tokens)
+                                      if req.prompt is not None else state.render_chat(req.messages))
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize")
@@ -237,11 +294,11 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": state.tokenizer.decode(req.tokens)}
+        return {"prompt": await run_in_threadpool(state.tokenizer.decode, req.tokens)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        prompts, params = state.completion_inputs(req)
+        prompts, params = await run_in_threadpool(state.completion_inputs, req)
         sub = state.engine.submit(prompts, params)
         rid, created = new_id("cmpl"), now()
         n_prompt = sum(len(x) for x in prompts)
@@ -252,7 +309,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
                 try:
                     remaining = len(sub.request_ids) * sub.n
                     while remaining:
-                        d: RequestOutput = await sub.queue.get()
+                        d = await _next_delta(sub)
                         remaining -= d.finished
                         index = sub.request_ids.index(d.request_id) * sub.n + d.sample_index
                         n_out += len(d.token_ids)
@@ -272,16 +329,19 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
                         yield _sse({"id": rid, "object": "text_completion", "created": created,
                                     "model": state.model_name, "choices": [], "usage": usage(n_prompt, n_out)})
                     yield "data: [DONE]\n\n"
+                except EngineDeadError as e:   # the stream ends with the error, then [DONE]
+                    yield _sse_error(e)
+                    yield "data: [DONE]\n\n"
                 finally:
                     state.engine.release(sub, finished)
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        return await _respond(state, sub, lambda groups: completion_body(
+        return await _respond(state, sub, request, lambda groups: completion_body(
             rid, created, state.model_name, groups, n_prompt, state.token_str, req.logprobs is not None))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        prompt, params = state.chat_inputs(req)
+        prompt, params = await run_in_threadpool(state.chat_inputs, req)
         sub = state.engine.submit([prompt], params)
         rid, created = new_id("chatcmpl"), now()
 
@@ -295,7 +355,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
                                                          "logprobs": None, "finish_reason": None}]})
                     remaining = sub.n
                     while remaining:
-                        d: RequestOutput = await sub.queue.get()
+                        d = await _next_delta(sub)
                         remaining -= d.finished
                         n_out += len(d.token_ids)
                         if not (d.text or d.token_ids or d.finished):
@@ -308,11 +368,14 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
                     if req.stream_options and req.stream_options.include_usage:
                         yield _sse({**base, "choices": [], "usage": usage(len(prompt), n_out)})
                     yield "data: [DONE]\n\n"
+                except EngineDeadError as e:   # the stream ends with the error, then [DONE]
+                    yield _sse_error(e)
+                    yield "data: [DONE]\n\n"
                 finally:
                     state.engine.release(sub, finished)
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        return await _respond(state, sub, lambda groups: chat_body(
+        return await _respond(state, sub, request, lambda groups: chat_body(
             rid, created, state.model_name, groups, len(prompt), state.token_str, req.logprobs))
 
     return app

@@ -5,9 +5,11 @@ Input: one request per line in the OpenAI batch-file shape
 All valid requests go to the engine at once, so continuous batching keeps the device full.
 Output: one line per input line, in input order, in the OpenAI batch-output shape
     {"id", "custom_id", "response": {"status_code", "request_id", "body"} | null, "error": {...} | null}
-A bad line is reported in its output line and never stops the run. Each result is appended to
-OUT as soon as it finishes, so a killed run loses nothing: re-running skips the ids already
-in OUT and, at the end, rewrites OUT in input order.
+A bad line (not UTF-8, not JSON, not an object, text that is not valid Unicode, a bad request) is
+reported in its output line, with its line number, and never stops the run. Results are keyed by
+input line, so a custom_id used twice keeps both results. Each result is appended to OUT as soon as
+it finishes, so a killed run loses nothing: re-running skips the lines already in OUT (unreadable
+lines there are ignored and redone) and, at the end, rewrites OUT in input order.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from jaxinfer.config import SamplingParams
 from jaxinfer.generator import Generator
 from serve.app import ServerState
 from serve.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_body, completion_body,
-                            new_id, now)
+                            find_invalid_text, new_id, now)
 
 ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
@@ -40,8 +42,9 @@ class Job:
     rids: list[str] | None = None
 
 
-def _key(line: int, custom_id: Any) -> str:
-    return str(custom_id) if isinstance(custom_id, str) and custom_id else f"line:{line}"
+def _key(line: int, custom_id: Any) -> tuple[int, str | None]:
+    """Results are keyed by input line; the custom_id guards a resume against an edited input file."""
+    return line, custom_id if isinstance(custom_id, str) else None
 
 
 def _error_line(line: int, custom_id: Any, status: int, message: str) -> dict:
@@ -50,14 +53,21 @@ def _error_line(line: int, custom_id: Any, status: int, message: str) -> dict:
             "error": {"code": "invalid_request" if status < 500 else "server_error", "message": message}}
 
 
-def parse_line(state: ServerState, line_no: int, text: str) -> Job | dict:
-    """A Job, or the error output line for a bad input line."""
+def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dict:
+    """A Job, or the error output line for a bad input line (raw bytes: not valid UTF-8)."""
+    if isinstance(text, bytes):
+        return _error_line(line_no, None, 400, f"line {line_no + 1} is not valid UTF-8")
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         return _error_line(line_no, None, 400, f"line {line_no + 1} is not valid JSON: {e}")
     if not isinstance(obj, dict):
         return _error_line(line_no, None, 400, f"line {line_no + 1} is not a JSON object")
+    bad = find_invalid_text(obj)
+    if bad is not None:
+        cid = obj.get("custom_id") if bad != "custom_id" else None
+        return _error_line(line_no, cid, 400, f"line {line_no + 1}: {bad} is not valid Unicode text "
+                                              "(it contains a lone UTF-16 surrogate)")
     cid = obj.get("custom_id")
     url = obj.get("url")
     if not isinstance(cid, str) or not cid:
@@ -72,11 +82,43 @@ def parse_line(state: ServerState, line_no: int, text: str) -> Job | dict:
             prompt, params = state.chat_inputs(req)
             prompts = [prompt]
     except ValidationError as e:
-        return _error_line(line_no, cid, 400, "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
-                                                         for x in e.errors()[:5]))
+        return _error_line(line_no, cid, 400, "; ".join(
+            f"{'.'.join(map(str, x['loc']))}: {x['msg']}" if x["loc"] else x["msg"] for x in e.errors()[:5]))
     except OpenAIError as e:
         return _error_line(line_no, cid, e.status, e.message)
+    except Exception as e:   # one line's surprise never ends the run
+        return _error_line(line_no, cid, 500, f"line {line_no + 1}: {type(e).__name__}: {e}")
     return Job(line_no, cid, url, req, prompts, params)
+
+
+def _read_lines(path: Path) -> list[str | bytes]:
+    """The file's lines, decoded; a line that is not valid UTF-8 stays bytes (reported, not fatal)."""
+    out: list[str | bytes] = []
+    for raw in path.read_bytes().split(b"\n"):
+        raw = raw.removesuffix(b"\r")
+        try:
+            out.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            out.append(raw)
+    if out and out[-1] == "":
+        out.pop()
+    return out
+
+
+def _read_done(out_path: Path) -> dict[tuple[int, str | None], dict]:
+    """Records finished by an earlier run; anything unreadable (a line cut by a kill, a stray
+    edit) is skipped and that input line is simply redone."""
+    done: dict[tuple[int, str | None], dict] = {}
+    if not out_path.exists():
+        return done
+    for text in _read_lines(out_path):
+        try:
+            rec = json.loads(text)
+        except (json.JSONDecodeError, RecursionError, TypeError):
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("line"), int) and "error" in rec:
+            done[_key(rec["line"], rec.get("custom_id"))] = rec
+    return done
 
 
 def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -> dict:
@@ -95,31 +137,27 @@ def run_batch(gen: Generator, in_path: str | Path, out_path: str | Path, model_n
     from tqdm import tqdm
 
     state = ServerState(gen, model_name, None, max_queue=1 << 30)
-    lines = Path(in_path).read_text(encoding="utf-8").splitlines()
+    lines = _read_lines(Path(in_path))
     out_path = Path(out_path)
-    done: dict[str, dict] = {}
-    if out_path.exists():
-        for text in out_path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(text)
-                done[_key(rec.get("line", -1), rec.get("custom_id"))] = rec
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill: that request is simply redone
+    done = _read_done(out_path)
     jobs: list[Job] = []
-    results: dict[str, dict] = dict(done)
+    results: dict[tuple[int, str | None], dict] = dict(done)
     sink = open(out_path, "a", encoding="utf-8")
 
-    def record(key: str, rec: dict) -> None:
+    def record(key: tuple[int, str | None], rec: dict) -> None:
         results[key] = rec
         sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
         sink.flush()
 
+    keys: dict[int, tuple[int, str | None]] = {}   # input line -> the key its result is stored under
+    skipped = 0
     for i, text in enumerate(lines):
         if not text.strip():
             continue
         parsed = parse_line(state, i, text)
-        key = _key(i, parsed.custom_id if isinstance(parsed, Job) else parsed.get("custom_id"))
+        key = keys[i] = _key(i, parsed.custom_id if isinstance(parsed, Job) else parsed.get("custom_id"))
         if key in done:
+            skipped += 1
             continue
         if isinstance(parsed, dict):
             record(key, parsed)
@@ -130,12 +168,14 @@ def run_batch(gen: Generator, in_path: str | Path, out_path: str | Path, model_n
     outputs: dict[str, list[list]] = {}
     pending: dict[int, int] = {}
     for job in jobs:
+        job.rids = []
         try:
-            job.rids = [eng.add_request(p, job.params) for p in job.prompts]
+            for p in job.prompts:
+                job.rids.append(eng.add_request(p, job.params))
         except ValueError as e:
-            for rid in job.rids or []:
+            for rid in job.rids:
                 eng.abort(rid)
-            record(job.custom_id, _error_line(job.line, job.custom_id, 400, str(e)))
+            record(_key(job.line, job.custom_id), _error_line(job.line, job.custom_id, 400, str(e)))
             continue
         pending[id(job)] = len(job.rids) * job.params.n
         for rid in job.rids:
@@ -151,24 +191,16 @@ def run_batch(gen: Generator, in_path: str | Path, out_path: str | Path, model_n
                 job = owner[d.request_id]
                 pending[id(job)] -= 1
                 if pending[id(job)] == 0:
-                    record(job.custom_id, _result_line(state, job, outputs))
+                    record(_key(job.line, job.custom_id), _result_line(state, job, outputs))
                     bar.update(1)
                     bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
     sink.close()
     # final file: one line per input line, in input order
-    ordered = []
-    for i, text in enumerate(lines):
-        if not text.strip():
-            continue
-        try:
-            cid = json.loads(text).get("custom_id")
-        except (json.JSONDecodeError, AttributeError):
-            cid = None
-        rec = results.get(_key(i, cid)) or results.get(_key(i, None))
-        ordered.append(rec or _error_line(i, cid, 500, "no result recorded"))
+    ordered = [results.get(key) or _error_line(i, key[1], 500, f"line {i + 1}: no result recorded")
+               for i, key in keys.items()]
     tmp = out_path.with_suffix(out_path.suffix + ".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ordered), encoding="utf-8")
     os.replace(tmp, out_path)
-    return {"lines": len(ordered), "skipped": len(done), "ran": len(jobs),
+    return {"lines": len(ordered), "skipped": skipped, "ran": len(jobs),
             "errors": sum(r["error"] is not None for r in ordered)}

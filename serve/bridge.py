@@ -3,6 +3,10 @@
 The loop thread holds the Generator's lock for one engine step at a time, then hands each delta to
 the event loop of the request that owns it (call_soon_threadsafe). Adding and aborting requests
 take the same lock, so the engine is only ever touched by one thread at a time.
+
+If the loop thread dies (an exception out of a step), every waiting queue receives an
+`EngineDeadError` at once and every later submit() is refused with a 503: no request ever waits
+on a loop that will not run again.
 """
 from __future__ import annotations
 
@@ -19,10 +23,18 @@ from serve.metrics import ServerMetrics
 from serve.protocol import OpenAIError
 
 
+class EngineDeadError(OpenAIError):
+    """The engine loop has stopped; what is in flight cannot finish and nothing new can run."""
+
+    def __init__(self, cause: BaseException | None):
+        super().__init__(503, f"the inference engine has stopped ({type(cause).__name__}: {cause}); "
+                              "restart the server", type_="server_error", code="engine_dead")
+
+
 @dataclass
 class Submission:
     request_ids: list[str]
-    queue: asyncio.Queue
+    queue: asyncio.Queue      # RequestOutput deltas, or one EngineDeadError
     n: int
 
 
@@ -43,20 +55,35 @@ class AsyncEngine:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    def queued_sequences(self) -> int:
+        """Sequences admitted but not yet running (a request with n samples counts n)."""
+        scheduler = self.engine.scheduler
+        return scheduler.num_unfinished() - len(scheduler.running)
+
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> Submission:
-        """Queue one engine request per prompt; all their deltas arrive on one asyncio.Queue."""
+        """Queue one engine request per prompt; all their deltas arrive on one asyncio.Queue.
+        Raises OpenAIError: 503 when the engine has stopped, 400 for what can never fit the queue,
+        429 when the queue is full now."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         rids: list[str] = []
+        sequences = len(prompts) * params.n
+        if sequences > self.max_queue:
+            raise OpenAIError(400, f"this request has {sequences} sequences ({len(prompts)} prompt(s) x n={params.n}) "
+                                   f"but the server queues at most {self.max_queue}; split it",
+                              param="n" if params.n > 1 else "prompt")
         with self.lock:
-            waiting = len(self.engine.scheduler.waiting)
-            if waiting + len(prompts) > self.max_queue:
-                raise OpenAIError(429, f"the server is at capacity ({waiting} requests waiting); retry later",
+            if self.error is not None or not self._thread.is_alive():
+                raise EngineDeadError(self.error)
+            waiting = self.queued_sequences()
+            if waiting + sequences > self.max_queue:
+                raise OpenAIError(429, f"the server is at capacity ({waiting} sequences waiting); retry later",
                                   type_="rate_limit_error", headers={"Retry-After": "1"})
             try:
                 for p in prompts:
@@ -79,7 +106,7 @@ class AsyncEngine:
                 self._release_locked(rid, abort=not finished)
 
     def _release_locked(self, rid: str, abort: bool = True) -> None:
-        if abort:
+        if abort and self.error is None:   # a dead engine's state is not touched again
             self.engine.abort(rid)
         self._routes.pop(rid, None)
         reqs = self._requests.pop(rid, None)
@@ -103,6 +130,17 @@ class AsyncEngine:
                     self._wake.clear()
                 elif not deltas:
                     time.sleep(0.0005)
-        except BaseException as e:  # surfaced by /health; requests in flight get a 500
-            self.error = e
+        except BaseException as e:  # surfaced by /health; every request in flight gets a 503 now
+            self._fail_all(e)
             raise
+
+    def _fail_all(self, cause: BaseException) -> None:
+        with self.lock:
+            self.error = cause
+            queues = {id(q): (loop, q) for loop, q in self._routes.values()}
+            self._routes.clear()
+        for loop, q in queues.values():
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(cause))
+            except RuntimeError:   # that request's event loop is already closed
+                pass

@@ -1,17 +1,48 @@
 """OpenAI request schemas -> SamplingParams, and the response bodies. Shared by the HTTP server
-and the offline batch script so both speak exactly the same dialect."""
+and the offline batch script so both speak exactly the same dialect.
+
+Every request body is checked before its fields are: text must be valid Unicode (JSON's "\\ud800"
+escapes parse to lone surrogates that no tokenizer can encode), OpenAI fields we do not implement
+are refused (UNSUPPORTED_FIELDS), unknown extras are ignored with a logged warning. Sampling bounds
+themselves live in SamplingParams; this module only maps OpenAI's field names onto it."""
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.config import MAX_STOP_STRINGS, SamplingParams
 
 MAX_N = 16
+log = logging.getLogger("jaxinfer.serve")
+
+# OpenAI request fields this server does not implement. Each is refused with a 400 naming it unless
+# it carries its no-op value: a client that asked for JSON, a tool call or a logit bias must not get
+# plain text that it believes honours the request.
+UNSUPPORTED_FIELDS = {
+    "logit_bias": lambda v: v is None or v == {},
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text" and len(v) == 1),
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v is None or v == "none",
+    "parallel_tool_calls": lambda v: v is None,
+    "functions": lambda v: v is None or v == [],
+    "function_call": lambda v: v is None or v == "none",
+    "best_of": lambda v: v is None or v == 1,
+    "suffix": lambda v: v is None or v == "",
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    # vLLM's structured-output extras: the same promise as response_format
+    "guided_json": lambda v: v is None, "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None, "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+}
 
 
 class OpenAIError(Exception):
@@ -27,13 +58,71 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def find_invalid_text(obj: Any) -> str | None:
+    """The path of the first string (or key) in a parsed JSON value that is not valid Unicode text
+    (a lone UTF-16 surrogate such as "\\ud800" parses to one), else None. Iterative: a body nested
+    as deep as the JSON parser allows must not overflow the stack here."""
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            items = []
+            for k, v in value.items():
+                if not _is_text(k):
+                    return path or "body"
+                items.append((f"{path}.{k}" if path else k, v))
+            stack.extend(reversed(items))
+        elif isinstance(value, list):
+            stack.extend(reversed([(f"{path}[{i}]", v) for i, v in enumerate(value)]))
+    return None
+
+
+def _is_text(s: Any) -> bool:
+    try:
+        s.encode("utf-8")
+    except (UnicodeEncodeError, AttributeError):
+        return False
+    return True
+
+
+def _refuse(param: str, message: str) -> PydanticCustomError:
+    # ctx["param"] becomes the error JSON's "param" (serve.app._validation_error)
+    return PydanticCustomError("invalid_field", "{message}", {"message": message, "param": param})
+
+
+class _Body(BaseModel):
+    """A request body: strings must be valid Unicode; unknown extras are ignored with a warning."""
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_body(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        bad = find_invalid_text(data)
+        if bad is not None:
+            raise _refuse(bad.split(".")[0].split("[")[0],
+                          f"{bad}: not valid Unicode text (it contains a lone UTF-16 surrogate)")
+        for name, is_noop in UNSUPPORTED_FIELDS.items():
+            if name in data and name not in cls.model_fields and not is_noop(data[name]):
+                raise _refuse(name, f"{name} is not supported by this server")
+        unknown = sorted(set(data) - set(cls.model_fields) - set(UNSUPPORTED_FIELDS))
+        if unknown:
+            log.warning("ignoring unknown request field(s) %s", unknown)
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Body):
     """Fields both endpoints share (OpenAI's names) plus vLLM-style extras."""
-    model_config = ConfigDict(extra="ignore")
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -55,8 +144,8 @@ class _Sampling(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stop) or len(stop) > 16:
-            raise OpenAIError(400, "stop must be at most 16 non-empty strings", param="stop")
+        if any(not s for s in stop) or len(stop) > MAX_STOP_STRINGS:
+            raise OpenAIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -66,7 +155,10 @@ class _Sampling(BaseModel):
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                 logprobs=logprobs, n=self.n)
         except ValueError as e:
-            raise OpenAIError(400, str(e)) from None
+            message = str(e)
+            param = next((f for f in ("stop", "max_tokens", "n", "logprobs", "temperature", "top_p", "top_k")
+                          if message.startswith(f)), None)
+            raise OpenAIError(400, message, param=param) from None
 
 
 class CompletionRequest(_Sampling):
@@ -99,14 +191,14 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
 

@@ -99,3 +99,45 @@ def test_batch_file_with_bad_lines_and_resume(model, tmp_path):
     assert all(r["response"]["status_code"] == 200 for r in ok)
     done = next(r for r in ok if r["custom_id"] == "r0")["response"]["body"]
     assert done["object"] == "text_completion" and done["usage"]["completion_tokens"] == 60
+
+
+def test_batch_keys_by_line_reports_bad_lines_and_goes_on(model, tmp_path):
+    """Duplicate custom_ids keep both results; a line that is not UTF-8, holds a lone surrogate or is
+    not an object is reported with its line number; an output file with junk lines resumes."""
+    from jaxinfer import Generator
+    from serve.batch import run_batch
+
+    def req(cid, prompt):
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions",
+                           "body": {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}}).encode()
+
+    lines = [req("dup", "the lazy dog"), req("dup", "seven wizards"), b'{"custom_id": "bad", "body": "\xff\xfe"}',
+             req("sur", "abc\ud800def"), b"[1, 2, 3]", req("\udc00", "fox"),
+             req("last", "zebras"),
+             json.dumps({"custom_id": "lb", "url": "/v1/completions",
+                         "body": {"model": "tiny", "prompt": "fox", "logit_bias": {"5": 100}}}).encode()]
+    assert b"\\ud800" in lines[3]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_bytes(b"\n".join(lines) + b"\n")
+    out.write_text('[1]\n42\n{"line": "x"}\n{"cut by a ki')   # junk left in an existing output file
+    gen = Generator.from_pretrained(model, dtype="float32", max_model_len=128, max_num_batched_tokens=64,
+                                    max_num_seqs=8, block_size=8, warmup=False)
+    summary = run_batch(gen, inp, out, "tiny", progress=False)
+    records = [json.loads(l) for l in out.read_text().splitlines()]
+    assert len(records) == summary["lines"] == 8 and summary["ran"] == 3
+    assert [r["line"] for r in records] == list(range(8))
+    dup = records[:2]
+    assert [r["custom_id"] for r in dup] == ["dup", "dup"] and all(r["error"] is None for r in dup)
+    assert dup[0]["response"]["body"]["choices"] != dup[1]["response"]["body"]["choices"]
+    assert "line 3" in records[2]["error"]["message"] and "UTF-8" in records[2]["error"]["message"]
+    assert "line 4" in records[3]["error"]["message"] and "body.prompt" in records[3]["error"]["message"]
+    assert "Unicode" in records[3]["error"]["message"]
+    assert "line 5" in records[4]["error"]["message"] and "not a JSON object" in records[4]["error"]["message"]
+    assert records[5]["custom_id"] is None and "custom_id" in records[5]["error"]["message"]
+    assert records[6]["custom_id"] == "last" and records[6]["error"] is None
+    assert records[7]["error"]["message"] == "logit_bias is not supported by this server"
+    # resuming a finished run redoes nothing and keeps both duplicates
+    again = run_batch(gen, inp, out, "tiny", progress=False)
+    assert again["ran"] == 0 and again["skipped"] == 8
+    assert [json.loads(l)["id"] for l in out.read_text().splitlines()] == [r["id"] for r in records]
+    assert gen.stats()["kv_blocks_used"] == 0

@@ -58,3 +58,26 @@ def test_compilation_cache_folder_from_env_or_off(monkeypatch, tmp_path):
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_export_hf_tokenizer_reads_the_same_in_transformers(tmp_path):
+    """The bundled model's SentencePiece has no dummy prefix: without tokenizer_config.json saying
+    add_prefix_space false, transformers (and llama.cpp's converter) read "And" as "_And"."""
+    from transformers import AutoTokenizer
+
+    from jaxinfer.generator import default_model_path
+    from jaxinfer.tokenizer import load_tokenizer
+
+    out = tmp_path / "hf"
+    assert main(["export-hf", str(out)]) == 0
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["add_prefix_space"] is False and config["add_bos_token"] is True
+    ours = load_tokenizer(default_model_path())
+    theirs = AutoTokenizer.from_pretrained(out)
+    texts = ["And God said", " And God said", "hello  world\n\nfoo", "Ünïcode ☃ 123", "  lead", "x<s>y</s>z",
+             "\tTab  \n ", "end. ", "Let there be light: and there was light."]
+    for text in texts:
+        assert theirs.encode(text) == ours.encode(text), text
+        assert theirs.decode(theirs.encode(text), skip_special_tokens=True) == ours.decode(ours.encode(text))
+    assert ours.encode("And God said") == [1, 313, 415, 411]   # the issue's example
+    assert theirs.eos_token_id == ours.eos_ids[0] and theirs.bos_token_id == ours.bos_id

@@ -111,3 +111,86 @@ def test_cli_reports_errors_without_traceback(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "missing"), "hi"]) == 2
     err = capsys.readouterr().err
     assert "no such model folder" in err and "Traceback" not in err
+
+
+def _edit_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("hidden_size", "256", "'hidden_size' must be a positive integer, got '256'"),
+    ("num_attention_heads", 4.5, "'num_attention_heads' must be a positive integer"),
+    ("rms_norm_eps", "tiny", "'rms_norm_eps' must be a number"),
+    ("max_position_embeddings", 1e9, "'max_position_embeddings' must be a positive integer"),
+    ("max_position_embeddings", 10**9, "'max_position_embeddings' = 1000000000 is beyond"),
+])
+def test_config_field_of_wrong_type_or_size_is_one_clear_line(hf_model_dir, tmp_path, capsys, field, value, needle):
+    from jaxinfer.cli import main
+
+    folder = _edit_config(hf_model_dir("llama-gqa-llama3"), tmp_path / "m", **{field: value})
+    with pytest.raises(ConfigError, match="config.json: field " + needle.replace("(", r"\(")):
+        _load(folder)
+    assert main(["generate", "--model", str(folder), "--ids", "1,2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "config.json" in err and field in err and "Traceback" not in err
+
+
+def test_native_config_field_of_wrong_type_names_file_and_field(tmp_path):
+    from jaxinfer.weights import save_native
+
+    src = tmp_path / "native"
+    save_native(_tiny_native_model(tmp_path), src, "float32")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model"]["d_model"] = "64"
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json: .*d_model='64' must be an integer"):
+        _load(src)
+
+
+def test_truncated_native_checkpoint_is_one_line_naming_the_tensor(tmp_path):
+    from jaxinfer.weights import save_native
+
+    src = tmp_path / "native"
+    save_native(_tiny_native_model(tmp_path), src, "float32")
+    data = max((src / "params").rglob("d/*"), key=lambda p: p.stat().st_size)   # the largest data file
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(CheckpointError) as e:
+        _load(src)
+    message = str(e.value)
+    assert len(message.splitlines()) == 1 and len(message) < 600, message
+    assert str(src / "params") in message and "cannot restore tensor '" in message and "truncated" in message
+
+
+def _tiny_native_model(tmp_path):
+    from jaxinfer.weights import load_model
+
+    folder = tmp_path / "hf"
+    build_hf_model("llama-gqa-llama3").save_pretrained(folder)
+    return load_model(folder, "float32")[0]
+
+
+def test_max_model_len_is_capped_to_the_kv_pool(tmp_path, caplog):
+    """--num-blocks 20: the model's 256 positions do not fit in 19 blocks of 8 tokens: the engine
+    caps max_model_len and says so at start, so a chat without max_tokens fits the pool."""
+    from serve.app import ServerState
+    from serve.protocol import ChatCompletionRequest
+    from tests.hf_models import save_text_model
+
+    model = save_text_model(tmp_path / "model")   # max_position_embeddings 256
+    for max_model_len in (None, 256):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="jaxinfer"):
+            gen = Generator.from_pretrained(model, dtype="float32", num_blocks=20, block_size=8, max_num_seqs=2,
+                                            max_model_len=max_model_len, max_num_batched_tokens=16, warmup=False)
+        assert gen.engine.max_model_len == 19 * 8
+        assert "max_model_len capped at 152" in caplog.text and "19 blocks of 8" in caplog.text
+        state = ServerState(gen, "tiny", None, max_queue=8)
+        prompt, params = state.chat_inputs(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]))
+        assert len(prompt) + params.max_tokens == 152
+        rid = gen.engine.add_request(prompt, params)    # main: "needs 32 KV blocks but the cache has 19"
+        gen.abort(rid)
+        assert gen.stats()["kv_blocks_used"] == 0

@@ -1,0 +1,82 @@
+"""What every HTTP request passes before routing or body parsing: the API key and the body-size limit.
+
+A plain ASGI middleware (not Starlette's BaseHTTPMiddleware), so streaming responses and client
+disconnects pass through untouched. Errors use OpenAI's error JSON (serve.protocol.OpenAIError).
+
+- API key: with a key set, every route except OPEN_PATHS needs `Authorization: Bearer KEY`
+  (scheme case-insensitive, compared in constant time). /health stays open so that load balancers
+  and orchestrators can probe liveness without the key, as in vLLM and llama.cpp.
+- Body size: a declared Content-Length above the limit gets a 413 before anything is read; a
+  chunked body is counted as it arrives and refused with a 413 once it passes the limit.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve.protocol import OpenAIError
+
+OPEN_PATHS = frozenset({"/health"})
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20   # 4 MiB: ~1M tokens of text, far beyond any context we serve
+
+
+def error_bytes(e: OpenAIError) -> bytes:
+    # ensure_ascii: messages quote user input, which may hold lone surrogates UTF-8 cannot encode
+    return json.dumps(e.body(), ensure_ascii=True).encode("ascii")
+
+
+async def send_error(send: Send, e: OpenAIError) -> None:
+    body = error_bytes(e)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in e.headers.items()]
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                            "(--max-request-bytes)", code="request_too_large")
+
+
+class RequestGuard:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int):
+        self.app, self.max_request_bytes = app, max_request_bytes
+        self.api_key = api_key.encode() if api_key else None
+
+    def authorized(self, scope: Scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.strip().partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self.authorized(scope):
+            await send_error(send, OpenAIError(401, "missing or invalid API key (Authorization: Bearer ...)",
+                                               type_="authentication_error", code="invalid_api_key"))
+            return
+        limit = self.max_request_bytes
+        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await send_error(send, too_large(limit) if declared.isdigit() else
+                             OpenAIError(400, "invalid Content-Length header"))
+            return
+        received = 0
+
+        async def counted_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    # FastAPI re-raises HTTPException from body reading; serve.app renders it
+                    raise HTTPException(413, too_large(limit).message)
+            return message
+
+        await self.app(scope, counted_receive, send)
