@@ -153,7 +153,7 @@ class Generator:
         model, _ = load_model(path, dtype, mesh=mesh)           # each weight read straight into its shards
         if group is None:   # fused qkv / gate_up, columns grouped per device (models/decoder.py); multi-host
             # keeps the unfused names for now (tests/multihost_worker.py reads layers/0/mlp/up)
-            model = fuse_decoder(model, tensor_parallel)
+            model = fuse_decoder(model, tensor_parallel, consume=True)
         if quantize is not None:
             quantize_decoder(model, quantize)
         if mesh is not None:   # the fused weights' tensor-parallel layout; QuantizedWeights replicated

@@ -39,8 +39,8 @@ from jaxinfer.quant import QuantizedWeight, quantize
 
 
 class Attention(nnx.Module):
-    """shards None: separate q, k, v. An int: one fused `qkv` [d, shards * (H + 2 Hkv) / shards * hd]
-    whose columns are grouped per shard (module docstring)."""
+    """shards None: separate q, k, v. An int: one fused `qkv` [d, (H + 2 Hkv) hd] whose columns are
+    `shards` groups of [H/shards q heads | Hkv/shards k heads | Hkv/shards v heads] (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None, shards: int | None = None):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -90,7 +90,7 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None, fused: "FusedLayout | None" = None):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None, fused: FusedLayout | None = None):
         self.residual_post_norm = cfg.residual_post_norm
         self.attn_norm = Norm(cfg.d_model, cfg.norm, cfg.norm_eps, dtype, rngs)
         self.attn = Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards)
@@ -304,30 +304,33 @@ def _build(cfg: ModelConfig, dtype, fused: FusedLayout | None, values: dict) -> 
     return model
 
 
-def fuse_decoder(model: Decoder, tp: int = 1) -> Decoder:
+def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
     """A new Decoder with fused `qkv` and `gate_up` (module docstring), columns grouped for `tp`
     tensor-parallel devices; float or quantized weights. On a mesh, call shard_decoder afterwards
-    (from_pretrained does) to place the fused weights."""
+    (from_pretrained does) to place the fused weights. consume: free each layer's unfused arrays
+    once its fused ones exist (peak memory: the model plus one layer's projections), leaving
+    `model` unusable."""
     if model.fused is not None:
         raise ValueError("the model is already fused")
     cfg, p = model.cfg, _flat_params(model)
     layout = FusedLayout.for_tp(cfg, tp)
-    out = {k: v for k, v in p.items() if k.split("/")[-1] not in ("q", "k", "v", "q_bias", "k_bias", "v_bias",
-                                                                  "gate", "up", "gate_bias", "up_bias")}
+    fused_names = ("q", "k", "v", "q_bias", "k_bias", "v_bias") + (
+        ("gate", "up", "gate_bias", "up_bias") if cfg.gated_mlp else ())
+    out = {k: v for k, v in p.items() if k.split("/")[-1] not in fused_names}
+    qkv, gate_up = _qkv_fuse(cfg, layout), _gate_up_fuse(layout.mlp_shards)
     for i in range(cfg.n_layers):
         a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
-        out[f"{a}/qkv"] = _fuse_leaves([_as_columns(p[f"{a}/{n}"]) for n in "qkv"], _qkv_fuse(cfg, layout))
+        out[f"{a}/qkv"] = _fuse_leaves([_as_columns(p[f"{a}/{n}"]) for n in "qkv"], qkv)
         if cfg.qkv_bias:
-            out[f"{a}/qkv_bias"] = _qkv_fuse(cfg, layout)([p[f"{a}/{n}_bias"].reshape(-1) for n in "qkv"])
+            out[f"{a}/qkv_bias"] = qkv([p[f"{a}/{n}_bias"].reshape(-1) for n in "qkv"])
         if cfg.gated_mlp:
-            fn = _gate_up_fuse(layout.mlp_shards)
-            out[f"{m}/gate_up"] = _fuse_leaves([p[f"{m}/gate"], p[f"{m}/up"]], fn)
+            out[f"{m}/gate_up"] = _fuse_leaves([p[f"{m}/gate"], p[f"{m}/up"]], gate_up)
             if cfg.mlp_bias:
-                out[f"{m}/gate_up_bias"] = fn([p[f"{m}/gate_bias"], p[f"{m}/up_bias"]])
-        else:
-            out[f"{m}/up"] = p[f"{m}/up"]
-            if cfg.mlp_bias:
-                out[f"{m}/up_bias"] = p[f"{m}/up_bias"]
+                out[f"{m}/gate_up_bias"] = gate_up([p[f"{m}/gate_bias"], p[f"{m}/up_bias"]])
+        if consume:
+            for name in [f"{a}/{n}" for n in fused_names[:6]] + [f"{m}/{n}" for n in fused_names[6:]]:
+                for leaf in jax.tree.leaves(p.pop(name, None)):
+                    leaf.delete()
     fused_cfg = dataclasses.replace(cfg, n_kv_heads=cfg.n_kv_heads * layout.kv_replicas)
     return _build(fused_cfg, p["embed"].dtype, layout, out)
 
