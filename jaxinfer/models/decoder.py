@@ -271,7 +271,8 @@ def _gate_up_split(s: int):
 
 
 def _fuse_leaves(parts: list, fn):
-    """Concatenate the columns of float weights [d, *out] (or biases [*out]) or QuantizedWeights."""
+    """fn applied to float weights as [d, n] columns, or to each leaf of QuantizedWeights (q, scales,
+    zeros: all end in the n columns) -> one fused [d, N] weight of the same kind."""
     if isinstance(parts[0], QuantizedWeight):
         first = parts[0]
         assert all((p.bits, p.group_size, p.contract, p.symmetric) == (first.bits, first.group_size, 1, first.symmetric)
