@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.decoder import Decoder
+from jaxinfer.models.decoder import Decoder, unfuse_decoder
 
 _LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
@@ -53,6 +53,7 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
+    model = unfuse_decoder(model)   # a fused model (fuse_decoder) is written with HF's separate names
     cfg = model.cfg
     p = {"/".join(map(str, k)): np.asarray(v.get_value(), np.float32)
          for k, v in nnx.state(model, nnx.Param).flat_state()}

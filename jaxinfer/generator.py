@@ -28,7 +28,7 @@ from flax import nnx
 from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.engine import Engine, RequestOutput
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
-from jaxinfer.models.decoder import quantize_decoder
+from jaxinfer.models.decoder import fuse_decoder, quantize_decoder
 from jaxinfer.weights import resolve_dtype, load_model
 
 DEFAULT_MODEL = "jaxinfer-tiny-llama"
@@ -156,11 +156,14 @@ class Generator:
             channel.check_same("settings", dict(dataclasses.asdict(cfg), max_num_batched_tokens=max_num_batched_tokens,
                                                 warmup=warmup, model_config_sha256=model_sha))
         model, _ = load_model(path, dtype, mesh=mesh)           # each weight read straight into its shards
+        if group is None:   # fused qkv / gate_up, columns grouped per device (models/decoder.py); multi-host
+            # keeps the unfused names for now (tests/multihost_worker.py reads layers/0/mlp/up)
+            model = fuse_decoder(model, tensor_parallel, consume=True)
         if quantize is not None:
             quantize_decoder(model, quantize)
-            if mesh is not None:   # QuantizedWeights: replicated on the mesh (sharding.py docstring)
-                from jaxinfer.sharding import shard_decoder
-                shard_decoder(model, mesh)
+        if mesh is not None:   # the fused weights' tensor-parallel layout; QuantizedWeights replicated
+            from jaxinfer.sharding import shard_decoder
+            shard_decoder(model, mesh)
         gen = cls(model, load_tokenizer(path), cfg, max_num_batched_tokens, warmup)
         if channel is not None:
             gen._join(channel)

@@ -72,26 +72,40 @@ def dense(x: jax.Array, kernel, bias: jax.Array | None, contract: int = 1) -> ja
 
 
 class MLP(nnx.Module):
-    """Gated (SwiGLU-style: act(x W_gate) * x W_up) or plain (act(x W_fc)) feed-forward."""
+    """Gated (SwiGLU-style: act(x W_gate) * x W_up) or plain (act(x W_fc)) feed-forward.
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
+    shards None: separate gate and up. An int (gated only): one fused `gate_up` [d, 2F] whose columns
+    are `shards` groups of [gate columns | up columns] (models/decoder.py, fuse_decoder)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, shards: int | None = None):
         d, f = cfg.d_model, cfg.ffn_dim
         self.act, self.gated = cfg.activation, cfg.gated_mlp
-        self.up = param((d, f), ("embed", "mlp"), dtype, rngs)
-        self.gate = param((d, f), ("embed", "mlp"), dtype, rngs) if cfg.gated_mlp else None
+        self.shards = shards if cfg.gated_mlp else None
+        bias, fused, gated = cfg.mlp_bias, self.shards is not None, cfg.gated_mlp
+        assert not fused or f % self.shards == 0, (f, self.shards)
+        self.up = None if fused else param((d, f), ("embed", "mlp"), dtype, rngs)
+        self.gate = param((d, f), ("embed", "mlp"), dtype, rngs) if gated and not fused else None
+        self.up_bias = param((f,), ("mlp",), dtype, rngs, init="zeros") if bias and not fused else None
+        self.gate_bias = param((f,), ("mlp",), dtype, rngs, init="zeros") if bias and gated and not fused else None
+        axis = "gate_up" if fused and self.shards > 1 else None
+        self.gate_up = param((d, 2 * f), ("embed", axis), dtype, rngs) if fused else None
+        self.gate_up_bias = param((2 * f,), (axis,), dtype, rngs, init="zeros") if fused and bias else None
         self.down = param((f, d), ("mlp", "embed"), dtype, rngs)
-        bias = cfg.mlp_bias
-        self.up_bias = param((f,), ("mlp",), dtype, rngs, init="zeros") if bias else None
-        self.gate_bias = param((f,), ("mlp",), dtype, rngs, init="zeros") if bias and cfg.gated_mlp else None
         self.down_bias = param((d,), ("embed",), dtype, rngs, init="zeros") if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         act = ACTIVATIONS[self.act]
-        h = dense(x, self.up.get_value(), param_value(self.up_bias))
-        if self.gated:
-            h = act(dense(x, self.gate.get_value(), param_value(self.gate_bias))) * h
+        if self.gate_up is not None:
+            y = dense(x, self.gate_up.get_value(), param_value(self.gate_up_bias))   # (T, 2F)
+            y = y.reshape(*x.shape[:-1], self.shards, 2, -1)                           # (T, s, gate | up, F / s)
+            f = y.shape[-1] * self.shards
+            h = act(y[..., 0, :].reshape(*x.shape[:-1], f)) * y[..., 1, :].reshape(*x.shape[:-1], f)
         else:
-            h = act(h)
+            h = dense(x, self.up.get_value(), param_value(self.up_bias))
+            if self.gated:
+                h = act(dense(x, self.gate.get_value(), param_value(self.gate_bias))) * h
+            else:
+                h = act(h)
         return dense(h, self.down.get_value(), param_value(self.down_bias))
 
 

@@ -13,6 +13,7 @@ ShardingRules maps each logical axis to a mesh axis (or None = replicated):
 
     heads, kv_heads, mlp, vocab -> "tensor"     (Megatron: column-parallel q/k/v, up/gate, LM head;
                                                  row-parallel o and down; vocab-parallel embedding)
+    qkv, gate_up               -> "tensor"      (the fused projections' output columns; see below)
     embed, head_dim, position  -> None          (replicated)
     layers                     -> "pipeline"    (the Decoder's layers are a Python list with no layer
                                                  axis; pipeline.py stacks them to [n_layers, ...] and
@@ -53,6 +54,18 @@ all-reduce moves 2 (tp - 1) / tp of the message per device, so each device sends
 Pipeline parallelism instead sends one T x d_model x b activation point-to-point per stage
 boundary (pp - 1 sends per step, 512 KiB each in the example), independent of the layer count, but
 it does not cut per-token latency and idles stages without micro-batching.
+
+Fused projections (models.decoder.fuse_decoder(model, tp)): `qkv` [d, N] and `gate_up` [d, 2F]
+have their columns grouped per device, device i's slice being [its q heads | its k heads | its v
+heads] and [its gate columns | its up columns], so the plain split of the column axis over "tensor"
+that the rules give is exactly Megatron's layout above, and the forward splits the fused output
+with no communication. With fewer KV heads than devices (n_kv_heads % tp), fusion repeats each KV
+head until every device holds whole KV heads for its own query heads (Hkv=2, tp=4: each head twice,
+one per device): the fused model's cfg.n_kv_heads counts the copies, so its k/v columns and its KV
+pages split over "tensor" (1 head per device) where the unfused model replicates them all. A fused
+model is built for one tp; on a mesh of another size it is still correct (shardings never change
+results) but XLA then moves columns between devices. rules_for drops qkv with heads and gate_up
+with mlp (the fused layout then keeps one group: replicated).
 
 Quantized weights: a Param whose value is a quant.QuantizedWeight pytree (after
 models.decoder.quantize_decoder) is replicated on every device of the mesh, because its packed
@@ -163,6 +176,7 @@ class ShardingRules(Mapping):
 
 
 DEFAULT_RULES = ShardingRules(heads="tensor", kv_heads="tensor", mlp="tensor", vocab="tensor",
+                              qkv="tensor", gate_up="tensor",
                               embed=None, head_dim=None, position=None, layers="pipeline")
 
 
@@ -175,7 +189,8 @@ def rules_for(cfg, mesh, base: ShardingRules = DEFAULT_RULES) -> ShardingRules:
     tensor degree does not divide falls back to replication (kv_heads, heads, mlp, vocab), silently
     and correctly (see the module docstring). `mesh` may be a Mesh or an AbstractMesh."""
     tp = _axis_size(mesh, "tensor")
-    sizes = {"heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "mlp": cfg.ffn_dim, "vocab": cfg.vocab_size}
+    sizes = {"heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "mlp": cfg.ffn_dim, "vocab": cfg.vocab_size,
+             "qkv": cfg.n_heads, "gate_up": cfg.ffn_dim}   # fused: whole q heads / mlp columns per device
     drop = [axis for axis, size in sizes.items() if base.mesh_axis(axis) == "tensor" and size % tp]
     return base.without(*drop) if drop else base
 

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ConfigError, ModelConfig
-from jaxinfer.models.decoder import Decoder, abstract_decoder
+from jaxinfer.models.decoder import Decoder, abstract_decoder, unfuse_decoder
 from jaxinfer.models.hf_maps import OPTIONAL_PREFIXES, hf_weight_map
 
 
@@ -195,9 +195,11 @@ def is_native(folder: str | Path) -> bool:
 
 def save_native(model: Decoder, out_dir: str | Path, dtype: str, tokenizer=None,
                 extra: dict[str, Any] | None = None) -> None:
-    """Write config.json + params/ (orbax) + tokenizer files into out_dir."""
+    """Write config.json + params/ (orbax) + tokenizer files into out_dir. A fused model
+    (models.decoder.fuse_decoder) is written unfused: the format has one tensor per projection."""
     import orbax.checkpoint as ocp
 
+    model = unfuse_decoder(model)
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     jdtype = DTYPES[dtype]

@@ -8,8 +8,22 @@ The forward pass works on a flat, ragged batch of T tokens (DESIGN.md): tokens [
 positions [T], and either no cache (one sequence, full causal attention) or per-layer KV pages
 with AttentionMetadata. Layers are a Python list, unrolled under jit, so each layer's pages
 are updated in place when the cache is donated.
+
+Fused projections (fuse_decoder). Checkpoints and the loaders use one matrix per projection
+(q, k, v; gate, up). For serving, fuse_decoder(model, tp) concatenates them in memory into one
+`qkv` [d, N] and one `gate_up` [d, 2F] per layer, so a step runs 2 matmuls where it ran 5. Their
+columns are grouped per tensor-parallel shard: shard i of `qkv` is [its q heads | its k heads |
+its v heads] and shard i of `gate_up` is [its gate columns | its up columns], so splitting the
+fused output axis over "tensor" gives each device what it needs with no communication. When
+n_kv_heads does not divide over tp, each KV head is repeated kv_replicas times (the smallest count
+that gives every device whole KV heads of its own query heads, as vLLM does), and the fused model's
+cfg says n_kv_heads * kv_replicas: its KV pages shard over "tensor" instead of being replicated.
+The forward is the same computation (fusion only concatenates columns); unfuse_decoder inverts it
+for saving and exporting.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -21,29 +35,49 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import AttentionMetadata, LayerKV
 from jaxinfer.layers import (MLP, Norm, alibi_slopes, apply_rope, dense, param, param_value, rope_inv_freq,
                              sinusoidal_embedding)
-from jaxinfer.quant import quantize
+from jaxinfer.quant import QuantizedWeight, quantize
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None):
+    """shards None: separate q, k, v. An int: one fused `qkv` [d, (H + 2 Hkv) hd] whose columns are
+    `shards` groups of [H/shards q heads | Hkv/shards k heads | Hkv/shards v heads] (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None, shards: int | None = None):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.cfg, self.window = cfg, cfg.layer_window(layer)
-        self.q = param((d, h, hd), ("embed", "heads", "head_dim"), dtype, rngs)
-        self.k = param((d, kv, hd), ("embed", "kv_heads", "head_dim"), dtype, rngs)
-        self.v = param((d, kv, hd), ("embed", "kv_heads", "head_dim"), dtype, rngs)
+        self.cfg, self.window, self.shards = cfg, cfg.layer_window(layer), shards
+        qkv_bias, fused = cfg.qkv_bias, shards is not None
+        assert not fused or (h % shards == 0 and kv % shards == 0), (h, kv, shards)
+        unfused = lambda shape, axes, bias=False: (None if fused or (bias and not qkv_bias) else  # noqa: E731
+                                                   param(shape, axes, dtype, rngs, init="zeros" if bias else "normal"))
+        self.q = unfused((d, h, hd), ("embed", "heads", "head_dim"))
+        self.k = unfused((d, kv, hd), ("embed", "kv_heads", "head_dim"))
+        self.v = unfused((d, kv, hd), ("embed", "kv_heads", "head_dim"))
+        self.q_bias = unfused((h, hd), ("heads", "head_dim"), bias=True)
+        self.k_bias = unfused((kv, hd), ("kv_heads", "head_dim"), bias=True)
+        self.v_bias = unfused((kv, hd), ("kv_heads", "head_dim"), bias=True)
+        n, axis = (h + 2 * kv) * hd, "qkv" if fused and shards > 1 else None
+        self.qkv = param((d, n), ("embed", axis), dtype, rngs) if fused else None
+        self.qkv_bias = param((n,), (axis,), dtype, rngs, init="zeros") if fused and qkv_bias else None
         self.o = param((h, hd, d), ("heads", "head_dim", "embed"), dtype, rngs)
-        qkv_bias = cfg.qkv_bias
-        self.q_bias = param((h, hd), ("heads", "head_dim"), dtype, rngs, init="zeros") if qkv_bias else None
-        self.k_bias = param((kv, hd), ("kv_heads", "head_dim"), dtype, rngs, init="zeros") if qkv_bias else None
-        self.v_bias = param((kv, hd), ("kv_heads", "head_dim"), dtype, rngs, init="zeros") if qkv_bias else None
         self.o_bias = param((d,), ("embed",), dtype, rngs, init="zeros") if cfg.out_bias else None
+
+    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [T, D] -> q [T, H, hd], k, v [T, Hkv, hd]."""
+        if self.qkv is None:
+            return (dense(x, self.q.get_value(), param_value(self.q_bias)),
+                    dense(x, self.k.get_value(), param_value(self.k_bias)),
+                    dense(x, self.v.get_value(), param_value(self.v_bias)))
+        cfg, s = self.cfg, self.shards
+        hq, hk = cfg.n_heads // s, cfg.n_kv_heads // s
+        y = dense(x, self.qkv.get_value(), param_value(self.qkv_bias))                 # (T, N)
+        y = y.reshape(*x.shape[:-1], s, hq + 2 * hk, cfg.head_dim)                    # (T, s, hq + 2 hk, hd)
+        heads = lambda a: a.reshape(*a.shape[:-3], -1, cfg.head_dim)  # noqa: E731     (T, s * heads, hd)
+        return heads(y[..., :hq, :]), heads(y[..., hq:hq + hk, :]), heads(y[..., hq + hk:, :])
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: LayerKV | None,
                  meta: AttentionMetadata | None, impl: str) -> tuple[jax.Array, LayerKV | None]:
         cfg = self.cfg
-        q = dense(x, self.q.get_value(), param_value(self.q_bias))                    # (T, H, hd)
-        k = dense(x, self.k.get_value(), param_value(self.k_bias))                    # (T, Hkv, hd)
-        v = dense(x, self.v.get_value(), param_value(self.v_bias))
+        q, k, v = self.project_qkv(x)                                                 # (T, H | Hkv, hd)
         alibi = None
         if cfg.position == "rope":
             inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
@@ -56,12 +90,12 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None, fused: FusedLayout | None = None):
         self.residual_post_norm = cfg.residual_post_norm
         self.attn_norm = Norm(cfg.d_model, cfg.norm, cfg.norm_eps, dtype, rngs)
-        self.attn = Attention(cfg, layer, dtype, rngs)
+        self.attn = Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards)
         self.mlp_norm = Norm(cfg.d_model, cfg.norm, cfg.norm_eps, dtype, rngs)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = MLP(cfg, dtype, rngs, None if fused is None else fused.mlp_shards)
 
     def __call__(self, x, positions, kv, meta, impl):
         h = self.attn_norm(x)
@@ -71,17 +105,42 @@ class Block(nnx.Module):
         return (h if self.residual_post_norm else x) + self.mlp(h), kv
 
 
-class Decoder(nnx.Module):
-    """tokens [T], positions [T] (+ KV pages, metadata) -> logits [T or N, vocab] float32."""
+@dataclasses.dataclass(frozen=True)
+class FusedLayout:
+    """How a fused Decoder's columns are grouped: attn_shards / mlp_shards column groups in `qkv` /
+    `gate_up` (the tensor-parallel degree, or 1 where it does not divide n_heads / ffn_dim), each KV
+    head repeated kv_replicas times (the fused cfg.n_kv_heads is the original's times kv_replicas)."""
+    attn_shards: int
+    mlp_shards: int
+    kv_replicas: int
 
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
-        self.cfg = cfg
+    @staticmethod
+    def for_tp(cfg: ModelConfig, tp: int = 1) -> "FusedLayout":
+        """The layout for `tp` devices of an (unfused) cfg."""
+        h, kv = cfg.n_heads, cfg.n_kv_heads
+        attn = tp if h % tp == 0 else 1
+        # the fewest copies of each KV head that split into whole heads per device while every
+        # device's query heads still share its own KV heads (kv * r divides h: g = h / kv works)
+        reps = next(r for r in range(1, h // kv + 1) if (h // kv) % r == 0 and (kv * r) % attn == 0)
+        return FusedLayout(attn, tp if cfg.ffn_dim % tp == 0 else 1, reps)
+
+
+class Decoder(nnx.Module):
+    """tokens [T], positions [T] (+ KV pages, metadata) -> logits [T or N, vocab] float32.
+
+    fused None: one parameter per projection (the checkpoint layout; loaders build this). A
+    FusedLayout: fused `qkv` / `gate_up` (fuse_decoder builds it; cfg.n_kv_heads already counts the
+    KV replicas)."""
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 fused: FusedLayout | None = None):
+        self.cfg, self.fused = cfg, fused
         d = cfg.d_model
         self.embed = param((cfg.vocab_size, d), ("vocab", "embed"), dtype, rngs)
         self.pos_embed = (param((cfg.max_position_embeddings, d), ("position", "embed"), dtype, rngs)
                           if cfg.position == "learned" else None)
         self.embed_norm = Norm(d, cfg.norm, cfg.norm_eps, dtype, rngs) if cfg.embed_norm else None
-        self.layers = nnx.List([Block(cfg, i, dtype, rngs) for i in range(cfg.n_layers)])
+        self.layers = nnx.List([Block(cfg, i, dtype, rngs, fused) for i in range(cfg.n_layers)])
         self.final_norm = Norm(d, cfg.norm, cfg.norm_eps, dtype, rngs)
         self.lm_head = None if cfg.tie_embeddings else param((d, cfg.vocab_size), ("embed", "vocab"), dtype, rngs)
 
@@ -124,9 +183,9 @@ class Decoder(nnx.Module):
         return self.logits(h), kv_pages
 
 
-def abstract_decoder(cfg: ModelConfig, dtype) -> Decoder:
+def abstract_decoder(cfg: ModelConfig, dtype, fused: FusedLayout | None = None) -> Decoder:
     """A Decoder whose parameters are ShapeDtypeStructs: the shape/dtype target for loading."""
-    return nnx.eval_shape(lambda: Decoder(cfg, dtype, rngs=None))
+    return nnx.eval_shape(lambda: Decoder(cfg, dtype, rngs=None, fused=fused))
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -142,7 +201,7 @@ def count_params(model: Decoder) -> int:
 
 # matmul weights that quantize (name -> contracted leading dims); embeddings, norms, biases and
 # the LM head stay in the model dtype (as llama.cpp keeps the output layer at higher precision)
-_QUANTIZED = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1}
+_QUANTIZED = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1, "qkv": 1, "gate_up": 1}
 
 
 def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Decoder:
@@ -164,3 +223,146 @@ def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Deco
             qw = quantize(w, 8, contract=contract)
         var.set_value(qw)
     return model
+
+
+# ------------------------------------------------------------------------------ fused projections
+# Fusion works on columns: a float weight [d, *out] is viewed as [d, n], a bias [*out] as [n], and a
+# QuantizedWeight's q, scales and zeros all end in the same n columns (int8 scales per column, int4
+# groups along K), so the same column shuffle applies to every leaf and quantizing before or after
+# fusing gives the same numbers.
+
+def _qkv_fuse(cfg: ModelConfig, layout: FusedLayout):
+    """[q | k | v] columns -> shard-grouped [s x (q heads | k heads | v heads)], KV heads repeated."""
+    s, r, hd = layout.attn_shards, layout.kv_replicas, cfg.head_dim
+
+    def fn(parts):
+        q, k, v = parts
+        lead = q.shape[:-1]
+        k, v = (jnp.repeat(a.reshape(*lead, -1, hd), r, axis=-2).reshape(*lead, -1) for a in (k, v))
+        return jnp.concatenate([a.reshape(*lead, s, -1) for a in (q, k, v)], axis=-1).reshape(*lead, -1)
+    return fn
+
+
+def _qkv_split(cfg: ModelConfig, layout: FusedLayout):
+    """The inverse of _qkv_fuse (cfg unfused): [..., N] -> [q, k, v] columns, first KV replica."""
+    s, r, hd = layout.attn_shards, layout.kv_replicas, cfg.head_dim
+    hq, hk = cfg.n_heads // s, cfg.n_kv_heads * r // s
+
+    def fn(fused):
+        lead = fused.shape[:-1]
+        y = fused.reshape(*lead, s, hq + 2 * hk, hd)
+        first = lambda a: a.reshape(*lead, -1, r, hd)[..., 0, :].reshape(*lead, -1)  # noqa: E731
+        return [y[..., :hq, :].reshape(*lead, -1), first(y[..., hq:hq + hk, :]), first(y[..., hq + hk:, :])]
+    return fn
+
+
+def _gate_up_fuse(s: int):
+    def fn(parts):
+        lead = parts[0].shape[:-1]
+        return jnp.stack([a.reshape(*lead, s, -1) for a in parts], axis=-2).reshape(*lead, -1)  # (.., s, 2, F/s)
+    return fn
+
+
+def _gate_up_split(s: int):
+    def fn(fused):
+        y = fused.reshape(*fused.shape[:-1], s, 2, -1)
+        return [y[..., i, :].reshape(*fused.shape[:-1], -1) for i in (0, 1)]
+    return fn
+
+
+def _fuse_leaves(parts: list, fn):
+    """fn applied to float weights as [d, n] columns, or to each leaf of QuantizedWeights (q, scales,
+    zeros: all end in the n columns) -> one fused [d, N] weight of the same kind."""
+    if isinstance(parts[0], QuantizedWeight):
+        first = parts[0]
+        assert all((p.bits, p.group_size, p.contract, p.symmetric) == (first.bits, first.group_size, 1, first.symmetric)
+                   for p in parts), "fused weights must share one quantization format"
+        leaves = [fn([p.q for p in parts]), fn([p.scales for p in parts]),
+                  None if first.zeros is None else fn([p.zeros for p in parts])]
+        return QuantizedWeight(*leaves, bits=first.bits, group_size=first.group_size,
+                               shape=(first.shape[0], int(leaves[0].shape[-1])), contract=1)
+    return fn(parts)
+
+
+def _split_leaves(fused, fn, shapes: list[tuple[int, ...]]) -> list:
+    """The inverse of _fuse_leaves: the parts back in their own shapes (`shapes`, logical)."""
+    if isinstance(fused, QuantizedWeight):
+        leaves = [fn(fused.q), fn(fused.scales), None if fused.zeros is None else fn(fused.zeros)]
+        return [QuantizedWeight(q, sc, None if leaves[2] is None else leaves[2][i], bits=fused.bits,
+                                group_size=fused.group_size, shape=shape, contract=1)
+                for i, (q, sc, shape) in enumerate(zip(leaves[0], leaves[1], shapes))]
+    return [p.reshape(shape) for p, shape in zip(fn(fused), shapes)]
+
+
+def _flat_params(model: Decoder) -> dict:
+    return {"/".join(map(str, p)): v.get_value() for p, v in nnx.state(model, nnx.Param).flat_state()}
+
+
+def _build(cfg: ModelConfig, dtype, fused: FusedLayout | None, values: dict) -> Decoder:
+    model = abstract_decoder(cfg, dtype, fused)
+    for path, var in nnx.state(model, nnx.Param).flat_state():
+        var.set_value(values["/".join(map(str, path))])
+    return model
+
+
+def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
+    """A new Decoder with fused `qkv` and `gate_up` (module docstring), columns grouped for `tp`
+    tensor-parallel devices; float or quantized weights. On a mesh, call shard_decoder afterwards
+    (from_pretrained does) to place the fused weights. consume: free each layer's unfused arrays
+    once its fused ones exist (peak memory: the model plus one layer's projections), leaving
+    `model` unusable."""
+    if model.fused is not None:
+        raise ValueError("the model is already fused")
+    cfg, p = model.cfg, _flat_params(model)
+    layout = FusedLayout.for_tp(cfg, tp)
+    fused_names = ("q", "k", "v", "q_bias", "k_bias", "v_bias") + (
+        ("gate", "up", "gate_bias", "up_bias") if cfg.gated_mlp else ())
+    out = {k: v for k, v in p.items() if k.split("/")[-1] not in fused_names}
+    qkv, gate_up = _qkv_fuse(cfg, layout), _gate_up_fuse(layout.mlp_shards)
+    for i in range(cfg.n_layers):
+        a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
+        out[f"{a}/qkv"] = _fuse_leaves([_as_columns(p[f"{a}/{n}"]) for n in "qkv"], qkv)
+        if cfg.qkv_bias:
+            out[f"{a}/qkv_bias"] = qkv([p[f"{a}/{n}_bias"].reshape(-1) for n in "qkv"])
+        if cfg.gated_mlp:
+            out[f"{m}/gate_up"] = _fuse_leaves([p[f"{m}/gate"], p[f"{m}/up"]], gate_up)
+            if cfg.mlp_bias:
+                out[f"{m}/gate_up_bias"] = gate_up([p[f"{m}/gate_bias"], p[f"{m}/up_bias"]])
+        if consume:
+            for name in [f"{a}/{n}" for n in fused_names[:6]] + [f"{m}/{n}" for n in fused_names[6:]]:
+                for leaf in jax.tree.leaves(p.pop(name, None)):
+                    leaf.delete()
+    fused_cfg = dataclasses.replace(cfg, n_kv_heads=cfg.n_kv_heads * layout.kv_replicas)
+    return _build(fused_cfg, p["embed"].dtype, layout, out)
+
+
+def unfuse_decoder(model: Decoder) -> Decoder:
+    """The inverse of fuse_decoder: separate q, k, v, gate, up and the original cfg (a model that is
+    not fused comes back as it is)."""
+    layout = model.fused
+    if layout is None:
+        return model
+    cfg = dataclasses.replace(model.cfg, n_kv_heads=model.cfg.n_kv_heads // layout.kv_replicas)
+    h, kv, hd, d, f = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.ffn_dim
+    p = _flat_params(model)
+    out = {k: v for k, v in p.items() if k.split("/")[-1] not in ("qkv", "qkv_bias", "gate_up", "gate_up_bias")}
+    for i in range(cfg.n_layers):
+        a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
+        split = _qkv_split(cfg, layout)
+        shapes = [(d, h, hd), (d, kv, hd), (d, kv, hd)]
+        for n, w in zip("qkv", _split_leaves(p[f"{a}/qkv"], split, shapes)):
+            out[f"{a}/{n}"] = w
+        if cfg.qkv_bias:
+            for n, b in zip("qkv", _split_leaves(p[f"{a}/qkv_bias"], split, [s[1:] for s in shapes])):
+                out[f"{a}/{n}_bias"] = b
+        if cfg.gated_mlp:
+            split = _gate_up_split(layout.mlp_shards)
+            out[f"{m}/gate"], out[f"{m}/up"] = _split_leaves(p[f"{m}/gate_up"], split, [(d, f)] * 2)
+            if cfg.mlp_bias:
+                out[f"{m}/gate_bias"], out[f"{m}/up_bias"] = _split_leaves(p[f"{m}/gate_up_bias"], split, [(f,)] * 2)
+    return _build(cfg, p["embed"].dtype, None, out)
+
+
+def _as_columns(w):
+    """A float weight [d, *out] as [d, n]; a QuantizedWeight is already [K, n] underneath."""
+    return w if isinstance(w, QuantizedWeight) else w.reshape(w.shape[0], -1)
