@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.kv_cache import AttentionMetadata, LayerKV, quantize_kv, write_kv
+from jaxinfer.kv_cache import ITEM_GROUP, AttentionMetadata, LayerKV, write_kv
 from pallas_kernels.flash_attention import flash_attention, ragged_paged_attention
 
 NEG_INF = -1e30  # finite, so fully-masked padding rows give zeros instead of NaN
@@ -119,120 +119,92 @@ def paged_attention_reference(q: jax.Array, kv: LayerKV, positions: jax.Array, m
     return out.reshape(t, h, d).astype(q.dtype)
 
 
-def _partial_attend(scores: jax.Array, valid: jax.Array, bias: jax.Array | None, v: jax.Array,
-                    v_spec: str) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Unnormalised softmax pieces over one set of keys: scores [Hkv, G, Q, L] f32 ->
-    (row max [Hkv,G,Q], sum of exp [Hkv,G,Q], exp-weighted sum of v [Hkv,G,Q,D]); empty rows: (-inf, 0, 0)."""
-    hkv, g = scores.shape[:2]
-    if bias is not None:
-        scores = scores + bias.reshape(hkv, g, *bias.shape[1:])
-    scores = jnp.where(valid[None, None], scores, NEG_INF)
-    m = jnp.max(scores, axis=-1)
-    p = jnp.where(valid[None, None], jnp.exp(scores - m[..., None]), 0.0)
-    acc = jnp.einsum(f"kgql,{v_spec}->kgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m, jnp.sum(p, axis=-1), acc
+def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: jax.Array,
+                  num_items: jax.Array, *, scale: float, window: int | None,
+                  alibi: jax.Array | None, group: int) -> jax.Array:
+    """Softmax attention of query tiles over a flat list of (tile, physical block, logical block)
+    work items, `group` items per loop iteration, merged per tile by online softmax.
 
+    q_tiles [NT+1, Hkv, Q, D] f32 (row NT: the padding items' dummy tile), pos_tiles [NT+1, Q]
+    (position of each query, -1: none), items [N, 3] int32, N a multiple of `group`; only the first
+    num_items are real, so the loop runs ceil(num_items / group) times: the work follows the blocks
+    the step actually reads, not the bucket. -> [NT+1, Hkv, Q, D] f32 (0 for a query with no key).
+    Items of one tile may share a group: the running max, sum and output are merged with
+    scatter-max / scatter-add, which combine duplicates."""
+    nt1, hkv, nq, d = q_tiles.shape
+    bs = kv.k.shape[2]
+    g = alibi.shape[0] // hkv if alibi is not None else 1
+    slope = None if alibi is None else jnp.tile(alibi.reshape(hkv, 1, g), (1, nq // g, 1)).reshape(hkv, nq)
+    offs = jnp.arange(bs, dtype=jnp.int32)
 
-def _decode_rows(q: jax.Array, k_seq: jax.Array, v_seq: jax.Array, valid: jax.Array, bias: jax.Array | None,
-                 scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One query per sequence against its gathered context: q [S, Hkv, G, D], k/v_seq [Hkv, S, L, D],
-    valid [S, L], bias [H, S, L] -> _partial_attend's pieces ([Hkv, G, S], [Hkv, G, S], [Hkv, G, S, D]).
-    Scores are laid out [Hkv, S, L, G] so that both dots read the gathered pages in their stored
-    [L, D] order with (Hkv, S) as leading batch axes: on XLA:CPU that is 2.5x faster for Q.K and
-    8x for P.V than the [Hkv, G, S, L] layout of _partial_attend (bench at S=64, L=256).
-    float32 operands: XLA:CPU has no bf16 x bf16 -> f32 kernel for these batched dots."""
-    s, hkv, g, _ = q.shape
-    qk = q.transpose(1, 0, 2, 3).astype(jnp.float32)                     # (Hkv, S, G, D)
-    sc = jnp.einsum("ksld,ksgd->kslg", k_seq.astype(jnp.float32), qk) * scale
-    if bias is not None:
-        sc = sc + bias.reshape(hkv, g, s, -1).transpose(0, 2, 3, 1)
-    mask = valid[None, :, :, None]
-    sc = jnp.where(mask, sc, NEG_INF)
-    m = jnp.max(sc, axis=2)                                               # (Hkv, S, G)
-    p = jnp.where(mask, jnp.exp(sc - m[:, :, None]), 0.0)
-    acc = jnp.einsum("kslg,ksld->ksgd", p, v_seq.astype(jnp.float32))
-    return m.transpose(0, 2, 1), jnp.sum(p, axis=2).transpose(0, 2, 1), acc.transpose(0, 2, 1, 3)
+    def body(i, carry):
+        m_acc, l_acc, o_acc = carry                                       # [NT+1, Hkv, Q(, D)]
+        tile, blk, j = jax.lax.dynamic_slice_in_dim(items, i * group, group).T
+        k, v = kv.k[:, blk], kv.v[:, blk]                                 # (Hkv, K, bs, D)
+        if kv.k_scale is not None:
+            k = k.astype(jnp.float32) * kv.k_scale[:, blk][..., None]
+            v = v.astype(jnp.float32) * kv.v_scale[:, blk][..., None]
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        sc = jnp.einsum("nkqd,knld->nkql", q_tiles[tile], k) * scale       # (K, Hkv, Q, bs)
+        rel = (j[:, None] * bs + offs)[:, None, None, :] - pos_tiles[tile][:, None, :, None]
+        valid = (rel <= 0) & (pos_tiles[tile] >= 0)[:, None, :, None]     # (K, 1, Q, bs)
+        if window is not None:
+            valid &= rel > -window
+        if slope is not None:
+            sc = sc + slope[None, :, :, None] * rel.astype(jnp.float32)
+        sc = jnp.where(valid, sc, NEG_INF)
+        m_new = m_acc.at[tile].max(jnp.max(sc, axis=-1))
+        alpha = jnp.exp(m_acc - m_new)
+        p = jnp.where(valid, jnp.exp(sc - m_new[tile][..., None]), 0.0)
+        l_acc = (l_acc * alpha).at[tile].add(jnp.sum(p, axis=-1))
+        o_acc = (o_acc * alpha[..., None]).at[tile].add(jnp.einsum("nkql,knld->nkqd", p, v))
+        return m_new, l_acc, o_acc
 
-
-def _merge(parts: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
-    """Combine softmax pieces over disjoint key sets (flash-attention's merge) -> [Hkv, G, Q, D]."""
-    m = parts[0][0]
-    for pm, _, _ in parts[1:]:
-        m = jnp.maximum(m, pm)
-    num = sum(acc * jnp.exp(pm - m)[..., None] for pm, _, acc in parts)
-    den = sum(pl * jnp.exp(pm - m) for pm, pl, _ in parts)
-    return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    init = (jnp.full((nt1, hkv, nq), NEG_INF, jnp.float32), jnp.zeros((nt1, hkv, nq), jnp.float32),
+            jnp.zeros((nt1, hkv, nq, d), jnp.float32))
+    _, l_acc, o_acc = jax.lax.fori_loop(0, (num_items + group - 1) // group, body, init)
+    return jnp.where(l_acc[..., None] > 0, o_acc / jnp.where(l_acc > 0, l_acc, 1.0)[..., None], 0.0)
 
 
 def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: jax.Array,
                         meta: AttentionMetadata, *, scale: float, window: int | None = None,
                         alibi: jax.Array | None = None) -> jax.Array:
-    """Ragged paged attention without a per-token context gather. q [T,H,D], this step's k/v
-    [T,Hkv,D] (already written to kv) -> [T,H,D].
+    """Ragged paged attention over the work items of `meta` (kv_cache.build_attention_metadata).
+    q [T,H,D], this step's k/v [T,Hkv,D] (already written to kv; read back from the pages like
+    every other key) -> [T,H,D].
 
-    A token's keys are split into disjoint sets whose softmax pieces are merged:
-      1. this step's tokens of its own sequence (dense [T, T], causal by position): every prefill
-         chunk and every decode token's own key;
-      2. the context cached before this step, for sequences with one token this step (decode):
-         one query per sequence against its gathered pages, [S, L]; skipped (lax.cond) in a step
-         with no such row;
-      3. the same for the few multi-token chunks that continue a cached context (a chunked
-         prefill's later chunks, n > 1 samples after their fork): meta.prior_rows, each gathering
-         its own row's pages, [T, L], and skipped when its slot is empty (-1). The scheduler caps
-         them per step.
-    A first prefill chunk has no cached context, so sets 2 and 3 are empty for it. The pages are
-    read once per sequence (S x L), not once per token (T x L), and only up to the cached context:
-    the block tables need to cover the tokens before this step (ModelRunner.prepare sizes them so).
+    Every key a token sees is read from the pages, one KV block at a time, through a flat list of
+    work items built on the host: (row, block) for every block of a single-token row (decode, Q = G
+    query heads), and (tile, block) for every block a QUERY_TILE-token tile of a multi-token chunk
+    can see (first chunks, later chunks of a chunked prefill, forked samples, any number of them:
+    Q = QUERY_TILE * G). Two loops, one per kind, run over the real items only, so work and memory
+    follow the KV blocks the step uses: no padding to the longest context, no per-token gather.
     """
+    del k, v
+    if meta.num_items is None:   # hand-built metadata without work items: the plain definition
+        return paged_attention_reference(q, kv, positions, meta, scale=scale, window=window, alibi=alibi)
     t, h, d = q.shape
     hkv = kv.k.shape[0]
     g = h // hkv
-    qsl = meta.query_start_loc
-    qlen = qsl[1:] - qsl[:-1]                                            # [S]
-    cached = meta.context_lens - qlen                                    # [S] before this step
-    tok_valid = jnp.arange(t) < qsl[-1]
-    qg = q.reshape(t, hkv, g, d)
-    if kv.k_scale is not None:   # this step's keys as the int8 pages hold them
-        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-        k, v = (kq * ks[..., None]).astype(q.dtype), (vq * vs[..., None]).astype(q.dtype)
+    tq = meta.chunk_tiles.shape[1]
+    q_ext = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((1, h, d), jnp.float32)])   # row T: none
+    pos_ext = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])
+    kw = dict(scale=scale, window=window, alibi=alibi, group=ITEM_GROUP)
 
-    # 1. within this step
-    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * scale
-    same = (meta.seq_ids[:, None] == meta.seq_ids[None, :]) & tok_valid[:, None] & tok_valid[None, :]
-    valid, bias = _mask_and_bias(positions, positions, window, alibi, extra_valid=same)
-    parts = [_partial_attend(scores, valid, bias, v.astype(q.dtype), "lkd")]
+    # decode rows: tile = row, its G query heads per kv head; row S: the padding items' dummy
+    dec_tok = jnp.concatenate([meta.decode_tokens, jnp.full((1,), t, jnp.int32)])       # [S+1]
+    dq = q_ext[dec_tok].reshape(-1, hkv, g, d)                                           # (S+1, Hkv, G, D)
+    dpos = jnp.broadcast_to(pos_ext[dec_tok][:, None], (dq.shape[0], g))
+    dout = _attend_items(dq, dpos, kv, meta.decode_items, meta.num_items[0], **kw)       # (S+1, Hkv, G, D)
 
-    # 2. decode rows: the row's one query against its cached context (skipped, lax.cond, in a step
-    #    without any: the gather and the [S, L] dots are most of a prefill step's attention otherwise)
-    k_pos = jnp.arange(meta.block_tables.shape[1] * kv.k.shape[2], dtype=jnp.int32)
-    single = (qlen == 1)[meta.seq_ids] & tok_valid                     # [T]
-    first = jnp.minimum(qsl[:-1], t - 1)
+    # multi-token chunks: tiles of tq tokens x G heads; tile NT: the dummy
+    tiles = jnp.concatenate([meta.chunk_tiles, jnp.full((1, tq), t, jnp.int32)])         # [NT+1, tq]
+    cq = q_ext[tiles].reshape(-1, tq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(-1, hkv, tq * g, d)
+    cpos = jnp.repeat(pos_ext[tiles], g, axis=1)                                         # (NT+1, tq*G)
+    cout = _attend_items(cq, cpos, kv, meta.chunk_items, meta.num_items[1], **kw)
+    cout = cout.reshape(-1, hkv, tq, g, d).transpose(0, 2, 1, 3, 4)                      # (NT+1, tq, Hkv, G, D)
 
-    def decode_rows(_):
-        k_seq, v_seq = _gather_context(kv, meta.block_tables, jnp.float32)  # (Hkv, S, L, D); int8: dequantized
-        valid_r, bias_r = _mask_and_bias(positions[first], k_pos, window, alibi,
-                                         extra_valid=k_pos[None, :] < cached[:, None])
-        m_r, l_r, acc_r = _decode_rows(qg[first], k_seq, v_seq, valid_r, bias_r, scale)
-        return (jnp.where(single, m_r[:, :, meta.seq_ids], NEG_INF),
-                jnp.where(single, l_r[:, :, meta.seq_ids], 0.0),
-                jnp.where(single[:, None], acc_r[:, :, meta.seq_ids], 0.0))
-
-    empty = (jnp.full((hkv, g, t), NEG_INF, jnp.float32), jnp.zeros((hkv, g, t), jnp.float32),
-             jnp.zeros((hkv, g, t, d), jnp.float32))
-    parts.append(jax.lax.cond(jnp.any((qlen == 1) & (cached > 0)), decode_rows, lambda _: empty, None))
-
-    # 3. multi-token chunks that continue a cached context: each gathers its own row's pages
-    if meta.prior_rows is not None:
-        def continued(row):
-            k_row, v_row = _gather_context(kv, meta.block_tables[row][None], q.dtype)
-            extra = (meta.seq_ids == row)[:, None] & tok_valid[:, None] & (k_pos[None, :] < cached[row])
-            sc = jnp.einsum("tkgd,kld->kgtl", qg, k_row[:, 0], preferred_element_type=jnp.float32) * scale
-            vmask, vbias = _mask_and_bias(positions, k_pos, window, alibi, extra_valid=extra)
-            return _partial_attend(sc, vmask, vbias, v_row[:, 0], "kld")
-
-        for slot in range(meta.prior_rows.shape[0]):
-            row = meta.prior_rows[slot]
-            parts.append(jax.lax.cond(row >= 0, continued, lambda _: empty, jnp.maximum(row, 0)))
-
-    out = _merge(parts)                                                  # (Hkv, G, T, D)
-    return out.transpose(2, 0, 1, 3).reshape(t, h, d).astype(q.dtype)
+    out = jnp.zeros((t + 1, hkv, g, d), jnp.float32)
+    out = out.at[tiles.reshape(-1)].set(cout.reshape(-1, hkv, g, d))
+    out = out.at[dec_tok].set(dout)                       # index T collects every padding entry
+    return out[:t].reshape(t, h, d).astype(q.dtype)
