@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.kv_cache import ITEM_GROUP, AttentionMetadata, LayerKV, write_kv
+from jaxinfer.kv_cache import CHUNK_GROUP, DECODE_GROUP, AttentionMetadata, LayerKV, write_kv
 from pallas_kernels.flash_attention import flash_attention, ragged_paged_attention
 
 NEG_INF = -1e30  # finite, so fully-masked padding rows give zeros instead of NaN
@@ -122,42 +122,51 @@ def paged_attention_reference(q: jax.Array, kv: LayerKV, positions: jax.Array, m
 def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: jax.Array,
                   num_items: jax.Array, *, scale: float, window: int | None,
                   alibi: jax.Array | None, group: int) -> jax.Array:
-    """Softmax attention of query tiles over a flat list of (tile, physical block, logical block)
-    work items, `group` items per loop iteration, merged per tile by online softmax.
+    """Softmax attention of query tiles over a flat list of work items (tile, first logical block j,
+    physical blocks j .. j + KB - 1), `group` items per loop iteration, merged per tile by online softmax.
 
     q_tiles [NT+1, Hkv, Q, D] f32 (row NT: the padding items' dummy tile), pos_tiles [NT+1, Q]
-    (position of each query, -1: none), items [N, 3] int32, N a multiple of `group`; only the first
-    num_items are real, so the loop runs ceil(num_items / group) times: the work follows the blocks
-    the step actually reads, not the bucket. -> [NT+1, Hkv, Q, D] f32 (0 for a query with no key).
-    Items of one tile may share a group: the running max, sum and output are merged with
-    scatter-max / scatter-add, which combine duplicates."""
+    (position of each query, -1: none), items [N, 2 + KB] int32, N a multiple of `group`; only the
+    first num_items are real, so the loop runs ceil(num_items / group) times: the work follows the
+    blocks the step actually reads, not the bucket. -> [NT+1, Hkv, Q, D] f32 (0: a query with no key).
+    Keys past a query's position are masked, so an item's null blocks past the context cost work but
+    never count. Items of one tile may share a group: the running max, sum and output are merged
+    with scatter-max / scatter-add, which combine duplicates."""
     nt1, hkv, nq, d = q_tiles.shape
     bs = kv.k.shape[2]
+    kb = items.shape[1] - 2
     g = alibi.shape[0] // hkv if alibi is not None else 1
     slope = None if alibi is None else jnp.tile(alibi.reshape(hkv, 1, g), (1, nq // g, 1)).reshape(hkv, nq)
-    offs = jnp.arange(bs, dtype=jnp.int32)
+    offs = jnp.arange(kb * bs, dtype=jnp.int32)
 
     def body(i, carry):
         m_acc, l_acc, o_acc = carry                                       # [NT+1, Hkv, Q(, D)]
-        tile, blk, j = jax.lax.dynamic_slice_in_dim(items, i * group, group).T
-        k, v = kv.k[:, blk], kv.v[:, blk]                                 # (Hkv, K, bs, D)
+        it = jax.lax.dynamic_slice_in_dim(items, i * group, group)
+        tile, j, blk = it[:, 0], it[:, 1], it[:, 2:]                      # [K], [K], [K, KB]
+        # block ids come from the block manager (0: null), so always in range: no clamping
+        k = kv.k.at[:, blk].get(mode="promise_in_bounds")                 # (Hkv, K, KB, bs, D)
+        v = kv.v.at[:, blk].get(mode="promise_in_bounds")
         if kv.k_scale is not None:
             k = k.astype(jnp.float32) * kv.k_scale[:, blk][..., None]
             v = v.astype(jnp.float32) * kv.v_scale[:, blk][..., None]
-        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
-        sc = jnp.einsum("nkqd,knld->nkql", q_tiles[tile], k) * scale       # (K, Hkv, Q, bs)
-        rel = (j[:, None] * bs + offs)[:, None, None, :] - pos_tiles[tile][:, None, :, None]
-        valid = (rel <= 0) & (pos_tiles[tile] >= 0)[:, None, :, None]     # (K, 1, Q, bs)
+        k = k.astype(jnp.float32).reshape(hkv, group, kb * bs, d)
+        v = v.astype(jnp.float32).reshape(hkv, group, kb * bs, d)
+        # scores (Hkv, K, L, Q): batch axes in the pages' order and [L, D] read as stored, so XLA:CPU
+        # transposes neither k nor v (the small q tile and the outputs move instead)
+        qt = q_tiles[tile].transpose(1, 0, 2, 3)                          # (Hkv, K, Q, D)
+        sc = jnp.einsum("knld,knqd->knlq", k, qt) * scale                 # (Hkv, K, KB*bs, Q)
+        rel = (j[:, None] * bs + offs)[None, :, :, None] - pos_tiles[tile][None, :, None, :]
+        valid = (rel <= 0) & (pos_tiles[tile] >= 0)[None, :, None, :]     # (1, K, KB*bs, Q)
         if window is not None:
             valid &= rel > -window
         if slope is not None:
-            sc = sc + slope[None, :, :, None] * rel.astype(jnp.float32)
+            sc = sc + slope[:, None, None, :] * rel.astype(jnp.float32)
         sc = jnp.where(valid, sc, NEG_INF)
-        m_new = m_acc.at[tile].max(jnp.max(sc, axis=-1))
+        m_new = m_acc.at[tile].max(jnp.max(sc, axis=2).transpose(1, 0, 2))
         alpha = jnp.exp(m_acc - m_new)
-        p = jnp.where(valid, jnp.exp(sc - m_new[tile][..., None]), 0.0)
-        l_acc = (l_acc * alpha).at[tile].add(jnp.sum(p, axis=-1))
-        o_acc = (o_acc * alpha[..., None]).at[tile].add(jnp.einsum("nkql,knld->nkqd", p, v))
+        p = jnp.where(valid, jnp.exp(sc - m_new[tile].transpose(1, 0, 2)[:, :, None, :]), 0.0)
+        l_acc = (l_acc * alpha).at[tile].add(jnp.sum(p, axis=2).transpose(1, 0, 2))
+        o_acc = (o_acc * alpha[..., None]).at[tile].add(jnp.einsum("knlq,knld->nkqd", p, v))
         return m_new, l_acc, o_acc
 
     init = (jnp.full((nt1, hkv, nq), NEG_INF, jnp.float32), jnp.zeros((nt1, hkv, nq), jnp.float32),
@@ -189,19 +198,21 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
     tq = meta.chunk_tiles.shape[1]
     q_ext = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((1, h, d), jnp.float32)])   # row T: none
     pos_ext = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])
-    kw = dict(scale=scale, window=window, alibi=alibi, group=ITEM_GROUP)
+    kw = dict(scale=scale, window=window, alibi=alibi)
 
     # decode rows: tile = row, its G query heads per kv head; row S: the padding items' dummy
     dec_tok = jnp.concatenate([meta.decode_tokens, jnp.full((1,), t, jnp.int32)])       # [S+1]
     dq = q_ext[dec_tok].reshape(-1, hkv, g, d)                                           # (S+1, Hkv, G, D)
     dpos = jnp.broadcast_to(pos_ext[dec_tok][:, None], (dq.shape[0], g))
-    dout = _attend_items(dq, dpos, kv, meta.decode_items, meta.num_items[0], **kw)       # (S+1, Hkv, G, D)
+    dout = _attend_items(dq, dpos, kv, meta.decode_items, meta.num_items[0],
+                         group=min(DECODE_GROUP, meta.decode_items.shape[0]), **kw)       # (S+1, Hkv, G, D)
 
     # multi-token chunks: tiles of tq tokens x G heads; tile NT: the dummy
     tiles = jnp.concatenate([meta.chunk_tiles, jnp.full((1, tq), t, jnp.int32)])         # [NT+1, tq]
     cq = q_ext[tiles].reshape(-1, tq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(-1, hkv, tq * g, d)
     cpos = jnp.repeat(pos_ext[tiles], g, axis=1)                                         # (NT+1, tq*G)
-    cout = _attend_items(cq, cpos, kv, meta.chunk_items, meta.num_items[1], **kw)
+    cout = _attend_items(cq, cpos, kv, meta.chunk_items, meta.num_items[1],
+                         group=min(CHUNK_GROUP, meta.chunk_items.shape[0]), **kw)
     cout = cout.reshape(-1, hkv, tq, g, d).transpose(0, 2, 1, 3, 4)                      # (NT+1, tq, Hkv, G, D)
 
     out = jnp.zeros((t + 1, hkv, g, d), jnp.float32)

@@ -14,9 +14,10 @@ PAD_SLOT, which is out of range and dropped by the scatter.
 The XLA attention reads the pages as a flat list of work items, one per (query tile, KV block
 the tile can see), built here on the host (see jaxinfer/attention.py for how they are used):
   decode_tokens [S]          the one token of each single-token row (T: the row is not one)
-  decode_items  [ND, 3]      (row, physical block, logical block) for every block of those rows
+  decode_items  [ND, 2 + KB] (row, first logical block j, the physical blocks j .. j + KB - 1)
+                             covering every block of those rows, KB = BLOCKS_PER_ITEM (0: null)
   chunk_tiles   [NT, TQ]     the tokens of each QUERY_TILE-token tile of a multi-token row (T: none)
-  chunk_items   [NC, 3]      (tile, physical block, logical block) for every block a tile can see
+  chunk_items   [NC, 2 + KB] (tile, j, blocks) covering every block a tile can see
   num_items     [2]          how many of decode_items / chunk_items are real (the rest: padding)
 Their sizes are fixed by (T, S, the block-table width), so they add no bucket dimension: the
 device loops over the real items only. This module never imports anything above jax.
@@ -61,9 +62,9 @@ class AttentionMetadata:
     query_start_loc: jax.Array  # [S+1] int32: offset of each sequence's first token in this step
     # the XLA attention's work items (module docstring); None in hand-built metadata (Pallas only)
     decode_tokens: jax.Array | None = None   # [S] int32
-    decode_items: jax.Array | None = None    # [ND, 3] int32
+    decode_items: jax.Array | None = None    # [ND, 2 + KB] int32
     chunk_tiles: jax.Array | None = None     # [NT, QUERY_TILE] int32
-    chunk_items: jax.Array | None = None     # [NC, 3] int32
+    chunk_items: jax.Array | None = None     # [NC, 2 + KB] int32
     num_items: jax.Array | None = None       # [2] int32
 
 
@@ -109,7 +110,11 @@ def write_kv(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 # ---------------------------------------------------------------------------- host: metadata
 
 QUERY_TILE = 16   # query tokens per work item of a multi-token chunk
-ITEM_GROUP = 64   # work items the XLA attention processes per loop iteration
+KEYS_PER_ITEM = 64   # keys per work item: BLOCKS_PER_ITEM = KEYS_PER_ITEM // block_size blocks
+# work items the XLA attention processes per loop iteration (bench/attention_xla.py: a decode item
+# is G queries x one block, a chunk item QUERY_TILE x G queries x one block, so chunk groups are smaller)
+DECODE_GROUP = 32
+CHUNK_GROUP = 16
 
 
 @dataclass(frozen=True)
@@ -125,13 +130,18 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def work_item_capacity(num_tokens: int, num_seqs: int, max_blocks: int) -> tuple[int, int, int]:
+def blocks_per_item(block_size: int) -> int:
+    return max(1, KEYS_PER_ITEM // block_size)
+
+
+def work_item_capacity(num_tokens: int, num_seqs: int, max_blocks: int, block_size: int) -> tuple[int, int, int]:
     """Static (ND, NT, NC) of a (T, S, B) bucket: the most decode items, chunk tiles and chunk
     items any step of that bucket can have (S rows of <= B blocks; T tokens in >= 2-token rows
     make at most T // QUERY_TILE + min(S, T // 2) tiles)."""
     tiles = num_tokens // QUERY_TILE + min(num_seqs, num_tokens // 2)
-    return (_round_up(max(num_seqs * max_blocks, 1), ITEM_GROUP), max(tiles, 1),
-            _round_up(max(tiles * max_blocks, 1), ITEM_GROUP))
+    per_row = -(-max_blocks // blocks_per_item(block_size))
+    return (_round_up(max(num_seqs * per_row, 1), DECODE_GROUP), max(tiles, 1),
+            _round_up(max(tiles * per_row, 1), CHUNK_GROUP))
 
 
 def attention_buckets(token_buckets: Sequence[int], block_buckets: Sequence[int]) -> list[tuple[int, int]]:
@@ -154,12 +164,15 @@ def build_attention_metadata(rows: Sequence[StepRow], block_size: int, num_token
     query_start = np.zeros(s + 1, np.int32)
     decode_tokens = np.full(s, t, np.int32)
     decode_items, chunk_tiles, chunk_items = [], [], []
+    kb = blocks_per_item(bs)
     cursor = 0
     for i, row in enumerate(rows):
         n, end = row.num_tokens, row.start + row.num_tokens
         used = -(-end // bs)
         assert used <= min(b, len(row.block_table)), (used, b, len(row.block_table))
         table = np.asarray(row.block_table[:used], np.int32)
+        padded = np.zeros(_round_up(used, kb), np.int32)
+        padded[:used] = table
         pos = np.arange(row.start, end)
         seq_ids[cursor: cursor + n] = i
         slots[cursor: cursor + n] = table[pos // bs] * bs + pos % bs
@@ -167,31 +180,31 @@ def build_attention_metadata(rows: Sequence[StepRow], block_size: int, num_token
         context_lens[i] = end
         if n == 1:
             decode_tokens[i] = cursor
-            decode_items += [(i, table[j], j) for j in range(used)]
+            decode_items += [(i, j, *padded[j: j + kb]) for j in range(0, used, kb)]
         elif n > 1:
             for first in range(0, n, QUERY_TILE):   # a tile sees the blocks up to its last token
                 last = min(first + QUERY_TILE, n) - 1
                 tile = len(chunk_tiles)
                 chunk_tiles.append([cursor + k if k <= last else t for k in range(first, first + QUERY_TILE)])
-                chunk_items += [(tile, table[j], j) for j in range((row.start + last) // bs + 1)]
+                chunk_items += [(tile, j, *padded[j: j + kb]) for j in range(0, (row.start + last) // bs + 1, kb)]
         cursor += n
         query_start[i + 1] = cursor
     query_start[len(rows) + 1:] = cursor
-    nd, nt, nc = work_item_capacity(t, s, b)
+    nd, nt, nc = work_item_capacity(t, s, b, bs)
     assert len(chunk_tiles) <= nt and len(decode_items) <= nd and len(chunk_items) <= nc
     return AttentionMetadata(
         seq_ids, slots, block_tables, context_lens, query_start,
         decode_tokens=decode_tokens,
-        decode_items=_padded(decode_items, nd, (s, 0, 0)),
+        decode_items=_padded(decode_items, nd, s, kb),
         chunk_tiles=np.asarray(chunk_tiles + [[t] * QUERY_TILE] * (nt - len(chunk_tiles)), np.int32),
-        chunk_items=_padded(chunk_items, nc, (nt, 0, 0)),
+        chunk_items=_padded(chunk_items, nc, nt, kb),
         num_items=np.asarray([len(decode_items), len(chunk_items)], np.int32))
 
 
-def _padded(items: list[tuple[int, int, int]], size: int, pad: tuple[int, int, int]) -> np.ndarray:
-    """[size, 3] int32; padding items name the dummy tile (one past the last) and the null block."""
-    out = np.empty((size, 3), np.int32)
-    out[:] = pad
+def _padded(items: list[tuple[int, ...]], size: int, dummy_tile: int, kb: int) -> np.ndarray:
+    """[size, 2 + kb] int32; padding items name the dummy tile (one past the last) and the null block."""
+    out = np.zeros((size, 2 + kb), np.int32)
+    out[:, 0] = dummy_tile
     if items:
         out[: len(items)] = items
     return out

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.attention import attention, paged_attention_reference
-from jaxinfer.kv_cache import (ITEM_GROUP, QUERY_TILE, StepRow, build_attention_metadata, init_kv_pages,
+from jaxinfer.kv_cache import (CHUNK_GROUP, DECODE_GROUP, QUERY_TILE, StepRow, build_attention_metadata, init_kv_pages,
                                work_item_capacity, write_kv)
 
 
@@ -83,20 +83,25 @@ def test_metadata_items_cover_each_visible_block_once():
     rows = [StepRow(40, 1, [7, 3, 9]), StepRow(0, 20, [4, 5]), StepRow(33, 17, [8, 2, 6, 1])]
     t, s, b, bs = 64, 8, 4, 16
     meta = build_attention_metadata(rows, bs, t, s, b)
-    nd, nt, nc = work_item_capacity(t, s, b)
-    assert meta.decode_items.shape == (nd, 3) and meta.chunk_items.shape == (nc, 3)
-    assert meta.chunk_tiles.shape == (nt, QUERY_TILE) and nd % ITEM_GROUP == 0 == nc % ITEM_GROUP
-    assert list(meta.num_items) == [3, 1 + 2 + 4 + 4]
+    nd, nt, nc = work_item_capacity(t, s, b, bs)
+    kb = 4   # 64 keys per item
+    assert meta.decode_items.shape == (nd, 2 + kb) and meta.chunk_items.shape == (nc, 2 + kb)
+    assert meta.chunk_tiles.shape == (nt, QUERY_TILE) and nd % DECODE_GROUP == 0 == nc % CHUNK_GROUP
+    assert list(meta.num_items) == [1, 1 + 1 + 1 + 1]
     assert meta.decode_tokens.tolist() == [0] + [t] * 7
-    assert meta.decode_items[:3].tolist() == [[0, 7, 0], [0, 3, 1], [0, 9, 2]]
-    # row 1: tokens 1..20 in tiles [1..16] (block 0) and [17..20] (blocks 0, 1);
-    # row 2: positions 33..49 at tokens 21..37 in tiles of 16 (33..48) and 1 (49): blocks 0..3 each
+    assert meta.decode_items[:1].tolist() == [[0, 0, 7, 3, 9, 0]]
+    # row 1: tokens 1..20 in tiles [1..16] and [17..20]; row 2: positions 33..49 at tokens 21..37 in
+    # tiles of 16 (33..48) and 1 (49); each tile's visible blocks fit one item of 4 blocks
     assert meta.chunk_tiles[0].tolist() == list(range(1, 17))
     assert meta.chunk_tiles[1].tolist() == list(range(17, 21)) + [t] * 12
     assert meta.chunk_tiles[3].tolist() == [37] + [t] * 15
-    row2 = [[8, 0], [2, 1], [6, 2], [1, 3]]
-    assert meta.chunk_items[:11].tolist() == [[0, 4, 0], [1, 4, 0], [1, 5, 1]] + [[2, *b] for b in row2] + [
-        [3, *b] for b in row2]
-    assert np.all(meta.chunk_items[11:] == [nt, 0, 0]) and np.all(meta.decode_items[3:] == [s, 0, 0])
+    assert meta.chunk_items[:4].tolist() == [[0, 0, 4, 5, 0, 0], [1, 0, 4, 5, 0, 0], [2, 0, 8, 2, 6, 1],
+                                             [3, 0, 8, 2, 6, 1]]
+    assert np.all(meta.chunk_items[4:] == [nt] + [0] * (1 + kb)) and np.all(meta.decode_items[1:] == [s] + [0] * (1 + kb))
+    # 64 keys per item: a 100-block context is 25 items, a tile at position 70 reads blocks 0..4 in 2
+    long = build_attention_metadata([StepRow(99 * bs, 1, list(range(1, 101))), StepRow(60, 11, [3, 4, 5, 6, 7])],
+                                    bs, 16, 4, 100)
+    assert list(long.num_items) == [25, 2] and long.decode_items[24].tolist() == [0, 96, 97, 98, 99, 100]
+    assert long.chunk_items[1].tolist() == [0, 4, 7, 0, 0, 0]
     assert meta.slot_mapping[0] == 9 * bs + 8 and meta.query_start_loc.tolist() == [0, 1, 21, 38] + [38] * 5
     assert meta.context_lens.tolist() == [41, 20, 50, 0, 0, 0, 0, 0]
