@@ -88,13 +88,11 @@ class Engine:
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
         eos = eos or self.model_cfg.eos_token_ids
         attention = resolve_impl(cfg.attention)
-        partial = 1 if attention == "xla" else None
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, self.max_model_len, batch_window_s,
-                            max_partial_prefills=partial),
+            SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, self.max_model_len, batch_window_s),
             self.blocks, eos_ids=eos)
         runner_cfg = RunnerConfig(cfg.block_size, num_blocks, cfg.max_num_seqs, tokens_budget, self.max_model_len,
-                                  attention, partial)
+                                  attention)
         if isinstance(model, PipelinedDecoder):
             self.runner = PipelineRunner(model, runner_cfg, kv_dtype, cfg.pipeline_microbatches or model.pp)
         else:

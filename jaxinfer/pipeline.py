@@ -76,7 +76,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.host.scheduler import ScheduledSeq, SchedulerOutput, StepSample
-from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV, init_kv_pages
+from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV, attention_buckets, init_kv_pages
 from jaxinfer.models.decoder import Block, Decoder, abstract_decoder
 from jaxinfer.quant import QuantizedWeight
 from jaxinfer.runner import ModelRunner, RunnerConfig
@@ -342,14 +342,14 @@ class PipelineRunner(ModelRunner):
         return self._results(rows, ids, lps, top_ids, top_lps)
 
     def warmup(self) -> int:
-        for t in self.token_buckets:
-            for b in self.block_buckets:
-                part = self.prepare(SchedulerOutput(), {}, buckets=(t, b))
-                stack = lambda a: np.stack([a] * self.microbatches)  # noqa: E731
-                tokens, positions, logits_indices = stack(part[0]), stack(part[1]), stack(part[3])
-                meta = jax.tree.map(stack, part[2])
-                sb = self._sampling_batch(part[4] * self.microbatches, np.zeros(logits_indices.size, np.int32))
-                (ids, *_), self.kv_pages = self._step(self.params, self.kv_pages, tokens, positions, meta,
-                                                      logits_indices, np.int32(1), sb)
-                ids.block_until_ready()
-        return len(self.token_buckets) * len(self.block_buckets)
+        buckets = attention_buckets(self.token_buckets, self.block_buckets)
+        for t, b in buckets:
+            part = self.prepare(SchedulerOutput(), {}, buckets=(t, b))
+            stack = lambda a: np.stack([a] * self.microbatches)  # noqa: E731
+            tokens, positions, logits_indices = stack(part[0]), stack(part[1]), stack(part[3])
+            meta = jax.tree.map(stack, part[2])
+            sb = self._sampling_batch(part[4] * self.microbatches, np.zeros(logits_indices.size, np.int32))
+            (ids, *_), self.kv_pages = self._step(self.params, self.kv_pages, tokens, positions, meta,
+                                                  logits_indices, np.int32(1), sb)
+            ids.block_until_ready()
+        return len(buckets)
