@@ -163,7 +163,7 @@ def build_attention_metadata(rows: Sequence[StepRow], block_size: int, num_token
     context_lens = np.zeros(s, np.int32)
     query_start = np.zeros(s + 1, np.int32)
     decode_tokens = np.full(s, t, np.int32)
-    decode_items, chunk_tiles, chunk_items = [], [], []
+    decode_items, chunk_tiles, chunk_items = [], [], []   # numpy pieces, joined below
     kb = blocks_per_item(bs)
     cursor = 0
     for i, row in enumerate(rows):
@@ -171,40 +171,49 @@ def build_attention_metadata(rows: Sequence[StepRow], block_size: int, num_token
         used = -(-end // bs)
         assert used <= min(b, len(row.block_table)), (used, b, len(row.block_table))
         table = np.asarray(row.block_table[:used], np.int32)
-        padded = np.zeros(_round_up(used, kb), np.int32)
-        padded[:used] = table
         pos = np.arange(row.start, end)
         seq_ids[cursor: cursor + n] = i
         slots[cursor: cursor + n] = table[pos // bs] * bs + pos % bs
         block_tables[i, :used] = table
         context_lens[i] = end
+        items = np.zeros((-(-used // kb), 2 + kb), np.int32)   # (tile, j, blocks j .. j + kb - 1)
+        items[:, 1] = np.arange(0, used, kb)
+        blocks = np.zeros(len(items) * kb, np.int32)
+        blocks[:used] = table
+        items[:, 2:] = blocks.reshape(-1, kb)
         if n == 1:
             decode_tokens[i] = cursor
-            decode_items += [(i, j, *padded[j: j + kb]) for j in range(0, used, kb)]
+            items[:, 0] = i
+            decode_items.append(items)
         elif n > 1:
             for first in range(0, n, QUERY_TILE):   # a tile sees the blocks up to its last token
                 last = min(first + QUERY_TILE, n) - 1
-                tile = len(chunk_tiles)
-                chunk_tiles.append([cursor + k if k <= last else t for k in range(first, first + QUERY_TILE)])
-                chunk_items += [(tile, j, *padded[j: j + kb]) for j in range(0, (row.start + last) // bs + 1, kb)]
+                tile = np.full(QUERY_TILE, t, np.int32)
+                tile[: last - first + 1] = np.arange(cursor + first, cursor + last + 1)
+                seen = items[: (row.start + last) // bs // kb + 1].copy()
+                seen[:, 0] = len(chunk_tiles)
+                chunk_tiles.append(tile)
+                chunk_items.append(seen)
         cursor += n
         query_start[i + 1] = cursor
     query_start[len(rows) + 1:] = cursor
     nd, nt, nc = work_item_capacity(t, s, b, bs)
-    assert len(chunk_tiles) <= nt and len(decode_items) <= nd and len(chunk_items) <= nc
-    return AttentionMetadata(
-        seq_ids, slots, block_tables, context_lens, query_start,
-        decode_tokens=decode_tokens,
-        decode_items=_padded(decode_items, nd, s, kb),
-        chunk_tiles=np.asarray(chunk_tiles + [[t] * QUERY_TILE] * (nt - len(chunk_tiles)), np.int32),
-        chunk_items=_padded(chunk_items, nc, nt, kb),
-        num_items=np.asarray([len(decode_items), len(chunk_items)], np.int32))
+    num_items = np.asarray([sum(map(len, decode_items)), sum(map(len, chunk_items))], np.int32)
+    assert len(chunk_tiles) <= nt and num_items[0] <= nd and num_items[1] <= nc, (num_items, nd, nc)
+    tiles = np.full((nt, QUERY_TILE), t, np.int32)
+    if chunk_tiles:
+        tiles[: len(chunk_tiles)] = chunk_tiles
+    return AttentionMetadata(seq_ids, slots, block_tables, context_lens, query_start,
+                             decode_tokens=decode_tokens, decode_items=_padded(decode_items, nd, s, kb),
+                             chunk_tiles=tiles, chunk_items=_padded(chunk_items, nc, nt, kb),
+                             num_items=num_items)
 
 
-def _padded(items: list[tuple[int, ...]], size: int, dummy_tile: int, kb: int) -> np.ndarray:
+def _padded(pieces: list[np.ndarray], size: int, dummy_tile: int, kb: int) -> np.ndarray:
     """[size, 2 + kb] int32; padding items name the dummy tile (one past the last) and the null block."""
     out = np.zeros((size, 2 + kb), np.int32)
     out[:, 0] = dummy_tile
-    if items:
+    if pieces:
+        items = np.concatenate(pieces)
         out[: len(items)] = items
     return out
