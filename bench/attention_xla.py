@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer.attention as attn_mod
+import jaxinfer.kv_cache as kvc
 from bench.benchmark import device_info, device_slug, results_path, write_report
 from jaxinfer.attention import NEG_INF, _gather_context, _mask_and_bias, attention
 from jaxinfer.kv_cache import LayerKV, StepRow, build_attention_metadata, init_kv_pages, write_kv
@@ -171,7 +172,17 @@ def build(rng, rows_spec, t):
     q = rng.standard_normal((t, H, D)).astype(np.float32)
     k = rng.standard_normal((t, HKV, D)).astype(np.float32)
     v = rng.standard_normal((t, HKV, D)).astype(np.float32)
-    return q, k, v, kv, pos, meta, prev
+    return q, k, v, kv, pos, meta, prev, rows
+
+
+def _meta_with_keys(rows, t, keys: int):
+    """The same step's metadata with `keys` keys per work item."""
+    old = kvc.KEYS_PER_ITEM
+    kvc.KEYS_PER_ITEM = keys
+    try:
+        return build_attention_metadata(rows, BS, t, min(t, 64), MAX_BLOCKS)
+    finally:
+        kvc.KEYS_PER_ITEM = old
 
 
 def _with_group(meta, group: tuple[int, int] | None):
@@ -186,6 +197,8 @@ def _with_group(meta, group: tuple[int, int] | None):
         pad = np.zeros((size - len(items), items.shape[1]), np.int32)
         pad[:, 0] = dummy
         out[name] = np.concatenate([items, pad])
+    if group is None:   # every item, padding included (harmless: the dummy tile), in one pass
+        out["num_items"] = np.asarray([len(out["decode_items"]), len(out["chunk_items"])], np.int32)
     return dataclasses.replace(meta, **out)
 
 
@@ -204,11 +217,14 @@ def _new_step(q, k, v, kv, positions, meta):
     return attention(q, k, v, positions, scale=D ** -0.5, kv=kv, meta=meta, impl="xla")
 
 
-def run_case(rng, rows_spec, t, reps, groups):
-    q, k, v, kv, pos, meta, prev = build(rng, rows_spec, t)
+def run_case(rng, rows_spec, t, reps, groups, keys):
+    q, k, v, kv, pos, meta, prev, rows = build(rng, rows_spec, t)
     variants = {"previous": (_previous_step, prev, None)}
-    for g in groups:
-        variants[f"items_groups{g[0]}/{g[1]}" if g else "items_flat_pow2"] = (_new_step, _with_group(meta, g), g)
+    for kpi in keys:
+        m = meta if kpi == kvc.KEYS_PER_ITEM else _meta_with_keys(rows, t, kpi)
+        for g in groups:
+            name = f"items_{kpi}keys_" + (f"groups{g[0]}/{g[1]}" if g else "flat_pow2")
+            variants[name] = (_new_step, _with_group(m, g), g)
     fns, outs = {}, {}
     for name, (fn, m, g) in variants.items():
         with item_group(g or (1 << 30, 1 << 30)):
@@ -233,7 +249,7 @@ def run_case(rng, rows_spec, t, reps, groups):
         err = float(np.linalg.norm(outs[name][:n_tok] - ref) / np.linalg.norm(ref))
         result[name] = {"median_ms": 1e3 * float(np.median(times[name])), "min_ms": 1e3 * min(times[name]),
                         "first_call_s": fns[name][2], "rel_err_vs_previous": err}
-    result["num_items"] = [int(x) for x in meta.num_items]
+    result["num_items_decode_chunk"] = [int(x) for x in meta.num_items]
     result["tokens"], result["bucket"] = n_tok, t
     return result
 
@@ -241,18 +257,20 @@ def run_case(rng, rows_spec, t, reps, groups):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--groups", default="128/32,64/64,flat", help="decode/chunk items per iteration, or flat")
+    ap.add_argument("--groups", default="32/16,16/8,64/32,flat", help="decode/chunk items per iteration, or flat")
+    ap.add_argument("--keys", default="64,16", help="keys per work item (the first is today's)")
     ap.add_argument("--cases", default="")
     ap.add_argument("--out")
     args = ap.parse_args()
     groups = [None if g == "flat" else tuple(int(x) for x in g.split("/")) for g in args.groups.split(",")]
     rng = np.random.default_rng(0)
-    report = {"device": device_info(), "reps": args.reps, "shapes": dict(heads=H, kv_heads=HKV, head_dim=D,
+    report = {"device": device_info(), "reps": args.reps, "chosen": f"items_{kvc.KEYS_PER_ITEM}keys_groups"
+              f"{kvc.DECODE_GROUP}/{kvc.CHUNK_GROUP}", "shapes": dict(heads=H, kv_heads=HKV, head_dim=D,
               block_size=BS, max_model_len=MAX_MODEL_LEN, dtype="float32"), "points": []}
     for name, (rows_spec, t) in cases(rng).items():
         if args.cases and name not in args.cases.split(","):
             continue
-        res = run_case(rng, rows_spec, t, args.reps, groups)
+        res = run_case(rng, rows_spec, t, args.reps, groups, [int(x) for x in args.keys.split(",")])
         report["points"].append({"case": name, **res})
         print(name, {k: (round(v["median_ms"], 3) if isinstance(v, dict) else v) for k, v in res.items()},
               flush=True)

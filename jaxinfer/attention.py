@@ -123,12 +123,13 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
                   num_items: jax.Array, *, scale: float, window: int | None,
                   alibi: jax.Array | None, group: int) -> jax.Array:
     """Softmax attention of query tiles over a flat list of work items (tile, first logical block j,
-    physical blocks j .. j + KB - 1), `group` items per loop iteration, merged per tile by online softmax.
+    physical blocks j .. j + KB - 1), `group` items per loop iteration (the last few group // 8),
+    merged per tile by online softmax.
 
     q_tiles [NT+1, Hkv, Q, D] f32 (row NT: the padding items' dummy tile), pos_tiles [NT+1, Q]
     (position of each query, -1: none), items [N, 2 + KB] int32, N a multiple of `group`; only the
-    first num_items are real, so the loop runs ceil(num_items / group) times: the work follows the
-    blocks the step actually reads, not the bucket. -> [NT+1, Hkv, Q, D] f32 (0: a query with no key).
+    first num_items are real and the loops stop there: the work follows the blocks the step actually
+    reads, not the bucket. -> [NT+1, Hkv, Q, D] f32 (0: a query with no key).
     Keys past a query's position are masked, so an item's null blocks past the context cost work but
     never count. Items of one tile may share a group: the running max, sum and output are merged
     with scatter-max / scatter-add, which combine duplicates."""
@@ -139,9 +140,10 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
     slope = None if alibi is None else jnp.tile(alibi.reshape(hkv, 1, g), (1, nq // g, 1)).reshape(hkv, nq)
     offs = jnp.arange(kb * bs, dtype=jnp.int32)
 
-    def body(i, carry):
+    def step(carry, start, size):
+        """Merge items [start, start + size) into the running (max, sum, output) of their tiles."""
         m_acc, l_acc, o_acc = carry                                       # [NT+1, Hkv, Q(, D)]
-        it = jax.lax.dynamic_slice_in_dim(items, i * group, group)
+        it = jax.lax.dynamic_slice_in_dim(items, start, size)
         tile, j, blk = it[:, 0], it[:, 1], it[:, 2:]                      # [K], [K], [K, KB]
         # block ids come from the block manager (0: null), so always in range: no clamping
         k = kv.k.at[:, blk].get(mode="promise_in_bounds")                 # (Hkv, K, KB, bs, D)
@@ -149,8 +151,8 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
         if kv.k_scale is not None:
             k = k.astype(jnp.float32) * kv.k_scale[:, blk][..., None]
             v = v.astype(jnp.float32) * kv.v_scale[:, blk][..., None]
-        k = k.astype(jnp.float32).reshape(hkv, group, kb * bs, d)
-        v = v.astype(jnp.float32).reshape(hkv, group, kb * bs, d)
+        k = k.astype(jnp.float32).reshape(hkv, size, kb * bs, d)
+        v = v.astype(jnp.float32).reshape(hkv, size, kb * bs, d)
         # scores (Hkv, K, L, Q): batch axes in the pages' order and [L, D] read as stored, so XLA:CPU
         # transposes neither k nor v (the small q tile and the outputs move instead)
         qt = q_tiles[tile].transpose(1, 0, 2, 3)                          # (Hkv, K, Q, D)
@@ -171,7 +173,14 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
 
     init = (jnp.full((nt1, hkv, nq), NEG_INF, jnp.float32), jnp.zeros((nt1, hkv, nq), jnp.float32),
             jnp.zeros((nt1, hkv, nq, d), jnp.float32))
-    _, l_acc, o_acc = jax.lax.fori_loop(0, (num_items + group - 1) // group, body, init)
+    # full groups, then the rest in groups of `tail` so that a small step (batch-1 decode) does not
+    # pay for a whole group of padding items; items has room: its length is a multiple of `group`
+    tail = max(1, group // 8)
+    full = num_items // group
+    carry = jax.lax.fori_loop(0, full, lambda i, c: step(c, i * group, group), init)
+    carry = jax.lax.fori_loop(0, (num_items - full * group + tail - 1) // tail,
+                              lambda i, c: step(c, full * group + i * tail, tail), carry)
+    _, l_acc, o_acc = carry
     return jnp.where(l_acc[..., None] > 0, o_acc / jnp.where(l_acc > 0, l_acc, 1.0)[..., None], 0.0)
 
 

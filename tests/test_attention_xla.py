@@ -51,6 +51,8 @@ CASES = [
      "float32"),
     ([(20, 1), (0, 13), (35, 8)], 2, 3, 2, 4, 32, 11, True, "int8"),
     ([(64, 1)] * 6 + [(0, 25)], 7, 1, 2, 2, 16, None, False, "int8"),
+    # many decode rows and chunk tiles: several full loop groups of items (kv_cache.DECODE_GROUP) and a tail
+    ([(c, 1) for c in range(5, 400, 9)] + [(200, 70), (0, 90)], 3, 2, 2, 2, 16, None, False, "float32"),
     ([(45, 18), (3, 1), (0, 30), (22, 6), (60, 1)], 4, 1, 2, 2, 16, 20, False, "bfloat16"),
     ([(45, 18), (3, 1), (0, 30), (22, 6), (60, 1)], 0, 2, 1, 8, 8, None, True, "float16"),
 ]
