@@ -113,8 +113,8 @@ QUERY_TILE = 16   # query tokens per work item of a multi-token chunk
 KEYS_PER_ITEM = 64   # keys per work item: BLOCKS_PER_ITEM = KEYS_PER_ITEM // block_size blocks
 # work items the XLA attention processes per loop iteration (bench/attention_xla.py: a decode item
 # is G queries x one block, a chunk item QUERY_TILE x G queries x one block, so chunk groups are smaller)
-DECODE_GROUP = 32
-CHUNK_GROUP = 16
+DECODE_GROUP = 16
+CHUNK_GROUP = 8
 
 
 @dataclass(frozen=True)
