@@ -136,6 +136,7 @@ def cases(rng) -> dict[str, tuple[list[tuple[int, int]], int]]:
         "decode_b64_ctx16-512": ([(c, 1) for c in spread], 64),
         "prefill_512_first_chunk": ([(0, 512)], 512),
         "8x32_continuations_ctx768+32_decode": ([(768, 32)] * 8 + [(c, 1) for c in spread[::2]], 512),
+        "prefill_64x8_short_prompts": ([(0, 8)] * 64, 512),
     }
 
 
@@ -257,7 +258,7 @@ def run_case(rng, rows_spec, t, reps, groups, keys):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--groups", default="32/16,16/8,64/32,flat", help="decode/chunk items per iteration, or flat")
+    ap.add_argument("--groups", default="16/8,8/4,32/16,flat", help="decode/chunk items per iteration, or flat")
     ap.add_argument("--keys", default="64,16", help="keys per work item (the first is today's)")
     ap.add_argument("--cases", default="")
     ap.add_argument("--out")
