@@ -11,11 +11,12 @@ S sequences, flattened, each sequence's tokens contiguous). The host builds it i
 `build_attention_metadata`, padded to a bucket of `attention_buckets`; padding tokens write to
 PAD_SLOT, which is out of range and dropped by the scatter.
 
-The XLA attention reads the pages as a flat list of work items, one per (query tile, KV block
-the tile can see), built here on the host (see jaxinfer/attention.py for how they are used):
+The XLA attention reads the pages as a flat list of work items, one per (query tile, KEYS_PER_ITEM
+keys of the blocks the tile can see), built here on the host (jaxinfer/attention.py uses them):
   decode_tokens [S]          the one token of each single-token row (T: the row is not one)
   decode_items  [ND, 2 + KB] (row, first logical block j, the physical blocks j .. j + KB - 1)
-                             covering every block of those rows, KB = BLOCKS_PER_ITEM (0: null)
+                             covering every block of those rows, KB = blocks_per_item(block_size)
+                             (past the end of the table: 0, the null block)
   chunk_tiles   [NT, TQ]     the tokens of each QUERY_TILE-token tile of a multi-token row (T: none)
   chunk_items   [NC, 2 + KB] (tile, j, blocks) covering every block a tile can see
   num_items     [2]          how many of decode_items / chunk_items are real (the rest: padding)
@@ -110,9 +111,9 @@ def write_kv(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 # ---------------------------------------------------------------------------- host: metadata
 
 QUERY_TILE = 16   # query tokens per work item of a multi-token chunk
-KEYS_PER_ITEM = 64   # keys per work item: BLOCKS_PER_ITEM = KEYS_PER_ITEM // block_size blocks
+KEYS_PER_ITEM = 64   # keys per work item: blocks_per_item(block_size) = KEYS_PER_ITEM // block_size blocks
 # work items the XLA attention processes per loop iteration (bench/attention_xla.py: a decode item
-# is G queries x one block, a chunk item QUERY_TILE x G queries x one block, so chunk groups are smaller)
+# is G queries x 64 keys, a chunk item QUERY_TILE x G queries x 64 keys, so chunk groups are smaller)
 DECODE_GROUP = 16
 CHUNK_GROUP = 8
 
