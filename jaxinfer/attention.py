@@ -9,13 +9,35 @@ Pallas kernels (pallas_kernels/), chosen per device by the caller. Masks are bui
 positions, so chunked prefill and decode are the same code: token t at position p sees context
 positions l with l <= p and, with a sliding window W, p - W < l. ALiBi adds slope_h * (l - p).
 Softmax is always float32.
+
+The XLA paged attention (paged_attention_xla) is one ragged mechanism for every kind of row: this
+step's K/V are written first and read back from the pages like all other keys (as the Pallas
+kernel does), through work items the host lists (kv_cache.build_attention_metadata): one per
+(decode row or 16-token query tile of a multi-token chunk, 4 KV blocks = 64 keys it can see). Two
+loops (decode items, chunk items) take 16 / 8 items per iteration, stop at the step's real item
+count and merge into each tile's running softmax (scatter-max / scatter-add), so work and memory
+follow the blocks actually used; the item arrays' sizes depend on T alone, which replaced the
+block-count bucket (7 compiled shapes instead of 21 on the bundled model).
+bench/attention_xla.py, one layer of the bundled model (4 heads, 2 kv heads, head_dim 64, block
+16, float32), KV write included, XLA:CPU on 2 shared cores (load ~7), medians of 15 interleaved calls:
+  step                                        previous (305d24f)   work items
+  decode, batch 1, 256 cached                        0.56 ms          0.55 ms
+  decode, 64 rows, contexts 16..512                  88.9 ms          19.7 ms
+  first chunk, 512 tokens                            29.1 ms          10.6 ms
+  8 chunks x 32 over 768 cached + 32 decode rows    211.0 ms          20.4 ms
+  64 first chunks of 8 tokens                        16.8 ms           3.8 ms
+(previous: dense T x T in-step part + decode rows gathered to the longest context's block bucket +
+one slot per continuation chunk.) Measured against each other in the same run: one flat pass
+over the items padded to a power of two with a segment softmax was 3-6x slower than the loop
+(59 / 61 / 65 ms on the three big steps); 16 keys per item 1.2-2x slower than 64 on prefill and
+mixed steps; 8 to 32 items per iteration within the machine's noise.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.kv_cache import AttentionMetadata, LayerKV, quantize_kv, write_kv
+from jaxinfer.kv_cache import CHUNK_GROUP, DECODE_GROUP, AttentionMetadata, LayerKV, write_kv
 from pallas_kernels.flash_attention import flash_attention, ragged_paged_attention
 
 NEG_INF = -1e30  # finite, so fully-masked padding rows give zeros instead of NaN
@@ -119,120 +141,113 @@ def paged_attention_reference(q: jax.Array, kv: LayerKV, positions: jax.Array, m
     return out.reshape(t, h, d).astype(q.dtype)
 
 
-def _partial_attend(scores: jax.Array, valid: jax.Array, bias: jax.Array | None, v: jax.Array,
-                    v_spec: str) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Unnormalised softmax pieces over one set of keys: scores [Hkv, G, Q, L] f32 ->
-    (row max [Hkv,G,Q], sum of exp [Hkv,G,Q], exp-weighted sum of v [Hkv,G,Q,D]); empty rows: (-inf, 0, 0)."""
-    hkv, g = scores.shape[:2]
-    if bias is not None:
-        scores = scores + bias.reshape(hkv, g, *bias.shape[1:])
-    scores = jnp.where(valid[None, None], scores, NEG_INF)
-    m = jnp.max(scores, axis=-1)
-    p = jnp.where(valid[None, None], jnp.exp(scores - m[..., None]), 0.0)
-    acc = jnp.einsum(f"kgql,{v_spec}->kgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m, jnp.sum(p, axis=-1), acc
+def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: jax.Array,
+                  num_items: jax.Array, *, scale: float, window: int | None,
+                  alibi: jax.Array | None, group: int) -> jax.Array:
+    """Softmax attention of query tiles over a flat list of work items (tile, first logical block j,
+    physical blocks j .. j + KB - 1), `group` items per loop iteration (the last few group // 8),
+    merged per tile by online softmax.
 
+    q_tiles [NT+1, Hkv, Q, D] f32 (row NT: the padding items' dummy tile), pos_tiles [NT+1, Q]
+    (position of each query, -1: none), items [N, 2 + KB] int32, N a multiple of `group`; only the
+    first num_items are real and the loops stop there: the work follows the blocks the step actually
+    reads, not the bucket. -> [NT+1, Hkv, Q, D] f32 (0: a query with no key).
+    Keys past a query's position are masked, so an item's null blocks past the context cost work but
+    never count. Items of one tile may share a group: the running max, sum and output are merged
+    with scatter-max / scatter-add, which combine duplicates."""
+    nt1, hkv, nq, d = q_tiles.shape
+    bs = kv.k.shape[2]
+    kb = items.shape[1] - 2
+    g = alibi.shape[0] // hkv if alibi is not None else 1
+    slope = None if alibi is None else jnp.tile(alibi.reshape(hkv, 1, g), (1, nq // g, 1)).reshape(hkv, nq)
+    offs = jnp.arange(kb * bs, dtype=jnp.int32)
 
-def _decode_rows(q: jax.Array, k_seq: jax.Array, v_seq: jax.Array, valid: jax.Array, bias: jax.Array | None,
-                 scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One query per sequence against its gathered context: q [S, Hkv, G, D], k/v_seq [Hkv, S, L, D],
-    valid [S, L], bias [H, S, L] -> _partial_attend's pieces ([Hkv, G, S], [Hkv, G, S], [Hkv, G, S, D]).
-    Scores are laid out [Hkv, S, L, G] so that both dots read the gathered pages in their stored
-    [L, D] order with (Hkv, S) as leading batch axes: on XLA:CPU that is 2.5x faster for Q.K and
-    8x for P.V than the [Hkv, G, S, L] layout of _partial_attend (bench at S=64, L=256).
-    float32 operands: XLA:CPU has no bf16 x bf16 -> f32 kernel for these batched dots."""
-    s, hkv, g, _ = q.shape
-    qk = q.transpose(1, 0, 2, 3).astype(jnp.float32)                     # (Hkv, S, G, D)
-    sc = jnp.einsum("ksld,ksgd->kslg", k_seq.astype(jnp.float32), qk) * scale
-    if bias is not None:
-        sc = sc + bias.reshape(hkv, g, s, -1).transpose(0, 2, 3, 1)
-    mask = valid[None, :, :, None]
-    sc = jnp.where(mask, sc, NEG_INF)
-    m = jnp.max(sc, axis=2)                                               # (Hkv, S, G)
-    p = jnp.where(mask, jnp.exp(sc - m[:, :, None]), 0.0)
-    acc = jnp.einsum("kslg,ksld->ksgd", p, v_seq.astype(jnp.float32))
-    return m.transpose(0, 2, 1), jnp.sum(p, axis=2).transpose(0, 2, 1), acc.transpose(0, 2, 1, 3)
+    def step(carry, start, size):
+        """Merge items [start, start + size) into the running (max, sum, output) of their tiles."""
+        m_acc, l_acc, o_acc = carry                                       # [NT+1, Hkv, Q(, D)]
+        it = jax.lax.dynamic_slice_in_dim(items, start, size)
+        tile, j, blk = it[:, 0], it[:, 1], it[:, 2:]                      # [K], [K], [K, KB]
+        # block ids come from the block manager (0: null), so always in range: no clamping
+        k = kv.k.at[:, blk].get(mode="promise_in_bounds")                 # (Hkv, K, KB, bs, D)
+        v = kv.v.at[:, blk].get(mode="promise_in_bounds")
+        if kv.k_scale is not None:
+            k = k.astype(jnp.float32) * kv.k_scale[:, blk][..., None]
+            v = v.astype(jnp.float32) * kv.v_scale[:, blk][..., None]
+        k = k.astype(jnp.float32).reshape(hkv, size, kb * bs, d)
+        v = v.astype(jnp.float32).reshape(hkv, size, kb * bs, d)
+        # scores (Hkv, K, L, Q): batch axes in the pages' order and [L, D] read as stored, so XLA:CPU
+        # transposes neither k nor v (the small q tile and the outputs move instead)
+        qt = q_tiles[tile].transpose(1, 0, 2, 3)                          # (Hkv, K, Q, D)
+        sc = jnp.einsum("knld,knqd->knlq", k, qt) * scale                 # (Hkv, K, KB*bs, Q)
+        rel = (j[:, None] * bs + offs)[None, :, :, None] - pos_tiles[tile][None, :, None, :]
+        valid = (rel <= 0) & (pos_tiles[tile] >= 0)[None, :, None, :]     # (1, K, KB*bs, Q)
+        if window is not None:
+            valid &= rel > -window
+        if slope is not None:
+            sc = sc + slope[:, None, None, :] * rel.astype(jnp.float32)
+        sc = jnp.where(valid, sc, NEG_INF)
+        m_new = m_acc.at[tile].max(jnp.max(sc, axis=2).transpose(1, 0, 2))
+        alpha = jnp.exp(m_acc - m_new)
+        p = jnp.where(valid, jnp.exp(sc - m_new[tile].transpose(1, 0, 2)[:, :, None, :]), 0.0)
+        l_acc = (l_acc * alpha).at[tile].add(jnp.sum(p, axis=2).transpose(1, 0, 2))
+        o_acc = (o_acc * alpha[..., None]).at[tile].add(jnp.einsum("knlq,knld->nkqd", p, v))
+        return m_new, l_acc, o_acc
 
-
-def _merge(parts: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
-    """Combine softmax pieces over disjoint key sets (flash-attention's merge) -> [Hkv, G, Q, D]."""
-    m = parts[0][0]
-    for pm, _, _ in parts[1:]:
-        m = jnp.maximum(m, pm)
-    num = sum(acc * jnp.exp(pm - m)[..., None] for pm, _, acc in parts)
-    den = sum(pl * jnp.exp(pm - m) for pm, pl, _ in parts)
-    return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    init = (jnp.full((nt1, hkv, nq), NEG_INF, jnp.float32), jnp.zeros((nt1, hkv, nq), jnp.float32),
+            jnp.zeros((nt1, hkv, nq, d), jnp.float32))
+    # full groups, then the rest in groups of `tail` so that a small step (batch-1 decode) does not
+    # pay for a whole group of padding items; items has room: its length is a multiple of `group`
+    tail = max(1, group // 8)
+    full = num_items // group
+    carry = jax.lax.fori_loop(0, full, lambda i, c: step(c, i * group, group), init)
+    carry = jax.lax.fori_loop(0, (num_items - full * group + tail - 1) // tail,
+                              lambda i, c: step(c, full * group + i * tail, tail), carry)
+    _, l_acc, o_acc = carry
+    return jnp.where(l_acc[..., None] > 0, o_acc / jnp.where(l_acc > 0, l_acc, 1.0)[..., None], 0.0)
 
 
 def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: jax.Array,
                         meta: AttentionMetadata, *, scale: float, window: int | None = None,
                         alibi: jax.Array | None = None) -> jax.Array:
-    """Ragged paged attention without a per-token context gather. q [T,H,D], this step's k/v
-    [T,Hkv,D] (already written to kv) -> [T,H,D].
+    """Ragged paged attention over the work items of `meta` (kv_cache.build_attention_metadata).
+    q [T,H,D], this step's k/v [T,Hkv,D] (already written to kv; read back from the pages like
+    every other key) -> [T,H,D].
 
-    A token's keys are split into disjoint sets whose softmax pieces are merged:
-      1. this step's tokens of its own sequence (dense [T, T], causal by position): every prefill
-         chunk and every decode token's own key;
-      2. the context cached before this step, for sequences with one token this step (decode):
-         one query per sequence against its gathered pages, [S, L]; skipped (lax.cond) in a step
-         with no such row;
-      3. the same for the few multi-token chunks that continue a cached context (a chunked
-         prefill's later chunks, n > 1 samples after their fork): meta.prior_rows, each gathering
-         its own row's pages, [T, L], and skipped when its slot is empty (-1). The scheduler caps
-         them per step.
-    A first prefill chunk has no cached context, so sets 2 and 3 are empty for it. The pages are
-    read once per sequence (S x L), not once per token (T x L), and only up to the cached context:
-    the block tables need to cover the tokens before this step (ModelRunner.prepare sizes them so).
+    Every key a token sees is read from the pages through a flat list of work items built on the
+    host, each KEYS_PER_ITEM keys (4 blocks of 16) wide: (row, blocks) covering every block of a
+    single-token row (decode: Q = G query heads), and (tile, blocks) covering every block a
+    QUERY_TILE-token tile of a multi-token chunk can see (first chunks, later chunks of a chunked
+    prefill, forked samples, any number of them: Q = QUERY_TILE * G). Two loops, one per kind, run
+    over the real items only, so work and memory follow the KV blocks the step uses: no padding to
+    the longest context, no per-token gather. Padding tokens (in no row) output 0.
     """
+    del k, v
+    if meta.num_items is None:   # hand-built metadata without work items: the plain definition
+        return paged_attention_reference(q, kv, positions, meta, scale=scale, window=window, alibi=alibi)
     t, h, d = q.shape
     hkv = kv.k.shape[0]
     g = h // hkv
-    qsl = meta.query_start_loc
-    qlen = qsl[1:] - qsl[:-1]                                            # [S]
-    cached = meta.context_lens - qlen                                    # [S] before this step
-    tok_valid = jnp.arange(t) < qsl[-1]
-    qg = q.reshape(t, hkv, g, d)
-    if kv.k_scale is not None:   # this step's keys as the int8 pages hold them
-        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-        k, v = (kq * ks[..., None]).astype(q.dtype), (vq * vs[..., None]).astype(q.dtype)
+    tq = meta.chunk_tiles.shape[1]
+    q_ext = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((1, h, d), jnp.float32)])   # row T: none
+    pos_ext = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])
+    kw = dict(scale=scale, window=window, alibi=alibi)
 
-    # 1. within this step
-    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * scale
-    same = (meta.seq_ids[:, None] == meta.seq_ids[None, :]) & tok_valid[:, None] & tok_valid[None, :]
-    valid, bias = _mask_and_bias(positions, positions, window, alibi, extra_valid=same)
-    parts = [_partial_attend(scores, valid, bias, v.astype(q.dtype), "lkd")]
+    # decode rows: tile = row, its G query heads per kv head; row S: the padding items' dummy
+    dec_tok = jnp.concatenate([meta.decode_tokens, jnp.full((1,), t, jnp.int32)])       # [S+1]
+    dq = q_ext[dec_tok].reshape(-1, hkv, g, d)                                           # (S+1, Hkv, G, D)
+    dpos = jnp.broadcast_to(pos_ext[dec_tok][:, None], (dq.shape[0], g))
+    dout = _attend_items(dq, dpos, kv, meta.decode_items, meta.num_items[0],
+                         group=min(DECODE_GROUP, meta.decode_items.shape[0]), **kw)       # (S+1, Hkv, G, D)
 
-    # 2. decode rows: the row's one query against its cached context (skipped, lax.cond, in a step
-    #    without any: the gather and the [S, L] dots are most of a prefill step's attention otherwise)
-    k_pos = jnp.arange(meta.block_tables.shape[1] * kv.k.shape[2], dtype=jnp.int32)
-    single = (qlen == 1)[meta.seq_ids] & tok_valid                     # [T]
-    first = jnp.minimum(qsl[:-1], t - 1)
+    # multi-token chunks: tiles of tq tokens x G heads; tile NT: the dummy
+    tiles = jnp.concatenate([meta.chunk_tiles, jnp.full((1, tq), t, jnp.int32)])         # [NT+1, tq]
+    cq = q_ext[tiles].reshape(-1, tq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(-1, hkv, tq * g, d)
+    cpos = jnp.repeat(pos_ext[tiles], g, axis=1)                                         # (NT+1, tq*G)
+    cout = _attend_items(cq, cpos, kv, meta.chunk_items, meta.num_items[1],
+                         group=min(CHUNK_GROUP, meta.chunk_items.shape[0]), **kw)
+    cout = cout.reshape(-1, hkv, tq, g, d).transpose(0, 2, 1, 3, 4)                      # (NT+1, tq, Hkv, G, D)
 
-    def decode_rows(_):
-        k_seq, v_seq = _gather_context(kv, meta.block_tables, jnp.float32)  # (Hkv, S, L, D); int8: dequantized
-        valid_r, bias_r = _mask_and_bias(positions[first], k_pos, window, alibi,
-                                         extra_valid=k_pos[None, :] < cached[:, None])
-        m_r, l_r, acc_r = _decode_rows(qg[first], k_seq, v_seq, valid_r, bias_r, scale)
-        return (jnp.where(single, m_r[:, :, meta.seq_ids], NEG_INF),
-                jnp.where(single, l_r[:, :, meta.seq_ids], 0.0),
-                jnp.where(single[:, None], acc_r[:, :, meta.seq_ids], 0.0))
-
-    empty = (jnp.full((hkv, g, t), NEG_INF, jnp.float32), jnp.zeros((hkv, g, t), jnp.float32),
-             jnp.zeros((hkv, g, t, d), jnp.float32))
-    parts.append(jax.lax.cond(jnp.any((qlen == 1) & (cached > 0)), decode_rows, lambda _: empty, None))
-
-    # 3. multi-token chunks that continue a cached context: each gathers its own row's pages
-    if meta.prior_rows is not None:
-        def continued(row):
-            k_row, v_row = _gather_context(kv, meta.block_tables[row][None], q.dtype)
-            extra = (meta.seq_ids == row)[:, None] & tok_valid[:, None] & (k_pos[None, :] < cached[row])
-            sc = jnp.einsum("tkgd,kld->kgtl", qg, k_row[:, 0], preferred_element_type=jnp.float32) * scale
-            vmask, vbias = _mask_and_bias(positions, k_pos, window, alibi, extra_valid=extra)
-            return _partial_attend(sc, vmask, vbias, v_row[:, 0], "kld")
-
-        for slot in range(meta.prior_rows.shape[0]):
-            row = meta.prior_rows[slot]
-            parts.append(jax.lax.cond(row >= 0, continued, lambda _: empty, jnp.maximum(row, 0)))
-
-    out = _merge(parts)                                                  # (Hkv, G, T, D)
-    return out.transpose(2, 0, 1, 3).reshape(t, h, d).astype(q.dtype)
+    out = jnp.zeros((t + 1, hkv, g, d), jnp.float32)
+    out = out.at[tiles.reshape(-1)].set(cout.reshape(-1, hkv, g, d))
+    out = out.at[dec_tok].set(dout)                       # index T collects every padding entry
+    return out[:t].reshape(t, h, d).astype(q.dtype)

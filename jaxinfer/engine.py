@@ -105,15 +105,14 @@ class Engine:
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
         eos = eos or self.model_cfg.eos_token_ids
         attention = resolve_impl(cfg.attention)
-        partial = 1 if attention == "xla" else None
         # multi-step decoding runs the model inside a device loop; the pipeline's stages do not loop
         decode_steps = 1 if isinstance(model, PipelinedDecoder) else cfg.max_decode_steps
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, self.max_model_len, batch_window_s,
-                            max_partial_prefills=partial, max_decode_steps=decode_steps),
+                            max_decode_steps=decode_steps),
             self.blocks, eos_ids=eos)
         runner_cfg = RunnerConfig(cfg.block_size, num_blocks, cfg.max_num_seqs, tokens_budget, self.max_model_len,
-                                  attention, partial, max_decode_steps=decode_steps, eos_ids=tuple(eos))
+                                  attention, max_decode_steps=decode_steps, eos_ids=tuple(eos))
         if isinstance(model, PipelinedDecoder):
             self.runner = PipelineRunner(model, runner_cfg, kv_dtype, cfg.pipeline_microbatches or model.pp)
         else:

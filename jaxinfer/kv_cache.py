@@ -7,16 +7,30 @@ Block 0 is never handed out by the host's BlockManager: it is the "null" block t
 rows of a block table point at, so a padded gather always reads valid memory.
 
 AttentionMetadata describes one ragged step: T tokens (prefill chunks and decode tokens of
-S sequences, flattened, each sequence's tokens contiguous). The host builds it as numpy; the
-runner pads it to bucketed shapes. Padding tokens write to PAD_SLOT, which is out of range
-and dropped by the scatter.
+S sequences, flattened, each sequence's tokens contiguous). The host builds it in numpy with
+`build_attention_metadata`, padded to a bucket of `attention_buckets`; padding tokens write to
+PAD_SLOT, which is out of range and dropped by the scatter.
+
+The XLA attention reads the pages as a flat list of work items, one per (query tile, KEYS_PER_ITEM
+keys of the blocks the tile can see), built here on the host (jaxinfer/attention.py uses them):
+  decode_tokens [S]          the one token of each single-token row (T: the row is not one)
+  decode_items  [ND, 2 + KB] (row, first logical block j, the physical blocks j .. j + KB - 1)
+                             covering every block of those rows, KB = blocks_per_item(block_size)
+                             (past the end of the table: 0, the null block)
+  chunk_tiles   [NT, TQ]     the tokens of each QUERY_TILE-token tile of a multi-token row (T: none)
+  chunk_items   [NC, 2 + KB] (tile, j, blocks) covering every block a tile can see
+  num_items     [2]          how many of decode_items / chunk_items are real (the rest: padding)
+Their sizes are fixed by (T, S, the block-table width), so they add no bucket dimension: the
+device loops over the real items only. This module never imports anything above jax.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PAD_SLOT = 2**30  # out of range for any cache: scatters to it are dropped
 
@@ -47,9 +61,12 @@ class AttentionMetadata:
     block_tables: jax.Array   # [S, max_blocks] int32: logical block -> physical block (0 = null)
     context_lens: jax.Array   # [S] int32: tokens of each sequence in the cache after this step
     query_start_loc: jax.Array  # [S+1] int32: offset of each sequence's first token in this step
-    # [P] int32: rows whose chunk has several tokens AND continues a cached context (-1: empty
-    # slot). The XLA attention handles these P rows separately; None means there are none.
-    prior_rows: jax.Array | None = None
+    # the XLA attention's work items (module docstring); None in hand-built metadata (Pallas only)
+    decode_tokens: jax.Array | None = None   # [S] int32
+    decode_items: jax.Array | None = None    # [ND, 2 + KB] int32
+    chunk_tiles: jax.Array | None = None     # [NT, QUERY_TILE] int32
+    chunk_items: jax.Array | None = None     # [NC, 2 + KB] int32
+    num_items: jax.Array | None = None       # [2] int32
 
 
 def init_kv_pages(n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
@@ -89,3 +106,115 @@ def write_kv(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
         return LayerKV(put(layer.k, k), put(layer.v, v))
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
     return LayerKV(put(layer.k, kq), put(layer.v, vq), put(layer.k_scale, ks), put(layer.v_scale, vs))
+
+
+# ---------------------------------------------------------------------------- host: metadata
+
+QUERY_TILE = 16   # query tokens per work item of a multi-token chunk
+KEYS_PER_ITEM = 64   # keys per work item: blocks_per_item(block_size) = KEYS_PER_ITEM // block_size blocks
+# work items the XLA attention processes per loop iteration (bench/attention_xla.py: a decode item
+# is G queries x 64 keys, a chunk item QUERY_TILE x G queries x 64 keys, so chunk groups are smaller)
+DECODE_GROUP = 16
+CHUNK_GROUP = 8
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One sequence in a step: `start` tokens cached before it (num_computed_tokens), `num_tokens`
+    computed now, its block table (covering start + num_tokens)."""
+    start: int
+    num_tokens: int
+    block_table: Sequence[int]
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def blocks_per_item(block_size: int) -> int:
+    return max(1, KEYS_PER_ITEM // block_size)
+
+
+def work_item_capacity(num_tokens: int, num_seqs: int, max_blocks: int, block_size: int) -> tuple[int, int, int]:
+    """Static (ND, NT, NC) of a (T, S, B) bucket: the most decode items, chunk tiles and chunk
+    items any step of that bucket can have (S rows of <= B blocks; T tokens in >= 2-token rows
+    make at most T // QUERY_TILE + min(S, T // 2) tiles)."""
+    tiles = num_tokens // QUERY_TILE + min(num_seqs, num_tokens // 2)
+    per_row = -(-max_blocks // blocks_per_item(block_size))
+    return (_round_up(max(num_seqs * per_row, 1), DECODE_GROUP), max(tiles, 1),
+            _round_up(max(tiles * per_row, 1), CHUNK_GROUP))
+
+
+def attention_buckets(token_buckets: Sequence[int], block_buckets: Sequence[int]) -> list[tuple[int, int]]:
+    """Every (T, B) shape a runner compiles at warm-up: block_buckets is [max_blocks] for the XLA
+    attention (its work grows with the items, not with B) and powers of 4 for the Pallas kernel."""
+    return [(t, b) for t in token_buckets for b in block_buckets]
+
+
+def build_attention_metadata(rows: Sequence[StepRow], block_size: int, num_tokens_bucket: int,
+                             num_seqs_bucket: int, num_blocks_bucket: int) -> AttentionMetadata:
+    """Numpy metadata of one step, padded to (T, S, B) = the buckets: tokens of row i at
+    [query_start_loc[i], query_start_loc[i+1]), padding tokens to PAD_SLOT, padding rows empty.
+    B must cover every row's blocks up to start + num_tokens. `rows=[]` gives warm-up's dummy."""
+    t, s, b, bs = num_tokens_bucket, num_seqs_bucket, num_blocks_bucket, block_size
+    assert len(rows) <= s and sum(r.num_tokens for r in rows) <= t, (len(rows), s, t)
+    seq_ids = np.zeros(t, np.int32)
+    slots = np.full(t, PAD_SLOT, np.int32)
+    block_tables = np.zeros((s, b), np.int32)
+    context_lens = np.zeros(s, np.int32)
+    query_start = np.zeros(s + 1, np.int32)
+    decode_tokens = np.full(s, t, np.int32)
+    decode_items, chunk_tiles, chunk_items = [], [], []   # numpy pieces, joined below
+    kb = blocks_per_item(bs)
+    cursor = 0
+    for i, row in enumerate(rows):
+        n, end = row.num_tokens, row.start + row.num_tokens
+        used = -(-end // bs)
+        assert used <= min(b, len(row.block_table)), (used, b, len(row.block_table))
+        table = np.asarray(row.block_table[:used], np.int32)
+        pos = np.arange(row.start, end)
+        seq_ids[cursor: cursor + n] = i
+        slots[cursor: cursor + n] = table[pos // bs] * bs + pos % bs
+        block_tables[i, :used] = table
+        context_lens[i] = end
+        items = np.zeros((-(-used // kb), 2 + kb), np.int32)   # (tile, j, blocks j .. j + kb - 1)
+        items[:, 1] = np.arange(0, used, kb)
+        blocks = np.zeros(len(items) * kb, np.int32)
+        blocks[:used] = table
+        items[:, 2:] = blocks.reshape(-1, kb)
+        if n == 1:
+            decode_tokens[i] = cursor
+            items[:, 0] = i
+            decode_items.append(items)
+        elif n > 1:
+            for first in range(0, n, QUERY_TILE):   # a tile sees the blocks up to its last token
+                last = min(first + QUERY_TILE, n) - 1
+                tile = np.full(QUERY_TILE, t, np.int32)
+                tile[: last - first + 1] = np.arange(cursor + first, cursor + last + 1)
+                seen = items[: (row.start + last) // bs // kb + 1].copy()
+                seen[:, 0] = len(chunk_tiles)
+                chunk_tiles.append(tile)
+                chunk_items.append(seen)
+        cursor += n
+        query_start[i + 1] = cursor
+    query_start[len(rows) + 1:] = cursor
+    nd, nt, nc = work_item_capacity(t, s, b, bs)
+    num_items = np.asarray([sum(map(len, decode_items)), sum(map(len, chunk_items))], np.int32)
+    assert len(chunk_tiles) <= nt and num_items[0] <= nd and num_items[1] <= nc, (num_items, nd, nc)
+    tiles = np.full((nt, QUERY_TILE), t, np.int32)
+    if chunk_tiles:
+        tiles[: len(chunk_tiles)] = chunk_tiles
+    return AttentionMetadata(seq_ids, slots, block_tables, context_lens, query_start,
+                             decode_tokens=decode_tokens, decode_items=_padded(decode_items, nd, s, kb),
+                             chunk_tiles=tiles, chunk_items=_padded(chunk_items, nc, nt, kb),
+                             num_items=num_items)
+
+
+def _padded(pieces: list[np.ndarray], size: int, dummy_tile: int, kb: int) -> np.ndarray:
+    """[size, 2 + kb] int32; padding items name the dummy tile (one past the last) and the null block."""
+    out = np.zeros((size, 2 + kb), np.int32)
+    out[:, 0] = dummy_tile
+    if pieces:
+        items = np.concatenate(pieces)
+        out[: len(items)] = items
+    return out

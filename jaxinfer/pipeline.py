@@ -82,7 +82,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.host.scheduler import ScheduledSeq, SchedulerOutput, StepSample
-from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV, init_kv_pages
+from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV, attention_buckets, init_kv_pages
 from jaxinfer.models.decoder import Block, Decoder, abstract_decoder, unfuse_decoder
 from jaxinfer.quant import QuantizedWeight
 from jaxinfer.runner import Launched, ModelRunner, RunnerConfig
@@ -351,12 +351,12 @@ class PipelineRunner(ModelRunner):
         return Launched(out, rows, outputs)
 
     def warmup(self) -> int:
-        for t in self.token_buckets:
-            for b in self.block_buckets:
-                inputs, n, _ = self._stack([self.prepare(SchedulerOutput(), {}, buckets=(t, b))] * self.microbatches, 1)
-                outputs, self.kv_pages = pipeline_step(self.params, self.kv_pages, inputs, n, settings=self.settings)
-                outputs.ids.block_until_ready()
-        return len(self.token_buckets) * len(self.block_buckets)
+        buckets = attention_buckets(self.token_buckets, self.block_buckets)
+        for t, b in buckets:
+            inputs, n, _ = self._stack([self.prepare(SchedulerOutput(), {}, buckets=(t, b))] * self.microbatches, 1)
+            outputs, self.kv_pages = pipeline_step(self.params, self.kv_pages, inputs, n, settings=self.settings)
+            outputs.ids.block_until_ready()
+        return len(buckets)
 
 
 def _pipeline_step(params, kv_pages, inputs: StepInputs, num_microbatches: jax.Array, settings: StepSettings

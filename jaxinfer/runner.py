@@ -1,12 +1,15 @@
 """SchedulerOutput -> bucketed StepInputs -> one call of the jitted step (jaxinfer/step.py).
 
 The host-to-device contract is `step.StepInputs` (its docstring has the table); this module packs
-the scheduler's plan into it as numpy arrays padded to a few bucketed shapes and turns the
-StepOutputs back into per-request samples. The KV pages live on the device and are donated to
-every step, so they are updated in place.
-T is bucketed to powers of two up to the token budget, S = min(T, max_num_seqs) and B (blocks
-per sequence) to powers of four: each (T, B) pair compiles once at warm-up and never again
-(multi-step decoding runs inside the same program, so it adds no shape).
+the scheduler's plan into it as numpy arrays padded to a few bucketed shapes (the attention
+metadata, work items included, from kv_cache.build_attention_metadata) and turns the StepOutputs
+back into per-request samples. The KV pages live on the device and are donated to every step, so
+they are updated in place.
+T is bucketed to powers of two up to the token budget, S = min(T, max_num_seqs); B (blocks per
+sequence) is the full max_model_len for the XLA attention (its work follows the step's work items,
+whose array sizes depend on T alone) and powers of four for the Pallas kernel: each (T, B) pair of
+kv_cache.attention_buckets compiles once at warm-up and never again (multi-step decoding runs
+inside the same program, so it adds no shape).
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
-from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, init_kv_pages, kv_bytes_per_token
+from jaxinfer.kv_cache import (StepRow, attention_buckets, build_attention_metadata, init_kv_pages,
+                               kv_bytes_per_token)
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.sampling import SamplingBatch
 from jaxinfer.sharding import kv_sharding, model_mesh
@@ -68,9 +72,6 @@ class RunnerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     attention: str = "xla"
-    # multi-token chunks that continue a cached context, per step (the XLA attention's prior_rows
-    # slots; the scheduler defers the rest to later steps). None: no limit (the Pallas kernel).
-    max_partial_prefills: int | None = 1
     max_decode_steps: int = 1            # K: decode iterations one call may run (StepSettings.max_iters)
     eos_ids: tuple[int, ...] = ()        # end a row on device unless the request ignores EOS
 
@@ -95,7 +96,8 @@ class ModelRunner:
         self.kv_bytes_per_token = kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_dtype)
         self.token_buckets = _pow2_buckets(min(8, cfg.max_num_batched_tokens), cfg.max_num_batched_tokens)
         max_blocks = -(-cfg.max_model_len // cfg.block_size)
-        self.block_buckets = _pow2_buckets(min(4, max_blocks), max_blocks, base=4)
+        self.block_buckets = ([max_blocks] if cfg.attention == "xla"
+                              else _pow2_buckets(min(4, max_blocks), max_blocks, base=4))
         self._no_history: dict[int, tuple[jax.Array, jax.Array]] = {}
         replicate = (NamedSharding(self.mesh, PartitionSpec())
                      if self.mesh is not None and jax.process_count() > 1 else None)
@@ -133,13 +135,10 @@ class ModelRunner:
         raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
     def blocks_needed(self, seqs) -> int:
-        """Block-table width a step needs. The XLA attention reads from the pages only what was
-        cached before this step (this step's tokens attend among themselves); the Pallas kernel
-        reads everything, this step's tokens included, through the pages."""
-        bs, reads_step = self.cfg.block_size, self.cfg.attention != "xla"
-        # multi-step decoding writes positions start .. start + max_draws - 1, each slot from the table
-        return max(1, max((-(-(q.start + q.num_tokens * reads_step + (q.max_draws if q.max_draws > 1 else 0))
-                                // bs) for q in seqs), default=1))
+        """Block-table width a step needs: both attentions read every key, this step's included,
+        through the pages; multi-step decoding also positions start + 1 .. start + max_draws - 1."""
+        bs = self.cfg.block_size
+        return max(1, max((-(-(q.start + q.num_tokens + q.max_draws - 1) // bs) for q in seqs), default=1))
 
     def _history(self, s: int, rows: list, any_penalty: bool) -> tuple[jax.Array, jax.Array]:
         h = self.cfg.max_model_len
@@ -163,7 +162,6 @@ class ModelRunner:
         """The step's StepInputs (numpy, padded to the (T, S, B) bucket; `buckets`: this (T, B) instead
         of the smallest that fits, as pipeline micro-batches share one) and its rows: the request
         each row samples for, or None."""
-        bs = self.cfg.block_size
         t = self._bucket(max(out.num_batched_tokens, 1), self.token_buckets)
         b = self._bucket(self.blocks_needed(out.seqs), self.block_buckets)
         if buckets is not None:
@@ -171,41 +169,26 @@ class ModelRunner:
             t, b = buckets
         s = self.num_seqs_for(t)
         assert len(out.seqs) <= s
+        meta = build_attention_metadata([StepRow(q.start, q.num_tokens, tables[q.request.request_id], q.max_draws - 1)
+                                         for q in out.seqs], self.cfg.block_size, t, s, b)   # (T, S, B)
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
-        seq_ids = np.zeros(t, np.int32)
-        slots = np.full(t, PAD_SLOT, np.int32)
-        block_tables = np.zeros((s, b), np.int32)
-        context_lens = np.zeros(s, np.int32)
         logits_indices = np.zeros(s, np.int32)
-        query_start = np.zeros(s + 1, np.int32)
         rows: list = [None] * s
         max_new = np.zeros(s, np.int32)
         from_prev = np.full(t, -1, np.int32)
-        cursor = 0
         for i, q in enumerate(out.seqs):
-            req, n = q.request, q.num_tokens
-            table = np.asarray(tables[req.request_id], np.int32)
-            pos = np.arange(q.start, q.start + n, dtype=np.int32)
+            req, first, n = q.request, meta.query_start_loc[i], q.num_tokens
             known = req.all_ids[q.start: q.start + n]
-            tokens[cursor: cursor + len(known)] = known
+            tokens[first: first + len(known)] = known
             if len(known) < n:   # the last token is still on the device (async scheduling)
                 assert len(known) == n - 1 and req.inflight_index >= 0, (req.request_id, len(known), n)
-                from_prev[cursor + n - 1] = req.inflight_index
-            positions[cursor: cursor + n] = pos
-            seq_ids[cursor: cursor + n] = i
-            slots[cursor: cursor + n] = table[pos // bs] * bs + pos % bs
-            block_tables[i, : min(len(table), b)] = table[:b]
-            context_lens[i] = q.start + n
-            logits_indices[i] = cursor + n - 1
+                from_prev[first + n - 1] = req.inflight_index
+            positions[first: first + n] = np.arange(q.start, q.start + n, dtype=np.int32)
+            logits_indices[i] = first + n - 1
             if q.sample:
                 rows[i] = req
                 max_new[i] = q.max_draws
-            cursor += n
-            query_start[i + 1] = cursor
-        query_start[len(out.seqs) + 1:] = cursor           # padding rows: empty chunks
-        meta = AttentionMetadata(seq_ids, slots, block_tables, context_lens, query_start,
-                                 self._prior_rows(out))
         # the drawn token's position is one past the last computed token of its row
         sb = self._sampling_batch(rows, positions[logits_indices] + 1)
         inputs = StepInputs(tokens, positions, meta, logits_indices, sb, self._stop_ids(rows), max_new,
@@ -222,16 +205,6 @@ class ModelRunner:
                 ids = ids[:MAX_STOP_IDS]
                 out[i, :len(ids)] = ids
         return out
-
-    def _prior_rows(self, out: SchedulerOutput) -> np.ndarray:
-        slots = self.cfg.max_partial_prefills
-        if slots is None:
-            return np.full(0, -1, np.int32)
-        rows = [i for i, q in enumerate(out.seqs) if q.start > 0 and q.num_tokens > 1]
-        if len(rows) > slots:
-            raise ValueError(f"{len(rows)} chunks continue a cached context; the step has {slots} slots "
-                             "(SchedulerConfig.max_partial_prefills must match)")
-        return np.asarray(rows + [-1] * (slots - len(rows)), np.int32)
 
     def _sampling_batch(self, rows: list, positions_of_rows: np.ndarray) -> SamplingBatch:
         s = len(rows)
@@ -310,12 +283,12 @@ class ModelRunner:
     def warmup(self) -> int:
         """Compile every (T, B) bucket; returns the number of shapes. Penalties need no variant:
         lax.cond compiles both branches, and the history's shape never changes."""
-        for t in self.token_buckets:
-            for b in self.block_buckets:
-                outputs, self.kv_pages = step(self.params, self.kv_pages, self.empty_inputs(t, b), self._no_prev,
-                                              settings=self.settings)
-                outputs.ids.block_until_ready()
-        return len(self.token_buckets) * len(self.block_buckets)
+        buckets = attention_buckets(self.token_buckets, self.block_buckets)
+        for t, b in buckets:
+            outputs, self.kv_pages = step(self.params, self.kv_pages, self.empty_inputs(t, b), self._no_prev,
+                                          settings=self.settings)
+            outputs.ids.block_until_ready()
+        return len(buckets)
 
 
 def default_num_blocks(model_cfg: ModelConfig, block_size: int, kv_dtype, weight_bytes: int,

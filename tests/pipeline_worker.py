@@ -35,7 +35,7 @@ LAYOUTS = {
 LOGITS_PROMPT = [3, 17, 42, 9, 60, 5, 77, 12, 8, 60, 33, 1, 14, 15]
 # mixed lengths, more prompts than max_num_seqs; the 21-token one is prefilled in chunks (token budget
 # 8: one token bucket, so warm-up compiles one step per layout), its later chunks continuing a cached
-# context (AttentionMetadata.prior_rows)
+# context (the XLA attention's chunk work items, AttentionMetadata.chunk_items)
 PROMPTS = [[3, 17, 42, 9, 50], [5, 6, 7], list(range(10, 31)), [20], [8, 9, 10, 11, 12, 13, 14, 15, 16]]
 MAX_TOKENS = 8
 TOKEN_BUDGET = 8

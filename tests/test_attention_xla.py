@@ -1,54 +1,42 @@
-"""The engine's XLA paged attention (in-step dense + per-sequence cached context, merged) equals
-the plain definition (every token gathers its whole context from the pages) on ragged steps."""
+"""The engine's XLA paged attention (work items over KV blocks, kv_cache.build_attention_metadata)
+equals the plain definition (every token gathers its whole context from the pages,
+paged_attention_reference) on ragged steps: decode rows, first chunks, any number of chunks that
+continue a cached context, padding rows and tokens; windows, ALiBi, GQA, int8 / 16-bit pages."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxinfer.attention import attention, paged_attention_reference
-from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, init_kv_pages, write_kv
-
-SLOTS = 4   # prior_rows slots, as the runner uses
+from jaxinfer.kv_cache import (CHUNK_GROUP, DECODE_GROUP, QUERY_TILE, StepRow, build_attention_metadata, init_kv_pages,
+                               work_item_capacity, write_kv)
 
 
 def build_step(rng, chunks, *, pad_tokens, pad_rows, hkv, g, d, bs, kv_dtype):
     """chunks [(cached, new)]: pages holding each sequence's cached K/V, this step's q/k/v and metadata."""
-    s = len(chunks) + pad_rows
     nblk = [-(-(c + n) // bs) for c, n in chunks]
-    max_blocks = max(nblk) + 1
+    width = max(nblk) + 1
     nb = 1 + sum(nblk) + 2
-    phys = rng.permutation(np.arange(1, nb))
-    bt = np.zeros((s, max_blocks), np.int32)
-    i = 0
-    for r, n in enumerate(nblk):
-        bt[r, :n] = phys[i:i + n]
+    phys = rng.permutation(np.arange(1, nb))          # scattered pages; block 0 stays the null block
+    tables, i = [], 0
+    for n in nblk:
+        tables.append([int(b) for b in phys[i:i + n]])
         i += n
-    slot = lambda r, p: bt[r, p // bs] * bs + p % bs  # noqa: E731
+    rows = [StepRow(c, n, tab) for (c, n), tab in zip(chunks, tables)]
+    n_real = sum(n for _, n in chunks)
+    t = n_real + pad_tokens
+    meta = build_attention_metadata(rows, bs, t, len(chunks) + pad_rows, width)
     kv = init_kv_pages(1, hkv, d, nb, bs, kv_dtype)[0]
-    cached_slots = [slot(r, p) for r, (c, _) in enumerate(chunks) for p in range(c)]
-    if cached_slots:
-        m = len(cached_slots)
+    cached = [tab[p // bs] * bs + p % bs for (c, _), tab in zip(chunks, tables) for p in range(c)]
+    if cached:
+        m = len(cached)
         kv = write_kv(kv, jnp.asarray(rng.standard_normal((m, hkv, d)), jnp.float32),
-                      jnp.asarray(rng.standard_normal((m, hkv, d)), jnp.float32), jnp.asarray(cached_slots, jnp.int32))
-    pos, sid, slots, qsl = [], [], [], [0]
-    for r, (c, n) in enumerate(chunks):
-        pos += range(c, c + n)
-        sid += [r] * n
-        slots += [slot(r, p) for p in range(c, c + n)]
-        qsl.append(qsl[-1] + n)
-    t = len(pos) + pad_tokens
-    pos += [0] * pad_tokens
-    sid += [0] * pad_tokens
-    slots += [PAD_SLOT] * pad_tokens
-    qsl += [qsl[-1]] * pad_rows
-    ctx = [c + n for c, n in chunks] + [0] * pad_rows
-    prior = [r for r, (c, n) in enumerate(chunks) if c > 0 and n > 1]
-    meta = AttentionMetadata(jnp.asarray(sid, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(bt),
-                             jnp.asarray(ctx, jnp.int32), jnp.asarray(qsl, jnp.int32),
-                             jnp.asarray(prior + [-1] * (SLOTS - len(prior)), jnp.int32))
+                      jnp.asarray(rng.standard_normal((m, hkv, d)), jnp.float32), jnp.asarray(cached, jnp.int32))
+    pos = np.concatenate([np.arange(c, c + n) for c, n in chunks] + [np.zeros(pad_tokens, int)]).astype(np.int32)
     q = jnp.asarray(rng.standard_normal((t, hkv * g, d)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.float32)
-    return q, k, v, kv, jnp.asarray(pos, jnp.int32), meta, len(pos) - pad_tokens
+    return q, k, v, kv, jnp.asarray(pos), jax.tree.map(jnp.asarray, meta), n_real
 
 
 CASES = [
@@ -56,8 +44,17 @@ CASES = [
     ([(0, 9), (17, 1), (5, 1), (0, 1)], 3, 2, 2, 4, 8, None, False, "float32"),
     ([(30, 1), (12, 7), (0, 20), (3, 1)], 0, 1, 1, 8, 16, None, True, "float32"),
     ([(40, 5), (9, 3), (33, 1), (0, 4), (1, 2)], 5, 0, 2, 1, 8, 6, False, "float32"),
+    # six chunks continuing a cached context in one step (+ decode rows and a first chunk)
+    ([(37, 19), (16, 40), (64, 3), (5, 17), (90, 33), (1, 2), (70, 1), (0, 21), (12, 1)], 6, 2, 2, 2, 16, None,
+     False, "float32"),
+    ([(37, 19), (16, 40), (64, 3), (5, 17), (90, 33), (1, 2), (70, 1), (0, 21)], 1, 1, 1, 4, 8, 13, True,
+     "float32"),
     ([(20, 1), (0, 13), (35, 8)], 2, 3, 2, 4, 32, 11, True, "int8"),
     ([(64, 1)] * 6 + [(0, 25)], 7, 1, 2, 2, 16, None, False, "int8"),
+    # many decode rows and chunk tiles: several full loop groups of items (kv_cache.DECODE_GROUP) and a tail
+    ([(c, 1) for c in range(5, 400, 9)] + [(200, 70), (0, 90)], 3, 2, 2, 2, 16, None, False, "float32"),
+    ([(45, 18), (3, 1), (0, 30), (22, 6), (60, 1)], 4, 1, 2, 2, 16, 20, False, "bfloat16"),
+    ([(45, 18), (3, 1), (0, 30), (22, 6), (60, 1)], 0, 2, 1, 8, 8, None, True, "float16"),
 ]
 
 
@@ -68,8 +65,45 @@ def test_paged_xla_equals_definition(chunks, pad_t, pad_r, hkv, g, bs, window, a
                                                 g=g, d=16, bs=bs, kv_dtype=jnp.dtype(kv_dtype))
     slopes = jnp.asarray(rng.uniform(0.01, 0.2, hkv * g), jnp.float32) if alibi else None
     got, kv_after = attention(q, k, v, pos, scale=0.25, window=window, alibi=slopes, kv=kv, meta=meta, impl="xla")
-    want = paged_attention_reference(q, write_kv(kv, k, v, meta.slot_mapping), pos, meta, scale=0.25,
-                                     window=window, alibi=slopes)
+    # the same pages (this step's K/V written, rounded to the page dtype) through the plain definition;
+    # 16-bit pages exactly upcast, since the reference would round its probabilities to the page dtype
+    pages = write_kv(kv, k, v, meta.slot_mapping)
+    if kv_dtype in ("bfloat16", "float16"):
+        pages = jax.tree.map(lambda a: a.astype(jnp.float32), pages)
+    want = paged_attention_reference(q, pages, pos, meta, scale=0.25, window=window, alibi=slopes)
     got, want = np.asarray(got)[:n_real], np.asarray(want)[:n_real]
+    # both accumulate in float32 over <= 160 keys in different orders: a few ulp (6e-8) times a
+    # small factor; a wrong mask or a missed block is off by O(1e-1)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
     assert np.all(np.isfinite(np.asarray(kv_after.k, np.float32)))
+    assert np.all(np.asarray(got) != 0)   # no real token lost its output
+
+
+def test_metadata_items_cover_each_visible_block_once():
+    """The host's work items: a decode row reads each of its blocks once; a tile reads the blocks up to
+    its last token; padding items name the dummy tile and the null block; sizes are the bucket's."""
+    rows = [StepRow(40, 1, [7, 3, 9]), StepRow(0, 20, [4, 5]), StepRow(33, 17, [8, 2, 6, 1])]
+    t, s, b, bs = 64, 8, 4, 16
+    meta = build_attention_metadata(rows, bs, t, s, b)
+    nd, nt, nc = work_item_capacity(t, s, b, bs)
+    kb = 4   # 64 keys per item
+    assert meta.decode_items.shape == (nd, 2 + kb) and meta.chunk_items.shape == (nc, 2 + kb)
+    assert meta.chunk_tiles.shape == (nt, QUERY_TILE) and nd % DECODE_GROUP == 0 == nc % CHUNK_GROUP
+    assert list(meta.num_items) == [1, 1 + 1 + 1 + 1]
+    assert meta.decode_tokens.tolist() == [0] + [t] * 7
+    assert meta.decode_items[:1].tolist() == [[0, 0, 7, 3, 9, 0]]
+    # row 1: tokens 1..20 in tiles [1..16] and [17..20]; row 2: positions 33..49 at tokens 21..37 in
+    # tiles of 16 (33..48) and 1 (49); each tile's visible blocks fit one item of 4 blocks
+    assert meta.chunk_tiles[0].tolist() == list(range(1, 17))
+    assert meta.chunk_tiles[1].tolist() == list(range(17, 21)) + [t] * 12
+    assert meta.chunk_tiles[3].tolist() == [37] + [t] * 15
+    assert meta.chunk_items[:4].tolist() == [[0, 0, 4, 5, 0, 0], [1, 0, 4, 5, 0, 0], [2, 0, 8, 2, 6, 1],
+                                             [3, 0, 8, 2, 6, 1]]
+    assert np.all(meta.chunk_items[4:] == [nt] + [0] * (1 + kb)) and np.all(meta.decode_items[1:] == [s] + [0] * (1 + kb))
+    # 64 keys per item: a 100-block context is 25 items, a tile at position 70 reads blocks 0..4 in 2
+    long = build_attention_metadata([StepRow(99 * bs, 1, list(range(1, 101))), StepRow(60, 11, [3, 4, 5, 6, 7])],
+                                    bs, 16, 4, 100)
+    assert list(long.num_items) == [25, 2] and long.decode_items[24].tolist() == [0, 96, 97, 98, 99, 100]
+    assert long.chunk_items[1].tolist() == [0, 4, 7, 0, 0, 0]
+    assert meta.slot_mapping[0] == 9 * bs + 8 and meta.query_start_loc.tolist() == [0, 1, 21, 38] + [38] * 5
+    assert meta.context_lens.tolist() == [41, 20, 50, 0, 0, 0, 0, 0]

@@ -29,7 +29,7 @@ import pytest
 from jaxinfer import distributed
 from jaxinfer.distributed import ENV_VARS, decode, encode, step_arrays, step_inputs
 from jaxinfer.step import MAX_STOP_IDS, StepInputs
-from jaxinfer.kv_cache import AttentionMetadata
+from jaxinfer.kv_cache import AttentionMetadata, StepRow, build_attention_metadata
 from jaxinfer.sampling import SamplingBatch
 from tests.multihost_worker import LOGITS_PROMPT, PROMPTS, SETTINGS, run_requests
 
@@ -98,9 +98,7 @@ def test_messages_round_trip_exactly():
 
 def test_step_inputs_round_trip():
     s, t, b = 4, 8, 2
-    meta = AttentionMetadata(np.arange(t, dtype=np.int32), np.arange(t, dtype=np.int32) + 16,
-                             np.ones((s, b), np.int32), np.array([3, 1, 0, 0], np.int32),
-                             np.array([0, 3, 4, 4, 4], np.int32), np.array([-1, -1], np.int32))
+    meta = build_attention_metadata([StepRow(0, 3, [1]), StepRow(17, 1, [2, 3])], 16, t, s, b)
     f = np.linspace(0, 1, s, dtype=np.float32)
     hist = jax.device_put(np.full((s, 16), -1, np.int32))     # the runner's cached empty history
     sb = SamplingBatch(f, np.arange(s, dtype=np.int32), f + 1, f, f, f, f, np.arange(s, dtype=np.uint32) * 7,
@@ -116,7 +114,8 @@ def test_step_inputs_round_trip():
     tk, ps, m2, li, sb2 = got.tokens, got.positions, got.meta, got.logits_indices, got.sampling
     assert np.array_equal(tk, tokens) and np.array_equal(ps, positions) and np.array_equal(li, logits_indices)
     assert np.array_equal(got.stop_ids, stop_ids) and np.array_equal(got.max_new, max_new) and got.num_iters == 4
-    for field in ("seq_ids", "slot_mapping", "block_tables", "context_lens", "query_start_loc", "prior_rows"):
+    for field in ("seq_ids", "slot_mapping", "block_tables", "context_lens", "query_start_loc", "decode_tokens",
+                  "decode_items", "chunk_tiles", "chunk_items", "num_items"):
         assert np.array_equal(getattr(m2, field), getattr(meta, field)), field
     for field in ("temperature", "top_k", "top_p", "seed", "position", "num_logprobs"):
         assert np.array_equal(getattr(sb2, field), getattr(sb, field)), field

@@ -963,13 +963,12 @@ def test_host_tier_never_imports_jax():
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("limit", [None, 1, 2])
-def test_max_partial_prefills_caps_continuing_chunks_per_step(limit):
+def test_forks_continuing_a_cached_prompt_run_in_one_step():
     """n=3 samples of a 20-token prompt (block 16): after the leader's first 16 tokens, the leader
-    and both forks each need 4 more tokens on top of a cached context. The cap defers the extra
-    ones to later steps; without it all three run in one step."""
+    and both forks each need 4 more tokens on top of a cached context. The attention takes any
+    number of such chunks in a step, so all three run in the same one."""
     bm = BlockManager(64, 16)
-    s = Scheduler(SchedulerConfig("continuous", 8, 16, 128, max_partial_prefills=limit), bm)
+    s = Scheduler(SchedulerConfig("continuous", 8, 16, 128), bm)
     s.add(make_request("a", prompt_of(20), 16, n=3, max_tokens=3, ignore_eos=True))
     per_step, outputs = [], {}
     for _ in range(50):
@@ -983,6 +982,6 @@ def test_max_partial_prefills_caps_continuing_chunks_per_step(limit):
                 outputs[q.request.request_id] += 1
         s.update(out, {q.request.request_id: StepSample(7, 0.0) for q in out.seqs if q.sample})
     assert not s.has_unfinished() and sorted(outputs.values()) == [3, 3, 3]
-    assert max(per_step) == (3 if limit is None else limit)
+    assert per_step[:3] == [0, 3, 0]   # first chunk; then the leader and both forks together
     assert sum(per_step) == 3          # each of the three samples continued its prompt once
     assert bm.num_used == 0

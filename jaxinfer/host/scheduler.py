@@ -43,9 +43,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     batch_window_s: float = 0.05        # dynamic batching: how long the oldest request may wait
-    # chunks of several tokens that continue a cached context (later chunks of a chunked prefill,
-    # n > 1 samples after their fork) per step; more wait a step. None: no limit.
-    max_partial_prefills: int | None = None
     max_decode_steps: int = 1           # decode iterations one step may run when every row decodes
 
 
@@ -89,7 +86,6 @@ class Scheduler:
         self.num_preemptions = 0
         self._order = 0
         self._keys: dict[str, tuple] = {}
-        self._partial = 0       # this step's chunks that continue a cached context
 
     # ------------------------------------------------------------------ queue
     def _key(self, req: Request) -> tuple:
@@ -163,13 +159,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
-        self._partial = 0
         queue = sorted(self.running, key=self._key)
         i = 0
         while i < len(queue) and budget > 0:
             req = queue[i]
             n = self._num_new_tokens(req, budget)
-            if n == 0 or self._over_partial_limit(req, n):
+            if n == 0:
                 i += 1
                 continue
             while not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
@@ -196,7 +191,7 @@ class Scheduler:
                 if req is None:
                     break
             n = self._num_new_tokens(req, budget)
-            if n == 0 or self._over_partial_limit(req, n) or not self.blocks.allocate(
+            if n == 0 or not self.blocks.allocate(
                     req.request_id, req.num_computed_tokens + n):
                 break
             self.waiting.remove(req)
@@ -229,15 +224,8 @@ class Scheduler:
             q.max_draws = max(d, 1)
         out.num_decode_iters = max(draws)
 
-    def _over_partial_limit(self, req: Request, n: int) -> bool:
-        if self.cfg.max_partial_prefills is None or req.num_computed_tokens == 0 or n == 1:
-            return False
-        return self._partial >= self.cfg.max_partial_prefills
-
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
-        if start > 0 and n > 1:
-            self._partial += 1
         return ScheduledSeq(req, start, n, sample=start + n == req.num_tokens and not req.pending_forks)
 
     # ------------------------------------------------------------------ update
