@@ -156,10 +156,10 @@ def encode(kind: str, arrays: Sequence[np.ndarray | None]) -> bytes:
         if a is None:
             specs.append(None)
             continue
-        a = np.ascontiguousarray(a)
+        a = np.asarray(a)      # (np.ascontiguousarray would make a 0-d array 1-d)
         assert a.dtype.kind in "biuf", f"cannot send dtype {a.dtype}"
         specs.append([a.dtype.str, list(a.shape)])
-        chunks.append(a.tobytes())
+        chunks.append(a.tobytes())   # C order whatever the layout
     body = b"".join(chunks)
     packed = len(body) > _COMPRESS_ABOVE
     header = json.dumps({"kind": kind, "arrays": specs, "zlib": packed}).encode()

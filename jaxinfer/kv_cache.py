@@ -121,10 +121,13 @@ CHUNK_GROUP = 8
 @dataclass(frozen=True)
 class StepRow:
     """One sequence in a step: `start` tokens cached before it (num_computed_tokens), `num_tokens`
-    computed now, its block table (covering start + num_tokens)."""
+    computed now, its block table (covering start + num_tokens + lookahead)."""
     start: int
     num_tokens: int
     block_table: Sequence[int]
+    # multi-step decoding (step.py): positions later iterations of the same call add; their keys are
+    # read through this call's items, so the items (and the table) cover them too
+    lookahead: int = 0
 
 
 def _round_up(n: int, m: int) -> int:
@@ -169,7 +172,7 @@ def build_attention_metadata(rows: Sequence[StepRow], block_size: int, num_token
     cursor = 0
     for i, row in enumerate(rows):
         n, end = row.num_tokens, row.start + row.num_tokens
-        used = -(-end // bs)
+        used = -(-(end + row.lookahead) // bs)
         assert used <= min(b, len(row.block_table)), (used, b, len(row.block_table))
         table = np.asarray(row.block_table[:used], np.int32)
         pos = np.arange(row.start, end)

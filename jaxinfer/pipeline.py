@@ -81,7 +81,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.host.scheduler import ScheduledSeq, SchedulerOutput, StepSample
+from jaxinfer.host.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV, attention_buckets, init_kv_pages
 from jaxinfer.models.decoder import Block, Decoder, abstract_decoder, unfuse_decoder
 from jaxinfer.quant import QuantizedWeight

@@ -2,6 +2,8 @@
 equals the plain definition (every token gathers its whole context from the pages,
 paged_attention_reference) on ragged steps: decode rows, first chunks, any number of chunks that
 continue a cached context, padding rows and tokens; windows, ALiBi, GQA, int8 / 16-bit pages."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,3 +109,26 @@ def test_metadata_items_cover_each_visible_block_once():
     assert long.chunk_items[1].tolist() == [0, 4, 7, 0, 0, 0]
     assert meta.slot_mapping[0] == 9 * bs + 8 and meta.query_start_loc.tolist() == [0, 1, 21, 38] + [38] * 5
     assert meta.context_lens.tolist() == [41, 20, 50, 0, 0, 0, 0, 0]
+
+
+def test_multi_step_decode_rows_read_blocks_of_later_positions():
+    """A decode row run for 3 iterations in one step (positions 31, 32, 33 with block size 16): its items
+    and block table cover block 2, so the later iterations see their own keys; the attention at the third
+    position (as the device advances positions) equals the definition."""
+    bs, hkv, g, d = 16, 2, 2, 16
+    rng = np.random.default_rng(3)
+    meta = build_attention_metadata([StepRow(31, 1, [5, 2, 7], lookahead=2), StepRow(10, 1, [4])], bs, 8, 4, 4)
+    assert list(meta.num_items) == [2, 0] and meta.block_tables[0, :3].tolist() == [5, 2, 7]
+    assert meta.decode_items[0].tolist() == [0, 0, 5, 2, 7, 0]
+    kv = init_kv_pages(1, hkv, d, 8, bs, jnp.float32)[0]
+    kv = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), jnp.float32), kv)
+    meta = jax.tree.map(jnp.asarray, meta)
+    # the third iteration: positions 33 and 12, slots from the tables, contexts 34 and 13
+    advanced = dataclasses.replace(meta, slot_mapping=meta.slot_mapping.at[:2].set(jnp.asarray([7 * bs + 1, 4 * bs + 12])),
+                                   context_lens=meta.context_lens.at[:2].set(jnp.asarray([34, 13])))
+    pos = jnp.asarray([33, 12] + [0] * 6, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((8, hkv * g, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((8, hkv, d)), jnp.float32)
+    got, pages = attention(q, k, k, pos, scale=0.25, kv=kv, meta=advanced, impl="xla")
+    want = paged_attention_reference(q, pages, pos, advanced, scale=0.25)
+    np.testing.assert_allclose(np.asarray(got)[:2], np.asarray(want)[:2], rtol=1e-5, atol=1e-6)

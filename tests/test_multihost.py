@@ -29,7 +29,7 @@ import pytest
 from jaxinfer import distributed
 from jaxinfer.distributed import ENV_VARS, decode, encode, step_arrays, step_inputs
 from jaxinfer.step import MAX_STOP_IDS, StepInputs
-from jaxinfer.kv_cache import AttentionMetadata, StepRow, build_attention_metadata
+from jaxinfer.kv_cache import StepRow, build_attention_metadata
 from jaxinfer.sampling import SamplingBatch
 from tests.multihost_worker import LOGITS_PROMPT, PROMPTS, SETTINGS, run_requests
 
@@ -113,7 +113,8 @@ def test_step_inputs_round_trip():
     got = step_inputs(sent, jax.tree.structure(inputs))
     tk, ps, m2, li, sb2 = got.tokens, got.positions, got.meta, got.logits_indices, got.sampling
     assert np.array_equal(tk, tokens) and np.array_equal(ps, positions) and np.array_equal(li, logits_indices)
-    assert np.array_equal(got.stop_ids, stop_ids) and np.array_equal(got.max_new, max_new) and got.num_iters == 4
+    assert np.array_equal(got.stop_ids, stop_ids) and np.array_equal(got.max_new, max_new)
+    assert got.num_iters.shape == () and got.num_iters == 4      # a scalar stays a scalar
     for field in ("seq_ids", "slot_mapping", "block_tables", "context_lens", "query_start_loc", "decode_tokens",
                   "decode_items", "chunk_tiles", "chunk_items", "num_items"):
         assert np.array_equal(getattr(m2, field), getattr(meta, field)), field
