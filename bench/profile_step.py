@@ -26,7 +26,6 @@ import numpy as np
 from bench.benchmark import device_info, device_slug, results_path, write_report
 from jaxinfer import Generator, SamplingParams
 from jaxinfer.generator import default_model_path
-from jaxinfer.step import step as jaxinfer_step
 
 
 def decode_step_inputs(gen: Generator, batch: int, seed: int):
@@ -53,12 +52,10 @@ def op_names(hlo_text: str) -> dict[str, str]:
 def profile(gen: Generator, batch: int, reps: int, trace_steps: int, seed: int) -> dict:
     runner = gen.engine.runner
     inputs, iters = decode_step_inputs(gen, batch, seed)
-    names = op_names(jaxinfer_step.lower(runner.params, runner.kv_pages, inputs, runner._no_prev, settings=runner.settings)
-                     .compile().as_text())
+    names = op_names(runner.step.lower(runner.params, runner.kv_pages, inputs, runner._no_prev).compile().as_text())
 
     def step():
-        out, runner.kv_pages = jaxinfer_step(runner.params, runner.kv_pages, inputs, runner._no_prev,
-                                              settings=runner.settings)
+        out, runner.kv_pages = runner.step(runner.params, runner.kv_pages, inputs, runner._no_prev)
         jax.block_until_ready(out)
 
     step()

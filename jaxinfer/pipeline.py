@@ -72,6 +72,7 @@ in plain tensor parallelism.
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -312,6 +313,9 @@ class PipelineRunner(ModelRunner):
             raise ValueError(f"pipeline_microbatches must be >= 1, got {microbatches}")
         self.pp, self.lp, self.microbatches = model.pp, model.lp, microbatches
         super().__init__(model, cfg, kv_dtype)
+        # owned by the runner, like ModelRunner.step (step.jit_step says why)
+        self.pipeline_step = jax.jit(functools.partial(_pipeline_step, settings=self.settings),
+                                     donate_argnames="kv_pages")
 
     def _init_kv_pages(self, kv_dtype):
         """Lp LayerKV of [pp, Hkv, NB, bs, D]: entry j of pipeline rank p is global layer p * Lp + j."""
@@ -347,14 +351,14 @@ class PipelineRunner(ModelRunner):
                ) -> Launched:
         assert prev is None, "the pipeline runs steps one at a time (no async scheduling)"
         inputs, n, rows = self.prepare_microbatches(out, tables)
-        outputs, self.kv_pages = pipeline_step(self.params, self.kv_pages, inputs, n, settings=self.settings)
+        outputs, self.kv_pages = self.pipeline_step(self.params, self.kv_pages, inputs, n)
         return Launched(out, rows, outputs)
 
     def warmup(self) -> int:
         buckets = attention_buckets(self.token_buckets, self.block_buckets)
         for t, b in buckets:
             inputs, n, _ = self._stack([self.prepare(SchedulerOutput(), {}, buckets=(t, b))] * self.microbatches, 1)
-            outputs, self.kv_pages = pipeline_step(self.params, self.kv_pages, inputs, n, settings=self.settings)
+            outputs, self.kv_pages = self.pipeline_step(self.params, self.kv_pages, inputs, n)
             outputs.ids.block_until_ready()
         return len(buckets)
 
@@ -371,4 +375,3 @@ def _pipeline_step(params, kv_pages, inputs: StepInputs, num_microbatches: jax.A
     return StepOutputs(ids[None], lps[None], top_ids[None], top_lps[None], drawn, ids), kv_pages
 
 
-pipeline_step = jax.jit(_pipeline_step, static_argnames="settings", donate_argnames="kv_pages")

@@ -30,7 +30,7 @@ from jaxinfer.kv_cache import (StepRow, attention_buckets, build_attention_metad
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.sampling import SamplingBatch
 from jaxinfer.sharding import kv_sharding, model_mesh
-from jaxinfer.step import MAX_STOP_IDS, StepInputs, StepOutputs, StepSettings, step
+from jaxinfer.step import MAX_STOP_IDS, StepInputs, StepOutputs, StepSettings, jit_step
 
 
 INT32_MAX = np.iinfo(np.int32).max
@@ -103,6 +103,7 @@ class ModelRunner:
                      if self.mesh is not None and jax.process_count() > 1 else None)
         self.settings = StepSettings(self.graphdef, cfg.attention, max(1, cfg.max_decode_steps),
                                      self.num_seqs_for(self.token_buckets[-1]), self.kv_sharding, replicate)
+        self.step = jit_step(self.settings)
         # the prev_tokens of a step whose tokens the host all knows (no previous step in flight)
         self._no_prev = jax.device_put(np.zeros(self.settings.max_iters * self.settings.max_rows, np.int32),
                                        jax.devices()[0] if self.mesh is None else NamedSharding(self.mesh, PartitionSpec()))
@@ -238,7 +239,7 @@ class ModelRunner:
         if self.publish_step is not None:
             self.publish_step(inputs)
         prev_tokens = self._no_prev if prev is None else prev.outputs.next_tokens
-        outputs, self.kv_pages = step(self.params, self.kv_pages, inputs, prev_tokens, settings=self.settings)
+        outputs, self.kv_pages = self.step(self.params, self.kv_pages, inputs, prev_tokens)
         for i, (q, req) in enumerate(zip(out.seqs, rows)):
             if req is not None:    # where this row's last draw will lie in outputs.next_tokens
                 req.inflight_index = (q.max_draws - 1) * self.settings.max_rows + i
@@ -274,7 +275,7 @@ class ModelRunner:
         sb = inputs.sampling
         if sb.history is None:
             sb.history, sb.history_is_output = self._history(len(inputs.logits_indices), [], False)
-        _, self.kv_pages = step(self.params, self.kv_pages, inputs, self._no_prev, settings=self.settings)
+        _, self.kv_pages = self.step(self.params, self.kv_pages, inputs, self._no_prev)
 
     def empty_inputs(self, t: int, b: int) -> StepInputs:
         """A step of bucket (T, B) with no tokens: what warm-up runs (and the follower's treedef)."""
@@ -285,8 +286,7 @@ class ModelRunner:
         lax.cond compiles both branches, and the history's shape never changes."""
         buckets = attention_buckets(self.token_buckets, self.block_buckets)
         for t, b in buckets:
-            outputs, self.kv_pages = step(self.params, self.kv_pages, self.empty_inputs(t, b), self._no_prev,
-                                          settings=self.settings)
+            outputs, self.kv_pages = self.step(self.params, self.kv_pages, self.empty_inputs(t, b), self._no_prev)
             outputs.ids.block_until_ready()
         return len(buckets)
 

@@ -16,8 +16,9 @@ and back, one device-to-host copy of StepOutputs: ids/logprobs [K, S] (+ top-N [
 num_drawn [S]. next_tokens [K * max_rows] stays on the device as the next step's `prev_tokens`
 (async scheduling, runner.py). The KV pages are donated, so they are updated in place.
 
-`step` is one module-level jitted function of (params, kv_pages, inputs) with everything it is
-compiled for in the static `StepSettings`, so the compiled program depends on nothing hidden.
+The step is one module-level function of (params, kv_pages, inputs, prev_tokens) with everything it
+is compiled for in `StepSettings`, so the compiled program depends on nothing hidden; `jit_step`
+jits it for one engine (which owns the executables).
 
 Multi-step decoding: when every row of a step decodes (one token each), the scheduler asks for
 up to K iterations. Iteration i feeds the tokens sampled by iteration i - 1 straight back in:
@@ -31,6 +32,7 @@ host applies stop strings afterwards and discards what follows a stop (engine.py
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -163,5 +165,11 @@ def _step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.
     return out, kv_pages
 
 
-step = jax.jit(_step, static_argnames="settings", donate_argnames="kv_pages")
+def jit_step(settings: StepSettings):
+    """The jitted step(params, kv_pages, inputs, prev_tokens) for these settings, pages donated. Each
+    runner owns its own: its executables then live and die with the engine. (A process-wide jit cache
+    keeps every engine's programs forever, and XLA:CPU maps ~1,100 memory regions per program: a
+    process that builds engines one after another, the test suite, hit the kernel's 65,530-mapping
+    limit after ~60 programs and aborted.)"""
+    return jax.jit(functools.partial(_step, settings=settings), donate_argnames="kv_pages")
 

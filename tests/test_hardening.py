@@ -205,7 +205,9 @@ def test_dead_engine_fails_every_request_and_sigterm_exits(model_dir, tmp_path):
 
 # ------------------------------------------------------------------ 2. non-streaming disconnects abort
 def test_non_streaming_disconnect_aborts_and_frees_blocks(srv, gen):
-    gen.engine.fault_injector = lambda: time.sleep(0.2)   # 120 tokens take >= 15 steps of 8 tokens: >= 3 s
+    # 120 tokens take >= 15 steps of <= 8 tokens, >= 7.5 s at 0.5 s a step; the bound below (half of them)
+    # leaves the abort ~3.7 s after the hang-up, against 0.2 s disconnect polling, even on a loaded machine
+    gen.engine.fault_injector = lambda: time.sleep(0.5)
     before = gen.stats()["generation_tokens"]
     n, max_tokens = 8, 120
     payload = json.dumps({"model": "tiny", "prompt": "the night", "max_tokens": max_tokens, "ignore_eos": True,
