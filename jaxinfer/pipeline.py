@@ -365,7 +365,8 @@ class PipelineRunner(ModelRunner):
 
 def _pipeline_step(params, kv_pages, inputs: StepInputs, num_microbatches: jax.Array, settings: StepSettings
                    ) -> tuple[StepOutputs, list[LayerKV]]:
-    """step.step for a PipelinedDecoder: one iteration over M micro-batches (the stages do not loop)."""
+    """The step (jaxinfer/step.py) for a PipelinedDecoder: one iteration over M micro-batches (the stages
+    do not loop); PipelineRunner jits it per runner, as step.jit_step does."""
     model = nnx.merge(settings.graphdef, params)
     logits, kv_pages = model(inputs.tokens, inputs.positions, kv_pages, inputs.meta, inputs.logits_indices,
                              impl=settings.attention, num_microbatches=num_microbatches)
