@@ -221,7 +221,8 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     points = []
     for bs in batch_sizes:
         ecfg = EngineConfig(dtype=dtype, max_num_seqs=bs, block_size=args.block_size, num_blocks=args.num_blocks,
-                            batching="continuous", max_model_len=args.max_model_len, kv_dtype=args.kv_dtype)
+                            batching="continuous", max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
+                            enable_prefix_caching=args.enable_prefix_caching)
         gen = Generator(model, tokenizer, ecfg, args.max_num_batched_tokens)   # warm-up: compiles every shape
         point = {"max_num_seqs": bs, **run_offline_point(gen, requests, peaks, args.progress, f"max_num_seqs={bs}")}
         points.append(point)
@@ -369,6 +370,8 @@ def launched_server(args: argparse.Namespace, path: Path) -> Iterator[str]:
         cmd += ["--num-blocks", str(args.num_blocks)]
     if args.kv_dtype:
         cmd += ["--kv-dtype", args.kv_dtype]
+    if not args.enable_prefix_caching:
+        cmd += ["--no-prefix-caching"]
     log = tempfile.NamedTemporaryFile("w+", prefix="jaxinfer-bench-server-", suffix=".log", delete=False)
     print(f"launching: {' '.join(cmd)}  (log: {log.name})", flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -466,6 +469,8 @@ def _workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--kv-dtype", default=None, choices=["int8", "float16", "bfloat16", "float32"],
                    help="KV cache dtype (default: the model's; serving: passed to a launched server)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute every prompt (serving: passed to a launched server)")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:

@@ -54,7 +54,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from jaxinfer import Generator, SamplingParams
 
     gen = Generator.from_pretrained(args.model, dtype=args.dtype, max_num_seqs=max(1, args.n),
-                                    max_num_batched_tokens=args.max_num_batched_tokens, **_multihost_kwargs(args))
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    enable_prefix_caching=args.enable_prefix_caching, **_multihost_kwargs(args))
     if not gen.is_leader:
         return _follow(gen)
     prompt = _parse_ids(args.ids) if args.ids is not None else args.prompt
@@ -151,6 +152,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "(1 while requests wait or prefill runs)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="wait for each step's tokens before planning the next")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute every prompt instead of reusing the KV blocks of cached prefixes")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: folder name)")
 
 
@@ -161,7 +164,7 @@ def _generator(args: argparse.Namespace):
                                      max_model_len=args.max_model_len, block_size=args.block_size,
                                      num_blocks=args.num_blocks, batching=args.batching, kv_dtype=args.kv_dtype,
                                      max_decode_steps=args.max_decode_steps, async_scheduling=args.async_scheduling,
-                                     **_multihost_kwargs(args))
+                                     enable_prefix_caching=args.enable_prefix_caching, **_multihost_kwargs(args))
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -216,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print JSON lines")
     g.add_argument("--max-num-batched-tokens", type=int, default=256)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute the prompt (n > 1 samples still share it)")
     _multihost_args(g)
     g.set_defaults(func=cmd_generate)
 

@@ -399,6 +399,7 @@ class EngineConfig:
     max_model_len: int | None = None    # None: the model's max_position_embeddings
     max_decode_steps: int = 8           # decode iterations per step on device when every row decodes
     async_scheduling: bool = True       # plan and dispatch step N+1 before step N's tokens reach the host
+    enable_prefix_caching: bool = True  # reuse the KV blocks of cached prompt prefixes (host/block_manager.py)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

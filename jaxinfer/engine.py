@@ -44,6 +44,7 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]]
     finished: bool = False
     finish_reason: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when the request was admitted
 
 
 @dataclass
@@ -101,7 +102,7 @@ class Engine:
                 pool_tokens, num_blocks - 1, cfg.block_size)
             self.max_model_len = pool_tokens
         tokens_budget = max(max_num_batched_tokens, 8)
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
         eos = eos or self.model_cfg.eos_token_ids
         attention = resolve_impl(cfg.attention)
@@ -138,8 +139,9 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> str:
-        """Queue a request (n samples); returns its id. Raises ValueError for prompts that cannot fit."""
+                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None) -> str:
+        """Queue a request (n samples); returns its id. Raises ValueError for prompts that cannot fit.
+        cache_salt: requests share cached prefix blocks only with requests of the same salt."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -153,12 +155,14 @@ class Engine:
         if need > self.blocks.num_blocks - 1:
             raise ValueError(f"the request needs {need} KV blocks but the cache has {self.blocks.num_blocks - 1}")
         request_id = request_id or f"req-{next(self._ids)}"
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         now = time.monotonic() if arrival_time is None else arrival_time
         make = lambda i, rid: Request(rid, list(prompt_ids), params, seed, sample_index=i,  # noqa: E731
-                                      priority=priority, arrival_time=now)
+                                      priority=priority, arrival_time=now, cache_salt=cache_salt)
         leader = make(0, request_id)
         leader.pending_forks = [make(i, f"{request_id}#{i}") for i in range(1, params.n)]
         # the samples share the prompt's full blocks, except the one holding the last prompt token
@@ -183,6 +187,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (e.g. after swapping weights); returns how many."""
+        return self.blocks.reset_cache()
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
@@ -294,7 +302,8 @@ class Engine:
             end = max(end, st.emitted)
             text, st.emitted = st.text[st.emitted:end], end
             outs.append(RequestOutput(rid, req.sample_index, text, new_ids[j:j + 1], lps[j:j + 1], tops[j:j + 1],
-                                      req.finished and last, req.finish_reason if last else None))
+                                      req.finished and last, req.finish_reason if last else None,
+                                      req.num_cached_tokens or 0))
         if req.finished:
             del self._text[req.request_id]
             group = self._groups.get(rid)
@@ -317,6 +326,13 @@ class Engine:
             "num_steps": s.num_steps,
             "prompt_tokens": s.prompt_tokens,
             "generation_tokens": s.generation_tokens,
+            "prefix_caching": self.blocks.enable_caching,
+            "prefix_cache_queries": self.scheduler.prefix_queries,
+            "prefix_cache_hits": self.scheduler.prefix_hits,
+            "prefix_cache_hit_rate": (self.scheduler.prefix_hits / self.scheduler.prefix_queries
+                                      if self.scheduler.prefix_queries else None),
+            "prefix_cache_blocks": self.blocks.num_cached,
+            "prefix_cache_evictions": self.blocks.num_evictions,
             "median_step_time_s": float(np.median(s.step_times)) if s.step_times else None,
             "median_host_time_per_step_s": float(np.median(s.host_times)) if s.host_times else None,
             "async_scheduling": self.async_scheduling,

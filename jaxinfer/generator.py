@@ -55,6 +55,7 @@ class GenerationOutput:
     request_id: str
     prompt_token_ids: list[int]
     samples: list[Completion]
+    num_cached_tokens: int = 0      # prompt tokens whose KV came from the prefix cache
 
     @property
     def text(self) -> str:
@@ -112,7 +113,7 @@ class Generator:
                         warmup: bool = True, coordinator_address: str | None = None,
                         num_processes: int | None = None, process_id: int | None = None,
                         pipeline_microbatches: int | None = None, max_decode_steps: int = 8,
-                        async_scheduling: bool = True) -> "Generator":
+                        async_scheduling: bool = True, enable_prefix_caching: bool = True) -> "Generator":
         """Multi-host: coordinator_address ("host:port" of process 0), num_processes and process_id
         (or $JAXINFER_COORDINATOR_ADDRESS, $JAXINFER_NUM_PROCESSES, $JAXINFER_PROCESS_ID), the same
         settings in every process, tensor_parallel over the devices of all processes. Process 0
@@ -120,6 +121,8 @@ class Generator:
         max_decode_steps: decode iterations one step may run on the device when every sequence
         decodes and none waits (1 turns multi-step decoding off; step.py). async_scheduling: plan and
         dispatch each step before the previous one's tokens reach the host (engine.py).
+        enable_prefix_caching: requests sharing a prompt prefix reuse its cached KV blocks
+        (jaxinfer/host/block_manager.py); reset_prefix_cache() forgets them.
         pipeline_parallel > 1 (one process): each step runs as pipeline_microbatches micro-batches
         (None: pipeline_parallel of them; jaxinfer.pipeline)."""
         cfg = EngineConfig(dtype=dtype, attention=attention, quantize=quantize, kv_dtype=kv_dtype,
@@ -127,7 +130,7 @@ class Generator:
                            max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                            batching=batching, max_model_len=max_model_len,
                            pipeline_microbatches=pipeline_microbatches, max_decode_steps=max_decode_steps,
-                           async_scheduling=async_scheduling)
+                           async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching)
         path = Path(path) if path is not None else default_model_path()
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
         group = distributed.initialize(coordinator_address, num_processes, process_id)
@@ -182,10 +185,10 @@ class Generator:
         return [int(t) for t in ids]
 
     # ---------------------------------------------------------------- driving the engine
-    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> str:
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> str:
         self._check_leader()
         with self._lock:
-            rid = self.engine.add_request(prompt_ids, params)
+            rid = self.engine.add_request(prompt_ids, params, cache_salt=cache_salt)
             self._queues[rid] = deque()
         return rid
 
@@ -219,7 +222,9 @@ class Generator:
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[GenerationOutput]:
+        """cache_salt: these prompts share cached prefix blocks only with requests of the same salt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -230,7 +235,7 @@ class Generator:
         rids = []
         try:
             for ids, p in zip(encoded, plist):
-                rids.append(self._submit(ids, p))
+                rids.append(self._submit(ids, p, cache_salt))
         except ValueError as e:
             for rid in rids:
                 self.abort(rid)
@@ -238,7 +243,8 @@ class Generator:
         outs = []
         streams = [self._deltas(rid, p.n) for rid, p in zip(rids, plist)]
         results = [[Completion() for _ in range(p.n)] for p in plist]
-        for stream, samples in zip(streams, results):
+        cached: dict[str, int] = {}
+        for rid, stream, samples in zip(rids, streams, results):
             for d in stream:
                 c = samples[d.sample_index]
                 c.text += d.text
@@ -247,8 +253,9 @@ class Generator:
                 c.top_logprobs += d.top_logprobs
                 if d.finished:
                     c.finish_reason = d.finish_reason
+                    cached[rid] = max(cached.get(rid, 0), d.num_cached_tokens)
         for rid, ids, samples in zip(rids, encoded, results):
-            outs.append(GenerationOutput(rid, ids, samples))
+            outs.append(GenerationOutput(rid, ids, samples, cached.get(rid, 0)))
         return outs
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
@@ -287,6 +294,11 @@ class Generator:
     def stats(self) -> dict:
         with self._lock:
             return self.engine.stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; returns how many were dropped."""
+        with self._lock:
+            return self.engine.reset_prefix_cache()
 
     # ---------------------------------------------------------------- multi-host (jaxinfer.distributed)
     def _join(self, channel) -> None:

@@ -299,13 +299,13 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         prompts, params = await run_in_threadpool(state.completion_inputs, req)
-        sub = state.engine.submit(prompts, params)
+        sub = state.engine.submit(prompts, params, cache_salt=req.cache_salt)
         rid, created = new_id("cmpl"), now()
         n_prompt = sum(len(x) for x in prompts)
 
         if req.stream:
             async def events() -> AsyncIterator[str]:
-                finished, n_out, offsets = False, 0, {}
+                finished, n_out, offsets, cached = False, 0, {}, {}
                 try:
                     remaining = len(sub.request_ids) * sub.n
                     while remaining:
@@ -313,6 +313,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
                         remaining -= d.finished
                         index = sub.request_ids.index(d.request_id) * sub.n + d.sample_index
                         n_out += len(d.token_ids)
+                        cached[d.request_id] = max(cached.get(d.request_id, 0), d.num_cached_tokens)
                         if not (d.text or d.token_ids or d.finished):
                             continue
                         lp = None
@@ -327,7 +328,8 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
                     finished = True
                     if req.stream_options and req.stream_options.include_usage:
                         yield _sse({"id": rid, "object": "text_completion", "created": created,
-                                    "model": state.model_name, "choices": [], "usage": usage(n_prompt, n_out)})
+                                    "model": state.model_name, "choices": [],
+                                    "usage": usage(n_prompt, n_out, sum(cached.values()))})
                     yield "data: [DONE]\n\n"
                 except EngineDeadError as e:   # the stream ends with the error, then [DONE]
                     yield _sse_error(e)
@@ -337,17 +339,17 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
             return StreamingResponse(events(), media_type="text/event-stream")
 
         return await _respond(state, sub, request, lambda groups: completion_body(
-            rid, created, state.model_name, groups, n_prompt, state.token_str, req.logprobs is not None))
+            rid, created, state.model_name, groups, n_prompt, state.token_str, req.logprobs is not None, sub.n))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         prompt, params = await run_in_threadpool(state.chat_inputs, req)
-        sub = state.engine.submit([prompt], params)
+        sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt)
         rid, created = new_id("chatcmpl"), now()
 
         if req.stream:
             async def events() -> AsyncIterator[str]:
-                finished, n_out = False, 0
+                finished, n_out, cached = False, 0, 0
                 base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
                 try:
                     for i in range(sub.n):
@@ -358,6 +360,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
                         d = await _next_delta(sub)
                         remaining -= d.finished
                         n_out += len(d.token_ids)
+                        cached = max(cached, d.num_cached_tokens)
                         if not (d.text or d.token_ids or d.finished):
                             continue
                         yield _sse({**base, "choices": [{"index": d.sample_index,
@@ -366,7 +369,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
                                                          "finish_reason": d.finish_reason if d.finished else None}]})
                     finished = True
                     if req.stream_options and req.stream_options.include_usage:
-                        yield _sse({**base, "choices": [], "usage": usage(len(prompt), n_out)})
+                        yield _sse({**base, "choices": [], "usage": usage(len(prompt), n_out, cached)})
                     yield "data: [DONE]\n\n"
                 except EngineDeadError as e:   # the stream ends with the error, then [DONE]
                     yield _sse_error(e)
@@ -376,6 +379,6 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
             return StreamingResponse(events(), media_type="text/event-stream")
 
         return await _respond(state, sub, request, lambda groups: chat_body(
-            rid, created, state.model_name, groups, len(prompt), state.token_str, req.logprobs))
+            rid, created, state.model_name, groups, len(prompt), state.token_str, req.logprobs, sub.n))
 
     return app

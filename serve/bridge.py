@@ -67,7 +67,7 @@ class AsyncEngine:
         scheduler = self.engine.scheduler
         return scheduler.num_unfinished() - len(scheduler.running)
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Submission:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None = None) -> Submission:
         """Queue one engine request per prompt; all their deltas arrive on one asyncio.Queue.
         Raises OpenAIError: 503 when the engine has stopped, 400 for what can never fit the queue,
         429 when the queue is full now."""
@@ -87,7 +87,7 @@ class AsyncEngine:
                                   type_="rate_limit_error", headers={"Retry-After": "1"})
             try:
                 for p in prompts:
-                    rid = self.engine.add_request(p, params)
+                    rid = self.engine.add_request(p, params, cache_salt=cache_salt)
                     rids.append(rid)
                     self._routes[rid] = (loop, queue)
                     group = [self.engine.scheduler.requests[rid], *self.engine.scheduler.requests[rid].pending_forks]

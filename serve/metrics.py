@@ -43,10 +43,19 @@ class ServerMetrics:
                          registry=r).labels(**label)
         self.bandwidth = Gauge("jaxinfer_achieved_bandwidth_bytes_per_second", "Bytes read per second by recent steps",
                                ["model_name"], registry=r).labels(**label)
+        self.cache_queries = Counter("jaxinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                     ["model_name"], registry=r).labels(**label)
+        self.cache_hits = Counter("jaxinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  ["model_name"], registry=r).labels(**label)
+        self.cache_evictions = Counter("jaxinfer_prefix_cache_evictions", "Cached KV blocks evicted for reuse",
+                                       ["model_name"], registry=r).labels(**label)
+        self.cache_blocks = Gauge("jaxinfer_prefix_cache_blocks", "KV blocks holding a cached prefix",
+                                  ["model_name"], registry=r).labels(**label)
         self.finished = Counter("jaxinfer_request_success", "Finished requests", ["model_name", "finish_reason"],
                                 registry=r)
         self._label = label
-        self._last = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self._last = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
+                      "prefix_cache_hits": 0, "prefix_cache_evictions": 0}
 
     def observe_step(self, engine) -> None:
         s = engine.stats()
@@ -58,8 +67,11 @@ class ServerMetrics:
         self.mbu.set(float("nan") if s["mbu"] is None else s["mbu"])
         if s["achieved_bandwidth_bytes_per_s"] is not None:
             self.bandwidth.set(s["achieved_bandwidth_bytes_per_s"])
+        self.cache_blocks.set(s["prefix_cache_blocks"])
         for key, counter in (("num_preemptions", self.preemptions), ("prompt_tokens", self.prompt_tokens),
-                             ("generation_tokens", self.generation_tokens)):
+                             ("generation_tokens", self.generation_tokens),
+                             ("prefix_cache_queries", self.cache_queries), ("prefix_cache_hits", self.cache_hits),
+                             ("prefix_cache_evictions", self.cache_evictions)):
             if s[key] > self._last[key]:
                 counter.inc(s[key] - self._last[key])
                 self._last[key] = s[key]

@@ -141,6 +141,8 @@ class _Sampling(_Body):
     repetition_penalty: float = Field(default=1.0, ge=0.01, le=10.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # prefix caching (vLLM's name): requests share cached prompt blocks only under the same salt
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -234,35 +236,43 @@ def chat_logprobs(outs: list, token_str) -> dict:
     return {"content": content}
 
 
+def cached_tokens(groups: list[list], n: int) -> int:
+    """Prompt tokens served from the prefix cache: once per prompt (its n choices share the prompt)."""
+    return sum(max((d.num_cached_tokens for g in groups[i:i + n] for d in g), default=0)
+               for i in range(0, len(groups), n))
+
+
 def completion_body(rid: str, created: int, model: str, groups: list[list], n_prompt: int, token_str,
-                    logprobs: bool) -> dict:
+                    logprobs: bool, n: int = 1) -> dict:
     """A non-streaming /v1/completions response from each choice's deltas."""
     choices = [{"index": i, "text": "".join(d.text for d in g),
                 "logprobs": completion_logprobs(g, token_str) if logprobs else None,
                 "finish_reason": g[-1].finish_reason} for i, g in enumerate(groups)]
     n_out = sum(len(d.token_ids) for g in groups for d in g)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(n_prompt, n_out)}
+            "usage": usage(n_prompt, n_out, cached_tokens(groups, n))}
 
 
 def chat_body(rid: str, created: int, model: str, groups: list[list], n_prompt: int, token_str,
-              logprobs: bool) -> dict:
+              logprobs: bool, n: int = 1) -> dict:
     """A non-streaming /v1/chat/completions response from each choice's deltas."""
     choices = [{"index": i, "message": {"role": "assistant", "content": "".join(d.text for d in g)},
                 "logprobs": chat_logprobs(g, token_str) if logprobs else None,
                 "finish_reason": g[-1].finish_reason} for i, g in enumerate(groups)]
     n_out = sum(len(d.token_ids) for g in groups for d in g)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(n_prompt, n_out)}
+            "usage": usage(n_prompt, n_out, cached_tokens(groups, n))}
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens counts prefix-cache hits."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def now() -> int:

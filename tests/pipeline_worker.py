@@ -39,6 +39,10 @@ LOGITS_PROMPT = [3, 17, 42, 9, 60, 5, 77, 12, 8, 60, 33, 1, 14, 15]
 PROMPTS = [[3, 17, 42, 9, 50], [5, 6, 7], list(range(10, 31)), [20], [8, 9, 10, 11, 12, 13, 14, 15, 16]]
 MAX_TOKENS = 8
 TOKEN_BUDGET = 8
+# prefix caching across stages: three prompts behind one 16-token (two-block) prefix; the first
+# computes it in chunks, the others start from its cached blocks
+SHARED_PREFIX = list(range(40, 56))
+SHARED = [SHARED_PREFIX + [3, 4], SHARED_PREFIX + [5], SHARED_PREFIX + [6, 7, 8]]
 
 
 def engine_config(tp: int = 1, pp: int = 1, microbatches: int | None = None, kv_dtype: str | None = None):
@@ -96,7 +100,8 @@ def main(tmp: Path) -> dict:
         ref = Generator(ref_model, None, engine_config(), max_num_batched_tokens=TOKEN_BUDGET)
         ref_logits = ref.logits(LOGITS_PROMPT)
         ref_tokens = [o.token_ids for o in ref.generate(PROMPTS, sp)]
-        entry = {"ref_tokens": ref_tokens, "ref_compiles": ref.stats()["compilations_after_warmup"], "layouts": {}}
+        ref_shared = [o.token_ids for o in ref.generate(SHARED, sp)]
+        entry = {"ref_tokens": ref_tokens, "ref_shared": ref_shared, "ref_compiles": ref.stats()["compilations_after_warmup"], "layouts": {}}
         for tp, pp, micro in layouts:
             t_layout = time.perf_counter()
             gen = pipelined_generator(folder, tp, pp, micro)
@@ -107,11 +112,14 @@ def main(tmp: Path) -> dict:
             logits = gen.logits(LOGITS_PROMPT)
             c0 = CompileCounter.count
             tokens = [o.token_ids for o in gen.generate(PROMPTS, sp)]
+            hits0 = gen.stats()["prefix_cache_hits"]
+            shared = [o.token_ids for o in gen.generate(SHARED, sp)]
             per_device = bytes_per_device(model)
             entry["layouts"][f"tp{tp}pp{pp}"] = {
                 "tp": tp, "pp": pp, "microbatches": runner.microbatches,
                 "logits_rel_err": float(np.max(np.abs(logits - ref_logits)) / np.max(np.abs(ref_logits))),
                 "tokens": tokens, "generate_compiles": CompileCounter.count - c0,
+                "shared_tokens": shared, "shared_cache_hits": gen.stats()["prefix_cache_hits"] - hits0,
                 "compilations_after_warmup": gen.stats()["compilations_after_warmup"],
                 "kv_blocks_free_after": gen.stats()["kv_blocks_free"], "kv_blocks_total": gen.stats()["kv_blocks_total"],
                 "weights": _weights(model, mesh),

@@ -26,6 +26,8 @@ CONFIGS = {
 TPS = {"vocab136": (2, 4, 8), "vocab131": (8,)}
 LOGITS_PROMPT = [3, 17, 42, 9, 100, 5, 77, 12, 8, 60, 33, 1]
 PROMPTS = [[3, 17, 42, 9, 100], [5, 6, 7]]   # 8 tokens: prefill and decode share the T=8 bucket
+# prefix caching under TP: a second request behind the same 16-token (two-block) prefix
+SHARED = [list(range(40, 56)) + [3, 4], list(range(40, 56)) + [5, 6, 7]]
 CHECKED = ("q", "k", "v", "o", "up", "gate", "down", "q_bias", "k_bias", "v_bias", "up_bias", "gate_bias",
            "embed", "lm_head")
 
@@ -74,7 +76,8 @@ def main(tmp: Path) -> dict:
         c0 = CompileCounter.count
         ref_tokens = [o.token_ids for o in ref_gen.generate(PROMPTS, sp)]
         ref_compiles = CompileCounter.count - c0
-        entry = {"ref_tokens": ref_tokens, "ref_generate_compiles": ref_compiles, "tp": {},
+        ref_shared = [o.token_ids for o in ref_gen.generate(SHARED, sp)]
+        entry = {"ref_tokens": ref_tokens, "ref_generate_compiles": ref_compiles, "tp": {}, "ref_shared": ref_shared,
                  "ref_model_mesh": model_mesh(ref_model) is None,
                  "ref_seconds": time.perf_counter() - t_cfg}
         for tp in TPS[name]:
@@ -101,11 +104,14 @@ def main(tmp: Path) -> dict:
             c0 = CompileCounter.count
             tokens = [o.token_ids for o in gen.generate(PROMPTS, sp)]
             compiles = CompileCounter.count - c0
+            hits0 = gen.stats()["prefix_cache_hits"]
+            shared = [o.token_ids for o in gen.generate(SHARED, sp)]
             kv_after = runner.kv_pages[0].k.sharding
             rel = float(np.max(np.abs(logits - ref_logits)) / np.max(np.abs(ref_logits)))
             entry["tp"][str(tp)] = {
                 "rules": {k: v for k, v in rules.items()},
                 "logits_rel_err": rel, "tokens": tokens, "generate_compiles": compiles,
+                "shared_tokens": shared, "shared_cache_hits": gen.stats()["prefix_cache_hits"] - hits0,
                 "weights": weights,
                 "per_device_param_bytes": [per_device[d] for d in mesh.devices.flat],
                 "total_param_bytes": int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),

@@ -249,3 +249,31 @@ def test_schemathesis_finds_no_server_errors(server):
          "--request-timeout", "60", "--seed", "1", "--no-color"],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_prefix_cache_salt_usage_and_metrics(server, client):
+    """Prefix caching through the API: usage.prompt_tokens_details.cached_tokens counts the prompt
+    tokens served from the cache (whole blocks of 8, never the last prompt token), a different
+    cache_salt shares nothing, and /metrics counts the queries and hits."""
+    prompt = list(range(5, 45))      # 40 token ids: blocks 0-3 (32 tokens) can be reused
+    queries0 = server.metric("jaxinfer_prefix_cache_queries_total")
+    hits0 = server.metric("jaxinfer_prefix_cache_hits_total")
+    kw = dict(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    first = client.completions.create(**kw, extra_body={"cache_salt": "salt-one"})
+    assert first.usage.prompt_tokens == 40 and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(**kw, extra_body={"cache_salt": "salt-one"})
+    assert again.usage.prompt_tokens_details.cached_tokens == 32 and again.choices[0].text == first.choices[0].text
+    other = client.completions.create(**kw, extra_body={"cache_salt": "salt-two"})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    # chat, streamed with usage: the rendered conversation's second turn reuses the first's blocks
+    msgs = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 4}]
+    client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, temperature=0)
+    usage = None
+    for chunk in client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 8 * 8 > 0
+    r = httpx.post(f"{server.url}/v1/completions", json={**kw, "cache_salt": ""}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+    assert server.metric("jaxinfer_prefix_cache_queries_total") - queries0 >= 3 * 40
+    assert server.metric("jaxinfer_prefix_cache_hits_total") - hits0 >= 32 + usage.prompt_tokens_details.cached_tokens

@@ -145,6 +145,10 @@ def test_tp_greedy_generation_identical(tp_result):
         # the donated pages come back with the sharding they went in with: no recompilation
         assert run["kv_spec_after"] == run["kv_spec_before"] == run["kv_expected_spec"], (name, tp)
         assert run["generate_compiles"] == entry["ref_generate_compiles"], (name, tp)
+        # prefix caching on (the default) under TP: the second prompt starts from the first's two
+        # cached blocks of the shared prefix, and draws what the one-device engine draws
+        assert run["shared_tokens"] == entry["ref_shared"], (name, tp)
+        assert run["shared_cache_hits"] >= 16, (name, tp)
 
 
 def test_tp_weight_bytes_per_device(tp_result):

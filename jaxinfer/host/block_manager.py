@@ -1,33 +1,79 @@
-"""KV-cache blocks on the host: a free list, reference counts and per-request block tables.
+"""KV-cache blocks on the host: a free queue, reference counts, per-request block tables, and the
+prefix cache. Never imports jax.
 
 Block 0 is reserved as the null block (padding rows of device block tables point at it), so
-`num_blocks` pages hold `num_blocks - 1` usable blocks. Blocks are reference counted so that
-several requests can share a prefix (n > 1 samples share their prompt's full blocks; prefix
-caching can build on the same mechanism). A shared block is never written: sharing is
-block-aligned and every request writes only past its shared prefix. Never imports jax.
+`num_blocks` pages hold `num_blocks - 1` usable blocks. Blocks are reference counted: n > 1
+samples share their prompt's full blocks, and with prefix caching any request shares the cached
+full blocks of its longest cached prefix. A shared block is never written: sharing is
+block-aligned and every request writes only past its shared prefix.
+
+Prefix caching (vLLM's automatic prefix caching, in outline):
+  - A full block's content hash is chained: hash(parent block's hash, the block's token ids), and
+    the first block's parent is the request's cache salt, so the same tokens behind a different
+    prefix, or under another salt, never match. The hash is SHA-256 (truncated to 128 bits):
+    tenants cannot forge a collision to read each other's blocks.
+  - `register` gives a request's full, written blocks their hashes; `lookup` returns the longest
+    chain of cached blocks for a list of hashes; `allocate(..., prefix=hits)` takes them.
+  - A block whose reference count drops to zero keeps its hash and K/V and joins the free queue's
+    tail (least recently used first). A request frees its blocks deepest first, so the deepest
+    blocks of a prefix sit nearer the head and are evicted before the shared roots. Blocks with no
+    hash (partial blocks, duplicates) go to the head: they hold nothing worth keeping.
+  - Allocation takes the free queue's head; if that block is cached its hash is dropped (an
+    eviction). A cache hit on a free block takes it out of the queue.
+  - Invariant: every usable block is either in a table (reference count > 0) or in the free queue
+    (reference count 0, cached or not); cached blocks are exactly the blocks that carry a hash.
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict
 
 import numpy as np
 
 
+def block_hash(parent: bytes | None, token_ids, salt: str | None = None) -> bytes:
+    """Content hash of a full block: chained from its parent's hash (None for the first block, whose
+    parent is the request's salt)."""
+    h = hashlib.sha256()
+    if parent is None:
+        h.update(b"root:" + (salt or "").encode("utf-8", "surrogatepass") + b"\x00")
+    else:
+        h.update(parent)
+    h.update(np.asarray(token_ids, np.int64).tobytes())
+    return h.digest()[:16]
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
         assert num_blocks >= 2, "need the null block plus at least one usable block"
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_blocks: deque[int] = deque(range(1, num_blocks))
+        self.enable_caching = enable_caching
+        # the free queue: head = next to allocate (an OrderedDict gives O(1) removal on a cache hit)
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.ref_counts = np.zeros(num_blocks, np.int32)
         self.tables: dict[str, list[int]] = {}
+        self.hashes: list[bytes | None] = [None] * num_blocks   # the hash a cached block carries
+        self.cached: dict[bytes, int] = {}                      # hash -> block
+        self._registered: dict[str, int] = {}                   # request -> table blocks registered
+        self.num_evictions = 0
+
+    @property
+    def free_blocks(self) -> list[int]:
+        """The free queue, head first."""
+        return list(self.free_queue)
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        """Blocks an allocation can take: free ones, cached-and-evictable ones included."""
+        return len(self.free_queue)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - 1 - len(self.free_blocks)
+        return self.num_blocks - 1 - len(self.free_queue)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -38,16 +84,38 @@ class BlockManager:
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(self.table(request_id)))
 
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Grow the request's table to hold num_tokens; False (and no change) if blocks run out."""
+    def _take(self) -> int:
+        b, _ = self.free_queue.popitem(last=False)
+        h = self.hashes[b]
+        if h is not None:                       # evict: the block is about to be overwritten
+            self.hashes[b] = None
+            if self.cached.get(h) == b:
+                del self.cached[h]
+            self.num_evictions += 1
+        self.ref_counts[b] = 1
+        return b
+
+    def allocate(self, request_id: str, num_tokens: int, prefix: list[int] | tuple[int, ...] = ()) -> bool:
+        """Grow the request's table to hold num_tokens; False (and no change) if blocks run out.
+        prefix: cached blocks (from `lookup`) the request starts with; only for an empty table."""
+        if prefix:
+            assert not self.table(request_id), "a cached prefix starts an empty table"
+            reclaimed = sum(1 for b in prefix if self.ref_counts[b] == 0)
+            need = max(0, self.blocks_for(num_tokens) - len(prefix))
+            if need + reclaimed > len(self.free_queue):
+                return False
+            for b in prefix:
+                if self.ref_counts[b] == 0:
+                    del self.free_queue[b]
+                self.ref_counts[b] += 1
+            self.tables[request_id] = list(prefix)
+            self._registered[request_id] = len(prefix)
         need = self.num_new_blocks(request_id, num_tokens)
-        if need > len(self.free_blocks):
+        if need > len(self.free_queue):
             return False
         table = self.tables.setdefault(request_id, [])
         for _ in range(need):
-            b = self.free_blocks.popleft()
-            self.ref_counts[b] = 1
-            table.append(b)
+            table.append(self._take())
         return True
 
     def fork(self, src_id: str, dst_id: str, num_blocks: int) -> None:
@@ -58,13 +126,57 @@ class BlockManager:
         for b in shared:
             self.ref_counts[b] += 1
         self.tables[dst_id] = list(shared)
+        self._registered[dst_id] = min(num_blocks, self._registered.get(src_id, 0))
 
     def free(self, request_id: str) -> None:
-        for b in self.tables.pop(request_id, []):
+        """Release the request's blocks, deepest first; cached ones stay cached (LRU tail)."""
+        self._registered.pop(request_id, None)
+        for b in reversed(self.tables.pop(request_id, [])):
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0
             if self.ref_counts[b] == 0:
-                self.free_blocks.append(b)
+                self.free_queue[b] = None
+                if self.hashes[b] is None:
+                    self.free_queue.move_to_end(b, last=False)
+
+    # ------------------------------------------------------------------ prefix cache
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest cached prefix of a chain of block hashes (no change)."""
+        hits = []
+        for h in hashes:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def register(self, request_id: str, hashes: list[bytes], num_full: int) -> None:
+        """The request's first num_full table blocks are full and their K/V written (or being
+        written by a step already dispatched, which runs before any later step that reads them):
+        cache those not yet cached. A hash already cached elsewhere keeps its block; this copy
+        stays private and is freed as usual."""
+        if not self.enable_caching:
+            return
+        table = self.tables.get(request_id)
+        if table is None:
+            return
+        start = self._registered.get(request_id, 0)
+        num_full = min(num_full, len(table), len(hashes))
+        for i in range(start, num_full):
+            b, h = table[i], hashes[i]
+            if self.hashes[b] is None and h not in self.cached:
+                self.hashes[b] = h
+                self.cached[h] = b
+        self._registered[request_id] = max(start, num_full)
+
+    def reset_cache(self) -> int:
+        """Forget every cached hash (the blocks stay where they are); returns how many were dropped.
+        Blocks in use keep their K/V; free ones become plain free blocks, in their queue places."""
+        dropped = len(self.cached)
+        for b in self.cached.values():
+            self.hashes[b] = None
+        self.cached.clear()
+        return dropped
 
     def slot(self, request_id: str, position: int) -> int:
         """Flat KV slot of a token position: block * block_size + offset."""

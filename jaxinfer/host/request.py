@@ -49,6 +49,14 @@ class Request:
     # where the device holds the last in-flight token: an index into the previous step's
     # StepOutputs.next_tokens, which the next step reads its input token from
     inflight_index: int = -1
+    # prefix caching: the salt that enters the first block's hash (tenants that must not share),
+    # the chained hashes of the request's full known blocks, the prompt tokens found cached when
+    # it was first admitted (usage.prompt_tokens_details.cached_tokens), and how many times a
+    # request with a longer cached prefix was admitted ahead of it (cache-aware admission)
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int | None = None
+    num_passed_over: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -63,6 +71,15 @@ class Request:
     def num_known_tokens(self) -> int:
         """Prompt + output tokens the host holds (len(all_ids))."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] without building all_ids."""
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        if start >= n:
+            return self.output_ids[start - n:stop - n]
+        return self.prompt_ids[start:] + self.output_ids[:stop - n]
 
     @property
     def finished(self) -> bool:

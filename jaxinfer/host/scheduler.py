@@ -24,6 +24,18 @@ A step's results come back in two calls: `launched(plan)` when the step is on th
 with async scheduling the next step is planned and dispatched in between, its decode rows fed the
 in-flight tokens on the device. A waiting request with in-flight tokens is not admitted until
 they arrive (it needs them to recompute), and a row that has drawn all it may is not scheduled.
+
+Prefix caching (when the block manager has it on): a request being admitted with no blocks looks up
+the longest chain of cached full blocks of its known tokens, leaving at least its last token to
+compute (its logits are needed), and starts after them. Full blocks are registered as soon as the
+step writing their K/V is dispatched (`launched`) and their tokens are known: a later step runs
+after it on the device, so it reads them written. Registration stops one token short of the
+known tokens: the last token drawn has not been fed to a step yet.
+Cache-aware admission (continuous policy): among the first ADMIT_WINDOW waiting requests of the
+head's priority, the one with the most cached blocks is admitted first (the fewest tokens to
+compute, as SGLang's longest-prefix-match policy); ties go to the earlier arrival, so with no cache
+hits the order is plain FCFS. A request passed over MAX_PASSED_OVER times is admitted next
+whatever its prefix, so nobody starves; priorities are never crossed.
 """
 from __future__ import annotations
 
@@ -32,7 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, block_hash
 from .request import Request, RequestStatus
 
 
@@ -74,6 +86,10 @@ class StepSample:
     top: list[tuple[int, float]] | None = None
 
 
+ADMIT_WINDOW = 16       # cache-aware admission looks this far down the waiting queue
+MAX_PASSED_OVER = 4     # ... and never passes one request over more often than this
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, block_manager: BlockManager, eos_ids: tuple[int, ...] = (),
                  clock=time.monotonic):
@@ -84,6 +100,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.batch: set[str] | None = None      # static/dynamic: the batch being run
         self.num_preemptions = 0
+        self.prefix_queries = 0     # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0        # ... of which were found cached
         self._order = 0
         self._keys: dict[str, tuple] = {}
 
@@ -184,23 +202,100 @@ class Scheduler:
         if self.cfg.policy != "continuous":
             self._form_batch()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            if self.cfg.policy == "continuous":
-                req = self.waiting[0]
-            else:   # only members of the current batch; later arrivals may sort ahead of them
+            if self.cfg.policy != "continuous":
+                # only members of the current batch; later arrivals may sort ahead of them
                 req = next((r for r in self.waiting if self.batch and r.request_id in self.batch), None)
                 if req is None:
                     break
-            n = self._num_new_tokens(req, budget)
-            if n == 0 or not self.blocks.allocate(
-                    req.request_id, req.num_computed_tokens + n):
+            else:
+                req = self._next_waiting()
+            hits, start, n = self._admission(req, budget)
+            looked_up = self._looks_up(req)
+            if n == 0 or not self.blocks.allocate(req.request_id, start + n, prefix=hits):
                 break
+            if looked_up:
+                self.prefix_queries += req.num_known_tokens
+                self.prefix_hits += start
+            self._admitted(req, start)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.pending_forks and start >= req.fork_at:
+                self._fork(req)     # its samples' shared prompt blocks were all cached
             out.seqs.append(self._scheduled(req, n))
             budget -= n
         self._plan_decode_iters(out)
         return out
+
+    # ------------------------------------------------------------------ prefix cache
+    @property
+    def caching(self) -> bool:
+        return self.blocks.enable_caching
+
+    def _hashes(self, req: Request) -> list[bytes]:
+        """The chained hashes of the request's full known blocks (extended as tokens arrive)."""
+        bs, hashes = self.blocks.block_size, req.block_hashes
+        for i in range(len(hashes), req.num_known_tokens // bs):
+            hashes.append(block_hash(hashes[-1] if hashes else None, req.token_ids(i * bs, (i + 1) * bs),
+                                     req.cache_salt))
+        return hashes
+
+    def _looks_up(self, req: Request) -> bool:
+        """A request admitted with no blocks and nothing computed starts from the prefix cache."""
+        return (self.caching and not self.blocks.table(req.request_id) and not req.num_computed_tokens
+                and not req.num_inflight)
+
+    def _cache_hits(self, req: Request) -> list[int]:
+        """Cached blocks a request with no blocks can start from: its longest cached prefix, short
+        of its last known token (whose logits are needed)."""
+        if not self._looks_up(req):
+            return []
+        usable = (req.num_known_tokens - 1) // self.blocks.block_size
+        return self.blocks.lookup(self._hashes(req)[:usable])
+
+    def _admission(self, req: Request, budget: int) -> tuple[list[int], int, int]:
+        """(cached blocks it starts from, its first token to compute, tokens to compute this step)."""
+        hits = self._cache_hits(req)
+        if not hits:
+            return hits, req.num_computed_tokens, self._num_new_tokens(req, budget)
+        start = len(hits) * self.blocks.block_size
+        end = req.fork_at if req.pending_forks and start < req.fork_at else req.num_tokens
+        return hits, start, max(0, min(min(end, self.cfg.max_model_len) - start, budget))
+
+    def _admitted(self, req: Request, start: int) -> None:
+        req.num_computed_tokens = start
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = min(start, len(req.prompt_ids))
+        if self.caching and self.cfg.policy == "continuous":
+            head = self.waiting[0].priority
+            for r in self.waiting[:ADMIT_WINDOW]:
+                if r is req:
+                    break
+                if r.priority == head:
+                    r.num_passed_over += 1
+
+    def _next_waiting(self) -> Request:
+        """Continuous policy: the next request to admit (cache-aware; see the module docstring)."""
+        head = self.waiting[0]
+        if not self.caching:
+            return head
+        window = [r for r in self.waiting[:ADMIT_WINDOW] if r.priority == head.priority]
+        starved = next((r for r in window if r.num_passed_over >= MAX_PASSED_OVER), None)
+        if starved is not None:
+            return starved
+        score = lambda r: max(len(self._cache_hits(r)), r.num_computed_tokens // self.blocks.block_size)  # noqa: E731
+        best = max(window, key=score)     # the first of the best: FCFS among equals
+        return best
+
+    def _register(self, req: Request) -> None:
+        """Cache the request's full blocks whose K/V a dispatched step writes and whose tokens are
+        known (not the last drawn token: it has not been fed to a step yet)."""
+        if not self.caching or req.finished:
+            return
+        limit = min(req.num_computed_tokens, req.num_known_tokens - (1 if req.output_ids else 0))
+        full = limit // self.blocks.block_size
+        if full > 0:
+            self.blocks.register(req.request_id, self._hashes(req), full)
 
     def draws_left(self, req: Request) -> int:
         """Tokens the request may still draw: max_tokens and the context length both bound it."""
@@ -238,6 +333,7 @@ class Scheduler:
             if req.finished:        # aborted before the step was dispatched
                 continue
             req.num_computed_tokens = seq.start + seq.num_tokens
+            self._register(req)
             if req.pending_forks and req.num_computed_tokens >= req.fork_at:
                 self._fork(req)
             if seq.sample:
@@ -270,6 +366,7 @@ class Scheduler:
                 if reason:
                     self.finish(req, reason, now)
                     break
+            self._register(req)
         return updated
 
     def _stop_reason(self, req: Request, token: int, stop_check: Callable[[Request], bool] | None) -> str | None:
