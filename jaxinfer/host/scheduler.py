@@ -102,6 +102,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0     # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0        # ... of which were found cached
+        self._scores: dict[str, int] = {}   # cache-aware admission: cached blocks per candidate (one schedule())
         self._order = 0
         self._keys: dict[str, tuple] = {}
 
@@ -177,6 +178,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
+        self._scores: dict[str, int] = {}
         queue = sorted(self.running, key=self._key)
         i = 0
         while i < len(queue) and budget > 0:
@@ -283,9 +285,13 @@ class Scheduler:
         starved = next((r for r in window if r.num_passed_over >= MAX_PASSED_OVER), None)
         if starved is not None:
             return starved
-        score = lambda r: max(len(self._cache_hits(r)), r.num_computed_tokens // self.blocks.block_size)  # noqa: E731
-        best = max(window, key=score)     # the first of the best: FCFS among equals
-        return best
+        scores = self._scores          # per schedule() call: a window's lookups are not repeated
+
+        def score(r: Request) -> int:
+            if r.request_id not in scores:
+                scores[r.request_id] = max(len(self._cache_hits(r)), r.num_computed_tokens // self.blocks.block_size)
+            return scores[r.request_id]
+        return max(window, key=score)  # the first of the best: FCFS among equals
 
     def _register(self, req: Request) -> None:
         """Cache the request's full blocks whose K/V a dispatched step writes and whose tokens are
