@@ -50,6 +50,7 @@ import numpy as np
 
 from bench.datasets import DATASETS, BenchRequest, build_requests, parse_range
 from bench.metrics import RequestRecord, summarize
+from jaxinfer.config import resolve_dtype_name
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SLUGS = (("h100", "h100"), ("h200", "h200"), ("a100", "a100"), ("v5 lite", "tpu-v5e"), ("v6", "tpu-v6e"),
@@ -211,7 +212,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
 
     path = model_path(args.model)
     dev = device_info()
-    dtype = args.dtype or ("float32" if dev["platform"] == "cpu" else "bfloat16")
+    dtype = resolve_dtype_name(args.dtype or "auto", dev["platform"])
     batch_sizes = parse_list(args.batch_sizes)
     model, cfg = load_model(path, dtype)
     tokenizer = load_tokenizer(path)
@@ -361,7 +362,7 @@ def launched_server(args: argparse.Namespace, path: Path) -> Iterator[str]:
            "--port", str(port), "--served-model-name", args.served_model_name or "bench",
            "--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", str(args.block_size)]
-    cmd += ["--dtype", args.dtype or ("float32" if device_info()["platform"] == "cpu" else "bfloat16")]
+    cmd += ["--dtype", resolve_dtype_name(args.dtype or "auto", device_info()["platform"])]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
     if args.num_blocks:
