@@ -147,9 +147,10 @@ class EngineClient:
                route: Route | None = None, arrival_time: float | None = None,
                check: Callable[[], None] | None = None) -> list[str]:
         """Queue one engine request per prompt, all or nothing: a ValueError for any prompt aborts
-        the ones already added and is raised as a SubmitError naming the prompt's index. Each delta of these requests is
-        passed to `route` (from the thread that steps). check() runs under the lock first (an
-        adapter's admission control: it raises to refuse)."""
+        the ones already added and is raised as a SubmitError naming the prompt's index. Each delta
+        of these requests is passed to `route` by the thread that steps, under the lock (keep it
+        short). check() runs under the lock first: an adapter's admission control, it raises to
+        refuse."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
@@ -172,15 +173,16 @@ class EngineClient:
     # ---------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         """One engine step under the lock (nothing when no request is unfinished); each delta is
-        then handed to its request's route. Returns every delta of the step."""
+        handed to its request's route before the lock is released, so a request's deltas arrive in
+        step order even when several threads step. Returns every delta of the step."""
         with self._lock:
             if not self.engine.has_unfinished():
                 return []
             deltas = self.engine.step()
-            routed = [(self._routes.get(d.request_id), d) for d in deltas]
-        for route, d in routed:
-            if route is not None:
-                route(d)
+            for d in deltas:
+                route = self._routes.get(d.request_id)
+                if route is not None:
+                    route(d)
         return deltas
 
     def run_until_done(self) -> None:

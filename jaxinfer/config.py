@@ -486,8 +486,8 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
     pool_tokens = (num_blocks - 1) * cfg.block_size   # block 0 is the null block
     if max_model_len > pool_tokens:   # one sequence of max_model_len must fit in the pool
         if warn is not None:
-            warn(f"max_model_len capped at {pool_tokens} ({'max_model_len was' if cfg.max_model_len else 'the model allows'} "
-                 f"{max_model_len}): the KV cache holds {pool_tokens} tokens ({num_blocks - 1} blocks of "
+            was = "max_model_len was" if cfg.max_model_len else "the model allows"
+            warn(f"max_model_len capped at {pool_tokens} ({was} {max_model_len}): the KV cache holds {pool_tokens} tokens ({num_blocks - 1} blocks of "
                  f"{cfg.block_size}); raise num_blocks for longer sequences")
         max_model_len = pool_tokens
     return ResolvedConfig(cfg, backend, dtype, kv_dtype, attention, attention, num_blocks, max_model_len,

@@ -78,7 +78,7 @@ from typing import Any
 
 from jaxinfer import perf
 from jaxinfer.config import ModelConfig, RopeScaling
-from jaxinfer.perf import CPU_BANDWIDTH, CPU_FLOPS, DEVICES, DTYPE_BYTES, GiB, KV_INT8_SCALE_BYTES, Device
+from jaxinfer.perf import CPU_BANDWIDTH, CPU_FLOPS, DEVICES, DTYPE_BYTES, GiB, KV_INT8_SCALE_BYTES, Device  # noqa: F401
 
 INT4_GROUP_SIZE = 128
 INT4_SCALE_BYTES = 4        # one float32 scale per group, as jaxinfer/quant.py stores them
