@@ -35,7 +35,7 @@ from jaxinfer.host.scheduler import Scheduler, SchedulerConfig, StepSample
 
 def workload(gen: Generator, n: int, seed: int, prompt_range=(16, 512), out_range=(16, 256)):
     rng = np.random.RandomState(seed)
-    heldout = Path(gen.engine.tokenizer.files[0]).parent / "heldout.txt" if gen.tokenizer else None
+    heldout = Path(gen.tokenizer.files[0]).parent / "heldout.txt" if gen.tokenizer else None
     pool = (gen.tokenizer.encode(heldout.read_text()) if heldout and heldout.exists()
             else rng.randint(3, gen.model_cfg.vocab_size, 200_000).tolist())
     prompts, params = [], []
@@ -67,14 +67,13 @@ def run_policy(path, policy: str, prompts, params, args) -> dict:
     gen = Generator.from_pretrained(path, dtype=args.dtype, batching=policy, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
                                     max_model_len=args.max_model_len, block_size=args.block_size)
-    eng = gen.engine
+    client = gen.client
     t0 = time.monotonic()
-    rids = [eng.add_request(p, sp, arrival_time=t0) for p, sp in zip(prompts, params)]
-    reqs = [eng.scheduler.requests[r] for r in rids]
-    while eng.has_unfinished():
-        eng.step()
+    rids = client.submit(prompts, params, arrival_time=t0)
+    client.run_until_done()
     wall = time.monotonic() - t0
-    out_tokens = sum(len(r.output_ids) for r in reqs)
+    reqs = [m for rid in rids for m in client.release(rid)]   # per-request metrics (n = 1)
+    out_tokens = sum(r.num_output_tokens for r in reqs)
     ttft = [r.ttft for r in reqs]
     tpot = [r.tpot for r in reqs if r.tpot is not None]
     stats = gen.stats()

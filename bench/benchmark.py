@@ -50,6 +50,7 @@ import numpy as np
 
 from bench.datasets import DATASETS, BenchRequest, build_requests, parse_range
 from bench.metrics import RequestRecord, summarize
+from jaxinfer.config import resolve_dtype_name
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SLUGS = (("h100", "h100"), ("h200", "h200"), ("a100", "a100"), ("v5 lite", "tpu-v5e"), ("v6", "tpu-v6e"),
@@ -168,31 +169,33 @@ def run_offline_point(gen, requests: Sequence[BenchRequest], peaks: dict[str, An
     from bench.metrics import ModelCost, StepLog, utilization
     from jaxinfer.config import SamplingParams
 
-    eng = gen.engine
+    client = gen.client
     # one short request through the whole path (compilation was done by the Generator's warm-up)
-    eng.add_request(list(requests[0].prompt_ids[:8]), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    while eng.has_unfinished():
-        eng.step()
-    before = eng.stats()
+    [warm] = client.submit([list(requests[0].prompt_ids[:8])],
+                           SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    client.run_until_done()
+    client.release(warm)
+    before = client.stats()
     compiles0 = before["compilations_after_warmup"] or 0
-    log = StepLog(eng)
+    log = StepLog(client)
     bar = progress_bar(len(requests), desc, progress)
     try:
         t0 = time.monotonic()
-        rids = [eng.add_request(list(r.prompt_ids), SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
-                                                                   ignore_eos=True), arrival_time=t0)
-                for r in requests]
-        reqs = [eng.scheduler.requests[rid] for rid in rids]
-        while eng.has_unfinished():
+        rids = client.submit([list(r.prompt_ids) for r in requests],
+                             [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+                              for r in requests], arrival_time=t0)
+        while client.has_unfinished():
             outs = log.step()
             bar.update(sum(o.finished for o in outs))
         duration = time.monotonic() - t0
     finally:
         bar.close()
         log.detach()
-    after = eng.stats()
-    point = summarize([RequestRecord.from_request(r) for r in reqs], duration)
-    point |= utilization(log.steps, ModelCost.from_engine(eng), peaks.get("bandwidth_Bps"), peaks.get("flops"))
+    after = client.stats()
+    records = [RequestRecord.from_metrics(m) for rid in rids for m in client.release(rid)]
+    point = summarize(records, duration)
+    point |= utilization(log.steps, ModelCost.from_stats(gen.model_cfg, after), peaks.get("bandwidth_Bps"),
+                         peaks.get("flops"))
     point |= {"num_preemptions": after["num_preemptions"] - before["num_preemptions"],
               "compilations_after_warmup": (after["compilations_after_warmup"] or 0) - compiles0}
     return point
@@ -209,7 +212,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
 
     path = model_path(args.model)
     dev = device_info()
-    dtype = args.dtype or ("float32" if dev["platform"] == "cpu" else "bfloat16")
+    dtype = resolve_dtype_name(args.dtype or "auto", dev["platform"])
     batch_sizes = parse_list(args.batch_sizes)
     model, cfg = load_model(path, dtype)
     tokenizer = load_tokenizer(path)
@@ -239,10 +242,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
 
 def release(gen) -> None:
     """Free a Generator's KV pages now (on a GPU the next Generator sizes its cache from free memory)."""
-    import jax
-    for x in jax.tree.leaves(gen.engine.runner.kv_pages):
-        x.delete()
-    gen.engine.runner.kv_pages = None
+    gen.client.free_kv_pages()
     gc.collect()
 
 
@@ -363,7 +363,7 @@ def launched_server(args: argparse.Namespace, path: Path) -> Iterator[str]:
            "--port", str(port), "--served-model-name", args.served_model_name or "bench",
            "--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", str(args.block_size)]
-    cmd += ["--dtype", args.dtype or ("float32" if device_info()["platform"] == "cpu" else "bfloat16")]
+    cmd += ["--dtype", resolve_dtype_name(args.dtype or "auto", device_info()["platform"])]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
     if args.num_blocks:

@@ -11,7 +11,8 @@ Over the run (duration = the benchmark's wall time, first submission to last com
     output_throughput      = total output tokens / duration         (tok/s)
     total_token_throughput = (input + output tokens) / duration     (tok/s)
 
-From the engine's step log (StepLog; offline mode only), per step with sequences s, each computing
+From the engine's step log (StepLog; offline mode only; the formulas are jaxinfer.perf's), per step with
+sequences s, each computing
 n_s tokens starting at position start_s (so its context after the step is c_s = start_s + n_s):
     bytes(step) = W + sum_s c_s * kv_bytes_per_token
         W = weight bytes one step reads: every parameter except an untied input-embedding table
@@ -26,17 +27,23 @@ n_s tokens starting at position start_s (so its context after the step is c_s = 
 (time-weighted over steps, i.e. the aggregate achieved rate over peak). `_decode` variants use only
 the steps in which every sequence computed one token (pure decode). Step time is the wall time of
 `engine.step()` (schedule + host prep + device + detokenize), so host overhead lowers MBU/MFU.
-The schedule is read exactly: StepLog wraps the engine's `scheduler.schedule` to keep a copy of
-each plan's (start, num_tokens) pairs; it does not change what the engine does.
+The schedule is read exactly: StepLog is an engine step observer (Engine.add_step_observer), which
+hands it each executed plan's (start, num_tokens) pairs and timing; it does not change what the
+engine does.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+
+from jaxinfer import perf
+
+_KV_DTYPE_OF_ITEMSIZE = {4: "float32", 2: "bfloat16", 1: "int8"}
 
 PERCENTILES = (50, 90, 99)
 
@@ -53,6 +60,13 @@ class RequestRecord:
     output_tokens: int = 0
     success: bool = True
     error: str = ""
+
+    @classmethod
+    def from_metrics(cls, m: Any) -> "RequestRecord":
+        """From a jaxinfer.client.RequestMetrics (engine clock: time.monotonic)."""
+        finish = m.token_times[-1] if m.token_times else m.finish_time
+        return cls(m.arrival_time, m.first_token_time, finish, list(m.token_times), m.num_prompt_tokens,
+                   m.num_output_tokens, success=m.first_token_time is not None)
 
     @classmethod
     def from_request(cls, req: Any) -> "RequestRecord":
@@ -142,41 +156,27 @@ class StepRecord:
 
 
 class StepLog:
-    """Drive an Engine step by step and log each step's plan and wall time.
+    """Log each engine step's plan and wall time, from the engine's step-observer hook.
 
-        log = StepLog(engine)
-        while engine.has_unfinished():
+        log = StepLog(gen.client)          # an EngineClient (or anything with add/remove_step_observer)
+        while gen.client.has_unfinished():
             outputs = log.step()
-    It wraps `engine.scheduler.schedule` (on the instance) to keep a copy of each plan's spans.
+        log.detach()
     """
 
-    def __init__(self, engine: Any):
-        self.engine = engine
+    def __init__(self, client: Any):
+        self.client = client
         self.steps: list[StepRecord] = []
-        self._plan: list[tuple[int, int]] | None = None
-        sched = engine.scheduler
-        self._original = sched.schedule
+        client.add_step_observer(self._observe)
 
-        def schedule():
-            plan = self._original()
-            self._plan = [(q.start, q.num_tokens) for q in plan.seqs]
-            return plan
-
-        sched.schedule = schedule
+    def _observe(self, trace: Any) -> None:
+        self.steps.append(StepRecord(trace.wall_s, list(trace.spans), trace.device_s))
 
     def step(self) -> list:
-        self._plan = None
-        n_exec = len(self.engine.stats_.step_times)
-        t0 = time.perf_counter()
-        outputs = self.engine.step()
-        dt = time.perf_counter() - t0
-        if self._plan:
-            times = self.engine.stats_.step_times
-            self.steps.append(StepRecord(dt, self._plan, times[-1] if len(times) > n_exec else None))
-        return outputs
+        return self.client.step()
 
     def detach(self) -> None:
-        self.engine.scheduler.__dict__.pop("schedule", None)
+        self.client.remove_step_observer(self._observe)
 
 
 @dataclass(frozen=True)
@@ -200,40 +200,28 @@ class ModelCost:
         body = total - table * (1 if cfg.tie_embeddings else 2) - pos
         # read per step: the blocks + the LM head (the tied table is the head); not the input table
         read = body + table
-        kv = 2 * kv_itemsize * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+        kv = perf.kv_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, _KV_DTYPE_OF_ITEMSIZE[kv_itemsize])
         return cls(cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_model, cfg.vocab_size, body,
                    int(round(read * weight_itemsize)), kv,
                    tuple(cfg.layer_window(i) for i in range(cfg.n_layers)))
 
     @classmethod
-    def from_engine(cls, engine: Any) -> "ModelCost":
-        cfg = engine.model_cfg
-        itemsize = engine.weight_bytes / cfg.num_params()
-        kv_itemsize = engine.runner.kv_bytes_per_token // (2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim)
-        return cls.from_config(cfg, itemsize, kv_itemsize)
+    def from_stats(cls, cfg: Any, stats: dict) -> "ModelCost":
+        """From the model's config and the engine's stats() (weight_bytes, kv_bytes_per_token)."""
+        itemsize = stats["weight_bytes"] / cfg.num_params()
+        return dataclasses.replace(cls.from_config(cfg, itemsize, 2), kv_bytes_per_token=stats["kv_bytes_per_token"])
 
     def _layer_windows(self) -> list[int | None]:
         return list(self.windows) if self.windows else [None] * self.n_layers
 
     def step_bytes(self, step: StepRecord) -> float:
         per_layer = self.kv_bytes_per_token / self.n_layers
-        kv = 0.0
-        for w in self._layer_windows():
-            kv += per_layer * sum(c if w is None else min(c, w) for c in step.context_lens)
-        return self.weight_bytes_read + kv
+        context = sum(c if w is None else min(c, w) for w in self._layer_windows() for c in step.context_lens)
+        return perf.bytes_read(self.weight_bytes_read, per_layer, context)
 
     def step_flops(self, step: StepRecord) -> float:
-        linear = 2.0 * self.body_params * step.num_tokens + 2.0 * self.vocab_size * self.d_model * step.num_seqs
-        attn = 0.0
-        for w in self._layer_windows():
-            keys = 0
-            for start, n in step.spans:
-                if w is None:      # sum of start + 1 .. start + n
-                    keys += n * start + n * (n + 1) // 2
-                else:
-                    keys += int(np.minimum(np.arange(start + 1, start + n + 1, dtype=np.int64), w).sum())
-            attn += 4.0 * self.n_heads * self.head_dim * keys
-        return linear + attn
+        return perf.forward_flops(self.body_params, self.vocab_size, self.d_model, self.n_heads, self.head_dim,
+                                  step.spans, self._layer_windows())
 
 
 def utilization(steps: Sequence[StepRecord], cost: ModelCost, peak_bandwidth: float | None,
@@ -248,8 +236,8 @@ def utilization(steps: Sequence[StepRecord], cost: ModelCost, peak_bandwidth: fl
         return {
             f"num_steps{suffix}": len(sel), f"step_time_s{suffix}": t,
             f"achieved_bandwidth_Bps{suffix}": bw, f"achieved_flops{suffix}": fl,
-            f"mbu{suffix}": bw / peak_bandwidth if bw is not None and peak_bandwidth else None,
-            f"mfu{suffix}": fl / peak_flops if fl is not None and peak_flops else None,
+            f"mbu{suffix}": perf.mbu(bw, peak_bandwidth),
+            f"mfu{suffix}": perf.mfu(fl, peak_flops),
         }
     out = agg(list(steps), "")
     out |= agg([s for s in steps if s.is_decode], "_decode")
@@ -260,28 +248,13 @@ def utilization(steps: Sequence[StepRecord], cost: ModelCost, peak_bandwidth: fl
 
 
 # --------------------------------------------------------------------------- device peaks
-# (substring of jax's device_kind, lower case; name; bytes/s; FLOP/s by compute dtype), first match wins.
-# GPU float32: JAX's default matmul precision uses TF32 tensor cores on Ampere and later.
-DEVICE_PEAKS: list[tuple[str, str, float, dict[str, float]]] = [
-    ("h100 pcie", "H100 PCIe", 2.0e12, {"bfloat16": 756e12, "float16": 756e12, "float32": 378e12}),
-    ("h100", "H100 SXM", 3.35e12, {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}),
-    ("h200", "H200", 4.8e12, {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}),
-    ("a100", "A100", 2.0e12, {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}),
-    ("v5 lite", "TPU v5e", 8.19e11, {"bfloat16": 197e12, "float32": 197e12}),
-    ("v5e", "TPU v5e", 8.19e11, {"bfloat16": 197e12, "float32": 197e12}),
-    ("v6", "TPU v6e", 1.64e12, {"bfloat16": 918e12, "float32": 918e12}),
-    ("v5", "TPU v5p", 2.765e12, {"bfloat16": 459e12, "float32": 459e12}),
-    ("v4", "TPU v4", 1.2e12, {"bfloat16": 275e12, "float32": 275e12}),
-]
-
-
 def table_peaks(device_kind: str, dtype: str = "bfloat16") -> dict[str, Any] | None:
-    kind = device_kind.lower()
-    for key, name, bw, flops in DEVICE_PEAKS:
-        if key in kind:
-            return {"name": name, "bandwidth_Bps": bw, "flops": flops.get(dtype, flops["bfloat16"]),
-                    "flops_dtype": dtype, "source": "table"}
-    return None
+    """The datasheet peaks of jax's device_kind (jaxinfer.perf.DEVICES), or None."""
+    dev = perf.device_for_kind(device_kind)
+    if dev is None or not dev.flops_bf16:
+        return None
+    return {"name": dev.label, "bandwidth_Bps": dev.bandwidth, "flops": dev.peak_flops(dtype),
+            "flops_dtype": dtype, "source": "table"}
 
 
 def measure_cpu_bandwidth(mib: int = 256, reps: int = 7, threads: int | None = None) -> dict[str, Any]:

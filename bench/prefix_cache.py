@@ -29,22 +29,26 @@ from bench.benchmark import device_info, device_slug, model_path, results_path, 
 
 
 def run_batch(gen, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Submit every prompt at once and step the engine until all finish (the engine's public API)."""
+    """Submit every prompt at once and step the engine until all finish (through gen.client)."""
     from jaxinfer import SamplingParams
-    engine = gen.engine
+    client = gen.client
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    before = engine.stats()
-    t0 = time.perf_counter()
-    rids = [engine.add_request(p, params) for p in prompts]
+    before = client.stats()
     first: dict[str, float] = {}
-    tokens: dict[str, list[int]] = {r: [] for r in rids}
-    while engine.has_unfinished():
-        for d in engine.step():
-            if d.token_ids and d.request_id not in first:
-                first[d.request_id] = time.perf_counter() - t0
-            tokens[d.request_id] += d.token_ids
+    tokens: dict[str, list[int]] = {}
+
+    def route(d) -> None:
+        if d.token_ids and d.request_id not in first:
+            first[d.request_id] = time.perf_counter() - t0
+        tokens.setdefault(d.request_id, []).extend(d.token_ids)
+
+    t0 = time.perf_counter()
+    rids = client.submit(prompts, params, route=route)
+    client.run_until_done()
     wall = time.perf_counter() - t0
-    after = engine.stats()
+    for r in rids:
+        client.release(r, abort=False)
+    after = client.stats()
     n_out = sum(len(t) for t in tokens.values())
     return {"ttfts": [first[r] for r in rids], "wall_s": wall, "output_tokens": n_out,
             "outputs": [tokens[r] for r in rids],

@@ -30,18 +30,18 @@ from jaxinfer.generator import default_model_path
 
 def decode_step_inputs(gen: Generator, batch: int, seed: int):
     """Run `batch` requests until all are decoding; returns the runner's inputs for the next step."""
-    eng, runner = gen.engine, gen.engine.runner
+    client = gen.client
     rng = np.random.RandomState(seed)
     vocab = gen.model_cfg.vocab_size
-    for _ in range(batch):
-        eng.add_request(rng.randint(3, vocab, rng.randint(16, 129)).tolist(),
-                        SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
-    while True:
-        plan = eng.scheduler.schedule()
-        if len(plan.seqs) == batch and all(q.num_tokens == 1 for q in plan.seqs):
-            break
-        eng.scheduler.update(plan, runner.execute(plan, eng.blocks.tables))
-    return runner.prepare(plan, eng.blocks.tables)[0], plan.num_decode_iters
+    client.submit([rng.randint(3, vocab, rng.randint(16, 129)).tolist() for _ in range(batch)],
+                  SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    decoding: list[bool] = []
+    observe = lambda t: decoding.append(len(t.spans) == batch and all(n == 1 for _, n in t.spans))  # noqa: E731
+    client.add_step_observer(observe)
+    while not (decoding and decoding[-1]):   # step until one step decoded every sequence
+        client.step()
+    client.remove_step_observer(observe)
+    return client.next_step_inputs()
 
 
 def op_names(hlo_text: str) -> dict[str, str]:
@@ -107,7 +107,8 @@ def main() -> None:
     path = Path(args.model) if args.model else default_model_path()
     results = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        gen = Generator.from_pretrained(path, dtype=args.dtype, max_num_seqs=b, max_decode_steps=args.max_decode_steps)
+        gen = Generator.from_pretrained(path, dtype=args.dtype, max_num_seqs=b, max_decode_steps=args.max_decode_steps,
+                                        async_scheduling=False)   # the profiled step reads no in-flight tokens
         r = profile(gen, b, args.reps, args.trace_steps, args.seed)
         print(f"batch {b}: step {r['step_median_ms']:.2f} ms for {r['decode_iterations_per_step']} iterations "
               f"(T={r['tokens_bucket']}, L={r['context_bucket']}); "

@@ -64,13 +64,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
     return paged_attention_xla(q, k, v, kv, positions, meta, scale=scale, window=window, alibi=alibi), kv
 
 
-def resolve_impl(requested: str) -> str:
-    """'auto' -> the Pallas kernels on GPU, XLA elsewhere (on CPU they only run interpreted)."""
-    if requested == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return requested
-
-
 def _mask_and_bias(q_pos: jax.Array, k_pos: jax.Array, window: int | None, alibi: jax.Array | None,
                    extra_valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """q_pos [T], k_pos [T, L] or [L] -> valid [T, L] and ALiBi bias [H, T, L] (or None)."""

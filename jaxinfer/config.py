@@ -13,7 +13,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 # Stop strings: at most this many per request, each at most this many characters. The engine looks
@@ -318,6 +318,15 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM"}
 
 
+class SamplingParamsError(ValueError):
+    """Invalid SamplingParams; `fields` names the offending fields in order, so every front door
+    can name its own field (the server's 400 `param`)."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        super().__init__("; ".join(msg for _, msg in problems))
+        self.fields = tuple(f for f, _ in problems)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request decodes. temperature 0 means greedy."""
@@ -342,35 +351,38 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        problems = []
+        problems: list[tuple[str, str]] = []   # (field, message)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            problems.append(("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"))
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            problems.append(f"temperature must be >= 0, got {self.temperature!r}")
+            problems.append(("temperature", f"temperature must be >= 0, got {self.temperature!r}"))
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            problems.append(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            problems.append(("top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"))
         if not 0.0 < self.top_p <= 1.0:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+            problems.append(("top_p", f"top_p must be in (0, 1], got {self.top_p!r}"))
         if not 0.0 <= self.min_p <= 1.0:
-            problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+            problems.append(("min_p", f"min_p must be in [0, 1], got {self.min_p!r}"))
         if not 0.01 <= self.repetition_penalty <= 100:
-            problems.append(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
+            problems.append(("repetition_penalty",
+                             f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}"))
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+                problems.append((name, f"{name} must be in [-2, 2], got {getattr(self, name)!r}"))
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            problems.append(("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}"))
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
-            problems.append(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+            problems.append(("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"))
         if not isinstance(self.n, int) or not 1 <= self.n <= 128:
-            problems.append(f"n must be an integer in [1, 128], got {self.n!r}")
+            problems.append(("n", f"n must be an integer in [1, 128], got {self.n!r}"))
         if any(not isinstance(s, str) or not s for s in self.stop):
-            problems.append(f"stop must be non-empty strings, got {self.stop!r}")
+            problems.append(("stop", f"stop must be non-empty strings, got {self.stop!r}"))
         elif len(self.stop) > MAX_STOP_STRINGS:
-            problems.append(f"stop must be at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+            problems.append(("stop", f"stop must be at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"))
         elif any(len(s) > MAX_STOP_LENGTH for s in self.stop):
-            problems.append(f"stop strings must be at most {MAX_STOP_LENGTH} characters each, got one of "
-                            f"{max(map(len, self.stop))}")
+            problems.append(("stop", f"stop strings must be at most {MAX_STOP_LENGTH} characters each, got one of "
+                                     f"{max(map(len, self.stop))}"))
         if problems:
-            raise ValueError("; ".join(problems))
+            raise SamplingParamsError(problems)
 
     @property
     def uses_history(self) -> bool:
@@ -414,3 +426,70 @@ class EngineConfig:
         for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "block_size", "max_decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+# ------------------------------------------------------------------------------ resolved settings
+def resolve_dtype_name(dtype: str, backend: str, weight_dtype: str | None = None) -> str:
+    """"auto" -> the dtype the weights are in when known, else float32 on CPU (XLA:CPU runs bfloat16
+    matmuls about 2x slower than float32) and bfloat16 on accelerators; explicit names stay."""
+    if dtype != "auto":
+        return dtype
+    return weight_dtype or ("float32" if backend == "cpu" else "bfloat16")
+
+
+def resolve_impl_name(requested: str, backend: str) -> str:
+    """"auto" -> the Pallas kernels on GPU, XLA elsewhere; "pallas" and "xla" stay."""
+    if requested not in ("auto", "pallas", "xla"):
+        raise ValueError(f"unknown implementation {requested!r}; use 'pallas', 'xla' or 'auto'")
+    if requested == "auto":
+        return "pallas" if backend == "gpu" else "xla"
+    return requested
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """An EngineConfig with every "auto" and None decided, built once by resolve_config(). The
+    engine, its scheduler and runner configs and the quantized matmuls read this, never the
+    EngineConfig's unresolved fields."""
+    engine: EngineConfig
+    backend: str                 # jax.default_backend() it was resolved for: cpu | gpu | tpu
+    dtype: str                   # float32 | bfloat16 | float16
+    kv_dtype: str                # int8 | float16 | bfloat16 | float32
+    attention: str               # pallas | xla
+    matmul: str                  # pallas | xla: quantized matmuls follow the attention choice
+    num_blocks: int              # KV blocks in the pool, the null block 0 included
+    max_model_len: int           # capped so one sequence of it fits in the pool
+    max_decode_steps: int        # 1 where a step cannot loop on the device (pipeline stages)
+
+    @property
+    def pool_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.engine.block_size
+
+
+def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, weight_dtype: str | None = None,
+                   size_pool: Callable[[str, int], int] | None = None, pipelined: bool = False,
+                   warn: Callable[[str], None] | None = None) -> ResolvedConfig:
+    """The one place settings are decided. backend: jax.default_backend(); weight_dtype: the dtype
+    the loaded weights are in (what dtype="auto" means for an engine); size_pool(kv_dtype,
+    max_model_len) -> num_blocks when cfg.num_blocks is None (sized from free memory by the
+    caller, which may import jax; this function never does). warn(message) hears a capped
+    max_model_len."""
+    dtype = resolve_dtype_name(cfg.dtype, backend, weight_dtype)
+    kv_dtype = cfg.kv_dtype or dtype
+    attention = resolve_impl_name(cfg.attention, backend)
+    max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
+    if cfg.num_blocks is not None:
+        num_blocks = cfg.num_blocks
+    elif size_pool is not None:
+        num_blocks = size_pool(kv_dtype, max_model_len)
+    else:
+        raise ValueError("num_blocks=None needs size_pool to size the KV pool from free memory")
+    pool_tokens = (num_blocks - 1) * cfg.block_size   # block 0 is the null block
+    if max_model_len > pool_tokens:   # one sequence of max_model_len must fit in the pool
+        if warn is not None:
+            was = "max_model_len was" if cfg.max_model_len else "the model allows"
+            warn(f"max_model_len capped at {pool_tokens} ({was} {max_model_len}): the KV cache holds {pool_tokens} tokens ({num_blocks - 1} blocks of "
+                 f"{cfg.block_size}); raise num_blocks for longer sequences")
+        max_model_len = pool_tokens
+    return ResolvedConfig(cfg, backend, dtype, kv_dtype, attention, attention, num_blocks, max_model_len,
+                          1 if pipelined else cfg.max_decode_steps)

@@ -19,18 +19,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.attention import resolve_impl
-from jaxinfer.config import EngineConfig, SamplingParams
-from jaxinfer.devices import spec_for_kind
+from jaxinfer.config import EngineConfig, SamplingParams, resolve_config
+from jaxinfer import perf
 from jaxinfer.host.block_manager import BlockManager
 from jaxinfer.host.request import Request
 from jaxinfer.host.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from jaxinfer.models.decoder import Decoder
+from jaxinfer.models.decoder import Decoder, set_matmul_impl
 from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
 from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig, default_num_blocks
-from jaxinfer.weights import resolve_dtype
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, hold_back
 from jaxinfer.sharding import bytes_per_device, model_mesh
+
+
+def _jnp_dtype(name: str):
+    return jnp.int8 if name == "int8" else jnp.dtype(name)
 
 
 @dataclass
@@ -57,6 +59,16 @@ class _TextState:
     stopped: bool = False       # a stop string completed (text is cut before it)
 
 
+@dataclass(frozen=True)
+class StepTrace:
+    """What Engine.step() ran, for step observers (bench/metrics.StepLog): the plan it scheduled,
+    as (start, num_tokens) per sequence, the step's wall time, and the device time of the step
+    whose tokens it applied (None when it applied none)."""
+    spans: tuple[tuple[int, int], ...]
+    wall_s: float
+    device_s: float | None
+
+
 @dataclass
 class StepStats:
     step_times: deque = field(default_factory=lambda: deque(maxlen=1024))
@@ -78,48 +90,44 @@ class Engine:
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
         self.cfg = cfg
-        self.max_model_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
-        # KV pages: kv_dtype, else the engine's dtype, where "auto" means the dtype the weights are in
-        dtype = cfg.dtype
-        if dtype == "auto":
-            dtype = model.embed.get_value().dtype if hasattr(model, "embed") else resolve_dtype(dtype)
-        kv_dtype = jnp.int8 if cfg.kv_dtype == "int8" else jnp.dtype(cfg.kv_dtype or dtype)
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         mesh = model_mesh(model)
         tp = 1 if mesh is None else mesh.shape["tensor"]
         pp = 1 if mesh is None else mesh.shape["pipeline"]   # pipeline ranks hold their layers' pages only
-        num_blocks = cfg.num_blocks or default_num_blocks(
-            self.model_cfg, cfg.block_size, kv_dtype,
-            weight_bytes if mesh is None else max(bytes_per_device(model).values()),
-            cfg.max_num_seqs, self.max_model_len,
-            kv_shards=(tp if self.model_cfg.n_kv_heads % tp == 0 else 1) * pp)
-        pool_tokens = (num_blocks - 1) * cfg.block_size   # block 0 is the null block
-        if self.max_model_len > pool_tokens:   # one sequence of max_model_len must fit in the pool
-            logging.getLogger("jaxinfer").warning(
-                "max_model_len capped at %d (%s %d): the KV cache holds %d tokens (%d blocks of %d); "
-                "raise num_blocks for longer sequences", pool_tokens,
-                "max_model_len was" if cfg.max_model_len else "the model allows", self.max_model_len,
-                pool_tokens, num_blocks - 1, cfg.block_size)
-            self.max_model_len = pool_tokens
+
+        def size_pool(kv_dtype: str, max_model_len: int) -> int:
+            return default_num_blocks(
+                self.model_cfg, cfg.block_size, _jnp_dtype(kv_dtype),
+                weight_bytes if mesh is None else max(bytes_per_device(model).values()),
+                cfg.max_num_seqs, max_model_len,
+                kv_shards=(tp if self.model_cfg.n_kv_heads % tp == 0 else 1) * pp)
+
+        # every setting decided once ("auto" dtype: the dtype the weights are in); everything below reads it
+        self.resolved = r = resolve_config(
+            cfg, self.model_cfg, backend=jax.default_backend(),
+            weight_dtype=str(model.embed.get_value().dtype) if hasattr(model, "embed") else None,
+            size_pool=size_pool, pipelined=isinstance(model, PipelinedDecoder),
+            warn=logging.getLogger("jaxinfer").warning)
+        self.max_model_len = r.max_model_len
+        kv_dtype = _jnp_dtype(r.kv_dtype)
+        set_matmul_impl(model, r.matmul)   # before the runner splits the model: the graph holds it
         tokens_budget = max(max_num_batched_tokens, 8)
-        self.blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
+        self.blocks = BlockManager(r.num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
         eos = eos or self.model_cfg.eos_token_ids
-        attention = resolve_impl(cfg.attention)
         # multi-step decoding runs the model inside a device loop; the pipeline's stages do not loop
-        decode_steps = 1 if isinstance(model, PipelinedDecoder) else cfg.max_decode_steps
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, self.max_model_len, batch_window_s,
-                            max_decode_steps=decode_steps),
+            SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, r.max_model_len, batch_window_s,
+                            max_decode_steps=r.max_decode_steps),
             self.blocks, eos_ids=eos)
-        runner_cfg = RunnerConfig(cfg.block_size, num_blocks, cfg.max_num_seqs, tokens_budget, self.max_model_len,
-                                  attention, max_decode_steps=decode_steps, eos_ids=tuple(eos))
+        runner_cfg = RunnerConfig(cfg.block_size, r.num_blocks, cfg.max_num_seqs, tokens_budget, r.max_model_len,
+                                  r.attention, max_decode_steps=r.max_decode_steps, eos_ids=tuple(eos))
         if isinstance(model, PipelinedDecoder):
             self.runner = PipelineRunner(model, runner_cfg, kv_dtype, cfg.pipeline_microbatches or model.pp)
         else:
             self.runner = ModelRunner(model, runner_cfg, kv_dtype)
         self.weight_bytes = weight_bytes
-        self.device_spec = spec_for_kind(jax.devices()[0].device_kind)
+        self.device_spec = perf.device_for_kind(jax.devices()[0].device_kind)   # None: peak unknown (CPU)
         self._text: dict[str, _TextState] = {}
         self._groups: dict[str, list[str]] = {}   # request id -> ids of its n samples
         self._ids = itertools.count()
@@ -131,6 +139,8 @@ class Engine:
         self._inflight: Launched | None = None
         self._waited = 0.0
         self._last_done = 0.0
+        self._step_observers: list[Callable[[StepTrace], None]] = []
+        self._device_s: float | None = None   # device time of the step applied by this step()
 
     def warmup(self) -> None:
         """Compile every step shape now; afterwards serving must compile nothing (counted per step)."""
@@ -192,6 +202,29 @@ class Engine:
         """Forget every cached prefix block (e.g. after swapping weights); returns how many."""
         return self.blocks.reset_cache()
 
+    def samples(self, request_id: str) -> list[Request]:
+        """A just-added request's n samples (the leader and the samples it will fork)."""
+        leader = self.scheduler.requests[request_id]
+        return [leader, *leader.pending_forks]
+
+    def num_queued_sequences(self) -> int:
+        """Sequences admitted but not running yet (a request with n samples counts n)."""
+        return self.scheduler.num_unfinished() - len(self.scheduler.running)
+
+    def next_step_inputs(self):
+        """Profiling only (bench/profile_step.py): schedule the next step and return (its device
+        StepInputs, its decode iterations) without running it; the engine must not step again."""
+        assert self._inflight is None, "next_step_inputs needs a synchronous engine (async_scheduling=False)"
+        plan = self.scheduler.schedule()
+        return self.runner.prepare(plan, self.blocks.tables)[0], plan.num_decode_iters
+
+    def add_step_observer(self, callback: Callable[[StepTrace], None]) -> None:
+        """callback(StepTrace) after every step() that scheduled sequences (benchmarks' step log)."""
+        self._step_observers.append(callback)
+
+    def remove_step_observer(self, callback: Callable[[StepTrace], None]) -> None:
+        self._step_observers.remove(callback)
+
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """One engine step; returns one delta per new token (and a final empty one for requests that
@@ -201,6 +234,7 @@ class Engine:
         if self.fault_injector is not None:
             self.fault_injector()
         t0 = time.perf_counter()
+        self._device_s = None
         prev, self._inflight = self._inflight, None
         deltas = []
         if prev is not None and any(q.sample and q.request.params.uses_history for q in prev.plan.seqs):
@@ -214,8 +248,13 @@ class Engine:
         if prev is not None:
             deltas += self._complete(prev)
         self._inflight = launched
-        self.stats_.host_times.append(time.perf_counter() - t0 - self._waited)
+        t1 = time.perf_counter()
+        self.stats_.host_times.append(t1 - t0 - self._waited)
         self._waited = 0.0
+        if self._step_observers and plan.seqs:
+            trace = StepTrace(tuple((q.start, q.num_tokens) for q in plan.seqs), t1 - t0, self._device_s)
+            for observe in self._step_observers:
+                observe(trace)
         return deltas
 
     def _launch(self, plan: SchedulerOutput, prev: Launched | None) -> Launched:
@@ -246,7 +285,9 @@ class Engine:
         iters = max(its)
         context = sum(n * (q.start + q.num_tokens) + n * (n - 1) // 2 for q, n in zip(plan.seqs, its))
         self.stats_.step_times.append(dt / iters)
-        self.stats_.bandwidth.append((iters * self.weight_bytes + context * self.runner.kv_bytes_per_token) / dt)
+        self._device_s = dt / iters
+        self.stats_.bandwidth.append(perf.bytes_read(self.weight_bytes, self.runner.kv_bytes_per_token, context,
+                                                     iters) / dt)
         before = {q.request.request_id: len(q.request.output_ids) for q in plan.seqs}
         for q in plan.seqs:
             st = self._text.get(q.request.request_id)
@@ -337,8 +378,9 @@ class Engine:
             "median_host_time_per_step_s": float(np.median(s.host_times)) if s.host_times else None,
             "async_scheduling": self.async_scheduling,
             "achieved_bandwidth_bytes_per_s": bw,
-            "mbu": None if bw is None or self.device_spec is None else bw / self.device_spec.bandwidth,
+            "mbu": perf.mbu(bw, None if self.device_spec is None else self.device_spec.bandwidth),
             "weight_bytes": self.weight_bytes,
+            "kv_bytes_per_token": self.runner.kv_bytes_per_token,
             "max_model_len": self.max_model_len,
             "block_size": self.cfg.block_size,
         }

@@ -5,16 +5,15 @@
     for delta in gen.stream("prompt", params): ...
     gen.logits([1, 2, 3])                           # float32 [T, vocab], one full forward, no cache
 
-It owns one Engine. Calls from several threads are safe: each engine step runs under a lock and
-its results are dispatched to per-request queues, so all callers' requests share every step.
+It owns one Engine and the one EngineClient (jaxinfer.client) that drives it. Calls from several
+threads are safe: each engine step runs under the client's lock and its results are dispatched to
+per-request queues, so all callers' requests share every step.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import os
-import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,8 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import EngineConfig, SamplingParams
-from jaxinfer.engine import Engine, RequestOutput
+from jaxinfer.client import Completion, EngineClient, SubmitError
+from jaxinfer.engine import Engine
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.models.decoder import fuse_decoder, quantize_decoder
 from jaxinfer.weights import resolve_dtype, load_model
@@ -38,15 +38,6 @@ CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 def default_model_path() -> Path:
     """The bundled target model (override with $JAXINFER_MODEL)."""
     return Path(os.environ.get("JAXINFER_MODEL", CHECKPOINTS / DEFAULT_MODEL))
-
-
-@dataclass
-class Completion:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -95,11 +86,10 @@ class Generator:
         self.cfg = cfg
         self.engine = Engine(model, tokenizer, cfg, max_num_batched_tokens)
         graphdef, params = nnx.split(model)
-        impl = self.engine.runner.cfg.attention
+        impl = self.engine.resolved.attention
         self._forward = jax.jit(lambda p, t, pos: nnx.merge(graphdef, p)(t, pos, impl=impl)[0])
         self._params = params
-        self._lock = threading.Lock()
-        self._queues: dict[str, deque[RequestOutput]] = {}
+        self.client = EngineClient(self.engine)
         self._channel = None   # multi-host: a jaxinfer.distributed.StepChannel (from_pretrained)
         if warmup:
             self.engine.warmup()
@@ -184,42 +174,6 @@ class Generator:
             raise ValueError("a prompt must be a string or a list of integer token ids")
         return [int(t) for t in ids]
 
-    # ---------------------------------------------------------------- driving the engine
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> str:
-        self._check_leader()
-        with self._lock:
-            rid = self.engine.add_request(prompt_ids, params, cache_salt=cache_salt)
-            self._queues[rid] = deque()
-        return rid
-
-    def _pump(self) -> None:
-        """Run one engine step (if no other thread is running one) and dispatch its deltas."""
-        with self._lock:
-            if not self.engine.has_unfinished():
-                return
-            deltas = self.engine.step()
-            for d in deltas:
-                q = self._queues.get(d.request_id)
-                if q is not None:
-                    q.append(d)
-        if not deltas:
-            time.sleep(0.0005)  # dynamic batching: waiting for its window to close
-
-    def _deltas(self, rid: str, n: int) -> Iterator[RequestOutput]:
-        queue, done = self._queues[rid], 0
-        try:
-            while done < n:
-                while queue:
-                    d = queue.popleft()
-                    done += d.finished
-                    yield d
-                if done < n:
-                    self._pump()
-        finally:
-            if done < n:  # the caller stopped early: free the request's blocks
-                self.abort(rid)
-            self._queues.pop(rid, None)
-
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -232,43 +186,27 @@ class Generator:
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts]
-        rids = []
+        self._check_leader()
         try:
-            for ids, p in zip(encoded, plist):
-                rids.append(self._submit(ids, p, cache_salt))
-        except ValueError as e:
-            for rid in rids:
-                self.abort(rid)
-            raise ValueError(f"prompt {len(rids)}: {e}") from None
-        outs = []
-        streams = [self._deltas(rid, p.n) for rid, p in zip(rids, plist)]
-        results = [[Completion() for _ in range(p.n)] for p in plist]
-        cached: dict[str, int] = {}
-        for rid, stream, samples in zip(rids, streams, results):
-            for d in stream:
-                c = samples[d.sample_index]
-                c.text += d.text
-                c.token_ids += d.token_ids
-                c.logprobs += d.logprobs
-                c.top_logprobs += d.top_logprobs
-                if d.finished:
-                    c.finish_reason = d.finish_reason
-                    cached[rid] = max(cached.get(rid, 0), d.num_cached_tokens)
-        for rid, ids, samples in zip(rids, encoded, results):
-            outs.append(GenerationOutput(rid, ids, samples, cached.get(rid, 0)))
-        return outs
+            rids, results = self.client.generate(encoded, plist, cache_salt=cache_salt)
+        except SubmitError as e:
+            raise ValueError(f"prompt {e.index}: {e.message}") from None
+        return [GenerationOutput(rid, ids, samples, max(c.num_cached_tokens for c in samples))
+                for rid, ids, samples in zip(rids, encoded, results)]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         params = params or SamplingParams()
-        rid = self._submit(self._encode(prompt), params)
-        for d in self._deltas(rid, params.n):
+        ids = self._encode(prompt)
+        self._check_leader()
+        queue: deque = deque()
+        [rid] = self.client.submit([ids], params, route=queue.append)
+        for d in self.client.stream_deltas(rid, params.n, queue):
             if d.text or d.token_ids or d.finished:
                 yield StreamDelta(d.text, d.token_ids, d.sample_index, d.logprobs,
                                   d.finish_reason if d.finished else None)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort(request_id)
+        self.client.abort(request_id)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """float32 [T, vocab]: one full causal forward of the tokens, no cache."""
@@ -286,19 +224,19 @@ class Generator:
             out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions))
             return np.asarray(out, np.float32)[:t]  # slice on the host: no extra XLA op
         self._check_leader()
-        with self._lock:   # multi-host: programs run in message order, each read before the next
+
+        def publish_and_run() -> np.ndarray:   # multi-host: programs run in message order, each read first
             self._channel.publish("logits", [tokens, positions])
             out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions))
             return np.asarray(out, np.float32)[:t]
+        return self.client.locked(publish_and_run)
 
     def stats(self) -> dict:
-        with self._lock:
-            return self.engine.stats()
+        return self.client.stats()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block; returns how many were dropped."""
-        with self._lock:
-            return self.engine.reset_prefix_cache()
+        return self.client.reset_prefix_cache()
 
     # ---------------------------------------------------------------- multi-host (jaxinfer.distributed)
     def _join(self, channel) -> None:
@@ -349,5 +287,4 @@ class Generator:
         """Multi-host, process 0: release the followers (their follow() returns). Idempotent; runs at
         exit if not called. No-op on a single process and on followers."""
         if self._channel is not None:
-            with self._lock:
-                self._channel.close()
+            self.client.locked(self._channel.close)

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import perf
+
 PAD_SLOT = 2**30  # out of range for any cache: scatters to it are dropped
 
 
@@ -82,8 +84,7 @@ def init_kv_pages(n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype) -> int:
     """K and V of one token in all layers: 2 * bytes * n_layers * n_kv_heads * head_dim
     (+ the two float32 scales per kv head of int8 pages)."""
-    scales = 2 * 4 * n_layers * n_kv_heads if jnp.dtype(dtype) == jnp.int8 else 0
-    return 2 * jnp.dtype(dtype).itemsize * n_layers * n_kv_heads * head_dim + scales
+    return perf.kv_bytes_per_token(n_layers, n_kv_heads, head_dim, jnp.dtype(dtype).name)
 
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -76,55 +76,19 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from jaxinfer import perf
 from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.perf import CPU_BANDWIDTH, CPU_FLOPS, DEVICES, DTYPE_BYTES, GiB, KV_INT8_SCALE_BYTES, Device  # noqa: F401
 
-GiB = 2**30
 INT4_GROUP_SIZE = 128
 INT4_SCALE_BYTES = 4        # one float32 scale per group, as jaxinfer/quant.py stores them
 INT8_SCALE_BYTES = 4        # one f32 scale per output channel (jaxinfer.quant)
-KV_INT8_SCALE_BYTES = 4     # one f32 scale per token, per KV head, for K and for V
 
 WEIGHT_DTYPES = ("bfloat16", "float32", "int8", "int4")
 KV_DTYPES = ("bfloat16", "float32", "int8")
-_BYTES = {"bfloat16": 2, "float32": 4, "int8": 1, "int4": 0.5}
+_BYTES = DTYPE_BYTES
 
 
-@dataclass(frozen=True)
-class Device:
-    """One accelerator's peaks. flops_* are dense (no 2:4 sparsity) tensor-core figures."""
-    name: str
-    label: str
-    memory_bytes: int
-    bandwidth: float            # peak memory bandwidth, bytes/s
-    flops_bf16: float           # FLOP/s
-    flops_tf32: float           # FLOP/s, for float32 weights
-    ops_int8: float             # OP/s; only W8A8 kernels could use it (jaxinfer's are weight-only)
-    assumed: tuple[str, ...] = ()   # sentences naming figures that are not datasheet values
-    source: str = ""
-
-
-# Vendor datasheets; the sheets print sparse tensor-core peaks, halved here to dense.
-# "80GB" / "141GB" of HBM are binary gigabytes (GiB); nvidia-smi shows slightly less after
-# reserved memory, which --memory-fraction absorbs.
-DEVICES: dict[str, Device] = {
-    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: 80GB HBM3, 3.35TB/s,
-    # BF16 1,979 TFLOPS*, TF32 989 TFLOPS*, INT8 3,958 TOPS* (* with sparsity).
-    "h100": Device("h100", "NVIDIA H100 SXM 80GB", 80 * GiB, 3.35e12, 989e12, 494.5e12, 1979e12,
-                   source="NVIDIA H100 Tensor Core GPU datasheet (SXM)"),
-    # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 141GB HBM3e, 4.8TB/s, same compute as H100 SXM.
-    "h200": Device("h200", "NVIDIA H200 SXM 141GB", 141 * GiB, 4.8e12, 989e12, 494.5e12, 1979e12,
-                   source="NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
-    # NVIDIA A100 Tensor Core GPU datasheet: 40GB HBM2 1,555GB/s; BF16 312 TFLOPS, TF32 156, INT8 624 TOPS.
-    "a100-40gb": Device("a100-40gb", "NVIDIA A100 40GB", 40 * GiB, 1.555e12, 312e12, 156e12, 624e12,
-                        source="NVIDIA A100 Tensor Core GPU datasheet (40GB SXM)"),
-    # Same datasheet, 80GB HBM2e SXM: 2,039GB/s.
-    "a100-80gb": Device("a100-80gb", "NVIDIA A100 80GB", 80 * GiB, 2.039e12, 312e12, 156e12, 624e12,
-                        source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)"),
-}
-# A host CPU: memory from the OS, the rest are round-number assumptions (a few-channel DDR
-# server socket, ~1 TFLOP/s of AVX-512 bf16); pass --memory-gib to override the memory.
-CPU_BANDWIDTH = 50e9
-CPU_FLOPS = 1e12
 DEVICE_NAMES = (*DEVICES, "cpu")
 
 
@@ -234,12 +198,8 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, *, layers: int | None = 
     """2 * bytes(kv_dtype) * layers * kv_heads * head_dim (+ int8 scales); default: the whole model."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose from: {', '.join(KV_DTYPES)}")
-    layers = cfg.n_layers if layers is None else layers
-    kv_heads = cfg.n_kv_heads if kv_heads is None else kv_heads
-    total = 2 * int(_BYTES[kv_dtype]) * layers * kv_heads * cfg.head_dim
-    if kv_dtype == "int8":
-        total += 2 * KV_INT8_SCALE_BYTES * layers * kv_heads
-    return total
+    return perf.kv_bytes_per_token(cfg.n_layers if layers is None else layers,
+                                   cfg.n_kv_heads if kv_heads is None else kv_heads, cfg.head_dim, kv_dtype)
 
 
 @dataclass(frozen=True)
@@ -331,10 +291,10 @@ def plan(cfg: ModelConfig, device: Device, *, dtype: str = "bfloat16", kv_dtype:
         warnings.append(f"not one sequence of {context} tokens fits in the KV budget; lower --context")
 
     flops_kind = "tf32" if dtype == "float32" else "bf16"
-    flops = device.flops_tf32 if dtype == "float32" else device.flops_bf16
+    flops = device.peak_flops(dtype)
     b_star = flops / device.bandwidth
     bytes_per_param = wb["total"] / params
-    step_bytes_bs1 = wb["total"] / tp + pp * dev_kv_tok * context    # read per device chain per token
+    step_bytes_bs1 = perf.bytes_read(wb["total"] / tp, dev_kv_tok, pp * context)   # per device chain per token
     tok_s = device.bandwidth / step_bytes_bs1
 
     assumptions = [

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxinfer.config import resolve_impl_name
 from pallas_kernels import autotune as _autotune
 from pallas_kernels.quant_matmul import (
     default_block_m,
@@ -75,6 +76,7 @@ class QuantizedWeight:
     group_size: int | None
     shape: tuple[int, ...]
     contract: int = 1
+    impl: str = "auto"      # what qdot(impl="auto") runs: the engine's resolved matmul implementation
 
     @property
     def k(self) -> int:
@@ -101,7 +103,7 @@ class QuantizedWeight:
 jax.tree_util.register_dataclass(
     QuantizedWeight,
     data_fields=["q", "scales", "zeros"],
-    meta_fields=["bits", "group_size", "shape", "contract"],
+    meta_fields=["bits", "group_size", "shape", "contract", "impl"],
 )
 
 
@@ -300,9 +302,7 @@ def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_p
 def _resolve_impl(impl: str) -> str:
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return impl
+    return resolve_impl_name(impl, jax.default_backend())
 
 
 def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict | None = None,
@@ -326,7 +326,7 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     lead = tuple(x.shape[:x.ndim - contract])
     m = math.prod(lead)
     x2 = x.reshape(m, w.k)
-    mode = _resolve_impl(impl)
+    mode = _resolve_impl(w.impl if impl == "auto" else impl)
     cfg = None
     if mode == "pallas" and m > 0:
         cfg = blocks if blocks is not None else select_blocks(m, w.k, w.n, w, x.dtype)

@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxinfer.config import ConfigError, ModelConfig
+from jaxinfer.config import ConfigError, ModelConfig, resolve_dtype_name
 from jaxinfer.models.decoder import Decoder, abstract_decoder, unfuse_decoder
 from jaxinfer.models.hf_maps import OPTIONAL_PREFIXES, hf_weight_map
 
@@ -263,9 +263,7 @@ def _restore_error(params_dir: Path, e: Exception) -> str:
 def resolve_dtype(dtype: str) -> str:
     """"auto" -> float32 on CPU (XLA:CPU runs bfloat16 matmuls about 2x slower than float32: the
     bundled model decodes at ~105 vs ~210 tok/s on one stream), bfloat16 on accelerators."""
-    if dtype != "auto":
-        return dtype
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return resolve_dtype_name(dtype, jax.default_backend())
 
 
 def load_model(path: str | Path, dtype: str = "float32", mesh=None, rules=None) -> tuple[Decoder, ModelConfig]:

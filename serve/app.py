@@ -45,7 +45,7 @@ class ServerState:
     def __init__(self, gen: Generator, model_name: str, api_key: str | None, max_queue: int):
         self.gen, self.model_name, self.api_key = gen, model_name, api_key
         self.tokenizer = gen.tokenizer
-        self.max_model_len = gen.engine.max_model_len
+        self.max_model_len = gen.client.max_model_len
         self.metrics = ServerMetrics(model_name)
         self.engine = AsyncEngine(gen, self.metrics, max_queue)
         template = (self.tokenizer.chat_template if self.tokenizer else None) or DEFAULT_CHAT_TEMPLATE

@@ -127,7 +127,7 @@ def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -
     build = completion_body if job.url == "/v1/completions" else chat_body
     want_lp = job.request.logprobs is not None if job.url == "/v1/completions" else job.request.logprobs
     rid = new_id("cmpl" if job.url == "/v1/completions" else "chatcmpl")
-    body = build(rid, now(), state.model_name, groups, n_prompt, state.token_str, bool(want_lp))
+    body = build(rid, now(), state.model_name, groups, n_prompt, state.token_str, bool(want_lp), job.params.n)
     return {"id": new_id("batch_req"), "custom_id": job.custom_id, "line": job.line,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
@@ -163,37 +163,39 @@ def run_batch(gen: Generator, in_path: str | Path, out_path: str | Path, model_n
             record(key, parsed)
         else:
             jobs.append(parsed)
-    eng = gen.engine
-    owner: dict[str, Job] = {}
+    client = gen.client
     outputs: dict[str, list[list]] = {}
     pending: dict[int, int] = {}
-    for job in jobs:
-        job.rids = []
-        try:
-            for p in job.prompts:
-                job.rids.append(eng.add_request(p, job.params))
-        except ValueError as e:
-            for rid in job.rids:
-                eng.abort(rid)
-            record(_key(job.line, job.custom_id), _error_line(job.line, job.custom_id, 400, str(e)))
-            continue
-        pending[id(job)] = len(job.rids) * job.params.n
-        for rid in job.rids:
-            owner[rid] = job
-            outputs[rid] = [[] for _ in range(job.params.n)]
     t0, n_tokens = time.perf_counter(), 0
-    bar = tqdm(total=len(pending), disable=not progress, unit="req", desc="batch")
-    while eng.has_unfinished():
-        for d in eng.step():
+
+    def route_of(job: Job):
+        def route(d) -> None:   # called by client.step() with each delta of this job's requests
+            nonlocal n_tokens
             outputs[d.request_id][d.sample_index].append(d)
             n_tokens += len(d.token_ids)
             if d.finished:
-                job = owner[d.request_id]
                 pending[id(job)] -= 1
                 if pending[id(job)] == 0:
                     record(_key(job.line, job.custom_id), _result_line(state, job, outputs))
                     bar.update(1)
                     bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
+        return route
+
+    for job in jobs:
+        try:   # all of a job's prompts or none
+            job.rids = client.submit(job.prompts, job.params, route=route_of(job), cache_salt=job.request.cache_salt)
+        except ValueError as e:
+            record(_key(job.line, job.custom_id), _error_line(job.line, job.custom_id, 400, str(e)))
+            continue
+        pending[id(job)] = len(job.rids) * job.params.n
+        for rid in job.rids:
+            outputs[rid] = [[] for _ in range(job.params.n)]
+    bar = tqdm(total=len(pending), disable=not progress, unit="req", desc="batch")
+    t0 = time.perf_counter()
+    client.run_until_done()
+    for job in jobs:
+        for rid in job.rids or ():
+            client.release(rid)
     bar.close()
     sink.close()
     # final file: one line per input line, in input order

@@ -1,8 +1,9 @@
 """The async bridge: the engine steps on its own thread; each HTTP request gets an asyncio.Queue.
 
-The loop thread holds the Generator's lock for one engine step at a time, then hands each delta to
-the event loop of the request that owns it (call_soon_threadsafe). Adding and aborting requests
-take the same lock, so the engine is only ever touched by one thread at a time.
+A thin adapter over the Generator's EngineClient (jaxinfer.client): the loop thread calls
+client.step(), which routes each delta to the event loop of the request that owns it
+(call_soon_threadsafe); submitting and releasing go through the same client, whose lock keeps
+the engine to one thread at a time.
 
 If the loop thread dies (an exception out of a step), every waiting queue receives an
 `EngineDeadError` at once and every later submit() is refused with a 503: no request ever waits
@@ -15,10 +16,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from jaxinfer.client import SubmitError
 from jaxinfer.config import SamplingParams
-from jaxinfer.engine import RequestOutput
 from jaxinfer.generator import Generator
-from jaxinfer.host.request import Request
 from serve.metrics import ServerMetrics
 from serve.protocol import OpenAIError
 
@@ -40,10 +40,8 @@ class Submission:
 
 class AsyncEngine:
     def __init__(self, gen: Generator, metrics: ServerMetrics, max_queue: int = 1024):
-        self.gen, self.engine, self.lock = gen, gen.engine, gen._lock
+        self.gen, self.client = gen, gen.client
         self.metrics, self.max_queue = metrics, max_queue
-        self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._requests: dict[str, list[Request]] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine", daemon=True)
@@ -64,67 +62,50 @@ class AsyncEngine:
 
     def queued_sequences(self) -> int:
         """Sequences admitted but not yet running (a request with n samples counts n)."""
-        scheduler = self.engine.scheduler
-        return scheduler.num_unfinished() - len(scheduler.running)
+        return self.client.queued_sequences()
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None = None) -> Submission:
         """Queue one engine request per prompt; all their deltas arrive on one asyncio.Queue.
         Raises OpenAIError: 503 when the engine has stopped, 400 for what can never fit the queue,
         429 when the queue is full now."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        rids: list[str] = []
         sequences = len(prompts) * params.n
         if sequences > self.max_queue:
             raise OpenAIError(400, f"this request has {sequences} sequences ({len(prompts)} prompt(s) x n={params.n}) "
                                    f"but the server queues at most {self.max_queue}; split it",
                               param="n" if params.n > 1 else "prompt")
-        with self.lock:
+
+        def admit() -> None:   # under the client's lock: nothing steps or submits meanwhile
             if self.error is not None or not self._thread.is_alive():
                 raise EngineDeadError(self.error)
-            waiting = self.queued_sequences()
+            waiting = self.client.queued_sequences()
             if waiting + sequences > self.max_queue:
                 raise OpenAIError(429, f"the server is at capacity ({waiting} sequences waiting); retry later",
                                   type_="rate_limit_error", headers={"Retry-After": "1"})
-            try:
-                for p in prompts:
-                    rid = self.engine.add_request(p, params, cache_salt=cache_salt)
-                    rids.append(rid)
-                    self._routes[rid] = (loop, queue)
-                    group = [self.engine.scheduler.requests[rid], *self.engine.scheduler.requests[rid].pending_forks]
-                    self._requests[rid] = group
-            except ValueError as e:
-                for rid in rids:
-                    self._release_locked(rid)
-                raise OpenAIError(400, str(e), param="prompt") from None
+
+        route = _Route(loop, queue)
+        try:
+            rids = self.client.submit(prompts, params, route=route, check=admit,
+                                      cache_salt=cache_salt)
+        except SubmitError as e:
+            raise OpenAIError(400, e.message, param="prompt") from None
         self._wake.set()
         return Submission(rids, queue, params.n)
 
     def release(self, sub: Submission, finished: bool) -> None:
         """The HTTP side is done with a submission: abort what is still running (client gone)."""
-        with self.lock:
-            for rid in sub.request_ids:
-                self._release_locked(rid, abort=not finished)
-
-    def _release_locked(self, rid: str, abort: bool = True) -> None:
-        if abort and self.error is None:   # a dead engine's state is not touched again
-            self.engine.abort(rid)
-        self._routes.pop(rid, None)
-        reqs = self._requests.pop(rid, None)
-        if reqs and all(r.finished for r in reqs):
-            for r in reqs:
-                self.metrics.observe_finished(r)
+        for rid in sub.request_ids:
+            samples = self.client.release(rid, abort=not finished and self.error is None)
+            if samples and all(m.finished for m in samples):
+                for m in samples:
+                    self.metrics.observe_finished(m)
 
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                with self.lock:
-                    busy = self.engine.has_unfinished()
-                    deltas: list[RequestOutput] = self.engine.step() if busy else []
-                    self.metrics.observe_step(self.engine)
-                    routes = [(self._routes.get(d.request_id), d) for d in deltas]
-                for route, d in routes:
-                    if route is not None:
-                        route[0].call_soon_threadsafe(route[1].put_nowait, d)
+                busy = self.client.has_unfinished()
+                deltas = self.client.step() if busy else []
+                self.metrics.observe_step(self.client.stats())
                 if not busy:
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -135,12 +116,20 @@ class AsyncEngine:
             raise
 
     def _fail_all(self, cause: BaseException) -> None:
-        with self.lock:
-            self.error = cause
-            queues = {id(q): (loop, q) for loop, q in self._routes.values()}
-            self._routes.clear()
-        for loop, q in queues.values():
+        self.error = cause
+        queues = {id(r.queue): r for r in self.client.detach_routes()}
+        for r in queues.values():
             try:
-                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(cause))
+                r.loop.call_soon_threadsafe(r.queue.put_nowait, EngineDeadError(cause))
             except RuntimeError:   # that request's event loop is already closed
                 pass
+
+
+@dataclass(frozen=True)
+class _Route:
+    """Hands a delta from the engine thread to the asyncio.Queue of the request that owns it."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def __call__(self, d) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, d)

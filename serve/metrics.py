@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from jaxinfer.host.request import Request
+from jaxinfer.client import RequestMetrics
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -57,8 +57,8 @@ class ServerMetrics:
         self._last = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
                       "prefix_cache_hits": 0, "prefix_cache_evictions": 0}
 
-    def observe_step(self, engine) -> None:
-        s = engine.stats()
+    def observe_step(self, s: dict) -> None:
+        """s: the engine's stats() after a step."""
         self.waiting.set(s["num_waiting"])
         self.running.set(s["num_running"])
         self.kv_used.set(s["kv_blocks_used"])
@@ -76,7 +76,7 @@ class ServerMetrics:
                 counter.inc(s[key] - self._last[key])
                 self._last[key] = s[key]
 
-    def observe_finished(self, req: Request) -> None:
+    def observe_finished(self, req: RequestMetrics) -> None:
         if req.ttft is not None:
             self.ttft.observe(req.ttft)
         for gap in req.itl:

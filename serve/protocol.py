@@ -16,9 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from jaxinfer.config import MAX_STOP_STRINGS, SamplingParams
+from jaxinfer.config import SamplingParams, SamplingParamsError
 
-MAX_N = 16
 log = logging.getLogger("jaxinfer.serve")
 
 # OpenAI request fields this server does not implement. Each is refused with a 400 naming it unless
@@ -122,23 +121,25 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(_Body):
-    """Fields both endpoints share (OpenAI's names) plus vLLM-style extras."""
+    """Fields both endpoints share (OpenAI's names) plus vLLM-style extras. Only types are checked
+    here: every bound is SamplingParams' (jaxinfer.config), so the server and the Python API accept
+    exactly the same values; a refused value becomes a 400 naming this request's field."""
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     user: str | None = None
     # extras (vLLM names)
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, ge=0.01, le=10.0)
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     # prefix caching (vLLM's name): requests share cached prompt blocks only under the same salt
@@ -146,28 +147,27 @@ class _Sampling(_Body):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stop) or len(stop) > MAX_STOP_STRINGS:
-            raise OpenAIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                 min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                seed=None if self.seed is None else self.seed % 2**32, stop=tuple(stop),
+                seed=self.seed, stop=tuple(stop),
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                 logprobs=logprobs, n=self.n)
-        except ValueError as e:
-            message = str(e)
-            param = next((f for f in ("stop", "max_tokens", "n", "logprobs", "temperature", "top_p", "top_k")
-                          if message.startswith(f)), None)
-            raise OpenAIError(400, message, param=param) from None
+        except SamplingParamsError as e:
+            raise OpenAIError(400, str(e), param=self.request_field(e.fields[0])) from None
+
+    def request_field(self, name: str) -> str:
+        """The name this request uses for SamplingParams field `name`."""
+        return name
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = None
     echo: bool = False
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = 16
 
 
 class ChatMessage(BaseModel):
@@ -189,8 +189,15 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+
+    def request_field(self, name: str) -> str:
+        if name == "logprobs":
+            return "top_logprobs"
+        if name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return name
 
 
 class TokenizeRequest(_Body):

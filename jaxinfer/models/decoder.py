@@ -225,6 +225,15 @@ def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Deco
     return model
 
 
+def set_matmul_impl(model, impl: str) -> None:
+    """Every QuantizedWeight of the model runs quantized matmuls with `impl` ("pallas" | "xla":
+    the engine's resolved matmul implementation, config.ResolvedConfig.matmul)."""
+    for _, var in nnx.state(model, nnx.Param).flat_state():
+        w = var.get_value()
+        if isinstance(w, QuantizedWeight) and w.impl != impl:
+            var.set_value(dataclasses.replace(w, impl=impl))
+
+
 # ------------------------------------------------------------------------------ fused projections
 # Fusion works on columns: a float weight [d, *out] is viewed as [d, n], a bias [*out] as [n], and a
 # QuantizedWeight's q, scales and zeros all end in the same n columns (int8 scales per column, int4

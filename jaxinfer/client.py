@@ -1,0 +1,258 @@
+"""EngineClient: the one driver of an Engine (DESIGN.md, "The shape of the engine").
+
+Every front door (Generator.generate / stream, the server's async bridge, the batch script, the
+benchmarks) talks to the engine through this class and nothing else:
+
+    client = EngineClient(engine)
+    rids = client.submit([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8), route=deltas.append)
+    while client.has_unfinished():
+        client.step()                 # one engine step under the lock; deltas go to their routes
+    client.release(rid)               # forget the request (aborting it first if it still runs)
+
+It owns the lock that serialises access to the engine, submits several prompts all-or-nothing
+(a ValueError for one prompt rolls back the ones already added), routes each delta to the
+callback its request was submitted with, aggregates finished outputs (Completion), and exposes
+what adapters need (queued sequences, per-request metrics, stats, step observers) as public
+methods, so no adapter reads the scheduler, the lock or the engine's counters.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+from jaxinfer.config import SamplingParams
+from jaxinfer.engine import Engine, RequestOutput, StepTrace
+
+Route = Callable[[RequestOutput], None]
+
+
+class SubmitError(ValueError):
+    """A prompt of a submission was refused (nothing of the submission stays queued)."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index, self.message = index, message
+
+
+@dataclass
+class Completion:
+    """One sample's finished output, aggregated from its deltas."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_cached_tokens: int = 0      # prompt tokens its request found in the prefix cache
+
+    def add(self, d: RequestOutput) -> None:
+        self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
+        self.text += d.text
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs
+        self.top_logprobs += d.top_logprobs
+        if d.finished:
+            self.finish_reason = d.finish_reason
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """One sample's timestamps (time.monotonic, seconds) and token counts: the field's per-request
+    metrics (TTFT = first token - arrival, TPOT = (last - first) / (n - 1), ITL = token gaps)."""
+    request_id: str
+    sample_index: int
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    token_times: tuple[float, ...]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None
+    finished: bool
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def itl(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+class EngineClient:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._lock = threading.RLock()   # re-entrant: a submit's check() may read queued_sequences()
+        self._routes: dict[str, Route | None] = {}
+        self._samples: dict[str, list] = {}     # request id -> its n host Requests (metrics)
+
+    # ---------------------------------------------------------------- what adapters read
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self.engine.has_unfinished()
+
+    def queued_sequences(self) -> int:
+        """Sequences admitted but not yet running (a request with n samples counts n)."""
+        with self._lock:
+            return self.engine.num_queued_sequences()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return self.engine.stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; returns how many were dropped."""
+        with self._lock:
+            return self.engine.reset_prefix_cache()
+
+    def metrics(self, request_id: str) -> list[RequestMetrics]:
+        """Per-sample metrics of a submitted (not yet released) request, in sample order."""
+        with self._lock:
+            return [_snapshot(request_id, r) for r in self._samples[request_id]]
+
+    def add_step_observer(self, callback: Callable[[StepTrace], None]) -> None:
+        with self._lock:
+            self.engine.add_step_observer(callback)
+
+    def remove_step_observer(self, callback: Callable[[StepTrace], None]) -> None:
+        with self._lock:
+            self.engine.remove_step_observer(callback)
+
+    def next_step_inputs(self):
+        """Profiling only: the next step's device inputs, not run (Engine.next_step_inputs)."""
+        with self._lock:
+            return self.engine.next_step_inputs()
+
+    def free_kv_pages(self) -> None:
+        """Delete the KV pages now (a benchmark sizing the next engine from free device memory);
+        this engine cannot step afterwards."""
+        import jax
+        with self._lock:
+            for x in jax.tree.leaves(self.engine.runner.kv_pages):
+                x.delete()
+            self.engine.runner.kv_pages = None
+
+    def locked(self, fn: Callable[[], object]) -> object:
+        """Run fn() while holding the engine lock (multi-host: publish and run in one order)."""
+        with self._lock:
+            return fn()
+
+    # ---------------------------------------------------------------- submitting
+    def submit(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
+               route: Route | None = None, arrival_time: float | None = None,
+               check: Callable[[], None] | None = None, cache_salt: str | None = None) -> list[str]:
+        """Queue one engine request per prompt, all or nothing: a ValueError for any prompt aborts
+        the ones already added and is raised as a SubmitError naming the prompt's index. Each delta
+        of these requests is passed to `route` by the thread that steps, under the lock (keep it
+        short). check() runs under the lock first: an adapter's admission control, it raises to
+        refuse. cache_salt: these requests share cached prefix blocks only under the same salt."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        rids: list[str] = []
+        with self._lock:
+            if check is not None:
+                check()
+            try:
+                for ids, p in zip(prompts, plist):
+                    rid = self.engine.add_request(ids, p, arrival_time=arrival_time, cache_salt=cache_salt)
+                    rids.append(rid)
+                    self._routes[rid] = route
+                    self._samples[rid] = self.engine.samples(rid)
+            except ValueError as e:
+                for rid in rids:
+                    self._release_locked(rid, abort=True)
+                raise SubmitError(len(rids), str(e)) from None
+        return rids
+
+    # ---------------------------------------------------------------- stepping
+    def step(self) -> list[RequestOutput]:
+        """One engine step under the lock (nothing when no request is unfinished); each delta is
+        handed to its request's route before the lock is released, so a request's deltas arrive in
+        step order even when several threads step. Returns every delta of the step."""
+        with self._lock:
+            if not self.engine.has_unfinished():
+                return []
+            deltas = self.engine.step()
+            for d in deltas:
+                route = self._routes.get(d.request_id)
+                if route is not None:
+                    route(d)
+        return deltas
+
+    def run_until_done(self) -> None:
+        """Step until no request is unfinished (the batch script's and the benchmarks' loop)."""
+        while self.has_unfinished():
+            self.step()
+
+    # ---------------------------------------------------------------- ending
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self.engine.abort(request_id)
+
+    def release(self, request_id: str, abort: bool = True) -> list[RequestMetrics]:
+        """The adapter is done with a request: abort it if it still runs (abort=False: leave the
+        engine alone, e.g. it has died), forget its route; returns its per-sample metrics."""
+        with self._lock:
+            return self._release_locked(request_id, abort)
+
+    def _release_locked(self, request_id: str, abort: bool) -> list[RequestMetrics]:
+        if abort:
+            self.engine.abort(request_id)
+        self._routes.pop(request_id, None)
+        return [_snapshot(request_id, r) for r in self._samples.pop(request_id, [])]
+
+    def detach_routes(self) -> list[Route]:
+        """Forget every route (the engine died); returns them so the adapter can fail each once."""
+        with self._lock:
+            routes = [r for r in self._routes.values() if r is not None]
+            self._routes.clear()
+            return routes
+
+    # ---------------------------------------------------------------- synchronous callers
+    def stream_deltas(self, request_id: str, n: int, queue: deque) -> Iterator[RequestOutput]:
+        """Deltas of a request submitted with route=queue.append until its n samples finish,
+        stepping the engine whenever the queue is empty (several threads share every step).
+        A caller that stops early aborts the request."""
+        done = 0
+        try:
+            while done < n:
+                while queue:
+                    d = queue.popleft()
+                    done += d.finished
+                    yield d
+                if done < n and not self.step():
+                    time.sleep(0.0005)   # dynamic batching: waiting for its window to close
+        finally:
+            self.release(request_id, abort=done < n)
+
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
+                 cache_salt: str | None = None) -> tuple[list[str], list[list[Completion]]]:
+        """Submit all prompts (all or nothing), run them to the end; (request ids, completions per
+        prompt with one Completion per sample)."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        queues: dict[str, deque] = defaultdict(deque)
+        rids = self.submit(prompts, plist, route=lambda d: queues[d.request_id].append(d), cache_salt=cache_salt)
+        results = [[Completion() for _ in range(p.n)] for p in plist]
+        for rid, p, samples in zip(rids, plist, results):
+            for d in self.stream_deltas(rid, p.n, queues[rid]):
+                samples[d.sample_index].add(d)
+        return rids, results
+
+
+def _snapshot(request_id: str, req) -> RequestMetrics:
+    return RequestMetrics(request_id, req.sample_index, req.arrival_time, req.first_token_time, req.finish_time,
+                          tuple(req.token_times), len(req.prompt_ids), len(req.output_ids), req.finish_reason,
+                          req.finished)

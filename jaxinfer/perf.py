@@ -1,0 +1,155 @@
+"""Device datasheets and the byte / FLOP / MBU formulas: the one source for `jaxinfer plan`, the
+engine's live stats (Engine.stats()["mbu"], served on /metrics) and bench/metrics.py.
+
+Pure arithmetic: this module never imports jax, numpy or anything that does (tests check it in a
+process where importing jax fails), so the planner answers instantly on any machine.
+
+Formulas (bytes, seconds, FLOPs; L layers, H / H_kv query / KV heads, h head_dim):
+    kv_bytes_per_token  = 2 (K and V) * bytes(kv_dtype) * L * H_kv * h  (+ 2 * 4 * L * H_kv for the
+                          f32 scale per token per KV head of int8 pages)
+    bytes_read(step)    = iterations * weight_bytes + context_tokens * kv_bytes_per_token
+                          (a step reads every weight once per iteration and each sequence's whole KV
+                          context; KV writes of the new tokens are not counted: vLLM/Databricks MBU)
+    MBU                 = bytes read / seconds / peak bandwidth
+    MFU                 = FLOPs / seconds / peak FLOP/s
+    forward_flops(step) = 2 * P_body * T + 2 * V * d * S + sum_layers 4 * H * h * keys(layer)
+                          T tokens, S sequences (the LM head runs on one row each), keys = sum over
+                          queries of the keys each sees (causal, capped at a sliding window).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int4": 0.5}
+KV_INT8_SCALE_BYTES = 4     # one f32 scale per token, per KV head, for K and for V
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator's peaks. flops_* are dense (no 2:4 sparsity) tensor-core figures."""
+    name: str
+    label: str
+    memory_bytes: int
+    bandwidth: float            # peak memory bandwidth, bytes/s
+    flops_bf16: float           # FLOP/s (float16 the same)
+    flops_tf32: float           # FLOP/s, for float32 weights (GPU: TF32 tensor cores)
+    ops_int8: float             # OP/s; only W8A8 kernels could use it (jaxinfer's are weight-only)
+    assumed: tuple[str, ...] = ()   # sentences naming figures that are not datasheet values
+    source: str = ""
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s for matmuls computing in `dtype`."""
+        return self.flops_tf32 if dtype == "float32" else self.flops_bf16
+
+
+# Vendor datasheets; the sheets print sparse tensor-core peaks, halved here to dense.
+# "80GB" / "141GB" of HBM are binary gigabytes (GiB); nvidia-smi shows slightly less after
+# reserved memory, which --memory-fraction absorbs.
+DEVICES: dict[str, Device] = {
+    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: 80GB HBM3, 3.35TB/s,
+    # BF16 1,979 TFLOPS*, TF32 989 TFLOPS*, INT8 3,958 TOPS* (* with sparsity).
+    "h100": Device("h100", "NVIDIA H100 SXM 80GB", 80 * GiB, 3.35e12, 989e12, 494.5e12, 1979e12,
+                   source="NVIDIA H100 Tensor Core GPU datasheet (SXM)"),
+    # Same datasheet, H100 PCIe column: 80GB HBM2e, 2TB/s, BF16 1,513 TFLOPS*, TF32 756*, INT8 3,026*.
+    "h100-pcie": Device("h100-pcie", "NVIDIA H100 PCIe 80GB", 80 * GiB, 2.0e12, 756e12, 378e12, 1513e12,
+                        source="NVIDIA H100 Tensor Core GPU datasheet (PCIe)"),
+    # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 141GB HBM3e, 4.8TB/s, same compute as H100 SXM.
+    "h200": Device("h200", "NVIDIA H200 SXM 141GB", 141 * GiB, 4.8e12, 989e12, 494.5e12, 1979e12,
+                   source="NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
+    # NVIDIA A100 Tensor Core GPU datasheet: 40GB HBM2 1,555GB/s; BF16 312 TFLOPS, TF32 156, INT8 624 TOPS.
+    "a100-40gb": Device("a100-40gb", "NVIDIA A100 40GB", 40 * GiB, 1.555e12, 312e12, 156e12, 624e12,
+                        source="NVIDIA A100 Tensor Core GPU datasheet (40GB SXM)"),
+    # Same datasheet, 80GB HBM2e SXM: 2,039GB/s.
+    "a100-80gb": Device("a100-80gb", "NVIDIA A100 80GB", 80 * GiB, 2.039e12, 312e12, 156e12, 624e12,
+                        source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)"),
+    # Google Cloud TPU system architecture pages (per chip): HBM, bandwidth, bf16 and int8 peaks;
+    # float32 matmuls run through the bf16 MXU passes, so the table reuses the bf16 peak.
+    "tpu-v4": Device("tpu-v4", "TPU v4", 32 * GiB, 1.2e12, 275e12, 275e12, 275e12,
+                     assumed=("TPU float32 peak taken as the bf16 peak",), source="Cloud TPU v4 documentation"),
+    "tpu-v5e": Device("tpu-v5e", "TPU v5e", 16 * GiB, 8.19e11, 197e12, 197e12, 394e12,
+                      assumed=("TPU float32 peak taken as the bf16 peak",), source="Cloud TPU v5e documentation"),
+    "tpu-v5p": Device("tpu-v5p", "TPU v5p", 95 * GiB, 2.765e12, 459e12, 459e12, 918e12,
+                      assumed=("TPU float32 peak taken as the bf16 peak",), source="Cloud TPU v5p documentation"),
+    "tpu-v6e": Device("tpu-v6e", "TPU v6e", 32 * GiB, 1.64e12, 918e12, 918e12, 1836e12,
+                      assumed=("TPU float32 peak taken as the bf16 peak",), source="Cloud TPU v6e documentation"),
+}
+# A host CPU: memory from the OS, the rest are round-number assumptions (a few-channel DDR
+# server socket, ~1 TFLOP/s of AVX-512 bf16); `plan --memory-gib` overrides the memory.
+CPU_BANDWIDTH = 50e9
+CPU_FLOPS = 1e12
+
+# jax's device_kind (lower case, "-" as " ") -> DEVICES key; the first pattern whose words all occur wins
+_KIND_PATTERNS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("h100", "pcie"), "h100-pcie"), (("h100",), "h100"), (("h200",), "h200"),
+    (("a100", "40"), "a100-40gb"), (("a100",), "a100-80gb"),
+    (("v5 lite",), "tpu-v5e"), (("v5e",), "tpu-v5e"), (("v6",), "tpu-v6e"), (("v5",), "tpu-v5p"), (("v4",), "tpu-v4"),
+)
+
+
+def device_for_kind(device_kind: str) -> Device | None:
+    """The datasheet of jax's device_kind ('NVIDIA H100 80GB HBM3', 'NVIDIA A100-SXM4-40GB',
+    'TPU v5 lite', ...). Unknown kinds (CPUs) have none unless JAXINFER_PEAK_BANDWIDTH (bytes/s)
+    and optionally JAXINFER_PEAK_FLOPS are set."""
+    kind = device_kind.lower().replace("-", " ")
+    for words, key in _KIND_PATTERNS:
+        if all(w in kind for w in words):
+            return DEVICES[key]
+    bw = os.environ.get("JAXINFER_PEAK_BANDWIDTH")
+    if bw:
+        flops = float(os.environ.get("JAXINFER_PEAK_FLOPS", 0))
+        return Device(device_kind, device_kind, 0, float(bw), flops, flops, 0.0, ("from environment",))
+    return None
+
+
+def with_memory(device: Device, memory_bytes: int, why: str) -> Device:
+    return dataclasses.replace(device, memory_bytes=memory_bytes, assumed=(why,))
+
+
+# --------------------------------------------------------------------------- bytes
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
+    """K and V of one token in `n_layers` layers of `n_kv_heads` heads (+ int8 pages' f32 scales)."""
+    if kv_dtype not in DTYPE_BYTES or kv_dtype == "int4":
+        raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose from: float32, bfloat16, float16, int8")
+    total = 2 * int(DTYPE_BYTES[kv_dtype]) * n_layers * n_kv_heads * head_dim
+    if kv_dtype == "int8":
+        total += 2 * KV_INT8_SCALE_BYTES * n_layers * n_kv_heads
+    return total
+
+
+def bytes_read(weight_bytes: float, kv_bytes_per_token: float, context_tokens: float, iterations: int = 1) -> float:
+    """Bytes one step reads: every weight once per iteration, plus the KV of every context token
+    attended (summed over sequences and iterations)."""
+    return iterations * weight_bytes + context_tokens * kv_bytes_per_token
+
+
+def mbu(bytes_per_s: float | None, peak_bandwidth: float | None) -> float | None:
+    """Model bandwidth utilisation: achieved bytes/s over the peak (None when either is unknown)."""
+    return bytes_per_s / peak_bandwidth if bytes_per_s is not None and peak_bandwidth else None
+
+
+def mfu(flops_per_s: float | None, peak_flops: float | None) -> float | None:
+    """Model FLOP/s utilisation: achieved FLOP/s over the peak (None when either is unknown)."""
+    return flops_per_s / peak_flops if flops_per_s is not None and peak_flops else None
+
+
+# --------------------------------------------------------------------------- FLOPs
+def attention_keys(start: int, num_tokens: int, window: int | None) -> int:
+    """Keys seen by queries start .. start + num_tokens - 1 (query i sees i + 1 keys, causal),
+    each capped at the sliding window."""
+    if window is None:      # sum of start + 1 .. start + n
+        return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+    return sum(min(k, window) for k in range(start + 1, start + num_tokens + 1))
+
+
+def forward_flops(body_params: int, vocab_size: int, d_model: int, n_heads: int, head_dim: int,
+                  spans: Sequence[tuple[int, int]], windows: Sequence[int | None]) -> float:
+    """FLOPs of one forward over sequences computing spans [(start, num_tokens)]; `windows` has one
+    entry per layer (None = full causal). 2 FLOPs per multiply-add; 4 = 2 x (QK^T + PV)."""
+    tokens = sum(n for _, n in spans)
+    linear = 2.0 * body_params * tokens + 2.0 * vocab_size * d_model * len(spans)
+    attn = sum(4.0 * n_heads * head_dim * sum(attention_keys(s, n, w) for s, n in spans) for w in windows)
+    return linear + attn

@@ -1,0 +1,273 @@
+"""The structural half of issue 14: one engine client, validation in one place, one resolved
+configuration, one jax-free module of device datasheets and byte/FLOP/MBU formulas.
+
+References: greedy decoding by repeated full forwards (`gen.logits`), hand arithmetic for the
+formulas, SamplingParams itself for what the server must accept, the jaxpr for which matmul runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxinfer import Generator, SamplingParams
+from jaxinfer.client import SubmitError
+from jaxinfer.config import EngineConfig, ModelConfig, ResolvedConfig, resolve_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = dict(dtype="float32", max_model_len=96, max_num_batched_tokens=32, max_num_seqs=8, block_size=8)
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gen(hf_model_dir) -> Generator:
+    return Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **SMALL, warmup=False)
+
+
+def _greedy_reference(gen: Generator, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens by repeated full forwards (no cache): numpy argmax of gen.logits."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(np.argmax(gen.logits(ids)[-1])))
+    return ids[len(prompt):]
+
+
+def _all_free(gen: Generator) -> bool:
+    s = gen.stats()
+    return s["kv_blocks_used"] == 0 and s["num_waiting"] == 0 and s["num_running"] == 0
+
+
+# --------------------------------------------------------------------------- 1. one engine client
+def test_submit_is_all_or_nothing(gen):
+    vocab = gen.model_cfg.vocab_size
+    with pytest.raises(SubmitError) as e:
+        gen.client.submit([[5, 6, 7], [8, 9], [1, vocab + 3]], GREEDY)
+    assert e.value.index == 2 and "outside the vocabulary" in e.value.message
+    assert not gen.client.has_unfinished() and gen.client.queued_sequences() == 0 and _all_free(gen)
+    with pytest.raises(ValueError, match="prompt 1: the prompt is empty"):   # Generator names the prompt
+        gen.generate([[5, 6, 7], []], GREEDY)
+    assert _all_free(gen)
+
+
+def test_deltas_are_routed_per_request_and_match_naive_greedy(gen):
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17]]
+    queues = [deque(), deque()]
+    rids = [gen.client.submit([p], GREEDY, route=q.append)[0] for p, q in zip(prompts, queues)]
+    assert gen.client.queued_sequences() == 2
+    traces = []
+    gen.client.add_step_observer(traces.append)
+    try:
+        gen.client.run_until_done()
+    finally:
+        gen.client.remove_step_observer(traces.append)
+    # both prompts fit the 32-token budget: the first step prefills both whole
+    assert traces[0].spans == ((0, 5), (0, 7))
+    for rid, prompt, q in zip(rids, prompts, queues):
+        assert {d.request_id for d in q} == {rid}
+        tokens = [t for d in q for t in d.token_ids]
+        assert tokens == _greedy_reference(gen, prompt, GREEDY.max_tokens)
+        assert [d.finished for d in q][-1] and sum(d.finished for d in q) == 1
+        [m] = gen.client.release(rid, abort=False)
+        assert (m.num_prompt_tokens, m.num_output_tokens, m.finish_reason) == (len(prompt), 5, "length")
+        times = np.array(m.token_times)
+        assert len(times) == 5 and m.ttft == m.first_token_time - m.arrival_time >= 0
+        assert m.tpot == pytest.approx(float(np.diff(times).mean()), rel=1e-12)
+    assert _all_free(gen)
+
+
+def test_generate_and_stream_aggregate_the_same_tokens(gen):
+    prompt = [21, 22, 23, 24]
+    out = gen.generate([prompt], SamplingParams(max_tokens=6, temperature=0.8, seed=7, n=2, ignore_eos=True))[0]
+    streamed = {0: [], 1: []}
+    for d in gen.stream(prompt, SamplingParams(max_tokens=6, temperature=0.8, seed=7, n=2, ignore_eos=True)):
+        streamed[d.sample_index] += d.token_ids
+    assert [s.token_ids for s in out.samples] == [streamed[0], streamed[1]]
+    assert all(len(s.token_ids) == 6 and s.finish_reason == "length" for s in out.samples)
+    assert _all_free(gen)
+
+
+def test_abandoned_stream_is_aborted_and_frees_its_blocks(gen):
+    it = gen.stream([31, 32, 33], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    next(it)
+    it.close()
+    assert _all_free(gen)
+
+
+def test_adapters_do_not_reach_into_engine_internals():
+    """serve/, bench/ and the Generator drive the engine through EngineClient only."""
+    forbidden = (".scheduler", "._lock", "stats_", ".requests[", "pending_forks", "num_unfinished", "fault_injector")
+    files = [ROOT / "jaxinfer" / "generator.py", *sorted((ROOT / "serve").glob("*.py")),
+             *sorted((ROOT / "bench").glob("*.py"))]
+    hits = [f"{f.name}:{i}: {line.strip()}" for f in files
+            for i, line in enumerate(f.read_text().splitlines(), 1)
+            if any(s in line for s in forbidden) and "host.scheduler import" not in line]
+    assert hits == []
+
+
+# --------------------------------------------------------------------------- 2. validation in one place
+# (SamplingParams field, value, the request body's field, its value): each pair must be accepted by
+# both front doors or refused by both; refusals are 400s naming the request's field.
+CASES = [
+    ("temperature", 3.0, "temperature", 3.0),              # the server capped it at 2 before
+    ("repetition_penalty", 50.0, "repetition_penalty", 50.0),   # the server capped it at 10
+    ("n", 17, "n", 17),                                    # the server capped it at 16
+    ("n", 129, "n", 129),
+    ("seed", -1, "seed", -1),
+    ("seed", 2**63, "seed", 2**63),
+    ("seed", 2**40, "seed", 2**40),
+    ("top_p", 0.0, "top_p", 0.0),
+    ("min_p", 1.5, "min_p", 1.5),
+    ("presence_penalty", -2.5, "presence_penalty", -2.5),
+    ("logprobs", 21, "logprobs", 21),
+    ("max_tokens", 0, "max_tokens", 0),
+    ("stop", tuple("abcdefghijklmnopq"), "stop", list("abcdefghijklmnopq")),
+]
+
+
+def _python_accepts(field: str, value) -> bool:
+    try:
+        SamplingParams(**{field: value})
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("field,value,body_field,body_value", CASES)
+def test_server_and_python_api_accept_the_same_values(gen, field, value, body_field, body_value):
+    from serve.app import ServerState
+    from serve.protocol import CompletionRequest, OpenAIError
+
+    state = ServerState(gen, "tiny", None, max_queue=1 << 20)
+    req = CompletionRequest.model_validate({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4,
+                                            body_field: body_value})
+    try:
+        _, params = state.completion_inputs(req)
+        server_ok, param = True, None
+    except OpenAIError as e:
+        server_ok, param = False, e.param
+        assert e.status == 400
+    assert server_ok == _python_accepts(field, value)
+    if not server_ok:
+        assert param == body_field
+    else:
+        assert getattr(params, field) == value
+
+
+def test_chat_maps_its_field_names(gen):
+    from serve.app import ServerState
+    from serve.protocol import ChatCompletionRequest, OpenAIError
+
+    state = ServerState(gen, "tiny", None, max_queue=1 << 20)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}
+    with pytest.raises(OpenAIError) as e:
+        req = ChatCompletionRequest.model_validate({**chat, "logprobs": True, "top_logprobs": 21})
+        req.sampling_params(4, req.top_logprobs)
+    assert e.value.param == "top_logprobs"
+    req = ChatCompletionRequest.model_validate({**chat, "max_completion_tokens": 0})
+    with pytest.raises(OpenAIError) as e:
+        req.sampling_params(0, None)
+    assert e.value.param == "max_completion_tokens" and state is not None
+
+
+# --------------------------------------------------------------------------- 3. one resolved configuration
+def test_resolve_config_decides_every_setting_once():
+    mc = ModelConfig(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
+                     max_position_embeddings=512)
+    r = resolve_config(EngineConfig(attention="xla", num_blocks=9, block_size=16), mc, backend="gpu")
+    assert (r.dtype, r.kv_dtype, r.attention, r.matmul) == ("bfloat16", "bfloat16", "xla", "xla")
+    assert r.max_model_len == (9 - 1) * 16   # 512 capped to the pool (block 0 is the null block)
+    r = resolve_config(EngineConfig(num_blocks=100), mc, backend="gpu", weight_dtype="float16")
+    assert (r.dtype, r.attention, r.matmul, r.max_model_len) == ("float16", "pallas", "pallas", 512)
+    r = resolve_config(EngineConfig(kv_dtype="int8"), mc, backend="cpu", size_pool=lambda kv, n: 3 + n // 16)
+    assert (r.dtype, r.kv_dtype, r.attention, r.num_blocks) == ("float32", "int8", "xla", 3 + 512 // 16)
+    assert r.max_decode_steps == 8
+    assert resolve_config(EngineConfig(num_blocks=9), mc, backend="cpu", pipelined=True).max_decode_steps == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.attention = "pallas"
+
+
+def test_attention_xla_governs_quantized_matmuls(hf_model_dir, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.layers import dense
+    from jaxinfer.models.decoder import quantize_decoder
+    from jaxinfer.quant import QuantizedWeight
+    from jaxinfer.weights import load_model
+    from flax import nnx
+
+    monkeypatch.setenv("JAXINFER_AUTOTUNE", "0")   # the Pallas control below takes the default tiles
+    model, _ = load_model(hf_model_dir("llama-gqa-llama3"), "float32")
+    quantize_decoder(model, "int8")
+    g = Generator(model, None, EngineConfig(dtype="float32", attention="xla", quantize="int8", num_blocks=16,
+                                            max_num_seqs=2, block_size=8), 16, warmup=False)
+    assert isinstance(g.engine.resolved, ResolvedConfig) and g.engine.resolved.matmul == "xla"
+    weights = [v.get_value() for _, v in nnx.state(model, nnx.Param).flat_state()
+               if isinstance(v.get_value(), QuantizedWeight)]
+    assert weights and {w.impl for w in weights} == {"xla"}
+    tokens, positions = jnp.arange(16, dtype=jnp.int32) % 100, jnp.arange(16, dtype=jnp.int32)
+    forward = jax.make_jaxpr(lambda t, p: model(t, p, impl=g.engine.resolved.attention)[0])(tokens, positions)
+    assert "pallas_call" not in str(forward)
+    # control: the same weight with the Pallas implementation does stage a pallas_call
+    w = weights[0]
+    x = jnp.ones((16, w.k), jnp.float32)
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda a: dense(a, w, None))(x))
+    assert "pallas_call" in str(jax.make_jaxpr(lambda a: dense(a, dataclasses.replace(w, impl="pallas"), None))(x))
+    assert g.generate([[5, 6, 7]], GREEDY)[0].token_ids   # and it runs
+
+
+# --------------------------------------------------------------------------- 4. one jax-free perf module
+def test_perf_and_plan_import_without_jax():
+    code = textwrap.dedent("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("jax", "jaxlib", "flax", "numpy"):
+                    raise ImportError(f"blocked: {name}")
+        sys.meta_path.insert(0, Block())
+        import jaxinfer.perf, jaxinfer.plan
+        assert not any(m.split(".")[0] in ("jax", "numpy") for m in sys.modules), sorted(sys.modules)
+        print(jaxinfer.perf.kv_bytes_per_token(2, 2, 8, "bfloat16"))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(2 * 2 * 2 * 2 * 8)
+
+
+def test_formulas_match_hand_calculation():
+    from jaxinfer import perf
+
+    # L=2, H_kv=2, h=8: 2 (K, V) * bytes * L * H_kv * h, int8 adds 2 * 4-byte scales per layer per head
+    assert perf.kv_bytes_per_token(2, 2, 8, "bfloat16") == 128
+    assert perf.kv_bytes_per_token(2, 2, 8, "float32") == 256
+    assert perf.kv_bytes_per_token(2, 2, 8, "int8") == 64 + 32
+    # 2 iterations read 1000 weight bytes each, plus 9 context tokens of 128 bytes
+    assert perf.bytes_read(1000, 128, 9, iterations=2) == 2000 + 1152
+    assert perf.mbu(3152 / 0.5, 1e9) == 3152 / 0.5 / 1e9 and perf.mbu(1.0, None) is None
+    # queries at positions 3 and 4 see 4 + 5 keys (full) or 2 + 2 (window 2):
+    # 2*P*T + 2*V*d*S + 4*H*h*keys = 2*1000*2 + 2*100*32*1 + 4*4*8*(9 + 4)
+    assert perf.forward_flops(1000, 100, 32, 4, 8, [(3, 2)], [None, 2]) == 4000 + 6400 + 128 * 13
+
+
+def test_one_table_and_one_kv_formula_everywhere(gen):
+    from bench.metrics import ModelCost, table_peaks
+    from jaxinfer import perf, plan
+
+    h100 = perf.device_for_kind("NVIDIA H100 80GB HBM3")
+    assert h100 is plan.get_device("h100") is perf.DEVICES["h100"]
+    assert perf.device_for_kind("NVIDIA A100-SXM4-40GB") is plan.get_device("a100-40gb")
+    assert table_peaks("NVIDIA H100 80GB HBM3", "float32")["bandwidth_Bps"] == h100.bandwidth == 3.35e12
+    assert table_peaks("NVIDIA H100 80GB HBM3", "float32")["flops"] == h100.flops_tf32
+    mc = gen.model_cfg
+    hand = 2 * 4 * mc.n_layers * mc.n_kv_heads * mc.head_dim    # float32 pages
+    st = gen.stats()
+    assert st["kv_bytes_per_token"] == hand == plan.kv_bytes_per_token(mc, "float32")
+    assert ModelCost.from_stats(mc, st).kv_bytes_per_token == hand
+    assert ModelCost.from_config(mc, 4, 4).kv_bytes_per_token == hand
