@@ -76,6 +76,12 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: LayerKV | None,
                  meta: AttentionMetadata | None, impl: str) -> tuple[jax.Array, LayerKV | None]:
+        out, kv = self.attend(x, positions, kv, meta, impl)
+        return dense(out, self.o.get_value(), param_value(self.o_bias), contract=2), kv   # (T, D)
+
+    def attend(self, x: jax.Array, positions: jax.Array, kv: LayerKV | None,
+               meta: AttentionMetadata | None, impl: str) -> tuple[jax.Array, LayerKV | None]:
+        """x [T, D] -> the heads' outputs before the `o` projection [T, H, hd] (what calibration sees)."""
         cfg = self.cfg
         q, k, v = self.project_qkv(x)                                                 # (T, H | Hkv, hd)
         alibi = None
@@ -84,9 +90,8 @@ class Attention(nnx.Module):
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         elif cfg.position == "alibi":
             alibi = jnp.asarray(alibi_slopes(cfg.n_heads))
-        out, kv = attention(q, k, v, positions, scale=cfg.head_dim ** -0.5, window=self.window,
-                            alibi=alibi, kv=kv, meta=meta, impl=impl)
-        return dense(out, self.o.get_value(), param_value(self.o_bias), contract=2), kv   # (T, D)
+        return attention(q, k, v, positions, scale=cfg.head_dim ** -0.5, window=self.window,
+                         alibi=alibi, kv=kv, meta=meta, impl=impl)
 
 
 class Block(nnx.Module):
