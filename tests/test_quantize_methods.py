@@ -182,6 +182,36 @@ def test_awq_scale_beats_alpha_zero_on_planted_outliers():
     assert e_best < 0.8 * e0, (e_best, e0)
 
 
+def test_awq_folds_keep_the_float_block(hf_model_dir):
+    """Dividing each tap's producer by s and multiplying the consuming rows by s leaves the float
+    block's output unchanged (up to f32 rounding), for every fold AWQ uses (norms, v -> o, up -> down)."""
+    from jaxinfer.quantize import linears
+    from jaxinfer.quantize.calibrate import _taps
+    from jaxinfer.quantize.methods import _fold
+    from jaxinfer.weights import load_model
+
+    model, cfg = load_model(hf_model_dir(TINY), "float32")
+    block = model.layers[0]
+    x = jnp.asarray(np.random.default_rng(SEED).standard_normal((16, cfg.d_model)), jnp.float32)
+    pos = jnp.arange(16, dtype=jnp.int32)
+    before = np.asarray(_taps(block, x, pos)["out"])
+    rng = np.random.default_rng(SEED + 3)
+    for tap, group in linears(block).items():
+        k = np.prod(getattr(*group[0]).get_value().shape[:2 if tap == "o_in" else 1])
+        s = rng.uniform(0.5, 2.0, size=k).astype(np.float32)
+        if tap == "o_in":     # one factor per KV-head channel, repeated over the heads sharing it
+            g = cfg.n_heads // cfg.n_kv_heads
+            s = np.repeat(s.reshape(cfg.n_kv_heads, g, cfg.head_dim)[:, :1], g, axis=1).reshape(-1)
+        assert _fold(block, tap, s)
+        for owner, name in group:
+            var = getattr(owner, name)
+            w = var.get_value()
+            c = 2 if name == "o" else 1                     # contracted (input) dims
+            var.set_value(w * jnp.asarray(s).reshape(w.shape[:c] + (1,) * (w.ndim - c)))
+    after = np.asarray(_taps(block, x, pos)["out"])
+    np.testing.assert_allclose(after, before, rtol=0, atol=1e-4 * np.abs(before).max())
+
+
 # ------------------------------------------------------------------------------ end to end
 
 TINY = "llama-gqa-llama3"          # d 64, 4 heads / 2 KV heads, FFN 96, 2 layers
@@ -250,7 +280,8 @@ def test_round_trip_and_engine(quantized_dirs, name):
         logits, _ = ref(jnp.asarray(tokens, jnp.int32), jnp.arange(len(tokens), dtype=jnp.int32))
         tokens.append(int(np.argmax(np.asarray(logits[-1]))))
     gen = Generator.from_pretrained(str(folder), dtype="float32", max_num_seqs=2, num_blocks=16, max_model_len=64,
-                                    max_num_batched_tokens=16, warmup=False)
+                                    max_num_batched_tokens=16, warmup=False, max_decode_steps=1,
+                                    async_scheduling=False)
     out = gen.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     # the engine computes the same dequantized products (fused, paged): identical greedy tokens
     assert out.token_ids == tokens[len(PROMPT):]
