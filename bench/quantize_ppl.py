@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 FORMATS = {"w8-pc": (8, -1, True), "w4-g128": (4, 128, False), "w4-pc": (4, -1, False), "w3-g128": (3, 128, False)}
-METHODS = ("rtn", "gptq", "awq")
+METHODS = ("rtn", "gptq", "awq")     # --methods rtn,gptq,awq,smoothquant adds W8A8 (at w8-pc)
 
 
 def decode_tok_s(folder: Path, kv_dtype: str | None = None, n_tokens: int = 128) -> float:
@@ -89,6 +89,8 @@ def main() -> None:
     for fmt in args.formats.split(","):
         bits, g, sym = FORMATS[fmt]
         for method in args.methods.split(","):
+            if method == "smoothquant" and fmt != "w8-pc":
+                continue                                  # W8A8 only
             settings = QuantizeSettings(method, bits=bits, group_size=g, symmetric=sym,
                                         act_order=method == "gptq", calib_tokens=args.calib_tokens)
             model, _ = load_model(path, "float32")
@@ -101,7 +103,7 @@ def main() -> None:
             add({"method": method, "format": fmt, "bits": bits, "group_size": g, "symmetric": sym,
                  "ppl": r["ppl"], "bits_per_byte": r["bits_per_byte"], "tokens": r["tokens"],
                  "quantize_s": quantize_s,
-                 "decode_tok_s": decode_tok_s(folder) if method == "rtn" else None})
+                 "decode_tok_s": decode_tok_s(folder) if method in ("rtn", "smoothquant") else None})
     # the targets: share of RTN's perplexity rise that GPTQ / AWQ remove
     rows = {(r["method"], r["format"]): r for r in result["rows"]}
     base = rows[("float32", "float32")]["ppl"]

@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     qz = sub.add_parser("quantize", help="weight-only post-training quantization into a native checkpoint")
     qz.add_argument("model", help="HF model folder or jaxinfer checkpoint")
     qz.add_argument("out_dir")
-    qz.add_argument("--method", default="rtn", help="rtn | gptq | awq (smoothquant, qat, fp8: planned)")
+    qz.add_argument("--method", default="rtn", help="rtn | gptq | awq | smoothquant (W8A8: --bits 8 --group-size -1); qat, fp8: planned")
     qz.add_argument("--bits", type=int, default=4, choices=[8, 4, 3])
     qz.add_argument("--group-size", type=int, default=128, choices=[128, 64, 32, -1], help="-1: per output channel")
     sym = qz.add_mutually_exclusive_group()

@@ -20,6 +20,9 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
   the little-endian 24-bit word), symmetric codes in [-4, 3] (scale = max|w| / 3, 3-bit two's
   complement) or asymmetric codes in [0, 7] with zero points as for int4.
 * per channel at 4 or 3 bits: one group spanning all of K (group_size = K, scales [1, N]).
+* W8A8 (act_bits=8, SmoothQuant): int8 weights as above, and at run time each row (token) of x is
+  quantized symmetrically to int8 with its own scale sx = max|x_t| / 127; y = (xq @ q as int32)
+  * sx[t] * scales[n]. XLA only (the Pallas kernel is weight-only).
 All rounding is round-to-nearest (ties to even); an all-zero column/group gets scale 1.0 (q = 0).
 Error bound (symmetric and asymmetric): |w - dequant(w)| <= scale / 2 elementwise (plus f32 rounding),
 hence |x @ w - x @ dequant(w)| <= sum_k |x_k| * scale_k / 2 per output (see the *_bound helpers).
@@ -85,6 +88,7 @@ class QuantizedWeight:
     group_size: int | None
     shape: tuple[int, ...]
     contract: int = 1
+    act_bits: int | None = None     # 8: W8A8 (SmoothQuant), activations quantized per token at run time
 
     @property
     def k(self) -> int:
@@ -111,7 +115,7 @@ class QuantizedWeight:
 jax.tree_util.register_dataclass(
     QuantizedWeight,
     data_fields=["q", "scales", "zeros"],
-    meta_fields=["bits", "group_size", "shape", "contract"],
+    meta_fields=["bits", "group_size", "shape", "contract", "act_bits"],
 )
 
 
@@ -307,13 +311,30 @@ def _xla_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     """Dequantize per call in XLA (always works): int8 scales the f32 accumulator, int4 dequantizes."""
     cdt = _compute_dtype(x2.dtype)
     xc = x2.astype(cdt)
-    if qw.bits == 8:
+    if qw.act_bits == 8:
+        y = _w8a8_matmul(x2, qw)
+    elif qw.bits == 8:
         y = jnp.dot(xc, qw.q.astype(cdt), preferred_element_type=jnp.float32, precision=_precision(cdt))
         y = y * qw.scales.astype(jnp.float32)[None, :]
     else:
         w = _dequantize_2d(qw).astype(cdt)
         y = jnp.dot(xc, w, preferred_element_type=jnp.float32, precision=_precision(cdt))
     return y.astype(x2.dtype)
+
+
+def quantize_rows_int8(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (int8 [M, K], f32 scales [M]): symmetric per row, sx = max|x_m| / 127."""
+    xf = x2.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=1)
+    sx = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(xf / sx[:, None]), -127, 127).astype(jnp.int8), sx
+
+
+def _w8a8_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
+    """int8 x int8 -> int32 dot (exact), rescaled by the row and column scales (f32 [M, N])."""
+    xq, sx = quantize_rows_int8(x2)
+    acc = lax.dot_general(xq, qw.q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+    return acc.astype(jnp.float32) * sx[:, None] * qw.scales.astype(jnp.float32)[None, :]
 
 
 _BLOCK_NK = (256, 128, 64, 32, 16)
@@ -431,6 +452,10 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     m = math.prod(lead)
     x2 = x.reshape(m, w.k)
     mode = _resolve_impl(impl)
+    if w.act_bits is not None:
+        if impl == "pallas":
+            raise ValueError("the Pallas quant_matmul kernel is weight-only; W8A8 runs on impl='xla'")
+        mode = "xla"
     cfg = None
     if mode == "pallas" and m > 0:
         cfg = blocks if blocks is not None else select_blocks(m, w.k, w.n, w, x.dtype)

@@ -233,7 +233,7 @@ _QW_LEAVES = ("q", "scales", "zeros")
 def _quantized_meta(qw: QuantizedWeight) -> dict[str, Any]:
     """What config.json records of a QuantizedWeight besides its arrays (leaf shapes follow from it)."""
     return {"bits": qw.bits, "group_size": qw.group_size, "shape": list(qw.shape), "contract": qw.contract,
-            "symmetric": qw.symmetric}
+            "symmetric": qw.symmetric, "act_bits": qw.act_bits}
 
 
 def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -293,7 +293,7 @@ def load_native(folder: str | Path, dtype: str | None = None, mesh=None, rules=N
     for name, m in quantized.items():
         arrays[name] = QuantizedWeight(restored[f"{name}/q"], restored[f"{name}/scales"],
                                        restored.get(f"{name}/zeros"), bits=m["bits"], group_size=m["group_size"],
-                                       shape=tuple(m["shape"]), contract=m["contract"])
+                                       shape=tuple(m["shape"]), contract=m["contract"], act_bits=m.get("act_bits"))
     return _set_params(abstract_decoder(cfg, jdtype), arrays)
 
 

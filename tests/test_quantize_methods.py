@@ -221,6 +221,7 @@ SETTINGS = {
     "gptq-w4-pc-act": QuantizeSettings("gptq", bits=4, group_size=-1, symmetric=False, act_order=True),
     "awq-w4-g32": QuantizeSettings("awq", bits=4, group_size=32, symmetric=True),
     "gptq-w8": QuantizeSettings("gptq", bits=8, group_size=-1, symmetric=True),
+    "smoothquant-w8a8": QuantizeSettings("smoothquant", bits=8, group_size=-1, symmetric=True),
 }
 
 
@@ -287,9 +288,54 @@ def test_round_trip_and_engine(quantized_dirs, name):
     assert out.token_ids == tokens[len(PROMPT):]
 
 
+def test_quantizing_a_quantized_checkpoint_again_is_refused(quantized_dirs):
+    from jaxinfer.models.decoder import quantize_decoder
+    from jaxinfer.weights import load_model
+    model, _ = load_model(quantized_dirs["gptq-w8"][0], "float32")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_decoder(model, "int4")
+
+
+def test_w8a8_matmul_within_the_int8_error_bound():
+    """y = qdot(x, W8A8 weight) against numpy: exactly (xq @ wq) * sx * sw (integer products, then
+    f32 scaling), and against the float x @ w within the int8 bound
+    sum_k dx |w_k| + |x_k| dw_n + dx dw_n, dx = sx / 2 per token, dw_n = sw_n / 2 per column."""
+    import dataclasses
+    from jaxinfer.quant import qdot, quantize_int8
+    rng = np.random.default_rng(SEED + 4)
+    m, k, n = 6, 96, 40
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, 5] *= 40.0                                   # an outlier channel
+    w = (0.1 * rng.standard_normal((k, n))).astype(np.float32)
+    qw = dataclasses.replace(quantize_int8(jnp.asarray(w)), act_bits=8)
+    y = np.asarray(qdot(jnp.asarray(x), qw), np.float64)
+    with pytest.raises(ValueError, match="weight-only"):
+        qdot(jnp.asarray(x), qw, impl="pallas")
+    sx = np.where(np.abs(x).max(1) > 0, np.abs(x).max(1).astype(np.float32) / np.float32(127), 1).astype(np.float32)
+    xq = np.clip(np.round(x / sx[:, None]), -127, 127).astype(np.int64)
+    sw = np.abs(w).max(0).astype(np.float32) / np.float32(127)
+    wq = np.clip(np.round(w / sw), -127, 127).astype(np.int64)
+    exact = (xq @ wq).astype(np.float64) * sx[:, None].astype(np.float64) * sw[None, :].astype(np.float64)
+    np.testing.assert_allclose(y, exact, rtol=4 * 2 ** -24, atol=0)
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    dx, dw = sx.astype(np.float64)[:, None] / 2, sw.astype(np.float64)[None, :] / 2
+    bound = dx * np.abs(w).sum(0)[None, :] + np.abs(x).sum(1)[:, None] * dw + k * dx * dw
+    assert np.all(np.abs(y - ref) <= bound * (1 + 1e-5)), np.max(np.abs(y - ref) / bound)
+
+
+def test_smoothing_factors_formula():
+    from jaxinfer.quantize.smoothquant import smoothing_factors
+    a = np.array([1.0, 16.0, 4.0])
+    w = np.array([[4.0, -1.0], [0.25, 1.0], [-9.0, 0.0]])
+    # s = a^0.5 / max|w|^0.5: [1/2, 4/1, 2/3]
+    np.testing.assert_allclose(smoothing_factors(a, w, 0.5), [0.5, 4.0, 2.0 / 3.0], rtol=1e-6)
+
+
 def test_unimplemented_method_is_refused():
-    with pytest.raises(ValueError, match="smoothquant is planned"):
-        QuantizeSettings("smoothquant")
+    with pytest.raises(ValueError, match="qat is planned"):
+        QuantizeSettings("qat")
+    with pytest.raises(ValueError, match="W8A8"):
+        QuantizeSettings("smoothquant", bits=4)
     with pytest.raises(ValueError, match="per output channel"):
         QuantizeSettings("gptq", bits=8, group_size=128)
 

@@ -219,6 +219,9 @@ def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Deco
         if name not in _QUANTIZED or len(path) < 2:
             continue
         w = var.get_value()
+        if isinstance(w, QuantizedWeight):
+            raise ValueError(f"the model is already quantized ({'/'.join(map(str, path))} is int{w.bits}); "
+                             f"load it without quantize={method!r}")
         contract = _QUANTIZED[name]
         k = int(np.prod(w.shape[:contract]))
         if bits == 4:
@@ -280,12 +283,13 @@ def _fuse_leaves(parts: list, fn):
     zeros: all end in the n columns) -> one fused [d, N] weight of the same kind."""
     if isinstance(parts[0], QuantizedWeight):
         first = parts[0]
-        assert all((p.bits, p.group_size, p.contract, p.symmetric) == (first.bits, first.group_size, 1, first.symmetric)
+        assert all((p.bits, p.group_size, p.contract, p.symmetric, p.act_bits) ==
+                   (first.bits, first.group_size, 1, first.symmetric, first.act_bits)
                    for p in parts), "fused weights must share one quantization format"
         leaves = [fn([p.q for p in parts]), fn([p.scales for p in parts]),
                   None if first.zeros is None else fn([p.zeros for p in parts])]
         return QuantizedWeight(*leaves, bits=first.bits, group_size=first.group_size,
-                               shape=(first.shape[0], int(leaves[0].shape[-1])), contract=1)
+                               shape=(first.shape[0], int(leaves[0].shape[-1])), contract=1, act_bits=first.act_bits)
     return fn(parts)
 
 
@@ -294,7 +298,7 @@ def _split_leaves(fused, fn, shapes: list[tuple[int, ...]]) -> list:
     if isinstance(fused, QuantizedWeight):
         leaves = [fn(fused.q), fn(fused.scales), None if fused.zeros is None else fn(fused.zeros)]
         return [QuantizedWeight(q, sc, None if leaves[2] is None else leaves[2][i], bits=fused.bits,
-                                group_size=fused.group_size, shape=shape, contract=1)
+                                group_size=fused.group_size, shape=shape, contract=1, act_bits=fused.act_bits)
                 for i, (q, sc, shape) in enumerate(zip(leaves[0], leaves[1], shapes))]
     return [p.reshape(shape) for p, shape in zip(fn(fused), shapes)]
 

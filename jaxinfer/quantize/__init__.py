@@ -1,4 +1,5 @@
-"""`jaxinfer quantize`: weight-only post-training quantization of a Decoder (RTN, GPTQ, AWQ).
+"""`jaxinfer quantize`: post-training quantization of a Decoder: weight-only (RTN, GPTQ, AWQ) and
+SmoothQuant W8A8 (int8 weights and dynamic per-token int8 activations).
 
     settings = QuantizeSettings(method="gptq", bits=4, group_size=-1, symmetric=False)
     quantize_model(model, settings, calib_windows)      # in place; unfused float Decoder
@@ -25,8 +26,8 @@ import numpy as np
 from jaxinfer.models.decoder import Block, Decoder
 from jaxinfer.quant import from_codes, quantize
 
-METHODS = ("rtn", "gptq", "awq")
-PLANNED = ("smoothquant", "qat", "fp8")      # issue 17: not built yet; refused with a clear error
+METHODS = ("rtn", "gptq", "awq", "smoothquant")
+PLANNED = ("qat", "fp8")      # issue 17: not built yet; refused with a clear error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,7 @@ class QuantizeSettings:
     max_rows: int = 4096           # AWQ: calibration rows sampled per tap
     seed: int = 0
     chunk: int = 8                 # windows per calibration call
+    alpha: float = 0.5             # SmoothQuant migration strength
 
     def __post_init__(self):
         if self.method in PLANNED:
@@ -57,13 +59,18 @@ class QuantizeSettings:
             raise ValueError(f"--group-size must be positive or -1 (per channel), got {self.group_size}")
         if self.bits == 8 and (self.group_size != -1 or not self.symmetric):
             raise ValueError("--bits 8 is per output channel and symmetric: use --group-size -1 --sym")
+        if self.method == "smoothquant" and (self.bits != 8 or self.group_size != -1 or not self.symmetric):
+            raise ValueError("--method smoothquant is W8A8: use --bits 8 --group-size -1 --sym")
         if self.act_order and self.method != "gptq":
             raise ValueError("--act-order applies to --method gptq only")
 
     def to_json(self) -> dict[str, Any]:
         keys = ["method", "bits", "group_size", "symmetric"] + {
             "rtn": [], "gptq": ["act_order", "percdamp", "blocksize", "calib_tokens", "calib_window"],
-            "awq": ["awq_grid", "max_rows", "calib_tokens", "calib_window"]}[self.method]
+            "awq": ["awq_grid", "max_rows", "calib_tokens", "calib_window"],
+            "smoothquant": ["alpha", "calib_tokens", "calib_window"]}[self.method]
+        if self.method == "smoothquant":
+            return {**{k: getattr(self, k) for k in keys}, "act_bits": 8, "act_scales": "dynamic per token"}
         return {k: getattr(self, k) for k in keys}
 
 
@@ -127,6 +134,7 @@ def quantize_model(model: Decoder, settings: QuantizeSettings, windows: np.ndarr
 
     from jaxinfer.quantize.calibrate import BlockRunner, embed_windows
     from jaxinfer.quantize.methods import awq_block, gptq_block
+    from jaxinfer.quantize.smoothquant import smoothquant_block
 
     x = embed_windows(model, windows)                                              # (B, W, D)
     runner = BlockRunner(windows.shape[1])
@@ -135,7 +143,8 @@ def quantize_model(model: Decoder, settings: QuantizeSettings, windows: np.ndarr
                desc=f"calibrating {settings.method} w{settings.bits}")
     for i, block in enumerate(model.layers):
         bar.set_postfix(layer=i)
-        (gptq_block if settings.method == "gptq" else awq_block)(block, x, runner, settings, bar)
+        step = {"gptq": gptq_block, "awq": awq_block, "smoothquant": smoothquant_block}[settings.method]
+        step(block, x, runner, settings, bar)
         x = runner.run(block, "out", x, settings.chunk, bar)
     bar.close()
     return model

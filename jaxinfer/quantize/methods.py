@@ -4,6 +4,8 @@ Both walk the block's taps in order (calibrate.TAPS), recomputing each tap from 
 quantized so far, so later linears see the error of earlier ones."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -32,9 +34,8 @@ def _divide_columns(var, bias_var, s_cols: np.ndarray) -> None:
     has per-column scales, so dividing them is exact)."""
     w = var.get_value()
     if isinstance(w, QuantizedWeight):
-        var.set_value(QuantizedWeight(w.q, w.scales / jnp.asarray(s_cols).reshape((1,) * (w.scales.ndim - 1) + (-1,)),
-                                      w.zeros, bits=w.bits, group_size=w.group_size, shape=w.shape,
-                                      contract=w.contract))
+        var.set_value(dataclasses.replace(
+            w, scales=w.scales / jnp.asarray(s_cols).reshape((1,) * (w.scales.ndim - 1) + (-1,))))
     else:
         var.set_value(w / jnp.asarray(s_cols, w.dtype).reshape(w.shape[-w.ndim + 1:] if w.ndim > 1 else w.shape))
     if bias_var is not None:
