@@ -1,4 +1,4 @@
-"""`jaxinfer generate | serve | batch | bench | plan | convert | export-hf | eval-ppl`.
+"""`jaxinfer generate | serve | batch | bench | plan | convert | quantize | export-hf | eval-ppl`.
 
 Flags are parsed here and only here; each command calls the library.
 """
@@ -120,6 +120,38 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from jaxinfer.generator import default_model_path
+    from jaxinfer.quantize import QuantizeSettings, quantize_model
+    from jaxinfer.quantize.calibrate import calibration_windows
+    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.weights import load_model, save_native
+
+    settings = QuantizeSettings(method=args.method, bits=args.bits, group_size=args.group_size,
+                                symmetric=not args.asym, act_order=args.act_order,
+                                calib_tokens=args.calib_tokens, calib_window=args.calib_window)
+    path = Path(args.model) if args.model else default_model_path()
+    tokenizer = load_tokenizer(path)
+    windows, calib = None, None
+    if settings.method != "rtn":
+        calib = Path(args.calib_text) if args.calib_text else path / "calibration.txt"
+        if not calib.exists():
+            raise FileNotFoundError(f"{calib}: no calibration text (give --calib-text FILE, disjoint from "
+                                    f"the text you evaluate on)")
+        if tokenizer is None:
+            raise ValueError(f"{path}: the model has no tokenizer to encode --calib-text")
+        ids = tokenizer.encode(calib.read_text(encoding="utf-8"))
+        windows = calibration_windows(ids, settings.calib_tokens, settings.calib_window)
+    model, cfg = load_model(path, "float32")
+    quantize_model(model, settings, windows, progress=not args.quiet)
+    extra = {"quantization": {**settings.to_json(), "calib_text": None if calib is None else str(calib),
+                              "calib_windows": None if windows is None else int(windows.shape[0])}}
+    save_native(model, args.out_dir, "float32", tokenizer=tokenizer, extra=extra)
+    print(f"wrote {args.out_dir}: {settings.method} w{settings.bits} "
+          f"g{settings.group_size} {'sym' if settings.symmetric else 'asym'}")
+    return 0
+
+
 def cmd_export_hf(args: argparse.Namespace) -> int:
     from jaxinfer.export import export_hf
     from jaxinfer.generator import default_model_path
@@ -229,6 +261,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out_dir")
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     c.set_defaults(func=cmd_convert)
+
+    qz = sub.add_parser("quantize", help="weight-only post-training quantization into a native checkpoint")
+    qz.add_argument("model", help="HF model folder or jaxinfer checkpoint")
+    qz.add_argument("out_dir")
+    qz.add_argument("--method", default="rtn", help="rtn | gptq | awq | smoothquant (W8A8: --bits 8 --group-size -1); qat, fp8: planned")
+    qz.add_argument("--bits", type=int, default=4, choices=[8, 4, 3])
+    qz.add_argument("--group-size", type=int, default=128, choices=[128, 64, 32, -1], help="-1: per output channel")
+    sym = qz.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="asym", action="store_false", help="symmetric grid (default)")
+    sym.add_argument("--asym", dest="asym", action="store_true", help="asymmetric grid with zero points")
+    qz.add_argument("--calib-text", default=None,
+                    help="UTF-8 calibration text, disjoint from evaluation text (default: MODEL/calibration.txt)")
+    qz.add_argument("--calib-tokens", type=int, default=16384)
+    qz.add_argument("--calib-window", type=int, default=256)
+    qz.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
+    qz.add_argument("--quiet", action="store_true", help="no progress bar")
+    qz.set_defaults(func=cmd_quantize)
 
     ex = sub.add_parser("export-hf", help="write a (Llama-family) model as an HF transformers folder")
     ex.add_argument("out_dir")

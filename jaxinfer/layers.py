@@ -94,6 +94,10 @@ class MLP(nnx.Module):
         self.down_bias = param((d,), ("embed",), dtype, rngs, init="zeros") if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return dense(self.hidden(x), self.down.get_value(), param_value(self.down_bias))
+
+    def hidden(self, x: jax.Array) -> jax.Array:
+        """x [T, D] -> the `down` projection's input [T, F] (what calibration sees)."""
         act = ACTIVATIONS[self.act]
         if self.gate_up is not None:
             y = dense(x, self.gate_up.get_value(), param_value(self.gate_up_bias))   # (T, 2F)
@@ -106,7 +110,7 @@ class MLP(nnx.Module):
                 h = act(dense(x, self.gate.get_value(), param_value(self.gate_bias))) * h
             else:
                 h = act(h)
-        return dense(h, self.down.get_value(), param_value(self.down_bias))
+        return h
 
 
 def param_value(p: nnx.Param | None):

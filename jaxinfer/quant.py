@@ -15,6 +15,14 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
   - asymmetric: the group's range [min(w_min, 0), max(w_max, 0)] (0 is always included so that the
     integer zero point lies in [0, 15] and 0.0 is exact), scale = range / 15,
     zero = clip(round(-min / scale), 0, 15) (uint8 [K//g, N]), q = clip(round(w / scale) + zero, 0, 15).
+* int3 (calibrated methods, jaxinfer.quantize): per group along K like int4, codes packed eight per
+  three bytes along K (uint8 [3K/8, N]; within each run of 8 k, code j occupies bits 3j..3j+2 of
+  the little-endian 24-bit word), symmetric codes in [-4, 3] (scale = max|w| / 3, 3-bit two's
+  complement) or asymmetric codes in [0, 7] with zero points as for int4.
+* per channel at 4 or 3 bits: one group spanning all of K (group_size = K, scales [1, N]).
+* W8A8 (act_bits=8, SmoothQuant): int8 weights as above, and at run time each row (token) of x is
+  quantized symmetrically to int8 with its own scale sx = max|x_t| / 127; y = (xq @ q as int32)
+  * sx[t] * scales[n]. XLA only (the Pallas kernel is weight-only).
 All rounding is round-to-nearest (ties to even); an all-zero column/group gets scale 1.0 (q = 0).
 Error bound (symmetric and asymmetric): |w - dequant(w)| <= scale / 2 elementwise (plus f32 rounding),
 hence |x @ w - x @ dequant(w)| <= sum_k |x_k| * scale_k / 2 per output (see the *_bound helpers).
@@ -51,6 +59,11 @@ __all__ = [
     "qdot",
     "pack_int4",
     "unpack_int4",
+    "pack_int3",
+    "unpack_int3",
+    "grid_params",
+    "grid_codes",
+    "from_codes",
     "elementwise_error_bound",
     "matmul_error_bound",
     "pallas_block_candidates",
@@ -77,6 +90,7 @@ class QuantizedWeight:
     shape: tuple[int, ...]
     contract: int = 1
     impl: str = "auto"      # what qdot(impl="auto") runs: the engine's resolved matmul implementation
+    act_bits: int | None = None     # 8: W8A8 (SmoothQuant), activations quantized per token at run time
 
     @property
     def k(self) -> int:
@@ -103,7 +117,7 @@ class QuantizedWeight:
 jax.tree_util.register_dataclass(
     QuantizedWeight,
     data_fields=["q", "scales", "zeros"],
-    meta_fields=["bits", "group_size", "shape", "contract", "impl"],
+    meta_fields=["bits", "group_size", "shape", "contract", "impl", "act_bits"],
 )
 
 
@@ -150,21 +164,112 @@ def quantize_int4(w, group_size: int = 128, symmetric: bool = True, *, contract:
     return QuantizedWeight(packed, scale, zeros, bits=4, group_size=g, shape=shape, contract=contract)
 
 
-def quantize(w, bits: int, *, group_size: int = 128, symmetric: bool = True, contract: int = 1) -> QuantizedWeight:
-    """Dispatch: bits=8 -> quantize_int8, bits=4 -> quantize_int4."""
+def quantize(w, bits: int, *, group_size: int | None = 128, symmetric: bool = True,
+             contract: int = 1) -> QuantizedWeight:
+    """Round-to-nearest. bits=8: per output channel, symmetric (group_size is not used).
+    bits=4 or 3: groups of group_size along K; None or -1 = one group over all of K (per channel)."""
     if bits == 8:
         if not symmetric:
             raise ValueError("int8 quantization is symmetric only")
         return quantize_int8(w, contract=contract)
-    if bits == 4:
-        return quantize_int4(w, group_size, symmetric, contract=contract)
-    raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if bits not in (4, 3):
+        raise ValueError(f"bits must be 8, 4 or 3, got {bits}")
+    w2, shape, k, n = _as_2d(w, contract)
+    g = k if group_size in (None, -1) else int(group_size)
+    if bits == 4 and g % 2 == 0:
+        return quantize_int4(w, g, symmetric, contract=contract)
+    if g <= 0 or k % g:
+        raise ValueError(f"K={k} (shape {shape}, contract={contract}) is not a multiple of group_size={g}")
+    scale, zero = grid_params(w2.reshape(k // g, g, n), bits, symmetric, axis=1, xp=jnp)
+    codes = grid_codes(w2, jnp.repeat(scale, g, axis=0), None if zero is None else jnp.repeat(zero, g, axis=0),
+                       bits, xp=jnp)
+    return from_codes(codes, scale, zero, bits=bits, group_size=g, shape=shape, contract=contract)
+
+
+def grid_params(w, bits: int, symmetric: bool, *, axis: int, xp=np):
+    """The RTN grid of each slice of w reduced over `axis` -> (scale, zero or None), float32.
+
+    symmetric: scale = max|w| / qmax, codes in [-qmax - 1, qmax] (int8: [-127, 127]), qmax = 2^(b-1) - 1.
+    asymmetric: range [min(w_min, 0), max(w_max, 0)], scale = range / (2^b - 1),
+    zero = clip(round(-min / scale), 0, 2^b - 1). All-zero slices get scale 1. (xp: numpy or jax.numpy.)"""
+    if symmetric:
+        amax = xp.max(xp.abs(w), axis=axis)
+        return xp.where(amax > 0, amax / (2 ** (bits - 1) - 1), 1.0).astype(np.float32), None
+    maxq = 2 ** bits - 1
+    lo = xp.minimum(xp.min(w, axis=axis), 0.0)
+    hi = xp.maximum(xp.max(w, axis=axis), 0.0)
+    scale = xp.where(hi - lo > 0, (hi - lo) / maxq, 1.0).astype(np.float32)
+    return scale, xp.clip(xp.round(-lo / scale), 0, maxq).astype(np.float32)
+
+
+def grid_codes(w, scale, zero, bits: int, xp=np):
+    """Integer codes of w on the grid (scale, zero broadcast against w): round(w / scale) (+ zero), clipped."""
+    if zero is None:
+        qmax = 2 ** (bits - 1) - 1
+        return xp.clip(xp.round(w / scale), -qmax if bits == 8 else -qmax - 1, qmax)
+    return xp.clip(xp.round(w / scale) + zero, 0, 2 ** bits - 1)
+
+
+def grid_dequant(codes, scale, zero):
+    """The float value of codes on the grid: (codes - zero) * scale."""
+    return (codes - (0 if zero is None else zero)) * scale
+
+
+def from_codes(codes, scales, zeros, *, bits: int, group_size: int | None, shape: tuple[int, ...],
+               contract: int = 1) -> QuantizedWeight:
+    """Integer codes [K, N] (grid_codes) + scales ([N] for int8, [K/g, N] otherwise) + zeros (or None)
+    -> a packed QuantizedWeight; how GPTQ and AWQ, which choose their own codes, make weights."""
+    codes = jnp.asarray(codes, jnp.int32)
+    scales = jnp.asarray(scales, jnp.float32)
+    if bits == 8:
+        assert zeros is None and scales.ndim == 1, "int8 is symmetric per output channel"
+        return QuantizedWeight(codes.astype(jnp.int8), scales, None, bits=8, group_size=None,
+                               shape=tuple(shape), contract=contract)
+    packed = pack_int4(codes) if bits == 4 else pack_int3(codes)
+    zeros = None if zeros is None else jnp.asarray(zeros).astype(jnp.uint8)
+    return QuantizedWeight(packed, scales, zeros, bits=bits, group_size=int(group_size),
+                           shape=tuple(shape), contract=contract)
+
+
+def pack_int3(q: jax.Array) -> jax.Array:
+    """q [K, N] ints in [-4, 3] (3-bit two's complement) or [0, 7] -> uint8 [3K/8, N]: each run of
+    8 rows k..k+7 becomes the 24-bit little-endian word sum_j (q[k + j] & 7) << 3j (3 bytes)."""
+    if q.ndim != 2 or q.shape[0] % 8:
+        raise ValueError(f"pack_int3 expects [K, N] with K a multiple of 8, got {q.shape}")
+    k, n = q.shape
+    u = (jnp.asarray(q, jnp.int32) & 7).reshape(k // 8, 8, n)                      # (K/8, 8, N)
+    word = jnp.sum(u << (3 * jnp.arange(8, dtype=jnp.int32))[None, :, None], axis=1)  # (K/8, N)
+    b = jnp.stack([(word >> s) & 0xFF for s in (0, 8, 16)], axis=1)               # (K/8, 3, N)
+    return b.reshape(3 * k // 8, n).astype(jnp.uint8)
+
+
+def unpack_int3(packed: jax.Array, *, signed: bool) -> jax.Array:
+    """uint8 [3K/8, N] -> int32 [K, N] (the inverse of pack_int3); signed: codes in [-4, 3]."""
+    k3, n = packed.shape
+    b = packed.astype(jnp.int32).reshape(k3 // 3, 3, n)
+    word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)                              # (K/8, N)
+    u = (word[:, None, :] >> (3 * jnp.arange(8, dtype=jnp.int32))[None, :, None]) & 7  # (K/8, 8, N)
+    if signed:
+        u = (u ^ 4) - 4
+    return u.reshape(8 * (k3 // 3), n)
+
+
+def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
+    """-> f32 [K, N]; int8 and int4 as the kernel defines them, int3 here (no kernel)."""
+    if qw.bits != 3:
+        return dequantize_weight(qw.q, qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
+    q = unpack_int3(qw.q, signed=qw.zeros is None)
+    k, n = q.shape
+    g = qw.group_size
+    q = q.reshape(k // g, g, n)                                                    # (K/g, g, N)
+    if qw.zeros is not None:
+        q = q - qw.zeros.astype(jnp.int32)[:, None, :]
+    return (q.astype(jnp.float32) * qw.scales.astype(jnp.float32)[:, None, :]).reshape(k, n)
 
 
 def dequantize(qw: QuantizedWeight) -> jax.Array:
     """-> f32 array of the logical shape."""
-    w = dequantize_weight(qw.q, qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
-    return w.reshape(qw.shape)
+    return _dequantize_2d(qw).reshape(qw.shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,13 +313,30 @@ def _xla_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     """Dequantize per call in XLA (always works): int8 scales the f32 accumulator, int4 dequantizes."""
     cdt = _compute_dtype(x2.dtype)
     xc = x2.astype(cdt)
-    if qw.bits == 8:
+    if qw.act_bits == 8:
+        y = _w8a8_matmul(x2, qw)
+    elif qw.bits == 8:
         y = jnp.dot(xc, qw.q.astype(cdt), preferred_element_type=jnp.float32, precision=_precision(cdt))
         y = y * qw.scales.astype(jnp.float32)[None, :]
     else:
-        w = dequantize_weight(qw.q, qw.scales, qw.zeros, bits=4, group_size=qw.group_size).astype(cdt)
+        w = _dequantize_2d(qw).astype(cdt)
         y = jnp.dot(xc, w, preferred_element_type=jnp.float32, precision=_precision(cdt))
     return y.astype(x2.dtype)
+
+
+def quantize_rows_int8(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (int8 [M, K], f32 scales [M]): symmetric per row, sx = max|x_m| / 127."""
+    xf = x2.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=1)
+    sx = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(xf / sx[:, None]), -127, 127).astype(jnp.int8), sx
+
+
+def _w8a8_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
+    """int8 x int8 -> int32 dot (exact), rescaled by the row and column scales (f32 [M, N])."""
+    xq, sx = quantize_rows_int8(x2)
+    acc = lax.dot_general(xq, qw.q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+    return acc.astype(jnp.float32) * sx[:, None] * qw.scales.astype(jnp.float32)[None, :]
 
 
 _BLOCK_NK = (256, 128, 64, 32, 16)
@@ -229,7 +351,10 @@ def _valid_bk(bk: int, k: int, bits: int, g: int | None) -> bool:
 
 
 def pallas_block_candidates(m: int, k: int, n: int, bits: int, group_size: int | None) -> list[dict]:
-    """Launch configs valid on GPU for this problem; [0] is the default. [] if the kernel can't run."""
+    """Launch configs valid on GPU for this problem; [0] is the default. [] if the kernel can't run
+    (it has no int3 format: qdot then takes the XLA path, or refuses impl="pallas")."""
+    if bits not in (8, 4):
+        return []
     bns = [b for b in _BLOCK_NK if n % b == 0]
     bks = [b for b in _BLOCK_NK if _valid_bk(b, k, bits, group_size)]
     if not bns or not bks:
@@ -327,10 +452,16 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     m = math.prod(lead)
     x2 = x.reshape(m, w.k)
     mode = _resolve_impl(w.impl if impl == "auto" else impl)
+    if w.act_bits is not None:
+        if impl == "pallas":
+            raise ValueError("the Pallas quant_matmul kernel is weight-only; W8A8 runs on impl='xla'")
+        mode = "xla"
     cfg = None
     if mode == "pallas" and m > 0:
         cfg = blocks if blocks is not None else select_blocks(m, w.k, w.n, w, x.dtype)
         if cfg is None:
+            if impl == "pallas" and w.bits == 3:
+                raise ValueError("the Pallas quant_matmul kernel has no int3 format; use impl='xla'")
             if impl == "pallas":
                 raise ValueError(f"quant_matmul cannot tile K={w.k}, N={w.n} "
                                  f"(bits={w.bits}, group_size={w.group_size}); use impl='xla'")

@@ -6,7 +6,10 @@ safetensors header is parsed here so that bfloat16 maps to numpy via ml_dtypes a
 file is reported by file and tensor name), transformed into our layout, shape-checked, cast.
 
 Native folders: config.json ({"format": "jaxinfer", "model": ModelConfig, "dtype"}),
-params/ (an orbax-checkpoint of the parameter tree), and the tokenizer files.
+params/ (an orbax-checkpoint of the parameter tree), and the tokenizer files. A quantized weight
+(jaxinfer.quant.QuantizedWeight) is stored as its arrays NAME/q, NAME/scales[, NAME/zeros] and
+described in config.json under "quantized_weights" (bits, group_size, shape, contract, symmetric);
+`jaxinfer quantize` adds the method and its settings under "quantization".
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from flax import nnx
 from jaxinfer.config import ConfigError, ModelConfig, resolve_dtype_name
 from jaxinfer.models.decoder import Decoder, abstract_decoder, unfuse_decoder
 from jaxinfer.models.hf_maps import OPTIONAL_PREFIXES, hf_weight_map
+from jaxinfer.quant import QuantizedWeight
 
 
 class CheckpointError(ValueError):
@@ -203,15 +207,46 @@ def save_native(model: Decoder, out_dir: str | Path, dtype: str, tokenizer=None,
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     jdtype = DTYPES[dtype]
-    params = {"/".join(map(str, p)): v.get_value().astype(jdtype)
-              for p, v in nnx.state(model, nnx.Param).flat_state()}
+    params, quantized = {}, {}
+    for p, v in nnx.state(model, nnx.Param).flat_state():
+        name, value = "/".join(map(str, p)), v.get_value()
+        if isinstance(value, QuantizedWeight):   # stored as name/q, name/scales[, name/zeros] as they are
+            quantized[name] = _quantized_meta(value)
+            params.update({f"{name}/{leaf}": getattr(value, leaf) for leaf in _QW_LEAVES
+                           if getattr(value, leaf) is not None})
+        else:
+            params[name] = value.astype(jdtype)
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(out_dir / "params", params, force=True)
     ckptr.wait_until_finished()
     meta = {"format": NATIVE_FORMAT, "version": 1, "dtype": dtype, "model": model.cfg.to_dict(), **(extra or {})}
+    if quantized:
+        meta["quantized_weights"] = quantized
     (out_dir / "config.json").write_text(json.dumps(meta, indent=2))
     if tokenizer is not None:
         tokenizer.save(out_dir)
+
+
+_QW_LEAVES = ("q", "scales", "zeros")
+
+
+def _quantized_meta(qw: QuantizedWeight) -> dict[str, Any]:
+    """What config.json records of a QuantizedWeight besides its arrays (leaf shapes follow from it)."""
+    return {"bits": qw.bits, "group_size": qw.group_size, "shape": list(qw.shape), "contract": qw.contract,
+            "symmetric": qw.symmetric, "act_bits": qw.act_bits}
+
+
+def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+    """The stored arrays of a quantized weight described by _quantized_meta (quant.py formats)."""
+    k, n = math.prod(m["shape"][:m["contract"]]), math.prod(m["shape"][m["contract"]:])
+    bits, g = m["bits"], m["group_size"]
+    if bits == 8:
+        return {"q": jax.ShapeDtypeStruct((k, n), jnp.int8), "scales": jax.ShapeDtypeStruct((n,), jnp.float32)}
+    out = {"q": jax.ShapeDtypeStruct((k * bits // 8, n), jnp.uint8),
+           "scales": jax.ShapeDtypeStruct((k // g, n), jnp.float32)}
+    if not m["symmetric"]:
+        out["zeros"] = jax.ShapeDtypeStruct((k // g, n), jnp.uint8)
+    return out
 
 
 def read_native_config(folder: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
@@ -238,6 +273,14 @@ def load_native(folder: str | Path, dtype: str | None = None, mesh=None, rules=N
                                             tuple(v.get_value().shape))
     abstract = {"/".join(map(str, p)): jax.ShapeDtypeStruct(v.get_value().shape, stored, sharding=sharding(v))
                 for p, v in nnx.state(target, nnx.Param).flat_state()}
+    quantized = meta.get("quantized_weights", {})
+    replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    for name, m in quantized.items():   # QuantizedWeights are restored as stored (replicated on a mesh)
+        if name not in abstract:
+            raise CheckpointError(f"{folder / 'config.json'}: quantized weight {name!r} is not a parameter")
+        del abstract[name]
+        abstract.update({f"{name}/{leaf}": jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated)
+                         for leaf, s in _quantized_leaves(m).items()})
     params_dir = folder / "params"
     if not params_dir.exists():
         raise CheckpointError(f"{params_dir}: missing (native checkpoint parameters)")
@@ -246,7 +289,12 @@ def load_native(folder: str | Path, dtype: str | None = None, mesh=None, rules=N
     except Exception as e:  # orbax raises many types; the user needs the folder and the cause
         raise CheckpointError(_restore_error(params_dir, e)) from None
     jdtype = DTYPES[dtype] if dtype else stored
-    return _set_params(abstract_decoder(cfg, jdtype), {k: v.astype(jdtype) for k, v in restored.items()})
+    arrays = {k: v.astype(jdtype) for k, v in restored.items() if k.rsplit("/", 1)[0] not in quantized}
+    for name, m in quantized.items():
+        arrays[name] = QuantizedWeight(restored[f"{name}/q"], restored[f"{name}/scales"],
+                                       restored.get(f"{name}/zeros"), bits=m["bits"], group_size=m["group_size"],
+                                       shape=tuple(m["shape"]), contract=m["contract"], act_bits=m.get("act_bits"))
+    return _set_params(abstract_decoder(cfg, jdtype), arrays)
 
 
 def _restore_error(params_dir: Path, e: Exception) -> str:

@@ -76,6 +76,12 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: LayerKV | None,
                  meta: AttentionMetadata | None, impl: str) -> tuple[jax.Array, LayerKV | None]:
+        out, kv = self.attend(x, positions, kv, meta, impl)
+        return dense(out, self.o.get_value(), param_value(self.o_bias), contract=2), kv   # (T, D)
+
+    def attend(self, x: jax.Array, positions: jax.Array, kv: LayerKV | None,
+               meta: AttentionMetadata | None, impl: str) -> tuple[jax.Array, LayerKV | None]:
+        """x [T, D] -> the heads' outputs before the `o` projection [T, H, hd] (what calibration sees)."""
         cfg = self.cfg
         q, k, v = self.project_qkv(x)                                                 # (T, H | Hkv, hd)
         alibi = None
@@ -84,9 +90,8 @@ class Attention(nnx.Module):
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         elif cfg.position == "alibi":
             alibi = jnp.asarray(alibi_slopes(cfg.n_heads))
-        out, kv = attention(q, k, v, positions, scale=cfg.head_dim ** -0.5, window=self.window,
-                            alibi=alibi, kv=kv, meta=meta, impl=impl)
-        return dense(out, self.o.get_value(), param_value(self.o_bias), contract=2), kv   # (T, D)
+        return attention(q, k, v, positions, scale=cfg.head_dim ** -0.5, window=self.window,
+                         alibi=alibi, kv=kv, meta=meta, impl=impl)
 
 
 class Block(nnx.Module):
@@ -214,6 +219,9 @@ def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Deco
         if name not in _QUANTIZED or len(path) < 2:
             continue
         w = var.get_value()
+        if isinstance(w, QuantizedWeight):
+            raise ValueError(f"the model is already quantized ({'/'.join(map(str, path))} is int{w.bits}); "
+                             f"load it without quantize={method!r}")
         contract = _QUANTIZED[name]
         k = int(np.prod(w.shape[:contract]))
         if bits == 4:
@@ -284,12 +292,14 @@ def _fuse_leaves(parts: list, fn):
     zeros: all end in the n columns) -> one fused [d, N] weight of the same kind."""
     if isinstance(parts[0], QuantizedWeight):
         first = parts[0]
-        assert all((p.bits, p.group_size, p.contract, p.symmetric) == (first.bits, first.group_size, 1, first.symmetric)
+        assert all((p.bits, p.group_size, p.contract, p.symmetric, p.act_bits) ==
+                   (first.bits, first.group_size, 1, first.symmetric, first.act_bits)
                    for p in parts), "fused weights must share one quantization format"
         leaves = [fn([p.q for p in parts]), fn([p.scales for p in parts]),
                   None if first.zeros is None else fn([p.zeros for p in parts])]
         return QuantizedWeight(*leaves, bits=first.bits, group_size=first.group_size,
-                               shape=(first.shape[0], int(leaves[0].shape[-1])), contract=1)
+                               shape=(first.shape[0], int(leaves[0].shape[-1])), contract=1, impl=first.impl,
+                               act_bits=first.act_bits)
     return fn(parts)
 
 
@@ -298,7 +308,8 @@ def _split_leaves(fused, fn, shapes: list[tuple[int, ...]]) -> list:
     if isinstance(fused, QuantizedWeight):
         leaves = [fn(fused.q), fn(fused.scales), None if fused.zeros is None else fn(fused.zeros)]
         return [QuantizedWeight(q, sc, None if leaves[2] is None else leaves[2][i], bits=fused.bits,
-                                group_size=fused.group_size, shape=shape, contract=1)
+                                group_size=fused.group_size, shape=shape, contract=1, impl=fused.impl,
+                                act_bits=fused.act_bits)
                 for i, (q, sc, shape) in enumerate(zip(leaves[0], leaves[1], shapes))]
     return [p.reshape(shape) for p, shape in zip(fn(fused), shapes)]
 

@@ -1,0 +1,154 @@
+"""`jaxinfer quantize`: post-training quantization of a Decoder: weight-only (RTN, GPTQ, AWQ) and
+SmoothQuant W8A8 (int8 weights and dynamic per-token int8 activations).
+
+    settings = QuantizeSettings(method="gptq", bits=4, group_size=-1, symmetric=False)
+    quantize_model(model, settings, calib_windows)      # in place; unfused float Decoder
+    save_native(model, out, "float32", tokenizer, extra={"quantization": settings.to_json()})
+
+The result is a Decoder whose matmul weights are jaxinfer.quant.QuantizedWeights (packed codes,
+scales, zero points), so save/load, fusion and the engine treat it like any other quantized
+model; the method only decides which codes are written. AWQ also rewrites float parameters
+(norm weights, v and up columns) into which its scales fold. Embeddings, norms, biases and the
+LM head stay in float, as quantize_decoder keeps them. Groups: group_size along K (the
+contracted dims), or -1 for one group per output channel; a matrix whose K is not a multiple of
+group_size uses the largest of 64 and 32 below it that divides K, else one group per channel.
+int8 is per channel and symmetric only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.models.decoder import Block, Decoder
+from jaxinfer.quant import from_codes, quantize
+
+METHODS = ("rtn", "gptq", "awq", "smoothquant")
+PLANNED = ("qat", "fp8")      # issue 17: not built yet; refused with a clear error
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeSettings:
+    method: str = "rtn"
+    bits: int = 4
+    group_size: int = 128          # -1: per output channel
+    symmetric: bool = True
+    act_order: bool = False        # GPTQ only (static groups: module gptq.py)
+    calib_tokens: int = 16384
+    calib_window: int = 256
+    percdamp: float = 0.01         # GPTQ damping, a fraction of mean(diag H)
+    blocksize: int = 128           # GPTQ lazy-update block
+    awq_grid: int = 20             # AWQ alpha grid points in [0, 1] (and clip ratios)
+    max_rows: int = 4096           # AWQ: calibration rows sampled per tap
+    seed: int = 0
+    chunk: int = 8                 # windows per calibration call
+    alpha: float = 0.5             # SmoothQuant migration strength
+
+    def __post_init__(self):
+        if self.method in PLANNED:
+            raise ValueError(f"--method {self.method} is planned (issue 17) but not implemented; "
+                             f"available: {', '.join(METHODS)}")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown --method {self.method!r}; available: {', '.join(METHODS)}")
+        if self.bits not in (8, 4, 3):
+            raise ValueError(f"--bits must be 8, 4 or 3, got {self.bits}")
+        if self.group_size != -1 and self.group_size <= 0:
+            raise ValueError(f"--group-size must be positive or -1 (per channel), got {self.group_size}")
+        if self.bits == 8 and (self.group_size != -1 or not self.symmetric):
+            raise ValueError("--bits 8 is per output channel and symmetric: use --group-size -1 --sym")
+        if self.method == "smoothquant" and (self.bits != 8 or self.group_size != -1 or not self.symmetric):
+            raise ValueError("--method smoothquant is W8A8: use --bits 8 --group-size -1 --sym")
+        if self.act_order and self.method != "gptq":
+            raise ValueError("--act-order applies to --method gptq only")
+
+    def to_json(self) -> dict[str, Any]:
+        keys = ["method", "bits", "group_size", "symmetric"] + {
+            "rtn": [], "gptq": ["act_order", "percdamp", "blocksize", "calib_tokens", "calib_window"],
+            "awq": ["awq_grid", "max_rows", "calib_tokens", "calib_window"],
+            "smoothquant": ["alpha", "calib_tokens", "calib_window"]}[self.method]
+        if self.method == "smoothquant":
+            return {**{k: getattr(self, k) for k in keys}, "act_bits": 8, "act_scales": "dynamic per token"}
+        return {k: getattr(self, k) for k in keys}
+
+
+def group_for(k: int, settings: QuantizeSettings) -> int | None:
+    """The group size used for a matrix with K contracted rows (None: int8 per channel)."""
+    if settings.bits == 8:
+        return None
+    if settings.bits == 3 and k % 8:
+        raise ValueError(f"3-bit packing needs K divisible by 8; a weight has K={k}")
+    if settings.group_size == -1:
+        return k
+    g = next((g for g in (settings.group_size, 64, 32) if g <= settings.group_size and k % g == 0), None)
+    return g or k
+
+
+def linears(block: Block) -> dict[str, list[tuple[Any, str]]]:
+    """tap -> the (module, attribute) of each linear that reads it (calibrate.TAPS)."""
+    a, m = block.attn, block.mlp
+    if a.qkv is not None or m.gate_up is not None:
+        raise ValueError("quantize an unfused model (load_model gives one; fuse afterwards)")
+    return {"attn_in": [(a, "q"), (a, "k"), (a, "v")], "o_in": [(a, "o")],
+            "mlp_in": ([(m, "gate")] if m.gate is not None else []) + [(m, "up")], "down_in": [(m, "down")]}
+
+
+_CONTRACT = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+
+
+def _matrix(owner, name) -> tuple[np.ndarray, tuple[int, ...], int]:
+    """A linear's float weight as [K, N] float32, its logical shape and contracted dims."""
+    w = np.asarray(getattr(owner, name).get_value(), np.float32)
+    c = _CONTRACT[name]
+    return w.reshape(math.prod(w.shape[:c]), -1), w.shape, c
+
+
+def _rtn(owner, name, settings: QuantizeSettings, w2: np.ndarray | None = None) -> None:
+    w, shape, c = _matrix(owner, name)
+    w = w if w2 is None else w2
+    g = group_for(w.shape[0], settings)
+    qw = quantize(jnp.asarray(w.reshape(shape)), settings.bits, group_size=g, symmetric=settings.symmetric,
+                  contract=c)
+    getattr(owner, name).set_value(qw)
+
+
+def quantize_rtn(model: Decoder, settings: QuantizeSettings) -> Decoder:
+    """Round-to-nearest every linear of every block (no calibration)."""
+    for block in model.layers:
+        for group in linears(block).values():
+            for owner, name in group:
+                _rtn(owner, name, settings)
+    return model
+
+
+def quantize_model(model: Decoder, settings: QuantizeSettings, windows: np.ndarray | None = None,
+                   progress: bool = True) -> Decoder:
+    """Quantize an unfused float Decoder in place. windows [B, W] calibration token ids (gptq, awq)."""
+    if settings.method == "rtn":
+        return quantize_rtn(model, settings)
+    if windows is None:
+        raise ValueError(f"--method {settings.method} needs calibration text (--calib-text)")
+    from tqdm import tqdm
+
+    from jaxinfer.quantize.calibrate import BlockRunner, embed_windows
+    from jaxinfer.quantize.methods import awq_block, gptq_block
+    from jaxinfer.quantize.smoothquant import smoothquant_block
+
+    x = embed_windows(model, windows)                                              # (B, W, D)
+    runner = BlockRunner(windows.shape[1])
+    passes = 5                                                                     # 4 taps + the output
+    bar = tqdm(total=passes * len(model.layers) * len(windows), unit="window", disable=not progress,
+               desc=f"calibrating {settings.method} w{settings.bits}")
+    for i, block in enumerate(model.layers):
+        bar.set_postfix(layer=i)
+        step = {"gptq": gptq_block, "awq": awq_block, "smoothquant": smoothquant_block}[settings.method]
+        step(block, x, runner, settings, bar)
+        x = runner.run(block, "out", x, settings.chunk, bar)
+    bar.close()
+    return model
+
+
+__all__ = ["METHODS", "QuantizeSettings", "quantize_model", "quantize_rtn", "group_for", "linears",
+           "from_codes"]

@@ -1,0 +1,349 @@
+"""Calibrated weight quantization (jaxinfer.quantize): int3 packing and per-channel groups against
+numpy written here, GPTQ against a numpy transcription of the paper's algorithm, GPTQ below RTN on
+correlated inputs, AWQ's scale search on planted outliers, and every method through save/load and
+the engine on a tiny random HF model."""
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxinfer.quant import QuantizedWeight, dequantize, pack_int3, quantize, unpack_int3
+from jaxinfer.quantize import QuantizeSettings, quantize_model
+from jaxinfer.quantize.awq import search_scale
+from jaxinfer.quantize.calibrate import calibration_windows
+from jaxinfer.quantize.gptq import gptq_quantize
+
+SEED = 1234
+
+
+# ------------------------------------------------------------------------------ numpy references
+
+def np_grid(w: np.ndarray, bits: int, sym: bool, axis: int):
+    """RTN grid per slice reduced over `axis` (the documented formats of jaxinfer/quant.py)."""
+    if sym:
+        qmax = 2 ** (bits - 1) - 1
+        amax = np.abs(w).max(axis=axis)
+        return np.where(amax > 0, amax / qmax, 1.0).astype(np.float32), None
+    maxq = 2 ** bits - 1
+    lo, hi = np.minimum(w.min(axis=axis), 0), np.maximum(w.max(axis=axis), 0)
+    s = np.where(hi > lo, (hi - lo) / maxq, 1.0).astype(np.float32)
+    return s, np.clip(np.round(-lo / s), 0, maxq).astype(np.float32)
+
+
+def np_quant(w, s, z, bits):
+    if z is None:
+        qmax = 2 ** (bits - 1) - 1
+        q = np.clip(np.round(w / s), -127 if bits == 8 else -qmax - 1, qmax)
+        return q, q * s
+    q = np.clip(np.round(w / s) + z, 0, 2 ** bits - 1)
+    return q, (q - z) * s
+
+
+def np_rtn(w: np.ndarray, bits: int, g: int, sym: bool) -> np.ndarray:
+    """w [K, N] -> dequantized RTN weight, groups of g along K."""
+    k, n = w.shape
+    wg = w.reshape(k // g, g, n)
+    s, z = np_grid(wg, bits, sym, axis=1)
+    return np_quant(wg, s[:, None], None if z is None else z[:, None], bits)[1].reshape(k, n)
+
+
+def gptq_reference(w: np.ndarray, H: np.ndarray, bits: int, g: int, sym: bool, act_order: bool,
+                   percdamp: float = 0.01):
+    """GPTQ, Algorithm 1 of Frantar et al. (2022), column by column with every update applied at
+    once (no lazy batching), float64, on W^T (rows = outputs). Groups: grid from the updated
+    weights at each group's first column; with act_order, static groups from the original weights.
+    Returns codes [K, N] in the original column order."""
+    W = w.T.astype(np.float64).copy()
+    H = H.astype(np.float64).copy()
+    n, k = W.shape
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    if act_order or g == k:
+        fixed = [np_grid(W[:, j * g:(j + 1) * g], bits, sym, axis=1) for j in range(k // g)]
+    order = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(k)
+    W, H = W[:, order], H[np.ix_(order, order)]
+    H += percdamp * np.mean(np.diag(H)) * np.eye(k)
+    Hinv = np.linalg.cholesky(np.linalg.inv(H)).T          # upper Cholesky factor of H^-1
+    Q = np.zeros((n, k))
+    for j in range(k):
+        if act_order or g == k:
+            s, z = fixed[order[j] // g]
+        elif j % g == 0:
+            s, z = np_grid(W[:, j:j + g], bits, sym, axis=1)
+        Q[:, j], deq = np_quant(W[:, j], s, z, bits)
+        err = (W[:, j] - deq) / Hinv[j, j]
+        W[:, j:] -= np.outer(err, Hinv[j, j:])
+    return Q[:, np.argsort(order)].T
+
+
+def correlated_inputs(rng, t: int, k: int) -> np.ndarray:
+    """x [t, k] with strongly correlated channels (a random low-rank mixing plus noise)."""
+    z = rng.standard_normal((t, k // 8))
+    return (z @ rng.standard_normal((k // 8, k)) + 0.1 * rng.standard_normal((t, k))).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------ formats
+
+def test_pack_int3_bit_layout():
+    rng = np.random.default_rng(SEED)
+    q = rng.integers(0, 8, size=(16, 5))
+    word = sum(q.reshape(2, 8, 5)[:, j].astype(np.int64) << (3 * j) for j in range(8))     # (2, 5)
+    expected = np.stack([(word >> s) & 0xFF for s in (0, 8, 16)], axis=1).reshape(6, 5)
+    packed = np.asarray(pack_int3(jnp.asarray(q)))
+    np.testing.assert_array_equal(packed, expected)
+    np.testing.assert_array_equal(np.asarray(unpack_int3(packed, signed=False)), q)
+    signed = q - 4
+    np.testing.assert_array_equal(np.asarray(unpack_int3(pack_int3(jnp.asarray(signed)), signed=True)), signed)
+
+
+@pytest.mark.parametrize("bits,g,sym", [(3, 32, True), (3, 32, False), (3, -1, False), (4, -1, True),
+                                        (4, -1, False), (3, 16, True)])
+def test_rtn_formats_match_numpy(bits, g, sym):
+    rng = np.random.default_rng(SEED)
+    w = rng.standard_normal((64, 24)).astype(np.float32)
+    qw = quantize(jnp.asarray(w), bits, group_size=g, symmetric=sym)
+    gg = 64 if g == -1 else g
+    assert qw.group_size == gg and qw.scales.shape == (64 // gg, 24)
+    assert qw.q.shape == (64 * bits // 8, 24)
+    ref = np_rtn(w.astype(np.float64), bits, gg, sym)
+    # both compute (q - z) * s with the same f32 scale; they differ only by f32 rounding of the product
+    np.testing.assert_allclose(np.asarray(dequantize(qw), np.float64), ref, rtol=0, atol=2e-7 * np.abs(w).max())
+
+
+def test_int3_qdot_refuses_pallas_and_runs_on_xla():
+    from jaxinfer.quant import qdot
+    rng = np.random.default_rng(SEED)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    qw = quantize(jnp.asarray(w), 3, group_size=32, symmetric=False)
+    with pytest.raises(ValueError, match="no int3 format"):
+        qdot(jnp.asarray(x), qw, impl="pallas")
+    y = np.asarray(qdot(jnp.asarray(x), qw, impl="xla"), np.float64)
+    ref = x.astype(np.float64) @ np_rtn(w.astype(np.float64), 3, 32, False)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=64 * 2 ** -22 * np.abs(x).max() * np.abs(w).max())
+
+
+# ------------------------------------------------------------------------------ GPTQ
+
+@pytest.mark.parametrize("bits,g,sym,act_order", [(4, 32, False, False), (3, -1, True, False),
+                                                  (4, 32, True, True), (8, -1, True, False),
+                                                  (3, 64, False, True)])
+def test_gptq_matches_numpy_algorithm(bits, g, sym, act_order):
+    rng = np.random.default_rng(SEED)
+    k, n = 256, 48                               # K spans two lazy blocks of 128
+    x = correlated_inputs(rng, 512, k)
+    x[:, 7] = 0.0                                # a dead input channel
+    H = x.T.astype(np.float64) @ x.astype(np.float64)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    codes, scales, zeros = gptq_quantize(w, H, bits=bits, group_size=g, symmetric=sym, act_order=act_order)
+    ref = gptq_reference(w, H, bits, k if g == -1 else g, sym, act_order)
+    # both run in float64; the lazy block update only reorders sums (~1e-13 relative), which cannot
+    # move a code unless a value sits within that of a rounding boundary: codes must agree exactly
+    np.testing.assert_array_equal(codes, ref.astype(np.int32))
+
+
+def test_gptq_layer_error_below_rtn_on_correlated_inputs():
+    rng = np.random.default_rng(SEED + 1)
+    k, n = 256, 64
+    x = correlated_inputs(rng, 1024, k)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    H = x.T.astype(np.float64) @ x.astype(np.float64)
+    for bits, g in ((4, -1), (3, 128)):
+        codes, scales, zeros = gptq_quantize(w, H, bits=bits, group_size=g, symmetric=False)
+        gg = k if g == -1 else g
+        wq = ((codes.reshape(k // gg, gg, n) - zeros[:, None]) * scales[:, None]).reshape(k, n)
+        err_gptq = np.linalg.norm(x @ w - x @ wq)
+        err_rtn = np.linalg.norm(x @ w - x @ np_rtn(w.astype(np.float64), bits, gg, False))
+        assert err_gptq < 0.7 * err_rtn, (bits, g, err_gptq, err_rtn)
+
+
+# ------------------------------------------------------------------------------ AWQ
+
+def test_awq_scale_beats_alpha_zero_on_planted_outliers():
+    rng = np.random.default_rng(SEED + 2)
+    t, k, n = 512, 128, 64
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    x[:, [3, 40, 99]] *= 30.0                    # salient input channels
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    s, alpha, errors = search_scale(x, w, bits=3, group_size=128, symmetric=False)
+    assert len(errors) == 20 and alpha > 0
+
+    def err(scale):                                # numpy, independent of the code under test
+        wq = np_rtn((w * scale[:, None]).astype(np.float64), 3, 128, False) / scale[:, None]
+        return np.sum((x.astype(np.float64) @ (w - wq)) ** 2) / t
+
+    e0, e_best = err(np.ones(k)), err(s.astype(np.float64))
+    np.testing.assert_allclose([errors[0], min(errors)], [e0, e_best], rtol=1e-4)
+    assert e_best < 0.8 * e0, (e_best, e0)
+
+
+def test_awq_folds_keep_the_float_block(hf_model_dir):
+    """Dividing each tap's producer by s and multiplying the consuming rows by s leaves the float
+    block's output unchanged (up to f32 rounding), for every fold AWQ uses (norms, v -> o, up -> down)."""
+    from jaxinfer.quantize import linears
+    from jaxinfer.quantize.calibrate import _taps
+    from jaxinfer.quantize.methods import _fold
+    from jaxinfer.weights import load_model
+
+    model, cfg = load_model(hf_model_dir(TINY), "float32")
+    block = model.layers[0]
+    x = jnp.asarray(np.random.default_rng(SEED).standard_normal((16, cfg.d_model)), jnp.float32)
+    pos = jnp.arange(16, dtype=jnp.int32)
+    before = np.asarray(_taps(block, x, pos)["out"])
+    rng = np.random.default_rng(SEED + 3)
+    for tap, group in linears(block).items():
+        k = np.prod(getattr(*group[0]).get_value().shape[:2 if tap == "o_in" else 1])
+        s = rng.uniform(0.5, 2.0, size=k).astype(np.float32)
+        if tap == "o_in":     # one factor per KV-head channel, repeated over the heads sharing it
+            g = cfg.n_heads // cfg.n_kv_heads
+            s = np.repeat(s.reshape(cfg.n_kv_heads, g, cfg.head_dim)[:, :1], g, axis=1).reshape(-1)
+        assert _fold(block, tap, s)
+        for owner, name in group:
+            var = getattr(owner, name)
+            w = var.get_value()
+            c = 2 if name == "o" else 1                     # contracted (input) dims
+            var.set_value(w * jnp.asarray(s).reshape(w.shape[:c] + (1,) * (w.ndim - c)))
+    after = np.asarray(_taps(block, x, pos)["out"])
+    np.testing.assert_allclose(after, before, rtol=0, atol=1e-4 * np.abs(before).max())
+
+
+# ------------------------------------------------------------------------------ end to end
+
+TINY = "llama-gqa-llama3"          # d 64, 4 heads / 2 KV heads, FFN 96, 2 layers
+PROMPT = [5, 17, 33, 2, 90, 41, 7, 12]
+SETTINGS = {
+    "rtn-w3-g32": QuantizeSettings("rtn", bits=3, group_size=32, symmetric=False),
+    "gptq-w4-pc-act": QuantizeSettings("gptq", bits=4, group_size=-1, symmetric=False, act_order=True),
+    "awq-w4-g32": QuantizeSettings("awq", bits=4, group_size=32, symmetric=True),
+    "gptq-w8": QuantizeSettings("gptq", bits=8, group_size=-1, symmetric=True),
+    "smoothquant-w8a8": QuantizeSettings("smoothquant", bits=8, group_size=-1, symmetric=True),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(hf_model_dir, tmp_path_factory):
+    """name -> (native folder of the quantized tiny model, the in-memory quantized Decoder)."""
+    from jaxinfer.weights import load_model, save_native
+    path = hf_model_dir(TINY)
+    ids = np.random.default_rng(SEED).integers(3, 131, size=8 * 64)
+    windows = calibration_windows(ids, 8 * 64, 64)
+    out = {}
+    for name, settings in SETTINGS.items():
+        model, _ = load_model(path, "float32")
+        quantize_model(model, settings, windows, progress=False)
+        folder = tmp_path_factory.mktemp(name)
+        save_native(model, folder, "float32", extra={"quantization": settings.to_json()})
+        out[name] = (folder, model)
+    return out
+
+
+def _flat(model):
+    return {"/".join(map(str, p)): v.get_value() for p, v in nnx.state(model, nnx.Param).flat_state()}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_round_trip_and_engine(quantized_dirs, name):
+    from jaxinfer import Generator, SamplingParams
+    from jaxinfer.models.decoder import Decoder
+    from jaxinfer.weights import load_model
+
+    folder, model = quantized_dirs[name]
+    settings = SETTINGS[name]
+    meta = json.loads((folder / "config.json").read_text())
+    assert meta["quantization"]["method"] == settings.method
+    assert meta["quantized_weights"]["layers/0/attn/o"]["bits"] == settings.bits
+    loaded, _ = load_model(folder, "float32")
+    before, after = _flat(model), _flat(loaded)
+    assert before.keys() == after.keys()
+    for key, v in before.items():            # bit-exact round trip of every array
+        if isinstance(v, QuantizedWeight):
+            w = after[key]
+            assert isinstance(w, QuantizedWeight) and (w.bits, w.group_size, w.shape) == (v.bits, v.group_size, v.shape)
+            for a, b in ((v.q, w.q), (v.scales, w.scales), (v.zeros, w.zeros)):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        else:
+            np.testing.assert_array_equal(np.asarray(v), np.asarray(after[key]))
+
+    # the reference: a float Decoder holding the dequantized weights, greedy by full forwards
+    ref = Decoder(model.cfg, jnp.float32, rngs=nnx.Rngs(0))
+    for path, var in nnx.state(ref, nnx.Param).flat_state():
+        v = before["/".join(map(str, path))]
+        var.set_value(dequantize(v) if isinstance(v, QuantizedWeight) else v)
+    tokens = list(PROMPT)
+    for _ in range(8):
+        logits, _ = ref(jnp.asarray(tokens, jnp.int32), jnp.arange(len(tokens), dtype=jnp.int32))
+        tokens.append(int(np.argmax(np.asarray(logits[-1]))))
+    gen = Generator.from_pretrained(str(folder), dtype="float32", max_num_seqs=2, num_blocks=16, max_model_len=64,
+                                    max_num_batched_tokens=16, warmup=False, max_decode_steps=1,
+                                    async_scheduling=False)
+    out = gen.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    # the engine computes the same dequantized products (fused, paged): identical greedy tokens
+    assert out.token_ids == tokens[len(PROMPT):]
+
+
+def test_quantizing_a_quantized_checkpoint_again_is_refused(quantized_dirs):
+    from jaxinfer.models.decoder import quantize_decoder
+    from jaxinfer.weights import load_model
+    model, _ = load_model(quantized_dirs["gptq-w8"][0], "float32")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_decoder(model, "int4")
+
+
+def test_w8a8_matmul_within_the_int8_error_bound():
+    """y = qdot(x, W8A8 weight) against numpy: exactly (xq @ wq) * sx * sw (integer products, then
+    f32 scaling), and against the float x @ w within the int8 bound
+    sum_k dx |w_k| + |x_k| dw_n + dx dw_n, dx = sx / 2 per token, dw_n = sw_n / 2 per column."""
+    import dataclasses
+    from jaxinfer.quant import qdot, quantize_int8
+    rng = np.random.default_rng(SEED + 4)
+    m, k, n = 6, 96, 40
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, 5] *= 40.0                                   # an outlier channel
+    w = (0.1 * rng.standard_normal((k, n))).astype(np.float32)
+    qw = dataclasses.replace(quantize_int8(jnp.asarray(w)), act_bits=8)
+    y = np.asarray(qdot(jnp.asarray(x), qw), np.float64)
+    with pytest.raises(ValueError, match="weight-only"):
+        qdot(jnp.asarray(x), qw, impl="pallas")
+    sx = np.where(np.abs(x).max(1) > 0, np.abs(x).max(1).astype(np.float32) / np.float32(127), 1).astype(np.float32)
+    xq = np.clip(np.round(x / sx[:, None]), -127, 127).astype(np.int64)
+    sw = np.abs(w).max(0).astype(np.float32) / np.float32(127)
+    wq = np.clip(np.round(w / sw), -127, 127).astype(np.int64)
+    exact = (xq @ wq).astype(np.float64) * sx[:, None].astype(np.float64) * sw[None, :].astype(np.float64)
+    np.testing.assert_allclose(y, exact, rtol=4 * 2 ** -24, atol=0)
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    dx, dw = sx.astype(np.float64)[:, None] / 2, sw.astype(np.float64)[None, :] / 2
+    bound = dx * np.abs(w).sum(0)[None, :] + np.abs(x).sum(1)[:, None] * dw + k * dx * dw
+    assert np.all(np.abs(y - ref) <= bound * (1 + 1e-5)), np.max(np.abs(y - ref) / bound)
+
+
+def test_smoothing_factors_formula():
+    from jaxinfer.quantize.smoothquant import smoothing_factors
+    a = np.array([1.0, 16.0, 4.0])
+    w = np.array([[4.0, -1.0], [0.25, 1.0], [-9.0, 0.0]])
+    # s = a^0.5 / max|w|^0.5: [1/2, 4/1, 2/3]
+    np.testing.assert_allclose(smoothing_factors(a, w, 0.5), [0.5, 4.0, 2.0 / 3.0], rtol=1e-6)
+
+
+def test_unimplemented_method_is_refused():
+    with pytest.raises(ValueError, match="qat is planned"):
+        QuantizeSettings("qat")
+    with pytest.raises(ValueError, match="W8A8"):
+        QuantizeSettings("smoothquant", bits=4)
+    with pytest.raises(ValueError, match="per output channel"):
+        QuantizeSettings("gptq", bits=8, group_size=128)
+
+
+def test_existing_int8_int4_formats_unchanged():
+    from jaxinfer.quant import quantize_int4, quantize_int8
+    w = jnp.asarray(np.random.default_rng(SEED).standard_normal((64, 16)), jnp.float32)
+    for a, b in ((quantize(w, 8), quantize_int8(w)), (quantize(w, 4, group_size=32), quantize_int4(w, 32))):
+        assert (a.bits, a.group_size) == (b.bits, b.group_size)
+        np.testing.assert_array_equal(np.asarray(a.q), np.asarray(b.q))
+        np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
