@@ -16,8 +16,10 @@ def test_convert_then_generate_matches_hf(hf_model_dir, tmp_path, capsys):
     assert main(["convert", src, str(out), "--dtype", "float32"]) == 0
     assert json.loads((out / "config.json").read_text())["format"] == "jaxinfer"
     ids = [5, 17, 42, 8, 99, 3, 61]
+    # --max-num-batched-tokens 8: `generate` warms up every token bucket, and the default (256) would
+    # compile six step shapes for a 7-token prompt; with 8 it compiles one
     assert main(["generate", "--model", str(out), "--dtype", "float32", "--ids", ",".join(map(str, ids)),
-                 "--max-tokens", "12", "--ignore-eos", "--json"]) == 0
+                 "--max-tokens", "12", "--ignore-eos", "--json", "--max-num-batched-tokens", "8"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     with torch.no_grad():
         ref = build_hf_model("mistral-window").generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,

@@ -12,7 +12,9 @@ import pytest
 
 from jaxinfer import Generator, SamplingParams
 
-SMALL = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=16, block_size=8)
+# a 16-token budget: two token buckets (8, 16) to compile per engine; prompts of up to 100 tokens are
+# still prefilled in chunks beside decoding rows (a 32 bucket would only add a compilation per engine)
+SMALL = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=16, block_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,9 @@ def _all_free(gen: Generator) -> bool:
 
 @pytest.mark.parametrize("name", ["llama-gqa-llama3", "mistral-window", "qwen2-window", "gpt2", "bloom-6heads-postnorm"])
 def test_paged_engine_equals_naive_decoding(name, hf_model_dir):
-    g = Generator.from_pretrained(hf_model_dir(name), **{**SMALL, "max_num_batched_tokens": 16}, warmup=False)
+    # an 8-token budget: one step shape per family; prompts of 5-40 tokens are prefilled in chunks
+    # beside decoding rows
+    g = Generator.from_pretrained(hf_model_dir(name), **{**SMALL, "max_num_batched_tokens": 8}, warmup=False)
     prompts = _prompts(3, g.model_cfg.vocab_size, 5, 40, seed=1)
     outs = g.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):
@@ -85,7 +89,7 @@ def test_blocks_free_after_finish_and_abort(gen):
     eng = gen.engine
     prompts = _prompts(6, gen.model_cfg.vocab_size, 50, 100, seed=6)
     rids = [eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
-    eng.step()                        # budget 32: the first request is mid-prefill
+    eng.step()                        # budget 16: the first request is mid-prefill
     assert gen.stats()["kv_blocks_used"] > 0
     eng.abort(rids[0])                # mid-prefill
     eng.abort(rids[5])                # still waiting
