@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tag", default=None, help="suffix of the results file name")
     args = ap.parse_args(argv)
     from jaxinfer import Generator
 
@@ -137,20 +138,28 @@ def main(argv: list[str] | None = None) -> int:
                       f"cached, {s['wall_s']:.1f} s", flush=True)
             assert outs[True] == outs[False], f"{name}: caching changed the greedy outputs"
         med = {on: {k: float(np.median([r[k] for r in runs[on]])) for k in runs[on][0]} for on in runs}
+        # each rep's on and off ran back to back: their ratio cancels the machine's slow drift
+        paired = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(runs[True], runs[False])]
+        paired_ttft = [b["median_ttft_s"] / a["median_ttft_s"] for a, b in zip(runs[True], runs[False])]
         results[name] = {
             "caching_on": med[True], "caching_off": med[False], "runs_on": runs[True], "runs_off": runs[False],
             "ttft_ratio_off_over_on": med[False]["median_ttft_s"] / med[True]["median_ttft_s"],
             "throughput_ratio_on_over_off": med[True]["output_tok_s"] / med[False]["output_tok_s"],
+            "paired_throughput_ratios_on_over_off": paired,
+            "median_paired_throughput_ratio_on_over_off": float(np.median(paired)),
+            "paired_ttft_ratios_off_over_on": paired_ttft,
+            "median_paired_ttft_ratio_off_over_on": float(np.median(paired_ttft)),
             "outputs_identical": True,
         }
         for on in (True, False):
             report_points.append({"workload": name, "caching": on, **med[on]})
         print(f"{name}: TTFT off/on {results[name]['ttft_ratio_off_over_on']:.2f}x, "
-              f"throughput on/off {results[name]['throughput_ratio_on_over_off']:.3f}x", flush=True)
+              f"throughput on/off {results[name]['throughput_ratio_on_over_off']:.3f}x "
+              f"(median of paired reps {results[name]['median_paired_throughput_ratio_on_over_off']:.3f}x)", flush=True)
     info = device_info()
     report = {"benchmark": "prefix-cache", "device": info, "model": str(path), "config": vars(args),
               "workloads": results, "points": report_points}
-    out = results_path(args.out, device_slug(info), "prefix-cache")
+    out = results_path(args.out, device_slug(info), "prefix-cache" + (f"-{args.tag}" if args.tag else ""))
     write_report(report, out, "workload", "prefix caching", plot=False)
     print(f"wrote {out}")
     return 0

@@ -32,9 +32,9 @@ Route = Callable[[RequestOutput], None]
 class SubmitError(ValueError):
     """A prompt of a submission was refused (nothing of the submission stays queued)."""
 
-    def __init__(self, index: int, message: str):
+    def __init__(self, index: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.index, self.message = index, message
+        self.index, self.message, self.param, self.code = index, message, param, code
 
 
 @dataclass
@@ -152,7 +152,8 @@ class EngineClient:
     # ---------------------------------------------------------------- submitting
     def submit(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
                route: Route | None = None, arrival_time: float | None = None,
-               check: Callable[[], None] | None = None, cache_salt: str | None = None) -> list[str]:
+               check: Callable[[], None] | None = None, cache_salt: str | None = None,
+               max_tokens_must_fit: bool = False) -> list[str]:
         """Queue one engine request per prompt, all or nothing: a ValueError for any prompt aborts
         the ones already added and is raised as a SubmitError naming the prompt's index. Each delta
         of these requests is passed to `route` by the thread that steps, under the lock (keep it
@@ -167,14 +168,15 @@ class EngineClient:
                 check()
             try:
                 for ids, p in zip(prompts, plist):
-                    rid = self.engine.add_request(ids, p, arrival_time=arrival_time, cache_salt=cache_salt)
+                    rid = self.engine.add_request(ids, p, arrival_time=arrival_time, cache_salt=cache_salt,
+                                                  max_tokens_must_fit=max_tokens_must_fit)
                     rids.append(rid)
                     self._routes[rid] = route
                     self._samples[rid] = self.engine.samples(rid)
             except ValueError as e:
                 for rid in rids:
                     self._release_locked(rid, abort=True)
-                raise SubmitError(len(rids), str(e)) from None
+                raise SubmitError(len(rids), str(e), getattr(e, "param", None), getattr(e, "code", None)) from None
         return rids
 
     # ---------------------------------------------------------------- stepping

@@ -35,6 +35,14 @@ def _jnp_dtype(name: str):
     return jnp.int8 if name == "int8" else jnp.dtype(name)
 
 
+class RequestError(ValueError):
+    """A request the engine refuses: param names the field at fault (code: OpenAI's error code)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 @dataclass
 class RequestOutput:
     """What one step added to one sample of a request (a streaming delta)."""
@@ -149,18 +157,30 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None) -> str:
-        """Queue a request (n samples); returns its id. Raises ValueError for prompts that cannot fit.
-        cache_salt: requests share cached prefix blocks only with requests of the same salt."""
+                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
+                    max_tokens_must_fit: bool = False) -> str:
+        """Queue a request (n samples); returns its id. Raises ValueError (RequestError, naming the
+        field) for prompts that cannot fit. The prompt must leave room for one new token; generation
+        stops at the context's end ("length"), as vLLM's LLM does. max_tokens_must_fit: prompt +
+        max_tokens must fit the context (what OpenAI's API promises; the server and batch script ask
+        for it). cache_salt: requests share cached prefix blocks only with requests of the same salt."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt")
+        total = len(prompt_ids) + params.max_tokens
+        if max_tokens_must_fit and total > self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion), "
+                f"{total - self.max_model_len} too many. Please reduce the prompt or max_tokens.",
+                "max_tokens" if len(prompt_ids) < self.max_model_len else "prompt", "context_length_exceeded")
         bad = [t for t in prompt_ids if not 0 <= t < self.model_cfg.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_cfg.vocab_size})")
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_cfg.vocab_size})",
+                               "prompt")
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}, "
-                             f"so it is {len(prompt_ids) - self.max_model_len + 1} tokens too long")
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}, "
+                               f"so it is {len(prompt_ids) - self.max_model_len + 1} tokens too long", "prompt")
         need = self.blocks.blocks_for(min(len(prompt_ids) + params.max_tokens, self.max_model_len))
         if need > self.blocks.num_blocks - 1:
             raise ValueError(f"the request needs {need} KV blocks but the cache has {self.blocks.num_blocks - 1}")

@@ -80,18 +80,6 @@ class ServerState:
         # HF templates write the BOS token themselves; ours does not
         return self.encode(text, add_special_tokens="bos_token" not in self.chat_template_text)
 
-    def check_length(self, prompt: list[int], max_tokens: int) -> None:
-        if not prompt:
-            raise OpenAIError(400, "the prompt is empty", param="prompt")
-        total = len(prompt) + max_tokens
-        if total > self.max_model_len:
-            raise OpenAIError(
-                400, f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                     f"{total} tokens ({len(prompt)} in the prompt, {max_tokens} for the completion), "
-                     f"{total - self.max_model_len} too many. Please reduce the prompt or max_tokens.",
-                param="max_tokens" if len(prompt) < self.max_model_len else "prompt",
-                code="context_length_exceeded")
-
     def completion_inputs(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         """A /v1/completions body -> its prompts as token ids and the sampling params (both front
         doors, server and batch script, validate through here)."""
@@ -109,9 +97,8 @@ class ServerState:
             prompts = [list(x) for x in p]
         else:
             raise OpenAIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+        # lengths are the engine's to check (Engine.add_request, with max_tokens_must_fit)
         max_tokens = self.default_max_tokens(max(len(x) for x in prompts), req.max_tokens)
-        for ids in prompts:
-            self.check_length(ids, max_tokens)
         return prompts, req.sampling_params(max_tokens, req.logprobs)
 
     def chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
@@ -119,7 +106,6 @@ class ServerState:
         self.check_model(req.model)
         prompt = self.render_chat(req.messages)
         max_tokens = self.default_max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens)
-        self.check_length(prompt, max_tokens)
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return prompt, req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)

@@ -86,9 +86,9 @@ class AsyncEngine:
         route = _Route(loop, queue)
         try:
             rids = self.client.submit(prompts, params, route=route, check=admit,
-                                      cache_salt=cache_salt)
-        except SubmitError as e:
-            raise OpenAIError(400, e.message, param="prompt") from None
+                                      cache_salt=cache_salt, max_tokens_must_fit=True)
+        except SubmitError as e:   # the engine's own validation (Engine.add_request), field named
+            raise OpenAIError(400, e.message, param=e.param or "prompt", code=e.code) from None
         self._wake.set()
         return Submission(rids, queue, params.n)
 

@@ -175,6 +175,30 @@ def test_chat_maps_its_field_names(gen):
     assert e.value.param == "max_completion_tokens" and state is not None
 
 
+def test_context_length_rule_lives_in_the_engine(gen):
+    """One rule, in Engine.add_request: the prompt must leave room for a token; with
+    max_tokens_must_fit (the server's and the batch script's OpenAI contract) prompt + max_tokens
+    must fit too, refused naming the field; otherwise generation stops at the context's end."""
+    from jaxinfer.engine import RequestError
+
+    limit = gen.client.max_model_len                       # 96
+    prompt = list(range(5, 5 + limit - 3))                 # 93 tokens: room for 3
+    long = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with pytest.raises(SubmitError) as e:
+        gen.client.submit([prompt], long, max_tokens_must_fit=True)
+    assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
+    assert f"maximum context length is {limit} tokens" in e.value.message and "103 tokens" in e.value.message
+    with pytest.raises(SubmitError) as e:
+        gen.client.submit([list(range(5, 5 + limit))], GREEDY, max_tokens_must_fit=True)
+    assert e.value.param == "prompt"
+    out = gen.generate([prompt], long)[0]                   # the Python API: up to the context's end
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    assert out.token_ids == _greedy_reference(gen, prompt, 3)
+    with pytest.raises(RequestError, match="too long"):
+        gen.engine.add_request(list(range(5, 5 + limit)), GREEDY)
+    assert _all_free(gen)
+
+
 # --------------------------------------------------------------------------- 3. one resolved configuration
 def test_resolve_config_decides_every_setting_once():
     mc = ModelConfig(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
