@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Sequence
 
 from jaxinfer.config import SamplingParams
 from jaxinfer.engine import Engine, RequestOutput, StepTrace
+from jaxinfer.host.request import LatencyMetrics
 
 Route = Callable[[RequestOutput], None]
 
@@ -58,7 +59,7 @@ class Completion:
 
 
 @dataclass(frozen=True)
-class RequestMetrics:
+class RequestMetrics(LatencyMetrics):
     """One sample's timestamps (time.monotonic, seconds) and token counts: the field's per-request
     metrics (TTFT = first token - arrival, TPOT = (last - first) / (n - 1), ITL = token gaps)."""
     request_id: str
@@ -71,20 +72,6 @@ class RequestMetrics:
     num_output_tokens: int
     finish_reason: str | None
     finished: bool
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def tpot(self) -> float | None:
-        if len(self.token_times) < 2:
-            return None
-        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
-
-    @property
-    def itl(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
 class EngineClient:

@@ -22,8 +22,31 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class LatencyMetrics:
+    """The field's per-request metrics (seconds) from arrival_time, first_token_time and
+    token_times: shared by Request and the client's RequestMetrics snapshot."""
+    arrival_time: float
+    first_token_time: float | None
+    token_times: list[float] | tuple[float, ...]
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first: (last - first) / (n - 1)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def itl(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
 @dataclass(eq=False)
-class Request:
+class Request(LatencyMetrics):
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -100,18 +123,3 @@ class Request:
         self.finish_reason = reason
         self.finish_time = time.monotonic() if now is None else now
 
-    # --- the metrics of the field, per request (seconds) ---
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def tpot(self) -> float | None:
-        """Time per output token after the first: (last - first) / (n - 1)."""
-        if len(self.token_times) < 2:
-            return None
-        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
-
-    @property
-    def itl(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
