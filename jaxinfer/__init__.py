@@ -5,9 +5,9 @@
 Attributes are imported lazily so that light modules (config, tokenizer, host/) can be used
 without importing jax.
 """
-from jaxinfer.config import EngineConfig, ModelConfig, SamplingParams
+from jaxinfer.config import EngineConfig, ModelConfig, SamplingParams, StructuredOutputs
 
-__all__ = ["Generator", "SamplingParams", "ModelConfig", "EngineConfig"]
+__all__ = ["Generator", "SamplingParams", "StructuredOutputs", "ModelConfig", "EngineConfig"]
 __version__ = "0.1.0"
 
 

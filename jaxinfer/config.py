@@ -21,6 +21,8 @@ from typing import Any, Callable
 # check costs O(MAX_STOP_STRINGS * (new text + MAX_STOP_LENGTH)), never the output length.
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 512
+# logit_bias: at most this many token ids per request (OpenAI's limit), each biased within +-100.
+MAX_LOGIT_BIAS = 300
 # The longest context a config may declare (Llama 4 Scout declares 10M): beyond it a config is a typo.
 MAX_POSITIONS = 1 << 24
 
@@ -328,6 +330,48 @@ class SamplingParamsError(ValueError):
 
 
 @dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrain a request's output to a language (vLLM's StructuredOutputsParams; exactly one of):
+      json: a JSON schema (dict or its JSON text); json_object: any JSON object;
+      regex: a regular expression the whole output matches; choice: one of these strings;
+      grammar: a context-free grammar, Lark syntax (llguidance's) or GBNF (llama.cpp's, with `::=`).
+    Compiled and checked against the tokenizer when the request is added (host/structured.py, with
+    llguidance); a grammar that does not compile is refused naming the problem.
+    whitespace_flexible (JSON only): allow any whitespace between tokens; off by default, so JSON comes
+    out compact (`, ` and `: ` separators) and a model cannot stall in endless whitespace."""
+    json: Any = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.json, dict):   # stored as text: the params stay hashable
+            object.__setattr__(self, "json", json.dumps(self.json))
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise SamplingParamsError([("structured_outputs", "structured outputs take exactly one of json, "
+                                        f"json_object, regex, choice or grammar, got {given or 'none'}")])
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise SamplingParamsError([("structured_outputs", "choice must be a non-empty list of non-empty strings")])
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise SamplingParamsError([("structured_outputs", f"{k} must be a non-empty string")])
+        if self.json is not None and not isinstance(self.json, str):
+            raise SamplingParamsError([("structured_outputs", "json must be a JSON schema object")])
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None) \
+            if not self.json_object else "json_object"
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request decodes. temperature 0 means greedy."""
     max_tokens: int = 16
@@ -344,6 +388,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None         # top-N logprobs per generated token
     n: int = 1
+    # token id -> bias added to its logit on device, before everything else but the structured-output
+    # mask (OpenAI's logit_bias: -100 bans a token, +100 all but forces it); stored as sorted pairs
+    logit_bias: Any = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the params stay hashable and immutable.
@@ -352,6 +400,26 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         problems: list[tuple[str, str]] = []   # (field, message)
+        if self.logit_bias is not None:
+            bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+            try:
+                pairs = tuple(sorted((int(k), float(v)) for k, v in bias))
+            except (TypeError, ValueError):
+                pairs = None
+                problems.append(("logit_bias", "logit_bias must map token ids (integers) to numbers"))
+            if pairs is not None:
+                object.__setattr__(self, "logit_bias", pairs or None)
+                if len(pairs) > MAX_LOGIT_BIAS:
+                    problems.append(("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, "
+                                                   f"got {len(pairs)}"))
+                elif any(not -100.0 <= v <= 100.0 for _, v in pairs):
+                    problems.append(("logit_bias", "logit_bias values must be in [-100, 100], got "
+                                                   f"{[v for _, v in pairs if not -100.0 <= v <= 100.0][:3]}"))
+                elif any(k < 0 for k, _ in pairs):
+                    problems.append(("logit_bias", f"logit_bias token ids must be >= 0, got "
+                                                   f"{[k for k, _ in pairs if k < 0][:3]}"))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            problems.append(("structured_outputs", "structured_outputs must be a StructuredOutputs"))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             problems.append(("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"))
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -388,6 +456,11 @@ class SamplingParams:
     def uses_history(self) -> bool:
         """The penalties read the request's token history."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def constrained(self) -> bool:
+        """A grammar masks each draw: the next mask needs the previous token on the host."""
+        return self.structured_outputs is not None
 
     @property
     def greedy(self) -> bool:
