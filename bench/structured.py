@@ -56,13 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-decode-steps", type=int, default=8,
+                    help="the engine's multi-step decoding (free rows only; constrained rows draw one per step)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     from jaxinfer import Generator, SamplingParams, StructuredOutputs
     path = model_path(args.model)
     gen = Generator.from_pretrained(str(path), max_num_seqs=args.max_num_seqs,
-                                    max_num_batched_tokens=args.max_num_batched_tokens)
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    max_decode_steps=args.max_decode_steps)
     held = (path / "heldout.txt")
     text = held.read_text() if held.exists() else "The quick brown fox jumps over the lazy dog. " * 200
     ids = gen.tokenizer.encode(text, add_special_tokens=False)
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "structured", "device": info, "model": str(path), "config": vars(args),
               "result": result, "engine": {k: v for k, v in gen.stats().items() if not isinstance(v, (list, dict))},
               "points": [{"workload": k, **med[k]} for k in med]}
-    out = results_path(args.out, device_slug(info), "structured")
+    out = results_path(args.out, device_slug(info), f"structured-mds{args.max_decode_steps}")
     write_report(report, out, "workload", "structured outputs", plot=False)
     print(f"wrote {out}")
     return 0

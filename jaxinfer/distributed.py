@@ -187,7 +187,8 @@ def decode(message: bytes) -> tuple[str, list[np.ndarray | None]]:
 
 def step_arrays(inputs) -> list[np.ndarray | None]:
     """A step's StepInputs as a flat list of host arrays (its pytree leaves, in order). A device
-    array (the runner's cached empty penalty history) is sent as None: the follower uses its own."""
+    array (the runner's cached empty penalty history, all-allowed mask, no-bias arrays) is sent as None:
+    the follower uses its own."""
     return [None if isinstance(x, jax.Array) else np.asarray(x) for x in jax.tree.leaves(inputs)]
 
 

@@ -169,17 +169,20 @@ class ModelRunner:
         constrained or biased; otherwise arrays built once per bucket (no per-step transfer)."""
         guided = [(req.guide, i) for i, req in enumerate(rows) if req is not None and req.guide is not None]
         biased = [(i, req.params.logit_bias) for i, req in enumerate(rows) if req is not None and req.params.logit_bias]
+        if s not in self._no_mask:
+            self._no_mask[s] = jax.device_put((np.full((s, self.mask_words), -1, np.int32),
+                                               np.full((s, MAX_LOGIT_BIAS), -1, np.int32),
+                                               np.zeros((s, MAX_LOGIT_BIAS), np.float32)))
         if not guided and not biased:
-            if s not in self._no_mask:
-                self._no_mask[s] = jax.device_put((np.full((s, self.mask_words), -1, np.int32),
-                                                   np.full((s, MAX_LOGIT_BIAS), -1, np.int32),
-                                                   np.zeros((s, MAX_LOGIT_BIAS), np.float32)))
             return self._no_mask[s]
-        mask = np.full((s, self.mask_words), -1, np.int32)
+        mask = self._no_mask[s][0]
         if guided:
             t0 = time.perf_counter()
+            mask = np.full((s, self.mask_words), -1, np.int32)
             self.grammars.fill(guided, mask)
             self.mask_time_s += time.perf_counter() - t0
+        if not biased:
+            return (mask, *self._no_mask[s][1:])
         bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
         bias_values = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
         for i, pairs in biased:
@@ -302,12 +305,14 @@ class ModelRunner:
     def run_published(self, inputs: StepInputs) -> None:
         """Multi-host followers: run the step process 0 prepared (same executable, pages donated).
         The results stay on the devices; only process 0 reads them. A None penalty history: process 0
-        used its cached empty history, this process uses its own."""
+        used its cached empty history (or mask, or bias), this process uses its own."""
         sb = inputs.sampling
         if sb.history is None:
             sb.history, sb.history_is_output = self._history(len(inputs.logits_indices), [], False)
-        if sb.token_mask is None:
-            sb.token_mask, sb.bias_ids, sb.bias_values = self._constraints(len(inputs.logits_indices), [])
+        empty = self._constraints(len(inputs.logits_indices), [])   # any of the three sent as None
+        for name, value in zip(("token_mask", "bias_ids", "bias_values"), empty):
+            if getattr(sb, name) is None:
+                setattr(sb, name, value)
         _, self.kv_pages = self.step(self.params, self.kv_pages, inputs, self._no_prev)
 
     def empty_inputs(self, t: int, b: int) -> StepInputs:

@@ -24,8 +24,11 @@ SETTINGS = dict(dtype="float32", max_num_seqs=4, block_size=8, num_blocks=64, ma
 
 
 def sampling_params():
-    from jaxinfer import SamplingParams
+    from jaxinfer import SamplingParams, StructuredOutputs
     return {
+        # a grammar mask and a logit bias: the leader sends them to the follower with the step
+        "constrained": SamplingParams(max_tokens=10, temperature=0.0, logit_bias={5: 2.0, 9: -100},
+                                      structured_outputs=StructuredOutputs(regex=r"[a-z]+( [a-z]+){0,3}")),
         "greedy": SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
         "seeded": SamplingParams(max_tokens=10, temperature=0.9, top_k=40, top_p=0.95, seed=1234, n=2,
                                  ignore_eos=True),

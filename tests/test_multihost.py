@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import re
 import time
 import urllib.error
 import urllib.request
@@ -220,7 +221,7 @@ def test_two_processes_form_one_tp8_mesh(group_result):
 def test_two_processes_generate_like_one(group_result, reference):
     leader, follower = group_result
     got, ref = leader["outputs"], reference["outputs"]
-    assert set(got) == set(ref) == {"greedy", "seeded", "penalties"}
+    assert set(got) == set(ref) == {"greedy", "seeded", "penalties", "constrained"}
     for name in ref:
         assert len(got[name]) == len(PROMPTS)
         for p, (g_samples, r_samples) in enumerate(zip(got[name], ref[name])):
@@ -228,6 +229,7 @@ def test_two_processes_generate_like_one(group_result, reference):
             for (g_text, g_ids, g_reason, g_lps), (r_text, r_ids, r_reason, r_lps) in zip(g_samples, r_samples):
                 assert (g_text, g_ids, g_reason) == (r_text, r_ids, r_reason), (name, p)
                 np.testing.assert_allclose(g_lps, r_lps, rtol=0, atol=1e-5)
+    assert all(re.fullmatch(r"[a-z]+( [a-z]+){0,3}", s[0][0]) or s[0][2] == "length" for s in ref["constrained"])
     greedy_ids = [s[0][1] for s in ref["greedy"]]
     assert all(len(set(ids)) > 3 for ids in greedy_ids)                  # not a degenerate repeat
     seeded = ref["seeded"]

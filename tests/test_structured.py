@@ -154,9 +154,29 @@ def test_choice_mask_matches_brute_force(tokenizers, kind):
     assert want.sum() >= 4
     np.testing.assert_array_equal(bits, want)
     assert (mask[0] == -1).all() and (mask[2] == -1).all()     # rows not listed are left alone
-    # walk one choice token by token: the grammar ends exactly at its end
-    ids = tok.encode("the quick fox", add_special_tokens=False)
-    assert [guide.consume(t) for t in ids] == [False] * (len(ids) - 1) + [True]
+    # walk each choice one character at a time (the shortest allowed token that continues it),
+    # checking the mask against brute force at every position. Where two choices remain, the mask is
+    # exactly the brute force set; where one remains, llguidance forces its text and allows the first
+    # token of the tokenizer's spelling of it (it calls the tokenizer on the forced bytes): one
+    # allowed token, within the brute force set (no added spaces)
+    texts = {t: _token_text(tok, t) for t in range(tok.vocab_size)}
+    for choice in choices:
+        guide = g.guide(g.compile(StructuredOutputs(choice=choices)))
+        done, prefix = False, ""
+        while not done:
+            mask[1] = -1
+            g.fill([(guide, 1)], mask)
+            bits = np.unpackbits(mask[1].view(np.uint8), bitorder="little")[:tok.vocab_size].astype(bool)
+            want = np.array([bool(s) and "\ufffd" not in s and any(c.startswith(prefix + s) for c in choices)
+                             for t, s in texts.items()])
+            if sum(c.startswith(prefix) for c in choices) > 1:
+                np.testing.assert_array_equal(bits, want, err_msg=f"after {prefix!r}")
+            else:
+                assert bits.sum() == 1 and want[bits].all(), (prefix, np.nonzero(bits)[0])
+            t = min((t for t in np.nonzero(bits)[0] if choice.startswith(prefix + texts[t])), key=lambda t: len(texts[t]))
+            prefix += texts[t]
+            done = guide.consume(int(t))
+        assert prefix == choice
 
 
 # ----------------------------------------------------------------------------- the engine

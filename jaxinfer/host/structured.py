@@ -85,17 +85,38 @@ def token_bytes(tokenizer) -> tuple[list[bytes], list[int]]:
 
 class _SentencePieceWrapper:
     """What llguidance's TokenizerWrapper reads from a tokenizer: tokens (bytes per id), eos/bos ids,
-    special ids, and __call__(text) -> ids (no BOS)."""
+    special ids, and __call__(text) -> ids spelling exactly those bytes.
+
+    llguidance tokenizes the text a grammar forces (the rest of a choice, a JSON key) with __call__.
+    SentencePiece's own encode cannot serve: it prepends its dummy-prefix space ("ight" -> "▁", "i",
+    "ght"), so a forced continuation would start with a space the grammar then rejects. Instead: the
+    longest token spelling the next bytes, repeatedly (byte-fallback pieces cover any byte); forced
+    tokens need not be the canonical tokenization, only spell the forced bytes."""
 
     def __init__(self, tokenizer, eos_id: int):
         self.tokens, self.special_token_ids = token_bytes(tokenizer)
         self.eos_token_id, self.bos_token_id = eos_id, tokenizer.bos_id
-        self._tok = tokenizer
+        special = set(self.special_token_ids)
+        self._by_bytes: dict[bytes, int] = {}
+        # a piece beats the byte-fallback token with the same bytes (SentencePiece's own choice)
+        for i in sorted(range(len(self.tokens)), key=lambda i: not tokenizer.backend.is_byte(i)):
+            if i not in special and self.tokens[i]:
+                self._by_bytes[self.tokens[i]] = i
+        self._longest = max(map(len, self._by_bytes), default=1)
 
     def __call__(self, text: str | bytes) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return self._tok.encode(text, add_special_tokens=False)
+        data = text.encode() if isinstance(text, str) else bytes(text)
+        out, i = [], 0
+        while i < len(data):
+            for n in range(min(self._longest, len(data) - i), 0, -1):
+                t = self._by_bytes.get(data[i:i + n])
+                if t is not None:
+                    out.append(t)
+                    i += n
+                    break
+            else:   # no token spells this byte (no byte fallback): a grammar cannot force it either
+                i += 1
+        return out
 
 
 class Guide:
