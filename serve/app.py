@@ -319,7 +319,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages")
         ids = await run_in_threadpool(lambda: state.encode(req.prompt, req.add_special_tokens)
-                                      if req.prompt is not None else state.render_chat(req.messages))
+                                      if req.prompt is not None else state.render_chat(req.messages, req.tool_plan()))
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize")

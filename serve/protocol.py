@@ -389,6 +389,13 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    tools: list[dict[str, Any]] | None = None     # with messages: rendered as a chat request renders them
+
+    def tool_plan(self) -> ToolPlan | None:
+        try:
+            return plan_tools(self.tools, None, None)
+        except ToolSpecError as e:
+            raise OpenAIError(400, e.message, param=e.param) from None
 
 
 class DetokenizeRequest(_Body):
