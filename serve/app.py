@@ -392,8 +392,9 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
                 base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
                 tools = [_ToolStream(plan) if plan is not None and plan.parses else None for _ in range(sub.n)]
                 try:
+                    first = {"role": "assistant", "content": None if plan is not None and plan.constrained else ""}
                     for i in range(sub.n):
-                        yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                        yield _sse({**base, "choices": [{"index": i, "delta": first,
                                                          "logprobs": None, "finish_reason": None}]})
                     remaining = sub.n
                     while remaining:
