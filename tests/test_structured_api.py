@@ -528,3 +528,34 @@ def test_no_compilations_after_constrained_requests(server, client):
     assert server.metric("jaxinfer_compilations_after_warmup") == 0
     from tests.test_server import _wait_blocks_free
     assert _wait_blocks_free(server) == 0
+
+
+def test_batch_script_takes_the_same_fields(model_dir, tmp_path):
+    """The batch script maps bodies through the same protocol module: a choice, a forced tool call and
+    a JSON schema run; a malformed response_format and a bad logit_bias are reported per line."""
+    from jaxinfer import Generator
+    from serve.batch import run_batch
+
+    bodies = [("/v1/completions", {"prompt": "pick:", "max_tokens": 10, "guided_choice": ["left", "right"]}),
+              ("/v1/chat/completions", {"messages": MSG, "tools": TOOLS, "tool_choice": "required",
+                                        "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0}),
+              ("/v1/chat/completions", {"messages": MSG, "max_tokens": 60, "temperature": 0, "response_format": {
+                  "type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[3]}}}),
+              ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_schema"}}),
+              ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1000}})]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": url,
+                                       "body": {"model": "tiny", **body}}) + "\n" for i, (url, body) in enumerate(bodies)))
+    gen = Generator.from_pretrained(model_dir, dtype="float32", max_model_len=1024, max_num_batched_tokens=32,
+                                    max_num_seqs=4, block_size=8, warmup=False)
+    summary = run_batch(gen, inp, out, "tiny", progress=False)
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert summary["ran"] == 3 and [r["error"] is None for r in recs] == [True, True, True, False, False]
+    assert recs[0]["response"]["body"]["choices"][0]["text"] in ("left", "right")
+    msg = recs[1]["response"]["body"]["choices"][0]
+    assert msg["finish_reason"] == "tool_calls" and msg["message"]["content"] is None
+    (call,) = msg["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMS[call["function"]["name"]])
+    jsonschema.validate(json.loads(recs[2]["response"]["body"]["choices"][0]["message"]["content"]), SCHEMAS[3])
+    assert "response_format" in recs[3]["error"]["message"] and "logit_bias" in recs[4]["error"]["message"]
+    assert gen.stats()["kv_blocks_used"] == 0
