@@ -46,9 +46,6 @@ UNSUPPORTED_FIELDS = {
     "web_search_options": lambda v: v is None,
 }
 
-# the fields that may carry a structured-output constraint, in the order they are reported
-CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs", "tool_choice")
 # vLLM's structured_outputs object: the constraint keys, and the one option we honour
 _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 _SO_OPTIONS = ("disable_any_whitespace",)
