@@ -338,7 +338,7 @@ class StructuredOutputs:
     Compiled and checked against the tokenizer when the request is added (host/structured.py, with
     llguidance); a grammar that does not compile is refused naming the problem.
     whitespace_flexible (JSON only): allow any whitespace between tokens; off by default, so JSON comes
-    out compact (`, ` and `: ` separators) and a model cannot stall in endless whitespace."""
+    out compact (`,` and `:` separators, no spaces) and a model cannot stall in endless whitespace."""
     json: Any = None
     json_object: bool = False
     regex: str | None = None

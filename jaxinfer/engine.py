@@ -24,6 +24,7 @@ from jaxinfer import perf
 from jaxinfer.host.block_manager import BlockManager
 from jaxinfer.host.request import Request
 from jaxinfer.host.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxinfer.host.structured import Grammars, StructuredOutputError
 from jaxinfer.models.decoder import Decoder, set_matmul_impl
 from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
 from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig, default_num_blocks
@@ -149,6 +150,10 @@ class Engine:
         self._last_done = 0.0
         self._step_observers: list[Callable[[StepTrace], None]] = []
         self._device_s: float | None = None   # device time of the step applied by this step()
+        # structured outputs: grammars compiled against this tokenizer, masks filled by the runner
+        self.grammars = Grammars(tokenizer, self.model_cfg.vocab_size, eos)
+        self.runner.grammars = self.grammars
+        self.num_constrained_requests = 0
 
     def warmup(self) -> None:
         """Compile every step shape now; afterwards serving must compile nothing (counted per step)."""
@@ -184,6 +189,16 @@ class Engine:
         need = self.blocks.blocks_for(min(len(prompt_ids) + params.max_tokens, self.max_model_len))
         if need > self.blocks.num_blocks - 1:
             raise ValueError(f"the request needs {need} KV blocks but the cache has {self.blocks.num_blocks - 1}")
+        bias = params.logit_bias or ()
+        if any(t >= self.model_cfg.vocab_size for t, _ in bias):
+            raise RequestError(f"logit_bias token ids {[t for t, _ in bias if t >= self.model_cfg.vocab_size][:5]} are "
+                               f"outside the vocabulary [0, {self.model_cfg.vocab_size})", "logit_bias")
+        grammar = None
+        if params.structured_outputs is not None:
+            try:
+                grammar = self.grammars.compile(params.structured_outputs)
+            except StructuredOutputError as e:
+                raise RequestError(str(e), "structured_outputs") from None
         request_id = request_id or f"req-{next(self._ids)}"
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -195,6 +210,10 @@ class Engine:
                                       priority=priority, arrival_time=now, cache_salt=cache_salt)
         leader = make(0, request_id)
         leader.pending_forks = [make(i, f"{request_id}#{i}") for i in range(1, params.n)]
+        if grammar is not None:   # each sample walks the grammar on its own
+            self.num_constrained_requests += 1
+            for r in [leader, *leader.pending_forks]:
+                r.guide = self.grammars.guide(grammar)
         # the samples share the prompt's full blocks, except the one holding the last prompt token
         leader.fork_at = (len(prompt_ids) - 1) // self.blocks.block_size * self.blocks.block_size
         self._groups[request_id] = [r.request_id for r in [leader, *leader.pending_forks]]
@@ -257,8 +276,11 @@ class Engine:
         self._device_s = None
         prev, self._inflight = self._inflight, None
         deltas = []
-        if prev is not None and any(q.sample and q.request.params.uses_history for q in prev.plan.seqs):
-            deltas += self._complete(prev)    # penalties read the host's history: it needs step N's tokens
+        if prev is not None and any(q.sample and (q.request.params.uses_history or q.request.params.constrained)
+                                    for q in prev.plan.seqs):
+            # penalties read the host's history and a grammar's next mask follows from the token just
+            # drawn: the next step needs step N's tokens on the host
+            deltas += self._complete(prev)
             prev = None
         plan = self.scheduler.schedule()
         launched = self._launch(plan, prev) if plan.seqs else None
@@ -323,18 +345,19 @@ class Engine:
 
     def _stop_check(self, req: Request) -> bool:
         """Detokenize the request's newest token; True when that completes one of its stop strings
-        (the text is cut where the stop string begins)."""
+        (the text is cut where the stop string begins) or its grammar (nothing more may follow)."""
         st = self._text[req.request_id]
+        grammar_done = req.guide is not None and req.guide.consume(req.output_ids[-1])
         if st.detok is None:
-            return False
+            return grammar_done
         checked = len(st.text)
         st.text += st.detok.add(req.output_ids[-1])
         st.marks.append(len(st.text))
         if not st.stops:
-            return False
+            return grammar_done
         cut = find_stop(st.text, st.stops, max(checked, st.emitted))
         if cut is None:
-            return False
+            return grammar_done
         st.text, st.stopped = st.text[:cut], True
         return True
 
@@ -388,6 +411,8 @@ class Engine:
             "prompt_tokens": s.prompt_tokens,
             "generation_tokens": s.generation_tokens,
             "prefix_caching": self.blocks.enable_caching,
+            "structured_output_requests": self.num_constrained_requests,
+            "grammar_mask_time_s": self.runner.mask_time_s,
             "prefix_cache_queries": self.scheduler.prefix_queries,
             "prefix_cache_hits": self.scheduler.prefix_hits,
             "prefix_cache_hit_rate": (self.scheduler.prefix_hits / self.scheduler.prefix_queries

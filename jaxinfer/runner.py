@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,8 +24,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import MAX_LOGIT_BIAS, ModelConfig
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
+from jaxinfer.host.structured import Grammars, mask_words
 from jaxinfer.kv_cache import (StepRow, attention_buckets, build_attention_metadata, init_kv_pages,
                                kv_bytes_per_token)
 from jaxinfer.models.decoder import Decoder
@@ -99,6 +101,11 @@ class ModelRunner:
         self.block_buckets = ([max_blocks] if cfg.attention == "xla"
                               else _pow2_buckets(min(4, max_blocks), max_blocks, base=4))
         self._no_history: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self._no_mask: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
+        self.mask_words = mask_words(self.model_cfg.vocab_size)
+        # structured outputs (engine.py sets it): fills the masks of constrained rows
+        self.grammars: Grammars | None = None
+        self.mask_time_s = 0.0   # host time spent filling grammar masks
         replicate = (NamedSharding(self.mesh, PartitionSpec())
                      if self.mesh is not None and jax.process_count() > 1 else None)
         self.settings = StepSettings(self.graphdef, cfg.attention, max(1, cfg.max_decode_steps),
@@ -156,6 +163,29 @@ class ModelRunner:
             hist[i, : len(ids)] = ids
             is_out[i, len(req.prompt_ids): len(ids)] = True
         return hist, is_out   # numpy: the jitted step transfers it (jnp.asarray would compile a copy)
+
+    def _constraints(self, s: int, rows: list) -> tuple:
+        """(token_mask [S, W], bias_ids [S, B], bias_values [S, B]): numpy when some row is
+        constrained or biased; otherwise arrays built once per bucket (no per-step transfer)."""
+        guided = [(req.guide, i) for i, req in enumerate(rows) if req is not None and req.guide is not None]
+        biased = [(i, req.params.logit_bias) for i, req in enumerate(rows) if req is not None and req.params.logit_bias]
+        if not guided and not biased:
+            if s not in self._no_mask:
+                self._no_mask[s] = jax.device_put((np.full((s, self.mask_words), -1, np.int32),
+                                                   np.full((s, MAX_LOGIT_BIAS), -1, np.int32),
+                                                   np.zeros((s, MAX_LOGIT_BIAS), np.float32)))
+            return self._no_mask[s]
+        mask = np.full((s, self.mask_words), -1, np.int32)
+        if guided:
+            t0 = time.perf_counter()
+            self.grammars.fill(guided, mask)
+            self.mask_time_s += time.perf_counter() - t0
+        bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
+        for i, pairs in biased:
+            bias_ids[i, :len(pairs)] = [t for t, _ in pairs]
+            bias_values[i, :len(pairs)] = [v for _, v in pairs]
+        return mask, bias_ids, bias_values
 
     # -------------------------------------------------------------------- host -> device
     def prepare(self, out: SchedulerOutput, tables: dict[str, list[int]], buckets: tuple[int, int] | None = None
@@ -225,7 +255,8 @@ class ModelRunner:
         any_penalty = bool(np.any((rep != 1) | (pres != 0) | (freq != 0)))
         hist, is_out = self._history(s, rows, any_penalty)
         return SamplingBatch(temp, top_k, top_p, min_p, rep, pres, freq, seed, index,
-                             positions_of_rows.astype(np.int32), num_logprobs, hist, is_out)
+                             positions_of_rows.astype(np.int32), num_logprobs, hist, is_out,
+                             *self._constraints(s, rows))
 
     def execute(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, list[StepSample]]:
         """Run one step and wait for its tokens."""
@@ -275,6 +306,8 @@ class ModelRunner:
         sb = inputs.sampling
         if sb.history is None:
             sb.history, sb.history_is_output = self._history(len(inputs.logits_indices), [], False)
+        if sb.token_mask is None:
+            sb.token_mask, sb.bias_ids, sb.bias_values = self._constraints(len(inputs.logits_indices), [])
         _, self.kv_pages = self.step(self.params, self.kv_pages, inputs, self._no_prev)
 
     def empty_inputs(self, t: int, b: int) -> StepInputs:

@@ -1,6 +1,9 @@
 """The jittable sampler: one row per sampled token, each row with its own parameters.
 
 Order of operations per row (the order vLLM and HF apply them):
+  0. logit_bias (OpenAI's: added to the raw logits), then the structured-output mask: tokens the
+     row's grammar does not allow become -inf (a packed bitmask, host/structured.py), so every
+     later rule, the logprobs included, sees the constrained distribution;
   1. penalties on the raw logits, from the row's history (prompt + output so far):
      repetition (CTRL: divide positive / multiply negative logits of every seen token),
      frequency (subtract freq * count of the token in the output),
@@ -43,12 +46,30 @@ class SamplingBatch:
                                 #      MAX_LOGPROBS for every row when any row wants some)
     history: jax.Array          # i32 [N, H]: prompt + output ids, -1 padded (penalties only)
     history_is_output: jax.Array  # bool [N, H]
+    token_mask: jax.Array       # i32 [N, ceil(V / 32)]: bit j of word w allows token 32 w + j (-1: all)
+    bias_ids: jax.Array         # i32 [N, MAX_LOGIT_BIAS]: logit_bias token ids, -1 padded
+    bias_values: jax.Array      # f32 [N, MAX_LOGIT_BIAS]
 
 
 def row_keys(seed: jax.Array, sample_index: jax.Array, position: jax.Array) -> jax.Array:
     def one(s, i, p):
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(s), i), p)
     return jax.vmap(one)(seed, sample_index, position)
+
+
+def apply_logit_bias(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    n, v = logits.shape
+    rows = jnp.broadcast_to(jnp.arange(n)[:, None], b.bias_ids.shape)
+    ids = jnp.where(b.bias_ids >= 0, b.bias_ids, v)                  # padding -> dropped
+    return logits.at[rows, ids].add(b.bias_values, mode="drop")
+
+
+def apply_token_mask(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    """Disallowed tokens -> -inf: token t is allowed when bit t % 32 of word t // 32 is set."""
+    v = logits.shape[-1]
+    t = jnp.arange(v, dtype=jnp.int32)
+    bits = jnp.right_shift(b.token_mask[:, t // 32], t % 32) & 1
+    return jnp.where(bits != 0, logits, NEG_INF)
 
 
 def apply_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:
@@ -124,8 +145,11 @@ def truncate(logits: jax.Array, b: SamplingBatch) -> jax.Array:
 
 def sample(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [N, V] f32 -> (token ids [N], their logprobs [N], top ids [N, 20], top logprobs [N, 20])."""
+    unchanged = lambda l, _: l  # noqa: E731
+    logits = jax.lax.cond(jnp.any(b.bias_ids >= 0), apply_logit_bias, unchanged, logits, b)
+    logits = jax.lax.cond(jnp.any(b.token_mask != -1), apply_token_mask, unchanged, logits, b)
     any_penalty = jnp.any((b.repetition_penalty != 1) | (b.presence_penalty != 0) | (b.frequency_penalty != 0))
-    logits = jax.lax.cond(any_penalty, apply_penalties, lambda l, _: l, logits, b)
+    logits = jax.lax.cond(any_penalty, apply_penalties, unchanged, logits, b)
     greedy = b.temperature <= 0
     logits = logits / jnp.where(greedy, 1.0, b.temperature)[:, None]
     logprobs = jax.nn.log_softmax(logits, axis=-1)

@@ -71,6 +71,11 @@ class Tokenizer:
         else:
             self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def backend(self) -> Any:
+        """The sentencepiece processor or `tokenizers.Tokenizer` underneath (grammar engines read it)."""
+        return self._backend
+
     def __repr__(self) -> str:
         return (f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
                 f"eos_ids={self.eos_ids}, pad_id={self.pad_id})")

@@ -92,6 +92,10 @@ def make_batch(n, **fields):
         arrays[name] = np.broadcast_to(np.asarray(val, dtypes.get(name, np.float32)), (n,)).copy()
     arrays["history"] = np.asarray(fields.pop("history", np.full((n, H), -1)), np.int32)
     arrays["history_is_output"] = np.asarray(fields.pop("history_is_output", np.zeros((n, H), bool)), bool)
+    # 32 words: no constraint on any vocabulary up to 1,024 (the sampler reads words [0, ceil(V / 32)))
+    arrays["token_mask"] = np.asarray(fields.pop("token_mask", np.full((n, 32), -1)), np.int32)
+    arrays["bias_ids"] = np.asarray(fields.pop("bias_ids", np.full((n, 4), -1)), np.int32)
+    arrays["bias_values"] = np.asarray(fields.pop("bias_values", np.zeros((n, 4))), np.float32)
     assert not fields, f"unknown fields {sorted(fields)}"
     assert arrays["history"].shape == (n, H)
     return SamplingBatch(**arrays)

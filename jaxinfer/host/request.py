@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..config import SamplingParams
 
@@ -80,6 +81,8 @@ class Request(LatencyMetrics):
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int | None = None
     num_passed_over: int = 0
+    # structured outputs: this sample's grammar matcher (host/structured.Guide), fed each drawn token
+    guide: Any = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -311,8 +311,9 @@ class Scheduler:
     def _plan_decode_iters(self, out: SchedulerOutput) -> None:
         """Several decode iterations in one step when every row decodes and nobody waits."""
         k = self.cfg.max_decode_steps
+        # a constrained row's next mask needs its previous token on the host: one draw per step
         if k <= 1 or self.waiting or not out.seqs or any(
-                q.num_tokens != 1 or not q.sample for q in out.seqs):
+                q.num_tokens != 1 or not q.sample or q.request.params.constrained for q in out.seqs):
             return
         draws = [min(k, self.draws_left(q.request)) for q in out.seqs]
         if max(draws) <= 1:

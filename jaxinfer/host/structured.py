@@ -1,0 +1,191 @@
+"""Structured outputs on the host: grammars compiled by llguidance, one matcher per sample, and the
+packed token masks a step reads. jax-free, like the rest of host/.
+
+Why llguidance (not xgrammar): it is a self-contained wheel with no dependencies (xgrammar's wheel
+requires torch, triton and transformers at run time, gigabytes this stack does not otherwise need),
+it computes a mask in tens of microseconds by walking the token trie against an Earley parser with
+lazily built lexer automata (no per-grammar precompilation pass), it takes JSON schema, regex, Lark
+and GBNF, and vLLM, SGLang and llama.cpp ship it as a backend.
+
+The contract with the step (jaxinfer/sampling.py): each sampling row has a packed mask of
+ceil(V / 32) int32 words, bit j of word w allowing token 32 w + j; -1 everywhere means "no
+constraint". The sampler sets disallowed logits to -inf before penalties, temperature, logprobs
+and truncation, so the logprobs reported are those of the constrained distribution.
+
+Each draw of a constrained row needs its previous token on the host (the mask depends on it), so
+such rows draw one token per step, and the engine waits for the step in flight before planning a
+step that continues a constrained row (engine.step), as it does for penalties.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxinfer.config import StructuredOutputs
+
+log = logging.getLogger("jaxinfer")
+
+GRAMMAR_CACHE = 256   # compiled grammars kept per engine (a server sees the same schema many times)
+
+
+class StructuredOutputError(ValueError):
+    """A schema, regex or grammar that does not compile; the message says what is wrong."""
+    param = "structured_outputs"
+
+
+def mask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """The llguidance grammar (its JSON form) for a spec; StructuredOutputError when it cannot be built.
+    Not yet checked against a tokenizer (Grammars.compile does that)."""
+    import llguidance as llg
+    options = {"whitespace_flexible": bool(spec.whitespace_flexible)}
+    try:
+        if spec.json is not None or spec.json_object:
+            schema: Any = {"type": "object"} if spec.json_object else json.loads(spec.json)
+            if not isinstance(schema, (dict, bool)):
+                raise StructuredOutputError(f"a JSON schema must be an object, got {type(schema).__name__}")
+            return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        if spec.regex is not None:
+            return llg.LLMatcher.grammar_from_regex(spec.regex)
+        if spec.choice is not None:
+            # a Lark alternation of string literals (JSON string escapes are Lark's)
+            return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+        return llg.grammar_from("grammar", spec.grammar)   # Lark, or GBNF converted to Lark
+    except StructuredOutputError:
+        raise
+    except (ValueError, TypeError, json.JSONDecodeError) as e:
+        raise StructuredOutputError(f"invalid {spec.kind}: {e}") from None
+
+
+def token_bytes(tokenizer) -> tuple[list[bytes], list[int]]:
+    """Every token's bytes and the ids of special tokens, for a sentencepiece tokenizer (jaxinfer's
+    Tokenizer): '▁' is a space, <0xNN> byte-fallback pieces are that byte, control and unknown pieces
+    are special (they never match grammar text)."""
+    sp = tokenizer.backend
+    tokens, special = [], []
+    for i in range(sp.get_piece_size()):
+        piece = sp.id_to_piece(i)
+        if sp.is_control(i) or sp.is_unknown(i):
+            special.append(i)
+            tokens.append(piece.encode())
+        elif sp.is_byte(i):
+            tokens.append(bytes([int(piece[3:-1], 16)]))
+        else:
+            tokens.append(piece.replace("\u2581", " ").encode())
+    return tokens, special
+
+
+class _SentencePieceWrapper:
+    """What llguidance's TokenizerWrapper reads from a tokenizer: tokens (bytes per id), eos/bos ids,
+    special ids, and __call__(text) -> ids (no BOS)."""
+
+    def __init__(self, tokenizer, eos_id: int):
+        self.tokens, self.special_token_ids = token_bytes(tokenizer)
+        self.eos_token_id, self.bos_token_id = eos_id, tokenizer.bos_id
+        self._tok = tokenizer
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tok.encode(text, add_special_tokens=False)
+
+
+class Guide:
+    """One sample's grammar matcher, fed the sample's tokens as they are drawn."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+        self.consumed = 0
+
+    def consume(self, token: int) -> bool:
+        """Advance past a drawn token; True when the output is complete (the grammar accepts and
+        admits nothing more) or the matcher failed (logged): either way the sample is over."""
+        m = self.matcher
+        self.consumed += 1
+        if not m.consume_token(token) or m.is_error():
+            log.warning("structured output: token %d rejected by the grammar (%s)", token, m.get_error())
+            return True
+        return m.is_stopped()
+
+    @property
+    def failed(self) -> bool:
+        return self.matcher.is_error()
+
+
+class Grammars:
+    """Per engine: the llguidance tokenizer (built on first use: ~1 s for a 100k vocabulary), a
+    cache of compiled grammars, and the thread pool that fills masks."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int]):
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = list(eos_ids)
+        self._lltok = None
+        self._executor = None
+        self._cache: OrderedDict[StructuredOutputs, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def lltokenizer(self):
+        if self._lltok is None:
+            import llguidance as llg
+            tok = self._tokenizer
+            if tok is None:
+                raise StructuredOutputError("structured outputs need the model's tokenizer; this engine has none")
+            eos = self.eos_ids or ([tok.eos_ids[0]] if tok.eos_ids else [])
+            if tok.kind == "sentencepiece":
+                self._lltok = llg.LLTokenizer(llg.TokenizerWrapper(_SentencePieceWrapper(tok, eos[0])),
+                                              n_vocab=self.vocab_size, eos_token=eos)
+            else:   # a HF `tokenizers` Tokenizer: llguidance reads its JSON (byte-level BPE and all)
+                self._lltok = llg.LLTokenizer(tok.backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+            self._executor = llg.LLExecutor()
+        return self._lltok
+
+    def compile(self, spec: StructuredOutputs) -> str:
+        """The spec's grammar, checked against this tokenizer (cached); StructuredOutputError if not."""
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+        import llguidance as llg
+        grammar = grammar_text(spec)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.lltokenizer)
+        if is_error:
+            raise StructuredOutputError(f"invalid {spec.kind}: {messages[0] if messages else 'does not compile'}")
+        with self._lock:
+            self._cache[spec] = grammar
+            while len(self._cache) > GRAMMAR_CACHE:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def guide(self, grammar: str) -> Guide:
+        import llguidance as llg
+        m = llg.LLMatcher(self.lltokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise StructuredOutputError(m.get_error())
+        return Guide(m)
+
+    def fill(self, guides: list[tuple[Guide, int]], mask: np.ndarray) -> None:
+        """mask[row] = the next-token mask of each (guide, row), computed in parallel (llguidance's
+        thread pool, outside the GIL). Rows not listed are left as they are."""
+        import llguidance.numpy as lln
+        words = mask_words(self.lltokenizer.vocab_size)
+        if words == mask.shape[1]:
+            lln.fill_next_token_bitmask_par(self._executor, [(g.matcher, row) for g, row in guides], mask)
+            return
+        # the model's vocabulary differs from the tokenizer's (padded embeddings): ids past the
+        # tokenizer's are never allowed
+        tmp = np.full((len(guides), words), -1, np.int32)
+        lln.fill_next_token_bitmask_par(self._executor, [(g.matcher, i) for i, (g, _) in enumerate(guides)], tmp)
+        rows = [row for _, row in guides]
+        w = min(words, mask.shape[1])
+        mask[rows] = 0
+        mask[rows, :w] = tmp[:, :w]

@@ -1,0 +1,285 @@
+"""Structured outputs and logit_bias in the engine (host/structured.py, sampling.py, runner.py).
+
+References, all outside the code under test:
+  - the sampler's mask and bias against numpy (bits unpacked with np.unpackbits, log_softmax by hand);
+  - llguidance's masks against brute force: a token is allowed at the start of a `choice` grammar
+    iff its text, decoded by the tokenizer itself, is a non-empty prefix of one of the choices;
+  - generated outputs validated by the `jsonschema` package, `re.fullmatch` and the choice list;
+  - mixed batches against each request run alone (batch invariance);
+  - logit_bias: +100 on a token makes greedy emit only it, -100 on greedy's first token bans it.
+The API layer (response_format, guided_*, tools) is tested in test_structured_api.py.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jsonschema
+import numpy as np
+import pytest
+
+from jaxinfer import Generator, SamplingParams, StructuredOutputs
+from jaxinfer.host.structured import Grammars
+from jaxinfer.sampling import SamplingBatch, sample
+from jaxinfer.tokenizer import load_tokenizer
+from tests.hf_models import TEXT_WORDS
+
+BUNDLED = "checkpoints/jaxinfer-tiny-llama"
+
+
+# ----------------------------------------------------------------------------- the sampler
+
+def _batch(n: int, v: int, temperature, token_mask=None, bias_ids=None, bias_values=None, seed=0) -> SamplingBatch:
+    f = lambda x: np.broadcast_to(np.asarray(x, np.float32), (n,)).copy()  # noqa: E731
+    w = (v + 31) // 32
+    return SamplingBatch(f(temperature), np.zeros(n, np.int32), f(1.0), f(0.0), f(1.0), f(0.0), f(0.0),
+                         (np.arange(n) + seed).astype(np.uint32), np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
+                         np.full(n, 20, np.int32), np.full((n, 4), -1, np.int32), np.zeros((n, 4), bool),
+                         np.full((n, w), -1, np.int32) if token_mask is None else token_mask,
+                         np.full((n, 3), -1, np.int32) if bias_ids is None else bias_ids,
+                         np.zeros((n, 3), np.float32) if bias_values is None else bias_values)
+
+
+def _pack(allowed: np.ndarray) -> np.ndarray:
+    """[N, V] bool -> [N, ceil(V/32)] int32, bit j of word w = token 32 w + j (numpy's own packing)."""
+    n, v = allowed.shape
+    padded = np.zeros((n, (v + 31) // 32 * 32), bool)
+    padded[:, :v] = allowed
+    return np.packbits(padded, axis=1, bitorder="little").view(np.int32)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = np.max(np.where(np.isfinite(x), x, -np.inf), axis=-1, keepdims=True)
+    return x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
+
+
+def test_mask_greedy_logprobs_and_draws_match_numpy():
+    rng = np.random.RandomState(0)
+    n, v = 6, 100
+    logits = rng.randn(n, v).astype(np.float32) * 3
+    allowed = rng.rand(n, v) < 0.2
+    allowed[0] = True                               # an unconstrained row beside constrained ones
+    allowed[1] = False
+    allowed[1, [7, 64, 99]] = True                  # bits in the first, a middle and the last word
+    mask = _pack(allowed)
+    mask[0] = -1                                    # what the runner sends for a free row
+    ids, lps, top_ids, top_lps = jax.jit(sample)(logits, _batch(n, v, 0.0, mask))
+    ref = np.where(allowed, logits, -np.inf)
+    np.testing.assert_array_equal(np.asarray(ids), np.argmax(ref, axis=1))
+    # logprobs are of the constrained distribution: log_softmax over the allowed tokens only. float32
+    # log_softmax of |x| <= ~12 over 100 terms: a few ulp of 12 -> 1e-5
+    ref_lp = _log_softmax(ref)
+    np.testing.assert_allclose(np.asarray(lps), ref_lp[np.arange(n), np.argmax(ref, axis=1)], atol=1e-5)
+    top = np.asarray(top_lps)
+    assert np.all(np.isneginf(top[1, 3:])) and np.allclose(np.sort(top[1, :3]), np.sort(ref_lp[1, [7, 64, 99]]),
+                                                             atol=1e-5)
+    # sampled rows never draw a disallowed token (200 seeds x 6 rows)
+    for seed in range(0, 2000, 10):
+        ids, *_ = jax.jit(sample)(logits, _batch(n, v, 1.5, mask, seed=seed))
+        assert allowed[np.arange(n), np.asarray(ids)].all()
+
+
+def test_logit_bias_matches_numpy():
+    rng = np.random.RandomState(1)
+    n, v = 4, 50
+    logits = rng.randn(n, v).astype(np.float32)
+    bias_ids = np.array([[3, 9, -1], [-1, -1, -1], [int(np.argmax(logits[2])), 0, -1], [49, 48, 47]], np.int32)
+    bias_values = np.array([[2.5, -1.0, 0], [0, 0, 0], [-100, 0.5, 0], [100, -100, 7]], np.float32)
+    ref = logits.astype(np.float64).copy()
+    for i in range(n):
+        for t, b in zip(bias_ids[i], bias_values[i]):
+            if t >= 0:
+                ref[i, t] += b
+    ids, lps, _, _ = jax.jit(sample)(logits, _batch(n, v, 0.0, bias_ids=bias_ids, bias_values=bias_values))
+    np.testing.assert_array_equal(np.asarray(ids), np.argmax(ref, axis=1))
+    assert np.asarray(ids)[3] == 49 and np.asarray(ids)[2] != bias_ids[2, 0]
+    # float32: logits + 100 carry ~1e-5 absolute rounding (ulp(100) = 7.6e-6)
+    np.testing.assert_allclose(np.asarray(lps), _log_softmax(ref)[np.arange(n), np.argmax(ref, axis=1)], atol=5e-5)
+
+
+# ----------------------------------------------------------------------------- llguidance masks
+
+def _bytelevel_tokenizer_dir(folder) -> str:
+    """A byte-level BPE tokenizer.json (GPT-2 style) trained here on TEXT_WORDS."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    rng = np.random.RandomState(0)
+    lines = [" ".join(rng.choice(TEXT_WORDS, rng.randint(4, 14))) + ' {"a": [1, 2], "b": "yes"}' for _ in range(300)]
+    tok.train_from_iterator(lines, trainer=trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    return {"sentencepiece": load_tokenizer(BUNDLED),
+            "bytelevel": load_tokenizer(_bytelevel_tokenizer_dir(tmp_path_factory.mktemp("bl")))}
+
+
+def _token_text(tok, t: int) -> str | None:
+    """Token t's text as the tokenizer itself decodes it (None for special tokens). SentencePiece drops
+    a leading space at the start of a text, so t is decoded after an anchor token and the anchor's
+    text removed."""
+    if t in tok.eos_ids or t == tok.bos_id:
+        return None
+    if tok.kind == "sentencepiece":
+        sp = tok.backend
+        if sp.is_control(t) or sp.is_unknown(t):
+            return None
+        anchor = sp.piece_to_id("a")
+        return sp.decode([anchor, t])[len(sp.decode([anchor])):]
+    return tok.decode([t], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "bytelevel"])
+def test_choice_mask_matches_brute_force(tokenizers, kind):
+    tok = tokenizers[kind]
+    choices = ["yes", "no", "the quick fox", "a, b"]
+    g = Grammars(tok, tok.vocab_size + 5, tok.eos_ids)    # a model vocabulary wider than the tokenizer's
+    guide = g.guide(g.compile(StructuredOutputs(choice=choices)))
+    mask = np.full((3, (tok.vocab_size + 5 + 31) // 32), -1, np.int32)
+    g.fill([(guide, 1)], mask)
+    bits = np.unpackbits(mask[1].view(np.uint8), bitorder="little")[:tok.vocab_size + 5].astype(bool)
+    want = np.zeros_like(bits)
+    for t in range(tok.vocab_size):
+        s = _token_text(tok, t)
+        want[t] = bool(s) and "\ufffd" not in s and any(c.startswith(s) for c in choices)
+    assert want.sum() >= 4
+    np.testing.assert_array_equal(bits, want)
+    assert (mask[0] == -1).all() and (mask[2] == -1).all()     # rows not listed are left alone
+    # walk one choice token by token: the grammar ends exactly at its end
+    ids = tok.encode("the quick fox", add_special_tokens=False)
+    assert [guide.consume(t) for t in ids] == [False] * (len(ids) - 1) + [True]
+
+
+# ----------------------------------------------------------------------------- the engine
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "maxItems": 3},
+                                      "ok": {"type": "boolean"}},
+     "required": ["tags", "ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": -5, "maximum": 5}, "y": {"type": "integer", "minimum": -5, "maximum": 5}},
+        "required": ["x", "y"], "additionalProperties": False},
+        "label": {"enum": ["a", "b"]}}, "required": ["point"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1, "maxItems": 4},
+]
+REGEX = r"(0|[1-9]\d{0,2})-[a-z]{2,4}"
+CHOICES = ["red", "green", "blue sky"]
+
+
+def _params(tok) -> list[SamplingParams]:
+    """Constrained and free rows, greedy and seeded, with and without logit_bias. A random-ish model
+    may write an unbounded JSON key forever: the json_object row's bias favours closing quotes and
+    braces (a grammar mask and a bias in the same row)."""
+    close = {tok.backend.piece_to_id('<0x22>'): 8.0, tok.backend.piece_to_id('<0x7D>'): 10.0}
+    ps = [SamplingParams(max_tokens=48, temperature=t, seed=s, structured_outputs=StructuredOutputs(json=sc))
+          for sc, (t, s) in zip(SCHEMAS, [(0.0, None), (1.0, 5), (0.0, None), (0.8, 11)])]
+    ps += [SamplingParams(max_tokens=16, temperature=1.0, seed=3, structured_outputs=StructuredOutputs(regex=REGEX)),
+           SamplingParams(max_tokens=8, temperature=0.9, seed=2, n=2, structured_outputs=StructuredOutputs(choice=CHOICES)),
+           SamplingParams(max_tokens=10, temperature=0.0),
+           SamplingParams(max_tokens=10, temperature=1.0, seed=9, logit_bias={5: 3.0, 17: -100}),
+           SamplingParams(max_tokens=24, temperature=0.0, logit_bias=close,
+                          structured_outputs=StructuredOutputs(json_object=True))]
+    assert all(t > 3 for t in close)
+    return ps
+
+
+# ~25-token prompts: 8 running rows need ~30 blocks, the pool has 12, so the batch preempts
+PROMPTS = [f"{w} and then the little dog ran over the hill to find the old man who lived by the river. {w}"
+           for w in ["Once upon a time", "The answer is", "Give me JSON:", "Numbers", "Code", "Pick a colour",
+                     "Hello", "Lists", "An object"]]
+
+
+def _check_valid(params: list[SamplingParams], outs) -> None:
+    for p, o in zip(params, outs):
+        so = p.structured_outputs
+        for c in o.samples:
+            if so is None:
+                continue
+            assert c.finish_reason == "stop", (c.text, c.finish_reason)
+            if so.json is not None:
+                jsonschema.validate(json.loads(c.text), json.loads(so.json))
+            elif so.json_object:
+                assert isinstance(json.loads(c.text), dict)
+            elif so.regex is not None:
+                assert re.fullmatch(so.regex, c.text), c.text
+            elif so.choice is not None:
+                assert c.text in so.choice
+
+
+@pytest.fixture(scope="module")
+def gen():
+    # a 12-block pool (8 tokens each): the mixed batch below needs more, so it preempts
+    g = Generator.from_pretrained(BUNDLED, dtype="float32", max_model_len=128, max_num_batched_tokens=16,
+                                  max_num_seqs=8, block_size=8, num_blocks=13)
+    return g
+
+
+def test_mixed_batch_valid_and_batch_invariant(gen):
+    params = _params(load_tokenizer(BUNDLED))
+    p0 = gen.stats()["num_preemptions"]
+    outs = gen.generate(PROMPTS, params)
+    _check_valid(params, outs)
+    assert gen.stats()["num_preemptions"] > p0          # constrained rows survive preemption
+    assert gen.stats()["structured_output_requests"] >= 6
+    # each request alone gives the same tokens (seeded draws depend on (seed, sample, position) only;
+    # a constrained row's mask depends on its own tokens only)
+    for prompt, p, o in zip(PROMPTS, params, outs):
+        [alone] = gen.generate([prompt], p)
+        assert [c.token_ids for c in alone.samples] == [c.token_ids for c in o.samples], prompt
+        np.testing.assert_allclose(alone.samples[0].logprobs, o.samples[0].logprobs, atol=1e-5)
+    # the bias row never drew its banned token
+    assert 17 not in outs[7].samples[0].token_ids
+    assert gen.stats()["compilations_after_warmup"] == 0
+
+
+def test_logit_bias_forces_and_bans(gen):
+    prompt = "Once upon a time"
+    [free] = gen.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2))
+    first = free.samples[0].token_ids[0]
+    [forced] = gen.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                     logit_bias={1234: 100}))
+    assert forced.samples[0].token_ids == [1234] * 6
+    [banned] = gen.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                     logit_bias={first: -100}))
+    assert first not in banned.samples[0].token_ids
+    # the second-best token under the model: greedy's first pick once `first` is gone
+    assert banned.samples[0].token_ids[0] == free.samples[0].top_logprobs[0][1][0]
+
+
+def test_streaming_and_stop_strings_with_a_grammar(gen):
+    p = SamplingParams(max_tokens=48, temperature=0.0, structured_outputs=StructuredOutputs(json=SCHEMAS[0]))
+    [whole] = gen.generate(["Give me JSON:"], p)
+    streamed = "".join(d.text for d in gen.stream("Give me JSON:", p))
+    assert streamed == whole.text
+    jsonschema.validate(json.loads(streamed), SCHEMAS[0])
+    # a stop string cuts the constrained text where it starts, as for free text
+    cut = SamplingParams(max_tokens=48, temperature=0.0, stop=[","], structured_outputs=StructuredOutputs(json=SCHEMAS[0]))
+    [stopped] = gen.generate(["Give me JSON:"], cut)
+    assert stopped.text == whole.text[:whole.text.index(",")] and stopped.samples[0].finish_reason == "stop"
+
+
+def test_bad_grammar_and_bias_are_refused_naming_the_field(gen):
+    from jaxinfer.engine import RequestError
+    engine = gen.engine
+    for so, needle in [(StructuredOutputs(json={"type": "nonsense"}), "nonsense"),
+                       (StructuredOutputs(regex="(ab"), "unclosed group"),
+                       (StructuredOutputs(grammar="start: missing_rule"), "missing_rule")]:
+        with pytest.raises(RequestError, match=needle) as e:
+            engine.add_request([1, 5, 6], SamplingParams(structured_outputs=so))
+        assert e.value.param == "structured_outputs"
+    with pytest.raises(RequestError) as e:
+        engine.add_request([1, 5, 6], SamplingParams(logit_bias={10**6: 1.0}))
+    assert e.value.param == "logit_bias"
+    assert not engine.has_unfinished()
