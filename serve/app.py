@@ -410,7 +410,8 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
                         finish = (ts.finish_reason(d.finish_reason) if ts else d.finish_reason) if d.finished else None
                         for j, delta in enumerate(deltas):
                             last = j == len(deltas) - 1
-                            if not delta and not last:
+                            # an empty delta only where it carries something (plain streams keep one per step)
+                            if not delta and not (last and (ts is None or d.finished or lp is not None)):
                                 continue
                             yield _sse({**base, "choices": [{"index": d.sample_index, "delta": delta,
                                                              "logprobs": lp if j == 0 else None,
