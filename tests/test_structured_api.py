@@ -491,6 +491,23 @@ def test_tool_results_and_auto_are_accepted(client):
         assert streamed == r.choices[0].message.content
 
 
+def test_auto_turns_tool_call_blocks_into_calls(client):
+    """tool_choice auto parses what the model writes: here a guided_choice makes the tiny model write
+    text and a <tool_call> block (the request itself says what must come back)."""
+    written = 'Checking. <tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}</tool_call>'
+    kw = dict(model="tiny", messages=MSG, tools=TOOLS, tool_choice="auto", max_tokens=120, temperature=0,
+              extra_body={"guided_choice": [written]})
+    r = client.chat.completions.create(**kw)
+    with client.chat.completions.stream(**kw) as stream:
+        s = stream.get_final_completion()
+    for c in (r.choices[0], s.choices[0]):
+        assert c.finish_reason == "tool_calls" and c.message.content == "Checking."
+        (call,) = c.message.tool_calls
+        assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"zone": "cet"}
+    none = client.chat.completions.create(**{**kw, "tool_choice": "none"})
+    assert none.choices[0].message.content == written and not none.choices[0].message.tool_calls
+
+
 @pytest.mark.parametrize("route,body,param", [
     ("/v1/chat/completions", {"response_format": {"type": "json_schema",
                                                   "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
