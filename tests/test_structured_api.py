@@ -234,6 +234,36 @@ def test_plain_rendering_lists_tools_and_writes_calls_back():
     assert template_messages(msgs[:2], None, native=False) == msgs[:2]
 
 
+def test_templates_that_know_tools_receive_them():
+    """An HF-style template that mentions `tools` gets them and the structured tool calls (arguments as
+    objects); the plain template gets the preamble instead."""
+    from types import SimpleNamespace
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from serve.app import DEFAULT_CHAT_TEMPLATE, ServerState
+    from serve.protocol import ChatMessage
+    hf = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
+          "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+          "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments.zone }}]{% endfor %}"
+          "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}{% endfor %}")
+    call = {"id": "call_9", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}
+    msgs = [ChatMessage(role="user", content="time?"), ChatMessage(role="assistant", tool_calls=[call]),
+            ChatMessage(role="tool", content="12:00", tool_call_id="call_9")]
+    plan = plan_tools(TOOLS, None, None)
+
+    def render(template: str) -> str:
+        fake = SimpleNamespace(tokenizer=None, template_has_tools="tools" in template, chat_template_text=template,
+                               chat_template=ImmutableSandboxedEnvironment().from_string(template),
+                               encode=lambda text, add_special_tokens: text)
+        return ServerState.render_chat(fake, msgs, plan)
+
+    assert render(hf) == "<tools>get_weather;get_time;</tools><user>time?<assistant>[get_time utc]<tool>12:00(call_9)"
+    plain = render(DEFAULT_CHAT_TEMPLATE)
+    assert plain.startswith("System: You can call the following functions") and "<tools>" not in plain
+    assert 'Assistant: <tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>\nTool: 12:00\n' in plain
+
+
 # ====================================================================== the server
 openai = pytest.importorskip("openai")
 
