@@ -93,6 +93,8 @@ def main(tmp: Path) -> dict:
 
     t0 = time.perf_counter()
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    # logit_bias rides in the stacked micro-batches' sampling rows (a +5 and a ban)
+    sp_bias = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logit_bias={3: 5.0, 7: -100})
     result: dict = {"n_devices": len(jax.devices()), "configs": {}}
     for name, layouts in LAYOUTS.items():
         folder = tmp / name
@@ -101,7 +103,8 @@ def main(tmp: Path) -> dict:
         ref_logits = ref.logits(LOGITS_PROMPT)
         ref_tokens = [o.token_ids for o in ref.generate(PROMPTS, sp)]
         ref_shared = [o.token_ids for o in ref.generate(SHARED, sp)]
-        entry = {"ref_tokens": ref_tokens, "ref_shared": ref_shared, "ref_compiles": ref.stats()["compilations_after_warmup"], "layouts": {}}
+        ref_biased = [o.token_ids for o in ref.generate(PROMPTS, sp_bias)]
+        entry = {"ref_tokens": ref_tokens, "ref_shared": ref_shared, "ref_biased": ref_biased, "ref_compiles": ref.stats()["compilations_after_warmup"], "layouts": {}}
         for tp, pp, micro in layouts:
             t_layout = time.perf_counter()
             gen = pipelined_generator(folder, tp, pp, micro)
@@ -114,11 +117,12 @@ def main(tmp: Path) -> dict:
             tokens = [o.token_ids for o in gen.generate(PROMPTS, sp)]
             hits0 = gen.stats()["prefix_cache_hits"]
             shared = [o.token_ids for o in gen.generate(SHARED, sp)]
+            biased = [o.token_ids for o in gen.generate(PROMPTS, sp_bias)]
             per_device = bytes_per_device(model)
             entry["layouts"][f"tp{tp}pp{pp}"] = {
                 "tp": tp, "pp": pp, "microbatches": runner.microbatches,
                 "logits_rel_err": float(np.max(np.abs(logits - ref_logits)) / np.max(np.abs(ref_logits))),
-                "tokens": tokens, "generate_compiles": CompileCounter.count - c0,
+                "tokens": tokens, "generate_compiles": CompileCounter.count - c0, "biased_tokens": biased,
                 "shared_tokens": shared, "shared_cache_hits": gen.stats()["prefix_cache_hits"] - hits0,
                 "compilations_after_warmup": gen.stats()["compilations_after_warmup"],
                 "kv_blocks_free_after": gen.stats()["kv_blocks_free"], "kv_blocks_total": gen.stats()["kv_blocks_total"],

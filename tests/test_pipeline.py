@@ -102,6 +102,8 @@ def test_pp_greedy_generation_identical_and_no_recompiles(pp_result):
         # prefix caching on (the default) across stages: the samples behind a shared prefix start from
         # its cached blocks (two of them each) and draw what the one-device engine draws
         assert run["shared_tokens"] == entry["ref_shared"], (name, run["tp"], run["pp"])
+        assert run["biased_tokens"] == entry["ref_biased"] and entry["ref_biased"] != entry["ref_tokens"], name
+        assert not any(7 in t for t in entry["ref_biased"])
         assert run["shared_cache_hits"] >= 2 * 16, (name, run["tp"], run["pp"])
         assert run["microbatches"] == next(m or pp for tp, pp, m in LAYOUTS[name]
                                            if (tp, pp) == (run["tp"], run["pp"]))
