@@ -34,6 +34,7 @@ from serve.metrics import ServerMetrics
 from serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                             OpenAIError, TokenizeRequest, chat_body, chat_logprobs, completion_body,
                             completion_logprobs, new_id, now, usage)
+from serve.tools import AutoToolParser, ToolPlan, parse_forced, template_messages
 
 # The bundled model has no chat template of its own; this plain one is documented in the README.
 DEFAULT_CHAT_TEMPLATE = (
@@ -53,6 +54,9 @@ class ServerState:
         env.globals["raise_exception"] = _raise_template_error
         self.chat_template_text = template
         self.chat_template = env.from_string(template)
+        # HF templates with tool support take `tools` and structured tool calls; others get the plain
+        # rendering of serve.tools
+        self.template_has_tools = "tools" in template
 
     # -------------------------------------------------------------- inputs
     def check_model(self, name: str | None) -> None:
@@ -68,13 +72,16 @@ class ServerState:
         except UnicodeError:   # the request models refuse such text first; this is the backstop
             raise OpenAIError(400, "the prompt is not valid Unicode text", param="prompt") from None
 
-    def render_chat(self, messages: list[ChatMessage]) -> list[int]:
+    def render_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
         tok = self.tokenizer
+        native = self.template_has_tools
+        extra = {"tools": list(tools.tools)} if tools is not None and native else {}
+        msgs = template_messages([m.template_dict() for m in messages], tools, native)
         try:
             text = self.chat_template.render(
-                messages=[{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt=True,
+                messages=msgs, add_generation_prompt=True,
                 bos_token=tok.id_to_piece(tok.bos_id) if tok and tok.bos_id is not None else "",
-                eos_token=tok.id_to_piece(tok.eos_ids[0]) if tok and tok.eos_ids else "")
+                eos_token=tok.id_to_piece(tok.eos_ids[0]) if tok and tok.eos_ids else "", **extra)
         except TemplateError as e:
             raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         # HF templates write the BOS token themselves; ours does not
@@ -104,7 +111,7 @@ class ServerState:
     def chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         """A /v1/chat/completions body -> the rendered prompt's token ids and the sampling params."""
         self.check_model(req.model)
-        prompt = self.render_chat(req.messages)
+        prompt = self.render_chat(req.messages, req.tool_plan())
         max_tokens = self.default_max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens)
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -213,6 +220,50 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+class _ToolStream:
+    """One streamed chat choice under a tool plan: its text -> the chunk deltas to send. Forced calls
+    (required / named) are buffered whole and sent when the output ends; "auto" streams content and
+    holds back what may be a <tool_call> block (serve.tools.AutoToolParser). A tool call goes out as
+    OpenAI does: a delta with its index, id, type and name (arguments ""), then one with the arguments."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.auto = None if plan.constrained else AutoToolParser(plan)
+        self.buffer = ""
+        self.n_calls = 0
+
+    def _call_deltas(self, calls: list[dict]) -> list[dict]:
+        out = []
+        for c in calls:
+            i, self.n_calls = self.n_calls, self.n_calls + 1
+            out.append({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                        "function": {"name": c["function"]["name"], "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]})
+        return out
+
+    def feed(self, text: str, finished: bool) -> list[dict]:
+        """The deltas to send for this piece of text (the last one carries the finish_reason; an
+        empty delta {} where there is nothing to send)."""
+        out: list[dict] = []
+        if self.auto is None:
+            self.buffer += text
+            if finished:
+                calls = parse_forced(self.buffer, self.plan)
+                out = self._call_deltas(calls) if calls else ([{"content": self.buffer}] if self.buffer else [])
+        else:
+            content, calls = self.auto.feed(text)
+            if finished:
+                rest, _ = self.auto.finish()
+                content += rest
+            if content:
+                out.append({"content": content})
+            out += self._call_deltas(calls)
+        return out or [{}]
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.n_calls else reason
+
+
 def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_queue: int = 1024,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """api_key: required on every route but /health (serve.guard); max_queue: sequences (prompts x n)
@@ -268,7 +319,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages")
         ids = await run_in_threadpool(lambda: state.encode(req.prompt, req.add_special_tokens)
-                                      if req.prompt is not None else state.render_chat(req.messages))
+                                      if req.prompt is not None else state.render_chat(req.messages, req.tool_plan()))
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize")
@@ -285,7 +336,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         prompts, params = await run_in_threadpool(state.completion_inputs, req)
-        sub = state.engine.submit(prompts, params, cache_salt=req.cache_salt)
+        sub = state.engine.submit(prompts, params, cache_salt=req.cache_salt, request_field=req.request_field)
         rid, created = new_id("cmpl"), now()
         n_prompt = sum(len(x) for x in prompts)
 
@@ -330,16 +381,20 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         prompt, params = await run_in_threadpool(state.chat_inputs, req)
-        sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt)
+        sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt, request_field=req.request_field)
         rid, created = new_id("chatcmpl"), now()
 
         if req.stream:
+            plan = req.tool_plan()
+
             async def events() -> AsyncIterator[str]:
                 finished, n_out, cached = False, 0, 0
                 base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+                tools = [_ToolStream(plan) if plan is not None and plan.parses else None for _ in range(sub.n)]
                 try:
+                    first = {"role": "assistant", "content": None if plan is not None and plan.constrained else ""}
                     for i in range(sub.n):
-                        yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                        yield _sse({**base, "choices": [{"index": i, "delta": first,
                                                          "logprobs": None, "finish_reason": None}]})
                     remaining = sub.n
                     while remaining:
@@ -349,10 +404,18 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
                         cached = max(cached, d.num_cached_tokens)
                         if not (d.text or d.token_ids or d.finished):
                             continue
-                        yield _sse({**base, "choices": [{"index": d.sample_index,
-                                                         "delta": {"content": d.text} if d.text else {},
-                                                         "logprobs": chat_logprobs([d], state.token_str) if req.logprobs else None,
-                                                         "finish_reason": d.finish_reason if d.finished else None}]})
+                        lp = chat_logprobs([d], state.token_str) if req.logprobs else None
+                        ts = tools[d.sample_index]
+                        deltas = [{"content": d.text} if d.text else {}] if ts is None else ts.feed(d.text, d.finished)
+                        finish = (ts.finish_reason(d.finish_reason) if ts else d.finish_reason) if d.finished else None
+                        for j, delta in enumerate(deltas):
+                            last = j == len(deltas) - 1
+                            # an empty delta only where it carries something (plain streams keep one per step)
+                            if not delta and not (last and (ts is None or d.finished or lp is not None)):
+                                continue
+                            yield _sse({**base, "choices": [{"index": d.sample_index, "delta": delta,
+                                                             "logprobs": lp if j == 0 else None,
+                                                             "finish_reason": finish if last else None}]})
                     finished = True
                     if req.stream_options and req.stream_options.include_usage:
                         yield _sse({**base, "choices": [], "usage": usage(len(prompt), n_out, cached)})
@@ -365,6 +428,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
             return StreamingResponse(events(), media_type="text/event-stream")
 
         return await _respond(state, sub, request, lambda groups: chat_body(
-            rid, created, state.model_name, groups, len(prompt), state.token_str, req.logprobs, sub.n))
+            rid, created, state.model_name, groups, len(prompt), state.token_str, req.logprobs, sub.n,
+            tools=req.tool_plan()))
 
     return app

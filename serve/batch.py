@@ -127,7 +127,9 @@ def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -
     build = completion_body if job.url == "/v1/completions" else chat_body
     want_lp = job.request.logprobs is not None if job.url == "/v1/completions" else job.request.logprobs
     rid = new_id("cmpl" if job.url == "/v1/completions" else "chatcmpl")
-    body = build(rid, now(), state.model_name, groups, n_prompt, state.token_str, bool(want_lp), job.params.n)
+    extra = {"tools": job.request.tool_plan()} if job.url == "/v1/chat/completions" else {}
+    body = build(rid, now(), state.model_name, groups, n_prompt, state.token_str, bool(want_lp), job.params.n,
+                 **extra)
     return {"id": new_id("batch_req"), "custom_id": job.custom_id, "line": job.line,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 

@@ -15,6 +15,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from jaxinfer.client import SubmitError
 from jaxinfer.config import SamplingParams
@@ -64,10 +65,12 @@ class AsyncEngine:
         """Sequences admitted but not yet running (a request with n samples counts n)."""
         return self.client.queued_sequences()
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None = None) -> Submission:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None = None,
+               request_field: Callable[[str], str] | None = None) -> Submission:
         """Queue one engine request per prompt; all their deltas arrive on one asyncio.Queue.
-        Raises OpenAIError: 503 when the engine has stopped, 400 for what can never fit the queue,
-        429 when the queue is full now."""
+        Raises OpenAIError: 503 when the engine has stopped, 400 for what can never fit the queue
+        or what the engine refuses (its param mapped by request_field to this request's field name,
+        e.g. structured_outputs -> response_format), 429 when the queue is full now."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         sequences = len(prompts) * params.n
         if sequences > self.max_queue:
@@ -88,7 +91,8 @@ class AsyncEngine:
             rids = self.client.submit(prompts, params, route=route, check=admit,
                                       cache_salt=cache_salt, max_tokens_must_fit=True)
         except SubmitError as e:   # the engine's own validation (Engine.add_request), field named
-            raise OpenAIError(400, e.message, param=e.param or "prompt", code=e.code) from None
+            param = (request_field or str)(e.param) if e.param else "prompt"
+            raise OpenAIError(400, e.message, param=param, code=e.code) from None
         self._wake.set()
         return Submission(rids, queue, params.n)
 

@@ -4,28 +4,35 @@ and the offline batch script so both speak exactly the same dialect.
 Every request body is checked before its fields are: text must be valid Unicode (JSON's "\\ud800"
 escapes parse to lone surrogates that no tokenizer can encode), OpenAI fields we do not implement
 are refused (UNSUPPORTED_FIELDS), unknown extras are ignored with a logged warning. Sampling bounds
-themselves live in SamplingParams; this module only maps OpenAI's field names onto it."""
+themselves live in SamplingParams; this module only maps OpenAI's field names onto it.
+
+Structured outputs: at most one constraint per request, from OpenAI's `response_format`
+(json_object, json_schema), vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`
+or its `structured_outputs` object, or a forced tool call (chat `tool_choice` "required" or named,
+serve.tools); it becomes SamplingParams.structured_outputs, and an error about it (here, or the
+engine's when the grammar does not compile) names the field this request used."""
 from __future__ import annotations
 
+import json
 import logging
 import math
+import re
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
-from jaxinfer.config import SamplingParams, SamplingParamsError
+from jaxinfer.config import SamplingParams, SamplingParamsError, StructuredOutputs
+from serve.tools import ToolPlan, ToolSpecError, check_message_tool_calls, parse_output, plan_tools
 
 log = logging.getLogger("jaxinfer.serve")
 
-# OpenAI request fields this server does not implement. Each is refused with a 400 naming it unless
-# it carries its no-op value: a client that asked for JSON, a tool call or a logit bias must not get
-# plain text that it believes honours the request.
+# OpenAI request fields this server does not implement (on an endpoint whose model does not declare
+# them: tools are chat-only). Each is refused with a 400 naming it unless it carries its no-op value:
+# a client that asked for a tool call must not get plain text that it believes honours the request.
 UNSUPPORTED_FIELDS = {
-    "logit_bias": lambda v: v is None or v == {},
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text" and len(v) == 1),
     "tools": lambda v: v is None or v == [],
     "tool_choice": lambda v: v is None or v == "none",
     "parallel_tool_calls": lambda v: v is None,
@@ -37,11 +44,11 @@ UNSUPPORTED_FIELDS = {
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": lambda v: v is None,
     "web_search_options": lambda v: v is None,
-    # vLLM's structured-output extras: the same promise as response_format
-    "guided_json": lambda v: v is None, "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None, "guided_grammar": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
 }
+
+# vLLM's structured_outputs object: the constraint keys, and the one option we honour
+_SO_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_SO_OPTIONS = ("disable_any_whitespace",)
 
 
 class OpenAIError(Exception):
@@ -144,9 +151,20 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     # prefix caching (vLLM's name): requests share cached prompt blocks only under the same salt
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # token id (as a string, OpenAI's shape) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias = self.logit_bias_ids()
+        constraint = self.constraint()
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -154,13 +172,133 @@ class _Sampling(_Body):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 seed=self.seed, stop=tuple(stop),
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                logprobs=logprobs, n=self.n)
+                logprobs=logprobs, n=self.n, logit_bias=bias, structured_outputs=constraint)
         except SamplingParamsError as e:
             raise OpenAIError(400, str(e), param=self.request_field(e.fields[0])) from None
 
     def request_field(self, name: str) -> str:
         """The name this request uses for SamplingParams field `name`."""
+        if name == "structured_outputs":
+            return self.constraint_field() or name
         return name
+
+    # ------------------------------------------------------------ logit_bias
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """OpenAI's {"token id": bias} with the ids as integers (bounds: SamplingParams, the vocabulary:
+        the engine)."""
+        if not self.logit_bias:
+            return None
+        bad = [k for k in self.logit_bias if not re.fullmatch(r"-?[0-9]{1,19}", k)]
+        if bad:
+            raise OpenAIError(400, f"logit_bias keys must be token ids (integers as strings), got {bad[:3]}",
+                              param="logit_bias")
+        return {int(k): v for k, v in self.logit_bias.items()}
+
+    # ------------------------------------------------------------ structured outputs
+    def constraint_sources(self) -> list[str]:
+        """The fields of this request that ask for a constraint (more than one is refused)."""
+        rf = self.response_format
+        found = ["response_format"] if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text") else []
+        found += [f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+                  if getattr(self, f) is not None]
+        return found
+
+    def constraint_field(self) -> str | None:
+        found = self.constraint_sources()
+        return found[0] if found else None
+
+    def constraint(self) -> StructuredOutputs | None:
+        """This request's structured-output constraint, or None; a 400 naming the field when it is
+        malformed or when a second field asks for another one."""
+        found = self.constraint_sources()
+        if len(found) > 1:
+            raise OpenAIError(400, f"at most one structured-output constraint per request, got {' and '.join(found)}",
+                              param=found[1])
+        if not found:
+            return None
+        field_name = found[0]
+        try:
+            return self._build_constraint(field_name)
+        except SamplingParamsError as e:
+            raise OpenAIError(400, f"{field_name}: {e}", param=field_name) from None
+
+    def _build_constraint(self, name: str) -> StructuredOutputs:
+        if name == "response_format":
+            return _response_format(self.response_format)
+        if name == "guided_json":
+            return StructuredOutputs(json=_schema_object(self.guided_json, "guided_json"))
+        if name == "guided_regex":
+            return StructuredOutputs(regex=self.guided_regex)
+        if name == "guided_choice":
+            return StructuredOutputs(choice=tuple(self.guided_choice))
+        if name == "guided_grammar":
+            return StructuredOutputs(grammar=self.guided_grammar)
+        return _structured_outputs(self.structured_outputs)
+
+
+def _schema_object(value: Any, param: str) -> dict:
+    """A JSON schema given as an object or as its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise OpenAIError(400, f"{param}: the JSON schema is not valid JSON ({e})", param=param) from None
+    if not isinstance(value, dict):
+        raise OpenAIError(400, f"{param}: the JSON schema must be an object", param=param)
+    return value
+
+
+def _response_format(rf: dict) -> StructuredOutputs:
+    """OpenAI's response_format (type text is no constraint and never reaches here)."""
+    kind = rf.get("type")
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict):
+            raise OpenAIError(400, "response_format.json_schema must be an object with name and schema",
+                              param="response_format")
+        name = spec.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise OpenAIError(400, "response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'",
+                              param="response_format")
+        if spec.get("strict") is not None and not isinstance(spec.get("strict"), bool):
+            raise OpenAIError(400, "response_format.json_schema.strict must be a boolean", param="response_format")
+        if "schema" not in spec:
+            raise OpenAIError(400, "response_format.json_schema.schema is required", param="response_format")
+        return StructuredOutputs(json=_schema_object(spec["schema"], "response_format"))
+    raise OpenAIError(400, f"response_format.type must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}",
+                      param="response_format")
+
+
+def _structured_outputs(so: dict) -> StructuredOutputs:
+    """vLLM's structured_outputs object: one of json, regex, choice, grammar, json_object (null values
+    are absent), and disable_any_whitespace (JSON: default true here, compact JSON)."""
+    unknown = sorted(set(so) - set(_SO_KEYS) - set(_SO_OPTIONS))
+    if unknown:
+        raise OpenAIError(400, f"structured_outputs: unsupported key(s) {unknown}; supported: "
+                               f"{list(_SO_KEYS + _SO_OPTIONS)}", param="structured_outputs")
+    kw: dict[str, Any] = {}
+    for key in _SO_KEYS:
+        v = so.get(key)
+        if v is None:
+            continue
+        if key == "json":
+            kw["json"] = _schema_object(v, "structured_outputs")
+        elif key == "json_object":
+            if not isinstance(v, bool):
+                raise OpenAIError(400, "structured_outputs.json_object must be a boolean", param="structured_outputs")
+            kw["json_object"] = v
+        elif key == "choice":
+            if not isinstance(v, list):
+                raise OpenAIError(400, "structured_outputs.choice must be a list of strings", param="structured_outputs")
+            kw["choice"] = tuple(v)
+        else:
+            kw[key] = v
+    daw = so.get("disable_any_whitespace")
+    if daw is not None and not isinstance(daw, bool):
+        raise OpenAIError(400, "structured_outputs.disable_any_whitespace must be a boolean", param="structured_outputs")
+    return StructuredOutputs(**kw, whitespace_flexible=daw is False)
 
 
 class CompletionRequest(_Sampling):
@@ -174,6 +312,24 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None     # assistant: the calls it made
+    tool_call_id: str | None = None                    # tool: the call this result answers
+
+    def template_dict(self) -> dict:
+        """The message as the chat template receives it."""
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            m["name"] = self.name
+        if self.tool_calls:
+            try:
+                check_message_tool_calls(self.tool_calls)
+            except ToolSpecError as e:
+                raise OpenAIError(400, e.message, param="messages") from None
+            m["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
 
     def text(self) -> str:
         if isinstance(self.content, list):   # content parts: only text parts are supported
@@ -191,13 +347,38 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    # tool calls (serve.tools)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    _plan: Any = PrivateAttr(default=False)
 
     def request_field(self, name: str) -> str:
         if name == "logprobs":
             return "top_logprobs"
         if name == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return name
+        if name == "structured_outputs" and self.constraint_field() == "tool_choice":
+            return "tools"        # the forced call's schema is made of the tools' parameters
+        return super().request_field(name)
+
+    def tool_plan(self) -> ToolPlan | None:
+        """The request's tools and tool_choice, checked (a 400 naming the field), computed once."""
+        if self._plan is False:
+            try:
+                self._plan = plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+            except ToolSpecError as e:
+                raise OpenAIError(400, e.message, param=e.param) from None
+        return self._plan
+
+    def constraint_sources(self) -> list[str]:
+        plan = self.tool_plan()
+        return super().constraint_sources() + (["tool_choice"] if plan is not None and plan.constrained else [])
+
+    def _build_constraint(self, name: str) -> StructuredOutputs:
+        if name == "tool_choice":
+            return StructuredOutputs(json=self.tool_plan().schema())
+        return super()._build_constraint(name)
 
 
 class TokenizeRequest(_Body):
@@ -205,6 +386,13 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    tools: list[dict[str, Any]] | None = None     # with messages: rendered as a chat request renders them
+
+    def tool_plan(self) -> ToolPlan | None:
+        try:
+            return plan_tools(self.tools, None, None)
+        except ToolSpecError as e:
+            raise OpenAIError(400, e.message, param=e.param) from None
 
 
 class DetokenizeRequest(_Body):
@@ -260,12 +448,23 @@ def completion_body(rid: str, created: int, model: str, groups: list[list], n_pr
             "usage": usage(n_prompt, n_out, cached_tokens(groups, n))}
 
 
+def chat_message(text: str, finish_reason: str | None, plan: ToolPlan | None) -> tuple[dict, str | None]:
+    """A chat choice's message and finish_reason: tool calls parsed out of the text under the
+    request's tool plan (serve.tools) come back as tool_calls with finish_reason "tool_calls"."""
+    content, calls = parse_output(text, plan)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+
 def chat_body(rid: str, created: int, model: str, groups: list[list], n_prompt: int, token_str,
-              logprobs: bool, n: int = 1) -> dict:
+              logprobs: bool, n: int = 1, tools: ToolPlan | None = None) -> dict:
     """A non-streaming /v1/chat/completions response from each choice's deltas."""
-    choices = [{"index": i, "message": {"role": "assistant", "content": "".join(d.text for d in g)},
-                "logprobs": chat_logprobs(g, token_str) if logprobs else None,
-                "finish_reason": g[-1].finish_reason} for i, g in enumerate(groups)]
+    choices = []
+    for i, g in enumerate(groups):
+        message, finish = chat_message("".join(d.text for d in g), g[-1].finish_reason, tools)
+        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(g, token_str) if logprobs else None,
+                        "finish_reason": finish})
     n_out = sum(len(d.token_ids) for g in groups for d in g)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage(n_prompt, n_out, cached_tokens(groups, n))}

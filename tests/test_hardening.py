@@ -231,18 +231,15 @@ def test_non_streaming_disconnect_aborts_and_frees_blocks(srv, gen):
 
 # ------------------------------------------------------------------ 13. unsupported fields are refused
 @pytest.mark.parametrize("route,field,value", [
-    ("/v1/completions", "logit_bias", {"50": 100}),
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "suffix", " the end"),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
+    # tools are chat-only (tests/test_structured_api.py covers them, structured outputs and logit_bias)
+    ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/completions", "tool_choice", "required"),
+    ("/v1/completions", "parallel_tool_calls", True),
+    ("/v1/chat/completions", "tool_choice", "required"),     # with no tools
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("/v1/chat/completions", "function_call", "auto"),
-    ("/v1/chat/completions", "parallel_tool_calls", True),
-    ("/v1/chat/completions", "logit_bias", {"7": -100}),
-    ("/v1/completions", "guided_json", {"type": "object"}),
 ])
 def test_unsupported_fields_get_400_naming_them(srv, route, field, value):
     body = {"model": "tiny", "max_tokens": 2, field: value}

@@ -1,0 +1,332 @@
+"""OpenAI tool calls for /v1/chat/completions: checking `tools`/`tool_choice`, the JSON schema that
+constrains a forced call, rendering tools into prompts, and parsing calls out of generated text.
+
+Pure Python (no jax, no server): the request models (serve.protocol) and the app (serve.app) use it,
+and a bad field is a `ToolSpecError` naming the request field at fault, which they turn into a 400.
+
+tool_choice:
+  "none"      tools are rendered into the prompt (as vLLM does) but calls are never parsed;
+  "auto"      unconstrained decoding; `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
+              naming a known tool become tool_calls (the text outside them stays the content);
+  "required"  decoding constrained by a JSON schema: with parallel_tool_calls (the default) an array
+              (at least one item) of {"name": <a tool>, "arguments": <its parameters>}; without, one
+              such object; the output is parsed into tool_calls;
+  {"type": "function", "function": {"name": F}}   as "required" with F the only tool allowed.
+The default when tools are given is "auto" ("none" without tools), as in OpenAI's API.
+
+Chat templates that mention `tools` (HF templates with tool support) get `tools=[...]` and the
+messages with their `tool_calls` / `tool_call_id`; other templates get the plain rendering below:
+a system preamble listing each function as JSON and asking for `<tool_call>` blocks, assistant
+tool calls written back as those blocks, tool results as `tool` messages.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+PLAIN_PREAMBLE = (
+    "You can call the following functions. Each is described by a JSON object:\n{tools}\n"
+    "To call a function, answer with one block per call, exactly in this form:\n"
+    '<tool_call>{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}</tool_call>')
+
+
+class ToolSpecError(ValueError):
+    """A `tools`/`tool_choice`/`parallel_tool_calls`/`messages` value that cannot be honoured."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param, self.message = param, message
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request asks of tools, checked once. mode: none | auto | required | named."""
+    tools: tuple[dict, ...]            # the request's tools, normalised to OpenAI's shape
+    mode: str
+    name: str | None = None            # the forced function (mode "named")
+    parallel: bool = True
+    names: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def constrained(self) -> bool:
+        return self.mode in ("required", "named")
+
+    @property
+    def parses(self) -> bool:
+        return self.mode != "none"
+
+    def schema(self) -> dict:
+        """The JSON schema that constrains a forced call (modes required and named)."""
+        chosen = [t for t in self.tools if self.mode != "named" or t["function"]["name"] == self.name]
+        options = [{"type": "object",
+                    "properties": {"name": {"const": t["function"]["name"]},
+                                   "arguments": t["function"].get("parameters") or {"type": "object",
+                                                                                    "properties": {}}},
+                    "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
+        one = options[0] if len(options) == 1 else {"anyOf": options}
+        return {"type": "array", "minItems": 1, "items": one} if self.parallel else one
+
+
+def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolPlan | None:
+    """Check a request's tool fields; None when it has no tools and no tool_choice that needs them."""
+    if tools is not None and not isinstance(tools, list):
+        raise ToolSpecError("tools", "tools must be a list of {\"type\": \"function\", \"function\": {...}}")
+    tools = tools or []
+    checked, names = [], set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise ToolSpecError("tools", f"{where}: only tools of type \"function\" are supported")
+        f = t.get("function")
+        if not isinstance(f, dict):
+            raise ToolSpecError("tools", f"{where}.function must be an object")
+        name = f.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise ToolSpecError("tools", f"{where}.function.name must be 1 to 64 letters, digits, '_', '.' or "
+                                         f"'-', got {name!r}")
+        if name in names:
+            raise ToolSpecError("tools", f"{where}: the function name {name!r} is used twice")
+        params = f.get("parameters")
+        if params is not None and not (isinstance(params, dict) and params.get("type", "object") == "object"):
+            raise ToolSpecError("tools", f"{where}.function.parameters must be a JSON schema of type \"object\"")
+        desc = f.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise ToolSpecError("tools", f"{where}.function.description must be a string")
+        names.add(name)
+        fn = {"name": name}
+        if desc is not None:
+            fn["description"] = desc
+        fn["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+        if f.get("strict") is not None:
+            fn["strict"] = f["strict"]
+        checked.append({"type": "function", "function": fn})
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise ToolSpecError("parallel_tool_calls", "parallel_tool_calls must be true or false")
+    parallel = parallel_tool_calls is not False
+
+    choice = tool_choice if tool_choice is not None else ("auto" if checked else "none")
+    name = None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise ToolSpecError("tool_choice", f"tool_choice must be \"none\", \"auto\", \"required\" or "
+                                               f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}")
+        mode = choice
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ToolSpecError("tool_choice", "a named tool_choice is {\"type\": \"function\", "
+                                               "\"function\": {\"name\": ...}}")
+        mode, name = "named", fn["name"]
+        if name not in names:
+            raise ToolSpecError("tool_choice", f"tool_choice names the function {name!r}, which is not among "
+                                               f"the tools ({sorted(names) or 'none given'})")
+    else:
+        raise ToolSpecError("tool_choice", "tool_choice must be a string or an object")
+    if mode == "required" and not checked:
+        raise ToolSpecError("tool_choice", "tool_choice \"required\" needs a non-empty tools list")
+    if not checked:
+        return None
+    return ToolPlan(tuple(checked), mode, name, parallel, frozenset(names))
+
+
+# ------------------------------------------------------------------ rendering
+def template_messages(messages: list[dict], plan: ToolPlan | None, native: bool) -> list[dict]:
+    """The messages as a chat template receives them. native: the template handles tools itself
+    (assistant tool_calls get their arguments as objects, as HF templates expect); otherwise the
+    plain rendering: tool calls written back as <tool_call> blocks and, with tools, a preamble
+    merged into the first system message (or a new one)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        calls = m.pop("tool_calls", None)
+        if calls:
+            if native:
+                m["tool_calls"] = [_template_call(c) for c in calls]
+            else:
+                blocks = "".join(f"{TOOL_CALL_OPEN}{json.dumps(_call_object(c), ensure_ascii=False)}{TOOL_CALL_CLOSE}"
+                                 for c in calls)
+                m["content"] = (m.get("content") or "") + blocks
+        if not native:
+            m.pop("tool_call_id", None)
+        out.append(m)
+    if plan is not None and not native:
+        preamble = PLAIN_PREAMBLE.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in plan.tools))
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": preamble + ("\n\n" + out[0]["content"] if out[0].get("content") else "")}
+        else:
+            out.insert(0, {"role": "system", "content": preamble})
+    return out
+
+
+def _arguments_object(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def _call_object(call: dict) -> dict:
+    fn = call.get("function") or {}
+    return {"name": fn.get("name"), "arguments": _arguments_object(fn.get("arguments"))}
+
+
+def _template_call(call: dict) -> dict:
+    fn = call.get("function") or {}
+    return {**call, "function": {**fn, "arguments": _arguments_object(fn.get("arguments"))}}
+
+
+def check_message_tool_calls(calls: Any) -> None:
+    """An assistant message's tool_calls, as a client sends them back."""
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise ToolSpecError("messages", "tool_calls must be a list")
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("arguments", ""), (str, dict)):
+            raise ToolSpecError("messages", "each tool call is {\"id\", \"type\": \"function\", "
+                                            "\"function\": {\"name\", \"arguments\"}}")
+
+
+# ------------------------------------------------------------------ parsing
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def make_call(name: str, arguments: Any) -> dict:
+    return {"id": new_call_id(), "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def parse_forced(text: str, plan: ToolPlan) -> list[dict] | None:
+    """The tool calls of a constrained (required / named) output, or None where it does not parse
+    (the output was cut by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not (isinstance(item, dict) and item.get("name") in plan.names and isinstance(item.get("arguments"), dict)):
+            return None
+        calls.append(make_call(item["name"], item["arguments"]))
+    return calls or None
+
+
+def _parse_block(body: str, plan: ToolPlan) -> dict | None:
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(value, dict) or value.get("name") not in plan.names:
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if isinstance(args, str):
+        args = _arguments_object(args)
+    if not isinstance(args, dict):
+        return None
+    return make_call(value["name"], args)
+
+
+class AutoToolParser:
+    """Incremental parser for tool_choice "auto": feed() text as it is generated and get back the
+    content that is safe to show now and the tool calls completed so far; text that may be the start
+    of a `<tool_call>` block is held back until it is known. A block whose JSON does not parse or
+    names an unknown tool stays content. With calls, trailing whitespace of the content is dropped
+    and whitespace-only content becomes null. Without parallel_tool_calls only the first call is kept."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.pending = ""        # text not yet classified
+        self.in_block = False
+        self.held_ws = ""        # whitespace held back: dropped if a call follows at the end
+        self.calls: list[dict] = []
+
+    def _content(self, text: str) -> str:
+        if not text:
+            return ""
+        text = self.held_ws + text
+        stripped = text.rstrip()
+        self.held_ws = text[len(stripped):]
+        return stripped
+
+    def _call(self, call: dict) -> list[dict]:
+        if self.calls and not self.plan.parallel:
+            return []
+        self.calls.append(call)
+        return [call]
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.pending += text
+        content, calls = "", []
+        while self.pending:
+            if self.in_block:
+                end = self.pending.find(TOOL_CALL_CLOSE)
+                if end < 0:
+                    break
+                body = self.pending[:end]
+                self.pending = self.pending[end + len(TOOL_CALL_CLOSE):]
+                self.in_block = False
+                call = _parse_block(body.strip(), self.plan)
+                if call is None:
+                    content += self._content(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)
+                else:
+                    calls += self._call(call)
+            else:
+                start = self.pending.find(TOOL_CALL_OPEN)
+                if start >= 0:
+                    content += self._content(self.pending[:start])
+                    self.pending = self.pending[start + len(TOOL_CALL_OPEN):]
+                    self.in_block = True
+                    continue
+                keep = _partial_suffix(self.pending, TOOL_CALL_OPEN)
+                content += self._content(self.pending[:len(self.pending) - keep])
+                self.pending = self.pending[len(self.pending) - keep:]
+                break
+        return content, calls
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The rest at the end of the output: an unfinished block is content."""
+        rest = (TOOL_CALL_OPEN if self.in_block else "") + self.pending
+        self.pending, self.in_block = "", False
+        content = self._content(rest) if rest else ""
+        if not self.calls:
+            content += self.held_ws
+            self.held_ws = ""
+        return content, []
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest suffix of text that is a proper prefix of marker."""
+    for k in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def parse_auto(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
+    """A whole "auto" output -> (content or None, tool calls); the same rules as streaming."""
+    p = AutoToolParser(plan)
+    c1, calls = p.feed(text)
+    c2, _ = p.finish()
+    content = c1 + c2
+    return (content if content or not calls else None), calls
+
+
+def parse_output(text: str, plan: ToolPlan | None) -> tuple[str | None, list[dict]]:
+    """A chat choice's text -> (content, tool calls) under the request's plan."""
+    if plan is None or not plan.parses:
+        return text, []
+    if plan.constrained:
+        calls = parse_forced(text, plan)
+        return (None, calls) if calls else (text, [])
+    return parse_auto(text, plan)
