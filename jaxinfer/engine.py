@@ -6,6 +6,7 @@ one loop thread.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections import deque
@@ -255,7 +256,9 @@ class Engine:
         StepInputs, its decode iterations) without running it; the engine must not step again."""
         assert self._inflight is None, "next_step_inputs needs a synchronous engine (async_scheduling=False)"
         plan = self.scheduler.schedule()
-        return self.runner.prepare(plan, self.blocks.tables)[0], plan.num_decode_iters
+        inputs = self.runner.prepare(plan, self.blocks.tables)[0]
+        self.runner._fill_masks()
+        return inputs, plan.num_decode_iters
 
     def add_step_observer(self, callback: Callable[[StepTrace], None]) -> None:
         """callback(StepTrace) after every step() that scheduled sequences (benchmarks' step log)."""
@@ -276,14 +279,18 @@ class Engine:
         self._device_s = None
         prev, self._inflight = self._inflight, None
         deltas = []
-        if prev is not None and any(q.sample and (q.request.params.uses_history or q.request.params.constrained)
-                                    for q in prev.plan.seqs):
-            # penalties read the host's history and a grammar's next mask follows from the token just
-            # drawn: the next step needs step N's tokens on the host
-            deltas += self._complete(prev)
+        if prev is not None and any(q.sample and q.request.params.uses_history for q in prev.plan.seqs):
+            deltas += self._complete(prev)    # penalties read the host's history: it needs step N's tokens
             prev = None
         plan = self.scheduler.schedule()
-        launched = self._launch(plan, prev) if plan.seqs else None
+        feed = None
+        if prev is not None and any(q.sample and q.request.guide is not None for q in prev.plan.seqs):
+            # a grammar's next mask follows from the token just drawn: prepare step N+1 while the
+            # device runs N, then wait for N's tokens and feed them to the matchers only, fill N+1's
+            # masks and dispatch it, then apply step N on the host (text, stop strings, deltas)
+            # while the device runs N+1
+            feed = functools.partial(self._feed_guides, prev)
+        launched = self._launch(plan, prev, feed) if plan.seqs else None
         if launched is not None and not self.async_scheduling:
             deltas += self._complete(launched)
             launched = None
@@ -299,9 +306,9 @@ class Engine:
                 observe(trace)
         return deltas
 
-    def _launch(self, plan: SchedulerOutput, prev: Launched | None) -> Launched:
+    def _launch(self, plan: SchedulerOutput, prev: Launched | None, before_dispatch=None) -> Launched:
         c0 = CompileCounter.count
-        launched = self.runner.launch(plan, self.blocks.tables, prev)
+        launched = self.runner.launch(plan, self.blocks.tables, prev, before_dispatch)
         launched.t_launch = time.perf_counter()
         if self.warmed_up:
             self.stats_.compilations_after_warmup += CompileCounter.count - c0
@@ -311,13 +318,30 @@ class Engine:
                                          for q in plan.seqs)
         return launched
 
+    def _fetch(self, launched: Launched) -> dict:
+        if launched.samples is None:
+            t_wait = time.perf_counter()
+            self.runner.fetch(launched)
+            launched.t_fetched = time.perf_counter()
+            self._waited += launched.t_fetched - t_wait
+        return launched.samples
+
+    def _feed_guides(self, launched: Launched) -> None:
+        """Advance the constrained rows' matchers past a step's tokens before the host applies
+        them (Guide.at answers again when the update reaches those tokens)."""
+        samples = self._fetch(launched)
+        for q in launched.plan.seqs:
+            req = q.request
+            if q.sample and req.guide is not None and not req.finished:
+                for j, s in enumerate(samples.get(req.request_id, ())):
+                    if req.guide.at(len(req.output_ids) + j, s.token):
+                        break
+
     def _complete(self, launched: Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them: stop conditions, text, deltas."""
         plan = launched.plan
-        t_wait = time.perf_counter()
-        samples = self.runner.fetch(launched)
-        done = time.perf_counter()
-        self._waited += done - t_wait
+        samples = self._fetch(launched)
+        done = launched.t_fetched
         # the device's time for this step: from its dispatch, or from the end of the step before it
         dt = max(done - max(launched.t_launch, self._last_done), 1e-9)
         self._last_done = done
@@ -347,7 +371,7 @@ class Engine:
         """Detokenize the request's newest token; True when that completes one of its stop strings
         (the text is cut where the stop string begins) or its grammar (nothing more may follow)."""
         st = self._text[req.request_id]
-        grammar_done = req.guide is not None and req.guide.consume(req.output_ids[-1])
+        grammar_done = req.guide is not None and req.guide.at(len(req.output_ids) - 1, req.output_ids[-1])
         if st.detok is None:
             return grammar_done
         checked = len(st.text)

@@ -347,10 +347,12 @@ class PipelineRunner(ModelRunner):
                             np.concatenate([x.max_new for x in xs]), np.int32(1), np.stack([x.from_prev for x in xs]))
         return inputs, np.int32(n), rows
 
-    def launch(self, out: SchedulerOutput, tables: dict[str, list[int]], prev: Launched | None = None
-               ) -> Launched:
-        assert prev is None, "the pipeline runs steps one at a time (no async scheduling)"
+    def launch(self, out: SchedulerOutput, tables: dict[str, list[int]], prev: Launched | None = None,
+               before_dispatch=None) -> Launched:
+        assert prev is None and before_dispatch is None, "the pipeline runs steps one at a time (no async scheduling)"
+        self._unfilled = None
         inputs, n, rows = self.prepare_microbatches(out, tables)
+        self._fill_masks()
         outputs, self.kv_pages = self.pipeline_step(self.params, self.kv_pages, inputs, n)
         return Launched(out, rows, outputs)
 

@@ -64,6 +64,8 @@ class Launched:
     rows: list
     outputs: StepOutputs
     t_launch: float = 0.0
+    samples: dict | None = None   # the step's tokens per request, once fetched
+    t_fetched: float = 0.0        # when they reached the host
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ class ModelRunner:
         # structured outputs (engine.py sets it): fills the masks of constrained rows
         self.grammars: Grammars | None = None
         self.mask_time_s = 0.0   # host time spent filling grammar masks
+        self._unfilled = None    # (rows' guides, the mask array) of the step being prepared
         replicate = (NamedSharding(self.mesh, PartitionSpec())
                      if self.mesh is not None and jax.process_count() > 1 else None)
         self.settings = StepSettings(self.graphdef, cfg.attention, max(1, cfg.max_decode_steps),
@@ -177,10 +180,8 @@ class ModelRunner:
             return self._no_mask[s]
         mask = self._no_mask[s][0]
         if guided:
-            t0 = time.perf_counter()
             mask = np.full((s, self.mask_words), -1, np.int32)
-            self.grammars.fill(guided, mask)
-            self.mask_time_s += time.perf_counter() - t0
+            self._unfilled = (guided, mask)   # filled by _fill_masks, just before dispatch
         if not biased:
             return (mask, *self._no_mask[s][1:])
         bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
@@ -265,11 +266,25 @@ class ModelRunner:
         """Run one step and wait for its tokens."""
         return self.fetch(self.launch(out, tables))
 
-    def launch(self, out: SchedulerOutput, tables: dict[str, list[int]], prev: Launched | None = None
-               ) -> Launched:
+    def _fill_masks(self) -> None:
+        """The grammar masks of the step just prepared (its inputs hold the array)."""
+        if self._unfilled is not None:
+            (guided, mask), self._unfilled = self._unfilled, None
+            t0 = time.perf_counter()
+            self.grammars.fill(guided, mask)
+            self.mask_time_s += time.perf_counter() - t0
+
+    def launch(self, out: SchedulerOutput, tables: dict[str, list[int]], prev: Launched | None = None,
+               before_dispatch: Callable[[], None] | None = None) -> Launched:
         """Dispatch one step without waiting for it. prev: the step still in flight, whose tokens on
-        the device feed this step's rows that continue it (async scheduling)."""
+        the device feed this step's rows that continue it (async scheduling). before_dispatch: called
+        after the inputs are prepared and before the grammar masks are filled and the step dispatched
+        (the engine feeds step N's tokens to the matchers there, so preparing N+1 overlaps step N)."""
+        self._unfilled = None
         inputs, rows = self.prepare(out, tables)
+        if before_dispatch is not None:
+            before_dispatch()
+        self._fill_masks()
         if self.publish_step is not None:
             self.publish_step(inputs)
         prev_tokens = self._no_prev if prev is None else prev.outputs.next_tokens
@@ -280,8 +295,10 @@ class ModelRunner:
         return Launched(out, rows, outputs)
 
     def fetch(self, launched: Launched) -> dict[str, list[StepSample]]:
-        """Wait for a launched step; its tokens per request."""
-        return self._results(launched.rows, launched.outputs)
+        """Wait for a launched step; its tokens per request (read from the device once)."""
+        if launched.samples is None:
+            launched.samples = self._results(launched.rows, launched.outputs)
+        return launched.samples
 
     @staticmethod
     def _results(rows: list, outputs: StepOutputs) -> dict[str, list[StepSample]]:

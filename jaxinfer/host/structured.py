@@ -124,17 +124,30 @@ class Guide:
 
     def __init__(self, matcher):
         self.matcher = matcher
-        self.consumed = 0
+        self.done: list[bool] = []   # per output token consumed: did it end the output
+
+    @property
+    def consumed(self) -> int:
+        return len(self.done)
 
     def consume(self, token: int) -> bool:
         """Advance past a drawn token; True when the output is complete (the grammar accepts and
         admits nothing more) or the matcher failed (logged): either way the sample is over."""
         m = self.matcher
-        self.consumed += 1
         if not m.consume_token(token) or m.is_error():
             log.warning("structured output: token %d rejected by the grammar (%s)", token, m.get_error())
-            return True
-        return m.is_stopped()
+            self.done.append(True)
+        else:
+            self.done.append(m.is_stopped())
+        return self.done[-1]
+
+    def at(self, index: int, token: int) -> bool:
+        """consume() for output token `index`, unless it was consumed already (the engine feeds a
+        step's tokens to the matchers early, to fill the next masks): its recorded answer then."""
+        if index < len(self.done):
+            return self.done[index]
+        assert index == len(self.done), (index, len(self.done))
+        return self.consume(token)
 
     @property
     def failed(self) -> bool:
