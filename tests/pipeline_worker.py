@@ -29,8 +29,8 @@ BUBBLE_MODEL = {"num_hidden_layers": 8, "hidden_size": 256, "intermediate_size":
                 "num_key_value_heads": 2, "initializer_range": 0.05}
 # (tensor_parallel, pipeline_parallel, micro-batches or None for the default = pp)
 LAYOUTS = {
-    "llama-gqa-llama3": [(1, 2, None), (1, 4, None), (2, 2, None), (4, 2, 3)],
-    "qwen2-window": [(1, 2, 3), (1, 4, None), (2, 2, None)],
+    "llama-gqa-llama3": [(1, 2, None), (2, 2, None), (4, 2, 3)],
+    "qwen2-window": [(1, 2, 3), (1, 4, None)],
 }
 LOGITS_PROMPT = [3, 17, 42, 9, 60, 5, 77, 12, 8, 60, 33, 1, 14, 15]
 # mixed lengths, more prompts than max_num_seqs; the 21-token one is prefilled in chunks (token budget

@@ -23,7 +23,8 @@ CONFIGS = {
     "vocab136": dict(_COMMON, vocab_size=136, tie_word_embeddings=False),
     "vocab131": dict(_COMMON, vocab_size=131, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
 }
-TPS = {"vocab136": (2, 4, 8), "vocab131": (8,)}
+# tp 2 splits the 2 KV heads, tp 8 replicates them (tp 4 would repeat tp 8's case); vocab 131 does not divide
+TPS = {"vocab136": (2, 8), "vocab131": (8,)}
 LOGITS_PROMPT = [3, 17, 42, 9, 100, 5, 77, 12, 8, 60, 33, 1]
 PROMPTS = [[3, 17, 42, 9, 100], [5, 6, 7]]   # 8 tokens: prefill and decode share the T=8 bucket
 # prefix caching under TP: a second request behind the same 16-token (two-block) prefix

@@ -277,9 +277,11 @@ def test_round_trip_and_engine(quantized_dirs, name):
         v = before["/".join(map(str, path))]
         var.set_value(dequantize(v) if isinstance(v, QuantizedWeight) else v)
     tokens = list(PROMPT)
+    width = len(PROMPT) + 8   # one padded length: causal, so the padding never reaches logits[n - 1]
     for _ in range(8):
-        logits, _ = ref(jnp.asarray(tokens, jnp.int32), jnp.arange(len(tokens), dtype=jnp.int32))
-        tokens.append(int(np.argmax(np.asarray(logits[-1]))))
+        n = len(tokens)
+        logits, _ = ref(jnp.asarray(tokens + [0] * (width - n), jnp.int32), jnp.arange(width, dtype=jnp.int32))
+        tokens.append(int(np.argmax(np.asarray(logits[n - 1]))))
     gen = Generator.from_pretrained(str(folder), dtype="float32", max_num_seqs=2, num_blocks=16, max_model_len=64,
                                     max_num_batched_tokens=16, warmup=False, max_decode_steps=1,
                                     async_scheduling=False)
