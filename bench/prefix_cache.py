@@ -28,11 +28,12 @@ import numpy as np
 from bench.benchmark import device_info, device_slug, model_path, results_path, write_report
 
 
-def run_batch(gen, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Submit every prompt at once and step the engine until all finish (through gen.client)."""
+def run_batch(gen, prompts: list[list[int]], max_tokens: int, params=None) -> dict:
+    """Submit every prompt at once and step the engine until all finish (through gen.client);
+    greedy with ignore_eos unless `params` says otherwise."""
     from jaxinfer import SamplingParams
     client = gen.client
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = params or SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     before = client.stats()
     first: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
@@ -52,7 +53,7 @@ def run_batch(gen, prompts: list[list[int]], max_tokens: int) -> dict:
     n_out = sum(len(t) for t in tokens.values())
     return {"ttfts": [first[r] for r in rids], "wall_s": wall, "output_tokens": n_out,
             "outputs": [tokens[r] for r in rids],
-            "prompt_tokens": sum(len(p) for p in prompts),
+            "prompt_tokens": sum(len(p) for p in prompts), "steps": after["num_steps"] - before["num_steps"],
             "cached_tokens": after["prefix_cache_hits"] - before["prefix_cache_hits"]}
 
 

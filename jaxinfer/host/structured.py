@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxinfer.config import StructuredOutputs
+from ..config import StructuredOutputs
 
 log = logging.getLogger("jaxinfer")
 
