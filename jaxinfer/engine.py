@@ -257,7 +257,7 @@ class Engine:
         assert self._inflight is None, "next_step_inputs needs a synchronous engine (async_scheduling=False)"
         plan = self.scheduler.schedule()
         inputs = self.runner.prepare(plan, self.blocks.tables)[0]
-        self.runner._fill_masks()
+        self.runner.fill_masks()
         return inputs, plan.num_decode_iters
 
     def add_step_observer(self, callback: Callable[[StepTrace], None]) -> None:

@@ -352,7 +352,7 @@ class PipelineRunner(ModelRunner):
         assert prev is None and before_dispatch is None, "the pipeline runs steps one at a time (no async scheduling)"
         self._unfilled = None
         inputs, n, rows = self.prepare_microbatches(out, tables)
-        self._fill_masks()
+        self.fill_masks()
         outputs, self.kv_pages = self.pipeline_step(self.params, self.kv_pages, inputs, n)
         return Launched(out, rows, outputs)
 

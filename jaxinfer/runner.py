@@ -181,7 +181,7 @@ class ModelRunner:
         mask = self._no_mask[s][0]
         if guided:
             mask = np.full((s, self.mask_words), -1, np.int32)
-            self._unfilled = (guided, mask)   # filled by _fill_masks, just before dispatch
+            self._unfilled = (guided, mask)   # filled by fill_masks, just before dispatch
         if not biased:
             return (mask, *self._no_mask[s][1:])
         bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
@@ -266,7 +266,7 @@ class ModelRunner:
         """Run one step and wait for its tokens."""
         return self.fetch(self.launch(out, tables))
 
-    def _fill_masks(self) -> None:
+    def fill_masks(self) -> None:
         """The grammar masks of the step just prepared (its inputs hold the array)."""
         if self._unfilled is not None:
             (guided, mask), self._unfilled = self._unfilled, None
@@ -284,7 +284,7 @@ class ModelRunner:
         inputs, rows = self.prepare(out, tables)
         if before_dispatch is not None:
             before_dispatch()
-        self._fill_masks()
+        self.fill_masks()
         if self.publish_step is not None:
             self.publish_step(inputs)
         prev_tokens = self._no_prev if prev is None else prev.outputs.next_tokens
