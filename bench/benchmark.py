@@ -206,7 +206,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
 
     from bench.metrics import device_peaks
     from jaxinfer.config import EngineConfig
-    from jaxinfer.generator import Generator
+    from jaxinfer.generator import Generator, draft_model_path, load_draft
     from jaxinfer.tokenizer import load_tokenizer
     from jaxinfer.weights import load_model
 
@@ -216,6 +216,8 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     batch_sizes = parse_list(args.batch_sizes)
     model, cfg = load_model(path, dtype)
     tokenizer = load_tokenizer(path)
+    draft_path = draft_model_path(path, args.speculative_method, args.speculative_model)
+    draft = load_draft(draft_path, dtype) if draft_path is not None else None
     ctx = args.max_model_len or cfg.max_position_embeddings
     requests, dataset = workload(args, path, tokenizer, cfg.vocab_size, ctx)
     peaks = device_peaks(dev["kind"], dev["platform"], dtype, args.peak_bandwidth, args.peak_flops)
@@ -225,8 +227,12 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     for bs in batch_sizes:
         ecfg = EngineConfig(dtype=dtype, max_num_seqs=bs, block_size=args.block_size, num_blocks=args.num_blocks,
                             batching="continuous", max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
-                            enable_prefix_caching=args.enable_prefix_caching)
-        gen = Generator(model, tokenizer, ecfg, args.max_num_batched_tokens)   # warm-up: compiles every shape
+                            enable_prefix_caching=args.enable_prefix_caching,
+                            speculative_method=args.speculative_method,
+                            num_speculative_tokens=args.num_speculative_tokens,
+                            speculative_max_batch=args.speculative_max_batch)
+        gen = Generator(model, tokenizer, ecfg, args.max_num_batched_tokens,   # warm-up: compiles every shape
+                        draft_model=draft)
         point = {"max_num_seqs": bs, **run_offline_point(gen, requests, peaks, args.progress, f"max_num_seqs={bs}")}
         points.append(point)
         _print_point(f"seqs={bs}", point)
@@ -372,6 +378,13 @@ def launched_server(args: argparse.Namespace, path: Path) -> Iterator[str]:
         cmd += ["--kv-dtype", args.kv_dtype]
     if not args.enable_prefix_caching:
         cmd += ["--no-prefix-caching"]
+    if args.speculative_method:
+        cmd += ["--speculative-method", args.speculative_method,
+                "--num-speculative-tokens", str(args.num_speculative_tokens)]
+        if args.speculative_model:
+            cmd += ["--speculative-model", args.speculative_model]
+        if args.speculative_max_batch is not None:
+            cmd += ["--speculative-max-batch", str(args.speculative_max_batch)]
     log = tempfile.NamedTemporaryFile("w+", prefix="jaxinfer-bench-server-", suffix=".log", delete=False)
     print(f"launching: {' '.join(cmd)}  (log: {log.name})", flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -461,6 +474,8 @@ def _workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/<date>-<device>-<mode>.json)")
     p.add_argument("--no-plot", dest="plot", action="store_false")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    from jaxinfer.cli import add_speculative_args
+    add_speculative_args(p)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
                    help="default: float32 on CPU, bfloat16 elsewhere (serving: passed to a launched server)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)

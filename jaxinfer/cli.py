@@ -43,6 +43,22 @@ def _follow(gen) -> int:
     return 0
 
 
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-method", default=None, choices=["draft", "ngram"],
+                   help="speculative decoding: a draft model, or n-gram prompt lookup (exact: the output "
+                        "distribution is the model's)")
+    p.add_argument("--speculative-model", default=None,
+                   help="the draft model's folder (default for the bundled model: its bundled draft)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="proposals per sequence and step")
+    p.add_argument("--speculative-max-batch", type=int, default=None,
+                   help="speculate while at most this many sequences run (default: the measured crossover)")
+
+
+def speculative_kwargs(args: argparse.Namespace) -> dict:
+    return dict(speculative_method=args.speculative_method, speculative_model=args.speculative_model,
+                num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch)
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
@@ -55,7 +71,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     gen = Generator.from_pretrained(args.model, dtype=args.dtype, max_num_seqs=max(1, args.n),
                                     max_num_batched_tokens=args.max_num_batched_tokens,
-                                    enable_prefix_caching=args.enable_prefix_caching, **_multihost_kwargs(args))
+                                    enable_prefix_caching=args.enable_prefix_caching, **speculative_kwargs(args),
+                                    **_multihost_kwargs(args))
     if not gen.is_leader:
         return _follow(gen)
     prompt = _parse_ids(args.ids) if args.ids is not None else args.prompt
@@ -187,6 +204,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt instead of reusing the KV blocks of cached prefixes")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: folder name)")
+    add_speculative_args(p)
 
 
 def _generator(args: argparse.Namespace):
@@ -196,7 +214,8 @@ def _generator(args: argparse.Namespace):
                                      max_model_len=args.max_model_len, block_size=args.block_size,
                                      num_blocks=args.num_blocks, batching=args.batching, kv_dtype=args.kv_dtype,
                                      max_decode_steps=args.max_decode_steps, async_scheduling=args.async_scheduling,
-                                     enable_prefix_caching=args.enable_prefix_caching, **_multihost_kwargs(args))
+                                     enable_prefix_caching=args.enable_prefix_caching, **speculative_kwargs(args),
+                                     **_multihost_kwargs(args))
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -253,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=256)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute the prompt (n > 1 samples still share it)")
+    add_speculative_args(g)
     _multihost_args(g)
     g.set_defaults(func=cmd_generate)
 

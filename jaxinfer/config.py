@@ -467,6 +467,12 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+MAX_SPECULATIVE_TOKENS = 16
+# the load policy: speculate while at most this many sequences run (bench/speculative.py measured the
+# crossover on the bundled model; README "Speculative decoding")
+DEFAULT_SPECULATIVE_MAX_BATCH = 8
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The serving engine's knobs (see DESIGN.md)."""
@@ -485,20 +491,31 @@ class EngineConfig:
     max_decode_steps: int = 8           # decode iterations per step on device when every row decodes
     async_scheduling: bool = True       # plan and dispatch step N+1 before step N's tokens reach the host
     enable_prefix_caching: bool = True  # reuse the KV blocks of cached prompt prefixes (host/block_manager.py)
+    speculative_method: str | None = None   # None | draft | ngram (jaxinfer/speculative.py)
+    num_speculative_tokens: int = 4     # K: proposals per decoding sequence and step
+    speculative_max_batch: int | None = None   # speculate while at most this many sequences run (None: default)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         choices = {"dtype": ("auto", "bfloat16", "float32", "float16"), "attention": ("pallas", "xla", "auto"),
                    "quantize": (None, "int8", "int4"), "kv_dtype": (None, "int8", "float16", "bfloat16", "float32"),
-                   "batching": ("static", "dynamic", "continuous")}
+                   "batching": ("static", "dynamic", "continuous"),
+                   "speculative_method": (None, "draft", "ngram")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
         if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
             raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
-        for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "block_size", "max_decode_steps"):
+        for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "block_size", "max_decode_steps",
+                     "num_speculative_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
+        if self.speculative_max_batch is not None and self.speculative_max_batch < 0:
+            raise ValueError(f"speculative_max_batch must be >= 0, got {self.speculative_max_batch}")
+        if self.speculative_method is not None and (self.tensor_parallel > 1 or self.pipeline_parallel > 1):
+            raise ValueError("speculative decoding is not available with tensor_parallel or pipeline_parallel > 1")
 
 
 # ------------------------------------------------------------------------------ resolved settings
@@ -533,6 +550,9 @@ class ResolvedConfig:
     num_blocks: int              # KV blocks in the pool, the null block 0 included
     max_model_len: int           # capped so one sequence of it fits in the pool
     max_decode_steps: int        # 1 where a step cannot loop on the device (pipeline stages)
+    spec_tokens: int = 0         # proposals per decoding row (0: no speculative decoding)
+    spec_rounds: int = 1         # draft method: speculation rounds one step may run on the device
+    spec_max_batch: int = 0      # the load policy: speculate while at most this many sequences run
 
     @property
     def pool_tokens(self) -> int:
@@ -564,5 +584,12 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
             warn(f"max_model_len capped at {pool_tokens} ({was} {max_model_len}): the KV cache holds {pool_tokens} tokens ({num_blocks - 1} blocks of "
                  f"{cfg.block_size}); raise num_blocks for longer sequences")
         max_model_len = pool_tokens
+    spec = cfg.num_speculative_tokens if cfg.speculative_method else 0
+    max_batch = cfg.speculative_max_batch if cfg.speculative_max_batch is not None else DEFAULT_SPECULATIVE_MAX_BATCH
+    # a speculative step verifies on the device once: multi-step decoding is for engines without it
+    # draft method: the device runs up to ceil(max_decode_steps / 2) rounds per step while every row
+    # speculates (n-gram proposals come from the host: one round)
+    rounds = -(-cfg.max_decode_steps // 2) if cfg.speculative_method == "draft" else 1
     return ResolvedConfig(cfg, backend, dtype, kv_dtype, attention, attention, num_blocks, max_model_len,
-                          1 if pipelined else cfg.max_decode_steps)
+                          1 if pipelined else cfg.max_decode_steps, spec_tokens=spec,
+                          spec_max_batch=max_batch if spec else 0, spec_rounds=rounds)

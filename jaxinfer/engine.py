@@ -25,6 +25,7 @@ from jaxinfer import perf
 from jaxinfer.host.block_manager import BlockManager
 from jaxinfer.host.request import Request
 from jaxinfer.host.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxinfer.host.speculative import Proposer, SpecStats
 from jaxinfer.host.structured import Grammars, StructuredOutputError
 from jaxinfer.models.decoder import Decoder, set_matmul_impl
 from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
@@ -96,21 +97,27 @@ class Engine:
     fault_injector: Callable[[], None] | None = None
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer | None, cfg: EngineConfig,
-                 max_num_batched_tokens: int = 512, batch_window_s: float = 0.05):
+                 max_num_batched_tokens: int = 512, batch_window_s: float = 0.05, draft_model: Decoder | None = None):
+        """draft_model: the draft of speculative_method="draft" (same vocabulary; its KV pages use
+        the target's blocks)."""
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
         self.cfg = cfg
+        _check_draft(model, draft_model, cfg)
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         mesh = model_mesh(model)
         tp = 1 if mesh is None else mesh.shape["tensor"]
         pp = 1 if mesh is None else mesh.shape["pipeline"]   # pipeline ranks hold their layers' pages only
 
         def size_pool(kv_dtype: str, max_model_len: int) -> int:
+            draft_weights = 0 if draft_model is None else sum(
+                x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(draft_model, nnx.Param)))
             return default_num_blocks(
                 self.model_cfg, cfg.block_size, _jnp_dtype(kv_dtype),
-                weight_bytes if mesh is None else max(bytes_per_device(model).values()),
+                (weight_bytes if mesh is None else max(bytes_per_device(model).values())) + draft_weights,
                 cfg.max_num_seqs, max_model_len,
-                kv_shards=(tp if self.model_cfg.n_kv_heads % tp == 0 else 1) * pp)
+                kv_shards=(tp if self.model_cfg.n_kv_heads % tp == 0 else 1) * pp,
+                draft_cfg=None if draft_model is None else draft_model.cfg)
 
         # every setting decided once ("auto" dtype: the dtype the weights are in); everything below reads it
         self.resolved = r = resolve_config(
@@ -128,14 +135,19 @@ class Engine:
         # multi-step decoding runs the model inside a device loop; the pipeline's stages do not loop
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, r.max_model_len, batch_window_s,
-                            max_decode_steps=r.max_decode_steps),
+                            max_decode_steps=r.max_decode_steps, spec_tokens=r.spec_tokens,
+                            spec_max_batch=r.spec_max_batch, spec_rounds=r.spec_rounds),
             self.blocks, eos_ids=eos)
+        self.spec_stats = SpecStats(r.spec_tokens)
+        if r.spec_tokens:
+            self.scheduler.propose = Proposer(cfg.speculative_method)
         runner_cfg = RunnerConfig(cfg.block_size, r.num_blocks, cfg.max_num_seqs, tokens_budget, r.max_model_len,
-                                  r.attention, max_decode_steps=r.max_decode_steps, eos_ids=tuple(eos))
+                                  r.attention, max_decode_steps=r.max_decode_steps, eos_ids=tuple(eos),
+                                  spec_tokens=r.spec_tokens, spec_rounds=r.spec_rounds)
         if isinstance(model, PipelinedDecoder):
             self.runner = PipelineRunner(model, runner_cfg, kv_dtype, cfg.pipeline_microbatches or model.pp)
         else:
-            self.runner = ModelRunner(model, runner_cfg, kv_dtype)
+            self.runner = ModelRunner(model, runner_cfg, kv_dtype, draft_model)
         self.weight_bytes = weight_bytes
         self.device_spec = perf.device_for_kind(jax.devices()[0].device_kind)   # None: peak unknown (CPU)
         self._text: dict[str, _TextState] = {}
@@ -279,8 +291,11 @@ class Engine:
         self._device_s = None
         prev, self._inflight = self._inflight, None
         deltas = []
-        if prev is not None and any(q.sample and q.request.params.uses_history for q in prev.plan.seqs):
-            deltas += self._complete(prev)    # penalties read the host's history: it needs step N's tokens
+        if prev is not None and (self.scheduler.spec_k() or any(q.sample and q.request.params.uses_history
+                                                                for q in prev.plan.seqs)):
+            # penalties read the host's history, and proposals follow the last token: both need
+            # step N's tokens on the host before step N+1 is planned
+            deltas += self._complete(prev)
             prev = None
         plan = self.scheduler.schedule()
         feed = None
@@ -347,7 +362,12 @@ class Engine:
         self._last_done = done
         # bytes read: every iteration reads every weight once plus each sequence's whole KV context,
         # which grows by one token per iteration of a multi-step decode
-        its = [max(1, len(samples.get(q.request.request_id, ()))) for q in plan.seqs]
+        counts = launched.spec_counts
+        its = [int(counts[i, 0]) or 1 if q.spec else max(1, len(samples.get(q.request.request_id, ())))
+               for i, q in enumerate(plan.seqs)]
+        for i, q in enumerate(plan.seqs):
+            if q.spec and q.request.request_id in samples:
+                self.spec_stats.add(len(q.spec), counts[i])
         iters = max(its)
         context = sum(n * (q.start + q.num_tokens) + n * (n - 1) // 2 for q, n in zip(plan.seqs, its))
         self.stats_.step_times.append(dt / iters)
@@ -452,5 +472,23 @@ class Engine:
             "kv_bytes_per_token": self.runner.kv_bytes_per_token,
             "max_model_len": self.max_model_len,
             "block_size": self.cfg.block_size,
+            "speculative_method": self.cfg.speculative_method,
+            "num_speculative_tokens": self.resolved.spec_tokens,
+            **self.spec_stats.as_dict(),
         }
+
+
+def _check_draft(model, draft: Decoder | None, cfg: EngineConfig) -> None:
+    """A draft model goes with speculative_method="draft" and must share the target's vocabulary."""
+    if cfg.speculative_method == "draft" and draft is None:
+        raise ValueError('speculative_method="draft" needs a draft model (speculative_model=PATH)')
+    if draft is None:
+        return
+    if cfg.speculative_method != "draft":
+        raise ValueError(f'a draft model is only used with speculative_method="draft", not {cfg.speculative_method!r}')
+    if isinstance(model, PipelinedDecoder) or model_mesh(model) is not None or model_mesh(draft) is not None:
+        raise ValueError("speculative decoding with a draft model needs an unsharded target and draft")
+    if draft.cfg.vocab_size != model.cfg.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) differs from the "
+                         f"target's ({model.cfg.vocab_size}): a draft must share the target's tokenizer")
 

@@ -32,6 +32,7 @@ from jaxinfer.models.decoder import fuse_decoder, quantize_decoder
 from jaxinfer.weights import resolve_dtype, load_model
 
 DEFAULT_MODEL = "jaxinfer-tiny-llama"
+DEFAULT_DRAFT = "jaxinfer-tiny-llama-draft"   # the bundled model's draft (speculative_method="draft")
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 
 
@@ -78,13 +79,45 @@ class StreamDelta:
     finish_reason: str | None = None
 
 
+def load_draft(path: Path, dtype: str):
+    """A draft model for speculative decoding (fused like every unsharded engine model). A tied
+    LM head gets its own [d, vocab] copy of the embedding: the draft's head runs k times per round
+    and XLA:CPU re-lays out the transposed embedding on every call (bench/speculative.py)."""
+    model = fuse_decoder(load_model(path, dtype)[0], 1, consume=True)
+    if model.lm_head is None:
+        model.lm_head = nnx.data(nnx.Param(jnp.asarray(model.embed.get_value().T), logical_axes=("embed", "vocab")))
+    return model
+
+
+def draft_model_path(target: Path, method: str | None, draft: str | Path | None) -> Path | None:
+    """The draft model's folder: speculative_model, or the bundled draft for the bundled model. Its
+    tokenizer must be the target's (same files)."""
+    if method != "draft":
+        if draft is not None:
+            raise ValueError(f'speculative_model is only used with speculative_method="draft", not {method!r}')
+        return None
+    if draft is None:
+        if target.resolve() != (CHECKPOINTS / DEFAULT_MODEL).resolve():
+            raise ValueError('speculative_method="draft" needs speculative_model=PATH (a draft is bundled only '
+                             f"for {DEFAULT_MODEL})")
+        draft = CHECKPOINTS / DEFAULT_DRAFT
+    draft = Path(draft)
+    if not (draft / "config.json").exists():
+        raise ValueError(f"speculative_model {str(draft)!r} is not a model folder (no config.json)")
+    for name in ("tokenizer.json", "tokenizer.model"):
+        mine, theirs = target / name, draft / name
+        if mine.exists() != theirs.exists() or (mine.exists() and mine.read_bytes() != theirs.read_bytes()):
+            raise ValueError(f"the draft model {str(draft)!r} does not share the target's tokenizer ({name} differs)")
+    return draft
+
+
 class Generator:
     def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, max_num_batched_tokens: int = 512,
-                 warmup: bool = True):
+                 warmup: bool = True, draft_model=None):
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
         self.cfg = cfg
-        self.engine = Engine(model, tokenizer, cfg, max_num_batched_tokens)
+        self.engine = Engine(model, tokenizer, cfg, max_num_batched_tokens, draft_model=draft_model)
         graphdef, params = nnx.split(model)
         impl = self.engine.resolved.attention
         self._forward = jax.jit(lambda p, t, pos: nnx.merge(graphdef, p)(t, pos, impl=impl)[0])
@@ -103,7 +136,9 @@ class Generator:
                         warmup: bool = True, coordinator_address: str | None = None,
                         num_processes: int | None = None, process_id: int | None = None,
                         pipeline_microbatches: int | None = None, max_decode_steps: int = 8,
-                        async_scheduling: bool = True, enable_prefix_caching: bool = True) -> "Generator":
+                        async_scheduling: bool = True, enable_prefix_caching: bool = True,
+                        speculative_method: str | None = None, speculative_model: str | Path | None = None,
+                        num_speculative_tokens: int = 4, speculative_max_batch: int | None = None) -> "Generator":
         """Multi-host: coordinator_address ("host:port" of process 0), num_processes and process_id
         (or $JAXINFER_COORDINATOR_ADDRESS, $JAXINFER_NUM_PROCESSES, $JAXINFER_PROCESS_ID), the same
         settings in every process, tensor_parallel over the devices of all processes. Process 0
@@ -114,14 +149,21 @@ class Generator:
         enable_prefix_caching: requests sharing a prompt prefix reuse its cached KV blocks
         (jaxinfer/host/block_manager.py); reset_prefix_cache() forgets them.
         pipeline_parallel > 1 (one process): each step runs as pipeline_microbatches micro-batches
-        (None: pipeline_parallel of them; jaxinfer.pipeline)."""
+        (None: pipeline_parallel of them; jaxinfer.pipeline).
+        speculative_method: None, "draft" (speculative_model: a small model with the same tokenizer;
+        the bundled model's default is its bundled draft) or "ngram" (prompt lookup); each decoding
+        sequence proposes num_speculative_tokens tokens per step while at most speculative_max_batch
+        sequences run (None: the measured default), verified exactly (jaxinfer/speculative.py)."""
         cfg = EngineConfig(dtype=dtype, attention=attention, quantize=quantize, kv_dtype=kv_dtype,
                            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                            max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                            batching=batching, max_model_len=max_model_len,
                            pipeline_microbatches=pipeline_microbatches, max_decode_steps=max_decode_steps,
-                           async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching)
+                           async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
+                           speculative_method=speculative_method, num_speculative_tokens=num_speculative_tokens,
+                           speculative_max_batch=speculative_max_batch)
         path = Path(path) if path is not None else default_model_path()
+        draft_path = draft_model_path(path, speculative_method, speculative_model)
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
         group = distributed.initialize(coordinator_address, num_processes, process_id)
         dtype = resolve_dtype(dtype)   # after initialize: it asks jax for the backend
@@ -157,7 +199,12 @@ class Generator:
         if mesh is not None:   # the fused weights' tensor-parallel layout; QuantizedWeights replicated
             from jaxinfer.sharding import shard_decoder
             shard_decoder(model, mesh)
-        gen = cls(model, load_tokenizer(path), cfg, max_num_batched_tokens, warmup)
+        draft = None
+        if draft_path is not None:
+            if group is not None:
+                raise ValueError("speculative decoding is not available across several processes (multi-host)")
+            draft = load_draft(draft_path, dtype)
+        gen = cls(model, load_tokenizer(path), cfg, max_num_batched_tokens, warmup, draft_model=draft)
         if channel is not None:
             gen._join(channel)
         return gen

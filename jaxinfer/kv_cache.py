@@ -195,7 +195,8 @@ def build_attention_metadata(rows: Sequence[StepRow], block_size: int, num_token
                 last = min(first + QUERY_TILE, n) - 1
                 tile = np.full(QUERY_TILE, t, np.int32)
                 tile[: last - first + 1] = np.arange(cursor + first, cursor + last + 1)
-                seen = items[: (row.start + last) // bs // kb + 1].copy()
+                # multi-round speculation moves the chunk forward by up to `lookahead` positions
+                seen = items[: (row.start + last + row.lookahead) // bs // kb + 1].copy()
                 seen[:, 0] = len(chunk_tiles)
                 chunk_tiles.append(tile)
                 chunk_items.append(seen)

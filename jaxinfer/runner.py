@@ -32,7 +32,7 @@ from jaxinfer.kv_cache import (StepRow, attention_buckets, build_attention_metad
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.sampling import SamplingBatch
 from jaxinfer.sharding import kv_sharding, model_mesh
-from jaxinfer.step import MAX_STOP_IDS, StepInputs, StepOutputs, StepSettings, jit_step
+from jaxinfer.step import MAX_STOP_IDS, SpecInputs, StepInputs, StepOutputs, StepSettings, jit_step
 
 
 INT32_MAX = np.iinfo(np.int32).max
@@ -66,6 +66,7 @@ class Launched:
     t_launch: float = 0.0
     samples: dict | None = None   # the step's tokens per request, once fetched
     t_fetched: float = 0.0        # when they reached the host
+    spec_counts: object = None    # speculation: per row, rounds that proposed and accepted per position
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ class RunnerConfig:
     attention: str = "xla"
     max_decode_steps: int = 1            # K: decode iterations one call may run (StepSettings.max_iters)
     eos_ids: tuple[int, ...] = ()        # end a row on device unless the request ignores EOS
+    spec_tokens: int = 0                 # K > 0: speculative decoding with up to K proposals per row
+    spec_rounds: int = 1                 # ... and up to this many rounds per step (StepSettings.max_iters)
 
 
 def _pow2_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
@@ -89,7 +92,9 @@ def _pow2_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, cfg: RunnerConfig, kv_dtype):
+    def __init__(self, model: Decoder, cfg: RunnerConfig, kv_dtype, draft: Decoder | None = None):
+        """draft: the draft model of speculative decoding (cfg.spec_tokens > 0): its params and KV
+        pages ride with the target's as (target, draft) pairs; its pages use the same blocks."""
         CompileCounter.install()
         self.model_cfg: ModelConfig = model.cfg
         self.cfg = cfg
@@ -97,6 +102,14 @@ class ModelRunner:
         mc = self.model_cfg
         self.mesh = model_mesh(self.params)   # None unless the model was sharded (sharding.shard_decoder)
         self.kv_sharding, self.kv_pages = self._init_kv_pages(kv_dtype)
+        draft_graphdef = None
+        if draft is not None:
+            assert self.mesh is None and cfg.spec_tokens > 0
+            draft_graphdef, draft_params = nnx.split(draft)
+            dc = draft.cfg
+            draft_pages = jax.device_put(init_kv_pages(dc.n_layers, dc.n_kv_heads, dc.head_dim, cfg.num_blocks,
+                                                       cfg.block_size, kv_dtype), jax.devices()[0])
+            self.params, self.kv_pages = (self.params, draft_params), (self.kv_pages, draft_pages)
         self.kv_bytes_per_token = kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_dtype)
         self.token_buckets = _pow2_buckets(min(8, cfg.max_num_batched_tokens), cfg.max_num_batched_tokens)
         max_blocks = -(-cfg.max_model_len // cfg.block_size)
@@ -111,11 +124,16 @@ class ModelRunner:
         self._unfilled = None    # (rows' guides, the mask array) of the step being prepared
         replicate = (NamedSharding(self.mesh, PartitionSpec())
                      if self.mesh is not None and jax.process_count() > 1 else None)
-        self.settings = StepSettings(self.graphdef, cfg.attention, max(1, cfg.max_decode_steps),
-                                     self.num_seqs_for(self.token_buckets[-1]), self.kv_sharding, replicate)
+        self.settings = StepSettings(self.graphdef, cfg.attention,
+                                     # a speculative engine's steps loop over rounds: multi-step
+                                     # decoding where no row speculates, speculation rounds otherwise
+                                     max(cfg.spec_rounds, cfg.max_decode_steps, 1),
+                                     self.num_seqs_for(self.token_buckets[-1]), self.kv_sharding, replicate,
+                                     cfg.spec_tokens, draft_graphdef)
+        self.out_rows = self.settings.max_iters * (cfg.spec_tokens + 1)
         self.step = jit_step(self.settings)
         # the prev_tokens of a step whose tokens the host all knows (no previous step in flight)
-        self._no_prev = jax.device_put(np.zeros(self.settings.max_iters * self.settings.max_rows, np.int32),
+        self._no_prev = jax.device_put(np.zeros(self.out_rows * self.settings.max_rows, np.int32),
                                        jax.devices()[0] if self.mesh is None else NamedSharding(self.mesh, PartitionSpec()))
         # multi-host (jaxinfer.distributed): on process 0, called with each step's host inputs before
         # the step runs, so that the other processes run the same step (run_published)
@@ -149,7 +167,7 @@ class ModelRunner:
         """Block-table width a step needs: both attentions read every key, this step's included,
         through the pages; multi-step decoding also positions start + 1 .. start + max_draws - 1."""
         bs = self.cfg.block_size
-        return max(1, max((-(-(q.start + q.num_tokens + q.max_draws - 1) // bs) for q in seqs), default=1))
+        return max(1, max((-(-(q.start + q.num_tokens + q.lookahead) // bs) for q in seqs), default=1))
 
     def _history(self, s: int, rows: list, any_penalty: bool) -> tuple[jax.Array, jax.Array]:
         h = self.cfg.max_model_len
@@ -204,7 +222,7 @@ class ModelRunner:
             t, b = buckets
         s = self.num_seqs_for(t)
         assert len(out.seqs) <= s
-        meta = build_attention_metadata([StepRow(q.start, q.num_tokens, tables[q.request.request_id], q.max_draws - 1)
+        meta = build_attention_metadata([StepRow(q.start, q.num_tokens, tables[q.request.request_id], q.lookahead)
                                          for q in out.seqs], self.cfg.block_size, t, s, b)   # (T, S, B)
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
@@ -212,9 +230,13 @@ class ModelRunner:
         rows: list = [None] * s
         max_new = np.zeros(s, np.int32)
         from_prev = np.full(t, -1, np.int32)
+        num_spec = np.zeros(s, np.int32)
         for i, q in enumerate(out.seqs):
             req, first, n = q.request, meta.query_start_loc[i], q.num_tokens
-            known = req.all_ids[q.start: q.start + n]
+            known = req.all_ids[q.start: q.start + n - len(q.spec)]
+            if q.spec:   # proposals follow the row's last token (-1: the draft model fills them in)
+                known = known + [max(t, 0) for t in q.spec]
+                num_spec[i] = len(q.spec)
             tokens[first: first + len(known)] = known
             if len(known) < n:   # the last token is still on the device (async scheduling)
                 assert len(known) == n - 1 and req.inflight_index >= 0, (req.request_id, len(known), n)
@@ -224,11 +246,29 @@ class ModelRunner:
             if q.sample:
                 rows[i] = req
                 max_new[i] = q.max_draws
-        # the drawn token's position is one past the last computed token of its row
-        sb = self._sampling_batch(rows, positions[logits_indices] + 1)
+        # the drawn token's position is one past the last computed token of its row (a speculating
+        # row: one past its last drawn token; speculative.verify steps through the proposals)
+        sb = self._sampling_batch(rows, positions[logits_indices - num_spec] + 1)
+        spec = None
+        if self.cfg.spec_tokens:
+            spec = SpecInputs(num_spec)
+            if self.settings.draft_graphdef is not None:
+                spec = self._draft_inputs(out, tables, num_spec, s, b)
         inputs = StepInputs(tokens, positions, meta, logits_indices, sb, self._stop_ids(rows), max_new,
-                            np.int32(out.num_decode_iters), from_prev)
+                            np.int32(out.num_decode_iters), from_prev, spec)
         return inputs, rows
+
+    def _draft_inputs(self, out: SchedulerOutput, tables: dict[str, list[int]], num_spec: np.ndarray, s: int,
+                      b: int) -> SpecInputs:
+        """The draft model's proposal iterations: one token per speculating row (its first proposal,
+        at t0's position + 1; later iterations advance it on the device), in row order."""
+        rows = [StepRow(q.start + q.num_tokens - len(q.spec), 1, tables[q.request.request_id], q.max_draws - 2)
+                if q.spec else StepRow(0, 0, ()) for q in out.seqs]
+        dm = build_attention_metadata(rows, self.cfg.block_size, s, s, b)
+        positions = np.zeros(s, np.int32)
+        for i, q in enumerate(out.seqs):
+            positions[i] = q.start + q.num_tokens - len(q.spec)   # t0's position + 1
+        return SpecInputs(num_spec, dm, positions)
 
     def _stop_ids(self, rows: list) -> np.ndarray:
         """[S, MAX_STOP_IDS]: the ids that end each row on device (-1 padded). Ids beyond the first
@@ -298,6 +338,8 @@ class ModelRunner:
         """Wait for a launched step; its tokens per request (read from the device once)."""
         if launched.samples is None:
             launched.samples = self._results(launched.rows, launched.outputs)
+            if launched.outputs.spec_counts is not None:
+                launched.spec_counts = jax.device_get(launched.outputs.spec_counts)
         return launched.samples
 
     @staticmethod
@@ -348,12 +390,15 @@ class ModelRunner:
 
 def default_num_blocks(model_cfg: ModelConfig, block_size: int, kv_dtype, weight_bytes: int,
                        max_num_seqs: int, max_model_len: int, memory_fraction: float = 0.9,
-                       kv_shards: int = 1) -> int:
+                       kv_shards: int = 1, draft_cfg: ModelConfig | None = None) -> int:
     """Size the KV pool from free device memory (GPU/TPU), or, on CPU, from what max_num_seqs
     sequences of max_model_len need capped at a quarter of host RAM. weight_bytes: per device;
     kv_shards: how many devices split each block (tp when kv heads are sharded, else 1)."""
     per_block = block_size * kv_bytes_per_token(model_cfg.n_layers, model_cfg.n_kv_heads,
                                                 model_cfg.head_dim, kv_dtype) // kv_shards
+    if draft_cfg is not None:   # a draft model's pages use the same blocks
+        per_block += block_size * kv_bytes_per_token(draft_cfg.n_layers, draft_cfg.n_kv_heads, draft_cfg.head_dim,
+                                                     kv_dtype)
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] * memory_fraction - stats.get("bytes_in_use", 0) - weight_bytes

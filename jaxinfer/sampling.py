@@ -143,8 +143,9 @@ def truncate(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     return jax.lax.cond(jnp.all(exact), fast, lambda lg: truncate_sorted(lg, b), logits)
 
 
-def sample(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """logits [N, V] f32 -> (token ids [N], their logprobs [N], top ids [N, 20], top logprobs [N, 20])."""
+def process(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Steps 0-4 of the module docstring: logits [N, V] -> (tempered logits, logprobs, truncated
+    logits). Greedy rows take the argmax of the tempered logits (temperature 1 for them)."""
     unchanged = lambda l, _: l  # noqa: E731
     logits = jax.lax.cond(jnp.any(b.bias_ids >= 0), apply_logit_bias, unchanged, logits, b)
     logits = jax.lax.cond(jnp.any(b.token_mask != -1), apply_token_mask, unchanged, logits, b)
@@ -155,20 +156,32 @@ def sample(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array, j
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     any_truncation = jnp.any(((b.top_k > 0) | (b.top_p < 1) | (b.min_p > 0)) & ~greedy)
     filtered = jax.lax.cond(any_truncation, truncate, lambda l, _: l, logits, b)
+    return logits, logprobs, filtered
 
-    def draw(filtered: jax.Array) -> jax.Array:
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(
-            row_keys(b.seed, b.sample_index, b.position))
-        return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
 
-    # an all-greedy batch skips the draw: the Gumbel noise (threefry over the whole vocabulary per
-    # row) is the sampler's largest cost on CPU
-    drawn = jax.lax.cond(jnp.any(~greedy), draw, lambda f: jnp.zeros(f.shape[:1], jnp.int32), filtered)
-    ids = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
+def gumbel_draw(filtered: jax.Array, keys: jax.Array) -> jax.Array:
+    """Gumbel-max: one draw per row from softmax(filtered) [N, V] with the rows' keys."""
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, filtered.shape[-1:], jnp.float32))(keys)
+    return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
+
+
+def top_logprobs(logprobs: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+    """(top ids [N, 20], their logprobs [N, 20]) when some row asked for them, else zeros."""
     no_top = lambda lp: (jnp.zeros((lp.shape[0], MAX_LOGPROBS), jnp.float32),  # noqa: E731
                          jnp.zeros((lp.shape[0], MAX_LOGPROBS), jnp.int32))
     top_lp, top_ids = jax.lax.cond(jnp.any(b.num_logprobs > 0),
                                    lambda lp: tuple(jax.lax.top_k(lp, MAX_LOGPROBS)), no_top, logprobs)
-    return ids, chosen, top_ids.astype(jnp.int32), top_lp
+    return top_ids.astype(jnp.int32), top_lp
 
+
+def sample(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """logits [N, V] f32 -> (token ids [N], their logprobs [N], top ids [N, 20], top logprobs [N, 20])."""
+    logits, logprobs, filtered = process(logits, b)
+    greedy = b.temperature <= 0
+    # an all-greedy batch skips the draw: the Gumbel noise (threefry over the whole vocabulary per
+    # row) is the sampler's largest cost on CPU
+    drawn = jax.lax.cond(jnp.any(~greedy), lambda f: gumbel_draw(f, row_keys(b.seed, b.sample_index, b.position)),
+                         lambda f: jnp.zeros(f.shape[:1], jnp.int32), filtered)
+    ids = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
+    return (ids, chosen, *top_logprobs(logprobs, b))

@@ -42,8 +42,20 @@ from jax.sharding import NamedSharding
 
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, sample
+from jaxinfer.speculative import draft_sample, verify, with_history
 
 MAX_STOP_IDS = 8   # stop ids checked on device per row; a row with more is checked by the host only
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SpecInputs:
+    """Speculative decoding (jaxinfer/speculative.py): row s's last num_spec[s] tokens are proposals."""
+    num_spec: jax.Array                     # [S] int32
+    # draft model: its proposal iterations' layout, one token per speculating row (row s's token
+    # at decode_tokens[s]), positions / slots / context of the first proposal; None: n-gram
+    draft_meta: AttentionMetadata | None = None
+    draft_positions: jax.Array | None = None    # [S] int32: row s's t0 position + 1
 
 
 @jax.tree_util.register_dataclass
@@ -58,6 +70,7 @@ class StepInputs:
     max_new: jax.Array          # [S] int32
     num_iters: jax.Array        # [] int32, 1 <= num_iters <= StepSettings.max_iters
     from_prev: jax.Array        # [T] int32: index into the previous step's next_tokens, or -1
+    spec: SpecInputs | None = None   # speculative engines only
 
 
 @jax.tree_util.register_dataclass
@@ -69,6 +82,7 @@ class StepOutputs:
     top_logprobs: jax.Array     # [K, S, MAX_LOGPROBS] float32
     num_drawn: jax.Array        # [S] int32: how many of ids[:, s] are real
     next_tokens: jax.Array      # [K * max_rows] int32: ids[k, s] at k * max_rows + s (stays on device)
+    spec_counts: jax.Array | None = None   # speculation: [S, 1 + k] rounds that proposed, accepted per position
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,8 @@ class StepSettings:
     max_rows: int = 1                   # the largest S of any bucket (next_tokens' row stride)
     kv_sharding: NamedSharding | None = None   # pages leave as they came (TP): in-place donation
     replicate_samples: NamedSharding | None = None   # multi-host: process 0 reads every row
+    spec_tokens: int = 0                # K > 0: speculative decoding, up to K proposals per row
+    draft_graphdef: nnx.GraphDef | None = None   # the draft model (params and pages: (target, draft))
 
 
 def _advance(inputs: StepInputs, ids: jax.Array, drew: jax.Array, going: jax.Array, block_size: int
@@ -104,7 +120,7 @@ def _advance(inputs: StepInputs, ids: jax.Array, drew: jax.Array, going: jax.Arr
     sb = jax.lax.cond(any_penalty, _record_history, lambda b, *_: b, sb, ids, drew)
     sb = SamplingBatch(**{**vars(sb), "position": sb.position + going.astype(jnp.int32)})
     return StepInputs(tokens, positions, meta, li, sb, inputs.stop_ids, inputs.max_new, inputs.num_iters,
-                      inputs.from_prev)
+                      inputs.from_prev, inputs.spec)
 
 
 def _record_history(sb: SamplingBatch, ids: jax.Array, drew: jax.Array) -> SamplingBatch:
@@ -118,10 +134,13 @@ def _record_history(sb: SamplingBatch, ids: jax.Array, drew: jax.Array) -> Sampl
 def _step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings
           ) -> tuple[StepOutputs, list[LayerKV]]:
     """prev_tokens [K * max_rows]: the previous step's next_tokens (zeros when every token is known)."""
+    if settings.spec_tokens:
+        return _spec_step(params, kv_pages, inputs, prev_tokens, settings)
     model = nnx.merge(settings.graphdef, params)
     tokens = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
     inputs = StepInputs(tokens, *(getattr(inputs, f) for f in ("positions", "meta", "logits_indices", "sampling",
-                                                               "stop_ids", "max_new", "num_iters", "from_prev")))
+                                                               "stop_ids", "max_new", "num_iters", "from_prev",
+                                                               "spec")))
     s, k = inputs.logits_indices.shape[0], settings.max_iters
     block_size = kv_pages[0].k.shape[-2]
 
@@ -163,6 +182,171 @@ def _step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.
     if settings.replicate_samples is not None:
         out = jax.lax.with_sharding_constraint(out, settings.replicate_samples)
     return out, kv_pages
+
+
+def _propose(dmodel, dpages: list[LayerKV], inputs: StepInputs, tokens: jax.Array, k: int, impl: str):
+    """The draft model's proposals: it writes its K/V for the step's tokens (so its pages track the
+    target's: same blocks, same slots) and draws d_1 from each speculating row's t0; then one token
+    per speculating row: iteration i feeds d_i (writing its K/V too, so that after a rollback the
+    draft's pages are as valid as the target's) and, but for the last, draws d_{i+1}.
+    -> (drafts [S, k], q [S, k, V]: the distributions they were drawn from, pages)."""
+    sp, li, sb = inputs.spec, inputs.logits_indices, inputs.sampling
+    s = li.shape[0]
+    t0 = li - sp.num_spec
+    h, dpages = dmodel.hidden_states(tokens, inputs.positions, dpages, inputs.meta, impl)
+    dm = sp.draft_meta
+    n = jnp.max(sp.num_spec)
+    bs = dpages[0].k.shape[-2]
+    real = dm.slot_mapping != PAD_SLOT                         # [S] the speculating rows' tokens
+    row = dm.seq_ids
+    at = jnp.minimum(dm.decode_tokens, s - 1)                  # row r's token in the compact layout
+
+    def body(i, carry):
+        """Draw d_{i+1} from the logits at hand, then feed it (position t0 + i + 1)."""
+        dpages, logits, drafts, q, b = carry
+        ids, qi = draft_sample(logits, b)
+        drafts = jax.lax.dynamic_update_index_in_dim(drafts, ids, i, 1)
+        q = jax.lax.dynamic_update_index_in_dim(q, qi, i, 1)
+        b = with_history(b, ids, i < sp.num_spec)
+        b = SamplingBatch(**{**vars(b), "position": b.position + 1})
+        pos = sp.draft_positions[row] + i
+        going = real & (i < sp.num_spec[row])
+        blk = jnp.take_along_axis(dm.block_tables[row], (pos // bs)[:, None], axis=1)[:, 0]
+        slots = jnp.where(going, blk * bs + pos % bs, PAD_SLOT)
+        meta = AttentionMetadata(**{**vars(dm), "slot_mapping": slots,
+                                    "context_lens": jnp.where(sp.num_spec > 0, sp.draft_positions + i + 1, 0)})
+        logits, dpages = dmodel(ids[row], jnp.where(real, pos, 0), dpages, meta, at, impl=impl)
+        return dpages, logits, drafts, q, b
+
+    b0 = SamplingBatch(**{**vars(sb), "position": sp.draft_positions})
+    carry = (dpages, dmodel.logits(h[t0]), jnp.zeros((s, k), jnp.int32),
+             jnp.zeros((s, k, dmodel.cfg.vocab_size), jnp.float32), b0)
+    dpages, _, drafts, q, _ = jax.lax.fori_loop(0, n, body, carry)
+    return drafts, q, dpages
+
+
+def _spec_round(model, dmodel, kv_pages, inputs: StepInputs, settings: StepSettings):
+    """One round of speculation over the step's layout: the draft model's proposals (draft method),
+    the target's forward over every token, then each row's exact verification
+    (jaxinfer/speculative.py; rows without proposals draw as `sample` does).
+    -> (ids [k1, S], logprobs [k1, S], top ids / logprobs [k1, S, 20], drawn [S], pages)."""
+    k, k1 = settings.spec_tokens, settings.spec_tokens + 1
+    sp, li, sb, tokens = inputs.spec, inputs.logits_indices, inputs.sampling, inputs.tokens
+    s, t = li.shape[0], tokens.shape[0]
+    t0 = li - sp.num_spec
+    j = jnp.arange(k)[None, :]
+    proposal_at = jnp.where(j < sp.num_spec[:, None], t0[:, None] + 1 + j, t)      # [S, k]; t: none
+    q = None
+    if dmodel is not None:
+        tpages, dpages = kv_pages
+        drafts, q, dpages = _propose(dmodel, dpages, inputs, tokens, k, settings.attention)
+        tokens = tokens.at[proposal_at].set(drafts, mode="drop")
+    else:
+        tpages = kv_pages
+        drafts = jnp.where(proposal_at < t, tokens[jnp.minimum(proposal_at, t - 1)], 0)
+    h, tpages = model.hidden_states(tokens, inputs.positions, tpages, inputs.meta, settings.attention)
+
+    def speculative(h):
+        idx = jnp.minimum(t0[:, None] + jnp.arange(k1)[None, :], li[:, None])        # [S, k1]
+        logits = model.logits(h[idx.reshape(-1)]).reshape(s, k1, -1)
+        b = SamplingBatch(**{**vars(sb), "position": inputs.positions[t0] + 1})
+        return verify(logits, drafts, sp.num_spec, q, b)
+
+    def plain(h):
+        ids, lps, top_ids, top_lps = sample(model.logits(h[li]), sb)
+        pad = lambda x: jnp.zeros((k1,) + x.shape, x.dtype).at[0].set(x)  # noqa: E731
+        return pad(ids), pad(lps), pad(top_ids), pad(top_lps), jnp.ones((s,), jnp.int32)
+
+    out = jax.lax.cond(jnp.any(sp.num_spec > 0), speculative, plain, h)
+    return (*out, ((tpages, dpages) if dmodel is not None else tpages))
+
+
+def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings):
+    """A speculative engine's step: one round (_spec_round), or, when nobody waits and every row
+    either speculates (draft method) or decodes without proposals (multi-step decoding, as in
+    `_step`: the load policy turned speculation off), up to num_iters rounds on the device: round
+    r + 1 moves each row's chunk to just after the tokens it drew (its last drawn token, then the
+    proposals' slots), so the host is not consulted between rounds. A row stops at a stop id, or
+    when another round could draw past max_new; the loop when every row has stopped."""
+    k, k1, rounds = settings.spec_tokens, settings.spec_tokens + 1, settings.max_iters
+    draft = settings.draft_graphdef is not None
+    model = nnx.merge(settings.graphdef, params[0] if draft else params)
+    dmodel = nnx.merge(settings.draft_graphdef, params[1]) if draft else None
+    tokens = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
+    sp, li, sb, meta = inputs.spec, inputs.logits_indices, inputs.sampling, inputs.meta
+    s, t = li.shape[0], tokens.shape[0]
+    t0 = li - sp.num_spec
+    row = meta.seq_ids
+    real = meta.slot_mapping != PAD_SLOT
+    off = jnp.arange(t) - t0[row]                               # a token's place in its row's round
+    bs = (kv_pages[0] if draft else kv_pages)[0].k.shape[-2]
+    n_out = rounds * k1
+
+    def round_inputs(i, p, last, done, b):
+        """Round i's StepInputs: the host's for round 0; later, row s's chunk at p[s] .. p[s] + k_s
+        with its last drawn token first (the draft fills the proposals), nothing written for a
+        stopped row."""
+        later = i > 0
+        pos = jnp.where(later & real, p[row] + off, inputs.positions)
+        tok = jnp.where(later & real, jnp.where(off == 0, last[row], 0), tokens)
+        blk = jnp.take_along_axis(meta.block_tables[row], (pos // bs)[:, None], axis=1)[:, 0]
+        slots = jnp.where(later, jnp.where(real & ~done[row], blk * bs + pos % bs, PAD_SLOT), meta.slot_mapping)
+        m = AttentionMetadata(**{**vars(meta), "slot_mapping": slots,
+                                 "context_lens": jnp.where(later, p + sp.num_spec + 1, meta.context_lens)})
+        spec = sp
+        if draft:
+            dm = sp.draft_meta
+            dslots = jnp.where(later & done[dm.seq_ids], PAD_SLOT, dm.slot_mapping)
+            spec = SpecInputs(sp.num_spec, AttentionMetadata(**{**vars(dm), "slot_mapping": dslots}),
+                              jnp.where(later, p + 1, sp.draft_positions))
+        return StepInputs(tok, pos, m, li, b, inputs.stop_ids, inputs.max_new, inputs.num_iters, inputs.from_prev,
+                          spec)
+
+    def body(carry):
+        i, pages, p, last, done, b, out, counts = carry
+        ids, lps, top_ids, top_lps, drawn, pages = _spec_round(model, dmodel, pages,
+                                                               round_inputs(i, p, last, done, b), settings)
+        drawn = jnp.where(done, 0, jnp.minimum(drawn, inputs.max_new - out.num_drawn))
+        jj = jnp.arange(k1)[:, None]
+        dest = jnp.where(jj < drawn[None, :], out.num_drawn[None, :] + jj, n_out)     # [k1, S]; n_out: none
+        cols = jnp.broadcast_to(jnp.arange(s)[None, :], dest.shape)
+        put = lambda a, x: a.at[dest, cols].set(x, mode="drop")  # noqa: E731
+        spec_row = (sp.num_spec > 0) & ~done
+        counts = counts.at[:, 0].add(spec_row.astype(jnp.int32))
+        counts = counts.at[:, 1:].add((spec_row[:, None] & (jnp.arange(k)[None, :] < drawn[:, None] - 1)
+                                       ).astype(jnp.int32))
+        out = StepOutputs(put(out.ids, ids), put(out.logprobs, lps), put(out.top_ids, top_ids),
+                          put(out.top_logprobs, top_lps), out.num_drawn + drawn, out.next_tokens)
+        emitted = jj < drawn[None, :]
+        stopped = jnp.any(emitted[:, :, None] & (ids[:, :, None] == inputs.stop_ids[None]), axis=(0, 2))
+        last = jnp.where(drawn > 0, ids[jnp.maximum(drawn - 1, 0), jnp.arange(s)], last)
+        # penalties in later rounds see what this one drew, at positions p + 1 ..
+        hist_cols = jnp.where(emitted.T, p[:, None] + 1 + jnp.arange(k1)[None, :], b.history.shape[1])
+        b = jax.lax.cond(jnp.any((b.repetition_penalty != 1) | (b.presence_penalty != 0) | (b.frequency_penalty != 0)),
+                         lambda b: SamplingBatch(**{**vars(b), "history": b.history.at[
+                             jnp.arange(s)[:, None], hist_cols].set(ids.T, mode="drop"),
+                             "history_is_output": b.history_is_output.at[jnp.arange(s)[:, None], hist_cols].set(
+                                 True, mode="drop")}), lambda b: b, b)
+        p = p + drawn
+        done = done | stopped | (drawn == 0) | (out.num_drawn + sp.num_spec + 1 > inputs.max_new)
+        return i + 1, pages, p, last, done, b, out, counts
+
+    def cond(carry):
+        i, done = carry[0], carry[4]
+        return (i == 0) | ((i < inputs.num_iters) & jnp.any(~done))
+
+    out = StepOutputs(jnp.zeros((n_out, s), jnp.int32), jnp.zeros((n_out, s), jnp.float32),
+                      jnp.zeros((n_out, s, MAX_LOGPROBS), jnp.int32), jnp.zeros((n_out, s, MAX_LOGPROBS), jnp.float32),
+                      jnp.zeros((s,), jnp.int32), None)
+    carry = (jnp.int32(0), kv_pages, inputs.positions[t0], tokens[t0], inputs.max_new <= 0, sb, out,
+             jnp.zeros((s, k1), jnp.int32))
+    if rounds == 1:
+        _, kv_pages, _, _, _, _, out, counts = body(carry)
+    else:
+        _, kv_pages, _, _, _, _, out, counts = jax.lax.while_loop(cond, body, carry)
+    next_tokens = jnp.zeros((n_out, settings.max_rows), jnp.int32).at[:, :s].set(out.ids).reshape(-1)
+    return StepOutputs(out.ids, out.logprobs, out.top_ids, out.top_logprobs, out.num_drawn, next_tokens,
+                       counts), kv_pages
 
 
 def jit_step(settings: StepSettings):

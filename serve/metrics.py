@@ -53,9 +53,24 @@ class ServerMetrics:
                                   ["model_name"], registry=r).labels(**label)
         self.finished = Counter("jaxinfer_request_success", "Finished requests", ["model_name", "finish_reason"],
                                 registry=r)
+        # speculative decoding, named like vLLM's spec_decode metrics
+        self.spec_drafts = Counter("jaxinfer_spec_decode_num_drafts", "Speculation rounds of a sequence that proposed",
+                                   ["model_name"], registry=r).labels(**label)
+        self.spec_draft_tokens = Counter("jaxinfer_spec_decode_num_draft_tokens", "Tokens proposed",
+                                         ["model_name"], registry=r).labels(**label)
+        self.spec_accepted = Counter("jaxinfer_spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                                     ["model_name"], registry=r).labels(**label)
+        self.spec_accepted_pos = Counter("jaxinfer_spec_decode_num_accepted_tokens_per_pos",
+                                         "Proposed tokens accepted at each position of a draft",
+                                         ["model_name", "position"], registry=r)
+        self.spec_mean_len = Gauge("jaxinfer_spec_decode_mean_acceptance_length",
+                                   "Tokens per speculating sequence and round: 1 + accepted / drafts",
+                                   ["model_name"], registry=r).labels(**label)
         self._label = label
         self._last = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
-                      "prefix_cache_hits": 0, "prefix_cache_evictions": 0}
+                      "prefix_cache_hits": 0, "prefix_cache_evictions": 0, "spec_decode_num_drafts": 0,
+                      "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0}
+        self._last_pos: list[int] = []
 
     def observe_step(self, s: dict) -> None:
         """s: the engine's stats() after a step."""
@@ -71,10 +86,21 @@ class ServerMetrics:
         for key, counter in (("num_preemptions", self.preemptions), ("prompt_tokens", self.prompt_tokens),
                              ("generation_tokens", self.generation_tokens),
                              ("prefix_cache_queries", self.cache_queries), ("prefix_cache_hits", self.cache_hits),
-                             ("prefix_cache_evictions", self.cache_evictions)):
+                             ("prefix_cache_evictions", self.cache_evictions),
+                             ("spec_decode_num_drafts", self.spec_drafts),
+                             ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
+                             ("spec_decode_num_accepted_tokens", self.spec_accepted)):
             if s[key] > self._last[key]:
                 counter.inc(s[key] - self._last[key])
                 self._last[key] = s[key]
+        per_pos = s["spec_decode_num_accepted_tokens_per_pos"]
+        self._last_pos += [0] * (len(per_pos) - len(self._last_pos))
+        for i, n in enumerate(per_pos):
+            if n > self._last_pos[i]:
+                self.spec_accepted_pos.labels(**self._label, position=str(i)).inc(n - self._last_pos[i])
+                self._last_pos[i] = n
+        if s["spec_decode_mean_acceptance_length"] is not None:
+            self.spec_mean_len.set(s["spec_decode_mean_acceptance_length"])
 
     def observe_finished(self, req: RequestMetrics) -> None:
         if req.ttft is not None:

@@ -56,6 +56,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     batch_window_s: float = 0.05        # dynamic batching: how long the oldest request may wait
     max_decode_steps: int = 1           # decode iterations one step may run when every row decodes
+    spec_tokens: int = 0                # speculative decoding: proposals per decoding row (K)
+    spec_max_batch: int = 0             # ... while at most this many sequences run (the load policy)
+    spec_rounds: int = 1                # rounds one step may run on the device when every row speculates
 
 
 @dataclass
@@ -64,7 +67,14 @@ class ScheduledSeq:
     start: int          # num_computed_tokens before this step
     num_tokens: int     # tokens computed this step: all_ids[start : start + num_tokens]
     sample: bool        # the chunk ends at the request's last token: draw the next one
-    max_draws: int = 1  # tokens the row may draw this step (> 1: multi-step decoding)
+    max_draws: int = 1  # tokens the row may draw this step (> 1: multi-step decoding or speculation)
+    spec: list[int] = field(default_factory=list)   # proposed tokens after the last one (-1: the draft
+                                                     # model proposes on the device); num_tokens counts them
+
+    @property
+    def lookahead(self) -> int:
+        """Positions past the chunk whose K/V later iterations of the step write (multi-step decoding)."""
+        return self.max_draws - 1 - len(self.spec)
 
 
 @dataclass
@@ -105,6 +115,9 @@ class Scheduler:
         self._scores: dict[str, int] = {}   # cache-aware admission: cached blocks per candidate (one schedule())
         self._order = 0
         self._keys: dict[str, tuple] = {}
+        # speculative decoding: propose(req, k) -> up to k token ids following req's tokens (-1: the
+        # draft model proposes them on the device); the engine sets it
+        self.propose: Callable[[Request, int], list[int]] | None = None
 
     # ------------------------------------------------------------------ queue
     def _key(self, req: Request) -> tuple:
@@ -175,11 +188,29 @@ class Scheduler:
                 return
         self.batch = {r.request_id for r in self.waiting[: self.cfg.max_num_seqs]}
 
+    def spec_k(self) -> int:
+        """Proposals per decoding row this step: the load policy speculates with K tokens while at
+        most spec_max_batch sequences run and not at all above (bench/speculative.py measured where
+        speculation stops paying; the README has the numbers)."""
+        if not self.cfg.spec_tokens or self.propose is None or len(self.running) > self.cfg.spec_max_batch:
+            return 0
+        return self.cfg.spec_tokens
+
+    def _proposals(self, req: Request, n: int, budget: int, k: int) -> list[int]:
+        """A decoding row's proposed tokens: one token to compute, whose draw is the next one,
+        nothing in flight, no grammar (its masks need each token on the host)."""
+        if (k <= 0 or n != 1 or req.num_inflight or req.pending_forks or req.params.constrained
+                or req.num_computed_tokens + 1 != req.num_tokens):
+            return []
+        k = min(k, self.draws_left(req) - 1, budget - 1)
+        return list(self.propose(req, k))[:k] if k > 0 else []
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         self._scores: dict[str, int] = {}
         queue = sorted(self.running, key=self._key)
+        spec_k = self.spec_k()
         i = 0
         while i < len(queue) and budget > 0:
             req = queue[i]
@@ -187,6 +218,8 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            spec = self._proposals(req, n, budget, spec_k)
+            n += len(spec)
             while not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
                 if queue[-1] is req and self._reclaim_waiting():
                     continue
@@ -196,7 +229,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.seqs.append(self._scheduled(req, n))
+                out.seqs.append(self._scheduled(req, n, spec))
                 budget -= n
                 i += 1
         if out.preempted:
@@ -227,7 +260,24 @@ class Scheduler:
             out.seqs.append(self._scheduled(req, n))
             budget -= n
         self._plan_decode_iters(out)
+        self._plan_spec_rounds(out)
         return out
+
+    def _plan_spec_rounds(self, out: SchedulerOutput) -> None:
+        """Several rounds of speculation on the device (draft method) when every row speculates and
+        nobody waits: each row may draw up to rounds * (1 + k) tokens, blocks taken up front."""
+        r = self.cfg.spec_rounds
+        if r <= 1 or self.waiting or not out.seqs or not all(q.spec and q.spec[0] == -1 for q in out.seqs):
+            return
+        draws = [min(r * (1 + len(q.spec)), self.draws_left(q.request)) for q in out.seqs]
+        if max(d // (1 + len(q.spec)) for q, d in zip(out.seqs, draws)) <= 1:
+            return
+        for q, d in zip(out.seqs, draws):
+            if not self.blocks.allocate(q.request.request_id, q.start + d):
+                return
+        for q, d in zip(out.seqs, draws):
+            q.max_draws = max(d, 1 + len(q.spec))
+        out.num_decode_iters = r
 
     # ------------------------------------------------------------------ prefix cache
     @property
@@ -313,7 +363,7 @@ class Scheduler:
         k = self.cfg.max_decode_steps
         # a constrained row's next mask needs its previous token on the host: one draw per step
         if k <= 1 or self.waiting or not out.seqs or any(
-                q.num_tokens != 1 or not q.sample or q.request.params.constrained for q in out.seqs):
+                q.num_tokens != 1 or not q.sample or q.request.params.constrained or q.spec for q in out.seqs):
             return
         draws = [min(k, self.draws_left(q.request)) for q in out.seqs]
         if max(draws) <= 1:
@@ -326,8 +376,10 @@ class Scheduler:
             q.max_draws = max(d, 1)
         out.num_decode_iters = max(draws)
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+    def _scheduled(self, req: Request, n: int, spec: list[int] | None = None) -> ScheduledSeq:
         start = req.num_computed_tokens
+        if spec:   # the last token and its proposals: up to 1 + k draws
+            return ScheduledSeq(req, start, n, sample=True, max_draws=1 + len(spec), spec=spec)
         return ScheduledSeq(req, start, n, sample=start + n == req.num_tokens and not req.pending_forks)
 
     # ------------------------------------------------------------------ update
@@ -344,8 +396,9 @@ class Scheduler:
             if req.pending_forks and req.num_computed_tokens >= req.fork_at:
                 self._fork(req)
             if seq.sample:
-                # draw j > 0 is made after the K/V of position start + num_tokens + j - 1 is written
-                req.num_computed_tokens += seq.max_draws - 1
+                # multi-step: draw j > 0 is made after the K/V of position start + num_tokens + j - 1
+                # is written; speculation: as if every proposal is accepted (update rolls back)
+                req.num_computed_tokens += seq.lookahead
                 req.num_inflight += seq.max_draws
 
     def update(self, out: SchedulerOutput, samples: dict[str, list[StepSample]], now: float | None = None,
@@ -373,6 +426,9 @@ class Scheduler:
                 if reason:
                     self.finish(req, reason, now)
                     break
+            if seq.spec and not req.finished:
+                # rejected proposals: their K/V slots are rewritten by later steps
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_known_tokens - 1)
             self._register(req)
         return updated
 

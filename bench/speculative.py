@@ -1,0 +1,145 @@
+"""Speculative decoding: each method against none, same run, the bundled model.
+
+    python -m bench.speculative [--model PATH] [--reps 5] [--k 4] [--batch-sizes 16,64] [--out PATH]
+
+Generators (all warmed up, alive together, measured interleaved):
+  none    the engine's defaults (multi-step decoding 8, async scheduling);
+  draft   the bundled draft (checkpoints/jaxinfer-tiny-llama-draft), k proposals per step;
+  ngram   prompt lookup, k proposals per step.
+Workloads:
+  free      batch 1, greedy, a held-out prompt (--prompt-len tokens), --output-len tokens: decode tok/s
+            = (output tokens - 1) / (time from the first token to the last), so prefill is excluded;
+  copy      batch 1, a copy-heavy prompt: a held-out passage (--passage-len tokens), then its first
+            16 tokens again, so the answer repeats the passage (the model continues what it has seen);
+  load      --batch-sizes: that many requests at once (free prompts), output tok/s over the run, with
+            the load policy on (speculation off above speculative_max_batch) and, for the crossover,
+            forced on (speculative_max_batch = the batch).
+Each figure is the median over --reps prompts (different prompts per rep, the same for every method);
+ratios are per rep (same prompt, back to back), then the median. Beside every speed-up: the mean
+acceptance length (1 + accepted / drafts, vLLM's definition) over that workload.
+Results: bench/results/<date>-<device>-speculative.json.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from bench import prefix_cache
+from bench.benchmark import device_info, device_slug, model_path, results_path, write_report
+
+
+def _spec_counts(gen) -> tuple[int, int]:
+    st = gen.client.stats()
+    return st.get("spec_decode_num_drafts") or 0, st.get("spec_decode_num_accepted_tokens") or 0
+
+
+def run(gen, prompts: list[list[int]], output_len: int) -> dict:
+    from jaxinfer import SamplingParams
+    d0, a0 = _spec_counts(gen)
+    r = prefix_cache.run_batch(gen, prompts, output_len, SamplingParams(max_tokens=output_len, temperature=0.0,
+                                                                        ignore_eos=True))
+    d1, a1 = _spec_counts(gen)
+    decode_s = r["wall_s"] - min(r["ttfts"])
+    return {"wall_s": r["wall_s"], "output_tokens": r["output_tokens"], "steps": r["steps"],
+            "decode_tok_s": (r["output_tokens"] - len(prompts)) / decode_s, "output_tok_s": r["output_tokens"] / r["wall_s"],
+            "drafts": d1 - d0, "accepted": a1 - a0, "outputs": r["outputs"]}
+
+
+def summarise(runs: dict[str, list[dict]], key: str) -> dict:
+    """Per method: median figure, median paired ratio to none, mean acceptance length, and whether
+    every output matched none's (greedy: it must)."""
+    out = {}
+    for m, rs in runs.items():
+        vals = [r[key] for r in rs]
+        drafts, acc = sum(r["drafts"] for r in rs), sum(r["accepted"] for r in rs)
+        out[m] = {key: float(np.median(vals)), "all": vals,
+                  "ratio_vs_none": float(np.median([r[key] / b[key] for r, b in zip(rs, runs["none"])])),
+                  "mean_acceptance_length": 1 + acc / drafts if drafts else None,
+                  "same_outputs_as_none": all(r["outputs"] == b["outputs"] for r, b in zip(rs, runs["none"]))}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--passage-len", type=int, default=96)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--batch-sizes", default="16,64")
+    ap.add_argument("--load-output-len", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=128)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    from jaxinfer import Generator
+    path = model_path(args.model)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    max_seqs = max([1, *batch_sizes])
+    common = dict(max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    gens = {"none": Generator.from_pretrained(str(path), **common),
+            "draft": Generator.from_pretrained(str(path), **common, speculative_method="draft",
+                                               num_speculative_tokens=args.k),
+            "ngram": Generator.from_pretrained(str(path), **common, speculative_method="ngram",
+                                               num_speculative_tokens=args.k)}
+    text = (path / "heldout.txt").read_text()
+    ids = gens["none"].tokenizer.encode(text, add_special_tokens=False)
+    rng = np.random.RandomState(0)
+    starts = rng.randint(0, len(ids) - 2 * args.passage_len, 4 * args.reps + 2 * sum(batch_sizes))
+    free = [ids[s: s + args.prompt_len] for s in starts[: args.reps]]
+    copy = []
+    for s in starts[args.reps: 2 * args.reps]:
+        passage = ids[s: s + args.passage_len]
+        copy.append(passage + ids[s + args.passage_len: s + args.passage_len + 8] + passage[:16])
+    report = {"benchmark": "speculative decoding", "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
+              "device": device_info(), "model": str(path), "config": vars(args), "workloads": {}}
+
+    for name, prompts in (("free", free), ("copy", copy)):
+        runs = {m: [] for m in gens}
+        for p in prompts:
+            for m, g in gens.items():
+                runs[m].append(run(g, [p], args.output_len))
+        report["workloads"][name] = {"batch": 1, **summarise(runs, "decode_tok_s")}
+        print(name, {m: (round(v["decode_tok_s"], 1), round(v["ratio_vs_none"], 2), v["mean_acceptance_length"])
+                     for m, v in report["workloads"][name].items() if isinstance(v, dict)}, flush=True)
+
+    offset = 2 * args.reps
+    forced_gens = {m: Generator.from_pretrained(str(path), **common, speculative_method=m, num_speculative_tokens=args.k,
+                                                speculative_max_batch=max_seqs)
+                   for m in ("draft", "ngram")} if batch_sizes else {}
+    for b in batch_sizes:
+        prompts = [ids[s: s + args.prompt_len] for s in starts[offset: offset + b]]
+        offset += b
+        runs = {m: [] for m in gens}
+        forced = {}
+        for rep in range(max(1, args.reps // 2)):
+            for m, g in gens.items():
+                runs[m].append(run(g, prompts, args.load_output_len))
+            for m, g in forced_gens.items():   # the policy forced on: speculate at every batch
+                forced.setdefault(m, []).append(run(g, prompts, args.load_output_len))
+        point = summarise(runs, "output_tok_s")
+        for m, rs in forced.items():
+            drafts, acc = sum(r["drafts"] for r in rs), sum(r["accepted"] for r in rs)
+            point[m]["forced_on"] = {"output_tok_s": float(np.median([r["output_tok_s"] for r in rs])),
+                                     "ratio_vs_none": float(np.median([r["output_tok_s"] / n["output_tok_s"]
+                                                                       for r, n in zip(rs, runs["none"])])),
+                                     "mean_acceptance_length": 1 + acc / drafts if drafts else None}
+        report["workloads"][f"load-{b}"] = {"batch": b, **point}
+        print(f"load {b}", {m: (round(v["output_tok_s"], 1), round(v["ratio_vs_none"], 2),
+                                v.get("forced_on", {}).get("ratio_vs_none"))
+                            for m, v in point.items()}, flush=True)
+    for w in report["workloads"].values():
+        for v in w.values():
+            if isinstance(v, dict):
+                v.pop("outputs", None)
+    out = results_path(args.out, device_slug(report["device"]), "speculative")
+    write_report(report, out, "", "", plot=False)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

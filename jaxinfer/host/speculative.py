@@ -1,0 +1,99 @@
+"""Speculative decoding on the host: the n-gram (prompt lookup) proposer, the draft model's
+placeholder proposals, and the acceptance counters. Never imports jax (jaxinfer/speculative.py
+holds the device side: the draft model's proposal loop and the exact verification).
+
+Prompt lookup (Saxena 2023; vLLM's "ngram" method): take the last n tokens of the request (n from
+`max_n` down to `min_n`), find their latest earlier occurrence in the request's own prompt and
+output, and propose the k tokens that followed it. It costs no model and pays off where the
+answer repeats or edits text it has seen (code edits, summaries quoting the source, RAG).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from .request import Request
+
+METHODS = ("draft", "ngram")
+
+
+def ngram_proposal(tokens: list[int] | np.ndarray, k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of `tokens`
+    (max_n down to min_n tokens long) that occurred before; [] when none did."""
+    arr = np.asarray(tokens, np.int64)
+    size = len(arr)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        # windows starting at i < size - n: each has at least one token after it
+        windows = sliding_window_view(arr[:size - 1], n)
+        hits = np.flatnonzero((windows == arr[size - n:]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return arr[start: start + k].tolist()
+    return []
+
+
+@dataclass
+class Proposer:
+    """propose(req, k) for the scheduler: n-gram lookup over the request's tokens, or k
+    placeholders (-1) the draft model fills in on the device."""
+    method: str
+    max_n: int = 4
+    min_n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_method={self.method!r} is not one of {(None, *METHODS)}")
+
+    def __call__(self, req: Request, k: int) -> list[int]:
+        if self.method == "draft":
+            return [-1] * k
+        return ngram_proposal(req.all_ids, k, self.max_n, self.min_n)
+
+
+@dataclass
+class SpecStats:
+    """Counters named like vLLM's spec_decode metrics: drafts (rows that proposed), draft tokens
+    (proposed), accepted tokens, accepted per position (position i: the i-th proposal of a draft)."""
+    num_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.num_tokens
+
+    def add(self, proposed: int, counts) -> None:
+        """One speculating row of a step: counts[0] rounds of `proposed` proposals each, counts[1 + i]
+        of them accepted the i-th (the device counts, jaxinfer/step.py)."""
+        rounds = int(counts[0])
+        self.num_drafts += rounds
+        self.num_draft_tokens += rounds * proposed
+        for i in range(proposed):
+            self.accepted_per_pos[i] += int(counts[1 + i])
+            self.num_accepted_tokens += int(counts[1 + i])
+
+    def record(self, proposed: int, drawn: int) -> None:
+        """One speculating row: `proposed` proposals, `drawn` tokens the step drew (accepted + 1)."""
+        accepted = max(0, min(drawn - 1, proposed))
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a speculating row gains per step: 1 + accepted / drafts (vLLM's definition)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    def as_dict(self) -> dict:
+        return {"spec_decode_num_drafts": self.num_drafts,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+                "spec_decode_acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
+                                                if self.num_draft_tokens else None),
+                "spec_decode_mean_acceptance_length": self.mean_acceptance_length}

@@ -1,0 +1,293 @@
+"""Speculative decoding (jaxinfer/speculative.py, host/speculative.py): exact verification and the
+engine's draft-model and n-gram methods.
+
+References from outside the code under test: the target's distributions from HF transformers (and
+numpy's softmax / top-p / repetition penalty transcribed from their definitions), chi-square tests
+from scipy, the greedy outputs of the same engine without speculation, hand-worked n-gram lookups.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxinfer import Generator, SamplingParams
+from jaxinfer.host.speculative import SpecStats, ngram_proposal
+
+P_MIN = 0.01   # the chi-square tests' threshold (the issue's): fixed seeds make each test deterministic
+
+
+# ------------------------------------------------------------------------------------ references
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the smallest prefix of the sorted distribution whose mass reaches top_p (the top token
+    always), renormalised: HF's TopPLogitsWarper and vLLM's definition."""
+    if top_p >= 1:
+        return p
+    order = np.argsort(-p, kind="stable")
+    before = np.cumsum(p[order]) - p[order]
+    keep = np.zeros_like(p, dtype=bool)
+    keep[order[before < top_p]] = True
+    keep[order[0]] = True
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+def _chi_square_p(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    """Pearson's test; cells expected below 5 are pooled into one."""
+    n = counts.sum()
+    exp = expected_probs * n
+    assert counts[exp == 0].sum() == 0, "a token of probability 0 was drawn"
+    big = exp >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(exp[big], exp[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+# ------------------------------------------------------------------------------------ n-gram lookup
+def test_ngram_proposal_hand_worked():
+    # suffix [1, 2] last occurred at 0..1; what followed: 3, 9, 1
+    assert ngram_proposal([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]
+    # the longest suffix wins: [4, 1, 2] occurred at 0 (then 7) though [1, 2] occurred later (then 8)
+    assert ngram_proposal([4, 1, 2, 7, 9, 1, 2, 8, 4, 1, 2], 2) == [7, 9]
+    # among equal lengths the latest occurrence: [5] at 0 (then 6) and at 2 (then 7)
+    assert ngram_proposal([5, 6, 5, 7, 5], 1, max_n=1) == [7]
+    # the proposal stops at the end of the tokens; nothing matches -> []
+    assert ngram_proposal([1, 2, 3, 1], 5) == [2, 3, 1]
+    assert ngram_proposal([1, 2, 3, 4], 3) == []
+    assert ngram_proposal([7], 3) == []
+
+
+def test_spec_stats_counts():
+    s = SpecStats(3)
+    s.record(3, 4)      # all three accepted + bonus
+    s.record(3, 1)      # first rejected
+    s.record(2, 2)      # one of two accepted
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 8, 4)
+    assert s.accepted_per_pos == [2, 1, 1]
+    assert s.mean_acceptance_length == pytest.approx(1 + 4 / 3)
+
+
+# ------------------------------------------------------------------------------------ verify() alone
+def _batch(n: int, temperature: float, top_p: float = 1.0, rep: float = 1.0, history: np.ndarray | None = None):
+    from jaxinfer.sampling import SamplingBatch
+    f = lambda v, dt=np.float32: np.full(n, v, dt)  # noqa: E731
+    h = np.full((n, 16), -1, np.int32) if history is None else history
+    return SamplingBatch(f(temperature), f(0, np.int32), f(top_p), f(0.0), f(rep), f(0.0), f(0.0),
+                         np.arange(n, dtype=np.uint32), f(0, np.int32), f(4, np.int32), f(0, np.int32),
+                         h, np.zeros(h.shape, bool), np.full((n, 1), -1, np.int32),
+                         np.full((n, 300), -1, np.int32), np.zeros((n, 300), np.float32))
+
+
+@pytest.mark.parametrize("case", ["draft", "garbage", "top_p_draft", "penalty"])
+def test_verify_is_exact(case):
+    """Thousands of rows, one seed each, the same proposals' distribution: the first token follows
+    the target's p_0 and the second (where the first was accepted) p_1 given the first, whatever
+    the proposals (a draft distribution q, or uniform garbage with one-hot q)."""
+    import jax
+    from jaxinfer.speculative import verify
+    n, v, k = 12000, 24, 2
+    rng = np.random.default_rng({"draft": 1, "garbage": 2, "top_p_draft": 3, "penalty": 4}[case])
+    logits = (rng.normal(size=(k + 1, v)) * 1.5).astype(np.float32)
+    temp, top_p, rep = {"top_p_draft": (1.5, 0.9, 1.0), "penalty": (1.0, 1.0, 1.8)}.get(case, (1.0, 1.0, 1.0))
+    if case == "garbage":
+        drafts, q = rng.integers(0, v, size=(n, k)).astype(np.int32), None
+    else:
+        qd = _softmax(rng.normal(size=(k, v)))
+        drafts = np.stack([rng.choice(v, size=n, p=qd[j]) for j in range(k)], axis=1).astype(np.int32)
+        q = np.broadcast_to(qd.astype(np.float32), (n, k, v))
+    # the prompt (history) of every row: positions 0..3 hold tokens 0..3; the token drawn after t0 is
+    # at position 4 (b.position), so proposal j sits at position 4 + j
+    hist = np.full((n, 16), -1, np.int32)
+    hist[:, :4] = np.arange(4)
+    b = _batch(n, temp, top_p, rep, hist)
+    ids, lps, _, _, drawn = jax.jit(verify)(np.broadcast_to(logits, (n, k + 1, v)), drafts, np.full(n, k, np.int32),
+                                           q, b)
+    ids, drawn = np.asarray(ids), np.asarray(drawn)
+
+    def target(j: int, seen: list[int]) -> np.ndarray:
+        x = logits[j].astype(np.float64)
+        for t in set(seen):   # CTRL repetition penalty over the history
+            x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+        return _top_p(_softmax(x / temp), top_p)
+
+    assert (target(0, [0, 1, 2, 3]) > 0).sum() >= 3    # a test with choices left
+    assert _chi_square_p(np.bincount(ids[0], minlength=v), target(0, [0, 1, 2, 3])) > P_MIN
+    if rep == 1:   # p_1 does not depend on the first token here: every row that went on
+        rows, seen = drawn >= 2, [0, 1, 2, 3]
+    else:          # the penalty sees the first token: rows that accepted the most frequent one
+        first = int(np.bincount(ids[0][drawn >= 2], minlength=v).argmax())
+        rows, seen = (drawn >= 2) & (ids[0] == first), [0, 1, 2, 3, first]
+    assert rows.sum() > 300
+    assert _chi_square_p(np.bincount(ids[1][rows], minlength=v), target(1, seen)) > P_MIN
+    # the logprobs returned are the target's (after temperature, before top-p)
+    x0 = logits[0].astype(np.float64)
+    for t in range(4):
+        x0[t] = x0[t] / rep if x0[t] > 0 else x0[t] * rep
+    ref = np.log(_softmax(x0 / temp))
+    np.testing.assert_allclose(np.asarray(lps)[0], ref[ids[0]], rtol=0, atol=2e-5)
+
+
+# ------------------------------------------------------------------------------------ the engine
+BUNDLED = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256)
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+# penalties see each accepted proposal (and, across rounds on the device, each round's tokens)
+PENALISED = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2, repetition_penalty=1.3,
+                           frequency_penalty=0.3)
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    from jaxinfer.generator import default_model_path
+    text = (default_model_path() / "heldout.txt").read_text()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    copy = ids[500:530]
+    # a copy-heavy prompt (a passage, then its start again) and plain held-out text of several lengths
+    return [copy + ids[900:905] + copy[:6], ids[2000:2011], ids[3000:3037], ids[4000:4003]]
+
+
+def _assert_same_greedy(ref, out) -> None:
+    """Token for token, up to a near-tie: where they first differ the reference's top two logprobs
+    must lie within 1e-3 (a 5-token verification chunk and a 1-token decode sum the same products
+    in a different order: float32 differences of ~1e-5 can flip only such a tie); the rest of that
+    sequence is then skipped."""
+    for r, o in zip(ref, out):
+        a, b = r.token_ids, o.token_ids
+        assert len(a) == len(b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                top = r.samples[0].top_logprobs[i]
+                assert abs(top[0][1] - top[1][1]) < 1e-3, (i, x, y, top)
+                break
+        else:   # the logprobs are the target's, whichever way the token was decided
+            np.testing.assert_allclose(o.logprobs, r.logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def bundled_reference():
+    g = Generator.from_pretrained(**BUNDLED)
+    prompts = _prompts(g.tokenizer)
+    return prompts, g.generate(prompts, GREEDY), g.generate(prompts, PENALISED)
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_greedy_identical_bundled_mixed_and_preempted(method, bundled_reference):
+    """Speculation on vs off, the bundled model: all prompts at once (prefill chunks beside
+    speculating rows) in a pool so small (4 sequences of up to 81 tokens, 252 in all, in 11 blocks of 16) that
+    running requests are preempted and recomputed."""
+    prompts, ref, ref_penalised = bundled_reference
+    g = Generator.from_pretrained(**BUNDLED, num_blocks=12, speculative_method=method, num_speculative_tokens=3)
+    steps = []
+    g.engine.add_step_observer(lambda t: steps.append(t.spans))
+    _assert_same_greedy(ref, g.generate(prompts, GREEDY))
+    st = g.engine.stats()
+    assert st["num_preemptions"] > 0 and st["compilations_after_warmup"] == 0
+    # some step held a prefill chunk (several tokens from a non-final position) beside a speculating row
+    assert any(any(n > 1 for _, n in s) and len(s) > 1 for s in steps)
+    assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_mean_acceptance_length"] > 1.2
+    assert st["spec_decode_num_accepted_tokens"] == sum(st["spec_decode_num_accepted_tokens_per_pos"])
+    if method == "draft":   # steps that ran several rounds on the device: more drafts than speculating rows
+        assert st["spec_decode_num_drafts"] > sum(n == 4 for s in steps for _, n in s)
+    _assert_same_greedy(ref_penalised, g.generate(prompts, PENALISED))
+
+
+@pytest.mark.parametrize("name", ["gpt2"])   # learned positions, LayerNorm, GELU: unlike the bundled Llama
+def test_greedy_identical_hf_families_ngram(name, hf_model_dir):
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128)
+    rng = np.random.RandomState(0)
+    base = rng.randint(3, 80, 12).tolist()
+    prompts = [base + base[:5], rng.randint(3, 80, 7).tolist(), base * 2]
+    ref = Generator.from_pretrained(hf_model_dir(name), **kw).generate(prompts, GREEDY)
+    g = Generator.from_pretrained(hf_model_dir(name), **kw, speculative_method="ngram")
+    _assert_same_greedy(ref, g.generate(prompts, GREEDY))
+    assert g.engine.stats()["spec_decode_num_drafts"] > 0
+
+
+def test_draft_model_refused_clearly(hf_model_dir, tmp_path):
+    target = hf_model_dir("llama-gqa-llama3")
+    with pytest.raises(ValueError, match="needs speculative_model"):
+        Generator.from_pretrained(target, speculative_method="draft", warmup=False)
+    with pytest.raises(ValueError, match="vocabulary"):   # 97 tokens vs the target's 131
+        Generator.from_pretrained(target, speculative_method="draft", speculative_model=hf_model_dir("llama-mqa-tied-linear"),
+                                  warmup=False)
+    with pytest.raises(ValueError, match="only used with"):
+        Generator.from_pretrained(target, speculative_model=target, warmup=False)
+    with pytest.raises(ValueError, match="speculative_method"):
+        Generator.from_pretrained(target, speculative_method="medusa2", warmup=False)
+
+
+# ------------------------------------------------------------------------------------ exactness, end to end
+EXACT_MODEL = "llama-mqa-tied-linear"   # vocab 97
+EXACT_PROMPT = [5, 9, 14, 20, 27, 5, 9, 14, 20, 27, 5, 9]   # repeats: prompt lookup finds matches
+
+
+@pytest.fixture(scope="module")
+def exact_reference(hf_model_dir):
+    """HF transformers' exact marginals of the 1st, 2nd and 3rd generated token after EXACT_PROMPT
+    (every continuation of two tokens enumerated), at temperature 1 with top_p 1 and 0.9."""
+    import torch
+    import transformers as tf
+    model = tf.AutoModelForCausalLM.from_pretrained(hf_model_dir(EXACT_MODEL)).eval()
+    v = model.config.vocab_size
+    with torch.no_grad():
+        def dist(seqs: np.ndarray) -> np.ndarray:
+            return model(torch.as_tensor(seqs)).logits[:, -1].double().numpy()
+        prompt = np.asarray([EXACT_PROMPT])
+        l1 = dist(prompt)[0]
+        l2 = dist(np.concatenate([np.repeat(prompt, v, 0), np.arange(v)[:, None]], 1))            # [x1, V]
+        pairs = np.stack(np.meshgrid(np.arange(v), np.arange(v), indexing="ij"), -1).reshape(-1, 2)
+        l3 = np.concatenate([dist(np.concatenate([np.repeat(prompt, len(c), 0), c], 1))
+                             for c in np.array_split(pairs, 8)]).reshape(v, v, v)                  # [x1, x2, V]
+    out = {}
+    for top_p in (1.0, 0.9):
+        f = lambda lg: np.apply_along_axis(lambda r: _top_p(_softmax(r), top_p), -1, lg)  # noqa: E731
+        p1, p2, p3 = f(l1), f(l2), f(l3)
+        out[top_p] = (p1, p1 @ p2, np.einsum("a,ab,abc->c", p1, p2, p3))
+    return out
+
+
+def _sample_tokens(g, top_p: float, requests: int = 24, n: int = 64) -> np.ndarray:
+    """[requests * n, 3]: the first three tokens of n samples per request, one seed per request."""
+    # max_tokens 4: after the first token a row may propose both of its k = 2 tokens
+    params = [SamplingParams(max_tokens=4, temperature=1.0, top_p=top_p, n=n, seed=1000 + i, ignore_eos=True)
+              for i in range(requests)]
+    outs = g.generate([EXACT_PROMPT] * requests, params)
+    return np.asarray([c.token_ids[:3] for o in outs for c in o.samples])
+
+
+def _assert_matches(tokens: np.ndarray, marginals) -> None:
+    v = len(marginals[0])
+    for j in range(3):
+        assert _chi_square_p(np.bincount(tokens[:, j], minlength=v), marginals[j]) > P_MIN, j
+
+
+EXACT_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, num_speculative_tokens=2,
+                    speculative_max_batch=8)
+
+
+def test_sampling_exact_ngram_and_garbage(hf_model_dir, exact_reference):
+    g = Generator.from_pretrained(hf_model_dir(EXACT_MODEL), speculative_method="ngram", **EXACT_ENGINE)
+    _assert_matches(_sample_tokens(g, 1.0), exact_reference[1.0])
+    assert g.engine.stats()["spec_decode_num_drafts"] > 100
+    # a proposer of uniformly random tokens: acceptance drops, the distribution does not move
+    rng = np.random.RandomState(0)
+    g.engine.scheduler.propose = lambda req, k: rng.randint(0, 97, k).tolist()
+    before = g.engine.stats()["spec_decode_num_drafts"]
+    _assert_matches(_sample_tokens(g, 1.0), exact_reference[1.0])
+    assert g.engine.stats()["spec_decode_num_drafts"] - before > 1000
+
+
+def test_sampling_exact_draft_top_p(hf_model_dir, exact_reference, tmp_path_factory):
+    from tests.hf_models import build_hf_model
+    draft = tmp_path_factory.mktemp("draft")
+    build_hf_model(EXACT_MODEL, seed=1).save_pretrained(draft)   # same shapes, other weights: a poor draft
+    g = Generator.from_pretrained(hf_model_dir(EXACT_MODEL), speculative_method="draft", speculative_model=draft,
+                                  **EXACT_ENGINE)
+    _assert_matches(_sample_tokens(g, 0.9), exact_reference[0.9])
+    st = g.engine.stats()
+    assert st["spec_decode_num_drafts"] > 1000 and st["spec_decode_num_accepted_tokens"] > 0
