@@ -57,6 +57,11 @@ def row_keys(seed: jax.Array, sample_index: jax.Array, position: jax.Array) -> j
     return jax.vmap(one)(seed, sample_index, position)
 
 
+def any_penalty(b: SamplingBatch) -> jax.Array:
+    """Some row uses a penalty (which reads the history)."""
+    return jnp.any((b.repetition_penalty != 1) | (b.presence_penalty != 0) | (b.frequency_penalty != 0))
+
+
 def apply_logit_bias(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     n, v = logits.shape
     rows = jnp.broadcast_to(jnp.arange(n)[:, None], b.bias_ids.shape)
@@ -149,8 +154,7 @@ def process(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array, 
     unchanged = lambda l, _: l  # noqa: E731
     logits = jax.lax.cond(jnp.any(b.bias_ids >= 0), apply_logit_bias, unchanged, logits, b)
     logits = jax.lax.cond(jnp.any(b.token_mask != -1), apply_token_mask, unchanged, logits, b)
-    any_penalty = jnp.any((b.repetition_penalty != 1) | (b.presence_penalty != 0) | (b.frequency_penalty != 0))
-    logits = jax.lax.cond(any_penalty, apply_penalties, unchanged, logits, b)
+    logits = jax.lax.cond(any_penalty(b), apply_penalties, unchanged, logits, b)
     greedy = b.temperature <= 0
     logits = logits / jnp.where(greedy, 1.0, b.temperature)[:, None]
     logprobs = jax.nn.log_softmax(logits, axis=-1)

@@ -28,14 +28,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.sampling import (NEG_INF, SamplingBatch, gumbel_draw, process, row_keys, top_logprobs)
+from jaxinfer.sampling import (NEG_INF, SamplingBatch, any_penalty, gumbel_draw, process, row_keys, top_logprobs)
 
 ACCEPT_TAG = 1   # fold_in tag of the acceptance uniforms
 DRAFT_TAG = 2    # fold_in tag of the draft model's own draws
-
-
-def _any_penalty(b: SamplingBatch) -> jax.Array:
-    return jnp.any((b.repetition_penalty != 1) | (b.presence_penalty != 0) | (b.frequency_penalty != 0))
 
 
 def with_history(b: SamplingBatch, ids: jax.Array, drew: jax.Array) -> SamplingBatch:
@@ -45,7 +41,7 @@ def with_history(b: SamplingBatch, ids: jax.Array, drew: jax.Array) -> SamplingB
         col = jnp.where(drew, b.position, b.history.shape[1])              # out of range: dropped
         return SamplingBatch(**{**vars(b), "history": b.history.at[rows, col].set(ids, mode="drop"),
                                 "history_is_output": b.history_is_output.at[rows, col].set(True, mode="drop")})
-    return jax.lax.cond(_any_penalty(b), record, lambda b: b, b)
+    return jax.lax.cond(any_penalty(b), record, lambda b: b, b)
 
 
 def expand_batch(b: SamplingBatch, drafts: jax.Array, num_spec: jax.Array, k1: int) -> SamplingBatch:
@@ -66,7 +62,7 @@ def expand_batch(b: SamplingBatch, drafts: jax.Array, num_spec: jax.Array, k1: i
         rows = jnp.broadcast_to(jnp.arange(s * k1)[:, None], cols.shape)
         return {**out, "history": out["history"].at[rows, cols].set(rep(drafts), mode="drop"),
                 "history_is_output": out["history_is_output"].at[rows, cols].set(True, mode="drop")}
-    out = jax.lax.cond(_any_penalty(b), extend, lambda o: o, out)
+    out = jax.lax.cond(any_penalty(b), extend, lambda o: o, out)
     return SamplingBatch(**out)
 
 

@@ -41,7 +41,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV
-from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, sample
+from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, any_penalty, sample
 from jaxinfer.speculative import draft_sample, verify, with_history
 
 MAX_STOP_IDS = 8   # stop ids checked on device per row; a row with more is checked by the host only
@@ -115,20 +115,10 @@ def _advance(inputs: StepInputs, ids: jax.Array, drew: jax.Array, going: jax.Arr
     slots = jnp.where(tok_going, block * block_size + positions % block_size, PAD_SLOT)
     meta = AttentionMetadata(**{**vars(meta), "slot_mapping": slots,
                                 "context_lens": meta.context_lens + going.astype(jnp.int32)})
-    sb = inputs.sampling
-    any_penalty = jnp.any((sb.repetition_penalty != 1) | (sb.presence_penalty != 0) | (sb.frequency_penalty != 0))
-    sb = jax.lax.cond(any_penalty, _record_history, lambda b, *_: b, sb, ids, drew)
+    sb = with_history(inputs.sampling, ids, drew)   # penalties see the tokens drawn by earlier iterations
     sb = SamplingBatch(**{**vars(sb), "position": sb.position + going.astype(jnp.int32)})
     return StepInputs(tokens, positions, meta, li, sb, inputs.stop_ids, inputs.max_new, inputs.num_iters,
                       inputs.from_prev, inputs.spec)
-
-
-def _record_history(sb: SamplingBatch, ids: jax.Array, drew: jax.Array) -> SamplingBatch:
-    """Penalties see the tokens drawn by earlier iterations: history[s, position] = the drawn id."""
-    rows = jnp.arange(ids.shape[0])
-    col = jnp.where(drew, sb.position, sb.history.shape[1])                # out of range: dropped
-    return SamplingBatch(**{**vars(sb), "history": sb.history.at[rows, col].set(ids, mode="drop"),
-                            "history_is_output": sb.history_is_output.at[rows, col].set(True, mode="drop")})
 
 
 def _step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings
@@ -322,7 +312,7 @@ def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, set
         last = jnp.where(drawn > 0, ids[jnp.maximum(drawn - 1, 0), jnp.arange(s)], last)
         # penalties in later rounds see what this one drew, at positions p + 1 ..
         hist_cols = jnp.where(emitted.T, p[:, None] + 1 + jnp.arange(k1)[None, :], b.history.shape[1])
-        b = jax.lax.cond(jnp.any((b.repetition_penalty != 1) | (b.presence_penalty != 0) | (b.frequency_penalty != 0)),
+        b = jax.lax.cond(any_penalty(b),
                          lambda b: SamplingBatch(**{**vars(b), "history": b.history.at[
                              jnp.arange(s)[:, None], hist_cols].set(ids.T, mode="drop"),
                              "history_is_output": b.history_is_output.at[jnp.arange(s)[:, None], hist_cols].set(

@@ -66,9 +66,8 @@ def test_ngram_proposal_hand_worked():
 
 def test_spec_stats_counts():
     s = SpecStats(3)
-    s.record(3, 4)      # all three accepted + bonus
-    s.record(3, 1)      # first rejected
-    s.record(2, 2)      # one of two accepted
+    s.add(3, [2, 2, 1, 1])   # two rounds of 3 proposals: all three accepted, then the first only
+    s.add(2, [1, 0, 0, 0])   # one round of 2 proposals, the first rejected
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 8, 4)
     assert s.accepted_per_pos == [2, 1, 1]
     assert s.mean_acceptance_length == pytest.approx(1 + 4 / 3)
@@ -251,7 +250,7 @@ def exact_reference(hf_model_dir):
     return out
 
 
-def _sample_tokens(g, top_p: float, requests: int = 24, n: int = 64) -> np.ndarray:
+def _sample_tokens(g, top_p: float, requests: int = 16, n: int = 64) -> np.ndarray:
     """[requests * n, 3]: the first three tokens of n samples per request, one seed per request."""
     # max_tokens 4: after the first token a row may propose both of its k = 2 tokens
     params = [SamplingParams(max_tokens=4, temperature=1.0, top_p=top_p, n=n, seed=1000 + i, ignore_eos=True)
@@ -279,7 +278,7 @@ def test_sampling_exact_ngram_and_garbage(hf_model_dir, exact_reference):
     g.engine.scheduler.propose = lambda req, k: rng.randint(0, 97, k).tolist()
     before = g.engine.stats()["spec_decode_num_drafts"]
     _assert_matches(_sample_tokens(g, 1.0), exact_reference[1.0])
-    assert g.engine.stats()["spec_decode_num_drafts"] - before > 1000
+    assert g.engine.stats()["spec_decode_num_drafts"] - before > 600
 
 
 def test_sampling_exact_draft_top_p(hf_model_dir, exact_reference, tmp_path_factory):
@@ -290,4 +289,4 @@ def test_sampling_exact_draft_top_p(hf_model_dir, exact_reference, tmp_path_fact
                                   **EXACT_ENGINE)
     _assert_matches(_sample_tokens(g, 0.9), exact_reference[0.9])
     st = g.engine.stats()
-    assert st["spec_decode_num_drafts"] > 1000 and st["spec_decode_num_accepted_tokens"] > 0
+    assert st["spec_decode_num_drafts"] > 600 and st["spec_decode_num_accepted_tokens"] > 0

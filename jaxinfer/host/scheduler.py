@@ -190,8 +190,7 @@ class Scheduler:
 
     def spec_k(self) -> int:
         """Proposals per decoding row this step: the load policy speculates with K tokens while at
-        most spec_max_batch sequences run and not at all above (bench/speculative.py measured where
-        speculation stops paying; the README has the numbers)."""
+        most spec_max_batch sequences run and not at all above (bench/speculative.py; README)."""
         if not self.cfg.spec_tokens or self.propose is None or len(self.running) > self.cfg.spec_max_batch:
             return 0
         return self.cfg.spec_tokens

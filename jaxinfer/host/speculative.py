@@ -75,15 +75,6 @@ class SpecStats:
             self.accepted_per_pos[i] += int(counts[1 + i])
             self.num_accepted_tokens += int(counts[1 + i])
 
-    def record(self, proposed: int, drawn: int) -> None:
-        """One speculating row: `proposed` proposals, `drawn` tokens the step drew (accepted + 1)."""
-        accepted = max(0, min(drawn - 1, proposed))
-        self.num_drafts += 1
-        self.num_draft_tokens += proposed
-        self.num_accepted_tokens += accepted
-        for i in range(accepted):
-            self.accepted_per_pos[i] += 1
-
     @property
     def mean_acceptance_length(self) -> float | None:
         """Tokens a speculating row gains per step: 1 + accepted / drafts (vLLM's definition)."""
