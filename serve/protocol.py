@@ -308,9 +308,24 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
 
 
+# message fields OpenAI defines that this server does not implement: refused when set, never dropped
+UNSUPPORTED_MESSAGE_FIELDS = ("audio", "function_call", "refusal")
+
+
 class ChatMessage(BaseModel):
+    """One chat message; other unknown keys are ignored (clients send extras such as ids)."""
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in UNSUPPORTED_MESSAGE_FIELDS:
+                if data.get(name) is not None:
+                    raise _refuse("messages", f"messages[].{name} is not supported by this server")
+        return data
+
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None     # assistant: the calls it made

@@ -96,6 +96,18 @@ def test_constraint_errors_name_the_field():
     assert _chat().request_field("logit_bias") == "logit_bias"
 
 
+def test_unsupported_message_fields_are_refused_not_dropped():
+    import pydantic
+    for name, value in (("function_call", {"name": "f", "arguments": "{}"}), ("audio", {"id": "a1"}),
+                        ("refusal", "no")):
+        with pytest.raises(pydantic.ValidationError) as e:
+            ChatCompletionRequest(messages=[{"role": "assistant", "content": "x", name: value}])
+        err = e.value.errors()[0]
+        assert err["type"] == "invalid_field" and err["ctx"]["param"] == "messages" and name in err["msg"]
+    # null is what clients send for "none": accepted
+    ChatCompletionRequest(messages=[{"role": "assistant", "content": "x", "function_call": None, "refusal": None}])
+
+
 def test_logit_bias_maps_ids_and_checks_bounds():
     p = CompletionRequest(prompt="x", logit_bias={"5": 100, "12": -3.5}).sampling_params(8, None)
     assert dict(p.logit_bias) == {5: 100.0, 12: -3.5}
