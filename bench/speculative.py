@@ -1,11 +1,14 @@
 """Speculative decoding: each method against none, same run, the bundled model.
 
-    python -m bench.speculative [--model PATH] [--reps 5] [--k 4] [--batch-sizes 16,64] [--out PATH]
+    python -m bench.speculative [--model PATH] [--reps 5] [--k 4] [--batch-sizes 16,64]
+        [--methods draft,ngram,medusa,medusa-chain] [--out PATH]
 
 Generators (all warmed up, alive together, measured interleaved):
   none    the engine's defaults (multi-step decoding 8, async scheduling);
   draft   the bundled draft (checkpoints/jaxinfer-tiny-llama-draft), k proposals per step;
-  ngram   prompt lookup, k proposals per step.
+  ngram   prompt lookup, k proposals per step;
+  medusa  the bundled Medusa heads (checkpoints/jaxinfer-tiny-llama-medusa) with their tree, k deep;
+  medusa-chain  the same heads with a single chain (each head's top token): what the tree adds.
 Workloads:
   free      batch 1, greedy, a held-out prompt (--prompt-len tokens), --output-len tokens: decode tok/s
             = (output tokens - 1) / (time from the first token to the last), so prefill is excluded;
@@ -22,7 +25,11 @@ Results: bench/results/<date>-<device>-speculative.json.
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -61,6 +68,17 @@ def summarise(runs: dict[str, list[dict]], key: str) -> dict:
     return out
 
 
+def _chain_heads(k: int) -> str:
+    """A copy of the bundled Medusa heads whose tree is one chain of each head's top token."""
+    from jaxinfer.generator import CHECKPOINTS, DEFAULT_MEDUSA
+    src, out = CHECKPOINTS / DEFAULT_MEDUSA, Path(tempfile.mkdtemp(prefix="medusa-chain-"))
+    shutil.copy(src / "heads.safetensors", out)
+    info = json.loads((src / "medusa.json").read_text())
+    info["tree"] = [[0] * d for d in range(1, k + 1)]
+    (out / "medusa.json").write_text(json.dumps(info))
+    return str(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -72,19 +90,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="16,64")
     ap.add_argument("--load-output-len", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=128)
+    ap.add_argument("--methods", default="draft,ngram,medusa,medusa-chain")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
 
     from jaxinfer import Generator
     path = model_path(args.model)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     max_seqs = max([1, *batch_sizes])
     common = dict(max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    gens = {"none": Generator.from_pretrained(str(path), **common),
-            "draft": Generator.from_pretrained(str(path), **common, speculative_method="draft",
-                                               num_speculative_tokens=args.k),
-            "ngram": Generator.from_pretrained(str(path), **common, speculative_method="ngram",
-                                               num_speculative_tokens=args.k)}
+    gens = {"none": Generator.from_pretrained(str(path), **common)}
+    for m in methods:
+        kw = dict(speculative_method=m, num_speculative_tokens=args.k)
+        if m == "medusa-chain":
+            kw = dict(speculative_method="medusa", speculative_model=_chain_heads(args.k), num_speculative_tokens=args.k)
+        gens[m] = Generator.from_pretrained(str(path), **common, **kw)
     text = (path / "heldout.txt").read_text()
     ids = gens["none"].tokenizer.encode(text, add_special_tokens=False)
     rng = np.random.RandomState(0)
@@ -109,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     offset = 2 * args.reps
     forced_gens = {m: Generator.from_pretrained(str(path), **common, speculative_method=m, num_speculative_tokens=args.k,
                                                 speculative_max_batch=max_seqs)
-                   for m in ("draft", "ngram")} if batch_sizes else {}
+                   for m in methods if m != "medusa-chain"} if batch_sizes else {}
     for b in batch_sizes:
         prompts = [ids[s: s + args.prompt_len] for s in starts[offset: offset + b]]
         offset += b

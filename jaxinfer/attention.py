@@ -37,7 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.kv_cache import CHUNK_GROUP, DECODE_GROUP, AttentionMetadata, LayerKV, write_kv
+from jaxinfer.kv_cache import CHUNK_GROUP, DECODE_GROUP, TREE_NONE, AttentionMetadata, LayerKV, write_kv
 from pallas_kernels.flash_attention import flash_attention, ragged_paged_attention
 
 NEG_INF = -1e30  # finite, so fully-masked padding rows give zeros instead of NaN
@@ -57,6 +57,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
     assert meta is not None, "paged attention needs AttentionMetadata"
     kv = write_kv(kv, k, v, meta.slot_mapping)
     if impl == "pallas":
+        if meta.tree is not None:
+            raise ValueError("tree attention (Medusa) runs on the XLA attention only")
         out = ragged_paged_attention(q, kv.k, kv.v, positions, meta.seq_ids, meta.query_start_loc,
                                      meta.block_tables, meta.context_lens, scale=scale, window=window,
                                      alibi_slopes=alibi, k_scale=kv.k_scale, v_scale=kv.v_scale)
@@ -129,14 +131,24 @@ def paged_attention_reference(q: jax.Array, kv: LayerKV, positions: jax.Array, m
     scores = jnp.einsum("tkgd,ktld->kgtl", qg, k_tok, preferred_element_type=jnp.float32) * scale
     k_pos = jnp.arange(k_seq.shape[2], dtype=jnp.int32)
     in_context = k_pos[None, :] < meta.context_lens[meta.seq_ids][:, None]
+    if meta.tree is not None:
+        positions = meta.tree[:, 0]
+        in_context &= _tree_visible(k_pos[None, :], meta.tree[:, 1:2], meta.tree[:, 2:3])
     valid, bias = _mask_and_bias(positions, k_pos, window, alibi, extra_valid=in_context)
     out = _softmax_attend(scores, valid, bias, v_tok, "ktld")
     return out.reshape(t, h, d).astype(q.dtype)
 
 
+def _tree_visible(k_idx: jax.Array, first: jax.Array, bits: jax.Array) -> jax.Array:
+    """Whether a query sees key slot k_idx under a tree mask (broadcasting): keys before its row's
+    first node slot always (the causal mask applies as usual), node slots where its bit is set."""
+    off = k_idx - first
+    return (off < 0) | ((jnp.right_shift(bits, jnp.clip(off, 0, 31)) & 1) == 1)
+
+
 def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: jax.Array,
                   num_items: jax.Array, *, scale: float, window: int | None,
-                  alibi: jax.Array | None, group: int) -> jax.Array:
+                  alibi: jax.Array | None, group: int, tree_tiles: tuple | None = None) -> jax.Array:
     """Softmax attention of query tiles over a flat list of work items (tile, first logical block j,
     physical blocks j .. j + KB - 1), `group` items per loop iteration (the last few group // 8),
     merged per tile by online softmax.
@@ -146,7 +158,8 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
     first num_items are real and the loops stop there: the work follows the blocks the step actually
     reads, not the bucket. -> [NT+1, Hkv, Q, D] f32 (0: a query with no key).
     Keys past a query's position are masked, so an item's null blocks past the context cost work but
-    never count. Items of one tile may share a group: the running max, sum and output are merged
+    never count. tree_tiles: (first node slot, ancestor bits) [NT+1, Q] of each query (Medusa;
+    pos_tiles then hold slot indexes). Items of one tile may share a group: the running max, sum and output are merged
     with scatter-max / scatter-add, which combine duplicates."""
     nt1, hkv, nq, d = q_tiles.shape
     bs = kv.k.shape[2]
@@ -176,6 +189,9 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
         valid = (rel <= 0) & (pos_tiles[tile] >= 0)[None, :, None, :]     # (1, K, KB*bs, Q)
         if window is not None:
             valid &= rel > -window
+        if tree_tiles is not None:
+            k_idx = (j[:, None] * bs + offs)[:, :, None]                    # (K, KB*bs, 1)
+            valid &= _tree_visible(k_idx, tree_tiles[0][tile][:, None, :], tree_tiles[1][tile][:, None, :])[None]
         if slope is not None:
             sc = sc + slope[:, None, None, :] * rel.astype(jnp.float32)
         sc = jnp.where(valid, sc, NEG_INF)
@@ -221,6 +237,8 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
     hkv = kv.k.shape[0]
     g = h // hkv
     tq = meta.chunk_tiles.shape[1]
+    if meta.tree is not None:   # tree nodes: the causal mask compares slot indexes, not positions
+        positions = meta.tree[:, 0]
     q_ext = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((1, h, d), jnp.float32)])   # row T: none
     pos_ext = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])
     kw = dict(scale=scale, window=window, alibi=alibi)
@@ -236,8 +254,13 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
     tiles = jnp.concatenate([meta.chunk_tiles, jnp.full((1, tq), t, jnp.int32)])         # [NT+1, tq]
     cq = q_ext[tiles].reshape(-1, tq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(-1, hkv, tq * g, d)
     cpos = jnp.repeat(pos_ext[tiles], g, axis=1)                                         # (NT+1, tq*G)
+    tree_tiles = None
+    if meta.tree is not None:
+        first = jnp.concatenate([meta.tree[:, 1], jnp.full((1,), TREE_NONE, jnp.int32)])
+        bits = jnp.concatenate([meta.tree[:, 2], jnp.zeros((1,), jnp.int32)])
+        tree_tiles = (jnp.repeat(first[tiles], g, axis=1), jnp.repeat(bits[tiles], g, axis=1))
     cout = _attend_items(cq, cpos, kv, meta.chunk_items, meta.num_items[1],
-                         group=min(CHUNK_GROUP, meta.chunk_items.shape[0]), **kw)
+                         group=min(CHUNK_GROUP, meta.chunk_items.shape[0]), tree_tiles=tree_tiles, **kw)
     cout = cout.reshape(-1, hkv, tq, g, d).transpose(0, 2, 1, 3, 4)                      # (NT+1, tq, Hkv, G, D)
 
     out = jnp.zeros((t + 1, hkv, g, d), jnp.float32)

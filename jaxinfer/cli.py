@@ -44,12 +44,13 @@ def _follow(gen) -> int:
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-method", default=None, choices=["draft", "ngram"],
-                   help="speculative decoding: a draft model, or n-gram prompt lookup (exact: the output "
-                        "distribution is the model's)")
+    p.add_argument("--speculative-method", default=None, choices=["draft", "ngram", "medusa"],
+                   help="speculative decoding: a draft model, n-gram prompt lookup, or Medusa heads with a "
+                        "candidate tree (exact: the output distribution is the model's)")
     p.add_argument("--speculative-model", default=None,
-                   help="the draft model's folder (default for the bundled model: its bundled draft)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="proposals per sequence and step")
+                   help="the draft model's or Medusa heads' folder (default for the bundled model: the bundled ones)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="proposals per sequence and step (medusa: the tree's depth, at most the heads)")
     p.add_argument("--speculative-max-batch", type=int, default=None,
                    help="speculate while at most this many sequences run (default: the measured crossover)")
 

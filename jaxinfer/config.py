@@ -491,8 +491,8 @@ class EngineConfig:
     max_decode_steps: int = 8           # decode iterations per step on device when every row decodes
     async_scheduling: bool = True       # plan and dispatch step N+1 before step N's tokens reach the host
     enable_prefix_caching: bool = True  # reuse the KV blocks of cached prompt prefixes (host/block_manager.py)
-    speculative_method: str | None = None   # None | draft | ngram (jaxinfer/speculative.py)
-    num_speculative_tokens: int = 4     # K: proposals per decoding sequence and step
+    speculative_method: str | None = None   # None | draft | ngram | medusa (jaxinfer/speculative.py, medusa.py)
+    num_speculative_tokens: int = 4     # K: proposals per decoding sequence and step (medusa: the tree's depth)
     speculative_max_batch: int | None = None   # speculate while at most this many sequences run (None: default)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -500,7 +500,7 @@ class EngineConfig:
         choices = {"dtype": ("auto", "bfloat16", "float32", "float16"), "attention": ("pallas", "xla", "auto"),
                    "quantize": (None, "int8", "int4"), "kv_dtype": (None, "int8", "float16", "bfloat16", "float32"),
                    "batching": ("static", "dynamic", "continuous"),
-                   "speculative_method": (None, "draft", "ngram")}
+                   "speculative_method": (None, "draft", "ngram", "medusa")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
@@ -570,6 +570,15 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
     dtype = resolve_dtype_name(cfg.dtype, backend, weight_dtype)
     kv_dtype = cfg.kv_dtype or dtype
     attention = resolve_impl_name(cfg.attention, backend)
+    if cfg.speculative_method == "medusa":
+        # the tree mask (kv_cache.AttentionMetadata.tree) is the XLA attention's; it compares slot
+        # indexes, which differ from a node's position, so ALiBi's distances and sliding windows would
+        # be off by the node's place in the tree
+        if cfg.attention == "pallas":
+            raise ValueError('speculative_method="medusa" needs attention="xla" (the tree mask is not in the Pallas kernel)')
+        attention = "xla"
+        if model_cfg.position == "alibi" or model_cfg.sliding_window is not None:
+            raise ValueError('speculative_method="medusa" is not available for models with ALiBi or a sliding window')
     max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks

@@ -97,13 +97,16 @@ class Engine:
     fault_injector: Callable[[], None] | None = None
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer | None, cfg: EngineConfig,
-                 max_num_batched_tokens: int = 512, batch_window_s: float = 0.05, draft_model: Decoder | None = None):
+                 max_num_batched_tokens: int = 512, batch_window_s: float = 0.05, draft_model: Decoder | None = None,
+                 medusa_heads: tuple | None = None):
         """draft_model: the draft of speculative_method="draft" (same vocabulary; its KV pages use
-        the target's blocks)."""
+        the target's blocks). medusa_heads: (MedusaHeads, Tree) of speculative_method="medusa"
+        (medusa.load_heads checked them against this model)."""
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
         self.cfg = cfg
         _check_draft(model, draft_model, cfg)
+        medusa_heads = _check_medusa(model, medusa_heads, cfg)
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         mesh = model_mesh(model)
         tp = 1 if mesh is None else mesh.shape["tensor"]
@@ -135,19 +138,23 @@ class Engine:
         # multi-step decoding runs the model inside a device loop; the pipeline's stages do not loop
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, r.max_model_len, batch_window_s,
-                            max_decode_steps=r.max_decode_steps, spec_tokens=r.spec_tokens,
+                            max_decode_steps=r.max_decode_steps,
+                            # a Medusa row proposes its tree's nodes (spec_tokens: the tree's depth)
+                            spec_tokens=len(medusa_heads[1].paths) if medusa_heads else r.spec_tokens,
                             spec_max_batch=r.spec_max_batch, spec_rounds=r.spec_rounds),
             self.blocks, eos_ids=eos)
         self.spec_stats = SpecStats(r.spec_tokens)
         if r.spec_tokens:
-            self.scheduler.propose = Proposer(cfg.speculative_method)
+            depths = tuple(len(p) for p in medusa_heads[1].paths) if medusa_heads else ()
+            proposer = Proposer(cfg.speculative_method, tree_depths=depths)
+            self.scheduler.propose, self.scheduler.spec_draws = proposer, proposer.draws
         runner_cfg = RunnerConfig(cfg.block_size, r.num_blocks, cfg.max_num_seqs, tokens_budget, r.max_model_len,
                                   r.attention, max_decode_steps=r.max_decode_steps, eos_ids=tuple(eos),
                                   spec_tokens=r.spec_tokens, spec_rounds=r.spec_rounds)
         if isinstance(model, PipelinedDecoder):
             self.runner = PipelineRunner(model, runner_cfg, kv_dtype, cfg.pipeline_microbatches or model.pp)
         else:
-            self.runner = ModelRunner(model, runner_cfg, kv_dtype, draft_model)
+            self.runner = ModelRunner(model, runner_cfg, kv_dtype, draft_model, medusa_heads)
         self.weight_bytes = weight_bytes
         self.device_spec = perf.device_for_kind(jax.devices()[0].device_kind)   # None: peak unknown (CPU)
         self._text: dict[str, _TextState] = {}
@@ -380,6 +387,11 @@ class Engine:
             if st is not None:
                 st.marks.clear()
         updated = self.scheduler.update(plan, samples, stop_check=self._stop_check)
+        if launched.proposals is not None:   # Medusa: each row's next tree (-1: none this step)
+            for i, q in enumerate(plan.seqs):
+                req = q.request
+                if q.sample and not req.finished and launched.proposals[i, 0] >= 0:
+                    req.proposals = (len(req.all_ids), launched.proposals[i].tolist())
         deltas = []
         for req in updated:
             new = len(req.output_ids) - before[req.request_id]
@@ -476,6 +488,23 @@ class Engine:
             "num_speculative_tokens": self.resolved.spec_tokens,
             **self.spec_stats.as_dict(),
         }
+
+
+def _check_medusa(model, heads: tuple | None, cfg: EngineConfig) -> tuple | None:
+    """Medusa heads go with speculative_method="medusa", an unsharded target, and num_speculative_tokens
+    at most their number (the tree is cut to that depth). -> (heads, the tree cut to depth) or None."""
+    if cfg.speculative_method == "medusa" and heads is None:
+        raise ValueError('speculative_method="medusa" needs Medusa heads (speculative_model=PATH)')
+    if heads is None:
+        return None
+    if cfg.speculative_method != "medusa":
+        raise ValueError(f'Medusa heads are only used with speculative_method="medusa", not {cfg.speculative_method!r}')
+    if isinstance(model, PipelinedDecoder) or model_mesh(model) is not None:
+        raise ValueError("speculative decoding with Medusa heads needs an unsharded target")
+    mh, tree = heads
+    if cfg.num_speculative_tokens > mh.num_heads:
+        raise ValueError(f"num_speculative_tokens={cfg.num_speculative_tokens} is more than the {mh.num_heads} Medusa heads")
+    return mh, tree.truncated(cfg.num_speculative_tokens)
 
 
 def _check_draft(model, draft: Decoder | None, cfg: EngineConfig) -> None:

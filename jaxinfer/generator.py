@@ -27,12 +27,14 @@ from flax import nnx
 from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.client import Completion, EngineClient, SubmitError
 from jaxinfer.engine import Engine
+from jaxinfer.medusa import is_medusa, load_heads
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.models.decoder import fuse_decoder, quantize_decoder
 from jaxinfer.weights import resolve_dtype, load_model
 
 DEFAULT_MODEL = "jaxinfer-tiny-llama"
 DEFAULT_DRAFT = "jaxinfer-tiny-llama-draft"   # the bundled model's draft (speculative_method="draft")
+DEFAULT_MEDUSA = "jaxinfer-tiny-llama-medusa"  # ... and its Medusa heads (speculative_method="medusa")
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 
 
@@ -90,18 +92,23 @@ def load_draft(path: Path, dtype: str):
 
 
 def draft_model_path(target: Path, method: str | None, draft: str | Path | None) -> Path | None:
-    """The draft model's folder: speculative_model, or the bundled draft for the bundled model. Its
-    tokenizer must be the target's (same files)."""
-    if method != "draft":
+    """The draft model's (method "draft") or Medusa heads' (method "medusa") folder: speculative_model,
+    or the bundled one for the bundled model. A draft's tokenizer must be the target's (same files)."""
+    if method not in ("draft", "medusa"):
         if draft is not None:
-            raise ValueError(f'speculative_model is only used with speculative_method="draft", not {method!r}')
+            raise ValueError(f'speculative_model is only used with speculative_method="draft" or "medusa", not {method!r}')
         return None
+    what = "a draft" if method == "draft" else "Medusa heads"
     if draft is None:
         if target.resolve() != (CHECKPOINTS / DEFAULT_MODEL).resolve():
-            raise ValueError('speculative_method="draft" needs speculative_model=PATH (a draft is bundled only '
-                             f"for {DEFAULT_MODEL})")
-        draft = CHECKPOINTS / DEFAULT_DRAFT
+            raise ValueError(f'speculative_method="{method}" needs speculative_model=PATH ({what} are bundled only '
+                             f"for {DEFAULT_MODEL})".replace("a draft are", "a draft is"))
+        draft = CHECKPOINTS / (DEFAULT_DRAFT if method == "draft" else DEFAULT_MEDUSA)
     draft = Path(draft)
+    if method == "medusa":
+        if not is_medusa(draft):
+            raise ValueError(f"speculative_model {str(draft)!r} is not a Medusa heads folder (no medusa.json)")
+        return draft
     if not (draft / "config.json").exists():
         raise ValueError(f"speculative_model {str(draft)!r} is not a model folder (no config.json)")
     for name in ("tokenizer.json", "tokenizer.model"):
@@ -113,11 +120,12 @@ def draft_model_path(target: Path, method: str | None, draft: str | Path | None)
 
 class Generator:
     def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, max_num_batched_tokens: int = 512,
-                 warmup: bool = True, draft_model=None):
+                 warmup: bool = True, draft_model=None, medusa_heads=None):
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
         self.cfg = cfg
-        self.engine = Engine(model, tokenizer, cfg, max_num_batched_tokens, draft_model=draft_model)
+        self.engine = Engine(model, tokenizer, cfg, max_num_batched_tokens, draft_model=draft_model,
+                             medusa_heads=medusa_heads)
         graphdef, params = nnx.split(model)
         impl = self.engine.resolved.attention
         self._forward = jax.jit(lambda p, t, pos: nnx.merge(graphdef, p)(t, pos, impl=impl)[0])
@@ -151,9 +159,12 @@ class Generator:
         pipeline_parallel > 1 (one process): each step runs as pipeline_microbatches micro-batches
         (None: pipeline_parallel of them; jaxinfer.pipeline).
         speculative_method: None, "draft" (speculative_model: a small model with the same tokenizer;
-        the bundled model's default is its bundled draft) or "ngram" (prompt lookup); each decoding
-        sequence proposes num_speculative_tokens tokens per step while at most speculative_max_batch
-        sequences run (None: the measured default), verified exactly (jaxinfer/speculative.py)."""
+        the bundled model's default is its bundled draft), "ngram" (prompt lookup) or "medusa"
+        (speculative_model: heads trained for this model by scripts/train_medusa.py, bundled for the
+        bundled model; their tree of candidates is verified in one step, num_speculative_tokens deep);
+        each decoding sequence proposes num_speculative_tokens tokens per step while at most
+        speculative_max_batch sequences run (None: the measured default), verified exactly
+        (jaxinfer/speculative.py, jaxinfer/medusa.py)."""
         cfg = EngineConfig(dtype=dtype, attention=attention, quantize=quantize, kv_dtype=kv_dtype,
                            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                            max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
@@ -199,12 +210,16 @@ class Generator:
         if mesh is not None:   # the fused weights' tensor-parallel layout; QuantizedWeights replicated
             from jaxinfer.sharding import shard_decoder
             shard_decoder(model, mesh)
-        draft = None
+        draft = heads = None
         if draft_path is not None:
             if group is not None:
                 raise ValueError("speculative decoding is not available across several processes (multi-host)")
-            draft = load_draft(draft_path, dtype)
-        gen = cls(model, load_tokenizer(path), cfg, max_num_batched_tokens, warmup, draft_model=draft)
+            if speculative_method == "medusa":
+                heads = load_heads(draft_path, model, model.embed.get_value().dtype)
+            else:
+                draft = load_draft(draft_path, dtype)
+        gen = cls(model, load_tokenizer(path), cfg, max_num_batched_tokens, warmup, draft_model=draft,
+                  medusa_heads=heads)
         if channel is not None:
             gen._join(channel)
         return gen

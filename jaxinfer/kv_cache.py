@@ -35,6 +35,7 @@ import numpy as np
 from jaxinfer import perf
 
 PAD_SLOT = 2**30  # out of range for any cache: scatters to it are dropped
+TREE_NONE = 2**30  # AttentionMetadata.tree's first node slot of a token outside any tree
 
 
 @jax.tree_util.register_dataclass
@@ -69,6 +70,10 @@ class AttentionMetadata:
     chunk_tiles: jax.Array | None = None     # [NT, QUERY_TILE] int32
     chunk_items: jax.Array | None = None     # [NC, 2 + KB] int32
     num_items: jax.Array | None = None       # [2] int32
+    # Medusa tree verification (jaxinfer/medusa.py), else None: per token (its slot index in its
+    # sequence, which the causal mask compares keys with; the first tree-node slot of its row, or
+    # TREE_NONE; the bitmask of the nodes it sees, bit j: slot first + j)
+    tree: jax.Array | None = None            # [T, 3] int32
 
 
 def init_kv_pages(n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
@@ -223,3 +228,15 @@ def _padded(pieces: list[np.ndarray], size: int, dummy_tile: int, kb: int) -> np
         items = np.concatenate(pieces)
         out[: len(items)] = items
     return out
+
+
+def move_kv(pages: list[LayerKV], src: jax.Array, dst: jax.Array) -> list[LayerKV]:
+    """Copy every layer's K/V (and int8 scales) from flat slots src [M] to dst [M] (dst PAD_SLOT:
+    nothing): all sources are read before any destination is written, so the moves may overlap."""
+    def move(x):
+        hkv, nb, bs = x.shape[:3]
+        flat = x.reshape(hkv, nb * bs, *x.shape[3:])
+        vals = flat.at[:, src].get(mode="clip")
+        return flat.at[:, dst].set(vals, mode="drop").reshape(x.shape)
+    return [LayerKV(move(p.k), move(p.v), None if p.k_scale is None else move(p.k_scale),
+                    None if p.v_scale is None else move(p.v_scale)) for p in pages]

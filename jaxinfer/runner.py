@@ -27,8 +27,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxinfer.config import MAX_LOGIT_BIAS, ModelConfig
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
 from jaxinfer.host.structured import Grammars, mask_words
-from jaxinfer.kv_cache import (StepRow, attention_buckets, build_attention_metadata, init_kv_pages,
+from jaxinfer.kv_cache import (TREE_NONE, StepRow, attention_buckets, build_attention_metadata, init_kv_pages,
                                kv_bytes_per_token)
+from jaxinfer.medusa import tree_arrays
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.sampling import SamplingBatch
 from jaxinfer.sharding import kv_sharding, model_mesh
@@ -67,6 +68,7 @@ class Launched:
     samples: dict | None = None   # the step's tokens per request, once fetched
     t_fetched: float = 0.0        # when they reached the host
     spec_counts: object = None    # speculation: per row, rounds that proposed and accepted per position
+    proposals: object = None      # Medusa: per row, its next tree's tokens [S, N]
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,12 @@ def _pow2_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, cfg: RunnerConfig, kv_dtype, draft: Decoder | None = None):
+    def __init__(self, model: Decoder, cfg: RunnerConfig, kv_dtype, draft: Decoder | None = None,
+                 medusa_heads=None):
         """draft: the draft model of speculative decoding (cfg.spec_tokens > 0): its params and KV
-        pages ride with the target's as (target, draft) pairs; its pages use the same blocks."""
+        pages ride with the target's as (target, draft) pairs; its pages use the same blocks.
+        medusa_heads: (MedusaHeads, Tree) of speculative_method="medusa" (cfg.spec_tokens: the tree's
+        depth): params (target, heads), the target's pages only."""
         CompileCounter.install()
         self.model_cfg: ModelConfig = model.cfg
         self.cfg = cfg
@@ -110,6 +115,13 @@ class ModelRunner:
             draft_pages = jax.device_put(init_kv_pages(dc.n_layers, dc.n_kv_heads, dc.head_dim, cfg.num_blocks,
                                                        cfg.block_size, kv_dtype), jax.devices()[0])
             self.params, self.kv_pages = (self.params, draft_params), (self.kv_pages, draft_pages)
+        medusa_graphdef, self.tree, self.tree_arrays = None, None, None
+        if medusa_heads is not None:
+            assert self.mesh is None and cfg.spec_tokens > 0
+            heads, self.tree = medusa_heads
+            self.tree_arrays = tree_arrays(self.tree)
+            medusa_graphdef, heads_params = nnx.split(heads)
+            self.params = (self.params, jax.device_put(heads_params, jax.devices()[0]))
         self.kv_bytes_per_token = kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_dtype)
         self.token_buckets = _pow2_buckets(min(8, cfg.max_num_batched_tokens), cfg.max_num_batched_tokens)
         max_blocks = -(-cfg.max_model_len // cfg.block_size)
@@ -129,8 +141,8 @@ class ModelRunner:
                                      # decoding where no row speculates, speculation rounds otherwise
                                      max(cfg.spec_rounds, cfg.max_decode_steps, 1),
                                      self.num_seqs_for(self.token_buckets[-1]), self.kv_sharding, replicate,
-                                     cfg.spec_tokens, draft_graphdef)
-        self.out_rows = self.settings.max_iters * (cfg.spec_tokens + 1)
+                                     cfg.spec_tokens, draft_graphdef, medusa_graphdef, self.tree)
+        self.out_rows = self.settings.out_rows
         self.step = jit_step(self.settings)
         # the prev_tokens of a step whose tokens the host all knows (no previous step in flight)
         self._no_prev = jax.device_put(np.zeros(self.out_rows * self.settings.max_rows, np.int32),
@@ -248,6 +260,8 @@ class ModelRunner:
                 max_new[i] = q.max_draws
         # the drawn token's position is one past the last computed token of its row (a speculating
         # row: one past its last drawn token; speculative.verify steps through the proposals)
+        if self.tree is not None:
+            self._tree_layout(out, meta, positions)
         sb = self._sampling_batch(rows, positions[logits_indices - num_spec] + 1)
         spec = None
         if self.cfg.spec_tokens:
@@ -257,6 +271,24 @@ class ModelRunner:
         inputs = StepInputs(tokens, positions, meta, logits_indices, sb, self._stop_ids(rows), max_new,
                             np.int32(out.num_decode_iters), from_prev, spec)
         return inputs, rows
+
+    def _tree_layout(self, out: SchedulerOutput, meta, positions: np.ndarray) -> None:
+        """Medusa: a verifying row's nodes sit at positions root + depth (their slots follow the root
+        in tree order), and meta.tree gives every token its slot index, its row's first node slot and
+        the nodes it sees (medusa.py)."""
+        t = len(positions)
+        tree = np.zeros((t, 3), np.int32)
+        tree[:, 0] = positions
+        tree[:, 1] = TREE_NONE
+        a = self.tree_arrays
+        for i, q in enumerate(out.seqs):
+            if q.spec:
+                root = int(meta.query_start_loc[i]) + q.num_tokens - len(q.spec) - 1
+                nodes = slice(root + 1, root + 1 + len(q.spec))
+                tree[root: nodes.stop, 1] = positions[root] + 1
+                tree[nodes, 2] = a["ancestors"][1: 1 + len(q.spec)]
+                positions[nodes] = positions[root] + a["depth"][1: 1 + len(q.spec)]
+        meta.tree = tree
 
     def _draft_inputs(self, out: SchedulerOutput, tables: dict[str, list[int]], num_spec: np.ndarray, s: int,
                       b: int) -> SpecInputs:
@@ -340,6 +372,8 @@ class ModelRunner:
             launched.samples = self._results(launched.rows, launched.outputs)
             if launched.outputs.spec_counts is not None:
                 launched.spec_counts = jax.device_get(launched.outputs.spec_counts)
+            if launched.outputs.proposals is not None:
+                launched.proposals = jax.device_get(launched.outputs.proposals)
         return launched.samples
 
     @staticmethod

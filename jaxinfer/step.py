@@ -40,7 +40,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV
+from jaxinfer import medusa
+from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV, move_kv
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, any_penalty, sample
 from jaxinfer.speculative import draft_sample, verify, with_history
 
@@ -83,6 +84,7 @@ class StepOutputs:
     num_drawn: jax.Array        # [S] int32: how many of ids[:, s] are real
     next_tokens: jax.Array      # [K * max_rows] int32: ids[k, s] at k * max_rows + s (stays on device)
     spec_counts: jax.Array | None = None   # speculation: [S, 1 + k] rounds that proposed, accepted per position
+    proposals: jax.Array | None = None     # Medusa: [S, N] each row's next tree, from what drew its last token
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,15 @@ class StepSettings:
     replicate_samples: NamedSharding | None = None   # multi-host: process 0 reads every row
     spec_tokens: int = 0                # K > 0: speculative decoding, up to K proposals per row
     draft_graphdef: nnx.GraphDef | None = None   # the draft model (params and pages: (target, draft))
+    medusa_graphdef: nnx.GraphDef | None = None  # Medusa heads (params: (target, heads)); spec_tokens: depth
+    tree: medusa.Tree | None = None              # ... and their candidate tree
+
+    @property
+    def out_rows(self) -> int:
+        """Rows of StepOutputs.ids (next_tokens holds out_rows * max_rows)."""
+        if self.tree is not None:   # one Medusa round, or multi-step decoding
+            return max(self.max_iters, self.tree.depth + 1)
+        return self.max_iters * (self.spec_tokens + 1)
 
 
 def _advance(inputs: StepInputs, ids: jax.Array, drew: jax.Array, going: jax.Array, block_size: int
@@ -124,6 +135,8 @@ def _advance(inputs: StepInputs, ids: jax.Array, drew: jax.Array, going: jax.Arr
 def _step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings
           ) -> tuple[StepOutputs, list[LayerKV]]:
     """prev_tokens [K * max_rows]: the previous step's next_tokens (zeros when every token is known)."""
+    if settings.tree is not None:
+        return _medusa_step(params, kv_pages, inputs, prev_tokens, settings)
     if settings.spec_tokens:
         return _spec_step(params, kv_pages, inputs, prev_tokens, settings)
     model = nnx.merge(settings.graphdef, params)
@@ -337,6 +350,73 @@ def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, set
     next_tokens = jnp.zeros((n_out, settings.max_rows), jnp.int32).at[:, :s].set(out.ids).reshape(-1)
     return StepOutputs(out.ids, out.logprobs, out.top_ids, out.top_logprobs, out.num_drawn, next_tokens,
                        counts), kv_pages
+
+
+def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings):
+    """A Medusa engine's step (jaxinfer/medusa.py). Multi-step decoding (`_step`) when the scheduler
+    asked for several iterations (no row verifies: the load policy turned speculation off);
+    otherwise one forward over every row, a verifying row being its root and its tree's nodes
+    (tree-masked: meta.tree), each verifying row's tree decided exactly (medusa.verify_tree), the
+    accepted path's K/V moved to the slots after the root, and every row's next tree proposed by
+    the heads from the hidden state whose logits drew its last token."""
+    arrays = medusa.tree_arrays(settings.tree)
+    d1, n, n_out = settings.tree.depth + 1, len(settings.tree.paths), settings.out_rows
+    tparams, hparams = params
+    li, sp, sb, meta = inputs.logits_indices, inputs.spec, inputs.sampling, inputs.meta
+    s = li.shape[0]
+    plain_settings = StepSettings(settings.graphdef, settings.attention, settings.max_iters, settings.max_rows)
+
+    def pad(x):
+        return jnp.zeros((n_out,) + x.shape[1:], x.dtype).at[: x.shape[0]].set(x)
+
+    def multi_step(kv_pages):
+        out, kv_pages = _step(tparams, kv_pages, inputs, prev_tokens, plain_settings)
+        drawn = out.num_drawn
+        return (pad(out.ids), pad(out.logprobs), pad(out.top_ids), pad(out.top_logprobs), drawn,
+                jnp.zeros((s, d1), jnp.int32), jnp.full((s, n), -1, jnp.int32)), kv_pages
+
+    def tree_round(kv_pages):
+        model = nnx.merge(settings.graphdef, tparams)
+        heads = nnx.merge(settings.medusa_graphdef, hparams)
+        tokens = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
+        t = tokens.shape[0]
+        t0 = li - sp.num_spec
+        h, kv_pages = model.hidden_states(tokens, inputs.positions, kv_pages, meta, settings.attention)
+        node_at = jnp.minimum(t0[:, None] + jnp.arange(n + 1)[None, :], li[:, None])      # [S, N+1]
+        node_tokens = tokens[jnp.minimum(t0[:, None] + 1 + jnp.arange(n)[None, :], t - 1)]   # [S, N]
+
+        def verifying(h):
+            logits = model.logits(h[node_at.reshape(-1)]).reshape(s, n + 1, -1)
+            b = SamplingBatch(**{**vars(sb), "position": inputs.positions[t0] + 1})
+            return medusa.verify_tree(logits, node_tokens, sp.num_spec, b, arrays)
+
+        def plain(h):
+            ids, lps, top_ids, top_lps = sample(model.logits(h[li]), sb)
+            one = lambda x: jnp.zeros((d1,) + x.shape, x.dtype).at[0].set(x)  # noqa: E731
+            return (one(ids), one(lps), one(top_ids), one(top_lps), jnp.ones((s,), jnp.int32),
+                    jnp.zeros((s, d1), jnp.int32))
+
+        ids, lps, top_ids, top_lps, drawn, path = jax.lax.cond(jnp.any(sp.num_spec > 0), verifying, plain, h)
+        drawn = jnp.clip(jnp.minimum(drawn, inputs.max_new), 0)
+        # the accepted nodes' K/V: from their tree slots to the slots right after the root
+        j = jnp.arange(1, d1)[None, :]
+        moving = (sp.num_spec[:, None] > 0) & (j < drawn[:, None]) & (path[:, 1:] != j)
+        src = meta.slot_mapping[jnp.minimum(t0[:, None] + path[:, 1:], t - 1)]
+        dst = jnp.where(moving, meta.slot_mapping[jnp.minimum(t0[:, None] + j, t - 1)], PAD_SLOT)
+        kv_pages = jax.lax.cond(jnp.any(moving), lambda p: move_kv(p, src.reshape(-1), dst.reshape(-1)),
+                                lambda p: p, kv_pages)
+        # the next tree: from the hidden state whose logits drew the row's last token
+        source = t0 + path[jnp.arange(s), jnp.maximum(drawn - 1, 0)]
+        proposals = medusa.propose(heads, model.logits, h[source], arrays)
+        return (pad(ids), pad(lps), pad(top_ids), pad(top_lps), drawn, path, proposals), kv_pages
+
+    (ids, lps, top_ids, top_lps, drawn, path, proposals), kv_pages = jax.lax.cond(
+        (inputs.num_iters > 1) & ~jnp.any(sp.num_spec > 0), multi_step, tree_round, kv_pages)
+    spec_row = (sp.num_spec > 0) & (drawn > 0)
+    counts = jnp.concatenate([spec_row[:, None], spec_row[:, None] & (jnp.arange(d1 - 1)[None, :] < drawn[:, None] - 1)],
+                             axis=1).astype(jnp.int32)
+    next_tokens = jnp.zeros((n_out, settings.max_rows), jnp.int32).at[:, :s].set(ids).reshape(-1)
+    return StepOutputs(ids, lps, top_ids, top_lps, drawn, next_tokens, counts, proposals), kv_pages
 
 
 def jit_step(settings: StepSettings):

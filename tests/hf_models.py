@@ -90,3 +90,24 @@ def save_text_model(folder: Path, vocab: int = 400, seed: int = 0) -> Path:
                                  num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
                                  max_position_embeddings=256)).save_pretrained(folder)
     return folder
+
+
+def random_medusa_heads(target_dir, out: Path, tree=None, num_heads: int = 3, seed: int = 0) -> Path:
+    """Medusa heads with random weights for any target (poor proposals: exactness must not care);
+    the tree: 3 children of the root, 3 grandchildren, 1 great-grandchild."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer.medusa import MedusaHeads, Tree, save_heads, target_fingerprint
+    from jaxinfer.weights import load_model
+    tree = tree or Tree(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
+    model, cfg = load_model(target_dir)
+    heads = MedusaHeads(num_heads, cfg.d_model)
+    rng = np.random.default_rng(seed)
+    heads.w.set_value(jnp.asarray(rng.normal(size=(num_heads, cfg.d_model, cfg.d_model)) / np.sqrt(cfg.d_model),
+                                  jnp.float32))
+    heads.b.set_value(jnp.asarray(rng.normal(size=(num_heads, cfg.d_model)), jnp.float32))
+    save_heads(heads, tree, {"format": "jaxinfer-medusa", "num_heads": num_heads,
+                             "target": {"d_model": cfg.d_model, "vocab_size": cfg.vocab_size,
+                                        "embed_sha256": target_fingerprint(model), "path": str(target_dir)}}, out)
+    return out

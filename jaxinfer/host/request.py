@@ -73,6 +73,8 @@ class Request(LatencyMetrics):
     # where the device holds the last in-flight token: an index into the previous step's
     # StepOutputs.next_tokens, which the next step reads its input token from
     inflight_index: int = -1
+    # speculative_method="medusa": (len(all_ids) when proposed, the tree's tokens) from the row's last step
+    proposals: tuple[int, list[int]] | None = None
     # prefix caching: the salt that enters the first block's hash (tenants that must not share),
     # the chained hashes of the request's full known blocks, the prompt tokens found cached when
     # it was first admitted (usage.prompt_tokens_details.cached_tokens), and how many times a

@@ -73,8 +73,9 @@ class ScheduledSeq:
 
     @property
     def lookahead(self) -> int:
-        """Positions past the chunk whose K/V later iterations of the step write (multi-step decoding)."""
-        return self.max_draws - 1 - len(self.spec)
+        """Positions past the chunk whose K/V later iterations of the step write (multi-step decoding;
+        a Medusa tree draws fewer tokens than it has nodes: none)."""
+        return max(0, self.max_draws - 1 - len(self.spec))
 
 
 @dataclass
@@ -115,9 +116,12 @@ class Scheduler:
         self._scores: dict[str, int] = {}   # cache-aware admission: cached blocks per candidate (one schedule())
         self._order = 0
         self._keys: dict[str, tuple] = {}
-        # speculative decoding: propose(req, k) -> up to k token ids following req's tokens (-1: the
-        # draft model proposes them on the device); the engine sets it
-        self.propose: Callable[[Request, int], list[int]] | None = None
+        # speculative decoding: propose(req, k, depth) -> up to k token ids following req's tokens
+        # (-1: the draft model proposes them on the device) from which at most depth can be accepted
+        # (a chain: min(k, depth) tokens; a Medusa tree: its nodes up to that depth); spec_draws(n):
+        # the most tokens a row with n proposals draws (a chain: 1 + n). The engine sets both.
+        self.propose: Callable[[Request, int, int], list[int]] | None = None
+        self.spec_draws: Callable[[int], int] = lambda n: 1 + n
 
     # ------------------------------------------------------------------ queue
     def _key(self, req: Request) -> tuple:
@@ -201,8 +205,8 @@ class Scheduler:
         if (k <= 0 or n != 1 or req.num_inflight or req.pending_forks or req.params.constrained
                 or req.num_computed_tokens + 1 != req.num_tokens):
             return []
-        k = min(k, self.draws_left(req) - 1, budget - 1)
-        return list(self.propose(req, k))[:k] if k > 0 else []
+        k, depth = min(k, budget - 1), self.draws_left(req) - 1
+        return list(self.propose(req, k, depth))[:k] if k > 0 and depth > 0 else []
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -378,7 +382,7 @@ class Scheduler:
     def _scheduled(self, req: Request, n: int, spec: list[int] | None = None) -> ScheduledSeq:
         start = req.num_computed_tokens
         if spec:   # the last token and its proposals: up to 1 + k draws
-            return ScheduledSeq(req, start, n, sample=True, max_draws=1 + len(spec), spec=spec)
+            return ScheduledSeq(req, start, n, sample=True, max_draws=self.spec_draws(len(spec)), spec=spec)
         return ScheduledSeq(req, start, n, sample=start + n == req.num_tokens and not req.pending_forks)
 
     # ------------------------------------------------------------------ update

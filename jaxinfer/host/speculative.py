@@ -16,7 +16,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from .request import Request
 
-METHODS = ("draft", "ngram")
+METHODS = ("draft", "ngram", "medusa")
 
 
 def ngram_proposal(tokens: list[int] | np.ndarray, k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
@@ -36,20 +36,34 @@ def ngram_proposal(tokens: list[int] | np.ndarray, k: int, max_n: int = 4, min_n
 
 @dataclass
 class Proposer:
-    """propose(req, k) for the scheduler: n-gram lookup over the request's tokens, or k
-    placeholders (-1) the draft model fills in on the device."""
+    """propose(req, k, depth) for the scheduler: n-gram lookup over the request's tokens, k
+    placeholders (-1) the draft model fills in on the device, or the Medusa tree the heads proposed
+    in the request's last step (req.proposals; nothing when they are not for its current tokens)
+    cut to its nodes of depth <= depth. tree_depths: the Medusa tree's node depths, in tree order."""
     method: str
     max_n: int = 4
     min_n: int = 1
+    tree_depths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_method={self.method!r} is not one of {(None, *METHODS)}")
 
-    def __call__(self, req: Request, k: int) -> list[int]:
+    def __call__(self, req: Request, k: int, depth: int) -> list[int]:
+        if self.method == "medusa":
+            if req.proposals is None or req.proposals[0] != len(req.all_ids):
+                return []
+            nodes = sum(1 for d in self.tree_depths if d <= depth)
+            return list(req.proposals[1][:min(k, nodes)])
+        k = min(k, depth)
         if self.method == "draft":
             return [-1] * k
         return ngram_proposal(req.all_ids, k, self.max_n, self.min_n)
+
+    def draws(self, n: int) -> int:
+        """The most tokens a row with n proposals draws: 1 + n for a chain, 1 + the depth of the
+        n-th node for a tree (its nodes are in depth order)."""
+        return 1 + (self.tree_depths[n - 1] if self.method == "medusa" and n > 0 else n)
 
 
 @dataclass
@@ -67,11 +81,12 @@ class SpecStats:
 
     def add(self, proposed: int, counts) -> None:
         """One speculating row of a step: counts[0] rounds of `proposed` proposals each, counts[1 + i]
-        of them accepted the i-th (the device counts, jaxinfer/step.py)."""
+        of them accepted the i-th (the device counts, jaxinfer/step.py; a Medusa tree: accepted a
+        node at depth i + 1)."""
         rounds = int(counts[0])
         self.num_drafts += rounds
         self.num_draft_tokens += rounds * proposed
-        for i in range(proposed):
+        for i in range(min(proposed, len(counts) - 1, self.num_tokens)):
             self.accepted_per_pos[i] += int(counts[1 + i])
             self.num_accepted_tokens += int(counts[1 + i])
 
