@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.sampling import NEG_INF, SamplingBatch, any_penalty, gumbel_draw, process, row_keys, top_logprobs
+from jaxinfer.sampling import MAX_LOGPROBS, NEG_INF, SamplingBatch, any_penalty, gumbel_draw, process, row_keys, top_logprobs
 
 ACCEPT_TAG = 1          # as jaxinfer/speculative.py: the acceptance uniforms' fold_in tag
 MAX_TREE_NODES = 31     # the ancestor bitmask is one int32 per token
@@ -154,26 +154,24 @@ def propose(heads: MedusaHeads, lm_logits, h: jax.Array, arrays: dict[str, np.nd
     return flat[:, arrays["head_rank_index"][1:]].astype(jnp.int32)
 
 
-def expand_tree_batch(b: SamplingBatch, node_tokens: jax.Array, arrays: dict[str, np.ndarray],
-                      num_spec: jax.Array) -> SamplingBatch:
-    """The [S * (N+1)] batch of the positions a verifying row decides: row s * (N+1) + j draws the
-    token after node j (position b.position[s] + depth(j)); for penalties its history holds the
-    tokens of node j's path (at positions b.position[s] + depth - 1)."""
-    s, n = node_tokens.shape
-    n1 = n + 1
+def expand_tree_batch(b: SamplingBatch, node_tokens: jax.Array, arrays: dict[str, np.ndarray], num_spec: jax.Array,
+                      row_of: jax.Array, node_of: jax.Array) -> SamplingBatch:
+    """The batch of M logits rows: row m belongs to batch row row_of[m] and is its node node_of[m]
+    (0: the root; -1: no node, e.g. a prefill token, decided by nobody). It draws the token after
+    that node (position b.position[row] + depth), and for penalties its history holds the tokens of
+    the node's path (at positions b.position[row] + depth - 1)."""
     depth, path_nodes = jnp.asarray(arrays["depth"]), jnp.asarray(arrays["path_nodes"])
-    rep = lambda x: jnp.repeat(x, n1, axis=0)  # noqa: E731
-    out = {name: rep(getattr(b, name)) for name in vars(b)}
-    out["position"] = rep(b.position) + jnp.tile(depth, s)
+    node = jnp.maximum(node_of, 0)
+    out = {name: getattr(b, name)[row_of] for name in vars(b)}
+    out["position"] = b.position[row_of] + depth[node]
 
     def extend(out):
         h = out["history"].shape[1]
-        nodes = path_nodes[:, 1:]                                            # [N+1, D]
-        toks = jnp.where(nodes[None] > 0, node_tokens[:, jnp.maximum(nodes - 1, 0)], 0)   # [S, N+1, D]
-        live = (nodes[None] > 0) & (nodes[None] <= num_spec[:, None, None])
-        cols = jnp.where(live, b.position[:, None, None] + jnp.arange(nodes.shape[1])[None, None], h)
-        cols, toks = cols.reshape(s * n1, -1), toks.reshape(s * n1, -1)
-        rows = jnp.broadcast_to(jnp.arange(s * n1)[:, None], cols.shape)
+        nodes = path_nodes[node, 1:]                                             # [M, D]
+        live = (node_of[:, None] > 0) & (nodes > 0) & (nodes <= num_spec[row_of][:, None])
+        toks = node_tokens[row_of[:, None], jnp.maximum(nodes - 1, 0)]
+        cols = jnp.where(live, b.position[row_of][:, None] + jnp.arange(nodes.shape[1])[None, :], h)
+        rows = jnp.broadcast_to(jnp.arange(row_of.shape[0])[:, None], cols.shape)
         return {**out, "history": out["history"].at[rows, cols].set(toks, mode="drop"),
                 "history_is_output": out["history_is_output"].at[rows, cols].set(True, mode="drop")}
     out = jax.lax.cond(any_penalty(b), extend, lambda o: o, out)
@@ -182,62 +180,90 @@ def expand_tree_batch(b: SamplingBatch, node_tokens: jax.Array, arrays: dict[str
 
 def verify_tree(logits: jax.Array, node_tokens: jax.Array, num_spec: jax.Array, b: SamplingBatch,
                 arrays: dict[str, np.ndarray]):
+    """verify_tree_flat with the logits laid out per row: logits [S, N+1, V] at the root and each node."""
+    s, n1, v = logits.shape
+    return verify_tree_flat(logits.reshape(s * n1, v), jnp.arange(s * n1).reshape(s, n1), node_tokens, num_spec, b,
+                            arrays, jnp.repeat(jnp.arange(s), n1), jnp.tile(jnp.arange(n1), s))
+
+
+def verify_tree_flat(logits: jax.Array, node_at: jax.Array, node_tokens: jax.Array, num_spec: jax.Array,
+                     b: SamplingBatch, arrays: dict[str, np.ndarray], row_of: jax.Array, node_of: jax.Array):
     """Decide each row's tree (module docstring).
 
-    logits [S, N+1, V]: the target's raw logits at the root and each node; node_tokens [S, N];
-    num_spec [S]: the row verifies nodes 1 .. num_spec (a prefix of the tree; 0: none, the row draws
-    as `sample` does); b: the rows' batch, its position that of the token after the root.
+    logits [M, V]: the target's raw logits, one row per token of the step (what the processors cost
+    follows M, not S * (N+1)); node_at [S, N+1]: the logits row of row s's root and of each of its
+    nodes (entries past num_spec[s]: any row); row_of / node_of [M]: expand_tree_batch's. node_tokens
+    [S, N]; num_spec [S]: the row verifies nodes 1 .. num_spec (a prefix of the tree; 0: none, the
+    row draws as `sample` does); b: the rows' batch, its position that of the token after the root.
     Returns (ids [D+1, S], logprobs [D+1, S], top ids / logprobs [D+1, S, 20], num_drawn [S] =
-    accepted + 1, path [S, D+1]: the nodes whose logits drew each emitted token)."""
-    s, n1, v = logits.shape
+    accepted + 1, path [S, D+1]: the nodes whose logits drew each emitted token).
+
+    The walk reads single probabilities: a candidate's probability under the residual is its p over
+    1 - (the mass of the candidates rejected at that node), so no [S, V] array is rebuilt per
+    candidate; the final draw removes the rejected candidates once."""
+    s = node_at.shape[0]
+    v = logits.shape[-1]
     d = int(arrays["depth"].max())
     children = jnp.asarray(arrays["children"])
     c = children.shape[1]
-    bx = expand_tree_batch(b, node_tokens, arrays, num_spec)
-    tempered, logprobs, filtered = (x.reshape(s, n1, v) for x in process(logits.reshape(s * n1, v), bx))
+    bx = expand_tree_batch(b, node_tokens, arrays, num_spec, row_of, node_of)
+    tempered, logprobs, filtered = process(logits, bx)                              # [M, V]
     greedy = b.temperature <= 0
-    argmax = jnp.argmax(tempered, axis=-1).astype(jnp.int32)                        # [S, N+1]
+    argmax = jnp.argmax(tempered, axis=-1).astype(jnp.int32)                        # [M]
+    lse = jax.nn.logsumexp(filtered, axis=-1)                                       # [M]
     rows = jnp.arange(s)
     tok_of = jnp.concatenate([jnp.zeros((s, 1), jnp.int32), node_tokens], axis=1)    # [S, N+1]
 
     cur = jnp.zeros((s,), jnp.int32)
     going = jnp.ones((s,), bool)
-    f = filtered[:, 0]
     path = jnp.zeros((s, d + 1), jnp.int32)
     accepted = jnp.zeros((s,), jnp.int32)
+    removed = jnp.zeros((s,), jnp.float32)             # p-mass of the candidates rejected at `cur`
+    rejected = jnp.full((s, c), -1, jnp.int32)         # ... and their tokens
     for depth in range(d):
         keys = row_keys(b.seed, b.sample_index, b.position + depth)
         keys = jax.vmap(lambda key: jax.random.fold_in(key, ACCEPT_TAG))(keys)
+        m = node_at[rows, cur]
         nxt = jnp.full((s,), -1, jnp.int32)
         for rank in range(c):
             child = children[cur, rank]                                              # [S]
             live = going & (nxt < 0) & (child > 0) & (child <= num_spec)
             tok = tok_of[rows, jnp.maximum(child, 0)]
+            p_tok = jnp.exp(filtered[m, tok] - lse[m])
             u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, rank)))(keys)
-            p_tok = jax.nn.softmax(f, axis=-1)[rows, tok]
-            ok = live & jnp.where(greedy, tok == argmax[rows, cur], u < p_tok)
+            ok = live & jnp.where(greedy, tok == argmax[m], u * jnp.maximum(1.0 - removed, 0.0) < p_tok)
             nxt = jnp.where(ok, child, nxt)
-            # a rejected candidate leaves the residual: p without it, renormalised
-            f = jnp.where((live & ~ok)[:, None] & (jnp.arange(v)[None] == tok[:, None]), NEG_INF, f)
+            rej = live & ~ok
+            removed = jnp.where(rej, removed + p_tok, removed)
+            rejected = rejected.at[:, rank].set(jnp.where(rej, tok, rejected[:, rank]))
         moved = nxt > 0
         cur = jnp.where(moved, nxt, cur)
         accepted = accepted + moved.astype(jnp.int32)
         path = path.at[:, depth + 1].set(jnp.where(moved, nxt, path[:, depth]))
-        f = jnp.where(moved[:, None], filtered[rows, cur], f)
+        removed = jnp.where(moved, 0.0, removed)
+        rejected = jnp.where(moved[:, None], -1, rejected)
         going = going & moved
+    m = node_at[rows, cur]
+    f_cur = filtered[m]                                                              # [S, V]
+    # the residual: p without the rejected candidates (never empty: if rounding left no mass, p)
+    f = jnp.where(jnp.any(jnp.arange(v)[None, None, :] == rejected[:, :, None], axis=1), NEG_INF, f_cur)
+    f = jnp.where(jnp.any(f > NEG_INF, axis=-1, keepdims=True), f, f_cur)
     keys_a = row_keys(b.seed, b.sample_index, b.position + accepted)
     drawn = jax.lax.cond(jnp.any(~greedy), lambda f: gumbel_draw(f, keys_a),
                          lambda f: jnp.zeros(f.shape[:1], jnp.int32), f)
-    last = jnp.where(greedy, argmax[rows, cur], drawn)
+    last = jnp.where(greedy, argmax[m], drawn)
     j = jnp.arange(d + 1)[None, :]
     # the emitted token j is node path[j + 1]'s token for j < accepted, then `last`
     path_next = jnp.concatenate([path[:, 1:], path[:, -1:]], axis=1)
     ids = jnp.where(j < accepted[:, None], tok_of[rows[:, None], path_next], 0)
     ids = jnp.where(j == accepted[:, None], last[:, None], ids).astype(jnp.int32)    # [S, D+1]
-    lp_rows = logprobs[rows[:, None], path]                                          # [S, D+1, V]
-    lps = jnp.take_along_axis(lp_rows, ids[..., None], axis=-1)[..., 0]
+    at = node_at[rows[:, None], path]                                                # [S, D+1]
+    lps = logprobs[at, ids]
     bp = SamplingBatch(**{name: jnp.repeat(getattr(b, name), d + 1, axis=0) for name in vars(b)})
-    top_ids, top_lps = top_logprobs(lp_rows.reshape(s * (d + 1), v), bp)
+    top_ids, top_lps = jax.lax.cond(
+        jnp.any(b.num_logprobs > 0), lambda lp: top_logprobs(lp[at.reshape(-1)], bp),
+        lambda lp: (jnp.zeros((s * (d + 1), MAX_LOGPROBS), jnp.int32),
+                    jnp.zeros((s * (d + 1), MAX_LOGPROBS), jnp.float32)), logprobs)
     return (ids.T, lps.T, top_ids.reshape(s, d + 1, -1).transpose(1, 0, 2),
             top_lps.reshape(s, d + 1, -1).transpose(1, 0, 2), accepted + 1, path)
 

@@ -384,11 +384,16 @@ def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, s
         h, kv_pages = model.hidden_states(tokens, inputs.positions, kv_pages, meta, settings.attention)
         node_at = jnp.minimum(t0[:, None] + jnp.arange(n + 1)[None, :], li[:, None])      # [S, N+1]
         node_tokens = tokens[jnp.minimum(t0[:, None] + 1 + jnp.arange(n)[None, :], t - 1)]   # [S, N]
+        row_of = meta.seq_ids
+        node_of = jnp.arange(t) - t0[row_of]
+        node_of = jnp.where((meta.slot_mapping != PAD_SLOT) & (node_of >= 0) & (node_of <= sp.num_spec[row_of]),
+                            node_of, -1)
 
         def verifying(h):
-            logits = model.logits(h[node_at.reshape(-1)]).reshape(s, n + 1, -1)
+            # the LM head and the processors over the step's T tokens, not S * (N + 1) node slots
             b = SamplingBatch(**{**vars(sb), "position": inputs.positions[t0] + 1})
-            return medusa.verify_tree(logits, node_tokens, sp.num_spec, b, arrays)
+            return medusa.verify_tree_flat(model.logits(h), node_at, node_tokens, sp.num_spec, b, arrays,
+                                           row_of, node_of)
 
         def plain(h):
             ids, lps, top_ids, top_lps = sample(model.logits(h[li]), sb)
