@@ -265,7 +265,7 @@ class ModelRunner:
         sb = self._sampling_batch(rows, positions[logits_indices - num_spec] + 1)
         spec = None
         if self.cfg.spec_tokens:
-            spec = SpecInputs(num_spec)
+            spec = SpecInputs(num_spec, propose=np.bool_(out.speculating) if self.tree is not None else None)
             if self.settings.draft_graphdef is not None:
                 spec = self._draft_inputs(out, tables, num_spec, s, b)
         inputs = StepInputs(tokens, positions, meta, logits_indices, sb, self._stop_ids(rows), max_new,

@@ -29,6 +29,11 @@ would make. A row stops on device at a stop id or when it has drawn max_new toke
 when every row has stopped or after num_iters iterations. A stopped row writes no more KV. The
 host applies stop strings afterwards and discards what follows a stop (engine.py). A mixed step
 (prefill chunks) runs the same program with num_iters = 1, so multi-step adds no compilation.
+
+Speculative engines: `_spec_step` (draft model / n-gram: chains verified by speculative.verify,
+several rounds per call for the draft method) and `_medusa_step` (a tree of the Medusa heads'
+candidates per row under a tree attention mask, medusa.verify_tree_flat, the accepted path's K/V
+moved into place, the next tree proposed in the same call).
 """
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ class SpecInputs:
     # at decode_tokens[s]), positions / slots / context of the first proposal; None: n-gram
     draft_meta: AttentionMetadata | None = None
     draft_positions: jax.Array | None = None    # [S] int32: row s's t0 position + 1
+    propose: jax.Array | None = None            # [] bool, Medusa: propose next trees (the load policy is on)
 
 
 @jax.tree_util.register_dataclass
@@ -412,7 +418,8 @@ def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, s
                                 lambda p: p, kv_pages)
         # the next tree: from the hidden state whose logits drew the row's last token
         source = t0 + path[jnp.arange(s), jnp.maximum(drawn - 1, 0)]
-        proposals = medusa.propose(heads, model.logits, h[source], arrays)
+        proposals = jax.lax.cond(sp.propose, lambda h: medusa.propose(heads, model.logits, h, arrays),
+                                 lambda h: jnp.full((s, n), -1, jnp.int32), h[source])
         return (pad(ids), pad(lps), pad(top_ids), pad(top_lps), drawn, path, proposals), kv_pages
 
     (ids, lps, top_ids, top_lps, drawn, path, proposals), kv_pages = jax.lax.cond(

@@ -84,6 +84,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_decode_iters: int = 1   # > 1: every row decodes, up to this many iterations on device
     launched: bool = False      # Scheduler.launched has applied it
+    speculating: bool = False   # the load policy lets rows speculate (Medusa: propose the next trees)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -264,6 +265,7 @@ class Scheduler:
             budget -= n
         self._plan_decode_iters(out)
         self._plan_spec_rounds(out)
+        out.speculating = spec_k > 0
         return out
 
     def _plan_spec_rounds(self, out: SchedulerOutput) -> None:
