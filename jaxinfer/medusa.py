@@ -214,35 +214,39 @@ def verify_tree_flat(logits: jax.Array, node_at: jax.Array, node_tokens: jax.Arr
     rows = jnp.arange(s)
     tok_of = jnp.concatenate([jnp.zeros((s, 1), jnp.int32), node_tokens], axis=1)    # [S, N+1]
 
-    cur = jnp.zeros((s,), jnp.int32)
-    going = jnp.ones((s,), bool)
-    path = jnp.zeros((s, d + 1), jnp.int32)
-    accepted = jnp.zeros((s,), jnp.int32)
-    removed = jnp.zeros((s,), jnp.float32)             # p-mass of the candidates rejected at `cur`
-    rejected = jnp.full((s, c), -1, jnp.int32)         # ... and their tokens
-    for depth in range(d):
-        keys = row_keys(b.seed, b.sample_index, b.position + depth)
-        keys = jax.vmap(lambda key: jax.random.fold_in(key, ACCEPT_TAG))(keys)
+    def try_child(rank, carry):
+        """Candidate `rank` among the current node's children: accepted or rejected (the residual)."""
+        cur, going, nxt, removed, rejected, keys = carry
         m = node_at[rows, cur]
-        nxt = jnp.full((s,), -1, jnp.int32)
-        for rank in range(c):
-            child = children[cur, rank]                                              # [S]
-            live = going & (nxt < 0) & (child > 0) & (child <= num_spec)
-            tok = tok_of[rows, jnp.maximum(child, 0)]
-            p_tok = jnp.exp(filtered[m, tok] - lse[m])
-            u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, rank)))(keys)
-            ok = live & jnp.where(greedy, tok == argmax[m], u * jnp.maximum(1.0 - removed, 0.0) < p_tok)
-            nxt = jnp.where(ok, child, nxt)
-            rej = live & ~ok
-            removed = jnp.where(rej, removed + p_tok, removed)
-            rejected = rejected.at[:, rank].set(jnp.where(rej, tok, rejected[:, rank]))
+        child = children[cur, rank]                                                  # [S]
+        live = going & (nxt < 0) & (child > 0) & (child <= num_spec)
+        tok = tok_of[rows, jnp.maximum(child, 0)]
+        p_tok = jnp.exp(filtered[m, tok] - lse[m])
+        u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, rank)))(keys)
+        ok = live & jnp.where(greedy, tok == argmax[m], u * jnp.maximum(1.0 - removed, 0.0) < p_tok)
+        rej = live & ~ok
+        rejected = rejected.at[:, rank].set(jnp.where(rej, tok, rejected[:, rank]))
+        return (cur, going, jnp.where(ok, child, nxt), jnp.where(rej, removed + p_tok, removed), rejected, keys)
+
+    def descend(depth, carry):
+        """One level: the children of each row's current node in rank order; the accepted one (if
+        any) becomes the current node."""
+        cur, going, path, accepted, removed, rejected = carry
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, ACCEPT_TAG))(
+            row_keys(b.seed, b.sample_index, b.position + depth))
+        _, _, nxt, removed, rejected, _ = jax.lax.fori_loop(
+            0, c, try_child, (cur, going, jnp.full((s,), -1, jnp.int32), removed, rejected, keys))
         moved = nxt > 0
         cur = jnp.where(moved, nxt, cur)
-        accepted = accepted + moved.astype(jnp.int32)
-        path = path.at[:, depth + 1].set(jnp.where(moved, nxt, path[:, depth]))
-        removed = jnp.where(moved, 0.0, removed)
-        rejected = jnp.where(moved[:, None], -1, rejected)
-        going = going & moved
+        path = jax.lax.dynamic_update_index_in_dim(
+            path, jnp.where(moved, nxt, jax.lax.dynamic_index_in_dim(path, depth, 1, keepdims=False)), depth + 1, 1)
+        return (cur, going & moved, path, accepted + moved.astype(jnp.int32), jnp.where(moved, 0.0, removed),
+                jnp.where(moved[:, None], -1, rejected))
+
+    # removed: the p-mass of the candidates rejected at the current node; rejected: their tokens
+    cur, _, path, accepted, _, rejected = jax.lax.fori_loop(
+        0, d, descend, (jnp.zeros((s,), jnp.int32), jnp.ones((s,), bool), jnp.zeros((s, d + 1), jnp.int32),
+                        jnp.zeros((s,), jnp.int32), jnp.zeros((s,), jnp.float32), jnp.full((s, c), -1, jnp.int32)))
     m = node_at[rows, cur]
     f_cur = filtered[m]                                                              # [S, V]
     # the residual: p without the rejected candidates (never empty: if rounding left no mass, p)

@@ -422,8 +422,11 @@ def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, s
                                  lambda h: jnp.full((s, n), -1, jnp.int32), h[source])
         return (pad(ids), pad(lps), pad(top_ids), pad(top_lps), drawn, path, proposals), kv_pages
 
-    (ids, lps, top_ids, top_lps, drawn, path, proposals), kv_pages = jax.lax.cond(
-        (inputs.num_iters > 1) & ~jnp.any(sp.num_spec > 0), multi_step, tree_round, kv_pages)
+    if settings.max_iters > 1:
+        (ids, lps, top_ids, top_lps, drawn, path, proposals), kv_pages = jax.lax.cond(
+            (inputs.num_iters > 1) & ~jnp.any(sp.num_spec > 0), multi_step, tree_round, kv_pages)
+    else:   # no multi-step decoding: the tree round alone (the model traced once)
+        (ids, lps, top_ids, top_lps, drawn, path, proposals), kv_pages = tree_round(kv_pages)
     spec_row = (sp.num_spec > 0) & (drawn > 0)
     counts = jnp.concatenate([spec_row[:, None], spec_row[:, None] & (jnp.arange(d1 - 1)[None, :] < drawn[:, None] - 1)],
                              axis=1).astype(jnp.int32)

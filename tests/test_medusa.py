@@ -80,9 +80,10 @@ def test_tree_attention_equals_each_path_alone(which, hf_model_dir):
     bs, blocks = 16, [3, 1, 4]
     pages = init_kv_pages(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 6, bs, jnp.float32)
     fwd = jax.jit(lambda t, p, kv, m: model(t, p, kv, m, impl="xla"))
-    meta = build_attention_metadata([StepRow(0, ctx_len, blocks)], bs, 16, 1, 3)
-    _, pages = fwd(jnp.asarray(np.pad(ctx, (0, 16 - ctx_len)), jnp.int32), jnp.arange(16, dtype=jnp.int32), pages, meta)
-    t = 32
+    t = 32   # both steps in one shape: one compilation
+    meta = build_attention_metadata([StepRow(0, ctx_len, blocks)], bs, t, 1, 3)
+    meta.tree = np.stack([np.arange(t), np.full(t, TREE_NONE), np.zeros(t)], 1).astype(np.int32)
+    _, pages = fwd(jnp.asarray(np.pad(ctx, (0, t - ctx_len)), jnp.int32), jnp.arange(t, dtype=jnp.int32), pages, meta)
     meta = build_attention_metadata([StepRow(ctx_len, n + 1, blocks)], bs, t, 1, 3)
     positions = np.zeros(t, np.int32)
     positions[: n + 1] = ctx_len + a["depth"]
@@ -93,13 +94,17 @@ def test_tree_attention_equals_each_path_alone(which, hf_model_dir):
     meta.tree = tmask
     logits, _ = fwd(jnp.asarray(np.pad(nodes, (0, t - n - 1)), jnp.int32), jnp.asarray(positions), pages, meta)
     logits = np.asarray(logits)
-    dense = jax.jit(lambda tk: model(tk, jnp.arange(tk.shape[0], dtype=jnp.int32), impl="xla")[0][-1])
-    for j in range(n + 1):
-        path = [int(x) for x in a["path_nodes"][j] if x >= 0]
-        ref = np.asarray(dense(jnp.asarray(np.concatenate([ctx, nodes[path]]), jnp.int32)))
-        # float32 sums of the same products in another order (paged tiles vs one dense pass): the
-        # logits (|x| <~ 20) agree to ~1e-5
-        np.testing.assert_allclose(logits[j], ref, rtol=0, atol=2e-4 * max(1.0, np.abs(ref).max() / 10))
+    # every path alone, dense causal attention without a cache: context + path, padded at the end to
+    # one length (later tokens never reach earlier ones), all paths in one call
+    paths = [[int(x) for x in a["path_nodes"][j] if x >= 0] for j in range(n + 1)]
+    width = ctx_len + max(map(len, paths))
+    seqs = np.stack([np.pad(np.concatenate([ctx, nodes[p]]), (0, width - ctx_len - len(p))) for p in paths])
+    dense = jax.jit(jax.vmap(lambda tk: model(tk, jnp.arange(width, dtype=jnp.int32), impl="xla")[0]))
+    ref = np.asarray(dense(jnp.asarray(seqs, jnp.int32)))
+    ref = ref[np.arange(n + 1), [ctx_len + len(p) - 1 for p in paths]]
+    # float32 sums of the same products in another order (paged tiles vs one dense pass): the
+    # logits (|x| <~ 20) agree to ~1e-5
+    np.testing.assert_allclose(logits[: n + 1], ref, rtol=0, atol=2e-4 * max(1.0, np.abs(ref).max() / 10))
 
 
 # ------------------------------------------------------------------------------------ verify_tree alone

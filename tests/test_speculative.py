@@ -181,8 +181,10 @@ def test_greedy_identical_bundled_mixed_and_preempted(method, bundled_reference)
     81 tokens, 252 in all, in 11 blocks of 16) that running requests are preempted and recomputed."""
     prompts, ref, ref_penalised = bundled_reference
     # a Medusa row's tree takes up to 13 of the 16-token budget, so fewer rows grow at once: a smaller pool
+    # (medusa: one decode iteration per step, the plain multi-step branch only runs with the policy off,
+    # and it compiles faster)
     g = Generator.from_pretrained(**BUNDLED, num_blocks=10 if method == "medusa" else 12, speculative_method=method,
-                                  num_speculative_tokens=3)
+                                  num_speculative_tokens=3, **({"max_decode_steps": 1} if method == "medusa" else {}))
     steps = []
     g.engine.add_step_observer(lambda t: steps.append(t.spans))
     _assert_same_greedy(ref, g.generate(prompts, GREEDY))
@@ -216,7 +218,7 @@ def test_greedy_identical_gpt2(method, gpt2_reference, hf_model_dir, tmp_path):
     kw, prompts, ref = gpt2_reference
     if method == "medusa":
         kw = dict(kw, speculative_model=random_medusa_heads(hf_model_dir("gpt2"), tmp_path / "heads"),
-                  num_speculative_tokens=3)
+                  num_speculative_tokens=3, max_decode_steps=1)
     g = Generator.from_pretrained(hf_model_dir("gpt2"), **kw, speculative_method=method)
     _assert_same_greedy(ref, g.generate(prompts, GREEDY))
     assert g.engine.stats()["spec_decode_num_drafts"] > 0
@@ -285,7 +287,8 @@ EXACT_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
 
 
 def test_sampling_exact_ngram_and_garbage(hf_model_dir, exact_reference):
-    g = Generator.from_pretrained(hf_model_dir(EXACT_MODEL), speculative_method="ngram", **EXACT_ENGINE)
+    g = Generator.from_pretrained(hf_model_dir(EXACT_MODEL), speculative_method="ngram", **EXACT_ENGINE,
+                                  max_decode_steps=1)   # n-gram runs one round per step: no loop to compile
     _assert_matches(_sample_tokens(g, 1.0), exact_reference[1.0])
     assert g.engine.stats()["spec_decode_num_drafts"] > 100
     # a proposer of uniformly random tokens: acceptance drops, the distribution does not move
@@ -313,7 +316,7 @@ def test_sampling_exact_medusa_top_p(hf_model_dir, exact_reference, tmp_path):
     from tests.hf_models import random_medusa_heads
     heads = random_medusa_heads(hf_model_dir(EXACT_MODEL), tmp_path / "heads")
     g = Generator.from_pretrained(hf_model_dir(EXACT_MODEL), speculative_method="medusa", speculative_model=heads,
-                                  **EXACT_ENGINE)
+                                  **EXACT_ENGINE, max_decode_steps=1)
     _assert_matches(_sample_tokens(g, 0.9), exact_reference[0.9])
     st = g.engine.stats()
     assert st["spec_decode_num_drafts"] > 600 and st["spec_decode_num_accepted_tokens"] > 0
