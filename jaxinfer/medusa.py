@@ -39,9 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.sampling import MAX_LOGPROBS, NEG_INF, SamplingBatch, any_penalty, gumbel_draw, process, row_keys, top_logprobs
-
-ACCEPT_TAG = 1          # as jaxinfer/speculative.py: the acceptance uniforms' fold_in tag
+from jaxinfer.sampling import MAX_LOGPROBS, NEG_INF, SamplingBatch, gumbel_draw, process, row_keys, top_logprobs
+from jaxinfer.speculative import ACCEPT_TAG, expand_paths
 MAX_TREE_NODES = 31     # the ancestor bitmask is one int32 per token
 
 
@@ -154,30 +153,6 @@ def propose(heads: MedusaHeads, lm_logits, h: jax.Array, arrays: dict[str, np.nd
     return flat[:, arrays["head_rank_index"][1:]].astype(jnp.int32)
 
 
-def expand_tree_batch(b: SamplingBatch, node_tokens: jax.Array, arrays: dict[str, np.ndarray], num_spec: jax.Array,
-                      row_of: jax.Array, node_of: jax.Array) -> SamplingBatch:
-    """The batch of M logits rows: row m belongs to batch row row_of[m] and is its node node_of[m]
-    (0: the root; -1: no node, e.g. a prefill token, decided by nobody). It draws the token after
-    that node (position b.position[row] + depth), and for penalties its history holds the tokens of
-    the node's path (at positions b.position[row] + depth - 1)."""
-    depth, path_nodes = jnp.asarray(arrays["depth"]), jnp.asarray(arrays["path_nodes"])
-    node = jnp.maximum(node_of, 0)
-    out = {name: getattr(b, name)[row_of] for name in vars(b)}
-    out["position"] = b.position[row_of] + depth[node]
-
-    def extend(out):
-        h = out["history"].shape[1]
-        nodes = path_nodes[node, 1:]                                             # [M, D]
-        live = (node_of[:, None] > 0) & (nodes > 0) & (nodes <= num_spec[row_of][:, None])
-        toks = node_tokens[row_of[:, None], jnp.maximum(nodes - 1, 0)]
-        cols = jnp.where(live, b.position[row_of][:, None] + jnp.arange(nodes.shape[1])[None, :], h)
-        rows = jnp.broadcast_to(jnp.arange(row_of.shape[0])[:, None], cols.shape)
-        return {**out, "history": out["history"].at[rows, cols].set(toks, mode="drop"),
-                "history_is_output": out["history_is_output"].at[rows, cols].set(True, mode="drop")}
-    out = jax.lax.cond(any_penalty(b), extend, lambda o: o, out)
-    return SamplingBatch(**out)
-
-
 def verify_tree(logits: jax.Array, node_tokens: jax.Array, num_spec: jax.Array, b: SamplingBatch,
                 arrays: dict[str, np.ndarray]):
     """verify_tree_flat with the logits laid out per row: logits [S, N+1, V] at the root and each node."""
@@ -192,7 +167,7 @@ def verify_tree_flat(logits: jax.Array, node_at: jax.Array, node_tokens: jax.Arr
 
     logits [M, V]: the target's raw logits, one row per token of the step (what the processors cost
     follows M, not S * (N+1)); node_at [S, N+1]: the logits row of row s's root and of each of its
-    nodes (entries past num_spec[s]: any row); row_of / node_of [M]: expand_tree_batch's. node_tokens
+    nodes (entries past num_spec[s]: any row); row_of / node_of [M]: speculative.expand_paths'. node_tokens
     [S, N]; num_spec [S]: the row verifies nodes 1 .. num_spec (a prefix of the tree; 0: none, the
     row draws as `sample` does); b: the rows' batch, its position that of the token after the root.
     Returns (ids [D+1, S], logprobs [D+1, S], top ids / logprobs [D+1, S, 20], num_drawn [S] =
@@ -206,7 +181,7 @@ def verify_tree_flat(logits: jax.Array, node_at: jax.Array, node_tokens: jax.Arr
     d = int(arrays["depth"].max())
     children = jnp.asarray(arrays["children"])
     c = children.shape[1]
-    bx = expand_tree_batch(b, node_tokens, arrays, num_spec, row_of, node_of)
+    bx = expand_paths(b, node_tokens, arrays["depth"], arrays["path_nodes"], num_spec, row_of, node_of)
     tempered, logprobs, filtered = process(logits, bx)                              # [M, V]
     greedy = b.temperature <= 0
     argmax = jnp.argmax(tempered, axis=-1).astype(jnp.int32)                        # [M]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.sampling import (NEG_INF, SamplingBatch, any_penalty, gumbel_draw, process, row_keys, top_logprobs)
 
@@ -44,26 +45,42 @@ def with_history(b: SamplingBatch, ids: jax.Array, drew: jax.Array) -> SamplingB
     return jax.lax.cond(any_penalty(b), record, lambda b: b, b)
 
 
-def expand_batch(b: SamplingBatch, drafts: jax.Array, num_spec: jax.Array, k1: int) -> SamplingBatch:
-    """The [S * k1] batch of the positions a speculating row decides: row s * k1 + j draws position
-    b.position[s] + j, its history holding d_1..d_j (drafts [S, k1 - 1]) of row s."""
-    s = b.temperature.shape[0]
-    rep = lambda x: jnp.repeat(x, k1, axis=0)  # noqa: E731
-    j = jnp.tile(jnp.arange(k1, dtype=jnp.int32), s)
-    out = {name: rep(getattr(b, name)) for name in vars(b)}
-    out["position"] = rep(b.position) + j
+def expand_paths(b: SamplingBatch, node_tokens: jax.Array, depth: np.ndarray, path_nodes: np.ndarray,
+                 num_spec: jax.Array, row_of: jax.Array, node_of: jax.Array) -> SamplingBatch:
+    """The batch of M logits rows of a step that verifies proposals laid out as a tree (a chain is a
+    tree whose node j is d_j): row m belongs to batch row row_of[m] and is its node node_of[m] (0:
+    the token before the proposals; -1: no node, e.g. a prefill token). It draws the token after
+    that node (position b.position[row] + depth[node]); for penalties its history holds the
+    proposals on the node's path, node_tokens[row, path_nodes[node, 1:] - 1], at positions
+    b.position[row] + 0, 1, ... (only nodes 1 .. num_spec[row] are proposals).
+    depth [N+1], path_nodes [N+1, D+1]: the tree's tables (medusa.tree_arrays; -1 past a node's depth)."""
+    depth, path_nodes = jnp.asarray(depth), jnp.asarray(path_nodes)
+    node = jnp.maximum(node_of, 0)
+    out = {name: getattr(b, name)[row_of] for name in vars(b)}
+    out["position"] = b.position[row_of] + depth[node]
 
     def extend(out):
-        # row (s, j) also holds drafts i < j at positions b.position[s] + i
         h = out["history"].shape[1]
-        i = jnp.arange(k1 - 1, dtype=jnp.int32)
-        keep = (i[None, :] < j[:, None]) & (i[None, :] < rep(num_spec)[:, None])
-        cols = jnp.where(keep, rep(b.position)[:, None] + i[None, :], h)
-        rows = jnp.broadcast_to(jnp.arange(s * k1)[:, None], cols.shape)
-        return {**out, "history": out["history"].at[rows, cols].set(rep(drafts), mode="drop"),
+        nodes = path_nodes[node, 1:]                                             # [M, D]
+        live = (node_of[:, None] > 0) & (nodes > 0) & (nodes <= num_spec[row_of][:, None])
+        toks = node_tokens[row_of[:, None], jnp.maximum(nodes - 1, 0)]
+        cols = jnp.where(live, b.position[row_of][:, None] + jnp.arange(nodes.shape[1])[None, :], h)
+        rows = jnp.broadcast_to(jnp.arange(row_of.shape[0])[:, None], cols.shape)
+        return {**out, "history": out["history"].at[rows, cols].set(toks, mode="drop"),
                 "history_is_output": out["history_is_output"].at[rows, cols].set(True, mode="drop")}
     out = jax.lax.cond(any_penalty(b), extend, lambda o: o, out)
     return SamplingBatch(**out)
+
+
+def expand_batch(b: SamplingBatch, drafts: jax.Array, num_spec: jax.Array, k1: int) -> SamplingBatch:
+    """The [S * k1] batch of the positions a speculating row decides: row s * k1 + j draws position
+    b.position[s] + j, its history holding d_1..d_j (drafts [S, k1 - 1]) of row s: expand_paths
+    over a chain."""
+    s = b.temperature.shape[0]
+    j = np.arange(k1)
+    path_nodes = np.where(j[None, :] <= j[:, None], j[None, :], -1)           # node j: 0, 1, .., j
+    return expand_paths(b, drafts, j, path_nodes, num_spec, jnp.repeat(jnp.arange(s), k1),
+                        jnp.tile(jnp.arange(k1), s))
 
 
 def draft_sample(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array]:
