@@ -482,7 +482,7 @@ def _workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--kv-dtype", default=None, choices=["int8", "float16", "bfloat16", "float32"],
+    p.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "float16", "bfloat16", "float32"],
                    help="KV cache dtype (default: the model's; serving: passed to a launched server)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt (serving: passed to a launched server)")

@@ -1,8 +1,11 @@
 """Held-out perplexity and CPU decode speed of the bundled model under each weight quantization
-method (RTN, GPTQ, AWQ) and format (w8 per channel, w4 g128, w4 per channel, w3 g128), beside
-float32 and int8 KV, in one run.
+method (RTN, GPTQ, AWQ, QAT) and format (w8 per channel, w4 g128, w4 per channel, w3 g128), FP8
+(e4m3) weights, SmoothQuant W8A8 (dynamic, and static with each calibration), beside float32 and
+int8 / fp8 KV, in one run.
 
     python -m bench.quantize_ppl [--calib-tokens 8192] [--out bench/results/DATE-cpu-quantize-ppl.json]
+        [--methods rtn,gptq,awq,qat,smoothquant,fp8] [--formats w8-pc,w4-g128,w4-pc,w3-g128]
+        [--train-bin /work/cache/corpus/train.bin]   (QAT's training tokens: scripts/prepare_corpus.py)
 
 Calibration text: the model's calibration.txt (documents of its training split); evaluation text:
 its heldout.txt (the held-out split): disjoint by construction (checkpoints/.../MODEL_CARD.md).
@@ -24,7 +27,14 @@ import jax
 import numpy as np
 
 FORMATS = {"w8-pc": (8, -1, True), "w4-g128": (4, 128, False), "w4-pc": (4, -1, False), "w3-g128": (3, 128, False)}
-METHODS = ("rtn", "gptq", "awq")     # --methods rtn,gptq,awq,smoothquant adds W8A8 (at w8-pc)
+METHODS = ("rtn", "gptq", "awq", "qat", "smoothquant", "fp8")
+# W8A8 rows (at w8-pc): the activation scales and their calibration
+W8A8 = {"dynamic": dict(act_scales="dynamic"),
+        "static minmax": dict(act_scales="static", act_calib="minmax"),
+        "static p99.99": dict(act_scales="static", act_calib="percentile", act_percentile=99.99),
+        "static p99.999": dict(act_scales="static", act_calib="percentile", act_percentile=99.999),
+        "static mse": dict(act_scales="static", act_calib="mse")}
+QAT_FORMATS = ("w4-pc",)             # QAT trains one model per format: the issue's target format
 
 
 def decode_tok_s(folder: Path, kv_dtype: str | None = None, n_tokens: int = 128) -> float:
@@ -48,6 +58,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/2026-11-22-cpu-quantize-ppl.json")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--train-bin", default="/work/cache/corpus/train.bin",
+                    help="QAT training tokens (the model's training split, scripts/prepare_corpus.py)")
     args = ap.parse_args()
 
     from jaxinfer.evaluate import eval_ppl
@@ -80,30 +92,53 @@ def main() -> None:
         print(json.dumps({k: row[k] for k in row if k not in ("tokens", "bytes")}), flush=True)
 
     model, _ = load_model(path, "float32")
-    for kv in (None, "int8"):
+    for kv in (None, "int8", "fp8"):
         r = eval_ppl(model, tok, heldout, kv_dtype=kv)
-        add({"method": "float32", "format": "float32" if kv is None else "float32 + int8 KV", "kv_dtype": kv,
+        add({"method": "float32", "format": "float32" if kv is None else f"float32 + {kv} KV", "kv_dtype": kv,
              "ppl": r["ppl"], "bits_per_byte": r["bits_per_byte"], "tokens": r["tokens"],
              "decode_tok_s": decode_tok_s(path, kv)})
     tmp = Path(tempfile.mkdtemp(prefix="quantize-ppl-"))
+    methods = args.methods.split(",")
+
+    def run(method, fmt, settings, label=None, **extra):
+        model, _ = load_model(path, "float32")
+        t0 = time.perf_counter()
+        if method == "qat":
+            from jaxinfer.quantize.qat import qat_finetune
+            model = qat_finetune(model, bits=settings.bits, group_size=settings.group_size,
+                                 symmetric=settings.symmetric, tokens=train_tokens, progress=False)
+        else:
+            quantize_model(model, settings, None if method in ("rtn", "fp8") else windows, progress=False)
+        quantize_s = time.perf_counter() - t0
+        folder = tmp / f"{method}-{fmt}-{(label or '').replace(' ', '-')}"
+        save_native(model, folder, "float32", tokenizer=tok, extra={"quantization": settings.to_json()})
+        r = eval_ppl(model, tok, heldout)
+        add({"method": method, "format": fmt if label is None else f"{fmt} {label}", "bits": settings.bits,
+             "group_size": settings.group_size, "symmetric": settings.symmetric, **extra,
+             "ppl": r["ppl"], "bits_per_byte": r["bits_per_byte"], "tokens": r["tokens"], "quantize_s": quantize_s,
+             "decode_tok_s": decode_tok_s(folder) if method in ("rtn", "smoothquant", "fp8") else None})
+
+    train_tokens = None
+    if "qat" in methods:
+        train_tokens = np.fromfile(args.train_bin, dtype=np.uint16)
     for fmt in args.formats.split(","):
         bits, g, sym = FORMATS[fmt]
-        for method in args.methods.split(","):
-            if method == "smoothquant" and fmt != "w8-pc":
-                continue                                  # W8A8 only
-            settings = QuantizeSettings(method, bits=bits, group_size=g, symmetric=sym,
-                                        act_order=method == "gptq", calib_tokens=args.calib_tokens)
-            model, _ = load_model(path, "float32")
-            t0 = time.perf_counter()
-            quantize_model(model, settings, None if method == "rtn" else windows, progress=False)
-            quantize_s = time.perf_counter() - t0
-            folder = tmp / f"{method}-{fmt}"
-            save_native(model, folder, "float32", tokenizer=tok, extra={"quantization": settings.to_json()})
-            r = eval_ppl(model, tok, heldout)
-            add({"method": method, "format": fmt, "bits": bits, "group_size": g, "symmetric": sym,
-                 "ppl": r["ppl"], "bits_per_byte": r["bits_per_byte"], "tokens": r["tokens"],
-                 "quantize_s": quantize_s,
-                 "decode_tok_s": decode_tok_s(folder) if method in ("rtn", "smoothquant") else None})
+        for method in methods:
+            if method in ("smoothquant", "fp8") and fmt != "w8-pc":
+                continue                                  # W8A8 and fp8: 8 bits per channel
+            if method == "qat" and fmt not in QAT_FORMATS:
+                continue
+            if method == "smoothquant":
+                for label, kw in W8A8.items():
+                    run(method, "w8a8", QuantizeSettings(method, bits=8, group_size=-1, symmetric=True,
+                                                         calib_tokens=args.calib_tokens, **kw), label, **kw)
+                continue
+            if method == "fp8":
+                run(method, "fp8-e4m3-pc", QuantizeSettings("fp8", bits=8, group_size=-1, symmetric=True))
+                continue
+            settings = QuantizeSettings("rtn" if method == "qat" else method, bits=bits, group_size=g,
+                                        symmetric=sym, act_order=method == "gptq", calib_tokens=args.calib_tokens)
+            run(method, fmt, settings)
     # the issue's targets: share of RTN's perplexity rise that GPTQ / AWQ remove
     rows = {(r["method"], r["format"]): r for r in result["rows"]}
     base = rows[("float32", "float32")]["ppl"]
@@ -116,6 +151,15 @@ def main() -> None:
         targets[fmt] = {"rtn_rise": rise, "cut_of_rtn_rise": cut,
                         "each_at_least_30pct": all(c >= 0.30 for c in cut.values()),
                         "best_at_least_50pct": max(cut.values(), default=0) >= 0.50}
+        if ("qat", fmt) in rows:
+            qat_cut = 1 - (rows[("qat", fmt)]["ppl"] - base) / rise
+            targets[fmt].update(qat_cut_of_rtn_rise=qat_cut, qat_at_least_70pct=qat_cut >= 0.70)
+    rise = lambda key: 100 * (rows[key]["ppl"] / base - 1) if key in rows else None  # noqa: E731
+    targets["w8a8"] = {"dynamic_rise_percent": rise(("smoothquant", "w8a8 dynamic")),
+                       "dynamic_within_1pct": (rise(("smoothquant", "w8a8 dynamic")) or 99) <= 1.0,
+                       "static_rise_percent": {k: rise(("smoothquant", f"w8a8 {k}")) for k in W8A8 if k != "dynamic"}}
+    targets["fp8"] = {"rise_percent": rise(("fp8", "fp8-e4m3-pc")),
+                      "within_0.5pct": (rise(("fp8", "fp8-e4m3-pc")) or 99) <= 0.5}
     result["targets"] = targets
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(targets, indent=1))

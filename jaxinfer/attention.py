@@ -107,14 +107,14 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
 
 
 def _gather_context(kv: LayerKV, block_tables: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """Each sequence's pages in logical order: (Hkv, S, max_blocks * bs, D), dequantized if int8."""
+    """Each sequence's pages in logical order: (Hkv, S, max_blocks * bs, D), dequantized if int8 or fp8."""
     hkv, _, bs, d = kv.k.shape
     s, max_blocks = block_tables.shape
     k_seq = kv.k[:, block_tables].reshape(hkv, s, max_blocks * bs, d)
     v_seq = kv.v[:, block_tables].reshape(hkv, s, max_blocks * bs, d)
     if kv.k_scale is not None:
-        k_seq = (k_seq * kv.k_scale[:, block_tables].reshape(hkv, s, -1)[..., None]).astype(dtype)
-        v_seq = (v_seq * kv.v_scale[:, block_tables].reshape(hkv, s, -1)[..., None]).astype(dtype)
+        k_seq = (k_seq.astype(jnp.float32) * kv.k_scale[:, block_tables].reshape(hkv, s, -1)[..., None]).astype(dtype)
+        v_seq = (v_seq.astype(jnp.float32) * kv.v_scale[:, block_tables].reshape(hkv, s, -1)[..., None]).astype(dtype)
     return k_seq, v_seq
 
 

@@ -112,6 +112,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _heldout_text(path: Path) -> Path:
+    """The model's heldout.txt, or for a `jaxinfer quantize` output the source model's."""
+    if (path / "heldout.txt").exists():
+        return path / "heldout.txt"
+    try:
+        source = json.loads((path / "config.json").read_text())["quantization"]["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        source = None
+    if source and (Path(source) / "heldout.txt").exists():
+        return Path(source) / "heldout.txt"
+    raise FileNotFoundError(f"{path / 'heldout.txt'}: no held-out text beside the model; give --text FILE")
+
+
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from jaxinfer.evaluate import eval_ppl
     from jaxinfer.generator import default_model_path
@@ -122,7 +135,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(path)
     if tokenizer is None:
         raise ValueError(f"{path}: the model has no tokenizer; eval-ppl scores text")
-    text_path = Path(args.text) if args.text else path / "heldout.txt"
+    text_path = Path(args.text) if args.text else _heldout_text(path)
     model, _ = load_model(path, args.dtype)
     if args.quantize:
         from jaxinfer.models.decoder import quantize_decoder
@@ -140,18 +153,22 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     from jaxinfer.generator import default_model_path
-    from jaxinfer.quantize import QuantizeSettings, quantize_model
+    from jaxinfer.quantize import QuantizeSettings, default_bits_group, quantize_model
     from jaxinfer.quantize.calibrate import calibration_windows
     from jaxinfer.tokenizer import load_tokenizer
     from jaxinfer.weights import load_model, save_native
 
-    settings = QuantizeSettings(method=args.method, bits=args.bits, group_size=args.group_size,
-                                symmetric=not args.asym, act_order=args.act_order,
-                                calib_tokens=args.calib_tokens, calib_window=args.calib_window)
+    bits, group = default_bits_group(args.method)
+    settings = QuantizeSettings(method=args.method, bits=bits if args.bits is None else args.bits,
+                                group_size=group if args.group_size is None else args.group_size,
+                                symmetric=not args.asym, act_order=args.act_order, clip_search=args.clip_search,
+                                calib_tokens=args.calib_tokens, calib_window=args.calib_window,
+                                act_scales=args.act_scales, act_calib=args.act_calib,
+                                act_percentile=args.act_percentile)
     path = Path(args.model) if args.model else default_model_path()
     tokenizer = load_tokenizer(path)
     windows, calib = None, None
-    if settings.method != "rtn":
+    if settings.method not in ("rtn", "fp8"):
         calib = Path(args.calib_text) if args.calib_text else path / "calibration.txt"
         if not calib.exists():
             raise FileNotFoundError(f"{calib}: no calibration text (give --calib-text FILE, disjoint from "
@@ -162,11 +179,13 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         windows = calibration_windows(ids, settings.calib_tokens, settings.calib_window)
     model, cfg = load_model(path, "float32")
     quantize_model(model, settings, windows, progress=not args.quiet)
-    extra = {"quantization": {**settings.to_json(), "calib_text": None if calib is None else str(calib),
+    extra = {"quantization": {**settings.to_json(), "source": str(path.resolve()),
+                              "calib_text": None if calib is None else str(calib),
                               "calib_windows": None if windows is None else int(windows.shape[0])}}
     save_native(model, args.out_dir, "float32", tokenizer=tokenizer, extra=extra)
+    act = f" a8 {settings.act_scales}" if settings.method == "smoothquant" else ""
     print(f"wrote {args.out_dir}: {settings.method} w{settings.bits} "
-          f"g{settings.group_size} {'sym' if settings.symmetric else 'asym'}")
+          f"g{settings.group_size} {'sym' if settings.symmetric else 'asym'}{act}")
     return 0
 
 
@@ -195,7 +214,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
-    p.add_argument("--kv-dtype", default=None, choices=["int8", "float16", "bfloat16", "float32"],
+    p.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "float16", "bfloat16", "float32"],
                    help="KV cache dtype (default: the model's dtype)")
     p.add_argument("--max-decode-steps", type=int, default=8,
                    help="decode iterations one step may run on device when every sequence decodes "
@@ -283,12 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     c.set_defaults(func=cmd_convert)
 
-    qz = sub.add_parser("quantize", help="weight-only post-training quantization into a native checkpoint")
+    qz = sub.add_parser("quantize", help="post-training quantization into a native checkpoint")
     qz.add_argument("model", help="HF model folder or jaxinfer checkpoint")
     qz.add_argument("out_dir")
-    qz.add_argument("--method", default="rtn", help="rtn | gptq | awq | smoothquant (W8A8: --bits 8 --group-size -1); qat, fp8: planned")
-    qz.add_argument("--bits", type=int, default=4, choices=[8, 4, 3])
-    qz.add_argument("--group-size", type=int, default=128, choices=[128, 64, 32, -1], help="-1: per output channel")
+    qz.add_argument("--method", default="rtn",
+                    help="rtn | gptq | awq (weight-only integers) | fp8 (e4m3 weights per channel) | "
+                         "smoothquant (W8A8); qat: planned")
+    qz.add_argument("--bits", type=int, default=None, choices=[8, 4, 3],
+                    help="default: 8 for fp8 and smoothquant, else 4")
+    qz.add_argument("--group-size", type=int, default=None, choices=[128, 64, 32, -1],
+                    help="-1: per output channel (default: -1 for fp8 and smoothquant, else 128)")
     sym = qz.add_mutually_exclusive_group()
     sym.add_argument("--sym", dest="asym", action="store_false", help="symmetric grid (default)")
     sym.add_argument("--asym", dest="asym", action="store_true", help="asymmetric grid with zero points")
@@ -297,8 +320,17 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--calib-tokens", type=int, default=16384)
     qz.add_argument("--calib-window", type=int, default=256)
     qz.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
+    qz.add_argument("--clip-search", action="store_true",
+                    help="GPTQ: shrink each grid's range to the least |err|^2.4 before error propagation")
+    qz.add_argument("--act-scales", default="dynamic", choices=["dynamic", "static"],
+                    help="smoothquant: int8 activation scales per token at run time, or one per linear "
+                         "calibrated offline")
+    qz.add_argument("--act-calib", default="percentile", choices=["minmax", "percentile", "mse"],
+                    help="smoothquant --act-scales static: how the clipping range is chosen")
+    qz.add_argument("--act-percentile", type=float, default=99.99,
+                    help="--act-calib percentile: the percentile of |x| mapped to 127")
     qz.add_argument("--quiet", action="store_true", help="no progress bar")
-    qz.set_defaults(func=cmd_quantize)
+    qz.set_defaults(func=cmd_quantize, asym=False)   # (the first of two actions on one dest gives the default)
 
     ex = sub.add_parser("export-hf", help="write a (Llama-family) model as an HF transformers folder")
     ex.add_argument("out_dir")
@@ -336,8 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--text", default=None, help="UTF-8 text file (default: the model's heldout.txt)")
     e.add_argument("--window", type=int, default=256)
     e.add_argument("--stride", type=int, default=None, help="default: window // 2")
-    e.add_argument("--quantize", default=None, choices=["int8", "int4"], help="weight-only quantization")
-    e.add_argument("--kv-dtype", default=None, choices=["int8", "float16", "bfloat16", "float32"],
+    e.add_argument("--quantize", default=None, choices=["int8", "int4", "fp8"], help="weight-only quantization at load time")
+    e.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "float16", "bfloat16", "float32"],
                    help="score through the paged KV cache in this dtype")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval_ppl)

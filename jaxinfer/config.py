@@ -478,8 +478,8 @@ class EngineConfig:
     """The serving engine's knobs (see DESIGN.md)."""
     dtype: str = "auto"                 # auto (float32 on CPU, else bfloat16) | bfloat16 | float32 | float16
     attention: str = "auto"             # pallas | xla | auto
-    quantize: str | None = None         # None | int8 | int4
-    kv_dtype: str | None = None         # None (= dtype) | int8 | float16 | bfloat16 | float32
+    quantize: str | None = None         # None | int8 | int4 | fp8 (weight-only, at load time)
+    kv_dtype: str | None = None         # None (= dtype) | int8 | fp8 (e4m3) | float16 | bfloat16 | float32
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     pipeline_microbatches: int | None = None   # micro-batches per step with pipeline_parallel > 1 (None: = pp)
@@ -498,7 +498,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         choices = {"dtype": ("auto", "bfloat16", "float32", "float16"), "attention": ("pallas", "xla", "auto"),
-                   "quantize": (None, "int8", "int4"), "kv_dtype": (None, "int8", "float16", "bfloat16", "float32"),
+                   "quantize": (None, "int8", "int4", "fp8"), "kv_dtype": (None, "int8", "fp8", "float16", "bfloat16", "float32"),
                    "batching": ("static", "dynamic", "continuous"),
                    "speculative_method": (None, "draft", "ngram", "medusa")}
         for name, allowed in choices.items():
@@ -544,7 +544,7 @@ class ResolvedConfig:
     engine: EngineConfig
     backend: str                 # jax.default_backend() it was resolved for: cpu | gpu | tpu
     dtype: str                   # float32 | bfloat16 | float16
-    kv_dtype: str                # int8 | float16 | bfloat16 | float32
+    kv_dtype: str                # int8 | fp8 | float16 | bfloat16 | float32
     attention: str               # pallas | xla
     matmul: str                  # pallas | xla: quantized matmuls follow the attention choice
     num_blocks: int              # KV blocks in the pool, the null block 0 included

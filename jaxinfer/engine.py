@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -27,6 +26,7 @@ from jaxinfer.host.request import Request
 from jaxinfer.host.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxinfer.host.speculative import Proposer, SpecStats
 from jaxinfer.host.structured import Grammars, StructuredOutputError
+from jaxinfer.kv_cache import kv_storage_dtype
 from jaxinfer.models.decoder import Decoder, set_matmul_impl
 from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
 from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig, default_num_blocks
@@ -35,7 +35,7 @@ from jaxinfer.sharding import bytes_per_device, model_mesh
 
 
 def _jnp_dtype(name: str):
-    return jnp.int8 if name == "int8" else jnp.dtype(name)
+    return kv_storage_dtype(name)
 
 
 class RequestError(ValueError):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.kv_cache import AttentionMetadata, init_kv_pages
+from jaxinfer.kv_cache import AttentionMetadata, init_kv_pages, kv_storage_dtype
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.tokenizer import Tokenizer
 
@@ -52,7 +52,7 @@ def _window_logits_fn(model: Decoder, window: int, kv_dtype: str | None):
     meta = AttentionMetadata(jnp.zeros(window, jnp.int32), pos + bs,          # block 0 is the null block
                              jnp.arange(1, n_blocks + 1, dtype=jnp.int32)[None], jnp.array([window], jnp.int32),
                              jnp.array([0, window], jnp.int32))
-    dtype = jnp.int8 if kv_dtype == "int8" else jnp.dtype(kv_dtype)
+    dtype = kv_storage_dtype(kv_dtype)
 
     def run(params, t):
         pages = init_kv_pages(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks + 1, bs, dtype)

@@ -41,7 +41,8 @@ TREE_NONE = 2**30  # AttentionMetadata.tree's first node slot of a token outside
 @jax.tree_util.register_dataclass
 @dataclass
 class LayerKV:
-    """One layer's pages. k_scale/v_scale [n_kv_heads, num_blocks, block_size] only for int8 KV."""
+    """One layer's pages. k_scale/v_scale [n_kv_heads, num_blocks, block_size] only for scaled
+    (int8 or fp8) KV."""
     k: jax.Array
     v: jax.Array
     k_scale: jax.Array | None = None
@@ -76,27 +77,55 @@ class AttentionMetadata:
     tree: jax.Array | None = None            # [T, 3] int32
 
 
+# Scaled KV formats: the storage dtype and the largest magnitude it holds. A token's K (or V) in one
+# KV head is stored as x / scale with scale = max|x| / qmax, and read back as stored * scale.
+# int8 rounds to nearest in [-127, 127]; fp8 is OCP e4m3 ("fn": finite, max 448, 3 mantissa bits,
+# as vLLM's kv_cache_dtype="fp8"), rounded to nearest even by the cast.
+SCALED_KV = {"int8": (jnp.dtype(jnp.int8), 127.0), "fp8": (jnp.dtype(jnp.float8_e4m3fn), 448.0)}
+
+
+def kv_storage_dtype(name: str):
+    """A kv_dtype name (EngineConfig.kv_dtype: int8 | fp8 | float16 | bfloat16 | float32) -> the pages' dtype."""
+    return SCALED_KV[name][0] if name in SCALED_KV else jnp.dtype(name)
+
+
+def kv_dtype_name(dtype) -> str:
+    """The inverse of kv_storage_dtype."""
+    d = jnp.dtype(dtype)
+    return next((n for n, (sd, _) in SCALED_KV.items() if sd == d), d.name)
+
+
+def is_scaled_kv(dtype) -> bool:
+    return kv_dtype_name(dtype) in SCALED_KV
+
+
 def init_kv_pages(n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                   dtype) -> list[LayerKV]:
-    """int8 pages carry float32 scales per (kv head, token): value = int8 * scale."""
+    """int8 and fp8 pages carry float32 scales per (kv head, token): value = stored * scale."""
     shape = (n_kv_heads, num_blocks, block_size, head_dim)
-    if jnp.dtype(dtype) == jnp.int8:
-        return [LayerKV(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8),
+    if is_scaled_kv(dtype):
+        d = jnp.dtype(dtype)
+        return [LayerKV(jnp.zeros(shape, d), jnp.zeros(shape, d),
                         jnp.ones(shape[:3], jnp.float32), jnp.ones(shape[:3], jnp.float32)) for _ in range(n_layers)]
     return [LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(n_layers)]
 
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype) -> int:
     """K and V of one token in all layers: 2 * bytes * n_layers * n_kv_heads * head_dim
-    (+ the two float32 scales per kv head of int8 pages)."""
-    return perf.kv_bytes_per_token(n_layers, n_kv_heads, head_dim, jnp.dtype(dtype).name)
+    (+ the two float32 scales per kv head of int8 and fp8 pages)."""
+    return perf.kv_bytes_per_token(n_layers, n_kv_heads, head_dim, kv_dtype_name(dtype))
 
 
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [..., head_dim] -> int8 values and float32 scales [...] (symmetric, per token per head)."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale[..., None]), -127, 127).astype(jnp.int8)
+def quantize_kv(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
+    """x [..., head_dim] -> values in `dtype` (int8 or fp8) and float32 scales [...] (symmetric, per
+    token per head): scale = max|x| / qmax; int8 rounds x / scale to nearest, fp8 casts it."""
+    d = jnp.dtype(dtype)
+    qmax = SCALED_KV[kv_dtype_name(d)][1]
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    y = jnp.clip(xf / scale[..., None], -qmax, qmax)
+    q = (jnp.round(y) if d == jnp.int8 else y).astype(d)
     return q, scale
 
 
@@ -110,7 +139,7 @@ def write_kv(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
         return flat.at[:, slot_mapping].set(new.astype(flat.dtype), mode="drop").reshape(pages.shape)
     if layer.k_scale is None:
         return LayerKV(put(layer.k, k), put(layer.v, v))
-    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    (kq, ks), (vq, vs) = quantize_kv(k, layer.k.dtype), quantize_kv(v, layer.v.dtype)
     return LayerKV(put(layer.k, kq), put(layer.v, vq), put(layer.k_scale, ks), put(layer.v_scale, vs))
 
 
@@ -231,7 +260,7 @@ def _padded(pieces: list[np.ndarray], size: int, dummy_tile: int, kb: int) -> np
 
 
 def move_kv(pages: list[LayerKV], src: jax.Array, dst: jax.Array) -> list[LayerKV]:
-    """Copy every layer's K/V (and int8 scales) from flat slots src [M] to dst [M] (dst PAD_SLOT:
+    """Copy every layer's K/V (and int8/fp8 scales) from flat slots src [M] to dst [M] (dst PAD_SLOT:
     nothing): all sources are read before any destination is written, so the moves may overlap."""
     def move(x):
         hkv, nb, bs = x.shape[:3]

@@ -6,7 +6,7 @@ process where importing jax fails), so the planner answers instantly on any mach
 
 Formulas (bytes, seconds, FLOPs; L layers, H / H_kv query / KV heads, h head_dim):
     kv_bytes_per_token  = 2 (K and V) * bytes(kv_dtype) * L * H_kv * h  (+ 2 * 4 * L * H_kv for the
-                          f32 scale per token per KV head of int8 pages)
+                          f32 scale per token per KV head of int8 and fp8 pages)
     bytes_read(step)    = iterations * weight_bytes + context_tokens * kv_bytes_per_token
                           (a step reads every weight once per iteration and each sequence's whole KV
                           context; KV writes of the new tokens are not counted: vLLM/Databricks MBU)
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 GiB = 2**30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int4": 0.5}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1, "int4": 0.5}
 KV_INT8_SCALE_BYTES = 4     # one f32 scale per token, per KV head, for K and for V
 
 
@@ -111,11 +111,11 @@ def with_memory(device: Device, memory_bytes: int, why: str) -> Device:
 
 # --------------------------------------------------------------------------- bytes
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
-    """K and V of one token in `n_layers` layers of `n_kv_heads` heads (+ int8 pages' f32 scales)."""
+    """K and V of one token in `n_layers` layers of `n_kv_heads` heads (+ int8/fp8 pages' f32 scales)."""
     if kv_dtype not in DTYPE_BYTES or kv_dtype == "int4":
-        raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose from: float32, bfloat16, float16, int8")
+        raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose from: float32, bfloat16, float16, int8, fp8")
     total = 2 * int(DTYPE_BYTES[kv_dtype]) * n_layers * n_kv_heads * head_dim
-    if kv_dtype == "int8":
+    if kv_dtype in ("int8", "fp8"):
         total += 2 * KV_INT8_SCALE_BYTES * n_layers * n_kv_heads
     return total
 

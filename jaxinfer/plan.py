@@ -85,7 +85,7 @@ INT4_SCALE_BYTES = 4        # one float32 scale per group, as jaxinfer/quant.py 
 INT8_SCALE_BYTES = 4        # one f32 scale per output channel (jaxinfer.quant)
 
 WEIGHT_DTYPES = ("bfloat16", "float32", "int8", "int4")
-KV_DTYPES = ("bfloat16", "float32", "int8")
+KV_DTYPES = ("bfloat16", "float32", "int8", "fp8")
 _BYTES = DTYPE_BYTES
 
 
@@ -306,8 +306,8 @@ def plan(cfg: ModelConfig, device: Device, *, dtype: str = "bfloat16", kv_dtype:
         assumptions.append("token embedding, lm_head, norms and biases stay bfloat16; " + (
             "int8: per-output-channel f32 scales" if dtype == "int8" else
             f"int4: one {INT4_SCALE_BYTES}-byte scale per group of {INT4_GROUP_SIZE} (symmetric, no zero points)"))
-    if kv_dtype == "int8":
-        assumptions.append("int8 KV: one f32 scale per token per KV head, for K and for V")
+    if kv_dtype in ("int8", "fp8"):
+        assumptions.append(f"{kv_dtype} KV: one f32 scale per token per KV head, for K and for V")
     if cfg.sliding_window is not None:
         assumptions.append(f"sliding window {cfg.sliding_window} ignored: the paged cache keeps every token")
     assumptions += device.assumed

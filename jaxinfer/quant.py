@@ -20,9 +20,15 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
   the little-endian 24-bit word), symmetric codes in [-4, 3] (scale = max|w| / 3, 3-bit two's
   complement) or asymmetric codes in [0, 7] with zero points as for int4.
 * per channel at 4 or 3 bits: one group spanning all of K (group_size = K, scales [1, N]).
+* fp8 (e4m3, OCP "fn": finite, max 448, 3 mantissa bits): per output channel like int8,
+  q float8_e4m3fn [K, N] = w / scale cast to e4m3 (round to nearest even), scales f32 [N] =
+  max|w[:, n]| / 448; bits=8 with q's dtype telling it from int8 (QuantizedWeight.fp8). XLA
+  dequantizes per call (the Pallas kernel has no fp8 format). Error: |w - dequant(w)| <=
+  2^-4 |w| for |w| / scale >= 2^-6 (normal e4m3 numbers), <= 2^-10 scale below (subnormals).
 * W8A8 (act_bits=8, SmoothQuant): int8 weights as above, and at run time each row (token) of x is
-  quantized symmetrically to int8 with its own scale sx = max|x_t| / 127; y = (xq @ q as int32)
-  * sx[t] * scales[n]. XLA only (the Pallas kernel is weight-only).
+  quantized symmetrically to int8 with the scale sx = max|x_t| / 127 of its own (dynamic), or with
+  one scale per weight calibrated offline (static, act_scale f32 []); y = (xq @ q as int32)
+  * sx * scales[n]. XLA only (the Pallas kernel is weight-only).
 All rounding is round-to-nearest (ties to even); an all-zero column/group gets scale 1.0 (q = 0).
 Error bound (symmetric and asymmetric): |w - dequant(w)| <= scale / 2 elementwise (plus f32 rounding),
 hence |x @ w - x @ dequant(w)| <= sum_k |x_k| * scale_k / 2 per output (see the *_bound helpers).
@@ -55,6 +61,7 @@ __all__ = [
     "quantize",
     "quantize_int8",
     "quantize_int4",
+    "quantize_fp8",
     "dequantize",
     "qdot",
     "pack_int4",
@@ -90,7 +97,8 @@ class QuantizedWeight:
     shape: tuple[int, ...]
     contract: int = 1
     impl: str = "auto"      # what qdot(impl="auto") runs: the engine's resolved matmul implementation
-    act_bits: int | None = None     # 8: W8A8 (SmoothQuant), activations quantized per token at run time
+    act_bits: int | None = None     # 8: W8A8 (SmoothQuant), activations quantized to int8 at run time
+    act_scale: Any = None   # W8A8 static: f32 [] activation scale (x -> round(x / act_scale)); None: per token
 
     @property
     def k(self) -> int:
@@ -109,14 +117,19 @@ class QuantizedWeight:
         return self.zeros is None
 
     @property
+    def fp8(self) -> bool:
+        """e4m3 codes (bits=8) instead of int8."""
+        return jnp.dtype(self.q.dtype) == FP8_DTYPE
+
+    @property
     def nbytes(self) -> int:
-        return sum(int(a.size) * a.dtype.itemsize for a in (self.q, self.scales, self.zeros)
+        return sum(int(a.size) * a.dtype.itemsize for a in (self.q, self.scales, self.zeros, self.act_scale)
                    if a is not None)
 
 
 jax.tree_util.register_dataclass(
     QuantizedWeight,
-    data_fields=["q", "scales", "zeros"],
+    data_fields=["q", "scales", "zeros", "act_scale"],
     meta_fields=["bits", "group_size", "shape", "contract", "impl", "act_bits"],
 )
 
@@ -135,6 +148,19 @@ def quantize_int8(w, *, contract: int = 1) -> QuantizedWeight:
     amax = jnp.max(jnp.abs(w2), axis=0)
     scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
     q = jnp.clip(jnp.round(w2 / scale[None, :]), -127, 127).astype(jnp.int8)
+    return QuantizedWeight(q, scale, None, bits=8, group_size=None, shape=shape, contract=contract)
+
+
+FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = 448.0
+
+
+def quantize_fp8(w, *, contract: int = 1) -> QuantizedWeight:
+    """Per-output-channel e4m3: scale[n] = max_k |w[k, n]| / 448, q = e4m3(w / scale) (nearest even)."""
+    w2, shape, _, _ = _as_2d(w, contract)
+    amax = jnp.max(jnp.abs(w2), axis=0)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    q = jnp.clip(w2 / scale[None, :], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     return QuantizedWeight(q, scale, None, bits=8, group_size=None, shape=shape, contract=contract)
 
 
@@ -324,17 +350,21 @@ def _xla_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     return y.astype(x2.dtype)
 
 
-def quantize_rows_int8(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [M, K] -> (int8 [M, K], f32 scales [M]): symmetric per row, sx = max|x_m| / 127."""
+def quantize_rows_int8(x2: jax.Array, act_scale=None) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (int8 [M, K], f32 scales [M]): symmetric, sx = max|x_m| / 127 per row (dynamic),
+    or the calibrated act_scale [] for every row (static; values beyond 127 * act_scale clip)."""
     xf = x2.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=1)
-    sx = jnp.where(amax > 0, amax / 127.0, 1.0)
+    if act_scale is None:
+        amax = jnp.max(jnp.abs(xf), axis=1)
+        sx = jnp.where(amax > 0, amax / 127.0, 1.0)
+    else:
+        sx = jnp.broadcast_to(jnp.asarray(act_scale, jnp.float32), xf.shape[:1])
     return jnp.clip(jnp.round(xf / sx[:, None]), -127, 127).astype(jnp.int8), sx
 
 
 def _w8a8_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     """int8 x int8 -> int32 dot (exact), rescaled by the row and column scales (f32 [M, N])."""
-    xq, sx = quantize_rows_int8(x2)
+    xq, sx = quantize_rows_int8(x2, qw.act_scale)
     acc = lax.dot_general(xq, qw.q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
     return acc.astype(jnp.float32) * sx[:, None] * qw.scales.astype(jnp.float32)[None, :]
 
@@ -455,6 +485,10 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     if w.act_bits is not None:
         if impl == "pallas":
             raise ValueError("the Pallas quant_matmul kernel is weight-only; W8A8 runs on impl='xla'")
+        mode = "xla"
+    if w.fp8:
+        if impl == "pallas":
+            raise ValueError("the Pallas quant_matmul kernel has no fp8 format; use impl='xla'")
         mode = "xla"
     cfg = None
     if mode == "pallas" and m > 0:

@@ -1,7 +1,7 @@
 """The engine's XLA paged attention (work items over KV blocks, kv_cache.build_attention_metadata)
 equals the plain definition (every token gathers its whole context from the pages,
 paged_attention_reference) on ragged steps: decode rows, first chunks, any number of chunks that
-continue a cached context, padding rows and tokens; windows, ALiBi, GQA, int8 / 16-bit pages."""
+continue a cached context, padding rows and tokens; windows, ALiBi, GQA, int8 / fp8 / 16-bit pages."""
 import dataclasses
 
 import jax
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.attention import attention, paged_attention_reference
-from jaxinfer.kv_cache import (CHUNK_GROUP, DECODE_GROUP, QUERY_TILE, StepRow, build_attention_metadata, init_kv_pages,
+from jaxinfer.kv_cache import (CHUNK_GROUP, DECODE_GROUP, QUERY_TILE, StepRow, build_attention_metadata, init_kv_pages, kv_storage_dtype,
                                work_item_capacity, write_kv)
 
 
@@ -53,6 +53,7 @@ CASES = [
      "float32"),
     ([(20, 1), (0, 13), (35, 8)], 2, 3, 2, 4, 32, 11, True, "int8"),
     ([(64, 1)] * 6 + [(0, 25)], 7, 1, 2, 2, 16, None, False, "int8"),
+    ([(20, 1), (0, 13), (35, 8)], 2, 3, 2, 4, 32, 11, True, "fp8"),
     # many decode rows and chunk tiles: several full loop groups of items (kv_cache.DECODE_GROUP) and a tail
     ([(c, 1) for c in range(5, 400, 9)] + [(200, 70), (0, 90)], 3, 2, 2, 2, 16, None, False, "float32"),
     ([(45, 18), (3, 1), (0, 30), (22, 6), (60, 1)], 4, 1, 2, 2, 16, 20, False, "bfloat16"),
@@ -64,7 +65,7 @@ CASES = [
 def test_paged_xla_equals_definition(chunks, pad_t, pad_r, hkv, g, bs, window, alibi, kv_dtype):
     rng = np.random.default_rng(len(chunks) * 7 + bs)
     q, k, v, kv, pos, meta, n_real = build_step(rng, chunks, pad_tokens=pad_t, pad_rows=pad_r, hkv=hkv,
-                                                g=g, d=16, bs=bs, kv_dtype=jnp.dtype(kv_dtype))
+                                                g=g, d=16, bs=bs, kv_dtype=kv_storage_dtype(kv_dtype))
     slopes = jnp.asarray(rng.uniform(0.01, 0.2, hkv * g), jnp.float32) if alibi else None
     got, kv_after = attention(q, k, v, pos, scale=0.25, window=window, alibi=slopes, kv=kv, meta=meta, impl="xla")
     # the same pages (this step's K/V written, rounded to the page dtype) through the plain definition;

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -205,10 +206,11 @@ def test_live_mbu_is_bytes_read_over_step_time(gen, monkeypatch):
     assert eng.runner.kv_bytes_per_token == 2 * 4 * gen.model_cfg.n_layers * gen.model_cfg.n_kv_heads * gen.model_cfg.head_dim
 
 
-def test_int8_kv_cache_close_to_float(hf_model_dir, gen):
-    """int8 KV (per token per head scales): greedy tokens mostly unchanged, logprobs close."""
-    q = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **SMALL, kv_dtype="int8", warmup=False)
-    assert q.engine.runner.kv_pages[0].k.dtype == np.int8
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_scaled_kv_cache_close_to_float(hf_model_dir, gen, kv_dtype):
+    """int8 / fp8 KV (per token per head scales): the first token unchanged, logprobs close."""
+    q = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **SMALL, kv_dtype=kv_dtype, warmup=False)
+    assert q.engine.runner.kv_pages[0].k.dtype == {"int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}[kv_dtype]
     prompts = _prompts(4, gen.model_cfg.vocab_size, 10, 40, seed=13)
     p = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
     ref, got = gen.generate(prompts, p), q.generate(prompts, p)

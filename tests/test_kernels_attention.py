@@ -3,7 +3,7 @@ implementation of the masking definition, in interpret mode on CPU (the kernels'
 
 Definition (numpy below): a query token at position p of sequence s sees cache position l iff
 l <= p, l < context_len[s] and, with a window W, p - W < l; ALiBi adds slope_h * (l - p); int8
-pages dequantize to int8 * scale; softmax over the visible keys; nothing visible -> 0.
+pages dequantize to int8 (or fp8 e4m3) * scale; softmax over the visible keys; nothing visible -> 0.
 Tolerance: max|a - b| / max|b| < 1e-5 (float32), < 1e-2 (bfloat16).
 
 Shapes are small (interpret mode is slow) but every tiled dimension has >= 3 tiles: query tiles,
@@ -126,12 +126,16 @@ def make_cache(rng, *, ctx_lens, hkv, d, bs, dtype, quant, spare_blocks=3, extra
     used = np.zeros(nb, bool)
     used[bt[bt > 0]] = True
     shape = (hkv, nb, bs, d)
-    if quant:
+    if quant == "fp8":     # e4m3 values over its whole range (max 448), subnormals included
+        k, v = (np.clip(rng.standard_normal(shape) * 10.0 ** rng.uniform(-2, 2.4, shape), -448, 448)
+                .astype(jnp.float8_e4m3fn) for _ in range(2))
+    elif quant:
         k = rng.integers(-127, 128, shape).astype(np.int8)
         v = rng.integers(-127, 128, shape).astype(np.int8)
+    if quant:
         ks = rng.uniform(0.004, 0.03, shape[:3]).astype(np.float32)
         vs = rng.uniform(0.004, 0.03, shape[:3]).astype(np.float32)
-        k[:, ~used], v[:, ~used] = 127, -127
+        k[:, ~used], v[:, ~used] = 127, -127      # (fp8 rounds them to 128 and -128)
         ks[:, ~used], vs[:, ~used] = 3.0, 3.0
         return (jnp.asarray(k), jnp.asarray(v), jnp.asarray(ks), jnp.asarray(vs), jnp.asarray(bt))
     k = rng.standard_normal(shape).astype(np.float32)
@@ -177,6 +181,7 @@ DECODE_CASES = [
     ("bfloat16", 16, 4, 24, False, True, 2, 1, True),
     ("bfloat16", 8, 8, 30, True, False, 1, 2, False),
     ("bfloat16", 32, 1, None, True, True, 3, 1, False),
+    ("float32", 16, 4, 20, False, "fp8", 2, 1, True),
 ]
 
 
@@ -231,6 +236,7 @@ RAGGED_CASES = [
     ("bfloat16", 16, 4, 40, True, True, 8, 1, True),
     ("bfloat16", 8, 8, None, False, False, 8, 2, False),
     ("bfloat16", 32, 1, 50, False, False, 16, 1, False),
+    ("bfloat16", 8, 4, None, True, "fp8", 8, 1, True),
 ]
 
 

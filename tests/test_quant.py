@@ -492,3 +492,68 @@ def test_select_blocks_tunes_while_tracing(tmp_path):
     (entry,) = at.load_cache(path).values()
     assert entry["failed"] == 0 and len(entry["measured"]) == 2
     assert entry["kernel"] == "quant_matmul_int4_g32_sym"
+
+
+# ------------------------------------------------------------------------------ fp8 (e4m3)
+
+def _e4m3_bound(w: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """|w - dequant(w)| for e4m3 codes of w / scale, round to nearest: half a unit in the last place.
+    Normal numbers (|w / scale| >= 2^-6) keep 3 mantissa bits: <= 2^-4 |w|; subnormals are spaced
+    2^-9: <= 2^-10 scale. Plus the f32 rounding of w / scale and of code * scale (2^-23 relative)."""
+    return np.maximum(2.0 ** -4 * np.abs(w), 2.0 ** -10 * scale) * (1 + 2.0 ** -20) + 2.0 ** -22 * np.abs(w)
+
+
+def test_fp8_weights_match_ml_dtypes_and_bound():
+    import ml_dtypes
+    rng = np.random.default_rng(21)
+    w = (rng.standard_normal((96, 40)) * 10.0 ** rng.uniform(-4, 0, (96, 40))).astype(np.float32)
+    w[:, 3] = 0.0                                              # an all-zero column: scale 1, codes 0
+    qw = quant.quantize_fp8(jnp.asarray(w))
+    assert qw.fp8 and qw.bits == 8 and qw.q.dtype == jnp.float8_e4m3fn and qw.zeros is None
+    amax = np.abs(w).max(0)
+    scale = np.where(amax > 0, amax / np.float32(448), 1).astype(np.float32)
+    # XLA:CPU divides by the constant 448 as a multiply by its reciprocal: within an ulp; then exact
+    np.testing.assert_allclose(np.asarray(qw.scales), scale, rtol=2.0 ** -23, atol=0)
+    scale = np.asarray(qw.scales)
+    want = (w / scale).astype(ml_dtypes.float8_e4m3fn)          # ml_dtypes' round-to-nearest-even cast
+    np.testing.assert_array_equal(np.asarray(qw.q).view(np.uint8), want.view(np.uint8))
+    deq = np.asarray(dequantize(qw))
+    np.testing.assert_array_equal(deq, want.astype(np.float32) * scale)          # one f32 product
+    deq = deq.astype(np.float64)
+    assert np.all(np.abs(deq - w) <= _e4m3_bound(w, scale[None, :]))
+    assert np.abs(deq - w).max() > 0                           # (it does round)
+    x = jnp.asarray(rng.standard_normal((5, 96)), jnp.float32)
+    y = np.asarray(qdot(x, qw), np.float64)
+    ref = np.asarray(x, np.float64) @ deq
+    # f32 accumulation over K = 96 products: |error| <= 96 * 2^-24 * sum |x_k w_k| (a loose multiple)
+    assert np.all(np.abs(y - ref) <= 96 * 2.0 ** -24 * (np.abs(np.asarray(x, np.float64)) @ np.abs(deq)) + 1e-30)
+    with pytest.raises(ValueError, match="no fp8 format"):
+        qdot(x, qw, impl="pallas")
+
+
+def test_fp8_kv_pages_match_ml_dtypes_and_bound():
+    import ml_dtypes
+    from jaxinfer.kv_cache import init_kv_pages, kv_bytes_per_token, kv_storage_dtype, quantize_kv, write_kv
+    rng = np.random.default_rng(22)
+    x = (rng.standard_normal((7, 2, 16)) * 10.0 ** rng.uniform(-3, 1, (7, 2, 16))).astype(np.float32)
+    x[4, 1] = 0.0
+    q, s = quantize_kv(jnp.asarray(x), kv_storage_dtype("fp8"))
+    amax = np.abs(x).max(-1)
+    scale = np.where(amax > 0, amax / np.float32(448), 1).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(s), scale, rtol=2.0 ** -23, atol=0)   # (as for the weights)
+    scale = np.asarray(s)
+    want = (x / scale[..., None]).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want.view(np.uint8))
+    deq = (want.astype(np.float32) * scale[..., None]).astype(np.float64)
+    assert np.all(np.abs(deq - x) <= _e4m3_bound(x, scale[..., None]))
+    # pages: one byte per element plus a float32 scale per token per KV head, as int8 pages
+    pages = init_kv_pages(1, 2, 16, 4, 8, kv_storage_dtype("fp8"))[0]
+    assert pages.k.dtype == jnp.float8_e4m3fn and pages.k_scale.shape == (2, 4, 8)
+    assert kv_bytes_per_token(3, 2, 16, kv_storage_dtype("fp8")) == kv_bytes_per_token(3, 2, 16, jnp.int8) \
+        == 2 * 3 * 2 * 16 + 2 * 4 * 3 * 2
+    slots = jnp.asarray([9, 10, 11, 12, 13, 14, 15], jnp.int32)
+    after = write_kv(pages, jnp.asarray(x), jnp.asarray(x), slots)
+    got_q = np.asarray(after.k).transpose(1, 2, 0, 3).reshape(32, 2, 16)[9:16]
+    got_s = np.asarray(after.k_scale).transpose(1, 2, 0).reshape(32, 2)[9:16]
+    np.testing.assert_array_equal(got_q.view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(got_s, scale)

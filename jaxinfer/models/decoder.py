@@ -35,7 +35,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import AttentionMetadata, LayerKV
 from jaxinfer.layers import (MLP, Norm, alibi_slopes, apply_rope, dense, param, param_value, rope_inv_freq,
                              sinusoidal_embedding)
-from jaxinfer.quant import QuantizedWeight, quantize
+from jaxinfer.quant import QuantizedWeight, quantize, quantize_fp8
 
 
 class Attention(nnx.Module):
@@ -210,21 +210,24 @@ _QUANTIZED = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1, "qk
 
 
 def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Decoder:
-    """Weight-only quantization in place: "int8" (per output channel) or "int4" (group-wise along K,
-    symmetric; the group shrinks to 64 or 32 when K is not a multiple of 128, and a matrix whose K
-    fits none of them stays int8)."""
-    bits = {"int8": 8, "int4": 4}[method]
+    """Weight-only quantization in place: "int8" or "fp8" (e4m3; per output channel) or "int4"
+    (group-wise along K, symmetric; the group shrinks to 64 or 32 when K is not a multiple of 128,
+    and a matrix whose K fits none of them stays int8)."""
+    bits = {"int8": 8, "int4": 4, "fp8": 8}[method]
     for path, var in nnx.state(model, nnx.Param).flat_state():
         name = str(path[-1])
         if name not in _QUANTIZED or len(path) < 2:
             continue
         w = var.get_value()
         if isinstance(w, QuantizedWeight):
-            raise ValueError(f"the model is already quantized ({'/'.join(map(str, path))} is int{w.bits}); "
+            kind = "fp8" if w.fp8 else f"int{w.bits}"
+            raise ValueError(f"the model is already quantized ({'/'.join(map(str, path))} is {kind}); "
                              f"load it without quantize={method!r}")
         contract = _QUANTIZED[name]
         k = int(np.prod(w.shape[:contract]))
-        if bits == 4:
+        if method == "fp8":
+            qw = quantize_fp8(w, contract=contract)
+        elif bits == 4:
             g = next((g for g in (group_size, 64, 32) if k % g == 0 and g <= group_size), None)
             qw = quantize(w, 4, group_size=g, contract=contract) if g else quantize(w, 8, contract=contract)
         else:
@@ -292,14 +295,17 @@ def _fuse_leaves(parts: list, fn):
     zeros: all end in the n columns) -> one fused [d, N] weight of the same kind."""
     if isinstance(parts[0], QuantizedWeight):
         first = parts[0]
-        assert all((p.bits, p.group_size, p.contract, p.symmetric, p.act_bits) ==
-                   (first.bits, first.group_size, 1, first.symmetric, first.act_bits)
+        assert all((p.bits, p.group_size, p.contract, p.symmetric, p.act_bits, p.fp8) ==
+                   (first.bits, first.group_size, 1, first.symmetric, first.act_bits, first.fp8)
                    for p in parts), "fused weights must share one quantization format"
+        # a fused projection reads one input: its parts' static activation scales are that input's
+        assert all((p.act_scale is None) == (first.act_scale is None) for p in parts)
         leaves = [fn([p.q for p in parts]), fn([p.scales for p in parts]),
                   None if first.zeros is None else fn([p.zeros for p in parts])]
         return QuantizedWeight(*leaves, bits=first.bits, group_size=first.group_size,
                                shape=(first.shape[0], int(leaves[0].shape[-1])), contract=1, impl=first.impl,
-                               act_bits=first.act_bits)
+                               act_bits=first.act_bits,   # a copy: fuse_decoder(consume=True) deletes the parts
+                               act_scale=None if first.act_scale is None else jnp.array(first.act_scale))
     return fn(parts)
 
 
@@ -309,7 +315,7 @@ def _split_leaves(fused, fn, shapes: list[tuple[int, ...]]) -> list:
         leaves = [fn(fused.q), fn(fused.scales), None if fused.zeros is None else fn(fused.zeros)]
         return [QuantizedWeight(q, sc, None if leaves[2] is None else leaves[2][i], bits=fused.bits,
                                 group_size=fused.group_size, shape=shape, contract=1, impl=fused.impl,
-                                act_bits=fused.act_bits)
+                                act_bits=fused.act_bits, act_scale=fused.act_scale)
                 for i, (q, sc, shape) in enumerate(zip(leaves[0], leaves[1], shapes))]
     return [p.reshape(shape) for p, shape in zip(fn(fused), shapes)]
 

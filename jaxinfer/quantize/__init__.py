@@ -1,5 +1,5 @@
-"""`jaxinfer quantize`: post-training quantization of a Decoder: weight-only (RTN, GPTQ, AWQ) and
-SmoothQuant W8A8 (int8 weights and dynamic per-token int8 activations).
+"""`jaxinfer quantize`: post-training quantization of a Decoder: weight-only (RTN, GPTQ, AWQ, FP8
+e4m3) and SmoothQuant W8A8 (int8 weights and int8 activations, dynamic per token or static).
 
     settings = QuantizeSettings(method="gptq", bits=4, group_size=-1, symmetric=False)
     quantize_model(model, settings, calib_windows)      # in place; unfused float Decoder
@@ -12,7 +12,9 @@ model; the method only decides which codes are written. AWQ also rewrites float 
 LM head stay in float, as quantize_decoder keeps them. Groups: group_size along K (the
 contracted dims), or -1 for one group per output channel; a matrix whose K is not a multiple of
 group_size uses the largest of 64 and 32 below it that divides K, else one group per channel.
-int8 is per channel and symmetric only.
+int8 and fp8 are per channel and symmetric only.
+
+    default_bits_group(method) -> the (bits, group_size) a method takes when the user gives none.
 """
 from __future__ import annotations
 
@@ -24,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.models.decoder import Block, Decoder
-from jaxinfer.quant import from_codes, quantize
+from jaxinfer.quant import from_codes, quantize, quantize_fp8
 
-METHODS = ("rtn", "gptq", "awq", "smoothquant")
-PLANNED = ("qat", "fp8")      # issue 17: not built yet; refused with a clear error
+METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8")
+PLANNED = ("qat",)      # issue 17: not built yet; refused with a clear error
+ACT_SCALES = ("dynamic", "static")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,7 @@ class QuantizeSettings:
     group_size: int = 128          # -1: per output channel
     symmetric: bool = True
     act_order: bool = False        # GPTQ only (static groups: module gptq.py)
+    clip_search: bool = False      # GPTQ: each grid's range by the |err|^2.4 search (gptq.search_grid)
     calib_tokens: int = 16384
     calib_window: int = 256
     percdamp: float = 0.01         # GPTQ damping, a fraction of mean(diag H)
@@ -46,6 +50,9 @@ class QuantizeSettings:
     seed: int = 0
     chunk: int = 8                 # windows per calibration call
     alpha: float = 0.5             # SmoothQuant migration strength
+    act_scales: str = "dynamic"    # SmoothQuant: dynamic (per token at run time) | static (calibrated)
+    act_calib: str = "percentile"  # static: minmax | percentile | mse (smoothquant.py)
+    act_percentile: float = 99.99
 
     def __post_init__(self):
         if self.method in PLANNED:
@@ -61,17 +68,39 @@ class QuantizeSettings:
             raise ValueError("--bits 8 is per output channel and symmetric: use --group-size -1 --sym")
         if self.method == "smoothquant" and (self.bits != 8 or self.group_size != -1 or not self.symmetric):
             raise ValueError("--method smoothquant is W8A8: use --bits 8 --group-size -1 --sym")
+        if self.method == "fp8" and (self.bits != 8 or self.group_size != -1 or not self.symmetric):
+            raise ValueError("--method fp8 is e4m3 per output channel: use --bits 8 --group-size -1 --sym")
         if self.act_order and self.method != "gptq":
             raise ValueError("--act-order applies to --method gptq only")
+        if self.clip_search and self.method != "gptq":
+            raise ValueError("--clip-search applies to --method gptq only (AWQ always searches its clipping)")
+        if self.act_scales not in ACT_SCALES:
+            raise ValueError(f"--act-scales must be one of {', '.join(ACT_SCALES)}, got {self.act_scales!r}")
+        if self.act_scales == "static" and self.method != "smoothquant":
+            raise ValueError("--act-scales static applies to --method smoothquant (W8A8) only")
+        if self.act_calib not in ("minmax", "percentile", "mse"):
+            raise ValueError(f"--act-calib must be minmax, percentile or mse, got {self.act_calib!r}")
+        if not 50.0 < self.act_percentile <= 100.0:
+            raise ValueError(f"--act-percentile must be in (50, 100], got {self.act_percentile}")
 
     def to_json(self) -> dict[str, Any]:
         keys = ["method", "bits", "group_size", "symmetric"] + {
-            "rtn": [], "gptq": ["act_order", "percdamp", "blocksize", "calib_tokens", "calib_window"],
+            "rtn": [], "fp8": [], "gptq": ["act_order", "clip_search", "percdamp", "blocksize", "calib_tokens", "calib_window"],
             "awq": ["awq_grid", "max_rows", "calib_tokens", "calib_window"],
             "smoothquant": ["alpha", "calib_tokens", "calib_window"]}[self.method]
         if self.method == "smoothquant":
-            return {**{k: getattr(self, k) for k in keys}, "act_bits": 8, "act_scales": "dynamic per token"}
+            act = ({"act_scales": "dynamic per token"} if self.act_scales == "dynamic" else
+                   {"act_scales": "static per tensor", "act_calib": self.act_calib, "max_rows": self.max_rows,
+                    **({"act_percentile": self.act_percentile} if self.act_calib == "percentile" else {})})
+            return {**{k: getattr(self, k) for k in keys}, "act_bits": 8, **act}
+        if self.method == "fp8":
+            return {**{k: getattr(self, k) for k in keys}, "format": "fp8_e4m3"}
         return {k: getattr(self, k) for k in keys}
+
+
+def default_bits_group(method: str) -> tuple[int, int]:
+    """fp8 and smoothquant are 8-bit per channel; the weight-only integer methods default to w4 g128."""
+    return (8, -1) if method in ("fp8", "smoothquant") else (4, 128)
 
 
 def group_for(k: int, settings: QuantizeSettings) -> int | None:
@@ -115,18 +144,22 @@ def _rtn(owner, name, settings: QuantizeSettings, w2: np.ndarray | None = None) 
 
 
 def quantize_rtn(model: Decoder, settings: QuantizeSettings) -> Decoder:
-    """Round-to-nearest every linear of every block (no calibration)."""
+    """Round-to-nearest every linear of every block (no calibration); method fp8: e4m3 per channel."""
     for block in model.layers:
         for group in linears(block).values():
             for owner, name in group:
-                _rtn(owner, name, settings)
+                if settings.method == "fp8":
+                    w, shape, c = _matrix(owner, name)
+                    getattr(owner, name).set_value(quantize_fp8(jnp.asarray(w.reshape(shape)), contract=c))
+                else:
+                    _rtn(owner, name, settings)
     return model
 
 
 def quantize_model(model: Decoder, settings: QuantizeSettings, windows: np.ndarray | None = None,
                    progress: bool = True) -> Decoder:
     """Quantize an unfused float Decoder in place. windows [B, W] calibration token ids (gptq, awq)."""
-    if settings.method == "rtn":
+    if settings.method in ("rtn", "fp8"):
         return quantize_rtn(model, settings)
     if windows is None:
         raise ValueError(f"--method {settings.method} needs calibration text (--calib-text)")
@@ -150,5 +183,5 @@ def quantize_model(model: Decoder, settings: QuantizeSettings, windows: np.ndarr
     return model
 
 
-__all__ = ["METHODS", "QuantizeSettings", "quantize_model", "quantize_rtn", "group_for", "linears",
+__all__ = ["METHODS", "QuantizeSettings", "default_bits_group", "quantize_model", "quantize_rtn", "group_for", "linears",
            "from_codes"]

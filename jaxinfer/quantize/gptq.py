@@ -15,6 +15,11 @@ static groups (AutoGPTQ's static_groups): every group's grid is computed from th
 before the loop, in the original channel order, so the exported weight is an ordinary group-wise
 weight and loading needs neither a permutation nor a g_idx. Per channel (group_size = K) the grid
 is computed from the whole row up front, as in the paper.
+Grid search (clip_search, the GPTQ reference code's `mse` quantizer option): each grid's range is
+shrunk to p x the weights' (p = 1 - i / 100, i < 80 -- for asymmetric grids the zero point follows)
+to minimise sum |w - dequant(w)|^2.4 over the grid's weights, before the error propagation; a
+narrower range trades clipping a few large weights for finer steps on the rest. Off, the grid is
+the weights' min/max (RTN's), as in the paper.
 Never imports jax: the caller packs the codes (quant.from_codes).
 """
 from __future__ import annotations
@@ -24,13 +29,34 @@ import numpy as np
 from jaxinfer.quant import grid_codes, grid_dequant, grid_params
 
 
+def search_grid(w: np.ndarray, bits: int, symmetric: bool, *, axis: int, n_grid: int = 100,
+                max_shrink: float = 0.8, norm: float = 2.4) -> tuple[np.ndarray, np.ndarray | None]:
+    """grid_params of w reduced over `axis`, its range shrunk by the p in {1 - i / n_grid : i <
+    max_shrink * n_grid} that minimises sum |w - dequant(w)|^norm over the axis (per slice)."""
+    best_err, best_s, best_z = None, None, None
+    for i in range(int(max_shrink * n_grid)):
+        p = 1.0 - i / n_grid
+        s, z = grid_params(w * p, bits, symmetric, axis=axis)
+        se, ze = np.expand_dims(s, axis), None if z is None else np.expand_dims(z, axis)
+        err = np.sum(np.abs(grid_dequant(grid_codes(w, se, ze, bits), se, ze) - w) ** norm, axis=axis)
+        if best_err is None:
+            best_err, best_s, best_z = err, s, z
+            continue
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_s = np.where(better, s, best_s)
+        best_z = None if z is None else np.where(better, z, best_z)
+    return best_s.astype(np.float32), None if best_z is None else best_z.astype(np.float32)
+
+
 def gptq_quantize(w: np.ndarray, hessian: np.ndarray, *, bits: int, group_size: int, symmetric: bool,
-                  act_order: bool = False, blocksize: int = 128, percdamp: float = 0.01
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+                  act_order: bool = False, blocksize: int = 128, percdamp: float = 0.01,
+                  clip_search: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """w [K, N], hessian [K, K] (sum of x^T x) -> codes int32 [K, N], scales [K/g, N] ([N] for
     bits=8, which is per channel), zeros [K/g, N] or None; dequantized weight = (codes - zeros) * scales."""
     k, n = w.shape
     g = k if group_size in (None, -1) else int(group_size)
+    params = search_grid if clip_search and bits < 8 else grid_params
     assert k % g == 0, (k, g)
     W = np.array(w, np.float64).T.copy()                                   # (N, K): the paper's layout
     H = np.array(hessian, np.float64).copy()
@@ -44,7 +70,7 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, *, bits: int, group_size: 
         blocksize = g                     # a group's first column sees its whole group inside the block
     if static:
         Wg = W.reshape(n, k // g, g)                                       # (N, K/g, g)
-        s_all, z_all = grid_params(Wg, bits, symmetric, axis=2)            # (N, K/g)
+        s_all, z_all = params(Wg, bits, symmetric, axis=2)                 # (N, K/g)
     W, H = W[:, perm], H[perm][:, perm]
     H[np.diag_indices(k)] += percdamp * np.mean(np.diag(H))
     U = np.linalg.cholesky(np.linalg.inv(H)).T                             # upper: H^-1 = U^T U
@@ -61,7 +87,7 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, *, bits: int, group_size: 
             if static:
                 s, z = s_all[:, group], None if symmetric else z_all[:, group]
             elif col % g == 0:                      # first column of a group (groups lie inside a block)
-                s, z = grid_params(W1[:, i:i + g], bits, symmetric, axis=1)
+                s, z = params(W1[:, i:i + g], bits, symmetric, axis=1)
                 s = s.astype(np.float64)
                 z = None if z is None else z.astype(np.float64)
             scales[:, group] = s

@@ -24,7 +24,8 @@ def gptq_block(block, x, runner: BlockRunner, settings: QuantizeSettings, bar=No
             g = group_for(w.shape[0], settings)
             codes, scales, zeros = gptq_quantize(
                 w, hessian, bits=settings.bits, group_size=-1 if g is None else g, symmetric=settings.symmetric,
-                act_order=settings.act_order, blocksize=settings.blocksize, percdamp=settings.percdamp)
+                act_order=settings.act_order, blocksize=settings.blocksize, percdamp=settings.percdamp,
+                clip_search=settings.clip_search)
             getattr(owner, name).set_value(from_codes(codes, scales, zeros, bits=settings.bits, group_size=g,
                                                       shape=shape, contract=contract))
 

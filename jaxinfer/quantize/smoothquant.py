@@ -9,7 +9,22 @@ calibration tokens and w_k = max_n |W_kn| over their concatenated output columns
 X / s is produced by folding 1/s into the previous operator exactly as AWQ does (methods._fold:
 norm weights, v -> o with one factor per KV-head channel, up -> down), and W's rows are
 multiplied by s. Where the architecture allows no fold the group is quantized unsmoothed.
-Only dynamic per-token activation scales are built (`--act-scales static` is issue 17's next step).
+
+Activation scales (`--act-scales`):
+  dynamic  each token's row x_t gets sx = max|x_t| / 127 at run time (no calibration of x);
+  static   one scale per linear input, calibrated here from the smoothed calibration activations
+           X / s (`--act-calib`, symmetric, values beyond 127 * scale clip at run time):
+             minmax      scale = max |X| / 127
+             percentile  scale = P_p(|X|) / 127 (p = --act-percentile, default 99.99): the
+                         outliers beyond the p-th percentile clip instead of stretching the grid
+             mse         scale = c / 127 for the clip c in {max|X| * i / n, i = 1..n} (n = 100)
+                         minimising the mean squared error of the linears' output,
+                         mean(((dequant(quant(X)) - X) @ W)^2), over sampled rows (the rounding
+                         error of the many small values traded against the clipping error of
+                         the few large ones, each weighted by the weights that read it); without
+                         W, the error of X itself
+A static scale costs no reduction over x per token (a fused kernel can quantize x on the fly),
+and is what integer-only pipelines need; its price is the clipping of unseen outliers.
 """
 from __future__ import annotations
 
@@ -19,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.quant import quantize
+from jaxinfer.quantize.calibrate import sample_rows
 
 
 def smoothing_factors(act_absmax: np.ndarray, w: np.ndarray, alpha: float,
@@ -32,6 +48,37 @@ def smoothing_factors(act_absmax: np.ndarray, w: np.ndarray, alpha: float,
                    for v in (a, wmax))
     s = np.power(np.maximum(a, 1e-5), alpha) / np.power(np.maximum(wmax, 1e-5), 1 - alpha)
     return np.clip(s, 1e-5, None).astype(np.float32)
+
+
+ACT_CALIBS = ("minmax", "percentile", "mse")
+
+
+def _int8_mse(x: np.ndarray, scale: float, w: np.ndarray | None) -> float:
+    err = np.clip(np.round(x / scale), -127, 127) * scale - x
+    return float(np.mean((err if w is None else err @ w) ** 2))
+
+
+def static_act_scale(x: np.ndarray, calib: str, percentile: float = 99.99, n_grid: int = 100,
+                     max_rows: int = 1024, seed: int = 0, w: np.ndarray | None = None) -> float:
+    """Calibration activations x [..., K] -> one symmetric int8 scale (module docstring). minmax and
+    percentile read every value; mse searches on up to max_rows rows (sampled with `seed`) for the
+    least output error through w [K, N] (None: the error of x)."""
+    a = np.abs(np.asarray(x, np.float32)).reshape(-1)
+    amax = float(a.max()) if a.size else 0.0
+    if amax == 0.0:
+        return 1.0
+    if calib == "minmax":
+        return amax / 127.0
+    if calib == "percentile":
+        clip = float(np.percentile(a, percentile))
+        return (clip if clip > 0 else amax) / 127.0
+    if calib == "mse":
+        xs = sample_rows(np.asarray(x, np.float32), max_rows, seed)
+        w = None if w is None else np.asarray(w, np.float32)
+        scales = [amax * i / n_grid / 127.0 for i in range(1, n_grid + 1)]
+        errs = [_int8_mse(xs, s, w) for s in scales]
+        return scales[int(np.argmin(errs))]
+    raise ValueError(f"--act-calib must be one of {', '.join(ACT_CALIBS)}, got {calib!r}")
 
 
 def smoothquant_block(block, x, runner, settings, bar=None) -> None:
@@ -48,6 +95,11 @@ def smoothquant_block(block, x, runner, settings, bar=None) -> None:
         s = smoothing_factors(act_absmax, w, settings.alpha, kv_groups)
         if not _fold(block, tap, s):
             s = np.ones_like(s)
+        act_scale = None
+        if settings.act_scales == "static":     # from the smoothed input X / s (what the linears will read)
+            xs = np.asarray(a, np.float32).reshape(-1, a.shape[-1]) / s[None, :]
+            act_scale = jnp.asarray(static_act_scale(xs, settings.act_calib, settings.act_percentile,
+                                                     seed=settings.seed, w=w * s[:, None]), jnp.float32)
         for (owner, name), (wm, shape, contract) in zip(group, mats):
             qw = quantize(jnp.asarray((wm * s[:, None]).reshape(shape)), 8, contract=contract)
-            getattr(owner, name).set_value(dataclasses.replace(qw, act_bits=8))
+            getattr(owner, name).set_value(dataclasses.replace(qw, act_bits=8, act_scale=act_scale))
