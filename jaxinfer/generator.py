@@ -207,7 +207,7 @@ class Generator:
             model = fuse_decoder(model, tensor_parallel, consume=True)
         if quantize is not None:
             quantize_decoder(model, quantize)
-        if mesh is not None:   # the fused weights' tensor-parallel layout; QuantizedWeights replicated
+        if mesh is not None:   # the fused weights' tensor-parallel layout, QuantizedWeights included
             from jaxinfer.sharding import shard_decoder
             shard_decoder(model, mesh)
         draft = heads = None

@@ -67,10 +67,18 @@ model is built for one tp; on a mesh of another size it is still correct (shardi
 results) but XLA then moves columns between devices. rules_for drops qkv with heads and gate_up
 with mlp (the fused layout then keeps one group: replicated).
 
-Quantized weights: a Param whose value is a quant.QuantizedWeight pytree (after
-models.decoder.quantize_decoder) is replicated on every device of the mesh, because its packed
-[K(/2), N] layout and per-group scales do not line up with the logical axes; quantize after or
-before sharding, either way those matrices are whole on every device (bytes_per_device shows it).
+Quantized weights: a Param whose value is a quant.QuantizedWeight pytree (models.decoder.
+quantize_decoder, jaxinfer.quantize) is sharded like its float weight where the packed layout
+allows (quantized_sharding): every leaf (codes [K * bits / 8, N], scales and zero points [K / g, N]
+or [N]) ends in the N output columns and groups run along K, so
+  * a column-parallel weight (q, k, v, gate, up, fused qkv / gate_up: an output dim over
+    "tensor") splits every leaf's last axis: each device holds whole columns with their scales;
+  * a row-parallel weight (o, down: the contracted dim over "tensor") splits the codes' first
+    axis when each device's K / tp rows are whole packing units (int4: 2 rows a byte, int3: 8 rows
+    in 3 bytes) and whole groups; grouped scales and zero points split with them, per-column
+    scales ([N], or [1, N] for one group over K) stay whole; otherwise the weight is replicated.
+The static activation scale of a W8A8 weight is replicated. The forward is the same program:
+XLA partitions the dequantize-and-dot like any other, all-reducing the row-parallel partial sums.
 
 Loading: load_sharded(value_fn, shape, sharding) builds a global array with
 jax.make_array_from_callback, asking the callback only for each device's slice, so a loader can
@@ -218,11 +226,36 @@ def _replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def quantized_sharding(qw: QuantizedWeight, logical_axes, rules: Mapping[str, str | None], mesh: Mesh):
+    """A QuantizedWeight-shaped pytree of NamedShardings for qw (module docstring: column-parallel
+    splits every leaf's last axis, row-parallel the codes' and grouped scales' first axis)."""
+    rep = _replicated(mesh)
+    spec = list(param_sharding(logical_axes, rules, mesh, qw.shape).spec) if logical_axes else []
+    spec += [None] * (len(qw.shape) - len(spec))
+    k_spec, n_spec = spec[:qw.contract], spec[qw.contract:]
+    leaves = {"q": rep, "scales": rep, "zeros": rep}
+    if n_spec[0] is not None and not any(k_spec) and not any(n_spec[1:]):       # column-parallel
+        leaves = {name: NamedSharding(mesh, PartitionSpec(*([None] * (getattr(qw, name).ndim - 1)), n_spec[0]))
+                  for name in leaves if getattr(qw, name) is not None}
+    elif k_spec[0] is not None and not any(k_spec[1:]) and not any(n_spec):     # row-parallel
+        tp = _axis_size(mesh, k_spec[0])
+        rows = qw.k // tp
+        unit = {4: 2, 3: 8}.get(qw.bits, 1)
+        g = qw.group_size or qw.k
+        if qw.k % tp == 0 and rows % unit == 0 and (g == qw.k or rows % g == 0):
+            split = NamedSharding(mesh, PartitionSpec(k_spec[0]))
+            grouped = qw.scales.ndim == 2 and g < qw.k
+            leaves = {"q": split, "scales": split if grouped else rep, "zeros": split if grouped else rep}
+    return QuantizedWeight(leaves["q"], leaves["scales"], None if qw.zeros is None else leaves["zeros"],
+                           bits=qw.bits, group_size=qw.group_size, shape=qw.shape, contract=qw.contract,
+                           impl=qw.impl, act_bits=qw.act_bits, act_scale=None if qw.act_scale is None else rep)
+
+
 def shard_decoder(model, mesh: Mesh, rules: Mapping[str, str | None] | None = None):
     """Place every nnx.Param of `model` on `mesh` by its logical_axes, in place; returns the model.
 
-    rules None: rules_for(model.cfg, mesh). QuantizedWeight values (and any other non-array value)
-    are replicated. Other array-valued nnx Variables, if any, are replicated too, so that every
+    rules None: rules_for(model.cfg, mesh). QuantizedWeight values are sharded by
+    quantized_sharding. Other array-valued nnx Variables, if any, are replicated, so that every
     committed array of the model lives on the same devices."""
     if rules is None:
         rules = rules_for(model.cfg, mesh)
@@ -233,6 +266,10 @@ def shard_decoder(model, mesh: Mesh, rules: Mapping[str, str | None] | None = No
         if isinstance(node, nnx.Param) and isinstance(value, jax.Array):
             axes = node.get_metadata().get("logical_axes")
             sharding = param_sharding(axes, rules, mesh, tuple(value.shape))
+        elif isinstance(node, nnx.Param) and isinstance(value, QuantizedWeight):
+            node.set_value(jax.device_put(value, quantized_sharding(
+                value, node.get_metadata().get("logical_axes"), rules, mesh)))
+            continue
         elif isinstance(value, (jax.Array, QuantizedWeight)):
             sharding = _replicated(mesh)
         else:

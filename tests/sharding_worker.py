@@ -126,6 +126,32 @@ def main(tmp: Path) -> dict:
             }
         result["configs"][name] = entry
 
+    # quantized weights under TP 2 (int4, groups of 32 along K): sharded like their float weights
+    from jaxinfer.models.decoder import quantize_decoder
+    from jaxinfer.quant import QuantizedWeight
+    folder = tmp / "vocab136"
+    qref, cfg = load_model(folder, "float32")
+    qref_gen = run(quantize_decoder(qref, "int4", group_size=32))
+    q_entry = {"ref_tokens": [o.token_ids for o in qref_gen.generate(PROMPTS, sp)]}
+    ref_logits = qref_gen.logits(LOGITS_PROMPT)
+    mesh = make_mesh(tensor_parallel=2)
+    qm, _ = load_model(folder, "float32")
+    shard_decoder(quantize_decoder(qm, "int4", group_size=32), mesh)
+    q_entry["weights"] = {}
+    for path, var in nnx.state(qm, nnx.Param).flat_state():
+        w = var.get_value()
+        if isinstance(w, QuantizedWeight) and str(path[1]) == "0":
+            q_entry["weights"]["/".join(map(str, path))] = {
+                leaf: {"spec": str(getattr(w, leaf).sharding.spec), "nbytes": int(getattr(w, leaf).nbytes),
+                       "per_device": [bytes_per_device({"x": getattr(w, leaf)})[d] for d in mesh.devices.flat]}
+                for leaf in ("q", "scales")}
+    gen = run(qm)
+    gen.engine.runner.kv_pages = shard_kv_pages(gen.engine.runner.kv_pages, mesh, cfg.n_kv_heads)
+    logits = gen.logits(LOGITS_PROMPT)
+    q_entry["logits_rel_err"] = float(np.max(np.abs(logits - ref_logits)) / np.max(np.abs(ref_logits)))
+    q_entry["tokens"] = [o.token_ids for o in gen.generate(PROMPTS, sp)]
+    result["quantized_tp2"] = q_entry
+
     # load_sharded from a memmap: each device's callback reads only its own slice
     src = np.arange(16 * 12, dtype=np.float32).reshape(16, 12)
     np.save(tmp / "w.npy", src)

@@ -6,7 +6,8 @@ TP in {2, 4, 8} on a Llama with 8 heads / 2 KV heads / vocab 136, and TP 8 on a 
 biases and an odd vocab (131), against the same model on one device:
   (a) full-forward logits within 1e-5 relative, (b) per-device weight bytes = total / tp for every
   sharded matrix and the full size for replicated ones, (c) identical greedy generations through
-  Generator with sharded weights and KV pages, plus load_sharded reading only each shard.
+  Generator with sharded weights and KV pages, plus load_sharded reading only each shard, and
+  int4 weights sharded at TP 2 against the same quantized model on one device.
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def test_shard_decoder_one_device_quantized_and_kv():
     mesh = make_mesh()
     assert shard_decoder(model, mesh) is model
     q = model.layers[0].attn.q.get_value()
-    assert isinstance(q, QuantizedWeight) and q.q.sharding == NamedSharding(mesh, P())
+    assert isinstance(q, QuantizedWeight) and q.q.sharding == NamedSharding(mesh, P(None, "tensor"))  # column-parallel
     assert model.embed.get_value().sharding == NamedSharding(mesh, P("tensor"))   # vocab on a size-1 axis
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert bytes_per_device(model) == {jax.devices()[0]: sum(x.nbytes for x in leaves)}
@@ -180,6 +181,23 @@ def test_tp_kv_pages_sharded_when_heads_divide(tp_result):
         kv = run["kv_per_device_bytes"]
         full = 2 * 2 * 2 * 64 * 8 * 8 * 4      # layers x (k, v) x kv heads x blocks x block x head_dim x f32
         assert kv == [full // tp if 2 % tp == 0 else full] * tp, (name, tp, kv)
+
+
+def test_tp_quantized_weights_sharded_not_replicated(tp_result):
+    """int4 weights at TP 2: column-parallel q/k/v/gate/up split their codes' and scales' columns,
+    row-parallel o/down their codes' and grouped scales' rows (K / 2 = 32 rows: whole bytes and
+    whole groups of 32); each device holds half of every leaf, and the engine draws the tokens of
+    the same quantized model on one device."""
+    q = tp_result["quantized_tp2"]
+    want = {"q": "P(None, 'tensor')", "k": "P(None, 'tensor')", "v": "P(None, 'tensor')",
+            "gate": "P(None, 'tensor')", "up": "P(None, 'tensor')", "o": "P('tensor',)", "down": "P('tensor',)"}
+    assert {p.split("/")[-1] for p in q["weights"]} == set(want)
+    for path, leaves in q["weights"].items():
+        for leaf, w in leaves.items():
+            assert w["spec"] == want[path.split("/")[-1]], (path, leaf, w)
+            assert w["per_device"] == [w["nbytes"] // 2] * 2, (path, leaf, w)
+    assert q["logits_rel_err"] <= RTOL
+    assert q["tokens"] == q["ref_tokens"] and any(len(set(t)) > 1 for t in q["ref_tokens"])
 
 
 def test_load_sharded_reads_only_each_shard(tp_result):
