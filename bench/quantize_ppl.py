@@ -54,7 +54,7 @@ def decode_tok_s(folder: Path, kv_dtype: str | None = None, n_tokens: int = 128)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="checkpoints/jaxinfer-tiny-llama")
-    ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--calib-tokens", type=int, default=32768)
     ap.add_argument("--out", default="bench/results/2026-11-22-cpu-quantize-ppl.json")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--formats", default=",".join(FORMATS))
@@ -79,7 +79,9 @@ def main() -> None:
               "eval_text": str(path / "heldout.txt"), "calib_text": str(calib),
               "calib_tokens": int(windows.size), "calib_windows": int(windows.shape[0]),
               "command": "python -m bench.quantize_ppl", "note": "w4/w3 asymmetric (zero points), w8 symmetric "
-              "per channel; GPTQ with act-order (static groups); decode: batch 1, greedy, 128 tokens",
+              "per channel; GPTQ with act-order (static groups) and the grid search (--clip-search); AWQ with "
+              "its scale and clip searches; QAT: w4 per channel, defaults of jaxinfer/quantize/qat.py on "
+              "--train-bin; decode: batch 1, greedy, 128 tokens",
               "rows": []}
     out = Path(args.out)
 
@@ -103,12 +105,8 @@ def main() -> None:
     def run(method, fmt, settings, label=None, **extra):
         model, _ = load_model(path, "float32")
         t0 = time.perf_counter()
-        if method == "qat":
-            from jaxinfer.quantize.qat import qat_finetune
-            model = qat_finetune(model, bits=settings.bits, group_size=settings.group_size,
-                                 symmetric=settings.symmetric, tokens=train_tokens, progress=False)
-        else:
-            quantize_model(model, settings, None if method in ("rtn", "fp8") else windows, progress=False)
+        quantize_model(model, settings, None if method in ("rtn", "fp8", "qat") else windows, progress=False,
+                       train_tokens=train_tokens)
         quantize_s = time.perf_counter() - t0
         folder = tmp / f"{method}-{fmt}-{(label or '').replace(' ', '-')}"
         save_native(model, folder, "float32", tokenizer=tok, extra={"quantization": settings.to_json()})
@@ -136,8 +134,9 @@ def main() -> None:
             if method == "fp8":
                 run(method, "fp8-e4m3-pc", QuantizeSettings("fp8", bits=8, group_size=-1, symmetric=True))
                 continue
-            settings = QuantizeSettings("rtn" if method == "qat" else method, bits=bits, group_size=g,
-                                        symmetric=sym, act_order=method == "gptq", calib_tokens=args.calib_tokens)
+            settings = QuantizeSettings(method, bits=bits, group_size=g,
+                                        symmetric=sym, act_order=method == "gptq", clip_search=method == "gptq",
+                                        calib_tokens=args.calib_tokens)
             run(method, fmt, settings)
     # the targets: share of RTN's perplexity rise that GPTQ / AWQ remove
     rows = {(r["method"], r["format"]): r for r in result["rows"]}

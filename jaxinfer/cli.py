@@ -153,6 +153,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     from jaxinfer.generator import default_model_path
+    import numpy as np
+
     from jaxinfer.quantize import QuantizeSettings, default_bits_group, quantize_model
     from jaxinfer.quantize.calibrate import calibration_windows
     from jaxinfer.tokenizer import load_tokenizer
@@ -164,11 +166,24 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                                 symmetric=not args.asym, act_order=args.act_order, clip_search=args.clip_search,
                                 calib_tokens=args.calib_tokens, calib_window=args.calib_window,
                                 act_scales=args.act_scales, act_calib=args.act_calib,
-                                act_percentile=args.act_percentile)
+                                act_percentile=args.act_percentile, qat_steps=args.qat_steps, qat_lr=args.qat_lr,
+                                qat_batch=args.qat_batch)
     path = Path(args.model) if args.model else default_model_path()
     tokenizer = load_tokenizer(path)
-    windows, calib = None, None
-    if settings.method not in ("rtn", "fp8"):
+    windows, calib, train_tokens, train = None, None, None, None
+    if settings.method == "qat":
+        train = args.train_bin or args.train_text
+        if train is None:
+            raise ValueError("--method qat needs training text: --train-text FILE (UTF-8) or --train-bin FILE "
+                             "(uint16 token ids, as scripts/prepare_corpus.py writes train.bin); never the "
+                             "evaluation text")
+        if args.train_bin:
+            train_tokens = np.fromfile(args.train_bin, dtype=np.uint16)
+        elif tokenizer is None:
+            raise ValueError(f"{path}: the model has no tokenizer to encode --train-text; give --train-bin")
+        else:
+            train_tokens = np.asarray(tokenizer.encode(Path(args.train_text).read_text(encoding="utf-8")), np.int32)
+    elif settings.method not in ("rtn", "fp8"):
         calib = Path(args.calib_text) if args.calib_text else path / "calibration.txt"
         if not calib.exists():
             raise FileNotFoundError(f"{calib}: no calibration text (give --calib-text FILE, disjoint from "
@@ -178,9 +193,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         ids = tokenizer.encode(calib.read_text(encoding="utf-8"))
         windows = calibration_windows(ids, settings.calib_tokens, settings.calib_window)
     model, cfg = load_model(path, "float32")
-    quantize_model(model, settings, windows, progress=not args.quiet)
+    quantize_model(model, settings, windows, progress=not args.quiet, train_tokens=train_tokens)
     extra = {"quantization": {**settings.to_json(), "source": str(path.resolve()),
                               "calib_text": None if calib is None else str(calib),
+                              **({"train_data": str(train)} if train is not None else {}),
                               "calib_windows": None if windows is None else int(windows.shape[0])}}
     save_native(model, args.out_dir, "float32", tokenizer=tokenizer, extra=extra)
     act = f" a8 {settings.act_scales}" if settings.method == "smoothquant" else ""
@@ -306,8 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("model", help="HF model folder or jaxinfer checkpoint")
     qz.add_argument("out_dir")
     qz.add_argument("--method", default="rtn",
-                    help="rtn | gptq | awq (weight-only integers) | fp8 (e4m3 weights per channel) | "
-                         "smoothquant (W8A8); qat: planned")
+                    help="rtn | gptq | awq (weight-only integers) | qat (fine-tune with fake quantization, "
+                         "then RTN) | fp8 (e4m3 weights per channel) | smoothquant (W8A8)")
     qz.add_argument("--bits", type=int, default=None, choices=[8, 4, 3],
                     help="default: 8 for fp8 and smoothquant, else 4")
     qz.add_argument("--group-size", type=int, default=None, choices=[128, 64, 32, -1],
@@ -317,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("--asym", dest="asym", action="store_true", help="asymmetric grid with zero points")
     qz.add_argument("--calib-text", default=None,
                     help="UTF-8 calibration text, disjoint from evaluation text (default: MODEL/calibration.txt)")
-    qz.add_argument("--calib-tokens", type=int, default=16384)
+    qz.add_argument("--calib-tokens", type=int, default=32768)
     qz.add_argument("--calib-window", type=int, default=256)
     qz.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
     qz.add_argument("--clip-search", action="store_true",
@@ -329,6 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="smoothquant --act-scales static: how the clipping range is chosen")
     qz.add_argument("--act-percentile", type=float, default=99.99,
                     help="--act-calib percentile: the percentile of |x| mapped to 127")
+    qz.add_argument("--train-text", default=None, help="qat: UTF-8 training text (the model's training data)")
+    qz.add_argument("--train-bin", default=None, help="qat: training token ids, uint16 (prepare_corpus's train.bin)")
+    qz.add_argument("--qat-steps", type=int, default=200)
+    qz.add_argument("--qat-lr", type=float, default=1e-4)
+    qz.add_argument("--qat-batch", type=int, default=8, help="qat: windows of --calib-window + 1 tokens per step")
     qz.add_argument("--quiet", action="store_true", help="no progress bar")
     qz.set_defaults(func=cmd_quantize, asym=False)   # (the first of two actions on one dest gives the default)
 

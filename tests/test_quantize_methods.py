@@ -439,9 +439,11 @@ def test_smoothing_factors_formula():
     np.testing.assert_allclose(smoothing_factors(a, w, 0.5), [0.5, 4.0, 2.0 / 3.0], rtol=1e-6)
 
 
-def test_unimplemented_method_is_refused():
-    with pytest.raises(ValueError, match="qat is planned"):
-        QuantizeSettings("qat")
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="unknown --method 'hqq'"):
+        QuantizeSettings("hqq")
+    with pytest.raises(ValueError, match="training text"):
+        quantize_model(None, QuantizeSettings("qat", bits=4, group_size=-1))
     with pytest.raises(ValueError, match="W8A8"):
         QuantizeSettings("smoothquant", bits=4)
     with pytest.raises(ValueError, match="per output channel"):

@@ -1,5 +1,6 @@
-"""`jaxinfer quantize`: post-training quantization of a Decoder: weight-only (RTN, GPTQ, AWQ, FP8
-e4m3) and SmoothQuant W8A8 (int8 weights and int8 activations, dynamic per token or static).
+"""`jaxinfer quantize`: quantization of a Decoder: weight-only post-training (RTN, GPTQ, AWQ, FP8
+e4m3), quantization-aware training (QAT: fine-tuning with fake-quantized linears, then RTN export;
+qat.py) and SmoothQuant W8A8 (int8 weights and int8 activations, dynamic per token or static).
 
     settings = QuantizeSettings(method="gptq", bits=4, group_size=-1, symmetric=False)
     quantize_model(model, settings, calib_windows)      # in place; unfused float Decoder
@@ -28,8 +29,7 @@ import numpy as np
 from jaxinfer.models.decoder import Block, Decoder
 from jaxinfer.quant import from_codes, quantize, quantize_fp8
 
-METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8")
-PLANNED = ("qat",)      # issue 17: not built yet; refused with a clear error
+METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8", "qat")
 ACT_SCALES = ("dynamic", "static")
 
 
@@ -41,7 +41,7 @@ class QuantizeSettings:
     symmetric: bool = True
     act_order: bool = False        # GPTQ only (static groups: module gptq.py)
     clip_search: bool = False      # GPTQ: each grid's range by the |err|^2.4 search (gptq.search_grid)
-    calib_tokens: int = 16384
+    calib_tokens: int = 32768
     calib_window: int = 256
     percdamp: float = 0.01         # GPTQ damping, a fraction of mean(diag H)
     blocksize: int = 128           # GPTQ lazy-update block
@@ -53,11 +53,11 @@ class QuantizeSettings:
     act_scales: str = "dynamic"    # SmoothQuant: dynamic (per token at run time) | static (calibrated)
     act_calib: str = "percentile"  # static: minmax | percentile | mse (smoothquant.py)
     act_percentile: float = 99.99
+    qat_steps: int = 200           # QAT (qat.py): fine-tuning steps of qat_batch windows of calib_window + 1
+    qat_lr: float = 1e-4
+    qat_batch: int = 8
 
     def __post_init__(self):
-        if self.method in PLANNED:
-            raise ValueError(f"--method {self.method} is planned (issue 17) but not implemented; "
-                             f"available: {', '.join(METHODS)}")
         if self.method not in METHODS:
             raise ValueError(f"unknown --method {self.method!r}; available: {', '.join(METHODS)}")
         if self.bits not in (8, 4, 3):
@@ -80,6 +80,9 @@ class QuantizeSettings:
             raise ValueError("--act-scales static applies to --method smoothquant (W8A8) only")
         if self.act_calib not in ("minmax", "percentile", "mse"):
             raise ValueError(f"--act-calib must be minmax, percentile or mse, got {self.act_calib!r}")
+        if self.qat_steps < 1 or self.qat_batch < 1 or not self.qat_lr > 0:
+            raise ValueError(f"QAT needs --qat-steps >= 1, --qat-batch >= 1 and --qat-lr > 0, got "
+                             f"{self.qat_steps}, {self.qat_batch}, {self.qat_lr}")
         if not 50.0 < self.act_percentile <= 100.0:
             raise ValueError(f"--act-percentile must be in (50, 100], got {self.act_percentile}")
 
@@ -87,7 +90,8 @@ class QuantizeSettings:
         keys = ["method", "bits", "group_size", "symmetric"] + {
             "rtn": [], "fp8": [], "gptq": ["act_order", "clip_search", "percdamp", "blocksize", "calib_tokens", "calib_window"],
             "awq": ["awq_grid", "max_rows", "calib_tokens", "calib_window"],
-            "smoothquant": ["alpha", "calib_tokens", "calib_window"]}[self.method]
+            "smoothquant": ["alpha", "calib_tokens", "calib_window"],
+            "qat": ["qat_steps", "qat_lr", "qat_batch", "calib_window", "seed"]}[self.method]
         if self.method == "smoothquant":
             act = ({"act_scales": "dynamic per token"} if self.act_scales == "dynamic" else
                    {"act_scales": "static per tensor", "act_calib": self.act_calib, "max_rows": self.max_rows,
@@ -95,6 +99,8 @@ class QuantizeSettings:
             return {**{k: getattr(self, k) for k in keys}, "act_bits": 8, **act}
         if self.method == "fp8":
             return {**{k: getattr(self, k) for k in keys}, "format": "fp8_e4m3"}
+        if self.method == "qat":
+            return {**{k: getattr(self, k) for k in keys}, "export": "rtn"}
         return {k: getattr(self, k) for k in keys}
 
 
@@ -157,10 +163,19 @@ def quantize_rtn(model: Decoder, settings: QuantizeSettings) -> Decoder:
 
 
 def quantize_model(model: Decoder, settings: QuantizeSettings, windows: np.ndarray | None = None,
-                   progress: bool = True) -> Decoder:
-    """Quantize an unfused float Decoder in place. windows [B, W] calibration token ids (gptq, awq)."""
+                   progress: bool = True, train_tokens: np.ndarray | None = None) -> Decoder:
+    """Quantize an unfused float Decoder in place. windows [B, W] calibration token ids (gptq, awq,
+    smoothquant); train_tokens: QAT's 1-D training token stream (never the evaluation text)."""
     if settings.method in ("rtn", "fp8"):
         return quantize_rtn(model, settings)
+    if settings.method == "qat":
+        if train_tokens is None:
+            raise ValueError("--method qat fine-tunes the model: it needs training text (--train-text FILE "
+                             "or --train-bin FILE, disjoint from the text you evaluate on)")
+        from jaxinfer.quantize.qat import qat_finetune
+        return qat_finetune(model, bits=settings.bits, group_size=settings.group_size, symmetric=settings.symmetric,
+                            tokens=train_tokens, steps=settings.qat_steps, batch=settings.qat_batch,
+                            window=settings.calib_window, lr=settings.qat_lr, seed=settings.seed, progress=progress)
     if windows is None:
         raise ValueError(f"--method {settings.method} needs calibration text (--calib-text)")
     from tqdm import tqdm
