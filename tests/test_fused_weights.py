@@ -178,10 +178,10 @@ def test_tp_logits_match_one_device(tp_result):
 def test_tp_fused_weights_split_whole_heads_per_device(tp_result):
     for key, run in _tp_runs(tp_result):
         layout, tp = run["layout"], run["tp"]
-        if "int" in key:    # QuantizedWeights stay replicated (sharding.py)
-            assert run["qkv_spec"] == "P()", key
-            continue
         sharded = layout["attn_shards"] == tp
+        if "int" in key:    # QuantizedWeights split their columns like float weights (sharding.py)
+            assert run["qkv_spec"] == ("P(None, 'tensor')" if sharded else "P()"), (key, run["qkv_spec"])
+            continue
         assert run["qkv_spec"] == ("P(None, 'tensor')" if sharded else "P()"), (key, run["qkv_spec"])
         assert run["qkv_shard_bytes"] == [run["qkv_bytes"] // (tp if sharded else 1)] * tp, key
         if run["gated"]:
