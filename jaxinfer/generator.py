@@ -180,14 +180,12 @@ class Generator:
         dtype = resolve_dtype(dtype)   # after initialize: it asks jax for the backend
         cfg = dataclasses.replace(cfg, dtype=dtype)
         if pipeline_parallel > 1:
-            if quantize is not None:
-                raise ValueError(f"quantize={quantize!r} is not available with pipeline_parallel > 1")
             if group is not None:
                 raise ValueError("pipeline_parallel > 1 is not available across several processes (multi-host)")
             from jaxinfer.pipeline import load_pipelined
             from jaxinfer.sharding import make_mesh
             mesh = make_mesh(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
-            model = load_pipelined(path, dtype, mesh)   # each device reads only its stage's layers
+            model = load_pipelined(path, dtype, mesh, quantize)   # float HF: each device reads only its layers
             return cls(model, load_tokenizer(path), cfg, max_num_batched_tokens, warmup)
         mesh = None
         if tensor_parallel > 1:

@@ -57,8 +57,13 @@ callback reading only its layers' slices from the safetensors memmaps (sharding.
 A native checkpoint, or an in-memory Decoder (pipeline_decoder), is restacked through host
 memory one parameter at a time (each device's slice copied from the host to that device).
 
-Limits. Not supported with pipeline_parallel > 1: weight quantization (quantize=...) and several
-processes (multi-host). Only the XLA attention is tested inside the stages (the Pallas kernels
+Quantized weights (quantize="int8" | "int4" | "fp8" at load, or any `jaxinfer quantize` checkpoint:
+GPTQ, AWQ, W8A8 with static activation scales) are stacked leaf by leaf: codes, scales, zero points
+and activation scales each get the leading layer axis, sharded over "pipeline", and within a stage
+over "tensor" as sharding.quantized_sharding lays out one layer. They go through host memory (the
+model is loaded, and quantized if asked, on the host CPU first).
+
+Limits. Not supported with pipeline_parallel > 1: several processes (multi-host). Only the XLA attention is tested inside the stages (the Pallas kernels
 need a static window, which stages with differing per-layer windows do not have). Micro-batches
 overlap within one engine step only; steps themselves are not pipelined (vLLM's virtual engines
 keep pp steps in flight instead), so for memory-bound decode, where a stage's time is reading
@@ -72,6 +77,7 @@ in plain tensor parallelism.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -84,12 +90,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxinfer.config import ModelConfig
 from jaxinfer.host.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV, attention_buckets, init_kv_pages
-from jaxinfer.models.decoder import Block, Decoder, abstract_decoder, unfuse_decoder
+from jaxinfer.models.decoder import Block, Decoder, abstract_decoder, quantize_decoder, unfuse_decoder
 from jaxinfer.quant import QuantizedWeight
 from jaxinfer.runner import Launched, ModelRunner, RunnerConfig
 from jaxinfer.sampling import sample
 from jaxinfer.step import StepInputs, StepOutputs, StepSettings
-from jaxinfer.sharding import load_sharded, param_sharding, rules_for
+from jaxinfer.sharding import load_sharded, param_sharding, quantized_sharding, rules_for
 
 __all__ = ["PipelinedDecoder", "pipeline_decoder", "load_pipelined", "PipelineRunner", "split_microbatches",
            "bubble_fraction", "layers_per_stage"]
@@ -228,19 +234,53 @@ def _param_specs(cfg: ModelConfig, dtype):
     return {"/".join(map(str, p)): (v.get_metadata().get("logical_axes"), tuple(v.get_value().shape)) for p, v in flat}
 
 
+def _stack_quantized(name: str, per_layer: list[QuantizedWeight], axes, rules, mesh: Mesh) -> QuantizedWeight:
+    """The layers' QuantizedWeights of one parameter -> one whose every leaf is stacked [n_layers, ...]:
+    layers over "pipeline", the rest as sharding.quantized_sharding lays out one layer (the codes and
+    grouped scales split over "tensor" like a float weight of the same place)."""
+    first = per_layer[0]
+
+    def fmt(w):
+        return (w.bits, w.group_size, w.shape, w.contract, w.act_bits, w.symmetric, w.act_scale is None,
+                str(w.q.dtype)) if isinstance(w, QuantizedWeight) else "float"
+    for i, w in enumerate(per_layer):
+        if fmt(w) != fmt(first):
+            raise ValueError(f"layers/{i}/{name} is stored as {fmt(w)} but layers/0/{name} as {fmt(first)}: "
+                             "a pipeline stacks each weight of every layer in one format")
+    one = quantized_sharding(first, axes, rules, mesh)
+
+    def stack(field):
+        if getattr(first, field) is None:
+            return None
+        spec = getattr(one, field).spec
+        return jax.device_put(np.stack([np.asarray(getattr(w, field)) for w in per_layer]),
+                              NamedSharding(mesh, P("pipeline", *spec)))
+    return dataclasses.replace(first, q=stack("q"), scales=stack("scales"), zeros=stack("zeros"),
+                               act_scale=stack("act_scale"))
+
+
 def _place(cfg: ModelConfig, dtype, mesh: Mesh, read) -> PipelinedDecoder:
-    """read(name) -> numpy value of a Decoder parameter (name as in _param_specs). Each device's
-    shard is built from the layers it holds only."""
+    """read(name) -> numpy value (or QuantizedWeight of numpy leaves) of a Decoder parameter (name as
+    in _param_specs). Each device's shard of a float weight is built from the layers it holds only;
+    quantized weights are stacked in host memory first."""
     layers_per_stage(cfg, int(mesh.shape["pipeline"]))
     rules = rules_for(cfg, mesh)
     specs = _param_specs(cfg, dtype)
     outer, stacked = {}, {}
     for name, (axes, shape) in specs.items():
         if not name.startswith("layers/"):
-            outer[name] = load_sharded(lambda idx, v=read(name): v[idx], shape, param_sharding(axes, rules, mesh, shape),
-                                       dtype=dtype)
+            value = read(name)
+            if isinstance(value, QuantizedWeight):
+                outer[name] = jax.device_put(value, quantized_sharding(value, axes, rules, mesh))
+            else:
+                outer[name] = load_sharded(lambda idx, v=value: v[idx], shape,
+                                           param_sharding(axes, rules, mesh, shape), dtype=dtype)
         elif name.startswith("layers/0/"):
             rel = name[len("layers/0/"):]
+            if isinstance(read(name), QuantizedWeight):
+                stacked[rel] = _stack_quantized(rel, [read(f"layers/{i}/{rel}") for i in range(cfg.n_layers)],
+                                                axes, rules, mesh)
+                continue
 
             def stage_slice(index, rel=rel):   # index[0]: this device's layers
                 return np.stack([np.asarray(read(f"layers/{i}/{rel}"))[index[1:]]
@@ -252,31 +292,33 @@ def _place(cfg: ModelConfig, dtype, mesh: Mesh, read) -> PipelinedDecoder:
 
 def pipeline_decoder(model: Decoder, mesh: Mesh) -> PipelinedDecoder:
     """Restack an in-memory Decoder onto `mesh` (through host memory, one parameter at a time).
-    Stages run unfused projections (a fused Decoder is unfused first; see the module docstring)."""
+    Stages run unfused projections (a fused Decoder is unfused first; see the module docstring).
+    Quantized weights (QuantizedWeight) are stacked like float ones, one format per weight."""
     model = unfuse_decoder(model)
     values = {"/".join(map(str, p)): v.get_value() for p, v in nnx.state(model, nnx.Param).flat_state()}
-    if any(isinstance(v, QuantizedWeight) for v in values.values()):
-        raise ValueError("quantized weights are not supported with pipeline_parallel > 1")
     dtype = values["embed"].dtype
-    cache: dict[str, np.ndarray] = {}
+    cache: dict = {}
 
-    def read(name):
+    def read(name):   # a QuantizedWeight keeps its format and metadata, its leaves as numpy
         if name not in cache:
-            cache[name] = np.asarray(values[name])
+            cache[name] = jax.tree.map(np.asarray, values[name])
         return cache[name]
     return _place(model.cfg, dtype, mesh, read)
 
 
-def load_pipelined(path: str | Path, dtype: str, mesh: Mesh) -> PipelinedDecoder:
+def load_pipelined(path: str | Path, dtype: str, mesh: Mesh, quantize: str | None = None) -> PipelinedDecoder:
     """An HF folder (read straight into each device's layers) or a native checkpoint (restored to
-    host memory, then restacked) -> a PipelinedDecoder on `mesh`."""
+    host memory, then restacked) -> a PipelinedDecoder on `mesh`. quantize ("int8" | "int4" | "fp8",
+    models.decoder.quantize_decoder): the model is loaded and quantized in host memory, then restacked."""
     from jaxinfer.weights import DTYPES, CheckpointError, SafetensorsFolder, hf_value, is_native, load_model
     from jaxinfer.models.hf_maps import hf_weight_map
 
     path = Path(path)
-    if is_native(path):
+    if is_native(path) or quantize is not None:
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             model, _ = load_model(path, dtype)
+            if quantize is not None:
+                quantize_decoder(model, quantize)
         return pipeline_decoder(model, mesh)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path}: no config.json (expected an HF model folder or a jaxinfer checkpoint)")

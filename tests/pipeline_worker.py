@@ -79,6 +79,67 @@ def _weights(model, mesh) -> dict:
     return out
 
 
+def _quantized_leaves(model, mesh) -> dict:
+    """Per stacked quantized layer weight and leaf: spec, total bytes, bytes on each device."""
+    from flax import nnx
+    from jaxinfer.quant import QuantizedWeight
+    from jaxinfer.sharding import bytes_per_device
+
+    out = {}
+    for path, var in nnx.state(model.layers, nnx.Param).flat_state():
+        qw = var.get_value()
+        if not isinstance(qw, QuantizedWeight):
+            continue
+        for field in ("q", "scales", "zeros", "act_scale"):
+            arr = getattr(qw, field)
+            if arr is not None:
+                per = bytes_per_device({"w": arr})
+                out[f"{'/'.join(map(str, path))}/{field}"] = {
+                    "nbytes": int(arr.nbytes), "shape": list(arr.shape), "spec": [None if s is None else str(s) for s in arr.sharding.spec],
+                    "per_device": [per.get(d, 0) for d in mesh.devices.flat]}
+    return out
+
+
+def quantized_runs(tmp: Path, folder: Path, sp) -> dict:
+    """Quantized weights across stages, each against the same quantized model on one device:
+    int4 (group 64, or 32 where K = 96) at load time at TP 2 x PP 2, and a W8A8 SmoothQuant checkpoint with static
+    activation scales (jaxinfer quantize's format) at PP 2."""
+    import numpy as np
+    from flax import nnx
+
+    from jaxinfer.generator import Generator
+    from jaxinfer.models.decoder import quantize_decoder
+    from jaxinfer.quantize import QuantizeSettings, quantize_model
+    from jaxinfer.weights import load_model, save_native
+
+    out = {}
+    model, cfg = load_model(folder, "float32")
+    settings = QuantizeSettings("smoothquant", bits=8, group_size=-1, act_scales="static", act_calib="minmax",
+                                calib_window=16)
+    windows = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 16)).astype(np.int32)
+    quantize_model(model, settings, windows, progress=False)
+    save_native(model, tmp / "w8a8-native", "float32", extra={"quantization": settings.to_json()})
+    int4, _ = load_model(folder, "float32")
+    quantize_decoder(int4, "int4")
+    for label, source, tp, pp, quantize in (("int4", folder, 2, 2, "int4"), ("w8a8_static", tmp / "w8a8-native", 1, 2, None)):
+        ref_model = int4 if quantize else load_model(source, "float32")[0]
+        ref = Generator(ref_model, None, engine_config(), max_num_batched_tokens=TOKEN_BUDGET)
+        ecfg = engine_config(tp, pp)
+        gen = Generator.from_pretrained(source, "float32", "xla", tensor_parallel=tp, pipeline_parallel=pp,
+                                        quantize=quantize, max_num_seqs=ecfg.max_num_seqs, block_size=ecfg.block_size,
+                                        num_blocks=ecfg.num_blocks, max_model_len=ecfg.max_model_len,
+                                        max_num_batched_tokens=TOKEN_BUDGET)
+        runner = gen.engine.runner
+        pmodel = nnx.merge(runner.graphdef, runner.params)
+        ref_logits, logits = ref.logits(LOGITS_PROMPT), gen.logits(LOGITS_PROMPT)
+        out[label] = {"tp": tp, "pp": pp, "ref_tokens": [o.token_ids for o in ref.generate(PROMPTS, sp)],
+                      "tokens": [o.token_ids for o in gen.generate(PROMPTS, sp)],
+                      "logits_rel_err": float(np.max(np.abs(logits - ref_logits)) / np.max(np.abs(ref_logits))),
+                      "compilations_after_warmup": gen.stats()["compilations_after_warmup"],
+                      "leaves": _quantized_leaves(pmodel, pmodel.mesh)}
+    return out
+
+
 def main(tmp: Path) -> dict:
     import jax
     import numpy as np
@@ -139,6 +200,8 @@ def main(tmp: Path) -> dict:
                                 "tokens": [o.token_ids for o in gen8.generate(PROMPTS, sp)],
                                 "compilations_after_warmup": gen8.stats()["compilations_after_warmup"],
                                 "scale_spec": list(gen8.engine.runner.kv_pages[0].k_scale.sharding.spec)}
+        if name == "llama-gqa-llama3":
+            entry["quantized"] = quantized_runs(tmp, folder, sp)
         # the other two ways in: an in-memory Decoder and a native checkpoint, same stacked values
         mesh = make_mesh(pipeline_parallel=2)
         from_hf = nnx.state(load_pipelined(folder, "float32", mesh), nnx.Param)

@@ -150,6 +150,29 @@ def test_pp_int8_kv_pages_identical_to_one_device(pp_result):
     assert int8["scale_spec"] == ["pipeline", "tensor"]          # TP 2 x PP 2, 2 KV heads: both split
 
 
+def test_pp_quantized_weights_match_one_device_and_split_over_stages(pp_result):
+    """int4 quantized at load (TP 2 x PP 2) and a W8A8 checkpoint with static activation scales
+    (PP 2): the same tokens and logits as that quantized model on one device, and every leaf stacked
+    over the layers with each device holding its stage's layers only (and its tensor shard)."""
+    runs = pp_result["configs"]["llama-gqa-llama3"]["quantized"]
+    n_layers = MODELS["llama-gqa-llama3"]["num_hidden_layers"]
+    for label, run in runs.items():
+        tp, pp = run["tp"], run["pp"]
+        assert run["tokens"] == run["ref_tokens"] and run["compilations_after_warmup"] == 0, label
+        assert run["logits_rel_err"] <= RTOL, (label, run["logits_rel_err"])
+        fields = {k.rsplit("/", 1)[1] for k in run["leaves"]}
+        assert fields == ({"q", "scales"} if label == "int4" else {"q", "scales", "act_scale"}), (label, fields)
+        names = {k.rsplit("/", 1)[0] for k in run["leaves"]}
+        assert names == {f"{m}/{n}" for m, ns in (("attn", "qkvo"), ("mlp", ("gate", "up", "down"))) for n in ns}
+        for path, leaf in run["leaves"].items():
+            assert leaf["shape"][0] == n_layers and leaf["spec"][0] == "pipeline", (label, path, leaf)
+            split = pp * (tp if "tensor" in leaf["spec"] else 1)
+            assert leaf["per_device"] == [leaf["nbytes"] // split] * (pp * tp), (label, path, leaf)
+        if tp > 1:   # int4: the column-parallel codes split over "tensor" inside each stage
+            for proj in ("attn/q", "mlp/gate", "mlp/up"):
+                assert run["leaves"][f"{proj}/q"]["spec"] == ["pipeline", None, "tensor"], (label, proj)
+
+
 def test_pp_loading_paths_and_errors(pp_result):
     for name, entry in pp_result["configs"].items():
         assert entry["same_stacking"] == {"decoder": True, "native": True}, name
