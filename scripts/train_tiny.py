@@ -42,7 +42,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.models.decoder import Decoder, count_params  # noqa: E402
+from jaxinfer.models.decoder import Decoder, count_params, window_nll  # noqa: E402
 from jaxinfer.tokenizer import load_tokenizer  # noqa: E402
 from jaxinfer.weights import save_native  # noqa: E402
 
@@ -80,12 +80,7 @@ def make_schedule(lr: float, steps: int, warmup: int, min_lr_ratio: float) -> op
 def make_fns(graphdef: Any, tx: optax.GradientTransformation):
     def batch_nll(params: Any, windows: jax.Array) -> jax.Array:
         """windows [B, L+1] int32 -> per-token NLL [B, L] (next-token prediction)."""
-        model = nnx.merge(graphdef, params)
-        inputs, targets = windows[:, :-1], windows[:, 1:]
-        positions = jnp.arange(inputs.shape[1], dtype=jnp.int32)
-        logits, _ = jax.vmap(lambda t: model(t, positions))(inputs)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        return window_nll(nnx.merge(graphdef, params), windows)
 
     def loss_fn(params: Any, windows: jax.Array) -> jax.Array:
         return jnp.mean(batch_nll(params, windows))

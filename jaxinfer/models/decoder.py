@@ -209,6 +209,15 @@ def count_params(model: Decoder) -> int:
 _QUANTIZED = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1, "qkv": 1, "gate_up": 1}
 
 
+def window_nll(model: Decoder, windows: jax.Array) -> jax.Array:
+    """windows [B, L+1] int32 -> per-token next-token NLL [B, L], float32 (training and QAT)."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    positions = jnp.arange(inputs.shape[1], dtype=jnp.int32)
+    logits, _ = jax.vmap(lambda t: model(t, positions))(inputs)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
 def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Decoder:
     """Weight-only quantization in place: "int8" or "fp8" (e4m3; per output channel) or "int4"
     (group-wise along K, symmetric; the group shrinks to 64 or 32 when K is not a multiple of 128,

@@ -65,7 +65,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxinfer.models.decoder import Decoder
+from jaxinfer.models.decoder import Decoder, window_nll
 from jaxinfer.quant import dequantize, quantize
 from jaxinfer.quantize import _CONTRACT, QuantizeSettings, group_for, linears, quantize_rtn
 
@@ -109,15 +109,6 @@ def apply_fake_quant(model: Decoder, settings: QuantizeSettings, ste: bool = Tru
         var = getattr(owner, name)
         var.set_value(fn(var.get_value(), settings, _CONTRACT[name]))
     return model
-
-
-def window_nll(model: Decoder, windows: jax.Array) -> jax.Array:
-    """windows [B, L+1] int32 -> per-token NLL [B, L] (as scripts/train_tiny.py's batch_nll)."""
-    inputs, targets = windows[:, :-1], windows[:, 1:]
-    positions = jnp.arange(inputs.shape[1], dtype=jnp.int32)
-    logits, _ = jax.vmap(lambda t: model(t, positions))(inputs)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
 def split_trainable(model: Decoder, trainable: str):
