@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from jinja2 import TemplateError
@@ -301,7 +301,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
     @app.get("/health")
     async def health():
         if not state.engine.alive:
-            return JSONResponse({"status": "error", "error": repr(state.engine.error)}, status_code=503)
+            return _error_response(EngineDeadError(state.engine.error))   # OpenAI's error shape, code engine_dead
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -186,7 +186,9 @@ def test_dead_engine_fails_every_request_and_sigterm_exits(model_dir, tmp_path):
         assert error_event["error"]["type"] == "server_error" and "injected fault" in error_event["error"]["message"]
         plain_r = results["plain"]
         assert plain_r.status_code == 503 and _openai_error(plain_r)["code"] == "engine_dead"
-        assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+        health = httpx.get(f"{url}/health", timeout=5)
+        assert health.status_code == 503 and _openai_error(health)["code"] == "engine_dead"
+        assert "injected fault" in _openai_error(health)["message"]
         t0 = time.monotonic()
         late = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
         assert late.status_code == 503 and time.monotonic() - t0 < 10
