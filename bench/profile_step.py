@@ -50,13 +50,12 @@ def op_names(hlo_text: str) -> dict[str, str]:
 
 
 def profile(gen: Generator, batch: int, reps: int, trace_steps: int, seed: int) -> dict:
-    runner = gen.engine.runner
+    client = gen.client
     inputs, iters = decode_step_inputs(gen, batch, seed)
-    names = op_names(runner.step.lower(runner.params, runner.kv_pages, inputs, runner._no_prev).compile().as_text())
+    names = op_names(client.step_hlo(inputs))
 
     def step():
-        out, runner.kv_pages = runner.step(runner.params, runner.kv_pages, inputs, runner._no_prev)
-        jax.block_until_ready(out)
+        client.replay_step(inputs)
 
     step()
     times = []

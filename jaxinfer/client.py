@@ -122,6 +122,16 @@ class EngineClient:
         with self._lock:
             return self.engine.next_step_inputs()
 
+    def replay_step(self, inputs) -> None:
+        """Profiling only: run the step of next_step_inputs() (again) and wait for it."""
+        with self._lock:
+            self.engine.runner.replay(inputs)
+
+    def step_hlo(self, inputs) -> str:
+        """Profiling only: the compiled step's optimized HLO for next_step_inputs()' shapes."""
+        with self._lock:
+            return self.engine.runner.step_hlo(inputs)
+
     def free_kv_pages(self) -> None:
         """Delete the KV pages now (a benchmark sizing the next engine from free device memory);
         this engine cannot step afterwards."""

@@ -408,6 +408,16 @@ class ModelRunner:
                 setattr(sb, name, value)
         _, self.kv_pages = self.step(self.params, self.kv_pages, inputs, self._no_prev)
 
+    def replay(self, inputs: StepInputs) -> None:
+        """Profiling only: run the jitted step on `inputs` again and wait for it (the KV writes land
+        where they landed the first time, so the cache's contents do not change)."""
+        outputs, self.kv_pages = self.step(self.params, self.kv_pages, inputs, self._no_prev)
+        jax.block_until_ready(outputs)
+
+    def step_hlo(self, inputs: StepInputs) -> str:
+        """Profiling only: the optimized HLO text of the step compiled for `inputs`' shapes."""
+        return self.step.lower(self.params, self.kv_pages, inputs, self._no_prev).compile().as_text()
+
     def empty_inputs(self, t: int, b: int) -> StepInputs:
         """A step of bucket (T, B) with no tokens: what warm-up runs (and the follower's treedef)."""
         return self.prepare(SchedulerOutput(), {}, buckets=(t, b))[0]
