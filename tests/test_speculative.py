@@ -216,12 +216,20 @@ def gpt2_reference(hf_model_dir):
 def test_greedy_identical_gpt2(method, gpt2_reference, hf_model_dir, tmp_path):
     from tests.hf_models import random_medusa_heads
     kw, prompts, ref = gpt2_reference
-    if method == "medusa":
+    if method == "medusa":   # and the load policy: no speculation while more than 2 sequences run
         kw = dict(kw, speculative_model=random_medusa_heads(hf_model_dir("gpt2"), tmp_path / "heads"),
-                  num_speculative_tokens=3, max_decode_steps=1)
+                  num_speculative_tokens=3, max_decode_steps=1, speculative_max_batch=2)
     g = Generator.from_pretrained(hf_model_dir("gpt2"), **kw, speculative_method=method)
+    if method == "medusa":   # two sequences speculate (greedy output is batch-invariant: ref[:2])
+        _assert_same_greedy(ref[:2], g.generate(prompts[:2], GREEDY))
+        drafts = g.engine.stats()["spec_decode_num_drafts"]
+        steps = []
+        g.engine.add_step_observer(lambda t: steps.append(t.spans))
     _assert_same_greedy(ref, g.generate(prompts, GREEDY))
     assert g.engine.stats()["spec_decode_num_drafts"] > 0
+    if method == "medusa":   # three at once: the policy turns speculation off, no new drafts
+        assert g.engine.stats()["spec_decode_num_drafts"] == drafts
+        assert any(len(s) == 3 and all(n == 1 for _, n in s) for s in steps)
 
 
 def test_draft_model_refused_clearly(hf_model_dir, tmp_path):
