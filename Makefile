@@ -27,7 +27,7 @@ run: $(VENV)/.installed
 	$(BIN)/jaxinfer serve --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed-test
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) .pytest_cache
