@@ -166,6 +166,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                                 symmetric=not args.asym, act_order=args.act_order, clip_search=args.clip_search,
                                 calib_tokens=args.calib_tokens, calib_window=args.calib_window,
                                 act_scales=args.act_scales, act_calib=args.act_calib,
+                                act_symmetric=not args.act_asym,
                                 act_percentile=args.act_percentile, qat_steps=args.qat_steps, qat_lr=args.qat_lr,
                                 qat_batch=args.qat_batch)
     path = Path(args.model) if args.model else default_model_path()
@@ -199,7 +200,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                               **({"train_data": str(train)} if train is not None else {}),
                               "calib_windows": None if windows is None else int(windows.shape[0])}}
     save_native(model, args.out_dir, "float32", tokenizer=tokenizer, extra=extra)
-    act = f" a8 {settings.act_scales}" if settings.method == "smoothquant" else ""
+    act = (f" a8 {settings.act_scales}{'' if settings.act_symmetric else ' asym'}"
+           if settings.method == "smoothquant" else "")
     print(f"wrote {args.out_dir}: {settings.method} w{settings.bits} "
           f"g{settings.group_size} {'sym' if settings.symmetric else 'asym'}{act}")
     return 0
@@ -345,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="smoothquant --act-scales static: how the clipping range is chosen")
     qz.add_argument("--act-percentile", type=float, default=99.99,
                     help="--act-calib percentile: the percentile of |x| mapped to 127")
+    qz.add_argument("--act-asym", action="store_true",
+                    help="smoothquant --act-scales static: asymmetric activation grid with a zero point")
     qz.add_argument("--train-text", default=None, help="qat: UTF-8 training text (the model's training data)")
     qz.add_argument("--train-bin", default=None, help="qat: training token ids, uint16 (prepare_corpus's train.bin)")
     qz.add_argument("--qat-steps", type=int, default=200)

@@ -63,8 +63,8 @@ and activation scales each get the leading layer axis, sharded over "pipeline", 
 over "tensor" as sharding.quantized_sharding lays out one layer. They go through host memory (the
 model is loaded, and quantized if asked, on the host CPU first).
 
-Limits. Not supported with pipeline_parallel > 1: several processes (multi-host). Only the XLA attention is tested inside the stages (the Pallas kernels
-need a static window, which stages with differing per-layer windows do not have). Micro-batches
+Limits. Not supported with pipeline_parallel > 1: several processes (multi-host). Only the XLA
+attention is tested inside the stages (the Pallas kernels need a static window, which stages with differing per-layer windows do not have). Micro-batches
 overlap within one engine step only; steps themselves are not pipelined (vLLM's virtual engines
 keep pp steps in flight instead), so for memory-bound decode, where a stage's time is reading
 its weights whatever the micro-batch size, M = 1 gives the lowest step latency.
@@ -242,7 +242,7 @@ def _stack_quantized(name: str, per_layer: list[QuantizedWeight], axes, rules, m
 
     def fmt(w):
         return (w.bits, w.group_size, w.shape, w.contract, w.act_bits, w.symmetric, w.act_scale is None,
-                str(w.q.dtype)) if isinstance(w, QuantizedWeight) else "float"
+                w.act_zero is None, str(w.q.dtype)) if isinstance(w, QuantizedWeight) else "float"
     for i, w in enumerate(per_layer):
         if fmt(w) != fmt(first):
             raise ValueError(f"layers/{i}/{name} is stored as {fmt(w)} but layers/0/{name} as {fmt(first)}: "
@@ -256,7 +256,7 @@ def _stack_quantized(name: str, per_layer: list[QuantizedWeight], axes, rules, m
         return jax.device_put(np.stack([np.asarray(getattr(w, field)) for w in per_layer]),
                               NamedSharding(mesh, P("pipeline", *spec)))
     return dataclasses.replace(first, q=stack("q"), scales=stack("scales"), zeros=stack("zeros"),
-                               act_scale=stack("act_scale"))
+                               act_scale=stack("act_scale"), act_zero=stack("act_zero"))
 
 
 def _place(cfg: ModelConfig, dtype, mesh: Mesh, read) -> PipelinedDecoder:
@@ -277,10 +277,12 @@ def _place(cfg: ModelConfig, dtype, mesh: Mesh, read) -> PipelinedDecoder:
                                            param_sharding(axes, rules, mesh, shape), dtype=dtype)
         elif name.startswith("layers/0/"):
             rel = name[len("layers/0/"):]
-            if isinstance(read(name), QuantizedWeight):
-                stacked[rel] = _stack_quantized(rel, [read(f"layers/{i}/{rel}") for i in range(cfg.n_layers)],
-                                                axes, rules, mesh)
+            first = read(name)
+            if isinstance(first, QuantizedWeight):
+                layers = [first] + [read(f"layers/{i}/{rel}") for i in range(1, cfg.n_layers)]
+                stacked[rel] = _stack_quantized(rel, layers, axes, rules, mesh)
                 continue
+            del first                          # float: each device reads its own layers' slices below
 
             def stage_slice(index, rel=rel):   # index[0]: this device's layers
                 return np.stack([np.asarray(read(f"layers/{i}/{rel}"))[index[1:]]

@@ -28,7 +28,10 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
 * W8A8 (act_bits=8, SmoothQuant): int8 weights as above, and at run time each row (token) of x is
   quantized symmetrically to int8 with the scale sx = max|x_t| / 127 of its own (dynamic), or with
   one scale per weight calibrated offline (static, act_scale f32 []); y = (xq @ q as int32)
-  * sx * scales[n]. XLA only (the Pallas kernel is weight-only).
+  * sx * scales[n]. Static activations may be asymmetric (act_zero int32 [] in [-128, 127]):
+  xq = clip(round(x / sx) + z, -128, 127) and y = (xq @ q - z * colsum(q)) * sx * scales[n], the
+  column sums coming out of the same int32 dot (a row of ones appended to xq), so q is read once.
+  XLA only (the Pallas kernel is weight-only).
 All rounding is round-to-nearest (ties to even); an all-zero column/group gets scale 1.0 (q = 0).
 Error bound (symmetric and asymmetric): |w - dequant(w)| <= scale / 2 elementwise (plus f32 rounding),
 hence |x @ w - x @ dequant(w)| <= sum_k |x_k| * scale_k / 2 per output (see the *_bound helpers).
@@ -99,6 +102,7 @@ class QuantizedWeight:
     impl: str = "auto"      # what qdot(impl="auto") runs: the engine's resolved matmul implementation
     act_bits: int | None = None     # 8: W8A8 (SmoothQuant), activations quantized to int8 at run time
     act_scale: Any = None   # W8A8 static: f32 [] activation scale (x -> round(x / act_scale)); None: per token
+    act_zero: Any = None    # W8A8 static asymmetric: int32 [] zero point (x -> round(x / act_scale) + act_zero)
 
     @property
     def k(self) -> int:
@@ -123,13 +127,13 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.size) * a.dtype.itemsize for a in (self.q, self.scales, self.zeros, self.act_scale)
-                   if a is not None)
+        return sum(int(a.size) * a.dtype.itemsize
+                   for a in (self.q, self.scales, self.zeros, self.act_scale, self.act_zero) if a is not None)
 
 
 jax.tree_util.register_dataclass(
     QuantizedWeight,
-    data_fields=["q", "scales", "zeros", "act_scale"],
+    data_fields=["q", "scales", "zeros", "act_scale", "act_zero"],
     meta_fields=["bits", "group_size", "shape", "contract", "impl", "act_bits"],
 )
 
@@ -350,22 +354,32 @@ def _xla_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     return y.astype(x2.dtype)
 
 
-def quantize_rows_int8(x2: jax.Array, act_scale=None) -> tuple[jax.Array, jax.Array]:
+def quantize_rows_int8(x2: jax.Array, act_scale=None, act_zero=None) -> tuple[jax.Array, jax.Array]:
     """x [M, K] -> (int8 [M, K], f32 scales [M]): symmetric, sx = max|x_m| / 127 per row (dynamic),
-    or the calibrated act_scale [] for every row (static; values beyond 127 * act_scale clip)."""
+    or the calibrated act_scale [] for every row (static; values beyond 127 * act_scale clip), with
+    the zero point act_zero [] if given (static asymmetric: codes round(x / sx) + z in [-128, 127])."""
     xf = x2.astype(jnp.float32)
     if act_scale is None:
         amax = jnp.max(jnp.abs(xf), axis=1)
         sx = jnp.where(amax > 0, amax / 127.0, 1.0)
     else:
         sx = jnp.broadcast_to(jnp.asarray(act_scale, jnp.float32), xf.shape[:1])
-    return jnp.clip(jnp.round(xf / sx[:, None]), -127, 127).astype(jnp.int8), sx
+    if act_zero is None:
+        return jnp.clip(jnp.round(xf / sx[:, None]), -127, 127).astype(jnp.int8), sx
+    z = jnp.asarray(act_zero, jnp.float32)
+    return jnp.clip(jnp.round(xf / sx[:, None]) + z, -128, 127).astype(jnp.int8), sx
 
 
 def _w8a8_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     """int8 x int8 -> int32 dot (exact), rescaled by the row and column scales (f32 [M, N])."""
-    xq, sx = quantize_rows_int8(x2, qw.act_scale)
-    acc = lax.dot_general(xq, qw.q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+    xq, sx = quantize_rows_int8(x2, qw.act_scale, qw.act_zero)
+    dims = (((1,), (0,)), ((), ()))
+    if qw.act_zero is None:
+        acc = lax.dot_general(xq, qw.q, dims, preferred_element_type=jnp.int32)
+    else:    # the column sums of q from the same dot: one more row of ones
+        xa = jnp.concatenate([xq, jnp.ones((1, xq.shape[1]), jnp.int8)], axis=0)
+        acc = lax.dot_general(xa, qw.q, dims, preferred_element_type=jnp.int32)
+        acc = acc[:-1] - jnp.asarray(qw.act_zero, jnp.int32) * acc[-1:]
     return acc.astype(jnp.float32) * sx[:, None] * qw.scales.astype(jnp.float32)[None, :]
 
 

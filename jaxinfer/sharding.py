@@ -248,7 +248,8 @@ def quantized_sharding(qw: QuantizedWeight, logical_axes, rules: Mapping[str, st
             leaves = {"q": split, "scales": split if grouped else rep, "zeros": split if grouped else rep}
     return QuantizedWeight(leaves["q"], leaves["scales"], None if qw.zeros is None else leaves["zeros"],
                            bits=qw.bits, group_size=qw.group_size, shape=qw.shape, contract=qw.contract,
-                           impl=qw.impl, act_bits=qw.act_bits, act_scale=None if qw.act_scale is None else rep)
+                           impl=qw.impl, act_bits=qw.act_bits, act_scale=None if qw.act_scale is None else rep,
+                           act_zero=None if qw.act_zero is None else rep)
 
 
 def shard_decoder(model, mesh: Mesh, rules: Mapping[str, str | None] | None = None):

@@ -8,8 +8,9 @@ file is reported by file and tensor name), transformed into our layout, shape-ch
 Native folders: config.json ({"format": "jaxinfer", "model": ModelConfig, "dtype"}),
 params/ (an orbax-checkpoint of the parameter tree), and the tokenizer files. A quantized weight
 (jaxinfer.quant.QuantizedWeight) is stored as its arrays NAME/q, NAME/scales[, NAME/zeros]
-[, NAME/act_scale] and described in config.json under "quantized_weights" (bits, group_size, shape,
-contract, symmetric, act_bits, format: int | fp8_e4m3, act_scales: dynamic | static);
+[, NAME/act_scale[, NAME/act_zero]] and described in config.json under "quantized_weights" (bits,
+group_size, shape, contract, symmetric, act_bits, format: int | fp8_e4m3, act_scales: dynamic |
+static, act_symmetric);
 `jaxinfer quantize` adds the method and its settings under "quantization".
 """
 from __future__ import annotations
@@ -228,14 +229,15 @@ def save_native(model: Decoder, out_dir: str | Path, dtype: str, tokenizer=None,
         tokenizer.save(out_dir)
 
 
-_QW_LEAVES = ("q", "scales", "zeros", "act_scale")
+_QW_LEAVES = ("q", "scales", "zeros", "act_scale", "act_zero")
 
 
 def _quantized_meta(qw: QuantizedWeight) -> dict[str, Any]:
     """What config.json records of a QuantizedWeight besides its arrays (leaf shapes follow from it)."""
     return {"bits": qw.bits, "group_size": qw.group_size, "shape": list(qw.shape), "contract": qw.contract,
             "symmetric": qw.symmetric, "act_bits": qw.act_bits, "format": "fp8_e4m3" if qw.fp8 else "int",
-            "act_scales": None if qw.act_bits is None else ("static" if qw.act_scale is not None else "dynamic")}
+            "act_scales": None if qw.act_bits is None else ("static" if qw.act_scale is not None else "dynamic"),
+            "act_symmetric": qw.act_zero is None}
 
 
 def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -247,6 +249,8 @@ def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
         out = {"q": jax.ShapeDtypeStruct((k, n), q), "scales": jax.ShapeDtypeStruct((n,), jnp.float32)}
         if m.get("act_scales") == "static":
             out["act_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
+            if not m.get("act_symmetric", True):
+                out["act_zero"] = jax.ShapeDtypeStruct((), jnp.int32)
         return out
     out = {"q": jax.ShapeDtypeStruct((k * bits // 8, n), jnp.uint8),
            "scales": jax.ShapeDtypeStruct((k // g, n), jnp.float32)}
@@ -300,7 +304,8 @@ def load_native(folder: str | Path, dtype: str | None = None, mesh=None, rules=N
         arrays[name] = QuantizedWeight(restored[f"{name}/q"], restored[f"{name}/scales"],
                                        restored.get(f"{name}/zeros"), bits=m["bits"], group_size=m["group_size"],
                                        shape=tuple(m["shape"]), contract=m["contract"], act_bits=m.get("act_bits"),
-                                       act_scale=restored.get(f"{name}/act_scale"))
+                                       act_scale=restored.get(f"{name}/act_scale"),
+                                       act_zero=restored.get(f"{name}/act_zero"))
     return _set_params(abstract_decoder(cfg, jdtype), arrays)
 
 

@@ -90,7 +90,7 @@ def _quantized_leaves(model, mesh) -> dict:
         qw = var.get_value()
         if not isinstance(qw, QuantizedWeight):
             continue
-        for field in ("q", "scales", "zeros", "act_scale"):
+        for field in ("q", "scales", "zeros", "act_scale", "act_zero"):
             arr = getattr(qw, field)
             if arr is not None:
                 per = bytes_per_device({"w": arr})
@@ -103,7 +103,7 @@ def _quantized_leaves(model, mesh) -> dict:
 def quantized_runs(tmp: Path, folder: Path, sp) -> dict:
     """Quantized weights across stages, each against the same quantized model on one device:
     int4 (group 64, or 32 where K = 96) at load time at TP 2 x PP 2, and a W8A8 SmoothQuant checkpoint with static
-    activation scales (jaxinfer quantize's format) at PP 2."""
+    asymmetric activation scales and zero points (jaxinfer quantize's format) at PP 2."""
     import numpy as np
     from flax import nnx
 
@@ -115,7 +115,7 @@ def quantized_runs(tmp: Path, folder: Path, sp) -> dict:
     out = {}
     model, cfg = load_model(folder, "float32")
     settings = QuantizeSettings("smoothquant", bits=8, group_size=-1, act_scales="static", act_calib="minmax",
-                                calib_window=16)
+                                act_symmetric=False, calib_window=16)
     windows = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 16)).astype(np.int32)
     quantize_model(model, settings, windows, progress=False)
     save_native(model, tmp / "w8a8-native", "float32", extra={"quantization": settings.to_json()})

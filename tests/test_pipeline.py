@@ -151,8 +151,8 @@ def test_pp_int8_kv_pages_identical_to_one_device(pp_result):
 
 
 def test_pp_quantized_weights_match_one_device_and_split_over_stages(pp_result):
-    """int4 quantized at load (TP 2 x PP 2) and a W8A8 checkpoint with static activation scales
-    (PP 2): the same tokens and logits as that quantized model on one device, and every leaf stacked
+    """int4 quantized at load (TP 2 x PP 2) and a W8A8 checkpoint with static asymmetric activation
+    scales (PP 2): the same tokens and logits as that quantized model on one device, and every leaf stacked
     over the layers with each device holding its stage's layers only (and its tensor shard)."""
     runs = pp_result["configs"]["llama-gqa-llama3"]["quantized"]
     n_layers = MODELS["llama-gqa-llama3"]["num_hidden_layers"]
@@ -161,7 +161,8 @@ def test_pp_quantized_weights_match_one_device_and_split_over_stages(pp_result):
         assert run["tokens"] == run["ref_tokens"] and run["compilations_after_warmup"] == 0, label
         assert run["logits_rel_err"] <= RTOL, (label, run["logits_rel_err"])
         fields = {k.rsplit("/", 1)[1] for k in run["leaves"]}
-        assert fields == ({"q", "scales"} if label == "int4" else {"q", "scales", "act_scale"}), (label, fields)
+        assert fields == ({"q", "scales"} if label == "int4" else {"q", "scales", "act_scale", "act_zero"}), \
+            (label, fields)
         names = {k.rsplit("/", 1)[0] for k in run["leaves"]}
         assert names == {f"{m}/{n}" for m, ns in (("attn", "qkvo"), ("mlp", ("gate", "up", "down"))) for n in ns}
         for path, leaf in run["leaves"].items():

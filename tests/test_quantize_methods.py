@@ -205,20 +205,28 @@ def test_gptq_layer_error_below_rtn_on_correlated_inputs():
 
 # ------------------------------------------------------------------------------ AWQ
 
-def test_awq_scale_beats_alpha_zero_on_planted_outliers():
+def test_awq_scale_beats_rtn_on_planted_outliers():
     rng = np.random.default_rng(SEED + 2)
     t, k, n = 512, 128, 64
     x = rng.standard_normal((t, k)).astype(np.float32)
     x[:, [3, 40, 99]] *= 30.0                    # salient input channels
     w = rng.standard_normal((k, n)).astype(np.float32)
     s, alpha, errors = search_scale(x, w, bits=3, group_size=128, symmetric=False)
-    assert len(errors) == 20 and alpha > 0
+    assert len(errors) == 21 and alpha is not None
 
-    def err(scale):                                # numpy, independent of the code under test
-        wq = np_rtn((w * scale[:, None]).astype(np.float64), 3, 128, False) / scale[:, None]
-        return np.sum((x.astype(np.float64) @ (w - wq)) ** 2) / t
+    # AutoAWQ's duo scaling transcribed in numpy (float64), independent of the code under test
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    s_x = np.abs(x64).mean(axis=0)
+    s_w = (np.abs(w64) / np.abs(w64).max(axis=0, keepdims=True)).mean(axis=1)   # one group: K = 128
+    ref = np.maximum(s_x ** alpha / (s_w ** (1 - alpha) + 1e-4), 1e-4)
+    ref /= np.sqrt(ref.max() * ref.min())
+    np.testing.assert_allclose(s, ref, rtol=1e-4)
 
-    e0, e_best = err(np.ones(k)), err(s.astype(np.float64))
+    def err(scale):
+        wq = np_rtn((w64 * scale[:, None]), 3, 128, False) / scale[:, None]
+        return np.sum((x64 @ (w64 - wq)) ** 2) / t
+
+    e0, e_best = err(np.ones(k)), err(ref)
     np.testing.assert_allclose([errors[0], min(errors)], [e0, e_best], rtol=1e-4)
     assert e_best < 0.8 * e0, (e_best, e0)
 
@@ -265,6 +273,9 @@ SETTINGS = {
     "smoothquant-w8a8": QuantizeSettings("smoothquant", bits=8, group_size=-1, symmetric=True),
     "smoothquant-static-mse": QuantizeSettings("smoothquant", bits=8, group_size=-1, symmetric=True,
                                                act_scales="static", act_calib="mse"),
+    "smoothquant-static-asym-pct": QuantizeSettings("smoothquant", bits=8, group_size=-1, symmetric=True,
+                                                    act_scales="static", act_calib="percentile",
+                                                    act_symmetric=False),
     "fp8": QuantizeSettings("fp8", bits=8, group_size=-1, symmetric=True),
 }
 
@@ -310,7 +321,8 @@ def test_round_trip_and_engine(quantized_dirs, name):
             assert isinstance(w, QuantizedWeight)
             assert (w.bits, w.group_size, w.shape, w.fp8, w.act_bits) == (v.bits, v.group_size, v.shape, v.fp8,
                                                                           v.act_bits)
-            for a, b in ((v.q, w.q), (v.scales, w.scales), (v.zeros, w.zeros), (v.act_scale, w.act_scale)):
+            for a, b in ((v.q, w.q), (v.scales, w.scales), (v.zeros, w.zeros), (v.act_scale, w.act_scale),
+                         (v.act_zero, w.act_zero)):
                 assert (a is None) == (b is None)
                 if a is not None:
                     assert a.dtype == b.dtype
@@ -327,6 +339,7 @@ def test_round_trip_and_engine(quantized_dirs, name):
         var.set_value(dequantize(v) if isinstance(v, QuantizedWeight) and v.act_bits is None else v)
     if settings.method == "smoothquant":
         assert all(v.act_bits == 8 and (v.act_scale is not None) == (settings.act_scales == "static")
+                   and (v.act_zero is None) == settings.act_symmetric
                    for v in before.values() if isinstance(v, QuantizedWeight))
     if settings.method == "fp8":
         assert all(v.fp8 for v in before.values() if isinstance(v, QuantizedWeight))
@@ -406,6 +419,68 @@ def test_w8a8_static_scale_matmul_against_numpy():
     assert np.all(np.abs(y - ref)[ok] <= bound[ok] * (1 + 1e-5))
 
 
+def test_w8a8_static_asymmetric_matmul_against_numpy():
+    """A static asymmetric grid (scale sa, zero point z): codes clip(round(x / sa) + z, -128, 127);
+    y = ((xq - z) @ q) * sa * sw, computed here in int64 numpy, equals qdot's up to the f32 rescale,
+    and rows inside the grid's range stay within the int8 bound with dx = sa / 2."""
+    import dataclasses
+    from jaxinfer.quant import qdot, quantize_int8
+    rng = np.random.default_rng(SEED + 7)
+    m, k, n = 8, 64, 24
+    x = np.abs(rng.standard_normal((m, k))).astype(np.float32) - 0.3    # one-sided, as after an activation
+    x[4, 9] = 40.0                                    # beyond the grid's top: clips
+    w = (0.1 * rng.standard_normal((k, n))).astype(np.float32)
+    sa, z = np.float32(0.02), -113                    # range [(-128 - z) sa, (127 - z) sa] = [-0.3, 4.8]
+    qw = dataclasses.replace(quantize_int8(jnp.asarray(w)), act_bits=8, act_scale=jnp.asarray(sa),
+                             act_zero=jnp.asarray(z, jnp.int32))
+    y = np.asarray(qdot(jnp.asarray(x), qw), np.float64)
+    xq = np.clip(np.round(x / sa) + z, -128, 127).astype(np.int64)
+    sw = np.asarray(qw.scales)
+    wq = np.asarray(qw.q).astype(np.int64)
+    exact = ((xq - z) @ wq).astype(np.float64) * np.float64(sa) * sw[None, :].astype(np.float64)
+    np.testing.assert_allclose(y, exact, rtol=4 * 2 ** -24, atol=0)
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    dx, dw = np.float64(sa) / 2, sw.astype(np.float64)[None, :] / 2
+    bound = dx * np.abs(w).sum(0)[None, :] + np.abs(x).sum(1)[:, None] * dw + k * dx * dw
+    ok = (x.max(1) <= (127 - z) * sa) & (x.min(1) >= (-128 - z) * sa)
+    assert not ok[4] and ok.sum() == m - 1
+    assert np.all(np.abs(y - ref)[ok] <= bound[ok] * (1 + 1e-5))
+
+
+def test_static_act_range_calibrations():
+    """Asymmetric static grids: (scale, zero) = ((hi - lo) / 255, round(-128 - lo / scale)) for
+    [lo, hi] = [min, max] (minmax), numpy's percentiles (percentile), or the shrink of [min, max]
+    of least output error through w, found here by brute force in float64 (mse)."""
+    from jaxinfer.quantize.smoothquant import static_act_range
+    rng = np.random.default_rng(SEED + 8)
+    # 80,000 rows: an asymmetric grid's rounding error is 4x a symmetric one's, so the clipped
+    # outlier's cost must be spread over more rows than in the symmetric test for clipping to win
+    x = (np.abs(rng.standard_normal((80000, 32))) - 0.2).astype(np.float32)
+    x[17, 3] = 60.0                                   # one planted outlier
+    w = rng.standard_normal((32, 8)).astype(np.float32)
+
+    def params(lo, hi):
+        s = (hi - lo) / 255
+        return s, int(np.round(-128 - lo / s))
+    lo = float(x.min())
+    for (got_s, got_z), (s, z) in (
+            (static_act_range(x, "minmax"), params(lo, 60.0)),
+            (static_act_range(x, "percentile", 99.9), params(np.percentile(x, 0.1), np.percentile(x, 99.9)))):
+        assert got_s == pytest.approx(s, rel=1e-6) and got_z == z
+    got = static_act_range(x, "mse", w=w, max_rows=100_000)
+
+    def err(p):
+        s, z = p
+        e = (np.clip(np.round(x.astype(np.float64) / s) + z, -128, 127) - z) * s - x
+        return np.mean((e @ w.astype(np.float64)) ** 2)
+    grid = [params(lo * i / 100, 60.0 * i / 100) for i in range(1, 101)]
+    best = grid[int(np.argmin([err(p) for p in grid]))]
+    assert got[0] == pytest.approx(best[0], rel=1e-6) and got[1] == best[1]
+    assert err(got) < err(params(lo, 60.0)) / 2           # the outlier clips, the rest resolve
+    with pytest.raises(ValueError, match="act-calib"):
+        static_act_range(x, "entropy")
+
+
 def test_static_act_scale_calibrations():
     """minmax: max|x| / 127; percentile: numpy's percentile of |x| / 127; mse: the grid point
     (max|x| * i / 100) of least output error through w, found here by brute force in float64."""
@@ -454,6 +529,8 @@ def test_bad_settings_are_refused():
         QuantizeSettings("rtn", act_scales="static")
     with pytest.raises(ValueError, match="act-calib"):
         QuantizeSettings("smoothquant", bits=8, group_size=-1, act_scales="static", act_calib="kl")
+    with pytest.raises(ValueError, match="act-asym"):
+        QuantizeSettings("smoothquant", bits=8, group_size=-1, act_symmetric=False)
 
 
 def test_existing_int8_int4_formats_unchanged():

@@ -308,13 +308,15 @@ def _fuse_leaves(parts: list, fn):
                    (first.bits, first.group_size, 1, first.symmetric, first.act_bits, first.fp8)
                    for p in parts), "fused weights must share one quantization format"
         # a fused projection reads one input: its parts' static activation scales are that input's
-        assert all((p.act_scale is None) == (first.act_scale is None) for p in parts)
+        assert all((p.act_scale is None, p.act_zero is None) == (first.act_scale is None, first.act_zero is None)
+                   for p in parts)
         leaves = [fn([p.q for p in parts]), fn([p.scales for p in parts]),
                   None if first.zeros is None else fn([p.zeros for p in parts])]
         return QuantizedWeight(*leaves, bits=first.bits, group_size=first.group_size,
                                shape=(first.shape[0], int(leaves[0].shape[-1])), contract=1, impl=first.impl,
                                act_bits=first.act_bits,   # a copy: fuse_decoder(consume=True) deletes the parts
-                               act_scale=None if first.act_scale is None else jnp.array(first.act_scale))
+                               act_scale=None if first.act_scale is None else jnp.array(first.act_scale),
+                               act_zero=None if first.act_zero is None else jnp.array(first.act_zero))
     return fn(parts)
 
 
@@ -324,7 +326,7 @@ def _split_leaves(fused, fn, shapes: list[tuple[int, ...]]) -> list:
         leaves = [fn(fused.q), fn(fused.scales), None if fused.zeros is None else fn(fused.zeros)]
         return [QuantizedWeight(q, sc, None if leaves[2] is None else leaves[2][i], bits=fused.bits,
                                 group_size=fused.group_size, shape=shape, contract=1, impl=fused.impl,
-                                act_bits=fused.act_bits, act_scale=fused.act_scale)
+                                act_bits=fused.act_bits, act_scale=fused.act_scale, act_zero=fused.act_zero)
                 for i, (q, sc, shape) in enumerate(zip(leaves[0], leaves[1], shapes))]
     return [p.reshape(shape) for p, shape in zip(fn(fused), shapes)]
 

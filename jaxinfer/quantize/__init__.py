@@ -45,7 +45,7 @@ class QuantizeSettings:
     calib_window: int = 256
     percdamp: float = 0.01         # GPTQ damping, a fraction of mean(diag H)
     blocksize: int = 128           # GPTQ lazy-update block
-    awq_grid: int = 20             # AWQ alpha grid points in [0, 1] (and clip ratios)
+    awq_grid: int = 20             # AWQ alpha grid points in [0, 1) (and clip ratios)
     max_rows: int = 4096           # AWQ: calibration rows sampled per tap
     seed: int = 0
     chunk: int = 8                 # windows per calibration call
@@ -53,6 +53,7 @@ class QuantizeSettings:
     act_scales: str = "dynamic"    # SmoothQuant: dynamic (per token at run time) | static (calibrated)
     act_calib: str = "percentile"  # static: minmax | percentile | mse (smoothquant.py)
     act_percentile: float = 99.99
+    act_symmetric: bool = True     # static: False = an asymmetric grid with a zero point (smoothquant.py)
     qat_steps: int = 200           # QAT (qat.py): fine-tuning steps of qat_batch windows of calib_window + 1
     qat_lr: float = 1e-4
     qat_batch: int = 8
@@ -78,6 +79,9 @@ class QuantizeSettings:
             raise ValueError(f"--act-scales must be one of {', '.join(ACT_SCALES)}, got {self.act_scales!r}")
         if self.act_scales == "static" and self.method != "smoothquant":
             raise ValueError("--act-scales static applies to --method smoothquant (W8A8) only")
+        if not self.act_symmetric and self.act_scales != "static":
+            raise ValueError("--act-asym applies to --method smoothquant --act-scales static only (dynamic "
+                             "per-token scales are symmetric)")
         if self.act_calib not in ("minmax", "percentile", "mse"):
             raise ValueError(f"--act-calib must be minmax, percentile or mse, got {self.act_calib!r}")
         if self.qat_steps < 1 or self.qat_batch < 1 or not self.qat_lr > 0:
@@ -94,7 +98,8 @@ class QuantizeSettings:
             "qat": ["qat_steps", "qat_lr", "qat_batch", "calib_window", "seed"]}[self.method]
         if self.method == "smoothquant":
             act = ({"act_scales": "dynamic per token"} if self.act_scales == "dynamic" else
-                   {"act_scales": "static per tensor", "act_calib": self.act_calib, "max_rows": self.max_rows,
+                   {"act_scales": "static per tensor", "act_symmetric": self.act_symmetric,
+                    "act_calib": self.act_calib, "max_rows": self.max_rows,
                     **({"act_percentile": self.act_percentile} if self.act_calib == "percentile" else {})})
             return {**{k: getattr(self, k) for k in keys}, "act_bits": 8, **act}
         if self.method == "fp8":

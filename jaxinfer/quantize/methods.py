@@ -68,8 +68,8 @@ def _fold(block, tap: str, s: np.ndarray) -> bool:
     raise AssertionError(tap)
 
 
-def awq_block(block, x, runner: BlockRunner, settings: QuantizeSettings, bar=None) -> dict[str, float]:
-    """-> the alpha chosen per tap (for the log)."""
+def awq_block(block, x, runner: BlockRunner, settings: QuantizeSettings, bar=None) -> dict[str, float | None]:
+    """-> the alpha chosen per tap (for the log; None: no scaling, as RTN)."""
     alphas = {}
     b = dict(bits=settings.bits, symmetric=settings.symmetric)
     for tap, group in linears(block).items():
@@ -80,10 +80,10 @@ def awq_block(block, x, runner: BlockRunner, settings: QuantizeSettings, bar=Non
         cfg = block.attn.cfg
         kv_groups = (cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim) if tap == "o_in" else None
         s, alpha, _ = search_scale(rows, w, group_size=g, n_grid=settings.awq_grid, kv_groups=kv_groups, **b)
-        if alpha > 0 and _fold(block, tap, s):
+        if alpha is not None and _fold(block, tap, s):
             rows = rows / s[None, :]
         else:
-            s, alpha = np.ones_like(s), 0.0
+            s, alpha = np.ones_like(s), None
         alphas[tap] = alpha
         for (owner, name), (wm, _, _) in zip(group, mats):
             ws = wm * s[:, None]

@@ -23,6 +23,12 @@ Activation scales (`--act-scales`):
                          error of the many small values traded against the clipping error of
                          the few large ones, each weighted by the weights that read it); without
                          W, the error of X itself
+  asymmetric (`--act-asym`, static only): the same three calibrations choose a range [lo, hi]
+           (always containing 0) instead of a bound on |x|: minmax [min X, max X], percentile
+           [P_(100-p)(X), P_p(X)], mse the shrink r * [lo, hi] of the min/max range with the least
+           output error; scale = (hi - lo) / 255 and zero point z = round(-128 - lo / scale), so
+           that lo -> -128 and hi -> 127. A one-sided input (after SiLU, say) then uses all 256
+           codes instead of the half that a symmetric grid gives it.
 A static scale costs no reduction over x per token (a fused kernel can quantize x on the fly),
 and is what integer-only pipelines need; its price is the clipping of unseen outliers.
 """
@@ -81,6 +87,41 @@ def static_act_scale(x: np.ndarray, calib: str, percentile: float = 99.99, n_gri
     raise ValueError(f"--act-calib must be one of {', '.join(ACT_CALIBS)}, got {calib!r}")
 
 
+def range_params(lo: float, hi: float) -> tuple[float, int]:
+    """An asymmetric int8 grid for [lo, hi] (widened to contain 0) -> (scale, zero point in [-128, 127])."""
+    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    if hi - lo == 0.0:
+        return 1.0, 0
+    scale = (hi - lo) / 255.0
+    return scale, int(np.clip(np.round(-128.0 - lo / scale), -128, 127))
+
+
+def _int8_mse_asym(x: np.ndarray, scale: float, zero: int, w: np.ndarray | None) -> float:
+    err = (np.clip(np.round(x / scale) + zero, -128, 127) - zero) * scale - x
+    return float(np.mean((err if w is None else err @ w) ** 2))
+
+
+def static_act_range(x: np.ndarray, calib: str, percentile: float = 99.99, n_grid: int = 100,
+                     max_rows: int = 1024, seed: int = 0, w: np.ndarray | None = None) -> tuple[float, int]:
+    """Calibration activations x [..., K] -> (scale, zero point) of one asymmetric int8 grid
+    (module docstring); arguments as for static_act_scale."""
+    a = np.asarray(x, np.float32).reshape(-1)
+    if a.size == 0:
+        return 1.0, 0
+    if calib == "minmax":
+        return range_params(a.min(), a.max())
+    if calib == "percentile":
+        return range_params(np.percentile(a, 100.0 - percentile), np.percentile(a, percentile))
+    if calib == "mse":
+        xs = sample_rows(np.asarray(x, np.float32), max_rows, seed)
+        w = None if w is None else np.asarray(w, np.float32)
+        lo, hi = float(a.min()), float(a.max())
+        grids = [range_params(lo * i / n_grid, hi * i / n_grid) for i in range(1, n_grid + 1)]
+        errs = [_int8_mse_asym(xs, sc, z, w) for sc, z in grids]
+        return grids[int(np.argmin(errs))]
+    raise ValueError(f"--act-calib must be one of {', '.join(ACT_CALIBS)}, got {calib!r}")
+
+
 def smoothquant_block(block, x, runner, settings, bar=None) -> None:
     from jaxinfer.quantize import _matrix, linears
     from jaxinfer.quantize.methods import _fold
@@ -95,11 +136,17 @@ def smoothquant_block(block, x, runner, settings, bar=None) -> None:
         s = smoothing_factors(act_absmax, w, settings.alpha, kv_groups)
         if not _fold(block, tap, s):
             s = np.ones_like(s)
-        act_scale = None
+        act_scale = act_zero = None
         if settings.act_scales == "static":     # from the smoothed input X / s (what the linears will read)
             xs = np.asarray(a, np.float32).reshape(-1, a.shape[-1]) / s[None, :]
-            act_scale = jnp.asarray(static_act_scale(xs, settings.act_calib, settings.act_percentile,
-                                                     seed=settings.seed, w=w * s[:, None]), jnp.float32)
+            if settings.act_symmetric:
+                sc = static_act_scale(xs, settings.act_calib, settings.act_percentile, seed=settings.seed,
+                                      w=w * s[:, None])
+            else:
+                sc, z = static_act_range(xs, settings.act_calib, settings.act_percentile, seed=settings.seed,
+                                         w=w * s[:, None])
+                act_zero = jnp.asarray(z, jnp.int32)
+            act_scale = jnp.asarray(sc, jnp.float32)
         for (owner, name), (wm, shape, contract) in zip(group, mats):
             qw = quantize(jnp.asarray((wm * s[:, None]).reshape(shape)), 8, contract=contract)
-            getattr(owner, name).set_value(dataclasses.replace(qw, act_bits=8, act_scale=act_scale))
+            getattr(owner, name).set_value(dataclasses.replace(qw, act_bits=8, act_scale=act_scale, act_zero=act_zero))
