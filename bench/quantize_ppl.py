@@ -39,7 +39,11 @@ W8A8 = {"dynamic": dict(act_scales="dynamic"),
         "static minmax": dict(act_scales="static", act_calib="minmax"),
         "static p99.99": dict(act_scales="static", act_calib="percentile", act_percentile=99.99),
         "static p99.999": dict(act_scales="static", act_calib="percentile", act_percentile=99.999),
-        "static mse": dict(act_scales="static", act_calib="mse")}
+        "static mse": dict(act_scales="static", act_calib="mse"),
+        "static asym minmax": dict(act_scales="static", act_calib="minmax", act_symmetric=False),
+        "static asym p99.99": dict(act_scales="static", act_calib="percentile", act_percentile=99.99,
+                                   act_symmetric=False),
+        "static asym mse": dict(act_scales="static", act_calib="mse", act_symmetric=False)}
 QAT_FORMATS = ("w4-pc",)             # QAT trains one model per format: the target format
 
 

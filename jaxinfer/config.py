@@ -514,8 +514,9 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
         if self.speculative_max_batch is not None and self.speculative_max_batch < 0:
             raise ValueError(f"speculative_max_batch must be >= 0, got {self.speculative_max_batch}")
-        if self.speculative_method is not None and (self.tensor_parallel > 1 or self.pipeline_parallel > 1):
-            raise ValueError("speculative decoding is not available with tensor_parallel or pipeline_parallel > 1")
+        if self.speculative_method is not None and self.pipeline_parallel > 1:
+            # (tensor_parallel works: the draft model and Medusa heads are replicated on the mesh)
+            raise ValueError("speculative decoding is not available with pipeline_parallel > 1")
 
 
 # ------------------------------------------------------------------------------ resolved settings

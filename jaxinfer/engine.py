@@ -499,8 +499,8 @@ def _check_medusa(model, heads: tuple | None, cfg: EngineConfig) -> tuple | None
         return None
     if cfg.speculative_method != "medusa":
         raise ValueError(f'Medusa heads are only used with speculative_method="medusa", not {cfg.speculative_method!r}')
-    if isinstance(model, PipelinedDecoder) or model_mesh(model) is not None:
-        raise ValueError("speculative decoding with Medusa heads needs an unsharded target")
+    if isinstance(model, PipelinedDecoder):   # (tensor parallel: the runner replicates the heads)
+        raise ValueError("speculative decoding with Medusa heads is not available with pipeline_parallel > 1")
     mh, tree = heads
     if cfg.num_speculative_tokens > mh.num_heads:
         raise ValueError(f"num_speculative_tokens={cfg.num_speculative_tokens} is more than the {mh.num_heads} Medusa heads")
@@ -515,8 +515,10 @@ def _check_draft(model, draft: Decoder | None, cfg: EngineConfig) -> None:
         return
     if cfg.speculative_method != "draft":
         raise ValueError(f'a draft model is only used with speculative_method="draft", not {cfg.speculative_method!r}')
-    if isinstance(model, PipelinedDecoder) or model_mesh(model) is not None or model_mesh(draft) is not None:
-        raise ValueError("speculative decoding with a draft model needs an unsharded target and draft")
+    if isinstance(model, PipelinedDecoder) or model_mesh(draft) is not None:
+        # (a tensor-parallel target is fine: the runner replicates the draft on its mesh)
+        raise ValueError("speculative decoding with a draft model needs a one-stage target (no pipeline_parallel) "
+                         "and an unsharded draft")
     if draft.cfg.vocab_size != model.cfg.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) differs from the "
                          f"target's ({model.cfg.vocab_size}): a draft must share the target's tokenizer")

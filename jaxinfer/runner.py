@@ -107,21 +107,25 @@ class ModelRunner:
         mc = self.model_cfg
         self.mesh = model_mesh(self.params)   # None unless the model was sharded (sharding.shard_decoder)
         self.kv_sharding, self.kv_pages = self._init_kv_pages(kv_dtype)
+        # the draft model and Medusa heads are small: one device holds them, or under tensor
+        # parallelism every device a full copy (each computes the same proposals; no collectives)
+        beside = jax.devices()[0] if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         draft_graphdef = None
         if draft is not None:
-            assert self.mesh is None and cfg.spec_tokens > 0
+            assert cfg.spec_tokens > 0
             draft_graphdef, draft_params = nnx.split(draft)
             dc = draft.cfg
             draft_pages = jax.device_put(init_kv_pages(dc.n_layers, dc.n_kv_heads, dc.head_dim, cfg.num_blocks,
-                                                       cfg.block_size, kv_dtype), jax.devices()[0])
-            self.params, self.kv_pages = (self.params, draft_params), (self.kv_pages, draft_pages)
+                                                       cfg.block_size, kv_dtype), beside)
+            self.params = (self.params, jax.device_put(draft_params, beside))
+            self.kv_pages = (self.kv_pages, draft_pages)
         medusa_graphdef, self.tree, self.tree_arrays = None, None, None
         if medusa_heads is not None:
-            assert self.mesh is None and cfg.spec_tokens > 0
+            assert cfg.spec_tokens > 0
             heads, self.tree = medusa_heads
             self.tree_arrays = tree_arrays(self.tree)
             medusa_graphdef, heads_params = nnx.split(heads)
-            self.params = (self.params, jax.device_put(heads_params, jax.devices()[0]))
+            self.params = (self.params, jax.device_put(heads_params, beside))
         self.kv_bytes_per_token = kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_dtype)
         self.token_buckets = _pow2_buckets(min(8, cfg.max_num_batched_tokens), cfg.max_num_batched_tokens)
         max_blocks = -(-cfg.max_model_len // cfg.block_size)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer import medusa
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV, move_kv
@@ -193,6 +193,15 @@ def _step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.
     return out, kv_pages
 
 
+def _pin_pages(pages, settings: StepSettings, replicated: bool = False):
+    """Under tensor parallelism: the target's pages keep their head sharding and the draft's stay
+    replicated, so that they leave the step as they came (in-place donation, no recompilation)."""
+    if settings.kv_sharding is None:
+        return pages
+    sharding = NamedSharding(settings.kv_sharding.mesh, PartitionSpec()) if replicated else settings.kv_sharding
+    return jax.lax.with_sharding_constraint(pages, sharding)
+
+
 def _propose(dmodel, dpages: list[LayerKV], inputs: StepInputs, tokens: jax.Array, k: int, impl: str):
     """The draft model's proposals: it writes its K/V for the step's tokens (so its pages track the
     target's: same blocks, same slots) and draws d_1 from each speculating row's t0; then one token
@@ -249,11 +258,13 @@ def _spec_round(model, dmodel, kv_pages, inputs: StepInputs, settings: StepSetti
     if dmodel is not None:
         tpages, dpages = kv_pages
         drafts, q, dpages = _propose(dmodel, dpages, inputs, tokens, k, settings.attention)
+        dpages = _pin_pages(dpages, settings, replicated=True)
         tokens = tokens.at[proposal_at].set(drafts, mode="drop")
     else:
         tpages = kv_pages
         drafts = jnp.where(proposal_at < t, tokens[jnp.minimum(proposal_at, t - 1)], 0)
     h, tpages = model.hidden_states(tokens, inputs.positions, tpages, inputs.meta, settings.attention)
+    tpages = _pin_pages(tpages, settings)
 
     def speculative(h):
         idx = jnp.minimum(t0[:, None] + jnp.arange(k1)[None, :], li[:, None])        # [S, k1]
@@ -370,7 +381,8 @@ def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, s
     tparams, hparams = params
     li, sp, sb, meta = inputs.logits_indices, inputs.spec, inputs.sampling, inputs.meta
     s = li.shape[0]
-    plain_settings = StepSettings(settings.graphdef, settings.attention, settings.max_iters, settings.max_rows)
+    plain_settings = StepSettings(settings.graphdef, settings.attention, settings.max_iters, settings.max_rows,
+                                  settings.kv_sharding, settings.replicate_samples)
 
     def pad(x):
         return jnp.zeros((n_out,) + x.shape[1:], x.dtype).at[: x.shape[0]].set(x)
@@ -415,7 +427,8 @@ def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, s
         src = meta.slot_mapping[jnp.minimum(t0[:, None] + path[:, 1:], t - 1)]
         dst = jnp.where(moving, meta.slot_mapping[jnp.minimum(t0[:, None] + j, t - 1)], PAD_SLOT)
         kv_pages = jax.lax.cond(jnp.any(moving), lambda p: move_kv(p, src.reshape(-1), dst.reshape(-1)),
-                                lambda p: p, kv_pages)
+                                lambda p: p, _pin_pages(kv_pages, settings))
+        kv_pages = _pin_pages(kv_pages, settings)
         # the next tree: from the hidden state whose logits drew the row's last token
         source = t0 + path[jnp.arange(s), jnp.maximum(drawn - 1, 0)]
         proposals = jax.lax.cond(sp.propose, lambda h: medusa.propose(heads, model.logits, h, arrays),

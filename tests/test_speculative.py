@@ -328,3 +328,12 @@ def test_sampling_exact_medusa_top_p(hf_model_dir, exact_reference, tmp_path):
     _assert_matches(_sample_tokens(g, 0.9), exact_reference[0.9])
     st = g.engine.stats()
     assert st["spec_decode_num_drafts"] > 600 and st["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_speculation_with_tensor_parallel_is_accepted_not_with_pipeline():
+    """TP runs speculation (tests/test_speculative_tp.py checks its outputs); PP is refused."""
+    from jaxinfer.config import EngineConfig
+    for method in ("ngram", "draft", "medusa"):
+        EngineConfig(speculative_method=method, tensor_parallel=2)
+        with pytest.raises(ValueError, match="pipeline_parallel > 1"):
+            EngineConfig(speculative_method=method, pipeline_parallel=2)
