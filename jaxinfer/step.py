@@ -156,8 +156,7 @@ def _step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.
     def iteration(i, kv, x: StepInputs, out: StepOutputs, done):
         """One forward + sample; returns the drawn ids and the updated kv, outputs and done."""
         logits, kv = model(x.tokens, x.positions, kv, x.meta, x.logits_indices, impl=settings.attention)
-        if settings.kv_sharding is not None:
-            kv = jax.lax.with_sharding_constraint(kv, settings.kv_sharding)
+        kv = _pin_pages(kv, settings)
         ids, lps, top_ids, top_lps = sample(logits, x.sampling)
         drew = ~done
         drawn = out.num_drawn + drew.astype(jnp.int32)
