@@ -14,6 +14,10 @@ Workloads:
             = (output tokens - 1) / (time from the first token to the last), so prefill is excluded;
   copy      batch 1, a copy-heavy prompt: a held-out passage (--passage-len tokens), then its first
             16 tokens again, so the answer repeats the passage (the model continues what it has seen);
+  json      batch 1, structured output: the answer must match the JSON schema {"quote": string} and
+            the prompt holds a held-out passage as {"quote":"..."} twice, so the constrained answer
+            tends to repeat it (speculation under a grammar: host/structured.py); each output runs
+            until the grammar closes or --output-len tokens;
   load      --batch-sizes: that many requests at once (free prompts), output tok/s over the run, with
             the load policy on (speculation off above speculative_max_batch) and, for the crossover,
             forced on (speculative_max_batch = the batch).
@@ -42,11 +46,11 @@ def _spec_counts(gen) -> tuple[int, int]:
     return st.get("spec_decode_num_drafts") or 0, st.get("spec_decode_num_accepted_tokens") or 0
 
 
-def run(gen, prompts: list[list[int]], output_len: int) -> dict:
+def run(gen, prompts: list[list[int]], output_len: int, params=None) -> dict:
     from jaxinfer import SamplingParams
     d0, a0 = _spec_counts(gen)
-    r = prefix_cache.run_batch(gen, prompts, output_len, SamplingParams(max_tokens=output_len, temperature=0.0,
-                                                                        ignore_eos=True))
+    r = prefix_cache.run_batch(gen, prompts, output_len, params or SamplingParams(max_tokens=output_len, temperature=0.0,
+                                                                                  ignore_eos=True))
     d1, a1 = _spec_counts(gen)
     decode_s = r["wall_s"] - min(r["ttfts"])
     return {"wall_s": r["wall_s"], "output_tokens": r["output_tokens"], "steps": r["steps"],
@@ -91,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-output-len", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=128)
     ap.add_argument("--methods", default="draft,ngram,medusa,medusa-chain")
+    ap.add_argument("--workloads", default="free,copy,json", help="batch-1 workloads (load: --batch-sizes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
@@ -115,14 +120,25 @@ def main(argv: list[str] | None = None) -> int:
     for s in starts[args.reps: 2 * args.reps]:
         passage = ids[s: s + args.passage_len]
         copy.append(passage + ids[s + args.passage_len: s + args.passage_len + 8] + passage[:16])
+    json_prompts = []
+    for s in starts[len(starts) - args.reps:]:            # past what the load workloads read
+        words = gens["none"].tokenizer.decode(ids[s: s + args.passage_len]).replace("\n", " ").replace('"', "'")
+        record = json.dumps({"quote": " ".join(words.split())}, separators=(",", ":"))
+        json_prompts.append(gens["none"].tokenizer.encode(f"{record}\n{record}\n", add_special_tokens=False))
     report = {"benchmark": "speculative decoding", "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
               "device": device_info(), "model": str(path), "config": vars(args), "workloads": {}}
 
-    for name, prompts in (("free", free), ("copy", copy)):
+    from jaxinfer import SamplingParams, StructuredOutputs
+    json_params = SamplingParams(max_tokens=args.output_len, temperature=0.0, structured_outputs=StructuredOutputs(
+        json=json.dumps({"type": "object", "properties": {"quote": {"type": "string"}}, "required": ["quote"],
+                         "additionalProperties": False})))
+    workloads = {"free": (free, None), "copy": (copy, None), "json": (json_prompts, json_params)}
+    for name in [w for w in args.workloads.split(",") if w]:
+        prompts, params = workloads[name]
         runs = {m: [] for m in gens}
         for p in prompts:
             for m, g in gens.items():
-                runs[m].append(run(g, [p], args.output_len))
+                runs[m].append(run(g, [p], args.output_len, params))
         report["workloads"][name] = {"batch": 1, **summarise(runs, "decode_tok_s")}
         print(name, {m: (round(v["decode_tok_s"], 1), round(v["ratio_vs_none"], 2), v["mean_acceptance_length"])
                      for m, v in report["workloads"][name].items() if isinstance(v, dict)}, flush=True)

@@ -154,22 +154,25 @@ def propose(heads: MedusaHeads, lm_logits, h: jax.Array, arrays: dict[str, np.nd
 
 
 def verify_tree(logits: jax.Array, node_tokens: jax.Array, num_spec: jax.Array, b: SamplingBatch,
-                arrays: dict[str, np.ndarray]):
+                arrays: dict[str, np.ndarray], node_masks: jax.Array | None = None, mask_slot: jax.Array | None = None):
     """verify_tree_flat with the logits laid out per row: logits [S, N+1, V] at the root and each node."""
     s, n1, v = logits.shape
     return verify_tree_flat(logits.reshape(s * n1, v), jnp.arange(s * n1).reshape(s, n1), node_tokens, num_spec, b,
-                            arrays, jnp.repeat(jnp.arange(s), n1), jnp.tile(jnp.arange(n1), s))
+                            arrays, jnp.repeat(jnp.arange(s), n1), jnp.tile(jnp.arange(n1), s), node_masks, mask_slot)
 
 
 def verify_tree_flat(logits: jax.Array, node_at: jax.Array, node_tokens: jax.Array, num_spec: jax.Array,
-                     b: SamplingBatch, arrays: dict[str, np.ndarray], row_of: jax.Array, node_of: jax.Array):
+                     b: SamplingBatch, arrays: dict[str, np.ndarray], row_of: jax.Array, node_of: jax.Array,
+                     node_masks: jax.Array | None = None, mask_slot: jax.Array | None = None):
     """Decide each row's tree (module docstring).
 
     logits [M, V]: the target's raw logits, one row per token of the step (what the processors cost
     follows M, not S * (N+1)); node_at [S, N+1]: the logits row of row s's root and of each of its
     nodes (entries past num_spec[s]: any row); row_of / node_of [M]: speculative.expand_paths'. node_tokens
     [S, N]; num_spec [S]: the row verifies nodes 1 .. num_spec (a prefix of the tree; 0: none, the
-    row draws as `sample` does); b: the rows' batch, its position that of the token after the root.
+    row draws as `sample` does); b: the rows' batch, its position that of the token after the root;
+    node_masks / mask_slot: the grammar's mask after each node's path (speculative.expand_paths; a
+    node the grammar rejects has p = 0 under its parent's mask, so it is never accepted).
     Returns (ids [D+1, S], logprobs [D+1, S], top ids / logprobs [D+1, S, 20], num_drawn [S] =
     accepted + 1, path [S, D+1]: the nodes whose logits drew each emitted token).
 
@@ -181,7 +184,8 @@ def verify_tree_flat(logits: jax.Array, node_at: jax.Array, node_tokens: jax.Arr
     d = int(arrays["depth"].max())
     children = jnp.asarray(arrays["children"])
     c = children.shape[1]
-    bx = expand_paths(b, node_tokens, arrays["depth"], arrays["path_nodes"], num_spec, row_of, node_of)
+    bx = expand_paths(b, node_tokens, arrays["depth"], arrays["path_nodes"], num_spec, row_of, node_of,
+                      node_masks, mask_slot)
     tempered, logprobs, filtered = process(logits, bx)                              # [M, V]
     greedy = b.temperature <= 0
     argmax = jnp.argmax(tempered, axis=-1).astype(jnp.int32)                        # [M]

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.config import MAX_LOGIT_BIAS, ModelConfig
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
+from jaxinfer.host.speculative import MAX_GUIDED_ROWS
 from jaxinfer.host.structured import Grammars, mask_words
 from jaxinfer.kv_cache import (TREE_NONE, StepRow, attention_buckets, build_attention_metadata, init_kv_pages,
                                kv_bytes_per_token)
@@ -138,6 +139,8 @@ class ModelRunner:
         self.grammars: Grammars | None = None
         self.mask_time_s = 0.0   # host time spent filling grammar masks
         self._unfilled = None    # (rows' guides, the mask array) of the step being prepared
+        self._unfilled_paths = None   # (speculating rows' guides and paths, node_masks) of that step
+        self._no_node_masks: dict[int, tuple[jax.Array, jax.Array]] = {}
         replicate = (NamedSharding(self.mesh, PartitionSpec())
                      if self.mesh is not None and jax.process_count() > 1 else None)
         self.settings = StepSettings(self.graphdef, cfg.attention,
@@ -269,9 +272,11 @@ class ModelRunner:
         sb = self._sampling_batch(rows, positions[logits_indices - num_spec] + 1)
         spec = None
         if self.cfg.spec_tokens:
-            spec = SpecInputs(num_spec, propose=np.bool_(out.speculating) if self.tree is not None else None)
+            node_masks, mask_slot = self._node_masks(out, s)
+            spec = SpecInputs(num_spec, propose=np.bool_(out.speculating) if self.tree is not None else None,
+                              node_masks=node_masks, mask_slot=mask_slot)
             if self.settings.draft_graphdef is not None:
-                spec = self._draft_inputs(out, tables, num_spec, s, b)
+                spec = self._draft_inputs(out, tables, num_spec, s, b, node_masks, mask_slot)
         inputs = StepInputs(tokens, positions, meta, logits_indices, sb, self._stop_ids(rows), max_new,
                             np.int32(out.num_decode_iters), from_prev, spec)
         return inputs, rows
@@ -294,8 +299,36 @@ class ModelRunner:
                 positions[nodes] = positions[root] + a["depth"][1: 1 + len(q.spec)]
         meta.tree = tree
 
+    def _node_masks(self, out: SchedulerOutput, s: int) -> tuple:
+        """(node_masks [C, N, W], mask_slot [S]) of SpecInputs: the constrained speculating rows' slots
+        and a table filled by fill_masks (after their matchers have seen every drawn token); a
+        cached all-allowed pair when there are none (no per-step transfer)."""
+        n = len(self.tree.paths) if self.tree is not None else self.cfg.spec_tokens
+        jobs, slot = [], np.full(s, -1, np.int32)
+        for i, q in enumerate(out.seqs):
+            if q.spec and q.request.guide is not None:
+                assert len(jobs) < MAX_GUIDED_ROWS, "the scheduler caps constrained speculating rows"
+                slot[i] = len(jobs)
+                jobs.append((q.request.guide, len(jobs), self._paths(q.spec)))
+        if not jobs:
+            if s not in self._no_node_masks:
+                self._no_node_masks[s] = jax.device_put((np.full((MAX_GUIDED_ROWS, n, self.mask_words), -1, np.int32),
+                                                         np.full(s, -1, np.int32)))
+            return self._no_node_masks[s]
+        table = np.full((MAX_GUIDED_ROWS, n, self.mask_words), -1, np.int32)
+        self._unfilled_paths = (jobs, table)
+        return table, slot
+
+    def _paths(self, spec: list[int]) -> list[list[int]]:
+        """The proposals from a row's last token to each of its nodes: d_1..d_j for a chain, the
+        tokens along the tree path to node j for a Medusa tree (medusa.tree_arrays' path_nodes)."""
+        if self.tree is None:
+            return [spec[:j] for j in range(1, len(spec) + 1)]
+        nodes = self.tree_arrays["path_nodes"]
+        return [[spec[m - 1] for m in nodes[j, 1:] if m > 0] for j in range(1, len(spec) + 1)]
+
     def _draft_inputs(self, out: SchedulerOutput, tables: dict[str, list[int]], num_spec: np.ndarray, s: int,
-                      b: int) -> SpecInputs:
+                      b: int, node_masks, mask_slot) -> SpecInputs:
         """The draft model's proposal iterations: one token per speculating row (its first proposal,
         at t0's position + 1; later iterations advance it on the device), in row order."""
         rows = [StepRow(q.start + q.num_tokens - len(q.spec), 1, tables[q.request.request_id], q.max_draws - 2)
@@ -304,7 +337,7 @@ class ModelRunner:
         positions = np.zeros(s, np.int32)
         for i, q in enumerate(out.seqs):
             positions[i] = q.start + q.num_tokens - len(q.spec)   # t0's position + 1
-        return SpecInputs(num_spec, dm, positions)
+        return SpecInputs(num_spec, dm, positions, node_masks=node_masks, mask_slot=mask_slot)
 
     def _stop_ids(self, rows: list) -> np.ndarray:
         """[S, MAX_STOP_IDS]: the ids that end each row on device (-1 padded). Ids beyond the first
@@ -343,12 +376,16 @@ class ModelRunner:
         return self.fetch(self.launch(out, tables))
 
     def fill_masks(self) -> None:
-        """The grammar masks of the step just prepared (its inputs hold the array)."""
+        """The grammar masks of the step just prepared (its inputs hold the arrays): each constrained
+        row's next-token mask, and the masks after each proposal of those that speculate."""
+        t0 = time.perf_counter()
         if self._unfilled is not None:
             (guided, mask), self._unfilled = self._unfilled, None
-            t0 = time.perf_counter()
             self.grammars.fill(guided, mask)
-            self.mask_time_s += time.perf_counter() - t0
+        if self._unfilled_paths is not None:
+            (jobs, table), self._unfilled_paths = self._unfilled_paths, None
+            self.grammars.fill_paths(jobs, table)
+        self.mask_time_s += time.perf_counter() - t0
 
     def launch(self, out: SchedulerOutput, tables: dict[str, list[int]], prev: Launched | None = None,
                before_dispatch: Callable[[], None] | None = None) -> Launched:
@@ -356,7 +393,7 @@ class ModelRunner:
         the device feed this step's rows that continue it (async scheduling). before_dispatch: called
         after the inputs are prepared and before the grammar masks are filled and the step dispatched
         (the engine feeds step N's tokens to the matchers there, so preparing N+1 overlaps step N)."""
-        self._unfilled = None
+        self._unfilled = self._unfilled_paths = None
         inputs, rows = self.prepare(out, tables)
         if before_dispatch is not None:
             before_dispatch()

@@ -5,7 +5,7 @@ tokens d_1..d_k (positions p + 1 .. p + k). The target computes logits at all 1 
 one forward; `verify` then decides, position by position, with the rejection rule of Leviathan et
 al. 2023 / Chen et al. 2023:
   - p_j: the target's distribution for position p + j + 1 after every sampling processor (logit
-    bias, grammar mask, penalties over the history *including d_1..d_j*, temperature, top-k /
+    bias, the grammar's mask after t0, d_1..d_j, penalties over the history *including d_1..d_j*, temperature, top-k /
     top-p / min-p), exactly what `sampling.sample` would draw from there;
   - q_j: the distribution d_{j+1} was drawn from, after the same processors (draft model), or the
     one-hot of d_{j+1} (n-gram lookup, any host-side proposer);
@@ -46,18 +46,26 @@ def with_history(b: SamplingBatch, ids: jax.Array, drew: jax.Array) -> SamplingB
 
 
 def expand_paths(b: SamplingBatch, node_tokens: jax.Array, depth: np.ndarray, path_nodes: np.ndarray,
-                 num_spec: jax.Array, row_of: jax.Array, node_of: jax.Array) -> SamplingBatch:
+                 num_spec: jax.Array, row_of: jax.Array, node_of: jax.Array, node_masks: jax.Array | None = None,
+                 mask_slot: jax.Array | None = None) -> SamplingBatch:
     """The batch of M logits rows of a step that verifies proposals laid out as a tree (a chain is a
     tree whose node j is d_j): row m belongs to batch row row_of[m] and is its node node_of[m] (0:
     the token before the proposals; -1: no node, e.g. a prefill token). It draws the token after
     that node (position b.position[row] + depth[node]); for penalties its history holds the
     proposals on the node's path, node_tokens[row, path_nodes[node, 1:] - 1], at positions
     b.position[row] + 0, 1, ... (only nodes 1 .. num_spec[row] are proposals).
-    depth [N+1], path_nodes [N+1, D+1]: the tree's tables (medusa.tree_arrays; -1 past a node's depth)."""
+    depth [N+1], path_nodes [N+1, D+1]: the tree's tables (medusa.tree_arrays; -1 past a node's depth).
+    Grammars: node_masks [C, N, W], mask_slot [S] (-1: none): a row with a slot draws the token after
+    its node n > 0 under node_masks[slot, n - 1] (the grammar's mask after the path to that node,
+    host/structured.Grammars.fill_paths) instead of its own token_mask (the mask after t0)."""
     depth, path_nodes = jnp.asarray(depth), jnp.asarray(path_nodes)
     node = jnp.maximum(node_of, 0)
     out = {name: getattr(b, name)[row_of] for name in vars(b)}
     out["position"] = b.position[row_of] + depth[node]
+    if node_masks is not None:
+        slot = mask_slot[row_of]
+        own = node_masks[jnp.maximum(slot, 0), jnp.maximum(node - 1, 0)]              # [M, W]
+        out["token_mask"] = jnp.where(((node_of > 0) & (slot >= 0))[:, None], own, out["token_mask"])
 
     def extend(out):
         h = out["history"].shape[1]
@@ -72,15 +80,16 @@ def expand_paths(b: SamplingBatch, node_tokens: jax.Array, depth: np.ndarray, pa
     return SamplingBatch(**out)
 
 
-def expand_batch(b: SamplingBatch, drafts: jax.Array, num_spec: jax.Array, k1: int) -> SamplingBatch:
+def expand_batch(b: SamplingBatch, drafts: jax.Array, num_spec: jax.Array, k1: int,
+                 node_masks: jax.Array | None = None, mask_slot: jax.Array | None = None) -> SamplingBatch:
     """The [S * k1] batch of the positions a speculating row decides: row s * k1 + j draws position
-    b.position[s] + j, its history holding d_1..d_j (drafts [S, k1 - 1]) of row s: expand_paths
-    over a chain."""
+    b.position[s] + j, its history holding d_1..d_j (drafts [S, k1 - 1]) of row s (and, under a
+    grammar, its mask after d_1..d_j): expand_paths over a chain."""
     s = b.temperature.shape[0]
     j = np.arange(k1)
     path_nodes = np.where(j[None, :] <= j[:, None], j[None, :], -1)           # node j: 0, 1, .., j
     return expand_paths(b, drafts, j, path_nodes, num_spec, jnp.repeat(jnp.arange(s), k1),
-                        jnp.tile(jnp.arange(k1), s))
+                        jnp.tile(jnp.arange(k1), s), node_masks, mask_slot)
 
 
 def draft_sample(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array]:
@@ -97,18 +106,20 @@ def draft_sample(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Ar
     return ids, q
 
 
-def verify(logits: jax.Array, drafts: jax.Array, num_spec: jax.Array, q: jax.Array | None, b: SamplingBatch):
+def verify(logits: jax.Array, drafts: jax.Array, num_spec: jax.Array, q: jax.Array | None, b: SamplingBatch,
+           node_masks: jax.Array | None = None, mask_slot: jax.Array | None = None):
     """Decide the proposals of every row (module docstring).
 
     logits [S, k1, V]: the target's raw logits at each row's 1 + k positions (rows with fewer
     proposals repeat their last one); drafts [S, k1 - 1] (entries past num_spec[s]: ignored);
     q [S, k1 - 1, V] the draft distributions, or None: one-hot proposals; b: the rows' batch, its
-    position that of the token after t0.
+    position that of the token after t0; node_masks / mask_slot: the grammar masks after each
+    proposal (expand_paths), so p_j is the constrained distribution.
     Returns (ids [k1, S], logprobs [k1, S], top ids [k1, S, 20], top logprobs [k1, S, 20],
     num_drawn [S] = accepted + 1): the target's logprobs of the emitted tokens."""
     s, k1, v = logits.shape
     k = k1 - 1
-    bx = expand_batch(b, drafts, num_spec, k1)
+    bx = expand_batch(b, drafts, num_spec, k1, node_masks, mask_slot)
     tempered, logprobs, filtered = (x.reshape(s, k1, v) for x in process(logits.reshape(s * k1, v), bx))
     greedy = b.temperature <= 0
     target_argmax = jnp.argmax(tempered, axis=-1).astype(jnp.int32)                 # [S, k1]

@@ -37,6 +37,7 @@ moved into place, the next tree proposed in the same call).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -63,6 +64,10 @@ class SpecInputs:
     draft_meta: AttentionMetadata | None = None
     draft_positions: jax.Array | None = None    # [S] int32: row s's t0 position + 1
     propose: jax.Array | None = None            # [] bool, Medusa: propose next trees (the load policy is on)
+    # structured outputs: row s (mask_slot[s] >= 0) draws the token after its proposal / tree node n
+    # under node_masks[mask_slot[s], n - 1], its grammar's mask after the path to n (-1: no grammar)
+    node_masks: jax.Array | None = None         # [C, N, W] int32 (C: host/speculative.MAX_GUIDED_ROWS)
+    mask_slot: jax.Array | None = None          # [S] int32
 
 
 @jax.tree_util.register_dataclass
@@ -269,7 +274,7 @@ def _spec_round(model, dmodel, kv_pages, inputs: StepInputs, settings: StepSetti
         idx = jnp.minimum(t0[:, None] + jnp.arange(k1)[None, :], li[:, None])        # [S, k1]
         logits = model.logits(h[idx.reshape(-1)]).reshape(s, k1, -1)
         b = SamplingBatch(**{**vars(sb), "position": inputs.positions[t0] + 1})
-        return verify(logits, drafts, sp.num_spec, q, b)
+        return verify(logits, drafts, sp.num_spec, q, b, sp.node_masks, sp.mask_slot)
 
     def plain(h):
         ids, lps, top_ids, top_lps = sample(model.logits(h[li]), sb)
@@ -316,8 +321,8 @@ def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, set
         if draft:
             dm = sp.draft_meta
             dslots = jnp.where(later & done[dm.seq_ids], PAD_SLOT, dm.slot_mapping)
-            spec = SpecInputs(sp.num_spec, AttentionMetadata(**{**vars(dm), "slot_mapping": dslots}),
-                              jnp.where(later, p + 1, sp.draft_positions))
+            spec = dataclasses.replace(sp, draft_meta=AttentionMetadata(**{**vars(dm), "slot_mapping": dslots}),
+                                       draft_positions=jnp.where(later, p + 1, sp.draft_positions))
         return StepInputs(tok, pos, m, li, b, inputs.stop_ids, inputs.max_new, inputs.num_iters, inputs.from_prev,
                           spec)
 
@@ -410,7 +415,7 @@ def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, s
             # the LM head and the processors over the step's T tokens, not S * (N + 1) node slots
             b = SamplingBatch(**{**vars(sb), "position": inputs.positions[t0] + 1})
             return medusa.verify_tree_flat(model.logits(h), node_at, node_tokens, sp.num_spec, b, arrays,
-                                           row_of, node_of)
+                                           row_of, node_of, sp.node_masks, sp.mask_slot)
 
         def plain(h):
             ids, lps, top_ids, top_lps = sample(model.logits(h[li]), sb)

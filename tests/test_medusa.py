@@ -22,6 +22,7 @@ from jaxinfer.medusa import Tree, choose_tree, expected_acceptance_length, load_
 from jaxinfer.weights import load_model
 from tests.hf_models import random_medusa_heads as random_heads
 from tests.test_speculative import P_MIN, _batch, _chi_square_p, _softmax, _top_p
+from tests.test_structured import _pack
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "checkpoints" / "jaxinfer-tiny-llama"
@@ -108,15 +109,17 @@ def test_tree_attention_equals_each_path_alone(which, hf_model_dir):
 
 
 # ------------------------------------------------------------------------------------ verify_tree alone
-@pytest.mark.parametrize("case", ["plain", "top_p", "penalty"])
+@pytest.mark.parametrize("case", ["plain", "top_p", "penalty", "grammar"])
 def test_verify_tree_is_exact(case):
     """Thousands of rows with the same tree of fixed candidates (node j's target distribution: its
     own logits row): the first token follows the root's p, and the second, given that the first was
-    a child c's token, follows c's p; greedy rows walk the argmax chain."""
+    a child c's token, follows c's p; greedy rows walk the argmax chain. "grammar": each node has
+    its own grammar mask (the root's in token_mask, the others' in node_masks): p is the masked
+    distribution, and a candidate its parent's mask forbids is never accepted."""
     n_rows, v = 12000, 24   # v >= 20: the top-20 logprobs
     tree = Tree(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0)))
     a = tree_arrays(tree)
-    rng = np.random.default_rng({"plain": 1, "top_p": 2, "penalty": 3}[case])
+    rng = np.random.default_rng({"plain": 1, "top_p": 2, "penalty": 3, "grammar": 4}[case])
     logits = (rng.normal(size=(len(tree.paths) + 1, v)) * 1.5).astype(np.float32)
     temp, top_p, rep = {"top_p": (1.3, 0.8, 1.0), "penalty": (1.0, 1.0, 1.8)}.get(case, (1.0, 1.0, 1.0))
     # candidates as heads would rank them: the root's children its 1st, 2nd and 6th most likely
@@ -128,16 +131,25 @@ def test_verify_tree_is_exact(case):
     hist[:, :3] = [0, 1, 2]   # the prompt; the token after the root is at position 3
     b = _batch(n_rows, temp, top_p, rep, hist)
     b.position = np.full(n_rows, 3, np.int32)
-    run = jax.jit(lambda lg, nt, ns, bb: verify_tree(lg, nt, ns, bb, a))
+    allowed = np.ones((len(tree.paths) + 1, v), bool)
+    masks = ()
+    if case == "grammar":   # ~60% of the tokens per node; the root allows children 1, 2, not 3
+        allowed = rng.random(allowed.shape) < 0.6
+        allowed[0, [r[0, 0], r[0, 1]]], allowed[0, r[0, 5]] = True, False
+        allowed[1, r[1, 0]] = allowed[2, r[2, 0]] = True
+        packed = _pack(allowed)
+        b.token_mask = np.broadcast_to(packed[0], (n_rows, packed.shape[1])).copy()
+        masks = (packed[None, 1:], np.zeros(n_rows, np.int32))
+    run = jax.jit(lambda lg, nt, ns, bb, *m: verify_tree(lg, nt, ns, bb, a, *m))
     ids, lps, _, _, drawn, path = run(np.broadcast_to(logits, (n_rows,) + logits.shape), node_tokens,
-                                      np.full(n_rows, 6, np.int32), b)
+                                      np.full(n_rows, 6, np.int32), b, *masks)
     ids, drawn, path = np.asarray(ids), np.asarray(drawn), np.asarray(path)
 
     def target(node: int, seen: list[int]) -> np.ndarray:
         x = logits[node].astype(np.float64)
         for t in set(seen):
             x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
-        return _top_p(_softmax(x / temp), top_p)
+        return _top_p(_softmax(np.where(allowed[node], x / temp, -np.inf)), top_p)
 
     assert _chi_square_p(np.bincount(ids[0], minlength=v), target(0, [0, 1, 2])) > P_MIN
     for tok, node in ((r[0, 0], 1), (r[0, 1], 2)):   # the first token was child (0,)'s / (1,)'s: its node decides
@@ -147,9 +159,14 @@ def test_verify_tree_is_exact(case):
     # an emitted token that is not a child's ends the round: nothing follows it
     assert (drawn[~np.isin(ids[0], node_tokens[0, :3])] == 1).all()
     # the logprobs are the target's at the node that drew each token
-    ref = np.log(_softmax(np.where(np.isin(np.arange(v), [0, 1, 2]),
-                                   np.where(logits[0] > 0, logits[0] / rep, logits[0] * rep), logits[0]) / temp))
+    x0 = np.where(np.isin(np.arange(v), [0, 1, 2]), np.where(logits[0] > 0, logits[0] / rep, logits[0] * rep), logits[0])
+    with np.errstate(divide="ignore"):   # log 0 at the masked tokens (never emitted)
+        ref = np.log(_softmax(np.where(allowed[0], x0 / temp, -np.inf)))
     np.testing.assert_allclose(np.asarray(lps)[0], ref[ids[0]], rtol=0, atol=2e-5)
+    if case == "grammar":   # every emitted token is allowed by the mask of the node that drew it
+        assert allowed[0, ids[0]].all() and not (path[:, 1] == 3).any()
+        went = drawn >= 2
+        assert allowed[path[went, 1], ids[1][went]].all()
     # greedy: the argmax chain as far as the tree holds it, then the argmax (the bonus); a tree
     # whose first level misses the argmax emits the argmax alone
     am = logits.argmax(1)

@@ -7,6 +7,10 @@ from scipy, the greedy outputs of the same engine without speculation, hand-work
 """
 from __future__ import annotations
 
+import json
+import re
+
+import jsonschema
 import numpy as np
 import pytest
 from scipy import stats
@@ -84,18 +88,22 @@ def _batch(n: int, temperature: float, top_p: float = 1.0, rep: float = 1.0, his
                          np.full((n, 300), -1, np.int32), np.zeros((n, 300), np.float32))
 
 
-@pytest.mark.parametrize("case", ["draft", "garbage", "top_p_draft", "penalty"])
+@pytest.mark.parametrize("case", ["draft", "garbage", "top_p_draft", "penalty", "grammar"])
 def test_verify_is_exact(case):
     """Thousands of rows, one seed each, the same proposals' distribution: the first token follows
     the target's p_0 and the second (where the first was accepted) p_1 given the first, whatever
-    the proposals (a draft distribution q, or uniform garbage with one-hot q)."""
+    the proposals (a draft distribution q, or uniform garbage with one-hot q). "grammar": garbage
+    under a grammar mask per position (after t0: token_mask; after d_1, d_2: node_masks), so p_j
+    is the masked distribution and a proposal its position's mask forbids is never accepted."""
     import jax
     from jaxinfer.speculative import verify
+    from tests.test_structured import _pack
     n, v, k = 12000, 24, 2
-    rng = np.random.default_rng({"draft": 1, "garbage": 2, "top_p_draft": 3, "penalty": 4}[case])
+    rng = np.random.default_rng({"draft": 1, "garbage": 2, "top_p_draft": 3, "penalty": 4, "grammar": 5}[case])
     logits = (rng.normal(size=(k + 1, v)) * 1.5).astype(np.float32)
     temp, top_p, rep = {"top_p_draft": (1.5, 0.9, 1.0), "penalty": (1.0, 1.0, 1.8)}.get(case, (1.0, 1.0, 1.0))
-    if case == "garbage":
+    allowed = rng.random((k + 1, v)) < 0.5 if case == "grammar" else np.ones((k + 1, v), bool)
+    if case in ("garbage", "grammar"):
         drafts, q = rng.integers(0, v, size=(n, k)).astype(np.int32), None
     else:
         qd = _softmax(rng.normal(size=(k, v)))
@@ -106,15 +114,20 @@ def test_verify_is_exact(case):
     hist = np.full((n, 16), -1, np.int32)
     hist[:, :4] = np.arange(4)
     b = _batch(n, temp, top_p, rep, hist)
+    masks = ()
+    if case == "grammar":   # one slot shared by every row: its masks after d_1 and d_2
+        packed = _pack(allowed)
+        b.token_mask = np.broadcast_to(packed[0], (n, packed.shape[1])).copy()
+        masks = (packed[None, 1:], np.zeros(n, np.int32))
     ids, lps, _, _, drawn = jax.jit(verify)(np.broadcast_to(logits, (n, k + 1, v)), drafts, np.full(n, k, np.int32),
-                                           q, b)
+                                           q, b, *masks)
     ids, drawn = np.asarray(ids), np.asarray(drawn)
 
     def target(j: int, seen: list[int]) -> np.ndarray:
         x = logits[j].astype(np.float64)
         for t in set(seen):   # CTRL repetition penalty over the history
             x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
-        return _top_p(_softmax(x / temp), top_p)
+        return _top_p(_softmax(np.where(allowed[j], x / temp, -np.inf)), top_p)
 
     assert (target(0, [0, 1, 2, 3]) > 0).sum() >= 3    # a test with choices left
     assert _chi_square_p(np.bincount(ids[0], minlength=v), target(0, [0, 1, 2, 3])) > P_MIN
@@ -129,8 +142,12 @@ def test_verify_is_exact(case):
     x0 = logits[0].astype(np.float64)
     for t in range(4):
         x0[t] = x0[t] / rep if x0[t] > 0 else x0[t] * rep
-    ref = np.log(_softmax(x0 / temp))
+    with np.errstate(divide="ignore"):   # log 0 at the masked tokens (never emitted)
+        ref = np.log(_softmax(np.where(allowed[0], x0 / temp, -np.inf)))
     np.testing.assert_allclose(np.asarray(lps)[0], ref[ids[0]], rtol=0, atol=2e-5)
+    # every emitted token is allowed at its position (accepted proposals and the drawn ones alike)
+    for j in range(k + 1):
+        assert allowed[j, ids[j][drawn > j]].all(), j
 
 
 # ------------------------------------------------------------------------------------ the engine
@@ -199,6 +216,58 @@ def test_greedy_identical_bundled_mixed_and_preempted(method, bundled_reference)
     if method == "draft":   # steps that ran several rounds on the device: more drafts than speculating rows
         assert st["spec_decode_num_drafts"] > sum(n == 4 for s in steps for _, n in s)
     _assert_same_greedy(ref_penalised, g.generate(prompts, PENALISED))
+
+
+GUIDED_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                                                 "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                                          "maxItems": 3}},
+                 "required": ["name", "age", "tags"], "additionalProperties": False}
+GUIDED_REGEX = r"(Joseph|Judah) (said|went) [a-z ]{5,20}\."
+
+
+def _guided_requests():
+    from jaxinfer import StructuredOutputs
+    p = dict(max_tokens=48, temperature=0.0, logprobs=2)
+    json_prompt = 'Give me JSON: {"name": "Joseph", "age": 30, "tags": ["a", "b"]} and again: '
+    return ([json_prompt, "And Joseph said unto his brethren, Joseph said", json_prompt, "Pick one: yes or no? yes"],
+            [SamplingParams(**p, structured_outputs=StructuredOutputs(json=json.dumps(GUIDED_SCHEMA))),
+             SamplingParams(**p, structured_outputs=StructuredOutputs(regex=GUIDED_REGEX)),
+             SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True),
+             SamplingParams(**p, structured_outputs=StructuredOutputs(choice=["yes", "no", "yes and no"]))])
+
+
+@pytest.fixture(scope="module")
+def guided_reference():
+    g = Generator.from_pretrained(**BUNDLED)
+    prompts, params = _guided_requests()
+    return g.generate(prompts, params)
+
+
+@pytest.mark.parametrize("method", ["ngram", "medusa", "draft"])
+def test_greedy_identical_under_a_grammar(method, guided_reference):
+    """Structured outputs with speculation: the host walks each constrained row's grammar along its
+    proposals (n-gram chain, Medusa tree) so the step verifies every position under its own mask;
+    greedy output (JSON schema, regex and choice rows beside a free row) is the same as without
+    speculation, and valid. The draft model proposes on the device, where no grammar runs: its
+    constrained rows decode without proposals."""
+    prompts, params = _guided_requests()
+    g = Generator.from_pretrained(**BUNDLED, speculative_method=method, num_speculative_tokens=3)
+    outs = g.generate(prompts, params)
+    _assert_same_greedy(guided_reference, outs)
+    jsonschema.validate(json.loads(outs[0].text), GUIDED_SCHEMA)
+    assert re.fullmatch(GUIDED_REGEX, outs[1].text) and outs[3].text in ("yes", "no", "yes and no")
+    # the constrained rows alone: what they proposed and had accepted
+    before = g.engine.stats()
+    alone = g.generate(prompts[:2], params[:2])
+    _assert_same_greedy(guided_reference[:2], alone)
+    st = g.engine.stats()
+    drafts = st["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+    accepted = st["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    if method == "draft":
+        assert drafts == 0
+    else:
+        assert drafts > 5 and accepted > 5, (drafts, accepted)
+    assert st["compilations_after_warmup"] == 0
 
 
 @pytest.fixture(scope="module")

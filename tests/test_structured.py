@@ -179,6 +179,57 @@ def test_choice_mask_matches_brute_force(tokenizers, kind):
         assert prefix == choice
 
 
+@pytest.mark.parametrize("kind", ["sentencepiece", "bytelevel"])
+def test_masks_after_proposals_match_fresh_matchers(tokenizers, kind):
+    """Speculation under a grammar (Grammars.fill_paths): the mask after each proposal path equals
+    llguidance's own mask from a fresh matcher fed the same tokens one by one; a path the grammar
+    rejects leaves -1; the walked matcher ends where it started; valid_prefix counts what a fresh
+    matcher accepts."""
+    tok = tokenizers[kind]
+    g = Grammars(tok, tok.vocab_size + 5, tok.eos_ids)
+    grammar = g.compile(StructuredOutputs(regex=r" ?(red|green|blue sky) and (red|green)\."))
+    words = (tok.vocab_size + 5 + 31) // 32
+    text = tok.encode(" blue sky and red." if kind == "sentencepiece" else "blue sky and red.",
+                      add_special_tokens=False)
+    other = tok.encode(" the", add_special_tokens=False)[-1]
+
+    def fresh(tokens):
+        """A new matcher fed tokens one at a time -> (how many it took, its mask or None)."""
+        m = g.guide(grammar)
+        for i, t in enumerate(tokens):
+            if not m.matcher.consume_token(t) or m.failed:
+                return i, None
+        mask = np.full((1, words), -1, np.int32)
+        g.fill([(m, 0)], mask)
+        return len(tokens), mask[0]
+
+    guide = g.guide(grammar)
+    assert not guide.consume(text[0])                    # the row's state: its first token drawn
+    before = np.full((1, words), -1, np.int32)
+    g.fill([(guide, 0)], before)
+    chain = text[1:]
+    # a chain's prefixes, a chain with a rejected token inside, and tree-like paths sharing prefixes
+    paths = [chain[:j] for j in range(1, len(chain) + 1)] + [[chain[0], other, chain[1]], [other], chain[:2] + [other]]
+    table = np.full((3, len(paths), words), 7, np.int32)
+    g.fill_paths([(guide, 2, paths)], table)
+    taken = []
+    for n, path in enumerate(paths):
+        k, want = fresh(text[:1] + path)
+        taken.append(k - 1)
+        if want is None:
+            assert (table[2, n] == -1).all(), path
+        else:
+            np.testing.assert_array_equal(table[2, n], want, err_msg=str(path))
+    assert min(taken[:len(chain)]) >= 1 and taken[:len(chain)] == list(range(1, len(chain) + 1))  # all valid
+    assert taken[len(chain):] == [1, 0, 2]                                                      # cut where rejected
+    assert (table[:2] == 7).all()                                 # other slots are left alone
+    after = np.full((1, words), -1, np.int32)
+    g.fill([(guide, 0)], after)
+    np.testing.assert_array_equal(after, before)                 # the state is as it was
+    assert guide.valid_prefix(chain + [other]) == len(chain) and guide.valid_prefix([other] + chain) == 0
+    assert guide.consumed == 1 and not guide.failed
+
+
 # ----------------------------------------------------------------------------- the engine
 
 SCHEMAS = [

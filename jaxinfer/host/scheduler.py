@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, block_hash
 from .request import Request, RequestStatus
+from .speculative import MAX_GUIDED_ROWS
 
 
 @dataclass(frozen=True)
@@ -200,14 +201,21 @@ class Scheduler:
             return 0
         return self.cfg.spec_tokens
 
-    def _proposals(self, req: Request, n: int, budget: int, k: int) -> list[int]:
+    def _proposals(self, req: Request, n: int, budget: int, k: int, guided: int) -> list[int]:
         """A decoding row's proposed tokens: one token to compute, whose draw is the next one,
-        nothing in flight, no grammar (its masks need each token on the host)."""
-        if (k <= 0 or n != 1 or req.num_inflight or req.pending_forks or req.params.constrained
+        nothing in flight. Under a grammar (guided: constrained rows speculating so far this step):
+        host-made proposals only, at most MAX_GUIDED_ROWS such rows, a chain cut where the grammar
+        rejects it (host/structured.py)."""
+        if (k <= 0 or n != 1 or req.num_inflight or req.pending_forks
                 or req.num_computed_tokens + 1 != req.num_tokens):
             return []
+        if req.guide is not None and (guided >= MAX_GUIDED_ROWS or getattr(self.propose, "on_device", False)):
+            return []
         k, depth = min(k, budget - 1), self.draws_left(req) - 1
-        return list(self.propose(req, k, depth))[:k] if k > 0 and depth > 0 else []
+        spec = list(self.propose(req, k, depth))[:k] if k > 0 and depth > 0 else []
+        if req.guide is not None and spec and not getattr(self.propose, "tree_depths", ()):
+            spec = spec[:req.guide.valid_prefix(spec)]
+        return spec
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -215,6 +223,7 @@ class Scheduler:
         self._scores: dict[str, int] = {}
         queue = sorted(self.running, key=self._key)
         spec_k = self.spec_k()
+        guided = 0
         i = 0
         while i < len(queue) and budget > 0:
             req = queue[i]
@@ -222,7 +231,8 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            spec = self._proposals(req, n, budget, spec_k)
+            spec = self._proposals(req, n, budget, spec_k, guided)
+            guided += bool(spec) and req.guide is not None
             n += len(spec)
             while not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
                 if queue[-1] is req and self._reclaim_waiting():

@@ -17,6 +17,9 @@ from numpy.lib.stride_tricks import sliding_window_view
 from .request import Request
 
 METHODS = ("draft", "ngram", "medusa")
+# structured outputs: constrained rows that may speculate in one step (the step's table of their
+# masks after each proposal, StepInputs.spec.node_masks, has this many slots)
+MAX_GUIDED_ROWS = 8
 
 
 def ngram_proposal(tokens: list[int] | np.ndarray, k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
@@ -59,6 +62,12 @@ class Proposer:
         if self.method == "draft":
             return [-1] * k
         return ngram_proposal(req.all_ids, k, self.max_n, self.min_n)
+
+    @property
+    def on_device(self) -> bool:
+        """The proposals are made inside the step (draft model): the host does not know them, so it
+        cannot walk a grammar over them (a constrained row does not speculate)."""
+        return self.method == "draft"
 
     def draws(self, n: int) -> int:
         """The most tokens a row with n proposals draws: 1 + n for a chain, 1 + the depth of the

@@ -15,6 +15,14 @@ and truncation, so the logprobs reported are those of the constrained distributi
 Each draw of a constrained row needs its previous token on the host (the mask depends on it), so
 such rows draw one token per step, and the engine waits for the step in flight before planning a
 step that continues a constrained row (engine.step), as it does for penalties.
+
+Speculative decoding: proposals made on the host (n-gram lookup, a Medusa tree) are known before
+the step, so the host walks the matcher along each proposal's path, fills the mask that applies
+after it (Grammars.fill_paths) and rolls the matcher back; the verify step draws position j under
+the mask after t0, d_1..d_j, so the accepted tokens follow the constrained target distribution
+exactly. A chain is cut where the grammar rejects a proposal (Guide.valid_prefix): it could never
+be accepted. The draft model proposes inside the step, where no matcher runs: constrained rows of
+a draft-model engine decode one token per step.
 """
 from __future__ import annotations
 
@@ -153,6 +161,11 @@ class Guide:
     def failed(self) -> bool:
         return self.matcher.is_error()
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the grammar accepts from its current state (the state is
+        unchanged)."""
+        return self.matcher.validate_tokens(list(tokens)) if tokens else 0
+
 
 class Grammars:
     """Per engine: the llguidance tokenizer (built on first use: ~1 s for a 100k vocabulary), a
@@ -223,3 +236,26 @@ class Grammars:
         w = min(words, mask.shape[1])
         mask[rows] = 0
         mask[rows, :w] = tmp[:, :w]
+
+    def fill_paths(self, jobs: list[tuple[Guide, int, list[list[int]]]], table: np.ndarray) -> None:
+        """Speculation under a grammar: for each (guide, slot, paths), table[slot, n] = the guide's
+        next-token mask after consuming paths[n] (the proposals from the row's last token to node
+        n + 1); the matcher is rolled back after each, so its state is as it was. A path the grammar
+        rejects part of leaves -1 (all allowed): its node has probability 0 under the mask of the
+        node before the rejected token, so it is never accepted and its own mask never read.
+        table [C, N, W] int32."""
+        import llguidance.numpy as lln
+        words = mask_words(self.lltokenizer.vocab_size)
+        w = min(words, table.shape[2])
+        tmp = np.empty((1, words), np.int32)
+        for guide, slot, paths in jobs:
+            m = guide.matcher
+            for n, path in enumerate(paths):
+                table[slot, n] = -1
+                taken = m.try_consume_tokens(list(path))
+                if taken == len(path) and not m.is_error():
+                    lln.fill_next_token_bitmask(m, tmp, 0)
+                    table[slot, n] = 0
+                    table[slot, n, :w] = tmp[0, :w]
+                if taken:
+                    m.rollback(taken)
