@@ -57,6 +57,7 @@ from pallas_kernels.quant_matmul import (
     pack_int4,
     quant_matmul,
     unpack_int4,
+    w8a8_matmul,
 )
 
 __all__ = [
@@ -442,22 +443,31 @@ def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_p
     m_class = min(default_block_m(m) if m <= 64 else m, 512)   # M buckets: 16, 32, 64, ..., 512
     kname = f"quant_matmul_int{qw.bits}" + (
         "" if qw.bits == 8 else f"_g{qw.group_size}_{'sym' if qw.symmetric else 'asym'}")
+    if qw.act_bits is not None:
+        kname = "w8a8_matmul" + ("" if qw.act_zero is None else "_asym")
     key = f"{_autotune.shape_class(m_class, k, n)}_{jnp.dtype(dtype).name}"
 
     # Synthetic operands are made concretely even while tracing (ensure_compile_time_eval), and
     # each candidate is compiled ahead of time (lower().compile() traces in its own context, so it
     # is not staged into an enclosing jit), then the executable runs eagerly.
     with jax.ensure_compile_time_eval():
-        args = (jnp.ones((m, k), dtype), jnp.zeros(qw.q.shape, qw.q.dtype),
-                jnp.ones(qw.scales.shape, jnp.float32),
-                None if qw.zeros is None else jnp.zeros(qw.zeros.shape, qw.zeros.dtype))
+        if qw.act_bits is not None:   # W8A8: int8 rows, their scales, the weights' scales, the zero point
+            args = (jnp.ones((m, k), jnp.int8), jnp.zeros(qw.q.shape, qw.q.dtype), jnp.ones((m,), jnp.float32),
+                    jnp.ones(qw.scales.shape, jnp.float32), None if qw.act_zero is None else jnp.int32(0))
+        else:
+            args = (jnp.ones((m, k), dtype), jnp.zeros(qw.q.shape, qw.q.dtype),
+                    jnp.ones(qw.scales.shape, jnp.float32),
+                    None if qw.zeros is None else jnp.zeros(qw.zeros.shape, qw.zeros.dtype))
     compiled: dict[str, Any] = {}
 
     def run(cfg):
         key_ = repr(sorted(cfg.items()))
         if key_ not in compiled:
-            fn = jax.jit(lambda x, w, s, z: quant_matmul(x, w, s, z, bits=qw.bits,
-                                                         group_size=qw.group_size, **cfg))
+            if qw.act_bits is not None:
+                fn = jax.jit(lambda x, w, sx, sw, z: w8a8_matmul(x, w, sx, sw, z, out_dtype=dtype, **cfg))
+            else:
+                fn = jax.jit(lambda x, w, s, z: quant_matmul(x, w, s, z, bits=qw.bits,
+                                                             group_size=qw.group_size, **cfg))
             compiled[key_] = fn.lower(*args).compile()
         return compiled[key_](*args)
 
@@ -479,7 +489,8 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     """x [..., K-dims] @ w [K-dims, N-dims] -> [..., N-dims] (`contract` = number of K dims).
 
     w: a float array (plain lax.dot_general, like layers.dense) or a QuantizedWeight
-    (its `contract` must match). impl: "pallas" (quant_matmul kernel), "xla" (dequantize per call),
+    (its `contract` must match). impl: "pallas" (quant_matmul kernel; W8A8 weights: x quantized
+    per row in XLA, then the w8a8_matmul kernel), "xla" (dequantize per call),
     "auto" (pallas on GPU when the shapes fit the kernel, else xla). Leading dims of x are
     flattened to M; the output has x's dtype. blocks: explicit quant_matmul launch config
     (default: select_blocks).
@@ -496,10 +507,6 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     m = math.prod(lead)
     x2 = x.reshape(m, w.k)
     mode = _resolve_impl(w.impl if impl == "auto" else impl)
-    if w.act_bits is not None:
-        if impl == "pallas":
-            raise ValueError("the Pallas quant_matmul kernel is weight-only; W8A8 runs on impl='xla'")
-        mode = "xla"
     if w.fp8:
         if impl == "pallas":
             raise ValueError("the Pallas quant_matmul kernel has no fp8 format; use impl='xla'")
@@ -514,7 +521,10 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
                 raise ValueError(f"quant_matmul cannot tile K={w.k}, N={w.n} "
                                  f"(bits={w.bits}, group_size={w.group_size}); use impl='xla'")
             mode = "xla"
-    if mode == "pallas" and m > 0:
+    if mode == "pallas" and m > 0 and w.act_bits is not None:
+        xq, sx = quantize_rows_int8(x2, w.act_scale, w.act_zero)
+        y2 = w8a8_matmul(xq, w.q, sx, w.scales, w.act_zero, out_dtype=x2.dtype, interpret=interpret, **cfg)
+    elif mode == "pallas" and m > 0:
         y2 = quant_matmul(x2, w.q, w.scales, w.zeros, bits=w.bits, group_size=w.group_size,
                           interpret=interpret, **cfg)
     else:

@@ -32,6 +32,17 @@ For int4 the activations are viewed (free reshape) as ``[M, K/2, 2]`` and passed
 the even and once for the odd columns, so that the kernel never has to interleave the two nibble
 halves: ``y = x_even @ dequant(lo) + x_odd @ dequant(hi)``.
 
+W8A8 (``w8a8_matmul``): int8 activations times int8 weights, the SmoothQuant format. The caller
+quantizes x (per token, or with one calibrated scale and zero point) into ``xq`` int8 ``[M, K]``
+with row scales ``x_scale`` f32 ``[M]``; the weights are int8 ``[K, N]`` with ``w_scale`` f32 ``[N]``:
+
+    y[m, n] = (sum_k (xq[m, k] - azp) * w[k, n]) * x_scale[m] * w_scale[n]
+
+The products accumulate in int32 on the integer tensor cores (Triton's dot of two int8 tiles), so
+the sum is exact; an asymmetric activation grid (zero point ``azp``) subtracts azp times the
+weights' column sums, which the kernel adds up from the weight tiles it has already loaded (no
+second pass over the weights). Then one f32 rescale per output, in that order.
+
 This module imports jax only.
 """
 from __future__ import annotations
@@ -47,6 +58,8 @@ from jax.experimental.pallas import triton as plgpu
 __all__ = [
     "quant_matmul",
     "quant_matmul_reference",
+    "w8a8_matmul",
+    "w8a8_matmul_reference",
     "dequantize_weight",
     "pack_int4",
     "unpack_int4",
@@ -172,6 +185,96 @@ def _int4_kernel(xe_ref, xo_ref, w_ref, s_ref, *rest, block_k, num_k, group_size
 # --------------------------------------------------------------------------------------------
 # Wrapper.
 # --------------------------------------------------------------------------------------------
+
+def _w8a8_kernel(x_ref, w_ref, sx_ref, sw_ref, *rest, block_k, num_k, asymmetric):
+    o_ref = rest[-1]
+    bm, bn = o_ref.shape
+
+    def body(kb, carry):
+        acc, csum = carry
+        ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+        w = w_ref[ks, :]
+        acc = acc + lax.dot_general(x_ref[:, ks], w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+        if asymmetric:
+            csum = csum + jnp.sum(w.astype(jnp.int32), axis=0)
+        return acc, csum
+
+    acc, csum = lax.fori_loop(0, num_k, body, (jnp.zeros((bm, bn), jnp.int32), jnp.zeros((bn,), jnp.int32)))
+    if asymmetric:
+        acc = acc - rest[0][0] * csum[None, :]
+    o_ref[...] = (acc.astype(jnp.float32) * sx_ref[...][:, None] * sw_ref[...][None, :]).astype(o_ref.dtype)
+
+
+def w8a8_matmul_reference(xq, w, x_scale, w_scale, azp=None, out_dtype=jnp.float32):
+    """The same product in plain XLA: an exact int32 dot, the zero-point correction, the rescale."""
+    acc = lax.dot_general(xq, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+    if azp is not None:
+        acc = acc - jnp.asarray(azp, jnp.int32) * jnp.sum(w.astype(jnp.int32), axis=0)[None, :]
+    return (acc.astype(jnp.float32) * x_scale[:, None] * w_scale[None, :]).astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
+                                             "interpret", "out_dtype"))
+def _w8a8_matmul(xq, w, x_scale, w_scale, azp, *, block_m, block_n, block_k, num_warps, num_stages,
+                 interpret, out_dtype):
+    m, k = xq.shape
+    n = w.shape[1]
+    mp = pl.cdiv(m, block_m) * block_m
+    if mp != m:
+        xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
+        x_scale = jnp.pad(x_scale, (0, mp - m), constant_values=1.0)
+    asymmetric = azp is not None
+    in_specs = [pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
+                pl.BlockSpec((k, block_n), lambda i, j: (0, j)),
+                pl.BlockSpec((block_m,), lambda i, j: (i,)),
+                pl.BlockSpec((block_n,), lambda i, j: (j,))]
+    args = [xq, w, x_scale.astype(jnp.float32), w_scale.astype(jnp.float32)]
+    if asymmetric:
+        in_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
+        args.append(jnp.reshape(azp, (1,)).astype(jnp.int32))
+    out = pl.pallas_call(
+        functools.partial(_w8a8_kernel, block_k=block_k, num_k=k // block_k, asymmetric=asymmetric),
+        grid=(mp // block_m, n // block_n),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, n), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="w8a8_matmul_asym" if asymmetric else "w8a8_matmul",
+    )(*args)
+    return out[:m] if mp != m else out
+
+
+def w8a8_matmul(xq, w, x_scale, w_scale, azp=None, *, out_dtype=jnp.float32, block_m: int | None = None,
+                block_n: int = 128, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                interpret: bool | None = None):
+    """xq int8 [M, K], w int8 [K, N], x_scale f32 [M], w_scale f32 [N], azp None or an int scalar
+    (the activations' zero point) -> [M, N] in out_dtype (module docstring). Block sizes as in
+    quant_matmul (block_k >= 16 on GPU; N % block_n == 0, K % block_k == 0 after clamping)."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if xq.ndim != 2 or w.ndim != 2 or xq.shape[1] != w.shape[0]:
+        raise ValueError(f"w8a8_matmul expects xq [M, K] and w [K, N], got {xq.shape} and {w.shape}")
+    if xq.dtype != jnp.int8 or w.dtype != jnp.int8:
+        raise TypeError(f"w8a8_matmul expects int8 activations and weights, got {xq.dtype} and {w.dtype}")
+    m, k = xq.shape
+    n = w.shape[1]
+    if x_scale.shape != (m,) or w_scale.shape != (n,):
+        raise ValueError(f"x_scale must be [M]={m} and w_scale [N]={n}, got {x_scale.shape} and {w_scale.shape}")
+    bm = default_block_m(m) if block_m is None else int(block_m)
+    bn, bk = min(int(block_n), n), min(int(block_k), k)
+    if bm <= 0 or bn <= 0 or bk <= 0:
+        raise ValueError("block sizes must be positive")
+    if n % bn or k % bk:
+        raise ValueError(f"N={n} and K={k} must be multiples of block_n={bn} and block_k={bk}")
+    if not interpret:
+        for name, b in (("block_m", bm), ("block_n", bn), ("block_k", bk)):
+            if b < 16 or b & (b - 1):
+                raise ValueError(f"on GPU {name} must be a power of two >= 16, got {b}")
+    return _w8a8_matmul(xq, w, x_scale, w_scale, None if azp is None else jnp.asarray(azp, jnp.int32),
+                        block_m=bm, block_n=bn, block_k=bk, num_warps=int(num_warps), num_stages=int(num_stages),
+                        interpret=bool(interpret), out_dtype=jnp.dtype(out_dtype))
+
 
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()

@@ -3,7 +3,6 @@ quantizer's error bounds, int4 packing, qdot on N-D weights, and the on-disk aut
 from __future__ import annotations
 
 import json
-import math
 import zlib
 import threading
 import time
@@ -176,6 +175,34 @@ def test_kernel_matches_reference(kind, m, block_m, dtype):
     assert_within(ref, exact, dot_error_bound(x64, w64, operands_bf16=False, out_bf16=False))
     bf16 = dtype == "bfloat16"
     assert_within(y, exact, dot_error_bound(x64, w64, operands_bf16=bf16, out_bf16=bf16))
+
+
+@pytest.mark.parametrize("m,block_m,azp", [(5, 16, None), (37, 16, -29), (64, 32, 11)])
+def test_w8a8_kernel_is_exact(m, block_m, azp):
+    """The int8 x int8 kernel over several M, N and K blocks (a partial last M block): the integer
+    sum (xq - azp) @ w computed in int64 numpy, then the same two f32 multiplies, bit for bit;
+    the zero point's column sums come from the weight tiles the kernel loaded."""
+    from pallas_kernels.quant_matmul import w8a8_matmul
+    rng = np.random.default_rng(m)
+    k, n = 96, 48
+    xq = rng.integers(-128, 128, (m, k)).astype(np.int8)
+    w = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    sx = rng.uniform(1e-3, 1e-1, m).astype(np.float32)
+    sw = rng.uniform(1e-4, 1e-2, n).astype(np.float32)
+    y = w8a8_matmul(jnp.asarray(xq), jnp.asarray(w), jnp.asarray(sx), jnp.asarray(sw), azp, block_m=block_m,
+                    block_n=16, block_k=32, interpret=True)
+    acc = (xq.astype(np.int64) - (azp or 0)) @ w.astype(np.int64)
+    assert np.abs(acc).max() < 2 ** 31                     # what an int32 accumulator holds exactly
+    want = acc.astype(np.float32) * sx[:, None] * sw[None, :]
+    assert y.shape == (m, n) and y.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(y), want)
+    yb = w8a8_matmul(jnp.asarray(xq), jnp.asarray(w), jnp.asarray(sx), jnp.asarray(sw), azp, out_dtype=jnp.bfloat16,
+                     block_n=16, block_k=32, interpret=True)
+    np.testing.assert_array_equal(np.asarray(yb), np.asarray(jnp.asarray(want, jnp.bfloat16)))
+    with pytest.raises(ValueError, match="multiples"):
+        w8a8_matmul(jnp.asarray(xq), jnp.asarray(w), jnp.asarray(sx), jnp.asarray(sw), block_n=32, interpret=True)
+    with pytest.raises(TypeError, match="int8"):
+        w8a8_matmul(jnp.asarray(xq, jnp.int32), jnp.asarray(w), jnp.asarray(sx), jnp.asarray(sw), interpret=True)
 
 
 def test_kernel_default_blocks_and_interpret_default():

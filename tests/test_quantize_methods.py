@@ -357,6 +357,28 @@ def test_round_trip_and_engine(quantized_dirs, name):
     assert out.token_ids == tokens[len(PROMPT):]
 
 
+def test_w8a8_engine_on_the_pallas_kernel(quantized_dirs, monkeypatch):
+    """attention="pallas" routes the quantized matmuls to the kernels (interpreted on CPU): a static
+    asymmetric W8A8 checkpoint runs every linear through w8a8_matmul and gives the greedy tokens of
+    the XLA engine (the integer products are exact on both paths; only the attention kernels sum in
+    another order)."""
+    from jaxinfer import Generator, SamplingParams
+    import jaxinfer.quant as quant
+    calls = []
+    kernel = quant.w8a8_matmul
+    monkeypatch.setattr(quant, "w8a8_matmul", lambda *a, **kw: calls.append(a[1].shape) or kernel(*a, **kw))
+    folder = quantized_dirs["smoothquant-static-asym-pct"][0]
+    kw = dict(dtype="float32", max_num_seqs=2, num_blocks=16, max_model_len=64, max_num_batched_tokens=8,
+              block_size=8, warmup=False, max_decode_steps=1, async_scheduling=False)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = Generator.from_pretrained(str(folder), attention="xla", **kw).generate([PROMPT], params)[0].token_ids
+    assert not calls
+    got = Generator.from_pretrained(str(folder), attention="pallas", **kw).generate([PROMPT], params)[0].token_ids
+    assert got == want
+    # traced once per shape: q/k/v fused [64, 128], o [64, 64], gate/up fused [64, 192], down [96, 64]
+    assert {(64, 128), (64, 64), (64, 192), (96, 64)} <= set(calls), set(calls)
+
+
 def test_quantizing_a_quantized_checkpoint_again_is_refused(quantized_dirs):
     from jaxinfer.models.decoder import quantize_decoder
     from jaxinfer.weights import load_model
@@ -365,21 +387,23 @@ def test_quantizing_a_quantized_checkpoint_again_is_refused(quantized_dirs):
         quantize_decoder(model, "int4")
 
 
-def test_w8a8_matmul_within_the_int8_error_bound():
+W8A8_IMPLS = ["xla", "pallas"]   # pallas: the w8a8_matmul kernel, in interpret mode on CPU
+
+
+@pytest.mark.parametrize("impl", W8A8_IMPLS)
+def test_w8a8_matmul_within_the_int8_error_bound(impl):
     """y = qdot(x, W8A8 weight) against numpy: exactly (xq @ wq) * sx * sw (integer products, then
     f32 scaling), and against the float x @ w within the int8 bound
     sum_k dx |w_k| + |x_k| dw_n + dx dw_n, dx = sx / 2 per token, dw_n = sw_n / 2 per column."""
     import dataclasses
     from jaxinfer.quant import qdot, quantize_int8
     rng = np.random.default_rng(SEED + 4)
-    m, k, n = 6, 96, 40
+    m, k, n = 6, 96, 48   # N: tiles of 16 (the kernel's smallest GPU block)
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[:, 5] *= 40.0                                   # an outlier channel
     w = (0.1 * rng.standard_normal((k, n))).astype(np.float32)
     qw = dataclasses.replace(quantize_int8(jnp.asarray(w)), act_bits=8)
-    y = np.asarray(qdot(jnp.asarray(x), qw), np.float64)
-    with pytest.raises(ValueError, match="weight-only"):
-        qdot(jnp.asarray(x), qw, impl="pallas")
+    y = np.asarray(qdot(jnp.asarray(x), qw, impl=impl), np.float64)
     sx = np.where(np.abs(x).max(1) > 0, np.abs(x).max(1).astype(np.float32) / np.float32(127), 1).astype(np.float32)
     xq = np.clip(np.round(x / sx[:, None]), -127, 127).astype(np.int64)
     sw = np.abs(w).max(0).astype(np.float32) / np.float32(127)
@@ -392,20 +416,21 @@ def test_w8a8_matmul_within_the_int8_error_bound():
     assert np.all(np.abs(y - ref) <= bound * (1 + 1e-5)), np.max(np.abs(y - ref) / bound)
 
 
-def test_w8a8_static_scale_matmul_against_numpy():
+@pytest.mark.parametrize("impl", W8A8_IMPLS)
+def test_w8a8_static_scale_matmul_against_numpy(impl):
     """A static activation scale: every row quantized with the one calibrated scale, values beyond
     127 * scale clipped; y equals numpy's integer product exactly as above, and rows that do not
     clip stay within the int8 bound with dx = scale / 2."""
     import dataclasses
     from jaxinfer.quant import qdot, quantize_int8
     rng = np.random.default_rng(SEED + 5)
-    m, k, n = 8, 64, 24
+    m, k, n = 8, 64, 32
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[2, 7] = 60.0                                    # an outlier row: clips at 127 * sa = 25.4
     w = (0.1 * rng.standard_normal((k, n))).astype(np.float32)
     sa = np.float32(0.2)
     qw = dataclasses.replace(quantize_int8(jnp.asarray(w)), act_bits=8, act_scale=jnp.asarray(sa))
-    y = np.asarray(qdot(jnp.asarray(x), qw), np.float64)
+    y = np.asarray(qdot(jnp.asarray(x), qw, impl=impl), np.float64)
     xq = np.clip(np.round(x / sa), -127, 127).astype(np.int64)
     sw = np.asarray(qw.scales)
     wq = np.asarray(qw.q).astype(np.int64)
@@ -419,21 +444,22 @@ def test_w8a8_static_scale_matmul_against_numpy():
     assert np.all(np.abs(y - ref)[ok] <= bound[ok] * (1 + 1e-5))
 
 
-def test_w8a8_static_asymmetric_matmul_against_numpy():
+@pytest.mark.parametrize("impl", W8A8_IMPLS)
+def test_w8a8_static_asymmetric_matmul_against_numpy(impl):
     """A static asymmetric grid (scale sa, zero point z): codes clip(round(x / sa) + z, -128, 127);
     y = ((xq - z) @ q) * sa * sw, computed here in int64 numpy, equals qdot's up to the f32 rescale,
     and rows inside the grid's range stay within the int8 bound with dx = sa / 2."""
     import dataclasses
     from jaxinfer.quant import qdot, quantize_int8
     rng = np.random.default_rng(SEED + 7)
-    m, k, n = 8, 64, 24
+    m, k, n = 8, 64, 32
     x = np.abs(rng.standard_normal((m, k))).astype(np.float32) - 0.3    # one-sided, as after an activation
     x[4, 9] = 40.0                                    # beyond the grid's top: clips
     w = (0.1 * rng.standard_normal((k, n))).astype(np.float32)
     sa, z = np.float32(0.02), -113                    # range [(-128 - z) sa, (127 - z) sa] = [-0.3, 4.8]
     qw = dataclasses.replace(quantize_int8(jnp.asarray(w)), act_bits=8, act_scale=jnp.asarray(sa),
                              act_zero=jnp.asarray(z, jnp.int32))
-    y = np.asarray(qdot(jnp.asarray(x), qw), np.float64)
+    y = np.asarray(qdot(jnp.asarray(x), qw, impl=impl), np.float64)
     xq = np.clip(np.round(x / sa) + z, -128, 127).astype(np.int64)
     sw = np.asarray(qw.scales)
     wq = np.asarray(qw.q).astype(np.int64)
