@@ -304,18 +304,19 @@ class ModelRunner:
         and a table filled by fill_masks (after their matchers have seen every drawn token); a
         cached all-allowed pair when there are none (no per-step transfer)."""
         n = len(self.tree.paths) if self.tree is not None else self.cfg.spec_tokens
+        c = min(MAX_GUIDED_ROWS, self.cfg.max_num_seqs)      # slots: the scheduler's cap, or fewer rows
         jobs, slot = [], np.full(s, -1, np.int32)
         for i, q in enumerate(out.seqs):
             if q.spec and q.request.guide is not None:
-                assert len(jobs) < MAX_GUIDED_ROWS, "the scheduler caps constrained speculating rows"
+                assert len(jobs) < c, "the scheduler caps constrained speculating rows"
                 slot[i] = len(jobs)
                 jobs.append((q.request.guide, len(jobs), self._paths(q.spec)))
         if not jobs:
             if s not in self._no_node_masks:
-                self._no_node_masks[s] = jax.device_put((np.full((MAX_GUIDED_ROWS, n, self.mask_words), -1, np.int32),
+                self._no_node_masks[s] = jax.device_put((np.full((c, n, self.mask_words), -1, np.int32),
                                                          np.full(s, -1, np.int32)))
             return self._no_node_masks[s]
-        table = np.full((MAX_GUIDED_ROWS, n, self.mask_words), -1, np.int32)
+        table = np.full((c, n, self.mask_words), -1, np.int32)
         self._unfilled_paths = (jobs, table)
         return table, slot
 

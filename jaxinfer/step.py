@@ -66,7 +66,7 @@ class SpecInputs:
     propose: jax.Array | None = None            # [] bool, Medusa: propose next trees (the load policy is on)
     # structured outputs: row s (mask_slot[s] >= 0) draws the token after its proposal / tree node n
     # under node_masks[mask_slot[s], n - 1], its grammar's mask after the path to n (-1: no grammar)
-    node_masks: jax.Array | None = None         # [C, N, W] int32 (C: host/speculative.MAX_GUIDED_ROWS)
+    node_masks: jax.Array | None = None         # [C, N, W] int32 (C: min(MAX_GUIDED_ROWS, max_num_seqs))
     mask_slot: jax.Array | None = None          # [S] int32
 
 

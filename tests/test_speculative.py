@@ -68,6 +68,36 @@ def test_ngram_proposal_hand_worked():
     assert ngram_proposal([7], 3) == []
 
 
+def test_ngram_under_a_grammar_proposes_the_forced_tokens_first():
+    """A constrained row's n-gram chain: the tokens its grammar forces next (they spell the JSON text
+    the schema fixes, per the tokenizer's own decode), then what followed them in the prompt."""
+    from types import SimpleNamespace
+    from jaxinfer import StructuredOutputs
+    from jaxinfer.generator import default_model_path
+    from jaxinfer.host.speculative import Proposer
+    from jaxinfer.host.structured import Grammars
+    from jaxinfer.tokenizer import load_tokenizer
+    tok = load_tokenizer(default_model_path())
+    grammars = Grammars(tok, 4096, tok.eos_ids)
+    schema = {"type": "object", "properties": {"quote": {"type": "string"}}, "required": ["quote"],
+              "additionalProperties": False}
+    guide = grammars.guide(grammars.compile(StructuredOutputs(json=json.dumps(schema))))
+    prompt = tok.encode('x {"quote":"and the dog ran"} y', add_special_tokens=False)
+    req = SimpleNamespace(guide=guide, all_ids=list(prompt), proposals=None)
+    got = Proposer("ngram")(req, 12, 12)
+    forced = guide.forced()
+    assert tok.decode(forced) == '{"quote":"' and got[:len(forced)] == forced
+    # the rest: a run of the prompt's tokens that followed the last forced token there: the quote
+    rest = got[len(forced):]
+    assert len(got) == 12 and any(prompt[i - 1] == forced[-1] and prompt[i:i + len(rest)] == rest
+                                  for i in range(1, len(prompt)))
+    assert tok.decode(got).startswith('{"quote":"and the dog')
+    # k smaller than the forced text: only forced tokens; a free position: the plain lookup
+    assert Proposer("ngram")(req, 3, 3) == forced[:3]
+    req.guide = None
+    assert Proposer("ngram")(req, 4, 4) == ngram_proposal(prompt, 4)
+
+
 def test_spec_stats_counts():
     s = SpecStats(3)
     s.add(3, [2, 2, 1, 1])   # two rounds of 3 proposals: all three accepted, then the first only

@@ -5,7 +5,8 @@ holds the device side: the draft model's proposal loop and the exact verificatio
 Prompt lookup (Saxena 2023; vLLM's "ngram" method): take the last n tokens of the request (n from
 `max_n` down to `min_n`), find their latest earlier occurrence in the request's own prompt and
 output, and propose the k tokens that followed it. It costs no model and pays off where the
-answer repeats or edits text it has seen (code edits, summaries quoting the source, RAG).
+answer repeats or edits text it has seen (code edits, summaries quoting the source, RAG). Under a
+grammar the chain starts with the tokens the grammar forces next (host/structured.py).
 """
 from __future__ import annotations
 
@@ -61,7 +62,10 @@ class Proposer:
         k = min(k, depth)
         if self.method == "draft":
             return [-1] * k
-        return ngram_proposal(req.all_ids, k, self.max_n, self.min_n)
+        forced = req.guide.forced()[:k] if req.guide is not None else []   # host/structured.py
+        if not forced:
+            return ngram_proposal(req.all_ids, k, self.max_n, self.min_n)
+        return forced + ngram_proposal(req.all_ids + forced, k - len(forced), self.max_n, self.min_n)
 
     @property
     def on_device(self) -> bool:

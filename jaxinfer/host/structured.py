@@ -21,7 +21,11 @@ the step, so the host walks the matcher along each proposal's path, fills the ma
 after it (Grammars.fill_paths) and rolls the matcher back; the verify step draws position j under
 the mask after t0, d_1..d_j, so the accepted tokens follow the constrained target distribution
 exactly. A chain is cut where the grammar rejects a proposal (Guide.valid_prefix): it could never
-be accepted. The draft model proposes inside the step, where no matcher runs: constrained rows of
+be accepted. The n-gram proposer starts a constrained row's chain with the tokens its grammar
+forces next (Guide.forced: a JSON key, the rest of a choice), then looks up what follows them:
+forced text then costs one step for up to k tokens instead of one step per token (SGLang's
+"jump-forward", made exact by the verification: where the forced bytes can be spelled more than one
+way, the model's own choice wins). The draft model proposes inside the step, where no matcher runs: constrained rows of
 a draft-model engine decode one token per step.
 """
 from __future__ import annotations
@@ -160,6 +164,11 @@ class Guide:
     @property
     def failed(self) -> bool:
         return self.matcher.is_error()
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward tokens: its forced bytes,
+        e.g. a JSON object's next key, spelled by the tokenizer); [] when the next token is free."""
+        return self.matcher.compute_ff_tokens()
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens`, in order, the grammar accepts from its current state (the state is
