@@ -24,9 +24,9 @@ exactly. A chain is cut where the grammar rejects a proposal (Guide.valid_prefix
 be accepted. The n-gram proposer starts a constrained row's chain with the tokens its grammar
 forces next (Guide.forced: a JSON key, the rest of a choice), then looks up what follows them:
 forced text then costs one step for up to k tokens instead of one step per token (SGLang's
-"jump-forward", made exact by the verification: where the forced bytes can be spelled more than one
-way, the model's own choice wins). The draft model proposes inside the step, where no matcher runs: constrained rows of
-a draft-model engine decode one token per step.
+"jump-forward", made exact by the verification: where the forced bytes can be spelled more than
+one way, the model's own choice wins). The draft model proposes inside the step, where no matcher
+runs: constrained rows of a draft-model engine decode one token per step.
 """
 from __future__ import annotations
 
