@@ -140,7 +140,7 @@ class ModelRunner:
         self.mask_time_s = 0.0   # host time spent filling grammar masks
         self._unfilled = None    # (rows' guides, the mask array) of the step being prepared
         self._unfilled_paths = None   # (speculating rows' guides and paths, node_masks) of that step
-        self._no_node_masks: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self._no_node_masks: dict[int, jax.Array] = {}   # 0: the all-allowed table; S: no slots
         replicate = (NamedSharding(self.mesh, PartitionSpec())
                      if self.mesh is not None and jax.process_count() > 1 else None)
         self.settings = StepSettings(self.graphdef, cfg.attention,
@@ -312,10 +312,11 @@ class ModelRunner:
                 slot[i] = len(jobs)
                 jobs.append((q.request.guide, len(jobs), self._paths(q.spec)))
         if not jobs:
+            if not self._no_node_masks:   # the table once, the slots per bucket
+                self._no_node_masks[0] = jax.device_put(np.full((c, n, self.mask_words), -1, np.int32))
             if s not in self._no_node_masks:
-                self._no_node_masks[s] = jax.device_put((np.full((c, n, self.mask_words), -1, np.int32),
-                                                         np.full(s, -1, np.int32)))
-            return self._no_node_masks[s]
+                self._no_node_masks[s] = jax.device_put(np.full(s, -1, np.int32))
+            return self._no_node_masks[0], self._no_node_masks[s]
         table = np.full((c, n, self.mask_words), -1, np.int32)
         self._unfilled_paths = (jobs, table)
         return table, slot

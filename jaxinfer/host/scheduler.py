@@ -203,19 +203,14 @@ class Scheduler:
 
     def _proposals(self, req: Request, n: int, budget: int, k: int, guided: int) -> list[int]:
         """A decoding row's proposed tokens: one token to compute, whose draw is the next one,
-        nothing in flight. Under a grammar (guided: constrained rows speculating so far this step):
-        host-made proposals only, at most MAX_GUIDED_ROWS such rows, a chain cut where the grammar
-        rejects it (host/structured.py)."""
+        nothing in flight; under a grammar (guided: constrained rows speculating so far this step)
+        at most MAX_GUIDED_ROWS such rows (what a proposer may propose under one: Proposer)."""
         if (k <= 0 or n != 1 or req.num_inflight or req.pending_forks
-                or req.num_computed_tokens + 1 != req.num_tokens):
-            return []
-        if req.guide is not None and (guided >= MAX_GUIDED_ROWS or getattr(self.propose, "on_device", False)):
+                or req.num_computed_tokens + 1 != req.num_tokens
+                or (req.guide is not None and guided >= MAX_GUIDED_ROWS)):
             return []
         k, depth = min(k, budget - 1), self.draws_left(req) - 1
-        spec = list(self.propose(req, k, depth))[:k] if k > 0 and depth > 0 else []
-        if req.guide is not None and spec and not getattr(self.propose, "tree_depths", ()):
-            spec = spec[:req.guide.valid_prefix(spec)]
-        return spec
+        return list(self.propose(req, k, depth))[:k] if k > 0 and depth > 0 else []
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -54,6 +54,10 @@ class Proposer:
             raise ValueError(f"speculative_method={self.method!r} is not one of {(None, *METHODS)}")
 
     def __call__(self, req: Request, k: int, depth: int) -> list[int]:
+        """Under a grammar (req.guide, host/structured.py): a Medusa tree as the heads proposed it
+        (a node the grammar rejects is never accepted); an n-gram chain that starts with the tokens
+        the grammar forces next, cut at the first token it rejects; no draft-model proposals (they
+        are made inside the step, where no matcher can check them)."""
         if self.method == "medusa":
             if req.proposals is None or req.proposals[0] != len(req.all_ids):
                 return []
@@ -61,17 +65,12 @@ class Proposer:
             return list(req.proposals[1][:min(k, nodes)])
         k = min(k, depth)
         if self.method == "draft":
-            return [-1] * k
-        forced = req.guide.forced()[:k] if req.guide is not None else []   # host/structured.py
-        if not forced:
+            return [-1] * k if req.guide is None else []
+        if req.guide is None:
             return ngram_proposal(req.all_ids, k, self.max_n, self.min_n)
-        return forced + ngram_proposal(req.all_ids + forced, k - len(forced), self.max_n, self.min_n)
-
-    @property
-    def on_device(self) -> bool:
-        """The proposals are made inside the step (draft model): the host does not know them, so it
-        cannot walk a grammar over them (a constrained row does not speculate)."""
-        return self.method == "draft"
+        forced = req.guide.forced()[:k]
+        chain = forced + ngram_proposal(req.all_ids + forced, k - len(forced), self.max_n, self.min_n)
+        return chain[:req.guide.valid_prefix(chain)]
 
     def draws(self, n: int) -> int:
         """The most tokens a row with n proposals draws: 1 + n for a chain, 1 + the depth of the
