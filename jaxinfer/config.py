@@ -552,7 +552,7 @@ class ResolvedConfig:
     max_model_len: int           # capped so one sequence of it fits in the pool
     max_decode_steps: int        # 1 where a step cannot loop on the device (pipeline stages)
     spec_tokens: int = 0         # proposals per decoding row (0: no speculative decoding)
-    spec_rounds: int = 1         # draft method: speculation rounds one step may run on the device
+    spec_rounds: int = 1         # draft / n-gram: speculation rounds one step may run on the device
     spec_max_batch: int = 0      # the load policy: speculate while at most this many sequences run
 
     @property
@@ -597,9 +597,9 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
     spec = cfg.num_speculative_tokens if cfg.speculative_method else 0
     max_batch = cfg.speculative_max_batch if cfg.speculative_max_batch is not None else DEFAULT_SPECULATIVE_MAX_BATCH
     # a speculative step verifies on the device once: multi-step decoding is for engines without it
-    # draft method: the device runs up to ceil(max_decode_steps / 2) rounds per step while every row
-    # speculates (n-gram proposals come from the host: one round)
-    rounds = -(-cfg.max_decode_steps // 2) if cfg.speculative_method == "draft" else 1
+    # draft and n-gram methods: the device runs up to ceil(max_decode_steps / 2) rounds per step
+    # while every row speculates with proposals made there (Medusa: one round)
+    rounds = -(-cfg.max_decode_steps // 2) if cfg.speculative_method in ("draft", "ngram") else 1
     return ResolvedConfig(cfg, backend, dtype, kv_dtype, attention, attention, num_blocks, max_model_len,
                           1 if pipelined else cfg.max_decode_steps, spec_tokens=spec,
                           spec_max_batch=max_batch if spec else 0, spec_rounds=rounds)

@@ -146,7 +146,7 @@ class Engine:
         self.spec_stats = SpecStats(r.spec_tokens)
         if r.spec_tokens:
             depths = tuple(len(p) for p in medusa_heads[1].paths) if medusa_heads else ()
-            proposer = Proposer(cfg.speculative_method, tree_depths=depths)
+            proposer = Proposer(cfg.speculative_method, tree_depths=depths, on_device=True)
             self.scheduler.propose, self.scheduler.spec_draws = proposer, proposer.draws
         runner_cfg = RunnerConfig(cfg.block_size, r.num_blocks, cfg.max_num_seqs, tokens_budget, r.max_model_len,
                                   r.attention, max_decode_steps=r.max_decode_steps, eos_ids=tuple(eos),
@@ -374,7 +374,7 @@ class Engine:
                for i, q in enumerate(plan.seqs)]
         for i, q in enumerate(plan.seqs):
             if q.spec and q.request.request_id in samples:
-                self.spec_stats.add(len(q.spec), counts[i])
+                self.spec_stats.add(counts[i])
         iters = max(its)
         context = sum(n * (q.start + q.num_tokens) + n * (n - 1) // 2 for q, n in zip(plan.seqs, its))
         self.stats_.step_times.append(dt / iters)

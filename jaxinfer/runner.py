@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.config import MAX_LOGIT_BIAS, ModelConfig
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
-from jaxinfer.host.speculative import MAX_GUIDED_ROWS
+from jaxinfer.host.speculative import MAX_GUIDED_ROWS, NGRAM_MAX_N, NGRAM_MIN_N
 from jaxinfer.host.structured import Grammars, mask_words
 from jaxinfer.kv_cache import (TREE_NONE, StepRow, attention_buckets, build_attention_metadata, init_kv_pages,
                                kv_bytes_per_token)
@@ -148,7 +148,10 @@ class ModelRunner:
                                      # decoding where no row speculates, speculation rounds otherwise
                                      max(cfg.spec_rounds, cfg.max_decode_steps, 1),
                                      self.num_seqs_for(self.token_buckets[-1]), self.kv_sharding, replicate,
-                                     cfg.spec_tokens, draft_graphdef, medusa_graphdef, self.tree)
+                                     cfg.spec_tokens, draft_graphdef, medusa_graphdef, self.tree,
+                                     # n-gram: prompt lookup on the device
+                                     (NGRAM_MAX_N, NGRAM_MIN_N) if cfg.spec_tokens and draft is None
+                                     and medusa_heads is None else ())
         self.out_rows = self.settings.out_rows
         self.step = jit_step(self.settings)
         # the prev_tokens of a step whose tokens the host all knows (no previous step in flight)
@@ -269,12 +272,17 @@ class ModelRunner:
         # row: one past its last drawn token; speculative.verify steps through the proposals)
         if self.tree is not None:
             self._tree_layout(out, meta, positions)
-        sb = self._sampling_batch(rows, positions[logits_indices - num_spec] + 1)
+        # n-gram rows with placeholders: the device looks up their proposals in their histories
+        lookup = np.zeros(s, np.bool_)
+        if self.settings.ngram:
+            lookup[:len(out.seqs)] = [bool(q.spec) and q.spec[0] == -1 for q in out.seqs]
+        sb = self._sampling_batch(rows, positions[logits_indices - num_spec] + 1, bool(lookup.any()))
         spec = None
         if self.cfg.spec_tokens:
             node_masks, mask_slot = self._node_masks(out, s)
             spec = SpecInputs(num_spec, propose=np.bool_(out.speculating) if self.tree is not None else None,
-                              node_masks=node_masks, mask_slot=mask_slot)
+                              node_masks=node_masks, mask_slot=mask_slot,
+                              lookup=lookup if self.settings.ngram else None)
             if self.settings.draft_graphdef is not None:
                 spec = self._draft_inputs(out, tables, num_spec, s, b, node_masks, mask_slot)
         inputs = StepInputs(tokens, positions, meta, logits_indices, sb, self._stop_ids(rows), max_new,
@@ -352,7 +360,8 @@ class ModelRunner:
                 out[i, :len(ids)] = ids
         return out
 
-    def _sampling_batch(self, rows: list, positions_of_rows: np.ndarray) -> SamplingBatch:
+    def _sampling_batch(self, rows: list, positions_of_rows: np.ndarray, lookup: bool = False) -> SamplingBatch:
+        """lookup: the step reads the rows' histories for prompt lookup too (not only penalties)."""
         s = len(rows)
         f = lambda v: np.full(s, v, np.float32)  # noqa: E731
         temp, top_p, min_p, rep, pres, freq = f(0.0), f(1.0), f(0.0), f(1.0), f(0.0), f(0.0)
@@ -368,7 +377,7 @@ class ModelRunner:
             seed[i], index[i] = req.seed & 0xFFFFFFFF, req.sample_index
             num_logprobs[i] = p.logprobs or 0
         any_penalty = bool(np.any((rep != 1) | (pres != 0) | (freq != 0)))
-        hist, is_out = self._history(s, rows, any_penalty)
+        hist, is_out = self._history(s, rows, any_penalty or lookup)
         return SamplingBatch(temp, top_k, top_p, min_p, rep, pres, freq, seed, index,
                              positions_of_rows.astype(np.int32), num_logprobs, hist, is_out,
                              *self._constraints(s, rows))

@@ -1,4 +1,6 @@
-"""Speculative decoding on the device: the draft model's proposals and their exact verification.
+"""Speculative decoding on the device: the draft model's proposals, n-gram prompt lookup over
+each row's history (so n-gram speculation runs several rounds per step), and their exact
+verification.
 
 A speculating row of a step holds 1 + k tokens: its last drawn token t0 (position p) and k proposed
 tokens d_1..d_k (positions p + 1 .. p + k). The target computes logits at all 1 + k positions in
@@ -43,6 +45,31 @@ def with_history(b: SamplingBatch, ids: jax.Array, drew: jax.Array) -> SamplingB
         return SamplingBatch(**{**vars(b), "history": b.history.at[rows, col].set(ids, mode="drop"),
                                 "history_is_output": b.history_is_output.at[rows, col].set(True, mode="drop")})
     return jax.lax.cond(any_penalty(b), record, lambda b: b, b)
+
+
+def ngram_lookup(history: jax.Array, length: jax.Array, k: int, max_n: int, min_n: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """Prompt lookup on the device, host/speculative.ngram_proposal row by row: row s's tokens are
+    history[s, :length[s]] (prompt + output, its last token included); the longest suffix of
+    max_n down to min_n tokens that occurred earlier, its latest earlier occurrence, and the up to k
+    tokens that followed it. -> (drafts [S, k] (0 past num), num [S])."""
+    s, h = history.shape
+    i = jnp.arange(h)[None, :]
+    found = jnp.zeros((s,), jnp.bool_)
+    start = jnp.zeros((s,), jnp.int32)
+    for n in range(max_n, min_n - 1, -1):
+        match = (i + n <= length[:, None] - 1) & (n <= length[:, None] - 1)   # a token follows the window
+        for j in range(n):
+            suffix = jnp.take_along_axis(history, jnp.maximum(length - n + j, 0)[:, None], axis=1)   # [S, 1]
+            shifted = jnp.pad(history[:, j:], ((0, 0), (0, j)), constant_values=-1)                # [S, H]
+            match &= shifted == suffix
+        last = jnp.max(jnp.where(match, i, -1), axis=1)
+        start = jnp.where(~found & (last >= 0), last + n, start)
+        found |= last >= 0
+    num = jnp.where(found, jnp.clip(length - start, 0, k), 0)
+    at = jnp.minimum(start[:, None] + jnp.arange(k)[None, :], h - 1)
+    drafts = jnp.where(jnp.arange(k)[None, :] < num[:, None], jnp.take_along_axis(history, at, axis=1), 0)
+    return drafts.astype(jnp.int32), num.astype(jnp.int32)
 
 
 def expand_paths(b: SamplingBatch, node_tokens: jax.Array, depth: np.ndarray, path_nodes: np.ndarray,

@@ -31,7 +31,7 @@ host applies stop strings afterwards and discards what follows a stop (engine.py
 (prefill chunks) runs the same program with num_iters = 1, so multi-step adds no compilation.
 
 Speculative engines: `_spec_step` (draft model / n-gram: chains verified by speculative.verify,
-several rounds per call for the draft method) and `_medusa_step` (a tree of the Medusa heads'
+several rounds per call where the device makes the proposals: the draft model, n-gram lookup) and `_medusa_step` (a tree of the Medusa heads'
 candidates per row under a tree attention mask, medusa.verify_tree_flat, the accepted path's K/V
 moved into place, the next tree proposed in the same call).
 """
@@ -49,7 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxinfer import medusa
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV, move_kv
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, any_penalty, sample
-from jaxinfer.speculative import draft_sample, verify, with_history
+from jaxinfer.speculative import draft_sample, ngram_lookup, verify, with_history
 
 MAX_STOP_IDS = 8   # stop ids checked on device per row; a row with more is checked by the host only
 
@@ -68,6 +68,9 @@ class SpecInputs:
     # under node_masks[mask_slot[s], n - 1], its grammar's mask after the path to n (-1: no grammar)
     node_masks: jax.Array | None = None         # [C, N, W] int32 (C: min(MAX_GUIDED_ROWS, max_num_seqs))
     mask_slot: jax.Array | None = None          # [S] int32
+    # n-gram: row s's proposals come from prompt lookup on the device (its num_spec[s] slots are
+    # placeholders, its sampling history holds its tokens), every round; False: the host's proposals
+    lookup: jax.Array | None = None             # [S] bool
 
 
 @jax.tree_util.register_dataclass
@@ -94,7 +97,9 @@ class StepOutputs:
     top_logprobs: jax.Array     # [K, S, MAX_LOGPROBS] float32
     num_drawn: jax.Array        # [S] int32: how many of ids[:, s] are real
     next_tokens: jax.Array      # [K * max_rows] int32: ids[k, s] at k * max_rows + s (stays on device)
-    spec_counts: jax.Array | None = None   # speculation: [S, 1 + k] rounds that proposed, accepted per position
+    # speculation, per row: [S, 3 + k] rounds run, rounds that proposed, tokens proposed, then how
+    # many rounds accepted the proposal at each position (a Medusa tree: a node at each depth)
+    spec_counts: jax.Array | None = None
     proposals: jax.Array | None = None     # Medusa: [S, N] each row's next tree, from what drew its last token
 
 
@@ -111,6 +116,7 @@ class StepSettings:
     draft_graphdef: nnx.GraphDef | None = None   # the draft model (params and pages: (target, draft))
     medusa_graphdef: nnx.GraphDef | None = None  # Medusa heads (params: (target, heads)); spec_tokens: depth
     tree: medusa.Tree | None = None              # ... and their candidate tree
+    ngram: tuple[int, ...] = ()                  # n-gram method: (max_n, min_n) of the device's prompt lookup
 
     @property
     def out_rows(self) -> int:
@@ -258,7 +264,7 @@ def _spec_round(model, dmodel, kv_pages, inputs: StepInputs, settings: StepSetti
     t0 = li - sp.num_spec
     j = jnp.arange(k)[None, :]
     proposal_at = jnp.where(j < sp.num_spec[:, None], t0[:, None] + 1 + j, t)      # [S, k]; t: none
-    q = None
+    q, num_spec = None, sp.num_spec
     if dmodel is not None:
         tpages, dpages = kv_pages
         drafts, q, dpages = _propose(dmodel, dpages, inputs, tokens, k, settings.attention)
@@ -267,6 +273,10 @@ def _spec_round(model, dmodel, kv_pages, inputs: StepInputs, settings: StepSetti
     else:
         tpages = kv_pages
         drafts = jnp.where(proposal_at < t, tokens[jnp.minimum(proposal_at, t - 1)], 0)
+        if settings.ngram:
+            drafts, num_spec = _lookup(sp, sb, inputs.positions[t0] + 1, drafts, settings)
+            # a row's slots past its proposals compute (and write) what a rejected proposal would
+            tokens = tokens.at[proposal_at].set(drafts, mode="drop")
     h, tpages = model.hidden_states(tokens, inputs.positions, tpages, inputs.meta, settings.attention)
     tpages = _pin_pages(tpages, settings)
 
@@ -274,24 +284,36 @@ def _spec_round(model, dmodel, kv_pages, inputs: StepInputs, settings: StepSetti
         idx = jnp.minimum(t0[:, None] + jnp.arange(k1)[None, :], li[:, None])        # [S, k1]
         logits = model.logits(h[idx.reshape(-1)]).reshape(s, k1, -1)
         b = SamplingBatch(**{**vars(sb), "position": inputs.positions[t0] + 1})
-        return verify(logits, drafts, sp.num_spec, q, b, sp.node_masks, sp.mask_slot)
+        return verify(logits, drafts, num_spec, q, b, sp.node_masks, sp.mask_slot)
 
-    def plain(h):
-        ids, lps, top_ids, top_lps = sample(model.logits(h[li]), sb)
+    def plain(h):   # t0: a row whose lookup found nothing has placeholders after it
+        ids, lps, top_ids, top_lps = sample(model.logits(h[t0]), sb)
         pad = lambda x: jnp.zeros((k1,) + x.shape, x.dtype).at[0].set(x)  # noqa: E731
         return pad(ids), pad(lps), pad(top_ids), pad(top_lps), jnp.ones((s,), jnp.int32)
 
-    out = jax.lax.cond(jnp.any(sp.num_spec > 0), speculative, plain, h)
-    return (*out, ((tpages, dpages) if dmodel is not None else tpages))
+    out = jax.lax.cond(jnp.any(num_spec > 0), speculative, plain, h)
+    return (*out, num_spec, ((tpages, dpages) if dmodel is not None else tpages))
+
+
+def _lookup(sp: SpecInputs, sb: SamplingBatch, length: jax.Array, drafts: jax.Array, settings: StepSettings):
+    """The n-gram rows' proposals from prompt lookup over their histories (length [S]: tokens up to
+    and including the row's last drawn one), at most the row's slots; other rows keep the host's.
+    -> (drafts [S, k], num_spec [S])."""
+    def look(_):
+        d, n = ngram_lookup(sb.history, length, settings.spec_tokens, *settings.ngram)
+        return (jnp.where(sp.lookup[:, None], d, drafts),
+                jnp.where(sp.lookup, jnp.minimum(n, sp.num_spec), sp.num_spec))
+    return jax.lax.cond(jnp.any(sp.lookup), look, lambda _: (drafts, sp.num_spec), None)
 
 
 def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings):
     """A speculative engine's step: one round (_spec_round), or, when nobody waits and every row
-    either speculates (draft method) or decodes without proposals (multi-step decoding, as in
-    `_step`: the load policy turned speculation off), up to num_iters rounds on the device: round
-    r + 1 moves each row's chunk to just after the tokens it drew (its last drawn token, then the
-    proposals' slots), so the host is not consulted between rounds. A row stops at a stop id, or
-    when another round could draw past max_new; the loop when every row has stopped."""
+    either speculates with proposals made on the device (draft model, n-gram lookup) or decodes
+    without proposals (multi-step decoding, as in `_step`: the load policy turned speculation off),
+    up to num_iters rounds on the device: round r + 1 moves each row's chunk to just after the
+    tokens it drew (its last drawn token, then the proposals' slots), so the host is not consulted
+    between rounds. A row stops at a stop id, or when another round could draw past max_new; the
+    loop when every row has stopped."""
     k, k1, rounds = settings.spec_tokens, settings.spec_tokens + 1, settings.max_iters
     draft = settings.draft_graphdef is not None
     model = nnx.merge(settings.graphdef, params[0] if draft else params)
@@ -328,25 +350,28 @@ def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, set
 
     def body(carry):
         i, pages, p, last, done, b, out, counts = carry
-        ids, lps, top_ids, top_lps, drawn, pages = _spec_round(model, dmodel, pages,
-                                                               round_inputs(i, p, last, done, b), settings)
+        ids, lps, top_ids, top_lps, drawn, ns, pages = _spec_round(model, dmodel, pages,
+                                                                   round_inputs(i, p, last, done, b), settings)
         drawn = jnp.where(done, 0, jnp.minimum(drawn, inputs.max_new - out.num_drawn))
         jj = jnp.arange(k1)[:, None]
         dest = jnp.where(jj < drawn[None, :], out.num_drawn[None, :] + jj, n_out)     # [k1, S]; n_out: none
         cols = jnp.broadcast_to(jnp.arange(s)[None, :], dest.shape)
         put = lambda a, x: a.at[dest, cols].set(x, mode="drop")  # noqa: E731
-        spec_row = (sp.num_spec > 0) & ~done
-        counts = counts.at[:, 0].add(spec_row.astype(jnp.int32))
-        counts = counts.at[:, 1:].add((spec_row[:, None] & (jnp.arange(k)[None, :] < drawn[:, None] - 1)
+        spec_row = (ns > 0) & ~done
+        counts = counts.at[:, 0].add((~done).astype(jnp.int32))
+        counts = counts.at[:, 1].add(spec_row.astype(jnp.int32))
+        counts = counts.at[:, 2].add(jnp.where(spec_row, ns, 0))
+        counts = counts.at[:, 3:].add((spec_row[:, None] & (jnp.arange(k)[None, :] < drawn[:, None] - 1)
                                        ).astype(jnp.int32))
         out = StepOutputs(put(out.ids, ids), put(out.logprobs, lps), put(out.top_ids, top_ids),
                           put(out.top_logprobs, top_lps), out.num_drawn + drawn, out.next_tokens)
         emitted = jj < drawn[None, :]
         stopped = jnp.any(emitted[:, :, None] & (ids[:, :, None] == inputs.stop_ids[None]), axis=(0, 2))
         last = jnp.where(drawn > 0, ids[jnp.maximum(drawn - 1, 0), jnp.arange(s)], last)
-        # penalties in later rounds see what this one drew, at positions p + 1 ..
+        # penalties and prompt lookup in later rounds see what this one drew, at positions p + 1 ..
         hist_cols = jnp.where(emitted.T, p[:, None] + 1 + jnp.arange(k1)[None, :], b.history.shape[1])
-        b = jax.lax.cond(any_penalty(b),
+        reads_history = any_penalty(b) if sp.lookup is None else any_penalty(b) | jnp.any(sp.lookup)
+        b = jax.lax.cond(reads_history,
                          lambda b: SamplingBatch(**{**vars(b), "history": b.history.at[
                              jnp.arange(s)[:, None], hist_cols].set(ids.T, mode="drop"),
                              "history_is_output": b.history_is_output.at[jnp.arange(s)[:, None], hist_cols].set(
@@ -363,7 +388,7 @@ def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, set
                       jnp.zeros((n_out, s, MAX_LOGPROBS), jnp.int32), jnp.zeros((n_out, s, MAX_LOGPROBS), jnp.float32),
                       jnp.zeros((s,), jnp.int32), None)
     carry = (jnp.int32(0), kv_pages, inputs.positions[t0], tokens[t0], inputs.max_new <= 0, sb, out,
-             jnp.zeros((s, k1), jnp.int32))
+             jnp.zeros((s, 3 + k), jnp.int32))
     if rounds == 1:
         _, kv_pages, _, _, _, _, out, counts = body(carry)
     else:
@@ -445,7 +470,8 @@ def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, s
     else:   # no multi-step decoding: the tree round alone (the model traced once)
         (ids, lps, top_ids, top_lps, drawn, path, proposals), kv_pages = tree_round(kv_pages)
     spec_row = (sp.num_spec > 0) & (drawn > 0)
-    counts = jnp.concatenate([spec_row[:, None], spec_row[:, None] & (jnp.arange(d1 - 1)[None, :] < drawn[:, None] - 1)],
+    counts = jnp.concatenate([spec_row[:, None], spec_row[:, None], jnp.where(spec_row, sp.num_spec, 0)[:, None],
+                              spec_row[:, None] & (jnp.arange(d1 - 1)[None, :] < drawn[:, None] - 1)],
                              axis=1).astype(jnp.int32)
     next_tokens = jnp.zeros((n_out, settings.max_rows), jnp.int32).at[:, :s].set(ids).reshape(-1)
     return StepOutputs(ids, lps, top_ids, top_lps, drawn, next_tokens, counts, proposals), kv_pages

@@ -274,8 +274,9 @@ class Scheduler:
         return out
 
     def _plan_spec_rounds(self, out: SchedulerOutput) -> None:
-        """Several rounds of speculation on the device (draft method) when every row speculates and
-        nobody waits: each row may draw up to rounds * (1 + k) tokens, blocks taken up front."""
+        """Several rounds of speculation on the device when every row speculates with proposals
+        made there (placeholders: the draft model, n-gram lookup) and nobody waits: each row may
+        draw up to rounds * (1 + k) tokens, blocks taken up front."""
         r = self.cfg.spec_rounds
         if r <= 1 or self.waiting or not out.seqs or not all(q.spec and q.spec[0] == -1 for q in out.seqs):
             return

@@ -1,12 +1,15 @@
-"""Speculative decoding on the host: the n-gram (prompt lookup) proposer, the draft model's
-placeholder proposals, and the acceptance counters. Never imports jax (jaxinfer/speculative.py
-holds the device side: the draft model's proposal loop and the exact verification).
+"""Speculative decoding on the host: the proposer (placeholders the device fills in, n-gram chains
+for rows under a grammar, Medusa trees) and the acceptance counters. Never imports jax
+(jaxinfer/speculative.py holds the device side: the draft model's proposal loop, prompt lookup
+and the exact verification).
 
 Prompt lookup (Saxena 2023; vLLM's "ngram" method): take the last n tokens of the request (n from
 `max_n` down to `min_n`), find their latest earlier occurrence in the request's own prompt and
 output, and propose the k tokens that followed it. It costs no model and pays off where the
-answer repeats or edits text it has seen (code edits, summaries quoting the source, RAG). Under a
-grammar the chain starts with the tokens the grammar forces next (host/structured.py).
+answer repeats or edits text it has seen (code edits, summaries quoting the source, RAG). The
+engine looks up on the device (speculative.ngram_lookup, the same rule as `ngram_proposal` here),
+so a step can run several rounds without the host; a row under a grammar is proposed for here,
+its chain starting with the tokens the grammar forces next (host/structured.py).
 """
 from __future__ import annotations
 
@@ -21,9 +24,11 @@ METHODS = ("draft", "ngram", "medusa")
 # structured outputs: constrained rows that may speculate in one step (the step's table of their
 # masks after each proposal, StepInputs.spec.node_masks, has this many slots)
 MAX_GUIDED_ROWS = 8
+NGRAM_MAX_N, NGRAM_MIN_N = 4, 1   # prompt lookup: the suffix lengths tried, longest first
 
 
-def ngram_proposal(tokens: list[int] | np.ndarray, k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+def ngram_proposal(tokens: list[int] | np.ndarray, k: int, max_n: int = NGRAM_MAX_N, min_n: int = NGRAM_MIN_N
+                   ) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest suffix of `tokens`
     (max_n down to min_n tokens long) that occurred before; [] when none did."""
     arr = np.asarray(tokens, np.int64)
@@ -40,14 +45,16 @@ def ngram_proposal(tokens: list[int] | np.ndarray, k: int, max_n: int = 4, min_n
 
 @dataclass
 class Proposer:
-    """propose(req, k, depth) for the scheduler: n-gram lookup over the request's tokens, k
-    placeholders (-1) the draft model fills in on the device, or the Medusa tree the heads proposed
-    in the request's last step (req.proposals; nothing when they are not for its current tokens)
-    cut to its nodes of depth <= depth. tree_depths: the Medusa tree's node depths, in tree order."""
+    """propose(req, k, depth) for the scheduler: k placeholders (-1) the device fills in (the draft
+    model's proposals; n-gram lookup when on_device, else the lookup here), or the Medusa tree the
+    heads proposed in the request's last step (req.proposals; nothing when they are not for its
+    current tokens) cut to its nodes of depth <= depth. tree_depths: the Medusa tree's node depths,
+    in tree order."""
     method: str
-    max_n: int = 4
-    min_n: int = 1
+    max_n: int = NGRAM_MAX_N
+    min_n: int = NGRAM_MIN_N
     tree_depths: tuple[int, ...] = ()
+    on_device: bool = False     # n-gram: the step looks up (speculative.ngram_lookup)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -67,7 +74,7 @@ class Proposer:
         if self.method == "draft":
             return [-1] * k if req.guide is None else []
         if req.guide is None:
-            return ngram_proposal(req.all_ids, k, self.max_n, self.min_n)
+            return [-1] * k if self.on_device else ngram_proposal(req.all_ids, k, self.max_n, self.min_n)
         forced = req.guide.forced()[:k]
         chain = forced + ngram_proposal(req.all_ids + forced, k - len(forced), self.max_n, self.min_n)
         return chain[:req.guide.valid_prefix(chain)]
@@ -91,16 +98,15 @@ class SpecStats:
     def __post_init__(self) -> None:
         self.accepted_per_pos = [0] * self.num_tokens
 
-    def add(self, proposed: int, counts) -> None:
-        """One speculating row of a step: counts[0] rounds of `proposed` proposals each, counts[1 + i]
-        of them accepted the i-th (the device counts, jaxinfer/step.py; a Medusa tree: accepted a
-        node at depth i + 1)."""
-        rounds = int(counts[0])
-        self.num_drafts += rounds
-        self.num_draft_tokens += rounds * proposed
-        for i in range(min(proposed, len(counts) - 1, self.num_tokens)):
-            self.accepted_per_pos[i] += int(counts[1 + i])
-            self.num_accepted_tokens += int(counts[1 + i])
+    def add(self, counts) -> None:
+        """One speculating row of a step, the device's counts (StepOutputs.spec_counts): counts[0]
+        rounds run, counts[1] of them proposed, counts[2] tokens in all; counts[3 + i] rounds
+        accepted the i-th proposal (a Medusa tree: a node at depth i + 1)."""
+        self.num_drafts += int(counts[1])
+        self.num_draft_tokens += int(counts[2])
+        for i in range(min(len(counts) - 3, self.num_tokens)):
+            self.accepted_per_pos[i] += int(counts[3 + i])
+            self.num_accepted_tokens += int(counts[3 + i])
 
     @property
     def mean_acceptance_length(self) -> float | None:
