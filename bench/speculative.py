@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     json_prompts = []
     for s in starts[len(starts) - args.reps:]:            # past what the load workloads read
         words = gens["none"].tokenizer.decode(ids[s: s + args.passage_len]).replace("\n", " ").replace('"', "'")
-        record = json.dumps({"quote": " ".join(words.split())}, separators=(",", ":"))
+        record = json.dumps({"quote": " ".join(words.split())}, separators=(",", ":"), ensure_ascii=False)
         json_prompts.append(gens["none"].tokenizer.encode(f"{record}\n{record}\n", add_special_tokens=False))
     report = {"benchmark": "speculative decoding", "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
               "device": device_info(), "model": str(path), "config": vars(args), "workloads": {}}
