@@ -52,7 +52,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="proposals per sequence and step (medusa: the tree's depth, at most the heads)")
     p.add_argument("--speculative-max-batch", type=int, default=None,
-                   help="speculate while at most this many sequences run (default: the measured crossover)")
+                   help="speculate while at most this many sequences run or wait (default: the measured crossover)")
 
 
 def speculative_kwargs(args: argparse.Namespace) -> dict:

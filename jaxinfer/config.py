@@ -468,7 +468,7 @@ class SamplingParams:
 
 
 MAX_SPECULATIVE_TOKENS = 16
-# the load policy: speculate while at most this many sequences run (bench/speculative.py: forced on,
+# the load policy: speculate while at most this many sequences run or wait (bench/speculative.py: forced on,
 # speculation lost at 16 and 64 sequences on the bundled model; the crossover below 16 is not measured)
 DEFAULT_SPECULATIVE_MAX_BATCH = 8
 
@@ -493,7 +493,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV blocks of cached prompt prefixes (host/block_manager.py)
     speculative_method: str | None = None   # None | draft | ngram | medusa (jaxinfer/speculative.py, medusa.py)
     num_speculative_tokens: int = 4     # K: proposals per decoding sequence and step (medusa: the tree's depth)
-    speculative_max_batch: int | None = None   # speculate while at most this many sequences run (None: default)
+    speculative_max_batch: int | None = None   # speculate while at most this many sequences run or wait (None: default)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -553,7 +553,7 @@ class ResolvedConfig:
     max_decode_steps: int        # 1 where a step cannot loop on the device (pipeline stages)
     spec_tokens: int = 0         # proposals per decoding row (0: no speculative decoding)
     spec_rounds: int = 1         # draft / n-gram: speculation rounds one step may run on the device
-    spec_max_batch: int = 0      # the load policy: speculate while at most this many sequences run
+    spec_max_batch: int = 0      # the load policy: speculate while at most this many sequences run or wait
 
     @property
     def pool_tokens(self) -> int:

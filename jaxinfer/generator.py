@@ -163,7 +163,7 @@ class Generator:
         (speculative_model: heads trained for this model by scripts/train_medusa.py, bundled for the
         bundled model; their tree of candidates is verified in one step, num_speculative_tokens deep);
         each decoding sequence proposes num_speculative_tokens tokens per step while at most
-        speculative_max_batch sequences run (None: the measured default), verified exactly
+        speculative_max_batch sequences run or wait (None: the measured default), verified exactly
         (jaxinfer/speculative.py, jaxinfer/medusa.py)."""
         cfg = EngineConfig(dtype=dtype, attention=attention, quantize=quantize, kv_dtype=kv_dtype,
                            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,

@@ -9,6 +9,7 @@ The clock is fake, so everything is deterministic.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import zlib
 from dataclasses import dataclass
@@ -986,3 +987,22 @@ def test_forks_continuing_a_cached_prompt_run_in_one_step():
     assert per_step[:3] == [0, 3, 0]   # first chunk; then the leader and both forks together
     assert sum(per_step) == 3          # each of the three samples continued its prompt once
     assert bm.num_used == 0
+
+
+def test_speculation_load_policy_counts_waiting_sequences():
+    """spec_k: K proposals while at most spec_max_batch sequences run or wait, none above; a burst
+    counts as soon as it arrives (max_num_seqs 2 here: the third request waits), and speculation
+    returns once the queue has drained."""
+    h = Harness(max_num_seqs=2)
+    h.s.cfg = dataclasses.replace(h.cfg, spec_tokens=3, spec_max_batch=2)
+    h.s.propose = lambda req, k, depth: [-1] * k
+    h.add("a", 5, max_tokens=4)
+    h.add("b", 5, max_tokens=4)
+    assert h.s.spec_k() == 3                       # two waiting
+    h.add("c", 5, max_tokens=2)
+    assert h.s.spec_k() == 0                       # three: off, though at most two will run at once
+    h.step()
+    assert len(h.s.running) == 2 and len(h.s.waiting) == 1 and h.s.spec_k() == 0
+    while h.s.waiting or len(h.s.running) > 2:
+        h.step()
+    assert h.s.spec_k() == 3

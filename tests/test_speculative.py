@@ -419,8 +419,9 @@ def _assert_matches(tokens: np.ndarray, marginals) -> None:
         assert _chi_square_p(np.bincount(tokens[:, j], minlength=v), marginals[j]) > P_MIN, j
 
 
+# speculation forced on: the load policy counts waiting sequences, and 1,024 samples wait here
 EXACT_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, num_speculative_tokens=2,
-                    speculative_max_batch=8)
+                    speculative_max_batch=16 * 64)
 
 
 def test_sampling_exact_ngram_and_garbage(hf_model_dir, exact_reference):

@@ -58,7 +58,7 @@ class SchedulerConfig:
     batch_window_s: float = 0.05        # dynamic batching: how long the oldest request may wait
     max_decode_steps: int = 1           # decode iterations one step may run when every row decodes
     spec_tokens: int = 0                # speculative decoding: proposals per decoding row (K)
-    spec_max_batch: int = 0             # ... while at most this many sequences run (the load policy)
+    spec_max_batch: int = 0             # ... while at most this many sequences run or wait (the load policy)
     spec_rounds: int = 1                # rounds one step may run on the device when every row speculates
 
 
@@ -196,8 +196,12 @@ class Scheduler:
 
     def spec_k(self) -> int:
         """Proposals per decoding row this step: the load policy speculates with K tokens while at
-        most spec_max_batch sequences run and not at all above (bench/speculative.py; README)."""
-        if not self.cfg.spec_tokens or self.propose is None or len(self.running) > self.cfg.spec_max_batch:
+        most spec_max_batch sequences run or wait and not at all above (bench/speculative.py;
+        README). Waiting ones count: a burst of requests is a large batch as soon as it arrives,
+        before its prompts are all prefilled (counting only the running ones, 16 requests at once
+        speculated while the first 8 were admitted and ran at 0.90x of no speculation)."""
+        if (not self.cfg.spec_tokens or self.propose is None
+                or len(self.running) + len(self.waiting) > self.cfg.spec_max_batch):
             return 0
         return self.cfg.spec_tokens
 
