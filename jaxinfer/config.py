@@ -468,9 +468,16 @@ class SamplingParams:
 
 
 MAX_SPECULATIVE_TOKENS = 16
-# the load policy: speculate while at most this many sequences run or wait (bench/speculative.py: forced on,
-# speculation lost at 16 and 64 sequences on the bundled model; the crossover below 16 is not measured)
-DEFAULT_SPECULATIVE_MAX_BATCH = 8
+# The load policy's default per backend (resolve_config): speculate while at most this many sequences
+# run or wait. CPU: 1. bench/speculative.py on the bundled model, speculation forced on against none
+# (2026-11-25-cpu-speculative-crossover.json): at 1 sequence draft 1.50x, n-gram 1.12x, Medusa 0.85x;
+# at 2 sequences 0.80x / 0.77x / 0.44x, at 4 0.96x / 0.84x / 0.56x, at 16 and 64 0.27-0.50x: XLA:CPU's
+# matmuls are compute-bound once a step holds a few rows, so verifying 1 + k tokens a row costs
+# nearly 1 + k tokens. Accelerators: 8, not measured (no GPU lent yet): a decode step stays bound by
+# reading the weights until it holds about as many tokens as the chip does FLOPs per byte read (~300
+# on an H100 in bfloat16), so 8 rows x 5 verified tokens should cost little more than 8.
+DEFAULT_SPECULATIVE_MAX_BATCH = {"cpu": 1}
+DEFAULT_SPECULATIVE_MAX_BATCH_ACCELERATOR = 8
 
 
 @dataclass(frozen=True)
@@ -595,7 +602,8 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
                  f"{cfg.block_size}); raise num_blocks for longer sequences")
         max_model_len = pool_tokens
     spec = cfg.num_speculative_tokens if cfg.speculative_method else 0
-    max_batch = cfg.speculative_max_batch if cfg.speculative_max_batch is not None else DEFAULT_SPECULATIVE_MAX_BATCH
+    max_batch = (cfg.speculative_max_batch if cfg.speculative_max_batch is not None else
+                 DEFAULT_SPECULATIVE_MAX_BATCH.get(backend, DEFAULT_SPECULATIVE_MAX_BATCH_ACCELERATOR))
     # a speculative step verifies on the device once: multi-step decoding is for engines without it
     # while every row speculates with proposals made on the device, a step runs several rounds: as many
     # as multi-step decoding runs forwards for n-gram (one target forward a round), half as many for

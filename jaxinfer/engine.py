@@ -141,7 +141,8 @@ class Engine:
                             max_decode_steps=r.max_decode_steps,
                             # a Medusa row proposes its tree's nodes (spec_tokens: the tree's depth)
                             spec_tokens=len(medusa_heads[1].paths) if medusa_heads else r.spec_tokens,
-                            spec_max_batch=r.spec_max_batch, spec_rounds=r.spec_rounds),
+                            spec_max_batch=r.spec_max_batch, spec_rounds=r.spec_rounds,
+                            lazy_draft=draft_model is not None),
             self.blocks, eos_ids=eos)
         self.spec_stats = SpecStats(r.spec_tokens)
         if r.spec_tokens:
@@ -336,8 +337,9 @@ class Engine:
             self.stats_.compilations_after_warmup += CompileCounter.count - c0
         self.scheduler.launched(plan)
         self.stats_.num_steps += 1
-        self.stats_.prompt_tokens += sum(min(q.num_tokens, max(0, len(q.request.prompt_ids) - q.start))
-                                         for q in plan.seqs)
+        # prompt positions whose target K/V the step computes (a draft catch-up's are cached already)
+        self.stats_.prompt_tokens += sum(max(0, min(q.start + q.num_tokens, len(q.request.prompt_ids)) - q.start
+                                             - q.draft_only) for q in plan.seqs)
         return launched
 
     def _fetch(self, launched: Launched) -> dict:
@@ -377,10 +379,11 @@ class Engine:
                 self.spec_stats.add(counts[i])
         iters = max(its)
         context = sum(n * (q.start + q.num_tokens) + n * (n - 1) // 2 for q, n in zip(plan.seqs, its))
-        self.stats_.step_times.append(dt / iters)
         self._device_s = dt / iters
-        self.stats_.bandwidth.append(perf.bytes_read(self.weight_bytes, self.runner.kv_bytes_per_token, context,
-                                                     iters) / dt)
+        if plan.run_target:   # (a draft catch-up step reads none of the target's weights or K/V)
+            self.stats_.step_times.append(dt / iters)
+            self.stats_.bandwidth.append(perf.bytes_read(self.weight_bytes, self.runner.kv_bytes_per_token, context,
+                                                         iters) / dt)
         before = {q.request.request_id: len(q.request.output_ids) for q in plan.seqs}
         for q in plan.seqs:
             st = self._text.get(q.request.request_id)
@@ -487,6 +490,9 @@ class Engine:
             "speculative_method": self.cfg.speculative_method,
             "num_speculative_tokens": self.resolved.spec_tokens,
             **self.spec_stats.as_dict(),
+            # speculative_method="draft": positions the draft recomputed to catch up with the target
+            # after steps that skipped it (the load policy had speculation off)
+            "spec_decode_draft_catchup_tokens": self.scheduler.num_draft_catchup_tokens,
         }
 
 

@@ -28,8 +28,8 @@ from jaxinfer.config import MAX_LOGIT_BIAS, ModelConfig
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
 from jaxinfer.host.speculative import MAX_GUIDED_ROWS, NGRAM_MAX_N, NGRAM_MIN_N
 from jaxinfer.host.structured import Grammars, mask_words
-from jaxinfer.kv_cache import (TREE_NONE, StepRow, attention_buckets, build_attention_metadata, init_kv_pages,
-                               kv_bytes_per_token)
+from jaxinfer.kv_cache import (PAD_SLOT, TREE_NONE, StepRow, attention_buckets, build_attention_metadata,
+                               init_kv_pages, kv_bytes_per_token)
 from jaxinfer.medusa import tree_arrays
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.sampling import SamplingBatch
@@ -284,7 +284,7 @@ class ModelRunner:
                               node_masks=node_masks, mask_slot=mask_slot,
                               lookup=lookup if self.settings.ngram else None)
             if self.settings.draft_graphdef is not None:
-                spec = self._draft_inputs(out, tables, num_spec, s, b, node_masks, mask_slot)
+                spec = self._draft_inputs(out, tables, num_spec, s, b, node_masks, mask_slot, meta)
         inputs = StepInputs(tokens, positions, meta, logits_indices, sb, self._stop_ids(rows), max_new,
                             np.int32(out.num_decode_iters), from_prev, spec)
         return inputs, rows
@@ -338,16 +338,24 @@ class ModelRunner:
         return [[spec[m - 1] for m in nodes[j, 1:] if m > 0] for j in range(1, len(spec) + 1)]
 
     def _draft_inputs(self, out: SchedulerOutput, tables: dict[str, list[int]], num_spec: np.ndarray, s: int,
-                      b: int, node_masks, mask_slot) -> SpecInputs:
+                      b: int, node_masks, mask_slot, meta) -> SpecInputs:
         """The draft model's proposal iterations: one token per speculating row (its first proposal,
-        at t0's position + 1; later iterations advance it on the device), in row order."""
+        at t0's position + 1; later iterations advance it on the device), in row order; and where the
+        draft writes the step's tokens: every token's slot, while the target skips (PAD_SLOT in
+        meta.slot_mapping) the positions of a catching-up draft whose target K/V is cached."""
         rows = [StepRow(q.start + q.num_tokens - len(q.spec), 1, tables[q.request.request_id], q.max_draws - 2)
                 if q.spec else StepRow(0, 0, ()) for q in out.seqs]
         dm = build_attention_metadata(rows, self.cfg.block_size, s, s, b)
         positions = np.zeros(s, np.int32)
+        draft_slots = meta.slot_mapping.copy()
         for i, q in enumerate(out.seqs):
             positions[i] = q.start + q.num_tokens - len(q.spec)   # t0's position + 1
-        return SpecInputs(num_spec, dm, positions, node_masks=node_masks, mask_slot=mask_slot)
+            if q.draft_only:
+                first = int(meta.query_start_loc[i])
+                meta.slot_mapping[first: first + q.draft_only] = PAD_SLOT
+        return SpecInputs(num_spec, dm, positions, node_masks=node_masks, mask_slot=mask_slot,
+                          draft_slots=draft_slots, run_draft=np.bool_(out.run_draft),
+                          run_target=np.bool_(out.run_target))
 
     def _stop_ids(self, rows: list) -> np.ndarray:
         """[S, MAX_STOP_IDS]: the ids that end each row on device (-1 padded). Ids beyond the first

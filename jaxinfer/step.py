@@ -31,9 +31,13 @@ host applies stop strings afterwards and discards what follows a stop (engine.py
 (prefill chunks) runs the same program with num_iters = 1, so multi-step adds no compilation.
 
 Speculative engines: `_spec_step` (draft model / n-gram: chains verified by speculative.verify,
-several rounds per call where the device makes the proposals: the draft model, n-gram lookup) and `_medusa_step` (a tree of the Medusa heads'
-candidates per row under a tree attention mask, medusa.verify_tree_flat, the accepted path's K/V
-moved into place, the next tree proposed in the same call).
+several rounds per call where the device makes the proposals: the draft model, n-gram lookup) and
+`_medusa_step` (a tree of the Medusa heads' candidates per row under a tree attention mask,
+medusa.verify_tree_flat, the accepted path's K/V moved into place, the next tree proposed in the
+same call). The draft model runs only where some row speculates or catches up (SpecInputs.run_draft:
+the load policy's steps without speculation skip it); a row whose draft pages lag catches up in a
+step of such chunks alone, which runs the draft and not the target (SpecInputs.run_target,
+draft_slots; host/scheduler.py).
 """
 from __future__ import annotations
 
@@ -63,6 +67,13 @@ class SpecInputs:
     # at decode_tokens[s]), positions / slots / context of the first proposal; None: n-gram
     draft_meta: AttentionMetadata | None = None
     draft_positions: jax.Array | None = None    # [S] int32: row s's t0 position + 1
+    # draft model: where it writes the step's tokens (the target's slots, and those of a catching-up
+    # row's positions whose target K/V is cached, which the target's meta pads), whether it runs at
+    # all (not where nobody speculates), and whether the target does (not in a step of catch-up
+    # chunks alone): host/scheduler.py, lazy_draft
+    draft_slots: jax.Array | None = None        # [T] int32
+    run_draft: jax.Array | None = None          # [] bool
+    run_target: jax.Array | None = None         # [] bool
     propose: jax.Array | None = None            # [] bool, Medusa: propose next trees (the load policy is on)
     # structured outputs: row s (mask_slot[s] >= 0) draws the token after its proposal / tree node n
     # under node_masks[mask_slot[s], n - 1], its grammar's mask after the path to n (-1: no grammar)
@@ -267,7 +278,14 @@ def _spec_round(model, dmodel, kv_pages, inputs: StepInputs, settings: StepSetti
     q, num_spec = None, sp.num_spec
     if dmodel is not None:
         tpages, dpages = kv_pages
-        drafts, q, dpages = _propose(dmodel, dpages, inputs, tokens, k, settings.attention)
+        dinputs = dataclasses.replace(inputs, meta=AttentionMetadata(**{**vars(inputs.meta),
+                                                                        "slot_mapping": sp.draft_slots}))
+
+        def skip(dpages):   # no row speculates (the host's run_draft): nothing to propose, q unread
+            return (jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k, dmodel.cfg.vocab_size), jnp.float32), dpages)
+        drafts, q, dpages = jax.lax.cond(
+            sp.run_draft, lambda dpages: _propose(dmodel, dpages, dinputs, tokens, k, settings.attention), skip,
+            dpages)
         dpages = _pin_pages(dpages, settings, replicated=True)
         tokens = tokens.at[proposal_at].set(drafts, mode="drop")
     else:
@@ -344,7 +362,8 @@ def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, set
             dm = sp.draft_meta
             dslots = jnp.where(later & done[dm.seq_ids], PAD_SLOT, dm.slot_mapping)
             spec = dataclasses.replace(sp, draft_meta=AttentionMetadata(**{**vars(dm), "slot_mapping": dslots}),
-                                       draft_positions=jnp.where(later, p + 1, sp.draft_positions))
+                                       draft_positions=jnp.where(later, p + 1, sp.draft_positions),
+                                       draft_slots=jnp.where(later, slots, sp.draft_slots))
         return StepInputs(tok, pos, m, li, b, inputs.stop_ids, inputs.max_new, inputs.num_iters, inputs.from_prev,
                           spec)
 
@@ -387,15 +406,31 @@ def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, set
     out = StepOutputs(jnp.zeros((n_out, s), jnp.int32), jnp.zeros((n_out, s), jnp.float32),
                       jnp.zeros((n_out, s, MAX_LOGPROBS), jnp.int32), jnp.zeros((n_out, s, MAX_LOGPROBS), jnp.float32),
                       jnp.zeros((s,), jnp.int32), None)
-    carry = (jnp.int32(0), kv_pages, inputs.positions[t0], tokens[t0], inputs.max_new <= 0, sb, out,
-             jnp.zeros((s, 3 + k), jnp.int32))
-    if rounds == 1:
-        _, kv_pages, _, _, _, _, out, counts = body(carry)
-    else:
-        _, kv_pages, _, _, _, _, out, counts = jax.lax.while_loop(cond, body, carry)
-    next_tokens = jnp.zeros((n_out, settings.max_rows), jnp.int32).at[:, :s].set(out.ids).reshape(-1)
-    return StepOutputs(out.ids, out.logprobs, out.top_ids, out.top_logprobs, out.num_drawn, next_tokens,
-                       counts), kv_pages
+
+    def speculate(kv_pages):
+        carry = (jnp.int32(0), kv_pages, inputs.positions[t0], tokens[t0], inputs.max_new <= 0, sb, out,
+                 jnp.zeros((s, 3 + k), jnp.int32))
+        if rounds == 1:
+            _, kv_pages, _, _, _, _, drawn, counts = body(carry)
+        else:
+            _, kv_pages, _, _, _, _, drawn, counts = jax.lax.while_loop(cond, body, carry)
+        next_tokens = jnp.zeros((n_out, settings.max_rows), jnp.int32).at[:, :s].set(drawn.ids).reshape(-1)
+        return StepOutputs(drawn.ids, drawn.logprobs, drawn.top_ids, drawn.top_logprobs, drawn.num_drawn,
+                           next_tokens, counts), kv_pages
+
+    if not draft:
+        return speculate(kv_pages)
+
+    def catch_up(kv_pages):
+        """A step of draft catch-up chunks alone (SpecInputs.run_target False): the draft writes their
+        K/V, the target (which has it) does not run, nothing is drawn."""
+        tpages, dpages = kv_pages
+        dmeta = AttentionMetadata(**{**vars(meta), "slot_mapping": sp.draft_slots})
+        _, dpages = dmodel.hidden_states(tokens, inputs.positions, dpages, dmeta, settings.attention)
+        nothing = StepOutputs(out.ids, out.logprobs, out.top_ids, out.top_logprobs, out.num_drawn,
+                              jnp.zeros((n_out * settings.max_rows,), jnp.int32), jnp.zeros((s, 3 + k), jnp.int32))
+        return nothing, (_pin_pages(tpages, settings), _pin_pages(dpages, settings, replicated=True))
+    return jax.lax.cond(sp.run_target, speculate, catch_up, kv_pages)
 
 
 def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings):

@@ -66,10 +66,14 @@ class ServerMetrics:
         self.spec_mean_len = Gauge("jaxinfer_spec_decode_mean_acceptance_length",
                                    "Tokens per speculating sequence and round: 1 + accepted / drafts",
                                    ["model_name"], registry=r).labels(**label)
+        self.spec_catchup = Counter("jaxinfer_spec_decode_draft_catchup_tokens",
+                                    "Positions the draft model recomputed after decode steps that skipped it",
+                                    ["model_name"], registry=r).labels(**label)
         self._label = label
         self._last = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
                       "prefix_cache_hits": 0, "prefix_cache_evictions": 0, "spec_decode_num_drafts": 0,
-                      "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0}
+                      "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0,
+                      "spec_decode_draft_catchup_tokens": 0}
         self._last_pos: list[int] = []
 
     def observe_step(self, s: dict) -> None:
@@ -89,7 +93,8 @@ class ServerMetrics:
                              ("prefix_cache_evictions", self.cache_evictions),
                              ("spec_decode_num_drafts", self.spec_drafts),
                              ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
-                             ("spec_decode_num_accepted_tokens", self.spec_accepted)):
+                             ("spec_decode_num_accepted_tokens", self.spec_accepted),
+                             ("spec_decode_draft_catchup_tokens", self.spec_catchup)):
             if s[key] > self._last[key]:
                 counter.inc(s[key] - self._last[key])
                 self._last[key] = s[key]

@@ -1006,3 +1006,89 @@ def test_speculation_load_policy_counts_waiting_sequences():
     while h.s.waiting or len(h.s.running) > 2:
         h.step()
     assert h.s.spec_k() == 3
+
+
+def _lazy_draft_harness(max_num_seqs: int = 4) -> Harness:
+    """A draft-model engine's scheduler (proposals made on the device: -1 placeholders), one decode
+    iteration per step, speculating while at most one sequence runs or waits."""
+    h = Harness(max_num_seqs=max_num_seqs, budget=32, block_size=4)
+    h.bm.enable_caching = True
+    h.s.cfg = dataclasses.replace(h.cfg, spec_tokens=2, spec_max_batch=1, lazy_draft=True)
+    h.s.propose = lambda req, k, depth: [-1] * k
+    return h
+
+
+def _spec_step(h: Harness) -> SchedulerOutput:
+    """schedule -> one token per sampling row (every proposal rejected) -> update."""
+    out = h.s.schedule()
+    h.s.update(out, {q.request.request_id: StepSample(token_of(q.request.request_id, q.start + q.num_tokens), -0.5)
+                     for q in out.seqs if q.sample})
+    return out
+
+
+def _rows(out: SchedulerOutput) -> list[tuple]:
+    return [(q.request.request_id, q.start, q.num_tokens, q.draft_only, len(q.spec), q.sample) for q in out.seqs]
+
+
+def test_lazy_draft_skips_steps_without_speculation_then_catches_up():
+    """lazy_draft: while two sequences run (the policy keeps speculation off) no step runs the draft,
+    prefill included, and its K/V lags; once one is left, a step of its catch-up chunk alone runs the
+    draft only (the target has the K/V of those positions), then it speculates. Block size 4,
+    prompts of 6: worked by hand below."""
+    h = _lazy_draft_harness()
+    a = h.add("a", 6, max_tokens=12)
+    h.add("b", 6, max_tokens=3)
+    out = _spec_step(h)                                # both prefill: no draft while speculation is off
+    assert not out.run_draft and out.run_target and a.num_draft_computed == 0
+    out = _spec_step(h)                                # two decode rows
+    assert not out.run_draft and a.num_computed_tokens == 7 and a.num_draft_computed == 0
+    assert h.bm.draft_stale[h.bm.table("a")].tolist() == [True, True]    # positions 0..6 lag
+    out = _spec_step(h)                                # b draws its third token and finishes
+    assert _rows(out) == [("a", 7, 1, 0, 0, True), ("b", 7, 1, 0, 0, True)] and not out.run_draft
+    assert h.reqs["b"].finished and h.s.running == [a] and a.num_computed_tokens == 8 and a.num_draft_computed == 0
+    out = _spec_step(h)                                # a alone: the draft catches up over 0..7
+    assert _rows(out) == [("a", 0, 8, 8, 0, False)] and out.run_draft and not out.run_target
+    assert a.num_draft_computed == a.num_computed_tokens == 8 and a.draft_catchup_end == 0
+    assert not h.bm.draft_stale[h.bm.table("a")].any() and h.s.num_draft_catchup_tokens == 8
+    out = _spec_step(h)                                # and speculates: its last token + 2 proposals
+    assert _rows(out) == [("a", 8, 3, 0, 2, True)] and out.run_draft and out.run_target
+    assert a.num_draft_computed == a.num_computed_tokens == 9     # one token drawn: the rest rolled back
+
+
+def test_lazy_draft_cached_blocks_the_draft_never_wrote_are_recomputed():
+    """A request that decoded without the draft leaves cached blocks holding the target's K/V but
+    not the draft's: a later request that starts from them trusts the draft only up to the first
+    stale block and catches up from there (a draft-only step: the shared blocks' target K/V is
+    not written)."""
+    h = _lazy_draft_harness()
+    a = h.add("a", 6, max_tokens=6)
+    out = _spec_step(h)                                # a alone: its prefill feeds the draft
+    assert out.run_draft and a.num_draft_computed == 6
+    h.add("b", 6, max_tokens=6)
+    while h.s.has_unfinished():
+        _spec_step(h)
+    # a: 12 tokens, 11 computed, the draft's 6: block 0 (positions 0..3) valid, block 1 (4..7) stale
+    assert a.num_draft_computed == 6 and h.bm.num_used == 0
+    d = h.add("d", a.all_ids + [5, 6], max_tokens=4)
+    out = _spec_step(h)                                # hits blocks 0 and 1; the draft trusts block 0
+    assert _rows(out) == [("d", 8, 6, 0, 0, True)] and d.num_draft_computed == 4
+    out = _spec_step(h)
+    assert _rows(out) == [("d", 4, 10, 10, 0, False)] and not out.run_target
+    assert [h.bm.ref_counts[b] for b in h.bm.table("d")[:2]] == [1, 1] and d.num_draft_computed == 14
+    out = _spec_step(h)
+    assert _rows(out) == [("d", 14, 3, 0, 2, True)]
+
+
+def test_lazy_draft_rows_without_proposals_skip_the_draft():
+    """A row the draft makes no proposals for (a row under a grammar: host/speculative.Proposer)
+    decodes without the draft even while speculation is on, and never catches up."""
+    h = _lazy_draft_harness()
+    h.s.propose = lambda req, k, depth: []
+    c = h.add("c", 6, max_tokens=5)
+    out = _spec_step(h)
+    assert out.run_draft and c.num_draft_computed == 6            # its prompt, while speculation is on
+    for _ in range(4):
+        out = _spec_step(h)
+        (q,) = out.seqs
+        assert out.speculating and not out.run_draft and (q.num_tokens, q.draft_only) == (1, 0)
+    assert c.finished and c.num_draft_computed == 6 and h.s.num_draft_catchup_tokens == 0

@@ -242,7 +242,7 @@ def _assert_same_greedy(ref, out) -> None:
 def bundled_reference():
     g = Generator.from_pretrained(**BUNDLED)
     prompts = _prompts(g.tokenizer)
-    return prompts, g.generate(prompts, GREEDY), g.generate(prompts, PENALISED)
+    return prompts, g.generate(prompts, GREEDY), g.generate(prompts, PENALISED), g
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram", "medusa"])
@@ -250,12 +250,13 @@ def test_greedy_identical_bundled_mixed_and_preempted(method, bundled_reference)
     """Speculation on vs off, the bundled model (medusa: its bundled heads and their tree): all
     prompts at once (prefill chunks beside speculating rows) in a pool so small (4 sequences of up to
     81 tokens, 252 in all, in 11 blocks of 16) that running requests are preempted and recomputed."""
-    prompts, ref, ref_penalised = bundled_reference
+    prompts, ref, ref_penalised, _ = bundled_reference
     # a Medusa row's tree takes up to 13 of the 16-token budget, so fewer rows grow at once: a smaller pool
     # (medusa: one decode iteration per step, the plain multi-step branch only runs with the policy off,
     # and it compiles faster)
     g = Generator.from_pretrained(**BUNDLED, num_blocks=10 if method == "medusa" else 12, speculative_method=method,
-                                  num_speculative_tokens=3, **({"max_decode_steps": 1} if method == "medusa" else {}))
+                                  num_speculative_tokens=3, speculative_max_batch=4,
+                                  **({"max_decode_steps": 1} if method == "medusa" else {}))
     steps, drawn = [], []
     g.engine.add_step_observer(lambda t: steps.append(t.spans))
     update = g.engine.scheduler.update
@@ -276,6 +277,60 @@ def test_greedy_identical_bundled_mixed_and_preempted(method, bundled_reference)
     if method != "medusa":   # steps that ran several rounds on the device: a row drew more than 1 + k tokens
         assert max(drawn) > 4
     _assert_same_greedy(ref_penalised, g.generate(prompts, PENALISED))
+
+
+def _draft_pages_of(g, token_ids: list[int]) -> list[np.ndarray]:
+    """The draft model's K and V pages ([layers] of [positions, kv heads, head dim]) at the cached
+    full blocks of a finished request's tokens (prefix caching keeps them after it ends; the block a
+    request completes in its last step is not cached), the first three of them."""
+    from jaxinfer.host.block_manager import block_hash
+    bs, hashes = g.engine.blocks.block_size, []
+    for i in range((len(token_ids) - 1) // bs):
+        hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[i * bs: (i + 1) * bs]))
+    blocks = g.engine.blocks.lookup(hashes)[:3]
+    assert len(blocks) == 3
+    pages = g.engine.runner.kv_pages[1]
+    return [_gather_blocks(np.asarray(x), blocks) for layer in pages for x in (layer.k, layer.v)]
+
+
+def _gather_blocks(pages: np.ndarray, blocks: list[int]) -> np.ndarray:
+    """[kv heads, blocks, block size, head dim] pages -> [positions, kv heads, head dim] of these blocks."""
+    return np.concatenate([pages[:, b] for b in blocks], axis=1).swapaxes(0, 1)
+
+
+def test_draft_skipped_while_speculation_is_off_then_caught_up(bundled_reference):
+    """The load policy off (two sequences, speculative_max_batch=1): steps skip the draft model,
+    prefill included; when one sequence is left, a step runs the draft alone over what it missed,
+    then the sequence speculates. Greedy tokens are the engine's without speculation, and afterwards
+    the draft's pages hold, at every cached position, what they hold when the same request
+    speculated throughout (the draft's pages are overwritten with 7.0 in between, so a missed
+    write shows)."""
+    import jax
+    _, _, _, plain = bundled_reference
+    long, short = _prompts(plain.tokenizer)[1:3]
+    params = [SamplingParams(max_tokens=56, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)]
+    ref = plain.generate([long, short], params)
+    g = Generator.from_pretrained(**BUNDLED, speculative_method="draft", num_speculative_tokens=3,
+                                  speculative_max_batch=1)
+    alone = g.generate([long], params[:1])[0]
+    assert alone.token_ids == ref[0].token_ids
+    tokens = long + alone.token_ids
+    expected = _draft_pages_of(g, tokens)
+    g.reset_prefix_cache()
+    target, draft = g.engine.runner.kv_pages
+    g.engine.runner.kv_pages = (target, jax.tree.map(lambda x: x * 0 + 7, draft))
+    st0 = g.engine.stats()
+    out = g.generate([long, short], params)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    st = g.engine.stats()
+    assert st["compilations_after_warmup"] == 0
+    assert st["spec_decode_draft_catchup_tokens"] > st0["spec_decode_draft_catchup_tokens"]
+    assert st["spec_decode_num_accepted_tokens"] > st0["spec_decode_num_accepted_tokens"]
+    # float32 K/V of a 3-layer model, computed in chunks of different lengths (the catch-up chunk vs
+    # one token per round): the sums are the same products in another order, ~1e-6 relative apart
+    for got, want in zip(_draft_pages_of(g, tokens), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 GUIDED_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
@@ -311,7 +366,8 @@ def test_greedy_identical_under_a_grammar(method, guided_reference):
     speculation, and valid. The draft model proposes on the device, where no grammar runs: its
     constrained rows decode without proposals."""
     prompts, params = _guided_requests()
-    g = Generator.from_pretrained(**BUNDLED, speculative_method=method, num_speculative_tokens=3)
+    g = Generator.from_pretrained(**BUNDLED, speculative_method=method, num_speculative_tokens=3,
+                                  speculative_max_batch=4)
     outs = g.generate(prompts, params)
     _assert_same_greedy(guided_reference, outs)
     jsonschema.validate(json.loads(outs[0].text), GUIDED_SCHEMA)
@@ -345,6 +401,7 @@ def gpt2_reference(hf_model_dir):
 def test_greedy_identical_gpt2(method, gpt2_reference, hf_model_dir, tmp_path):
     from tests.hf_models import random_medusa_heads
     kw, prompts, ref = gpt2_reference
+    kw = dict(kw, speculative_max_batch=4)
     if method == "medusa":   # and the load policy: no speculation while more than 2 sequences run
         kw = dict(kw, speculative_model=random_medusa_heads(hf_model_dir("gpt2"), tmp_path / "heads"),
                   num_speculative_tokens=3, max_decode_steps=1, speculative_max_batch=2)

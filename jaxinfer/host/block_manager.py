@@ -22,6 +22,11 @@ Prefix caching (vLLM's automatic prefix caching, in outline):
     eviction). A cache hit on a free block takes it out of the queue.
   - Invariant: every usable block is either in a table (reference count > 0) or in the free queue
     (reference count 0, cached or not); cached blocks are exactly the blocks that carry a hash.
+
+A draft model's pages (speculative_method="draft") use the same blocks. Decode steps that do not
+speculate skip the draft, so a block can hold the target's K/V but not the draft's: `draft_stale`
+marks such blocks, and a request that starts from cached blocks trusts the draft's pages only up
+to the first stale one (`draft_valid_blocks`); the draft recomputes the rest (scheduler.py).
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ class BlockManager:
         self.hashes: list[bytes | None] = [None] * num_blocks   # the hash a cached block carries
         self.cached: dict[bytes, int] = {}                      # hash -> block
         self._registered: dict[str, int] = {}                   # request -> table blocks registered
+        self.draft_stale = np.zeros(num_blocks, np.bool_)       # the draft's K/V lags the target's here
         self.num_evictions = 0
 
     @property
@@ -93,6 +99,7 @@ class BlockManager:
                 del self.cached[h]
             self.num_evictions += 1
         self.ref_counts[b] = 1
+        self.draft_stale[b] = False     # nothing in it yet: its owner's counters say what is written
         return b
 
     def allocate(self, request_id: str, num_tokens: int, prefix: list[int] | tuple[int, ...] = ()) -> bool:
@@ -168,6 +175,22 @@ class BlockManager:
                 self.hashes[b] = h
                 self.cached[h] = b
         self._registered[request_id] = max(start, num_full)
+
+    def mark_draft(self, request_id: str, draft_tokens: int, computed_tokens: int) -> None:
+        """The request's target K/V covers its first computed_tokens positions, the draft's its first
+        draft_tokens: blocks holding positions in between are draft-stale, those below are not."""
+        table = self.tables.get(request_id)
+        if not table:
+            return
+        lo = min(draft_tokens // self.block_size, len(table))
+        hi = min(self.blocks_for(computed_tokens), len(table)) if computed_tokens > draft_tokens else lo
+        self.draft_stale[table[:lo]] = False
+        self.draft_stale[table[lo:hi]] = True
+
+    def draft_valid_blocks(self, blocks: list[int]) -> int:
+        """How many leading blocks of a cached prefix hold the draft's K/V too."""
+        stale = np.flatnonzero(self.draft_stale[list(blocks)]) if blocks else []
+        return int(stale[0]) if len(stale) else len(blocks)
 
     def reset_cache(self) -> int:
         """Forget every cached hash (the blocks stay where they are); returns how many were dropped.

@@ -59,6 +59,11 @@ class Request(LatencyMetrics):
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # speculative_method="draft": tokens whose K/V the draft model has in its pages (a prefix of the
+    # computed ones: decode steps the load policy keeps from speculating skip the draft), and while
+    # the draft catches up, the num_computed_tokens the target had (its K/V below stays as it is)
+    num_draft_computed: int = 0
+    draft_catchup_end: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None   # "stop" | "length" | "abort"
     first_token_time: float | None = None

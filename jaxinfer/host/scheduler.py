@@ -60,6 +60,9 @@ class SchedulerConfig:
     spec_tokens: int = 0                # speculative decoding: proposals per decoding row (K)
     spec_max_batch: int = 0             # ... while at most this many sequences run or wait (the load policy)
     spec_rounds: int = 1                # rounds one step may run on the device when every row speculates
+    # a draft model whose pages may lag the target's: decode steps that do not speculate (the load
+    # policy) skip it, and a lagging row catches up when it speculates again (see schedule())
+    lazy_draft: bool = False
 
 
 @dataclass
@@ -71,6 +74,7 @@ class ScheduledSeq:
     max_draws: int = 1  # tokens the row may draw this step (> 1: multi-step decoding or speculation)
     spec: list[int] = field(default_factory=list)   # proposed tokens after the last one (-1: the draft
                                                      # model proposes on the device); num_tokens counts them
+    draft_only: int = 0  # the chunk's first tokens whose target K/V is cached: only the draft writes them
 
     @property
     def lookahead(self) -> int:
@@ -86,6 +90,8 @@ class SchedulerOutput:
     num_decode_iters: int = 1   # > 1: every row decodes, up to this many iterations on device
     launched: bool = False      # Scheduler.launched has applied it
     speculating: bool = False   # the load policy lets rows speculate (Medusa: propose the next trees)
+    run_draft: bool = True      # the draft model runs over the step's tokens (lazy_draft: see schedule())
+    run_target: bool = True     # False: every row is a draft catch-up chunk, the target does not run
 
     @property
     def num_batched_tokens(self) -> int:
@@ -113,6 +119,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.batch: set[str] | None = None      # static/dynamic: the batch being run
         self.num_preemptions = 0
+        self.num_draft_catchup_tokens = 0   # lazy_draft: tokens only the draft recomputed
+        self._draft_lagging: set[str] = set()   # lazy_draft: requests with draft-stale blocks marked
         self.prefix_queries = 0     # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0        # ... of which were found cached
         self._scores: dict[str, int] = {}   # cache-aware admission: cached blocks per candidate (one schedule())
@@ -162,7 +170,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.blocks.free(req.request_id)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_draft_computed = req.draft_catchup_end = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -175,7 +183,7 @@ class Scheduler:
         for req in reversed(self.waiting):
             if self.blocks.table(req.request_id):
                 self.blocks.free(req.request_id)
-                req.num_computed_tokens = 0
+                req.num_computed_tokens = req.num_draft_computed = req.draft_catchup_end = 0
                 self.num_preemptions += 1
                 return True
         return False
@@ -224,6 +232,8 @@ class Scheduler:
         spec_k = self.spec_k()
         guided = 0
         i = 0
+        if spec_k and self.cfg.lazy_draft and self._catch_up_draft(out, queue, budget):
+            return out
         while i < len(queue) and budget > 0:
             req = queue[i]
             n = self._num_new_tokens(req, budget)
@@ -264,6 +274,8 @@ class Scheduler:
             if looked_up:
                 self.prefix_queries += req.num_known_tokens
                 self.prefix_hits += start
+            if hits and self.cfg.lazy_draft:   # the draft's pages hold the cached prefix up to a stale block
+                req.num_draft_computed = min(start, self.blocks.draft_valid_blocks(hits) * self.blocks.block_size)
             self._admitted(req, start)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
@@ -275,7 +287,38 @@ class Scheduler:
         self._plan_decode_iters(out)
         self._plan_spec_rounds(out)
         out.speculating = spec_k > 0
+        # lazy_draft: the draft model runs where some row speculates or catches up, and over prefill
+        # chunks while the policy speculates (their prompts are about to be speculated on); steps
+        # where nobody speculates skip it (XLA's ragged attention costs a draft layer about what it
+        # costs a target layer: a 3-layer draft added ~50% to a 128-token prefill step of the
+        # bundled 8-layer model on CPU)
+        out.run_draft = not self.cfg.lazy_draft or any(q.spec or q.draft_only for q in out.seqs) or (
+            out.speculating and any(q.num_tokens > 1 for q in out.seqs))
         return out
+
+    def _catch_up_draft(self, out: SchedulerOutput, queue: list[Request], budget: int) -> bool:
+        """lazy_draft, while the policy speculates: rows whose draft pages lag (they decoded or
+        prefilled while the policy kept speculation off, or started from cached blocks the draft never
+        wrote) recompute the gap first, in a step of their catch-up chunks alone that runs the draft
+        model only (out.run_target False: every row's tokens are draft_only, the target's K/V is
+        cached); the other rows wait that one step. Only rows the draft proposes for (not a row
+        under a grammar) with tokens left to speculate on. True if it planned such a step."""
+        for req in queue:
+            if budget <= 0:
+                break
+            if not req.draft_catchup_end:
+                if (req.num_draft_computed >= req.num_computed_tokens or req.num_inflight or req.pending_forks
+                        or self.draws_left(req) < 2 or not self.propose(req, 1, 1)):
+                    continue
+                req.draft_catchup_end = req.num_computed_tokens
+                self.num_draft_catchup_tokens += req.num_computed_tokens - req.num_draft_computed
+                req.num_computed_tokens = req.num_draft_computed
+            n = min(req.draft_catchup_end - req.num_computed_tokens, budget)
+            out.seqs.append(self._scheduled(req, n))
+            budget -= n
+        out.run_target = not out.seqs
+        out.speculating = out.run_draft = bool(out.seqs)
+        return bool(out.seqs)
 
     def _plan_spec_rounds(self, out: SchedulerOutput) -> None:
         """Several rounds of speculation on the device when every row speculates with proposals
@@ -395,7 +438,8 @@ class Scheduler:
         start = req.num_computed_tokens
         if spec:   # the last token and its proposals: up to 1 + k draws
             return ScheduledSeq(req, start, n, sample=True, max_draws=self.spec_draws(len(spec)), spec=spec)
-        return ScheduledSeq(req, start, n, sample=start + n == req.num_tokens and not req.pending_forks)
+        return ScheduledSeq(req, start, n, sample=start + n == req.num_tokens and not req.pending_forks,
+                            draft_only=max(0, min(start + n, req.draft_catchup_end) - start))
 
     # ------------------------------------------------------------------ update
     def launched(self, out: SchedulerOutput) -> None:
@@ -415,6 +459,21 @@ class Scheduler:
                 # is written; speculation: as if every proposal is accepted (update rolls back)
                 req.num_computed_tokens += seq.lookahead
                 req.num_inflight += seq.max_draws
+            if self.cfg.lazy_draft:
+                self._track_draft(req, seq, out.run_draft)
+
+    def _track_draft(self, req: Request, seq: ScheduledSeq | None = None, ran: bool = False) -> None:
+        """lazy_draft: the draft's K/V covers a prefix of the computed positions; it grows when the
+        draft ran over a chunk that continues it, and the blocks in the gap are marked stale."""
+        if seq is not None and ran and req.num_draft_computed >= seq.start:
+            req.num_draft_computed = req.num_computed_tokens
+        req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens)
+        if req.num_computed_tokens >= req.draft_catchup_end:
+            req.draft_catchup_end = 0
+        lags = req.num_draft_computed < req.num_computed_tokens
+        if lags or req.request_id in self._draft_lagging:   # (in sync since its last mark: no change)
+            self.blocks.mark_draft(req.request_id, req.num_draft_computed, req.num_computed_tokens)
+            (self._draft_lagging.add if lags else self._draft_lagging.discard)(req.request_id)
 
     def update(self, out: SchedulerOutput, samples: dict[str, list[StepSample]], now: float | None = None,
                stop_check: Callable[[Request], bool] | None = None) -> list[Request]:
@@ -444,6 +503,8 @@ class Scheduler:
             if seq.spec and not req.finished:
                 # rejected proposals: their K/V slots are rewritten by later steps
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_known_tokens - 1)
+                if self.cfg.lazy_draft:
+                    self._track_draft(req)
             self._register(req)
         return updated
 
@@ -464,6 +525,7 @@ class Scheduler:
             if parent.fork_at:
                 self.blocks.fork(parent.request_id, child.request_id, parent.fork_at // self.blocks.block_size)
             child.num_computed_tokens = parent.fork_at
+            child.num_draft_computed = min(parent.num_draft_computed, parent.fork_at)
             if self.batch is not None and parent.request_id in self.batch:
                 self.batch.add(child.request_id)
             self._enqueue(child)
@@ -482,6 +544,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.blocks.free(req.request_id)
+        self._draft_lagging.discard(req.request_id)
         req.finish(reason, now)
         self.requests.pop(req.request_id, None)
         self._keys.pop(req.request_id, None)
