@@ -141,6 +141,7 @@ class ModelRunner:
         self._unfilled = None    # (rows' guides, the mask array) of the step being prepared
         self._unfilled_paths = None   # (speculating rows' guides and paths, node_masks) of that step
         self._no_node_masks: dict[int, jax.Array] = {}   # 0: the all-allowed table; S: no slots
+        self._no_draft_meta: dict[tuple[int, int], object] = {}   # (S, B): the draft's empty proposal layout
         replicate = (NamedSharding(self.mesh, PartitionSpec())
                      if self.mesh is not None and jax.process_count() > 1 else None)
         self.settings = StepSettings(self.graphdef, cfg.attention,
@@ -343,9 +344,14 @@ class ModelRunner:
         at t0's position + 1; later iterations advance it on the device), in row order; and where the
         draft writes the step's tokens: every token's slot, while the target skips (PAD_SLOT in
         meta.slot_mapping) the positions of a catching-up draft whose target K/V is cached."""
-        rows = [StepRow(q.start + q.num_tokens - len(q.spec), 1, tables[q.request.request_id], q.max_draws - 2)
-                if q.spec else StepRow(0, 0, ()) for q in out.seqs]
-        dm = build_attention_metadata(rows, self.cfg.block_size, s, s, b)
+        if any(q.spec for q in out.seqs):
+            rows = [StepRow(q.start + q.num_tokens - len(q.spec), 1, tables[q.request.request_id], q.max_draws - 2)
+                    if q.spec else StepRow(0, 0, ()) for q in out.seqs]
+            dm = build_attention_metadata(rows, self.cfg.block_size, s, s, b)
+        else:   # no proposal iterations (the load policy's steps): the same empty layout every time
+            if (s, b) not in self._no_draft_meta:
+                self._no_draft_meta[s, b] = build_attention_metadata([], self.cfg.block_size, s, s, b)
+            dm = self._no_draft_meta[s, b]
         positions = np.zeros(s, np.int32)
         draft_slots = meta.slot_mapping.copy()
         for i, q in enumerate(out.seqs):
@@ -429,18 +435,17 @@ class ModelRunner:
     def fetch(self, launched: Launched) -> dict[str, list[StepSample]]:
         """Wait for a launched step; its tokens per request (read from the device once)."""
         if launched.samples is None:
-            launched.samples = self._results(launched.rows, launched.outputs)
-            if launched.outputs.spec_counts is not None:
-                launched.spec_counts = jax.device_get(launched.outputs.spec_counts)
-            if launched.outputs.proposals is not None:
-                launched.proposals = jax.device_get(launched.outputs.proposals)
+            launched.samples, launched.spec_counts, launched.proposals = self._results(launched.rows,
+                                                                                      launched.outputs)
         return launched.samples
 
     @staticmethod
-    def _results(rows: list, outputs: StepOutputs) -> dict[str, list[StepSample]]:
-        """Row i's drawn tokens -> its request's StepSamples (padding rows, None, are skipped). One
-        device-to-host copy: the ids, logprobs and counts (the top-N only when some row asked)."""
-        ids, lps, drawn = jax.device_get((outputs.ids, outputs.logprobs, outputs.num_drawn))
+    def _results(rows: list, outputs: StepOutputs) -> tuple[dict[str, list[StepSample]], object, object]:
+        """Row i's drawn tokens -> its request's StepSamples (padding rows, None, are skipped), and the
+        speculation counts and Medusa proposals (or None). One device-to-host copy: the ids, logprobs,
+        counts, speculation counts and proposals (the top-N only when some row asked)."""
+        ids, lps, drawn, spec_counts, proposals = jax.device_get(
+            (outputs.ids, outputs.logprobs, outputs.num_drawn, outputs.spec_counts, outputs.proposals))
         want_top = any(r is not None and r.params.logprobs for r in rows)
         if want_top:
             top_ids, top_lps = jax.device_get((outputs.top_ids, outputs.top_logprobs))
@@ -453,7 +458,7 @@ class ModelRunner:
                 StepSample(int(ids[j, i]), float(lps[j, i]),
                            [(int(a), float(b)) for a, b in zip(top_ids[j, i, :k], top_lps[j, i, :k])] if k else None)
                 for j in range(int(drawn[i]))]
-        return result
+        return result, spec_counts, proposals
 
     def run_published(self, inputs: StepInputs) -> None:
         """Multi-host followers: run the step process 0 prepared (same executable, pages donated).

@@ -61,6 +61,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}                      # hash -> block
         self._registered: dict[str, int] = {}                   # request -> table blocks registered
         self.draft_stale = np.zeros(num_blocks, np.bool_)       # the draft's K/V lags the target's here
+        self._draft_marks: dict[str, tuple[int, int, int]] = {}  # request -> (lo, hi, table length) marked
         self.num_evictions = 0
 
     @property
@@ -138,6 +139,7 @@ class BlockManager:
     def free(self, request_id: str) -> None:
         """Release the request's blocks, deepest first; cached ones stay cached (LRU tail)."""
         self._registered.pop(request_id, None)
+        self._draft_marks.pop(request_id, None)
         for b in reversed(self.tables.pop(request_id, [])):
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0
@@ -184,6 +186,9 @@ class BlockManager:
             return
         lo = min(draft_tokens // self.block_size, len(table))
         hi = min(self.blocks_for(computed_tokens), len(table)) if computed_tokens > draft_tokens else lo
+        if self._draft_marks.get(request_id) == (lo, hi, len(table)):
+            return      # (a lagging row's range moves once a block: most steps change nothing)
+        self._draft_marks[request_id] = (lo, hi, len(table))
         self.draft_stale[table[:lo]] = False
         self.draft_stale[table[lo:hi]] = True
 
