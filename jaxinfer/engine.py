@@ -142,7 +142,7 @@ class Engine:
                             # a Medusa row proposes its tree's nodes (spec_tokens: the tree's depth)
                             spec_tokens=len(medusa_heads[1].paths) if medusa_heads else r.spec_tokens,
                             spec_max_batch=r.spec_max_batch, spec_rounds=r.spec_rounds,
-                            lazy_draft=draft_model is not None),
+                            lazy_draft=draft_model is not None, step_proposes=medusa_heads is not None),
             self.blocks, eos_ids=eos)
         self.spec_stats = SpecStats(r.spec_tokens)
         if r.spec_tokens:

@@ -13,6 +13,7 @@ inside the same program, so it adds no shape).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -155,6 +156,15 @@ class ModelRunner:
                                      and medusa_heads is None else ())
         self.out_rows = self.settings.out_rows
         self.step = jit_step(self.settings)
+        # a speculative engine's steps where nothing speculative happens (the load policy's, prefill
+        # chunks): the plain engine's program over the target alone. The speculative program costs
+        # more even where it speculates nowhere (its draft and verification scaffolding: 0.84x of no
+        # speculation at 16 and 64 sequences with the draft method, bench/speculative.py)
+        self.plain_step = None
+        if cfg.spec_tokens:
+            self.plain_step = jit_step(StepSettings(self.graphdef, cfg.attention, max(cfg.max_decode_steps, 1),
+                                                    self.settings.max_rows, self.kv_sharding, replicate,
+                                                    next_rows=self.out_rows))
         # the prev_tokens of a step whose tokens the host all knows (no previous step in flight)
         self._no_prev = jax.device_put(np.zeros(self.out_rows * self.settings.max_rows, np.int32),
                                        jax.devices()[0] if self.mesh is None else NamedSharding(self.mesh, PartitionSpec()))
@@ -426,11 +436,35 @@ class ModelRunner:
         if self.publish_step is not None:
             self.publish_step(inputs)
         prev_tokens = self._no_prev if prev is None else prev.outputs.next_tokens
-        outputs, self.kv_pages = self.step(self.params, self.kv_pages, inputs, prev_tokens)
+        if self._plain(out):
+            outputs = self._run_plain(inputs, prev_tokens)
+        else:
+            outputs, self.kv_pages = self.step(self.params, self.kv_pages, inputs, prev_tokens)
         for i, (q, req) in enumerate(zip(out.seqs, rows)):
             if req is not None:    # where this row's last draw will lie in outputs.next_tokens
                 req.inflight_index = (q.max_draws - 1) * self.settings.max_rows + i
         return Launched(out, rows, outputs)
+
+    def _plain(self, out: SchedulerOutput) -> bool:
+        """A speculative engine's step with nothing speculative in it: no row has proposals, the draft
+        model does not run (nor catches up), Medusa's heads propose no next trees."""
+        if self.plain_step is None or any(q.spec for q in out.seqs):
+            return False
+        if self.tree is not None:
+            return not out.speculating
+        if self.settings.draft_graphdef is not None:
+            return not out.run_draft and out.run_target
+        return True
+
+    def _run_plain(self, inputs: StepInputs, prev_tokens) -> StepOutputs:
+        """plain_step over the target's params and pages (the draft's pages are left as they are)."""
+        inputs = dataclasses.replace(inputs, spec=None, meta=dataclasses.replace(inputs.meta, tree=None))
+        target = self.settings.draft_graphdef is not None or self.tree is not None
+        params = self.params[0] if target else self.params
+        pages = self.kv_pages[0] if self.settings.draft_graphdef is not None else self.kv_pages
+        outputs, pages = self.plain_step(params, pages, inputs, prev_tokens)
+        self.kv_pages = (pages, self.kv_pages[1]) if self.settings.draft_graphdef is not None else pages
+        return outputs
 
     def fetch(self, launched: Launched) -> dict[str, list[StepSample]]:
         """Wait for a launched step; its tokens per request (read from the device once)."""
@@ -494,6 +528,8 @@ class ModelRunner:
         for t, b in buckets:
             outputs, self.kv_pages = self.step(self.params, self.kv_pages, self.empty_inputs(t, b), self._no_prev)
             outputs.ids.block_until_ready()
+            if self.plain_step is not None:
+                self._run_plain(self.empty_inputs(t, b), self._no_prev).ids.block_until_ready()
         return len(buckets)
 
 

@@ -128,13 +128,17 @@ class StepSettings:
     medusa_graphdef: nnx.GraphDef | None = None  # Medusa heads (params: (target, heads)); spec_tokens: depth
     tree: medusa.Tree | None = None              # ... and their candidate tree
     ngram: tuple[int, ...] = ()                  # n-gram method: (max_n, min_n) of the device's prompt lookup
+    # a speculative engine's plain step (runner.py): its next_tokens has the speculative step's rows,
+    # so that either program reads the other's as prev_tokens
+    next_rows: int = 0
 
     @property
     def out_rows(self) -> int:
-        """Rows of StepOutputs.ids (next_tokens holds out_rows * max_rows)."""
+        """Rows of next_tokens (out_rows * max_rows) and, but for a plain step's next_rows, of
+        StepOutputs.ids."""
         if self.tree is not None:   # one Medusa round, or multi-step decoding
             return max(self.max_iters, self.tree.depth + 1)
-        return self.max_iters * (self.spec_tokens + 1)
+        return max(self.max_iters * (self.spec_tokens + 1), self.next_rows)
 
 
 def _advance(inputs: StepInputs, ids: jax.Array, drew: jax.Array, going: jax.Array, block_size: int
@@ -207,7 +211,7 @@ def _step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.
         _, kv_pages, _, out, _ = body(carry)
     else:
         _, kv_pages, _, out, _ = jax.lax.while_loop(cond, body, carry)
-    next_tokens = jnp.zeros((k, settings.max_rows), jnp.int32).at[:, :s].set(out.ids).reshape(-1)
+    next_tokens = jnp.zeros((settings.out_rows, settings.max_rows), jnp.int32).at[:k, :s].set(out.ids).reshape(-1)
     out = StepOutputs(out.ids, out.logprobs, out.top_ids, out.top_logprobs, out.num_drawn, next_tokens)
     if settings.replicate_samples is not None:
         out = jax.lax.with_sharding_constraint(out, settings.replicate_samples)
@@ -434,28 +438,23 @@ def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, set
 
 
 def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings):
-    """A Medusa engine's step (jaxinfer/medusa.py). Multi-step decoding (`_step`) when the scheduler
-    asked for several iterations (no row verifies: the load policy turned speculation off);
-    otherwise one forward over every row, a verifying row being its root and its tree's nodes
-    (tree-masked: meta.tree), each verifying row's tree decided exactly (medusa.verify_tree), the
-    accepted path's K/V moved to the slots after the root, and every row's next tree proposed by
-    the heads from the hidden state whose logits drew its last token."""
+    """A Medusa engine's step (jaxinfer/medusa.py) while the load policy speculates: one forward over
+    every row, a verifying row being its root and its tree's nodes (tree-masked: meta.tree), each
+    verifying row's tree decided exactly (medusa.verify_tree), the accepted path's K/V moved to the
+    slots after the root, and every row's next tree proposed by the heads from the hidden state
+    whose logits drew its last token. One iteration: the scheduler plans no multi-step decoding
+    while the heads propose (SchedulerConfig.step_proposes), and the policy's other steps run the
+    plain program (runner.py). (Multi-step decoding used to run here, through the tree-masked
+    attention, whose positions it did not advance: greedy tokens differed from the engine's without
+    speculation after the first iteration.)"""
     arrays = medusa.tree_arrays(settings.tree)
     d1, n, n_out = settings.tree.depth + 1, len(settings.tree.paths), settings.out_rows
     tparams, hparams = params
     li, sp, sb, meta = inputs.logits_indices, inputs.spec, inputs.sampling, inputs.meta
     s = li.shape[0]
-    plain_settings = StepSettings(settings.graphdef, settings.attention, settings.max_iters, settings.max_rows,
-                                  settings.kv_sharding, settings.replicate_samples)
 
     def pad(x):
         return jnp.zeros((n_out,) + x.shape[1:], x.dtype).at[: x.shape[0]].set(x)
-
-    def multi_step(kv_pages):
-        out, kv_pages = _step(tparams, kv_pages, inputs, prev_tokens, plain_settings)
-        drawn = out.num_drawn
-        return (pad(out.ids), pad(out.logprobs), pad(out.top_ids), pad(out.top_logprobs), drawn,
-                jnp.zeros((s, d1), jnp.int32), jnp.full((s, n), -1, jnp.int32)), kv_pages
 
     def tree_round(kv_pages):
         model = nnx.merge(settings.graphdef, tparams)
@@ -499,11 +498,7 @@ def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, s
                                  lambda h: jnp.full((s, n), -1, jnp.int32), h[source])
         return (pad(ids), pad(lps), pad(top_ids), pad(top_lps), drawn, path, proposals), kv_pages
 
-    if settings.max_iters > 1:
-        (ids, lps, top_ids, top_lps, drawn, path, proposals), kv_pages = jax.lax.cond(
-            (inputs.num_iters > 1) & ~jnp.any(sp.num_spec > 0), multi_step, tree_round, kv_pages)
-    else:   # no multi-step decoding: the tree round alone (the model traced once)
-        (ids, lps, top_ids, top_lps, drawn, path, proposals), kv_pages = tree_round(kv_pages)
+    (ids, lps, top_ids, top_lps, drawn, path, proposals), kv_pages = tree_round(kv_pages)
     spec_row = (sp.num_spec > 0) & (drawn > 0)
     counts = jnp.concatenate([spec_row[:, None], spec_row[:, None], jnp.where(spec_row, sp.num_spec, 0)[:, None],
                               spec_row[:, None] & (jnp.arange(d1 - 1)[None, :] < drawn[:, None] - 1)],

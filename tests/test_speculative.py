@@ -333,6 +333,25 @@ def test_draft_skipped_while_speculation_is_off_then_caught_up(bundled_reference
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["ngram", "medusa"])
+def test_load_policy_off_then_on_greedy_identical(method, bundled_reference):
+    """Three sequences with speculative_max_batch=1 and multi-step decoding on (8 iterations): steps
+    with speculation off run the plain engine's program; once one sequence is left it speculates
+    (Medusa: its first step proposes the trees). Greedy tokens are the engine's without speculation.
+    (Medusa's policy-off steps used to decode several iterations through the tree-masked attention
+    without advancing its positions: tokens changed from the second iteration on, and a sequence
+    that decoded that way was never given a tree again.)"""
+    _, _, _, plain = bundled_reference
+    prompts = _prompts(plain.tokenizer)[1:4]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (48, 12, 20)]
+    ref = plain.generate(prompts, params)
+    g = Generator.from_pretrained(**BUNDLED, speculative_method=method, num_speculative_tokens=3,
+                                  speculative_max_batch=1)
+    _assert_same_greedy(ref, g.generate(prompts, params))
+    st = g.engine.stats()
+    assert st["compilations_after_warmup"] == 0 and st["spec_decode_num_drafts"] > 0
+
+
 GUIDED_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
                                                  "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
                                                           "maxItems": 3}},

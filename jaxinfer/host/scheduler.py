@@ -63,6 +63,9 @@ class SchedulerConfig:
     # a draft model whose pages may lag the target's: decode steps that do not speculate (the load
     # policy) skip it, and a lagging row catches up when it speculates again (see schedule())
     lazy_draft: bool = False
+    # Medusa: the step proposes each row's next tree from its last token's hidden state, so while the
+    # policy speculates a step runs one decode iteration (none would be proposed after the first)
+    step_proposes: bool = False
 
 
 @dataclass
@@ -284,7 +287,8 @@ class Scheduler:
                 self._fork(req)     # its samples' shared prompt blocks were all cached
             out.seqs.append(self._scheduled(req, n))
             budget -= n
-        self._plan_decode_iters(out)
+        if not (spec_k and self.cfg.step_proposes):
+            self._plan_decode_iters(out)
         self._plan_spec_rounds(out)
         out.speculating = spec_k > 0
         # lazy_draft: the draft model runs where some row speculates or catches up, and over prefill
