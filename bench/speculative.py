@@ -20,7 +20,8 @@ Workloads:
             until the grammar closes or --output-len tokens;
   load      --batch-sizes: that many requests at once (free prompts), output tok/s over the run, with
             the load policy on (speculation off above speculative_max_batch) and, for the crossover,
-            forced on (speculative_max_batch = the batch).
+            forced on (speculative_max_batch = the batch); one method at a time beside the same
+            "none" engine (the "none" figure: its runs beside the last method).
 Each figure is the median over --reps prompts (different prompts per rep, the same for every method);
 ratios are per rep (same prompt, back to back), then the median. Beside every speed-up: the mean
 acceptance length (1 + accepted / drafts, vLLM's definition) over that workload.
@@ -29,6 +30,7 @@ Results: bench/results/<date>-<device>-speculative.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import tempfile
@@ -143,26 +145,37 @@ def main(argv: list[str] | None = None) -> int:
         print(name, {m: (round(v["decode_tok_s"], 1), round(v["ratio_vs_none"], 2), v["mean_acceptance_length"])
                      for m, v in report["workloads"][name].items() if isinstance(v, dict)}, flush=True)
 
+    # load: one method at a time (its engine under the default policy and one forced on), beside the
+    # same "none" engine, so that few engines live at once: each engine's XLA:CPU programs map about
+    # 1,100 memory regions apiece, and the kernel allows a process 65,530 (vm.max_map_count)
     offset = 2 * args.reps
-    forced_gens = {m: Generator.from_pretrained(str(path), **common, speculative_method=m, num_speculative_tokens=args.k,
-                                                speculative_max_batch=max_seqs)
-                   for m in methods if m != "medusa-chain"} if batch_sizes else {}
+    load_prompts = {}
     for b in batch_sizes:
-        prompts = [ids[s: s + args.prompt_len] for s in starts[offset: offset + b]]
+        load_prompts[b] = [ids[s: s + args.prompt_len] for s in starts[offset: offset + b]]
         offset += b
-        runs = {m: [] for m in gens}
-        forced = {}
-        for rep in range(max(1, args.reps // 2)):
-            for m, g in gens.items():
-                runs[m].append(run(g, prompts, args.load_output_len))
-            for m, g in forced_gens.items():   # the policy forced on: speculate at every batch
-                forced.setdefault(m, []).append(run(g, prompts, args.load_output_len))
-        point = summarise(runs, "output_tok_s")
-        for m, rs in forced.items():
-            drafts, acc = sum(r["drafts"] for r in rs), sum(r["accepted"] for r in rs)
-            point[m]["forced_on"] = {"output_tok_s": float(np.median([r["output_tok_s"] for r in rs])),
-                                     "ratio_vs_none": float(np.median([r["output_tok_s"] / n["output_tok_s"]
-                                                                       for r, n in zip(rs, runs["none"])])),
+    for m in [m for m in gens if m != "none"]:
+        del gens[m]
+    gc.collect()
+    runs = {b: {} for b in batch_sizes}
+    for m in [m for m in methods if m != "medusa-chain"]:
+        engines = {m: Generator.from_pretrained(str(path), **common, speculative_method=m, num_speculative_tokens=args.k),
+                   "forced": Generator.from_pretrained(str(path), **common, speculative_method=m,
+                                                       num_speculative_tokens=args.k, speculative_max_batch=max_seqs)}
+        for b in batch_sizes:
+            for rep in range(max(1, args.reps // 2)):
+                for name, g in [("none", gens["none"]), *engines.items()]:
+                    runs[b].setdefault(m, {}).setdefault(name, []).append(run(g, load_prompts[b], args.load_output_len))
+        del engines
+        gc.collect()
+    for b in batch_sizes:
+        point = {}
+        for m, r in runs[b].items():
+            point["none"] = summarise({"none": r["none"]}, "output_tok_s")["none"]
+            point[m] = summarise({"none": r["none"], m: r[m]}, "output_tok_s")[m]
+            drafts, acc = sum(x["drafts"] for x in r["forced"]), sum(x["accepted"] for x in r["forced"])
+            point[m]["forced_on"] = {"output_tok_s": float(np.median([x["output_tok_s"] for x in r["forced"]])),
+                                     "ratio_vs_none": float(np.median([x["output_tok_s"] / n["output_tok_s"]
+                                                                       for x, n in zip(r["forced"], r["none"])])),
                                      "mean_acceptance_length": 1 + acc / drafts if drafts else None}
         report["workloads"][f"load-{b}"] = {"batch": b, **point}
         print(f"load {b}", {m: (round(v["output_tok_s"], 1), round(v["ratio_vs_none"], 2),
