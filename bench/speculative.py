@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     runs = {b: {} for b in batch_sizes}
     for m in [m for m in methods if m != "medusa-chain"]:
+        gens["none"].reset_prefix_cache()   # every engine meets each prompt set first in the same rep
         engines = {m: Generator.from_pretrained(str(path), **common, speculative_method=m, num_speculative_tokens=args.k),
                    "forced": Generator.from_pretrained(str(path), **common, speculative_method=m,
                                                        num_speculative_tokens=args.k, speculative_max_batch=max_seqs)}

@@ -470,12 +470,13 @@ class SamplingParams:
 MAX_SPECULATIVE_TOKENS = 16
 # The load policy's default per backend (resolve_config): speculate while at most this many sequences
 # run or wait. CPU: 1. bench/speculative.py on the bundled model, speculation forced on against none
-# (2026-11-25-cpu-speculative-crossover.json): at 1 sequence draft 1.50x, n-gram 1.12x, Medusa 0.85x;
-# at 2 sequences 0.80x / 0.77x / 0.44x, at 4 0.96x / 0.84x / 0.56x, at 16 and 64 0.27-0.50x: XLA:CPU's
-# matmuls are compute-bound once a step holds a few rows, so verifying 1 + k tokens a row costs
-# nearly 1 + k tokens. Accelerators: 8, not measured (no GPU lent yet): a decode step stays bound by
-# reading the weights until it holds about as many tokens as the chip does FLOPs per byte read (~300
-# on an H100 in bfloat16), so 8 rows x 5 verified tokens should cost little more than 8.
+# (2026-11-25-cpu-speculative.json): at 2 sequences draft 0.62x, n-gram 0.59x, Medusa 0.40x; at 4
+# 0.54x / 0.43x / 0.37x; at 16 and 64 0.26-0.45x (at 1, the batch-1 workloads: n-gram 1.3-1.5x,
+# draft 0.9-1.2x): XLA:CPU's matmuls are compute-bound once a step holds a few rows, so verifying
+# 1 + k tokens a row costs nearly 1 + k tokens. Accelerators: 8, not measured (no GPU lent yet): a
+# decode step stays bound by reading the weights until it holds about as many tokens as the chip
+# does FLOPs per byte read (~300 on an H100 in bfloat16), so 8 rows x 5 verified tokens should cost
+# little more than 8.
 DEFAULT_SPECULATIVE_MAX_BATCH = {"cpu": 1}
 DEFAULT_SPECULATIVE_MAX_BATCH_ACCELERATOR = 8
 

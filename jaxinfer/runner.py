@@ -370,8 +370,7 @@ class ModelRunner:
                 first = int(meta.query_start_loc[i])
                 meta.slot_mapping[first: first + q.draft_only] = PAD_SLOT
         return SpecInputs(num_spec, dm, positions, node_masks=node_masks, mask_slot=mask_slot,
-                          draft_slots=draft_slots, run_draft=np.bool_(out.run_draft),
-                          run_target=np.bool_(out.run_target))
+                          draft_slots=draft_slots, run_target=np.bool_(out.run_target))
 
     def _stop_ids(self, rows: list) -> np.ndarray:
         """[S, MAX_STOP_IDS]: the ids that end each row on device (-1 padded). Ids beyond the first

@@ -34,10 +34,11 @@ Speculative engines: `_spec_step` (draft model / n-gram: chains verified by spec
 several rounds per call where the device makes the proposals: the draft model, n-gram lookup) and
 `_medusa_step` (a tree of the Medusa heads' candidates per row under a tree attention mask,
 medusa.verify_tree_flat, the accepted path's K/V moved into place, the next tree proposed in the
-same call). The draft model runs only where some row speculates or catches up (SpecInputs.run_draft:
-the load policy's steps without speculation skip it); a row whose draft pages lag catches up in a
-step of such chunks alone, which runs the draft and not the target (SpecInputs.run_target,
-draft_slots; host/scheduler.py).
+same call). Steps with nothing speculative in them (the load policy's, prefill chunks without
+proposals) run the plain program (`_step`) instead (runner.py), so the draft model runs only where
+some row speculates or catches up; a row whose draft pages lag catches up in a step of such chunks
+alone, which runs the draft and not the target (SpecInputs.run_target, draft_slots;
+host/scheduler.py).
 """
 from __future__ import annotations
 
@@ -68,11 +69,10 @@ class SpecInputs:
     draft_meta: AttentionMetadata | None = None
     draft_positions: jax.Array | None = None    # [S] int32: row s's t0 position + 1
     # draft model: where it writes the step's tokens (the target's slots, and those of a catching-up
-    # row's positions whose target K/V is cached, which the target's meta pads), whether it runs at
-    # all (not where nobody speculates), and whether the target does (not in a step of catch-up
-    # chunks alone): host/scheduler.py, lazy_draft
+    # row's positions whose target K/V is cached, which the target's meta pads), and whether the
+    # target runs (not in a step of catch-up chunks alone): host/scheduler.py, lazy_draft. (A step
+    # without the draft runs the plain program: runner.py.)
     draft_slots: jax.Array | None = None        # [T] int32
-    run_draft: jax.Array | None = None          # [] bool
     run_target: jax.Array | None = None         # [] bool
     propose: jax.Array | None = None            # [] bool, Medusa: propose next trees (the load policy is on)
     # structured outputs: row s (mask_slot[s] >= 0) draws the token after its proposal / tree node n
@@ -284,12 +284,7 @@ def _spec_round(model, dmodel, kv_pages, inputs: StepInputs, settings: StepSetti
         tpages, dpages = kv_pages
         dinputs = dataclasses.replace(inputs, meta=AttentionMetadata(**{**vars(inputs.meta),
                                                                         "slot_mapping": sp.draft_slots}))
-
-        def skip(dpages):   # no row speculates (the host's run_draft): nothing to propose, q unread
-            return (jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k, dmodel.cfg.vocab_size), jnp.float32), dpages)
-        drafts, q, dpages = jax.lax.cond(
-            sp.run_draft, lambda dpages: _propose(dmodel, dpages, dinputs, tokens, k, settings.attention), skip,
-            dpages)
+        drafts, q, dpages = _propose(dmodel, dpages, dinputs, tokens, k, settings.attention)
         dpages = _pin_pages(dpages, settings, replicated=True)
         tokens = tokens.at[proposal_at].set(drafts, mode="drop")
     else:

@@ -60,8 +60,8 @@ class SchedulerConfig:
     spec_tokens: int = 0                # speculative decoding: proposals per decoding row (K)
     spec_max_batch: int = 0             # ... while at most this many sequences run or wait (the load policy)
     spec_rounds: int = 1                # rounds one step may run on the device when every row speculates
-    # a draft model whose pages may lag the target's: decode steps that do not speculate (the load
-    # policy) skip it, and a lagging row catches up when it speculates again (see schedule())
+    # a draft model whose pages may lag the target's: steps where nobody speculates (the load
+    # policy's) skip it, and a lagging row catches up before it speculates again (see schedule())
     lazy_draft: bool = False
     # Medusa: the step proposes each row's next tree from its last token's hidden state, so while the
     # policy speculates a step runs one decode iteration (none would be proposed after the first)
