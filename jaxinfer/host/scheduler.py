@@ -123,7 +123,6 @@ class Scheduler:
         self.batch: set[str] | None = None      # static/dynamic: the batch being run
         self.num_preemptions = 0
         self.num_draft_catchup_tokens = 0   # lazy_draft: tokens only the draft recomputed
-        self._draft_lagging: set[str] = set()   # lazy_draft: requests with draft-stale blocks marked
         self.prefix_queries = 0     # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0        # ... of which were found cached
         self._scores: dict[str, int] = {}   # cache-aware admission: cached blocks per candidate (one schedule())
@@ -474,10 +473,7 @@ class Scheduler:
         req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens)
         if req.num_computed_tokens >= req.draft_catchup_end:
             req.draft_catchup_end = 0
-        lags = req.num_draft_computed < req.num_computed_tokens
-        if lags or req.request_id in self._draft_lagging:   # (in sync since its last mark: no change)
-            self.blocks.mark_draft(req.request_id, req.num_draft_computed, req.num_computed_tokens)
-            (self._draft_lagging.add if lags else self._draft_lagging.discard)(req.request_id)
+        self.blocks.mark_draft(req.request_id, req.num_draft_computed, req.num_computed_tokens)
 
     def update(self, out: SchedulerOutput, samples: dict[str, list[StepSample]], now: float | None = None,
                stop_check: Callable[[Request], bool] | None = None) -> list[Request]:
@@ -548,7 +544,6 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.blocks.free(req.request_id)
-        self._draft_lagging.discard(req.request_id)
         req.finish(reason, now)
         self.requests.pop(req.request_id, None)
         self._keys.pop(req.request_id, None)
