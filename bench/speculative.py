@@ -21,7 +21,9 @@ Workloads:
   load      --batch-sizes: that many requests at once (free prompts), output tok/s over the run, with
             the load policy on (speculation off above speculative_max_batch) and, for the crossover,
             forced on (speculative_max_batch = the batch); one method at a time beside the same
-            "none" engine (the "none" figure: its runs beside the last method).
+            "none" engine (the "none" figure: its runs beside the last method); each new engine
+            first runs another prompt set of the same size, unmeasured (its one-time costs, which
+            "none" paid earlier), then --load-reps paired reps in alternating order.
 Each figure is the median over --reps prompts (different prompts per rep, the same for every method);
 ratios are per rep (same prompt, back to back), then the median. Beside every speed-up: the mean
 acceptance length (1 + accepted / drafts, vLLM's definition) over that workload.
@@ -94,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passage-len", type=int, default=96)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--batch-sizes", default="16,64")
+    ap.add_argument("--load-reps", type=int, default=4, help="paired reps per batch size under load")
     ap.add_argument("--load-output-len", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=128)
     ap.add_argument("--methods", default="draft,ngram,medusa,medusa-chain")
@@ -149,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     # same "none" engine, so that few engines live at once: each engine's XLA:CPU programs map about
     # 1,100 memory regions apiece, and the kernel allows a process 65,530 (vm.max_map_count)
     offset = 2 * args.reps
-    load_prompts = {}
+    load_prompts, warm_prompts = {}, {}
     for b in batch_sizes:
         load_prompts[b] = [ids[s: s + args.prompt_len] for s in starts[offset: offset + b]]
+        offset += b
+    for b in batch_sizes:             # other prompts of the same sizes: a new engine's first run
+        warm_prompts[b] = [ids[s: s + args.prompt_len] for s in starts[offset: offset + b]]
         offset += b
     for m in [m for m in gens if m != "none"]:
         del gens[m]
@@ -163,8 +169,13 @@ def main(argv: list[str] | None = None) -> int:
                    "forced": Generator.from_pretrained(str(path), **common, speculative_method=m,
                                                        num_speculative_tokens=args.k, speculative_max_batch=max_seqs)}
         for b in batch_sizes:
-            for rep in range(max(1, args.reps // 2)):
-                for name, g in [("none", gens["none"]), *engines.items()]:
+            for g in engines.values():   # unmeasured: the new engines' one-time costs, as "none" paid before
+                run(g, warm_prompts[b], args.load_output_len)
+            order = [("none", gens["none"]), *engines.items()]
+            for rep in range(args.load_reps):
+                # alternate the order rep by rep, so that a drift of the machine's speed within a
+                # rep favours no engine
+                for name, g in (order if rep % 2 == 0 else order[::-1]):
                     runs[b].setdefault(m, {}).setdefault(name, []).append(run(g, load_prompts[b], args.load_output_len))
         del engines
         gc.collect()

@@ -335,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("--asym", dest="asym", action="store_true", help="asymmetric grid with zero points")
     qz.add_argument("--calib-text", default=None,
                     help="UTF-8 calibration text, disjoint from evaluation text (default: MODEL/calibration.txt)")
-    qz.add_argument("--calib-tokens", type=int, default=32768)
+    qz.add_argument("--calib-tokens", type=int, default=65536,
+                    help="the first N tokens of the calibration text (default 65536; fewer if the text is shorter)")
     qz.add_argument("--calib-window", type=int, default=256)
     qz.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
     qz.add_argument("--clip-search", action="store_true",

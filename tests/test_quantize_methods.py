@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxinfer.quant import QuantizedWeight, dequantize, pack_int3, quantize, unpack_int3
 from jaxinfer.quantize import QuantizeSettings, quantize_model
-from jaxinfer.quantize.awq import search_scale
+from jaxinfer.quantize.awq import search_clip, search_scale
 from jaxinfer.quantize.calibrate import calibration_windows
 from jaxinfer.quantize.gptq import gptq_quantize
 
@@ -211,24 +211,57 @@ def test_awq_scale_beats_rtn_on_planted_outliers():
     x = rng.standard_normal((t, k)).astype(np.float32)
     x[:, [3, 40, 99]] *= 30.0                    # salient input channels
     w = rng.standard_normal((k, n)).astype(np.float32)
-    s, alpha, errors = search_scale(x, w, bits=3, group_size=128, symmetric=False)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    h = (x64.T @ x64 / t).astype(np.float32)
+    s, alpha, errors = search_scale(h, np.abs(x64).mean(axis=0), w, bits=3, group_size=128, symmetric=False,
+                                    clip=False)
     assert len(errors) == 21 and alpha is not None
 
     # AutoAWQ's duo scaling transcribed in numpy (float64), independent of the code under test
-    x64, w64 = x.astype(np.float64), w.astype(np.float64)
     s_x = np.abs(x64).mean(axis=0)
     s_w = (np.abs(w64) / np.abs(w64).max(axis=0, keepdims=True)).mean(axis=1)   # one group: K = 128
     ref = np.maximum(s_x ** alpha / (s_w ** (1 - alpha) + 1e-4), 1e-4)
     ref /= np.sqrt(ref.max() * ref.min())
     np.testing.assert_allclose(s, ref, rtol=1e-4)
 
-    def err(scale):
+    def err(scale):       # the error on the rows themselves (the code reads it from X^T X / T)
         wq = np_rtn((w64 * scale[:, None]), 3, 128, False) / scale[:, None]
         return np.sum((x64 @ (w64 - wq)) ** 2) / t
 
     e0, e_best = err(np.ones(k)), err(ref)
+    # float32 sums over K = 128 of terms whose magnitudes reach the total: 1e-4 relative is ~10x the
+    # accumulated rounding (128 * 2^-24 ~ 1e-5), far below a different rounding decision's change
     np.testing.assert_allclose([errors[0], min(errors)], [e0, e_best], rtol=1e-4)
     assert e_best < 0.8 * e0, (e_best, e0)
+
+    # scored with the clipping search, no candidate does worse than its unclipped self (r = 1 is a
+    # candidate of every column, and with one group per column the column errors add up exactly)
+    s_c, _, errors_c = search_scale(h, np.abs(x64).mean(axis=0), w, bits=3, group_size=128, symmetric=False)
+    assert all(c <= u * (1 + 1e-5) for c, u in zip(errors_c, errors)), (errors_c, errors)
+
+
+def test_awq_clip_search_matches_numpy_brute_force():
+    """For each output column (one group per column) the kept clip ratio is the one whose quantized
+    column has the least output error on the rows, by a numpy search over the same ratios."""
+    rng = np.random.default_rng(SEED + 4)
+    t, k, n = 256, 64, 16
+    x = correlated_inputs(rng, t, k).astype(np.float64)
+    w = rng.standard_normal((k, n))
+    w[rng.integers(0, k, 8), rng.integers(0, n, 8)] *= 6.0          # outlier weights worth clipping
+    got = search_clip((x.T @ x / t).astype(np.float32), w.astype(np.float32), bits=3, group_size=k, symmetric=False)
+    ratios = [1.0 - i / 20 for i in range(10)]
+    for col in range(n):
+        errs, cands = [], []
+        for r in ratios:
+            wc = np.clip(w[:, col], r * w[:, col].min(), r * w[:, col].max())
+            wq = np_rtn(wc[:, None], 3, k, False)[:, 0]
+            errs.append(np.sum((x @ (w[:, col] - wq)) ** 2))
+            cands.append(wc)
+        best = int(np.argmin(errs))
+        # ties within float32 rounding of the two errors may pick either: accept any near-best ratio
+        ok = [i for i, e in enumerate(errs) if e <= errs[best] * (1 + 1e-4)]
+        assert any(np.allclose(got[:, col], cands[i], rtol=1e-5, atol=1e-6) for i in ok), (col, errs)
+    assert not np.allclose(got, w.astype(np.float32)), "no column clipped: the planted outliers should be"
 
 
 def test_awq_folds_keep_the_float_block(hf_model_dir):

@@ -41,12 +41,12 @@ class QuantizeSettings:
     symmetric: bool = True
     act_order: bool = False        # GPTQ only (static groups: module gptq.py)
     clip_search: bool = False      # GPTQ: each grid's range by the |err|^2.4 search (gptq.search_grid)
-    calib_tokens: int = 32768
+    calib_tokens: int = 65536      # the first N tokens of the calibration text (all of a shorter one)
     calib_window: int = 256
     percdamp: float = 0.01         # GPTQ damping, a fraction of mean(diag H)
     blocksize: int = 128           # GPTQ lazy-update block
     awq_grid: int = 20             # AWQ alpha grid points in [0, 1) (and clip ratios)
-    max_rows: int = 4096           # AWQ: calibration rows sampled per tap
+    max_rows: int = 4096           # SmoothQuant static act-calib mse: calibration rows sampled per tap
     seed: int = 0
     chunk: int = 8                 # windows per calibration call
     alpha: float = 0.5             # SmoothQuant migration strength
@@ -93,7 +93,7 @@ class QuantizeSettings:
     def to_json(self) -> dict[str, Any]:
         keys = ["method", "bits", "group_size", "symmetric"] + {
             "rtn": [], "fp8": [], "gptq": ["act_order", "clip_search", "percdamp", "blocksize", "calib_tokens", "calib_window"],
-            "awq": ["awq_grid", "max_rows", "calib_tokens", "calib_window"],
+            "awq": ["awq_grid", "calib_tokens", "calib_window"],
             "smoothquant": ["alpha", "calib_tokens", "calib_window"],
             "qat": ["qat_steps", "qat_lr", "qat_batch", "calib_window", "seed"]}[self.method]
         if self.method == "smoothquant":

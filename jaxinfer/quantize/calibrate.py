@@ -1,5 +1,6 @@
 """Calibration: run calibration text through the model block by block and collect, per linear layer,
-what the calibrated methods need: the Hessian X^T X (GPTQ) and a sample of input rows (AWQ).
+what the calibrated methods need: the Hessian X^T X (GPTQ; AWQ with the mean |x| per channel) and
+a sample of input rows (SmoothQuant's static activation ranges).
 
 Each block's four linear groups see four inputs ("taps"):
     attn_in  = attn_norm(x)                      -> q, k, v
@@ -75,6 +76,14 @@ class BlockRunner:
                     a = taps(state, xb)[tap].astype(jnp.float32)
                     a = a.reshape(-1, a.shape[-1])                                 # (b W, K)
                     return jnp.dot(a.T, a, precision=jax.lax.Precision.HIGHEST)   # (K, K)
+            elif kind.startswith("moments:"):
+                tap = kind.split(":", 1)[1]
+
+                def fn(state, xb):
+                    a = taps(state, xb)[tap].astype(jnp.float32)
+                    a = a.reshape(-1, a.shape[-1])                                 # (b W, K)
+                    return (jnp.dot(a.T, a, precision=jax.lax.Precision.HIGHEST),  # (K, K)
+                            jnp.sum(jnp.abs(a), axis=0))                           # (K,)
             else:
                 fn = lambda state, xb: taps(state, xb)[kind]  # noqa: E731
             self._fns[key] = jax.jit(fn)
@@ -82,19 +91,20 @@ class BlockRunner:
 
     def run(self, block: Block, kind: str, x: jax.Array, chunk: int, progress=None):
         """kind "out" / a tap name: outputs concatenated over windows; "hessian:TAP": the summed
-        float32 X^T X over all windows (accumulated chunk by chunk)."""
+        float32 X^T X over all windows (accumulated chunk by chunk); "moments:TAP": X^T X and
+        sum_t |X_t| (AWQ), summed the same way."""
         graphdef, state = nnx.split(block)
         fn = self._fn(graphdef, kind)
         acc, outs = None, []
         for i in range(0, x.shape[0], chunk):
             y = fn(state, x[i: i + chunk])
-            if kind.startswith("hessian:"):
-                acc = y if acc is None else acc + y
+            if kind.startswith(("hessian:", "moments:")):
+                acc = y if acc is None else jax.tree.map(jnp.add, acc, y)
             else:
                 outs.append(y)
             if progress is not None:
                 progress.update(min(chunk, x.shape[0] - i))
-        return acc if kind.startswith("hessian:") else jnp.concatenate(outs, axis=0)
+        return acc if kind.startswith(("hessian:", "moments:")) else jnp.concatenate(outs, axis=0)
 
 
 def embed_windows(model: Decoder, windows: np.ndarray) -> jax.Array:

@@ -12,7 +12,7 @@ import numpy as np
 from jaxinfer.quant import QuantizedWeight, from_codes
 from jaxinfer.quantize import QuantizeSettings, _matrix, _rtn, group_for, linears
 from jaxinfer.quantize.awq import search_clip, search_scale
-from jaxinfer.quantize.calibrate import BlockRunner, sample_rows
+from jaxinfer.quantize.calibrate import BlockRunner
 from jaxinfer.quantize.gptq import gptq_quantize
 
 
@@ -72,22 +72,26 @@ def awq_block(block, x, runner: BlockRunner, settings: QuantizeSettings, bar=Non
     """-> the alpha chosen per tap (for the log; None: no scaling, as RTN)."""
     alphas = {}
     b = dict(bits=settings.bits, symmetric=settings.symmetric)
+    t = x.shape[0] * x.shape[1]                                                        # calibration tokens
     for tap, group in linears(block).items():
-        rows = sample_rows(runner.run(block, tap, x, settings.chunk, bar), settings.max_rows, settings.seed)
+        xtx, abs_sum = runner.run(block, f"moments:{tap}", x, settings.chunk, bar)
+        h, s_x = np.asarray(xtx, np.float32) / t, np.asarray(abs_sum, np.float32) / t
         mats = [_matrix(owner, name) for owner, name in group]
         w = np.concatenate([m[0] for m in mats], axis=1)                                # (K, sum N)
         g = group_for(w.shape[0], settings) or w.shape[0]
         cfg = block.attn.cfg
         kv_groups = (cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim) if tap == "o_in" else None
-        s, alpha, _ = search_scale(rows, w, group_size=g, n_grid=settings.awq_grid, kv_groups=kv_groups, **b)
+        clip = settings.bits < 8              # int8 per channel: the clip search is for low bits
+        s, alpha, _ = search_scale(h, s_x, w, group_size=g, n_grid=settings.awq_grid, kv_groups=kv_groups,
+                                   clip=clip, **b)
         if alpha is not None and _fold(block, tap, s):
-            rows = rows / s[None, :]
+            h = h / (s[:, None] * s[None, :])
         else:
             s, alpha = np.ones_like(s), None
         alphas[tap] = alpha
         for (owner, name), (wm, _, _) in zip(group, mats):
             ws = wm * s[:, None]
-            if settings.bits < 8:             # int8 per channel: the clip search is for low bits
-                ws = search_clip(rows, ws, group_size=g, n_grid=settings.awq_grid, **b)
+            if clip:
+                ws = search_clip(h, ws, group_size=g, n_grid=settings.awq_grid, **b)
             _rtn(owner, name, settings, ws)
     return alphas
