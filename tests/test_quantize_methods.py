@@ -294,6 +294,27 @@ def test_awq_folds_keep_the_float_block(hf_model_dir):
     np.testing.assert_allclose(after, before, rtol=0, atol=1e-4 * np.abs(before).max())
 
 
+def test_awq_moments_stream_the_taps_second_moments(hf_model_dir):
+    """BlockRunner's "moments:TAP" (what AWQ's searches read) equals X^T X and sum_t |X_t| of the
+    tap's activations computed in numpy (float64) from the same windows, across chunks."""
+    from jaxinfer.quantize import linears
+    from jaxinfer.quantize.calibrate import BlockRunner
+    from jaxinfer.weights import load_model
+
+    model, cfg = load_model(hf_model_dir(TINY), "float32")
+    block = model.layers[0]
+    x = jnp.asarray(np.random.default_rng(SEED + 5).standard_normal((5, 16, cfg.d_model)), jnp.float32)
+    runner = BlockRunner(16)
+    for tap in linears(block):
+        a = np.asarray(runner.run(block, tap, x, chunk=5), np.float64)
+        a = a.reshape(-1, a.shape[-1])
+        xtx, abs_sum = runner.run(block, f"moments:{tap}", x, chunk=2)        # chunks of 2, 2, 1 windows
+        ref = a.T @ a
+        # float32 sums of 80 products (and 3 chunk partials): ~80 * 2^-24 of the largest entry
+        np.testing.assert_allclose(np.asarray(xtx), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        np.testing.assert_allclose(np.asarray(abs_sum), np.abs(a).sum(axis=0), rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------ end to end
 
 TINY = "llama-gqa-llama3"          # d 64, 4 heads / 2 KV heads, FFN 96, 2 layers
