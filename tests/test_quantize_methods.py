@@ -213,8 +213,8 @@ def test_awq_scale_beats_rtn_on_planted_outliers():
     w = rng.standard_normal((k, n)).astype(np.float32)
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
     h = (x64.T @ x64 / t).astype(np.float32)
-    s, alpha, errors = search_scale(h, np.abs(x64).mean(axis=0), w, bits=3, group_size=128, symmetric=False,
-                                    clip=False)
+    s, alpha, errors, _ = search_scale(h, np.abs(x64).mean(axis=0), w, bits=3, group_size=128, symmetric=False,
+                                       clip=False)
     assert len(errors) == 21 and alpha is not None
 
     # AutoAWQ's duo scaling transcribed in numpy (float64), independent of the code under test
@@ -236,7 +236,7 @@ def test_awq_scale_beats_rtn_on_planted_outliers():
 
     # scored with the clipping search, no candidate does worse than its unclipped self (r = 1 is a
     # candidate of every column, and with one group per column the column errors add up exactly)
-    s_c, _, errors_c = search_scale(h, np.abs(x64).mean(axis=0), w, bits=3, group_size=128, symmetric=False)
+    s_c, _, errors_c, _ = search_scale(h, np.abs(x64).mean(axis=0), w, bits=3, group_size=128, symmetric=False)
     assert all(c <= u * (1 + 1e-5) for c, u in zip(errors_c, errors)), (errors_c, errors)
 
 

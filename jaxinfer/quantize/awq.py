@@ -69,9 +69,9 @@ def _per_kv_channel(v: jnp.ndarray, kv_groups: tuple[int, int, int] | None) -> j
 
 def search_scale(h: np.ndarray, s_x: np.ndarray, w: np.ndarray, *, bits: int, group_size: int, symmetric: bool,
                  n_grid: int = 20, kv_groups: tuple[int, int, int] | None = None, clip: bool = True
-                 ) -> tuple[np.ndarray, float | None, list[float]]:
+                 ) -> tuple[np.ndarray, float | None, list[float], np.ndarray]:
     """h = X^T X / T [K, K], s_x = mean_t |X_tk| [K], w [K, N] -> (s [K], best alpha or None,
-    error per candidate).
+    error per candidate, W * s as the best candidate rounds it: clipped when clip, [K, N]).
 
     Candidates: s = 1 (plain RTN; errors[0]) and, for alpha = i / n_grid (i < n_grid),
     s = s_X ** alpha / (s_W ** (1 - alpha) + 1e-4) clamped at 1e-4 and normalised by
@@ -102,8 +102,8 @@ def search_scale(h: np.ndarray, s_x: np.ndarray, w: np.ndarray, *, bits: int, gr
         err = float(output_error(hs, w * s[:, None] - rtn_dequant(ws, bits, group_size, symmetric)))
         errors.append(err)
         if best is None or err < best[0]:
-            best = (err, alpha, s)
-    return np.asarray(best[2], np.float32), best[1], errors
+            best = (err, alpha, s, ws)
+    return np.asarray(best[2], np.float32), best[1], errors, np.asarray(best[3], np.float32)
 
 
 def search_clip(h: np.ndarray, w: np.ndarray, *, bits: int, group_size: int, symmetric: bool,

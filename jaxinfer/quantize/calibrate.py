@@ -69,13 +69,6 @@ class BlockRunner:
 
             if kind == "out":
                 fn = lambda state, xb: taps(state, xb)["out"]  # noqa: E731
-            elif kind.startswith("hessian:"):
-                tap = kind.split(":", 1)[1]
-
-                def fn(state, xb):
-                    a = taps(state, xb)[tap].astype(jnp.float32)
-                    a = a.reshape(-1, a.shape[-1])                                 # (b W, K)
-                    return jnp.dot(a.T, a, precision=jax.lax.Precision.HIGHEST)   # (K, K)
             elif kind.startswith("moments:"):
                 tap = kind.split(":", 1)[1]
 
@@ -90,21 +83,20 @@ class BlockRunner:
         return self._fns[key]
 
     def run(self, block: Block, kind: str, x: jax.Array, chunk: int, progress=None):
-        """kind "out" / a tap name: outputs concatenated over windows; "hessian:TAP": the summed
-        float32 X^T X over all windows (accumulated chunk by chunk); "moments:TAP": X^T X and
-        sum_t |X_t| (AWQ), summed the same way."""
+        """kind "out" / a tap name: outputs concatenated over windows; "moments:TAP": the float32
+        X^T X (GPTQ's Hessian) and sum_t |X_t| (AWQ) over all windows, accumulated chunk by chunk."""
         graphdef, state = nnx.split(block)
         fn = self._fn(graphdef, kind)
         acc, outs = None, []
         for i in range(0, x.shape[0], chunk):
             y = fn(state, x[i: i + chunk])
-            if kind.startswith(("hessian:", "moments:")):
+            if kind.startswith("moments:"):
                 acc = y if acc is None else jax.tree.map(jnp.add, acc, y)
             else:
                 outs.append(y)
             if progress is not None:
                 progress.update(min(chunk, x.shape[0] - i))
-        return acc if kind.startswith(("hessian:", "moments:")) else jnp.concatenate(outs, axis=0)
+        return acc if kind.startswith("moments:") else jnp.concatenate(outs, axis=0)
 
 
 def embed_windows(model: Decoder, windows: np.ndarray) -> jax.Array:

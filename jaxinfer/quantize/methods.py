@@ -18,7 +18,8 @@ from jaxinfer.quantize.gptq import gptq_quantize
 
 def gptq_block(block, x, runner: BlockRunner, settings: QuantizeSettings, bar=None) -> None:
     for tap, group in linears(block).items():
-        hessian = np.asarray(runner.run(block, f"hessian:{tap}", x, settings.chunk, bar), np.float64)
+        xtx, _ = runner.run(block, f"moments:{tap}", x, settings.chunk, bar)
+        hessian = np.asarray(xtx, np.float64)
         for owner, name in group:
             w, shape, contract = _matrix(owner, name)
             g = group_for(w.shape[0], settings)
@@ -44,28 +45,34 @@ def _divide_columns(var, bias_var, s_cols: np.ndarray) -> None:
         bias_var.set_value(b / jnp.asarray(s_cols, b.dtype).reshape(b.shape))
 
 
+def _foldable(block, tap: str) -> bool:
+    """Whether the operator producing `tap` can absorb AWQ's 1 / s: not a norm whose output is also
+    the residual (residual_post_norm), nor a non-gated MLP's up (act(up) is not linear in up)."""
+    if tap in ("attn_in", "mlp_in"):
+        return not block.residual_post_norm
+    if tap == "down_in":
+        return block.mlp.gate is not None
+    assert tap == "o_in", tap
+    return True
+
+
 def _fold(block, tap: str, s: np.ndarray) -> bool:
     """Divide the operator producing `tap` by s (AWQ); False where the architecture does not allow it."""
+    if not _foldable(block, tap):
+        return False
     a, m = block.attn, block.mlp
     if tap in ("attn_in", "mlp_in"):
-        if block.residual_post_norm:          # the norm's output is also the residual
-            return False
         norm = block.attn_norm if tap == "attn_in" else block.mlp_norm
         for var in (norm.scale, norm.bias):
             if var is not None:
                 var.set_value(var.get_value() / jnp.asarray(s, var.get_value().dtype))
-        return True
-    if tap == "o_in":                         # s is [H * hd], equal across the heads of a KV head
+    elif tap == "o_in":                       # s is [H * hd], equal across the heads of a KV head
         cfg = a.cfg
         s_kv = s.reshape(cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)[:, 0, :].reshape(-1)
         _divide_columns(a.v, a.v_bias, s_kv)
-        return True
-    if tap == "down_in":
-        if m.gate is None:                    # act(up) is not linear in up
-            return False
+    else:                                     # down_in
         _divide_columns(m.up, m.up_bias, s)
-        return True
-    raise AssertionError(tap)
+    return True
 
 
 def awq_block(block, x, runner: BlockRunner, settings: QuantizeSettings, bar=None) -> dict[str, float | None]:
@@ -73,25 +80,25 @@ def awq_block(block, x, runner: BlockRunner, settings: QuantizeSettings, bar=Non
     alphas = {}
     b = dict(bits=settings.bits, symmetric=settings.symmetric)
     t = x.shape[0] * x.shape[1]                                                        # calibration tokens
+    clip = settings.bits < 8                  # int8 per channel: the clip search is for low bits
     for tap, group in linears(block).items():
         xtx, abs_sum = runner.run(block, f"moments:{tap}", x, settings.chunk, bar)
         h, s_x = np.asarray(xtx, np.float32) / t, np.asarray(abs_sum, np.float32) / t
         mats = [_matrix(owner, name) for owner, name in group]
         w = np.concatenate([m[0] for m in mats], axis=1)                                # (K, sum N)
         g = group_for(w.shape[0], settings) or w.shape[0]
-        cfg = block.attn.cfg
-        kv_groups = (cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim) if tap == "o_in" else None
-        clip = settings.bits < 8              # int8 per channel: the clip search is for low bits
-        s, alpha, _ = search_scale(h, s_x, w, group_size=g, n_grid=settings.awq_grid, kv_groups=kv_groups,
-                                   clip=clip, **b)
-        if alpha is not None and _fold(block, tap, s):
-            h = h / (s[:, None] * s[None, :])
-        else:
-            s, alpha = np.ones_like(s), None
+        alpha = None
+        if _foldable(block, tap):
+            cfg = block.attn.cfg
+            kv_groups = (cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim) if tap == "o_in" else None
+            s, alpha, _, ws = search_scale(h, s_x, w, group_size=g, n_grid=settings.awq_grid, kv_groups=kv_groups,
+                                           clip=clip, **b)
+            if alpha is not None:
+                _fold(block, tap, s)
+        else:                                 # s = 1: the clip search alone
+            ws = search_clip(h, w, group_size=g, n_grid=settings.awq_grid, **b) if clip else w
         alphas[tap] = alpha
-        for (owner, name), (wm, _, _) in zip(group, mats):
-            ws = wm * s[:, None]
-            if clip:
-                ws = search_clip(h, ws, group_size=g, n_grid=settings.awq_grid, **b)
-            _rtn(owner, name, settings, ws)
+        # columns are clipped independently: the group's searched matrix splits into its linears
+        for (owner, name), part in zip(group, np.split(ws, np.cumsum([m[0].shape[1] for m in mats])[:-1], axis=1)):
+            _rtn(owner, name, settings, part)
     return alphas
