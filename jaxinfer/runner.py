@@ -13,7 +13,6 @@ inside the same program, so it adds no shape).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 import time
@@ -243,11 +242,13 @@ class ModelRunner:
         return mask, bias_ids, bias_values
 
     # -------------------------------------------------------------------- host -> device
-    def prepare(self, out: SchedulerOutput, tables: dict[str, list[int]], buckets: tuple[int, int] | None = None
-                ) -> tuple[StepInputs, list]:
+    def prepare(self, out: SchedulerOutput, tables: dict[str, list[int]], buckets: tuple[int, int] | None = None,
+                plain: bool | None = None) -> tuple[StepInputs, list]:
         """The step's StepInputs (numpy, padded to the (T, S, B) bucket; `buckets`: this (T, B) instead
         of the smallest that fits, as pipeline micro-batches share one) and its rows: the request
-        each row samples for, or None."""
+        each row samples for, or None. A speculative engine's step with nothing speculative in it
+        (`plain`, default: `_plain(out)`) gets no SpecInputs (spec None): plain_step runs it."""
+        plain = self._plain(out) if plain is None else plain
         t = self._bucket(max(out.num_batched_tokens, 1), self.token_buckets)
         b = self._bucket(self.blocks_needed(out.seqs), self.block_buckets)
         if buckets is not None:
@@ -281,7 +282,7 @@ class ModelRunner:
                 max_new[i] = q.max_draws
         # the drawn token's position is one past the last computed token of its row (a speculating
         # row: one past its last drawn token; speculative.verify steps through the proposals)
-        if self.tree is not None:
+        if self.tree is not None and not plain:
             self._tree_layout(out, meta, positions)
         # n-gram rows with placeholders: the device looks up their proposals in their histories
         lookup = np.zeros(s, np.bool_)
@@ -289,7 +290,7 @@ class ModelRunner:
             lookup[:len(out.seqs)] = [bool(q.spec) and q.spec[0] == -1 for q in out.seqs]
         sb = self._sampling_batch(rows, positions[logits_indices - num_spec] + 1, bool(lookup.any()))
         spec = None
-        if self.cfg.spec_tokens:
+        if self.cfg.spec_tokens and not plain:
             node_masks, mask_slot = self._node_masks(out, s)
             spec = SpecInputs(num_spec, propose=np.bool_(out.speculating) if self.tree is not None else None,
                               node_masks=node_masks, mask_slot=mask_slot,
@@ -435,10 +436,7 @@ class ModelRunner:
         if self.publish_step is not None:
             self.publish_step(inputs)
         prev_tokens = self._no_prev if prev is None else prev.outputs.next_tokens
-        if self._plain(out):
-            outputs = self._run_plain(inputs, prev_tokens)
-        else:
-            outputs, self.kv_pages = self.step(self.params, self.kv_pages, inputs, prev_tokens)
+        outputs = self._dispatch(inputs, prev_tokens)
         for i, (q, req) in enumerate(zip(out.seqs, rows)):
             if req is not None:    # where this row's last draw will lie in outputs.next_tokens
                 req.inflight_index = (q.max_draws - 1) * self.settings.max_rows + i
@@ -455,12 +453,25 @@ class ModelRunner:
             return not out.run_draft and out.run_target
         return True
 
+    def _dispatch(self, inputs: StepInputs, prev_tokens) -> StepOutputs:
+        """Run the step's program on its inputs: a speculative engine's inputs without SpecInputs
+        (prepare's plain steps) go to plain_step, every other to the engine's step."""
+        if self.plain_step is not None and inputs.spec is None:
+            return self._run_plain(inputs, prev_tokens)
+        outputs, self.kv_pages = self.step(self.params, self.kv_pages, inputs, prev_tokens)
+        return outputs
+
+    def _target_state(self):
+        """(params, KV pages) of the target alone: a speculative engine holds them paired with the
+        draft's (params and pages) or the Medusa heads' (params)."""
+        draft = self.settings.draft_graphdef is not None
+        params = self.params[0] if draft or self.tree is not None else self.params
+        return params, (self.kv_pages[0] if draft else self.kv_pages)
+
     def _run_plain(self, inputs: StepInputs, prev_tokens) -> StepOutputs:
         """plain_step over the target's params and pages (the draft's pages are left as they are)."""
-        inputs = dataclasses.replace(inputs, spec=None, meta=dataclasses.replace(inputs.meta, tree=None))
-        target = self.settings.draft_graphdef is not None or self.tree is not None
-        params = self.params[0] if target else self.params
-        pages = self.kv_pages[0] if self.settings.draft_graphdef is not None else self.kv_pages
+        assert inputs.spec is None and inputs.meta.tree is None
+        params, pages = self._target_state()
         outputs, pages = self.plain_step(params, pages, inputs, prev_tokens)
         self.kv_pages = (pages, self.kv_pages[1]) if self.settings.draft_graphdef is not None else pages
         return outputs
@@ -504,21 +515,25 @@ class ModelRunner:
         for name, value in zip(("token_mask", "bias_ids", "bias_values"), empty):
             if getattr(sb, name) is None:
                 setattr(sb, name, value)
-        _, self.kv_pages = self.step(self.params, self.kv_pages, inputs, self._no_prev)
+        self._dispatch(inputs, self._no_prev)
 
     def replay(self, inputs: StepInputs) -> None:
         """Profiling only: run the jitted step on `inputs` again and wait for it (the KV writes land
         where they landed the first time, so the cache's contents do not change)."""
-        outputs, self.kv_pages = self.step(self.params, self.kv_pages, inputs, self._no_prev)
+        outputs = self._dispatch(inputs, self._no_prev)
         jax.block_until_ready(outputs)
 
     def step_hlo(self, inputs: StepInputs) -> str:
         """Profiling only: the optimized HLO text of the step compiled for `inputs`' shapes."""
+        if self.plain_step is not None and inputs.spec is None:
+            params, pages = self._target_state()
+            return self.plain_step.lower(params, pages, inputs, self._no_prev).compile().as_text()
         return self.step.lower(self.params, self.kv_pages, inputs, self._no_prev).compile().as_text()
 
-    def empty_inputs(self, t: int, b: int) -> StepInputs:
-        """A step of bucket (T, B) with no tokens: what warm-up runs (and the follower's treedef)."""
-        return self.prepare(SchedulerOutput(), {}, buckets=(t, b))[0]
+    def empty_inputs(self, t: int, b: int, plain: bool = False) -> StepInputs:
+        """A step of bucket (T, B) with no tokens: what warm-up runs (and the follower's treedef);
+        plain: a speculative engine's plain_step layout (no SpecInputs)."""
+        return self.prepare(SchedulerOutput(), {}, buckets=(t, b), plain=plain)[0]
 
     def warmup(self) -> int:
         """Compile every (T, B) bucket; returns the number of shapes. Penalties need no variant:
@@ -528,7 +543,7 @@ class ModelRunner:
             outputs, self.kv_pages = self.step(self.params, self.kv_pages, self.empty_inputs(t, b), self._no_prev)
             outputs.ids.block_until_ready()
             if self.plain_step is not None:
-                self._run_plain(self.empty_inputs(t, b), self._no_prev).ids.block_until_ready()
+                self._run_plain(self.empty_inputs(t, b, plain=True), self._no_prev).ids.block_until_ready()
         return len(buckets)
 
 
