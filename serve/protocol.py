@@ -44,6 +44,16 @@ UNSUPPORTED_FIELDS = {
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": lambda v: v is None,
     "web_search_options": lambda v: v is None,
+    # OpenAI chat fields for features this server does not have: stored completions, service
+    # tiers, reasoning models' effort and verbosity, OpenAI's own prompt-cache routing and abuse
+    # monitoring (the prefix cache here keys on the prompt and `cache_salt`)
+    "store": lambda v: v is None or v is False,
+    "metadata": lambda v: v is None or v == {},
+    "service_tier": lambda v: v is None or v in ("auto", "default"),
+    "reasoning_effort": lambda v: v is None,
+    "verbosity": lambda v: v is None,
+    "prompt_cache_key": lambda v: v is None,
+    "safety_identifier": lambda v: v is None,
 }
 
 # vLLM's structured_outputs object: the constraint keys, and the one option we honour

@@ -242,6 +242,13 @@ def test_non_streaming_disconnect_aborts_and_frees_blocks(srv, gen):
     ("/v1/chat/completions", "tool_choice", "required"),     # with no tools
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("/v1/chat/completions", "function_call", "auto"),
+    ("/v1/chat/completions", "store", True),
+    ("/v1/chat/completions", "metadata", {"run": "a"}),
+    ("/v1/chat/completions", "service_tier", "flex"),
+    ("/v1/chat/completions", "reasoning_effort", "high"),
+    ("/v1/chat/completions", "verbosity", "low"),
+    ("/v1/chat/completions", "prompt_cache_key", "k"),
+    ("/v1/chat/completions", "safety_identifier", "u1"),
 ])
 def test_unsupported_fields_get_400_naming_them(srv, route, field, value):
     body = {"model": "tiny", "max_tokens": 2, field: value}
@@ -256,7 +263,7 @@ def test_noop_values_of_unsupported_fields_and_unknown_extras_are_accepted(srv):
     r = _post(srv, "/v1/chat/completions", {
         "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "fox"}], "logit_bias": {},
         "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "best_of": 1, "suffix": None,
-        "some_vendor_extra": 1})
+        "store": False, "metadata": {}, "service_tier": "auto", "some_vendor_extra": 1})
     assert r.status_code == 200, r.text
 
 
