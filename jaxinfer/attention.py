@@ -236,7 +236,6 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
     t, h, d = q.shape
     hkv = kv.k.shape[0]
     g = h // hkv
-    tq = meta.chunk_tiles.shape[1]
     if meta.tree is not None:   # tree nodes: the causal mask compares slot indexes, not positions
         positions = meta.tree[:, 0]
     q_ext = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((1, h, d), jnp.float32)])   # row T: none
@@ -247,10 +246,25 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
     dec_tok = jnp.concatenate([meta.decode_tokens, jnp.full((1,), t, jnp.int32)])       # [S+1]
     dq = q_ext[dec_tok].reshape(-1, hkv, g, d)                                           # (S+1, Hkv, G, D)
     dpos = jnp.broadcast_to(pos_ext[dec_tok][:, None], (dq.shape[0], g))
-    dout = _attend_items(dq, dpos, kv, meta.decode_items, meta.num_items[0],
-                         group=min(DECODE_GROUP, meta.decode_items.shape[0]), **kw)       # (S+1, Hkv, G, D)
+    # a step without decode rows (or without chunks) skips that part: at batch 1 most of a layer's
+    # attention ops are the fixed cost of a part, not its work
+    dout = jax.lax.cond(meta.num_items[0] > 0, lambda: _attend_items(
+        dq, dpos, kv, meta.decode_items, meta.num_items[0],
+        group=min(DECODE_GROUP, meta.decode_items.shape[0]), **kw), lambda: jnp.zeros_like(dq))  # (S+1, Hkv, G, D)
+    out = jnp.zeros((t + 1, hkv, g, d), jnp.float32)
+    out = jax.lax.cond(meta.num_items[1] > 0, lambda o: _attend_chunks(q_ext, pos_ext, kv, meta, o, **kw),
+                       lambda o: o, out)
+    out = out.at[dec_tok].set(dout)                       # index T collects every padding entry
+    return out[:t].reshape(t, h, d).astype(q.dtype)
 
-    # multi-token chunks: tiles of tq tokens x G heads; tile NT: the dummy
+
+def _attend_chunks(q_ext: jax.Array, pos_ext: jax.Array, kv: LayerKV, meta: AttentionMetadata, out: jax.Array,
+                   **kw) -> jax.Array:
+    """paged_attention_xla's multi-token chunks: tiles of tq tokens x G heads (tile NT: the dummy),
+    their outputs set into out [T+1, Hkv, G, D]."""
+    t = q_ext.shape[0] - 1
+    _, hkv, g, d = out.shape
+    tq = meta.chunk_tiles.shape[1]
     tiles = jnp.concatenate([meta.chunk_tiles, jnp.full((1, tq), t, jnp.int32)])         # [NT+1, tq]
     cq = q_ext[tiles].reshape(-1, tq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(-1, hkv, tq * g, d)
     cpos = jnp.repeat(pos_ext[tiles], g, axis=1)                                         # (NT+1, tq*G)
@@ -262,8 +276,4 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
     cout = _attend_items(cq, cpos, kv, meta.chunk_items, meta.num_items[1],
                          group=min(CHUNK_GROUP, meta.chunk_items.shape[0]), tree_tiles=tree_tiles, **kw)
     cout = cout.reshape(-1, hkv, tq, g, d).transpose(0, 2, 1, 3, 4)                      # (NT+1, tq, Hkv, G, D)
-
-    out = jnp.zeros((t + 1, hkv, g, d), jnp.float32)
-    out = out.at[tiles.reshape(-1)].set(cout.reshape(-1, hkv, g, d))
-    out = out.at[dec_tok].set(dout)                       # index T collects every padding entry
-    return out[:t].reshape(t, h, d).astype(q.dtype)
+    return out.at[tiles.reshape(-1)].set(cout.reshape(-1, hkv, g, d))

@@ -121,16 +121,22 @@ def expand_batch(b: SamplingBatch, drafts: jax.Array, num_spec: jax.Array, k1: i
 
 def draft_sample(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array]:
     """The draft model's draw for each row: (ids [S], q [S, V], the distribution it was drawn
-    from: softmax of the processed logits; one-hot of the argmax for greedy rows)."""
-    tempered, _, filtered = process(logits, b)
+    from: softmax of the processed logits; one-hot of the argmax for greedy rows). A batch of greedy
+    rows only (the common case) computes no keys, noise or softmax."""
     greedy = b.temperature <= 0
-    keys = jax.vmap(lambda k: jax.random.fold_in(k, DRAFT_TAG))(row_keys(b.seed, b.sample_index, b.position))
-    drawn = jax.lax.cond(jnp.any(~greedy), lambda f: gumbel_draw(f, keys),
-                         lambda f: jnp.zeros(f.shape[:1], jnp.int32), filtered)
-    ids = jnp.where(greedy, jnp.argmax(tempered, axis=-1), drawn).astype(jnp.int32)
-    q = jnp.where(greedy[:, None], jax.nn.one_hot(ids, logits.shape[-1], dtype=jnp.float32),
-                  jax.nn.softmax(filtered, axis=-1))
-    return ids, q
+
+    def sampled(logits):
+        tempered, _, filtered = process(logits, b)
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, DRAFT_TAG))(row_keys(b.seed, b.sample_index, b.position))
+        ids = jnp.where(greedy, jnp.argmax(tempered, axis=-1), gumbel_draw(filtered, keys)).astype(jnp.int32)
+        return ids, jnp.where(greedy[:, None], jax.nn.one_hot(ids, logits.shape[-1], dtype=jnp.float32),
+                              jax.nn.softmax(filtered, axis=-1))
+
+    def argmax(logits):
+        ids = jnp.argmax(process(logits, b)[0], axis=-1).astype(jnp.int32)
+        return ids, jax.nn.one_hot(ids, logits.shape[-1], dtype=jnp.float32)
+
+    return jax.lax.cond(jnp.any(~greedy), sampled, argmax, logits)
 
 
 def verify(logits: jax.Array, drafts: jax.Array, num_spec: jax.Array, q: jax.Array | None, b: SamplingBatch,
