@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         del gens[m]
     gc.collect()
     runs = {b: {} for b in batch_sizes}
-    for m in [m for m in methods if m != "medusa-chain"]:
+    for m in [m for m in methods if m != "medusa-chain" and batch_sizes]:
         gens["none"].reset_prefix_cache()   # every engine meets each prompt set first in the same rep
         engines = {m: Generator.from_pretrained(str(path), **common, speculative_method=m, num_speculative_tokens=args.k),
                    "forced": Generator.from_pretrained(str(path), **common, speculative_method=m,

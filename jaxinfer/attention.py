@@ -17,7 +17,10 @@ kernel does), through work items the host lists (kv_cache.build_attention_metada
 loops (decode items, chunk items) take 16 / 8 items per iteration, stop at the step's real item
 count and merge into each tile's running softmax (scatter-max / scatter-add), so work and memory
 follow the blocks actually used; the item arrays' sizes depend on T alone, which replaced the
-block-count bucket (7 compiled shapes instead of 21 on the bundled model).
+block-count bucket (7 compiled shapes instead of 21 on the bundled model). A step with no decode
+rows (a speculative round's verification: every row is a chunk) or no chunks (a decode step, the
+draft model's proposal iterations) skips that part under a lax.cond: at batch 1 a part's fixed ops,
+not its work, are most of its cost (the draft method's batch-1 decode ran 1.26x faster).
 bench/attention_xla.py, one layer of the bundled model (4 heads, 2 kv heads, head_dim 64, block
 16, float32), KV write included, XLA:CPU on 2 shared cores (load ~7), medians of 15 interleaved calls:
   step                                        previous (305d24f)   work items

@@ -58,6 +58,9 @@ CASES = [
     ([(c, 1) for c in range(5, 400, 9)] + [(200, 70), (0, 90)], 3, 2, 2, 2, 16, None, False, "float32"),
     ([(45, 18), (3, 1), (0, 30), (22, 6), (60, 1)], 4, 1, 2, 2, 16, 20, False, "bfloat16"),
     ([(45, 18), (3, 1), (0, 30), (22, 6), (60, 1)], 0, 2, 1, 8, 8, None, True, "float16"),
+    # decode rows only, and chunks only (a verification round): the other part is skipped
+    ([(30, 1), (0, 1), (75, 1)], 2, 1, 2, 2, 16, None, False, "float32"),
+    ([(12, 5), (0, 20), (50, 5)], 3, 1, 2, 4, 8, 9, True, "float32"),
 ]
 
 
