@@ -245,20 +245,27 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
     pos_ext = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])
     kw = dict(scale=scale, window=window, alibi=alibi)
 
-    # decode rows: tile = row, its G query heads per kv head; row S: the padding items' dummy
-    dec_tok = jnp.concatenate([meta.decode_tokens, jnp.full((1,), t, jnp.int32)])       # [S+1]
-    dq = q_ext[dec_tok].reshape(-1, hkv, g, d)                                           # (S+1, Hkv, G, D)
-    dpos = jnp.broadcast_to(pos_ext[dec_tok][:, None], (dq.shape[0], g))
     # a step without decode rows (or without chunks) skips that part: at batch 1 most of a layer's
     # attention ops are the fixed cost of a part, not its work
-    dout = jax.lax.cond(meta.num_items[0] > 0, lambda: _attend_items(
-        dq, dpos, kv, meta.decode_items, meta.num_items[0],
-        group=min(DECODE_GROUP, meta.decode_items.shape[0]), **kw), lambda: jnp.zeros_like(dq))  # (S+1, Hkv, G, D)
+    dec_tok = jnp.concatenate([meta.decode_tokens, jnp.full((1,), t, jnp.int32)])       # [S+1]; S: the dummy
+    dout = jax.lax.cond(meta.num_items[0] > 0, lambda: _attend_decode(q_ext, pos_ext, kv, meta, dec_tok, g, **kw),
+                        lambda: jnp.zeros((dec_tok.shape[0], hkv, g, d), jnp.float32))   # (S+1, Hkv, G, D)
     out = jnp.zeros((t + 1, hkv, g, d), jnp.float32)
     out = jax.lax.cond(meta.num_items[1] > 0, lambda o: _attend_chunks(q_ext, pos_ext, kv, meta, o, **kw),
                        lambda o: o, out)
     out = out.at[dec_tok].set(dout)                       # index T collects every padding entry
     return out[:t].reshape(t, h, d).astype(q.dtype)
+
+
+def _attend_decode(q_ext: jax.Array, pos_ext: jax.Array, kv: LayerKV, meta: AttentionMetadata, dec_tok: jax.Array,
+                   g: int, **kw) -> jax.Array:
+    """paged_attention_xla's single-token rows: tile = row (dec_tok [S+1], row S: the padding items'
+    dummy), its G query heads per kv head. -> (S+1, Hkv, G, D)."""
+    hkv, d = kv.k.shape[0], q_ext.shape[-1]
+    dq = q_ext[dec_tok].reshape(-1, hkv, g, d)                                           # (S+1, Hkv, G, D)
+    dpos = jnp.broadcast_to(pos_ext[dec_tok][:, None], (dq.shape[0], g))
+    return _attend_items(dq, dpos, kv, meta.decode_items, meta.num_items[0],
+                         group=min(DECODE_GROUP, meta.decode_items.shape[0]), **kw)
 
 
 def _attend_chunks(q_ext: jax.Array, pos_ext: jax.Array, kv: LayerKV, meta: AttentionMetadata, out: jax.Array,

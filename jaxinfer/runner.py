@@ -456,10 +456,14 @@ class ModelRunner:
     def _dispatch(self, inputs: StepInputs, prev_tokens) -> StepOutputs:
         """Run the step's program on its inputs: a speculative engine's inputs without SpecInputs
         (prepare's plain steps) go to plain_step, every other to the engine's step."""
-        if self.plain_step is not None and inputs.spec is None:
+        if self._is_plain(inputs):
             return self._run_plain(inputs, prev_tokens)
         outputs, self.kv_pages = self.step(self.params, self.kv_pages, inputs, prev_tokens)
         return outputs
+
+    def _is_plain(self, inputs: StepInputs) -> bool:
+        """Whether plain_step runs `inputs`: a speculative engine's step without SpecInputs."""
+        return self.plain_step is not None and inputs.spec is None
 
     def _target_state(self):
         """(params, KV pages) of the target alone: a speculative engine holds them paired with the
@@ -525,7 +529,7 @@ class ModelRunner:
 
     def step_hlo(self, inputs: StepInputs) -> str:
         """Profiling only: the optimized HLO text of the step compiled for `inputs`' shapes."""
-        if self.plain_step is not None and inputs.spec is None:
+        if self._is_plain(inputs):
             params, pages = self._target_state()
             return self.plain_step.lower(params, pages, inputs, self._no_prev).compile().as_text()
         return self.step.lower(self.params, self.kv_pages, inputs, self._no_prev).compile().as_text()
