@@ -91,7 +91,8 @@ def main() -> None:
               "calib_tokens": int(windows.size), "calib_windows": int(windows.shape[0]),
               "command": "python -m bench.quantize_ppl", "note": "w4/w3 asymmetric (zero points), w8 symmetric "
               "per channel; GPTQ with act-order (static groups) and the grid search (--clip-search); AWQ with "
-              "its scale and clip searches (scored jointly, on X^T X of every calibration token); QAT: w4 per channel, defaults of jaxinfer/quantize/qat.py on "
+              "its scale and clip searches (scored jointly, on X^T X of every calibration token; alpha in "
+              "steps of 0.05, clip ratios in steps of 0.01); QAT: w4 per channel, defaults of jaxinfer/quantize/qat.py on "
               "--train-bin; decode: batch 1, greedy, 128 tokens",
               "rows": []}
     out = Path(args.out)
@@ -124,6 +125,7 @@ def main() -> None:
         r = eval_ppl(model, tok, heldout)
         add({"method": method, "format": fmt if label is None else f"{fmt} {label}", "bits": settings.bits,
              "group_size": settings.group_size, "symmetric": settings.symmetric, **extra,
+             "settings": settings.to_json(),
              "ppl": r["ppl"], "bits_per_byte": r["bits_per_byte"], "tokens": r["tokens"], "quantize_s": quantize_s,
              "decode_tok_s": decode_tok_s(folder) if method in ("rtn", "smoothquant", "fp8") else None})
 

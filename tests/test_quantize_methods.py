@@ -240,16 +240,21 @@ def test_awq_scale_beats_rtn_on_planted_outliers():
     assert all(c <= u * (1 + 1e-5) for c, u in zip(errors_c, errors)), (errors_c, errors)
 
 
-def test_awq_clip_search_matches_numpy_brute_force():
+@pytest.mark.parametrize("n_grid", [20, None])   # None: search_clip's default (QuantizeSettings.awq_clip_grid)
+def test_awq_clip_search_matches_numpy_brute_force(n_grid):
     """For each output column (one group per column) the kept clip ratio is the one whose quantized
-    column has the least output error on the rows, by a numpy search over the same ratios."""
+    column has the least output error on the rows, by a numpy search over the ratios 1 - i / n_grid,
+    i < n_grid / 2 (the default grid: steps of 0.01)."""
     rng = np.random.default_rng(SEED + 4)
     t, k, n = 256, 64, 16
     x = correlated_inputs(rng, t, k).astype(np.float64)
     w = rng.standard_normal((k, n))
     w[rng.integers(0, k, 8), rng.integers(0, n, 8)] *= 6.0          # outlier weights worth clipping
-    got = search_clip((x.T @ x / t).astype(np.float32), w.astype(np.float32), bits=3, group_size=k, symmetric=False)
-    ratios = [1.0 - i / 20 for i in range(10)]
+    kw = {} if n_grid is None else {"n_grid": n_grid}
+    got = search_clip((x.T @ x / t).astype(np.float32), w.astype(np.float32), bits=3, group_size=k, symmetric=False,
+                      **kw)
+    grid = n_grid or 100
+    ratios = [1.0 - i / grid for i in range(grid // 2)]
     for col in range(n):
         errs, cands = [], []
         for r in ratios:

@@ -45,7 +45,8 @@ class QuantizeSettings:
     calib_window: int = 256
     percdamp: float = 0.01         # GPTQ damping, a fraction of mean(diag H)
     blocksize: int = 128           # GPTQ lazy-update block
-    awq_grid: int = 20             # AWQ alpha grid points in [0, 1) (and clip ratios)
+    awq_grid: int = 20             # AWQ alpha grid points in [0, 1)
+    awq_clip_grid: int = 100       # AWQ clip ratios 1 - i / awq_clip_grid, i < awq_clip_grid / 2 (awq.py)
     max_rows: int = 4096           # SmoothQuant static act-calib mse: calibration rows sampled per tap
     seed: int = 0
     chunk: int = 8                 # windows per calibration call
@@ -87,13 +88,15 @@ class QuantizeSettings:
         if self.qat_steps < 1 or self.qat_batch < 1 or not self.qat_lr > 0:
             raise ValueError(f"QAT needs --qat-steps >= 1, --qat-batch >= 1 and --qat-lr > 0, got "
                              f"{self.qat_steps}, {self.qat_batch}, {self.qat_lr}")
+        if self.awq_grid < 1 or self.awq_clip_grid < 2:
+            raise ValueError(f"AWQ needs awq_grid >= 1 and awq_clip_grid >= 2, got {self.awq_grid}, {self.awq_clip_grid}")
         if not 50.0 < self.act_percentile <= 100.0:
             raise ValueError(f"--act-percentile must be in (50, 100], got {self.act_percentile}")
 
     def to_json(self) -> dict[str, Any]:
         keys = ["method", "bits", "group_size", "symmetric"] + {
             "rtn": [], "fp8": [], "gptq": ["act_order", "clip_search", "percdamp", "blocksize", "calib_tokens", "calib_window"],
-            "awq": ["awq_grid", "calib_tokens", "calib_window"],
+            "awq": ["awq_grid", "awq_clip_grid", "calib_tokens", "calib_window"],
             "smoothquant": ["alpha", "calib_tokens", "calib_window"],
             "qat": ["qat_steps", "qat_lr", "qat_batch", "calib_window", "seed"]}[self.method]
         if self.method == "smoothquant":

@@ -91,12 +91,13 @@ def awq_block(block, x, runner: BlockRunner, settings: QuantizeSettings, bar=Non
         if _foldable(block, tap):
             cfg = block.attn.cfg
             kv_groups = (cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim) if tap == "o_in" else None
-            s, alpha, _, ws = search_scale(h, s_x, w, group_size=g, n_grid=settings.awq_grid, kv_groups=kv_groups,
+            s, alpha, _, ws = search_scale(h, s_x, w, group_size=g, n_grid=settings.awq_grid, clip_grid=settings.awq_clip_grid,
+                                           kv_groups=kv_groups,
                                            clip=clip, **b)
             if alpha is not None:
                 _fold(block, tap, s)
         else:                                 # s = 1: the clip search alone
-            ws = search_clip(h, w, group_size=g, n_grid=settings.awq_grid, **b) if clip else w
+            ws = search_clip(h, w, group_size=g, n_grid=settings.awq_clip_grid, **b) if clip else w
         alphas[tap] = alpha
         # columns are clipped independently: the group's searched matrix splits into its linears
         for (owner, name), part in zip(group, np.split(ws, np.cumsum([m[0].shape[1] for m in mats])[:-1], axis=1)):
