@@ -13,7 +13,10 @@ Workloads:
   free      batch 1, greedy, a held-out prompt (--prompt-len tokens), --output-len tokens: decode tok/s
             = (output tokens - 1) / (time from the first token to the last), so prefill is excluded;
   copy      batch 1, a copy-heavy prompt: a held-out passage (--passage-len tokens), then its first
-            16 tokens again, so the answer repeats the passage (the model continues what it has seen);
+            16 tokens again, so that a model which copies from its context repeats the passage; the
+            JSON's copy_check says whether none's answers did (the bundled 7M-parameter model does
+            not: its answers follow the passage for 0 to 4 tokens, and prompt lookup's hits there
+            come from the answers repeating themselves);
   json      batch 1, structured output: the answer must match the JSON schema {"quote": string} and
             the prompt holds a held-out passage as {"quote":"..."} twice, so the constrained answer
             tends to repeat it (speculation under a grammar: host/structured.py); each output runs
@@ -76,6 +79,21 @@ def summarise(runs: dict[str, list[dict]], key: str) -> dict:
     return out
 
 
+def copy_check(prompts: list[list[int]], outputs: list[list[int]], continuations: list[list[int]], n: int = 4) -> dict:
+    """Whether the copy workload's answers do copy: per prompt, how many leading output tokens equal
+    the passage's continuation, and the share of output tokens that complete an n-gram (n - 1
+    tokens of context, then the token) which occurs in the prompt: what prompt lookup can find there."""
+    follow, share = [], []
+    for p, out, cont in zip(prompts, outputs, continuations):
+        m = next((i for i, (a, b) in enumerate(zip(out, cont)) if a != b), min(len(out), len(cont)))
+        grams = {tuple(p[i: i + n]) for i in range(len(p) - n + 1)}
+        seq = list(p) + list(out)
+        hits = sum(tuple(seq[len(p) + j - n + 1: len(p) + j + 1]) in grams for j in range(len(out)))
+        follow.append(m)
+        share.append(hits / max(len(out), 1))
+    return {"tokens_following_the_passage": follow, f"share_of_output_{n}grams_in_prompt": share}
+
+
 def _chain_heads(k: int) -> str:
     """A copy of the bundled Medusa heads whose tree is one chain of each head's top token."""
     from jaxinfer.generator import CHECKPOINTS, DEFAULT_MEDUSA
@@ -121,10 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.RandomState(0)
     starts = rng.randint(0, len(ids) - 2 * args.passage_len, 4 * args.reps + 2 * sum(batch_sizes))
     free = [ids[s: s + args.prompt_len] for s in starts[: args.reps]]
-    copy = []
+    copy, copy_continuations = [], []
     for s in starts[args.reps: 2 * args.reps]:
         passage = ids[s: s + args.passage_len]
         copy.append(passage + ids[s + args.passage_len: s + args.passage_len + 8] + passage[:16])
+        copy_continuations.append(passage[16:])
     json_prompts = []
     for s in starts[len(starts) - args.reps:]:            # past what the load workloads read
         words = gens["none"].tokenizer.decode(ids[s: s + args.passage_len]).replace("\n", " ").replace('"', "'")
@@ -145,8 +164,12 @@ def main(argv: list[str] | None = None) -> int:
             for m, g in gens.items():
                 runs[m].append(run(g, [p], args.output_len, params))
         report["workloads"][name] = {"batch": 1, **summarise(runs, "decode_tok_s")}
+        if name == "copy":   # none's greedy answers: do they repeat the passage?
+            report["workloads"][name]["copy_check"] = copy_check(prompts, [r["outputs"][0] for r in runs["none"]],
+                                                                 copy_continuations)
+            print("copy check", report["workloads"][name]["copy_check"], flush=True)
         print(name, {m: (round(v["decode_tok_s"], 1), round(v["ratio_vs_none"], 2), v["mean_acceptance_length"])
-                     for m, v in report["workloads"][name].items() if isinstance(v, dict)}, flush=True)
+                     for m, v in report["workloads"][name].items() if m in gens}, flush=True)
 
     # load: one method at a time (its engine under the default policy and one forced on), beside the
     # same "none" engine, so that few engines live at once: each engine's XLA:CPU programs map about

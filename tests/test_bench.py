@@ -250,3 +250,18 @@ def test_tiny_offline_run_writes_json_and_png(tiny_model, tmp_path):
     assert report["dataset"]["num_requests"] == 6 and report["dataset"]["source"].endswith("heldout.txt")
     png = out.with_suffix(".png")
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_speculative_copy_check_by_hand():
+    """bench.speculative.copy_check on made-up sequences, counted by hand."""
+    from bench.speculative import copy_check
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    # the passage continues 5 6 7 8 9; the answer follows it for 3 tokens, then leaves it
+    out = [5, 6, 7, 2, 3, 4, 5]
+    got = copy_check([prompt], [out], [[5, 6, 7, 8, 9]], n=3)
+    assert got["tokens_following_the_passage"] == [3]
+    # the 3-gram ending at each output token (the 2 tokens before it, the prompt's at first):
+    # (7,8,5) (8,5,6) not in the prompt, (5,6,7) in it, (6,7,2) (7,2,3) not, (2,3,4) (3,4,5) in it -> 3 of 7
+    assert got["share_of_output_3grams_in_prompt"] == [3 / 7]
+    # an answer that copies the whole continuation
+    assert copy_check([prompt], [[5, 6]], [[5, 6, 7]], n=2)["tokens_following_the_passage"] == [2]
