@@ -1,7 +1,8 @@
 """Held-out perplexity and CPU decode speed of the bundled model under each weight quantization
 method (RTN, GPTQ, AWQ, QAT) and format (w8 per channel, w4 g128, w4 per channel, w3 g128), FP8
-(e4m3) weights, SmoothQuant W8A8 (dynamic, and static with each calibration), beside float32 and
-int8 / fp8 KV, in one run.
+(e4m3) weights (dequantized, the CPU path; and "native", the GPU path: activations per token to
+e4m3 and an fp8 x fp8 dot, which XLA:CPU emulates with the same arithmetic), SmoothQuant W8A8
+(dynamic, and static with each calibration), beside float32 and int8 / fp8 KV, in one run.
 
     python -m bench.quantize_ppl [--calib-tokens N] [--out bench/results/DATE-cpu-quantize-ppl.json]
         [--methods rtn,gptq,awq,qat,smoothquant,fp8] [--formats w8-pc,w4-g128,w4-pc,w3-g128]
@@ -72,6 +73,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from jaxinfer.evaluate import eval_ppl
+    from jaxinfer.models.decoder import set_matmul_impl
     from jaxinfer.quantize import QuantizeSettings, quantize_model
     from jaxinfer.quantize.calibrate import calibration_windows
     from jaxinfer.tokenizer import load_tokenizer
@@ -123,6 +125,13 @@ def main() -> None:
         folder = tmp / f"{method}-{fmt}-{(label or '').replace(' ', '-')}"
         save_native(model, folder, "float32", tokenizer=tok, extra={"quantization": settings.to_json()})
         r = eval_ppl(model, tok, heldout)
+        if method == "fp8":   # the GPU path too: activations per token to e4m3, fp8 x fp8 dot (emulated here)
+            set_matmul_impl(model, "pallas")
+            rn = eval_ppl(model, tok, heldout)
+            add({"method": method, "format": f"{fmt} native", "bits": settings.bits, "group_size": settings.group_size,
+                 "symmetric": settings.symmetric, "qdot_impl": "pallas", "settings": settings.to_json(),
+                 "ppl": rn["ppl"], "bits_per_byte": rn["bits_per_byte"], "tokens": rn["tokens"], "quantize_s": None,
+                 "decode_tok_s": None})
         add({"method": method, "format": fmt if label is None else f"{fmt} {label}", "bits": settings.bits,
              "group_size": settings.group_size, "symmetric": settings.symmetric, **extra,
              "settings": settings.to_json(),
@@ -171,7 +180,9 @@ def main() -> None:
                        "dynamic_within_1pct": (rise(("smoothquant", "w8a8 dynamic")) or 99) <= 1.0,
                        "static_rise_percent": {k: rise(("smoothquant", f"w8a8 {k}")) for k in W8A8 if k != "dynamic"}}
     targets["fp8"] = {"rise_percent": rise(("fp8", "fp8-e4m3-pc")),
-                      "within_0.5pct": (rise(("fp8", "fp8-e4m3-pc")) or 99) <= 0.5}
+                      "within_0.5pct": (rise(("fp8", "fp8-e4m3-pc")) or 99) <= 0.5,
+                      "native_rise_percent": rise(("fp8", "fp8-e4m3-pc native")),
+                      "native_within_0.5pct": (rise(("fp8", "fp8-e4m3-pc native")) or 99) <= 0.5}
     result["targets"] = targets
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(targets, indent=1))

@@ -486,7 +486,8 @@ class EngineConfig:
     """The serving engine's knobs (see DESIGN.md)."""
     dtype: str = "auto"                 # auto (float32 on CPU, else bfloat16) | bfloat16 | float32 | float16
     attention: str = "auto"             # pallas | xla | auto
-    quantize: str | None = None         # None | int8 | int4 | fp8 (weight-only, at load time)
+    # None | int8 | int4 | fp8, at load time: weight-only (fp8 on GPU also scales activations to e4m3 per token)
+    quantize: str | None = None
     kv_dtype: str | None = None         # None (= dtype) | int8 | fp8 (e4m3) | float16 | bfloat16 | float32
     tensor_parallel: int = 1
     pipeline_parallel: int = 1

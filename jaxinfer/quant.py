@@ -22,8 +22,13 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
 * per channel at 4 or 3 bits: one group spanning all of K (group_size = K, scales [1, N]).
 * fp8 (e4m3, OCP "fn": finite, max 448, 3 mantissa bits): per output channel like int8,
   q float8_e4m3fn [K, N] = w / scale cast to e4m3 (round to nearest even), scales f32 [N] =
-  max|w[:, n]| / 448; bits=8 with q's dtype telling it from int8 (QuantizedWeight.fp8). XLA
-  dequantizes per call (the Pallas kernel has no fp8 format). Error: |w - dequant(w)| <=
+  max|w[:, n]| / 448; bits=8 with q's dtype telling it from int8 (QuantizedWeight.fp8). On the
+  XLA path (the CPU default) it is dequantized per call: y = (x @ e4m3(q) as f32) * scales. On the
+  GPU path (qdot impl "pallas", the GPU default; the Pallas kernel has no fp8 format) it runs as
+  vLLM's fp8 checkpoints do on Hopper: each row of x is scaled to e4m3 too (sx = max|x_m| / 448,
+  dynamic per token) and the fp8 x fp8 dot accumulates in f32 (XLA lowers it to cuBLASLt's fp8 GEMM
+  on sm_89+; elsewhere it converts and runs the same arithmetic), then y * sx[m] * scales[n]
+  (fp8_native_matmul). Error: |w - dequant(w)| <=
   2^-4 |w| for |w| / scale >= 2^-6 (normal e4m3 numbers), <= 2^-10 scale below (subnormals).
 * W8A8 (act_bits=8, SmoothQuant): int8 weights as above, and at run time each row (token) of x is
   quantized symmetrically to int8 with the scale sx = max|x_t| / 127 of its own (dynamic), or with
@@ -371,6 +376,23 @@ def quantize_rows_int8(x2: jax.Array, act_scale=None, act_zero=None) -> tuple[ja
     return jnp.clip(jnp.round(xf / sx[:, None]) + z, -128, 127).astype(jnp.int8), sx
 
 
+def quantize_rows_fp8(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (e4m3 [M, K], f32 scales [M]): sx = max|x_m| / 448 per row, codes e4m3(x / sx)
+    (round to nearest even; clipped at +-448 first, as e4m3fn has no infinity)."""
+    xf = x2.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=1)
+    sx = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return jnp.clip(xf / sx[:, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), sx
+
+
+def fp8_native_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
+    """fp8 weights with x quantized per row to e4m3: e4m3 x e4m3 -> f32 dot, rescaled by the row
+    and column scales -> x2's dtype [M, N]."""
+    xq, sx = quantize_rows_fp8(x2)
+    y = lax.dot_general(xq, qw.q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * sx[:, None] * qw.scales.astype(jnp.float32)[None, :]).astype(x2.dtype)
+
+
 def _w8a8_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     """int8 x int8 -> int32 dot (exact), rescaled by the row and column scales (f32 [M, N])."""
     xq, sx = quantize_rows_int8(x2, qw.act_scale, qw.act_zero)
@@ -490,7 +512,8 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
 
     w: a float array (plain lax.dot_general, like layers.dense) or a QuantizedWeight
     (its `contract` must match). impl: "pallas" (quant_matmul kernel; W8A8 weights: x quantized
-    per row in XLA, then the w8a8_matmul kernel), "xla" (dequantize per call),
+    per row in XLA, then the w8a8_matmul kernel; fp8 weights: x quantized per row to e4m3, then
+    XLA's fp8 dot), "xla" (dequantize per call),
     "auto" (pallas on GPU when the shapes fit the kernel, else xla). Leading dims of x are
     flattened to M; the output has x's dtype. blocks: explicit quant_matmul launch config
     (default: select_blocks).
@@ -507,10 +530,9 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     m = math.prod(lead)
     x2 = x.reshape(m, w.k)
     mode = _resolve_impl(w.impl if impl == "auto" else impl)
-    if w.fp8:
-        if impl == "pallas":
-            raise ValueError("the Pallas quant_matmul kernel has no fp8 format; use impl='xla'")
-        mode = "xla"
+    if w.fp8:   # the GPU path: XLA's native fp8 dot (no Pallas kernel); else dequantized
+        y2 = fp8_native_matmul(x2, w) if mode == "pallas" and m > 0 else _xla_matmul(x2, w)
+        return y2.reshape(lead + tuple(ndims))
     cfg = None
     if mode == "pallas" and m > 0:
         cfg = blocks if blocks is not None else select_blocks(m, w.k, w.n, w, x.dtype)

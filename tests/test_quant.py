@@ -554,8 +554,41 @@ def test_fp8_weights_match_ml_dtypes_and_bound():
     ref = np.asarray(x, np.float64) @ deq
     # f32 accumulation over K = 96 products: |error| <= 96 * 2^-24 * sum |x_k w_k| (a loose multiple)
     assert np.all(np.abs(y - ref) <= 96 * 2.0 ** -24 * (np.abs(np.asarray(x, np.float64)) @ np.abs(deq)) + 1e-30)
-    with pytest.raises(ValueError, match="no fp8 format"):
-        qdot(x, qw, impl="pallas")
+
+
+def test_fp8_native_path_matches_ml_dtypes_reference():
+    """The GPU path of fp8 weights (qdot impl="pallas"): each row of x scaled to e4m3 by
+    max|x_m| / 448, the e4m3 x e4m3 dot in f32, times the row and column scales; against numpy
+    with ml_dtypes' e4m3 casts. Each product of two e4m3 values (4 significant bits each) is exact
+    in f32, so the only differences are the f32 sum over K and the two final f32 products."""
+    import ml_dtypes
+    rng = np.random.default_rng(22)
+    k, n = 96, 40
+    w = (rng.standard_normal((k, n)) * 10.0 ** rng.uniform(-3, 0, (k, n))).astype(np.float32)
+    x = (rng.standard_normal((7, k)) * 10.0 ** rng.uniform(-2, 1, (7, 1))).astype(np.float32)
+    x[2] = 0.0                                                  # an all-zero row: scale 1, output 0
+    x[4, 5] = 300.0                                             # an outlier sets its row's scale
+    qw = quant.quantize_fp8(jnp.asarray(w))
+    y = np.asarray(qdot(jnp.asarray(x), qw, impl="pallas"), np.float64)
+    amax = np.abs(x).max(1)
+    sx = np.where(amax > 0, amax / np.float32(448), 1).astype(np.float32)
+    xq = np.clip(x / sx[:, None], -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    wq = np.asarray(qw.q).astype(np.float64)
+    scales = np.asarray(qw.scales, np.float64)
+    ref = (xq @ wq) * sx[:, None] * scales[None, :]
+    # sum over K = 96 in f32: <= 96 * 2^-24 * sum |xq wq| (scaled), plus 3 roundings of 2^-24 and the
+    # reciprocal-multiply of the row scale (an ulp): a loose multiple of each
+    bound = (96 + 8) * 2.0 ** -24 * (np.abs(xq) @ np.abs(wq)) * sx[:, None] * scales[None, :]
+    assert np.all(np.abs(y - ref) <= bound + 1e-30), np.max(np.abs(y - ref) - bound)
+    assert np.all(y[2] == 0)
+    # against the float product: e4m3's relative error on each x and w element (2^-4 for normal
+    # numbers; x's subnormal codes are spaced 2^-9 sx) bounds how far the native path may move
+    deq_w = wq * scales[None, :]
+    err_x = np.maximum(2.0 ** -4 * np.abs(x), 2.0 ** -10 * sx[:, None]) * (1 + 2.0 ** -20)
+    dev = (err_x @ np.abs(deq_w)) + np.abs(x) @ np.abs(deq_w - w) + err_x @ np.abs(deq_w - w) + bound
+    assert np.all(np.abs(y - x.astype(np.float64) @ w) <= dev + 1e-30)
+    # and it is not the dequantized path: x's own rounding shows
+    assert np.abs(y - np.asarray(qdot(jnp.asarray(x), qw, impl="xla"), np.float64)).max() > 0
 
 
 def test_fp8_kv_pages_match_ml_dtypes_and_bound():

@@ -438,6 +438,39 @@ def test_w8a8_engine_on_the_pallas_kernel(quantized_dirs, monkeypatch):
     assert {(64, 128), (64, 64), (64, 192), (96, 64)} <= set(calls), set(calls)
 
 
+def test_fp8_engine_on_the_gpu_path(quantized_dirs, monkeypatch):
+    """attention="pallas" (the GPU default) runs fp8 weights natively: every linear quantizes its
+    activations per token to e4m3 and takes the fp8 x fp8 dot (quant.fp8_native_matmul, checked
+    against ml_dtypes in test_quant.py). The paged engine gives the greedy tokens of the same
+    arithmetic in a plain causal forward of the unfused model (only the attention sums differ)."""
+    from jaxinfer import Generator, SamplingParams
+    from jaxinfer.models.decoder import set_matmul_impl
+    from jaxinfer.weights import load_model
+    import jaxinfer.quant as quant
+    calls = []
+    native = quant.fp8_native_matmul
+    monkeypatch.setattr(quant, "fp8_native_matmul", lambda x, w: calls.append(w.shape) or native(x, w))
+    folder = quantized_dirs["fp8"][0]
+    ref, _ = load_model(folder, "float32")
+    set_matmul_impl(ref, "pallas")
+    tokens = list(PROMPT)
+    width = len(PROMPT) + 6
+    for _ in range(6):
+        n = len(tokens)
+        logits, _ = ref(jnp.asarray(tokens + [0] * (width - n), jnp.int32), jnp.arange(width, dtype=jnp.int32))
+        tokens.append(int(np.argmax(np.asarray(logits[n - 1]))))
+    # the unfused model's q [64, 4, 16], k / v [64, 2, 16], o [4, 16, 64], gate / up [64, 96], down [96, 64]
+    assert {(64, 4, 16), (64, 2, 16), (4, 16, 64), (64, 96), (96, 64)} <= set(calls), set(calls)
+    calls.clear()
+    kw = dict(dtype="float32", max_num_seqs=2, num_blocks=16, max_model_len=64, max_num_batched_tokens=8,
+              block_size=8, warmup=False, max_decode_steps=1, async_scheduling=False)
+    got = Generator.from_pretrained(str(folder), attention="pallas", **kw).generate(
+        [PROMPT], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
+    assert got == tokens[len(PROMPT):]
+    # traced once per shape: q/k/v fused [64, 128], o [4, 16, 64], gate/up fused [64, 192], down [96, 64]
+    assert {(64, 128), (4, 16, 64), (64, 192), (96, 64)} <= set(calls), set(calls)
+
+
 def test_quantizing_a_quantized_checkpoint_again_is_refused(quantized_dirs):
     from jaxinfer.models.decoder import quantize_decoder
     from jaxinfer.weights import load_model
