@@ -61,6 +61,35 @@ def decode_tok_s(folder: Path, kv_dtype: str | None = None, n_tokens: int = 128)
     return len(out.token_ids) / dt
 
 
+def issue_targets(result_rows: list[dict]) -> dict:
+    """The issue's targets from a run's rows: the share of RTN's perplexity rise that GPTQ / AWQ /
+    QAT remove, W8A8's and fp8's rises. A target whose rows the run did not make is None."""
+    rows = {(r["method"], r["format"]): r for r in result_rows}
+    base = rows[("float32", "float32")]["ppl"]
+    targets = {}
+    for fmt in ("w4-pc", "w3-g128"):
+        if ("rtn", fmt) not in rows:
+            continue
+        rise = rows[("rtn", fmt)]["ppl"] - base
+        cut = {m: 1 - (rows[(m, fmt)]["ppl"] - base) / rise for m in ("gptq", "awq") if (m, fmt) in rows}
+        targets[fmt] = {"rtn_rise": rise, "cut_of_rtn_rise": cut,
+                        "each_at_least_30pct": all(c >= 0.30 for c in cut.values()) if cut else None,
+                        "best_at_least_50pct": max(cut.values()) >= 0.50 if cut else None}
+        if ("qat", fmt) in rows:
+            qat_cut = 1 - (rows[("qat", fmt)]["ppl"] - base) / rise
+            targets[fmt].update(qat_cut_of_rtn_rise=qat_cut, qat_at_least_70pct=qat_cut >= 0.70)
+    rise = lambda key: 100 * (rows[key]["ppl"] / base - 1) if key in rows else None  # noqa: E731
+    within = lambda key, limit: None if rise(key) is None else rise(key) <= limit  # noqa: E731
+    targets["w8a8"] = {"dynamic_rise_percent": rise(("smoothquant", "w8a8 dynamic")),
+                       "dynamic_within_1pct": within(("smoothquant", "w8a8 dynamic"), 1.0),
+                       "static_rise_percent": {k: rise(("smoothquant", f"w8a8 {k}")) for k in W8A8 if k != "dynamic"}}
+    targets["fp8"] = {"rise_percent": rise(("fp8", "fp8-e4m3-pc")),
+                      "within_0.5pct": within(("fp8", "fp8-e4m3-pc"), 0.5),
+                      "native_rise_percent": rise(("fp8", "fp8-e4m3-pc native")),
+                      "native_within_0.5pct": within(("fp8", "fp8-e4m3-pc native"), 0.5)}
+    return targets
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="checkpoints/jaxinfer-tiny-llama")
@@ -160,29 +189,7 @@ def main() -> None:
                                         act_order=method == "gptq", clip_search=method == "gptq",
                                         calib_tokens=args.calib_tokens)
             run(method, fmt, settings)
-    # the issue's targets: share of RTN's perplexity rise that GPTQ / AWQ remove
-    rows = {(r["method"], r["format"]): r for r in result["rows"]}
-    base = rows[("float32", "float32")]["ppl"]
-    targets = {}
-    for fmt in ("w4-pc", "w3-g128"):
-        if ("rtn", fmt) not in rows:
-            continue
-        rise = rows[("rtn", fmt)]["ppl"] - base
-        cut = {m: 1 - (rows[(m, fmt)]["ppl"] - base) / rise for m in ("gptq", "awq") if (m, fmt) in rows}
-        targets[fmt] = {"rtn_rise": rise, "cut_of_rtn_rise": cut,
-                        "each_at_least_30pct": all(c >= 0.30 for c in cut.values()),
-                        "best_at_least_50pct": max(cut.values(), default=0) >= 0.50}
-        if ("qat", fmt) in rows:
-            qat_cut = 1 - (rows[("qat", fmt)]["ppl"] - base) / rise
-            targets[fmt].update(qat_cut_of_rtn_rise=qat_cut, qat_at_least_70pct=qat_cut >= 0.70)
-    rise = lambda key: 100 * (rows[key]["ppl"] / base - 1) if key in rows else None  # noqa: E731
-    targets["w8a8"] = {"dynamic_rise_percent": rise(("smoothquant", "w8a8 dynamic")),
-                       "dynamic_within_1pct": (rise(("smoothquant", "w8a8 dynamic")) or 99) <= 1.0,
-                       "static_rise_percent": {k: rise(("smoothquant", f"w8a8 {k}")) for k in W8A8 if k != "dynamic"}}
-    targets["fp8"] = {"rise_percent": rise(("fp8", "fp8-e4m3-pc")),
-                      "within_0.5pct": (rise(("fp8", "fp8-e4m3-pc")) or 99) <= 0.5,
-                      "native_rise_percent": rise(("fp8", "fp8-e4m3-pc native")),
-                      "native_within_0.5pct": (rise(("fp8", "fp8-e4m3-pc native")) or 99) <= 0.5}
+    targets = issue_targets(result["rows"])
     result["targets"] = targets
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(targets, indent=1))
