@@ -15,7 +15,7 @@ Workloads:
   copy      batch 1, a copy-heavy prompt: a held-out passage (--passage-len tokens), then its first
             16 tokens again, so that a model which copies from its context repeats the passage; the
             JSON's copy_check says whether none's answers did (the bundled 7M-parameter model does
-            not: its answers follow the passage for 0 to 4 tokens, and prompt lookup's hits there
+            not: its answers follow the passage for 0 to 3 tokens, and prompt lookup's hits there
             come from the answers repeating themselves);
   json      batch 1, structured output: the answer must match the JSON schema {"quote": string} and
             the prompt holds a held-out passage as {"quote":"..."} twice, so the constrained answer

@@ -394,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--text", default=None, help="UTF-8 text file (default: the model's heldout.txt)")
     e.add_argument("--window", type=int, default=256)
     e.add_argument("--stride", type=int, default=None, help="default: window // 2")
-    e.add_argument("--quantize", default=None, choices=["int8", "int4", "fp8"], help="weight-only quantization at load time")
+    e.add_argument("--quantize", default=None, choices=["int8", "int4", "fp8"],
+                   help="quantization at load time (weights; fp8 on GPU also scales activations to e4m3)")
     e.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "float16", "bfloat16", "float32"],
                    help="score through the paged KV cache in this dtype")
     e.add_argument("--json", action="store_true")

@@ -26,9 +26,10 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
   XLA path (the CPU default) it is dequantized per call: y = (x @ e4m3(q) as f32) * scales. On the
   GPU path (qdot impl "pallas", the GPU default; the Pallas kernel has no fp8 format) it runs as
   vLLM's fp8 checkpoints do on Hopper: each row of x is scaled to e4m3 too (sx = max|x_m| / 448,
-  dynamic per token) and the fp8 x fp8 dot accumulates in f32 (XLA lowers it to cuBLASLt's fp8 GEMM
-  on sm_89+; elsewhere it converts and runs the same arithmetic), then y * sx[m] * scales[n]
-  (fp8_native_matmul). Error: |w - dequant(w)| <=
+  dynamic per token) and the fp8 x fp8 dot accumulates in f32 (precision HIGHEST: XLA lowers it to
+  cuBLASLt's fp8 GEMM on sm_89+ without the GEMM's reduced-precision "fast accumulation", which it
+  allows at DEFAULT; elsewhere it converts and runs the same arithmetic; not yet run on a GPU), then
+  y * sx[m] * scales[n] (fp8_native_matmul). Error: |w - dequant(w)| <=
   2^-4 |w| for |w| / scale >= 2^-6 (normal e4m3 numbers), <= 2^-10 scale below (subnormals).
 * W8A8 (act_bits=8, SmoothQuant): int8 weights as above, and at run time each row (token) of x is
   quantized symmetrically to int8 with the scale sx = max|x_t| / 127 of its own (dynamic), or with
@@ -381,7 +382,8 @@ def quantize_rows_fp8(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
     (round to nearest even; clipped at +-448 first, as e4m3fn has no infinity)."""
     xf = x2.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=1)
-    sx = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    # a row too small for amax / 448 to stay normal gets the smallest normal scale (no division by 0)
+    sx = jnp.where(amax > 0, jnp.maximum(amax / FP8_MAX, jnp.finfo(jnp.float32).tiny), 1.0)
     return jnp.clip(xf / sx[:, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), sx
 
 
@@ -389,7 +391,8 @@ def fp8_native_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     """fp8 weights with x quantized per row to e4m3: e4m3 x e4m3 -> f32 dot, rescaled by the row
     and column scales -> x2's dtype [M, N]."""
     xq, sx = quantize_rows_fp8(x2)
-    y = lax.dot_general(xq, qw.q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    y = lax.dot_general(xq, qw.q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                        precision=lax.Precision.HIGHEST)   # f32 accumulation (no fp8 fast accumulation)
     return (y * sx[:, None] * qw.scales.astype(jnp.float32)[None, :]).astype(x2.dtype)
 
 
@@ -514,7 +517,8 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     (its `contract` must match). impl: "pallas" (quant_matmul kernel; W8A8 weights: x quantized
     per row in XLA, then the w8a8_matmul kernel; fp8 weights: x quantized per row to e4m3, then
     XLA's fp8 dot), "xla" (dequantize per call),
-    "auto" (pallas on GPU when the shapes fit the kernel, else xla). Leading dims of x are
+    "auto" (pallas on GPU when the shapes fit the kernel, else xla; fp8 weights take the native
+    fp8 dot on GPU whatever their shapes). Leading dims of x are
     flattened to M; the output has x's dtype. blocks: explicit quant_matmul launch config
     (default: select_blocks).
     """

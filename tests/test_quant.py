@@ -570,22 +570,28 @@ def test_fp8_native_path_matches_ml_dtypes_reference():
     x[4, 5] = 300.0                                             # an outlier sets its row's scale
     qw = quant.quantize_fp8(jnp.asarray(w))
     y = np.asarray(qdot(jnp.asarray(x), qw, impl="pallas"), np.float64)
+    # the row scales and codes: max|x_m| / 448 (XLA:CPU multiplies by the reciprocal: within an ulp),
+    # then exactly ml_dtypes' round-to-nearest-even cast of x / sx with those scales
+    codes, sx = (np.asarray(a) for a in quant.quantize_rows_fp8(jnp.asarray(x)))
     amax = np.abs(x).max(1)
-    sx = np.where(amax > 0, amax / np.float32(448), 1).astype(np.float32)
-    xq = np.clip(x / sx[:, None], -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    np.testing.assert_allclose(sx, np.where(amax > 0, amax / np.float32(448), 1), rtol=2.0 ** -23, atol=0)
+    want = np.clip(x / sx[:, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(codes.view(np.uint8), want.view(np.uint8))
+    xq = want.astype(np.float64)
     wq = np.asarray(qw.q).astype(np.float64)
     scales = np.asarray(qw.scales, np.float64)
+    sx = sx.astype(np.float64)
     ref = (xq @ wq) * sx[:, None] * scales[None, :]
-    # sum over K = 96 in f32: <= 96 * 2^-24 * sum |xq wq| (scaled), plus 3 roundings of 2^-24 and the
-    # reciprocal-multiply of the row scale (an ulp): a loose multiple of each
-    bound = (96 + 8) * 2.0 ** -24 * (np.abs(xq) @ np.abs(wq)) * sx[:, None] * scales[None, :]
+    # the f32 sum of K = 96 exact products: <= 95 * 2^-24 * sum |xq wq| (to first order), then two f32
+    # products (2^-24 each): 97 * 2^-24 with a margin for the second-order terms
+    bound = 97 * 2.0 ** -24 * (1 + 1e-6) * (np.abs(xq) @ np.abs(wq)) * sx[:, None] * scales[None, :]
     assert np.all(np.abs(y - ref) <= bound + 1e-30), np.max(np.abs(y - ref) - bound)
     assert np.all(y[2] == 0)
     # against the float product: e4m3's relative error on each x and w element (2^-4 for normal
     # numbers; x's subnormal codes are spaced 2^-9 sx) bounds how far the native path may move
     deq_w = wq * scales[None, :]
     err_x = np.maximum(2.0 ** -4 * np.abs(x), 2.0 ** -10 * sx[:, None]) * (1 + 2.0 ** -20)
-    dev = (err_x @ np.abs(deq_w)) + np.abs(x) @ np.abs(deq_w - w) + err_x @ np.abs(deq_w - w) + bound
+    dev = (err_x @ np.abs(deq_w)) + np.abs(x) @ np.abs(deq_w - w) + bound     # (x^ - x) w^ + x (w^ - w)
     assert np.all(np.abs(y - x.astype(np.float64) @ w) <= dev + 1e-30)
     # and it is not the dequantized path: x's own rounding shows
     assert np.abs(y - np.asarray(qdot(jnp.asarray(x), qw, impl="xla"), np.float64)).max() > 0

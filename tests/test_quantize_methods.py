@@ -240,7 +240,7 @@ def test_awq_scale_beats_rtn_on_planted_outliers():
     assert all(c <= u * (1 + 1e-5) for c, u in zip(errors_c, errors)), (errors_c, errors)
 
 
-@pytest.mark.parametrize("n_grid", [20, None])   # None: search_clip's default (QuantizeSettings.awq_clip_grid)
+@pytest.mark.parametrize("n_grid", [20, None])   # None: search_clip's default (awq.CLIP_GRID)
 def test_awq_clip_search_matches_numpy_brute_force(n_grid):
     """For each output column (one group per column) the kept clip ratio is the one whose quantized
     column has the least output error on the rows, by a numpy search over the ratios 1 - i / n_grid,
@@ -253,7 +253,7 @@ def test_awq_clip_search_matches_numpy_brute_force(n_grid):
     kw = {} if n_grid is None else {"n_grid": n_grid}
     got = search_clip((x.T @ x / t).astype(np.float32), w.astype(np.float32), bits=3, group_size=k, symmetric=False,
                       **kw)
-    grid = n_grid or 100
+    grid = n_grid or QuantizeSettings().awq_clip_grid
     ratios = [1.0 - i / grid for i in range(grid // 2)]
     for col in range(n):
         errs, cands = [], []

@@ -1,5 +1,6 @@
 """`jaxinfer quantize`: quantization of a Decoder: weight-only post-training (RTN, GPTQ, AWQ, FP8
-e4m3), quantization-aware training (QAT: fine-tuning with fake-quantized linears, then RTN export;
+e4m3: its checkpoints hold weights only; on GPU the engine also scales activations to e4m3, quant.py),
+quantization-aware training (QAT: fine-tuning with fake-quantized linears, then RTN export;
 qat.py) and SmoothQuant W8A8 (int8 weights and int8 activations, dynamic per token or static).
 
     settings = QuantizeSettings(method="gptq", bits=4, group_size=-1, symmetric=False)
@@ -28,6 +29,7 @@ import numpy as np
 
 from jaxinfer.models.decoder import Block, Decoder
 from jaxinfer.quant import from_codes, quantize, quantize_fp8
+from jaxinfer.quantize.awq import CLIP_GRID
 
 METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8", "qat")
 ACT_SCALES = ("dynamic", "static")
@@ -46,7 +48,7 @@ class QuantizeSettings:
     percdamp: float = 0.01         # GPTQ damping, a fraction of mean(diag H)
     blocksize: int = 128           # GPTQ lazy-update block
     awq_grid: int = 20             # AWQ alpha grid points in [0, 1)
-    awq_clip_grid: int = 100       # AWQ clip ratios 1 - i / awq_clip_grid, i < awq_clip_grid / 2 (awq.py)
+    awq_clip_grid: int = CLIP_GRID  # AWQ clip ratios 1 - i / awq_clip_grid, i < awq_clip_grid / 2 (awq.py)
     max_rows: int = 4096           # SmoothQuant static act-calib mse: calibration rows sampled per tap
     seed: int = 0
     chunk: int = 8                 # windows per calibration call

@@ -22,9 +22,11 @@ finely it searches matters more than the scales: with clip ratios in steps of 0.
 n_grid = 20) AWQ removed 16% of RTN's held-out perplexity rise at w4 per channel (17% and 14% when
 calibrated on the first or last 32,768 tokens of the calibration text instead of all 43,776) and
 33% at w3 g128 (31%, 37%); in steps of 0.01 (clip_grid = 100, the default) 36% (24%, 27%) and 38%
-(29%, 39%); steps of 0.005 gave 32% (25%, 26%) at w4 per channel, so 0.01 is where it levels off.
-A finer grid can only lower each column's calibration error (its ratios include the coarse
-grid's); the held-out gain follows it at w4 per channel on all three calibration sets.
+(28%, 39%); steps of 0.005 gave 32% (25%, 26%) at w4 per channel: no better than 0.01, where it
+levels off. A finer grid can only lower each column's calibration error (its ratios include the
+coarser grid's); from 0.05 to 0.01 the held-out gain followed at w4 per channel on all three
+calibration sets (bench/results/2026-11-26-cpu-awq-clip-grid.json). It costs about twice the
+quantization time (w4 per channel 25 -> 50 s on the bundled model).
 Scoring q, k, v by the attention output and gate, up by the MLP output (AutoAWQ's module loss) did
 not help there (11%, 26% with the coarse grid), nor did searching an asymmetric grid's two clip
 ends independently (20%, 29%), nor calibrating every block on the float model's activations as
@@ -47,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.quant import grid_codes, grid_dequant, grid_params
+
+CLIP_GRID = 100   # clip ratios 1 - i / CLIP_GRID, i < CLIP_GRID / 2 (QuantizeSettings.awq_clip_grid)
 
 
 def rtn_dequant(w: jnp.ndarray, bits: int, group_size: int, symmetric: bool) -> jnp.ndarray:
@@ -72,7 +76,7 @@ def _per_kv_channel(v: jnp.ndarray, kv_groups: tuple[int, int, int] | None) -> j
 
 
 def search_scale(h: np.ndarray, s_x: np.ndarray, w: np.ndarray, *, bits: int, group_size: int, symmetric: bool,
-                 n_grid: int = 20, clip_grid: int = 100, kv_groups: tuple[int, int, int] | None = None,
+                 n_grid: int = 20, clip_grid: int = CLIP_GRID, kv_groups: tuple[int, int, int] | None = None,
                  clip: bool = True) -> tuple[np.ndarray, float | None, list[float], np.ndarray]:
     """h = X^T X / T [K, K], s_x = mean_t |X_tk| [K], w [K, N] -> (s [K], best alpha or None,
     error per candidate, W * s as the best candidate rounds it: clipped when clip, [K, N]).
@@ -111,7 +115,7 @@ def search_scale(h: np.ndarray, s_x: np.ndarray, w: np.ndarray, *, bits: int, gr
 
 
 def search_clip(h: np.ndarray, w: np.ndarray, *, bits: int, group_size: int, symmetric: bool,
-                n_grid: int = 100, max_shrink: float = 0.5) -> np.ndarray:
+                n_grid: int = CLIP_GRID, max_shrink: float = 0.5) -> np.ndarray:
     """h = X^T X / T [K, K], w [K, N] -> w with each (group, output column) clipped to the ratio r
     of its range that minimises d_g^T H_gg d_g, d_g = w_g - Q(clip_r w_g) (r = 1 keeps it as it is)."""
     k, n = w.shape
