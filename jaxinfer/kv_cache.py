@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import perf
+from jaxinfer.quant import symmetric_codes
 
 PAD_SLOT = 2**30  # out of range for any cache: scatters to it are dropped
 TREE_NONE = 2**30  # AttentionMetadata.tree's first node slot of a token outside any tree
@@ -77,22 +78,22 @@ class AttentionMetadata:
     tree: jax.Array | None = None            # [T, 3] int32
 
 
-# Scaled KV formats: the storage dtype and the largest magnitude it holds. A token's K (or V) in one
-# KV head is stored as x / scale with scale = max|x| / qmax, and read back as stored * scale.
-# int8 rounds to nearest in [-127, 127]; fp8 is OCP e4m3 ("fn": finite, max 448, 3 mantissa bits,
-# as vLLM's kv_cache_dtype="fp8"), rounded to nearest even by the cast.
-SCALED_KV = {"int8": (jnp.dtype(jnp.int8), 127.0), "fp8": (jnp.dtype(jnp.float8_e4m3fn), 448.0)}
+# Scaled KV formats: their storage dtypes. A token's K (or V) in one KV head is stored as x / scale
+# with scale = max|x| / qmax (quant.symmetric_codes), and read back as stored * scale. int8 rounds
+# to nearest in [-127, 127]; fp8 is OCP e4m3 ("fn": finite, max 448, 3 mantissa bits, as vLLM's
+# kv_cache_dtype="fp8"), rounded to nearest even by the cast.
+SCALED_KV = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
 
 
 def kv_storage_dtype(name: str):
     """A kv_dtype name (EngineConfig.kv_dtype: int8 | fp8 | float16 | bfloat16 | float32) -> the pages' dtype."""
-    return SCALED_KV[name][0] if name in SCALED_KV else jnp.dtype(name)
+    return SCALED_KV[name] if name in SCALED_KV else jnp.dtype(name)
 
 
 def kv_dtype_name(dtype) -> str:
     """The inverse of kv_storage_dtype."""
     d = jnp.dtype(dtype)
-    return next((n for n, (sd, _) in SCALED_KV.items() if sd == d), d.name)
+    return next((n for n, sd in SCALED_KV.items() if sd == d), d.name)
 
 
 def is_scaled_kv(dtype) -> bool:
@@ -119,14 +120,7 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype) -> 
 def quantize_kv(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
     """x [..., head_dim] -> values in `dtype` (int8 or fp8) and float32 scales [...] (symmetric, per
     token per head): scale = max|x| / qmax; int8 rounds x / scale to nearest, fp8 casts it."""
-    d = jnp.dtype(dtype)
-    qmax = SCALED_KV[kv_dtype_name(d)][1]
-    xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=-1)
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
-    y = jnp.clip(xf / scale[..., None], -qmax, qmax)
-    q = (jnp.round(y) if d == jnp.int8 else y).astype(d)
-    return q, scale
+    return symmetric_codes(x, dtype, axis=-1)
 
 
 def write_kv(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:

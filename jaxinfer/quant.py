@@ -153,25 +153,37 @@ def _as_2d(w, contract: int) -> tuple[jax.Array, tuple[int, ...], int, int]:
     return jnp.asarray(w, jnp.float32).reshape(k, n), shape, k, n
 
 
+FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = 448.0
+
+
+def symmetric_codes(x: jax.Array, dtype, axis: int) -> tuple[jax.Array, jax.Array]:
+    """Symmetric scaled codes of x, one scale per slice along `axis`: scale = max|x| / qmax over it
+    (qmax 127 for int8, 448 for e4m3; 1 where the slice is all zero; the smallest normal f32 where
+    max|x| / qmax underflows) and codes of x / scale clipped at +-qmax: int8 rounds to nearest,
+    e4m3 casts (round to nearest even; e4m3fn has no infinity). -> (codes, f32 scales [x's shape
+    without `axis`]). Weights per output channel (axis 0 of [K, N]), activations per token (axis 1
+    of [M, K]) and KV pages per token and head (the last axis) all use it."""
+    d = jnp.dtype(dtype)
+    qmax = 127.0 if d == jnp.int8 else FP8_MAX
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=axis)
+    scale = jnp.where(amax > 0, jnp.maximum(amax / qmax, jnp.finfo(jnp.float32).tiny), 1.0)
+    y = jnp.clip(xf / jnp.expand_dims(scale, axis), -qmax, qmax)
+    return (jnp.round(y) if d == jnp.int8 else y).astype(d), scale
+
+
 def quantize_int8(w, *, contract: int = 1) -> QuantizedWeight:
     """Per-output-channel symmetric int8: scale[n] = max_k |w[k, n]| / 127, q = round(w / scale)."""
     w2, shape, _, _ = _as_2d(w, contract)
-    amax = jnp.max(jnp.abs(w2), axis=0)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
-    q = jnp.clip(jnp.round(w2 / scale[None, :]), -127, 127).astype(jnp.int8)
+    q, scale = symmetric_codes(w2, jnp.int8, axis=0)
     return QuantizedWeight(q, scale, None, bits=8, group_size=None, shape=shape, contract=contract)
-
-
-FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
-FP8_MAX = 448.0
 
 
 def quantize_fp8(w, *, contract: int = 1) -> QuantizedWeight:
     """Per-output-channel e4m3: scale[n] = max_k |w[k, n]| / 448, q = e4m3(w / scale) (nearest even)."""
     w2, shape, _, _ = _as_2d(w, contract)
-    amax = jnp.max(jnp.abs(w2), axis=0)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
-    q = jnp.clip(w2 / scale[None, :], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    q, scale = symmetric_codes(w2, FP8_DTYPE, axis=0)
     return QuantizedWeight(q, scale, None, bits=8, group_size=None, shape=shape, contract=contract)
 
 
@@ -365,32 +377,22 @@ def quantize_rows_int8(x2: jax.Array, act_scale=None, act_zero=None) -> tuple[ja
     """x [M, K] -> (int8 [M, K], f32 scales [M]): symmetric, sx = max|x_m| / 127 per row (dynamic),
     or the calibrated act_scale [] for every row (static; values beyond 127 * act_scale clip), with
     the zero point act_zero [] if given (static asymmetric: codes round(x / sx) + z in [-128, 127])."""
-    xf = x2.astype(jnp.float32)
     if act_scale is None:
-        amax = jnp.max(jnp.abs(xf), axis=1)
-        sx = jnp.where(amax > 0, amax / 127.0, 1.0)
-    else:
-        sx = jnp.broadcast_to(jnp.asarray(act_scale, jnp.float32), xf.shape[:1])
+        if act_zero is not None:
+            raise ValueError("an activation zero point needs a static act_scale")
+        return symmetric_codes(x2, jnp.int8, axis=1)
+    xf = x2.astype(jnp.float32)
+    sx = jnp.broadcast_to(jnp.asarray(act_scale, jnp.float32), xf.shape[:1])
     if act_zero is None:
         return jnp.clip(jnp.round(xf / sx[:, None]), -127, 127).astype(jnp.int8), sx
     z = jnp.asarray(act_zero, jnp.float32)
     return jnp.clip(jnp.round(xf / sx[:, None]) + z, -128, 127).astype(jnp.int8), sx
 
 
-def quantize_rows_fp8(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [M, K] -> (e4m3 [M, K], f32 scales [M]): sx = max|x_m| / 448 per row, codes e4m3(x / sx)
-    (round to nearest even; clipped at +-448 first, as e4m3fn has no infinity)."""
-    xf = x2.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=1)
-    # a row too small for amax / 448 to stay normal gets the smallest normal scale (no division by 0)
-    sx = jnp.where(amax > 0, jnp.maximum(amax / FP8_MAX, jnp.finfo(jnp.float32).tiny), 1.0)
-    return jnp.clip(xf / sx[:, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), sx
-
-
 def fp8_native_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     """fp8 weights with x quantized per row to e4m3: e4m3 x e4m3 -> f32 dot, rescaled by the row
     and column scales -> x2's dtype [M, N]."""
-    xq, sx = quantize_rows_fp8(x2)
+    xq, sx = symmetric_codes(x2, FP8_DTYPE, axis=1)                   # per token
     y = lax.dot_general(xq, qw.q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
                         precision=lax.Precision.HIGHEST)   # f32 accumulation (no fp8 fast accumulation)
     return (y * sx[:, None] * qw.scales.astype(jnp.float32)[None, :]).astype(x2.dtype)

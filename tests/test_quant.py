@@ -572,7 +572,7 @@ def test_fp8_native_path_matches_ml_dtypes_reference():
     y = np.asarray(qdot(jnp.asarray(x), qw, impl="pallas"), np.float64)
     # the row scales and codes: max|x_m| / 448 (XLA:CPU multiplies by the reciprocal: within an ulp),
     # then exactly ml_dtypes' round-to-nearest-even cast of x / sx with those scales
-    codes, sx = (np.asarray(a) for a in quant.quantize_rows_fp8(jnp.asarray(x)))
+    codes, sx = (np.asarray(a) for a in quant.symmetric_codes(jnp.asarray(x), quant.FP8_DTYPE, axis=1))
     amax = np.abs(x).max(1)
     np.testing.assert_allclose(sx, np.where(amax > 0, amax / np.float32(448), 1), rtol=2.0 ** -23, atol=0)
     want = np.clip(x / sx[:, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)

@@ -40,8 +40,9 @@ Where s is folded (calibrate.py names the taps):
 A norm whose output also feeds the residual (residual_post_norm) cannot absorb a scale, nor can a
 non-gated MLP's up (act(up) is not linear); those groups keep s = 1.
 Clipping: for each linear, group and output column, the quantization range is shrunk to r x the
-weights' (r = 1 - i / n_grid, i < max_shrink * n_grid; n_grid = clip_grid) to minimise that group's partial output
-error sum_t (X_g (W_g - Q(clip_r W_g)))^2 = d_g^T H_gg d_g (H_gg: the group's diagonal block).
+weights' (r = 1 - i / n_grid, i < max_shrink * n_grid; n_grid = clip_grid) to minimise that
+group's partial output error sum_t (X_g (W_g - Q(clip_r W_g)))^2 = d_g^T H_gg d_g (H_gg: the
+group's diagonal block).
 """
 from __future__ import annotations
 
@@ -85,8 +86,8 @@ def search_scale(h: np.ndarray, s_x: np.ndarray, w: np.ndarray, *, bits: int, gr
     s = s_X ** alpha / (s_W ** (1 - alpha) + 1e-4) clamped at 1e-4 and normalised by
     sqrt(max s * min s) (errors[1 + i]), s_W the mean over output columns of |W_kn| / max of |W|
     over its quantization group. Each candidate's error is ||X W - X Q(W s) / s||^2 / T, with Q the
-    clipping search (search_clip over clip_grid ratios) then round-to-nearest (clip=True), or round-to-nearest alone. alpha is None
-    where s = 1 won. kv_groups (n_kv_heads, heads per KV head, head_dim): K is laid out [H, hd] and
+    clipping search (search_clip over clip_grid ratios) then round-to-nearest (clip=True), or
+    round-to-nearest alone. alpha is None where s = 1 won. kv_groups (n_kv_heads, heads per KV head, head_dim): K is laid out [H, hd] and
     s must be equal across the query heads sharing a KV head (so that it can fold into v): s_X and
     s_W are averaged over them."""
     h, w = jnp.asarray(h, jnp.float32), jnp.asarray(w, jnp.float32)
