@@ -609,10 +609,12 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
     # a speculative step verifies on the device once: multi-step decoding is for engines without it
     # while every row speculates with proposals made on the device, a step runs several rounds: as many
     # as multi-step decoding runs forwards for n-gram (one target forward a round), half as many for
-    # the draft method (whose rounds also run k + 1 draft forwards); Medusa: one round.
+    # the draft method (whose rounds also run k + 1 draft forwards); Medusa as n-gram (one tree-masked
+    # target forward a round; the heads propose the next round's tree on the device).
     # bench/speculative.py, n-gram at batch 1: 4 rounds 1.51x, 8 rounds 1.81x, 16 rounds 1.90x (the
     # host's work between steps is not overlapped: a step's length depends on what it accepts)
-    rounds = {"draft": -(-cfg.max_decode_steps // 2), "ngram": cfg.max_decode_steps}.get(cfg.speculative_method, 1)
+    rounds = {"draft": -(-cfg.max_decode_steps // 2), "ngram": cfg.max_decode_steps,
+              "medusa": cfg.max_decode_steps}.get(cfg.speculative_method, 1)
     return ResolvedConfig(cfg, backend, dtype, kv_dtype, attention, attention, num_blocks, max_model_len,
                           1 if pipelined else cfg.max_decode_steps, spec_tokens=spec,
                           spec_max_batch=max_batch if spec else 0, spec_rounds=rounds)

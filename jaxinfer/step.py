@@ -52,7 +52,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer import medusa
-from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV, move_kv
+from jaxinfer.kv_cache import PAD_SLOT, TREE_NONE, AttentionMetadata, LayerKV, move_kv
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, any_penalty, sample
 from jaxinfer.speculative import draft_sample, ngram_lookup, verify, with_history
 
@@ -136,8 +136,8 @@ class StepSettings:
     def out_rows(self) -> int:
         """Rows of next_tokens (out_rows * max_rows) and, but for a plain step's next_rows, of
         StepOutputs.ids."""
-        if self.tree is not None:   # one Medusa round, or multi-step decoding
-            return max(self.max_iters, self.tree.depth + 1)
+        if self.tree is not None:   # Medusa rounds of up to depth + 1 draws each (or multi-step decoding)
+            return max(self.max_iters * (self.tree.depth + 1), self.next_rows)
         return max(self.max_iters * (self.spec_tokens + 1), self.next_rows)
 
 
@@ -437,69 +437,129 @@ def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, s
     every row, a verifying row being its root and its tree's nodes (tree-masked: meta.tree), each
     verifying row's tree decided exactly (medusa.verify_tree), the accepted path's K/V moved to the
     slots after the root, and every row's next tree proposed by the heads from the hidden state
-    whose logits drew its last token. One iteration: the scheduler plans no multi-step decoding
-    while the heads propose (SchedulerConfig.step_proposes), and the policy's other steps run the
-    plain program (runner.py). (Multi-step decoding used to run here, through the tree-masked
-    attention, whose positions it did not advance: greedy tokens differed from the engine's without
-    speculation after the first iteration.)"""
+    whose logits drew its last token. When every row verifies a tree and nobody waits, up to
+    num_iters such rounds run on the device (the scheduler's _plan_spec_rounds), as `_spec_step` runs
+    chains: round r + 1 puts each row's root (its last drawn token) right after what it drew, its
+    nodes (the heads' proposals of round r) in the slots after the root at positions root + depth,
+    and moves the tree mask (meta.tree: slot indexes, the first node slot) with them, so the host is
+    not consulted between rounds. A row stops at a stop id, or when another round could draw past
+    max_new. The host gets every round's tokens and each row's last proposals. (Plain multi-step
+    decoding does not run here: the policy's other steps run the plain program, runner.py.)"""
     arrays = medusa.tree_arrays(settings.tree)
     d1, n, n_out = settings.tree.depth + 1, len(settings.tree.paths), settings.out_rows
+    rounds = max(1, n_out // d1)
     tparams, hparams = params
+    model = nnx.merge(settings.graphdef, tparams)
+    heads = nnx.merge(settings.medusa_graphdef, hparams)
     li, sp, sb, meta = inputs.logits_indices, inputs.spec, inputs.sampling, inputs.meta
     s = li.shape[0]
+    tokens = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
+    t = tokens.shape[0]
+    t0 = li - sp.num_spec
+    row = meta.seq_ids
+    real = meta.slot_mapping != PAD_SLOT
+    off = jnp.arange(t) - t0[row]                 # a token's node in its row's tree (0: the root)
+    bs = kv_pages[0].k.shape[-2]
+    depth = jnp.asarray(arrays["depth"])
+    node_depth = depth[jnp.clip(off, 0, n)]
+    # the most a row draws in a round: 1 + the depth of its tree (the host may have cut it)
+    per_round = 1 + jnp.max(jnp.where(jnp.arange(n + 1)[None, :] <= sp.num_spec[:, None], depth[None, :], 0), axis=1)
 
-    def pad(x):
-        return jnp.zeros((n_out,) + x.shape[1:], x.dtype).at[: x.shape[0]].set(x)
+    def round_inputs(i, p, last, nodes, done):
+        """Round i's tokens, positions and metadata: the host's for round 0; later, row s's root
+        (last[s]) at p[s] and its nodes (nodes[s]) in slots p[s] + 1 .. at positions p[s] + depth,
+        nothing written for a stopped row."""
+        later = i > 0
+        slot_idx = p[row] + off
+        pos = jnp.where(later & real, p[row] + node_depth, inputs.positions)
+        tok = jnp.where(later & real, jnp.where(off == 0, last[row], nodes[row, jnp.clip(off - 1, 0, n - 1)]), tokens)
+        blk = jnp.take_along_axis(meta.block_tables[row], (slot_idx // bs)[:, None], axis=1)[:, 0]
+        slots = jnp.where(later, jnp.where(real & ~done[row], blk * bs + slot_idx % bs, PAD_SLOT), meta.slot_mapping)
+        tree = meta.tree
+        moved = jnp.stack([jnp.where(real, slot_idx, tree[:, 0]),
+                           jnp.where(tree[:, 1] != TREE_NONE, p[row] + 1, TREE_NONE), tree[:, 2]], axis=1)
+        m = AttentionMetadata(**{**vars(meta), "slot_mapping": slots, "tree": jnp.where(later, moved, tree),
+                                 "context_lens": jnp.where(later, p + sp.num_spec + 1, meta.context_lens)})
+        return tok, pos, m
 
-    def tree_round(kv_pages):
-        model = nnx.merge(settings.graphdef, tparams)
-        heads = nnx.merge(settings.medusa_graphdef, hparams)
-        tokens = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
-        t = tokens.shape[0]
-        t0 = li - sp.num_spec
-        h, kv_pages = model.hidden_states(tokens, inputs.positions, kv_pages, meta, settings.attention)
+    def body(carry):
+        i, pages, p, last, nodes, done, b, out, counts, proposals = carry
+        tok, pos, m = round_inputs(i, p, last, nodes, done)
+        h, pages = model.hidden_states(tok, pos, pages, m, settings.attention)
         node_at = jnp.minimum(t0[:, None] + jnp.arange(n + 1)[None, :], li[:, None])      # [S, N+1]
-        node_tokens = tokens[jnp.minimum(t0[:, None] + 1 + jnp.arange(n)[None, :], t - 1)]   # [S, N]
-        row_of = meta.seq_ids
-        node_of = jnp.arange(t) - t0[row_of]
-        node_of = jnp.where((meta.slot_mapping != PAD_SLOT) & (node_of >= 0) & (node_of <= sp.num_spec[row_of]),
-                            node_of, -1)
+        node_tokens = tok[jnp.minimum(t0[:, None] + 1 + jnp.arange(n)[None, :], t - 1)]   # [S, N]
+        node_of = jnp.where((m.slot_mapping != PAD_SLOT) & (off >= 0) & (off <= sp.num_spec[row]), off, -1)
+        bi = SamplingBatch(**{**vars(b), "position": pos[t0] + 1})
 
         def verifying(h):
             # the LM head and the processors over the step's T tokens, not S * (N + 1) node slots
-            b = SamplingBatch(**{**vars(sb), "position": inputs.positions[t0] + 1})
-            return medusa.verify_tree_flat(model.logits(h), node_at, node_tokens, sp.num_spec, b, arrays,
-                                           row_of, node_of, sp.node_masks, sp.mask_slot)
+            return medusa.verify_tree_flat(model.logits(h), node_at, node_tokens, sp.num_spec, bi, arrays,
+                                           row, node_of, sp.node_masks, sp.mask_slot)
 
         def plain(h):
-            ids, lps, top_ids, top_lps = sample(model.logits(h[li]), sb)
+            ids, lps, top_ids, top_lps = sample(model.logits(h[li]), bi)
             one = lambda x: jnp.zeros((d1,) + x.shape, x.dtype).at[0].set(x)  # noqa: E731
             return (one(ids), one(lps), one(top_ids), one(top_lps), jnp.ones((s,), jnp.int32),
                     jnp.zeros((s, d1), jnp.int32))
 
         ids, lps, top_ids, top_lps, drawn, path = jax.lax.cond(jnp.any(sp.num_spec > 0), verifying, plain, h)
-        drawn = jnp.clip(jnp.minimum(drawn, inputs.max_new), 0)
+        drawn = jnp.where(done, 0, jnp.clip(jnp.minimum(drawn, inputs.max_new - out.num_drawn), 0))
         # the accepted nodes' K/V: from their tree slots to the slots right after the root
         j = jnp.arange(1, d1)[None, :]
         moving = (sp.num_spec[:, None] > 0) & (j < drawn[:, None]) & (path[:, 1:] != j)
-        src = meta.slot_mapping[jnp.minimum(t0[:, None] + path[:, 1:], t - 1)]
-        dst = jnp.where(moving, meta.slot_mapping[jnp.minimum(t0[:, None] + j, t - 1)], PAD_SLOT)
-        kv_pages = jax.lax.cond(jnp.any(moving), lambda p: move_kv(p, src.reshape(-1), dst.reshape(-1)),
-                                lambda p: p, _pin_pages(kv_pages, settings))
-        kv_pages = _pin_pages(kv_pages, settings)
+        src = m.slot_mapping[jnp.minimum(t0[:, None] + path[:, 1:], t - 1)]
+        dst = jnp.where(moving, m.slot_mapping[jnp.minimum(t0[:, None] + j, t - 1)], PAD_SLOT)
+        pages = jax.lax.cond(jnp.any(moving), lambda q: move_kv(q, src.reshape(-1), dst.reshape(-1)),
+                             lambda q: q, _pin_pages(pages, settings))
+        pages = _pin_pages(pages, settings)
         # the next tree: from the hidden state whose logits drew the row's last token
         source = t0 + path[jnp.arange(s), jnp.maximum(drawn - 1, 0)]
-        proposals = jax.lax.cond(sp.propose, lambda h: medusa.propose(heads, model.logits, h, arrays),
-                                 lambda h: jnp.full((s, n), -1, jnp.int32), h[source])
-        return (pad(ids), pad(lps), pad(top_ids), pad(top_lps), drawn, path, proposals), kv_pages
+        nodes = jax.lax.cond(sp.propose, lambda h: medusa.propose(heads, model.logits, h, arrays),
+                             lambda h: jnp.full((s, n), -1, jnp.int32), h[source])
+        proposals = jnp.where((drawn > 0)[:, None], nodes, proposals)
+        jj = jnp.arange(d1)[:, None]
+        dest = jnp.where(jj < drawn[None, :], out.num_drawn[None, :] + jj, n_out)      # [d1, S]; n_out: none
+        cols = jnp.broadcast_to(jnp.arange(s)[None, :], dest.shape)
+        put = lambda a, x: a.at[dest, cols].set(x, mode="drop")  # noqa: E731
+        spec_row = (sp.num_spec > 0) & (drawn > 0)
+        counts = counts.at[:, 0].add(spec_row.astype(jnp.int32))
+        counts = counts.at[:, 1].add(spec_row.astype(jnp.int32))
+        counts = counts.at[:, 2].add(jnp.where(spec_row, sp.num_spec, 0))
+        counts = counts.at[:, 3:].add((spec_row[:, None] & (jnp.arange(d1 - 1)[None, :] < drawn[:, None] - 1)
+                                       ).astype(jnp.int32))
+        out = StepOutputs(put(out.ids, ids), put(out.logprobs, lps), put(out.top_ids, top_ids),
+                          put(out.top_logprobs, top_lps), out.num_drawn + drawn, out.next_tokens)
+        emitted = jj < drawn[None, :]
+        stopped = jnp.any(emitted[:, :, None] & (ids[:, :, None] == inputs.stop_ids[None]), axis=(0, 2))
+        last = jnp.where(drawn > 0, ids[jnp.maximum(drawn - 1, 0), jnp.arange(s)], last)
+        # penalties in later rounds see what this one drew, at positions p + 1 ..
+        hist_cols = jnp.where(emitted.T, p[:, None] + 1 + jnp.arange(d1)[None, :], b.history.shape[1])
+        b = jax.lax.cond(any_penalty(b) & (rounds > 1),
+                         lambda b: SamplingBatch(**{**vars(b), "history": b.history.at[
+                             jnp.arange(s)[:, None], hist_cols].set(ids.T, mode="drop"),
+                             "history_is_output": b.history_is_output.at[jnp.arange(s)[:, None], hist_cols].set(
+                                 True, mode="drop")}), lambda b: b, b)
+        p = p + drawn
+        done = done | stopped | (drawn == 0) | (out.num_drawn + per_round > inputs.max_new)
+        return i + 1, pages, p, last, nodes, done, b, out, counts, proposals
 
-    (ids, lps, top_ids, top_lps, drawn, path, proposals), kv_pages = tree_round(kv_pages)
-    spec_row = (sp.num_spec > 0) & (drawn > 0)
-    counts = jnp.concatenate([spec_row[:, None], spec_row[:, None], jnp.where(spec_row, sp.num_spec, 0)[:, None],
-                              spec_row[:, None] & (jnp.arange(d1 - 1)[None, :] < drawn[:, None] - 1)],
-                             axis=1).astype(jnp.int32)
-    next_tokens = jnp.zeros((n_out, settings.max_rows), jnp.int32).at[:, :s].set(ids).reshape(-1)
-    return StepOutputs(ids, lps, top_ids, top_lps, drawn, next_tokens, counts, proposals), kv_pages
+    def cond(carry):
+        i, done = carry[0], carry[5]
+        return (i == 0) | ((i < inputs.num_iters) & jnp.any(~done))
+
+    out = StepOutputs(jnp.zeros((n_out, s), jnp.int32), jnp.zeros((n_out, s), jnp.float32),
+                      jnp.zeros((n_out, s, MAX_LOGPROBS), jnp.int32), jnp.zeros((n_out, s, MAX_LOGPROBS), jnp.float32),
+                      jnp.zeros((s,), jnp.int32), None)
+    carry = (jnp.int32(0), kv_pages, inputs.positions[t0], tokens[t0], jnp.full((s, n), -1, jnp.int32),
+             inputs.max_new <= 0, sb, out, jnp.zeros((s, 2 + d1), jnp.int32), jnp.full((s, n), -1, jnp.int32))
+    if rounds == 1:
+        carry = body(carry)
+    else:
+        carry = jax.lax.while_loop(cond, body, carry)
+    kv_pages, drawn, counts, proposals = carry[1], carry[7], carry[8], carry[9]
+    next_tokens = jnp.zeros((n_out, settings.max_rows), jnp.int32).at[:, :s].set(drawn.ids).reshape(-1)
+    return StepOutputs(drawn.ids, drawn.logprobs, drawn.top_ids, drawn.top_logprobs, drawn.num_drawn, next_tokens,
+                       counts, proposals), kv_pages
 
 
 def jit_step(settings: StepSettings):

@@ -248,3 +248,41 @@ def test_heads_card_accuracy_and_refusals(tmp_path, hf_model_dir):
         Generator.from_pretrained(other, speculative_method="medusa", warmup=False)
     with pytest.raises(ValueError, match="not a Medusa heads folder"):
         Generator.from_pretrained(other, speculative_method="medusa", speculative_model=other, warmup=False)
+
+
+def test_rounds_on_the_device_draw_what_one_round_per_step_draws():
+    """Several Medusa rounds in one step (the heads' proposals become the next round's tree on the
+    device, the tree mask and positions moved past what each round drew) against one round per step
+    (max_decode_steps=1: the host lays out every tree): the same tokens, greedy and seeded sampling
+    with penalties (each round's processors see the earlier rounds' tokens), since every draw's key
+    is (seed, position) and both engines verify the same trees. Both run on the bundled model and
+    heads, one request at a time, so the multi-round engine does loop (a step draws more than 1 +
+    the tree's depth tokens)."""
+    from jaxinfer import SamplingParams
+    common = dict(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=256, speculative_method="medusa")
+    multi = Generator.from_pretrained(str(BUNDLED), **common)
+    single = Generator.from_pretrained(str(BUNDLED), **common, max_decode_steps=1)
+    drawn = []
+    update = multi.engine.scheduler.update
+
+    def spy(plan, samples, **kw):
+        drawn.append(max(map(len, samples.values()), default=0))
+        return update(plan, samples, **kw)
+    multi.engine.scheduler.update = spy
+    ids = multi.tokenizer.encode((BUNDLED / "heldout.txt").read_text(), add_special_tokens=False)
+    prompts = [ids[s:s + 24] for s in (100, 2000, 9000)]
+    params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=60, temperature=0.8, seed=5, ignore_eos=True, logprobs=1,
+                             repetition_penalty=1.2, frequency_penalty=0.2),
+              SamplingParams(max_tokens=60, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)]
+    for sp in params:
+        for p in prompts:
+            a, b = multi.generate([p], sp)[0], single.generate([p], sp)[0]
+            assert a.token_ids == b.token_ids
+            if sp.logprobs:
+                # the same float32 arithmetic but for XLA's fusion inside the loop: a log-softmax
+                # over logits of magnitude < 30 moves by a few ulp of 30 (2e-6 each)
+                np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
+    depth = max(len(path) for path in load_heads(HEADS, load_model(BUNDLED)[0])[1].paths)
+    assert max(drawn) > 1 + depth
+    assert multi.engine.stats()["compilations_after_warmup"] == 0

@@ -78,12 +78,15 @@ class ScheduledSeq:
     spec: list[int] = field(default_factory=list)   # proposed tokens after the last one (-1: the draft
                                                      # model proposes on the device); num_tokens counts them
     draft_only: int = 0  # the chunk's first tokens whose target K/V is cached: only the draft writes them
+    round_draws: int = 0  # speculation: the most one round draws (0: 1 + len(spec), a chain's)
 
     @property
     def lookahead(self) -> int:
-        """Positions past the chunk whose K/V later iterations of the step write (multi-step decoding;
-        a Medusa tree draws fewer tokens than it has nodes: none)."""
-        return max(0, self.max_draws - 1 - len(self.spec))
+        """Positions past the chunk whose K/V later iterations of the step write: multi-step
+        decoding, speculation rounds after the first (a Medusa tree draws at most round_draws of its
+        1 + len(spec) tokens a round, and each later round writes all of its nodes: the last one's
+        reach past its root's slot as far as the first round's past the chunk's start)."""
+        return max(0, self.max_draws - (self.round_draws or 1 + len(self.spec)))
 
 
 @dataclass
@@ -325,19 +328,28 @@ class Scheduler:
 
     def _plan_spec_rounds(self, out: SchedulerOutput) -> None:
         """Several rounds of speculation on the device when every row speculates with proposals
-        made there (placeholders: the draft model, n-gram lookup) and nobody waits: each row may
-        draw up to rounds * (1 + k) tokens, blocks taken up front."""
+        made there (placeholders: the draft model, n-gram lookup; Medusa: each round's heads propose
+        the next round's tree) and nobody waits: each row may draw up to rounds * (1 + k) tokens
+        (Medusa: rounds * (1 + the tree's depth)), blocks taken up front. Not for a row under a
+        grammar: its masks are filled on the host, one round's."""
         r = self.cfg.spec_rounds
-        if r <= 1 or self.waiting or not out.seqs or not all(q.spec and q.spec[0] == -1 for q in out.seqs):
+        medusa = self.cfg.step_proposes
+        if r <= 1 or self.waiting or not out.seqs or not all(
+                q.spec and (q.request.guide is None if medusa else q.spec[0] == -1) for q in out.seqs):
             return
-        draws = [min(r * (1 + len(q.spec)), self.draws_left(q.request)) for q in out.seqs]
-        if max(d // (1 + len(q.spec)) for q, d in zip(out.seqs, draws)) <= 1:
+        per = [q.round_draws or 1 + len(q.spec) for q in out.seqs]
+        draws = [min(r * k, self.draws_left(q.request)) for q, k in zip(out.seqs, per)]
+        if max(d // k for d, k in zip(draws, per)) <= 1:
             return
-        for q, d in zip(out.seqs, draws):
-            if not self.blocks.allocate(q.request.request_id, q.start + d):
+        # a later round's tree writes all 1 + len(spec) of its tokens from its root on
+        ends = [q.start + max(d, k) + 1 + len(q.spec) - k for q, d, k in zip(out.seqs, draws, per)]
+        if max(ends) > self.cfg.max_model_len:
+            return
+        for q, end in zip(out.seqs, ends):
+            if not self.blocks.allocate(q.request.request_id, end):
                 return
-        for q, d in zip(out.seqs, draws):
-            q.max_draws = max(d, 1 + len(q.spec))
+        for q, d, k in zip(out.seqs, draws, per):
+            q.max_draws = max(d, k)
         out.num_decode_iters = r
 
     # ------------------------------------------------------------------ prefix cache
@@ -440,7 +452,8 @@ class Scheduler:
     def _scheduled(self, req: Request, n: int, spec: list[int] | None = None) -> ScheduledSeq:
         start = req.num_computed_tokens
         if spec:   # the last token and its proposals: up to 1 + k draws
-            return ScheduledSeq(req, start, n, sample=True, max_draws=self.spec_draws(len(spec)), spec=spec)
+            k = self.spec_draws(len(spec))
+            return ScheduledSeq(req, start, n, sample=True, max_draws=k, spec=spec, round_draws=k)
         return ScheduledSeq(req, start, n, sample=start + n == req.num_tokens and not req.pending_forks,
                             draft_only=max(0, min(start + n, req.draft_catchup_end) - start))
 
