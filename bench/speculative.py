@@ -8,7 +8,10 @@ Generators (all warmed up, alive together, measured interleaved):
   draft   the bundled draft (checkpoints/jaxinfer-tiny-llama-draft), k proposals per step;
   ngram   prompt lookup, k proposals per step;
   medusa  the bundled Medusa heads (checkpoints/jaxinfer-tiny-llama-medusa) with their tree, k deep;
-  medusa-chain  the same heads with a single chain (each head's top token): what the tree adds.
+  medusa-chain  the same heads with a single chain (each head's top token): what the tree adds;
+  medusa-tree:N the same heads with the tree of N nodes medusa.choose_tree picks from their
+                validation rank accuracies (the bundled tree has 7: with its root, one row fills
+                the engine's smallest step bucket of 8 tokens).
 Workloads:
   free      batch 1, greedy, a held-out prompt (--prompt-len tokens), --output-len tokens: decode tok/s
             = (output tokens - 1) / (time from the first token to the last), so prefill is excluded;
@@ -94,13 +97,19 @@ def copy_check(prompts: list[list[int]], outputs: list[list[int]], continuations
     return {"tokens_following_the_passage": follow, f"share_of_output_{n}grams_in_prompt": share}
 
 
-def _chain_heads(k: int) -> str:
-    """A copy of the bundled Medusa heads whose tree is one chain of each head's top token."""
+def _heads_with_tree(method: str, k: int) -> str:
+    """A copy of the bundled Medusa heads with another tree: "medusa-chain", one chain of each
+    head's top token, k deep; "medusa-tree:N", the N-node tree medusa.choose_tree picks."""
     from jaxinfer.generator import CHECKPOINTS, DEFAULT_MEDUSA
-    src, out = CHECKPOINTS / DEFAULT_MEDUSA, Path(tempfile.mkdtemp(prefix="medusa-chain-"))
+    from jaxinfer.medusa import choose_tree
+    src, out = CHECKPOINTS / DEFAULT_MEDUSA, Path(tempfile.mkdtemp(prefix="medusa-tree-"))
     shutil.copy(src / "heads.safetensors", out)
     info = json.loads((src / "medusa.json").read_text())
-    info["tree"] = [[0] * d for d in range(1, k + 1)]
+    if method == "medusa-chain":
+        info["tree"] = [[0] * d for d in range(1, k + 1)]
+    else:
+        tree = choose_tree(np.asarray(info["validation_rank_accuracy"]), int(method.split(":")[1]))
+        info["tree"] = [list(p) for p in tree.paths]
     (out / "medusa.json").write_text(json.dumps(info))
     return str(out)
 
@@ -131,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     gens = {"none": Generator.from_pretrained(str(path), **common)}
     for m in methods:
         kw = dict(speculative_method=m, num_speculative_tokens=args.k)
-        if m == "medusa-chain":
-            kw = dict(speculative_method="medusa", speculative_model=_chain_heads(args.k), num_speculative_tokens=args.k)
+        if m == "medusa-chain" or m.startswith("medusa-tree:"):
+            kw = dict(speculative_method="medusa", speculative_model=_heads_with_tree(m, args.k),
+                      num_speculative_tokens=args.k)
         gens[m] = Generator.from_pretrained(str(path), **common, **kw)
     text = (path / "heldout.txt").read_text()
     ids = gens["none"].tokenizer.encode(text, add_special_tokens=False)
@@ -186,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         del gens[m]
     gc.collect()
     runs = {b: {} for b in batch_sizes}
-    for m in [m for m in methods if m != "medusa-chain" and batch_sizes]:
+    for m in [m for m in methods if m in ("draft", "ngram", "medusa") and batch_sizes]:
         gens["none"].reset_prefix_cache()   # every engine meets each prompt set first in the same rep
         engines = {m: Generator.from_pretrained(str(path), **common, speculative_method=m, num_speculative_tokens=args.k),
                    "forced": Generator.from_pretrained(str(path), **common, speculative_method=m,

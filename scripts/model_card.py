@@ -76,6 +76,29 @@ def greedy(model: Decoder, tokenizer: Tokenizer, prompt: str, max_new: int = 100
             "completion": tokenizer.decode(new), "text": tokenizer.decode(list(buf[:n]))}
 
 
+def _stage_lines(training: dict[str, Any], log_lr: float | None = None) -> list[str]:
+    """One training run (training.json of scripts/train_tiny.py) as the card's bullet points;
+    log_lr: the lr at its last logged step (from its train_log.jsonl, where the card has it)."""
+    hp = training["hyperparameters"]
+    return [
+        f"- {training['steps']} steps (planned {training['planned_steps']}) of {hp['batch']} random windows x "
+        f"{hp['seq_len']} tokens = {training['tokens_seen']:,} tokens ({training['epochs']:.2f} epochs), "
+        f"{training['train_loop_s'] / 60:.1f} min on {hp['backend'].upper()} (2 cores, shared), "
+        f"{training['mean_tokens_per_s']:.0f} tokens/s, float32."
+        + (f" Stopped by the --seconds {hp['seconds']:g} wall-time cap"
+           + (f" at lr {log_lr:.3g}" if log_lr is not None else "")
+           + f" (the schedule was planned over {training['planned_steps']} steps)."
+           if training["steps"] < training["planned_steps"] else ""),
+        f"- AdamW (betas {hp['betas'][0]}/{hp['betas'][1]}, weight decay {hp['weight_decay']} on matrices only), "
+        f"peak lr {hp['lr']:g}, {hp['warmup']} warm-up steps then cosine decay to {hp['min_lr_ratio']:g}x, "
+        f"global-norm clipping {hp['clip']}, seed {hp['seed']}.",
+        f"- Command: `{training['command']}`",
+        f"- Final train loss {training['final_train_loss']:.4f} (last step"
+        + (", KL to the teacher" if hp.get("teacher") else "") + "), held-out loss "
+        f"{training['heldout_loss']:.4f} (heldout.bin, non-overlapping {hp['seq_len']}-token windows, "
+        f"ppl {training['heldout_ppl']:.2f})."]
+
+
 def fmt_md(text: str) -> str:
     return "\n".join("    " + line for line in text.split("\n"))
 
@@ -107,7 +130,9 @@ def write_card(folder: Path, corpus: Path | None = None) -> dict[str, Any]:
     sp, sh = stats["splits"]["train"], stats["splits"]["heldout"]
     role = ("Draft model for speculative decoding (shares the tokenizer of jaxinfer-tiny-llama)."
             if hp["preset"] == "draft" else "Target model (its speculative-decoding draft is jaxinfer-tiny-llama-draft).")
-    L = [f"# {name}", "", f"A tiny Llama-architecture causal LM trained from scratch with `scripts/train_tiny.py` "
+    how = ("trained from scratch" if "init_training" not in training
+           else f"trained from scratch and then distilled from {Path(hp['teacher']).name}")
+    L = [f"# {name}", "", f"A tiny Llama-architecture causal LM {how} with `scripts/train_tiny.py` "
          f"(jaxinfer). {role} It is a test fixture for the inference engine, not a useful language model.", "",
          "## Data", "",
          f"- Sources: King James Bible ({stats['documents_by_source'].get('kjv', 0)} chapter documents) and the "
@@ -128,26 +153,35 @@ def write_card(folder: Path, corpus: Path | None = None) -> dict[str, Any]:
           f"(eps {cfg.norm_eps}), RoPE (theta {cfg.rope_theta:g}), max positions {cfg.max_position_embeddings}, "
           f"tied embeddings. **{n_params:,} parameters** (embedding {cfg.vocab_size * cfg.d_model:,}). "
           f"Stored as {training['saved_dtype']} (folder size {size / 1e6:.2f} MB).", "",
-          "## Training", "",
-          f"- {training['steps']} steps (planned {training['planned_steps']}) of {hp['batch']} random windows x "
-          f"{hp['seq_len']} tokens = {training['tokens_seen']:,} tokens ({training['epochs']:.2f} epochs), "
-          f"{training['train_loop_s'] / 60:.1f} min on {hp['backend'].upper()} (2 cores, shared), "
-          f"{training['mean_tokens_per_s']:.0f} tokens/s, float32."
-          + (f" Stopped by the --seconds {hp['seconds']:g} wall-time cap at lr "
-             f"{trains[max(trains)]['lr']:.3g} (the schedule was planned over {training['planned_steps']} steps)."
-             if training["steps"] < training["planned_steps"] else ""),
-          f"- AdamW (betas {hp['betas'][0]}/{hp['betas'][1]}, weight decay {hp['weight_decay']} on matrices only), "
-          f"peak lr {hp['lr']:g}, {hp['warmup']} warm-up steps then cosine decay to {hp['min_lr_ratio']:g}x, "
-          f"global-norm clipping {hp['clip']}, seed {hp['seed']}.",
-          f"- Command: `{training['command']}`",
-          f"- Final train loss {training['final_train_loss']:.4f} (last step), held-out loss "
-          f"{training['heldout_loss']:.4f} (heldout.bin, non-overlapping {hp['seq_len']}-token windows, "
-          f"ppl {training['heldout_ppl']:.2f}).", "",
-          "| step | train loss (10-step mean at the last log <= step) | held-out loss |",
-          "|---:|---:|---:|"]
+          "## Training", ""]
+    stage1 = training.get("init_training")
+    teacher = Path(hp["teacher"]).name if hp.get("teacher") else None
+    if stage1 is not None:
+        e1 = stage1["evals"]
+        L += [f"Two stages: trained from scratch on the corpus, then distilled from "
+              f"{teacher} (its next-token distributions, forward KL).", "",
+              "### Stage 1: from scratch", ""]
+        L += _stage_lines(stage1) + ["", "| step | held-out loss |", "|---:|---:|"]
+        L += [f"| {e['step']} | {e['heldout_loss']:.4f} |" for e in e1]
+        L += ["", f"### Stage 2: distillation from {teacher}", "",
+              "Starting from stage 1's weights, the loss is KL(teacher || draft) per position (the teacher "
+              "frozen) over random windows of train.bin"
+              + (f" and, for {hp['generated_fraction']:.0%} of each batch, windows of the teacher's own "
+                 f"continuations of {hp['teacher_generated']} random train.bin prompts of {hp['prompt_len']} tokens "
+                 "(half greedy, half sampled at temperature 1: what a draft is asked to predict when serving)"
+                 if hp.get("teacher_generated") else "") + ". On heldout.bin: *agreement* is the share of positions where the "
+              "draft's and the teacher's most likely tokens match (greedy speculative acceptance per token), "
+              "*overlap* the mean of sum_v min(p_teacher, p_draft) (the acceptance probability of speculative "
+              "sampling at temperature 1).", ""]
+    L += _stage_lines(training, trains[max(trains)]["lr"]) + ["", "| step | train loss (10-step mean at the last log <= step) | held-out loss |"
+                                   + (" agreement | overlap | KL(teacher \\|\\| draft) |" if stage1 else ""),
+                                   "|---:|---:|---:|" + ("---:|---:|---:|" if stage1 else "")]
     for e in evals:
-        t = trains[max(s for s in trains if s <= e["step"])]
-        L.append(f"| {e['step']} | {t['loss_avg']:.4f} (step {t['step']}) | {e['heldout_loss']:.4f} |")
+        prior = [s for s in trains if s <= e["step"]]
+        t = f"{trains[max(prior)]['loss_avg']:.4f} (step {max(prior)})" if prior else "–"
+        L.append(f"| {e['step']} | {t} | {e['heldout_loss']:.4f} |"
+                 + (f" {e['teacher_top1_agreement']:.4f} | {e['teacher_overlap']:.4f} | {e['teacher_kl']:.4f} |"
+                    if stage1 else ""))
     L += ["", "## Evaluation (heldout.txt)", "",
           f"Sliding window of {ev['window']} tokens, stride {ev['stride']}, each token scored once "
           f"(`jaxinfer eval-ppl`, jaxinfer/evaluate.py); {ev['tokens']:,} tokens, {ev['bytes']:,} UTF-8 bytes.", "",

@@ -4,7 +4,10 @@ Pipeline (reproducible from --seed):
   1. corpus: the prepared corpus folder (scripts/prepare_corpus.py; train.bin / heldout.bin). The
      last --val-fraction of train.bin is held back for choosing the tree; heads train on random
      windows of the rest; the card's accuracies are measured on heldout.bin (never trained on, by
-     the target or the heads).
+     the target or the heads). --self-distill (the bundled heads' setting; Medusa-2's recipe):
+     every training and validation window is instead its first --prompt-len tokens and the target's
+     own continuation (train_tiny.teacher_windows: half greedy, half sampled at temperature 1), and
+     the card adds the heads' accuracy on the target's continuations of held-out prompts.
   2. features: the frozen target's final-norm hidden states of --train-windows windows of --seq-len
      tokens, computed once (float32, kept in memory).
   3. heads: K residual SiLU blocks over the target's LM head, W = 0 at the start (each head starts
@@ -20,7 +23,7 @@ Pipeline (reproducible from --seed):
 Usage:
   python scripts/train_medusa.py --target checkpoints/jaxinfer-tiny-llama \
       --out checkpoints/jaxinfer-tiny-llama-medusa [--corpus /work/cache/corpus] [--steps 1500]
-(the defaults are the bundled heads' settings: about 20 minutes on the 2-core CPU)
+(the bundled heads: the defaults with --self-distill, about 22 minutes on the 2-core CPU)
 """
 from __future__ import annotations
 
@@ -57,9 +60,12 @@ def hidden_fn(model):
     return lambda windows: fn(params, windows)
 
 
-def features(hidden, ids: np.ndarray, starts: np.ndarray, seq_len: int, chunk: int = 8, desc: str = ""):
-    windows = np.stack([ids[s:s + seq_len] for s in starts]).astype(np.int32)
-    out = np.zeros((len(windows), seq_len, 0), np.float32)
+def corpus_windows(ids: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
+    return np.stack([ids[s:s + seq_len] for s in starts]).astype(np.int32)
+
+
+def features(hidden, windows: np.ndarray, chunk: int = 8, desc: str = ""):
+    out = np.zeros((len(windows), windows.shape[1], 0), np.float32)
     parts = []
     for i in tqdm(range(0, len(windows), chunk), desc=desc, unit="batch"):
         parts.append(np.asarray(hidden(jnp.asarray(windows[i:i + chunk]))))
@@ -87,8 +93,9 @@ def losses(logits, windows, k):
     return jnp.stack(out)
 
 
-def rank_counts(logits_fn, hparams, feats, windows, k, top, chunk=8):
-    """[K, top] how often head i's r-th token is the right one, and the positions scored per head."""
+def rank_counts(logits_fn, hparams, feats, windows, k, top, chunk=8, skip=0):
+    """[K, top] how often head i's r-th token is the right one, and the positions scored per head;
+    skip: hidden states before this position are not scored (a generated window's prompt)."""
     counts = np.zeros((k, top), np.int64)
     totals = np.zeros(k, np.int64)
     fn = jax.jit(lambda hp, h: jax.lax.top_k(logits_fn(hp, h), top)[1])
@@ -96,7 +103,7 @@ def rank_counts(logits_fn, hparams, feats, windows, k, top, chunk=8):
         ranks = np.asarray(fn(hparams, jnp.asarray(feats[s:s + chunk])))            # [K, B, W, top]
         w = windows[s:s + chunk]
         for i in range(k):
-            hit = ranks[i, :, : w.shape[1] - i - 2] == w[:, i + 2:, None]
+            hit = ranks[i, :, skip: w.shape[1] - i - 2] == w[:, skip + i + 2:, None]
             counts[i] += hit.reshape(-1, top).sum(0)
             totals[i] += hit.shape[0] * hit.shape[1]
     return counts, totals
@@ -116,9 +123,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--tree-nodes", type=int, default=12)
+    ap.add_argument("--tree-nodes", type=int, default=7,
+                    help="the tree's nodes: with its root, 8 tokens a row, the engine's smallest step bucket "
+                         "(the bundled heads on this CPU, batch 1, free generation: 2.03x of no speculation "
+                         "against 1.72x for 12 nodes, which verify in the 16-token bucket, 1.67x for 4 nodes and "
+                         "2.02x for a chain of 4; bench/results/2026-11-26-cpu-speculative-medusa-trees.json)")
     ap.add_argument("--top-r", type=int, default=8, help="ranks measured per head for the tree")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--self-distill", action="store_true",
+                    help="train and choose the tree on the target's own continuations of the windows' first "
+                         "--prompt-len tokens (half greedy, half sampled at temperature 1), not on the corpus")
+    ap.add_argument("--prompt-len", type=int, default=64)
     a = ap.parse_args(argv)
     t_start = time.time()
     if not (a.corpus / "train.bin").exists():
@@ -132,12 +147,22 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(a.seed)
     w = a.seq_len
     hidden = hidden_fn(model)
-    tr_windows, tr_feats = features(hidden, train_ids, rng.integers(0, split - w, a.train_windows), w,
-                                    desc="target features (train)")
-    va_windows, va_feats = features(hidden, train_ids, rng.integers(split, len(train_ids) - w, a.val_windows), w,
-                                    desc="target features (validation)")
+    tr_starts = rng.integers(0, split - w, a.train_windows)
+    va_starts = rng.integers(split, len(train_ids) - w, a.val_windows)
     n_held = (len(held_ids) - 1) // w
-    he_windows, he_feats = features(hidden, held_ids, np.arange(n_held) * w, w, desc="target features (heldout)")
+    if a.self_distill:   # the target's own continuations of the same prompts
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from train_tiny import teacher_windows
+        gen = lambda ids, starts, seed: teacher_windows(a.target, ids, starts, a.prompt_len, w, seed)  # noqa: E731
+        tr_windows = gen(train_ids, tr_starts, a.seed)
+        va_windows = gen(train_ids, va_starts, a.seed + len(tr_starts))
+        hg_windows = gen(held_ids, np.arange(n_held) * w, a.seed + len(tr_starts) + len(va_starts))
+    else:
+        tr_windows, va_windows = corpus_windows(train_ids, tr_starts, w), corpus_windows(train_ids, va_starts, w)
+    tr_windows, tr_feats = features(hidden, tr_windows, desc="target features (train)")
+    va_windows, va_feats = features(hidden, va_windows, desc="target features (validation)")
+    he_windows, he_feats = features(hidden, corpus_windows(held_ids, np.arange(n_held) * w, w),
+                                    desc="target features (heldout)")
 
     heads = MedusaHeads(a.heads, cfg.d_model)
     graphdef, hparams = nnx.split(heads)
@@ -174,6 +199,12 @@ def main(argv: list[str] | None = None) -> dict:
     he_counts, he_totals = rank_counts(logits_fn, hparams, he_feats, he_windows, a.heads, 5)
     top1 = (he_counts[:, 0] / he_totals).tolist()
     top5 = (he_counts.sum(1) / he_totals).tolist()
+    heldout_generated = None
+    if a.self_distill:   # on what the heads meet when serving: the target's continuations of held-out prompts
+        hg_windows, hg_feats = features(hidden, hg_windows, desc="target features (heldout, generated)")
+        c, t = rank_counts(logits_fn, hparams, hg_feats, hg_windows, a.heads, 5, skip=a.prompt_len - 1)
+        heldout_generated = {"top1": (c[:, 0] / t).tolist(), "top5": (c.sum(1) / t).tolist(), "positions": t.tolist(),
+                             "windows": len(hg_windows), "prompt_len": a.prompt_len}
     # the target's own next-token accuracy on the same windows, for scale
     nxt = jax.jit(lambda h: jax.lax.top_k(jnp.dot(h, lm_w), 5)[1])
     t_hits = np.zeros(5, np.int64)
@@ -195,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
         "heldout": {"top1": top1, "top5": top5, "positions": he_totals.tolist(),
                     "target_next_token_top1": float(t_hits[0] / t_total),
                     "target_next_token_top5": float(t_hits.sum() / t_total)},
+        "heldout_generated": heldout_generated,
         "training": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
         "train_seconds": round(time.time() - t_start, 1), "jax": jax.__version__,
     }
@@ -210,6 +242,23 @@ def write_card(out: Path, info: dict) -> None:
     rows = "\n".join(f"| {i} | t + {i + 2} | {100 * a:.1f}% | {100 * b:.1f}% |"
                      for i, (a, b) in enumerate(zip(h["top1"], h["top5"])))
     tree = ", ".join("(" + ",".join(map(str, p)) + ")" for p in info["tree"])
+    g = info.get("heldout_generated")
+    if t.get("self_distill"):   # Medusa-2's self-distillation: the target's own outputs
+        data = (f"windows of {t['seq_len']} tokens, each a random prompt of {t['prompt_len']} tokens and the "
+                "target's own continuation (self-distillation, as Medusa-2: half greedy, half sampled at "
+                "temperature 1, so the heads learn what the target says rather than what the corpus says),")
+        val = "such windows (prompts)"
+    else:
+        data, val = f"random windows of {t['seq_len']} tokens", "windows"
+    generated = "" if g is None else f"""
+On what the heads meet when serving: the target's own continuations of {g['windows']} held-out prompts
+of {g['prompt_len']} tokens (the same windows' starts, half greedy, half sampled at temperature 1), scored
+after the prompt ({g['positions'][0]:,} positions for head 0):
+
+| head | predicts | top-1 | top-5 |
+|---|---|---|---|
+""" + "\n".join(f"| {i} | t + {i + 2} | {100 * a:.1f}% | {100 * b:.1f}% |"
+                for i, (a, b) in enumerate(zip(g["top1"], g["top5"]))) + "\n"
     (out / "MODEL_CARD.md").write_text(f"""# jaxinfer-tiny-llama-medusa
 
 Medusa heads (Cai et al. 2024, Medusa-1: the target frozen) for `checkpoints/jaxinfer-tiny-llama`,
@@ -219,10 +268,10 @@ trained by `scripts/train_medusa.py` with optax in {info['train_seconds']:.0f} s
 
 - {info['num_heads']} heads, each one residual SiLU block (W [{info['target']['d_model']}, {info['target']['d_model']}], b) over the target's
   tied LM head: {info['num_heads'] * (info['target']['d_model'] ** 2 + info['target']['d_model']):,} parameters in all.
-- Training: {t['train_windows']} random windows of {t['seq_len']} tokens from the first {100 * (1 - t['val_fraction']):.0f}% of the corpus'
+- Training: {t['train_windows']} {data} from the first {100 * (1 - t['val_fraction']):.0f}% of the corpus'
   train.bin (the target's own training split), {t['steps']} AdamW steps of {t['batch']} windows, lr {t['lr']}
   (warm-up {t['warmup']}, cosine to 10%), loss sum_i 0.8^i CE_i, seed {t['seed']}. Log: `train_log.jsonl`.
-- Tree: chosen from each head's rank accuracy on {t['val_windows']} windows of the held-back last
+- Tree: chosen from each head's rank accuracy on {t['val_windows']} {val} of the held-back last
   {100 * t['val_fraction']:.0f}% of train.bin (`medusa.json`, validation_rank_accuracy), greedily by expected
   acceptance (medusa.choose_tree): {len(info['tree'])} nodes, paths of ranks {tree}.
   Expected acceptance length under independent heads: {info['tree_expected_acceptance_length']:.2f} tokens per
@@ -237,7 +286,7 @@ accuracy on the same windows is top-1 {100 * h['target_next_token_top1']:.1f}%, 
 | head | predicts | top-1 | top-5 |
 |---|---|---|---|
 {rows}
-""")
+{generated}""")
 
 
 if __name__ == "__main__":

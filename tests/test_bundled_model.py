@@ -80,3 +80,46 @@ def test_generations_read_as_english(gen, prompt):
     assert _english_fraction(greedy.text, vocabulary) >= 0.9, greedy.text
     assert _english_fraction(sampled.text, vocabulary) >= 0.9, sampled.text
     assert gen.stats()["compilations_after_warmup"] == 0
+
+
+def test_draft_card_agreement_with_the_target_reproduces():
+    """The distilled draft's card: how often its most likely token is the target's (greedy
+    speculative acceptance per token) and the mean of sum_v min(p, q) (speculative sampling's
+    acceptance probability), recomputed here with numpy from both models' logits over the windows
+    the card scored: heldout.txt re-tokenized as scripts/prepare_corpus.py builds heldout.bin
+    ([BOS doc EOS] per document), windows of 257 tokens at stride 256 (scripts/train_tiny.py)."""
+    training = json.loads((DRAFT / "training.json").read_text())
+    final = training["evals"][-1]
+    card = (DRAFT / "MODEL_CARD.md").read_text()
+    assert (f"| {final['teacher_top1_agreement']:.4f} | {final['teacher_overlap']:.4f} | "
+            f"{final['teacher_kl']:.4f} |") in card
+    first = training["evals"][0]                      # stage 1's weights, before distillation
+    assert first["step"] == 0 and final["teacher_top1_agreement"] > first["teacher_top1_agreement"]
+    import jax
+    import jax.numpy as jnp
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=str(TARGET / "tokenizer.model"))
+    docs = (TARGET / "heldout.txt").read_text().split("\n\n")
+    ids = np.asarray([t for d in docs for t in (1, *sp.encode(d.strip("\n")), 2)], np.int32)
+    w = 256
+    windows = np.stack([ids[s:s + w] for s in range(0, (len(ids) - 1) // w * w, w)])  # inputs; the target is next
+    target, _ = load_model(TARGET, "float32")
+    draft, _ = load_model(DRAFT, "float32")
+    pos = jnp.arange(w, dtype=jnp.int32)
+    logits = jax.jit(lambda m, x: jax.vmap(lambda t: m(t, pos)[0])(x))
+    top1 = overlap = 0.0
+    for s in range(0, len(windows), 16):
+        x = jnp.asarray(windows[s:s + 16])
+        lp = np.asarray(logits(target, x), np.float64)
+        lq = np.asarray(logits(draft, x), np.float64)
+        top1 += np.sum(lp.argmax(-1) == lq.argmax(-1))
+        p = np.exp(lp - lp.max(-1, keepdims=True))
+        q = np.exp(lq - lq.max(-1, keepdims=True))
+        overlap += np.sum(np.minimum(p / p.sum(-1, keepdims=True), q / q.sum(-1, keepdims=True)))
+    n = windows.size
+    assert n == training["heldout_eval_tokens"]
+    # the same weights and windows in float32: only near-ties between two logits can flip a match
+    # (each flip moves the share by 1 / 36,352 = 2.8e-5); sum min(p, q) moves with float32 rounding
+    # of the logits, ~1e-6 relative
+    assert top1 / n == pytest.approx(final["teacher_top1_agreement"], abs=2e-4)
+    assert overlap / n == pytest.approx(final["teacher_overlap"], abs=1e-4)
