@@ -540,3 +540,32 @@ def test_speculation_with_tensor_parallel_is_accepted_not_with_pipeline():
         EngineConfig(speculative_method=method, tensor_parallel=2)
         with pytest.raises(ValueError, match="pipeline_parallel > 1"):
             EngineConfig(speculative_method=method, pipeline_parallel=2)
+
+
+@pytest.mark.parametrize("method", ["ngram"])
+def test_request_arriving_while_a_speculative_step_runs(method, bundled_reference):
+    """With async scheduling a request that arrives while a speculating step is on the device
+    turns the load policy off (speculative_max_batch=1) before that step's tokens are on the host;
+    the next step must still wait for them (how many a speculating row drew is known only then),
+    not read the row's last token at the slot of an all-accepted draw. Greedy tokens of both
+    requests: the engine's without speculation."""
+    from collections import defaultdict
+    _, _, _, plain = bundled_reference
+    prompts = _prompts(plain.tokenizer)[1:3]
+    prompts[1] = prompts[1][:5]   # its prefill leaves budget for the first request's next token
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = plain.generate(prompts, params)
+    g = Generator.from_pretrained(**BUNDLED, speculative_method=method, num_speculative_tokens=3,
+                                  speculative_max_batch=1)
+    assert g.engine.async_scheduling
+    got = defaultdict(list)
+    route = lambda d: got[d.request_id].extend(d.token_ids)  # noqa: E731
+    c = g.client
+    [first] = c.submit([prompts[0]], params, route=route)
+    for _ in range(6):       # prefill, then steps that speculate
+        c.step()
+    assert any(q.spec for q in g.engine._inflight.plan.seqs)   # a speculating step is on the device
+    assert g.engine.stats()["spec_decode_num_drafts"] > 0
+    [second] = c.submit([prompts[1]], params, route=route)
+    c.run_until_done()
+    assert got[first] == list(ref[0].token_ids) and got[second] == list(ref[1].token_ids)
