@@ -323,6 +323,41 @@ def _lookup(sp: SpecInputs, sb: SamplingBatch, length: jax.Array, drafts: jax.Ar
     return jax.lax.cond(jnp.any(sp.lookup), look, lambda _: (drafts, sp.num_spec), None)
 
 
+def _record_round(out: StepOutputs, counts: jax.Array, b: SamplingBatch, p: jax.Array, last: jax.Array,
+                  drew: tuple, drawn: jax.Array, num_spec: jax.Array, done: jax.Array, stop_ids: jax.Array,
+                  reads_history: jax.Array):
+    """One speculation round's draws (ids, logprobs, top ids, top logprobs, each [R, S]: up to R a
+    row) into a multi-round step's state (_spec_step, _medusa_step): each row's drawn tokens after
+    its earlier rounds' in `out`; `counts` (StepOutputs.spec_counts: rounds run, rounds proposed,
+    proposals, rounds that accepted position i); where later rounds read it, the sampling history
+    at positions p + 1 ... -> (out, counts, b, stopped: a row drew a stop id, last: each row's last
+    drawn token)."""
+    ids, lps, top_ids, top_lps = drew
+    r, s = ids.shape
+    jj = jnp.arange(r)[:, None]
+    dest = jnp.where(jj < drawn[None, :], out.num_drawn[None, :] + jj, out.ids.shape[0])   # [R, S]; past the end: none
+    cols = jnp.broadcast_to(jnp.arange(s)[None, :], dest.shape)
+    put = lambda a, x: a.at[dest, cols].set(x, mode="drop")  # noqa: E731
+    spec_row = (num_spec > 0) & ~done
+    counts = counts.at[:, 0].add((~done).astype(jnp.int32))
+    counts = counts.at[:, 1].add(spec_row.astype(jnp.int32))
+    counts = counts.at[:, 2].add(jnp.where(spec_row, num_spec, 0))
+    counts = counts.at[:, 3:].add((spec_row[:, None] & (jnp.arange(counts.shape[1] - 3)[None, :] < drawn[:, None] - 1)
+                                   ).astype(jnp.int32))
+    out = StepOutputs(put(out.ids, ids), put(out.logprobs, lps), put(out.top_ids, top_ids),
+                      put(out.top_logprobs, top_lps), out.num_drawn + drawn, out.next_tokens)
+    emitted = jj < drawn[None, :]
+    stopped = jnp.any(emitted[:, :, None] & (ids[:, :, None] == stop_ids[None]), axis=(0, 2))
+    last = jnp.where(drawn > 0, ids[jnp.maximum(drawn - 1, 0), jnp.arange(s)], last)
+    hist_cols = jnp.where(emitted.T, p[:, None] + 1 + jnp.arange(r)[None, :], b.history.shape[1])
+    b = jax.lax.cond(reads_history,
+                     lambda b: SamplingBatch(**{**vars(b), "history": b.history.at[
+                         jnp.arange(s)[:, None], hist_cols].set(ids.T, mode="drop"),
+                         "history_is_output": b.history_is_output.at[jnp.arange(s)[:, None], hist_cols].set(
+                             True, mode="drop")}), lambda b: b, b)
+    return out, counts, b, stopped, last
+
+
 def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings):
     """A speculative engine's step: one round (_spec_round), or, when nobody waits and every row
     either speculates with proposals made on the device (draft model, n-gram lookup) or decodes
@@ -371,29 +406,10 @@ def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, set
         ids, lps, top_ids, top_lps, drawn, ns, pages = _spec_round(model, dmodel, pages,
                                                                    round_inputs(i, p, last, done, b), settings)
         drawn = jnp.where(done, 0, jnp.minimum(drawn, inputs.max_new - out.num_drawn))
-        jj = jnp.arange(k1)[:, None]
-        dest = jnp.where(jj < drawn[None, :], out.num_drawn[None, :] + jj, n_out)     # [k1, S]; n_out: none
-        cols = jnp.broadcast_to(jnp.arange(s)[None, :], dest.shape)
-        put = lambda a, x: a.at[dest, cols].set(x, mode="drop")  # noqa: E731
-        spec_row = (ns > 0) & ~done
-        counts = counts.at[:, 0].add((~done).astype(jnp.int32))
-        counts = counts.at[:, 1].add(spec_row.astype(jnp.int32))
-        counts = counts.at[:, 2].add(jnp.where(spec_row, ns, 0))
-        counts = counts.at[:, 3:].add((spec_row[:, None] & (jnp.arange(k)[None, :] < drawn[:, None] - 1)
-                                       ).astype(jnp.int32))
-        out = StepOutputs(put(out.ids, ids), put(out.logprobs, lps), put(out.top_ids, top_ids),
-                          put(out.top_logprobs, top_lps), out.num_drawn + drawn, out.next_tokens)
-        emitted = jj < drawn[None, :]
-        stopped = jnp.any(emitted[:, :, None] & (ids[:, :, None] == inputs.stop_ids[None]), axis=(0, 2))
-        last = jnp.where(drawn > 0, ids[jnp.maximum(drawn - 1, 0), jnp.arange(s)], last)
-        # penalties and prompt lookup in later rounds see what this one drew, at positions p + 1 ..
-        hist_cols = jnp.where(emitted.T, p[:, None] + 1 + jnp.arange(k1)[None, :], b.history.shape[1])
+        # penalties and prompt lookup in later rounds see what this one drew
         reads_history = any_penalty(b) if sp.lookup is None else any_penalty(b) | jnp.any(sp.lookup)
-        b = jax.lax.cond(reads_history,
-                         lambda b: SamplingBatch(**{**vars(b), "history": b.history.at[
-                             jnp.arange(s)[:, None], hist_cols].set(ids.T, mode="drop"),
-                             "history_is_output": b.history_is_output.at[jnp.arange(s)[:, None], hist_cols].set(
-                                 True, mode="drop")}), lambda b: b, b)
+        out, counts, b, stopped, last = _record_round(out, counts, b, p, last, (ids, lps, top_ids, top_lps), drawn,
+                                                      ns, done, inputs.stop_ids, reads_history)
         p = p + drawn
         done = done | stopped | (drawn == 0) | (out.num_drawn + sp.num_spec + 1 > inputs.max_new)
         return i + 1, pages, p, last, done, b, out, counts
@@ -517,28 +533,9 @@ def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, s
         nodes = jax.lax.cond(sp.propose, lambda h: medusa.propose(heads, model.logits, h, arrays),
                              lambda h: jnp.full((s, n), -1, jnp.int32), h[source])
         proposals = jnp.where((drawn > 0)[:, None], nodes, proposals)
-        jj = jnp.arange(d1)[:, None]
-        dest = jnp.where(jj < drawn[None, :], out.num_drawn[None, :] + jj, n_out)      # [d1, S]; n_out: none
-        cols = jnp.broadcast_to(jnp.arange(s)[None, :], dest.shape)
-        put = lambda a, x: a.at[dest, cols].set(x, mode="drop")  # noqa: E731
-        spec_row = (sp.num_spec > 0) & (drawn > 0)
-        counts = counts.at[:, 0].add(spec_row.astype(jnp.int32))
-        counts = counts.at[:, 1].add(spec_row.astype(jnp.int32))
-        counts = counts.at[:, 2].add(jnp.where(spec_row, sp.num_spec, 0))
-        counts = counts.at[:, 3:].add((spec_row[:, None] & (jnp.arange(d1 - 1)[None, :] < drawn[:, None] - 1)
-                                       ).astype(jnp.int32))
-        out = StepOutputs(put(out.ids, ids), put(out.logprobs, lps), put(out.top_ids, top_ids),
-                          put(out.top_logprobs, top_lps), out.num_drawn + drawn, out.next_tokens)
-        emitted = jj < drawn[None, :]
-        stopped = jnp.any(emitted[:, :, None] & (ids[:, :, None] == inputs.stop_ids[None]), axis=(0, 2))
-        last = jnp.where(drawn > 0, ids[jnp.maximum(drawn - 1, 0), jnp.arange(s)], last)
-        # penalties in later rounds see what this one drew, at positions p + 1 ..
-        hist_cols = jnp.where(emitted.T, p[:, None] + 1 + jnp.arange(d1)[None, :], b.history.shape[1])
-        b = jax.lax.cond(any_penalty(b) & (rounds > 1),
-                         lambda b: SamplingBatch(**{**vars(b), "history": b.history.at[
-                             jnp.arange(s)[:, None], hist_cols].set(ids.T, mode="drop"),
-                             "history_is_output": b.history_is_output.at[jnp.arange(s)[:, None], hist_cols].set(
-                                 True, mode="drop")}), lambda b: b, b)
+        # penalties in later rounds see what this one drew
+        out, counts, b, stopped, last = _record_round(out, counts, b, p, last, (ids, lps, top_ids, top_lps), drawn,
+                                                      sp.num_spec, done, inputs.stop_ids, any_penalty(b) & (rounds > 1))
         p = p + drawn
         done = done | stopped | (drawn == 0) | (out.num_drawn + per_round > inputs.max_new)
         return i + 1, pages, p, last, nodes, done, b, out, counts, proposals
