@@ -299,10 +299,12 @@ class Engine:
         self._device_s = None
         prev, self._inflight = self._inflight, None
         deltas = []
-        if prev is not None and (self.scheduler.spec_k() or any(q.spec or (q.sample and q.request.params.uses_history)
-                                                                for q in prev.plan.seqs)):
+        if prev is not None and any(q.spec or (q.sample and (q.request.params.uses_history
+                                                            or self.scheduler.may_propose(q.request)))
+                                    for q in prev.plan.seqs):
             # penalties read the host's history, and proposals follow the last token: both need
-            # step N's tokens on the host before step N+1 is planned; so does a row that speculated
+            # step N's tokens on the host before step N+1 is planned (not a row that cannot be
+            # proposed for, e.g. under a grammar with the draft model); so does a row that speculated
             # in step N whatever the policy says now (a request arriving meanwhile turns it off):
             # how many tokens it drew, so where its last one lies, is known only then
             deltas += self._complete(prev)

@@ -1008,6 +1008,27 @@ def test_speculation_load_policy_counts_waiting_sequences():
     assert h.s.spec_k() == 3
 
 
+def test_may_propose_whom_the_proposer_proposes_for():
+    """may_propose (the engine waits for a row's last token only if its next step may hold
+    proposals): while the policy speculates, the draft model's proposer proposes for a free row and
+    never for one under a grammar; n-gram (and Medusa) propose under a grammar too; a bare callable
+    may propose for anyone; with the policy off nobody is proposed for."""
+    from types import SimpleNamespace
+    from jaxinfer.host.speculative import Proposer
+    h = Harness(max_num_seqs=2)
+    h.s.cfg = dataclasses.replace(h.cfg, spec_tokens=3, spec_max_batch=1)
+    free, guided = SimpleNamespace(guide=None), SimpleNamespace(guide=object())
+    h.s.propose = Proposer("draft")
+    assert h.s.may_propose(free) and not h.s.may_propose(guided)
+    h.s.propose = Proposer("ngram")
+    assert h.s.may_propose(free) and h.s.may_propose(guided)
+    h.s.propose = lambda req, k, depth: [-1] * k
+    assert h.s.may_propose(guided)
+    h.add("a", 5, max_tokens=4)
+    h.add("b", 5, max_tokens=4)                    # two sequences: above spec_max_batch, policy off
+    assert h.s.spec_k() == 0 and not h.s.may_propose(free)
+
+
 def _lazy_draft_harness(max_num_seqs: int = 4) -> Harness:
     """A draft-model engine's scheduler (proposals made on the device: -1 placeholders), one decode
     iteration per step, speculating while at most one sequence runs or waits."""

@@ -218,6 +218,14 @@ class Scheduler:
             return 0
         return self.cfg.spec_tokens
 
+    def may_propose(self, req: Request) -> bool:
+        """Whether req's next step may hold proposals, which follow its last drawn token (so that
+        token must be on the host first): the policy speculates and the proposer proposes for such
+        a row at all (the draft model never does under a grammar: its rows decode as without
+        speculation and keep async scheduling's overlap)."""
+        proposes_for = getattr(self.propose, "proposes_for", None)   # any callable may propose
+        return bool(self.spec_k()) and (proposes_for is None or proposes_for(req))
+
     def _proposals(self, req: Request, n: int, budget: int, k: int, guided: int) -> list[int]:
         """A decoding row's proposed tokens: one token to compute, whose draw is the next one,
         nothing in flight; under a grammar (guided: constrained rows speculating so far this step)

@@ -79,6 +79,10 @@ class Proposer:
         chain = forced + ngram_proposal(req.all_ids + forced, k - len(forced), self.max_n, self.min_n)
         return chain[:req.guide.valid_prefix(chain)]
 
+    def proposes_for(self, req: Request) -> bool:
+        """Whether this proposer ever proposes for req: not the draft model for a row under a grammar."""
+        return not (self.method == "draft" and req.guide is not None)
+
     def draws(self, n: int) -> int:
         """The most tokens a row with n proposals draws: 1 + n for a chain, 1 + the depth of the
         n-th node for a tree (its nodes are in depth order)."""
