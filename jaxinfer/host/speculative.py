@@ -72,7 +72,7 @@ class Proposer:
             return list(req.proposals[1][:min(k, nodes)])
         k = min(k, depth)
         if self.method == "draft":
-            return [-1] * k if req.guide is None else []
+            return [-1] * k if self.proposes_for(req) else []
         if req.guide is None:
             return [-1] * k if self.on_device else ngram_proposal(req.all_ids, k, self.max_n, self.min_n)
         forced = req.guide.forced()[:k]
