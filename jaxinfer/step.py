@@ -358,6 +358,31 @@ def _record_round(out: StepOutputs, counts: jax.Array, b: SamplingBatch, p: jax.
     return out, counts, b, stopped, last
 
 
+def _no_draws(n_out: int, s: int) -> StepOutputs:
+    """A multi-round step's empty draws: n_out output rows for s rows, nothing drawn yet."""
+    return StepOutputs(jnp.zeros((n_out, s), jnp.int32), jnp.zeros((n_out, s), jnp.float32),
+                       jnp.zeros((n_out, s, MAX_LOGPROBS), jnp.int32), jnp.zeros((n_out, s, MAX_LOGPROBS), jnp.float32),
+                       jnp.zeros((s,), jnp.int32), None)
+
+
+def _run_rounds(body, carry: tuple, done_at: int, num_iters: jax.Array, rounds: int) -> tuple:
+    """body over carry (its first item the round index, carry[done_at] the rows that stopped):
+    once where the step is compiled for one round, else on the device while some row goes on, up to
+    num_iters rounds (the first always)."""
+    if rounds == 1:
+        return body(carry)
+    return jax.lax.while_loop(lambda c: (c[0] == 0) | ((c[0] < num_iters) & jnp.any(~c[done_at])), body, carry)
+
+
+def _drawn_outputs(drawn: StepOutputs, counts: jax.Array, max_rows: int, proposals: jax.Array | None = None
+                   ) -> StepOutputs:
+    """A multi-round step's StepOutputs from its draws: next_tokens laid out at max_rows' stride."""
+    n_out, s = drawn.ids.shape
+    next_tokens = jnp.zeros((n_out, max_rows), jnp.int32).at[:, :s].set(drawn.ids).reshape(-1)
+    return StepOutputs(drawn.ids, drawn.logprobs, drawn.top_ids, drawn.top_logprobs, drawn.num_drawn, next_tokens,
+                       counts, proposals)
+
+
 def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings):
     """A speculative engine's step: one round (_spec_round), or, when nobody waits and every row
     either speculates with proposals made on the device (draft model, n-gram lookup) or decodes
@@ -414,24 +439,13 @@ def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, set
         done = done | stopped | (drawn == 0) | (out.num_drawn + sp.num_spec + 1 > inputs.max_new)
         return i + 1, pages, p, last, done, b, out, counts
 
-    def cond(carry):
-        i, done = carry[0], carry[4]
-        return (i == 0) | ((i < inputs.num_iters) & jnp.any(~done))
-
-    out = StepOutputs(jnp.zeros((n_out, s), jnp.int32), jnp.zeros((n_out, s), jnp.float32),
-                      jnp.zeros((n_out, s, MAX_LOGPROBS), jnp.int32), jnp.zeros((n_out, s, MAX_LOGPROBS), jnp.float32),
-                      jnp.zeros((s,), jnp.int32), None)
+    out = _no_draws(n_out, s)
 
     def speculate(kv_pages):
         carry = (jnp.int32(0), kv_pages, inputs.positions[t0], tokens[t0], inputs.max_new <= 0, sb, out,
                  jnp.zeros((s, 3 + k), jnp.int32))
-        if rounds == 1:
-            _, kv_pages, _, _, _, _, drawn, counts = body(carry)
-        else:
-            _, kv_pages, _, _, _, _, drawn, counts = jax.lax.while_loop(cond, body, carry)
-        next_tokens = jnp.zeros((n_out, settings.max_rows), jnp.int32).at[:, :s].set(drawn.ids).reshape(-1)
-        return StepOutputs(drawn.ids, drawn.logprobs, drawn.top_ids, drawn.top_logprobs, drawn.num_drawn,
-                           next_tokens, counts), kv_pages
+        _, kv_pages, _, _, _, _, drawn, counts = _run_rounds(body, carry, 4, inputs.num_iters, rounds)
+        return _drawn_outputs(drawn, counts, settings.max_rows), kv_pages
 
     if not draft:
         return speculate(kv_pages)
@@ -442,9 +456,7 @@ def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, set
         tpages, dpages = kv_pages
         dmeta = AttentionMetadata(**{**vars(meta), "slot_mapping": sp.draft_slots})
         _, dpages = dmodel.hidden_states(tokens, inputs.positions, dpages, dmeta, settings.attention)
-        nothing = StepOutputs(out.ids, out.logprobs, out.top_ids, out.top_logprobs, out.num_drawn,
-                              jnp.zeros((n_out * settings.max_rows,), jnp.int32), jnp.zeros((s, 3 + k), jnp.int32))
-        return nothing, (_pin_pages(tpages, settings), _pin_pages(dpages, settings, replicated=True))
+        return _drawn_outputs(out, jnp.zeros((s, 3 + k), jnp.int32), settings.max_rows), (_pin_pages(tpages, settings), _pin_pages(dpages, settings, replicated=True))
     return jax.lax.cond(sp.run_target, speculate, catch_up, kv_pages)
 
 
@@ -540,23 +552,11 @@ def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, s
         done = done | stopped | (drawn == 0) | (out.num_drawn + per_round > inputs.max_new)
         return i + 1, pages, p, last, nodes, done, b, out, counts, proposals
 
-    def cond(carry):
-        i, done = carry[0], carry[5]
-        return (i == 0) | ((i < inputs.num_iters) & jnp.any(~done))
-
-    out = StepOutputs(jnp.zeros((n_out, s), jnp.int32), jnp.zeros((n_out, s), jnp.float32),
-                      jnp.zeros((n_out, s, MAX_LOGPROBS), jnp.int32), jnp.zeros((n_out, s, MAX_LOGPROBS), jnp.float32),
-                      jnp.zeros((s,), jnp.int32), None)
     carry = (jnp.int32(0), kv_pages, inputs.positions[t0], tokens[t0], jnp.full((s, n), -1, jnp.int32),
-             inputs.max_new <= 0, sb, out, jnp.zeros((s, 2 + d1), jnp.int32), jnp.full((s, n), -1, jnp.int32))
-    if rounds == 1:
-        carry = body(carry)
-    else:
-        carry = jax.lax.while_loop(cond, body, carry)
-    kv_pages, drawn, counts, proposals = carry[1], carry[7], carry[8], carry[9]
-    next_tokens = jnp.zeros((n_out, settings.max_rows), jnp.int32).at[:, :s].set(drawn.ids).reshape(-1)
-    return StepOutputs(drawn.ids, drawn.logprobs, drawn.top_ids, drawn.top_logprobs, drawn.num_drawn, next_tokens,
-                       counts, proposals), kv_pages
+             inputs.max_new <= 0, sb, _no_draws(n_out, s), jnp.zeros((s, 2 + d1), jnp.int32),
+             jnp.full((s, n), -1, jnp.int32))
+    _, kv_pages, _, _, _, _, _, drawn, counts, proposals = _run_rounds(body, carry, 5, inputs.num_iters, rounds)
+    return _drawn_outputs(drawn, counts, settings.max_rows, proposals), kv_pages
 
 
 def jit_step(settings: StepSettings):
