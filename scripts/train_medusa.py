@@ -236,11 +236,16 @@ def main(argv: list[str] | None = None) -> dict:
     return info
 
 
+def _accuracy_rows(acc: dict) -> str:
+    """The card's table rows of each head's top-1 / top-5 accuracy (acc: "top1", "top5" per head)."""
+    return "\n".join(f"| {i} | t + {i + 2} | {100 * a:.1f}% | {100 * b:.1f}% |"
+                     for i, (a, b) in enumerate(zip(acc["top1"], acc["top5"])))
+
+
 def write_card(out: Path, info: dict) -> None:
     h = info["heldout"]
     t = info["training"]
-    rows = "\n".join(f"| {i} | t + {i + 2} | {100 * a:.1f}% | {100 * b:.1f}% |"
-                     for i, (a, b) in enumerate(zip(h["top1"], h["top5"])))
+    rows = _accuracy_rows(h)
     tree = ", ".join("(" + ",".join(map(str, p)) + ")" for p in info["tree"])
     g = info.get("heldout_generated")
     if t.get("self_distill"):   # Medusa-2's self-distillation: the target's own outputs
@@ -257,8 +262,7 @@ after the prompt ({g['positions'][0]:,} positions for head 0):
 
 | head | predicts | top-1 | top-5 |
 |---|---|---|---|
-""" + "\n".join(f"| {i} | t + {i + 2} | {100 * a:.1f}% | {100 * b:.1f}% |"
-                for i, (a, b) in enumerate(zip(g["top1"], g["top5"]))) + "\n"
+""" + _accuracy_rows(g) + "\n"
     (out / "MODEL_CARD.md").write_text(f"""# jaxinfer-tiny-llama-medusa
 
 Medusa heads (Cai et al. 2024, Medusa-1: the target frozen) for `checkpoints/jaxinfer-tiny-llama`,

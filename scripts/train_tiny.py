@@ -52,7 +52,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.models.decoder import Decoder, count_params, window_nll  # noqa: E402
+from jaxinfer.models.decoder import Decoder, count_params, window_logits, window_nll  # noqa: E402
 from jaxinfer.tokenizer import load_tokenizer  # noqa: E402
 from jaxinfer.weights import load_native, save_native  # noqa: E402
 
@@ -87,11 +87,9 @@ def make_schedule(lr: float, steps: int, warmup: int, min_lr_ratio: float) -> op
     return optax.warmup_cosine_decay_schedule(lr / warmup, lr, warmup, max(steps, warmup + 1), lr * min_lr_ratio)
 
 
-def window_logits(graphdef: Any, params: Any, windows: jax.Array) -> jax.Array:
-    """windows [B, L+1] -> next-token logits [B, L, V] of windows[:, :-1], float32."""
-    positions = jnp.arange(windows.shape[1] - 1, dtype=jnp.int32)
-    model = nnx.merge(graphdef, params)
-    return jax.vmap(lambda t: model(t, positions)[0])(windows[:, :-1]).astype(jnp.float32)
+def _logits(graphdef: Any, params: Any, windows: jax.Array) -> jax.Array:
+    """decoder.window_logits of the model (graphdef, params), float32."""
+    return window_logits(nnx.merge(graphdef, params), windows).astype(jnp.float32)
 
 
 def make_fns(graphdef: Any, tx: optax.GradientTransformation, teacher_graphdef: Any = None):
@@ -103,8 +101,8 @@ def make_fns(graphdef: Any, tx: optax.GradientTransformation, teacher_graphdef: 
         return window_nll(nnx.merge(graphdef, params), windows)
 
     def kl(params: Any, windows: jax.Array, tparams: Any) -> jax.Array:
-        logq = jax.nn.log_softmax(window_logits(graphdef, params, windows), axis=-1)
-        logp = jax.nn.log_softmax(jax.lax.stop_gradient(window_logits(teacher_graphdef, tparams, windows)), axis=-1)
+        logq = jax.nn.log_softmax(_logits(graphdef, params, windows), axis=-1)
+        logp = jax.nn.log_softmax(jax.lax.stop_gradient(_logits(teacher_graphdef, tparams, windows)), axis=-1)
         return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)  # [B, L]
 
     def loss_fn(params: Any, windows: jax.Array, tparams: Any) -> jax.Array:
@@ -117,8 +115,8 @@ def make_fns(graphdef: Any, tx: optax.GradientTransformation, teacher_graphdef: 
     @jax.jit
     def eval_agreement(params: Any, windows: jax.Array, tparams: Any) -> jax.Array:
         """[B, 3]: per window, the summed argmax matches, sum_v min(p, q) and KL(p || q)."""
-        q = jax.nn.softmax(window_logits(graphdef, params, windows), axis=-1)
-        p = jax.nn.softmax(window_logits(teacher_graphdef, tparams, windows), axis=-1)
+        q = jax.nn.softmax(_logits(graphdef, params, windows), axis=-1)
+        p = jax.nn.softmax(_logits(teacher_graphdef, tparams, windows), axis=-1)
         top1 = (jnp.argmax(p, -1) == jnp.argmax(q, -1)).astype(jnp.float32)
         overlap = jnp.sum(jnp.minimum(p, q), axis=-1)
         div = jnp.sum(jnp.where(p > 0, p * (jnp.log(p) - jnp.log(jnp.maximum(q, 1e-38))), 0.0), axis=-1)

@@ -209,13 +209,17 @@ def count_params(model: Decoder) -> int:
 _QUANTIZED = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1, "qkv": 1, "gate_up": 1}
 
 
+def window_logits(model: Decoder, windows: jax.Array) -> jax.Array:
+    """windows [B, L+1] int32 -> next-token logits [B, L, V] of windows[:, :-1] (each window from
+    position 0; training, distillation and QAT)."""
+    positions = jnp.arange(windows.shape[1] - 1, dtype=jnp.int32)
+    return jax.vmap(lambda t: model(t, positions)[0])(windows[:, :-1])
+
+
 def window_nll(model: Decoder, windows: jax.Array) -> jax.Array:
     """windows [B, L+1] int32 -> per-token next-token NLL [B, L], float32 (training and QAT)."""
-    inputs, targets = windows[:, :-1], windows[:, 1:]
-    positions = jnp.arange(inputs.shape[1], dtype=jnp.int32)
-    logits, _ = jax.vmap(lambda t: model(t, positions))(inputs)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    logp = jax.nn.log_softmax(window_logits(model, windows), axis=-1)
+    return -jnp.take_along_axis(logp, windows[:, 1:, None], axis=-1)[..., 0]
 
 
 def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Decoder:
