@@ -323,7 +323,8 @@ UNSUPPORTED_MESSAGE_FIELDS = ("audio", "function_call", "refusal")
 
 
 class ChatMessage(BaseModel):
-    """One chat message; other unknown keys are ignored (clients send extras such as ids)."""
+    """One chat message; other unknown keys are ignored with a logged warning (clients send extras
+    such as ids)."""
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
 
@@ -334,6 +335,9 @@ class ChatMessage(BaseModel):
             for name in UNSUPPORTED_MESSAGE_FIELDS:
                 if data.get(name) is not None:
                     raise _refuse("messages", f"messages[].{name} is not supported by this server")
+            unknown = sorted(set(data) - set(cls.model_fields) - set(UNSUPPORTED_MESSAGE_FIELDS))
+            if unknown:
+                log.warning("ignoring unknown message field(s) %s", unknown)
         return data
 
     content: str | list[dict[str, Any]] | None = None

@@ -267,6 +267,18 @@ def test_noop_values_of_unsupported_fields_and_unknown_extras_are_accepted(srv):
     assert r.status_code == 200, r.text
 
 
+def test_unknown_extras_are_ignored_with_a_logged_warning(caplog):
+    """Fields OpenAI does not define (a body's vendor extra, a message's id) are dropped, each named
+    in a warning; the request is served as if they were absent."""
+    from serve.protocol import ChatCompletionRequest
+    with caplog.at_level("WARNING", logger="jaxinfer.serve"):
+        req = ChatCompletionRequest.model_validate({
+            "messages": [{"role": "user", "content": "fox", "id": "m1"}], "max_tokens": 2, "some_vendor_extra": 1})
+    assert req.messages[0].text() == "fox" and req.max_tokens == 2
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "some_vendor_extra" in warned and "'id'" in warned
+
+
 # ------------------------------------------------------------------ 3. lone surrogates
 @pytest.mark.parametrize("route,raw,param", [
     ("/v1/completions", '{"model": "tiny", "prompt": "abc\\ud800def", "max_tokens": 2}', "prompt"),
