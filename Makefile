@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: run test install clean
+.PHONY: run test test-gpu install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,13 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(BIN)/pytest -n 2 --dist loadfile
+
+# The tests of device code (pytest -m device: kernels, the engine with attention="pallas", quantized,
+# fp8 and W8A8 matmuls) compiled on a GPU, with the machine's own Python: a GPU image has jax with its
+# CUDA plugin installed (pip install -e '.[cuda13]'), and may have no network for a venv. One process:
+# JAX takes 75% of a GPU per process.
+test-gpu:
+	JAX_PLATFORMS=cuda JAXINFER_TEST_GPU=1 $(PY) -m pytest -m device -p no:cacheprovider -o addopts="" -q --durations=15
 
 clean:
 	rm -rf $(VENV) .pytest_cache

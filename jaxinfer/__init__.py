@@ -5,6 +5,10 @@
 Attributes are imported lazily so that light modules (config, tokenizer, host/) can be used
 without importing jax.
 """
+from jaxinfer.versions import check_jax_flax
+
+check_jax_flax()   # before anything imports flax: a broken jax / flax pair gets one clear error
+
 from jaxinfer.config import EngineConfig, ModelConfig, SamplingParams, StructuredOutputs
 
 __all__ = ["Generator", "SamplingParams", "StructuredOutputs", "ModelConfig", "EngineConfig"]

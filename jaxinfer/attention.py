@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.kv_cache import CHUNK_GROUP, DECODE_GROUP, TREE_NONE, AttentionMetadata, LayerKV, write_kv
+from jaxinfer.quant import dot_precision
 from pallas_kernels.flash_attention import flash_attention, ragged_paged_attention
 
 NEG_INF = -1e30  # finite, so fully-masked padding rows give zeros instead of NaN
@@ -93,7 +94,7 @@ def _softmax_attend(scores: jax.Array, valid: jax.Array, bias: jax.Array | None,
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(valid[None, None], probs, 0.0)  # rows with no visible key -> 0
     return jnp.einsum(f"kgtl,{v_spec}->tkgd", probs.astype(v.dtype), v,
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=jnp.float32, precision=dot_precision(v.dtype))
 
 
 def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
@@ -103,7 +104,8 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
     t, h, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(t, hkv, h // hkv, d)                                # (T, Hkv, G, D)
-    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32,
+                        precision=dot_precision(q.dtype)) * scale
     valid, bias = _mask_and_bias(positions, positions, window, alibi)
     out = _softmax_attend(scores, valid, bias, v, "lkd")
     return out.reshape(t, h, d).astype(q.dtype)
@@ -131,7 +133,8 @@ def paged_attention_reference(q: jax.Array, kv: LayerKV, positions: jax.Array, m
     k_seq, v_seq = _gather_context(kv, meta.block_tables, q.dtype)
     k_tok, v_tok = k_seq[:, meta.seq_ids], v_seq[:, meta.seq_ids]             # (Hkv, T, L, D)
     qg = q.reshape(t, hkv, h // hkv, d)
-    scores = jnp.einsum("tkgd,ktld->kgtl", qg, k_tok, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum("tkgd,ktld->kgtl", qg, k_tok, preferred_element_type=jnp.float32,
+                        precision=dot_precision(q.dtype)) * scale
     k_pos = jnp.arange(k_seq.shape[2], dtype=jnp.int32)
     in_context = k_pos[None, :] < meta.context_lens[meta.seq_ids][:, None]
     if meta.tree is not None:
@@ -151,7 +154,8 @@ def _tree_visible(k_idx: jax.Array, first: jax.Array, bits: jax.Array) -> jax.Ar
 
 def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: jax.Array,
                   num_items: jax.Array, *, scale: float, window: int | None,
-                  alibi: jax.Array | None, group: int, tree_tiles: tuple | None = None) -> jax.Array:
+                  alibi: jax.Array | None, group: int, tree_tiles: tuple | None = None,
+                  precision=None) -> jax.Array:
     """Softmax attention of query tiles over a flat list of work items (tile, first logical block j,
     physical blocks j .. j + KB - 1), `group` items per loop iteration (the last few group // 8),
     merged per tile by online softmax.
@@ -163,7 +167,9 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
     Keys past a query's position are masked, so an item's null blocks past the context cost work but
     never count. tree_tiles: (first node slot, ancestor bits) [NT+1, Q] of each query (Medusa;
     pos_tiles then hold slot indexes). Items of one tile may share a group: the running max, sum and output are merged
-    with scatter-max / scatter-add, which combine duplicates."""
+    with scatter-max / scatter-add, which combine duplicates. precision: of the two f32 einsums
+    (quant.dot_precision of the model's dtype: a float32 model's scores are not rounded to TF32 on a
+    GPU; a bfloat16 model's operands came from bfloat16, which TF32 holds exactly)."""
     nt1, hkv, nq, d = q_tiles.shape
     bs = kv.k.shape[2]
     kb = items.shape[1] - 2
@@ -187,7 +193,7 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
         # scores (Hkv, K, L, Q): batch axes in the pages' order and [L, D] read as stored, so XLA:CPU
         # transposes neither k nor v (the small q tile and the outputs move instead)
         qt = q_tiles[tile].transpose(1, 0, 2, 3)                          # (Hkv, K, Q, D)
-        sc = jnp.einsum("knld,knqd->knlq", k, qt) * scale                 # (Hkv, K, KB*bs, Q)
+        sc = jnp.einsum("knld,knqd->knlq", k, qt, precision=precision) * scale                 # (Hkv, K, KB*bs, Q)
         rel = (j[:, None] * bs + offs)[None, :, :, None] - pos_tiles[tile][None, :, None, :]
         valid = (rel <= 0) & (pos_tiles[tile] >= 0)[None, :, None, :]     # (1, K, KB*bs, Q)
         if window is not None:
@@ -202,7 +208,7 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
         alpha = jnp.exp(m_acc - m_new)
         p = jnp.where(valid, jnp.exp(sc - m_new[tile].transpose(1, 0, 2)[:, :, None, :]), 0.0)
         l_acc = (l_acc * alpha).at[tile].add(jnp.sum(p, axis=2).transpose(1, 0, 2))
-        o_acc = (o_acc * alpha[..., None]).at[tile].add(jnp.einsum("knlq,knld->nkqd", p, v))
+        o_acc = (o_acc * alpha[..., None]).at[tile].add(jnp.einsum("knlq,knld->nkqd", p, v, precision=precision))
         return m_new, l_acc, o_acc
 
     init = (jnp.full((nt1, hkv, nq), NEG_INF, jnp.float32), jnp.zeros((nt1, hkv, nq), jnp.float32),
@@ -243,7 +249,7 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
         positions = meta.tree[:, 0]
     q_ext = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((1, h, d), jnp.float32)])   # row T: none
     pos_ext = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])
-    kw = dict(scale=scale, window=window, alibi=alibi)
+    kw = dict(scale=scale, window=window, alibi=alibi, precision=dot_precision(q.dtype))
 
     # a step without decode rows (or without chunks) skips that part: at batch 1 most of a layer's
     # attention ops are the fixed cost of a part, not its work

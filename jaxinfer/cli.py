@@ -230,7 +230,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks in the pool (default: sized from --gpu-memory-utilization of the device's memory)")
+    p.add_argument("--gpu-memory-utilization", "--memory-fraction", dest="memory_fraction", type=float, default=0.9,
+                   help="the fraction of the accelerator's memory the engine may hold: weights, KV pool and "
+                        "activations (default 0.9; vLLM's flag); also JAX's allocator cap unless "
+                        "XLA_CLIENT_MEM_FRACTION is set")
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
     p.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "float16", "bfloat16", "float32"],
                    help="KV cache dtype (default: the model's dtype)")
@@ -250,7 +255,8 @@ def _generator(args: argparse.Namespace):
     return Generator.from_pretrained(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                      max_num_batched_tokens=args.max_num_batched_tokens,
                                      max_model_len=args.max_model_len, block_size=args.block_size,
-                                     num_blocks=args.num_blocks, batching=args.batching, kv_dtype=args.kv_dtype,
+                                     num_blocks=args.num_blocks, memory_fraction=args.memory_fraction,
+                                     batching=args.batching, kv_dtype=args.kv_dtype,
                                      max_decode_steps=args.max_decode_steps, async_scheduling=args.async_scheduling,
                                      enable_prefix_caching=args.enable_prefix_caching, **speculative_kwargs(args),
                                      **_multihost_kwargs(args))
@@ -408,22 +414,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def enable_compilation_cache() -> str | None:
-    """Keep compiled step executables on disk across runs, so a restarted server warms up in about
-    a third of the time (bundled model on CPU: 63 s -> 19 s). $JAXINFER_COMPILATION_CACHE names the
-    folder (default ~/.cache/jaxinfer/xla); "off" disables it. Returns the folder or None."""
+def cap_xla_allocator(memory_fraction: float | None) -> None:
+    """JAX's GPU allocator takes 75% of the device unless told otherwise, which would cap an engine
+    asked for 90%: give it memory_fraction instead, before jax starts a backend (a user's own
+    XLA_CLIENT_MEM_FRACTION / XLA_PYTHON_CLIENT_MEM_FRACTION wins)."""
     import os
-    where = os.environ.get("JAXINFER_COMPILATION_CACHE", str(Path.home() / ".cache" / "jaxinfer" / "xla"))
-    if where.strip().lower() in ("", "off", "0", "none", "false"):
-        return None
-    import jax
-    jax.config.update("jax_compilation_cache_dir", where)
-    return where
+    if memory_fraction is None or "XLA_CLIENT_MEM_FRACTION" in os.environ or "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ:
+        return
+    os.environ["XLA_CLIENT_MEM_FRACTION"] = f"{memory_fraction:g}"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    enable_compilation_cache()
+    cap_xla_allocator(getattr(args, "memory_fraction", None))
+    from jaxinfer.compilation_cache import enable_compilation_cache
+    enable_compilation_cache()   # before anything compiles (loading, quantizing); Generator also does
     from jaxinfer.config import ConfigError
     from jaxinfer.weights import CheckpointError
     try:

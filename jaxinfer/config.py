@@ -494,7 +494,10 @@ class EngineConfig:
     pipeline_microbatches: int | None = None   # micro-batches per step with pipeline_parallel > 1 (None: = pp)
     max_num_seqs: int = 64
     block_size: int = 16
-    num_blocks: int | None = None       # None: sized from free memory
+    num_blocks: int | None = None       # None: sized from free memory (memory_fraction)
+    # num_blocks=None on an accelerator: the engine holds at most this fraction of the device's memory,
+    # weights, KV pool and activations together (vLLM's gpu_memory_utilization)
+    memory_fraction: float = 0.9
     batching: str = "continuous"        # static | dynamic | continuous
     max_model_len: int | None = None    # None: the model's max_position_embeddings
     max_decode_steps: int = 8           # decode iterations per step on device when every row decodes
@@ -513,6 +516,8 @@ class EngineConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        if not (isinstance(self.memory_fraction, (int, float)) and 0 < self.memory_fraction <= 1):
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
         if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
             raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
         for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "block_size", "max_decode_steps",
@@ -546,6 +551,18 @@ def resolve_impl_name(requested: str, backend: str) -> str:
     return requested
 
 
+def pallas_unsupported(model_cfg: ModelConfig, block_size: int) -> str | None:
+    """Why the Pallas (Triton) kernels cannot run this model on a GPU, or None: Triton needs every
+    tile dimension a power of two and dot operands of >= 16 along the contracted head_dim
+    (pallas_kernels/paged_attention.check_triton_shapes; interpret mode on CPU has neither limit)."""
+    d = model_cfg.head_dim
+    if d < 16 or d & (d - 1):
+        return f"head_dim {d} is not a power of two >= 16"
+    if block_size & (block_size - 1):
+        return f"block_size {block_size} is not a power of two"
+    return None
+
+
 @dataclass(frozen=True)
 class ResolvedConfig:
     """An EngineConfig with every "auto" and None decided, built once by resolve_config(). The
@@ -563,6 +580,7 @@ class ResolvedConfig:
     spec_tokens: int = 0         # proposals per decoding row (0: no speculative decoding)
     spec_rounds: int = 1         # draft / n-gram: speculation rounds one step may run on the device
     spec_max_batch: int = 0      # the load policy: speculate while at most this many sequences run or wait
+    pool: Any = None             # perf.PoolSize: how num_blocks was sized (None: num_blocks was given)
 
     @property
     def pool_tokens(self) -> int:
@@ -570,13 +588,12 @@ class ResolvedConfig:
 
 
 def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, weight_dtype: str | None = None,
-                   size_pool: Callable[[str, int], int] | None = None, pipelined: bool = False,
-                   warn: Callable[[str], None] | None = None) -> ResolvedConfig:
+                   size_pool: Callable[[str, int], Any] | None = None, pipelined: bool = False) -> ResolvedConfig:
     """The one place settings are decided. backend: jax.default_backend(); weight_dtype: the dtype
     the loaded weights are in (what dtype="auto" means for an engine); size_pool(kv_dtype,
-    max_model_len) -> num_blocks when cfg.num_blocks is None (sized from free memory by the
-    caller, which may import jax; this function never does). warn(message) hears a capped
-    max_model_len."""
+    max_model_len) -> perf.PoolSize when cfg.num_blocks is None (sized from device memory by the
+    caller, which may import jax; this function never does). A pool that cannot hold one sequence
+    of max_model_len is a ConfigError naming the numbers and the settings that fix it."""
     dtype = resolve_dtype_name(cfg.dtype, backend, weight_dtype)
     kv_dtype = cfg.kv_dtype or dtype
     attention = resolve_impl_name(cfg.attention, backend)
@@ -589,20 +606,22 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
         attention = "xla"
         if model_cfg.position == "alibi" or model_cfg.sliding_window is not None:
             raise ValueError('speculative_method="medusa" is not available for models with ALiBi or a sliding window')
+    unsupported = pallas_unsupported(model_cfg, cfg.block_size) if attention == "pallas" and backend == "gpu" else None
+    if unsupported and cfg.attention == "pallas":
+        raise ConfigError(f'attention="pallas" cannot run this model on a GPU: {unsupported}; use attention="xla" '
+                          f'(or "auto", which picks it)')
+    if unsupported:
+        attention = "xla"
     max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
+    pool = None
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks
     elif size_pool is not None:
-        num_blocks = size_pool(kv_dtype, max_model_len)
+        pool = size_pool(kv_dtype, max_model_len)
+        num_blocks = pool.num_blocks
     else:
         raise ValueError("num_blocks=None needs size_pool to size the KV pool from free memory")
-    pool_tokens = (num_blocks - 1) * cfg.block_size   # block 0 is the null block
-    if max_model_len > pool_tokens:   # one sequence of max_model_len must fit in the pool
-        if warn is not None:
-            was = "max_model_len was" if cfg.max_model_len else "the model allows"
-            warn(f"max_model_len capped at {pool_tokens} ({was} {max_model_len}): the KV cache holds {pool_tokens} tokens ({num_blocks - 1} blocks of "
-                 f"{cfg.block_size}); raise num_blocks for longer sequences")
-        max_model_len = pool_tokens
+    _check_pool_fits(cfg, max_model_len, num_blocks, pool)
     spec = cfg.num_speculative_tokens if cfg.speculative_method else 0
     max_batch = (cfg.speculative_max_batch if cfg.speculative_max_batch is not None else
                  DEFAULT_SPECULATIVE_MAX_BATCH.get(backend, DEFAULT_SPECULATIVE_MAX_BATCH_ACCELERATOR))
@@ -617,4 +636,33 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
               "medusa": cfg.max_decode_steps}.get(cfg.speculative_method, 1)
     return ResolvedConfig(cfg, backend, dtype, kv_dtype, attention, attention, num_blocks, max_model_len,
                           1 if pipelined else cfg.max_decode_steps, spec_tokens=spec,
-                          spec_max_batch=max_batch if spec else 0, spec_rounds=rounds)
+                          spec_max_batch=max_batch if spec else 0, spec_rounds=rounds, pool=pool)
+
+
+def _check_pool_fits(cfg: EngineConfig, max_model_len: int, num_blocks: int, pool: Any) -> None:
+    """One sequence of max_model_len must fit in the pool (block 0 is the null block): otherwise an
+    error naming the numbers and the settings that fix it, as vLLM refuses to start, rather than a
+    context silently shortened to what the pool holds."""
+    pool_tokens = (num_blocks - 1) * cfg.block_size
+    if max_model_len <= pool_tokens:
+        return
+    need = -(-max_model_len // cfg.block_size) + 1
+    was = "max_model_len" if cfg.max_model_len else "max_model_len (the model's max_position_embeddings)"
+    if pool is None:
+        raise ConfigError(
+            f"the KV cache cannot hold one sequence of {was} = {max_model_len} tokens: num_blocks={num_blocks} "
+            f"holds {pool_tokens} tokens ({num_blocks - 1} blocks of {cfg.block_size}; block 0 is reserved). "
+            f"Set num_blocks to at least {need}, or max_model_len to at most {pool_tokens}, or leave num_blocks "
+            f"unset to size the pool from memory_fraction of the device's memory")
+    fixes = [f"lower max_model_len to at most {pool_tokens}"]
+    if pool.on_device:
+        more = pool.in_use + pool.reserve + need * pool.block_bytes
+        fixes.append(f"raise memory_fraction (--gpu-memory-utilization) to at least {more / pool.device_bytes:.3f}"
+                     if more <= pool.device_bytes else "use a device with more memory (or quantize the weights)")
+        if pool.allocator_bound:
+            fixes[-1] += " and XLA_CLIENT_MEM_FRACTION with it (JAX's allocator cap)"
+    fixes.append(f"set num_blocks to at least {need}")
+    raise ConfigError(
+        f"the KV cache cannot hold one sequence of {was} = {max_model_len} tokens: {pool.describe()}: "
+        f"{num_blocks - 1} usable blocks of {cfg.block_size} tokens = {pool_tokens} tokens. To fix it, "
+        + ", or ".join(fixes))

@@ -29,9 +29,9 @@ from jaxinfer.host.structured import Grammars, StructuredOutputError
 from jaxinfer.kv_cache import kv_storage_dtype
 from jaxinfer.models.decoder import Decoder, set_matmul_impl
 from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
-from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig, default_num_blocks
+from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig, kv_pool_size
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, hold_back
-from jaxinfer.sharding import bytes_per_device, model_mesh
+from jaxinfer.sharding import model_mesh
 
 
 def _jnp_dtype(name: str):
@@ -112,26 +112,37 @@ class Engine:
         tp = 1 if mesh is None else mesh.shape["tensor"]
         pp = 1 if mesh is None else mesh.shape["pipeline"]   # pipeline ranks hold their layers' pages only
 
-        def size_pool(kv_dtype: str, max_model_len: int) -> int:
-            draft_weights = 0 if draft_model is None else sum(
-                x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(draft_model, nnx.Param)))
-            return default_num_blocks(
-                self.model_cfg, cfg.block_size, _jnp_dtype(kv_dtype),
-                (weight_bytes if mesh is None else max(bytes_per_device(model).values())) + draft_weights,
-                cfg.max_num_seqs, max_model_len,
-                kv_shards=(tp if self.model_cfg.n_kv_heads % tp == 0 else 1) * pp,
-                draft_cfg=None if draft_model is None else draft_model.cfg)
+        tokens_budget = max(max_num_batched_tokens, 8)
+        mc = self.model_cfg
+        embed_dtype = model.embed.get_value().dtype if hasattr(model, "embed") else None
+
+        def size_pool(kv_dtype: str, max_model_len: int) -> perf.PoolSize:
+            # the loaded weights (a draft model's too) are allocated already: memory in use counts them
+            spec_rows = 1 + (cfg.num_speculative_tokens if cfg.speculative_method else 0)
+            reserve = perf.step_activation_bytes(
+                tokens=tokens_budget, rows=cfg.max_num_seqs * spec_rows, d_model=mc.d_model, ffn_dim=mc.ffn_dim,
+                n_heads=mc.n_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
+                dtype_bytes=embed_dtype.itemsize if embed_dtype is not None else 4)
+            return kv_pool_size(mc, cfg.block_size, _jnp_dtype(kv_dtype), cfg.max_num_seqs, max_model_len,
+                                cfg.memory_fraction, reserve,
+                                kv_shards=(tp if mc.n_kv_heads % tp == 0 else 1) * pp,
+                                draft_cfg=None if draft_model is None else draft_model.cfg)
 
         # every setting decided once ("auto" dtype: the dtype the weights are in); everything below reads it
         self.resolved = r = resolve_config(
-            cfg, self.model_cfg, backend=jax.default_backend(),
-            weight_dtype=str(model.embed.get_value().dtype) if hasattr(model, "embed") else None,
-            size_pool=size_pool, pipelined=isinstance(model, PipelinedDecoder),
-            warn=logging.getLogger("jaxinfer").warning)
+            cfg, mc, backend=jax.default_backend(),
+            weight_dtype=None if embed_dtype is None else str(embed_dtype),
+            size_pool=size_pool, pipelined=isinstance(model, PipelinedDecoder))
+        if r.pool is not None:
+            logging.getLogger("jaxinfer").info("KV pool: %s", r.pool.describe())
+            if r.pool.allocator_bound:
+                logging.getLogger("jaxinfer").warning(
+                    "JAX's allocator may use %.2f GiB of this device's %.2f GiB, less than memory_fraction %g of it: "
+                    "set XLA_CLIENT_MEM_FRACTION=%g before jax starts (the jaxinfer commands do) for a larger KV pool",
+                    r.pool.allocator_limit / 2**30, r.pool.device_bytes / 2**30, cfg.memory_fraction, cfg.memory_fraction)
         self.max_model_len = r.max_model_len
         kv_dtype = _jnp_dtype(r.kv_dtype)
         set_matmul_impl(model, r.matmul)   # before the runner splits the model: the graph holds it
-        tokens_budget = max(max_num_batched_tokens, 8)
         self.blocks = BlockManager(r.num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
         eos = eos or self.model_cfg.eos_token_ids

@@ -121,6 +121,10 @@ def draft_model_path(target: Path, method: str | None, draft: str | Path | None)
 class Generator:
     def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, max_num_batched_tokens: int = 512,
                  warmup: bool = True, draft_model=None, medusa_heads=None):
+        from jaxinfer.compilation_cache import enable_compilation_cache
+        from pallas_kernels.autotune import log_budget_summary
+
+        enable_compilation_cache()   # every front door: the step programs load from disk next time
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
         self.cfg = cfg
@@ -134,12 +138,13 @@ class Generator:
         self._channel = None   # multi-host: a jaxinfer.distributed.StepChannel (from_pretrained)
         if warmup:
             self.engine.warmup()
+            log_budget_summary()     # warm-up traced every step shape: kernels left untuned are known
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, dtype: str = "auto", attention: str = "auto",
                         quantize: str | None = None, kv_dtype: str | None = None, tensor_parallel: int = 1,
                         pipeline_parallel: int = 1, max_num_seqs: int = 64, block_size: int = 16,
-                        num_blocks: int | None = None, batching: str = "continuous",
+                        num_blocks: int | None = None, memory_fraction: float = 0.9, batching: str = "continuous",
                         max_model_len: int | None = None, max_num_batched_tokens: int = 512,
                         warmup: bool = True, coordinator_address: str | None = None,
                         num_processes: int | None = None, process_id: int | None = None,
@@ -151,6 +156,9 @@ class Generator:
         (or $JAXINFER_COORDINATOR_ADDRESS, $JAXINFER_NUM_PROCESSES, $JAXINFER_PROCESS_ID), the same
         settings in every process, tensor_parallel over the devices of all processes. Process 0
         takes the requests; every other process calls follow() (jaxinfer.distributed).
+        num_blocks None sizes the KV pool so that the engine holds at most memory_fraction of an
+        accelerator's memory (weights, pool and activations; vLLM's gpu_memory_utilization); a pool
+        that cannot hold one sequence of max_model_len is a ConfigError naming what to change.
         max_decode_steps: decode iterations one step may run on the device when every sequence
         decodes and none waits (1 turns multi-step decoding off; step.py). async_scheduling: plan and
         dispatch each step before the previous one's tokens reach the host (engine.py).
@@ -168,7 +176,7 @@ class Generator:
         cfg = EngineConfig(dtype=dtype, attention=attention, quantize=quantize, kv_dtype=kv_dtype,
                            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                            max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
-                           batching=batching, max_model_len=max_model_len,
+                           memory_fraction=memory_fraction, batching=batching, max_model_len=max_model_len,
                            pipeline_microbatches=pipeline_microbatches, max_decode_steps=max_decode_steps,
                            async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
                            speculative_method=speculative_method, num_speculative_tokens=num_speculative_tokens,

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig, RopeScaling
-from jaxinfer.quant import QuantizedWeight, qdot
+from jaxinfer.quant import QuantizedWeight, dot_precision, qdot
 
 
 def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype, rngs: nnx.Rngs | None, std: float = 0.02,
@@ -67,7 +67,8 @@ def dense(x: jax.Array, kernel, bias: jax.Array | None, contract: int = 1) -> ja
         y = qdot(x, kernel, contract=contract).astype(x.dtype)
     else:
         x_axes = tuple(range(x.ndim - contract, x.ndim))
-        y = jax.lax.dot_general(x, kernel, ((x_axes, tuple(range(contract))), ((), ())))
+        y = jax.lax.dot_general(x, kernel, ((x_axes, tuple(range(contract))), ((), ())),
+                                precision=dot_precision(x.dtype))
     return y + bias if bias is not None else y
 
 

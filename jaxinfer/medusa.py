@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxinfer.quant import dot_precision
 from jaxinfer.sampling import MAX_LOGPROBS, NEG_INF, SamplingBatch, gumbel_draw, process, row_keys, top_logprobs
 from jaxinfer.speculative import ACCEPT_TAG, expand_paths
 MAX_TREE_NODES = 31     # the ancestor bitmask is one int32 per token
@@ -56,7 +57,7 @@ class MedusaHeads(nnx.Module):
     def __call__(self, h: jax.Array) -> jax.Array:
         """h [N, D] -> each head's input to the LM head, [K, N, D]."""
         w, b = self.w.get_value(), self.b.get_value()
-        z = jnp.einsum("nd,kde->kne", h.astype(w.dtype), w) + b[:, None, :]
+        z = jnp.einsum("nd,kde->kne", h.astype(w.dtype), w, precision=dot_precision(w.dtype)) + b[:, None, :]
         return h[None].astype(w.dtype) + jax.nn.silu(z)
 
 

@@ -153,3 +153,92 @@ def forward_flops(body_params: int, vocab_size: int, d_model: int, n_heads: int,
     linear = 2.0 * body_params * tokens + 2.0 * vocab_size * d_model * len(spans)
     attn = sum(4.0 * n_heads * head_dim * sum(attention_keys(s, n, w) for s, n in spans) for w in windows)
     return linear + attn
+
+
+# --------------------------------------------------------------------------- the KV pool
+# JAX's GPU client caps its allocator at this fraction of the device's memory unless
+# XLA_CLIENT_MEM_FRACTION (or the older XLA_PYTHON_CLIENT_MEM_FRACTION) says otherwise.
+XLA_DEFAULT_MEM_FRACTION = 0.75
+HOST_POOL_SHARE = 4          # on CPU the pool takes at most a quarter of the host's RAM
+ACTIVATION_SLACK = 256 << 20   # workspace beyond the step's activations (cuBLAS / cuDNN / Triton)
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """How the KV pool was sized (Engine: num_blocks=None). Device memory is what the engine may
+    use: memory_fraction of the device's memory (capped by what JAX's allocator may hand out) less
+    what is already allocated (the loaded weights, other engines' pools) and the step's activations.
+    On a host CPU: what max_num_seqs sequences of max_model_len need, capped at a share of RAM."""
+    num_blocks: int              # the null block 0 included
+    block_bytes: int             # one block of every layer's K and V (and a draft model's)
+    on_device: bool
+    device_bytes: int = 0        # the device's memory (0 on a host CPU: host RAM instead)
+    memory_fraction: float = 0.0
+    allocator_limit: int = 0     # what JAX's allocator may hand out in all
+    in_use: int = 0              # already allocated when the pool was sized (weights included)
+    reserve: int = 0             # the largest step's activations and workspace
+    host_ram: int = 0
+
+    @property
+    def budget(self) -> int:
+        """Bytes the engine may hold in all: min(fraction x device memory, allocator's limit)."""
+        return min(int(self.memory_fraction * self.device_bytes), self.allocator_limit)
+
+    @property
+    def allocator_bound(self) -> bool:
+        """JAX's allocator limit, not memory_fraction, bounds the pool (XLA_CLIENT_MEM_FRACTION)."""
+        return self.on_device and self.allocator_limit < int(self.memory_fraction * self.device_bytes)
+
+    def describe(self) -> str:
+        if not self.on_device:
+            return f"{self.num_blocks - 1} blocks on the host ({self.host_ram / GiB:.1f} GiB of RAM / {HOST_POOL_SHARE} at most)"
+        limit = (f", capped by JAX's allocator limit {self.allocator_limit / GiB:.2f} GiB (XLA_CLIENT_MEM_FRACTION)"
+                 if self.allocator_bound else "")
+        return (f"memory_fraction {self.memory_fraction:g} of {self.device_bytes / GiB:.2f} GiB = "
+                f"{self.memory_fraction * self.device_bytes / GiB:.2f} GiB{limit}, less {self.in_use / GiB:.2f} GiB "
+                f"already in use (weights included) and {self.reserve / GiB:.2f} GiB for the step's activations, "
+                f"leaves {self.num_blocks * self.block_bytes / GiB:.2f} GiB for the KV pool")
+
+
+def xla_mem_fraction(env: dict[str, str]) -> float:
+    """The fraction of the device's memory JAX's GPU allocator was given (its env variables)."""
+    value = env.get("XLA_CLIENT_MEM_FRACTION") or env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    return float(value) if value else XLA_DEFAULT_MEM_FRACTION
+
+
+def device_memory(stats: dict, platform: str, env: dict[str, str]) -> int:
+    """The device's memory from its allocator's stats: a GPU's BFC allocator is sized at
+    xla_mem_fraction of the device (JAX's documented default, 75%), a TPU's limit is its HBM."""
+    limit = int(stats["bytes_limit"])
+    allocator = env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default").lower()
+    if platform == "gpu" and allocator in ("default", "bfc"):
+        return int(limit / xla_mem_fraction(env))
+    return limit
+
+
+def step_activation_bytes(*, tokens: int, rows: int, d_model: int, ffn_dim: int, n_heads: int,
+                          head_dim: int, vocab_size: int, dtype_bytes: int) -> int:
+    """An upper estimate of the largest step's live temporaries: the logits of `rows` sequences in
+    float32 with the sampler's copies (softmax, sorted top-k/top-p, the Gumbel draw: 4 of them), and
+    per token the residual stream and norms in float32, q/k/v and the gated MLP's two halves in the
+    model dtype (x2: input and output of each matmul live together), plus ACTIVATION_SLACK."""
+    logits = 4 * rows * vocab_size * 4
+    per_token = 4 * d_model * 4 + 2 * dtype_bytes * (3 * n_heads * head_dim + 2 * ffn_dim)
+    return logits + tokens * per_token + ACTIVATION_SLACK
+
+
+def size_kv_pool(*, block_bytes: int, memory_fraction: float, stats: dict | None, platform: str,
+                 env: dict[str, str], reserve: int, host_ram: int, wanted_blocks: int) -> PoolSize:
+    """The KV pool for num_blocks=None. stats: the device's memory_stats() (None on a host CPU);
+    wanted_blocks: what max_num_seqs sequences of max_model_len need (+ the null block), the most a
+    host pool takes. Never fewer than 2 blocks: resolve_config refuses a pool too small for one
+    sequence, naming the numbers (PoolSize.describe)."""
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+    if not stats or "bytes_limit" not in stats:
+        blocks = min(wanted_blocks, host_ram // HOST_POOL_SHARE // block_bytes)
+        return PoolSize(max(2, int(blocks)), block_bytes, False, host_ram=host_ram)
+    pool = PoolSize(0, block_bytes, True, device_memory(stats, platform, env), memory_fraction,
+                    int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0)), reserve)
+    free = pool.budget - pool.in_use - reserve
+    return dataclasses.replace(pool, num_blocks=max(2, int(free // block_bytes)))

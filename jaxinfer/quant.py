@@ -354,8 +354,11 @@ def _compute_dtype(dtype):
     return dtype if dtype in (jnp.bfloat16, jnp.float16, jnp.float32) else jnp.dtype(jnp.float32)
 
 
-def _precision(cdt):
-    return lax.Precision.HIGHEST if cdt == jnp.float32 else lax.Precision.DEFAULT
+def dot_precision(dtype) -> lax.Precision:
+    """float32 operands are multiplied in float32 (HIGHEST): XLA's DEFAULT rounds them to TF32
+    (10-bit mantissa) on a GPU, so a float32 engine would not compute what it does on CPU or
+    what transformers computes. bfloat16 / float16 operands keep DEFAULT (nothing to lose)."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
 def _xla_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
@@ -365,11 +368,11 @@ def _xla_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     if qw.act_bits == 8:
         y = _w8a8_matmul(x2, qw)
     elif qw.bits == 8:
-        y = jnp.dot(xc, qw.q.astype(cdt), preferred_element_type=jnp.float32, precision=_precision(cdt))
+        y = jnp.dot(xc, qw.q.astype(cdt), preferred_element_type=jnp.float32, precision=dot_precision(cdt))
         y = y * qw.scales.astype(jnp.float32)[None, :]
     else:
         w = _dequantize_2d(qw).astype(cdt)
-        y = jnp.dot(xc, w, preferred_element_type=jnp.float32, precision=_precision(cdt))
+        y = jnp.dot(xc, w, preferred_element_type=jnp.float32, precision=dot_precision(cdt))
     return y.astype(x2.dtype)
 
 
@@ -458,7 +461,11 @@ def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_p
     """Launch config for quant_matmul: autotuned (cached on disk) on GPU, the default elsewhere.
 
     None if no config is valid. Measuring runs the kernel on synthetic inputs of the same
-    shapes/dtypes (eagerly, also when called while tracing). JAXINFER_AUTOTUNE=0 disables measuring.
+    shapes/dtypes (eagerly, also when called while tracing), within the autotuner's per-process
+    budget ($JAXINFER_AUTOTUNE_BUDGET_S); JAXINFER_AUTOTUNE=0 disables measuring.
+    Keys: M by the tiles the kernel runs (M <= 64 is one block_m-high row of programs, so every M
+    with the same default_block_m launches the same grid and shares a key; larger M up to 512 by
+    power of two), K and N by power of two, the weight format and the activation dtype.
     """
     cands = pallas_block_candidates(m, k, n, qw.bits, qw.group_size)
     if max_candidates is not None:
@@ -473,21 +480,29 @@ def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_p
     if qw.act_bits is not None:
         kname = "w8a8_matmul" + ("" if qw.act_zero is None else "_asym")
     key = f"{_autotune.shape_class(m_class, k, n)}_{jnp.dtype(dtype).name}"
-
-    # Synthetic operands are made concretely even while tracing (ensure_compile_time_eval), and
-    # each candidate is compiled ahead of time (lower().compile() traces in its own context, so it
-    # is not staged into an enclosing jit), then the executable runs eagerly.
-    with jax.ensure_compile_time_eval():
-        if qw.act_bits is not None:   # W8A8: int8 rows, their scales, the weights' scales, the zero point
-            args = (jnp.ones((m, k), jnp.int8), jnp.zeros(qw.q.shape, qw.q.dtype), jnp.ones((m,), jnp.float32),
-                    jnp.ones(qw.scales.shape, jnp.float32), None if qw.act_zero is None else jnp.int32(0))
-        else:
-            args = (jnp.ones((m, k), dtype), jnp.zeros(qw.q.shape, qw.q.dtype),
-                    jnp.ones(qw.scales.shape, jnp.float32),
-                    None if qw.zeros is None else jnp.zeros(qw.zeros.shape, qw.zeros.dtype))
     compiled: dict[str, Any] = {}
+    operands: list = []
+
+    def synthetic_operands() -> tuple:
+        # Made only when something is measured (a key the cache or this process already settled,
+        # the usual case for all but the first layer and step shape, allocates nothing), and
+        # concretely even while tracing (ensure_compile_time_eval).
+        if not operands:
+            with jax.ensure_compile_time_eval():
+                if qw.act_bits is not None:   # W8A8: int8 rows, their scales, the weights' scales, the zero point
+                    operands.extend((jnp.ones((m, k), jnp.int8), jnp.zeros(qw.q.shape, qw.q.dtype),
+                                     jnp.ones((m,), jnp.float32), jnp.ones(qw.scales.shape, jnp.float32),
+                                     None if qw.act_zero is None else jnp.int32(0)))
+                else:
+                    operands.extend((jnp.ones((m, k), dtype), jnp.zeros(qw.q.shape, qw.q.dtype),
+                                     jnp.ones(qw.scales.shape, jnp.float32),
+                                     None if qw.zeros is None else jnp.zeros(qw.zeros.shape, qw.zeros.dtype)))
+        return tuple(operands)
 
     def run(cfg):
+        # each candidate is compiled ahead of time (lower().compile() traces in its own context, so
+        # it is not staged into an enclosing jit), then the executable runs eagerly
+        args = synthetic_operands()
         key_ = repr(sorted(cfg.items()))
         if key_ not in compiled:
             if qw.act_bits is not None:
@@ -526,7 +541,7 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     """
     if not isinstance(w, QuantizedWeight):
         x_axes = tuple(range(x.ndim - contract, x.ndim))
-        return lax.dot_general(x, w, ((x_axes, tuple(range(contract))), ((), ())))
+        return lax.dot_general(x, w, ((x_axes, tuple(range(contract))), ((), ())), precision=dot_precision(x.dtype))
     if contract != w.contract:
         raise ValueError(f"qdot contract={contract} but the weight was quantized with contract={w.contract}")
     kdims, ndims = w.shape[:contract], w.shape[contract:]

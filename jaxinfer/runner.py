@@ -13,7 +13,9 @@ inside the same program, so it adds no shape).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxinfer import perf
 from jaxinfer.config import MAX_LOGIT_BIAS, ModelConfig
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
 from jaxinfer.host.speculative import MAX_GUIDED_ROWS, NGRAM_MAX_N, NGRAM_MIN_N
@@ -551,28 +554,35 @@ class ModelRunner:
         return len(buckets)
 
 
-def default_num_blocks(model_cfg: ModelConfig, block_size: int, kv_dtype, weight_bytes: int,
-                       max_num_seqs: int, max_model_len: int, memory_fraction: float = 0.9,
-                       kv_shards: int = 1, draft_cfg: ModelConfig | None = None) -> int:
-    """Size the KV pool from free device memory (GPU/TPU), or, on CPU, from what max_num_seqs
-    sequences of max_model_len need capped at a quarter of host RAM. weight_bytes: per device;
-    kv_shards: how many devices split each block (tp when kv heads are sharded, else 1)."""
+def pool_device():
+    """The device whose memory sizes the pool: this process's first (every device of a mesh holds
+    the same share of weights and pages)."""
+    return jax.local_devices()[0]
+
+
+def kv_pool_size(model_cfg: ModelConfig, block_size: int, kv_dtype, max_num_seqs: int, max_model_len: int,
+                 memory_fraction: float, reserve: int, kv_shards: int = 1,
+                 draft_cfg: ModelConfig | None = None) -> perf.PoolSize:
+    """Size the KV pool (perf.size_kv_pool) from this process's first device's memory stats: on
+    an accelerator, memory_fraction of its memory less what is in use (the loaded weights are
+    allocated already, so they count once) and `reserve` for the step's activations; on a host CPU,
+    what max_num_seqs sequences of max_model_len need, capped at a quarter of RAM. kv_shards: how
+    many devices split each block (tp when kv heads are sharded, else 1)."""
     per_block = block_size * kv_bytes_per_token(model_cfg.n_layers, model_cfg.n_kv_heads,
                                                 model_cfg.head_dim, kv_dtype) // kv_shards
     if draft_cfg is not None:   # a draft model's pages use the same blocks
         per_block += block_size * kv_bytes_per_token(draft_cfg.n_layers, draft_cfg.n_kv_heads, draft_cfg.head_dim,
                                                      kv_dtype)
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        free = stats["bytes_limit"] * memory_fraction - stats.get("bytes_in_use", 0) - weight_bytes
-        return _same_on_every_process(max(2, int(free // per_block)))
-    wanted = max_num_seqs * math.ceil(max_model_len / block_size) + 1
+    device = pool_device()
     try:
-        import os
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = 8 << 30
-    return _same_on_every_process(max(2, min(wanted, int(ram // 4 // per_block))))
+    pool = perf.size_kv_pool(block_bytes=per_block, memory_fraction=memory_fraction,
+                             stats=device.memory_stats(), platform=device.platform, env=dict(os.environ),
+                             reserve=reserve, host_ram=ram,
+                             wanted_blocks=max_num_seqs * math.ceil(max_model_len / block_size) + 1)
+    return dataclasses.replace(pool, num_blocks=_same_on_every_process(pool.num_blocks))
 
 
 def _same_on_every_process(num_blocks: int) -> int:

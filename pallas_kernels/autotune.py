@@ -1,4 +1,5 @@
-"""Tiny on-disk autotuner for kernel launch parameters (block sizes, warps, stages).
+"""Tiny on-disk autotuner for kernel launch parameters (block sizes, warps, stages), with a
+process-wide measuring budget.
 
     cfg = autotune("quant_matmul_int4", shape_class(m, k, n), candidates, run)
 
@@ -6,7 +7,20 @@ On first use for a (device kind, jax version, kernel name, shape class) key, eve
 once as a warm-up (compilation), then timed ``iters`` times (blocking on the result); the candidate
 with the smallest median time wins and is written to a JSON cache file. Later calls (in this or any
 other process) return the cached winner without measuring, as long as it is still one of the
-candidates. On CPU nothing is measured: ``candidates[0]`` (the defaults) is returned.
+candidates. On CPU nothing is measured: ``candidates[0]`` (the defaults) is returned; so it is
+everywhere with ``$JAXINFER_AUTOTUNE=0``.
+
+Budget. Measuring compiles every candidate, and a GPU compile takes up to seconds, so the time one
+process spends measuring (compiles included, all keys together) is bounded by
+``$JAXINFER_AUTOTUNE_BUDGET_S`` (default ``DEFAULT_BUDGET_S``; ``inf``: unbounded; ``0``: measure
+nothing, use cached winners only). The budget is checked before each candidate. Once it is spent:
+* a key cut partway uses the best candidate measured so far in this process; what it measured is
+  saved as a partial entry (no winner: other processes do not use it as one) so that a later
+  process measures only the candidates still missing and then caches the winner of them all;
+* a key not measured at all uses ``candidates[0]``; nothing is written for it;
+* the key's config is remembered for the rest of the process (the same key always gets the same
+  config in one process), and later processes, each with a budget of its own, go on where this
+  one stopped until every key is cached.
 
 Cache file: ``cache_path`` or ``$JAXINFER_AUTOTUNE_CACHE`` or ``~/.cache/jaxinfer/autotune.json``.
 Updates re-read the file under a lock, then write a temporary file in the same folder and
@@ -16,8 +30,11 @@ This module imports jax only.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -29,13 +46,36 @@ from typing import Any
 import jax
 
 __all__ = ["autotune", "shape_class", "cache_key", "default_cache_path", "device_kind",
-           "load_cache", "clear_memory_cache"]
+           "load_cache", "clear_memory_cache", "DEFAULT_BUDGET_S", "budget_seconds", "budget_summary",
+           "log_budget_summary"]
 
 log = logging.getLogger(__name__)
+
+# Seconds of measuring (compiles included) one process may spend, all keys together. The 8B
+# shape's int4 path has 24 keys (6 token-bucket M classes x 4 projections) of 12 or 16 candidates
+# each: 336 compiles, minutes of measuring if done in one go. 10 s plus the one candidate that may
+# run past it (a compile, a second or two) leaves ~18 s of a 30 s cold start to loading and XLA's
+# own compile of the step programs (a bf16 first request took 5.1 s in all on an H200).
+DEFAULT_BUDGET_S = 10.0
+BUDGET_ENV = "JAXINFER_AUTOTUNE_BUDGET_S"
 
 _LOCK = threading.RLock()
 _MEMO: dict[tuple[str, str], dict] = {}
 _FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass
+class _Spending:
+    """What this process has measured (clear_memory_cache starts afresh, as a new process would)."""
+    spent_s: float = 0.0                                     # measuring time, compiles included
+    tuned: set[str] = dataclasses.field(default_factory=set)     # keys measured to the end (cached)
+    partial: set[str] = dataclasses.field(default_factory=set)   # keys cut partway: best so far
+    untuned: set[str] = dataclasses.field(default_factory=set)   # keys left at candidates[0]
+    ran_out: bool = False                                    # the budget has stopped a measurement
+    summarized: bool = False                                 # log_budget_summary has warned
+
+
+_SPENDING = _Spending()
 
 
 def default_cache_path() -> str:
@@ -48,6 +88,50 @@ def default_cache_path() -> str:
 def device_kind() -> str:
     """'<backend>:<device kind>' of the default device, e.g. 'gpu:NVIDIA H100 80GB HBM3', 'cpu:cpu'."""
     return f"{jax.default_backend()}:{jax.devices()[0].device_kind}"
+
+
+def budget_seconds() -> float:
+    """This process's measuring budget: $JAXINFER_AUTOTUNE_BUDGET_S (seconds; 'inf' for none) or
+    DEFAULT_BUDGET_S; an unreadable value is logged once and the default used."""
+    return _parse_budget(os.environ.get(BUDGET_ENV, ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_budget(raw: str) -> float:
+    if not raw.strip():
+        return DEFAULT_BUDGET_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value):
+        log.warning("autotune: %s=%r is not a number of seconds; using %g s", BUDGET_ENV, raw, DEFAULT_BUDGET_S)
+        return DEFAULT_BUDGET_S
+    return max(value, 0.0)
+
+
+def budget_summary() -> dict:
+    """This process's measuring so far: budget_s, spent_s, and how many keys were tuned (cached),
+    cut partway (best so far) and left at their defaults."""
+    with _LOCK:
+        s = _SPENDING
+        return {"budget_s": budget_seconds(), "spent_s": s.spent_s, "tuned": len(s.tuned),
+                "partial": len(s.partial), "left_default": len(s.untuned)}
+
+
+def log_budget_summary() -> dict:
+    """Once per process, after the budget has cut tuning short (the engine's warm-up, where every
+    key is first used, is the natural time), one warning naming the keys left untuned. -> summary."""
+    summary = budget_summary()
+    with _LOCK:
+        if not _SPENDING.ran_out or _SPENDING.summarized:
+            return summary
+        _SPENDING.summarized = True
+    log.warning("autotune: the measuring budget of %g s (%s) ran out: %d kernel shape(s) left at their "
+                "default launch configs and %d measured partway in this process (%d tuned); they are not "
+                "cached as final, so later processes go on tuning where this one stopped",
+                summary["budget_s"], BUDGET_ENV, summary["left_default"], summary["partial"], summary["tuned"])
+    return summary
 
 
 def _bucket(d: int) -> int:
@@ -71,7 +155,8 @@ def cache_key(kernel_name: str, shape_class_key: Any, *, device_key: str | None 
 
 
 def load_cache(cache_path: str | None = None) -> dict[str, dict]:
-    """The cache file's entries ({key: {"config": ..., "median_s": ..., ...}}); {} if absent/corrupt."""
+    """The cache file's entries ({key: {"config": ..., "median_s": ..., ...}}; a key measured
+    partway: {"partial": true, "measured": ..., ...} without "config"); {} if absent/corrupt."""
     path = cache_path or default_cache_path()
     try:
         with open(path, encoding="utf-8") as f:
@@ -86,9 +171,13 @@ def load_cache(cache_path: str | None = None) -> dict[str, dict]:
     return data["entries"]
 
 
-def _store(path: str, key: str, entry: dict) -> None:
+def _store(path: str, key: str, update: Callable[[Any], dict | None]) -> None:
+    """entries[key] = update(the entry on disk now, or None); update returning None writes nothing."""
     with _LOCK:
         entries = load_cache(path)          # merge with whatever other writers stored meanwhile
+        entry = update(entries.get(key))
+        if entry is None:
+            return
         entries[key] = entry
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
@@ -108,9 +197,12 @@ def _store(path: str, key: str, entry: dict) -> None:
 
 
 def clear_memory_cache() -> None:
-    """Forget in-process winners (the next call re-reads the file)."""
+    """Forget in-process winners and this process's spent budget, as in a fresh process (the next
+    call re-reads the file)."""
+    global _SPENDING
     with _LOCK:
         _MEMO.clear()
+        _SPENDING = _Spending()
 
 
 def _measure(cfg: dict, run: Callable[[dict], Any], warmup: int, iters: int) -> float:
@@ -124,21 +216,45 @@ def _measure(cfg: dict, run: Callable[[dict], Any], warmup: int, iters: int) -> 
     return statistics.median(times)
 
 
+def _earlier_progress(entry: Any, candidates: list[dict]) -> tuple[dict[int, float], set[int]]:
+    """A partial entry's measurements of these candidates: ({index: median_s}, failed indices)."""
+    measured: dict[int, float] = {}
+    failed: set[int] = set()
+    if not isinstance(entry, dict) or not entry.get("partial"):
+        return measured, failed
+    try:
+        for rec in entry.get("measured", []):
+            if rec["config"] in candidates:
+                measured[candidates.index(rec["config"])] = float(rec["median_s"])
+        for cfg in entry.get("failed_configs", []):
+            if cfg in candidates:
+                failed.add(candidates.index(cfg))
+    except (KeyError, TypeError, ValueError):    # a malformed entry: start over
+        return {}, set()
+    return measured, failed
+
+
+def _entry_fields(kernel_name: str, key: str, dev: str) -> dict:
+    return {"device_kind": dev, "jax_version": jax.__version__, "kernel": kernel_name,
+            "shape_class": key.rsplit("|", 1)[-1], "time": time.time()}
+
+
 def autotune(kernel_name: str, shape_class_key: Any, candidates: Sequence[dict],
              run: Callable[[dict], Any], *, cache_path: str | None = None, force: bool = False,
              device_key: str | None = None, warmup: int = 1, iters: int = 5) -> dict:
     """Returns the fastest of `candidates` (JSON-serialisable dicts) for this key, cached on disk.
 
     run(cfg) launches the kernel with cfg and returns its output (blocked on for timing).
-    On CPU returns candidates[0] without measuring, unless force=True. device_key overrides the
-    device part of the cache key (a key starting with 'cpu' counts as CPU); candidates that raise
-    are skipped; if all raise, RuntimeError.
+    On CPU, or with $JAXINFER_AUTOTUNE=0, returns candidates[0] without measuring, unless
+    force=True. device_key overrides the device part of the cache key (a key starting with 'cpu'
+    counts as CPU); candidates that raise are skipped; if all raise, RuntimeError. Measuring stops
+    when this process's budget is spent (module docstring): the best so far, or candidates[0].
     """
     candidates = [dict(c) for c in candidates]
     if not candidates:
         raise ValueError("autotune needs at least one candidate")
     dev = device_kind() if device_key is None else str(device_key)
-    if not force and dev.lower().startswith("cpu"):
+    if not force and (dev.lower().startswith("cpu") or os.environ.get("JAXINFER_AUTOTUNE", "1") == "0"):
         return dict(candidates[0])
     if len(candidates) == 1:
         return dict(candidates[0])
@@ -146,44 +262,89 @@ def autotune(kernel_name: str, shape_class_key: Any, candidates: Sequence[dict],
     path = os.path.abspath(os.path.expanduser(cache_path or default_cache_path()))
     key = cache_key(kernel_name, shape_class_key, device_key=dev)
     with _LOCK:
-        hit = _MEMO.get((path, key))
-        if hit is None:
-            entry = load_cache(path).get(key)
-            if isinstance(entry, dict) and entry.get("config") in candidates:
-                hit = entry["config"]
-                _MEMO[(path, key)] = hit
+        hit = _MEMO.get((path, key))    # a cached winner, or what this process settled on
         if hit is not None and hit in candidates:
             return dict(hit)
+        entry = load_cache(path).get(key)
+        if isinstance(entry, dict) and entry.get("config") in candidates:
+            _MEMO[(path, key)] = entry["config"]
+            return dict(entry["config"])
 
-    timings: list[tuple[float, int]] = []
+    # candidates measured by earlier processes (a partial entry) are not measured again
+    measured, failed = _earlier_progress(entry, candidates)
+    earlier = len(measured) + len(failed)
     errors: list[str] = []
+    budget = budget_seconds()
+    cut = False
     for i, cfg in enumerate(candidates):
+        if i in measured or i in failed:
+            continue
+        if _SPENDING.spent_s >= budget:
+            cut = True
+            break
+        t0 = time.perf_counter()
         try:
-            timings.append((_measure(cfg, run, warmup, iters), i))
+            measured[i] = _measure(cfg, run, warmup, iters)
         except Exception as e:  # noqa: BLE001 -- a candidate that does not compile/fit is skipped
+            failed.add(i)
             errors.append(f"{cfg}: {type(e).__name__}: {e}")
             log.debug("autotune %s: candidate %s failed: %s", kernel_name, cfg, e)
-    if not timings:
+        finally:
+            with _LOCK:
+                _SPENDING.spent_s += time.perf_counter() - t0
+    if cut:
+        return _settle_partway(path, key, kernel_name, dev, candidates, measured, failed, earlier)
+    if not measured:
         raise RuntimeError(f"autotune {kernel_name} [{shape_class_key}]: every candidate failed:\n"
-                           + "\n".join(errors))
-    best_t, best_i = min(timings)
+                           + "\n".join(errors or ["(in an earlier process)"]))
+    best_i = min(measured, key=lambda i: (measured[i], i))
     winner = candidates[best_i]
-    entry = {
-        "config": winner,
-        "median_s": best_t,
-        "device_kind": dev,
-        "jax_version": jax.__version__,
-        "kernel": kernel_name,
-        "shape_class": key.rsplit("|", 1)[-1],
-        "measured": [{"config": candidates[i], "median_s": t} for t, i in sorted(timings)],
-        "failed": len(errors),
-        "time": time.time(),
-    }
+    final = dict(_entry_fields(kernel_name, key, dev), config=winner, median_s=measured[best_i],
+                 measured=[{"config": candidates[i], "median_s": measured[i]}
+                           for i in sorted(measured, key=lambda i: (measured[i], i))],
+                 failed=len(failed))
     try:
-        _store(path, key, entry)
+        _store(path, key, lambda _old: final)
     except OSError as e:
         log.warning("autotune: could not write cache %s (%s)", path, e)
     with _LOCK:
         _MEMO[(path, key)] = winner
-    log.info("autotune %s [%s]: %s (%.3g ms)", kernel_name, key, winner, best_t * 1e3)
+        _SPENDING.tuned.add(key)
+    log.info("autotune %s [%s]: %s (%.3g ms)", kernel_name, key, winner, measured[best_i] * 1e3)
     return dict(winner)
+
+
+def _settle_partway(path: str, key: str, kernel_name: str, dev: str, candidates: list[dict],
+                    measured: dict[int, float], failed: set[int], earlier: int) -> dict:
+    """The budget stopped this key: its best so far (or candidates[0]) for the rest of this process;
+    what was measured here is saved as a partial entry for later processes."""
+    if measured:
+        best_i = min(measured, key=lambda i: (measured[i], i))
+        cfg = candidates[best_i]
+    else:
+        cfg = candidates[0]
+    if len(measured) + len(failed) > earlier:
+        def update(old):
+            if isinstance(old, dict) and old.get("config") in candidates:
+                return None                    # another process finished this key meanwhile
+            more, more_failed = _earlier_progress(old, candidates)   # or measured some of it meanwhile
+            times = {**more, **measured}
+            broken = (more_failed | failed) - set(times)
+            return dict(_entry_fields(kernel_name, key, dev), partial=True, candidates=len(candidates),
+                        measured=[{"config": candidates[i], "median_s": t} for i, t in sorted(times.items())],
+                        failed_configs=[candidates[i] for i in sorted(broken)])
+        try:
+            _store(path, key, update)
+        except OSError as e:
+            log.warning("autotune: could not write cache %s (%s)", path, e)
+    with _LOCK:
+        _MEMO[(path, key)] = cfg
+        (_SPENDING.partial if measured else _SPENDING.untuned).add(key)
+        first = not _SPENDING.ran_out
+        _SPENDING.ran_out = True
+    if first:
+        log.info("autotune: the measuring budget of %g s (%s) is spent (%.3g s measured, %d keys tuned); "
+                 "%s keeps %s (%d of %d candidates measured) and keys not tuned yet keep their defaults "
+                 "in this process", budget_seconds(), BUDGET_ENV, _SPENDING.spent_s, len(_SPENDING.tuned),
+                 key, cfg, len(measured) + len(failed), len(candidates))
+    return dict(cfg)

@@ -112,11 +112,17 @@ def pad_block_tables(block_tables: jax.Array, pages_per_compute_block: int) -> j
     return bt
 
 
+def dot_precision(dtype) -> lax.Precision:
+    """float32 operands are multiplied in float32: HIGHEST, because DEFAULT lets a GPU round them to
+    TF32 (10-bit mantissa: XLA's cuBLAS dots and Triton's tl.dot both do) and the kernels and their
+    references must agree to float32's precision on every backend. Narrower dtypes keep DEFAULT."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
 def dot_f32(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
     """a @ b (or a @ b.T) with float32 accumulation; f32 inputs use IEEE f32 (not TF32) on GPU."""
     dims = (((1,), (1,)), ((), ())) if trans_b else (((1,), (0,)), ((), ()))
-    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, dims, precision=dot_precision(a.dtype), preferred_element_type=jnp.float32)
 
 
 def attend_block(carry, q, k, v, k_scale, v_scale, kpos, q_pos, row_ok, kv_len, slopes, *,
@@ -342,7 +348,8 @@ def masked_softmax_attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window, a
     hkv = k.shape[0]
     g = h // hkv
     qg = q.reshape(t, hkv, g, d)
-    scores = jnp.einsum("tkgd,ktld->kgtl", qg, k, preferred_element_type=jnp.float32) * scale
+    prec = dot_precision(q.dtype)
+    scores = jnp.einsum("tkgd,ktld->kgtl", qg, k, preferred_element_type=jnp.float32, precision=prec) * scale
     k_pos = jnp.broadcast_to(k_pos, k_valid.shape)
     rel = k_pos - q_pos[:, None]
     valid = k_valid
@@ -357,7 +364,7 @@ def masked_softmax_attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window, a
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(valid[None, None], probs, 0.0)
     out = jnp.einsum("kgtl,ktld->tkgd", probs.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
+                     preferred_element_type=jnp.float32, precision=prec)
     return out.reshape(t, h, d).astype(q.dtype)
 
 

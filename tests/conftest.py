@@ -1,9 +1,20 @@
-"""Shared fixtures: tiny random HF models saved locally (never from a hub), one folder per config."""
+"""Shared fixtures: tiny random HF models saved locally (never from a hub), one folder per config.
+
+Backends: `make test` runs everything on CPU (JAX_PLATFORMS=cpu unless set). `make test-gpu` runs the
+tests marked `device` (kernels, the Pallas engine, quantized / fp8 / W8A8 matmuls) compiled on a GPU
+(JAX_PLATFORMS=cuda, JAXINFER_TEST_GPU=1: the session stops at once if jax finds no GPU). Tests
+marked `cpu_only(reason)` are skipped on any other backend, with their reason.
+"""
 from __future__ import annotations
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ON_CPU = os.environ["JAX_PLATFORMS"] == "cpu"
+if not ON_CPU:
+    # the quantized-matmul autotuner would time up to 16 launch configs of every shape the tests
+    # touch; the tests of the autotuner itself set their own environment
+    os.environ.setdefault("JAXINFER_AUTOTUNE", "0")
 # no persistent compilation cache (jaxinfer.cli): every test compiles what it runs, in this process
 # and in the servers and workers it starts
 os.environ["JAXINFER_COMPILATION_CACHE"] = "off"
@@ -13,12 +24,28 @@ os.environ["JAXINFER_COMPILATION_CACHE"] = "off"
 # ran no slower). XLA's HLO passes, hence every program's operations and their float32 semantics,
 # are unchanged; workers and servers started by tests inherit it (fake_devices.py appends to it).
 # Benchmarks and users run the default level.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+if ON_CPU and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import pytest
 
 from tests.hf_models import CONFIGS, save_hf_model
+
+
+def pytest_sessionstart(session):
+    if os.environ.get("JAXINFER_TEST_GPU"):
+        import jax
+        if jax.default_backend() != "gpu":
+            pytest.exit(f"make test-gpu needs a GPU; jax's backend is {jax.default_backend()!r} ({jax.devices()})",
+                        returncode=3)
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("cpu_only")
+    if marker is not None:
+        import jax
+        if jax.default_backend() != "cpu":
+            pytest.skip(f"CPU only: {marker.args[0] if marker.args else marker.kwargs.get('reason', '')}")
 
 
 @pytest.fixture(scope="session")

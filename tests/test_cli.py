@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from jaxinfer.cli import main
@@ -46,10 +51,25 @@ def test_export_hf_refuses_other_families(hf_model_dir, tmp_path, capsys):
     assert "Llama family" in capsys.readouterr().err
 
 
-def test_compilation_cache_folder_from_env_or_off(monkeypatch, tmp_path):
+@pytest.fixture
+def jax_cache_config():
+    """jax's cache settings as they were (conftest: none), restored after the test, and jax's cache
+    object reset: once jax has compiled with a folder it keeps writing there for the process."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as jax_cc
+
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax_cc.reset_cache()
+    yield before
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+    jax_cc.reset_cache()
+
+
+def test_compilation_cache_folder_from_env_or_off(monkeypatch, tmp_path, jax_cache_config):
     import jax
 
-    from jaxinfer.cli import enable_compilation_cache
+    from jaxinfer.compilation_cache import enable_compilation_cache
     before = jax.config.jax_compilation_cache_dir
     monkeypatch.setenv("JAXINFER_COMPILATION_CACHE", "off")     # what conftest sets for every test
     assert enable_compilation_cache() is None
@@ -58,8 +78,64 @@ def test_compilation_cache_folder_from_env_or_off(monkeypatch, tmp_path):
     try:
         assert enable_compilation_cache() == str(tmp_path / "xla")
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+        # jax keeps only executables that took >= 1 s to compile unless told otherwise: every one here
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+        # idempotent: a second call (the CLI's, then the Generator's) changes nothing
+        monkeypatch.setenv("JAXINFER_COMPILATION_CACHE", str(tmp_path / "other"))
+        assert enable_compilation_cache() == str(tmp_path / "xla")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_compilation_cache_never_overrides_the_users_folder_or_threshold(monkeypatch, tmp_path, jax_cache_config):
+    import jax
+
+    from jaxinfer.compilation_cache import enable_compilation_cache
+    monkeypatch.setenv("JAXINFER_COMPILATION_CACHE", str(tmp_path / "ours"))
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "theirs"))
+    assert enable_compilation_cache() == str(tmp_path / "theirs")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "theirs")
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == jax_cache_config[1] == 1.0
+    # a threshold of the user's own stays too
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.5)
+    assert enable_compilation_cache() == str(tmp_path / "ours")
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 2.5
+    # $JAX_COMPILATION_CACHE_DIR, which jax reads into the same setting when it is imported
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "env"),
+               JAXINFER_COMPILATION_CACHE=str(tmp_path / "ours"))
+    out = subprocess.run([sys.executable, "-c", "import jax; from jaxinfer.compilation_cache import "
+                          "enable_compilation_cache as e; print(e(), jax.config.jax_compilation_cache_dir)"],
+                         env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent)
+    assert out.stdout.split() == [str(tmp_path / "env")] * 2
+
+
+def test_generator_turns_the_compilation_cache_on(hf_model_dir, monkeypatch, tmp_path, jax_cache_config):
+    """The Python API (and so the server and the batch script) gets the cache, not only the CLI:
+    a Generator's own compiles land in the folder; "off" and a user's folder are left alone."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as jax_cc
+
+    from jaxinfer import Generator
+    src = hf_model_dir("llama-gqa-llama3")
+    monkeypatch.setenv("JAXINFER_COMPILATION_CACHE", "off")
+    Generator.from_pretrained(src, dtype="float32", max_num_seqs=2, warmup=False)
+    assert jax.config.jax_compilation_cache_dir is None
+
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "theirs"))
+    monkeypatch.setenv("JAXINFER_COMPILATION_CACHE", str(tmp_path / "xla"))
+    Generator.from_pretrained(src, dtype="float32", max_num_seqs=2, warmup=False)
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "theirs")
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax_cc.reset_cache()         # as in a new process: jax keeps the folder it first compiled with
+
+    gen = Generator.from_pretrained(src, dtype="float32", max_num_seqs=2, warmup=False)
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+    gen.logits([5, 9, 33])       # a fresh jit of this Generator's: compiled now, so written now
+    written = [p.name for p in (tmp_path / "xla").iterdir()]
+    assert any(name.startswith("jit__lambda") for name in written), written
+    assert not (tmp_path / "theirs").exists()
 
 
 def test_export_hf_tokenizer_reads_the_same_in_transformers(tmp_path):

@@ -14,8 +14,11 @@ import pytest
 from jaxinfer import Generator, SamplingParams
 
 # a 16-token budget: two token buckets (8, 16) to compile per engine; prompts of up to 100 tokens are
-# still prefilled in chunks beside decoding rows (a 32 bucket would only add a compilation per engine)
-SMALL = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=16, block_size=8)
+# still prefilled in chunks beside decoding rows (a 32 bucket would only add a compilation per engine).
+# num_blocks: 16 sequences of 128 tokens (+ the null block; what CPU sizes by itself), so that on a GPU
+# an engine built while the module's `gen` is alive does not find the device's memory taken by its pool
+SMALL = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=16, block_size=8,
+             num_blocks=16 * 128 // 8 + 1)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +77,11 @@ def test_seeded_sampling_independent_of_batch(gen):
 
 
 def test_preemption_gives_identical_outputs(hf_model_dir, gen):
-    # 12 blocks of 8 tokens for 12 requests that each need up to 9 blocks: heavy preemption.
-    tight = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **{**SMALL, "num_blocks": 13})
+    # 12 blocks of 8 tokens for 12 requests that each need up to 9 blocks: heavy preemption. The
+    # context is what the pool holds (96 tokens: a pool must hold one sequence of max_model_len); the
+    # longest request is 59 + 16 tokens
+    tight = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"),
+                                      **{**SMALL, "num_blocks": 13, "max_model_len": 12 * 8})
     prompts = _prompts(12, tight.model_cfg.vocab_size, 20, 60, seed=5)
     params = [SamplingParams(max_tokens=16, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
               for i in range(12)]
@@ -183,7 +189,8 @@ def test_prompt_too_long_is_rejected_with_the_excess(gen):
 
 @pytest.mark.parametrize("policy", ["static", "dynamic"])
 def test_static_and_dynamic_policies_give_the_same_tokens(policy, hf_model_dir, gen):
-    g = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **{**SMALL, "max_num_seqs": 4},
+    g = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **{**SMALL, "max_num_seqs": 4,
+                                                                       "num_blocks": 4 * 128 // 8 + 1},
                                   batching=policy, warmup=False)
     prompts = _prompts(7, g.model_cfg.vocab_size, 5, 40, seed=12)
     params = SamplingParams(max_tokens=9, temperature=0.7, seed=3, ignore_eos=True)
@@ -206,6 +213,7 @@ def test_live_mbu_is_bytes_read_over_step_time(gen, monkeypatch):
     assert eng.runner.kv_bytes_per_token == 2 * 4 * gen.model_cfg.n_layers * gen.model_cfg.n_kv_heads * gen.model_cfg.head_dim
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_scaled_kv_cache_close_to_float(hf_model_dir, gen, kv_dtype):
     """int8 / fp8 KV (per token per head scales): the first token unchanged, logprobs close."""
@@ -221,6 +229,7 @@ def test_scaled_kv_cache_close_to_float(hf_model_dir, gen, kv_dtype):
     assert _all_free(q)
 
 
+@pytest.mark.device
 def test_quantized_weights_generate(hf_model_dir):
     for method in ("int8", "int4"):
         g = Generator.from_pretrained(hf_model_dir("qwen2-tied"), **SMALL, quantize=method, warmup=False)

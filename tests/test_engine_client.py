@@ -18,7 +18,8 @@ import pytest
 
 from jaxinfer import Generator, SamplingParams
 from jaxinfer.client import SubmitError
-from jaxinfer.config import EngineConfig, ModelConfig, ResolvedConfig, resolve_config
+from jaxinfer.config import ConfigError, EngineConfig, ModelConfig, ResolvedConfig, resolve_config
+from jaxinfer.perf import PoolSize
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(dtype="float32", max_model_len=96, max_num_batched_tokens=32, max_num_seqs=8, block_size=8)
@@ -201,19 +202,36 @@ def test_context_length_rule_lives_in_the_engine(gen):
 
 # --------------------------------------------------------------------------- 3. one resolved configuration
 def test_resolve_config_decides_every_setting_once():
-    mc = ModelConfig(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
+    mc = ModelConfig(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=64,
                      max_position_embeddings=512)
-    r = resolve_config(EngineConfig(attention="xla", num_blocks=9, block_size=16), mc, backend="gpu")
+    r = resolve_config(EngineConfig(attention="xla", num_blocks=9, block_size=16, max_model_len=128), mc, backend="gpu")
     assert (r.dtype, r.kv_dtype, r.attention, r.matmul) == ("bfloat16", "bfloat16", "xla", "xla")
-    assert r.max_model_len == (9 - 1) * 16   # 512 capped to the pool (block 0 is the null block)
+    assert r.max_model_len == (9 - 1) * 16   # exactly what the pool holds (block 0 is the null block)
     r = resolve_config(EngineConfig(num_blocks=100), mc, backend="gpu", weight_dtype="float16")
     assert (r.dtype, r.attention, r.matmul, r.max_model_len) == ("float16", "pallas", "pallas", 512)
-    r = resolve_config(EngineConfig(kv_dtype="int8"), mc, backend="cpu", size_pool=lambda kv, n: 3 + n // 16)
+    r = resolve_config(EngineConfig(kv_dtype="int8"), mc, backend="cpu",
+                       size_pool=lambda kv, n: PoolSize(3 + n // 16, 1024, on_device=False))
     assert (r.dtype, r.kv_dtype, r.attention, r.num_blocks) == ("float32", "int8", "xla", 3 + 512 // 16)
     assert r.max_decode_steps == 8
-    assert resolve_config(EngineConfig(num_blocks=9), mc, backend="cpu", pipelined=True).max_decode_steps == 1
+    assert resolve_config(EngineConfig(num_blocks=33), mc, backend="cpu", pipelined=True).max_decode_steps == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.attention = "pallas"
+
+
+def test_pallas_on_a_gpu_only_for_shapes_its_kernels_take():
+    """Triton needs power-of-two tiles and head_dim >= 16: on a GPU "auto" then picks the XLA attention
+    (and matmuls), an explicit "pallas" is refused naming the reason; interpret mode on CPU takes any."""
+    mc = ModelConfig(vocab_size=100, d_model=48, n_layers=2, n_heads=6, n_kv_heads=6, head_dim=8, ffn_dim=64,
+                     max_position_embeddings=64)
+    r = resolve_config(EngineConfig(num_blocks=9, block_size=8), mc, backend="gpu")
+    assert (r.attention, r.matmul) == ("xla", "xla")
+    with pytest.raises(ConfigError, match='attention="pallas" cannot run this model on a GPU: head_dim 8 is not a power'):
+        resolve_config(EngineConfig(attention="pallas", num_blocks=9, block_size=8), mc, backend="gpu")
+    assert resolve_config(EngineConfig(attention="pallas", num_blocks=9, block_size=8), mc, backend="cpu").attention == "pallas"
+    mc16 = dataclasses.replace(mc, head_dim=16)
+    assert resolve_config(EngineConfig(num_blocks=9, block_size=8), mc16, backend="gpu").attention == "pallas"
+    with pytest.raises(ConfigError, match="block_size 12 is not a power of two"):
+        resolve_config(EngineConfig(attention="pallas", num_blocks=9, block_size=12), mc16, backend="gpu")
 
 
 def test_attention_xla_governs_quantized_matmuls(hf_model_dir, monkeypatch):
@@ -230,7 +248,7 @@ def test_attention_xla_governs_quantized_matmuls(hf_model_dir, monkeypatch):
     model, _ = load_model(hf_model_dir("llama-gqa-llama3"), "float32")
     quantize_decoder(model, "int8")
     g = Generator(model, None, EngineConfig(dtype="float32", attention="xla", quantize="int8", num_blocks=16,
-                                            max_num_seqs=2, block_size=8), 16, warmup=False)
+                                            max_num_seqs=2, block_size=8, max_model_len=120), 16, warmup=False)
     assert isinstance(g.engine.resolved, ResolvedConfig) and g.engine.resolved.matmul == "xla"
     weights = [v.get_value() for _, v in nnx.state(model, nnx.Param).flat_state()
                if isinstance(v.get_value(), QuantizedWeight)]

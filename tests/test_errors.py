@@ -173,24 +173,27 @@ def _tiny_native_model(tmp_path):
     return load_model(folder, "float32")[0]
 
 
-def test_max_model_len_is_capped_to_the_kv_pool(tmp_path, caplog):
-    """--num-blocks 20: the model's 256 positions do not fit in 19 blocks of 8 tokens: the engine
-    caps max_model_len and says so at start, so a chat without max_tokens fits the pool."""
+def test_a_pool_too_small_for_max_model_len_is_refused(tmp_path):
+    """--num-blocks 20: the model's 256 positions do not fit in 19 blocks of 8 tokens. The engine
+    refuses to start, naming the numbers and what to change (as vLLM does), instead of silently
+    shortening the context; with max_model_len 152 (what the error offers) it serves, and a chat
+    without max_tokens fills exactly the pool."""
     from serve.app import ServerState
     from serve.protocol import ChatCompletionRequest
     from tests.hf_models import save_text_model
 
     model = save_text_model(tmp_path / "model")   # max_position_embeddings 256
-    for max_model_len in (None, 256):
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="jaxinfer"):
-            gen = Generator.from_pretrained(model, dtype="float32", num_blocks=20, block_size=8, max_num_seqs=2,
-                                            max_model_len=max_model_len, max_num_batched_tokens=16, warmup=False)
-        assert gen.engine.max_model_len == 19 * 8
-        assert "max_model_len capped at 152" in caplog.text and "19 blocks of 8" in caplog.text
-        state = ServerState(gen, "tiny", None, max_queue=8)
-        prompt, params = state.chat_inputs(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]))
-        assert len(prompt) + params.max_tokens == 152
-        rid = gen.engine.add_request(prompt, params)    # main: "needs 32 KV blocks but the cache has 19"
-        gen.abort(rid)
-        assert gen.stats()["kv_blocks_used"] == 0
+    kw = dict(dtype="float32", num_blocks=20, block_size=8, max_num_seqs=2, max_num_batched_tokens=16, warmup=False)
+    for max_model_len, what in ((None, "max_model_len (the model's max_position_embeddings)"), (256, "max_model_len")):
+        with pytest.raises(ConfigError) as err:
+            Generator.from_pretrained(model, max_model_len=max_model_len, **kw)
+        assert (f"cannot hold one sequence of {what} = 256 tokens: num_blocks=20 holds 152 tokens (19 blocks of 8" in str(err.value)
+                and "Set num_blocks to at least 33, or max_model_len to at most 152" in str(err.value)), str(err.value)
+    gen = Generator.from_pretrained(model, max_model_len=152, **kw)
+    assert gen.engine.max_model_len == 152
+    state = ServerState(gen, "tiny", None, max_queue=8)
+    prompt, params = state.chat_inputs(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]))
+    assert len(prompt) + params.max_tokens == 152
+    rid = gen.engine.add_request(prompt, params)
+    gen.abort(rid)
+    assert gen.stats()["kv_blocks_used"] == 0

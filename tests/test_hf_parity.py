@@ -24,6 +24,9 @@ def _small_gen(path, dtype="float32", **kw) -> Generator:
     # an 8-token budget: one token bucket, so one step compilation per engine; the 24-token prompt is
     # prefilled in 3 chunks, each reading the pages the earlier ones wrote (sliding windows cross them)
     kw = {"max_model_len": 64, "max_num_batched_tokens": 8, "max_num_seqs": 4, "warmup": False, **kw}
+    # an explicit pool (max_num_seqs sequences of max_model_len, + the null block: what CPU sizes by
+    # itself): on a GPU a pool sized from memory would leave none for the second engine of a test
+    kw.setdefault("num_blocks", kw["max_num_seqs"] * -(-kw["max_model_len"] // kw.get("block_size", 16)) + 1)
     return Generator.from_pretrained(path, dtype=dtype, **kw)
 
 

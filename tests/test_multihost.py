@@ -218,6 +218,7 @@ def test_two_processes_form_one_tp8_mesh(group_result):
     assert set(group_result[0]["up_local_devices"]).isdisjoint(group_result[1]["up_local_devices"])
 
 
+@pytest.mark.cpu_only("the process group runs on CPU devices; its one-process reference must too (1e-5)")
 def test_two_processes_generate_like_one(group_result, reference):
     leader, follower = group_result
     got, ref = leader["outputs"], reference["outputs"]
@@ -283,6 +284,7 @@ def test_processes_with_different_settings_refuse_to_start(model_dir, tmp_path):
     assert "'process 1': {'max_num_seqs': 8}" in _log(tmp_path, 1)
 
 
+@pytest.mark.cpu_only("the process group runs on CPU devices; its one-process reference must too")
 def test_jaxinfer_serve_on_two_processes(model_dir, reference, tmp_path):
     """`jaxinfer serve` on two processes (flags on process 0, env vars on process 1): process 0 answers
     HTTP like the one-process reference, process 1 binds no port; Ctrl-C on process 0 stops both."""

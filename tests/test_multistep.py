@@ -19,9 +19,12 @@ from jaxinfer.host.scheduler import Scheduler, SchedulerConfig, StepSample
 from tests.hf_models import save_text_model
 
 # a 16-token budget: two token buckets (8, 16) per engine, each compiled once; prompts of up to 30
-# tokens still prefill in chunks alongside decoding rows (a 32 bucket would only add a compilation)
+# tokens still prefill in chunks alongside decoding rows (a 32 bucket would only add a compilation).
+# num_blocks: 8 sequences of 96 tokens (+ the null block; what CPU sizes by itself), so that on a GPU
+# the engines alive at once (the module's reference and a test's own) do not each size a pool from
+# the device's memory
 SMALL = dict(dtype="float32", max_model_len=96, max_num_batched_tokens=16, max_num_seqs=8, block_size=8,
-             warmup=False)
+             num_blocks=8 * 96 // 8 + 1, warmup=False)
 
 
 def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -110,7 +113,7 @@ def test_multistep_under_preemption(hf_model_dir):
 def text_gens(tmp_path_factory):
     folder = save_text_model(tmp_path_factory.mktemp("sp-llama-multistep"))
     kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8, block_size=8,
-              warmup=False)
+              num_blocks=8 * 128 // 8 + 1, warmup=False)
     return (Generator.from_pretrained(folder, **kw, max_decode_steps=1, async_scheduling=False),
             Generator.from_pretrained(folder, **kw, max_decode_steps=6, async_scheduling=True))
 

@@ -21,6 +21,15 @@ SMALL = dict(dtype="float32", max_model_len=96, max_num_batched_tokens=32, max_n
              warmup=False)
 
 
+def _small(**kw) -> dict:
+    """SMALL with overrides and, unless given, an explicit pool of max_num_seqs sequences of
+    max_model_len (+ the null block: what CPU sizes by itself), so that on a GPU an engine built while
+    another is alive (the module's `warm`) does not find the device's memory taken by its pool."""
+    kw = {**SMALL, **kw}
+    kw.setdefault("num_blocks", kw["max_num_seqs"] * -(-kw["max_model_len"] // kw["block_size"]) + 1)
+    return kw
+
+
 def _shared_prompts(vocab: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
     """Two rounds: the first fills the cache, the second reuses it (same 37-token prefix with new
     suffixes, a prompt repeated exactly, one exactly block aligned, and a 'next chat turn' that
@@ -111,16 +120,17 @@ def test_outputs_identical_with_and_without_reuse(name, hf_model_dir):
     # the fifth family (qwen2) runs the same check warmed up, in test_zero_compilations_after_warmup;
     # llama runs in a pool so small (14 blocks) that the cache evicts and requests are preempted
     small_pool = {"num_blocks": 15, "max_num_seqs": 6} if name == "llama-gqa-llama3" else {}
-    g = Generator.from_pretrained(hf_model_dir(name), **{**SMALL, **small_pool})
+    g = Generator.from_pretrained(hf_model_dir(name), **_small(**small_pool))
     _two_rounds(g, seed=5, ample_pool=not small_pool)
     if small_pool:
         _evicting_workload(g)
 
 
-@pytest.mark.parametrize("kw", [dict(attention="pallas"), dict(kv_dtype="int8")], ids=["pallas", "int8-kv"])
+@pytest.mark.parametrize("kw", [pytest.param(dict(attention="pallas"), marks=pytest.mark.device, id="pallas"),
+                                pytest.param(dict(kv_dtype="int8"), id="int8-kv")])
 def test_other_attention_paths_identical_with_caching(kw, hf_model_dir):
-    g = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **{**SMALL, "max_model_len": 64,
-                                  "max_num_batched_tokens": 16, "max_num_seqs": 4}, **kw)
+    g = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"),
+                                  **_small(max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4), **kw)
     rng = np.random.RandomState(1)
     prefix = rng.randint(3, 131, 19).tolist()
     prompts = [prefix + [5, 6], prefix + [7], prefix + [8, 9, 10]]
@@ -132,7 +142,7 @@ def test_other_attention_paths_identical_with_caching(kw, hf_model_dir):
 
 @pytest.fixture(scope="module")
 def warm(hf_model_dir):
-    return Generator.from_pretrained(hf_model_dir("qwen2-window"), **{**SMALL, "warmup": True, "max_model_len": 64})
+    return Generator.from_pretrained(hf_model_dir("qwen2-window"), **_small(warmup=True, max_model_len=64))
 
 
 def test_zero_compilations_after_warmup(warm):

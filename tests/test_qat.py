@@ -97,6 +97,8 @@ def floats_path(model, owner, name) -> str:
     return next("/".join(map(str, p)) for p, v in nnx.iter_graph(model) if id(v) == target)
 
 
+@pytest.mark.cpu_only("bit-equal logits of two dot layouts is XLA:CPU's lowering; on a GPU the exported "
+                      "weights take the Pallas quant_matmul")
 def test_fake_quant_forward_is_the_quantized_forward(trained):
     _, model = trained
     settings = QuantizeSettings("rtn", **W4PC)
@@ -119,6 +121,7 @@ def test_fake_quant_forward_is_the_quantized_forward(trained):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.cpu_only("bit-equal gradients: a GPU's scatter-add (the embedding's gradient) is not deterministic")
 def test_ste_gradient_is_the_float_gradient_at_the_fake_quantized_weights():
     model = tiny_model()
     settings = QuantizeSettings("rtn", **W4PC)
@@ -147,8 +150,8 @@ def test_ste_gradient_is_the_float_gradient_at_the_fake_quantized_weights():
                                                        for p, v in g_float.flat_state()))[key]))
 
 
-def test_training_reduces_the_fake_quant_loss_and_qat_finetune_is_deterministic(trained):
-    values, model = trained
+def test_training_reduces_the_fake_quant_loss(trained):
+    _, model = trained
     settings = QuantizeSettings("rtn", **W4PC)
     windows = fixed_batch()
     graphdef, _, _ = split_trainable(model, "all")
@@ -160,6 +163,12 @@ def test_training_reduces_the_fake_quant_loss_and_qat_finetune_is_deterministic(
 
     before, after = fq_loss(tiny_model()), fq_loss(model)
     assert after < before - 0.1, (before, after)
+
+
+@pytest.mark.cpu_only("bit-for-bit retraining: a GPU's scatter-add (the embedding's gradient) is not deterministic")
+def test_qat_finetune_is_deterministic(trained):
+    values, model = trained
+    settings = QuantizeSettings("rtn", **W4PC)
     # qat_finetune with the fixture's arguments: the same training (same seed, bit for bit), then export
     out = qat_finetune(tiny_model(), **train_kwargs())
     ref = floats(export(nnx.clone(model), settings))

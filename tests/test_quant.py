@@ -1,5 +1,8 @@
-"""Weight-only quantization: Pallas quant_matmul (interpret mode on CPU) vs reference, the load-time
-quantizer's error bounds, int4 packing, qdot on N-D weights, and the on-disk autotuner."""
+"""Weight-only quantization: Pallas quant_matmul (interpreted on CPU, compiled on a GPU) vs reference,
+the load-time quantizer's error bounds, int4 packing, qdot on N-D weights, and the on-disk autotuner.
+
+The tests of device code (the quant_matmul / w8a8_matmul kernels, qdot with impl="pallas", the fp8
+native dot) are marked `device`: `make test-gpu` runs them compiled on a GPU."""
 from __future__ import annotations
 
 import json
@@ -29,6 +32,8 @@ BF16_RTOL = 1e-2
 @pytest.fixture(autouse=True)
 def _isolated_autotune_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXINFER_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    # these tests time real launches: no budget (tests/test_autotune.py tests it on a fake clock)
+    monkeypatch.setenv("JAXINFER_AUTOTUNE_BUDGET_S", "inf")
     at.clear_memory_cache()
     yield
     at.clear_memory_cache()
@@ -136,6 +141,9 @@ KINDS = [
 N, BLOCK_N = 48, 16                 # 3 blocks along N
 # M=64: 4 blocks of 16; M=5: 3 blocks of 2, the last one partial; M=1: decode (padded to 16).
 M_BLOCKS = [(1, None), (5, 2), (64, 16)]
+# Triton's smallest tile: a GPU takes block sizes that are powers of two >= 16 (int4: block_k >= 32),
+# the interpreter any divisor
+TRITON_MIN_BLOCK = 16
 
 
 def random_kernel_operands(rng, bits, g, symmetric, k, n):
@@ -150,20 +158,29 @@ def random_kernel_operands(rng, bits, g, symmetric, k, n):
 
 
 # f32 over every (kind, M); bf16 activations over every kind at M=5 (partial last M block) --
-# the full cross product would double the interpret-mode compile time for no new code path.
+# the full cross product would double the interpret-mode compile time for no new code path. block_m=2
+# is below Triton's tile, so on a GPU bf16 also runs at M=37 (3 blocks of 16, the last one partial)
+# for int8, a K block holding two groups (g32 asym) and one inside a group (g128 sym).
 KERNEL_CASES = ([(kind, m, bm, "float32") for kind in KINDS for m, bm in M_BLOCKS]
-                + [(kind, 5, 2, "bfloat16") for kind in KINDS])
+                + [(kind, 5, 2, "bfloat16") for kind in KINDS]
+                + [(kind, 37, 16, "bfloat16") for kind in KINDS
+                   if kind[0] in ("int8", "int4_g32_asym", "int4_g128_sym")])
 
 
-@pytest.mark.parametrize("kind,m,block_m,dtype", KERNEL_CASES,
-                         ids=[f"{c[0][0]}-M{c[1]}-{c[3]}" for c in KERNEL_CASES])
+def _kernel_case(c):
+    small = c[2] is not None and c[2] < TRITON_MIN_BLOCK
+    return pytest.param(*c, id=f"{c[0][0]}-M{c[1]}-{c[3]}",
+                        marks=[pytest.mark.cpu_only("block sizes below Triton's minimum tile")] if small else [])
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("kind,m,block_m,dtype", [_kernel_case(c) for c in KERNEL_CASES])
 def test_kernel_matches_reference(kind, m, block_m, dtype):
     name, bits, g, sym, k, bk = kind
     rng = np.random.default_rng(zlib.crc32(f"{name}-{m}-{dtype}".encode()))   # hash() of str varies per run
     w, s, z = random_kernel_operands(rng, bits, g, sym, k, N)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    y = quant_matmul(x, w, s, z, bits=bits, group_size=g, block_m=block_m, block_n=BLOCK_N,
-                     block_k=bk, interpret=True)
+    y = quant_matmul(x, w, s, z, bits=bits, group_size=g, block_m=block_m, block_n=BLOCK_N, block_k=bk)
     assert y.shape == (m, N) and y.dtype == x.dtype
     # reference in f32 from the same (possibly bf16-rounded) activations, not cast back
     ref = quant_matmul_reference(x.astype(jnp.float32), w, s, z, bits=bits, group_size=g)
@@ -177,6 +194,7 @@ def test_kernel_matches_reference(kind, m, block_m, dtype):
     assert_within(y, exact, dot_error_bound(x64, w64, operands_bf16=bf16, out_bf16=bf16))
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("m,block_m,azp", [(5, 16, None), (37, 16, -29), (64, 32, 11)])
 def test_w8a8_kernel_is_exact(m, block_m, azp):
     """The int8 x int8 kernel over several M, N and K blocks (a partial last M block): the integer
@@ -190,23 +208,25 @@ def test_w8a8_kernel_is_exact(m, block_m, azp):
     sx = rng.uniform(1e-3, 1e-1, m).astype(np.float32)
     sw = rng.uniform(1e-4, 1e-2, n).astype(np.float32)
     y = w8a8_matmul(jnp.asarray(xq), jnp.asarray(w), jnp.asarray(sx), jnp.asarray(sw), azp, block_m=block_m,
-                    block_n=16, block_k=32, interpret=True)
+                    block_n=16, block_k=32)
     acc = (xq.astype(np.int64) - (azp or 0)) @ w.astype(np.int64)
     assert np.abs(acc).max() < 2 ** 31                     # what an int32 accumulator holds exactly
     want = acc.astype(np.float32) * sx[:, None] * sw[None, :]
     assert y.shape == (m, n) and y.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(y), want)
     yb = w8a8_matmul(jnp.asarray(xq), jnp.asarray(w), jnp.asarray(sx), jnp.asarray(sw), azp, out_dtype=jnp.bfloat16,
-                     block_n=16, block_k=32, interpret=True)
+                     block_n=16, block_k=32)
     np.testing.assert_array_equal(np.asarray(yb), np.asarray(jnp.asarray(want, jnp.bfloat16)))
     with pytest.raises(ValueError, match="multiples"):
-        w8a8_matmul(jnp.asarray(xq), jnp.asarray(w), jnp.asarray(sx), jnp.asarray(sw), block_n=32, interpret=True)
+        w8a8_matmul(jnp.asarray(xq), jnp.asarray(w), jnp.asarray(sx), jnp.asarray(sw), block_n=32)
     with pytest.raises(TypeError, match="int8"):
-        w8a8_matmul(jnp.asarray(xq, jnp.int32), jnp.asarray(w), jnp.asarray(sx), jnp.asarray(sw), interpret=True)
+        w8a8_matmul(jnp.asarray(xq, jnp.int32), jnp.asarray(w), jnp.asarray(sx), jnp.asarray(sw))
 
 
+@pytest.mark.device
 def test_kernel_default_blocks_and_interpret_default():
-    """interpret=None on CPU -> interpret mode; default blocks clamp to the problem."""
+    """interpret=None: interpret mode on CPU, compiled on a GPU; default blocks clamp to the problem
+    (block_n 128 -> N = 32, block_k 128 -> K = 64, block_m 16 for M = 3: a GPU takes them)."""
     rng = np.random.default_rng(1)
     w, s, z = random_kernel_operands(rng, 4, 32, False, 64, 32)
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
@@ -332,7 +352,7 @@ QDOT_WEIGHTS = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("impl", [pytest.param("pallas", marks=pytest.mark.device), "xla"])
 @pytest.mark.parametrize("name,fn", QDOT_WEIGHTS, ids=[q[0] for q in QDOT_WEIGHTS])
 def test_qdot_nd_weights_match_einsum(name, fn, impl):
     rng = np.random.default_rng(6)
@@ -364,6 +384,7 @@ def test_qdot_nd_weights_match_einsum(name, fn, impl):
     assert yb.dtype == jnp.bfloat16 and rel_err(yb, ref_b) < BF16_RTOL
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("name,fn", QDOT_WEIGHTS, ids=[q[0] for q in QDOT_WEIGHTS])
 def test_qdot_error_vs_float_within_bound(name, fn):
     """|x @ w - qdot(x, q(w))| <= sum_k |x_k| scale_k / 2 (+ f32 rounding slack), every output."""
@@ -398,9 +419,10 @@ def test_qdot_float_weights_auto_and_pytree():
     assert (rebuilt.bits, rebuilt.group_size, rebuilt.shape, rebuilt.contract) == (4, 32, (3, 32, 48), 2)
     assert rebuilt.q is leaves[0] and rebuilt.zeros is leaves[2]
     # a QuantizedWeight passes through jit as an argument (static metadata, array leaves)
+    from jaxinfer.config import resolve_impl_name
     f = jax.jit(lambda x, w: qdot(x, w, 2))
-    y_auto = f(jnp.asarray(x), qw)                                 # auto == xla on CPU
-    y_xla = qdot(jnp.asarray(x), qw, 2, impl="xla")
+    y_auto = f(jnp.asarray(x), qw)                     # auto == xla on CPU, the Pallas kernel on a GPU
+    y_xla = qdot(jnp.asarray(x), qw, 2, impl=resolve_impl_name("auto", jax.default_backend()))
     np.testing.assert_allclose(np.asarray(y_auto), np.asarray(y_xla), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="contract"):
         qdot(jnp.asarray(x), qw, 1)
@@ -425,14 +447,17 @@ def _sleepy(delays, calls):
     return run
 
 
-def test_autotune_measures_caches_and_rereads(tmp_path):
+def test_autotune_measures_caches_and_rereads(tmp_path, monkeypatch):
+    # measuring is what this test checks (tests/conftest.py turns it off for test runs off CPU)
+    monkeypatch.delenv("JAXINFER_AUTOTUNE", raising=False)
     path = str(tmp_path / "sub" / "cache.json")
     cands = [{"v": 0}, {"v": 1}, {"v": 2}]
     delays = {0: 0.02, 1: 0.001, 2: 0.01}
 
-    # CPU: the defaults, nothing measured, nothing written
+    # CPU (the key of this process's device on CPU, on any backend): the defaults, nothing measured,
+    # nothing written
     calls: list[int] = []
-    assert at.autotune("k", "8x128", cands, _sleepy(delays, calls), cache_path=path) == {"v": 0}
+    assert at.autotune("k", "8x128", cands, _sleepy(delays, calls), cache_path=path, device_key="cpu:cpu") == {"v": 0}
     assert calls == [] and not (tmp_path / "sub").exists()
 
     # forced: every candidate warmed up and timed; the fastest wins and is written to disk
@@ -498,11 +523,14 @@ def test_autotune_default_cache_path_and_concurrent_writers(tmp_path, monkeypatc
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_select_blocks_tunes_while_tracing(tmp_path):
-    """The quant_matmul tuning closure runs eagerly even when qdot is being traced under jit."""
+@pytest.mark.device
+def test_select_blocks_tunes_while_tracing(tmp_path, monkeypatch):
+    """The quant_matmul tuning closure runs eagerly even when qdot is being traced under jit (it
+    launches the kernel: interpreted on CPU, compiled on a GPU)."""
     path = str(tmp_path / "qm.json")
     qw = quantize_int4(np.random.default_rng(9).standard_normal((96, 48)).astype(np.float32), 32)
-    # CPU default: candidates[0], valid for the shape
+    # not measuring (CPU, or JAXINFER_AUTOTUNE=0 on any backend): candidates[0], valid for the shape
+    monkeypatch.setenv("JAXINFER_AUTOTUNE", "0")
     cfg0 = quant.select_blocks(5, 96, 48, qw, jnp.float32)
     assert cfg0 == quant.pallas_block_candidates(5, 96, 48, 4, 32)[0]
     assert cfg0["block_n"] == 16 and cfg0["block_k"] == 32 and cfg0["block_m"] == 16
@@ -550,12 +578,14 @@ def test_fp8_weights_match_ml_dtypes_and_bound():
     assert np.all(np.abs(deq - w) <= _e4m3_bound(w, scale[None, :]))
     assert np.abs(deq - w).max() > 0                           # (it does round)
     x = jnp.asarray(rng.standard_normal((5, 96)), jnp.float32)
-    y = np.asarray(qdot(x, qw), np.float64)
+    # the dequantized path (impl "auto" would take the native fp8 dot on a GPU: the test below)
+    y = np.asarray(qdot(x, qw, impl="xla"), np.float64)
     ref = np.asarray(x, np.float64) @ deq
     # f32 accumulation over K = 96 products: |error| <= 96 * 2^-24 * sum |x_k w_k| (a loose multiple)
     assert np.all(np.abs(y - ref) <= 96 * 2.0 ** -24 * (np.abs(np.asarray(x, np.float64)) @ np.abs(deq)) + 1e-30)
 
 
+@pytest.mark.device
 def test_fp8_native_path_matches_ml_dtypes_reference():
     """The GPU path of fp8 weights (qdot impl="pallas"): each row of x scaled to e4m3 by
     max|x_m| / 448, the e4m3 x e4m3 dot in f32, times the row and column scales; against numpy
@@ -582,9 +612,14 @@ def test_fp8_native_path_matches_ml_dtypes_reference():
     scales = np.asarray(qw.scales, np.float64)
     sx = sx.astype(np.float64)
     ref = (xq @ wq) * sx[:, None] * scales[None, :]
-    # the f32 sum of K = 96 exact products: <= 95 * 2^-24 * sum |xq wq| (to first order), then two f32
-    # products (2^-24 each): 97 * 2^-24 with a margin for the second-order terms
-    bound = 97 * 2.0 ** -24 * (1 + 1e-6) * (np.abs(xq) @ np.abs(wq)) * sx[:, None] * scales[None, :]
+    # Whatever order a GPU's fp8 GEMM sums in (tiles, split K, a tree), a float32 sum of K exact terms
+    # makes K - 1 roundings: |error| <= gamma_{K-1} sum |xq wq| (Higham, Lemma 3.1 and eq. 3.5, any
+    # order), gamma_n = n u / (1 - n u), u = 2^-24; the two f32 rescales add a rounding each, so
+    # (1 + gamma_{K-1})(1 + u)^2 - 1 <= gamma_{K+1}. An accumulator narrower than float32 (fp8 "fast
+    # accumulation") would exceed it.
+    u32 = 2.0 ** -24
+    gamma = (k + 1) * u32 / (1 - (k + 1) * u32)
+    bound = gamma * (np.abs(xq) @ np.abs(wq)) * sx[:, None] * scales[None, :]
     assert np.all(np.abs(y - ref) <= bound + 1e-30), np.max(np.abs(y - ref) - bound)
     assert np.all(y[2] == 0)
     # against the float product: e4m3's relative error on each x and w element (2^-4 for normal

@@ -339,21 +339,31 @@ SETTINGS = {
 }
 
 
+class _QuantizedDirs:
+    """name -> (native folder of the quantized tiny model, the in-memory quantized Decoder), each
+    quantized on first use: the device tests (`pytest -m device`) quantize only the two checkpoints
+    they run, not every method's."""
+
+    def __init__(self, path, tmp_path_factory):
+        self.path, self.tmp, self.done = path, tmp_path_factory, {}
+        ids = np.random.default_rng(SEED).integers(3, 131, size=8 * 64)
+        self.windows = calibration_windows(ids, 8 * 64, 64)
+
+    def __getitem__(self, name: str):
+        from jaxinfer.weights import load_model, save_native
+        if name not in self.done:
+            settings = SETTINGS[name]
+            model, _ = load_model(self.path, "float32")
+            quantize_model(model, settings, self.windows, progress=False)
+            folder = self.tmp.mktemp(name)
+            save_native(model, folder, "float32", extra={"quantization": settings.to_json()})
+            self.done[name] = (folder, model)
+        return self.done[name]
+
+
 @pytest.fixture(scope="module")
 def quantized_dirs(hf_model_dir, tmp_path_factory):
-    """name -> (native folder of the quantized tiny model, the in-memory quantized Decoder)."""
-    from jaxinfer.weights import load_model, save_native
-    path = hf_model_dir(TINY)
-    ids = np.random.default_rng(SEED).integers(3, 131, size=8 * 64)
-    windows = calibration_windows(ids, 8 * 64, 64)
-    out = {}
-    for name, settings in SETTINGS.items():
-        model, _ = load_model(path, "float32")
-        quantize_model(model, settings, windows, progress=False)
-        folder = tmp_path_factory.mktemp(name)
-        save_native(model, folder, "float32", extra={"quantization": settings.to_json()})
-        out[name] = (folder, model)
-    return out
+    return _QuantizedDirs(hf_model_dir(TINY), tmp_path_factory)
 
 
 def _flat(model):
@@ -408,14 +418,19 @@ def test_round_trip_and_engine(quantized_dirs, name):
         n = len(tokens)
         logits, _ = ref(jnp.asarray(tokens + [0] * (width - n), jnp.int32), jnp.arange(width, dtype=jnp.int32))
         tokens.append(int(np.argmax(np.asarray(logits[n - 1]))))
-    gen = Generator.from_pretrained(str(folder), dtype="float32", max_num_seqs=2, num_blocks=16, max_model_len=64,
-                                    max_num_batched_tokens=16, warmup=False, max_decode_steps=1,
+    # fp8: attention="xla" (so the XLA matmuls too): on a GPU "auto" would run fp8 weights natively,
+    # with activations rounded to e4m3, which this float reference does not
+    # (test_fp8_engine_on_the_gpu_path checks that path against its own reference)
+    attention = "xla" if settings.method == "fp8" else "auto"
+    gen = Generator.from_pretrained(str(folder), dtype="float32", attention=attention, max_num_seqs=2, num_blocks=16,
+                                    max_model_len=64, max_num_batched_tokens=16, warmup=False, max_decode_steps=1,
                                     async_scheduling=False)
     out = gen.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     # the engine computes the same dequantized products (fused, paged): identical greedy tokens
     assert out.token_ids == tokens[len(PROMPT):]
 
 
+@pytest.mark.device
 def test_w8a8_engine_on_the_pallas_kernel(quantized_dirs, monkeypatch):
     """attention="pallas" routes the quantized matmuls to the kernels (interpreted on CPU): a static
     asymmetric W8A8 checkpoint runs every linear through w8a8_matmul and gives the greedy tokens of
@@ -438,6 +453,7 @@ def test_w8a8_engine_on_the_pallas_kernel(quantized_dirs, monkeypatch):
     assert {(64, 128), (64, 64), (64, 192), (96, 64)} <= set(calls), set(calls)
 
 
+@pytest.mark.device
 def test_fp8_engine_on_the_gpu_path(quantized_dirs, monkeypatch):
     """attention="pallas" (the GPU default) runs fp8 weights natively: every linear quantizes its
     activations per token to e4m3 and takes the fp8 x fp8 dot (quant.fp8_native_matmul, checked
@@ -479,7 +495,8 @@ def test_quantizing_a_quantized_checkpoint_again_is_refused(quantized_dirs):
         quantize_decoder(model, "int4")
 
 
-W8A8_IMPLS = ["xla", "pallas"]   # pallas: the w8a8_matmul kernel, in interpret mode on CPU
+# pallas: the w8a8_matmul kernel, interpreted on CPU, compiled on a GPU
+W8A8_IMPLS = ["xla", pytest.param("pallas", marks=pytest.mark.device)]
 
 
 @pytest.mark.parametrize("impl", W8A8_IMPLS)

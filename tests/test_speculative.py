@@ -205,7 +205,11 @@ def test_verify_is_exact(case):
 
 
 # ------------------------------------------------------------------------------------ the engine
-BUNDLED = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256)
+# float32: the assertions compare greedy tokens and logprobs (atol 1e-4) between engines. num_blocks:
+# 4 sequences of 256 tokens (+ the null block; what CPU sizes by itself), so that on a GPU the engines
+# alive at once (the module's fixtures and a test's own) do not each size a pool from the device's memory
+BUNDLED = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256,
+               num_blocks=4 * 256 // 16 + 1)
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
 # penalties see each accepted proposal (and, across rounds on the device, each round's tokens)
 PENALISED = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2, repetition_penalty=1.3,
@@ -251,9 +255,12 @@ def test_greedy_identical_bundled_mixed_and_preempted(method, bundled_reference)
     prompts at once (prefill chunks beside speculating rows) in a pool so small (4 sequences of up to
     81 tokens, 252 in all, in 11 blocks of 16) that running requests are preempted and recomputed."""
     prompts, ref, ref_penalised, _ = bundled_reference
-    # a Medusa row's tree takes 8 of the 16-token budget, so fewer rows grow at once: a smaller pool
-    g = Generator.from_pretrained(**BUNDLED, num_blocks=10 if method == "medusa" else 12, speculative_method=method,
-                                  num_speculative_tokens=3, speculative_max_batch=4)
+    # a Medusa row's tree takes 8 of the 16-token budget, so fewer rows grow at once: a smaller pool.
+    # The context is what the pool holds (a pool must hold one sequence of max_model_len): 144 or 176
+    # tokens, over the 81 of the longest sequence and its proposals
+    blocks = 10 if method == "medusa" else 12
+    g = Generator.from_pretrained(**{**BUNDLED, "num_blocks": blocks, "max_model_len": (blocks - 1) * 16},
+                                  speculative_method=method, num_speculative_tokens=3, speculative_max_batch=4)
     steps, drawn = [], []
     g.engine.add_step_observer(lambda t: steps.append(t.spans))
     update = g.engine.scheduler.update
@@ -404,7 +411,9 @@ def test_greedy_identical_under_a_grammar(method, guided_reference):
 
 @pytest.fixture(scope="module")
 def gpt2_reference(hf_model_dir):
-    kw = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128)
+    # float32 and an explicit pool, as BUNDLED
+    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+              num_blocks=4 * 128 // 16 + 1)
     rng = np.random.RandomState(0)
     base = rng.randint(3, 80, 12).tolist()
     prompts = [base + base[:5], rng.randint(3, 80, 7).tolist(), base * 2]
@@ -492,9 +501,10 @@ def _assert_matches(tokens: np.ndarray, marginals) -> None:
         assert _chi_square_p(np.bincount(tokens[:, j], minlength=v), marginals[j]) > P_MIN, j
 
 
-# speculation forced on: the load policy counts waiting sequences, and 1,024 samples wait here
-EXACT_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, num_speculative_tokens=2,
-                    speculative_max_batch=16 * 64)
+# speculation forced on: the load policy counts waiting sequences, and 1,024 samples wait here.
+# float32: the samples are tested against HF's float32 marginals; num_blocks: as BUNDLED
+EXACT_ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
+                    num_blocks=8 * 64 // 16 + 1, num_speculative_tokens=2, speculative_max_batch=16 * 64)
 
 
 def test_sampling_exact_ngram_and_garbage(hf_model_dir, exact_reference):

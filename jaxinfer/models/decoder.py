@@ -35,7 +35,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import AttentionMetadata, LayerKV
 from jaxinfer.layers import (MLP, Norm, alibi_slopes, apply_rope, dense, param, param_value, rope_inv_freq,
                              sinusoidal_embedding)
-from jaxinfer.quant import QuantizedWeight, quantize, quantize_fp8
+from jaxinfer.quant import QuantizedWeight, dot_precision, quantize, quantize_fp8
 
 
 class Attention(nnx.Module):
@@ -176,7 +176,7 @@ class Decoder(nnx.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         """Hidden states [N, D] -> float32 logits [N, vocab]."""
         w = self.embed.get_value().T if self.lm_head is None else self.lm_head.get_value()
-        return jnp.dot(h, w, preferred_element_type=jnp.float32)
+        return jnp.dot(h, w, preferred_element_type=jnp.float32, precision=dot_precision(h.dtype))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_pages: list[LayerKV] | None = None,
                  meta: AttentionMetadata | None = None, logits_indices: jax.Array | None = None,
