@@ -34,7 +34,7 @@ from serve.metrics import ServerMetrics
 from serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                             OpenAIError, TokenizeRequest, chat_body, chat_logprobs, completion_body,
                             completion_logprobs, new_id, now, usage)
-from serve.tools import AutoToolParser, ToolPlan, parse_forced, template_messages
+from serve.tools import AutoToolParser, ToolPlan, choice_finish_reason, forced_result, template_messages
 
 # The bundled model has no chat template of its own; this plain one is documented in the README.
 DEFAULT_CHAT_TEMPLATE = (
@@ -222,9 +222,11 @@ def _sse(obj: Any) -> str:
 
 class _ToolStream:
     """One streamed chat choice under a tool plan: its text -> the chunk deltas to send. Forced calls
-    (required / named) are buffered whole and sent when the output ends; "auto" streams content and
-    holds back what may be a <tool_call> block (serve.tools.AutoToolParser). A tool call goes out as
-    OpenAI does: a delta with its index, id, type and name (arguments ""), then one with the arguments."""
+    (required / named) are buffered whole and sent when the output ends (cut by max_tokens: the calls
+    written whole before the cut); "auto" streams content and holds back what may be a <tool_call>
+    block (serve.tools.AutoToolParser). A tool call goes out as OpenAI does: a delta with its index,
+    id, type and name (arguments ""), then one with the arguments. The finish_reason is the
+    non-streamed one (serve.tools.choice_finish_reason: "length" wins over "tool_calls")."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
@@ -241,14 +243,14 @@ class _ToolStream:
             out.append({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]})
         return out
 
-    def feed(self, text: str, finished: bool) -> list[dict]:
+    def feed(self, text: str, finished: bool, finish_reason: str | None = None) -> list[dict]:
         """The deltas to send for this piece of text (the last one carries the finish_reason; an
         empty delta {} where there is nothing to send)."""
         out: list[dict] = []
         if self.auto is None:
             self.buffer += text
             if finished:
-                calls = parse_forced(self.buffer, self.plan)
+                _, calls = forced_result(self.buffer, self.plan, finish_reason)
                 out = self._call_deltas(calls) if calls else ([{"content": self.buffer}] if self.buffer else [])
         else:
             content, calls = self.auto.feed(text)
@@ -261,7 +263,7 @@ class _ToolStream:
         return out or [{}]
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.n_calls else reason
+        return choice_finish_reason(reason, self.n_calls > 0)
 
 
 def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_queue: int = 1024,
@@ -406,7 +408,8 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
                             continue
                         lp = chat_logprobs([d], state.token_str) if req.logprobs else None
                         ts = tools[d.sample_index]
-                        deltas = [{"content": d.text} if d.text else {}] if ts is None else ts.feed(d.text, d.finished)
+                        deltas = [{"content": d.text} if d.text else {}] if ts is None else \
+                            ts.feed(d.text, d.finished, d.finish_reason)
                         finish = (ts.finish_reason(d.finish_reason) if ts else d.finish_reason) if d.finished else None
                         for j, delta in enumerate(deltas):
                             last = j == len(deltas) - 1

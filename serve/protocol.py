@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 from jaxinfer.config import SamplingParams, SamplingParamsError, StructuredOutputs
-from serve.tools import ToolPlan, ToolSpecError, check_message_tool_calls, parse_output, plan_tools
+from serve.tools import ToolPlan, ToolSpecError, check_message_tool_calls, parse_choice, plan_tools
 
 log = logging.getLogger("jaxinfer.serve")
 
@@ -479,11 +479,12 @@ def completion_body(rid: str, created: int, model: str, groups: list[list], n_pr
 
 def chat_message(text: str, finish_reason: str | None, plan: ToolPlan | None) -> tuple[dict, str | None]:
     """A chat choice's message and finish_reason: tool calls parsed out of the text under the
-    request's tool plan (serve.tools) come back as tool_calls with finish_reason "tool_calls"."""
-    content, calls = parse_output(text, plan)
+    request's tool plan (serve.tools) come back as tool_calls with finish_reason "tool_calls", or
+    "length" where max_tokens cut the output (the calls written whole before the cut)."""
+    content, calls, finish_reason = parse_choice(text, plan, finish_reason)
     if not calls:
         return {"role": "assistant", "content": text}, finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": content, "tool_calls": calls}, finish_reason
 
 
 def chat_body(rid: str, created: int, model: str, groups: list[list], n_prompt: int, token_str,

@@ -11,8 +11,16 @@ tool_choice:
   "required"  decoding constrained by a JSON schema: with parallel_tool_calls (the default) an array
               (at least one item) of {"name": <a tool>, "arguments": <its parameters>}; without, one
               such object; the output is parsed into tool_calls;
-  {"type": "function", "function": {"name": F}}   as "required" with F the only tool allowed.
-The default when tools are given is "auto" ("none" without tools), as in OpenAI's API.
+  {"type": "function", "function": {"name": F}}   exactly one call of F, whatever parallel_tool_calls
+              says (as OpenAI and vLLM answer it): one {"name": F, "arguments": <F's parameters>}.
+The default when tools are given is "auto" ("none" without tools), as in OpenAI's API. A function
+without `parameters` takes none: its arguments are {} (OpenAI: "an empty parameter list").
+
+An output cut by max_tokens ends with finish_reason "length", calls or not (as OpenAI does, and as
+vLLM's fixes for its "tool_calls" relabelling of cut turns settled on): a client must be able to tell
+a finished turn from a cut one before it runs anything. The calls written whole before the cut come
+back as tool_calls (each one's arguments valid JSON); the one being written when the cut came is
+dropped ("required") or stays content ("auto", whose streamed calls went out as they completed).
 
 Chat templates that mention `tools` (HF templates with tool support) get `tools=[...]` and the
 messages with their `tool_calls` / `tool_call_id`; other templates get the plain rendering below:
@@ -60,16 +68,20 @@ class ToolPlan:
     def parses(self) -> bool:
         return self.mode != "none"
 
+    @property
+    def array(self) -> bool:
+        """A forced output is an array of calls ("required" with parallel_tool_calls), else one call."""
+        return self.mode == "required" and self.parallel
+
     def schema(self) -> dict:
         """The JSON schema that constrains a forced call (modes required and named)."""
         chosen = [t for t in self.tools if self.mode != "named" or t["function"]["name"] == self.name]
         options = [{"type": "object",
                     "properties": {"name": {"const": t["function"]["name"]},
-                                   "arguments": t["function"].get("parameters") or {"type": "object",
-                                                                                    "properties": {}}},
+                                   "arguments": t["function"]["parameters"]},
                     "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
         one = options[0] if len(options) == 1 else {"anyOf": options}
-        return {"type": "array", "minItems": 1, "items": one} if self.parallel else one
+        return {"type": "array", "minItems": 1, "items": one} if self.array else one
 
 
 def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolPlan | None:
@@ -101,7 +113,9 @@ def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolPl
         fn = {"name": name}
         if desc is not None:
             fn["description"] = desc
-        fn["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+        # a function declared without parameters takes none: its arguments are {} and nothing else
+        fn["parameters"] = params if params is not None else {"type": "object", "properties": {},
+                                                              "additionalProperties": False}
         if f.get("strict") is not None:
             fn["strict"] = f["strict"]
         checked.append({"type": "function", "function": fn})
@@ -206,6 +220,12 @@ def make_call(name: str, arguments: Any) -> dict:
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
+def _forced_call(item: Any, plan: ToolPlan) -> dict | None:
+    if not (isinstance(item, dict) and item.get("name") in plan.names and isinstance(item.get("arguments"), dict)):
+        return None
+    return make_call(item["name"], item["arguments"])
+
+
 def parse_forced(text: str, plan: ToolPlan) -> list[dict] | None:
     """The tool calls of a constrained (required / named) output, or None where it does not parse
     (the output was cut by max_tokens)."""
@@ -214,12 +234,39 @@ def parse_forced(text: str, plan: ToolPlan) -> list[dict] | None:
     except (json.JSONDecodeError, RecursionError):
         return None
     items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if not (isinstance(item, dict) and item.get("name") in plan.names and isinstance(item.get("arguments"), dict)):
-            return None
-        calls.append(make_call(item["name"], item["arguments"]))
-    return calls or None
+    calls = [_forced_call(item, plan) for item in items]
+    return calls if calls and None not in calls else None
+
+
+_JSON_WS = " \t\n\r"
+
+
+def complete_calls(text: str, plan: ToolPlan) -> list[dict]:
+    """The calls a forced array output holds whole before the point where it was cut: the items of
+    `[{call},{call},{"name":...` up to the first one that does not parse. [] for one-call forms."""
+    if not plan.array:
+        return []
+    decoder, calls = json.JSONDecoder(), []
+    i = len(text) - len(text.lstrip(_JSON_WS))
+    if not text.startswith("[", i):
+        return []
+    i += 1
+    while True:
+        while i < len(text) and text[i] in _JSON_WS:
+            i += 1
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except (json.JSONDecodeError, RecursionError):
+            return calls
+        call = _forced_call(item, plan)
+        if call is None:
+            return calls
+        calls.append(call)
+        while i < len(text) and text[i] in _JSON_WS:
+            i += 1
+        if not text.startswith(",", i):
+            return calls
+        i += 1
 
 
 def _parse_block(body: str, plan: ToolPlan) -> dict | None:
@@ -322,11 +369,30 @@ def parse_auto(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
     return (content if content or not calls else None), calls
 
 
-def parse_output(text: str, plan: ToolPlan | None) -> tuple[str | None, list[dict]]:
+def forced_result(text: str, plan: ToolPlan, finish_reason: str | None) -> tuple[str | None, list[dict]]:
+    """A whole forced (required / named) output -> (content, calls): the calls when it parses; cut by
+    max_tokens, the calls written whole before the cut (content None) or, with none, the text."""
+    calls = parse_forced(text, plan) or (complete_calls(text, plan) if finish_reason == "length" else [])
+    return (None, calls) if calls else (text, [])
+
+
+def parse_output(text: str, plan: ToolPlan | None, finish_reason: str | None = None) -> tuple[str | None, list[dict]]:
     """A chat choice's text -> (content, tool calls) under the request's plan."""
     if plan is None or not plan.parses:
         return text, []
     if plan.constrained:
-        calls = parse_forced(text, plan)
-        return (None, calls) if calls else (text, [])
+        return forced_result(text, plan, finish_reason)
     return parse_auto(text, plan)
+
+
+def choice_finish_reason(finish_reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's finish_reason for a chat choice: "length" wins (a cut turn is never reported as
+    finished calls); otherwise calls make it "tool_calls"."""
+    return "tool_calls" if has_calls and finish_reason != "length" else finish_reason
+
+
+def parse_choice(text: str, plan: ToolPlan | None,
+                 finish_reason: str | None) -> tuple[str | None, list[dict], str | None]:
+    """A chat choice's whole text and the engine's finish_reason -> (content, tool calls, finish_reason)."""
+    content, calls = parse_output(text, plan, finish_reason)
+    return content, calls, choice_finish_reason(finish_reason, bool(calls))

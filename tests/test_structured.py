@@ -6,11 +6,14 @@ References, all outside the code under test:
     iff its text, decoded by the tokenizer itself, is a non-empty prefix of one of the choices;
   - generated outputs validated by the `jsonschema` package, `re.fullmatch` and the choice list;
   - mixed batches against each request run alone (batch invariance);
-  - logit_bias: +100 on a token makes greedy emit only it, -100 on greedy's first token bans it.
+  - logit_bias: +100 on a token makes greedy emit only it, -100 on greedy's first token bans it;
+  - bounded JSON (issue 44): the number bound against the README's digit counts (within_bounds), its
+    masks against brute force over the vocabulary, sampled numbers' text through json's parse hooks.
 The API layer (response_format, guided_*, tools) is tested in test_structured_api.py.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -230,6 +233,154 @@ def test_masks_after_proposals_match_fresh_matchers(tokenizers, kind):
     assert guide.consumed == 1 and not guide.failed
 
 
+# ----------------------------------------------------------------------------- bounded JSON (issue 44)
+# The documented bounds (README, host/structured.py), restated here as digit counts: an integer has at
+# most 20 digits; a number with a fraction or an exponent at most 17 mantissa digits (a leading "0."
+# not counted; where all 17 are used the fraction's last digit is not 0) and at most 3 exponent digits.
+NUMBER_TEXT = re.compile(r"-?(0|[1-9][0-9]*)(?:\.([0-9]+))?(?:[eE][+-]?([0-9]+))?")
+
+
+def within_bounds(number: str) -> bool:
+    int_part, frac, exp = NUMBER_TEXT.fullmatch(number).groups()
+    if frac is None and exp is None:
+        return len(int_part) <= 20
+    mantissa = (int_part if int_part != "0" else "") + (frac or "")
+    if len(mantissa) > 17 or (len(mantissa) == 17 and frac is not None and frac.endswith("0")):
+        return False
+    return exp is None or len(exp) <= 3
+
+
+def numbers_of(text: str) -> list[str]:
+    """The text of every number in a JSON document, as written (json's parse hooks see it raw)."""
+    seen: list[str] = []
+    json.loads(text, parse_int=lambda x: seen.append(x) or int(x), parse_float=lambda x: seen.append(x) or float(x))
+    return seen
+
+
+@functools.lru_cache(maxsize=4)
+def _single_char_tokens(tok) -> dict[str, int]:
+    by_text: dict[str, int] = {}
+    for t in range(tok.vocab_size):
+        s = _token_text(tok, t)
+        if s and len(s) == 1 and "\ufffd" not in s:
+            by_text.setdefault(s, t)
+    return by_text
+
+
+def _char_tokens(tok, text: str) -> list[int]:
+    """text spelled one character per token: for each character, a token whose decoded text is exactly it."""
+    by_text = _single_char_tokens(tok)
+    return [by_text[c] for c in text]
+
+
+def _accepts_whole(matcher, tokens: list[int]) -> bool:
+    """A matcher takes every token and may end there; its state is left as it was."""
+    n = matcher.validate_tokens(tokens)
+    if n != len(tokens):
+        return False
+    assert matcher.try_consume_tokens(tokens) == n
+    ok = matcher.is_accepting()
+    matcher.rollback(n)
+    return ok
+
+
+def test_number_bound_is_the_documented_language(tokenizers):
+    """The bound a JSON output walks (Guide.bound) against the digit counts above, over 400 random valid
+    JSON numbers of every shape and length around the limits, inside objects and inside strings."""
+    tok = tokenizers["sentencepiece"]
+    g = Grammars(tok, tok.vocab_size, tok.eos_ids)
+    guide = g.guide(g.compile(StructuredOutputs(json_object=True)))
+    rng = np.random.RandomState(0)
+    digits = lambda n: "".join(rng.choice(list("0123456789"), n))  # noqa: E731
+    cases = []
+    for _ in range(400):
+        n_int, n_frac, n_exp = rng.randint(1, 23), rng.choice([0, 0, *range(1, 21)]), rng.choice([0, 0, *range(1, 6)])
+        int_part = "0" if rng.rand() < 0.3 else str(rng.randint(1, 10)) + digits(n_int - 1)
+        number = ("-" if rng.rand() < 0.5 else "") + int_part + (f".{digits(n_frac)}" if n_frac else "") + \
+            (f"{rng.choice(['e', 'E'])}{rng.choice(['', '+', '-'])}{digits(n_exp)}" if n_exp else "")
+        cases.append(number)
+    cases += ["0." + "1" * 17, "0." + "1" * 16 + "0", "1." + "2" * 16, "1." + "2" * 15 + "0", "1" * 20, "1" * 21,
+              "1" * 17 + "e5", "1" * 18 + "e5", "1.5e308", "1.5e1234", "-0", "0.0", "12345678901234567.5"]
+    verdicts = set()
+    for number in cases:
+        want = within_bounds(number)
+        verdicts.add(want)
+        for text in (number, '{"a":' + number + "}", "[" + number + "," + number + "]"):
+            assert _accepts_whole(guide.bound, _char_tokens(tok, text)) == want, text
+        # inside a string a number's digits are free
+        assert _accepts_whole(guide.bound, _char_tokens(tok, '{"a":"' + number * 3 + '"}'))
+    assert verdicts == {True, False}
+
+
+def _viable(prefix: str) -> bool:
+    """`{"a": <number>}` (compact, the number within the bounds) can still be completed from prefix: by
+    nothing, "}" or "1}" (a viable prefix needs at most one more digit and the brace)."""
+    for end in ("", "}", "1}"):
+        text = prefix + end
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict) and list(value) == ["a"] and not any(c.isspace() for c in text) and \
+                isinstance(value["a"], (int, float)) and all(within_bounds(n) for n in numbers_of(text)):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "bytelevel"])
+def test_number_masks_match_brute_force(tokenizers, kind):
+    """Grammars.fill's mask (the schema's AND the number bound's) for `{"a": number}` where the bound
+    decides (a fraction one digit short of the limit, a full 20-digit integer, an exponent, the start of
+    the number) against brute force over the vocabulary: a token is allowed iff the text so far plus its
+    text (the tokenizer's own decode) can still complete a valid bounded object. fill_paths gives the
+    same masks after the same tokens as proposals."""
+    tok = tokenizers[kind]
+    v = tok.vocab_size + 5      # a model vocabulary wider than the tokenizer's
+    g = Grammars(tok, v, tok.eos_ids)
+    schema = {"type": "object", "properties": {"a": {"type": "number"}}, "required": ["a"],
+              "additionalProperties": False}
+    grammar = g.compile(StructuredOutputs(json=schema))
+    texts = {t: _token_text(tok, t) for t in range(tok.vocab_size)}
+    words = (v + 31) // 32
+    for prefix in ['{"a":', '{"a":-0.' + "3" * 16, '{"a":' + "7" * 20, '{"a":2.5e1', '{"a":9' + "0" * 15 + "."]:
+        tokens = _char_tokens(tok, prefix)
+        guide = g.guide(grammar)
+        for t in tokens:
+            assert not guide.consume(t)
+        mask = np.full((2, words), 7, np.int32)
+        g.fill([(guide, 1)], mask)
+        bits = np.unpackbits(mask[1].view(np.uint8), bitorder="little")[:v].astype(bool)
+        want = np.array([bool(s) and "\ufffd" not in s and _viable(prefix + s) for s in texts.values()])
+        special = [t for t, s in texts.items() if s is None]
+        want[special] = bits[special]           # EOS and control tokens: the grammar's business
+        np.testing.assert_array_equal(bits[:tok.vocab_size], want, err_msg=prefix)
+        assert not bits[tok.vocab_size:].any() and (mask[0] == 7).all()
+        # the same masks from speculation paths walked from the first token
+        first = g.guide(grammar)
+        first.consume(tokens[0])
+        table = np.zeros((1, len(tokens) - 1, words), np.int32)
+        g.fill_paths([(first, 0, [tokens[1:j + 1] for j in range(1, len(tokens))])], table)
+        np.testing.assert_array_equal(table[0, -1], mask[1], err_msg=prefix)
+        assert first.consumed == 1 and first.valid_prefix(tokens[1:]) == len(tokens) - 1
+
+
+def test_json_whitespace_and_separators_are_bounded(tokenizers):
+    """Compact JSON has no whitespace even where the schema's own x-guidance asks for it; flexible JSON
+    allows one run of up to 16 whitespace characters between tokens, not 17."""
+    tok = tokenizers["sentencepiece"]
+    g = Grammars(tok, tok.vocab_size, tok.eos_ids)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "x-guidance": {"whitespace_pattern": " +", "item_separator": " *, *"}}
+    compact = g.guide(g.compile(StructuredOutputs(json=schema)))
+    flexible = g.guide(g.compile(StructuredOutputs(json=schema, whitespace_flexible=True)))
+    for ws, compact_ok, flexible_ok in [("", True, True), (" ", False, True), ("\n" + " " * 15, False, True),
+                                        (" " * 17, False, False)]:
+        for text in ("{" + ws + '"a":1}', '{"a":' + ws + "1" + ws + "}"):
+            tokens = _char_tokens(tok, text)
+            assert (compact.valid_prefix(tokens) == len(tokens)) == compact_ok, repr(text)
+            assert (flexible.valid_prefix(tokens) == len(tokens)) == flexible_ok, repr(text)
+
+
 # ----------------------------------------------------------------------------- the engine
 
 SCHEMAS = [
@@ -356,3 +507,57 @@ def test_bad_grammar_and_bias_are_refused_naming_the_field(gen):
         engine.add_request([1, 5, 6], SamplingParams(logit_bias={10**6: 1.0}))
     assert e.value.param == "logit_bias"
     assert not engine.has_unfinished()
+
+
+NUMERIC = [
+    {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                      "score": {"type": "number", "minimum": -1, "maximum": 1}},
+     "required": ["ok", "score"], "additionalProperties": False},
+    {"type": "object", "properties": {"x": {"type": "number"}, "n": {"type": "integer"}}, "required": ["x", "n"],
+     "additionalProperties": False},
+    {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+]
+
+
+def test_sampled_json_numbers_stay_within_the_bounds(gen):
+    """Numbers under temperature 1.0 end within the documented digits (the issue's `score` in [-1, 1]
+    ran on as 0.19006017000161926111941615076...): every output stops, parses, validates, and each
+    number's text is within the bounds. The longest possible output here is 57 bytes (the second schema:
+    `{"x":` 5 + a number's 25 (-0. 17 digits e- 3 digits) + `,"n":` 5 + an integer's 21 + `}`), so 58
+    tokens (one for an end-of-sequence) always hold it."""
+    params = [SamplingParams(max_tokens=58, temperature=1.0, seed=seed, structured_outputs=StructuredOutputs(json=sc))
+              for sc in NUMERIC for seed in range(6)]
+    outs = gen.generate(["Numbers:"] * len(params), params)
+    lengths = []
+    for p, o in zip(params, outs):
+        c = o.samples[0]
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), json.loads(p.structured_outputs.json))
+        numbers = numbers_of(c.text)
+        assert numbers and all(within_bounds(n) for n in numbers), c.text
+        lengths += [len(n) for n in numbers]
+    assert max(lengths) > 12          # the model does write long numbers: the bound is what stops them
+
+
+def test_a_grammar_that_needs_more_digits_wins(tokenizers, caplog):
+    """Where the grammar requires more digits than the bound allows (llguidance 1.9.1 compiles no such
+    JSON schema: it refuses ranges past 64-bit integers, and 17 digits tell any two float64 apart; a
+    25-digit regex stands in, walked as JSON), the two masks share no token: the grammar's mask alone
+    applies, the bound is dropped with a warning, and the output is the grammar's."""
+    import dataclasses
+    tok = tokenizers["sentencepiece"]
+    g = Grammars(tok, tok.vocab_size, tok.eos_ids)
+    grammar = dataclasses.replace(g.compile(StructuredOutputs(regex="1{25}")), json=True)
+    guide = g.guide(grammar)
+    mask = np.zeros((1, (tok.vocab_size + 31) // 32), np.int32)
+    text, done = "", False
+    with caplog.at_level("WARNING", logger="jaxinfer"):
+        while not done:
+            g.fill([(guide, 0)], mask)
+            allowed = np.nonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:tok.vocab_size])[0]
+            assert len(allowed) >= 1
+            t = int(min(allowed, key=lambda t: len(_token_text(tok, t) or "x" * 99)))
+            text += _token_text(tok, t)
+            done = guide.consume(t)
+            assert (guide.bound is None) == (len(text) > 20), text
+    assert text == "1" * 25 and not guide.failed and "digit bounds" in caplog.text

@@ -1,7 +1,8 @@
 """Structured outputs, logit_bias and tool calls through the OpenAI API (issue #18, the API layer).
 
 Two parts. Unit tests of the request -> SamplingParams mapping, the tool-call schema, rendering and
-parsing (no engine). Then the real server with the official `openai` client: one module-scoped
+parsing (no engine), with issue 44's named tool_choice (one call) and "length" over "tool_calls" for a
+cut turn. Then the real server with the official `openai` client: one module-scoped
 server (16-token step budget, compiled once) that serves every constrained request. Expected values
 come from outside the code under test: jsonschema validation, re.fullmatch, the request's own tool
 schemas, and the SentencePiece model file for token pieces.
@@ -17,7 +18,8 @@ import pytest
 
 from jaxinfer.config import StructuredOutputs
 from serve.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
-from serve.tools import AutoToolParser, ToolSpecError, parse_auto, parse_forced, plan_tools, template_messages
+from serve.tools import (AutoToolParser, ToolSpecError, complete_calls, parse_auto, parse_choice, parse_forced,
+                         plan_tools, template_messages)
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -172,10 +174,16 @@ def test_forced_call_schema_accepts_exactly_the_tools_calls():
     assert _valid(w, single) and _valid(t, single) and not _valid([w], single)
     named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_time"}}, False).schema()
     assert _valid(t, named) and not _valid(w, named)
-    named_many = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_time"}}, True).schema()
-    assert _valid([t, t], named_many) and not _valid([t, w], named_many)
+    # a named function is exactly one call of it, parallel_tool_calls or not (issue 44: it was an array of
+    # any number of them, and the model wrote them until max_tokens)
+    for parallel in (True, None):
+        named_many = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_time"}}, parallel).schema()
+        assert _valid(t, named_many) and not _valid([t, t], named_many) and not _valid([t], named_many)
+        assert not _valid(w, named_many)
     no_params = plan_tools([{"type": "function", "function": {"name": "ping"}}], "required", False).schema()
     assert _valid({"name": "ping", "arguments": {}}, no_params)
+    # a function declared without parameters takes none (OpenAI: "an empty parameter list")
+    assert not _valid({"name": "ping", "arguments": {"x": 1}}, no_params)
 
 
 def test_forced_and_auto_outputs_parse_into_tool_calls():
@@ -200,6 +208,67 @@ def test_forced_and_auto_outputs_parse_into_tool_calls():
         assert parse_auto(plain, auto) == (plain, []), plain
     one = plan_tools(TOOLS, "auto", False)
     assert len(parse_auto(text, one)[1]) == 1
+
+
+def _calls(calls) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_a_cut_forced_array_keeps_its_complete_calls():
+    """An array of forced calls cut anywhere by max_tokens: the calls whose JSON closed before the cut
+    (known here from how the text was built), each with valid arguments; one-call forms have none."""
+    items = [{"name": "get_weather", "arguments": {"city": "rome", "days": 2}},
+             {"name": "get_time", "arguments": {"zone": "utc"}},
+             {"name": "get_weather", "arguments": {"city": "oslo", "days": 7}}]
+    plan = plan_tools(TOOLS, "required", None)
+    for sep in (",", ", "):
+        parts = [json.dumps(item, separators=(sep, ":")) for item in items]
+        text = "[" + sep.join(parts) + "]"
+        ends = [len("[" + sep.join(parts[:i + 1])) for i in range(len(parts))]   # where each call closes
+        for cut in range(len(text)):
+            want = [(it["name"], it["arguments"]) for it, end in zip(items, ends) if end <= cut]
+            assert _calls(complete_calls(text[:cut], plan)) == want, text[:cut]
+        assert _calls(parse_forced(text, plan)) == [(it["name"], it["arguments"]) for it in items]
+    assert complete_calls('[{"name": "nope", "arguments": {}}, {"name": "get_time"', plan) == []
+    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None)
+    assert complete_calls('{"name": "get_time", "arguments": {"zone": "u', named) == []
+
+
+def test_finish_reason_length_wins_over_tool_calls():
+    """The decision on a turn cut by max_tokens (serve.tools docstring): finish_reason "length" with the
+    calls written whole before the cut, for required, auto and named, streamed or not."""
+    required = plan_tools(TOOLS, "required", None)
+    cut = '[{"name": "get_time", "arguments": {"zone": "cet"}}, {"name": "get_weather", "arguments": {"ci'
+    content, calls, reason = parse_choice(cut, required, "length")
+    assert content is None and reason == "length" and _calls(calls) == [("get_time", {"zone": "cet"})]
+    whole = cut[:cut.index("}}") + 2] + "]"
+    assert parse_choice(whole, required, "stop")[2] == "tool_calls"
+    # nothing whole before the cut: the text, as before
+    assert parse_choice(cut[:30], required, "length") == (cut[:30], [], "length")
+    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None)
+    assert parse_choice('{"name": "get_time", "arg', named, "length") == ('{"name": "get_time", "arg', [], "length")
+    auto = plan_tools(TOOLS, "auto", None)
+    text = 'Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call> <tool_call>{"name": "get_w'
+    content, calls, reason = parse_choice(text, auto, "length")
+    assert reason == "length" and _calls(calls) == [("get_time", {"zone": "utc"})]
+    block = '<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'
+    assert content == text.replace(block, "")      # the unfinished block stays content, as it always has
+    assert parse_choice(text[:text.index(" <tool_call>{\"name\": \"get_w")], auto, "stop")[2] == "tool_calls"
+
+    # streamed, in pieces of every size: the same calls and finish_reason as the whole text
+    from serve.app import _ToolStream
+    for plan, t in ((required, cut), (auto, text)):
+        want_content, want_calls, want_reason = parse_choice(t, plan, "length")
+        for size in (1, 3, 7, len(t)):
+            ts, deltas = _ToolStream(plan), []
+            pieces = [t[i:i + size] for i in range(0, len(t), size)]
+            for i, piece in enumerate(pieces):
+                last = i == len(pieces) - 1
+                deltas += ts.feed(piece, last, "length" if last else None)
+            streamed = [(d["tool_calls"][0]["function"]["name"], json.loads(n["tool_calls"][0]["function"]["arguments"]))
+                        for d, n in zip(deltas, deltas[1:]) if "tool_calls" in d and "id" in d["tool_calls"][0]]
+            assert streamed == _calls(want_calls) and ts.finish_reason("length") == want_reason
+            assert ("".join(d.get("content") or "" for d in deltas) or None) == want_content
 
 
 def test_auto_parser_streams_the_same_result_at_any_split():

@@ -27,6 +27,24 @@ forced text then costs one step for up to k tokens instead of one step per token
 "jump-forward", made exact by the verification: where the forced bytes can be spelled more than
 one way, the model's own choice wins). The draft model proposes inside the step, where no matcher
 runs: constrained rows of a draft-model engine decode one token per step.
+
+JSON stays finite under any sampling. llguidance's JSON compiler bounds a number's value (minimum,
+maximum) but not its digits: `{"type": "number"}`, and even a bounded range, admit
+`0.1900601700016192611194...` forever, and its options (separators, whitespace, oneOf coercion,
+lenient) say nothing about numbers. So a JSON output also walks a second, regular grammar over the
+whole text (number_bound_regex: strings pass untouched, every number outside them is bounded) and a
+row's mask is the AND of the two. An integer has at most MAX_INTEGER_DIGITS digits (u64 and i64
+fit); a number with a fraction or an exponent at most MAX_MANTISSA_DIGITS digits before its
+exponent (what a float64 round-trips; a leading "0." not counted; a fraction using all 17 does not
+end in 0) and an exponent of at most MAX_EXPONENT_DIGITS digits. Where a grammar needs more digits
+the two masks share no token: the grammar wins, that row's bound is dropped and a warning logged
+(no JSON schema llguidance 1.9 compiles needs more: it refuses ranges past 64-bit integers, and 17
+digits tell any two float64 apart).
+Whitespace between tokens is none (compact JSON) or, with whitespace_flexible, one run of at most
+MAX_JSON_WHITESPACE characters (llguidance's whitespace_pattern, matched once per position); the
+schema's own "x-guidance" separators and whitespace are overridden, so neither can run on. Strings
+without maxLength, arrays without maxItems and objects open to additional properties remain
+unbounded: the schema allows them.
 """
 from __future__ import annotations
 
@@ -34,6 +52,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -43,6 +62,11 @@ from ..config import StructuredOutputs
 log = logging.getLogger("jaxinfer")
 
 GRAMMAR_CACHE = 256   # compiled grammars kept per engine (a server sees the same schema many times)
+
+MAX_INTEGER_DIGITS = 20    # an integer in JSON output (every u64 and i64 fits)
+MAX_MANTISSA_DIGITS = 17   # a number with a fraction or an exponent: a float64's round-trip digits
+MAX_EXPONENT_DIGITS = 3    # float64's exponent runs to 308
+MAX_JSON_WHITESPACE = 16   # whitespace_flexible: one run of up to this many between tokens
 
 
 class StructuredOutputError(ValueError):
@@ -54,11 +78,50 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def number_bound_regex() -> str:
+    """A regular language over a whole JSON text (any text that llguidance's JSON grammar allows),
+    in which every number outside a string has the bounded digits above; strings, literals and
+    punctuation pass as they are. A number must be followed by one of `,]}` or whitespace (or end
+    the text), so one number cannot continue as a second."""
+    m = MAX_MANTISSA_DIGITS
+
+    def digits(n: int) -> str:
+        # up to n fraction digits, the n-th not 0: llguidance writes a number in a range without
+        # trailing zeros, so a fraction ending in 0 at the limit could neither go on nor end
+        return rf"[0-9]{{{n - 1}}}[1-9]" + (rf"|[0-9]{{1,{n - 1}}}" if n > 1 else "")
+
+    integer = rf"-?(?:0|[1-9][0-9]{{0,{MAX_INTEGER_DIGITS - 1}}})"
+    # a fraction: at most m digits in all (a leading "0." not counted); k + 1 of them before the point
+    fraction = "|".join([rf"0\.(?:{digits(m)})"] +
+                        [rf"[1-9][0-9]{{{k}}}\.(?:{digits(m - 1 - k)})" for k in range(m - 1)])
+    exponent = rf"[eE][+-]?[0-9]{{1,{MAX_EXPONENT_DIGITS}}}"
+    decimal = rf"-?(?:(?:{fraction})(?:{exponent})?|(?:0|[1-9][0-9]{{0,{m - 1}}}){exponent})"
+    number = rf"(?:{integer}|{decimal})"
+    string = r'"(?:[^"\\]|\\.)*"'
+    return rf'(?:[^"0-9\-]|{string}|{number}[,\]}}\x20\x0A\x0D\x09])*(?:{number})?'
+
+
+def json_options(whitespace_flexible: bool) -> dict:
+    """llguidance's JSON compile options, applied over the schema's own "x-guidance": compact
+    separators, and whitespace none or one bounded run."""
+    ws = rf"[\x20\x0A\x0D\x09]{{1,{MAX_JSON_WHITESPACE}}}" if whitespace_flexible else None
+    return {"item_separator": ",", "key_separator": ":", "whitespace_flexible": bool(whitespace_flexible),
+            "whitespace_pattern": ws}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled spec: llguidance's grammar text, and whether its output is JSON (and so also walks
+    the number bound)."""
+    text: str
+    json: bool
+
+
 def grammar_text(spec: StructuredOutputs) -> str:
     """The llguidance grammar (its JSON form) for a spec; StructuredOutputError when it cannot be built.
     Not yet checked against a tokenizer (Grammars.compile does that)."""
     import llguidance as llg
-    options = {"whitespace_flexible": bool(spec.whitespace_flexible)}
+    options = json_options(spec.whitespace_flexible)
     try:
         if spec.json is not None or spec.json_object:
             schema: Any = {"type": "object"} if spec.json_object else json.loads(spec.json)
@@ -132,10 +195,12 @@ class _SentencePieceWrapper:
 
 
 class Guide:
-    """One sample's grammar matcher, fed the sample's tokens as they are drawn."""
+    """One sample's grammar matcher, fed the sample's tokens as they are drawn; a JSON output's also
+    has the number bound's matcher (`bound`, None otherwise or once the schema needed more digits)."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, bound=None):
         self.matcher = matcher
+        self.bound = bound
         self.done: list[bool] = []   # per output token consumed: did it end the output
 
     @property
@@ -151,6 +216,12 @@ class Guide:
             self.done.append(True)
         else:
             self.done.append(m.is_stopped())
+        b = self.bound
+        if b is not None and (not b.consume_token(token) or b.is_error()):
+            # drawn under the grammar's mask alone (Grammars.fill found no token both allow)
+            log.warning("structured output: the schema needs a number longer than the digit bounds; "
+                        "this output's numbers are no longer bounded")
+            self.bound = None
         return self.done[-1]
 
     def at(self, index: int, token: int) -> bool:
@@ -171,9 +242,14 @@ class Guide:
         return self.matcher.compute_ff_tokens()
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
-        """How many of `tokens`, in order, the grammar accepts from its current state (the state is
-        unchanged)."""
-        return self.matcher.validate_tokens(list(tokens)) if tokens else 0
+        """How many of `tokens`, in order, the grammar (and the number bound) accept from the current
+        state (the state is unchanged)."""
+        if not tokens:
+            return 0
+        n = self.matcher.validate_tokens(list(tokens))
+        if self.bound is not None and n:
+            n = self.bound.validate_tokens(list(tokens[:n]))
+        return n
 
 
 class Grammars:
@@ -186,7 +262,8 @@ class Grammars:
         self.eos_ids = list(eos_ids)
         self._lltok = None
         self._executor = None
-        self._cache: OrderedDict[StructuredOutputs, str] = OrderedDict()
+        self._cache: OrderedDict[StructuredOutputs, Grammar] = OrderedDict()
+        self._number_bound: str | None = None   # number_bound_regex as llguidance's grammar
         self._lock = threading.Lock()
 
     @property
@@ -205,66 +282,86 @@ class Grammars:
             self._executor = llg.LLExecutor()
         return self._lltok
 
-    def compile(self, spec: StructuredOutputs) -> str:
+    def compile(self, spec: StructuredOutputs) -> Grammar:
         """The spec's grammar, checked against this tokenizer (cached); StructuredOutputError if not."""
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
         import llguidance as llg
-        grammar = grammar_text(spec)
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.lltokenizer)
+        text = grammar_text(spec)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, self.lltokenizer)
         if is_error:
             raise StructuredOutputError(f"invalid {spec.kind}: {messages[0] if messages else 'does not compile'}")
+        grammar = Grammar(text, json=spec.json is not None or spec.json_object)
         with self._lock:
             self._cache[spec] = grammar
             while len(self._cache) > GRAMMAR_CACHE:
                 self._cache.popitem(last=False)
         return grammar
 
-    def guide(self, grammar: str) -> Guide:
+    def guide(self, grammar: Grammar) -> Guide:
         import llguidance as llg
-        m = llg.LLMatcher(self.lltokenizer, grammar, log_level=0)
+        m = llg.LLMatcher(self.lltokenizer, grammar.text, log_level=0)
         if m.is_error():
             raise StructuredOutputError(m.get_error())
-        return Guide(m)
+        if not grammar.json:
+            return Guide(m)
+        if self._number_bound is None:
+            self._number_bound = llg.LLMatcher.grammar_from_regex(number_bound_regex())
+        return Guide(m, llg.LLMatcher(self.lltokenizer, self._number_bound, log_level=0))
 
     def fill(self, guides: list[tuple[Guide, int]], mask: np.ndarray) -> None:
         """mask[row] = the next-token mask of each (guide, row), computed in parallel (llguidance's
-        thread pool, outside the GIL). Rows not listed are left as they are."""
+        thread pool, outside the GIL): the grammar's, AND the number bound's where the guide has one
+        and the two share a token. Rows not listed are left as they are."""
         import llguidance.numpy as lln
         words = mask_words(self.lltokenizer.vocab_size)
-        if words == mask.shape[1]:
-            lln.fill_next_token_bitmask_par(self._executor, [(g.matcher, row) for g, row in guides], mask)
-            return
-        # the model's vocabulary differs from the tokenizer's (padded embeddings): ids past the
+        bounded = [(i, g.bound) for i, (g, _) in enumerate(guides) if g.bound is not None]
+        n = len(guides)
+        tmp = np.full((n + len(bounded), words), -1, np.int32)
+        lln.fill_next_token_bitmask_par(
+            self._executor, [(g.matcher, i) for i, (g, _) in enumerate(guides)] +
+            [(b, n + j) for j, (_, b) in enumerate(bounded)], tmp)
+        for j, (i, _) in enumerate(bounded):
+            both = tmp[i] & tmp[n + j]
+            if both.any():   # else the schema needs more digits: its mask alone (Guide.consume drops the bound)
+                tmp[i] = both
+        # the model's vocabulary may differ from the tokenizer's (padded embeddings): ids past the
         # tokenizer's are never allowed
-        tmp = np.full((len(guides), words), -1, np.int32)
-        lln.fill_next_token_bitmask_par(self._executor, [(g.matcher, i) for i, (g, _) in enumerate(guides)], tmp)
         rows = [row for _, row in guides]
         w = min(words, mask.shape[1])
         mask[rows] = 0
-        mask[rows, :w] = tmp[:, :w]
+        mask[rows, :w] = tmp[:n, :w]
 
     def fill_paths(self, jobs: list[tuple[Guide, int, list[list[int]]]], table: np.ndarray) -> None:
         """Speculation under a grammar: for each (guide, slot, paths), table[slot, n] = the guide's
-        next-token mask after consuming paths[n] (the proposals from the row's last token to node
-        n + 1); the matcher is rolled back after each, so its state is as it was. A path the grammar
-        rejects part of leaves -1 (all allowed): its node has probability 0 under the mask of the
-        node before the rejected token, so it is never accepted and its own mask never read.
-        table [C, N, W] int32."""
+        next-token mask (as fill makes it) after consuming paths[n] (the proposals from the row's last
+        token to node n + 1); the matchers are rolled back after each, so their state is as it was. A
+        path the grammar rejects part of leaves -1 (all allowed): its node has
+        probability 0 under the mask of the node before the rejected token, so it is never accepted
+        and its own mask never read. A path only the number bound rejects gets the grammar's mask
+        alone (as fill does where the two share no token). table [C, N, W] int32."""
         import llguidance.numpy as lln
         words = mask_words(self.lltokenizer.vocab_size)
         w = min(words, table.shape[2])
-        tmp = np.empty((1, words), np.int32)
+        tmp = np.empty((2, words), np.int32)
         for guide, slot, paths in jobs:
-            m = guide.matcher
+            m, b = guide.matcher, guide.bound
             for n, path in enumerate(paths):
                 table[slot, n] = -1
                 taken = m.try_consume_tokens(list(path))
+                bound_taken = b.try_consume_tokens(list(path)) if b is not None else 0
                 if taken == len(path) and not m.is_error():
                     lln.fill_next_token_bitmask(m, tmp, 0)
+                    if b is not None and bound_taken == len(path):
+                        lln.fill_next_token_bitmask(b, tmp, 1)
+                        both = tmp[0] & tmp[1]
+                        if both.any():
+                            tmp[0] = both
                     table[slot, n] = 0
                     table[slot, n, :w] = tmp[0, :w]
                 if taken:
                     m.rollback(taken)
+                if bound_taken:
+                    b.rollback(bound_taken)
