@@ -7,7 +7,8 @@
 It dispatches to an implementation: "xla" (plain jnp, below; works on every backend) or the
 Pallas kernels (pallas_kernels/), chosen per device by the caller. Masks are built from token
 positions, so chunked prefill and decode are the same code: token t at position p sees context
-positions l with l <= p and, with a sliding window W, p - W < l. ALiBi adds slope_h * (l - p).
+positions l with l <= p and, with a sliding window W, p - W < l. A soft cap C (Gemma 2) maps each
+scaled score s to C * tanh(s / C) before anything else touches it; ALiBi adds slope_h * (l - p).
 Softmax is always float32.
 
 The XLA paged attention (paged_attention_xla) is one ragged mechanism for every kind of row: this
@@ -43,21 +44,27 @@ import jax.numpy as jnp
 from jaxinfer.kv_cache import CHUNK_GROUP, DECODE_GROUP, TREE_NONE, AttentionMetadata, LayerKV, write_kv
 from jaxinfer.quant import dot_precision
 from pallas_kernels.flash_attention import flash_attention, ragged_paged_attention
+from pallas_kernels.paged_attention import soft_cap
 
 NEG_INF = -1e30  # finite, so fully-masked padding rows give zeros instead of NaN
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *, scale: float,
-              window: int | None = None, alibi: jax.Array | None = None,
+              window: int | None = None, alibi: jax.Array | None = None, softcap: float | None = None,
               kv: LayerKV | None = None, meta: AttentionMetadata | None = None,
               impl: str = "xla") -> tuple[jax.Array, LayerKV | None]:
     """q [T, H, D], k/v [T, Hkv, D], positions [T] -> (out [T, H, D], updated pages or None)."""
     if impl not in ("xla", "pallas"):
         raise ValueError(f"unknown attention implementation {impl!r}; use 'xla' or 'pallas'")
+    if impl == "pallas" and isinstance(window, jax.Array):
+        raise ValueError("the Pallas kernels need a static sliding window per layer; pipeline stages whose "
+                         'layers differ in their windows run with attention="xla"')
     if kv is None:
         if impl == "pallas":
-            return flash_attention(q, k, v, scale=scale, causal=True, window=window, alibi_slopes=alibi), None
-        return dense_causal_attention(q, k, v, positions, scale=scale, window=window, alibi=alibi), None
+            return flash_attention(q, k, v, scale=scale, causal=True, window=window, alibi_slopes=alibi,
+                                   softcap=softcap), None
+        return dense_causal_attention(q, k, v, positions, scale=scale, window=window, alibi=alibi,
+                                      softcap=softcap), None
     assert meta is not None, "paged attention needs AttentionMetadata"
     kv = write_kv(kv, k, v, meta.slot_mapping)
     if impl == "pallas":
@@ -65,9 +72,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
             raise ValueError("tree attention (Medusa) runs on the XLA attention only")
         out = ragged_paged_attention(q, kv.k, kv.v, positions, meta.seq_ids, meta.query_start_loc,
                                      meta.block_tables, meta.context_lens, scale=scale, window=window,
-                                     alibi_slopes=alibi, k_scale=kv.k_scale, v_scale=kv.v_scale)
+                                     alibi_slopes=alibi, softcap=softcap, k_scale=kv.k_scale, v_scale=kv.v_scale)
         return out.astype(q.dtype), kv
-    return paged_attention_xla(q, k, v, kv, positions, meta, scale=scale, window=window, alibi=alibi), kv
+    return paged_attention_xla(q, k, v, kv, positions, meta, scale=scale, window=window, alibi=alibi,
+                               softcap=softcap), kv
 
 
 def _mask_and_bias(q_pos: jax.Array, k_pos: jax.Array, window: int | None, alibi: jax.Array | None,
@@ -98,14 +106,14 @@ def _softmax_attend(scores: jax.Array, valid: jax.Array, bias: jax.Array | None,
 
 
 def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
-                           scale: float, window: int | None = None,
-                           alibi: jax.Array | None = None) -> jax.Array:
+                           scale: float, window: int | None = None, alibi: jax.Array | None = None,
+                           softcap: float | None = None) -> jax.Array:
     """Reference attention of one sequence's T tokens among themselves. [T,H,D],[T,Hkv,D] -> [T,H,D]."""
     t, h, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(t, hkv, h // hkv, d)                                # (T, Hkv, G, D)
-    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32,
-                        precision=dot_precision(q.dtype)) * scale
+    scores = soft_cap(jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32,
+                                 precision=dot_precision(q.dtype)) * scale, softcap)
     valid, bias = _mask_and_bias(positions, positions, window, alibi)
     out = _softmax_attend(scores, valid, bias, v, "lkd")
     return out.reshape(t, h, d).astype(q.dtype)
@@ -124,8 +132,8 @@ def _gather_context(kv: LayerKV, block_tables: jax.Array, dtype) -> tuple[jax.Ar
 
 
 def paged_attention_reference(q: jax.Array, kv: LayerKV, positions: jax.Array, meta: AttentionMetadata, *,
-                              scale: float, window: int | None = None,
-                              alibi: jax.Array | None = None) -> jax.Array:
+                              scale: float, window: int | None = None, alibi: jax.Array | None = None,
+                              softcap: float | None = None) -> jax.Array:
     """The plain definition, after this step's K/V were written: every token gathers its own
     sequence's whole context from the pages. Memory O(T * max_context * D): a reference only."""
     t, h, d = q.shape
@@ -133,8 +141,8 @@ def paged_attention_reference(q: jax.Array, kv: LayerKV, positions: jax.Array, m
     k_seq, v_seq = _gather_context(kv, meta.block_tables, q.dtype)
     k_tok, v_tok = k_seq[:, meta.seq_ids], v_seq[:, meta.seq_ids]             # (Hkv, T, L, D)
     qg = q.reshape(t, hkv, h // hkv, d)
-    scores = jnp.einsum("tkgd,ktld->kgtl", qg, k_tok, preferred_element_type=jnp.float32,
-                        precision=dot_precision(q.dtype)) * scale
+    scores = soft_cap(jnp.einsum("tkgd,ktld->kgtl", qg, k_tok, preferred_element_type=jnp.float32,
+                                 precision=dot_precision(q.dtype)) * scale, softcap)
     k_pos = jnp.arange(k_seq.shape[2], dtype=jnp.int32)
     in_context = k_pos[None, :] < meta.context_lens[meta.seq_ids][:, None]
     if meta.tree is not None:
@@ -155,7 +163,7 @@ def _tree_visible(k_idx: jax.Array, first: jax.Array, bits: jax.Array) -> jax.Ar
 def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: jax.Array,
                   num_items: jax.Array, *, scale: float, window: int | None,
                   alibi: jax.Array | None, group: int, tree_tiles: tuple | None = None,
-                  precision=None) -> jax.Array:
+                  precision=None, softcap: float | None = None) -> jax.Array:
     """Softmax attention of query tiles over a flat list of work items (tile, first logical block j,
     physical blocks j .. j + KB - 1), `group` items per loop iteration (the last few group // 8),
     merged per tile by online softmax.
@@ -193,7 +201,7 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
         # scores (Hkv, K, L, Q): batch axes in the pages' order and [L, D] read as stored, so XLA:CPU
         # transposes neither k nor v (the small q tile and the outputs move instead)
         qt = q_tiles[tile].transpose(1, 0, 2, 3)                          # (Hkv, K, Q, D)
-        sc = jnp.einsum("knld,knqd->knlq", k, qt, precision=precision) * scale                 # (Hkv, K, KB*bs, Q)
+        sc = soft_cap(jnp.einsum("knld,knqd->knlq", k, qt, precision=precision) * scale, softcap)  # (Hkv, K, KB*bs, Q)
         rel = (j[:, None] * bs + offs)[None, :, :, None] - pos_tiles[tile][None, :, None, :]
         valid = (rel <= 0) & (pos_tiles[tile] >= 0)[None, :, None, :]     # (1, K, KB*bs, Q)
         if window is not None:
@@ -226,7 +234,7 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
 
 def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: jax.Array,
                         meta: AttentionMetadata, *, scale: float, window: int | None = None,
-                        alibi: jax.Array | None = None) -> jax.Array:
+                        alibi: jax.Array | None = None, softcap: float | None = None) -> jax.Array:
     """Ragged paged attention over the work items of `meta` (kv_cache.build_attention_metadata).
     q [T,H,D], this step's k/v [T,Hkv,D] (already written to kv; read back from the pages like
     every other key) -> [T,H,D].
@@ -241,7 +249,8 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
     """
     del k, v
     if meta.num_items is None:   # hand-built metadata without work items: the plain definition
-        return paged_attention_reference(q, kv, positions, meta, scale=scale, window=window, alibi=alibi)
+        return paged_attention_reference(q, kv, positions, meta, scale=scale, window=window, alibi=alibi,
+                                         softcap=softcap)
     t, h, d = q.shape
     hkv = kv.k.shape[0]
     g = h // hkv
@@ -249,7 +258,7 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
         positions = meta.tree[:, 0]
     q_ext = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((1, h, d), jnp.float32)])   # row T: none
     pos_ext = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])
-    kw = dict(scale=scale, window=window, alibi=alibi, precision=dot_precision(q.dtype))
+    kw = dict(scale=scale, window=window, alibi=alibi, softcap=softcap, precision=dot_precision(q.dtype))
 
     # a step without decode rows (or without chunks) skips that part: at batch 1 most of a layer's
     # attention ops are the fixed cost of a part, not its work

@@ -1,9 +1,9 @@
 """Configuration: the model's architecture (ModelConfig), the engine's knobs (EngineConfig)
 and one request's decoding knobs (SamplingParams).
 
-All three are frozen dataclasses. `ModelConfig.from_hf` is the only place that knows how the
-Hugging Face config.json of each supported family spells things; the model code reads
-ModelConfig only. This module never imports jax.
+All three are frozen dataclasses. `ModelConfig.from_hf` reads a Hugging Face config.json through
+jaxinfer/models/hf_configs.py, the only place that knows how each supported family spells things;
+the model code reads ModelConfig only. This module never imports jax.
 """
 from __future__ import annotations
 
@@ -33,17 +33,24 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. kind: "linear" (positions / factor) or "llama3" (Llama 3.1 wavelength bands)."""
+    """RoPE frequency scaling. kind: "linear" (positions / factor), "llama3" (Llama 3.1 wavelength
+    bands) or "longrope" (Phi-3: one divisor per frequency, long_factor where use_long_factor, else
+    short_factor; cos and sin scaled by attention_factor)."""
     kind: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float = 1.0
+    use_long_factor: bool = False
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """One decoder-only transformer. Every supported HF family maps onto these fields."""
+    """One decoder-only transformer. Every supported HF family maps onto these fields
+    (jaxinfer/models/hf_configs.py says how each family's config.json spells them)."""
     vocab_size: int
     d_model: int
     n_layers: int
@@ -53,19 +60,29 @@ class ModelConfig:
     ffn_dim: int
     activation: str = "silu"            # silu | gelu (erf) | gelu_tanh | relu
     gated_mlp: bool = True              # act(x W_gate) * (x W_up) -> W_down; else act(x W_fc) -> W_proj
-    norm: str = "rmsnorm"               # rmsnorm | layernorm
+    norm: str = "rmsnorm"               # rmsnorm | gemma_rmsnorm (scale 1 + w) | layernorm
     norm_eps: float = 1e-6
     position: str = "rope"              # rope | alibi | learned | sinusoidal
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # RoPE of the sliding layers (Gemma 3: rope_local_base_freq, no scaling); None: rope_theta and
+    # rope_scaling on every layer
+    rope_local_theta: float | None = None
+    rotary_dim: int | None = None       # features of each head that rotate (partial rotary); None: head_dim
     max_position_embeddings: int = 2048
     sliding_window: int | None = None   # a query at q sees keys k with q - window < k <= q
-    # Per layer: True where the sliding window applies (Qwen2 mixes full and windowed layers).
-    # None means every layer uses `sliding_window` when it is set.
+    # Per layer: True where the sliding window applies (Qwen2 mixes full and windowed layers,
+    # Gemma alternates them). None means every layer uses `sliding_window` when it is set.
     sliding_layers: tuple[bool, ...] | None = None
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False               # a `norm` over head_dim of each q and k head before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False            # Gemma: norms of the attention and MLP outputs before each residual add
+    attn_scale: float | None = None     # softmax scale of q.k; None: head_dim ** -0.5
+    attn_softcap: float | None = None   # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_softcap: float | None = None  # the same on the LM head's logits (Gemma 2 and 3)
+    embed_scale: float = 1.0            # token embeddings multiplied by it (Gemma: sqrt(d_model))
     tie_embeddings: bool = False
     embed_norm: bool = False            # BLOOM: LayerNorm right after the token embedding
     residual_post_norm: bool = False    # BLOOM's apply_residual_connection_post_layernorm
@@ -76,54 +93,79 @@ class ModelConfig:
     def __post_init__(self) -> None:
         ints = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
                 "max_position_embeddings")
-        floats = ("norm_eps", "rope_theta")
+        floats = ("norm_eps", "rope_theta", "embed_scale")
+        optional = {"sliding_window": _is_int, "rotary_dim": _is_int, "rope_local_theta": _is_number,
+                    "attn_scale": _is_number, "attn_softcap": _is_number, "final_softcap": _is_number}
         wrong = [f"{k}={getattr(self, k)!r} must be an integer" for k in ints if not _is_int(getattr(self, k))]
         wrong += [f"{k}={getattr(self, k)!r} must be a number" for k in floats if not _is_number(getattr(self, k))]
-        if self.sliding_window is not None and not _is_int(self.sliding_window):
-            wrong.append(f"sliding_window={self.sliding_window!r} must be an integer or null")
+        wrong += [f"{k}={getattr(self, k)!r} must be {'an integer' if ok is _is_int else 'a number'} or null"
+                  for k, ok in optional.items() if getattr(self, k) is not None and not ok(getattr(self, k))]
         if wrong:
             raise ConfigError(f"invalid ModelConfig: {'; '.join(wrong)}")
         if self.max_position_embeddings > MAX_POSITIONS:
             raise ConfigError(f"invalid ModelConfig: max_position_embeddings={self.max_position_embeddings} is "
                               f"beyond the {MAX_POSITIONS} positions jaxinfer supports")
+        positive = ("sliding_window", "rope_local_theta", "attn_scale", "attn_softcap", "final_softcap")
         checks = {
             "vocab_size": self.vocab_size > 0, "d_model": self.d_model > 0,
             "n_layers": self.n_layers > 0, "n_heads": self.n_heads > 0,
             "n_kv_heads": self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0,
             "head_dim": self.head_dim > 0, "ffn_dim": self.ffn_dim > 0,
             "activation": self.activation in ("silu", "gelu", "gelu_tanh", "relu"),
-            "norm": self.norm in ("rmsnorm", "layernorm"),
+            "norm": self.norm in ("rmsnorm", "gemma_rmsnorm", "layernorm"),
             "position": self.position in ("rope", "alibi", "learned", "sinusoidal"),
-            "sliding_window": self.sliding_window is None or self.sliding_window > 0,
             "sliding_layers": self.sliding_layers is None or len(self.sliding_layers) == self.n_layers,
+            "rotary_dim": self.rotary_dim is None or 0 < self.rotary_dim <= self.head_dim,
+            **{k: getattr(self, k) is None or getattr(self, k) > 0 for k in positive},
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ConfigError(f"invalid ModelConfig field(s) {bad}: {self}")
-        if self.position == "rope" and self.head_dim % 2:
-            raise ConfigError(f"rope needs an even head_dim, got {self.head_dim}")
+        if self.position == "rope" and self.rope_dim % 2:
+            raise ConfigError(f"rope needs an even number of rotated features, got {self.rope_dim}")
+        s = self.rope_scaling
+        if s is not None and s.kind == "longrope" and not (
+                len(s.short_factor or ()) == len(s.long_factor or ()) == self.rope_dim // 2):
+            got = f"{len(s.short_factor or ())} and {len(s.long_factor or ())}"
+            raise ConfigError(f"longrope needs short_factor and long_factor of {self.rope_dim // 2} values each "
+                              f"(rotated features / 2), got {got}")
+
+    @property
+    def rope_dim(self) -> int:
+        """How many features of each head RoPE rotates (the first ones; the rest pass through)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
 
     @property
     def q_per_kv(self) -> int:
         return self.n_heads // self.n_kv_heads
 
+    def is_sliding(self, layer: int) -> bool:
+        """Whether the layer is one of the family's sliding (local) layers, window or not: those use
+        `sliding_window` and, where rope_local_theta is set (Gemma 3), that RoPE base without scaling."""
+        if self.sliding_layers is not None:
+            return self.sliding_layers[layer]
+        return self.sliding_window is not None
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of one layer, or None for full causal attention."""
-        if self.sliding_window is None:
-            return None
-        if self.sliding_layers is not None and not self.sliding_layers[layer]:
-            return None
-        return self.sliding_window
+        return self.sliding_window if self.is_sliding(layer) else None
 
     def num_params(self) -> int:
         """Exact parameter count of this architecture (embeddings included, tied counted once)."""
         d, f, h, kv, hd = self.d_model, self.ffn_dim, self.n_heads, self.n_kv_heads, self.head_dim
-        norm_p = d if self.norm == "rmsnorm" else 2 * d
+        per_norm = 2 if self.norm == "layernorm" else 1
+        norm_p = per_norm * d
         attn = d * hd * (h + 2 * kv) + h * hd * d
         attn += (hd * (h + 2 * kv) if self.qkv_bias else 0) + (d if self.out_bias else 0)
+        attn += 2 * per_norm * hd if self.qk_norm else 0
         mlp = (3 if self.gated_mlp else 2) * d * f
         mlp += ((2 * f if self.gated_mlp else f) + d) if self.mlp_bias else 0
-        total = self.n_layers * (attn + mlp + 2 * norm_p) + norm_p
+        norms = (4 if self.post_norms else 2) * norm_p
+        total = self.n_layers * (attn + mlp + norms) + norm_p
         total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
         total += self.max_position_embeddings * d if self.position == "learned" else 0
         total += norm_p if self.embed_norm else 0
@@ -139,8 +181,9 @@ class ModelConfig:
         unknown = set(d) - known
         if unknown:
             raise ConfigError(f"unknown ModelConfig field(s): {sorted(unknown)}")
-        if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        if d.get("rope_scaling") is not None:   # lists from JSON back to tuples: the config stays hashable
+            d["rope_scaling"] = RopeScaling(**{k: tuple(v) if isinstance(v, list) else v
+                                               for k, v in d["rope_scaling"].items()})
         for k in ("sliding_layers", "eos_token_ids"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
@@ -162,23 +205,8 @@ class ModelConfig:
             where = str(path)
             if not isinstance(config, dict):
                 raise ConfigError(f"{path}: expected a JSON object, got {type(config).__name__}")
-        archs = config.get("architectures") or []
-        model_type = config.get("model_type", "")
-        arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type, "")
-        builder = _HF_BUILDERS.get(arch)
-        if builder is None:
-            raise ConfigError(
-                f"unsupported architecture {arch or model_type!r} (config.json 'architectures'); "
-                f"supported: {sorted(_HF_BUILDERS)}")
-        _check_hf_fields(config, where)
-        try:
-            return builder(config, arch)
-        except KeyError as e:
-            raise ConfigError(f"{where} for {arch} is missing field {e.args[0]!r}") from None
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {e}") from None
-        except (TypeError, ValueError) as e:   # a field of a type the checks above did not foresee
-            raise ConfigError(f"{where}: a field has the wrong type for {arch} ({e})") from None
+        from jaxinfer.models.hf_configs import build_model_config   # the families: one builder each
+        return build_model_config(config, where)
 
 
 def _is_int(v: Any) -> bool:
@@ -187,137 +215,6 @@ def _is_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-
-
-# config.json fields (every supported family's names) that must be positive integers / numbers
-_HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_embed", "n_head",
-                  "n_layer", "n_inner", "n_positions", "seq_length", "max_window_layers")
-_HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
-
-
-def _check_hf_fields(c: dict[str, Any], where: str) -> None:
-    """One clear line for a field of the wrong type or an absurd size, before any arithmetic on it."""
-    for k in _HF_INT_FIELDS:
-        v = c.get(k)
-        if v is not None and (not _is_int(v) or v <= 0):
-            raise ConfigError(f"{where}: field {k!r} must be a positive integer, got {v!r}")
-    for k in _HF_FLOAT_FIELDS:
-        v = c.get(k)
-        if v is not None and not _is_number(v):
-            raise ConfigError(f"{where}: field {k!r} must be a number, got {v!r}")
-    w = c.get("sliding_window")
-    if w is not None and (not _is_int(w) or w <= 0):
-        raise ConfigError(f"{where}: field 'sliding_window' must be a positive integer or null, got {w!r}")
-    for k in ("max_position_embeddings", "n_positions", "seq_length"):
-        v = c.get(k)
-        if v is not None and v > MAX_POSITIONS:
-            raise ConfigError(f"{where}: field {k!r} = {v} is beyond the {MAX_POSITIONS} positions jaxinfer "
-                              "supports")
-
-
-def _eos_ids(c: dict[str, Any]) -> tuple[int, ...]:
-    eos = c.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
-
-
-def _rope_from_hf(c: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    # transformers >= 5 writes `rope_parameters` (theta inside); older files: rope_theta + rope_scaling.
-    params = dict(c.get("rope_parameters") or {})
-    legacy = c.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
-    scaling = {**legacy, **params}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in ("default", None):
-        return theta, None
-    if kind == "linear":
-        return theta, RopeScaling("linear", float(scaling["factor"]))
-    if kind == "llama3":
-        return theta, RopeScaling(
-            "llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
-            float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
-    raise ConfigError(f"unsupported rope scaling type {kind!r} (config.json rope_parameters/rope_scaling); "
-                      "supported: default, linear, llama3")
-
-
-def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
-    d, h = c["hidden_size"], c["num_attention_heads"]
-    theta, scaling = _rope_from_hf(c)
-    window = c.get("sliding_window")
-    sliding_layers = None
-    if arch == "Qwen2ForCausalLM":
-        # Qwen2 uses the window only when use_sliding_window is set, and then only on some layers.
-        types = c.get("layer_types")
-        if not c.get("use_sliding_window", False):
-            window = None
-        elif types is not None:
-            sliding_layers = tuple(t == "sliding_attention" for t in types)
-        else:
-            start = c.get("max_window_layers", c["num_hidden_layers"])
-            sliding_layers = tuple(i >= start for i in range(c["num_hidden_layers"]))
-    elif arch == "LlamaForCausalLM":
-        window = None
-    act = c.get("hidden_act", "silu")
-    if act not in ("silu", "swish", "gelu", "relu", "gelu_pytorch_tanh"):
-        raise ConfigError(f"unsupported hidden_act {act!r} in config.json")
-    bias = bool(c.get("attention_bias", False))
-    return ModelConfig(
-        vocab_size=c["vocab_size"], d_model=d, n_layers=c["num_hidden_layers"], n_heads=h,
-        n_kv_heads=c.get("num_key_value_heads") or h, head_dim=c.get("head_dim") or d // h,
-        ffn_dim=c["intermediate_size"],
-        activation={"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(act, act),
-        gated_mlp=True, norm="rmsnorm", norm_eps=float(c.get("rms_norm_eps", 1e-6)), position="rope",
-        rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=c.get("max_position_embeddings", 2048),
-        sliding_window=window, sliding_layers=sliding_layers,
-        qkv_bias=bias or arch == "Qwen2ForCausalLM", out_bias=bias, mlp_bias=bool(c.get("mlp_bias", False)),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
-
-
-def _gpt2(c: dict[str, Any], arch: str) -> ModelConfig:
-    if c.get("scale_attn_by_inverse_layer_idx") or c.get("reorder_and_upcast_attn"):
-        raise ConfigError("GPT-2 options scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
-    if not c.get("scale_attn_weights", True):
-        raise ConfigError("GPT-2 with scale_attn_weights=false is not supported")
-    d, h = c["n_embd"], c["n_head"]
-    act = c.get("activation_function", "gelu_new")
-    acts = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
-            "silu": "silu", "swish": "silu"}
-    if act not in acts:
-        raise ConfigError(f"unsupported activation_function {act!r} in config.json")
-    return ModelConfig(
-        vocab_size=c["vocab_size"], d_model=d, n_layers=c["n_layer"], n_heads=h, n_kv_heads=h,
-        head_dim=d // h, ffn_dim=c.get("n_inner") or 4 * d, activation=acts[act], gated_mlp=False,
-        norm="layernorm", norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), position="learned",
-        max_position_embeddings=c.get("n_positions", 1024), qkv_bias=True, out_bias=True, mlp_bias=True,
-        tie_embeddings=bool(c.get("tie_word_embeddings", True)),
-        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
-
-
-def _bloom(c: dict[str, Any], arch: str) -> ModelConfig:
-    d = c.get("hidden_size", c.get("n_embed"))
-    h = c.get("n_head", c.get("num_attention_heads"))
-    if d is None or h is None:
-        raise ConfigError("BLOOM config.json needs hidden_size (or n_embed) and n_head")
-    return ModelConfig(
-        vocab_size=c["vocab_size"], d_model=d, n_layers=c.get("n_layer", c.get("num_hidden_layers")),
-        n_heads=h, n_kv_heads=h, head_dim=d // h, ffn_dim=4 * d, activation="gelu_tanh", gated_mlp=False,
-        norm="layernorm", norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), position="alibi",
-        max_position_embeddings=c.get("seq_length", 2048), qkv_bias=True, out_bias=True, mlp_bias=True,
-        tie_embeddings=bool(c.get("tie_word_embeddings", True)), embed_norm=True,
-        residual_post_norm=bool(c.get("apply_residual_connection_post_layernorm", False)),
-        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
-
-
-_HF_BUILDERS = {
-    "LlamaForCausalLM": _llama_like, "MistralForCausalLM": _llama_like, "Qwen2ForCausalLM": _llama_like,
-    "GPT2LMHeadModel": _gpt2, "BloomForCausalLM": _bloom,
-}
-_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                       "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM"}
 
 
 class SamplingParamsError(ValueError):

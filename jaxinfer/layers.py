@@ -40,18 +40,28 @@ ACTIVATIONS = {
 }
 
 
-class Norm(nnx.Module):
-    """RMSNorm (Llama family) or LayerNorm with bias (GPT-2, BLOOM), computed in float32."""
+NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "layernorm")
 
-    def __init__(self, dim: int, kind: str, eps: float, dtype, rngs: nnx.Rngs | None):
+
+class Norm(nnx.Module):
+    """RMSNorm (Llama family), Gemma's RMSNorm (weight stored as w, applied as 1 + w) or LayerNorm
+    with bias (GPT-2, BLOOM), computed in float32. `axis`: the logical axis of the weight (embed for
+    the residual stream, head_dim for the per-head q/k norms of Qwen3 and Gemma 3)."""
+
+    def __init__(self, dim: int, kind: str, eps: float, dtype, rngs: nnx.Rngs | None, axis: str = "embed"):
+        assert kind in NORM_KINDS, kind
         self.kind, self.eps = kind, eps
-        self.scale = param((dim,), ("embed",), dtype, rngs, init="ones")
-        self.bias = param((dim,), ("embed",), dtype, rngs, init="zeros") if kind == "layernorm" else None
+        self.scale = param((dim,), (axis,), dtype, rngs, init="zeros" if kind == "gemma_rmsnorm" else "ones")
+        self.bias = param((dim,), (axis,), dtype, rngs, init="zeros") if kind == "layernorm" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
-        if self.kind == "rmsnorm":
+        if self.kind != "layernorm":
             y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+            if self.kind == "gemma_rmsnorm":
+                # Gemma multiplies by (1 + w) in float32 and casts after (HF Gemma2RMSNorm); keeping w
+                # as stored keeps its precision in bfloat16, where 1 + w would round
+                return (y * (1.0 + self.scale.get_value().astype(jnp.float32))).astype(x.dtype)
             # HF casts back to the input dtype before multiplying by the weight.
             return self.scale.get_value() * y.astype(x.dtype)
         mean = jnp.mean(xf, axis=-1, keepdims=True)
@@ -120,13 +130,20 @@ def param_value(p: nnx.Param | None):
 
 # ----------------------------------------------------------------------------------- positions
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """Inverse frequencies [head_dim/2] (float32), with linear or Llama-3.1 scaling applied."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies [dim/2] (float32) of the `dim` rotated features, with linear, Llama-3.1 or
+    LongRoPE scaling applied."""
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
+    inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq.astype(np.float32)
     if scaling.kind == "linear":
         return (inv_freq / scaling.factor).astype(np.float32)
+    if scaling.kind == "longrope":
+        # Phi-3: each frequency divided by its own factor, 1 / (factor_i * theta^(2i/d)) as HF computes
+        # it; the long or the short set for every position (hf_configs._longrope says why)
+        factors = np.asarray(scaling.long_factor if scaling.use_long_factor else scaling.short_factor, np.float32)
+        return (1.0 / (factors * theta ** exponents)).astype(np.float32)
     assert scaling.kind == "llama3", scaling
     # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
@@ -140,15 +157,25 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate x [T, heads, head_dim] by positions [T]; HF's rotate_half layout (halves, not pairs)."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]      # (T, hd/2)
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]          # (T, 1, hd)
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+def rope_magnitude(scaling: RopeScaling | None) -> float:
+    """The factor on cos and sin (LongRoPE's attention factor; 1 otherwise)."""
+    return scaling.attention_factor if scaling is not None and scaling.kind == "longrope" else 1.0
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, mscale: float = 1.0) -> jax.Array:
+    """Rotate x [T, heads, head_dim] by positions [T]; HF's rotate_half layout (halves, not pairs).
+    inv_freq [r/2]: the first r features rotate (partial rotary), the rest pass through.
+    mscale multiplies cos and sin (LongRoPE's attention factor)."""
+    rot = 2 * inv_freq.shape[-1]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq                 # (T, r/2)
+    cos = (jnp.concatenate([jnp.cos(angles)] * 2, axis=-1) * mscale)[:, None, :]   # (T, 1, r)
+    sin = (jnp.concatenate([jnp.sin(angles)] * 2, axis=-1) * mscale)[:, None, :]
+    xr = x[..., :rot]
+    half = rot // 2
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
     # HF applies cos/sin in the activation dtype; doing it in f32 is at least as accurate.
-    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+    out = (xr.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+    return out if rot == x.shape[-1] else jnp.concatenate([out, x[..., rot:]], axis=-1)
 
 
 def alibi_slopes(n_heads: int) -> np.ndarray:

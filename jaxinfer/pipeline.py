@@ -141,6 +141,13 @@ class PipelinedDecoder(nnx.Module):
             return ws[0]
         return jnp.asarray([_NO_WINDOW if w is None else w for w in ws], jnp.int32)[p]
 
+    def _local_rope(self, j: int, p: jax.Array):
+        """Whether local layer j on stage p uses the sliding layers' RoPE (Gemma 3): static when every
+        stage agrees (decoder.Attention.rope)."""
+        cfg = self.cfg
+        flags = [cfg.rope_local_theta is not None and cfg.is_sliding(q * self.lp + j) for q in range(self.pp)]
+        return flags[0] if len(set(flags)) == 1 else jnp.asarray(flags)[p]
+
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_pages: list[LayerKV] | None = None,
                  meta: AttentionMetadata | None = None, logits_indices: jax.Array | None = None,
                  impl: str = "xla", num_microbatches: jax.Array | None = None):
@@ -173,6 +180,7 @@ class PipelinedDecoder(nnx.Module):
             for j in range(lp):   # this rank's layers, unrolled: each local layer's pages stay separate
                 blk = nnx.merge(block_gd, jax.tree.map(lambda a, j=j: a[j], block_state))
                 blk.attn.window = self._window(j, p)
+                blk.attn.local_rope = self._local_rope(j, p)
                 blocks.append(blk)
             pages = [jax.tree.map(lambda a: a[0], kv) for kv in kv_pages] if paged else None
 

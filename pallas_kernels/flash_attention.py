@@ -1,10 +1,10 @@
 """Flash attention for one contiguous sequence and ragged paged (chunked-prefill) attention.
 
 Pallas, Triton-style (pass interpret=True, the default on CPU, to run them anywhere); imports jax
-only. Masking, ALiBi, int8 KV and GQA follow pallas_kernels/paged_attention.py: a query at
-position p sees key position l iff l <= p (causal), p - W < l (sliding window W) and, for paged
-attention, l < context_len; ALiBi adds slope_h * (l - p); softmax in f32; a row that sees nothing
-outputs 0.
+only. Masking, soft-capping, ALiBi, int8 KV and GQA follow pallas_kernels/paged_attention.py: a
+query at position p sees key position l iff l <= p (causal), p - W < l (sliding window W) and, for
+paged attention, l < context_len; a soft cap C maps each scaled score s to C * tanh(s / C); ALiBi
+adds slope_h * (l - p); softmax in f32; a row that sees nothing outputs 0.
 
 Both kernels put the G query heads of one kv head into the rows of a tile: a query tile of
 block_q tokens becomes [block_q * Gp, D] rows (Gp = G padded to a power of two), so GQA costs no
@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .paged_attention import (MIN_DOT_ROWS, attend_block, check_triton_shapes, compiler_params,
+from .paged_attention import (MIN_DOT_ROWS, attend_block, check_softcap, check_triton_shapes, compiler_params,
                               group_queries, group_slopes, init_carry, load_pages,
                               masked_softmax_attention, next_pow2, normalize, pad_block_tables,
                               paged_reference_core, resolve_interpret, ungroup_output)
@@ -48,7 +48,7 @@ def _tile_rows(vec: jax.Array, gp: int) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 
 def _flash_kernel(*refs, has_alibi: bool, causal: bool, window: int | None, block_q: int,
-                  block_k: int, seq_len: int, scale: float):
+                  block_k: int, seq_len: int, scale: float, softcap: float | None):
     refs = list(refs)
     q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     al_ref = refs.pop(0) if has_alibi else None
@@ -80,7 +80,7 @@ def _flash_kernel(*refs, has_alibi: bool, causal: bool, window: int | None, bloc
         k = plgpu.load(k_ref.at[pl.ds(k_start, block_k)], mask=k_ok, other=0)
         v = plgpu.load(v_ref.at[pl.ds(k_start, block_k)], mask=k_ok, other=0)
         return attend_block(carry, q, k, v, None, None, kpos, q_pos, row_ok, seq_len, slopes,
-                            scale=scale, causal=causal, window=window)
+                            scale=scale, causal=causal, window=window, softcap=softcap)
 
     acc, _, l = lax.fori_loop(kb_lo, kb_hi, body, init_carry(block_q * gp, d))
     o = normalize(acc, l).astype(o_ref.dtype).reshape(block_q, gp, d)
@@ -88,8 +88,8 @@ def _flash_kernel(*refs, has_alibi: bool, causal: bool, window: int | None, bloc
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "causal", "window", "block_q", "block_k", "interpret", "num_warps", "num_stages"))
-def _flash_attention_impl(q, k, v, alibi_slopes, *, scale, causal, window, block_q, block_k,
+    "scale", "causal", "window", "softcap", "block_q", "block_k", "interpret", "num_warps", "num_stages"))
+def _flash_attention_impl(q, k, v, alibi_slopes, *, scale, causal, window, softcap, block_q, block_k,
                           interpret, num_warps, num_stages):
     t, h, d = q.shape
     hkv = k.shape[1]
@@ -104,7 +104,7 @@ def _flash_attention_impl(q, k, v, alibi_slopes, *, scale, causal, window, block
         args.append(slopes)
     kernel = functools.partial(_flash_kernel, has_alibi=slopes is not None, causal=causal,
                                window=window, block_q=block_q, block_k=block_k, seq_len=t,
-                               scale=scale)
+                               scale=scale, softcap=softcap)
     out = pl.pallas_call(
         kernel, grid=(pl.cdiv(t, block_q), hkv), in_specs=in_specs,
         out_specs=pl.BlockSpec((t, None, gp, d), lambda i, j: (0, j, 0, 0)),
@@ -117,6 +117,7 @@ def _flash_attention_impl(q, k, v, alibi_slopes, *, scale, causal, window, block
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, causal: bool = True,
                     window: int | None = None, alibi_slopes: jax.Array | None = None,
+                    softcap: float | None = None,
                     block_q: int | None = None, block_k: int = 64, num_warps: int | None = None,
                     num_stages: int | None = 2, interpret: bool | None = None) -> jax.Array:
     """Attention of one sequence (positions 0..T-1): q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
@@ -131,6 +132,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, c
         raise ValueError(f"bad shapes q {q.shape}, k {k.shape}, v {v.shape}")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    check_softcap(softcap)
     gp = next_pow2(h // k.shape[1])
     block_q = block_q or max(16, 64 // gp)
     block_q = max(1, min(block_q, next_pow2(t)))
@@ -140,19 +142,20 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, c
         block_k = max(block_k, MIN_DOT_ROWS)
         check_triton_shapes(head_dim=d, block_q=block_q, block_k=block_k)
     return _flash_attention_impl(q, k, v, alibi_slopes, scale=float(scale), causal=bool(causal),
-                                 window=window, block_q=block_q, block_k=block_k,
+                                 window=window, softcap=None if softcap is None else float(softcap),
+                                 block_q=block_q, block_k=block_k,
                                  interpret=interpret, num_warps=num_warps, num_stages=num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "causal", "window"))
-def flash_attention_reference(q, k, v, *, scale, causal=True, window=None, alibi_slopes=None):
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "window", "softcap"))
+def flash_attention_reference(q, k, v, *, scale, causal=True, window=None, alibi_slopes=None, softcap=None):
     """Dense reference of flash_attention (positions 0..T-1; O(T^2 * D) memory)."""
     t = q.shape[0]
     pos = jnp.arange(t, dtype=jnp.int32)
     kk = jnp.broadcast_to(k.transpose(1, 0, 2)[:, None], (k.shape[1], t, t, k.shape[2]))
     vv = jnp.broadcast_to(v.transpose(1, 0, 2)[:, None], (v.shape[1], t, t, v.shape[2]))
     return masked_softmax_attention(q, kk, vv, pos, pos, jnp.ones((t, t), bool), scale=scale,
-                                    window=window, alibi_slopes=alibi_slopes, causal=causal)
+                                    window=window, alibi_slopes=alibi_slopes, causal=causal, softcap=softcap)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,7 +163,7 @@ def flash_attention_reference(q, k, v, *, scale, causal=True, window=None, alibi
 # ----------------------------------------------------------------------------------------------
 
 def _ragged_kernel(*refs, quant: bool, has_alibi: bool, block_q: int, ppcb: int, block_size: int,
-                   scale: float, window: int | None):
+                   scale: float, window: int | None, softcap: float | None):
     refs = list(refs)
     info_ref, q_ref, pos_ref, k_ref, v_ref = (refs.pop(0) for _ in range(5))
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quant else (None, None)
@@ -195,7 +198,7 @@ def _ragged_kernel(*refs, quant: bool, has_alibi: bool, block_q: int, ppcb: int,
                                   vs_ref)
         kpos = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         return attend_block(carry, q, k, v, ks, vs, kpos, q_pos, row_ok, ctx, slopes,
-                            scale=scale, causal=True, window=window)
+                            scale=scale, causal=True, window=window, softcap=softcap)
 
     acc, _, l = lax.fori_loop(kb_lo, kb_hi, body, init_carry(block_q * gp, d))
     o = normalize(acc, l).astype(o_ref.dtype).reshape(block_q, gp, d)
@@ -224,10 +227,10 @@ def ragged_tile_table(query_start_loc: jax.Array, context_lens: jax.Array, num_t
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "window", "block_q", "pages_per_compute_block", "interpret", "num_warps",
+    "scale", "window", "softcap", "block_q", "pages_per_compute_block", "interpret", "num_warps",
     "num_stages"))
 def _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables, context_lens,
-                 alibi_slopes, k_scale, v_scale, *, scale, window, block_q, pages_per_compute_block,
+                 alibi_slopes, k_scale, v_scale, *, scale, window, softcap, block_q, pages_per_compute_block,
                  interpret, num_warps, num_stages):
     t, h, d = q.shape
     hkv, nb, bs, _ = k_pages.shape
@@ -258,7 +261,7 @@ def _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables, 
 
     kernel = functools.partial(_ragged_kernel, quant=quant, has_alibi=slopes is not None,
                                block_q=block_q, ppcb=ppcb, block_size=bs, scale=scale,
-                               window=window)
+                               window=window, softcap=softcap)
     out = pl.pallas_call(
         kernel, grid=(num_tiles, hkv), in_specs=in_specs, out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
@@ -273,6 +276,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            positions: jax.Array, seq_ids: jax.Array, query_start_loc: jax.Array,
                            block_tables: jax.Array, context_lens: jax.Array, *, scale: float,
                            window: int | None = None, alibi_slopes: jax.Array | None = None,
+                           softcap: float | None = None,
                            k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
                            block_q: int | None = None, pages_per_compute_block: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = 2,
@@ -302,6 +306,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError("pass both k_scale and v_scale (int8 pages) or neither")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    check_softcap(softcap)
     gp = next_pow2(h // hkv)
     block_q = block_q or max(16, 64 // gp)
     block_q = max(1, min(block_q, next_pow2(t)))
@@ -314,18 +319,19 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                             pages_per_compute_block=ppcb)
     return _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables,
                         context_lens, alibi_slopes, k_scale, v_scale, scale=float(scale),
-                        window=window, block_q=block_q, pages_per_compute_block=ppcb,
+                        window=window, softcap=None if softcap is None else float(softcap),
+                        block_q=block_q, pages_per_compute_block=ppcb,
                         interpret=interpret, num_warps=num_warps, num_stages=num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window"))
+@functools.partial(jax.jit, static_argnames=("scale", "window", "softcap"))
 def ragged_paged_attention_reference(q, k_pages, v_pages, positions, seq_ids, query_start_loc,
                                      block_tables, context_lens, *, scale, window=None,
-                                     alibi_slopes=None, k_scale=None, v_scale=None):
+                                     alibi_slopes=None, softcap=None, k_scale=None, v_scale=None):
     """Gather-based reference of ragged_paged_attention (tokens outside every chunk -> 0)."""
     out = paged_reference_core(q, k_pages, v_pages, positions, seq_ids, block_tables,
                                context_lens, scale=scale, window=window,
-                               alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale)
+                               alibi_slopes=alibi_slopes, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     tok = jnp.arange(q.shape[0], dtype=jnp.int32)
     covered = (tok >= query_start_loc[0]) & (tok < query_start_loc[-1])
     return jnp.where(covered[:, None, None], out, 0).astype(q.dtype)

@@ -9,8 +9,9 @@ Layouts (those of jaxinfer/kv_cache.py; this module imports jax only):
 GQA: H = Hkv * G and query head h reads kv head h // G.
 
 Masking (shared with flash_attention.py): a query at position p sees cache position l iff
-l <= p, l < context_len and, with a sliding window W, p - W < l. ALiBi adds slope_h * (l - p)
-to the score. Scores and softmax are float32; a row that sees nothing outputs 0.
+l <= p, l < context_len and, with a sliding window W, p - W < l. With a soft cap C (Gemma 2) each
+scaled score s becomes C * tanh(s / C); then ALiBi adds slope_h * (l - p) to the score. Scores and
+softmax are float32; a row that sees nothing outputs 0.
 
 The decode kernel runs on grid (S, Hkv, num_splits). One program holds the G query heads of one
 kv head (padded to a power of two >= 16 rows, the smallest Triton dot) and walks its share of the
@@ -125,13 +126,24 @@ def dot_f32(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
     return lax.dot_general(a, b, dims, precision=dot_precision(a.dtype), preferred_element_type=jnp.float32)
 
 
+def check_softcap(softcap: float | None) -> None:
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
+
+
+def soft_cap(s: jax.Array, softcap: float | None) -> jax.Array:
+    """softcap * tanh(s / softcap): Gemma 2's attention-logit soft-capping of scaled scores."""
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
+
+
 def attend_block(carry, q, k, v, k_scale, v_scale, kpos, q_pos, row_ok, kv_len, slopes, *,
-                 scale: float, causal: bool, window: int | None):
+                 scale: float, causal: bool, window: int | None, softcap: float | None = None):
     """One online-softmax step of rows q [M, D] over one tile of keys.
 
     k, v [BK, D] (storage dtype; int8 with k_scale/v_scale [BK] f32), kpos [BK] int32 absolute key
     positions, q_pos [M] int32, row_ok [M] bool or None, kv_len: keys at kpos >= kv_len are
-    invalid, slopes [M] f32 or None. carry = (acc [M, D] f32, m [M] f32, l [M] f32).
+    invalid, slopes [M] f32 or None, softcap: the scaled scores' soft cap or None.
+    carry = (acc [M, D] f32, m [M] f32, l [M] f32).
     """
     acc, m_prev, l_prev = carry
     cdt = q.dtype
@@ -140,7 +152,7 @@ def attend_block(carry, q, k, v, k_scale, v_scale, kpos, q_pos, row_ok, kv_len, 
     s = dot_f32(q, k, trans_b=True)                           # [M, BK] f32
     if k_scale is not None:
         s = s * k_scale[None, :]
-    s = s * scale
+    s = soft_cap(s * scale, softcap)
     rel = kpos[None, :] - q_pos[:, None]                      # l - p
     valid = (kpos < kv_len)[None, :]
     if row_ok is not None:
@@ -193,7 +205,7 @@ def load_pages(bt_ref_row, kb, ppcb, k_ref, v_ref, ks_ref, vs_ref):
 # ----------------------------------------------------------------------------------------------
 
 def _decode_kernel(*refs, quant: bool, has_alibi: bool, num_splits: int, ppcb: int,
-                   block_size: int, scale: float, window: int | None):
+                   block_size: int, scale: float, window: int | None, softcap: float | None):
     refs = list(refs)
     q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quant else (None, None)
@@ -228,7 +240,7 @@ def _decode_kernel(*refs, quant: bool, has_alibi: bool, num_splits: int, ppcb: i
         k, v, ks, vs = load_pages(lambda sl: bt_ref[sl], kb, ppcb, k_ref, v_ref, ks_ref, vs_ref)
         kpos = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         return attend_block(carry, q, k, v, ks, vs, kpos, q_pos, None, ctx, slopes,
-                            scale=scale, causal=True, window=window)
+                            scale=scale, causal=True, window=window, softcap=softcap)
 
     acc, m, l = lax.fori_loop(lo, hi, body, init_carry(gp, d))
     o_ref[...] = normalize(acc, l).astype(o_ref.dtype)
@@ -237,10 +249,10 @@ def _decode_kernel(*refs, quant: bool, has_alibi: bool, num_splits: int, ppcb: i
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "window", "pages_per_compute_block", "num_splits", "interpret", "num_warps",
+    "scale", "window", "softcap", "pages_per_compute_block", "num_splits", "interpret", "num_warps",
     "num_stages"))
 def _paged_attention_impl(q, k_pages, v_pages, block_tables, context_lens, alibi_slopes, k_scale,
-                          v_scale, *, scale, window, pages_per_compute_block, num_splits,
+                          v_scale, *, scale, window, softcap, pages_per_compute_block, num_splits,
                           interpret, num_warps, num_stages):
     s, h, d = q.shape
     hkv, nb, bs, _ = k_pages.shape
@@ -278,7 +290,7 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, context_lens, alibi
 
     kernel = functools.partial(
         _decode_kernel, quant=quant, has_alibi=slopes is not None, num_splits=num_splits,
-        ppcb=ppcb, block_size=bs, scale=scale, window=window)
+        ppcb=ppcb, block_size=bs, scale=scale, window=window, softcap=softcap)
     out = pl.pallas_call(
         kernel, grid=(s, hkv, num_splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret,
@@ -295,7 +307,8 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, context_lens, alibi
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                     context_lens: jax.Array, *, scale: float, window: int | None = None,
-                    alibi_slopes: jax.Array | None = None, k_scale: jax.Array | None = None,
+                    alibi_slopes: jax.Array | None = None, softcap: float | None = None,
+                    k_scale: jax.Array | None = None,
                     v_scale: jax.Array | None = None, pages_per_compute_block: int | None = None,
                     num_splits: int = 1, num_warps: int | None = None, num_stages: int | None = 2,
                     interpret: bool | None = None) -> jax.Array:
@@ -318,6 +331,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
         raise ValueError(f"window must be >= 1, got {window}")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    check_softcap(softcap)
     ppcb = pages_per_compute_block or max(1, 128 // bs)
     ppcb = max(1, min(ppcb, next_pow2(block_tables.shape[1])))
     if not interpret:
@@ -325,7 +339,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
         check_triton_shapes(head_dim=d, block_size=bs, pages_per_compute_block=ppcb)
     return _paged_attention_impl(
         q, k_pages, v_pages, block_tables, context_lens, alibi_slopes, k_scale, v_scale,
-        scale=float(scale), window=window, pages_per_compute_block=ppcb, num_splits=num_splits,
+        scale=float(scale), window=window, softcap=None if softcap is None else float(softcap),
+        pages_per_compute_block=ppcb, num_splits=num_splits,
         interpret=interpret, num_warps=num_warps, num_stages=num_stages)
 
 
@@ -341,7 +356,7 @@ def dequantize_pages(pages: jax.Array, scales: jax.Array | None, dtype) -> jax.A
 
 
 def masked_softmax_attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window, alibi_slopes,
-                             causal=True):
+                             causal=True, softcap=None):
     """The reference math. q [T, H, D]; k, v [Hkv, T, L, D] (each token's keys); q_pos [T];
     k_pos [T, L] or [L]; k_valid [T, L] bool (in context). Returns [T, H, D] in q.dtype."""
     t, h, d = q.shape
@@ -349,7 +364,8 @@ def masked_softmax_attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window, a
     g = h // hkv
     qg = q.reshape(t, hkv, g, d)
     prec = dot_precision(q.dtype)
-    scores = jnp.einsum("tkgd,ktld->kgtl", qg, k, preferred_element_type=jnp.float32, precision=prec) * scale
+    scores = soft_cap(jnp.einsum("tkgd,ktld->kgtl", qg, k, preferred_element_type=jnp.float32, precision=prec)
+                      * scale, softcap)
     k_pos = jnp.broadcast_to(k_pos, k_valid.shape)
     rel = k_pos - q_pos[:, None]
     valid = k_valid
@@ -369,7 +385,7 @@ def masked_softmax_attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window, a
 
 
 def paged_reference_core(q, k_pages, v_pages, positions, seq_ids, block_tables, context_lens, *,
-                         scale, window=None, alibi_slopes=None, k_scale=None, v_scale=None):
+                         scale, window=None, alibi_slopes=None, softcap=None, k_scale=None, v_scale=None):
     """Each token gathers its sequence's pages in logical order and attends (O(T * max_len))."""
     hkv, _, bs, d = k_pages.shape
     s, mb = block_tables.shape
@@ -379,15 +395,15 @@ def paged_reference_core(q, k_pages, v_pages, positions, seq_ids, block_tables, 
     in_ctx = k_pos[None, :] < context_lens.astype(jnp.int32)[seq_ids][:, None]
     return masked_softmax_attention(q, k[:, seq_ids], v[:, seq_ids], positions.astype(jnp.int32),
                                     k_pos, in_ctx, scale=scale, window=window,
-                                    alibi_slopes=alibi_slopes)
+                                    alibi_slopes=alibi_slopes, softcap=softcap)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window"))
+@functools.partial(jax.jit, static_argnames=("scale", "window", "softcap"))
 def paged_attention_reference(q, k_pages, v_pages, block_tables, context_lens, *, scale,
-                              window=None, alibi_slopes=None, k_scale=None, v_scale=None):
+                              window=None, alibi_slopes=None, softcap=None, k_scale=None, v_scale=None):
     """Reference of paged_attention: one token per sequence at position context_lens - 1."""
     s = q.shape[0]
     lens = context_lens.astype(jnp.int32)
     return paged_reference_core(q, k_pages, v_pages, lens - 1, jnp.arange(s, dtype=jnp.int32),
                                 block_tables, lens, scale=scale, window=window,
-                                alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale)
+                                alibi_slopes=alibi_slopes, softcap=softcap, k_scale=k_scale, v_scale=v_scale)

@@ -1,7 +1,9 @@
-"""Tiny random-weight models of the five supported HF architectures, built with transformers.
+"""Tiny random-weight models of the supported HF architectures, built with transformers.
 
 Two shapes per family cover: odd vocab sizes, tied and untied embeddings, n_kv_heads in
-{1, 2, n_heads}, Llama-3 and linear rope scaling, sliding windows shorter than the sequence.
+{1, 2, n_heads}, Llama-3, linear and LongRoPE scaling, partial rotary, sliding windows shorter
+than the sequence (alternating with global layers in Gemma), soft caps small enough that tanh bends
+(Gemma's initializer_range 0.2 makes scores and logits O(1)), head_dim != d_model / n_heads.
 """
 from __future__ import annotations
 
@@ -27,6 +29,49 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen2-window": ("qwen2", dict(_COMMON, vocab_size=99, intermediate_size=64, num_hidden_layers=3,
                                    num_key_value_heads=1, tie_word_embeddings=False, use_sliding_window=True,
                                    sliding_window=6, max_window_layers=1)),
+    "qwen3-gqa": ("qwen3", dict(_COMMON, vocab_size=127, intermediate_size=96, num_hidden_layers=2,
+                                num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
+    "qwen3-mqa-window": ("qwen3", dict(_COMMON, vocab_size=109, intermediate_size=64, num_hidden_layers=3,
+                                       num_key_value_heads=1, tie_word_embeddings=True, attention_bias=True,
+                                       use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                                       initializer_range=0.1)),
+    # sliding, global, sliding, global; query_pre_attn_scalar != head_dim; caps that bend
+    "gemma2": ("gemma2", dict(_COMMON, vocab_size=137, intermediate_size=96, num_hidden_layers=4,
+                              num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=1.0, initializer_range=0.2)),
+    "gemma2-mqa": ("gemma2", dict(_COMMON, vocab_size=97, intermediate_size=64, num_hidden_layers=2,
+                                  num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=5,
+                                  tie_word_embeddings=False, attn_logit_softcapping=1.5,
+                                  final_logit_softcapping=None, initializer_range=0.2)),
+    # five local layers (base 10 000) to one global (base 1e6, linear scaling 8), q/k norms
+    "gemma3": ("gemma3_text", dict(_COMMON, vocab_size=131, intermediate_size=96, num_hidden_layers=6,
+                                   num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=20, sliding_window=5,
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                       "rope_theta": 1_000_000.0},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 10_000.0}},
+                                   final_logit_softcapping=1.0, initializer_range=0.2)),
+    "gemma3-mqa": ("gemma3_text", dict(_COMMON, vocab_size=103, intermediate_size=64, num_hidden_layers=2,
+                                       num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+                                       sliding_window=7, layer_types=["sliding_attention", "full_attention"],
+                                       tie_word_embeddings=False, initializer_range=0.2)),
+    # Phi-4-mini's shape: LongRoPE with 3/4 of each head rotating; served beyond the original 16
+    # positions, so the long factors rotate every position (as HF does for the 24-token prompt on)
+    "phi3-longrope": ("phi3", dict(_COMMON, vocab_size=119, intermediate_size=96, num_hidden_layers=2,
+                                   num_key_value_heads=2, tie_word_embeddings=True, original_max_position_embeddings=16,
+                                   initializer_range=0.2,
+                                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.75,
+                                                    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                                    "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})),
+    # served at the original length: the short factors (and an attention factor given explicitly)
+    "phi3-mqa-window": ("phi3", dict(_COMMON, vocab_size=89, intermediate_size=80, num_hidden_layers=2,
+                                     num_key_value_heads=1, sliding_window=7, max_position_embeddings=128,
+                                     original_max_position_embeddings=128, initializer_range=0.1,
+                                     rope_parameters={"rope_type": "longrope", "rope_theta": 500.0,
+                                                      "attention_factor": 1.1,
+                                                      "short_factor": [1.0, 1.2, 1.5, 2.0, 2.0, 3.0, 4.0, 5.0],
+                                                      "long_factor": [2.0] * 8})),
     "gpt2": ("gpt2", dict(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=256)),
     "gpt2-untied-relu": ("gpt2", dict(vocab_size=89, n_embd=48, n_layer=3, n_head=2, n_positions=128,
                                       n_inner=100, activation_function="relu", tie_word_embeddings=False)),
@@ -34,6 +79,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "bloom-6heads-postnorm": ("bloom", dict(vocab_size=91, hidden_size=48, n_layer=2, n_head=6,
                                             apply_residual_connection_post_layernorm=True)),
 }
+
+
+# Tied embeddings at initializer_range 0.2 dominate the residual stream and greedy decoding repeats
+# one token; drawn smaller (this std) the continuations stay varied, so greedy checks mean something.
+EMBED_STD = {"gemma2": 0.05, "gemma3": 0.05}
 
 
 def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
@@ -45,13 +95,18 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
     kwargs = {**kwargs, **(overrides or {})}
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
-           "bloom": (tf.BloomConfig, tf.BloomForCausalLM)}[family]
+           "bloom": (tf.BloomConfig, tf.BloomForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+           "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+           "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+           "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}[family]
     torch.manual_seed(seed)
     config = cls[0](**kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = cls[1](config).eval()
     # transformers' init leaves many biases and norm weights at 0 / 1: randomise every
     # parameter so that each one matters for the comparison.
     with torch.no_grad():
+        if name in EMBED_STD:
+            model.get_input_embeddings().weight.normal_(0.0, EMBED_STD[name])
         for n, p in model.named_parameters():
             if n.endswith(".bias") or "norm" in n or "ln_" in n:
                 p.add_(0.1 * torch.randn_like(p))

@@ -1,7 +1,7 @@
 """The engine's XLA paged attention (work items over KV blocks, kv_cache.build_attention_metadata)
 equals the plain definition (every token gathers its whole context from the pages,
 paged_attention_reference) on ragged steps: decode rows, first chunks, any number of chunks that
-continue a cached context, padding rows and tokens; windows, ALiBi, GQA, int8 / fp8 / 16-bit pages."""
+continue a cached context, padding rows and tokens; windows, ALiBi, soft caps, GQA, int8 / fp8 / 16-bit pages."""
 import dataclasses
 
 import jax
@@ -83,6 +83,23 @@ def test_paged_xla_equals_definition(chunks, pad_t, pad_r, hkv, g, bs, window, a
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
     assert np.all(np.isfinite(np.asarray(kv_after.k, np.float32)))
     assert np.all(np.asarray(got) != 0)   # no real token lost its output
+
+
+@pytest.mark.parametrize("kv_dtype,window", [("float32", 7), ("int8", None)])
+def test_paged_xla_softcap_equals_definition(kv_dtype, window):
+    """Gemma 2's soft cap (scores ~10 bent by a cap of 2) through the work items, decode rows and chunks."""
+    rng = np.random.default_rng(5)
+    chunks = [(20, 1), (0, 13), (35, 8), (50, 1)]
+    q, k, v, kv, pos, meta, n_real = build_step(rng, chunks, pad_tokens=3, pad_rows=1, hkv=2, g=2, d=16, bs=8,
+                                                kv_dtype=kv_storage_dtype(kv_dtype))
+    q = q * 3
+    got, _ = attention(q, k, v, pos, scale=0.25, window=window, softcap=2.0, kv=kv, meta=meta, impl="xla")
+    pages = write_kv(kv, k, v, meta.slot_mapping)
+    want = paged_attention_reference(q, pages, pos, meta, scale=0.25, window=window, softcap=2.0)
+    uncapped = paged_attention_reference(q, pages, pos, meta, scale=0.25, window=window)
+    got, want, uncapped = (np.asarray(a)[:n_real] for a in (got, want, uncapped))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    assert np.linalg.norm(uncapped - want) / np.linalg.norm(want) > 1e-2
 
 
 def test_metadata_items_cover_each_visible_block_once():

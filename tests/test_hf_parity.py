@@ -45,7 +45,7 @@ def test_logits_and_greedy_match_hf(name, hf_model_dir):
     assert out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-llama3", "gpt2", "bloom", "qwen2-window"])
+@pytest.mark.parametrize("name", ["llama-gqa-llama3", "gpt2", "bloom", "qwen2-window", "gemma2"])
 def test_bfloat16_logits_close_to_float32(name, hf_model_dir):
     path = hf_model_dir(name)
     f32 = _small_gen(path, "float32")
@@ -58,7 +58,8 @@ def test_bfloat16_logits_close_to_float32(name, hf_model_dir):
     assert np.mean(np.argmax(a, -1) == np.argmax(b, -1)) > 0.8
 
 
-@pytest.mark.parametrize("name", ["llama-mqa-tied-linear", "gpt2-untied-relu", "bloom-6heads-postnorm"])
+@pytest.mark.parametrize("name", ["llama-mqa-tied-linear", "gpt2-untied-relu", "bloom-6heads-postnorm", "gemma3",
+                                  "phi3-longrope"])
 def test_native_round_trip_identical_logits(name, hf_model_dir, tmp_path):
     path = hf_model_dir(name)
     model, cfg = load_model(path, "float32")

@@ -2,7 +2,8 @@
 implementation of the masking definition, in interpret mode on CPU (the kernels' default there).
 
 Definition (numpy below): a query token at position p of sequence s sees cache position l iff
-l <= p, l < context_len[s] and, with a window W, p - W < l; ALiBi adds slope_h * (l - p); int8
+l <= p, l < context_len[s] and, with a window W, p - W < l; a soft cap C maps each scaled score s
+to C tanh(s / C) (Gemma 2); ALiBi adds slope_h * (l - p); int8
 pages dequantize to int8 (or fp8 e4m3) * scale; softmax over the visible keys; nothing visible -> 0.
 Tolerance: max|a - b| / max|b| below tests/precision.attention_rtol(dtype, keys, head_dim), derived
 from float32 / bfloat16 rounding (float32 dots run at float32 precision on every backend: no TF32).
@@ -45,7 +46,7 @@ def f64(x):
 # Independent numpy implementation of the definition (float64, loops)
 # ----------------------------------------------------------------------------------------------
 
-def np_attend(qv, keys, vals, k_pos, p, *, scale, window, slope):
+def np_attend(qv, keys, vals, k_pos, p, *, scale, window, slope, softcap=None):
     """qv [D], keys/vals [L, D], k_pos [L] (already restricted to l < context_len)."""
     vis = k_pos <= p if p is not None else np.ones(len(k_pos), bool)
     if window is not None:
@@ -53,6 +54,8 @@ def np_attend(qv, keys, vals, k_pos, p, *, scale, window, slope):
     if not vis.any():
         return np.zeros(qv.shape[0])
     sc = keys[vis] @ qv * scale
+    if softcap is not None:
+        sc = softcap * np.tanh(sc / softcap)
     if slope is not None:
         sc = sc + slope * (k_pos[vis] - p)
     w = np.exp(sc - sc.max())
@@ -60,7 +63,7 @@ def np_attend(qv, keys, vals, k_pos, p, *, scale, window, slope):
 
 
 def np_paged(q, k_pages, v_pages, positions, seq_ids, block_tables, context_lens, *, scale,
-             window=None, slopes=None, k_scale=None, v_scale=None, covered=None):
+             window=None, slopes=None, k_scale=None, v_scale=None, covered=None, softcap=None):
     q, slopes = f64(q), f64(slopes)
     kf = f64(k_pages) if k_scale is None else f64(k_pages) * f64(k_scale)[..., None]
     vf = f64(v_pages) if v_scale is None else f64(v_pages) * f64(v_scale)[..., None]
@@ -77,12 +80,12 @@ def np_paged(q, k_pages, v_pages, positions, seq_ids, block_tables, context_lens
         phys, off = bt[s, ls // bs], ls % bs
         for h in range(h_):
             out[t, h] = np_attend(q[t, h], kf[h // g, phys, off], vf[h // g, phys, off], ls, p,
-                                  scale=scale, window=window,
+                                  scale=scale, window=window, softcap=softcap,
                                   slope=None if slopes is None else slopes[h])
     return out
 
 
-def np_dense(q, k, v, *, scale, causal, window=None, slopes=None):
+def np_dense(q, k, v, *, scale, causal, window=None, slopes=None, softcap=None):
     q, k, v, slopes = f64(q), f64(k), f64(v), f64(slopes)
     t_, h_, d = q.shape
     g = h_ // k.shape[1]
@@ -92,7 +95,8 @@ def np_dense(q, k, v, *, scale, causal, window=None, slopes=None):
         for h in range(h_):
             if causal:
                 out[t, h] = np_attend(q[t, h], k[:, h // g], v[:, h // g], ls, t, scale=scale,
-                                      window=window, slope=None if slopes is None else slopes[h])
+                                      window=window, softcap=softcap,
+                                      slope=None if slopes is None else slopes[h])
             else:  # no l <= p; the window still bounds l from below, ALiBi still adds slope*(l-p)
                 vis = ls > t - window if window is not None else np.ones(t_, bool)
                 sc = k[vis, h // g] @ q[t, h] * scale
@@ -332,6 +336,59 @@ def test_flash(dtype, t, g, causal, window, alibi, bq, bk, check_np):
 
 
 # ----------------------------------------------------------------------------------------------
+# Soft-capped scores (Gemma 2) in each kernel
+# ----------------------------------------------------------------------------------------------
+
+# (kernel, dtype, G, window, quant): q scaled by 3 so that scores reach ~10 and a cap of 2 bends them
+SOFTCAP_CASES = [("decode", "float32", 4, 20, False), ("decode", "bfloat16", 2, None, True),
+                 ("ragged", "float32", 4, 11, False), ("ragged", "float32", 1, None, "fp8"),
+                 ("flash", "float32", 2, 13, False), ("flash", "bfloat16", 4, None, False)]
+
+
+@pytest.mark.parametrize("kernel,dtype,g,window,quant", SOFTCAP_CASES)
+def test_softcap_matches_definition(kernel, dtype, g, window, quant):
+    rng = np.random.default_rng(seed("softcap", kernel, dtype, g, window, quant))
+    hkv, d, bs, cap = 2, 16, 8, 2.0
+    kw = dict(scale=d ** -0.5, window=window, softcap=cap)
+    if kernel == "flash":
+        t = 41
+        q, k, v = (jnp.asarray(rng.standard_normal((t, h, d)) * f, dtype)
+                   for h, f in ((hkv * g, 3), (hkv, 1), (hkv, 1)))
+        out, ref = flash_attention(q, k, v, block_q=8, block_k=8, **kw), flash_attention_reference(q, k, v, **kw)
+        want = np_dense(q, k, v, scale=d ** -0.5, causal=True, window=window, softcap=cap)
+        keys = t
+    else:
+        chunks = [(30, 1), (7, 1), (19, 1)] if kernel == "decode" else [(21, 9), (5, 1), (0, 12), (40, 3)]
+        q, k, v, ks, vs, meta = make_ragged(rng, chunks=chunks, n_pad=0, hkv=hkv, g=g, d=d, bs=bs,
+                                            dtype=jnp.dtype(dtype), quant=quant)
+        q = q * 3
+        kw.update(k_scale=ks, v_scale=vs)
+        if kernel == "decode":
+            out = paged_attention(q, k, v, meta["block_tables"], meta["context_lens"], pages_per_compute_block=1,
+                                  num_splits=2, **kw)
+            ref = paged_attention_reference(q, k, v, meta["block_tables"], meta["context_lens"], **kw)
+        else:
+            out = ragged_paged_attention(q, k, v, **meta, block_q=4, pages_per_compute_block=1, **kw)
+            ref = ragged_paged_attention_reference(q, k, v, **meta, **kw)
+        want = np_paged(q, k, v, meta["positions"], meta["seq_ids"], meta["block_tables"], meta["context_lens"],
+                        scale=d ** -0.5, window=window, k_scale=ks, v_scale=vs, softcap=cap)
+        keys = max(p + n for p, n in chunks)
+    tol = attention_rtol(dtype, keys=keys, head_dim=d)
+    assert rel_err(out, ref) < tol and rel_err(ref, want) < tol and rel_err(out, want) < tol
+    uncapped = np_dense(q, k, v, scale=d ** -0.5, causal=True, window=window) if kernel == "flash" else np_paged(
+        q, k, v, meta["positions"], meta["seq_ids"], meta["block_tables"], meta["context_lens"], scale=d ** -0.5,
+        window=window, k_scale=ks, v_scale=vs)
+    assert rel_err(uncapped, want) > 100 * tol            # the cap changed the result: the case tests it
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0])
+def test_softcap_must_be_positive(bad):
+    q = jnp.zeros((4, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="softcap"):
+        flash_attention(q, q, q, scale=0.25, softcap=bad)
+
+
+# ----------------------------------------------------------------------------------------------
 # The jnp references agree with jaxinfer's XLA attention (the semantics the engine uses)
 # ----------------------------------------------------------------------------------------------
 
@@ -344,9 +401,9 @@ def test_references_match_jaxinfer_xla():
     q = jnp.asarray(rng.standard_normal((30, 8, 16)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((30, 2, 16)), jnp.float32)
     pos = jnp.arange(30, dtype=jnp.int32)
-    for window, al in ((None, None), (9, slopes)):
-        want = dense_causal_attention(q, k, k, pos, scale=0.3, window=window, alibi=al)
-        got = flash_attention_reference(q, k, k, scale=0.3, window=window, alibi_slopes=al)
+    for window, al, cap in ((None, None, None), (9, slopes, None), (9, None, 1.5)):
+        want = dense_causal_attention(q, k, k, pos, scale=0.3, window=window, alibi=al, softcap=cap)
+        got = flash_attention_reference(q, k, k, scale=0.3, window=window, alibi_slopes=al, softcap=cap)
         assert rel_err(got, want) < attention_rtol("float32", keys=30, head_dim=16)
 
     q, kp, vp, _, _, meta = make_ragged(rng, chunks=[(20, 9), (5, 1), (0, 12)], n_pad=0, hkv=2,
@@ -354,11 +411,11 @@ def test_references_match_jaxinfer_xla():
     md = AttentionMetadata(seq_ids=meta["seq_ids"], slot_mapping=meta["seq_ids"],
                            block_tables=meta["block_tables"], context_lens=meta["context_lens"],
                            query_start_loc=meta["query_start_loc"])
-    for window, al in ((None, None), (9, slopes)):
+    for window, al, cap in ((None, None, None), (9, slopes, None), (9, None, 1.5)):
         want = paged_attention_reference(q, LayerKV(kp, vp), meta["positions"], md, scale=0.3,
-                                   window=window, alibi=al)
+                                   window=window, alibi=al, softcap=cap)
         got = ragged_paged_attention_reference(q, kp, vp, **meta, scale=0.3, window=window,
-                                               alibi_slopes=al)
+                                               alibi_slopes=al, softcap=cap)
         assert rel_err(got, want) < attention_rtol("float32", keys=21, head_dim=16)
 
 
@@ -382,7 +439,7 @@ def test_lowers_for_triton(kernel):
     pages = jnp.zeros((hkv, nb, bs, d), jnp.int8)
     scales = jnp.ones((hkv, nb, bs), jnp.float32)
     bt, lens = jnp.zeros((s, 6), jnp.int32), jnp.zeros((s,), jnp.int32)
-    common = dict(scale=0.125, window=32, alibi_slopes=jnp.ones((hkv * g,)), interpret=False)
+    common = dict(scale=0.125, window=32, alibi_slopes=jnp.ones((hkv * g,)), softcap=30.0, interpret=False)
     if kernel == "decode":
         fn = lambda q, kp, vp, ks, vs: paged_attention(q, kp, vp, bt, lens, k_scale=ks, v_scale=vs,
                                                        num_splits=2, **common)

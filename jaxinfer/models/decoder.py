@@ -1,8 +1,15 @@
 """One configurable decoder-only transformer (Flax NNX) for every supported family.
 
-Llama / Mistral / Qwen2 (RMSNorm, RoPE, GQA, SwiGLU), GPT-2 (LayerNorm, learned positions,
-GELU) and BLOOM (ALiBi, embedding LayerNorm) differ only in ModelConfig fields; there is no
-per-family model code. Weight-name maps for loading HF checkpoints live in models/hf_maps.py.
+Llama / Mistral / Qwen2 (RMSNorm, RoPE, GQA, SwiGLU), Qwen3 (+ per-head q/k norms), Gemma 2 and 3
+(GeGLU, scaled embeddings, (1 + w) norms around attention and MLP, soft-capped scores and logits,
+alternating sliding and global layers, per-layer RoPE base), Phi-3 / Phi-4-mini (LongRoPE, partial
+rotary), GPT-2 (LayerNorm, learned positions, GELU) and BLOOM (ALiBi, embedding LayerNorm) differ
+only in ModelConfig fields; there is no per-family model code. config.json -> ModelConfig lives in
+models/hf_configs.py, HF weight names in models/hf_maps.py.
+
+Per-layer settings (the sliding window, Gemma 3's local RoPE base) are static attributes of each
+layer's Attention, read from cfg.layer_window / cfg.is_sliding when the layer is built, so every
+layer's attention call has static shapes and a static window; pipeline.py overrides them per stage.
 
 The forward pass works on a flat, ragged batch of T tokens (DESIGN.md): tokens [T],
 positions [T], and either no cache (one sequence, full causal attention) or per-layer KV pages
@@ -34,7 +41,7 @@ from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import AttentionMetadata, LayerKV
 from jaxinfer.layers import (MLP, Norm, alibi_slopes, apply_rope, dense, param, param_value, rope_inv_freq,
-                             sinusoidal_embedding)
+                             rope_magnitude, sinusoidal_embedding)
 from jaxinfer.quant import QuantizedWeight, dot_precision, quantize, quantize_fp8
 
 
@@ -45,6 +52,8 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None, shards: int | None = None):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.cfg, self.window, self.shards = cfg, cfg.layer_window(layer), shards
+        # Gemma 3: the sliding layers' RoPE base (a traced bool where pipeline stages differ)
+        self.local_rope = cfg.rope_local_theta is not None and cfg.is_sliding(layer)
         qkv_bias, fused = cfg.qkv_bias, shards is not None
         assert not fused or (h % shards == 0 and kv % shards == 0), (h, kv, shards)
         unfused = lambda shape, axes, bias=False: (None if fused or (bias and not qkv_bias) else  # noqa: E731
@@ -60,6 +69,10 @@ class Attention(nnx.Module):
         self.qkv_bias = param((n,), (axis,), dtype, rngs, init="zeros") if fused and qkv_bias else None
         self.o = param((h, hd, d), ("heads", "head_dim", "embed"), dtype, rngs)
         self.o_bias = param((d,), ("embed",), dtype, rngs, init="zeros") if cfg.out_bias else None
+        # one weight per head_dim feature, shared by every head (replicated under tensor parallelism)
+        qk_norm = lambda: Norm(hd, cfg.norm, cfg.norm_eps, dtype, rngs, axis="head_dim")  # noqa: E731
+        self.q_norm = qk_norm() if cfg.qk_norm else None
+        self.k_norm = qk_norm() if cfg.qk_norm else None
 
     def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, D] -> q [T, H, hd], k, v [T, Hkv, hd]."""
@@ -79,35 +92,63 @@ class Attention(nnx.Module):
         out, kv = self.attend(x, positions, kv, meta, impl)
         return dense(out, self.o.get_value(), param_value(self.o_bias), contract=2), kv   # (T, D)
 
+    def rope(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """q [T, H, hd], k [T, Hkv, hd] rotated by this layer's RoPE (its base, scaling, rotated features)."""
+        cfg = self.cfg
+        inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+        mscale = rope_magnitude(cfg.rope_scaling)
+        if cfg.rope_local_theta is not None:
+            local = rope_inv_freq(cfg.rope_dim, cfg.rope_local_theta, None)
+            if isinstance(self.local_rope, bool):
+                inv_freq, mscale = (local, 1.0) if self.local_rope else (inv_freq, mscale)
+            else:   # a pipeline stage's traced choice (pipeline.py)
+                inv_freq = jnp.where(self.local_rope, local, inv_freq)
+                mscale = jnp.where(self.local_rope, 1.0, mscale)
+        inv_freq = jnp.asarray(inv_freq)
+        return apply_rope(q, positions, inv_freq, mscale), apply_rope(k, positions, inv_freq, mscale)
+
     def attend(self, x: jax.Array, positions: jax.Array, kv: LayerKV | None,
                meta: AttentionMetadata | None, impl: str) -> tuple[jax.Array, LayerKV | None]:
         """x [T, D] -> the heads' outputs before the `o` projection [T, H, hd] (what calibration sees)."""
         cfg = self.cfg
         q, k, v = self.project_qkv(x)                                                 # (T, H | Hkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         alibi = None
         if cfg.position == "rope":
-            inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            q, k = self.rope(q, k, positions)
         elif cfg.position == "alibi":
             alibi = jnp.asarray(alibi_slopes(cfg.n_heads))
-        return attention(q, k, v, positions, scale=cfg.head_dim ** -0.5, window=self.window,
-                         alibi=alibi, kv=kv, meta=meta, impl=impl)
+        return attention(q, k, v, positions, scale=cfg.softmax_scale, window=self.window, alibi=alibi,
+                         softcap=cfg.attn_softcap, kv=kv, meta=meta, impl=impl)
 
 
 class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(attn_norm(x)), then + mlp(mlp_norm(.)). post_norms (Gemma):
+    each branch's output is normed again before its residual add. residual_post_norm (BLOOM): the
+    residual is the normed input instead of x."""
+
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None, fused: FusedLayout | None = None):
         self.residual_post_norm = cfg.residual_post_norm
-        self.attn_norm = Norm(cfg.d_model, cfg.norm, cfg.norm_eps, dtype, rngs)
+        norm = lambda: Norm(cfg.d_model, cfg.norm, cfg.norm_eps, dtype, rngs)  # noqa: E731
+        self.attn_norm = norm()
         self.attn = Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards)
-        self.mlp_norm = Norm(cfg.d_model, cfg.norm, cfg.norm_eps, dtype, rngs)
+        self.mlp_norm = norm()
         self.mlp = MLP(cfg, dtype, rngs, None if fused is None else fused.mlp_shards)
+        self.attn_post_norm = norm() if cfg.post_norms else None
+        self.mlp_post_norm = norm() if cfg.post_norms else None
 
     def __call__(self, x, positions, kv, meta, impl):
         h = self.attn_norm(x)
         attn_out, kv = self.attn(h, positions, kv, meta, impl)
+        if self.attn_post_norm is not None:
+            attn_out = self.attn_post_norm(attn_out)
         x = (h if self.residual_post_norm else x) + attn_out
         h = self.mlp_norm(x)
-        return (h if self.residual_post_norm else x) + self.mlp(h), kv
+        mlp_out = self.mlp(h)
+        if self.mlp_post_norm is not None:
+            mlp_out = self.mlp_post_norm(mlp_out)
+        return (h if self.residual_post_norm else x) + mlp_out, kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +194,8 @@ class Decoder(nnx.Module):
         """tokens [T], positions [T] -> the first block's input [T, D] (token + position
         embeddings, then the embedding norm where the family has one)."""
         x = self.embed.get_value()[tokens]                                     # (T, D)
+        if self.cfg.embed_scale != 1.0:   # Gemma: sqrt(d_model), rounded to the weights' dtype as HF does
+            x = x * jnp.asarray(self.cfg.embed_scale, x.dtype)
         if self.pos_embed is not None:
             x = x + self.pos_embed.get_value()[positions]
         elif self.cfg.position == "sinusoidal":
@@ -174,9 +217,12 @@ class Decoder(nnx.Module):
         return self.final_norm(x), new_pages
 
     def logits(self, h: jax.Array) -> jax.Array:
-        """Hidden states [N, D] -> float32 logits [N, vocab]."""
+        """Hidden states [N, D] -> float32 logits [N, vocab] (soft-capped where the family caps them:
+        sampling, logprobs and speculative verification all see the capped logits)."""
         w = self.embed.get_value().T if self.lm_head is None else self.lm_head.get_value()
-        return jnp.dot(h, w, preferred_element_type=jnp.float32, precision=dot_precision(h.dtype))
+        logits = jnp.dot(h, w, preferred_element_type=jnp.float32, precision=dot_precision(h.dtype))
+        cap = self.cfg.final_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_pages: list[LayerKV] | None = None,
                  meta: AttentionMetadata | None = None, logits_indices: jax.Array | None = None,

@@ -4,8 +4,13 @@ Each family gives, for every parameter path of models/decoder.py, the HF tensor 
 comes from and a numpy transform into our layout:
     q/k/v  [d_model, heads, head_dim]     o [heads, head_dim, d_model]
     mlp    up/gate [d_model, ffn]         down [ffn, d_model]        lm_head [d_model, vocab]
+    norms  scale [dim] (Gemma: the stored w of its 1 + w)
 torch Linear stores [out, in] (transpose); GPT-2's Conv1D stores [in, out] (no transpose);
-BLOOM fuses q, k, v per head as [heads, 3, head_dim, d_model].
+BLOOM fuses q, k, v per head as [heads, 3, head_dim, d_model]; Phi-3 stores [q | k | v] rows in
+one qkv_proj and [gate | up] rows in one gate_up_proj (split here; fuse_decoder fuses them again
+for serving, grouped per tensor-parallel shard).
+
+A new family (dense or mixture-of-experts) is a builder in hf_configs.py and an entry here.
 """
 from __future__ import annotations
 
@@ -28,28 +33,59 @@ def _t(x: np.ndarray) -> np.ndarray:
     return x.T
 
 
+def _rows(w: np.ndarray, lo: int, hi: int, total: int) -> np.ndarray:
+    """Rows [lo, hi) of a fused tensor that must have `total` rows (else the checkpoint does not fit)."""
+    if w.shape[0] != total:
+        raise ValueError(f"a fused tensor of {total} rows expected")
+    return w[lo:hi]
+
+
 def _norm(m: WeightMap, ours: str, hf: str, layernorm: bool) -> None:
     m[f"{ours}/scale"] = ((f"{hf}.weight",), _ident)
     if layernorm:
         m[f"{ours}/bias"] = ((f"{hf}.bias",), _ident)
 
 
-def _llama_map(cfg: ModelConfig) -> WeightMap:
-    h, kv, hd, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+def _llama_map(cfg: ModelConfig, fused: bool = False) -> WeightMap:
+    """Llama, Mistral, Qwen2, Qwen3 (+ q_norm / k_norm), Gemma 2 / 3 (+ the norms after attention and
+    MLP) and, with fused=True, Phi-3 (q, k, v in one qkv_proj [(H + 2 Hkv) hd, d]; gate and up in one
+    gate_up_proj [2F, d], gate first: each part is a slice of the stored tensor)."""
+    h, kv, hd, d, f = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.ffn_dim
     m: WeightMap = {"embed": (("model.embed_tokens.weight",), _ident)}
+    # HF's post_attention_layernorm is the pre-MLP norm in Llama but the attention output's norm in
+    # Gemma, whose pre-MLP norm is pre_feedforward_layernorm
+    norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+    if cfg.post_norms:
+        norms = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                 "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+    rows = {"q": (0, h * hd), "k": (h * hd, (h + kv) * hd), "v": ((h + kv) * hd, (h + 2 * kv) * hd)}
     for i in range(cfg.n_layers):
         p, o = f"model.layers.{i}", f"layers/{i}"
-        _norm(m, f"{o}/attn_norm", f"{p}.input_layernorm", False)
-        _norm(m, f"{o}/mlp_norm", f"{p}.post_attention_layernorm", False)
+        for ours, theirs in norms.items():
+            _norm(m, f"{o}/{ours}", f"{p}.{theirs}", False)
         for name, heads in (("q", h), ("k", kv), ("v", kv)):
-            m[f"{o}/attn/{name}"] = ((f"{p}.self_attn.{name}_proj.weight",),
-                                     lambda w, n=heads: w.T.reshape(d, n, hd))
+            if fused:
+                lo, hi = rows[name]
+                m[f"{o}/attn/{name}"] = ((f"{p}.self_attn.qkv_proj.weight",),
+                                         lambda w, lo=lo, hi=hi, n=heads:
+                                         _rows(w, lo, hi, (h + 2 * kv) * hd).T.reshape(d, n, hd))
+            else:
+                m[f"{o}/attn/{name}"] = ((f"{p}.self_attn.{name}_proj.weight",),
+                                         lambda w, n=heads: w.T.reshape(d, n, hd))
             if cfg.qkv_bias:
                 m[f"{o}/attn/{name}_bias"] = ((f"{p}.self_attn.{name}_proj.bias",),
                                               lambda b, n=heads: b.reshape(n, hd))
+        if cfg.qk_norm:
+            _norm(m, f"{o}/attn/q_norm", f"{p}.self_attn.q_norm", False)
+            _norm(m, f"{o}/attn/k_norm", f"{p}.self_attn.k_norm", False)
         m[f"{o}/attn/o"] = ((f"{p}.self_attn.o_proj.weight",), lambda w: w.T.reshape(h, hd, d))
         if cfg.out_bias:
             m[f"{o}/attn/o_bias"] = ((f"{p}.self_attn.o_proj.bias",), _ident)
+        if fused:
+            m[f"{o}/mlp/gate"] = ((f"{p}.mlp.gate_up_proj.weight",), lambda w: _rows(w, 0, f, 2 * f).T)
+            m[f"{o}/mlp/up"] = ((f"{p}.mlp.gate_up_proj.weight",), lambda w: _rows(w, f, 2 * f, 2 * f).T)
+            m[f"{o}/mlp/down"] = ((f"{p}.mlp.down_proj.weight",), _t)
+            continue
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             m[f"{o}/mlp/{ours}"] = ((f"{p}.mlp.{theirs}.weight",), _t)
             if cfg.mlp_bias:
@@ -111,6 +147,8 @@ def _bloom_map(cfg: ModelConfig) -> WeightMap:
 
 
 _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen2ForCausalLM": _llama_map,
+         "Qwen3ForCausalLM": _llama_map, "Gemma2ForCausalLM": _llama_map, "Gemma3ForCausalLM": _llama_map,
+         "Phi3ForCausalLM": lambda cfg: _llama_map(cfg, fused=True),
          "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map}
 # Checkpoints saved from the bare model class (GPT2Model, BloomModel) lack this prefix.
 OPTIONAL_PREFIXES = ("transformer.",)

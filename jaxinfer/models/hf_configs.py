@@ -1,0 +1,308 @@
+"""Hugging Face config.json -> ModelConfig, one builder per family.
+
+The only place that knows how each supported family's config.json spells things (its weight
+names live beside it in hf_maps.py); the model code reads ModelConfig only. A family is a builder
+here plus a weight map there: Llama, Mistral, Qwen2 and Qwen3 share one builder (Qwen3 adds the
+per-head q/k norms), Gemma 2 and Gemma 3 (text) another, then Phi-3 (Phi-4-mini: the same class),
+GPT-2 and BLOOM. transformers >= 5 writes RoPE settings as `rope_parameters` (per layer type for
+Gemma 3); older files write rope_theta / rope_scaling / rope_local_base_freq at the top level: both
+are read. This module never imports jax.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jaxinfer.config import MAX_POSITIONS, ConfigError, ModelConfig, RopeScaling, _is_int, _is_number
+
+# config.json fields (every supported family's names) that must be positive integers / numbers
+_HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_embed", "n_head",
+                  "n_layer", "n_inner", "n_positions", "seq_length", "max_window_layers",
+                  "original_max_position_embeddings")
+_HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rope_local_base_freq")
+_HF_OPTIONAL_POSITIVE = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                         "partial_rotary_factor")
+
+# config.json `hidden_act` -> ModelConfig.activation
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "gelu_pytorch_tanh": "gelu_tanh",
+                "gelu_new": "gelu_tanh"}
+
+
+def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
+    """The ModelConfig of a parsed config.json (`where`: its path, for messages)."""
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type", "")
+    arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type, "")
+    builder = _HF_BUILDERS.get(arch)
+    if builder is None:
+        hint = _NOT_SUPPORTED.get(arch, "")
+        raise ConfigError(
+            f"unsupported architecture {arch or model_type!r} (config.json 'architectures'){hint}; "
+            f"supported: {sorted(_HF_BUILDERS)}")
+    config = {**_HF_DEFAULTS.get(arch, {}), **config}   # an explicit null stays null
+    check_hf_fields(config, where)
+    try:
+        return builder(config, arch)
+    except KeyError as e:
+        raise ConfigError(f"{where} for {arch} is missing field {e.args[0]!r}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    except (TypeError, ValueError) as e:   # a field of a type the checks above did not foresee
+        raise ConfigError(f"{where}: a field has the wrong type for {arch} ({e})") from None
+
+
+def check_hf_fields(c: dict[str, Any], where: str) -> None:
+    """One clear line for a field of the wrong type or an absurd size, before any arithmetic on it."""
+    for k in _HF_INT_FIELDS:
+        v = c.get(k)
+        if v is not None and (not _is_int(v) or v <= 0):
+            raise ConfigError(f"{where}: field {k!r} must be a positive integer, got {v!r}")
+    for k in _HF_FLOAT_FIELDS:
+        v = c.get(k)
+        if v is not None and not _is_number(v):
+            raise ConfigError(f"{where}: field {k!r} must be a number, got {v!r}")
+    for k in _HF_OPTIONAL_POSITIVE:
+        v = c.get(k)
+        if v is not None and not (_is_number(v) and v > 0):
+            raise ConfigError(f"{where}: field {k!r} must be a positive number or null, got {v!r}")
+    w = c.get("sliding_window")
+    if w is not None and (not _is_int(w) or w <= 0):
+        raise ConfigError(f"{where}: field 'sliding_window' must be a positive integer or null, got {w!r}")
+    for k in ("max_position_embeddings", "n_positions", "seq_length"):
+        v = c.get(k)
+        if v is not None and v > MAX_POSITIONS:
+            raise ConfigError(f"{where}: field {k!r} = {v} is beyond the {MAX_POSITIONS} positions jaxinfer "
+                              "supports")
+
+
+def _eos_ids(c: dict[str, Any]) -> tuple[int, ...]:
+    eos = c.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _activation(c: dict[str, Any], *names: str, default: str = "silu") -> str:
+    act = next((c[n] for n in names if c.get(n) is not None), default)
+    if act not in _ACTIVATIONS:
+        raise ConfigError(f"unsupported {names[0]} {act!r} in config.json; supported: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[act]
+
+
+# ------------------------------------------------------------------------------------------ RoPE
+
+def _rope(params: dict[str, Any], c: dict[str, Any], default_theta: float = 10000.0,
+          head_dim: int | None = None) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) of one RoPE parameter dict (rope_parameters or a legacy rope_scaling, merged);
+    fields it lacks come from the top level of config.json (rope_theta, original_max_position_embeddings).
+    head_dim: the rotated features (LongRoPE checks its factors against them)."""
+    theta = float(params.get("rope_theta", c.get("rope_theta", default_theta)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in ("default", None):
+        return theta, None
+    if kind == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    if kind == "llama3":
+        return theta, RopeScaling(
+            "llama3", float(params["factor"]), float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+    if kind in ("longrope", "su"):
+        return theta, _longrope(params, c)
+    raise ConfigError(f"unsupported rope scaling type {kind!r} (config.json rope_parameters/rope_scaling); "
+                      "supported: default, linear, llama3, longrope")
+
+
+def _longrope(params: dict[str, Any], c: dict[str, Any]) -> RopeScaling:
+    """Phi-3's LongRoPE (HF modeling_rope_utils._compute_longrope_parameters): factor defaults to
+    max_position_embeddings / original_max_position_embeddings, the cos/sin magnitude (attention
+    factor) to sqrt(1 + ln(factor) / ln(original)) when factor > 1.
+
+    Which factors: HF rotates a whole sequence with the long ones once it is longer than
+    original_max_position_embeddings and with the short ones before (its generate() drops the
+    cache and recomputes every key at the crossing). A paged cache keeps each key as first
+    rotated, so the choice here is static, as in vLLM (by max_model_len) and llama.cpp (by the
+    context size): the long factors when the model serves contexts beyond the original length,
+    i.e. max_position_embeddings > original_max_position_embeddings. That equals HF for every
+    sequence longer than the original length, and for all sequences of a model whose served
+    length is the original one; a short sequence of a long-context model gets the long factors,
+    where HF would use the short ones."""
+    original = int(params.get("original_max_position_embeddings") or c["original_max_position_embeddings"])
+    factor = params.get("factor")
+    factor = float(c["max_position_embeddings"] / original if factor is None else factor)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling("longrope", factor, original_max_position_embeddings=original,
+                       short_factor=tuple(float(x) for x in params["short_factor"]),
+                       long_factor=tuple(float(x) for x in params["long_factor"]),
+                       attention_factor=float(attention),
+                       use_long_factor=c.get("max_position_embeddings", original) > original)
+
+
+def _rope_params(c: dict[str, Any]) -> dict[str, Any]:
+    """The one RoPE parameter dict of a family without per-layer-type RoPE (new and legacy spellings)."""
+    return {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
+
+
+# --------------------------------------------------------------------------------------- families
+
+def _qwen_window(c: dict[str, Any]) -> tuple[int | None, tuple[bool, ...] | None]:
+    """Qwen2 / Qwen3 use the window only when use_sliding_window is set, and then only on some layers."""
+    if not c.get("use_sliding_window", False):
+        return None, None
+    types = c.get("layer_types")
+    if types is not None:
+        return c.get("sliding_window"), tuple(t == "sliding_attention" for t in types)
+    start = c.get("max_window_layers", c["num_hidden_layers"])
+    return c.get("sliding_window"), tuple(i >= start for i in range(c["num_hidden_layers"]))
+
+
+def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Llama, Mistral, Qwen2, Qwen3: RMSNorm, RoPE, GQA, SwiGLU (Qwen3: + q/k norms)."""
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    theta, scaling = _rope(_rope_params(c), c)
+    window, sliding_layers = c.get("sliding_window"), None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        window, sliding_layers = _qwen_window(c)
+    elif arch == "LlamaForCausalLM":
+        window = None
+    bias = bool(c.get("attention_bias", False))
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c["num_hidden_layers"], n_heads=h,
+        n_kv_heads=c.get("num_key_value_heads") or h, head_dim=c.get("head_dim") or d // h,
+        ffn_dim=c["intermediate_size"], activation=_activation(c, "hidden_act"),
+        gated_mlp=True, norm="rmsnorm", norm_eps=float(c.get("rms_norm_eps", 1e-6)), position="rope",
+        rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=c.get("max_position_embeddings", 2048),
+        sliding_window=window, sliding_layers=sliding_layers,
+        qkv_bias=bias or arch == "Qwen2ForCausalLM", out_bias=bias, mlp_bias=bool(c.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM", tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
+def _gemma_rope(c: dict[str, Any], arch: str) -> tuple[float, RopeScaling | None, float | None]:
+    """(global theta, global scaling, local theta or None). Gemma 3's sliding layers have their own
+    base (rope_local_base_freq; rope_parameters["sliding_attention"] in transformers >= 5)."""
+    if arch == "Gemma2ForCausalLM":
+        return (*_rope(_rope_params(c), c), None)
+    params = c.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    else:   # legacy: rope_theta + rope_scaling for the global layers, rope_local_base_freq for the rest
+        full = {**(c.get("rope_scaling") or {}), **params}
+        local = {"rope_theta": c.get("rope_local_base_freq", 10000.0)}
+    theta, scaling = _rope(full, c, default_theta=1_000_000.0)
+    local_theta, local_scaling = _rope(local, {}, default_theta=10000.0)
+    if local_scaling is not None:
+        raise ConfigError(f"Gemma 3 sliding layers with RoPE scaling ({local_scaling.kind}) are not supported; "
+                          "only their base (rope_local_base_freq) may differ from the global layers'")
+    return theta, scaling, local_theta
+
+
+def _gemma(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Gemma 2 and Gemma 3 (text): GeGLU, embeddings times sqrt(d_model), RMSNorm with (1 + w) before
+    and after attention and MLP, sliding and global layers (layer_types), query_pre_attn_scalar;
+    Gemma 2 soft-caps attention scores, both may soft-cap the logits; Gemma 3 adds q/k norms and a
+    RoPE base of its own for the sliding layers."""
+    if c.get("use_bidirectional_attention"):
+        raise ConfigError(f"{arch} with use_bidirectional_attention (an embedding model) is not supported: "
+                          "jaxinfer runs causal decoders")
+    d, h, n = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
+    head_dim = c.get("head_dim") or d // h
+    pattern = 2 if arch == "Gemma2ForCausalLM" else c.get("sliding_window_pattern", 6)
+    types = c.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                     for i in range(n)]
+    theta, scaling, local_theta = _gemma_rope(c, arch)
+    bias = bool(c.get("attention_bias", False))
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=n, n_heads=h,
+        n_kv_heads=c.get("num_key_value_heads") or h, head_dim=head_dim, ffn_dim=c["intermediate_size"],
+        activation=_activation(c, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh"),
+        gated_mlp=True, norm="gemma_rmsnorm", norm_eps=float(c.get("rms_norm_eps", 1e-6)), position="rope",
+        rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
+        max_position_embeddings=c.get("max_position_embeddings", 8192),
+        sliding_window=c.get("sliding_window"), sliding_layers=tuple(t == "sliding_attention" for t in types),
+        qkv_bias=bias, out_bias=bias, qk_norm=arch == "Gemma3ForCausalLM", post_norms=True,
+        attn_scale=float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
+        # HF's Gemma3Attention does not apply attn_logit_softcapping (Gemma 3 configs leave it null)
+        attn_softcap=c.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
+        final_softcap=c.get("final_logit_softcapping"), embed_scale=math.sqrt(d),
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
+def _phi3(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Phi-3 and Phi-4-mini: Llama's block with fused qkv_proj / gate_up_proj tensors (split by
+    hf_maps), LongRoPE, partial rotary (partial_rotary_factor), a window on every layer when set."""
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or d // h
+    params = _rope_params(c)
+    partial = float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
+    rotary = int(head_dim * partial)
+    theta, scaling = _rope(params, c)
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c["num_hidden_layers"], n_heads=h,
+        n_kv_heads=c.get("num_key_value_heads") or h, head_dim=head_dim, ffn_dim=c["intermediate_size"],
+        activation=_activation(c, "hidden_act"), gated_mlp=True, norm="rmsnorm",
+        norm_eps=float(c.get("rms_norm_eps", 1e-5)), position="rope", rope_theta=theta, rope_scaling=scaling,
+        rotary_dim=None if rotary == head_dim else rotary,
+        max_position_embeddings=c.get("max_position_embeddings", 4096), sliding_window=c.get("sliding_window"),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
+def _gpt2(c: dict[str, Any], arch: str) -> ModelConfig:
+    if c.get("scale_attn_by_inverse_layer_idx") or c.get("reorder_and_upcast_attn"):
+        raise ConfigError("GPT-2 options scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+    if not c.get("scale_attn_weights", True):
+        raise ConfigError("GPT-2 with scale_attn_weights=false is not supported")
+    d, h = c["n_embd"], c["n_head"]
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c["n_layer"], n_heads=h, n_kv_heads=h,
+        head_dim=d // h, ffn_dim=c.get("n_inner") or 4 * d,
+        activation=_activation(c, "activation_function", default="gelu_new"), gated_mlp=False,
+        norm="layernorm", norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), position="learned",
+        max_position_embeddings=c.get("n_positions", 1024), qkv_bias=True, out_bias=True, mlp_bias=True,
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
+def _bloom(c: dict[str, Any], arch: str) -> ModelConfig:
+    d = c.get("hidden_size", c.get("n_embed"))
+    h = c.get("n_head", c.get("num_attention_heads"))
+    if d is None or h is None:
+        raise ConfigError("BLOOM config.json needs hidden_size (or n_embed) and n_head")
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c.get("n_layer", c.get("num_hidden_layers")),
+        n_heads=h, n_kv_heads=h, head_dim=d // h, ffn_dim=4 * d, activation="gelu_tanh", gated_mlp=False,
+        norm="layernorm", norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), position="alibi",
+        max_position_embeddings=c.get("seq_length", 2048), qkv_bias=True, out_bias=True, mlp_bias=True,
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)), embed_norm=True,
+        residual_post_norm=bool(c.get("apply_residual_connection_post_layernorm", False)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
+_HF_BUILDERS = {
+    "LlamaForCausalLM": _llama_like, "MistralForCausalLM": _llama_like, "Qwen2ForCausalLM": _llama_like,
+    "Qwen3ForCausalLM": _llama_like, "Gemma2ForCausalLM": _gemma, "Gemma3ForCausalLM": _gemma,
+    "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2, "BloomForCausalLM": _bloom,
+}
+_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                       "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM"}
+# transformers' class defaults of the fields a config.json may leave out, where they differ from what
+# the builders assume (Qwen3Config, Gemma2Config, Gemma3TextConfig)
+_GEMMA_DEFAULTS = {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256, "tie_word_embeddings": True}
+_HF_DEFAULTS = {
+    "Qwen3ForCausalLM": {"head_dim": 128},
+    "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
+                          "final_logit_softcapping": 30.0},
+    "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072},
+}
+# architectures close to a supported one, refused with a pointer to what is supported
+_NOT_SUPPORTED = {
+    "Gemma3ForConditionalGeneration": " (vision-language Gemma 3: only the text-only Gemma3ForCausalLM, "
+                                      "model_type gemma3_text, is supported)",
+    "Phi3SmallForCausalLM": " (Phi-3-small: block-sparse attention and its own MLP, not Phi3ForCausalLM's)",
+}

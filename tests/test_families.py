@@ -1,0 +1,225 @@
+"""Qwen3, Gemma 2, Gemma 3 (text) and Phi-3 / Phi-4-mini through the one decoder (issue 42, dense).
+
+The XLA path's logits and 32 greedy tokens (8-token budget: 24-token prompts prefilled in 3 chunks,
+sliding windows of 5-7 crossed) against transformers run for every tiny config in
+test_hf_parity.py. Here: the same against transformers through the Pallas kernels (interpreted on
+CPU); prefix caching and n-gram speculation on Gemma 2 against the plain engine, int8 weights (with
+both) against naive decoding of the same int8 model; zero compilations after warm-up; tensor and
+pipeline parallelism against one device (tests/families_worker.py); config.json parsing (LongRoPE
+against transformers' own frequencies, legacy and v5 spellings of Gemma 3's per-layer RoPE) and
+the refusals.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from jaxinfer import Generator, SamplingParams
+from jaxinfer.config import ConfigError, ModelConfig
+from jaxinfer.layers import rope_inv_freq
+from tests.hf_models import CONFIGS, build_hf_model
+
+NEW_FAMILIES = [n for n in CONFIGS if n.split("-")[0] in ("qwen3", "gemma2", "gemma3", "phi3")]
+PROMPT_LEN = 24
+# 8-token budget: one step shape to compile; block_size 8 for the Pallas kernels' tiles
+ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4, block_size=8,
+              num_blocks=4 * 64 // 8 + 1, warmup=False)
+
+
+def _rel_err(a: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+def _hf_reference(name: str, n_new: int, seed: int = 0) -> tuple[list[int], np.ndarray, list[int]]:
+    """(prompt, HF logits [T, V], HF greedy continuation of n_new tokens)."""
+    hf = build_hf_model(name)
+    ids = np.random.RandomState(seed).randint(3, hf.config.vocab_size, PROMPT_LEN).tolist()
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].numpy()
+        cont = hf.generate(torch.tensor([ids]), max_new_tokens=n_new, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, PROMPT_LEN:].tolist()
+    return ids, logits, cont
+
+
+# ------------------------------------------------------------------------------ the Pallas kernels
+
+@pytest.mark.device
+@pytest.mark.parametrize("name", ["qwen3-mqa-window", "gemma2", "gemma3", "phi3-longrope"])
+def test_pallas_kernels_match_transformers(name, hf_model_dir):
+    """Flash attention (the full forward) and ragged paged attention (chunked prefill + decode) with
+    each family's features: q/k norms, soft caps, alternating windows, per-layer RoPE, LongRoPE."""
+    gen = Generator.from_pretrained(hf_model_dir(name), attention="pallas", **ENGINE)
+    assert gen.engine.resolved.attention == "pallas"
+    ids, ref, cont = _hf_reference(name, 16)
+    assert _rel_err(gen.logits(ids), ref) < 1e-4
+    out = gen.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == cont
+
+
+# ------------------------------------------------------------------------------ engine features on Gemma 2
+
+def _gemma2_prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Two rounds: the second shares a 21-token prefix with the first (prefix caching) and repeats a
+    pattern (n-gram proposals); lengths cross the window of 6 and the 8-token chunks."""
+    rng = np.random.RandomState(3)
+    prefix = rng.randint(3, vocab, 21).tolist()
+    pattern = rng.randint(3, vocab, 5).tolist()
+    first = [prefix + rng.randint(3, vocab, 4).tolist(), pattern * 4, rng.randint(3, vocab, 9).tolist()]
+    second = [prefix + rng.randint(3, vocab, 7).tolist(), prefix + pattern * 2, list(first[1])]
+    return first, second
+
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+FEATURES = dict(ENGINE, max_model_len=96, max_num_batched_tokens=16, num_blocks=4 * 96 // 8 + 1)
+
+
+@pytest.fixture(scope="module")
+def gemma2_plain(hf_model_dir) -> dict:
+    """The reference: greedy tokens of the plain float32 engine (no prefix cache, no speculation)."""
+    gen = Generator.from_pretrained(hf_model_dir("gemma2"), enable_prefix_caching=False, **FEATURES)
+    first, second = _gemma2_prompts(gen.model_cfg.vocab_size)
+    return {"first": [o.token_ids for o in gen.generate(first, GREEDY)],
+            "second": [o.token_ids for o in gen.generate(second, GREEDY)]}
+
+
+def _serve_two_rounds(gen: Generator, want: dict) -> None:
+    first, second = _gemma2_prompts(gen.model_cfg.vocab_size)
+    assert [o.token_ids for o in gen.generate(first, GREEDY)] == want["first"]
+    hits = gen.stats()["prefix_cache_hits"]
+    assert [o.token_ids for o in gen.generate(second, GREEDY)] == want["second"]
+    stats = gen.stats()
+    assert stats["prefix_cache_hits"] - hits >= 16 + 16 + 16           # the shared whole blocks reused
+    assert stats["spec_decode_num_accepted_tokens"] > 0                  # proposals were verified and kept
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_gemma2_prefix_cache_and_ngram_same_tokens_zero_compilations(hf_model_dir, gemma2_plain):
+    """A warmed engine with prefix caching and n-gram speculation: the plain engine's greedy tokens,
+    and no XLA compilation while serving."""
+    gen = Generator.from_pretrained(hf_model_dir("gemma2"), speculative_method="ngram", num_speculative_tokens=3,
+                                    speculative_max_batch=8, **{**FEATURES, "warmup": True})
+    _serve_two_rounds(gen, gemma2_plain)
+    assert gen.stats()["compilations_after_warmup"] == 0
+
+
+def _naive_greedy(gen: Generator, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(np.argmax(gen.logits(ids)[-1])))
+    return ids[len(prompt):]
+
+
+def test_gemma2_int8_weights_same_tokens(hf_model_dir):
+    """int8 weights with prefix caching and n-gram speculation give the greedy tokens of the same int8
+    model decoded naively (full forwards, gen.logits: no cache, no speculation). Against the float
+    model the tokens may differ (the tiny model's top-2 margins, down to 1e-3, are below int8's
+    error), so the logits are held to int8's bound instead: per-channel rounding of at most
+    max|w| / 254 per weight, ~1% per matmul, compounded over 4 layers of 7 matmuls (4-7% measured)."""
+    path = hf_model_dir("gemma2")
+    gen = Generator.from_pretrained(path, quantize="int8", speculative_method="ngram", num_speculative_tokens=3,
+                                    speculative_max_batch=8, **FEATURES)
+    first, second = _gemma2_prompts(gen.model_cfg.vocab_size)
+    want = {"first": [_naive_greedy(gen, p, GREEDY.max_tokens) for p in first],
+            "second": [_naive_greedy(gen, p, GREEDY.max_tokens) for p in second]}
+    _serve_two_rounds(gen, want)
+    ref = Generator.from_pretrained(path, **FEATURES)
+    assert _rel_err(gen.logits(second[1]), ref.logits(second[1])) < 0.1
+
+
+# ------------------------------------------------------------------------------ config.json
+
+@pytest.mark.parametrize("name,expect", [
+    ("qwen3-mqa-window", dict(qk_norm=True, qkv_bias=True, n_kv_heads=1, sliding_window=6,
+                              sliding_layers=(False, True, True), norm="rmsnorm")),
+    ("gemma2", dict(norm="gemma_rmsnorm", post_norms=True, activation="gelu_tanh", attn_scale=24 ** -0.5,
+                    attn_softcap=2.0, final_softcap=1.0, embed_scale=8.0, tie_embeddings=True,
+                    sliding_layers=(True, False, True, False), qk_norm=False, rope_local_theta=None)),
+    ("gemma3", dict(qk_norm=True, attn_softcap=None, final_softcap=1.0, rope_theta=1e6, rope_local_theta=1e4,
+                    sliding_layers=(True,) * 5 + (False,), sliding_window=5)),
+    ("phi3-longrope", dict(rotary_dim=12, head_dim=16, tie_embeddings=True)),
+    ("phi3-mqa-window", dict(rotary_dim=None, sliding_window=7, sliding_layers=None)),
+])
+def test_from_hf_fields(name, expect, hf_model_dir):
+    cfg = ModelConfig.from_hf(hf_model_dir(name))
+    for k, v in expect.items():
+        assert getattr(cfg, k) == v, k
+
+
+def test_gemma3_per_layer_rope():
+    cfg = ModelConfig.from_hf(cfg_dict("gemma3"))
+    assert [cfg.layer_window(i) for i in range(6)] == [5] * 5 + [None]
+    assert [cfg.is_sliding(i) for i in range(6)] == [True] * 5 + [False]
+    rope = (cfg.rope_local_theta, cfg.rope_theta, cfg.rope_scaling.kind, cfg.rope_scaling.factor)
+    assert rope == (1e4, 1e6, "linear", 8)
+    # the legacy spelling (transformers < 5 and many hub files): the same config
+    legacy = {k: v for k, v in cfg_dict("gemma3").items() if k != "rope_parameters"}
+    legacy |= {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    assert ModelConfig.from_hf(legacy) == cfg
+
+
+def cfg_dict(name: str) -> dict:
+    return json.loads(build_hf_model(name).config.to_json_string()) | {"architectures": [
+        {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+         "phi3": "Phi3ForCausalLM"}[name.split("-")[0]]]}
+
+
+@pytest.mark.parametrize("name", ["phi3-longrope", "phi3-mqa-window"])
+def test_longrope_frequencies_match_transformers(name):
+    """Our inverse frequencies and cos/sin factor against transformers' own LongRoPE, with the long
+    factors (seq_len past the original length) where the model serves beyond it, else the short."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_cfg = build_hf_model(name).config
+    cfg = ModelConfig.from_hf(cfg_dict(name))
+    s = cfg.rope_scaling
+    seq_len = s.original_max_position_embeddings + 1 if s.use_long_factor else None
+    ref, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](hf_cfg, "cpu", seq_len=seq_len)
+    np.testing.assert_allclose(rope_inv_freq(cfg.rope_dim, cfg.rope_theta, s), ref.numpy(), rtol=1e-6)
+    assert s.attention_factor == pytest.approx(attention_factor)
+    assert s.use_long_factor == (name == "phi3-longrope")
+
+
+def test_num_params_match_transformers():
+    for name in NEW_FAMILIES:
+        hf = build_hf_model(name)
+        assert ModelConfig.from_hf(cfg_dict(name)).num_params() == sum(p.numel() for p in hf.parameters()), name
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "only the text-only Gemma3ForCausalLM"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "sliding layers with RoPE scaling"),
+    ({"final_logit_softcapping": -1.0}, "final_logit_softcapping"),
+])
+def test_refused_gemma_configs_name_the_field(change, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(cfg_dict("gemma3") | change)
+
+
+def test_longrope_factors_must_fit_the_rotated_features():
+    c = cfg_dict("phi3-longrope")
+    c["rope_parameters"] = dict(c["rope_parameters"], short_factor=[1.0] * 8)
+    with pytest.raises(ConfigError, match="longrope needs short_factor and long_factor of 6 values"):
+        ModelConfig.from_hf(c)
+
+
+# ------------------------------------------------------------------------------ tensor / pipeline parallelism
+
+def test_tensor_and_pipeline_parallel_equal_one_device(tmp_path):
+    """tests/families_worker.py on 8 fake CPU devices: Qwen3 at TP 2 and 4, Gemma 3 at TP 2 and PP 2
+    give one device's logits (to float32 reduction order) and greedy tokens."""
+    from tests.families_worker import RUNS
+    from tests.fake_devices import run_worker
+    from tests.hf_models import save_hf_model
+
+    for name in RUNS:
+        save_hf_model(name, tmp_path / name)
+    result = run_worker("tests.families_worker", tmp_path, timeout_s=400)
+    assert len(result["runs"]) == sum(len(r) for r in RUNS.values())
+    for run, r in result["runs"].items():
+        assert r["rel_err"] < 1e-5 and r["same_tokens"], (run, r)
