@@ -168,7 +168,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                                 act_scales=args.act_scales, act_calib=args.act_calib,
                                 act_symmetric=not args.act_asym,
                                 act_percentile=args.act_percentile, qat_steps=args.qat_steps, qat_lr=args.qat_lr,
-                                qat_batch=args.qat_batch)
+                                qat_batch=args.qat_batch, qat_trainable=args.qat_trainable,
+                                qat_nll_weight=args.qat_nll_weight, qat_temperature=args.qat_temperature,
+                                qat_heldout=args.qat_heldout)
     path = Path(args.model) if args.model else default_model_path()
     tokenizer = load_tokenizer(path)
     windows, calib, train_tokens, train = None, None, None, None
@@ -330,8 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("model", help="HF model folder or jaxinfer checkpoint")
     qz.add_argument("out_dir")
     qz.add_argument("--method", default="rtn",
-                    help="rtn | gptq | awq (weight-only integers) | qat (fine-tune with fake quantization, "
-                         "then RTN) | fp8 (e4m3 weights per channel) | smoothquant (W8A8)")
+                    help="rtn | gptq | awq (weight-only integers) | qat (distil the float model into its "
+                         "fake-quantized self, then RTN) | fp8 (e4m3 weights per channel) | smoothquant (W8A8)")
     qz.add_argument("--bits", type=int, default=None, choices=[8, 4, 3],
                     help="default: 8 for fp8 and smoothquant, else 4")
     qz.add_argument("--group-size", type=int, default=None, choices=[128, 64, 32, -1],
@@ -356,11 +358,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--act-calib percentile: the percentile of |x| mapped to 127")
     qz.add_argument("--act-asym", action="store_true",
                     help="smoothquant --act-scales static: asymmetric activation grid with a zero point")
-    qz.add_argument("--train-text", default=None, help="qat: UTF-8 training text (the model's training data)")
+    qz.add_argument("--train-text", default=None,
+                    help="qat: UTF-8 text the model was trained on or will serve (never the evaluation text); "
+                         "--qat-heldout of it is held out for early stopping")
     qz.add_argument("--train-bin", default=None, help="qat: training token ids, uint16 (prepare_corpus's train.bin)")
-    qz.add_argument("--qat-steps", type=int, default=200)
-    qz.add_argument("--qat-lr", type=float, default=1e-4)
+    qz.add_argument("--qat-steps", type=int, default=400, help="qat: at most this many steps (early stopping)")
+    qz.add_argument("--qat-lr", type=float, default=3e-5)
     qz.add_argument("--qat-batch", type=int, default=8, help="qat: windows of --calib-window + 1 tokens per step")
+    qz.add_argument("--qat-trainable", default="all", choices=["all", "linears"],
+                    help="qat: train every float parameter (the quantized linears, norms, embeddings) or the "
+                         "linears only")
+    qz.add_argument("--qat-nll-weight", type=float, default=0.0,
+                    help="qat: loss = (1 - w) KL(float model || quantized) + w next-token NLL (default 0: "
+                         "distillation only; 1 fine-tunes on the text)")
+    qz.add_argument("--qat-temperature", type=float, default=2.0, help="qat: softmax temperature of the KL")
+    qz.add_argument("--qat-heldout", type=float, default=0.1,
+                    help="qat: share of the training text held out to pick the epoch by its KL")
     qz.add_argument("--quiet", action="store_true", help="no progress bar")
     qz.set_defaults(func=cmd_quantize, asym=False)   # (the first of two actions on one dest gives the default)
 

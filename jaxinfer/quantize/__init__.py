@@ -1,7 +1,8 @@
 """`jaxinfer quantize`: quantization of a Decoder: weight-only post-training (RTN, GPTQ, AWQ, FP8
 e4m3: its checkpoints hold weights only; on GPU the engine also scales activations to e4m3, quant.py),
-quantization-aware training (QAT: fine-tuning with fake-quantized linears, then RTN export;
-qat.py) and SmoothQuant W8A8 (int8 weights and int8 activations, dynamic per token or static).
+quantization-aware training (QAT: the fake-quantized model distilled from the float model's
+own logits, then RTN export; qat.py) and SmoothQuant W8A8 (int8 weights and int8 activations,
+dynamic per token or static).
 
     settings = QuantizeSettings(method="gptq", bits=4, group_size=-1, symmetric=False)
     quantize_model(model, settings, calib_windows)      # in place; unfused float Decoder
@@ -21,7 +22,9 @@ int8 and fp8 are per channel and symmetric only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import sys
 from typing import Any
 
 import jax.numpy as jnp
@@ -57,9 +60,13 @@ class QuantizeSettings:
     act_calib: str = "percentile"  # static: minmax | percentile | mse (smoothquant.py)
     act_percentile: float = 99.99
     act_symmetric: bool = True     # static: False = an asymmetric grid with a zero point (smoothquant.py)
-    qat_steps: int = 200           # QAT (qat.py): fine-tuning steps of qat_batch windows of calib_window + 1
-    qat_lr: float = 1e-4
-    qat_batch: int = 8
+    qat_steps: int = 400           # QAT (qat.py; these equal its DEFAULT_*): at most this many steps of
+    qat_lr: float = 3e-5           # qat_batch windows of calib_window + 1 tokens, early-stopped on the
+    qat_batch: int = 8             # held-out KL of the qat_heldout slice of the training text
+    qat_trainable: str = "all"     # all float parameters, or "linears" only
+    qat_nll_weight: float = 0.0    # loss: (1 - w) KL(float || fake-quantized) + w next-token NLL
+    qat_temperature: float = 2.0   # of the KL term
+    qat_heldout: float = 0.1       # share of the training text held out for early stopping
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -90,6 +97,11 @@ class QuantizeSettings:
         if self.qat_steps < 1 or self.qat_batch < 1 or not self.qat_lr > 0:
             raise ValueError(f"QAT needs --qat-steps >= 1, --qat-batch >= 1 and --qat-lr > 0, got "
                              f"{self.qat_steps}, {self.qat_batch}, {self.qat_lr}")
+        if self.qat_trainable not in ("all", "linears"):
+            raise ValueError(f"--qat-trainable must be all or linears, got {self.qat_trainable!r}")
+        if not (0 <= self.qat_nll_weight <= 1 and self.qat_temperature > 0 and 0 < self.qat_heldout < 1):
+            raise ValueError(f"QAT needs 0 <= --qat-nll-weight <= 1, --qat-temperature > 0 and 0 < --qat-heldout "
+                             f"< 1, got {self.qat_nll_weight}, {self.qat_temperature}, {self.qat_heldout}")
         if self.awq_grid < 1 or self.awq_clip_grid < 2:
             raise ValueError(f"AWQ needs awq_grid >= 1 and awq_clip_grid >= 2, got {self.awq_grid}, {self.awq_clip_grid}")
         if not 50.0 < self.act_percentile <= 100.0:
@@ -100,7 +112,8 @@ class QuantizeSettings:
             "rtn": [], "fp8": [], "gptq": ["act_order", "clip_search", "percdamp", "blocksize", "calib_tokens", "calib_window"],
             "awq": ["awq_grid", "awq_clip_grid", "calib_tokens", "calib_window"],
             "smoothquant": ["alpha", "calib_tokens", "calib_window"],
-            "qat": ["qat_steps", "qat_lr", "qat_batch", "calib_window", "seed"]}[self.method]
+            "qat": ["qat_steps", "qat_lr", "qat_batch", "qat_trainable", "qat_nll_weight", "qat_temperature",
+                    "qat_heldout", "calib_window", "seed"]}[self.method]
         if self.method == "smoothquant":
             act = ({"act_scales": "dynamic per token"} if self.act_scales == "dynamic" else
                    {"act_scales": "static per tensor", "act_symmetric": self.act_symmetric,
@@ -172,6 +185,25 @@ def quantize_rtn(model: Decoder, settings: QuantizeSettings) -> Decoder:
     return model
 
 
+def report_qat(event: dict, bits: int = 4) -> None:
+    """One line on stderr per QAT event that a user needs (qat.py's log): how much text it trains
+    on, each epoch's held-out KL, which epoch it exports."""
+    from tqdm import tqdm                       # tqdm.write keeps an open progress bar intact
+    if event["event"] == "qat_data":
+        msg = (f"QAT: training on {event['train_tokens']:,} tokens of the text ({event['heldout_tokens']:,} more "
+               f"held out for early stopping); at most {event['steps']} steps x {event['batch']} x {event['window']} "
+               f"tokens = {event['epochs']:.1f} epochs of {event['steps_per_epoch']} steps")
+    elif event["event"] == "qat_epoch":
+        msg = (f"QAT epoch {event['epoch']} (step {event['step']}): held-out KL(float || w{bits}) "
+               f"{event['heldout_kl']:.5f} nats/token" + (" (RTN)" if event["epoch"] == 0 else ""))
+    elif event["event"] == "qat_done":
+        msg = (f"QAT: exporting epoch {event['best_epoch']} (step {event['best_step']}), held-out KL "
+               f"{event['heldout_kl']:.5f}")
+    else:
+        return
+    tqdm.write(msg, file=sys.stderr)
+
+
 def quantize_model(model: Decoder, settings: QuantizeSettings, windows: np.ndarray | None = None,
                    progress: bool = True, train_tokens: np.ndarray | None = None) -> Decoder:
     """Quantize an unfused float Decoder in place. windows [B, W] calibration token ids (gptq, awq,
@@ -185,7 +217,10 @@ def quantize_model(model: Decoder, settings: QuantizeSettings, windows: np.ndarr
         from jaxinfer.quantize.qat import qat_finetune
         return qat_finetune(model, bits=settings.bits, group_size=settings.group_size, symmetric=settings.symmetric,
                             tokens=train_tokens, steps=settings.qat_steps, batch=settings.qat_batch,
-                            window=settings.calib_window, lr=settings.qat_lr, seed=settings.seed, progress=progress)
+                            window=settings.calib_window, lr=settings.qat_lr, seed=settings.seed, progress=progress,
+                            trainable=settings.qat_trainable, nll_weight=settings.qat_nll_weight,
+                            temperature=settings.qat_temperature, heldout=settings.qat_heldout,
+                            log=functools.partial(report_qat, bits=settings.bits))
     if windows is None:
         raise ValueError(f"--method {settings.method} needs calibration text (--calib-text)")
     from tqdm import tqdm
