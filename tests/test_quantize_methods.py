@@ -675,3 +675,15 @@ def test_existing_int8_int4_formats_unchanged():
         assert (a.bits, a.group_size) == (b.bits, b.group_size)
         np.testing.assert_array_equal(np.asarray(a.q), np.asarray(b.q))
         np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "smoothquant"])
+def test_calibrated_methods_refuse_gemma(hf_model_dir, method):
+    """Calibration replays each block tap by tap without Gemma's post-attention / post-MLP norms, and
+    AWQ / SmoothQuant would fold into its (1 + w) norms as if they were w: refused, naming why."""
+    from jaxinfer.weights import load_model
+
+    model, _ = load_model(hf_model_dir("gemma2"), "float32")
+    kw = dict(bits=8, group_size=-1) if method == "smoothquant" else dict(bits=4)
+    with pytest.raises(ValueError, match=rf"--method {method} cannot quantize this model: .*Gemma.*use --method rtn"):
+        quantize_model(model, QuantizeSettings(method=method, **kw), windows=np.zeros((1, 16), np.int32))

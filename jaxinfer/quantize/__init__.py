@@ -204,6 +204,18 @@ def report_qat(event: dict, bits: int = 4) -> None:
     tqdm.write(msg, file=sys.stderr)
 
 
+def calibrated_unsupported(cfg) -> str | None:
+    """Why GPTQ / AWQ / SmoothQuant cannot calibrate this model, or None. They rebuild each block's
+    inputs tap by tap (calibrate._taps: norm, attention, residual, norm, MLP) and AWQ / SmoothQuant
+    fold their scales into the norm before a matmul (scale / s): Gemma's norms after attention and
+    MLP are not in those taps, and its (1 + w) norm would need (1 + w) / s - 1."""
+    if cfg.post_norms:
+        return "its blocks norm the attention and MLP outputs (Gemma), which calibration does not replay"
+    if cfg.norm == "gemma_rmsnorm":
+        return "its norms scale by (1 + w) (Gemma), which AWQ / SmoothQuant's folding does not handle"
+    return None
+
+
 def quantize_model(model: Decoder, settings: QuantizeSettings, windows: np.ndarray | None = None,
                    progress: bool = True, train_tokens: np.ndarray | None = None) -> Decoder:
     """Quantize an unfused float Decoder in place. windows [B, W] calibration token ids (gptq, awq,
@@ -221,6 +233,10 @@ def quantize_model(model: Decoder, settings: QuantizeSettings, windows: np.ndarr
                             trainable=settings.qat_trainable, nll_weight=settings.qat_nll_weight,
                             temperature=settings.qat_temperature, heldout=settings.qat_heldout,
                             log=functools.partial(report_qat, bits=settings.bits))
+    unsupported = calibrated_unsupported(model.cfg)
+    if unsupported:
+        raise ValueError(f"--method {settings.method} cannot quantize this model: {unsupported}; use --method rtn, "
+                         f"fp8 or qat")
     if windows is None:
         raise ValueError(f"--method {settings.method} needs calibration text (--calib-text)")
     from tqdm import tqdm
