@@ -187,7 +187,7 @@ class ModelCost:
     head_dim: int
     d_model: int
     vocab_size: int
-    body_params: int                      # parameters run on every token (all but embedding tables)
+    body_params: int                      # parameters run on every token (all but embedding tables; MoE: active)
     weight_bytes_read: int                # W: bytes of weights one step reads
     kv_bytes_per_token: int               # K and V of one token, all layers
     windows: tuple[int | None, ...] = ()  # per layer sliding window (None = full causal)
@@ -197,9 +197,11 @@ class ModelCost:
         table = cfg.vocab_size * cfg.d_model
         pos = cfg.max_position_embeddings * cfg.d_model if cfg.position == "learned" else 0
         total = cfg.num_params()
-        body = total - table * (1 if cfg.tie_embeddings else 2) - pos
+        # FLOPs: a token runs through its routed experts only (num_active_params); bytes: every weight,
+        # which a mixture of experts reads in full only once a step's rows reach every expert
+        body = cfg.num_active_params() - table * (1 if cfg.tie_embeddings else 2) - pos
         # read per step: the blocks + the LM head (the tied table is the head); not the input table
-        read = body + table
+        read = total - table * (1 if cfg.tie_embeddings else 2) - pos + table
         kv = perf.kv_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, _KV_DTYPE_OF_ITEMSIZE[kv_itemsize])
         return cls(cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_model, cfg.vocab_size, body,
                    int(round(read * weight_itemsize)), kv,

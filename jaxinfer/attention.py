@@ -9,7 +9,10 @@ Pallas kernels (pallas_kernels/), chosen per device by the caller. Masks are bui
 positions, so chunked prefill and decode are the same code: token t at position p sees context
 positions l with l <= p and, with a sliding window W, p - W < l. A soft cap C (Gemma 2) maps each
 scaled score s to C * tanh(s / C) before anything else touches it; ALiBi adds slope_h * (l - p).
-Softmax is always float32.
+Attention sinks (gpt-oss: sinks [H], one logit per head) join every softmax's denominator as a key
+of value 0 the query always sees: out = sum_l e^(s_l) v_l / (e^(sink_h) + sum_l e^(s_l)); in the
+online softmax they are the running (max, sum) a row starts from, (sink_h, 1). A row that sees no
+key outputs 0 either way. Softmax is always float32.
 
 The XLA paged attention (paged_attention_xla) is one ragged mechanism for every kind of row: this
 step's K/V are written first and read back from the pages like all other keys (as the Pallas
@@ -51,9 +54,10 @@ NEG_INF = -1e30  # finite, so fully-masked padding rows give zeros instead of Na
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *, scale: float,
               window: int | None = None, alibi: jax.Array | None = None, softcap: float | None = None,
-              kv: LayerKV | None = None, meta: AttentionMetadata | None = None,
+              sinks: jax.Array | None = None, kv: LayerKV | None = None, meta: AttentionMetadata | None = None,
               impl: str = "xla") -> tuple[jax.Array, LayerKV | None]:
-    """q [T, H, D], k/v [T, Hkv, D], positions [T] -> (out [T, H, D], updated pages or None)."""
+    """q [T, H, D], k/v [T, Hkv, D], positions [T], sinks [H] float32 or None -> (out [T, H, D],
+    updated pages or None)."""
     if impl not in ("xla", "pallas"):
         raise ValueError(f"unknown attention implementation {impl!r}; use 'xla' or 'pallas'")
     if impl == "pallas" and isinstance(window, jax.Array):
@@ -62,9 +66,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
     if kv is None:
         if impl == "pallas":
             return flash_attention(q, k, v, scale=scale, causal=True, window=window, alibi_slopes=alibi,
-                                   softcap=softcap), None
+                                   softcap=softcap, sinks=sinks), None
         return dense_causal_attention(q, k, v, positions, scale=scale, window=window, alibi=alibi,
-                                      softcap=softcap), None
+                                      softcap=softcap, sinks=sinks), None
     assert meta is not None, "paged attention needs AttentionMetadata"
     kv = write_kv(kv, k, v, meta.slot_mapping)
     if impl == "pallas":
@@ -72,10 +76,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
             raise ValueError("tree attention (Medusa) runs on the XLA attention only")
         out = ragged_paged_attention(q, kv.k, kv.v, positions, meta.seq_ids, meta.query_start_loc,
                                      meta.block_tables, meta.context_lens, scale=scale, window=window,
-                                     alibi_slopes=alibi, softcap=softcap, k_scale=kv.k_scale, v_scale=kv.v_scale)
+                                     alibi_slopes=alibi, softcap=softcap, sinks=sinks, k_scale=kv.k_scale,
+                                     v_scale=kv.v_scale)
         return out.astype(q.dtype), kv
     return paged_attention_xla(q, k, v, kv, positions, meta, scale=scale, window=window, alibi=alibi,
-                               softcap=softcap), kv
+                               softcap=softcap, sinks=sinks), kv
 
 
 def _mask_and_bias(q_pos: jax.Array, k_pos: jax.Array, window: int | None, alibi: jax.Array | None,
@@ -93,13 +98,20 @@ def _mask_and_bias(q_pos: jax.Array, k_pos: jax.Array, window: int | None, alibi
 
 
 def _softmax_attend(scores: jax.Array, valid: jax.Array, bias: jax.Array | None, v: jax.Array,
-                    v_spec: str) -> jax.Array:
-    """scores [Hkv, G, T, L] f32 -> weighted sum of v; v_spec is the einsum spec of v's axes."""
+                    v_spec: str, sinks: jax.Array | None = None) -> jax.Array:
+    """scores [Hkv, G, T, L] f32 -> weighted sum of v; v_spec is the einsum spec of v's axes;
+    sinks [H] f32: one more logit per head in each denominator (module docstring)."""
     hkv, g = scores.shape[:2]
     if bias is not None:
         scores = scores + bias.reshape(hkv, g, *bias.shape[1:])
     scores = jnp.where(valid[None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = sinks.astype(jnp.float32).reshape(hkv, g, 1, 1)
+        top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+        e = jnp.exp(scores - top)
+        probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
     probs = jnp.where(valid[None, None], probs, 0.0)  # rows with no visible key -> 0
     return jnp.einsum(f"kgtl,{v_spec}->tkgd", probs.astype(v.dtype), v,
                       preferred_element_type=jnp.float32, precision=dot_precision(v.dtype))
@@ -107,7 +119,7 @@ def _softmax_attend(scores: jax.Array, valid: jax.Array, bias: jax.Array | None,
 
 def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
                            scale: float, window: int | None = None, alibi: jax.Array | None = None,
-                           softcap: float | None = None) -> jax.Array:
+                           softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Reference attention of one sequence's T tokens among themselves. [T,H,D],[T,Hkv,D] -> [T,H,D]."""
     t, h, d = q.shape
     hkv = k.shape[1]
@@ -115,7 +127,7 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
     scores = soft_cap(jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32,
                                  precision=dot_precision(q.dtype)) * scale, softcap)
     valid, bias = _mask_and_bias(positions, positions, window, alibi)
-    out = _softmax_attend(scores, valid, bias, v, "lkd")
+    out = _softmax_attend(scores, valid, bias, v, "lkd", sinks)
     return out.reshape(t, h, d).astype(q.dtype)
 
 
@@ -133,7 +145,7 @@ def _gather_context(kv: LayerKV, block_tables: jax.Array, dtype) -> tuple[jax.Ar
 
 def paged_attention_reference(q: jax.Array, kv: LayerKV, positions: jax.Array, meta: AttentionMetadata, *,
                               scale: float, window: int | None = None, alibi: jax.Array | None = None,
-                              softcap: float | None = None) -> jax.Array:
+                              softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """The plain definition, after this step's K/V were written: every token gathers its own
     sequence's whole context from the pages. Memory O(T * max_context * D): a reference only."""
     t, h, d = q.shape
@@ -149,7 +161,7 @@ def paged_attention_reference(q: jax.Array, kv: LayerKV, positions: jax.Array, m
         positions = meta.tree[:, 0]
         in_context &= _tree_visible(k_pos[None, :], meta.tree[:, 1:2], meta.tree[:, 2:3])
     valid, bias = _mask_and_bias(positions, k_pos, window, alibi, extra_valid=in_context)
-    out = _softmax_attend(scores, valid, bias, v_tok, "ktld")
+    out = _softmax_attend(scores, valid, bias, v_tok, "ktld", sinks)
     return out.reshape(t, h, d).astype(q.dtype)
 
 
@@ -163,7 +175,7 @@ def _tree_visible(k_idx: jax.Array, first: jax.Array, bits: jax.Array) -> jax.Ar
 def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: jax.Array,
                   num_items: jax.Array, *, scale: float, window: int | None,
                   alibi: jax.Array | None, group: int, tree_tiles: tuple | None = None,
-                  precision=None, softcap: float | None = None) -> jax.Array:
+                  precision=None, softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Softmax attention of query tiles over a flat list of work items (tile, first logical block j,
     physical blocks j .. j + KB - 1), `group` items per loop iteration (the last few group // 8),
     merged per tile by online softmax.
@@ -181,8 +193,10 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
     nt1, hkv, nq, d = q_tiles.shape
     bs = kv.k.shape[2]
     kb = items.shape[1] - 2
-    g = alibi.shape[0] // hkv if alibi is not None else 1
-    slope = None if alibi is None else jnp.tile(alibi.reshape(hkv, 1, g), (1, nq // g, 1)).reshape(hkv, nq)
+    per_head = alibi if alibi is not None else sinks          # [H]: G query heads per kv head
+    g = per_head.shape[0] // hkv if per_head is not None else 1
+    per_q = lambda a: jnp.tile(a.reshape(hkv, 1, g), (1, nq // g, 1)).reshape(hkv, nq)  # noqa: E731  [H] -> [Hkv, Q]
+    slope = None if alibi is None else per_q(alibi)
     offs = jnp.arange(kb * bs, dtype=jnp.int32)
 
     def step(carry, start, size):
@@ -221,6 +235,9 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
 
     init = (jnp.full((nt1, hkv, nq), NEG_INF, jnp.float32), jnp.zeros((nt1, hkv, nq), jnp.float32),
             jnp.zeros((nt1, hkv, nq, d), jnp.float32))
+    if sinks is not None:   # every tile starts from its heads' sink: (max, sum) = (sink, e^0)
+        init = (jnp.broadcast_to(per_q(sinks.astype(jnp.float32)), (nt1, hkv, nq)),
+                jnp.ones((nt1, hkv, nq), jnp.float32), init[2])
     # full groups, then the rest in groups of `tail` so that a small step (batch-1 decode) does not
     # pay for a whole group of padding items; items has room: its length is a multiple of `group`
     tail = max(1, group // 8)
@@ -234,7 +251,8 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
 
 def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: jax.Array,
                         meta: AttentionMetadata, *, scale: float, window: int | None = None,
-                        alibi: jax.Array | None = None, softcap: float | None = None) -> jax.Array:
+                        alibi: jax.Array | None = None, softcap: float | None = None,
+                        sinks: jax.Array | None = None) -> jax.Array:
     """Ragged paged attention over the work items of `meta` (kv_cache.build_attention_metadata).
     q [T,H,D], this step's k/v [T,Hkv,D] (already written to kv; read back from the pages like
     every other key) -> [T,H,D].
@@ -250,7 +268,7 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
     del k, v
     if meta.num_items is None:   # hand-built metadata without work items: the plain definition
         return paged_attention_reference(q, kv, positions, meta, scale=scale, window=window, alibi=alibi,
-                                         softcap=softcap)
+                                         softcap=softcap, sinks=sinks)
     t, h, d = q.shape
     hkv = kv.k.shape[0]
     g = h // hkv
@@ -258,7 +276,7 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
         positions = meta.tree[:, 0]
     q_ext = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((1, h, d), jnp.float32)])   # row T: none
     pos_ext = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])
-    kw = dict(scale=scale, window=window, alibi=alibi, softcap=softcap, precision=dot_precision(q.dtype))
+    kw = dict(scale=scale, window=window, alibi=alibi, softcap=softcap, sinks=sinks, precision=dot_precision(q.dtype))
 
     # a step without decode rows (or without chunks) skips that part: at batch 1 most of a layer's
     # attention ops are the fixed cost of a part, not its work

@@ -34,8 +34,11 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling. kind: "linear" (positions / factor), "llama3" (Llama 3.1 wavelength
-    bands) or "longrope" (Phi-3: one divisor per frequency, long_factor where use_long_factor, else
-    short_factor; cos and sin scaled by attention_factor)."""
+    bands), "longrope" (Phi-3: one divisor per frequency, long_factor where use_long_factor, else
+    short_factor; cos and sin scaled by attention_factor) or "yarn" (YaRN: frequencies blended
+    between interpolated (/ factor) and original over the band beta_fast .. beta_slow rotations in
+    original_max_position_embeddings, the band's edges rounded outwards when truncate; cos and sin
+    scaled by attention_factor)."""
     kind: str
     factor: float
     low_freq_factor: float = 1.0
@@ -45,6 +48,9 @@ class RopeScaling:
     long_factor: tuple[float, ...] | None = None
     attention_factor: float = 1.0
     use_long_factor: bool = False
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,23 @@ class ModelConfig:
     attn_softcap: float | None = None   # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
     final_softcap: float | None = None  # the same on the LM head's logits (Gemma 2 and 3)
     embed_scale: float = 1.0            # token embeddings multiplied by it (Gemma: sqrt(d_model))
+    attn_sinks: bool = False            # gpt-oss: one learned logit per head in every softmax's denominator
+    # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): num_experts > 0 replaces the MLP of the layers
+    # moe_layers marks (None: every layer) by a router picking num_experts_per_tok experts per token,
+    # each a gated MLP of moe_ffn_dim (None: ffn_dim; the dense layers keep ffn_dim), with biases where
+    # mlp_bias. moe_routing: "topk_softmax" (Mixtral, gpt-oss: top-k of the router logits, softmax over
+    # the k) or "softmax_topk" (Qwen3-MoE: softmax over all experts, top-k, renormalized over the k when
+    # moe_norm_topk). swiglu_limit (gpt-oss): the experts' clamped SwiGLU,
+    # (clip(up, -L, L) + 1) * g * sigmoid(swiglu_alpha * g) with g = min(gate, L), instead of act(gate) * up.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_ffn_dim: int | None = None
+    moe_layers: tuple[bool, ...] | None = None
+    moe_routing: str = "topk_softmax"
+    moe_norm_topk: bool = True
+    router_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     tie_embeddings: bool = False
     embed_norm: bool = False            # BLOOM: LayerNorm right after the token embedding
     residual_post_norm: bool = False    # BLOOM's apply_residual_connection_post_layernorm
@@ -92,10 +115,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         ints = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
-                "max_position_embeddings")
-        floats = ("norm_eps", "rope_theta", "embed_scale")
+                "max_position_embeddings", "num_experts", "num_experts_per_tok")
+        floats = ("norm_eps", "rope_theta", "embed_scale", "swiglu_alpha")
         optional = {"sliding_window": _is_int, "rotary_dim": _is_int, "rope_local_theta": _is_number,
-                    "attn_scale": _is_number, "attn_softcap": _is_number, "final_softcap": _is_number}
+                    "attn_scale": _is_number, "attn_softcap": _is_number, "final_softcap": _is_number,
+                    "moe_ffn_dim": _is_int, "swiglu_limit": _is_number}
         wrong = [f"{k}={getattr(self, k)!r} must be an integer" for k in ints if not _is_int(getattr(self, k))]
         wrong += [f"{k}={getattr(self, k)!r} must be a number" for k in floats if not _is_number(getattr(self, k))]
         wrong += [f"{k}={getattr(self, k)!r} must be {'an integer' if ok is _is_int else 'a number'} or null"
@@ -105,7 +129,8 @@ class ModelConfig:
         if self.max_position_embeddings > MAX_POSITIONS:
             raise ConfigError(f"invalid ModelConfig: max_position_embeddings={self.max_position_embeddings} is "
                               f"beyond the {MAX_POSITIONS} positions jaxinfer supports")
-        positive = ("sliding_window", "rope_local_theta", "attn_scale", "attn_softcap", "final_softcap")
+        positive = ("sliding_window", "rope_local_theta", "attn_scale", "attn_softcap", "final_softcap",
+                    "moe_ffn_dim", "swiglu_limit")
         checks = {
             "vocab_size": self.vocab_size > 0, "d_model": self.d_model > 0,
             "n_layers": self.n_layers > 0, "n_heads": self.n_heads > 0,
@@ -117,10 +142,20 @@ class ModelConfig:
             "sliding_layers": self.sliding_layers is None or len(self.sliding_layers) == self.n_layers,
             "rotary_dim": self.rotary_dim is None or 0 < self.rotary_dim <= self.head_dim,
             **{k: getattr(self, k) is None or getattr(self, k) > 0 for k in positive},
+            "num_experts": self.num_experts >= 0,
+            "num_experts_per_tok": (0 < self.num_experts_per_tok <= self.num_experts if self.num_experts
+                                    else self.num_experts_per_tok == 0),
+            "moe_layers": self.moe_layers is None or (len(self.moe_layers) == self.n_layers and self.num_experts > 0),
+            "moe_routing": self.moe_routing in ("topk_softmax", "softmax_topk"),
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ConfigError(f"invalid ModelConfig field(s) {bad}: {self}")
+        if self.num_experts and not self.gated_mlp:
+            raise ConfigError("mixture-of-experts layers are gated MLPs; gated_mlp=False with num_experts > 0 "
+                              "is not supported")
+        if self.swiglu_limit is not None and not self.num_experts:
+            raise ConfigError("swiglu_limit (gpt-oss's clamped SwiGLU) applies to experts; it needs num_experts > 0")
         if self.position == "rope" and self.rope_dim % 2:
             raise ConfigError(f"rope needs an even number of rotated features, got {self.rope_dim}")
         s = self.rope_scaling
@@ -154,18 +189,43 @@ class ModelConfig:
         """The sliding window of one layer, or None for full causal attention."""
         return self.sliding_window if self.is_sliding(layer) else None
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether the layer's MLP is a mixture of experts (the others keep the dense MLP of ffn_dim)."""
+        if not self.num_experts:
+            return False
+        return True if self.moe_layers is None else self.moe_layers[layer]
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """The hidden size of each expert's gated MLP."""
+        return self.ffn_dim if self.moe_ffn_dim is None else self.moe_ffn_dim
+
     def num_params(self) -> int:
-        """Exact parameter count of this architecture (embeddings included, tied counted once)."""
+        """Exact parameter count of this architecture (embeddings included, tied counted once; every
+        expert of a mixture counted)."""
+        return self._count_params(self.num_experts)
+
+    def num_active_params(self) -> int:
+        """Parameters one token runs through: num_params with num_experts_per_tok experts per MoE
+        layer instead of all of them (the router counted whole). Equal to num_params for a dense model."""
+        return self._count_params(self.num_experts_per_tok)
+
+    def _count_params(self, experts: int) -> int:
         d, f, h, kv, hd = self.d_model, self.ffn_dim, self.n_heads, self.n_kv_heads, self.head_dim
         per_norm = 2 if self.norm == "layernorm" else 1
         norm_p = per_norm * d
         attn = d * hd * (h + 2 * kv) + h * hd * d
         attn += (hd * (h + 2 * kv) if self.qkv_bias else 0) + (d if self.out_bias else 0)
         attn += 2 * per_norm * hd if self.qk_norm else 0
+        attn += h if self.attn_sinks else 0
         mlp = (3 if self.gated_mlp else 2) * d * f
         mlp += ((2 * f if self.gated_mlp else f) + d) if self.mlp_bias else 0
+        fe = self.expert_ffn_dim
+        moe = experts * (3 * d * fe + ((2 * fe + d) if self.mlp_bias else 0))
+        moe += d * self.num_experts + (self.num_experts if self.router_bias else 0)
         norms = (4 if self.post_norms else 2) * norm_p
-        total = self.n_layers * (attn + mlp + norms) + norm_p
+        n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        total = self.n_layers * (attn + norms) + (self.n_layers - n_moe) * mlp + n_moe * moe + norm_p
         total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
         total += self.max_position_embeddings * d if self.position == "learned" else 0
         total += norm_p if self.embed_norm else 0
@@ -184,7 +244,7 @@ class ModelConfig:
         if d.get("rope_scaling") is not None:   # lists from JSON back to tuples: the config stays hashable
             d["rope_scaling"] = RopeScaling(**{k: tuple(v) if isinstance(v, list) else v
                                                for k, v in d["rope_scaling"].items()})
-        for k in ("sliding_layers", "eos_token_ids"):
+        for k in ("sliding_layers", "moe_layers", "eos_token_ids"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         return cls(**d)

@@ -120,7 +120,9 @@ class Engine:
             # the loaded weights (a draft model's too) are allocated already: memory in use counts them
             spec_rows = 1 + (cfg.num_speculative_tokens if cfg.speculative_method else 0)
             reserve = perf.step_activation_bytes(
-                tokens=tokens_budget, rows=cfg.max_num_seqs * spec_rows, d_model=mc.d_model, ffn_dim=mc.ffn_dim,
+                tokens=tokens_budget, rows=cfg.max_num_seqs * spec_rows, d_model=mc.d_model,
+                # a mixture of experts holds each token's k experts' hidden states at once
+                ffn_dim=max(mc.ffn_dim, mc.num_experts_per_tok * (mc.moe_ffn_dim or mc.ffn_dim) if mc.num_experts else 0),
                 n_heads=mc.n_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
                 dtype_bytes=embed_dtype.itemsize if embed_dtype is not None else 4)
             return kv_pool_size(mc, cfg.block_size, _jnp_dtype(kv_dtype), cfg.max_num_seqs, max_model_len,

@@ -111,10 +111,8 @@ class MLP(nnx.Module):
         """x [T, D] -> the `down` projection's input [T, F] (what calibration sees)."""
         act = ACTIVATIONS[self.act]
         if self.gate_up is not None:
-            y = dense(x, self.gate_up.get_value(), param_value(self.gate_up_bias))   # (T, 2F)
-            y = y.reshape(*x.shape[:-1], self.shards, 2, -1)                           # (T, s, gate | up, F / s)
-            f = y.shape[-1] * self.shards
-            h = act(y[..., 0, :].reshape(*x.shape[:-1], f)) * y[..., 1, :].reshape(*x.shape[:-1], f)
+            gate, up = split_gate_up(dense(x, self.gate_up.get_value(), param_value(self.gate_up_bias)), self.shards)
+            h = act(gate) * up
         else:
             h = dense(x, self.up.get_value(), param_value(self.up_bias))
             if self.gated:
@@ -124,6 +122,22 @@ class MLP(nnx.Module):
         return h
 
 
+def split_gate_up(y: jax.Array, shards: int) -> tuple[jax.Array, jax.Array]:
+    """A fused gate_up projection's output [..., 2F], `shards` groups of [gate | up] columns
+    (models/decoder.py, fuse_decoder) -> gate [..., F], up [..., F] in the original column order."""
+    lead = y.shape[:-1]
+    y = y.reshape(*lead, shards, 2, -1)                                        # (.., s, gate | up, F / s)
+    return y[..., 0, :].reshape(*lead, -1), y[..., 1, :].reshape(*lead, -1)
+
+
+def swiglu_clamped(gate: jax.Array, up: jax.Array, limit: float, alpha: float) -> jax.Array:
+    """gpt-oss's expert activation (HF GptOssExperts._apply_gate): the gate clipped above at `limit`,
+    the up projection to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
 def param_value(p: nnx.Param | None):
     return None if p is None else p.get_value()
 
@@ -131,8 +145,8 @@ def param_value(p: nnx.Param | None):
 # ----------------------------------------------------------------------------------- positions
 
 def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """Inverse frequencies [dim/2] (float32) of the `dim` rotated features, with linear, Llama-3.1 or
-    LongRoPE scaling applied."""
+    """Inverse frequencies [dim/2] (float32) of the `dim` rotated features, with linear, Llama-3.1,
+    LongRoPE or YaRN scaling applied."""
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
@@ -144,6 +158,8 @@ def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None) -> np.nda
         # it; the long or the short set for every position (hf_configs._longrope says why)
         factors = np.asarray(scaling.long_factor if scaling.use_long_factor else scaling.short_factor, np.float32)
         return (1.0 / (factors * theta ** exponents)).astype(np.float32)
+    if scaling.kind == "yarn":
+        return _yarn_inv_freq(dim, theta, scaling, (theta ** exponents).astype(np.float32))
     assert scaling.kind == "llama3", scaling
     # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
@@ -157,9 +173,25 @@ def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None) -> np.nda
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
+def _yarn_inv_freq(dim: int, theta: float, s: RopeScaling, pos_freqs: np.ndarray) -> np.ndarray:
+    """YaRN (Peng et al. 2023, as HF's _compute_yarn_parameters): frequency i keeps its value where its
+    wavelength turns more than beta_fast times in the original context, is divided by `factor` where
+    it turns fewer than beta_slow times, and is blended linearly (by dimension index) in between."""
+    def correction_dim(rotations: float) -> float:   # the dimension whose frequency turns `rotations` times
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high     # HF's guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (1 - ramp).astype(np.float32)             # 1: the original frequency, 0: interpolated
+    return ((1.0 / (s.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep).astype(np.float32)
+
+
 def rope_magnitude(scaling: RopeScaling | None) -> float:
-    """The factor on cos and sin (LongRoPE's attention factor; 1 otherwise)."""
-    return scaling.attention_factor if scaling is not None and scaling.kind == "longrope" else 1.0
+    """The factor on cos and sin (LongRoPE's and YaRN's attention factor; 1 otherwise)."""
+    return scaling.attention_factor if scaling is not None and scaling.kind in ("longrope", "yarn") else 1.0
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, mscale: float = 1.0) -> jax.Array:

@@ -15,9 +15,10 @@ Parameters
     make the approximation drift by a few percent; the exact count is what everything uses.
 
 Weight bytes (weight-only quantization, the layout of jaxinfer.quant)
-    Quantized: every matmul weight of every layer (q, k, v, o; gate, up, down or fc, proj),
-    as 2-D [K, N] matrices (K contracted). Kept at 16 bits (bf16): token embedding, lm_head,
-    norms, biases, learned positions.
+    Quantized: every matmul weight of every layer (q, k, v, o; gate, up, down or fc, proj; in a
+    mixture-of-experts layer gate, up and down of each of the E experts), as 2-D [K, N] matrices
+    (K contracted). Kept at 16 bits (bf16): token embedding, lm_head, norms, biases, learned
+    positions, MoE routers.
       bfloat16: 2 B/param everywhere.        float32: 4 B/param everywhere.
       int8:  1 B per matmul param + per-output-channel scale, f32 (4 B) per column N
              (jaxinfer.quant's int8 format).
@@ -51,7 +52,8 @@ Roofline
     float32 weights (XLA's default precision for f32 dots on A100/H100).
 
     Decode at batch 1 is bandwidth-bound: each token streams every weight once plus the
-    sequence's KV. With tp devices reading their shards in parallel and pp stages in turn:
+    sequence's KV (a mixture of experts: only its k routed experts of E per MoE layer, the
+    active weight bytes W_a = W - (E - k) / E * expert bytes; the rest of the model whole). With tp devices reading their shards in parallel and pp stages in turn:
       decode_tokens_per_s_bs1 = BW / (weight_bytes / tp + pp * per_device_kv_bytes_per_seq)
                               = BW * tp / (weight_bytes + kv_bytes_per_sequence)  (even split)
     (T tokens of KV: the end of a full-context sequence, the slowest step; no communication
@@ -64,7 +66,10 @@ Roofline
       B = B* * b / 2   (= compute_bound_batch; B* itself for bf16, B*/4 for int4).
     Ignored: KV reads, which grow with B and have intensity ~1, so the real crossover is
     later (and at long contexts attention stays bandwidth-bound at any batch). TP and PP
-    scale F and BW together and leave it unchanged.
+    scale F and BW together and leave it unchanged. A mixture of experts routes B k rows over
+    E experts, B k / E per expert under balanced routing, so its experts reach B* only at
+    B = B* b / 2 * E / k (the figure given for MoE models; attention and dense layers get there
+    first).
 """
 from __future__ import annotations
 
@@ -123,6 +128,24 @@ PRESETS: dict[str, ModelConfig] = {
                        ffn_dim=18944, max_position_embeddings=131072, rope_theta=1000000.0, norm_eps=1e-6,
                        qkv_bias=True, bos_token_id=151643, eos_token_ids=(151643,),
                        architecture="Qwen2ForCausalLM"),
+    # mixtures of experts
+    "mixtral-8x7b": _llama(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                           ffn_dim=14336, max_position_embeddings=32768, rope_theta=1e6, num_experts=8,
+                           num_experts_per_tok=2, bos_token_id=1, eos_token_ids=(2,),
+                           architecture="MixtralForCausalLM"),
+    "qwen3-30b-a3b": _llama(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+                            ffn_dim=6144, moe_ffn_dim=768, max_position_embeddings=40960, rope_theta=1e6, norm_eps=1e-6,
+                            qk_norm=True, num_experts=128, num_experts_per_tok=8, moe_routing="softmax_topk",
+                            moe_norm_topk=True, bos_token_id=151643, eos_token_ids=(151645,),
+                            architecture="Qwen3MoeForCausalLM"),
+    "gpt-oss-20b": _llama(vocab_size=201088, d_model=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64,
+                          ffn_dim=2880, max_position_embeddings=131072, rope_theta=150000.0,
+                          rope_scaling=RopeScaling("yarn", 32.0, original_max_position_embeddings=4096,
+                                                   attention_factor=0.1 * math.log(32.0) + 1.0, truncate=False),
+                          sliding_window=128, sliding_layers=tuple(i % 2 == 0 for i in range(24)),
+                          qkv_bias=True, out_bias=True, mlp_bias=True, attn_sinks=True, num_experts=32,
+                          num_experts_per_tok=4, router_bias=True, swiglu_limit=7.0, eos_token_ids=(200002,),
+                          architecture="GptOssForCausalLM"),
 }
 
 
@@ -163,33 +186,45 @@ def approx_params(cfg: ModelConfig) -> int:
     return 12 * cfg.n_layers * cfg.d_model**2 + emb
 
 
-def layer_matmul_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
-    """[K, N] (contracted, output) of each quantizable matmul weight in one layer."""
-    d, f, hd = cfg.d_model, cfg.ffn_dim, cfg.head_dim
+def layer_matmul_shapes(cfg: ModelConfig, layer: int = 0) -> list[tuple[int, int]]:
+    """[K, N] (contracted, output) of each quantizable matmul weight in one layer (an MoE layer:
+    each expert's gate, up and down, num_experts times over)."""
+    d, hd = cfg.d_model, cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
     attn = [(d, q), (d, kv), (d, kv), (q, d)]
+    if cfg.is_moe_layer(layer):
+        f = cfg.expert_ffn_dim
+        return attn + [(d, f), (d, f), (f, d)] * cfg.num_experts
+    f = cfg.ffn_dim
     mlp = [(d, f), (d, f), (f, d)] if cfg.gated_mlp else [(d, f), (f, d)]
     return attn + mlp
 
 
+def _matmul_bytes(shapes: list[tuple[int, int]], dtype: str) -> tuple[int, int]:
+    """(codes or float bytes, scale bytes) of these [K, N] matrices stored as `dtype`."""
+    if dtype in ("bfloat16", "float32"):
+        return sum(k * n for k, n in shapes) * _BYTES[dtype], 0
+    if dtype == "int8":
+        return sum(k * n for k, n in shapes), sum(n for _, n in shapes) * INT8_SCALE_BYTES
+    packed = sum(math.ceil(k / 2) * n for k, n in shapes)       # two 4-bit values per byte along K
+    return packed, sum(math.ceil(k / INT4_GROUP_SIZE) * n for k, n in shapes) * INT4_SCALE_BYTES
+
+
 def weight_bytes(cfg: ModelConfig, dtype: str) -> dict[str, int]:
-    """{"matmul", "scales", "other", "total"} bytes of all weights stored as `dtype`."""
+    """{"matmul", "scales", "other", "total"} bytes of all weights stored as `dtype`, and "active":
+    what one token reads (an MoE layer's k routed experts of E; the total for a dense model)."""
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"unknown weight dtype {dtype!r}; choose from: {', '.join(WEIGHT_DTYPES)}")
-    shapes = layer_matmul_shapes(cfg)
-    n_matmul = cfg.n_layers * sum(k * n for k, n in shapes)
-    n_other = cfg.num_params() - n_matmul
-    if dtype in ("bfloat16", "float32"):
-        b = _BYTES[dtype]
-        out = {"matmul": n_matmul * b, "scales": 0, "other": n_other * b}
-    elif dtype == "int8":
-        scales = cfg.n_layers * sum(n for _, n in shapes) * INT8_SCALE_BYTES
-        out = {"matmul": n_matmul, "scales": scales, "other": n_other * 2}
-    else:
-        groups = cfg.n_layers * sum(math.ceil(k / INT4_GROUP_SIZE) * n for k, n in shapes)
-        packed = cfg.n_layers * sum(math.ceil(k / 2) * n for k, n in shapes)    # two 4-bit values per byte along K
-        out = {"matmul": packed, "scales": groups * INT4_SCALE_BYTES, "other": n_other * 2}
+    shapes = [s for i in range(cfg.n_layers) for s in layer_matmul_shapes(cfg, i)]
+    n_other = cfg.num_params() - sum(k * n for k, n in shapes)
+    matmul, scales = _matmul_bytes(shapes, dtype)
+    other_b = _BYTES[dtype] if dtype in ("bfloat16", "float32") else 2
+    out = {"matmul": matmul, "scales": scales, "other": n_other * other_b}
     out["total"] = out["matmul"] + out["scales"] + out["other"]
+    f, d = cfg.expert_ffn_dim, cfg.d_model
+    one_expert = sum(_matmul_bytes([(d, f), (d, f), (f, d)], dtype)) + ((2 * f + d) * other_b if cfg.mlp_bias else 0)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    out["active"] = out["total"] - moe_layers * (cfg.num_experts - cfg.num_experts_per_tok) * one_expert
     return out
 
 
@@ -294,7 +329,7 @@ def plan(cfg: ModelConfig, device: Device, *, dtype: str = "bfloat16", kv_dtype:
     flops = device.peak_flops(dtype)
     b_star = flops / device.bandwidth
     bytes_per_param = wb["total"] / params
-    step_bytes_bs1 = perf.bytes_read(wb["total"] / tp, dev_kv_tok, pp * context)   # per device chain per token
+    step_bytes_bs1 = perf.bytes_read(wb["active"] / tp, dev_kv_tok, pp * context)   # per device chain per token
     tok_s = device.bandwidth / step_bytes_bs1
 
     assumptions = [
@@ -310,6 +345,10 @@ def plan(cfg: ModelConfig, device: Device, *, dtype: str = "bfloat16", kv_dtype:
         assumptions.append(f"{kv_dtype} KV: one f32 scale per token per KV head, for K and for V")
     if cfg.sliding_window is not None:
         assumptions.append(f"sliding window {cfg.sliding_window} ignored: the paged cache keeps every token")
+    if cfg.num_experts:
+        assumptions.append(f"mixture of experts: a batch-1 token reads {cfg.num_experts_per_tok} of {cfg.num_experts} "
+                           f"experts per MoE layer ({wb['active'] / GiB:.2f} GiB of {wb['total'] / GiB:.2f} GiB); "
+                           "compute-bound batch scaled by E / k (balanced routing)")
     assumptions += device.assumed
 
     return CapacityPlan(
@@ -325,7 +364,9 @@ def plan(cfg: ModelConfig, device: Device, *, dtype: str = "bfloat16", kv_dtype:
         per_device_kv_bytes_per_sequence=dev_kv_tok * context, per_device_kv_budget_bytes=budget,
         max_sequences=max_seqs, max_kv_tokens=max(0, budget // dev_kv_tok),
         peak_flops=flops, peak_flops_kind=flops_kind, bandwidth=device.bandwidth, b_star=b_star,
-        compute_bound_batch=b_star * bytes_per_param / 2, decode_tokens_per_s_bs1=tok_s,
+        compute_bound_batch=b_star * bytes_per_param / 2 * (cfg.num_experts / cfg.num_experts_per_tok
+                                                            if cfg.num_experts else 1),
+        decode_tokens_per_s_bs1=tok_s,
         decode_ms_per_token_bs1=1e3 / tok_s, assumptions=tuple(assumptions), warnings=tuple(warnings))
 
 

@@ -20,6 +20,10 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
   the little-endian 24-bit word), symmetric codes in [-4, 3] (scale = max|w| / 3, 3-bit two's
   complement) or asymmetric codes in [0, 7] with zero points as for int4.
 * per channel at 4 or 3 bits: one group spanning all of K (group_size = K, scales [1, N]).
+* experts (batch=1, quantize_experts): a mixture of experts' stacked weights [E, K-dims, N-dims], each
+  expert quantized on its own in any format above, every leaf stacked on a leading E axis (q [E, K, N]
+  or [E, K/2, N], scales [E, N] or [E, K/g, N]); `shape` is the whole (E, ...) shape. qdot refuses
+  them: jaxinfer.moe multiplies them expert by expert (expert_weight).
 * fp8 (e4m3, OCP "fn": finite, max 448, 3 mantissa bits): per output channel like int8,
   q float8_e4m3fn [K, N] = w / scale cast to e4m3 (round to nearest even), scales f32 [N] =
   max|w[:, n]| / 448; bits=8 with q's dtype telling it from int8 (QuantizedWeight.fp8). On the
@@ -72,6 +76,8 @@ __all__ = [
     "quantize_int8",
     "quantize_int4",
     "quantize_fp8",
+    "quantize_experts",
+    "expert_weight",
     "dequantize",
     "qdot",
     "pack_int4",
@@ -110,14 +116,15 @@ class QuantizedWeight:
     act_bits: int | None = None     # 8: W8A8 (SmoothQuant), activations quantized to int8 at run time
     act_scale: Any = None   # W8A8 static: f32 [] activation scale (x -> round(x / act_scale)); None: per token
     act_zero: Any = None    # W8A8 static asymmetric: int32 [] zero point (x -> round(x / act_scale) + act_zero)
+    batch: int = 0          # 1: stacked experts, shape[0] of them, each its own [K, N] (quantize_experts)
 
     @property
     def k(self) -> int:
-        return math.prod(self.shape[:self.contract])
+        return math.prod(self.shape[self.batch:self.batch + self.contract])
 
     @property
     def n(self) -> int:
-        return math.prod(self.shape[self.contract:])
+        return math.prod(self.shape[self.batch + self.contract:])
 
     @property
     def ndim(self) -> int:
@@ -141,7 +148,7 @@ class QuantizedWeight:
 jax.tree_util.register_dataclass(
     QuantizedWeight,
     data_fields=["q", "scales", "zeros", "act_scale", "act_zero"],
-    meta_fields=["bits", "group_size", "shape", "contract", "impl", "act_bits"],
+    meta_fields=["bits", "group_size", "shape", "contract", "impl", "act_bits", "batch"],
 )
 
 
@@ -235,6 +242,32 @@ def quantize(w, bits: int, *, group_size: int | None = 128, symmetric: bool = Tr
     return from_codes(codes, scale, zero, bits=bits, group_size=g, shape=shape, contract=contract)
 
 
+def quantize_experts(w, method: str, group_size: int = 128, *, contract: int = 1) -> QuantizedWeight:
+    """A mixture's stacked expert weights w [E, K-dims, N-dims] -> one QuantizedWeight with batch=1:
+    each expert quantized on its own as quantize / quantize_fp8 would ("int8", "fp8", or "int4" in
+    groups of group_size along K, shrinking to 64 or 32 where K needs it, else int8)."""
+    k = math.prod(w.shape[1:1 + contract])
+    g = next((g for g in (group_size, 64, 32) if k % g == 0 and g <= group_size), None)   # int4's group
+    if method == "fp8":
+        one = lambda e: quantize_fp8(e, contract=contract)  # noqa: E731
+    elif method == "int4" and g:
+        one = lambda e: quantize(e, 4, group_size=g, contract=contract)  # noqa: E731
+    elif method in ("int8", "int4"):   # int4 where no group fits K: int8, as quantize_decoder does
+        one = lambda e: quantize_int8(e, contract=contract)  # noqa: E731
+    else:
+        raise ValueError(f"experts quantize to int8, int4 or fp8, not {method!r}")
+    qw = jax.vmap(one)(jnp.asarray(w))
+    return dataclasses.replace(qw, shape=(int(w.shape[0]), *qw.shape), batch=1)
+
+
+def expert_weight(qw: QuantizedWeight, e) -> QuantizedWeight:
+    """Expert e (an int or a traced index) of a batch=1 QuantizedWeight, as an ordinary [K, N] one."""
+    assert qw.batch == 1, "expert_weight takes stacked experts (quantize_experts)"
+    take = lambda a: None if a is None else a[e]  # noqa: E731
+    return dataclasses.replace(qw, q=take(qw.q), scales=take(qw.scales), zeros=take(qw.zeros),
+                               shape=qw.shape[1:], batch=0)
+
+
 def grid_params(w, bits: int, symmetric: bool, *, axis: int, xp=np):
     """The RTN grid of each slice of w reduced over `axis` -> (scale, zero or None), float32.
 
@@ -317,7 +350,9 @@ def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
 
 
 def dequantize(qw: QuantizedWeight) -> jax.Array:
-    """-> f32 array of the logical shape."""
+    """-> f32 array of the logical shape (stacked experts: each dequantized on its own)."""
+    if qw.batch:
+        return jax.vmap(lambda e: _dequantize_2d(expert_weight(qw, e)))(jnp.arange(qw.shape[0])).reshape(qw.shape)
     return _dequantize_2d(qw).reshape(qw.shape)
 
 
@@ -542,6 +577,8 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     if not isinstance(w, QuantizedWeight):
         x_axes = tuple(range(x.ndim - contract, x.ndim))
         return lax.dot_general(x, w, ((x_axes, tuple(range(contract))), ((), ())), precision=dot_precision(x.dtype))
+    if w.batch:
+        raise ValueError("stacked expert weights (batch=1) multiply expert by expert: jaxinfer.moe, or expert_weight")
     if contract != w.contract:
         raise ValueError(f"qdot contract={contract} but the weight was quantized with contract={w.contract}")
     kdims, ndims = w.shape[:contract], w.shape[contract:]

@@ -14,6 +14,10 @@ ShardingRules maps each logical axis to a mesh axis (or None = replicated):
     heads, kv_heads, mlp, vocab -> "tensor"     (Megatron: column-parallel q/k/v, up/gate, LM head;
                                                  row-parallel o and down; vocab-parallel embedding)
     qkv, gate_up               -> "tensor"      (the fused projections' output columns; see below)
+    expert_mlp, expert_gate_up -> "tensor"      (mixture of experts: every expert's FFN split like a
+                                                 dense MLP's, each device holding 1/tp of every expert)
+    experts                    -> None          (the expert axis [E, ...] of expert weights, replicated
+                                                 by default; see "Mixtures of experts" below)
     embed, head_dim, position  -> None          (replicated)
     layers                     -> "pipeline"    (the Decoder's layers are a Python list with no layer
                                                  axis; pipeline.py stacks them to [n_layers, ...] and
@@ -42,6 +46,10 @@ for every device to hold its tile of the *same* global result. For the Megatron 
     all-gather of the table; XLA chooses); LM head [d, V] sharded on V gives [N, V/tp] logits per
     device, all-gathered (N x V x 4 bytes) before sampling, which needs whole rows.
   * norms, residual adds and RoPE act on replicated [T, d_model] activations: no communication.
+  * MoE experts gate/up [E, d, F] sharded on F, down [E, F, d] on F (the router [d, E] replicated):
+    each device runs every routed row through its 1/tp of the row's expert, and the down
+    projection's partial sums are all-reduced like a dense MLP's ([rows, d_model] per tile of the
+    tile loop, jaxinfer/moe.py). Routing, the sort and the combine run replicated.
 The only numerical difference is the order of the float additions inside the all-reduces, so
 logits agree with one device to float rounding (~1e-7 relative in float32), not bitwise.
 
@@ -79,6 +87,16 @@ or [N]) ends in the N output columns and groups run along K, so
     scales ([N], or [1, N] for one group over K) stay whole; otherwise the weight is replicated.
 The static activation scale of a W8A8 weight is replicated. The forward is the same program:
 XLA partitions the dequantize-and-dot like any other, all-reducing the row-parallel partial sums.
+
+Mixtures of experts. The default shards each expert's FFN dimension (tensor parallelism inside every
+expert, as vLLM's TP MoE does): every device reads 1/tp of each routed expert's weights, whatever the
+routing, and no token moves between devices. Mapping "experts" to "tensor" instead (rules.replace(
+experts="tensor")) places whole experts per device (expert_mlp then stays unsplit: a mesh axis is used
+once); that is correct too, since shardings never change results, but the expert loop reads one
+expert at a time, so GSPMD gathers each expert's weights to every device: expert parallelism that
+saves memory, not time (an all-to-all dispatch under shard_map is what would make it pay). Stacked
+quantized experts (QuantizedWeight.batch = 1: every leaf [E, ...]) shard like their float weights,
+the leading E axis as "experts" says, the rest as for one matrix below.
 
 Loading: load_sharded(value_fn, shape, sharding) builds a global array with
 jax.make_array_from_callback, asking the callback only for each device's slice, so a loader can
@@ -184,8 +202,8 @@ class ShardingRules(Mapping):
 
 
 DEFAULT_RULES = ShardingRules(heads="tensor", kv_heads="tensor", mlp="tensor", vocab="tensor",
-                              qkv="tensor", gate_up="tensor",
-                              embed=None, head_dim=None, position=None, layers="pipeline")
+                              qkv="tensor", gate_up="tensor", expert_mlp="tensor", expert_gate_up="tensor",
+                              experts=None, embed=None, head_dim=None, position=None, layers="pipeline")
 
 
 def _axis_size(mesh, name: str) -> int:
@@ -194,11 +212,19 @@ def _axis_size(mesh, name: str) -> int:
 
 def rules_for(cfg, mesh, base: ShardingRules = DEFAULT_RULES) -> ShardingRules:
     """DEFAULT_RULES (or `base`) for this model on this mesh: every logical axis whose size the
-    tensor degree does not divide falls back to replication (kv_heads, heads, mlp, vocab), silently
-    and correctly (see the module docstring). `mesh` may be a Mesh or an AbstractMesh."""
+    tensor degree does not divide falls back to replication (kv_heads, heads, mlp, vocab, the expert
+    axes), silently and correctly (see the module docstring). `mesh` may be a Mesh or an AbstractMesh.
+    A ValueError for a pipeline axis over a model whose layers differ in kind (Qwen3-MoE's dense
+    layers among its MoE layers): pipeline.py stacks every layer to one shape."""
     tp = _axis_size(mesh, "tensor")
+    if _axis_size(mesh, "pipeline") > 1 and cfg.moe_layers is not None and len(set(cfg.moe_layers)) > 1:
+        kinds = "".join("E" if m else "D" for m in cfg.moe_layers)
+        raise ValueError(f"pipeline parallelism stacks the layers' parameters, but {cfg.architecture} mixes mixture-"
+                         f"of-experts (E) and dense (D) MLP layers ({kinds}); use tensor_parallel instead")
     sizes = {"heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "mlp": cfg.ffn_dim, "vocab": cfg.vocab_size,
-             "qkv": cfg.n_heads, "gate_up": cfg.ffn_dim}   # fused: whole q heads / mlp columns per device
+             "qkv": cfg.n_heads, "gate_up": cfg.ffn_dim,   # fused: whole q heads / mlp columns per device
+             "expert_mlp": cfg.expert_ffn_dim, "expert_gate_up": cfg.expert_ffn_dim,
+             "experts": max(cfg.num_experts, 1)}
     drop = [axis for axis, size in sizes.items() if base.mesh_axis(axis) == "tensor" and size % tp]
     return base.without(*drop) if drop else base
 
@@ -229,13 +255,15 @@ def _replicated(mesh: Mesh) -> NamedSharding:
 def quantized_sharding(qw: QuantizedWeight, logical_axes, rules: Mapping[str, str | None], mesh: Mesh):
     """A QuantizedWeight-shaped pytree of NamedShardings for qw (module docstring: column-parallel
     splits every leaf's last axis, row-parallel the codes' and grouped scales' first axis)."""
-    rep = _replicated(mesh)
     spec = list(param_sharding(logical_axes, rules, mesh, qw.shape).spec) if logical_axes else []
     spec += [None] * (len(qw.shape) - len(spec))
+    lead, spec = spec[:qw.batch], spec[qw.batch:]     # stacked experts: the E axis leads every leaf
     k_spec, n_spec = spec[:qw.contract], spec[qw.contract:]
+    at = lambda *axes: NamedSharding(mesh, PartitionSpec(*lead, *axes))  # noqa: E731
+    rep = at()
     leaves = {"q": rep, "scales": rep, "zeros": rep}
     if n_spec[0] is not None and not any(k_spec) and not any(n_spec[1:]):       # column-parallel
-        leaves = {name: NamedSharding(mesh, PartitionSpec(*([None] * (getattr(qw, name).ndim - 1)), n_spec[0]))
+        leaves = {name: at(*([None] * (getattr(qw, name).ndim - qw.batch - 1)), n_spec[0])
                   for name in leaves if getattr(qw, name) is not None}
     elif k_spec[0] is not None and not any(k_spec[1:]) and not any(n_spec):     # row-parallel
         tp = _axis_size(mesh, k_spec[0])
@@ -243,13 +271,14 @@ def quantized_sharding(qw: QuantizedWeight, logical_axes, rules: Mapping[str, st
         unit = {4: 2, 3: 8}.get(qw.bits, 1)
         g = qw.group_size or qw.k
         if qw.k % tp == 0 and rows % unit == 0 and (g == qw.k or rows % g == 0):
-            split = NamedSharding(mesh, PartitionSpec(k_spec[0]))
-            grouped = qw.scales.ndim == 2 and g < qw.k
+            split = at(k_spec[0])
+            grouped = qw.scales.ndim == qw.batch + 2 and g < qw.k
             leaves = {"q": split, "scales": split if grouped else rep, "zeros": split if grouped else rep}
+    full = _replicated(mesh)
     return QuantizedWeight(leaves["q"], leaves["scales"], None if qw.zeros is None else leaves["zeros"],
                            bits=qw.bits, group_size=qw.group_size, shape=qw.shape, contract=qw.contract,
-                           impl=qw.impl, act_bits=qw.act_bits, act_scale=None if qw.act_scale is None else rep,
-                           act_zero=None if qw.act_zero is None else rep)
+                           impl=qw.impl, act_bits=qw.act_bits, act_scale=None if qw.act_scale is None else full,
+                           act_zero=None if qw.act_zero is None else full, batch=qw.batch)
 
 
 def shard_decoder(model, mesh: Mesh, rules: Mapping[str, str | None] | None = None):

@@ -10,7 +10,7 @@ params/ (an orbax-checkpoint of the parameter tree), and the tokenizer files. A 
 (jaxinfer.quant.QuantizedWeight) is stored as its arrays NAME/q, NAME/scales[, NAME/zeros]
 [, NAME/act_scale[, NAME/act_zero]] and described in config.json under "quantized_weights" (bits,
 group_size, shape, contract, symmetric, act_bits, format: int | fp8_e4m3, act_scales: dynamic |
-static, act_symmetric);
+static, act_symmetric, batch: 1 for a mixture's stacked experts, whose every array leads with E);
 `jaxinfer quantize` adds the method and its settings under "quantization".
 """
 from __future__ import annotations
@@ -237,11 +237,15 @@ def _quantized_meta(qw: QuantizedWeight) -> dict[str, Any]:
     return {"bits": qw.bits, "group_size": qw.group_size, "shape": list(qw.shape), "contract": qw.contract,
             "symmetric": qw.symmetric, "act_bits": qw.act_bits, "format": "fp8_e4m3" if qw.fp8 else "int",
             "act_scales": None if qw.act_bits is None else ("static" if qw.act_scale is not None else "dynamic"),
-            "act_symmetric": qw.act_zero is None}
+            "act_symmetric": qw.act_zero is None, "batch": qw.batch}
 
 
 def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
     """The stored arrays of a quantized weight described by _quantized_meta (quant.py formats)."""
+    b = m.get("batch", 0)
+    if b:   # stacked experts: each expert's arrays, with a leading E axis
+        one = _quantized_leaves({**m, "shape": m["shape"][b:], "batch": 0})
+        return {k: jax.ShapeDtypeStruct((*m["shape"][:b], *v.shape), v.dtype) for k, v in one.items()}
     k, n = math.prod(m["shape"][:m["contract"]]), math.prod(m["shape"][m["contract"]:])
     bits, g = m["bits"], m["group_size"]
     if bits == 8:
@@ -305,7 +309,7 @@ def load_native(folder: str | Path, dtype: str | None = None, mesh=None, rules=N
                                        restored.get(f"{name}/zeros"), bits=m["bits"], group_size=m["group_size"],
                                        shape=tuple(m["shape"]), contract=m["contract"], act_bits=m.get("act_bits"),
                                        act_scale=restored.get(f"{name}/act_scale"),
-                                       act_zero=restored.get(f"{name}/act_zero"))
+                                       act_zero=restored.get(f"{name}/act_zero"), batch=m.get("batch", 0))
     return _set_params(abstract_decoder(cfg, jdtype), arrays)
 
 

@@ -1,10 +1,11 @@
 """Flash attention for one contiguous sequence and ragged paged (chunked-prefill) attention.
 
 Pallas, Triton-style (pass interpret=True, the default on CPU, to run them anywhere); imports jax
-only. Masking, soft-capping, ALiBi, int8 KV and GQA follow pallas_kernels/paged_attention.py: a
-query at position p sees key position l iff l <= p (causal), p - W < l (sliding window W) and, for
-paged attention, l < context_len; a soft cap C maps each scaled score s to C * tanh(s / C); ALiBi
-adds slope_h * (l - p); softmax in f32; a row that sees nothing outputs 0.
+only. Masking, soft-capping, ALiBi, attention sinks, int8 KV and GQA follow
+pallas_kernels/paged_attention.py: a query at position p sees key position l iff l <= p (causal),
+p - W < l (sliding window W) and, for paged attention, l < context_len; a soft cap C maps each scaled
+score s to C * tanh(s / C); ALiBi adds slope_h * (l - p); a sink logit per head joins each
+softmax's denominator; softmax in f32; a row that sees nothing outputs 0.
 
 Both kernels put the G query heads of one kv head into the rows of a tile: a query tile of
 block_q tokens becomes [block_q * Gp, D] rows (Gp = G padded to a power of two), so GQA costs no
@@ -32,7 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .paged_attention import (MIN_DOT_ROWS, attend_block, check_softcap, check_triton_shapes, compiler_params,
+from .paged_attention import (MIN_DOT_ROWS, attend_block, check_sinks, check_softcap, check_triton_shapes,
+                              compiler_params,
                               group_queries, group_slopes, init_carry, load_pages,
                               masked_softmax_attention, next_pow2, normalize, pad_block_tables,
                               paged_reference_core, resolve_interpret, ungroup_output)
@@ -47,11 +49,17 @@ def _tile_rows(vec: jax.Array, gp: int) -> jax.Array:
 # Flash attention over one contiguous sequence
 # ----------------------------------------------------------------------------------------------
 
-def _flash_kernel(*refs, has_alibi: bool, causal: bool, window: int | None, block_q: int,
+def _head_rows(ref, block_q: int, gp: int) -> jax.Array | None:
+    """A kv head's per-query-head values [Gp] (slopes, sinks) -> one per row of a tile [block_q * Gp]."""
+    return None if ref is None else jnp.broadcast_to(ref[...][None, :], (block_q, gp)).reshape(block_q * gp)
+
+
+def _flash_kernel(*refs, has_alibi: bool, has_sinks: bool, causal: bool, window: int | None, block_q: int,
                   block_k: int, seq_len: int, scale: float, softcap: float | None):
     refs = list(refs)
     q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     al_ref = refs.pop(0) if has_alibi else None
+    sk_ref = refs.pop(0) if has_sinks else None
     o_ref = refs.pop(0)
     _, gp, d = q_ref.shape                                    # q_ref [T, Gp, D] of one kv head
 
@@ -62,9 +70,7 @@ def _flash_kernel(*refs, has_alibi: bool, causal: bool, window: int | None, bloc
     q = q.reshape(block_q * gp, d)
     q_pos = _tile_rows(tok, gp)
     row_ok = _tile_rows(tok_ok, gp)
-    slopes = None
-    if al_ref is not None:
-        slopes = jnp.broadcast_to(al_ref[...][None, :], (block_q, gp)).reshape(block_q * gp)
+    slopes = _head_rows(al_ref, block_q, gp)
 
     q_last = jnp.minimum(q_start + block_q, seq_len)          # exclusive
     kb_hi = lax.div(q_last + (block_k - 1), block_k) if causal else pl.cdiv(seq_len, block_k)
@@ -82,27 +88,30 @@ def _flash_kernel(*refs, has_alibi: bool, causal: bool, window: int | None, bloc
         return attend_block(carry, q, k, v, None, None, kpos, q_pos, row_ok, seq_len, slopes,
                             scale=scale, causal=causal, window=window, softcap=softcap)
 
-    acc, _, l = lax.fori_loop(kb_lo, kb_hi, body, init_carry(block_q * gp, d))
+    init = init_carry(block_q * gp, d, _head_rows(sk_ref, block_q, gp))
+    acc, _, l = lax.fori_loop(kb_lo, kb_hi, body, init)
     o = normalize(acc, l).astype(o_ref.dtype).reshape(block_q, gp, d)
     plgpu.store(o_ref.at[pl.ds(q_start, block_q)], o, mask=tok_ok[:, None, None])
 
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "causal", "window", "softcap", "block_q", "block_k", "interpret", "num_warps", "num_stages"))
-def _flash_attention_impl(q, k, v, alibi_slopes, *, scale, causal, window, softcap, block_q, block_k,
+def _flash_attention_impl(q, k, v, alibi_slopes, sinks, *, scale, causal, window, softcap, block_q, block_k,
                           interpret, num_warps, num_stages):
     t, h, d = q.shape
     hkv = k.shape[1]
     qg, g, gp = group_queries(q, hkv)
     slopes = group_slopes(alibi_slopes, hkv, g, gp)
+    sinks = group_slopes(sinks, hkv, g, gp)
     in_specs = [pl.BlockSpec((t, None, gp, d), lambda i, j: (0, j, 0, 0)),
                 pl.BlockSpec((t, None, d), lambda i, j: (0, j, 0)),
                 pl.BlockSpec((t, None, d), lambda i, j: (0, j, 0))]
     args = [qg, k, v]
-    if slopes is not None:
-        in_specs.append(pl.BlockSpec((None, gp), lambda i, j: (j, 0)))
-        args.append(slopes)
-    kernel = functools.partial(_flash_kernel, has_alibi=slopes is not None, causal=causal,
+    for per_head in (slopes, sinks):
+        if per_head is not None:
+            in_specs.append(pl.BlockSpec((None, gp), lambda i, j: (j, 0)))
+            args.append(per_head)
+    kernel = functools.partial(_flash_kernel, has_alibi=slopes is not None, has_sinks=sinks is not None, causal=causal,
                                window=window, block_q=block_q, block_k=block_k, seq_len=t,
                                scale=scale, softcap=softcap)
     out = pl.pallas_call(
@@ -117,7 +126,7 @@ def _flash_attention_impl(q, k, v, alibi_slopes, *, scale, causal, window, softc
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, causal: bool = True,
                     window: int | None = None, alibi_slopes: jax.Array | None = None,
-                    softcap: float | None = None,
+                    softcap: float | None = None, sinks: jax.Array | None = None,
                     block_q: int | None = None, block_k: int = 64, num_warps: int | None = None,
                     num_stages: int | None = 2, interpret: bool | None = None) -> jax.Array:
     """Attention of one sequence (positions 0..T-1): q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
@@ -133,6 +142,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, c
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     check_softcap(softcap)
+    check_sinks(sinks, h)
     gp = next_pow2(h // k.shape[1])
     block_q = block_q or max(16, 64 // gp)
     block_q = max(1, min(block_q, next_pow2(t)))
@@ -141,34 +151,37 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, c
         block_q = max(block_q, -(-MIN_DOT_ROWS // gp))
         block_k = max(block_k, MIN_DOT_ROWS)
         check_triton_shapes(head_dim=d, block_q=block_q, block_k=block_k)
-    return _flash_attention_impl(q, k, v, alibi_slopes, scale=float(scale), causal=bool(causal),
+    return _flash_attention_impl(q, k, v, alibi_slopes, sinks, scale=float(scale), causal=bool(causal),
                                  window=window, softcap=None if softcap is None else float(softcap),
                                  block_q=block_q, block_k=block_k,
                                  interpret=interpret, num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "window", "softcap"))
-def flash_attention_reference(q, k, v, *, scale, causal=True, window=None, alibi_slopes=None, softcap=None):
+def flash_attention_reference(q, k, v, *, scale, causal=True, window=None, alibi_slopes=None, softcap=None,
+                              sinks=None):
     """Dense reference of flash_attention (positions 0..T-1; O(T^2 * D) memory)."""
     t = q.shape[0]
     pos = jnp.arange(t, dtype=jnp.int32)
     kk = jnp.broadcast_to(k.transpose(1, 0, 2)[:, None], (k.shape[1], t, t, k.shape[2]))
     vv = jnp.broadcast_to(v.transpose(1, 0, 2)[:, None], (v.shape[1], t, t, v.shape[2]))
     return masked_softmax_attention(q, kk, vv, pos, pos, jnp.ones((t, t), bool), scale=scale,
-                                    window=window, alibi_slopes=alibi_slopes, causal=causal, softcap=softcap)
+                                    window=window, alibi_slopes=alibi_slopes, causal=causal, softcap=softcap,
+                                    sinks=sinks)
 
 
 # ----------------------------------------------------------------------------------------------
 # Ragged paged attention (chunked prefill + decode tokens in one call)
 # ----------------------------------------------------------------------------------------------
 
-def _ragged_kernel(*refs, quant: bool, has_alibi: bool, block_q: int, ppcb: int, block_size: int,
-                   scale: float, window: int | None, softcap: float | None):
+def _ragged_kernel(*refs, quant: bool, has_alibi: bool, has_sinks: bool, block_q: int, ppcb: int,
+                   block_size: int, scale: float, window: int | None, softcap: float | None):
     refs = list(refs)
     info_ref, q_ref, pos_ref, k_ref, v_ref = (refs.pop(0) for _ in range(5))
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quant else (None, None)
     bt_ref = refs.pop(0)
     al_ref = refs.pop(0) if has_alibi else None
+    sk_ref = refs.pop(0) if has_sinks else None
     _o_init_ref, o_ref = refs                                  # o_init is aliased to o
     _, gp, d = q_ref.shape                                     # q_ref [T, Gp, D] of one kv head
     block_k = ppcb * block_size
@@ -180,9 +193,7 @@ def _ragged_kernel(*refs, quant: bool, has_alibi: bool, block_q: int, ppcb: int,
     q = q.reshape(block_q * gp, d)
     q_pos = _tile_rows(pos, gp)
     row_ok = _tile_rows(tok_ok, gp)
-    slopes = None
-    if al_ref is not None:
-        slopes = jnp.broadcast_to(al_ref[...][None, :], (block_q, gp)).reshape(block_q * gp)
+    slopes = _head_rows(al_ref, block_q, gp)
 
     # Keys any row of the tile can see: [min_pos - W + 1, min(max_pos + 1, ctx)).
     max_pos = jnp.max(jnp.where(tok_ok, pos, -1))
@@ -200,7 +211,8 @@ def _ragged_kernel(*refs, quant: bool, has_alibi: bool, block_q: int, ppcb: int,
         return attend_block(carry, q, k, v, ks, vs, kpos, q_pos, row_ok, ctx, slopes,
                             scale=scale, causal=True, window=window, softcap=softcap)
 
-    acc, _, l = lax.fori_loop(kb_lo, kb_hi, body, init_carry(block_q * gp, d))
+    init = init_carry(block_q * gp, d, _head_rows(sk_ref, block_q, gp))
+    acc, _, l = lax.fori_loop(kb_lo, kb_hi, body, init)
     o = normalize(acc, l).astype(o_ref.dtype).reshape(block_q, gp, d)
     plgpu.store(o_ref.at[pl.ds(q_start, block_q)], o, mask=tok_ok[:, None, None])
 
@@ -230,7 +242,7 @@ def ragged_tile_table(query_start_loc: jax.Array, context_lens: jax.Array, num_t
     "scale", "window", "softcap", "block_q", "pages_per_compute_block", "interpret", "num_warps",
     "num_stages"))
 def _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables, context_lens,
-                 alibi_slopes, k_scale, v_scale, *, scale, window, softcap, block_q, pages_per_compute_block,
+                 alibi_slopes, sinks, k_scale, v_scale, *, scale, window, softcap, block_q, pages_per_compute_block,
                  interpret, num_warps, num_stages):
     t, h, d = q.shape
     hkv, nb, bs, _ = k_pages.shape
@@ -238,6 +250,7 @@ def _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables, 
     ppcb = pages_per_compute_block
     qg, g, gp = group_queries(q, hkv)
     slopes = group_slopes(alibi_slopes, hkv, g, gp)
+    sinks = group_slopes(sinks, hkv, g, gp)
     bt = pad_block_tables(block_tables, ppcb)
     info = ragged_tile_table(query_start_loc, context_lens, t, block_q)
     num_tiles = info.shape[0]
@@ -253,13 +266,15 @@ def _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables, 
         args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
     in_specs.append(pl.BlockSpec(bt.shape, lambda i, j: (0, 0)))
     args.append(bt)
-    if slopes is not None:
-        in_specs.append(pl.BlockSpec((None, gp), lambda i, j: (j, 0)))
-        args.append(slopes)
+    for per_head in (slopes, sinks):
+        if per_head is not None:
+            in_specs.append(pl.BlockSpec((None, gp), lambda i, j: (j, 0)))
+            args.append(per_head)
     in_specs.append(q_spec)                      # zeros, aliased to the output: untouched rows = 0
     args.append(jnp.zeros(qg.shape, q.dtype))
 
     kernel = functools.partial(_ragged_kernel, quant=quant, has_alibi=slopes is not None,
+                               has_sinks=sinks is not None,
                                block_q=block_q, ppcb=ppcb, block_size=bs, scale=scale,
                                window=window, softcap=softcap)
     out = pl.pallas_call(
@@ -276,7 +291,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            positions: jax.Array, seq_ids: jax.Array, query_start_loc: jax.Array,
                            block_tables: jax.Array, context_lens: jax.Array, *, scale: float,
                            window: int | None = None, alibi_slopes: jax.Array | None = None,
-                           softcap: float | None = None,
+                           softcap: float | None = None, sinks: jax.Array | None = None,
                            k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
                            block_q: int | None = None, pages_per_compute_block: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = 2,
@@ -307,6 +322,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     check_softcap(softcap)
+    check_sinks(sinks, h)
     gp = next_pow2(h // hkv)
     block_q = block_q or max(16, 64 // gp)
     block_q = max(1, min(block_q, next_pow2(t)))
@@ -318,7 +334,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         check_triton_shapes(head_dim=d, block_q=block_q, block_size=bs,
                             pages_per_compute_block=ppcb)
     return _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables,
-                        context_lens, alibi_slopes, k_scale, v_scale, scale=float(scale),
+                        context_lens, alibi_slopes, sinks, k_scale, v_scale, scale=float(scale),
                         window=window, softcap=None if softcap is None else float(softcap),
                         block_q=block_q, pages_per_compute_block=ppcb,
                         interpret=interpret, num_warps=num_warps, num_stages=num_stages)
@@ -327,11 +343,12 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 @functools.partial(jax.jit, static_argnames=("scale", "window", "softcap"))
 def ragged_paged_attention_reference(q, k_pages, v_pages, positions, seq_ids, query_start_loc,
                                      block_tables, context_lens, *, scale, window=None,
-                                     alibi_slopes=None, softcap=None, k_scale=None, v_scale=None):
+                                     alibi_slopes=None, softcap=None, sinks=None, k_scale=None, v_scale=None):
     """Gather-based reference of ragged_paged_attention (tokens outside every chunk -> 0)."""
     out = paged_reference_core(q, k_pages, v_pages, positions, seq_ids, block_tables,
                                context_lens, scale=scale, window=window,
-                               alibi_slopes=alibi_slopes, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+                               alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, k_scale=k_scale,
+                               v_scale=v_scale)
     tok = jnp.arange(q.shape[0], dtype=jnp.int32)
     covered = (tok >= query_start_loc[0]) & (tok < query_start_loc[-1])
     return jnp.where(covered[:, None, None], out, 0).astype(q.dtype)

@@ -10,7 +10,9 @@ GQA: H = Hkv * G and query head h reads kv head h // G.
 
 Masking (shared with flash_attention.py): a query at position p sees cache position l iff
 l <= p, l < context_len and, with a sliding window W, p - W < l. With a soft cap C (Gemma 2) each
-scaled score s becomes C * tanh(s / C); then ALiBi adds slope_h * (l - p) to the score. Scores and
+scaled score s becomes C * tanh(s / C); then ALiBi adds slope_h * (l - p) to the score. Attention
+sinks (gpt-oss; sinks [H] f32) add e^(sink_h) to each softmax denominator, a key of value 0: the
+online softmax starts each row from (max, sum) = (sink_h, 1) instead of (-inf, 0). Scores and
 softmax are float32; a row that sees nothing outputs 0.
 
 The decode kernel runs on grid (S, Hkv, num_splits). One program holds the G query heads of one
@@ -94,7 +96,7 @@ def ungroup_output(o: jax.Array, g: int) -> jax.Array:
 
 
 def group_slopes(alibi_slopes: jax.Array | None, n_kv_heads: int, g: int, gp: int):
-    """slopes [H] -> [Hkv, Gp] f32 (padded heads get 0)."""
+    """Per-head values (ALiBi slopes, sinks) [H] -> [Hkv, Gp] f32 (padded heads get 0)."""
     if alibi_slopes is None:
         return None
     s = jnp.asarray(alibi_slopes, jnp.float32).reshape(n_kv_heads, g)
@@ -176,10 +178,19 @@ def attend_block(carry, q, k, v, k_scale, v_scale, kpos, q_pos, row_ok, kv_len, 
     return acc, m_next, l_next
 
 
-def init_carry(rows: int, head_dim: int):
+def init_carry(rows: int, head_dim: int, sinks: jax.Array | None = None):
+    """(acc, max, sum) before any key; sinks [rows] f32: each row's sink logit as a key of value 0."""
+    if sinks is not None:
+        return (jnp.zeros((rows, head_dim), jnp.float32), sinks.astype(jnp.float32),
+                jnp.ones((rows,), jnp.float32))
     return (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), NEG_INF, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
+
+
+def check_sinks(sinks, n_heads: int) -> None:
+    if sinks is not None and tuple(sinks.shape) != (n_heads,):
+        raise ValueError(f"sinks needs one logit per query head, shape ({n_heads},), got {tuple(sinks.shape)}")
 
 
 def normalize(acc: jax.Array, l: jax.Array) -> jax.Array:
@@ -204,13 +215,14 @@ def load_pages(bt_ref_row, kb, ppcb, k_ref, v_ref, ks_ref, vs_ref):
 # Decode kernel
 # ----------------------------------------------------------------------------------------------
 
-def _decode_kernel(*refs, quant: bool, has_alibi: bool, num_splits: int, ppcb: int,
+def _decode_kernel(*refs, quant: bool, has_alibi: bool, has_sinks: bool, num_splits: int, ppcb: int,
                    block_size: int, scale: float, window: int | None, softcap: float | None):
     refs = list(refs)
     q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quant else (None, None)
     bt_ref, len_ref = refs.pop(0), refs.pop(0)
     al_ref = refs.pop(0) if has_alibi else None
+    sk_ref = refs.pop(0) if has_sinks else None
     o_ref = refs.pop(0)
     lse_ref = refs.pop(0) if num_splits > 1 else None
 
@@ -242,7 +254,11 @@ def _decode_kernel(*refs, quant: bool, has_alibi: bool, num_splits: int, ppcb: i
         return attend_block(carry, q, k, v, ks, vs, kpos, q_pos, None, ctx, slopes,
                             scale=scale, causal=True, window=window, softcap=softcap)
 
-    acc, m, l = lax.fori_loop(lo, hi, body, init_carry(gp, d))
+    carry = init_carry(gp, d)
+    if sk_ref is not None:   # the sink counts once: in split 0's partial softmax, merged by log-sum-exp
+        first = jnp.full((gp,), pl.program_id(2), jnp.int32) == 0
+        carry = (carry[0], jnp.where(first, sk_ref[...], NEG_INF), jnp.where(first, 1.0, 0.0).astype(jnp.float32))
+    acc, m, l = lax.fori_loop(lo, hi, body, carry)
     o_ref[...] = normalize(acc, l).astype(o_ref.dtype)
     if lse_ref is not None:
         lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), NEG_INF)
@@ -251,7 +267,7 @@ def _decode_kernel(*refs, quant: bool, has_alibi: bool, num_splits: int, ppcb: i
 @functools.partial(jax.jit, static_argnames=(
     "scale", "window", "softcap", "pages_per_compute_block", "num_splits", "interpret", "num_warps",
     "num_stages"))
-def _paged_attention_impl(q, k_pages, v_pages, block_tables, context_lens, alibi_slopes, k_scale,
+def _paged_attention_impl(q, k_pages, v_pages, block_tables, context_lens, alibi_slopes, sinks, k_scale,
                           v_scale, *, scale, window, softcap, pages_per_compute_block, num_splits,
                           interpret, num_warps, num_stages):
     s, h, d = q.shape
@@ -260,6 +276,7 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, context_lens, alibi
     ppcb = pages_per_compute_block
     qg, g, gp = group_queries(q, hkv, MIN_DOT_ROWS)
     slopes = group_slopes(alibi_slopes, hkv, g, gp)
+    sinks = group_slopes(sinks, hkv, g, gp)
     bt = pad_block_tables(block_tables, ppcb)
     cols = bt.shape[1]
     lens = context_lens.astype(jnp.int32)
@@ -275,9 +292,10 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, context_lens, alibi
     in_specs += [pl.BlockSpec((None, cols), lambda i, j, p: (i, 0)),
                  pl.BlockSpec((1,), lambda i, j, p: (i,))]
     args += [bt, lens]
-    if slopes is not None:
-        in_specs.append(pl.BlockSpec((None, gp), lambda i, j, p: (j, 0)))
-        args.append(slopes)
+    for per_head in (slopes, sinks):
+        if per_head is not None:
+            in_specs.append(pl.BlockSpec((None, gp), lambda i, j, p: (j, 0)))
+            args.append(per_head)
 
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((s, hkv, gp, d), q.dtype)
@@ -289,7 +307,7 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, context_lens, alibi
                      pl.BlockSpec((None, None, None, gp), lambda i, j, p: (p, i, j, 0)))
 
     kernel = functools.partial(
-        _decode_kernel, quant=quant, has_alibi=slopes is not None, num_splits=num_splits,
+        _decode_kernel, quant=quant, has_alibi=slopes is not None, has_sinks=sinks is not None, num_splits=num_splits,
         ppcb=ppcb, block_size=bs, scale=scale, window=window, softcap=softcap)
     out = pl.pallas_call(
         kernel, grid=(s, hkv, num_splits), in_specs=in_specs, out_specs=out_specs,
@@ -308,7 +326,7 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, context_lens, alibi
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                     context_lens: jax.Array, *, scale: float, window: int | None = None,
                     alibi_slopes: jax.Array | None = None, softcap: float | None = None,
-                    k_scale: jax.Array | None = None,
+                    sinks: jax.Array | None = None, k_scale: jax.Array | None = None,
                     v_scale: jax.Array | None = None, pages_per_compute_block: int | None = None,
                     num_splits: int = 1, num_warps: int | None = None, num_stages: int | None = 2,
                     interpret: bool | None = None) -> jax.Array:
@@ -332,13 +350,14 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     check_softcap(softcap)
+    check_sinks(sinks, h)
     ppcb = pages_per_compute_block or max(1, 128 // bs)
     ppcb = max(1, min(ppcb, next_pow2(block_tables.shape[1])))
     if not interpret:
         ppcb = max(ppcb, MIN_DOT_ROWS // bs)        # a KV tile of >= 16 keys for tl.dot
         check_triton_shapes(head_dim=d, block_size=bs, pages_per_compute_block=ppcb)
     return _paged_attention_impl(
-        q, k_pages, v_pages, block_tables, context_lens, alibi_slopes, k_scale, v_scale,
+        q, k_pages, v_pages, block_tables, context_lens, alibi_slopes, sinks, k_scale, v_scale,
         scale=float(scale), window=window, softcap=None if softcap is None else float(softcap),
         pages_per_compute_block=ppcb, num_splits=num_splits,
         interpret=interpret, num_warps=num_warps, num_stages=num_stages)
@@ -356,9 +375,11 @@ def dequantize_pages(pages: jax.Array, scales: jax.Array | None, dtype) -> jax.A
 
 
 def masked_softmax_attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window, alibi_slopes,
-                             causal=True, softcap=None):
+                             causal=True, softcap=None, sinks=None):
     """The reference math. q [T, H, D]; k, v [Hkv, T, L, D] (each token's keys); q_pos [T];
-    k_pos [T, L] or [L]; k_valid [T, L] bool (in context). Returns [T, H, D] in q.dtype."""
+    k_pos [T, L] or [L]; k_valid [T, L] bool (in context); sinks [H] or None: the softmax runs over
+    the keys and one more logit per head whose value is 0 (HF gpt-oss's concatenated column).
+    Returns [T, H, D] in q.dtype."""
     t, h, d = q.shape
     hkv = k.shape[0]
     g = h // hkv
@@ -377,7 +398,11 @@ def masked_softmax_attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window, a
         sl = jnp.asarray(alibi_slopes, jnp.float32).reshape(hkv, g)
         scores = scores + sl[:, :, None, None] * rel[None, None].astype(jnp.float32)
     scores = jnp.where(valid[None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is not None:
+        sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32).reshape(hkv, g, 1, 1), scores.shape[:3] + (1,))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(valid[None, None], probs, 0.0)
     out = jnp.einsum("kgtl,ktld->tkgd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32, precision=prec)
@@ -385,7 +410,8 @@ def masked_softmax_attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window, a
 
 
 def paged_reference_core(q, k_pages, v_pages, positions, seq_ids, block_tables, context_lens, *,
-                         scale, window=None, alibi_slopes=None, softcap=None, k_scale=None, v_scale=None):
+                         scale, window=None, alibi_slopes=None, softcap=None, sinks=None, k_scale=None,
+                         v_scale=None):
     """Each token gathers its sequence's pages in logical order and attends (O(T * max_len))."""
     hkv, _, bs, d = k_pages.shape
     s, mb = block_tables.shape
@@ -395,15 +421,17 @@ def paged_reference_core(q, k_pages, v_pages, positions, seq_ids, block_tables, 
     in_ctx = k_pos[None, :] < context_lens.astype(jnp.int32)[seq_ids][:, None]
     return masked_softmax_attention(q, k[:, seq_ids], v[:, seq_ids], positions.astype(jnp.int32),
                                     k_pos, in_ctx, scale=scale, window=window,
-                                    alibi_slopes=alibi_slopes, softcap=softcap)
+                                    alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "softcap"))
 def paged_attention_reference(q, k_pages, v_pages, block_tables, context_lens, *, scale,
-                              window=None, alibi_slopes=None, softcap=None, k_scale=None, v_scale=None):
+                              window=None, alibi_slopes=None, softcap=None, sinks=None, k_scale=None,
+                              v_scale=None):
     """Reference of paged_attention: one token per sequence at position context_lens - 1."""
     s = q.shape[0]
     lens = context_lens.astype(jnp.int32)
     return paged_reference_core(q, k_pages, v_pages, lens - 1, jnp.arange(s, dtype=jnp.int32),
                                 block_tables, lens, scale=scale, window=window,
-                                alibi_slopes=alibi_slopes, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+                                alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, k_scale=k_scale,
+                                v_scale=v_scale)

@@ -1,6 +1,7 @@
 """Tiny random-weight models of the supported HF architectures, built with transformers.
 
-Two shapes per family cover: odd vocab sizes, tied and untied embeddings, n_kv_heads in
+Two shapes per family cover (mixtures of experts: top-1..3 of 3..6 experts, dense layers mixed in,
+YaRN, attention sinks, clamped SwiGLU; with the rest): odd vocab sizes, tied and untied embeddings, n_kv_heads in
 {1, 2, n_heads}, Llama-3, linear and LongRoPE scaling, partial rotary, sliding windows shorter
 than the sequence (alternating with global layers in Gemma), soft caps small enough that tanh bends
 (Gemma's initializer_range 0.2 makes scores and logits O(1)), head_dim != d_model / n_heads.
@@ -72,6 +73,41 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                                       "attention_factor": 1.1,
                                                       "short_factor": [1.0, 1.2, 1.5, 2.0, 2.0, 3.0, 4.0, 5.0],
                                                       "long_factor": [2.0] * 8})),
+    # mixtures of experts. Qwen3-MoE: renormalized top-2 of 4 with a dense layer between MoE layers;
+    # unnormalized top-3 of 6, every layer windowed, YaRN (truncated band)
+    "qwen3moe-gqa": ("qwen3_moe", dict(_COMMON, vocab_size=127, intermediate_size=96, moe_intermediate_size=32,
+                                       num_hidden_layers=3, num_key_value_heads=2, head_dim=32, num_experts=4,
+                                       num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                                       tie_word_embeddings=False, initializer_range=0.3)),
+    "qwen3moe-mqa-window-yarn": ("qwen3_moe", dict(_COMMON, vocab_size=109, intermediate_size=64,
+                                                   moe_intermediate_size=48, num_hidden_layers=2, num_key_value_heads=1,
+                                                   num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
+                                                   use_sliding_window=True, sliding_window=6, tie_word_embeddings=True,
+                                                   initializer_range=0.2, max_position_embeddings=128,
+                                                   rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                    "original_max_position_embeddings": 32,
+                                                                    "rope_theta": 10000.0})),
+    "mixtral-gqa": ("mixtral", dict(_COMMON, vocab_size=113, intermediate_size=48, num_hidden_layers=2,
+                                    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                    initializer_range=0.2)),
+    "mixtral-mqa-window": ("mixtral", dict(_COMMON, vocab_size=101, intermediate_size=40, num_hidden_layers=2,
+                                           num_key_value_heads=1, head_dim=32, num_local_experts=5,
+                                           num_experts_per_tok=3, sliding_window=7, initializer_range=0.2)),
+    # gpt-oss: sliding / global layers, sinks, biases everywhere, YaRN (band not truncated), a clamp
+    # limit low enough that the tiny model's gate and up values cross it. initializer_range 0.2 (MoE):
+    # at 0.02 these models repeat one token (greedy checks would mean little), at 0.2 they vary
+    "gpt-oss": ("gpt_oss", dict(_COMMON, vocab_size=131, intermediate_size=48, num_hidden_layers=4,
+                                num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=6, swiglu_limit=1.0, initializer_range=0.2,
+                                rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 32, "rope_theta": 150000.0})),
+    "gpt-oss-mqa": ("gpt_oss", dict(_COMMON, vocab_size=97, intermediate_size=32, num_hidden_layers=2,
+                                    num_key_value_heads=1, head_dim=32, num_local_experts=3, num_experts_per_tok=2,
+                                    sliding_window=5, layer_types=["full_attention", "sliding_attention"],
+                                    swiglu_limit=1.5, swiglu_alpha=2.5, initializer_range=0.2,
+                                    rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
     "gpt2": ("gpt2", dict(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=256)),
     "gpt2-untied-relu": ("gpt2", dict(vocab_size=89, n_embd=48, n_layer=3, n_head=2, n_positions=128,
                                       n_inner=100, activation_function="relu", tie_word_embeddings=False)),
@@ -98,18 +134,29 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "bloom": (tf.BloomConfig, tf.BloomForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
            "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
            "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
-           "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}[family]
+           "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+           "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM)}[family]
     torch.manual_seed(seed)
-    config = cls[0](**kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    # eager attention: the published computation on every transformers version (5.17's default for
+    # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)
+    config = cls[0](**kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager")
     model = cls[1](config).eval()
+    if family == "gpt_oss":
+        # the clamped SwiGLU's alpha and limit come from the config (OpenAI's reference reads
+        # swiglu_limit from it); transformers 5.17 (the GPU image's) hard-codes 1.702 and 7.0 and ignores both
+        for layer in model.model.layers:
+            layer.mlp.experts.alpha = getattr(config, "swiglu_alpha", 1.702)
+            layer.mlp.experts.limit = config.swiglu_limit
     # transformers' init leaves many biases and norm weights at 0 / 1: randomise every
     # parameter so that each one matters for the comparison.
     with torch.no_grad():
         if name in EMBED_STD:
             model.get_input_embeddings().weight.normal_(0.0, EMBED_STD[name])
         for n, p in model.named_parameters():
-            if n.endswith(".bias") or "norm" in n or "ln_" in n:
+            if n.endswith((".bias", "_bias")) or "norm" in n or "ln_" in n:
                 p.add_(0.1 * torch.randn_like(p))
+            elif n.endswith(".sinks"):   # gpt-oss: sink logits as large as the scores, so that they matter
+                p.normal_(0.0, 1.0)
     return model
 
 

@@ -1,7 +1,8 @@
 """The engine's XLA paged attention (work items over KV blocks, kv_cache.build_attention_metadata)
 equals the plain definition (every token gathers its whole context from the pages,
 paged_attention_reference) on ragged steps: decode rows, first chunks, any number of chunks that
-continue a cached context, padding rows and tokens; windows, ALiBi, soft caps, GQA, int8 / fp8 / 16-bit pages."""
+continue a cached context, padding rows and tokens; windows, ALiBi, soft caps, attention sinks, GQA,
+int8 / fp8 / 16-bit pages."""
 import dataclasses
 
 import jax
@@ -153,3 +154,21 @@ def test_multi_step_decode_rows_read_blocks_of_later_positions():
     got, pages = attention(q, k, k, pos, scale=0.25, kv=kv, meta=advanced, impl="xla")
     want = paged_attention_reference(q, pages, pos, advanced, scale=0.25)
     np.testing.assert_allclose(np.asarray(got)[:2], np.asarray(want)[:2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_dtype,window,g", [("float32", 7, 2), ("int8", None, 4), ("float32", None, 1)])
+def test_paged_xla_sinks_equal_definition(kv_dtype, window, g):
+    """gpt-oss's attention sinks (one logit per query head, as large as the scores) through the work
+    items' online softmax, decode rows and chunks, against the reference's explicit denominator."""
+    rng = np.random.default_rng(9)
+    chunks = [(20, 1), (0, 13), (35, 8), (50, 1), (3, 1)]
+    q, k, v, kv, pos, meta, n_real = build_step(rng, chunks, pad_tokens=3, pad_rows=1, hkv=2, g=g, d=16, bs=8,
+                                                kv_dtype=kv_storage_dtype(kv_dtype))
+    sinks = jnp.asarray(rng.normal(0.0, 2.0, 2 * g), jnp.float32)
+    got, _ = attention(q, k, v, pos, scale=0.25, window=window, sinks=sinks, kv=kv, meta=meta, impl="xla")
+    pages = write_kv(kv, k, v, meta.slot_mapping)
+    want = paged_attention_reference(q, pages, pos, meta, scale=0.25, window=window, sinks=sinks)
+    plain = paged_attention_reference(q, pages, pos, meta, scale=0.25, window=window)
+    got, want, plain = (np.asarray(a)[:n_real] for a in (got, want, plain))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    assert np.linalg.norm(plain - want) / np.linalg.norm(want) > 1e-2      # the sinks changed the result

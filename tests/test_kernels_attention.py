@@ -4,7 +4,8 @@ implementation of the masking definition, in interpret mode on CPU (the kernels'
 Definition (numpy below): a query token at position p of sequence s sees cache position l iff
 l <= p, l < context_len[s] and, with a window W, p - W < l; a soft cap C maps each scaled score s
 to C tanh(s / C) (Gemma 2); ALiBi adds slope_h * (l - p); int8
-pages dequantize to int8 (or fp8 e4m3) * scale; softmax over the visible keys; nothing visible -> 0.
+pages dequantize to int8 (or fp8 e4m3) * scale; softmax over the visible keys and, with attention
+sinks (gpt-oss), one more logit sink_h of value 0; nothing visible -> 0.
 Tolerance: max|a - b| / max|b| below tests/precision.attention_rtol(dtype, keys, head_dim), derived
 from float32 / bfloat16 rounding (float32 dots run at float32 precision on every backend: no TF32).
 On CPU the kernels run in Pallas interpret mode; on a GPU (`make test-gpu`) they run compiled.
@@ -46,8 +47,9 @@ def f64(x):
 # Independent numpy implementation of the definition (float64, loops)
 # ----------------------------------------------------------------------------------------------
 
-def np_attend(qv, keys, vals, k_pos, p, *, scale, window, slope, softcap=None):
-    """qv [D], keys/vals [L, D], k_pos [L] (already restricted to l < context_len)."""
+def np_attend(qv, keys, vals, k_pos, p, *, scale, window, slope, softcap=None, sink=None):
+    """qv [D], keys/vals [L, D], k_pos [L] (already restricted to l < context_len); sink: the head's
+    sink logit (its e^sink joins the denominator) or None."""
     vis = k_pos <= p if p is not None else np.ones(len(k_pos), bool)
     if window is not None:
         vis &= k_pos > (p if p is not None else 0) - window
@@ -58,13 +60,14 @@ def np_attend(qv, keys, vals, k_pos, p, *, scale, window, slope, softcap=None):
         sc = softcap * np.tanh(sc / softcap)
     if slope is not None:
         sc = sc + slope * (k_pos[vis] - p)
-    w = np.exp(sc - sc.max())
-    return (w / w.sum()) @ vals[vis]
+    top = sc.max() if sink is None else max(sc.max(), sink)
+    w = np.exp(sc - top)
+    return (w / (w.sum() + (0.0 if sink is None else np.exp(sink - top)))) @ vals[vis]
 
 
 def np_paged(q, k_pages, v_pages, positions, seq_ids, block_tables, context_lens, *, scale,
-             window=None, slopes=None, k_scale=None, v_scale=None, covered=None, softcap=None):
-    q, slopes = f64(q), f64(slopes)
+             window=None, slopes=None, k_scale=None, v_scale=None, covered=None, softcap=None, sinks=None):
+    q, slopes, sinks = f64(q), f64(slopes), f64(sinks)
     kf = f64(k_pages) if k_scale is None else f64(k_pages) * f64(k_scale)[..., None]
     vf = f64(v_pages) if v_scale is None else f64(v_pages) * f64(v_scale)[..., None]
     t_, h_, d = q.shape
@@ -81,12 +84,13 @@ def np_paged(q, k_pages, v_pages, positions, seq_ids, block_tables, context_lens
         for h in range(h_):
             out[t, h] = np_attend(q[t, h], kf[h // g, phys, off], vf[h // g, phys, off], ls, p,
                                   scale=scale, window=window, softcap=softcap,
-                                  slope=None if slopes is None else slopes[h])
+                                  slope=None if slopes is None else slopes[h],
+                                  sink=None if sinks is None else sinks[h])
     return out
 
 
-def np_dense(q, k, v, *, scale, causal, window=None, slopes=None, softcap=None):
-    q, k, v, slopes = f64(q), f64(k), f64(v), f64(slopes)
+def np_dense(q, k, v, *, scale, causal, window=None, slopes=None, softcap=None, sinks=None):
+    q, k, v, slopes, sinks = f64(q), f64(k), f64(v), f64(slopes), f64(sinks)
     t_, h_, d = q.shape
     g = h_ // k.shape[1]
     out = np.zeros((t_, h_, d))
@@ -96,7 +100,8 @@ def np_dense(q, k, v, *, scale, causal, window=None, slopes=None, softcap=None):
             if causal:
                 out[t, h] = np_attend(q[t, h], k[:, h // g], v[:, h // g], ls, t, scale=scale,
                                       window=window, softcap=softcap,
-                                      slope=None if slopes is None else slopes[h])
+                                      slope=None if slopes is None else slopes[h],
+                                      sink=None if sinks is None else sinks[h])
             else:  # no l <= p; the window still bounds l from below, ALiBi still adds slope*(l-p)
                 vis = ls > t - window if window is not None else np.ones(t_, bool)
                 sc = k[vis, h // g] @ q[t, h] * scale
@@ -381,6 +386,55 @@ def test_softcap_matches_definition(kernel, dtype, g, window, quant):
     assert rel_err(uncapped, want) > 100 * tol            # the cap changed the result: the case tests it
 
 
+# (kernel, dtype, G, window, quant, num_splits): sinks as large as the scores (std 2), so they matter
+SINK_CASES = [("decode", "float32", 4, 20, False, 1), ("decode", "float32", 3, None, "int8", 3),
+              ("decode", "bfloat16", 2, 9, False, 2), ("ragged", "float32", 4, 11, False, 1),
+              ("ragged", "float32", 1, None, "fp8", 1), ("ragged", "bfloat16", 8, None, False, 1),
+              ("flash", "float32", 2, 13, False, 1), ("flash", "bfloat16", 4, None, False, 1)]
+
+
+@pytest.mark.parametrize("kernel,dtype,g,window,quant,splits", SINK_CASES)
+def test_sinks_match_definition(kernel, dtype, g, window, quant, splits):
+    """gpt-oss's attention sinks in the three kernels and their references against the numpy
+    definition; the decode kernel counts the sink once across its num_splits partial softmaxes."""
+    rng = np.random.default_rng(seed("sinks", kernel, dtype, g, window, quant, splits))
+    hkv, d, bs = 2, 16, 8
+    sinks = jnp.asarray(rng.normal(0.0, 2.0, hkv * g), jnp.float32)
+    kw = dict(scale=d ** -0.5, window=window, sinks=sinks)
+    if kernel == "flash":
+        t = 37
+        q, k, v = (jnp.asarray(rng.standard_normal((t, h, d)), dtype) for h in (hkv * g, hkv, hkv))
+        out, ref = flash_attention(q, k, v, block_q=8, block_k=8, **kw), flash_attention_reference(q, k, v, **kw)
+        want = np_dense(q, k, v, scale=d ** -0.5, causal=True, window=window, sinks=sinks)
+        plain = np_dense(q, k, v, scale=d ** -0.5, causal=True, window=window)
+        keys = t
+    else:
+        chunks = [(30, 1), (7, 1), (19, 1), (0, 1)] if kernel == "decode" else [(21, 9), (5, 1), (0, 12), (40, 3)]
+        q, k, v, ks, vs, meta = make_ragged(rng, chunks=chunks, n_pad=0, hkv=hkv, g=g, d=d, bs=bs,
+                                            dtype=jnp.dtype(dtype), quant=quant)
+        kw.update(k_scale=ks, v_scale=vs)
+        if kernel == "decode":
+            out = paged_attention(q, k, v, meta["block_tables"], meta["context_lens"], pages_per_compute_block=1,
+                                  num_splits=splits, **kw)
+            ref = paged_attention_reference(q, k, v, meta["block_tables"], meta["context_lens"], **kw)
+        else:
+            out = ragged_paged_attention(q, k, v, **meta, block_q=4, pages_per_compute_block=1, **kw)
+            ref = ragged_paged_attention_reference(q, k, v, **meta, **kw)
+        args = (q, k, v, meta["positions"], meta["seq_ids"], meta["block_tables"], meta["context_lens"])
+        want = np_paged(*args, scale=d ** -0.5, window=window, k_scale=ks, v_scale=vs, sinks=sinks)
+        plain = np_paged(*args, scale=d ** -0.5, window=window, k_scale=ks, v_scale=vs)
+        keys = max(p + n for p, n in chunks)
+    tol = attention_rtol(dtype, keys=keys, head_dim=d)
+    assert rel_err(out, ref) < tol and rel_err(ref, want) < tol and rel_err(out, want) < tol
+    assert rel_err(plain, want) > 10 * tol             # the sinks changed the result: the case tests them
+
+
+def test_sinks_need_one_per_query_head():
+    q = jnp.zeros((4, 4, 16), jnp.float32)
+    with pytest.raises(ValueError, match="one logit per query head"):
+        flash_attention(q, q[:, :2], q[:, :2], scale=0.25, sinks=jnp.zeros((2,)))
+
+
 @pytest.mark.parametrize("bad", [0.0, -1.0])
 def test_softcap_must_be_positive(bad):
     q = jnp.zeros((4, 2, 16), jnp.float32)
@@ -439,7 +493,8 @@ def test_lowers_for_triton(kernel):
     pages = jnp.zeros((hkv, nb, bs, d), jnp.int8)
     scales = jnp.ones((hkv, nb, bs), jnp.float32)
     bt, lens = jnp.zeros((s, 6), jnp.int32), jnp.zeros((s,), jnp.int32)
-    common = dict(scale=0.125, window=32, alibi_slopes=jnp.ones((hkv * g,)), softcap=30.0, interpret=False)
+    common = dict(scale=0.125, window=32, alibi_slopes=jnp.ones((hkv * g,)), softcap=30.0,
+                  sinks=jnp.zeros((hkv * g,)), interpret=False)
     if kernel == "decode":
         fn = lambda q, kp, vp, ks, vs: paged_attention(q, kp, vp, bt, lens, k_scale=ks, v_scale=vs,
                                                        num_splits=2, **common)

@@ -19,18 +19,20 @@ ENGINE = dict(max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, block
               warmup=False)
 
 
-def dots(jaxpr) -> list[tuple[tuple, object]]:
-    """(operand dtypes, precision) of every dot_general in a (closed) jaxpr, sub-jaxprs included:
-    jit, cond branches, loops, Pallas kernel bodies."""
+def dots(jaxpr, kinds: tuple[str, ...] = ("dot_general", "ragged_dot_general")) -> list[tuple[tuple, object]]:
+    """(operand dtypes, precision) of every dot_general and ragged_dot_general (the grouped matmul of
+    mixture-of-experts layers) in a (closed) jaxpr, sub-jaxprs included: jit, cond branches, loops,
+    Pallas kernel bodies. kinds: the primitives to list."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     found = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append((tuple(str(v.aval.dtype) for v in eqn.invars), eqn.params["precision"]))
+        if eqn.primitive.name in kinds:
+            operands = eqn.invars[:2]     # ragged_dot_general's third operand is the group sizes
+            found.append((tuple(str(v.aval.dtype) for v in operands), eqn.params["precision"]))
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    found += dots(sub)
+                    found += dots(sub, kinds)
     return found
 
 
@@ -53,6 +55,17 @@ def test_float32_engine_asks_for_float32_dots(hf_model_dir, attention):
     tokens = jnp.zeros(16, jnp.int32)
     forward = jax.make_jaxpr(gen._forward)(gen._params, tokens, jnp.arange(16, dtype=jnp.int32))
     assert dots(forward) and f32_dots_not_highest(forward) == []
+
+
+@pytest.mark.parametrize("moe_impl", ["tiles", "ragged_dot"])
+def test_float32_moe_engine_asks_for_float32_dots(hf_model_dir, moe_impl, monkeypatch):
+    """gpt-oss (experts with biases, sinks): the tile loop's dots and ragged_dot's alike."""
+    import jaxinfer.moe
+    monkeypatch.setattr(jaxinfer.moe, "default_impl", lambda: moe_impl)
+    gen = Generator.from_pretrained(hf_model_dir("gpt-oss"), dtype="float32", attention="xla", **ENGINE)
+    step = step_jaxpr(gen, 16)
+    assert len(dots(step, ("ragged_dot_general",))) == (8 if moe_impl == "ragged_dot" else 0)  # 4 layers x 2
+    assert f32_dots_not_highest(step) == []
 
 
 def test_bfloat16_engine_keeps_default_precision(hf_model_dir):

@@ -438,10 +438,12 @@ def test_w8a8_engine_on_the_pallas_kernel(quantized_dirs, monkeypatch):
     another order)."""
     from jaxinfer import Generator, SamplingParams
     import jaxinfer.quant as quant
+    # the checkpoint first: quantized_dirs builds it on first use, and SmoothQuant's calibration runs
+    # the quantized model with impl="auto" (the kernel on a GPU, as seen there on 2026-11-26)
+    folder = quantized_dirs["smoothquant-static-asym-pct"][0]
     calls = []
     kernel = quant.w8a8_matmul
     monkeypatch.setattr(quant, "w8a8_matmul", lambda *a, **kw: calls.append(a[1].shape) or kernel(*a, **kw))
-    folder = quantized_dirs["smoothquant-static-asym-pct"][0]
     kw = dict(dtype="float32", max_num_seqs=2, num_blocks=16, max_model_len=64, max_num_batched_tokens=8,
               block_size=8, warmup=False, max_decode_steps=1, async_scheduling=False)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -687,3 +689,15 @@ def test_calibrated_methods_refuse_gemma(hf_model_dir, method):
     kw = dict(bits=8, group_size=-1) if method == "smoothquant" else dict(bits=4)
     with pytest.raises(ValueError, match=rf"--method {method} cannot quantize this model: .*Gemma.*use --method rtn"):
         quantize_model(model, QuantizeSettings(method=method, **kw), windows=np.zeros((1, 16), np.int32))
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "qat"])
+def test_quantize_refuses_mixtures_of_experts(hf_model_dir, method):
+    """Every method works on one [K, N] matrix per linear; stacked experts are refused up front (load-time
+    --quantize handles them), instead of failing at the model's first forward."""
+    from jaxinfer.weights import load_model
+
+    model, _ = load_model(hf_model_dir("mixtral-gqa"), "float32")
+    with pytest.raises(ValueError, match=r"cannot quantize MixtralForCausalLM: its MLPs are mixtures of experts"):
+        quantize_model(model, QuantizeSettings(method=method, bits=4), windows=np.zeros((1, 16), np.int32),
+                       train_tokens=np.zeros(4096, np.int32))

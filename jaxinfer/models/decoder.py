@@ -3,9 +3,11 @@
 Llama / Mistral / Qwen2 (RMSNorm, RoPE, GQA, SwiGLU), Qwen3 (+ per-head q/k norms), Gemma 2 and 3
 (GeGLU, scaled embeddings, (1 + w) norms around attention and MLP, soft-capped scores and logits,
 alternating sliding and global layers, per-layer RoPE base), Phi-3 / Phi-4-mini (LongRoPE, partial
-rotary), GPT-2 (LayerNorm, learned positions, GELU) and BLOOM (ALiBi, embedding LayerNorm) differ
-only in ModelConfig fields; there is no per-family model code. config.json -> ModelConfig lives in
-models/hf_configs.py, HF weight names in models/hf_maps.py.
+rotary), GPT-2 (LayerNorm, learned positions, GELU), BLOOM (ALiBi, embedding LayerNorm) and the
+mixtures of experts, Mixtral, Qwen3-MoE and gpt-oss (Block.mlp is a jaxinfer.moe.MoE on the layers
+cfg.is_moe_layer marks; gpt-oss adds attention sinks and YaRN), differ only in ModelConfig fields;
+there is no per-family model code. config.json -> ModelConfig lives in models/hf_configs.py, HF
+weight names in models/hf_maps.py.
 
 Per-layer settings (the sliding window, Gemma 3's local RoPE base) are static attributes of each
 layer's Attention, read from cfg.layer_window / cfg.is_sliding when the layer is built, so every
@@ -18,10 +20,11 @@ are updated in place when the cache is donated.
 
 Fused projections (fuse_decoder). Checkpoints and the loaders use one matrix per projection
 (q, k, v; gate, up). For serving, fuse_decoder(model, tp) concatenates them in memory into one
-`qkv` [d, N] and one `gate_up` [d, 2F] per layer, so a step runs 2 matmuls where it ran 5. Their
-columns are grouped per tensor-parallel shard: shard i of `qkv` is [its q heads | its k heads |
-its v heads] and shard i of `gate_up` is [its gate columns | its up columns], so splitting the
-fused output axis over "tensor" gives each device what it needs with no communication. When
+`qkv` [d, N] and one `gate_up` [d, 2F] per layer ([E, d, 2F] in an MoE layer, per expert), so a
+step runs 2 matmuls where it ran 5. Their columns are grouped per tensor-parallel shard: shard i of
+`qkv` is [its q heads | its k heads | its v heads] and shard i of `gate_up` is [its gate columns |
+its up columns], so splitting the fused output axis over "tensor" gives each device what it needs
+with no communication. When
 n_kv_heads does not divide over tp, each KV head is repeated kv_replicas times (the smallest count
 that gives every device whole KV heads of its own query heads, as vLLM does), and the fused model's
 cfg says n_kv_heads * kv_replicas: its KV pages shard over "tensor" instead of being replicated.
@@ -39,10 +42,11 @@ from flax import nnx
 
 from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import AttentionMetadata, LayerKV
+from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV
 from jaxinfer.layers import (MLP, Norm, alibi_slopes, apply_rope, dense, param, param_value, rope_inv_freq,
                              rope_magnitude, sinusoidal_embedding)
-from jaxinfer.quant import QuantizedWeight, dot_precision, quantize, quantize_fp8
+from jaxinfer.moe import MoE
+from jaxinfer.quant import QuantizedWeight, dot_precision, quantize, quantize_experts, quantize_fp8
 
 
 class Attention(nnx.Module):
@@ -73,6 +77,8 @@ class Attention(nnx.Module):
         qk_norm = lambda: Norm(hd, cfg.norm, cfg.norm_eps, dtype, rngs, axis="head_dim")  # noqa: E731
         self.q_norm = qk_norm() if cfg.qk_norm else None
         self.k_norm = qk_norm() if cfg.qk_norm else None
+        # gpt-oss: one logit per query head that joins every softmax's denominator (a key with value 0)
+        self.sinks = param((h,), ("heads",), dtype, rngs, init="zeros") if cfg.attn_sinks else None
 
     def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, D] -> q [T, H, hd], k, v [T, Hkv, hd]."""
@@ -119,14 +125,16 @@ class Attention(nnx.Module):
             q, k = self.rope(q, k, positions)
         elif cfg.position == "alibi":
             alibi = jnp.asarray(alibi_slopes(cfg.n_heads))
+        sinks = None if self.sinks is None else self.sinks.get_value().astype(jnp.float32)
         return attention(q, k, v, positions, scale=cfg.softmax_scale, window=self.window, alibi=alibi,
-                         softcap=cfg.attn_softcap, kv=kv, meta=meta, impl=impl)
+                         softcap=cfg.attn_softcap, sinks=sinks, kv=kv, meta=meta, impl=impl)
 
 
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(attn_norm(x)), then + mlp(mlp_norm(.)). post_norms (Gemma):
     each branch's output is normed again before its residual add. residual_post_norm (BLOOM): the
-    residual is the normed input instead of x."""
+    residual is the normed input instead of x. The mlp is a mixture of experts (jaxinfer.moe.MoE)
+    on the layers cfg.is_moe_layer marks; it skips the step's padding tokens (slot PAD_SLOT)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None, fused: FusedLayout | None = None):
         self.residual_post_norm = cfg.residual_post_norm
@@ -134,7 +142,10 @@ class Block(nnx.Module):
         self.attn_norm = norm()
         self.attn = Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards)
         self.mlp_norm = norm()
-        self.mlp = MLP(cfg, dtype, rngs, None if fused is None else fused.mlp_shards)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, dtype, rngs, None if fused is None else fused.expert_shards)
+        else:
+            self.mlp = MLP(cfg, dtype, rngs, None if fused is None else fused.mlp_shards)
         self.attn_post_norm = norm() if cfg.post_norms else None
         self.mlp_post_norm = norm() if cfg.post_norms else None
 
@@ -145,7 +156,10 @@ class Block(nnx.Module):
             attn_out = self.attn_post_norm(attn_out)
         x = (h if self.residual_post_norm else x) + attn_out
         h = self.mlp_norm(x)
-        mlp_out = self.mlp(h)
+        if isinstance(self.mlp, MoE):   # padding tokens take no expert's work
+            mlp_out = self.mlp(h, None if meta is None else meta.slot_mapping != PAD_SLOT)
+        else:
+            mlp_out = self.mlp(h)
         if self.mlp_post_norm is not None:
             mlp_out = self.mlp_post_norm(mlp_out)
         return (h if self.residual_post_norm else x) + mlp_out, kv
@@ -153,12 +167,14 @@ class Block(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class FusedLayout:
-    """How a fused Decoder's columns are grouped: attn_shards / mlp_shards column groups in `qkv` /
-    `gate_up` (the tensor-parallel degree, or 1 where it does not divide n_heads / ffn_dim), each KV
-    head repeated kv_replicas times (the fused cfg.n_kv_heads is the original's times kv_replicas)."""
+    """How a fused Decoder's columns are grouped: attn_shards / mlp_shards / expert_shards column
+    groups in `qkv` / the dense MLPs' `gate_up` / each expert's `gate_up` (the tensor-parallel degree,
+    or 1 where it does not divide n_heads / ffn_dim / expert_ffn_dim), each KV head repeated
+    kv_replicas times (the fused cfg.n_kv_heads is the original's times kv_replicas)."""
     attn_shards: int
     mlp_shards: int
     kv_replicas: int
+    expert_shards: int = 1
 
     @staticmethod
     def for_tp(cfg: ModelConfig, tp: int = 1) -> "FusedLayout":
@@ -168,7 +184,8 @@ class FusedLayout:
         # the fewest copies of each KV head that split into whole heads per device while every
         # device's query heads still share its own KV heads (kv * r divides h: g = h / kv works)
         reps = next(r for r in range(1, h // kv + 1) if (h // kv) % r == 0 and (kv * r) % attn == 0)
-        return FusedLayout(attn, tp if cfg.ffn_dim % tp == 0 else 1, reps)
+        experts = tp if cfg.num_experts and cfg.expert_ffn_dim % tp == 0 else 1
+        return FusedLayout(attn, tp if cfg.ffn_dim % tp == 0 else 1, reps, experts)
 
 
 class Decoder(nnx.Module):
@@ -250,8 +267,10 @@ def count_params(model: Decoder) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
 
 
-# matmul weights that quantize (name -> contracted leading dims); embeddings, norms, biases and
-# the LM head stay in the model dtype (as llama.cpp keeps the output layer at higher precision)
+# matmul weights that quantize (name -> contracted leading dims); embeddings, norms, biases, MoE
+# routers and the LM head stay in the model dtype (as llama.cpp keeps the output layer at higher
+# precision). An MoE layer's gate / up / down / gate_up have a leading experts axis: each expert is
+# quantized on its own (quant.quantize_experts).
 _QUANTIZED = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1, "qkv": 1, "gate_up": 1}
 
 
@@ -283,6 +302,9 @@ def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Deco
             raise ValueError(f"the model is already quantized ({'/'.join(map(str, path))} is {kind}); "
                              f"load it without quantize={method!r}")
         contract = _QUANTIZED[name]
+        if (var.get_metadata().get("logical_axes") or (None,))[0] == "experts":
+            var.set_value(quantize_experts(w, method, group_size, contract=contract))
+            continue
         k = int(np.prod(w.shape[:contract]))
         if method == "fp8":
             qw = quantize_fp8(w, contract=contract)
@@ -362,8 +384,9 @@ def _fuse_leaves(parts: list, fn):
                    for p in parts)
         leaves = [fn([p.q for p in parts]), fn([p.scales for p in parts]),
                   None if first.zeros is None else fn([p.zeros for p in parts])]
-        return QuantizedWeight(*leaves, bits=first.bits, group_size=first.group_size,
-                               shape=(first.shape[0], int(leaves[0].shape[-1])), contract=1, impl=first.impl,
+        return QuantizedWeight(*leaves, bits=first.bits, group_size=first.group_size, batch=first.batch,
+                               shape=(*first.shape[:first.batch + 1], int(leaves[0].shape[-1])), contract=1,
+                               impl=first.impl,
                                act_bits=first.act_bits,   # a copy: fuse_decoder(consume=True) deletes the parts
                                act_scale=None if first.act_scale is None else jnp.array(first.act_scale),
                                act_zero=None if first.act_zero is None else jnp.array(first.act_zero))
@@ -376,6 +399,7 @@ def _split_leaves(fused, fn, shapes: list[tuple[int, ...]]) -> list:
         leaves = [fn(fused.q), fn(fused.scales), None if fused.zeros is None else fn(fused.zeros)]
         return [QuantizedWeight(q, sc, None if leaves[2] is None else leaves[2][i], bits=fused.bits,
                                 group_size=fused.group_size, shape=shape, contract=1, impl=fused.impl,
+                                batch=fused.batch,
                                 act_bits=fused.act_bits, act_scale=fused.act_scale, act_zero=fused.act_zero)
                 for i, (q, sc, shape) in enumerate(zip(leaves[0], leaves[1], shapes))]
     return [p.reshape(shape) for p, shape in zip(fn(fused), shapes)]
@@ -405,12 +429,13 @@ def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
     fused_names = ("q", "k", "v", "q_bias", "k_bias", "v_bias") + (
         ("gate", "up", "gate_bias", "up_bias") if cfg.gated_mlp else ())
     out = {k: v for k, v in p.items() if k.split("/")[-1] not in fused_names}
-    qkv, gate_up = _qkv_fuse(cfg, layout), _gate_up_fuse(layout.mlp_shards)
+    qkv = _qkv_fuse(cfg, layout)
     for i in range(cfg.n_layers):
         a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
         out[f"{a}/qkv"] = _fuse_leaves([_as_columns(p[f"{a}/{n}"]) for n in "qkv"], qkv)
         if cfg.qkv_bias:
             out[f"{a}/qkv_bias"] = qkv([p[f"{a}/{n}_bias"].reshape(-1) for n in "qkv"])
+        gate_up = _gate_up_fuse(layout.expert_shards if cfg.is_moe_layer(i) else layout.mlp_shards)
         if cfg.gated_mlp:
             out[f"{m}/gate_up"] = _fuse_leaves([p[f"{m}/gate"], p[f"{m}/up"]], gate_up)
             if cfg.mlp_bias:
@@ -443,10 +468,14 @@ def unfuse_decoder(model: Decoder) -> Decoder:
             for n, b in zip("qkv", _split_leaves(p[f"{a}/qkv_bias"], split, [s[1:] for s in shapes])):
                 out[f"{a}/{n}_bias"] = b
         if cfg.gated_mlp:
-            split = _gate_up_split(layout.mlp_shards)
-            out[f"{m}/gate"], out[f"{m}/up"] = _split_leaves(p[f"{m}/gate_up"], split, [(d, f)] * 2)
+            moe = cfg.is_moe_layer(i)
+            split = _gate_up_split(layout.expert_shards if moe else layout.mlp_shards)
+            lead = (cfg.num_experts,) if moe else ()
+            width = cfg.expert_ffn_dim if moe else f
+            out[f"{m}/gate"], out[f"{m}/up"] = _split_leaves(p[f"{m}/gate_up"], split, [(*lead, d, width)] * 2)
             if cfg.mlp_bias:
-                out[f"{m}/gate_bias"], out[f"{m}/up_bias"] = _split_leaves(p[f"{m}/gate_up_bias"], split, [(f,)] * 2)
+                out[f"{m}/gate_bias"], out[f"{m}/up_bias"] = _split_leaves(p[f"{m}/gate_up_bias"], split,
+                                                                           [(*lead, width)] * 2)
     return _build(cfg, p["embed"].dtype, None, out)
 
 

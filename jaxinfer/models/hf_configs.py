@@ -3,13 +3,15 @@
 The only place that knows how each supported family's config.json spells things (its weight
 names live beside it in hf_maps.py); the model code reads ModelConfig only. A family is a builder
 here plus a weight map there: Llama, Mistral, Qwen2 and Qwen3 share one builder (Qwen3 adds the
-per-head q/k norms), Gemma 2 and Gemma 3 (text) another, then Phi-3 (Phi-4-mini: the same class),
-GPT-2 and BLOOM. transformers >= 5 writes RoPE settings as `rope_parameters` (per layer type for
+per-head q/k norms), which Mixtral and Qwen3-MoE extend with their experts; Gemma 2 and Gemma 3
+(text) another, then Phi-3 (Phi-4-mini: the same class), gpt-oss, GPT-2 and BLOOM. transformers >= 5
+writes RoPE settings as `rope_parameters` (per layer type for
 Gemma 3); older files write rope_theta / rope_scaling / rope_local_base_freq at the top level: both
 are read. This module never imports jax.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -19,10 +21,11 @@ from jaxinfer.config import MAX_POSITIONS, ConfigError, ModelConfig, RopeScaling
 _HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_embed", "n_head",
                   "n_layer", "n_inner", "n_positions", "seq_length", "max_window_layers",
-                  "original_max_position_embeddings")
-_HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rope_local_base_freq")
+                  "original_max_position_embeddings", "num_experts", "num_local_experts", "num_experts_per_tok",
+                  "moe_intermediate_size", "decoder_sparse_step")
+_HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rope_local_base_freq", "swiglu_alpha")
 _HF_OPTIONAL_POSITIVE = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
-                         "partial_rotary_factor")
+                         "partial_rotary_factor", "swiglu_limit")
 
 # config.json `hidden_act` -> ModelConfig.activation
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -109,8 +112,30 @@ def _rope(params: dict[str, Any], c: dict[str, Any], default_theta: float = 1000
             float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
     if kind in ("longrope", "su"):
         return theta, _longrope(params, c)
+    if kind == "yarn":
+        return theta, _yarn(params, c)
     raise ConfigError(f"unsupported rope scaling type {kind!r} (config.json rope_parameters/rope_scaling); "
-                      "supported: default, linear, llama3, longrope")
+                      "supported: default, linear, llama3, longrope, yarn")
+
+
+def _yarn(params: dict[str, Any], c: dict[str, Any]) -> RopeScaling:
+    """YaRN (HF modeling_rope_utils._compute_yarn_parameters): factor defaults to max_position_embeddings /
+    original_max_position_embeddings; the cos/sin magnitude (attention factor) to 0.1 ln(factor) + 1,
+    or DeepSeek's ratio mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given;
+    beta_fast / beta_slow default to 32 / 1 (also when null or 0, as HF's `or` does); truncate to true."""
+    original = int(params.get("original_max_position_embeddings") or c["original_max_position_embeddings"])
+    factor = params.get("factor")
+    factor = float(c["max_position_embeddings"] / original if factor is None else factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling("yarn", factor, original_max_position_embeddings=original, attention_factor=float(attention),
+                       beta_fast=float(params.get("beta_fast") or 32.0),
+                       beta_slow=float(params.get("beta_slow") or 1.0), truncate=bool(params.get("truncate", True)))
 
 
 def _longrope(params: dict[str, Any], c: dict[str, Any]) -> RopeScaling:
@@ -159,12 +184,15 @@ def _qwen_window(c: dict[str, Any]) -> tuple[int | None, tuple[bool, ...] | None
 
 
 def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
-    """Llama, Mistral, Qwen2, Qwen3: RMSNorm, RoPE, GQA, SwiGLU (Qwen3: + q/k norms)."""
+    """Llama, Mistral, Qwen2, Qwen3: RMSNorm, RoPE, GQA, SwiGLU (Qwen3: + q/k norms); the attention
+    half of Mixtral and Qwen3-MoE (_moe adds their experts)."""
     d, h = c["hidden_size"], c["num_attention_heads"]
     theta, scaling = _rope(_rope_params(c), c)
     window, sliding_layers = c.get("sliding_window"), None
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         window, sliding_layers = _qwen_window(c)
+    elif arch == "Qwen3MoeForCausalLM":   # every layer windowed, and only when use_sliding_window
+        window = c.get("sliding_window") if c.get("use_sliding_window", False) else None
     elif arch == "LlamaForCausalLM":
         window = None
     bias = bool(c.get("attention_bias", False))
@@ -177,7 +205,63 @@ def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
         max_position_embeddings=c.get("max_position_embeddings", 2048),
         sliding_window=window, sliding_layers=sliding_layers,
         qkv_bias=bias or arch == "Qwen2ForCausalLM", out_bias=bias, mlp_bias=bool(c.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM", tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
+def _moe(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Mixtral and Qwen3-MoE: the Llama-like block with a mixture of experts for its MLP. Mixtral:
+    every layer, experts of intermediate_size, top-k of the router logits then softmax over the k
+    (HF writes it as softmax, top-k, renormalize: the same numbers). Qwen3-MoE: softmax over all
+    experts, top-k, renormalized only when norm_topk_prob; experts of moe_intermediate_size on the
+    layers (i + 1) % decoder_sparse_step == 0 not in mlp_only_layers, dense MLPs of intermediate_size
+    on the others."""
+    n = c["num_hidden_layers"]
+    moe = dict(num_experts=_num_experts(c, arch), num_experts_per_tok=c["num_experts_per_tok"],
+               moe_routing="topk_softmax")
+    if arch == "Qwen3MoeForCausalLM":
+        step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or ())
+        layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+        moe.update(moe_ffn_dim=c["moe_intermediate_size"], moe_routing="softmax_topk",
+                   moe_norm_topk=bool(c.get("norm_topk_prob", False)),
+                   moe_layers=None if all(layers) else layers)
+    return dataclasses.replace(_llama_like(c, arch), **moe)
+
+
+def _num_experts(c: dict[str, Any], arch: str) -> int:
+    """num_experts or num_local_experts (transformers >= 5 saves the latter for every MoE family: an
+    attribute_map alias), else the class default."""
+    n = c.get("num_experts") or c.get("num_local_experts") or _DEFAULT_EXPERTS[arch]
+    if not (_is_int(n) and n > 0):
+        raise ConfigError(f"field 'num_experts' must be a positive integer, got {n!r}")
+    return n
+
+
+def _gpt_oss(c: dict[str, Any], arch: str) -> ModelConfig:
+    """gpt-oss: attention with biases, one learned sink logit per head and sliding / global layers
+    (layer_types; alternating by default), YaRN RoPE, and on every layer experts with biases, routed
+    by top-k of the biased router logits then softmax over the k, each a clamped SwiGLU (swiglu_limit,
+    swiglu_alpha; the checkpoint interleaves gate and up columns, hf_maps de-interleaves them)."""
+    method = (c.get("quantization_config") or {}).get("quant_method")
+    if method is not None:
+        raise ConfigError(f"{arch} checkpoints quantized with {method!r} (config.json quantization_config) are not "
+                          "supported: load a bfloat16 copy (e.g. transformers with Mxfp4Config(dequantize=True), "
+                          "then save_pretrained) and quantize with jaxinfer instead")
+    d, h, n = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
+    types = c.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    theta, scaling = _rope(_rope_params(c) or dict(_GPT_OSS_ROPE), c)
+    bias = bool(c.get("attention_bias", True))
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=n, n_heads=h, n_kv_heads=c.get("num_key_value_heads") or h,
+        head_dim=c.get("head_dim") or d // h, ffn_dim=c["intermediate_size"], activation="silu", gated_mlp=True,
+        norm="rmsnorm", norm_eps=float(c.get("rms_norm_eps", 1e-5)), position="rope", rope_theta=theta,
+        rope_scaling=scaling, max_position_embeddings=c["max_position_embeddings"],
+        sliding_window=c.get("sliding_window"), sliding_layers=tuple(t == "sliding_attention" for t in types),
+        qkv_bias=bias, out_bias=bias, mlp_bias=True, attn_sinks=True,
+        num_experts=_num_experts(c, arch), num_experts_per_tok=c["num_experts_per_tok"],
+        moe_routing="topk_softmax", router_bias=True, swiglu_limit=float(c["swiglu_limit"]),
+        swiglu_alpha=float(c["swiglu_alpha"]), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 
 
@@ -287,22 +371,40 @@ _HF_BUILDERS = {
     "LlamaForCausalLM": _llama_like, "MistralForCausalLM": _llama_like, "Qwen2ForCausalLM": _llama_like,
     "Qwen3ForCausalLM": _llama_like, "Gemma2ForCausalLM": _gemma, "Gemma3ForCausalLM": _gemma,
     "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2, "BloomForCausalLM": _bloom,
+    "MixtralForCausalLM": _moe, "Qwen3MoeForCausalLM": _moe, "GptOssForCausalLM": _gpt_oss,
 }
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                       "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM"}
+                       "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM",
+                       "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                       "gpt_oss": "GptOssForCausalLM"}
+# gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
 # transformers' class defaults of the fields a config.json may leave out, where they differ from what
-# the builders assume (Qwen3Config, Gemma2Config, Gemma3TextConfig)
+# the builders assume (Qwen3Config, Gemma2Config, Gemma3TextConfig, MixtralConfig, Qwen3MoeConfig, GptOssConfig)
 _GEMMA_DEFAULTS = {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256, "tie_word_embeddings": True}
 _HF_DEFAULTS = {
     "Qwen3ForCausalLM": {"head_dim": 128},
     "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
                           "final_logit_softcapping": 30.0},
     "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072},
+    "MixtralForCausalLM": {"rope_theta": 1e6, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                           "num_experts_per_tok": 2},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "num_experts_per_tok": 8,
+                            "moe_intermediate_size": 768, "norm_topk_prob": False},
+    "GptOssForCausalLM": {"head_dim": 64, "sliding_window": 128, "max_position_embeddings": 131072,
+                          "rope_theta": 150000.0, "swiglu_limit": 7.0, "swiglu_alpha": 1.702, "num_experts_per_tok": 4,
+                          "rms_norm_eps": 1e-5},
 }
+_DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128}
 # architectures close to a supported one, refused with a pointer to what is supported
 _NOT_SUPPORTED = {
     "Gemma3ForConditionalGeneration": " (vision-language Gemma 3: only the text-only Gemma3ForCausalLM, "
                                       "model_type gemma3_text, is supported)",
     "Phi3SmallForCausalLM": " (Phi-3-small: block-sparse attention and its own MLP, not Phi3ForCausalLM's)",
+    "Qwen2MoeForCausalLM": " (Qwen2-MoE: its shared expert and shared-expert gate are not supported; Qwen3-MoE, "
+                           "Qwen3MoeForCausalLM, is)",
+    "DeepseekV3ForCausalLM": " (DeepSeek-V3: multi-head latent attention, shared experts and grouped routing are "
+                             "not supported)",
 }

@@ -9,6 +9,11 @@ torch Linear stores [out, in] (transpose); GPT-2's Conv1D stores [in, out] (no t
 BLOOM fuses q, k, v per head as [heads, 3, head_dim, d_model]; Phi-3 stores [q | k | v] rows in
 one qkv_proj and [gate | up] rows in one gate_up_proj (split here; fuse_decoder fuses them again
 for serving, grouped per tensor-parallel shard).
+Mixtures of experts: router [d_model, E]; experts gate/up [E, d_model, F], down [E, F, d_model].
+Mixtral (block_sparse_moe.experts.j.w1 / w3 / w2) and Qwen3-MoE (mlp.experts.j.gate_proj / up_proj /
+down_proj) store one torch Linear per expert, stacked here; gpt-oss stores them stacked [E, in, out]
+with gate and up interleaved column by column in gate_up_proj (gate: even columns, up: odd),
+de-interleaved here.
 
 A new family (dense or mixture-of-experts) is a builder in hf_configs.py and an entry here.
 """
@@ -40,6 +45,11 @@ def _rows(w: np.ndarray, lo: int, hi: int, total: int) -> np.ndarray:
     return w[lo:hi]
 
 
+def _stack_t(*ws: np.ndarray) -> np.ndarray:
+    """One torch Linear [out, in] per expert -> [E, in, out]."""
+    return np.stack([w.T for w in ws])
+
+
 def _norm(m: WeightMap, ours: str, hf: str, layernorm: bool) -> None:
     m[f"{ours}/scale"] = ((f"{hf}.weight",), _ident)
     if layernorm:
@@ -48,8 +58,9 @@ def _norm(m: WeightMap, ours: str, hf: str, layernorm: bool) -> None:
 
 def _llama_map(cfg: ModelConfig, fused: bool = False) -> WeightMap:
     """Llama, Mistral, Qwen2, Qwen3 (+ q_norm / k_norm), Gemma 2 / 3 (+ the norms after attention and
-    MLP) and, with fused=True, Phi-3 (q, k, v in one qkv_proj [(H + 2 Hkv) hd, d]; gate and up in one
-    gate_up_proj [2F, d], gate first: each part is a slice of the stored tensor)."""
+    MLP), Mixtral, Qwen3-MoE and gpt-oss (+ sinks; their experts: _experts_map) and, with fused=True,
+    Phi-3 (q, k, v in one qkv_proj [(H + 2 Hkv) hd, d]; gate and up in one gate_up_proj [2F, d], gate
+    first: each part is a slice of the stored tensor)."""
     h, kv, hd, d, f = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.ffn_dim
     m: WeightMap = {"embed": (("model.embed_tokens.weight",), _ident)}
     # HF's post_attention_layernorm is the pre-MLP norm in Llama but the attention output's norm in
@@ -81,6 +92,11 @@ def _llama_map(cfg: ModelConfig, fused: bool = False) -> WeightMap:
         m[f"{o}/attn/o"] = ((f"{p}.self_attn.o_proj.weight",), lambda w: w.T.reshape(h, hd, d))
         if cfg.out_bias:
             m[f"{o}/attn/o_bias"] = ((f"{p}.self_attn.o_proj.bias",), _ident)
+        if cfg.attn_sinks:
+            m[f"{o}/attn/sinks"] = ((f"{p}.self_attn.sinks",), _ident)
+        if cfg.is_moe_layer(i):
+            _experts_map(m, cfg, o, p)
+            continue
         if fused:
             m[f"{o}/mlp/gate"] = ((f"{p}.mlp.gate_up_proj.weight",), lambda w: _rows(w, 0, f, 2 * f).T)
             m[f"{o}/mlp/up"] = ((f"{p}.mlp.gate_up_proj.weight",), lambda w: _rows(w, f, 2 * f, 2 * f).T)
@@ -94,6 +110,27 @@ def _llama_map(cfg: ModelConfig, fused: bool = False) -> WeightMap:
     if not cfg.tie_embeddings:
         m["lm_head"] = (("lm_head.weight",), _t)
     return m
+
+
+def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
+    """One MoE layer's router and experts (module docstring), by architecture."""
+    e = range(cfg.num_experts)
+    if cfg.architecture == "GptOssForCausalLM":
+        x = f"{p}.mlp.experts"
+        m[f"{o}/mlp/router"] = ((f"{p}.mlp.router.weight",), _t)
+        m[f"{o}/mlp/router_bias"] = ((f"{p}.mlp.router.bias",), _ident)
+        for ours, first in (("gate", 0), ("up", 1)):
+            m[f"{o}/mlp/{ours}"] = ((f"{x}.gate_up_proj",), lambda w, j=first: w[..., j::2])
+            m[f"{o}/mlp/{ours}_bias"] = ((f"{x}.gate_up_proj_bias",), lambda b, j=first: b[..., j::2])
+        m[f"{o}/mlp/down"] = ((f"{x}.down_proj",), _ident)
+        m[f"{o}/mlp/down_bias"] = ((f"{x}.down_proj_bias",), _ident)
+        return
+    block, names = (("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})
+                    if cfg.architecture == "MixtralForCausalLM" else
+                    ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}))
+    m[f"{o}/mlp/router"] = ((f"{p}.{block}.gate.weight",), _t)
+    for ours, theirs in names.items():
+        m[f"{o}/mlp/{ours}"] = (tuple(f"{p}.{block}.experts.{j}.{theirs}.weight" for j in e), _stack_t)
 
 
 def _gpt2_map(cfg: ModelConfig) -> WeightMap:
@@ -148,7 +185,8 @@ def _bloom_map(cfg: ModelConfig) -> WeightMap:
 
 _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen2ForCausalLM": _llama_map,
          "Qwen3ForCausalLM": _llama_map, "Gemma2ForCausalLM": _llama_map, "Gemma3ForCausalLM": _llama_map,
-         "Phi3ForCausalLM": lambda cfg: _llama_map(cfg, fused=True),
+         "Phi3ForCausalLM": lambda cfg: _llama_map(cfg, fused=True), "MixtralForCausalLM": _llama_map,
+         "Qwen3MoeForCausalLM": _llama_map, "GptOssForCausalLM": _llama_map,
          "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map}
 # Checkpoints saved from the bare model class (GPT2Model, BloomModel) lack this prefix.
 OPTIONAL_PREFIXES = ("transformer.",)

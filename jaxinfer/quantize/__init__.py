@@ -220,12 +220,20 @@ def quantize_model(model: Decoder, settings: QuantizeSettings, windows: np.ndarr
                    progress: bool = True, train_tokens: np.ndarray | None = None) -> Decoder:
     """Quantize an unfused float Decoder in place. windows [B, W] calibration token ids (gptq, awq,
     smoothquant); train_tokens: QAT's 1-D training token stream (never the evaluation text)."""
+    # what the method needs first, then whether it can take this model
+    if settings.method == "qat" and train_tokens is None:
+        raise ValueError("--method qat fine-tunes the model: it needs training text (--train-text FILE "
+                         "or --train-bin FILE, disjoint from the text you evaluate on)")
+    if settings.method not in ("rtn", "fp8", "qat") and windows is None:
+        raise ValueError(f"--method {settings.method} needs calibration text (--calib-text)")
+    if model.cfg.num_experts:
+        raise ValueError(f"jaxinfer quantize cannot quantize {model.cfg.architecture}: its MLPs are mixtures of "
+                         f"experts ({model.cfg.num_experts} stacked experts per layer) and every method here works "
+                         "on one [K, N] matrix per linear; quantize at load instead: --quantize int8 | int4 | fp8 "
+                         "(Generator.from_pretrained(quantize=...))")
     if settings.method in ("rtn", "fp8"):
         return quantize_rtn(model, settings)
     if settings.method == "qat":
-        if train_tokens is None:
-            raise ValueError("--method qat fine-tunes the model: it needs training text (--train-text FILE "
-                             "or --train-bin FILE, disjoint from the text you evaluate on)")
         from jaxinfer.quantize.qat import qat_finetune
         return qat_finetune(model, bits=settings.bits, group_size=settings.group_size, symmetric=settings.symmetric,
                             tokens=train_tokens, steps=settings.qat_steps, batch=settings.qat_batch,
@@ -237,8 +245,6 @@ def quantize_model(model: Decoder, settings: QuantizeSettings, windows: np.ndarr
     if unsupported:
         raise ValueError(f"--method {settings.method} cannot quantize this model: {unsupported}; use --method rtn, "
                          f"fp8 or qat")
-    if windows is None:
-        raise ValueError(f"--method {settings.method} needs calibration text (--calib-text)")
     from tqdm import tqdm
 
     from jaxinfer.quantize.calibrate import BlockRunner, embed_windows

@@ -1,0 +1,230 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss): routing, the sort of token rows by expert,
+the grouped expert FFN and the weighted combine, all with static shapes.
+
+    x [T, D] -> router logits [T, E] -> top-k: weights [T, k], experts [T, k]
+             -> R = T k rows (row r = token r // k, its (r % k)-th expert), sorted by expert: order [R]
+             -> group_sizes [E] (rows per expert), the sorted rows' hidden states xs [R, D]
+             -> per expert e, its rows through act(rows W_gate[e], rows W_up[e]) W_down[e] -> ys [R, D]
+             -> unsorted, weighted, summed over each token's k rows -> [T, D]
+
+Work is proportional to the rows, T k, never to T x E: each row goes through its own expert only.
+Padding tokens (bucket padding: slot PAD_SLOT in the step's metadata) are sorted after every
+group with zero weight, so they take no expert's work and add nothing to any token.
+
+Two grouped-matmul implementations, the same numbers:
+  - "tiles" (the default, every backend): a loop over the experts that received rows (a traced
+    count), and inside it over tiles of `tile` consecutive sorted rows of that expert: one [tile, D] x [D, 2F]
+    and one [tile, F] x [F, D] dot per tile, the expert's weights sliced (and dequantized) once per
+    expert. Rows computed = sum over used experts of ceil(rows_e / tile) * tile <= T k + used
+    experts * (tile - 1). Tiles are written in row order with dynamic_update_slice, so a tile's
+    rows past its expert's last one are overwritten by the next expert's first tile (last write
+    wins): no masks, no scatter.
+  - "ragged_dot" (opt-in: set_moe_impl): jax.lax.ragged_dot over the sorted rows. Its work depends on
+    how the backend lowers it: XLA:CPU expands it into a masked dense dot over every group (work
+    T k x E: bench/moe.py counts 8x the useful FLOPs at 8 experts from the HLO, 64x for a batch-1
+    decode step), and XLA:GPU does the same unless a grouped-GEMM backend (cuDNN's, on some GPUs and
+    shapes) takes it, so it is not the default anywhere until measured on a device.
+
+Quantized experts (quant.quantize_experts, int8 / int4 / fp8, one scale set per expert) are
+dequantized per call in XLA, once per used expert (not per tile): int8 and fp8 codes are converted
+to the compute dtype and their per-column scales multiply the dot's output rows; int4 groups are
+unpacked and scaled first. bench/moe.py (one layer, 8 experts of 256 x 512, top-2, XLA:CPU, ms at
+8 / 64 / 256 tokens): float 0.89 / 1.15 / 3.53, int8 0.93 / 1.05 / 3.43, int4 5.24 / 6.58 / 8.32:
+int8 reads a quarter of the bytes and costs a conversion, a wash on CPU (the engine decoded 1.15-1.26x
+faster with int8 experts in the same run); int4's unpacking dominates (a kernel that dequantizes in
+registers, as quant_matmul does for dense weights, would be the GPU answer).
+
+This module never imports the model (models/decoder.py builds MoE where cfg.is_moe_layer).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.layers import ACTIVATIONS, dense, param, param_value, split_gate_up, swiglu_clamped
+from jaxinfer.quant import QuantizedWeight, dequantize, dot_precision, expert_weight
+
+MAX_TILE = 32       # rows per tile of the "tiles" loop (fewer when the step has fewer rows per expert)
+IMPLS = ("tiles", "ragged_dot")
+
+
+def default_impl() -> str:
+    """The tile loop: work proportional to T k on every backend (module docstring)."""
+    return "tiles"
+
+
+def route(logits: jax.Array, k: int, routing: str, norm_topk: bool) -> tuple[jax.Array, jax.Array]:
+    """Router logits [T, E] float32 -> (weights [T, k] float32, experts [T, k] int32).
+    topk_softmax (Mixtral, gpt-oss): the k largest logits, softmax over them. softmax_topk (Qwen3-MoE):
+    softmax over all E, the k largest probabilities, divided by their sum when norm_topk."""
+    if routing == "topk_softmax":
+        top, experts = lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1), experts
+    weights, experts = lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if norm_topk:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def sort_rows(experts: jax.Array, valid: jax.Array | None, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """experts [T, k] -> (order [R]: row indices sorted by expert, stable; group_sizes [E] int32).
+    Rows of tokens that are not valid sort last, in no group."""
+    keys = experts.reshape(-1).astype(jnp.int32)
+    if valid is not None:
+        keys = jnp.where(jnp.repeat(valid, experts.shape[1]), keys, num_experts)
+    order = jnp.argsort(keys, stable=True)
+    sizes = jnp.zeros(num_experts + 1, jnp.int32).at[keys].add(1)[:num_experts]
+    return order.astype(jnp.int32), sizes
+
+
+def combine(ys: jax.Array, order: jax.Array, weights: jax.Array, valid: jax.Array | None) -> jax.Array:
+    """Sorted expert outputs ys [R, D] -> each token's weighted sum over its k rows [T, D] (float32)."""
+    t, k = weights.shape
+    r = order.shape[0]
+    inverse = jnp.zeros(r, jnp.int32).at[order].set(jnp.arange(r, dtype=jnp.int32))   # row -> its sorted place
+    rows = ys[inverse].reshape(t, k, -1).astype(jnp.float32)                       # (T, k, D)
+    if valid is not None:   # padding rows hold whatever their tile computed: never let it through
+        rows = jnp.where(valid[:, None, None], rows, 0.0)
+    return jnp.sum(rows * weights[..., None], axis=1)
+
+
+def tile_rows(num_rows: int, num_experts: int) -> int:
+    """The tile height of the "tiles" loop for R rows over E experts: the power of two at or above half
+    the mean rows per expert, at most MAX_TILE. Decode gets 1-row tiles (no padding rows at all),
+    prefill few iterations; bench/moe.py measured this against the mean itself (capped at 64), a
+    quarter of it (capped at 16) and a fixed 8: fastest or within noise of the fastest from 8 to
+    512 tokens per step, where the others lost up to 30% somewhere."""
+    half_mean = -(-num_rows // (2 * num_experts))
+    return min(MAX_TILE, 1 << max(0, half_mean - 1).bit_length())
+
+
+def _expert_operand(w, e, dtype) -> tuple[jax.Array, jax.Array | None]:
+    """Expert e's [K, N] matrix in the compute dtype, and per-column scales for its output (int8 / fp8)."""
+    if not isinstance(w, QuantizedWeight):
+        return w[e], None
+    qe = expert_weight(w, e)
+    if qe.bits == 8:          # int8 or e4m3 codes: the scales act on the dot's output columns
+        return qe.q.astype(dtype), qe.scales.astype(jnp.float32)
+    return dequantize(qe).astype(dtype), None
+
+
+def _matmul(x: jax.Array, operand: tuple[jax.Array, jax.Array | None]) -> jax.Array:
+    """x [m, K] @ an _expert_operand -> [m, N] in x's dtype (float32 accumulation for scaled codes)."""
+    w, scales = operand
+    dims = (((1,), (0,)), ((), ()))
+    if scales is None:
+        return lax.dot_general(x, w, dims, precision=dot_precision(x.dtype))
+    y = lax.dot_general(x, w, dims, precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)
+    return (y * scales).astype(x.dtype)
+
+
+class MoE(nnx.Module):
+    """The mixture-of-experts MLP of one layer: router [D, E] (+ bias), experts' gate / up [E, D, F]
+    and down [E, F, D] (+ biases where cfg.mlp_bias). shards None: separate gate and up; an int: one
+    fused gate_up [E, D, 2F] whose columns are `shards` groups of [gate | up] per expert, as the
+    dense MLP's (models/decoder.py, fuse_decoder). impl: "tiles" | "ragged_dot" | None (default_impl)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, shards: int | None = None):
+        d, f, e = cfg.d_model, cfg.expert_ffn_dim, cfg.num_experts
+        assert shards is None or f % shards == 0, (f, shards)
+        self.num_experts, self.k, self.shards, self.impl = e, cfg.num_experts_per_tok, shards, None
+        self.routing, self.norm_topk, self.act = cfg.moe_routing, cfg.moe_norm_topk, cfg.activation
+        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+        fused, bias = shards is not None, cfg.mlp_bias
+        expert = lambda n, axis, b=False: param((e, *n), ("experts", *axis), dtype, rngs,  # noqa: E731
+                                                init="zeros" if b else "normal")
+        self.router = param((d, e), ("embed", None), dtype, rngs)
+        self.router_bias = param((e,), (None,), dtype, rngs, init="zeros") if cfg.router_bias else None
+        self.gate = None if fused else expert((d, f), ("embed", "expert_mlp"))
+        self.up = None if fused else expert((d, f), ("embed", "expert_mlp"))
+        self.gate_bias = expert((f,), ("expert_mlp",), True) if bias and not fused else None
+        self.up_bias = expert((f,), ("expert_mlp",), True) if bias and not fused else None
+        axis = "expert_gate_up" if fused and shards > 1 else None
+        self.gate_up = expert((d, 2 * f), ("embed", axis)) if fused else None
+        self.gate_up_bias = expert((2 * f,), (axis,), True) if fused and bias else None
+        self.down = expert((f, d), ("expert_mlp", "embed"))
+        self.down_bias = expert((d,), ("embed",), True) if bias else None
+
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        """x [T, D], valid [T] bool (None: every token) -> [T, D]; invalid tokens' outputs are 0."""
+        logits = dense(x, self.router.get_value(), param_value(self.router_bias)).astype(jnp.float32)  # (T, E)
+        weights, experts = route(logits, self.k, self.routing, self.norm_topk)       # (T, k)
+        order, sizes = sort_rows(experts, valid, self.num_experts)                  # (R,), (E,)
+        xs = x[order // self.k]                                                      # (R, D) sorted by expert
+        impl = self.impl or default_impl()
+        if impl not in IMPLS:
+            raise ValueError(f"unknown MoE implementation {impl!r}; use one of {IMPLS}")
+        ys = self._ffn_tiles(xs, sizes) if impl == "tiles" else self._ffn_ragged(xs, sizes)
+        return combine(ys, order, weights, valid).astype(x.dtype)
+
+    def _activate(self, y_gate: jax.Array, y_up: jax.Array) -> jax.Array:
+        if self.limit is not None:
+            return swiglu_clamped(y_gate, y_up, self.limit, self.alpha)
+        return ACTIVATIONS[self.act](y_gate) * y_up
+
+    def _in_weights(self) -> list:
+        """The gate / up side: [gate_up] (fused) or [gate, up], with their biases alongside."""
+        if self.gate_up is not None:
+            return [(self.gate_up.get_value(), param_value(self.gate_up_bias))]
+        return [(self.gate.get_value(), param_value(self.gate_bias)), (self.up.get_value(), param_value(self.up_bias))]
+
+    def _expert_ffn(self, rows: jax.Array, ins: list, down: tuple) -> jax.Array:
+        """One expert on rows [m, D]: ins [(operand, bias [.., N] or None)], down (operand, bias)."""
+        outs = [_matmul(rows, w) + (0 if b is None else b) for w, b in ins]
+        gate, up = split_gate_up(outs[0], self.shards) if len(outs) == 1 else outs
+        h = self._activate(gate, up)
+        return _matmul(h, down[0]) + (0 if down[1] is None else down[1])
+
+    def _ffn_tiles(self, xs: jax.Array, sizes: jax.Array) -> jax.Array:
+        """The tile loop (module docstring): xs [R, D] sorted by expert -> [R, D]."""
+        r, d = xs.shape
+        tile = tile_rows(r, self.num_experts)
+        starts = jnp.cumsum(sizes) - sizes
+        used = sizes > 0
+        ids = jnp.argsort(~used, stable=True)             # the experts with rows first, in row order
+        x_pad = jnp.concatenate([xs, jnp.zeros((tile, d), xs.dtype)])
+        ins, down_w, down_b = self._in_weights(), self.down.get_value(), param_value(self.down_bias)
+
+        def per_expert(u, out):
+            e = ids[u]
+            ins_e = [(_expert_operand(w, e, xs.dtype), None if b is None else b[e]) for w, b in ins]
+            down_e = (_expert_operand(down_w, e, xs.dtype), None if down_b is None else down_b[e])
+
+            def per_tile(i, out):
+                row = starts[e] + i * tile
+                y = self._expert_ffn(lax.dynamic_slice_in_dim(x_pad, row, tile), ins_e, down_e)
+                return lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), row, axis=0)
+            return lax.fori_loop(0, (sizes[e] + tile - 1) // tile, per_tile, out)
+
+        out = lax.fori_loop(0, jnp.sum(used), per_expert, jnp.zeros((r + tile, d), xs.dtype))
+        return out[:r]
+
+    def _ffn_ragged(self, xs: jax.Array, sizes: jax.Array) -> jax.Array:
+        """jax.lax.ragged_dot over all experts at once: xs [R, D] sorted by expert -> [R, D]."""
+        row_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(xs.shape[0]), side="right"),
+                                 self.num_experts - 1)                              # (R,) rows past all groups: any
+
+        def grouped(x, w, b):
+            if isinstance(w, QuantizedWeight) and w.bits == 8:    # int8 / e4m3 codes, scales on the output
+                y = lax.ragged_dot(x, w.q.astype(x.dtype), sizes, precision=dot_precision(x.dtype),
+                                   preferred_element_type=jnp.float32)
+                y = (y * w.scales.astype(jnp.float32)[row_expert]).astype(x.dtype)
+            else:
+                w = dequantize(w).astype(x.dtype) if isinstance(w, QuantizedWeight) else w
+                y = lax.ragged_dot(x, w, sizes, precision=dot_precision(x.dtype))
+            return y if b is None else y + b[row_expert]
+        outs = [grouped(xs, w, b) for w, b in self._in_weights()]
+        gate, up = split_gate_up(outs[0], self.shards) if len(outs) == 1 else outs
+        return grouped(self._activate(gate, up), self.down.get_value(), param_value(self.down_bias))
+
+
+def set_moe_impl(model, impl: str | None) -> None:
+    """Every MoE layer of `model` runs its experts with `impl` ("tiles" | "ragged_dot" | None: default_impl)."""
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"unknown MoE implementation {impl!r}; use one of {IMPLS}")
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, MoE):
+            node.impl = impl
