@@ -33,8 +33,11 @@ test: $(VENV)/.installed-test
 # fp8 and W8A8 matmuls) compiled on a GPU, with the machine's own Python: a GPU image has jax with its
 # CUDA plugin installed (pip install -e '.[cuda13]'), and may have no network for a venv. One process:
 # JAX takes 75% of a GPU per process.
+# only the files that hold device tests: the others import the server's packages (fastapi,
+# uvicorn, pydantic, jsonschema), which a GPU image need not have
 test-gpu:
-	JAX_PLATFORMS=cuda JAXINFER_TEST_GPU=1 $(PY) -m pytest -m device -p no:cacheprovider -o addopts="" -q --durations=15
+	JAX_PLATFORMS=cuda JAXINFER_TEST_GPU=1 $(PY) -m pytest -m device -p no:cacheprovider -o addopts="" -q --durations=15 \
+		$(shell grep -l "pytest.mark.device" tests/test_*.py)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
