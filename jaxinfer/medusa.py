@@ -181,7 +181,6 @@ def verify_tree_flat(logits: jax.Array, node_at: jax.Array, node_tokens: jax.Arr
     1 - (the mass of the candidates rejected at that node), so no [S, V] array is rebuilt per
     candidate; the final draw removes the rejected candidates once."""
     s = node_at.shape[0]
-    v = logits.shape[-1]
     d = int(arrays["depth"].max())
     children = jnp.asarray(arrays["children"])
     c = children.shape[1]
@@ -228,28 +227,43 @@ def verify_tree_flat(logits: jax.Array, node_at: jax.Array, node_tokens: jax.Arr
         0, d, descend, (jnp.zeros((s,), jnp.int32), jnp.ones((s,), bool), jnp.zeros((s, d + 1), jnp.int32),
                         jnp.zeros((s,), jnp.int32), jnp.zeros((s,), jnp.float32), jnp.full((s, c), -1, jnp.int32)))
     m = node_at[rows, cur]
-    f_cur = filtered[m]                                                              # [S, V]
-    # the residual: p without the rejected candidates (never empty: if rounding left no mass, p)
+    last = _residual_draw(filtered[m], rejected, b, accepted, greedy, argmax[m])
+    return _emitted(path, accepted, last, tok_of, node_at, logprobs, b)
+
+
+def _residual_draw(f_cur: jax.Array, rejected: jax.Array, b: SamplingBatch, accepted: jax.Array,
+                   greedy: jax.Array, argmax: jax.Array) -> jax.Array:
+    """The token drawn after the accepted path [S]: from the residual, p without the rejected
+    candidates (never empty: if rounding left no mass, p itself), or the argmax for greedy rows.
+    f_cur [S, V]: filtered logits at each row's last accepted node; rejected [S, C]: their tokens."""
+    v = f_cur.shape[-1]
     f = jnp.where(jnp.any(jnp.arange(v)[None, None, :] == rejected[:, :, None], axis=1), NEG_INF, f_cur)
     f = jnp.where(jnp.any(f > NEG_INF, axis=-1, keepdims=True), f, f_cur)
     keys_a = row_keys(b.seed, b.sample_index, b.position + accepted)
     drawn = jax.lax.cond(jnp.any(~greedy), lambda f: gumbel_draw(f, keys_a),
                          lambda f: jnp.zeros(f.shape[:1], jnp.int32), f)
-    last = jnp.where(greedy, argmax[m], drawn)
-    j = jnp.arange(d + 1)[None, :]
+    return jnp.where(greedy, argmax, drawn)
+
+
+def _emitted(path: jax.Array, accepted: jax.Array, last: jax.Array, tok_of: jax.Array, node_at: jax.Array,
+             logprobs: jax.Array, b: SamplingBatch):
+    """verify_tree_flat's outputs from the accepted path [S, D+1], its length and the last draw."""
+    s, d1 = path.shape
+    rows = jnp.arange(s)
+    j = jnp.arange(d1)[None, :]
     # the emitted token j is node path[j + 1]'s token for j < accepted, then `last`
     path_next = jnp.concatenate([path[:, 1:], path[:, -1:]], axis=1)
     ids = jnp.where(j < accepted[:, None], tok_of[rows[:, None], path_next], 0)
     ids = jnp.where(j == accepted[:, None], last[:, None], ids).astype(jnp.int32)    # [S, D+1]
     at = node_at[rows[:, None], path]                                                # [S, D+1]
     lps = logprobs[at, ids]
-    bp = SamplingBatch(**{name: jnp.repeat(getattr(b, name), d + 1, axis=0) for name in vars(b)})
+    bp = SamplingBatch(**{name: jnp.repeat(getattr(b, name), d1, axis=0) for name in vars(b)})
     top_ids, top_lps = jax.lax.cond(
         jnp.any(b.num_logprobs > 0), lambda lp: top_logprobs(lp[at.reshape(-1)], bp),
-        lambda lp: (jnp.zeros((s * (d + 1), MAX_LOGPROBS), jnp.int32),
-                    jnp.zeros((s * (d + 1), MAX_LOGPROBS), jnp.float32)), logprobs)
-    return (ids.T, lps.T, top_ids.reshape(s, d + 1, -1).transpose(1, 0, 2),
-            top_lps.reshape(s, d + 1, -1).transpose(1, 0, 2), accepted + 1, path)
+        lambda lp: (jnp.zeros((s * d1, MAX_LOGPROBS), jnp.int32),
+                    jnp.zeros((s * d1, MAX_LOGPROBS), jnp.float32)), logprobs)
+    return (ids.T, lps.T, top_ids.reshape(s, d1, -1).transpose(1, 0, 2),
+            top_lps.reshape(s, d1, -1).transpose(1, 0, 2), accepted + 1, path)
 
 
 # ---------------------------------------------------------------------------- checkpoint

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -460,6 +461,59 @@ def _spec_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, set
     return jax.lax.cond(sp.run_target, speculate, catch_up, kv_pages)
 
 
+class _TreeRows(NamedTuple):
+    """Where each of a Medusa step's tokens sits: its row, whether it is real (not padding), its node
+    in its row's tree (0: the root), that node's depth; the pages' block size and the tree's size."""
+    row: jax.Array
+    real: jax.Array
+    off: jax.Array
+    node_depth: jax.Array
+    tokens: jax.Array
+    block_size: int
+    n: int
+
+
+def _tree_rows(inputs: StepInputs, tokens: jax.Array, t0: jax.Array, depth: jax.Array, n: int,
+               block_size: int) -> _TreeRows:
+    meta = inputs.meta
+    row = meta.seq_ids
+    off = jnp.arange(tokens.shape[0]) - t0[row]
+    return _TreeRows(row, meta.slot_mapping != PAD_SLOT, off, depth[jnp.clip(off, 0, n)], tokens, block_size, n)
+
+
+def _medusa_round_inputs(g: _TreeRows, inputs: StepInputs, i, p, last, nodes, done):
+    """Round i's tokens, positions and metadata: the host's for round 0; later, row s's root
+    (last[s]) at p[s] and its nodes (nodes[s]) in slots p[s] + 1 .. at positions p[s] + depth,
+    nothing written for a stopped row."""
+    meta, row, real, off, bs, n = inputs.meta, g.row, g.real, g.off, g.block_size, g.n
+    later = i > 0
+    slot_idx = p[row] + off
+    pos = jnp.where(later & real, p[row] + g.node_depth, inputs.positions)
+    tok = jnp.where(later & real, jnp.where(off == 0, last[row], nodes[row, jnp.clip(off - 1, 0, n - 1)]), g.tokens)
+    blk = jnp.take_along_axis(meta.block_tables[row], (slot_idx // bs)[:, None], axis=1)[:, 0]
+    slots = jnp.where(later, jnp.where(real & ~done[row], blk * bs + slot_idx % bs, PAD_SLOT), meta.slot_mapping)
+    tree = meta.tree
+    moved = jnp.stack([jnp.where(real, slot_idx, tree[:, 0]),
+                       jnp.where(tree[:, 1] != TREE_NONE, p[row] + 1, TREE_NONE), tree[:, 2]], axis=1)
+    m = AttentionMetadata(**{**vars(meta), "slot_mapping": slots, "tree": jnp.where(later, moved, tree),
+                             "context_lens": jnp.where(later, p + inputs.spec.num_spec + 1, meta.context_lens)})
+    return tok, pos, m
+
+
+def _move_accepted_kv(pages, slot_mapping: jax.Array, t0: jax.Array, path: jax.Array, drawn: jax.Array,
+                      num_spec: jax.Array, settings: StepSettings):
+    """The accepted nodes' K/V: from their tree slots to the slots right after the root (path [S, D+1]:
+    the accepted path's node per depth; drawn [S]: tokens drawn this round)."""
+    t, d1 = slot_mapping.shape[0], path.shape[1]
+    j = jnp.arange(1, d1)[None, :]
+    moving = (num_spec[:, None] > 0) & (j < drawn[:, None]) & (path[:, 1:] != j)
+    src = slot_mapping[jnp.minimum(t0[:, None] + path[:, 1:], t - 1)]
+    dst = jnp.where(moving, slot_mapping[jnp.minimum(t0[:, None] + j, t - 1)], PAD_SLOT)
+    pages = jax.lax.cond(jnp.any(moving), lambda q: move_kv(q, src.reshape(-1), dst.reshape(-1)),
+                         lambda q: q, _pin_pages(pages, settings))
+    return _pin_pages(pages, settings)
+
+
 def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings):
     """A Medusa engine's step (jaxinfer/medusa.py) while the load policy speculates: one forward over
     every row, a verifying row being its root and its tree's nodes (tree-masked: meta.tree), each
@@ -479,40 +533,20 @@ def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, s
     tparams, hparams = params
     model = nnx.merge(settings.graphdef, tparams)
     heads = nnx.merge(settings.medusa_graphdef, hparams)
-    li, sp, sb, meta = inputs.logits_indices, inputs.spec, inputs.sampling, inputs.meta
+    li, sp, sb = inputs.logits_indices, inputs.spec, inputs.sampling
     s = li.shape[0]
     tokens = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
     t = tokens.shape[0]
     t0 = li - sp.num_spec
-    row = meta.seq_ids
-    real = meta.slot_mapping != PAD_SLOT
-    off = jnp.arange(t) - t0[row]                 # a token's node in its row's tree (0: the root)
-    bs = kv_pages[0].k.shape[-2]
     depth = jnp.asarray(arrays["depth"])
-    node_depth = depth[jnp.clip(off, 0, n)]
+    g = _tree_rows(inputs, tokens, t0, depth, n, kv_pages[0].k.shape[-2])
+    row, off = g.row, g.off
     # the most a row draws in a round: 1 + the depth of its tree (the host may have cut it)
     per_round = 1 + jnp.max(jnp.where(jnp.arange(n + 1)[None, :] <= sp.num_spec[:, None], depth[None, :], 0), axis=1)
 
-    def round_inputs(i, p, last, nodes, done):
-        """Round i's tokens, positions and metadata: the host's for round 0; later, row s's root
-        (last[s]) at p[s] and its nodes (nodes[s]) in slots p[s] + 1 .. at positions p[s] + depth,
-        nothing written for a stopped row."""
-        later = i > 0
-        slot_idx = p[row] + off
-        pos = jnp.where(later & real, p[row] + node_depth, inputs.positions)
-        tok = jnp.where(later & real, jnp.where(off == 0, last[row], nodes[row, jnp.clip(off - 1, 0, n - 1)]), tokens)
-        blk = jnp.take_along_axis(meta.block_tables[row], (slot_idx // bs)[:, None], axis=1)[:, 0]
-        slots = jnp.where(later, jnp.where(real & ~done[row], blk * bs + slot_idx % bs, PAD_SLOT), meta.slot_mapping)
-        tree = meta.tree
-        moved = jnp.stack([jnp.where(real, slot_idx, tree[:, 0]),
-                           jnp.where(tree[:, 1] != TREE_NONE, p[row] + 1, TREE_NONE), tree[:, 2]], axis=1)
-        m = AttentionMetadata(**{**vars(meta), "slot_mapping": slots, "tree": jnp.where(later, moved, tree),
-                                 "context_lens": jnp.where(later, p + sp.num_spec + 1, meta.context_lens)})
-        return tok, pos, m
-
     def body(carry):
         i, pages, p, last, nodes, done, b, out, counts, proposals = carry
-        tok, pos, m = round_inputs(i, p, last, nodes, done)
+        tok, pos, m = _medusa_round_inputs(g, inputs, i, p, last, nodes, done)
         h, pages = model.hidden_states(tok, pos, pages, m, settings.attention)
         node_at = jnp.minimum(t0[:, None] + jnp.arange(n + 1)[None, :], li[:, None])      # [S, N+1]
         node_tokens = tok[jnp.minimum(t0[:, None] + 1 + jnp.arange(n)[None, :], t - 1)]   # [S, N]
@@ -532,14 +566,7 @@ def _medusa_step(params, kv_pages, inputs: StepInputs, prev_tokens: jax.Array, s
 
         ids, lps, top_ids, top_lps, drawn, path = jax.lax.cond(jnp.any(sp.num_spec > 0), verifying, plain, h)
         drawn = jnp.where(done, 0, jnp.clip(jnp.minimum(drawn, inputs.max_new - out.num_drawn), 0))
-        # the accepted nodes' K/V: from their tree slots to the slots right after the root
-        j = jnp.arange(1, d1)[None, :]
-        moving = (sp.num_spec[:, None] > 0) & (j < drawn[:, None]) & (path[:, 1:] != j)
-        src = m.slot_mapping[jnp.minimum(t0[:, None] + path[:, 1:], t - 1)]
-        dst = jnp.where(moving, m.slot_mapping[jnp.minimum(t0[:, None] + j, t - 1)], PAD_SLOT)
-        pages = jax.lax.cond(jnp.any(moving), lambda q: move_kv(q, src.reshape(-1), dst.reshape(-1)),
-                             lambda q: q, _pin_pages(pages, settings))
-        pages = _pin_pages(pages, settings)
+        pages = _move_accepted_kv(pages, m.slot_mapping, t0, path, drawn, sp.num_spec, settings)
         # the next tree: from the hidden state whose logits drew the row's last token
         source = t0 + path[jnp.arange(s), jnp.maximum(drawn - 1, 0)]
         nodes = jax.lax.cond(sp.propose, lambda h: medusa.propose(heads, model.logits, h, arrays),

@@ -184,43 +184,31 @@ def _chat_template(cfg: dict[str, Any]) -> str | None:
     return None
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer | None:
-    """Load the tokenizer in folder ``path``; None when it has neither tokenizer.json nor
-    tokenizer.model. Prefers tokenizer.json: when both exist it is the one transformers uses."""
-    folder = Path(path)
+def _load_backend(folder: Path) -> tuple[str, Path, Any] | None:
+    """(kind, main file, backend) of the tokenizer in `folder`, or None: tokenizer.json (the
+    `tokenizers` library) when present, as transformers prefers it, else tokenizer.model
+    (SentencePiece)."""
     hf_file, sp_file = folder / "tokenizer.json", folder / "tokenizer.model"
-    backend: Any
     if hf_file.is_file():
-        kind, main = "hf", hf_file
         try:
             import tokenizers
 
-            backend = tokenizers.Tokenizer.from_file(str(hf_file))
+            return "hf", hf_file, tokenizers.Tokenizer.from_file(str(hf_file))
         except Exception as e:  # the Rust side raises bare Exception subclasses
             raise TokenizerError(f"{hf_file}: cannot load tokenizer: {e}") from e
-    elif sp_file.is_file():
-        kind, main = "sentencepiece", sp_file
+    if sp_file.is_file():
         try:
             import sentencepiece
 
-            backend = sentencepiece.SentencePieceProcessor(model_file=str(sp_file))
+            return "sentencepiece", sp_file, sentencepiece.SentencePieceProcessor(model_file=str(sp_file))
         except Exception as e:
             raise TokenizerError(f"{sp_file}: cannot load tokenizer: {e}") from e
-    else:
-        return None
+    return None
 
-    files = [main]
-    cfgs: dict[str, dict[str, Any]] = {}
-    for name in _SIDE_FILES:
-        if (folder / name).is_file():
-            cfgs[name] = _read_json(folder / name)
-            files.append(folder / name)
-    # config.json describes the model, not the tokenizer: read for special ids but never copied.
-    model_cfg = _read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
-    tok_cfg = cfgs.get("tokenizer_config.json", {})
-    st_map = cfgs.get("special_tokens_map.json", {})
-    gen_cfg = cfgs.get("generation_config.json", {})
 
+def _special_ids(backend: Any, kind: str, tok_cfg: dict, st_map: dict, gen_cfg: dict,
+                 model_cfg: dict) -> tuple[int | None, tuple[int, ...], int | None]:
+    """(bos_id, eos_ids, pad_id) from every place a checkpoint may name them."""
     def named_id(key: str) -> list[int]:
         out = []
         for cfg in (tok_cfg, st_map):
@@ -246,10 +234,29 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
     pad = candidates("pad")
     # All eos sources are kept: generation_config often lists several ids (e.g. end-of-text and
     # end-of-turn) and stopping on any of them is what the model's authors intend.
-    eos_ids = tuple(dict.fromkeys(
-        _id_list(gen_cfg.get("eos_token_id")) + candidates("eos")))
-    bos_id = bos[0] if bos else None
-    pad_id = pad[0] if pad else None
+    eos_ids = tuple(dict.fromkeys(_id_list(gen_cfg.get("eos_token_id")) + candidates("eos")))
+    return (bos[0] if bos else None), eos_ids, (pad[0] if pad else None)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """Load the tokenizer in folder ``path``; None when it has neither tokenizer.json nor
+    tokenizer.model. Prefers tokenizer.json: when both exist it is the one transformers uses."""
+    folder = Path(path)
+    loaded = _load_backend(folder)
+    if loaded is None:
+        return None
+    kind, main, backend = loaded
+    files = [main]
+    cfgs: dict[str, dict[str, Any]] = {}
+    for name in _SIDE_FILES:
+        if (folder / name).is_file():
+            cfgs[name] = _read_json(folder / name)
+            files.append(folder / name)
+    # config.json describes the model, not the tokenizer: read for special ids but never copied.
+    model_cfg = _read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
+    tok_cfg = cfgs.get("tokenizer_config.json", {})
+    bos_id, eos_ids, pad_id = _special_ids(backend, kind, tok_cfg, cfgs.get("special_tokens_map.json", {}),
+                                           cfgs.get("generation_config.json", {}), model_cfg)
 
     chat_template = _chat_template(tok_cfg)
     if chat_template is None and (folder / _TEMPLATE_FILE).is_file():

@@ -103,29 +103,9 @@ def fmt_md(text: str) -> str:
     return "\n".join("    " + line for line in text.split("\n"))
 
 
-def write_card(folder: Path, corpus: Path | None = None) -> dict[str, Any]:
-    folder = Path(folder)
-    training = json.loads((folder / "training.json").read_text())
+def _data_and_architecture(name: str, stats: dict, training: dict, cfg, n_params: int, size: int) -> list[str]:
+    """The card's title, Data and Architecture sections."""
     hp = training["hyperparameters"]
-    corpus = Path(corpus or hp["corpus"])
-    stats = json.loads((corpus / "corpus.json").read_text())
-    model = load_native(folder, "float32")
-    tokenizer = load_tokenizer(folder)
-    cfg = model.cfg
-    n_params = count_params(model)
-    assert n_params == cfg.num_params() == training["params"]
-    text = (corpus / "heldout.txt").read_text(encoding="utf-8")
-    t0 = time.time()
-    ev = eval_ppl(model, tokenizer, text, window=hp["seq_len"])
-    ev["eval_s"] = round(time.time() - t0, 1)
-    uni = unigram_baseline(np.fromfile(corpus / "train.bin", np.uint16), tokenizer, text, cfg.vocab_size)
-    samples = [greedy(model, tokenizer, p) for p in PROMPTS]
-    log = [json.loads(l) for l in (folder / "train_log.jsonl").read_text().splitlines()]
-    trains = {r["step"]: r for r in log if r.get("event") == "train"}
-    evals = [r for r in log if r.get("event") == "eval"]
-    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-    name = folder.resolve().name
     pk = stats.get("packages", {})
     sp, sh = stats["splits"]["train"], stats["splits"]["heldout"]
     role = ("Draft model for speculative decoding (shares the tokenizer of jaxinfer-tiny-llama)."
@@ -154,6 +134,14 @@ def write_card(folder: Path, corpus: Path | None = None) -> dict[str, Any]:
           f"tied embeddings. **{n_params:,} parameters** (embedding {cfg.vocab_size * cfg.d_model:,}). "
           f"Stored as {training['saved_dtype']} (folder size {size / 1e6:.2f} MB).", "",
           "## Training", ""]
+    return L
+
+
+def _training_lines(training: dict, trains: dict, evals: list) -> list[str]:
+    """The Training section: one or two stages, the loss table (with the draft's agreement with its
+    teacher when it was distilled)."""
+    hp = training["hyperparameters"]
+    L: list[str] = []
     stage1 = training.get("init_training")
     teacher = Path(hp["teacher"]).name if hp.get("teacher") else None
     if stage1 is not None:
@@ -182,6 +170,12 @@ def write_card(folder: Path, corpus: Path | None = None) -> dict[str, Any]:
         L.append(f"| {e['step']} | {t} | {e['heldout_loss']:.4f} |"
                  + (f" {e['teacher_top1_agreement']:.4f} | {e['teacher_overlap']:.4f} | {e['teacher_kl']:.4f} |"
                     if stage1 else ""))
+    return L
+
+
+def _evaluation_lines(name: str, ev: dict, uni: dict, samples: list) -> list[str]:
+    """The Evaluation and Samples sections."""
+    L: list[str] = []
     L += ["", "## Evaluation (heldout.txt)", "",
           f"Sliding window of {ev['window']} tokens, stride {ev['stride']}, each token scored once "
           f"(`jaxinfer eval-ppl`, jaxinfer/evaluate.py); {ev['tokens']:,} tokens, {ev['bytes']:,} UTF-8 bytes.", "",
@@ -192,6 +186,35 @@ def write_card(folder: Path, corpus: Path | None = None) -> dict[str, Any]:
           "## Samples (greedy, up to 100 new tokens, float32)", ""]
     for s in samples:
         L += [f"Prompt `{s['prompt']}` ({s['new_tokens']} tokens, stopped: {s['stopped']}):", "", fmt_md(s["text"]), ""]
+    return L
+
+
+def write_card(folder: Path, corpus: Path | None = None) -> dict[str, Any]:
+    folder = Path(folder)
+    training = json.loads((folder / "training.json").read_text())
+    hp = training["hyperparameters"]
+    corpus = Path(corpus or hp["corpus"])
+    stats = json.loads((corpus / "corpus.json").read_text())
+    model = load_native(folder, "float32")
+    tokenizer = load_tokenizer(folder)
+    cfg = model.cfg
+    n_params = count_params(model)
+    assert n_params == cfg.num_params() == training["params"]
+    text = (corpus / "heldout.txt").read_text(encoding="utf-8")
+    t0 = time.time()
+    ev = eval_ppl(model, tokenizer, text, window=hp["seq_len"])
+    ev["eval_s"] = round(time.time() - t0, 1)
+    uni = unigram_baseline(np.fromfile(corpus / "train.bin", np.uint16), tokenizer, text, cfg.vocab_size)
+    samples = [greedy(model, tokenizer, p) for p in PROMPTS]
+    log = [json.loads(l) for l in (folder / "train_log.jsonl").read_text().splitlines()]
+    trains = {r["step"]: r for r in log if r.get("event") == "train"}
+    evals = [r for r in log if r.get("event") == "eval"]
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+    name = folder.resolve().name
+    L = _data_and_architecture(name, stats, training, cfg, n_params, size)
+    L += _training_lines(training, trains, evals)
+    L += _evaluation_lines(name, ev, uni, samples)
     (folder / "MODEL_CARD.md").write_text("\n".join(L), encoding="utf-8")
     result = {"model": name, "params": n_params, "eval": ev, "unigram": uni, "samples": samples,
               "folder_bytes": size}
