@@ -13,18 +13,17 @@ on the same inputs, interleaved round by round so that load from other processes
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
+import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxinfer.attention as attn_mod
 import jaxinfer.kv_cache as kvc
-from bench.benchmark import device_info, device_slug, results_path, write_report
-from jaxinfer.attention import NEG_INF, _gather_context, _mask_and_bias, attention
+from bench.common import device_info, device_slug, results_path, write_report
+from jaxinfer.attention import NEG_INF, attention, gather_context, mask_and_bias
 from jaxinfer.kv_cache import LayerKV, StepRow, build_attention_metadata, init_kv_pages, write_kv
 
 H, HKV, D, BS, MAX_MODEL_LEN = 4, 2, 64, 16, 1024
@@ -89,15 +88,15 @@ def previous_paged_attention_xla(q, k, v, kv, positions, meta, *, scale, window=
     qg = q.reshape(t, hkv, g, d)
     scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * scale
     same = (meta.seq_ids[:, None] == meta.seq_ids[None, :]) & tok_valid[:, None] & tok_valid[None, :]
-    valid, bias = _mask_and_bias(positions, positions, window, alibi, extra_valid=same)
+    valid, bias = mask_and_bias(positions, positions, window, alibi, extra_valid=same)
     parts = [_partial_attend(scores, valid, bias, v.astype(q.dtype), "lkd")]
     k_pos = jnp.arange(meta.block_tables.shape[1] * kv.k.shape[2], dtype=jnp.int32)
     single = (qlen == 1)[meta.seq_ids] & tok_valid
     first = jnp.minimum(qsl[:-1], t - 1)
 
     def decode_rows(_):
-        k_seq, v_seq = _gather_context(kv, meta.block_tables, jnp.float32)
-        valid_r, bias_r = _mask_and_bias(positions[first], k_pos, window, alibi,
+        k_seq, v_seq = gather_context(kv, meta.block_tables, jnp.float32)
+        valid_r, bias_r = mask_and_bias(positions[first], k_pos, window, alibi,
                                          extra_valid=k_pos[None, :] < cached[:, None])
         m_r, l_r, acc_r = _decode_rows(qg[first], k_seq, v_seq, valid_r, bias_r, scale)
         return (jnp.where(single, m_r[:, :, meta.seq_ids], NEG_INF),
@@ -109,10 +108,10 @@ def previous_paged_attention_xla(q, k, v, kv, positions, meta, *, scale, window=
     parts.append(jax.lax.cond(jnp.any((qlen == 1) & (cached > 0)), decode_rows, lambda _: empty, None))
 
     def continued(row):
-        k_row, v_row = _gather_context(kv, meta.block_tables[row][None], q.dtype)
+        k_row, v_row = gather_context(kv, meta.block_tables[row][None], q.dtype)
         extra = (meta.seq_ids == row)[:, None] & tok_valid[:, None] & (k_pos[None, :] < cached[row])
         sc = jnp.einsum("tkgd,kld->kgtl", qg, k_row[:, 0], preferred_element_type=jnp.float32) * scale
-        vmask, vbias = _mask_and_bias(positions, k_pos, window, alibi, extra_valid=extra)
+        vmask, vbias = mask_and_bias(positions, k_pos, window, alibi, extra_valid=extra)
         return _partial_attend(sc, vmask, vbias, v_row[:, 0], "kld")
 
     for slot in range(meta.prior_rows.shape[0]):
@@ -178,12 +177,7 @@ def build(rng, rows_spec, t):
 
 def _meta_with_keys(rows, t, keys: int):
     """The same step's metadata with `keys` keys per work item."""
-    old = kvc.KEYS_PER_ITEM
-    kvc.KEYS_PER_ITEM = keys
-    try:
-        return build_attention_metadata(rows, BS, t, min(t, 64), MAX_BLOCKS)
-    finally:
-        kvc.KEYS_PER_ITEM = old
+    return build_attention_metadata(rows, BS, t, min(t, 64), MAX_BLOCKS, keys_per_item=keys)
 
 
 def _with_group(meta, group: tuple[int, int] | None):
@@ -203,37 +197,27 @@ def _with_group(meta, group: tuple[int, int] | None):
     return dataclasses.replace(meta, **out)
 
 
-@contextlib.contextmanager
-def item_group(group: tuple[int, int]):
-    """(decode, chunk) items per loop iteration, patched into the attention while it is traced."""
-    old = attn_mod.DECODE_GROUP, attn_mod.CHUNK_GROUP
-    attn_mod.DECODE_GROUP, attn_mod.CHUNK_GROUP = group
-    try:
-        yield
-    finally:
-        attn_mod.DECODE_GROUP, attn_mod.CHUNK_GROUP = old
-
-
-def _new_step(q, k, v, kv, positions, meta):
-    return attention(q, k, v, positions, scale=D ** -0.5, kv=kv, meta=meta, impl="xla")
+def _new_step(q, k, v, kv, positions, meta, group):
+    """Today's attention with `group` = (decode, chunk) work items per loop iteration."""
+    return attention(q, k, v, positions, scale=D ** -0.5, kv=kv, meta=meta, impl="xla", item_groups=group)
 
 
 def run_case(rng, rows_spec, t, reps, groups, keys):
     q, k, v, kv, pos, meta, prev, rows = build(rng, rows_spec, t)
-    variants = {"previous": (_previous_step, prev, None)}
+    variants = {"previous": (_previous_step, prev)}
     for kpi in keys:
         m = meta if kpi == kvc.KEYS_PER_ITEM else _meta_with_keys(rows, t, kpi)
         for g in groups:
             name = f"items_{kpi}keys_" + (f"groups{g[0]}/{g[1]}" if g else "flat_pow2")
-            variants[name] = (_new_step, _with_group(m, g), g)
+            # flat (g None): every item in one loop iteration
+            variants[name] = (functools.partial(_new_step, group=g or (1 << 30, 1 << 30)), _with_group(m, g))
     fns, outs = {}, {}
-    for name, (fn, m, g) in variants.items():
-        with item_group(g or (1 << 30, 1 << 30)):
-            f = jax.jit(fn, donate_argnums=(3,))
-            t0 = time.perf_counter()
-            out, kv = f(q, k, v, kv, pos, m)
-            out.block_until_ready()
-            compile_s = time.perf_counter() - t0
+    for name, (fn, m) in variants.items():
+        f = jax.jit(fn, donate_argnums=(3,))
+        t0 = time.perf_counter()
+        out, kv = f(q, k, v, kv, pos, m)
+        out.block_until_ready()
+        compile_s = time.perf_counter() - t0
         fns[name] = (f, m, compile_s)
         outs[name] = np.asarray(out)
     n_tok = sum(n for _, n in rows_spec)

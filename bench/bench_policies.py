@@ -49,7 +49,9 @@ def workload(gen: Generator, n: int, seed: int, prompt_range=(16, 512), out_rang
 
 
 def simulate_steps(policy: str, prompts, params, args) -> list[int]:
-    """Tokens of every step the scheduler plans for this workload (fake outputs, ample blocks)."""
+    """Tokens of every step the scheduler plans for this workload (fake outputs, ample blocks): a
+    host-only benchmark of the scheduler itself, which runs no engine (so it builds the Scheduler and
+    BlockManager, as the scheduler's tests do; every engine run below goes through the client)."""
     blocks = BlockManager(1 + len(prompts) * -(-args.max_model_len // args.block_size), args.block_size)
     sched = Scheduler(SchedulerConfig(policy, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len,
                                       0.0), blocks, clock=lambda: 0.0)

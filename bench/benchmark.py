@@ -31,12 +31,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import json
 import math
 import os
-import platform
-import re
 import signal
 import socket
 import subprocess
@@ -48,57 +45,14 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from bench.common import (add_speculative_args, device_info, device_slug, model_config, model_path, parse_list,
+                          release, results_path, vars_of, write_report)
 from bench.datasets import DATASETS, BenchRequest, build_requests, parse_range
 from bench.metrics import RequestRecord, summarize
-from jaxinfer.config import resolve_dtype_name
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SLUGS = (("h100", "h100"), ("h200", "h200"), ("a100", "a100"), ("v5 lite", "tpu-v5e"), ("v6", "tpu-v6e"),
-         ("v5", "tpu-v5p"), ("v4", "tpu-v4"))
+from jaxinfer.config import DTYPE_CHOICES, KV_DTYPE_CHOICES, resolve_dtype_name
 
 
 # --------------------------------------------------------------------------- shared helpers
-def device_info() -> dict[str, Any]:
-    import jax
-    d = jax.devices()[0]
-    return {"kind": str(d.device_kind), "platform": d.platform, "count": jax.device_count(),
-            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
-
-
-def device_slug(info: dict[str, Any]) -> str:
-    if info["platform"] == "cpu":
-        return "cpu"
-    kind = info["kind"].lower()
-    for key, slug in SLUGS:
-        if key in kind:
-            return slug
-    return re.sub(r"[^a-z0-9]+", "-", kind).strip("-") or info["platform"]
-
-
-def results_path(out: str | None, slug: str, mode: str) -> Path:
-    return Path(out) if out else RESULTS_DIR / f"{time.strftime('%Y-%m-%d')}-{slug}-{mode}.json"
-
-
-def model_config(path: Path):
-    """ModelConfig of an HF or native folder without loading its weights."""
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.weights import is_native, read_native_config
-    return read_native_config(path)[0] if is_native(path) else ModelConfig.from_hf(path)
-
-
-def model_path(arg: str | None) -> Path:
-    from jaxinfer.generator import default_model_path
-    return Path(arg) if arg else default_model_path()
-
-
-def parse_list(text: str, kind=int) -> list:
-    try:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"expected a comma-separated list, got {text!r}") from None
-
-
 def progress_bar(total: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, leave=False)
@@ -110,46 +64,6 @@ def workload(args: argparse.Namespace, path: Path, tokenizer, vocab_size: int, m
                           max_model_len=max_model_len, model_path=path, seed=args.seed,
                           input_len=args.input_len, output_len=args.output_len,
                           input_range=parse_range(args.input_range), output_range=parse_range(args.output_range))
-
-
-def write_report(report: dict[str, Any], out: Path, label_key: str, title: str, plot: bool = True) -> Path | None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=_json_default))
-    return plot_points(report["points"], label_key, out.with_suffix(".png"), title) if plot else None
-
-
-def _json_default(o: Any):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"not JSON serializable: {type(o).__name__}")
-
-
-def plot_points(points: Sequence[dict[str, Any]], label_key: str, png: Path, title: str) -> Path:
-    """Output-token throughput vs median TPOT (left) and vs median E2E latency (right)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, xlabel in ((axes[0], "tpot_ms", "median TPOT (ms)"), (axes[1], "e2el_ms", "median E2E latency (ms)")):
-        pts = [p for p in points if p[key]["p50"] is not None and p["output_throughput"] is not None]
-        xs = [p[key]["p50"] for p in pts]
-        ys = [p["output_throughput"] for p in pts]
-        ax.plot(xs, ys, "o-")
-        for p, x, y in zip(pts, xs, ys):
-            ax.annotate(f"{label_key}={p[label_key]}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("output tokens/s")
-        ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
 
 
 def _print_point(label: str, p: dict[str, Any]) -> None:
@@ -244,16 +158,6 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
         "model_config": {**cfg.to_dict(), "num_params": cfg.num_params()}, "dtype": dtype,
         "config": vars_of(args), "dataset": dataset, "peaks": peaks, "points": points,
     }
-
-
-def release(gen) -> None:
-    """Free a Generator's KV pages now (on a GPU the next Generator sizes its cache from free memory)."""
-    gen.client.free_kv_pages()
-    gc.collect()
-
-
-def vars_of(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in vars(args).items() if not callable(v)}
 
 
 # --------------------------------------------------------------------------- serving
@@ -474,15 +378,14 @@ def _workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/<date>-<device>-<mode>.json)")
     p.add_argument("--no-plot", dest="plot", action="store_false")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    from jaxinfer.cli import add_speculative_args
     add_speculative_args(p)
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
+    p.add_argument("--dtype", default=None, choices=[d for d in DTYPE_CHOICES if d != "auto"],
                    help="default: float32 on CPU, bfloat16 elsewhere (serving: passed to a launched server)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "float16", "bfloat16", "float32"],
+    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES,
                    help="KV cache dtype (default: the model's; serving: passed to a launched server)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt (serving: passed to a launched server)")

@@ -15,14 +15,13 @@ import time
 
 import numpy as np
 
-from bench.benchmark import device_info, device_slug, model_path, parse_list, release, results_path, write_report
+from bench.common import device_info, device_slug, model_path, parse_list, release, results_path, write_report
 
 
 def measure(path, t0: int, prompt: list[int], n: int, reps: int, k: int) -> dict:
     from jaxinfer import Generator, SamplingParams
     gen = Generator.from_pretrained(path, max_num_seqs=1, max_decode_steps=k, warmup=False)
-    runner = gen.engine.runner
-    runner.token_buckets = [t0] + [b for b in runner.token_buckets if b > t0]
+    gen.client.choose_token_buckets(t0)
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
     def once() -> tuple[float, float]:

@@ -35,7 +35,7 @@ from jax import lax
 from bench.gpu_report import mean_context_tokens, net_seconds
 
 if TYPE_CHECKING:
-    from bench.gpu import Workload
+    from bench.gpu_workload import Workload
 
 
 class Recorder:
@@ -195,10 +195,10 @@ def build_model(wl: "Workload", variant: str):
     """The random Decoder of wl.model, fused for one device, quantized unless bf16."""
     from flax import nnx
 
-    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.hf_configs import model_config_from_hf
     from jaxinfer.models.decoder import Decoder, FusedLayout, quantize_decoder
 
-    cfg = ModelConfig.from_hf(dict(wl.model))
+    cfg = model_config_from_hf(dict(wl.model))
     model = Decoder(cfg, jnp.bfloat16, rngs=nnx.Rngs(0), fused=FusedLayout.for_tp(cfg, 1))
     if variant != "bf16":
         quantize_decoder(model, variant)
@@ -207,20 +207,18 @@ def build_model(wl: "Workload", variant: str):
 
 
 def model_bytes(model) -> dict[str, int]:
-    """Parameter bytes (quantized weights: codes + scales), and the embedding table's."""
-    from flax import nnx
-
+    """Parameter bytes (quantized weights: codes + scales), the embedding table's, and what a batch-1
+    decode token reads (jaxinfer.perf's cost model, as the engine's live MBU and `jaxinfer plan` count)."""
     from jaxinfer import perf
-    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
-    param_bytes = int(sum(x.size * x.dtype.itemsize for x in leaves))
-    embed = model.embed.get_value()
-    embed_bytes = int(embed.size * embed.dtype.itemsize)
-    row = int(embed.shape[1] * embed.dtype.itemsize)
+    from jaxinfer.models.decoder import weight_bytes
+
+    weights = weight_bytes(model)
     assert model.lm_head is not None, "the 8B shape has an untied LM head (read in full by every step)"
     cfg = model.cfg
-    return {"param_bytes": param_bytes, "embed_bytes": embed_bytes, "embed_row_bytes": row,
-            "weight_bytes_read_per_token": param_bytes - embed_bytes + row,
-            "kv_bytes_per_token": perf.kv_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "bfloat16")}
+    kv = perf.kv_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "bfloat16")
+    return {"param_bytes": weights.total, "embed_bytes": weights.tables, "embed_row_bytes": weights.row,
+            "weight_bytes_read_per_token": perf.ModelCost.build(cfg, weights, kv).iteration_weight_bytes(1),
+            "kv_bytes_per_token": kv}
 
 
 def _sampling(n: int):
@@ -291,7 +289,7 @@ def engine_part(wl: "Workload", variant: str, rec: Recorder) -> None:
     rec.put(("build",), {"variant": variant, "build_s": time.perf_counter() - t0, **sizes,
                          "engine_config": {k: v for k, v in vars(ecfg).items() if k != "extra"},
                          "max_num_batched_tokens": wl.max_num_batched_tokens,
-                         "resolved": str(gen.engine.resolved)})
+                         "resolved": str(gen.client.resolved)})
     vocab = model.cfg.vocab_size
     rec.guarded(("batch1",), lambda: batch1(gen, wl, vocab))
     for c in wl.concurrency:
@@ -312,7 +310,7 @@ def memory_stats() -> dict[str, Any]:
 
 
 def pool_bytes(gen) -> int:
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(gen.engine.runner.kv_pages)))
+    return gen.client.kv_pool_bytes()
 
 
 def activation_reserve(gen, wl: "Workload") -> int:
@@ -441,10 +439,10 @@ def matmul_projection(name: str, k: int, n: int, wl: "Workload", overhead: float
 
 
 def kernels_part(wl: "Workload", rec: Recorder) -> None:
-    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.hf_configs import model_config_from_hf
 
     rec.put(("device",), device_info())
-    cfg = ModelConfig.from_hf(dict(wl.model))
+    cfg = model_config_from_hf(dict(wl.model))
     overhead = launch_overhead(wl.reps)
     rec.put(("launch_overhead_s",), overhead)
     for t in wl.attention_tokens:     # a case's own failures are recorded at its key; anything else here

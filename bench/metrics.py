@@ -11,29 +11,19 @@ Over the run (duration = the benchmark's wall time, first submission to last com
     output_throughput      = total output tokens / duration         (tok/s)
     total_token_throughput = (input + output tokens) / duration     (tok/s)
 
-From the engine's step log (StepLog; offline mode only; the formulas are jaxinfer.perf's), per step with
-sequences s, each computing
-n_s tokens starting at position start_s (so its context after the step is c_s = start_s + n_s):
-    bytes(step) = W + sum_s c_s * kv_bytes_per_token
-        W = weight bytes one step reads: every parameter except an untied input-embedding table
-            (a gather of T rows, not a read of the table); kv_bytes_per_token = 2*L*H_kv*d_head*itemsize.
-            KV *writes* of the step's new tokens are not counted (vLLM/Databricks MBU convention).
-    flops(step) = 2 * P_body * T + 2 * V * d_model * S + sum_s sum_layers 4 * H * d_head * sum_{i<n_s} k_{s,i}
-        T = sum_s n_s tokens, S = number of sequences (the LM head runs on one row per sequence),
-        P_body = parameters outside the embedding / LM-head tables (blocks + norms + biases),
-        k_{s,i} = start_s + i + 1 keys seen by query i (causal), capped at the layer's sliding window;
-        4 = 2 FLOPs per multiply-add x (QK^T + PV).
-    MBU = sum bytes / sum step time / peak bandwidth;  MFU = sum flops / sum step time / peak FLOP/s
-(time-weighted over steps, i.e. the aggregate achieved rate over peak). `_decode` variants use only
-the steps in which every sequence computed one token (pure decode). Step time is the wall time of
-`engine.step()` (schedule + host prep + device + detokenize), so host overhead lowers MBU/MFU.
-The schedule is read exactly: StepLog is an engine step observer (Engine.add_step_observer), which
-hands it each executed plan's (start, num_tokens) pairs and timing; it does not change what the
-engine does.
+From the engine's step log (StepLog; offline mode only): bytes, FLOPs, MBU and MFU per step are
+jaxinfer.perf's cost model (ModelCost, utilization; formulas in its docstring), built from the engine's
+own stats() (ModelCost.from_stats), so the benchmark, Engine.stats() / GET /metrics and `jaxinfer plan`
+count the same bytes for the same run. MBU = sum bytes / sum step time / peak bandwidth (time-weighted
+over steps); `_decode` variants use only the steps in which every sequence computed one token. Step
+time is the wall time of `engine.step()` (schedule + host prep + device + detokenize), so host
+overhead lowers MBU/MFU. The schedule is read exactly: StepLog is an engine step observer
+(Engine.add_step_observer), which hands it, per engine.step() call, the (start, num_tokens) pairs of
+the step whose tokens the call applied, the iterations the device ran each (a multi-step decode runs
+several), and timing; it does not change what the engine does.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -42,8 +32,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from jaxinfer import perf
-
-_KV_DTYPE_OF_ITEMSIZE = {4: "float32", 2: "bfloat16", 1: "int8"}
+from jaxinfer.perf import ModelCost, StepRecord
 
 PERCENTILES = (50, 90, 99)
 
@@ -131,30 +120,6 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
 
 
 # --------------------------------------------------------------------------- step log, MBU / MFU
-@dataclass
-class StepRecord:
-    """One engine step: its wall time and, per scheduled sequence, (start, num_tokens)."""
-    time_s: float
-    spans: list[tuple[int, int]]
-    execute_s: float | None = None     # the engine's own timing of runner.execute, for reference
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.spans)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.spans)
-
-    @property
-    def context_lens(self) -> list[int]:
-        return [s + n for s, n in self.spans]
-
-    @property
-    def is_decode(self) -> bool:
-        return bool(self.spans) and all(n == 1 for _, n in self.spans)
-
-
 class StepLog:
     """Log each engine step's plan and wall time, from the engine's step-observer hook.
 
@@ -170,7 +135,8 @@ class StepLog:
         client.add_step_observer(self._observe)
 
     def _observe(self, trace: Any) -> None:
-        self.steps.append(StepRecord(trace.wall_s, list(trace.spans), trace.device_s))
+        self.steps.append(StepRecord(trace.wall_s, list(trace.spans), trace.device_s,
+                                     list(trace.iterations) if trace.spans else None))
 
     def step(self) -> list:
         return self.client.step()
@@ -179,86 +145,15 @@ class StepLog:
         self.client.remove_step_observer(self._observe)
 
 
-@dataclass(frozen=True)
-class ModelCost:
-    """What one step of a model costs in bytes and FLOPs (formulas in the module docstring)."""
-    n_layers: int
-    n_heads: int
-    head_dim: int
-    d_model: int
-    vocab_size: int
-    body_params: int                      # parameters run on every token (all but embedding tables; MoE: active)
-    weight_bytes_read: int                # W: bytes of weights one step reads
-    kv_bytes_per_token: int               # K and V of one token, all layers
-    windows: tuple[int | None, ...] = ()  # per layer sliding window (None = full causal)
-
-    @classmethod
-    def from_config(cls, cfg: Any, weight_itemsize: float, kv_itemsize: int) -> "ModelCost":
-        table = cfg.vocab_size * cfg.d_model
-        pos = cfg.max_position_embeddings * cfg.d_model if cfg.position == "learned" else 0
-        total = cfg.num_params()
-        # FLOPs: a token runs through its routed experts only (num_active_params); bytes: every weight,
-        # which a mixture of experts reads in full only once a step's rows reach every expert
-        body = cfg.num_active_params() - table * (1 if cfg.tie_embeddings else 2) - pos
-        # read per step: the blocks + the LM head (the tied table is the head); not the input table
-        read = total - table * (1 if cfg.tie_embeddings else 2) - pos + table
-        kv = perf.kv_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, _KV_DTYPE_OF_ITEMSIZE[kv_itemsize])
-        return cls(cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_model, cfg.vocab_size, body,
-                   int(round(read * weight_itemsize)), kv,
-                   tuple(cfg.layer_window(i) for i in range(cfg.n_layers)))
-
-    @classmethod
-    def from_stats(cls, cfg: Any, stats: dict) -> "ModelCost":
-        """From the model's config and the engine's stats() (weight_bytes, kv_bytes_per_token)."""
-        itemsize = stats["weight_bytes"] / cfg.num_params()
-        return dataclasses.replace(cls.from_config(cfg, itemsize, 2), kv_bytes_per_token=stats["kv_bytes_per_token"])
-
-    def _layer_windows(self) -> list[int | None]:
-        return list(self.windows) if self.windows else [None] * self.n_layers
-
-    def step_bytes(self, step: StepRecord) -> float:
-        per_layer = self.kv_bytes_per_token / self.n_layers
-        context = sum(c if w is None else min(c, w) for w in self._layer_windows() for c in step.context_lens)
-        return perf.bytes_read(self.weight_bytes_read, per_layer, context)
-
-    def step_flops(self, step: StepRecord) -> float:
-        return perf.forward_flops(self.body_params, self.vocab_size, self.d_model, self.n_heads, self.head_dim,
-                                  step.spans, self._layer_windows())
-
-
 def utilization(steps: Sequence[StepRecord], cost: ModelCost, peak_bandwidth: float | None,
                 peak_flops: float | None) -> dict[str, Any]:
-    """MBU / MFU over all steps and over pure-decode steps (time-weighted aggregates)."""
-    def agg(sel: list[StepRecord], suffix: str) -> dict[str, Any]:
-        t = sum(s.time_s for s in sel)
-        b = sum(cost.step_bytes(s) for s in sel)
-        f = sum(cost.step_flops(s) for s in sel)
-        bw = b / t if t > 0 else None
-        fl = f / t if t > 0 else None
-        return {
-            f"num_steps{suffix}": len(sel), f"step_time_s{suffix}": t,
-            f"achieved_bandwidth_Bps{suffix}": bw, f"achieved_flops{suffix}": fl,
-            f"mbu{suffix}": perf.mbu(bw, peak_bandwidth),
-            f"mfu{suffix}": perf.mfu(fl, peak_flops),
-        }
-    out = agg(list(steps), "")
-    out |= agg([s for s in steps if s.is_decode], "_decode")
-    out["step_time_ms"] = distribution((s.time_s for s in steps), 1000.0)
-    out["weight_bytes_read"] = cost.weight_bytes_read
-    out["kv_bytes_per_token"] = cost.kv_bytes_per_token
-    return out
+    """jaxinfer.perf.utilization (MBU / MFU over all steps and over pure-decode steps) and the
+    distribution of step times."""
+    return perf.utilization(steps, cost, peak_bandwidth, peak_flops) | {
+        "step_time_ms": distribution((s.time_s for s in steps), 1000.0)}
 
 
 # --------------------------------------------------------------------------- device peaks
-def table_peaks(device_kind: str, dtype: str = "bfloat16") -> dict[str, Any] | None:
-    """The datasheet peaks of jax's device_kind (jaxinfer.perf.DEVICES), or None."""
-    dev = perf.device_for_kind(device_kind)
-    if dev is None or not dev.flops_bf16:
-        return None
-    return {"name": dev.label, "bandwidth_Bps": dev.bandwidth, "flops": dev.peak_flops(dtype),
-            "flops_dtype": dtype, "source": "table"}
-
-
 def measure_cpu_bandwidth(mib: int = 256, reps: int = 7, threads: int | None = None) -> dict[str, Any]:
     """Host memory bandwidth: a numpy copy of a `mib` MiB array split over `threads` threads
     (numpy releases the GIL while copying); bytes read + written / time, median of `reps`."""
@@ -302,7 +197,7 @@ def measure_cpu_flops(n: int = 2048, reps: int = 5) -> dict[str, Any]:
 def device_peaks(device_kind: str, platform: str, dtype: str = "bfloat16", bandwidth: float | None = None,
                  flops: float | None = None) -> dict[str, Any]:
     """Peaks for MBU / MFU: user values, else the table, else (CPU or unknown) measured here."""
-    out = table_peaks(device_kind, dtype) if platform != "cpu" else None
+    out = perf.table_peaks(device_kind, dtype) if platform != "cpu" else None
     out = dict(out or {"name": device_kind, "bandwidth_Bps": None, "flops": None, "source": "measured"})
     if bandwidth is None and out["bandwidth_Bps"] is None and platform == "cpu":
         m = measure_cpu_bandwidth()

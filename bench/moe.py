@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.benchmark import device_info, device_slug, results_path, write_report
+from bench.common import device_info, device_slug, results_path, write_report
 from bench.prefix_cache import run_batch
 
 SHAPE = dict(vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -220,10 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
-    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.hf_configs import model_config_from_hf
     with tempfile.TemporaryDirectory() as tmp:
         paths = build_models(Path(tmp))
-        cfgs = {n: ModelConfig.from_hf(p) for n, p in paths.items()}
+        cfgs = {n: model_config_from_hf(p) for n, p in paths.items()}
         report = {
             "bench": "moe", "device": device_info(), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "settings": vars(args),

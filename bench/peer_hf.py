@@ -34,6 +34,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from bench.common import device_info, device_slug, model_path, parse_list, release, results_path, vars_of
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder (default: the bundled model); Llama family")
@@ -72,28 +74,28 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    import jax
+def hf_generate(hf, pad: int, ids: list[list[int]], new: int, cache: str | None = None):
+    """Greedy HF generate of exactly `new` tokens per prompt, left-padded into one batch -> [B, new]."""
     import torch
-    import transformers
 
-    from tqdm.auto import tqdm
+    width = max(len(p) for p in ids)
+    x = torch.full((len(ids), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, p in enumerate(ids):          # left padding
+        x[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    kw = {"cache_implementation": cache} if cache else {}
+    out = hf.generate(input_ids=x, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                      min_new_tokens=new, pad_token_id=pad, **kw)
+    return out[:, width:]
 
-    from bench.benchmark import device_info, model_path, parse_list, release
+
+def _workload(args: argparse.Namespace, tok, cfg, path: Path):
+    """-> (single-stream prompt, batched prompts, (lo, hi) prompt range, prompts' source): cut from
+    one token pool with --seed, the batched lengths capped so that prompt + --max-tokens fits."""
     from bench.datasets import cut_prompts, parse_range, token_pool
-    from jaxinfer.config import EngineConfig, SamplingParams
-    from jaxinfer.export import export_hf
-    from jaxinfer.generator import Generator
-    from jaxinfer.tokenizer import load_tokenizer
-    from jaxinfer.weights import load_model
 
-    threads = args.threads or os.cpu_count() or 1
-    torch.set_num_threads(threads)
-    path = model_path(args.model)
-    model, cfg = load_model(path, "float32")
-    tok = load_tokenizer(path)
-    n_new = args.max_tokens
-    ctx = cfg.max_position_embeddings
+    n_new, ctx = args.max_tokens, cfg.max_position_embeddings
     lo, hi = parse_range(args.prompt_range)
     if args.prompt_len + n_new > ctx or lo + n_new > ctx:
         raise ValueError(f"prompt + --max-tokens {n_new} exceeds the model's context ({ctx})")
@@ -102,38 +104,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pool, source = token_pool(tok, cfg.vocab_size, path, rng, max(hi, args.prompt_len))
     single_prompt = cut_prompts(pool, [args.prompt_len], rng)[0]
     prompts = cut_prompts(pool, rng.randint(lo, hi + 1, args.num_requests), rng)
-    pad = tok.pad_id if tok is not None and tok.pad_id is not None else 0
-    greedy = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
+    return single_prompt, prompts, (lo, hi), source
+
+
+def _hf_model(model, tok):
+    """Our model exported to the HF layout (a temporary folder) and loaded by transformers, float32."""
+    import torch
+    import transformers
+
+    from jaxinfer.export import export_hf
 
     tmp = Path(tempfile.mkdtemp(prefix="jaxinfer-peer-hf-"))
     try:
         export_hf(model, tmp, tok)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    def hf_generate(ids: list[list[int]], new: int, cache: str | None = None) -> torch.Tensor:
-        width = max(len(p) for p in ids)
-        x = torch.full((len(ids), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, p in enumerate(ids):          # left padding
-            x[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        kw = {"cache_implementation": cache} if cache else {}
-        out = hf.generate(input_ids=x, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                          min_new_tokens=new, pad_token_id=pad, **kw)
-        return out[:, width:]
 
-    print(f"peer-hf: {path.name} ({cfg.num_params():,} params), float32, jax {jax.__version__} on "
-          f"{jax.devices()[0].platform} vs transformers {transformers.__version__} / torch {torch.__version__} "
-          f"({threads} threads)", flush=True)
+def _side(n_new: int, ttft: float, total: float, ttfts: list[float], totals: list[float]) -> dict[str, Any]:
+    return {"ttft_s": ttft, "total_s": total, "decode_tok_s": (n_new - 1) / (total - ttft),
+            "e2e_tok_s": n_new / total, "ttft_runs_s": ttfts, "total_runs_s": totals}
 
-    # ---------------------------------------------------------------- (a) single stream
+
+def single_stream(args: argparse.Namespace, model, tok, hf, pad: int, prompt: list[int]) -> dict[str, Any]:
+    """(a): one prompt, --max-tokens new tokens, --reps timed runs per side after one warm-up."""
+    import torch
+
+    from jaxinfer.config import EngineConfig, SamplingParams
+    from jaxinfer.generator import Generator
+
+    n_new = args.max_tokens
+    greedy = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
     gen1 = Generator(model, tok, EngineConfig(dtype="float32", max_num_seqs=1), args.max_num_batched_tokens)
 
     def ours_once() -> tuple[float, float, list[int]]:
         t0, ttft, ids = time.perf_counter(), None, []
-        for d in gen1.stream(single_prompt, greedy):
+        for d in gen1.stream(prompt, greedy):
             if d.token_ids and ttft is None:
                 ttft = time.perf_counter() - t0
             ids += d.token_ids
@@ -147,20 +154,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     del gen1
 
     with torch.inference_mode():
-        hf_generate([single_prompt], 2)
-        h_ttfts = [_timed(lambda: hf_generate([single_prompt], 1))[0] for _ in range(args.reps)]
-        h_runs = [_timed(lambda: hf_generate([single_prompt], n_new)) for _ in range(args.reps)]
+        hf_generate(hf, pad, [prompt], 2)
+        h_ttfts = [_timed(lambda: hf_generate(hf, pad, [prompt], 1))[0] for _ in range(args.reps)]
+        h_runs = [_timed(lambda: hf_generate(hf, pad, [prompt], n_new)) for _ in range(args.reps)]
     hf_ids = h_runs[0][1][0].tolist()
     h_ttft, h_total = _median(h_ttfts), _median([r[0] for r in h_runs])
 
-    def side(ttft: float, total: float, ttfts: list[float], totals: list[float]) -> dict[str, Any]:
-        return {"ttft_s": ttft, "total_s": total, "decode_tok_s": (n_new - 1) / (total - ttft),
-                "e2e_tok_s": n_new / total, "ttft_runs_s": ttfts, "total_runs_s": totals}
-
     single = {
-        "prompt_len": len(single_prompt), "max_tokens": n_new, "reps": args.reps,
-        "ours": side(o_ttft, o_total, [r[0] for r in runs], [r[1] for r in runs]),
-        "hf": side(h_ttft, h_total, h_ttfts, [r[0] for r in h_runs]),
+        "prompt_len": len(prompt), "max_tokens": n_new, "reps": args.reps,
+        "ours": _side(n_new, o_ttft, o_total, [r[0] for r in runs], [r[1] for r in runs]),
+        "hf": _side(n_new, h_ttft, h_total, h_ttfts, [r[0] for r in h_runs]),
         "greedy_match_prefix": _common_prefix(ours_ids, hf_ids),
     }
     single["decode_ratio"] = single["ours"]["decode_tok_s"] / single["hf"]["decode_tok_s"]
@@ -168,8 +171,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"{single['hf']['decode_tok_s']:8.1f} tok/s -> {single['decode_ratio']:.2f}x  (TTFT ours "
           f"{1000 * o_ttft:.1f} ms, HF {1000 * h_ttft:.1f} ms; greedy outputs agree on "
           f"{single['greedy_match_prefix']}/{n_new} tokens)", flush=True)
+    return single
 
-    # ---------------------------------------------------------------- (b) batched
+
+def batched_ours(args: argparse.Namespace, model, tok, prompts: list[list[int]]) -> dict[str, Any]:
+    """(b), ours: every request submitted at once to one Generator (continuous batching)."""
+    from jaxinfer.config import EngineConfig, SamplingParams
+    from jaxinfer.generator import Generator
+
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     genb = Generator(model, tok, EngineConfig(dtype="float32", max_num_seqs=args.max_num_seqs),
                      args.max_num_batched_tokens)
     genb.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
@@ -178,34 +188,77 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ours_b = {"max_num_seqs": args.max_num_seqs, "wall_s": dt, "output_tokens": n_out, "tok_s": n_out / dt}
     release(genb)
     del genb, outs
-    print(f"batched, {len(prompts)} requests x {n_new} tokens: ours {ours_b['tok_s']:8.1f} tok/s", flush=True)
+    print(f"batched, {len(prompts)} requests x {args.max_tokens} tokens: ours {ours_b['tok_s']:8.1f} tok/s",
+          flush=True)
+    return ours_b
 
+
+def batched_hf(args: argparse.Namespace, hf, pad: int, prompts: list[list[int]]
+               ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """(b), HF: one generate per request (unless --skip-hf-sequential), then left-padded batches of
+    each --hf-batch-sizes with each --hf-caches -> (sequential, [batched entries])."""
+    import torch
+    from tqdm.auto import tqdm
+
+    n_new = args.max_tokens
     hf_seq = None
     with torch.inference_mode():
         if not args.skip_hf_sequential:
-            dt, n_out = _timed(lambda: sum(hf_generate([p], n_new).numel()
+            dt, n_out = _timed(lambda: sum(hf_generate(hf, pad, [p], n_new).numel()
                                            for p in tqdm(prompts, desc="HF sequential", leave=False)))
             hf_seq = {"wall_s": dt, "output_tokens": n_out, "tok_s": n_out / dt}
             print(f"  HF sequential              {hf_seq['tok_s']:8.1f} tok/s", flush=True)
         hf_batched = []
         for cache in parse_list(args.hf_caches, str):
             for bs in parse_list(args.hf_batch_sizes):
-                entry: dict[str, Any] = {"cache": cache, "batch_size": bs}
-                try:
-                    hf_generate(prompts[:bs], 2, None if cache == "dynamic" else cache)
-                    dt, n_out = _timed(lambda: sum(hf_generate(prompts[i: i + bs], n_new,
-                                                               None if cache == "dynamic" else cache).numel()
-                                                   for i in range(0, len(prompts), bs)))
-                    entry |= {"wall_s": dt, "output_tokens": n_out, "tok_s": n_out / dt}
-                    print(f"  HF batched {cache:>7} bs={bs:<4}  {entry['tok_s']:8.1f} tok/s", flush=True)
-                except Exception as e:  # a cache kind this transformers / device cannot run
-                    entry["error"] = f"{type(e).__name__}: {e}"[:500]
-                    print(f"  HF batched {cache:>7} bs={bs:<4}  failed: {entry['error'][:120]}", flush=True)
-                hf_batched.append(entry)
+                hf_batched.append(_hf_batched_entry(hf, pad, prompts, n_new, cache, bs))
+    return hf_seq, hf_batched
+
+
+def _hf_batched_entry(hf, pad: int, prompts: list[list[int]], n_new: int, cache: str, bs: int) -> dict[str, Any]:
+    """One HF batched run (cache kind, batch size) after a warm-up; an error instead where this
+    transformers / device cannot run the cache kind."""
+    entry: dict[str, Any] = {"cache": cache, "batch_size": bs}
+    kind = None if cache == "dynamic" else cache
+    try:
+        hf_generate(hf, pad, prompts[:bs], 2, kind)
+        dt, n_out = _timed(lambda: sum(hf_generate(hf, pad, prompts[i: i + bs], n_new, kind).numel()
+                                       for i in range(0, len(prompts), bs)))
+        entry |= {"wall_s": dt, "output_tokens": n_out, "tok_s": n_out / dt}
+        print(f"  HF batched {cache:>7} bs={bs:<4}  {entry['tok_s']:8.1f} tok/s", flush=True)
+    except Exception as e:  # a cache kind this transformers / device cannot run
+        entry["error"] = f"{type(e).__name__}: {e}"[:500]
+        print(f"  HF batched {cache:>7} bs={bs:<4}  failed: {entry['error'][:120]}", flush=True)
+    return entry
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import jax
+    import torch
+    import transformers
+
+    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.weights import load_model
+
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    path = model_path(args.model)
+    model, cfg = load_model(path, "float32")
+    tok = load_tokenizer(path)
+    single_prompt, prompts, (lo, hi), source = _workload(args, tok, cfg, path)
+    pad = tok.pad_id if tok is not None and tok.pad_id is not None else 0
+    hf = _hf_model(model, tok)
+    print(f"peer-hf: {path.name} ({cfg.num_params():,} params), float32, jax {jax.__version__} on "
+          f"{jax.devices()[0].platform} vs transformers {transformers.__version__} / torch {torch.__version__} "
+          f"({threads} threads)", flush=True)
+
+    single = single_stream(args, model, tok, hf, pad, single_prompt)
+    ours_b = batched_ours(args, model, tok, prompts)
+    hf_seq, hf_batched = batched_hf(args, hf, pad, prompts)
     ok = [e for e in hf_batched if "tok_s" in e]
     best = max(ok, key=lambda e: e["tok_s"]) if ok else None
     batched = {
-        "num_requests": len(prompts), "max_tokens": n_new, "prompt_range": [lo, hi],
+        "num_requests": len(prompts), "max_tokens": args.max_tokens, "prompt_range": [lo, hi],
         "ours": ours_b, "hf_sequential": hf_seq, "hf_batched": hf_batched, "hf_best": best,
         "ratio_vs_hf_sequential": ours_b["tok_s"] / hf_seq["tok_s"] if hf_seq else None,
         "ratio_vs_hf_best": ours_b["tok_s"] / best["tok_s"] if best else None,
@@ -218,8 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": device_info(), "jax": jax.__version__, "torch": torch.__version__,
         "transformers": transformers.__version__, "torch_threads": threads, "dtype": "float32",
         "model": str(path), "num_params": cfg.num_params(), "prompts_from": source,
-        "config": {k: v for k, v in vars(args).items() if not callable(v)},
-        "single_stream": single, "batched": batched,
+        "config": vars_of(args), "single_stream": single, "batched": batched,
     }
 
 
@@ -256,8 +308,6 @@ def plot(report: dict[str, Any], png: Path) -> Path:
 
 
 def run_and_report(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.benchmark import device_slug, results_path
-
     report = run(args)
     out = results_path(args.out, device_slug(report["device"]), "peer-hf")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from bench.benchmark import device_info, device_slug, model_path, results_path, write_report
+from bench.common import device_info, device_slug, model_path, results_path, write_report
 
 
 def run_batch(gen, prompts: list[list[int]], max_tokens: int, params=None) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.benchmark import device_info, device_slug, results_path, write_report
+from bench.common import device_info, device_slug, results_path, write_report
 from jaxinfer import Generator, SamplingParams
 from jaxinfer.generator import default_model_path
 
@@ -83,7 +83,7 @@ def profile(gen: Generator, batch: int, reps: int, trace_steps: int, seed: int) 
     total = sum(by_op.values())
     return {
         "batch": batch, "tokens_bucket": int(len(inputs.tokens)), "seqs_bucket": int(len(inputs.logits_indices)),
-        "context_bucket": int(inputs.meta.block_tables.shape[1] * gen.engine.cfg.block_size),
+        "context_bucket": int(inputs.meta.block_tables.shape[1] * gen.client.resolved.block_size),
         "max_context": int(np.max(inputs.meta.context_lens)), "decode_iterations_per_step": iters,
         "step_median_ms": 1e3 * float(np.median(times)), "traced_step_ms": total / 1e3 / trace_steps,
         "per_token_ms": 1e3 * float(np.median(times)) / iters,

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import prefix_cache
-from bench.benchmark import device_info, device_slug, model_path, results_path, write_report
+from bench.common import device_info, device_slug, model_path, results_path, write_report
 
 
 def _spec_counts(gen) -> tuple[int, int]:
@@ -114,7 +114,7 @@ def _heads_with_tree(method: str, k: int) -> str:
     return str(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--reps", type=int, default=5)
@@ -129,25 +129,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="draft,ngram,medusa,medusa-chain")
     ap.add_argument("--workloads", default="free,copy,json", help="batch-1 workloads (load: --batch-sizes)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    methods = [m for m in args.methods.split(",") if m]
+    return ap
 
+
+def _generators(path: Path, methods: list[str], k: int, engine: dict) -> dict:
+    """"none" and one warmed-up Generator per method (medusa-chain / medusa-tree:N: the bundled
+    heads with another tree), all alive together."""
     from jaxinfer import Generator
-    path = model_path(args.model)
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
-    max_seqs = max([1, *batch_sizes])
-    common = dict(max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    gens = {"none": Generator.from_pretrained(str(path), **common)}
+    gens = {"none": Generator.from_pretrained(str(path), **engine)}
     for m in methods:
-        kw = dict(speculative_method=m, num_speculative_tokens=args.k)
+        kw = dict(speculative_method=m, num_speculative_tokens=k)
         if m == "medusa-chain" or m.startswith("medusa-tree:"):
-            kw = dict(speculative_method="medusa", speculative_model=_heads_with_tree(m, args.k),
-                      num_speculative_tokens=args.k)
-        gens[m] = Generator.from_pretrained(str(path), **common, **kw)
-    text = (path / "heldout.txt").read_text()
-    ids = gens["none"].tokenizer.encode(text, add_special_tokens=False)
-    rng = np.random.RandomState(0)
-    starts = rng.randint(0, len(ids) - 2 * args.passage_len, 4 * args.reps + 2 * sum(batch_sizes))
+            kw = dict(speculative_method="medusa", speculative_model=_heads_with_tree(m, k),
+                      num_speculative_tokens=k)
+        gens[m] = Generator.from_pretrained(str(path), **engine, **kw)
+    return gens
+
+
+def _batch1_prompts(args, tokenizer, ids: list[int], starts: np.ndarray) -> tuple[dict, list[list[int]]]:
+    """The batch-1 workloads' prompts -> ({"free" | "copy" | "json": (prompts, params)}, the copy
+    prompts' continuations of their passages)."""
+    from jaxinfer import SamplingParams, StructuredOutputs
     free = [ids[s: s + args.prompt_len] for s in starts[: args.reps]]
     copy, copy_continuations = [], []
     for s in starts[args.reps: 2 * args.reps]:
@@ -156,17 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         copy_continuations.append(passage[16:])
     json_prompts = []
     for s in starts[len(starts) - args.reps:]:            # past what the load workloads read
-        words = gens["none"].tokenizer.decode(ids[s: s + args.passage_len]).replace("\n", " ").replace('"', "'")
+        words = tokenizer.decode(ids[s: s + args.passage_len]).replace("\n", " ").replace('"', "'")
         record = json.dumps({"quote": " ".join(words.split())}, separators=(",", ":"), ensure_ascii=False)
-        json_prompts.append(gens["none"].tokenizer.encode(f"{record}\n{record}\n", add_special_tokens=False))
-    report = {"benchmark": "speculative decoding", "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
-              "device": device_info(), "model": str(path), "config": vars(args), "workloads": {}}
-
-    from jaxinfer import SamplingParams, StructuredOutputs
+        json_prompts.append(tokenizer.encode(f"{record}\n{record}\n", add_special_tokens=False))
     json_params = SamplingParams(max_tokens=args.output_len, temperature=0.0, structured_outputs=StructuredOutputs(
         json=json.dumps({"type": "object", "properties": {"quote": {"type": "string"}}, "required": ["quote"],
                          "additionalProperties": False})))
-    workloads = {"free": (free, None), "copy": (copy, None), "json": (json_prompts, json_params)}
+    return {"free": (free, None), "copy": (copy, None), "json": (json_prompts, json_params)}, copy_continuations
+
+
+def _run_batch1(args, gens: dict, workloads: dict, copy_continuations: list[list[int]], report: dict) -> None:
+    """Each batch-1 workload, every method on the same prompt back to back, into report["workloads"]."""
     for name in [w for w in args.workloads.split(",") if w]:
         prompts, params = workloads[name]
         runs = {m: [] for m in gens}
@@ -181,9 +183,65 @@ def main(argv: list[str] | None = None) -> int:
         print(name, {m: (round(v["decode_tok_s"], 1), round(v["ratio_vs_none"], 2), v["mean_acceptance_length"])
                      for m, v in report["workloads"][name].items() if m in gens}, flush=True)
 
-    # load: one method at a time (its engine under the default policy and one forced on), beside the
-    # same "none" engine, so that few engines live at once: each engine's XLA:CPU programs map about
-    # 1,100 memory regions apiece, and the kernel allows a process 65,530 (vm.max_map_count)
+
+def _run_load(args, none, path: Path, engine: dict, methods: list[str], batch_sizes: list[int],
+              load_prompts: dict, warm_prompts: dict) -> dict:
+    """load: one method at a time (its engine under the default policy and one forced on), beside the
+    same "none" engine, so that few engines live at once: each engine's XLA:CPU programs map about
+    1,100 memory regions apiece, and the kernel allows a process 65,530 (vm.max_map_count).
+    -> {batch: {method: {"none" | method | "forced": [run, ...]}}}"""
+    from jaxinfer import Generator
+    runs = {b: {} for b in batch_sizes}
+    for m in [m for m in methods if m in ("draft", "ngram", "medusa") and batch_sizes]:
+        none.reset_prefix_cache()   # every engine meets each prompt set first in the same rep
+        spec = dict(speculative_method=m, num_speculative_tokens=args.k)
+        engines = {m: Generator.from_pretrained(str(path), **engine, **spec),
+                   "forced": Generator.from_pretrained(str(path), **engine, **spec,
+                                                       speculative_max_batch=engine["max_num_seqs"])}
+        for b in batch_sizes:
+            for g in engines.values():   # unmeasured: the new engines' one-time costs, as "none" paid before
+                run(g, warm_prompts[b], args.load_output_len)
+            order = [("none", none), *engines.items()]
+            for rep in range(args.load_reps):
+                # alternate the order rep by rep, so that a drift of the machine's speed within a
+                # rep favours no engine
+                for name, g in (order if rep % 2 == 0 else order[::-1]):
+                    runs[b].setdefault(m, {}).setdefault(name, []).append(run(g, load_prompts[b], args.load_output_len))
+        del engines
+        gc.collect()
+    return runs
+
+
+def _load_point(runs: dict) -> dict:
+    """One batch size's load runs -> per method: its summary (and none's) with the forced-on figures."""
+    point = {}
+    for m, r in runs.items():
+        point["none"] = summarise({"none": r["none"]}, "output_tok_s")["none"]
+        point[m] = summarise({"none": r["none"], m: r[m]}, "output_tok_s")[m]
+        drafts, acc = sum(x["drafts"] for x in r["forced"]), sum(x["accepted"] for x in r["forced"])
+        point[m]["forced_on"] = {"output_tok_s": float(np.median([x["output_tok_s"] for x in r["forced"]])),
+                                 "ratio_vs_none": float(np.median([x["output_tok_s"] / n["output_tok_s"]
+                                                                   for x, n in zip(r["forced"], r["none"])])),
+                                 "mean_acceptance_length": 1 + acc / drafts if drafts else None}
+    return point
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    path = model_path(args.model)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    engine = dict(max_num_seqs=max([1, *batch_sizes]), max_num_batched_tokens=args.max_num_batched_tokens)
+    gens = _generators(path, methods, args.k, engine)
+    tokenizer = gens["none"].tokenizer
+    ids = tokenizer.encode((path / "heldout.txt").read_text(), add_special_tokens=False)
+    rng = np.random.RandomState(0)
+    starts = rng.randint(0, len(ids) - 2 * args.passage_len, 4 * args.reps + 2 * sum(batch_sizes))
+    workloads, copy_continuations = _batch1_prompts(args, tokenizer, ids, starts)
+    report = {"benchmark": "speculative decoding", "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
+              "device": device_info(), "model": str(path), "config": vars(args), "workloads": {}}
+    _run_batch1(args, gens, workloads, copy_continuations, report)
+
     offset = 2 * args.reps
     load_prompts, warm_prompts = {}, {}
     for b in batch_sizes:
@@ -195,33 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     for m in [m for m in gens if m != "none"]:
         del gens[m]
     gc.collect()
-    runs = {b: {} for b in batch_sizes}
-    for m in [m for m in methods if m in ("draft", "ngram", "medusa") and batch_sizes]:
-        gens["none"].reset_prefix_cache()   # every engine meets each prompt set first in the same rep
-        engines = {m: Generator.from_pretrained(str(path), **common, speculative_method=m, num_speculative_tokens=args.k),
-                   "forced": Generator.from_pretrained(str(path), **common, speculative_method=m,
-                                                       num_speculative_tokens=args.k, speculative_max_batch=max_seqs)}
-        for b in batch_sizes:
-            for g in engines.values():   # unmeasured: the new engines' one-time costs, as "none" paid before
-                run(g, warm_prompts[b], args.load_output_len)
-            order = [("none", gens["none"]), *engines.items()]
-            for rep in range(args.load_reps):
-                # alternate the order rep by rep, so that a drift of the machine's speed within a
-                # rep favours no engine
-                for name, g in (order if rep % 2 == 0 else order[::-1]):
-                    runs[b].setdefault(m, {}).setdefault(name, []).append(run(g, load_prompts[b], args.load_output_len))
-        del engines
-        gc.collect()
+    runs = _run_load(args, gens["none"], path, engine, methods, batch_sizes, load_prompts, warm_prompts)
     for b in batch_sizes:
-        point = {}
-        for m, r in runs[b].items():
-            point["none"] = summarise({"none": r["none"]}, "output_tok_s")["none"]
-            point[m] = summarise({"none": r["none"], m: r[m]}, "output_tok_s")[m]
-            drafts, acc = sum(x["drafts"] for x in r["forced"]), sum(x["accepted"] for x in r["forced"])
-            point[m]["forced_on"] = {"output_tok_s": float(np.median([x["output_tok_s"] for x in r["forced"]])),
-                                     "ratio_vs_none": float(np.median([x["output_tok_s"] / n["output_tok_s"]
-                                                                       for x, n in zip(r["forced"], r["none"])])),
-                                     "mean_acceptance_length": 1 + acc / drafts if drafts else None}
+        point = _load_point(runs[b])
         report["workloads"][f"load-{b}"] = {"batch": b, **point}
         print(f"load {b}", {m: (round(v["output_tok_s"], 1), round(v["ratio_vs_none"], 2),
                                 v.get("forced_on", {}).get("ratio_vs_none"))

@@ -20,7 +20,7 @@ import argparse
 import numpy as np
 
 from bench import prefix_cache
-from bench.benchmark import device_info, device_slug, model_path, results_path, write_report
+from bench.common import device_info, device_slug, model_path, results_path, write_report
 
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"],
           "additionalProperties": False}

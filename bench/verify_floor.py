@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.benchmark import device_info, device_slug, model_config, model_path, results_path
+from bench.common import device_info, device_slug, model_config, model_path, results_path
 
 
 def bare_forward(cfg, context: int, seed: int = 0):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.benchmark import device_info, device_slug, results_path  # noqa: E402
+from bench.common import device_info, device_slug, results_path  # noqa: E402
 
 SHAPES = {
     "tiny-llama (bundled)": dict(d=256, heads=4, kv_heads=2, head_dim=64, ffn=704, vocab=4096, layers=8),

@@ -46,8 +46,9 @@ import jax.numpy as jnp
 
 from jaxinfer.kv_cache import CHUNK_GROUP, DECODE_GROUP, TREE_NONE, AttentionMetadata, LayerKV, write_kv
 from jaxinfer.quant import dot_precision
-from pallas_kernels.flash_attention import flash_attention, ragged_paged_attention
-from pallas_kernels.paged_attention import soft_cap
+from pallas_kernels.attention_common import soft_cap
+from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 NEG_INF = -1e30  # finite, so fully-masked padding rows give zeros instead of NaN
 
@@ -55,9 +56,10 @@ NEG_INF = -1e30  # finite, so fully-masked padding rows give zeros instead of Na
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *, scale: float,
               window: int | None = None, alibi: jax.Array | None = None, softcap: float | None = None,
               sinks: jax.Array | None = None, kv: LayerKV | None = None, meta: AttentionMetadata | None = None,
-              impl: str = "xla") -> tuple[jax.Array, LayerKV | None]:
+              impl: str = "xla", item_groups: tuple[int, int] | None = None) -> tuple[jax.Array, LayerKV | None]:
     """q [T, H, D], k/v [T, Hkv, D], positions [T], sinks [H] float32 or None -> (out [T, H, D],
-    updated pages or None)."""
+    updated pages or None). item_groups: (decode, chunk) work items the XLA paged attention takes
+    per loop iteration (None: kv_cache.DECODE_GROUP, CHUNK_GROUP; bench/attention_xla.py compares)."""
     if impl not in ("xla", "pallas"):
         raise ValueError(f"unknown attention implementation {impl!r}; use 'xla' or 'pallas'")
     if impl == "pallas" and isinstance(window, jax.Array):
@@ -80,10 +82,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
                                      v_scale=kv.v_scale)
         return out.astype(q.dtype), kv
     return paged_attention_xla(q, k, v, kv, positions, meta, scale=scale, window=window, alibi=alibi,
-                               softcap=softcap, sinks=sinks), kv
+                               softcap=softcap, sinks=sinks, item_groups=item_groups), kv
 
 
-def _mask_and_bias(q_pos: jax.Array, k_pos: jax.Array, window: int | None, alibi: jax.Array | None,
+def mask_and_bias(q_pos: jax.Array, k_pos: jax.Array, window: int | None, alibi: jax.Array | None,
                    extra_valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """q_pos [T], k_pos [T, L] or [L] -> valid [T, L] and ALiBi bias [H, T, L] (or None)."""
     k_pos = jnp.broadcast_to(k_pos, (q_pos.shape[0],) + k_pos.shape[-1:])
@@ -126,12 +128,12 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
     qg = q.reshape(t, hkv, h // hkv, d)                                # (T, Hkv, G, D)
     scores = soft_cap(jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32,
                                  precision=dot_precision(q.dtype)) * scale, softcap)
-    valid, bias = _mask_and_bias(positions, positions, window, alibi)
+    valid, bias = mask_and_bias(positions, positions, window, alibi)
     out = _softmax_attend(scores, valid, bias, v, "lkd", sinks)
     return out.reshape(t, h, d).astype(q.dtype)
 
 
-def _gather_context(kv: LayerKV, block_tables: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+def gather_context(kv: LayerKV, block_tables: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """Each sequence's pages in logical order: (Hkv, S, max_blocks * bs, D), dequantized if int8 or fp8."""
     hkv, _, bs, d = kv.k.shape
     s, max_blocks = block_tables.shape
@@ -150,7 +152,7 @@ def paged_attention_reference(q: jax.Array, kv: LayerKV, positions: jax.Array, m
     sequence's whole context from the pages. Memory O(T * max_context * D): a reference only."""
     t, h, d = q.shape
     hkv, _, bs, _ = kv.k.shape
-    k_seq, v_seq = _gather_context(kv, meta.block_tables, q.dtype)
+    k_seq, v_seq = gather_context(kv, meta.block_tables, q.dtype)
     k_tok, v_tok = k_seq[:, meta.seq_ids], v_seq[:, meta.seq_ids]             # (Hkv, T, L, D)
     qg = q.reshape(t, hkv, h // hkv, d)
     scores = soft_cap(jnp.einsum("tkgd,ktld->kgtl", qg, k_tok, preferred_element_type=jnp.float32,
@@ -160,7 +162,7 @@ def paged_attention_reference(q: jax.Array, kv: LayerKV, positions: jax.Array, m
     if meta.tree is not None:
         positions = meta.tree[:, 0]
         in_context &= _tree_visible(k_pos[None, :], meta.tree[:, 1:2], meta.tree[:, 2:3])
-    valid, bias = _mask_and_bias(positions, k_pos, window, alibi, extra_valid=in_context)
+    valid, bias = mask_and_bias(positions, k_pos, window, alibi, extra_valid=in_context)
     out = _softmax_attend(scores, valid, bias, v_tok, "ktld", sinks)
     return out.reshape(t, h, d).astype(q.dtype)
 
@@ -252,7 +254,7 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
 def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: jax.Array,
                         meta: AttentionMetadata, *, scale: float, window: int | None = None,
                         alibi: jax.Array | None = None, softcap: float | None = None,
-                        sinks: jax.Array | None = None) -> jax.Array:
+                        sinks: jax.Array | None = None, item_groups: tuple[int, int] | None = None) -> jax.Array:
     """Ragged paged attention over the work items of `meta` (kv_cache.build_attention_metadata).
     q [T,H,D], this step's k/v [T,Hkv,D] (already written to kv; read back from the pages like
     every other key) -> [T,H,D].
@@ -263,7 +265,8 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
     QUERY_TILE-token tile of a multi-token chunk can see (first chunks, later chunks of a chunked
     prefill, forked samples, any number of them: Q = QUERY_TILE * G). Two loops, one per kind, run
     over the real items only, so work and memory follow the KV blocks the step uses: no padding to
-    the longest context, no per-token gather. Padding tokens (in no row) output 0.
+    the longest context, no per-token gather. Padding tokens (in no row) output 0. item_groups:
+    (decode, chunk) items per loop iteration (None: DECODE_GROUP, CHUNK_GROUP).
     """
     del k, v
     if meta.num_items is None:   # hand-built metadata without work items: the plain definition
@@ -277,32 +280,33 @@ def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, p
     q_ext = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((1, h, d), jnp.float32)])   # row T: none
     pos_ext = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])
     kw = dict(scale=scale, window=window, alibi=alibi, softcap=softcap, sinks=sinks, precision=dot_precision(q.dtype))
+    decode_group, chunk_group = item_groups or (DECODE_GROUP, CHUNK_GROUP)
 
     # a step without decode rows (or without chunks) skips that part: at batch 1 most of a layer's
     # attention ops are the fixed cost of a part, not its work
     dec_tok = jnp.concatenate([meta.decode_tokens, jnp.full((1,), t, jnp.int32)])       # [S+1]; S: the dummy
-    dout = jax.lax.cond(meta.num_items[0] > 0, lambda: _attend_decode(q_ext, pos_ext, kv, meta, dec_tok, g, **kw),
+    dout = jax.lax.cond(meta.num_items[0] > 0, lambda: _attend_decode(q_ext, pos_ext, kv, meta, dec_tok, g, decode_group, **kw),
                         lambda: jnp.zeros((dec_tok.shape[0], hkv, g, d), jnp.float32))   # (S+1, Hkv, G, D)
     out = jnp.zeros((t + 1, hkv, g, d), jnp.float32)
-    out = jax.lax.cond(meta.num_items[1] > 0, lambda o: _attend_chunks(q_ext, pos_ext, kv, meta, o, **kw),
+    out = jax.lax.cond(meta.num_items[1] > 0, lambda o: _attend_chunks(q_ext, pos_ext, kv, meta, o, chunk_group, **kw),
                        lambda o: o, out)
     out = out.at[dec_tok].set(dout)                       # index T collects every padding entry
     return out[:t].reshape(t, h, d).astype(q.dtype)
 
 
 def _attend_decode(q_ext: jax.Array, pos_ext: jax.Array, kv: LayerKV, meta: AttentionMetadata, dec_tok: jax.Array,
-                   g: int, **kw) -> jax.Array:
+                   g: int, group: int, **kw) -> jax.Array:
     """paged_attention_xla's single-token rows: tile = row (dec_tok [S+1], row S: the padding items'
     dummy), its G query heads per kv head. -> (S+1, Hkv, G, D)."""
     hkv, d = kv.k.shape[0], q_ext.shape[-1]
     dq = q_ext[dec_tok].reshape(-1, hkv, g, d)                                           # (S+1, Hkv, G, D)
     dpos = jnp.broadcast_to(pos_ext[dec_tok][:, None], (dq.shape[0], g))
     return _attend_items(dq, dpos, kv, meta.decode_items, meta.num_items[0],
-                         group=min(DECODE_GROUP, meta.decode_items.shape[0]), **kw)
+                         group=min(group, meta.decode_items.shape[0]), **kw)
 
 
 def _attend_chunks(q_ext: jax.Array, pos_ext: jax.Array, kv: LayerKV, meta: AttentionMetadata, out: jax.Array,
-                   **kw) -> jax.Array:
+                   group: int, **kw) -> jax.Array:
     """paged_attention_xla's multi-token chunks: tiles of tq tokens x G heads (tile NT: the dummy),
     their outputs set into out [T+1, Hkv, G, D]."""
     t = q_ext.shape[0] - 1
@@ -317,6 +321,6 @@ def _attend_chunks(q_ext: jax.Array, pos_ext: jax.Array, kv: LayerKV, meta: Atte
         bits = jnp.concatenate([meta.tree[:, 2], jnp.zeros((1,), jnp.int32)])
         tree_tiles = (jnp.repeat(first[tiles], g, axis=1), jnp.repeat(bits[tiles], g, axis=1))
     cout = _attend_items(cq, cpos, kv, meta.chunk_items, meta.num_items[1],
-                         group=min(CHUNK_GROUP, meta.chunk_items.shape[0]), tree_tiles=tree_tiles, **kw)
+                         group=min(group, meta.chunk_items.shape[0]), tree_tiles=tree_tiles, **kw)
     cout = cout.reshape(-1, hkv, tq, g, d).transpose(0, 2, 1, 3, 4)                      # (NT+1, tq, Hkv, G, D)
     return out.at[tiles.reshape(-1)].set(cout.reshape(-1, hkv, g, d))

@@ -10,10 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common import add_speculative_args, speculative_kwargs
+from jaxinfer.config import BATCHING_CHOICES, DTYPE_CHOICES, KV_DTYPE_CHOICES, QUANTIZE_CHOICES
+
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model folder or jaxinfer checkpoint (default: the bundled model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto: float32 on CPU (XLA:CPU runs bfloat16 matmuls about 2x slower), else bfloat16")
 
 
@@ -41,23 +44,6 @@ def _follow(gen) -> int:
     n = gen.follow()
     print(f"process {g.process_id}: process 0 closed after {n} steps", file=sys.stderr, flush=True)
     return 0
-
-
-def add_speculative_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-method", default=None, choices=["draft", "ngram", "medusa"],
-                   help="speculative decoding: a draft model, n-gram prompt lookup, or Medusa heads with a "
-                        "candidate tree (exact: the output distribution is the model's)")
-    p.add_argument("--speculative-model", default=None,
-                   help="the draft model's or Medusa heads' folder (default for the bundled model: the bundled ones)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="proposals per sequence and step (medusa: the tree's depth, at most the heads)")
-    p.add_argument("--speculative-max-batch", type=int, default=None,
-                   help="speculate while at most this many sequences run or wait (default: the measured crossover)")
-
-
-def speculative_kwargs(args: argparse.Namespace) -> dict:
-    return dict(speculative_method=args.speculative_method, speculative_model=args.speculative_model,
-                num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -238,8 +224,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="the fraction of the accelerator's memory the engine may hold: weights, KV pool and "
                         "activations (default 0.9; vLLM's flag); also JAX's allocator cap unless "
                         "XLA_CLIENT_MEM_FRACTION is set")
-    p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
-    p.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "float16", "bfloat16", "float32"],
+    p.add_argument("--batching", default="continuous", choices=BATCHING_CHOICES)
+    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES,
                    help="KV cache dtype (default: the model's dtype)")
     p.add_argument("--max-decode-steps", type=int, default=8,
                    help="decode iterations one step may run on device when every sequence decodes "
@@ -299,9 +285,20 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's flags, one function each; `plan` and `bench` bring their own (jaxinfer/plan.py,
+    bench/benchmark.py), which never import this module back."""
+    from bench.benchmark import add_bench_parser
+    from jaxinfer.plan import add_plan_parser
+
     parser = argparse.ArgumentParser(prog="jaxinfer", description="JAX/XLA LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_generate, _add_convert, _add_quantize, _add_export_hf, _add_serve, _add_batch, _add_eval_ppl,
+                add_plan_parser, add_bench_parser):
+        add(sub)
+    return parser
 
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text from a prompt")
     _model_arg(g)
     g.add_argument("prompt", nargs="?", default=None)
@@ -322,12 +319,16 @@ def build_parser() -> argparse.ArgumentParser:
     _multihost_args(g)
     g.set_defaults(func=cmd_generate)
 
+
+def _add_convert(sub) -> None:
     c = sub.add_parser("convert", help="convert an HF safetensors folder to the native format")
     c.add_argument("hf_dir")
     c.add_argument("out_dir")
-    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    c.add_argument("--dtype", default="bfloat16", choices=[d for d in DTYPE_CHOICES if d != "auto"])
     c.set_defaults(func=cmd_convert)
 
+
+def _add_quantize(sub) -> None:
     qz = sub.add_parser("quantize", help="post-training quantization into a native checkpoint")
     qz.add_argument("model", help="HF model folder or jaxinfer checkpoint")
     qz.add_argument("out_dir")
@@ -341,6 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
     sym = qz.add_mutually_exclusive_group()
     sym.add_argument("--sym", dest="asym", action="store_false", help="symmetric grid (default)")
     sym.add_argument("--asym", dest="asym", action="store_true", help="asymmetric grid with zero points")
+    _calibration_args(qz)
+    _qat_args(qz)
+    qz.add_argument("--quiet", action="store_true", help="no progress bar")
+    qz.set_defaults(func=cmd_quantize, asym=False)   # (the first of two actions on one dest gives the default)
+
+
+def _calibration_args(qz: argparse.ArgumentParser) -> None:
+    """`jaxinfer quantize`: the calibration text and the GPTQ / SmoothQuant options."""
     qz.add_argument("--calib-text", default=None,
                     help="UTF-8 calibration text, disjoint from evaluation text (default: MODEL/calibration.txt)")
     qz.add_argument("--calib-tokens", type=int, default=65536,
@@ -358,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--act-calib percentile: the percentile of |x| mapped to 127")
     qz.add_argument("--act-asym", action="store_true",
                     help="smoothquant --act-scales static: asymmetric activation grid with a zero point")
+
+
+def _qat_args(qz: argparse.ArgumentParser) -> None:
+    """`jaxinfer quantize --method qat`: its training text and schedule (defaults: qat.py's DEFAULT_*)."""
     qz.add_argument("--train-text", default=None,
                     help="qat: UTF-8 text the model was trained on or will serve (never the evaluation text); "
                          "--qat-heldout of it is held out for early stopping")
@@ -374,14 +387,16 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--qat-temperature", type=float, default=2.0, help="qat: softmax temperature of the KL")
     qz.add_argument("--qat-heldout", type=float, default=0.1,
                     help="qat: share of the training text held out to pick the epoch by its KL")
-    qz.add_argument("--quiet", action="store_true", help="no progress bar")
-    qz.set_defaults(func=cmd_quantize, asym=False)   # (the first of two actions on one dest gives the default)
 
+
+def _add_export_hf(sub) -> None:
     ex = sub.add_parser("export-hf", help="write a (Llama-family) model as an HF transformers folder")
     ex.add_argument("out_dir")
     ex.add_argument("--model", default=None)
     ex.set_defaults(func=cmd_export_hf)
 
+
+def _add_serve(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _model_arg(sv)
     _engine_args(sv)
@@ -398,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     _multihost_args(sv)
     sv.set_defaults(func=cmd_serve)
 
+
+def _add_batch(sub) -> None:
     bt = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) offline")
     _model_arg(bt)
     _engine_args(bt)
@@ -407,24 +424,20 @@ def build_parser() -> argparse.ArgumentParser:
     _multihost_args(bt)
     bt.set_defaults(func=cmd_batch)
 
+
+def _add_eval_ppl(sub) -> None:
     e = sub.add_parser("eval-ppl", help="perplexity and bits per byte of a text file")
     _model_arg(e)
     e.set_defaults(dtype="float32")
     e.add_argument("--text", default=None, help="UTF-8 text file (default: the model's heldout.txt)")
     e.add_argument("--window", type=int, default=256)
     e.add_argument("--stride", type=int, default=None, help="default: window // 2")
-    e.add_argument("--quantize", default=None, choices=["int8", "int4", "fp8"],
+    e.add_argument("--quantize", default=None, choices=QUANTIZE_CHOICES,
                    help="quantization at load time (weights; fp8 on GPU also scales activations to e4m3)")
-    e.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "float16", "bfloat16", "float32"],
+    e.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES,
                    help="score through the paged KV cache in this dtype")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval_ppl)
-
-    from jaxinfer.plan import add_plan_parser
-    add_plan_parser(sub)
-    from bench.benchmark import add_bench_parser
-    add_bench_parser(sub)
-    return parser
 
 
 def cap_xla_allocator(memory_fraction: float | None) -> None:

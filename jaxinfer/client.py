@@ -12,8 +12,11 @@ benchmarks) talks to the engine through this class and nothing else:
 It owns the lock that serialises access to the engine, submits several prompts all-or-nothing
 (a ValueError for one prompt rolls back the ones already added), routes each delta to the
 callback its request was submitted with, aggregates finished outputs (Completion), and exposes
-what adapters need (queued sequences, per-request metrics, stats, step observers) as public
-methods, so no adapter reads the scheduler, the lock or the engine's counters.
+what adapters need (queued sequences, per-request metrics, stats, step observers, the resolved
+configuration, the benchmarks' and profiler's hooks, the multi-host follower's step) as public
+methods, so no adapter reads the engine's internals (its scheduler, runner, block manager, step
+functions or counters) or the lock. The client itself goes no further than the engine's public
+methods. Its public output types: RequestOutput (one step's delta of one sample) and Completion.
 """
 from __future__ import annotations
 
@@ -23,9 +26,11 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.config import ResolvedConfig, SamplingParams
 from jaxinfer.engine import Engine, RequestOutput, StepTrace
 from jaxinfer.host.request import LatencyMetrics
+
+__all__ = ["Completion", "EngineClient", "RequestMetrics", "RequestOutput", "Route", "SubmitError"]
 
 Route = Callable[[RequestOutput], None]
 
@@ -86,6 +91,16 @@ class EngineClient:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def resolved(self) -> ResolvedConfig:
+        """The settings the engine runs with, every "auto" and None decided (config.resolve_config)."""
+        return self.engine.resolved
+
+    def warmup(self) -> None:
+        """Compile every step shape now; afterwards serving compiles nothing."""
+        with self._lock:
+            self.engine.warmup()
+
     def has_unfinished(self) -> bool:
         with self._lock:
             return self.engine.has_unfinished()
@@ -125,21 +140,34 @@ class EngineClient:
     def replay_step(self, inputs) -> None:
         """Profiling only: run the step of next_step_inputs() (again) and wait for it."""
         with self._lock:
-            self.engine.runner.replay(inputs)
+            self.engine.replay_step(inputs)
 
     def step_hlo(self, inputs) -> str:
         """Profiling only: the compiled step's optimized HLO for next_step_inputs()' shapes."""
         with self._lock:
-            return self.engine.runner.step_hlo(inputs)
+            return self.engine.step_hlo(inputs)
+
+    def choose_token_buckets(self, smallest: int) -> None:
+        """Benchmarks, before warm-up: pad each step to the smallest token bucket that holds it, the
+        buckets starting at `smallest` (what a one-row decode step costs padded to it)."""
+        with self._lock:
+            self.engine.choose_token_buckets(smallest)
+
+    def kv_pool_bytes(self) -> int:
+        """Device bytes the KV pool takes (a benchmark's memory accounting)."""
+        with self._lock:
+            return self.engine.kv_pool_bytes()
 
     def free_kv_pages(self) -> None:
         """Delete the KV pages now (a benchmark sizing the next engine from free device memory);
         this engine cannot step afterwards."""
-        import jax
         with self._lock:
-            for x in jax.tree.leaves(self.engine.runner.kv_pages):
-                x.delete()
-            self.engine.runner.kv_pages = None
+            self.engine.free_kv_pages()
+
+    def run_published_step(self, arrays: list) -> None:
+        """Multi-host followers: run the step process 0 published (jaxinfer.distributed.step_arrays)."""
+        with self._lock:
+            self.engine.run_published(arrays)
 
     def locked(self, fn: Callable[[], object]) -> object:
         """Run fn() while holding the engine lock (multi-host: publish and run in one order)."""

@@ -1,9 +1,12 @@
-"""Configuration: the model's architecture (ModelConfig), the engine's knobs (EngineConfig)
-and one request's decoding knobs (SamplingParams).
+"""Configuration: the model's architecture (ModelConfig), the engine's knobs (EngineConfig), the
+settings decided from them once (ResolvedConfig, resolve_config) and one request's decoding knobs
+(SamplingParams).
 
-All three are frozen dataclasses. `ModelConfig.from_hf` reads a Hugging Face config.json through
-jaxinfer/models/hf_configs.py, the only place that knows how each supported family spells things;
-the model code reads ModelConfig only. This module never imports jax.
+All are frozen dataclasses. A Hugging Face config.json becomes a ModelConfig in
+jaxinfer/models/hf_configs.py (model_config_from_hf), the only place that knows how each supported
+family spells things; the model code reads ModelConfig only. The values each engine setting takes are
+listed once here (the *_CHOICES constants below), for EngineConfig's checks and cli.py's flags.
+This module never imports jax.
 """
 from __future__ import annotations
 
@@ -12,9 +15,21 @@ import json
 import math
 import numbers
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from jaxinfer import perf
+
+
+# The values of EngineConfig's settings, listed once: EngineConfig checks them and cli.py offers them
+# as its flags' choices (None, where a setting allows it, is the flag left out).
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")          # EngineConfig.dtype, --dtype
+ATTENTION_CHOICES = ("pallas", "xla", "auto")                       # EngineConfig.attention, --attention
+QUANTIZE_CHOICES = ("int8", "int4", "fp8")                          # EngineConfig.quantize, --quantize
+KV_DTYPE_CHOICES = ("int8", "fp8", "float16", "bfloat16", "float32")  # EngineConfig.kv_dtype, --kv-dtype
+BATCHING_CHOICES = ("continuous", "static", "dynamic")              # EngineConfig.batching, --batching
+SPECULATIVE_METHODS = ("draft", "ngram", "medusa")                  # EngineConfig.speculative_method
+# The smallest per-step token budget: the runner's first token bucket holds up to 8 tokens.
+MIN_TOKEN_BUDGET = 8
 
 # Stop strings: at most this many per request, each at most this many characters. The engine looks
 # for them in each step's new text plus the last MAX_STOP_LENGTH - 1 characters, so a step's stop
@@ -56,7 +71,8 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     """One decoder-only transformer. Every supported HF family maps onto these fields
-    (jaxinfer/models/hf_configs.py says how each family's config.json spells them)."""
+    (jaxinfer/models/hf_configs.py says how each family's config.json spells them, and
+    model_config_from_hf reads one)."""
     vocab_size: int
     d_model: int
     n_layers: int
@@ -203,14 +219,20 @@ class ModelConfig:
     def num_params(self) -> int:
         """Exact parameter count of this architecture (embeddings included, tied counted once; every
         expert of a mixture counted)."""
-        return self._count_params(self.num_experts)
+        return self.param_counts()["total"]
 
     def num_active_params(self) -> int:
         """Parameters one token runs through: num_params with num_experts_per_tok experts per MoE
         layer instead of all of them (the router counted whole). Equal to num_params for a dense model."""
-        return self._count_params(self.num_experts_per_tok)
+        c = self.param_counts()
+        return c["total"] - c["experts"] + c["moe_layers"] * self.num_experts_per_tok * c["expert"]
 
-    def _count_params(self, experts: int) -> int:
+    def param_counts(self) -> dict[str, int]:
+        """The one parameter count, split by how a step uses each part (jaxinfer.perf's cost model and
+        jaxinfer.plan read the parts): "embedding" (the token table, V d; a tied one is also the LM
+        head), "lm_head" (V d when untied, else 0), "positions" (a learned position table), "expert"
+        (one expert of one MoE layer), "experts" (every expert of every MoE layer), "moe_layers",
+        "total". Checked against transformers' models in the tests."""
         d, f, h, kv, hd = self.d_model, self.ffn_dim, self.n_heads, self.n_kv_heads, self.head_dim
         per_norm = 2 if self.norm == "layernorm" else 1
         norm_p = per_norm * d
@@ -221,15 +243,17 @@ class ModelConfig:
         mlp = (3 if self.gated_mlp else 2) * d * f
         mlp += ((2 * f if self.gated_mlp else f) + d) if self.mlp_bias else 0
         fe = self.expert_ffn_dim
-        moe = experts * (3 * d * fe + ((2 * fe + d) if self.mlp_bias else 0))
-        moe += d * self.num_experts + (self.num_experts if self.router_bias else 0)
+        expert = 3 * d * fe + ((2 * fe + d) if self.mlp_bias else 0)
+        router = d * self.num_experts + (self.num_experts if self.router_bias else 0)
         norms = (4 if self.post_norms else 2) * norm_p
         n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
-        total = self.n_layers * (attn + norms) + (self.n_layers - n_moe) * mlp + n_moe * moe + norm_p
-        total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        total += self.max_position_embeddings * d if self.position == "learned" else 0
-        total += norm_p if self.embed_norm else 0
-        return total
+        out = {"embedding": self.vocab_size * d, "lm_head": 0 if self.tie_embeddings else self.vocab_size * d,
+               "positions": self.max_position_embeddings * d if self.position == "learned" else 0,
+               "expert": expert if n_moe else 0, "experts": n_moe * self.num_experts * expert, "moe_layers": n_moe}
+        blocks = self.n_layers * (attn + norms) + (self.n_layers - n_moe) * mlp + n_moe * router + out["experts"]
+        out["total"] = (blocks + norm_p + (norm_p if self.embed_norm else 0)
+                        + out["embedding"] + out["lm_head"] + out["positions"])
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -248,25 +272,6 @@ class ModelConfig:
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         return cls(**d)
-
-    @classmethod
-    def from_hf(cls, config: str | Path | dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face config.json (a path to the file or its folder, or the parsed dict)."""
-        where = "config.json"
-        if not isinstance(config, dict):
-            path = Path(config)
-            path = path / "config.json" if path.is_dir() else path
-            try:
-                config = json.loads(path.read_text())
-            except FileNotFoundError:
-                raise ConfigError(f"no config.json at {path}") from None
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"{path} is not valid JSON: {e}") from None
-            where = str(path)
-            if not isinstance(config, dict):
-                raise ConfigError(f"{path}: expected a JSON object, got {type(config).__name__}")
-        from jaxinfer.models.hf_configs import build_model_config   # the families: one builder each
-        return build_model_config(config, where)
 
 
 def _is_int(v: Any) -> bool:
@@ -427,10 +432,10 @@ class SamplingParams:
 MAX_SPECULATIVE_TOKENS = 16
 # The load policy's default per backend (resolve_config): speculate while at most this many sequences
 # run or wait. CPU: 1. bench/speculative.py on the bundled model, speculation forced on against none
-# (2026-11-25-cpu-speculative.json): at 2 sequences draft 0.62x, n-gram 0.59x, Medusa 0.40x; at 4
-# 0.54x / 0.43x / 0.37x; at 16 and 64 0.26-0.45x (at 1, the batch-1 workloads: n-gram 1.3-1.5x,
-# draft 0.9-1.2x): XLA:CPU's matmuls are compute-bound once a step holds a few rows, so verifying
-# 1 + k tokens a row costs nearly 1 + k tokens. Accelerators: 8, not measured (no GPU lent yet): a
+# (2026-11-25-cpu-speculative.json): at 2 sequences draft 0.72x, n-gram 0.66x, Medusa 0.46x; at 4
+# 0.64x / 0.49x / 0.35x; at 16 and 64 0.25-0.48x (at 1: README's batch-1 table): XLA:CPU's matmuls
+# are compute-bound once a step holds a few rows, so verifying 1 + k tokens a row costs nearly
+# 1 + k tokens. Accelerators: 8, not yet measured on a GPU: a
 # decode step stays bound by reading the weights until it holds about as many tokens as the chip
 # does FLOPs per byte read (~300 on an H100 in bfloat16), so 8 rows x 5 verified tokens should cost
 # little more than 8.
@@ -440,7 +445,8 @@ DEFAULT_SPECULATIVE_MAX_BATCH_ACCELERATOR = 8
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The serving engine's knobs (see DESIGN.md)."""
+    """The serving engine's knobs (see DESIGN.md), as the user gave them; resolve_config decides
+    every "auto" and None once (ResolvedConfig), and the engine reads that."""
     dtype: str = "auto"                 # auto (float32 on CPU, else bfloat16) | bfloat16 | float32 | float16
     attention: str = "auto"             # pallas | xla | auto
     # None | int8 | int4 | fp8, at load time: weight-only (fp8 on GPU also scales activations to e4m3 per token)
@@ -450,12 +456,14 @@ class EngineConfig:
     pipeline_parallel: int = 1
     pipeline_microbatches: int | None = None   # micro-batches per step with pipeline_parallel > 1 (None: = pp)
     max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512   # tokens one step computes at most (at least MIN_TOKEN_BUDGET are allowed)
     block_size: int = 16
     num_blocks: int | None = None       # None: sized from free memory (memory_fraction)
     # num_blocks=None on an accelerator: the engine holds at most this fraction of the device's memory,
     # weights, KV pool and activations together (vLLM's gpu_memory_utilization)
     memory_fraction: float = 0.9
     batching: str = "continuous"        # static | dynamic | continuous
+    batch_window_s: float = 0.05        # dynamic batching: how long the oldest waiting request may wait
     max_model_len: int | None = None    # None: the model's max_position_embeddings
     max_decode_steps: int = 8           # decode iterations per step on device when every row decodes
     async_scheduling: bool = True       # plan and dispatch step N+1 before step N's tokens reach the host
@@ -466,10 +474,9 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        choices = {"dtype": ("auto", "bfloat16", "float32", "float16"), "attention": ("pallas", "xla", "auto"),
-                   "quantize": (None, "int8", "int4", "fp8"), "kv_dtype": (None, "int8", "fp8", "float16", "bfloat16", "float32"),
-                   "batching": ("static", "dynamic", "continuous"),
-                   "speculative_method": (None, "draft", "ngram", "medusa")}
+        choices = {"dtype": DTYPE_CHOICES, "attention": ATTENTION_CHOICES, "quantize": (None, *QUANTIZE_CHOICES),
+                   "kv_dtype": (None, *KV_DTYPE_CHOICES), "batching": BATCHING_CHOICES,
+                   "speculative_method": (None, *SPECULATIVE_METHODS)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
@@ -493,7 +500,8 @@ class EngineConfig:
 # ------------------------------------------------------------------------------ resolved settings
 def resolve_dtype_name(dtype: str, backend: str, weight_dtype: str | None = None) -> str:
     """"auto" -> the dtype the weights are in when known, else float32 on CPU (XLA:CPU runs bfloat16
-    matmuls about 2x slower than float32) and bfloat16 on accelerators; explicit names stay."""
+    matmuls about 2x slower than float32) and bfloat16 on accelerators; explicit names stay.
+    The one rule for the model dtype: the loaders (weights.resolve_dtype) and resolve_config use it."""
     if dtype != "auto":
         return dtype
     return weight_dtype or ("float32" if backend == "cpu" else "bfloat16")
@@ -501,7 +509,7 @@ def resolve_dtype_name(dtype: str, backend: str, weight_dtype: str | None = None
 
 def resolve_impl_name(requested: str, backend: str) -> str:
     """"auto" -> the Pallas kernels on GPU, XLA elsewhere; "pallas" and "xla" stay."""
-    if requested not in ("auto", "pallas", "xla"):
+    if requested not in ATTENTION_CHOICES:
         raise ValueError(f"unknown implementation {requested!r}; use 'pallas', 'xla' or 'auto'")
     if requested == "auto":
         return "pallas" if backend == "gpu" else "xla"
@@ -511,7 +519,7 @@ def resolve_impl_name(requested: str, backend: str) -> str:
 def pallas_unsupported(model_cfg: ModelConfig, block_size: int) -> str | None:
     """Why the Pallas (Triton) kernels cannot run this model on a GPU, or None: Triton needs every
     tile dimension a power of two and dot operands of >= 16 along the contracted head_dim
-    (pallas_kernels/paged_attention.check_triton_shapes; interpret mode on CPU has neither limit)."""
+    (pallas_kernels/attention_common.check_triton_shapes; interpret mode on CPU has neither limit)."""
     d = model_cfg.head_dim
     if d < 16 or d & (d - 1):
         return f"head_dim {d} is not a power of two >= 16"
@@ -521,19 +529,45 @@ def pallas_unsupported(model_cfg: ModelConfig, block_size: int) -> str | None:
 
 
 @dataclass(frozen=True)
+class PoolInputs:
+    """What the KV pool is sized from when num_blocks is None, gathered by the engine (which may
+    import jax) before resolve_config: the allocator's memory stats of each process's first device
+    (bytes_limit, bytes_in_use: the loaded weights are in use already, so they count once; None or
+    no bytes_limit: a host CPU), and what of the model the pool's arithmetic needs besides its
+    ModelConfig. resolve_config turns them into the block bytes, the step's activation reserve and
+    the pool (perf.size_kv_pool); multi-host, every process takes the smallest pool any of them fits."""
+    stats: tuple[dict | None, ...]      # this process's first, then the other processes'
+    platform: str                       # the device's platform: cpu | gpu | tpu
+    host_ram: int                       # bytes of host RAM (a host pool takes at most a share of it)
+    env: dict[str, str] = field(default_factory=dict)   # the allocator's environment (XLA_CLIENT_MEM_FRACTION)
+    kv_shards: int = 1                  # devices that split each block (tp when KV heads are sharded, x pp)
+    draft: ModelConfig | None = None    # a draft model, whose pages use the same blocks
+    activation_dtype_bytes: int = 4     # bytes of one activation element (the loaded weights' dtype)
+
+
+@dataclass(frozen=True)
 class ResolvedConfig:
-    """An EngineConfig with every "auto" and None decided, built once by resolve_config(). The
-    engine, its scheduler and runner configs and the quantized matmuls read this, never the
-    EngineConfig's unresolved fields."""
-    engine: EngineConfig
+    """Every setting the engine, its scheduler and runner configs, the step and the quantized
+    matmuls read, with every "auto" and None decided, built once by resolve_config(). Nothing below
+    the engine reads an EngineConfig."""
     backend: str                 # jax.default_backend() it was resolved for: cpu | gpu | tpu
     dtype: str                   # float32 | bfloat16 | float16
-    kv_dtype: str                # int8 | fp8 | float16 | bfloat16 | float32
+    kv_dtype: str                # int8 | fp8 | float16 | bfloat16 | float32: the one name the pages are known by
     attention: str               # pallas | xla
     matmul: str                  # pallas | xla: quantized matmuls follow the attention choice
     num_blocks: int              # KV blocks in the pool, the null block 0 included
+    block_size: int
     max_model_len: int           # capped so one sequence of it fits in the pool
+    max_num_seqs: int
+    max_num_batched_tokens: int  # the step's token budget (at least MIN_TOKEN_BUDGET)
     max_decode_steps: int        # 1 where a step cannot loop on the device (pipeline stages)
+    batching: str                # continuous | static | dynamic
+    batch_window_s: float
+    enable_prefix_caching: bool
+    async_scheduling: bool       # False for pipeline stages (one step at a time)
+    pipeline_microbatches: int | None   # None: one per pipeline stage
+    memory_fraction: float
+    speculative_method: str | None = None
     spec_tokens: int = 0         # proposals per decoding row (0: no speculative decoding)
     spec_rounds: int = 1         # draft / n-gram: speculation rounds one step may run on the device
     spec_max_batch: int = 0      # the load policy: speculate while at most this many sequences run or wait
@@ -541,18 +575,41 @@ class ResolvedConfig:
 
     @property
     def pool_tokens(self) -> int:
-        return (self.num_blocks - 1) * self.engine.block_size
+        return (self.num_blocks - 1) * self.block_size
 
 
 def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, weight_dtype: str | None = None,
-                   size_pool: Callable[[str, int], Any] | None = None, pipelined: bool = False) -> ResolvedConfig:
+                   memory: PoolInputs | None = None, pipelined: bool = False) -> ResolvedConfig:
     """The one place settings are decided. backend: jax.default_backend(); weight_dtype: the dtype
-    the loaded weights are in (what dtype="auto" means for an engine); size_pool(kv_dtype,
-    max_model_len) -> perf.PoolSize when cfg.num_blocks is None (sized from device memory by the
-    caller, which may import jax; this function never does). A pool that cannot hold one sequence
-    of max_model_len is a ConfigError naming the numbers and the settings that fix it."""
+    the loaded weights are in (what dtype="auto" means for an engine); memory: what sizes the KV
+    pool when cfg.num_blocks is None (PoolInputs, gathered by the caller, which may import jax;
+    this function never does). A pool that cannot hold one sequence of max_model_len is a
+    ConfigError naming the numbers and the settings that fix it."""
     dtype = resolve_dtype_name(cfg.dtype, backend, weight_dtype)
     kv_dtype = cfg.kv_dtype or dtype
+    attention = _resolve_attention(cfg, model_cfg, backend)
+    max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
+    pool = None
+    if cfg.num_blocks is not None:
+        num_blocks = cfg.num_blocks
+    elif memory is not None:
+        pool = size_pool(cfg, model_cfg, kv_dtype, max_model_len, memory)
+        num_blocks = pool.num_blocks
+    else:
+        raise ValueError("num_blocks=None needs memory (PoolInputs) to size the KV pool from free memory")
+    check_pool_fits(cfg, max_model_len, num_blocks, pool)
+    spec_tokens, spec_rounds, spec_max_batch = _speculation(cfg, backend)
+    return ResolvedConfig(
+        backend, dtype, kv_dtype, attention, attention, num_blocks, cfg.block_size, max_model_len, cfg.max_num_seqs,
+        max(cfg.max_num_batched_tokens, MIN_TOKEN_BUDGET), 1 if pipelined else cfg.max_decode_steps, cfg.batching,
+        cfg.batch_window_s, cfg.enable_prefix_caching, cfg.async_scheduling and not pipelined,
+        cfg.pipeline_microbatches, cfg.memory_fraction, cfg.speculative_method, spec_tokens=spec_tokens,
+        spec_rounds=spec_rounds, spec_max_batch=spec_max_batch, pool=pool)
+
+
+def _resolve_attention(cfg: EngineConfig, model_cfg: ModelConfig, backend: str) -> str:
+    """pallas | xla for this model on this backend: Medusa's tree mask is the XLA attention's, and on
+    a GPU "auto" falls back to XLA for shapes the Triton kernels cannot take (explicit "pallas": refused)."""
     attention = resolve_impl_name(cfg.attention, backend)
     if cfg.speculative_method == "medusa":
         # the tree mask (kv_cache.AttentionMetadata.tree) is the XLA attention's; it compares slot
@@ -567,18 +624,12 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
     if unsupported and cfg.attention == "pallas":
         raise ConfigError(f'attention="pallas" cannot run this model on a GPU: {unsupported}; use attention="xla" '
                           f'(or "auto", which picks it)')
-    if unsupported:
-        attention = "xla"
-    max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
-    pool = None
-    if cfg.num_blocks is not None:
-        num_blocks = cfg.num_blocks
-    elif size_pool is not None:
-        pool = size_pool(kv_dtype, max_model_len)
-        num_blocks = pool.num_blocks
-    else:
-        raise ValueError("num_blocks=None needs size_pool to size the KV pool from free memory")
-    _check_pool_fits(cfg, max_model_len, num_blocks, pool)
+    return "xla" if unsupported else attention
+
+
+def _speculation(cfg: EngineConfig, backend: str) -> tuple[int, int, int]:
+    """(proposals per decoding row, rounds one step may run, the load policy's batch limit); (0, 1, 0)
+    without speculative decoding."""
     spec = cfg.num_speculative_tokens if cfg.speculative_method else 0
     max_batch = (cfg.speculative_max_batch if cfg.speculative_max_batch is not None else
                  DEFAULT_SPECULATIVE_MAX_BATCH.get(backend, DEFAULT_SPECULATIVE_MAX_BATCH_ACCELERATOR))
@@ -591,15 +642,39 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
     # host's work between steps is not overlapped: a step's length depends on what it accepts)
     rounds = {"draft": -(-cfg.max_decode_steps // 2), "ngram": cfg.max_decode_steps,
               "medusa": cfg.max_decode_steps}.get(cfg.speculative_method, 1)
-    return ResolvedConfig(cfg, backend, dtype, kv_dtype, attention, attention, num_blocks, max_model_len,
-                          1 if pipelined else cfg.max_decode_steps, spec_tokens=spec,
-                          spec_max_batch=max_batch if spec else 0, spec_rounds=rounds, pool=pool)
+    return spec, rounds, max_batch if spec else 0
 
 
-def _check_pool_fits(cfg: EngineConfig, max_model_len: int, num_blocks: int, pool: Any) -> None:
+def size_pool(cfg: EngineConfig, model_cfg: ModelConfig, kv_dtype: str, max_model_len: int,
+              memory: PoolInputs) -> perf.PoolSize:
+    """The KV pool of num_blocks=None (perf.size_kv_pool) from the gathered memory: on an
+    accelerator, memory_fraction of its memory less what is in use and the step's activations
+    (perf.step_activation_bytes at the token budget and every row's logits); on a host CPU, what
+    max_num_seqs sequences of max_model_len need, capped at a share of RAM. Multi-host: this
+    process's pool with the fewest blocks any process fits (one global array)."""
+    mc, bs = model_cfg, cfg.block_size
+    block_bytes = bs * perf.kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_dtype) // memory.kv_shards
+    if memory.draft is not None:   # a draft model's pages use the same blocks
+        d = memory.draft
+        block_bytes += bs * perf.kv_bytes_per_token(d.n_layers, d.n_kv_heads, d.head_dim, kv_dtype)
+    spec_rows = 1 + (cfg.num_speculative_tokens if cfg.speculative_method else 0)
+    reserve = perf.step_activation_bytes(
+        tokens=max(cfg.max_num_batched_tokens, MIN_TOKEN_BUDGET), rows=cfg.max_num_seqs * spec_rows,
+        d_model=mc.d_model,
+        # a mixture of experts holds each token's k experts' hidden states at once
+        ffn_dim=max(mc.ffn_dim, mc.num_experts_per_tok * (mc.moe_ffn_dim or mc.ffn_dim) if mc.num_experts else 0),
+        n_heads=mc.n_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size, dtype_bytes=memory.activation_dtype_bytes)
+    pools = [perf.size_kv_pool(block_bytes=block_bytes, memory_fraction=cfg.memory_fraction, stats=stats,
+                               platform=memory.platform, env=memory.env, reserve=reserve, host_ram=memory.host_ram,
+                               wanted_blocks=cfg.max_num_seqs * math.ceil(max_model_len / bs) + 1)
+             for stats in memory.stats]
+    return dataclasses.replace(pools[0], num_blocks=min(p.num_blocks for p in pools))
+
+
+def check_pool_fits(cfg: EngineConfig, max_model_len: int, num_blocks: int, pool: perf.PoolSize | None) -> None:
     """One sequence of max_model_len must fit in the pool (block 0 is the null block): otherwise an
     error naming the numbers and the settings that fix it, as vLLM refuses to start, rather than a
-    context silently shortened to what the pool holds."""
+    context silently shortened to what the pool holds. pool: how num_blocks was sized (None: given)."""
     pool_tokens = (num_blocks - 1) * cfg.block_size
     if max_model_len <= pool_tokens:
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 from collections import deque
 import random
 import time
@@ -17,25 +18,19 @@ from typing import Callable
 
 import jax
 import numpy as np
-from flax import nnx
 
-from jaxinfer.config import EngineConfig, SamplingParams, resolve_config
+from jaxinfer.config import EngineConfig, PoolInputs, ResolvedConfig, SamplingParams, resolve_config
 from jaxinfer import perf
 from jaxinfer.host.block_manager import BlockManager
 from jaxinfer.host.request import Request
 from jaxinfer.host.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxinfer.host.speculative import Proposer, SpecStats
 from jaxinfer.host.structured import Grammars, StructuredOutputError
-from jaxinfer.kv_cache import kv_storage_dtype
-from jaxinfer.models.decoder import Decoder, set_matmul_impl
+from jaxinfer.models.decoder import Decoder, set_matmul_impl, weight_bytes
 from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
-from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig, kv_pool_size
+from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, hold_back
 from jaxinfer.sharding import model_mesh
-
-
-def _jnp_dtype(name: str):
-    return kv_storage_dtype(name)
 
 
 class RequestError(ValueError):
@@ -72,12 +67,16 @@ class _TextState:
 
 @dataclass(frozen=True)
 class StepTrace:
-    """What Engine.step() ran, for step observers (bench/metrics.StepLog): the plan it scheduled,
-    as (start, num_tokens) per sequence, the step's wall time, and the device time of the step
-    whose tokens it applied (None when it applied none)."""
+    """What one Engine.step() call did, for step observers (bench/metrics.StepLog): the step whose
+    tokens it applied, as (start, num_tokens) per sequence and how many iterations the device ran
+    each (a multi-step decode runs several; empty when it applied none, e.g. the first call under
+    async scheduling, or a draft catch-up step, which reads none of the target's bytes), the call's
+    wall time, and the applied step's device time per iteration (None when it applied none). These
+    are what Engine.stats() counts bytes from, so a benchmark's MBU counts the same bytes."""
     spans: tuple[tuple[int, int], ...]
     wall_s: float
     device_s: float | None
+    iterations: tuple[int, ...] = ()
 
 
 @dataclass
@@ -85,6 +84,8 @@ class StepStats:
     step_times: deque = field(default_factory=lambda: deque(maxlen=1024))
     host_times: deque = field(default_factory=lambda: deque(maxlen=1024))   # engine.step() less waiting
     bandwidth: deque = field(default_factory=lambda: deque(maxlen=64))   # bytes/s of recent steps
+    bytes_read: float = 0.0              # by every step that ran the model (perf.ModelCost.step_bytes)
+    device_time_s: float = 0.0           # those steps' device time
     num_steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -97,79 +98,38 @@ class Engine:
     fault_injector: Callable[[], None] | None = None
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer | None, cfg: EngineConfig,
-                 max_num_batched_tokens: int = 512, batch_window_s: float = 0.05, draft_model: Decoder | None = None,
-                 medusa_heads: tuple | None = None):
+                 draft_model: Decoder | None = None, medusa_heads: tuple | None = None,
+                 publish_step: Callable[..., None] | None = None):
         """draft_model: the draft of speculative_method="draft" (same vocabulary; its KV pages use
         the target's blocks). medusa_heads: (MedusaHeads, Tree) of speculative_method="medusa"
-        (medusa.load_heads checked them against this model)."""
+        (medusa.load_heads checked them against this model). publish_step: multi-host, process 0:
+        called with every step's host inputs before the step runs (runner.ModelRunner)."""
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
-        self.cfg = cfg
+        self.cfg = cfg   # the settings as given; everything the engine runs with reads self.resolved
         _check_draft(model, draft_model, cfg)
         medusa_heads = _check_medusa(model, medusa_heads, cfg)
-        weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-        mesh = model_mesh(model)
-        tp = 1 if mesh is None else mesh.shape["tensor"]
-        pp = 1 if mesh is None else mesh.shape["pipeline"]   # pipeline ranks hold their layers' pages only
-
-        tokens_budget = max(max_num_batched_tokens, 8)
-        mc = self.model_cfg
-        embed_dtype = model.embed.get_value().dtype if hasattr(model, "embed") else None
-
-        def size_pool(kv_dtype: str, max_model_len: int) -> perf.PoolSize:
-            # the loaded weights (a draft model's too) are allocated already: memory in use counts them
-            spec_rows = 1 + (cfg.num_speculative_tokens if cfg.speculative_method else 0)
-            reserve = perf.step_activation_bytes(
-                tokens=tokens_budget, rows=cfg.max_num_seqs * spec_rows, d_model=mc.d_model,
-                # a mixture of experts holds each token's k experts' hidden states at once
-                ffn_dim=max(mc.ffn_dim, mc.num_experts_per_tok * (mc.moe_ffn_dim or mc.ffn_dim) if mc.num_experts else 0),
-                n_heads=mc.n_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
-                dtype_bytes=embed_dtype.itemsize if embed_dtype is not None else 4)
-            return kv_pool_size(mc, cfg.block_size, _jnp_dtype(kv_dtype), cfg.max_num_seqs, max_model_len,
-                                cfg.memory_fraction, reserve,
-                                kv_shards=(tp if mc.n_kv_heads % tp == 0 else 1) * pp,
-                                draft_cfg=None if draft_model is None else draft_model.cfg)
-
+        weights = weight_bytes(model)   # before the pool is sized: the weights are in memory already
         # every setting decided once ("auto" dtype: the dtype the weights are in); everything below reads it
-        self.resolved = r = resolve_config(
-            cfg, mc, backend=jax.default_backend(),
-            weight_dtype=None if embed_dtype is None else str(embed_dtype),
-            size_pool=size_pool, pipelined=isinstance(model, PipelinedDecoder))
-        if r.pool is not None:
-            logging.getLogger("jaxinfer").info("KV pool: %s", r.pool.describe())
-            if r.pool.allocator_bound:
-                logging.getLogger("jaxinfer").warning(
-                    "JAX's allocator may use %.2f GiB of this device's %.2f GiB, less than memory_fraction %g of it: "
-                    "set XLA_CLIENT_MEM_FRACTION=%g before jax starts (the jaxinfer commands do) for a larger KV pool",
-                    r.pool.allocator_limit / 2**30, r.pool.device_bytes / 2**30, cfg.memory_fraction, cfg.memory_fraction)
+        self.resolved = r = _resolve(model, cfg, draft_model)
         self.max_model_len = r.max_model_len
-        kv_dtype = _jnp_dtype(r.kv_dtype)
         set_matmul_impl(model, r.matmul)   # before the runner splits the model: the graph holds it
-        self.blocks = BlockManager(r.num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
+        self.blocks = BlockManager(r.num_blocks, r.block_size, enable_caching=r.enable_prefix_caching)
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
         eos = eos or self.model_cfg.eos_token_ids
-        # multi-step decoding runs the model inside a device loop; the pipeline's stages do not loop
-        self.scheduler = Scheduler(
-            SchedulerConfig(cfg.batching, cfg.max_num_seqs, tokens_budget, r.max_model_len, batch_window_s,
-                            max_decode_steps=r.max_decode_steps,
-                            # a Medusa row proposes its tree's nodes (spec_tokens: the tree's depth)
-                            spec_tokens=len(medusa_heads[1].paths) if medusa_heads else r.spec_tokens,
-                            spec_max_batch=r.spec_max_batch, spec_rounds=r.spec_rounds,
-                            lazy_draft=draft_model is not None, step_proposes=medusa_heads is not None),
-            self.blocks, eos_ids=eos)
+        # structured outputs: grammars compiled against this tokenizer, masks filled by the runner
+        self.grammars = Grammars(tokenizer, self.model_cfg.vocab_size, eos)
+        self.scheduler = _build_scheduler(r, self.blocks, eos, draft_model is not None,
+                                          None if medusa_heads is None else medusa_heads[1])
         self.spec_stats = SpecStats(r.spec_tokens)
-        if r.spec_tokens:
-            depths = tuple(len(p) for p in medusa_heads[1].paths) if medusa_heads else ()
-            proposer = Proposer(cfg.speculative_method, tree_depths=depths, on_device=True)
-            self.scheduler.propose, self.scheduler.spec_draws = proposer, proposer.draws
-        runner_cfg = RunnerConfig(cfg.block_size, r.num_blocks, cfg.max_num_seqs, tokens_budget, r.max_model_len,
-                                  r.attention, max_decode_steps=r.max_decode_steps, eos_ids=tuple(eos),
-                                  spec_tokens=r.spec_tokens, spec_rounds=r.spec_rounds)
         if isinstance(model, PipelinedDecoder):
-            self.runner = PipelineRunner(model, runner_cfg, kv_dtype, cfg.pipeline_microbatches or model.pp)
+            self.runner = PipelineRunner(model, runner_config(r, eos), r.pipeline_microbatches or model.pp,
+                                         grammars=self.grammars)
         else:
-            self.runner = ModelRunner(model, runner_cfg, kv_dtype, draft_model, medusa_heads)
-        self.weight_bytes = weight_bytes
+            self.runner = ModelRunner(model, runner_config(r, eos), draft_model, medusa_heads, self.grammars,
+                                      publish_step)
+        self.weights = weights
+        self.cost = perf.ModelCost.build(self.model_cfg, weights, self.runner.kv_bytes_per_token)
         self.device_spec = perf.device_for_kind(jax.devices()[0].device_kind)   # None: peak unknown (CPU)
         self._text: dict[str, _TextState] = {}
         self._groups: dict[str, list[str]] = {}   # request id -> ids of its n samples
@@ -177,16 +137,15 @@ class Engine:
         self.stats_ = StepStats()
         self.warmed_up = False
         # async scheduling needs the device to feed in-flight tokens: not across pipeline stages (one
-        # step at a time) nor multi-host (followers run published steps; see runner.publish_step)
-        self.async_scheduling = cfg.async_scheduling and not isinstance(self.runner, PipelineRunner)
+        # step at a time) nor multi-host (followers run published steps: the Generator turns it off)
+        self.async_scheduling = r.async_scheduling
         self._inflight: Launched | None = None
         self._waited = 0.0
         self._last_done = 0.0
         self._step_observers: list[Callable[[StepTrace], None]] = []
         self._device_s: float | None = None   # device time of the step applied by this step()
-        # structured outputs: grammars compiled against this tokenizer, masks filled by the runner
-        self.grammars = Grammars(tokenizer, self.model_cfg.vocab_size, eos)
-        self.runner.grammars = self.grammars
+        self._applied: list[tuple[tuple[int, int], int]] = []   # (span, iterations) applied by this step()
+        self._published_treedef = None        # multi-host followers: the StepInputs pytree structure
         self.num_constrained_requests = 0
 
     def warmup(self) -> None:
@@ -293,6 +252,39 @@ class Engine:
         self.runner.fill_masks()
         return inputs, plan.num_decode_iters
 
+    def replay_step(self, inputs) -> None:
+        """Profiling only: run the step of next_step_inputs() (again) and wait for it."""
+        self.runner.replay(inputs)
+
+    def step_hlo(self, inputs) -> str:
+        """Profiling only: the compiled step's optimized HLO for next_step_inputs()' shapes."""
+        return self.runner.step_hlo(inputs)
+
+    def choose_token_buckets(self, smallest: int) -> None:
+        """Benchmarks, before warm-up: pad steps to token buckets starting at `smallest`."""
+        assert not self.warmed_up, "choose the token buckets before warm-up compiles them"
+        self.runner.choose_token_buckets(smallest)
+
+    def kv_pool_bytes(self) -> int:
+        """Device bytes the KV pages take (every layer's K, V and scales, a draft model's too)."""
+        return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.runner.kv_pages)))
+
+    def free_kv_pages(self) -> None:
+        """Delete the KV pages now (a benchmark sizing the next engine from free device memory);
+        this engine cannot step afterwards."""
+        for x in jax.tree.leaves(self.runner.kv_pages):
+            x.delete()
+        self.runner.kv_pages = None
+
+    def run_published(self, arrays: list) -> None:
+        """Multi-host followers: run the step process 0 published, its StepInputs as the flat host
+        arrays of jaxinfer.distributed.step_arrays (same executable, pages donated)."""
+        from jaxinfer.distributed import step_inputs
+        if self._published_treedef is None:
+            r = self.runner
+            self._published_treedef = jax.tree.structure(r.empty_inputs(r.token_buckets[0], r.block_buckets[0]))
+        self.runner.run_published(step_inputs(list(arrays), self._published_treedef))
+
     def add_step_observer(self, callback: Callable[[StepTrace], None]) -> None:
         """callback(StepTrace) after every step() that scheduled sequences (benchmarks' step log)."""
         self._step_observers.append(callback)
@@ -340,8 +332,10 @@ class Engine:
         t1 = time.perf_counter()
         self.stats_.host_times.append(t1 - t0 - self._waited)
         self._waited = 0.0
-        if self._step_observers and plan.seqs:
-            trace = StepTrace(tuple((q.start, q.num_tokens) for q in plan.seqs), t1 - t0, self._device_s)
+        applied, self._applied = self._applied, []
+        if self._step_observers and (plan.seqs or applied):
+            trace = StepTrace(tuple(span for span, _ in applied), t1 - t0, self._device_s,
+                              tuple(its for _, its in applied))
             for observe in self._step_observers:
                 observe(trace)
         return deltas
@@ -386,8 +380,8 @@ class Engine:
         # the device's time for this step: from its dispatch, or from the end of the step before it
         dt = max(done - max(launched.t_launch, self._last_done), 1e-9)
         self._last_done = done
-        # bytes read: every iteration reads every weight once plus each sequence's whole KV context,
-        # which grows by one token per iteration of a multi-step decode
+        # bytes read (perf.ModelCost): per iteration the weights and each sequence's KV context, which
+        # grows by one token per iteration of a multi-step decode
         counts = launched.spec_counts
         its = [int(counts[i, 0]) or 1 if q.spec else max(1, len(samples.get(q.request.request_id, ())))
                for i, q in enumerate(plan.seqs)]
@@ -395,12 +389,11 @@ class Engine:
             if q.spec and q.request.request_id in samples:
                 self.spec_stats.add(counts[i])
         iters = max(its)
-        context = sum(n * (q.start + q.num_tokens) + n * (n - 1) // 2 for q, n in zip(plan.seqs, its))
         self._device_s = dt / iters
         if plan.run_target:   # (a draft catch-up step reads none of the target's weights or K/V)
-            self.stats_.step_times.append(dt / iters)
-            self.stats_.bandwidth.append(perf.bytes_read(self.weight_bytes, self.runner.kv_bytes_per_token, context,
-                                                         iters) / dt)
+            spans = [(q.start, q.num_tokens) for q in plan.seqs]
+            self._count_bytes(perf.StepRecord(dt, spans, iterations=its), iters)
+            self._applied += zip(spans, its)
         before = {q.request.request_id: len(q.request.output_ids) for q in plan.seqs}
         for q in plan.seqs:
             st = self._text.get(q.request.request_id)
@@ -472,7 +465,18 @@ class Engine:
         return outs
 
     # ---------------------------------------------------------------- stats
+    def _count_bytes(self, step: perf.StepRecord, iters: int) -> None:
+        """Add one completed step's bytes (the cost model's, as the benchmarks and `jaxinfer plan`
+        count them) and device time to the live MBU figures."""
+        nbytes = self.cost.step_bytes(step)
+        self.stats_.step_times.append(step.time_s / iters)
+        self.stats_.bandwidth.append(nbytes / step.time_s)
+        self.stats_.bytes_read += nbytes
+        self.stats_.device_time_s += step.time_s
+
     def stats(self) -> dict:
+        """Counters and gauges (served on /metrics). MBU: the median achieved bandwidth of recent steps
+        (perf.ModelCost bytes over device time) over the datasheet's peak (None when unknown)."""
         s = self.stats_
         bw = float(np.median(s.bandwidth)) if s.bandwidth else None
         return {
@@ -500,11 +504,16 @@ class Engine:
             "async_scheduling": self.async_scheduling,
             "achieved_bandwidth_bytes_per_s": bw,
             "mbu": perf.mbu(bw, None if self.device_spec is None else self.device_spec.bandwidth),
-            "weight_bytes": self.weight_bytes,
-            "kv_bytes_per_token": self.runner.kv_bytes_per_token,
+            "bytes_read": s.bytes_read,
+            "device_time_s": s.device_time_s,
+            "weight_bytes": self.weights.total,
+            "embedding_table_bytes": self.weights.tables,
+            "embedding_row_bytes": self.weights.row,
+            "expert_weight_bytes": self.weights.experts,
+            "kv_bytes_per_token": self.cost.kv_bytes_per_token,
             "max_model_len": self.max_model_len,
-            "block_size": self.cfg.block_size,
-            "speculative_method": self.cfg.speculative_method,
+            "block_size": self.resolved.block_size,
+            "speculative_method": self.resolved.speculative_method,
             "num_speculative_tokens": self.resolved.spec_tokens,
             **self.spec_stats.as_dict(),
             # speculative_method="draft": positions the draft recomputed to catch up with the target
@@ -546,3 +555,96 @@ def _check_draft(model, draft: Decoder | None, cfg: EngineConfig) -> None:
         raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) differs from the "
                          f"target's ({model.cfg.vocab_size}): a draft must share the target's tokenizer")
 
+
+
+# ------------------------------------------------------------------------------ building the engine
+def _resolve(model, cfg: EngineConfig, draft_model: Decoder | None) -> ResolvedConfig:
+    """resolve_config for this model on this backend: the weights' dtype is what dtype="auto" means,
+    and with num_blocks=None the device's memory is gathered first (pool_inputs) so that config
+    sizes the pool from it. Logs how the pool was sized."""
+    embed_dtype = model.embed.get_value().dtype if hasattr(model, "embed") else None
+    memory = _pool_inputs(model, draft_model, embed_dtype) if cfg.num_blocks is None else None
+    r = resolve_config(cfg, model.cfg, backend=jax.default_backend(),
+                       weight_dtype=None if embed_dtype is None else str(embed_dtype), memory=memory,
+                       pipelined=isinstance(model, PipelinedDecoder))
+    if r.pool is not None:
+        log = logging.getLogger("jaxinfer")
+        log.info("KV pool: %s", r.pool.describe())
+        if r.pool.allocator_bound:
+            log.warning(
+                "JAX's allocator may use %.2f GiB of this device's %.2f GiB, less than memory_fraction %g of it: "
+                "set XLA_CLIENT_MEM_FRACTION=%g before jax starts (the jaxinfer commands do) for a larger KV pool",
+                r.pool.allocator_limit / 2**30, r.pool.device_bytes / 2**30, r.memory_fraction, r.memory_fraction)
+    return r
+
+
+def pool_device():
+    """The device whose memory sizes the pool: this process's first (every device of a mesh holds
+    the same share of weights and pages)."""
+    return jax.local_devices()[0]
+
+
+def _pool_inputs(model, draft_model: Decoder | None, embed_dtype) -> PoolInputs:
+    """What config.size_pool sizes the KV pool from: the allocator's stats of every process's first
+    device (the loaded weights, a draft model's too, are allocated already: memory in use counts
+    them), the host's RAM, and how the model splits each block over its mesh."""
+    mesh = model_mesh(model)
+    tp = 1 if mesh is None else mesh.shape["tensor"]
+    pp = 1 if mesh is None else mesh.shape["pipeline"]   # pipeline ranks hold their layers' pages only
+    device = pool_device()
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 8 << 30
+    return PoolInputs(stats=_stats_of_every_process(device.memory_stats()), platform=device.platform,
+                      host_ram=ram, env=dict(os.environ),
+                      kv_shards=(tp if model.cfg.n_kv_heads % tp == 0 else 1) * pp,
+                      draft=None if draft_model is None else draft_model.cfg,
+                      activation_dtype_bytes=embed_dtype.itemsize if embed_dtype is not None else 4)
+
+
+def _stats_of_every_process(stats: dict | None) -> tuple[dict | None, ...]:
+    """(this process's allocator stats, then every other process's): multi-host, every process must
+    allocate the same pool (one global array), the largest that fits on all of them."""
+    if jax.process_count() == 1:
+        return (stats,)
+    from jax.experimental import multihost_utils
+    known = bool(stats) and "bytes_limit" in stats
+    values = (int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))) if known else (0, 0)
+    # 31-bit halves: jax gathers int32 unless 64-bit mode is on
+    row = np.array([known] + [half for v in values for half in (v >> 31, v & 0x7FFFFFFF)], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(row))
+
+    def unpacked(r) -> dict | None:
+        return {"bytes_limit": int(r[1]) << 31 | int(r[2]), "bytes_in_use": int(r[3]) << 31 | int(r[4])} if r[0] else None
+    return (stats, *(unpacked(r) for i, r in enumerate(every) if i != jax.process_index()))
+
+
+def scheduler_config(r: ResolvedConfig, lazy_draft: bool = False, medusa_tree=None) -> SchedulerConfig:
+    """The scheduler's settings from the resolved ones. lazy_draft: a draft model whose pages may
+    lag; medusa_tree: the Medusa tree (cut to num_speculative_tokens), whose nodes a row proposes."""
+    return SchedulerConfig(r.batching, r.max_num_seqs, r.max_num_batched_tokens, r.max_model_len, r.batch_window_s,
+                           # multi-step decoding runs the model in a device loop; pipeline stages do not loop
+                           max_decode_steps=r.max_decode_steps,
+                           spec_tokens=len(medusa_tree.paths) if medusa_tree is not None else r.spec_tokens,
+                           spec_max_batch=r.spec_max_batch, spec_rounds=r.spec_rounds,
+                           lazy_draft=lazy_draft, step_proposes=medusa_tree is not None)
+
+
+def runner_config(r: ResolvedConfig, eos_ids: tuple[int, ...]) -> RunnerConfig:
+    """The runner's settings from the resolved ones (eos_ids: what ends a row on the device)."""
+    return RunnerConfig(r.block_size, r.num_blocks, r.max_num_seqs, r.max_num_batched_tokens, r.max_model_len,
+                        r.kv_dtype, r.attention, max_decode_steps=r.max_decode_steps, eos_ids=tuple(eos_ids),
+                        spec_tokens=r.spec_tokens, spec_rounds=r.spec_rounds)
+
+
+def _build_scheduler(r: ResolvedConfig, blocks: BlockManager, eos_ids: tuple[int, ...], lazy_draft: bool,
+                     medusa_tree) -> Scheduler:
+    """The scheduler with its proposer when the engine speculates (the draft model's or n-gram's
+    placeholders, or Medusa's trees)."""
+    proposer = None
+    if r.spec_tokens:
+        depths = tuple(len(p) for p in medusa_tree.paths) if medusa_tree is not None else ()
+        proposer = Proposer(r.speculative_method, tree_depths=depths, on_device=True)
+    return Scheduler(scheduler_config(r, lazy_draft, medusa_tree), blocks, eos_ids=eos_ids, propose=proposer,
+                     spec_draws=None if proposer is None else proposer.draws)

@@ -119,25 +119,34 @@ def draft_model_path(target: Path, method: str | None, draft: str | Path | None)
 
 
 class Generator:
-    def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, max_num_batched_tokens: int = 512,
-                 warmup: bool = True, draft_model=None, medusa_heads=None):
+    def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, max_num_batched_tokens: int | None = None,
+                 warmup: bool = True, draft_model=None, medusa_heads=None, channel=None):
+        """max_num_batched_tokens: when given, replaces cfg's (EngineConfig.max_num_batched_tokens).
+        channel: multi-host, the jaxinfer.distributed.StepChannel of this process's group
+        (from_pretrained makes it): process 0 publishes every step and gen.logits call on it, the
+        others follow() them; async scheduling is then off (followers need every input token)."""
         from jaxinfer.compilation_cache import enable_compilation_cache
         from pallas_kernels.autotune import log_budget_summary
 
         enable_compilation_cache()   # every front door: the step programs load from disk next time
+        if max_num_batched_tokens is not None:
+            cfg = dataclasses.replace(cfg, max_num_batched_tokens=max_num_batched_tokens)
+        if channel is not None:
+            cfg = dataclasses.replace(cfg, async_scheduling=False)
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
         self.cfg = cfg
-        self.engine = Engine(model, tokenizer, cfg, max_num_batched_tokens, draft_model=draft_model,
-                             medusa_heads=medusa_heads)
-        graphdef, params = nnx.split(model)
-        impl = self.engine.resolved.attention
-        self._forward = jax.jit(lambda p, t, pos: nnx.merge(graphdef, p)(t, pos, impl=impl)[0])
-        self._params = params
+        self._channel = channel
+        publish = None
+        if channel is not None and channel.group.is_leader:   # every step's host inputs go to the others first
+            from jaxinfer.distributed import step_arrays
+            publish = lambda inputs: channel.publish("step", step_arrays(inputs))  # noqa: E731
+        self.engine = Engine(model, tokenizer, cfg, draft_model=draft_model, medusa_heads=medusa_heads,
+                             publish_step=publish)
         self.client = EngineClient(self.engine)
-        self._channel = None   # multi-host: a jaxinfer.distributed.StepChannel (from_pretrained)
+        self._forward, self._params = _full_forward(model, self.client.resolved.attention, channel is not None)
         if warmup:
-            self.engine.warmup()
+            self.client.warmup()
             log_budget_summary()     # warm-up traced every step shape: kernels left untuned are known
 
     @classmethod
@@ -175,7 +184,8 @@ class Generator:
         (jaxinfer/speculative.py, jaxinfer/medusa.py)."""
         cfg = EngineConfig(dtype=dtype, attention=attention, quantize=quantize, kv_dtype=kv_dtype,
                            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                           max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           block_size=block_size, num_blocks=num_blocks,
                            memory_fraction=memory_fraction, batching=batching, max_model_len=max_model_len,
                            pipeline_microbatches=pipeline_microbatches, max_decode_steps=max_decode_steps,
                            async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
@@ -185,50 +195,24 @@ class Generator:
         draft_path = draft_model_path(path, speculative_method, speculative_model)
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
         group = distributed.initialize(coordinator_address, num_processes, process_id)
-        dtype = resolve_dtype(dtype)   # after initialize: it asks jax for the backend
-        cfg = dataclasses.replace(cfg, dtype=dtype)
+        # the model's dtype, decided once by config.resolve_dtype_name's rule (after initialize: it asks
+        # jax for the backend); the loaders and the engine all read this explicit name
+        cfg = dataclasses.replace(cfg, dtype=resolve_dtype(dtype))
         if pipeline_parallel > 1:
             if group is not None:
                 raise ValueError("pipeline_parallel > 1 is not available across several processes (multi-host)")
-            from jaxinfer.pipeline import load_pipelined
-            from jaxinfer.sharding import make_mesh
-            mesh = make_mesh(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
-            model = load_pipelined(path, dtype, mesh, quantize)   # float HF: each device reads only its layers
-            return cls(model, load_tokenizer(path), cfg, max_num_batched_tokens, warmup)
+            return cls(_load_pipelined(path, cfg), load_tokenizer(path), cfg, None, warmup)
         mesh = None
         if tensor_parallel > 1:
             from jaxinfer.sharding import make_mesh
             mesh = make_mesh(tensor_parallel=tensor_parallel)   # clear error if too few devices
-        channel = None
-        if group is not None:
-            distributed.check_mesh_spans_processes(mesh)
-            channel = distributed.StepChannel(group)
-            config_json = path / "config.json"   # the model: its config (paths may differ per host)
-            model_sha = hashlib.sha256(config_json.read_bytes()).hexdigest()[:16] if config_json.exists() else None
-            channel.check_same("settings", dict(dataclasses.asdict(cfg), max_num_batched_tokens=max_num_batched_tokens,
-                                                warmup=warmup, model_config_sha256=model_sha))
-        model, _ = load_model(path, dtype, mesh=mesh)           # each weight read straight into its shards
-        if group is None:   # fused qkv / gate_up, columns grouped per device (models/decoder.py); multi-host
-            # keeps the unfused names for now (tests/multihost_worker.py reads layers/0/mlp/up)
-            model = fuse_decoder(model, tensor_parallel, consume=True)
-        if quantize is not None:
-            quantize_decoder(model, quantize)
-        if mesh is not None:   # the fused weights' tensor-parallel layout, QuantizedWeights included
-            from jaxinfer.sharding import shard_decoder
-            shard_decoder(model, mesh)
-        draft = heads = None
-        if draft_path is not None:
-            if group is not None:
-                raise ValueError("speculative decoding is not available across several processes (multi-host)")
-            if speculative_method == "medusa":
-                heads = load_heads(draft_path, model, model.embed.get_value().dtype)
-            else:
-                draft = load_draft(draft_path, dtype)
-        gen = cls(model, load_tokenizer(path), cfg, max_num_batched_tokens, warmup, draft_model=draft,
-                  medusa_heads=heads)
-        if channel is not None:
-            gen._join(channel)
-        return gen
+        channel = None if group is None else _join_group(group, mesh, path, cfg, warmup)
+        model = _load_decoder(path, cfg, mesh, fuse=group is None)
+        if draft_path is not None and group is not None:
+            raise ValueError("speculative decoding is not available across several processes (multi-host)")
+        draft, heads = _load_speculative(draft_path, speculative_method, model, cfg.dtype)
+        return cls(model, load_tokenizer(path), cfg, None, warmup, draft_model=draft, medusa_heads=heads,
+                   channel=channel)
 
     # ---------------------------------------------------------------- inputs
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -307,17 +291,6 @@ class Generator:
         return self.client.reset_prefix_cache()
 
     # ---------------------------------------------------------------- multi-host (jaxinfer.distributed)
-    def _join(self, channel) -> None:
-        from jax.sharding import NamedSharding, PartitionSpec
-        from jaxinfer.distributed import step_arrays
-        self._channel = channel
-        # process 0 reads whole logits rows: replicated, not left vocab-sharded across processes
-        self._forward = jax.jit(self._forward, out_shardings=NamedSharding(self.engine.runner.mesh, PartitionSpec()))
-        # followers run each step from its published host inputs: every input token must be on the host
-        self.engine.async_scheduling = False
-        if channel.group.is_leader:   # every step's host inputs go to the other processes first
-            self.engine.runner.publish_step = lambda inputs: channel.publish("step", step_arrays(inputs))
-
     @property
     def process_group(self):
         """The jaxinfer.distributed.ProcessGroup of a multi-host generator, else None."""
@@ -342,11 +315,8 @@ class Generator:
         if self._channel is None or self._channel.group.is_leader:
             raise RuntimeError("follow() is for multi-host processes other than 0 "
                                "(Generator.from_pretrained(..., process_id=1, ...))")
-        from jaxinfer.distributed import step_inputs
-        runner = self.engine.runner
-        treedef = jax.tree.structure(runner.empty_inputs(runner.token_buckets[0], runner.block_buckets[0]))
         return self._channel.follow({
-            "step": lambda *arrays: runner.run_published(step_inputs(list(arrays), treedef)),
+            "step": lambda *arrays: self.client.run_published_step(list(arrays)),
             "logits": lambda tokens, positions: self._forward(self._params, jnp.asarray(tokens),
                                                               jnp.asarray(positions)),
         })
@@ -356,3 +326,62 @@ class Generator:
         exit if not called. No-op on a single process and on followers."""
         if self._channel is not None:
             self.client.locked(self._channel.close)
+
+
+# ------------------------------------------------------------------------------ from_pretrained's steps
+def _full_forward(model, impl: str, replicated: bool):
+    """(jitted forward(params, tokens, positions) -> logits [T, vocab], the model's params): what
+    gen.logits runs, outside the engine. replicated (multi-host): process 0 reads whole logits
+    rows, so they come back replicated, not left vocab-sharded across processes."""
+    graphdef, params = nnx.split(model)
+    forward = lambda p, t, pos: nnx.merge(graphdef, p)(t, pos, impl=impl)[0]  # noqa: E731
+    if not replicated:
+        return jax.jit(forward), params
+    from jax.sharding import NamedSharding, PartitionSpec
+    from jaxinfer.sharding import model_mesh
+    return jax.jit(forward, out_shardings=NamedSharding(model_mesh(params), PartitionSpec())), params
+
+
+def _load_pipelined(path: Path, cfg: EngineConfig):
+    """A PipelinedDecoder over a tensor x pipeline mesh (float HF: each device reads only its layers)."""
+    from jaxinfer.pipeline import load_pipelined
+    from jaxinfer.sharding import make_mesh
+    mesh = make_mesh(tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel)
+    return load_pipelined(path, cfg.dtype, mesh, cfg.quantize)
+
+
+def _join_group(group, mesh, path: Path, cfg: EngineConfig, warmup: bool):
+    """Multi-host: the StepChannel of this process's group, once every process has checked that it
+    runs the same settings and model config (paths may differ per host)."""
+    from jaxinfer import distributed
+    distributed.check_mesh_spans_processes(mesh)
+    channel = distributed.StepChannel(group)
+    config_json = path / "config.json"
+    model_sha = hashlib.sha256(config_json.read_bytes()).hexdigest()[:16] if config_json.exists() else None
+    channel.check_same("settings", dict(dataclasses.asdict(cfg), warmup=warmup, model_config_sha256=model_sha))
+    return channel
+
+
+def _load_decoder(path: Path, cfg: EngineConfig, mesh, fuse: bool):
+    """The target model: each weight read straight into its shards, fused (qkv / gate_up, columns
+    grouped per device: models/decoder.py) unless multi-host (fuse False: it keeps the unfused
+    names for now; tests/multihost_worker.py reads layers/0/mlp/up), quantized, then laid out on
+    the mesh (the fused weights' tensor-parallel layout, QuantizedWeights included)."""
+    model, _ = load_model(path, cfg.dtype, mesh=mesh)
+    if fuse:
+        model = fuse_decoder(model, cfg.tensor_parallel, consume=True)
+    if cfg.quantize is not None:
+        quantize_decoder(model, cfg.quantize)
+    if mesh is not None:
+        from jaxinfer.sharding import shard_decoder
+        shard_decoder(model, mesh)
+    return model
+
+
+def _load_speculative(draft_path: Path | None, method: str | None, model, dtype: str) -> tuple:
+    """(draft model, Medusa heads): the one speculative_method needs, the other None."""
+    if draft_path is None:
+        return None, None
+    if method == "medusa":
+        return None, load_heads(draft_path, model, model.embed.get_value().dtype)
+    return load_draft(draft_path, dtype), None

@@ -163,16 +163,17 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def blocks_per_item(block_size: int) -> int:
-    return max(1, KEYS_PER_ITEM // block_size)
+def blocks_per_item(block_size: int, keys_per_item: int = KEYS_PER_ITEM) -> int:
+    return max(1, keys_per_item // block_size)
 
 
-def work_item_capacity(num_tokens: int, num_seqs: int, max_blocks: int, block_size: int) -> tuple[int, int, int]:
+def work_item_capacity(num_tokens: int, num_seqs: int, max_blocks: int, block_size: int,
+                       keys_per_item: int = KEYS_PER_ITEM) -> tuple[int, int, int]:
     """Static (ND, NT, NC) of a (T, S, B) bucket: the most decode items, chunk tiles and chunk
     items any step of that bucket can have (S rows of <= B blocks; T tokens in >= 2-token rows
     make at most T // QUERY_TILE + min(S, T // 2) tiles)."""
     tiles = num_tokens // QUERY_TILE + min(num_seqs, num_tokens // 2)
-    per_row = -(-max_blocks // blocks_per_item(block_size))
+    per_row = -(-max_blocks // blocks_per_item(block_size, keys_per_item))
     return (_round_up(max(num_seqs * per_row, 1), DECODE_GROUP), max(tiles, 1),
             _round_up(max(tiles * per_row, 1), CHUNK_GROUP))
 
@@ -184,10 +185,12 @@ def attention_buckets(token_buckets: Sequence[int], block_buckets: Sequence[int]
 
 
 def build_attention_metadata(rows: Sequence[StepRow], block_size: int, num_tokens_bucket: int,
-                             num_seqs_bucket: int, num_blocks_bucket: int) -> AttentionMetadata:
+                             num_seqs_bucket: int, num_blocks_bucket: int,
+                             keys_per_item: int = KEYS_PER_ITEM) -> AttentionMetadata:
     """Numpy metadata of one step, padded to (T, S, B) = the buckets: tokens of row i at
     [query_start_loc[i], query_start_loc[i+1]), padding tokens to PAD_SLOT, padding rows empty.
-    B must cover every row's blocks up to start + num_tokens. `rows=[]` gives warm-up's dummy."""
+    B must cover every row's blocks up to start + num_tokens. `rows=[]` gives warm-up's dummy.
+    keys_per_item: the width of a work item (bench/attention_xla.py compares widths)."""
     t, s, b, bs = num_tokens_bucket, num_seqs_bucket, num_blocks_bucket, block_size
     assert len(rows) <= s and sum(r.num_tokens for r in rows) <= t, (len(rows), s, t)
     seq_ids = np.zeros(t, np.int32)
@@ -197,7 +200,7 @@ def build_attention_metadata(rows: Sequence[StepRow], block_size: int, num_token
     query_start = np.zeros(s + 1, np.int32)
     decode_tokens = np.full(s, t, np.int32)
     decode_items, chunk_tiles, chunk_items = [], [], []   # numpy pieces, joined below
-    kb = blocks_per_item(bs)
+    kb = blocks_per_item(bs, keys_per_item)
     cursor = 0
     for i, row in enumerate(rows):
         n, end = row.num_tokens, row.start + row.num_tokens
@@ -231,7 +234,7 @@ def build_attention_metadata(rows: Sequence[StepRow], block_size: int, num_token
         cursor += n
         query_start[i + 1] = cursor
     query_start[len(rows) + 1:] = cursor
-    nd, nt, nc = work_item_capacity(t, s, b, bs)
+    nd, nt, nc = work_item_capacity(t, s, b, bs, keys_per_item)
     num_items = np.asarray([sum(map(len, decode_items)), sum(map(len, chunk_items))], np.int32)
     assert len(chunk_tiles) <= nt and num_items[0] <= nd and num_items[1] <= nc, (num_items, nd, nc)
     tiles = np.full((nt, QUERY_TILE), t, np.int32)

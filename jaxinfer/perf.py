@@ -1,5 +1,6 @@
-"""Device datasheets and the byte / FLOP / MBU formulas: the one source for `jaxinfer plan`, the
-engine's live stats (Engine.stats()["mbu"], served on /metrics) and bench/metrics.py.
+"""The one cost model: device datasheets and the byte / FLOP / MBU / MFU formulas of a step. The engine's
+live stats (Engine.stats()["mbu"], served on /metrics), the benchmarks (bench/metrics.py, bench/gpu.py)
+and `jaxinfer plan` all read it, so the same run gives the same numbers everywhere.
 
 Pure arithmetic: this module never imports jax, numpy or anything that does (tests check it in a
 process where importing jax fails), so the planner answers instantly on any machine.
@@ -7,21 +8,31 @@ process where importing jax fails), so the planner answers instantly on any mach
 Formulas (bytes, seconds, FLOPs; L layers, H / H_kv query / KV heads, h head_dim):
     kv_bytes_per_token  = 2 (K and V) * bytes(kv_dtype) * L * H_kv * h  (+ 2 * 4 * L * H_kv for the
                           f32 scale per token per KV head of int8 and fp8 pages)
-    bytes_read(step)    = iterations * weight_bytes + context_tokens * kv_bytes_per_token
-                          (a step reads every weight once per iteration and each sequence's whole KV
-                          context; KV writes of the new tokens are not counted: vLLM/Databricks MBU)
+    bytes_read(step)    = sum over the step's iterations (a multi-step decode runs several on device) of
+                            W_read                     every weight read whole, once per iteration: all
+                                                       but the gathered tables and the MoE experts
+                          + T_i * row                  T_i tokens each gather one row of the untied token
+                                                       embedding (and of a learned position table)
+                          + L_moe * E_i * expert       E_i experts per MoE layer: the k a lone token
+                                                       reaches, else (unknown which) all E
+                          + sum_seqs sum_layers min(c, window) * kv_bytes_per_token / L
+                                                       each sequence's KV context c after the iteration
+                          (KV writes of the new tokens are not counted: vLLM/Databricks MBU)
     MBU                 = bytes read / seconds / peak bandwidth
     MFU                 = FLOPs / seconds / peak FLOP/s
     forward_flops(step) = 2 * P_body * T + 2 * V * d * S + sum_layers 4 * H * h * keys(layer)
                           T tokens, S sequences (the LM head runs on one row each), keys = sum over
-                          queries of the keys each sees (causal, capped at a sliding window).
+                          queries of the keys each sees (causal, capped at a sliding window),
+                          P_body = parameters a token runs through outside the embedding / LM-head
+                          tables (a mixture of experts: its k experts).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1, "int4": 0.5}
@@ -40,6 +51,7 @@ class Device:
     ops_int8: float             # OP/s; only W8A8 kernels could use it (jaxinfer's are weight-only)
     assumed: tuple[str, ...] = ()   # sentences naming figures that are not datasheet values
     source: str = ""
+    slug: str = ""              # its name in bench/results file names when not `name` (one per GPU family)
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for matmuls computing in `dtype`."""
@@ -56,16 +68,16 @@ DEVICES: dict[str, Device] = {
                    source="NVIDIA H100 Tensor Core GPU datasheet (SXM)"),
     # Same datasheet, H100 PCIe column: 80GB HBM2e, 2TB/s, BF16 1,513 TFLOPS*, TF32 756*, INT8 3,026*.
     "h100-pcie": Device("h100-pcie", "NVIDIA H100 PCIe 80GB", 80 * GiB, 2.0e12, 756e12, 378e12, 1513e12,
-                        source="NVIDIA H100 Tensor Core GPU datasheet (PCIe)"),
+                        source="NVIDIA H100 Tensor Core GPU datasheet (PCIe)", slug="h100"),
     # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 141GB HBM3e, 4.8TB/s, same compute as H100 SXM.
     "h200": Device("h200", "NVIDIA H200 SXM 141GB", 141 * GiB, 4.8e12, 989e12, 494.5e12, 1979e12,
                    source="NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
     # NVIDIA A100 Tensor Core GPU datasheet: 40GB HBM2 1,555GB/s; BF16 312 TFLOPS, TF32 156, INT8 624 TOPS.
     "a100-40gb": Device("a100-40gb", "NVIDIA A100 40GB", 40 * GiB, 1.555e12, 312e12, 156e12, 624e12,
-                        source="NVIDIA A100 Tensor Core GPU datasheet (40GB SXM)"),
+                        source="NVIDIA A100 Tensor Core GPU datasheet (40GB SXM)", slug="a100"),
     # Same datasheet, 80GB HBM2e SXM: 2,039GB/s.
     "a100-80gb": Device("a100-80gb", "NVIDIA A100 80GB", 80 * GiB, 2.039e12, 312e12, 156e12, 624e12,
-                        source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)"),
+                        source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)", slug="a100"),
     # Google Cloud TPU system architecture pages (per chip): HBM, bandwidth, bf16 and int8 peaks;
     # float32 matmuls run through the bf16 MXU passes, so the table reuses the bf16 peak.
     "tpu-v4": Device("tpu-v4", "TPU v4", 32 * GiB, 1.2e12, 275e12, 275e12, 275e12,
@@ -90,14 +102,21 @@ _KIND_PATTERNS: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 
 
-def device_for_kind(device_kind: str) -> Device | None:
-    """The datasheet of jax's device_kind ('NVIDIA H100 80GB HBM3', 'NVIDIA A100-SXM4-40GB',
-    'TPU v5 lite', ...). Unknown kinds (CPUs) have none unless JAXINFER_PEAK_BANDWIDTH (bytes/s)
-    and optionally JAXINFER_PEAK_FLOPS are set."""
+def _datasheet(device_kind: str) -> Device | None:
     kind = device_kind.lower().replace("-", " ")
     for words, key in _KIND_PATTERNS:
         if all(w in kind for w in words):
             return DEVICES[key]
+    return None
+
+
+def device_for_kind(device_kind: str) -> Device | None:
+    """The datasheet of jax's device_kind ('NVIDIA H100 80GB HBM3', 'NVIDIA A100-SXM4-40GB',
+    'TPU v5 lite', ...). Unknown kinds (CPUs) have none unless JAXINFER_PEAK_BANDWIDTH (bytes/s)
+    and optionally JAXINFER_PEAK_FLOPS are set."""
+    sheet = _datasheet(device_kind)
+    if sheet is not None:
+        return sheet
     bw = os.environ.get("JAXINFER_PEAK_BANDWIDTH")
     if bw:
         flops = float(os.environ.get("JAXINFER_PEAK_FLOPS", 0))
@@ -107,6 +126,26 @@ def device_for_kind(device_kind: str) -> Device | None:
 
 def with_memory(device: Device, memory_bytes: int, why: str) -> Device:
     return dataclasses.replace(device, memory_bytes=memory_bytes, assumed=(why,))
+
+
+def device_slug(device_kind: str, platform: str) -> str:
+    """The device's name in bench/results file names: "cpu", the datasheet's family ("h100", "a100",
+    "tpu-v5e", ...), else jax's device_kind in lower case with runs of other characters as "-"."""
+    if platform == "cpu":
+        return "cpu"
+    sheet = _datasheet(device_kind)
+    if sheet is not None:
+        return sheet.slug or sheet.name
+    return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or platform
+
+
+def table_peaks(device_kind: str, dtype: str = "bfloat16") -> dict[str, Any] | None:
+    """The datasheet peaks of jax's device_kind for MBU / MFU (bench results' "peaks"), or None."""
+    dev = device_for_kind(device_kind)
+    if dev is None or not dev.flops_bf16:
+        return None
+    return {"name": dev.label, "bandwidth_Bps": dev.bandwidth, "flops": dev.peak_flops(dtype),
+            "flops_dtype": dtype, "source": "table"}
 
 
 # --------------------------------------------------------------------------- bytes
@@ -153,6 +192,153 @@ def forward_flops(body_params: int, vocab_size: int, d_model: int, n_heads: int,
     linear = 2.0 * body_params * tokens + 2.0 * vocab_size * d_model * len(spans)
     attn = sum(4.0 * n_heads * head_dim * sum(attention_keys(s, n, w) for s, n in spans) for w in windows)
     return linear + attn
+
+
+# --------------------------------------------------------------------------- the cost of a step
+_KV_DTYPE_OF_ITEMSIZE = {4: "float32", 2: "bfloat16", 1: "int8"}
+
+
+@dataclass
+class StepRecord:
+    """One step for the MBU / MFU aggregates: its seconds and, per scheduled sequence, (start,
+    num_tokens) and, when known, how many iterations the device ran it (multi-step decode)."""
+    time_s: float
+    spans: list[tuple[int, int]]
+    execute_s: float | None = None     # the engine's own device time of the step, for reference
+    iterations: list[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.spans)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.spans)
+
+    @property
+    def context_lens(self) -> list[int]:
+        return [s + n for s, n in self.spans]
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(self.spans) and all(n == 1 for _, n in self.spans)
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """A model's weight bytes as stored (quantized: codes, scales, zero points), split by how a step
+    reads them: from the loaded parameters (models.decoder.weight_bytes, the engine) or from the
+    shapes and a storage dtype (jaxinfer.plan)."""
+    total: int
+    tables: int = 0         # the untied token embedding and a learned position table: gathered, not read
+    row: int = 0            # what one token gathers from those tables
+    experts: int = 0        # every expert of every MoE layer
+
+    @classmethod
+    def of_float(cls, cfg: Any, itemsize: float) -> "WeightBytes":
+        """Every parameter stored in one float dtype of `itemsize` bytes (ModelConfig.param_counts)."""
+        c = cfg.param_counts()
+        untied = 1 if c["lm_head"] else 0
+        rows = untied + (1 if c["positions"] else 0)
+        return cls(round(c["total"] * itemsize), round((untied * c["embedding"] + c["positions"]) * itemsize),
+                   round(rows * cfg.d_model * itemsize), round(c["experts"] * itemsize))
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one step of a model reads and computes (the module docstring's formulas)."""
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    d_model: int
+    vocab_size: int
+    body_params: int                      # FLOPs: parameters a token runs through outside the embedding tables
+    weight_bytes_read: int                # W_read: read whole once per iteration
+    kv_bytes_per_token: int               # K and V of one token, all layers
+    windows: tuple[int | None, ...] = ()  # per layer sliding window (None = full causal)
+    row_bytes: int = 0                    # gathered per token from the token (and position) tables
+    expert_bytes: int = 0                 # one expert of one MoE layer
+    moe_layers: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    @classmethod
+    def build(cls, cfg: Any, weights: WeightBytes, kv_bytes_per_token: int) -> "ModelCost":
+        """From a ModelConfig, its weight bytes and its KV bytes per token."""
+        c = cfg.param_counts()
+        body = cfg.num_active_params() - c["embedding"] - c["lm_head"] - c["positions"]
+        experts = c["moe_layers"] * cfg.num_experts
+        return cls(cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_model, cfg.vocab_size, body,
+                   weights.total - weights.tables - weights.experts, kv_bytes_per_token,
+                   tuple(cfg.layer_window(i) for i in range(cfg.n_layers)), weights.row,
+                   weights.experts // experts if experts else 0, c["moe_layers"],
+                   cfg.num_experts if experts else 0, cfg.num_experts_per_tok if experts else 0)
+
+    @classmethod
+    def from_config(cls, cfg: Any, weight_itemsize: float, kv_itemsize: int) -> "ModelCost":
+        """Float weights of `weight_itemsize` bytes and float (or int8) KV pages of `kv_itemsize`."""
+        kv = kv_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, _KV_DTYPE_OF_ITEMSIZE[kv_itemsize])
+        return cls.build(cfg, WeightBytes.of_float(cfg, weight_itemsize), kv)
+
+    @classmethod
+    def from_stats(cls, cfg: Any, stats: dict) -> "ModelCost":
+        """From the model's config and the engine's stats(): the engine's own weight bytes and KV bytes."""
+        weights = WeightBytes(stats["weight_bytes"], stats["embedding_table_bytes"], stats["embedding_row_bytes"],
+                              stats["expert_weight_bytes"])
+        return cls.build(cfg, weights, stats["kv_bytes_per_token"])
+
+    def _layer_windows(self) -> list[int | None]:
+        return list(self.windows) if self.windows else [None] * self.n_layers
+
+    def experts_read(self, tokens: int) -> int:
+        """Experts of one MoE layer that `tokens` tokens reach: a lone token its k, more tokens (which
+        ones is not known here) all of them."""
+        return 0 if not tokens else self.experts_per_token if tokens == 1 else self.num_experts
+
+    def step_bytes(self, step: StepRecord) -> float:
+        """Bytes one step reads; a sequence the device ran several iterations (multi-step decode) has
+        a context one token longer each time."""
+        its = step.iterations if step.iterations is not None else [1] * step.num_seqs
+        total = 0.0
+        for j in range(max(its, default=0)):
+            live = [(s + n + j, n) for (s, n), k in zip(step.spans, its) if k > j]   # (context, tokens)
+            total += bytes_read(self.iteration_weight_bytes(sum(n for _, n in live)),
+                                self.kv_bytes_per_token / self.n_layers, self.layer_context([c for c, _ in live]))
+        return total
+
+    def iteration_weight_bytes(self, tokens: int) -> int:
+        """Weight bytes one iteration over `tokens` tokens reads: W_read, a row per token, the experts reached."""
+        return (self.weight_bytes_read + tokens * self.row_bytes
+                + self.moe_layers * self.experts_read(tokens) * self.expert_bytes)
+
+    def layer_context(self, context_lens: Sequence[int]) -> int:
+        """Tokens of KV, summed over layers, that attention reads for sequences of these contexts (each
+        layer up to its sliding window): times kv_bytes_per_token / n_layers, the KV bytes read."""
+        return sum(c if w is None else min(c, w) for w in self._layer_windows() for c in context_lens)
+
+    def step_flops(self, step: StepRecord) -> float:
+        """FLOPs of one forward over the step's spans (one iteration)."""
+        return forward_flops(self.body_params, self.vocab_size, self.d_model, self.n_heads, self.head_dim,
+                             step.spans, self._layer_windows())
+
+
+def utilization(steps: Sequence[StepRecord], cost: ModelCost, peak_bandwidth: float | None,
+                peak_flops: float | None) -> dict[str, Any]:
+    """MBU / MFU over all steps and over pure-decode steps: sum of bytes (FLOPs) over sum of seconds,
+    over the peak (the aggregate achieved rate, time-weighted over steps)."""
+    def agg(sel: list[StepRecord], suffix: str) -> dict[str, Any]:
+        t = sum(s.time_s for s in sel)
+        b = sum(cost.step_bytes(s) for s in sel)
+        f = sum(cost.step_flops(s) for s in sel)
+        bw = b / t if t > 0 else None
+        fl = f / t if t > 0 else None
+        return {
+            f"num_steps{suffix}": len(sel), f"step_time_s{suffix}": t, f"bytes_read{suffix}": b,
+            f"achieved_bandwidth_Bps{suffix}": bw, f"achieved_flops{suffix}": fl,
+            f"mbu{suffix}": mbu(bw, peak_bandwidth), f"mfu{suffix}": mfu(fl, peak_flops),
+        }
+    out = agg(list(steps), "") | agg([s for s in steps if s.is_decode], "_decode")
+    return out | {"weight_bytes_read": cost.weight_bytes_read, "kv_bytes_per_token": cost.kv_bytes_per_token}
 
 
 # --------------------------------------------------------------------------- the KV pool

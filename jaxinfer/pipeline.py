@@ -88,6 +88,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.models.hf_configs import model_config_from_hf
 from jaxinfer.host.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV, attention_buckets, init_kv_pages
 from jaxinfer.models.decoder import Block, Decoder, abstract_decoder, quantize_decoder, unfuse_decoder
@@ -332,7 +333,7 @@ def load_pipelined(path: str | Path, dtype: str, mesh: Mesh, quantize: str | Non
         return pipeline_decoder(model, mesh)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path}: no config.json (expected an HF model folder or a jaxinfer checkpoint)")
-    cfg = ModelConfig.from_hf(path)
+    cfg = model_config_from_hf(path)
     layers_per_stage(cfg, int(mesh.shape["pipeline"]))
     st, wmap, jdtype = SafetensorsFolder(path), hf_weight_map(cfg), DTYPES[dtype]
     specs = _param_specs(cfg, jdtype)
@@ -360,11 +361,11 @@ class PipelineRunner(ModelRunner):
     one shared (T, S, B) bucket, stacked [M, ...]. Warm-up compiles every (T, B) bucket; the number
     of non-empty micro-batches is a traced scalar, so nothing compiles afterwards."""
 
-    def __init__(self, model: PipelinedDecoder, cfg: RunnerConfig, kv_dtype, microbatches: int):
+    def __init__(self, model: PipelinedDecoder, cfg: RunnerConfig, microbatches: int, grammars=None):
         if microbatches < 1:
             raise ValueError(f"pipeline_microbatches must be >= 1, got {microbatches}")
         self.pp, self.lp, self.microbatches = model.pp, model.lp, microbatches
-        super().__init__(model, cfg, kv_dtype)
+        super().__init__(model, cfg, grammars=grammars)
         # owned by the runner, like ModelRunner.step (step.jit_step says why)
         self.pipeline_step = jax.jit(functools.partial(_pipeline_step, settings=self.settings),
                                      donate_argnames="kv_pages")

@@ -51,11 +51,14 @@ Roofline
     into bf16 matmuls, so the int8 tensor-core peak does not apply) and the TF32 peak for
     float32 weights (XLA's default precision for f32 dots on A100/H100).
 
-    Decode at batch 1 is bandwidth-bound: each token streams every weight once plus the
-    sequence's KV (a mixture of experts: only its k routed experts of E per MoE layer, the
-    active weight bytes W_a = W - (E - k) / E * expert bytes; the rest of the model whole). With tp devices reading their shards in parallel and pp stages in turn:
-      decode_tokens_per_s_bs1 = BW / (weight_bytes / tp + pp * per_device_kv_bytes_per_seq)
-                              = BW * tp / (weight_bytes + kv_bytes_per_sequence)  (even split)
+    Decode at batch 1 is bandwidth-bound: each token reads what jaxinfer.perf's cost model counts
+    for a one-token step (model_cost: the engine's live MBU and the benchmarks count the same), W_1 =
+    every weight but an untied token-embedding table, plus the one row of it the token gathers (a
+    mixture of experts: only its k routed experts of E per MoE layer, the rest of the model whole),
+    and the sequence's KV up to each layer's sliding window. With tp devices reading their shards in
+    parallel and pp stages in turn:
+      decode_tokens_per_s_bs1 = BW / (W_1 / tp + pp * per_device_kv_bytes_per_seq)
+                              = BW * tp / (W_1 + kv_bytes_per_sequence)  (even split, no window)
     (T tokens of KV: the end of a full-context sequence, the slowest step; no communication
     cost is counted, so TP > 1 is an upper bound.)
 
@@ -82,7 +85,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxinfer import perf
-from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config import KV_DTYPE_CHOICES, ModelConfig, RopeScaling
 from jaxinfer.perf import CPU_BANDWIDTH, CPU_FLOPS, DEVICES, DTYPE_BYTES, GiB, KV_INT8_SCALE_BYTES, Device  # noqa: F401
 
 INT4_GROUP_SIZE = 128
@@ -90,7 +93,7 @@ INT4_SCALE_BYTES = 4        # one float32 scale per group, as jaxinfer/quant.py 
 INT8_SCALE_BYTES = 4        # one f32 scale per output channel (jaxinfer.quant)
 
 WEIGHT_DTYPES = ("bfloat16", "float32", "int8", "int4")
-KV_DTYPES = ("bfloat16", "float32", "int8", "fp8")
+KV_DTYPES = KV_DTYPE_CHOICES    # the engine's kv_dtype choices, listed once in config.py
 _BYTES = DTYPE_BYTES
 
 
@@ -218,14 +221,38 @@ def weight_bytes(cfg: ModelConfig, dtype: str) -> dict[str, int]:
     shapes = [s for i in range(cfg.n_layers) for s in layer_matmul_shapes(cfg, i)]
     n_other = cfg.num_params() - sum(k * n for k, n in shapes)
     matmul, scales = _matmul_bytes(shapes, dtype)
-    other_b = _BYTES[dtype] if dtype in ("bfloat16", "float32") else 2
-    out = {"matmul": matmul, "scales": scales, "other": n_other * other_b}
+    out = {"matmul": matmul, "scales": scales, "other": n_other * _other_bytes(dtype)}
     out["total"] = out["matmul"] + out["scales"] + out["other"]
-    f, d = cfg.expert_ffn_dim, cfg.d_model
-    one_expert = sum(_matmul_bytes([(d, f), (d, f), (f, d)], dtype)) + ((2 * f + d) * other_b if cfg.mlp_bias else 0)
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    out["active"] = out["total"] - moe_layers * (cfg.num_experts - cfg.num_experts_per_tok) * one_expert
+    c = cfg.param_counts()
+    unrouted = c["moe_layers"] * (cfg.num_experts - cfg.num_experts_per_tok)
+    out["active"] = out["total"] - unrouted * _expert_bytes(cfg, dtype)
     return out
+
+
+def _other_bytes(dtype: str) -> float:
+    """Bytes per parameter of what stays unquantized (embeddings, norms, biases: 16 bits under int8 / int4)."""
+    return _BYTES[dtype] if dtype in ("bfloat16", "float32") else 2
+
+
+def _expert_bytes(cfg: ModelConfig, dtype: str) -> int:
+    """One expert of one MoE layer: gate, up and down as `dtype` (+ their biases, unquantized)."""
+    f, d = cfg.expert_ffn_dim, cfg.d_model
+    biases = (2 * f + d) * _other_bytes(dtype) if cfg.mlp_bias else 0
+    return sum(_matmul_bytes([(d, f), (d, f), (f, d)], dtype)) + biases
+
+
+def model_cost(cfg: ModelConfig, dtype: str = "bfloat16", kv_dtype: str | None = None) -> perf.ModelCost:
+    """The cost model (jaxinfer.perf) of this model with weights stored as `dtype` and KV pages as
+    kv_dtype (None: dtype for float weights, else bfloat16): what the engine and the benchmarks count
+    for the same model loaded that way."""
+    kv_dtype = kv_dtype or (dtype if dtype in ("bfloat16", "float32") else "bfloat16")
+    c, other = cfg.param_counts(), _other_bytes(dtype)
+    untied = 1 if c["lm_head"] else 0
+    weights = perf.WeightBytes(
+        weight_bytes(cfg, dtype)["total"], round((untied * c["embedding"] + c["positions"]) * other),
+        round((untied + (1 if c["positions"] else 0)) * cfg.d_model * other),
+        c["moe_layers"] * cfg.num_experts * _expert_bytes(cfg, dtype))
+    return perf.ModelCost.build(cfg, weights, kv_bytes_per_token(cfg, kv_dtype))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, *, layers: int | None = None,
@@ -282,13 +309,8 @@ class CapacityPlan:
         return d
 
 
-def plan(cfg: ModelConfig, device: Device, *, dtype: str = "bfloat16", kv_dtype: str | None = None,
-         context: int | None = None, tp: int = 1, pp: int = 1, memory_fraction: float = 0.9,
-         model_name: str | None = None) -> CapacityPlan:
-    """The capacity plan; formulas in the module docstring. kv_dtype None: dtype if it is a
-    float type, else bfloat16. context None: the model's max_position_embeddings."""
-    kv_dtype = kv_dtype or (dtype if dtype in ("bfloat16", "float32") else "bfloat16")
-    context = cfg.max_position_embeddings if context is None else context
+def _check_layout(cfg: ModelConfig, context: int, tp: int, pp: int, memory_fraction: float) -> list[str]:
+    """Raise ValueError naming every impossible setting; return warnings for layouts engines refuse."""
     problems = []
     if not (isinstance(tp, int) and tp >= 1):
         problems.append(f"tp must be an integer >= 1, got {tp!r}")
@@ -309,13 +331,15 @@ def plan(cfg: ModelConfig, device: Device, *, dtype: str = "bfloat16", kv_dtype:
         warnings.append(f"tp={tp} and n_kv_heads={cfg.n_kv_heads} do not divide one another")
     if cfg.n_layers % pp:
         warnings.append(f"pp={pp} does not divide n_layers={cfg.n_layers}; the largest stage sets the KV figures")
+    return warnings
 
-    wb = weight_bytes(cfg, dtype)
-    params = cfg.num_params()
-    kv_tok = kv_bytes_per_token(cfg, kv_dtype)
+
+def _memory(cfg: ModelConfig, device: Device, total_weight_bytes: int, kv_dtype: str, context: int, tp: int, pp: int,
+            memory_fraction: float, warnings: list[str]) -> dict[str, Any]:
+    """Per-device weights, KV per token and budget, and how many sequences fit (appends warnings)."""
     dev_kv_tok = kv_bytes_per_token(cfg, kv_dtype, layers=math.ceil(cfg.n_layers / pp),
                                     kv_heads=math.ceil(cfg.n_kv_heads / tp))
-    dev_weights = math.ceil(wb["total"] / (tp * pp))
+    dev_weights = math.ceil(total_weight_bytes / (tp * pp))
     usable = int(device.memory_bytes * memory_fraction)
     budget = usable - dev_weights
     if budget <= 0:
@@ -324,18 +348,34 @@ def plan(cfg: ModelConfig, device: Device, *, dtype: str = "bfloat16", kv_dtype:
     max_seqs = max(0, budget // (dev_kv_tok * context))
     if 0 < budget and max_seqs == 0:
         warnings.append(f"not one sequence of {context} tokens fits in the KV budget; lower --context")
+    return dict(per_device_memory_bytes=device.memory_bytes, per_device_usable_bytes=usable,
+                per_device_weight_bytes=dev_weights, per_device_kv_bytes_per_token=dev_kv_tok,
+                per_device_kv_bytes_per_sequence=dev_kv_tok * context, per_device_kv_budget_bytes=budget,
+                max_sequences=max_seqs, max_kv_tokens=max(0, budget // dev_kv_tok))
 
-    flops_kind = "tf32" if dtype == "float32" else "bf16"
+
+def _roofline(cfg: ModelConfig, device: Device, cost: perf.ModelCost, dtype: str, bytes_per_param: float,
+              dev_kv_tok: int, context: int, tp: int, pp: int) -> dict[str, Any]:
+    """Ridge point, compute-bound batch and batch-1 decode speed. Batch 1: the weights one token reads
+    (perf.ModelCost: every weight but the token table, one row of it, k experts per MoE layer) split
+    over tp, and the sequence's KV up to each layer's window, stage after stage over pp."""
     flops = device.peak_flops(dtype)
     b_star = flops / device.bandwidth
-    bytes_per_param = wb["total"] / params
-    step_bytes_bs1 = perf.bytes_read(wb["active"] / tp, dev_kv_tok, pp * context)   # per device chain per token
+    per_layer_kv = dev_kv_tok / math.ceil(cfg.n_layers / pp)
+    step_bytes_bs1 = perf.bytes_read(cost.iteration_weight_bytes(1) / tp, per_layer_kv, cost.layer_context([context]))
     tok_s = device.bandwidth / step_bytes_bs1
+    moe_scale = cfg.num_experts / cfg.num_experts_per_tok if cfg.num_experts else 1
+    return dict(peak_flops=flops, peak_flops_kind="tf32" if dtype == "float32" else "bf16",
+                bandwidth=device.bandwidth, b_star=b_star, compute_bound_batch=b_star * bytes_per_param / 2 * moe_scale,
+                decode_tokens_per_s_bs1=tok_s, decode_ms_per_token_bs1=1e3 / tok_s)
 
+
+def _assumptions(cfg: ModelConfig, device: Device, wb: dict[str, int], dtype: str, kv_dtype: str) -> tuple[str, ...]:
     assumptions = [
         "weights split evenly over tp*pp devices; no activation, workspace or communication memory "
         "beyond what --memory-fraction leaves",
-        "decode at batch 1 streams all weights and one full-context sequence's KV per token at peak bandwidth",
+        "decode at batch 1 streams every weight but the token-embedding table (one row of it) and one "
+        "full-context sequence's KV per token at peak bandwidth",
     ]
     if dtype in ("int8", "int4"):
         assumptions.append("token embedding, lm_head, norms and biases stay bfloat16; " + (
@@ -344,30 +384,37 @@ def plan(cfg: ModelConfig, device: Device, *, dtype: str = "bfloat16", kv_dtype:
     if kv_dtype in ("int8", "fp8"):
         assumptions.append(f"{kv_dtype} KV: one f32 scale per token per KV head, for K and for V")
     if cfg.sliding_window is not None:
-        assumptions.append(f"sliding window {cfg.sliding_window} ignored: the paged cache keeps every token")
+        assumptions.append(f"sliding window {cfg.sliding_window}: the paged cache keeps every token (memory), "
+                           "attention reads the window (decode speed)")
     if cfg.num_experts:
         assumptions.append(f"mixture of experts: a batch-1 token reads {cfg.num_experts_per_tok} of {cfg.num_experts} "
                            f"experts per MoE layer ({wb['active'] / GiB:.2f} GiB of {wb['total'] / GiB:.2f} GiB); "
                            "compute-bound batch scaled by E / k (balanced routing)")
-    assumptions += device.assumed
+    return tuple(assumptions) + device.assumed
 
+
+def plan(cfg: ModelConfig, device: Device, *, dtype: str = "bfloat16", kv_dtype: str | None = None,
+         context: int | None = None, tp: int = 1, pp: int = 1, memory_fraction: float = 0.9,
+         model_name: str | None = None) -> CapacityPlan:
+    """The capacity plan; formulas in the module docstring. kv_dtype None: dtype if it is a
+    float type, else bfloat16. context None: the model's max_position_embeddings."""
+    kv_dtype = kv_dtype or (dtype if dtype in ("bfloat16", "float32") else "bfloat16")
+    context = cfg.max_position_embeddings if context is None else context
+    warnings = _check_layout(cfg, context, tp, pp, memory_fraction)
+    wb = weight_bytes(cfg, dtype)
+    params = cfg.num_params()
+    kv_tok = kv_bytes_per_token(cfg, kv_dtype)
+    memory = _memory(cfg, device, wb["total"], kv_dtype, context, tp, pp, memory_fraction, warnings)
+    roofline = _roofline(cfg, device, model_cost(cfg, dtype, kv_dtype), dtype, wb["total"] / params,
+                         memory["per_device_kv_bytes_per_token"], context, tp, pp)
     return CapacityPlan(
         model=model_name or cfg.architecture, architecture=cfg.architecture, device=device.name,
         device_label=device.label, device_source=device.source, dtype=dtype, kv_dtype=kv_dtype,
-        context=context, tp=tp, pp=pp,
-        memory_fraction=memory_fraction, params=params, params_approx=approx_params(cfg),
-        weight_bytes=wb["total"], weight_bytes_breakdown=wb, bytes_per_param=bytes_per_param,
-        kv_bytes_per_token=kv_tok, kv_bytes_per_sequence=kv_tok * context,
-        kv_sharding="sharded" if cfg.n_kv_heads >= tp else "replicated",
-        per_device_memory_bytes=device.memory_bytes, per_device_usable_bytes=usable,
-        per_device_weight_bytes=dev_weights, per_device_kv_bytes_per_token=dev_kv_tok,
-        per_device_kv_bytes_per_sequence=dev_kv_tok * context, per_device_kv_budget_bytes=budget,
-        max_sequences=max_seqs, max_kv_tokens=max(0, budget // dev_kv_tok),
-        peak_flops=flops, peak_flops_kind=flops_kind, bandwidth=device.bandwidth, b_star=b_star,
-        compute_bound_batch=b_star * bytes_per_param / 2 * (cfg.num_experts / cfg.num_experts_per_tok
-                                                            if cfg.num_experts else 1),
-        decode_tokens_per_s_bs1=tok_s,
-        decode_ms_per_token_bs1=1e3 / tok_s, assumptions=tuple(assumptions), warnings=tuple(warnings))
+        context=context, tp=tp, pp=pp, memory_fraction=memory_fraction, params=params,
+        params_approx=approx_params(cfg), weight_bytes=wb["total"], weight_bytes_breakdown=wb,
+        bytes_per_param=wb["total"] / params, kv_bytes_per_token=kv_tok, kv_bytes_per_sequence=kv_tok * context,
+        kv_sharding="sharded" if cfg.n_kv_heads >= tp else "replicated", **memory, **roofline,
+        assumptions=_assumptions(cfg, device, wb, dtype, kv_dtype), warnings=tuple(warnings))
 
 
 def _gib(n: float) -> str:
@@ -436,7 +483,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.preset is not None:
         cfg, name = get_preset(args.preset), args.preset
     else:
-        cfg, name = ModelConfig.from_hf(args.config), str(args.config)
+        from jaxinfer.models.hf_configs import model_config_from_hf
+        cfg, name = model_config_from_hf(args.config), str(args.config)
     result = plan(cfg, get_device(args.device, args.memory_gib), dtype=args.dtype, kv_dtype=args.kv_dtype,
                   context=args.context, tp=args.tp, pp=args.pp, memory_fraction=args.memory_fraction,
                   model_name=name)

@@ -587,7 +587,9 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     lead = tuple(x.shape[:x.ndim - contract])
     m = math.prod(lead)
     x2 = x.reshape(m, w.k)
-    mode = _resolve_impl(w.impl if impl == "auto" else impl)
+    mode = w.impl if impl == "auto" else impl
+    if mode not in ("pallas", "xla"):   # decided per call only for a weight no engine set (ResolvedConfig.matmul)
+        mode = _resolve_impl(mode)
     if w.fp8:   # the GPU path: XLA's native fp8 dot (no Pallas kernel); else dequantized
         y2 = fp8_native_matmul(x2, w) if mode == "pallas" and m > 0 else _xla_matmul(x2, w)
         return y2.reshape(lead + tuple(ndims))

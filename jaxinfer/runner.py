@@ -13,9 +13,6 @@ inside the same program, so it adds no shape).
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +29,7 @@ from jaxinfer.host.scheduler import SchedulerOutput, StepSample
 from jaxinfer.host.speculative import MAX_GUIDED_ROWS, NGRAM_MAX_N, NGRAM_MIN_N
 from jaxinfer.host.structured import Grammars, mask_words
 from jaxinfer.kv_cache import (PAD_SLOT, TREE_NONE, StepRow, attention_buckets, build_attention_metadata,
-                               init_kv_pages, kv_bytes_per_token)
+                               init_kv_pages, kv_storage_dtype)
 from jaxinfer.medusa import tree_arrays
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.sampling import SamplingBatch
@@ -77,11 +74,13 @@ class Launched:
 
 @dataclass(frozen=True)
 class RunnerConfig:
+    """The runner's settings: engine.runner_config derives them from the ResolvedConfig."""
     block_size: int
     num_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    kv_dtype: str                        # the pages' format by name (config.KV_DTYPE_CHOICES)
     attention: str = "xla"
     max_decode_steps: int = 1            # K: decode iterations one call may run (StepSettings.max_iters)
     eos_ids: tuple[int, ...] = ()        # end a row on device unless the request ignores EOS
@@ -98,15 +97,19 @@ def _pow2_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, cfg: RunnerConfig, kv_dtype, draft: Decoder | None = None,
-                 medusa_heads=None):
+    def __init__(self, model: Decoder, cfg: RunnerConfig, draft: Decoder | None = None, medusa_heads=None,
+                 grammars: Grammars | None = None, publish_step: Callable[..., None] | None = None):
         """draft: the draft model of speculative decoding (cfg.spec_tokens > 0): its params and KV
         pages ride with the target's as (target, draft) pairs; its pages use the same blocks.
         medusa_heads: (MedusaHeads, Tree) of speculative_method="medusa" (cfg.spec_tokens: the tree's
-        depth): params (target, heads), the target's pages only."""
+        depth): params (target, heads), the target's pages only. grammars: structured outputs'
+        grammars, which fill the masks of constrained rows. publish_step: multi-host, on process 0:
+        called with each step's host inputs before the step runs, so that the other processes run
+        the same step (run_published; jaxinfer.distributed)."""
         CompileCounter.install()
         self.model_cfg: ModelConfig = model.cfg
         self.cfg = cfg
+        kv_dtype = kv_storage_dtype(cfg.kv_dtype)   # the pages' storage dtype, from the one name
         self.graphdef, self.params = nnx.split(model)
         mc = self.model_cfg
         self.mesh = model_mesh(self.params)   # None unless the model was sharded (sharding.shard_decoder)
@@ -130,7 +133,7 @@ class ModelRunner:
             self.tree_arrays = tree_arrays(self.tree)
             medusa_graphdef, heads_params = nnx.split(heads)
             self.params = (self.params, jax.device_put(heads_params, beside))
-        self.kv_bytes_per_token = kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_dtype)
+        self.kv_bytes_per_token = perf.kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, cfg.kv_dtype)
         self.token_buckets = _pow2_buckets(min(8, cfg.max_num_batched_tokens), cfg.max_num_batched_tokens)
         max_blocks = -(-cfg.max_model_len // cfg.block_size)
         self.block_buckets = ([max_blocks] if cfg.attention == "xla"
@@ -138,8 +141,7 @@ class ModelRunner:
         self._no_history: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._no_mask: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
         self.mask_words = mask_words(self.model_cfg.vocab_size)
-        # structured outputs (engine.py sets it): fills the masks of constrained rows
-        self.grammars: Grammars | None = None
+        self.grammars = grammars
         self.mask_time_s = 0.0   # host time spent filling grammar masks
         self._unfilled = None    # (rows' guides, the mask array) of the step being prepared
         self._unfilled_paths = None   # (speculating rows' guides and paths, node_masks) of that step
@@ -170,9 +172,7 @@ class ModelRunner:
         # the prev_tokens of a step whose tokens the host all knows (no previous step in flight)
         self._no_prev = jax.device_put(np.zeros(self.out_rows * self.settings.max_rows, np.int32),
                                        jax.devices()[0] if self.mesh is None else NamedSharding(self.mesh, PartitionSpec()))
-        # multi-host (jaxinfer.distributed): on process 0, called with each step's host inputs before
-        # the step runs, so that the other processes run the same step (run_published)
-        self.publish_step: Callable[..., None] | None = None
+        self.publish_step = publish_step
 
     def _init_kv_pages(self, kv_dtype):
         """(sharding or None, the zeroed KV pages: one LayerKV per layer)."""
@@ -188,6 +188,11 @@ class ModelRunner:
         return sharding, jax.jit(make_pages, out_shardings=sharding)()
 
     # -------------------------------------------------------------------- buckets
+    def choose_token_buckets(self, smallest: int) -> None:
+        """Start the token buckets at `smallest` (a benchmark measuring what a step padded to it
+        costs); before warm-up, which compiles the buckets there are then."""
+        self.token_buckets = [smallest] + [b for b in self.token_buckets if b > smallest]
+
     def num_seqs_for(self, t: int) -> int:
         return min(t, self.cfg.max_num_seqs)
 
@@ -552,43 +557,3 @@ class ModelRunner:
             if self.plain_step is not None:
                 self._run_plain(self.empty_inputs(t, b, plain=True), self._no_prev).ids.block_until_ready()
         return len(buckets)
-
-
-def pool_device():
-    """The device whose memory sizes the pool: this process's first (every device of a mesh holds
-    the same share of weights and pages)."""
-    return jax.local_devices()[0]
-
-
-def kv_pool_size(model_cfg: ModelConfig, block_size: int, kv_dtype, max_num_seqs: int, max_model_len: int,
-                 memory_fraction: float, reserve: int, kv_shards: int = 1,
-                 draft_cfg: ModelConfig | None = None) -> perf.PoolSize:
-    """Size the KV pool (perf.size_kv_pool) from this process's first device's memory stats: on
-    an accelerator, memory_fraction of its memory less what is in use (the loaded weights are
-    allocated already, so they count once) and `reserve` for the step's activations; on a host CPU,
-    what max_num_seqs sequences of max_model_len need, capped at a quarter of RAM. kv_shards: how
-    many devices split each block (tp when kv heads are sharded, else 1)."""
-    per_block = block_size * kv_bytes_per_token(model_cfg.n_layers, model_cfg.n_kv_heads,
-                                                model_cfg.head_dim, kv_dtype) // kv_shards
-    if draft_cfg is not None:   # a draft model's pages use the same blocks
-        per_block += block_size * kv_bytes_per_token(draft_cfg.n_layers, draft_cfg.n_kv_heads, draft_cfg.head_dim,
-                                                     kv_dtype)
-    device = pool_device()
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 8 << 30
-    pool = perf.size_kv_pool(block_bytes=per_block, memory_fraction=memory_fraction,
-                             stats=device.memory_stats(), platform=device.platform, env=dict(os.environ),
-                             reserve=reserve, host_ram=ram,
-                             wanted_blocks=max_num_seqs * math.ceil(max_model_len / block_size) + 1)
-    return dataclasses.replace(pool, num_blocks=_same_on_every_process(pool.num_blocks))
-
-
-def _same_on_every_process(num_blocks: int) -> int:
-    """Multi-host: every process must allocate the same pool (one global array), the largest that
-    fits on all of them."""
-    if jax.process_count() == 1:
-        return num_blocks
-    from jax.experimental import multihost_utils
-    return int(np.min(multihost_utils.process_allgather(np.int32(num_blocks))))

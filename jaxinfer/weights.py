@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ConfigError, ModelConfig, resolve_dtype_name
+from jaxinfer.models.hf_configs import model_config_from_hf
 from jaxinfer.models.decoder import Decoder, abstract_decoder, unfuse_decoder
 from jaxinfer.models.hf_maps import OPTIONAL_PREFIXES, hf_weight_map
 from jaxinfer.quant import QuantizedWeight
@@ -163,7 +164,7 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
     each parameter is read from the memmap shard by shard straight onto its devices
     (sharding.load_sharded; rules default to sharding.rules_for(cfg, mesh))."""
     folder = Path(folder)
-    cfg = cfg or ModelConfig.from_hf(folder)
+    cfg = cfg or model_config_from_hf(folder)
     st = SafetensorsFolder(folder)
     jdtype = DTYPES[dtype]
     model = abstract_decoder(cfg, jdtype)

@@ -2,9 +2,11 @@
 
 Attention (each kernel has a pure-jnp `*_reference` next to it; `interpret=None`, the default,
 runs the kernel in Pallas interpret mode when the default backend is CPU):
-    pallas_kernels.paged_attention   paged_attention (decode), paged_attention_reference
-    pallas_kernels.flash_attention   flash_attention (one sequence), ragged_paged_attention
-                                     (chunked prefill + decode tokens), their references
-Import from the submodules: re-exporting `paged_attention` / `flash_attention` here would shadow
-the submodules of the same names.
+    pallas_kernels.ragged_paged_attention  ragged_paged_attention: the serving kernel (a step's
+                                           prefill chunks and decode tokens over the KV pages)
+    pallas_kernels.flash_attention         flash_attention: one contiguous sequence (no cache)
+    pallas_kernels.attention_common        what both share: masking conventions, tile math,
+                                           validators, the reference softmax
+Import from the submodules: re-exporting `flash_attention` / `ragged_paged_attention` here would
+shadow the submodules of the same names.
 """

@@ -9,16 +9,16 @@ an unknown model or route 404, a wrong method 405, a body over --max-request-byt
 queue 429 with Retry-After, a missing or wrong API key 401 (serve.guard), a stopped engine 503.
 A client that disconnects, streaming or not, aborts its request. Tokenization and chat templating
 run on a worker thread, never on the event loop.
+
+The routes are module-level handlers on one APIRouter; each finds the ServerState (engine bridge,
+tokenizer, chat template, metrics) on `app.state.server`, which `build_app` sets. Streaming and the
+wait for a whole response live in serve.stream, whose one helper writes every SSE event and ending.
 """
 from __future__ import annotations
 
-import asyncio
-import json
-from typing import Any, AsyncIterator
-
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from jinja2 import TemplateError
@@ -26,15 +26,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxinfer.config import SamplingParams
-from jaxinfer.engine import RequestOutput
 from jaxinfer.generator import Generator
-from serve.bridge import AsyncEngine, EngineDeadError, Submission
+from serve.bridge import AsyncEngine, EngineDeadError
 from serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard, error_bytes
 from serve.metrics import ServerMetrics
 from serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                            OpenAIError, TokenizeRequest, chat_body, chat_logprobs, completion_body,
-                            completion_logprobs, new_id, now, usage)
-from serve.tools import AutoToolParser, ToolPlan, choice_finish_reason, forced_result, template_messages
+                            OpenAIError, TokenizeRequest, chat_body, completion_body, new_id, now)
+from serve.stream import ChatChoices, CompletionChoices, respond, stream_response
+from serve.tools import ToolPlan, template_messages
 
 # The bundled model has no chat template of its own; this plain one is documented in the README.
 DEFAULT_CHAT_TEMPLATE = (
@@ -43,6 +42,10 @@ DEFAULT_CHAT_TEMPLATE = (
 
 
 class ServerState:
+    """What every route reads, built once per app and kept on `app.state.server`: the engine bridge,
+    tokenizer, chat template and metrics. It also turns request bodies into prompts and sampling params,
+    so that the batch script (serve.batch) validates exactly as the server does."""
+
     def __init__(self, gen: Generator, model_name: str, api_key: str | None, max_queue: int):
         self.gen, self.model_name, self.api_key = gen, model_name, api_key
         self.tokenizer = gen.tokenizer
@@ -173,97 +176,110 @@ def _http_error(request: Request, exc: StarletteHTTPException) -> OpenAIError:
     return OpenAIError(exc.status_code, message, type_=type_, code=code, headers=dict(exc.headers or {}))
 
 
-async def _next_delta(sub: Submission) -> RequestOutput:
-    d = await sub.queue.get()
-    if isinstance(d, EngineDeadError):
-        raise d
-    return d
+async def _openai_error(_: Request, exc: OpenAIError) -> Response:
+    return _error_response(exc)
 
 
-async def _collect(sub: Submission) -> list[list[RequestOutput]]:
-    """Every delta of every sample, grouped per (prompt, sample)."""
-    per = {rid: [[] for _ in range(sub.n)] for rid in sub.request_ids}
-    remaining = len(sub.request_ids) * sub.n
-    while remaining:
-        d = await _next_delta(sub)
-        per[d.request_id][d.sample_index].append(d)
-        remaining -= d.finished
-    return [samples for rid in sub.request_ids for samples in per[rid]]
+async def _invalid_request(_: Request, exc: RequestValidationError) -> Response:
+    return _error_response(_validation_error(exc))
 
 
-DISCONNECT_POLL_S = 0.2
+async def _starlette_error(request: Request, exc: StarletteHTTPException) -> Response:
+    return _error_response(_http_error(request, exc))
 
 
-async def _respond(state: "ServerState", sub: Submission, request: Request, build) -> dict | Response:
-    """Wait for every choice, release the submission, and build the response body from the deltas.
-    A client that hangs up first gets its request aborted (its KV blocks freed) within a poll."""
-    collect = asyncio.ensure_future(_collect(sub))
-    finished = False
-    try:
-        while not collect.done():
-            await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
-            if not collect.done() and await request.is_disconnected():
-                return Response(status_code=499)   # nobody reads it; nginx's "client closed request"
-        groups, finished = collect.result(), True
-    finally:
-        if not collect.done():
-            collect.cancel()
-        state.engine.release(sub, finished=finished)
-    return build(groups)
+async def _internal_error(_: Request, exc: Exception) -> Response:
+    return _error_response(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error"))
 
 
-def _sse_error(e: OpenAIError) -> str:
-    return f"data: {error_bytes(e).decode()}\n\n"
+_EXCEPTION_HANDLERS = ((OpenAIError, _openai_error), (RequestValidationError, _invalid_request),
+                       (StarletteHTTPException, _starlette_error), (Exception, _internal_error))
 
 
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+# Route handlers carry no return annotations: FastAPI would take one for a response_model.
+router = APIRouter()
 
 
-class _ToolStream:
-    """One streamed chat choice under a tool plan: its text -> the chunk deltas to send. Forced calls
-    (required / named) are buffered whole and sent when the output ends (cut by max_tokens: the calls
-    written whole before the cut); "auto" streams content and holds back what may be a <tool_call>
-    block (serve.tools.AutoToolParser). A tool call goes out as OpenAI does: a delta with its index,
-    id, type and name (arguments ""), then one with the arguments. The finish_reason is the
-    non-streamed one (serve.tools.choice_finish_reason: "length" wins over "tool_calls")."""
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
 
-    def __init__(self, plan: ToolPlan):
-        self.plan = plan
-        self.auto = None if plan.constrained else AutoToolParser(plan)
-        self.buffer = ""
-        self.n_calls = 0
 
-    def _call_deltas(self, calls: list[dict]) -> list[dict]:
-        out = []
-        for c in calls:
-            i, self.n_calls = self.n_calls, self.n_calls + 1
-            out.append({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
-                                        "function": {"name": c["function"]["name"], "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]})
-        return out
+@router.get("/health")
+async def health(request: Request):
+    state = _state(request)
+    if not state.engine.alive:
+        return _error_response(EngineDeadError(state.engine.error))   # OpenAI's error shape, code engine_dead
+    return {"status": "ok"}
 
-    def feed(self, text: str, finished: bool, finish_reason: str | None = None) -> list[dict]:
-        """The deltas to send for this piece of text (the last one carries the finish_reason; an
-        empty delta {} where there is nothing to send)."""
-        out: list[dict] = []
-        if self.auto is None:
-            self.buffer += text
-            if finished:
-                _, calls = forced_result(self.buffer, self.plan, finish_reason)
-                out = self._call_deltas(calls) if calls else ([{"content": self.buffer}] if self.buffer else [])
-        else:
-            content, calls = self.auto.feed(text)
-            if finished:
-                rest, _ = self.auto.finish()
-                content += rest
-            if content:
-                out.append({"content": content})
-            out += self._call_deltas(calls)
-        return out or [{}]
 
-    def finish_reason(self, reason: str | None) -> str | None:
-        return choice_finish_reason(reason, self.n_calls > 0)
+@router.get("/metrics")
+async def metrics(request: Request):
+    return PlainTextResponse(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    state = _state(request)
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": now(),
+                                        "owned_by": "jaxinfer", "max_model_len": state.max_model_len}]}
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, request: Request):
+    state = _state(request)
+    state.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise OpenAIError(400, "give exactly one of prompt or messages")
+    ids = await run_in_threadpool(lambda: state.encode(req.prompt, req.add_special_tokens)
+                                  if req.prompt is not None else state.render_chat(req.messages, req.tool_plan()))
+    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, request: Request):
+    state = _state(request)
+    state.check_model(req.model)
+    if state.tokenizer is None:
+        raise OpenAIError(400, "this model has no tokenizer")
+    vocab = state.gen.model_cfg.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise OpenAIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+    return {"prompt": await run_in_threadpool(state.tokenizer.decode, req.tokens)}
+
+
+def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request):
+    state = _state(request)
+    prompts, params = await run_in_threadpool(state.completion_inputs, req)
+    sub = state.engine.submit(prompts, params, cache_salt=req.cache_salt, request_field=req.request_field)
+    rid, created = new_id("cmpl"), now()
+    n_prompt = sum(len(x) for x in prompts)
+    if req.stream:
+        base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+        return stream_response(state.engine, sub, base, n_prompt, _include_usage(req),
+                               CompletionChoices(sub, state.token_str, req.logprobs is not None))
+    return await respond(state.engine, sub, request, lambda groups: completion_body(
+        rid, created, state.model_name, groups, n_prompt, state.token_str, req.logprobs is not None, sub.n))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request):
+    state = _state(request)
+    prompt, params = await run_in_threadpool(state.chat_inputs, req)
+    sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt, request_field=req.request_field)
+    rid, created = new_id("chatcmpl"), now()
+    if req.stream:
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+        choices = ChatChoices(sub.n, req.tool_plan(), state.token_str, bool(req.logprobs))
+        return stream_response(state.engine, sub, base, len(prompt), _include_usage(req), choices, choices.head)
+    return await respond(state.engine, sub, request, lambda groups: chat_body(
+        rid, created, state.model_name, groups, len(prompt), state.token_str, req.logprobs, sub.n,
+        tools=req.tool_plan()))
 
 
 def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_queue: int = 1024,
@@ -274,164 +290,11 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
     app = FastAPI(title="jaxinfer", version="0.1.0",
                   description="OpenAI-compatible completions and chat completions on the jaxinfer engine")
     app.state.server = state
+    # event handlers, not a lifespan: a lifespan would skip the on_shutdown hooks callers append
+    app.router.add_event_handler("startup", state.engine.start)
+    app.router.add_event_handler("shutdown", state.engine.stop)
     app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
-
-    @app.on_event("startup")
-    async def _start() -> None:
-        state.engine.start()
-
-    @app.on_event("shutdown")
-    async def _stop() -> None:
-        state.engine.stop()
-
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError):
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid_request(_: Request, exc: RequestValidationError):
-        return _error_response(_validation_error(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _starlette_error(request: Request, exc: StarletteHTTPException):
-        return _error_response(_http_error(request, exc))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception):
-        return _error_response(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error"))
-
-    @app.get("/health")
-    async def health():
-        if not state.engine.alive:
-            return _error_response(EngineDeadError(state.engine.error))   # OpenAI's error shape, code engine_dead
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": now(),
-                                            "owned_by": "jaxinfer", "max_model_len": state.max_model_len}]}
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
-        state.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise OpenAIError(400, "give exactly one of prompt or messages")
-        ids = await run_in_threadpool(lambda: state.encode(req.prompt, req.add_special_tokens)
-                                      if req.prompt is not None else state.render_chat(req.messages, req.tool_plan()))
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
-        state.check_model(req.model)
-        if state.tokenizer is None:
-            raise OpenAIError(400, "this model has no tokenizer")
-        vocab = gen.model_cfg.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise OpenAIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": await run_in_threadpool(state.tokenizer.decode, req.tokens)}
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        prompts, params = await run_in_threadpool(state.completion_inputs, req)
-        sub = state.engine.submit(prompts, params, cache_salt=req.cache_salt, request_field=req.request_field)
-        rid, created = new_id("cmpl"), now()
-        n_prompt = sum(len(x) for x in prompts)
-
-        if req.stream:
-            async def events() -> AsyncIterator[str]:
-                finished, n_out, offsets, cached = False, 0, {}, {}
-                try:
-                    remaining = len(sub.request_ids) * sub.n
-                    while remaining:
-                        d = await _next_delta(sub)
-                        remaining -= d.finished
-                        index = sub.request_ids.index(d.request_id) * sub.n + d.sample_index
-                        n_out += len(d.token_ids)
-                        cached[d.request_id] = max(cached.get(d.request_id, 0), d.num_cached_tokens)
-                        if not (d.text or d.token_ids or d.finished):
-                            continue
-                        lp = None
-                        if req.logprobs is not None:
-                            lp = completion_logprobs([d], state.token_str)
-                            lp["text_offset"] = [o + offsets.get(index, 0) for o in lp["text_offset"]]
-                        offsets[index] = offsets.get(index, 0) + len(d.text)
-                        yield _sse({"id": rid, "object": "text_completion", "created": created,
-                                    "model": state.model_name,
-                                    "choices": [{"index": index, "text": d.text, "logprobs": lp,
-                                                 "finish_reason": d.finish_reason if d.finished else None}]})
-                    finished = True
-                    if req.stream_options and req.stream_options.include_usage:
-                        yield _sse({"id": rid, "object": "text_completion", "created": created,
-                                    "model": state.model_name, "choices": [],
-                                    "usage": usage(n_prompt, n_out, sum(cached.values()))})
-                    yield "data: [DONE]\n\n"
-                except EngineDeadError as e:   # the stream ends with the error, then [DONE]
-                    yield _sse_error(e)
-                    yield "data: [DONE]\n\n"
-                finally:
-                    state.engine.release(sub, finished)
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        return await _respond(state, sub, request, lambda groups: completion_body(
-            rid, created, state.model_name, groups, n_prompt, state.token_str, req.logprobs is not None, sub.n))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        prompt, params = await run_in_threadpool(state.chat_inputs, req)
-        sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt, request_field=req.request_field)
-        rid, created = new_id("chatcmpl"), now()
-
-        if req.stream:
-            plan = req.tool_plan()
-
-            async def events() -> AsyncIterator[str]:
-                finished, n_out, cached = False, 0, 0
-                base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
-                tools = [_ToolStream(plan) if plan is not None and plan.parses else None for _ in range(sub.n)]
-                try:
-                    first = {"role": "assistant", "content": None if plan is not None and plan.constrained else ""}
-                    for i in range(sub.n):
-                        yield _sse({**base, "choices": [{"index": i, "delta": first,
-                                                         "logprobs": None, "finish_reason": None}]})
-                    remaining = sub.n
-                    while remaining:
-                        d = await _next_delta(sub)
-                        remaining -= d.finished
-                        n_out += len(d.token_ids)
-                        cached = max(cached, d.num_cached_tokens)
-                        if not (d.text or d.token_ids or d.finished):
-                            continue
-                        lp = chat_logprobs([d], state.token_str) if req.logprobs else None
-                        ts = tools[d.sample_index]
-                        deltas = [{"content": d.text} if d.text else {}] if ts is None else \
-                            ts.feed(d.text, d.finished, d.finish_reason)
-                        finish = (ts.finish_reason(d.finish_reason) if ts else d.finish_reason) if d.finished else None
-                        for j, delta in enumerate(deltas):
-                            last = j == len(deltas) - 1
-                            # an empty delta only where it carries something (plain streams keep one per step)
-                            if not delta and not (last and (ts is None or d.finished or lp is not None)):
-                                continue
-                            yield _sse({**base, "choices": [{"index": d.sample_index, "delta": delta,
-                                                             "logprobs": lp if j == 0 else None,
-                                                             "finish_reason": finish if last else None}]})
-                    finished = True
-                    if req.stream_options and req.stream_options.include_usage:
-                        yield _sse({**base, "choices": [], "usage": usage(len(prompt), n_out, cached)})
-                    yield "data: [DONE]\n\n"
-                except EngineDeadError as e:   # the stream ends with the error, then [DONE]
-                    yield _sse_error(e)
-                    yield "data: [DONE]\n\n"
-                finally:
-                    state.engine.release(sub, finished)
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        return await _respond(state, sub, request, lambda groups: chat_body(
-            rid, created, state.model_name, groups, len(prompt), state.token_str, req.logprobs, sub.n,
-            tools=req.tool_plan()))
-
+    for exc_type, handler in _EXCEPTION_HANDLERS:
+        app.add_exception_handler(exc_type, handler)
+    app.include_router(router)
     return app

@@ -1,8 +1,9 @@
 """OpenAI tool calls for /v1/chat/completions: checking `tools`/`tool_choice`, the JSON schema that
 constrains a forced call, rendering tools into prompts, and parsing calls out of generated text.
 
-Pure Python (no jax, no server): the request models (serve.protocol) and the app (serve.app) use it,
-and a bad field is a `ToolSpecError` naming the request field at fault, which they turn into a 400.
+Pure Python (no jax, no server): the request models (serve.protocol), the app (serve.app) and its
+streamed chat choices (serve.stream, through ToolStream) use it, and a bad field is a `ToolSpecError`
+naming the request field at fault, which they turn into a 400.
 
 tool_choice:
   "none"      tools are rendered into the prompt (as vLLM does) but calls are never parsed;
@@ -396,3 +397,49 @@ def parse_choice(text: str, plan: ToolPlan | None,
     """A chat choice's whole text and the engine's finish_reason -> (content, tool calls, finish_reason)."""
     content, calls = parse_output(text, plan, finish_reason)
     return content, calls, choice_finish_reason(finish_reason, bool(calls))
+
+
+class ToolStream:
+    """One streamed chat choice under a tool plan: its text -> the chunk deltas to send. Forced calls
+    (required / named) are buffered whole and sent when the output ends (cut by max_tokens: the calls
+    written whole before the cut); "auto" streams content and holds back what may be a <tool_call>
+    block (AutoToolParser). A tool call goes out as OpenAI does: a delta with its index, id, type and
+    name (arguments ""), then one with the arguments. The finish_reason is the non-streamed one
+    (choice_finish_reason: "length" wins over "tool_calls")."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.auto = None if plan.constrained else AutoToolParser(plan)
+        self.buffer = ""
+        self.n_calls = 0
+
+    def _call_deltas(self, calls: list[dict]) -> list[dict]:
+        out = []
+        for c in calls:
+            i, self.n_calls = self.n_calls, self.n_calls + 1
+            out.append({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                        "function": {"name": c["function"]["name"], "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]})
+        return out
+
+    def feed(self, text: str, finished: bool, finish_reason: str | None = None) -> list[dict]:
+        """The deltas to send for this piece of text (the last one carries the finish_reason; an
+        empty delta {} where there is nothing to send)."""
+        out: list[dict] = []
+        if self.auto is None:
+            self.buffer += text
+            if finished:
+                _, calls = forced_result(self.buffer, self.plan, finish_reason)
+                out = self._call_deltas(calls) if calls else ([{"content": self.buffer}] if self.buffer else [])
+        else:
+            content, calls = self.auto.feed(text)
+            if finished:
+                rest, _ = self.auto.finish()
+                content += rest
+            if content:
+                out.append({"content": content})
+            out += self._call_deltas(calls)
+        return out or [{}]
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return choice_finish_reason(reason, self.n_calls > 0)

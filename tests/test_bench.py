@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from bench.datasets import build_requests, load_jsonl, parse_range, sample_lengths, token_pool
-from bench.metrics import ModelCost, RequestRecord, StepRecord, distribution, summarize, utilization
+from bench.metrics import RequestRecord, distribution, summarize, utilization
+from jaxinfer.perf import ModelCost, StepRecord
 
 
 # --------------------------------------------------------------------------- request metrics

@@ -1,4 +1,4 @@
-"""ModelConfig.from_hf and the position encodings, against transformers' own code and the formulas."""
+"""model_config_from_hf (jaxinfer/models/hf_configs.py) and the position encodings, against transformers' own code and the formulas."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from jaxinfer.config import ConfigError, ModelConfig, RopeScaling, SamplingParams
+from jaxinfer.models.hf_configs import model_config_from_hf
 from jaxinfer.layers import alibi_slopes, rope_inv_freq, sinusoidal_embedding, sinusoidal_table
 from tests.hf_models import build_hf_model
 
@@ -21,7 +22,7 @@ def test_llama3_rope_frequencies_match_transformers():
             "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
     hf_cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters=rope)
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
-    cfg = ModelConfig.from_hf(hf_cfg.to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    cfg = model_config_from_hf(hf_cfg.to_dict() | {"architectures": ["LlamaForCausalLM"]})
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling.kind == "llama3"
     ours = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-6)
@@ -40,7 +41,7 @@ def test_rope_theta_read_from_legacy_and_v5_fields():
               "rope_scaling": {"type": "linear", "factor": 2.0}}
     v5 = dict(legacy, rope_parameters={"rope_theta": 456.0, "rope_type": "default"})
     del v5["rope_theta"], v5["rope_scaling"]
-    a, b = ModelConfig.from_hf(legacy), ModelConfig.from_hf(v5)
+    a, b = model_config_from_hf(legacy), model_config_from_hf(v5)
     assert (a.rope_theta, a.rope_scaling) == (123.0, RopeScaling("linear", 2.0))
     assert (b.rope_theta, b.rope_scaling) == (456.0, None)
 
@@ -89,7 +90,7 @@ def test_sinusoidal_model_adds_the_table():
     ("bloom-6heads-postnorm", dict(position="alibi", embed_norm=True, residual_post_norm=True, n_heads=6)),
 ])
 def test_from_hf_fields(name, expect, hf_model_dir):
-    cfg = ModelConfig.from_hf(hf_model_dir(name))
+    cfg = model_config_from_hf(hf_model_dir(name))
     for k, v in expect.items():
         assert getattr(cfg, k) == v, k
 
@@ -97,7 +98,7 @@ def test_from_hf_fields(name, expect, hf_model_dir):
 def test_num_params_matches_transformers():
     for name in ("llama-gqa-llama3", "llama-mqa-tied-linear", "gpt2", "bloom", "qwen2-tied"):
         hf = build_hf_model(name)
-        cfg = ModelConfig.from_hf(hf.config.to_dict() | {"architectures": [type(hf).__name__]})
+        cfg = model_config_from_hf(hf.config.to_dict() | {"architectures": [type(hf).__name__]})
         n_hf = sum(p.numel() for p in hf.parameters())  # tied weights are counted once
         assert cfg.num_params() == n_hf, name
 
@@ -105,12 +106,12 @@ def test_num_params_matches_transformers():
 def test_unknown_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["T5ForConditionalGeneration"]}))
     with pytest.raises(ConfigError, match="T5ForConditionalGeneration"):
-        ModelConfig.from_hf(tmp_path)
+        model_config_from_hf(tmp_path)
 
 
 def test_missing_field_is_named():
     with pytest.raises(ConfigError, match="num_hidden_layers"):
-        ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+        model_config_from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
                              "num_attention_heads": 2, "intermediate_size": 16})
 
 

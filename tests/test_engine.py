@@ -206,8 +206,12 @@ def test_live_mbu_is_bytes_read_over_step_time(gen, monkeypatch):
     monkeypatch.setattr(eng, "device_spec", Device("test", "test", 0, 1e9, 0.0, 0.0, 0.0))
     st = gen.stats()
     # the last step ran 2 decode iterations on device (multi-step) with 3 + 1 and 3 + 2 tokens of
-    # context: per iteration it read the weights once and (4 + 5) / 2 tokens of KV on average
-    step_bytes = st["weight_bytes"] + (4 + 5) / 2 * eng.runner.kv_bytes_per_token
+    # context: per iteration it read the weights once (but the untied token table, of which its one
+    # token gathers a row: jaxinfer.perf's cost model) and (4 + 5) / 2 tokens of KV on average
+    mc = gen.model_cfg
+    assert (st["embedding_table_bytes"], st["embedding_row_bytes"]) == (4 * mc.vocab_size * mc.d_model, 4 * mc.d_model)
+    step_bytes = (st["weight_bytes"] - st["embedding_table_bytes"] + st["embedding_row_bytes"]
+                  + (4 + 5) / 2 * eng.runner.kv_bytes_per_token)
     assert eng.stats_.bandwidth[-1] == pytest.approx(step_bytes / eng.stats_.step_times[-1])
     assert st["mbu"] == pytest.approx(st["achieved_bandwidth_bytes_per_s"] / 1e9)
     assert eng.runner.kv_bytes_per_token == 2 * 4 * gen.model_cfg.n_layers * gen.model_cfg.n_kv_heads * gen.model_cfg.head_dim

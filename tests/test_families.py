@@ -19,6 +19,7 @@ import torch
 
 from jaxinfer import Generator, SamplingParams
 from jaxinfer.config import ConfigError, ModelConfig
+from jaxinfer.models.hf_configs import model_config_from_hf
 from jaxinfer.layers import rope_inv_freq
 from tests.hf_models import CONFIGS, build_hf_model
 
@@ -143,13 +144,13 @@ def test_gemma2_int8_weights_same_tokens(hf_model_dir):
     ("phi3-mqa-window", dict(rotary_dim=None, sliding_window=7, sliding_layers=None)),
 ])
 def test_from_hf_fields(name, expect, hf_model_dir):
-    cfg = ModelConfig.from_hf(hf_model_dir(name))
+    cfg = model_config_from_hf(hf_model_dir(name))
     for k, v in expect.items():
         assert getattr(cfg, k) == v, k
 
 
 def test_gemma3_per_layer_rope():
-    cfg = ModelConfig.from_hf(cfg_dict("gemma3"))
+    cfg = model_config_from_hf(cfg_dict("gemma3"))
     assert [cfg.layer_window(i) for i in range(6)] == [5] * 5 + [None]
     assert [cfg.is_sliding(i) for i in range(6)] == [True] * 5 + [False]
     rope = (cfg.rope_local_theta, cfg.rope_theta, cfg.rope_scaling.kind, cfg.rope_scaling.factor)
@@ -157,7 +158,7 @@ def test_gemma3_per_layer_rope():
     # the legacy spelling (transformers < 5 and many hub files): the same config
     legacy = {k: v for k, v in cfg_dict("gemma3").items() if k != "rope_parameters"}
     legacy |= {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
-    assert ModelConfig.from_hf(legacy) == cfg
+    assert model_config_from_hf(legacy) == cfg
 
 
 def cfg_dict(name: str) -> dict:
@@ -173,7 +174,7 @@ def test_longrope_frequencies_match_transformers(name):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     hf_cfg = build_hf_model(name).config
-    cfg = ModelConfig.from_hf(cfg_dict(name))
+    cfg = model_config_from_hf(cfg_dict(name))
     s = cfg.rope_scaling
     seq_len = s.original_max_position_embeddings + 1 if s.use_long_factor else None
     ref, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](hf_cfg, "cpu", seq_len=seq_len)
@@ -185,7 +186,7 @@ def test_longrope_frequencies_match_transformers(name):
 def test_num_params_match_transformers():
     for name in NEW_FAMILIES:
         hf = build_hf_model(name)
-        assert ModelConfig.from_hf(cfg_dict(name)).num_params() == sum(p.numel() for p in hf.parameters()), name
+        assert model_config_from_hf(cfg_dict(name)).num_params() == sum(p.numel() for p in hf.parameters()), name
 
 
 @pytest.mark.parametrize("change,message", [
@@ -198,14 +199,14 @@ def test_num_params_match_transformers():
 ])
 def test_refused_gemma_configs_name_the_field(change, message):
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf(cfg_dict("gemma3") | change)
+        model_config_from_hf(cfg_dict("gemma3") | change)
 
 
 def test_longrope_factors_must_fit_the_rotated_features():
     c = cfg_dict("phi3-longrope")
     c["rope_parameters"] = dict(c["rope_parameters"], short_factor=[1.0] * 8)
     with pytest.raises(ConfigError, match="longrope needs short_factor and long_factor of 6 values"):
-        ModelConfig.from_hf(c)
+        model_config_from_hf(c)
 
 
 # ------------------------------------------------------------------------------ tensor / pipeline parallelism

@@ -11,7 +11,7 @@ from float32 / bfloat16 rounding (float32 dots run at float32 precision on every
 On CPU the kernels run in Pallas interpret mode; on a GPU (`make test-gpu`) they run compiled.
 
 Shapes are small (interpret mode is slow) but every tiled dimension has >= 3 tiles: query tiles,
-KV compute blocks, sequences, and num_splits partitions.
+KV compute blocks and sequences.
 """
 from __future__ import annotations
 
@@ -23,11 +23,10 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.flash_attention import (flash_attention, flash_attention_reference,
-                                            ragged_paged_attention,
-                                            ragged_paged_attention_reference, ragged_tile_table)
-from pallas_kernels.paged_attention import (default_interpret, paged_attention,
-                                            paged_attention_reference)
+from pallas_kernels.attention_common import default_interpret
+from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+from pallas_kernels.ragged_paged_attention import (ragged_paged_attention, ragged_paged_attention_reference,
+                                                   ragged_tile_table)
 
 from tests.precision import attention_rtol, rel_err
 
@@ -173,64 +172,7 @@ def slopes_for(rng, h):
 
 
 # ----------------------------------------------------------------------------------------------
-# Decode: paged_attention
-# ----------------------------------------------------------------------------------------------
-
-# (dtype, block_size, G, window, alibi, int8, num_splits, pages_per_compute_block, check_numpy)
-DECODE_CASES = [
-    ("float32", 8, 1, None, False, False, 1, 1, True),
-    ("float32", 16, 4, 20, True, False, 1, 1, True),
-    ("float32", 32, 8, None, False, False, 3, 1, True),
-    ("float32", 8, 4, None, True, True, 4, 2, True),
-    ("float32", 16, 3, 37, False, False, 3, 1, True),
-    ("bfloat16", 16, 4, 24, False, True, 2, 1, True),
-    ("bfloat16", 8, 8, 30, True, False, 1, 2, False),
-    ("bfloat16", 32, 1, None, True, True, 3, 1, False),
-    ("float32", 16, 4, 20, False, "fp8", 2, 1, True),
-]
-
-
-@pytest.mark.parametrize("dtype,bs,g,window,alibi,quant,splits,ppcb,check_np", DECODE_CASES)
-def test_paged_decode(dtype, bs, g, window, alibi, quant, splits, ppcb, check_np):
-    rng = np.random.default_rng(seed(dtype, bs, g, window, alibi, quant, splits))
-    hkv, d = 2, 16 if g >= 4 else 32
-    # >= 3 sequences; contexts spanning >= 3 compute blocks, partial last pages, a 1-token and an
-    # empty (padding row) context.
-    ctx = [3 * bs * ppcb + 5, 5 * bs * ppcb - 3, 1, 2 * bs + 1, 0]
-    k, v, ks, vs, bt = make_cache(rng, ctx_lens=[max(c, 1) for c in ctx], hkv=hkv, d=d, bs=bs,
-                                  dtype=jnp.dtype(dtype), quant=quant)
-    lens = jnp.asarray(ctx, jnp.int32)
-    q = jnp.asarray(rng.standard_normal((len(ctx), hkv * g, d)), dtype)
-    kw = dict(scale=d ** -0.5, window=window, k_scale=ks, v_scale=vs,
-              alibi_slopes=slopes_for(rng, hkv * g) if alibi else None)
-    out = paged_attention(q, k, v, bt, lens, pages_per_compute_block=ppcb, num_splits=splits, **kw)
-    ref = paged_attention_reference(q, k, v, bt, lens, **kw)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    tol = attention_rtol(dtype, keys=max(ctx), head_dim=d)
-    assert rel_err(out, ref) < tol
-    assert float(jnp.abs(out[-1].astype(jnp.float32)).max()) == 0.0     # empty context -> 0
-    if check_np:
-        want = np_paged(q, k, v, lens - 1, np.arange(len(ctx)), bt, lens, scale=d ** -0.5,
-                        window=window, slopes=kw["alibi_slopes"], k_scale=ks, v_scale=vs)
-        assert rel_err(ref, want) < tol
-        assert rel_err(out, want) < tol
-
-
-def test_paged_decode_splits_agree():
-    """num_splits only changes the partition of the context, not the result."""
-    rng = np.random.default_rng(7)
-    ctx = [150, 37, 96, 5]
-    k, v, _, _, bt = make_cache(rng, ctx_lens=ctx, hkv=2, d=16, bs=8, dtype=jnp.float32,
-                                quant=False)
-    q = jnp.asarray(rng.standard_normal((4, 8, 16)), jnp.float32)
-    lens = jnp.asarray(ctx, jnp.int32)
-    outs = [paged_attention(q, k, v, bt, lens, scale=0.25, window=64, pages_per_compute_block=1,
-                            num_splits=n) for n in (1, 5)]
-    assert rel_err(outs[1], outs[0]) < attention_rtol("float32", keys=max(ctx), head_dim=16)
-
-
-# ----------------------------------------------------------------------------------------------
-# Prefill: ragged_paged_attention
+# The serving kernel: ragged_paged_attention (prefill chunks and decode tokens in one call)
 # ----------------------------------------------------------------------------------------------
 
 # (dtype, block_size, G, window, alibi, int8, block_q, pages_per_compute_block, check_numpy)
@@ -273,19 +215,6 @@ def test_ragged_paged(dtype, bs, g, window, alibi, quant, bq, ppcb, check_np):
                         covered=np.arange(t) < t - 3)
         assert rel_err(ref, want) < tol
         assert rel_err(out, want) < tol
-
-
-def test_ragged_decode_only_matches_decode_kernel():
-    """A step of decode tokens only (chunks of length 1) gives what the decode kernel gives."""
-    rng = np.random.default_rng(3)
-    chunks = [(40, 1), (7, 1), (64, 1), (17, 1)]
-    q, k, v, ks, vs, meta = make_ragged(rng, chunks=chunks, n_pad=0, hkv=2, g=4, d=16, bs=8,
-                                        dtype=jnp.float32, quant=True)
-    kw = dict(scale=0.25, window=33, k_scale=ks, v_scale=vs, alibi_slopes=slopes_for(rng, 8))
-    rag = ragged_paged_attention(q, k, v, **meta, block_q=4, pages_per_compute_block=1, **kw)
-    dec = paged_attention(q, k, v, meta["block_tables"], meta["context_lens"],
-                          pages_per_compute_block=2, num_splits=2, **kw)
-    assert rel_err(rag, dec) < attention_rtol("float32", keys=65, head_dim=16)
 
 
 @pytest.mark.parametrize("bq", [1, 4, 16])
@@ -345,8 +274,7 @@ def test_flash(dtype, t, g, causal, window, alibi, bq, bk, check_np):
 # ----------------------------------------------------------------------------------------------
 
 # (kernel, dtype, G, window, quant): q scaled by 3 so that scores reach ~10 and a cap of 2 bends them
-SOFTCAP_CASES = [("decode", "float32", 4, 20, False), ("decode", "bfloat16", 2, None, True),
-                 ("ragged", "float32", 4, 11, False), ("ragged", "float32", 1, None, "fp8"),
+SOFTCAP_CASES = [("ragged", "float32", 4, 11, False), ("ragged", "float32", 1, None, "fp8"),
                  ("flash", "float32", 2, 13, False), ("flash", "bfloat16", 4, None, False)]
 
 
@@ -363,18 +291,13 @@ def test_softcap_matches_definition(kernel, dtype, g, window, quant):
         want = np_dense(q, k, v, scale=d ** -0.5, causal=True, window=window, softcap=cap)
         keys = t
     else:
-        chunks = [(30, 1), (7, 1), (19, 1)] if kernel == "decode" else [(21, 9), (5, 1), (0, 12), (40, 3)]
+        chunks = [(21, 9), (5, 1), (0, 12), (40, 3)]
         q, k, v, ks, vs, meta = make_ragged(rng, chunks=chunks, n_pad=0, hkv=hkv, g=g, d=d, bs=bs,
                                             dtype=jnp.dtype(dtype), quant=quant)
         q = q * 3
         kw.update(k_scale=ks, v_scale=vs)
-        if kernel == "decode":
-            out = paged_attention(q, k, v, meta["block_tables"], meta["context_lens"], pages_per_compute_block=1,
-                                  num_splits=2, **kw)
-            ref = paged_attention_reference(q, k, v, meta["block_tables"], meta["context_lens"], **kw)
-        else:
-            out = ragged_paged_attention(q, k, v, **meta, block_q=4, pages_per_compute_block=1, **kw)
-            ref = ragged_paged_attention_reference(q, k, v, **meta, **kw)
+        out = ragged_paged_attention(q, k, v, **meta, block_q=4, pages_per_compute_block=1, **kw)
+        ref = ragged_paged_attention_reference(q, k, v, **meta, **kw)
         want = np_paged(q, k, v, meta["positions"], meta["seq_ids"], meta["block_tables"], meta["context_lens"],
                         scale=d ** -0.5, window=window, k_scale=ks, v_scale=vs, softcap=cap)
         keys = max(p + n for p, n in chunks)
@@ -386,18 +309,16 @@ def test_softcap_matches_definition(kernel, dtype, g, window, quant):
     assert rel_err(uncapped, want) > 100 * tol            # the cap changed the result: the case tests it
 
 
-# (kernel, dtype, G, window, quant, num_splits): sinks as large as the scores (std 2), so they matter
-SINK_CASES = [("decode", "float32", 4, 20, False, 1), ("decode", "float32", 3, None, "int8", 3),
-              ("decode", "bfloat16", 2, 9, False, 2), ("ragged", "float32", 4, 11, False, 1),
-              ("ragged", "float32", 1, None, "fp8", 1), ("ragged", "bfloat16", 8, None, False, 1),
-              ("flash", "float32", 2, 13, False, 1), ("flash", "bfloat16", 4, None, False, 1)]
+# (kernel, dtype, G, window, quant): sinks as large as the scores (std 2), so they matter
+SINK_CASES = [("ragged", "float32", 4, 11, False), ("ragged", "float32", 1, None, "fp8"),
+              ("ragged", "bfloat16", 8, None, False), ("flash", "float32", 2, 13, False),
+              ("flash", "bfloat16", 4, None, False)]
 
 
-@pytest.mark.parametrize("kernel,dtype,g,window,quant,splits", SINK_CASES)
-def test_sinks_match_definition(kernel, dtype, g, window, quant, splits):
-    """gpt-oss's attention sinks in the three kernels and their references against the numpy
-    definition; the decode kernel counts the sink once across its num_splits partial softmaxes."""
-    rng = np.random.default_rng(seed("sinks", kernel, dtype, g, window, quant, splits))
+@pytest.mark.parametrize("kernel,dtype,g,window,quant", SINK_CASES)
+def test_sinks_match_definition(kernel, dtype, g, window, quant):
+    """gpt-oss's attention sinks in both kernels and their references against the numpy definition."""
+    rng = np.random.default_rng(seed("sinks", kernel, dtype, g, window, quant))
     hkv, d, bs = 2, 16, 8
     sinks = jnp.asarray(rng.normal(0.0, 2.0, hkv * g), jnp.float32)
     kw = dict(scale=d ** -0.5, window=window, sinks=sinks)
@@ -409,17 +330,12 @@ def test_sinks_match_definition(kernel, dtype, g, window, quant, splits):
         plain = np_dense(q, k, v, scale=d ** -0.5, causal=True, window=window)
         keys = t
     else:
-        chunks = [(30, 1), (7, 1), (19, 1), (0, 1)] if kernel == "decode" else [(21, 9), (5, 1), (0, 12), (40, 3)]
+        chunks = [(21, 9), (5, 1), (0, 12), (40, 3)]
         q, k, v, ks, vs, meta = make_ragged(rng, chunks=chunks, n_pad=0, hkv=hkv, g=g, d=d, bs=bs,
                                             dtype=jnp.dtype(dtype), quant=quant)
         kw.update(k_scale=ks, v_scale=vs)
-        if kernel == "decode":
-            out = paged_attention(q, k, v, meta["block_tables"], meta["context_lens"], pages_per_compute_block=1,
-                                  num_splits=splits, **kw)
-            ref = paged_attention_reference(q, k, v, meta["block_tables"], meta["context_lens"], **kw)
-        else:
-            out = ragged_paged_attention(q, k, v, **meta, block_q=4, pages_per_compute_block=1, **kw)
-            ref = ragged_paged_attention_reference(q, k, v, **meta, **kw)
+        out = ragged_paged_attention(q, k, v, **meta, block_q=4, pages_per_compute_block=1, **kw)
+        ref = ragged_paged_attention_reference(q, k, v, **meta, **kw)
         args = (q, k, v, meta["positions"], meta["seq_ids"], meta["block_tables"], meta["context_lens"])
         want = np_paged(*args, scale=d ** -0.5, window=window, k_scale=ks, v_scale=vs, sinks=sinks)
         plain = np_paged(*args, scale=d ** -0.5, window=window, k_scale=ks, v_scale=vs)
@@ -486,20 +402,16 @@ def _lowers_for_triton(fn, *args) -> bool:
     return "triton" in text
 
 
-@pytest.mark.parametrize("kernel", ["decode", "ragged", "flash"])
+@pytest.mark.parametrize("kernel", ["ragged", "flash"])
 def test_lowers_for_triton(kernel):
     hkv, g, d, bs, nb, s, t = 2, 4, 64, 16, 24, 3, 40
-    q = jnp.zeros((s if kernel == "decode" else t, hkv * g, d), jnp.bfloat16)
+    q = jnp.zeros((t, hkv * g, d), jnp.bfloat16)
     pages = jnp.zeros((hkv, nb, bs, d), jnp.int8)
     scales = jnp.ones((hkv, nb, bs), jnp.float32)
     bt, lens = jnp.zeros((s, 6), jnp.int32), jnp.zeros((s,), jnp.int32)
     common = dict(scale=0.125, window=32, alibi_slopes=jnp.ones((hkv * g,)), softcap=30.0,
                   sinks=jnp.zeros((hkv * g,)), interpret=False)
-    if kernel == "decode":
-        fn = lambda q, kp, vp, ks, vs: paged_attention(q, kp, vp, bt, lens, k_scale=ks, v_scale=vs,
-                                                       num_splits=2, **common)
-        assert _lowers_for_triton(fn, q, pages, pages, scales, scales)
-    elif kernel == "ragged":
+    if kernel == "ragged":
         ids = jnp.zeros((t,), jnp.int32)
         fn = lambda q, kp, vp, ks, vs: ragged_paged_attention(
             q, kp, vp, ids, ids, jnp.zeros((s + 1,), jnp.int32), bt, lens, k_scale=ks, v_scale=vs,
@@ -523,9 +435,6 @@ def test_lowers_for_triton_tiny_shapes():
         q, k, v, scale=0.25, block_q=1, block_k=1, interpret=False), q, kv, kv)
     pages = jnp.zeros((2, 5, 8, 16), jnp.float32)
     bt, lens = jnp.zeros((3, 2), jnp.int32), jnp.ones((3,), jnp.int32)
-    assert "paged_decode_ppcb2_splits1" in lowered(lambda q, kp, vp: paged_attention(
-        q, kp, vp, bt, lens, scale=0.25, pages_per_compute_block=1, interpret=False),
-        q, pages, pages)
     ids = jnp.zeros((3,), jnp.int32)
     qsl = jnp.arange(4, dtype=jnp.int32)
     assert "ragged_paged_attention_bq16_ppcb2" in lowered(lambda q, kp, vp: ragged_paged_attention(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from jaxinfer import Generator
-from jaxinfer.config import ConfigError, EngineConfig, ModelConfig, resolve_config
+from jaxinfer.config import ConfigError, EngineConfig, ModelConfig, check_pool_fits, resolve_config
 from jaxinfer.perf import PoolSize, size_kv_pool
 
 GiB, MiB = 2**30, 2**20
@@ -73,11 +73,11 @@ class FakeDevice:
 
 
 def test_engine_counts_the_weights_once_and_a_second_engine_gets_what_is_left(hf_model_dir, monkeypatch, no_xla_env):
-    import jaxinfer.runner as runner
+    import jaxinfer.engine as engine
 
     total = 768 * MiB
     dev = FakeDevice(limit=total * 3 // 4, in_use=40 * MiB)    # the loaded weights are in the 40 MiB
-    monkeypatch.setattr(runner, "pool_device", lambda: dev)
+    monkeypatch.setattr(engine, "pool_device", lambda: dev)
     path = hf_model_dir("llama-gqa-llama3")
     first = Generator.from_pretrained(path, memory_fraction=0.55, **ENGINE)
     r = first.engine.resolved
@@ -113,13 +113,12 @@ def test_a_pool_smaller_than_one_sequence_is_refused_naming_the_settings():
     pool = PoolSize(3, 1 * GiB, True, device_bytes=8 * GiB, memory_fraction=0.9, allocator_limit=8 * GiB,
                     in_use=6 * GiB, reserve=1 * GiB)
     with pytest.raises(ConfigError) as err:
-        resolve_config(EngineConfig(block_size=16, max_model_len=100), mc, backend="gpu", size_pool=lambda kv, n: pool)
+        check_pool_fits(EngineConfig(block_size=16, max_model_len=100), 100, pool.num_blocks, pool)
     msg = str(err.value)
     assert "2 usable blocks of 16 tokens = 32 tokens" in msg and "at most 32" in msg
     # 6 + 1 GiB + 8 blocks of 1 GiB (100 tokens need 7 blocks + the null block) = 15 GiB > 8 GiB
     assert "use a device with more memory" in msg and "set num_blocks to at least 8" in msg
-    assert resolve_config(EngineConfig(block_size=16, max_model_len=32), mc, backend="gpu",
-                          size_pool=lambda kv, n: pool).pool is pool
+    check_pool_fits(EngineConfig(block_size=16, max_model_len=32), 32, pool.num_blocks, pool)   # fits: no error
 
 
 @pytest.mark.parametrize("fraction", [0, -0.1, 1.5, "0.9"])

@@ -23,6 +23,7 @@ from flax import nnx
 
 from jaxinfer import Generator, SamplingParams
 from jaxinfer.config import ConfigError, ModelConfig
+from jaxinfer.models.hf_configs import model_config_from_hf
 from jaxinfer.moe import MoE, route, set_moe_impl, tile_rows
 from jaxinfer.quant import QuantizedWeight, dequantize
 from tests.hf_models import CONFIGS, build_hf_model
@@ -75,7 +76,7 @@ def test_routing_matches_transformers_routers(name):
     x = torch.randn(64, hf.config.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits, scores, idx = router(x)
-    cfg = ModelConfig.from_hf(cfg_dict(name))
+    cfg = model_config_from_hf(cfg_dict(name))
     weights, experts = route(jnp.asarray(logits.numpy()), cfg.num_experts_per_tok, cfg.moe_routing,
                              cfg.moe_norm_topk)
     order = np.argsort(np.asarray(experts), axis=1)
@@ -290,7 +291,7 @@ def test_pipeline_refuses_mixed_moe_and_dense_layers():
     from jax.sharding import AbstractMesh
 
     from jaxinfer.sharding import rules_for
-    cfg = ModelConfig.from_hf(cfg_dict("qwen3moe-gqa"))
+    cfg = model_config_from_hf(cfg_dict("qwen3moe-gqa"))
     with pytest.raises(ValueError, match=r"mixes mixture-of-experts \(E\) and dense \(D\) MLP layers \(EDE\)"):
         rules_for(cfg, AbstractMesh((1, 3, 1), ("data", "pipeline", "tensor")))
     assert rules_for(cfg, AbstractMesh((1, 1, 2), ("data", "pipeline", "tensor")))["expert_mlp"] == "tensor"
@@ -320,7 +321,7 @@ def test_yarn_matches_transformers(params):
                             partial_rotary_factor=params.get("partial_rotary_factor", 1.0))
     ref, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
     c = json.loads(hf_cfg.to_json_string()) | {"architectures": ["Qwen3ForCausalLM"]}
-    cfg = ModelConfig.from_hf(c)
+    cfg = model_config_from_hf(c)
     rotary = int(128 * params.get("partial_rotary_factor", 1.0))
     np.testing.assert_allclose(rope_inv_freq(rotary, cfg.rope_theta, cfg.rope_scaling), ref.numpy(), rtol=1e-6)
     assert rope_magnitude(cfg.rope_scaling) == pytest.approx(attention_factor)
@@ -332,7 +333,7 @@ def test_yarn_matches_transformers(params):
 def test_num_params_match_transformers(name):
     """All parameters, and the active ones: all but the unrouted experts of each MoE layer."""
     hf = build_hf_model(name)
-    cfg = ModelConfig.from_hf(cfg_dict(name))
+    cfg = model_config_from_hf(cfg_dict(name))
     assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
     experts = [m.mlp.experts for m in hf.model.layers if hasattr(m.mlp, "experts")]
     per_expert = [sum(p.numel() for p in e.parameters()) // cfg.num_experts for e in experts]
@@ -375,7 +376,7 @@ def test_plan_presets_match_transformers(preset):
     ("gpt-oss-mqa", dict(sliding_layers=(False, True), swiglu_alpha=2.5, n_kv_heads=1)),
 ])
 def test_from_hf_fields(name, expect):
-    cfg = ModelConfig.from_hf(cfg_dict(name))
+    cfg = model_config_from_hf(cfg_dict(name))
     for k, v in expect.items():
         assert getattr(cfg, k) == v, k
 
@@ -383,9 +384,9 @@ def test_from_hf_fields(name, expect):
 def test_gpt_oss_rope_defaults_to_transformers_yarn():
     """A gpt-oss config.json without rope settings gets GptOssConfig's YaRN (factor 32, no truncation)."""
     c = {k: v for k, v in cfg_dict("gpt-oss").items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
-    s = ModelConfig.from_hf(c).rope_scaling
+    s = model_config_from_hf(c).rope_scaling
     assert (s.kind, s.factor, s.original_max_position_embeddings, s.truncate) == ("yarn", 32.0, 4096, False)
-    assert ModelConfig.from_hf(c).rope_theta == 150000.0
+    assert model_config_from_hf(c).rope_theta == 150000.0
 
 
 @pytest.mark.parametrize("change,message", [
@@ -397,7 +398,7 @@ def test_gpt_oss_rope_defaults_to_transformers_yarn():
 ])
 def test_refused_moe_configs_name_the_field(change, message):
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf(cfg_dict("gpt-oss") | change)
+        model_config_from_hf(cfg_dict("gpt-oss") | change)
 
 
 def test_clamped_swiglu_needs_experts():

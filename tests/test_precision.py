@@ -77,9 +77,8 @@ def test_bfloat16_engine_keeps_default_precision(hf_model_dir):
 
 
 def test_kernels_and_references_ask_for_float32_dots():
-    from pallas_kernels.flash_attention import (flash_attention, flash_attention_reference, ragged_paged_attention,
-                                                ragged_paged_attention_reference)
-    from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+    from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
     from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference
 
     q = jnp.zeros((16, 4, 16), jnp.float32)
@@ -90,8 +89,6 @@ def test_kernels_and_references_ask_for_float32_dots():
     programs = {
         "flash": lambda: flash_attention(q, kv, kv, scale=0.25, block_q=16, block_k=16),
         "flash_reference": lambda: flash_attention_reference(q, kv, kv, scale=0.25),
-        "paged": lambda: paged_attention(q, pages, pages, bt, lens, scale=0.25),
-        "paged_reference": lambda: paged_attention_reference(q, pages, pages, bt, lens, scale=0.25),
         "ragged": lambda: ragged_paged_attention(q, pages, pages, ids, ids, qsl, bt, lens, scale=0.25, block_q=16),
         "ragged_reference": lambda: ragged_paged_attention_reference(q, pages, pages, ids, ids, qsl, bt, lens, scale=0.25),
         "quant_matmul": lambda: quant_matmul(jnp.zeros((16, 32), jnp.float32), jnp.zeros((32, 16), jnp.int8),

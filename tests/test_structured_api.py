@@ -256,11 +256,11 @@ def test_finish_reason_length_wins_over_tool_calls():
     assert parse_choice(text[:text.index(" <tool_call>{\"name\": \"get_w")], auto, "stop")[2] == "tool_calls"
 
     # streamed, in pieces of every size: the same calls and finish_reason as the whole text
-    from serve.app import _ToolStream
+    from serve.tools import ToolStream
     for plan, t in ((required, cut), (auto, text)):
         want_content, want_calls, want_reason = parse_choice(t, plan, "length")
         for size in (1, 3, 7, len(t)):
-            ts, deltas = _ToolStream(plan), []
+            ts, deltas = ToolStream(plan), []
             pieces = [t[i:i + size] for i in range(0, len(t), size)]
             for i, piece in enumerate(pieces):
                 last = i == len(pieces) - 1

@@ -117,7 +117,8 @@ MAX_PASSED_OVER = 4     # ... and never passes one request over more often than 
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, block_manager: BlockManager, eos_ids: tuple[int, ...] = (),
-                 clock=time.monotonic):
+                 clock=time.monotonic, propose: Callable[[Request, int, int], list[int]] | None = None,
+                 spec_draws: Callable[[int], int] | None = None):
         assert cfg.policy in ("continuous", "static", "dynamic"), cfg.policy
         self.cfg, self.blocks, self.eos_ids, self.clock = cfg, block_manager, tuple(eos_ids), clock
         self.waiting: list[Request] = []
@@ -134,9 +135,9 @@ class Scheduler:
         # speculative decoding: propose(req, k, depth) -> up to k token ids following req's tokens
         # (-1: the draft model proposes them on the device) from which at most depth can be accepted
         # (a chain: min(k, depth) tokens; a Medusa tree: its nodes up to that depth); spec_draws(n):
-        # the most tokens a row with n proposals draws (a chain: 1 + n). The engine sets both.
-        self.propose: Callable[[Request, int, int], list[int]] | None = None
-        self.spec_draws: Callable[[int], int] = lambda n: 1 + n
+        # the most tokens a row with n proposals draws (default, a chain: 1 + n). The engine passes both.
+        self.propose = propose
+        self.spec_draws: Callable[[int], int] = spec_draws or (lambda n: 1 + n)
 
     # ------------------------------------------------------------------ queue
     def _key(self, req: Request) -> tuple:
@@ -238,15 +239,39 @@ class Scheduler:
         return list(self.propose(req, k, depth))[:k] if k > 0 and depth > 0 else []
 
     def schedule(self) -> SchedulerOutput:
+        """This step's plan: running requests first (their next chunk or token, with proposals while
+        the load policy speculates), preempting the newest when blocks run out; then waiting ones
+        admitted under what is left of the token budget; then how many iterations it may run."""
         out = SchedulerOutput()
-        budget = self.cfg.max_num_batched_tokens
         self._scores: dict[str, int] = {}
         queue = sorted(self.running, key=self._key)
         spec_k = self.spec_k()
-        guided = 0
-        i = 0
+        budget = self.cfg.max_num_batched_tokens
         if spec_k and self.cfg.lazy_draft and self._catch_up_draft(out, queue, budget):
             return out
+        budget = self._schedule_running(out, queue, budget, spec_k)
+        if out.preempted:
+            return out
+        self._schedule_waiting(out, budget)
+        if not (spec_k and self.cfg.step_proposes):
+            self._plan_decode_iters(out)
+        self._plan_spec_rounds(out)
+        out.speculating = spec_k > 0
+        # lazy_draft: the draft model runs where some row speculates or catches up, and over prefill
+        # chunks while the policy speculates (their prompts are about to be speculated on); steps
+        # where nobody speculates skip it (XLA's ragged attention costs a draft layer about what it
+        # costs a target layer: a 3-layer draft added ~50% to a 128-token prefill step of the
+        # bundled 8-layer model on CPU)
+        out.run_draft = not self.cfg.lazy_draft or any(q.spec or q.draft_only for q in out.seqs) or (
+            out.speculating and any(q.num_tokens > 1 for q in out.seqs))
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, queue: list[Request], budget: int, spec_k: int) -> int:
+        """Running requests in priority order, each its next tokens (and proposals); when blocks run
+        out the newest not yet scheduled is preempted (or a waiting request's blocks reclaimed).
+        Returns the budget left."""
+        guided = 0
+        i = 0
         while i < len(queue) and budget > 0:
             req = queue[i]
             n = self._num_new_tokens(req, budget)
@@ -268,8 +293,11 @@ class Scheduler:
                 out.seqs.append(self._scheduled(req, n, spec))
                 budget -= n
                 i += 1
-        if out.preempted:
-            return out
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests (the current batch's only, under static / dynamic batching) while
+        budget, sequence slots and blocks last, each starting after its cached prefix."""
         if self.cfg.policy != "continuous":
             self._form_batch()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
@@ -297,18 +325,6 @@ class Scheduler:
                 self._fork(req)     # its samples' shared prompt blocks were all cached
             out.seqs.append(self._scheduled(req, n))
             budget -= n
-        if not (spec_k and self.cfg.step_proposes):
-            self._plan_decode_iters(out)
-        self._plan_spec_rounds(out)
-        out.speculating = spec_k > 0
-        # lazy_draft: the draft model runs where some row speculates or catches up, and over prefill
-        # chunks while the policy speculates (their prompts are about to be speculated on); steps
-        # where nobody speculates skip it (XLA's ragged attention costs a draft layer about what it
-        # costs a target layer: a 3-layer draft added ~50% to a 128-token prefill step of the
-        # bundled 8-layer model on CPU)
-        out.run_draft = not self.cfg.lazy_draft or any(q.spec or q.draft_only for q in out.seqs) or (
-            out.speculating and any(q.num_tokens > 1 for q in out.seqs))
-        return out
 
     def _catch_up_draft(self, out: SchedulerOutput, queue: list[Request], budget: int) -> bool:
         """lazy_draft, while the policy speculates: rows whose draft pages lag (they decoded or

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxinfer import perf
 from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV
@@ -264,14 +265,37 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def count_params(model: Decoder) -> int:
+    """Parameters of a loaded model (scripts check it against ModelConfig.num_params, the one counter
+    of an architecture's parameters)."""
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
 
 
-# matmul weights that quantize (name -> contracted leading dims); embeddings, norms, biases, MoE
-# routers and the LM head stay in the model dtype (as llama.cpp keeps the output layer at higher
-# precision). An MoE layer's gate / up / down / gate_up have a leading experts axis: each expert is
-# quantized on its own (quant.quantize_experts).
-_QUANTIZED = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1, "qkv": 1, "gate_up": 1}
+def weight_bytes(model) -> perf.WeightBytes:
+    """A loaded model's parameter bytes (quantized: codes, scales, zero points) split as jaxinfer.perf's
+    cost model reads them: the tables a step gathers rows from (an untied token embedding, learned
+    positions: first logical axis "vocab" / "position"), one token's row of them, and every MoE expert
+    (logical axis "experts"). Found by logical axes, so fused, quantized, sharded and pipelined
+    layouts count alike (a sharded array counts its global size)."""
+    total = tables = row = experts = 0
+    for _, var in nnx.state(model, nnx.Param).flat_state():
+        value = var.get_value()
+        nbytes = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(value)))
+        axes = tuple(var.get_metadata().get("logical_axes") or ())
+        total += nbytes
+        if "experts" in axes:
+            experts += nbytes
+        elif axes[:1] == ("position",) or (axes[:1] == ("vocab",) and not model.cfg.tie_embeddings):
+            tables += nbytes
+            row += nbytes // value.shape[0]
+    return perf.WeightBytes(total, tables, row, experts)
+
+
+# The one table of contracted dims: matmul weights that quantize (name -> contracted leading dims; o is
+# [heads, head_dim, d]); jaxinfer.quantize reads it too. Embeddings, norms, biases, MoE routers and the
+# LM head stay in the model dtype (as llama.cpp keeps the output layer at higher precision). An MoE
+# layer's gate / up / down / gate_up have a leading experts axis: each expert is quantized on its own
+# (quant.quantize_experts).
+CONTRACTED_DIMS = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1, "qkv": 1, "gate_up": 1}
 
 
 def window_logits(model: Decoder, windows: jax.Array) -> jax.Array:
@@ -294,14 +318,14 @@ def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Deco
     bits = {"int8": 8, "int4": 4, "fp8": 8}[method]
     for path, var in nnx.state(model, nnx.Param).flat_state():
         name = str(path[-1])
-        if name not in _QUANTIZED or len(path) < 2:
+        if name not in CONTRACTED_DIMS or len(path) < 2:
             continue
         w = var.get_value()
         if isinstance(w, QuantizedWeight):
             kind = "fp8" if w.fp8 else f"int{w.bits}"
             raise ValueError(f"the model is already quantized ({'/'.join(map(str, path))} is {kind}); "
                              f"load it without quantize={method!r}")
-        contract = _QUANTIZED[name]
+        contract = CONTRACTED_DIMS[name]
         if (var.get_metadata().get("logical_axes") or (None,))[0] == "experts":
             var.set_value(quantize_experts(w, method, group_size, contract=contract))
             continue

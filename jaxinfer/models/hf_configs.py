@@ -7,12 +7,15 @@ per-head q/k norms), which Mixtral and Qwen3-MoE extend with their experts; Gemm
 (text) another, then Phi-3 (Phi-4-mini: the same class), gpt-oss, GPT-2 and BLOOM. transformers >= 5
 writes RoPE settings as `rope_parameters` (per layer type for
 Gemma 3); older files write rope_theta / rope_scaling / rope_local_base_freq at the top level: both
-are read. This module never imports jax.
+are read. model_config_from_hf is the entry point (a config.json's path or its parsed dict).
+This module never imports jax.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 from jaxinfer.config import MAX_POSITIONS, ConfigError, ModelConfig, RopeScaling, _is_int, _is_number
@@ -30,6 +33,24 @@ _HF_OPTIONAL_POSITIVE = ("attn_logit_softcapping", "final_logit_softcapping", "q
 # config.json `hidden_act` -> ModelConfig.activation
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "gelu_pytorch_tanh": "gelu_tanh",
                 "gelu_new": "gelu_tanh"}
+
+
+def model_config_from_hf(config: str | Path | dict[str, Any]) -> ModelConfig:
+    """The ModelConfig of a Hugging Face config.json (a path to the file or its folder, or the parsed dict)."""
+    where = "config.json"
+    if not isinstance(config, dict):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            config = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no config.json at {path}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        where = str(path)
+        if not isinstance(config, dict):
+            raise ConfigError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return build_model_config(config, where)
 
 
 def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:

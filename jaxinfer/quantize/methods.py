@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.quant import QuantizedWeight, from_codes
-from jaxinfer.quantize import QuantizeSettings, _matrix, _rtn, group_for, linears
 from jaxinfer.quantize.awq import search_clip, search_scale
 from jaxinfer.quantize.calibrate import BlockRunner
+from jaxinfer.quantize.common import QuantizeSettings, float_matrix, group_for, linears, rtn_linear
 from jaxinfer.quantize.gptq import gptq_quantize
 
 
@@ -21,7 +21,7 @@ def gptq_block(block, x, runner: BlockRunner, settings: QuantizeSettings, bar=No
         xtx, _ = runner.run(block, f"moments:{tap}", x, settings.chunk, bar)
         hessian = np.asarray(xtx, np.float64)
         for owner, name in group:
-            w, shape, contract = _matrix(owner, name)
+            w, shape, contract = float_matrix(owner, name)
             g = group_for(w.shape[0], settings)
             codes, scales, zeros = gptq_quantize(
                 w, hessian, bits=settings.bits, group_size=-1 if g is None else g, symmetric=settings.symmetric,
@@ -84,7 +84,7 @@ def awq_block(block, x, runner: BlockRunner, settings: QuantizeSettings, bar=Non
     for tap, group in linears(block).items():
         xtx, abs_sum = runner.run(block, f"moments:{tap}", x, settings.chunk, bar)
         h, s_x = np.asarray(xtx, np.float32) / t, np.asarray(abs_sum, np.float32) / t
-        mats = [_matrix(owner, name) for owner, name in group]
+        mats = [float_matrix(owner, name) for owner, name in group]
         w = np.concatenate([m[0] for m in mats], axis=1)                                # (K, sum N)
         g = group_for(w.shape[0], settings) or w.shape[0]
         alpha = None
@@ -101,5 +101,5 @@ def awq_block(block, x, runner: BlockRunner, settings: QuantizeSettings, bar=Non
         alphas[tap] = alpha
         # columns are clipped independently: the group's searched matrix splits into its linears
         for (owner, name), part in zip(group, np.split(ws, np.cumsum([m[0].shape[1] for m in mats])[:-1], axis=1)):
-            _rtn(owner, name, settings, part)
+            rtn_linear(owner, name, settings, part)
     return alphas

@@ -9,11 +9,12 @@ the text: the target is the float model (the teacher), not the text's next token
 Fake quantization. Exactly the linears jaxinfer.quantize quantizes (`linears(block)`: q, k, v, o,
 gate, up, down of every block) are replaced in the forward pass by
     fq(w) = dequantize(quantize(w, bits, group_size=group_for(K, settings), symmetric, contract=c))
-with c the linear's contracted dims (_CONTRACT): the RTN quantizer of jaxinfer.quant on the current
-weight, so the training forward sees the very weights export writes (tests/test_qat.py checks it bit
-for bit). Embeddings (hence the tied LM head), norms and biases stay float. The straight-through
-estimator treats fq as the identity in the backward pass; `ste_fake_quant` is a custom_vjp so the
-forward is fq(w) itself (w + stop_gradient(fq(w) - w) can differ from fq(w) in the last bit).
+with c the linear's contracted dims (common.CONTRACTED_DIMS): the RTN quantizer of jaxinfer.quant on
+the current weight, so the training forward sees the very weights export writes (tests/test_qat.py
+checks it bit for bit). Embeddings (hence the tied LM head), norms and biases stay float. The
+straight-through estimator treats fq as the identity in the backward pass; `ste_fake_quant` is a
+custom_vjp so the forward is fq(w) itself (w + stop_gradient(fq(w) - w) can differ from fq(w) in
+the last bit).
 
 Loss (LLM-QAT, Liu et al. 2023; BitDistiller; the forward KL of scripts/train_tiny.py's draft):
     (1 - nll_weight) * T^2 * KL(softmax(z_float / T) || softmax(z_fq / T)) + nll_weight * NLL(z_fq)
@@ -83,7 +84,7 @@ from flax import nnx
 
 from jaxinfer.models.decoder import Decoder, window_logits, window_nll
 from jaxinfer.quant import dequantize, quantize
-from jaxinfer.quantize import _CONTRACT, QuantizeSettings, group_for, linears, quantize_rtn
+from jaxinfer.quantize.common import CONTRACTED_DIMS, QuantizeSettings, group_for, linears, quantize_rtn
 
 DEFAULT_STEPS = 400
 DEFAULT_LR = 3e-5
@@ -129,7 +130,7 @@ def apply_fake_quant(model: Decoder, settings: QuantizeSettings, ste: bool = Tru
     fn = ste_fake_quant if ste else fake_quant
     for owner, name in linear_vars(model):
         var = getattr(owner, name)
-        var.set_value(fn(var.get_value(), settings, _CONTRACT[name]))
+        var.set_value(fn(var.get_value(), settings, CONTRACTED_DIMS[name]))
     return model
 
 

@@ -41,6 +41,8 @@ import numpy as np
 
 from jaxinfer.quant import quantize
 from jaxinfer.quantize.calibrate import sample_rows
+from jaxinfer.quantize.common import float_matrix, linears
+from jaxinfer.quantize.methods import _fold
 
 
 def smoothing_factors(act_absmax: np.ndarray, w: np.ndarray, alpha: float,
@@ -123,13 +125,10 @@ def static_act_range(x: np.ndarray, calib: str, percentile: float = 99.99, n_gri
 
 
 def smoothquant_block(block, x, runner, settings, bar=None) -> None:
-    from jaxinfer.quantize import _matrix, linears
-    from jaxinfer.quantize.methods import _fold
-
     for tap, group in linears(block).items():
         a = runner.run(block, tap, x, settings.chunk, bar)                           # (B, W, K)
         act_absmax = np.asarray(jnp.max(jnp.abs(a.reshape(-1, a.shape[-1])), axis=0))
-        mats = [_matrix(owner, name) for owner, name in group]
+        mats = [float_matrix(owner, name) for owner, name in group]
         w = np.concatenate([m[0] for m in mats], axis=1)
         cfg = block.attn.cfg
         kv_groups = (cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim) if tap == "o_in" else None

@@ -1,0 +1,262 @@
+"""Ragged paged attention, the serving kernel: a step's prefill chunks and decode tokens in one call
+over the paged KV cache, and its pure-jnp reference.
+
+Pallas, Triton-style (pass interpret=True, the default on CPU, to run it anywhere); imports jax
+only. Masking, soft-capping, ALiBi, attention sinks and GQA follow
+pallas_kernels/attention_common.py.
+
+Layouts (those of jaxinfer/kv_cache.py):
+    q               [T, H, D]      this step's tokens, each at its absolute positions[t]
+    k/v_pages       [Hkv, num_blocks, block_size, D]   block 0 is the null block
+    k/v_scale       [Hkv, num_blocks, block_size] f32  only for int8 / fp8 pages: value = page * scale
+    query_start_loc [S + 1] int32                      sequence s owns tokens [qsl[s], qsl[s+1])
+    block_tables    [S, max_blocks] int32              logical -> physical block, padded with 0
+    context_lens    [S] int32                          tokens in the cache (this step's included)
+
+The sequences' chunks (a decode token is a chunk of length 1) are cut into query tiles of at most
+block_q tokens that never straddle two sequences; grid (num_tiles, Hkv) with
+num_tiles = min(T, T // block_q + S), a static bound (unused tiles do nothing). A small int32 table
+built with jnp gives each tile its sequence, first token, length and context length. Each tile
+loops over the compute blocks (pages_per_compute_block pages) that hold keys it can see, gathering
+pages straight from the cache through the block table, with an online softmax in f32. Tokens
+outside every chunk (bucket padding) output 0.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .attention_common import (MIN_DOT_ROWS, attend_block, check_sinks, check_softcap, check_triton_shapes,
+                               compiler_params, group_queries, group_slopes, head_rows, init_carry,
+                               masked_softmax_attention, next_pow2, normalize, resolve_interpret, tile_rows,
+                               ungroup_output)
+
+
+def pad_block_tables(block_tables: jax.Array, pages_per_compute_block: int) -> jax.Array:
+    """Pad the columns to a multiple of pages_per_compute_block with the null block 0."""
+    mb = block_tables.shape[1]
+    cols = -(-mb // pages_per_compute_block) * pages_per_compute_block
+    bt = block_tables.astype(jnp.int32)
+    if cols != mb:
+        bt = jnp.pad(bt, ((0, 0), (0, cols - mb)))
+    return bt
+
+
+def load_pages(bt_ref_row, kb, ppcb, k_ref, v_ref, ks_ref, vs_ref):
+    """Gather compute block kb (ppcb pages) of one kv head straight from the pages."""
+    pages = bt_ref_row(pl.ds(kb * ppcb, ppcb))                 # [ppcb] physical block ids
+    k = k_ref[pages]                                           # [ppcb, bs, D]
+    v = v_ref[pages]
+    ppcb_, bs, d = k.shape
+    k = k.reshape(ppcb_ * bs, d)
+    v = v.reshape(ppcb_ * bs, d)
+    ks = None if ks_ref is None else ks_ref[pages].reshape(ppcb_ * bs)
+    vs = None if vs_ref is None else vs_ref[pages].reshape(ppcb_ * bs)
+    return k, v, ks, vs
+
+
+def _ragged_kernel(*refs, quant: bool, has_alibi: bool, has_sinks: bool, block_q: int, ppcb: int,
+                   block_size: int, scale: float, window: int | None, softcap: float | None):
+    refs = list(refs)
+    info_ref, q_ref, pos_ref, k_ref, v_ref = (refs.pop(0) for _ in range(5))
+    ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quant else (None, None)
+    bt_ref = refs.pop(0)
+    al_ref = refs.pop(0) if has_alibi else None
+    sk_ref = refs.pop(0) if has_sinks else None
+    _o_init_ref, o_ref = refs                                  # o_init is aliased to o
+    _, gp, d = q_ref.shape                                     # q_ref [T, Gp, D] of one kv head
+    block_k = ppcb * block_size
+
+    seq, q_start, q_len, ctx = info_ref[0], info_ref[1], info_ref[2], info_ref[3]
+    tok_ok = lax.broadcasted_iota(jnp.int32, (block_q,), 0) < q_len
+    pos = plgpu.load(pos_ref.at[pl.ds(q_start, block_q)], mask=tok_ok, other=0)
+    q = plgpu.load(q_ref.at[pl.ds(q_start, block_q)], mask=tok_ok[:, None, None], other=0)
+    q = q.reshape(block_q * gp, d)
+    q_pos = tile_rows(pos, gp)
+    row_ok = tile_rows(tok_ok, gp)
+    slopes = head_rows(al_ref, block_q, gp)
+
+    # Keys any row of the tile can see: [min_pos - W + 1, min(max_pos + 1, ctx)).
+    max_pos = jnp.max(jnp.where(tok_ok, pos, -1))
+    kb_hi = lax.div(jnp.maximum(jnp.minimum(max_pos + 1, ctx), 0) + (block_k - 1), block_k)
+    if window is None:
+        kb_lo = jnp.int32(0)
+    else:
+        min_pos = jnp.min(jnp.where(tok_ok, pos, jnp.iinfo(jnp.int32).max - window))
+        kb_lo = lax.div(jnp.maximum(min_pos - (window - 1), 0), block_k)
+
+    def body(kb, carry):
+        k, v, ks, vs = load_pages(lambda sl: bt_ref[seq, sl], kb, ppcb, k_ref, v_ref, ks_ref,
+                                  vs_ref)
+        kpos = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        return attend_block(carry, q, k, v, ks, vs, kpos, q_pos, row_ok, ctx, slopes,
+                            scale=scale, causal=True, window=window, softcap=softcap)
+
+    init = init_carry(block_q * gp, d, head_rows(sk_ref, block_q, gp))
+    acc, _, l = lax.fori_loop(kb_lo, kb_hi, body, init)
+    o = normalize(acc, l).astype(o_ref.dtype).reshape(block_q, gp, d)
+    plgpu.store(o_ref.at[pl.ds(q_start, block_q)], o, mask=tok_ok[:, None, None])
+
+
+def ragged_tile_table(query_start_loc: jax.Array, context_lens: jax.Array, num_tokens: int,
+                      block_q: int) -> jax.Array:
+    """[num_tiles, 4] int32 rows (seq, first token, tokens in tile, context_len) for query tiles
+    of at most block_q tokens that never straddle two sequences. num_tiles = min(T, T//bq + S) is
+    a static upper bound; unused rows have 0 tokens."""
+    qsl = query_start_loc.astype(jnp.int32)
+    s = qsl.shape[0] - 1
+    num_tiles = max(1, min(num_tokens, num_tokens // block_q + s))
+    lens = jnp.maximum(qsl[1:] - qsl[:-1], 0)
+    tiles = (lens + (block_q - 1)) // block_q
+    first_tile = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(tiles, dtype=jnp.int32)])
+    j = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.searchsorted(first_tile[1:], j, side="right").astype(jnp.int32)
+    used = seq < s
+    seq = jnp.minimum(seq, s - 1)
+    start = qsl[seq] + (j - first_tile[seq]) * block_q
+    n = jnp.clip(qsl[seq + 1] - start, 0, block_q)
+    return jnp.stack([seq, jnp.where(used, start, 0), jnp.where(used, n, 0),
+                      context_lens.astype(jnp.int32)[seq]], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "window", "softcap", "block_q", "pages_per_compute_block", "interpret", "num_warps",
+    "num_stages"))
+def _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables, context_lens,
+                 alibi_slopes, sinks, k_scale, v_scale, *, scale, window, softcap, block_q, pages_per_compute_block,
+                 interpret, num_warps, num_stages):
+    t, h, d = q.shape
+    hkv, nb, bs, _ = k_pages.shape
+    quant = k_scale is not None
+    ppcb = pages_per_compute_block
+    qg, g, gp = group_queries(q, hkv)
+    slopes = group_slopes(alibi_slopes, hkv, g, gp)
+    sinks = group_slopes(sinks, hkv, g, gp)
+    bt = pad_block_tables(block_tables, ppcb)
+    info = ragged_tile_table(query_start_loc, context_lens, t, block_q)
+    num_tiles = info.shape[0]
+
+    q_spec = pl.BlockSpec((t, None, gp, d), lambda i, j: (0, j, 0, 0))
+    page_spec = pl.BlockSpec((None, nb, bs, d), lambda i, j: (j, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, nb, bs), lambda i, j: (j, 0, 0))
+    in_specs = [pl.BlockSpec((None, 4), lambda i, j: (i, 0)), q_spec,
+                pl.BlockSpec((t,), lambda i, j: (0,)), page_spec, page_spec]
+    args = [info, qg, positions.astype(jnp.int32), k_pages, v_pages]
+    if quant:
+        in_specs += [scale_spec, scale_spec]
+        args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+    in_specs.append(pl.BlockSpec(bt.shape, lambda i, j: (0, 0)))
+    args.append(bt)
+    for per_head in (slopes, sinks):
+        if per_head is not None:
+            in_specs.append(pl.BlockSpec((None, gp), lambda i, j: (j, 0)))
+            args.append(per_head)
+    in_specs.append(q_spec)                      # zeros, aliased to the output: untouched rows = 0
+    args.append(jnp.zeros(qg.shape, q.dtype))
+
+    kernel = functools.partial(_ragged_kernel, quant=quant, has_alibi=slopes is not None,
+                               has_sinks=sinks is not None,
+                               block_q=block_q, ppcb=ppcb, block_size=bs, scale=scale,
+                               window=window, softcap=softcap)
+    out = pl.pallas_call(
+        kernel, grid=(num_tiles, hkv), in_specs=in_specs, out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        input_output_aliases={len(args) - 1: 0}, interpret=interpret,
+        compiler_params=compiler_params(num_warps, num_stages),
+        name=f"ragged_paged_attention_bq{block_q}_ppcb{ppcb}",
+    )(*args)
+    return ungroup_output(out, g)
+
+
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           positions: jax.Array, seq_ids: jax.Array, query_start_loc: jax.Array,
+                           block_tables: jax.Array, context_lens: jax.Array, *, scale: float,
+                           window: int | None = None, alibi_slopes: jax.Array | None = None,
+                           softcap: float | None = None, sinks: jax.Array | None = None,
+                           k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                           block_q: int | None = None, pages_per_compute_block: int | None = None,
+                           num_warps: int | None = None, num_stages: int | None = 2,
+                           interpret: bool | None = None) -> jax.Array:
+    """Ragged paged attention of a step's chunks: q [T, H, D] -> [T, H, D].
+
+    Sequence s owns tokens [query_start_loc[s], query_start_loc[s+1]) of q (contiguous; each at
+    its absolute positions[t]) and attends to its cache through block_tables[s] (this step's K/V
+    already written), up to context_lens[s]. Decode tokens are chunks of length 1. seq_ids is
+    accepted for interface parity with the metadata (the kernel takes each tile's sequence from
+    query_start_loc; they must agree). Tokens outside every chunk output 0.
+    block_q: query tokens per tile (default: 64 // Gp, at least 16); pages_per_compute_block:
+    pages per KV tile (default: about 64 tokens). interpret=None means "interpret on CPU".
+    """
+    del seq_ids
+    interpret = resolve_interpret(interpret)
+    t, h, d = q.shape
+    hkv, _, bs, dk = k_pages.shape
+    if dk != d or v_pages.shape != k_pages.shape or h % hkv:
+        raise ValueError(f"q {q.shape} and pages {k_pages.shape}/{v_pages.shape} disagree")
+    if positions.shape != (t,):
+        raise ValueError("positions needs one entry per token of q")
+    if query_start_loc.shape != (block_tables.shape[0] + 1,) or context_lens.shape != (
+            block_tables.shape[0],):
+        raise ValueError("query_start_loc [S+1], block_tables [S, B], context_lens [S] disagree")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("pass both k_scale and v_scale (int8 pages) or neither")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    check_softcap(softcap)
+    check_sinks(sinks, h)
+    gp = next_pow2(h // hkv)
+    block_q = block_q or max(16, 64 // gp)
+    block_q = max(1, min(block_q, next_pow2(t)))
+    ppcb = pages_per_compute_block or max(1, 64 // bs)
+    ppcb = max(1, min(ppcb, next_pow2(block_tables.shape[1])))
+    if not interpret:                                   # tl.dot needs M, N >= 16
+        block_q = max(block_q, -(-MIN_DOT_ROWS // gp))
+        ppcb = max(ppcb, MIN_DOT_ROWS // bs)
+        check_triton_shapes(head_dim=d, block_q=block_q, block_size=bs,
+                            pages_per_compute_block=ppcb)
+    return _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables,
+                        context_lens, alibi_slopes, sinks, k_scale, v_scale, scale=float(scale),
+                        window=window, softcap=None if softcap is None else float(softcap),
+                        block_q=block_q, pages_per_compute_block=ppcb,
+                        interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+
+
+def dequantize_pages(pages: jax.Array, scales: jax.Array | None, dtype) -> jax.Array:
+    """int8 pages * per-token scale (in f32) -> dtype; float pages pass through."""
+    if scales is None:
+        return pages
+    return (pages.astype(jnp.float32) * scales[..., None].astype(jnp.float32)).astype(dtype)
+
+
+def paged_reference_core(q, k_pages, v_pages, positions, seq_ids, block_tables, context_lens, *,
+                         scale, window=None, alibi_slopes=None, softcap=None, sinks=None, k_scale=None,
+                         v_scale=None):
+    """Each token gathers its sequence's pages in logical order and attends (O(T * max_len))."""
+    hkv, _, bs, d = k_pages.shape
+    s, mb = block_tables.shape
+    k = dequantize_pages(k_pages, k_scale, q.dtype)[:, block_tables].reshape(hkv, s, mb * bs, d)
+    v = dequantize_pages(v_pages, v_scale, q.dtype)[:, block_tables].reshape(hkv, s, mb * bs, d)
+    k_pos = jnp.arange(mb * bs, dtype=jnp.int32)
+    in_ctx = k_pos[None, :] < context_lens.astype(jnp.int32)[seq_ids][:, None]
+    return masked_softmax_attention(q, k[:, seq_ids], v[:, seq_ids], positions.astype(jnp.int32),
+                                    k_pos, in_ctx, scale=scale, window=window,
+                                    alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "window", "softcap"))
+def ragged_paged_attention_reference(q, k_pages, v_pages, positions, seq_ids, query_start_loc,
+                                     block_tables, context_lens, *, scale, window=None,
+                                     alibi_slopes=None, softcap=None, sinks=None, k_scale=None, v_scale=None):
+    """Gather-based reference of ragged_paged_attention (tokens outside every chunk -> 0)."""
+    out = paged_reference_core(q, k_pages, v_pages, positions, seq_ids, block_tables,
+                               context_lens, scale=scale, window=window,
+                               alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, k_scale=k_scale,
+                               v_scale=v_scale)
+    tok = jnp.arange(q.shape[0], dtype=jnp.int32)
+    covered = (tok >= query_start_loc[0]) & (tok < query_start_loc[-1])
+    return jnp.where(covered[:, None, None], out, 0).astype(q.dtype)

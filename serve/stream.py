@@ -1,0 +1,155 @@
+"""A submission's deltas -> the HTTP response: server-sent events as they arrive, or one JSON body once
+every choice has finished.
+
+One helper, `stream_response`, writes every SSE event of both streaming routes and the ending: the
+usage chunk when asked for, then `data: [DONE]`; an engine that dies mid-stream ends the stream with
+the error event, then `data: [DONE]`. What differs between the routes is only how one delta becomes
+choice chunks (`CompletionChoices`, `ChatChoices`), so the endings cannot drift apart. Whatever the
+way out (done, engine dead, client gone), the submission is released: its requests are aborted unless
+they finished. Everything goes through serve.bridge.AsyncEngine; nothing here touches the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from jaxinfer.client import RequestOutput
+from serve.bridge import AsyncEngine, EngineDeadError, Submission
+from serve.guard import error_bytes
+from serve.protocol import OpenAIError, chat_logprobs, completion_logprobs, usage
+from serve.tools import ToolPlan, ToolStream
+
+DISCONNECT_POLL_S = 0.2
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def next_delta(sub: Submission) -> RequestOutput:
+    d = await sub.queue.get()
+    if isinstance(d, EngineDeadError):
+        raise d
+    return d
+
+
+async def collect(sub: Submission) -> list[list[RequestOutput]]:
+    """Every delta of every sample, grouped per (prompt, sample)."""
+    per = {rid: [[] for _ in range(sub.n)] for rid in sub.request_ids}
+    remaining = len(sub.request_ids) * sub.n
+    while remaining:
+        d = await next_delta(sub)
+        per[d.request_id][d.sample_index].append(d)
+        remaining -= d.finished
+    return [samples for rid in sub.request_ids for samples in per[rid]]
+
+
+async def respond(engine: AsyncEngine, sub: Submission, request: Request,
+                  build: Callable[[list[list[RequestOutput]]], dict]) -> dict | Response:
+    """Wait for every choice, release the submission, and build the response body from the deltas.
+    A client that hangs up first gets its request aborted (its KV blocks freed) within a poll."""
+    collecting = asyncio.ensure_future(collect(sub))
+    finished = False
+    try:
+        while not collecting.done():
+            await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_S)
+            if not collecting.done() and await request.is_disconnected():
+                return Response(status_code=499)   # nobody reads it; nginx's "client closed request"
+        groups, finished = collecting.result(), True
+    finally:
+        if not collecting.done():
+            collecting.cancel()
+        engine.release(sub, finished=finished)
+    return build(groups)
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sse_error(e: OpenAIError) -> str:
+    return f"data: {error_bytes(e).decode()}\n\n"
+
+
+def stream_response(engine: AsyncEngine, sub: Submission, base: dict, n_prompt: int, include_usage: bool,
+                    choices: Callable[[RequestOutput], list[dict]], head: Sequence[dict] = ()) -> StreamingResponse:
+    """The SSE response of a streaming route: each choice in `head` first, then each delta's choices
+    (a delta with no text, no tokens and no end sends nothing), each as {**base, "choices": [one]};
+    base is the chunk's id, object, created and model."""
+    return StreamingResponse(_events(engine, sub, base, n_prompt, include_usage, choices, head),
+                             media_type="text/event-stream")
+
+
+async def _events(engine: AsyncEngine, sub: Submission, base: dict, n_prompt: int, include_usage: bool,
+                  choices: Callable[[RequestOutput], list[dict]], head: Sequence[dict]) -> AsyncIterator[str]:
+    # finished: every sample ended, so releasing must not abort (a client gone during the usage
+    # chunk or [DONE] leaves nothing running)
+    finished, n_out, cached = False, 0, {}
+    try:
+        for choice in head:
+            yield sse({**base, "choices": [choice]})
+        remaining = len(sub.request_ids) * sub.n
+        while remaining:
+            d = await next_delta(sub)
+            remaining -= d.finished
+            n_out += len(d.token_ids)
+            cached[d.request_id] = max(cached.get(d.request_id, 0), d.num_cached_tokens)
+            if not (d.text or d.token_ids or d.finished):
+                continue
+            for choice in choices(d):
+                yield sse({**base, "choices": [choice]})
+        finished = True
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage(n_prompt, n_out, sum(cached.values()))})
+        yield SSE_DONE
+    except EngineDeadError as e:   # the stream ends with the error, then [DONE]
+        yield sse_error(e)
+        yield SSE_DONE
+    finally:
+        engine.release(sub, finished)
+
+
+class CompletionChoices:
+    """Streamed /v1/completions: one delta -> its choice. Choices are numbered prompt-major (prompt i's
+    sample j is i * n + j), and logprobs' text_offset keeps counting across a choice's chunks."""
+
+    def __init__(self, sub: Submission, token_str: Callable[[int], str], logprobs: bool):
+        self.sub, self.token_str, self.logprobs = sub, token_str, logprobs
+        self.offsets: dict[int, int] = {}   # choice index -> characters sent so far
+
+    def __call__(self, d: RequestOutput) -> list[dict]:
+        index = self.sub.request_ids.index(d.request_id) * self.sub.n + d.sample_index
+        lp = None
+        if self.logprobs:
+            lp = completion_logprobs([d], self.token_str)
+            lp["text_offset"] = [o + self.offsets.get(index, 0) for o in lp["text_offset"]]
+        self.offsets[index] = self.offsets.get(index, 0) + len(d.text)
+        return [{"index": index, "text": d.text, "logprobs": lp,
+                 "finish_reason": d.finish_reason if d.finished else None}]
+
+
+class ChatChoices:
+    """Streamed /v1/chat/completions: the opening role chunk of each sample (`head`), then one delta ->
+    its choice chunks; under a tool plan that parses, each sample's text goes through a ToolStream."""
+
+    def __init__(self, n: int, plan: ToolPlan | None, token_str: Callable[[int], str], logprobs: bool):
+        self.token_str, self.logprobs = token_str, logprobs
+        self.tools = [ToolStream(plan) if plan is not None and plan.parses else None for _ in range(n)]
+        first = {"role": "assistant", "content": None if plan is not None and plan.constrained else ""}
+        self.head = [{"index": i, "delta": first, "logprobs": None, "finish_reason": None} for i in range(n)]
+
+    def __call__(self, d: RequestOutput) -> list[dict]:
+        lp = chat_logprobs([d], self.token_str) if self.logprobs else None
+        ts = self.tools[d.sample_index]
+        deltas = [{"content": d.text} if d.text else {}] if ts is None else ts.feed(d.text, d.finished, d.finish_reason)
+        finish = (ts.finish_reason(d.finish_reason) if ts else d.finish_reason) if d.finished else None
+        out = []
+        for j, delta in enumerate(deltas):
+            last = j == len(deltas) - 1
+            # an empty delta only where it carries something (plain streams keep one per step)
+            if not delta and not (last and (ts is None or d.finished or lp is not None)):
+                continue
+            out.append({"index": d.sample_index, "delta": delta, "logprobs": lp if j == 0 else None,
+                        "finish_reason": finish if last else None})
+        return out
