@@ -22,6 +22,7 @@ from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.models.hf_configs import model_config_from_hf
 from jaxinfer.layers import rope_inv_freq
 from tests.hf_models import CONFIGS, build_hf_model
+from tests.two_rounds import GREEDY, serve_two_rounds, two_round_prompts
 
 NEW_FAMILIES = [n for n in CONFIGS if n.split("-")[0] in ("qwen3", "gemma2", "gemma3", "phi3")]
 PROMPT_LEN = 24
@@ -62,18 +63,6 @@ def test_pallas_kernels_match_transformers(name, hf_model_dir):
 
 # ------------------------------------------------------------------------------ engine features on Gemma 2
 
-def _gemma2_prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Two rounds: the second shares a 21-token prefix with the first (prefix caching) and repeats a
-    pattern (n-gram proposals); lengths cross the window of 6 and the 8-token chunks."""
-    rng = np.random.RandomState(3)
-    prefix = rng.randint(3, vocab, 21).tolist()
-    pattern = rng.randint(3, vocab, 5).tolist()
-    first = [prefix + rng.randint(3, vocab, 4).tolist(), pattern * 4, rng.randint(3, vocab, 9).tolist()]
-    second = [prefix + rng.randint(3, vocab, 7).tolist(), prefix + pattern * 2, list(first[1])]
-    return first, second
-
-
-GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 FEATURES = dict(ENGINE, max_model_len=96, max_num_batched_tokens=16, num_blocks=4 * 96 // 8 + 1)
 
 
@@ -81,20 +70,9 @@ FEATURES = dict(ENGINE, max_model_len=96, max_num_batched_tokens=16, num_blocks=
 def gemma2_plain(hf_model_dir) -> dict:
     """The reference: greedy tokens of the plain float32 engine (no prefix cache, no speculation)."""
     gen = Generator.from_pretrained(hf_model_dir("gemma2"), enable_prefix_caching=False, **FEATURES)
-    first, second = _gemma2_prompts(gen.model_cfg.vocab_size)
+    first, second = two_round_prompts(gen.model_cfg.vocab_size)
     return {"first": [o.token_ids for o in gen.generate(first, GREEDY)],
             "second": [o.token_ids for o in gen.generate(second, GREEDY)]}
-
-
-def _serve_two_rounds(gen: Generator, want: dict) -> None:
-    first, second = _gemma2_prompts(gen.model_cfg.vocab_size)
-    assert [o.token_ids for o in gen.generate(first, GREEDY)] == want["first"]
-    hits = gen.stats()["prefix_cache_hits"]
-    assert [o.token_ids for o in gen.generate(second, GREEDY)] == want["second"]
-    stats = gen.stats()
-    assert stats["prefix_cache_hits"] - hits >= 16 + 16 + 16           # the shared whole blocks reused
-    assert stats["spec_decode_num_accepted_tokens"] > 0                  # proposals were verified and kept
-    assert stats["kv_blocks_used"] == 0
 
 
 def test_gemma2_prefix_cache_and_ngram_same_tokens_zero_compilations(hf_model_dir, gemma2_plain):
@@ -102,7 +80,7 @@ def test_gemma2_prefix_cache_and_ngram_same_tokens_zero_compilations(hf_model_di
     and no XLA compilation while serving."""
     gen = Generator.from_pretrained(hf_model_dir("gemma2"), speculative_method="ngram", num_speculative_tokens=3,
                                     speculative_max_batch=8, **{**FEATURES, "warmup": True})
-    _serve_two_rounds(gen, gemma2_plain)
+    serve_two_rounds(gen, gemma2_plain)
     assert gen.stats()["compilations_after_warmup"] == 0
 
 
@@ -122,10 +100,10 @@ def test_gemma2_int8_weights_same_tokens(hf_model_dir):
     path = hf_model_dir("gemma2")
     gen = Generator.from_pretrained(path, quantize="int8", speculative_method="ngram", num_speculative_tokens=3,
                                     speculative_max_batch=8, **FEATURES)
-    first, second = _gemma2_prompts(gen.model_cfg.vocab_size)
+    first, second = two_round_prompts(gen.model_cfg.vocab_size)
     want = {"first": [_naive_greedy(gen, p, GREEDY.max_tokens) for p in first],
             "second": [_naive_greedy(gen, p, GREEDY.max_tokens) for p in second]}
-    _serve_two_rounds(gen, want)
+    serve_two_rounds(gen, want)
     ref = Generator.from_pretrained(path, **FEATURES)
     assert _rel_err(gen.logits(second[1]), ref.logits(second[1])) < 0.1
 

@@ -21,19 +21,19 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxinfer import Generator, SamplingParams
+from jaxinfer import Generator
 from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.models.hf_configs import model_config_from_hf
 from jaxinfer.moe import MoE, route, set_moe_impl, tile_rows
 from jaxinfer.quant import QuantizedWeight, dequantize
 from tests.hf_models import CONFIGS, build_hf_model
+from tests.two_rounds import GREEDY, serve_two_rounds, two_round_prompts
 
 MOE = [n for n in CONFIGS if n.split("-")[0] in ("qwen3moe", "mixtral", "gpt")]
 ARCH = {"qwen3moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt": "GptOssForCausalLM"}
 PROMPT_LEN = 24
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4, block_size=8,
               num_blocks=4 * 64 // 8 + 1, warmup=False)
-GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
 def _rel_err(a: np.ndarray, ref: np.ndarray) -> float:
@@ -170,30 +170,8 @@ def test_grouped_matmul_gets_tokens_times_k_rows():
 
 # ------------------------------------------------------------------------------ engine features on Qwen3-MoE
 
-def _prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Two rounds: the second shares a 21-token prefix with the first (prefix caching) and repeats a
-    pattern (n-gram proposals); lengths cross the 8-token chunks."""
-    rng = np.random.RandomState(3)
-    prefix = rng.randint(3, vocab, 21).tolist()
-    pattern = rng.randint(3, vocab, 5).tolist()
-    first = [prefix + rng.randint(3, vocab, 4).tolist(), pattern * 4, rng.randint(3, vocab, 9).tolist()]
-    second = [prefix + rng.randint(3, vocab, 7).tolist(), prefix + pattern * 2, list(first[1])]
-    return first, second
-
-
 FEATURES = dict(ENGINE, max_model_len=96, max_num_batched_tokens=16, num_blocks=4 * 96 // 8 + 1)
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_max_batch=8)
-
-
-def _serve_two_rounds(gen: Generator, want: dict) -> None:
-    first, second = _prompts(gen.model_cfg.vocab_size)
-    assert [o.token_ids for o in gen.generate(first, GREEDY)] == want["first"]
-    hits = gen.stats()["prefix_cache_hits"]
-    assert [o.token_ids for o in gen.generate(second, GREEDY)] == want["second"]
-    stats = gen.stats()
-    assert stats["prefix_cache_hits"] - hits >= 16 + 16 + 16           # the shared whole blocks reused
-    assert stats["spec_decode_num_accepted_tokens"] > 0                  # proposals were verified and kept
-    assert stats["kv_blocks_used"] == 0
 
 
 def test_prefix_cache_and_ngram_same_tokens_zero_compilations(hf_model_dir):
@@ -201,11 +179,11 @@ def test_prefix_cache_and_ngram_same_tokens_zero_compilations(hf_model_dir):
     greedy tokens (no prefix cache, no speculation), and compiles nothing while serving."""
     path = hf_model_dir("qwen3moe-gqa")
     plain = Generator.from_pretrained(path, enable_prefix_caching=False, **FEATURES)
-    first, second = _prompts(plain.model_cfg.vocab_size)
+    first, second = two_round_prompts(plain.model_cfg.vocab_size)
     want = {"first": [o.token_ids for o in plain.generate(first, GREEDY)],
             "second": [o.token_ids for o in plain.generate(second, GREEDY)]}
     gen = Generator.from_pretrained(path, **SPEC, **{**FEATURES, "warmup": True})
-    _serve_two_rounds(gen, want)
+    serve_two_rounds(gen, want)
     assert gen.stats()["compilations_after_warmup"] == 0
 
 
@@ -249,10 +227,10 @@ def test_int8_experts_same_tokens_as_naive_int8(hf_model_dir, monkeypatch):
     token that int8 routes differently in any layer (causal attention: they never saw the switch)."""
     path = hf_model_dir("qwen3moe-gqa")
     gen = Generator.from_pretrained(path, quantize="int8", **SPEC, **FEATURES)
-    first, second = _prompts(gen.model_cfg.vocab_size)
+    first, second = two_round_prompts(gen.model_cfg.vocab_size)
     want = {"first": [_naive_greedy(gen, p, GREEDY.max_tokens) for p in first],
             "second": [_naive_greedy(gen, p, GREEDY.max_tokens) for p in second]}
-    _serve_two_rounds(gen, want)
+    serve_two_rounds(gen, want)
     ref = Generator.from_pretrained(path, **FEATURES)
     ids = second[1]
     int8, floats = _routes(path, "int8", ids, monkeypatch), _routes(path, None, ids, monkeypatch)
