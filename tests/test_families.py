@@ -22,7 +22,7 @@ from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.models.hf_configs import model_config_from_hf
 from jaxinfer.layers import rope_inv_freq
 from tests.hf_models import CONFIGS, build_hf_model
-from tests.two_rounds import GREEDY, serve_two_rounds, two_round_prompts
+from tests.two_rounds import GREEDY, naive_greedy, serve_two_rounds, two_round_prompts
 
 NEW_FAMILIES = [n for n in CONFIGS if n.split("-")[0] in ("qwen3", "gemma2", "gemma3", "phi3")]
 PROMPT_LEN = 24
@@ -84,13 +84,6 @@ def test_gemma2_prefix_cache_and_ngram_same_tokens_zero_compilations(hf_model_di
     assert gen.stats()["compilations_after_warmup"] == 0
 
 
-def _naive_greedy(gen: Generator, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(np.argmax(gen.logits(ids)[-1])))
-    return ids[len(prompt):]
-
-
 def test_gemma2_int8_weights_same_tokens(hf_model_dir):
     """int8 weights with prefix caching and n-gram speculation give the greedy tokens of the same int8
     model decoded naively (full forwards, gen.logits: no cache, no speculation). Against the float
@@ -101,8 +94,8 @@ def test_gemma2_int8_weights_same_tokens(hf_model_dir):
     gen = Generator.from_pretrained(path, quantize="int8", speculative_method="ngram", num_speculative_tokens=3,
                                     speculative_max_batch=8, **FEATURES)
     first, second = two_round_prompts(gen.model_cfg.vocab_size)
-    want = {"first": [_naive_greedy(gen, p, GREEDY.max_tokens) for p in first],
-            "second": [_naive_greedy(gen, p, GREEDY.max_tokens) for p in second]}
+    want = {"first": [naive_greedy(gen, p, GREEDY.max_tokens) for p in first],
+            "second": [naive_greedy(gen, p, GREEDY.max_tokens) for p in second]}
     serve_two_rounds(gen, want)
     ref = Generator.from_pretrained(path, **FEATURES)
     assert _rel_err(gen.logits(second[1]), ref.logits(second[1])) < 0.1

@@ -27,7 +27,7 @@ from jaxinfer.models.hf_configs import model_config_from_hf
 from jaxinfer.moe import MoE, route, set_moe_impl, tile_rows
 from jaxinfer.quant import QuantizedWeight, dequantize
 from tests.hf_models import CONFIGS, build_hf_model
-from tests.two_rounds import GREEDY, serve_two_rounds, two_round_prompts
+from tests.two_rounds import GREEDY, naive_greedy, serve_two_rounds, two_round_prompts
 
 MOE = [n for n in CONFIGS if n.split("-")[0] in ("qwen3moe", "mixtral", "gpt")]
 ARCH = {"qwen3moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt": "GptOssForCausalLM"}
@@ -187,13 +187,6 @@ def test_prefix_cache_and_ngram_same_tokens_zero_compilations(hf_model_dir):
     assert gen.stats()["compilations_after_warmup"] == 0
 
 
-def _naive_greedy(gen: Generator, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(np.argmax(gen.logits(ids)[-1])))
-    return ids[len(prompt):]
-
-
 def _routes(path, quantize: str | None, ids: list[int], monkeypatch) -> list[np.ndarray]:
     """Each MoE layer's chosen experts (sorted per token) in one eager forward of the model."""
     import jaxinfer.moe as moe_module
@@ -228,8 +221,8 @@ def test_int8_experts_same_tokens_as_naive_int8(hf_model_dir, monkeypatch):
     path = hf_model_dir("qwen3moe-gqa")
     gen = Generator.from_pretrained(path, quantize="int8", **SPEC, **FEATURES)
     first, second = two_round_prompts(gen.model_cfg.vocab_size)
-    want = {"first": [_naive_greedy(gen, p, GREEDY.max_tokens) for p in first],
-            "second": [_naive_greedy(gen, p, GREEDY.max_tokens) for p in second]}
+    want = {"first": [naive_greedy(gen, p, GREEDY.max_tokens) for p in first],
+            "second": [naive_greedy(gen, p, GREEDY.max_tokens) for p in second]}
     serve_two_rounds(gen, want)
     ref = Generator.from_pretrained(path, **FEATURES)
     ids = second[1]

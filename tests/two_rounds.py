@@ -20,6 +20,14 @@ def two_round_prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
     return first, second
 
 
+def naive_greedy(gen: Generator, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens by repeated full forwards (gen.logits: no cache, no speculation)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(np.argmax(gen.logits(ids)[-1])))
+    return ids[len(prompt):]
+
+
 def serve_two_rounds(gen: Generator, want: dict) -> None:
     """Both rounds give `want`'s tokens ({"first": [...], "second": [...]}), the second reusing the
     shared whole blocks and keeping verified proposals; every block is free afterwards."""
