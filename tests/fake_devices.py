@@ -26,3 +26,15 @@ def run_worker(module: str, arg: Path, timeout_s: int, devices: int = 8) -> dict
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["n_devices"] == devices
     return result
+
+
+def run_model_runs(module: str, runs: dict[str, list[dict]], tmp: Path, timeout_s: int = 400) -> dict[str, dict]:
+    """Save each model of `runs` ({name: [engine kwargs, ...]}) under tmp/<name>, run the worker
+    module over them on fake devices, check it reported every run, and return its runs by label."""
+    from tests.hf_models import save_hf_model
+
+    for name in runs:
+        save_hf_model(name, tmp / name)
+    result = run_worker(module, tmp, timeout_s=timeout_s)
+    assert len(result["runs"]) == sum(len(r) for r in runs.values())
+    return result["runs"]

@@ -185,13 +185,8 @@ def test_longrope_factors_must_fit_the_rotated_features():
 def test_tensor_and_pipeline_parallel_equal_one_device(tmp_path):
     """tests/families_worker.py on 8 fake CPU devices: Qwen3 at TP 2 and 4, Gemma 3 at TP 2 and PP 2
     give one device's logits (to float32 reduction order) and greedy tokens."""
+    from tests.fake_devices import run_model_runs
     from tests.families_worker import RUNS
-    from tests.fake_devices import run_worker
-    from tests.hf_models import save_hf_model
 
-    for name in RUNS:
-        save_hf_model(name, tmp_path / name)
-    result = run_worker("tests.families_worker", tmp_path, timeout_s=400)
-    assert len(result["runs"]) == sum(len(r) for r in RUNS.values())
-    for run, r in result["runs"].items():
+    for run, r in run_model_runs("tests.families_worker", RUNS, tmp_path).items():
         assert r["rel_err"] < 1e-5 and r["same_tokens"], (run, r)

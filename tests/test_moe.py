@@ -242,15 +242,10 @@ def test_tensor_parallel_equals_one_device(tmp_path):
     experts), gpt-oss at TP 2 and PP 2 x TP 2 give one device's logits (to float32 reduction order)
     and greedy tokens, each TP device holding 1 / tp of every expert's fused gate_up (split on its
     last axis)."""
-    from tests.fake_devices import run_worker
-    from tests.hf_models import save_hf_model
+    from tests.fake_devices import run_model_runs
     from tests.moe_worker import RUNS
 
-    for name in RUNS:
-        save_hf_model(name, tmp_path / name)
-    result = run_worker("tests.moe_worker", tmp_path, timeout_s=400)
-    assert len(result["runs"]) == sum(len(r) for r in RUNS.values())
-    for run, r in result["runs"].items():
+    for run, r in run_model_runs("tests.moe_worker", RUNS, tmp_path).items():
         assert r["rel_err"] < 1e-5 and r["same_tokens"], (run, r)
         if "pipeline" not in run:
             assert r["spec"] == ["None", "None", "tensor"] and r["device0_fraction"] == 1 / r["tp"], (run, r)
