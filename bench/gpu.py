@@ -221,11 +221,13 @@ def _die_with_parent() -> None:
         pass
 
 
-def run_worker(part: str, timeout: float, smoke: bool, autotune: bool, run_dir: Path) -> dict[str, Any]:
-    """One part in its own process group, killed at its timeout; -> the part's JSON entry."""
+def run_worker(part: str, timeout: float, smoke: bool, autotune: bool, run_dir: Path,
+               module: str = "bench.gpu") -> dict[str, Any]:
+    """One part in its own process group (`python -m <module> --worker <part>`), killed at its
+    timeout; -> the part's JSON entry."""
     records, log = run_dir / f"{part}.jsonl", run_dir / f"{part}.log"
     records.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "bench.gpu", "--worker", part, "--records", str(records)] + (["--smoke"] if smoke else [])
+    cmd = [sys.executable, "-m", module, "--worker", part, "--records", str(records)] + (["--smoke"] if smoke else [])
     t0 = time.monotonic()
     status, rc = "ok", None
     with open(log, "w", encoding="utf-8") as out:
