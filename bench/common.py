@@ -128,3 +128,12 @@ def plot_points(points: Sequence[dict[str, Any]], label_key: str, png: Path, tit
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return png
+
+
+def write_json_atomic(obj: Any, out: Path) -> None:
+    """Write obj as indented JSON to out through a temporary file and os.replace, so a run killed
+    mid-write leaves the previous complete file (the GPU scripts rewrite theirs after each part)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, out)

@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import device_slug, results_path
+from bench.common import device_slug, results_path, write_json_atomic
 from bench.gpu_report import derive, markdown, plot
 from bench.gpu_workload import REAL, SMOKE, Workload
 
@@ -108,9 +108,12 @@ def versions() -> dict[str, str | None]:
 
 
 def the_command() -> str:
+    """How this process was started, as a shell line (`python -m bench.<script> ...` for the bench scripts)."""
     argv0 = Path(sys.argv[0])
-    head = {"gpu.py": ["python", "-m", "bench.gpu"], "cli.py": ["python", "-m", "jaxinfer.cli"]}.get(
-        argv0.name, [argv0.name])
+    if argv0.parent.name == "bench":
+        head = ["python", "-m", f"bench.{argv0.stem}"]
+    else:
+        head = {"cli.py": ["python", "-m", "jaxinfer.cli"]}.get(argv0.name, [argv0.name])
     return shlex.join(head + sys.argv[1:])
 
 
@@ -132,9 +135,10 @@ def initial_device(smoke: bool, driver: dict[str, Any]) -> dict[str, Any]:
     return device
 
 
-def part_timeouts(parts: list[str], deadline_s: float) -> dict[str, float]:
-    """Caps scaled down when the deadline (less the parent's reserve) is shorter than their sum."""
-    caps = {p: float(PART_CAPS_S[p]) for p in parts}
+def part_timeouts(parts: list[str], deadline_s: float, part_caps: dict[str, float] | None = None) -> dict[str, float]:
+    """Caps (default: this script's PART_CAPS_S) scaled down when the deadline (less the parent's
+    reserve) is shorter than their sum."""
+    caps = {p: float((part_caps or PART_CAPS_S)[p]) for p in parts}
     room = max(deadline_s - PARENT_RESERVE_S, 0.0)
     scale = min(1.0, room / sum(caps.values())) if caps else 1.0
     return {p: c * scale for p, c in caps.items()}
@@ -204,14 +208,14 @@ def flags(results: Any, path: tuple[str, ...] = ()) -> tuple[list[str], list[str
     return errors, unavailable
 
 
-def _log_tail(log: Path, lines: int = 25) -> str:
+def log_tail(log: Path, lines: int = 25) -> str:
     try:
         return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In a part's process before it starts: SIGKILL when this process dies (Linux prctl
     PR_SET_PDEATHSIG), so no part outlives a run that was killed and holds the GPU."""
     try:
@@ -222,18 +226,19 @@ def _die_with_parent() -> None:
 
 
 def run_worker(part: str, timeout: float, smoke: bool, autotune: bool, run_dir: Path,
-               module: str = "bench.gpu") -> dict[str, Any]:
+               module: str = "bench.gpu", env: dict[str, str] | None = None) -> dict[str, Any]:
     """One part in its own process group (`python -m <module> --worker <part>`), killed at its
-    timeout; -> the part's JSON entry."""
+    timeout; -> the part's JSON entry. env: the part's environment (default: worker_env's)."""
     records, log = run_dir / f"{part}.jsonl", run_dir / f"{part}.log"
     records.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", module, "--worker", part, "--records", str(records)] + (["--smoke"] if smoke else [])
     t0 = time.monotonic()
     status, rc = "ok", None
     with open(log, "w", encoding="utf-8") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(smoke, autotune, run_dir, part), stdout=out,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env or worker_env(smoke, autotune, run_dir, part),
+                                stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                preexec_fn=die_with_parent if sys.platform == "linux" else None)
         try:
             rc = proc.wait(timeout=timeout)
             status = "ok" if rc == 0 else "failed"
@@ -252,7 +257,7 @@ def run_worker(part: str, timeout: float, smoke: bool, autotune: bool, run_dir: 
     elif status == "interrupted":
         errors.insert(0, "interrupted (the run was stopped)")
     elif rc != 0:
-        errors.insert(0, f"exited with status {rc}; log tail:\n{_log_tail(log)}")
+        errors.insert(0, f"exited with status {rc}; log tail:\n{log_tail(log)}")
     return {"status": status, "wall_s": time.monotonic() - t0, "timeout_s": timeout, "returncode": rc,
             "errors": errors, "unavailable": unavailable, "log": str(log), "results": results}
 
@@ -293,12 +298,10 @@ def refresh(report: dict[str, Any], out: Path, png: bool) -> None:
             report.pop("plot_error", None)
         except Exception as e:  # noqa: BLE001 -- the JSON is what matters
             report["plot_error"] = f"{type(e).__name__}: {e}"
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    os.replace(tmp, out)
+    write_json_atomic(report, out)
 
 
-def _stop_on_sigterm() -> None:
+def stop_on_sigterm() -> None:
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
     try:
@@ -319,7 +322,7 @@ def run(args: argparse.Namespace) -> Path:
     log_dir.mkdir(parents=True, exist_ok=True)
     caps = part_timeouts(parts, args.deadline_s)
     report = new_report(args, wl, parts, caps, driver, device, log_dir)
-    _stop_on_sigterm()
+    stop_on_sigterm()
     print(f"bench.gpu: parts {', '.join(parts)}; deadline {args.deadline_s:.0f} s; JSON {out}; logs {log_dir}",
           flush=True)
     for i, part in enumerate(parts):
@@ -341,14 +344,15 @@ def run(args: argparse.Namespace) -> Path:
     return out
 
 
-def parse_parts(text: str | None) -> list[str]:
+def parse_parts(text: str | None, choices: tuple[str, ...] = PARTS) -> list[str]:
+    """A comma-separated subset of choices (None or empty: all of them), in the choices' order."""
     if not text:
-        return list(PARTS)
+        return list(choices)
     asked = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in asked if p not in PARTS]
+    unknown = [p for p in asked if p not in choices]
     if unknown:
-        raise ValueError(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
-    return [p for p in PARTS if p in asked]
+        raise ValueError(f"unknown part(s) {unknown}; choose from {', '.join(choices)}")
+    return [p for p in choices if p in asked]
 
 
 # --------------------------------------------------------------------------- CLI

@@ -330,12 +330,9 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def write(report: dict[str, Any], out: Path) -> None:
-    import os
+    from bench.common import write_json_atomic
     report["derived"] = derive(report)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    os.replace(tmp, out)
+    write_json_atomic(report, out)
 
 
 # --------------------------------------------------------------------------- CLI

@@ -25,8 +25,13 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
   or [E, K/2, N], scales [E, N] or [E, K/g, N]); `shape` is the whole (E, ...) shape. qdot refuses
   them: jaxinfer.moe multiplies them expert by expert (expert_weight).
 * fp8 (e4m3, OCP "fn": finite, max 448, 3 mantissa bits): per output channel like int8,
-  q float8_e4m3fn [K, N] = w / scale cast to e4m3 (round to nearest even), scales f32 [N] =
-  max|w[:, n]| / 448; bits=8 with q's dtype telling it from int8 (QuantizedWeight.fp8). On the
+  codes w / scale cast to e4m3 (round to nearest even), scales f32 [N] = max|w[:, n]| / 448;
+  bits=8 with q's dtype telling it from int8 (QuantizedWeight.fp8). The codes are stored
+  transposed, q float8_e4m3fn [N, K] (layout "nk": K contiguous), transposed once here at quantize
+  time: cuBLASLt's fp8 GEMM takes only the "TN" layout (both operands K-major), so a [K, N] weight
+  made XLA transpose the whole weight on every call (the 2026-11-26 H200 run: fp8 decode no faster
+  than bf16, and an allocator peak 8 GB above in-use for fp8 only). Stacked experts (quantize_experts)
+  keep [E, K, N] (layout "kn"): jaxinfer.moe multiplies their codes as [K, N] matrices. On the
   XLA path (the CPU default) it is dequantized per call: y = (x @ e4m3(q) as f32) * scales. On the
   GPU path (qdot impl "pallas", the GPU default; the Pallas kernel has no fp8 format) it runs as
   vLLM's fp8 checkpoints do on Hopper: each row of x is scaled to e4m3 too (sx = max|x_m| / 448,
@@ -62,10 +67,15 @@ from jax import lax
 from jaxinfer.config import resolve_impl_name
 from pallas_kernels import autotune as _autotune
 from pallas_kernels.quant_matmul import (
+    REDUCE_MAX_M,
+    SPLITK_INNER,
+    SPLITK_MAX_M,
     default_block_m,
     dequantize_weight,
     pack_int4,
     quant_matmul,
+    quant_matmul_splitk,
+    splitk_rows,
     unpack_int4,
     w8a8_matmul,
 )
@@ -90,7 +100,9 @@ __all__ = [
     "elementwise_error_bound",
     "matmul_error_bound",
     "pallas_block_candidates",
+    "splitk_candidates",
     "select_blocks",
+    "XLA_MATMUL",
 ]
 
 log = logging.getLogger(__name__)
@@ -103,7 +115,8 @@ class QuantizedWeight:
     Data (pytree leaves): q (int8 [K, N] or packed uint8 [K//2, N]), scales (f32 [N] or [K//g, N]),
     zeros (uint8 [K//g, N] for asymmetric int4, else None).
     Static metadata: bits (8 | 4), group_size (None for int8), shape (logical N-D shape),
-    contract (number of leading dims of `shape` that are contracted, i.e. K = prod(shape[:contract])).
+    contract (number of leading dims of `shape` that are contracted, i.e. K = prod(shape[:contract])),
+    layout ("kn", or "nk" for fp8 codes stored [N, K]: q_kn() is always the [K, N] view).
     """
     q: Any
     scales: Any
@@ -117,6 +130,7 @@ class QuantizedWeight:
     act_scale: Any = None   # W8A8 static: f32 [] activation scale (x -> round(x / act_scale)); None: per token
     act_zero: Any = None    # W8A8 static asymmetric: int32 [] zero point (x -> round(x / act_scale) + act_zero)
     batch: int = 0          # 1: stacked experts, shape[0] of them, each its own [K, N] (quantize_experts)
+    layout: str = "kn"      # "nk": q stored [N, K] (fp8 codes, module docstring); "kn": every other format
 
     @property
     def k(self) -> int:
@@ -139,6 +153,10 @@ class QuantizedWeight:
         """e4m3 codes (bits=8) instead of int8."""
         return jnp.dtype(self.q.dtype) == FP8_DTYPE
 
+    def q_kn(self) -> jax.Array:
+        """The codes as [K, N] (a transpose for layout "nk"; the stored array otherwise)."""
+        return self.q.T if self.layout == "nk" else self.q
+
     @property
     def nbytes(self) -> int:
         return sum(int(a.size) * a.dtype.itemsize
@@ -148,7 +166,7 @@ class QuantizedWeight:
 jax.tree_util.register_dataclass(
     QuantizedWeight,
     data_fields=["q", "scales", "zeros", "act_scale", "act_zero"],
-    meta_fields=["bits", "group_size", "shape", "contract", "impl", "act_bits", "batch"],
+    meta_fields=["bits", "group_size", "shape", "contract", "impl", "act_bits", "batch", "layout"],
 )
 
 
@@ -187,11 +205,15 @@ def quantize_int8(w, *, contract: int = 1) -> QuantizedWeight:
     return QuantizedWeight(q, scale, None, bits=8, group_size=None, shape=shape, contract=contract)
 
 
-def quantize_fp8(w, *, contract: int = 1) -> QuantizedWeight:
-    """Per-output-channel e4m3: scale[n] = max_k |w[k, n]| / 448, q = e4m3(w / scale) (nearest even)."""
+def quantize_fp8(w, *, contract: int = 1, layout: str = "nk") -> QuantizedWeight:
+    """Per-output-channel e4m3: scale[n] = max_k |w[k, n]| / 448, codes e4m3(w / scale) (nearest even),
+    stored [N, K] (layout "nk", the default: the native fp8 dot's layout) or [K, N] ("kn")."""
+    if layout not in ("nk", "kn"):
+        raise ValueError(f"fp8 layout must be 'nk' or 'kn', got {layout!r}")
     w2, shape, _, _ = _as_2d(w, contract)
-    q, scale = symmetric_codes(w2, FP8_DTYPE, axis=0)
-    return QuantizedWeight(q, scale, None, bits=8, group_size=None, shape=shape, contract=contract)
+    q, scale = symmetric_codes(w2, FP8_DTYPE, axis=0)                  # [K, N]
+    return QuantizedWeight(q.T if layout == "nk" else q, scale, None, bits=8, group_size=None, shape=shape,
+                           contract=contract, layout=layout)
 
 
 def quantize_int4(w, group_size: int = 128, symmetric: bool = True, *, contract: int = 1) -> QuantizedWeight:
@@ -248,8 +270,8 @@ def quantize_experts(w, method: str, group_size: int = 128, *, contract: int = 1
     groups of group_size along K, shrinking to 64 or 32 where K needs it, else int8)."""
     k = math.prod(w.shape[1:1 + contract])
     g = next((g for g in (group_size, 64, 32) if k % g == 0 and g <= group_size), None)   # int4's group
-    if method == "fp8":
-        one = lambda e: quantize_fp8(e, contract=contract)  # noqa: E731
+    if method == "fp8":   # [K, N] codes per expert: jaxinfer.moe multiplies them as such
+        one = lambda e: quantize_fp8(e, contract=contract, layout="kn")  # noqa: E731
     elif method == "int4" and g:
         one = lambda e: quantize(e, 4, group_size=g, contract=contract)  # noqa: E731
     elif method in ("int8", "int4"):   # int4 where no group fits K: int8, as quantize_decoder does
@@ -339,7 +361,7 @@ def unpack_int3(packed: jax.Array, *, signed: bool) -> jax.Array:
 def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
     """-> f32 [K, N]; int8 and int4 as the kernel defines them, int3 here (no kernel)."""
     if qw.bits != 3:
-        return dequantize_weight(qw.q, qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
+        return dequantize_weight(qw.q_kn(), qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
     q = unpack_int3(qw.q, signed=qw.zeros is None)
     k, n = q.shape
     g = qw.group_size
@@ -402,8 +424,9 @@ def _xla_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     xc = x2.astype(cdt)
     if qw.act_bits == 8:
         y = _w8a8_matmul(x2, qw)
-    elif qw.bits == 8:
-        y = jnp.dot(xc, qw.q.astype(cdt), preferred_element_type=jnp.float32, precision=dot_precision(cdt))
+    elif qw.bits == 8:   # int8 / fp8 codes, [K, N] or (fp8) [N, K]: contract q's K dim
+        y = lax.dot_general(xc, qw.q.astype(cdt), (((1,), (_k_axis(qw),)), ((), ())),
+                            preferred_element_type=jnp.float32, precision=dot_precision(cdt))
         y = y * qw.scales.astype(jnp.float32)[None, :]
     else:
         w = _dequantize_2d(qw).astype(cdt)
@@ -427,11 +450,17 @@ def quantize_rows_int8(x2: jax.Array, act_scale=None, act_zero=None) -> tuple[ja
     return jnp.clip(jnp.round(xf / sx[:, None]) + z, -128, 127).astype(jnp.int8), sx
 
 
+def _k_axis(qw: QuantizedWeight) -> int:
+    """The axis of q that runs along K: 1 for layout "nk" ([N, K]), else 0."""
+    return 1 if qw.layout == "nk" else 0
+
+
 def fp8_native_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     """fp8 weights with x quantized per row to e4m3: e4m3 x e4m3 -> f32 dot, rescaled by the row
-    and column scales -> x2's dtype [M, N]."""
+    and column scales -> x2's dtype [M, N]. With the codes [N, K] (layout "nk") both operands are
+    K-major, the layout cuBLASLt's fp8 GEMM takes, so XLA need not transpose the weight."""
     xq, sx = symmetric_codes(x2, FP8_DTYPE, axis=1)                   # per token
-    y = lax.dot_general(xq, qw.q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+    y = lax.dot_general(xq, qw.q, (((1,), (_k_axis(qw),)), ((), ())), preferred_element_type=jnp.float32,
                         precision=lax.Precision.HIGHEST)   # f32 accumulation (no fp8 fast accumulation)
     return (y * sx[:, None] * qw.scales.astype(jnp.float32)[None, :]).astype(x2.dtype)
 
@@ -450,6 +479,7 @@ def _w8a8_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
 
 
 _BLOCK_NK = (256, 128, 64, 32, 16)
+XLA_MATMUL = {"kernel": "xla"}     # the launch config "XLA's dequantize-and-dot" (_xla_matmul)
 
 
 def _valid_bk(bk: int, k: int, bits: int, g: int | None) -> bool:
@@ -460,9 +490,8 @@ def _valid_bk(bk: int, k: int, bits: int, g: int | None) -> bool:
     return True
 
 
-def pallas_block_candidates(m: int, k: int, n: int, bits: int, group_size: int | None) -> list[dict]:
-    """Launch configs valid on GPU for this problem; [0] is the default. [] if the kernel can't run
-    (it has no int3 format: qdot then takes the XLA path, or refuses impl="pallas")."""
+def _tiled_candidates(m: int, k: int, n: int, bits: int, group_size: int | None) -> list[dict]:
+    """quant_matmul's (tiled) launch configs valid on GPU; [0] its default. [] if none fits."""
     if bits not in (8, 4):
         return []
     bns = [b for b in _BLOCK_NK if n % b == 0]
@@ -491,6 +520,132 @@ def pallas_block_candidates(m: int, k: int, n: int, bits: int, group_size: int |
     return cands[:16]
 
 
+# The split-K kernel's untuned default (what runs when nothing is measured) -- a prediction from SM
+# occupancy, not yet measured on a GPU. A decode matmul (M <= 16) reads K * N weight bytes once and
+# does next to no arithmetic: its speed is the HBM bandwidth the programs in flight can draw. The
+# tiled kernel launches N / block_n programs (32 for N = 4096 at block_n = 128), a quarter of an
+# H200's 132 SMs, and the H200 run measured it at 0.43-0.57x of the bf16 dot (int8, M = 1). Split-K
+# multiplies the programs by num_splits: the default takes the smallest power of two with
+# N / block_n * num_splits >= 2 * 132 (two programs per SM, so one's loads overlap the other's
+# arithmetic), keeping >= 4 block_k steps per program (num_stages = 3 needs a few to pipeline) and
+# num_splits * Mp <= 64 (each split writes, and the wrapper reads back, an f32 [Mp, N] partial: 64
+# rows are 512 bytes per column against K / 2 = 2 KiB of int4 codes at K = 4096; most of it stays
+# in the 50 MB L2). block_n = 64: an int8 [128, 64] step is 8 KiB per program, 3 stages in flight
+# 24 KiB, two programs ~48 KiB per SM, about what Little's law asks of ~4.8 TB/s at ~1 us latency
+# over 132 SMs (~36 KiB per SM). inner = "dot" (M padded to 16): the same Triton operations as the
+# tiled kernel, which compiled and ran on the H200, so an untuned engine cannot fail on a lowering
+# the tiled kernel never used; the multiply-reduce ("reduce", no padding; block_k = 128 / Mp keeps
+# 64 f32 products per thread) is the next candidate for M <= 8 and the tuner keeps it where it wins.
+# With Mp = 16 the cap is num_splits <= 4. For the 8B projections at M = 1..16 that gives
+# qkv 96 x 4 = 384 programs, o 64 x 4 = 256, gate_up 448 x 1 = 448, down 64 x 4 = 256 (K/S = 3584),
+# against 48, 32, 224 and 32 programs of the tiled default. The same H200 run is the evidence that
+# programs are the lever: the tiled int8 kernel drew 1718 GB/s (51% of the 3360 GB/s copy) on
+# gate_up's 224 programs and 421-607 GB/s on 32-48. Predicted (untested): int8 at M = 1 reaches
+# ~1.7-2 TB/s on every projection, about the 1.6-1.95 TB/s that 1.65x the bf16 dot needs; int4
+# (unpacking and two dots per K block) ~1-1.3 TB/s (gate_up's 224 tiled programs drew 947 GB/s):
+# ~1.6-2.1x bf16, short of 2.6x, which needs ~1.6 TB/s of packed codes.
+SPLITK_TARGET_PROGRAMS = 2 * 132
+SPLITK_DEFAULT_MAX_M = 16        # the default is split-K up to here, the tiled kernel above
+
+
+def _splitk_config(m: int, k: int, n: int, bits: int, g: int | None, bn: int, bk: int, inner: str,
+                   splits: int | None = None) -> dict | None:
+    """A valid split-K config (num_splits by the occupancy rule above unless given), or None."""
+    ks_ok = lambda s: k % s == 0 and (k // s) % bk == 0 and (bits != 4 or (k // s) % g == 0)  # noqa: E731
+    if n % bn or not _valid_bk(bk, k, bits, g) or (splits is not None and not ks_ok(splits)):
+        return None
+    if splits is None:
+        mp = splitk_rows(m, inner)
+        ok = [s for s in (1, 2, 4, 8, 16, 32, 64)
+              if ks_ok(s) and (s == 1 or ((k // s) // bk >= 4 and s * mp <= 64))]
+        if not ok:
+            return None
+        splits = next((s for s in ok if n // bn * s >= SPLITK_TARGET_PROGRAMS), ok[-1])
+    return dict(kernel="splitk", num_splits=splits, block_n=bn, block_k=bk, inner=inner, num_warps=4,
+                num_stages=3)
+
+
+def splitk_candidates(m: int, k: int, n: int, bits: int, group_size: int | None) -> list[dict]:
+    """quant_matmul_splitk launch configs valid on GPU for M <= 64 ([] above); [0] its default."""
+    if bits not in (8, 4) or m > SPLITK_MAX_M:
+        return []
+    inners = [i for i in SPLITK_INNER if i == "dot" or m <= REDUCE_MAX_M]      # "dot" first: the default
+    cands: list[dict] = []
+
+    def add(c):
+        if c is not None and c not in cands:
+            cands.append(c)
+
+    def bk_for(inner):   # reduce: Mp * block_k = 128 products per column and step (>= 32 for int4)
+        return max(128 // splitk_rows(m, inner), 32 if bits == 4 else 16) if inner == "reduce" else 128
+    for inner in inners:
+        for bn in (64, 128, 32):
+            add(_splitk_config(m, k, n, bits, group_size, bn, bk_for(inner), inner))
+    if not cands:
+        return []
+    d = cands[0]
+    for s in (d["num_splits"] * 2, d["num_splits"] // 2):
+        if s >= 1:
+            add(_splitk_config(m, k, n, bits, group_size, d["block_n"], d["block_k"], d["inner"], s))
+    for bk in (2 * d["block_k"], d["block_k"] // 2):
+        add(_splitk_config(m, k, n, bits, group_size, d["block_n"], bk, d["inner"], d["num_splits"]))
+    for kw in (dict(num_warps=8), dict(num_warps=2), dict(num_stages=4), dict(num_stages=2)):
+        add(dict(d, **kw))
+    return cands
+
+
+def pallas_block_candidates(m: int, k: int, n: int, bits: int, group_size: int | None, *,
+                            weight_only: bool = True) -> list[dict]:
+    """Launch configs valid on GPU for this problem, at most 16; [0] is the default. [] if no kernel
+    can run it (no int3 format: qdot then takes the XLA path, or refuses impl="pallas").
+
+    A config is quant_matmul's keywords (the tiled kernel; what `blocks=` has always taken), or
+    {"kernel": "splitk", ...} (quant_matmul_splitk's keywords), or XLA_MATMUL (XLA's dequantize-and-
+    dot, so that the tuner keeps it where it is fastest). M <= 16: the split-K configs first (the
+    default: the occupancy rule above), then XLA, then the tiled default and one more; larger M:
+    the tiled configs first, then up to 3 split-K ones (M <= 64), then XLA. weight_only=False (W8A8):
+    the tiled w8a8_matmul configs only.
+    """
+    tiled = _tiled_candidates(m, k, n, bits, group_size)
+    if not weight_only or not tiled:
+        return tiled
+    split = splitk_candidates(m, k, n, bits, group_size)
+    if m <= SPLITK_DEFAULT_MAX_M and split:
+        cands = split[:13] + [dict(XLA_MATMUL)] + tiled[:2]
+    else:
+        cands = tiled[:12] + split[:3] + [dict(XLA_MATMUL)]
+    return cands[:16]
+
+
+def matmul_class(m: int) -> int:
+    """The autotuner's M bucket: M <= 16 by power of two (1, 2, 4, 8, 16: the split-K tile heights
+    and inner-product choices change there), larger M by power of two up to 512."""
+    return min(_next_pow2(m), 512)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _launch(x2: jax.Array, q, scales, zeros, qw: QuantizedWeight, cfg: dict, interpret: bool | None = None):
+    """x2 [M, K] @ (q, scales, zeros) in qw's format with the launch config cfg (tiled, split-K or
+    XLA; pallas_block_candidates) -> [M, N] in x2's dtype."""
+    kind = cfg.get("kernel", "tiled")
+    params = {key: v for key, v in cfg.items() if key != "kernel"}
+    if kind == "xla":
+        return _xla_matmul(x2, dataclasses.replace(qw, q=q, scales=scales, zeros=zeros))
+    if qw.act_bits is not None:
+        xq, sx = quantize_rows_int8(x2, qw.act_scale, qw.act_zero)
+        return w8a8_matmul(xq, q, sx, scales, qw.act_zero, out_dtype=x2.dtype, interpret=interpret, **params)
+    if kind == "splitk":
+        return quant_matmul_splitk(x2, q, scales, zeros, bits=qw.bits, group_size=qw.group_size,
+                                   interpret=interpret, **params)
+    if kind != "tiled":
+        raise ValueError(f"unknown quantized matmul kernel {kind!r} in launch config {cfg}")
+    return quant_matmul(x2, q, scales, zeros, bits=qw.bits, group_size=qw.group_size, interpret=interpret,
+                        **params)
+
+
 def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_path: str | None = None,
                   force: bool = False, max_candidates: int | None = None) -> dict | None:
     """Launch config for quant_matmul: autotuned (cached on disk) on GPU, the default elsewhere.
@@ -498,18 +653,19 @@ def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_p
     None if no config is valid. Measuring runs the kernel on synthetic inputs of the same
     shapes/dtypes (eagerly, also when called while tracing), within the autotuner's per-process
     budget ($JAXINFER_AUTOTUNE_BUDGET_S); JAXINFER_AUTOTUNE=0 disables measuring.
-    Keys: M by the tiles the kernel runs (M <= 64 is one block_m-high row of programs, so every M
-    with the same default_block_m launches the same grid and shares a key; larger M up to 512 by
-    power of two), K and N by power of two, the weight format and the activation dtype.
+    Keys: M by matmul_class (weight-only: 1, 2, 4, 8, 16, then powers of two up to 512, where the
+    split-K tiles and inner products change; W8A8, tiled only: M <= 64 by default_block_m), K and N
+    by power of two, the weight format and the activation dtype. The candidates
+    (pallas_block_candidates) are tiled, split-K and XLA configs; qdot runs whichever wins.
     """
-    cands = pallas_block_candidates(m, k, n, qw.bits, qw.group_size)
+    cands = pallas_block_candidates(m, k, n, qw.bits, qw.group_size, weight_only=qw.act_bits is None)
     if max_candidates is not None:
         cands = cands[:max_candidates]
     if not cands:
         return None
     if os.environ.get("JAXINFER_AUTOTUNE", "1") == "0" and not force:
         return cands[0]
-    m_class = min(default_block_m(m) if m <= 64 else m, 512)   # M buckets: 16, 32, 64, ..., 512
+    m_class = matmul_class(m) if qw.act_bits is None else min(default_block_m(m) if m <= 64 else m, 512)
     kname = f"quant_matmul_int{qw.bits}" + (
         "" if qw.bits == 8 else f"_g{qw.group_size}_{'sym' if qw.symmetric else 'asym'}")
     if qw.act_bits is not None:
@@ -543,8 +699,7 @@ def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_p
             if qw.act_bits is not None:
                 fn = jax.jit(lambda x, w, sx, sw, z: w8a8_matmul(x, w, sx, sw, z, out_dtype=dtype, **cfg))
             else:
-                fn = jax.jit(lambda x, w, s, z: quant_matmul(x, w, s, z, bits=qw.bits,
-                                                             group_size=qw.group_size, **cfg))
+                fn = jax.jit(lambda x, w, s, z: _launch(x, w, s, z, qw, cfg))
             compiled[key_] = fn.lower(*args).compile()
         return compiled[key_](*args)
 
@@ -571,8 +726,9 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     XLA's fp8 dot), "xla" (dequantize per call),
     "auto" (pallas on GPU when the shapes fit the kernel, else xla; fp8 weights take the native
     fp8 dot on GPU whatever their shapes). Leading dims of x are
-    flattened to M; the output has x's dtype. blocks: explicit quant_matmul launch config
-    (default: select_blocks).
+    flattened to M; the output has x's dtype. blocks: an explicit launch config, one of
+    pallas_block_candidates' kinds: quant_matmul's keywords (tiled), {"kernel": "splitk", ...}
+    or XLA_MATMUL (default: select_blocks).
     """
     if not isinstance(w, QuantizedWeight):
         x_axes = tuple(range(x.ndim - contract, x.ndim))
@@ -603,12 +759,8 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
                 raise ValueError(f"quant_matmul cannot tile K={w.k}, N={w.n} "
                                  f"(bits={w.bits}, group_size={w.group_size}); use impl='xla'")
             mode = "xla"
-    if mode == "pallas" and m > 0 and w.act_bits is not None:
-        xq, sx = quantize_rows_int8(x2, w.act_scale, w.act_zero)
-        y2 = w8a8_matmul(xq, w.q, sx, w.scales, w.act_zero, out_dtype=x2.dtype, interpret=interpret, **cfg)
-    elif mode == "pallas" and m > 0:
-        y2 = quant_matmul(x2, w.q, w.scales, w.zeros, bits=w.bits, group_size=w.group_size,
-                          interpret=interpret, **cfg)
+    if mode == "pallas" and m > 0:
+        y2 = _launch(x2, w.q, w.scales, w.zeros, w, cfg, interpret)
     else:
         y2 = _xla_matmul(x2, w)
     return y2.reshape(lead + tuple(ndims))

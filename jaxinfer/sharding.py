@@ -78,7 +78,8 @@ with mlp (the fused layout then keeps one group: replicated).
 Quantized weights: a Param whose value is a quant.QuantizedWeight pytree (models.decoder.
 quantize_decoder, jaxinfer.quantize) is sharded like its float weight where the packed layout
 allows (quantized_sharding): every leaf (codes [K * bits / 8, N], scales and zero points [K / g, N]
-or [N]) ends in the N output columns and groups run along K, so
+or [N]) ends in the N output columns and groups run along K (fp8 codes are stored [N, K], layout
+"nk": their split is the one below with the two axes swapped), so
   * a column-parallel weight (q, k, v, gate, up, fused qkv / gate_up: an output dim over
     "tensor") splits every leaf's last axis: each device holds whole columns with their scales;
   * a row-parallel weight (o, down: the contracted dim over "tensor") splits the codes' first
@@ -274,11 +275,16 @@ def quantized_sharding(qw: QuantizedWeight, logical_axes, rules: Mapping[str, st
             split = at(k_spec[0])
             grouped = qw.scales.ndim == qw.batch + 2 and g < qw.k
             leaves = {"q": split, "scales": split if grouped else rep, "zeros": split if grouped else rep}
+    if qw.layout == "nk":      # fp8 codes stored [N, K]: the same split with the two axes swapped
+        assert qw.batch == 0 and qw.q.ndim == 2, "only unstacked fp8 codes are stored [N, K]"
+        k_axis, n_axis = (tuple(leaves["q"].spec) + (None, None))[:2]
+        if k_axis is not None or n_axis is not None:
+            leaves["q"] = NamedSharding(mesh, PartitionSpec(n_axis, k_axis))
     full = _replicated(mesh)
     return QuantizedWeight(leaves["q"], leaves["scales"], None if qw.zeros is None else leaves["zeros"],
                            bits=qw.bits, group_size=qw.group_size, shape=qw.shape, contract=qw.contract,
                            impl=qw.impl, act_bits=qw.act_bits, act_scale=None if qw.act_scale is None else full,
-                           act_zero=None if qw.act_zero is None else full, batch=qw.batch)
+                           act_zero=None if qw.act_zero is None else full, batch=qw.batch, layout=qw.layout)
 
 
 def shard_decoder(model, mesh: Mesh, rules: Mapping[str, str | None] | None = None):

@@ -10,7 +10,8 @@ params/ (an orbax-checkpoint of the parameter tree), and the tokenizer files. A 
 (jaxinfer.quant.QuantizedWeight) is stored as its arrays NAME/q, NAME/scales[, NAME/zeros]
 [, NAME/act_scale[, NAME/act_zero]] and described in config.json under "quantized_weights" (bits,
 group_size, shape, contract, symmetric, act_bits, format: int | fp8_e4m3, act_scales: dynamic |
-static, act_symmetric, batch: 1 for a mixture's stacked experts, whose every array leads with E);
+static, act_symmetric, batch: 1 for a mixture's stacked experts, whose every array leads with E,
+layout: "nk" for fp8 codes stored [N, K], "kn" (or absent, in older folders) for [K, N]);
 `jaxinfer quantize` adds the method and its settings under "quantization".
 """
 from __future__ import annotations
@@ -238,7 +239,7 @@ def _quantized_meta(qw: QuantizedWeight) -> dict[str, Any]:
     return {"bits": qw.bits, "group_size": qw.group_size, "shape": list(qw.shape), "contract": qw.contract,
             "symmetric": qw.symmetric, "act_bits": qw.act_bits, "format": "fp8_e4m3" if qw.fp8 else "int",
             "act_scales": None if qw.act_bits is None else ("static" if qw.act_scale is not None else "dynamic"),
-            "act_symmetric": qw.act_zero is None, "batch": qw.batch}
+            "act_symmetric": qw.act_zero is None, "batch": qw.batch, "layout": qw.layout}
 
 
 def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -251,7 +252,9 @@ def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
     bits, g = m["bits"], m["group_size"]
     if bits == 8:
         q = jnp.float8_e4m3fn if m.get("format") == "fp8_e4m3" else jnp.int8
-        out = {"q": jax.ShapeDtypeStruct((k, n), q), "scales": jax.ShapeDtypeStruct((n,), jnp.float32)}
+        nk = m.get("layout", "kn") == "nk"        # fp8 codes stored [N, K] (quant.quantize_fp8)
+        out = {"q": jax.ShapeDtypeStruct((n, k) if nk else (k, n), q),
+               "scales": jax.ShapeDtypeStruct((n,), jnp.float32)}
         if m.get("act_scales") == "static":
             out["act_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
             if not m.get("act_symmetric", True):
@@ -310,7 +313,8 @@ def load_native(folder: str | Path, dtype: str | None = None, mesh=None, rules=N
                                        restored.get(f"{name}/zeros"), bits=m["bits"], group_size=m["group_size"],
                                        shape=tuple(m["shape"]), contract=m["contract"], act_bits=m.get("act_bits"),
                                        act_scale=restored.get(f"{name}/act_scale"),
-                                       act_zero=restored.get(f"{name}/act_zero"), batch=m.get("batch", 0))
+                                       act_zero=restored.get(f"{name}/act_zero"), batch=m.get("batch", 0),
+                                       layout=m.get("layout", "kn"))
     return _set_params(abstract_decoder(cfg, jdtype), arrays)
 
 

@@ -52,8 +52,10 @@ __all__ = ["autotune", "shape_class", "cache_key", "default_cache_path", "device
 log = logging.getLogger(__name__)
 
 # Seconds of measuring (compiles included) one process may spend, all keys together. The 8B
-# shape's int4 path has 24 keys (6 token-bucket M classes x 4 projections) of 12 or 16 candidates
-# each: 336 compiles, minutes of measuring if done in one go. 10 s plus the one candidate that may
+# shape's int4 path has a key per projection (4) and per M class its token buckets reach (the
+# weight-only matmuls class M as 1, 2, 4, 8, 16, then powers of two up to 512: up to 40 keys) of up
+# to 16 candidates each (tiled, split-K and XLA's own: jaxinfer.quant.pallas_block_candidates): some
+# 600 compiles, minutes of measuring if done in one go. 10 s plus the one candidate that may
 # run past it (a compile, a second or two) leaves ~18 s of a 30 s cold start to loading and XLA's
 # own compile of the step programs (a bf16 first request took 5.1 s in all on an H200).
 DEFAULT_BUDGET_S = 10.0

@@ -32,6 +32,22 @@ For int4 the activations are viewed (free reshape) as ``[M, K/2, 2]`` and passed
 the even and once for the odd columns, so that the kernel never has to interleave the two nibble
 halves: ``y = x_even @ dequant(lo) + x_odd @ dequant(hi)``.
 
+Split-K decode kernel (``quant_matmul_splitk``, int8 and int4 in the formats above, small M): the
+tiled grid has only N / block_n programs when M fits one block_m (e.g. 32 for N = 4096 at
+block_n = 128 -- a quarter of an H200's 132 SMs streams all the weights), so this one also splits K:
+grid (N / block_n, num_splits), program (j, s) reduces K / num_splits rows of the weight in block_k
+steps and writes an f32 partial ``[Mp, block_n]`` of ``partials [num_splits, Mp, N]``; the wrapper
+sums the partials in XLA (and multiplies int8's per-channel scale there; int4's group scales are
+applied in the kernel as above). Every M row lives in one tile. Two inner products (static flag):
+
+* ``inner="dot"``: the tensor-core dot, M zero-padded to Mp = max(16, next power of two) rows;
+  int4 as two dots (even and odd k) per K block, like the tiled kernel.
+* ``inner="reduce"``: ``(x[:, :, None] * w[None]).sum(1)`` in f32 on the CUDA cores, M padded only
+  to the next power of two (Triton's tile shapes), for M <= 8: no 16-row padding; int4 adds both
+  nibble halves' products before one reduction.
+
+The weights are dequantized in registers either way, never in HBM.
+
 W8A8 (``w8a8_matmul``): int8 activations times int8 weights, the SmoothQuant format. The caller
 quantizes x (per token, or with one calibrated scale and zero point) into ``xq`` int8 ``[M, K]``
 with row scales ``x_scale`` f32 ``[M]``; the weights are int8 ``[K, N]`` with ``w_scale`` f32 ``[N]``:
@@ -58,6 +74,11 @@ from jax.experimental.pallas import triton as plgpu
 __all__ = [
     "quant_matmul",
     "quant_matmul_reference",
+    "quant_matmul_splitk",
+    "SPLITK_INNER",
+    "SPLITK_MAX_M",
+    "REDUCE_MAX_M",
+    "splitk_rows",
     "w8a8_matmul",
     "w8a8_matmul_reference",
     "dequantize_weight",
@@ -348,19 +369,8 @@ def _quant_matmul(x, w, scales, zeros, *, bits, group_size, block_m, block_n, bl
     return out[:m] if mp != m else out
 
 
-def quant_matmul(x, w, scales, zeros=None, *, bits: int, group_size: int | None = None,
-                 block_m: int | None = None, block_n: int = 128, block_k: int = 128,
-                 num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None):
-    """x [M, K] (bf16/f16/f32) @ dequant(w) -> [M, N] in x's dtype, f32 accumulation.
-
-    bits=8: w int8 [K, N], scales [N], zeros/group_size must be None.
-    bits=4: w uint8 [K // 2, N] (low nibble = even k), scales [K // g, N], group_size=g,
-            zeros None (symmetric, signed nibbles) or [K // g, N] in [0, 15] (asymmetric).
-    block_m=None picks ``default_block_m(M)``; block_n / block_k are clamped to N / K.
-    interpret=None means ``jax.default_backend() == "cpu"``.
-    """
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+def _check_operands(x, w, scales, zeros, bits: int, group_size: int | None) -> None:
+    """The weight-only formats' shape and dtype checks (quant_matmul's docstring), one error each."""
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
     if w.ndim != 2:
@@ -392,6 +402,23 @@ def quant_matmul(x, w, scales, zeros=None, *, bits: int, group_size: int | None 
     else:
         raise ValueError(f"bits must be 4 or 8, got {bits}")
 
+
+def quant_matmul(x, w, scales, zeros=None, *, bits: int, group_size: int | None = None,
+                 block_m: int | None = None, block_n: int = 128, block_k: int = 128,
+                 num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None):
+    """x [M, K] (bf16/f16/f32) @ dequant(w) -> [M, N] in x's dtype, f32 accumulation.
+
+    bits=8: w int8 [K, N], scales [N], zeros/group_size must be None.
+    bits=4: w uint8 [K // 2, N] (low nibble = even k), scales [K // g, N], group_size=g,
+            zeros None (symmetric, signed nibbles) or [K // g, N] in [0, 15] (asymmetric).
+    block_m=None picks ``default_block_m(M)``; block_n / block_k are clamped to N / K.
+    interpret=None means ``jax.default_backend() == "cpu"``.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    _check_operands(x, w, scales, zeros, bits, group_size)
+    m, k = x.shape
+    n = w.shape[1]
     bm = default_block_m(m) if block_m is None else int(block_m)
     bn = min(int(block_n), n)
     bk = min(int(block_k), k)
@@ -415,3 +442,193 @@ def quant_matmul(x, w, scales, zeros=None, *, bits: int, group_size: int | None 
     return _quant_matmul(x, w, scales, zeros, bits=bits, group_size=group_size if bits == 4 else None,
                          block_m=bm, block_n=bn, block_k=bk, num_warps=int(num_warps),
                          num_stages=int(num_stages), interpret=bool(interpret))
+
+
+# --------------------------------------------------------------------------------------------
+# Split-K decode kernel (module docstring).
+# --------------------------------------------------------------------------------------------
+
+SPLITK_INNER = ("dot", "reduce")     # the inner products quant_matmul_splitk offers
+REDUCE_MAX_M = 8                     # inner="reduce" holds [Mp, block_k, block_n] f32 products in registers
+SPLITK_MAX_M = 64                    # every M row lives in one tile
+
+
+def splitk_rows(m: int, inner: str) -> int:
+    """Mp, the rows a split-K tile holds for M rows: a power of two (Triton's tile shapes), at least
+    16 for the tensor-core dot (its smallest tile)."""
+    return _next_pow2(m) if inner == "reduce" else max(16, _next_pow2(m))
+
+
+def _inner_product(x, w, inner, compute_dtype, precision):
+    """x [Mp, bk] @ w [bk, bn] -> f32 [Mp, bn]: a tensor-core dot in compute_dtype, or an f32
+    broadcast multiply and a reduction over k."""
+    if inner == "dot":
+        return jnp.dot(x.astype(compute_dtype), w.astype(compute_dtype), preferred_element_type=jnp.float32,
+                       precision=precision)
+    return jnp.sum(x.astype(jnp.float32)[:, :, None] * w.astype(jnp.float32)[None, :, :], axis=1)
+
+
+def _splitk_int8_kernel(x_ref, w_ref, o_ref, *, block_k, num_k, inner, compute_dtype, precision):
+    # x_ref [Mp, K/S], w_ref [K/S, bn]: this split's rows; o_ref [Mp, bn] its f32 partial (unscaled)
+    mp, bn = o_ref.shape
+
+    def body(kb, acc):
+        ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+        return acc + _inner_product(x_ref[:, ks], w_ref[ks, :], inner, compute_dtype, precision)
+
+    o_ref[...] = lax.fori_loop(0, num_k, body, jnp.zeros((mp, bn), jnp.float32))
+
+
+def _int4_halves(w_ref, s_ref, z_ref, kb, *, block_k, group_size):
+    """K block kb of a packed int4 tile -> its even-k and odd-k halves dequantized, f32 [bk/2, bn]
+    each (s_ref / z_ref: the same rows' group scales and zero points, [rows / g, bn])."""
+    hk = block_k // 2
+    bn = w_ref.shape[1]
+    if block_k >= group_size:
+        n_s, glen = block_k // group_size, group_size     # groups per K block, k's per group
+        s_start = kb * n_s
+    else:
+        n_s, glen = 1, block_k                            # the K block lies inside one group
+        s_start = lax.div(kb, group_size // block_k)
+    ss = pl.ds(s_start, n_s)
+    packed = w_ref[pl.ds(pl.multiple_of(kb * hk, hk), hk), :].astype(jnp.int32)   # [hk, bn] in 0..255
+    lo, hi = packed & 0xF, (packed >> 4) & 0xF            # even k, odd k
+    if z_ref is None:
+        lo, hi = (lo ^ 8) - 8, (hi ^ 8) - 8               # 4-bit two's complement -> [-8, 7]
+    scale = s_ref[ss, :].astype(jnp.float32)              # [n_s, bn]
+    zero = None if z_ref is None else z_ref[ss, :].astype(jnp.int32)
+
+    def dequant(q):
+        if n_s == 1:                                      # one group per K block: [1, bn] broadcasts
+            return ((q if zero is None else q - zero).astype(jnp.float32)) * scale   # (no reshape for Triton)
+        q = q.reshape(n_s, glen // 2, bn)                 # [n_s, g/2, bn]: one scale per group
+        if zero is not None:
+            q = q - zero[:, None, :]
+        return (q.astype(jnp.float32) * scale[:, None, :]).reshape(hk, bn)
+    return dequant(lo), dequant(hi)
+
+
+def _splitk_int4_kernel(xe_ref, xo_ref, w_ref, s_ref, *rest, block_k, num_k, group_size, inner,
+                        compute_dtype, precision):
+    # xe_ref / xo_ref [Mp, K/2S]: the split's even / odd k of x; w_ref [K/2S, bn]; o_ref [Mp, bn]
+    z_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
+    mp, bn = o_ref.shape
+    hk = block_k // 2
+
+    def body(kb, acc):
+        ks = pl.ds(pl.multiple_of(kb * hk, hk), hk)
+        lo, hi = _int4_halves(w_ref, s_ref, z_ref, kb, block_k=block_k, group_size=group_size)
+        xe, xo = xe_ref[:, ks], xo_ref[:, ks]
+        if inner == "dot":
+            return (acc + _inner_product(xe, lo, inner, compute_dtype, precision)
+                    + _inner_product(xo, hi, inner, compute_dtype, precision))
+        prod = (xe.astype(jnp.float32)[:, :, None] * lo[None, :, :]
+                + xo.astype(jnp.float32)[:, :, None] * hi[None, :, :])   # [Mp, hk, bn]: both halves
+        return acc + jnp.sum(prod, axis=1)
+
+    o_ref[...] = lax.fori_loop(0, num_k, body, jnp.zeros((mp, bn), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "bits", "group_size", "num_splits", "block_n", "block_k", "inner", "num_warps", "num_stages", "interpret"))
+def _quant_matmul_splitk(x, w, scales, zeros, *, bits, group_size, num_splits, block_n, block_k, inner,
+                         num_warps, num_stages, interpret):
+    m, k = x.shape
+    n = w.shape[1]
+    mp = splitk_rows(m, inner)
+    if mp != m:
+        x = jnp.pad(x, ((0, mp - m), (0, 0)))
+    cdt = _compute_dtype(x.dtype)
+    precision = lax.Precision.HIGHEST if cdt == jnp.float32 else lax.Precision.DEFAULT
+    ks = k // num_splits                                   # K rows per split
+    common = dict(block_k=block_k, num_k=ks // block_k, inner=inner, compute_dtype=cdt, precision=precision)
+    if bits == 8:
+        kernel = functools.partial(_splitk_int8_kernel, **common)
+        in_specs = [pl.BlockSpec((mp, ks), lambda j, s: (0, s)),
+                    pl.BlockSpec((ks, block_n), lambda j, s: (s, j))]
+        args = (x, w)
+        name = "quant_matmul_splitk_int8"
+    else:
+        kernel = functools.partial(_splitk_int4_kernel, group_size=group_size, **common)
+        x3 = x.reshape(mp, k // 2, 2)                      # free view: [..., 0] = even k, [..., 1] = odd k
+        gs = ks // group_size                              # groups per split
+        in_specs = [pl.BlockSpec((mp, ks // 2, None), lambda j, s: (0, s, 0)),
+                    pl.BlockSpec((mp, ks // 2, None), lambda j, s: (0, s, 1)),
+                    pl.BlockSpec((ks // 2, block_n), lambda j, s: (s, j)),
+                    pl.BlockSpec((gs, block_n), lambda j, s: (s, j))]
+        args = (x3, x3, w, scales)
+        if zeros is not None:
+            in_specs.append(pl.BlockSpec((gs, block_n), lambda j, s: (s, j)))
+            args = args + (zeros,)
+        name = f"quant_matmul_splitk_int4_{'sym' if zeros is None else 'asym'}"
+    partials = pl.pallas_call(
+        kernel,
+        grid=(n // block_n, num_splits),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, mp, block_n), lambda j, s: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((num_splits, mp, n), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"{name}_{inner}",
+    )(*args)
+    y = jnp.sum(partials[:, :m], axis=0)                   # [M, N] f32: the splits' sum (real rows only), in XLA
+    if bits == 8:
+        y = y * scales.astype(jnp.float32)[None, :]
+    return y.astype(x.dtype)
+
+
+def _check_splitk_blocks(m: int, k: int, n: int, bits: int, group_size: int | None, num_splits,
+                         block_n: int, block_k: int, inner: str, interpret: bool) -> tuple[int, int]:
+    """quant_matmul_splitk's launch checks, one error each -> (block_n, block_k) clamped to N, K/S."""
+    if inner not in SPLITK_INNER:
+        raise ValueError(f"inner must be one of {SPLITK_INNER}, got {inner!r}")
+    limit = REDUCE_MAX_M if inner == "reduce" else SPLITK_MAX_M
+    if m > limit:
+        raise ValueError(f"split-K with inner={inner!r} holds every row in one tile: M={m} > {limit}; "
+                         f"use quant_matmul")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive integer, got {num_splits!r}")
+    if k % num_splits:
+        raise ValueError(f"K={k} is not divisible by num_splits={num_splits}")
+    ks = k // num_splits
+    bn, bk = min(int(block_n), n), min(int(block_k), ks)
+    if bn <= 0 or bk <= 0:
+        raise ValueError("block sizes must be positive")
+    if n % bn:
+        raise ValueError(f"N={n} is not a multiple of block_n={bn}")
+    if ks % bk:
+        raise ValueError(f"K/num_splits={ks} is not a multiple of block_k={bk}")
+    if bits == 4:
+        if ks % group_size:
+            raise ValueError(f"K/num_splits={ks} is not a multiple of group_size={group_size} "
+                             f"(each split must hold whole groups)")
+        if bk % 2 or not (bk % group_size == 0 or group_size % bk == 0):
+            raise ValueError(f"block_k={bk} must be even and a multiple or a divisor of group_size={group_size}")
+    if not interpret:
+        for name, b, lo in (("block_n", bn, 16), ("block_k", bk, 32 if bits == 4 else 16)):
+            if b < lo or b & (b - 1):
+                raise ValueError(f"on GPU {name} must be a power of two >= {lo}, got {b}")
+    return bn, bk
+
+
+def quant_matmul_splitk(x, w, scales, zeros=None, *, bits: int, group_size: int | None = None,
+                        num_splits: int, block_n: int = 64, block_k: int = 128, inner: str = "dot",
+                        num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None):
+    """The split-K decode kernel (module docstring): the operands and result of quant_matmul, for
+    M <= 64 (inner="dot") or M <= 8 (inner="reduce").
+
+    num_splits must divide K; block_n / block_k are clamped to N / (K / num_splits), and
+    N % block_n == 0, (K / num_splits) % block_k == 0 are required; for int4 each split holds whole
+    groups ((K / num_splits) % group_size == 0) and block_k is a multiple or a divisor of group_size.
+    On GPU block_n and block_k are powers of two >= 16 (int4: block_k >= 32).
+    interpret=None means ``jax.default_backend() == "cpu"``.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    _check_operands(x, w, scales, zeros, bits, group_size)
+    m, k = x.shape
+    bn, bk = _check_splitk_blocks(m, k, w.shape[1], bits, group_size, num_splits, block_n, block_k, inner,
+                                  bool(interpret))
+    return _quant_matmul_splitk(x, w, scales, zeros, bits=bits, group_size=group_size if bits == 4 else None,
+                                num_splits=num_splits, block_n=bn, block_k=bk, inner=inner,
+                                num_warps=int(num_warps), num_stages=int(num_stages), interpret=bool(interpret))

@@ -114,7 +114,7 @@ def test_layout_for_tp():
     assert FusedLayout.for_tp(cfg(8, 2, f=90), 4) == FusedLayout(4, 1, 2)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])   # fp8: codes stored [N, K], fused as [K, N]
 @pytest.mark.parametrize("name", ["llama-mqa-tied-linear", "gpt2"])   # biases + MQA; MHA, plain MLP
 def test_quantized_fusion(hf_model_dir, name, method):
     model, cfg = load_model(hf_model_dir(name), "float32")

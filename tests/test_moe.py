@@ -375,7 +375,7 @@ def test_clamped_swiglu_needs_experts():
 
 # ------------------------------------------------------------------------------ fusion, quantization, storage
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])   # fp8: experts' codes [E, K, N], the rest [N, K]
 def test_fuse_quantize_and_native_round_trip(hf_model_dir, tmp_path, method):
     """Quantized experts (one QuantizedWeight of E stacked experts) fuse for TP 2, unfuse to the same
     arrays, save in the native format (batch recorded) and load back to identical logits."""
@@ -386,7 +386,10 @@ def test_fuse_quantize_and_native_round_trip(hf_model_dir, tmp_path, method):
     quantize_decoder(model, method)
     w = model.layers[0].mlp.gate.get_value()
     assert isinstance(w, QuantizedWeight) and w.batch == 1 and w.shape == (4, 64, 32)
-    assert w.q.shape[0] == 4 and (w.bits, w.group_size) == ((8, None) if method == "int8" else (4, 64))
+    assert w.q.shape[0] == 4 and (w.bits, w.group_size) == ((4, 64) if method == "int4" else (8, None))
+    if method == "fp8":
+        assert w.layout == "kn" and w.q.shape == (4, 64, 32)
+        assert model.layers[0].attn.o.get_value().layout == "nk"
     fused = fuse_decoder(model, tp=2)
     back = unfuse_decoder(fused)
     for (p, a), (_, b) in zip(nnx.state(model, nnx.Param).flat_state(), nnx.state(back, nnx.Param).flat_state()):

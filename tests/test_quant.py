@@ -565,13 +565,19 @@ def test_fp8_weights_match_ml_dtypes_and_bound():
     w[:, 3] = 0.0                                              # an all-zero column: scale 1, codes 0
     qw = quant.quantize_fp8(jnp.asarray(w))
     assert qw.fp8 and qw.bits == 8 and qw.q.dtype == jnp.float8_e4m3fn and qw.zeros is None
+    # stored [N, K] (K contiguous: the native fp8 dot's layout), the codes of w [K, N] transposed
+    assert qw.layout == "nk" and qw.q.shape == (40, 96) and qw.q_kn().shape == (96, 40)
     amax = np.abs(w).max(0)
     scale = np.where(amax > 0, amax / np.float32(448), 1).astype(np.float32)
     # XLA:CPU divides by the constant 448 as a multiply by its reciprocal: within an ulp; then exact
     np.testing.assert_allclose(np.asarray(qw.scales), scale, rtol=2.0 ** -23, atol=0)
     scale = np.asarray(qw.scales)
     want = (w / scale).astype(ml_dtypes.float8_e4m3fn)          # ml_dtypes' round-to-nearest-even cast
-    np.testing.assert_array_equal(np.asarray(qw.q).view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(qw.q).view(np.uint8), want.T.view(np.uint8))
+    kn = quant.quantize_fp8(jnp.asarray(w), layout="kn")        # the [K, N] layout (stacked experts')
+    assert kn.layout == "kn" and kn.q.shape == (96, 40)
+    np.testing.assert_array_equal(np.asarray(kn.q).view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(dequantize(kn)), np.asarray(dequantize(qw)))
     deq = np.asarray(dequantize(qw))
     np.testing.assert_array_equal(deq, want.astype(np.float32) * scale)          # one f32 product
     deq = deq.astype(np.float64)
@@ -579,10 +585,11 @@ def test_fp8_weights_match_ml_dtypes_and_bound():
     assert np.abs(deq - w).max() > 0                           # (it does round)
     x = jnp.asarray(rng.standard_normal((5, 96)), jnp.float32)
     # the dequantized path (impl "auto" would take the native fp8 dot on a GPU: the test below)
-    y = np.asarray(qdot(x, qw, impl="xla"), np.float64)
     ref = np.asarray(x, np.float64) @ deq
-    # f32 accumulation over K = 96 products: |error| <= 96 * 2^-24 * sum |x_k w_k| (a loose multiple)
-    assert np.all(np.abs(y - ref) <= 96 * 2.0 ** -24 * (np.abs(np.asarray(x, np.float64)) @ np.abs(deq)) + 1e-30)
+    for layout_qw in (qw, kn):
+        y = np.asarray(qdot(x, layout_qw, impl="xla"), np.float64)
+        # f32 accumulation over K = 96 products: |error| <= 96 * 2^-24 * sum |x_k w_k| (a loose multiple)
+        assert np.all(np.abs(y - ref) <= 96 * 2.0 ** -24 * (np.abs(np.asarray(x, np.float64)) @ np.abs(deq)) + 1e-30)
 
 
 @pytest.mark.device
@@ -599,6 +606,7 @@ def test_fp8_native_path_matches_ml_dtypes_reference():
     x[2] = 0.0                                                  # an all-zero row: scale 1, output 0
     x[4, 5] = 300.0                                             # an outlier sets its row's scale
     qw = quant.quantize_fp8(jnp.asarray(w))
+    assert qw.layout == "nk"                                    # the dot contracts dim 1 of both operands
     y = np.asarray(qdot(jnp.asarray(x), qw, impl="pallas"), np.float64)
     # the row scales and codes: max|x_m| / 448 (XLA:CPU multiplies by the reciprocal: within an ulp),
     # then exactly ml_dtypes' round-to-nearest-even cast of x / sx with those scales
@@ -608,7 +616,7 @@ def test_fp8_native_path_matches_ml_dtypes_reference():
     want = np.clip(x / sx[:, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
     np.testing.assert_array_equal(codes.view(np.uint8), want.view(np.uint8))
     xq = want.astype(np.float64)
-    wq = np.asarray(qw.q).astype(np.float64)
+    wq = np.asarray(qw.q).T.astype(np.float64)                  # [K, N]
     scales = np.asarray(qw.scales, np.float64)
     sx = sx.astype(np.float64)
     ref = (xq @ wq) * sx[:, None] * scales[None, :]
@@ -622,6 +630,10 @@ def test_fp8_native_path_matches_ml_dtypes_reference():
     bound = gamma * (np.abs(xq) @ np.abs(wq)) * sx[:, None] * scales[None, :]
     assert np.all(np.abs(y - ref) <= bound + 1e-30), np.max(np.abs(y - ref) - bound)
     assert np.all(y[2] == 0)
+    # the [K, N] layout (contracting dim 0 of the codes): the same arithmetic, within the same bound
+    kn = quant.quantize_fp8(jnp.asarray(w), layout="kn")
+    y_kn = np.asarray(qdot(jnp.asarray(x), kn, impl="pallas"), np.float64)
+    assert np.all(np.abs(y_kn - ref) <= bound + 1e-30), np.max(np.abs(y_kn - ref) - bound)
     # against the float product: e4m3's relative error on each x and w element (2^-4 for normal
     # numbers; x's subnormal codes are spaced 2^-9 sx) bounds how far the native path may move
     deq_w = wq * scales[None, :]
@@ -630,6 +642,26 @@ def test_fp8_native_path_matches_ml_dtypes_reference():
     assert np.all(np.abs(y - x.astype(np.float64) @ w) <= dev + 1e-30)
     # and it is not the dequantized path: x's own rounding shows
     assert np.abs(y - np.asarray(qdot(jnp.asarray(x), qw, impl="xla"), np.float64)).max() > 0
+
+
+def test_fp8_codes_shard_with_their_axes_swapped():
+    """quantize_decoder(..., "fp8") stores each linear's codes [N, K]; sharding.quantized_sharding
+    splits them as the [K, N] codes of int8 would be split, axes swapped: a column-parallel q
+    [d, heads, hd] over "tensor" on the codes' first axis, the row-parallel o on their last axis."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.decoder import Decoder, quantize_decoder
+    from jaxinfer.sharding import make_mesh, shard_decoder
+    cfg = ModelConfig(vocab_size=136, d_model=32, n_layers=1, n_heads=8, n_kv_heads=2, head_dim=4, ffn_dim=64)
+    model = quantize_decoder(Decoder(cfg, rngs=None), "fp8")
+    mesh = make_mesh()
+    shard_decoder(model, mesh)
+    q, o = model.layers[0].attn.q.get_value(), model.layers[0].attn.o.get_value()
+    assert q.layout == o.layout == "nk" and q.q.shape == (32, 32) and o.q.shape == (32, 32)
+    assert q.q.sharding == NamedSharding(mesh, P("tensor", None))            # column-parallel, [N, K]
+    assert q.scales.sharding == NamedSharding(mesh, P("tensor"))
+    assert o.q.sharding == NamedSharding(mesh, P(None, "tensor"))            # row-parallel, [N, K]
 
 
 def test_fp8_kv_pages_match_ml_dtypes_and_bound():

@@ -388,8 +388,8 @@ def test_round_trip_and_engine(quantized_dirs, name):
         if isinstance(v, QuantizedWeight):
             w = after[key]
             assert isinstance(w, QuantizedWeight)
-            assert (w.bits, w.group_size, w.shape, w.fp8, w.act_bits) == (v.bits, v.group_size, v.shape, v.fp8,
-                                                                          v.act_bits)
+            assert (w.bits, w.group_size, w.shape, w.fp8, w.act_bits, w.layout) == (
+                v.bits, v.group_size, v.shape, v.fp8, v.act_bits, v.layout)
             for a, b in ((v.q, w.q), (v.scales, w.scales), (v.zeros, w.zeros), (v.act_scale, w.act_scale),
                          (v.act_zero, w.act_zero)):
                 assert (a is None) == (b is None)

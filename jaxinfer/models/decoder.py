@@ -400,17 +400,18 @@ def _fuse_leaves(parts: list, fn):
     zeros: all end in the n columns) -> one fused [d, N] weight of the same kind."""
     if isinstance(parts[0], QuantizedWeight):
         first = parts[0]
-        assert all((p.bits, p.group_size, p.contract, p.symmetric, p.act_bits, p.fp8) ==
-                   (first.bits, first.group_size, 1, first.symmetric, first.act_bits, first.fp8)
+        assert all((p.bits, p.group_size, p.contract, p.symmetric, p.act_bits, p.fp8, p.layout) ==
+                   (first.bits, first.group_size, 1, first.symmetric, first.act_bits, first.fp8, first.layout)
                    for p in parts), "fused weights must share one quantization format"
         # a fused projection reads one input: its parts' static activation scales are that input's
         assert all((p.act_scale is None, p.act_zero is None) == (first.act_scale is None, first.act_zero is None)
                    for p in parts)
-        leaves = [fn([p.q for p in parts]), fn([p.scales for p in parts]),
+        q = fn([p.q_kn() for p in parts])      # fp8 codes stored [N, K]: fused as [K, N], stored back
+        leaves = [q.T if first.layout == "nk" else q, fn([p.scales for p in parts]),
                   None if first.zeros is None else fn([p.zeros for p in parts])]
         return QuantizedWeight(*leaves, bits=first.bits, group_size=first.group_size, batch=first.batch,
-                               shape=(*first.shape[:first.batch + 1], int(leaves[0].shape[-1])), contract=1,
-                               impl=first.impl,
+                               shape=(*first.shape[:first.batch + 1], int(q.shape[-1])), contract=1,
+                               impl=first.impl, layout=first.layout,
                                act_bits=first.act_bits,   # a copy: fuse_decoder(consume=True) deletes the parts
                                act_scale=None if first.act_scale is None else jnp.array(first.act_scale),
                                act_zero=None if first.act_zero is None else jnp.array(first.act_zero))
@@ -420,10 +421,12 @@ def _fuse_leaves(parts: list, fn):
 def _split_leaves(fused, fn, shapes: list[tuple[int, ...]]) -> list:
     """The inverse of _fuse_leaves: the parts back in their own shapes (`shapes`, logical)."""
     if isinstance(fused, QuantizedWeight):
-        leaves = [fn(fused.q), fn(fused.scales), None if fused.zeros is None else fn(fused.zeros)]
+        qs = fn(fused.q_kn())                    # fp8 codes stored [N, K]: split as [K, N], stored back
+        leaves = [[q.T for q in qs] if fused.layout == "nk" else qs, fn(fused.scales),
+                  None if fused.zeros is None else fn(fused.zeros)]
         return [QuantizedWeight(q, sc, None if leaves[2] is None else leaves[2][i], bits=fused.bits,
                                 group_size=fused.group_size, shape=shape, contract=1, impl=fused.impl,
-                                batch=fused.batch,
+                                batch=fused.batch, layout=fused.layout,
                                 act_bits=fused.act_bits, act_scale=fused.act_scale, act_zero=fused.act_zero)
                 for i, (q, sc, shape) in enumerate(zip(leaves[0], leaves[1], shapes))]
     return [p.reshape(shape) for p, shape in zip(fn(fused), shapes)]

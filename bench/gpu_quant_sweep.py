@@ -1,0 +1,369 @@
+"""`python -m bench.gpu_quant_sweep`: every weight-only matmul the engine can run, on the 8B decode
+projections, against the bf16 dot and the device's measured copy bandwidth (issue #39).
+
+    python -m bench.gpu_quant_sweep [--deadline-s 225] [--out PATH] [--log-dir DIR]
+    python -m bench.gpu_quant_sweep --smoke [--out PATH]   every code path on CPU, tiny shapes (< 30 s)
+On a lent GPU machine, whose bench/results/ does not come back: --out $OUT/quant-sweep.json.
+
+Parts, each in its own subprocess with its own timeout (bench.gpu.run_worker), in this order:
+    copy        the measured copy bandwidth: the fastest of bench.gpu_parts' three copy methods
+    qkv o gate_up down   for M = 1, 16, 64, 128, 4 (most wanted first: a deadline cuts the rest):
+                the bf16 dot; int8 and int4 (g128, symmetric) through qdot with every launch config
+                of jaxinfer.quant.pallas_block_candidates -- XLA's dequantize-and-dot, the split-K
+                kernel's configs, the tiled kernel's (at M > 16 its first two only: the tiled sweep
+                at large M is bench.gpu's); fp8 (e4m3 per channel, x per token) as XLA's native fp8
+                dot with the weight stored [K, N] ("fp8:kn", contracting dim 0) and [N, K] ("fp8:nk",
+                K contiguous: cuBLASLt's TN layout, contracting dim 1)
+Timing is bench.gpu_parts' (its module docstring): a jitted chain of kernels over distinct weights
+(about chain_bytes of them, more than L2 holds), each fed the previous output, the launch overhead
+of an empty call subtracted, the median of `reps` calls. A part compiles one M's chains in a thread
+pool (XLA and Triton compiles run outside the GIL), then times them one by one, recording each
+result as it has it, so a part killed at its timeout keeps what it measured.
+
+Output (rewritten after every part): bench/results/<date>-<device>-quant-sweep.json (or --out) with
+benchmark, date, command, smoke, device, driver (nvidia-smi), versions, settings, parts {<part>:
+{status, wall_s, timeout_s, errors, results}} (raw: per case calls, total_s, overhead_s, per_call_s,
+compile_s, weight_bytes, config, rel_err against XLA's result of the same format), and derived:
+copy_GBps, per case {GBps = weight_bytes / per_call_s, copy_fraction = GBps / copy_GBps, vs_bf16 =
+bf16 per_call_s / per_call_s}, and the winner (fastest) per projection, M and format.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from bench.common import device_slug, results_path
+
+# (K, N) of the Llama-3-8B fused projections (bench.gpu_parts.projections of bench.gpu_workload.LLAMA3_8B)
+PROJECTIONS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+PARTS = ("copy", *PROJECTIONS)
+INT4_GROUP = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """Every shape and count of a run: the real run and --smoke differ only here."""
+    projections: dict[str, tuple[int, int]]
+    rows: tuple[int, ...]             # M, in the order measured (a deadline cuts the last ones)
+    chain_bytes: int                  # weight bytes one timed chain reads (distinct weights)
+    max_chain: int                    # kernels per timed chain, at most
+    reps: int                         # timed calls per case (median)
+    copy_bytes: int                   # the copy ceiling's buffer
+    max_splitk: int | None            # split-K configs per inner product and M (None: all)
+    max_tiled_large_m: int            # tiled configs at M > 16
+    compile_threads: int
+    caps_s: dict[str, float]          # each part's share of the deadline
+
+
+GiB = 1 << 30
+REAL = Sweep(projections=PROJECTIONS, rows=(1, 16, 64, 128, 4), chain_bytes=GiB, max_chain=32, reps=7,
+             copy_bytes=GiB, max_splitk=None, max_tiled_large_m=2, compile_threads=8,
+             # ~5 s of process and CUDA start each; 29-35 chains per M <= 16, 15 at M = 64, 9 at 128 (498
+             # in all), 0.3-1 s compiles (the 2026-11-26 H200 run) spread over 8 threads; weights (~5 GiB
+             # per projection, 5 formats) made on the device. Not yet run on a GPU: a part cut at its
+             # timeout keeps the M it finished (M = 4, the least wanted, is last).
+             caps_s={"copy": 15, "qkv": 48, "o": 45, "gate_up": 60, "down": 52})
+SMOKE = dataclasses.replace(REAL, projections={"qkv": (256, 128)}, rows=(1, 64), chain_bytes=1, max_chain=2,
+                            reps=2, copy_bytes=1 << 20, max_splitk=1, max_tiled_large_m=1, compile_threads=2,
+                            caps_s={"copy": 20, "qkv": 60})
+PARENT_RESERVE_S = 8
+
+
+# --------------------------------------------------------------------------- the cases (worker side)
+def config_name(fmt: str, cfg: dict) -> str:
+    """'int8:xla', 'int4:splitk:S4-n64-k128-reduce-w4-s3', 'int8:tiled:m16-n128-k128-w4-s3'."""
+    kind = cfg.get("kernel", "tiled")
+    if kind == "xla":
+        return f"{fmt}:xla"
+    if kind == "splitk":
+        return (f"{fmt}:splitk:S{cfg['num_splits']}-n{cfg['block_n']}-k{cfg['block_k']}-{cfg['inner']}"
+                f"-w{cfg['num_warps']}-s{cfg['num_stages']}")
+    return f"{fmt}:tiled:m{cfg['block_m']}-n{cfg['block_n']}-k{cfg['block_k']}-w{cfg['num_warps']}-s{cfg['num_stages']}"
+
+
+def sweep_configs(sw: Sweep, m: int, k: int, n: int, bits: int) -> list[dict]:
+    """The tuner's candidates for this shape, less what the sweep leaves out (Sweep.max_*)."""
+    from jaxinfer import quant
+    out, per_inner, tiled = [], {}, 0
+    for cfg in quant.pallas_block_candidates(m, k, n, bits, INT4_GROUP if bits == 4 else None):
+        kind = cfg.get("kernel", "tiled")
+        if kind == "splitk":
+            per_inner[cfg["inner"]] = per_inner.get(cfg["inner"], 0) + 1
+            if sw.max_splitk is not None and per_inner[cfg["inner"]] > sw.max_splitk:
+                continue
+        elif kind == "tiled":
+            tiled += 1
+            if m > 16 and tiled > sw.max_tiled_large_m:
+                continue
+        out.append(cfg)
+    return out
+
+
+def make_weights(k: int, n: int, fmt: str, count: int) -> list:
+    """`count` distinct [K, N] weights (N(0, 1/K)): bf16, QuantizedWeights (int8, int4 g128), or fp8
+    (e4m3 codes per output channel, jaxinfer.quant.symmetric_codes) as (codes, scales) with the codes
+    [K, N] ("fp8_kn") or [N, K] ("fp8_nk", transposed once here)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import quant
+
+    def fp8(w, transpose):
+        q, s = quant.symmetric_codes(w, quant.FP8_DTYPE, axis=0)
+        return (q.T if transpose else q), s
+    to_fmt = {"bf16": lambda w: w.astype(jnp.bfloat16), "int8": quant.quantize_int8,
+              "int4": lambda w: quant.quantize_int4(w, INT4_GROUP), "fp8_kn": lambda w: fp8(w, False),
+              "fp8_nk": lambda w: fp8(w, True)}[fmt]
+    make = jax.jit(lambda key: to_fmt(jax.random.normal(key, (k, n), jnp.float32) * k ** -0.5))
+    return [make(jax.random.key(2000 + i)) for i in range(count)]
+
+
+def fp8_dot(x, w, layout: str):
+    """XLA's native fp8 dot as jaxinfer.quant.fp8_native_matmul computes it (x per token to e4m3,
+    f32 accumulation at HIGHEST, both scales after), with the codes [K, N] or [N, K]."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from jaxinfer import quant
+    q, scales = w
+    xq, sx = quant.symmetric_codes(x, quant.FP8_DTYPE, axis=1)
+    contract = 0 if layout == "kn" else 1
+    y = lax.dot_general(xq, q, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32,
+                        precision=lax.Precision.HIGHEST)
+    return (y * sx[:, None] * scales[None, :]).astype(x.dtype)
+
+
+def case_ops(sw: Sweep, m: int, k: int, n: int) -> dict[str, tuple[str, Callable, dict | None]]:
+    """name -> (weight format, op(x, w) -> [M, N], launch config or None), the references first."""
+    import jax.numpy as jnp
+
+    from jaxinfer.quant import qdot
+    ops: dict[str, tuple[str, Callable, dict | None]] = {"bf16": ("bf16", lambda x, w: jnp.dot(x, w), None)}
+    for layout in ("kn", "nk"):
+        ops[f"fp8:{layout}"] = (f"fp8_{layout}", lambda x, w, layout=layout: fp8_dot(x, w, layout), None)
+    for fmt, bits in (("int8", 8), ("int4", 4)):
+        for cfg in sweep_configs(sw, m, k, n, bits):
+            ops[config_name(fmt, cfg)] = (fmt, lambda x, w, cfg=cfg: qdot(x, w, impl="pallas", blocks=cfg), cfg)
+    # the references of the agreement check (XLA's result of each format) are timed first
+    first = ["bf16", "fp8:kn", "int8:xla", "int4:xla"]
+    return {c: ops[c] for c in first if c in ops} | {c: o for c, o in ops.items() if c not in first}
+
+
+def compile_all(chains: dict[str, Callable], args: dict[str, tuple], threads: int) -> dict[str, Any]:
+    """name -> compiled executable or the exception its compile raised, with its compile seconds."""
+    def one(name):
+        t = time.perf_counter()
+        try:
+            return name, chains[name].lower(*args[name]).compile(), time.perf_counter() - t
+        except Exception as e:  # noqa: BLE001 -- recorded at the case's key
+            return name, e, time.perf_counter() - t
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        return {name: (exe, secs) for name, exe, secs in pool.map(one, list(chains))}
+
+
+def measure_rows(sw: Sweep, name: str, m: int, weights: dict[str, list], overhead: float, rec) -> None:
+    """Every case of one projection at one M: compiled together, timed one by one, recorded."""
+    from bench.gpu_parts import _feed_columns, _random, chain_of, rel_err, timed_chain
+    k, n = sw.projections[name]
+    x = _random(m, (m, k))
+    ops = {c: o for c, o in case_ops(sw, m, k, n).items() if o[0] in weights}
+    chains = {c: chain_of(op, _feed_columns) for c, (_, op, _) in ops.items()}
+    args = {c: (x, weights[fmt]) for c, (fmt, _, _) in ops.items()}
+    compiled = compile_all(chains, args, sw.compile_threads)
+    firsts: dict[str, Any] = {}
+    for case, (fmt, _, cfg) in ops.items():
+        exe, secs = compiled[case]
+        key = (name, "M", str(m), case)
+        if isinstance(exe, Exception):
+            rec.put(key, {"error": f"{type(exe).__name__}: {exe}"[:2000], "config": cfg})
+            continue
+
+        def run(exe=exe, case=case, fmt=fmt, cfg=cfg, secs=secs):
+            r = timed_chain(exe, args[case], len(weights[fmt]), overhead, sw.reps)
+            firsts[case] = exe(*args[case])[1]
+            ref = firsts.get(f"{fmt}:xla") if fmt in ("int8", "int4") else firsts.get("fp8:kn")
+            return r | {"compile_s": secs, "weight_bytes": weight_nbytes(weights[fmt][0]), "config": cfg,
+                        "format": fmt, "rel_err_vs_xla": None if ref is None else rel_err(firsts[case], ref)}
+        rec.guarded(key, run)
+
+
+def weight_nbytes(w) -> int:
+    import jax
+    return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(w)))
+
+
+def format_nbytes(k: int, n: int, fmt: str) -> int:
+    per = {"bf16": 2 * k * n, "int8": k * n + 4 * n, "int4": k * n // 2 + 4 * (k // INT4_GROUP) * n}
+    return per.get(fmt, k * n + 4 * n)      # fp8: e4m3 codes + f32 scale per column
+
+
+def projection_part(sw: Sweep, name: str, rec) -> None:
+    from bench.gpu_parts import device_info, launch_overhead
+    k, n = sw.projections[name]
+    rec.put(("device",), device_info())
+    overhead = launch_overhead(sw.reps)
+    rec.put(("launch_overhead_s",), overhead)
+    rec.put((name, "shape"), {"K": k, "N": n})
+    weights = {}
+    for fmt in ("bf16", "int8", "int4", "fp8_kn", "fp8_nk"):
+        count = min(sw.max_chain, max(2, math.ceil(sw.chain_bytes / format_nbytes(k, n, fmt))))
+        ws = rec.guarded((name, "weights", fmt), lambda fmt=fmt, count=count: make_weights(k, n, fmt, count),
+                         record=False)
+        if ws is not None:
+            weights[fmt] = ws
+            rec.put((name, "weights", fmt), {"count": count, "bytes_each": weight_nbytes(ws[0])})
+    for m in sw.rows:
+        rec.guarded((name, "M", str(m), "case"), lambda m=m: measure_rows(sw, name, m, weights, overhead, rec),
+                    record=False)
+
+
+def copy_part(sw: Sweep, rec) -> None:
+    from bench.gpu_parts import COPY_METHODS, copy_method, device_info, launch_overhead
+    rec.put(("device",), device_info())
+    overhead = launch_overhead(sw.reps)
+    rec.put(("launch_overhead_s",), overhead)
+    for method in COPY_METHODS:
+        rec.guarded(("copy", "methods", method), lambda method=method: copy_method(
+            method, sw.copy_bytes, overhead, sw.reps))
+
+
+def run_part(part: str, sw: Sweep, records: str) -> None:
+    from bench.gpu_parts import Recorder
+    rec = Recorder(records)
+    if part == "copy":
+        copy_part(sw, rec)
+    else:
+        projection_part(sw, part, rec)
+
+
+# --------------------------------------------------------------------------- derived numbers (parent side)
+def copy_gbps(report: dict[str, Any]) -> float | None:
+    methods = report["parts"].get("copy", {}).get("results", {}).get("copy", {}).get("methods", {})
+    ok = [v["GBps"] for v in methods.values() if isinstance(v, dict) and isinstance(v.get("GBps"), (int, float))]
+    return max(ok) if ok else None
+
+
+def derive(report: dict[str, Any]) -> dict[str, Any]:
+    """From the raw records only: copy_GBps; per case GBps, copy_fraction, vs_bf16; winners."""
+    copy = copy_gbps(report)
+    cases: dict[str, Any] = {}
+    winners: dict[str, Any] = {}
+    for name in report["settings"]["projections"]:
+        rows = report["parts"].get(name, {}).get("results", {}).get(name, {}).get("M", {})
+        for m, row in rows.items():
+            timed = {c: r for c, r in row.items() if isinstance(r, dict) and r.get("per_call_s")}
+            bf16 = timed.get("bf16", {}).get("per_call_s")
+            out = {}
+            for case, r in timed.items():
+                gbps = r["weight_bytes"] / r["per_call_s"] / 1e9
+                out[case] = {"GBps": gbps, "copy_fraction": None if copy is None else gbps / copy,
+                             "vs_bf16": None if bf16 is None else bf16 / r["per_call_s"]}
+            cases.setdefault(name, {})[m] = out
+            best = {}
+            for group in ("int8", "int4", "fp8"):
+                mine = [c for c in timed if c.split(":")[0] == group]
+                if mine:
+                    best[group] = min(mine, key=lambda c: timed[c]["per_call_s"])
+            if timed:
+                best["overall"] = min(timed, key=lambda c: timed[c]["per_call_s"])
+            winners.setdefault(name, {})[m] = best
+    return {"copy_GBps": copy, "cases": cases, "winners": winners}
+
+
+# --------------------------------------------------------------------------- the run (parent side)
+def write(report: dict[str, Any], out: Path) -> None:
+    from bench.common import write_json_atomic
+    report["derived"] = derive(report)
+    write_json_atomic(report, out)
+
+
+def new_report(args: argparse.Namespace, sw: Sweep, device: dict, driver: dict, log_dir: Path) -> dict[str, Any]:
+    from bench.gpu import the_command, versions
+    return {"benchmark": "gpu_quant_sweep", "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
+            "command": the_command(), "smoke": bool(args.smoke), "device": device, "driver": driver,
+            "versions": versions(),
+            "settings": dataclasses.asdict(sw) | {"deadline_s": args.deadline_s, "log_dir": str(log_dir),
+                                                  "int4_group_size": INT4_GROUP,
+                                                  "autotune": "off: every config is timed explicitly"},
+            "parts": {}, "derived": {}}
+
+
+def run(args: argparse.Namespace) -> Path:
+    """Every part in order, each in its own process with a timeout; the JSON rewritten after each."""
+    from bench.gpu import initial_device, nvidia_smi, run_worker
+    t0 = time.monotonic()
+    sw = SMOKE if args.smoke else REAL
+    driver = nvidia_smi()
+    device = initial_device(args.smoke, driver)
+    out = Path(args.out) if args.out else results_path(None, device_slug(device), "quant-sweep")
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="jaxinfer-quant-sweep-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    report = new_report(args, sw, device, driver, log_dir)
+    parts = ["copy", *sw.projections]
+    scale = min(1.0, (args.deadline_s - PARENT_RESERVE_S) / sum(sw.caps_s[p] for p in parts))
+    for i, part in enumerate(parts):
+        left = args.deadline_s - PARENT_RESERVE_S - (time.monotonic() - t0)
+        later = sum(sw.caps_s[p] * scale for p in parts[i + 1:])
+        timeout = min(left - later, 2 * sw.caps_s[part] * scale)
+        if timeout < 5:
+            entry = {"status": "skipped", "wall_s": 0.0, "timeout_s": timeout, "errors": ["no time left"],
+                     "results": {}}
+        else:
+            entry = run_worker(part, timeout, args.smoke, False, log_dir, module="bench.gpu_quant_sweep")
+        report["parts"][part] = entry
+        dev = entry.get("results", {}).get("device")
+        if isinstance(dev, dict) and "kind" in dev:
+            report["device"] = dev
+        report["total_wall_s"] = time.monotonic() - t0
+        write(report, out)
+        print(f"  {part:8s} {entry['status']:8s} {entry['wall_s']:6.1f} s (limit {timeout:.0f} s)"
+              + "".join(f"\n    error: {e.splitlines()[0][:300]}" for e in entry["errors"][:5]), flush=True)
+        if entry["status"] == "interrupted":
+            break
+    return out
+
+
+def summary(report: dict[str, Any]) -> str:
+    """One line per projection and M: the winner per format, with its speed against bf16."""
+    d = report["derived"]
+    lines = [f"copy bandwidth {d['copy_GBps'] or float('nan'):.0f} GB/s"]
+    for name, rows in d["winners"].items():
+        for m, best in rows.items():
+            cells = [f"{g}={c} ({d['cases'][name][m][c]['vs_bf16'] or float('nan'):.2f}x bf16, "
+                     f"{d['cases'][name][m][c]['copy_fraction'] or float('nan'):.2f} of copy)"
+                     for g, c in best.items() if g != "overall"]
+            lines.append(f"{name:8s} M={m:>4s}  " + "; ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_quant_sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deadline-s", type=float, default=225.0, help="the whole run's budget (default 225 s)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>-<device>-quant-sweep.json)")
+    p.add_argument("--smoke", action="store_true", help="every code path on CPU with tiny shapes")
+    p.add_argument("--log-dir", default=None, help="each part's log and records (default: a new temp folder)")
+    p.add_argument("--worker", default=None, choices=PARTS, help=argparse.SUPPRESS)
+    p.add_argument("--records", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        run_part(args.worker, SMOKE if args.smoke else REAL, args.records)
+        return 0
+    import json
+    out = run(args)
+    report = json.loads(out.read_text())
+    print(summary(report))
+    print(f"wrote {out}", flush=True)
+    failed = [name for name, e in report["parts"].items() if e["errors"]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The split-K decode kernel (pallas_kernels.quant_matmul.quant_matmul_splitk) against the exact
+product in numpy float64 and against quant_matmul_reference, its launch checks, and how qdot and the
+autotuner's candidate lists (jaxinfer.quant.pallas_block_candidates) reach it.
+
+Tolerances (tests/test_quant.dot_error_bound, Higham ch. 3): the kernel sums the K products of
+each output in float32 in an order of its own (block_k steps inside a split, then the splits' f32
+partials added in XLA), so |y - exact| <= gamma_{K+2} * sum_k |x_k w_k| (gamma_n = n 2^-24 / (1 - n
+2^-24): K - 1 additions, int8's scale after the sum, the dequantize's rounding), whatever the order;
+the tensor-core dot rounds the dequantized int4 weight to bfloat16 for bf16 activations (2^-8 more,
+relative, per product; int8 codes are exact in bf16), and a bf16 output is rounded once more (2^-8
+of |y|). The multiply-reduce inner product keeps f32 weights (bf16 activations convert exactly).
+"""
+from __future__ import annotations
+
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import quant
+from jaxinfer.quant import QuantizedWeight, qdot
+from pallas_kernels import autotune as at
+from pallas_kernels.quant_matmul import quant_matmul_reference, quant_matmul_splitk
+from tests.test_quant import assert_within, dot_error_bound, np_dequant, np_pack
+
+K, N = 256, 128
+# (name, bits, group_size, symmetric): g=32 puts 2 groups in a 64-row K block, g=128 a 64-row block
+# inside one group, and a split of K/4 = 64 rows half a group (rejected: see the error test)
+KINDS = [("int8", 8, None, True), ("int4_g32_sym", 4, 32, True), ("int4_g64_asym", 4, 64, False),
+         ("int4_g128_sym", 4, 128, True), ("int4_g128_asym", 4, 128, False)]
+
+
+def operands(rng, bits, g, symmetric, k=K, n=N):
+    """Random kernel-format weights: int8 codes in [-127, 127] with column scales, or packed int4
+    codes (numpy's own packing) with group scales and zero points."""
+    if bits == 8:
+        return (jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8),
+                jnp.asarray(rng.uniform(1e-3, 2e-2, n), jnp.float32), None)
+    q = rng.integers(-8, 8, (k, n)) if symmetric else rng.integers(0, 16, (k, n))
+    s = jnp.asarray(rng.uniform(1e-3, 5e-2, (k // g, n)), jnp.float32)
+    z = None if symmetric else jnp.asarray(rng.integers(0, 16, (k // g, n)), jnp.uint8)
+    return jnp.asarray(np_pack(q)), s, z
+
+
+def _cases():
+    out = []
+    for name, bits, g, sym in KINDS:
+        for m in (1, 3, 16):
+            for inner in ("dot", "reduce"):
+                if inner == "reduce" and m > 8:
+                    continue
+                splits = 4 if bits == 8 or g <= 64 else 2     # each split whole groups: K/S % g == 0
+                dtype = "bfloat16" if (m == 3 or name == "int8" and m == 16) else "float32"
+                out.append(pytest.param(name, bits, g, sym, m, inner, splits, dtype,
+                                        id=f"{name}-M{m}-{inner}-S{splits}-{dtype}"))
+    return out
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("name,bits,g,sym,m,inner,splits,dtype", _cases())
+def test_splitk_matches_exact_product_and_reference(name, bits, g, sym, m, inner, splits, dtype):
+    rng = np.random.default_rng(zlib.crc32(f"{name}-{m}-{inner}-{dtype}".encode()))
+    w, s, z = operands(rng, bits, g, sym)
+    x = jnp.asarray(rng.standard_normal((m, K)), dtype)
+    y = quant_matmul_splitk(x, w, s, z, bits=bits, group_size=g, num_splits=splits, block_n=64, block_k=64,
+                            inner=inner)
+    assert y.shape == (m, N) and y.dtype == x.dtype
+    qw = QuantizedWeight(w, s, z, bits=bits, group_size=g, shape=(K, N))
+    x64, w64 = np.asarray(x, np.float64), np_dequant(qw)
+    exact = x64 @ w64
+    bf16 = dtype == "bfloat16"
+    assert_within(y, exact, dot_error_bound(x64, w64, operands_bf16=bf16 and inner == "dot", out_bf16=bf16))
+    ref = quant_matmul_reference(x.astype(jnp.float32), w, s, z, bits=bits, group_size=g)
+    assert_within(ref, exact, dot_error_bound(x64, w64, operands_bf16=False, out_bf16=False))
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("splits", [1, 2, 8])
+def test_splitk_any_split_count_is_the_same_sum(splits):
+    """num_splits 1 (no split), 2, 8 (K/S = 32: one block_k step per program) of int4 g32 asym,
+    f32 activations: each within the f32 bound of the exact product."""
+    rng = np.random.default_rng(40 + splits)
+    w, s, z = operands(rng, 4, 32, False)
+    x = jnp.asarray(rng.standard_normal((2, K)), jnp.float32)
+    y = quant_matmul_splitk(x, w, s, z, bits=4, group_size=32, num_splits=splits, block_n=32, block_k=32,
+                            inner="reduce")
+    w64 = np_dequant(QuantizedWeight(w, s, z, bits=4, group_size=32, shape=(K, N)))
+    x64 = np.asarray(x, np.float64)
+    assert_within(y, x64 @ w64, dot_error_bound(x64, w64, operands_bf16=False, out_bf16=False))
+
+
+def test_splitk_rejects_bad_launches():
+    rng = np.random.default_rng(3)
+    w8, s8, _ = operands(rng, 8, None, True)
+    w4, s4, _ = operands(rng, 4, 128, True)
+    x = jnp.ones((2, K), jnp.float32)
+    run8 = lambda **kw: quant_matmul_splitk(x, w8, s8, bits=8, **{"interpret": True, **kw})  # noqa: E731
+    with pytest.raises(ValueError, match="K=256 is not divisible by num_splits=3"):
+        run8(num_splits=3)
+    with pytest.raises(ValueError, match="num_splits must be a positive integer"):
+        run8(num_splits=0)
+    with pytest.raises(ValueError, match="block_k"):
+        run8(num_splits=2, block_k=96)                      # K/S = 128 is not a multiple of 96
+    with pytest.raises(ValueError, match="block_n"):
+        run8(num_splits=2, block_n=48)                      # N = 128
+    with pytest.raises(ValueError, match="inner"):
+        run8(num_splits=2, inner="wmma")
+    with pytest.raises(ValueError, match="M=9 > 8"):
+        quant_matmul_splitk(jnp.ones((9, K)), w8, s8, bits=8, num_splits=2, inner="reduce", interpret=True)
+    with pytest.raises(ValueError, match="M=65 > 64"):
+        quant_matmul_splitk(jnp.ones((65, K)), w8, s8, bits=8, num_splits=2, inner="dot", interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        run8(num_splits=2, block_n=32, block_k=8, interpret=False)
+    with pytest.raises(ValueError, match="group_size=128"):     # K/4 = 64 rows: half a group each
+        quant_matmul_splitk(x, w4, s4, bits=4, group_size=128, num_splits=4, interpret=True)
+    with pytest.raises(TypeError, match="int8"):
+        quant_matmul_splitk(x, w4, s4, bits=8, num_splits=2, interpret=True)
+
+
+# ------------------------------------------------------------------------------ candidates, qdot
+
+EIGHT_B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+
+
+def test_decode_defaults_follow_the_occupancy_rule():
+    """candidates[0] for M <= 16 and the 8B projections, by hand: the tensor-core dot (M padded to
+    Mp = 16), block_n 64, the smallest power-of-two num_splits with N/64 * S >= 264 (2 programs on
+    each of 132 SMs), >= 4 block_k = 128 steps per split and S * Mp <= 64 (S <= 4): qkv 96 tiles ->
+    S = 4 (384 programs), o 64 -> 4 (256: capped), gate_up 448 -> 1, down 64 -> 4 (K/S = 3584). The
+    multiply-reduce with the same tiles is a candidate for M <= 8, none at M = 16."""
+    want = {"qkv": 4, "o": 4, "gate_up": 1, "down": 4}
+    for name, (k, n) in EIGHT_B.items():
+        for bits, g in ((8, None), (4, 128)):
+            c1 = quant.pallas_block_candidates(1, k, n, bits, g)
+            default = {"kernel": "splitk", "num_splits": want[name], "block_n": 64, "block_k": 128,
+                       "inner": "dot", "num_warps": 4, "num_stages": 3}
+            assert c1[0] == default, (name, bits, c1[0])
+            assert {c.get("inner") for c in c1} >= {"dot", "reduce"}
+            c16 = quant.pallas_block_candidates(16, k, n, bits, g)
+            assert c16[0] == default and all(c.get("inner") != "reduce" for c in c16)
+            for m, cands in ((1, c1), (16, c16), (64, quant.pallas_block_candidates(64, k, n, bits, g)),
+                             (128, quant.pallas_block_candidates(128, k, n, bits, g))):
+                assert 2 <= len(cands) <= 16 and quant.XLA_MATMUL in cands
+                assert len({repr(sorted(c.items())) for c in cands}) == len(cands)
+                for c in cands:     # every config passes the GPU launch checks (no kernel compiled)
+                    if c.get("kernel") == "splitk":
+                        from pallas_kernels.quant_matmul import _check_splitk_blocks
+                        params = {key: v for key, v in c.items() if key not in ("kernel", "num_warps", "num_stages")}
+                        _check_splitk_blocks(m, k, n, bits, g, interpret=False, **params)
+    # M > 16: the tiled kernel stays the default; W8A8 weights get tiled configs only
+    assert "kernel" not in quant.pallas_block_candidates(64, 4096, 4096, 8, None)[0]
+    assert all("kernel" not in c for c in quant.pallas_block_candidates(1, 4096, 4096, 8, None, weight_only=False))
+
+
+@pytest.mark.device
+def test_qdot_runs_every_candidate_of_a_decode_shape():
+    """qdot(blocks=cfg) for every candidate at M = 1 (split-K with both inner products, the tiled
+    kernel, XLA): each within the f32 bound of the exact product; XLA_MATMUL is impl="xla" exactly."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((K, N)).astype(np.float32) * 0.05
+    qw = quant.quantize_int4(w, 64, False)
+    x = jnp.asarray(rng.standard_normal((1, K)), jnp.float32)
+    cands = quant.pallas_block_candidates(1, K, N, 4, 64)
+    kinds = {c.get("kernel", "tiled") for c in cands}
+    assert kinds == {"splitk", "xla", "tiled"} and {c.get("inner") for c in cands} >= {"dot", "reduce"}
+    x64, w64 = np.asarray(x, np.float64), np_dequant(qw)
+    bound = dot_error_bound(x64, w64, operands_bf16=False, out_bf16=False)
+    for cfg in cands:
+        assert_within(qdot(x, qw, impl="pallas", blocks=cfg), x64 @ w64, bound)
+    np.testing.assert_array_equal(np.asarray(qdot(x, qw, impl="pallas", blocks=quant.XLA_MATMUL)),
+                                  np.asarray(qdot(x, qw, impl="xla")))
+    with pytest.raises(ValueError, match="unknown quantized matmul kernel"):
+        qdot(x, qw, impl="pallas", blocks={"kernel": "cutlass"})
+
+
+@pytest.mark.device
+def test_select_blocks_measures_splitk_and_xla(tmp_path, monkeypatch):
+    """The tuner times the split-K, XLA and tiled candidates alike (forced, as on a GPU) and keeps
+    one of them; the winner is cached under the M class (1, 2, 4, 8, 16, ...) of the call."""
+    monkeypatch.setenv("JAXINFER_AUTOTUNE_BUDGET_S", "inf")
+    at.clear_memory_cache()
+    path = str(tmp_path / "qm.json")
+    qw = quant.quantize_int8(np.random.default_rng(8).standard_normal((K, N)).astype(np.float32))
+    cands = quant.pallas_block_candidates(3, K, N, 8, None)
+    cfg = quant.select_blocks(3, K, N, qw, jnp.float32, cache_path=path, force=True)
+    assert cfg in cands
+    (entry,) = at.load_cache(path).values()
+    assert entry["failed"] == 0 and len(entry["measured"]) == len(cands)
+    assert entry["shape_class"] == "4x256x128_float32" and entry["kernel"] == "quant_matmul_int8"
+    at.clear_memory_cache()
+
+
+@pytest.mark.cpu_only("lowers for cuda from a CPU backend (a GPU compiles them for real in the tests above)")
+def test_every_candidate_lowers_to_triton():
+    """Every Pallas launch config of the tuner's lists (split-K with both inner products, tiled) for
+    the 8B o projection (K = N = 4096) at M = 1, 8, 16, 64, int8 and int4 g128 sym / asym, passes
+    Pallas's Triton lowering (power-of-two tiles, supported primitives), lowered for "cuda" with no
+    GPU present. (Triton's own compile to PTX -- registers, shared memory -- needs the GPU.)"""
+    import jax
+
+    k, n = EIGHT_B["o"]
+    count = 0
+    for bits, zeros in ((8, None), (4, None), (4, jax.ShapeDtypeStruct((k // 128, n), jnp.uint8))):
+        q = jax.ShapeDtypeStruct((k, n) if bits == 8 else (k // 2, n), jnp.int8 if bits == 8 else jnp.uint8)
+        s = jax.ShapeDtypeStruct((n,) if bits == 8 else (k // 128, n), jnp.float32)
+        qw = QuantizedWeight(q, s, zeros, bits=bits, group_size=None if bits == 8 else 128, shape=(k, n))
+        for m in (1, 8, 16, 64):
+            x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+            for cfg in quant.pallas_block_candidates(m, k, n, bits, qw.group_size):
+                if cfg == quant.XLA_MATMUL:
+                    continue
+                fn = jax.jit(lambda x, w, cfg=cfg: qdot(x, w, impl="pallas", blocks=cfg, interpret=False))
+                text = fn.trace(x, qw).lower(lowering_platforms=("cuda",)).as_text()
+                assert "xla.gpu.triton" in text, cfg     # the Triton custom call, its IR inside
+                count += 1
+    assert count >= 150
