@@ -12,7 +12,10 @@ scaled score s to C * tanh(s / C) before anything else touches it; ALiBi adds sl
 Attention sinks (gpt-oss: sinks [H], one logit per head) join every softmax's denominator as a key
 of value 0 the query always sees: out = sum_l e^(s_l) v_l / (e^(sink_h) + sum_l e^(s_l)); in the
 online softmax they are the running (max, sum) a row starts from, (sink_h, 1). A row that sees no
-key outputs 0 either way. Softmax is always float32.
+key outputs 0 either way. Softmax is always float32. Medusa's tree verification adds a tree mask
+(AttentionMetadata.tree: each token's slot, which replaces its position in the masks, its row's first
+node slot and its ancestor bits), defined once in pallas_kernels/attention_common.tree_visible and
+applied by both implementations.
 
 The XLA paged attention (paged_attention_xla) is one ragged mechanism for every kind of row: this
 step's K/V are written first and read back from the pages like all other keys (as the Pallas
@@ -46,7 +49,7 @@ import jax.numpy as jnp
 
 from jaxinfer.kv_cache import CHUNK_GROUP, DECODE_GROUP, TREE_NONE, AttentionMetadata, LayerKV, write_kv
 from jaxinfer.quant import dot_precision
-from pallas_kernels.attention_common import soft_cap
+from pallas_kernels.attention_common import soft_cap, tree_visible
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -54,19 +57,21 @@ NEG_INF = -1e30  # finite, so fully-masked padding rows give zeros instead of Na
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *, scale: float,
-              window: int | None = None, alibi: jax.Array | None = None, softcap: float | None = None,
+              window: int | jax.Array | None = None, alibi: jax.Array | None = None, softcap: float | None = None,
               sinks: jax.Array | None = None, kv: LayerKV | None = None, meta: AttentionMetadata | None = None,
               impl: str = "xla", item_groups: tuple[int, int] | None = None) -> tuple[jax.Array, LayerKV | None]:
     """q [T, H, D], k/v [T, Hkv, D], positions [T], sinks [H] float32 or None -> (out [T, H, D],
-    updated pages or None). item_groups: (decode, chunk) work items the XLA paged attention takes
-    per loop iteration (None: kv_cache.DECODE_GROUP, CHUNK_GROUP; bench/attention_xla.py compares)."""
+    updated pages or None). window: an int, None, or an int32 scalar array (a pipeline stage's layer
+    whose window differs between stages; pipeline._NO_WINDOW for none). item_groups: (decode, chunk)
+    work items the XLA paged attention takes per loop iteration (None: kv_cache.DECODE_GROUP,
+    CHUNK_GROUP; bench/attention_xla.py compares)."""
     if impl not in ("xla", "pallas"):
         raise ValueError(f"unknown attention implementation {impl!r}; use 'xla' or 'pallas'")
-    if impl == "pallas" and isinstance(window, jax.Array):
-        raise ValueError("the Pallas kernels need a static sliding window per layer; pipeline stages whose "
-                         'layers differ in their windows run with attention="xla"')
     if kv is None:
-        if impl == "pallas":
+        # a traced window (pipeline.py: a layer whose window differs between stages) is an input of the
+        # ragged kernel, not of flash_attention: a cacheless forward (Generator.logits, no serving
+        # step) of such a stage runs the dense XLA attention
+        if impl == "pallas" and not isinstance(window, jax.Array):
             return flash_attention(q, k, v, scale=scale, causal=True, window=window, alibi_slopes=alibi,
                                    softcap=softcap, sinks=sinks), None
         return dense_causal_attention(q, k, v, positions, scale=scale, window=window, alibi=alibi,
@@ -74,12 +79,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
     assert meta is not None, "paged attention needs AttentionMetadata"
     kv = write_kv(kv, k, v, meta.slot_mapping)
     if impl == "pallas":
-        if meta.tree is not None:
-            raise ValueError("tree attention (Medusa) runs on the XLA attention only")
         out = ragged_paged_attention(q, kv.k, kv.v, positions, meta.seq_ids, meta.query_start_loc,
                                      meta.block_tables, meta.context_lens, scale=scale, window=window,
                                      alibi_slopes=alibi, softcap=softcap, sinks=sinks, k_scale=kv.k_scale,
-                                     v_scale=kv.v_scale)
+                                     v_scale=kv.v_scale, tree=meta.tree)
         return out.astype(q.dtype), kv
     return paged_attention_xla(q, k, v, kv, positions, meta, scale=scale, window=window, alibi=alibi,
                                softcap=softcap, sinks=sinks, item_groups=item_groups), kv
@@ -161,17 +164,10 @@ def paged_attention_reference(q: jax.Array, kv: LayerKV, positions: jax.Array, m
     in_context = k_pos[None, :] < meta.context_lens[meta.seq_ids][:, None]
     if meta.tree is not None:
         positions = meta.tree[:, 0]
-        in_context &= _tree_visible(k_pos[None, :], meta.tree[:, 1:2], meta.tree[:, 2:3])
+        in_context &= tree_visible(k_pos[None, :], meta.tree[:, 1:2], meta.tree[:, 2:3])
     valid, bias = mask_and_bias(positions, k_pos, window, alibi, extra_valid=in_context)
     out = _softmax_attend(scores, valid, bias, v_tok, "ktld", sinks)
     return out.reshape(t, h, d).astype(q.dtype)
-
-
-def _tree_visible(k_idx: jax.Array, first: jax.Array, bits: jax.Array) -> jax.Array:
-    """Whether a query sees key slot k_idx under a tree mask (broadcasting): keys before its row's
-    first node slot always (the causal mask applies as usual), node slots where its bit is set."""
-    off = k_idx - first
-    return (off < 0) | ((jnp.right_shift(bits, jnp.clip(off, 0, 31)) & 1) == 1)
 
 
 def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: jax.Array,
@@ -224,7 +220,7 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
             valid &= rel > -window
         if tree_tiles is not None:
             k_idx = (j[:, None] * bs + offs)[:, :, None]                    # (K, KB*bs, 1)
-            valid &= _tree_visible(k_idx, tree_tiles[0][tile][:, None, :], tree_tiles[1][tile][:, None, :])[None]
+            valid &= tree_visible(k_idx, tree_tiles[0][tile][:, None, :], tree_tiles[1][tile][:, None, :])[None]
         if slope is not None:
             sc = sc + slope[:, None, None, :] * rel.astype(jnp.float32)
         sc = jnp.where(valid, sc, NEG_INF)

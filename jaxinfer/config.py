@@ -608,16 +608,13 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
 
 
 def _resolve_attention(cfg: EngineConfig, model_cfg: ModelConfig, backend: str) -> str:
-    """pallas | xla for this model on this backend: Medusa's tree mask is the XLA attention's, and on
-    a GPU "auto" falls back to XLA for shapes the Triton kernels cannot take (explicit "pallas": refused)."""
+    """pallas | xla for this model on this backend: on a GPU "auto" falls back to XLA for shapes the
+    Triton kernels cannot take (explicit "pallas": refused). Medusa's tree mask is in both."""
     attention = resolve_impl_name(cfg.attention, backend)
     if cfg.speculative_method == "medusa":
-        # the tree mask (kv_cache.AttentionMetadata.tree) is the XLA attention's; it compares slot
-        # indexes, which differ from a node's position, so ALiBi's distances and sliding windows would
-        # be off by the node's place in the tree
-        if cfg.attention == "pallas":
-            raise ValueError('speculative_method="medusa" needs attention="xla" (the tree mask is not in the Pallas kernel)')
-        attention = "xla"
+        # the tree mask (kv_cache.AttentionMetadata.tree, in both attentions) compares slot indexes,
+        # which differ from a node's position, so ALiBi's distances and sliding windows would be off
+        # by the node's place in the tree
         if model_cfg.position == "alibi" or model_cfg.sliding_window is not None:
             raise ValueError('speculative_method="medusa" is not available for models with ALiBi or a sliding window')
     unsupported = pallas_unsupported(model_cfg, cfg.block_size) if attention == "pallas" and backend == "gpu" else None

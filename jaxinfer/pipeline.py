@@ -63,8 +63,11 @@ and activation scales each get the leading layer axis, sharded over "pipeline", 
 over "tensor" as sharding.quantized_sharding lays out one layer. They go through host memory (the
 model is loaded, and quantized if asked, on the host CPU first).
 
-Limits. Not supported with pipeline_parallel > 1: several processes (multi-host). Only the XLA
-attention is tested inside the stages (the Pallas kernels need a static window, which stages with differing per-layer windows do not have). Micro-batches
+Limits. Not supported with pipeline_parallel > 1: several processes (multi-host). A layer whose
+sliding window differs between stages passes it as a traced int32: the Pallas ragged kernel reads it
+as an input of the step (tests/families_worker.py runs Gemma 3 at PP 2 on both attentions); a
+forward without a KV cache (Generator.logits) of such a stage takes the dense XLA attention, since
+flash_attention's window is part of its program. Micro-batches
 overlap within one engine step only; steps themselves are not pipelined (vLLM's virtual engines
 keep pp steps in flight instead), so for memory-bound decode, where a stage's time is reading
 its weights whatever the micro-batch size, M = 1 gives the lowest step latency.

@@ -11,6 +11,14 @@ sinks [H] f32) add e^(sink_h) to each softmax denominator, a key of value 0: the
 starts each row from (max, sum) = (sink_h, 1) instead of (-inf, 0). Scores and softmax are float32
 (float32 operands are multiplied in float32, never TF32); a row that sees nothing outputs 0.
 
+Tree mask (Medusa's tree verification, paged attention only): each query token carries (slot,
+first, bits). slot replaces its position in every rule above (causal, window, ALiBi): a tree node's
+K/V sits at slot p_root + 1 + j while its RoPE position is p_root + depth(j). On top of them it sees
+key slot l iff l < first (the context and the root: the causal rule still applies) or bit l - first
+of bits is set (the node itself and its ancestors); a token outside every tree has first = 2^30, so
+it sees what it would without the mask (`tree_visible`, the one definition jaxinfer's XLA attention
+also uses).
+
 GQA: H = Hkv * G and query head h reads kv head h // G. Both kernels put the G query heads of one
 kv head into the rows of a tile: a query tile of block_q tokens becomes [block_q * Gp, D] rows
 (Gp = G padded to a power of two), so GQA costs no repeat of K/V and the dot has block_q * Gp rows.
@@ -123,13 +131,24 @@ def soft_cap(s: jax.Array, softcap: float | None) -> jax.Array:
     return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 
+def tree_visible(k_idx: jax.Array, first: jax.Array, bits: jax.Array) -> jax.Array:
+    """Whether a query sees key slot k_idx under the tree mask (int32, broadcasting; module
+    docstring): slots before its row's first node slot always (the causal mask applies as usual),
+    node slots first + j where bit j of its bits is set (an int32 holds bits 0..30: at most 31 nodes;
+    slots past a node's own are cut by the causal rule)."""
+    off = k_idx - first
+    return (off < 0) | ((jnp.right_shift(bits, jnp.clip(off, 0, 31)) & 1) == 1)
+
+
 def attend_block(carry, q, k, v, k_scale, v_scale, kpos, q_pos, row_ok, kv_len, slopes, *,
-                 scale: float, causal: bool, window: int | None, softcap: float | None = None):
+                 scale: float, causal: bool, window: int | None, softcap: float | None = None,
+                 tree: tuple[jax.Array, jax.Array] | None = None):
     """One online-softmax step of rows q [M, D] over one tile of keys.
 
     k, v [BK, D] (storage dtype; int8 with k_scale/v_scale [BK] f32), kpos [BK] int32 absolute key
     positions, q_pos [M] int32, row_ok [M] bool or None, kv_len: keys at kpos >= kv_len are
-    invalid, slopes [M] f32 or None, softcap: the scaled scores' soft cap or None.
+    invalid, slopes [M] f32 or None, softcap: the scaled scores' soft cap or None, tree: each
+    row's (first node slot, ancestor bits) [M] int32 under the tree mask (q_pos then holds slots).
     carry = (acc [M, D] f32, m [M] f32, l [M] f32).
     """
     acc, m_prev, l_prev = carry
@@ -148,6 +167,8 @@ def attend_block(carry, q, k, v, k_scale, v_scale, kpos, q_pos, row_ok, kv_len, 
         valid = valid & (rel <= 0)
     if window is not None:
         valid = valid & (rel > -window)
+    if tree is not None:
+        valid = valid & tree_visible(kpos[None, :], tree[0][:, None], tree[1][:, None])
     if slopes is not None:
         s = s + slopes[:, None] * rel.astype(jnp.float32)
     s = jnp.where(valid, s, NEG_INF)

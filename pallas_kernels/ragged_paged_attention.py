@@ -12,6 +12,8 @@ Layouts (those of jaxinfer/kv_cache.py):
     query_start_loc [S + 1] int32                      sequence s owns tokens [qsl[s], qsl[s+1])
     block_tables    [S, max_blocks] int32              logical -> physical block, padded with 0
     context_lens    [S] int32                          tokens in the cache (this step's included)
+    tree            [T, 3] int32 or None               Medusa's tree mask: (slot, first node slot,
+                                                       ancestor bits) per token (attention_common)
 
 The sequences' chunks (a decode token is a chunk of length 1) are cut into query tiles of at most
 block_q tokens that never straddle two sequences; grid (num_tiles, Hkv) with
@@ -19,7 +21,11 @@ num_tiles = min(T, T // block_q + S), a static bound (unused tiles do nothing). 
 built with jnp gives each tile its sequence, first token, length and context length. Each tile
 loops over the compute blocks (pages_per_compute_block pages) that hold keys it can see, gathering
 pages straight from the cache through the block table, with an online softmax in f32. Tokens
-outside every chunk (bucket padding) output 0.
+outside every chunk (bucket padding) output 0. With a tree mask the slots take the positions' place
+in the kernel (the tile's key range included) and each row's (first, bits) mask its keys in
+attend_block; without one (tree=None) the kernel has neither input nor mask: the same program. The
+sliding window is part of the program (an int) or, for a pipeline stage whose layer's window differs
+between stages, an int32 input of the step (the same masks and key range, read at run time).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -34,7 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 from .attention_common import (MIN_DOT_ROWS, attend_block, check_sinks, check_softcap, check_triton_shapes,
                                compiler_params, group_queries, group_slopes, head_rows, init_carry,
                                masked_softmax_attention, next_pow2, normalize, resolve_interpret, tile_rows,
-                               ungroup_output)
+                               tree_visible, ungroup_output)
 
 
 def pad_block_tables(block_tables: jax.Array, pages_per_compute_block: int) -> jax.Array:
@@ -60,14 +67,18 @@ def load_pages(bt_ref_row, kb, ppcb, k_ref, v_ref, ks_ref, vs_ref):
     return k, v, ks, vs
 
 
-def _ragged_kernel(*refs, quant: bool, has_alibi: bool, has_sinks: bool, block_q: int, ppcb: int,
-                   block_size: int, scale: float, window: int | None, softcap: float | None):
+def _ragged_kernel(*refs, quant: bool, has_alibi: bool, has_sinks: bool, has_tree: bool, has_traced_window: bool,
+                   block_q: int, ppcb: int, block_size: int, scale: float, window: int | None,
+                   softcap: float | None):
     refs = list(refs)
     info_ref, q_ref, pos_ref, k_ref, v_ref = (refs.pop(0) for _ in range(5))
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quant else (None, None)
     bt_ref = refs.pop(0)
     al_ref = refs.pop(0) if has_alibi else None
     sk_ref = refs.pop(0) if has_sinks else None
+    first_ref, bits_ref = (refs.pop(0), refs.pop(0)) if has_tree else (None, None)
+    if has_traced_window:            # a pipeline stage's window: a value of the step, not of the program
+        window = refs.pop(0)[0]
     _o_init_ref, o_ref = refs                                  # o_init is aliased to o
     _, gp, d = q_ref.shape                                     # q_ref [T, Gp, D] of one kv head
     block_k = ppcb * block_size
@@ -80,6 +91,10 @@ def _ragged_kernel(*refs, quant: bool, has_alibi: bool, has_sinks: bool, block_q
     q_pos = tile_rows(pos, gp)
     row_ok = tile_rows(tok_ok, gp)
     slopes = head_rows(al_ref, block_q, gp)
+    tree = None
+    if has_tree:      # pos holds slots; each row's first node slot and ancestor bits
+        tree = tuple(tile_rows(plgpu.load(r.at[pl.ds(q_start, block_q)], mask=tok_ok, other=0), gp)
+                     for r in (first_ref, bits_ref))
 
     # Keys any row of the tile can see: [min_pos - W + 1, min(max_pos + 1, ctx)).
     max_pos = jnp.max(jnp.where(tok_ok, pos, -1))
@@ -95,7 +110,7 @@ def _ragged_kernel(*refs, quant: bool, has_alibi: bool, has_sinks: bool, block_q
                                   vs_ref)
         kpos = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         return attend_block(carry, q, k, v, ks, vs, kpos, q_pos, row_ok, ctx, slopes,
-                            scale=scale, causal=True, window=window, softcap=softcap)
+                            scale=scale, causal=True, window=window, softcap=softcap, tree=tree)
 
     init = init_carry(block_q * gp, d, head_rows(sk_ref, block_q, gp))
     acc, _, l = lax.fori_loop(kb_lo, kb_hi, body, init)
@@ -128,8 +143,8 @@ def ragged_tile_table(query_start_loc: jax.Array, context_lens: jax.Array, num_t
     "scale", "window", "softcap", "block_q", "pages_per_compute_block", "interpret", "num_warps",
     "num_stages"))
 def _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables, context_lens,
-                 alibi_slopes, sinks, k_scale, v_scale, *, scale, window, softcap, block_q, pages_per_compute_block,
-                 interpret, num_warps, num_stages):
+                 alibi_slopes, sinks, k_scale, v_scale, tree, traced_window, *, scale, window, softcap, block_q,
+                 pages_per_compute_block, interpret, num_warps, num_stages):
     t, h, d = q.shape
     hkv, nb, bs, _ = k_pages.shape
     quant = k_scale is not None
@@ -140,6 +155,8 @@ def _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables, 
     bt = pad_block_tables(block_tables, ppcb)
     info = ragged_tile_table(query_start_loc, context_lens, t, block_q)
     num_tiles = info.shape[0]
+    if tree is not None:            # the slots take the positions' place in every mask
+        positions = tree[:, 0]
 
     q_spec = pl.BlockSpec((t, None, gp, d), lambda i, j: (0, j, 0, 0))
     page_spec = pl.BlockSpec((None, nb, bs, d), lambda i, j: (j, 0, 0, 0))
@@ -156,11 +173,18 @@ def _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables, 
         if per_head is not None:
             in_specs.append(pl.BlockSpec((None, gp), lambda i, j: (j, 0)))
             args.append(per_head)
+    if tree is not None:            # each token's first node slot and ancestor bits
+        in_specs += [pl.BlockSpec((t,), lambda i, j: (0,))] * 2
+        args += [tree[:, 1].astype(jnp.int32), tree[:, 2].astype(jnp.int32)]
+    if traced_window is not None:
+        in_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
+        args.append(jnp.asarray(traced_window, jnp.int32).reshape(1))
     in_specs.append(q_spec)                      # zeros, aliased to the output: untouched rows = 0
     args.append(jnp.zeros(qg.shape, q.dtype))
 
     kernel = functools.partial(_ragged_kernel, quant=quant, has_alibi=slopes is not None,
-                               has_sinks=sinks is not None,
+                               has_sinks=sinks is not None, has_tree=tree is not None,
+                               has_traced_window=traced_window is not None,
                                block_q=block_q, ppcb=ppcb, block_size=bs, scale=scale,
                                window=window, softcap=softcap)
     out = pl.pallas_call(
@@ -176,10 +200,11 @@ def _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables, 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            positions: jax.Array, seq_ids: jax.Array, query_start_loc: jax.Array,
                            block_tables: jax.Array, context_lens: jax.Array, *, scale: float,
-                           window: int | None = None, alibi_slopes: jax.Array | None = None,
+                           window: int | jax.Array | None = None, alibi_slopes: jax.Array | None = None,
                            softcap: float | None = None, sinks: jax.Array | None = None,
                            k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-                           block_q: int | None = None, pages_per_compute_block: int | None = None,
+                           tree: jax.Array | None = None, block_q: int | None = None,
+                           pages_per_compute_block: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = 2,
                            interpret: bool | None = None) -> jax.Array:
     """Ragged paged attention of a step's chunks: q [T, H, D] -> [T, H, D].
@@ -188,7 +213,10 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     its absolute positions[t]) and attends to its cache through block_tables[s] (this step's K/V
     already written), up to context_lens[s]. Decode tokens are chunks of length 1. seq_ids is
     accepted for interface parity with the metadata (the kernel takes each tile's sequence from
-    query_start_loc; they must agree). Tokens outside every chunk output 0.
+    query_start_loc; they must agree). Tokens outside every chunk output 0. tree [T, 3] int32:
+    Medusa's tree mask (module docstring; None: none). window: an int (part of the program) or an
+    int32 scalar array (an input: a pipeline stage's layers whose windows differ between stages;
+    2^30 means none), or None.
     block_q: query tokens per tile (default: 64 // Gp, at least 16); pages_per_compute_block:
     pages per KV tile (default: about 64 tokens). interpret=None means "interpret on CPU".
     """
@@ -205,10 +233,16 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError("query_start_loc [S+1], block_tables [S, B], context_lens [S] disagree")
     if (k_scale is None) != (v_scale is None):
         raise ValueError("pass both k_scale and v_scale (int8 pages) or neither")
+    traced_window = None
+    if isinstance(window, (jax.Array, np.ndarray)):
+        traced_window, window = window, None
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     check_softcap(softcap)
     check_sinks(sinks, h)
+    if tree is not None and tree.shape != (t, 3):
+        raise ValueError(f"tree needs (slot, first node slot, ancestor bits) per token of q, shape ({t}, 3), "
+                         f"got {tuple(tree.shape)}")
     gp = next_pow2(h // hkv)
     block_q = block_q or max(16, 64 // gp)
     block_q = max(1, min(block_q, next_pow2(t)))
@@ -220,7 +254,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         check_triton_shapes(head_dim=d, block_q=block_q, block_size=bs,
                             pages_per_compute_block=ppcb)
     return _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables,
-                        context_lens, alibi_slopes, sinks, k_scale, v_scale, scale=float(scale),
+                        context_lens, alibi_slopes, sinks, k_scale, v_scale,
+                        None if tree is None else jnp.asarray(tree, jnp.int32), traced_window,
+                        scale=float(scale),
                         window=window, softcap=None if softcap is None else float(softcap),
                         block_q=block_q, pages_per_compute_block=ppcb,
                         interpret=interpret, num_warps=num_warps, num_stages=num_stages)
@@ -235,14 +271,18 @@ def dequantize_pages(pages: jax.Array, scales: jax.Array | None, dtype) -> jax.A
 
 def paged_reference_core(q, k_pages, v_pages, positions, seq_ids, block_tables, context_lens, *,
                          scale, window=None, alibi_slopes=None, softcap=None, sinks=None, k_scale=None,
-                         v_scale=None):
-    """Each token gathers its sequence's pages in logical order and attends (O(T * max_len))."""
+                         v_scale=None, tree=None):
+    """Each token gathers its sequence's pages in logical order and attends (O(T * max_len));
+    tree [T, 3] or None: the tree mask (slots for positions, tree_visible on top)."""
     hkv, _, bs, d = k_pages.shape
     s, mb = block_tables.shape
     k = dequantize_pages(k_pages, k_scale, q.dtype)[:, block_tables].reshape(hkv, s, mb * bs, d)
     v = dequantize_pages(v_pages, v_scale, q.dtype)[:, block_tables].reshape(hkv, s, mb * bs, d)
     k_pos = jnp.arange(mb * bs, dtype=jnp.int32)
     in_ctx = k_pos[None, :] < context_lens.astype(jnp.int32)[seq_ids][:, None]
+    if tree is not None:
+        positions = tree[:, 0]
+        in_ctx &= tree_visible(k_pos[None, :], tree[:, 1:2], tree[:, 2:3])
     return masked_softmax_attention(q, k[:, seq_ids], v[:, seq_ids], positions.astype(jnp.int32),
                                     k_pos, in_ctx, scale=scale, window=window,
                                     alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
@@ -251,12 +291,13 @@ def paged_reference_core(q, k_pages, v_pages, positions, seq_ids, block_tables, 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "softcap"))
 def ragged_paged_attention_reference(q, k_pages, v_pages, positions, seq_ids, query_start_loc,
                                      block_tables, context_lens, *, scale, window=None,
-                                     alibi_slopes=None, softcap=None, sinks=None, k_scale=None, v_scale=None):
+                                     alibi_slopes=None, softcap=None, sinks=None, k_scale=None, v_scale=None,
+                                     tree=None):
     """Gather-based reference of ragged_paged_attention (tokens outside every chunk -> 0)."""
     out = paged_reference_core(q, k_pages, v_pages, positions, seq_ids, block_tables,
                                context_lens, scale=scale, window=window,
                                alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, k_scale=k_scale,
-                               v_scale=v_scale)
+                               v_scale=v_scale, tree=None if tree is None else jnp.asarray(tree, jnp.int32))
     tok = jnp.arange(q.shape[0], dtype=jnp.int32)
     covered = (tok >= query_start_loc[0]) & (tok < query_start_loc[-1])
     return jnp.where(covered[:, None, None], out, 0).astype(q.dtype)

@@ -184,7 +184,8 @@ def test_longrope_factors_must_fit_the_rotated_features():
 
 def test_tensor_and_pipeline_parallel_equal_one_device(tmp_path):
     """tests/families_worker.py on 8 fake CPU devices: Qwen3 at TP 2 and 4, Gemma 3 at TP 2 and PP 2
-    give one device's logits (to float32 reduction order) and greedy tokens."""
+    (PP 2 on both attentions: the Pallas ragged kernel takes the stage's window as an input) give one
+    device's logits (to float32 reduction order) and greedy tokens."""
     from tests.fake_devices import run_model_runs
     from tests.families_worker import RUNS
 

@@ -217,6 +217,29 @@ def test_ragged_paged(dtype, bs, g, window, alibi, quant, bq, ppcb, check_np):
         assert rel_err(out, want) < tol
 
 
+@pytest.mark.parametrize("dtype,window", [("float32", 11), ("float32", 2**30), ("bfloat16", 7)])
+def test_ragged_traced_window(dtype, window):
+    """A window that is a value of the step (a pipeline stage's layer whose window differs between
+    stages: an int32 scalar, 2^30 for none) masks as the same window fixed in the program."""
+    rng = np.random.default_rng(seed("traced window", dtype, window))
+    hkv, g, d, bs = 2, 4, 16, 8
+    chunks = [(21, 9), (5, 1), (0, 12), (40, 3)]
+    q, k, v, _, _, meta = make_ragged(rng, chunks=chunks, n_pad=2, hkv=hkv, g=g, d=d, bs=bs,
+                                      dtype=jnp.dtype(dtype), quant=False)
+    run = jax.jit(lambda q, w: ragged_paged_attention(q, k, v, **meta, scale=d ** -0.5, window=w, block_q=4,
+                                                      pages_per_compute_block=1))
+    out = run(q, jnp.int32(window))
+    static = None if window >= 2**30 else window
+    ref = ragged_paged_attention_reference(q, k, v, **meta, scale=d ** -0.5, window=static)
+    want = np_paged(q, k, v, meta["positions"], meta["seq_ids"], meta["block_tables"], meta["context_lens"],
+                    scale=d ** -0.5, window=static, covered=np.arange(q.shape[0]) < q.shape[0] - 2)
+    tol = attention_rtol(dtype, keys=max(p + n for p, n in chunks), head_dim=d)
+    assert rel_err(out, ref) < tol and rel_err(out, want) < tol
+    if static is not None:        # the window cut keys: the case tests it
+        assert rel_err(np_paged(q, k, v, meta["positions"], meta["seq_ids"], meta["block_tables"],
+                                meta["context_lens"], scale=d ** -0.5), want) > 10 * tol
+
+
 @pytest.mark.parametrize("bq", [1, 4, 16])
 def test_ragged_tile_table_partitions_tokens(bq):
     """Tiles cover every chunk token exactly once, never straddle sequences, fit in the grid."""
@@ -417,6 +440,10 @@ def test_lowers_for_triton(kernel):
             q, kp, vp, ids, ids, jnp.zeros((s + 1,), jnp.int32), bt, lens, k_scale=ks, v_scale=vs,
             **common)
         assert _lowers_for_triton(fn, q, pages, pages, scales, scales)
+        traced = lambda q, kp, vp, ks, vs, w: ragged_paged_attention(        # a pipeline stage's window
+            q, kp, vp, ids, ids, jnp.zeros((s + 1,), jnp.int32), bt, lens, k_scale=ks, v_scale=vs,
+            **{**common, "window": w})
+        assert _lowers_for_triton(traced, q, pages, pages, scales, scales, jnp.int32(32))
     else:
         kv = jnp.zeros((t, hkv, d), jnp.bfloat16)
         fn = lambda q, k, v: flash_attention(q, k, v, **common)

@@ -1,4 +1,5 @@
-"""Medusa heads and tree verification (jaxinfer/medusa.py, the tree mask in jaxinfer/attention.py).
+"""Medusa heads and tree verification (jaxinfer/medusa.py, the tree mask in jaxinfer/attention.py; in the
+Pallas kernel: tests/test_tree_attention_pallas.py).
 
 References from outside the code under test: the target run on each candidate path alone (dense
 causal attention, no cache, no tree), numpy copies of KV slots, hand-worked trees, the target's
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import Generator
+from jaxinfer.config import EngineConfig, resolve_config
 from jaxinfer.kv_cache import TREE_NONE, LayerKV, StepRow, build_attention_metadata, init_kv_pages, move_kv
 from jaxinfer.medusa import Tree, choose_tree, expected_acceptance_length, load_heads, tree_arrays, verify_tree
 from jaxinfer.weights import load_model
@@ -66,11 +68,13 @@ def test_move_kv_matches_numpy():
         np.testing.assert_array_equal(np.asarray(getattr(out, name)).reshape(ref.shape), ref)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("which", ["bundled", "gpt2"])
-def test_tree_attention_equals_each_path_alone(which, hf_model_dir):
-    """A context in the cache, then the root and a 20-node tree in one step under the tree mask: the
-    logits at every node equal the target's on context + that node's path, run alone (dense causal
-    attention, no cache). The chunk crosses a block and a query tile."""
+def test_tree_attention_equals_each_path_alone(which, impl, hf_model_dir):
+    """A context in the cache, then the root and a 20-node tree in one step under the tree mask (the
+    XLA paged attention, or the Pallas ragged kernel, interpreted on CPU): the logits at every node
+    equal the target's on context + that node's path, run alone (dense causal XLA attention, no
+    cache). The chunk crosses a block and a query tile."""
     model, cfg = load_model(BUNDLED if which == "bundled" else hf_model_dir("gpt2"))
     rng = np.random.default_rng(1)
     tree = choose_tree(np.sort(rng.random((4, 4)), axis=1)[:, ::-1], 20)
@@ -80,7 +84,7 @@ def test_tree_attention_equals_each_path_alone(which, hf_model_dir):
     nodes = rng.integers(3, cfg.vocab_size, n + 1)             # the root, then each node's token
     bs, blocks = 16, [3, 1, 4]
     pages = init_kv_pages(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 6, bs, jnp.float32)
-    fwd = jax.jit(lambda t, p, kv, m: model(t, p, kv, m, impl="xla"))
+    fwd = jax.jit(lambda t, p, kv, m: model(t, p, kv, m, impl=impl))
     t = 32   # both steps in one shape: one compilation
     meta = build_attention_metadata([StepRow(0, ctx_len, blocks)], bs, t, 1, 3)
     meta.tree = np.stack([np.arange(t), np.full(t, TREE_NONE), np.zeros(t)], 1).astype(np.int32)
@@ -237,9 +241,14 @@ def test_heads_card_accuracy_and_refusals(tmp_path, hf_model_dir):
     with pytest.raises(ValueError, match="more than the 3 Medusa heads"):
         Generator.from_pretrained(other, speculative_method="medusa", speculative_model=mine, num_speculative_tokens=4,
                                   warmup=False)
-    with pytest.raises(ValueError, match='attention="xla"'):
-        Generator.from_pretrained(other, speculative_method="medusa", speculative_model=mine, attention="pallas",
+    # the tree mask is in the Pallas ragged kernel too (its tokens: tests/test_pallas_engine.py)
+    g = Generator.from_pretrained(other, speculative_method="medusa", speculative_model=mine, attention="pallas",
                                   num_speculative_tokens=3, warmup=False)
+    assert g.engine.runner.settings.attention == "pallas"
+    # and a GPU's default ("auto") keeps the Pallas kernels for Medusa (issue #40: no XLA fallback)
+    medusa_gpu = resolve_config(EngineConfig(speculative_method="medusa", num_blocks=9, max_model_len=128), cfg,
+                                backend="gpu")
+    assert (medusa_gpu.attention, medusa_gpu.matmul) == ("pallas", "pallas")
     with pytest.raises(ValueError, match="ALiBi"):
         Generator.from_pretrained(hf_model_dir("bloom"), speculative_method="medusa",
                                   speculative_model=random_heads(hf_model_dir("bloom"), tmp_path / "b"),
