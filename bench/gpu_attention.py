@@ -10,7 +10,9 @@ rewritten after each part:
   decode    ragged_paged_attention on decode rows only: 64 sequences with contexts drawn uniformly in
             [512, 4096] (seed 0), and batch 1 at 512 / 4096 / 32768 keys; bf16, int8 and fp8 pages.
             GB/s of the KV bytes the rows read (keys + values of every context token, + the int8 / fp8
-            scales), against the copy bandwidth (target: >= 0.8);
+            scales), against the copy bandwidth (target: >= 0.8); the bf16 cases also with split-KV
+            (kv_splits 4 and 16: "<case>_splits<S>"; every case records its kv_splits), and derive
+            names each case's fastest kv_splits and its speedup over 1;
   mixed     one step of 2 prefill chunks of 512 tokens over 1,024 cached tokens beside the 64 decode
             rows, against its two halves run as separate steps (target: mixed <= 1.25 x the sum);
   prefill   one 2,048-token chunk over 2,048 cached tokens (a chunked prefill's second chunk) in
@@ -43,8 +45,9 @@ from pathlib import Path
 from typing import Any
 
 PARTS = ("copy", "decode", "mixed", "prefill", "dense")
-PART_CAPS_S = {"copy": 20, "decode": 60, "mixed": 45, "prefill": 40, "dense": 90}
+PART_CAPS_S = {"copy": 20, "decode": 90, "mixed": 45, "prefill": 40, "dense": 90}
 PAGE_FORMATS = ("bf16", "int8", "fp8")
+KV_SPLITS = (4, 16)     # split-KV settings the bf16 decode cases are also timed with, beside 1
 
 
 @dataclass(frozen=True)
@@ -155,9 +158,9 @@ def random_pages(num_blocks: int, sh: Shapes, fmt: str, seed: int):
     return kq, vq, ks, vs
 
 
-def step_case(step: Step, sh: Shapes, fmt: str, ctx: "Context") -> dict[str, Any]:
-    """Time ragged_paged_attention on one step; -> raw times, KV bytes, FLOPs and the check against
-    the kernel's reference."""
+def step_case(step: Step, sh: Shapes, fmt: str, ctx: "Context", kv_splits: int = 1) -> dict[str, Any]:
+    """Time ragged_paged_attention on one step (num_kv_splits=kv_splits); -> raw times, KV bytes,
+    FLOPs and the check against the kernel's reference."""
     import jax
     import jax.numpy as jnp
 
@@ -171,7 +174,8 @@ def step_case(step: Step, sh: Shapes, fmt: str, ctx: "Context") -> dict[str, Any
     kw = dict(scale=scale, k_scale=ks, v_scale=vs)
     nbytes = kv_bytes(step, sh, fmt)
     calls = min(sh.max_chain, max(1, math.ceil(sh.chain_bytes / nbytes)))
-    op = lambda q, k, v, *m: ragged_paged_attention(q, k, v, *m, interpret=ctx.interpret, **kw)  # noqa: E731
+    op = lambda q, k, v, *m: ragged_paged_attention(q, k, v, *m, interpret=ctx.interpret,  # noqa: E731
+                                                    num_kv_splits=kv_splits, **kw)
     chain = chain_of(op, lambda q, out: out.astype(q.dtype), calls)
     r = timed_chain(chain, (q, k, v) + meta, calls, ctx.overhead, sh.reps)
     out = chain(q, k, v, *meta)[1]
@@ -180,7 +184,7 @@ def step_case(step: Step, sh: Shapes, fmt: str, ctx: "Context") -> dict[str, Any
     return r | {"tokens": step.tokens, "sequences": len(step.new), "kv_bytes": nbytes, "visible_pairs": pairs,
                 "flops": attention_flops(pairs, sh), "GBps": nbytes / r["per_call_s"] / 1e9,
                 "TFLOPs": attention_flops(pairs, sh) / r["per_call_s"] / 1e12, "rel_err_vs_reference": rel_err(out, ref),
-                "max_err_vs_reference": max_rel_err(out, ref), "max_keys": max(step.ctx)}
+                "max_err_vs_reference": max_rel_err(out, ref), "max_keys": max(step.ctx), "kv_splits": kv_splits}
 
 
 def max_rel_err(a, b) -> float:
@@ -215,10 +219,15 @@ def copy_part(sh: Shapes, rec, ctx: Context) -> None:
 def decode_part(sh: Shapes, rec, ctx: Context) -> None:
     batched = decode_step(sh)
     rec.put(("decode", "contexts"), list(batched.ctx))
+    steps = {f"batch{sh.batch}": batched} | {f"batch1_ctx{c}": Step((1,), (c,)) for c in sh.batch1_contexts}
     for fmt in PAGE_FORMATS:
-        rec.guarded(("decode", fmt, f"batch{sh.batch}"), lambda fmt=fmt: step_case(batched, sh, fmt, ctx))
-        for c in sh.batch1_contexts:
-            rec.guarded(("decode", fmt, f"batch1_ctx{c}"), lambda fmt=fmt, c=c: step_case(Step((1,), (c,)), sh, fmt, ctx))
+        for name, step in steps.items():
+            rec.guarded(("decode", fmt, name), lambda fmt=fmt, step=step: step_case(step, sh, fmt, ctx))
+        if fmt == "bf16":
+            for splits in KV_SPLITS:
+                for name, step in steps.items():
+                    rec.guarded(("decode", "bf16", f"{name}_splits{splits}"),
+                                lambda step=step, splits=splits: step_case(step, sh, "bf16", ctx, kv_splits=splits))
 
 
 def mixed_part(sh: Shapes, rec, ctx: Context) -> None:
@@ -316,6 +325,7 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
     for fmt, cases in (_ok(res("decode"), "decode") or {}).items():
         if isinstance(cases, dict) and fmt in PAGE_FORMATS:
             out["decode_vs_copy"][fmt] = {c: ratio(_ok(v, "GBps"), copy) for c, v in cases.items()}
+    out["decode_splits"] = best_splits(_ok(res("decode"), "decode", "bf16") or {})
     mixed = res("mixed").get("mixed") or {}
     halves = [_ok(mixed, h, "per_call_s") for h in ("decode_half", "chunk_half")]
     if None not in halves:
@@ -326,6 +336,32 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
     for t, cases in (res("dense").get("dense") or {}).items():
         out["dense"][t] = {f"{a}_vs_cudnn": ratio(_ok(cases, a, "TFLOPs"), _ok(cases, "cudnn", "TFLOPs"))
                            for a in ("flash", "mosaic_jax")}
+    return out
+
+
+def split_name(name: str) -> tuple[str, int]:
+    """A decode case's name -> (its step, its kv_splits): "batch1_ctx4096_splits16" -> ("batch1_ctx4096", 16)."""
+    base, _, splits = name.partition("_splits")
+    return base, int(splits) if splits else 1
+
+
+def best_splits(cases: dict[str, Any]) -> dict[str, Any]:
+    """Per decode step timed with several kv_splits: the fastest one and its speedup over
+    kv_splits=1 (per-call time ratio), with every setting's time; steps whose kv_splits=1 case or
+    every split case failed are left out."""
+    from bench.gpu_report import ratio
+    times: dict[str, dict[int, float]] = {}
+    for name, c in cases.items():
+        base, splits = split_name(name)
+        t = _ok(c, "per_call_s")
+        if isinstance(t, (int, float)) and t > 0:
+            times.setdefault(base, {})[splits] = t
+    out = {}
+    for base, by_splits in times.items():
+        if 1 in by_splits and len(by_splits) > 1:
+            best = min(by_splits, key=by_splits.get)
+            out[base] = {"best_kv_splits": best, "speedup_over_1": ratio(by_splits[1], by_splits[best]),
+                         "per_call_s": {str(k): by_splits[k] for k in sorted(by_splits)}}
     return out
 
 

@@ -59,12 +59,14 @@ NEG_INF = -1e30  # finite, so fully-masked padding rows give zeros instead of Na
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *, scale: float,
               window: int | jax.Array | None = None, alibi: jax.Array | None = None, softcap: float | None = None,
               sinks: jax.Array | None = None, kv: LayerKV | None = None, meta: AttentionMetadata | None = None,
-              impl: str = "xla", item_groups: tuple[int, int] | None = None) -> tuple[jax.Array, LayerKV | None]:
+              impl: str = "xla", item_groups: tuple[int, int] | None = None,
+              kv_splits: int = 1) -> tuple[jax.Array, LayerKV | None]:
     """q [T, H, D], k/v [T, Hkv, D], positions [T], sinks [H] float32 or None -> (out [T, H, D],
     updated pages or None). window: an int, None, or an int32 scalar array (a pipeline stage's layer
     whose window differs between stages; pipeline._NO_WINDOW for none). item_groups: (decode, chunk)
     work items the XLA paged attention takes per loop iteration (None: kv_cache.DECODE_GROUP,
-    CHUNK_GROUP; bench/attention_xla.py compares)."""
+    CHUNK_GROUP; bench/attention_xla.py compares). kv_splits: the Pallas ragged kernel's split-KV
+    programs per query tile and kv head (num_kv_splits; 1: unsplit); the XLA paths ignore it."""
     if impl not in ("xla", "pallas"):
         raise ValueError(f"unknown attention implementation {impl!r}; use 'xla' or 'pallas'")
     if kv is None:
@@ -82,7 +84,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
         out = ragged_paged_attention(q, kv.k, kv.v, positions, meta.seq_ids, meta.query_start_loc,
                                      meta.block_tables, meta.context_lens, scale=scale, window=window,
                                      alibi_slopes=alibi, softcap=softcap, sinks=sinks, k_scale=kv.k_scale,
-                                     v_scale=kv.v_scale, tree=meta.tree)
+                                     v_scale=kv.v_scale, tree=meta.tree, num_kv_splits=kv_splits)
         return out.astype(q.dtype), kv
     return paged_attention_xla(q, k, v, kv, positions, meta, scale=scale, window=window, alibi=alibi,
                                softcap=softcap, sinks=sinks, item_groups=item_groups), kv

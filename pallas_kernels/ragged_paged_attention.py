@@ -26,6 +26,18 @@ in the kernel (the tile's key range included) and each row's (first, bits) mask 
 attend_block; without one (tree=None) the kernel has neither input nor mask: the same program. The
 sliding window is part of the program (an int) or, for a pipeline stage whose layer's window differs
 between stages, an int32 input of the step (the same masks and key range, read at run time).
+
+Split-KV ("flash-decoding", num_kv_splits = S > 1): at batch-1 decode the grid (num_tiles, Hkv) is
+Hkv programs, each streaming a whole long context alone while most SMs idle. With S splits the grid
+is (num_tiles, Hkv, S): split s of a tile walks the s-th contiguous share, ceil(n / S) blocks, of
+the tile's n compute blocks [kb_lo, kb_hi) (computed at run time; the last splits may be short or
+empty and then do nothing) and stores its unnormalized partials, acc [S, T, Hkv, Gp, D] and running
+max m / sum l [S, T, Hkv, Gp] in f32; combine_splits merges them in jnp after the kernel (m* = max_s
+m_s, out = sum_s e^(m_s - m*) acc_s / sum_s e^(m_s - m*) l_s). Attention sinks are not in the split
+kernel: the combine counts each row's sink once, as one more partial (m, l, acc) = (sink_h, 1, 0).
+Only the f32 accumulation order differs from S = 1, which is exactly the unsplit program. The gain
+is a prediction until a GPU measures it (bench/gpu_attention.py's decode part times S = 4 and 16):
+long contexts at few tiles x Hkv programs should gain, short ones lose the combine's extra launch.
 """
 from __future__ import annotations
 
@@ -69,7 +81,7 @@ def load_pages(bt_ref_row, kb, ppcb, k_ref, v_ref, ks_ref, vs_ref):
 
 def _ragged_kernel(*refs, quant: bool, has_alibi: bool, has_sinks: bool, has_tree: bool, has_traced_window: bool,
                    block_q: int, ppcb: int, block_size: int, scale: float, window: int | None,
-                   softcap: float | None):
+                   softcap: float | None, num_splits: int = 1):
     refs = list(refs)
     info_ref, q_ref, pos_ref, k_ref, v_ref = (refs.pop(0) for _ in range(5))
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quant else (None, None)
@@ -79,7 +91,10 @@ def _ragged_kernel(*refs, quant: bool, has_alibi: bool, has_sinks: bool, has_tre
     first_ref, bits_ref = (refs.pop(0), refs.pop(0)) if has_tree else (None, None)
     if has_traced_window:            # a pipeline stage's window: a value of the step, not of the program
         window = refs.pop(0)[0]
-    _o_init_ref, o_ref = refs                                  # o_init is aliased to o
+    if num_splits == 1:
+        _o_init_ref, o_ref = refs                              # o_init is aliased to o
+    else:
+        acc_ref, m_ref, l_ref = refs                           # this split's partials [T, Gp(, D)]
     _, gp, d = q_ref.shape                                     # q_ref [T, Gp, D] of one kv head
     block_k = ppcb * block_size
 
@@ -104,6 +119,8 @@ def _ragged_kernel(*refs, quant: bool, has_alibi: bool, has_sinks: bool, has_tre
     else:
         min_pos = jnp.min(jnp.where(tok_ok, pos, jnp.iinfo(jnp.int32).max - window))
         kb_lo = lax.div(jnp.maximum(min_pos - (window - 1), 0), block_k)
+    if num_splits > 1:
+        kb_lo, kb_hi = split_range(kb_lo, kb_hi, pl.program_id(2), num_splits)
 
     def body(kb, carry):
         k, v, ks, vs = load_pages(lambda sl: bt_ref[seq, sl], kb, ppcb, k_ref, v_ref, ks_ref,
@@ -113,9 +130,39 @@ def _ragged_kernel(*refs, quant: bool, has_alibi: bool, has_sinks: bool, has_tre
                             scale=scale, causal=True, window=window, softcap=softcap, tree=tree)
 
     init = init_carry(block_q * gp, d, head_rows(sk_ref, block_q, gp))
-    acc, _, l = lax.fori_loop(kb_lo, kb_hi, body, init)
+    acc, m, l = lax.fori_loop(kb_lo, kb_hi, body, init)
+    if num_splits > 1:                 # unnormalized: combine_splits merges the splits after the kernel
+        plgpu.store(acc_ref.at[pl.ds(q_start, block_q)], acc.reshape(block_q, gp, d), mask=tok_ok[:, None, None])
+        for ref, x in ((m_ref, m), (l_ref, l)):
+            plgpu.store(ref.at[pl.ds(q_start, block_q)], x.reshape(block_q, gp), mask=tok_ok[:, None])
+        return
     o = normalize(acc, l).astype(o_ref.dtype).reshape(block_q, gp, d)
     plgpu.store(o_ref.at[pl.ds(q_start, block_q)], o, mask=tok_ok[:, None, None])
+
+
+def split_range(kb_lo, kb_hi, split, num_splits: int):
+    """Split `split`'s share of the compute blocks [kb_lo, kb_hi): ceil(n / num_splits) blocks each,
+    in order, so the last splits may be short or empty (lo >= hi: the loop runs no iteration)."""
+    per = lax.div(jnp.maximum(kb_hi - kb_lo, 0) + (num_splits - 1), num_splits)
+    lo = kb_lo + split * per
+    return lo, jnp.minimum(lo + per, kb_hi)
+
+
+def combine_splits(acc, m, l, sinks, covered, dtype):
+    """Merge the splits' partial softmaxes: acc [S, T, Hkv, Gp, D], m, l [S, T, Hkv, Gp] f32 (each
+    split's unnormalized output, running max and sum over its keys), sinks [Hkv, Gp] f32 or None
+    (counted once, here, as one more partial: max sink_h, sum 1, output 0), covered [T] bool: tokens
+    in some chunk (the kernel writes no other row) -> [T, Hkv, Gp, D] in dtype; rows that saw no key
+    (l = 0 everywhere and no sink) and tokens outside every chunk output 0."""
+    m_star = jnp.max(m, axis=0)                                         # [T, Hkv, Gp]
+    if sinks is not None:
+        m_star = jnp.maximum(m_star, sinks[None])
+    w = jnp.exp(m - m_star[None])                                       # [S, T, Hkv, Gp]; empty split: l = 0
+    l_sum = jnp.sum(w * l, axis=0)
+    if sinks is not None:
+        l_sum = l_sum + jnp.exp(sinks[None] - m_star)
+    out = jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+    return jnp.where(covered[:, None, None, None], out, 0.0).astype(dtype)
 
 
 def ragged_tile_table(query_start_loc: jax.Array, context_lens: jax.Array, num_tokens: int,
@@ -141,60 +188,84 @@ def ragged_tile_table(query_start_loc: jax.Array, context_lens: jax.Array, num_t
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "window", "softcap", "block_q", "pages_per_compute_block", "interpret", "num_warps",
-    "num_stages"))
+    "num_stages", "num_kv_splits"))
 def _ragged_impl(q, k_pages, v_pages, positions, query_start_loc, block_tables, context_lens,
                  alibi_slopes, sinks, k_scale, v_scale, tree, traced_window, *, scale, window, softcap, block_q,
-                 pages_per_compute_block, interpret, num_warps, num_stages):
+                 pages_per_compute_block, interpret, num_warps, num_stages, num_kv_splits=1):
     t, h, d = q.shape
     hkv, nb, bs, _ = k_pages.shape
-    quant = k_scale is not None
     ppcb = pages_per_compute_block
+    splits = num_kv_splits
     qg, g, gp = group_queries(q, hkv)
     slopes = group_slopes(alibi_slopes, hkv, g, gp)
     sinks = group_slopes(sinks, hkv, g, gp)
     bt = pad_block_tables(block_tables, ppcb)
     info = ragged_tile_table(query_start_loc, context_lens, t, block_q)
-    num_tiles = info.shape[0]
     if tree is not None:            # the slots take the positions' place in every mask
         positions = tree[:, 0]
+    # with splits the sinks join in combine_splits, once per row, not in every split's softmax
+    in_specs, args = _kernel_inputs(info, qg, positions, k_pages, v_pages, k_scale, v_scale, bt, slopes,
+                                    sinks if splits == 1 else None, tree, traced_window)
+    kernel = functools.partial(_ragged_kernel, quant=k_scale is not None, has_alibi=slopes is not None,
+                               has_sinks=sinks is not None and splits == 1, has_tree=tree is not None,
+                               has_traced_window=traced_window is not None,
+                               block_q=block_q, ppcb=ppcb, block_size=bs, scale=scale,
+                               window=window, softcap=softcap, num_splits=splits)
+    name = f"ragged_paged_attention_bq{block_q}_ppcb{ppcb}"
+    params = compiler_params(num_warps, num_stages)
+    q_spec = in_specs[1]
+    if splits == 1:
+        in_specs.append(q_spec)                  # zeros, aliased to the output: untouched rows = 0
+        args.append(jnp.zeros(qg.shape, q.dtype))
+        out = pl.pallas_call(
+            kernel, grid=(info.shape[0], hkv), in_specs=in_specs, out_specs=q_spec,
+            out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+            input_output_aliases={len(args) - 1: 0}, interpret=interpret,
+            compiler_params=params, name=name,
+        )(*args)
+        return ungroup_output(out, g)
+    row_spec = pl.BlockSpec((None, t, None, gp), lambda i, j, s: (s, 0, j, 0))
+    acc, m, l = pl.pallas_call(
+        kernel, grid=(info.shape[0], hkv, splits), in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, t, None, gp, d), lambda i, j, s: (s, 0, j, 0, 0)), row_spec, row_spec],
+        out_shape=[jax.ShapeDtypeStruct((splits,) + qg.shape, jnp.float32)]
+        + [jax.ShapeDtypeStruct((splits, t, hkv, gp), jnp.float32)] * 2,
+        interpret=interpret, compiler_params=params, name=f"{name}_splits{splits}",
+    )(*args)
+    tok = jnp.arange(t, dtype=jnp.int32)
+    covered = (tok >= query_start_loc[0]) & (tok < query_start_loc[-1])
+    return ungroup_output(combine_splits(acc, m, l, sinks, covered, q.dtype), g)
 
-    q_spec = pl.BlockSpec((t, None, gp, d), lambda i, j: (0, j, 0, 0))
-    page_spec = pl.BlockSpec((None, nb, bs, d), lambda i, j: (j, 0, 0, 0))
-    scale_spec = pl.BlockSpec((None, nb, bs), lambda i, j: (j, 0, 0))
-    in_specs = [pl.BlockSpec((None, 4), lambda i, j: (i, 0)), q_spec,
-                pl.BlockSpec((t,), lambda i, j: (0,)), page_spec, page_spec]
+
+def _kernel_inputs(info, qg, positions, k_pages, v_pages, k_scale, v_scale, bt, slopes, sinks, tree,
+                   traced_window) -> tuple[list, list]:
+    """_ragged_kernel's inputs and their BlockSpecs, in the kernel's order (index maps of the grid
+    (tile i, kv head j[, split])): the tile table, q [T, Hkv, Gp, D], positions, the pages (and
+    their scales), the block table, then the optional per-head / per-token inputs."""
+    t, _, gp, d = qg.shape
+    _, nb, bs, _ = k_pages.shape
+    q_spec = pl.BlockSpec((t, None, gp, d), lambda i, j, *_: (0, j, 0, 0))
+    page_spec = pl.BlockSpec((None, nb, bs, d), lambda i, j, *_: (j, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, nb, bs), lambda i, j, *_: (j, 0, 0))
+    in_specs = [pl.BlockSpec((None, 4), lambda i, j, *_: (i, 0)), q_spec,
+                pl.BlockSpec((t,), lambda i, j, *_: (0,)), page_spec, page_spec]
     args = [info, qg, positions.astype(jnp.int32), k_pages, v_pages]
-    if quant:
+    if k_scale is not None:
         in_specs += [scale_spec, scale_spec]
         args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
-    in_specs.append(pl.BlockSpec(bt.shape, lambda i, j: (0, 0)))
+    in_specs.append(pl.BlockSpec(bt.shape, lambda i, j, *_: (0, 0)))
     args.append(bt)
     for per_head in (slopes, sinks):
         if per_head is not None:
-            in_specs.append(pl.BlockSpec((None, gp), lambda i, j: (j, 0)))
+            in_specs.append(pl.BlockSpec((None, gp), lambda i, j, *_: (j, 0)))
             args.append(per_head)
     if tree is not None:            # each token's first node slot and ancestor bits
-        in_specs += [pl.BlockSpec((t,), lambda i, j: (0,))] * 2
+        in_specs += [pl.BlockSpec((t,), lambda i, j, *_: (0,))] * 2
         args += [tree[:, 1].astype(jnp.int32), tree[:, 2].astype(jnp.int32)]
     if traced_window is not None:
-        in_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
+        in_specs.append(pl.BlockSpec((1,), lambda i, j, *_: (0,)))
         args.append(jnp.asarray(traced_window, jnp.int32).reshape(1))
-    in_specs.append(q_spec)                      # zeros, aliased to the output: untouched rows = 0
-    args.append(jnp.zeros(qg.shape, q.dtype))
-
-    kernel = functools.partial(_ragged_kernel, quant=quant, has_alibi=slopes is not None,
-                               has_sinks=sinks is not None, has_tree=tree is not None,
-                               has_traced_window=traced_window is not None,
-                               block_q=block_q, ppcb=ppcb, block_size=bs, scale=scale,
-                               window=window, softcap=softcap)
-    out = pl.pallas_call(
-        kernel, grid=(num_tiles, hkv), in_specs=in_specs, out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        input_output_aliases={len(args) - 1: 0}, interpret=interpret,
-        compiler_params=compiler_params(num_warps, num_stages),
-        name=f"ragged_paged_attention_bq{block_q}_ppcb{ppcb}",
-    )(*args)
-    return ungroup_output(out, g)
+    return in_specs, args
 
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -206,7 +277,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            tree: jax.Array | None = None, block_q: int | None = None,
                            pages_per_compute_block: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = 2,
-                           interpret: bool | None = None) -> jax.Array:
+                           num_kv_splits: int = 1, interpret: bool | None = None) -> jax.Array:
     """Ragged paged attention of a step's chunks: q [T, H, D] -> [T, H, D].
 
     Sequence s owns tokens [query_start_loc[s], query_start_loc[s+1]) of q (contiguous; each at
@@ -218,9 +289,13 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     int32 scalar array (an input: a pipeline stage's layers whose windows differ between stages;
     2^30 means none), or None.
     block_q: query tokens per tile (default: 64 // Gp, at least 16); pages_per_compute_block:
-    pages per KV tile (default: about 64 tokens). interpret=None means "interpret on CPU".
+    pages per KV tile (default: about 64 tokens). num_kv_splits: S >= 1 programs share each tile's
+    compute blocks, their partial softmaxes merged after the kernel (split-KV, module docstring; 1:
+    the unsplit program). interpret=None means "interpret on CPU".
     """
     del seq_ids
+    if isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, (int, np.integer)) or num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be an int >= 1, got {num_kv_splits!r}")
     interpret = resolve_interpret(interpret)
     t, h, d = q.shape
     hkv, _, bs, dk = k_pages.shape
@@ -259,7 +334,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                         scale=float(scale),
                         window=window, softcap=None if softcap is None else float(softcap),
                         block_q=block_q, pages_per_compute_block=ppcb,
-                        interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+                        interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                        num_kv_splits=int(num_kv_splits))
 
 
 def dequantize_pages(pages: jax.Array, scales: jax.Array | None, dtype) -> jax.Array:

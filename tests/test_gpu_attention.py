@@ -65,14 +65,30 @@ def test_derived_numbers_recomputed_by_hand(report):
     assert d["copy_GBps"] == pytest.approx(copy)
     contexts = res["decode"]["decode"]["contexts"]
     assert len(contexts) == SH.batch and all(SH.context_range[0] <= c <= SH.context_range[1] for c in contexts)
+    steps = [f"batch{SH.batch}"] + [f"batch1_ctx{c}" for c in SH.batch1_contexts]
     for fmt in ga.PAGE_FORMATS:
+        # every step in every format; the bf16 ones also split 4 and 16 ways
+        splits = (1,) + (ga.KV_SPLITS if fmt == "bf16" else ())
+        assert sorted(res["decode"]["decode"][fmt]) == sorted(
+            n if s == 1 else f"{n}_splits{s}" for n in steps for s in splits)
         for name, c in res["decode"]["decode"][fmt].items():
-            ctx = contexts if name.startswith("batch") and not name.startswith("batch1_") else [int(name.split("ctx")[1])]
+            step, s = ga.split_name(name)
+            assert c["kv_splits"] == s
+            ctx = contexts if step == f"batch{SH.batch}" else [int(step.split("ctx")[1])]
             per_token = 2 * SH.kv_heads * (SH.head_dim * 2 if fmt == "bf16" else SH.head_dim + 4)
             assert c["kv_bytes"] == sum(ctx) * per_token
             net = max(c["total_s"] - c["overhead_s"], c["total_s"] / 2) / c["calls"]
             assert c["per_call_s"] == pytest.approx(net)
             assert d["decode_vs_copy"][fmt][name] == pytest.approx(c["kv_bytes"] / net / 1e9 / copy)
+    # the fastest kv_splits of each bf16 step and its speedup over 1, from the per-call times
+    bf16 = res["decode"]["decode"]["bf16"]
+    assert sorted(d["decode_splits"]) == sorted(steps)
+    for step in steps:
+        times = {1: bf16[step]["per_call_s"]} | {s: bf16[f"{step}_splits{s}"]["per_call_s"] for s in ga.KV_SPLITS}
+        best = min(times, key=times.get)
+        assert d["decode_splits"][step]["best_kv_splits"] == best
+        assert d["decode_splits"][step]["speedup_over_1"] == pytest.approx(times[1] / times[best])
+        assert d["decode_splits"][step]["per_call_s"] == {str(s): pytest.approx(t) for s, t in times.items()}
     m = res["mixed"]["mixed"]
     assert m["mixed"]["tokens"] == m["decode_half"]["tokens"] + m["chunk_half"]["tokens"]
     assert d["mixed"]["mixed_over_halves"] == pytest.approx(
@@ -86,6 +102,17 @@ def test_derived_numbers_recomputed_by_hand(report):
     t = SH.dense_tokens[0]
     assert flash["flops"] == 4 * SH.heads * SH.head_dim * t * (t + 1) // 2
     assert np.isfinite(flash["TFLOPs"]) and flash["TFLOPs"] > 0
+
+
+def test_split_names():
+    assert ga.split_name("batch1_ctx4096_splits16") == ("batch1_ctx4096", 16)
+    assert ga.split_name("batch64") == ("batch64", 1)
+    # a step whose kv_splits=1 case failed has no best (no made-up speedup); one split case failing leaves the others
+    cases = {"batch3": {"error": "boom"}, "batch3_splits4": {"per_call_s": 1.0},
+             "batch1_ctx16": {"per_call_s": 2.0}, "batch1_ctx16_splits4": {"error": "boom"},
+             "batch1_ctx16_splits16": {"per_call_s": 0.5}}
+    assert ga.best_splits(cases) == {"batch1_ctx16": {"best_kv_splits": 16, "speedup_over_1": 4.0,
+                                                      "per_call_s": {"1": 2.0, "16": 0.5}}}
 
 
 def test_unknown_part_is_refused():
