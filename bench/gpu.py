@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from bench.common import device_slug, results_path, write_json_atomic
 from bench.gpu_report import derive, markdown, plot
@@ -285,11 +285,7 @@ def new_report(args: argparse.Namespace, wl: Workload, parts: list[str], caps: d
 def refresh(report: dict[str, Any], out: Path, png: bool) -> None:
     """Take the device from a jax part, recompute the derived numbers, rewrite the JSON atomically
     (and the PNG: a run killed later keeps both)."""
-    for part in PARTS:
-        dev = report["parts"].get(part, {}).get("results", {}).get("device")
-        if part != "hf" and isinstance(dev, dict) and "kind" in dev:
-            report["device"] = dev
-            break
+    take_device(report, [p for p in PARTS if p != "hf"])      # the hf part's device is torch's
     report["derived"] = derive(report)
     out.parent.mkdir(parents=True, exist_ok=True)
     if png:
@@ -325,23 +321,44 @@ def run(args: argparse.Namespace) -> Path:
     stop_on_sigterm()
     print(f"bench.gpu: parts {', '.join(parts)}; deadline {args.deadline_s:.0f} s; JSON {out}; logs {log_dir}",
           flush=True)
+    run_parts(report, parts, caps, args.deadline_s, t_start,
+              lambda part, timeout: run_worker(part, timeout, args.smoke, args.autotune, log_dir),
+              lambda report: refresh(report, out, args.plot))
+    return out
+
+
+def run_parts(report: dict[str, Any], parts: list[str], caps: dict[str, float], deadline_s: float,
+              t_start: float, launch: Callable[[str, float], dict[str, Any]],
+              save: Callable[[dict[str, Any]], None]) -> None:
+    """The parent's loop of every bench script whose parts run in processes of their own: each part
+    in order gets the time left less the later parts' caps (part_timeout; under MIN_PART_S it is
+    recorded as skipped, not run), launch(part, timeout) runs it and returns its entry, save(report)
+    rewrites the results after each part; an interrupted part (SIGTERM / Ctrl-C) stops the run."""
     for i, part in enumerate(parts):
-        left = args.deadline_s - PARENT_RESERVE_S - (time.monotonic() - t_start)
+        left = deadline_s - PARENT_RESERVE_S - (time.monotonic() - t_start)
         timeout = part_timeout(part, parts[i + 1:], caps, left)
         if timeout < MIN_PART_S:
             entry = {"status": "skipped", "wall_s": 0.0, "timeout_s": timeout, "returncode": None,
                      "errors": [f"not run: {max(left, 0):.0f} s were left before the deadline"],
                      "unavailable": [], "results": {}}
         else:
-            entry = run_worker(part, timeout, args.smoke, args.autotune, log_dir)
+            entry = launch(part, timeout)
         report["parts"][part] = entry
         report["total_wall_s"] = time.monotonic() - t_start
-        refresh(report, out, args.plot)
-        print(f"  {part:9s} {entry['status']:11s} {entry['wall_s']:6.1f} s (limit {timeout:.0f} s)"
+        save(report)
+        print(f"  {part:12s} {entry['status']:11s} {entry['wall_s']:6.1f} s (limit {timeout:.0f} s)"
               + "".join(f"\n    error: {e.splitlines()[0][:300]}" for e in entry["errors"]), flush=True)
         if entry["status"] == "interrupted":
             break
-    return out
+
+
+def take_device(report: dict[str, Any], parts: tuple[str, ...] | list[str]) -> None:
+    """The report's device from the first of `parts` whose results recorded one (jax's view of it)."""
+    for part in parts:
+        dev = report["parts"].get(part, {}).get("results", {}).get("device")
+        if isinstance(dev, dict) and "kind" in dev:
+            report["device"] = dev
+            return
 
 
 def parse_parts(text: str | None, choices: tuple[str, ...] = PARTS) -> list[str]:

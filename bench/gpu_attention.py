@@ -367,6 +367,8 @@ def best_splits(cases: dict[str, Any]) -> dict[str, Any]:
 
 def write(report: dict[str, Any], out: Path) -> None:
     from bench.common import write_json_atomic
+    from bench.gpu import take_device
+    take_device(report, PARTS)
     report["derived"] = derive(report)
     write_json_atomic(report, out)
 
@@ -376,39 +378,22 @@ def run(args: argparse.Namespace) -> Path:
     from bench import gpu
     from bench.common import device_slug, results_path
     t0 = time.monotonic()
-    parts = gpu_parts_list(args.parts)
+    parts = gpu.parse_parts(args.parts, PARTS)
     driver = gpu.nvidia_smi()
     device = gpu.initial_device(args.smoke, driver)
     out = Path(args.out) if args.out else results_path(None, device_slug(device), "attention")
     log_dir = Path(tempfile.mkdtemp(prefix="jaxinfer-bench-attention-"))
-    scale = args.deadline_s / (sum(PART_CAPS_S[p] for p in parts) + gpu.PARENT_RESERVE_S)
-    caps = {p: PART_CAPS_S[p] * scale for p in parts}
+    caps = gpu.part_timeouts(parts, args.deadline_s, PART_CAPS_S)
     report = {"benchmark": "gpu_attention", "date": _dt.date.today().isoformat(), "time": time.strftime("%H:%M:%S"),
               "command": gpu.the_command(), "smoke": bool(args.smoke), "device": device, "driver": driver,
               "versions": gpu.versions(), "shapes": dataclasses.asdict(SMOKE if args.smoke else REAL),
               "settings": {"parts": parts, "deadline_s": args.deadline_s, "caps_s": caps, "log_dir": str(log_dir),
                            "autotune": "off: the kernels' default launch configs"}, "parts": {}}
-    for i, part in enumerate(parts):
-        left = args.deadline_s - gpu.PARENT_RESERVE_S - (time.monotonic() - t0)
-        timeout = gpu.part_timeout(part, parts[i + 1:], caps, left)
-        entry = gpu.run_worker(part, timeout, args.smoke, False, log_dir, module="bench.gpu_attention")
-        dev = entry["results"].get("device")
-        if isinstance(dev, dict) and "kind" in dev:
-            report["device"] = dev
-        report["parts"][part] = entry
-        report["total_wall_s"] = time.monotonic() - t0
-        write(report, out)
-        print(f"  {part:8s} {entry['status']:8s} {entry['wall_s']:6.1f} s (limit {timeout:.0f} s)"
-              + "".join(f"\n    error: {e.splitlines()[0][:300]}" for e in entry["errors"]), flush=True)
+    gpu.run_parts(report, parts, caps, args.deadline_s, t0,
+                  lambda part, timeout: gpu.run_worker(part, timeout, args.smoke, False, log_dir,
+                                                       module="bench.gpu_attention"),
+                  lambda report: write(report, out))
     return out
-
-
-def gpu_parts_list(text: str | None) -> list[str]:
-    asked = [p.strip() for p in (text or ",".join(PARTS)).split(",") if p.strip()]
-    unknown = [p for p in asked if p not in PARTS]
-    if unknown:
-        raise ValueError(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
-    return [p for p in PARTS if p in asked]
 
 
 def main(argv: list[str] | None = None) -> int:

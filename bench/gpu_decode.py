@@ -68,10 +68,9 @@ from typing import Any
 from bench import gpu_trace
 from bench.common import device_slug, results_path, write_json_atomic
 from bench import gpu
-from bench.gpu import initial_device, nvidia_smi, part_timeout, stop_on_sigterm, the_command, versions, worker_env
+from bench.gpu import initial_device, nvidia_smi, stop_on_sigterm, the_command, versions, worker_env
 from bench.gpu_workload import REAL, SMOKE, Workload
 
-REPO = Path(__file__).resolve().parent.parent
 PARTS = ("ceilings", "profile", "profile_nocb", "batch1", "ttft", "knee")
 # the XLA flag that turns GPU command buffers (CUDA graphs) off: each kernel then records its own
 # HLO instruction in the trace (in a command buffer a cuBLAS kernel records only the command buffer)
@@ -86,7 +85,6 @@ NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 #   knee     ~80 s: 9 levels, each new batch bucket compiling its decode shapes (~5 s)
 # A part also gets the time earlier parts left unused (up to twice its cap).
 PART_CAPS_S = {"ceilings": 20, "profile": 65, "profile_nocb": 45, "batch1": 135, "ttft": 50, "knee": 90}
-MIN_PART_S = 5
 
 
 @dataclass(frozen=True)
@@ -469,11 +467,7 @@ def new_report(args: argparse.Namespace, dw: DecodeWorkload, parts: list[str], c
 
 def refresh(report: dict[str, Any], out: Path) -> None:
     """Take the device from a part, recompute the derived numbers, rewrite the JSON atomically."""
-    for part in PARTS:
-        dev = report["parts"].get(part, {}).get("results", {}).get("device")
-        if isinstance(dev, dict) and "kind" in dev:
-            report["device"] = dev
-            break
+    gpu.take_device(report, PARTS)
     report["derived"] = derive(report)
     write_json_atomic(report, out)
 
@@ -493,22 +487,9 @@ def run(args: argparse.Namespace) -> Path:
     stop_on_sigterm()
     print(f"bench.gpu_decode: parts {', '.join(parts)}; deadline {args.deadline_s:.0f} s; JSON {out}; "
           f"logs {log_dir}", flush=True)
-    for i, part in enumerate(parts):
-        left = args.deadline_s - gpu.PARENT_RESERVE_S - (time.monotonic() - t_start)
-        timeout = part_timeout(part, parts[i + 1:], caps, left)
-        if timeout < MIN_PART_S:
-            entry = {"status": "skipped", "wall_s": 0.0, "timeout_s": timeout, "returncode": None,
-                     "errors": [f"not run: {max(left, 0):.0f} s were left before the deadline"],
-                     "unavailable": [], "results": {}}
-        else:
-            entry = run_worker(part, timeout, args.smoke, args.cold, log_dir)
-        report["parts"][part] = entry
-        report["total_wall_s"] = time.monotonic() - t_start
-        refresh(report, out)
-        print(f"  {part:12s} {entry['status']:11s} {entry['wall_s']:6.1f} s (limit {timeout:.0f} s)"
-              + "".join(f"\n    error: {e.splitlines()[0][:300]}" for e in entry["errors"]), flush=True)
-        if entry["status"] == "interrupted":
-            break
+    gpu.run_parts(report, parts, caps, args.deadline_s, t_start,
+                  lambda part, timeout: run_worker(part, timeout, args.smoke, args.cold, log_dir),
+                  lambda report: refresh(report, out))
     return out
 
 

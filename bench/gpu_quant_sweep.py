@@ -73,7 +73,6 @@ REAL = Sweep(projections=PROJECTIONS, rows=(1, 16, 64, 128, 4), chain_bytes=GiB,
 SMOKE = dataclasses.replace(REAL, projections={"qkv": (256, 128)}, rows=(1, 64), chain_bytes=1, max_chain=2,
                             reps=2, copy_bytes=1 << 20, max_splitk=1, max_tiled_large_m=1, compile_threads=2,
                             caps_s={"copy": 20, "qkv": 60})
-PARENT_RESERVE_S = 8
 
 
 # --------------------------------------------------------------------------- the cases (worker side)
@@ -280,6 +279,8 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the run (parent side)
 def write(report: dict[str, Any], out: Path) -> None:
     from bench.common import write_json_atomic
+    from bench.gpu import take_device
+    take_device(report, list(report["parts"]))
     report["derived"] = derive(report)
     write_json_atomic(report, out)
 
@@ -297,7 +298,7 @@ def new_report(args: argparse.Namespace, sw: Sweep, device: dict, driver: dict, 
 
 def run(args: argparse.Namespace) -> Path:
     """Every part in order, each in its own process with a timeout; the JSON rewritten after each."""
-    from bench.gpu import initial_device, nvidia_smi, run_worker
+    from bench.gpu import initial_device, nvidia_smi, part_timeouts, run_parts, run_worker
     t0 = time.monotonic()
     sw = SMOKE if args.smoke else REAL
     driver = nvidia_smi()
@@ -307,26 +308,10 @@ def run(args: argparse.Namespace) -> Path:
     log_dir.mkdir(parents=True, exist_ok=True)
     report = new_report(args, sw, device, driver, log_dir)
     parts = ["copy", *sw.projections]
-    scale = min(1.0, (args.deadline_s - PARENT_RESERVE_S) / sum(sw.caps_s[p] for p in parts))
-    for i, part in enumerate(parts):
-        left = args.deadline_s - PARENT_RESERVE_S - (time.monotonic() - t0)
-        later = sum(sw.caps_s[p] * scale for p in parts[i + 1:])
-        timeout = min(left - later, 2 * sw.caps_s[part] * scale)
-        if timeout < 5:
-            entry = {"status": "skipped", "wall_s": 0.0, "timeout_s": timeout, "errors": ["no time left"],
-                     "results": {}}
-        else:
-            entry = run_worker(part, timeout, args.smoke, False, log_dir, module="bench.gpu_quant_sweep")
-        report["parts"][part] = entry
-        dev = entry.get("results", {}).get("device")
-        if isinstance(dev, dict) and "kind" in dev:
-            report["device"] = dev
-        report["total_wall_s"] = time.monotonic() - t0
-        write(report, out)
-        print(f"  {part:8s} {entry['status']:8s} {entry['wall_s']:6.1f} s (limit {timeout:.0f} s)"
-              + "".join(f"\n    error: {e.splitlines()[0][:300]}" for e in entry["errors"][:5]), flush=True)
-        if entry["status"] == "interrupted":
-            break
+    caps = part_timeouts(parts, args.deadline_s, sw.caps_s)
+    run_parts(report, parts, caps, args.deadline_s, t0,
+              lambda part, timeout: run_worker(part, timeout, args.smoke, False, log_dir, module="bench.gpu_quant_sweep"),
+              lambda report: write(report, out))
     return out
 
 

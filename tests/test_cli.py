@@ -53,16 +53,20 @@ def test_export_hf_refuses_other_families(hf_model_dir, tmp_path, capsys):
 
 @pytest.fixture
 def jax_cache_config():
-    """jax's cache settings as they were (conftest: none), restored after the test, and jax's cache
-    object reset: once jax has compiled with a folder it keeps writing there for the process."""
+    """jax's own defaults for its cache settings during the test (no folder, a 1 s threshold; the
+    test process's own cache from conftest is set aside), the process's settings restored after
+    it, and jax's cache object reset both times: once jax has compiled with a folder it keeps
+    writing there for the process."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache as jax_cc
 
-    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     jax_cc.reset_cache()
-    yield before
-    jax.config.update("jax_compilation_cache_dir", before[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+    yield (None, 1.0)
+    jax.config.update("jax_compilation_cache_dir", saved[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
     jax_cc.reset_cache()
 
 

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench import gpu_attention as ga
+from bench import gpu, gpu_attention as ga
 from tests.precision import attention_rtol
 
 SH = ga.SMOKE
@@ -117,4 +117,4 @@ def test_split_names():
 
 def test_unknown_part_is_refused():
     with pytest.raises(ValueError, match="unknown part"):
-        ga.gpu_parts_list("decode,warp")
+        gpu.parse_parts("decode,warp", ga.PARTS)
