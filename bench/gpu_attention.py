@@ -209,11 +209,8 @@ def context() -> Context:
 
 # --------------------------------------------------------------------------- parts
 def copy_part(sh: Shapes, rec, ctx: Context) -> None:
-    from bench.gpu_parts import COPY_METHODS, copy_method
-    methods = {n: rec.guarded(("copy", "methods", n), lambda n=n: copy_method(n, sh.copy_bytes, ctx.overhead, sh.reps))
-               for n in COPY_METHODS}
-    ok = {k: v for k, v in methods.items() if v and "GBps" in v}
-    rec.put(("copy", "GBps"), max(v["GBps"] for v in ok.values()) if ok else {"error": "every copy method failed"})
+    from bench.gpu_parts import copy_ceiling
+    copy_ceiling(sh.copy_bytes, ctx.overhead, sh.reps, rec)
 
 
 def decode_part(sh: Shapes, rec, ctx: Context) -> None:
@@ -243,22 +240,16 @@ def prefill_part(sh: Shapes, rec, ctx: Context) -> None:
 
 
 def dense_impls(sh: Shapes, interpret: bool) -> dict[str, Any]:
-    """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D], causal."""
-    import jax
-
-    from pallas_kernels.flash_attention import flash_attention
-    scale = sh.head_dim ** -0.5
-
-    def cudnn(q, k, v):
-        return jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=True,
-                                            implementation="cudnn")[0]
+    """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D], causal: bench.gpu's flash and cuDNN, and JAX's
+    shipped Hopper kernel."""
+    from bench.gpu_parts import attention_impls
+    impls = attention_impls(sh.head_dim ** -0.5, interpret)
 
     def mosaic(q, k, v):      # JAX's shipped Hopper kernel, [B, T, H, D], its own 1/sqrt(D) scale
         from jax.experimental.pallas.ops.gpu import attention_mgpu as am
         cfg = am.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2, causal=True)
         return am.attention(q[None], k[None], v[None], cfg)[0]
-    return {"flash": lambda q, k, v: flash_attention(q, k, v, scale=scale, causal=True, interpret=interpret),
-            "cudnn": cudnn, "mosaic_jax": mosaic}
+    return {"flash": impls["flash"], "cudnn": impls["cudnn"], "mosaic_jax": mosaic}
 
 
 def dense_case(t: int, sh: Shapes, rec, ctx: Context, key: tuple[str, ...], only: tuple[str, ...] | None = None) -> None:

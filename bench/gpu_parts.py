@@ -174,19 +174,25 @@ def matmul_ceiling(n: int, calls: int, overhead: float, reps: int) -> dict[str, 
     return r | {"n": n, "flops": 2 * n ** 3, "TFLOPs": 2 * n ** 3 / r["per_call_s"] / 1e12}
 
 
-def ceilings_part(wl: "Workload", rec: Recorder) -> None:
-    overhead = launch_overhead(wl.reps)
-    rec.put(("launch_overhead_s",), overhead)
+def copy_ceiling(nbytes: int, overhead: float, reps: int, rec: Recorder) -> None:
+    """Every copy method over a buffer of nbytes, each recorded at ("copy", "methods", name), and the
+    best at ("copy", "GBps") (with its name and the bytes it moved): the bandwidth bar of a run."""
     methods = {name: rec.guarded(("copy", "methods", name), lambda name=name: copy_method(
-        name, wl.copy_bytes, overhead, wl.reps)) for name in COPY_METHODS}
+        name, nbytes, overhead, reps)) for name in COPY_METHODS}
     ok = {k: v for k, v in methods.items() if v and "GBps" in v}
     if ok:
         best = max(ok, key=lambda k: ok[k]["GBps"])
         rec.put(("copy", "best"), best)
         rec.put(("copy", "GBps"), ok[best]["GBps"])
-        rec.put(("copy", "bytes_moved"), 2 * wl.copy_bytes)
+        rec.put(("copy", "bytes_moved"), 2 * nbytes)
     else:
         rec.put(("copy", "GBps"), {"error": "every copy method failed"})
+
+
+def ceilings_part(wl: "Workload", rec: Recorder) -> None:
+    overhead = launch_overhead(wl.reps)
+    rec.put(("launch_overhead_s",), overhead)
+    copy_ceiling(wl.copy_bytes, overhead, wl.reps, rec)
     rec.guarded(("matmul",), lambda: matmul_ceiling(wl.square, wl.square_calls, overhead, wl.reps))
 
 

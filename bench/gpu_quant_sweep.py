@@ -224,13 +224,11 @@ def projection_part(sw: Sweep, name: str, rec) -> None:
 
 
 def copy_part(sw: Sweep, rec) -> None:
-    from bench.gpu_parts import COPY_METHODS, copy_method, device_info, launch_overhead
+    from bench.gpu_parts import copy_ceiling, device_info, launch_overhead
     rec.put(("device",), device_info())
     overhead = launch_overhead(sw.reps)
     rec.put(("launch_overhead_s",), overhead)
-    for method in COPY_METHODS:
-        rec.guarded(("copy", "methods", method), lambda method=method: copy_method(
-            method, sw.copy_bytes, overhead, sw.reps))
+    copy_ceiling(sw.copy_bytes, overhead, sw.reps, rec)
 
 
 def run_part(part: str, sw: Sweep, records: str) -> None:
