@@ -43,3 +43,22 @@ def rel_err(a, b) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     assert np.isfinite(a).all()
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def dot_chain_rtol(*contractions: int, dtype="float32") -> float:
+    """Bound on max|a - b| / max|b| for two evaluations of the same float computation that differ
+    only in the order of their sums (tiling, fusion, a grouped vs a looped matmul): each K-long dot
+    carries up to K * u of the sum of its terms' magnitudes (Higham, Lemma 3.1, first order), and the
+    terms here (random weights of initializer scale, no planted cancellation) sum to the order of the
+    largest output, so each dot on the path adds K * u of the tensor's scale. A later norm rescales
+    the error with the signal, so the errors of the dots a value passed through add up: pass every
+    contraction length on the path (each layer's K of its projections, the LM head's d_model).
+    Two evaluations can round opposite ways, hence the factor 2."""
+    return 2 * sum(contractions) * unit_roundoff(dtype)
+
+
+def assert_rel_close(actual, desired, rtol: float, what: str = "") -> None:
+    """max|actual - desired| <= rtol * max|desired|: rounding errors of sums scale with the tensor's
+    magnitude, not with each element (an element near 0 carries its neighbours' absolute error)."""
+    err = rel_err(actual, desired)
+    assert err <= rtol, f"{what}: max|a - b| / max|b| = {err:.3g} > {rtol:.3g}"

@@ -13,6 +13,7 @@ import pytest
 from jaxinfer.attention import attention, paged_attention_reference
 from jaxinfer.kv_cache import (CHUNK_GROUP, DECODE_GROUP, QUERY_TILE, StepRow, build_attention_metadata, init_kv_pages, kv_storage_dtype,
                                work_item_capacity, write_kv)
+from tests.precision import attention_rtol, rel_err
 
 
 def build_step(rng, chunks, *, pad_tokens, pad_rows, hkv, g, d, bs, kv_dtype):
@@ -153,7 +154,8 @@ def test_multi_step_decode_rows_read_blocks_of_later_positions():
     k = jnp.asarray(rng.standard_normal((8, hkv, d)), jnp.float32)
     got, pages = attention(q, k, k, pos, scale=0.25, kv=kv, meta=advanced, impl="xla")
     want = paged_attention_reference(q, pages, pos, advanced, scale=0.25)
-    np.testing.assert_allclose(np.asarray(got)[:2], np.asarray(want)[:2], rtol=1e-5, atol=1e-6)
+    # the XLA attention and the reference sum the scores and values in other orders (34 keys at most)
+    assert rel_err(np.asarray(got)[:2], np.asarray(want)[:2]) <= attention_rtol("float32", keys=34, head_dim=d)
 
 
 @pytest.mark.parametrize("kv_dtype,window,g", [("float32", 7, 2), ("int8", None, 4), ("float32", None, 1)])
