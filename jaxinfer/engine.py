@@ -1,4 +1,5 @@
-"""The engine: step() = schedule -> execute -> update, plus detokenization and stop strings.
+"""The engine: step() = schedule -> execute -> update (detokenization, stop strings and the deltas
+a client sees: jaxinfer.output_processor).
 
 One engine serves all three front doors (Generator, HTTP server, batch script). It is not
 thread-safe by itself; Generator serialises access with its lock, the server drives it from
@@ -28,8 +29,9 @@ from jaxinfer.host.speculative import Proposer, SpecStats
 from jaxinfer.host.structured import Grammars, StructuredOutputError
 from jaxinfer.models.decoder import Decoder, set_matmul_impl, weight_bytes
 from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
+from jaxinfer.output_processor import OutputProcessor, RequestOutput
 from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig
-from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, hold_back
+from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.sharding import model_mesh
 
 
@@ -39,30 +41,6 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param, self.code = param, code
-
-
-@dataclass
-class RequestOutput:
-    """What one step added to one sample of a request (a streaming delta)."""
-    request_id: str             # the request as the caller named it
-    sample_index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]]
-    finished: bool = False
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when the request was admitted
-
-
-@dataclass
-class _TextState:
-    detok: IncrementalDetokenizer | None
-    stops: tuple[str, ...]
-    text: str = ""              # all text decoded so far (after stop truncation)
-    emitted: int = 0            # how much of text has been handed out
-    marks: list[int] = field(default_factory=list)   # len(text) after each token of this step
-    stopped: bool = False       # a stop string completed (text is cut before it)
 
 
 @dataclass(frozen=True)
@@ -131,8 +109,7 @@ class Engine:
         self.weights = weights
         self.cost = perf.ModelCost.build(self.model_cfg, weights, self.runner.kv_bytes_per_token)
         self.device_spec = perf.device_for_kind(jax.devices()[0].device_kind)   # None: peak unknown (CPU)
-        self._text: dict[str, _TextState] = {}
-        self._groups: dict[str, list[str]] = {}   # request id -> ids of its n samples
+        self.output = OutputProcessor(tokenizer)   # text, stop strings and deltas of every sample
         self._ids = itertools.count()
         self.stats_ = StepStats()
         self.warmed_up = False
@@ -209,10 +186,8 @@ class Engine:
                 r.guide = self.grammars.guide(grammar)
         # the samples share the prompt's full blocks, except the one holding the last prompt token
         leader.fork_at = (len(prompt_ids) - 1) // self.blocks.block_size * self.blocks.block_size
-        self._groups[request_id] = [r.request_id for r in [leader, *leader.pending_forks]]
-        for r in [leader, *leader.pending_forks]:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
-            self._text[r.request_id] = _TextState(detok, params.stop)
+        self.output.add_request(request_id, [r.request_id for r in [leader, *leader.pending_forks]], prompt_ids,
+                                params.stop)
         self.scheduler.add(leader)
         return request_id
 
@@ -220,11 +195,11 @@ class Engine:
         """Abort every sample of a request; returns their final (empty) deltas."""
         outs = []
         # samples before their leader: finishing the leader also ends its not-yet-forked samples
-        for rid in reversed(self._groups.pop(request_id, [])):
+        for rid in reversed(self.output.pop_samples(request_id)):
             req = self.scheduler.requests.get(rid)
             if req is not None and not req.finished:
                 self.scheduler.abort(rid)
-                outs.append(self._delta(req, 0))
+                outs.append(self.output.delta(req, 0))
         return outs
 
     def has_unfinished(self) -> bool:
@@ -395,10 +370,7 @@ class Engine:
             self._count_bytes(perf.StepRecord(dt, spans, iterations=its), iters)
             self._applied += zip(spans, its)
         before = {q.request.request_id: len(q.request.output_ids) for q in plan.seqs}
-        for q in plan.seqs:
-            st = self._text.get(q.request.request_id)
-            if st is not None:
-                st.marks.clear()
+        self.output.begin_step(q.request.request_id for q in plan.seqs)
         updated = self.scheduler.update(plan, samples, stop_check=self._stop_check)
         if launched.proposals is not None:   # Medusa: each row's next tree (-1: none this step)
             for i, q in enumerate(plan.seqs):
@@ -409,60 +381,15 @@ class Engine:
         for req in updated:
             new = len(req.output_ids) - before[req.request_id]
             self.stats_.generation_tokens += new
-            deltas += self._deltas(req, new)
+            deltas += self.output.deltas(req, new)
         return deltas
 
     def _stop_check(self, req: Request) -> bool:
-        """Detokenize the request's newest token; True when that completes one of its stop strings
-        (the text is cut where the stop string begins) or its grammar (nothing more may follow)."""
-        st = self._text[req.request_id]
+        """Whether the request's newest token completes one of its stop strings (the output processor
+        detokenizes it and cuts the text where the stop string begins) or its grammar (nothing more
+        may follow)."""
         grammar_done = req.guide is not None and req.guide.at(len(req.output_ids) - 1, req.output_ids[-1])
-        if st.detok is None:
-            return grammar_done
-        checked = len(st.text)
-        st.text += st.detok.add(req.output_ids[-1])
-        st.marks.append(len(st.text))
-        if not st.stops:
-            return grammar_done
-        cut = find_stop(st.text, st.stops, max(checked, st.emitted))
-        if cut is None:
-            return grammar_done
-        st.text, st.stopped = st.text[:cut], True
-        return True
-
-    def _delta(self, req: Request, new_tokens: int) -> RequestOutput:
-        """The request's last delta of this step (abort: no tokens, finished)."""
-        return self._deltas(req, new_tokens)[-1]
-
-    def _deltas(self, req: Request, new_tokens: int) -> list[RequestOutput]:
-        """One RequestOutput per new token (at least one): its text is what became visible with it;
-        text that may still turn out to start a stop string is held back until it cannot."""
-        st = self._text[req.request_id]
-        if req.finished and st.detok is not None and not st.stopped:
-            st.text += st.detok.flush()
-            if st.stops:   # the flushed tail may still hold a stop string
-                cut = find_stop(st.text, st.stops, st.emitted)
-                st.text = st.text if cut is None else st.text[:cut]
-        visible = len(st.text) if req.finished or not st.stops else len(st.text) - hold_back(st.text, st.stops)
-        new_ids = req.output_ids[len(req.output_ids) - new_tokens:] if new_tokens else []
-        lps = req.output_logprobs[len(req.output_logprobs) - new_tokens:] if new_tokens else []
-        tops = req.output_top_logprobs[-new_tokens:] if new_tokens and req.params.logprobs else []
-        rid, _, _ = req.request_id.partition("#")
-        outs = []
-        for j in range(max(new_tokens, 1)):
-            last = j >= new_tokens - 1
-            end = visible if last or j >= len(st.marks) else min(st.marks[j], visible)
-            end = max(end, st.emitted)
-            text, st.emitted = st.text[st.emitted:end], end
-            outs.append(RequestOutput(rid, req.sample_index, text, new_ids[j:j + 1], lps[j:j + 1], tops[j:j + 1],
-                                      req.finished and last, req.finish_reason if last else None,
-                                      req.num_cached_tokens or 0))
-        if req.finished:
-            del self._text[req.request_id]
-            group = self._groups.get(rid)
-            if group is not None and all(g not in self._text for g in group):
-                del self._groups[rid]
-        return outs
+        return self.output.stop_check(req) or grammar_done
 
     # ---------------------------------------------------------------- stats
     def _count_bytes(self, step: perf.StepRecord, iters: int) -> None:
