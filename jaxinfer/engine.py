@@ -1,5 +1,5 @@
 """The engine: step() = schedule -> execute -> update (detokenization, stop strings and the deltas
-a client sees: jaxinfer.output_processor).
+a client sees: jaxinfer.output_processor; the live cost accounting: jaxinfer.step_stats).
 
 One engine serves all three front doors (Generator, HTTP server, batch script). It is not
 thread-safe by itself; Generator serialises access with its lock, the server drives it from
@@ -11,10 +11,9 @@ import functools
 import itertools
 import logging
 import os
-from collections import deque
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import jax
@@ -31,6 +30,7 @@ from jaxinfer.models.decoder import Decoder, set_matmul_impl, weight_bytes
 from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
 from jaxinfer.output_processor import OutputProcessor, RequestOutput
 from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig
+from jaxinfer.step_stats import StepStats
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.sharding import model_mesh
 
@@ -55,19 +55,6 @@ class StepTrace:
     wall_s: float
     device_s: float | None
     iterations: tuple[int, ...] = ()
-
-
-@dataclass
-class StepStats:
-    step_times: deque = field(default_factory=lambda: deque(maxlen=1024))
-    host_times: deque = field(default_factory=lambda: deque(maxlen=1024))   # engine.step() less waiting
-    bandwidth: deque = field(default_factory=lambda: deque(maxlen=64))   # bytes/s of recent steps
-    bytes_read: float = 0.0              # by every step that ran the model (perf.ModelCost.step_bytes)
-    device_time_s: float = 0.0           # those steps' device time
-    num_steps: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    compilations_after_warmup: int = 0   # XLA compilations inside this engine's steps
 
 
 class Engine:
@@ -367,7 +354,7 @@ class Engine:
         self._device_s = dt / iters
         if plan.run_target:   # (a draft catch-up step reads none of the target's weights or K/V)
             spans = [(q.start, q.num_tokens) for q in plan.seqs]
-            self._count_bytes(perf.StepRecord(dt, spans, iterations=its), iters)
+            self.stats_.count_step(self.cost, perf.StepRecord(dt, spans, iterations=its), iters)
             self._applied += zip(spans, its)
         before = {q.request.request_id: len(q.request.output_ids) for q in plan.seqs}
         self.output.begin_step(q.request.request_id for q in plan.seqs)
@@ -392,20 +379,10 @@ class Engine:
         return self.output.stop_check(req) or grammar_done
 
     # ---------------------------------------------------------------- stats
-    def _count_bytes(self, step: perf.StepRecord, iters: int) -> None:
-        """Add one completed step's bytes (the cost model's, as the benchmarks and `jaxinfer plan`
-        count them) and device time to the live MBU figures."""
-        nbytes = self.cost.step_bytes(step)
-        self.stats_.step_times.append(step.time_s / iters)
-        self.stats_.bandwidth.append(nbytes / step.time_s)
-        self.stats_.bytes_read += nbytes
-        self.stats_.device_time_s += step.time_s
-
     def stats(self) -> dict:
         """Counters and gauges (served on /metrics). MBU: the median achieved bandwidth of recent steps
         (perf.ModelCost bytes over device time) over the datasheet's peak (None when unknown)."""
         s = self.stats_
-        bw = float(np.median(s.bandwidth)) if s.bandwidth else None
         return {
             "compilations_after_warmup": s.compilations_after_warmup if self.warmed_up else None,
             "kv_blocks_total": self.blocks.num_blocks - 1,
@@ -426,11 +403,11 @@ class Engine:
                                       if self.scheduler.prefix_queries else None),
             "prefix_cache_blocks": self.blocks.num_cached,
             "prefix_cache_evictions": self.blocks.num_evictions,
-            "median_step_time_s": float(np.median(s.step_times)) if s.step_times else None,
-            "median_host_time_per_step_s": float(np.median(s.host_times)) if s.host_times else None,
+            "median_step_time_s": s.median_step_time_s(),
+            "median_host_time_per_step_s": s.median_host_time_s(),
             "async_scheduling": self.async_scheduling,
-            "achieved_bandwidth_bytes_per_s": bw,
-            "mbu": perf.mbu(bw, None if self.device_spec is None else self.device_spec.bandwidth),
+            "achieved_bandwidth_bytes_per_s": s.achieved_bandwidth(),
+            "mbu": s.mbu(self.device_spec),
             "bytes_read": s.bytes_read,
             "device_time_s": s.device_time_s,
             "weight_bytes": self.weights.total,
