@@ -10,16 +10,14 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import jax
-import numpy as np
 
-from jaxinfer.config import EngineConfig, PoolInputs, ResolvedConfig, SamplingParams, resolve_config
+from jaxinfer.config import EngineConfig, ResolvedConfig, SamplingParams, resolve_config
 from jaxinfer import perf
 from jaxinfer.host.block_manager import BlockManager
 from jaxinfer.host.request import Request
@@ -28,6 +26,7 @@ from jaxinfer.host.speculative import Proposer, SpecStats
 from jaxinfer.host.structured import Grammars, StructuredOutputError
 from jaxinfer.models.decoder import Decoder, set_matmul_impl, weight_bytes
 from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
+from jaxinfer.memory import pool_inputs
 from jaxinfer.output_processor import OutputProcessor, RequestOutput
 from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig
 from jaxinfer.step_stats import StepStats
@@ -467,7 +466,7 @@ def _resolve(model, cfg: EngineConfig, draft_model: Decoder | None) -> ResolvedC
     and with num_blocks=None the device's memory is gathered first (pool_inputs) so that config
     sizes the pool from it. Logs how the pool was sized."""
     embed_dtype = model.embed.get_value().dtype if hasattr(model, "embed") else None
-    memory = _pool_inputs(model, draft_model, embed_dtype) if cfg.num_blocks is None else None
+    memory = pool_inputs(model, draft_model, embed_dtype) if cfg.num_blocks is None else None
     r = resolve_config(cfg, model.cfg, backend=jax.default_backend(),
                        weight_dtype=None if embed_dtype is None else str(embed_dtype), memory=memory,
                        pipelined=isinstance(model, PipelinedDecoder))
@@ -480,48 +479,6 @@ def _resolve(model, cfg: EngineConfig, draft_model: Decoder | None) -> ResolvedC
                 "set XLA_CLIENT_MEM_FRACTION=%g before jax starts (the jaxinfer commands do) for a larger KV pool",
                 r.pool.allocator_limit / 2**30, r.pool.device_bytes / 2**30, r.memory_fraction, r.memory_fraction)
     return r
-
-
-def pool_device():
-    """The device whose memory sizes the pool: this process's first (every device of a mesh holds
-    the same share of weights and pages)."""
-    return jax.local_devices()[0]
-
-
-def _pool_inputs(model, draft_model: Decoder | None, embed_dtype) -> PoolInputs:
-    """What config.size_pool sizes the KV pool from: the allocator's stats of every process's first
-    device (the loaded weights, a draft model's too, are allocated already: memory in use counts
-    them), the host's RAM, and how the model splits each block over its mesh."""
-    mesh = model_mesh(model)
-    tp = 1 if mesh is None else mesh.shape["tensor"]
-    pp = 1 if mesh is None else mesh.shape["pipeline"]   # pipeline ranks hold their layers' pages only
-    device = pool_device()
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 8 << 30
-    return PoolInputs(stats=_stats_of_every_process(device.memory_stats()), platform=device.platform,
-                      host_ram=ram, env=dict(os.environ),
-                      kv_shards=(tp if model.cfg.n_kv_heads % tp == 0 else 1) * pp,
-                      draft=None if draft_model is None else draft_model.cfg,
-                      activation_dtype_bytes=embed_dtype.itemsize if embed_dtype is not None else 4)
-
-
-def _stats_of_every_process(stats: dict | None) -> tuple[dict | None, ...]:
-    """(this process's allocator stats, then every other process's): multi-host, every process must
-    allocate the same pool (one global array), the largest that fits on all of them."""
-    if jax.process_count() == 1:
-        return (stats,)
-    from jax.experimental import multihost_utils
-    known = bool(stats) and "bytes_limit" in stats
-    values = (int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))) if known else (0, 0)
-    # 31-bit halves: jax gathers int32 unless 64-bit mode is on
-    row = np.array([known] + [half for v in values for half in (v >> 31, v & 0x7FFFFFFF)], np.int32)
-    every = np.asarray(multihost_utils.process_allgather(row))
-
-    def unpacked(r) -> dict | None:
-        return {"bytes_limit": int(r[1]) << 31 | int(r[2]), "bytes_in_use": int(r[3]) << 31 | int(r[4])} if r[0] else None
-    return (stats, *(unpacked(r) for i, r in enumerate(every) if i != jax.process_index()))
 
 
 def scheduler_config(r: ResolvedConfig, lazy_draft: bool = False, medusa_tree=None) -> SchedulerConfig:
