@@ -1,9 +1,12 @@
-"""The engine: step() = schedule -> execute -> update (detokenization, stop strings and the deltas
-a client sees: jaxinfer.output_processor; the live cost accounting: jaxinfer.step_stats).
+"""The engine: step() = schedule -> execute -> update; add_request, abort, stats.
 
-One engine serves all three front doors (Generator, HTTP server, batch script). It is not
-thread-safe by itself; Generator serialises access with its lock, the server drives it from
-one loop thread.
+One engine serves all three front doors (Generator, HTTP server, batch script), each through
+jaxinfer.client.EngineClient, whose lock serialises access (the engine is not thread-safe by
+itself). The engine only orchestrates: the scheduler (host/scheduler.py) plans a step, the runner
+(runner.py) runs it on the device, the scheduler applies its tokens; what a client sees of them
+(text, stop strings, deltas) is jaxinfer.output_processor's, the live cost accounting is
+jaxinfer.step_stats's, the memory the KV pool is sized from is jaxinfer.memory's, and the step
+surface below the request API (profiling, multi-host followers) is jaxinfer.debug's.
 """
 from __future__ import annotations
 
@@ -24,14 +27,17 @@ from jaxinfer.host.request import Request
 from jaxinfer.host.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxinfer.host.speculative import Proposer, SpecStats
 from jaxinfer.host.structured import Grammars, StructuredOutputError
-from jaxinfer.models.decoder import Decoder, set_matmul_impl, weight_bytes
-from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
 from jaxinfer.memory import pool_inputs
+from jaxinfer.models.decoder import Decoder, set_matmul_impl, weight_bytes
 from jaxinfer.output_processor import OutputProcessor, RequestOutput
+from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
 from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig
+from jaxinfer.sharding import model_mesh
 from jaxinfer.step_stats import StepStats
 from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.sharding import model_mesh
+
+# RequestOutput (output_processor) and StepStats (step_stats) stay importable from here
+__all__ = ["Engine", "RequestError", "RequestOutput", "StepStats", "StepTrace", "runner_config", "scheduler_config"]
 
 
 class RequestError(ValueError):
@@ -108,7 +114,6 @@ class Engine:
         self._step_observers: list[Callable[[StepTrace], None]] = []
         self._device_s: float | None = None   # device time of the step applied by this step()
         self._applied: list[tuple[tuple[int, int], int]] = []   # (span, iterations) applied by this step()
-        self._published_treedef = None        # multi-host followers: the StepInputs pytree structure
         self.num_constrained_requests = 0
 
     def warmup(self) -> None:
@@ -204,47 +209,10 @@ class Engine:
         """Sequences admitted but not running yet (a request with n samples counts n)."""
         return self.scheduler.num_unfinished() - len(self.scheduler.running)
 
-    def next_step_inputs(self):
-        """Profiling only (bench/profile_step.py): schedule the next step and return (its device
-        StepInputs, its decode iterations) without running it; the engine must not step again."""
-        assert self._inflight is None, "next_step_inputs needs a synchronous engine (async_scheduling=False)"
-        plan = self.scheduler.schedule()
-        inputs = self.runner.prepare(plan, self.blocks.tables)[0]
-        self.runner.fill_masks()
-        return inputs, plan.num_decode_iters
-
-    def replay_step(self, inputs) -> None:
-        """Profiling only: run the step of next_step_inputs() (again) and wait for it."""
-        self.runner.replay(inputs)
-
-    def step_hlo(self, inputs) -> str:
-        """Profiling only: the compiled step's optimized HLO for next_step_inputs()' shapes."""
-        return self.runner.step_hlo(inputs)
-
-    def choose_token_buckets(self, smallest: int) -> None:
-        """Benchmarks, before warm-up: pad steps to token buckets starting at `smallest`."""
-        assert not self.warmed_up, "choose the token buckets before warm-up compiles them"
-        self.runner.choose_token_buckets(smallest)
-
-    def kv_pool_bytes(self) -> int:
-        """Device bytes the KV pages take (every layer's K, V and scales, a draft model's too)."""
-        return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.runner.kv_pages)))
-
-    def free_kv_pages(self) -> None:
-        """Delete the KV pages now (a benchmark sizing the next engine from free device memory);
-        this engine cannot step afterwards."""
-        for x in jax.tree.leaves(self.runner.kv_pages):
-            x.delete()
-        self.runner.kv_pages = None
-
-    def run_published(self, arrays: list) -> None:
-        """Multi-host followers: run the step process 0 published, its StepInputs as the flat host
-        arrays of jaxinfer.distributed.step_arrays (same executable, pages donated)."""
-        from jaxinfer.distributed import step_inputs
-        if self._published_treedef is None:
-            r = self.runner
-            self._published_treedef = jax.tree.structure(r.empty_inputs(r.token_buckets[0], r.block_buckets[0]))
-        self.runner.run_published(step_inputs(list(arrays), self._published_treedef))
+    @property
+    def step_in_flight(self) -> bool:
+        """A step is dispatched and its tokens not yet applied (async scheduling, between steps)."""
+        return self._inflight is not None
 
     def add_step_observer(self, callback: Callable[[StepTrace], None]) -> None:
         """callback(StepTrace) after every step() that scheduled sequences (benchmarks' step log)."""
