@@ -233,25 +233,18 @@ class Engine:
         self._device_s = None
         prev, self._inflight = self._inflight, None
         deltas = []
-        if prev is not None and any(q.spec or (q.sample and (q.request.params.uses_history
-                                                            or self.scheduler.may_propose(q.request)))
-                                    for q in prev.plan.seqs):
-            # penalties read the host's history, and proposals follow the last token: both need
-            # step N's tokens on the host before step N+1 is planned (not a row that cannot be
-            # proposed for, e.g. under a grammar with the draft model); so does a row that speculated
-            # in step N whatever the policy says now (a request arriving meanwhile turns it off):
-            # how many tokens it drew, so where its last one lies, is known only then
+        if prev is not None and self._needs_tokens_first(prev):
             deltas += self._complete(prev)
             prev = None
-        plan = self.scheduler.schedule()
+        sched = self.scheduler.schedule()
         feed = None
-        if prev is not None and any(q.sample and q.request.guide is not None for q in prev.plan.seqs):
+        if prev is not None and any(seq.sample and seq.request.guide is not None for seq in prev.plan.seqs):
             # a grammar's next mask follows from the token just drawn: prepare step N+1 while the
             # device runs N, then wait for N's tokens and feed them to the matchers only, fill N+1's
             # masks and dispatch it, then apply step N on the host (text, stop strings, deltas)
             # while the device runs N+1
             feed = functools.partial(self._feed_guides, prev)
-        launched = self._launch(plan, prev, feed) if plan.seqs else None
+        launched = self._launch(sched, prev, feed) if sched.seqs else None
         if launched is not None and not self.async_scheduling:
             deltas += self._complete(launched)
             launched = None
@@ -262,24 +255,36 @@ class Engine:
         self.stats_.host_times.append(t1 - t0 - self._waited)
         self._waited = 0.0
         applied, self._applied = self._applied, []
-        if self._step_observers and (plan.seqs or applied):
+        if self._step_observers and (sched.seqs or applied):
             trace = StepTrace(tuple(span for span, _ in applied), t1 - t0, self._device_s,
                               tuple(its for _, its in applied))
             for observe in self._step_observers:
                 observe(trace)
         return deltas
 
-    def _launch(self, plan: SchedulerOutput, prev: Launched | None, before_dispatch=None) -> Launched:
+    def _needs_tokens_first(self, prev: Launched) -> bool:
+        """Whether the in-flight step's tokens must reach the host before the next step is planned.
+        Penalties read the host's history, and proposals follow the last token: both need step N's
+        tokens on the host before step N+1 is planned (not a row that cannot be proposed for, e.g.
+        under a grammar with the draft model); so does a row that speculated in step N whatever the
+        policy says now (a request arriving meanwhile turns it off): how many tokens it drew, so
+        where its last one lies, is known only then."""
+        return any(seq.spec or (seq.sample and (seq.request.params.uses_history
+                                                or self.scheduler.may_propose(seq.request)))
+                   for seq in prev.plan.seqs)
+
+    def _launch(self, sched: SchedulerOutput, prev: Launched | None, before_dispatch=None) -> Launched:
         c0 = CompileCounter.count
-        launched = self.runner.launch(plan, self.blocks.tables, prev, before_dispatch)
+        launched = self.runner.launch(sched, self.blocks.tables, prev, before_dispatch)
         launched.t_launch = time.perf_counter()
         if self.warmed_up:
             self.stats_.compilations_after_warmup += CompileCounter.count - c0
-        self.scheduler.launched(plan)
+        self.scheduler.launched(sched)
         self.stats_.num_steps += 1
         # prompt positions whose target K/V the step computes (a draft catch-up's are cached already)
-        self.stats_.prompt_tokens += sum(max(0, min(q.start + q.num_tokens, len(q.request.prompt_ids)) - q.start
-                                             - q.draft_only) for q in plan.seqs)
+        self.stats_.prompt_tokens += sum(
+            max(0, min(seq.start + seq.num_tokens, len(seq.request.prompt_ids)) - seq.start - seq.draft_only)
+            for seq in sched.seqs)
         return launched
 
     def _fetch(self, launched: Launched) -> dict:
@@ -294,16 +299,16 @@ class Engine:
         """Advance the constrained rows' matchers past a step's tokens before the host applies
         them (Guide.at answers again when the update reaches those tokens)."""
         samples = self._fetch(launched)
-        for q in launched.plan.seqs:
-            req = q.request
-            if q.sample and req.guide is not None and not req.finished:
+        for seq in launched.plan.seqs:
+            req = seq.request
+            if seq.sample and req.guide is not None and not req.finished:
                 for j, s in enumerate(samples.get(req.request_id, ())):
                     if req.guide.at(len(req.output_ids) + j, s.token):
                         break
 
     def _complete(self, launched: Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them: stop conditions, text, deltas."""
-        plan = launched.plan
+        sched = launched.plan
         samples = self._fetch(launched)
         done = launched.t_fetched
         # the device's time for this step: from its dispatch, or from the end of the step before it
@@ -312,24 +317,24 @@ class Engine:
         # bytes read (perf.ModelCost): per iteration the weights and each sequence's KV context, which
         # grows by one token per iteration of a multi-step decode
         counts = launched.spec_counts
-        its = [int(counts[i, 0]) or 1 if q.spec else max(1, len(samples.get(q.request.request_id, ())))
-               for i, q in enumerate(plan.seqs)]
-        for i, q in enumerate(plan.seqs):
-            if q.spec and q.request.request_id in samples:
+        its = [int(counts[i, 0]) or 1 if seq.spec else max(1, len(samples.get(seq.request.request_id, ())))
+               for i, seq in enumerate(sched.seqs)]
+        for i, seq in enumerate(sched.seqs):
+            if seq.spec and seq.request.request_id in samples:
                 self.spec_stats.add(counts[i])
         iters = max(its)
         self._device_s = dt / iters
-        if plan.run_target:   # (a draft catch-up step reads none of the target's weights or K/V)
-            spans = [(q.start, q.num_tokens) for q in plan.seqs]
+        if sched.run_target:   # (a draft catch-up step reads none of the target's weights or K/V)
+            spans = [(seq.start, seq.num_tokens) for seq in sched.seqs]
             self.stats_.count_step(self.cost, perf.StepRecord(dt, spans, iterations=its), iters)
             self._applied += zip(spans, its)
-        before = {q.request.request_id: len(q.request.output_ids) for q in plan.seqs}
-        self.output.begin_step(q.request.request_id for q in plan.seqs)
-        updated = self.scheduler.update(plan, samples, stop_check=self._stop_check)
+        before = {seq.request.request_id: len(seq.request.output_ids) for seq in sched.seqs}
+        self.output.begin_step(seq.request.request_id for seq in sched.seqs)
+        updated = self.scheduler.update(sched, samples, stop_check=self._stop_check)
         if launched.proposals is not None:   # Medusa: each row's next tree (-1: none this step)
-            for i, q in enumerate(plan.seqs):
-                req = q.request
-                if q.sample and not req.finished and launched.proposals[i, 0] >= 0:
+            for i, seq in enumerate(sched.seqs):
+                req = seq.request
+                if seq.sample and not req.finished and launched.proposals[i, 0] >= 0:
                     req.proposals = (len(req.all_ids), launched.proposals[i].tolist())
         deltas = []
         for req in updated:
