@@ -457,7 +457,9 @@ def _resolve(model, cfg: EngineConfig, draft_model: Decoder | None) -> ResolvedC
 def scheduler_config(r: ResolvedConfig, lazy_draft: bool = False, medusa_tree=None) -> SchedulerConfig:
     """The scheduler's settings from the resolved ones. lazy_draft: a draft model whose pages may
     lag; medusa_tree: the Medusa tree (cut to num_speculative_tokens), whose nodes a row proposes."""
-    return SchedulerConfig(r.batching, r.max_num_seqs, r.max_num_batched_tokens, r.max_model_len, r.batch_window_s,
+    return SchedulerConfig(policy=r.batching, max_num_seqs=r.max_num_seqs,
+                           max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len,
+                           batch_window_s=r.batch_window_s,
                            # multi-step decoding runs the model in a device loop; pipeline stages do not loop
                            max_decode_steps=r.max_decode_steps,
                            spec_tokens=len(medusa_tree.paths) if medusa_tree is not None else r.spec_tokens,

@@ -49,7 +49,7 @@ from .request import Request, RequestStatus
 from .speculative import MAX_GUIDED_ROWS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     policy: str = "continuous"          # continuous | static | dynamic
     max_num_seqs: int = 64
