@@ -86,7 +86,7 @@ def vars_of(args: argparse.Namespace) -> dict[str, Any]:
 
 def release(gen) -> None:
     """Free a Generator's KV pages now (on a GPU the next Generator sizes its cache from free memory)."""
-    gen.client.free_kv_pages()
+    gen.client.debug.free_kv_pages()
     gc.collect()
 
 

@@ -21,7 +21,7 @@ from bench.common import device_info, device_slug, model_path, parse_list, relea
 def measure(path, t0: int, prompt: list[int], n: int, reps: int, k: int) -> dict:
     from jaxinfer import Generator, SamplingParams
     gen = Generator.from_pretrained(path, max_num_seqs=1, max_decode_steps=k, warmup=False)
-    gen.client.choose_token_buckets(t0)
+    gen.client.debug.choose_token_buckets(t0)
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
     def once() -> tuple[float, float]:

@@ -13,7 +13,7 @@ bench/gpu_parts.build_model builds it, driven through Generator and its EngineCl
     ceilings  copy GB/s and bf16 matmul TFLOP/s (bench/gpu_parts.ceilings_part: bench.gpu's own code)
     profile   jax.profiler traces of batch-1 decode with attention="pallas", parsed on the spot by
               bench/gpu_trace.py into a per-op summary. `replay`: `profile_calls` replays of one
-              multi-step decode call (client.next_step_inputs / replay_step on a synchronous engine,
+              multi-step decode call (client.debug.next_step_inputs / replay_step on a synchronous engine,
               each call annotated decode_call_<i>); `loop`: the engine's own loop (async scheduling,
               client.step) over `profile_loop_steps` decode steps, annotated decode_loop. Each summary:
               device time per kernel (top 30, and per kernel with copy numbers merged), device busy
@@ -194,7 +194,7 @@ def decoding_step(client, prompt: list[int], max_tokens: int) -> tuple[str, Any,
             client.step()
     finally:
         client.remove_step_observer(observe)
-    inputs, iterations = client.next_step_inputs()
+    inputs, iterations = client.debug.next_step_inputs()
     return rid, inputs, iterations
 
 
@@ -239,18 +239,18 @@ def profile_replay(gen, dw: DecodeWorkload, prompt: list[int], trace_dir: Path) 
     client = gen.client
     rid, inputs, iterations = decoding_step(client, prompt, dw.base.decode_tokens + 4 * dw.profile_steps)
     [metrics] = client.metrics(rid)
-    hlo = client.step_hlo(inputs)
+    hlo = client.debug.step_hlo(inputs)
     untraced = []
     for _ in range(dw.profile_calls + 1):
         t = time.perf_counter()
-        client.replay_step(inputs)
+        client.debug.replay_step(inputs)
         untraced.append(time.perf_counter() - t)
 
     def calls():
         import jax
         for i in range(dw.profile_calls):
             with jax.profiler.TraceAnnotation(f"decode_call_{i}"):
-                client.replay_step(inputs)
+                client.debug.replay_step(inputs)
     trace, source = traced(trace_dir, calls)
     client.release(rid)
     summary = gpu_trace.summarize(trace, "decode_call", iterations, hlo)

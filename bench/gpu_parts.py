@@ -316,7 +316,7 @@ def memory_stats() -> dict[str, Any]:
 
 
 def pool_bytes(gen) -> int:
-    return gen.client.kv_pool_bytes()
+    return gen.client.debug.kv_pool_bytes()
 
 
 def activation_reserve(gen, wl: "Workload") -> int:

@@ -3,7 +3,7 @@ busy time against the call's wall time, the gaps between kernels, kernels per de
 share of the attention kernel, the matmuls, the LM head, the sampler and everything else.
 
     trace = read_trace(find_trace(log_dir))          # the Chrome-trace JSON jax's profiler writes
-    summary = summarize(trace, "decode_call", tokens_per_window=8, hlo_text=client.step_hlo(inputs))
+    summary = summarize(trace, "decode_call", tokens_per_window=8, hlo_text=client.debug.step_hlo(inputs))
 
 Input: the trace events of `jax.profiler.trace(log_dir)` (its `*.trace.json.gz`, a gzip'd Chrome
 trace, or the `*.xplane.pb` turned into the same events by xspace_to_trace), in which the caller
@@ -25,7 +25,7 @@ Per window (all times in microseconds):
     so wall = lead + busy + gaps + tail.
 Categories, from the HLO instruction a kernel ran (InstructionOf: by the kernel's name or its
 recorded `hlo_op`) and the Python stack jax recorded for it in the compiled HLO text
-(`client.step_hlo`), first match wins: sampler (jaxinfer/sampling.py), lm_head (Decoder.logits),
+(`client.debug.step_hlo`), first match wins: sampler (jaxinfer/sampling.py), lm_head (Decoder.logits),
 attention (jaxinfer/attention.py or a pallas_kernels/*attention* kernel), matmul (a dot, a GEMM
 custom call or fusion, or layers.dense), other. A kernel with no instruction (a cuBLAS kernel inside
 a GPU command buffer, whose kernels record only the command buffer) is classified by its name alone

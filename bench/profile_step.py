@@ -41,7 +41,7 @@ def decode_step_inputs(gen: Generator, batch: int, seed: int):
     while not (decoding and decoding[-1]):   # step until one step decoded every sequence
         client.step()
     client.remove_step_observer(observe)
-    return client.next_step_inputs()
+    return client.debug.next_step_inputs()
 
 
 def op_names(hlo_text: str) -> dict[str, str]:
@@ -52,10 +52,10 @@ def op_names(hlo_text: str) -> dict[str, str]:
 def profile(gen: Generator, batch: int, reps: int, trace_steps: int, seed: int) -> dict:
     client = gen.client
     inputs, iters = decode_step_inputs(gen, batch, seed)
-    names = op_names(client.step_hlo(inputs))
+    names = op_names(client.debug.step_hlo(inputs))
 
     def step():
-        client.replay_step(inputs)
+        client.debug.replay_step(inputs)
 
     step()
     times = []

@@ -13,10 +13,12 @@ It owns the lock that serialises access to the engine, submits several prompts a
 (a ValueError for one prompt rolls back the ones already added), routes each delta to the
 callback its request was submitted with, aggregates finished outputs (Completion), and exposes
 what adapters need (queued sequences, per-request metrics, stats, step observers, the resolved
-configuration, the benchmarks' and profiler's hooks, the multi-host follower's step) as public
-methods, so no adapter reads the engine's internals (its scheduler, runner, block manager, step
-functions or counters) or the lock. The client itself goes no further than the engine's public
-methods. Its public output types: RequestOutput (one step's delta of one sample) and Completion.
+configuration) as public methods, so no adapter reads the engine's internals (its scheduler,
+runner, block manager, step functions or counters) or the lock. The step below the request API
+(the profiler's and benchmarks' hooks, the multi-host follower's step) is `client.debug`, a
+jaxinfer.debug.StepDebugger under the same lock. The client itself goes no further than the
+engine's public methods. Its public output types: RequestOutput (one step's delta of one sample)
+and Completion.
 """
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from jaxinfer.config import ResolvedConfig, SamplingParams
-from jaxinfer.engine import Engine, RequestOutput, StepTrace
+from jaxinfer.debug import StepDebugger
+from jaxinfer.engine import Engine, StepTrace
+from jaxinfer.output_processor import RequestOutput
 from jaxinfer.host.request import LatencyMetrics
 
 __all__ = ["Completion", "EngineClient", "RequestMetrics", "RequestOutput", "Route", "SubmitError"]
@@ -85,6 +89,9 @@ class EngineClient:
         self._lock = threading.RLock()   # re-entrant: a submit's check() may read queued_sequences()
         self._routes: dict[str, Route | None] = {}
         self._samples: dict[str, list] = {}     # request id -> its n host Requests (metrics)
+        # the step below the request API (profiling, benchmarks' memory accounting, multi-host
+        # followers), under this client's lock: the one copy of that surface
+        self.debug = StepDebugger(engine, self._lock)
 
     # ---------------------------------------------------------------- what adapters read
     @property
@@ -131,43 +138,6 @@ class EngineClient:
     def remove_step_observer(self, callback: Callable[[StepTrace], None]) -> None:
         with self._lock:
             self.engine.remove_step_observer(callback)
-
-    def next_step_inputs(self):
-        """Profiling only: the next step's device inputs, not run (Engine.next_step_inputs)."""
-        with self._lock:
-            return self.engine.next_step_inputs()
-
-    def replay_step(self, inputs) -> None:
-        """Profiling only: run the step of next_step_inputs() (again) and wait for it."""
-        with self._lock:
-            self.engine.replay_step(inputs)
-
-    def step_hlo(self, inputs) -> str:
-        """Profiling only: the compiled step's optimized HLO for next_step_inputs()' shapes."""
-        with self._lock:
-            return self.engine.step_hlo(inputs)
-
-    def choose_token_buckets(self, smallest: int) -> None:
-        """Benchmarks, before warm-up: pad each step to the smallest token bucket that holds it, the
-        buckets starting at `smallest` (what a one-row decode step costs padded to it)."""
-        with self._lock:
-            self.engine.choose_token_buckets(smallest)
-
-    def kv_pool_bytes(self) -> int:
-        """Device bytes the KV pool takes (a benchmark's memory accounting)."""
-        with self._lock:
-            return self.engine.kv_pool_bytes()
-
-    def free_kv_pages(self) -> None:
-        """Delete the KV pages now (a benchmark sizing the next engine from free device memory);
-        this engine cannot step afterwards."""
-        with self._lock:
-            self.engine.free_kv_pages()
-
-    def run_published_step(self, arrays: list) -> None:
-        """Multi-host followers: run the step process 0 published (jaxinfer.distributed.step_arrays)."""
-        with self._lock:
-            self.engine.run_published(arrays)
 
     def locked(self, fn: Callable[[], object]) -> object:
         """Run fn() while holding the engine lock (multi-host: publish and run in one order)."""

@@ -4,21 +4,20 @@
                                    # and the CLI all get it); idempotent
 
 Compiled executables (the engine's step programs above all) are kept on disk across runs, so a
-restarted process loads instead of compiling them (bundled model on CPU: warm-up 63 s -> 19 s).
+restarted process loads instead of compiling them (on CPU, most of warm-up's time).
 $JAXINFER_COMPILATION_CACHE names the folder (default ~/.cache/jaxinfer/xla); "off" leaves
 the cache alone. A cache folder the user chose for jax (jax.config.update("jax_compilation_cache_dir",
 ...) or $JAX_COMPILATION_CACHE_DIR, which jax reads into the same setting at import) always wins,
 and so do the user's own thresholds.
 
 Threshold: jax writes only executables that took at least jax_persistent_cache_min_compile_time_secs
-(default 1 s) to compile. The step programs are the executables that matter: on a 2-core CPU each
-takes seconds (bundled model: 7-11 s) and clears it, but on an H200 a bf16 8B first request,
-warm-up of every step shape (7 token buckets x the block buckets) included, took 5.1 s in all, so
-a step shape compiles in well under a second there and would never be written. When jaxinfer picks
-the folder it also sets the threshold to 0 (as jax's own quick start does): every executable is
-kept (the bundled model's warm-up: 18 files instead of 4), the small ones costing a few KB and a
-file write each. The size threshold (jax_persistent_cache_min_entry_size_bytes, default 0: no
-minimum on a local disk) already keeps everything.
+(default 1 s) to compile. The step programs are the executables that matter: on a small CPU each
+takes seconds and clears it, but a GPU compiles one step shape in well under a second (a whole
+warm-up of every token and block bucket takes seconds), so with jax's default none would ever be
+written there. When jaxinfer picks the folder it also sets the threshold to 0 (as jax's own quick
+start does): every executable is kept, the small ones costing a few KB and a file write each. The
+size threshold (jax_persistent_cache_min_entry_size_bytes, default 0: no minimum on a local disk)
+already keeps everything.
 """
 from __future__ import annotations
 

@@ -1,36 +1,43 @@
-"""The engine: step() = schedule -> execute -> update, plus detokenization and stop strings.
+"""The engine: step() = schedule -> execute -> update; add_request, abort, stats.
 
-One engine serves all three front doors (Generator, HTTP server, batch script). It is not
-thread-safe by itself; Generator serialises access with its lock, the server drives it from
-one loop thread.
+One engine serves all three front doors (Generator, HTTP server, batch script), each through
+jaxinfer.client.EngineClient, whose lock serialises access (the engine is not thread-safe by
+itself). The engine only orchestrates: the scheduler (host/scheduler.py) plans a step, the runner
+(runner.py) runs it on the device, the scheduler applies its tokens; what a client sees of them
+(text, stop strings, deltas) is jaxinfer.output_processor's, the live cost accounting is
+jaxinfer.step_stats's, the memory the KV pool is sized from is jaxinfer.memory's, and the step
+surface below the request API (profiling, multi-host followers) is jaxinfer.debug's.
 """
 from __future__ import annotations
 
 import functools
 import itertools
 import logging
-import os
-from collections import deque
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import jax
-import numpy as np
 
-from jaxinfer.config import EngineConfig, PoolInputs, ResolvedConfig, SamplingParams, resolve_config
+from jaxinfer.config import EngineConfig, ResolvedConfig, SamplingParams, resolve_config
 from jaxinfer import perf
 from jaxinfer.host.block_manager import BlockManager
 from jaxinfer.host.request import Request
 from jaxinfer.host.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxinfer.host.speculative import Proposer, SpecStats
 from jaxinfer.host.structured import Grammars, StructuredOutputError
+from jaxinfer.memory import pool_inputs
 from jaxinfer.models.decoder import Decoder, set_matmul_impl, weight_bytes
+from jaxinfer.output_processor import OutputProcessor, RequestOutput
 from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
 from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig
-from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, hold_back
 from jaxinfer.sharding import model_mesh
+from jaxinfer.step_stats import StepStats
+from jaxinfer.tokenizer import Tokenizer
+
+# RequestOutput (output_processor) and StepStats (step_stats) stay importable from here
+__all__ = ["Engine", "RequestError", "RequestOutput", "StepStats", "StepTrace", "runner_config", "scheduler_config"]
 
 
 class RequestError(ValueError):
@@ -39,30 +46,6 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param, self.code = param, code
-
-
-@dataclass
-class RequestOutput:
-    """What one step added to one sample of a request (a streaming delta)."""
-    request_id: str             # the request as the caller named it
-    sample_index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]]
-    finished: bool = False
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when the request was admitted
-
-
-@dataclass
-class _TextState:
-    detok: IncrementalDetokenizer | None
-    stops: tuple[str, ...]
-    text: str = ""              # all text decoded so far (after stop truncation)
-    emitted: int = 0            # how much of text has been handed out
-    marks: list[int] = field(default_factory=list)   # len(text) after each token of this step
-    stopped: bool = False       # a stop string completed (text is cut before it)
 
 
 @dataclass(frozen=True)
@@ -77,19 +60,6 @@ class StepTrace:
     wall_s: float
     device_s: float | None
     iterations: tuple[int, ...] = ()
-
-
-@dataclass
-class StepStats:
-    step_times: deque = field(default_factory=lambda: deque(maxlen=1024))
-    host_times: deque = field(default_factory=lambda: deque(maxlen=1024))   # engine.step() less waiting
-    bandwidth: deque = field(default_factory=lambda: deque(maxlen=64))   # bytes/s of recent steps
-    bytes_read: float = 0.0              # by every step that ran the model (perf.ModelCost.step_bytes)
-    device_time_s: float = 0.0           # those steps' device time
-    num_steps: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    compilations_after_warmup: int = 0   # XLA compilations inside this engine's steps
 
 
 class Engine:
@@ -131,8 +101,7 @@ class Engine:
         self.weights = weights
         self.cost = perf.ModelCost.build(self.model_cfg, weights, self.runner.kv_bytes_per_token)
         self.device_spec = perf.device_for_kind(jax.devices()[0].device_kind)   # None: peak unknown (CPU)
-        self._text: dict[str, _TextState] = {}
-        self._groups: dict[str, list[str]] = {}   # request id -> ids of its n samples
+        self.output = OutputProcessor(tokenizer)   # text, stop strings and deltas of every sample
         self._ids = itertools.count()
         self.stats_ = StepStats()
         self.warmed_up = False
@@ -145,7 +114,6 @@ class Engine:
         self._step_observers: list[Callable[[StepTrace], None]] = []
         self._device_s: float | None = None   # device time of the step applied by this step()
         self._applied: list[tuple[tuple[int, int], int]] = []   # (span, iterations) applied by this step()
-        self._published_treedef = None        # multi-host followers: the StepInputs pytree structure
         self.num_constrained_requests = 0
 
     def warmup(self) -> None:
@@ -209,10 +177,8 @@ class Engine:
                 r.guide = self.grammars.guide(grammar)
         # the samples share the prompt's full blocks, except the one holding the last prompt token
         leader.fork_at = (len(prompt_ids) - 1) // self.blocks.block_size * self.blocks.block_size
-        self._groups[request_id] = [r.request_id for r in [leader, *leader.pending_forks]]
-        for r in [leader, *leader.pending_forks]:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
-            self._text[r.request_id] = _TextState(detok, params.stop)
+        self.output.add_request(request_id, [r.request_id for r in [leader, *leader.pending_forks]], prompt_ids,
+                                params.stop)
         self.scheduler.add(leader)
         return request_id
 
@@ -220,11 +186,11 @@ class Engine:
         """Abort every sample of a request; returns their final (empty) deltas."""
         outs = []
         # samples before their leader: finishing the leader also ends its not-yet-forked samples
-        for rid in reversed(self._groups.pop(request_id, [])):
+        for rid in reversed(self.output.pop_samples(request_id)):
             req = self.scheduler.requests.get(rid)
             if req is not None and not req.finished:
                 self.scheduler.abort(rid)
-                outs.append(self._delta(req, 0))
+                outs.append(self.output.delta(req, 0))
         return outs
 
     def has_unfinished(self) -> bool:
@@ -243,47 +209,10 @@ class Engine:
         """Sequences admitted but not running yet (a request with n samples counts n)."""
         return self.scheduler.num_unfinished() - len(self.scheduler.running)
 
-    def next_step_inputs(self):
-        """Profiling only (bench/profile_step.py): schedule the next step and return (its device
-        StepInputs, its decode iterations) without running it; the engine must not step again."""
-        assert self._inflight is None, "next_step_inputs needs a synchronous engine (async_scheduling=False)"
-        plan = self.scheduler.schedule()
-        inputs = self.runner.prepare(plan, self.blocks.tables)[0]
-        self.runner.fill_masks()
-        return inputs, plan.num_decode_iters
-
-    def replay_step(self, inputs) -> None:
-        """Profiling only: run the step of next_step_inputs() (again) and wait for it."""
-        self.runner.replay(inputs)
-
-    def step_hlo(self, inputs) -> str:
-        """Profiling only: the compiled step's optimized HLO for next_step_inputs()' shapes."""
-        return self.runner.step_hlo(inputs)
-
-    def choose_token_buckets(self, smallest: int) -> None:
-        """Benchmarks, before warm-up: pad steps to token buckets starting at `smallest`."""
-        assert not self.warmed_up, "choose the token buckets before warm-up compiles them"
-        self.runner.choose_token_buckets(smallest)
-
-    def kv_pool_bytes(self) -> int:
-        """Device bytes the KV pages take (every layer's K, V and scales, a draft model's too)."""
-        return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.runner.kv_pages)))
-
-    def free_kv_pages(self) -> None:
-        """Delete the KV pages now (a benchmark sizing the next engine from free device memory);
-        this engine cannot step afterwards."""
-        for x in jax.tree.leaves(self.runner.kv_pages):
-            x.delete()
-        self.runner.kv_pages = None
-
-    def run_published(self, arrays: list) -> None:
-        """Multi-host followers: run the step process 0 published, its StepInputs as the flat host
-        arrays of jaxinfer.distributed.step_arrays (same executable, pages donated)."""
-        from jaxinfer.distributed import step_inputs
-        if self._published_treedef is None:
-            r = self.runner
-            self._published_treedef = jax.tree.structure(r.empty_inputs(r.token_buckets[0], r.block_buckets[0]))
-        self.runner.run_published(step_inputs(list(arrays), self._published_treedef))
+    @property
+    def step_in_flight(self) -> bool:
+        """A step is dispatched and its tokens not yet applied (async scheduling, between steps)."""
+        return self._inflight is not None
 
     def add_step_observer(self, callback: Callable[[StepTrace], None]) -> None:
         """callback(StepTrace) after every step() that scheduled sequences (benchmarks' step log)."""
@@ -304,25 +233,18 @@ class Engine:
         self._device_s = None
         prev, self._inflight = self._inflight, None
         deltas = []
-        if prev is not None and any(q.spec or (q.sample and (q.request.params.uses_history
-                                                            or self.scheduler.may_propose(q.request)))
-                                    for q in prev.plan.seqs):
-            # penalties read the host's history, and proposals follow the last token: both need
-            # step N's tokens on the host before step N+1 is planned (not a row that cannot be
-            # proposed for, e.g. under a grammar with the draft model); so does a row that speculated
-            # in step N whatever the policy says now (a request arriving meanwhile turns it off):
-            # how many tokens it drew, so where its last one lies, is known only then
+        if prev is not None and self._needs_tokens_first(prev):
             deltas += self._complete(prev)
             prev = None
-        plan = self.scheduler.schedule()
+        sched = self.scheduler.schedule()
         feed = None
-        if prev is not None and any(q.sample and q.request.guide is not None for q in prev.plan.seqs):
+        if prev is not None and any(seq.sample and seq.request.guide is not None for seq in prev.plan.seqs):
             # a grammar's next mask follows from the token just drawn: prepare step N+1 while the
             # device runs N, then wait for N's tokens and feed them to the matchers only, fill N+1's
             # masks and dispatch it, then apply step N on the host (text, stop strings, deltas)
             # while the device runs N+1
             feed = functools.partial(self._feed_guides, prev)
-        launched = self._launch(plan, prev, feed) if plan.seqs else None
+        launched = self._launch(sched, prev, feed) if sched.seqs else None
         if launched is not None and not self.async_scheduling:
             deltas += self._complete(launched)
             launched = None
@@ -333,24 +255,36 @@ class Engine:
         self.stats_.host_times.append(t1 - t0 - self._waited)
         self._waited = 0.0
         applied, self._applied = self._applied, []
-        if self._step_observers and (plan.seqs or applied):
+        if self._step_observers and (sched.seqs or applied):
             trace = StepTrace(tuple(span for span, _ in applied), t1 - t0, self._device_s,
                               tuple(its for _, its in applied))
             for observe in self._step_observers:
                 observe(trace)
         return deltas
 
-    def _launch(self, plan: SchedulerOutput, prev: Launched | None, before_dispatch=None) -> Launched:
+    def _needs_tokens_first(self, prev: Launched) -> bool:
+        """Whether the in-flight step's tokens must reach the host before the next step is planned.
+        Penalties read the host's history, and proposals follow the last token: both need step N's
+        tokens on the host before step N+1 is planned (not a row that cannot be proposed for, e.g.
+        under a grammar with the draft model); so does a row that speculated in step N whatever the
+        policy says now (a request arriving meanwhile turns it off): how many tokens it drew, so
+        where its last one lies, is known only then."""
+        return any(seq.spec or (seq.sample and (seq.request.params.uses_history
+                                                or self.scheduler.may_propose(seq.request)))
+                   for seq in prev.plan.seqs)
+
+    def _launch(self, sched: SchedulerOutput, prev: Launched | None, before_dispatch=None) -> Launched:
         c0 = CompileCounter.count
-        launched = self.runner.launch(plan, self.blocks.tables, prev, before_dispatch)
+        launched = self.runner.launch(sched, self.blocks.tables, prev, before_dispatch)
         launched.t_launch = time.perf_counter()
         if self.warmed_up:
             self.stats_.compilations_after_warmup += CompileCounter.count - c0
-        self.scheduler.launched(plan)
+        self.scheduler.launched(sched)
         self.stats_.num_steps += 1
         # prompt positions whose target K/V the step computes (a draft catch-up's are cached already)
-        self.stats_.prompt_tokens += sum(max(0, min(q.start + q.num_tokens, len(q.request.prompt_ids)) - q.start
-                                             - q.draft_only) for q in plan.seqs)
+        self.stats_.prompt_tokens += sum(
+            max(0, min(seq.start + seq.num_tokens, len(seq.request.prompt_ids)) - seq.start - seq.draft_only)
+            for seq in sched.seqs)
         return launched
 
     def _fetch(self, launched: Launched) -> dict:
@@ -365,16 +299,16 @@ class Engine:
         """Advance the constrained rows' matchers past a step's tokens before the host applies
         them (Guide.at answers again when the update reaches those tokens)."""
         samples = self._fetch(launched)
-        for q in launched.plan.seqs:
-            req = q.request
-            if q.sample and req.guide is not None and not req.finished:
+        for seq in launched.plan.seqs:
+            req = seq.request
+            if seq.sample and req.guide is not None and not req.finished:
                 for j, s in enumerate(samples.get(req.request_id, ())):
                     if req.guide.at(len(req.output_ids) + j, s.token):
                         break
 
     def _complete(self, launched: Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them: stop conditions, text, deltas."""
-        plan = launched.plan
+        sched = launched.plan
         samples = self._fetch(launched)
         done = launched.t_fetched
         # the device's time for this step: from its dispatch, or from the end of the step before it
@@ -383,102 +317,44 @@ class Engine:
         # bytes read (perf.ModelCost): per iteration the weights and each sequence's KV context, which
         # grows by one token per iteration of a multi-step decode
         counts = launched.spec_counts
-        its = [int(counts[i, 0]) or 1 if q.spec else max(1, len(samples.get(q.request.request_id, ())))
-               for i, q in enumerate(plan.seqs)]
-        for i, q in enumerate(plan.seqs):
-            if q.spec and q.request.request_id in samples:
+        its = [int(counts[i, 0]) or 1 if seq.spec else max(1, len(samples.get(seq.request.request_id, ())))
+               for i, seq in enumerate(sched.seqs)]
+        for i, seq in enumerate(sched.seqs):
+            if seq.spec and seq.request.request_id in samples:
                 self.spec_stats.add(counts[i])
         iters = max(its)
         self._device_s = dt / iters
-        if plan.run_target:   # (a draft catch-up step reads none of the target's weights or K/V)
-            spans = [(q.start, q.num_tokens) for q in plan.seqs]
-            self._count_bytes(perf.StepRecord(dt, spans, iterations=its), iters)
+        if sched.run_target:   # (a draft catch-up step reads none of the target's weights or K/V)
+            spans = [(seq.start, seq.num_tokens) for seq in sched.seqs]
+            self.stats_.count_step(self.cost, perf.StepRecord(dt, spans, iterations=its), iters)
             self._applied += zip(spans, its)
-        before = {q.request.request_id: len(q.request.output_ids) for q in plan.seqs}
-        for q in plan.seqs:
-            st = self._text.get(q.request.request_id)
-            if st is not None:
-                st.marks.clear()
-        updated = self.scheduler.update(plan, samples, stop_check=self._stop_check)
+        before = {seq.request.request_id: len(seq.request.output_ids) for seq in sched.seqs}
+        self.output.begin_step(seq.request.request_id for seq in sched.seqs)
+        updated = self.scheduler.update(sched, samples, stop_check=self._stop_check)
         if launched.proposals is not None:   # Medusa: each row's next tree (-1: none this step)
-            for i, q in enumerate(plan.seqs):
-                req = q.request
-                if q.sample and not req.finished and launched.proposals[i, 0] >= 0:
+            for i, seq in enumerate(sched.seqs):
+                req = seq.request
+                if seq.sample and not req.finished and launched.proposals[i, 0] >= 0:
                     req.proposals = (len(req.all_ids), launched.proposals[i].tolist())
         deltas = []
         for req in updated:
             new = len(req.output_ids) - before[req.request_id]
             self.stats_.generation_tokens += new
-            deltas += self._deltas(req, new)
+            deltas += self.output.deltas(req, new)
         return deltas
 
     def _stop_check(self, req: Request) -> bool:
-        """Detokenize the request's newest token; True when that completes one of its stop strings
-        (the text is cut where the stop string begins) or its grammar (nothing more may follow)."""
-        st = self._text[req.request_id]
+        """Whether the request's newest token completes one of its stop strings (the output processor
+        detokenizes it and cuts the text where the stop string begins) or its grammar (nothing more
+        may follow)."""
         grammar_done = req.guide is not None and req.guide.at(len(req.output_ids) - 1, req.output_ids[-1])
-        if st.detok is None:
-            return grammar_done
-        checked = len(st.text)
-        st.text += st.detok.add(req.output_ids[-1])
-        st.marks.append(len(st.text))
-        if not st.stops:
-            return grammar_done
-        cut = find_stop(st.text, st.stops, max(checked, st.emitted))
-        if cut is None:
-            return grammar_done
-        st.text, st.stopped = st.text[:cut], True
-        return True
-
-    def _delta(self, req: Request, new_tokens: int) -> RequestOutput:
-        """The request's last delta of this step (abort: no tokens, finished)."""
-        return self._deltas(req, new_tokens)[-1]
-
-    def _deltas(self, req: Request, new_tokens: int) -> list[RequestOutput]:
-        """One RequestOutput per new token (at least one): its text is what became visible with it;
-        text that may still turn out to start a stop string is held back until it cannot."""
-        st = self._text[req.request_id]
-        if req.finished and st.detok is not None and not st.stopped:
-            st.text += st.detok.flush()
-            if st.stops:   # the flushed tail may still hold a stop string
-                cut = find_stop(st.text, st.stops, st.emitted)
-                st.text = st.text if cut is None else st.text[:cut]
-        visible = len(st.text) if req.finished or not st.stops else len(st.text) - hold_back(st.text, st.stops)
-        new_ids = req.output_ids[len(req.output_ids) - new_tokens:] if new_tokens else []
-        lps = req.output_logprobs[len(req.output_logprobs) - new_tokens:] if new_tokens else []
-        tops = req.output_top_logprobs[-new_tokens:] if new_tokens and req.params.logprobs else []
-        rid, _, _ = req.request_id.partition("#")
-        outs = []
-        for j in range(max(new_tokens, 1)):
-            last = j >= new_tokens - 1
-            end = visible if last or j >= len(st.marks) else min(st.marks[j], visible)
-            end = max(end, st.emitted)
-            text, st.emitted = st.text[st.emitted:end], end
-            outs.append(RequestOutput(rid, req.sample_index, text, new_ids[j:j + 1], lps[j:j + 1], tops[j:j + 1],
-                                      req.finished and last, req.finish_reason if last else None,
-                                      req.num_cached_tokens or 0))
-        if req.finished:
-            del self._text[req.request_id]
-            group = self._groups.get(rid)
-            if group is not None and all(g not in self._text for g in group):
-                del self._groups[rid]
-        return outs
+        return self.output.stop_check(req) or grammar_done
 
     # ---------------------------------------------------------------- stats
-    def _count_bytes(self, step: perf.StepRecord, iters: int) -> None:
-        """Add one completed step's bytes (the cost model's, as the benchmarks and `jaxinfer plan`
-        count them) and device time to the live MBU figures."""
-        nbytes = self.cost.step_bytes(step)
-        self.stats_.step_times.append(step.time_s / iters)
-        self.stats_.bandwidth.append(nbytes / step.time_s)
-        self.stats_.bytes_read += nbytes
-        self.stats_.device_time_s += step.time_s
-
     def stats(self) -> dict:
         """Counters and gauges (served on /metrics). MBU: the median achieved bandwidth of recent steps
         (perf.ModelCost bytes over device time) over the datasheet's peak (None when unknown)."""
         s = self.stats_
-        bw = float(np.median(s.bandwidth)) if s.bandwidth else None
         return {
             "compilations_after_warmup": s.compilations_after_warmup if self.warmed_up else None,
             "kv_blocks_total": self.blocks.num_blocks - 1,
@@ -499,11 +375,11 @@ class Engine:
                                       if self.scheduler.prefix_queries else None),
             "prefix_cache_blocks": self.blocks.num_cached,
             "prefix_cache_evictions": self.blocks.num_evictions,
-            "median_step_time_s": float(np.median(s.step_times)) if s.step_times else None,
-            "median_host_time_per_step_s": float(np.median(s.host_times)) if s.host_times else None,
+            "median_step_time_s": s.median_step_time_s(),
+            "median_host_time_per_step_s": s.median_host_time_s(),
             "async_scheduling": self.async_scheduling,
-            "achieved_bandwidth_bytes_per_s": bw,
-            "mbu": perf.mbu(bw, None if self.device_spec is None else self.device_spec.bandwidth),
+            "achieved_bandwidth_bytes_per_s": s.achieved_bandwidth(),
+            "mbu": s.mbu(self.device_spec),
             "bytes_read": s.bytes_read,
             "device_time_s": s.device_time_s,
             "weight_bytes": self.weights.total,
@@ -563,7 +439,7 @@ def _resolve(model, cfg: EngineConfig, draft_model: Decoder | None) -> ResolvedC
     and with num_blocks=None the device's memory is gathered first (pool_inputs) so that config
     sizes the pool from it. Logs how the pool was sized."""
     embed_dtype = model.embed.get_value().dtype if hasattr(model, "embed") else None
-    memory = _pool_inputs(model, draft_model, embed_dtype) if cfg.num_blocks is None else None
+    memory = pool_inputs(model, draft_model, embed_dtype) if cfg.num_blocks is None else None
     r = resolve_config(cfg, model.cfg, backend=jax.default_backend(),
                        weight_dtype=None if embed_dtype is None else str(embed_dtype), memory=memory,
                        pipelined=isinstance(model, PipelinedDecoder))
@@ -578,52 +454,12 @@ def _resolve(model, cfg: EngineConfig, draft_model: Decoder | None) -> ResolvedC
     return r
 
 
-def pool_device():
-    """The device whose memory sizes the pool: this process's first (every device of a mesh holds
-    the same share of weights and pages)."""
-    return jax.local_devices()[0]
-
-
-def _pool_inputs(model, draft_model: Decoder | None, embed_dtype) -> PoolInputs:
-    """What config.size_pool sizes the KV pool from: the allocator's stats of every process's first
-    device (the loaded weights, a draft model's too, are allocated already: memory in use counts
-    them), the host's RAM, and how the model splits each block over its mesh."""
-    mesh = model_mesh(model)
-    tp = 1 if mesh is None else mesh.shape["tensor"]
-    pp = 1 if mesh is None else mesh.shape["pipeline"]   # pipeline ranks hold their layers' pages only
-    device = pool_device()
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 8 << 30
-    return PoolInputs(stats=_stats_of_every_process(device.memory_stats()), platform=device.platform,
-                      host_ram=ram, env=dict(os.environ),
-                      kv_shards=(tp if model.cfg.n_kv_heads % tp == 0 else 1) * pp,
-                      draft=None if draft_model is None else draft_model.cfg,
-                      activation_dtype_bytes=embed_dtype.itemsize if embed_dtype is not None else 4)
-
-
-def _stats_of_every_process(stats: dict | None) -> tuple[dict | None, ...]:
-    """(this process's allocator stats, then every other process's): multi-host, every process must
-    allocate the same pool (one global array), the largest that fits on all of them."""
-    if jax.process_count() == 1:
-        return (stats,)
-    from jax.experimental import multihost_utils
-    known = bool(stats) and "bytes_limit" in stats
-    values = (int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))) if known else (0, 0)
-    # 31-bit halves: jax gathers int32 unless 64-bit mode is on
-    row = np.array([known] + [half for v in values for half in (v >> 31, v & 0x7FFFFFFF)], np.int32)
-    every = np.asarray(multihost_utils.process_allgather(row))
-
-    def unpacked(r) -> dict | None:
-        return {"bytes_limit": int(r[1]) << 31 | int(r[2]), "bytes_in_use": int(r[3]) << 31 | int(r[4])} if r[0] else None
-    return (stats, *(unpacked(r) for i, r in enumerate(every) if i != jax.process_index()))
-
-
 def scheduler_config(r: ResolvedConfig, lazy_draft: bool = False, medusa_tree=None) -> SchedulerConfig:
     """The scheduler's settings from the resolved ones. lazy_draft: a draft model whose pages may
     lag; medusa_tree: the Medusa tree (cut to num_speculative_tokens), whose nodes a row proposes."""
-    return SchedulerConfig(r.batching, r.max_num_seqs, r.max_num_batched_tokens, r.max_model_len, r.batch_window_s,
+    return SchedulerConfig(policy=r.batching, max_num_seqs=r.max_num_seqs,
+                           max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len,
+                           batch_window_s=r.batch_window_s,
                            # multi-step decoding runs the model in a device loop; pipeline stages do not loop
                            max_decode_steps=r.max_decode_steps,
                            spec_tokens=len(medusa_tree.paths) if medusa_tree is not None else r.spec_tokens,

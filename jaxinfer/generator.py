@@ -316,7 +316,7 @@ class Generator:
             raise RuntimeError("follow() is for multi-host processes other than 0 "
                                "(Generator.from_pretrained(..., process_id=1, ...))")
         return self._channel.follow({
-            "step": lambda *arrays: self.client.run_published_step(list(arrays)),
+            "step": lambda *arrays: self.client.debug.run_published_step(list(arrays)),
             "logits": lambda tokens, positions: self._forward(self._params, jnp.asarray(tokens),
                                                               jnp.asarray(positions)),
         })

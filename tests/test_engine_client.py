@@ -103,10 +103,12 @@ def test_abandoned_stream_is_aborted_and_frees_its_blocks(gen):
 # The engine's internals: what no adapter (serve/, bench/, scripts/, the Generator, the CLI) may
 # reach. Modules: the runner, the step functions, the scheduler and the block manager (a host-only
 # benchmark of the scheduler, bench/bench_policies.py's step-count simulation, may build them: it
-# runs no engine). Attributes: the engine's parts and counters, the client's lock, a request's forks,
-# the raw or resolved config read past the client (EngineClient.resolved is the door); and any
-# private name of another module or object.
-INTERNAL_MODULES = ("jaxinfer.runner", "jaxinfer.step", "jaxinfer.host.scheduler", "jaxinfer.host.block_manager")
+# runs no engine), and jaxinfer.debug (its StepDebugger reaches the engine's parts: adapters use the
+# client's, `client.debug`, which holds the client's lock). Attributes: the engine's parts and
+# counters, the client's lock, a request's forks, the raw or resolved config read past the client
+# (EngineClient.resolved is the door); and any private name of another module or object.
+INTERNAL_MODULES = ("jaxinfer.runner", "jaxinfer.step", "jaxinfer.host.scheduler", "jaxinfer.host.block_manager",
+                    "jaxinfer.debug")
 HOST_ONLY_SCHEDULER_BENCHMARKS = {"bench/bench_policies.py": ("jaxinfer.host.scheduler", "jaxinfer.host.block_manager")}
 INTERNAL_ATTRS = {"runner", "scheduler", "blocks", "block_manager", "stats_", "kv_pages", "fault_injector",
                   "pending_forks", "num_unfinished", "requests", "publish_step", "token_buckets", "grammars"}
@@ -147,14 +149,15 @@ def test_the_internals_scan_finds_each_kind_of_reach():
     bad = textwrap.dedent("""
         from jaxinfer.runner import ModelRunner
         import jaxinfer.step
+        from jaxinfer.debug import StepDebugger
         from jaxinfer.attention import _gather_context
         gen.engine.runner.token_buckets = [1]
         gen.engine.scheduler.waiting
         gen.client._lock
         x = gen.engine.cfg.block_size
     """)
-    assert len(internal_reaches(bad)) == 8
-    good = "gen.client.choose_token_buckets(1)\nb = gen.client.resolved.block_size\nself._forward = f\n"
+    assert len(internal_reaches(bad)) == 9
+    good = "gen.client.debug.choose_token_buckets(1)\nb = gen.client.resolved.block_size\nself._forward = f\n"
     assert internal_reaches(good) == []
     assert internal_reaches("from jaxinfer.host.scheduler import Scheduler", ("jaxinfer.host.scheduler",)) == []
 

@@ -73,11 +73,11 @@ class FakeDevice:
 
 
 def test_engine_counts_the_weights_once_and_a_second_engine_gets_what_is_left(hf_model_dir, monkeypatch, no_xla_env):
-    import jaxinfer.engine as engine
+    import jaxinfer.memory as memory
 
     total = 768 * MiB
     dev = FakeDevice(limit=total * 3 // 4, in_use=40 * MiB)    # the loaded weights are in the 40 MiB
-    monkeypatch.setattr(engine, "pool_device", lambda: dev)
+    monkeypatch.setattr(memory, "pool_device", lambda: dev)
     path = hf_model_dir("llama-gqa-llama3")
     first = Generator.from_pretrained(path, memory_fraction=0.55, **ENGINE)
     r = first.engine.resolved

@@ -18,9 +18,9 @@ While requests wait (or prefill runs) a step is one iteration, so TTFT does not 
 Every finish condition is decided in `update`, token by token: stop ids and EOS, stop strings
 (through the engine's `stop_check`, which owns the detokenizer), max_tokens and the context
 length, in that order of precedence; tokens drawn after a finish are discarded, never counted.
-A step's results come back in two calls: `launched(plan)` when the step is on the device
+A step's results come back in two calls: `launched(sched)` when the step is on the device
 (progress advances as if every row drew all it may; the draws are in-flight placeholders) and
-`update(plan, samples)` when its tokens reach the host. Synchronous engines call them back to back;
+`update(sched, samples)` when its tokens reach the host. Synchronous engines call them back to back;
 with async scheduling the next step is planned and dispatched in between, its decode rows fed the
 in-flight tokens on the device. A waiting request with in-flight tokens is not admitted until
 they arrive (it needs them to recompute), and a row that has drawn all it may is not scheduled.
@@ -49,7 +49,7 @@ from .request import Request, RequestStatus
 from .speculative import MAX_GUIDED_ROWS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     policy: str = "continuous"          # continuous | static | dynamic
     max_num_seqs: int = 64
@@ -262,8 +262,8 @@ class Scheduler:
         # where nobody speculates skip it (XLA's ragged attention costs a draft layer about what it
         # costs a target layer: a 3-layer draft added ~50% to a 128-token prefill step of the
         # bundled 8-layer model on CPU)
-        out.run_draft = not self.cfg.lazy_draft or any(q.spec or q.draft_only for q in out.seqs) or (
-            out.speculating and any(q.num_tokens > 1 for q in out.seqs))
+        out.run_draft = not self.cfg.lazy_draft or any(seq.spec or seq.draft_only for seq in out.seqs) or (
+            out.speculating and any(seq.num_tokens > 1 for seq in out.seqs))
         return out
 
     def _schedule_running(self, out: SchedulerOutput, queue: list[Request], budget: int, spec_k: int) -> int:
@@ -359,21 +359,21 @@ class Scheduler:
         r = self.cfg.spec_rounds
         medusa = self.cfg.step_proposes
         if r <= 1 or self.waiting or not out.seqs or not all(
-                q.spec and (q.request.guide is None if medusa else q.spec[0] == -1) for q in out.seqs):
+                seq.spec and (seq.request.guide is None if medusa else seq.spec[0] == -1) for seq in out.seqs):
             return
-        per = [q.round_draws or 1 + len(q.spec) for q in out.seqs]
-        draws = [min(r * k, self.draws_left(q.request)) for q, k in zip(out.seqs, per)]
+        per = [seq.round_draws or 1 + len(seq.spec) for seq in out.seqs]
+        draws = [min(r * k, self.draws_left(seq.request)) for seq, k in zip(out.seqs, per)]
         if max(d // k for d, k in zip(draws, per)) <= 1:
             return
         # a later round's tree writes all 1 + len(spec) of its tokens from its root on
-        ends = [q.start + max(d, k) + 1 + len(q.spec) - k for q, d, k in zip(out.seqs, draws, per)]
+        ends = [seq.start + max(d, k) + 1 + len(seq.spec) - k for seq, d, k in zip(out.seqs, draws, per)]
         if max(ends) > self.cfg.max_model_len:
             return
-        for q, end in zip(out.seqs, ends):
-            if not self.blocks.allocate(q.request.request_id, end):
+        for seq, end in zip(out.seqs, ends):
+            if not self.blocks.allocate(seq.request.request_id, end):
                 return
-        for q, d, k in zip(out.seqs, draws, per):
-            q.max_draws = max(d, k)
+        for seq, d, k in zip(out.seqs, draws, per):
+            seq.max_draws = max(d, k)
         out.num_decode_iters = r
 
     # ------------------------------------------------------------------ prefix cache
@@ -460,17 +460,18 @@ class Scheduler:
         k = self.cfg.max_decode_steps
         # a constrained row's next mask needs its previous token on the host: one draw per step
         if k <= 1 or self.waiting or not out.seqs or any(
-                q.num_tokens != 1 or not q.sample or q.request.params.constrained or q.spec for q in out.seqs):
+                seq.num_tokens != 1 or not seq.sample or seq.request.params.constrained or seq.spec
+                for seq in out.seqs):
             return
-        draws = [min(k, self.draws_left(q.request)) for q in out.seqs]
+        draws = [min(k, self.draws_left(seq.request)) for seq in out.seqs]
         if max(draws) <= 1:
             return
-        for q, d in zip(out.seqs, draws):
+        for seq, d in zip(out.seqs, draws):
             # blocks taken here and not used (a later row did not fit) serve the request's next steps
-            if not self.blocks.allocate(q.request.request_id, q.start + d):
+            if not self.blocks.allocate(seq.request.request_id, seq.start + d):
                 return
-        for q, d in zip(out.seqs, draws):
-            q.max_draws = max(d, 1)
+        for seq, d in zip(out.seqs, draws):
+            seq.max_draws = max(d, 1)
         out.num_decode_iters = max(draws)
 
     def _scheduled(self, req: Request, n: int, spec: list[int] | None = None) -> ScheduledSeq:
@@ -482,11 +483,11 @@ class Scheduler:
                             draft_only=max(0, min(start + n, req.draft_catchup_end) - start))
 
     # ------------------------------------------------------------------ update
-    def launched(self, out: SchedulerOutput) -> None:
-        """The plan's step is on the device: every row's K/V will be written, so progress advances
+    def launched(self, sched: SchedulerOutput) -> None:
+        """The scheduled step is on the device: every row's K/V will be written, so progress advances
         now; a sampling row's draws become in-flight placeholders (update resolves them)."""
-        out.launched = True
-        for seq in out.seqs:
+        sched.launched = True
+        for seq in sched.seqs:
             req = seq.request
             if req.finished:        # aborted before the step was dispatched
                 continue
@@ -500,7 +501,7 @@ class Scheduler:
                 req.num_computed_tokens += seq.lookahead
                 req.num_inflight += seq.max_draws
             if self.cfg.lazy_draft:
-                self._track_draft(req, seq, out.run_draft)
+                self._track_draft(req, seq, sched.run_draft)
 
     def _track_draft(self, req: Request, seq: ScheduledSeq | None = None, ran: bool = False) -> None:
         """lazy_draft: the draft's K/V covers a prefix of the computed positions; it grows when the
@@ -512,16 +513,16 @@ class Scheduler:
             req.draft_catchup_end = 0
         self.blocks.mark_draft(req.request_id, req.num_draft_computed, req.num_computed_tokens)
 
-    def update(self, out: SchedulerOutput, samples: dict[str, list[StepSample]], now: float | None = None,
+    def update(self, sched: SchedulerOutput, samples: dict[str, list[StepSample]], now: float | None = None,
                stop_check: Callable[[Request], bool] | None = None) -> list[Request]:
         """Apply one step's results (per row: its drawn tokens in order, or one StepSample) until a
         token finishes the row; the rest are discarded. stop_check(req), called after each appended
         token, says whether a stop string has just completed. Returns the requests that got tokens."""
-        if not out.launched:
-            self.launched(out)
+        if not sched.launched:
+            self.launched(sched)
         now = self.clock() if now is None else now
         updated: list[Request] = []
-        for seq in out.seqs:
+        for seq in sched.seqs:
             req = seq.request
             if not seq.sample:
                 continue

@@ -1,0 +1,123 @@
+"""What a client sees of a request: incremental detokenization, stop strings and the per-token deltas.
+
+The engine core schedules, runs and updates token ids; this module turns each sample's new ids
+into text (the tokenizer's IncrementalDetokenizer), says when that text completes a stop string
+(the scheduler asks through `stop_check` while it applies a step's tokens, so a stop string ends a
+request at the token that completes it), and cuts the text a step made visible into one
+RequestOutput per token (vLLM v1's output_processor.py and detokenizer.py). Text that may still
+turn out to start a stop string is held back until it cannot.
+
+Pure Python over the host's Requests: it never imports jax and never touches the scheduler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from jaxinfer.host.request import Request
+from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, hold_back
+
+__all__ = ["OutputProcessor", "RequestOutput"]
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to one sample of a request (a streaming delta)."""
+    request_id: str             # the request as the caller named it
+    sample_index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when the request was admitted
+
+
+@dataclass
+class _TextState:
+    detok: IncrementalDetokenizer | None
+    stops: tuple[str, ...]
+    text: str = ""              # all text decoded so far (after stop truncation)
+    emitted: int = 0            # how much of text has been handed out
+    marks: list[int] = field(default_factory=list)   # len(text) after each token of this step
+    stopped: bool = False       # a stop string completed (text is cut before it)
+
+
+class OutputProcessor:
+    """Each live sample's text, keyed by the sample's request id ("rid", "rid#1", ...)."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer   # None: token ids only, no text and no stop strings
+        self._text: dict[str, _TextState] = {}
+        self._groups: dict[str, list[str]] = {}   # request id -> ids of its n samples
+
+    def add_request(self, request_id: str, sample_ids: list[str], prompt_ids: list[int],
+                    stops: tuple[str, ...]) -> None:
+        """Start the text of a request's samples (each detokenizes after the same prompt)."""
+        self._groups[request_id] = list(sample_ids)
+        for rid in sample_ids:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
+            self._text[rid] = _TextState(detok, stops)
+
+    def pop_samples(self, request_id: str) -> list[str]:
+        """Forget a request's sample group (an abort); returns its samples' ids, leader first."""
+        return self._groups.pop(request_id, [])
+
+    def begin_step(self, sample_ids: Iterable[str]) -> None:
+        """A step's tokens are about to be applied: its per-token text marks start afresh."""
+        for rid in sample_ids:
+            st = self._text.get(rid)
+            if st is not None:
+                st.marks.clear()
+
+    def stop_check(self, req: Request) -> bool:
+        """Detokenize the request's newest token; True when that completes one of its stop strings
+        (the text is cut where the stop string begins)."""
+        st = self._text[req.request_id]
+        if st.detok is None:
+            return False
+        checked = len(st.text)
+        st.text += st.detok.add(req.output_ids[-1])
+        st.marks.append(len(st.text))
+        if not st.stops:
+            return False
+        cut = find_stop(st.text, st.stops, max(checked, st.emitted))
+        if cut is None:
+            return False
+        st.text, st.stopped = st.text[:cut], True
+        return True
+
+    def delta(self, req: Request, new_tokens: int) -> RequestOutput:
+        """The request's last delta of this step (abort: no tokens, finished)."""
+        return self.deltas(req, new_tokens)[-1]
+
+    def deltas(self, req: Request, new_tokens: int) -> list[RequestOutput]:
+        """One RequestOutput per new token (at least one): its text is what became visible with it;
+        text that may still turn out to start a stop string is held back until it cannot."""
+        st = self._text[req.request_id]
+        if req.finished and st.detok is not None and not st.stopped:
+            st.text += st.detok.flush()
+            if st.stops:   # the flushed tail may still hold a stop string
+                cut = find_stop(st.text, st.stops, st.emitted)
+                st.text = st.text if cut is None else st.text[:cut]
+        visible = len(st.text) if req.finished or not st.stops else len(st.text) - hold_back(st.text, st.stops)
+        new_ids = req.output_ids[len(req.output_ids) - new_tokens:] if new_tokens else []
+        lps = req.output_logprobs[len(req.output_logprobs) - new_tokens:] if new_tokens else []
+        tops = req.output_top_logprobs[-new_tokens:] if new_tokens and req.params.logprobs else []
+        rid, _, _ = req.request_id.partition("#")
+        outs = []
+        for j in range(max(new_tokens, 1)):
+            last = j >= new_tokens - 1
+            end = visible if last or j >= len(st.marks) else min(st.marks[j], visible)
+            end = max(end, st.emitted)
+            text, st.emitted = st.text[st.emitted:end], end
+            outs.append(RequestOutput(rid, req.sample_index, text, new_ids[j:j + 1], lps[j:j + 1], tops[j:j + 1],
+                                      req.finished and last, req.finish_reason if last else None,
+                                      req.num_cached_tokens or 0))
+        if req.finished:
+            del self._text[req.request_id]
+            group = self._groups.get(rid)
+            if group is not None and all(g not in self._text for g in group):
+                del self._groups[rid]
+        return outs
