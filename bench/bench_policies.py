@@ -53,8 +53,9 @@ def simulate_steps(policy: str, prompts, params, args) -> list[int]:
     host-only benchmark of the scheduler itself, which runs no engine (so it builds the Scheduler and
     BlockManager, as the scheduler's tests do; every engine run below goes through the client)."""
     blocks = BlockManager(1 + len(prompts) * -(-args.max_model_len // args.block_size), args.block_size)
-    sched = Scheduler(SchedulerConfig(policy, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len,
-                                      0.0), blocks, clock=lambda: 0.0)
+    sched = Scheduler(SchedulerConfig(policy=policy, max_num_seqs=args.max_num_seqs,
+                                      max_num_batched_tokens=args.max_num_batched_tokens,
+                                      max_model_len=args.max_model_len, batch_window_s=0.0), blocks, clock=lambda: 0.0)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         sched.add(Request(f"r{i}", list(p), sp, 0, arrival_time=0.0))
     steps = []

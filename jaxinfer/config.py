@@ -46,7 +46,7 @@ class ConfigError(ValueError):
     """A config.json (or a user-supplied setting) that we cannot honour; the message names the field."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RopeScaling:
     """RoPE frequency scaling. kind: "linear" (positions / factor), "llama3" (Llama 3.1 wavelength
     bands), "longrope" (Phi-3: one divisor per frequency, long_factor where use_long_factor, else
@@ -68,7 +68,7 @@ class RopeScaling:
     truncate: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """One decoder-only transformer. Every supported HF family maps onto these fields
     (jaxinfer/models/hf_configs.py says how each family's config.json spells them, and
@@ -291,7 +291,7 @@ class SamplingParamsError(ValueError):
         self.fields = tuple(f for f, _ in problems)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StructuredOutputs:
     """Constrain a request's output to a language (vLLM's StructuredOutputsParams; exactly one of):
       json: a JSON schema (dict or its JSON text); json_object: any JSON object;
@@ -333,7 +333,7 @@ class StructuredOutputs:
             if not self.json_object else "json_object"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How one request decodes. temperature 0 means greedy."""
     max_tokens: int = 16
@@ -443,7 +443,7 @@ DEFAULT_SPECULATIVE_MAX_BATCH = {"cpu": 1}
 DEFAULT_SPECULATIVE_MAX_BATCH_ACCELERATOR = 8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """The serving engine's knobs (see DESIGN.md), as the user gave them; resolve_config decides
     every "auto" and None once (ResolvedConfig), and the engine reads that."""
@@ -528,7 +528,7 @@ def pallas_unsupported(model_cfg: ModelConfig, block_size: int) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PoolInputs:
     """What the KV pool is sized from when num_blocks is None, gathered by the engine (which may
     import jax) before resolve_config: the allocator's memory stats of each process's first device
@@ -545,7 +545,7 @@ class PoolInputs:
     activation_dtype_bytes: int = 4     # bytes of one activation element (the loaded weights' dtype)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ResolvedConfig:
     """Every setting the engine, its scheduler and runner configs, the step and the quantized
     matmuls read, with every "auto" and None decided, built once by resolve_config(). Nothing below
@@ -600,10 +600,13 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
     check_pool_fits(cfg, max_model_len, num_blocks, pool)
     spec_tokens, spec_rounds, spec_max_batch = _speculation(cfg, backend)
     return ResolvedConfig(
-        backend, dtype, kv_dtype, attention, attention, num_blocks, cfg.block_size, max_model_len, cfg.max_num_seqs,
-        max(cfg.max_num_batched_tokens, MIN_TOKEN_BUDGET), 1 if pipelined else cfg.max_decode_steps, cfg.batching,
-        cfg.batch_window_s, cfg.enable_prefix_caching, cfg.async_scheduling and not pipelined,
-        cfg.pipeline_microbatches, cfg.memory_fraction, cfg.speculative_method, spec_tokens=spec_tokens,
+        backend=backend, dtype=dtype, kv_dtype=kv_dtype, attention=attention, matmul=attention,
+        num_blocks=num_blocks, block_size=cfg.block_size, max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=max(cfg.max_num_batched_tokens, MIN_TOKEN_BUDGET),
+        max_decode_steps=1 if pipelined else cfg.max_decode_steps, batching=cfg.batching,
+        batch_window_s=cfg.batch_window_s, enable_prefix_caching=cfg.enable_prefix_caching,
+        async_scheduling=cfg.async_scheduling and not pipelined, pipeline_microbatches=cfg.pipeline_microbatches,
+        memory_fraction=cfg.memory_fraction, speculative_method=cfg.speculative_method, spec_tokens=spec_tokens,
         spec_rounds=spec_rounds, spec_max_batch=spec_max_batch, pool=pool)
 
 

@@ -158,7 +158,8 @@ def test_zero_compilations_after_warmup_with_multistep(hf_model_dir):
 
 def _scheduler(k: int, num_blocks: int = 64, waiting_ok: bool = True):
     bm = BlockManager(num_blocks, 4)
-    return Scheduler(SchedulerConfig("continuous", 8, 64, 64, max_decode_steps=k), bm, eos_ids=(2,)), bm
+    return Scheduler(SchedulerConfig(policy="continuous", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                                     max_decode_steps=k), bm, eos_ids=(2,)), bm
 
 
 def _req(rid: str, n_prompt: int, max_tokens: int) -> Request:

@@ -190,7 +190,8 @@ def test_block_hash_is_chained_and_salted():
 def _scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64,
                caching: bool = True):
     bm = BlockManager(num_blocks, block_size, enable_caching=caching)
-    return Scheduler(SchedulerConfig("continuous", max_num_seqs, budget, 64), bm), bm
+    return Scheduler(SchedulerConfig(policy="continuous", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                     max_model_len=64), bm), bm
 
 
 def _req(rid: str, prompt: list[int], max_tokens: int = 2, n: int = 1, salt: str | None = None) -> Request:

@@ -71,7 +71,8 @@ class Harness:
                  max_model_len=512, window=4 * DT, eos_ids=(EOS,), token_fn=token_of):
         self.clock = FakeClock()
         self.bm = BlockManager(num_blocks, block_size)
-        self.cfg = SchedulerConfig(policy, max_num_seqs, budget, max_model_len, window)
+        self.cfg = SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                   max_model_len=max_model_len, batch_window_s=window)
         self.s = Scheduler(self.cfg, self.bm, eos_ids=eos_ids, clock=self.clock)
         self.kv = np.full((num_blocks * block_size, 2), -1, np.int64)   # (token, position) per slot
         self.token_fn = token_fn
@@ -970,7 +971,8 @@ def test_forks_continuing_a_cached_prompt_run_in_one_step():
     and both forks each need 4 more tokens on top of a cached context. The attention takes any
     number of such chunks in a step, so all three run in the same one."""
     bm = BlockManager(64, 16)
-    s = Scheduler(SchedulerConfig("continuous", 8, 16, 128), bm)
+    s = Scheduler(SchedulerConfig(policy="continuous", max_num_seqs=8, max_num_batched_tokens=16,
+                                  max_model_len=128), bm)
     s.add(make_request("a", prompt_of(20), 16, n=3, max_tokens=3, ignore_eos=True))
     per_step, outputs = [], {}
     for _ in range(50):
