@@ -24,9 +24,10 @@ from jaxinfer.config.sampling import (MAX_LOGIT_BIAS, MAX_STOP_LENGTH, MAX_STOP_
 
 __all__ = [
     "ATTENTION_CHOICES", "BATCHING_CHOICES", "DEFAULT_SPECULATIVE_MAX_BATCH",
-    "DEFAULT_SPECULATIVE_MAX_BATCH_ACCELERATOR", "DTYPE_CHOICES", "KV_DTYPE_CHOICES", "MAX_SPECULATIVE_TOKENS", "MIN_TOKEN_BUDGET", "QUANTIZE_CHOICES",
-    "SPECULATIVE_METHODS", "EngineConfig", "settings", "MAX_POSITIONS", "ConfigError", "ModelConfig", "RopeScaling",
-    "PoolInputs", "ResolvedConfig", "check_pool_fits", "pallas_unsupported", "resolve_config", "resolve_dtype_name",
-    "resolve_impl_name", "size_pool", "MAX_LOGIT_BIAS", "MAX_STOP_LENGTH", "MAX_STOP_STRINGS", "SamplingParams",
-    "SamplingParamsError", "StructuredOutputs",
+    "DEFAULT_SPECULATIVE_MAX_BATCH_ACCELERATOR", "DTYPE_CHOICES", "KV_DTYPE_CHOICES", "MAX_SPECULATIVE_TOKENS",
+    "MIN_TOKEN_BUDGET", "QUANTIZE_CHOICES", "SPECULATIVE_METHODS", "EngineConfig", "settings", "MAX_POSITIONS",
+    "ConfigError", "ModelConfig", "RopeScaling", "PoolInputs", "ResolvedConfig", "check_pool_fits",
+    "pallas_unsupported", "resolve_config", "resolve_dtype_name", "resolve_impl_name", "size_pool",
+    "MAX_LOGIT_BIAS", "MAX_STOP_LENGTH", "MAX_STOP_STRINGS", "SamplingParams", "SamplingParamsError",
+    "StructuredOutputs",
 ]

@@ -116,3 +116,4 @@ def settings() -> tuple:
     """EngineConfig's settings (dataclasses.Field each, in declaration order): the fields with help."""
     import dataclasses
     return tuple(f for f in dataclasses.fields(EngineConfig) if "help" in f.metadata)
+
