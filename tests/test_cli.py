@@ -233,3 +233,25 @@ def test_serve_flags_reach_from_pretrained(monkeypatch):
     assert seen["path"] == "m" and seen["max_num_seqs"] == 3 and seen["enable_prefix_caching"] is False
     assert seen["process_id"] == 0 and seen["memory_fraction"] == 0.9 and seen["speculative_model"] is None
 
+
+def test_from_pretrained_keywords_are_engine_config_settings():
+    """DESIGN.md's keywords at their defaults, every EngineConfig setting in the signature at its
+    field's default, and an unknown keyword refused by name before anything loads."""
+    import inspect
+
+    from jaxinfer import Generator
+    from jaxinfer.config import EngineConfig, settings
+
+    params = inspect.signature(Generator.from_pretrained).parameters
+    design = dict(path=None, dtype="auto", attention="auto", quantize=None, kv_dtype=None, tensor_parallel=1,
+                  pipeline_parallel=1, max_num_seqs=64, block_size=16, num_blocks=None, batching="continuous",
+                  enable_prefix_caching=True, speculative_method=None, speculative_model=None,
+                  num_speculative_tokens=4, memory_fraction=0.9, max_model_len=None, max_num_batched_tokens=512,
+                  warmup=True, coordinator_address=None, num_processes=None, process_id=None,
+                  pipeline_microbatches=None, max_decode_steps=8, async_scheduling=True, speculative_max_batch=None)
+    assert {k: params[k].default for k in design} == design
+    assert {f.name: params[f.name].default for f in settings()} == \
+        {f.name: getattr(EngineConfig(), f.name) for f in settings()}
+    assert all(f.name in (Generator.from_pretrained.__doc__ or "") for f in settings())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_seq'"):
+        Generator.from_pretrained(max_num_seq=4)

@@ -6,7 +6,7 @@ EngineConfig's checks and the flags' choices. Never imports jax.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # None, where a setting's default is None, is allowed too (the flag left out).
@@ -114,6 +114,15 @@ class EngineConfig:
 
 def settings() -> tuple:
     """EngineConfig's settings (dataclasses.Field each, in declaration order): the fields with help."""
-    import dataclasses
-    return tuple(f for f in dataclasses.fields(EngineConfig) if "help" in f.metadata)
+    return tuple(f for f in fields(EngineConfig) if "help" in f.metadata)
 
+
+def engine_config(caller: str, given: dict[str, Any]) -> EngineConfig:
+    """An EngineConfig of the settings a caller took as keywords (Generator.from_pretrained's
+    **settings): a name that is not a setting is a TypeError naming it, as Python's own would."""
+    names = {f.name for f in settings()}
+    unknown = [k for k in given if k not in names]
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r} (the engine's settings: "
+                        f"{', '.join(sorted(names))})")
+    return EngineConfig(**given)
