@@ -625,7 +625,7 @@ def scheduler_config(r: ResolvedConfig, lazy_draft: bool = False, medusa_tree=No
     lag; medusa_tree: the Medusa tree (cut to num_speculative_tokens), whose nodes a row proposes."""
     return SchedulerConfig(policy=r.batching, max_num_seqs=r.max_num_seqs,
                            max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len,
-                           batch_window_s=r.batch_window_s,
+                           batch_window_s=r.batch_window_s, scheduling_policy=r.scheduling_policy,
                            # multi-step decoding runs the model in a device loop; pipeline stages do not loop
                            max_decode_steps=r.max_decode_steps,
                            spec_tokens=len(medusa_tree.paths) if medusa_tree is not None else r.spec_tokens,

@@ -14,8 +14,8 @@ All are frozen, keyword-only dataclasses. Nothing here imports jax.
 """
 from jaxinfer.config.engine import (ATTENTION_CHOICES, BATCHING_CHOICES, DEFAULT_SPECULATIVE_MAX_BATCH,
                                     DEFAULT_SPECULATIVE_MAX_BATCH_ACCELERATOR, DTYPE_CHOICES, KV_DTYPE_CHOICES,
-                                    MAX_SPECULATIVE_TOKENS, MIN_TOKEN_BUDGET, QUANTIZE_CHOICES, SPECULATIVE_METHODS,
-                                    EngineConfig, settings)
+                                    MAX_SPECULATIVE_TOKENS, MIN_TOKEN_BUDGET, QUANTIZE_CHOICES, SCHEDULING_POLICIES,
+                                    SPECULATIVE_METHODS, EngineConfig, settings)
 from jaxinfer.config.model import MAX_POSITIONS, ConfigError, ModelConfig, RopeScaling, _is_int, _is_number
 from jaxinfer.config.resolve import (PoolInputs, ResolvedConfig, check_pool_fits, pallas_unsupported, resolve_config,
                                      resolve_dtype_name, resolve_impl_name, size_pool)
@@ -25,7 +25,8 @@ from jaxinfer.config.sampling import (MAX_LOGIT_BIAS, MAX_STOP_LENGTH, MAX_STOP_
 __all__ = [
     "ATTENTION_CHOICES", "BATCHING_CHOICES", "DEFAULT_SPECULATIVE_MAX_BATCH",
     "DEFAULT_SPECULATIVE_MAX_BATCH_ACCELERATOR", "DTYPE_CHOICES", "KV_DTYPE_CHOICES", "MAX_SPECULATIVE_TOKENS",
-    "MIN_TOKEN_BUDGET", "QUANTIZE_CHOICES", "SPECULATIVE_METHODS", "EngineConfig", "settings", "MAX_POSITIONS",
+    "MIN_TOKEN_BUDGET", "QUANTIZE_CHOICES", "SCHEDULING_POLICIES", "SPECULATIVE_METHODS", "EngineConfig", "settings",
+    "MAX_POSITIONS",
     "ConfigError", "ModelConfig", "RopeScaling", "PoolInputs", "ResolvedConfig", "check_pool_fits",
     "pallas_unsupported", "resolve_config", "resolve_dtype_name", "resolve_impl_name", "size_pool",
     "MAX_LOGIT_BIAS", "MAX_STOP_LENGTH", "MAX_STOP_STRINGS", "SamplingParams", "SamplingParamsError",

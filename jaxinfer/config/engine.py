@@ -15,6 +15,7 @@ ATTENTION_CHOICES = ("pallas", "xla", "auto")
 QUANTIZE_CHOICES = ("int8", "int4", "fp8")
 KV_DTYPE_CHOICES = ("int8", "fp8", "float16", "bfloat16", "float32")
 BATCHING_CHOICES = ("continuous", "static", "dynamic")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("draft", "ngram", "medusa")
 # The smallest per-step token budget: the runner's first token bucket holds up to 8 tokens.
 MIN_TOKEN_BUDGET = 8
@@ -70,6 +71,9 @@ class EngineConfig:
     batching: str = setting("continuous", "continuous: every step admits waiting requests; static: a batch runs "
                                           "to completion before the next; dynamic: static batches of what "
                                           "arrived within batch_window_s", choices=BATCHING_CHOICES)
+    scheduling_policy: str = setting("fcfs", "the order requests are admitted in (and preempted in reverse): fcfs: "
+                                             "arrival order; priority: a request's lower priority value first, "
+                                             "then arrival (vLLM's)", choices=SCHEDULING_POLICIES)
     batch_window_s: float = setting(0.05, "dynamic batching: how long the oldest waiting request may wait (s)")
     max_model_len: int | None = setting(None, "the longest sequence, prompt and output (default: the model's "
                                               "max_position_embeddings)")

@@ -80,6 +80,7 @@ class ResolvedConfig:
     max_num_batched_tokens: int  # the step's token budget (at least MIN_TOKEN_BUDGET)
     max_decode_steps: int        # 1 where a step cannot loop on the device (pipeline stages)
     batching: str                # continuous | static | dynamic
+    scheduling_policy: str       # fcfs | priority
     batch_window_s: float
     enable_prefix_caching: bool
     async_scheduling: bool       # False for pipeline stages (one step at a time)
@@ -122,7 +123,8 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
         num_blocks=num_blocks, block_size=cfg.block_size, max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=max(cfg.max_num_batched_tokens, MIN_TOKEN_BUDGET),
         max_decode_steps=1 if pipelined else cfg.max_decode_steps, batching=cfg.batching,
-        batch_window_s=cfg.batch_window_s, enable_prefix_caching=cfg.enable_prefix_caching,
+        scheduling_policy=cfg.scheduling_policy, batch_window_s=cfg.batch_window_s,
+        enable_prefix_caching=cfg.enable_prefix_caching,
         async_scheduling=cfg.async_scheduling and not pipelined, pipeline_microbatches=cfg.pipeline_microbatches,
         memory_fraction=cfg.memory_fraction, speculative_method=cfg.speculative_method, spec_tokens=spec_tokens,
         spec_rounds=spec_rounds, spec_max_batch=spec_max_batch, pool=pool)
