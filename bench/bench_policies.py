@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxinfer import Generator, SamplingParams
+from jaxinfer.config.flags import add_engine_args
 from jaxinfer.generator import default_model_path
 from jaxinfer.host.block_manager import BlockManager
 from jaxinfer.host.request import Request
@@ -99,10 +100,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--policies", default="static,dynamic,continuous")
     ap.add_argument("--dtype", default="float32", help="float32 is the fast dtype on CPU")
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--max-model-len", type=int, default=768)
-    ap.add_argument("--block-size", type=int, default=16)
+    add_engine_args(ap, only=("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"),
+                    defaults={"max_model_len": 768})   # the longest prompt + output of the workload
     ap.add_argument("--prompt-range", default="16,512", help="min,max prompt tokens")
     ap.add_argument("--output-range", default="16,256", help="min,max output tokens")
     ap.add_argument("--seed", type=int, default=0)

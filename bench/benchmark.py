@@ -45,11 +45,12 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from bench.common import (add_speculative_args, device_info, device_slug, model_config, model_path, parse_list,
-                          release, results_path, vars_of, write_report)
+from bench.common import (device_info, device_slug, model_config, model_path, parse_list, release, results_path,
+                          vars_of, write_report)
 from bench.datasets import DATASETS, BenchRequest, build_requests, parse_range
 from bench.metrics import RequestRecord, summarize
-from jaxinfer.config import DTYPE_CHOICES, KV_DTYPE_CHOICES, resolve_dtype_name
+from jaxinfer.config import DTYPE_CHOICES, resolve_dtype_name
+from jaxinfer.config.flags import SPECULATIVE_SETTINGS, add_engine_args
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -378,17 +379,11 @@ def _workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/<date>-<device>-<mode>.json)")
     p.add_argument("--no-plot", dest="plot", action="store_false")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    add_speculative_args(p)
     p.add_argument("--dtype", default=None, choices=[d for d in DTYPE_CHOICES if d != "auto"],
                    help="default: float32 on CPU, bfloat16 elsewhere (serving: passed to a launched server)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES,
-                   help="KV cache dtype (default: the model's; serving: passed to a launched server)")
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="recompute every prompt (serving: passed to a launched server)")
+    # the engine's own flags (serving: passed to a launched server)
+    add_engine_args(p, only=("max_num_batched_tokens", "max_model_len", "block_size", "num_blocks", "kv_dtype",
+                             "enable_prefix_caching", *SPECULATIVE_SETTINGS))
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -418,7 +413,7 @@ def _add_modes(b: argparse.ArgumentParser) -> None:
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--launch-server", action="store_true", help="start `jaxinfer serve --model` on 127.0.0.1")
     sv.add_argument("--port", type=int, default=None, help="--launch-server: port (default: a free one)")
-    sv.add_argument("--max-num-seqs", type=int, default=64, help="--launch-server: engine flag")
+    add_engine_args(sv, only=("max_num_seqs",))   # --launch-server: the server's
     sv.add_argument("--server-timeout", type=float, default=600.0, help="--launch-server: start-up limit (s)")
     sv.set_defaults(func=cmd_bench)
 

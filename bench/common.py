@@ -1,6 +1,6 @@
-"""What the benchmarks share, and the flags jaxinfer/cli.py shares with them: the speculative-
-decoding flags (one definition for `jaxinfer generate | serve | batch` and `jaxinfer bench`), the
-device a run is on and its results file name, the model a run reads, and the JSON + PNG report.
+"""What the benchmarks share: the device a run is on and its results file name, the model a run
+reads, and the JSON + PNG report. (The engine flags they share with `jaxinfer serve` are
+jaxinfer.config.flags', derived from EngineConfig.)
 
 Imports nothing else from bench/ and never jaxinfer.cli: cli.py -> bench.benchmark -> bench.common
 runs one way, and every bench script can use these without importing a benchmark it does not run.
@@ -19,27 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxinfer import perf
-from jaxinfer.config import SPECULATIVE_METHODS
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-
-# --------------------------------------------------------------------------- flags
-def add_speculative_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
-                   help="speculative decoding: a draft model, n-gram prompt lookup, or Medusa heads with a "
-                        "candidate tree (exact: the output distribution is the model's)")
-    p.add_argument("--speculative-model", default=None,
-                   help="the draft model's or Medusa heads' folder (default for the bundled model: the bundled ones)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="proposals per sequence and step (medusa: the tree's depth, at most the heads)")
-    p.add_argument("--speculative-max-batch", type=int, default=None,
-                   help="speculate while at most this many sequences run or wait (default: the measured crossover)")
-
-
-def speculative_kwargs(args: argparse.Namespace) -> dict:
-    return dict(speculative_method=args.speculative_method, speculative_model=args.speculative_model,
-                num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch)
 
 
 # --------------------------------------------------------------------------- device, model, results

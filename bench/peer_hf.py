@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from bench.common import device_info, device_slug, model_path, parse_list, release, results_path, vars_of
+from jaxinfer.config.flags import add_engine_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,8 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=3, help="single stream: timed runs per side")
     p.add_argument("--num-requests", type=int, default=64, help="batched: requests")
     p.add_argument("--prompt-range", default="16,128", help="batched: min,max prompt tokens (uniform)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="batched: ours, max_num_seqs")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    add_engine_args(p, only=("max_num_seqs", "max_num_batched_tokens"))   # batched: ours
     p.add_argument("--hf-batch-sizes", default="16,64")
     p.add_argument("--hf-caches", default="static,dynamic")
     p.add_argument("--skip-hf-sequential", action="store_true")

@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from bench.common import device_info, device_slug, model_path, results_path, write_report
+from jaxinfer.config.flags import add_engine_args
 
 
 def run_batch(gen, prompts: list[list[int]], max_tokens: int, params=None) -> dict:
@@ -111,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turn-output-len", type=int, default=32)
     ap.add_argument("--num-random", type=int, default=64)
     ap.add_argument("--random-len", type=int, default=256)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    add_engine_args(ap, only=("max_num_seqs", "max_num_batched_tokens"))
     ap.add_argument("--out", default=None)
     ap.add_argument("--tag", default=None, help="suffix of the results file name")
     args = ap.parse_args(argv)

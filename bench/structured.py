@@ -21,6 +21,7 @@ import numpy as np
 
 from bench import prefix_cache
 from bench.common import device_info, device_slug, model_path, results_path, write_report
+from jaxinfer.config.flags import add_engine_args
 
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"],
           "additionalProperties": False}
@@ -41,10 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--max-decode-steps", type=int, default=8,
-                    help="the engine's multi-step decoding (free rows only; constrained rows draw one per step)")
+    # max_decode_steps: free rows only; constrained rows draw one per step
+    add_engine_args(ap, only=("max_num_seqs", "max_num_batched_tokens", "max_decode_steps"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 

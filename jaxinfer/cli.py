@@ -1,6 +1,8 @@
 """`jaxinfer generate | serve | batch | bench | plan | convert | quantize | export-hf | eval-ppl`.
 
-Flags are parsed here and only here; each command calls the library.
+Flags are parsed here and only here; each command calls the library. The engine's flags are
+EngineConfig's fields (jaxinfer.config.flags): a new setting appears here with no edit. Never
+imports bench at import time (`jaxinfer bench` brings its parser in when the parser is built).
 """
 from __future__ import annotations
 
@@ -10,14 +12,12 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import add_speculative_args, speculative_kwargs
-from jaxinfer.config import BATCHING_CHOICES, DTYPE_CHOICES, KV_DTYPE_CHOICES, QUANTIZE_CHOICES
+from jaxinfer.config import DTYPE_CHOICES, KV_DTYPE_CHOICES, QUANTIZE_CHOICES
+from jaxinfer.config.flags import add_engine_args, engine_kwargs
 
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model folder or jaxinfer checkpoint (default: the bundled model)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="auto: float32 on CPU (XLA:CPU runs bfloat16 matmuls about 2x slower), else bfloat16")
 
 
 def _multihost_args(p: argparse.ArgumentParser) -> None:
@@ -27,13 +27,11 @@ def _multihost_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-processes", type=int, default=None, help="default: $JAXINFER_NUM_PROCESSES")
     g.add_argument("--process-id", type=int, default=None,
                    help="0 serves; the others follow its steps (default: $JAXINFER_PROCESS_ID)")
-    g.add_argument("--tensor-parallel", type=int, default=1,
-                   help="devices to shard over (multi-host: all devices of all processes)")
 
 
 def _multihost_kwargs(args: argparse.Namespace) -> dict:
     return dict(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-                process_id=args.process_id, tensor_parallel=args.tensor_parallel)
+                process_id=args.process_id)
 
 
 def _follow(gen) -> int:
@@ -56,9 +54,7 @@ def _parse_ids(text: str) -> list[int]:
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxinfer import Generator, SamplingParams
 
-    gen = Generator.from_pretrained(args.model, dtype=args.dtype, max_num_seqs=max(1, args.n),
-                                    max_num_batched_tokens=args.max_num_batched_tokens,
-                                    enable_prefix_caching=args.enable_prefix_caching, **speculative_kwargs(args),
+    gen = Generator.from_pretrained(args.model, max_num_seqs=max(1, args.n), **engine_kwargs(args),
                                     **_multihost_kwargs(args))
     if not gen.is_leader:
         return _follow(gen)
@@ -214,40 +210,14 @@ def _served_name(args: argparse.Namespace) -> str:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks in the pool (default: sized from --gpu-memory-utilization of the device's memory)")
-    p.add_argument("--gpu-memory-utilization", "--memory-fraction", dest="memory_fraction", type=float, default=0.9,
-                   help="the fraction of the accelerator's memory the engine may hold: weights, KV pool and "
-                        "activations (default 0.9; vLLM's flag); also JAX's allocator cap unless "
-                        "XLA_CLIENT_MEM_FRACTION is set")
-    p.add_argument("--batching", default="continuous", choices=BATCHING_CHOICES)
-    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES,
-                   help="KV cache dtype (default: the model's dtype)")
-    p.add_argument("--max-decode-steps", type=int, default=8,
-                   help="decode iterations one step may run on device when every sequence decodes "
-                        "(1 while requests wait or prefill runs)")
-    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="wait for each step's tokens before planning the next")
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="recompute every prompt instead of reusing the KV blocks of cached prefixes")
+    """serve and batch: every engine setting, and the name clients use."""
+    add_engine_args(p.add_argument_group("engine (Generator.from_pretrained's settings)"))
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: folder name)")
-    add_speculative_args(p)
 
 
 def _generator(args: argparse.Namespace):
     from jaxinfer import Generator
-    return Generator.from_pretrained(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                                     max_num_batched_tokens=args.max_num_batched_tokens,
-                                     max_model_len=args.max_model_len, block_size=args.block_size,
-                                     num_blocks=args.num_blocks, memory_fraction=args.memory_fraction,
-                                     batching=args.batching, kv_dtype=args.kv_dtype,
-                                     max_decode_steps=args.max_decode_steps, async_scheduling=args.async_scheduling,
-                                     enable_prefix_caching=args.enable_prefix_caching, **speculative_kwargs(args),
-                                     **_multihost_kwargs(args))
+    return Generator.from_pretrained(args.model, **engine_kwargs(args), **_multihost_kwargs(args))
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -312,10 +282,10 @@ def _add_generate(sub) -> None:
     g.add_argument("--n", type=int, default=1)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print JSON lines")
-    g.add_argument("--max-num-batched-tokens", type=int, default=256)
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="recompute the prompt (n > 1 samples still share it)")
-    add_speculative_args(g)
+    # every engine setting but the batch (--n sequences); one prompt warms up fewer token buckets
+    # with a smaller step budget than a server's
+    add_engine_args(g.add_argument_group("engine (Generator.from_pretrained's settings)"), exclude=("max_num_seqs",),
+                    defaults={"max_num_batched_tokens": 256})
     _multihost_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -428,7 +398,7 @@ def _add_batch(sub) -> None:
 def _add_eval_ppl(sub) -> None:
     e = sub.add_parser("eval-ppl", help="perplexity and bits per byte of a text file")
     _model_arg(e)
-    e.set_defaults(dtype="float32")
+    add_engine_args(e, only=("dtype",), defaults={"dtype": "float32"})
     e.add_argument("--text", default=None, help="UTF-8 text file (default: the model's heldout.txt)")
     e.add_argument("--window", type=int, default=256)
     e.add_argument("--stride", type=int, default=None, help="default: window // 2")

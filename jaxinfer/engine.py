@@ -459,7 +459,7 @@ def scheduler_config(r: ResolvedConfig, lazy_draft: bool = False, medusa_tree=No
     lag; medusa_tree: the Medusa tree (cut to num_speculative_tokens), whose nodes a row proposes."""
     return SchedulerConfig(policy=r.batching, max_num_seqs=r.max_num_seqs,
                            max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len,
-                           batch_window_s=r.batch_window_s,
+                           batch_window_s=r.batch_window_s, scheduling_policy=r.scheduling_policy,
                            # multi-step decoding runs the model in a device loop; pipeline stages do not loop
                            max_decode_steps=r.max_decode_steps,
                            spec_tokens=len(medusa_tree.paths) if medusa_tree is not None else r.spec_tokens,
@@ -469,9 +469,10 @@ def scheduler_config(r: ResolvedConfig, lazy_draft: bool = False, medusa_tree=No
 
 def runner_config(r: ResolvedConfig, eos_ids: tuple[int, ...]) -> RunnerConfig:
     """The runner's settings from the resolved ones (eos_ids: what ends a row on the device)."""
-    return RunnerConfig(r.block_size, r.num_blocks, r.max_num_seqs, r.max_num_batched_tokens, r.max_model_len,
-                        r.kv_dtype, r.attention, max_decode_steps=r.max_decode_steps, eos_ids=tuple(eos_ids),
-                        spec_tokens=r.spec_tokens, spec_rounds=r.spec_rounds)
+    return RunnerConfig(block_size=r.block_size, num_blocks=r.num_blocks, max_num_seqs=r.max_num_seqs,
+                        max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len,
+                        kv_dtype=r.kv_dtype, attention=r.attention, max_decode_steps=r.max_decode_steps,
+                        eos_ids=tuple(eos_ids), spec_tokens=r.spec_tokens, spec_rounds=r.spec_rounds)
 
 
 def _build_scheduler(r: ResolvedConfig, blocks: BlockManager, eos_ids: tuple[int, ...], lazy_draft: bool,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import os
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import EngineConfig, SamplingParams
+from jaxinfer.config.engine import engine_config, settings as engine_settings
 from jaxinfer.client import Completion, EngineClient, SubmitError
 from jaxinfer.engine import Engine
 from jaxinfer.medusa import is_medusa, load_heads
@@ -118,6 +120,20 @@ def draft_model_path(target: Path, method: str | None, draft: str | Path | None)
     return draft
 
 
+def _with_settings(func):
+    """func's signature and docstring with every EngineConfig setting as a keyword-only parameter
+    after path, at EngineConfig's default (help() and inspect.signature list them; func takes them
+    as **settings)."""
+    sig = inspect.signature(func)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    own = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+           for f in engine_settings()]
+    func.__signature__ = sig.replace(parameters=[*params[:2], *own, *params[2:]])   # after (cls, path)
+    func.__doc__ += "\n\n        The engine's settings (EngineConfig):\n" + "".join(
+        f"          {f.name}={f.default!r}: {f.metadata['help']}\n" for f in engine_settings())
+    return func
+
+
 class Generator:
     def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, max_num_batched_tokens: int | None = None,
                  warmup: bool = True, draft_model=None, medusa_heads=None, channel=None):
@@ -150,67 +166,43 @@ class Generator:
             log_budget_summary()     # warm-up traced every step shape: kernels left untuned are known
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, dtype: str = "auto", attention: str = "auto",
-                        quantize: str | None = None, kv_dtype: str | None = None, tensor_parallel: int = 1,
-                        pipeline_parallel: int = 1, max_num_seqs: int = 64, block_size: int = 16,
-                        num_blocks: int | None = None, memory_fraction: float = 0.9, batching: str = "continuous",
-                        max_model_len: int | None = None, max_num_batched_tokens: int = 512,
-                        warmup: bool = True, coordinator_address: str | None = None,
-                        num_processes: int | None = None, process_id: int | None = None,
-                        pipeline_microbatches: int | None = None, max_decode_steps: int = 8,
-                        async_scheduling: bool = True, enable_prefix_caching: bool = True,
-                        speculative_method: str | None = None, speculative_model: str | Path | None = None,
-                        num_speculative_tokens: int = 4, speculative_max_batch: int | None = None) -> "Generator":
-        """Multi-host: coordinator_address ("host:port" of process 0), num_processes and process_id
+    @_with_settings
+    def from_pretrained(cls, path: str | Path | None = None, *, speculative_model: str | Path | None = None,
+                        warmup: bool = True, coordinator_address: str | None = None, num_processes: int | None = None,
+                        process_id: int | None = None, **settings) -> Generator:
+        """A Generator over the model at path (an HF folder or a native checkpoint; None: the bundled
+        model). Every other keyword but these is an EngineConfig setting, with EngineConfig's default
+        (listed below and in inspect.signature; an unknown name is a TypeError).
+        speculative_model: the draft model (speculative_method="draft", same tokenizer) or Medusa heads
+        (scripts/train_medusa.py) to load; the bundled model's are the default for it.
+        warmup: compile every step shape now (serving then compiles nothing).
+        Multi-host: coordinator_address ("host:port" of process 0), num_processes and process_id
         (or $JAXINFER_COORDINATOR_ADDRESS, $JAXINFER_NUM_PROCESSES, $JAXINFER_PROCESS_ID), the same
         settings in every process, tensor_parallel over the devices of all processes. Process 0
         takes the requests; every other process calls follow() (jaxinfer.distributed).
-        num_blocks None sizes the KV pool so that the engine holds at most memory_fraction of an
-        accelerator's memory (weights, pool and activations; vLLM's gpu_memory_utilization); a pool
-        that cannot hold one sequence of max_model_len is a ConfigError naming what to change.
-        max_decode_steps: decode iterations one step may run on the device when every sequence
-        decodes and none waits (1 turns multi-step decoding off; step.py). async_scheduling: plan and
-        dispatch each step before the previous one's tokens reach the host (engine.py).
-        enable_prefix_caching: requests sharing a prompt prefix reuse its cached KV blocks
-        (jaxinfer/host/block_manager.py); reset_prefix_cache() forgets them.
-        pipeline_parallel > 1 (one process): each step runs as pipeline_microbatches micro-batches
-        (None: pipeline_parallel of them; jaxinfer.pipeline).
-        speculative_method: None, "draft" (speculative_model: a small model with the same tokenizer;
-        the bundled model's default is its bundled draft), "ngram" (prompt lookup) or "medusa"
-        (speculative_model: heads trained for this model by scripts/train_medusa.py, bundled for the
-        bundled model; their tree of candidates is verified in one step, num_speculative_tokens deep);
-        each decoding sequence proposes num_speculative_tokens tokens per step while at most
-        speculative_max_batch sequences run or wait (None: the measured default), verified exactly
-        (jaxinfer/speculative.py, jaxinfer/medusa.py)."""
-        cfg = EngineConfig(dtype=dtype, attention=attention, quantize=quantize, kv_dtype=kv_dtype,
-                           tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           block_size=block_size, num_blocks=num_blocks,
-                           memory_fraction=memory_fraction, batching=batching, max_model_len=max_model_len,
-                           pipeline_microbatches=pipeline_microbatches, max_decode_steps=max_decode_steps,
-                           async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
-                           speculative_method=speculative_method, num_speculative_tokens=num_speculative_tokens,
-                           speculative_max_batch=speculative_max_batch)
+        A KV pool that cannot hold one sequence of max_model_len is a ConfigError naming what to change;
+        reset_prefix_cache() forgets the cached prefix blocks of enable_prefix_caching."""
+        cfg = engine_config("from_pretrained", settings)
         path = Path(path) if path is not None else default_model_path()
-        draft_path = draft_model_path(path, speculative_method, speculative_model)
+        draft_path = draft_model_path(path, cfg.speculative_method, speculative_model)
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
         group = distributed.initialize(coordinator_address, num_processes, process_id)
         # the model's dtype, decided once by config.resolve_dtype_name's rule (after initialize: it asks
         # jax for the backend); the loaders and the engine all read this explicit name
-        cfg = dataclasses.replace(cfg, dtype=resolve_dtype(dtype))
-        if pipeline_parallel > 1:
+        cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype))
+        if cfg.pipeline_parallel > 1:
             if group is not None:
                 raise ValueError("pipeline_parallel > 1 is not available across several processes (multi-host)")
             return cls(_load_pipelined(path, cfg), load_tokenizer(path), cfg, None, warmup)
         mesh = None
-        if tensor_parallel > 1:
+        if cfg.tensor_parallel > 1:
             from jaxinfer.sharding import make_mesh
-            mesh = make_mesh(tensor_parallel=tensor_parallel)   # clear error if too few devices
+            mesh = make_mesh(tensor_parallel=cfg.tensor_parallel)   # clear error if too few devices
         channel = None if group is None else _join_group(group, mesh, path, cfg, warmup)
         model = _load_decoder(path, cfg, mesh, fuse=group is None)
         if draft_path is not None and group is not None:
             raise ValueError("speculative decoding is not available across several processes (multi-host)")
-        draft, heads = _load_speculative(draft_path, speculative_method, model, cfg.dtype)
+        draft, heads = _load_speculative(draft_path, cfg.speculative_method, model, cfg.dtype)
         return cls(model, load_tokenizer(path), cfg, None, warmup, draft_model=draft, medusa_heads=heads,
                    channel=channel)
 

@@ -101,7 +101,8 @@ DEVICE_NAMES = (*DEVICES, "cpu")
 
 
 def _rope31() -> RopeScaling:
-    return RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    return RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=8192)
 
 
 def _llama(**kw: Any) -> ModelConfig:
@@ -143,7 +144,7 @@ PRESETS: dict[str, ModelConfig] = {
                             architecture="Qwen3MoeForCausalLM"),
     "gpt-oss-20b": _llama(vocab_size=201088, d_model=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64,
                           ffn_dim=2880, max_position_embeddings=131072, rope_theta=150000.0,
-                          rope_scaling=RopeScaling("yarn", 32.0, original_max_position_embeddings=4096,
+                          rope_scaling=RopeScaling(kind="yarn", factor=32.0, original_max_position_embeddings=4096,
                                                    attention_factor=0.1 * math.log(32.0) + 1.0, truncate=False),
                           sliding_window=128, sliding_layers=tuple(i % 2 == 0 for i in range(24)),
                           qkv_bias=True, out_bias=True, mlp_bias=True, attn_sinks=True, num_experts=32,

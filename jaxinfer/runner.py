@@ -149,14 +149,16 @@ class ModelRunner:
         self._no_draft_meta: dict[tuple[int, int], object] = {}   # (S, B): the draft's empty proposal layout
         replicate = (NamedSharding(self.mesh, PartitionSpec())
                      if self.mesh is not None and jax.process_count() > 1 else None)
-        self.settings = StepSettings(self.graphdef, cfg.attention,
+        self.settings = StepSettings(graphdef=self.graphdef, attention=cfg.attention,
                                      # a speculative engine's steps loop over rounds: multi-step
                                      # decoding where no row speculates, speculation rounds otherwise
-                                     max(cfg.spec_rounds, cfg.max_decode_steps, 1),
-                                     self.num_seqs_for(self.token_buckets[-1]), self.kv_sharding, replicate,
-                                     cfg.spec_tokens, draft_graphdef, medusa_graphdef, self.tree,
+                                     max_iters=max(cfg.spec_rounds, cfg.max_decode_steps, 1),
+                                     max_rows=self.num_seqs_for(self.token_buckets[-1]),
+                                     kv_sharding=self.kv_sharding, replicate_samples=replicate,
+                                     spec_tokens=cfg.spec_tokens, draft_graphdef=draft_graphdef,
+                                     medusa_graphdef=medusa_graphdef, tree=self.tree,
                                      # n-gram: prompt lookup on the device
-                                     (NGRAM_MAX_N, NGRAM_MIN_N) if cfg.spec_tokens and draft is None
+                                     ngram=(NGRAM_MAX_N, NGRAM_MIN_N) if cfg.spec_tokens and draft is None
                                      and medusa_heads is None else ())
         self.out_rows = self.settings.out_rows
         self.step = jit_step(self.settings)
@@ -166,9 +168,10 @@ class ModelRunner:
         # speculation at 16 and 64 sequences with the draft method, bench/speculative.py)
         self.plain_step = None
         if cfg.spec_tokens:
-            self.plain_step = jit_step(StepSettings(self.graphdef, cfg.attention, max(cfg.max_decode_steps, 1),
-                                                    self.settings.max_rows, self.kv_sharding, replicate,
-                                                    next_rows=self.out_rows))
+            self.plain_step = jit_step(StepSettings(graphdef=self.graphdef, attention=cfg.attention,
+                                                    max_iters=max(cfg.max_decode_steps, 1),
+                                                    max_rows=self.settings.max_rows, kv_sharding=self.kv_sharding,
+                                                    replicate_samples=replicate, next_rows=self.out_rows))
         # the prev_tokens of a step whose tokens the host all knows (no previous step in flight)
         self._no_prev = jax.device_put(np.zeros(self.out_rows * self.settings.max_rows, np.int32),
                                        jax.devices()[0] if self.mesh is None else NamedSharding(self.mesh, PartitionSpec()))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -80,7 +81,7 @@ def test_step_bytes_and_flops():
     # flops = 2 P_body T + 2 V d S + 4 H d_head L sum(keys per query)
     assert COST.step_flops(PREFILL) == 2 * 1000 * 4 + 2 * 100 * 32 * 1 + 4 * 4 * 8 * 2 * (1 + 2 + 3 + 4)
     assert COST.step_flops(DECODE) == 2 * 1000 * 2 + 2 * 100 * 32 * 2 + 4 * 4 * 8 * 2 * (5 + 11)
-    windowed = ModelCost(**{**COST.__dict__, "windows": (2, None)})
+    windowed = dataclasses.replace(COST, windows=(2, None))
     assert windowed.step_flops(PREFILL) == 8000 + 6400 + 4 * 4 * 8 * ((1 + 2 + 2 + 2) + (1 + 2 + 3 + 4))
     assert windowed.step_bytes(PREFILL) == 4000 + 128 * 2 + 128 * 4
 

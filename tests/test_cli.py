@@ -163,3 +163,95 @@ def test_export_hf_tokenizer_reads_the_same_in_transformers(tmp_path):
         assert theirs.decode(theirs.encode(text), skip_special_tokens=True) == ours.decode(ours.encode(text))
     assert ours.encode("And God said") == [1, 313, 415, 411]   # the issue's example
     assert theirs.eos_token_id == ours.eos_ids[0] and theirs.bos_token_id == ours.bos_id
+
+
+# ------------------------------------------------------------------------------ engine flags from EngineConfig
+def _parse(*argv: str):
+    from jaxinfer.cli import build_parser
+    return build_parser().parse_args(list(argv))
+
+
+def test_engine_flags_default_to_engine_config():
+    """Every engine setting has a flag on serve and batch, at EngineConfig's default; generate has all
+    but max_num_seqs (its --n), with its own smaller step budget."""
+    from jaxinfer.config import EngineConfig, settings
+    from jaxinfer.config.flags import engine_kwargs
+
+    defaults = {f.name: getattr(EngineConfig(), f.name) for f in settings()}
+    for cmd in (["serve"], ["batch", "in.jsonl", "out.jsonl"]):
+        assert engine_kwargs(_parse(*cmd)) == {**defaults, "speculative_model": None}, cmd
+    without_batch = {k: v for k, v in defaults.items() if k != "max_num_seqs"}
+    assert engine_kwargs(_parse("generate", "hi")) == {**without_batch, "speculative_model": None,
+                                                       "max_num_batched_tokens": 256}
+    assert _parse("eval-ppl").dtype == "float32"
+
+
+def test_every_existing_engine_flag_name_still_parses():
+    from jaxinfer.config.flags import engine_kwargs
+
+    flags = ["--dtype", "float32", "--max-num-seqs", "3", "--max-num-batched-tokens", "32", "--max-model-len", "128",
+             "--block-size", "8", "--num-blocks", "40", "--gpu-memory-utilization", "0.5", "--batching", "static",
+             "--kv-dtype", "int8", "--max-decode-steps", "2", "--no-async-scheduling", "--no-prefix-caching",
+             "--speculative-method", "ngram", "--speculative-model", "heads", "--num-speculative-tokens", "3",
+             "--speculative-max-batch", "2", "--tensor-parallel", "2"]
+    want = dict(dtype="float32", max_num_seqs=3, max_num_batched_tokens=32, max_model_len=128, block_size=8,
+                num_blocks=40, memory_fraction=0.5, batching="static", kv_dtype="int8", max_decode_steps=2,
+                async_scheduling=False, enable_prefix_caching=False, speculative_method="ngram",
+                speculative_model="heads", num_speculative_tokens=3, speculative_max_batch=2, tensor_parallel=2)
+    for cmd in (["serve"], ["batch", "in.jsonl", "out.jsonl"]):
+        got = engine_kwargs(_parse(*cmd, *flags, "--served-model-name", "m", "--coordinator-address", "h:1",
+                                   "--num-processes", "2", "--process-id", "1"))
+        assert {k: got[k] for k in want} == want, cmd
+    assert _parse("serve", "--memory-fraction", "0.25").memory_fraction == 0.25   # the older alias
+    gen_flags = [f for i, f in enumerate(flags) if f != "--max-num-seqs" and flags[i - 1] != "--max-num-seqs"]
+    got = engine_kwargs(_parse("generate", "--ids", "1,2", "--n", "2", *gen_flags))
+    assert {k: got[k] for k in want if k != "max_num_seqs"} == {k: v for k, v in want.items() if k != "max_num_seqs"}
+    with pytest.raises(SystemExit):
+        _parse("serve", "--batching", "eager")          # choices come from BATCHING_CHOICES
+
+
+def test_bench_engine_flags_keep_their_names():
+    off = _parse("bench", "offline", "--max-num-batched-tokens", "64", "--max-model-len", "96", "--block-size", "8",
+                 "--num-blocks", "30", "--kv-dtype", "fp8", "--no-prefix-caching", "--speculative-method", "draft",
+                 "--speculative-model", "d", "--num-speculative-tokens", "2", "--speculative-max-batch", "4")
+    assert (off.max_num_batched_tokens, off.max_model_len, off.block_size, off.num_blocks, off.kv_dtype,
+            off.enable_prefix_caching, off.speculative_method, off.speculative_model, off.num_speculative_tokens,
+            off.speculative_max_batch) == (64, 96, 8, 30, "fp8", False, "draft", "d", 2, 4)
+    assert off.dtype is None and _parse("bench", "offline").max_num_batched_tokens == 512
+    assert _parse("bench", "serving", "--max-num-seqs", "5").max_num_seqs == 5
+    assert _parse("bench", "serving").max_num_seqs == 64
+
+
+def test_serve_flags_reach_from_pretrained(monkeypatch):
+    """The flags arrive as from_pretrained's keywords, by name, with the multi-host ones."""
+    from jaxinfer import Generator
+    from jaxinfer.cli import _generator
+
+    seen = {}
+    monkeypatch.setattr(Generator, "from_pretrained", classmethod(lambda cls, path, **kw: seen.update(path=path, **kw)))
+    _generator(_parse("serve", "--model", "m", "--max-num-seqs", "3", "--no-prefix-caching", "--process-id", "0"))
+    assert seen["path"] == "m" and seen["max_num_seqs"] == 3 and seen["enable_prefix_caching"] is False
+    assert seen["process_id"] == 0 and seen["memory_fraction"] == 0.9 and seen["speculative_model"] is None
+
+
+def test_from_pretrained_keywords_are_engine_config_settings():
+    """DESIGN.md's keywords at their defaults, every EngineConfig setting in the signature at its
+    field's default, and an unknown keyword refused by name before anything loads."""
+    import inspect
+
+    from jaxinfer import Generator
+    from jaxinfer.config import EngineConfig, settings
+
+    params = inspect.signature(Generator.from_pretrained).parameters
+    design = dict(path=None, dtype="auto", attention="auto", quantize=None, kv_dtype=None, tensor_parallel=1,
+                  pipeline_parallel=1, max_num_seqs=64, block_size=16, num_blocks=None, batching="continuous",
+                  enable_prefix_caching=True, speculative_method=None, speculative_model=None,
+                  num_speculative_tokens=4, memory_fraction=0.9, max_model_len=None, max_num_batched_tokens=512,
+                  warmup=True, coordinator_address=None, num_processes=None, process_id=None,
+                  pipeline_microbatches=None, max_decode_steps=8, async_scheduling=True, speculative_max_batch=None)
+    assert {k: params[k].default for k in design} == design
+    assert {f.name: params[f.name].default for f in settings()} == \
+        {f.name: getattr(EngineConfig(), f.name) for f in settings()}
+    assert all(f.name in (Generator.from_pretrained.__doc__ or "") for f in settings())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_seq'"):
+        Generator.from_pretrained(max_num_seq=4)

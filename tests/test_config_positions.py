@@ -30,7 +30,7 @@ def test_llama3_rope_frequencies_match_transformers():
 
 def test_linear_rope_scaling_divides_frequencies():
     base = rope_inv_freq(64, 10000.0, None)
-    np.testing.assert_allclose(rope_inv_freq(64, 10000.0, RopeScaling("linear", 4.0)), base / 4.0)
+    np.testing.assert_allclose(rope_inv_freq(64, 10000.0, RopeScaling(kind="linear", factor=4.0)), base / 4.0)
     # the formula: theta^(-2i/d)
     np.testing.assert_allclose(base, [10000.0 ** (-2 * i / 64) for i in range(32)], rtol=1e-6)
 
@@ -42,7 +42,7 @@ def test_rope_theta_read_from_legacy_and_v5_fields():
     v5 = dict(legacy, rope_parameters={"rope_theta": 456.0, "rope_type": "default"})
     del v5["rope_theta"], v5["rope_scaling"]
     a, b = model_config_from_hf(legacy), model_config_from_hf(v5)
-    assert (a.rope_theta, a.rope_scaling) == (123.0, RopeScaling("linear", 2.0))
+    assert (a.rope_theta, a.rope_scaling) == (123.0, RopeScaling(kind="linear", factor=2.0))
     assert (b.rope_theta, b.rope_scaling) == (456.0, None)
 
 

@@ -1115,3 +1115,66 @@ def test_lazy_draft_rows_without_proposals_skip_the_draft():
         (q,) = out.seqs
         assert out.speculating and not out.run_draft and (q.num_tokens, q.draft_only) == (1, 0)
     assert c.finished and c.num_draft_computed == 6 and h.s.num_draft_catchup_tokens == 0
+
+
+def _harness_with(scheduling_policy: str, **kw) -> Harness:
+    h = Harness(**kw)
+    h.cfg = dataclasses.replace(h.cfg, scheduling_policy=scheduling_policy)
+    h.s = Scheduler(h.cfg, h.bm, eos_ids=(EOS,), clock=h.clock)
+    return h
+
+
+@pytest.mark.parametrize("scheduling_policy,order", [
+    # arrivals: low 0.0, mid_early 1.0, mid_late 2.0, high 3.0; one runs at a time
+    ("fcfs", ["low", "mid_early", "mid_late", "high"]),           # arrival order, priorities ignored
+    ("priority", ["high", "mid_early", "mid_late", "low"]),       # -1, then the two 0s by arrival, then 5
+])
+def test_scheduling_policy_orders_waiting_requests(scheduling_policy, order):
+    h = _harness_with(scheduling_policy, max_num_seqs=1)
+    h.add("low", 6, priority=5, arrival=0.0, max_tokens=2)
+    h.add("high", 6, priority=-1, arrival=3.0, max_tokens=2)
+    h.add("mid_late", 6, priority=0, arrival=2.0, max_tokens=2)
+    h.add("mid_early", 6, priority=0, arrival=1.0, max_tokens=2)
+    h.run()
+    assert sorted(h.reqs, key=h.first_step) == order
+    h.assert_all_free()
+
+
+@pytest.mark.parametrize("scheduling_policy,order", [
+    ("fcfs", ["a", "b", "urgent"]),          # urgent arrived last: it waits behind b
+    ("priority", ["a", "urgent", "b"]),      # urgent's -5 goes before b's 0 (a already runs)
+])
+def test_scheduling_policy_for_a_late_urgent_request(scheduling_policy, order):
+    h = _harness_with(scheduling_policy, max_num_seqs=1)
+    h.add("a", 6, max_tokens=4)
+    h.add("b", 6, max_tokens=4)
+    h.step()
+    h.add("urgent", 6, priority=-5, max_tokens=4)
+    h.run()
+    assert sorted(h.reqs, key=h.first_step) == order
+    h.assert_all_free()
+
+
+@pytest.mark.parametrize("scheduling_policy", ["fcfs", "priority"])
+def test_scheduling_policy_is_arrival_order_without_priorities(scheduling_policy):
+    """Requests that carry no priority run in arrival order under either policy (today's behaviour)."""
+    h = _harness_with(scheduling_policy, max_num_seqs=1)
+    h.add("second", 6, arrival=1.0, max_tokens=2)
+    h.add("third", 6, arrival=2.0, max_tokens=2)
+    h.add("first", 6, arrival=0.0, max_tokens=2)
+    h.run()
+    assert sorted(h.reqs, key=h.first_step) == ["first", "second", "third"]
+
+
+def test_engine_passes_its_scheduling_policy_to_the_scheduler():
+    """EngineConfig (default fcfs) -> ResolvedConfig -> the scheduler's config."""
+    from jaxinfer.config import EngineConfig, ModelConfig, resolve_config
+    from jaxinfer.engine import scheduler_config
+
+    mc = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=8, ffn_dim=32,
+                     max_position_embeddings=64)
+    for given, want in ((None, "fcfs"), ("fcfs", "fcfs"), ("priority", "priority")):
+        cfg = EngineConfig(num_blocks=9) if given is None else EngineConfig(num_blocks=9, scheduling_policy=given)
+        assert scheduler_config(resolve_config(cfg, mc, backend="cpu")).scheduling_policy == want
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(scheduling_policy="lifo")

@@ -106,3 +106,56 @@ def test_no_function_over_80_lines():
                 if lines > MAX_LINES and (rel, node.name) not in LONG_ALLOWED:
                     long.append(f"{rel}:{node.lineno} {node.name} ({lines} lines)")
     assert long == []
+
+
+# ------------------------------------------------------------------------------ config dataclasses by keyword
+CONFIG_CLASSES = {"EngineConfig", "ResolvedConfig", "PoolInputs", "ModelConfig", "SamplingParams", "SchedulerConfig",
+                  "RunnerConfig", "StepSettings", "RopeScaling", "StructuredOutputs"}
+
+
+def _positional_config_calls(source: str, where: str) -> list[str]:
+    """Calls of a config dataclass (by name or attribute) with positional arguments."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and node.args:
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name in CONFIG_CLASSES:
+                found.append(f"{where}:{node.lineno} {name}")
+    return found
+
+
+def test_positional_scan_finds_a_planted_call():
+    planted = ("EngineConfig('auto')\nconfig.SamplingParams(16, temperature=0)\nModelConfig(**d)\n"
+               "StepSettings(graphdef=g)\n")
+    assert _positional_config_calls(planted, "x") == ["x:1 EngineConfig", "x:2 SamplingParams"]
+
+
+def test_no_config_dataclass_constructed_positionally():
+    """Settings are passed by name (the dataclasses are keyword-only): a new field cannot shift others."""
+    found, scanned = [], 0
+    for pkg in ("jaxinfer", "serve", "bench", "scripts", "tests"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            scanned += 1
+            found += _positional_config_calls(path.read_text(), path.relative_to(ROOT).as_posix())
+    assert scanned > 100 and found == []
+
+
+# ------------------------------------------------------------------------------ the CLI does not load bench
+_LOADED_BENCH = ("import sys, importlib\n"
+                 "for m in sys.argv[1:]: importlib.import_module(m)\n"
+                 "print(sorted(m for m in sys.modules if m == 'bench' or m.startswith('bench.')))")
+
+
+def _bench_modules_after(*modules: str) -> list[str]:
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _LOADED_BENCH, *modules], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().replace("'", '"'))
+
+
+def test_importing_jaxinfer_and_its_cli_loads_no_bench_module():
+    assert "bench.common" in _bench_modules_after("jaxinfer", "bench.common")   # the check sees one
+    assert _bench_modules_after("jaxinfer", "jaxinfer.cli") == []

@@ -66,6 +66,9 @@ class SchedulerConfig:
     # Medusa: the step proposes each row's next tree from its last token's hidden state, so while the
     # policy speculates a step runs one decode iteration (none would be proposed after the first)
     step_proposes: bool = False
+    # fcfs: arrival order; priority: lower Request.priority first, then arrival. The engine passes
+    # EngineConfig's (fcfs); a scheduler built alone orders by priority, as it always has
+    scheduling_policy: str = "priority"
 
 
 @dataclass
@@ -120,6 +123,7 @@ class Scheduler:
                  clock=time.monotonic, propose: Callable[[Request, int, int], list[int]] | None = None,
                  spec_draws: Callable[[int], int] | None = None):
         assert cfg.policy in ("continuous", "static", "dynamic"), cfg.policy
+        assert cfg.scheduling_policy in ("fcfs", "priority"), cfg.scheduling_policy
         self.cfg, self.blocks, self.eos_ids, self.clock = cfg, block_manager, tuple(eos_ids), clock
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -143,13 +147,17 @@ class Scheduler:
     def _key(self, req: Request) -> tuple:
         return self._keys[req.request_id]
 
+    def _rank(self, req: Request) -> int:
+        """The request's priority as this policy counts it: fcfs puts everyone at one level."""
+        return req.priority if self.cfg.scheduling_policy == "priority" else 0
+
     def add(self, req: Request) -> None:
         self._order += 1
-        self._keys[req.request_id] = (req.priority, req.arrival_time, self._order)
+        self._keys[req.request_id] = (self._rank(req), req.arrival_time, self._order)
         self.requests[req.request_id] = req
         for child in req.pending_forks:
             self._order += 1
-            self._keys[child.request_id] = (child.priority, child.arrival_time, self._order)
+            self._keys[child.request_id] = (self._rank(child), child.arrival_time, self._order)
             self.requests[child.request_id] = child
         if req.pending_forks and req.fork_at == 0:
             self._fork(req)
@@ -416,11 +424,11 @@ class Scheduler:
         if req.num_cached_tokens is None:
             req.num_cached_tokens = min(start, len(req.prompt_ids))
         if self.caching and self.cfg.policy == "continuous":
-            head = self.waiting[0].priority
+            head = self._rank(self.waiting[0])
             for r in self.waiting[:ADMIT_WINDOW]:
                 if r is req:
                     break
-                if r.priority == head:
+                if self._rank(r) == head:
                     r.num_passed_over += 1
 
     def _next_waiting(self) -> Request:
@@ -428,7 +436,7 @@ class Scheduler:
         head = self.waiting[0]
         if not self.caching:
             return head
-        window = [r for r in self.waiting[:ADMIT_WINDOW] if r.priority == head.priority]
+        window = [r for r in self.waiting[:ADMIT_WINDOW] if self._rank(r) == self._rank(head)]
         starved = next((r for r in window if r.num_passed_over >= MAX_PASSED_OVER), None)
         if starved is not None:
             return starved

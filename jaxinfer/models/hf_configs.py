@@ -126,11 +126,12 @@ def _rope(params: dict[str, Any], c: dict[str, Any], default_theta: float = 1000
     if kind in ("default", None):
         return theta, None
     if kind == "linear":
-        return theta, RopeScaling("linear", float(params["factor"]))
+        return theta, RopeScaling(kind="linear", factor=float(params["factor"]))
     if kind == "llama3":
         return theta, RopeScaling(
-            "llama3", float(params["factor"]), float(params["low_freq_factor"]),
-            float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+            kind="llama3", factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]))
     if kind in ("longrope", "su"):
         return theta, _longrope(params, c)
     if kind == "yarn":
@@ -154,8 +155,8 @@ def _yarn(params: dict[str, Any], c: dict[str, Any]) -> RopeScaling:
     if attention is None:
         m, m_all = params.get("mscale"), params.get("mscale_all_dim")
         attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    return RopeScaling("yarn", factor, original_max_position_embeddings=original, attention_factor=float(attention),
-                       beta_fast=float(params.get("beta_fast") or 32.0),
+    return RopeScaling(kind="yarn", factor=factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention), beta_fast=float(params.get("beta_fast") or 32.0),
                        beta_slow=float(params.get("beta_slow") or 1.0), truncate=bool(params.get("truncate", True)))
 
 
@@ -179,7 +180,7 @@ def _longrope(params: dict[str, Any], c: dict[str, Any]) -> RopeScaling:
     attention = params.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return RopeScaling("longrope", factor, original_max_position_embeddings=original,
+    return RopeScaling(kind="longrope", factor=factor, original_max_position_embeddings=original,
                        short_factor=tuple(float(x) for x in params["short_factor"]),
                        long_factor=tuple(float(x) for x in params["long_factor"]),
                        attention_factor=float(attention),

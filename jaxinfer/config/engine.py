@@ -1,0 +1,132 @@
+"""The serving engine's settings as the user gives them: EngineConfig, one field per setting, its
+default and help written beside it once. Generator.from_pretrained's keywords and the CLI's engine
+flags (jaxinfer/config/flags.py) are derived from these fields, so a new setting is one field here
+plus its use. The values each setting takes are listed once (the *_CHOICES constants), for
+EngineConfig's checks and the flags' choices. Never imports jax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# None, where a setting's default is None, is allowed too (the flag left out).
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
+ATTENTION_CHOICES = ("pallas", "xla", "auto")
+QUANTIZE_CHOICES = ("int8", "int4", "fp8")
+KV_DTYPE_CHOICES = ("int8", "fp8", "float16", "bfloat16", "float32")
+BATCHING_CHOICES = ("continuous", "static", "dynamic")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+SPECULATIVE_METHODS = ("draft", "ngram", "medusa")
+# The smallest per-step token budget: the runner's first token bucket holds up to 8 tokens.
+MIN_TOKEN_BUDGET = 8
+MAX_SPECULATIVE_TOKENS = 16
+# The load policy's default per backend (resolve_config): speculate while at most this many sequences
+# run or wait. CPU: 1: with speculation forced on, bench/speculative.py on the bundled model runs
+# 2 or more sequences slower than without it (README's table): XLA:CPU's matmuls are compute-bound
+# once a step holds a few rows, so verifying 1 + k tokens a row costs nearly 1 + k tokens.
+# Accelerators: 8, not yet measured on a GPU: a decode step stays bound by reading the weights until
+# it holds about as many tokens as the chip does FLOPs per byte read (~300 on an H100 in bfloat16),
+# so 8 rows x 5 verified tokens should cost little more than 8.
+DEFAULT_SPECULATIVE_MAX_BATCH = {"cpu": 1}
+DEFAULT_SPECULATIVE_MAX_BATCH_ACCELERATOR = 8
+
+
+def setting(default: Any, help: str, *, choices: tuple | None = None, flags: tuple[str, ...] | None = None) -> Any:
+    """An EngineConfig field that is a user-facing setting: its default, its help (the CLI flag's and
+    from_pretrained's), the values it takes (None added where the default is None) and, where they
+    are not `--field-name` (or `--no-field-name` for a setting on by default), its flags' names."""
+    metadata = {"help": help}
+    if choices is not None:
+        metadata["choices"] = choices
+    if flags is not None:
+        metadata["flags"] = flags
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """The serving engine's settings (see DESIGN.md), as the user gave them; resolve_config decides
+    every "auto" and None once (ResolvedConfig), and the engine reads that."""
+    dtype: str = setting("auto", "auto: float32 on CPU (XLA:CPU runs bfloat16 matmuls about 2x slower), "
+                                 "else bfloat16", choices=DTYPE_CHOICES)
+    attention: str = setting("auto", "the attention (and quantized matmul) implementation: auto is the Pallas "
+                                     "kernels on GPU, XLA elsewhere", choices=ATTENTION_CHOICES)
+    quantize: str | None = setting(None, "weight quantization at load time: weight-only (fp8 on GPU also scales "
+                                         "activations to e4m3 per token)", choices=QUANTIZE_CHOICES)
+    kv_dtype: str | None = setting(None, "KV cache dtype (default: the model's dtype; fp8 is e4m3)",
+                                   choices=KV_DTYPE_CHOICES)
+    tensor_parallel: int = setting(1, "devices to shard over (multi-host: all devices of all processes)")
+    pipeline_parallel: int = setting(1, "pipeline stages the layers are split over (one process)")
+    pipeline_microbatches: int | None = setting(None, "micro-batches per step with pipeline_parallel > 1 "
+                                                      "(default: one per stage)")
+    max_num_seqs: int = setting(64, "sequences running at once at most")
+    max_num_batched_tokens: int = setting(512, f"tokens one step computes at most (at least {MIN_TOKEN_BUDGET})")
+    block_size: int = setting(16, "tokens per KV cache block")
+    num_blocks: int | None = setting(None, "KV blocks in the pool (default: sized from --gpu-memory-utilization "
+                                           "of the device's memory)")
+    memory_fraction: float = setting(
+        0.9, "the fraction of the accelerator's memory the engine may hold: weights, KV pool and activations "
+             "(default 0.9; vLLM's gpu_memory_utilization); also JAX's allocator cap unless "
+             "XLA_CLIENT_MEM_FRACTION is set", flags=("--gpu-memory-utilization", "--memory-fraction"))
+    batching: str = setting("continuous", "continuous: every step admits waiting requests; static: a batch runs "
+                                          "to completion before the next; dynamic: static batches of what "
+                                          "arrived within batch_window_s", choices=BATCHING_CHOICES)
+    scheduling_policy: str = setting("fcfs", "the order requests are admitted in (and preempted in reverse): fcfs: "
+                                             "arrival order; priority: a request's lower priority value first, "
+                                             "then arrival (vLLM's)", choices=SCHEDULING_POLICIES)
+    batch_window_s: float = setting(0.05, "dynamic batching: how long the oldest waiting request may wait (s)")
+    max_model_len: int | None = setting(None, "the longest sequence, prompt and output (default: the model's "
+                                              "max_position_embeddings)")
+    max_decode_steps: int = setting(8, "decode iterations one step may run on device when every sequence "
+                                       "decodes (1 while requests wait or prefill runs)")
+    async_scheduling: bool = setting(True, "plan and dispatch each step before the previous one's tokens reach "
+                                           "the host (off: wait for each step's tokens before planning the next)")
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of cached prompt prefixes (off: recompute "
+                                                "every prompt)", flags=("--no-prefix-caching",))
+    speculative_method: str | None = setting(
+        None, "speculative decoding: a draft model, n-gram prompt lookup, or Medusa heads with a candidate tree "
+              "(exact: the output distribution is the model's)", choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = setting(4, "proposals per sequence and step (medusa: the tree's depth, at most "
+                                             "the heads)")
+    speculative_max_batch: int | None = setting(None, "speculate while at most this many sequences run or wait "
+                                                      "(default: the measured crossover)")
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for f in settings():
+            allowed = f.metadata.get("choices")
+            allowed = allowed if allowed is None or f.default is not None else (None, *allowed)
+            if allowed is not None and getattr(self, f.name) not in allowed:
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r} is not one of {allowed}")
+        if not (isinstance(self.memory_fraction, (int, float)) and 0 < self.memory_fraction <= 1):
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
+            raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
+        for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "block_size", "max_decode_steps",
+                     "num_speculative_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
+        if self.speculative_max_batch is not None and self.speculative_max_batch < 0:
+            raise ValueError(f"speculative_max_batch must be >= 0, got {self.speculative_max_batch}")
+        if self.speculative_method is not None and self.pipeline_parallel > 1:
+            # (tensor_parallel works: the draft model and Medusa heads are replicated on the mesh)
+            raise ValueError("speculative decoding is not available with pipeline_parallel > 1")
+
+
+def settings() -> tuple:
+    """EngineConfig's settings (dataclasses.Field each, in declaration order): the fields with help."""
+    return tuple(f for f in fields(EngineConfig) if "help" in f.metadata)
+
+
+def engine_config(caller: str, given: dict[str, Any]) -> EngineConfig:
+    """An EngineConfig of the settings a caller took as keywords (Generator.from_pretrained's
+    **settings): a name that is not a setting is a TypeError naming it, as Python's own would."""
+    names = {f.name for f in settings()}
+    unknown = [k for k in given if k not in names]
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r} (the engine's settings: "
+                        f"{', '.join(sorted(names))})")
+    return EngineConfig(**given)

@@ -1,0 +1,257 @@
+"""The model's architecture: ModelConfig (every supported family's fields) and RopeScaling.
+
+A Hugging Face config.json becomes a ModelConfig in jaxinfer/models/hf_configs.py
+(model_config_from_hf), the only place that knows how each supported family spells things; the
+model code reads ModelConfig only. Never imports jax.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+# The longest context a config may declare (Llama 4 Scout declares 10M): beyond it a config is a typo.
+MAX_POSITIONS = 1 << 24
+
+
+class ConfigError(ValueError):
+    """A config.json (or a user-supplied setting) that we cannot honour; the message names the field."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """RoPE frequency scaling. kind: "linear" (positions / factor), "llama3" (Llama 3.1 wavelength
+    bands), "longrope" (Phi-3: one divisor per frequency, long_factor where use_long_factor, else
+    short_factor; cos and sin scaled by attention_factor) or "yarn" (YaRN: frequencies blended
+    between interpolated (/ factor) and original over the band beta_fast .. beta_slow rotations in
+    original_max_position_embeddings, the band's edges rounded outwards when truncate; cos and sin
+    scaled by attention_factor)."""
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float = 1.0
+    use_long_factor: bool = False
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """One decoder-only transformer. Every supported HF family maps onto these fields
+    (jaxinfer/models/hf_configs.py says how each family's config.json spells them, and
+    model_config_from_hf reads one)."""
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    activation: str = "silu"            # silu | gelu (erf) | gelu_tanh | relu
+    gated_mlp: bool = True              # act(x W_gate) * (x W_up) -> W_down; else act(x W_fc) -> W_proj
+    norm: str = "rmsnorm"               # rmsnorm | gemma_rmsnorm (scale 1 + w) | layernorm
+    norm_eps: float = 1e-6
+    position: str = "rope"              # rope | alibi | learned | sinusoidal
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    # RoPE of the sliding layers (Gemma 3: rope_local_base_freq, no scaling); None: rope_theta and
+    # rope_scaling on every layer
+    rope_local_theta: float | None = None
+    rotary_dim: int | None = None       # features of each head that rotate (partial rotary); None: head_dim
+    max_position_embeddings: int = 2048
+    sliding_window: int | None = None   # a query at q sees keys k with q - window < k <= q
+    # Per layer: True where the sliding window applies (Qwen2 mixes full and windowed layers,
+    # Gemma alternates them). None means every layer uses `sliding_window` when it is set.
+    sliding_layers: tuple[bool, ...] | None = None
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False               # a `norm` over head_dim of each q and k head before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False            # Gemma: norms of the attention and MLP outputs before each residual add
+    attn_scale: float | None = None     # softmax scale of q.k; None: head_dim ** -0.5
+    attn_softcap: float | None = None   # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_softcap: float | None = None  # the same on the LM head's logits (Gemma 2 and 3)
+    embed_scale: float = 1.0            # token embeddings multiplied by it (Gemma: sqrt(d_model))
+    attn_sinks: bool = False            # gpt-oss: one learned logit per head in every softmax's denominator
+    # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): num_experts > 0 replaces the MLP of the layers
+    # moe_layers marks (None: every layer) by a router picking num_experts_per_tok experts per token,
+    # each a gated MLP of moe_ffn_dim (None: ffn_dim; the dense layers keep ffn_dim), with biases where
+    # mlp_bias. moe_routing: "topk_softmax" (Mixtral, gpt-oss: top-k of the router logits, softmax over
+    # the k) or "softmax_topk" (Qwen3-MoE: softmax over all experts, top-k, renormalized over the k when
+    # moe_norm_topk). swiglu_limit (gpt-oss): the experts' clamped SwiGLU,
+    # (clip(up, -L, L) + 1) * g * sigmoid(swiglu_alpha * g) with g = min(gate, L), instead of act(gate) * up.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_ffn_dim: int | None = None
+    moe_layers: tuple[bool, ...] | None = None
+    moe_routing: str = "topk_softmax"
+    moe_norm_topk: bool = True
+    router_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    tie_embeddings: bool = False
+    embed_norm: bool = False            # BLOOM: LayerNorm right after the token embedding
+    residual_post_norm: bool = False    # BLOOM's apply_residual_connection_post_layernorm
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self) -> None:
+        ints = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                "max_position_embeddings", "num_experts", "num_experts_per_tok")
+        floats = ("norm_eps", "rope_theta", "embed_scale", "swiglu_alpha")
+        optional = {"sliding_window": _is_int, "rotary_dim": _is_int, "rope_local_theta": _is_number,
+                    "attn_scale": _is_number, "attn_softcap": _is_number, "final_softcap": _is_number,
+                    "moe_ffn_dim": _is_int, "swiglu_limit": _is_number}
+        wrong = [f"{k}={getattr(self, k)!r} must be an integer" for k in ints if not _is_int(getattr(self, k))]
+        wrong += [f"{k}={getattr(self, k)!r} must be a number" for k in floats if not _is_number(getattr(self, k))]
+        wrong += [f"{k}={getattr(self, k)!r} must be {'an integer' if ok is _is_int else 'a number'} or null"
+                  for k, ok in optional.items() if getattr(self, k) is not None and not ok(getattr(self, k))]
+        if wrong:
+            raise ConfigError(f"invalid ModelConfig: {'; '.join(wrong)}")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            raise ConfigError(f"invalid ModelConfig: max_position_embeddings={self.max_position_embeddings} is "
+                              f"beyond the {MAX_POSITIONS} positions jaxinfer supports")
+        positive = ("sliding_window", "rope_local_theta", "attn_scale", "attn_softcap", "final_softcap",
+                    "moe_ffn_dim", "swiglu_limit")
+        checks = {
+            "vocab_size": self.vocab_size > 0, "d_model": self.d_model > 0,
+            "n_layers": self.n_layers > 0, "n_heads": self.n_heads > 0,
+            "n_kv_heads": self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0,
+            "head_dim": self.head_dim > 0, "ffn_dim": self.ffn_dim > 0,
+            "activation": self.activation in ("silu", "gelu", "gelu_tanh", "relu"),
+            "norm": self.norm in ("rmsnorm", "gemma_rmsnorm", "layernorm"),
+            "position": self.position in ("rope", "alibi", "learned", "sinusoidal"),
+            "sliding_layers": self.sliding_layers is None or len(self.sliding_layers) == self.n_layers,
+            "rotary_dim": self.rotary_dim is None or 0 < self.rotary_dim <= self.head_dim,
+            **{k: getattr(self, k) is None or getattr(self, k) > 0 for k in positive},
+            "num_experts": self.num_experts >= 0,
+            "num_experts_per_tok": (0 < self.num_experts_per_tok <= self.num_experts if self.num_experts
+                                    else self.num_experts_per_tok == 0),
+            "moe_layers": self.moe_layers is None or (len(self.moe_layers) == self.n_layers and self.num_experts > 0),
+            "moe_routing": self.moe_routing in ("topk_softmax", "softmax_topk"),
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ConfigError(f"invalid ModelConfig field(s) {bad}: {self}")
+        if self.num_experts and not self.gated_mlp:
+            raise ConfigError("mixture-of-experts layers are gated MLPs; gated_mlp=False with num_experts > 0 "
+                              "is not supported")
+        if self.swiglu_limit is not None and not self.num_experts:
+            raise ConfigError("swiglu_limit (gpt-oss's clamped SwiGLU) applies to experts; it needs num_experts > 0")
+        if self.position == "rope" and self.rope_dim % 2:
+            raise ConfigError(f"rope needs an even number of rotated features, got {self.rope_dim}")
+        s = self.rope_scaling
+        if s is not None and s.kind == "longrope" and not (
+                len(s.short_factor or ()) == len(s.long_factor or ()) == self.rope_dim // 2):
+            got = f"{len(s.short_factor or ())} and {len(s.long_factor or ())}"
+            raise ConfigError(f"longrope needs short_factor and long_factor of {self.rope_dim // 2} values each "
+                              f"(rotated features / 2), got {got}")
+
+    @property
+    def rope_dim(self) -> int:
+        """How many features of each head RoPE rotates (the first ones; the rest pass through)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether the layer is one of the family's sliding (local) layers, window or not: those use
+        `sliding_window` and, where rope_local_theta is set (Gemma 3), that RoPE base without scaling."""
+        if self.sliding_layers is not None:
+            return self.sliding_layers[layer]
+        return self.sliding_window is not None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of one layer, or None for full causal attention."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether the layer's MLP is a mixture of experts (the others keep the dense MLP of ffn_dim)."""
+        if not self.num_experts:
+            return False
+        return True if self.moe_layers is None else self.moe_layers[layer]
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """The hidden size of each expert's gated MLP."""
+        return self.ffn_dim if self.moe_ffn_dim is None else self.moe_ffn_dim
+
+    def num_params(self) -> int:
+        """Exact parameter count of this architecture (embeddings included, tied counted once; every
+        expert of a mixture counted)."""
+        return self.param_counts()["total"]
+
+    def num_active_params(self) -> int:
+        """Parameters one token runs through: num_params with num_experts_per_tok experts per MoE
+        layer instead of all of them (the router counted whole). Equal to num_params for a dense model."""
+        c = self.param_counts()
+        return c["total"] - c["experts"] + c["moe_layers"] * self.num_experts_per_tok * c["expert"]
+
+    def param_counts(self) -> dict[str, int]:
+        """The one parameter count, split by how a step uses each part (jaxinfer.perf's cost model and
+        jaxinfer.plan read the parts): "embedding" (the token table, V d; a tied one is also the LM
+        head), "lm_head" (V d when untied, else 0), "positions" (a learned position table), "expert"
+        (one expert of one MoE layer), "experts" (every expert of every MoE layer), "moe_layers",
+        "total". Checked against transformers' models in the tests."""
+        d, f, h, kv, hd = self.d_model, self.ffn_dim, self.n_heads, self.n_kv_heads, self.head_dim
+        per_norm = 2 if self.norm == "layernorm" else 1
+        norm_p = per_norm * d
+        attn = d * hd * (h + 2 * kv) + h * hd * d
+        attn += (hd * (h + 2 * kv) if self.qkv_bias else 0) + (d if self.out_bias else 0)
+        attn += 2 * per_norm * hd if self.qk_norm else 0
+        attn += h if self.attn_sinks else 0
+        mlp = (3 if self.gated_mlp else 2) * d * f
+        mlp += ((2 * f if self.gated_mlp else f) + d) if self.mlp_bias else 0
+        fe = self.expert_ffn_dim
+        expert = 3 * d * fe + ((2 * fe + d) if self.mlp_bias else 0)
+        router = d * self.num_experts + (self.num_experts if self.router_bias else 0)
+        norms = (4 if self.post_norms else 2) * norm_p
+        n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        out = {"embedding": self.vocab_size * d, "lm_head": 0 if self.tie_embeddings else self.vocab_size * d,
+               "positions": self.max_position_embeddings * d if self.position == "learned" else 0,
+               "expert": expert if n_moe else 0, "experts": n_moe * self.num_experts * expert, "moe_layers": n_moe}
+        blocks = self.n_layers * (attn + norms) + (self.n_layers - n_moe) * mlp + n_moe * router + out["experts"]
+        out["total"] = (blocks + norm_p + (norm_p if self.embed_norm else 0)
+                        + out["embedding"] + out["lm_head"] + out["positions"])
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown ModelConfig field(s): {sorted(unknown)}")
+        if d.get("rope_scaling") is not None:   # lists from JSON back to tuples: the config stays hashable
+            d["rope_scaling"] = RopeScaling(**{k: tuple(v) if isinstance(v, list) else v
+                                               for k, v in d["rope_scaling"].items()})
+        for k in ("sliding_layers", "moe_layers", "eos_token_ids"):
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
+        return cls(**d)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
