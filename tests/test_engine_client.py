@@ -111,7 +111,7 @@ HOST_ONLY_SCHEDULER_BENCHMARKS = {"bench/bench_policies.py": ("jaxinfer.host.sch
 INTERNAL_ATTRS = {"runner", "scheduler", "blocks", "block_manager", "stats_", "kv_pages", "fault_injector",
                   "pending_forks", "num_unfinished", "requests", "publish_step", "token_buckets", "grammars"}
 ENGINE_CONFIG_ATTRS = {"cfg", "resolved"}   # engine.cfg / engine.resolved: read client.resolved instead
-THIRD_PARTY_PRIVATE = {"_attn_implementation"}   # transformers' own config attribute (bench/gpu_parts.py)
+THIRD_PARTY_PRIVATE = {"_attn_implementation"}   # transformers' own config attribute (bench/gpu/parts.py)
 
 
 def internal_reaches(source: str, allowed_modules: tuple[str, ...] = ()) -> list[str]:
