@@ -422,7 +422,7 @@ def _add_modes(b: argparse.ArgumentParser) -> None:
     peer_args(ph)
     ph.set_defaults(func=cmd_bench)
 
-    from bench import gpu
+    from bench.gpu import run as gpu
     gp = modes.add_parser("gpu", help="everything GPU-specific in one call: ceilings, the 8B-shaped model, "
                                       "kernels, HF (= python -m bench.gpu)",
                           description=gpu.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

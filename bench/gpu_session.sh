@@ -3,12 +3,12 @@
 # included; at most 10 minutes a call; 8 files back from $OUT). Each call is one command:
 #
 #   bash bench/gpu_session.sh 1   # <= 8 min: make test-gpu (~4.5 min last time: every kernel compiled,
-#                                 # the split-K default and the tree mask included) + bench.gpu_quant_sweep
+#                                 # the split-K default and the tree mask included) + bench.gpu.quant_sweep
 #                                 # cut to 130 s (#39; M = 1 and 16 first)
 #   bash bench/gpu_session.sh 2   # <= 5 min: bench.gpu's engine parts, bf16 / int8 / int4 / fp8 decode
 #                                 # at batch 1, 16, 64, 256 (#39's targets, the same run's bf16 baseline)
-#   bash bench/gpu_session.sh 3   # ~7 min: bench.gpu_decode (#40: profile, MBU per setting, knee)
-#   bash bench/gpu_session.sh 4   # ~5 min: bench.gpu_attention, every part (#41)
+#   bash bench/gpu_session.sh 3   # ~7 min: bench.gpu.decode (#40: profile, MBU per setting, knee)
+#   bash bench/gpu_session.sh 4   # ~5 min: bench.gpu.attention, every part (#41)
 #
 # One 15-minute session holds calls 1 and 2 (about 13 min of commands; the last session's start, idle
 # and transfers took ~3.5 min): run call 1 with timeout_s 470 and call 2 within 30 s of its reply
@@ -27,7 +27,7 @@ case "${1:-}" in
     PYTEST_ADDOPTS="--junitxml=$OUT/junit.xml" timeout -s INT 330 make test-gpu PY=python3 \
         > "$LOGS/test-gpu.log" 2>&1 || rc=$?
     tail -25 "$LOGS/test-gpu.log"
-    timeout -s INT 140 python3 -m bench.gpu_quant_sweep --deadline-s 130 --out "$OUT/quant-sweep.json" \
+    timeout -s INT 140 python3 -m bench.gpu.quant_sweep --deadline-s 130 --out "$OUT/quant-sweep.json" \
         > "$LOGS/quant-sweep.log" 2>&1 || rc=$?
     tail -40 "$LOGS/quant-sweep.log"
     ;;
@@ -37,14 +37,14 @@ case "${1:-}" in
     tail -30 "$LOGS/gpu.log"
     ;;
 3)
-    timeout -s INT 440 python3 -m bench.gpu_decode --deadline-s 420 --out "$OUT/decode.json" \
+    timeout -s INT 440 python3 -m bench.gpu.decode --deadline-s 420 --out "$OUT/decode.json" \
         --log-dir "$LOGS/decode" > "$LOGS/decode.log" 2>&1 || rc=$?
     tail -40 "$LOGS/decode.log"
     t=$(ls "$LOGS"/decode/traces/replay/plugins/profile/*/*.trace.json.gz 2>/dev/null | head -1)
     [ -n "$t" ] && cp "$t" "$OUT/replay.trace.json.gz"
     ;;
 4)
-    timeout -s INT 320 python3 -m bench.gpu_attention --deadline-s 300 --out "$OUT/attention.json" \
+    timeout -s INT 320 python3 -m bench.gpu.attention --deadline-s 300 --out "$OUT/attention.json" \
         > "$LOGS/attention.log" 2>&1 || rc=$?
     tail -40 "$LOGS/attention.log"
     ;;

@@ -70,11 +70,16 @@ class Norm(nnx.Module):
         return (y * self.scale.get_value().astype(jnp.float32) + self.bias.get_value().astype(jnp.float32)).astype(x.dtype)
 
 
-def dense(x: jax.Array, kernel, bias: jax.Array | None, contract: int = 1) -> jax.Array:
+MATMUL_IMPLS = ("auto", "pallas", "xla")
+
+
+def dense(x: jax.Array, kernel, bias: jax.Array | None, contract: int = 1, impl: str = "auto") -> jax.Array:
     """x [..., in...] @ kernel [in..., out...] (+ bias [out...]); `contract` = number of input dims.
-    A QuantizedWeight kernel goes through quant.qdot (Pallas on GPU, dequantizing XLA elsewhere)."""
+    A QuantizedWeight kernel goes through quant.qdot with `impl` (the layer's `matmul` setting:
+    "pallas" | "xla", or "auto" for the backend's default); a weight no kernel can run falls back
+    to XLA, since the setting is one choice for the whole model."""
     if isinstance(kernel, QuantizedWeight):
-        y = qdot(x, kernel, contract=contract).astype(x.dtype)
+        y = qdot(x, kernel, contract=contract, impl=impl, fallback=True).astype(x.dtype)
     else:
         x_axes = tuple(range(x.ndim - contract, x.ndim))
         y = jax.lax.dot_general(x, kernel, ((x_axes, tuple(range(contract))), ((), ())),
@@ -86,11 +91,12 @@ class MLP(nnx.Module):
     """Gated (SwiGLU-style: act(x W_gate) * x W_up) or plain (act(x W_fc)) feed-forward.
 
     shards None: separate gate and up. An int (gated only): one fused `gate_up` [d, 2F] whose columns
-    are `shards` groups of [gate columns | up columns] (models/decoder.py, fuse_decoder)."""
+    are `shards` groups of [gate columns | up columns] (models/decoder.py, fuse_decoder).
+    matmul: how its quantized weights are multiplied (dense; models.decoder.set_matmul_impl)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, shards: int | None = None):
         d, f = cfg.d_model, cfg.ffn_dim
-        self.act, self.gated = cfg.activation, cfg.gated_mlp
+        self.act, self.gated, self.matmul = cfg.activation, cfg.gated_mlp, "auto"
         self.shards = shards if cfg.gated_mlp else None
         bias, fused, gated = cfg.mlp_bias, self.shards is not None, cfg.gated_mlp
         assert not fused or f % self.shards == 0, (f, self.shards)
@@ -105,18 +111,19 @@ class MLP(nnx.Module):
         self.down_bias = param((d,), ("embed",), dtype, rngs, init="zeros") if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return dense(self.hidden(x), self.down.get_value(), param_value(self.down_bias))
+        return dense(self.hidden(x), self.down.get_value(), param_value(self.down_bias), impl=self.matmul)
 
     def hidden(self, x: jax.Array) -> jax.Array:
         """x [T, D] -> the `down` projection's input [T, F] (what calibration sees)."""
         act = ACTIVATIONS[self.act]
         if self.gate_up is not None:
-            gate, up = split_gate_up(dense(x, self.gate_up.get_value(), param_value(self.gate_up_bias)), self.shards)
+            y = dense(x, self.gate_up.get_value(), param_value(self.gate_up_bias), impl=self.matmul)
+            gate, up = split_gate_up(y, self.shards)
             h = act(gate) * up
         else:
-            h = dense(x, self.up.get_value(), param_value(self.up_bias))
+            h = dense(x, self.up.get_value(), param_value(self.up_bias), impl=self.matmul)
             if self.gated:
-                h = act(dense(x, self.gate.get_value(), param_value(self.gate_bias))) * h
+                h = act(dense(x, self.gate.get_value(), param_value(self.gate_bias), impl=self.matmul)) * h
             else:
                 h = act(h)
         return h

@@ -28,11 +28,10 @@ Two grouped-matmul implementations, the same numbers:
 Quantized experts (quant.quantize_experts, int8 / int4 / fp8, one scale set per expert) are
 dequantized per call in XLA, once per used expert (not per tile): int8 and fp8 codes are converted
 to the compute dtype and their per-column scales multiply the dot's output rows; int4 groups are
-unpacked and scaled first. bench/moe.py (one layer, 8 experts of 256 x 512, top-2, XLA:CPU, ms at
-8 / 64 / 256 tokens): float 0.89 / 1.15 / 3.53, int8 0.93 / 1.05 / 3.43, int4 5.24 / 6.58 / 8.32:
-int8 reads a quarter of the bytes and costs a conversion, a wash on CPU (the engine decoded 1.15-1.26x
-faster with int8 experts in the same run); int4's unpacking dominates (a kernel that dequantizes in
-registers, as quant_matmul does for dense weights, would be the GPU answer).
+unpacked and scaled first. On XLA:CPU (bench/moe.py times one layer) int8 reads a quarter of the
+bytes and costs a conversion, about a wash per layer, while the engine decodes faster with int8
+experts; int4's unpacking dominates (a kernel that dequantizes in registers, as quant_matmul does for
+dense weights, would be the GPU answer).
 
 This module never imports the model (models/decoder.py builds MoE where cfg.is_moe_layer).
 """
@@ -94,9 +93,9 @@ def combine(ys: jax.Array, order: jax.Array, weights: jax.Array, valid: jax.Arra
 def tile_rows(num_rows: int, num_experts: int) -> int:
     """The tile height of the "tiles" loop for R rows over E experts: the power of two at or above half
     the mean rows per expert, at most MAX_TILE. Decode gets 1-row tiles (no padding rows at all),
-    prefill few iterations; bench/moe.py measured this against the mean itself (capped at 64), a
-    quarter of it (capped at 16) and a fixed 8: fastest or within noise of the fastest from 8 to
-    512 tokens per step, where the others lost up to 30% somewhere."""
+    prefill few iterations; against the mean itself (capped at 64), a quarter of it (capped at 16)
+    and a fixed 8 (bench/moe.py) it was the fastest or within noise of it from 8 to 512 tokens per
+    step, where each of the others lost clearly somewhere."""
     half_mean = -(-num_rows // (2 * num_experts))
     return min(MAX_TILE, 1 << max(0, half_mean - 1).bit_length())
 

@@ -283,7 +283,7 @@ def quantized_sharding(qw: QuantizedWeight, logical_axes, rules: Mapping[str, st
     full = _replicated(mesh)
     return QuantizedWeight(leaves["q"], leaves["scales"], None if qw.zeros is None else leaves["zeros"],
                            bits=qw.bits, group_size=qw.group_size, shape=qw.shape, contract=qw.contract,
-                           impl=qw.impl, act_bits=qw.act_bits, act_scale=None if qw.act_scale is None else full,
+                           act_bits=qw.act_bits, act_scale=None if qw.act_scale is None else full,
                            act_zero=None if qw.act_zero is None else full, batch=qw.batch, layout=qw.layout)
 
 

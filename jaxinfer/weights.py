@@ -308,7 +308,7 @@ def load_native(folder: str | Path, dtype: str | None = None, mesh=None, rules=N
         raise CheckpointError(_restore_error(params_dir, e)) from None
     jdtype = DTYPES[dtype] if dtype else stored
     arrays = {k: v.astype(jdtype) for k, v in restored.items() if k.rsplit("/", 1)[0] not in quantized}
-    for name, m in quantized.items():
+    for name, m in quantized.items():   # keys not read here (none written so far) are ignored
         arrays[name] = QuantizedWeight(restored[f"{name}/q"], restored[f"{name}/scales"],
                                        restored.get(f"{name}/zeros"), bits=m["bits"], group_size=m["group_size"],
                                        shape=tuple(m["shape"]), contract=m["contract"], act_bits=m.get("act_bits"),

@@ -7,8 +7,10 @@ On first use for a (device kind, jax version, kernel name, shape class) key, eve
 once as a warm-up (compilation), then timed ``iters`` times (blocking on the result); the candidate
 with the smallest median time wins and is written to a JSON cache file. Later calls (in this or any
 other process) return the cached winner without measuring, as long as it is still one of the
-candidates. On CPU nothing is measured: ``candidates[0]`` (the defaults) is returned; so it is
-everywhere with ``$JAXINFER_AUTOTUNE=0``.
+candidates. A launch config shipped for the key in a kernel's table of tuned sizes (the TUNED table of
+quant_matmul_tuned.py) counts as a cached winner when this machine has measured none. On CPU nothing
+is measured: ``candidates[0]`` (the defaults) is returned; so it is everywhere with
+``$JAXINFER_AUTOTUNE=0``.
 
 Budget. Measuring compiles every candidate, and a GPU compile takes up to seconds, so the time one
 process spends measuring (compiles included, all keys together) is bounded by
@@ -45,6 +47,8 @@ from typing import Any
 
 import jax
 
+from pallas_kernels import quant_matmul_tuned
+
 __all__ = ["autotune", "shape_class", "cache_key", "default_cache_path", "device_kind",
            "load_cache", "clear_memory_cache", "DEFAULT_BUDGET_S", "budget_seconds", "budget_summary",
            "log_budget_summary"]
@@ -57,7 +61,7 @@ log = logging.getLogger(__name__)
 # to 16 candidates each (tiled, split-K and XLA's own: jaxinfer.quant.pallas_block_candidates): some
 # 600 compiles, minutes of measuring if done in one go. 10 s plus the one candidate that may
 # run past it (a compile, a second or two) leaves ~18 s of a 30 s cold start to loading and XLA's
-# own compile of the step programs (a bf16 first request took 5.1 s in all on an H200).
+# own compile of the step programs (a bf16 first request takes a few seconds in all on a GPU).
 DEFAULT_BUDGET_S = 10.0
 BUDGET_ENV = "JAXINFER_AUTOTUNE_BUDGET_S"
 
@@ -236,6 +240,20 @@ def _earlier_progress(entry: Any, candidates: list[dict]) -> tuple[dict[int, flo
     return measured, failed
 
 
+# the tables of tuned launch sizes shipped beside the kernels: device kind -> kernel -> shape class -> config
+_SHIPPED_TABLES = (quant_matmul_tuned,)
+
+
+def _shipped_config(dev: str, kernel_name: str, key: str) -> dict | None:
+    """A launch config for this key shipped in a kernel's table of tuned sizes, or None."""
+    shape = key.rsplit("|", 1)[-1]
+    for table in _SHIPPED_TABLES:
+        cfg = table.tuned_config(dev, kernel_name, shape)
+        if cfg is not None:
+            return cfg
+    return None
+
+
 def _entry_fields(kernel_name: str, key: str, dev: str) -> dict:
     return {"device_kind": dev, "jax_version": jax.__version__, "kernel": kernel_name,
             "shape_class": key.rsplit("|", 1)[-1], "time": time.time()}
@@ -271,6 +289,10 @@ def autotune(kernel_name: str, shape_class_key: Any, candidates: Sequence[dict],
         if isinstance(entry, dict) and entry.get("config") in candidates:
             _MEMO[(path, key)] = entry["config"]
             return dict(entry["config"])
+        shipped = _shipped_config(dev, kernel_name, key)
+        if shipped is not None and shipped in candidates:
+            _MEMO[(path, key)] = shipped
+            return dict(shipped)
 
     # candidates measured by earlier processes (a partial entry) are not measured again
     measured, failed = _earlier_progress(entry, candidates)

@@ -164,7 +164,7 @@ def test_png_and_table(smoke, capsys):
     report, out = smoke
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    from bench.gpu import main
+    from bench.gpu.run import main
     assert main(["--table", str(out)]) == 0
     table = capsys.readouterr().out
     rows = [line for line in table.splitlines() if line.startswith("| ")]
@@ -179,7 +179,7 @@ def test_png_and_table(smoke, capsys):
 
 
 def test_jaxinfer_bench_gpu_parses(capsys):
-    from bench.gpu import command
+    from bench.gpu.run import command
     from jaxinfer.cli import build_parser
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["bench", "gpu", "--help"])
@@ -190,7 +190,7 @@ def test_jaxinfer_bench_gpu_parses(capsys):
 
 
 def test_part_timeouts_fit_the_deadline():
-    from bench.gpu import PARENT_RESERVE_S, PART_CAPS_S, part_timeout, part_timeouts
+    from bench.gpu.run import PARENT_RESERVE_S, PART_CAPS_S, part_timeout, part_timeouts
     caps = part_timeouts(PARTS, 480)
     assert caps == {p: float(PART_CAPS_S[p]) for p in PARTS}
     assert sum(caps.values()) + PARENT_RESERVE_S <= 480
@@ -204,7 +204,7 @@ def test_part_timeouts_fit_the_deadline():
 
 
 def test_a_part_killed_at_its_timeout_keeps_its_records(tmp_path):
-    from bench.gpu import read_records, run_worker
+    from bench.gpu.run import read_records, run_worker
     (tmp_path / "kernels.jsonl").write_text('{"key": ["stale"], "value": 1}\n')   # a previous run's: not read
     entry = run_worker("kernels", 5.0, smoke=True, autotune=False, run_dir=tmp_path)   # the part takes ~15 s
     assert entry["status"] == "timeout" and "timeout" in entry["errors"][0] and entry["returncode"] is None

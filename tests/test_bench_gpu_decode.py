@@ -1,5 +1,5 @@
-"""`python -m bench.gpu_decode --smoke`: issue #40's decode benchmark on CPU with a tiny random model,
-through the same subprocesses, traces and merging as the GPU run; its trace parser (bench/gpu_trace.py)
+"""`python -m bench.gpu.decode --smoke`: issue #40's decode benchmark on CPU with a tiny random model,
+through the same subprocesses, traces and merging as the GPU run; its trace parser (bench/gpu/trace.py)
 against hand-written traces whose answers are worked out by hand below; and every derived number of
 the smoke JSON (MBU, the knee, `jaxinfer plan`'s prediction) recomputed here from the raw ones."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bench import gpu_trace
+from bench.gpu import trace as gpu_trace
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS = ["ceilings", "profile", "profile_nocb", "batch1", "ttft", "knee"]
@@ -23,7 +23,7 @@ PARTS = ["ceilings", "profile", "profile_nocb", "batch1", "ttft", "knee"]
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_gpu_decode") / "smoke-decode.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_decode", "--smoke", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu.decode", "--smoke", "--out", str(out),
                            "--log-dir", str(out.parent / "logs")],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -293,7 +293,7 @@ def test_mbu_knee_and_plan_recomputed(smoke):
 
 
 def test_parts_selector():
-    from bench.gpu_decode import parse_parts
+    from bench.gpu.decode import parse_parts
     assert parse_parts("knee, ceilings") == ["ceilings", "knee"] and parse_parts(None) == PARTS
     with pytest.raises(ValueError, match="unknown part"):
         parse_parts("ceilings,decode")

@@ -1,4 +1,4 @@
-"""bench/gpu_attention.py (#41's prepared GPU run): every part runs on CPU in smoke mode, the host-side
+"""bench/gpu/attention.py (#41's prepared GPU run): every part runs on CPU in smoke mode, the host-side
 layouts and byte / FLOP counts are checked against hand counts, and every derived ratio is recomputed
 from the raw records."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench import gpu, gpu_attention as ga
+from bench.gpu import attention as ga, run as gpu
 from tests.precision import attention_rtol
 
 SH = ga.SMOKE
@@ -19,7 +19,7 @@ SH = ga.SMOKE
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("att") / "att.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_attention", "--smoke", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu.attention", "--smoke", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())

@@ -692,3 +692,31 @@ def test_fp8_kv_pages_match_ml_dtypes_and_bound():
     got_s = np.asarray(after.k_scale).transpose(1, 2, 0).reshape(32, 2)[9:16]
     np.testing.assert_array_equal(got_q.view(np.uint8), want.view(np.uint8))
     np.testing.assert_array_equal(got_s, scale)
+
+
+def test_native_checkpoint_ignores_a_stored_impl(hf_model_dir, tmp_path):
+    """The matmul implementation is no part of the weight format: a native checkpoint whose quantized
+    weights' records name one (as a QuantizedWeight field once could) loads to the same arrays and
+    logits, and the loaded model's layers run the backend default until an engine sets theirs."""
+    from flax import nnx
+
+    from jaxinfer.models.decoder import matmul_impl, quantize_decoder
+    from jaxinfer.weights import load_model, save_native
+
+    model, _ = load_model(hf_model_dir("llama-gqa-llama3"), "float32")
+    quantize_decoder(model, "int8")
+    save_native(model, tmp_path / "native", "float32")
+    config = tmp_path / "native" / "config.json"
+    meta = json.loads(config.read_text())
+    for record in meta["quantized_weights"].values():
+        record["impl"] = "pallas"
+    config.write_text(json.dumps(meta))
+    loaded, _ = load_model(tmp_path / "native", "float32")
+    assert matmul_impl(loaded) == "auto"
+    want, got = nnx.state(model, nnx.Param).flat_state(), nnx.state(loaded, nnx.Param).flat_state()
+    for (p, a), (_, b) in zip(want, got):
+        assert not hasattr(b.get_value(), "impl")
+        for x, y in zip(jax.tree.leaves(a.get_value()), jax.tree.leaves(b.get_value())):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(p))
+    ids, pos = jnp.arange(3, 20, dtype=jnp.int32), jnp.arange(17, dtype=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(loaded(ids, pos)[0]), np.asarray(model(ids, pos)[0]))

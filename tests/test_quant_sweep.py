@@ -1,4 +1,4 @@
-"""`python -m bench.gpu_quant_sweep --smoke`: every code path of the GPU sweep on CPU (tiny shapes,
+"""`python -m bench.gpu.quant_sweep --smoke`: every code path of the GPU sweep on CPU (tiny shapes,
 Pallas interpreted), and every derived number recomputed here by hand from the raw times and bytes
 the run recorded."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ K, N, G = 256, 128, 128       # the smoke run's one projection, int4's group siz
 def _run_smoke(tmp_path: Path) -> dict:
     out = tmp_path / "sweep.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_quant_sweep", "--smoke", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu.quant_sweep", "--smoke", "--out", str(out),
                            "--log-dir", str(tmp_path / "logs")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -26,7 +26,7 @@ def _run_smoke(tmp_path: Path) -> dict:
 def test_smoke_sweep_records_every_path_and_its_derived_numbers(tmp_path):
     report = _run_smoke(tmp_path)
     assert report["benchmark"] == "gpu_quant_sweep" and report["smoke"] is True
-    assert report["command"].startswith("python -m bench.gpu_quant_sweep --smoke")
+    assert report["command"].startswith("python -m bench.gpu.quant_sweep --smoke")
     assert report["device"]["platform"] == "cpu" and "driver" in report and report["versions"]["jax"]
     assert all(p["status"] == "ok" and not p["errors"] for p in report["parts"].values()), report["parts"]
 

@@ -441,7 +441,7 @@ def test_w8a8_engine_on_the_pallas_kernel(quantized_dirs, monkeypatch):
     the XLA engine (the integer products are exact on both paths; only the attention kernels sum in
     another order)."""
     from jaxinfer import Generator, SamplingParams
-    import jaxinfer.quant as quant
+    import jaxinfer.quant.dispatch as quant
     # the checkpoint first: quantized_dirs builds it on first use, and SmoothQuant's calibration runs
     # the quantized model with impl="auto" (the kernel on a GPU, as seen there on 2026-11-26)
     folder = quantized_dirs["smoothquant-static-asym-pct"][0]
@@ -468,7 +468,7 @@ def test_fp8_engine_on_the_gpu_path(quantized_dirs, monkeypatch):
     from jaxinfer import Generator, SamplingParams
     from jaxinfer.models.decoder import set_matmul_impl
     from jaxinfer.weights import load_model
-    import jaxinfer.quant as quant
+    import jaxinfer.quant.dispatch as quant
     calls = []
     native = quant.fp8_native_matmul
     monkeypatch.setattr(quant, "fp8_native_matmul", lambda x, w: calls.append(w.shape) or native(x, w))

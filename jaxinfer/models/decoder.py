@@ -44,19 +44,20 @@ from jaxinfer import perf
 from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV
-from jaxinfer.layers import (MLP, Norm, alibi_slopes, apply_rope, dense, param, param_value, rope_inv_freq,
-                             rope_magnitude, sinusoidal_embedding)
+from jaxinfer.layers import (MATMUL_IMPLS, MLP, Norm, alibi_slopes, apply_rope, dense, param, param_value,
+                             rope_inv_freq, rope_magnitude, sinusoidal_embedding)
 from jaxinfer.moe import MoE
 from jaxinfer.quant import QuantizedWeight, dot_precision, quantize, quantize_experts, quantize_fp8
 
 
 class Attention(nnx.Module):
     """shards None: separate q, k, v. An int: one fused `qkv` [d, (H + 2 Hkv) hd] whose columns are
-    `shards` groups of [H/shards q heads | Hkv/shards k heads | Hkv/shards v heads] (module docstring)."""
+    `shards` groups of [H/shards q heads | Hkv/shards k heads | Hkv/shards v heads] (module docstring).
+    matmul: how its quantized projections are multiplied (layers.dense; set_matmul_impl)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None, shards: int | None = None):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.cfg, self.window, self.shards = cfg, cfg.layer_window(layer), shards
+        self.cfg, self.window, self.shards, self.matmul = cfg, cfg.layer_window(layer), shards, "auto"
         # Gemma 3: the sliding layers' RoPE base (a traced bool where pipeline stages differ)
         self.local_rope = cfg.rope_local_theta is not None and cfg.is_sliding(layer)
         qkv_bias, fused = cfg.qkv_bias, shards is not None
@@ -84,12 +85,12 @@ class Attention(nnx.Module):
     def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, D] -> q [T, H, hd], k, v [T, Hkv, hd]."""
         if self.qkv is None:
-            return (dense(x, self.q.get_value(), param_value(self.q_bias)),
-                    dense(x, self.k.get_value(), param_value(self.k_bias)),
-                    dense(x, self.v.get_value(), param_value(self.v_bias)))
+            return (dense(x, self.q.get_value(), param_value(self.q_bias), impl=self.matmul),
+                    dense(x, self.k.get_value(), param_value(self.k_bias), impl=self.matmul),
+                    dense(x, self.v.get_value(), param_value(self.v_bias), impl=self.matmul))
         cfg, s = self.cfg, self.shards
         hq, hk = cfg.n_heads // s, cfg.n_kv_heads // s
-        y = dense(x, self.qkv.get_value(), param_value(self.qkv_bias))                 # (T, N)
+        y = dense(x, self.qkv.get_value(), param_value(self.qkv_bias), impl=self.matmul)   # (T, N)
         y = y.reshape(*x.shape[:-1], s, hq + 2 * hk, cfg.head_dim)                    # (T, s, hq + 2 hk, hd)
         heads = lambda a: a.reshape(*a.shape[:-3], -1, cfg.head_dim)  # noqa: E731     (T, s * heads, hd)
         return heads(y[..., :hq, :]), heads(y[..., hq:hq + hk, :]), heads(y[..., hq + hk:, :])
@@ -97,7 +98,7 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, kv: LayerKV | None,
                  meta: AttentionMetadata | None, impl: str) -> tuple[jax.Array, LayerKV | None]:
         out, kv = self.attend(x, positions, kv, meta, impl)
-        return dense(out, self.o.get_value(), param_value(self.o_bias), contract=2), kv   # (T, D)
+        return dense(out, self.o.get_value(), param_value(self.o_bias), contract=2, impl=self.matmul), kv  # (T, D)
 
     def rope(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """q [T, H, hd], k [T, Hkv, hd] rotated by this layer's RoPE (its base, scaling, rotated features)."""
@@ -342,12 +343,21 @@ def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Deco
 
 
 def set_matmul_impl(model, impl: str) -> None:
-    """Every QuantizedWeight of the model runs quantized matmuls with `impl` ("pallas" | "xla":
-    the engine's resolved matmul implementation, config.ResolvedConfig.matmul)."""
-    for _, var in nnx.state(model, nnx.Param).flat_state():
-        w = var.get_value()
-        if isinstance(w, QuantizedWeight) and w.impl != impl:
-            var.set_value(dataclasses.replace(w, impl=impl))
+    """Every layer of the model that multiplies by its weights (Attention, MLP) runs its quantized
+    matmuls with `impl` ("pallas" | "xla": the engine's resolved matmul implementation,
+    config.ResolvedConfig.matmul; "auto": the backend's default). A static attribute of the layers,
+    so the model's graph (and each step program compiled from it) holds it, as it holds the
+    layers' windows; the weights carry no choice."""
+    if impl not in MATMUL_IMPLS:
+        raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {impl!r}")
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, (Attention, MLP)):
+            node.matmul = impl
+
+
+def matmul_impl(model) -> str:
+    """The layers' matmul setting (set_matmul_impl); "auto" for a model without such layers."""
+    return next((node.matmul for _, node in nnx.iter_graph(model) if isinstance(node, (Attention, MLP))), "auto")
 
 
 # ------------------------------------------------------------------------------ fused projections
@@ -411,7 +421,7 @@ def _fuse_leaves(parts: list, fn):
                   None if first.zeros is None else fn([p.zeros for p in parts])]
         return QuantizedWeight(*leaves, bits=first.bits, group_size=first.group_size, batch=first.batch,
                                shape=(*first.shape[:first.batch + 1], int(q.shape[-1])), contract=1,
-                               impl=first.impl, layout=first.layout,
+                               layout=first.layout,
                                act_bits=first.act_bits,   # a copy: fuse_decoder(consume=True) deletes the parts
                                act_scale=None if first.act_scale is None else jnp.array(first.act_scale),
                                act_zero=None if first.act_zero is None else jnp.array(first.act_zero))
@@ -425,7 +435,7 @@ def _split_leaves(fused, fn, shapes: list[tuple[int, ...]]) -> list:
         leaves = [[q.T for q in qs] if fused.layout == "nk" else qs, fn(fused.scales),
                   None if fused.zeros is None else fn(fused.zeros)]
         return [QuantizedWeight(q, sc, None if leaves[2] is None else leaves[2][i], bits=fused.bits,
-                                group_size=fused.group_size, shape=shape, contract=1, impl=fused.impl,
+                                group_size=fused.group_size, shape=shape, contract=1,
                                 batch=fused.batch, layout=fused.layout,
                                 act_bits=fused.act_bits, act_scale=fused.act_scale, act_zero=fused.act_zero)
                 for i, (q, sc, shape) in enumerate(zip(leaves[0], leaves[1], shapes))]
@@ -451,7 +461,7 @@ def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
     `model` unusable."""
     if model.fused is not None:
         raise ValueError("the model is already fused")
-    cfg, p = model.cfg, _flat_params(model)
+    cfg, p, impl = model.cfg, _flat_params(model), matmul_impl(model)
     layout = FusedLayout.for_tp(cfg, tp)
     fused_names = ("q", "k", "v", "q_bias", "k_bias", "v_bias") + (
         ("gate", "up", "gate_bias", "up_bias") if cfg.gated_mlp else ())
@@ -472,7 +482,9 @@ def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
                 for leaf in jax.tree.leaves(p.pop(name, None)):
                     leaf.delete()
     fused_cfg = dataclasses.replace(cfg, n_kv_heads=cfg.n_kv_heads * layout.kv_replicas)
-    return _build(fused_cfg, p["embed"].dtype, layout, out)
+    fused = _build(fused_cfg, p["embed"].dtype, layout, out)
+    set_matmul_impl(fused, impl)
+    return fused
 
 
 def unfuse_decoder(model: Decoder) -> Decoder:
@@ -503,7 +515,9 @@ def unfuse_decoder(model: Decoder) -> Decoder:
             if cfg.mlp_bias:
                 out[f"{m}/gate_bias"], out[f"{m}/up_bias"] = _split_leaves(p[f"{m}/gate_up_bias"], split,
                                                                            [(*lead, width)] * 2)
-    return _build(cfg, p["embed"].dtype, None, out)
+    unfused = _build(cfg, p["embed"].dtype, None, out)
+    set_matmul_impl(unfused, matmul_impl(model))
+    return unfused
 
 
 def _as_columns(w):

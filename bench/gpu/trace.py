@@ -32,7 +32,7 @@ a GPU command buffer, whose kernels record only the command buffer) is classifie
 (GEMM and attention kernels' names say what they are; an LM head run by cuBLAS then counts as a
 matmul); `hlo_mapped_share` says how much of the time had an instruction.
 
-Never imports jax or numpy: the parent process of bench.gpu_decode and the tests read traces here.
+Never imports jax or numpy: the parent process of bench.gpu.decode and the tests read traces here.
 """
 from __future__ import annotations
 

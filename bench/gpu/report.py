@@ -1,5 +1,5 @@
 """`python -m bench.gpu`'s derived numbers, README table and PNG, from the raw measurements the parts
-record (bench/gpu_parts.py). Every ratio and utilisation is computed here, once, from raw times and
+record (bench/gpu/parts.py). Every ratio and utilisation is computed here, once, from raw times and
 byte counts kept in the JSON, so a reader (or tests/test_bench_gpu.py) can recompute each one.
 
 Definitions (times in seconds, bytes, FLOPs):

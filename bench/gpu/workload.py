@@ -1,6 +1,6 @@
 """The shapes and counts of `python -m bench.gpu`'s two runs: REAL (the Llama-3-8B-shaped model on a
-GPU) and SMOKE (every part on CPU with tiny shapes). bench/gpu.py picks one and hands it to each part
-(bench/gpu_parts.py); both import it from here, so neither imports the other for it.
+GPU) and SMOKE (every part on CPU with tiny shapes). bench/gpu/run.py picks one and hands it to each part
+(bench/gpu/parts.py); both import it from here, so neither imports the other for it.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What each part of `python -m bench.gpu` measures, inside its own subprocess (bench/gpu.py starts
+"""What each part of `python -m bench.gpu` measures, inside its own subprocess (bench/gpu/run.py starts
 one per part, with its own timeout, and merges what they record).
 
     ceilings         device-to-device copy GB/s and bf16 matmul TFLOP/s, measured on the spot
@@ -14,7 +14,7 @@ Timing kernels: one jitted call costs ~100 us of launch and sync on an H100/H200
 probe), as long as a small matmul. So a timed call runs a chain of n kernels, each fed the previous
 output (nothing for XLA to hoist or merge), matmuls over n distinct weights (together larger than
 L2, so each is read from HBM), and the launch overhead of an empty call is subtracted
-(gpu_report.net_seconds). Raw times, chain lengths and overheads are recorded beside the results.
+(report.net_seconds). Raw times, chain lengths and overheads are recorded beside the results.
 
 Never imports serve (the GPU image has no fastapi / uvicorn / llguidance).
 """
@@ -32,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from bench.gpu_report import mean_context_tokens, net_seconds
+from bench.gpu.report import mean_context_tokens, net_seconds
 
 if TYPE_CHECKING:
-    from bench.gpu_workload import Workload
+    from bench.gpu.workload import Workload
 
 
 class Recorder:

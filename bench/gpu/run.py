@@ -6,7 +6,7 @@
     python -m bench.gpu --table FILE.json        the README's GPU table, in markdown, from a results JSON
 On a lent GPU machine, whose bench/results/ does not come back: --out $OUT/gpu.json --log-dir $OUT/logs.
 
-Parts, in this order (bench/gpu_parts.py has what each measures and how it times kernels):
+Parts, in this order (bench/gpu/parts.py has what each measures and how it times kernels):
     ceilings   device-to-device copy GB/s (bytes read + written) and bf16 matmul TFLOP/s
     bf16       the Llama-3-8B-shaped random model through Generator: batch-1 decode tok/s and TPOT
                (N / (t(N+1 tokens) - t(1 token)), medians), output tok/s with 16 / 64 / 256 requests
@@ -18,7 +18,7 @@ Parts, in this order (bench/gpu_parts.py has what each measures and how it times
 Each part runs in its own subprocess with its own timeout, so an 8B model and its KV pool are freed
 between parts and a hang or an OOM loses one part only; a part records each number as it gets it, and
 after each part this process rewrites the JSON with everything so far (derived numbers included), so a
-run killed at the deadline keeps what it measured. Ratios and MBU: bench/gpu_report.py.
+run killed at the deadline keeps what it measured. Ratios and MBU: bench/gpu/report.py.
 
 Every part runs with the persistent XLA compilation cache off (JAXINFER_COMPILATION_CACHE=off and
 jax_enable_compilation_cache False: cold-compile numbers are cold) and, unless --autotune, Pallas
@@ -35,7 +35,7 @@ time, command, smoke, device {kind, platform, count}, driver (nvidia-smi), versi
 settings {parts, deadline_s, caps_s, autotune, compilation_cache, pallas_autotune, engine, log_dir},
 parts {<part>: {status (ok |
 failed | timeout | skipped | interrupted), wall_s, timeout_s, returncode, errors, unavailable, log,
-results}}, derived (bench/gpu_report.derive: MBU, every ratio), total_wall_s.
+results}}, derived (bench/gpu/report.derive: MBU, every ratio), total_wall_s.
 """
 from __future__ import annotations
 
@@ -56,10 +56,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.common import device_slug, results_path, write_json_atomic
-from bench.gpu_report import derive, markdown, plot
-from bench.gpu_workload import REAL, SMOKE, Workload
+from bench.gpu.report import derive, markdown, plot
+from bench.gpu.workload import REAL, SMOKE, Workload
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]   # the repository (this file is bench/gpu/run.py)
 PARTS = ("ceilings", "bf16", "hf", "kernels", "int8", "fp8", "int4")
 # Seconds each part may take in the real run: 465 of the 480 s deadline (the last 15 s are the
 # parent's: JSON, PNG). From the 2026-11-26 H200 probe (/work/shared/gpu/results), with ~1.4x for
@@ -110,8 +110,10 @@ def versions() -> dict[str, str | None]:
 def the_command() -> str:
     """How this process was started, as a shell line (`python -m bench.<script> ...` for the bench scripts)."""
     argv0 = Path(sys.argv[0])
-    if argv0.parent.name == "bench":
-        head = ["python", "-m", f"bench.{argv0.stem}"]
+    names = argv0.with_suffix("").parts
+    if "bench" in names[:-1]:   # bench/<script>.py, bench/gpu/<script>.py, bench/gpu/__main__.py
+        module = names[len(names) - 1 - names[::-1].index("bench"):]
+        head = ["python", "-m", ".".join(module[:-1] if module[-1] == "__main__" else module)]
     else:
         head = {"cli.py": ["python", "-m", "jaxinfer.cli"]}.get(argv0.name, [argv0.name])
     return shlex.join(head + sys.argv[1:])
@@ -395,7 +397,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def command(args: argparse.Namespace) -> int:
     """The handler of both front doors."""
     if args.worker:
-        from bench.gpu_parts import run_part
+        from bench.gpu.parts import run_part
         run_part(args.worker, SMOKE if args.smoke else REAL, args.records, args.smoke)
         return 0
     if args.table:
@@ -409,7 +411,7 @@ def command(args: argparse.Namespace) -> int:
     print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if args.plot else ""), flush=True)
     failed = [p for p, e in report["parts"].items() if e["errors"]]
     if failed:
-        print(f"bench gpu: errors in {', '.join(failed)} (see each part's errors in the JSON)", file=sys.stderr)
+        print(f"bench.gpu: errors in {', '.join(failed)} (see each part's errors in the JSON)", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -421,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"bench gpu: error: {e}", file=sys.stderr)
+        print(f"bench.gpu: error: {e}", file=sys.stderr)
         return 2
 
 

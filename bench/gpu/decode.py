@@ -1,18 +1,18 @@
-"""`python -m bench.gpu_decode`: issue #40's measurements of batch-1 decode against the memory-bandwidth
+"""`python -m bench.gpu.decode`: issue #40's measurements of batch-1 decode against the memory-bandwidth
 limit, on one GPU, in one command (estimated 5-6 minutes on an H200 from the bench.gpu run's timings,
 never more than --deadline-s: every part has its own timeout).
 
-    python -m bench.gpu_decode [--parts ceilings,profile,profile_nocb,batch1,ttft,knee] [--deadline-s 420] [--out PATH]
+    python -m bench.gpu.decode [--parts ceilings,profile,profile_nocb,batch1,ttft,knee] [--deadline-s 420] [--out PATH]
                                [--log-dir DIR] [--cold]
-    python -m bench.gpu_decode --smoke [--out PATH]   every part on CPU with a tiny random model (< 60 s)
+    python -m bench.gpu.decode --smoke [--out PATH]   every part on CPU with a tiny random model (< 60 s)
 On a lent GPU machine, whose bench/results/ does not come back: --out $OUT/decode.json and a --log-dir
 outside $OUT (it holds the run's compilation cache and traces), then copy its *.log files to $OUT.
 
-Parts, in this order (the Llama-3-8B-shaped random bf16 model of bench/gpu_workload.py, built as
-bench/gpu_parts.build_model builds it, driven through Generator and its EngineClient):
-    ceilings  copy GB/s and bf16 matmul TFLOP/s (bench/gpu_parts.ceilings_part: bench.gpu's own code)
+Parts, in this order (the Llama-3-8B-shaped random bf16 model of bench/gpu/workload.py, built as
+bench/gpu/parts.build_model builds it, driven through Generator and its EngineClient):
+    ceilings  copy GB/s and bf16 matmul TFLOP/s (bench/gpu/parts.ceilings_part: bench.gpu's own code)
     profile   jax.profiler traces of batch-1 decode with attention="pallas", parsed on the spot by
-              bench/gpu_trace.py into a per-op summary. `replay`: `profile_calls` replays of one
+              bench/gpu/trace.py into a per-op summary. `replay`: `profile_calls` replays of one
               multi-step decode call (client.debug.next_step_inputs / replay_step on a synchronous engine,
               each call annotated decode_call_<i>); `loop`: the engine's own loop (async scheduling,
               client.step) over `profile_loop_steps` decode steps, annotated decode_loop. Each summary:
@@ -23,13 +23,13 @@ bench/gpu_parts.build_model builds it, driven through Generator and its EngineCl
               (CUDA graphs; XLA_FLAGS=--xla_gpu_enable_command_buffer=): every kernel then records
               its HLO instruction, so a cuBLAS LM head is told from the other matmuls, and the gaps
               with and without graphs compare (on CPU the flag changes nothing)
-    batch1    batch-1 decode tok/s and TPOT (bench/gpu_parts.batch1: N / (t(N+1 tokens) - t(1 token)),
+    batch1    batch-1 decode tok/s and TPOT (bench/gpu/parts.batch1: N / (t(N+1 tokens) - t(1 token)),
               medians) per engine setting (attention, max_decode_steps, async_scheduling)
     ttft      time to first token of one `ttft_prompt_len`-token prompt at batch 1 (median of
               `ttft_reps`, the client's per-request metrics), per attention implementation
     knee      output tok/s with 1, 2, 4, ..., 256 prompts submitted at once (prompt 128, 128 new
               tokens, wall time including prefill, as bench.gpu's concurrent part)
-Each part runs in its own subprocess with its own timeout (bench/gpu.py's machinery), records each
+Each part runs in its own subprocess with its own timeout (bench/gpu/run.py's machinery), records each
 number as it gets it, and after each part this process rewrites the JSON with everything so far.
 Unless --cold, the parts share one persistent XLA compilation cache in the log folder, so an engine
 setting already compiled by an earlier part loads instead of compiling (the run's time goes to
@@ -37,7 +37,7 @@ measuring); first-request times are then not cold compiles.
 
 Derived numbers (derive(), recomputed from the raw ones in the JSON):
     bytes per decode token = weight bytes read per token + mean context * KV bytes per token
-                             (bench/gpu_report.py's definition; mean context = prompt + (N + 1) / 2)
+                             (bench/gpu/report.py's definition; mean context = prompt + (N + 1) / 2)
     MBU                    = bytes per decode token / TPOT / copy bandwidth measured in this run
                              (and / the datasheet's bandwidth where jaxinfer.perf knows the device)
     measured knee          = the smallest concurrency whose output tok/s reaches `knee_fraction`
@@ -65,11 +65,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_trace
 from bench.common import device_slug, results_path, write_json_atomic
-from bench import gpu
-from bench.gpu import initial_device, nvidia_smi, stop_on_sigterm, the_command, versions, worker_env
-from bench.gpu_workload import REAL, SMOKE, Workload
+from bench.gpu import run as gpu
+from bench.gpu import trace as gpu_trace
+from bench.gpu.report import _get as _at
+from bench.gpu.report import results as part_results
+from bench.gpu.run import initial_device, nvidia_smi, stop_on_sigterm, the_command, versions, worker_env
+from bench.gpu.workload import REAL, SMOKE, Workload
 
 PARTS = ("ceilings", "profile", "profile_nocb", "batch1", "ttft", "knee")
 # the XLA flag that turns GPU command buffers (CUDA graphs) off: each kernel then records its own
@@ -292,7 +294,7 @@ def profile_loop(gen, dw: DecodeWorkload, prompt: list[int], hlo: str | None, tr
 
 def profile_part(dw: DecodeWorkload, rec, trace_dir: Path, loop_trace: bool = True) -> None:
     from bench.common import release
-    from bench.gpu_parts import build_model
+    from bench.gpu.parts import build_model
 
     model = build_model(dw.base, "bf16")
     prompt = random_prompts(1, dw.base.prompt_len, model.cfg.vocab_size, seed=1)[0]
@@ -318,7 +320,7 @@ def profile_part(dw: DecodeWorkload, rec, trace_dir: Path, loop_trace: bool = Tr
 
 def batch1_setting(model, dw: DecodeWorkload, attention: str, steps: int, async_scheduling: bool) -> dict[str, Any]:
     from bench.common import release
-    from bench.gpu_parts import batch1
+    from bench.gpu.parts import batch1
 
     gen = make_generator(model, dw, attention, steps, async_scheduling, dw.base.max_num_seqs, dw.short_model_len)
     try:
@@ -328,7 +330,7 @@ def batch1_setting(model, dw: DecodeWorkload, attention: str, steps: int, async_
 
 
 def batch1_part(dw: DecodeWorkload, rec) -> None:
-    from bench.gpu_parts import build_model, model_bytes
+    from bench.gpu.parts import build_model, model_bytes
 
     t0 = time.perf_counter()
     model = build_model(dw.base, "bf16")
@@ -363,7 +365,7 @@ def ttft_one(model, dw: DecodeWorkload, attention: str) -> dict[str, Any]:
 
 
 def ttft_part(dw: DecodeWorkload, rec) -> None:
-    from bench.gpu_parts import build_model
+    from bench.gpu.parts import build_model
 
     model = build_model(dw.base, "bf16")
     for attention in dw.ttft_attention:
@@ -392,7 +394,7 @@ def knee_level(gen, dw: DecodeWorkload, requests: int) -> dict[str, Any]:
 
 def knee_part(dw: DecodeWorkload, rec) -> None:
     from bench.common import release
-    from bench.gpu_parts import build_model
+    from bench.gpu.parts import build_model
 
     b = dw.base
     model = build_model(b, "bf16")
@@ -405,7 +407,7 @@ def knee_part(dw: DecodeWorkload, rec) -> None:
 
 def run_part(part: str, dw: DecodeWorkload, records: str | Path) -> None:
     """The entry point of a part's subprocess."""
-    from bench.gpu_parts import Recorder, ceilings_part, device_info
+    from bench.gpu.parts import Recorder, ceilings_part, device_info
 
     rec = Recorder(records)
     rec.put(("device",), device_info())
@@ -432,7 +434,7 @@ def run_worker(part: str, timeout: float, smoke: bool, cold: bool, run_dir: Path
         env["JAXINFER_COMPILATION_CACHE"] = str(run_dir / "xla-cache")
     if part == "profile_nocb":
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {NO_COMMAND_BUFFERS}".strip()
-    return gpu.run_worker(part, timeout, smoke, False, run_dir, module="bench.gpu_decode", env=env)
+    return gpu.run_worker(part, timeout, smoke, False, run_dir, module="bench.gpu.decode", env=env)
 
 
 def part_timeouts(parts: list[str], deadline_s: float) -> dict[str, float]:
@@ -485,7 +487,7 @@ def run(args: argparse.Namespace) -> Path:
     caps = part_timeouts(parts, args.deadline_s)
     report = new_report(args, dw, parts, caps, driver, device, log_dir)
     stop_on_sigterm()
-    print(f"bench.gpu_decode: parts {', '.join(parts)}; deadline {args.deadline_s:.0f} s; JSON {out}; "
+    print(f"bench.gpu.decode: parts {', '.join(parts)}; deadline {args.deadline_s:.0f} s; JSON {out}; "
           f"logs {log_dir}", flush=True)
     gpu.run_parts(report, parts, caps, args.deadline_s, t_start,
                   lambda part, timeout: run_worker(part, timeout, args.smoke, args.cold, log_dir),
@@ -494,15 +496,6 @@ def run(args: argparse.Namespace) -> Path:
 
 
 # --------------------------------------------------------------------------- derived numbers
-def _at(d: Any, *keys: str) -> Any:
-    """d[k0][k1]... or None where a level is missing or holds an error."""
-    for k in keys:
-        if not isinstance(d, dict) or k not in d:
-            return None
-        d = d[k]
-    return None if isinstance(d, dict) and ("error" in d or "unavailable" in d) else d
-
-
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
@@ -510,9 +503,6 @@ def _number(v: Any) -> bool:
 def _ratio(a: Any, b: Any) -> float | None:
     return a / b if _number(a) and _number(b) else None
 
-
-def part_results(report: dict, part: str) -> dict:
-    return (report.get("parts", {}).get(part) or {}).get("results") or {}
 
 
 def batch1_mbu(report: dict, copy_bps: float | None, sheet_bps: float | None) -> dict[str, dict]:
@@ -663,14 +653,14 @@ def knee_lines(report: dict) -> list[str]:
 
 def summary_text(report: dict) -> str:
     d, dev = report["derived"], report.get("device") or {}
-    head = (f"bench.gpu_decode: {dev.get('kind', '?')} ({report.get('date')}): copy "
+    head = (f"bench.gpu.decode: {dev.get('kind', '?')} ({report.get('date')}): copy "
             f"{_fmt(d.get('copy_Bps'), 0, 1e-9)} GB/s, bf16 matmul {_fmt(d.get('matmul_flops'), 1, 1e-12)} TFLOP/s")
     return "\n".join([head, "", *profile_lines(report), "", *batch1_lines(report), "", *knee_lines(report)]) + "\n"
 
 
 # --------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_decode", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default=None, help=f"comma-separated subset of {','.join(PARTS)} (default: all)")
     p.add_argument("--deadline-s", type=float, default=420.0, help="the whole run's time budget (default 420)")
@@ -687,14 +677,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = run(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"bench gpu_decode: error: {e}", file=sys.stderr)
+        print(f"bench.gpu.decode: error: {e}", file=sys.stderr)
         return 2
     report = json.loads(out.read_text())
     print(summary_text(report), end="")
     print(f"wrote {out}", flush=True)
     failed = [part for part, e in report["parts"].items() if e["errors"]]
     if failed:
-        print(f"bench gpu_decode: errors in {', '.join(failed)} (see each part's errors in the JSON)", file=sys.stderr)
+        print(f"bench.gpu.decode: errors in {', '.join(failed)} (see each part's errors in the JSON)", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -1,12 +1,12 @@
-"""`python -m bench.gpu_quant_sweep`: every weight-only matmul the engine can run, on the 8B decode
+"""`python -m bench.gpu.quant_sweep`: every weight-only matmul the engine can run, on the 8B decode
 projections, against the bf16 dot and the device's measured copy bandwidth (issue #39).
 
-    python -m bench.gpu_quant_sweep [--deadline-s 225] [--out PATH] [--log-dir DIR]
-    python -m bench.gpu_quant_sweep --smoke [--out PATH]   every code path on CPU, tiny shapes (< 30 s)
+    python -m bench.gpu.quant_sweep [--deadline-s 225] [--out PATH] [--log-dir DIR]
+    python -m bench.gpu.quant_sweep --smoke [--out PATH]   every code path on CPU, tiny shapes (< 30 s)
 On a lent GPU machine, whose bench/results/ does not come back: --out $OUT/quant-sweep.json.
 
 Parts, each in its own subprocess with its own timeout (bench.gpu.run_worker), in this order:
-    copy        the measured copy bandwidth: the fastest of bench.gpu_parts' three copy methods
+    copy        the measured copy bandwidth: the fastest of bench.gpu.parts' three copy methods
     qkv o gate_up down   for M = 1, 16, 64, 128, 4 (most wanted first: a deadline cuts the rest):
                 the bf16 dot; int8 and int4 (g128, symmetric) through qdot with every launch config
                 of jaxinfer.quant.pallas_block_candidates -- XLA's dequantize-and-dot, the split-K
@@ -14,7 +14,7 @@ Parts, each in its own subprocess with its own timeout (bench.gpu.run_worker), i
                 at large M is bench.gpu's); fp8 (e4m3 per channel, x per token) as XLA's native fp8
                 dot with the weight stored [K, N] ("fp8:kn", contracting dim 0) and [N, K] ("fp8:nk",
                 K contiguous: cuBLASLt's TN layout, contracting dim 1)
-Timing is bench.gpu_parts' (its module docstring): a jitted chain of kernels over distinct weights
+Timing is bench.gpu.parts' (its module docstring): a jitted chain of kernels over distinct weights
 (about chain_bytes of them, more than L2 holds), each fed the previous output, the launch overhead
 of an empty call subtracted, the median of `reps` calls. A part compiles one M's chains in a thread
 pool (XLA and Triton compiles run outside the GIL), then times them one by one, recording each
@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 from bench.common import device_slug, results_path
 
-# (K, N) of the Llama-3-8B fused projections (bench.gpu_parts.projections of bench.gpu_workload.LLAMA3_8B)
+# (K, N) of the Llama-3-8B fused projections (bench.gpu.parts.projections of bench.gpu.workload.LLAMA3_8B)
 PROJECTIONS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 PARTS = ("copy", *PROJECTIONS)
 INT4_GROUP = 128
@@ -169,7 +169,7 @@ def compile_all(chains: dict[str, Callable], args: dict[str, tuple], threads: in
 
 def measure_rows(sw: Sweep, name: str, m: int, weights: dict[str, list], overhead: float, rec) -> None:
     """Every case of one projection at one M: compiled together, timed one by one, recorded."""
-    from bench.gpu_parts import _feed_columns, _random, chain_of, rel_err, timed_chain
+    from bench.gpu.parts import _feed_columns, _random, chain_of, rel_err, timed_chain
     k, n = sw.projections[name]
     x = _random(m, (m, k))
     ops = {c: o for c, o in case_ops(sw, m, k, n).items() if o[0] in weights}
@@ -204,7 +204,7 @@ def format_nbytes(k: int, n: int, fmt: str) -> int:
 
 
 def projection_part(sw: Sweep, name: str, rec) -> None:
-    from bench.gpu_parts import device_info, launch_overhead
+    from bench.gpu.parts import device_info, launch_overhead
     k, n = sw.projections[name]
     rec.put(("device",), device_info())
     overhead = launch_overhead(sw.reps)
@@ -224,7 +224,7 @@ def projection_part(sw: Sweep, name: str, rec) -> None:
 
 
 def copy_part(sw: Sweep, rec) -> None:
-    from bench.gpu_parts import copy_ceiling, device_info, launch_overhead
+    from bench.gpu.parts import copy_ceiling, device_info, launch_overhead
     rec.put(("device",), device_info())
     overhead = launch_overhead(sw.reps)
     rec.put(("launch_overhead_s",), overhead)
@@ -232,7 +232,7 @@ def copy_part(sw: Sweep, rec) -> None:
 
 
 def run_part(part: str, sw: Sweep, records: str) -> None:
-    from bench.gpu_parts import Recorder
+    from bench.gpu.parts import Recorder
     rec = Recorder(records)
     if part == "copy":
         copy_part(sw, rec)
@@ -277,14 +277,14 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the run (parent side)
 def write(report: dict[str, Any], out: Path) -> None:
     from bench.common import write_json_atomic
-    from bench.gpu import take_device
+    from bench.gpu.run import take_device
     take_device(report, list(report["parts"]))
     report["derived"] = derive(report)
     write_json_atomic(report, out)
 
 
 def new_report(args: argparse.Namespace, sw: Sweep, device: dict, driver: dict, log_dir: Path) -> dict[str, Any]:
-    from bench.gpu import the_command, versions
+    from bench.gpu.run import the_command, versions
     return {"benchmark": "gpu_quant_sweep", "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
             "command": the_command(), "smoke": bool(args.smoke), "device": device, "driver": driver,
             "versions": versions(),
@@ -296,7 +296,7 @@ def new_report(args: argparse.Namespace, sw: Sweep, device: dict, driver: dict, 
 
 def run(args: argparse.Namespace) -> Path:
     """Every part in order, each in its own process with a timeout; the JSON rewritten after each."""
-    from bench.gpu import initial_device, nvidia_smi, part_timeouts, run_parts, run_worker
+    from bench.gpu.run import initial_device, nvidia_smi, part_timeouts, run_parts, run_worker
     t0 = time.monotonic()
     sw = SMOKE if args.smoke else REAL
     driver = nvidia_smi()
@@ -308,7 +308,8 @@ def run(args: argparse.Namespace) -> Path:
     parts = ["copy", *sw.projections]
     caps = part_timeouts(parts, args.deadline_s, sw.caps_s)
     run_parts(report, parts, caps, args.deadline_s, t0,
-              lambda part, timeout: run_worker(part, timeout, args.smoke, False, log_dir, module="bench.gpu_quant_sweep"),
+              lambda part, timeout: run_worker(part, timeout, args.smoke, False, log_dir,
+                                               module="bench.gpu.quant_sweep"),
               lambda report: write(report, out))
     return out
 
@@ -327,7 +328,7 @@ def summary(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_quant_sweep", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.quant_sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deadline-s", type=float, default=225.0, help="the whole run's budget (default 225 s)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>-<device>-quant-sweep.json)")

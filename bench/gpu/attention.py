@@ -1,4 +1,4 @@
-"""`python -m bench.gpu_attention`: the serving attention kernels on their real workloads (#41's
+"""`python -m bench.gpu.attention`: the serving attention kernels on their real workloads (#41's
 prepared GPU run).
 
 What it measures (bfloat16, the Llama-3-8B attention shape: 32 query / 8 KV heads, head_dim 128,
@@ -23,10 +23,10 @@ rewritten after each part:
             takes the shape, each checked against cuDNN (relative error).
 
 Timing: chains of kernels inside one jitted call (a kernel's output is the next call's queries), the
-empty call's launch cost subtracted (bench.gpu_report.net_seconds), medians of `reps` calls.
+empty call's launch cost subtracted (bench.gpu.report.net_seconds), medians of `reps` calls.
 
-    python -m bench.gpu_attention [--parts decode,mixed] [--out FILE.json] [--deadline-s 300]
-    python -m bench.gpu_attention --smoke          # every path on CPU, tiny shapes, interpret mode
+    python -m bench.gpu.attention [--parts decode,mixed] [--out FILE.json] [--deadline-s 300]
+    python -m bench.gpu.attention --smoke          # every path on CPU, tiny shapes, interpret mode
 
 Writes bench/results/<date>-<gpu>-attention.json (device, driver, versions, command).
 """
@@ -164,7 +164,7 @@ def step_case(step: Step, sh: Shapes, fmt: str, ctx: "Context", kv_splits: int =
     import jax
     import jax.numpy as jnp
 
-    from bench.gpu_parts import _random, chain_of, rel_err, timed_chain
+    from bench.gpu.parts import _random, chain_of, rel_err, timed_chain
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
     pos, sid, qsl, bt, cl, num_blocks = metadata(step, sh)
     k, v, ks, vs = random_pages(num_blocks, sh, fmt, seed=21)
@@ -203,13 +203,13 @@ class Context:
 def context() -> Context:
     import jax
 
-    from bench.gpu_parts import launch_overhead
+    from bench.gpu.parts import launch_overhead
     return Context(interpret=jax.devices()[0].platform == "cpu", overhead=launch_overhead(5))
 
 
 # --------------------------------------------------------------------------- parts
 def copy_part(sh: Shapes, rec, ctx: Context) -> None:
-    from bench.gpu_parts import copy_ceiling
+    from bench.gpu.parts import copy_ceiling
     copy_ceiling(sh.copy_bytes, ctx.overhead, sh.reps, rec)
 
 
@@ -242,7 +242,7 @@ def prefill_part(sh: Shapes, rec, ctx: Context) -> None:
 def dense_impls(sh: Shapes, interpret: bool) -> dict[str, Any]:
     """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D], causal: bench.gpu's flash and cuDNN, and JAX's
     shipped Hopper kernel."""
-    from bench.gpu_parts import attention_impls
+    from bench.gpu.parts import attention_impls
     impls = attention_impls(sh.head_dim ** -0.5, interpret)
 
     def mosaic(q, k, v):      # JAX's shipped Hopper kernel, [B, T, H, D], its own 1/sqrt(D) scale
@@ -255,7 +255,7 @@ def dense_impls(sh: Shapes, interpret: bool) -> dict[str, Any]:
 def dense_case(t: int, sh: Shapes, rec, ctx: Context, key: tuple[str, ...], only: tuple[str, ...] | None = None) -> None:
     import jax
 
-    from bench.gpu_parts import _random, chain_of, rel_err, timed_chain
+    from bench.gpu.parts import _random, chain_of, rel_err, timed_chain
     q, k, v = (_random(30 + i, (t, h, sh.head_dim)) for i, h in enumerate((sh.heads, sh.kv_heads, sh.kv_heads)))
     flops = attention_flops(t * (t + 1) // 2, sh)
     calls = min(sh.max_chain, max(1, math.ceil(sh.chain_flops / flops)))
@@ -290,7 +290,7 @@ PART_FUNCS = {"copy": copy_part, "decode": decode_part, "mixed": mixed_part, "pr
 def run_part(part: str, smoke: bool, records: str) -> None:
     import jax
 
-    from bench.gpu_parts import Recorder, device_info
+    from bench.gpu.parts import Recorder, device_info
     jax.config.update("jax_enable_compilation_cache", False)
     rec = Recorder(records)
     rec.put(("device",), device_info())
@@ -301,13 +301,13 @@ def run_part(part: str, smoke: bool, records: str) -> None:
 
 # --------------------------------------------------------------------------- derived numbers
 def _ok(d: Any, *keys: str) -> Any:
-    from bench.gpu_report import _get
+    from bench.gpu.report import _get
     return _get(d, *keys)
 
 
 def derive(report: dict[str, Any]) -> dict[str, Any]:
     """Every ratio from the raw records (tests/test_gpu_attention.py recomputes them by hand)."""
-    from bench.gpu_report import ratio
+    from bench.gpu.report import ratio
 
     def res(part):
         return (report["parts"].get(part) or {}).get("results") or {}
@@ -340,7 +340,7 @@ def best_splits(cases: dict[str, Any]) -> dict[str, Any]:
     """Per decode step timed with several kv_splits: the fastest one and its speedup over
     kv_splits=1 (per-call time ratio), with every setting's time; steps whose kv_splits=1 case or
     every split case failed are left out."""
-    from bench.gpu_report import ratio
+    from bench.gpu.report import ratio
     times: dict[str, dict[int, float]] = {}
     for name, c in cases.items():
         base, splits = split_name(name)
@@ -358,7 +358,7 @@ def best_splits(cases: dict[str, Any]) -> dict[str, Any]:
 
 def write(report: dict[str, Any], out: Path) -> None:
     from bench.common import write_json_atomic
-    from bench.gpu import take_device
+    from bench.gpu.run import take_device
     take_device(report, PARTS)
     report["derived"] = derive(report)
     write_json_atomic(report, out)
@@ -366,7 +366,7 @@ def write(report: dict[str, Any], out: Path) -> None:
 
 # --------------------------------------------------------------------------- CLI
 def run(args: argparse.Namespace) -> Path:
-    from bench import gpu
+    from bench.gpu import run as gpu
     from bench.common import device_slug, results_path
     t0 = time.monotonic()
     parts = gpu.parse_parts(args.parts, PARTS)
@@ -382,13 +382,13 @@ def run(args: argparse.Namespace) -> Path:
                            "autotune": "off: the kernels' default launch configs"}, "parts": {}}
     gpu.run_parts(report, parts, caps, args.deadline_s, t0,
                   lambda part, timeout: gpu.run_worker(part, timeout, args.smoke, False, log_dir,
-                                                       module="bench.gpu_attention"),
+                                                       module="bench.gpu.attention"),
                   lambda report: write(report, out))
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_attention", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.attention", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default=None, help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--deadline-s", type=float, default=300.0, help="the whole run's budget (default 300)")
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = run(args)
     except ValueError as e:
-        print(f"bench gpu_attention: error: {e}", file=sys.stderr)
+        print(f"bench.gpu.attention: error: {e}", file=sys.stderr)
         return 2
     report = json.loads(out.read_text())
     print(json.dumps(report["derived"], indent=1))
