@@ -1,5 +1,5 @@
 """StepDebugger: the one door to the engine's step below the request API, reached as
-`EngineClient.debug` (bench/profile_step.py, bench/gpu_*.py, the multi-host follower):
+`EngineClient.debug` (bench/profile_step.py, bench/gpu/, the multi-host follower):
 
     inputs, iterations = client.debug.next_step_inputs()   # plan the next step, do not run it
     client.debug.replay_step(inputs)                        # run it (again), wait for it

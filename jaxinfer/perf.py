@@ -1,6 +1,6 @@
 """The one cost model: device datasheets and the byte / FLOP / MBU / MFU formulas of a step. The engine's
 live stats (jaxinfer/step_stats.py counts each finished step with ModelCost.step_bytes: Engine.stats()
-["mbu"], served on /metrics), the benchmarks (bench/metrics.py, bench/gpu.py) and `jaxinfer plan` all
+["mbu"], served on /metrics), the benchmarks (bench/metrics.py, bench/gpu/) and `jaxinfer plan` all
 read it, so the same run gives the same numbers everywhere.
 
 Pure arithmetic: this module never imports jax, numpy or anything that does (tests check it in a

@@ -89,7 +89,7 @@ from jaxinfer.config import KV_DTYPE_CHOICES, ModelConfig, RopeScaling
 from jaxinfer.perf import CPU_BANDWIDTH, CPU_FLOPS, DEVICES, DTYPE_BYTES, GiB, KV_INT8_SCALE_BYTES, Device  # noqa: F401
 
 INT4_GROUP_SIZE = 128
-INT4_SCALE_BYTES = 4        # one float32 scale per group, as jaxinfer/quant.py stores them
+INT4_SCALE_BYTES = 4        # one float32 scale per group, as jaxinfer/quant/format.py stores them
 INT8_SCALE_BYTES = 4        # one f32 scale per output channel (jaxinfer.quant)
 
 WEIGHT_DTYPES = ("bfloat16", "float32", "int8", "int4")

@@ -243,7 +243,7 @@ def _quantized_meta(qw: QuantizedWeight) -> dict[str, Any]:
 
 
 def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
-    """The stored arrays of a quantized weight described by _quantized_meta (quant.py formats)."""
+    """The stored arrays of a quantized weight described by _quantized_meta (jaxinfer/quant/format.py)."""
     b = m.get("batch", 0)
     if b:   # stacked experts: each expert's arrays, with a leading E axis
         one = _quantized_leaves({**m, "shape": m["shape"][b:], "batch": 0})

@@ -36,7 +36,7 @@ max m / sum l [S, T, Hkv, Gp] in f32; combine_splits merges them in jnp after th
 m_s, out = sum_s e^(m_s - m*) acc_s / sum_s e^(m_s - m*) l_s). Attention sinks are not in the split
 kernel: the combine counts each row's sink once, as one more partial (m, l, acc) = (sink_h, 1, 0).
 Only the f32 accumulation order differs from S = 1, which is exactly the unsplit program. The gain
-is a prediction until a GPU measures it (bench/gpu_attention.py's decode part times S = 4 and 16):
+is a prediction until a GPU measures it (bench/gpu/attention.py's decode part times S = 4 and 16):
 long contexts at few tiles x Hkv programs should gain, short ones lose the combine's extra launch.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`jaxinfer quantize`: quantization of a Decoder: weight-only post-training (RTN, GPTQ, AWQ, FP8
-e4m3: its checkpoints hold weights only; on GPU the engine also scales activations to e4m3, quant.py),
+e4m3: its checkpoints hold weights only; on GPU the engine also scales activations to e4m3, jaxinfer/quant/dispatch.py),
 quantization-aware training (QAT: the fake-quantized model distilled from the float model's
 own logits, then RTN export; qat.py) and SmoothQuant W8A8 (int8 weights and int8 activations,
 dynamic per token or static).

@@ -1,7 +1,7 @@
 """SmoothQuant W8A8 (Xiao et al. 2023, "SmoothQuant: Accurate and Efficient Post-Training
 Quantization for Large Language Models"): migrate activation outliers into the weights, then int8
 weights per output channel and int8 activations per token (dynamic) with an int8 x int8 -> int32
-matmul (quant.py, act_bits=8).
+matmul (jaxinfer/quant/dispatch.py, act_bits=8).
 
 For the linears reading one tap X [T, K] (calibrate.py), with max_k = max_t |X_tk| over the
 calibration tokens and w_k = max_n |W_kn| over their concatenated output columns:
