@@ -31,6 +31,7 @@ from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
 from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, hold_back
 from jaxinfer.sharding import model_mesh
+from jaxinfer.spec_decode.checks import check_draft, check_medusa
 
 
 class RequestError(ValueError):
@@ -107,8 +108,8 @@ class Engine:
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
         self.cfg = cfg   # the settings as given; everything the engine runs with reads self.resolved
-        _check_draft(model, draft_model, cfg)
-        medusa_heads = _check_medusa(model, medusa_heads, cfg)
+        check_draft(model, draft_model, cfg)
+        medusa_heads = check_medusa(model, medusa_heads, cfg)
         weights = weight_bytes(model)   # before the pool is sized: the weights are in memory already
         # every setting decided once ("auto" dtype: the dtype the weights are in); everything below reads it
         self.resolved = r = _resolve(model, cfg, draft_model)
@@ -522,41 +523,6 @@ class Engine:
         }
 
 
-def _check_medusa(model, heads: tuple | None, cfg: EngineConfig) -> tuple | None:
-    """Medusa heads go with speculative_method="medusa", an unsharded target, and num_speculative_tokens
-    at most their number (the tree is cut to that depth). -> (heads, the tree cut to depth) or None."""
-    if cfg.speculative_method == "medusa" and heads is None:
-        raise ValueError('speculative_method="medusa" needs Medusa heads (speculative_model=PATH)')
-    if heads is None:
-        return None
-    if cfg.speculative_method != "medusa":
-        raise ValueError(f'Medusa heads are only used with speculative_method="medusa", not {cfg.speculative_method!r}')
-    if isinstance(model, PipelinedDecoder):   # (tensor parallel: the runner replicates the heads)
-        raise ValueError("speculative decoding with Medusa heads is not available with pipeline_parallel > 1")
-    mh, tree = heads
-    if cfg.num_speculative_tokens > mh.num_heads:
-        raise ValueError(f"num_speculative_tokens={cfg.num_speculative_tokens} is more than the {mh.num_heads} Medusa heads")
-    return mh, tree.truncated(cfg.num_speculative_tokens)
-
-
-def _check_draft(model, draft: Decoder | None, cfg: EngineConfig) -> None:
-    """A draft model goes with speculative_method="draft" and must share the target's vocabulary."""
-    if cfg.speculative_method == "draft" and draft is None:
-        raise ValueError('speculative_method="draft" needs a draft model (speculative_model=PATH)')
-    if draft is None:
-        return
-    if cfg.speculative_method != "draft":
-        raise ValueError(f'a draft model is only used with speculative_method="draft", not {cfg.speculative_method!r}')
-    if isinstance(model, PipelinedDecoder) or model_mesh(draft) is not None:
-        # (a tensor-parallel target is fine: the runner replicates the draft on its mesh)
-        raise ValueError("speculative decoding with a draft model needs a one-stage target (no pipeline_parallel) "
-                         "and an unsharded draft")
-    if draft.cfg.vocab_size != model.cfg.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) differs from the "
-                         f"target's ({model.cfg.vocab_size}): a draft must share the target's tokenizer")
-
-
-
 # ------------------------------------------------------------------------------ building the engine
 def _resolve(model, cfg: EngineConfig, draft_model: Decoder | None) -> ResolvedConfig:
     """resolve_config for this model on this backend: the weights' dtype is what dtype="auto" means,
@@ -633,9 +599,10 @@ def scheduler_config(r: ResolvedConfig, lazy_draft: bool = False, medusa_tree=No
 
 def runner_config(r: ResolvedConfig, eos_ids: tuple[int, ...]) -> RunnerConfig:
     """The runner's settings from the resolved ones (eos_ids: what ends a row on the device)."""
-    return RunnerConfig(r.block_size, r.num_blocks, r.max_num_seqs, r.max_num_batched_tokens, r.max_model_len,
-                        r.kv_dtype, r.attention, max_decode_steps=r.max_decode_steps, eos_ids=tuple(eos_ids),
-                        spec_tokens=r.spec_tokens, spec_rounds=r.spec_rounds)
+    return RunnerConfig(block_size=r.block_size, num_blocks=r.num_blocks, max_num_seqs=r.max_num_seqs,
+                        max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len,
+                        kv_dtype=r.kv_dtype, attention=r.attention, max_decode_steps=r.max_decode_steps,
+                        eos_ids=tuple(eos_ids), spec_tokens=r.spec_tokens, spec_rounds=r.spec_rounds)
 
 
 def _build_scheduler(r: ResolvedConfig, blocks: BlockManager, eos_ids: tuple[int, ...], lazy_draft: bool,

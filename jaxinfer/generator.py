@@ -27,7 +27,7 @@ from flax import nnx
 from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.client import Completion, EngineClient, SubmitError
 from jaxinfer.engine import Engine
-from jaxinfer.medusa import is_medusa, load_heads
+from jaxinfer.spec_decode.medusa import is_medusa, load_heads
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.models.decoder import fuse_decoder, quantize_decoder
 from jaxinfer.weights import resolve_dtype, load_model
