@@ -107,8 +107,8 @@ def _pow2_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
 class ModelRunner:
     def __init__(self, model: Decoder, cfg: RunnerConfig, draft: Decoder | None = None, medusa_heads=None,
                  grammars: Grammars | None = None, publish_step: Callable[..., None] | None = None):
-        """draft: the draft model of speculative decoding (cfg.spec_tokens > 0): its params and KV
-        pages ride with the target's as TargetDraft pairs; its pages use the same blocks.
+        """draft: the draft model of speculative decoding (cfg.spec_tokens > 0): its params ride with
+        the target's as TargetDraft, its KV pages (the same blocks) as (target, draft).
         medusa_heads: (MedusaHeads, Tree) of speculative_method="medusa" (cfg.spec_tokens: the tree's
         depth): params TargetHeads, the target's pages only. grammars: structured outputs'
         grammars, which fill the masks of constrained rows. publish_step: multi-host, on process 0:
@@ -389,7 +389,7 @@ class ModelRunner:
         assert not isinstance(inputs, SpecStepInputs) and inputs.meta.tree is None
         params, pages = target_state(self.params, self.kv_pages)
         outputs, pages = self.plain_step(params, pages, inputs, prev_tokens)
-        self.kv_pages = with_target_pages(self.kv_pages, pages)
+        self.kv_pages = with_target_pages(self.params, self.kv_pages, pages)
         return outputs
 
     def fetch(self, launched: Launched) -> dict[str, list[StepSample]]:

@@ -3,7 +3,7 @@ beside a plain step and a plain runner that never branch on the method.
 
   contract.py     what a speculative step adds to jaxinfer/step.py's contract: SpecInputs,
                   SpecStepInputs / SpecStepOutputs / SpecStepSettings, the TargetDraft and
-                  TargetHeads pairs params and pages travel as
+                  TargetHeads pairs the params travel as
   draft_model.py  the draft model's proposals (`propose`) and its draws
   ngram.py        prompt lookup on the device (`ngram_lookup`, `propose`)
   medusa.py       Medusa heads (`propose`), static trees, tree verification, the heads' checkpoint

@@ -17,7 +17,7 @@ from flax import nnx
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata
 from jaxinfer.sampling import SamplingBatch, any_penalty, sample
 from jaxinfer.spec_decode import draft_model, ngram
-from jaxinfer.spec_decode.contract import SpecStepInputs, SpecStepOutputs, SpecStepSettings, TargetDraft
+from jaxinfer.spec_decode.contract import SpecStepInputs, SpecStepOutputs, SpecStepSettings
 from jaxinfer.spec_decode.rounds import drawn_outputs, no_draws, record_round
 from jaxinfer.spec_decode.verification import verify
 from jaxinfer.step import pin_pages, run_loop, tokens_with_prev
@@ -64,7 +64,7 @@ def _round(model, dmodel, kv_pages, inputs: SpecStepInputs, settings: SpecStepSe
         return pad(ids), pad(lps), pad(top_ids), pad(top_lps), jnp.ones((s,), jnp.int32)
 
     out = jax.lax.cond(jnp.any(num_spec > 0), speculative, plain, h)
-    return (*out, num_spec, (TargetDraft(tpages, dpages) if dmodel is not None else tpages))
+    return (*out, num_spec, ((tpages, dpages) if dmodel is not None else tpages))
 
 
 def step(params, kv_pages, inputs: SpecStepInputs, prev_tokens: jax.Array, settings: SpecStepSettings
@@ -87,7 +87,7 @@ def step(params, kv_pages, inputs: SpecStepInputs, prev_tokens: jax.Array, setti
     row = meta.seq_ids
     real = meta.slot_mapping != PAD_SLOT
     off = jnp.arange(t) - t0[row]                               # a token's place in its row's round
-    bs = (kv_pages.target if draft else kv_pages)[0].k.shape[-2]
+    bs = (kv_pages[0] if draft else kv_pages)[0].k.shape[-2]
     n_out = rounds * k1
 
     def round_inputs(i, p, last, done, b):
@@ -142,5 +142,5 @@ def step(params, kv_pages, inputs: SpecStepInputs, prev_tokens: jax.Array, setti
         dmeta = AttentionMetadata(**{**vars(meta), "slot_mapping": sp.draft_slots})
         _, dpages = dmodel.hidden_states(tokens, inputs.positions, dpages, dmeta, settings.attention)
         return (drawn_outputs(out, jnp.zeros((s, 3 + k), jnp.int32), settings.max_rows),
-                TargetDraft(pin_pages(tpages, settings), pin_pages(dpages, settings, replicated=True)))
+                (pin_pages(tpages, settings), pin_pages(dpages, settings, replicated=True)))
     return jax.lax.cond(sp.run_target, speculate, catch_up, kv_pages)

@@ -1,7 +1,10 @@
 """What a speculative engine's step adds to the plain step's contract (jaxinfer/step.py): its inputs
 (SpecInputs, carried by SpecStepInputs), its outputs (SpecStepOutputs: per-row counts, Medusa's
-next trees), what it is compiled for (SpecStepSettings), and the pairs its params and KV pages
-travel as (TargetDraft, TargetHeads: named, so that no code indexes a tuple by position).
+next trees), what it is compiled for (SpecStepSettings), and the pairs its params travel as
+(TargetDraft, TargetHeads: named, so that no code indexes a tuple by position). A draft-model
+engine's KV pages stay a plain (target, draft) tuple: they are the donated argument, which a
+caller may replace (runner.kv_pages), and one pytree type whoever builds the pair means nothing
+recompiles.
 
 A subclass of each plain type keeps their fields first and in order, so a speculative step's
 pytrees flatten to the plain step's leaves followed by its own.
@@ -20,8 +23,7 @@ from jaxinfer.step import StepInputs, StepOutputs, StepSettings
 
 
 class TargetDraft(NamedTuple):
-    """A draft-model engine's params, or its KV pages: the target's and the draft's (the draft's
-    pages use the target's blocks)."""
+    """A draft-model engine's params: the target's and the draft's."""
     target: Any
     draft: Any
 
@@ -77,7 +79,7 @@ class SpecStepSettings(StepSettings):
     """What a speculative step is compiled for (static: hashable). max_iters: rounds per call."""
     method: str                                  # "draft" | "ngram" | "medusa" (host/speculative.METHODS)
     spec_tokens: int                             # K > 0: up to K proposals per row (Medusa: the tree's depth)
-    draft_graphdef: nnx.GraphDef | None = None   # the draft model (params and pages: TargetDraft)
+    draft_graphdef: nnx.GraphDef | None = None   # the draft model (params TargetDraft, pages (target, draft))
     medusa_graphdef: nnx.GraphDef | None = None  # Medusa heads (params: TargetHeads)
     tree: Tree | None = None                     # ... and their candidate tree
     ngram: tuple[int, ...] = ()                  # n-gram method: (max_n, min_n) of the device's prompt lookup

@@ -105,7 +105,7 @@ def tree_arrays(tree: Tree) -> dict[str, np.ndarray]:
             path_nodes[i, j] = node
             if node > 0:
                 ancestors[i] |= 1 << (node - 1)
-    kids = [[i for i, p in enumerate(paths) if p and p[:-1] == q] for q in paths]
+    kids = [[i for i, p in enumerate(paths) if p and p[:-1] == parent] for parent in paths]
     c = max(len(k) for k in kids)
     children = np.full((n1, c), -1, np.int32)
     for i, k in enumerate(kids):

@@ -1,8 +1,8 @@
 """The runner's half of speculative decoding: what ModelRunner (runner.py) asks of it, one call per
 concern, so that the runner holds no speculative code.
 
-  SpecRunner.attach          the draft model's or Medusa heads' params (and the draft's KV pages)
-                             beside the target's, as TargetDraft / TargetHeads pairs
+  SpecRunner.attach          the draft model's or Medusa heads' params beside the target's
+                             (TargetDraft / TargetHeads), and the draft's KV pages (target, draft)
   SpecRunner.step_settings   the speculative program's settings; jit_spec_step jits it
   SpecRunner.is_plain        a step with nothing speculative in it (the plain program runs it)
   SpecRunner.tree_layout     Medusa: the verifying rows' node positions and meta.tree
@@ -46,8 +46,8 @@ class SpecRunner:
     @classmethod
     def attach(cls, spec_tokens: int, block_size: int, max_num_seqs: int, mask_words: int, params, kv_pages,
                draft=None, medusa_heads=None, beside=None, kv_dtype=None, num_blocks: int = 0):
-        """-> (SpecRunner, params, kv_pages) of an engine that speculates: a draft model's params and
-        pages (the target's blocks) paired with the target's (TargetDraft), Medusa heads' params
+        """-> (SpecRunner, params, kv_pages) of an engine that speculates: a draft model's params
+        (TargetDraft) and pages (the target's blocks; (target, draft): contract.py), Medusa heads' params
         (TargetHeads; the target's pages alone), or n-gram's (the target's alone). beside: where the
         small model lives (one device, or replicated over the target's mesh)."""
         draft_graphdef = heads_graphdef = tree = None
@@ -57,7 +57,7 @@ class SpecRunner:
             draft_pages = jax.device_put(init_kv_pages(dc.n_layers, dc.n_kv_heads, dc.head_dim, num_blocks,
                                                        block_size, kv_dtype), beside)
             params = TargetDraft(params, jax.device_put(draft_params, beside))
-            kv_pages = TargetDraft(kv_pages, draft_pages)
+            kv_pages = (kv_pages, draft_pages)
         if medusa_heads is not None:
             heads, tree = medusa_heads
             heads_graphdef, heads_params = nnx.split(heads)
@@ -189,10 +189,11 @@ class SpecRunner:
 def target_state(params, kv_pages) -> tuple:
     """(params, KV pages) of the target alone: a speculative engine holds them paired with the
     draft's (params and pages) or the Medusa heads' (params)."""
-    return (params.target if isinstance(params, (TargetDraft, TargetHeads)) else params,
-            kv_pages.target if isinstance(kv_pages, TargetDraft) else kv_pages)
+    if isinstance(params, TargetDraft):
+        return params.target, kv_pages[0]
+    return (params.target if isinstance(params, TargetHeads) else params), kv_pages
 
 
-def with_target_pages(kv_pages, target_pages):
+def with_target_pages(params, kv_pages, target_pages):
     """kv_pages with the target's replaced (the draft's, if any, left as they are)."""
-    return kv_pages._replace(target=target_pages) if isinstance(kv_pages, TargetDraft) else target_pages
+    return (target_pages, kv_pages[1]) if isinstance(params, TargetDraft) else target_pages
