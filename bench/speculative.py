@@ -101,7 +101,7 @@ def _heads_with_tree(method: str, k: int) -> str:
     """A copy of the bundled Medusa heads with another tree: "medusa-chain", one chain of each
     head's top token, k deep; "medusa-tree:N", the N-node tree medusa.choose_tree picks."""
     from jaxinfer.generator import CHECKPOINTS, DEFAULT_MEDUSA
-    from jaxinfer.medusa import choose_tree
+    from jaxinfer.spec_decode.medusa import choose_tree
     src, out = CHECKPOINTS / DEFAULT_MEDUSA, Path(tempfile.mkdtemp(prefix="medusa-tree-"))
     shutil.copy(src / "heads.safetensors", out)
     info = json.loads((src / "medusa.json").read_text())

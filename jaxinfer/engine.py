@@ -33,6 +33,7 @@ from jaxinfer.output_processor import OutputProcessor, RequestOutput
 from jaxinfer.pipeline import PipelinedDecoder, PipelineRunner
 from jaxinfer.runner import CompileCounter, Launched, ModelRunner, RunnerConfig
 from jaxinfer.sharding import model_mesh
+from jaxinfer.spec_decode.checks import check_draft, check_medusa
 from jaxinfer.step_stats import StepStats
 from jaxinfer.tokenizer import Tokenizer
 
@@ -77,8 +78,8 @@ class Engine:
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
         self.cfg = cfg   # the settings as given; everything the engine runs with reads self.resolved
-        _check_draft(model, draft_model, cfg)
-        medusa_heads = _check_medusa(model, medusa_heads, cfg)
+        check_draft(model, draft_model, cfg)
+        medusa_heads = check_medusa(model, medusa_heads, cfg)
         weights = weight_bytes(model)   # before the pool is sized: the weights are in memory already
         # every setting decided once ("auto" dtype: the dtype the weights are in); everything below reads it
         self.resolved = r = _resolve(model, cfg, draft_model)
@@ -238,7 +239,7 @@ class Engine:
             prev = None
         sched = self.scheduler.schedule()
         feed = None
-        if prev is not None and any(seq.sample and seq.request.guide is not None for seq in prev.plan.seqs):
+        if prev is not None and any(seq.sample and seq.request.guide is not None for seq in prev.scheduled.seqs):
             # a grammar's next mask follows from the token just drawn: prepare step N+1 while the
             # device runs N, then wait for N's tokens and feed them to the matchers only, fill N+1's
             # masks and dispatch it, then apply step N on the host (text, stop strings, deltas)
@@ -271,7 +272,7 @@ class Engine:
         where its last one lies, is known only then."""
         return any(seq.spec or (seq.sample and (seq.request.params.uses_history
                                                 or self.scheduler.may_propose(seq.request)))
-                   for seq in prev.plan.seqs)
+                   for seq in prev.scheduled.seqs)
 
     def _launch(self, sched: SchedulerOutput, prev: Launched | None, before_dispatch=None) -> Launched:
         c0 = CompileCounter.count
@@ -299,7 +300,7 @@ class Engine:
         """Advance the constrained rows' matchers past a step's tokens before the host applies
         them (Guide.at answers again when the update reaches those tokens)."""
         samples = self._fetch(launched)
-        for seq in launched.plan.seqs:
+        for seq in launched.scheduled.seqs:
             req = seq.request
             if seq.sample and req.guide is not None and not req.finished:
                 for j, s in enumerate(samples.get(req.request_id, ())):
@@ -308,7 +309,7 @@ class Engine:
 
     def _complete(self, launched: Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them: stop conditions, text, deltas."""
-        sched = launched.plan
+        sched = launched.scheduled
         samples = self._fetch(launched)
         done = launched.t_fetched
         # the device's time for this step: from its dispatch, or from the end of the step before it
@@ -396,41 +397,6 @@ class Engine:
             # after steps that skipped it (the load policy had speculation off)
             "spec_decode_draft_catchup_tokens": self.scheduler.num_draft_catchup_tokens,
         }
-
-
-def _check_medusa(model, heads: tuple | None, cfg: EngineConfig) -> tuple | None:
-    """Medusa heads go with speculative_method="medusa", an unsharded target, and num_speculative_tokens
-    at most their number (the tree is cut to that depth). -> (heads, the tree cut to depth) or None."""
-    if cfg.speculative_method == "medusa" and heads is None:
-        raise ValueError('speculative_method="medusa" needs Medusa heads (speculative_model=PATH)')
-    if heads is None:
-        return None
-    if cfg.speculative_method != "medusa":
-        raise ValueError(f'Medusa heads are only used with speculative_method="medusa", not {cfg.speculative_method!r}')
-    if isinstance(model, PipelinedDecoder):   # (tensor parallel: the runner replicates the heads)
-        raise ValueError("speculative decoding with Medusa heads is not available with pipeline_parallel > 1")
-    mh, tree = heads
-    if cfg.num_speculative_tokens > mh.num_heads:
-        raise ValueError(f"num_speculative_tokens={cfg.num_speculative_tokens} is more than the {mh.num_heads} Medusa heads")
-    return mh, tree.truncated(cfg.num_speculative_tokens)
-
-
-def _check_draft(model, draft: Decoder | None, cfg: EngineConfig) -> None:
-    """A draft model goes with speculative_method="draft" and must share the target's vocabulary."""
-    if cfg.speculative_method == "draft" and draft is None:
-        raise ValueError('speculative_method="draft" needs a draft model (speculative_model=PATH)')
-    if draft is None:
-        return
-    if cfg.speculative_method != "draft":
-        raise ValueError(f'a draft model is only used with speculative_method="draft", not {cfg.speculative_method!r}')
-    if isinstance(model, PipelinedDecoder) or model_mesh(draft) is not None:
-        # (a tensor-parallel target is fine: the runner replicates the draft on its mesh)
-        raise ValueError("speculative decoding with a draft model needs a one-stage target (no pipeline_parallel) "
-                         "and an unsharded draft")
-    if draft.cfg.vocab_size != model.cfg.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) differs from the "
-                         f"target's ({model.cfg.vocab_size}): a draft must share the target's tokenizer")
-
 
 
 # ------------------------------------------------------------------------------ building the engine

@@ -29,7 +29,7 @@ from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.config.engine import engine_config, settings as engine_settings
 from jaxinfer.client import Completion, EngineClient, SubmitError
 from jaxinfer.engine import Engine
-from jaxinfer.medusa import is_medusa, load_heads
+from jaxinfer.spec_decode.medusa import is_medusa, load_heads
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.models.decoder import fuse_decoder, quantize_decoder
 from jaxinfer.weights import resolve_dtype, load_model

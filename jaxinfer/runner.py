@@ -1,7 +1,7 @@
 """SchedulerOutput -> bucketed StepInputs -> one call of the jitted step (jaxinfer/step.py).
 
 The host-to-device contract is `step.StepInputs` (its docstring has the table); this module packs
-the scheduler's plan into it as numpy arrays padded to a few bucketed shapes (the attention
+the scheduler's output into it as numpy arrays padded to a few bucketed shapes (the attention
 metadata, work items included, from kv_cache.build_attention_metadata) and turns the StepOutputs
 back into per-request samples. The KV pages live on the device and are donated to every step, so
 they are updated in place.
@@ -10,6 +10,8 @@ sequence) is the full max_model_len for the XLA attention (its work follows the 
 whose array sizes depend on T alone) and powers of four for the Pallas kernel: each (T, B) pair of
 kv_cache.attention_buckets compiles once at warm-up and never again (multi-step decoding runs
 inside the same program, so it adds no shape).
+A speculative engine's inputs, params and pages come from its SpecRunner (spec_decode/runner_side.py),
+one call per concern; its steps run spec_decode's program, or the plain one where nothing speculates.
 """
 from __future__ import annotations
 
@@ -26,15 +28,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxinfer import perf
 from jaxinfer.config import MAX_LOGIT_BIAS, ModelConfig
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
-from jaxinfer.host.speculative import MAX_GUIDED_ROWS, NGRAM_MAX_N, NGRAM_MIN_N
 from jaxinfer.host.structured import Grammars, mask_words
-from jaxinfer.kv_cache import (PAD_SLOT, TREE_NONE, StepRow, attention_buckets, build_attention_metadata,
-                               init_kv_pages, kv_storage_dtype)
-from jaxinfer.medusa import tree_arrays
+from jaxinfer.kv_cache import StepRow, attention_buckets, build_attention_metadata, init_kv_pages, kv_storage_dtype
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.sampling import SamplingBatch
 from jaxinfer.sharding import kv_sharding, model_mesh
-from jaxinfer.step import MAX_STOP_IDS, SpecInputs, StepInputs, StepOutputs, StepSettings, jit_step
+from jaxinfer.spec_decode import jit_spec_step
+from jaxinfer.spec_decode.contract import SpecStepInputs, SpecStepOutputs
+from jaxinfer.spec_decode.runner_side import SpecRunner, target_state, with_target_pages
+from jaxinfer.step import MAX_STOP_IDS, StepInputs, StepOutputs, StepSettings, jit_step
 
 
 INT32_MAX = np.iinfo(np.int32).max
@@ -61,8 +63,9 @@ class CompileCounter:
 
 @dataclass
 class Launched:
-    """A dispatched step: its plan, the request each row samples for, and its (future) outputs."""
-    plan: SchedulerOutput
+    """A dispatched step: what the scheduler scheduled, the request each row samples for, and its
+    (future) outputs."""
+    scheduled: SchedulerOutput
     rows: list
     outputs: StepOutputs
     t_launch: float = 0.0
@@ -72,7 +75,7 @@ class Launched:
     proposals: object = None      # Medusa: per row, its next tree's tokens [S, N]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunnerConfig:
     """The runner's settings: engine.runner_config derives them from the ResolvedConfig."""
     block_size: int
@@ -99,10 +102,10 @@ def _pow2_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
 class ModelRunner:
     def __init__(self, model: Decoder, cfg: RunnerConfig, draft: Decoder | None = None, medusa_heads=None,
                  grammars: Grammars | None = None, publish_step: Callable[..., None] | None = None):
-        """draft: the draft model of speculative decoding (cfg.spec_tokens > 0): its params and KV
-        pages ride with the target's as (target, draft) pairs; its pages use the same blocks.
+        """draft: the draft model of speculative decoding (cfg.spec_tokens > 0): its params ride with
+        the target's as TargetDraft, its KV pages (the same blocks) as (target, draft).
         medusa_heads: (MedusaHeads, Tree) of speculative_method="medusa" (cfg.spec_tokens: the tree's
-        depth): params (target, heads), the target's pages only. grammars: structured outputs'
+        depth): params TargetHeads, the target's pages only. grammars: structured outputs'
         grammars, which fill the masks of constrained rows. publish_step: multi-host, on process 0:
         called with each step's host inputs before the step runs, so that the other processes run
         the same step (run_published; jaxinfer.distributed)."""
@@ -114,25 +117,6 @@ class ModelRunner:
         mc = self.model_cfg
         self.mesh = model_mesh(self.params)   # None unless the model was sharded (sharding.shard_decoder)
         self.kv_sharding, self.kv_pages = self._init_kv_pages(kv_dtype)
-        # the draft model and Medusa heads are small: one device holds them, or under tensor
-        # parallelism every device a full copy (each computes the same proposals; no collectives)
-        beside = jax.devices()[0] if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
-        draft_graphdef = None
-        if draft is not None:
-            assert cfg.spec_tokens > 0
-            draft_graphdef, draft_params = nnx.split(draft)
-            dc = draft.cfg
-            draft_pages = jax.device_put(init_kv_pages(dc.n_layers, dc.n_kv_heads, dc.head_dim, cfg.num_blocks,
-                                                       cfg.block_size, kv_dtype), beside)
-            self.params = (self.params, jax.device_put(draft_params, beside))
-            self.kv_pages = (self.kv_pages, draft_pages)
-        medusa_graphdef, self.tree, self.tree_arrays = None, None, None
-        if medusa_heads is not None:
-            assert cfg.spec_tokens > 0
-            heads, self.tree = medusa_heads
-            self.tree_arrays = tree_arrays(self.tree)
-            medusa_graphdef, heads_params = nnx.split(heads)
-            self.params = (self.params, jax.device_put(heads_params, beside))
         self.kv_bytes_per_token = perf.kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, cfg.kv_dtype)
         self.token_buckets = _pow2_buckets(min(8, cfg.max_num_batched_tokens), cfg.max_num_batched_tokens)
         max_blocks = -(-cfg.max_model_len // cfg.block_size)
@@ -144,38 +128,44 @@ class ModelRunner:
         self.grammars = grammars
         self.mask_time_s = 0.0   # host time spent filling grammar masks
         self._unfilled = None    # (rows' guides, the mask array) of the step being prepared
-        self._unfilled_paths = None   # (speculating rows' guides and paths, node_masks) of that step
-        self._no_node_masks: dict[int, jax.Array] = {}   # 0: the all-allowed table; S: no slots
-        self._no_draft_meta: dict[tuple[int, int], object] = {}   # (S, B): the draft's empty proposal layout
         replicate = (NamedSharding(self.mesh, PartitionSpec())
                      if self.mesh is not None and jax.process_count() > 1 else None)
-        self.settings = StepSettings(graphdef=self.graphdef, attention=cfg.attention,
-                                     # a speculative engine's steps loop over rounds: multi-step
-                                     # decoding where no row speculates, speculation rounds otherwise
-                                     max_iters=max(cfg.spec_rounds, cfg.max_decode_steps, 1),
-                                     max_rows=self.num_seqs_for(self.token_buckets[-1]),
-                                     kv_sharding=self.kv_sharding, replicate_samples=replicate,
-                                     spec_tokens=cfg.spec_tokens, draft_graphdef=draft_graphdef,
-                                     medusa_graphdef=medusa_graphdef, tree=self.tree,
-                                     # n-gram: prompt lookup on the device
-                                     ngram=(NGRAM_MAX_N, NGRAM_MIN_N) if cfg.spec_tokens and draft is None
-                                     and medusa_heads is None else ())
-        self.out_rows = self.settings.out_rows
-        self.step = jit_step(self.settings)
-        # a speculative engine's steps where nothing speculative happens (the load policy's, prefill
-        # chunks): the plain engine's program over the target alone. The speculative program costs
-        # more even where it speculates nowhere (its draft and verification scaffolding: 0.84x of no
-        # speculation at 16 and 64 sequences with the draft method, bench/speculative.py)
+        plain_settings = dict(graphdef=self.graphdef, attention=cfg.attention, max_rows=self.num_seqs_for(
+            self.token_buckets[-1]), kv_sharding=self.kv_sharding, replicate_samples=replicate)
+        self.spec: SpecRunner | None = None
         self.plain_step = None
         if cfg.spec_tokens:
-            self.plain_step = jit_step(StepSettings(graphdef=self.graphdef, attention=cfg.attention,
-                                                    max_iters=max(cfg.max_decode_steps, 1),
-                                                    max_rows=self.settings.max_rows, kv_sharding=self.kv_sharding,
-                                                    replicate_samples=replicate, next_rows=self.out_rows))
+            self._init_spec(draft, medusa_heads, kv_dtype, plain_settings)
+        else:
+            assert draft is None and medusa_heads is None
+            self.settings = StepSettings(**plain_settings, max_iters=max(cfg.max_decode_steps, 1))
+            self.step = jit_step(self.settings)
+        self.out_rows = self.settings.out_rows
         # the prev_tokens of a step whose tokens the host all knows (no previous step in flight)
         self._no_prev = jax.device_put(np.zeros(self.out_rows * self.settings.max_rows, np.int32),
                                        jax.devices()[0] if self.mesh is None else NamedSharding(self.mesh, PartitionSpec()))
         self.publish_step = publish_step
+
+    def _init_spec(self, draft: Decoder | None, medusa_heads, kv_dtype, plain_settings: dict) -> None:
+        """A speculative engine's SpecRunner, paired params and pages, and two programs: the
+        speculative step, and the plain step over the target alone for the steps where nothing
+        speculative happens (the load policy's, prefill chunks): the speculative program costs more
+        even where it speculates nowhere (its draft and verification scaffolding)."""
+        cfg = self.cfg
+        # the draft model and Medusa heads are small: one device holds them, or under tensor
+        # parallelism every device a full copy (each computes the same proposals; no collectives)
+        beside = jax.devices()[0] if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        self.spec, self.params, self.kv_pages = SpecRunner.attach(
+            cfg.spec_tokens, cfg.block_size, cfg.max_num_seqs, self.mask_words, self.params, self.kv_pages,
+            draft=draft, medusa_heads=medusa_heads, beside=beside, kv_dtype=kv_dtype, num_blocks=cfg.num_blocks)
+        # a speculative engine's steps loop over rounds: multi-step decoding where no row speculates,
+        # speculation rounds otherwise
+        self.settings = self.spec.step_settings(**plain_settings,
+                                                max_iters=max(cfg.spec_rounds, cfg.max_decode_steps, 1))
+        self.step = jit_spec_step(self.settings)
+        # its next_tokens has the speculative step's rows, so that either program reads the other's
+        self.plain_step = jit_step(StepSettings(**plain_settings, max_iters=max(cfg.max_decode_steps, 1),
+                                                next_rows=self.settings.out_rows))
 
     def _init_kv_pages(self, kv_dtype):
         """(sharding or None, the zeroed KV pages: one LayerKV per layer)."""
@@ -210,7 +200,7 @@ class ModelRunner:
         """Block-table width a step needs: both attentions read every key, this step's included,
         through the pages; multi-step decoding also positions start + 1 .. start + max_draws - 1."""
         bs = self.cfg.block_size
-        return max(1, max((-(-(q.start + q.num_tokens + q.lookahead) // bs) for q in seqs), default=1))
+        return max(1, max((-(-(seq.start + seq.num_tokens + seq.lookahead) // bs) for seq in seqs), default=1))
 
     def _history(self, s: int, rows: list, any_penalty: bool) -> tuple[jax.Array, jax.Array]:
         h = self.cfg.max_model_len
@@ -253,22 +243,23 @@ class ModelRunner:
         return mask, bias_ids, bias_values
 
     # -------------------------------------------------------------------- host -> device
-    def prepare(self, out: SchedulerOutput, tables: dict[str, list[int]], buckets: tuple[int, int] | None = None,
+    def prepare(self, sched: SchedulerOutput, tables: dict[str, list[int]], buckets: tuple[int, int] | None = None,
                 plain: bool | None = None) -> tuple[StepInputs, list]:
         """The step's StepInputs (numpy, padded to the (T, S, B) bucket; `buckets`: this (T, B) instead
         of the smallest that fits, as pipeline micro-batches share one) and its rows: the request
-        each row samples for, or None. A speculative engine's step with nothing speculative in it
-        (`plain`, default: `_plain(out)`) gets no SpecInputs (spec None): plain_step runs it."""
-        plain = self._plain(out) if plain is None else plain
-        t = self._bucket(max(out.num_batched_tokens, 1), self.token_buckets)
-        b = self._bucket(self.blocks_needed(out.seqs), self.block_buckets)
+        each row samples for, or None. A speculative engine's step gets SpecStepInputs unless it has
+        nothing speculative in it (`plain`, default: SpecRunner.is_plain): plain_step runs those."""
+        speculative = self.spec is not None and not (self.spec.is_plain(sched) if plain is None else plain)
+        t = self._bucket(max(sched.num_batched_tokens, 1), self.token_buckets)
+        b = self._bucket(self.blocks_needed(sched.seqs), self.block_buckets)
         if buckets is not None:
             assert buckets[0] >= t and buckets[1] >= b, (buckets, t, b)
             t, b = buckets
         s = self.num_seqs_for(t)
-        assert len(out.seqs) <= s
-        meta = build_attention_metadata([StepRow(q.start, q.num_tokens, tables[q.request.request_id], q.lookahead)
-                                         for q in out.seqs], self.cfg.block_size, t, s, b)   # (T, S, B)
+        assert len(sched.seqs) <= s
+        meta = build_attention_metadata([StepRow(seq.start, seq.num_tokens, tables[seq.request.request_id],
+                                                 seq.lookahead)
+                                         for seq in sched.seqs], self.cfg.block_size, t, s, b)   # (T, S, B)
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         logits_indices = np.zeros(s, np.int32)
@@ -276,113 +267,35 @@ class ModelRunner:
         max_new = np.zeros(s, np.int32)
         from_prev = np.full(t, -1, np.int32)
         num_spec = np.zeros(s, np.int32)
-        for i, q in enumerate(out.seqs):
-            req, first, n = q.request, meta.query_start_loc[i], q.num_tokens
-            known = req.all_ids[q.start: q.start + n - len(q.spec)]
-            if q.spec:   # proposals follow the row's last token (-1: the draft model fills them in)
-                known = known + [max(t, 0) for t in q.spec]
-                num_spec[i] = len(q.spec)
+        for i, seq in enumerate(sched.seqs):
+            req, first, n = seq.request, meta.query_start_loc[i], seq.num_tokens
+            known = req.all_ids[seq.start: seq.start + n - len(seq.spec)]
+            if seq.spec:   # proposals follow the row's last token (-1: the draft model fills them in)
+                known = known + [max(tok, 0) for tok in seq.spec]
+                num_spec[i] = len(seq.spec)
             tokens[first: first + len(known)] = known
             if len(known) < n:   # the last token is still on the device (async scheduling)
                 assert len(known) == n - 1 and req.inflight_index >= 0, (req.request_id, len(known), n)
                 from_prev[first + n - 1] = req.inflight_index
-            positions[first: first + n] = np.arange(q.start, q.start + n, dtype=np.int32)
+            positions[first: first + n] = np.arange(seq.start, seq.start + n, dtype=np.int32)
             logits_indices[i] = first + n - 1
-            if q.sample:
+            if seq.sample:
                 rows[i] = req
-                max_new[i] = q.max_draws
+                max_new[i] = seq.max_draws
+        stop_ids = self._stop_ids(rows)
+        if not speculative:
+            sb = self._sampling_batch(rows, positions[logits_indices] + 1)
+            return StepInputs(tokens, positions, meta, logits_indices, sb, stop_ids, max_new,
+                              np.int32(sched.num_decode_iters), from_prev), rows
         # the drawn token's position is one past the last computed token of its row (a speculating
-        # row: one past its last drawn token; speculative.verify steps through the proposals)
-        if self.tree is not None and not plain:
-            self._tree_layout(out, meta, positions)
-        # n-gram rows with placeholders: the device looks up their proposals in their histories
-        lookup = np.zeros(s, np.bool_)
-        if self.settings.ngram:
-            lookup[:len(out.seqs)] = [bool(q.spec) and q.spec[0] == -1 for q in out.seqs]
-        sb = self._sampling_batch(rows, positions[logits_indices - num_spec] + 1, bool(lookup.any()))
-        spec = None
-        if self.cfg.spec_tokens and not plain:
-            node_masks, mask_slot = self._node_masks(out, s)
-            spec = SpecInputs(num_spec, propose=np.bool_(out.speculating) if self.tree is not None else None,
-                              node_masks=node_masks, mask_slot=mask_slot,
-                              lookup=lookup if self.settings.ngram else None)
-            if self.settings.draft_graphdef is not None:
-                spec = self._draft_inputs(out, tables, num_spec, s, b, node_masks, mask_slot, meta)
-        inputs = StepInputs(tokens, positions, meta, logits_indices, sb, self._stop_ids(rows), max_new,
-                            np.int32(out.num_decode_iters), from_prev, spec)
-        return inputs, rows
-
-    def _tree_layout(self, out: SchedulerOutput, meta, positions: np.ndarray) -> None:
-        """Medusa: a verifying row's nodes sit at positions root + depth (their slots follow the root
-        in tree order), and meta.tree gives every token its slot index, its row's first node slot and
-        the nodes it sees (medusa.py)."""
-        t = len(positions)
-        tree = np.zeros((t, 3), np.int32)
-        tree[:, 0] = positions
-        tree[:, 1] = TREE_NONE
-        a = self.tree_arrays
-        for i, q in enumerate(out.seqs):
-            if q.spec:
-                root = int(meta.query_start_loc[i]) + q.num_tokens - len(q.spec) - 1
-                nodes = slice(root + 1, root + 1 + len(q.spec))
-                tree[root: nodes.stop, 1] = positions[root] + 1
-                tree[nodes, 2] = a["ancestors"][1: 1 + len(q.spec)]
-                positions[nodes] = positions[root] + a["depth"][1: 1 + len(q.spec)]
-        meta.tree = tree
-
-    def _node_masks(self, out: SchedulerOutput, s: int) -> tuple:
-        """(node_masks [C, N, W], mask_slot [S]) of SpecInputs: the constrained speculating rows' slots
-        and a table filled by fill_masks (after their matchers have seen every drawn token); a
-        cached all-allowed pair when there are none (no per-step transfer)."""
-        n = len(self.tree.paths) if self.tree is not None else self.cfg.spec_tokens
-        c = min(MAX_GUIDED_ROWS, self.cfg.max_num_seqs)      # slots: the scheduler's cap, or fewer rows
-        jobs, slot = [], np.full(s, -1, np.int32)
-        for i, q in enumerate(out.seqs):
-            if q.spec and q.request.guide is not None:
-                assert len(jobs) < c, "the scheduler caps constrained speculating rows"
-                slot[i] = len(jobs)
-                jobs.append((q.request.guide, len(jobs), self._paths(q.spec)))
-        if not jobs:
-            if not self._no_node_masks:   # the table once, the slots per bucket
-                self._no_node_masks[0] = jax.device_put(np.full((c, n, self.mask_words), -1, np.int32))
-            if s not in self._no_node_masks:
-                self._no_node_masks[s] = jax.device_put(np.full(s, -1, np.int32))
-            return self._no_node_masks[0], self._no_node_masks[s]
-        table = np.full((c, n, self.mask_words), -1, np.int32)
-        self._unfilled_paths = (jobs, table)
-        return table, slot
-
-    def _paths(self, spec: list[int]) -> list[list[int]]:
-        """The proposals from a row's last token to each of its nodes: d_1..d_j for a chain, the
-        tokens along the tree path to node j for a Medusa tree (medusa.tree_arrays' path_nodes)."""
-        if self.tree is None:
-            return [spec[:j] for j in range(1, len(spec) + 1)]
-        nodes = self.tree_arrays["path_nodes"]
-        return [[spec[m - 1] for m in nodes[j, 1:] if m > 0] for j in range(1, len(spec) + 1)]
-
-    def _draft_inputs(self, out: SchedulerOutput, tables: dict[str, list[int]], num_spec: np.ndarray, s: int,
-                      b: int, node_masks, mask_slot, meta) -> SpecInputs:
-        """The draft model's proposal iterations: one token per speculating row (its first proposal,
-        at t0's position + 1; later iterations advance it on the device), in row order; and where the
-        draft writes the step's tokens: every token's slot, while the target skips (PAD_SLOT in
-        meta.slot_mapping) the positions of a catching-up draft whose target K/V is cached."""
-        if any(q.spec for q in out.seqs):
-            rows = [StepRow(q.start + q.num_tokens - len(q.spec), 1, tables[q.request.request_id], q.max_draws - 2)
-                    if q.spec else StepRow(0, 0, ()) for q in out.seqs]
-            dm = build_attention_metadata(rows, self.cfg.block_size, s, s, b)
-        else:   # no proposal iterations (the load policy's steps): the same empty layout every time
-            if (s, b) not in self._no_draft_meta:
-                self._no_draft_meta[s, b] = build_attention_metadata([], self.cfg.block_size, s, s, b)
-            dm = self._no_draft_meta[s, b]
-        positions = np.zeros(s, np.int32)
-        draft_slots = meta.slot_mapping.copy()
-        for i, q in enumerate(out.seqs):
-            positions[i] = q.start + q.num_tokens - len(q.spec)   # t0's position + 1
-            if q.draft_only:
-                first = int(meta.query_start_loc[i])
-                meta.slot_mapping[first: first + q.draft_only] = PAD_SLOT
-        return SpecInputs(num_spec, dm, positions, node_masks=node_masks, mask_slot=mask_slot,
-                          draft_slots=draft_slots, run_target=np.bool_(out.run_target))
+        # row: one past its last drawn token; verification steps through the proposals)
+        self.spec.tree_layout(sched, meta, positions)
+        lookup = self.spec.lookup_rows(sched, s)   # n-gram: the device looks up in the rows' histories
+        sb = self._sampling_batch(rows, positions[logits_indices - num_spec] + 1,
+                                  lookup is not None and bool(lookup.any()))
+        spec = self.spec.spec_inputs(sched, tables, num_spec, s, b, meta, lookup)
+        return SpecStepInputs(tokens, positions, meta, logits_indices, sb, stop_ids, max_new,
+                              np.int32(sched.num_decode_iters), from_prev, spec), rows
 
     def _stop_ids(self, rows: list) -> np.ndarray:
         """[S, MAX_STOP_IDS]: the ids that end each row on device (-1 padded). Ids beyond the first
@@ -417,9 +330,9 @@ class ModelRunner:
                              positions_of_rows.astype(np.int32), num_logprobs, hist, is_out,
                              *self._constraints(s, rows))
 
-    def execute(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, list[StepSample]]:
+    def execute(self, sched: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, list[StepSample]]:
         """Run one step and wait for its tokens."""
-        return self.fetch(self.launch(out, tables))
+        return self.fetch(self.launch(sched, tables))
 
     def fill_masks(self) -> None:
         """The grammar masks of the step just prepared (its inputs hold the arrays): each constrained
@@ -428,19 +341,20 @@ class ModelRunner:
         if self._unfilled is not None:
             (guided, mask), self._unfilled = self._unfilled, None
             self.grammars.fill(guided, mask)
-        if self._unfilled_paths is not None:
-            (jobs, table), self._unfilled_paths = self._unfilled_paths, None
-            self.grammars.fill_paths(jobs, table)
+        if self.spec is not None:
+            self.spec.fill_paths(self.grammars)
         self.mask_time_s += time.perf_counter() - t0
 
-    def launch(self, out: SchedulerOutput, tables: dict[str, list[int]], prev: Launched | None = None,
+    def launch(self, sched: SchedulerOutput, tables: dict[str, list[int]], prev: Launched | None = None,
                before_dispatch: Callable[[], None] | None = None) -> Launched:
         """Dispatch one step without waiting for it. prev: the step still in flight, whose tokens on
         the device feed this step's rows that continue it (async scheduling). before_dispatch: called
         after the inputs are prepared and before the grammar masks are filled and the step dispatched
         (the engine feeds step N's tokens to the matchers there, so preparing N+1 overlaps step N)."""
-        self._unfilled = self._unfilled_paths = None
-        inputs, rows = self.prepare(out, tables)
+        self._unfilled = None
+        if self.spec is not None:
+            self.spec.unfilled_paths = None
+        inputs, rows = self.prepare(sched, tables)
         if before_dispatch is not None:
             before_dispatch()
         self.fill_masks()
@@ -448,47 +362,29 @@ class ModelRunner:
             self.publish_step(inputs)
         prev_tokens = self._no_prev if prev is None else prev.outputs.next_tokens
         outputs = self._dispatch(inputs, prev_tokens)
-        for i, (q, req) in enumerate(zip(out.seqs, rows)):
+        for i, (seq, req) in enumerate(zip(sched.seqs, rows)):
             if req is not None:    # where this row's last draw will lie in outputs.next_tokens
-                req.inflight_index = (q.max_draws - 1) * self.settings.max_rows + i
-        return Launched(out, rows, outputs)
-
-    def _plain(self, out: SchedulerOutput) -> bool:
-        """A speculative engine's step with nothing speculative in it: no row has proposals, the draft
-        model does not run (nor catches up), Medusa's heads propose no next trees."""
-        if self.plain_step is None or any(q.spec for q in out.seqs):
-            return False
-        if self.tree is not None:
-            return not out.speculating
-        if self.settings.draft_graphdef is not None:
-            return not out.run_draft and out.run_target
-        return True
+                req.inflight_index = (seq.max_draws - 1) * self.settings.max_rows + i
+        return Launched(sched, rows, outputs)
 
     def _dispatch(self, inputs: StepInputs, prev_tokens) -> StepOutputs:
-        """Run the step's program on its inputs: a speculative engine's inputs without SpecInputs
-        (prepare's plain steps) go to plain_step, every other to the engine's step."""
+        """Run the step's program on its inputs: a speculative engine's plain StepInputs (prepare's
+        plain steps) go to plain_step, every other to the engine's step."""
         if self._is_plain(inputs):
             return self._run_plain(inputs, prev_tokens)
         outputs, self.kv_pages = self.step(self.params, self.kv_pages, inputs, prev_tokens)
         return outputs
 
     def _is_plain(self, inputs: StepInputs) -> bool:
-        """Whether plain_step runs `inputs`: a speculative engine's step without SpecInputs."""
-        return self.plain_step is not None and inputs.spec is None
-
-    def _target_state(self):
-        """(params, KV pages) of the target alone: a speculative engine holds them paired with the
-        draft's (params and pages) or the Medusa heads' (params)."""
-        draft = self.settings.draft_graphdef is not None
-        params = self.params[0] if draft or self.tree is not None else self.params
-        return params, (self.kv_pages[0] if draft else self.kv_pages)
+        """Whether plain_step runs `inputs`: a speculative engine's plain StepInputs."""
+        return self.plain_step is not None and not isinstance(inputs, SpecStepInputs)
 
     def _run_plain(self, inputs: StepInputs, prev_tokens) -> StepOutputs:
         """plain_step over the target's params and pages (the draft's pages are left as they are)."""
-        assert inputs.spec is None and inputs.meta.tree is None
-        params, pages = self._target_state()
+        assert not isinstance(inputs, SpecStepInputs) and inputs.meta.tree is None
+        params, pages = target_state(self.params, self.kv_pages)
         outputs, pages = self.plain_step(params, pages, inputs, prev_tokens)
-        self.kv_pages = (pages, self.kv_pages[1]) if self.settings.draft_graphdef is not None else pages
+        self.kv_pages = with_target_pages(self.params, self.kv_pages, pages)
         return outputs
 
     def fetch(self, launched: Launched) -> dict[str, list[StepSample]]:
@@ -503,8 +399,10 @@ class ModelRunner:
         """Row i's drawn tokens -> its request's StepSamples (padding rows, None, are skipped), and the
         speculation counts and Medusa proposals (or None). One device-to-host copy: the ids, logprobs,
         counts, speculation counts and proposals (the top-N only when some row asked)."""
+        counted = isinstance(outputs, SpecStepOutputs)
         ids, lps, drawn, spec_counts, proposals = jax.device_get(
-            (outputs.ids, outputs.logprobs, outputs.num_drawn, outputs.spec_counts, outputs.proposals))
+            (outputs.ids, outputs.logprobs, outputs.num_drawn, outputs.spec_counts if counted else None,
+             outputs.proposals if counted else None))
         want_top = any(r is not None and r.params.logprobs for r in rows)
         if want_top:
             top_ids, top_lps = jax.device_get((outputs.top_ids, outputs.top_logprobs))
@@ -541,13 +439,13 @@ class ModelRunner:
     def step_hlo(self, inputs: StepInputs) -> str:
         """Profiling only: the optimized HLO text of the step compiled for `inputs`' shapes."""
         if self._is_plain(inputs):
-            params, pages = self._target_state()
+            params, pages = target_state(self.params, self.kv_pages)
             return self.plain_step.lower(params, pages, inputs, self._no_prev).compile().as_text()
         return self.step.lower(self.params, self.kv_pages, inputs, self._no_prev).compile().as_text()
 
     def empty_inputs(self, t: int, b: int, plain: bool = False) -> StepInputs:
         """A step of bucket (T, B) with no tokens: what warm-up runs (and the follower's treedef);
-        plain: a speculative engine's plain_step layout (no SpecInputs)."""
+        plain: a speculative engine's plain_step layout (StepInputs)."""
         return self.prepare(SchedulerOutput(), {}, buckets=(t, b), plain=plain)[0]
 
     def warmup(self) -> int:

@@ -1,4 +1,4 @@
-"""Train Medusa heads (jaxinfer/medusa.py) on the bundled model's corpus, the target frozen.
+"""Train Medusa heads (jaxinfer/spec_decode/medusa.py) on the bundled model's corpus, the target frozen.
 
 Pipeline (reproducible from --seed):
   1. corpus: the prepared corpus folder (scripts/prepare_corpus.py; train.bin / heldout.bin). The
@@ -41,7 +41,7 @@ from flax import nnx
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxinfer.medusa import (MedusaHeads, choose_tree, expected_acceptance_length, save_heads,  # noqa: E402
+from jaxinfer.spec_decode.medusa import (MedusaHeads, choose_tree, expected_acceptance_length, save_heads,  # noqa: E402
                              target_fingerprint)
 from jaxinfer.weights import load_model  # noqa: E402
 
@@ -267,7 +267,7 @@ after the prompt ({g['positions'][0]:,} positions for head 0):
 
 Medusa heads (Cai et al. 2024, Medusa-1: the target frozen) for `checkpoints/jaxinfer-tiny-llama`,
 trained by `scripts/train_medusa.py` with optax in {info['train_seconds']:.0f} s on the 2-core CPU. Used by
-`speculative_method="medusa"` (jaxinfer/medusa.py); they refuse to load for any other target
+`speculative_method="medusa"` (jaxinfer/spec_decode/medusa.py); they refuse to load for any other target
 (d_model, vocabulary and the sha256 of the target's embedding are checked).
 
 - {info['num_heads']} heads, each one residual SiLU block (W [{info['target']['d_model']}, {info['target']['d_model']}], b) over the target's

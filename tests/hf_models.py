@@ -200,7 +200,7 @@ def random_medusa_heads(target_dir, out: Path, tree=None, num_heads: int = 3, se
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxinfer.medusa import MedusaHeads, Tree, save_heads, target_fingerprint
+    from jaxinfer.spec_decode.medusa import MedusaHeads, Tree, save_heads, target_fingerprint
     from jaxinfer.weights import load_model
     tree = tree or Tree(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
     model, cfg = load_model(target_dir)

@@ -1,4 +1,4 @@
-"""Medusa heads and tree verification (jaxinfer/medusa.py, the tree mask in jaxinfer/attention.py; in the
+"""Medusa heads and tree verification (jaxinfer/spec_decode/medusa.py, the tree mask in jaxinfer/attention.py; in the
 Pallas kernel: tests/test_tree_attention_pallas.py).
 
 References from outside the code under test: the target run on each candidate path alone (dense
@@ -20,7 +20,7 @@ import pytest
 from jaxinfer import Generator
 from jaxinfer.config import EngineConfig, resolve_config
 from jaxinfer.kv_cache import TREE_NONE, LayerKV, StepRow, build_attention_metadata, init_kv_pages, move_kv
-from jaxinfer.medusa import Tree, choose_tree, expected_acceptance_length, load_heads, tree_arrays, verify_tree
+from jaxinfer.spec_decode.medusa import Tree, choose_tree, expected_acceptance_length, load_heads, tree_arrays, verify_tree
 from jaxinfer.weights import load_model
 from tests.hf_models import random_medusa_heads as random_heads
 from tests.test_speculative import P_MIN, _batch, _chi_square_p, _softmax, _top_p

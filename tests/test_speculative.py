@@ -1,4 +1,4 @@
-"""Speculative decoding (jaxinfer/speculative.py, host/speculative.py): exact verification and the
+"""Speculative decoding (jaxinfer/spec_decode/, host/speculative.py): exact verification and the
 engine's draft-model, n-gram and Medusa methods (Medusa's own pieces: test_medusa.py).
 
 References from outside the code under test: the target's distributions from HF transformers (and
@@ -72,7 +72,7 @@ def test_ngram_lookup_on_the_device_matches_the_host_rule():
     """speculative.ngram_lookup (the step's prompt lookup, every row at once over a padded history)
     against the hand-worked cases above and host ngram_proposal on random histories."""
     import jax.numpy as jnp
-    from jaxinfer.speculative import ngram_lookup
+    from jaxinfer.spec_decode.ngram import ngram_lookup
 
     def look(rows, k, max_n=4, min_n=1, h=24):
         hist = np.full((len(rows), h), -1, np.int32)
@@ -150,7 +150,7 @@ def test_verify_is_exact(case):
     under a grammar mask per position (after t0: token_mask; after d_1, d_2: node_masks), so p_j
     is the masked distribution and a proposal its position's mask forbids is never accepted."""
     import jax
-    from jaxinfer.speculative import verify
+    from jaxinfer.spec_decode.verification import verify
     from tests.test_structured import _pack
     n, v, k = 12000, 24, 2
     rng = np.random.default_rng({"draft": 1, "garbage": 2, "top_p_draft": 3, "penalty": 4, "grammar": 5}[case])
@@ -574,7 +574,7 @@ def test_request_arriving_while_a_speculative_step_runs(method, bundled_referenc
     [first] = c.submit([prompts[0]], params, route=route)
     for _ in range(6):       # prefill, then steps that speculate
         c.step()
-    assert any(q.spec for q in g.engine._inflight.plan.seqs)   # a speculating step is on the device
+    assert any(seq.spec for seq in g.engine._inflight.scheduled.seqs)   # a speculating step is on the device
     assert g.engine.stats()["spec_decode_num_drafts"] > 0
     [second] = c.submit([prompts[1]], params, route=route)
     c.run_until_done()

@@ -159,3 +159,66 @@ def _bench_modules_after(*modules: str) -> list[str]:
 def test_importing_jaxinfer_and_its_cli_loads_no_bench_module():
     assert "bench.common" in _bench_modules_after("jaxinfer", "bench.common")   # the check sees one
     assert _bench_modules_after("jaxinfer", "jaxinfer.cli") == []
+
+
+# the plain step holds no speculative code (jaxinfer/spec_decode/ does): names made of these words
+SPECULATIVE_WORDS = ("spec", "medusa", "draft", "tree", "propos")
+THIRD_PARTY_ROOTS = {"jax", "jnp", "np", "nnx"}   # their own names (jax.tree_util) are not ours
+
+
+def _speculative_names(source: str) -> list[str]:
+    """The names `source` defines or reads (functions, classes, arguments, variables, fields,
+    attributes, imported names) that contain a speculative word; third-party names (imported from
+    outside jaxinfer: jax.sharding.PartitionSpec) and the attributes of third-party modules are
+    skipped. Docstrings and comments are text, not names, and may point to spec_decode/."""
+    tree = ast.parse(source)
+    third_party = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                   and not (node.module or "").startswith("jaxinfer") for a in node.names}
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append((node.lineno, node.name))
+        elif isinstance(node, ast.arg):
+            names.append((node.lineno, node.arg))
+        elif isinstance(node, ast.Name):
+            names.append((node.lineno, node.id))
+        elif isinstance(node, ast.Attribute):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if not (isinstance(root, ast.Name) and root.id in THIRD_PARTY_ROOTS):
+                names.append((node.lineno, node.attr))
+        elif isinstance(node, ast.keyword) and node.arg:
+            names.append((node.value.lineno, node.arg))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names += [(node.lineno, a.asname or a.name) for a in node.names]
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.append((node.lineno, node.module))
+    return sorted(f"{line}: {name}" for line, name in names
+                  if name not in third_party and any(word in name.lower() for word in SPECULATIVE_WORDS))
+
+
+def test_the_speculative_name_scan_finds_each_kind():
+    """Control: a speculative name of each kind is caught; jax's own tree_util and prose are not."""
+    bad = '''
+from jaxinfer.spec_decode import contract
+from jaxinfer import medusa
+def _medusa_step(params, draft_pages):
+    x = inputs.spec.num_spec
+    propose(x, tree=1)
+class DraftPair:
+    target_and_draft: int
+'''
+    hits = _speculative_names(bad)
+    for name in ("jaxinfer.spec_decode", "medusa", "_medusa_step", "draft_pages", "spec", "num_spec", "propose",
+                 "tree", "DraftPair", "target_and_draft"):
+        assert any(hit.endswith(f": {name}") for hit in hits), (name, hits)
+    good = ('from jax.sharding import PartitionSpec\n@jax.tree_util.register_dataclass\nclass StepInputs:\n'
+            '    """Speculative steps: spec_decode/."""\n    sharding = PartitionSpec()\n')
+    assert _speculative_names(good) == []
+
+
+def test_plain_step_holds_no_speculative_code():
+    """jaxinfer/step.py is the plain step only: the speculative steps, their inputs and settings live
+    in jaxinfer/spec_decode/ (their step functions reach jit_step through spec_decode.jit_spec_step)."""
+    assert _speculative_names((ROOT / "jaxinfer" / "step.py").read_text()) == []

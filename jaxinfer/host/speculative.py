@@ -1,13 +1,13 @@
 """Speculative decoding on the host: the proposer (placeholders the device fills in, n-gram chains
 for rows under a grammar, Medusa trees) and the acceptance counters. Never imports jax
-(jaxinfer/speculative.py holds the device side: the draft model's proposal loop, prompt lookup
+(jaxinfer/spec_decode/ holds the device side: the draft model's proposal loop, prompt lookup
 and the exact verification).
 
 Prompt lookup (Saxena 2023; vLLM's "ngram" method): take the last n tokens of the request (n from
 `max_n` down to `min_n`), find their latest earlier occurrence in the request's own prompt and
 output, and propose the k tokens that followed it. It costs no model and pays off where the
 answer repeats or edits text it has seen (code edits, summaries quoting the source, RAG). The
-engine looks up on the device (speculative.ngram_lookup, the same rule as `ngram_proposal` here),
+engine looks up on the device (spec_decode.ngram.ngram_lookup, the same rule as `ngram_proposal` here),
 so a step can run several rounds without the host; a row under a grammar is proposed for here,
 its chain starting with the tokens the grammar forces next (host/structured.py).
 """
@@ -54,7 +54,7 @@ class Proposer:
     max_n: int = NGRAM_MAX_N
     min_n: int = NGRAM_MIN_N
     tree_depths: tuple[int, ...] = ()
-    on_device: bool = False     # n-gram: the step looks up (speculative.ngram_lookup)
+    on_device: bool = False     # n-gram: the step looks up (spec_decode.ngram.ngram_lookup)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

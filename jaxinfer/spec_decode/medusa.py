@@ -41,7 +41,7 @@ from flax import nnx
 
 from jaxinfer.quant import dot_precision
 from jaxinfer.sampling import MAX_LOGPROBS, NEG_INF, SamplingBatch, gumbel_draw, process, row_keys, top_logprobs
-from jaxinfer.speculative import ACCEPT_TAG, expand_paths
+from jaxinfer.spec_decode.verification import ACCEPT_TAG, expand_paths
 MAX_TREE_NODES = 31     # the ancestor bitmask is one int32 per token
 
 
@@ -105,7 +105,7 @@ def tree_arrays(tree: Tree) -> dict[str, np.ndarray]:
             path_nodes[i, j] = node
             if node > 0:
                 ancestors[i] |= 1 << (node - 1)
-    kids = [[i for i, p in enumerate(paths) if p and p[:-1] == q] for q in paths]
+    kids = [[i for i, p in enumerate(paths) if p and p[:-1] == parent] for parent in paths]
     c = max(len(k) for k in kids)
     children = np.full((n1, c), -1, np.int32)
     for i, k in enumerate(kids):
@@ -169,10 +169,10 @@ def verify_tree_flat(logits: jax.Array, node_at: jax.Array, node_tokens: jax.Arr
 
     logits [M, V]: the target's raw logits, one row per token of the step (what the processors cost
     follows M, not S * (N+1)); node_at [S, N+1]: the logits row of row s's root and of each of its
-    nodes (entries past num_spec[s]: any row); row_of / node_of [M]: speculative.expand_paths'. node_tokens
+    nodes (entries past num_spec[s]: any row); row_of / node_of [M]: verification.expand_paths'. node_tokens
     [S, N]; num_spec [S]: the row verifies nodes 1 .. num_spec (a prefix of the tree; 0: none, the
     row draws as `sample` does); b: the rows' batch, its position that of the token after the root;
-    node_masks / mask_slot: the grammar's mask after each node's path (speculative.expand_paths; a
+    node_masks / mask_slot: the grammar's mask after each node's path (verification.expand_paths; a
     node the grammar rejects has p = 0 under its parent's mask, so it is never accepted).
     Returns (ids [D+1, S], logprobs [D+1, S], top ids / logprobs [D+1, S, 20], num_drawn [S] =
     accepted + 1, path [S, D+1]: the nodes whose logits drew each emitted token).

@@ -1,6 +1,6 @@
-"""Speculative decoding on the device: the draft model's proposals, n-gram prompt lookup over
-each row's history (so n-gram speculation runs several rounds per step), and their exact
-verification.
+"""Exact verification of speculative proposals on the device, whichever proposer made them (the
+draft model: draft_model.py; n-gram prompt lookup: ngram.py; Medusa trees: medusa.py, which
+verifies a tree with `expand_paths` from here).
 
 A speculating row of a step holds 1 + k tokens: its last drawn token t0 (position p) and k proposed
 tokens d_1..d_k (positions p + 1 .. p + k). The target computes logits at all 1 + k positions in
@@ -31,45 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.sampling import (NEG_INF, SamplingBatch, any_penalty, gumbel_draw, process, row_keys, top_logprobs)
+from jaxinfer.sampling import NEG_INF, SamplingBatch, any_penalty, gumbel_draw, process, row_keys, top_logprobs
 
-ACCEPT_TAG = 1   # fold_in tag of the acceptance uniforms
-DRAFT_TAG = 2    # fold_in tag of the draft model's own draws
-
-
-def with_history(b: SamplingBatch, ids: jax.Array, drew: jax.Array) -> SamplingBatch:
-    """b with ids [N] recorded at b.position where drew [N] (penalties see proposed tokens)."""
-    def record(b):
-        rows = jnp.arange(ids.shape[0])
-        col = jnp.where(drew, b.position, b.history.shape[1])              # out of range: dropped
-        return SamplingBatch(**{**vars(b), "history": b.history.at[rows, col].set(ids, mode="drop"),
-                                "history_is_output": b.history_is_output.at[rows, col].set(True, mode="drop")})
-    return jax.lax.cond(any_penalty(b), record, lambda b: b, b)
-
-
-def ngram_lookup(history: jax.Array, length: jax.Array, k: int, max_n: int, min_n: int
-                 ) -> tuple[jax.Array, jax.Array]:
-    """Prompt lookup on the device, host/speculative.ngram_proposal row by row: row s's tokens are
-    history[s, :length[s]] (prompt + output, its last token included); the longest suffix of
-    max_n down to min_n tokens that occurred earlier, its latest earlier occurrence, and the up to k
-    tokens that followed it. -> (drafts [S, k] (0 past num), num [S])."""
-    s, h = history.shape
-    i = jnp.arange(h)[None, :]
-    found = jnp.zeros((s,), jnp.bool_)
-    start = jnp.zeros((s,), jnp.int32)
-    for n in range(max_n, min_n - 1, -1):
-        match = (i + n <= length[:, None] - 1) & (n <= length[:, None] - 1)   # a token follows the window
-        for j in range(n):
-            suffix = jnp.take_along_axis(history, jnp.maximum(length - n + j, 0)[:, None], axis=1)   # [S, 1]
-            shifted = jnp.pad(history[:, j:], ((0, 0), (0, j)), constant_values=-1)                # [S, H]
-            match &= shifted == suffix
-        last = jnp.max(jnp.where(match, i, -1), axis=1)
-        start = jnp.where(~found & (last >= 0), last + n, start)
-        found |= last >= 0
-    num = jnp.where(found, jnp.clip(length - start, 0, k), 0)
-    at = jnp.minimum(start[:, None] + jnp.arange(k)[None, :], h - 1)
-    drafts = jnp.where(jnp.arange(k)[None, :] < num[:, None], jnp.take_along_axis(history, at, axis=1), 0)
-    return drafts.astype(jnp.int32), num.astype(jnp.int32)
+ACCEPT_TAG = 1   # fold_in tag of the acceptance uniforms (draft_model.DRAFT_TAG: the draft's own draws)
 
 
 def expand_paths(b: SamplingBatch, node_tokens: jax.Array, depth: np.ndarray, path_nodes: np.ndarray,
@@ -117,26 +81,6 @@ def expand_batch(b: SamplingBatch, drafts: jax.Array, num_spec: jax.Array, k1: i
     path_nodes = np.where(j[None, :] <= j[:, None], j[None, :], -1)           # node j: 0, 1, .., j
     return expand_paths(b, drafts, j, path_nodes, num_spec, jnp.repeat(jnp.arange(s), k1),
                         jnp.tile(jnp.arange(k1), s), node_masks, mask_slot)
-
-
-def draft_sample(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array]:
-    """The draft model's draw for each row: (ids [S], q [S, V], the distribution it was drawn
-    from: softmax of the processed logits; one-hot of the argmax for greedy rows). A batch of greedy
-    rows only (the common case) computes no keys, noise or softmax."""
-    greedy = b.temperature <= 0
-
-    def sampled(logits):
-        tempered, _, filtered = process(logits, b)
-        keys = jax.vmap(lambda k: jax.random.fold_in(k, DRAFT_TAG))(row_keys(b.seed, b.sample_index, b.position))
-        ids = jnp.where(greedy, jnp.argmax(tempered, axis=-1), gumbel_draw(filtered, keys)).astype(jnp.int32)
-        return ids, jnp.where(greedy[:, None], jax.nn.one_hot(ids, logits.shape[-1], dtype=jnp.float32),
-                              jax.nn.softmax(filtered, axis=-1))
-
-    def argmax(logits):
-        ids = jnp.argmax(process(logits, b)[0], axis=-1).astype(jnp.int32)
-        return ids, jax.nn.one_hot(ids, logits.shape[-1], dtype=jnp.float32)
-
-    return jax.lax.cond(jnp.any(~greedy), sampled, argmax, logits)
 
 
 def verify(logits: jax.Array, drafts: jax.Array, num_spec: jax.Array, q: jax.Array | None, b: SamplingBatch,
