@@ -72,7 +72,7 @@ class AttentionMetadata:
     chunk_tiles: jax.Array | None = None     # [NT, QUERY_TILE] int32
     chunk_items: jax.Array | None = None     # [NC, 2 + KB] int32
     num_items: jax.Array | None = None       # [2] int32
-    # Medusa tree verification (jaxinfer/medusa.py), else None: per token (its slot index in its
+    # Medusa tree verification (jaxinfer/spec_decode/medusa.py), else None: per token (its slot index in its
     # sequence, which the causal mask compares keys with; the first tree-node slot of its row, or
     # TREE_NONE; the bitmask of the nodes it sees, bit j: slot first + j)
     tree: jax.Array | None = None            # [T, 3] int32
