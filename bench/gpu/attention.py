@@ -38,7 +38,6 @@ import datetime as _dt
 import json
 import math
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,13 +366,8 @@ def write(report: dict[str, Any], out: Path) -> None:
 # --------------------------------------------------------------------------- CLI
 def run(args: argparse.Namespace) -> Path:
     from bench.gpu import run as gpu
-    from bench.common import device_slug, results_path
-    t0 = time.monotonic()
     parts = gpu.parse_parts(args.parts, PARTS)
-    driver = gpu.nvidia_smi()
-    device = gpu.initial_device(args.smoke, driver)
-    out = Path(args.out) if args.out else results_path(None, device_slug(device), "attention")
-    log_dir = Path(tempfile.mkdtemp(prefix="jaxinfer-bench-attention-"))
+    t0, driver, device, out, log_dir = gpu.open_run(args, "attention")
     caps = gpu.part_timeouts(parts, args.deadline_s, PART_CAPS_S)
     report = {"benchmark": "gpu_attention", "date": _dt.date.today().isoformat(), "time": time.strftime("%H:%M:%S"),
               "command": gpu.the_command(), "smoke": bool(args.smoke), "device": device, "driver": driver,

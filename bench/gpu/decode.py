@@ -59,18 +59,17 @@ import dataclasses
 import json
 import math
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import device_slug, results_path, write_json_atomic
+from bench.common import write_json_atomic
 from bench.gpu import run as gpu
 from bench.gpu import trace as gpu_trace
 from bench.gpu.report import _get as _at
 from bench.gpu.report import results as part_results
-from bench.gpu.run import initial_device, nvidia_smi, stop_on_sigterm, the_command, versions, worker_env
+from bench.gpu.run import stop_on_sigterm, the_command, versions, worker_env
 from bench.gpu.workload import REAL, SMOKE, Workload
 
 PARTS = ("ceilings", "profile", "profile_nocb", "batch1", "ttft", "knee")
@@ -476,14 +475,9 @@ def refresh(report: dict[str, Any], out: Path) -> None:
 
 def run(args: argparse.Namespace) -> Path:
     """Every selected part in order, the JSON rewritten after each; -> the JSON's path."""
-    t_start = time.monotonic()
     dw = SMOKE_DECODE if args.smoke else REAL_DECODE
     parts = parse_parts(args.parts)
-    driver = nvidia_smi()
-    device = initial_device(args.smoke, driver)
-    out = Path(args.out) if args.out else results_path(None, device_slug(device), "decode")
-    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="jaxinfer-bench-decode-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    t_start, driver, device, out, log_dir = gpu.open_run(args, "decode")
     caps = part_timeouts(parts, args.deadline_s)
     report = new_report(args, dw, parts, caps, driver, device, log_dir)
     stop_on_sigterm()

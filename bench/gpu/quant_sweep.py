@@ -34,12 +34,10 @@ import concurrent.futures
 import dataclasses
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.common import device_slug, results_path
 
 # (K, N) of the Llama-3-8B fused projections (bench.gpu.parts.projections of bench.gpu.workload.LLAMA3_8B)
 PROJECTIONS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
@@ -296,14 +294,9 @@ def new_report(args: argparse.Namespace, sw: Sweep, device: dict, driver: dict, 
 
 def run(args: argparse.Namespace) -> Path:
     """Every part in order, each in its own process with a timeout; the JSON rewritten after each."""
-    from bench.gpu.run import initial_device, nvidia_smi, part_timeouts, run_parts, run_worker
-    t0 = time.monotonic()
+    from bench.gpu.run import open_run, part_timeouts, run_parts, run_worker
     sw = SMOKE if args.smoke else REAL
-    driver = nvidia_smi()
-    device = initial_device(args.smoke, driver)
-    out = Path(args.out) if args.out else results_path(None, device_slug(device), "quant-sweep")
-    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="jaxinfer-quant-sweep-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    t0, driver, device, out, log_dir = open_run(args, "quant-sweep")
     report = new_report(args, sw, device, driver, log_dir)
     parts = ["copy", *sw.projections]
     caps = part_timeouts(parts, args.deadline_s, sw.caps_s)

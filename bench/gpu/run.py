@@ -308,16 +308,25 @@ def stop_on_sigterm() -> None:
         pass
 
 
-def run(args: argparse.Namespace) -> Path:
-    """Every selected part in order, the JSON rewritten after each; -> the JSON's path."""
+def open_run(args: argparse.Namespace, name: str) -> tuple[float, Any, dict[str, Any], Path, Path]:
+    """What every GPU bench driver opens with: (start time, the driver as nvidia-smi reports it, the
+    first device, the results JSON's path: --out or bench/results/<date>-<gpu>-<name>.json, the log
+    folder: --log-dir or a fresh temporary one)."""
     t_start = time.monotonic()
-    wl = SMOKE if args.smoke else REAL
-    parts = parse_parts(args.parts)
     driver = nvidia_smi()
     device = initial_device(args.smoke, driver)
-    out = Path(args.out) if args.out else results_path(None, device_slug(device), "gpu")
-    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="jaxinfer-bench-gpu-"))
+    out = Path(args.out) if args.out else results_path(None, device_slug(device), name)
+    given = getattr(args, "log_dir", None)
+    log_dir = Path(given) if given else Path(tempfile.mkdtemp(prefix=f"jaxinfer-bench-{name}-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    return t_start, driver, device, out, log_dir
+
+
+def run(args: argparse.Namespace) -> Path:
+    """Every selected part in order, the JSON rewritten after each; -> the JSON's path."""
+    wl = SMOKE if args.smoke else REAL
+    parts = parse_parts(args.parts)
+    t_start, driver, device, out, log_dir = open_run(args, "gpu")
     caps = part_timeouts(parts, args.deadline_s)
     report = new_report(args, wl, parts, caps, driver, device, log_dir)
     stop_on_sigterm()
