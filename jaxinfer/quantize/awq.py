@@ -25,7 +25,7 @@ calibrated on the first or last 32,768 tokens of the calibration text instead of
 (28%, 39%); steps of 0.005 gave 32% (25%, 26%) at w4 per channel: no better than 0.01, where it
 levels off. A finer grid can only lower each column's calibration error (its ratios include the
 coarser grid's); from 0.05 to 0.01 the held-out gain followed at w4 per channel on all three
-calibration sets (bench/results/2026-11-26-cpu-awq-clip-grid.json). It costs about twice the
+calibration sets (the README's quantization table holds the run). It costs about twice the
 quantization time (w4 per channel 25 -> 50 s on the bundled model).
 Scoring q, k, v by the attention output and gate, up by the MLP output (AutoAWQ's module loss) did
 not help there (11%, 26% with the coarse grid), nor did searching an asymmetric grid's two clip

@@ -45,7 +45,7 @@ linears (in place), so the result saves / loads / serves like any RTN checkpoint
 Defaults: lr 3e-5, at most 400 steps of 8 windows of 256 tokens, trainable "all", nll_weight 0,
 T 2, a 10% held-out slice, patience 5. Chosen by scripts/qat_sweep.py on the held-out slice of
 checkpoints/jaxinfer-tiny-llama/calibration.txt only (4,112 of its 43,981 tokens; w4 per channel
-asymmetric), never on an evaluation text; bench/results/2026-11-26-cpu-qat-sweep.json. The score is
+asymmetric), never on an evaluation text. The score is
 the slice's KL(float || fq) per token at the best epoch; RTN's is 0.01124 nats.
     lr at 200 steps (linears, T 1): 1e-5 0.00567, 3e-5 0.00475, 1e-4 0.00503; 3e-4 and 1e-3 diverge
         (their best epoch is 0: RTN)
@@ -60,7 +60,7 @@ patience is 5: it only cuts runs that diverge. The 400-step default passes over 
 KL. Wall time of the default on the 2-core CPU: about 0.75 s a step alone, 1 to 1.5 s with other
 jobs running (5 to 10 minutes).
 
-Measured (bench/results/2026-11-26-cpu-quantize-ppl-qat.json, w4 per channel asymmetric, trained on
+Measured (bench/quantize_ppl.py, in the README's quantization table; w4 per channel asymmetric, trained on
 calibration.txt; perplexity rise over float32 on heldout.txt / on the fortunes of Debian's
 fortunes-min, a domain nobody trained, calibrated or tuned on): RTN +1.08% / +1.70%, GPTQ +0.46% /
 +1.41%, AWQ +0.69% / +2.75%, QAT +0.21% / -0.05% (81% / 103% of RTN's rise removed); the control
