@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.fake_devices import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS = ["ceilings", "bf16", "hf", "kernels", "int8", "fp8", "int4"]
@@ -32,7 +33,7 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_gpu") / "smoke-gpu.json"
     proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--smoke", "--out", str(out),
                            "--log-dir", str(out.parent / "logs")],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(out.read_text()), out
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from bench.gpu import trace as gpu_trace
+from tests.fake_devices import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS = ["ceilings", "profile", "profile_nocb", "batch1", "ttft", "knee"]
@@ -25,7 +26,7 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_gpu_decode") / "smoke-decode.json"
     proc = subprocess.run([sys.executable, "-m", "bench.gpu.decode", "--smoke", "--out", str(out),
                            "--log-dir", str(out.parent / "logs")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -42,7 +42,6 @@ PROMPT = [3, 17, 42, 9, 60, 5, 77, 12, 8, 30, 33, 1]
 # over 4 devices (not divisible: the fused layout falls back to one replicated group)
 TP_CASES = {"llama-gqa-llama3": (2, 4), "llama-mqa-tied-linear": (2, 4), "gpt2": (4,), "bloom-6heads-postnorm": (4,)}
 TP_QUANT = ("llama-mqa-tied-linear", 2)
-WORKER_TIMEOUT_S = 600
 
 
 def reorder_bound(k: int, n_layers: int) -> float:
@@ -162,7 +161,7 @@ def tp_result(hf_model_dir, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("fused-tp")
     (tmp / "folders.json").write_text(json.dumps({name: str(hf_model_dir(name)) for name in TP_CASES}))
-    return run_worker("tests.test_fused_weights", tmp, WORKER_TIMEOUT_S)
+    return run_worker("tests.test_fused_weights", tmp)
 
 
 def _tp_runs(result):

@@ -12,6 +12,7 @@ import pytest
 
 from bench.gpu import attention as ga, run as gpu
 from tests.precision import attention_rtol
+from tests.fake_devices import HANG_GUARD_S
 
 SH = ga.SMOKE
 
@@ -20,7 +21,7 @@ SH = ga.SMOKE
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("att") / "att.json"
     proc = subprocess.run([sys.executable, "-m", "bench.gpu.attention", "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 

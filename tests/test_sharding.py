@@ -27,7 +27,6 @@ from tests.sharding_worker import CONFIGS, TPS
 
 from tests.fake_devices import run_worker
 
-WORKER_TIMEOUT_S = 300
 RTOL = 1e-5
 
 
@@ -122,7 +121,7 @@ def tp_result(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     for name in CONFIGS:
         save_llama(name, tmp / name)
-    return run_worker("tests.sharding_worker", tmp, WORKER_TIMEOUT_S)
+    return run_worker("tests.sharding_worker", tmp)
 
 
 def _runs(result):

@@ -7,7 +7,6 @@ import pytest
 
 from tests.fake_devices import run_worker
 
-WORKER_TIMEOUT_S = 400
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +15,7 @@ def spec(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("spec-tp")
     save_llama("vocab136", tmp / "vocab136")
-    return run_worker("tests.speculative_tp_worker", tmp, WORKER_TIMEOUT_S)
+    return run_worker("tests.speculative_tp_worker", tmp)
 
 
 def test_tp_speculative_decoding_greedy_identical(spec):
