@@ -55,7 +55,7 @@ def engine_config(tp: int = 1, pp: int = 1, microbatches: int | None = None, kv_
 def pipelined_generator(folder: Path, tp: int, pp: int, micro: int | None, kv_dtype: str | None = None):
     from jaxinfer.generator import Generator
     ecfg = engine_config(tp, pp, micro, kv_dtype)
-    return Generator.from_pretrained(folder, ecfg.dtype, ecfg.attention, kv_dtype=kv_dtype, tensor_parallel=tp,
+    return Generator.from_pretrained(folder, dtype=ecfg.dtype, attention=ecfg.attention, kv_dtype=kv_dtype, tensor_parallel=tp,
                                      pipeline_parallel=pp, max_num_seqs=ecfg.max_num_seqs, block_size=ecfg.block_size,
                                      num_blocks=ecfg.num_blocks, max_model_len=ecfg.max_model_len,
                                      max_num_batched_tokens=TOKEN_BUDGET, pipeline_microbatches=micro)
@@ -125,7 +125,7 @@ def quantized_runs(tmp: Path, folder: Path, sp) -> dict:
         ref_model = int4 if quantize else load_model(source, "float32")[0]
         ref = Generator(ref_model, None, engine_config(), max_num_batched_tokens=TOKEN_BUDGET)
         ecfg = engine_config(tp, pp)
-        gen = Generator.from_pretrained(source, "float32", "xla", tensor_parallel=tp, pipeline_parallel=pp,
+        gen = Generator.from_pretrained(source, dtype="float32", attention="xla", tensor_parallel=tp, pipeline_parallel=pp,
                                         quantize=quantize, max_num_seqs=ecfg.max_num_seqs, block_size=ecfg.block_size,
                                         num_blocks=ecfg.num_blocks, max_model_len=ecfg.max_model_len,
                                         max_num_batched_tokens=TOKEN_BUDGET)
