@@ -17,10 +17,11 @@ if not ON_CPU:
     os.environ.setdefault("JAXINFER_AUTOTUNE", "0")
 # jaxinfer's own persistent compilation cache (~/.cache/jaxinfer/xla) is off in this process and in
 # the servers and workers it starts: nothing is carried from one run, or one process, to another.
-# Within one test process a cache of its own (pytest_configure below: a fresh temporary folder per
-# process, removed at its end) lets an engine whose step programs another engine of the same run
+# Within one test run a cache of its own (pytest_configure below: a fresh temporary folder per
+# run, shared by its xdist workers, removed at its end) lets an engine whose step programs another engine of the same run
 # already compiled load them (XLA's own executables for the same HLO and flags): tests/
-# test_speculative.py alone ran in 300 s instead of 362 s. Subprocesses never see it, so the worker
+# test_speculative.py alone ran in 300 s instead of 362 s. Subprocesses never use it (only this
+# conftest reads the folder's variable), so the worker
 # tests that compare compilation counts between runs (sharding, multihost) count what they compile.
 os.environ["JAXINFER_COMPILATION_CACHE"] = "off"
 # The suite compiles far more than it runs (tiny models, a few steps per engine): LLVM's backend
@@ -37,23 +38,36 @@ import pytest
 from tests.hf_models import CONFIGS, save_hf_model
 
 
-_PROCESS_XLA_CACHE: list[str] = []
+_OWN_XLA_CACHE: list[str] = []     # folders this process made, removed at its end
+SHARED_XLA_CACHE_ENV = "JAXINFER_TEST_SHARED_XLA_CACHE"
 
 
 def pytest_configure(config):
-    if ON_CPU and not os.environ.get("JAXINFER_TEST_NO_XLA_CACHE"):
+    """One XLA cache folder for the whole run: made by the process that starts (the xdist
+    controller, or the only process), inherited by the xdist workers through the environment (they
+    are spawned after this hook), removed by the process that made it. The two workers of
+    `make test` compile many of the same step programs (the bundled model's engines appear in a
+    dozen files, and --dist loadfile sends the files to either worker), so each program compiled
+    by one worker is loaded by the other. jax writes an entry with one write_bytes and reads it
+    back through decompression, which fails on a half-written entry: jax then warns and compiles
+    (jax/_src/compiler.py, _cache_read), so a race between the workers costs one compile, never
+    a wrong executable."""
+    if not ON_CPU or os.environ.get("JAXINFER_TEST_NO_XLA_CACHE"):
+        return
+    folder = os.environ.get(SHARED_XLA_CACHE_ENV)
+    if not folder or not os.path.isdir(folder):
         import tempfile
-
-        import jax
         folder = tempfile.mkdtemp(prefix="jaxinfer-test-xla-")
-        _PROCESS_XLA_CACHE.append(folder)
-        jax.config.update("jax_compilation_cache_dir", folder)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        _OWN_XLA_CACHE.append(folder)
+        os.environ[SHARED_XLA_CACHE_ENV] = folder
+    import jax
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def pytest_unconfigure(config):
     import shutil
-    for folder in _PROCESS_XLA_CACHE:
+    for folder in _OWN_XLA_CACHE:
         shutil.rmtree(folder, ignore_errors=True)
 
 
