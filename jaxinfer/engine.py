@@ -49,6 +49,16 @@ class RequestError(ValueError):
         self.param, self.code = param, code
 
 
+def check_priority(priority: int, policy: str) -> None:
+    """vLLM's rule: a priority is an integer (lower runs first); one other than 0 needs the priority
+    scheduling policy (fcfs would silently ignore it)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise RequestError(f"priority must be an integer, got {priority!r}", "priority")
+    if priority != 0 and policy != "priority":
+        raise RequestError(f"Got priority {priority} but priority scheduling is not enabled (start the engine "
+                           "with --scheduling-policy priority, or scheduling_policy=\"priority\")", "priority")
+
+
 @dataclass(frozen=True)
 class StepTrace:
     """What one Engine.step() call did, for step observers (bench/metrics.StepLog): the step whose
@@ -132,6 +142,7 @@ class Engine:
         max_tokens must fit the context (what OpenAI's API promises; the server and batch script ask
         for it). cache_salt: requests share cached prefix blocks only with requests of the same salt."""
         prompt_ids = [int(t) for t in prompt_ids]
+        check_priority(priority, self.resolved.scheduling_policy)
         if not prompt_ids:
             raise RequestError("the prompt is empty", "prompt")
         total = len(prompt_ids) + params.max_tokens

@@ -221,8 +221,10 @@ class Generator:
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 cache_salt: str | None = None) -> list[GenerationOutput]:
-        """cache_salt: these prompts share cached prefix blocks only with requests of the same salt."""
+                 cache_salt: str | None = None, priority: int | Sequence[int] = 0) -> list[GenerationOutput]:
+        """cache_salt: these prompts share cached prefix blocks only with requests of the same salt.
+        priority: lower runs first (one for all prompts or one per prompt); a priority other than 0
+        needs scheduling_policy="priority" (vLLM's rule)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -232,18 +234,19 @@ class Generator:
         encoded = [self._encode(p) for p in prompts]
         self._check_leader()
         try:
-            rids, results = self.client.generate(encoded, plist, cache_salt=cache_salt)
+            rids, results = self.client.generate(encoded, plist, cache_salt=cache_salt, priority=priority)
         except SubmitError as e:
             raise ValueError(f"prompt {e.index}: {e.message}") from None
         return [GenerationOutput(rid, ids, samples, max(c.num_cached_tokens for c in samples))
                 for rid, ids, samples in zip(rids, encoded, results)]
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               priority: int = 0) -> Iterator[StreamDelta]:
         params = params or SamplingParams()
         ids = self._encode(prompt)
         self._check_leader()
         queue: deque = deque()
-        [rid] = self.client.submit([ids], params, route=queue.append)
+        [rid] = self.client.submit([ids], params, route=queue.append, priority=priority)
         for d in self.client.stream_deltas(rid, params.n, queue):
             if d.text or d.token_ids or d.finished:
                 yield StreamDelta(d.text, d.token_ids, d.sample_index, d.logprobs,

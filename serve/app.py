@@ -256,7 +256,8 @@ def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
 async def completions(req: CompletionRequest, request: Request):
     state = _state(request)
     prompts, params = await run_in_threadpool(state.completion_inputs, req)
-    sub = state.engine.submit(prompts, params, cache_salt=req.cache_salt, request_field=req.request_field)
+    sub = state.engine.submit(prompts, params, cache_salt=req.cache_salt, request_field=req.request_field,
+                              priority=req.priority)
     rid, created = new_id("cmpl"), now()
     n_prompt = sum(len(x) for x in prompts)
     if req.stream:
@@ -271,7 +272,8 @@ async def completions(req: CompletionRequest, request: Request):
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = _state(request)
     prompt, params = await run_in_threadpool(state.chat_inputs, req)
-    sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt, request_field=req.request_field)
+    sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt, request_field=req.request_field,
+                              priority=req.priority)
     rid, created = new_id("chatcmpl"), now()
     if req.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}

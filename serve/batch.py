@@ -186,7 +186,7 @@ def run_batch(gen: Generator, in_path: str | Path, out_path: str | Path, model_n
     for job in jobs:
         try:   # all of a job's prompts or none
             job.rids = client.submit(job.prompts, job.params, route=route_of(job), cache_salt=job.request.cache_salt,
-                                     max_tokens_must_fit=True)
+                                     max_tokens_must_fit=True, priority=job.request.priority)
         except ValueError as e:
             record(_key(job.line, job.custom_id), _error_line(job.line, job.custom_id, 400, str(e)))
             continue

@@ -159,6 +159,8 @@ class _Sampling(_Body):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM's: lower runs first under --scheduling-policy priority (other than 0 refused under fcfs)
+    priority: int = 0
     # prefix caching (vLLM's name): requests share cached prompt blocks only under the same salt
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # token id (as a string, OpenAI's shape) -> bias in [-100, 100]
