@@ -56,9 +56,13 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_cached_tokens: int = 0      # prompt tokens its request found in the prefix cache
+    # SamplingParams.prompt_logprobs: None, then (logprob, rank, top-N) per prompt token after the first
+    prompt_logprobs: list | None = None
 
     def add(self, d: RequestOutput) -> None:
         self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.text += d.text
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs

@@ -166,6 +166,9 @@ class Engine:
         if any(t >= self.model_cfg.vocab_size for t, _ in bias):
             raise RequestError(f"logit_bias token ids {[t for t, _ in bias if t >= self.model_cfg.vocab_size][:5]} are "
                                f"outside the vocabulary [0, {self.model_cfg.vocab_size})", "logit_bias")
+        if params.prompt_logprobs is not None and (self.resolved.spec_tokens or self.cfg.pipeline_parallel > 1):
+            raise RequestError("prompt_logprobs is not available with speculative decoding or pipeline_parallel > 1 "
+                               "(their step programs do not score prompt tokens)", "prompt_logprobs")
         grammar = None
         if params.structured_outputs is not None:
             try:
@@ -183,6 +186,10 @@ class Engine:
                                       priority=priority, arrival_time=now, cache_salt=cache_salt)
         leader = make(0, request_id)
         leader.pending_forks = [make(i, f"{request_id}#{i}") for i in range(1, params.n)]
+        if params.prompt_logprobs is not None:   # one prompt, one set of prompt logprobs for all samples
+            shared: dict = {}
+            for r in [leader, *leader.pending_forks]:
+                r.prompt_logprobs = shared
         if grammar is not None:   # each sample walks the grammar on its own
             self.num_constrained_requests += 1
             for r in [leader, *leader.pending_forks]:

@@ -73,6 +73,12 @@ class GenerationOutput:
     def top_logprobs(self) -> list[list[tuple[int, float]]]:
         return self.samples[0].top_logprobs
 
+    @property
+    def prompt_logprobs(self) -> list | None:
+        """SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
+        (its logprob, its rank, [(token id, logprob)] top-N); None when not asked for."""
+        return self.samples[0].prompt_logprobs
+
 
 @dataclass
 class StreamDelta:
