@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.config.engine import engine_config, settings as engine_settings
+from jaxinfer.hub import resolve_model_path
 from jaxinfer.client import Completion, EngineClient, SubmitError
 from jaxinfer.engine import Engine
 from jaxinfer.spec_decode.medusa import is_medusa, load_heads
@@ -173,11 +174,14 @@ class Generator:
 
     @classmethod
     @_with_settings
-    def from_pretrained(cls, path: str | Path | None = None, *, speculative_model: str | Path | None = None,
+    def from_pretrained(cls, path: str | Path | None = None, *, revision: str | None = None,
+                        speculative_model: str | Path | None = None,
                         warmup: bool = True, coordinator_address: str | None = None, num_processes: int | None = None,
                         process_id: int | None = None, **settings) -> Generator:
         """A Generator over the model at path (an HF folder or a native checkpoint; None: the bundled
-        model). Every other keyword but these is an EngineConfig setting, with EngineConfig's default
+        model; a Hugging Face id "ORG/NAME" or "ORG/NAME@REVISION", or revision=: its snapshot in the
+        Hugging Face cache, downloaded unless HF_HUB_OFFLINE=1; a local path of that name wins, see
+        jaxinfer/hub.py). Every other keyword but these is an EngineConfig setting, with EngineConfig's default
         (listed below and in inspect.signature; an unknown name is a TypeError).
         speculative_model: the draft model (speculative_method="draft", same tokenizer) or Medusa heads
         (scripts/train_medusa.py) to load; the bundled model's are the default for it.
@@ -189,7 +193,7 @@ class Generator:
         A KV pool that cannot hold one sequence of max_model_len is a ConfigError naming what to change;
         reset_prefix_cache() forgets the cached prefix blocks of enable_prefix_caching."""
         cfg = engine_config("from_pretrained", settings)
-        path = Path(path) if path is not None else default_model_path()
+        path = resolve_model_path(path, revision) if path is not None else default_model_path()
         draft_path = draft_model_path(path, cfg.speculative_method, speculative_model)
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
         group = distributed.initialize(coordinator_address, num_processes, process_id)
