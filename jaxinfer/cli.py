@@ -17,7 +17,15 @@ from jaxinfer.config.flags import add_engine_args, engine_kwargs
 
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model folder or jaxinfer checkpoint (default: the bundled model)")
+    p.add_argument("--model", default=None, help="HF model folder, jaxinfer checkpoint, or Hugging Face id "
+                                                 "ORG/NAME[@REVISION] (from its cache, downloaded unless "
+                                                 "HF_HUB_OFFLINE=1; default: the bundled model)")
+
+
+def _model_path(model: str | None, default: Path) -> Path:
+    """--model as a local folder (a Hugging Face id resolved through its cache: jaxinfer/hub.py)."""
+    from jaxinfer.hub import resolve_model_path
+    return resolve_model_path(model) if model else default
 
 
 def _multihost_args(p: argparse.ArgumentParser) -> None:
@@ -113,7 +121,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from jaxinfer.tokenizer import load_tokenizer
     from jaxinfer.weights import load_model
 
-    path = Path(args.model) if args.model else default_model_path()
+    path = _model_path(args.model, default_model_path())
     tokenizer = load_tokenizer(path)
     if tokenizer is None:
         raise ValueError(f"{path}: the model has no tokenizer; eval-ppl scores text")
@@ -153,7 +161,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                                 qat_batch=args.qat_batch, qat_trainable=args.qat_trainable,
                                 qat_nll_weight=args.qat_nll_weight, qat_temperature=args.qat_temperature,
                                 qat_heldout=args.qat_heldout)
-    path = Path(args.model) if args.model else default_model_path()
+    path = _model_path(args.model, default_model_path())
     tokenizer = load_tokenizer(path)
     windows, calib, train_tokens, train = None, None, None, None
     if settings.method == "qat":
@@ -197,7 +205,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     from jaxinfer.tokenizer import load_tokenizer
     from jaxinfer.weights import load_model
 
-    path = Path(args.model) if args.model else default_model_path()
+    path = _model_path(args.model, default_model_path())
     model, cfg = load_model(path, "float32")
     export_hf(model, args.out_dir, load_tokenizer(path))
     print(f"wrote {args.out_dir}: {cfg.architecture} in the Hugging Face layout (float32 safetensors)")
@@ -206,13 +214,15 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 def _served_name(args: argparse.Namespace) -> str:
     from jaxinfer.generator import default_model_path
-    return args.served_model_name or Path(args.model or default_model_path()).resolve().name
+    from jaxinfer.hub import served_name
+    return args.served_model_name or served_name(args.model, default_model_path())
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     """serve and batch: every engine setting, and the name clients use."""
     add_engine_args(p.add_argument_group("engine (Generator.from_pretrained's settings)"))
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: folder name)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the "
+                                                                           "Hugging Face id, or the folder's name)")
 
 
 def _generator(args: argparse.Namespace):

@@ -56,9 +56,13 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_cached_tokens: int = 0      # prompt tokens its request found in the prefix cache
+    # SamplingParams.prompt_logprobs: None, then (logprob, rank, top-N) per prompt token after the first
+    prompt_logprobs: list | None = None
 
     def add(self, d: RequestOutput) -> None:
         self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.text += d.text
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs
@@ -148,23 +152,28 @@ class EngineClient:
     def submit(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
                route: Route | None = None, arrival_time: float | None = None,
                check: Callable[[], None] | None = None, cache_salt: str | None = None,
-               max_tokens_must_fit: bool = False) -> list[str]:
+               max_tokens_must_fit: bool = False, priority: int | Sequence[int] = 0) -> list[str]:
         """Queue one engine request per prompt, all or nothing: a ValueError for any prompt aborts
         the ones already added and is raised as a SubmitError naming the prompt's index. Each delta
         of these requests is passed to `route` by the thread that steps, under the lock (keep it
         short). check() runs under the lock first: an adapter's admission control, it raises to
-        refuse. cache_salt: these requests share cached prefix blocks only under the same salt."""
+        refuse. cache_salt: these requests share cached prefix blocks only under the same salt.
+        priority: lower runs first under scheduling_policy="priority" (one for all prompts, or one
+        per prompt; vLLM's)."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
+        if len(prios) != len(prompts):
+            raise ValueError(f"got {len(prios)} priorities for {len(prompts)} prompts")
         rids: list[str] = []
         with self._lock:
             if check is not None:
                 check()
             try:
-                for ids, p in zip(prompts, plist):
+                for ids, p, prio in zip(prompts, plist, prios):
                     rid = self.engine.add_request(ids, p, arrival_time=arrival_time, cache_salt=cache_salt,
-                                                  max_tokens_must_fit=max_tokens_must_fit)
+                                                  max_tokens_must_fit=max_tokens_must_fit, priority=prio)
                     rids.append(rid)
                     self._routes[rid] = route
                     self._samples[rid] = self.engine.samples(rid)
@@ -236,12 +245,14 @@ class EngineClient:
             self.release(request_id, abort=done < n)
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
-                 cache_salt: str | None = None) -> tuple[list[str], list[list[Completion]]]:
+                 cache_salt: str | None = None, priority: int | Sequence[int] = 0
+                 ) -> tuple[list[str], list[list[Completion]]]:
         """Submit all prompts (all or nothing), run them to the end; (request ids, completions per
         prompt with one Completion per sample)."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         queues: dict[str, deque] = defaultdict(deque)
-        rids = self.submit(prompts, plist, route=lambda d: queues[d.request_id].append(d), cache_salt=cache_salt)
+        rids = self.submit(prompts, plist, route=lambda d: queues[d.request_id].append(d), cache_salt=cache_salt,
+                           priority=priority)
         results = [[Completion() for _ in range(p.n)] for p in plist]
         for rid, p, samples in zip(rids, plist, results):
             for d in self.stream_deltas(rid, p.n, queues[rid]):

@@ -49,6 +49,16 @@ class RequestError(ValueError):
         self.param, self.code = param, code
 
 
+def check_priority(priority: int, policy: str) -> None:
+    """vLLM's rule: a priority is an integer (lower runs first); one other than 0 needs the priority
+    scheduling policy (fcfs would silently ignore it)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise RequestError(f"priority must be an integer, got {priority!r}", "priority")
+    if priority != 0 and policy != "priority":
+        raise RequestError(f"Got priority {priority} but priority scheduling is not enabled (start the engine "
+                           "with --scheduling-policy priority, or scheduling_policy=\"priority\")", "priority")
+
+
 @dataclass(frozen=True)
 class StepTrace:
     """What one Engine.step() call did, for step observers (bench/metrics.StepLog): the step whose
@@ -132,6 +142,7 @@ class Engine:
         max_tokens must fit the context (what OpenAI's API promises; the server and batch script ask
         for it). cache_salt: requests share cached prefix blocks only with requests of the same salt."""
         prompt_ids = [int(t) for t in prompt_ids]
+        check_priority(priority, self.resolved.scheduling_policy)
         if not prompt_ids:
             raise RequestError("the prompt is empty", "prompt")
         total = len(prompt_ids) + params.max_tokens
@@ -155,6 +166,9 @@ class Engine:
         if any(t >= self.model_cfg.vocab_size for t, _ in bias):
             raise RequestError(f"logit_bias token ids {[t for t, _ in bias if t >= self.model_cfg.vocab_size][:5]} are "
                                f"outside the vocabulary [0, {self.model_cfg.vocab_size})", "logit_bias")
+        if params.prompt_logprobs is not None and (self.resolved.spec_tokens or self.cfg.pipeline_parallel > 1):
+            raise RequestError("prompt_logprobs is not available with speculative decoding or pipeline_parallel > 1 "
+                               "(their step programs do not score prompt tokens)", "prompt_logprobs")
         grammar = None
         if params.structured_outputs is not None:
             try:
@@ -172,6 +186,10 @@ class Engine:
                                       priority=priority, arrival_time=now, cache_salt=cache_salt)
         leader = make(0, request_id)
         leader.pending_forks = [make(i, f"{request_id}#{i}") for i in range(1, params.n)]
+        if params.prompt_logprobs is not None:   # one prompt, one set of prompt logprobs for all samples
+            shared: dict = {}
+            for r in [leader, *leader.pending_forks]:
+                r.prompt_logprobs = shared
         if grammar is not None:   # each sample walks the grammar on its own
             self.num_constrained_requests += 1
             for r in [leader, *leader.pending_forks]:

@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.config.engine import engine_config, settings as engine_settings
+from jaxinfer.hub import resolve_model_path
 from jaxinfer.client import Completion, EngineClient, SubmitError
 from jaxinfer.engine import Engine
 from jaxinfer.spec_decode.medusa import is_medusa, load_heads
@@ -72,6 +73,12 @@ class GenerationOutput:
     @property
     def top_logprobs(self) -> list[list[tuple[int, float]]]:
         return self.samples[0].top_logprobs
+
+    @property
+    def prompt_logprobs(self) -> list | None:
+        """SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
+        (its logprob, its rank, [(token id, logprob)] top-N); None when not asked for."""
+        return self.samples[0].prompt_logprobs
 
 
 @dataclass
@@ -167,11 +174,14 @@ class Generator:
 
     @classmethod
     @_with_settings
-    def from_pretrained(cls, path: str | Path | None = None, *, speculative_model: str | Path | None = None,
+    def from_pretrained(cls, path: str | Path | None = None, *, revision: str | None = None,
+                        speculative_model: str | Path | None = None,
                         warmup: bool = True, coordinator_address: str | None = None, num_processes: int | None = None,
                         process_id: int | None = None, **settings) -> Generator:
         """A Generator over the model at path (an HF folder or a native checkpoint; None: the bundled
-        model). Every other keyword but these is an EngineConfig setting, with EngineConfig's default
+        model; a Hugging Face id "ORG/NAME" or "ORG/NAME@REVISION", or revision=: its snapshot in the
+        Hugging Face cache, downloaded unless HF_HUB_OFFLINE=1; a local path of that name wins, see
+        jaxinfer/hub.py). Every other keyword but these is an EngineConfig setting, with EngineConfig's default
         (listed below and in inspect.signature; an unknown name is a TypeError).
         speculative_model: the draft model (speculative_method="draft", same tokenizer) or Medusa heads
         (scripts/train_medusa.py) to load; the bundled model's are the default for it.
@@ -183,7 +193,7 @@ class Generator:
         A KV pool that cannot hold one sequence of max_model_len is a ConfigError naming what to change;
         reset_prefix_cache() forgets the cached prefix blocks of enable_prefix_caching."""
         cfg = engine_config("from_pretrained", settings)
-        path = Path(path) if path is not None else default_model_path()
+        path = resolve_model_path(path, revision) if path is not None else default_model_path()
         draft_path = draft_model_path(path, cfg.speculative_method, speculative_model)
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
         group = distributed.initialize(coordinator_address, num_processes, process_id)
@@ -221,8 +231,10 @@ class Generator:
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 cache_salt: str | None = None) -> list[GenerationOutput]:
-        """cache_salt: these prompts share cached prefix blocks only with requests of the same salt."""
+                 cache_salt: str | None = None, priority: int | Sequence[int] = 0) -> list[GenerationOutput]:
+        """cache_salt: these prompts share cached prefix blocks only with requests of the same salt.
+        priority: lower runs first (one for all prompts or one per prompt); a priority other than 0
+        needs scheduling_policy="priority" (vLLM's rule)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -232,18 +244,19 @@ class Generator:
         encoded = [self._encode(p) for p in prompts]
         self._check_leader()
         try:
-            rids, results = self.client.generate(encoded, plist, cache_salt=cache_salt)
+            rids, results = self.client.generate(encoded, plist, cache_salt=cache_salt, priority=priority)
         except SubmitError as e:
             raise ValueError(f"prompt {e.index}: {e.message}") from None
         return [GenerationOutput(rid, ids, samples, max(c.num_cached_tokens for c in samples))
                 for rid, ids, samples in zip(rids, encoded, results)]
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               priority: int = 0) -> Iterator[StreamDelta]:
         params = params or SamplingParams()
         ids = self._encode(prompt)
         self._check_leader()
         queue: deque = deque()
-        [rid] = self.client.submit([ids], params, route=queue.append)
+        [rid] = self.client.submit([ids], params, route=queue.append, priority=priority)
         for d in self.client.stream_deltas(rid, params.n, queue):
             if d.text or d.token_ids or d.finished:
                 yield StreamDelta(d.text, d.token_ids, d.sample_index, d.logprobs,

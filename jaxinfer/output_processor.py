@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from jaxinfer.host.request import Request
+from jaxinfer.prompt_logprobs import PromptEntry, prompt_logprob_list
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, hold_back
 
 __all__ = ["OutputProcessor", "RequestOutput"]
@@ -32,6 +33,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when the request was admitted
+    # SamplingParams.prompt_logprobs, on a sample's first delta: None for the first prompt token, then
+    # (logprob, rank, [(token id, logprob)] top-N) per prompt token
+    prompt_logprobs: list[PromptEntry | None] | None = None
 
 
 @dataclass
@@ -106,6 +110,8 @@ class OutputProcessor:
         lps = req.output_logprobs[len(req.output_logprobs) - new_tokens:] if new_tokens else []
         tops = req.output_top_logprobs[-new_tokens:] if new_tokens and req.params.logprobs else []
         rid, _, _ = req.request_id.partition("#")
+        first = req.prompt_logprobs is not None and len(req.output_ids) == new_tokens and new_tokens > 0
+        prompt = prompt_logprob_list(req) if first else None
         outs = []
         for j in range(max(new_tokens, 1)):
             last = j >= new_tokens - 1
@@ -114,7 +120,7 @@ class OutputProcessor:
             text, st.emitted = st.text[st.emitted:end], end
             outs.append(RequestOutput(rid, req.sample_index, text, new_ids[j:j + 1], lps[j:j + 1], tops[j:j + 1],
                                       req.finished and last, req.finish_reason if last else None,
-                                      req.num_cached_tokens or 0))
+                                      req.num_cached_tokens or 0, prompt if j == 0 else None))
         if req.finished:
             del self._text[req.request_id]
             group = self._groups.get(rid)

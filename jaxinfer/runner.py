@@ -31,6 +31,7 @@ from jaxinfer.host.scheduler import SchedulerOutput, StepSample
 from jaxinfer.host.structured import Grammars, mask_words
 from jaxinfer.kv_cache import StepRow, attention_buckets, build_attention_metadata, init_kv_pages, kv_storage_dtype
 from jaxinfer.models.decoder import Decoder
+from jaxinfer.prompt_logprobs import PromptRows, prompt_targets
 from jaxinfer.sampling import SamplingBatch
 from jaxinfer.sharding import kv_sharding, model_mesh
 from jaxinfer.spec_decode import jit_spec_step
@@ -73,6 +74,7 @@ class Launched:
     t_fetched: float = 0.0        # when they reached the host
     spec_counts: object = None    # speculation: per row, rounds that proposed and accepted per position
     proposals: object = None      # Medusa: per row, its next tree's tokens [S, N]
+    prompt_rows: PromptRows | None = None   # the step's tokens whose prompt logprobs some request asked for
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +126,8 @@ class ModelRunner:
                               else _pow2_buckets(min(4, max_blocks), max_blocks, base=4))
         self._no_history: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._no_mask: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
+        self._no_targets: dict[int, jax.Array] = {}   # prompt_targets of a step where nobody asks, per T
+        self._prompt_rows = PromptRows()   # those of the step being prepared
         self.mask_words = mask_words(self.model_cfg.vocab_size)
         self.grammars = grammars
         self.mask_time_s = 0.0   # host time spent filling grammar masks
@@ -285,8 +289,13 @@ class ModelRunner:
         stop_ids = self._stop_ids(rows)
         if not speculative:
             sb = self._sampling_batch(rows, positions[logits_indices] + 1)
+            targets, self._prompt_rows = prompt_targets(sched.seqs, meta.query_start_loc, t)
+            if targets is None:   # built once per bucket: no per-step transfer
+                if t not in self._no_targets:
+                    self._no_targets[t] = jax.device_put(np.full(t, -1, np.int32))
+                targets = self._no_targets[t]
             return StepInputs(tokens, positions, meta, logits_indices, sb, stop_ids, max_new,
-                              np.int32(sched.num_decode_iters), from_prev), rows
+                              np.int32(sched.num_decode_iters), from_prev, prompt_targets=targets), rows
         # the drawn token's position is one past the last computed token of its row (a speculating
         # row: one past its last drawn token; verification steps through the proposals)
         self.spec.tree_layout(sched, meta, positions)
@@ -352,9 +361,11 @@ class ModelRunner:
         after the inputs are prepared and before the grammar masks are filled and the step dispatched
         (the engine feeds step N's tokens to the matchers there, so preparing N+1 overlaps step N)."""
         self._unfilled = None
+        self._prompt_rows = PromptRows()
         if self.spec is not None:
             self.spec.unfilled_paths = None
         inputs, rows = self.prepare(sched, tables)
+        prompt_rows = self._prompt_rows
         if before_dispatch is not None:
             before_dispatch()
         self.fill_masks()
@@ -365,7 +376,7 @@ class ModelRunner:
         for i, (seq, req) in enumerate(zip(sched.seqs, rows)):
             if req is not None:    # where this row's last draw will lie in outputs.next_tokens
                 req.inflight_index = (seq.max_draws - 1) * self.settings.max_rows + i
-        return Launched(sched, rows, outputs)
+        return Launched(sched, rows, outputs, prompt_rows=prompt_rows)
 
     def _dispatch(self, inputs: StepInputs, prev_tokens) -> StepOutputs:
         """Run the step's program on its inputs: a speculative engine's plain StepInputs (prepare's
@@ -392,6 +403,8 @@ class ModelRunner:
         if launched.samples is None:
             launched.samples, launched.spec_counts, launched.proposals = self._results(launched.rows,
                                                                                       launched.outputs)
+            if launched.prompt_rows is not None:
+                launched.prompt_rows.collect(launched.outputs)
         return launched.samples
 
     @staticmethod
@@ -428,6 +441,11 @@ class ModelRunner:
         for name, value in zip(("token_mask", "bias_ids", "bias_values"), empty):
             if getattr(sb, name) is None:
                 setattr(sb, name, value)
+        if inputs.prompt_targets is None and not isinstance(inputs, SpecStepInputs):   # nobody asked
+            t = len(inputs.tokens)
+            inputs.prompt_targets = self._no_targets.get(t)
+            if inputs.prompt_targets is None:
+                inputs.prompt_targets = self._no_targets[t] = jax.device_put(np.full(t, -1, np.int32))
         self._dispatch(inputs, self._no_prev)
 
     def replay(self, inputs: StepInputs) -> None:

@@ -12,8 +12,10 @@ The contract (SGLang states its ScheduleBatch -> ForwardBatch the same way):
   StepInputs.num_iters []              decode iterations to run (1 unless every row decodes)
   StepInputs.from_prev [T]             async scheduling: where a token still on the device lies in the
                                        previous step's next_tokens (-1: the host's token)
+  StepInputs.prompt_targets [T]        prompt logprobs: the prompt token following each token (-1: none;
+                                       jaxinfer/prompt_logprobs.py; None: a program without them)
 and back, one device-to-host copy of StepOutputs: ids/logprobs [K, S] (+ top-N [K, S, 20]) and
-num_drawn [S]. next_tokens [K * max_rows] stays on the device as the next step's `prev_tokens`
+num_drawn [S] (+ prompt_logprobs / prompt_ranks [T], prompt_top_* [T, 20] when some row asked). next_tokens [K * max_rows] stays on the device as the next step's `prev_tokens`
 (async scheduling, runner.py). The KV pages are donated, so they are updated in place.
 
 The step is one module-level function of (params, kv_pages, inputs, prev_tokens) with everything it
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +49,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV
+from jaxinfer.prompt_logprobs import step_prompt_logprobs
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, any_penalty, sample
 
 MAX_STOP_IDS = 8   # stop ids checked on device per row; a row with more is checked by the host only
@@ -64,6 +67,9 @@ class StepInputs:
     max_new: jax.Array          # [S] int32
     num_iters: jax.Array        # [] int32, 1 <= num_iters <= StepSettings.max_iters
     from_prev: jax.Array        # [T] int32: index into the previous step's next_tokens, or -1
+    # [T] int32: the prompt token after each token whose logprob is asked for, or -1 (None: the
+    # program has no prompt logprobs; keyword-only, so subclasses keep their positional fields)
+    prompt_targets: jax.Array | None = field(default=None, kw_only=True)
 
 
 @jax.tree_util.register_dataclass
@@ -75,6 +81,11 @@ class StepOutputs:
     top_logprobs: jax.Array     # [K, S, MAX_LOGPROBS] float32
     num_drawn: jax.Array        # [S] int32: how many of ids[:, s] are real
     next_tokens: jax.Array      # [K * max_rows] int32: ids[k, s] at k * max_rows + s (stays on device)
+    # prompt logprobs (with StepInputs.prompt_targets; zeros unless some token has a target)
+    prompt_logprobs: jax.Array | None = field(default=None, kw_only=True)      # [T] float32
+    prompt_ranks: jax.Array | None = field(default=None, kw_only=True)        # [T] int32
+    prompt_top_ids: jax.Array | None = field(default=None, kw_only=True)      # [T, MAX_LOGPROBS] int32
+    prompt_top_logprobs: jax.Array | None = field(default=None, kw_only=True)  # [T, MAX_LOGPROBS] float32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,8 +163,10 @@ def _advance(inputs: StepInputs, ids: jax.Array, drew: jax.Array, going: jax.Arr
                                 "context_lens": meta.context_lens + going.astype(jnp.int32)})
     sb = with_history(inputs.sampling, ids, drew)   # penalties see the tokens drawn by earlier iterations
     sb = SamplingBatch(**{**vars(sb), "position": sb.position + going.astype(jnp.int32)})
+    # prompt positions are scored by the first iteration only (later ones run when every row decodes)
+    targets = None if inputs.prompt_targets is None else jnp.full_like(inputs.prompt_targets, -1)
     return StepInputs(tokens, positions, meta, li, sb, inputs.stop_ids, inputs.max_new, inputs.num_iters,
-                      inputs.from_prev)
+                      inputs.from_prev, prompt_targets=targets)
 
 
 def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings
@@ -167,14 +180,22 @@ def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.A
 
     def iteration(i, kv, x: StepInputs, out: StepOutputs, done):
         """One forward + sample; returns the drawn ids and the updated kv, outputs and done."""
-        logits, kv = model(x.tokens, x.positions, kv, x.meta, x.logits_indices, impl=settings.attention)
+        prompt = {}
+        if x.prompt_targets is None:
+            logits, kv = model(x.tokens, x.positions, kv, x.meta, x.logits_indices, impl=settings.attention)
+        else:   # the same forward; the prompt's rows also go through the LM head when some row asks
+            h, kv = model.hidden_states(x.tokens, x.positions, kv, x.meta, impl=settings.attention)
+            logits = model.logits(h[x.logits_indices])
+            scored = step_prompt_logprobs(model, h, x.prompt_targets, (out.prompt_logprobs, out.prompt_ranks,
+                                                                        out.prompt_top_ids, out.prompt_top_logprobs))
+            prompt = dict(zip(("prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs"), scored))
         kv = pin_pages(kv, settings)
         ids, lps, top_ids, top_lps = sample(logits, x.sampling)
         drew = ~done
         drawn = out.num_drawn + drew.astype(jnp.int32)
         out = StepOutputs(out.ids.at[i].set(jnp.where(drew, ids, 0)), out.logprobs.at[i].set(lps),
                           out.top_ids.at[i].set(top_ids), out.top_logprobs.at[i].set(top_lps), drawn,
-                          out.next_tokens)
+                          out.next_tokens, **prompt)
         stopped = jnp.any(ids[:, None] == x.stop_ids, axis=1)
         return ids, drew, kv, out, done | (drew & stopped) | (drawn >= x.max_new)
 
@@ -184,13 +205,19 @@ def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.A
         # the next iteration's inputs (unused after the last one; cheap next to the forward)
         return i + 1, kv, _advance(x, ids, drew, ~done, block_size), out, done
 
+    prompt = {}
+    if inputs.prompt_targets is not None:
+        t = inputs.prompt_targets.shape[0]
+        prompt = dict(prompt_logprobs=jnp.zeros((t,), jnp.float32), prompt_ranks=jnp.zeros((t,), jnp.int32),
+                      prompt_top_ids=jnp.zeros((t, MAX_LOGPROBS), jnp.int32),
+                      prompt_top_logprobs=jnp.zeros((t, MAX_LOGPROBS), jnp.float32))
     out = StepOutputs(jnp.zeros((k, s), jnp.int32), jnp.zeros((k, s), jnp.float32),
                       jnp.zeros((k, s, MAX_LOGPROBS), jnp.int32), jnp.zeros((k, s, MAX_LOGPROBS), jnp.float32),
-                      jnp.zeros((s,), jnp.int32), jnp.zeros((k * settings.max_rows,), jnp.int32))
+                      jnp.zeros((s,), jnp.int32), jnp.zeros((k * settings.max_rows,), jnp.int32), **prompt)
     carry = (jnp.int32(0), kv_pages, inputs, out, inputs.max_new <= 0)
     _, kv_pages, _, out, _ = run_loop(body, carry, 4, inputs.num_iters, k)
     next_tokens = jnp.zeros((settings.out_rows, settings.max_rows), jnp.int32).at[:k, :s].set(out.ids).reshape(-1)
-    out = StepOutputs(out.ids, out.logprobs, out.top_ids, out.top_logprobs, out.num_drawn, next_tokens)
+    out = dataclasses.replace(out, next_tokens=next_tokens)
     if settings.replicate_samples is not None:
         out = jax.lax.with_sharding_constraint(out, settings.replicate_samples)
     return out, kv_pages

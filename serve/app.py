@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from jaxinfer.config import SamplingParams
 from jaxinfer.generator import Generator
 from serve.bridge import AsyncEngine, EngineDeadError
+from serve.echo import Echo, first_prompt_logprobs, vllm_prompt_logprobs
 from serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard, error_bytes
 from serve.metrics import ServerMetrics
 from serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
@@ -93,23 +94,36 @@ class ServerState:
     def completion_inputs(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         """A /v1/completions body -> its prompts as token ids and the sampling params (both front
         doors, server and batch script, validate through here)."""
+        return self.completion_request(req)[:2]
+
+    def completion_request(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams, Echo]:
+        """completion_inputs, and what the response echoes (serve.echo): with echo and max_tokens 0
+        the engine draws one token that is not returned (vLLM's way)."""
         self.check_model(req.model)
-        if req.echo:
-            raise OpenAIError(400, "echo is not supported", param="echo")
         p = req.prompt
+        texts = None
         if isinstance(p, str):
-            prompts = [self.encode(p)]
+            prompts, texts = [self.encode(p)], [p]
         elif p and all(isinstance(x, str) for x in p):
-            prompts = [self.encode(x) for x in p]
+            prompts, texts = [self.encode(x) for x in p], list(p)
         elif p and all(isinstance(x, int) for x in p):
             prompts = [list(p)]
         elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]
         else:
             raise OpenAIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+        echo_only = req.echo and req.max_tokens == 0
         # lengths are the engine's to check (Engine.add_request, with max_tokens_must_fit)
-        max_tokens = self.default_max_tokens(max(len(x) for x in prompts), req.max_tokens)
-        return prompts, req.sampling_params(max_tokens, req.logprobs)
+        max_tokens = 1 if echo_only else self.default_max_tokens(max(len(x) for x in prompts), req.max_tokens)
+        prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is None and req.echo and req.logprobs is not None:
+            prompt_logprobs = req.logprobs
+        params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs)
+        if req.echo and texts is None:
+            texts = [self.tokenizer.decode(x) if self.tokenizer is not None else "".join(map(self.token_str, x))
+                     for x in prompts]
+        echo = Echo(texts or [], prompts, req.echo, echo_only, req.prompt_logprobs is not None)
+        return prompts, params, echo
 
     def chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         """A /v1/chat/completions body -> the rendered prompt's token ids and the sampling params."""
@@ -118,7 +132,8 @@ class ServerState:
         max_tokens = self.default_max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens)
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        return prompt, req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        return prompt, req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                           req.prompt_logprobs)
 
     def default_max_tokens(self, prompt_len: int, requested: int | None) -> int:
         return requested if requested is not None else max(1, self.max_model_len - prompt_len)
@@ -255,31 +270,41 @@ def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
     state = _state(request)
-    prompts, params = await run_in_threadpool(state.completion_inputs, req)
-    sub = state.engine.submit(prompts, params, cache_salt=req.cache_salt, request_field=req.request_field)
+    prompts, params, echo = await run_in_threadpool(state.completion_request, req)
+    sub = state.engine.submit(prompts, params, cache_salt=req.cache_salt, request_field=req.request_field,
+                              priority=req.priority)
     rid, created = new_id("cmpl"), now()
     n_prompt = sum(len(x) for x in prompts)
     if req.stream:
         base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
         return stream_response(state.engine, sub, base, n_prompt, _include_usage(req),
-                               CompletionChoices(sub, state.token_str, req.logprobs is not None))
-    return await respond(state.engine, sub, request, lambda groups: completion_body(
-        rid, created, state.model_name, groups, n_prompt, state.token_str, req.logprobs is not None, sub.n))
+                               CompletionChoices(sub, state.token_str, req.logprobs is not None, echo))
+    return await respond(state.engine, sub, request, lambda groups: echo.apply(completion_body(
+        rid, created, state.model_name, groups, n_prompt, state.token_str, req.logprobs is not None, sub.n),
+        groups, state.token_str, req.logprobs is not None, sub.n))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = _state(request)
     prompt, params = await run_in_threadpool(state.chat_inputs, req)
-    sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt, request_field=req.request_field)
+    sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt, request_field=req.request_field,
+                              priority=req.priority)
     rid, created = new_id("chatcmpl"), now()
     if req.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
         choices = ChatChoices(sub.n, req.tool_plan(), state.token_str, bool(req.logprobs))
         return stream_response(state.engine, sub, base, len(prompt), _include_usage(req), choices, choices.head)
-    return await respond(state.engine, sub, request, lambda groups: chat_body(
-        rid, created, state.model_name, groups, len(prompt), state.token_str, req.logprobs, sub.n,
-        tools=req.tool_plan()))
+
+    def build(groups):
+        body = chat_body(rid, created, state.model_name, groups, len(prompt), state.token_str, req.logprobs, sub.n,
+                         tools=req.tool_plan())
+        if req.prompt_logprobs is not None:   # vLLM's place: the response's top level
+            entries = first_prompt_logprobs(groups[0])
+            body["prompt_logprobs"] = None if entries is None else vllm_prompt_logprobs(entries, prompt,
+                                                                                        state.token_str)
+        return body
+    return await respond(state.engine, sub, request, build)
 
 
 def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_queue: int = 1024,

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from jaxinfer.config import SamplingParams
 from jaxinfer.generator import Generator
 from serve.app import ServerState
+from serve.echo import first_prompt_logprobs, vllm_prompt_logprobs
 from serve.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_body, completion_body,
                             find_invalid_text, new_id, now)
 
@@ -40,6 +41,7 @@ class Job:
     prompts: list[list[int]]
     params: SamplingParams
     rids: list[str] | None = None
+    echo: Any = None            # completions: serve.echo.Echo (echo, prompt logprobs)
 
 
 def _key(line: int, custom_id: Any) -> tuple[int, str | None]:
@@ -76,8 +78,9 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
         return _error_line(line_no, cid, 400, f"url must be one of {sorted(ROUTES)}, got {url!r}")
     try:
         req = ROUTES[url].model_validate(obj.get("body"))
+        echo = None
         if url == "/v1/completions":
-            prompts, params = state.completion_inputs(req)
+            prompts, params, echo = state.completion_request(req)
         else:
             prompt, params = state.chat_inputs(req)
             prompts = [prompt]
@@ -88,7 +91,7 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
         return _error_line(line_no, cid, e.status, e.message)
     except Exception as e:   # one line's surprise never ends the run
         return _error_line(line_no, cid, 500, f"line {line_no + 1}: {type(e).__name__}: {e}")
-    return Job(line_no, cid, url, req, prompts, params)
+    return Job(line_no, cid, url, req, prompts, params, echo=echo)
 
 
 def _read_lines(path: Path) -> list[str | bytes]:
@@ -130,6 +133,12 @@ def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -
     extra = {"tools": job.request.tool_plan()} if job.url == "/v1/chat/completions" else {}
     body = build(rid, now(), state.model_name, groups, n_prompt, state.token_str, bool(want_lp), job.params.n,
                  **extra)
+    if job.echo is not None:
+        body = job.echo.apply(body, groups, state.token_str, bool(want_lp), job.params.n)
+    elif getattr(job.request, "prompt_logprobs", None) is not None:   # chat: vLLM's top-level field
+        entries = first_prompt_logprobs(groups[0])
+        body["prompt_logprobs"] = None if entries is None else vllm_prompt_logprobs(entries, job.prompts[0],
+                                                                                    state.token_str)
     return {"id": new_id("batch_req"), "custom_id": job.custom_id, "line": job.line,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
@@ -186,7 +195,7 @@ def run_batch(gen: Generator, in_path: str | Path, out_path: str | Path, model_n
     for job in jobs:
         try:   # all of a job's prompts or none
             job.rids = client.submit(job.prompts, job.params, route=route_of(job), cache_salt=job.request.cache_salt,
-                                     max_tokens_must_fit=True)
+                                     max_tokens_must_fit=True, priority=job.request.priority)
         except ValueError as e:
             record(_key(job.line, job.custom_id), _error_line(job.line, job.custom_id, 400, str(e)))
             continue

@@ -159,6 +159,8 @@ class _Sampling(_Body):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM's: lower runs first under --scheduling-policy priority (other than 0 refused under fcfs)
+    priority: int = 0
     # prefix caching (vLLM's name): requests share cached prompt blocks only under the same salt
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # token id (as a string, OpenAI's shape) -> bias in [-100, 100]
@@ -171,7 +173,8 @@ class _Sampling(_Body):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = self.logit_bias_ids()
         constraint = self.constraint()
@@ -182,7 +185,8 @@ class _Sampling(_Body):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 seed=self.seed, stop=tuple(stop),
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                logprobs=logprobs, n=self.n, logit_bias=bias, structured_outputs=constraint)
+                logprobs=logprobs, n=self.n, logit_bias=bias, structured_outputs=constraint,
+                prompt_logprobs=prompt_logprobs)
         except SamplingParamsError as e:
             raise OpenAIError(400, str(e), param=self.request_field(e.fields[0])) from None
 
@@ -311,11 +315,29 @@ def _structured_outputs(so: dict) -> StructuredOutputs:
     return StructuredOutputs(**kw, whitespace_flexible=daw is False)
 
 
+def _check_prompt_logprobs(data: Any) -> Any:
+    """vLLM's rule: prompt logprobs come with the whole response, never streamed."""
+    if isinstance(data, dict) and data.get("stream") and data.get("prompt_logprobs") is not None:
+        raise _refuse("prompt_logprobs", "prompt_logprobs are not available when stream is true")
+    return data
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
     max_tokens: int | None = 16
+    prompt_logprobs: int | None = None      # vLLM's extension (echo with logprobs implies logprobs' k)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_streamed(cls, data: Any) -> Any:
+        return _check_prompt_logprobs(data)
+
+    def request_field(self, name: str) -> str:
+        if name == "prompt_logprobs" and self.prompt_logprobs is None:
+            return "logprobs"     # echo's prompt logprobs are logprobs' k
+        return super().request_field(name)
 
 
 # message fields OpenAI defines that this server does not implement: refused when set, never dropped
@@ -380,7 +402,16 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    prompt_logprobs: int | None = None      # vLLM's extension: the rendered prompt's logprobs
     _plan: Any = PrivateAttr(default=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_chat_extras(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("echo") not in (None, False):
+            raise _refuse("echo", "echo is not available on chat completions (OpenAI's chat API has none); "
+                                  "use /v1/completions with echo, or prompt_logprobs here")
+        return _check_prompt_logprobs(data)
 
     def request_field(self, name: str) -> str:
         if name == "logprobs":

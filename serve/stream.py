@@ -114,9 +114,11 @@ class CompletionChoices:
     """Streamed /v1/completions: one delta -> its choice. Choices are numbered prompt-major (prompt i's
     sample j is i * n + j), and logprobs' text_offset keeps counting across a choice's chunks."""
 
-    def __init__(self, sub: Submission, token_str: Callable[[int], str], logprobs: bool):
+    def __init__(self, sub: Submission, token_str: Callable[[int], str], logprobs: bool, echo=None):
         self.sub, self.token_str, self.logprobs = sub, token_str, logprobs
         self.offsets: dict[int, int] = {}   # choice index -> characters sent so far
+        self.echo = echo                     # serve.echo.Echo: the prompt in front of each choice
+        self.started: set[int] = set()
 
     def __call__(self, d: RequestOutput) -> list[dict]:
         index = self.sub.request_ids.index(d.request_id) * self.sub.n + d.sample_index
@@ -125,8 +127,10 @@ class CompletionChoices:
             lp = completion_logprobs([d], self.token_str)
             lp["text_offset"] = [o + self.offsets.get(index, 0) for o in lp["text_offset"]]
         self.offsets[index] = self.offsets.get(index, 0) + len(d.text)
-        return [{"index": index, "text": d.text, "logprobs": lp,
-                 "finish_reason": d.finish_reason if d.finished else None}]
+        chunk = {"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason if d.finished else None}
+        if self.echo is not None and (self.echo.echo or self.echo.prompt_logprobs):
+            chunk = self.echo.stream_choice(chunk, d, self.started, self.token_str, self.logprobs, self.sub.n)
+        return [] if chunk is None else [chunk]
 
 
 class ChatChoices:

@@ -19,7 +19,7 @@ from jaxinfer.config.engine import (ATTENTION_CHOICES, BATCHING_CHOICES, DEFAULT
 from jaxinfer.config.model import MAX_POSITIONS, ConfigError, ModelConfig, RopeScaling, _is_int, _is_number
 from jaxinfer.config.resolve import (PoolInputs, ResolvedConfig, check_pool_fits, pallas_unsupported, resolve_config,
                                      resolve_dtype_name, resolve_impl_name, size_pool)
-from jaxinfer.config.sampling import (MAX_LOGIT_BIAS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SamplingParams,
+from jaxinfer.config.sampling import (MAX_LOGIT_BIAS, MAX_PROMPT_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SamplingParams,
                                       SamplingParamsError, StructuredOutputs)
 
 __all__ = [
@@ -29,6 +29,6 @@ __all__ = [
     "MAX_POSITIONS",
     "ConfigError", "ModelConfig", "RopeScaling", "PoolInputs", "ResolvedConfig", "check_pool_fits",
     "pallas_unsupported", "resolve_config", "resolve_dtype_name", "resolve_impl_name", "size_pool",
-    "MAX_LOGIT_BIAS", "MAX_STOP_LENGTH", "MAX_STOP_STRINGS", "SamplingParams", "SamplingParamsError",
+    "MAX_LOGIT_BIAS", "MAX_PROMPT_LOGPROBS", "MAX_STOP_LENGTH", "MAX_STOP_STRINGS", "SamplingParams", "SamplingParamsError",
     "StructuredOutputs",
 ]

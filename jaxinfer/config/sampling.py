@@ -16,6 +16,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 512
 # logit_bias: at most this many token ids per request (OpenAI's limit), each biased within +-100.
 MAX_LOGIT_BIAS = 300
+# top-N per prompt token at most (the step computes this many for every prompt position asked for;
+# sampling.MAX_LOGPROBS, vLLM's default max_logprobs)
+MAX_PROMPT_LOGPROBS = 20
 
 
 class SamplingParamsError(ValueError):
@@ -85,6 +88,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None         # top-N logprobs per generated token
+    # every prompt token's logprob (the first has none) and its top-N, from the prefill step itself
+    # (vLLM's prompt_logprobs; such a request does not start from the prefix cache: jaxinfer/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
     n: int = 1
     # token id -> bias added to its logit on device, before everything else but the structured-output
     # mask (OpenAI's logit_bias: -100 bans a token, +100 all but forces it); stored as sorted pairs
@@ -138,6 +144,10 @@ class SamplingParams:
             problems.append(("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}"))
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
             problems.append(("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"))
+        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int)
+                                                     and 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS):
+            problems.append(("prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_PROMPT_LOGPROBS}] "
+                                                f"(the server's limit), got {self.prompt_logprobs!r}"))
         if not isinstance(self.n, int) or not 1 <= self.n <= 128:
             problems.append(("n", f"n must be an integer in [1, 128], got {self.n!r}"))
         if any(not isinstance(s, str) or not s for s in self.stop):

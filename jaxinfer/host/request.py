@@ -90,6 +90,9 @@ class Request(LatencyMetrics):
     num_passed_over: int = 0
     # structured outputs: this sample's grammar matcher (host/structured.Guide), fed each drawn token
     guide: Any = None
+    # params.prompt_logprobs: position p -> the logprob entry of prompt token p + 1 (one dict shared by
+    # the request's n samples; jaxinfer/prompt_logprobs.py), else None
+    prompt_logprobs: dict | None = None
 
     @property
     def all_ids(self) -> list[int]:

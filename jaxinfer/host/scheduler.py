@@ -405,8 +405,8 @@ class Scheduler:
     def _cache_hits(self, req: Request) -> list[int]:
         """Cached blocks a request with no blocks can start from: its longest cached prefix, short
         of its last known token (whose logits are needed)."""
-        if not self._looks_up(req):
-            return []
+        if not self._looks_up(req) or req.params.prompt_logprobs is not None:
+            return []   # prompt logprobs need every prompt position's logits: a cached block has none
         usable = (req.num_known_tokens - 1) // self.blocks.block_size
         return self.blocks.lookup(self._hashes(req)[:usable])
 

@@ -1,0 +1,101 @@
+"""Models by Hugging Face id: `ORG/NAME[@REVISION]` -> a local snapshot folder, through
+huggingface_hub.snapshot_download, its cache and its environment (HF_HOME / HF_HUB_CACHE for where,
+HF_HUB_OFFLINE=1 for cache only, HF_TOKEN for gated models), as vLLM and SGLang resolve `--model`.
+
+- A path that exists wins: `--model org/name` loads the local folder when there is one.
+- Only what jaxinfer reads is fetched (ALLOW_PATTERNS): the config, the tokenizer's files, the
+  safetensors and their index, the chat template, the generation config; never *.bin / *.pth
+  pickles, nor the other formats a repository may hold (GGUF, ONNX, original/ consolidated).
+- Every failure is one error (ModelSpecError) naming the id, the revision and what to do.
+
+Never imports jax (the CLI resolves before the engine starts).
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+# what the loaders read (jaxinfer/weights.py, jaxinfer/tokenizer.py, the chat template, generation
+# defaults): top-level files only, so a repository's original/ or onnx/ copies are never fetched
+ALLOW_PATTERNS = (
+    "config.json", "generation_config.json",
+    "*.safetensors", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "merges.txt",
+    "chat_template.jinja", "chat_template.json",
+)
+# a repository id as the Hub writes it: one slash, ORG and NAME of letters, digits, '-', '_', '.'
+HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+
+
+class ModelSpecError(ValueError):
+    """A --model / from_pretrained path that is neither a local folder nor a usable Hub id."""
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """'org/name@rev' -> ('org/name', 'rev'); 'org/name' -> ('org/name', None)."""
+    repo_id, at, revision = spec.partition("@")
+    return repo_id, (revision if at else None)
+
+
+def is_hub_id(spec: str | os.PathLike) -> bool:
+    """spec names a Hub repository (and no local path of that name exists)."""
+    s = os.fspath(spec)
+    return not Path(s).exists() and HF_ID.fullmatch(split_spec(s)[0]) is not None
+
+
+def served_name(spec: str | os.PathLike | None, default: Path) -> str:
+    """The model name the server answers to by default: the Hub id (vLLM's), else the folder's name."""
+    if spec is not None and is_hub_id(spec):
+        return split_spec(os.fspath(spec))[0]
+    return Path(spec if spec is not None else default).resolve().name
+
+
+def resolve_model_path(spec: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local folder: `spec` itself when it exists, else the snapshot of Hub id `spec` (ORG/NAME, with
+    an optional @REVISION; or revision=) in the Hugging Face cache, downloaded there unless
+    HF_HUB_OFFLINE=1."""
+    s = os.fspath(spec)
+    if Path(s).exists():
+        if revision is not None:
+            raise ModelSpecError(f"{s}: revision={revision!r} applies to Hugging Face ids; this is a local path")
+        return Path(s)
+    repo_id, at_revision = split_spec(s)
+    if HF_ID.fullmatch(repo_id) is None:
+        raise ModelSpecError(f"{s}: no such file or folder, and not a Hugging Face model id (ORG/NAME[@REVISION])")
+    if at_revision is not None and revision is not None and at_revision != revision:
+        raise ModelSpecError(f"{s}: two revisions given ({at_revision!r} in the id, revision={revision!r})")
+    revision = revision or at_revision
+    if revision is not None and not revision:
+        raise ModelSpecError(f"{s}: empty revision after '@'")
+    return Path(_download(repo_id, revision))
+
+
+def _download(repo_id: str, revision: str | None) -> str:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+    what = f"{repo_id}" + (f" (revision {revision!r})" if revision else "")
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=list(ALLOW_PATTERNS))
+    except RevisionNotFoundError:
+        raise ModelSpecError(f"{repo_id}: revision {revision!r} does not exist on the Hugging Face Hub "
+                             "(give a branch, tag or commit of the repository)") from None
+    except GatedRepoError:
+        raise ModelSpecError(f"{what}: the repository is gated; accept its terms on huggingface.co and set HF_TOKEN "
+                             "(or run `hf auth login`)") from None
+    except RepositoryNotFoundError:
+        raise ModelSpecError(f"{what}: no such repository on the Hugging Face Hub (or it is private: set "
+                             "HF_TOKEN)") from None
+    except LocalEntryNotFoundError as e:
+        where = constants.HF_HUB_CACHE
+        if constants.is_offline_mode():
+            raise ModelSpecError(
+                f"{what}: not in the Hugging Face cache ({where}), and HF_HUB_OFFLINE=1 forbids downloading it; "
+                "unset HF_HUB_OFFLINE to download it, or point HF_HOME / HF_HUB_CACHE at a cache that holds "
+                "it") from None
+        raise ModelSpecError(f"{what}: not in the Hugging Face cache ({where}) and the Hub could not be "
+                             f"reached ({e.__cause__ or e})") from None
+    except HfHubHTTPError as e:
+        raise ModelSpecError(f"{what}: the Hugging Face Hub refused the download ({e})") from None
