@@ -12,6 +12,8 @@ The contract (SGLang states its ScheduleBatch -> ForwardBatch the same way):
   StepInputs.num_iters []              decode iterations to run (1 unless every row decodes)
   StepInputs.from_prev [T]             async scheduling: where a token still on the device lies in the
                                        previous step's next_tokens (-1: the host's token)
+  StepInputs.lora                      multi-LoRA (None without): each token's adapter slot [T] and the
+                                       slots' device stacks (jaxinfer/lora/execute.py) -> low-rank updates
 and back, one device-to-host copy of StepOutputs: ids/logprobs [K, S] (+ top-N [K, S, 20]) and
 num_drawn [S]. next_tokens [K * max_rows] stays on the device as the next step's `prev_tokens`
 (async scheduling, runner.py). The KV pages are donated, so they are updated in place.
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +66,8 @@ class StepInputs:
     max_new: jax.Array          # [S] int32
     num_iters: jax.Array        # [] int32, 1 <= num_iters <= StepSettings.max_iters
     from_prev: jax.Array        # [T] int32: index into the previous step's next_tokens, or -1
+    # multi-LoRA: jaxinfer.lora.execute.LoraInputs (token slots [T] + device stacks), None without
+    lora: object = field(default=None, kw_only=True)
 
 
 @jax.tree_util.register_dataclass
@@ -153,7 +157,7 @@ def _advance(inputs: StepInputs, ids: jax.Array, drew: jax.Array, going: jax.Arr
     sb = with_history(inputs.sampling, ids, drew)   # penalties see the tokens drawn by earlier iterations
     sb = SamplingBatch(**{**vars(sb), "position": sb.position + going.astype(jnp.int32)})
     return StepInputs(tokens, positions, meta, li, sb, inputs.stop_ids, inputs.max_new, inputs.num_iters,
-                      inputs.from_prev)
+                      inputs.from_prev, lora=inputs.lora)
 
 
 def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings
@@ -167,7 +171,8 @@ def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.A
 
     def iteration(i, kv, x: StepInputs, out: StepOutputs, done):
         """One forward + sample; returns the drawn ids and the updated kv, outputs and done."""
-        logits, kv = model(x.tokens, x.positions, kv, x.meta, x.logits_indices, impl=settings.attention)
+        logits, kv = model(x.tokens, x.positions, kv, x.meta, x.logits_indices, impl=settings.attention,
+                           lora=x.lora)
         kv = pin_pages(kv, settings)
         ids, lps, top_ids, top_lps = sample(logits, x.sampling)
         drew = ~done
