@@ -235,3 +235,56 @@ def test_lru_slots_without_a_model():
     slots.release(2)
     slots.drop(2)
     assert slots.free == [1]
+
+
+def test_cli_flags_reach_the_engine_settings(llama):
+    from jaxinfer.cli import build_parser
+    from jaxinfer.config.engine import EngineConfig
+    from jaxinfer.config.flags import engine_kwargs
+    base, adapters = llama
+    args = build_parser().parse_args(["serve", "--model", base, "--lora-modules", f"a={adapters['a'][0]}",
+                                      f"b={adapters['b'][0]}", "--max-lora-rank", "8"])
+    cfg = EngineConfig(**{k: v for k, v in engine_kwargs(args).items() if k != "speculative_model"})
+    assert cfg.lora_modules == (("a", adapters["a"][0]), ("b", adapters["b"][0]))
+    assert (cfg.max_loras, cfg.max_lora_rank) == (4, 8)
+    with pytest.raises(ValueError, match="not NAME=PATH"):
+        EngineConfig(lora_modules=["a"])
+
+
+def test_http_adapters_models_load_unload(gen, llama, tmp_path):
+    """vLLM's interface over the same engine: `model` picks the adapter (token-id prompts: the base
+    folder has no tokenizer), logprobs as PEFT computes them, /v1/models with parents, run-time load
+    and unload with no flag, 404 / 400 as vLLM answers them."""
+    from fastapi.testclient import TestClient
+
+    from serve.app import build_app
+    _, adapters = llama
+    for name in ("b", "c"):
+        if name not in gen.lora_adapters():
+            gen.load_lora(name, adapters[name][0])
+    with TestClient(build_app(gen, "tiny")) as http:
+        models = http.get("/v1/models").json()["data"]
+        assert models[0]["id"] == "tiny" and models[0]["parent"] is None
+        assert {m["id"]: m["parent"] for m in models[1:]} == {n: "tiny" for n in gen.lora_adapters()}
+        body = dict(model="c", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1)
+        out = http.post("/v1/completions", json=body).json()
+        assert out["model"] == "c"
+        tokens = [int(t.split(":")[1]) for t in out["choices"][0]["logprobs"]["tokens"]]
+        assert tokens == gen.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0), lora="c")[0].token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(adapters["c"][1](torch.tensor([PROMPT])).logits[0, -1].double(), -1)
+        assert abs(out["choices"][0]["logprobs"]["token_logprobs"][0] - float(ref[tokens[0]])) < 1e-4
+        assert http.post("/v1/completions", json={**body, "model": "nope"}).status_code == 404
+
+        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path / "none")})
+        assert bad.status_code == 400 and "does not exist" in bad.json()["error"]["message"]
+        assert "x" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+        ok = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": adapters["b"][0]})
+        assert ok.status_code == 200, ok.text
+        assert "x" in [m["id"] for m in http.get("/v1/models").json()["data"]]
+        same = http.post("/v1/completions", json={**body, "model": "x"}).json()["choices"][0]["logprobs"]["tokens"]
+        assert same == http.post("/v1/completions", json={**body, "model": "b"}).json()["choices"][0]["logprobs"]["tokens"]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
+        assert "x" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 404
+        assert http.post("/v1/completions", json={**body, "model": "x"}).status_code == 404
