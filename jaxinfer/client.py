@@ -143,6 +143,26 @@ class EngineClient:
         with self._lock:
             self.engine.remove_step_observer(callback)
 
+    # ---------------------------------------------------------------- LoRA adapters
+    def load_lora(self, name: str, path) -> None:
+        """Register a PEFT adapter (jaxinfer.lora.adapter.LoraError: nothing registered)."""
+        with self._lock:
+            self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter (KeyError if unknown); its running requests finish."""
+        with self._lock:
+            self.engine.unload_lora(name)
+
+    def lora_names(self) -> list[str]:
+        with self._lock:
+            return self.engine.lora_names()
+
+    def lora_single(self, name: str) -> list:
+        """One adapter's weights as single-slot stacks (gen.logits); KeyError if unknown."""
+        with self._lock:
+            return self.engine.lora_single(name)
+
     def locked(self, fn: Callable[[], object]) -> object:
         """Run fn() while holding the engine lock (multi-host: publish and run in one order)."""
         with self._lock:
@@ -152,28 +172,34 @@ class EngineClient:
     def submit(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
                route: Route | None = None, arrival_time: float | None = None,
                check: Callable[[], None] | None = None, cache_salt: str | None = None,
-               max_tokens_must_fit: bool = False, priority: int | Sequence[int] = 0) -> list[str]:
+               max_tokens_must_fit: bool = False, priority: int | Sequence[int] = 0,
+               lora: str | None | Sequence[str | None] = None) -> list[str]:
         """Queue one engine request per prompt, all or nothing: a ValueError for any prompt aborts
         the ones already added and is raised as a SubmitError naming the prompt's index. Each delta
         of these requests is passed to `route` by the thread that steps, under the lock (keep it
         short). check() runs under the lock first: an adapter's admission control, it raises to
         refuse. cache_salt: these requests share cached prefix blocks only under the same salt.
         priority: lower runs first under scheduling_policy="priority" (one for all prompts, or one
-        per prompt; vLLM's)."""
+        per prompt; vLLM's). lora: the loaded adapter these requests run with (None: the base model),
+        or one per prompt."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
         if len(prios) != len(prompts):
             raise ValueError(f"got {len(prios)} priorities for {len(prompts)} prompts")
+        llist = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
+        if len(llist) != len(prompts):
+            raise ValueError(f"got {len(llist)} LoRA names for {len(prompts)} prompts")
         rids: list[str] = []
         with self._lock:
             if check is not None:
                 check()
             try:
-                for ids, p, prio in zip(prompts, plist, prios):
+                for ids, p, prio, name in zip(prompts, plist, prios, llist):
                     rid = self.engine.add_request(ids, p, arrival_time=arrival_time, cache_salt=cache_salt,
-                                                  max_tokens_must_fit=max_tokens_must_fit, priority=prio)
+                                                  max_tokens_must_fit=max_tokens_must_fit, priority=prio,
+                                                  lora=name)
                     rids.append(rid)
                     self._routes[rid] = route
                     self._samples[rid] = self.engine.samples(rid)
@@ -245,14 +271,15 @@ class EngineClient:
             self.release(request_id, abort=done < n)
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
-                 cache_salt: str | None = None, priority: int | Sequence[int] = 0
+                 cache_salt: str | None = None, priority: int | Sequence[int] = 0,
+                 lora: str | None | Sequence[str | None] = None
                  ) -> tuple[list[str], list[list[Completion]]]:
         """Submit all prompts (all or nothing), run them to the end; (request ids, completions per
-        prompt with one Completion per sample)."""
+        prompt with one Completion per sample). lora: submit's."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         queues: dict[str, deque] = defaultdict(deque)
         rids = self.submit(prompts, plist, route=lambda d: queues[d.request_id].append(d), cache_salt=cache_salt,
-                           priority=priority)
+                           priority=priority, lora=lora)
         results = [[Completion() for _ in range(p.n)] for p in plist]
         for rid, p, samples in zip(rids, plist, results):
             for d in self.stream_deltas(rid, p.n, queues[rid]):

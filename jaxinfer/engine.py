@@ -126,21 +126,92 @@ class Engine:
         self._device_s: float | None = None   # device time of the step applied by this step()
         self._applied: list[tuple[tuple[int, int], int]] = []   # (span, iterations) applied by this step()
         self.num_constrained_requests = 0
+        # multi-LoRA (jaxinfer/lora/): enabled with the first adapter, at start (cfg.lora_modules) or
+        # by load_lora while serving; until then steps carry no LoRA input and compile no LoRA work
+        self.lora = None
+        self._model = model
+        for name, path in cfg.lora_modules or ():
+            self.load_lora(name, path)
 
     def warmup(self) -> None:
         """Compile every step shape now; afterwards serving must compile nothing (counted per step)."""
         self.runner.warmup()
+        if self.lora is not None:
+            self.lora.warmup()
         self.warmed_up = True
+
+    # ---------------------------------------------------------------- LoRA adapters
+    def _enable_lora(self) -> None:
+        """Device slots for max_loras adapters; a warmed-up engine compiles its LoRA steps now (once)."""
+        from jaxinfer.lora.adapter import LoraError
+        from jaxinfer.lora.manager import LoraManager
+        if isinstance(self._model, PipelinedDecoder):
+            raise LoraError("LoRA adapters are not available with pipeline_parallel > 1")
+        if self.resolved.spec_tokens:
+            raise LoraError("LoRA adapters are not available with speculative decoding (speculative_method)")
+        rules = None
+        if self.runner.mesh is not None:
+            from jaxinfer.sharding import rules_for
+            rules = rules_for(self._model.cfg, self.runner.mesh)
+        self.lora = LoraManager(self._model, self.cfg.max_loras, self.cfg.max_lora_rank, self.runner.mesh, rules)
+        self.scheduler.lora_slots = self.lora.slots
+        self.runner.lora = self.lora.device
+        if self.warmed_up:
+            self.warmup()
+
+    def load_lora(self, name: str, path) -> None:
+        """Register the PEFT adapter at path under name. A LoraError (a ValueError naming the file and
+        what is wrong) registers nothing."""
+        from jaxinfer.lora.adapter import LoraError
+        if not isinstance(name, str) or not name:
+            raise LoraError("a LoRA adapter needs a non-empty name")
+        if self.lora is not None:
+            self.lora.load(name, path)
+            return
+        self._enable_lora()
+        try:
+            self.lora.load(name, path)
+        except LoraError:
+            if not self.lora.names:   # nothing registered: the engine stays as it was
+                self.scheduler.lora_slots = self.runner.lora = self.lora = None
+            raise
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter (KeyError if none has that name); requests already added with it finish."""
+        if self.lora is None or name not in self.lora.ids:
+            raise KeyError(name)
+        self.lora.unload(name, self._lora_in_use())
+
+    def lora_single(self, name: str) -> list:
+        """One adapter's stacks alone, slot 0 (KeyError if unknown): what gen.logits(lora=) runs with."""
+        if self.lora is None:
+            raise KeyError(name)
+        return self.lora.device.single(self.lora.adapters[self.lora.lora_id(name)])
+
+    def lora_names(self) -> list[str]:
+        return [] if self.lora is None else self.lora.names
+
+    def _lora_in_use(self) -> set[int]:
+        return {r.lora_id for r in self.scheduler.requests.values() if r.lora_id is not None and not r.finished} | {
+            c.lora_id for r in self.scheduler.requests.values() for c in r.pending_forks if c.lora_id is not None}
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
-                    max_tokens_must_fit: bool = False) -> str:
+                    max_tokens_must_fit: bool = False, lora: str | None = None) -> str:
         """Queue a request (n samples); returns its id. Raises ValueError (RequestError, naming the
         field) for prompts that cannot fit. The prompt must leave room for one new token; generation
         stops at the context's end ("length"), as vLLM's LLM does. max_tokens_must_fit: prompt +
         max_tokens must fit the context (what OpenAI's API promises; the server and batch script ask
-        for it). cache_salt: requests share cached prefix blocks only with requests of the same salt."""
+        for it). cache_salt: requests share cached prefix blocks only with requests of the same salt.
+        lora: a loaded adapter's name (None: the base model; an unknown name is a RequestError with
+        code "model_not_found")."""
+        lora_id = None
+        if lora is not None:
+            if self.lora is None or lora not in self.lora.ids:
+                raise RequestError(f"the LoRA adapter {lora!r} does not exist (loaded: {self.lora_names()})",
+                                   "model", "model_not_found")
+            lora_id = self.lora.lora_id(lora)
         prompt_ids = [int(t) for t in prompt_ids]
         check_priority(priority, self.resolved.scheduling_policy)
         if not prompt_ids:
@@ -183,7 +254,7 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         now = time.monotonic() if arrival_time is None else arrival_time
         make = lambda i, rid: Request(rid, list(prompt_ids), params, seed, sample_index=i,  # noqa: E731
-                                      priority=priority, arrival_time=now, cache_salt=cache_salt)
+                                      priority=priority, arrival_time=now, cache_salt=cache_salt, lora_id=lora_id)
         leader = make(0, request_id)
         leader.pending_forks = [make(i, f"{request_id}#{i}") for i in range(1, params.n)]
         if params.prompt_logprobs is not None:   # one prompt, one set of prompt logprobs for all samples
@@ -270,6 +341,8 @@ class Engine:
         if prev is not None:
             deltas += self._complete(prev)
         self._inflight = launched
+        if self.lora is not None and self.lora.has_retired:   # unloaded adapters whose last request ended
+            self.lora.collect(self._lora_in_use())
         t1 = time.perf_counter()
         self.stats_.host_times.append(t1 - t0 - self._waited)
         self._waited = 0.0
@@ -294,6 +367,8 @@ class Engine:
 
     def _launch(self, sched: SchedulerOutput, prev: Launched | None, before_dispatch=None) -> Launched:
         c0 = CompileCounter.count
+        if self.lora is not None:   # adapters placed in slots by this schedule() reach the device first
+            self.lora.apply_pending()
         launched = self.runner.launch(sched, self.blocks.tables, prev, before_dispatch)
         launched.t_launch = time.perf_counter()
         if self.warmed_up:

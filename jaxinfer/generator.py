@@ -30,6 +30,7 @@ from jaxinfer.config.engine import engine_config, settings as engine_settings
 from jaxinfer.hub import resolve_model_path
 from jaxinfer.client import Completion, EngineClient, SubmitError
 from jaxinfer.engine import Engine
+from jaxinfer.lora.execute import LoraInputs
 from jaxinfer.spec_decode.medusa import is_medusa, load_heads
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.models.decoder import fuse_decoder, quantize_decoder
@@ -231,10 +232,13 @@ class Generator:
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 cache_salt: str | None = None, priority: int | Sequence[int] = 0) -> list[GenerationOutput]:
+                 cache_salt: str | None = None, priority: int | Sequence[int] = 0,
+                 lora: str | None | Sequence[str | None] = None) -> list[GenerationOutput]:
         """cache_salt: these prompts share cached prefix blocks only with requests of the same salt.
         priority: lower runs first (one for all prompts or one per prompt); a priority other than 0
-        needs scheduling_policy="priority" (vLLM's rule)."""
+        needs scheduling_policy="priority" (vLLM's rule).
+        lora: a loaded LoRA adapter's name for every prompt, or a list with one per prompt (None: the
+        base model); rows with different adapters share every step."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -244,19 +248,23 @@ class Generator:
         encoded = [self._encode(p) for p in prompts]
         self._check_leader()
         try:
-            rids, results = self.client.generate(encoded, plist, cache_salt=cache_salt, priority=priority)
+            rids, results = self.client.generate(encoded, plist, cache_salt=cache_salt, priority=priority,
+                                                 lora=lora)
         except SubmitError as e:
             raise ValueError(f"prompt {e.index}: {e.message}") from None
         return [GenerationOutput(rid, ids, samples, max(c.num_cached_tokens for c in samples))
                 for rid, ids, samples in zip(rids, encoded, results)]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               priority: int = 0) -> Iterator[StreamDelta]:
+               priority: int = 0, lora: str | None = None) -> Iterator[StreamDelta]:
         params = params or SamplingParams()
         ids = self._encode(prompt)
         self._check_leader()
         queue: deque = deque()
-        [rid] = self.client.submit([ids], params, route=queue.append, priority=priority)
+        try:
+            [rid] = self.client.submit([ids], params, route=queue.append, priority=priority, lora=lora)
+        except SubmitError as e:
+            raise ValueError(e.message) from None
         for d in self.client.stream_deltas(rid, params.n, queue):
             if d.text or d.token_ids or d.finished:
                 yield StreamDelta(d.text, d.token_ids, d.sample_index, d.logprobs,
@@ -265,8 +273,9 @@ class Generator:
     def abort(self, request_id: str) -> None:
         self.client.abort(request_id)
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """float32 [T, vocab]: one full causal forward of the tokens, no cache."""
+    def logits(self, token_ids: Sequence[int], lora: str | None = None) -> np.ndarray:
+        """float32 [T, vocab]: one full causal forward of the tokens, no cache. lora: a loaded LoRA
+        adapter's name (None: the base model)."""
         ids = self._encode(token_ids)
         t = len(ids)
         if not 0 < t <= self.model_cfg.max_position_embeddings:
@@ -277,6 +286,14 @@ class Generator:
         positions = np.arange(padded, dtype=np.int32)
         if self.model_cfg.position == "learned":
             positions = np.minimum(positions, self.model_cfg.max_position_embeddings - 1)
+        if lora is not None:
+            try:
+                stacks = self.client.lora_single(lora)
+            except KeyError:
+                raise ValueError(f"the LoRA adapter {lora!r} does not exist (loaded: {self.client.lora_names()})") from None
+            lora_inputs = LoraInputs(np.zeros(padded, np.int32), stacks)   # every token: slot 0
+            out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions), lora_inputs)
+            return np.asarray(out, np.float32)[:t]
         if self._channel is None:
             out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions))
             return np.asarray(out, np.float32)[:t]  # slice on the host: no extra XLA op
@@ -290,6 +307,23 @@ class Generator:
 
     def stats(self) -> dict:
         return self.client.stats()
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Register the PEFT adapter folder at path as `name` while serving (no restart, no flag).
+        A bad adapter raises jaxinfer.lora.adapter.LoraError (a ValueError naming the problem) and
+        registers nothing."""
+        self.client.load_lora(name, str(path))
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter (ValueError if no adapter has that name); its requests already queued finish."""
+        try:
+            self.client.unload_lora(name)
+        except KeyError:
+            raise ValueError(f"the LoRA adapter {name!r} does not exist (loaded: {self.client.lora_names()})") from None
+
+    def lora_adapters(self) -> list[str]:
+        """The names of the loaded LoRA adapters."""
+        return self.client.lora_names()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block; returns how many were dropped."""
@@ -339,7 +373,7 @@ def _full_forward(model, impl: str, replicated: bool):
     gen.logits runs, outside the engine. replicated (multi-host): process 0 reads whole logits
     rows, so they come back replicated, not left vocab-sharded across processes."""
     graphdef, params = nnx.split(model)
-    forward = lambda p, t, pos: nnx.merge(graphdef, p)(t, pos, impl=impl)[0]  # noqa: E731
+    forward = lambda p, t, pos, lora=None: nnx.merge(graphdef, p)(t, pos, impl=impl, lora=lora)[0]  # noqa: E731
     if not replicated:
         return jax.jit(forward), params
     from jax.sharding import NamedSharding, PartitionSpec

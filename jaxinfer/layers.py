@@ -87,6 +87,32 @@ def dense(x: jax.Array, kernel, bias: jax.Array | None, contract: int = 1, impl:
     return y + bias if bias is not None else y
 
 
+# LoRA (jaxinfer/lora/execute.py): steps of at most this many tokens gather each token's adapter
+GATHER_MAX_TOKENS = 64
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array, contract: int = 1) -> jax.Array:
+    """x [T, *in] (`contract` input dims), a [L, *in, R], b [L, R, *out], slots [T] -> [T, *out]:
+    row t is x[t] @ a[slots[t]] @ b[slots[t]], zero where slots[t] is outside 0..L-1."""
+    t, num = x.shape[0], a.shape[0]
+    out_shape = b.shape[2:]
+    xf = x.reshape(t, -1)                                              # (T, in)
+    af = a.reshape(num, xf.shape[1], a.shape[-1])                      # (L, in, R)
+    bf = b.reshape(num, b.shape[1], -1)                                # (L, R, out)
+    prec = dot_precision(x.dtype)
+    valid = (slots >= 0) & (slots < num)
+    if t <= GATHER_MAX_TOKENS:
+        s = jnp.where(valid, slots, 0)
+        h = jnp.einsum("ti,tir->tr", xf, af[s], precision=prec)                      # (T, R)
+        h = jnp.where(valid[:, None], h, 0).astype(x.dtype)
+        y = jnp.einsum("tr,trn->tn", h, bf[s], precision=prec)                       # (T, out)
+    else:
+        onehot = (slots[:, None] == jnp.arange(num)[None, :]).astype(x.dtype)       # (T, L)
+        h = jnp.einsum("ti,lir->tlr", xf, af, precision=prec) * onehot[:, :, None]    # (T, L, R)
+        y = jnp.einsum("tlr,lrn->tn", h.astype(x.dtype), bf, precision=prec)          # (T, out)
+    return y.reshape(t, *out_shape).astype(x.dtype)
+
+
 class MLP(nnx.Module):
     """Gated (SwiGLU-style: act(x W_gate) * x W_up) or plain (act(x W_fc)) feed-forward.
 
@@ -110,14 +136,19 @@ class MLP(nnx.Module):
         self.down = param((f, d), ("mlp", "embed"), dtype, rngs)
         self.down_bias = param((d,), ("embed",), dtype, rngs, init="zeros") if bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return dense(self.hidden(x), self.down.get_value(), param_value(self.down_bias), impl=self.matmul)
+    def __call__(self, x: jax.Array, lora: tuple | None = None) -> jax.Array:
+        """lora: (token slots [T], this layer's LoRA stacks: group -> (A, B)) or None (lora_delta)."""
+        h = self.hidden(x, lora)
+        y = dense(h, self.down.get_value(), param_value(self.down_bias), impl=self.matmul)
+        return y if lora is None else y + lora_delta(h, *lora[1]["down"], lora[0])
 
-    def hidden(self, x: jax.Array) -> jax.Array:
+    def hidden(self, x: jax.Array, lora: tuple | None = None) -> jax.Array:
         """x [T, D] -> the `down` projection's input [T, F] (what calibration sees)."""
         act = ACTIVATIONS[self.act]
         if self.gate_up is not None:
             y = dense(x, self.gate_up.get_value(), param_value(self.gate_up_bias), impl=self.matmul)
+            if lora is not None:
+                y = y + lora_delta(x, *lora[1]["gate_up"], lora[0])
             gate, up = split_gate_up(y, self.shards)
             h = act(gate) * up
         else:

@@ -29,6 +29,7 @@ from jaxinfer import perf
 from jaxinfer.config import MAX_LOGIT_BIAS, ModelConfig
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
 from jaxinfer.host.structured import Grammars, mask_words
+from jaxinfer.lora.execute import LoraInputs
 from jaxinfer.kv_cache import StepRow, attention_buckets, build_attention_metadata, init_kv_pages, kv_storage_dtype
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.prompt_logprobs import PromptRows, prompt_targets
@@ -149,6 +150,9 @@ class ModelRunner:
         self._no_prev = jax.device_put(np.zeros(self.out_rows * self.settings.max_rows, np.int32),
                                        jax.devices()[0] if self.mesh is None else NamedSharding(self.mesh, PartitionSpec()))
         self.publish_step = publish_step
+        # multi-LoRA: the adapters' device slots (jaxinfer.lora.execute.LoraSlotsDevice), once enabled;
+        # every step then carries each token's slot (its request's Request.lora_slot, -1: none)
+        self.lora = None
 
     def _init_spec(self, draft: Decoder | None, medusa_heads, kv_dtype, plain_settings: dict) -> None:
         """A speculative engine's SpecRunner, paired params and pages, and two programs: the
@@ -295,7 +299,8 @@ class ModelRunner:
                     self._no_targets[t] = jax.device_put(np.full(t, -1, np.int32))
                 targets = self._no_targets[t]
             return StepInputs(tokens, positions, meta, logits_indices, sb, stop_ids, max_new,
-                              np.int32(sched.num_decode_iters), from_prev, prompt_targets=targets), rows
+                              np.int32(sched.num_decode_iters), from_prev, prompt_targets=targets,
+                              lora=self._lora_inputs(sched, meta, t)), rows
         # the drawn token's position is one past the last computed token of its row (a speculating
         # row: one past its last drawn token; verification steps through the proposals)
         self.spec.tree_layout(sched, meta, positions)
@@ -305,6 +310,16 @@ class ModelRunner:
         spec = self.spec.spec_inputs(sched, tables, num_spec, s, b, meta, lookup)
         return SpecStepInputs(tokens, positions, meta, logits_indices, sb, stop_ids, max_new,
                               np.int32(sched.num_decode_iters), from_prev, spec), rows
+
+    def _lora_inputs(self, sched: SchedulerOutput, meta, t: int):
+        """Each token's adapter slot (-1: the base model) and the slots' stacks; None without LoRA."""
+        if self.lora is None:
+            return None
+        token_slots = np.full(t, -1, np.int32)
+        for i, seq in enumerate(sched.seqs):
+            first = meta.query_start_loc[i]
+            token_slots[first: first + seq.num_tokens] = seq.request.lora_slot
+        return LoraInputs(token_slots, self.lora.stacks)
 
     def _stop_ids(self, rows: list) -> np.ndarray:
         """[S, MAX_STOP_IDS]: the ids that end each row on device (-1 padded). Ids beyond the first

@@ -14,6 +14,8 @@ The contract (SGLang states its ScheduleBatch -> ForwardBatch the same way):
                                        previous step's next_tokens (-1: the host's token)
   StepInputs.prompt_targets [T]        prompt logprobs: the prompt token following each token (-1: none;
                                        jaxinfer/prompt_logprobs.py; None: a program without them)
+  StepInputs.lora                      multi-LoRA (None without): each token's adapter slot [T] and the
+                                       slots' device stacks (jaxinfer/lora/execute.py) -> low-rank updates
 and back, one device-to-host copy of StepOutputs: ids/logprobs [K, S] (+ top-N [K, S, 20]) and
 num_drawn [S] (+ prompt_logprobs / prompt_ranks [T], prompt_top_* [T, 20] when some row asked). next_tokens [K * max_rows] stays on the device as the next step's `prev_tokens`
 (async scheduling, runner.py). The KV pages are donated, so they are updated in place.
@@ -70,6 +72,8 @@ class StepInputs:
     # [T] int32: the prompt token after each token whose logprob is asked for, or -1 (None: the
     # program has no prompt logprobs; keyword-only, so subclasses keep their positional fields)
     prompt_targets: jax.Array | None = field(default=None, kw_only=True)
+    # multi-LoRA: jaxinfer.lora.execute.LoraInputs (token slots [T] + device stacks), None without
+    lora: object = field(default=None, kw_only=True)
 
 
 @jax.tree_util.register_dataclass
@@ -166,7 +170,7 @@ def _advance(inputs: StepInputs, ids: jax.Array, drew: jax.Array, going: jax.Arr
     # prompt positions are scored by the first iteration only (later ones run when every row decodes)
     targets = None if inputs.prompt_targets is None else jnp.full_like(inputs.prompt_targets, -1)
     return StepInputs(tokens, positions, meta, li, sb, inputs.stop_ids, inputs.max_new, inputs.num_iters,
-                      inputs.from_prev, prompt_targets=targets)
+                      inputs.from_prev, prompt_targets=targets, lora=inputs.lora)
 
 
 def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings
@@ -182,9 +186,10 @@ def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.A
         """One forward + sample; returns the drawn ids and the updated kv, outputs and done."""
         prompt = {}
         if x.prompt_targets is None:
-            logits, kv = model(x.tokens, x.positions, kv, x.meta, x.logits_indices, impl=settings.attention)
+            logits, kv = model(x.tokens, x.positions, kv, x.meta, x.logits_indices, impl=settings.attention,
+                               lora=x.lora)
         else:   # the same forward; the prompt's rows also go through the LM head when some row asks
-            h, kv = model.hidden_states(x.tokens, x.positions, kv, x.meta, impl=settings.attention)
+            h, kv = model.hidden_states(x.tokens, x.positions, kv, x.meta, impl=settings.attention, lora=x.lora)
             logits = model.logits(h[x.logits_indices])
             scored = step_prompt_logprobs(model, h, x.prompt_targets, (out.prompt_logprobs, out.prompt_ranks,
                                                                         out.prompt_top_ids, out.prompt_top_logprobs))

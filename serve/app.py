@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server (FastAPI, run by uvicorn) on one Generator's engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics.
+events), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics, and vLLM's
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serve.lora_routes; a request whose `model`
+is a loaded adapter's name runs with it).
 Every error uses OpenAI's error JSON {"error": {"message", "type", "param", "code"}}: bad requests
 (malformed JSON or UTF-8, wrong types, out-of-range values, text that is not valid Unicode, fields we
 do not implement, prompts longer than the context, more sequences than the queue holds) get 400,
@@ -30,6 +32,7 @@ from jaxinfer.generator import Generator
 from serve.bridge import AsyncEngine, EngineDeadError
 from serve.echo import Echo, first_prompt_logprobs, vllm_prompt_logprobs
 from serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard, error_bytes
+from serve.lora_routes import router as lora_router
 from serve.metrics import ServerMetrics
 from serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                             OpenAIError, TokenizeRequest, chat_body, completion_body, new_id, now)
@@ -63,10 +66,17 @@ class ServerState:
         self.template_has_tools = "tools" in template
 
     # -------------------------------------------------------------- inputs
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise OpenAIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
-                              param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model's name, or none given);
+        an unknown name is a 404."""
+        if name is None or name == self.model_name:
+            return None
+        adapters = self.gen.lora_adapters()
+        if name in adapters:
+            return name
+        served = ", ".join(repr(n) for n in [self.model_name, *adapters])
+        raise OpenAIError(404, f"The model '{name}' does not exist; this server serves {served}",
+                          param="model", code="model_not_found")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -235,8 +245,10 @@ async def metrics(request: Request):
 @router.get("/v1/models")
 async def models(request: Request):
     state = _state(request)
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": now(),
-                                        "owned_by": "jaxinfer", "max_model_len": state.max_model_len}]}
+    card = lambda name, parent: {"id": name, "object": "model", "created": now(), "owned_by": "jaxinfer",  # noqa: E731
+                                 "root": name, "parent": parent, "max_model_len": state.max_model_len}
+    return {"object": "list", "data": [card(state.model_name, None)] +   # LoRA adapters: vLLM's cards
+            [card(name, state.model_name) for name in state.gen.lora_adapters()]}
 
 
 @router.post("/tokenize")
@@ -271,16 +283,17 @@ def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
 async def completions(req: CompletionRequest, request: Request):
     state = _state(request)
     prompts, params, echo = await run_in_threadpool(state.completion_request, req)
+    lora = state.check_model(req.model)
     sub = state.engine.submit(prompts, params, cache_salt=req.cache_salt, request_field=req.request_field,
-                              priority=req.priority)
-    rid, created = new_id("cmpl"), now()
+                              priority=req.priority, lora=lora)
+    rid, created, model = new_id("cmpl"), now(), lora or state.model_name
     n_prompt = sum(len(x) for x in prompts)
     if req.stream:
-        base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+        base = {"id": rid, "object": "text_completion", "created": created, "model": model}
         return stream_response(state.engine, sub, base, n_prompt, _include_usage(req),
                                CompletionChoices(sub, state.token_str, req.logprobs is not None, echo))
     return await respond(state.engine, sub, request, lambda groups: echo.apply(completion_body(
-        rid, created, state.model_name, groups, n_prompt, state.token_str, req.logprobs is not None, sub.n),
+        rid, created, model, groups, n_prompt, state.token_str, req.logprobs is not None, sub.n),
         groups, state.token_str, req.logprobs is not None, sub.n))
 
 
@@ -288,16 +301,17 @@ async def completions(req: CompletionRequest, request: Request):
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = _state(request)
     prompt, params = await run_in_threadpool(state.chat_inputs, req)
+    lora = state.check_model(req.model)
     sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt, request_field=req.request_field,
-                              priority=req.priority)
-    rid, created = new_id("chatcmpl"), now()
+                              priority=req.priority, lora=lora)
+    rid, created, model = new_id("chatcmpl"), now(), lora or state.model_name
     if req.stream:
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         choices = ChatChoices(sub.n, req.tool_plan(), state.token_str, bool(req.logprobs))
         return stream_response(state.engine, sub, base, len(prompt), _include_usage(req), choices, choices.head)
 
     def build(groups):
-        body = chat_body(rid, created, state.model_name, groups, len(prompt), state.token_str, req.logprobs, sub.n,
+        body = chat_body(rid, created, model, groups, len(prompt), state.token_str, req.logprobs, sub.n,
                          tools=req.tool_plan())
         if req.prompt_logprobs is not None:   # vLLM's place: the response's top level
             entries = first_prompt_logprobs(groups[0])
@@ -322,4 +336,5 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
     for exc_type, handler in _EXCEPTION_HANDLERS:
         app.add_exception_handler(exc_type, handler)
     app.include_router(router)
+    app.include_router(lora_router)
     return app

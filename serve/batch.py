@@ -131,7 +131,7 @@ def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -
     want_lp = job.request.logprobs is not None if job.url == "/v1/completions" else job.request.logprobs
     rid = new_id("cmpl" if job.url == "/v1/completions" else "chatcmpl")
     extra = {"tools": job.request.tool_plan()} if job.url == "/v1/chat/completions" else {}
-    body = build(rid, now(), state.model_name, groups, n_prompt, state.token_str, bool(want_lp), job.params.n,
+    body = build(rid, now(), state.check_model(job.request.model) or state.model_name, groups, n_prompt, state.token_str, bool(want_lp), job.params.n,
                  **extra)
     if job.echo is not None:
         body = job.echo.apply(body, groups, state.token_str, bool(want_lp), job.params.n)
@@ -195,7 +195,8 @@ def run_batch(gen: Generator, in_path: str | Path, out_path: str | Path, model_n
     for job in jobs:
         try:   # all of a job's prompts or none
             job.rids = client.submit(job.prompts, job.params, route=route_of(job), cache_salt=job.request.cache_salt,
-                                     max_tokens_must_fit=True, priority=job.request.priority)
+                                     max_tokens_must_fit=True, priority=job.request.priority,
+                                     lora=state.check_model(job.request.model))
         except ValueError as e:
             record(_key(job.line, job.custom_id), _error_line(job.line, job.custom_id, 400, str(e)))
             continue

@@ -90,6 +90,12 @@ class EngineConfig:
                                              "the heads)")
     speculative_max_batch: int | None = setting(None, "speculate while at most this many sequences run or wait "
                                                       "(default: the measured crossover)")
+    lora_modules: dict[str, str] | None = setting(
+        None, "LoRA adapters (PEFT folders) to serve by name: {name: path} (CLI: NAME=PATH ...); a request "
+              "picks one by name (lora= / the request's model), more may be loaded and unloaded while serving")
+    max_loras: int = setting(4, "LoRA adapters one step may mix (device slots; more may be registered: "
+                                "least recently used slots are reused)")
+    max_lora_rank: int = setting(16, "the largest LoRA rank an adapter may have (smaller ranks are zero-padded)")
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -102,8 +108,9 @@ class EngineConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
         if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
             raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
+        object.__setattr__(self, "lora_modules", lora_modules(self.lora_modules))
         for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "block_size", "max_decode_steps",
-                     "num_speculative_tokens"):
+                     "num_speculative_tokens", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
@@ -114,6 +121,32 @@ class EngineConfig:
         if self.speculative_method is not None and self.pipeline_parallel > 1:
             # (tensor_parallel works: the draft model and Medusa heads are replicated on the mesh)
             raise ValueError("speculative decoding is not available with pipeline_parallel > 1")
+
+
+def lora_modules(given) -> tuple[tuple[str, str], ...] | None:
+    """lora_modules as (name, path) pairs, from a {name: path} mapping or "NAME=PATH" strings (the CLI's);
+    kept as a tuple so that the settings stay hashable."""
+    if given is None:
+        return None
+    if isinstance(given, dict):
+        pairs = [(str(k), str(v)) for k, v in given.items()]
+    else:
+        pairs = []
+        for item in given:
+            if isinstance(item, str):
+                name, sep, path = item.partition("=")
+                if not sep or not name or not path:
+                    raise ValueError(f"lora_modules: {item!r} is not NAME=PATH")
+                pairs.append((name, path))
+            elif isinstance(item, (tuple, list)) and len(item) == 2:
+                pairs.append((str(item[0]), str(item[1])))
+            else:
+                raise ValueError(f"lora_modules: {item!r} is not NAME=PATH")
+    names = [n for n, _ in pairs]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ValueError(f"lora_modules: the name {dup!r} is given twice")
+    return tuple(pairs)
 
 
 def settings() -> tuple:

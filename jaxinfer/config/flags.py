@@ -40,7 +40,10 @@ def add_engine_args(p: argparse.ArgumentParser | Any, only: Iterable[str] | None
     for f in fields:
         default = defaults.get(f.name, f.default)
         kind = f.type.replace(" | None", "")
-        if kind == "bool":
+        if kind.startswith("dict["):   # name=value pairs (lora_modules: NAME=PATH ...)
+            p.add_argument(*flag_names(f), dest=f.name, nargs="+", metavar="NAME=PATH", default=default,
+                           help=f.metadata["help"])
+        elif kind == "bool":
             p.add_argument(*flag_names(f), dest=f.name, action="store_true" if f.default is False else "store_false",
                            default=default, help=f.metadata["help"])
         else:

@@ -93,6 +93,10 @@ class Request(LatencyMetrics):
     # params.prompt_logprobs: position p -> the logprob entry of prompt token p + 1 (one dict shared by
     # the request's n samples; jaxinfer/prompt_logprobs.py), else None
     prompt_logprobs: dict | None = None
+    # multi-LoRA: the adapter's load id (None: the base model) and, while it runs, its device slot
+    # (host/lora_slots.py; -1 when it holds none)
+    lora_id: int | None = None
+    lora_slot: int = -1
 
     @property
     def all_ids(self) -> list[int]:
@@ -116,6 +120,14 @@ class Request(LatencyMetrics):
         if start >= n:
             return self.output_ids[start - n:stop - n]
         return self.prompt_ids[start:] + self.output_ids[:stop - n]
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What salts the first block's hash: the cache salt, and the adapter (two adapters, or an
+        adapter and the base model, never share K/V)."""
+        if self.lora_id is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora_id}"
 
     @property
     def finished(self) -> bool:

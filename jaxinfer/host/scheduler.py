@@ -36,6 +36,9 @@ head's priority, the one with the most cached blocks is admitted first (the fewe
 compute, as SGLang's longest-prefix-match policy); ties go to the earlier arrival, so with no cache
 hits the order is plain FCFS. A request passed over MAX_PASSED_OVER times is admitted next
 whatever its prefix, so nobody starves; priorities are never crossed.
+Multi-LoRA: a request with an adapter is admitted only once its adapter holds a device slot
+(host/lora_slots.py, LRU); while every slot is held it waits and others are admitted past it. Its
+blocks' hashes are salted by the adapter (Request.prefix_salt).
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, block_hash
+from .lora_slots import LoraSlots
 from .request import Request, RequestStatus
 from .speculative import MAX_GUIDED_ROWS
 
@@ -121,7 +125,7 @@ MAX_PASSED_OVER = 4     # ... and never passes one request over more often than 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, block_manager: BlockManager, eos_ids: tuple[int, ...] = (),
                  clock=time.monotonic, propose: Callable[[Request, int, int], list[int]] | None = None,
-                 spec_draws: Callable[[int], int] | None = None):
+                 spec_draws: Callable[[int], int] | None = None, lora_slots: LoraSlots | None = None):
         assert cfg.policy in ("continuous", "static", "dynamic"), cfg.policy
         assert cfg.scheduling_policy in ("fcfs", "priority"), cfg.scheduling_policy
         self.cfg, self.blocks, self.eos_ids, self.clock = cfg, block_manager, tuple(eos_ids), clock
@@ -142,6 +146,8 @@ class Scheduler:
         # the most tokens a row with n proposals draws (default, a chain: 1 + n). The engine passes both.
         self.propose = propose
         self.spec_draws: Callable[[int], int] = spec_draws or (lambda n: 1 + n)
+        # multi-LoRA: the device slots' LRU; a request with an adapter is admitted only with a slot
+        self.lora_slots = lora_slots
 
     # ------------------------------------------------------------------ queue
     def _key(self, req: Request) -> tuple:
@@ -182,7 +188,24 @@ class Scheduler:
         end = min(end, self.cfg.max_model_len)
         return max(0, min(end - req.num_computed_tokens, budget))
 
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.lora_slots.release(req.lora_id)
+            req.lora_slot = -1
+
+    def _acquire_lora(self, req: Request) -> bool:
+        """Whether req may run: no adapter, or its adapter holds a slot (LRU; False: every slot is
+        held by running requests, so req waits)."""
+        if req.lora_id is None or req.lora_slot >= 0:
+            return True
+        slot = self.lora_slots.acquire(req.lora_id)
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
+
     def _preempt(self, req: Request) -> None:
+        self._release_lora(req)
         self.blocks.free(req.request_id)
         req.num_computed_tokens = req.num_draft_computed = req.draft_catchup_end = 0
         req.status = RequestStatus.PREEMPTED
@@ -308,17 +331,23 @@ class Scheduler:
         budget, sequence slots and blocks last, each starting after its cached prefix."""
         if self.cfg.policy != "continuous":
             self._form_batch()
+        no_slot: set[str] = set()   # waiting for a LoRA slot: the others may still be admitted
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             if self.cfg.policy != "continuous":
                 # only members of the current batch; later arrivals may sort ahead of them
-                req = next((r for r in self.waiting if self.batch and r.request_id in self.batch), None)
-                if req is None:
-                    break
+                req = next((r for r in self.waiting if self.batch and r.request_id in self.batch
+                            and r.request_id not in no_slot), None)
             else:
-                req = self._next_waiting()
+                req = self._next_waiting(no_slot)
+            if req is None:
+                break
+            if not self._acquire_lora(req):
+                no_slot.add(req.request_id)
+                continue
             hits, start, n = self._admission(req, budget)
             looked_up = self._looks_up(req)
             if n == 0 or not self.blocks.allocate(req.request_id, start + n, prefix=hits):
+                self._release_lora(req)
                 break
             if looked_up:
                 self.prefix_queries += req.num_known_tokens
@@ -394,7 +423,7 @@ class Scheduler:
         bs, hashes = self.blocks.block_size, req.block_hashes
         for i in range(len(hashes), req.num_known_tokens // bs):
             hashes.append(block_hash(hashes[-1] if hashes else None, req.token_ids(i * bs, (i + 1) * bs),
-                                     req.cache_salt))
+                                     req.prefix_salt))
         return hashes
 
     def _looks_up(self, req: Request) -> bool:
@@ -431,12 +460,16 @@ class Scheduler:
                 if self._rank(r) == head:
                     r.num_passed_over += 1
 
-    def _next_waiting(self) -> Request:
-        """Continuous policy: the next request to admit (cache-aware; see the module docstring)."""
-        head = self.waiting[0]
+    def _next_waiting(self, skip: set[str] = frozenset()) -> Request | None:
+        """Continuous policy: the next request to admit (cache-aware; see the module docstring), of
+        those not in `skip` (waiting for a LoRA slot)."""
+        waiting = [r for r in self.waiting if r.request_id not in skip] if skip else self.waiting
+        if not waiting:
+            return None
+        head = waiting[0]
         if not self.caching:
             return head
-        window = [r for r in self.waiting[:ADMIT_WINDOW] if self._rank(r) == self._rank(head)]
+        window = [r for r in waiting[:ADMIT_WINDOW] if self._rank(r) == self._rank(head)]
         starved = next((r for r in window if r.num_passed_over >= MAX_PASSED_OVER), None)
         if starved is not None:
             return starved
@@ -585,6 +618,7 @@ class Scheduler:
             self.requests.pop(child.request_id, None)
             self._keys.pop(child.request_id, None)
         req.pending_forks = []
+        self._release_lora(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

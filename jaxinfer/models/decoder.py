@@ -44,7 +44,7 @@ from jaxinfer import perf
 from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV
-from jaxinfer.layers import (MATMUL_IMPLS, MLP, Norm, alibi_slopes, apply_rope, dense, param, param_value,
+from jaxinfer.layers import (MATMUL_IMPLS, MLP, Norm, alibi_slopes, apply_rope, dense, lora_delta, param, param_value,
                              rope_inv_freq, rope_magnitude, sinusoidal_embedding)
 from jaxinfer.moe import MoE
 from jaxinfer.quant import QuantizedWeight, dot_precision, quantize, quantize_experts, quantize_fp8
@@ -82,23 +82,29 @@ class Attention(nnx.Module):
         # gpt-oss: one logit per query head that joins every softmax's denominator (a key with value 0)
         self.sinks = param((h,), ("heads",), dtype, rngs, init="zeros") if cfg.attn_sinks else None
 
-    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [T, D] -> q [T, H, hd], k, v [T, Hkv, hd]."""
+    def project_qkv(self, x: jax.Array, lora: tuple | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [T, D] -> q [T, H, hd], k, v [T, Hkv, hd]. lora: (token slots [T], this layer's LoRA
+        stacks) or None (fused models only: jaxinfer/lora/)."""
         if self.qkv is None:
+            assert lora is None, "LoRA runs on the fused model"
             return (dense(x, self.q.get_value(), param_value(self.q_bias), impl=self.matmul),
                     dense(x, self.k.get_value(), param_value(self.k_bias), impl=self.matmul),
                     dense(x, self.v.get_value(), param_value(self.v_bias), impl=self.matmul))
         cfg, s = self.cfg, self.shards
         hq, hk = cfg.n_heads // s, cfg.n_kv_heads // s
         y = dense(x, self.qkv.get_value(), param_value(self.qkv_bias), impl=self.matmul)   # (T, N)
+        if lora is not None:
+            y = y + lora_delta(x, *lora[1]["qkv"], lora[0])
         y = y.reshape(*x.shape[:-1], s, hq + 2 * hk, cfg.head_dim)                    # (T, s, hq + 2 hk, hd)
         heads = lambda a: a.reshape(*a.shape[:-3], -1, cfg.head_dim)  # noqa: E731     (T, s * heads, hd)
         return heads(y[..., :hq, :]), heads(y[..., hq:hq + hk, :]), heads(y[..., hq + hk:, :])
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: LayerKV | None,
-                 meta: AttentionMetadata | None, impl: str) -> tuple[jax.Array, LayerKV | None]:
-        out, kv = self.attend(x, positions, kv, meta, impl)
-        return dense(out, self.o.get_value(), param_value(self.o_bias), contract=2, impl=self.matmul), kv  # (T, D)
+                 meta: AttentionMetadata | None, impl: str, lora: tuple | None = None
+                 ) -> tuple[jax.Array, LayerKV | None]:
+        out, kv = self.attend(x, positions, kv, meta, impl, lora)
+        y = dense(out, self.o.get_value(), param_value(self.o_bias), contract=2, impl=self.matmul)   # (T, D)
+        return (y if lora is None else y + lora_delta(out, *lora[1]["o"], lora[0], contract=2)), kv
 
     def rope(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """q [T, H, hd], k [T, Hkv, hd] rotated by this layer's RoPE (its base, scaling, rotated features)."""
@@ -116,10 +122,11 @@ class Attention(nnx.Module):
         return apply_rope(q, positions, inv_freq, mscale), apply_rope(k, positions, inv_freq, mscale)
 
     def attend(self, x: jax.Array, positions: jax.Array, kv: LayerKV | None,
-               meta: AttentionMetadata | None, impl: str) -> tuple[jax.Array, LayerKV | None]:
+               meta: AttentionMetadata | None, impl: str, lora: tuple | None = None
+               ) -> tuple[jax.Array, LayerKV | None]:
         """x [T, D] -> the heads' outputs before the `o` projection [T, H, hd] (what calibration sees)."""
         cfg = self.cfg
-        q, k, v = self.project_qkv(x)                                                 # (T, H | Hkv, hd)
+        q, k, v = self.project_qkv(x, lora)                                                 # (T, H | Hkv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         alibi = None
@@ -151,9 +158,10 @@ class Block(nnx.Module):
         self.attn_post_norm = norm() if cfg.post_norms else None
         self.mlp_post_norm = norm() if cfg.post_norms else None
 
-    def __call__(self, x, positions, kv, meta, impl):
+    def __call__(self, x, positions, kv, meta, impl, lora: tuple | None = None):
+        """lora: (token slots [T], this layer's LoRA stacks) or None (jaxinfer/lora/)."""
         h = self.attn_norm(x)
-        attn_out, kv = self.attn(h, positions, kv, meta, impl)
+        attn_out, kv = self.attn(h, positions, kv, meta, impl, lora)
         if self.attn_post_norm is not None:
             attn_out = self.attn_post_norm(attn_out)
         x = (h if self.residual_post_norm else x) + attn_out
@@ -161,7 +169,7 @@ class Block(nnx.Module):
         if isinstance(self.mlp, MoE):   # padding tokens take no expert's work
             mlp_out = self.mlp(h, None if meta is None else meta.slot_mapping != PAD_SLOT)
         else:
-            mlp_out = self.mlp(h)
+            mlp_out = self.mlp(h, lora)
         if self.mlp_post_norm is not None:
             mlp_out = self.mlp_post_norm(mlp_out)
         return (h if self.residual_post_norm else x) + mlp_out, kv
@@ -225,12 +233,14 @@ class Decoder(nnx.Module):
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array, kv_pages: list[LayerKV] | None = None,
                       meta: AttentionMetadata | None = None,
-                      impl: str = "xla") -> tuple[jax.Array, list[LayerKV] | None]:
-        """The final-norm hidden states [T, D] and the updated pages."""
+                      impl: str = "xla", lora=None) -> tuple[jax.Array, list[LayerKV] | None]:
+        """The final-norm hidden states [T, D] and the updated pages. lora: the step's
+        jaxinfer.lora.execute.LoraInputs (each token's adapter slot and the slots' stacks) or None."""
         x = self.embed_tokens(tokens, positions)
         new_pages = [] if kv_pages is not None else None
         for i, block in enumerate(self.layers):
-            x, layer_kv = block(x, positions, None if kv_pages is None else kv_pages[i], meta, impl)
+            layer_lora = None if lora is None else (lora.token_slots, lora.stacks[i])
+            x, layer_kv = block(x, positions, None if kv_pages is None else kv_pages[i], meta, impl, layer_lora)
             if new_pages is not None:
                 new_pages.append(layer_kv)
         return self.final_norm(x), new_pages
@@ -245,9 +255,10 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_pages: list[LayerKV] | None = None,
                  meta: AttentionMetadata | None = None, logits_indices: jax.Array | None = None,
-                 impl: str = "xla") -> tuple[jax.Array, list[LayerKV] | None]:
-        """logits_indices [N]: compute logits only for these token rows (the last of each sequence)."""
-        h, kv_pages = self.hidden_states(tokens, positions, kv_pages, meta, impl)
+                 impl: str = "xla", lora=None) -> tuple[jax.Array, list[LayerKV] | None]:
+        """logits_indices [N]: compute logits only for these token rows (the last of each sequence).
+        lora: jaxinfer.lora.execute.LoraInputs or None (hidden_states)."""
+        h, kv_pages = self.hidden_states(tokens, positions, kv_pages, meta, impl, lora)
         if logits_indices is not None:
             h = h[logits_indices]
         return self.logits(h), kv_pages

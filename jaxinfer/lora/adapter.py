@@ -1,0 +1,193 @@
+"""PEFT LoRA adapters on disk -> per-layer (A, B) matrices in the serving model's fused layout.
+
+A PEFT LoRA folder holds adapter_config.json and adapter_model.safetensors, with one pair per
+adapted Linear: `base_model.model.<module>.lora_A.weight` [r, in] and `...lora_B.weight` [out, r];
+PEFT adds `scaling * B(A(x))` to the module's output, scaling = lora_alpha / r (lora_alpha / sqrt(r)
+with use_rslora), r and lora_alpha per module from rank_pattern / alpha_pattern (PEFT's
+utils.other.get_pattern_key: the first pattern that matches the end of the module's name).
+
+The serving model fuses q, k, v into `qkv` and gate, up into `gate_up` (models/decoder.py), so an
+adapter becomes four groups per layer, each an A [*in, P * R] and a B [P * R, *out] with P parts
+(qkv: 3, gate_up: 2, o and down: 1), R = max_lora_rank: part j's rank rows are j * R .. j * R + r
+(zero-padded past r, so every adapter has the same shapes and loading one compiles nothing), and
+its B columns are placed where the part's columns lie in the fused weight (the same column shuffle
+fuse_decoder applies, KV heads repeated and grouped per tensor-parallel shard). The scaling is
+folded into B. Only the Llama-style families (separate q/k/v/o and gate/up/down projections) take
+adapters; everything PEFT can save that this does not run (biases, DoRA, modules_to_save, embedding
+or LM-head adapters, experts) is refused by name, as is a folder that does not fit the model.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.weights import CheckpointError, SafetensorsFile
+
+# HF module name -> (our group, part index within the fused group)
+PROJECTIONS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+               "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+GROUP_PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
+LORA_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>\w+)$")
+
+
+class LoraError(ValueError):
+    """An adapter this model cannot serve; the message names the folder and what is wrong."""
+
+
+@dataclass
+class LoraAdapter:
+    """One adapter, ready for a device slot: layers[i][group] = (A [*in, P * R], B [P * R, *out]),
+    float32 numpy, scaling folded into B; groups the adapter does not touch are absent."""
+    name: str
+    path: str
+    rank: int                                   # the largest rank of any of its modules
+    layers: list[dict[str, tuple[np.ndarray, np.ndarray]]]
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's get_pattern_key: the first pattern matching the module name's end, else the default."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return patterns[key]
+    return default
+
+
+def read_config(folder: Path, max_rank: int) -> dict:
+    """adapter_config.json, with every setting this does not run refused by name."""
+    path = folder / "adapter_config.json"
+    if not folder.is_dir():
+        raise LoraError(f"LoRA adapter folder {str(folder)!r} does not exist")
+    if not path.exists():
+        raise LoraError(f"{folder}: no adapter_config.json (not a PEFT adapter folder)")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoraError(f"{path}: not valid JSON ({e})") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"{path}: peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
+    if cfg.get("bias", "none") != "none":
+        raise LoraError(f"{path}: bias={cfg['bias']!r} is not supported (only bias='none')")
+    if cfg.get("lora_bias"):
+        raise LoraError(f"{path}: lora_bias=true is not supported")
+    if cfg.get("use_dora"):
+        raise LoraError(f"{path}: use_dora=true (DoRA) is not supported")
+    if cfg.get("modules_to_save"):
+        raise LoraError(f"{path}: modules_to_save {cfg['modules_to_save']} is not supported (only LoRA matrices)")
+    for name in ("target_parameters", "trainable_token_indices", "alora_invocation_tokens", "layer_replication"):
+        if cfg.get(name):
+            raise LoraError(f"{path}: {name} is not supported")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        for target in targets:   # a name, or a module path: PEFT matches the name's last part
+            t = target.rsplit(".", 1)[-1]
+            if t in ("embed_tokens", "lm_head", "wte", "word_embeddings"):
+                raise LoraError(f"{path}: target module {t!r}: embedding and LM-head adapters are not supported")
+            if t not in PROJECTIONS:
+                raise LoraError(f"{path}: target module {t!r} is not in the model (LoRA targets: "
+                                f"{', '.join(PROJECTIONS)})")
+    ranks = [int(cfg.get("r", 8)), *(int(v) for v in (cfg.get("rank_pattern") or {}).values())]
+    if max(ranks) > max_rank:
+        raise LoraError(f"{path}: rank {max(ranks)} exceeds max_lora_rank={max_rank}")
+    return cfg
+
+
+def load_adapter(name: str, folder: str | Path, model_cfg: ModelConfig, fuse_qkv, fuse_gate_up, max_rank: int
+                 ) -> LoraAdapter:
+    """The adapter at `folder` for a model of (unfused) model_cfg. fuse_qkv(parts) / fuse_gate_up(layer)
+    (parts): the serving model's column shuffles (models.decoder._qkv_fuse / _gate_up_fuse for its
+    layout), applied to [rows, n] parts. Every problem is a LoraError naming the file and tensor."""
+    folder = Path(folder)
+    cfg = read_config(folder, max_rank)
+    if model_cfg.architecture not in LORA_FAMILIES:
+        raise LoraError(f"{folder}: LoRA adapters are not supported for {model_cfg.architecture} "
+                        f"(supported: {', '.join(LORA_FAMILIES)})")
+    weights = folder / "adapter_model.safetensors"
+    if not weights.exists():
+        if (folder / "adapter_model.bin").exists():
+            raise LoraError(f"{folder}: adapter_model.bin (a pickled PyTorch file) is not loaded; save the adapter "
+                            "with safe_serialization=True (adapter_model.safetensors)")
+        raise LoraError(f"{folder}: no adapter_model.safetensors")
+    st = SafetensorsFile(weights)
+    pairs: dict[str, dict[str, str]] = {}
+    for key in st.tensors:
+        m = _KEY.match(key)
+        if m is None:
+            what = ("an embedding adapter" if "lora_embedding" in key else "a DoRA magnitude" if "magnitude" in key
+                    else "a LoRA bias" if ".lora_B.bias" in key else "not a LoRA matrix")
+            raise LoraError(f"{weights}: tensor {key!r} is {what}: not supported")
+        pairs.setdefault(m["module"], {})[m["ab"]] = key
+    if not pairs:
+        raise LoraError(f"{weights}: no LoRA tensors")
+    r_max = max_rank
+    d, h, kv, hd, f = model_cfg.d_model, model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim, model_cfg.ffn_dim
+    dims = {"q_proj": (d, h * hd), "k_proj": (d, kv * hd), "v_proj": (d, kv * hd), "o_proj": (h * hd, d),
+            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+    # per layer, group: the parts' A^T [in, R] and scaled B^T [R, out] (None: not adapted)
+    parts: list[dict[str, list]] = [{} for _ in range(model_cfg.n_layers)]
+    alpha, r_cfg, rslora = float(cfg.get("lora_alpha", 8)), int(cfg.get("r", 8)), bool(cfg.get("use_rslora"))
+    top_rank = 0
+    for module, ab in sorted(pairs.items()):
+        mm = _MODULE.match(module)
+        proj = mm["proj"] if mm else module.rsplit(".", 1)[-1]
+        if mm is None or proj not in PROJECTIONS or int(mm["layer"]) >= model_cfg.n_layers:
+            raise LoraError(f"{weights}: adapted module {module!r} is not in the model (LoRA targets: "
+                            f"model.layers.<0..{model_cfg.n_layers - 1}>.{{self_attn,mlp}}.{{{','.join(PROJECTIONS)}}})")
+        layer = int(mm["layer"])
+        if proj in ("gate_proj", "up_proj", "down_proj") and model_cfg.is_moe_layer(layer):
+            raise LoraError(f"{weights}: adapted module {module!r}: layer {layer} is a mixture of experts "
+                            "(expert adapters are not supported)")
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"{weights}: module {module!r} has lora_{next(iter(ab))} without its pair")
+        a, b = st.get(ab["A"]).astype(np.float32), st.get(ab["B"]).astype(np.float32)
+        r = int(_pattern_value(cfg.get("rank_pattern") or {}, module, r_cfg))
+        n_in, n_out = dims[proj]
+        if a.shape != (r, n_in) or b.shape != (n_out, r):
+            raise LoraError(f"{weights}: module {module!r}: lora_A {a.shape} / lora_B {b.shape} disagree with the "
+                            f"model and adapter_config.json (expected [{r}, {n_in}] / [{n_out}, {r}])")
+        if r > max_rank:
+            raise LoraError(f"{weights}: module {module!r} has rank {r}, above max_lora_rank={max_rank}")
+        lora_alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, alpha))
+        scale = lora_alpha / math.sqrt(r) if rslora else lora_alpha / r
+        group, j = PROJECTIONS[proj]
+        slots = parts[layer].setdefault(group, [None] * GROUP_PARTS[group])
+        slots[j] = (a.T, b.T * np.float32(scale), r)
+        top_rank = max(top_rank, r)
+    layers = [{group: _fuse_group(model_cfg, group, got, r_max, fuse_qkv, fuse_gate_up(i))
+               for group, got in parts[i].items()} for i in range(model_cfg.n_layers)]
+    return LoraAdapter(name, str(folder), top_rank, layers)
+
+
+def _fuse_group(cfg: ModelConfig, group: str, got: list, r_max: int, fuse_qkv, fuse_gate_up
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """One group's parts -> (A [*in, P R], B [P R, *out]) in the fused layout (module docstring)."""
+    d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    ins = {"qkv": d, "o": h * hd, "gate_up": d, "down": f}[group]
+    outs = {"qkv": [h * hd, kv * hd, kv * hd], "o": [d], "gate_up": [f, f], "down": [d]}[group]
+    p = len(outs)
+    a = np.zeros((ins, p * r_max), np.float32)
+    bs = []
+    for j, n_out in enumerate(outs):
+        b = np.zeros((p * r_max, n_out), np.float32)
+        if got[j] is not None:
+            at, bt, r = got[j]
+            a[:, j * r_max: j * r_max + r] = at
+            b[j * r_max: j * r_max + r] = bt
+        bs.append(b)
+    if group == "qkv":
+        b = np.asarray(fuse_qkv(bs))
+    elif group == "gate_up":
+        b = np.asarray(fuse_gate_up(bs))
+    else:
+        b = bs[0]
+    if group == "o":
+        a = a.reshape(h, hd, p * r_max)
+    return a, b.astype(np.float32)

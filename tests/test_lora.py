@@ -1,0 +1,290 @@
+"""Multi-LoRA serving against PEFT itself: logits per adapter, greedy tokens in mixed batches, load /
+unload, LRU eviction, the prefix cache keyed by adapter, and every bad adapter refused by name."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from jaxinfer import Generator, SamplingParams
+from jaxinfer.host.lora_slots import LoraSlots
+from jaxinfer.lora.adapter import LoraError
+from tests.hf_models import CONFIGS, build_hf_model, save_hf_model
+from tests.precision import assert_rel_close, attention_rtol, dot_chain_rtol
+
+PROMPT = [5, 17, 42, 9, 88, 3, 61, 27, 14, 70, 33, 8, 51, 96, 22, 40, 7, 64, 12]   # 19 tokens: 2 blocks of 8 + 3
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+# per family: adapters of different ranks, targets, alphas and scalings (PEFT's LoraConfig keywords)
+ADAPTERS = {
+    "a": dict(r=8, lora_alpha=16, target_modules="all-linear"),
+    "b": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+              rank_pattern={"down_proj": 2}, alpha_pattern={"v_proj": 3}),
+    "c": dict(r=6, lora_alpha=5, use_rslora=True, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"]),
+}
+
+
+def _peft(name: str, config: dict, seed: int):
+    """A PEFT model over the family's tiny base with seeded non-zero A and B (PEFT starts B at zero)."""
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(build_hf_model(name), LoraConfig(**config))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def _rtol(cfg: dict, ranks: int, keys: int) -> float:
+    """Float32 rounding on the logits' path: every layer's projections (the adapters add an r-long
+    and an input-long contraction beside each), its attention, then the LM head."""
+    d, f, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("head_dim", cfg["hidden_size"] // 4)
+    per_layer = [d, d, 4 * hd, f, ranks, ranks]
+    return dot_chain_rtol(*(per_layer * cfg["num_hidden_layers"]), d) + attention_rtol("float32", keys, hd)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(base folder, {adapter: (folder, PEFT model)}) for the tiny Llama."""
+    root = tmp_path_factory.mktemp("lora-llama")
+    base = save_hf_model("llama-gqa-llama3", root / "base")
+    adapters = {}
+    for i, (name, config) in enumerate(ADAPTERS.items()):
+        model = _peft("llama-gqa-llama3", config, seed=10 + i)
+        model.save_pretrained(root / name)
+        adapters[name] = (str(root / name), model)
+    return base, adapters
+
+
+@pytest.fixture(scope="module")
+def gen(llama):
+    """Two slots for three adapters (LRU eviction), rank up to 8; two token buckets (8, 16)."""
+    base, adapters = llama
+    return Generator.from_pretrained(base, lora_modules={"a": adapters["a"][0], "b": adapters["b"][0]},
+                                     max_loras=2, max_lora_rank=8, max_model_len=64, max_num_batched_tokens=16,
+                                     max_num_seqs=4, block_size=8, num_blocks=40)
+
+
+def _peft_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_logits_per_adapter_match_peft(gen, llama):
+    _, adapters = llama
+    gen.load_lora("c", adapters["c"][0])
+    cfg = CONFIGS["llama-gqa-llama3"][1]
+    for name, (_, model) in adapters.items():
+        with torch.no_grad():
+            ref = model(torch.tensor([PROMPT])).logits[0].numpy()
+            with model.disable_adapter():
+                base = model(torch.tensor([PROMPT])).logits[0].numpy()
+        assert np.abs(ref - base).max() > 0.05 * np.abs(base).max(), "the adapter must change the logits"
+        assert_rel_close(gen.logits(PROMPT, lora=name), ref, _rtol(cfg, 8, len(PROMPT)), name)
+        assert_rel_close(gen.logits(PROMPT), base, _rtol(cfg, 0, len(PROMPT)), "base")
+
+
+def test_mixed_batch_equals_alone_and_peft(gen, llama):
+    """Base and three adapters over two slots in one generate call: every row's greedy tokens are
+    what it draws alone, and what PEFT's own greedy decoding draws."""
+    _, adapters = llama
+    if "c" not in gen.lora_adapters():
+        gen.load_lora("c", adapters["c"][0])
+    names = [None, "a", "b", "c", "a", None]
+    prompts = [PROMPT[i:] for i in range(len(names))]
+    mixed = gen.generate(prompts, GREEDY, lora=names)
+    for prompt, name, out in zip(prompts, names, mixed):
+        alone = gen.generate([prompt], GREEDY, lora=name)[0]
+        assert out.token_ids == alone.token_ids, name
+    for name in ("a", "b", "c"):
+        assert mixed[names.index(name)].token_ids == _peft_greedy(adapters[name][1], prompts[names.index(name)], 10)
+    assert gen.stats()["compilations_after_warmup"] == 0
+
+
+def test_load_unload_and_eviction(gen, llama):
+    _, adapters = llama
+    want = gen.generate([PROMPT], GREEDY, lora="a")[0].token_ids
+    gen.load_lora("a-again", adapters["a"][0])
+    assert gen.generate([PROMPT], GREEDY, lora="a-again")[0].token_ids == want
+    gen.unload_lora("a")
+    assert "a" not in gen.lora_adapters()
+    with pytest.raises(ValueError, match="'a' does not exist"):
+        gen.generate([PROMPT], GREEDY, lora="a")
+    with pytest.raises(ValueError, match="'a' does not exist"):
+        gen.unload_lora("a")
+    # every other adapter through the two slots, then "a" loaded again (a new load, a new slot)
+    for name in ("b", "c", "b"):
+        if name not in gen.lora_adapters():
+            gen.load_lora(name, adapters[name][0])
+        gen.generate([PROMPT], GREEDY, lora=name)
+    gen.load_lora("a", adapters["a"][0])
+    assert gen.generate([PROMPT], GREEDY, lora="a")[0].token_ids == want
+    stream = [t for d in gen.stream(PROMPT, GREEDY, lora="a") for t in d.token_ids]
+    assert stream == want
+    assert gen.stats()["compilations_after_warmup"] == 0
+    assert gen.stats()["kv_blocks_used"] == 0
+
+
+def test_prefix_cache_never_shared_across_adapters(gen, llama):
+    gen.reset_prefix_cache()
+    names = gen.lora_adapters()
+    first = gen.generate([PROMPT], GREEDY, lora=names[0])[0]
+    other = gen.generate([PROMPT], GREEDY, lora=names[1])[0]
+    base = gen.generate([PROMPT], GREEDY)[0]
+    again = gen.generate([PROMPT], GREEDY, lora=names[0])[0]
+    assert (first.num_cached_tokens, other.num_cached_tokens, base.num_cached_tokens) == (0, 0, 0)
+    assert again.num_cached_tokens == 16 and again.token_ids == first.token_ids
+
+
+def _edit_config(src: str, dst, **changes) -> str:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def test_bad_adapters_refused_by_name(gen, llama, tmp_path):
+    _, adapters = llama
+    src = adapters["b"][0]
+    big = _peft("llama-gqa-llama3", dict(r=16, lora_alpha=16, target_modules=["q_proj"]), seed=3)
+    big.save_pretrained(tmp_path / "big")
+    emb = _peft("llama-gqa-llama3", dict(r=4, target_modules=["embed_tokens"]), seed=3)
+    emb.save_pretrained(tmp_path / "emb")
+    qwen = _peft("qwen3-gqa", dict(r=4, target_modules=["q_proj"]), seed=3)
+    qwen.save_pretrained(tmp_path / "qwen")
+    pickled = tmp_path / "bin"
+    adapters["b"][1].save_pretrained(pickled, safe_serialization=False)
+    missing = tmp_path / "missing"
+    shutil.copytree(src, missing)
+    (missing / "adapter_model.safetensors").unlink()
+    cases = {
+        str(tmp_path / "big"): "rank 16 exceeds max_lora_rank=8",
+        str(tmp_path / "emb"): "embed_tokens",
+        str(tmp_path / "qwen"): "disagree with the model",
+        str(pickled): "adapter_model.bin",
+        str(missing): "no adapter_model.safetensors",
+        str(tmp_path / "nowhere"): "does not exist",
+        _edit_config(src, tmp_path / "bias", bias="all"): "bias='all'",
+        _edit_config(src, tmp_path / "save", modules_to_save=["lm_head"]): "modules_to_save",
+        _edit_config(src, tmp_path / "target", target_modules=["q_proj", "c_attn"]): "'c_attn' is not in the model",
+        _edit_config(src, tmp_path / "rank", r=3): "disagree",
+    }
+    before = gen.lora_adapters()
+    for path, message in cases.items():
+        with pytest.raises(LoraError, match=message):
+            gen.load_lora("bad", path)
+        assert gen.lora_adapters() == before
+    with pytest.raises(LoraError, match="already loaded"):
+        gen.load_lora(before[0], src)
+    assert gen.generate([PROMPT], GREEDY, lora=before[0])[0].finish_reason == "length"
+
+
+def test_second_family_and_int8_base(tmp_path):
+    """Qwen3 (q/k norms, head_dim != d / heads) with an all-linear adapter; then the same adapter over
+    an int8 base (QLoRA-style: weights int8, adapters float): its logits move from the int8 base's
+    as PEFT's move from the float base's, within int8's rounding."""
+    name = "qwen3-gqa"
+    base = save_hf_model(name, tmp_path / "base")
+    model = _peft(name, dict(r=8, lora_alpha=8, target_modules="all-linear"), seed=7)
+    model.save_pretrained(tmp_path / "q")
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPT])).logits[0].numpy()
+        with model.disable_adapter():
+            ref_base = model(torch.tensor([PROMPT])).logits[0].numpy()
+    kw = dict(lora_modules={"q": str(tmp_path / "q")}, max_loras=1, max_lora_rank=8, max_model_len=64,
+              max_num_batched_tokens=8, max_num_seqs=2, block_size=8, num_blocks=20)
+    gen = Generator.from_pretrained(base, **kw)
+    cfg = CONFIGS[name][1]
+    assert_rel_close(gen.logits(PROMPT, lora="q"), ref, _rtol(cfg, 8, len(PROMPT)), name)
+    assert gen.generate([PROMPT], GREEDY, lora="q")[0].token_ids == _peft_greedy(model, PROMPT, 10)
+    q8 = Generator.from_pretrained(base, quantize="int8", **kw)
+    delta, ref_delta = q8.logits(PROMPT, lora="q") - q8.logits(PROMPT), ref - ref_base
+    # int8 per-channel weights carry 2^-8 relative rounding per weight; over 2 layers and the
+    # adapters' inputs (which pass through them) the delta moves by a few percent of its size
+    assert_rel_close(delta, ref_delta, 5e-2, "int8 base")
+    mixed = q8.generate([PROMPT, PROMPT[3:]], GREEDY, lora=["q", None])
+    assert mixed[0].token_ids == q8.generate([PROMPT], GREEDY, lora="q")[0].token_ids
+    assert mixed[1].token_ids == q8.generate([PROMPT[3:]], GREEDY)[0].token_ids
+
+
+def test_speculative_decoding_with_lora_refused(llama):
+    base, adapters = llama
+    with pytest.raises(LoraError, match="speculative decoding"):
+        Generator.from_pretrained(base, speculative_method="ngram", lora_modules={"a": adapters["a"][0]},
+                                  max_model_len=64, max_num_seqs=2, num_blocks=20, warmup=False)
+
+
+def test_lru_slots_without_a_model():
+    slots = LoraSlots(2)
+    assert [slots.acquire(1), slots.acquire(2)] == [0, 1]
+    assert slots.acquire(3) is None                      # both held: the request waits
+    slots.release(1)
+    assert slots.acquire(3) == 0                         # 1 was the least recently used free one
+    assert slots.take_pending() == [(0, 3), (1, 2)]
+    slots.release(2)
+    slots.release(3)
+    assert slots.acquire(2) == 1 and slots.take_pending() == []   # still in its slot: no write
+    assert slots.acquire(1) == 0                         # evicts 3 (least recently used)
+    slots.release(2)
+    slots.drop(2)
+    assert slots.free == [1]
+
+
+def test_cli_flags_reach_the_engine_settings(llama):
+    from jaxinfer.cli import build_parser
+    from jaxinfer.config.engine import EngineConfig
+    from jaxinfer.config.flags import engine_kwargs
+    base, adapters = llama
+    args = build_parser().parse_args(["serve", "--model", base, "--lora-modules", f"a={adapters['a'][0]}",
+                                      f"b={adapters['b'][0]}", "--max-lora-rank", "8"])
+    cfg = EngineConfig(**{k: v for k, v in engine_kwargs(args).items() if k != "speculative_model"})
+    assert cfg.lora_modules == (("a", adapters["a"][0]), ("b", adapters["b"][0]))
+    assert (cfg.max_loras, cfg.max_lora_rank) == (4, 8)
+    with pytest.raises(ValueError, match="not NAME=PATH"):
+        EngineConfig(lora_modules=["a"])
+
+
+def test_http_adapters_models_load_unload(gen, llama, tmp_path):
+    """vLLM's interface over the same engine: `model` picks the adapter (token-id prompts: the base
+    folder has no tokenizer), logprobs as PEFT computes them, /v1/models with parents, run-time load
+    and unload with no flag, 404 / 400 as vLLM answers them."""
+    from fastapi.testclient import TestClient
+
+    from serve.app import build_app
+    _, adapters = llama
+    for name in ("b", "c"):
+        if name not in gen.lora_adapters():
+            gen.load_lora(name, adapters[name][0])
+    with TestClient(build_app(gen, "tiny")) as http:
+        models = http.get("/v1/models").json()["data"]
+        assert models[0]["id"] == "tiny" and models[0]["parent"] is None
+        assert {m["id"]: m["parent"] for m in models[1:]} == {n: "tiny" for n in gen.lora_adapters()}
+        body = dict(model="c", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1)
+        out = http.post("/v1/completions", json=body).json()
+        assert out["model"] == "c"
+        tokens = [int(t.split(":")[1]) for t in out["choices"][0]["logprobs"]["tokens"]]
+        assert tokens == gen.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0), lora="c")[0].token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(adapters["c"][1](torch.tensor([PROMPT])).logits[0, -1].double(), -1)
+        assert abs(out["choices"][0]["logprobs"]["token_logprobs"][0] - float(ref[tokens[0]])) < 1e-4
+        assert http.post("/v1/completions", json={**body, "model": "nope"}).status_code == 404
+
+        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path / "none")})
+        assert bad.status_code == 400 and "does not exist" in bad.json()["error"]["message"]
+        assert "x" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+        ok = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": adapters["b"][0]})
+        assert ok.status_code == 200, ok.text
+        assert "x" in [m["id"] for m in http.get("/v1/models").json()["data"]]
+        same = http.post("/v1/completions", json={**body, "model": "x"}).json()["choices"][0]["logprobs"]["tokens"]
+        assert same == http.post("/v1/completions", json={**body, "model": "b"}).json()["choices"][0]["logprobs"]["tokens"]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
+        assert "x" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 404
+        assert http.post("/v1/completions", json={**body, "model": "x"}).status_code == 404
