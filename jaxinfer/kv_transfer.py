@@ -1,0 +1,157 @@
+"""The bytes of the prefix cache's host tier: KV blocks copied between the device pool and host memory.
+The block manager (host/host_tier.py) decides which blocks go where; this module moves them, a
+step's copies batched: one gather of every offloaded block and one device-to-host copy, one scatter
+of every restored block (per bucket of TRANSFER_BUCKETS blocks).
+
+Every leaf of the KV pages pytree moves: each layer's K and V, the draft model's pages, int8/fp8
+scales; every leaf has the blocks on axis 1 ([n_kv_heads, num_blocks, block_size, ...]). The host
+copy of a leaf is one numpy buffer per distinct device shard, [heads of the shard, num_slots,
+block_size, ...]: under tensor parallelism each device's shard of a block goes to (and comes back
+from) its own buffer, never gathered across devices; a replicated leaf (the draft's pages, or KV
+heads fewer than the devices) is kept once and put back on every device.
+The gather writes its result straight to host memory: its output sharding is the pages' with
+memory_kind="pinned_host" (page-locked buffers the device's DMA engines copy into on a GPU; XLA:CPU
+has the same memory kind, so CPU runs this same path).
+Order (host_tier.py): offloads are read from the device first, restores written next, the offloaded
+bytes stored into their host slots last. Never imported by host/.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from jaxinfer.host.host_tier import KVTransfers
+
+# blocks one transfer program moves: a step's copies run as the fewest calls of these sizes (each
+# size compiles once, at warm-up)
+TRANSFER_BUCKETS = (8, 64)
+
+
+def _bucket(n: int) -> int:
+    return next((b for b in TRANSFER_BUCKETS if n <= b), TRANSFER_BUCKETS[-1])
+
+
+@dataclass
+class TransferResult:
+    """What a step's transfers did: the host slots whose offload failed (their entries must be
+    dropped) and the device blocks whose restore failed (not the cached K/V: recompute)."""
+    failed_slots: list[int] = field(default_factory=list)
+    failed_blocks: list[int] = field(default_factory=list)
+
+
+def _gather(pages, blocks):
+    return jax.tree.map(lambda x: x[:, blocks], pages)        # each leaf: (H, M, bs, ...)
+
+
+def _scatter(pages, blocks, values):
+    # blocks past the pool (padding) are dropped
+    return jax.tree.map(lambda x, v: x.at[:, blocks].set(v, mode="drop"), pages, values)
+
+
+class HostKVStore:
+    """The host tier's buffers and the two transfer programs (module docstring)."""
+
+    def __init__(self, kv_pages, num_slots: int):
+        leaves = jax.tree.leaves(kv_pages)
+        self.num_slots = num_slots
+        self.num_blocks = leaves[0].shape[1]
+        self.treedef = jax.tree.structure(kv_pages)
+        self.block_bytes = sum(x.nbytes // x.shape[1] for x in leaves)
+        # per leaf: [(shard index, the devices holding it, numpy buffer)], one entry per distinct shard
+        self.buffers = [self._buffers(x) for x in leaves]
+        self._like = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+        host = [x.sharding.with_memory_kind("pinned_host") for x in leaves]
+        self._gather = jax.jit(_gather, out_shardings=jax.tree.unflatten(self.treedef, host))
+        self._scatter = jax.jit(_scatter, donate_argnums=0)
+        self.bytes_offloaded = self.bytes_restored = 0
+        self.restore_time_s = 0.0      # wall time of restores: host staging, copies, scatter
+        self.offload_time_s = 0.0
+
+    def _buffers(self, x: jax.Array) -> list:
+        shards: dict = {}
+        for s in x.addressable_shards:
+            key = tuple((i.start, i.stop) for i in s.index)
+            if key not in shards:
+                shards[key] = ([], np.zeros((s.data.shape[0], self.num_slots, *s.data.shape[2:]), s.data.dtype))
+            shards[key][0].append(s.device)
+        return [(key, devices, buf) for key, (devices, buf) in shards.items()]
+
+    # ---------------------------------------------------------------- programs
+    def warmup(self, kv_pages):
+        """Compile both programs at every bucket (serving then compiles nothing); returns the pages."""
+        for m in TRANSFER_BUCKETS:
+            jax.block_until_ready(self._gather(kv_pages, np.zeros(m, np.int32)))
+            kv_pages = self._scatter(kv_pages, np.full(m, self.num_blocks, np.int32),
+                                     self._stage([0] * m))     # all padding: nothing written
+        return kv_pages
+
+    def _stage(self, slots: list[int]) -> list:
+        """The restored blocks' values as device arrays with the pages' shardings (one per leaf):
+        each device gets its shard's rows of its own host buffer."""
+        values = []
+        for leaf_buffers, x in zip(self.buffers, self._like):
+            arrays = []
+            for _, devices, buf in leaf_buffers:
+                rows = buf[:, slots]                               # (h, M, bs, ...), a copy
+                arrays += [jax.device_put(rows, d) for d in devices]
+            shape = (x.shape[0], len(slots), *x.shape[2:])
+            values.append(jax.make_array_from_single_device_arrays(shape, x.sharding, arrays))
+        return jax.tree.unflatten(self.treedef, values)
+
+    # ---------------------------------------------------------------- a step's copies
+    def run(self, kv_pages, transfers: KVTransfers) -> tuple:
+        """Run a step's copies (offloads read, restores written, offloads stored): returns the new
+        pages and a TransferResult. A failed copy drops what it moved, never the pages."""
+        result = TransferResult()
+        fetched = []
+        t0 = time.perf_counter()
+        for chunk in _chunks(transfers.offload):
+            blocks, slots = zip(*chunk)
+            try:
+                fetched.append((list(slots), self._fetch(kv_pages, list(blocks))))
+            except Exception:   # noqa: BLE001 -- any failure: the entries go, the request recomputes
+                result.failed_slots += slots
+        t1 = time.perf_counter()
+        for chunk in _chunks(transfers.restore):
+            slots, blocks = zip(*chunk)
+            m = _bucket(len(chunk))
+            try:
+                values = self._stage(list(slots) + [0] * (m - len(chunk)))
+            except Exception:   # noqa: BLE001
+                result.failed_blocks += blocks
+                result.failed_slots += slots
+                continue
+            idx = np.full(m, self.num_blocks, np.int32)
+            idx[: len(chunk)] = blocks
+            kv_pages = self._scatter(kv_pages, idx, values)
+            self.bytes_restored += len(chunk) * self.block_bytes
+        if transfers.restore:
+            jax.block_until_ready(kv_pages)
+        t2 = time.perf_counter()
+        for slots, leaves in fetched:        # last: a restore above may have read one of these slots
+            for leaf_buffers, shards in zip(self.buffers, leaves):
+                for (_, _, buf), rows in zip(leaf_buffers, shards):
+                    buf[:, slots] = rows[:, : len(slots)]
+            self.bytes_offloaded += len(slots) * self.block_bytes
+        self.offload_time_s += t1 - t0 + time.perf_counter() - t2
+        self.restore_time_s += t2 - t1
+        return kv_pages, result
+
+    def _fetch(self, kv_pages, blocks: list[int]) -> list:
+        """The blocks' bytes on the host: per leaf, per distinct shard, (h, M, bs, ...) numpy."""
+        idx = np.zeros(_bucket(len(blocks)), np.int32)
+        idx[: len(blocks)] = blocks
+        gathered = jax.tree.leaves(self._gather(kv_pages, idx))
+        out = []
+        for leaf_buffers, g in zip(self.buffers, gathered):
+            by_key = {tuple((i.start, i.stop) for i in s.index): s for s in g.addressable_shards}
+            out.append([np.asarray(by_key[key].data) for key, _, _ in leaf_buffers])
+        return out
+
+
+def _chunks(pairs: list, size: int = TRANSFER_BUCKETS[-1]):
+    for i in range(0, len(pairs), size):
+        yield pairs[i: i + size]
