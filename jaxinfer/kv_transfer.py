@@ -13,7 +13,8 @@ The gather writes its result straight to host memory: its output sharding is the
 memory_kind="pinned_host" (page-locked buffers the device's DMA engines copy into on a GPU; XLA:CPU
 has the same memory kind, so CPU runs this same path).
 Order (host_tier.py): offloads are read from the device first, restores written next, the offloaded
-bytes stored into their host slots last. Never imported by host/.
+bytes stored into their host slots last (at the next step's transfers: the gather's device-to-host
+copy runs behind the step, and restores from those slots wait for it). Never imported by host/.
 """
 from __future__ import annotations
 
@@ -66,14 +67,17 @@ class HostKVStore:
         host = [x.sharding.with_memory_kind("pinned_host") for x in leaves]
         self._gather = jax.jit(_gather, out_shardings=jax.tree.unflatten(self.treedef, host))
         self._scatter = jax.jit(_scatter, donate_argnums=0)
+        self._pending: list = []       # the last step's offloads: (host slots, gathered leaves)
         self.bytes_offloaded = self.bytes_restored = 0
-        self.restore_time_s = 0.0      # wall time of restores: host staging, copies, scatter
+        # host time: restores (staging the slots, the copies to the devices, dispatching the scatter);
+        # offloads (storing the previous step's gathered bytes, dispatching this step's gather)
+        self.restore_time_s = 0.0
         self.offload_time_s = 0.0
 
     def _buffers(self, x: jax.Array) -> list:
         shards: dict = {}
         for s in x.addressable_shards:
-            key = tuple((i.start, i.stop) for i in s.index)
+            key = _key(s.index)
             if key not in shards:
                 shards[key] = ([], np.zeros((s.data.shape[0], self.num_slots, *s.data.shape[2:]), s.data.dtype))
             shards[key][0].append(s.device)
@@ -103,15 +107,20 @@ class HostKVStore:
 
     # ---------------------------------------------------------------- a step's copies
     def run(self, kv_pages, transfers: KVTransfers) -> tuple:
-        """Run a step's copies (offloads read, restores written, offloads stored): returns the new
-        pages and a TransferResult. A failed copy drops what it moved, never the pages."""
+        """Run a step's copies: the previous step's offloaded bytes land in their host slots (their
+        gather was dispatched then; waiting for it here, not there, keeps async scheduling's overlap),
+        this step's offloads are gathered (dispatched before the restores' scatter, which donates the
+        pages, so they read the blocks first), then its restores are staged from the slots and
+        scattered. Returns the new pages and a TransferResult; a failed copy loses what it moved,
+        never the pages."""
         result = TransferResult()
-        fetched = []
         t0 = time.perf_counter()
+        lost = self._flush(result)
+        pending = []
         for chunk in _chunks(transfers.offload):
             blocks, slots = zip(*chunk)
             try:
-                fetched.append((list(slots), self._fetch(kv_pages, list(blocks))))
+                pending.append((list(slots), self._gather_blocks(kv_pages, list(blocks))))
             except Exception:   # noqa: BLE001 -- any failure: the entries go, the request recomputes
                 result.failed_slots += slots
         t1 = time.perf_counter()
@@ -119,6 +128,8 @@ class HostKVStore:
             slots, blocks = zip(*chunk)
             m = _bucket(len(chunk))
             try:
+                if lost & set(slots):
+                    raise RuntimeError("the offload that filled these host slots failed")
                 values = self._stage(list(slots) + [0] * (m - len(chunk)))
             except Exception:   # noqa: BLE001
                 result.failed_blocks += blocks
@@ -128,28 +139,43 @@ class HostKVStore:
             idx[: len(chunk)] = blocks
             kv_pages = self._scatter(kv_pages, idx, values)
             self.bytes_restored += len(chunk) * self.block_bytes
-        if transfers.restore:
-            jax.block_until_ready(kv_pages)
-        t2 = time.perf_counter()
-        for slots, leaves in fetched:        # last: a restore above may have read one of these slots
-            for leaf_buffers, shards in zip(self.buffers, leaves):
-                for (_, _, buf), rows in zip(leaf_buffers, shards):
-                    buf[:, slots] = rows[:, : len(slots)]
-            self.bytes_offloaded += len(slots) * self.block_bytes
-        self.offload_time_s += t1 - t0 + time.perf_counter() - t2
-        self.restore_time_s += t2 - t1
+        self._pending = pending
+        self.offload_time_s += t1 - t0
+        self.restore_time_s += time.perf_counter() - t1
         return kv_pages, result
 
-    def _fetch(self, kv_pages, blocks: list[int]) -> list:
-        """The blocks' bytes on the host: per leaf, per distinct shard, (h, M, bs, ...) numpy."""
+    def _gather_blocks(self, kv_pages, blocks: list[int]) -> list:
+        """Dispatch the gather of these blocks (padded to a bucket) into pinned host memory."""
         idx = np.zeros(_bucket(len(blocks)), np.int32)
         idx[: len(blocks)] = blocks
-        gathered = jax.tree.leaves(self._gather(kv_pages, idx))
-        out = []
-        for leaf_buffers, g in zip(self.buffers, gathered):
-            by_key = {tuple((i.start, i.stop) for i in s.index): s for s in g.addressable_shards}
-            out.append([np.asarray(by_key[key].data) for key, _, _ in leaf_buffers])
-        return out
+        return jax.tree.leaves(self._gather(kv_pages, idx))
+
+    def _flush(self, result: TransferResult) -> set[int]:
+        """Store the last step's gathered blocks into their host slots; returns the slots whose
+        gather failed (reported in result: their entries are dropped, and restores from them fail)."""
+        lost: set[int] = set()
+        for slots, gathered in self._pending:
+            try:
+                leaves = [[np.asarray(by_key[key].data) for key, _, _ in leaf_buffers]
+                          for leaf_buffers, by_key in zip(self.buffers, map(_shards_by_key, gathered))]
+            except Exception:   # noqa: BLE001
+                result.failed_slots += slots
+                lost.update(slots)
+                continue
+            for leaf_buffers, shards in zip(self.buffers, leaves):
+                for (_, _, buf), rows in zip(leaf_buffers, shards):
+                    buf[:, slots] = rows[:, : len(slots)]    # in order: a later write to a slot wins
+            self.bytes_offloaded += len(slots) * self.block_bytes
+        self._pending = []
+        return lost
+
+
+def _shards_by_key(x: jax.Array) -> dict:
+    return {_key(s.index): s for s in x.addressable_shards}
+
+
+def _key(index) -> tuple:
+    return tuple((i.start, i.stop) for i in index)
 
 
 def _chunks(pairs: list, size: int = TRANSFER_BUCKETS[-1]):

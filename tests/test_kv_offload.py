@@ -217,3 +217,166 @@ def test_transfers_move_every_leaf_in_order(kv_dtype):
     for b, a in zip(before, (np.asarray(x) for x in jax.tree.leaves(pages))):
         np.testing.assert_array_equal(a[:, 1], b[:, 3])
     assert store.bytes_offloaded == 3 * store.block_bytes and store.bytes_restored == 3 * store.block_bytes
+
+
+# ------------------------------------------------------------------ the engine
+
+ENGINE = dict(dtype="float32", max_model_len=88, max_num_batched_tokens=16, max_num_seqs=4, block_size=8,
+              num_blocks=12, warmup=False)   # 11 blocks of 8: the conversations hold ~3x that
+GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1)
+
+
+def _multiturn(gen: Generator, convs: int = 4, turns: int = 3, seed: int = 0) -> list:
+    """Turns in rounds (bench/multiturn.py's shape): each resends a shared 20-token system prompt,
+    the conversation's history and a new message; one request at a time, so each conversation
+    returns after the others have evicted its blocks from the 11-block pool. Per turn: (prompt
+    length, output tokens, cached tokens, logprobs)."""
+    rng = np.random.RandomState(seed)
+    vocab = gen.model_cfg.vocab_size
+    system = rng.randint(3, vocab, 20).tolist()
+    history = [list(system) for _ in range(convs)]
+    out = []
+    for _ in range(turns):
+        for c in range(convs):
+            prompt = history[c] + rng.randint(3, vocab, 6).tolist()
+            o = gen.generate([prompt], GREEDY)[0]
+            out.append((len(prompt), o.samples[0].token_ids, o.num_cached_tokens, o.samples[0].logprobs))
+            history[c] = prompt + o.samples[0].token_ids
+    return out
+
+
+def _same_tokens(a: list, b: list) -> None:
+    """Identical greedy tokens; logprobs equal to float32 rounding (cached K/V were computed in other
+    steps than recomputed ones: test_prefix_cache._same's bound)."""
+    assert [x[1] for x in a] == [x[1] for x in b]
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x[3], y[3], rtol=0, atol=1e-5)
+
+
+def _no_leak(gen: Generator) -> None:
+    s = gen.stats()
+    assert s["kv_blocks_used"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
+    gen.engine.blocks.host.check()
+
+
+@pytest.fixture(scope="module")
+def llama(hf_model_dir):
+    return hf_model_dir("llama-gqa-llama3")
+
+
+@pytest.fixture(scope="module")
+def reference(llama):
+    """The tier off (today's engine: prefix caching with the device pool only)."""
+    g = Generator.from_pretrained(llama, **ENGINE)
+    return _multiturn(g), g.stats()
+
+
+def test_greedy_identical_with_the_tier_and_restored_tokens_count_as_cached(llama, reference):
+    """The tier on (room for every block) in the 11-block pool: the greedy outputs of the tier off,
+    and every turn finds as many tokens cached as the tier-off engine does in a pool that never
+    evicts (64 blocks): what the pool evicted comes back from the host, and counts as cached.
+    Nothing compiled after warm-up; the stats agree with each other and with a block's bytes by
+    hand (2 layers x K,V x 2 KV heads x head_dim 16 x 4 bytes x 8 tokens)."""
+    ref, ref_stats = reference
+    ample = _multiturn(Generator.from_pretrained(llama, **{**ENGINE, "num_blocks": 64}))
+    g = Generator.from_pretrained(llama, **{**ENGINE, "warmup": True}, kv_offload_gb=1 / 1024)
+    out = _multiturn(g)
+    _same_tokens(out, ref)
+    _same_tokens(out, ample)
+    block_bytes = 2 * 2 * 2 * 16 * 4 * 8
+    assert g.engine.blocks.host.block_bytes == block_bytes
+    assert [t[2] for t in out] == [t[2] for t in ample]
+    s = g.stats()
+    assert s["compilations_after_warmup"] == 0
+    assert s["kv_host_hits"] > 0 and s["kv_host_bytes_restored"] == s["kv_host_hits"] * block_bytes
+    assert s["kv_host_bytes"] == s["kv_host_blocks"] * block_bytes > 0
+    assert s["kv_host_bytes_offloaded"] >= s["kv_host_bytes"] and s["kv_host_restore_time_s"] > 0
+    assert s["kv_host_budget_bytes"] == 2**20 and s["kv_host_blocks_dropped"] == 0
+    assert sum(t[2] for t in out) > sum(t[2] for t in ref) and s["prompt_tokens"] < ref_stats["prompt_tokens"]
+    assert ref_stats["prefix_cache_evictions"] > 0 and ref_stats["kv_host_hits"] == 0
+    _no_leak(g)
+    from prometheus_client import generate_latest
+
+    from serve.metrics import ServerMetrics
+    m = ServerMetrics("m")
+    m.observe_step(s)
+    text = generate_latest(m.registry).decode()
+    assert f'jaxinfer_kv_host_hits_total{{model_name="m"}} {float(s["kv_host_hits"])}' in text
+    assert f'jaxinfer_kv_host_bytes{{model_name="m"}} {float(s["kv_host_bytes"])}' in text
+
+
+def test_failed_transfers_fall_back_to_recompute(llama, reference, monkeypatch):
+    """Every restore fails (its host staging raises), then every offload: the entries are dropped,
+    the requests recompute, and the outputs are the tier-off ones; nothing leaks."""
+    from jaxinfer import kv_transfer
+
+    ref, _ = reference
+    g = Generator.from_pretrained(llama, **ENGINE, kv_offload_gb=1 / 1024)
+
+    def broken(*a, **k):
+        raise RuntimeError("injected transfer failure")
+    monkeypatch.setattr(kv_transfer.HostKVStore, "_stage", broken)
+    _same_tokens(_multiturn(g), ref)
+    s = g.stats()
+    assert s["kv_host_blocks_dropped"] > 0 and s["kv_host_bytes_restored"] == 0 and s["num_preemptions"] > 0
+    _no_leak(g)
+    monkeypatch.setattr(kv_transfer.HostKVStore, "_gather_blocks", broken)
+    g.reset_prefix_cache()
+    _same_tokens(_multiturn(g), ref)
+    assert g.stats()["kv_host_blocks"] == 0
+    _no_leak(g)
+
+
+def test_int8_kv_and_draft_model_pages_restored(llama):
+    """int8 KV (codes and scales move) with a draft model (its pages move with the target's; the
+    draft is the target itself, so its proposals are accepted): tier on vs off, same greedy tokens,
+    blocks restored."""
+    kw = dict(ENGINE, kv_dtype="int8", speculative_method="draft", speculative_model=llama,
+              num_speculative_tokens=2, speculative_max_batch=4)
+    ref = _multiturn(Generator.from_pretrained(llama, **kw), turns=2)
+    g = Generator.from_pretrained(llama, **kw, kv_offload_gb=1 / 1024)
+    assert len(g.engine.runner.kv_pages) == 2       # (target, draft)
+    _same_tokens(_multiturn(g, turns=2), ref)
+    s = g.stats()
+    assert s["kv_host_hits"] > 0 and s["spec_decode_num_drafts"] > 0
+    _no_leak(g)
+
+
+def test_budget_and_flags(llama):
+    """kv_offload_gb / --kv-offload-gb in GiB become kv_offload_bytes; a budget under one block is
+    refused at start naming the block's bytes (here 2 x 2 layers x 2 heads x 16 x 4 B x 8 tokens +
+    the draft's none = 2048); 0 is no tier."""
+    from jaxinfer.cli import build_parser
+    from jaxinfer.config.engine import engine_config
+    from jaxinfer.config.flags import engine_kwargs
+
+    for cmd in (["serve"], ["batch", "in.jsonl", "out.jsonl"], ["generate", "hi"]):
+        assert engine_kwargs(build_parser().parse_args([*cmd, "--kv-offload-gb", "0.5"]))["kv_offload_bytes"] == 2**29
+    assert engine_config("from_pretrained", {"kv_offload_gb": 2}).kv_offload_bytes == 2 * 2**30
+    assert engine_config("from_pretrained", {}).kv_offload_bytes == 0
+    with pytest.raises(ValueError, match="kv_offload_gb must be a number >= 0"):
+        engine_config("from_pretrained", {"kv_offload_gb": -1})
+    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
+        engine_config("from_pretrained", {"kv_offload_gb": 1, "enable_prefix_caching": False})
+    with pytest.raises(ValueError, match=r"smaller than one KV block \(2048 bytes"):
+        Generator.from_pretrained(llama, **ENGINE, kv_offload_bytes=2047)
+    assert Generator.from_pretrained(llama, **ENGINE).engine.blocks.host is None
+
+
+def test_tensor_parallel_restores_per_device_shards(tmp_path_factory):
+    """TP 2 on fake devices with a draft model (tests/kv_offload_worker.py): the one-device engine's
+    greedy tokens with the tier off, both times the workload runs (the second from an empty cache:
+    recompiling nothing); blocks restored; the target's leaves held per device (1 KV head each: no
+    gather), the replicated draft's once."""
+    from tests.fake_devices import run_worker
+    from tests.sharding_worker import save_llama
+
+    tmp = tmp_path_factory.mktemp("kv-offload-tp")
+    save_llama("vocab136", tmp / "vocab136")
+    r = run_worker("tests.kv_offload_worker", tmp)
+    tokens = lambda run: [t for t, _ in run]   # noqa: E731
+    assert tokens(r["tier"]) == tokens(r["tier_again"]) == tokens(r["ref"])
+    assert r["stats"]["kv_host_hits"] > 0 and r["stats"]["kv_host_bytes_restored"] > 0
+    assert r["stats"]["spec_decode_num_drafts"] > 0 and r["compiles_again"] == 0 and r["kv_blocks_used"] == 0
+    assert all(leaf == [[1, 1], [1, 1]] for leaf in r["target_buffers"])
+    assert all(leaf == [[2, 2]] for leaf in r["draft_buffers"])
