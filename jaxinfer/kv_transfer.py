@@ -121,6 +121,7 @@ class HostKVStore:
             blocks, slots = zip(*chunk)
             try:
                 pending.append((list(slots), self._gather_blocks(kv_pages, list(blocks))))
+                self.bytes_offloaded += len(chunk) * self.block_bytes
             except Exception:   # noqa: BLE001 -- any failure: the entries go, the request recomputes
                 result.failed_slots += slots
         t1 = time.perf_counter()
@@ -161,11 +162,11 @@ class HostKVStore:
             except Exception:   # noqa: BLE001
                 result.failed_slots += slots
                 lost.update(slots)
+                self.bytes_offloaded -= len(slots) * self.block_bytes
                 continue
             for leaf_buffers, shards in zip(self.buffers, leaves):
                 for (_, _, buf), rows in zip(leaf_buffers, shards):
                     buf[:, slots] = rows[:, : len(slots)]    # in order: a later write to a slot wins
-            self.bytes_offloaded += len(slots) * self.block_bytes
         self._pending = []
         return lost
 
