@@ -23,6 +23,7 @@ import jax
 from jaxinfer.config import EngineConfig, ResolvedConfig, SamplingParams, resolve_config
 from jaxinfer import perf
 from jaxinfer.host.block_manager import BlockManager
+from jaxinfer.host.host_tier import HostTier
 from jaxinfer.host.request import Request
 from jaxinfer.host.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxinfer.host.speculative import Proposer, SpecStats
@@ -95,7 +96,8 @@ class Engine:
         self.resolved = r = _resolve(model, cfg, draft_model)
         self.max_model_len = r.max_model_len
         set_matmul_impl(model, r.matmul)   # before the runner splits the model: the graph holds it
-        self.blocks = BlockManager(r.num_blocks, r.block_size, enable_caching=r.enable_prefix_caching)
+        self.blocks = BlockManager(r.num_blocks, r.block_size, enable_caching=r.enable_prefix_caching,
+                                   host_tier=_host_tier(r, model.cfg, draft_model))
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
         eos = eos or self.model_cfg.eos_token_ids
         # structured outputs: grammars compiled against this tokenizer, masks filled by the runner
@@ -107,8 +109,10 @@ class Engine:
             self.runner = PipelineRunner(model, runner_config(r, eos), r.pipeline_microbatches or model.pp,
                                          grammars=self.grammars)
         else:
-            self.runner = ModelRunner(model, runner_config(r, eos), draft_model, medusa_heads, self.grammars,
-                                      publish_step)
+            self.runner = ModelRunner(model, runner_config(r, eos, self.blocks.host), draft_model, medusa_heads,
+                                      self.grammars, publish_step)
+        if self.blocks.host is not None:   # the tier's slots are sized in the bytes the runner moves
+            assert self.runner.host_kv.block_bytes == self.blocks.host.block_bytes
         self.weights = weights
         self.cost = perf.ModelCost.build(self.model_cfg, weights, self.runner.kv_bytes_per_token)
         self.device_spec = perf.device_for_kind(jax.devices()[0].device_kind)   # None: peak unknown (CPU)
@@ -327,6 +331,8 @@ class Engine:
             deltas += self._complete(prev)
             prev = None
         sched = self.scheduler.schedule()
+        if self.blocks.host is not None:
+            self._move_host_blocks(sched)
         feed = None
         if prev is not None and any(seq.sample and seq.request.guide is not None for seq in prev.scheduled.seqs):
             # a grammar's next mask follows from the token just drawn: prepare step N+1 while the
@@ -353,6 +359,23 @@ class Engine:
             for observe in self._step_observers:
                 observe(trace)
         return deltas
+
+    def _move_host_blocks(self, sched: SchedulerOutput) -> None:
+        """The host tier's copies the plan needs, before its step: blocks evicted to the tier, blocks
+        restored from it. A failed copy drops its entries; a failed restore's requests recompute."""
+        transfers = self.blocks.take_transfers()
+        if not transfers:
+            return
+        c0 = CompileCounter.count
+        result = self.runner.move_kv_blocks(transfers)
+        if self.warmed_up:
+            self.stats_.compilations_after_warmup += CompileCounter.count - c0
+        self.blocks.host.drop(result.failed_slots)
+        if result.failed_blocks:
+            logging.getLogger("jaxinfer").warning("host tier: %d block restores failed; recomputing them",
+                                                  len(result.failed_blocks))
+            self.blocks.restore_failed(result.failed_blocks)
+            self.scheduler.recompute(sched, result.failed_blocks)
 
     def _needs_tokens_first(self, prev: Launched) -> bool:
         """Whether the in-flight step's tokens must reach the host before the next step is planned.
@@ -489,6 +512,24 @@ class Engine:
             # speculative_method="draft": positions the draft recomputed to catch up with the target
             # after steps that skipped it (the load policy had speculation off)
             "spec_decode_draft_catchup_tokens": self.scheduler.num_draft_catchup_tokens,
+            **self._host_tier_stats(),
+        }
+
+    def _host_tier_stats(self) -> dict:
+        """The prefix cache's host tier: hits and misses in blocks (of admitted requests' prompts, past
+        the device's cached prefix), what it holds, bytes moved each way, restore time (zeros: none)."""
+        host, store = self.blocks.host, getattr(self.runner, "host_kv", None)
+        return {
+            "kv_host_budget_bytes": self.resolved.kv_offload_bytes,
+            "kv_host_hits": host.hits if host else 0,
+            "kv_host_misses": host.misses if host else 0,
+            "kv_host_blocks": host.num_held if host else 0,
+            "kv_host_bytes": host.bytes_held if host else 0,
+            "kv_host_blocks_dropped": host.blocks_dropped if host else 0,
+            "kv_host_bytes_offloaded": store.bytes_offloaded if store else 0,
+            "kv_host_bytes_restored": store.bytes_restored if store else 0,
+            "kv_host_restore_time_s": store.restore_time_s if store else 0.0,
+            "kv_host_offload_time_s": store.offload_time_s if store else 0.0,
         }
 
 
@@ -526,12 +567,26 @@ def scheduler_config(r: ResolvedConfig, lazy_draft: bool = False, medusa_tree=No
                            lazy_draft=lazy_draft, step_proposes=medusa_tree is not None)
 
 
-def runner_config(r: ResolvedConfig, eos_ids: tuple[int, ...]) -> RunnerConfig:
-    """The runner's settings from the resolved ones (eos_ids: what ends a row on the device)."""
+def _host_tier(r: ResolvedConfig, model_cfg, draft_model: Decoder | None) -> HostTier | None:
+    """The prefix cache's host tier of kv_offload_bytes (None: 0); a budget under one block (every
+    layer's K/V of block_size tokens, the draft's and int8/fp8 scales included) is refused here."""
+    if not r.kv_offload_bytes:
+        return None
+    if jax.process_count() > 1:
+        raise ValueError("kv_offload_gb (the host tier) is not available across several processes (multi-host)")
+    block_bytes = r.block_size * sum(perf.kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, r.kv_dtype)
+                                     for c in [model_cfg] + ([draft_model.cfg] if draft_model is not None else []))
+    return HostTier(r.kv_offload_bytes, block_bytes)
+
+
+def runner_config(r: ResolvedConfig, eos_ids: tuple[int, ...], host: HostTier | None = None) -> RunnerConfig:
+    """The runner's settings from the resolved ones (eos_ids: what ends a row on the device; host:
+    the prefix cache's host tier, whose slots the runner holds the bytes of)."""
     return RunnerConfig(block_size=r.block_size, num_blocks=r.num_blocks, max_num_seqs=r.max_num_seqs,
                         max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len,
                         kv_dtype=r.kv_dtype, attention=r.attention, max_decode_steps=r.max_decode_steps,
-                        eos_ids=tuple(eos_ids), spec_tokens=r.spec_tokens, spec_rounds=r.spec_rounds)
+                        eos_ids=tuple(eos_ids), spec_tokens=r.spec_tokens, spec_rounds=r.spec_rounds,
+                        kv_offload_slots=host.num_slots if host is not None else 0)
 
 
 def _build_scheduler(r: ResolvedConfig, blocks: BlockManager, eos_ids: tuple[int, ...], lazy_draft: bool,

@@ -136,9 +136,13 @@ def _with_settings(func):
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     own = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
            for f in engine_settings()]
+    # a setting given in a larger unit (kv_offload_gb for kv_offload_bytes): None, the field's default
+    own += [inspect.Parameter(f.metadata["alias"][0], inspect.Parameter.KEYWORD_ONLY, default=None,
+                              annotation="float | None") for f in engine_settings() if "alias" in f.metadata]
     func.__signature__ = sig.replace(parameters=[*params[:2], *own, *params[2:]])   # after (cls, path)
     func.__doc__ += "\n\n        The engine's settings (EngineConfig):\n" + "".join(
-        f"          {f.name}={f.default!r}: {f.metadata['help']}\n" for f in engine_settings())
+        (f"          {f.metadata['alias'][0]} (EngineConfig.{f.name}): {f.metadata['help']}\n" if "alias" in f.metadata
+         else f"          {f.name}={f.default!r}: {f.metadata['help']}\n") for f in engine_settings())
     return func
 
 

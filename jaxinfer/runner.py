@@ -30,6 +30,7 @@ from jaxinfer.config import MAX_LOGIT_BIAS, ModelConfig
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
 from jaxinfer.host.structured import Grammars, mask_words
 from jaxinfer.lora.execute import LoraInputs
+from jaxinfer.kv_transfer import HostKVStore, TransferResult
 from jaxinfer.kv_cache import StepRow, attention_buckets, build_attention_metadata, init_kv_pages, kv_storage_dtype
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.prompt_logprobs import PromptRows, prompt_targets
@@ -92,6 +93,7 @@ class RunnerConfig:
     eos_ids: tuple[int, ...] = ()        # end a row on device unless the request ignores EOS
     spec_tokens: int = 0                 # K > 0: speculative decoding with up to K proposals per row
     spec_rounds: int = 1                 # ... and up to this many rounds per step (StepSettings.max_iters)
+    kv_offload_slots: int = 0            # blocks the prefix cache's host tier holds (0: no host tier)
 
 
 def _pow2_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
@@ -153,6 +155,8 @@ class ModelRunner:
         # multi-LoRA: the adapters' device slots (jaxinfer.lora.execute.LoraSlotsDevice), once enabled;
         # every step then carries each token's slot (its request's Request.lora_slot, -1: none)
         self.lora = None
+        # the host tier's buffers and transfer programs (kv_transfer.py), over every page: the draft's too
+        self.host_kv = HostKVStore(self.kv_pages, cfg.kv_offload_slots) if cfg.kv_offload_slots else None
 
     def _init_spec(self, draft: Decoder | None, medusa_heads, kv_dtype, plain_settings: dict) -> None:
         """A speculative engine's SpecRunner, paired params and pages, and two programs: the
@@ -413,6 +417,12 @@ class ModelRunner:
         self.kv_pages = with_target_pages(self.params, self.kv_pages, pages)
         return outputs
 
+    def move_kv_blocks(self, transfers) -> TransferResult:
+        """Run a step's copies between the pool and the host tier (host_tier.KVTransfers), before the
+        step: outside the step's program, so the step's contract does not change."""
+        self.kv_pages, result = self.host_kv.run(self.kv_pages, transfers)
+        return result
+
     def fetch(self, launched: Launched) -> dict[str, list[StepSample]]:
         """Wait for a launched step; its tokens per request (read from the device once)."""
         if launched.samples is None:
@@ -490,4 +500,6 @@ class ModelRunner:
             outputs.ids.block_until_ready()
             if self.plain_step is not None:
                 self._run_plain(self.empty_inputs(t, b, plain=True), self._no_prev).ids.block_until_ready()
+        if self.host_kv is not None:
+            self.kv_pages = self.host_kv.warmup(self.kv_pages)
         return len(buckets)

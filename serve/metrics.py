@@ -51,6 +51,21 @@ class ServerMetrics:
                                        ["model_name"], registry=r).labels(**label)
         self.cache_blocks = Gauge("jaxinfer_prefix_cache_blocks", "KV blocks holding a cached prefix",
                                   ["model_name"], registry=r).labels(**label)
+        # the prefix cache's host tier (kv_offload_gb): hits and misses in blocks, past the device's cache
+        host = {key: Counter(name, doc, ["model_name"], registry=r).labels(**label) for key, name, doc in (
+            ("kv_host_hits", "jaxinfer_kv_host_hits", "Prompt blocks restored from the host tier"),
+            ("kv_host_misses", "jaxinfer_kv_host_misses", "Prompt blocks neither the device pool nor the host tier held"),
+            ("kv_host_bytes_offloaded", "jaxinfer_kv_host_bytes_offloaded",
+             "Bytes copied from the device pool to the host tier"),
+            ("kv_host_bytes_restored", "jaxinfer_kv_host_bytes_restored",
+             "Bytes copied from the host tier back to the device pool"),
+            ("kv_host_restore_time_s", "jaxinfer_kv_host_restore_seconds",
+             "Seconds spent restoring blocks from the host tier"))}
+        self.host_counters = host
+        self.host_blocks = Gauge("jaxinfer_kv_host_blocks", "KV blocks the host tier holds", ["model_name"],
+                                 registry=r).labels(**label)
+        self.host_bytes = Gauge("jaxinfer_kv_host_bytes", "Bytes the host tier holds", ["model_name"],
+                                registry=r).labels(**label)
         self.finished = Counter("jaxinfer_request_success", "Finished requests", ["model_name", "finish_reason"],
                                 registry=r)
         # speculative decoding, named like vLLM's spec_decode metrics
@@ -73,7 +88,7 @@ class ServerMetrics:
         self._last = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
                       "prefix_cache_hits": 0, "prefix_cache_evictions": 0, "spec_decode_num_drafts": 0,
                       "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0,
-                      "spec_decode_draft_catchup_tokens": 0}
+                      "spec_decode_draft_catchup_tokens": 0, **dict.fromkeys(host, 0)}
         self._last_pos: list[int] = []
 
     def observe_step(self, s: dict) -> None:
@@ -87,6 +102,8 @@ class ServerMetrics:
         if s["achieved_bandwidth_bytes_per_s"] is not None:
             self.bandwidth.set(s["achieved_bandwidth_bytes_per_s"])
         self.cache_blocks.set(s["prefix_cache_blocks"])
+        self.host_blocks.set(s["kv_host_blocks"])
+        self.host_bytes.set(s["kv_host_bytes"])
         for key, counter in (("num_preemptions", self.preemptions), ("prompt_tokens", self.prompt_tokens),
                              ("generation_tokens", self.generation_tokens),
                              ("prefix_cache_queries", self.cache_queries), ("prefix_cache_hits", self.cache_hits),
@@ -94,7 +111,8 @@ class ServerMetrics:
                              ("spec_decode_num_drafts", self.spec_drafts),
                              ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
                              ("spec_decode_num_accepted_tokens", self.spec_accepted),
-                             ("spec_decode_draft_catchup_tokens", self.spec_catchup)):
+                             ("spec_decode_draft_catchup_tokens", self.spec_catchup),
+                             *self.host_counters.items()):
             if s[key] > self._last[key]:
                 counter.inc(s[key] - self._last[key])
                 self._last[key] = s[key]

@@ -31,11 +31,16 @@ DEFAULT_SPECULATIVE_MAX_BATCH = {"cpu": 1}
 DEFAULT_SPECULATIVE_MAX_BATCH_ACCELERATOR = 8
 
 
-def setting(default: Any, help: str, *, choices: tuple | None = None, flags: tuple[str, ...] | None = None) -> Any:
+def setting(default: Any, help: str, *, choices: tuple | None = None, flags: tuple[str, ...] | None = None,
+            alias: tuple[str, int] | None = None) -> Any:
     """An EngineConfig field that is a user-facing setting: its default, its help (the CLI flag's and
     from_pretrained's), the values it takes (None added where the default is None) and, where they
-    are not `--field-name` (or `--no-field-name` for a setting on by default), its flags' names."""
+    are not `--field-name` (or `--no-field-name` for a setting on by default), its flags' names.
+    alias: (name, scale): users give the setting in a larger unit under that name (a from_pretrained
+    keyword and, unless flags says otherwise, the flag --name): the field holds value * scale."""
     metadata = {"help": help}
+    if alias is not None:
+        metadata["alias"] = alias
     if choices is not None:
         metadata["choices"] = choices
     if flags is not None:
@@ -96,6 +101,10 @@ class EngineConfig:
     max_loras: int = setting(4, "LoRA adapters one step may mix (device slots; more may be registered: "
                                 "least recently used slots are reused)")
     max_lora_rank: int = setting(16, "the largest LoRA rank an adapter may have (smaller ranks are zero-padded)")
+    kv_offload_bytes: int = setting(
+        0, "host memory for the prefix cache's second tier, in GiB (2**30 bytes): cached KV blocks evicted "
+           "from the device pool are kept there and copied back on a hit (0: no host tier)",
+        alias=("kv_offload_gb", 2**30))
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -118,6 +127,12 @@ class EngineConfig:
                              f"got {self.num_speculative_tokens}")
         if self.speculative_max_batch is not None and self.speculative_max_batch < 0:
             raise ValueError(f"speculative_max_batch must be >= 0, got {self.speculative_max_batch}")
+        if not (isinstance(self.kv_offload_bytes, int) and self.kv_offload_bytes >= 0):
+            raise ValueError(f"kv_offload_bytes must be an integer >= 0, got {self.kv_offload_bytes!r}")
+        if self.kv_offload_bytes and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gb keeps evicted prefix-cache blocks: it needs enable_prefix_caching")
+        if self.kv_offload_bytes and self.pipeline_parallel > 1:
+            raise ValueError("kv_offload_gb (the host tier) is not available with pipeline_parallel > 1")
         if self.speculative_method is not None and self.pipeline_parallel > 1:
             # (tensor_parallel works: the draft model and Medusa heads are replicated on the mesh)
             raise ValueError("speculative decoding is not available with pipeline_parallel > 1")
@@ -157,7 +172,19 @@ def settings() -> tuple:
 def engine_config(caller: str, given: dict[str, Any]) -> EngineConfig:
     """An EngineConfig of the settings a caller took as keywords (Generator.from_pretrained's
     **settings): a name that is not a setting is a TypeError naming it, as Python's own would."""
-    names = {f.name for f in settings()}
+    given = dict(given)
+    for f in settings():
+        if "alias" in f.metadata and f.metadata["alias"][0] in given:
+            alias, scale = f.metadata["alias"]
+            if f.name in given and given[alias] is not None:
+                raise TypeError(f"{caller}() got both {alias!r} and {f.name!r}: give one")
+            value = given.pop(alias)
+            if value is None:           # the keyword's default: the field's
+                continue
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{alias} must be a number >= 0, got {value!r}")
+            given[f.name] = int(round(value * scale))
+    names = {f.name for f in settings()} | {f.metadata["alias"][0] for f in settings() if "alias" in f.metadata}
     unknown = [k for k in given if k not in names]
     if unknown:
         raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r} (the engine's settings: "

@@ -21,7 +21,7 @@ def flag_names(f: dataclasses.Field) -> tuple[str, ...]:
     a boolean setting on by default (the flag turns it off)."""
     if "flags" in f.metadata:
         return f.metadata["flags"]
-    name = f.name.replace("_", "-")
+    name = (f.metadata["alias"][0] if "alias" in f.metadata else f.name).replace("_", "-")
     return (f"--no-{name}",) if f.default is True else (f"--{name}",)
 
 
@@ -46,6 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser | Any, only: Iterable[str] | None
         elif kind == "bool":
             p.add_argument(*flag_names(f), dest=f.name, action="store_true" if f.default is False else "store_false",
                            default=default, help=f.metadata["help"])
+        elif "alias" in f.metadata:     # given in the alias's unit, kept as the field's
+            p.add_argument(*flag_names(f), dest=f.name, type=_scaled(f.metadata["alias"][1]), default=default,
+                           metavar="N", help=f.metadata["help"])
         else:
             p.add_argument(*flag_names(f), dest=f.name, type=_TYPES[kind], default=default,
                            choices=f.metadata.get("choices"), help=f.metadata["help"])
@@ -53,6 +56,17 @@ def add_engine_args(p: argparse.ArgumentParser | Any, only: Iterable[str] | None
             p.add_argument("--speculative-model", default=None,
                            help="the draft model's or Medusa heads' folder (default for the bundled model: the "
                                 "bundled ones)")
+
+
+def _scaled(scale: int):
+    """An argparse type: a number >= 0 in a setting's alias unit -> the field's integer value."""
+    def parse(text: str) -> int:
+        value = float(text)
+        if not value >= 0:
+            raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+        return int(round(value * scale))
+    parse.__name__ = "number"
+    return parse
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

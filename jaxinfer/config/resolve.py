@@ -91,6 +91,7 @@ class ResolvedConfig:
     spec_rounds: int = 1         # draft / n-gram: speculation rounds one step may run on the device
     spec_max_batch: int = 0      # the load policy: speculate while at most this many sequences run or wait
     pool: Any = None             # perf.PoolSize: how num_blocks was sized (None: num_blocks was given)
+    kv_offload_bytes: int = 0    # the prefix cache's host tier (0: none)
 
     @property
     def pool_tokens(self) -> int:
@@ -127,7 +128,7 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
         enable_prefix_caching=cfg.enable_prefix_caching,
         async_scheduling=cfg.async_scheduling and not pipelined, pipeline_microbatches=cfg.pipeline_microbatches,
         memory_fraction=cfg.memory_fraction, speculative_method=cfg.speculative_method, spec_tokens=spec_tokens,
-        spec_rounds=spec_rounds, spec_max_batch=spec_max_batch, pool=pool)
+        spec_rounds=spec_rounds, spec_max_batch=spec_max_batch, pool=pool, kv_offload_bytes=cfg.kv_offload_bytes)
 
 
 def _resolve_attention(cfg: EngineConfig, model_cfg: ModelConfig, backend: str) -> str:

@@ -27,6 +27,11 @@ A draft model's pages (speculative_method="draft") use the same blocks. Decode s
 speculate skip the draft, so a block can hold the target's K/V but not the draft's: `draft_stale`
 marks such blocks, and a request that starts from cached blocks trusts the draft's pages only up
 to the first stale one (`draft_valid_blocks`); the draft recomputes the rest (scheduler.py).
+
+With a host tier (host_tier.py, EngineConfig.kv_offload_bytes) an evicted cached block is offloaded
+to host memory rather than forgotten, and `lookup` goes on past the device's cached prefix into the
+tier: its hits (HostHit) are restored into fresh blocks by `allocate`. The block manager only
+decides: `take_transfers` hands the step's copies to the runner, which moves the bytes.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ import hashlib
 from collections import OrderedDict
 
 import numpy as np
+
+from .host_tier import HostHit, HostTier, KVTransfers
 
 
 def block_hash(parent: bytes | None, token_ids, salt: str | None = None) -> bytes:
@@ -49,8 +56,11 @@ def block_hash(parent: bytes | None, token_ids, salt: str | None = None) -> byte
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 host_tier: HostTier | None = None):
+        """host_tier: the prefix cache's host tier (only with enable_caching)."""
         assert num_blocks >= 2, "need the null block plus at least one usable block"
+        self.host = host_tier if enable_caching else None
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_caching = enable_caching
         # the free queue: head = next to allocate (an OrderedDict gives O(1) removal on a cache hit)
@@ -98,6 +108,8 @@ class BlockManager:
             self.hashes[b] = None
             if self.cached.get(h) == b:
                 del self.cached[h]
+                if self.host is not None:       # its K/V is still in the block until this step runs
+                    self.host.offload(h, b, bool(self.draft_stale[b]))
             self.num_evictions += 1
         self.ref_counts[b] = 1
         self.draft_stale[b] = False     # nothing in it yet: its owner's counters say what is written
@@ -105,18 +117,23 @@ class BlockManager:
 
     def allocate(self, request_id: str, num_tokens: int, prefix: list[int] | tuple[int, ...] = ()) -> bool:
         """Grow the request's table to hold num_tokens; False (and no change) if blocks run out.
-        prefix: cached blocks (from `lookup`) the request starts with; only for an empty table."""
+        prefix: cached blocks (from `lookup`) the request starts with; only for an empty table. Its
+        HostHits take fresh blocks that the step's transfers restore (and cache) before the step runs."""
         if prefix:
             assert not self.table(request_id), "a cached prefix starts an empty table"
-            reclaimed = sum(1 for b in prefix if self.ref_counts[b] == 0)
-            need = max(0, self.blocks_for(num_tokens) - len(prefix))
+            on_device = [b for b in prefix if not isinstance(b, HostHit)]
+            reclaimed = sum(1 for b in on_device if self.ref_counts[b] == 0)
+            need = max(0, self.blocks_for(num_tokens) - len(prefix)) + len(prefix) - len(on_device)
             if need + reclaimed > len(self.free_queue):
                 return False
-            for b in prefix:
+            for b in on_device:         # first: taking blocks for the restores must not evict these
                 if self.ref_counts[b] == 0:
                     del self.free_queue[b]
                 self.ref_counts[b] += 1
-            self.tables[request_id] = list(prefix)
+            for hit in prefix:          # pinned before any take: an offload must not reuse their slots
+                if isinstance(hit, HostHit):
+                    self.host.busy.add(hit.slot)
+            self.tables[request_id] = [self._restore(b) if isinstance(b, HostHit) else b for b in prefix]
             self._registered[request_id] = len(prefix)
         need = self.num_new_blocks(request_id, num_tokens)
         if need > len(self.free_queue):
@@ -148,16 +165,44 @@ class BlockManager:
                 if self.hashes[b] is None:
                     self.free_queue.move_to_end(b, last=False)
 
+    def _restore(self, hit: HostHit) -> int:
+        """A fresh block that this step's transfers fill from the host tier; cached from now on (a
+        later lookup in this step finds it on the device: the copy runs before the step)."""
+        b = self._take()
+        self.host.claim(hit, b)
+        self.hashes[b] = hit.block_hash
+        self.cached[hit.block_hash] = b
+        self.draft_stale[b] = hit.draft_stale
+        return b
+
     # ------------------------------------------------------------------ prefix cache
-    def lookup(self, hashes: list[bytes]) -> list[int]:
-        """The cached blocks of the longest cached prefix of a chain of block hashes (no change)."""
+    def lookup(self, hashes: list[bytes]) -> list[int | HostHit]:
+        """The cached blocks of the longest cached prefix of a chain of block hashes (no change): a
+        device block, or with a host tier a HostHit where only the tier holds it."""
         hits = []
         for h in hashes:
             b = self.cached.get(h)
+            if b is None and self.host is not None:
+                b = self.host.get(h)
             if b is None:
                 break
             hits.append(b)
         return hits
+
+    def take_transfers(self) -> KVTransfers:
+        """The copies between the device pool and the host tier that the blocks allocated since the
+        last call need, to run before the step that uses them (host_tier.py: their order)."""
+        return self.host.take_transfers() if self.host is not None else KVTransfers()
+
+    def restore_failed(self, blocks) -> None:
+        """The restore copies into these blocks failed: their contents are not the cached K/V. They
+        stop being cached (the requests holding them must recompute: Scheduler.recompute)."""
+        for b in blocks:
+            h = self.hashes[b]
+            if h is not None:
+                self.hashes[b] = None
+                if self.cached.get(h) == b:
+                    del self.cached[h]
 
     def register(self, request_id: str, hashes: list[bytes], num_full: int) -> None:
         """The request's first num_full table blocks are full and their K/V written (or being
@@ -192,10 +237,10 @@ class BlockManager:
         self.draft_stale[table[:lo]] = False
         self.draft_stale[table[lo:hi]] = True
 
-    def draft_valid_blocks(self, blocks: list[int]) -> int:
+    def draft_valid_blocks(self, blocks: list[int | HostHit]) -> int:
         """How many leading blocks of a cached prefix hold the draft's K/V too."""
-        stale = np.flatnonzero(self.draft_stale[list(blocks)]) if blocks else []
-        return int(stale[0]) if len(stale) else len(blocks)
+        stale = [b.draft_stale if isinstance(b, HostHit) else bool(self.draft_stale[b]) for b in blocks]
+        return stale.index(True) if True in stale else len(blocks)
 
     def reset_cache(self) -> int:
         """Forget every cached hash (the blocks stay where they are); returns how many were dropped.
@@ -204,6 +249,8 @@ class BlockManager:
         for b in self.cached.values():
             self.hashes[b] = None
         self.cached.clear()
+        if self.host is not None:
+            dropped += self.host.clear()
         return dropped
 
     def slot(self, request_id: str, position: int) -> int:

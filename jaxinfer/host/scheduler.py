@@ -352,6 +352,8 @@ class Scheduler:
             if looked_up:
                 self.prefix_queries += req.num_known_tokens
                 self.prefix_hits += start
+                if self.blocks.host is not None:
+                    self.blocks.host.count_lookup(hits, (req.num_known_tokens - 1) // self.blocks.block_size)
             if hits and self.cfg.lazy_draft:   # the draft's pages hold the cached prefix up to a stale block
                 req.num_draft_computed = min(start, self.blocks.draft_valid_blocks(hits) * self.blocks.block_size)
             self._admitted(req, start)
@@ -362,6 +364,22 @@ class Scheduler:
                 self._fork(req)     # its samples' shared prompt blocks were all cached
             out.seqs.append(self._scheduled(req, n))
             budget -= n
+
+    def recompute(self, out: SchedulerOutput, blocks) -> None:
+        """The host tier's restore copies into these blocks failed (their K/V is not the cached one):
+        every request holding one starts over, its rows leave this not yet launched step, and its
+        tokens are recomputed later; nothing is lost and nothing reads the bad blocks."""
+        bad = set(blocks)
+        for req in list(self.running) + list(self.waiting):
+            if not bad & set(self.blocks.table(req.request_id)):
+                continue
+            out.seqs = [seq for seq in out.seqs if seq.request is not req]
+            req.num_cached_tokens = None
+            if req in self.running:
+                self._preempt(req)
+            else:                   # a forked sample sharing its prompt's blocks
+                self.blocks.free(req.request_id)
+                req.num_computed_tokens = req.num_draft_computed = req.draft_catchup_end = 0
 
     def _catch_up_draft(self, out: SchedulerOutput, queue: list[Request], budget: int) -> bool:
         """lazy_draft, while the policy speculates: rows whose draft pages lag (they decoded or

@@ -1,0 +1,132 @@
+"""The prefix cache's host tier (kv_offload_gb) off vs on, same run: multi-turn chats whose histories
+together hold about 4x what the device pool holds.
+
+    python -m bench.multiturn [--model PATH] [--conversations 16] [--turns 6] [--kv-offload-gb 0.25]
+
+Workload: --conversations chats of --turns turns. Every turn resends a shared --system-len-token system
+prompt, the conversation's whole history (every earlier user message of --user-len tokens and every
+answer as the model produced it) and a new user message; answers are --output-len tokens (greedy,
+ignore_eos, so both sides produce the same tokens). Turns interleave across conversations: round t
+sends turn t of every conversation, --concurrency conversations at a time (submitted together and run
+to completion), so a conversation returns after all the others' turns have gone through the pool.
+The pool is --num-blocks blocks (default: a quarter of the tokens every history holds at the end, but
+at least --concurrency sequences of the longest turn): with the tier off the pool's LRU has evicted a
+returning conversation's history, which is recomputed; with it on, it is copied back from host memory.
+
+Reported per side: TTFT (first token - submission) p50 / p90 of turns >= 2, prompt tokens computed
+(prefill work) and served from the cache, the tier's counters, wall time; and off/on ratios. Two
+warmed-up Generators with identical settings but kv_offload_gb, each run --reps times alternately
+(each run starts from an empty cache: reset_prefix_cache), and the outputs must be identical.
+Results: bench/results/<date>-<device>-multiturn.json.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from bench.common import device_info, device_slug, model_path, results_path, write_report
+from bench.prefix_cache import run_batch
+
+
+def workload_tokens(args) -> int:
+    """Tokens every conversation's history holds after its last turn, summed (the pool's yardstick)."""
+    per_turn = args.user_len + args.output_len
+    return args.conversations * (args.system_len + args.turns * per_turn)
+
+
+def run(gen, args, seed: int) -> dict:
+    """One pass of the workload: per turn (conversation, turn, TTFT), and the counters' deltas."""
+    vocab = gen.model_cfg.vocab_size
+    rng = np.random.RandomState(seed)
+    system = rng.randint(3, vocab, args.system_len).tolist()
+    history = [list(system) for _ in range(args.conversations)]
+    before = gen.stats()
+    ttft, outputs = [], []
+    for turn in range(args.turns):
+        for first in range(0, args.conversations, args.concurrency):
+            convs = range(first, min(first + args.concurrency, args.conversations))
+            prompts = [history[c] + rng.randint(3, vocab, args.user_len).tolist() for c in convs]
+            r = run_batch(gen, prompts, args.output_len)
+            for c, p, out, t in zip(convs, prompts, r["outputs"], r["ttfts"]):
+                history[c] = p + out
+                ttft.append((c, turn, t))
+                outputs.append(out)
+    after = gen.stats()
+    delta = {k: after[k] - before[k] for k in ("prompt_tokens", "prefix_cache_hits", "prefix_cache_queries",
+                                               "prefix_cache_evictions", "kv_host_hits", "kv_host_misses",
+                                               "kv_host_bytes_offloaded", "kv_host_bytes_restored",
+                                               "kv_host_restore_time_s", "num_preemptions")}
+    returning = [t for _, turn, t in ttft if turn >= 1]
+    return {"ttft_p50_s": float(np.percentile(returning, 50)), "ttft_p90_s": float(np.percentile(returning, 90)),
+            "ttft_turn1_p50_s": float(np.median([t for _, turn, t in ttft if turn == 0])),
+            "prefill_tokens_computed": delta.pop("prompt_tokens"), **delta,
+            "kv_host_blocks_held": after["kv_host_blocks"], "outputs": outputs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--system-len", type=int, default=256)
+    ap.add_argument("--user-len", type=int, default=24)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--kv-offload-gb", type=float, default=0.25, help="the tier's budget on the 'on' side")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from jaxinfer import Generator
+
+    path = model_path(args.model)
+    total = workload_tokens(args)
+    longest = args.system_len + args.turns * (args.user_len + args.output_len)
+    num_blocks = args.num_blocks or max(total // 4, args.concurrency * longest) // args.block_size + 1
+    common = dict(max_num_seqs=args.concurrency, max_num_batched_tokens=args.max_num_batched_tokens,
+                  block_size=args.block_size, num_blocks=num_blocks, max_model_len=longest + args.output_len)
+    gens = {on: Generator.from_pretrained(path, **common, kv_offload_gb=args.kv_offload_gb if on else 0)
+            for on in (False, True)}
+    pool_tokens = (num_blocks - 1) * args.block_size
+    print(f"pool {num_blocks - 1} blocks = {pool_tokens} tokens; histories at the end {total} tokens "
+          f"({total / pool_tokens:.1f}x the pool)", flush=True)
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for rep in range(args.reps):
+        outs = {}
+        for on in ((False, True) if rep % 2 == 0 else (True, False)):   # alternate who runs first
+            gens[on].reset_prefix_cache()
+            r = run(gens[on], args, seed=100 + rep)
+            outs[on] = r.pop("outputs")
+            runs[on].append(r)
+            print(f"rep {rep} tier {'on ' if on else 'off'}: TTFT turns>=2 p50 {r['ttft_p50_s'] * 1e3:.1f} ms "
+                  f"p90 {r['ttft_p90_s'] * 1e3:.1f} ms, prefill tokens {r['prefill_tokens_computed']}, "
+                  f"cached {r['prefix_cache_hits']}, host hits {r['kv_host_hits']} blocks, "
+                  f"restore {r['kv_host_restore_time_s'] * 1e3:.0f} ms", flush=True)
+        assert outs[True] == outs[False], "the host tier changed the greedy outputs"
+    med = {on: {k: float(np.median([r[k] for r in runs[on]])) for k in runs[on][0]} for on in runs}
+    paired_ttft = [off["ttft_p50_s"] / on["ttft_p50_s"] for off, on in zip(runs[False], runs[True])]
+    ratios = {
+        "ttft_p50_off_over_on": med[False]["ttft_p50_s"] / med[True]["ttft_p50_s"],
+        "ttft_p90_off_over_on": med[False]["ttft_p90_s"] / med[True]["ttft_p90_s"],
+        "paired_ttft_p50_off_over_on": paired_ttft,
+        "prefill_tokens_off_over_on": med[False]["prefill_tokens_computed"] / med[True]["prefill_tokens_computed"],
+    }
+    print("off/on: TTFT p50 {ttft_p50_off_over_on:.2f}x, p90 {ttft_p90_off_over_on:.2f}x, prefill tokens "
+          "{prefill_tokens_off_over_on:.2f}x".format(**ratios), flush=True)
+    info = device_info()
+    report = {"benchmark": "multiturn", "device": info, "model": str(path), "config": vars(args),
+              "num_blocks": num_blocks, "pool_tokens": pool_tokens, "history_tokens_at_end": total,
+              "tier_off": med[False], "tier_on": med[True], "runs_off": runs[False], "runs_on": runs[True],
+              **ratios, "outputs_identical": True,
+              "points": [{"tier": on, **med[on]} for on in (False, True)]}
+    out = results_path(args.out, device_slug(info), "multiturn")
+    write_report(report, out, "tier", "host tier", plot=False)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

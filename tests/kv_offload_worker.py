@@ -1,0 +1,73 @@
+"""The prefix cache's host tier under tensor parallelism, run by tests/test_kv_offload.py in a
+subprocess with 8 fake CPU devices (tests/fake_devices.py). Prints one line `RESULT {json}`.
+
+    python -m tests.kv_offload_worker TMP_DIR     # TMP_DIR/vocab136/: tests/sharding_worker.save_llama
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def turns(gen, convs: int = 3, rounds: int = 3) -> list:
+    """Multi-turn rounds (tests/test_kv_offload._multiturn's shape): a shared 16-token system prompt,
+    each conversation's history and a new 5-token message, one request at a time."""
+    import numpy as np
+
+    from jaxinfer.config import SamplingParams
+
+    rng = np.random.RandomState(0)
+    system = rng.randint(3, 136, 16).tolist()
+    history = [list(system) for _ in range(convs)]
+    out = []
+    for _ in range(rounds):
+        for c in range(convs):
+            prompt = history[c] + rng.randint(3, 136, 5).tolist()
+            o = gen.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+            out.append([o.token_ids, o.num_cached_tokens])
+            history[c] = prompt + o.token_ids
+    return out
+
+
+def main(tmp: Path) -> dict:
+    """TP 2 (the 2 KV heads split, one per device) with the draft model (the target itself, its pages
+    replicated) and the tier on, against the one-device engine with neither: the same greedy tokens;
+    blocks restored; each target leaf kept as one host buffer per device shard (1 head each) and each
+    draft leaf once; nothing compiled when the workload runs again."""
+    import jax
+
+    from jaxinfer.generator import Generator
+    from jaxinfer.runner import CompileCounter
+
+    folder = tmp / "vocab136"
+    kw = dict(dtype="float32", attention="xla", max_num_seqs=2, block_size=8, num_blocks=9, max_model_len=64,
+              max_num_batched_tokens=16, max_decode_steps=2, warmup=False)
+    ref = Generator.from_pretrained(folder, **kw)
+    out = {"n_devices": len(jax.devices()), "ref": turns(ref)}
+    ref.close()
+    gen = Generator.from_pretrained(folder, **kw, tensor_parallel=2, speculative_method="draft",
+                                    speculative_model=folder, num_speculative_tokens=2, speculative_max_batch=2,
+                                    kv_offload_gb=1 / 1024)
+    out["tier"] = turns(gen)
+    gen.reset_prefix_cache()
+    c0 = CompileCounter.count
+    out["tier_again"] = turns(gen)
+    out["compiles_again"] = CompileCounter.count - c0
+    s = gen.stats()
+    out["stats"] = {k: v for k, v in s.items() if k.startswith("kv_host") or k.startswith("spec_decode_num")}
+    store = gen.engine.runner.host_kv
+    target, draft = gen.engine.runner.kv_pages
+    n_target = len(jax.tree.leaves(target))
+    out["target_buffers"] = [[(len(devices), buf.shape[0]) for _, devices, buf in leaf]
+                             for leaf in store.buffers[:n_target]]
+    out["draft_buffers"] = [[(len(devices), buf.shape[0]) for _, devices, buf in leaf]
+                            for leaf in store.buffers[n_target:]]
+    gen.engine.blocks.host.check()
+    out["kv_blocks_used"] = s["kv_blocks_used"]
+    gen.close()
+    return out
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main(Path(sys.argv[1]))), flush=True)
