@@ -12,7 +12,7 @@ Pure Python over the host's Requests: it never imports jax and never touches the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 from jaxinfer.host.request import Request
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, hold_back
@@ -32,6 +32,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when the request was admitted
+    embedding: Any = None       # an embedding request's final delta: the pooled vector (np.float32 [D])
 
 
 @dataclass
@@ -114,10 +115,18 @@ class OutputProcessor:
             text, st.emitted = st.text[st.emitted:end], end
             outs.append(RequestOutput(rid, req.sample_index, text, new_ids[j:j + 1], lps[j:j + 1], tops[j:j + 1],
                                       req.finished and last, req.finish_reason if last else None,
-                                      req.num_cached_tokens or 0))
+                                      req.num_cached_tokens or 0,
+                                      _embedding(req) if req.finished and last else None))
         if req.finished:
             del self._text[req.request_id]
             group = self._groups.get(rid)
             if group is not None and all(g not in self._text for g in group):
                 del self._groups[rid]
         return outs
+
+
+def _embedding(req: Request):
+    """A finished embedding request's vector (None: it generates, or it was aborted)."""
+    if req.pooling is None or req.finish_reason == "abort":
+        return None
+    return req.pooling.embedding()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -73,6 +73,7 @@ class Launched:
     t_fetched: float = 0.0        # when they reached the host
     spec_counts: object = None    # speculation: per row, rounds that proposed and accepted per position
     proposals: object = None      # Medusa: per row, its next tree's tokens [S, N]
+    pooled_rows: list = field(default_factory=list)   # embeddings: (row, request, epoch) it pools for
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +125,7 @@ class ModelRunner:
                               else _pow2_buckets(min(4, max_blocks), max_blocks, base=4))
         self._no_history: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._no_mask: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
+        self._no_pooling: dict[int, jax.Array] = {}
         self.mask_words = mask_words(self.model_cfg.vocab_size)
         self.grammars = grammars
         self.mask_time_s = 0.0   # host time spent filling grammar masks
@@ -286,7 +288,8 @@ class ModelRunner:
         if not speculative:
             sb = self._sampling_batch(rows, positions[logits_indices] + 1)
             return StepInputs(tokens, positions, meta, logits_indices, sb, stop_ids, max_new,
-                              np.int32(sched.num_decode_iters), from_prev), rows
+                              np.int32(sched.num_decode_iters), from_prev,
+                              pool_weights=self._pool_weights(sched, meta, t)), rows
         # the drawn token's position is one past the last computed token of its row (a speculating
         # row: one past its last drawn token; verification steps through the proposals)
         self.spec.tree_layout(sched, meta, positions)
@@ -296,6 +299,27 @@ class ModelRunner:
         spec = self.spec.spec_inputs(sched, tables, num_spec, s, b, meta, lookup)
         return SpecStepInputs(tokens, positions, meta, logits_indices, sb, stop_ids, max_new,
                               np.int32(sched.num_decode_iters), from_prev, spec), rows
+
+    def _pool_weights(self, sched: SchedulerOutput, meta, t: int):
+        """[T] float32: each token's weight in its embedding row's pooled sum (host/pooling.py); an
+        array built once per bucket when no row embeds (no per-step transfer)."""
+        pooling = [(i, seq) for i, seq in enumerate(sched.seqs) if seq.request.pooling is not None]
+        if not pooling:
+            if t not in self._no_pooling:
+                self._no_pooling[t] = jax.device_put(np.zeros(t, np.float32))
+            return self._no_pooling[t]
+        weights = np.zeros(t, np.float32)
+        for i, seq in pooling:
+            first = meta.query_start_loc[i]
+            weights[first: first + seq.num_tokens] = seq.request.pooling.weights(seq.start, seq.num_tokens)
+        return weights
+
+    @staticmethod
+    def pooled_rows(sched: SchedulerOutput) -> list:
+        """(row, request, its pooling's epoch) of the step's embedding rows whose chunk holds a pooled
+        position (a preemption between launch and fetch starts a new epoch: the sum is then dropped)."""
+        return [(i, seq.request, seq.request.pooling.epoch) for i, seq in enumerate(sched.seqs) if seq.request.pooling is not None
+                and seq.request.pooling.weights(seq.start, seq.num_tokens).any()]
 
     def _stop_ids(self, rows: list) -> np.ndarray:
         """[S, MAX_STOP_IDS]: the ids that end each row on device (-1 padded). Ids beyond the first
@@ -365,7 +389,7 @@ class ModelRunner:
         for i, (seq, req) in enumerate(zip(sched.seqs, rows)):
             if req is not None:    # where this row's last draw will lie in outputs.next_tokens
                 req.inflight_index = (seq.max_draws - 1) * self.settings.max_rows + i
-        return Launched(sched, rows, outputs)
+        return Launched(sched, rows, outputs, pooled_rows=self.pooled_rows(sched))
 
     def _dispatch(self, inputs: StepInputs, prev_tokens) -> StepOutputs:
         """Run the step's program on its inputs: a speculative engine's plain StepInputs (prepare's
@@ -392,6 +416,11 @@ class ModelRunner:
         if launched.samples is None:
             launched.samples, launched.spec_counts, launched.proposals = self._results(launched.rows,
                                                                                       launched.outputs)
+            if launched.pooled_rows:   # embeddings: add each row's weighted sum to its request's
+                pooled = jax.device_get(launched.outputs.pooled)
+                for i, req, epoch in launched.pooled_rows:
+                    if not req.finished and req.pooling.epoch == epoch:
+                        req.pooling.add(pooled[i])
         return launched.samples
 
     @staticmethod

@@ -12,8 +12,11 @@ The contract (SGLang states its ScheduleBatch -> ForwardBatch the same way):
   StepInputs.num_iters []              decode iterations to run (1 unless every row decodes)
   StepInputs.from_prev [T]             async scheduling: where a token still on the device lies in the
                                        previous step's next_tokens (-1: the host's token)
+  StepInputs.pool_weights [T]          embeddings (optional, keyword): each token's weight in its row's
+                                       pooled sum (host/pooling.py; all 0 when no row embeds: skipped)
 and back, one device-to-host copy of StepOutputs: ids/logprobs [K, S] (+ top-N [K, S, 20]) and
-num_drawn [S]. next_tokens [K * max_rows] stays on the device as the next step's `prev_tokens`
+num_drawn [S] (+ pooled [S, D] float32, where pool_weights was given: each row's weighted sum of its
+final-norm hidden states, read by the host only when some row embeds). next_tokens [K * max_rows] stays on the device as the next step's `prev_tokens`
 (async scheduling, runner.py). The KV pages are donated, so they are updated in place.
 
 The step is one module-level function of (params, kv_pages, inputs, prev_tokens) with everything it
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +67,9 @@ class StepInputs:
     max_new: jax.Array          # [S] int32
     num_iters: jax.Array        # [] int32, 1 <= num_iters <= StepSettings.max_iters
     from_prev: jax.Array        # [T] int32: index into the previous step's next_tokens, or -1
+    # embeddings: [T] float32 pooling weights (None: the program has no pooling; keyword-only, so the
+    # subclasses' positional fields keep their order)
+    pool_weights: jax.Array | None = field(default=None, kw_only=True)
 
 
 @jax.tree_util.register_dataclass
@@ -75,6 +81,7 @@ class StepOutputs:
     top_logprobs: jax.Array     # [K, S, MAX_LOGPROBS] float32
     num_drawn: jax.Array        # [S] int32: how many of ids[:, s] are real
     next_tokens: jax.Array      # [K * max_rows] int32: ids[k, s] at k * max_rows + s (stays on device)
+    pooled: jax.Array | None = field(default=None, kw_only=True)   # [S, D] float32 (with pool_weights)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,8 +159,21 @@ def _advance(inputs: StepInputs, ids: jax.Array, drew: jax.Array, going: jax.Arr
                                 "context_lens": meta.context_lens + going.astype(jnp.int32)})
     sb = with_history(inputs.sampling, ids, drew)   # penalties see the tokens drawn by earlier iterations
     sb = SamplingBatch(**{**vars(sb), "position": sb.position + going.astype(jnp.int32)})
+    # a row's positions are pooled once: in the iteration that computes its chunk
+    weights = None if inputs.pool_weights is None else jnp.zeros_like(inputs.pool_weights)
     return StepInputs(tokens, positions, meta, li, sb, inputs.stop_ids, inputs.max_new, inputs.num_iters,
-                      inputs.from_prev)
+                      inputs.from_prev, pool_weights=weights)
+
+
+def pool_rows(h: jax.Array, weights: jax.Array, seq_ids: jax.Array, num_rows: int) -> jax.Array:
+    """h [T, D] final-norm hidden states, weights [T] -> [S, D] float32: each row's weighted sum of its
+    tokens' states (embeddings' pooling, host/pooling.py). Skipped (zeros) when every weight is 0, so
+    a step with no embedding row pays one reduction over T."""
+    def pooled(_):
+        x = h.astype(jnp.float32) * weights[:, None]                                 # (T, D)
+        return jax.ops.segment_sum(x, seq_ids, num_segments=num_rows)               # (S, D)
+    zeros = lambda _: jnp.zeros((num_rows, h.shape[-1]), jnp.float32)  # noqa: E731
+    return jax.lax.cond(jnp.any(weights != 0), pooled, zeros, None)
 
 
 def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings
@@ -167,14 +187,16 @@ def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.A
 
     def iteration(i, kv, x: StepInputs, out: StepOutputs, done):
         """One forward + sample; returns the drawn ids and the updated kv, outputs and done."""
-        logits, kv = model(x.tokens, x.positions, kv, x.meta, x.logits_indices, impl=settings.attention)
+        h, kv = model.hidden_states(x.tokens, x.positions, kv, x.meta, impl=settings.attention)   # (T, D)
+        logits = model.logits(h[x.logits_indices])            # the model's __call__, keeping h for pooling
         kv = pin_pages(kv, settings)
         ids, lps, top_ids, top_lps = sample(logits, x.sampling)
         drew = ~done
         drawn = out.num_drawn + drew.astype(jnp.int32)
+        pooled = None if x.pool_weights is None else out.pooled + pool_rows(h, x.pool_weights, x.meta.seq_ids, s)
         out = StepOutputs(out.ids.at[i].set(jnp.where(drew, ids, 0)), out.logprobs.at[i].set(lps),
                           out.top_ids.at[i].set(top_ids), out.top_logprobs.at[i].set(top_lps), drawn,
-                          out.next_tokens)
+                          out.next_tokens, pooled=pooled)
         stopped = jnp.any(ids[:, None] == x.stop_ids, axis=1)
         return ids, drew, kv, out, done | (drew & stopped) | (drawn >= x.max_new)
 
@@ -186,11 +208,13 @@ def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.A
 
     out = StepOutputs(jnp.zeros((k, s), jnp.int32), jnp.zeros((k, s), jnp.float32),
                       jnp.zeros((k, s, MAX_LOGPROBS), jnp.int32), jnp.zeros((k, s, MAX_LOGPROBS), jnp.float32),
-                      jnp.zeros((s,), jnp.int32), jnp.zeros((k * settings.max_rows,), jnp.int32))
+                      jnp.zeros((s,), jnp.int32), jnp.zeros((k * settings.max_rows,), jnp.int32),
+                      pooled=None if inputs.pool_weights is None else jnp.zeros((s, model.cfg.d_model), jnp.float32))
     carry = (jnp.int32(0), kv_pages, inputs, out, inputs.max_new <= 0)
     _, kv_pages, _, out, _ = run_loop(body, carry, 4, inputs.num_iters, k)
     next_tokens = jnp.zeros((settings.out_rows, settings.max_rows), jnp.int32).at[:k, :s].set(out.ids).reshape(-1)
-    out = StepOutputs(out.ids, out.logprobs, out.top_ids, out.top_logprobs, out.num_drawn, next_tokens)
+    out = StepOutputs(out.ids, out.logprobs, out.top_ids, out.top_logprobs, out.num_drawn, next_tokens,
+                      pooled=out.pooled)
     if settings.replicate_samples is not None:
         out = jax.lax.with_sharding_constraint(out, settings.replicate_samples)
     return out, kv_pages

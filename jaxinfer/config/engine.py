@@ -17,6 +17,7 @@ KV_DTYPE_CHOICES = ("int8", "fp8", "float16", "bfloat16", "float32")
 BATCHING_CHOICES = ("continuous", "static", "dynamic")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("draft", "ngram", "medusa")
+POOLING_CHOICES = ("last", "mean", "cls")   # jaxinfer/host/pooling.py
 # The smallest per-step token budget: the runner's first token bucket holds up to 8 tokens.
 MIN_TOKEN_BUDGET = 8
 MAX_SPECULATIVE_TOKENS = 16
@@ -90,6 +91,12 @@ class EngineConfig:
                                              "the heads)")
     speculative_max_batch: int | None = setting(None, "speculate while at most this many sequences run or wait "
                                                       "(default: the measured crossover)")
+    pooling: str | None = setting(None, "embeddings: pool the final hidden states by the last token, their mean or "
+                                        "the first token (default: a sentence-transformers folder's "
+                                        "1_Pooling; a plain causal-LM folder embeds only with this set)",
+                                  choices=POOLING_CHOICES)
+    normalize: bool = setting(False, "embeddings: L2-normalize them (default: as a sentence-transformers folder "
+                                     "says, by a listed Normalize module)")
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -90,6 +90,8 @@ class Request(LatencyMetrics):
     num_passed_over: int = 0
     # structured outputs: this sample's grammar matcher (host/structured.Guide), fed each drawn token
     guide: Any = None
+    # embeddings: a prefill-only request's pooling (host/pooling.PoolingState); None: it generates
+    pooling: Any = None
 
     @property
     def all_ids(self) -> list[int]:
