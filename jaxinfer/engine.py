@@ -149,7 +149,7 @@ class Engine:
             raise RequestError("this model is an embedding model (it has no LM head): it serves embeddings, "
                                "not generation", "model", "model_not_generative")
         total = len(prompt_ids) + params.max_tokens
-        if max_tokens_must_fit and total > self.max_model_len:
+        if max_tokens_must_fit and pooling is None and total > self.max_model_len:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion), "

@@ -66,11 +66,12 @@ class AsyncEngine:
         return self.client.queued_sequences()
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None = None,
-               request_field: Callable[[str], str] | None = None) -> Submission:
+               request_field: Callable[[str], str] | None = None, poolings: list | None = None) -> Submission:
         """Queue one engine request per prompt; all their deltas arrive on one asyncio.Queue.
         Raises OpenAIError: 503 when the engine has stopped, 400 for what can never fit the queue
         or what the engine refuses (its param mapped by request_field to this request's field name,
-        e.g. structured_outputs -> response_format), 429 when the queue is full now."""
+        e.g. structured_outputs -> response_format), 429 when the queue is full now. poolings: embedding
+        requests (EngineClient.submit), one PoolingState per prompt."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         sequences = len(prompts) * params.n
         if sequences > self.max_queue:
@@ -89,7 +90,7 @@ class AsyncEngine:
         route = _Route(loop, queue)
         try:
             rids = self.client.submit(prompts, params, route=route, check=admit,
-                                      cache_salt=cache_salt, max_tokens_must_fit=True)
+                                      cache_salt=cache_salt, max_tokens_must_fit=True, poolings=poolings)
         except SubmitError as e:   # the engine's own validation (Engine.add_request), field named
             param = (request_field or str)(e.param) if e.param else "prompt"
             raise OpenAIError(400, e.message, param=param, code=e.code) from None

@@ -206,3 +206,98 @@ def test_pooling_settings_make_a_causal_lm_embed(folders, reference):
     want = reference["llama"][0]
     assert_close_vectors(gen.embed(TEXTS), want / np.linalg.norm(want, axis=1, keepdims=True))
     assert gen.generate("the", )[0].token_ids
+
+
+# --------------------------------------------------------------------------- the HTTP server
+class InProcessServer:
+    """serve.app's app over the module's Generator, served by uvicorn on a thread (the same HTTP
+    routes `jaxinfer serve` runs, without starting a process and compiling its engine again)."""
+
+    def __init__(self, gen):
+        import socket
+        import threading
+        import time
+        import uvicorn
+        from serve.app import build_app
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(build_app(gen, "tiny"), host="127.0.0.1", port=port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def servers(gens):
+    """A server per folder: qwen3 only embeds, llama embeds and generates."""
+    out = {family: InProcessServer(gen) for family, gen in gens.items()}
+    yield out
+    for s in out.values():
+        s.close()
+
+
+def _client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_openai_client_embeddings_match_sentence_transformers(servers, reference, family):
+    client = _client(servers[family])
+    want, _, model = reference[family]
+    n_tokens = sum(len(model.tokenizer(t)["input_ids"]) for t in TEXTS)
+    got = client.embeddings.create(model="tiny", input=TEXTS)          # the client's default: base64
+    assert [d.index for d in got.data] == list(range(len(TEXTS)))
+    assert_close_vectors(np.array([d.embedding for d in got.data], np.float32), want)
+    assert got.usage.prompt_tokens == n_tokens == got.usage.total_tokens
+    got = client.embeddings.create(model="tiny", input=TEXTS[1], encoding_format="float")
+    assert_close_vectors(np.array([got.data[0].embedding], np.float32), want[1:2])
+    ids = [model.tokenizer(t)["input_ids"] for t in TEXTS[:2]]
+    got = client.embeddings.create(model="tiny", input=ids, encoding_format="float")
+    assert_close_vectors(np.array([d.embedding for d in got.data], np.float32), want[:2])
+
+
+def test_score_is_the_cosine_of_embeddings(servers, reference):
+    import httpx
+    want = reference["qwen3"][0]
+    cos = lambda a, b: float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))  # noqa: E731
+    r = httpx.post(f"{servers['qwen3'].url}/v1/score", json={"model": "tiny", "text_1": TEXTS[0], "text_2": TEXTS[1:]},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1, 2, 3]
+    np.testing.assert_allclose([d["score"] for d in body["data"]], [cos(want[0], w) for w in want[1:]], atol=1e-5)
+    r = httpx.post(f"{servers['qwen3'].url}/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[2:4]}, timeout=120)
+    np.testing.assert_allclose([d["score"] for d in r.json()["data"]],
+                               [cos(want[0], want[2]), cos(want[1], want[3])], atol=1e-5)
+    r = httpx.post(f"{servers['qwen3'].url}/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[2:5]}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text_2"
+
+
+def test_server_refusals(servers):
+    import httpx
+    openai = pytest.importorskip("openai")
+    qwen, llama = _client(servers["qwen3"]), _client(servers["llama"])
+    with pytest.raises(openai.BadRequestError, match="embedding model"):      # embedding-only: 400, no crash
+        qwen.completions.create(model="tiny", prompt="the quick", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="matryoshka"):
+        qwen.embeddings.create(model="tiny", input="a", dimensions=8)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 64") as e:
+        qwen.embeddings.create(model="tiny", input=[[5] * 3, [5] * 65])
+    assert e.value.body["param"] == "input"
+    r = httpx.post(f"{servers['qwen3'].url}/v1/embeddings", json={"input": "a", "truncate": True, "x": 1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate" and "'x'" in r.json()["error"]["message"]
+    assert httpx.get(f"{servers['qwen3'].url}/health", timeout=10).status_code == 200
+    # the llama folder serves both
+    assert llama.completions.create(model="tiny", prompt="the quick", max_tokens=3).choices[0].text is not None
+    assert len(llama.embeddings.create(model="tiny", input="the quick").data[0].embedding) == 32
