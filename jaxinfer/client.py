@@ -58,6 +58,7 @@ class Completion:
     num_cached_tokens: int = 0      # prompt tokens its request found in the prefix cache
     # SamplingParams.prompt_logprobs: None, then (logprob, rank, top-N) per prompt token after the first
     prompt_logprobs: list | None = None
+    embedding: object = None        # an embedding request's pooled vector (np.float32 [D])
 
     def add(self, d: RequestOutput) -> None:
         self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
@@ -69,6 +70,7 @@ class Completion:
         self.top_logprobs += d.top_logprobs
         if d.finished:
             self.finish_reason = d.finish_reason
+            self.embedding = d.embedding
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,7 @@ class EngineClient:
                route: Route | None = None, arrival_time: float | None = None,
                check: Callable[[], None] | None = None, cache_salt: str | None = None,
                max_tokens_must_fit: bool = False, priority: int | Sequence[int] = 0,
-               lora: str | None | Sequence[str | None] = None) -> list[str]:
+               lora: str | None | Sequence[str | None] = None, poolings: Sequence | None = None) -> list[str]:
         """Queue one engine request per prompt, all or nothing: a ValueError for any prompt aborts
         the ones already added and is raised as a SubmitError naming the prompt's index. Each delta
         of these requests is passed to `route` by the thread that steps, under the lock (keep it
@@ -181,7 +183,9 @@ class EngineClient:
         refuse. cache_salt: these requests share cached prefix blocks only under the same salt.
         priority: lower runs first under scheduling_policy="priority" (one for all prompts, or one
         per prompt; vLLM's). lora: the loaded adapter these requests run with (None: the base model),
-        or one per prompt."""
+        or one per prompt.
+        poolings: embedding requests, one host/pooling.PoolingState per prompt (params are then unused:
+        each runs its prompt only; its final delta holds the embedding)."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
@@ -196,10 +200,10 @@ class EngineClient:
             if check is not None:
                 check()
             try:
-                for ids, p, prio, name in zip(prompts, plist, prios, llist):
+                for i, (ids, p, prio, name) in enumerate(zip(prompts, plist, prios, llist)):
                     rid = self.engine.add_request(ids, p, arrival_time=arrival_time, cache_salt=cache_salt,
                                                   max_tokens_must_fit=max_tokens_must_fit, priority=prio,
-                                                  lora=name)
+                                                  lora=name, pooling=None if poolings is None else poolings[i])
                     rids.append(rid)
                     self._routes[rid] = route
                     self._samples[rid] = self.engine.samples(rid)
@@ -285,6 +289,21 @@ class EngineClient:
             for d in self.stream_deltas(rid, p.n, queues[rid]):
                 samples[d.sample_index].add(d)
         return rids, results
+
+
+    def embed(self, prompts: Sequence[list[int]], poolings: Sequence) -> list:
+        """Submit embedding requests (all or nothing; one PoolingState per prompt), run them to the
+        end; their vectors (np.float32 [D] each), in order."""
+        queues: dict[str, deque] = defaultdict(deque)
+        rids = self.submit(prompts, SamplingParams(), route=lambda d: queues[d.request_id].append(d),
+                           poolings=poolings)
+        out = []
+        for rid in rids:
+            done = Completion()
+            for d in self.stream_deltas(rid, 1, queues[rid]):
+                done.add(d)
+            out.append(done.embedding)
+        return out
 
 
 def _snapshot(request_id: str, req) -> RequestMetrics:

@@ -24,6 +24,7 @@ from jaxinfer.config import EngineConfig, ResolvedConfig, SamplingParams, resolv
 from jaxinfer import perf
 from jaxinfer.host.block_manager import BlockManager
 from jaxinfer.host.host_tier import HostTier
+from jaxinfer.host.pooling import PoolingState
 from jaxinfer.host.request import Request
 from jaxinfer.host.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxinfer.host.speculative import Proposer, SpecStats
@@ -40,6 +41,10 @@ from jaxinfer.tokenizer import Tokenizer
 
 # RequestOutput (output_processor) and StepStats (step_stats) stay importable from here
 __all__ = ["Engine", "RequestError", "RequestOutput", "StepStats", "StepTrace", "runner_config", "scheduler_config"]
+
+
+# an embedding request draws one token (its logits row costs one LM-head row) and finishes there
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
 class RequestError(ValueError):
@@ -81,13 +86,15 @@ class Engine:
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer | None, cfg: EngineConfig,
                  draft_model: Decoder | None = None, medusa_heads: tuple | None = None,
-                 publish_step: Callable[..., None] | None = None):
+                 publish_step: Callable[..., None] | None = None, generates: bool = True):
         """draft_model: the draft of speculative_method="draft" (same vocabulary; its KV pages use
         the target's blocks). medusa_heads: (MedusaHeads, Tree) of speculative_method="medusa"
         (medusa.load_heads checked them against this model). publish_step: multi-host, process 0:
-        called with every step's host inputs before the step runs (runner.ModelRunner)."""
+        called with every step's host inputs before the step runs (runner.ModelRunner). generates:
+        False for an embedding model without an LM head (only embedding requests are taken)."""
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
+        self.generates = generates
         self.cfg = cfg   # the settings as given; everything the engine runs with reads self.resolved
         check_draft(model, draft_model, cfg)
         medusa_heads = check_medusa(model, medusa_heads, cfg)
@@ -202,14 +209,17 @@ class Engine:
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
-                    max_tokens_must_fit: bool = False, lora: str | None = None) -> str:
+                    max_tokens_must_fit: bool = False, lora: str | None = None,
+                    pooling: PoolingState | None = None) -> str:
         """Queue a request (n samples); returns its id. Raises ValueError (RequestError, naming the
         field) for prompts that cannot fit. The prompt must leave room for one new token; generation
         stops at the context's end ("length"), as vLLM's LLM does. max_tokens_must_fit: prompt +
         max_tokens must fit the context (what OpenAI's API promises; the server and batch script ask
         for it). cache_salt: requests share cached prefix blocks only with requests of the same salt.
         lora: a loaded adapter's name (None: the base model; an unknown name is a RequestError with
-        code "model_not_found")."""
+        code "model_not_found").
+        pooling: an embedding request (host/pooling.py): prefill only, it finishes at its last prompt
+        token (its one draw is discarded) with the pooled vector; a prompt may fill the context."""
         lora_id = None
         if lora is not None:
             if self.lora is None or lora not in self.lora.ids:
@@ -220,8 +230,13 @@ class Engine:
         check_priority(priority, self.resolved.scheduling_policy)
         if not prompt_ids:
             raise RequestError("the prompt is empty", "prompt")
+        if pooling is not None:
+            params = self._check_pooling(prompt_ids, pooling)
+        elif not self.generates:
+            raise RequestError("this model is an embedding model (it has no LM head): it serves embeddings, "
+                               "not generation", "model", "model_not_generative")
         total = len(prompt_ids) + params.max_tokens
-        if max_tokens_must_fit and total > self.max_model_len:
+        if max_tokens_must_fit and pooling is None and total > self.max_model_len:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion), "
@@ -231,7 +246,7 @@ class Engine:
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_cfg.vocab_size})",
                                "prompt")
-        if len(prompt_ids) >= self.max_model_len:
+        if len(prompt_ids) >= self.max_model_len + (pooling is not None):
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}, "
                                f"so it is {len(prompt_ids) - self.max_model_len + 1} tokens too long", "prompt")
         need = self.blocks.blocks_for(min(len(prompt_ids) + params.max_tokens, self.max_model_len))
@@ -258,7 +273,8 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         now = time.monotonic() if arrival_time is None else arrival_time
         make = lambda i, rid: Request(rid, list(prompt_ids), params, seed, sample_index=i,  # noqa: E731
-                                      priority=priority, arrival_time=now, cache_salt=cache_salt, lora_id=lora_id)
+                                      priority=priority, arrival_time=now, cache_salt=cache_salt, lora_id=lora_id,
+                                      pooling=pooling)
         leader = make(0, request_id)
         leader.pending_forks = [make(i, f"{request_id}#{i}") for i in range(1, params.n)]
         if params.prompt_logprobs is not None:   # one prompt, one set of prompt logprobs for all samples
@@ -275,6 +291,20 @@ class Engine:
                                 params.stop)
         self.scheduler.add(leader)
         return request_id
+
+    def _check_pooling(self, prompt_ids: list[int], pooling: PoolingState) -> SamplingParams:
+        """An embedding request's SamplingParams (one greedy draw, discarded), once the engine is one
+        whose step pools (the plain step: not a speculative or pipelined engine's)."""
+        if self.resolved.speculative_method is not None or isinstance(self.runner, PipelineRunner):
+            raise RequestError("embeddings are not available with speculative decoding or pipeline_parallel > 1",
+                               "input")
+        if len(prompt_ids) > self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, the input has "
+                f"{len(prompt_ids)} tokens, {len(prompt_ids) - self.max_model_len} too many.", "input",
+                "context_length_exceeded")
+        assert pooling.num_tokens == len(prompt_ids), (pooling.num_tokens, len(prompt_ids))
+        return EMBEDDING_PARAMS
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Abort every sample of a request; returns their final (empty) deltas."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import inspect
 import os
 from collections import deque
@@ -29,12 +30,13 @@ from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.config.engine import engine_config, settings as engine_settings
 from jaxinfer.hub import resolve_model_path
 from jaxinfer.client import Completion, EngineClient, SubmitError
+from jaxinfer.embedding import EmbeddingSpec, read_embedding_spec
 from jaxinfer.engine import Engine
 from jaxinfer.lora.execute import LoraInputs
 from jaxinfer.spec_decode.medusa import is_medusa, load_heads
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.models.decoder import fuse_decoder, quantize_decoder
-from jaxinfer.weights import resolve_dtype, load_model
+from jaxinfer.weights import SafetensorsFolder, is_native, resolve_dtype, load_model
 
 DEFAULT_MODEL = "jaxinfer-tiny-llama"
 DEFAULT_DRAFT = "jaxinfer-tiny-llama-draft"   # the bundled model's draft (speculative_method="draft")
@@ -148,11 +150,13 @@ def _with_settings(func):
 
 class Generator:
     def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, max_num_batched_tokens: int | None = None,
-                 warmup: bool = True, draft_model=None, medusa_heads=None, channel=None):
+                 warmup: bool = True, draft_model=None, medusa_heads=None, channel=None,
+                 embedding: EmbeddingSpec | None = None):
         """max_num_batched_tokens: when given, replaces cfg's (EngineConfig.max_num_batched_tokens).
         channel: multi-host, the jaxinfer.distributed.StepChannel of this process's group
         (from_pretrained makes it): process 0 publishes every step and gen.logits call on it, the
-        others follow() them; async scheduling is then off (followers need every input token)."""
+        others follow() them; async scheduling is then off (followers need every input token).
+        embedding: how the model embeds (gen.embed; jaxinfer.embedding), None: it does not."""
         from jaxinfer.compilation_cache import enable_compilation_cache
         from pallas_kernels.autotune import log_budget_summary
 
@@ -164,13 +168,14 @@ class Generator:
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
         self.cfg = cfg
+        self.embedding = embedding
         self._channel = channel
         publish = None
         if channel is not None and channel.group.is_leader:   # every step's host inputs go to the others first
             from jaxinfer.distributed import step_arrays
             publish = lambda inputs: channel.publish("step", step_arrays(inputs))  # noqa: E731
         self.engine = Engine(model, tokenizer, cfg, draft_model=draft_model, medusa_heads=medusa_heads,
-                             publish_step=publish)
+                             publish_step=publish, generates=embedding is None or embedding.generates)
         self.client = EngineClient(self.engine)
         self._forward, self._params = _full_forward(model, self.client.resolved.attention, channel is not None)
         if warmup:
@@ -214,12 +219,15 @@ class Generator:
             from jaxinfer.sharding import make_mesh
             mesh = make_mesh(tensor_parallel=cfg.tensor_parallel)   # clear error if too few devices
         channel = None if group is None else _join_group(group, mesh, path, cfg, warmup)
-        model = _load_decoder(path, cfg, mesh, fuse=group is None)
+        embedding, model_cfg = _embedding_spec(path, cfg)
+        if embedding is not None:   # a sentence-transformers folder's Transformer may lie in a subfolder
+            path = embedding.model_path
+        model = _load_decoder(path, cfg, mesh, fuse=group is None, model_cfg=model_cfg)
         if draft_path is not None and group is not None:
             raise ValueError("speculative decoding is not available across several processes (multi-host)")
         draft, heads = _load_speculative(draft_path, cfg.speculative_method, model, cfg.dtype)
         return cls(model, load_tokenizer(path), cfg, None, warmup, draft_model=draft, medusa_heads=heads,
-                   channel=channel)
+                   channel=channel, embedding=embedding)
 
     # ---------------------------------------------------------------- inputs
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -308,6 +316,52 @@ class Generator:
             out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions))
             return np.asarray(out, np.float32)[:t]
         return self.client.locked(publish_and_run)
+
+    def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *, prompt_name: str | None = None,
+              prompt: str | None = None, dimensions: int | None = None) -> np.ndarray:
+        """np.float32 [n, hidden] (or [n, dimensions]): one embedding per input (a string or a list of
+        token ids), the final-norm hidden states pooled as the model says (jaxinfer.embedding), then
+        L2-normalized where it lists a Normalize module. Text is tokenized with special tokens (the
+        tokenizer's post-processor) after the prompt (`prompt`, else the model's prompts[prompt_name],
+        else its default prompt), as sentence-transformers' encode does; token ids are used as given.
+        Each input runs through the engine as a prefill-only request (batched with everything else,
+        chunked past the token budget). An input longer than max_model_len is a ValueError."""
+        spec = self._embedding_spec()
+        spec.check_dimensions(dimensions, self.model_cfg.d_model)
+        encoded = self.embedding_inputs(inputs, prompt_name, prompt)
+        self._check_leader()
+        try:
+            vectors = self.client.embed([ids for ids, _ in encoded],
+                                        [spec.pooling_state(len(ids), n, dimensions) for ids, n in encoded])
+        except SubmitError as e:
+            raise ValueError(f"input {e.index}: {e.message}") from None
+        return np.stack(vectors).astype(np.float32)
+
+    def _embedding_spec(self) -> EmbeddingSpec:
+        if self.embedding is None:
+            raise ValueError("this model does not embed: load a sentence-transformers folder, or set pooling= "
+                             "(last, mean or cls) for a causal-LM folder")
+        return self.embedding
+
+    def embedding_inputs(self, inputs, prompt_name: str | None = None, prompt: str | None = None
+                         ) -> list[tuple[list[int], int]]:
+        """Each input of gen.embed as (token ids, how many of them are the prompt's): text after the
+        prompt text, tokenized with special tokens; token-id lists as given (no prompt)."""
+        spec = self._embedding_spec()
+        if isinstance(inputs, str) or (len(inputs) and isinstance(inputs[0], (int, np.integer))):
+            inputs = [inputs]
+        if not len(inputs):
+            raise ValueError("no inputs to embed")
+        prefix = spec.prompt_text(prompt_name, prompt)
+        prefix_len = self._prompt_length(prefix) if prefix and not spec.include_prompt else 0
+        return [(self._encode(prefix + x), prefix_len) if isinstance(x, str) else (self._encode(x), 0)
+                for x in inputs]
+
+    def _prompt_length(self, prompt: str) -> int:
+        """The prompt's tokens but a trailing special one (sentence-transformers' _get_prompt_length)."""
+        ids = self._encode(prompt)
+        special = set(self.tokenizer.eos_ids) | {self.tokenizer.bos_id, self.tokenizer.pad_id}
+        return len(ids) - (1 if ids and ids[-1] in special else 0)
 
     def stats(self) -> dict:
         return self.client.stats()
@@ -405,12 +459,32 @@ def _join_group(group, mesh, path: Path, cfg: EngineConfig, warmup: bool):
     return channel
 
 
-def _load_decoder(path: Path, cfg: EngineConfig, mesh, fuse: bool):
+def _embedding_spec(path: Path, cfg: EngineConfig):
+    """(EmbeddingSpec or None, the ModelConfig to load with or None): a sentence-transformers folder's
+    or the pooling setting's embedding. A checkpoint with no LM head (the bare base model, e.g.
+    Qwen3Model keys, and no lm_head tensor) loads with the embedding as its head, untrained for
+    generation: it only embeds (a generation request is refused)."""
+    spec = read_embedding_spec(path, cfg.pooling, cfg.normalize)
+    if spec is None or is_native(spec.model_path):
+        return spec, None
+    from jaxinfer.models.hf_configs import model_config_from_hf
+    model_path = spec.model_path
+    mc = model_config_from_hf(model_path)
+    archs = json.loads((model_path / "config.json").read_text()).get("architectures") or []
+    bare = bool(archs) and not archs[0].endswith("ForCausalLM")
+    has_head = "lm_head.weight" in SafetensorsFolder(model_path).where
+    generates = not bare and (has_head or mc.tie_embeddings)
+    if not (has_head or mc.tie_embeddings):
+        mc = dataclasses.replace(mc, tie_embeddings=True)
+    return dataclasses.replace(spec, generates=generates), mc
+
+
+def _load_decoder(path: Path, cfg: EngineConfig, mesh, fuse: bool, model_cfg=None):
     """The target model: each weight read straight into its shards, fused (qkv / gate_up, columns
     grouped per device: models/decoder.py) unless multi-host (fuse False: it keeps the unfused
     names for now; tests/multihost_worker.py reads layers/0/mlp/up), quantized, then laid out on
     the mesh (the fused weights' tensor-parallel layout, QuantizedWeights included)."""
-    model, _ = load_model(path, cfg.dtype, mesh=mesh)
+    model, _ = load_model(path, cfg.dtype, mesh=mesh, cfg=model_cfg)
     if fuse:
         model = fuse_decoder(model, cfg.tensor_parallel, consume=True)
     if cfg.quantize is not None:

@@ -12,7 +12,7 @@ Pure Python over the host's Requests: it never imports jax and never touches the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 from jaxinfer.host.request import Request
 from jaxinfer.prompt_logprobs import PromptEntry, prompt_logprob_list
@@ -36,6 +36,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs, on a sample's first delta: None for the first prompt token, then
     # (logprob, rank, [(token id, logprob)] top-N) per prompt token
     prompt_logprobs: list[PromptEntry | None] | None = None
+    embedding: Any = None       # an embedding request's final delta: the pooled vector (np.float32 [D])
 
 
 @dataclass
@@ -120,10 +121,18 @@ class OutputProcessor:
             text, st.emitted = st.text[st.emitted:end], end
             outs.append(RequestOutput(rid, req.sample_index, text, new_ids[j:j + 1], lps[j:j + 1], tops[j:j + 1],
                                       req.finished and last, req.finish_reason if last else None,
-                                      req.num_cached_tokens or 0, prompt if j == 0 else None))
+                                      req.num_cached_tokens or 0, prompt if j == 0 else None,
+                                      _embedding(req) if req.finished and last else None))
         if req.finished:
             del self._text[req.request_id]
             group = self._groups.get(rid)
             if group is not None and all(g not in self._text for g in group):
                 del self._groups[rid]
         return outs
+
+
+def _embedding(req: Request):
+    """A finished embedding request's vector (None: it generates, or it was aborted)."""
+    if req.pooling is None or req.finish_reason == "abort":
+        return None
+    return req.pooling.embedding()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -77,6 +77,7 @@ class Launched:
     spec_counts: object = None    # speculation: per row, rounds that proposed and accepted per position
     proposals: object = None      # Medusa: per row, its next tree's tokens [S, N]
     prompt_rows: PromptRows | None = None   # the step's tokens whose prompt logprobs some request asked for
+    pooled_rows: list = field(default_factory=list)   # embeddings: (row, request, epoch) it pools for
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +132,7 @@ class ModelRunner:
         self._no_mask: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
         self._no_targets: dict[int, jax.Array] = {}   # prompt_targets of a step where nobody asks, per T
         self._prompt_rows = PromptRows()   # those of the step being prepared
+        self._no_pooling: dict[int, jax.Array] = {}
         self.mask_words = mask_words(self.model_cfg.vocab_size)
         self.grammars = grammars
         self.mask_time_s = 0.0   # host time spent filling grammar masks
@@ -304,7 +306,8 @@ class ModelRunner:
                 targets = self._no_targets[t]
             return StepInputs(tokens, positions, meta, logits_indices, sb, stop_ids, max_new,
                               np.int32(sched.num_decode_iters), from_prev, prompt_targets=targets,
-                              lora=self._lora_inputs(sched, meta, t)), rows
+                              lora=self._lora_inputs(sched, meta, t),
+                              pool_weights=self._pool_weights(sched, meta, t)), rows
         # the drawn token's position is one past the last computed token of its row (a speculating
         # row: one past its last drawn token; verification steps through the proposals)
         self.spec.tree_layout(sched, meta, positions)
@@ -324,6 +327,26 @@ class ModelRunner:
             first = meta.query_start_loc[i]
             token_slots[first: first + seq.num_tokens] = seq.request.lora_slot
         return LoraInputs(token_slots, self.lora.stacks)
+    def _pool_weights(self, sched: SchedulerOutput, meta, t: int):
+        """[T] float32: each token's weight in its embedding row's pooled sum (host/pooling.py); an
+        array built once per bucket when no row embeds (no per-step transfer)."""
+        pooling = [(i, seq) for i, seq in enumerate(sched.seqs) if seq.request.pooling is not None]
+        if not pooling:
+            if t not in self._no_pooling:
+                self._no_pooling[t] = jax.device_put(np.zeros(t, np.float32))
+            return self._no_pooling[t]
+        weights = np.zeros(t, np.float32)
+        for i, seq in pooling:
+            first = meta.query_start_loc[i]
+            weights[first: first + seq.num_tokens] = seq.request.pooling.weights(seq.start, seq.num_tokens)
+        return weights
+
+    @staticmethod
+    def pooled_rows(sched: SchedulerOutput) -> list:
+        """(row, request, its pooling's epoch) of the step's embedding rows whose chunk holds a pooled
+        position (a preemption between launch and fetch starts a new epoch: the sum is then dropped)."""
+        return [(i, seq.request, seq.request.pooling.epoch) for i, seq in enumerate(sched.seqs) if seq.request.pooling is not None
+                and seq.request.pooling.weights(seq.start, seq.num_tokens).any()]
 
     def _stop_ids(self, rows: list) -> np.ndarray:
         """[S, MAX_STOP_IDS]: the ids that end each row on device (-1 padded). Ids beyond the first
@@ -395,7 +418,7 @@ class ModelRunner:
         for i, (seq, req) in enumerate(zip(sched.seqs, rows)):
             if req is not None:    # where this row's last draw will lie in outputs.next_tokens
                 req.inflight_index = (seq.max_draws - 1) * self.settings.max_rows + i
-        return Launched(sched, rows, outputs, prompt_rows=prompt_rows)
+        return Launched(sched, rows, outputs, prompt_rows=prompt_rows, pooled_rows=self.pooled_rows(sched))
 
     def _dispatch(self, inputs: StepInputs, prev_tokens) -> StepOutputs:
         """Run the step's program on its inputs: a speculative engine's plain StepInputs (prepare's
@@ -430,6 +453,11 @@ class ModelRunner:
                                                                                       launched.outputs)
             if launched.prompt_rows is not None:
                 launched.prompt_rows.collect(launched.outputs)
+            if launched.pooled_rows:   # embeddings: add each row's weighted sum to its request's
+                pooled = jax.device_get(launched.outputs.pooled)
+                for i, req, epoch in launched.pooled_rows:
+                    if not req.finished and req.pooling.epoch == epoch:
+                        req.pooling.add(pooled[i])
         return launched.samples
 
     @staticmethod

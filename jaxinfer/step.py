@@ -16,8 +16,12 @@ The contract (SGLang states its ScheduleBatch -> ForwardBatch the same way):
                                        jaxinfer/prompt_logprobs.py; None: a program without them)
   StepInputs.lora                      multi-LoRA (None without): each token's adapter slot [T] and the
                                        slots' device stacks (jaxinfer/lora/execute.py) -> low-rank updates
+  StepInputs.pool_weights [T]          embeddings (optional, keyword): each token's weight in its row's
+                                       pooled sum (host/pooling.py; all 0 when no row embeds: skipped)
 and back, one device-to-host copy of StepOutputs: ids/logprobs [K, S] (+ top-N [K, S, 20]) and
-num_drawn [S] (+ prompt_logprobs / prompt_ranks [T], prompt_top_* [T, 20] when some row asked). next_tokens [K * max_rows] stays on the device as the next step's `prev_tokens`
+num_drawn [S] (+ prompt_logprobs / prompt_ranks [T], prompt_top_* [T, 20] when some row asked; + pooled
+[S, D] float32, where pool_weights was given: each row's weighted sum of its final-norm hidden states,
+read by the host only when some row embeds). next_tokens [K * max_rows] stays on the device as the next step's `prev_tokens`
 (async scheduling, runner.py). The KV pages are donated, so they are updated in place.
 
 The step is one module-level function of (params, kv_pages, inputs, prev_tokens) with everything it
@@ -74,6 +78,9 @@ class StepInputs:
     prompt_targets: jax.Array | None = field(default=None, kw_only=True)
     # multi-LoRA: jaxinfer.lora.execute.LoraInputs (token slots [T] + device stacks), None without
     lora: object = field(default=None, kw_only=True)
+    # embeddings: [T] float32 pooling weights (None: the program has no pooling; keyword-only, so the
+    # subclasses' positional fields keep their order)
+    pool_weights: jax.Array | None = field(default=None, kw_only=True)
 
 
 @jax.tree_util.register_dataclass
@@ -90,6 +97,7 @@ class StepOutputs:
     prompt_ranks: jax.Array | None = field(default=None, kw_only=True)        # [T] int32
     prompt_top_ids: jax.Array | None = field(default=None, kw_only=True)      # [T, MAX_LOGPROBS] int32
     prompt_top_logprobs: jax.Array | None = field(default=None, kw_only=True)  # [T, MAX_LOGPROBS] float32
+    pooled: jax.Array | None = field(default=None, kw_only=True)   # [S, D] float32 (with pool_weights)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,8 +177,21 @@ def _advance(inputs: StepInputs, ids: jax.Array, drew: jax.Array, going: jax.Arr
     sb = SamplingBatch(**{**vars(sb), "position": sb.position + going.astype(jnp.int32)})
     # prompt positions are scored by the first iteration only (later ones run when every row decodes)
     targets = None if inputs.prompt_targets is None else jnp.full_like(inputs.prompt_targets, -1)
+    # a row's positions are pooled once: in the iteration that computes its chunk
+    weights = None if inputs.pool_weights is None else jnp.zeros_like(inputs.pool_weights)
     return StepInputs(tokens, positions, meta, li, sb, inputs.stop_ids, inputs.max_new, inputs.num_iters,
-                      inputs.from_prev, prompt_targets=targets, lora=inputs.lora)
+                      inputs.from_prev, prompt_targets=targets, lora=inputs.lora, pool_weights=weights)
+
+
+def pool_rows(h: jax.Array, weights: jax.Array, seq_ids: jax.Array, num_rows: int) -> jax.Array:
+    """h [T, D] final-norm hidden states, weights [T] -> [S, D] float32: each row's weighted sum of its
+    tokens' states (embeddings' pooling, host/pooling.py). Skipped (zeros) when every weight is 0, so
+    a step with no embedding row pays one reduction over T."""
+    def pooled(_):
+        x = h.astype(jnp.float32) * weights[:, None]                                 # (T, D)
+        return jax.ops.segment_sum(x, seq_ids, num_segments=num_rows)               # (S, D)
+    zeros = lambda _: jnp.zeros((num_rows, h.shape[-1]), jnp.float32)  # noqa: E731
+    return jax.lax.cond(jnp.any(weights != 0), pooled, zeros, None)
 
 
 def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.Array, settings: StepSettings
@@ -184,13 +205,11 @@ def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.A
 
     def iteration(i, kv, x: StepInputs, out: StepOutputs, done):
         """One forward + sample; returns the drawn ids and the updated kv, outputs and done."""
+        # the model's __call__, keeping h for prompt logprobs and pooling
+        h, kv = model.hidden_states(x.tokens, x.positions, kv, x.meta, impl=settings.attention, lora=x.lora)
+        logits = model.logits(h[x.logits_indices])
         prompt = {}
-        if x.prompt_targets is None:
-            logits, kv = model(x.tokens, x.positions, kv, x.meta, x.logits_indices, impl=settings.attention,
-                               lora=x.lora)
-        else:   # the same forward; the prompt's rows also go through the LM head when some row asks
-            h, kv = model.hidden_states(x.tokens, x.positions, kv, x.meta, impl=settings.attention, lora=x.lora)
-            logits = model.logits(h[x.logits_indices])
+        if x.prompt_targets is not None:   # the prompt's rows also go through the LM head when some row asks
             scored = step_prompt_logprobs(model, h, x.prompt_targets, (out.prompt_logprobs, out.prompt_ranks,
                                                                         out.prompt_top_ids, out.prompt_top_logprobs))
             prompt = dict(zip(("prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs"), scored))
@@ -198,9 +217,10 @@ def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.A
         ids, lps, top_ids, top_lps = sample(logits, x.sampling)
         drew = ~done
         drawn = out.num_drawn + drew.astype(jnp.int32)
+        pooled = None if x.pool_weights is None else out.pooled + pool_rows(h, x.pool_weights, x.meta.seq_ids, s)
         out = StepOutputs(out.ids.at[i].set(jnp.where(drew, ids, 0)), out.logprobs.at[i].set(lps),
                           out.top_ids.at[i].set(top_ids), out.top_logprobs.at[i].set(top_lps), drawn,
-                          out.next_tokens, **prompt)
+                          out.next_tokens, pooled=pooled, **prompt)
         stopped = jnp.any(ids[:, None] == x.stop_ids, axis=1)
         return ids, drew, kv, out, done | (drew & stopped) | (drawn >= x.max_new)
 
@@ -218,7 +238,9 @@ def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.A
                       prompt_top_logprobs=jnp.zeros((t, MAX_LOGPROBS), jnp.float32))
     out = StepOutputs(jnp.zeros((k, s), jnp.int32), jnp.zeros((k, s), jnp.float32),
                       jnp.zeros((k, s, MAX_LOGPROBS), jnp.int32), jnp.zeros((k, s, MAX_LOGPROBS), jnp.float32),
-                      jnp.zeros((s,), jnp.int32), jnp.zeros((k * settings.max_rows,), jnp.int32), **prompt)
+                      jnp.zeros((s,), jnp.int32), jnp.zeros((k * settings.max_rows,), jnp.int32),
+                      pooled=None if inputs.pool_weights is None else jnp.zeros((s, model.cfg.d_model), jnp.float32),
+                      **prompt)
     carry = (jnp.int32(0), kv_pages, inputs, out, inputs.max_new <= 0)
     _, kv_pages, _, out, _ = run_loop(body, carry, 4, inputs.num_iters, k)
     next_tokens = jnp.zeros((settings.out_rows, settings.max_rows), jnp.int32).at[:k, :s].set(out.ids).reshape(-1)

@@ -335,10 +335,12 @@ def resolve_dtype(dtype: str) -> str:
     return resolve_dtype_name(dtype, jax.default_backend())
 
 
-def load_model(path: str | Path, dtype: str = "float32", mesh=None, rules=None) -> tuple[Decoder, ModelConfig]:
+def load_model(path: str | Path, dtype: str = "float32", mesh=None, rules=None,
+               cfg: ModelConfig | None = None) -> tuple[Decoder, ModelConfig]:
     """An HF or native folder -> (Decoder, ModelConfig). Errors name the path at fault.
     mesh: place every parameter on it by sharding.rules_for (or `rules`) while loading.
-    dtype: the compute/storage dtype of the float weights, or "auto" (resolve_dtype)."""
+    dtype: the compute/storage dtype of the float weights, or "auto" (resolve_dtype). cfg: an HF
+    folder's ModelConfig when not config.json's own (an embedding model without an LM head)."""
     dtype = resolve_dtype(dtype)
     path = Path(path)
     if not path.is_dir():
@@ -346,5 +348,5 @@ def load_model(path: str | Path, dtype: str = "float32", mesh=None, rules=None) 
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path}: no config.json (expected an HF model folder or a jaxinfer checkpoint)")
     model = (load_native(path, dtype, mesh=mesh, rules=rules) if is_native(path)
-             else load_hf(path, dtype, mesh=mesh, rules=rules))
+             else load_hf(path, dtype, cfg=cfg, mesh=mesh, rules=rules))
     return model, model.cfg

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server (FastAPI, run by uvicorn) on one Generator's engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics, and vLLM's
-POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serve.lora_routes; a request whose `model`
-is a loaded adapter's name runs with it).
+events), POST /v1/embeddings and /v1/score (serve.embeddings), GET /v1/models, POST /tokenize,
+POST /detokenize, GET /health, GET /metrics, and vLLM's POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (serve.lora_routes; a request whose `model` is a loaded adapter's name runs
+with it).
 Every error uses OpenAI's error JSON {"error": {"message", "type", "param", "code"}}: bad requests
 (malformed JSON or UTF-8, wrong types, out-of-range values, text that is not valid Unicode, fields we
 do not implement, prompts longer than the context, more sequences than the queue holds) get 400,
@@ -29,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxinfer.config import SamplingParams
 from jaxinfer.generator import Generator
+from serve import embeddings
 from serve.bridge import AsyncEngine, EngineDeadError
 from serve.echo import Echo, first_prompt_logprobs, vllm_prompt_logprobs
 from serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard, error_bytes
@@ -337,4 +339,5 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
         app.add_exception_handler(exc_type, handler)
     app.include_router(router)
     app.include_router(lora_router)
+    app.include_router(embeddings.router)   # /v1/embeddings, /v1/score
     return app

@@ -67,12 +67,13 @@ class AsyncEngine:
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None = None,
                request_field: Callable[[str], str] | None = None, priority: int = 0,
-               lora: str | None = None) -> Submission:
+               lora: str | None = None, poolings: list | None = None) -> Submission:
         """Queue one engine request per prompt; all their deltas arrive on one asyncio.Queue.
         Raises OpenAIError: 503 when the engine has stopped, 400 for what can never fit the queue
         or what the engine refuses (its param mapped by request_field to this request's field name,
         e.g. structured_outputs -> response_format), 429 when the queue is full now. lora: the LoRA
-        adapter the requests run with (None: the base model)."""
+        adapter the requests run with (None: the base model). poolings: embedding requests
+        (EngineClient.submit), one PoolingState per prompt."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         sequences = len(prompts) * params.n
         if sequences > self.max_queue:
@@ -92,7 +93,7 @@ class AsyncEngine:
         try:
             rids = self.client.submit(prompts, params, route=route, check=admit,
                                       cache_salt=cache_salt, max_tokens_must_fit=True, priority=priority,
-                                      lora=lora)
+                                      lora=lora, poolings=poolings)
         except SubmitError as e:   # the engine's own validation (Engine.add_request), field named
             param = (request_field or str)(e.param) if e.param else "prompt"
             raise OpenAIError(400, e.message, param=param, code=e.code) from None

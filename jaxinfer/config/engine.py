@@ -17,6 +17,7 @@ KV_DTYPE_CHOICES = ("int8", "fp8", "float16", "bfloat16", "float32")
 BATCHING_CHOICES = ("continuous", "static", "dynamic")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("draft", "ngram", "medusa")
+POOLING_CHOICES = ("last", "mean", "cls")   # jaxinfer/host/pooling.py
 # The smallest per-step token budget: the runner's first token bucket holds up to 8 tokens.
 MIN_TOKEN_BUDGET = 8
 MAX_SPECULATIVE_TOKENS = 16
@@ -105,6 +106,12 @@ class EngineConfig:
         0, "host memory for the prefix cache's second tier, in GiB (2**30 bytes): cached KV blocks evicted "
            "from the device pool are kept there and copied back on a hit (0: no host tier)",
         alias=("kv_offload_gb", 2**30))
+    pooling: str | None = setting(None, "embeddings: pool the final hidden states by the last token, their mean or "
+                                        "the first token (default: a sentence-transformers folder's "
+                                        "1_Pooling; a plain causal-LM folder embeds only with this set)",
+                                  choices=POOLING_CHOICES)
+    normalize: bool = setting(False, "embeddings: L2-normalize them (default: as a sentence-transformers folder "
+                                     "says, by a listed Normalize module)")
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

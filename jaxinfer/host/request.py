@@ -97,6 +97,8 @@ class Request(LatencyMetrics):
     # (host/lora_slots.py; -1 when it holds none)
     lora_id: int | None = None
     lora_slot: int = -1
+    # embeddings: a prefill-only request's pooling (host/pooling.PoolingState); None: it generates
+    pooling: Any = None
 
     @property
     def all_ids(self) -> list[int]:

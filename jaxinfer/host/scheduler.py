@@ -208,6 +208,8 @@ class Scheduler:
         self._release_lora(req)
         self.blocks.free(req.request_id)
         req.num_computed_tokens = req.num_draft_computed = req.draft_catchup_end = 0
+        if req.pooling is not None:   # an embedding's sum restarts with its recomputed positions
+            req.pooling.reset()
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -221,6 +223,8 @@ class Scheduler:
             if self.blocks.table(req.request_id):
                 self.blocks.free(req.request_id)
                 req.num_computed_tokens = req.num_draft_computed = req.draft_catchup_end = 0
+                if req.pooling is not None:
+                    req.pooling.reset()
                 self.num_preemptions += 1
                 return True
         return False
@@ -447,7 +451,7 @@ class Scheduler:
     def _looks_up(self, req: Request) -> bool:
         """A request admitted with no blocks and nothing computed starts from the prefix cache."""
         return (self.caching and not self.blocks.table(req.request_id) and not req.num_computed_tokens
-                and not req.num_inflight)
+                and not req.num_inflight and not (req.pooling is not None and req.pooling.needs_every_token))
 
     def _cache_hits(self, req: Request) -> list[int]:
         """Cached blocks a request with no blocks can start from: its longest cached prefix, short

@@ -58,6 +58,8 @@ def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
     archs = config.get("architectures") or []
     model_type = config.get("model_type", "")
     arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type, "")
+    # the bare base model (an embedding model's Transformer, e.g. Qwen3Model): the same decoder
+    arch = _BARE_MODELS.get(arch, arch)
     builder = _HF_BUILDERS.get(arch)
     if builder is None:
         hint = _NOT_SUPPORTED.get(arch, "")
@@ -395,6 +397,7 @@ _HF_BUILDERS = {
     "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2, "BloomForCausalLM": _bloom,
     "MixtralForCausalLM": _moe, "Qwen3MoeForCausalLM": _moe, "GptOssForCausalLM": _gpt_oss,
 }
+_BARE_MODELS = {a.replace("ForCausalLM", "Model"): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")}
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                        "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM",

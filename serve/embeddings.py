@@ -1,0 +1,156 @@
+"""POST /v1/embeddings (OpenAI's shape) and POST /v1/score (vLLM's, for embedding models).
+
+/v1/embeddings: `input` is a string, a list of strings, a list of token ids or a list of token-id
+lists; text is tokenized as gen.embed tokenizes it (the model's default prompt first, special tokens
+by the tokenizer's post-processor), token ids are used as given. `encoding_format` "float" (lists of
+numbers) or "base64" (each vector's little-endian float32 bytes, what the openai client sends by
+default and decodes); `dimensions` only for a model that declares Matryoshka sizes (the vector is
+cut, then normalized where the model normalizes: vLLM's order); usage.prompt_tokens counts every
+input's tokens, special tokens included. An input longer than max_model_len is a 400 naming its
+index; a field this endpoint does not know is a 400 naming it.
+
+/v1/score (also /score): `text_1` (one string or a list) against `text_2` (a list, or one string):
+1:1, 1:N or N:N pairs, each scored by the cosine similarity of the two embeddings (vLLM's
+embedding-model scoring), as {"data": [{"index", "object": "score", "score"}], "usage"}.
+
+Every input is one prefill-only engine request (Engine.add_request(pooling=...)), submitted all or
+nothing through the same bridge as generation, so embeddings share the engine's steps with it.
+"""
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import model_validator
+from starlette.concurrency import run_in_threadpool
+
+from jaxinfer.engine import EMBEDDING_PARAMS
+from serve.protocol import OpenAIError, _Body, _refuse, new_id, now
+from serve.stream import respond
+
+router = APIRouter()
+
+
+class _StrictBody(_Body):
+    """A body whose unknown fields are refused (400 naming them), not ignored."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                raise _refuse(unknown[0], f"unknown field(s) {', '.join(map(repr, unknown))} "
+                                          f"(this endpoint takes {', '.join(sorted(cls.model_fields))})")
+        return data
+
+
+class EmbeddingRequest(_StrictBody):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None          # OpenAI's end-user id: accepted, not used
+
+
+class ScoreRequest(_StrictBody):
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    user: str | None = None
+
+
+def _inputs(inp) -> list:
+    """The request's inputs: each a string or a token-id list."""
+    if isinstance(inp, str):
+        return [inp]
+    if not inp:
+        raise OpenAIError(400, "input must not be empty", param="input")
+    if all(isinstance(x, int) for x in inp):
+        return [list(inp)]
+    return list(inp)
+
+
+def _encode(state, inputs: list, dimensions: int | None) -> tuple[list[list[int]], list]:
+    """(token ids per input, their PoolingStates), or a 400 naming what is wrong."""
+    gen = state.gen
+    if gen.embedding is None:
+        raise OpenAIError(400, f"the model '{state.model_name}' does not serve embeddings (load a "
+                               "sentence-transformers folder, or start the server with --pooling)", param="model")
+    if any(isinstance(x, str) for x in inputs) and gen.tokenizer is None:
+        raise OpenAIError(400, "this model has no tokenizer: send inputs as lists of token ids", param="input")
+    try:
+        gen.embedding.check_dimensions(dimensions, gen.model_cfg.d_model)
+    except ValueError as e:
+        raise OpenAIError(400, str(e), param="dimensions") from None
+    if any(isinstance(x, str) and not x for x in inputs) or any(isinstance(x, list) and not x for x in inputs):
+        raise OpenAIError(400, "an input is empty", param="input")
+    encoded = gen.embedding_inputs(inputs)
+    return ([ids for ids, _ in encoded],
+            [gen.embedding.pooling_state(len(ids), n, dimensions) for ids, n in encoded])
+
+
+async def _embed(state, request: Request, inputs: list, dimensions: int | None = None
+                 ) -> tuple[list[np.ndarray], int]:
+    """Every input's embedding, in order, and the tokens they held."""
+    ids, poolings = await run_in_threadpool(_encode, state, inputs, dimensions)
+    try:
+        sub = state.engine.submit(ids, EMBEDDING_PARAMS, poolings=poolings)
+    except OpenAIError as e:
+        if e.param in ("prompt", None):
+            e.param = "input"
+        raise
+    out = await respond(state.engine, sub, request, lambda groups: [g[-1].embedding for g in groups])
+    if not isinstance(out, list):   # the client hung up (a Response: 499)
+        return out, 0
+    return out, sum(len(x) for x in ids)
+
+
+def _vector(v: np.ndarray, encoding_format: str):
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(v, "<f4").tobytes()).decode("ascii")
+    return [float(x) for x in v]
+
+
+@router.post("/v1/embeddings")
+async def embeddings(req: EmbeddingRequest, request: Request):
+    state = request.app.state.server
+    state.check_model(req.model)
+    vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions)
+    if not isinstance(vectors, list):
+        return vectors
+    return {"object": "list", "model": state.model_name,
+            "data": [{"object": "embedding", "index": i, "embedding": _vector(v, req.encoding_format)}
+                     for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """torch.nn.CosineSimilarity(dim=0)'s value (eps 1e-8), what vLLM scores embedding pairs by."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.dot(a, b) / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-8))
+
+
+@router.post("/v1/score")
+@router.post("/score")
+async def score(req: ScoreRequest, request: Request):
+    state = request.app.state.server
+    state.check_model(req.model)
+    first = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)
+    second = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
+    if not first or not second:
+        raise OpenAIError(400, "text_1 and text_2 must not be empty", param="text_1" if not first else "text_2")
+    if len(first) != 1 and len(first) != len(second):
+        raise OpenAIError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: the pairs must be 1:1, "
+                               "1:N or N:N", param="text_2")
+    vectors, n_tokens = await _embed(state, request, first + second)
+    if not isinstance(vectors, list):
+        return vectors
+    left, right = vectors[:len(first)], vectors[len(first):]
+    if len(left) == 1:
+        left = left * len(right)
+    return {"id": new_id("score"), "object": "list", "created": now(), "model": state.model_name,
+            "data": [{"index": i, "object": "score", "score": cosine(a, b)} for i, (a, b) in enumerate(zip(left, right))],
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0}}
