@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from pathlib import Path
 
 import jax
@@ -328,7 +329,9 @@ def load_pipelined(path: str | Path, dtype: str, mesh: Mesh, quantize: str | Non
     from jaxinfer.models.hf_maps import hf_weight_map
 
     path = Path(path)
-    if is_native(path) or quantize is not None:
+    prequantized = (path / "config.json").exists() and "quantization_config" in json.loads(
+        (path / "config.json").read_text())     # jaxinfer/prequant: packed weights, restacked like native ones
+    if is_native(path) or quantize is not None or prequantized:
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             model, _ = load_model(path, dtype)
             if quantize is not None:

@@ -42,7 +42,7 @@ class CheckpointError(ValueError):
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-              "BOOL": np.bool_}
+              "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -177,8 +177,15 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
         shardings = {"/".join(map(str, p)): param_sharding(v.get_metadata().get("logical_axes"), rules, mesh,
                                                            tuple(v.get_value().shape)) for p, v in flat}
     arrays: dict[str, jax.Array] = {}
+    reader = _prequant_reader(folder, st)
     for ours, (hf_names, transform) in hf_weight_map(cfg).items():
-        value = hf_value(st, ours, hf_names, transform, expected[ours])
+        if reader is not None:   # a pre-quantized checkpoint (jaxinfer/prequant): packed weights stay packed
+            value = _prequant_param(folder, reader, ours, hf_names, transform, expected[ours])
+            if isinstance(value, QuantizedWeight):
+                arrays[ours] = value
+                continue
+        if reader is None or value is None:
+            value = hf_value(st, ours, hf_names, transform, expected[ours])
         if mesh is None:
             arrays[ours] = jnp.asarray(value.astype(np.float32) if value.dtype != np.float32 else value,
                                        dtype=jdtype)
@@ -186,6 +193,25 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
             arrays[ours] = load_sharded(lambda idx, v=value: v[idx].astype(np.float32), expected[ours],
                                         shardings[ours], dtype=jdtype)
     return _set_params(model, arrays)
+
+
+def _prequant_reader(folder: Path, st: SafetensorsFolder):
+    """jaxinfer.prequant's reader for config.json's quantization_config (None without one); a
+    configuration it does not fully understand is refused here, before any tensor is read."""
+    from jaxinfer.prequant import QuantConfigError, reader_for
+    raw = json.loads((folder / "config.json").read_text())
+    try:
+        return reader_for(raw, st)
+    except QuantConfigError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
+
+
+def _prequant_param(folder: Path, reader, ours: str, hf_names, transform, expected):
+    from jaxinfer.prequant import QuantConfigError, load_param
+    try:
+        return load_param(reader, ours, hf_names, transform, expected)
+    except QuantConfigError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
 
 
 # ------------------------------------------------------------------------------- native format
@@ -254,7 +280,7 @@ def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
         q = jnp.float8_e4m3fn if m.get("format") == "fp8_e4m3" else jnp.int8
         nk = m.get("layout", "kn") == "nk"        # fp8 codes stored [N, K] (quant.quantize_fp8)
         out = {"q": jax.ShapeDtypeStruct((n, k) if nk else (k, n), q),
-               "scales": jax.ShapeDtypeStruct((n,), jnp.float32)}
+               "scales": jax.ShapeDtypeStruct((n,) if g is None else (k // g, n), jnp.float32)}
         if m.get("act_scales") == "static":
             out["act_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
             if not m.get("act_symmetric", True):

@@ -19,6 +19,8 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
   three bytes along K (uint8 [3K/8, N]; within each run of 8 k, code j occupies bits 3j..3j+2 of
   the little-endian 24-bit word), symmetric codes in [-4, 3] (scale = max|w| / 3, 3-bit two's
   complement) or asymmetric codes in [0, 7] with zero points as for int4.
+* grouped int8 (pre-quantized checkpoints only: GPTQ and compressed-tensors W8A16 with groups):
+  q int8 [K, N] symmetric, scales f32 [K/g, N], group_size g; dequantized in XLA (no kernel).
 * per channel at 4 or 3 bits: one group spanning all of K (group_size = K, scales [1, N]).
 * experts (batch=1, quantize_experts): a mixture of experts' stacked weights [E, K-dims, N-dims], each
   expert quantized on its own in any format above, every leaf stacked on a leading E axis (q [E, K, N]
@@ -117,6 +119,12 @@ class QuantizedWeight:
     def fp8(self) -> bool:
         """e4m3 codes (bits=8) instead of int8."""
         return jnp.dtype(self.q.dtype) == FP8_DTYPE
+
+    @property
+    def grouped_int8(self) -> bool:
+        """int8 codes with one scale per group of group_size k (scales [K/g, N]; pre-quantized
+        checkpoints, jaxinfer.prequant): dequantized in XLA, no kernel."""
+        return self.bits == 8 and self.group_size is not None and self.batch == 0
 
     def q_kn(self) -> jax.Array:
         """The codes as [K, N] (a transpose for layout "nk"; the stored array otherwise)."""
@@ -324,7 +332,12 @@ def unpack_int3(packed: jax.Array, *, signed: bool) -> jax.Array:
 
 
 def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
-    """-> f32 [K, N]; int8 and int4 as the kernel defines them, int3 here (no kernel)."""
+    """-> f32 [K, N]; int8 and int4 as the kernel defines them, int3 and grouped int8 here (no kernel)."""
+    if qw.grouped_int8:
+        k, n = qw.q.shape
+        g = qw.group_size
+        q = qw.q.astype(jnp.float32).reshape(k // g, g, n)
+        return (q * qw.scales.astype(jnp.float32)[:, None, :]).reshape(k, n)
     if qw.bits != 3:
         return dequantize_weight(qw.q_kn(), qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
     q = unpack_int3(qw.q, signed=qw.zeros is None)
