@@ -281,6 +281,8 @@ def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
         nk = m.get("layout", "kn") == "nk"        # fp8 codes stored [N, K] (quant.quantize_fp8)
         out = {"q": jax.ShapeDtypeStruct((n, k) if nk else (k, n), q),
                "scales": jax.ShapeDtypeStruct((n,) if g is None else (k // g, n), jnp.float32)}
+        if g is not None and not m["symmetric"]:     # grouped int8 with zero points (quant/format.py)
+            out["zeros"] = jax.ShapeDtypeStruct((k // g, n), jnp.int8)
         if m.get("act_scales") == "static":
             out["act_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
             if not m.get("act_symmetric", True):

@@ -9,6 +9,8 @@ method and the field (a compressed-tensors W8A8 folder once loaded silently, its
 numbers). The formats (each module's docstring gives its layout and the producer it follows):
 * compressed_tensors.py  quant_method "compressed-tensors": pack-quantized W4A16 / W8A16,
                          int-quantized W8A8 / int8, float-quantized FP8.
+* gptq.py                quant_method "gptq" (checkpoint_format gptq / gptq_v2), bits 4 and 8.
+* awq.py                 quant_method "awq", version gemm.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from jaxinfer.prequant.common import QuantConfigError, as_float, place, refuse
 
 __all__ = ["QuantConfigError", "reader_for", "load_param", "SUPPORTED_METHODS"]
 
-SUPPORTED_METHODS = ("compressed-tensors",)
+SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq")
 # the decoder's matmul weights (models/decoder.py CONTRACTED_DIMS): these stay packed
 _CONTRACT = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1}
 
@@ -37,6 +39,12 @@ def reader_for(raw: dict[str, Any], st) -> Any | None:
     if method == "compressed-tensors":
         from jaxinfer.prequant.compressed_tensors import CompressedTensorsReader
         return CompressedTensorsReader(qc, st)
+    if method == "gptq":
+        from jaxinfer.prequant.gptq import GPTQReader
+        return GPTQReader(qc, st)
+    if method == "awq":
+        from jaxinfer.prequant.awq import AWQReader
+        return AWQReader(qc, st)
     raise refuse(method, "quant_method", method, f"jaxinfer loads the methods {list(SUPPORTED_METHODS)}")
 
 

@@ -19,8 +19,9 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
   three bytes along K (uint8 [3K/8, N]; within each run of 8 k, code j occupies bits 3j..3j+2 of
   the little-endian 24-bit word), symmetric codes in [-4, 3] (scale = max|w| / 3, 3-bit two's
   complement) or asymmetric codes in [0, 7] with zero points as for int4.
-* grouped int8 (pre-quantized checkpoints only: GPTQ and compressed-tensors W8A16 with groups):
-  q int8 [K, N] symmetric, scales f32 [K/g, N], group_size g; dequantized in XLA (no kernel).
+* grouped int8 (pre-quantized checkpoints only: GPTQ and compressed-tensors W8A16 with groups, or
+  GPTQ's asymmetric 8-bit): q int8 [K, N], scales f32 [K/g, N], group_size g (K: per channel with
+  zero points), zeros None or int8 [K/g, N] (w = (q - zero) * scale); dequantized in XLA (no kernel).
 * per channel at 4 or 3 bits: one group spanning all of K (group_size = K, scales [1, N]).
 * experts (batch=1, quantize_experts): a mixture of experts' stacked weights [E, K-dims, N-dims], each
   expert quantized on its own in any format above, every leaf stacked on a leading E axis (q [E, K, N]
@@ -122,8 +123,8 @@ class QuantizedWeight:
 
     @property
     def grouped_int8(self) -> bool:
-        """int8 codes with one scale per group of group_size k (scales [K/g, N]; pre-quantized
-        checkpoints, jaxinfer.prequant): dequantized in XLA, no kernel."""
+        """int8 codes with one scale (and zero point, if any) per group of group_size k (scales
+        [K/g, N]; pre-quantized checkpoints, jaxinfer.prequant): dequantized in XLA, no kernel."""
         return self.bits == 8 and self.group_size is not None and self.batch == 0
 
     def q_kn(self) -> jax.Array:
@@ -336,7 +337,10 @@ def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
     if qw.grouped_int8:
         k, n = qw.q.shape
         g = qw.group_size
-        q = qw.q.astype(jnp.float32).reshape(k // g, g, n)
+        q = qw.q.astype(jnp.int32).reshape(k // g, g, n)
+        if qw.zeros is not None:
+            q = q - qw.zeros.astype(jnp.int32)[:, None, :]
+        q = q.astype(jnp.float32)
         return (q * qw.scales.astype(jnp.float32)[:, None, :]).reshape(k, n)
     if qw.bits != 3:
         return dequantize_weight(qw.q_kn(), qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
