@@ -260,6 +260,9 @@ def _stack_quantized(name: str, per_layer: list[QuantizedWeight], axes, rules, m
         if fmt(w) != fmt(first):
             raise ValueError(f"layers/{i}/{name} is stored as {fmt(w)} but layers/0/{name} as {fmt(first)}: "
                              "a pipeline stacks each weight of every layer in one format")
+    if any(w.perm is not None for w in per_layer):
+        raise ValueError(f"layers/*/{name}: activation-ordered (GPTQ desc_act) weights are not stacked for "
+                         "pipeline parallelism")
     one = quantized_sharding(first, axes, rules, mesh)
 
     def stack(field):

@@ -8,7 +8,7 @@ file is reported by file and tensor name), transformed into our layout, shape-ch
 Native folders: config.json ({"format": "jaxinfer", "model": ModelConfig, "dtype"}),
 params/ (an orbax-checkpoint of the parameter tree), and the tokenizer files. A quantized weight
 (jaxinfer.quant.QuantizedWeight) is stored as its arrays NAME/q, NAME/scales[, NAME/zeros]
-[, NAME/act_scale[, NAME/act_zero]] and described in config.json under "quantized_weights" (bits,
+[, NAME/act_scale[, NAME/act_zero]][, NAME/perm] and described in config.json under "quantized_weights" (bits,
 group_size, shape, contract, symmetric, act_bits, format: int | fp8_e4m3, act_scales: dynamic |
 static, act_symmetric, batch: 1 for a mixture's stacked experts, whose every array leads with E,
 layout: "nk" for fp8 codes stored [N, K], "kn" (or absent, in older folders) for [K, N]);
@@ -257,7 +257,7 @@ def save_native(model: Decoder, out_dir: str | Path, dtype: str, tokenizer=None,
         tokenizer.save(out_dir)
 
 
-_QW_LEAVES = ("q", "scales", "zeros", "act_scale", "act_zero")
+_QW_LEAVES = ("q", "scales", "zeros", "act_scale", "act_zero", "perm")
 
 
 def _quantized_meta(qw: QuantizedWeight) -> dict[str, Any]:
@@ -265,7 +265,8 @@ def _quantized_meta(qw: QuantizedWeight) -> dict[str, Any]:
     return {"bits": qw.bits, "group_size": qw.group_size, "shape": list(qw.shape), "contract": qw.contract,
             "symmetric": qw.symmetric, "act_bits": qw.act_bits, "format": "fp8_e4m3" if qw.fp8 else "int",
             "act_scales": None if qw.act_bits is None else ("static" if qw.act_scale is not None else "dynamic"),
-            "act_symmetric": qw.act_zero is None, "batch": qw.batch, "layout": qw.layout}
+            "act_symmetric": qw.act_zero is None, "batch": qw.batch, "layout": qw.layout,
+            **({"perm": True} if qw.perm is not None else {})}
 
 
 def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -275,6 +276,8 @@ def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
         one = _quantized_leaves({**m, "shape": m["shape"][b:], "batch": 0})
         return {k: jax.ShapeDtypeStruct((*m["shape"][:b], *v.shape), v.dtype) for k, v in one.items()}
     k, n = math.prod(m["shape"][:m["contract"]]), math.prod(m["shape"][m["contract"]:])
+    if m.get("perm"):     # rows stored in a permuted order (quant/format.py)
+        return {**_quantized_leaves({**m, "perm": False}), "perm": jax.ShapeDtypeStruct((k,), jnp.int32)}
     bits, g = m["bits"], m["group_size"]
     if bits == 8:
         q = jnp.float8_e4m3fn if m.get("format") == "fp8_e4m3" else jnp.int8
@@ -342,7 +345,7 @@ def load_native(folder: str | Path, dtype: str | None = None, mesh=None, rules=N
                                        shape=tuple(m["shape"]), contract=m["contract"], act_bits=m.get("act_bits"),
                                        act_scale=restored.get(f"{name}/act_scale"),
                                        act_zero=restored.get(f"{name}/act_zero"), batch=m.get("batch", 0),
-                                       layout=m.get("layout", "kn"))
+                                       layout=m.get("layout", "kn"), perm=restored.get(f"{name}/perm"))
     return _set_params(abstract_decoder(cfg, jdtype), arrays)
 
 

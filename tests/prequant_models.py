@@ -121,6 +121,14 @@ def ct_reference(folder: Path, base, activations="ct"):
     return ref
 
 
+def _float_state(model) -> dict:
+    """The model's tensors as save_pretrained writes them (a tied lm_head is not stored)."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
 def logits(model, ids) -> np.ndarray:
     import torch
     with torch.no_grad():
@@ -234,11 +242,15 @@ def save_gptq(folder: Path, bits: int, group_size: int, sym: bool, desc_act: boo
                 w[:5, :] = w[:5, :].abs()
     ref = copy.deepcopy(model)
     model.save_pretrained(folder)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = _float_state(model)
     for i in range(model.config.num_hidden_layers):
         for j, m in enumerate(_GPTQ_MODULES):
             name = f"model.layers.{i}.{m}"
-            t = gptq_pack(state.pop(f"{name}.weight").float(), bits, group_size, sym, desc_act, v1, seed=7 * i + j)
+            # desc_act: one activation order per input (q/k/v share one, gate/up one), as GPTQ's
+            # argsort of the shared Hessian's diagonal gives them
+            shared = {"self_attn.k_proj": 0, "self_attn.v_proj": 0, "mlp.up_proj": 4}.get(m, j)
+            t = gptq_pack(state.pop(f"{name}.weight").float(), bits, group_size, sym, desc_act, v1,
+                          seed=7 * i + shared)
             state.update({f"{name}.{k}": v for k, v in t.items()})
             with torch.no_grad():
                 ref.get_submodule(name).weight.copy_(gptq_dequantize(t, bits, v1))
@@ -322,7 +334,7 @@ def save_awq(folder: Path, group_size: int, seed: int = 0, version: str = "gemm"
     model = tiny_llama(seed)
     ref = copy.deepcopy(model)
     model.save_pretrained(folder)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = _float_state(model)
     for i in range(model.config.num_hidden_layers):
         for m in _GPTQ_MODULES:
             name = f"model.layers.{i}.{m}"
@@ -336,3 +348,40 @@ def save_awq(folder: Path, group_size: int, seed: int = 0, version: str = "gemm"
                                   "version": version, "modules_to_not_convert": None}
     (Path(folder) / "config.json").write_text(json.dumps(cfg))
     return Path(folder), ref
+
+
+# ------------------------------------------------------------------------------- fine-grained FP8
+
+def save_fp8_block(folder: Path, block=(32, 32), seed: int = 0):
+    """A tiny Llama whose linear layers are quantized by transformers' own FineGrainedFP8 quantizer
+    (integrations/finegrained_fp8.py Fp8Quantize._quantize_one: per [bn, bk] block max|w| / 448,
+    e4m3 codes, weight_scale_inv) with a quantization_config as transformers writes it -> (folder,
+    float model). Blocks of 32: the tiny dims are not multiples of 128, which Fp8Quantize skips."""
+    import types
+
+    from safetensors.torch import save_file
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    model = tiny_llama(seed)
+    model.save_pretrained(folder)
+    config = FineGrainedFP8Config(weight_block_size=list(block), modules_to_not_convert=["lm_head"])
+    quantize = Fp8Quantize(types.SimpleNamespace(quantization_config=config))
+    state = _float_state(model)
+    for i in range(model.config.num_hidden_layers):
+        for m in _GPTQ_MODULES:
+            name = f"model.layers.{i}.{m}.weight"
+            state.update(quantize._quantize_one(name, state.pop(name)))
+    save_file(state, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    cfg["quantization_config"] = {k: v for k, v in config.to_dict().items() if v is not None}
+    (Path(folder) / "config.json").write_text(json.dumps(cfg))
+    return Path(folder), model
+
+
+def fp8_block_reference(folder: Path):
+    """transformers loading the folder on CPU: FineGrainedFP8 dequantizes every weight at load
+    (Fp8Dequantize), float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()

@@ -177,3 +177,37 @@ def test_bad_packed_shape_names_tensor(ct, tmp_path):
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight_packed has shape \(128, 7\).*"
                                               r"expected int32 \(128, 8\)"):
         load_model(dst, "float32")
+
+
+# ---------------------------------------------------------------------------- fine-grained FP8
+
+@pytest.fixture(scope="module")
+def fp8_block(tmp_path_factory):
+    folder, _ = pm.save_fp8_block(tmp_path_factory.mktemp("fp8-block"))
+    return folder, pm.fp8_block_reference(folder)
+
+
+def test_fp8_block_matches_transformers(fp8_block):
+    """transformers on CPU dequantizes the same folder (Fp8Dequantize); jaxinfer keeps e4m3 codes
+    and per-block scales and dequantizes per call: the same numbers, float32 rounding apart."""
+    folder, ref = fp8_block
+    model, ours = _ours(folder)
+    qw = model.layers[0].mlp.gate.get_value()
+    st = SafetensorsFolder(folder)
+    w = st.get("model.layers.0.mlp.gate_proj.weight")
+    assert qw.fp8 and qw.group_size == 32 and qw.q.nbytes == w.nbytes          # one byte a weight
+    assert qw.scales.shape == (64 // 32, 128)                                    # a block's scale per column
+    assert_rel_close(ours, pm.logits(ref, IDS), F32_RTOL, "fp8 block")
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda q: q.update(activation_scheme="static"), "'activation_scheme' = 'static'"),
+    (lambda q: q.pop("weight_block_size"), "'weight_block_size' = None"),
+    (lambda q: q.update(scale_fmt="ue8m0"), "'scale_fmt' = 'ue8m0'"),
+    (lambda q: q.update(weight_block_size=[32, 16]),
+     r"q_proj\.weight_scale_inv has shape \(2, 2\); expected \(2, 4\) for weight \[64, 64\]"),
+])
+def test_fp8_block_refusals(fp8_block, tmp_path, edit, needle):
+    folder = _with_qc(fp8_block[0], tmp_path / "m", edit)
+    with pytest.raises(CheckpointError, match=needle):
+        load_model(folder, "float32")

@@ -24,6 +24,11 @@ GPTQ_CASES = {   # name -> (bits, group_size, sym, v1)
     "gptq-8b-channel-sym": (8, -1, True, True),
     "gptq-8b-g64-asym": (8, 64, False, True),
 }
+DESC_ACT = {   # name -> (bits, group_size, sym)
+    "gptq-4b-g32-sym-desc": (4, 32, True),
+    "gptq-4b-g32-asym-desc": (4, 32, False),
+    "gptq-8b-g32-sym-desc": (8, 32, True),
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +38,10 @@ def made(tmp_path_factory):
     def get(case):
         if case not in cache:
             folder = tmp_path_factory.mktemp(case)
-            if case.startswith("gptq"):
+            if case in DESC_ACT:
+                bits, g, sym = DESC_ACT[case]
+                cache[case] = pm.save_gptq(folder, bits, g, sym, desc_act=True)
+            elif case.startswith("gptq"):
                 bits, g, sym, v1 = GPTQ_CASES[case]
                 cache[case] = pm.save_gptq(folder, bits, g, sym, v1=v1)
             else:
@@ -100,11 +108,36 @@ def test_gptq_qweight_shape_refused(made, tmp_path):
         load_model(folder, "float32")
 
 
-def test_gptq_desc_act_g_idx_refused(made, tmp_path):
-    perm = np.random.RandomState(0).permutation(64)
+@pytest.mark.parametrize("case", sorted(DESC_ACT))
+def test_gptq_desc_act(made, case):
+    """desc_act: g_idx an activation order; rows reordered at load (QuantizedWeight.perm), x gathered."""
+    folder, ref = made(case)
+    model, ours = _ours(folder)
+    qw = model.layers[0].attn.q.get_value()
+    g_idx = np.asarray(load_model.__globals__["SafetensorsFolder"](folder).get("model.layers.0.self_attn.q_proj.g_idx"))
+    assert qw.perm is not None and not np.array_equal(np.asarray(qw.perm), np.arange(64))
+    assert np.array_equal(g_idx[np.asarray(qw.perm)], np.arange(64) // DESC_ACT[case][1])   # groups contiguous
+    assert_rel_close(ours, pm.logits(ref, IDS), F32_RTOL, case)
+
+
+def test_gptq_desc_act_generator_and_native_roundtrip(made, tmp_path):
+    """Fused projections share the row order; the native format stores it."""
+    from jaxinfer import Generator
+    from jaxinfer.weights import save_native
+    folder, ref = made("gptq-4b-g32-asym-desc")
+    gen = Generator.from_pretrained(str(folder), dtype="float32", warmup=False, max_model_len=32,
+                                    max_num_seqs=2, num_blocks=5)
+    assert_rel_close(gen.logits(IDS), pm.logits(ref, IDS), F32_RTOL, "generator desc_act")
+    model, _ = load_model(folder, "float32")
+    save_native(model, tmp_path / "native", "float32")
+    _, again = _ours(tmp_path / "native")
+    assert_rel_close(again, pm.logits(ref, IDS), F32_RTOL, "native round trip")
+
+
+def test_gptq_bad_g_idx_refused(made, tmp_path):
     folder = _edit(made("gptq-4b-g32-sym")[0], tmp_path / "m", tensors=lambda t: t.update({
-        "model.layers.0.self_attn.k_proj.g_idx": (np.argsort(perm) // 32).astype(np.int32)}))
-    with pytest.raises(CheckpointError, match=r"k_proj\.g_idx is an activation order"):
+        "model.layers.0.self_attn.k_proj.g_idx": np.zeros(64, np.int32)}))
+    with pytest.raises(CheckpointError, match=r"k_proj\.g_idx does not assign 32 input rows to each of the 2 groups"):
         load_model(folder, "float32")
 
 

@@ -11,6 +11,7 @@ numbers). The formats (each module's docstring gives its layout and the producer
                          int-quantized W8A8 / int8, float-quantized FP8.
 * gptq.py                quant_method "gptq" (checkpoint_format gptq / gptq_v2), bits 4 and 8.
 * awq.py                 quant_method "awq", version gemm.
+* fp8_block.py           quant_method "fp8" (fine-grained: weight_block_size, weight_scale_inv).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from jaxinfer.prequant.common import QuantConfigError, as_float, place, refuse
 
 __all__ = ["QuantConfigError", "reader_for", "load_param", "SUPPORTED_METHODS"]
 
-SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq")
+SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
 # the decoder's matmul weights (models/decoder.py CONTRACTED_DIMS): these stay packed
 _CONTRACT = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1}
 
@@ -42,6 +43,9 @@ def reader_for(raw: dict[str, Any], st) -> Any | None:
     if method == "gptq":
         from jaxinfer.prequant.gptq import GPTQReader
         return GPTQReader(qc, st)
+    if method == "fp8":
+        from jaxinfer.prequant.fp8_block import FineGrainedFP8Reader
+        return FineGrainedFP8Reader(qc, st)
     if method == "awq":
         from jaxinfer.prequant.awq import AWQReader
         return AWQReader(qc, st)

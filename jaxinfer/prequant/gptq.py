@@ -12,13 +12,20 @@ gptqmodel/utils/model.py convert_gptq_v2_to_v1_format_module) and dequantizes th
   w[i, o] = scales[g_idx[i], o] * (q[i, o] - zeros[g_idx[i], o]).
 Onto jaxinfer: 4-bit -> int4 (symmetric when every zero is 2^(bits-1), GPTQ's sym=True grid: codes
 q - 8; else asymmetric with the zeros), 8-bit -> int8 (per channel) or grouped int8, zero points
-shifted by 128 when not symmetric. g_idx must be the contiguous i // group_size (desc_act=False, or
-desc_act with static_groups): an activation-ordered g_idx (desc_act=True) is refused naming it (see
-the package docstring for why). Bits 2 and 3 (GPTQ's 3-bit words span three int32) are refused
+shifted by 128 when not symmetric. desc_act (g_idx an activation order, each group's rows scattered
+over the input): the rows are reordered ONCE AT LOAD, stably sorted by g_idx, so that every group is
+a contiguous run again and the weight keeps jaxinfer's packed format (codes, one scale and zero per
+group: the same bytes as the checkpoint); the permutation is kept with the weight (QuantizedWeight.perm)
+and qdot gathers x's K columns by it per call, K values per row of x, against the alternative of
+gathering scales and zeros per input row (a [K, N] f32 table per weight: 8x the int4 codes' bytes,
+read on every call). vLLM's GPTQ kernels reorder the same way (exllama's shuffle + input gather).
+Projections fused from one input (q/k/v, gate/up) must share the permutation, which GPTQ's
+activation order (argsort of the shared Hessian's diagonal) gives them. Bits 2 and 3 (GPTQ's 3-bit words span three int32) are refused
 naming the bit width, as are `dynamic` per-module overrides and other checkpoint formats.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -87,21 +94,31 @@ class GPTQReader:
                 raise QuantConfigError(f"tensor {module}.{name} has shape {t.shape} {t.dtype}; expected int32 {want} "
                                        f"for bits {b}, group_size {self.group_size}, in_features {inp}, "
                                        f"out_features {out}")
+        perm = None
         if g_idx is not None and not np.array_equal(g_idx, np.arange(inp) // g):
-            raise QuantConfigError(f"tensor {module}.g_idx is an activation order (desc_act=True): its groups are "
-                                   "not contiguous runs of input rows, which jaxinfer's packed formats need; "
-                                   "not implemented")
+            # desc_act: rows reordered once here so that each group is a contiguous run (qdot gathers x)
+            if g_idx.min() < 0 or g_idx.max() >= groups or np.any(np.bincount(g_idx, minlength=groups) != g):
+                raise QuantConfigError(f"tensor {module}.g_idx does not assign {g} input rows to each of the "
+                                       f"{groups} groups (group_size {self.group_size}, in_features {inp})")
+            perm = np.argsort(g_idx, kind="stable").astype(np.int32)
         codes = unpack_rows(get(f"{module}.qweight"), b, axis=0)                  # [in, out] in [0, 2^b)
+        if perm is not None:
+            codes = codes[perm]
         qz = np.asarray(get(f"{module}.qzeros")).astype(np.int64) & 0xFFFFFFFF
         if self.v1:   # GPTQModel's convert_gptq_v1_to_v2: the whole word + 0x11111111, modulo 2^32
             qz = (qz + _V1_OFFSET[b]) & 0xFFFFFFFF
         zeros = unpack_rows(qz, b, axis=1)                                         # [groups, out]
         half = 1 << (b - 1)
         if np.all(zeros == half):     # GPTQ's symmetric grid: signed codes, no zero points
-            return int_weight(codes - half, scales, None, b, g)
-        if b == 8:    # grouped int8 with zero points: codes and zeros shifted into int8 by 128
-            return int_weight_asym8(codes - half, scales, zeros - half, g)
-        return int_weight(codes, scales, zeros, b, g)
+            qw = int_weight(codes - half, scales, None, b, g)
+        elif b == 8:    # grouped int8 with zero points: codes and zeros shifted into int8 by 128
+            qw = int_weight_asym8(codes - half, scales, zeros - half, g)
+        else:
+            qw = int_weight(codes, scales, zeros, b, g)
+        if perm is not None:
+            import jax.numpy as jnp
+            qw = dataclasses.replace(qw, perm=jnp.asarray(perm))
+        return qw
 
 
 def int_weight_asym8(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, g: int) -> QuantizedWeight:

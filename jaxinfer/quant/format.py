@@ -22,6 +22,13 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
 * grouped int8 (pre-quantized checkpoints only: GPTQ and compressed-tensors W8A16 with groups, or
   GPTQ's asymmetric 8-bit): q int8 [K, N], scales f32 [K/g, N], group_size g (K: per channel with
   zero points), zeros None or int8 [K/g, N] (w = (q - zero) * scale); dequantized in XLA (no kernel).
+* grouped fp8 (fine-grained FP8 checkpoints, quant_method "fp8", DeepSeek-V3 / Qwen3-FP8): e4m3 codes
+  [K, N] (layout "kn") with scales f32 [K/g, N]: each [bk, bn] block's scale repeated over its bn
+  columns (the checkpoint's [N/bn, K/bk] table, 1/bn of a float per weight); dequantized in XLA.
+* row order (perm, pre-quantized GPTQ with desc_act only): the rows of q, scales and zeros are stored
+  in the order perm (int32 [K]), chosen at load so that each group's rows are contiguous; the
+  product is x[:, perm] @ dequant(q) (a gather of x's K columns per call, qdot), the logical weight
+  w[perm[i]] = dequant(q)[i].
 * per channel at 4 or 3 bits: one group spanning all of K (group_size = K, scales [1, N]).
 * experts (batch=1, quantize_experts): a mixture of experts' stacked weights [E, K-dims, N-dims], each
   expert quantized on its own in any format above, every leaf stacked on a leading E axis (q [E, K, N]
@@ -99,6 +106,7 @@ class QuantizedWeight:
     act_zero: Any = None    # W8A8 static asymmetric: int32 [] zero point (x -> round(x / act_scale) + act_zero)
     batch: int = 0          # 1: stacked experts, shape[0] of them, each its own [K, N] (quantize_experts)
     layout: str = "kn"      # "nk": q stored [N, K] (fp8 codes, module docstring); "kn": every other format
+    perm: Any = None        # int32 [K] or None: rows stored in this order, x @ w = x[:, perm] @ q (module docstring)
 
     @property
     def k(self) -> int:
@@ -122,9 +130,9 @@ class QuantizedWeight:
         return jnp.dtype(self.q.dtype) == FP8_DTYPE
 
     @property
-    def grouped_int8(self) -> bool:
-        """int8 codes with one scale (and zero point, if any) per group of group_size k (scales
-        [K/g, N]; pre-quantized checkpoints, jaxinfer.prequant): dequantized in XLA, no kernel."""
+    def grouped8(self) -> bool:
+        """int8 or e4m3 codes with one scale (and, int8, zero point, if any) per group of group_size
+        k (scales [K/g, N]; pre-quantized checkpoints, jaxinfer.prequant): dequantized in XLA, no kernel."""
         return self.bits == 8 and self.group_size is not None and self.batch == 0
 
     def q_kn(self) -> jax.Array:
@@ -134,12 +142,13 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return sum(int(a.size) * a.dtype.itemsize
-                   for a in (self.q, self.scales, self.zeros, self.act_scale, self.act_zero) if a is not None)
+                   for a in (self.q, self.scales, self.zeros, self.act_scale, self.act_zero, self.perm)
+                   if a is not None)
 
 
 jax.tree_util.register_dataclass(
     QuantizedWeight,
-    data_fields=["q", "scales", "zeros", "act_scale", "act_zero"],
+    data_fields=["q", "scales", "zeros", "act_scale", "act_zero", "perm"],
     meta_fields=["bits", "group_size", "shape", "contract", "act_bits", "batch", "layout"],
 )
 
@@ -334,13 +343,12 @@ def unpack_int3(packed: jax.Array, *, signed: bool) -> jax.Array:
 
 def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
     """-> f32 [K, N]; int8 and int4 as the kernel defines them, int3 and grouped int8 here (no kernel)."""
-    if qw.grouped_int8:
-        k, n = qw.q.shape
+    if qw.grouped8:
+        k, n = qw.k, qw.n
         g = qw.group_size
-        q = qw.q.astype(jnp.int32).reshape(k // g, g, n)
+        q = qw.q_kn().astype(jnp.float32).reshape(k // g, g, n)      # int8 and e4m3 codes are exact in f32
         if qw.zeros is not None:
-            q = q - qw.zeros.astype(jnp.int32)[:, None, :]
-        q = q.astype(jnp.float32)
+            q = q - qw.zeros.astype(jnp.float32)[:, None, :]
         return (q * qw.scales.astype(jnp.float32)[:, None, :]).reshape(k, n)
     if qw.bits != 3:
         return dequantize_weight(qw.q_kn(), qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
@@ -354,10 +362,14 @@ def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
 
 
 def dequantize(qw: QuantizedWeight) -> jax.Array:
-    """-> f32 array of the logical shape (stacked experts: each dequantized on its own)."""
+    """-> f32 array of the logical shape (stacked experts: each dequantized on its own; rows stored
+    in `perm` order put back in place)."""
     if qw.batch:
         return jax.vmap(lambda e: _dequantize_2d(expert_weight(qw, e)))(jnp.arange(qw.shape[0])).reshape(qw.shape)
-    return _dequantize_2d(qw).reshape(qw.shape)
+    w = _dequantize_2d(qw)
+    if qw.perm is not None:
+        w = jnp.zeros_like(w).at[qw.perm].set(w)
+    return w.reshape(qw.shape)
 
 
 # --------------------------------------------------------------------------------------------
