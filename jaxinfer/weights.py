@@ -263,7 +263,8 @@ _QW_LEAVES = ("q", "scales", "zeros", "act_scale", "act_zero", "perm")
 def _quantized_meta(qw: QuantizedWeight) -> dict[str, Any]:
     """What config.json records of a QuantizedWeight besides its arrays (leaf shapes follow from it)."""
     return {"bits": qw.bits, "group_size": qw.group_size, "shape": list(qw.shape), "contract": qw.contract,
-            "symmetric": qw.symmetric, "act_bits": qw.act_bits, "format": "fp8_e4m3" if qw.fp8 else "int",
+            "symmetric": qw.symmetric, "act_bits": qw.act_bits,
+            "format": "fp8_e4m3" if qw.fp8 else "mxfp4" if qw.mxfp4 else "int",
             "act_scales": None if qw.act_bits is None else ("static" if qw.act_scale is not None else "dynamic"),
             "act_symmetric": qw.act_zero is None, "batch": qw.batch, "layout": qw.layout,
             **({"perm": True} if qw.perm is not None else {})}
@@ -292,7 +293,7 @@ def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
                 out["act_zero"] = jax.ShapeDtypeStruct((), jnp.int32)
         return out
     out = {"q": jax.ShapeDtypeStruct((k * bits // 8, n), jnp.uint8),
-           "scales": jax.ShapeDtypeStruct((k // g, n), jnp.float32)}
+           "scales": jax.ShapeDtypeStruct((k // g, n), jnp.uint8 if m.get("format") == "mxfp4" else jnp.float32)}
     if not m["symmetric"]:
         out["zeros"] = jax.ShapeDtypeStruct((k // g, n), jnp.uint8)
     return out

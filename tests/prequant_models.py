@@ -385,3 +385,57 @@ def fp8_block_reference(folder: Path):
     import torch
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+# ------------------------------------------------------------------------------------- MXFP4
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def mxfp4_pack(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[E, rows, K] float -> (blocks uint8 [E, rows, K/32, 16], scales uint8 [E, rows, K/32]) in the
+    OCP MX layout gpt-oss ships (transformers' convert_moe_packed_tensors reads it): per block of 32
+    the shared exponent e = ceil(log2(max|w| / 6)) (the largest e2m1 magnitude is 6), stored e + 127,
+    each value the nearest e2m1 of w / 2^e (sign bit 3), value 2j in byte j's low nibble."""
+    e_, rows, k = w.shape
+    blk = w.reshape(e_, rows, k // 32, 32).astype(np.float64)
+    amax = np.abs(blk).max(-1)
+    exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), 0).astype(np.int32)
+    y = blk / np.exp2(exp)[..., None]
+    mag = np.abs(np.abs(y)[..., None] - E2M1).argmin(-1)
+    code = (mag | np.where(y < 0, 8, 0)).astype(np.uint8)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8)
+    return packed, (exp + 127).astype(np.uint8)
+
+
+def save_gpt_oss_mxfp4(folder: Path, seed: int = 0):
+    """A tiny gpt-oss (tests/hf_models.py "gpt-oss", ffn 64 so that both expert matmuls' K is a
+    multiple of 32) with its experts in MXFP4 as published -> (folder, reference: transformers loading
+    the folder with Mxfp4Config(dequantize=True), its own MXFP4 dequantization, float32)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from tests.hf_models import build_hf_model
+    model = build_hf_model("gpt-oss", seed=seed, overrides={"intermediate_size": 64})
+    model.save_pretrained(folder)
+    state = _float_state(model)
+    for i in range(model.config.num_hidden_layers):
+        x = f"model.layers.{i}.mlp.experts"
+        for proj in ("gate_up_proj", "down_proj"):
+            w = state.pop(f"{x}.{proj}").float().numpy()              # [E, in, out]
+            blocks, scales = mxfp4_pack(w.transpose(0, 2, 1))        # rows = out
+            state[f"{x}.{proj}_blocks"] = torch.from_numpy(np.ascontiguousarray(blocks))
+            state[f"{x}.{proj}_scales"] = torch.from_numpy(np.ascontiguousarray(scales))
+    save_file(state, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4",
+                                  "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                             "model.embed_tokens", "lm_head"]}
+    (Path(folder) / "config.json").write_text(json.dumps(cfg))
+    ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                               quantization_config=Mxfp4Config(dequantize=True)).eval()
+    for layer in ref.model.layers:   # as build_hf_model does: the config's clamp, not the class default
+        layer.mlp.experts.alpha = getattr(ref.config, "swiglu_alpha", 1.702)
+        layer.mlp.experts.limit = ref.config.swiglu_limit
+    return Path(folder), ref

@@ -211,3 +211,45 @@ def test_fp8_block_refusals(fp8_block, tmp_path, edit, needle):
     folder = _with_qc(fp8_block[0], tmp_path / "m", edit)
     with pytest.raises(CheckpointError, match=needle):
         load_model(folder, "float32")
+
+
+# --------------------------------------------------------------------------------- gpt-oss MXFP4
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    return pm.save_gpt_oss_mxfp4(tmp_path_factory.mktemp("gpt-oss-mxfp4"))
+
+
+OSS_IDS = [1, 5, 9, 20, 33, 40, 7, 11, 60, 90, 100, 3]
+# 4 layers: q/k/v/o, router, gate/up and down dots of K = 64 each, and the head's
+OSS_RTOL = dot_chain_rtol(*([64] * 6 * 4), 64)
+
+
+def test_gpt_oss_mxfp4_matches_transformers(gpt_oss):
+    """Experts stay MXFP4 (4-bit codes, one e8m0 byte per 32), attention and router stay float;
+    logits match transformers' own MXFP4 dequantization (Mxfp4Config(dequantize=True))."""
+    folder, ref = gpt_oss
+    model, ours = _ours(folder, OSS_IDS)
+    st = SafetensorsFolder(folder)
+    for i in range(4):
+        gate, up, down = (getattr(model.layers[i].mlp, n).get_value() for n in ("gate", "up", "down"))
+        assert all(isinstance(w, QuantizedWeight) and w.mxfp4 and w.batch == 1 for w in (gate, up, down))
+        blocks = st.get(f"model.layers.{i}.mlp.experts.gate_up_proj_blocks")
+        scales = st.get(f"model.layers.{i}.mlp.experts.gate_up_proj_scales")
+        assert gate.q.nbytes + up.q.nbytes == blocks.nbytes and gate.scales.nbytes + up.scales.nbytes == scales.nbytes
+        assert not isinstance(model.layers[i].mlp.router.get_value(), QuantizedWeight)
+        assert not isinstance(model.layers[i].attn.q.get_value(), QuantizedWeight)
+    assert_rel_close(ours, pm.logits(ref, OSS_IDS), OSS_RTOL, "gpt-oss mxfp4")
+
+
+def test_gpt_oss_mxfp4_generator(gpt_oss):
+    folder, ref = gpt_oss
+    gen = Generator.from_pretrained(str(folder), dtype="float32", warmup=False, max_model_len=32,
+                                    max_num_seqs=2, num_blocks=5)
+    assert_rel_close(gen.logits(OSS_IDS), pm.logits(ref, OSS_IDS), OSS_RTOL, "gpt-oss mxfp4 generator")
+
+
+def test_gpt_oss_mxfp4_refusals(gpt_oss, tmp_path):
+    folder = _with_qc(gpt_oss[0], tmp_path / "m", lambda q: q.update(block_size=64))
+    with pytest.raises(CheckpointError, match="'mxfp4'.*'block_size' = 64"):
+        load_model(folder, "float32")

@@ -12,6 +12,7 @@ numbers). The formats (each module's docstring gives its layout and the producer
 * gptq.py                quant_method "gptq" (checkpoint_format gptq / gptq_v2), bits 4 and 8.
 * awq.py                 quant_method "awq", version gemm.
 * fp8_block.py           quant_method "fp8" (fine-grained: weight_block_size, weight_scale_inv).
+* mxfp4.py               quant_method "mxfp4": gpt-oss's experts.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from jaxinfer.prequant.common import QuantConfigError, as_float, place, refuse
 
 __all__ = ["QuantConfigError", "reader_for", "load_param", "SUPPORTED_METHODS"]
 
-SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
+SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "mxfp4")
 # the decoder's matmul weights (models/decoder.py CONTRACTED_DIMS): these stay packed
 _CONTRACT = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1}
 
@@ -46,6 +47,9 @@ def reader_for(raw: dict[str, Any], st) -> Any | None:
     if method == "fp8":
         from jaxinfer.prequant.fp8_block import FineGrainedFP8Reader
         return FineGrainedFP8Reader(qc, st)
+    if method == "mxfp4":
+        from jaxinfer.prequant.mxfp4 import MXFP4Reader
+        return MXFP4Reader(qc, st)
     if method == "awq":
         from jaxinfer.prequant.awq import AWQReader
         return AWQReader(qc, st)
@@ -62,6 +66,11 @@ def load_param(reader, ours: str, hf_names: tuple[str, ...], transform: Callable
     module the checkpoint stores quantized, the dequantized float array for any other parameter
     made from a quantized module (an lm_head not in the ignore list), None when no quantized
     module is involved (the caller reads the float tensors)."""
+    stacked = getattr(reader, "stacked_param", None)   # a format that quantizes stacked experts
+    if stacked is not None:
+        value = stacked(ours, hf_names, transform, expected)
+        if value is not None:
+            return value
     modules = [_module(n) for n in hf_names]
     quantized = [m is not None and reader.quantized(m) for m in modules]
     if not any(quantized):

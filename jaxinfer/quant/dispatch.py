@@ -225,7 +225,7 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     if w.perm is not None:   # rows stored in perm order (format.py): gather x's columns the same way
         x2 = jnp.take(x2, w.perm, axis=1)
     mode = impl if impl in ("pallas", "xla") else _resolve_impl(impl)   # "auto": the backend's default
-    if w.grouped8:   # grouped int8 / fp8 (pre-quantized checkpoints): no kernel, dequantized in XLA
+    if w.grouped8 or w.mxfp4:   # grouped int8 / fp8, mxfp4 (pre-quantized checkpoints): no kernel, XLA
         if impl == "pallas" and not fallback:
             raise ValueError("the Pallas quant_matmul kernel has no grouped 8-bit format; use impl='xla'")
         return _xla_matmul(x2, w).reshape(lead + tuple(ndims))

@@ -25,6 +25,10 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
 * grouped fp8 (fine-grained FP8 checkpoints, quant_method "fp8", DeepSeek-V3 / Qwen3-FP8): e4m3 codes
   [K, N] (layout "kn") with scales f32 [K/g, N]: each [bk, bn] block's scale repeated over its bn
   columns (the checkpoint's [N/bn, K/bk] table, 1/bn of a float per weight); dequantized in XLA.
+* mxfp4 (gpt-oss experts as published, OCP MX): e2m1 codes packed two per byte along K exactly as
+  int4 (low nibble = even k), scales uint8 [K/32, N] e8m0 exponents (group_size 32): w = e2m1(code)
+  * 2^(scale - 127); told from int4 by the scales' dtype; dequantized in XLA (no kernel), expert by
+  expert on the MoE path. Stored 4.25 bits a weight.
 * row order (perm, pre-quantized GPTQ with desc_act only): the rows of q, scales and zeros are stored
   in the order perm (int32 [K]), chosen at load so that each group's rows are contiguous; the
   product is x[:, perm] @ dequant(q) (a gather of x's K columns per call, qdot), the logical weight
@@ -130,6 +134,11 @@ class QuantizedWeight:
         return jnp.dtype(self.q.dtype) == FP8_DTYPE
 
     @property
+    def mxfp4(self) -> bool:
+        """OCP MXFP4 (gpt-oss experts): e2m1 codes packed like int4, e8m0 scale bytes per 32 k."""
+        return self.bits == 4 and jnp.dtype(self.scales.dtype) == jnp.uint8
+
+    @property
     def grouped8(self) -> bool:
         """int8 or e4m3 codes with one scale (and, int8, zero point, if any) per group of group_size
         k (scales [K/g, N]; pre-quantized checkpoints, jaxinfer.prequant): dequantized in XLA, no kernel."""
@@ -161,6 +170,9 @@ def _as_2d(w, contract: int) -> tuple[jax.Array, tuple[int, ...], int, int]:
     return jnp.asarray(w, jnp.float32).reshape(k, n), shape, k, n
 
 
+# the 16 e2m1 (FP4) values by code: sign bit 3, then exponent and mantissa (OCP MX spec; the table
+# transformers' integrations/mxfp4.py FP4_VALUES holds)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0
 
@@ -343,6 +355,13 @@ def unpack_int3(packed: jax.Array, *, signed: bool) -> jax.Array:
 
 def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
     """-> f32 [K, N]; int8 and int4 as the kernel defines them, int3 and grouped int8 here (no kernel)."""
+    if qw.mxfp4:
+        k, n = qw.k, qw.n
+        g = qw.group_size
+        u = unpack_int4(qw.q, signed=False)                                       # [K, N] e2m1 codes
+        v = jnp.asarray(E2M1_VALUES, jnp.float32)[u].reshape(k // g, g, n)
+        scale = jnp.exp2(qw.scales.astype(jnp.float32) - 127.0)                    # e8m0: 2^(byte - 127)
+        return (v * scale[:, None, :]).reshape(k, n)
     if qw.grouped8:
         k, n = qw.k, qw.n
         g = qw.group_size
