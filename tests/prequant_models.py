@@ -228,13 +228,13 @@ _GPTQ_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "se
 
 
 def save_gptq(folder: Path, bits: int, group_size: int, sym: bool, desc_act: bool = False, v1: bool = True,
-              seed: int = 0):
-    """A tiny Llama whose linear layers are GPTQ-packed (gptq_pack) -> (folder, reference model: the
-    same Llama with GPTQModel's dequantization of the packed tensors as its weights)."""
+              seed: int = 0, model=None):
+    """A tiny Llama (or `model`) whose linear layers are GPTQ-packed (gptq_pack) -> (folder, reference
+    model: the same Llama with GPTQModel's dequantization of the packed tensors as its weights)."""
     import torch
     from safetensors.torch import save_file
 
-    model = tiny_llama(seed)
+    model = tiny_llama(seed) if model is None else model
     if not sym:   # a few all-positive groups: zero point 0, which v1 stores as -1 (a borrow from the next code)
         with torch.no_grad():
             for i in range(model.config.num_hidden_layers):

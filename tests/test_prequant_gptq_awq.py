@@ -177,3 +177,32 @@ def test_awq_modules_to_not_convert(made, tmp_path):
     assert not isinstance(model.layers[0].mlp.down.get_value(), QuantizedWeight)
     assert isinstance(model.layers[0].mlp.up.get_value(), QuantizedWeight)
     assert_rel_close(ours, pm.logits(ref, IDS), dot_chain_rtol(64, 64, 64, 128, 64, 64, 64, 128, 64), "awq skip")
+
+
+def test_serve_gptq_folder(tmp_path):
+    """`jaxinfer serve --model FOLDER` builds Generator.from_pretrained(FOLDER) and serve.app.build_app
+    on it (cli.cmd_serve): the same, in process. A GPTQ folder with a tokenizer answers /v1/completions
+    with transformers' greedy continuation on GPTQModel's dequantized weights."""
+    import torch
+    from fastapi.testclient import TestClient
+    from transformers import LlamaForCausalLM
+
+    from jaxinfer import Generator
+    from serve.app import build_app
+    from tests.hf_models import save_text_model
+
+    text = save_text_model(tmp_path / "text")
+    folder, ref = pm.save_gptq(tmp_path / "gptq", 4, 32, True, model=LlamaForCausalLM.from_pretrained(str(text)).eval())
+    shutil.copy(text / "tokenizer.model", folder / "tokenizer.model")
+    prompt = [1, 17, 42, 99, 250, 7]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    gen = Generator.from_pretrained(str(folder), dtype="float32", warmup=False, max_model_len=64,
+                                    max_num_seqs=2, num_blocks=9)
+    with TestClient(build_app(gen, "gptq")) as client:
+        r = client.post("/v1/completions", json={"model": "gptq", "prompt": prompt, "max_tokens": 6,
+                                                 "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == gen.tokenizer.decode(ids[len(prompt):])
