@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from pathlib import Path
 
 import jax
@@ -259,6 +260,9 @@ def _stack_quantized(name: str, per_layer: list[QuantizedWeight], axes, rules, m
         if fmt(w) != fmt(first):
             raise ValueError(f"layers/{i}/{name} is stored as {fmt(w)} but layers/0/{name} as {fmt(first)}: "
                              "a pipeline stacks each weight of every layer in one format")
+    if any(w.perm is not None for w in per_layer):
+        raise ValueError(f"layers/*/{name}: activation-ordered (GPTQ desc_act) weights are not stacked for "
+                         "pipeline parallelism")
     one = quantized_sharding(first, axes, rules, mesh)
 
     def stack(field):
@@ -328,7 +332,9 @@ def load_pipelined(path: str | Path, dtype: str, mesh: Mesh, quantize: str | Non
     from jaxinfer.models.hf_maps import hf_weight_map
 
     path = Path(path)
-    if is_native(path) or quantize is not None:
+    prequantized = (path / "config.json").exists() and "quantization_config" in json.loads(
+        (path / "config.json").read_text())     # jaxinfer/prequant: packed weights, restacked like native ones
+    if is_native(path) or quantize is not None or prequantized:
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             model, _ = load_model(path, dtype)
             if quantize is not None:

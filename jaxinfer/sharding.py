@@ -284,7 +284,8 @@ def quantized_sharding(qw: QuantizedWeight, logical_axes, rules: Mapping[str, st
     return QuantizedWeight(leaves["q"], leaves["scales"], None if qw.zeros is None else leaves["zeros"],
                            bits=qw.bits, group_size=qw.group_size, shape=qw.shape, contract=qw.contract,
                            act_bits=qw.act_bits, act_scale=None if qw.act_scale is None else full,
-                           act_zero=None if qw.act_zero is None else full, batch=qw.batch, layout=qw.layout)
+                           act_zero=None if qw.act_zero is None else full, batch=qw.batch, layout=qw.layout,
+                           perm=None if qw.perm is None else full)
 
 
 def shard_decoder(model, mesh: Mesh, rules: Mapping[str, str | None] | None = None):

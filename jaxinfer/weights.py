@@ -8,7 +8,7 @@ file is reported by file and tensor name), transformed into our layout, shape-ch
 Native folders: config.json ({"format": "jaxinfer", "model": ModelConfig, "dtype"}),
 params/ (an orbax-checkpoint of the parameter tree), and the tokenizer files. A quantized weight
 (jaxinfer.quant.QuantizedWeight) is stored as its arrays NAME/q, NAME/scales[, NAME/zeros]
-[, NAME/act_scale[, NAME/act_zero]] and described in config.json under "quantized_weights" (bits,
+[, NAME/act_scale[, NAME/act_zero]][, NAME/perm] and described in config.json under "quantized_weights" (bits,
 group_size, shape, contract, symmetric, act_bits, format: int | fp8_e4m3, act_scales: dynamic |
 static, act_symmetric, batch: 1 for a mixture's stacked experts, whose every array leads with E,
 layout: "nk" for fp8 codes stored [N, K], "kn" (or absent, in older folders) for [K, N]);
@@ -42,7 +42,7 @@ class CheckpointError(ValueError):
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-              "BOOL": np.bool_}
+              "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -177,8 +177,15 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
         shardings = {"/".join(map(str, p)): param_sharding(v.get_metadata().get("logical_axes"), rules, mesh,
                                                            tuple(v.get_value().shape)) for p, v in flat}
     arrays: dict[str, jax.Array] = {}
+    reader = _prequant_reader(folder, st)
     for ours, (hf_names, transform) in hf_weight_map(cfg).items():
-        value = hf_value(st, ours, hf_names, transform, expected[ours])
+        if reader is not None:   # a pre-quantized checkpoint (jaxinfer/prequant): packed weights stay packed
+            value = _prequant_param(folder, reader, ours, hf_names, transform, expected[ours])
+            if isinstance(value, QuantizedWeight):
+                arrays[ours] = value
+                continue
+        if reader is None or value is None:
+            value = hf_value(st, ours, hf_names, transform, expected[ours])
         if mesh is None:
             arrays[ours] = jnp.asarray(value.astype(np.float32) if value.dtype != np.float32 else value,
                                        dtype=jdtype)
@@ -186,6 +193,25 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
             arrays[ours] = load_sharded(lambda idx, v=value: v[idx].astype(np.float32), expected[ours],
                                         shardings[ours], dtype=jdtype)
     return _set_params(model, arrays)
+
+
+def _prequant_reader(folder: Path, st: SafetensorsFolder):
+    """jaxinfer.prequant's reader for config.json's quantization_config (None without one); a
+    configuration it does not fully understand is refused here, before any tensor is read."""
+    from jaxinfer.prequant import QuantConfigError, reader_for
+    raw = json.loads((folder / "config.json").read_text())
+    try:
+        return reader_for(raw, st)
+    except QuantConfigError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
+
+
+def _prequant_param(folder: Path, reader, ours: str, hf_names, transform, expected):
+    from jaxinfer.prequant import QuantConfigError, load_param
+    try:
+        return load_param(reader, ours, hf_names, transform, expected)
+    except QuantConfigError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
 
 
 # ------------------------------------------------------------------------------- native format
@@ -231,15 +257,17 @@ def save_native(model: Decoder, out_dir: str | Path, dtype: str, tokenizer=None,
         tokenizer.save(out_dir)
 
 
-_QW_LEAVES = ("q", "scales", "zeros", "act_scale", "act_zero")
+_QW_LEAVES = ("q", "scales", "zeros", "act_scale", "act_zero", "perm")
 
 
 def _quantized_meta(qw: QuantizedWeight) -> dict[str, Any]:
     """What config.json records of a QuantizedWeight besides its arrays (leaf shapes follow from it)."""
     return {"bits": qw.bits, "group_size": qw.group_size, "shape": list(qw.shape), "contract": qw.contract,
-            "symmetric": qw.symmetric, "act_bits": qw.act_bits, "format": "fp8_e4m3" if qw.fp8 else "int",
+            "symmetric": qw.symmetric, "act_bits": qw.act_bits,
+            "format": "fp8_e4m3" if qw.fp8 else "mxfp4" if qw.mxfp4 else "int",
             "act_scales": None if qw.act_bits is None else ("static" if qw.act_scale is not None else "dynamic"),
-            "act_symmetric": qw.act_zero is None, "batch": qw.batch, "layout": qw.layout}
+            "act_symmetric": qw.act_zero is None, "batch": qw.batch, "layout": qw.layout,
+            **({"perm": True} if qw.perm is not None else {})}
 
 
 def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -249,19 +277,23 @@ def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
         one = _quantized_leaves({**m, "shape": m["shape"][b:], "batch": 0})
         return {k: jax.ShapeDtypeStruct((*m["shape"][:b], *v.shape), v.dtype) for k, v in one.items()}
     k, n = math.prod(m["shape"][:m["contract"]]), math.prod(m["shape"][m["contract"]:])
+    if m.get("perm"):     # rows stored in a permuted order (quant/format.py)
+        return {**_quantized_leaves({**m, "perm": False}), "perm": jax.ShapeDtypeStruct((k,), jnp.int32)}
     bits, g = m["bits"], m["group_size"]
     if bits == 8:
         q = jnp.float8_e4m3fn if m.get("format") == "fp8_e4m3" else jnp.int8
         nk = m.get("layout", "kn") == "nk"        # fp8 codes stored [N, K] (quant.quantize_fp8)
         out = {"q": jax.ShapeDtypeStruct((n, k) if nk else (k, n), q),
-               "scales": jax.ShapeDtypeStruct((n,), jnp.float32)}
+               "scales": jax.ShapeDtypeStruct((n,) if g is None else (k // g, n), jnp.float32)}
+        if g is not None and not m["symmetric"]:     # grouped int8 with zero points (quant/format.py)
+            out["zeros"] = jax.ShapeDtypeStruct((k // g, n), jnp.int8)
         if m.get("act_scales") == "static":
             out["act_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
             if not m.get("act_symmetric", True):
                 out["act_zero"] = jax.ShapeDtypeStruct((), jnp.int32)
         return out
     out = {"q": jax.ShapeDtypeStruct((k * bits // 8, n), jnp.uint8),
-           "scales": jax.ShapeDtypeStruct((k // g, n), jnp.float32)}
+           "scales": jax.ShapeDtypeStruct((k // g, n), jnp.uint8 if m.get("format") == "mxfp4" else jnp.float32)}
     if not m["symmetric"]:
         out["zeros"] = jax.ShapeDtypeStruct((k // g, n), jnp.uint8)
     return out
@@ -314,7 +346,7 @@ def load_native(folder: str | Path, dtype: str | None = None, mesh=None, rules=N
                                        shape=tuple(m["shape"]), contract=m["contract"], act_bits=m.get("act_bits"),
                                        act_scale=restored.get(f"{name}/act_scale"),
                                        act_zero=restored.get(f"{name}/act_zero"), batch=m.get("batch", 0),
-                                       layout=m.get("layout", "kn"))
+                                       layout=m.get("layout", "kn"), perm=restored.get(f"{name}/perm"))
     return _set_params(abstract_decoder(cfg, jdtype), arrays)
 
 

@@ -424,7 +424,12 @@ def _fuse_leaves(parts: list, fn):
         assert all((p.bits, p.group_size, p.contract, p.symmetric, p.act_bits, p.fp8, p.layout) ==
                    (first.bits, first.group_size, 1, first.symmetric, first.act_bits, first.fp8, first.layout)
                    for p in parts), "fused weights must share one quantization format"
-        # a fused projection reads one input: its parts' static activation scales are that input's
+        # a fused projection reads one input: its parts' static activation scales, and the row order
+        # of activation-ordered GPTQ weights (perm), are that input's
+        if any((p.perm is None) != (first.perm is None) or
+               (p.perm is not None and not bool(jnp.array_equal(p.perm, first.perm))) for p in parts):
+            raise ValueError("projections read from one input have different row orders (perm: GPTQ "
+                             "desc_act g_idx); they cannot be fused")
         assert all((p.act_scale is None, p.act_zero is None) == (first.act_scale is None, first.act_zero is None)
                    for p in parts)
         q = fn([p.q_kn() for p in parts])      # fp8 codes stored [N, K]: fused as [K, N], stored back
@@ -435,7 +440,8 @@ def _fuse_leaves(parts: list, fn):
                                layout=first.layout,
                                act_bits=first.act_bits,   # a copy: fuse_decoder(consume=True) deletes the parts
                                act_scale=None if first.act_scale is None else jnp.array(first.act_scale),
-                               act_zero=None if first.act_zero is None else jnp.array(first.act_zero))
+                               act_zero=None if first.act_zero is None else jnp.array(first.act_zero),
+                               perm=None if first.perm is None else jnp.array(first.perm))
     return fn(parts)
 
 
@@ -448,7 +454,8 @@ def _split_leaves(fused, fn, shapes: list[tuple[int, ...]]) -> list:
         return [QuantizedWeight(q, sc, None if leaves[2] is None else leaves[2][i], bits=fused.bits,
                                 group_size=fused.group_size, shape=shape, contract=1,
                                 batch=fused.batch, layout=fused.layout,
-                                act_bits=fused.act_bits, act_scale=fused.act_scale, act_zero=fused.act_zero)
+                                act_bits=fused.act_bits, act_scale=fused.act_scale, act_zero=fused.act_zero,
+                                perm=fused.perm)
                 for i, (q, sc, shape) in enumerate(zip(leaves[0], leaves[1], shapes))]
     return [p.reshape(shape) for p, shape in zip(fn(fused), shapes)]
 

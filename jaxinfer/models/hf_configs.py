@@ -268,7 +268,7 @@ def _gpt_oss(c: dict[str, Any], arch: str) -> ModelConfig:
     by top-k of the biased router logits then softmax over the k, each a clamped SwiGLU (swiglu_limit,
     swiglu_alpha; the checkpoint interleaves gate and up columns, hf_maps de-interleaves them)."""
     method = (c.get("quantization_config") or {}).get("quant_method")
-    if method is not None:
+    if method not in (None, "mxfp4"):   # mxfp4 experts: jaxinfer/prequant/mxfp4.py
         raise ConfigError(f"{arch} checkpoints quantized with {method!r} (config.json quantization_config) are not "
                           "supported: load a bfloat16 copy (e.g. transformers with Mxfp4Config(dequantize=True), "
                           "then save_pretrained) and quantize with jaxinfer instead")

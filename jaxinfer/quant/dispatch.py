@@ -50,7 +50,7 @@ def _xla_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     xc = x2.astype(cdt)
     if qw.act_bits == 8:
         y = _w8a8_matmul(x2, qw)
-    elif qw.bits == 8:   # int8 / fp8 codes, [K, N] or (fp8) [N, K]: contract q's K dim
+    elif qw.bits == 8 and not qw.grouped8:   # int8 / fp8 codes, [K, N] or (fp8) [N, K]: contract q's K dim
         y = lax.dot_general(xc, qw.q.astype(cdt), (((1,), (_k_axis(qw),)), ((), ())),
                             preferred_element_type=jnp.float32, precision=dot_precision(cdt))
         y = y * qw.scales.astype(jnp.float32)[None, :]
@@ -222,7 +222,13 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     lead = tuple(x.shape[:x.ndim - contract])
     m = math.prod(lead)
     x2 = x.reshape(m, w.k)
+    if w.perm is not None:   # rows stored in perm order (format.py): gather x's columns the same way
+        x2 = jnp.take(x2, w.perm, axis=1)
     mode = impl if impl in ("pallas", "xla") else _resolve_impl(impl)   # "auto": the backend's default
+    if w.grouped8 or w.mxfp4:   # grouped int8 / fp8, mxfp4 (pre-quantized checkpoints): no kernel, XLA
+        if impl == "pallas" and not fallback:
+            raise ValueError("the Pallas quant_matmul kernel has no grouped 8-bit format; use impl='xla'")
+        return _xla_matmul(x2, w).reshape(lead + tuple(ndims))
     if w.fp8:   # the GPU path: XLA's native fp8 dot (no Pallas kernel); else dequantized
         y2 = fp8_native_matmul(x2, w) if mode == "pallas" and m > 0 else _xla_matmul(x2, w)
         return y2.reshape(lead + tuple(ndims))

@@ -19,6 +19,20 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
   three bytes along K (uint8 [3K/8, N]; within each run of 8 k, code j occupies bits 3j..3j+2 of
   the little-endian 24-bit word), symmetric codes in [-4, 3] (scale = max|w| / 3, 3-bit two's
   complement) or asymmetric codes in [0, 7] with zero points as for int4.
+* grouped int8 (pre-quantized checkpoints only: GPTQ and compressed-tensors W8A16 with groups, or
+  GPTQ's asymmetric 8-bit): q int8 [K, N], scales f32 [K/g, N], group_size g (K: per channel with
+  zero points), zeros None or int8 [K/g, N] (w = (q - zero) * scale); dequantized in XLA (no kernel).
+* grouped fp8 (fine-grained FP8 checkpoints, quant_method "fp8", DeepSeek-V3 / Qwen3-FP8): e4m3 codes
+  [K, N] (layout "kn") with scales f32 [K/g, N]: each [bk, bn] block's scale repeated over its bn
+  columns (the checkpoint's [N/bn, K/bk] table, 1/bn of a float per weight); dequantized in XLA.
+* mxfp4 (gpt-oss experts as published, OCP MX): e2m1 codes packed two per byte along K exactly as
+  int4 (low nibble = even k), scales uint8 [K/32, N] e8m0 exponents (group_size 32): w = e2m1(code)
+  * 2^(scale - 127); told from int4 by the scales' dtype; dequantized in XLA (no kernel), expert by
+  expert on the MoE path. Stored 4.25 bits a weight.
+* row order (perm, pre-quantized GPTQ with desc_act only): the rows of q, scales and zeros are stored
+  in the order perm (int32 [K]), chosen at load so that each group's rows are contiguous; the
+  product is x[:, perm] @ dequant(q) (a gather of x's K columns per call, qdot), the logical weight
+  w[perm[i]] = dequant(q)[i].
 * per channel at 4 or 3 bits: one group spanning all of K (group_size = K, scales [1, N]).
 * experts (batch=1, quantize_experts): a mixture of experts' stacked weights [E, K-dims, N-dims], each
   expert quantized on its own in any format above, every leaf stacked on a leading E axis (q [E, K, N]
@@ -96,6 +110,7 @@ class QuantizedWeight:
     act_zero: Any = None    # W8A8 static asymmetric: int32 [] zero point (x -> round(x / act_scale) + act_zero)
     batch: int = 0          # 1: stacked experts, shape[0] of them, each its own [K, N] (quantize_experts)
     layout: str = "kn"      # "nk": q stored [N, K] (fp8 codes, module docstring); "kn": every other format
+    perm: Any = None        # int32 [K] or None: rows stored in this order, x @ w = x[:, perm] @ q (module docstring)
 
     @property
     def k(self) -> int:
@@ -118,6 +133,17 @@ class QuantizedWeight:
         """e4m3 codes (bits=8) instead of int8."""
         return jnp.dtype(self.q.dtype) == FP8_DTYPE
 
+    @property
+    def mxfp4(self) -> bool:
+        """OCP MXFP4 (gpt-oss experts): e2m1 codes packed like int4, e8m0 scale bytes per 32 k."""
+        return self.bits == 4 and jnp.dtype(self.scales.dtype) == jnp.uint8
+
+    @property
+    def grouped8(self) -> bool:
+        """int8 or e4m3 codes with one scale (and, int8, zero point, if any) per group of group_size
+        k (scales [K/g, N]; pre-quantized checkpoints, jaxinfer.prequant): dequantized in XLA, no kernel."""
+        return self.bits == 8 and self.group_size is not None and self.batch == 0
+
     def q_kn(self) -> jax.Array:
         """The codes as [K, N] (a transpose for layout "nk"; the stored array otherwise)."""
         return self.q.T if self.layout == "nk" else self.q
@@ -125,12 +151,13 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return sum(int(a.size) * a.dtype.itemsize
-                   for a in (self.q, self.scales, self.zeros, self.act_scale, self.act_zero) if a is not None)
+                   for a in (self.q, self.scales, self.zeros, self.act_scale, self.act_zero, self.perm)
+                   if a is not None)
 
 
 jax.tree_util.register_dataclass(
     QuantizedWeight,
-    data_fields=["q", "scales", "zeros", "act_scale", "act_zero"],
+    data_fields=["q", "scales", "zeros", "act_scale", "act_zero", "perm"],
     meta_fields=["bits", "group_size", "shape", "contract", "act_bits", "batch", "layout"],
 )
 
@@ -143,6 +170,9 @@ def _as_2d(w, contract: int) -> tuple[jax.Array, tuple[int, ...], int, int]:
     return jnp.asarray(w, jnp.float32).reshape(k, n), shape, k, n
 
 
+# the 16 e2m1 (FP4) values by code: sign bit 3, then exponent and mantissa (OCP MX spec; the table
+# transformers' integrations/mxfp4.py FP4_VALUES holds)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0
 
@@ -324,7 +354,21 @@ def unpack_int3(packed: jax.Array, *, signed: bool) -> jax.Array:
 
 
 def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
-    """-> f32 [K, N]; int8 and int4 as the kernel defines them, int3 here (no kernel)."""
+    """-> f32 [K, N]; int8 and int4 as the kernel defines them, int3 and grouped int8 here (no kernel)."""
+    if qw.mxfp4:
+        k, n = qw.k, qw.n
+        g = qw.group_size
+        u = unpack_int4(qw.q, signed=False)                                       # [K, N] e2m1 codes
+        v = jnp.asarray(E2M1_VALUES, jnp.float32)[u].reshape(k // g, g, n)
+        scale = jnp.exp2(qw.scales.astype(jnp.float32) - 127.0)                    # e8m0: 2^(byte - 127)
+        return (v * scale[:, None, :]).reshape(k, n)
+    if qw.grouped8:
+        k, n = qw.k, qw.n
+        g = qw.group_size
+        q = qw.q_kn().astype(jnp.float32).reshape(k // g, g, n)      # int8 and e4m3 codes are exact in f32
+        if qw.zeros is not None:
+            q = q - qw.zeros.astype(jnp.float32)[:, None, :]
+        return (q * qw.scales.astype(jnp.float32)[:, None, :]).reshape(k, n)
     if qw.bits != 3:
         return dequantize_weight(qw.q_kn(), qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
     q = unpack_int3(qw.q, signed=qw.zeros is None)
@@ -337,10 +381,14 @@ def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
 
 
 def dequantize(qw: QuantizedWeight) -> jax.Array:
-    """-> f32 array of the logical shape (stacked experts: each dequantized on its own)."""
+    """-> f32 array of the logical shape (stacked experts: each dequantized on its own; rows stored
+    in `perm` order put back in place)."""
     if qw.batch:
         return jax.vmap(lambda e: _dequantize_2d(expert_weight(qw, e)))(jnp.arange(qw.shape[0])).reshape(qw.shape)
-    return _dequantize_2d(qw).reshape(qw.shape)
+    w = _dequantize_2d(qw)
+    if qw.perm is not None:
+        w = jnp.zeros_like(w).at[qw.perm].set(w)
+    return w.reshape(qw.shape)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,208 @@
+"""GPTQ and AWQ checkpoints (jaxinfer/prequant/gptq.py, awq.py) against the producers' own packing
+and dequantization, written after GPTQModel's and AutoAWQ's published functions (tests/prequant_models.py
+names each): transformers on the weights those functions dequantize is the reference."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxinfer.quant import QuantizedWeight
+from jaxinfer.weights import CheckpointError, load_model
+from tests import prequant_models as pm
+from tests.precision import assert_rel_close, dot_chain_rtol
+from tests.test_prequant import F32_RTOL, IDS, _ours
+
+GPTQ_CASES = {   # name -> (bits, group_size, sym, v1)
+    "gptq-4b-g32-sym": (4, 32, True, True),
+    "gptq-4b-g64-asym": (4, 64, False, True),
+    "gptq-4b-channel-asym": (4, -1, False, True),
+    "gptq-4b-g32-asym-v2": (4, 32, False, False),
+    "gptq-8b-g32-sym": (8, 32, True, True),
+    "gptq-8b-channel-sym": (8, -1, True, True),
+    "gptq-8b-g64-asym": (8, 64, False, True),
+}
+DESC_ACT = {   # name -> (bits, group_size, sym)
+    "gptq-4b-g32-sym-desc": (4, 32, True),
+    "gptq-4b-g32-asym-desc": (4, 32, False),
+    "gptq-8b-g32-sym-desc": (8, 32, True),
+}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            folder = tmp_path_factory.mktemp(case)
+            if case in DESC_ACT:
+                bits, g, sym = DESC_ACT[case]
+                cache[case] = pm.save_gptq(folder, bits, g, sym, desc_act=True)
+            elif case.startswith("gptq"):
+                bits, g, sym, v1 = GPTQ_CASES[case]
+                cache[case] = pm.save_gptq(folder, bits, g, sym, v1=v1)
+            else:
+                cache[case] = pm.save_awq(folder, int(case.split("-g")[1]) if "-g" in case else -1)
+        return cache[case]
+    return get
+
+
+@pytest.mark.parametrize("case", sorted(GPTQ_CASES) + ["awq-g32", "awq-g64", "awq-channel"])
+def test_logits_match_producer_dequantization(made, case):
+    folder, ref = made(case)
+    model, ours = _ours(folder)
+    qw = model.layers[1].mlp.up.get_value()
+    assert isinstance(qw, QuantizedWeight)
+    bits = GPTQ_CASES[case][0] if case in GPTQ_CASES else 4
+    assert qw.bits == bits and qw.q.dtype == (np.uint8 if bits == 4 else np.int8)
+    assert_rel_close(ours, pm.logits(ref, IDS), F32_RTOL, case)
+
+
+def test_gptq_packed_bytes(made):
+    """int4 GPTQ codes occupy exactly qweight's bytes; scales are one f32 per group and column
+    (the checkpoint's fp16, widened), zeros one byte (the checkpoint packs them 8 per int32)."""
+    folder, _ = made("gptq-4b-g64-asym")
+    model, _ = load_model(folder, "float32")
+    from jaxinfer.weights import SafetensorsFolder
+    st = SafetensorsFolder(folder)
+    qw = model.layers[0].mlp.down.get_value()
+    assert qw.q.nbytes == st.get("model.layers.0.mlp.down_proj.qweight").nbytes
+    assert qw.scales.size == st.get("model.layers.0.mlp.down_proj.scales").size
+    assert qw.zeros.size == st.get("model.layers.0.mlp.down_proj.qzeros").size * 8
+
+
+def _edit(src, dst, qc=None, tensors=None):
+    shutil.copytree(src, dst)
+    if qc:
+        cfg = json.loads((dst / "config.json").read_text())
+        qc(cfg["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        from safetensors.numpy import load_file, save_file
+        t = load_file(str(dst / "model.safetensors"))
+        tensors(t)
+        save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_gptq_low_bits_refused(made, tmp_path, bits):
+    folder = _edit(made("gptq-4b-g32-sym")[0], tmp_path / "m", qc=lambda q: q.update(bits=bits))
+    with pytest.raises(CheckpointError, match=f"'bits' = {bits} .*{bits}-bit GPTQ"):
+        load_model(folder, "float32")
+
+
+def test_gptq_qweight_shape_refused(made, tmp_path):
+    """group_size 32 on a checkpoint packed with groups of 64: scales disagree; a qweight of the
+    wrong bit width: it names the tensor and the shape it expected."""
+    folder = _edit(made("gptq-4b-g64-asym")[0], tmp_path / "a", qc=lambda q: q.update(group_size=32))
+    with pytest.raises(CheckpointError, match=r"self_attn\.q_proj\.scales has shape \(1, 64\); expected \(2, 64\)"):
+        load_model(folder, "float32")
+    folder = _edit(made("gptq-4b-g64-asym")[0], tmp_path / "b", tensors=lambda t: t.update({
+        "model.layers.0.mlp.down_proj.qweight": np.zeros((32, 64), np.int32)}))
+    with pytest.raises(CheckpointError, match=r"mlp\.down_proj\.qweight has shape \(32, 64\) int32; "
+                                              r"expected int32 \(16, 64\)"):
+        load_model(folder, "float32")
+
+
+@pytest.mark.parametrize("case", sorted(DESC_ACT))
+def test_gptq_desc_act(made, case):
+    """desc_act: g_idx an activation order; rows reordered at load (QuantizedWeight.perm), x gathered."""
+    folder, ref = made(case)
+    model, ours = _ours(folder)
+    qw = model.layers[0].attn.q.get_value()
+    g_idx = np.asarray(load_model.__globals__["SafetensorsFolder"](folder).get("model.layers.0.self_attn.q_proj.g_idx"))
+    assert qw.perm is not None and not np.array_equal(np.asarray(qw.perm), np.arange(64))
+    assert np.array_equal(g_idx[np.asarray(qw.perm)], np.arange(64) // DESC_ACT[case][1])   # groups contiguous
+    assert_rel_close(ours, pm.logits(ref, IDS), F32_RTOL, case)
+
+
+def test_gptq_desc_act_generator_and_native_roundtrip(made, tmp_path):
+    """Fused projections share the row order; the native format stores it."""
+    from jaxinfer import Generator
+    from jaxinfer.weights import save_native
+    folder, ref = made("gptq-4b-g32-asym-desc")
+    gen = Generator.from_pretrained(str(folder), dtype="float32", warmup=False, max_model_len=32,
+                                    max_num_seqs=2, num_blocks=5)
+    assert_rel_close(gen.logits(IDS), pm.logits(ref, IDS), F32_RTOL, "generator desc_act")
+    model, _ = load_model(folder, "float32")
+    save_native(model, tmp_path / "native", "float32")
+    _, again = _ours(tmp_path / "native")
+    assert_rel_close(again, pm.logits(ref, IDS), F32_RTOL, "native round trip")
+
+
+def test_gptq_bad_g_idx_refused(made, tmp_path):
+    folder = _edit(made("gptq-4b-g32-sym")[0], tmp_path / "m", tensors=lambda t: t.update({
+        "model.layers.0.self_attn.k_proj.g_idx": np.zeros(64, np.int32)}))
+    with pytest.raises(CheckpointError, match=r"k_proj\.g_idx does not assign 32 input rows to each of the 2 groups"):
+        load_model(folder, "float32")
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("checkpoint_format", "marlin", "'checkpoint_format' = 'marlin'"),
+    ("dynamic", {"-:.*down.*": {}}, "'dynamic'"),
+    ("some_future_field", 3, "'some_future_field'"),
+])
+def test_gptq_fields_refused(made, tmp_path, field, value, needle):
+    folder = _edit(made("gptq-4b-g32-sym")[0], tmp_path / "m", qc=lambda q: q.update({field: value}))
+    with pytest.raises(CheckpointError, match=needle):
+        load_model(folder, "float32")
+
+
+@pytest.mark.parametrize("version", ["gemv", "gemv_fast", "marlin", "exllama", "ipex"])
+def test_awq_other_versions_refused(made, tmp_path, version):
+    folder = _edit(made("awq-g32")[0], tmp_path / "m", qc=lambda q: q.update(version=version))
+    with pytest.raises(CheckpointError, match=f"'version' = '{version}'.*gemm"):
+        load_model(folder, "float32")
+
+
+def test_awq_modules_to_not_convert(made, tmp_path):
+    """A module AWQ left in float (modules_to_not_convert) is read as float."""
+    import torch
+    folder, ref = made("awq-g32")
+    src_w = pm.awq_dequantize({k: torch.from_numpy(np.array(v)) for k, v in (
+        (n, load_model.__globals__["SafetensorsFolder"](folder).get(f"model.layers.0.mlp.down_proj.{n}"))
+        for n in ("qweight", "qzeros", "scales"))}, 32)
+
+    def floats(t):
+        for n in ("qweight", "qzeros", "scales"):
+            del t[f"model.layers.0.mlp.down_proj.{n}"]
+        t["model.layers.0.mlp.down_proj.weight"] = src_w.numpy()
+    folder2 = _edit(folder, tmp_path / "m", qc=lambda q: q.update(modules_to_not_convert=["model.layers.0.mlp.down_proj"]),
+                    tensors=floats)
+    model, ours = _ours(folder2)
+    assert not isinstance(model.layers[0].mlp.down.get_value(), QuantizedWeight)
+    assert isinstance(model.layers[0].mlp.up.get_value(), QuantizedWeight)
+    assert_rel_close(ours, pm.logits(ref, IDS), dot_chain_rtol(64, 64, 64, 128, 64, 64, 64, 128, 64), "awq skip")
+
+
+def test_serve_gptq_folder(tmp_path):
+    """`jaxinfer serve --model FOLDER` builds Generator.from_pretrained(FOLDER) and serve.app.build_app
+    on it (cli.cmd_serve): the same, in process. A GPTQ folder with a tokenizer answers /v1/completions
+    with transformers' greedy continuation on GPTQModel's dequantized weights."""
+    import torch
+    from fastapi.testclient import TestClient
+    from transformers import LlamaForCausalLM
+
+    from jaxinfer import Generator
+    from serve.app import build_app
+    from tests.hf_models import save_text_model
+
+    text = save_text_model(tmp_path / "text")
+    folder, ref = pm.save_gptq(tmp_path / "gptq", 4, 32, True, model=LlamaForCausalLM.from_pretrained(str(text)).eval())
+    shutil.copy(text / "tokenizer.model", folder / "tokenizer.model")
+    prompt = [1, 17, 42, 99, 250, 7]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    gen = Generator.from_pretrained(str(folder), dtype="float32", warmup=False, max_model_len=64,
+                                    max_num_seqs=2, num_blocks=9)
+    with TestClient(build_app(gen, "gptq")) as client:
+        r = client.post("/v1/completions", json={"model": "gptq", "prompt": prompt, "max_tokens": 6,
+                                                 "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == gen.tokenizer.decode(ids[len(prompt):])
