@@ -16,6 +16,7 @@ wait for a whole response live in serve.stream, whose one helper writes every SS
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import datetime
 
@@ -99,7 +100,7 @@ class ServerState:
 
     def render_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None,
                     template_kwargs: dict | None = None) -> list[int]:
-        return self.encode_chat(self.render_chat_text(messages, tools, template_kwargs))
+        return ServerState.encode_chat(self, ServerState.render_chat_text(self, messages, tools, template_kwargs))
 
     def encode_chat(self, text: str) -> list[int]:
         # HF templates write the BOS token themselves; ours does not
@@ -154,7 +155,13 @@ class ServerState:
         self.check_model(req.model)
         if req.chat_template_kwargs is not None and not isinstance(req.chat_template_kwargs, dict):
             raise OpenAIError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
-        text = self.render_chat_text(req.messages, req.tool_plan(), req.chat_template_kwargs)
+        kwargs = req.chat_template_kwargs
+        if req.reasoning_effort is not None:
+            if self.reasoning_parser is None:
+                raise OpenAIError(400, "reasoning_effort is not supported by this server for this model: it runs "
+                                       "no reasoning parser (--reasoning-parser)", param="reasoning_effort")
+            kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
+        text = self.render_chat_text(req.messages, req.tool_plan(), kwargs)
         prompt = self.encode_chat(text)
         max_tokens = self.default_max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens)
         if req.top_logprobs and not req.logprobs:
@@ -162,8 +169,13 @@ class ServerState:
         parsers = OutputParsers(self.reasoning_parser, text, self.tool_call_parser)
         prefix = (reasoning_prefix(self.reasoning_parser, prompt_state(self.reasoning_parser, text))
                   if self.reasoning_parser else None)
-        return prompt, req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                                           prefix), parsers
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, prefix)
+        plan = req.tool_plan()
+        if self.reasoning_parser == "gpt_oss" or (plan is not None and plan.parses and
+                                                  self.tool_call_parser in ("llama3_json", "mistral", "openai")):
+            # these formats are written in special tokens (harmony's markers, [TOOL_CALLS], <|python_tag|>)
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return prompt, params, parsers
 
     def default_max_tokens(self, prompt_len: int, requested: int | None) -> int:
         return requested if requested is not None else max(1, self.max_model_len - prompt_len)

@@ -40,6 +40,7 @@ class Job:
     prompts: list[list[int]]
     params: SamplingParams
     rids: list[str] | None = None
+    parsers: Any = None            # chat: how the output is read (serve.reasoning.OutputParsers)
 
 
 def _key(line: int, custom_id: Any) -> tuple[int, str | None]:
@@ -74,12 +75,13 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
         return _error_line(line_no, cid, 400, "custom_id must be a non-empty string")
     if url not in ROUTES:
         return _error_line(line_no, cid, 400, f"url must be one of {sorted(ROUTES)}, got {url!r}")
+    parsers = None
     try:
         req = ROUTES[url].model_validate(obj.get("body"))
         if url == "/v1/completions":
             prompts, params = state.completion_inputs(req)
         else:
-            prompt, params = state.chat_inputs(req)
+            prompt, params, parsers = state.chat_request(req)
             prompts = [prompt]
     except ValidationError as e:
         return _error_line(line_no, cid, 400, "; ".join(
@@ -88,7 +90,7 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
         return _error_line(line_no, cid, e.status, e.message)
     except Exception as e:   # one line's surprise never ends the run
         return _error_line(line_no, cid, 500, f"line {line_no + 1}: {type(e).__name__}: {e}")
-    return Job(line_no, cid, url, req, prompts, params)
+    return Job(line_no, cid, url, req, prompts, params, parsers=parsers if url == "/v1/chat/completions" else None)
 
 
 def _read_lines(path: Path) -> list[str | bytes]:
@@ -127,7 +129,7 @@ def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -
     build = completion_body if job.url == "/v1/completions" else chat_body
     want_lp = job.request.logprobs is not None if job.url == "/v1/completions" else job.request.logprobs
     rid = new_id("cmpl" if job.url == "/v1/completions" else "chatcmpl")
-    extra = {"tools": job.request.tool_plan()} if job.url == "/v1/chat/completions" else {}
+    extra = {"tools": job.request.tool_plan(), "parsers": job.parsers} if job.url == "/v1/chat/completions" else {}
     body = build(rid, now(), state.model_name, groups, n_prompt, state.token_str, bool(want_lp), job.params.n,
                  **extra)
     return {"id": new_id("batch_req"), "custom_id": job.custom_id, "line": job.line,

@@ -391,6 +391,8 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     # extra variables for the chat template, e.g. Qwen3's {"enable_thinking": false} (vLLM's name)
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; given to the template as reasoning_effort (gpt-oss reads it), only under a reasoning parser
+    reasoning_effort: str | None = None
     _plan: Any = PrivateAttr(default=False)
 
     def request_field(self, name: str) -> str:

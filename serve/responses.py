@@ -3,7 +3,8 @@
 A Responses request becomes a chat completion request (the same template, parsers, sampling and
 structured outputs as /v1/chat/completions, serve.app.ServerState.chat_request), and its output
 becomes Responses output items: a `reasoning` item (the reasoning parser's text, as reasoning_text
-content), a `message` item (output_text) and one `function_call` item per tool call. Streaming sends
+content), a `message` item (output_text) and one `function_call` item per tool call; the body's
+`output_text` is the messages' text joined (the SDKs compute the same property from the items). Streaming sends
 OpenAI's documented event sequence: response.created, response.in_progress, then per item
 response.output_item.added, (reasoning: response.reasoning_text.delta ... .done; message:
 response.content_part.added, response.output_text.delta ... response.output_text.done,
@@ -256,7 +257,9 @@ def _response(rid: str, created: int, state, req: ResponsesRequest, output: list
               usage: dict | None, cut: bool) -> dict:
     tools = [t for t in (req.tools or [])]
     return {"id": rid, "object": "response", "created_at": created, "status": status, "model": state.model_name,
-            "output": output, "error": None,
+            "output": output, "output_text": "".join(c["text"] for item in output if item["type"] == "message"
+                                                     for c in item["content"] if c["type"] == "output_text"),
+            "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "instructions": req.instructions, "metadata": req.metadata or {}, "max_output_tokens": req.max_output_tokens,
             "parallel_tool_calls": req.parallel_tool_calls is not False,

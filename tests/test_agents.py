@@ -56,6 +56,8 @@ CHAINS = {
     # a tool call whose JSON does not parse (the test template below ends with this token)
     "<|bad_turn|>": ['<tool_call>{"name": "get_weather", "arguments": {"city": ', "Paris}}</tool_call>"],
 }
+# special (control) tokens, as in the real vocabularies: dropped from text unless a parser asks for them
+CONTROL = ("[TOOL_CALLS]",)
 BAD_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}<|bad_turn|>"
 
 
@@ -72,10 +74,12 @@ def save_chain_model(folder: Path) -> Path:
     rng = np.random.RandomState(0)
     lines = [" ".join(rng.choice(TEXT_WORDS, rng.randint(4, 14))) for _ in range(400)]
     symbols = list(dict.fromkeys([s for start, chain in CHAINS.items() for s in [start, *chain]]))
+    control = [s for s in symbols if s in CONTROL]
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=400, model_type="bpe",
                                    byte_fallback=True, character_coverage=0.99, bos_id=1, eos_id=2, unk_id=0, pad_id=3,
-                                   user_defined_symbols=symbols, normalization_rule_name="identity",
+                                   user_defined_symbols=[s for s in symbols if s not in control],
+                                   control_symbols=control, normalization_rule_name="identity",
                                    remove_extra_whitespaces=False, add_dummy_prefix=False, minloglevel=3)
     (folder / "tokenizer.model").write_bytes(buf.getvalue())
     sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
@@ -237,6 +241,9 @@ def test_gpt_oss_analysis_channel_and_harmony_tool_call(gen, sp):
     with serving(gen, "gpt-oss.jinja") as (client, http):
         state = http.app.state.server
         assert (state.reasoning_parser, state.tool_call_parser) == ("gpt_oss", "openai")
+        from serve.protocol import ChatCompletionRequest
+        _, _, parsers = state.chat_request(ChatCompletionRequest(messages=USER, reasoning_effort="low"))
+        assert "Reasoning: low\n" in parsers.prompt      # the template's own effort line
         r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=20)
         m = r.choices[0].message
         assert m.model_extra["reasoning_content"] == "The user asks for the weather." and m.content is None
@@ -265,7 +272,7 @@ def test_llama3_json_tool_call(gen):
         assert ids    # rendered without error
 
 
-def test_mistral_tool_call_and_result(gen):
+def test_mistral_tool_call_and_result(gen, sp):
     with serving(gen, "mistral-7b-instruct-v0.3.jinja") as (client, http):
         assert http.app.state.server.tool_call_parser == "mistral"
         r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=20)
@@ -280,6 +287,10 @@ def test_mistral_tool_call_and_result(gen):
         _, content, calls, finish, _ = _stream_chat(client, model="tiny", messages=USER, tools=TOOLS, temperature=0,
                                                     max_tokens=20)
         assert content == "" and calls[0]["name"] == "get_weather" and finish == "tool_calls"
+        # [TOOL_CALLS] is a special (control) token: kept in the text only for the parser; a request
+        # without tools gets the text as SentencePiece decodes it
+        r = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=20)
+        assert r.choices[0].message.content == sp.decode([sp.piece_to_id(p) for p in CHAINS["[/INST]"]])
 
 
 def test_a_call_whose_json_does_not_parse_stays_content(gen):
@@ -363,7 +374,8 @@ def test_responses_message_output_text_and_errors(gen):
         assert bad.status_code == 404 and "resp_nope" in bad.json()["error"]["message"]
         bad = http.post("/v1/responses", json={"model": "tiny", "input": "x", "background": True})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "background"
-        assert http.get(f"/v1/responses/{r.id}").json()["id"] == r.id
+        stored = http.get(f"/v1/responses/{r.id}").json()
+        assert stored["id"] == r.id and stored["output_text"] == "\n\nThe answer is 4."
     with serving(gen, "llama3.1-json.jinja") as (client, http):    # no reasoning parser
         bad = http.post("/v1/responses", json={"model": "tiny", "input": "x", "reasoning": {"effort": "low"}})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning"

@@ -96,6 +96,10 @@ class SamplingParams:
     # mask (OpenAI's logit_bias: -100 bans a token, +100 all but forces it); stored as sorted pairs
     logit_bias: Any = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's name: False keeps special tokens in the text (a tool-call or reasoning parser that reads
+    # them, e.g. Mistral's [TOOL_CALLS] or gpt-oss's harmony markers); the end-of-sequence or stop
+    # token that ends the output is never text
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the params stay hashable and immutable.
