@@ -244,8 +244,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gen = _generator(args)
     if not gen.is_leader:   # no HTTP here: process 0 takes every request
         return _follow(gen)
+    template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     app = build_app(gen, _served_name(args), api_key=_api_key(args), max_queue=args.max_queue,
-                    max_request_bytes=args.max_request_bytes)
+                    max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser,
+                    tool_call_parser=args.tool_call_parser, chat_template=template)
     print(f"serving {_served_name(args)} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     gen.close()   # multi-host: the followers return
@@ -390,6 +392,17 @@ def _add_serve(sub) -> None:
     sv.add_argument("--max-request-bytes", type=int, default=4 << 20,
                     help="larger request bodies get 413 (default 4 MiB)")
     sv.add_argument("--log-level", default="info")
+    # agents (serve.reasoning, serve.tool_parsers): vLLM's flag names and parser names
+    from serve.reasoning import REASONING_PARSERS
+    from serve.tool_parsers import TOOL_PARSERS
+    sv.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS + ("none",),
+                    help="split the model's reasoning from its answer (message.reasoning_content); "
+                         "default: the one the chat template shows, if any")
+    sv.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+                    help="the family's tool-call format parsed under tool_choice auto (openai: gpt-oss "
+                         "harmony); default: the one the chat template shows, else hermes")
+    sv.add_argument("--chat-template", default=None,
+                    help="a Jinja chat template file used instead of the tokenizer's")
     _multihost_args(sv)
     sv.set_defaults(func=cmd_serve)
 

@@ -58,11 +58,12 @@ class OutputProcessor:
         self._groups: dict[str, list[str]] = {}   # request id -> ids of its n samples
 
     def add_request(self, request_id: str, sample_ids: list[str], prompt_ids: list[int],
-                    stops: tuple[str, ...]) -> None:
+                    stops: tuple[str, ...], skip_special_tokens: bool = True) -> None:
         """Start the text of a request's samples (each detokenizes after the same prompt)."""
         self._groups[request_id] = list(sample_ids)
         for rid in sample_ids:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
+            detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens)
+                     if self.tokenizer is not None else None)
             self._text[rid] = _TextState(detok, stops)
 
     def pop_samples(self, request_id: str) -> list[str]:
@@ -83,7 +84,11 @@ class OutputProcessor:
         if st.detok is None:
             return False
         checked = len(st.text)
-        st.text += st.detok.add(req.output_ids[-1])
+        token = req.output_ids[-1]
+        if not st.detok.skip_special_tokens and (token in self.tokenizer.eos_ids or token in req.params.stop_token_ids):
+            st.marks.append(len(st.text))     # the token that ends the output is not text
+            return False
+        st.text += st.detok.add(token)
         st.marks.append(len(st.text))
         if not st.stops:
             return False

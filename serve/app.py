@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP server (FastAPI, run by uvicorn) on one Generator's engine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events), POST /v1/embeddings and /v1/score (serve.embeddings), GET /v1/models, POST /tokenize,
-POST /detokenize, GET /health, GET /metrics, and vLLM's POST /v1/load_lora_adapter and
-/v1/unload_lora_adapter (serve.lora_routes; a request whose `model` is a loaded adapter's name runs
-with it).
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (serve.responses; all
+with `stream: true` as server-sent events), POST /v1/embeddings and /v1/score (serve.embeddings),
+GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics, and vLLM's
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serve.lora_routes; a request whose `model`
+is a loaded adapter's name runs with it).
 Every error uses OpenAI's error JSON {"error": {"message", "type", "param", "code"}}: bad requests
 (malformed JSON or UTF-8, wrong types, out-of-range values, text that is not valid Unicode, fields we
 do not implement, prompts longer than the context, more sequences than the queue holds) get 400,
@@ -18,6 +18,10 @@ tokenizer, chat template, metrics) on `app.state.server`, which `build_app` sets
 wait for a whole response live in serve.stream, whose one helper writes every SSE event and ending.
 """
 from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import datetime
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +43,9 @@ from serve.metrics import ServerMetrics
 from serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                             OpenAIError, TokenizeRequest, chat_body, completion_body, new_id, now)
 from serve.stream import ChatChoices, CompletionChoices, respond, stream_response
+from serve.reasoning import REASONING_PARSERS, OutputParsers, default_reasoning_parser, prompt_state, reasoning_prefix
+from serve.responses import router as responses_router
+from serve.tool_parsers import TOOL_PARSERS, default_tool_parser
 from serve.tools import ToolPlan, template_messages
 
 # The bundled model has no chat template of its own; this plain one is documented in the README.
@@ -52,15 +59,31 @@ class ServerState:
     tokenizer, chat template and metrics. It also turns request bodies into prompts and sampling params,
     so that the batch script (serve.batch) validates exactly as the server does."""
 
-    def __init__(self, gen: Generator, model_name: str, api_key: str | None, max_queue: int):
+    def __init__(self, gen: Generator, model_name: str, api_key: str | None, max_queue: int,
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+                 chat_template: str | None = None):
+        """reasoning_parser: serve.reasoning's names, "none", or None for the one the chat template
+        shows; tool_call_parser: serve.tool_parsers' names, or None for the template's; chat_template:
+        a Jinja template replacing the tokenizer's."""
         self.gen, self.model_name, self.api_key = gen, model_name, api_key
         self.tokenizer = gen.tokenizer
         self.max_model_len = gen.client.max_model_len
         self.metrics = ServerMetrics(model_name)
         self.engine = AsyncEngine(gen, self.metrics, max_queue)
-        template = (self.tokenizer.chat_template if self.tokenizer else None) or DEFAULT_CHAT_TEMPLATE
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        template = chat_template or (self.tokenizer.chat_template if self.tokenizer else None) or DEFAULT_CHAT_TEMPLATE
+        for value, choices, flag in ((reasoning_parser, REASONING_PARSERS + ("none",), "reasoning_parser"),
+                                     (tool_call_parser, TOOL_PARSERS, "tool_call_parser")):
+            if value is not None and value not in choices:
+                raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
+        self.reasoning_parser = (default_reasoning_parser(template) if reasoning_parser is None
+                                 else None if reasoning_parser == "none" else reasoning_parser)
+        self.tool_call_parser = tool_call_parser or default_tool_parser(template)
+        # as transformers renders chat templates: loop controls, a tojson that neither sorts keys nor
+        # escapes HTML (Jinja's own does both), raise_exception and strftime_now
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.chat_template_text = template
         self.chat_template = env.from_string(template)
         # HF templates with tool support take `tools` and structured tool calls; others get the plain
@@ -88,20 +111,29 @@ class ServerState:
         except UnicodeError:   # the request models refuse such text first; this is the backstop
             raise OpenAIError(400, "the prompt is not valid Unicode text", param="prompt") from None
 
-    def render_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
+    def render_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        return ServerState.encode_chat(self, ServerState.render_chat_text(self, messages, tools, template_kwargs))
+
+    def encode_chat(self, text: str) -> list[int]:
+        # HF templates write the BOS token themselves; ours does not
+        return self.encode(text, add_special_tokens="bos_token" not in self.chat_template_text)
+
+    def render_chat_text(self, messages: list[ChatMessage], tools: ToolPlan | None = None,
+                         template_kwargs: dict | None = None) -> str:
+        """The prompt as text: the model's chat template with HF's variables (messages, tools,
+        add_generation_prompt, bos/eos tokens) and the request's chat_template_kwargs."""
         tok = self.tokenizer
         native = self.template_has_tools
         extra = {"tools": list(tools.tools)} if tools is not None and native else {}
         msgs = template_messages([m.template_dict() for m in messages], tools, native)
         try:
-            text = self.chat_template.render(
-                messages=msgs, add_generation_prompt=True,
-                bos_token=tok.id_to_piece(tok.bos_id) if tok and tok.bos_id is not None else "",
-                eos_token=tok.id_to_piece(tok.eos_ids[0]) if tok and tok.eos_ids else "", **extra)
+            return self.chat_template.render(**{
+                **(template_kwargs or {}), "messages": msgs, "add_generation_prompt": True,
+                "bos_token": tok.id_to_piece(tok.bos_id) if tok and tok.bos_id is not None else "",
+                "eos_token": tok.id_to_piece(tok.eos_ids[0]) if tok and tok.eos_ids else "", **extra})
         except TemplateError as e:
             raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        # HF templates write the BOS token themselves; ours does not
-        return self.encode(text, add_special_tokens="bos_token" not in self.chat_template_text)
 
     def completion_inputs(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         """A /v1/completions body -> its prompts as token ids and the sampling params (both front
@@ -139,13 +171,38 @@ class ServerState:
 
     def chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         """A /v1/chat/completions body -> the rendered prompt's token ids and the sampling params."""
+        prompt, params, _ = self.chat_request(req)
+        return prompt, params
+
+    def chat_request(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, OutputParsers]:
+        """chat_inputs, and how the output is read (reasoning and tool-call parsers, from the prompt).
+        A structured-output constraint (response_format, a forced tool call) starts after the
+        reasoning section (serve.reasoning.reasoning_prefix)."""
         self.check_model(req.model)
-        prompt = self.render_chat(req.messages, req.tool_plan())
+        if req.chat_template_kwargs is not None and not isinstance(req.chat_template_kwargs, dict):
+            raise OpenAIError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+        kwargs = req.chat_template_kwargs
+        if req.reasoning_effort is not None:
+            if self.reasoning_parser is None:
+                raise OpenAIError(400, "reasoning_effort is not supported by this server for this model: it runs "
+                                       "no reasoning parser (--reasoning-parser)", param="reasoning_effort")
+            kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
+        text = self.render_chat_text(req.messages, req.tool_plan(), kwargs)
+        prompt = self.encode_chat(text)
         max_tokens = self.default_max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens)
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        return prompt, req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                                           req.prompt_logprobs)
+        parsers = OutputParsers(self.reasoning_parser, text, self.tool_call_parser)
+        prefix = (reasoning_prefix(self.reasoning_parser, prompt_state(self.reasoning_parser, text))
+                  if self.reasoning_parser else None)
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                     req.prompt_logprobs, prefix=prefix)
+        plan = req.tool_plan()
+        if self.reasoning_parser == "gpt_oss" or (plan is not None and plan.parses and
+                                                  self.tool_call_parser in ("llama3_json", "mistral", "openai")):
+            # these formats are written in special tokens (harmony's markers, [TOOL_CALLS], <|python_tag|>)
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return prompt, params, parsers
 
     def default_max_tokens(self, prompt_len: int, requested: int | None) -> int:
         return requested if requested is not None else max(1, self.max_model_len - prompt_len)
@@ -161,6 +218,10 @@ class ServerState:
             return tok.id_to_piece(token_id).replace("\u2581", " ")
         text = tok.decode([token_id], skip_special_tokens=False)
         return text if text and "\ufffd" not in text else tok.id_to_piece(token_id)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_template_error(message: str):
@@ -302,19 +363,19 @@ async def completions(req: CompletionRequest, request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = _state(request)
-    prompt, params = await run_in_threadpool(state.chat_inputs, req)
+    prompt, params, parsers = await run_in_threadpool(state.chat_request, req)
     lora = state.check_model(req.model)
     sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt, request_field=req.request_field,
                               priority=req.priority, lora=lora)
     rid, created, model = new_id("chatcmpl"), now(), lora or state.model_name
     if req.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        choices = ChatChoices(sub.n, req.tool_plan(), state.token_str, bool(req.logprobs))
+        choices = ChatChoices(sub.n, req.tool_plan(), state.token_str, bool(req.logprobs), parsers)
         return stream_response(state.engine, sub, base, len(prompt), _include_usage(req), choices, choices.head)
 
     def build(groups):
         body = chat_body(rid, created, model, groups, len(prompt), state.token_str, req.logprobs, sub.n,
-                         tools=req.tool_plan())
+                         tools=req.tool_plan(), parsers=parsers)
         if req.prompt_logprobs is not None:   # vLLM's place: the response's top level
             entries = first_prompt_logprobs(groups[0])
             body["prompt_logprobs"] = None if entries is None else vllm_prompt_logprobs(entries, prompt,
@@ -324,10 +385,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 
 
 def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_queue: int = 1024,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, reasoning_parser: str | None = None,
+              tool_call_parser: str | None = None, chat_template: str | None = None) -> FastAPI:
     """api_key: required on every route but /health (serve.guard); max_queue: sequences (prompts x n)
-    waiting for the engine before 429; max_request_bytes: larger bodies get 413."""
-    state = ServerState(gen, model_name, api_key, max_queue)
+    waiting for the engine before 429; max_request_bytes: larger bodies get 413; reasoning_parser,
+    tool_call_parser, chat_template: ServerState's."""
+    state = ServerState(gen, model_name, api_key, max_queue, reasoning_parser, tool_call_parser, chat_template)
     app = FastAPI(title="jaxinfer", version="0.1.0",
                   description="OpenAI-compatible completions and chat completions on the jaxinfer engine")
     app.state.server = state
@@ -340,4 +403,5 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
     app.include_router(router)
     app.include_router(lora_router)
     app.include_router(embeddings.router)   # /v1/embeddings, /v1/score
+    app.include_router(responses_router)
     return app

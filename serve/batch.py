@@ -42,6 +42,7 @@ class Job:
     params: SamplingParams
     rids: list[str] | None = None
     echo: Any = None            # completions: serve.echo.Echo (echo, prompt logprobs)
+    parsers: Any = None            # chat: how the output is read (serve.reasoning.OutputParsers)
 
 
 def _key(line: int, custom_id: Any) -> tuple[int, str | None]:
@@ -76,13 +77,14 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
         return _error_line(line_no, cid, 400, "custom_id must be a non-empty string")
     if url not in ROUTES:
         return _error_line(line_no, cid, 400, f"url must be one of {sorted(ROUTES)}, got {url!r}")
+    parsers = None
     try:
         req = ROUTES[url].model_validate(obj.get("body"))
         echo = None
         if url == "/v1/completions":
             prompts, params, echo = state.completion_request(req)
         else:
-            prompt, params = state.chat_inputs(req)
+            prompt, params, parsers = state.chat_request(req)
             prompts = [prompt]
     except ValidationError as e:
         return _error_line(line_no, cid, 400, "; ".join(
@@ -91,7 +93,8 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
         return _error_line(line_no, cid, e.status, e.message)
     except Exception as e:   # one line's surprise never ends the run
         return _error_line(line_no, cid, 500, f"line {line_no + 1}: {type(e).__name__}: {e}")
-    return Job(line_no, cid, url, req, prompts, params, echo=echo)
+    return Job(line_no, cid, url, req, prompts, params, echo=echo,
+               parsers=parsers if url == "/v1/chat/completions" else None)
 
 
 def _read_lines(path: Path) -> list[str | bytes]:
@@ -130,7 +133,7 @@ def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -
     build = completion_body if job.url == "/v1/completions" else chat_body
     want_lp = job.request.logprobs is not None if job.url == "/v1/completions" else job.request.logprobs
     rid = new_id("cmpl" if job.url == "/v1/completions" else "chatcmpl")
-    extra = {"tools": job.request.tool_plan()} if job.url == "/v1/chat/completions" else {}
+    extra = {"tools": job.request.tool_plan(), "parsers": job.parsers} if job.url == "/v1/chat/completions" else {}
     body = build(rid, now(), state.check_model(job.request.model) or state.model_name, groups, n_prompt, state.token_str, bool(want_lp), job.params.n,
                  **extra)
     if job.echo is not None:

@@ -13,6 +13,7 @@ serve.tools); it becomes SamplingParams.structured_outputs, and an error about i
 engine's when the grammar does not compile) names the field this request used."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 from jaxinfer.config import SamplingParams, SamplingParamsError, StructuredOutputs
+from serve.reasoning import OutputParsers, reasoning_tokens, split_reasoning
 from serve.tools import ToolPlan, ToolSpecError, check_message_tool_calls, parse_choice, plan_tools
 
 log = logging.getLogger("jaxinfer.serve")
@@ -173,11 +175,14 @@ class _Sampling(_Body):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
-                        ) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        prefix: str | None = None) -> SamplingParams:
+        """prefix: the reasoning section a constraint starts after (StructuredOutputs.prefix)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = self.logit_bias_ids()
         constraint = self.constraint()
+        if constraint is not None and prefix is not None:
+            constraint = dataclasses.replace(constraint, prefix=prefix)
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -366,10 +371,14 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None     # assistant: the calls it made
     tool_call_id: str | None = None                    # tool: the call this result answers
+    reasoning_content: str | None = None               # assistant: its reasoning, sent back
 
     def template_dict(self) -> dict:
-        """The message as the chat template receives it."""
+        """The message as the chat template receives it (an assistant's reasoning as both
+        `reasoning_content`, Qwen3's name, and `thinking`, gpt-oss's)."""
         m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.reasoning_content is not None:
+            m["reasoning_content"] = m["thinking"] = self.reasoning_content
         if self.name is not None:
             m["name"] = self.name
         if self.tool_calls:
@@ -403,6 +412,10 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     prompt_logprobs: int | None = None      # vLLM's extension: the rendered prompt's logprobs
+    # extra variables for the chat template, e.g. Qwen3's {"enable_thinking": false} (vLLM's name)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; given to the template as reasoning_effort (gpt-oss reads it), only under a reasoning parser
+    reasoning_effort: str | None = None
     _plan: Any = PrivateAttr(default=False)
 
     @model_validator(mode="before")
@@ -508,38 +521,52 @@ def completion_body(rid: str, created: int, model: str, groups: list[list], n_pr
             "usage": usage(n_prompt, n_out, cached_tokens(groups, n))}
 
 
-def chat_message(text: str, finish_reason: str | None, plan: ToolPlan | None) -> tuple[dict, str | None]:
-    """A chat choice's message and finish_reason: tool calls parsed out of the text under the
-    request's tool plan (serve.tools) come back as tool_calls with finish_reason "tool_calls", or
+def chat_message(text: str, finish_reason: str | None, plan: ToolPlan | None,
+                 parsers: OutputParsers | None = None) -> tuple[dict, str | None]:
+    """A chat choice's message and finish_reason: the reasoning split off first (serve.reasoning, as
+    reasoning_content), then tool calls parsed out of the answer under the request's tool plan
+    (serve.tools, in the family's format) come back as tool_calls with finish_reason "tool_calls", or
     "length" where max_tokens cut the output (the calls written whole before the cut)."""
-    content, calls, finish_reason = parse_choice(text, plan, finish_reason)
-    if not calls:
-        return {"role": "assistant", "content": text}, finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": calls}, finish_reason
+    parsers = parsers or OutputParsers()
+    reasoning, answer = split_reasoning(parsers.reasoning, parsers.prompt, text)
+    content, calls, finish_reason = parse_choice(answer, plan, finish_reason, parsers.tools)
+    message: dict[str, Any] = {"role": "assistant", "content": content if calls else answer}
+    if parsers.reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    return message, finish_reason
 
 
 def chat_body(rid: str, created: int, model: str, groups: list[list], n_prompt: int, token_str,
-              logprobs: bool, n: int = 1, tools: ToolPlan | None = None) -> dict:
+              logprobs: bool, n: int = 1, tools: ToolPlan | None = None, parsers: OutputParsers | None = None) -> dict:
     """A non-streaming /v1/chat/completions response from each choice's deltas."""
-    choices = []
+    choices, n_reasoning = [], 0
     for i, g in enumerate(groups):
-        message, finish = chat_message("".join(d.text for d in g), g[-1].finish_reason, tools)
+        message, finish = chat_message("".join(d.text for d in g), g[-1].finish_reason, tools, parsers)
         choices.append({"index": i, "message": message, "logprobs": chat_logprobs(g, token_str) if logprobs else None,
                         "finish_reason": finish})
+        if parsers is not None and parsers.reasoning is not None:
+            n_reasoning += reasoning_tokens(parsers, g)
     n_out = sum(len(d.token_ids) for g in groups for d in g)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(n_prompt, n_out, cached_tokens(groups, n))}
+            "usage": usage(n_prompt, n_out, cached_tokens(groups, n),
+                           n_reasoning if parsers is not None and parsers.reasoning is not None else None)}
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
-    """OpenAI's usage object; prompt_tokens_details.cached_tokens counts prefix-cache hits."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0, reasoning: int | None = None) -> dict:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens counts prefix-cache hits;
+    completion_tokens_details.reasoning_tokens where a reasoning parser runs."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return out
 
 
 def now() -> int:

@@ -21,6 +21,7 @@ from jaxinfer.client import RequestOutput
 from serve.bridge import AsyncEngine, EngineDeadError, Submission
 from serve.guard import error_bytes
 from serve.protocol import OpenAIError, chat_logprobs, completion_logprobs, usage
+from serve.reasoning import OutputParsers, in_reasoning
 from serve.tools import ToolPlan, ToolStream
 
 DISCONNECT_POLL_S = 0.2
@@ -101,7 +102,8 @@ async def _events(engine: AsyncEngine, sub: Submission, base: dict, n_prompt: in
                 yield sse({**base, "choices": [choice]})
         finished = True
         if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(n_prompt, n_out, sum(cached.values()))})
+            yield sse({**base, "choices": [], "usage": usage(n_prompt, n_out, sum(cached.values()),
+                                                               getattr(choices, "reasoning_tokens", None))})
         yield SSE_DONE
     except EngineDeadError as e:   # the stream ends with the error, then [DONE]
         yield sse_error(e)
@@ -135,18 +137,45 @@ class CompletionChoices:
 
 class ChatChoices:
     """Streamed /v1/chat/completions: the opening role chunk of each sample (`head`), then one delta ->
-    its choice chunks; under a tool plan that parses, each sample's text goes through a ToolStream."""
+    its choice chunks. With a reasoning parser, each sample's text is split first (reasoning_content
+    deltas apart from content); under a tool plan that parses, the answer goes through a ToolStream
+    in the family's format. reasoning_tokens: the usage chunk's count (None without a parser)."""
 
-    def __init__(self, n: int, plan: ToolPlan | None, token_str: Callable[[int], str], logprobs: bool):
+    def __init__(self, n: int, plan: ToolPlan | None, token_str: Callable[[int], str], logprobs: bool,
+                 parsers: OutputParsers | None = None):
         self.token_str, self.logprobs = token_str, logprobs
-        self.tools = [ToolStream(plan) if plan is not None and plan.parses else None for _ in range(n)]
+        parsers = parsers or OutputParsers()
+        self.tools = [ToolStream(plan, parsers.tools) if plan is not None and plan.parses else None for _ in range(n)]
+        self.reasoners = [parsers.reasoning_parser() for _ in range(n)]
+        self._reasoning_counts = [0] * n
         first = {"role": "assistant", "content": None if plan is not None and plan.constrained else ""}
         self.head = [{"index": i, "delta": first, "logprobs": None, "finish_reason": None} for i in range(n)]
 
+    @property
+    def reasoning_tokens(self) -> int | None:
+        """As serve.reasoning.reasoning_tokens counts them, summed over the samples."""
+        if self.reasoners[0] is None:
+            return None
+        return sum(c for c, rp in zip(self._reasoning_counts, self.reasoners) if rp.saw_reasoning)
+
     def __call__(self, d: RequestOutput) -> list[dict]:
         lp = chat_logprobs([d], self.token_str) if self.logprobs else None
-        ts = self.tools[d.sample_index]
-        deltas = [{"content": d.text} if d.text else {}] if ts is None else ts.feed(d.text, d.finished, d.finish_reason)
+        ts, rp = self.tools[d.sample_index], self.reasoners[d.sample_index]
+        text, head = d.text, []
+        if rp is not None:
+            before = in_reasoning(rp)
+            reasoning, text = rp.feed(d.text)
+            if d.finished:
+                r2, c2 = rp.finish()
+                reasoning, text = reasoning + r2, text + c2
+            if before or in_reasoning(rp):
+                self._reasoning_counts[d.sample_index] += len(d.token_ids)
+            if reasoning:
+                head = [{"reasoning_content": reasoning}]
+        deltas = [{"content": text} if text else {}] if ts is None else ts.feed(text, d.finished, d.finish_reason)
+        if head:
+            deltas = head + [x for x in deltas if x]
+            deltas = deltas or [{}]
         finish = (ts.finish_reason(d.finish_reason) if ts else d.finish_reason) if d.finished else None
         out = []
         for j, delta in enumerate(deltas):

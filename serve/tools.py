@@ -361,11 +361,14 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def parse_auto(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
-    """A whole "auto" output -> (content or None, tool calls); the same rules as streaming."""
-    p = AutoToolParser(plan)
+def parse_auto(text: str, plan: ToolPlan, parser: str = "hermes") -> tuple[str | None, list[dict]]:
+    """A whole "auto" output -> (content or None, tool calls); the same rules as streaming.
+    parser: the family's format (serve.tool_parsers)."""
+    from serve.tool_parsers import make_tool_parser
+    p = make_tool_parser(parser, plan)
     c1, calls = p.feed(text)
-    c2, _ = p.finish()
+    c2, more = p.finish()
+    calls = calls + more
     content = c1 + c2
     return (content if content or not calls else None), calls
 
@@ -377,13 +380,14 @@ def forced_result(text: str, plan: ToolPlan, finish_reason: str | None) -> tuple
     return (None, calls) if calls else (text, [])
 
 
-def parse_output(text: str, plan: ToolPlan | None, finish_reason: str | None = None) -> tuple[str | None, list[dict]]:
+def parse_output(text: str, plan: ToolPlan | None, finish_reason: str | None = None,
+                 parser: str = "hermes") -> tuple[str | None, list[dict]]:
     """A chat choice's text -> (content, tool calls) under the request's plan."""
     if plan is None or not plan.parses:
         return text, []
     if plan.constrained:
         return forced_result(text, plan, finish_reason)
-    return parse_auto(text, plan)
+    return parse_auto(text, plan, parser)
 
 
 def choice_finish_reason(finish_reason: str | None, has_calls: bool) -> str | None:
@@ -392,10 +396,10 @@ def choice_finish_reason(finish_reason: str | None, has_calls: bool) -> str | No
     return "tool_calls" if has_calls and finish_reason != "length" else finish_reason
 
 
-def parse_choice(text: str, plan: ToolPlan | None,
-                 finish_reason: str | None) -> tuple[str | None, list[dict], str | None]:
+def parse_choice(text: str, plan: ToolPlan | None, finish_reason: str | None,
+                 parser: str = "hermes") -> tuple[str | None, list[dict], str | None]:
     """A chat choice's whole text and the engine's finish_reason -> (content, tool calls, finish_reason)."""
-    content, calls = parse_output(text, plan, finish_reason)
+    content, calls = parse_output(text, plan, finish_reason, parser)
     return content, calls, choice_finish_reason(finish_reason, bool(calls))
 
 
@@ -407,9 +411,10 @@ class ToolStream:
     name (arguments ""), then one with the arguments. The finish_reason is the non-streamed one
     (choice_finish_reason: "length" wins over "tool_calls")."""
 
-    def __init__(self, plan: ToolPlan):
+    def __init__(self, plan: ToolPlan, parser: str = "hermes"):
+        from serve.tool_parsers import make_tool_parser
         self.plan = plan
-        self.auto = None if plan.constrained else AutoToolParser(plan)
+        self.auto = None if plan.constrained else make_tool_parser(parser, plan)
         self.buffer = ""
         self.n_calls = 0
 
@@ -434,8 +439,9 @@ class ToolStream:
         else:
             content, calls = self.auto.feed(text)
             if finished:
-                rest, _ = self.auto.finish()
+                rest, more = self.auto.finish()
                 content += rest
+                calls = calls + more
             if content:
                 out.append({"content": content})
             out += self._call_deltas(calls)

@@ -46,6 +46,10 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     whitespace_flexible: bool = False
+    # a Lark grammar (llguidance's) for what precedes the constrained text, referring to it as
+    # `@answer`: a thinking model's reasoning section (serve.reasoning), so that the constraint applies
+    # to the answer after it and never inside it. None: the whole output is constrained.
+    prefix: str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -65,6 +69,8 @@ class StructuredOutputs:
                 raise SamplingParamsError([("structured_outputs", f"{k} must be a non-empty string")])
         if self.json is not None and not isinstance(self.json, str):
             raise SamplingParamsError([("structured_outputs", "json must be a JSON schema object")])
+        if self.prefix is not None and (not isinstance(self.prefix, str) or "@answer" not in self.prefix):
+            raise SamplingParamsError([("structured_outputs", "prefix must be a Lark grammar that uses @answer")])
 
     @property
     def kind(self) -> str:
@@ -96,6 +102,10 @@ class SamplingParams:
     # mask (OpenAI's logit_bias: -100 bans a token, +100 all but forces it); stored as sorted pairs
     logit_bias: Any = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's name: False keeps special tokens in the text (a tool-call or reasoning parser that reads
+    # them, e.g. Mistral's [TOOL_CALLS] or gpt-oss's harmony markers); the end-of-sequence or stop
+    # token that ends the output is never text
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the params stay hashable and immutable.

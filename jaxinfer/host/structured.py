@@ -115,11 +115,32 @@ class Grammar:
     the number bound)."""
     text: str
     json: bool
+    prefix: str | None = None   # StructuredOutputs.prefix: the number bound then starts after it too
+
+
+def with_prefix(prefix: str | None, grammar: str) -> str:
+    """llguidance's grammar for `prefix` (a Lark grammar referring to `@answer`) followed by the
+    text `grammar` (a grammar as grammar_text makes it) accepts; `grammar` itself when no prefix."""
+    if prefix is None:
+        return grammar
+    inner = json.loads(grammar)
+    parts = [dict(g) for g in inner["grammars"]]
+    parts[0]["name"] = "answer"
+    return json.dumps({"grammars": [{"name": "prefix", "lark_grammar": prefix}] + parts})
 
 
 def grammar_text(spec: StructuredOutputs) -> str:
     """The llguidance grammar (its JSON form) for a spec; StructuredOutputError when it cannot be built.
     Not yet checked against a tokenizer (Grammars.compile does that)."""
+    try:
+        return with_prefix(spec.prefix, _grammar_text(spec))
+    except (ValueError, KeyError, IndexError) as e:
+        if isinstance(e, StructuredOutputError):
+            raise
+        raise StructuredOutputError(f"invalid {spec.kind}: {e}") from None
+
+
+def _grammar_text(spec: StructuredOutputs) -> str:
     import llguidance as llg
     options = json_options(spec.whitespace_flexible)
     try:
@@ -263,7 +284,7 @@ class Grammars:
         self._lltok = None
         self._executor = None
         self._cache: OrderedDict[StructuredOutputs, Grammar] = OrderedDict()
-        self._number_bound: str | None = None   # number_bound_regex as llguidance's grammar
+        self._number_bound: dict[str | None, str] = {}   # number_bound_regex (after a prefix) for llguidance
         self._lock = threading.Lock()
 
     @property
@@ -293,7 +314,7 @@ class Grammars:
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, self.lltokenizer)
         if is_error:
             raise StructuredOutputError(f"invalid {spec.kind}: {messages[0] if messages else 'does not compile'}")
-        grammar = Grammar(text, json=spec.json is not None or spec.json_object)
+        grammar = Grammar(text, json=spec.json is not None or spec.json_object, prefix=spec.prefix)
         with self._lock:
             self._cache[spec] = grammar
             while len(self._cache) > GRAMMAR_CACHE:
@@ -307,9 +328,11 @@ class Grammars:
             raise StructuredOutputError(m.get_error())
         if not grammar.json:
             return Guide(m)
-        if self._number_bound is None:
-            self._number_bound = llg.LLMatcher.grammar_from_regex(number_bound_regex())
-        return Guide(m, llg.LLMatcher(self.lltokenizer, self._number_bound, log_level=0))
+        bound = self._number_bound.get(grammar.prefix)
+        if bound is None:
+            bound = with_prefix(grammar.prefix, llg.LLMatcher.grammar_from_regex(number_bound_regex()))
+            self._number_bound[grammar.prefix] = bound
+        return Guide(m, llg.LLMatcher(self.lltokenizer, bound, log_level=0))
 
     def fill(self, guides: list[tuple[Guide, int]], mask: np.ndarray) -> None:
         """mask[row] = the next-token mask of each (guide, row), computed in parallel (llguidance's

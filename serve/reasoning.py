@@ -1,0 +1,270 @@
+"""Reasoning parsers (vLLM's `--reasoning-parser` names): a thinking model's reasoning kept apart from
+its answer, streamed and not. Pure Python, no jax.
+
+  qwen3        `<think>...</think>` written by the model (Qwen3, QwQ); an output that does not open with
+               `<think>` is all answer (Qwen3 with enable_thinking false, whose prompt closes the block);
+  deepseek_r1  the same tags, but the opening `<think>` may be in the prompt (DeepSeek-R1's template
+               ends with it): everything before `</think>` is reasoning, with or without the opening tag;
+  gpt_oss      OpenAI harmony channels (gpt-oss): the `analysis` channel is reasoning, the `final`
+               channel is the answer; any other message (a `commentary` preamble or a function call)
+               is passed on whole, headers and all, to the tool-call parser (serve.tool_parsers).
+
+Where the prompt already settles it, the prompt wins (vLLM reads the prompt's tokens the same way):
+a prompt that ends inside an open `<think>` block starts the output in reasoning; one whose
+generation prompt closes the block (`<think>\\n\\n</think>\\n\\n`) starts it in the answer.
+
+The same rules apply to a whole output and to one streamed piece by piece: a tag split across tokens
+or chunks is held back until it is known (never shown as text). An output cut before `</think>` is
+all reasoning (no answer). As in vLLM, the text after `</think>` is the content as written.
+
+reasoning_prefix(): the regular language of the reasoning section, so that a structured-output
+constraint (response_format, a forced tool call) applies to the answer after it, never inside it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+H_START, H_END, H_CALL, H_RETURN = "<|start|>", "<|end|>", "<|call|>", "<|return|>"
+H_CHANNEL, H_MESSAGE = "<|channel|>", "<|message|>"
+
+
+def default_reasoning_parser(template: str | None) -> str | None:
+    """The parser a chat template shows: harmony channels -> gpt_oss; a template that opens the
+    block itself -> deepseek_r1; `<think>` written by the model -> qwen3; else none."""
+    if not template:
+        return None
+    if H_CHANNEL in template and "analysis" in template:
+        return "gpt_oss"
+    if re.search(r"add_generation_prompt[\s\S]{0,200}<think>\\n['\"]", template) and "enable_thinking" not in template:
+        return "deepseek_r1"
+    if THINK_CLOSE in template:
+        return "qwen3"
+    return None
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest suffix of text that is a proper prefix of marker."""
+    for k in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def prompt_state(name: str, prompt: str) -> str:
+    """Where the prompt leaves the output: "reasoning" (inside an open block), "answer" (the
+    generation prompt closed the block) or "open" (the model decides)."""
+    if name == "gpt_oss":
+        return "open"
+    opened, closed = prompt.rfind(THINK_OPEN), prompt.rfind(THINK_CLOSE)
+    if opened > closed:
+        return "reasoning"
+    if closed >= 0 and prompt.rstrip().endswith(THINK_CLOSE):
+        return "answer"
+    return "reasoning" if name == "deepseek_r1" else "open"
+
+
+class ThinkParser:
+    """qwen3 / deepseek_r1: feed() text as it is generated -> (reasoning, content) safe to show now."""
+
+    def __init__(self, name: str, state: str):
+        self.name = name
+        # "open": may start with <think>; "reasoning"; "answer"
+        self.state = state
+        self.pending = ""
+        self.saw_reasoning = state == "reasoning"
+
+    @property
+    def ended(self) -> bool:
+        return self.state == "answer"
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.pending += text
+        reasoning = content = ""
+        while self.pending:
+            if self.state == "open":
+                stripped = self.pending.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    self.pending = stripped[len(THINK_OPEN):]
+                    self.state, self.saw_reasoning = "reasoning", True
+                    continue
+                if THINK_OPEN.startswith(stripped):     # maybe the tag, not yet whole
+                    break
+                if self.name == "deepseek_r1":
+                    self.state, self.saw_reasoning = "reasoning", True
+                else:
+                    self.state = "answer"
+                continue
+            if self.state == "reasoning":
+                end = self.pending.find(THINK_CLOSE)
+                if end >= 0:
+                    reasoning += self.pending[:end]
+                    self.pending = self.pending[end + len(THINK_CLOSE):]
+                    self.state = "answer"
+                    continue
+                keep = partial_suffix(self.pending, THINK_CLOSE)
+                reasoning += self.pending[:len(self.pending) - keep]
+                self.pending = self.pending[len(self.pending) - keep:]
+                break
+            content += self.pending
+            self.pending = ""
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        rest, self.pending = self.pending, ""
+        if self.state == "reasoning":
+            return rest, ""
+        if self.state == "open":        # only a partial <think>: it was text
+            return "", rest
+        return "", rest
+
+
+def _strip_role(header: str) -> str:
+    """A message header without its `<|start|>assistant` (the next message's start, or none)."""
+    header = header.strip()
+    if header.startswith(H_START):
+        header = header[len(H_START):]
+    return header[len("assistant"):] if header.startswith("assistant") else header
+
+
+class HarmonyParser:
+    """gpt_oss: harmony messages -> reasoning (analysis), content (final), and every other message
+    passed on whole as content for the tool-call parser. The prompt ends with `<|start|>assistant`,
+    so the output begins with the first message's header."""
+
+    MARKERS = (H_START, H_END, H_CALL, H_RETURN, H_CHANNEL, H_MESSAGE)
+
+    def __init__(self, name: str = "gpt_oss", state: str = "open"):
+        self.pending = ""
+        self.header = ""          # the current message's header text (channel, recipient)
+        self.in_body = False
+        self.saw_reasoning = False
+        self.ended = False         # a final-channel message has begun
+
+    def _channel(self) -> str:
+        m = re.search(r"<\|channel\|>\s*(\w+)", self.header)
+        return m.group(1) if m else ""
+
+    def _passthrough(self) -> bool:
+        return self._channel() not in ("analysis", "final") or "to=" in self.header
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.pending += text
+        reasoning = content = ""
+        while self.pending:
+            if not self.in_body:
+                i = self.pending.find(H_MESSAGE)
+                if i < 0:
+                    break
+                self.header = _strip_role(self.header + self.pending[:i])
+                self.pending = self.pending[i + len(H_MESSAGE):]
+                self.in_body = True
+                ch = self._channel()
+                if self._passthrough():
+                    content += self.header + H_MESSAGE
+                elif ch == "analysis":
+                    self.saw_reasoning = True
+                else:
+                    self.ended = True
+                continue
+            ends = [(self.pending.find(m), m) for m in (H_END, H_CALL, H_RETURN)]
+            ends = [(i, m) for i, m in ends if i >= 0]
+            if ends:
+                i, marker = min(ends)
+                body, self.pending = self.pending[:i], self.pending[i + len(marker):]
+            else:
+                keep = max(partial_suffix(self.pending, m) for m in (H_END, H_CALL, H_RETURN))
+                body, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+                marker = None
+            if self._passthrough():
+                content += body + (marker or "")
+            elif self._channel() == "analysis":
+                reasoning += body
+            else:
+                content += body
+            if marker is None:
+                break
+            self.in_body, self.header = False, ""
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        rest, self.pending = self.pending, ""
+        if not self.in_body:        # a header that never reached <|message|>: show it as text
+            return "", self.header + rest
+        if self._channel() == "analysis" and not self._passthrough():
+            return rest, ""
+        return "", rest
+
+
+def make_reasoning_parser(name: str, prompt: str):
+    if name == "gpt_oss":
+        return HarmonyParser()
+    return ThinkParser(name, prompt_state(name, prompt))
+
+
+def split_reasoning(name: str | None, prompt: str, text: str) -> tuple[str | None, str]:
+    """A whole output -> (reasoning or None, content)."""
+    if name is None:
+        return None, text
+    p = make_reasoning_parser(name, prompt)
+    r1, c1 = p.feed(text)
+    r2, c2 = p.finish()
+    reasoning = r1 + r2
+    return (reasoning if p.saw_reasoning else None), c1 + c2
+
+
+def _section(open_: str, close: str) -> str:
+    """A Lark terminal for `open_`, any text without `close`, then `close` (one lexeme, so that the
+    lexer cannot stop inside the closing tag)."""
+    o, c = re.escape(open_).replace("/", r"\/"), re.escape(close).replace("/", r"\/")
+    return rf"/{o}(?s:.*){c}/ & ~/{o}(?s:.*){c}(?s:.+)/"
+
+
+def reasoning_prefix(name: str | None, state: str) -> str | None:
+    """The Lark grammar (llguidance's) of an output under this parser: the reasoning section, then
+    `@answer`, the constraint's own grammar; None where the answer starts at once (the prompt closed
+    the block). A structured output then constrains only the answer."""
+    if name is None or state == "answer":
+        return None
+    if name == "gpt_oss":
+        return ("start: (THINK \"<|start|>assistant\")? \"<|channel|>final<|message|>\" @answer\n"
+                f"THINK: {_section(H_CHANNEL + 'analysis' + H_MESSAGE, H_END)}\n")
+    ws = "WS: /\\n{1,2}/\n"      # the line breaks thinking models write after </think>
+    if state == "reasoning":
+        return f"start: THINK WS? @answer\nTHINK: {_section('', THINK_CLOSE)}\n{ws}"
+    return f"start: (THINK WS?)? @answer\nTHINK: {_section(THINK_OPEN, THINK_CLOSE)}\n{ws}"
+
+
+@dataclass(frozen=True)
+class OutputParsers:
+    """How one chat request's output is read: the reasoning parser (None: none), the rendered prompt
+    it starts from, and the tool-call format (serve.tool_parsers)."""
+    reasoning: str | None = None
+    prompt: str = ""
+    tools: str = "hermes"
+
+    def reasoning_parser(self):
+        return make_reasoning_parser(self.reasoning, self.prompt) if self.reasoning is not None else None
+
+
+def in_reasoning(p) -> bool:
+    if isinstance(p, ThinkParser):
+        return p.state == "reasoning"
+    return "analysis" in p.header and "to=" not in p.header
+
+
+def reasoning_tokens(parsers: OutputParsers, deltas) -> int:
+    """completion_tokens_details.reasoning_tokens of one choice: the tokens of the deltas that begin
+    or end inside the reasoning section (the tags included), 0 when there was none."""
+    p, n = parsers.reasoning_parser(), 0
+    if p is None:
+        return 0
+    for d in deltas:
+        before = in_reasoning(p)
+        p.feed(d.text)
+        if before or in_reasoning(p):
+            n += len(d.token_ids)
+    return n if p.saw_reasoning else 0

@@ -1,0 +1,451 @@
+"""OpenAI's Responses API: POST /v1/responses (streamed or not) and GET /v1/responses/{id}.
+
+A Responses request becomes a chat completion request (the same template, parsers, sampling and
+structured outputs as /v1/chat/completions, serve.app.ServerState.chat_request), and its output
+becomes Responses output items: a `reasoning` item (the reasoning parser's text, as reasoning_text
+content), a `message` item (output_text) and one `function_call` item per tool call; the body's
+`output_text` is the messages' text joined (the SDKs compute the same property from the items). Streaming sends
+OpenAI's documented event sequence: response.created, response.in_progress, then per item
+response.output_item.added, (reasoning: response.reasoning_text.delta ... .done; message:
+response.content_part.added, response.output_text.delta ... response.output_text.done,
+response.content_part.done; function call: response.function_call_arguments.delta, .done),
+response.output_item.done, and last response.completed (or response.incomplete when
+max_output_tokens cut it); every event carries its sequence_number.
+
+Input: `input` as a string (one user message) or a list of items: messages ({"role", "content"} with
+a string or input_text / output_text parts, "type": "message" optional), function_call items (sent
+back as the assistant's tool calls) and function_call_output items (as tool messages, which each
+family's chat template renders its own way); reasoning items are accepted and not rendered (chat
+templates drop earlier turns' reasoning). `instructions` is a system message. tools: function tools
+({"type": "function", "name", "parameters", ...}); tool_choice: "none" | "auto" | "required" |
+{"type": "function", "name"}; text.format: text | json_object | json_schema; reasoning: accepted only
+where the server runs a reasoning parser (400 otherwise); its effort goes to the template as
+`reasoning_effort` (gpt-oss's template reads it).
+
+store / previous_response_id: a stored response (store defaults to true, as OpenAI's) keeps its
+whole conversation in memory, in a bounded LRU (RESPONSE_STORE entries) that a restart empties; a
+request naming an unknown (or evicted) previous_response_id gets a 404. Fields not implemented get a
+400 naming them (UNSUPPORTED_RESPONSE_FIELDS).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from serve.bridge import EngineDeadError
+from serve.protocol import ChatCompletionRequest, OpenAIError, _Body, new_id, now
+from serve.reasoning import reasoning_tokens
+from serve.stream import ChatChoices, next_delta, respond, sse_error
+
+RESPONSE_STORE = 1024
+
+# Responses fields this server does not implement: a 400 naming the field unless its value is a no-op
+UNSUPPORTED_RESPONSE_FIELDS = {
+    "background": lambda v: v is None or v is False,
+    "conversation": lambda v: v is None,
+    "include": lambda v: v is None or v == [],
+    "max_tool_calls": lambda v: v is None,
+    "prompt": lambda v: v is None,
+    "prompt_cache_key": lambda v: v is None,
+    "safety_identifier": lambda v: v is None,
+    "service_tier": lambda v: v is None or v in ("auto", "default"),
+    "top_logprobs": lambda v: v is None or v == 0,
+    "truncation": lambda v: v is None or v == "disabled",
+    "stream_options": lambda v: v is None,
+    "context_management": lambda v: v is None,
+}
+
+router = APIRouter()
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    @classmethod
+    def check_unsupported(cls, data: Any) -> None:
+        if isinstance(data, dict):
+            for name, is_noop in UNSUPPORTED_RESPONSE_FIELDS.items():
+                if name in data and not is_noop(data[name]):
+                    raise OpenAIError(400, f"{name} is not supported by this server's /v1/responses", param=name)
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise OpenAIError(400, f"{where}.content must be a string or a list of text parts", param="input")
+    parts = []
+    for p in content:
+        if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text") \
+                or not isinstance(p.get("text"), str):
+            raise OpenAIError(400, f"{where}.content: only input_text / output_text parts are supported",
+                              param="input")
+        parts.append(p["text"])
+    return "".join(parts)
+
+
+def input_messages(items: str | list[dict]) -> list[dict]:
+    """Responses input -> chat messages."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise OpenAIError(400, f"{where} must be an object", param="input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise OpenAIError(400, f"{where}.role must be user, system, developer or assistant", param="input")
+            out.append({"role": role, "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+            if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
+                raise OpenAIError(400, f"{where}: a function_call item has call_id, name and arguments (strings)",
+                                  param="input")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise OpenAIError(400, f"{where}.call_id must be a string", param="input")
+            out.append({"role": "tool", "tool_call_id": call_id,
+                        "content": output if isinstance(output, str) else _text(output, where)})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise OpenAIError(400, f"{where}: input items of type {kind!r} are not supported (message, "
+                                   "function_call, function_call_output, reasoning)", param="input")
+    return out
+
+
+def chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    if tools is None:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise OpenAIError(400, f"tools[{i}]: only function tools are supported", param="tools")
+        out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def response_format(text: dict | None) -> dict | None:
+    fmt = (text or {}).get("format")
+    if fmt is None or not isinstance(fmt, dict):
+        if fmt is not None:
+            raise OpenAIError(400, "text.format must be an object", param="text")
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    raise OpenAIError(400, f"text.format.type must be text, json_object or json_schema, got {kind!r}", param="text")
+
+
+class ResponseStore:
+    """Stored responses: id -> (response body, the conversation's chat messages after it). Bounded
+    (least recently used out first), in memory, lost on restart."""
+
+    def __init__(self, size: int = RESPONSE_STORE):
+        self.size, self._items, self._lock = size, OrderedDict(), threading.Lock()
+
+    def get(self, rid: str) -> tuple[dict, list[dict]] | None:
+        with self._lock:
+            if rid in self._items:
+                self._items.move_to_end(rid)
+                return self._items[rid]
+            return None
+
+    def put(self, rid: str, body: dict, messages: list[dict]) -> None:
+        with self._lock:
+            self._items[rid] = (body, messages)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+
+def _store(state) -> ResponseStore:
+    if not hasattr(state, "response_store"):
+        state.response_store = ResponseStore()
+    return state.response_store
+
+
+def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[dict]]:
+    """The chat request a Responses request stands for, and its messages (kept for the store)."""
+    history: list[dict] = []
+    if req.previous_response_id is not None:
+        found = _store(state).get(req.previous_response_id)
+        if found is None:
+            raise OpenAIError(404, f"no stored response with id {req.previous_response_id!r} (responses are kept "
+                                   "in memory, a bounded number, and lost when the server restarts)",
+                              type_="not_found_error", param="previous_response_id", code="response_not_found")
+        history = [m for m in found[1] if m["role"] != "system"]
+    if req.reasoning is not None and state.reasoning_parser is None:
+        raise OpenAIError(400, "reasoning: this model is served without a reasoning parser "
+                               "(start the server with --reasoning-parser)", param="reasoning")
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history + \
+        input_messages(req.input)
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
+                            "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice),
+                            "parallel_tool_calls": req.parallel_tool_calls,
+                            "response_format": response_format(req.text)}
+    if req.temperature is not None:
+        body["temperature"] = req.temperature
+    if req.top_p is not None:
+        body["top_p"] = req.top_p
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None:
+        body["chat_template_kwargs"] = {"reasoning_effort": effort}
+    try:
+        return ChatCompletionRequest.model_validate(body), messages
+    except ValueError as e:
+        raise OpenAIError(400, f"invalid request: {e}"[:800]) from None
+
+
+def _message_item(text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": new_id("msg"), "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": new_id("rs"), "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _call_item(call: dict, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": new_id("fc"), "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"], "status": status}
+
+
+def _response(rid: str, created: int, state, req: ResponsesRequest, output: list[dict], status: str,
+              usage: dict | None, cut: bool) -> dict:
+    tools = [t for t in (req.tools or [])]
+    return {"id": rid, "object": "response", "created_at": created, "status": status, "model": state.model_name,
+            "output": output, "output_text": "".join(c["text"] for item in output if item["type"] == "message"
+                                                     for c in item["content"] if c["type"] == "output_text"),
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "instructions": req.instructions, "metadata": req.metadata or {}, "max_output_tokens": req.max_output_tokens,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "temperature": req.temperature if req.temperature is not None else 1.0,
+            "top_p": req.top_p if req.top_p is not None else 1.0,
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": tools,
+            "text": req.text or {"format": {"type": "text"}}, "reasoning": req.reasoning,
+            "previous_response_id": req.previous_response_id, "store": req.store, "usage": usage}
+
+
+def _usage(n_prompt: int, n_out: int, cached: int, reasoning: int | None) -> dict:
+    return {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": reasoning or 0},
+            "total_tokens": n_prompt + n_out}
+
+
+def _assistant_messages(output: list[dict]) -> list[dict]:
+    """A response's output as the chat messages that continue its conversation."""
+    text = "".join(c["text"] for item in output if item["type"] == "message" for c in item["content"])
+    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+             for i in output if i["type"] == "function_call"]
+    m: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        m["tool_calls"] = calls
+    return [m]
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request):
+    state = request.app.state.server
+    try:
+        raw = await request.json()
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OpenAIError(400, f"the request body is not valid JSON ({e})"[:500]) from None
+    ResponsesRequest.check_unsupported(raw)
+    try:
+        req = ResponsesRequest.model_validate(raw)
+    except ValueError as e:
+        errors = getattr(e, "errors", lambda: [])()
+        first = errors[0] if errors else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        raise OpenAIError(400, f"{loc or 'body'}: {first.get('msg', e)}", param=loc.split(".")[0] or None) from None
+    chat, messages = await run_in_threadpool(_chat_request, state, req)
+    prompt, params, parsers = await run_in_threadpool(state.chat_request, chat)
+    sub = state.engine.submit([prompt], params, request_field=chat.request_field)
+    rid, created = new_id("resp"), now()
+    plan = chat.tool_plan()
+
+    def finish(output: list[dict], usage: dict, cut: bool) -> dict:
+        body = _response(rid, created, state, req, output, "incomplete" if cut else "completed", usage, cut)
+        if req.store:
+            _store(state).put(rid, body, messages + _assistant_messages(output))
+        return body
+
+    if not req.stream:
+        def build(groups):
+            from serve.protocol import chat_message
+            g = groups[0]
+            message, finish_reason = chat_message("".join(d.text for d in g), g[-1].finish_reason, plan, parsers)
+            output = []
+            if message.get("reasoning_content"):
+                output.append(_reasoning_item(message["reasoning_content"]))
+            if message.get("content"):
+                output.append(_message_item(message["content"]))
+            output += [_call_item(c) for c in message.get("tool_calls") or []]
+            n_out = sum(len(d.token_ids) for d in g)
+            n_reason = reasoning_tokens(parsers, g) if parsers.reasoning else 0
+            return finish(output, _usage(len(prompt), n_out, max((d.num_cached_tokens for d in g), default=0),
+                                         n_reason), finish_reason == "length")
+        return await respond(state.engine, sub, request, build)
+    choices = ChatChoices(1, plan, state.token_str, False, parsers)
+    start = _response(rid, created, state, req, [], "in_progress", None, False)
+    return StreamingResponse(_events(state, sub, choices, start, len(prompt), finish), media_type="text/event-stream")
+
+
+def _event(kind: str, seq: list[int], **fields) -> str:
+    seq[0] += 1
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0] - 1, **fields}, ensure_ascii=False)}\n\n"
+
+
+async def _events(state, sub, choices: ChatChoices, start: dict, n_prompt: int, finish):
+    seq, output, done = [0], [], False
+    open_item: dict | None = None           # the reasoning or message item being written
+    n_out = cached = 0
+    cut = False
+    try:
+        yield _event("response.created", seq, response=start)
+        yield _event("response.in_progress", seq, response=start)
+
+        def close():
+            nonlocal open_item
+            item, open_item = open_item, None
+            if item is None:
+                return []
+            idx = output.index(item)
+            if item["type"] == "reasoning":
+                text = item["content"][0]["text"]
+                return [_event("response.reasoning_text.done", seq, item_id=item["id"], output_index=idx,
+                               content_index=0, text=text),
+                        _event("response.output_item.done", seq, output_index=idx, item=item)]
+            part = item["content"][0]
+            return [_event("response.output_text.done", seq, item_id=item["id"], output_index=idx, content_index=0,
+                           text=part["text"], logprobs=[]),
+                    _event("response.content_part.done", seq, item_id=item["id"], output_index=idx, content_index=0,
+                           part=part),
+                    _event("response.output_item.done", seq, output_index=idx, item=item)]
+
+        def opened(kind: str):
+            nonlocal open_item
+            events = []
+            if open_item is not None and open_item["type"] != kind:
+                events += close()
+            if open_item is None:
+                item = _reasoning_item("", "in_progress") if kind == "reasoning" else _message_item("", "in_progress")
+                item["content"][0]["text"] = ""
+                output.append(item)
+                open_item = item
+                shown = json.loads(json.dumps(item))
+                events.append(_event("response.output_item.added", seq, output_index=len(output) - 1, item=shown))
+                if kind == "message":
+                    events.append(_event("response.content_part.added", seq, item_id=item["id"],
+                                         output_index=len(output) - 1, content_index=0, part=shown["content"][0]))
+            return events
+
+        remaining = 1
+        while remaining:
+            d = await next_delta(sub)
+            remaining -= d.finished
+            n_out += len(d.token_ids)
+            cached = max(cached, d.num_cached_tokens)
+            if not (d.text or d.token_ids or d.finished):
+                continue
+            for chunk in choices(d):
+                delta = chunk["delta"]
+                if delta.get("reasoning_content"):
+                    for e in opened("reasoning"):
+                        yield e
+                    open_item["content"][0]["text"] += delta["reasoning_content"]
+                    yield _event("response.reasoning_text.delta", seq, item_id=open_item["id"],
+                                 output_index=output.index(open_item), content_index=0,
+                                 delta=delta["reasoning_content"])
+                if delta.get("content"):
+                    for e in opened("message"):
+                        yield e
+                    open_item["content"][0]["text"] += delta["content"]
+                    yield _event("response.output_text.delta", seq, item_id=open_item["id"],
+                                 output_index=output.index(open_item), content_index=0, delta=delta["content"],
+                                 logprobs=[])
+                for tc in delta.get("tool_calls") or []:
+                    if "id" in tc:           # a new call: its name first, its arguments in the next delta
+                        for e in close():
+                            yield e
+                        item = _call_item({"id": tc["id"], "function": {"name": tc["function"]["name"],
+                                                                       "arguments": ""}}, "in_progress")
+                        output.append(item)
+                        yield _event("response.output_item.added", seq, output_index=len(output) - 1, item=dict(item))
+                    else:
+                        item = [i for i in output if i["type"] == "function_call"][-1]
+                        args = tc["function"]["arguments"]
+                        item["arguments"] += args
+                        idx = output.index(item)
+                        yield _event("response.function_call_arguments.delta", seq, item_id=item["id"],
+                                     output_index=idx, delta=args)
+                        yield _event("response.function_call_arguments.done", seq, item_id=item["id"],
+                                     output_index=idx, arguments=item["arguments"], name=item["name"])
+                        item["status"] = "completed"
+                        yield _event("response.output_item.done", seq, output_index=idx, item=item)
+                if chunk.get("finish_reason"):
+                    cut = chunk["finish_reason"] == "length"
+        done = True
+        for e in close():
+            yield e
+        for item in output:
+            item["status"] = "completed"
+        body = finish(output, _usage(n_prompt, n_out, cached, choices.reasoning_tokens), cut)
+        yield _event("response.incomplete" if cut else "response.completed", seq, response=body)
+    except EngineDeadError as e:
+        yield sse_error(e)
+    finally:
+        state.engine.release(sub, done)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    found = _store(request.app.state.server).get(response_id)
+    if found is None:
+        raise OpenAIError(404, f"no stored response with id {response_id!r}", type_="not_found_error",
+                          param="response_id", code="response_not_found")
+    return found[0]

@@ -1,0 +1,249 @@
+"""Tool-call parsers per model family (vLLM's `--tool-call-parser` names) for tool_choice "auto":
+the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no jax.
+
+  hermes       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen 2.5/3, Hermes;
+               serve.tools.AutoToolParser);
+  llama3_json  Llama 3.1+/3.2 JSON calls: an output that is (after an optional `<|python_tag|>`) one
+               or more `{"name": ..., "parameters": {...}}` objects separated by `;`;
+  mistral      `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (Mistral v0.3 / Nemo), or
+               `[TOOL_CALLS]name[ARGS]{...}` (the v11+ tokenizers' form), text before it is content;
+  openai       gpt-oss harmony: a message whose header names a recipient `to=functions.NAME` is a call
+               of NAME with the message body as its JSON arguments; other messages' bodies are content.
+
+Every parser has the interface of AutoToolParser: feed(text) -> (content safe to show now, calls
+completed so far), finish() -> (the rest). A call whose JSON does not parse, or that names a function
+not in the request's tools, stays content (as vLLM leaves it), so a malformed call never fails the
+request. Calls in the llama3_json and mistral forms are known only when the output ends, so their
+streamed tool_calls come with the last chunk; hermes and openai calls go out as each one closes.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+
+from serve.reasoning import H_CALL, H_END, H_MESSAGE, H_RETURN, partial_suffix
+
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "openai")
+
+PYTHON_TAG = "<|python_tag|>"
+MISTRAL_CALLS = "[TOOL_CALLS]"
+MISTRAL_ARGS = "[ARGS]"
+
+
+def default_tool_parser(template: str | None) -> str:
+    """The parser a chat template shows; hermes (the `<tool_call>` form our own plain rendering asks
+    for) when it shows none."""
+    t = template or ""
+    if "<|channel|>" in t and "to=" in t:
+        return "openai"
+    if "[TOOL_CALLS]" in t:
+        return "mistral"
+    if "<|start_header_id|>" in t and ("\"parameters\"" in t or "ipython" in t):
+        return "llama3_json"
+    return "hermes"
+
+
+def mistral_call_id() -> str:
+    """Mistral's templates refuse tool-call ids that are not 9 letters or digits (vLLM makes the same)."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+def _call(plan, name, args, mistral: bool = False):
+    from serve.tools import make_call
+    if not isinstance(name, str) or name not in plan.names:
+        return None
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return None
+    call = make_call(name, args)
+    if mistral:
+        call["id"] = mistral_call_id()
+    return call
+
+
+def _json_values(text: str, sep: str) -> list | None:
+    """`text` as JSON values separated by `sep` (and whitespace); None unless all of it is."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        try:
+            value, i = dec.raw_decode(text, i)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        out.append(value)
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i == len(text):
+            return out
+        if not text.startswith(sep, i):
+            return None
+        i += len(sep)
+
+
+class _Buffered:
+    """Shared by llama3_json and mistral: content streams until the call marker; from there the rest
+    is held and parsed when the output ends (kept as content if it does not parse)."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.pending = ""
+        self.held: str | None = None     # the text from the marker on
+        self.calls: list[dict] = []
+
+    def _limit(self, calls: list[dict]) -> list[dict]:
+        calls = [c for c in calls if c is not None]
+        return calls[:1] if calls and not self.plan.parallel else calls
+
+    def finish(self) -> tuple[str, list[dict]]:
+        rest, self.pending = self.pending, ""
+        if self.held is None:
+            return rest, []
+        held, self.held = self.held + rest, None
+        calls = self._parse(held)
+        if not calls:
+            return held, []
+        self.calls = self._limit(calls)
+        return "", self.calls
+
+
+class Llama3JsonParser(_Buffered):
+    plain = False      # the output did not start with a call: it is text, streamed as it comes
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.plain:
+            return text, []
+        if self.held is not None:
+            self.held += text
+            return "", []
+        self.pending += text
+        head = self.pending.lstrip()
+        if not head:
+            return "", []
+        if head.startswith("{") or head.startswith(PYTHON_TAG):
+            self.held, self.pending = self.pending, ""
+            return "", []
+        if PYTHON_TAG.startswith(head):
+            return "", []
+        out, self.pending, self.plain = self.pending, "", True
+        return out, []
+
+    def _parse(self, text: str) -> list[dict] | None:
+        body = text.strip()
+        if body.startswith(PYTHON_TAG):
+            body = body[len(PYTHON_TAG):]
+        values = _json_values(body, ";")
+        if not values or not all(isinstance(v, dict) for v in values):
+            return None
+        calls = [_call(self.plan, v.get("name"), v.get("parameters", v.get("arguments"))) for v in values]
+        return None if None in calls else calls
+
+
+class MistralParser(_Buffered):
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.held is not None:
+            self.held += text
+            return "", []
+        self.pending += text
+        i = self.pending.find(MISTRAL_CALLS)
+        if i >= 0:
+            content, self.held, self.pending = self.pending[:i], self.pending[i:], ""
+            return content, []
+        keep = partial_suffix(self.pending, MISTRAL_CALLS)
+        out, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return out, []
+
+    def _parse(self, text: str) -> list[dict] | None:
+        calls: list = []
+        for part in text.split(MISTRAL_CALLS)[1:]:
+            part = part.strip()
+            if part.startswith("[") or part.startswith("{"):
+                values = _json_values(part, ",")
+                if values is None:
+                    return None
+                items = values[0] if len(values) == 1 and isinstance(values[0], list) else values
+                if not all(isinstance(v, dict) for v in items):
+                    return None
+                calls += [_call(self.plan, v.get("name"), v.get("arguments", v.get("parameters")), True)
+                          for v in items]
+            else:                                   # name[ARGS]{...}  or  name{...}
+                m = re.match(r"([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*(\{.*\})\s*$", part, re.S)
+                if not m:
+                    return None
+                calls.append(_call(self.plan, m.group(1), m.group(2), True))
+        return None if not calls or None in calls else calls
+
+
+_RECIPIENT = re.compile(r"to=functions\.([A-Za-z0-9_.\-]+)")
+
+
+class HarmonyToolParser:
+    """openai (gpt-oss): harmony messages in the text (as the model writes them, or as the gpt_oss
+    reasoning parser passes on the ones that are not analysis or final)."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.pending = ""
+        self.header: str | None = None     # set while inside a message body
+        self.calls: list[dict] = []
+
+    def _take_call(self, header: str, body: str, marker: str) -> tuple[str, list[dict]]:
+        m = _RECIPIENT.search(header)
+        if m is None:
+            return body, []
+        call = _call(self.plan, m.group(1), body.strip())
+        if call is None or (self.calls and not self.plan.parallel):
+            return header + H_MESSAGE + body + marker, []
+        self.calls.append(call)
+        return "", [call]
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.pending += text
+        content, calls = "", []
+        while self.pending:
+            if self.header is None:
+                i = self.pending.find(H_MESSAGE)
+                if i < 0:
+                    break
+                self.header, self.pending = self.pending[:i], self.pending[i + len(H_MESSAGE):]
+                continue
+            ends = [(self.pending.find(m), m) for m in (H_CALL, H_END, H_RETURN)]
+            ends = [e for e in ends if e[0] >= 0]
+            is_call = _RECIPIENT.search(self.header) is not None
+            if not ends:
+                if not is_call:          # a plain body streams
+                    keep = max(partial_suffix(self.pending, m) for m in (H_CALL, H_END, H_RETURN))
+                    content += self.pending[:len(self.pending) - keep]
+                    self.pending = self.pending[len(self.pending) - keep:]
+                break
+            i, marker = min(ends)
+            body, self.pending = self.pending[:i], self.pending[i + len(marker):]
+            c, new = self._take_call(self.header, body, marker) if is_call else (body, [])
+            content += c
+            calls += new
+            self.header = None
+        return content, calls
+
+    def finish(self) -> tuple[str, list[dict]]:
+        rest, self.pending = self.pending, ""
+        if self.header is None:
+            return rest, []
+        header, self.header = self.header, None
+        if _RECIPIENT.search(header) is not None:       # the output ended inside the call's body
+            return self._take_call(header, rest, "")
+        return rest, []
+
+
+def make_tool_parser(name: str, plan):
+    if name == "hermes":
+        from serve.tools import AutoToolParser
+        return AutoToolParser(plan)
+    return {"llama3_json": Llama3JsonParser, "mistral": MistralParser, "openai": HarmonyToolParser}[name](plan)

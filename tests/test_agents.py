@@ -1,0 +1,390 @@
+"""Agents (issue #56): reasoning parsers, per-family tool-call parsers, chat_template_kwargs and the
+Responses API, driven end to end by the official `openai` client.
+
+The model is a tiny Llama whose weights make it write a known text (a "bigram" model): every layer's
+output projections are zero, so the residual stream is the current token's embedding; the chain's
+tokens have one-hot embeddings and lm_head row b holds 10x the embedding of the token before b, so
+the next token after a is b with a logit of 80 against 0. Its SentencePiece vocabulary has each piece
+of the texts below as one user-defined symbol, among them the last token of each family's generation
+prompt (the published templates in tests/data/chat_templates): so a Qwen3 prompt makes it write a
+Qwen3 reply, a Llama 3.1 prompt a Llama JSON call, and so on. The expected outputs are the texts
+here (what the model is built to write), split and parsed by hand (the field values below); token
+counts come from SentencePiece. A prompt's rendering is compared with transformers'
+apply_chat_template on the same template.
+
+One engine (one compilation) serves every app: each test builds the app for its family (template and
+parsers) in process and talks to it through starlette's TestClient, which the openai client takes as
+its http client.
+"""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.hf_models import TEXT_WORDS
+
+openai = pytest.importorskip("openai")
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string", "description": "the city"}},
+                                               "required": ["city"]}}}]
+USER = [{"role": "user", "content": "weather in Paris?"}]
+QWEN_CALL = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+# start token (the last token of a generation prompt) -> what the model writes after it
+CHAINS = {
+    # Qwen3, thinking; the closing tag split over two tokens
+    "<|im_start|>assistant\n": ["<think>", "\nThe user wants the weather.\n", "</thi", "nk>\n\n", "<tool_call>",
+                                QWEN_CALL, "</tool_call>"],
+    # Qwen3 with enable_thinking false: its generation prompt ends with the closed block
+    "<think>\n\n</think>\n\n": ["It is sunny in Paris."],
+    # DeepSeek-R1: the template opens <think> itself
+    "<｜Assistant｜><think>\n": ["Two and two make four.", "</think>", "\n\nThe answer is 4."],
+    "<|start_header_id|>assistant<|end_header_id|>\n\n": ['{"name": "get_weather", "parameters": {"city": "Paris"}}'],
+    "[/INST]": ["[TOOL_CALLS]", ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'],
+    "<|start|>assistant": ["<|channel|>analysis<|message|>", "The user asks for the weather.",
+                           "<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
+                           "<|constrain|>json<|message|>", '{"city":"Paris"}', "<|call|>"],
+    # a tool call whose JSON does not parse (the test template below ends with this token)
+    "<|bad_turn|>": ['<tool_call>{"name": "get_weather", "arguments": {"city": ', "Paris}}</tool_call>"],
+}
+# special (control) tokens, as in the real vocabularies: dropped from text unless a parser asks for them
+CONTROL = ("[TOOL_CALLS]",)
+BAD_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}<|bad_turn|>"
+
+
+def _written(start: str) -> str:
+    return "".join(CHAINS[start])
+
+
+def save_chain_model(folder: Path) -> Path:
+    import sentencepiece as spm
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.RandomState(0)
+    lines = [" ".join(rng.choice(TEXT_WORDS, rng.randint(4, 14))) for _ in range(400)]
+    symbols = list(dict.fromkeys([s for start, chain in CHAINS.items() for s in [start, *chain]]))
+    control = [s for s in symbols if s in CONTROL]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=400, model_type="bpe",
+                                   byte_fallback=True, character_coverage=0.99, bos_id=1, eos_id=2, unk_id=0, pad_id=3,
+                                   user_defined_symbols=[s for s in symbols if s not in control],
+                                   control_symbols=control, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, add_dummy_prefix=False, minloglevel=3)
+    (folder / "tokenizer.model").write_bytes(buf.getvalue())
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    ids = {s: sp.piece_to_id(s) for s in symbols}
+    assert len(set(ids.values())) == len(symbols) and min(ids.values()) > 3
+    vocab, hidden = 400, 64
+    assert len(symbols) <= hidden
+    dim = {s: k for k, s in enumerate(symbols)}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                                         max_position_embeddings=4096, tie_word_embeddings=False))
+    with torch.no_grad():
+        emb, head = torch.zeros(vocab, hidden), torch.zeros(vocab, hidden)
+        for s, k in dim.items():
+            emb[ids[s], k] = 1.0
+        for start, chain in CHAINS.items():
+            seq = [start, *chain]
+            for a, b in zip(seq, seq[1:]):
+                head[ids[b], dim[a]] = 10.0
+            head[2, dim[seq[-1]]] = 10.0                   # then end of sequence
+        model.model.embed_tokens.weight.copy_(emb)
+        model.lm_head.weight.copy_(head)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_chain_model(tmp_path_factory.mktemp("agents") / "model")
+
+
+@pytest.fixture(scope="module")
+def gen(model_dir):
+    from jaxinfer import Generator
+    g = Generator.from_pretrained(model_dir, dtype="float32", max_model_len=2048, max_num_batched_tokens=16,
+                                  max_num_seqs=4, block_size=16, warmup=False)
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def sp(model_dir):
+    import sentencepiece as spm
+    return spm.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+
+
+@contextmanager
+def serving(gen, template: str, **parsers):
+    """The app for one family, in process; yields (openai client, TestClient)."""
+    from starlette.testclient import TestClient
+
+    from serve.app import build_app
+    text = (TEMPLATES / template).read_text() if template.endswith(".jinja") else template
+    app = build_app(gen, "tiny", chat_template=text, **parsers)
+    with TestClient(app) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0), http
+
+
+def _stream_chat(client, **kw):
+    reasoning, content, calls, finish, usage = "", "", {}, None, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                d = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                d["name"] += tc.function.name or ""
+                d["arguments"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    return reasoning, content, [calls[i] for i in sorted(calls)], finish, usage
+
+
+def _n_tokens(sp, pieces: list[str]) -> int:
+    """How many tokens the model wrote for these pieces: one each (SentencePiece's vocabulary has each
+    as one piece, and the model writes pieces, not text)."""
+    assert all(sp.id_to_piece(sp.piece_to_id(p)) == p for p in pieces)
+    return len(pieces)
+
+
+# ============================================================== templates render as transformers does
+@pytest.mark.parametrize("template,kwargs", [("qwen3.jinja", {}), ("qwen3.jinja", {"enable_thinking": False}),
+                                             ("llama3.1-json.jinja", {"date_string": "26 Jul 2024"}),
+                                             ("mistral-7b-instruct-v0.3.jinja", {}),
+                                             ("gpt-oss.jinja", {"reasoning_effort": "low"})])
+def test_prompts_render_as_transformers_renders_them(gen, template, kwargs):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from serve.protocol import ChatMessage
+    from serve.tools import plan_tools
+    text = (TEMPLATES / template).read_text()
+    history = USER + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "abcdefghi", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "abcdefghi", "content": "sunny"}]
+    with serving(gen, template) as (client, http):
+        state = http.app.state.server
+        ours = state.render_chat_text([ChatMessage.model_validate(m) for m in history], plan_tools(TOOLS, None, None),
+                                      kwargs)
+    hf_history = [dict(m) for m in history]
+    hf_history[1] = {**hf_history[1], "tool_calls": [{**hf_history[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    rendered, _ = render_jinja_template([hf_history], tools=TOOLS, chat_template=text, add_generation_prompt=True,
+                                        bos_token="<s>", eos_token="</s>", **kwargs)
+    if "gpt-oss" in template:        # its system message carries today's date
+        import datetime
+        assert datetime.date.today().strftime("%Y-%m-%d") in ours
+    assert ours == rendered[0]
+
+
+# ============================================================== reasoning parsers
+def test_qwen3_reasoning_and_hermes_tool_call(gen, sp):
+    chain = CHAINS["<|im_start|>assistant\n"]
+    with serving(gen, "qwen3.jinja") as (client, _):
+        r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=40)
+        m = r.choices[0].message
+        assert m.model_extra["reasoning_content"] == "\nThe user wants the weather.\n"
+        assert m.content is None and r.choices[0].finish_reason == "tool_calls"
+        (call,) = m.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+        # <think>, the reasoning, and both halves of the split </think>
+        assert r.usage.completion_tokens_details.reasoning_tokens == _n_tokens(sp, chain[:4])
+        assert r.usage.completion_tokens == _n_tokens(sp, chain) + 1     # and the end-of-sequence token
+        reasoning, content, calls, finish, usage = _stream_chat(client, model="tiny", messages=USER, tools=TOOLS,
+                                                                 temperature=0, max_tokens=40)
+        assert reasoning == m.model_extra["reasoning_content"] and content == ""
+        assert calls == [{"name": "get_weather", "arguments": call.function.arguments}] and finish == "tool_calls"
+        assert usage.completion_tokens_details.reasoning_tokens == r.usage.completion_tokens_details.reasoning_tokens
+        # without tools the call is text: the answer after the reasoning
+        r = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=40)
+        assert r.choices[0].message.content == "\n\n<tool_call>" + QWEN_CALL + "</tool_call>"
+
+
+def test_chat_template_kwargs_switch_thinking_off(gen):
+    with serving(gen, "qwen3.jinja") as (client, _):
+        r = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=20,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        m = r.choices[0].message
+        assert m.content == "It is sunny in Paris." and m.model_extra["reasoning_content"] is None
+        assert r.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_deepseek_r1_reasoning_opened_by_the_prompt(gen, sp):
+    chain = CHAINS["<｜Assistant｜><think>\n"]
+    with serving(gen, "deepseek-r1.jinja") as (client, http):
+        assert http.app.state.server.reasoning_parser == "deepseek_r1"     # shown by the template
+        r = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=20)
+        m = r.choices[0].message
+        assert m.model_extra["reasoning_content"] == "Two and two make four." and m.content == "\n\nThe answer is 4."
+        assert r.usage.completion_tokens_details.reasoning_tokens == _n_tokens(sp, chain[:2])
+        reasoning, content, _, finish, _ = _stream_chat(client, model="tiny", messages=USER, temperature=0, max_tokens=20)
+        assert (reasoning, content, finish) == ("Two and two make four.", "\n\nThe answer is 4.", "stop")
+
+
+def test_gpt_oss_analysis_channel_and_harmony_tool_call(gen, sp):
+    with serving(gen, "gpt-oss.jinja") as (client, http):
+        state = http.app.state.server
+        assert (state.reasoning_parser, state.tool_call_parser) == ("gpt_oss", "openai")
+        from serve.protocol import ChatCompletionRequest
+        _, _, parsers = state.chat_request(ChatCompletionRequest(messages=USER, reasoning_effort="low"))
+        assert "Reasoning: low\n" in parsers.prompt      # the template's own effort line
+        r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=20)
+        m = r.choices[0].message
+        assert m.model_extra["reasoning_content"] == "The user asks for the weather." and m.content is None
+        (call,) = m.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+        reasoning, content, calls, finish, _ = _stream_chat(client, model="tiny", messages=USER, tools=TOOLS,
+                                                            temperature=0, max_tokens=20)
+        assert reasoning == "The user asks for the weather." and content == ""
+        assert [c["name"] for c in calls] == ["get_weather"] and finish == "tool_calls"
+
+
+# ============================================================== tool parsers per family
+def test_llama3_json_tool_call(gen):
+    with serving(gen, "llama3.1-json.jinja") as (client, http):
+        assert http.app.state.server.tool_call_parser == "llama3_json"
+        r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=20)
+        (call,) = r.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments) == {"city": "Paris"} and r.choices[0].message.content is None
+        _, content, calls, finish, _ = _stream_chat(client, model="tiny", messages=USER, tools=TOOLS, temperature=0,
+                                                    max_tokens=20)
+        assert content == "" and finish == "tool_calls" and json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+        # the call goes back as the template writes it, with the tool's result
+        history = USER + [r.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        ids = http.post("/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
+        assert ids    # rendered without error
+
+
+def test_mistral_tool_call_and_result(gen, sp):
+    with serving(gen, "mistral-7b-instruct-v0.3.jinja") as (client, http):
+        assert http.app.state.server.tool_call_parser == "mistral"
+        r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=20)
+        (call,) = r.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        assert len(call.id) == 9 and call.id.isalnum()      # what Mistral's template requires
+        history = USER + [r.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        text = http.app.state.server.render_chat_text(
+            [__import__("serve.protocol").protocol.ChatMessage.model_validate(m) for m in history])
+        assert f'[TOOL_RESULTS] {{"content": sunny, "call_id": "{call.id}"}}[/TOOL_RESULTS]' in text
+        _, content, calls, finish, _ = _stream_chat(client, model="tiny", messages=USER, tools=TOOLS, temperature=0,
+                                                    max_tokens=20)
+        assert content == "" and calls[0]["name"] == "get_weather" and finish == "tool_calls"
+        # [TOOL_CALLS] is a special (control) token: kept in the text only for the parser; a request
+        # without tools gets the text as SentencePiece decodes it
+        r = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=20)
+        assert r.choices[0].message.content == sp.decode([sp.piece_to_id(p) for p in CHAINS["[/INST]"]])
+
+
+def test_a_call_whose_json_does_not_parse_stays_content(gen):
+    with serving(gen, BAD_TEMPLATE, tool_call_parser="hermes", reasoning_parser="none") as (client, _):
+        r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=20)
+        assert r.choices[0].message.content == _written("<|bad_turn|>") and not r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "stop"
+        _, content, calls, finish, _ = _stream_chat(client, model="tiny", messages=USER, tools=TOOLS, temperature=0,
+                                                    max_tokens=20)
+        assert (content, calls, finish) == (_written("<|bad_turn|>"), [], "stop")
+
+
+def test_forced_tool_call_applies_after_the_reasoning(gen):
+    """A named tool_choice: the grammar lets the model think first, then forces the call (the model,
+    left alone, would write <tool_call> after </think>; the grammar makes it write the JSON call)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    with serving(gen, "qwen3.jinja") as (client, _):
+        r = client.chat.completions.create(model="tiny", messages=USER, tools=tools, temperature=0, max_tokens=80,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        m = r.choices[0].message
+        assert m.model_extra["reasoning_content"] == "\nThe user wants the weather.\n", m
+        (call,) = m.tool_calls
+        assert json.loads(call.function.arguments) == {"city": "Paris"} and r.choices[0].finish_reason == "tool_calls"
+
+
+# ============================================================== Responses API
+def test_responses_reasoning_and_function_call(gen, sp):
+    chain = CHAINS["<|im_start|>assistant\n"]
+    tools = [{"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}]
+    with serving(gen, "qwen3.jinja") as (client, _):
+        r = client.responses.create(model="tiny", input="weather in Paris?", tools=tools, temperature=0,
+                                    max_output_tokens=40)
+        assert r.status == "completed" and [o.type for o in r.output] == ["reasoning", "function_call"]
+        assert r.output[0].content[0].text == "\nThe user wants the weather.\n"
+        assert r.output[1].name == "get_weather" and json.loads(r.output[1].arguments) == {"city": "Paris"}
+        assert r.usage.output_tokens_details.reasoning_tokens == _n_tokens(sp, chain[:4])
+        assert r.usage.output_tokens == _n_tokens(sp, chain) + 1
+        # streamed: the documented events, in order, ending with the same response
+        events = list(client.responses.create(model="tiny", input="weather in Paris?", tools=tools, temperature=0,
+                                              max_output_tokens=40, stream=True))
+        kinds = [e.type for e in events]
+        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert kinds.index("response.reasoning_text.delta") < kinds.index("response.function_call_arguments.delta") \
+            < kinds.index("response.function_call_arguments.done")
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
+            "\nThe user wants the weather.\n"
+        done = events[-1].response
+        assert [o.type for o in done.output] == ["reasoning", "function_call"]
+        assert json.loads(done.output[1].arguments) == {"city": "Paris"}
+        # the call's result goes back under previous_response_id (the template renders it as a
+        # <tool_response>); the model (a fixed text) answers the same way again
+        r2 = client.responses.create(model="tiny", previous_response_id=r.id, tools=tools, temperature=0,
+                                     max_output_tokens=40,
+                                     input=[{"type": "function_call_output", "call_id": r.output[1].call_id,
+                                             "output": "sunny"}])
+        assert r2.previous_response_id == r.id and r2.output[-1].type == "function_call"
+
+
+def test_responses_message_output_text_and_errors(gen):
+    with serving(gen, "deepseek-r1.jinja") as (client, http):
+        r = client.responses.create(model="tiny", input=[{"role": "user", "content": "2+2?"}], temperature=0,
+                                    instructions="be brief", max_output_tokens=20)
+        assert [o.type for o in r.output] == ["reasoning", "message"]
+        assert r.output_text == "\n\nThe answer is 4."
+        text = ""
+        kinds = []
+        for e in client.responses.create(model="tiny", input="2+2?", temperature=0, max_output_tokens=20, stream=True):
+            kinds.append(e.type)
+            text += e.delta if e.type == "response.output_text.delta" else ""
+        assert text == r.output_text
+        assert kinds.index("response.content_part.added") < kinds.index("response.output_text.delta") \
+            < kinds.index("response.output_text.done") < kinds.index("response.content_part.done")
+        # cut by max_output_tokens
+        cut = client.responses.create(model="tiny", input="2+2?", temperature=0, max_output_tokens=2)
+        assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+        # unknown previous_response_id, unimplemented fields
+        bad = http.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": "resp_nope"})
+        assert bad.status_code == 404 and "resp_nope" in bad.json()["error"]["message"]
+        bad = http.post("/v1/responses", json={"model": "tiny", "input": "x", "background": True})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "background"
+        stored = http.get(f"/v1/responses/{r.id}").json()
+        assert stored["id"] == r.id and stored["output_text"] == "\n\nThe answer is 4."
+    with serving(gen, "llama3.1-json.jinja") as (client, http):    # no reasoning parser
+        bad = http.post("/v1/responses", json={"model": "tiny", "input": "x", "reasoning": {"effort": "low"}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning"
+
+
+def test_unknown_parser_names_fail_at_start_listing_the_choices():
+    for flag, choices in (("--reasoning-parser", "qwen3, deepseek_r1, gpt_oss"),
+                          ("--tool-call-parser", "hermes, llama3_json, mistral, openai")):
+        p = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "serve", flag, "bogus"], capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 2 and "invalid choice: 'bogus'" in p.stderr
+        assert all(f"'{c}'" in p.stderr for c in choices.split(", ")), p.stderr
