@@ -86,7 +86,8 @@ class Echo:
     prompt_logprobs: bool
 
     def prompt_of(self, choice: int, n: int) -> tuple[str, list[int]]:
-        return self.texts[choice // n], self.prompt_ids[choice // n]
+        # texts are decoded only when echoed: token-id prompts without echo have none
+        return (self.texts[choice // n] if self.texts else ""), self.prompt_ids[choice // n]
 
     def apply(self, body: dict, groups: list[list], token_str: TokenStr, logprobs: bool, n: int) -> dict:
         """A non-streaming completions body with the prompts echoed / their logprobs added."""
