@@ -77,10 +77,6 @@ class ThinkParser:
         self.pending = ""
         self.saw_reasoning = state == "reasoning"
 
-    @property
-    def ended(self) -> bool:
-        return self.state == "answer"
-
     def feed(self, text: str) -> tuple[str, str]:
         self.pending += text
         reasoning = content = ""
@@ -117,9 +113,7 @@ class ThinkParser:
         rest, self.pending = self.pending, ""
         if self.state == "reasoning":
             return rest, ""
-        if self.state == "open":        # only a partial <think>: it was text
-            return "", rest
-        return "", rest
+        return "", rest                 # an answer, or a partial "<think>" that never completed: text
 
 
 def _strip_role(header: str) -> str:
@@ -135,14 +129,11 @@ class HarmonyParser:
     passed on whole as content for the tool-call parser. The prompt ends with `<|start|>assistant`,
     so the output begins with the first message's header."""
 
-    MARKERS = (H_START, H_END, H_CALL, H_RETURN, H_CHANNEL, H_MESSAGE)
-
-    def __init__(self, name: str = "gpt_oss", state: str = "open"):
+    def __init__(self):
         self.pending = ""
         self.header = ""          # the current message's header text (channel, recipient)
         self.in_body = False
         self.saw_reasoning = False
-        self.ended = False         # a final-channel message has begun
 
     def _channel(self) -> str:
         m = re.search(r"<\|channel\|>\s*(\w+)", self.header)
@@ -162,13 +153,10 @@ class HarmonyParser:
                 self.header = _strip_role(self.header + self.pending[:i])
                 self.pending = self.pending[i + len(H_MESSAGE):]
                 self.in_body = True
-                ch = self._channel()
                 if self._passthrough():
                     content += self.header + H_MESSAGE
-                elif ch == "analysis":
+                elif self._channel() == "analysis":
                     self.saw_reasoning = True
-                else:
-                    self.ended = True
                 continue
             ends = [(self.pending.find(m), m) for m in (H_END, H_CALL, H_RETURN)]
             ends = [(i, m) for i, m in ends if i >= 0]
