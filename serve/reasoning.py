@@ -72,10 +72,13 @@ class ThinkParser:
 
     def __init__(self, name: str, state: str):
         self.name = name
-        # "open": may start with <think>; "reasoning"; "answer"
-        self.state = state
+        # "open": may start with <think> (stripped, as vLLM does, even where the prompt opened the
+        # block); "reasoning"; "answer". Without the tag: reasoning where the prompt opened the block
+        # or under deepseek_r1, else the answer.
+        self.fallback = "reasoning" if state == "reasoning" or name == "deepseek_r1" else "answer"
+        self.state = "answer" if state == "answer" else "open"
         self.pending = ""
-        self.saw_reasoning = state == "reasoning"
+        self.saw_reasoning = False
 
     def feed(self, text: str) -> tuple[str, str]:
         self.pending += text
@@ -89,10 +92,8 @@ class ThinkParser:
                     continue
                 if THINK_OPEN.startswith(stripped):     # maybe the tag, not yet whole
                     break
-                if self.name == "deepseek_r1":
-                    self.state, self.saw_reasoning = "reasoning", True
-                else:
-                    self.state = "answer"
+                self.state = self.fallback
+                self.saw_reasoning = self.state == "reasoning"
                 continue
             if self.state == "reasoning":
                 end = self.pending.find(THINK_CLOSE)
@@ -111,9 +112,12 @@ class ThinkParser:
 
     def finish(self) -> tuple[str, str]:
         rest, self.pending = self.pending, ""
+        if self.state == "open" and rest:    # only whitespace or a partial "<think>": the fallback's
+            self.state = self.fallback
+            self.saw_reasoning = self.state == "reasoning"
         if self.state == "reasoning":
             return rest, ""
-        return "", rest                 # an answer, or a partial "<think>" that never completed: text
+        return "", rest
 
 
 def _strip_role(header: str) -> str:

@@ -388,3 +388,28 @@ def test_unknown_parser_names_fail_at_start_listing_the_choices():
                            text=True, timeout=120)
         assert p.returncode == 2 and "invalid choice: 'bogus'" in p.stderr
         assert all(f"'{c}'" in p.stderr for c in choices.split(", ")), p.stderr
+
+
+def test_jaxinfer_serve_flags_reach_the_server(gen, model_dir, monkeypatch):
+    """`jaxinfer serve --chat-template F --reasoning-parser P --tool-call-parser T`: cmd_serve builds the
+    app with them (uvicorn.run and the Generator replaced, the engine already compiled)."""
+    import uvicorn
+    from starlette.testclient import TestClient
+
+    from jaxinfer import cli
+    apps = []
+    monkeypatch.setattr(cli, "_generator", lambda args: gen)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    monkeypatch.setattr(gen, "close", lambda: None)
+    args = cli.build_parser().parse_args(["serve", "--model", str(model_dir), "--served-model-name", "tiny",
+                                          "--chat-template", str(TEMPLATES / "qwen3.jinja"),
+                                          "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "mistral"])
+    assert args.func(args) == 0
+    state = apps[0].state.server
+    assert (state.reasoning_parser, state.tool_call_parser) == ("deepseek_r1", "mistral")
+    assert state.chat_template_text == (TEMPLATES / "qwen3.jinja").read_text()
+    with TestClient(apps[0]) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        r = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=40)
+        # deepseek_r1 on Qwen3's output: reasoning up to </think> (the opening tag stripped)
+        assert r.choices[0].message.model_extra["reasoning_content"] == "\nThe user wants the weather.\n"
