@@ -72,14 +72,13 @@ class ThinkParser:
 
     def __init__(self, name: str, state: str):
         self.name = name
-        # "open": may start with <think>; "reasoning"; "answer"
-        self.state = state
+        # "open": may start with <think> (stripped, as vLLM does, even where the prompt opened the
+        # block); "reasoning"; "answer". Without the tag: reasoning where the prompt opened the block
+        # or under deepseek_r1, else the answer.
+        self.fallback = "reasoning" if state == "reasoning" or name == "deepseek_r1" else "answer"
+        self.state = "answer" if state == "answer" else "open"
         self.pending = ""
-        self.saw_reasoning = state == "reasoning"
-
-    @property
-    def ended(self) -> bool:
-        return self.state == "answer"
+        self.saw_reasoning = False
 
     def feed(self, text: str) -> tuple[str, str]:
         self.pending += text
@@ -93,10 +92,8 @@ class ThinkParser:
                     continue
                 if THINK_OPEN.startswith(stripped):     # maybe the tag, not yet whole
                     break
-                if self.name == "deepseek_r1":
-                    self.state, self.saw_reasoning = "reasoning", True
-                else:
-                    self.state = "answer"
+                self.state = self.fallback
+                self.saw_reasoning = self.state == "reasoning"
                 continue
             if self.state == "reasoning":
                 end = self.pending.find(THINK_CLOSE)
@@ -115,10 +112,11 @@ class ThinkParser:
 
     def finish(self) -> tuple[str, str]:
         rest, self.pending = self.pending, ""
+        if self.state == "open" and rest:    # only whitespace or a partial "<think>": the fallback's
+            self.state = self.fallback
+            self.saw_reasoning = self.state == "reasoning"
         if self.state == "reasoning":
             return rest, ""
-        if self.state == "open":        # only a partial <think>: it was text
-            return "", rest
         return "", rest
 
 
@@ -135,14 +133,11 @@ class HarmonyParser:
     passed on whole as content for the tool-call parser. The prompt ends with `<|start|>assistant`,
     so the output begins with the first message's header."""
 
-    MARKERS = (H_START, H_END, H_CALL, H_RETURN, H_CHANNEL, H_MESSAGE)
-
-    def __init__(self, name: str = "gpt_oss", state: str = "open"):
+    def __init__(self):
         self.pending = ""
         self.header = ""          # the current message's header text (channel, recipient)
         self.in_body = False
         self.saw_reasoning = False
-        self.ended = False         # a final-channel message has begun
 
     def _channel(self) -> str:
         m = re.search(r"<\|channel\|>\s*(\w+)", self.header)
@@ -162,13 +157,10 @@ class HarmonyParser:
                 self.header = _strip_role(self.header + self.pending[:i])
                 self.pending = self.pending[i + len(H_MESSAGE):]
                 self.in_body = True
-                ch = self._channel()
                 if self._passthrough():
                     content += self.header + H_MESSAGE
-                elif ch == "analysis":
+                elif self._channel() == "analysis":
                     self.saw_reasoning = True
-                else:
-                    self.ended = True
                 continue
             ends = [(self.pending.find(m), m) for m in (H_END, H_CALL, H_RETURN)]
             ends = [(i, m) for i, m in ends if i >= 0]

@@ -335,55 +335,90 @@ async def create_response(request: Request):
     return StreamingResponse(_events(state, sub, choices, start, len(prompt), finish), media_type="text/event-stream")
 
 
-def _event(kind: str, seq: list[int], **fields) -> str:
-    seq[0] += 1
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0] - 1, **fields}, ensure_ascii=False)}\n\n"
+class _EventWriter:
+    """One streamed response's output items, built from its chat chunks, and the Responses events
+    that announce them (each numbered by sequence_number)."""
+
+    def __init__(self):
+        self.seq, self.output = 0, []
+        self.open_item: dict | None = None        # the reasoning or message item being written
+
+    def event(self, kind: str, **fields) -> str:
+        self.seq += 1
+        body = {"type": kind, "sequence_number": self.seq - 1, **fields}
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def close(self) -> list[str]:
+        item, self.open_item = self.open_item, None
+        if item is None:
+            return []
+        idx, part = self.output.index(item), item["content"][0]
+        item["status"] = "completed"
+        if item["type"] == "reasoning":
+            return [self.event("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                               text=part["text"]),
+                    self.event("response.output_item.done", output_index=idx, item=item)]
+        return [self.event("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                           text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
+                           part=part),
+                self.event("response.output_item.done", output_index=idx, item=item)]
+
+    def text(self, kind: str, delta: str) -> list[str]:
+        """A reasoning or message delta: the item opened first where needed."""
+        events = []
+        if self.open_item is not None and self.open_item["type"] != kind:
+            events += self.close()
+        if self.open_item is None:
+            item = _reasoning_item("", "in_progress") if kind == "reasoning" else _message_item("", "in_progress")
+            self.output.append(item)
+            self.open_item = item
+            shown, idx = json.loads(json.dumps(item)), len(self.output) - 1
+            events.append(self.event("response.output_item.added", output_index=idx, item=shown))
+            if kind == "message":
+                events.append(self.event("response.content_part.added", item_id=item["id"], output_index=idx,
+                                         content_index=0, part=shown["content"][0]))
+        item = self.open_item
+        item["content"][0]["text"] += delta
+        kind_delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return events + [self.event(kind_delta, item_id=item["id"], output_index=self.output.index(item),
+                                    content_index=0, delta=delta, **extra)]
+
+    def tool_call(self, tc: dict) -> list[str]:
+        """A streamed tool-call delta: the call's id and name (the item opens), then its arguments."""
+        if "id" in tc:
+            events = self.close()
+            item = _call_item({"id": tc["id"], "function": {"name": tc["function"]["name"], "arguments": ""}},
+                              "in_progress")
+            self.output.append(item)
+            return events + [self.event("response.output_item.added", output_index=len(self.output) - 1,
+                                        item=dict(item))]
+        item = [i for i in self.output if i["type"] == "function_call"][-1]
+        args, idx = tc["function"]["arguments"], self.output.index(item)
+        item["arguments"] += args
+        item["status"] = "completed"
+        return [self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=args),
+                self.event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                           arguments=item["arguments"], name=item["name"]),
+                self.event("response.output_item.done", output_index=idx, item=item)]
+
+    def chunk(self, chunk: dict) -> list[str]:
+        delta, events = chunk["delta"], []
+        if delta.get("reasoning_content"):
+            events += self.text("reasoning", delta["reasoning_content"])
+        if delta.get("content"):
+            events += self.text("message", delta["content"])
+        for tc in delta.get("tool_calls") or []:
+            events += self.tool_call(tc)
+        return events
 
 
 async def _events(state, sub, choices: ChatChoices, start: dict, n_prompt: int, finish):
-    seq, output, done = [0], [], False
-    open_item: dict | None = None           # the reasoning or message item being written
-    n_out = cached = 0
-    cut = False
+    w, done, n_out, cached, cut = _EventWriter(), False, 0, 0, False
     try:
-        yield _event("response.created", seq, response=start)
-        yield _event("response.in_progress", seq, response=start)
-
-        def close():
-            nonlocal open_item
-            item, open_item = open_item, None
-            if item is None:
-                return []
-            idx = output.index(item)
-            if item["type"] == "reasoning":
-                text = item["content"][0]["text"]
-                return [_event("response.reasoning_text.done", seq, item_id=item["id"], output_index=idx,
-                               content_index=0, text=text),
-                        _event("response.output_item.done", seq, output_index=idx, item=item)]
-            part = item["content"][0]
-            return [_event("response.output_text.done", seq, item_id=item["id"], output_index=idx, content_index=0,
-                           text=part["text"], logprobs=[]),
-                    _event("response.content_part.done", seq, item_id=item["id"], output_index=idx, content_index=0,
-                           part=part),
-                    _event("response.output_item.done", seq, output_index=idx, item=item)]
-
-        def opened(kind: str):
-            nonlocal open_item
-            events = []
-            if open_item is not None and open_item["type"] != kind:
-                events += close()
-            if open_item is None:
-                item = _reasoning_item("", "in_progress") if kind == "reasoning" else _message_item("", "in_progress")
-                item["content"][0]["text"] = ""
-                output.append(item)
-                open_item = item
-                shown = json.loads(json.dumps(item))
-                events.append(_event("response.output_item.added", seq, output_index=len(output) - 1, item=shown))
-                if kind == "message":
-                    events.append(_event("response.content_part.added", seq, item_id=item["id"],
-                                         output_index=len(output) - 1, content_index=0, part=shown["content"][0]))
-            return events
-
+        yield w.event("response.created", response=start)
+        yield w.event("response.in_progress", response=start)
         remaining = 1
         while remaining:
             d = await next_delta(sub)
@@ -393,49 +428,14 @@ async def _events(state, sub, choices: ChatChoices, start: dict, n_prompt: int, 
             if not (d.text or d.token_ids or d.finished):
                 continue
             for chunk in choices(d):
-                delta = chunk["delta"]
-                if delta.get("reasoning_content"):
-                    for e in opened("reasoning"):
-                        yield e
-                    open_item["content"][0]["text"] += delta["reasoning_content"]
-                    yield _event("response.reasoning_text.delta", seq, item_id=open_item["id"],
-                                 output_index=output.index(open_item), content_index=0,
-                                 delta=delta["reasoning_content"])
-                if delta.get("content"):
-                    for e in opened("message"):
-                        yield e
-                    open_item["content"][0]["text"] += delta["content"]
-                    yield _event("response.output_text.delta", seq, item_id=open_item["id"],
-                                 output_index=output.index(open_item), content_index=0, delta=delta["content"],
-                                 logprobs=[])
-                for tc in delta.get("tool_calls") or []:
-                    if "id" in tc:           # a new call: its name first, its arguments in the next delta
-                        for e in close():
-                            yield e
-                        item = _call_item({"id": tc["id"], "function": {"name": tc["function"]["name"],
-                                                                       "arguments": ""}}, "in_progress")
-                        output.append(item)
-                        yield _event("response.output_item.added", seq, output_index=len(output) - 1, item=dict(item))
-                    else:
-                        item = [i for i in output if i["type"] == "function_call"][-1]
-                        args = tc["function"]["arguments"]
-                        item["arguments"] += args
-                        idx = output.index(item)
-                        yield _event("response.function_call_arguments.delta", seq, item_id=item["id"],
-                                     output_index=idx, delta=args)
-                        yield _event("response.function_call_arguments.done", seq, item_id=item["id"],
-                                     output_index=idx, arguments=item["arguments"], name=item["name"])
-                        item["status"] = "completed"
-                        yield _event("response.output_item.done", seq, output_index=idx, item=item)
-                if chunk.get("finish_reason"):
-                    cut = chunk["finish_reason"] == "length"
+                for e in w.chunk(chunk):
+                    yield e
+                cut = cut or chunk.get("finish_reason") == "length"
         done = True
-        for e in close():
+        for e in w.close():
             yield e
-        for item in output:
-            item["status"] = "completed"
-        body = finish(output, _usage(n_prompt, n_out, cached, choices.reasoning_tokens), cut)
-        yield _event("response.incomplete" if cut else "response.completed", seq, response=body)
+        body = finish(w.output, _usage(n_prompt, n_out, cached, choices.reasoning_tokens), cut)
+        yield w.event("response.incomplete" if cut else "response.completed", response=body)
     except EngineDeadError as e:
         yield sse_error(e)
     finally:

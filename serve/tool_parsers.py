@@ -22,6 +22,8 @@ import json
 import re
 import secrets
 import string
+import uuid
+from typing import Any
 
 from serve.reasoning import H_CALL, H_END, H_MESSAGE, H_RETURN, partial_suffix
 
@@ -50,8 +52,17 @@ def mistral_call_id() -> str:
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def make_call(name: str, arguments: Any) -> dict:
+    """An OpenAI tool call (arguments as JSON text)."""
+    return {"id": new_call_id(), "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
 def _call(plan, name, args, mistral: bool = False):
-    from serve.tools import make_call
     if not isinstance(name, str) or name not in plan.names:
         return None
     if isinstance(args, str):
@@ -242,8 +253,5 @@ class HarmonyToolParser:
         return rest, []
 
 
-def make_tool_parser(name: str, plan):
-    if name == "hermes":
-        from serve.tools import AutoToolParser
-        return AutoToolParser(plan)
-    return {"llama3_json": Llama3JsonParser, "mistral": MistralParser, "openai": HarmonyToolParser}[name](plan)
+FAMILY_PARSERS = {"llama3_json": Llama3JsonParser, "mistral": MistralParser, "openai": HarmonyToolParser}
+# hermes is serve.tools.AutoToolParser (serve.tools.auto_parser picks between them)

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from serve.tool_parsers import FAMILY_PARSERS, make_call, new_call_id  # noqa: F401 (new_call_id: re-exported)
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -212,15 +213,6 @@ def check_message_tool_calls(calls: Any) -> None:
 
 
 # ------------------------------------------------------------------ parsing
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def make_call(name: str, arguments: Any) -> dict:
-    return {"id": new_call_id(), "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
-
-
 def _forced_call(item: Any, plan: ToolPlan) -> dict | None:
     if not (isinstance(item, dict) and item.get("name") in plan.names and isinstance(item.get("arguments"), dict)):
         return None
@@ -353,6 +345,11 @@ class AutoToolParser:
         return content, []
 
 
+def auto_parser(name: str, plan: ToolPlan):
+    """tool_choice "auto"'s parser for a family's format: hermes here, the others serve.tool_parsers'."""
+    return AutoToolParser(plan) if name == "hermes" else FAMILY_PARSERS[name](plan)
+
+
 def _partial_suffix(text: str, marker: str) -> int:
     """The length of the longest suffix of text that is a proper prefix of marker."""
     for k in range(min(len(text), len(marker) - 1), 0, -1):
@@ -364,8 +361,7 @@ def _partial_suffix(text: str, marker: str) -> int:
 def parse_auto(text: str, plan: ToolPlan, parser: str = "hermes") -> tuple[str | None, list[dict]]:
     """A whole "auto" output -> (content or None, tool calls); the same rules as streaming.
     parser: the family's format (serve.tool_parsers)."""
-    from serve.tool_parsers import make_tool_parser
-    p = make_tool_parser(parser, plan)
+    p = auto_parser(parser, plan)
     c1, calls = p.feed(text)
     c2, more = p.finish()
     calls = calls + more
@@ -412,9 +408,8 @@ class ToolStream:
     (choice_finish_reason: "length" wins over "tool_calls")."""
 
     def __init__(self, plan: ToolPlan, parser: str = "hermes"):
-        from serve.tool_parsers import make_tool_parser
         self.plan = plan
-        self.auto = None if plan.constrained else make_tool_parser(parser, plan)
+        self.auto = None if plan.constrained else auto_parser(parser, plan)
         self.buffer = ""
         self.n_calls = 0
 

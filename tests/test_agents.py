@@ -388,3 +388,83 @@ def test_unknown_parser_names_fail_at_start_listing_the_choices():
                            text=True, timeout=120)
         assert p.returncode == 2 and "invalid choice: 'bogus'" in p.stderr
         assert all(f"'{c}'" in p.stderr for c in choices.split(", ")), p.stderr
+
+
+def test_jaxinfer_serve_flags_reach_the_server(gen, model_dir, monkeypatch):
+    """`jaxinfer serve --chat-template F --reasoning-parser P --tool-call-parser T`: cmd_serve builds the
+    app with them (uvicorn.run and the Generator replaced, the engine already compiled)."""
+    import uvicorn
+    from starlette.testclient import TestClient
+
+    from jaxinfer import cli
+    apps = []
+    monkeypatch.setattr(cli, "_generator", lambda args: gen)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    monkeypatch.setattr(gen, "close", lambda: None)
+    args = cli.build_parser().parse_args(["serve", "--model", str(model_dir), "--served-model-name", "tiny",
+                                          "--chat-template", str(TEMPLATES / "qwen3.jinja"),
+                                          "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "mistral"])
+    assert args.func(args) == 0
+    state = apps[0].state.server
+    assert (state.reasoning_parser, state.tool_call_parser) == ("deepseek_r1", "mistral")
+    assert state.chat_template_text == (TEMPLATES / "qwen3.jinja").read_text()
+    with TestClient(apps[0]) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        r = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=40)
+        # deepseek_r1 on Qwen3's output: reasoning up to </think> (the opening tag stripped)
+        assert r.choices[0].message.model_extra["reasoning_content"] == "\nThe user wants the weather.\n"
+
+
+@pytest.mark.parametrize("name,prompt,text,reasoning,content", [
+    ("qwen3", "<|im_start|>assistant\n", "<think>\na < b\n</think>\n\nHi <b>", "\na < b\n", "\n\nHi <b>"),
+    ("qwen3", "<think>\n\n</think>\n\n", "Hi</think>", None, "Hi</think>"),
+    ("qwen3", "x", "<thi", None, "<thi"),
+    ("deepseek_r1", "<｜Assistant｜><think>\n", "a</thi</think>b", "a</thi", "b"),
+    ("deepseek_r1", "x", "cut before the end", "cut before the end", ""),
+    ("gpt_oss", "", "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>final<|message|>Yes.<|return|>",
+     "hm", "Yes."),
+])
+def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prompt, text, reasoning, content):
+    """Streamed in pieces of every size (each tag split at every point), the parser answers as on the
+    whole text; the expected split is written out by hand."""
+    from serve.reasoning import make_reasoning_parser, split_reasoning
+    assert split_reasoning(name, prompt, text) == (reasoning, content)
+    for size in range(1, 9):
+        p, got_r, got_c = make_reasoning_parser(name, prompt), "", ""
+        for i in range(0, len(text), size):
+            r, c = p.feed(text[i:i + size])
+            got_r, got_c = got_r + r, got_c + c
+        r, c = p.finish()
+        assert ((got_r + r) if p.saw_reasoning else None, got_c + c) == (reasoning, content), size
+
+
+@pytest.mark.parametrize("parser,text,content,args", [
+    ("hermes", 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', "Sure.",
+     [{"city": "Paris"}]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                    '{"name": "get_weather", "parameters": {"city": "Rome"}}', None, [{"city": "Paris"}, {"city": "Rome"}]),
+    ("llama3_json", 'It is {"name": "x"}', 'It is {"name": "x"}', []),
+    ("mistral", 'Ok [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Ok ", [{"city": "Paris"}]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None, [{"city": "Paris"}]),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": Paris}}]',
+     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": Paris}}]', []),
+    ("openai", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>',
+     None, [{"city": "Paris"}]),
+    ("openai", '<|channel|>commentary to=functions.get_weather json<|message|>{"city":<|call|>',
+     '<|channel|>commentary to=functions.get_weather json<|message|>{"city":<|call|>', []),
+])
+def test_tool_parsers_streamed_in_any_pieces(parser, text, content, args):
+    """Each family's format, whole and in pieces of every size: the calls (arguments compared as
+    JSON) and the content written out by hand; a call that does not parse stays content."""
+    from serve.tools import ToolStream, parse_auto, plan_tools
+    plan = plan_tools(TOOLS, None, None)
+    got_content, calls = parse_auto(text, plan, parser)
+    assert got_content == content and [json.loads(c["function"]["arguments"]) for c in calls] == args
+    for size in (1, 2, 3, 5, 8, 13):
+        ts, streamed, got = ToolStream(plan, parser), "", []
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        for k, piece in enumerate(pieces):
+            for d in ts.feed(piece, k == len(pieces) - 1, "stop"):
+                streamed += d.get("content") or ""
+                got += [tc["function"]["arguments"] for tc in d.get("tool_calls", []) if "id" not in tc]
+        assert streamed == (content or "") and [json.loads(a) for a in got] == args, size
