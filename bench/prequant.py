@@ -10,7 +10,8 @@ runs it (compressed_tensors' ModelCompressor; GPTQModel's and AutoAWQ's packing 
 published functions; transformers' Fp8Quantize), groups of 32 (the model's K = 96 fits no 128).
 Load: Generator.from_pretrained(FOLDER, warmup=False) wall time (config, tensors, packing, fusion;
 no compilation). Decode: one stream, greedy, --tokens new tokens after a warm-up request, tokens /
-wall second. Rounds are interleaved (every format once per round, the order rotating) so that load
+wall second. A first, discarded measurement takes the process's one-time costs (imports, the
+first trace); then rounds are interleaved (every format once per round, the order rotating) so that load
 from other processes on the shared host hits each alike; each figure is the median over rounds,
 with its ratio to float32 from the same rounds.
 """
@@ -81,6 +82,7 @@ def main() -> None:
     info = device_info()
     with tempfile.TemporaryDirectory() as tmp:
         folders = {n: build(n, Path(tmp) / n) for n in names}
+        measure(folders[names[0]], args.tokens)     # discarded: the process's first load and compile
         runs: dict[str, list[dict]] = {n: [] for n in names}
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
