@@ -27,8 +27,9 @@ import numpy as np
 from jaxinfer.host.host_tier import KVTransfers
 
 # blocks one transfer program moves: a step's copies run as the fewest calls of these sizes (each
-# size compiles once, at warm-up)
-TRANSFER_BUCKETS = (8, 64)
+# size compiles once, at warm-up). Close together, since a padding block costs a whole block's copy:
+# with (8, 64), bench/multiturn.py at concurrency 1 staged 64 blocks for ~8.5 restored per request
+TRANSFER_BUCKETS = (8, 16, 32, 64)
 
 
 def _bucket(n: int) -> int:

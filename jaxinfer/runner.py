@@ -29,9 +29,9 @@ from jaxinfer import perf
 from jaxinfer.config import MAX_LOGIT_BIAS, ModelConfig
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
 from jaxinfer.host.structured import Grammars, mask_words
-from jaxinfer.lora.execute import LoraInputs
-from jaxinfer.kv_transfer import HostKVStore, TransferResult
 from jaxinfer.kv_cache import StepRow, attention_buckets, build_attention_metadata, init_kv_pages, kv_storage_dtype
+from jaxinfer.kv_transfer import HostKVStore, TransferResult
+from jaxinfer.lora.execute import LoraInputs
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.prompt_logprobs import PromptRows, prompt_targets
 from jaxinfer.sampling import SamplingBatch

@@ -54,7 +54,8 @@ class ServerMetrics:
         # the prefix cache's host tier (kv_offload_gb): hits and misses in blocks, past the device's cache
         host = {key: Counter(name, doc, ["model_name"], registry=r).labels(**label) for key, name, doc in (
             ("kv_host_hits", "jaxinfer_kv_host_hits", "Prompt blocks restored from the host tier"),
-            ("kv_host_misses", "jaxinfer_kv_host_misses", "Prompt blocks neither the device pool nor the host tier held"),
+            ("kv_host_misses", "jaxinfer_kv_host_misses",
+             "Prompt blocks neither the device pool nor the host tier held"),
             ("kv_host_bytes_offloaded", "jaxinfer_kv_host_bytes_offloaded",
              "Bytes copied from the device pool to the host tier"),
             ("kv_host_bytes_restored", "jaxinfer_kv_host_bytes_restored",
