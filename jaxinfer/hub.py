@@ -63,7 +63,7 @@ def resolve_model_path(spec: str | os.PathLike, revision: str | None = None) -> 
         return Path(s)
     repo_id, at_revision = split_spec(s)
     if HF_ID.fullmatch(repo_id) is None:
-        raise ModelSpecError(f"{s}: no such file or folder, and not a Hugging Face model id (ORG/NAME[@REVISION])")
+        raise ModelSpecError(f"{s}: no such model folder (nor a Hugging Face model id ORG/NAME[@REVISION])")
     if at_revision is not None and revision is not None and at_revision != revision:
         raise ModelSpecError(f"{s}: two revisions given ({at_revision!r} in the id, revision={revision!r})")
     revision = revision or at_revision

@@ -86,11 +86,14 @@ class Echo:
     prompt_logprobs: bool
 
     def prompt_of(self, choice: int, n: int) -> tuple[str, list[int]]:
-        # texts are decoded only when echoed: token-id prompts without echo have none
-        return (self.texts[choice // n] if self.texts else ""), self.prompt_ids[choice // n]
+        """(the prompt's text, echo only: else "", its token ids) of a choice."""
+        i = choice // n
+        return (self.texts[i] if self.echo else ""), self.prompt_ids[i]
 
     def apply(self, body: dict, groups: list[list], token_str: TokenStr, logprobs: bool, n: int) -> dict:
         """A non-streaming completions body with the prompts echoed / their logprobs added."""
+        if not (self.echo or self.prompt_logprobs):
+            return body
         for i, (choice, g) in enumerate(zip(body["choices"], groups)):
             text, ids = self.prompt_of(i, n)
             entries = first_prompt_logprobs(g)

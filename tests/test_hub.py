@@ -107,7 +107,7 @@ def test_offline_ids_resolve_through_the_cache(hf_home, model_dir, tmp_path):
     assert "tiny-org/absent" in absent and "HF_HUB_OFFLINE=1" in absent and str(hf_home) in absent
     nope = out["errors"]["tiny-org/tiny-llama@nope"]
     assert "tiny-org/tiny-llama" in nope and "'nope'" in nope and "HF_HUB_OFFLINE" in nope
-    assert "not a Hugging Face model id" in out["errors"]["not an id"]
+    assert "no such model folder (nor a Hugging Face model id" in out["errors"]["not an id"]
     assert out["served"] == REPO                      # vLLM's default: the id
     assert out["local"] == "tiny-org/tiny-llama"
     # the model loaded by id decodes as HF transformers does on the same weights

@@ -204,3 +204,17 @@ def test_refusals(http):
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
     r = http.post("/v1/completions", json={"prompt": "x", "echo": True, "logprobs": MAX_PROMPT_LOGPROBS + 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_plain_completions_are_unchanged(gen, http):
+    """Token-id and text prompts without echo or prompt_logprobs: the body has no prompt in it."""
+    ids = gen.tokenizer.encode(TEXT)
+    for prompt in (ids, [ids, ids[:5]], TEXT):
+        r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+                                               "logprobs": 1})
+        assert r.status_code == 200, r.text
+        for c in r.json()["choices"]:
+            assert "prompt_logprobs" not in c and len(c["logprobs"]["tokens"]) == 2
+    r = http.post("/v1/completions", json={"prompt": ids[:5], "max_tokens": 1, "prompt_logprobs": 1})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["prompt_logprobs"]) == 5
+    assert r.json()["usage"]["completion_tokens"] == 1 and not r.json()["choices"][0]["text"].startswith(TEXT[:5])
