@@ -288,3 +288,23 @@ def test_http_adapters_models_load_unload(gen, llama, tmp_path):
         assert "x" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 404
         assert http.post("/v1/completions", json={**body, "model": "x"}).status_code == 404
+
+
+def test_tensor_parallel_with_kv_replicas(llama, tmp_path):
+    """Four fake devices over 4 query / 2 KV heads (each KV head repeated twice, fuse_decoder): A and
+    B sharded like their base weights, logits as PEFT's, mixed batch == alone."""
+    from tests.fake_devices import run_worker
+    base, adapters = llama
+    shutil.copytree(base, tmp_path / "base")
+    for name in ("a", "b"):
+        shutil.copytree(adapters[name][0], tmp_path / name)
+    (tmp_path / "run.json").write_text(json.dumps({"adapters": ["a", "b"], "prompt": PROMPT, "tp": 4}))
+    result = run_worker("tests.lora_tp_worker", tmp_path, devices=4)
+    cfg = CONFIGS["llama-gqa-llama3"][1]
+    for name in ("a", "b"):
+        with torch.no_grad():
+            ref = adapters[name][1](torch.tensor([PROMPT])).logits[0].numpy()
+        assert_rel_close(np.array(result["logits"][name]), ref, _rtol(cfg, 8, len(PROMPT)), name)
+    assert result["mixed"] == result["alone"]
+    assert result["alone"][0] == _peft_greedy(adapters["a"][1], PROMPT, 6)
+    assert result["compilations"] == 0
