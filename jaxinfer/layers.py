@@ -89,23 +89,22 @@ def dense(x: jax.Array, kernel, bias: jax.Array | None, contract: int = 1, impl:
 
 def lora_delta(x: jax.Array, a: jax.Array, bs: tuple, slots: jax.Array, contract: int = 1) -> list[jax.Array]:
     """Multi-LoRA's low-rank update (jaxinfer/lora/execute.py). x [T, *in] (`contract` input dims),
-    a [L, *in, P R] (P parts' A side by side), bs: P arrays [L, R, n_p], slots [T] -> P arrays
-    [T, n_p]: row t of part p is x[t] @ a[slots[t]][:, p R:(p + 1) R] @ bs[p][slots[t]], exactly zero
-    where slots[t] is outside 0..L-1 (no adapter), and skipped (lax.cond) when no row has one.
-    Every slot's A is applied to every token in one matmul and a one-hot of the token's slot keeps
-    its own columns (the dense form of Punica's SGMV: the L slots' weights are read once, which on
-    CPU beats gathering a [T, in, R] copy per token, BGMV's form, by far)."""
-    t, num, pr = x.shape[0], a.shape[0], a.shape[-1]
-    r = bs[0].shape[1]
+    a [*in, P, L, R] (P parts' A, L slots, rank R), bs: P arrays [L, R, n_p], slots [T] -> P arrays
+    [T, n_p]: row t of part p is x[t] @ a[..., p, slots[t], :] @ bs[p][slots[t]], exactly zero where
+    slots[t] is outside 0..L-1 (no adapter), and skipped (lax.cond) when no row has one.
+    Every slot's A is applied to every token in one matmul and a mask of the token's slot keeps
+    its own rank columns (the dense form of Punica's SGMV: the L slots' weights are read once, which
+    on CPU beats gathering a [T, in, R] copy per token, BGMV's form)."""
+    t = x.shape[0]
+    p_, num, r = a.shape[-3:]
     xf = x.reshape(t, -1)                                                            # (T, in)
     prec = dot_precision(x.dtype)
 
     def update(xf):
-        af = jnp.moveaxis(a.reshape(num, xf.shape[1], pr), 0, 1).reshape(xf.shape[1], num * pr)  # (in, L PR)
-        onehot = (slots[:, None] == jnp.arange(num)[None, :]).astype(x.dtype)      # (T, L)
-        h = jnp.dot(xf, af, precision=prec).reshape(t, num, pr) * onehot[:, :, None]  # (T, L, PR)
-        return [jnp.dot(h[:, :, p * r:(p + 1) * r].reshape(t, num * r), b.reshape(num * r, -1), precision=prec)
-                for p, b in enumerate(bs)]                                           # P x (T, n_p)
+        h = jnp.dot(xf, a.reshape(xf.shape[1], p_ * num * r), precision=prec).reshape(t, p_, num * r)
+        keep = (slots[:, None] == jnp.arange(num * r)[None, :] // r).astype(x.dtype)   # (T, L R)
+        h = h * keep[:, None, :]                                                     # (T, P, L R)
+        return [jnp.dot(h[:, j], b.reshape(num * r, -1), precision=prec) for j, b in enumerate(bs)]
 
     def nothing(xf):
         return [jnp.zeros((t, b.shape[-1]), x.dtype) for b in bs]

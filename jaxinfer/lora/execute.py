@@ -1,8 +1,8 @@
 """Many LoRA adapters in one jitted step: device slots, the per-token slot index, the low-rank update.
 
 Device state (Punica's / vLLM's layout): per layer and group (qkv, o, gate_up, down: the serving
-model's fused projections), one stack A [max_loras, *in, P R] and one stack per part B_p
-[max_loras, R, n_p] (jaxinfer/lora/adapter.py: P parts, R = max_lora_rank, zero-padded), sharded
+model's fused projections), one stack A [*in, P, max_loras, R] (laid out so that x times it is one
+matmul with no transpose) and one stack per part B_p [max_loras, R, n_p] (jaxinfer/lora/adapter.py: P parts, R = max_lora_rank, zero-padded), sharded
 like the base weight (A by its input axes, each B by the base weight's output axis: tensor
 parallelism splits them where it splits the base weight, and XLA adds the reduction the row-parallel
 o and down already need). Shapes never change, so loading an adapter into a slot (write: one small
@@ -29,7 +29,7 @@ GROUP_CONTRACT = {"qkv": 1, "o": 2, "gate_up": 1, "down": 1}
 @dataclass
 class LoraInputs:
     """The step's LoRA input: token_slots [T] int32 (-1: none), and the device stacks: per layer,
-    group -> (A [L, *in, P R], (B_p [L, R, n_p], ...))."""
+    group -> (A [*in, P, L, R], (B_p [L, R, n_p], ...))."""
     token_slots: jax.Array
     stacks: list
 
@@ -79,23 +79,32 @@ class LoraSlotsDevice:
             from jaxinfer.sharding import param_sharding
             return jax.device_put(x, param_sharding(axes, rules, mesh, shape))
 
-        self.stacks = [{group: (place((max_loras, *ins, GROUP_PARTS[group] * max_rank), (None, *in_axes, None)),
+        self.stacks = [{group: (place((*ins, GROUP_PARTS[group], max_loras, max_rank), (*in_axes, None, None, None)),
                                 tuple(place((max_loras, max_rank, n), (None, None, out_axis)) for n in widths))
                         for group, (ins, in_axes, widths, out_axis) in groups.items()}
                        for groups in group_shapes(model)]
         # the written stacks keep each stack's sharding (jit's default for a functional update)
         self._write = jax.jit(_write_slot)
 
-    def _slot_values(self, adapter: LoraAdapter | None, lead: tuple = ()) -> list:
-        """The adapter's arrays shaped as one slot of the stacks (zeros where it has none)."""
-        values = [{g: (np.zeros((*lead, *a.shape[1:]), self.dtype),
-                       tuple(np.zeros((*lead, *b.shape[1:]), self.dtype) for b in bs))
-                   for g, (a, bs) in layer.items()} for layer in self.stacks]
+    def _slot_values(self, adapter: LoraAdapter | None, single: bool = False) -> list:
+        """The adapter's arrays shaped as one slot of the stacks, A [*in, P, R] and B_p [R, n_p] (single:
+        as stacks of one slot, A [*in, P, 1, R] and B_p [1, R, n_p]); zeros where it has none."""
+        def a_slot(shape, a=None):   # stack shape (*in, P, L, R) -> the slot's
+            ins, parts, r = shape[:-3], shape[-3], shape[-1]
+            a = np.zeros((*ins, parts, r), self.dtype) if a is None else a.reshape(*ins, parts, r).astype(self.dtype)
+            return a[..., None, :] if single else a
+
+        def b_slot(shape, b=None):
+            b = np.zeros(shape[1:], self.dtype) if b is None else b.astype(self.dtype)
+            return b[None] if single else b
+
+        values = [{g: (a_slot(a.shape), tuple(b_slot(b.shape) for b in bs)) for g, (a, bs) in layer.items()}
+                  for layer in self.stacks]
         if adapter is not None:
-            for layer, groups in zip(values, adapter.layers):
+            for layer, stacks, groups in zip(values, self.stacks, adapter.layers):
                 for g, (a, bs) in groups.items():
-                    layer[g] = (a.reshape(*lead, *a.shape).astype(self.dtype),
-                                tuple(b.reshape(*lead, *b.shape).astype(self.dtype) for b in bs))
+                    layer[g] = (a_slot(stacks[g][0].shape, a),
+                                tuple(b_slot(st.shape, b) for st, b in zip(stacks[g][1], bs)))
         return values
 
     def write(self, slot: int, adapter: LoraAdapter | None) -> None:
@@ -105,8 +114,11 @@ class LoraSlotsDevice:
 
     def single(self, adapter: LoraAdapter) -> list:
         """Stacks holding only `adapter`, in slot 0 (gen.logits: a full forward outside the engine)."""
-        return self._slot_values(adapter, lead=(1,))
+        return self._slot_values(adapter, single=True)
 
 
 def _write_slot(stacks, slot, values):
-    return jax.tree.map(lambda s, v: s.at[slot].set(v), stacks, values)
+    """Each group's A at [..., slot, :] (its slot axis is second to last), each B at [slot]."""
+    return [{g: (a.at[..., slot, :].set(va), tuple(b.at[slot].set(vb) for b, vb in zip(bs, vbs)))
+             for g, ((a, bs), (va, vbs)) in ((g, (layer[g], vals[g])) for g in layer)}
+            for layer, vals in zip(stacks, values)]
