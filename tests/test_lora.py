@@ -198,12 +198,18 @@ def test_second_family_and_int8_base(tmp_path):
         ref = model(torch.tensor([PROMPT])).logits[0].numpy()
         with model.disable_adapter():
             ref_base = model(torch.tensor([PROMPT])).logits[0].numpy()
-    kw = dict(lora_modules={"q": str(tmp_path / "q")}, max_loras=1, max_lora_rank=8, max_model_len=64,
-              max_num_batched_tokens=8, max_num_seqs=2, block_size=8, num_blocks=20)
+    # 6 usable blocks of 8 tokens: two rows of 29 tokens (4 blocks each) preempt each other
+    kw = dict(lora_modules={"q": str(tmp_path / "q")}, max_loras=1, max_lora_rank=8, max_model_len=48,
+              max_num_batched_tokens=8, max_num_seqs=2, block_size=8, num_blocks=7)
     gen = Generator.from_pretrained(base, **kw)
     cfg = CONFIGS[name][1]
     assert_rel_close(gen.logits(PROMPT, lora="q"), ref, _rtol(cfg, 8, len(PROMPT)), name)
-    assert gen.generate([PROMPT], GREEDY, lora="q")[0].token_ids == _peft_greedy(model, PROMPT, 10)
+    want = _peft_greedy(model, PROMPT, 10)
+    assert gen.generate([PROMPT], GREEDY, lora="q")[0].token_ids == want
+    base_alone = gen.generate([PROMPT[2:]], GREEDY)[0].token_ids
+    mixed = gen.generate([PROMPT, PROMPT[2:], PROMPT], GREEDY, lora=["q", None, "q"])
+    assert [o.token_ids for o in mixed] == [want, base_alone, want]
+    assert gen.stats()["num_preemptions"] > 0
     q8 = Generator.from_pretrained(base, quantize="int8", **kw)
     delta, ref_delta = q8.logits(PROMPT, lora="q") - q8.logits(PROMPT), ref - ref_base
     # int8 per-channel weights carry 2^-8 relative rounding per weight; over 2 layers and the
@@ -288,3 +294,23 @@ def test_http_adapters_models_load_unload(gen, llama, tmp_path):
         assert "x" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 404
         assert http.post("/v1/completions", json={**body, "model": "x"}).status_code == 404
+
+
+def test_tensor_parallel_with_kv_replicas(llama, tmp_path):
+    """Four fake devices over 4 query / 2 KV heads (each KV head repeated twice, fuse_decoder): A and
+    B sharded like their base weights, logits as PEFT's, mixed batch == alone."""
+    from tests.fake_devices import run_worker
+    base, adapters = llama
+    shutil.copytree(base, tmp_path / "base")
+    for name in ("a", "b"):
+        shutil.copytree(adapters[name][0], tmp_path / name)
+    (tmp_path / "run.json").write_text(json.dumps({"adapters": ["a", "b"], "prompt": PROMPT, "tp": 4}))
+    result = run_worker("tests.lora_tp_worker", tmp_path, devices=4)
+    cfg = CONFIGS["llama-gqa-llama3"][1]
+    for name in ("a", "b"):
+        with torch.no_grad():
+            ref = adapters[name][1](torch.tensor([PROMPT])).logits[0].numpy()
+        assert_rel_close(np.array(result["logits"][name]), ref, _rtol(cfg, 8, len(PROMPT)), name)
+    assert result["mixed"] == result["alone"]
+    assert result["alone"][0] == _peft_greedy(adapters["a"][1], PROMPT, 6)
+    assert result["compilations"] == 0

@@ -7,12 +7,12 @@ with use_rslora), r and lora_alpha per module from rank_pattern / alpha_pattern 
 utils.other.get_pattern_key: the first pattern that matches the end of the module's name).
 
 The serving model fuses q, k, v into `qkv` and gate, up into `gate_up` (models/decoder.py), so an
-adapter becomes four groups per layer, each an A [*in, P * R] and a B [P * R, *out] with P parts
-(qkv: 3, gate_up: 2, o and down: 1), R = max_lora_rank: part j's rank rows are j * R .. j * R + r
-(zero-padded past r, so every adapter has the same shapes and loading one compiles nothing), and
-its B columns are placed where the part's columns lie in the fused weight (the same column shuffle
-fuse_decoder applies, KV heads repeated and grouped per tensor-parallel shard). The scaling is
-folded into B. Only the Llama-style families (separate q/k/v/o and gate/up/down projections) take
+adapter becomes four groups per layer (qkv, o, gate_up, down), each one A [*in, P R] (its P parts'
+A side by side: qkv 3, gate_up 2, o and down 1; R = max_lora_rank, part j's rank columns j R ..
+j R + r, zero-padded past r, so every adapter has the same shapes and loading one compiles nothing)
+and one B [R, n_p] per part, added to q, k, v and gate, up after the fused output is split (KV
+heads repeated as the fused model repeats them). The scaling is folded into B. Only the Llama-style
+families (separate q/k/v/o and gate/up/down projections) take
 adapters; everything PEFT can save that this does not run (biases, DoRA, modules_to_save, embedding
 or LM-head adapters, experts) is refused by name, as is a folder that does not fit the model.
 """
@@ -45,12 +45,12 @@ class LoraError(ValueError):
 
 @dataclass
 class LoraAdapter:
-    """One adapter, ready for a device slot: layers[i][group] = (A [*in, P * R], B [P * R, *out]),
+    """One adapter, ready for a device slot: layers[i][group] = (A [*in, P R], (B_p [R, n_p], ...)),
     float32 numpy, scaling folded into B; groups the adapter does not touch are absent."""
     name: str
     path: str
     rank: int                                   # the largest rank of any of its modules
-    layers: list[dict[str, tuple[np.ndarray, np.ndarray]]]
+    layers: list[dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]]]
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -100,11 +100,11 @@ def read_config(folder: Path, max_rank: int) -> dict:
     return cfg
 
 
-def load_adapter(name: str, folder: str | Path, model_cfg: ModelConfig, fuse_qkv, fuse_gate_up, max_rank: int
+def load_adapter(name: str, folder: str | Path, model_cfg: ModelConfig, kv_replicas: int, max_rank: int
                  ) -> LoraAdapter:
-    """The adapter at `folder` for a model of (unfused) model_cfg. fuse_qkv(parts) / fuse_gate_up(layer)
-    (parts): the serving model's column shuffles (models.decoder._qkv_fuse / _gate_up_fuse for its
-    layout), applied to [rows, n] parts. Every problem is a LoraError naming the file and tensor."""
+    """The adapter at `folder` for a model of (unfused) model_cfg served with each KV head repeated
+    kv_replicas times (models.decoder.FusedLayout). Every problem is a LoraError naming the file and
+    tensor."""
     folder = Path(folder)
     cfg = read_config(folder, max_rank)
     if model_cfg.architecture not in LORA_FAMILIES:
@@ -161,14 +161,15 @@ def load_adapter(name: str, folder: str | Path, model_cfg: ModelConfig, fuse_qkv
         slots = parts[layer].setdefault(group, [None] * GROUP_PARTS[group])
         slots[j] = (a.T, b.T * np.float32(scale), r)
         top_rank = max(top_rank, r)
-    layers = [{group: _fuse_group(model_cfg, group, got, r_max, fuse_qkv, fuse_gate_up(i))
-               for group, got in parts[i].items()} for i in range(model_cfg.n_layers)]
+    layers = [{group: _fuse_group(model_cfg, group, got, r_max, kv_replicas) for group, got in parts[i].items()}
+              for i in range(model_cfg.n_layers)]
     return LoraAdapter(name, str(folder), top_rank, layers)
 
 
-def _fuse_group(cfg: ModelConfig, group: str, got: list, r_max: int, fuse_qkv, fuse_gate_up
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """One group's parts -> (A [*in, P R], B [P R, *out]) in the fused layout (module docstring)."""
+def _fuse_group(cfg: ModelConfig, group: str, got: list, r_max: int, kv_replicas: int
+                ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """One group's parts -> (A [*in, P R], (B_p [R, n_p] for each part)) as the serving model adds
+    them (module docstring): k and v columns repeated per KV replica; absent parts zero."""
     d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     ins = {"qkv": d, "o": h * hd, "gate_up": d, "down": f}[group]
     outs = {"qkv": [h * hd, kv * hd, kv * hd], "o": [d], "gate_up": [f, f], "down": [d]}[group]
@@ -176,18 +177,14 @@ def _fuse_group(cfg: ModelConfig, group: str, got: list, r_max: int, fuse_qkv, f
     a = np.zeros((ins, p * r_max), np.float32)
     bs = []
     for j, n_out in enumerate(outs):
-        b = np.zeros((p * r_max, n_out), np.float32)
+        b = np.zeros((r_max, n_out), np.float32)
         if got[j] is not None:
             at, bt, r = got[j]
             a[:, j * r_max: j * r_max + r] = at
-            b[j * r_max: j * r_max + r] = bt
+            b[:r] = bt
+        if group == "qkv" and j > 0:   # (R, kv heads, hd) -> each head kv_replicas times, as fuse_decoder
+            b = np.repeat(b.reshape(r_max, kv, hd), kv_replicas, axis=1).reshape(r_max, -1)
         bs.append(b)
-    if group == "qkv":
-        b = np.asarray(fuse_qkv(bs))
-    elif group == "gate_up":
-        b = np.asarray(fuse_gate_up(bs))
-    else:
-        b = bs[0]
     if group == "o":
         a = a.reshape(h, hd, p * r_max)
-    return a, b.astype(np.float32)
+    return a, tuple(bs)

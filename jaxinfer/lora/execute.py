@@ -1,21 +1,17 @@
 """Many LoRA adapters in one jitted step: device slots, the per-token slot index, the low-rank update.
 
 Device state (Punica's / vLLM's layout): per layer and group (qkv, o, gate_up, down: the serving
-model's fused projections), one stack A [max_loras, *in, P R] and one B [max_loras, P R, *out]
-(jaxinfer/lora/adapter.py: P parts, R = max_lora_rank, zero-padded), sharded like the base weight
-(A by its input axes, B by its output axes: tensor parallelism splits them where it splits the base
-weight, and XLA adds the reduction the row-parallel o / down already need). Shapes never change,
-so loading an adapter into a slot (write_slot: one small program, compiled at warm-up) recompiles
-nothing.
+model's fused projections), one stack A [*in, P, max_loras, R] (laid out so that x times it is one
+matmul with no transpose) and one stack per part B_p [max_loras, R, n_p] (jaxinfer/lora/adapter.py: P parts, R = max_lora_rank, zero-padded), sharded
+like the base weight (A by its input axes, each B by the base weight's output axis: tensor
+parallelism splits them where it splits the base weight, and XLA adds the reduction the row-parallel
+o and down already need). Shapes never change, so loading an adapter into a slot (write: one small
+program, compiled at warm-up) recompiles nothing.
 
 Each token of a step carries its row's slot (LoraInputs.token_slots [T]; -1: no adapter, the update
-is exactly zero). The update y += (x A[s]) B[s] is computed two ways, both exact:
-  - gathered (BGMV: a batched gather-matvec) when the step has at most GATHER_MAX_TOKENS tokens:
-    each token's A and B are gathered, so the work is the token's own rank, whatever the slots;
-  - per slot (a dense form of SGMV) for larger steps (prefill chunks): x times every slot's A at
-    once, the other slots' rank columns zeroed by a one-hot of the token's slot, then times the
-    stacked B: max_loras times the rank's FLOPs, but no [T, in, R] gather.
-T is static in each compiled step, so the choice is made at trace time.
+is exactly zero) and layers.lora_delta adds x A[s] B[s] to the projection's output: every slot's A
+at once, a one-hot of the token's slot keeping its own rank columns, then the stacked B (the dense
+form of Punica's SGMV; why not BGMV's per-token gather on CPU: layers.lora_delta).
 """
 from __future__ import annotations
 
@@ -24,48 +20,46 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxinfer.layers import GATHER_MAX_TOKENS, lora_delta  # noqa: F401  (the update: layers.py)
 from jaxinfer.lora.adapter import GROUP_PARTS, LoraAdapter
 
-NO_SLOT = -1
 GROUP_CONTRACT = {"qkv": 1, "o": 2, "gate_up": 1, "down": 1}
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class LoraInputs:
-    """The step's LoRA input: token_slots [T] int32 (NO_SLOT: none), and the device stacks: per layer,
-    group -> (A [L, *in, P R], B [L, P R, *out])."""
+    """The step's LoRA input: token_slots [T] int32 (-1: none), and the device stacks: per layer,
+    group -> (A [*in, P, L, R], (B_p [L, R, n_p], ...))."""
     token_slots: jax.Array
     stacks: list
 
 
-def group_shapes(model) -> list[dict[str, tuple[tuple, tuple, tuple, tuple]]]:
-    """Per layer of a fused Decoder: group -> (A's input shape, B's output shape, and their logical
-    axes), slot and rank axes left out. A mixture-of-experts layer has the attention groups only."""
+def group_shapes(model) -> list[dict[str, tuple]]:
+    """Per layer of a fused Decoder: group -> (A's input shape, its logical axes, the parts' output
+    widths, their logical axis); slot and rank axes left out. A mixture-of-experts layer has the
+    attention groups only."""
     from jaxinfer.layers import MLP
+    cfg = model.cfg   # fused: n_kv_heads counts the KV replicas, as the heads project_qkv returns
     out = []
     for block in model.layers:
-        named = [("qkv", block.attn.qkv), ("o", block.attn.o)]
+        named = [("qkv", block.attn.qkv, [cfg.n_heads * cfg.head_dim] + [cfg.n_kv_heads * cfg.head_dim] * 2),
+                 ("o", block.attn.o, [cfg.d_model])]
         if isinstance(block.mlp, MLP):
-            named += [("gate_up", block.mlp.gate_up), ("down", block.mlp.down)]
+            named += [("gate_up", block.mlp.gate_up, [cfg.ffn_dim] * 2), ("down", block.mlp.down, [cfg.d_model])]
         groups = {}
-        for group, var in named:
+        for group, var, widths in named:
             c = GROUP_CONTRACT[group]
             shape = tuple(var.get_value().shape)
             axes = tuple(var.get_metadata().get("logical_axes") or (None,) * len(shape))
-            groups[group] = (shape[:c], shape[c:], axes[:c], axes[c:])
+            groups[group] = (shape[:c], axes[:c], widths, axes[-1])
         out.append(groups)
     return out
 
 
 def lora_supported(model) -> str | None:
     """None if adapters can run on this model, else why not."""
-    from jaxinfer.layers import MLP
-    if model.fused is None:
+    if getattr(model, "fused", None) is None:
         return "LoRA needs the fused serving model (not available multi-host or with pipeline_parallel > 1)"
-    if any(isinstance(b.mlp, MLP) and not b.mlp.gated for b in model.layers):
-        return f"LoRA is not supported for {model.cfg.architecture} (ungated MLP)"
     return None
 
 
@@ -75,54 +69,56 @@ class LoraSlotsDevice:
 
     def __init__(self, model, max_loras: int, max_rank: int, mesh=None, rules=None):
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.shapes = group_shapes(model)
-        shardings = []
-        stacks = []
-        for groups in self.shapes:
-            layer_stacks, layer_sh = {}, {}
-            for group, (ins, outs, in_axes, out_axes) in groups.items():
-                r = GROUP_PARTS[group] * max_rank
-                dtype = model.embed.get_value().dtype
-                a = np.zeros((max_loras, *ins, r), dtype)
-                b = np.zeros((max_loras, r, *outs), dtype)
-                if mesh is not None:
-                    from jaxinfer.sharding import param_sharding
-                    sh = (param_sharding((None, *in_axes, None), rules, mesh, a.shape),
-                          param_sharding((None, None, *out_axes), rules, mesh, b.shape))
-                else:
-                    sh = (jax.devices()[0],) * 2
-                layer_stacks[group] = (jax.device_put(a, sh[0]), jax.device_put(b, sh[1]))
-                layer_sh[group] = sh
-            stacks.append(layer_stacks)
-            shardings.append(layer_sh)
-        self.stacks = stacks
-        out_shardings = None if mesh is None else shardings
-        self._write = jax.jit(_write_slot, out_shardings=out_shardings)
+        dtype = model.embed.get_value().dtype
+        self.dtype = dtype
 
-    def zeros_like_slot(self) -> list:
-        return [{g: (np.zeros(a.shape[1:], a.dtype), np.zeros(b.shape[1:], b.dtype)) for g, (a, b) in layer.items()}
-                for layer in self.stacks]
+        def place(shape, axes):
+            x = np.zeros(shape, dtype)
+            if mesh is None:
+                return jax.device_put(x, jax.devices()[0])
+            from jaxinfer.sharding import param_sharding
+            return jax.device_put(x, param_sharding(axes, rules, mesh, shape))
+
+        self.stacks = [{group: (place((*ins, GROUP_PARTS[group], max_loras, max_rank), (*in_axes, None, None, None)),
+                                tuple(place((max_loras, max_rank, n), (None, None, out_axis)) for n in widths))
+                        for group, (ins, in_axes, widths, out_axis) in groups.items()}
+                       for groups in group_shapes(model)]
+        # the written stacks keep each stack's sharding (jit's default for a functional update)
+        self._write = jax.jit(_write_slot)
+
+    def _slot_values(self, adapter: LoraAdapter | None, single: bool = False) -> list:
+        """The adapter's arrays shaped as one slot of the stacks, A [*in, P, R] and B_p [R, n_p] (single:
+        as stacks of one slot, A [*in, P, 1, R] and B_p [1, R, n_p]); zeros where it has none."""
+        def a_slot(shape, a=None):   # stack shape (*in, P, L, R) -> the slot's
+            ins, parts, r = shape[:-3], shape[-3], shape[-1]
+            a = np.zeros((*ins, parts, r), self.dtype) if a is None else a.reshape(*ins, parts, r).astype(self.dtype)
+            return a[..., None, :] if single else a
+
+        def b_slot(shape, b=None):
+            b = np.zeros(shape[1:], self.dtype) if b is None else b.astype(self.dtype)
+            return b[None] if single else b
+
+        values = [{g: (a_slot(a.shape), tuple(b_slot(b.shape) for b in bs)) for g, (a, bs) in layer.items()}
+                  for layer in self.stacks]
+        if adapter is not None:
+            for layer, stacks, groups in zip(values, self.stacks, adapter.layers):
+                for g, (a, bs) in groups.items():
+                    layer[g] = (a_slot(stacks[g][0].shape, a),
+                                tuple(b_slot(st.shape, b) for st, b in zip(stacks[g][1], bs)))
+        return values
 
     def write(self, slot: int, adapter: LoraAdapter | None) -> None:
-        """Place `adapter` (None: zeros) in `slot` (a new set of arrays: a step still in flight keeps
-        reading the old ones)."""
-        values = self.zeros_like_slot()
-        if adapter is not None:
-            for layer, groups in zip(values, adapter.layers):
-                for g, (a, b) in groups.items():
-                    layer[g] = (a.astype(layer[g][0].dtype), b.astype(layer[g][1].dtype))
-        self.stacks = self._write(self.stacks, np.int32(slot), values)
+        """Place `adapter` (None: zeros) in `slot`: new arrays, so a step still in flight keeps
+        reading the old ones."""
+        self.stacks = self._write(self.stacks, np.int32(slot), self._slot_values(adapter))
 
     def single(self, adapter: LoraAdapter) -> list:
-        """Stacks holding only `adapter` in slot 0 (gen.logits: a full forward outside the engine)."""
-        stacks = [{g: (np.zeros((1, *a.shape[1:]), a.dtype), np.zeros((1, *b.shape[1:]), b.dtype))
-                   for g, (a, b) in layer.items()} for layer in self.stacks]
-        for layer, groups in zip(stacks, adapter.layers):
-            for g, (a, b) in groups.items():
-                layer[g] = (a[None].astype(layer[g][0].dtype), b[None].astype(layer[g][1].dtype))
-        return stacks
+        """Stacks holding only `adapter`, in slot 0 (gen.logits: a full forward outside the engine)."""
+        return self._slot_values(adapter, single=True)
 
 
 def _write_slot(stacks, slot, values):
-    return jax.tree.map(lambda s, v: s.at[slot].set(v), stacks, values)
-
+    """Each group's A at [..., slot, :] (its slot axis is second to last), each B at [slot]."""
+    return [{g: (a.at[..., slot, :].set(va), tuple(b.at[slot].set(vb) for b, vb in zip(bs, vbs)))
+             for g, ((a, bs), (va, vbs)) in ((g, (layer[g], vals[g])) for g in layer)}
+            for layer, vals in zip(stacks, values)]

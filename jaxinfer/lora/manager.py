@@ -29,13 +29,9 @@ class LoraManager:
             raise LoraError(why)
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras}, {max_rank}")
-        from jaxinfer.models.decoder import _gate_up_fuse, _qkv_fuse
-        layout = model.fused
+        self.kv_replicas = model.fused.kv_replicas
         # the unfused model's config (the fused one counts each KV head kv_replicas times)
-        self.model_cfg = dataclasses.replace(model.cfg, n_kv_heads=model.cfg.n_kv_heads // layout.kv_replicas)
-        self._fuse_qkv = _qkv_fuse(self.model_cfg, layout)
-        self._fuse_gate_up = lambda layer: _gate_up_fuse(  # noqa: E731
-            layout.expert_shards if self.model_cfg.is_moe_layer(layer) else layout.mlp_shards)
+        self.model_cfg = dataclasses.replace(model.cfg, n_kv_heads=model.cfg.n_kv_heads // self.kv_replicas)
         self.max_loras, self.max_rank = max_loras, max_rank
         self.slots = LoraSlots(max_loras)
         self.device = LoraSlotsDevice(model, max_loras, max_rank, mesh, rules)
@@ -49,7 +45,7 @@ class LoraManager:
 
     def read(self, name: str, path: str | Path) -> LoraAdapter:
         """The adapter at path, checked against the model (LoraError naming what is wrong); not registered."""
-        return load_adapter(name, path, self.model_cfg, self._fuse_qkv, self._fuse_gate_up, self.max_rank)
+        return load_adapter(name, path, self.model_cfg, self.kv_replicas, self.max_rank)
 
     def register(self, adapter: LoraAdapter) -> int:
         if adapter.name in self.ids:

@@ -93,18 +93,21 @@ class Attention(nnx.Module):
         cfg, s = self.cfg, self.shards
         hq, hk = cfg.n_heads // s, cfg.n_kv_heads // s
         y = dense(x, self.qkv.get_value(), param_value(self.qkv_bias), impl=self.matmul)   # (T, N)
-        if lora is not None:
-            y = y + lora_delta(x, *lora[1]["qkv"], lora[0])
         y = y.reshape(*x.shape[:-1], s, hq + 2 * hk, cfg.head_dim)                    # (T, s, hq + 2 hk, hd)
         heads = lambda a: a.reshape(*a.shape[:-3], -1, cfg.head_dim)  # noqa: E731     (T, s * heads, hd)
-        return heads(y[..., :hq, :]), heads(y[..., hq:hq + hk, :]), heads(y[..., hq + hk:, :])
+        q, k, v = heads(y[..., :hq, :]), heads(y[..., hq:hq + hk, :]), heads(y[..., hq + hk:, :])
+        if lora is None:
+            return q, k, v
+        # the adapters' q, k, v in these heads' order (KV heads repeated as the fused cfg counts them)
+        dq, dk, dv = lora_delta(x, *lora[1]["qkv"], lora[0])
+        return q + dq.reshape(q.shape), k + dk.reshape(k.shape), v + dv.reshape(v.shape)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: LayerKV | None,
                  meta: AttentionMetadata | None, impl: str, lora: tuple | None = None
                  ) -> tuple[jax.Array, LayerKV | None]:
         out, kv = self.attend(x, positions, kv, meta, impl, lora)
         y = dense(out, self.o.get_value(), param_value(self.o_bias), contract=2, impl=self.matmul)   # (T, D)
-        return (y if lora is None else y + lora_delta(out, *lora[1]["o"], lora[0], contract=2)), kv
+        return (y if lora is None else y + lora_delta(out, *lora[1]["o"], lora[0], contract=2)[0]), kv
 
     def rope(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """q [T, H, hd], k [T, Hkv, hd] rotated by this layer's RoPE (its base, scaling, rotated features)."""
