@@ -449,7 +449,7 @@ class ModelRunner:
     def run_published(self, inputs: StepInputs) -> None:
         """Multi-host followers: run the step process 0 prepared (same executable, pages donated).
         The results stay on the devices; only process 0 reads them. A None penalty history: process 0
-        used its cached empty history (or mask, or bias), this process uses its own."""
+        used its cached empty history (or mask, or bias, or pooling weights), this process uses its own."""
         sb = inputs.sampling
         if sb.history is None:
             sb.history, sb.history_is_output = self._history(len(inputs.logits_indices), [], False)
@@ -457,6 +457,8 @@ class ModelRunner:
         for name, value in zip(("token_mask", "bias_ids", "bias_values"), empty):
             if getattr(sb, name) is None:
                 setattr(sb, name, value)
+        if inputs.pool_weights is None:   # process 0's cached no-embedding weights
+            inputs.pool_weights = self._pool_weights(SchedulerOutput(), None, len(inputs.tokens))
         self._dispatch(inputs, self._no_prev)
 
     def replay(self, inputs: StepInputs) -> None:

@@ -16,8 +16,8 @@ The contract (SGLang states its ScheduleBatch -> ForwardBatch the same way):
                                        pooled sum (host/pooling.py; all 0 when no row embeds: skipped)
 and back, one device-to-host copy of StepOutputs: ids/logprobs [K, S] (+ top-N [K, S, 20]) and
 num_drawn [S] (+ pooled [S, D] float32, where pool_weights was given: each row's weighted sum of its
-final-norm hidden states, read by the host only when some row embeds). next_tokens [K * max_rows] stays on the device as the next step's `prev_tokens`
-(async scheduling, runner.py). The KV pages are donated, so they are updated in place.
+final-norm hidden states, read by the host only when some row embeds). next_tokens [K * max_rows]
+stays on the device as the next step's `prev_tokens` (async scheduling, runner.py). The KV pages are donated, so they are updated in place.
 
 The step is one module-level function of (params, kv_pages, inputs, prev_tokens) with everything it
 is compiled for in `StepSettings`, so the compiled program depends on nothing hidden; `jit_step`
