@@ -41,7 +41,7 @@ class EmbeddingError(ValueError):
     """A sentence-transformers folder this engine cannot embed with (the message names the file)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EmbeddingSpec:
     """How a model embeds: pooling, normalization, prompts, Matryoshka sizes, and whether it also
     generates (it has an LM head)."""
@@ -132,7 +132,7 @@ def read_embedding_spec(folder: str | Path, pooling: str | None = None, normaliz
         if pooling is None:
             return None
         config = _read_json(folder / "config.json") if (folder / "config.json").exists() else {}
-        return EmbeddingSpec(pooling, normalize, matryoshka_dimensions=_matryoshka(config),
+        return EmbeddingSpec(pooling=pooling, normalize=normalize, matryoshka_dimensions=_matryoshka(config),
                              generates=has_lm_head, model_path=folder)
     modules = _read_json(modules_file)
     if not isinstance(modules, list):
@@ -159,5 +159,6 @@ def read_embedding_spec(folder: str | Path, pooling: str | None = None, normaliz
     if default is not None and default not in prompts:
         raise EmbeddingError(f"{st_cfg_file}: default_prompt_name {default!r} is not one of its prompts")
     config = _read_json(model_path / "config.json")
-    return EmbeddingSpec(pooling or st_pooling[0], normalize or st_normalize, st_pooling[1], dict(prompts), default,
-                         _matryoshka(config), has_lm_head, model_path)
+    return EmbeddingSpec(pooling=pooling or st_pooling[0], normalize=normalize or st_normalize,
+                         include_prompt=st_pooling[1], prompts=dict(prompts), default_prompt_name=default,
+                         matryoshka_dimensions=_matryoshka(config), generates=has_lm_head, model_path=model_path)

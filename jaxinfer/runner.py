@@ -486,7 +486,7 @@ class ModelRunner:
     def run_published(self, inputs: StepInputs) -> None:
         """Multi-host followers: run the step process 0 prepared (same executable, pages donated).
         The results stay on the devices; only process 0 reads them. A None penalty history: process 0
-        used its cached empty history (or mask, or bias), this process uses its own."""
+        used its cached empty history (or mask, or bias, or pooling weights), this process uses its own."""
         sb = inputs.sampling
         if sb.history is None:
             sb.history, sb.history_is_output = self._history(len(inputs.logits_indices), [], False)
@@ -494,11 +494,14 @@ class ModelRunner:
         for name, value in zip(("token_mask", "bias_ids", "bias_values"), empty):
             if getattr(sb, name) is None:
                 setattr(sb, name, value)
-        if inputs.prompt_targets is None and not isinstance(inputs, SpecStepInputs):   # nobody asked
+        if not isinstance(inputs, SpecStepInputs):   # speculative programs have neither
             t = len(inputs.tokens)
-            inputs.prompt_targets = self._no_targets.get(t)
-            if inputs.prompt_targets is None:
-                inputs.prompt_targets = self._no_targets[t] = jax.device_put(np.full(t, -1, np.int32))
+            if inputs.prompt_targets is None:   # nobody asked
+                inputs.prompt_targets = self._no_targets.get(t)
+                if inputs.prompt_targets is None:
+                    inputs.prompt_targets = self._no_targets[t] = jax.device_put(np.full(t, -1, np.int32))
+            if inputs.pool_weights is None:   # process 0's cached no-embedding weights
+                inputs.pool_weights = self._pool_weights(SchedulerOutput(), None, t)
         self._dispatch(inputs, self._no_prev)
 
     def replay(self, inputs: StepInputs) -> None:

@@ -171,7 +171,6 @@ def test_embedding_and_generation_share_steps(gens, reference):
     ids = [gen.tokenizer.encode(t) for t in TEXTS]
     embed_rids = gen.client.submit(ids, params, poolings=[spec.pooling_state(len(x)) for x in ids])
     done: dict[str, Completion] = {}
-    gen.client.add_step_observer(lambda trace: None)
     while gen.client.has_unfinished():
         for d in gen.client.step():
             done.setdefault(d.request_id, Completion()).add(d)
@@ -205,7 +204,7 @@ def test_pooling_settings_make_a_causal_lm_embed(folders, reference):
     gen = Generator.from_pretrained(plain, pooling="mean", normalize=True, **ENGINE)
     want = reference["llama"][0]
     assert_close_vectors(gen.embed(TEXTS), want / np.linalg.norm(want, axis=1, keepdims=True))
-    assert gen.generate("the", )[0].token_ids
+    assert gen.generate("the")[0].token_ids
 
 
 # --------------------------------------------------------------------------- the HTTP server
@@ -301,3 +300,39 @@ def test_server_refusals(servers):
     # the llama folder serves both
     assert llama.completions.create(model="tiny", prompt="the quick", max_tokens=3).choices[0].text is not None
     assert len(llama.embeddings.create(model="tiny", input="the quick").data[0].embedding) == 32
+
+
+# --------------------------------------------------------------------------- host-side pieces, no model
+def test_matryoshka_dimensions_cut_then_normalize():
+    """vLLM's order: the pooled vector cut to `dimensions`, then L2-normalized (numpy reference)."""
+    from jaxinfer.embedding import EmbeddingSpec
+    spec = EmbeddingSpec(pooling="mean", normalize=True, matryoshka_dimensions=(8, 16))
+    with pytest.raises(ValueError, match="not one of this model's matryoshka dimensions"):
+        spec.check_dimensions(12, 32)
+    spec.check_dimensions(8, 32)
+    rng = np.random.default_rng(0)
+    chunks = [rng.standard_normal(32) for _ in range(3)]    # three chunks' sums of a 10-token input
+    state = spec.pooling_state(10, dimensions=8)
+    for c in chunks:
+        state.add(c)
+    want = (sum(chunks) / 10)[:8]
+    np.testing.assert_allclose(state.embedding(), want / np.linalg.norm(want), rtol=1e-6)
+    with pytest.raises(ValueError, match="does not support matryoshka"):
+        EmbeddingSpec(pooling="last", normalize=False).check_dimensions(8, 32)
+
+
+def test_sentence_transformers_pooling_configs(tmp_path):
+    from jaxinfer.embedding import EmbeddingError, read_embedding_spec
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3Model"]}))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    pooling = tmp_path / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
+    spec = read_embedding_spec(tmp_path)
+    assert (spec.pooling, spec.normalize, spec.include_prompt) == ("cls", False, True)
+    assert read_embedding_spec(tmp_path, pooling="mean", normalize=True).pooling == "mean"
+    pooling.write_text(json.dumps({"pooling_mode": "weightedmean"}))
+    with pytest.raises(EmbeddingError, match="pooling mode 'weightedmean' is not supported"):
+        read_embedding_spec(tmp_path)
