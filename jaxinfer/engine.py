@@ -206,6 +206,15 @@ class Engine:
         return {r.lora_id for r in self.scheduler.requests.values() if r.lora_id is not None and not r.finished} | {
             c.lora_id for r in self.scheduler.requests.values() for c in r.pending_forks if c.lora_id is not None}
 
+    def _lora_id(self, lora: str | None) -> int | None:
+        """A loaded adapter's load id (None: the base model); an unknown name is a RequestError."""
+        if lora is None:
+            return None
+        if self.lora is None or lora not in self.lora.ids:
+            raise RequestError(f"the LoRA adapter {lora!r} does not exist (loaded: {self.lora_names()})",
+                               "model", "model_not_found")
+        return self.lora.lora_id(lora)
+
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
@@ -220,12 +229,7 @@ class Engine:
         code "model_not_found").
         pooling: an embedding request (host/pooling.py): prefill only, it finishes at its last prompt
         token (its one draw is discarded) with the pooled vector; a prompt may fill the context."""
-        lora_id = None
-        if lora is not None:
-            if self.lora is None or lora not in self.lora.ids:
-                raise RequestError(f"the LoRA adapter {lora!r} does not exist (loaded: {self.lora_names()})",
-                                   "model", "model_not_found")
-            lora_id = self.lora.lora_id(lora)
+        lora_id = self._lora_id(lora)
         prompt_ids = [int(t) for t in prompt_ids]
         check_priority(priority, self.resolved.scheduling_policy)
         if not prompt_ids:
