@@ -16,6 +16,8 @@ import os
 import re
 from pathlib import Path
 
+from jaxinfer.errors import CheckpointError
+
 # what the loaders read (jaxinfer/weights.py, jaxinfer/tokenizer.py, the chat template, generation
 # defaults): top-level files only, so a repository's original/ or onnx/ copies are never fetched
 ALLOW_PATTERNS = (
@@ -29,8 +31,9 @@ ALLOW_PATTERNS = (
 HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 
 
-class ModelSpecError(ValueError):
-    """A --model / from_pretrained path that is neither a local folder nor a usable Hub id."""
+class ModelSpecError(CheckpointError):
+    """A --model / from_pretrained path that is neither a local folder nor a usable Hub id (a
+    CheckpointError: a model that cannot be loaded, as a missing folder always was)."""
 
 
 def split_spec(spec: str) -> tuple[str, str | None]:

@@ -33,11 +33,10 @@ from jaxinfer.config import ConfigError, ModelConfig, resolve_dtype_name
 from jaxinfer.models.hf_configs import model_config_from_hf
 from jaxinfer.models.decoder import Decoder, abstract_decoder, unfuse_decoder
 from jaxinfer.models.hf_maps import OPTIONAL_PREFIXES, hf_weight_map
+from jaxinfer.errors import CheckpointError  # noqa: F401  (raised here; defined jax-free for jaxinfer.hub)
 from jaxinfer.quant import QuantizedWeight
 
 
-class CheckpointError(ValueError):
-    """A checkpoint we cannot load; the message names the file and, where it applies, the tensor."""
 
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
