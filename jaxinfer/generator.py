@@ -431,8 +431,9 @@ def _full_forward(model, impl: str, replicated: bool):
     gen.logits runs, outside the engine. replicated (multi-host): process 0 reads whole logits
     rows, so they come back replicated, not left vocab-sharded across processes."""
     graphdef, params = nnx.split(model)
-    def forward(p, t, pos, lora=None):   # the pipelined model takes no lora (LoRA refuses pipelines)
-        return nnx.merge(graphdef, p)(t, pos, impl=impl, **({} if lora is None else {"lora": lora}))[0]
+    # the pipelined model takes no lora (LoRA refuses pipelines)
+    forward = lambda p, t, pos, lora=None: nnx.merge(graphdef, p)(  # noqa: E731
+        t, pos, impl=impl, **({} if lora is None else {"lora": lora}))[0]
     if not replicated:
         return jax.jit(forward), params
     from jax.sharding import NamedSharding, PartitionSpec
