@@ -8,7 +8,7 @@ order 100), and guidellm's own request accounting (zero errored requests).
 
 The task is tests/lm_eval_tasks (local JSON: 16 multiple-choice items and 6 loglikelihood_rolling
 passages from the bundled model's held-out text). lm-eval's API models need its `api` extra
-(tenacity); without it that test is skipped.
+(tenacity), which the test extras install (`lm-eval[api]` in pyproject.toml).
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-from importlib.util import find_spec
 from pathlib import Path
 
 import httpx
@@ -81,8 +80,6 @@ def server(tmp_path_factory):
         log.close()
 
 
-@pytest.mark.skipif(find_spec("tenacity") is None,
-                    reason="lm-eval's API models (local-completions) need lm-eval[api] (tenacity)")
 def test_lm_eval_local_completions_matches_its_hf_backend(server, hf_export):
     import lm_eval
     from lm_eval.tasks import TaskManager
