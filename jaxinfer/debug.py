@@ -58,6 +58,7 @@ class StepDebugger:
         with self._lock:
             assert not self._engine.warmed_up, "choose the token buckets before warm-up compiles them"
             self._engine.runner.choose_token_buckets(smallest)
+            self._engine.fit_scheduler_buckets()
 
     def kv_pool_bytes(self) -> int:
         """Device bytes the KV pages take (every layer's K, V and scales, a draft model's too): a

@@ -10,6 +10,7 @@ surface below the request API (profiling, multi-host followers) is jaxinfer.debu
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -123,6 +124,7 @@ class Engine:
         self.weights = weights
         self.cost = perf.ModelCost.build(self.model_cfg, weights, self.runner.kv_bytes_per_token)
         self.device_spec = perf.device_for_kind(jax.devices()[0].device_kind)   # None: peak unknown (CPU)
+        self.fit_scheduler_buckets()
         self.output = OutputProcessor(tokenizer)   # text, stop strings and deltas of every sample
         self._ids = itertools.count()
         self.stats_ = StepStats()
@@ -143,6 +145,20 @@ class Engine:
         self._model = model
         for name, path in cfg.lora_modules or ():
             self.load_lora(name, path)
+
+    def fit_scheduler_buckets(self) -> None:
+        """The scheduler's padding-aware chunking (Scheduler._fit_bucket): the runner's token buckets
+        and the tokens per step at which a step turns compute-bound here (perf.compute_bound_tokens:
+        the datasheet's peaks, the host-CPU assumptions on CPU; an unknown accelerator: 0, no cut).
+        Pipeline steps pad per group of microbatches: no cut there."""
+        device = self.device_spec or (perf.host_cpu_device() if jax.default_backend() == "cpu" else None)
+        if device is None or not isinstance(self.runner, ModelRunner):
+            return
+        cfg = self.model_cfg
+        moe = cfg.num_experts / cfg.num_experts_per_tok if cfg.num_experts else 1
+        ridge = perf.compute_bound_tokens(device, self.resolved.dtype, self.weights.total / cfg.num_params(), moe)
+        self.scheduler.cfg = dataclasses.replace(self.scheduler.cfg, token_buckets=tuple(self.runner.token_buckets),
+                                                 compute_bound_tokens=ridge)
 
     def warmup(self) -> None:
         """Compile every step shape now; afterwards serving must compile nothing (counted per step)."""

@@ -125,6 +125,21 @@ def device_for_kind(device_kind: str) -> Device | None:
     return None
 
 
+def host_cpu_device(memory_bytes: int = 0) -> Device:
+    """A host CPU under the round-number assumptions CPU_BANDWIDTH and CPU_FLOPS (no datasheet)."""
+    return Device("cpu", "host CPU", memory_bytes, CPU_BANDWIDTH, CPU_FLOPS, CPU_FLOPS, CPU_FLOPS,
+                  assumed=(f"CPU bandwidth {CPU_BANDWIDTH / 1e9:g} GB/s is an assumption, not a measurement",
+                           f"CPU peak {CPU_FLOPS / 1e12:g} TFLOP/s is an assumption, not a measurement"))
+
+
+def compute_bound_tokens(device: Device, dtype: str, bytes_per_param: float, moe_scale: float = 1.0) -> float:
+    """Tokens per step at which a step's matmuls turn compute-bound: the roofline's ridge. B* = F / BW
+    FLOPs per byte; T tokens do 2 P T FLOPs over the P b bytes of weights the step reads, 2 T / b
+    FLOPs per byte, which reaches B* at T = B* b / 2 (times E / k for a mixture of experts under
+    balanced routing: its experts get T k / E rows each). plan.py's compute-bound batch."""
+    return device.peak_flops(dtype) / device.bandwidth * bytes_per_param / 2 * moe_scale
+
+
 def with_memory(device: Device, memory_bytes: int, why: str) -> Device:
     return dataclasses.replace(device, memory_bytes=memory_bytes, assumed=(why,))
 

@@ -177,8 +177,8 @@ def get_device(name: str, memory_gib: float | None = None) -> Device:
     if name == "cpu":
         assumed = (f"CPU bandwidth {CPU_BANDWIDTH / 1e9:g} GB/s is an assumption, not a measurement",
                    f"CPU peak {CPU_FLOPS / 1e12:g} TFLOP/s is an assumption, not a measurement") + given
-        return Device("cpu", "host CPU", mem or _os_memory_bytes(), CPU_BANDWIDTH, CPU_FLOPS, CPU_FLOPS, CPU_FLOPS,
-                      assumed=assumed, source="memory: os.sysconf (or --memory-gib); bandwidth, FLOP/s: assumed")
+        return dataclasses.replace(perf.host_cpu_device(mem or _os_memory_bytes()), assumed=assumed,
+                                   source="memory: os.sysconf (or --memory-gib); bandwidth, FLOP/s: assumed")
     dev = DEVICES[name]
     return dev if mem is None else dataclasses.replace(dev, memory_bytes=mem, assumed=given)
 
@@ -367,7 +367,8 @@ def _roofline(cfg: ModelConfig, device: Device, cost: perf.ModelCost, dtype: str
     tok_s = device.bandwidth / step_bytes_bs1
     moe_scale = cfg.num_experts / cfg.num_experts_per_tok if cfg.num_experts else 1
     return dict(peak_flops=flops, peak_flops_kind="tf32" if dtype == "float32" else "bf16",
-                bandwidth=device.bandwidth, b_star=b_star, compute_bound_batch=b_star * bytes_per_param / 2 * moe_scale,
+                bandwidth=device.bandwidth, b_star=b_star,
+                compute_bound_batch=perf.compute_bound_tokens(device, dtype, bytes_per_param, moe_scale),
                 decode_tokens_per_s_bs1=tok_s, decode_ms_per_token_bs1=1e3 / tok_s)
 
 

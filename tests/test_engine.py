@@ -239,3 +239,35 @@ def test_quantized_weights_generate(hf_model_dir):
         g = Generator.from_pretrained(hf_model_dir("qwen2-tied"), **SMALL, quantize=method, warmup=False)
         out = g.generate([[5, 9, 33, 2, 41]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
         assert out.token_ids == naive_greedy(g, [5, 9, 33, 2, 41], 10)  # paged path == full forward, quantized
+
+
+def test_padding_aware_cut_keeps_hf_greedy_tokens(hf_model_dir):
+    """Four 20-token prompts under a 128-token budget on CPU: the ridge is the host-CPU assumption's,
+    1 TFLOP/s over 50 GB/s times 4 bytes a float32 parameter over 2 = 40 tokens, so the 80-token
+    step (padded to 128) is cut to 64 (the newest row keeps 4 tokens) and its 16 left follow in the
+    next step. Every request's greedy tokens are still HF transformers' own."""
+    import torch
+
+    from tests.hf_models import build_hf_model
+    name = "llama-gqa-llama3"
+    g = Generator.from_pretrained(hf_model_dir(name), dtype="float32", max_model_len=64, max_num_batched_tokens=128,
+                                  max_num_seqs=4, block_size=8, num_blocks=4 * 64 // 8 + 1, warmup=False)
+    assert g.engine.scheduler.cfg.compute_bound_tokens == pytest.approx(1e12 / 50e9 * 4 / 2, rel=1e-3)
+    plans = []
+    schedule = g.engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        plans.append([seq.num_tokens for seq in out.seqs])
+        return out
+    g.engine.scheduler.schedule = spy
+    rng = np.random.RandomState(3)
+    prompts = [rng.randint(3, 131, 20).tolist() for _ in range(4)]
+    outs = g.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert plans[0] == [20, 20, 20, 4] and plans[1] == [1, 1, 1, 16]
+    hf = build_hf_model(name)
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(p):].tolist()
+            assert o.token_ids == ref

@@ -68,11 +68,14 @@ class StepRecord:
 
 class Harness:
     def __init__(self, policy="continuous", num_blocks=256, block_size=4, max_num_seqs=8, budget=32,
-                 max_model_len=512, window=4 * DT, eos_ids=(EOS,), token_fn=token_of):
+                 max_model_len=512, window=4 * DT, eos_ids=(EOS,), token_fn=token_of, ridge=0.0):
         self.clock = FakeClock()
         self.bm = BlockManager(num_blocks, block_size)
+        # ridge > 0: the engine's padding-aware chunking, with power-of-two token buckets up to the budget
+        buckets = tuple(2 ** i for i in range(3, 16) if 2 ** i <= budget) if ridge else ()
         self.cfg = SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                   max_model_len=max_model_len, batch_window_s=window)
+                                   max_model_len=max_model_len, batch_window_s=window, token_buckets=buckets,
+                                   compute_bound_tokens=ridge)
         self.s = Scheduler(self.cfg, self.bm, eos_ids=eos_ids, clock=self.clock)
         self.kv = np.full((num_blocks * block_size, 2), -1, np.int64)   # (token, position) per slot
         self.token_fn = token_fn
@@ -519,12 +522,12 @@ def _random_workload(rng: random.Random, h: Harness, num: int, max_prompt: int, 
     return on_step
 
 
-def _run_random(seed: int, max_n: int, pool_factor: int) -> dict:
+def _run_random(seed: int, max_n: int, pool_factor: int, ridge: float = 0.0) -> dict:
     rng = random.Random(seed)
     bs = rng.choice([2, 4, 8])
     max_model_len = 64
     cfgs = dict(block_size=bs, budget=rng.choice([8, 16, 32]), max_num_seqs=rng.choice([2, 4, 8]),
-                max_model_len=max_model_len)
+                max_model_len=max_model_len, ridge=ridge)
     results = {}
     # "small": room for pool_factor requests of the longest possible length (the engine rejects
     # requests that need more than the whole pool); "ample": never preempts
@@ -554,6 +557,46 @@ def test_random_workloads_tight_pool_match_ample_pool(seed):
 def test_random_workloads_with_n_samples_match_ample_pool(seed):
     """n <= 3 with a pool of two maximal requests (a pool of one: see the livelock regression below)."""
     _run_random(seed, max_n=3, pool_factor=2)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workloads_with_bucket_cuts_match_ample_pool(seed):
+    """Padding-aware chunking on (a ridge of 4 tokens: under a 32-token budget, steps of 17-24
+    tokens are cut back to 16), n <= 3, tight pool: the same outputs, every invariant of the harness (one
+    block of over-allocation at most: a cut row gives back the blocks it no longer needs)."""
+    _run_random(seed, max_n=3, pool_factor=2, ridge=4.0)
+
+
+def test_bucket_cut_hand_worked():
+    """Four 40-token prompts at once, buckets 8..256, compute-bound from 40 tokens a step: 160
+    tokens would pad to 256. Cutting the newest row to 8 runs 128 (no padding): 256 - 128 = 128
+    token-steps saved now against at most max(40, 32) = 40 for the 32 left over, so the cut is made;
+    they go in the next step beside the three decodes (35 tokens: b = 32 is under the ridge, no cut)."""
+    h = Harness(block_size=16, budget=256, max_num_seqs=8, ridge=40.0)
+    reqs = [h.add(r, prompt_of(40, base=10 + i), max_tokens=3) for i, r in enumerate("abcd")]
+    h.step()
+    assert h.steps[-1].seqs == [("a", 0, 40, True), ("b", 0, 40, True), ("c", 0, 40, True), ("d", 0, 8, False)]
+    assert len(h.bm.table("d")) == 1          # 8 tokens: one block of 16, the other two given back
+    h.step()
+    assert h.steps[-1].seqs == [("a", 40, 1, True), ("b", 40, 1, True), ("c", 40, 1, True), ("d", 8, 32, True)]
+    h.run()
+    for r in reqs:
+        assert r.output_ids == expected_output(r, 512)
+    h.assert_all_free()
+
+
+@pytest.mark.parametrize("lens, ridge, want", [
+    ([40], 40.0, [40]),            # 40 pads to 64; b = 32 is under the ridge: a bandwidth-bound step, no cut
+    ([100, 100], 40.0, [100, 100]),  # 200: b = 128 leaves 72, whose own step (128) costs what the cut saves
+    ([100, 40], 40.0, [100, 28]),  # 140: cut 12 (its own step: max(40, 16) < 256 - 128)
+    ([130], 200.0, [130]),         # a GPU-like ridge: 256 - max(200, 128) = 56 < 200, no cut
+])
+def test_bucket_cut_only_where_it_cannot_lose(lens, ridge, want):
+    h = Harness(block_size=16, budget=256, max_num_seqs=8, ridge=ridge)
+    for i, n in enumerate(lens):
+        h.add(f"r{i}", prompt_of(n, base=10 + i), max_tokens=2)
+    h.step()
+    assert [q[2] for q in h.steps[-1].seqs] == want
 
 
 def test_random_workloads_do_preempt():

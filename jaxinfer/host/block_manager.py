@@ -143,6 +143,17 @@ class BlockManager:
             table.append(self._take())
         return True
 
+    def shrink(self, request_id: str, num_tokens: int) -> None:
+        """Give back the table's blocks past num_tokens: taken by this schedule for tokens it then left
+        to a later step (Scheduler._fit_bucket), so never written nor cached; they are reused first."""
+        table = self.tables.get(request_id, [])
+        while len(table) > self.blocks_for(num_tokens):
+            b = table.pop()
+            assert self.ref_counts[b] == 1 and self.hashes[b] is None, "shrink past a written block"
+            self.ref_counts[b] = 0
+            self.free_queue[b] = None
+            self.free_queue.move_to_end(b, last=False)
+
     def fork(self, src_id: str, dst_id: str, num_blocks: int) -> None:
         """dst shares the first num_blocks blocks of src (reference counted, read only)."""
         assert dst_id not in self.tables or not self.tables[dst_id], "fork into a non-empty table"

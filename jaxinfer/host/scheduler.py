@@ -73,6 +73,12 @@ class SchedulerConfig:
     # fcfs: arrival order; priority: lower Request.priority first, then arrival. The engine passes
     # EngineConfig's (fcfs); a scheduler built alone orders by priority, as it always has
     scheduling_policy: str = "priority"
+    # the runner's token buckets (a step is padded to the smallest that holds it) and the tokens per
+    # step at which a step turns compute-bound on this device (perf.compute_bound_tokens; 0: unknown).
+    # With both, a step that overshoots a compute-bound bucket by a little is cut back to it
+    # (_fit_bucket); the engine fills them in, a scheduler built alone never cuts
+    token_buckets: tuple[int, ...] = ()
+    compute_bound_tokens: float = 0.0
 
 
 @dataclass
@@ -288,6 +294,7 @@ class Scheduler:
         if out.preempted:
             return out
         self._schedule_waiting(out, budget)
+        self._fit_bucket(out)
         if not (spec_k and self.cfg.step_proposes):
             self._plan_decode_iters(out)
         self._plan_spec_rounds(out)
@@ -368,6 +375,39 @@ class Scheduler:
                 self._fork(req)     # its samples' shared prompt blocks were all cached
             out.seqs.append(self._scheduled(req, n))
             budget -= n
+
+    def _fit_bucket(self, out: SchedulerOutput) -> None:
+        """Padding-aware chunking. The runner pads a step of n tokens to the smallest bucket B >= n.
+        When n overshoots the bucket b below B by o = n - b, cutting o prompt tokens (the newest
+        rows' chunks first, each row keeps one) runs this step at b and leaves them to a later one.
+        On the roofline a step of T tokens costs max(R, T), R the compute-bound tokens: the cut
+        saves max(R, B) - max(R, b) now and costs at most max(R, bucket(o)) later (the o tokens in
+        a step of their own; they usually ride in the next step beside its decode rows for less).
+        So the cut is made only when it cannot lose: B - max(R, b) > max(R, bucket(o)), which needs
+        b > R (a bandwidth-bound step costs the same at any size: never cut there) and
+        bucket(o) < b. The rows that keep their chunk get their first token a step sooner; the
+        cut row gets it after two steps that together cost less than the padded one."""
+        r, buckets = self.cfg.compute_bound_tokens, self.cfg.token_buckets
+        n = sum(seq.num_tokens for seq in out.seqs)
+        if not r or not buckets or n > buckets[-1] or n <= buckets[0]:
+            return
+        big = next(b for b in buckets if b >= n)
+        b = max(x for x in buckets if x < n)
+        o = n - b
+        rest = next(x for x in buckets if x >= o)
+        if not big - max(r, b) > max(r, rest):
+            return
+        rows = [seq for seq in out.seqs if seq.num_tokens > 1 and not seq.spec and not seq.draft_only]
+        if sum(seq.num_tokens - 1 for seq in rows) < o:
+            return
+        for seq in reversed(rows):
+            cut = min(o, seq.num_tokens - 1)
+            seq.num_tokens -= cut
+            seq.sample = False
+            self.blocks.shrink(seq.request.request_id, seq.start + seq.num_tokens)
+            o -= cut
+            if not o:
+                break
 
     def recompute(self, out: SchedulerOutput, blocks) -> None:
         """The host tier's restore copies into these blocks failed (their K/V is not the cached one):
