@@ -154,9 +154,8 @@ class Engine:
         device = self.device_spec or (perf.host_cpu_device() if jax.default_backend() == "cpu" else None)
         if device is None or not isinstance(self.runner, ModelRunner):
             return
-        cfg = self.model_cfg
-        moe = cfg.num_experts / cfg.num_experts_per_tok if cfg.num_experts else 1
-        ridge = perf.compute_bound_tokens(device, self.resolved.dtype, self.weights.total / cfg.num_params(), moe)
+        ridge = perf.compute_bound_tokens(device, self.resolved.dtype,
+                                          self.weights.total / self.model_cfg.num_params(), self.model_cfg)
         self.scheduler.cfg = dataclasses.replace(self.scheduler.cfg, token_buckets=tuple(self.runner.token_buckets),
                                                  compute_bound_tokens=ridge)
 

@@ -132,11 +132,12 @@ def host_cpu_device(memory_bytes: int = 0) -> Device:
                            f"CPU peak {CPU_FLOPS / 1e12:g} TFLOP/s is an assumption, not a measurement"))
 
 
-def compute_bound_tokens(device: Device, dtype: str, bytes_per_param: float, moe_scale: float = 1.0) -> float:
+def compute_bound_tokens(device: Device, dtype: str, bytes_per_param: float, cfg: Any) -> float:
     """Tokens per step at which a step's matmuls turn compute-bound: the roofline's ridge. B* = F / BW
     FLOPs per byte; T tokens do 2 P T FLOPs over the P b bytes of weights the step reads, 2 T / b
     FLOPs per byte, which reaches B* at T = B* b / 2 (times E / k for a mixture of experts under
     balanced routing: its experts get T k / E rows each). plan.py's compute-bound batch."""
+    moe_scale = cfg.num_experts / cfg.num_experts_per_tok if cfg.num_experts else 1
     return device.peak_flops(dtype) / device.bandwidth * bytes_per_param / 2 * moe_scale
 
 

@@ -175,9 +175,8 @@ def get_device(name: str, memory_gib: float | None = None) -> Device:
     mem = None if memory_gib is None else int(memory_gib * GiB)
     given = (f"memory {memory_gib:g} GiB per device is from --memory-gib",) if mem else ()
     if name == "cpu":
-        assumed = (f"CPU bandwidth {CPU_BANDWIDTH / 1e9:g} GB/s is an assumption, not a measurement",
-                   f"CPU peak {CPU_FLOPS / 1e12:g} TFLOP/s is an assumption, not a measurement") + given
-        return dataclasses.replace(perf.host_cpu_device(mem or _os_memory_bytes()), assumed=assumed,
+        cpu = perf.host_cpu_device(mem or _os_memory_bytes())
+        return dataclasses.replace(cpu, assumed=cpu.assumed + given,
                                    source="memory: os.sysconf (or --memory-gib); bandwidth, FLOP/s: assumed")
     dev = DEVICES[name]
     return dev if mem is None else dataclasses.replace(dev, memory_bytes=mem, assumed=given)
@@ -365,10 +364,9 @@ def _roofline(cfg: ModelConfig, device: Device, cost: perf.ModelCost, dtype: str
     per_layer_kv = dev_kv_tok / math.ceil(cfg.n_layers / pp)
     step_bytes_bs1 = perf.bytes_read(cost.iteration_weight_bytes(1) / tp, per_layer_kv, cost.layer_context([context]))
     tok_s = device.bandwidth / step_bytes_bs1
-    moe_scale = cfg.num_experts / cfg.num_experts_per_tok if cfg.num_experts else 1
     return dict(peak_flops=flops, peak_flops_kind="tf32" if dtype == "float32" else "bf16",
                 bandwidth=device.bandwidth, b_star=b_star,
-                compute_bound_batch=perf.compute_bound_tokens(device, dtype, bytes_per_param, moe_scale),
+                compute_bound_batch=perf.compute_bound_tokens(device, dtype, bytes_per_param, cfg),
                 decode_tokens_per_s_bs1=tok_s, decode_ms_per_token_bs1=1e3 / tok_s)
 
 

@@ -388,7 +388,7 @@ class Scheduler:
         bucket(o) < b. The rows that keep their chunk get their first token a step sooner; the
         cut row gets it after two steps that together cost less than the padded one."""
         r, buckets = self.cfg.compute_bound_tokens, self.cfg.token_buckets
-        n = sum(seq.num_tokens for seq in out.seqs)
+        n = out.num_batched_tokens
         if not r or not buckets or n > buckets[-1] or n <= buckets[0]:
             return
         big = next(b for b in buckets if b >= n)
