@@ -20,8 +20,11 @@ from bench.common import device_info, device_slug, model_path, parse_list, relea
 
 def measure(path, t0: int, prompt: list[int], n: int, reps: int, k: int) -> dict:
     from jaxinfer import Generator, SamplingParams
-    gen = Generator.from_pretrained(path, max_num_seqs=1, max_decode_steps=k, warmup=False)
-    gen.client.debug.choose_token_buckets(t0)
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.config.resolve import resolve_token_buckets
+    # the default buckets, starting at t0
+    buckets = [t0] + [b for b in resolve_token_buckets(None, EngineConfig().max_num_batched_tokens) if b > t0]
+    gen = Generator.from_pretrained(path, max_num_seqs=1, max_decode_steps=k, warmup=False, token_buckets=buckets)
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
     def once() -> tuple[float, float]:

@@ -4,7 +4,6 @@
     inputs, iterations = client.debug.next_step_inputs()   # plan the next step, do not run it
     client.debug.replay_step(inputs)                        # run it (again), wait for it
     hlo = client.debug.step_hlo(inputs)                     # its optimized HLO
-    client.debug.choose_token_buckets(1)                    # before warm-up: smaller token buckets
     client.debug.kv_pool_bytes(); client.debug.free_kv_pages()
     client.debug.run_published_step(arrays)                 # multi-host: process 0's step
 
@@ -51,14 +50,6 @@ class StepDebugger:
         """Profiling only: the compiled step's optimized HLO for next_step_inputs()' shapes."""
         with self._lock:
             return self._engine.runner.step_hlo(inputs)
-
-    def choose_token_buckets(self, smallest: int) -> None:
-        """Benchmarks, before warm-up: pad each step to the smallest token bucket that holds it, the
-        buckets starting at `smallest` (what a one-row decode step costs padded to it)."""
-        with self._lock:
-            assert not self._engine.warmed_up, "choose the token buckets before warm-up compiles them"
-            self._engine.runner.choose_token_buckets(smallest)
-            self._engine.fit_scheduler_buckets()
 
     def kv_pool_bytes(self) -> int:
         """Device bytes the KV pages take (every layer's K, V and scales, a draft model's too): a

@@ -89,6 +89,7 @@ class RunnerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     kv_dtype: str                        # the pages' format by name (config.KV_DTYPE_CHOICES)
+    token_buckets: tuple[int, ...]       # the step sizes compiled, ascending (ResolvedConfig.token_buckets)
     attention: str = "xla"
     max_decode_steps: int = 1            # K: decode iterations one call may run (StepSettings.max_iters)
     eos_ids: tuple[int, ...] = ()        # end a row on device unless the request ignores EOS
@@ -124,7 +125,7 @@ class ModelRunner:
         self.mesh = model_mesh(self.params)   # None unless the model was sharded (sharding.shard_decoder)
         self.kv_sharding, self.kv_pages = self._init_kv_pages(kv_dtype)
         self.kv_bytes_per_token = perf.kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, cfg.kv_dtype)
-        self.token_buckets = _pow2_buckets(min(8, cfg.max_num_batched_tokens), cfg.max_num_batched_tokens)
+        self.token_buckets = list(cfg.token_buckets)
         max_blocks = -(-cfg.max_model_len // cfg.block_size)
         self.block_buckets = ([max_blocks] if cfg.attention == "xla"
                               else _pow2_buckets(min(4, max_blocks), max_blocks, base=4))
@@ -195,11 +196,6 @@ class ModelRunner:
         return sharding, jax.jit(make_pages, out_shardings=sharding)()
 
     # -------------------------------------------------------------------- buckets
-    def choose_token_buckets(self, smallest: int) -> None:
-        """Start the token buckets at `smallest` (a benchmark measuring what a step padded to it
-        costs); before warm-up, which compiles the buckets there are then."""
-        self.token_buckets = [smallest] + [b for b in self.token_buckets if b > smallest]
-
     def num_seqs_for(self, t: int) -> int:
         return min(t, self.cfg.max_num_seqs)
 

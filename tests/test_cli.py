@@ -210,6 +210,32 @@ def test_every_existing_engine_flag_name_still_parses():
         _parse("serve", "--batching", "eager")          # choices come from BATCHING_CHOICES
 
 
+def test_token_buckets_flag_and_resolution():
+    """--token-buckets T ... reaches EngineConfig sorted and without repeats; resolution adds the
+    budget, defaults to the powers of two from 8 (listed by hand), and refuses a size over the budget
+    or a value that is not an integer >= 1, naming it."""
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.config.flags import engine_kwargs
+    from jaxinfer.config.resolve import resolve_token_buckets
+
+    kw = engine_kwargs(_parse("serve", "--token-buckets", "64", "16", "64"))
+    assert kw["token_buckets"] == [64, 16, 64]
+    assert EngineConfig(token_buckets=kw["token_buckets"]).token_buckets == (16, 64)
+    assert _parse("serve").token_buckets is None
+    assert resolve_token_buckets(None, 512) == (8, 16, 32, 64, 128, 256, 512)
+    assert resolve_token_buckets(None, 100) == (8, 16, 32, 64, 100)
+    assert resolve_token_buckets(None, 8) == (8,)
+    assert resolve_token_buckets((16, 64), 512) == (16, 64, 512)
+    assert resolve_token_buckets((16,), 16) == (16,)
+    with pytest.raises(ValueError, match=r"token_buckets \[1024\] exceed max_num_batched_tokens=512"):
+        resolve_token_buckets((16, 1024), 512)
+    for bad in ([], [0, 16], ["16"], [True], 16, "16"):
+        with pytest.raises(ValueError, match="token_buckets must be"):
+            EngineConfig(token_buckets=bad)
+    with pytest.raises(SystemExit):
+        _parse("serve", "--token-buckets", "sixteen")
+
+
 def test_bench_engine_flags_keep_their_names():
     off = _parse("bench", "offline", "--max-num-batched-tokens", "64", "--max-model-len", "96", "--block-size", "8",
                  "--num-blocks", "30", "--kv-dtype", "fp8", "--no-prefix-caching", "--speculative-method", "draft",

@@ -157,7 +157,7 @@ def test_the_internals_scan_finds_each_kind_of_reach():
         x = gen.engine.cfg.block_size
     """)
     assert len(internal_reaches(bad)) == 9
-    good = "gen.client.debug.choose_token_buckets(1)\nb = gen.client.resolved.block_size\nself._forward = f\n"
+    good = "gen.client.debug.kv_pool_bytes()\nb = gen.client.resolved.block_size\nself._forward = f\n"
     assert internal_reaches(good) == []
     assert internal_reaches("from jaxinfer.host.scheduler import Scheduler", ("jaxinfer.host.scheduler",)) == []
 
@@ -187,6 +187,7 @@ def test_settings_flow_down_from_the_resolved_config():
         ("dynamic", 3, 8, 512, 4)
     rc = runner_config(r, (2,))
     assert (rc.num_blocks, rc.max_num_seqs, rc.max_num_batched_tokens, rc.kv_dtype, rc.eos_ids) == (40, 3, 8, "int8", (2,))
+    assert r.token_buckets == rc.token_buckets == (8,)    # the budget, raised to 8, is the one bucket
     # two processes, 8 GiB devices (TPU: the limit is the device), 1 and 3 GiB in use: the second bounds the pool
     gib = 2**30
     stats = ({"bytes_limit": 8 * gib, "bytes_in_use": 1 * gib}, {"bytes_limit": 8 * gib, "bytes_in_use": 3 * gib})

@@ -63,7 +63,7 @@ def test_pallas_kernels_match_transformers(name, hf_model_dir):
 
 # ------------------------------------------------------------------------------ engine features on Gemma 2
 
-FEATURES = dict(ENGINE, max_model_len=96, max_num_batched_tokens=16, num_blocks=4 * 96 // 8 + 1)
+FEATURES = dict(ENGINE, max_model_len=96, max_num_batched_tokens=16, token_buckets=[16], num_blocks=4 * 96 // 8 + 1)
 
 
 @pytest.fixture(scope="module")

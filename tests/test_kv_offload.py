@@ -221,8 +221,8 @@ def test_transfers_move_every_leaf_in_order(kv_dtype):
 
 # ------------------------------------------------------------------ the engine
 
-ENGINE = dict(dtype="float32", max_model_len=88, max_num_batched_tokens=16, max_num_seqs=4, block_size=8,
-              num_blocks=12, warmup=False)   # 11 blocks of 8: the conversations hold ~3x that
+ENGINE = dict(dtype="float32", max_model_len=88, max_num_batched_tokens=16, token_buckets=[16], max_num_seqs=4,
+              block_size=8, num_blocks=12, warmup=False)   # 11 blocks of 8: the conversations hold ~3x that
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1)
 
 

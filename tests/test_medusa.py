@@ -270,7 +270,7 @@ def test_rounds_on_the_device_draw_what_one_round_per_step_draws():
     from jaxinfer import SamplingParams
     # float32: the logprobs below are compared at float32's precision; num_blocks: one sequence of 256
     # (+ the null block; what CPU sizes by itself), so that on a GPU the second engine finds memory
-    common = dict(dtype="float32", max_num_seqs=1, max_num_batched_tokens=16, max_model_len=256,
+    common = dict(dtype="float32", max_num_seqs=1, max_num_batched_tokens=16, token_buckets=[16], max_model_len=256,
                   num_blocks=256 // 16 + 1, speculative_method="medusa")
     multi = Generator.from_pretrained(str(BUNDLED), **common)
     single = Generator.from_pretrained(str(BUNDLED), **common, max_decode_steps=1)

@@ -175,7 +175,7 @@ def test_grouped_matmul_gets_tokens_times_k_rows():
 
 # ------------------------------------------------------------------------------ engine features on Qwen3-MoE
 
-FEATURES = dict(ENGINE, max_model_len=96, max_num_batched_tokens=16, num_blocks=4 * 96 // 8 + 1)
+FEATURES = dict(ENGINE, max_model_len=96, max_num_batched_tokens=16, token_buckets=[16], num_blocks=4 * 96 // 8 + 1)
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_max_batch=8)
 
 

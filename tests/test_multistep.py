@@ -23,8 +23,8 @@ from tests.hf_models import save_text_model
 # num_blocks: 8 sequences of 96 tokens (+ the null block; what CPU sizes by itself), so that on a GPU
 # the engines alive at once (the module's reference and a test's own) do not each size a pool from
 # the device's memory
-SMALL = dict(dtype="float32", max_model_len=96, max_num_batched_tokens=16, max_num_seqs=8, block_size=8,
-             num_blocks=8 * 96 // 8 + 1, warmup=False)
+SMALL = dict(dtype="float32", max_model_len=96, max_num_batched_tokens=16, token_buckets=[16], max_num_seqs=8,
+             block_size=8, num_blocks=8 * 96 // 8 + 1, warmup=False)
 
 
 def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:

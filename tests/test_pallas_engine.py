@@ -49,8 +49,9 @@ def test_medusa_pallas_equals_xla_and_naive_greedy():
     greedy tokens as with attention="xla" and as naive greedy decoding (repeated full forwards, no
     cache, no speculation), two rows verifying trees at once and several rounds per step; the heads'
     proposals are accepted, so nodes' logits (each under its own path's mask) decide tokens."""
-    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2, block_size=16,
-              num_blocks=2 * 128 // 16 + 1, speculative_method="medusa", speculative_max_batch=2, warmup=False)
+    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=16, token_buckets=[16], max_num_seqs=2,
+              block_size=16, num_blocks=2 * 128 // 16 + 1, speculative_method="medusa", speculative_max_batch=2,
+              warmup=False)
     pallas = Generator.from_pretrained(str(BUNDLED), attention="pallas", **kw)
     assert pallas.engine.runner.settings.attention == "pallas"
     drawn, update = [], pallas.engine.scheduler.update

@@ -208,7 +208,7 @@ def test_verify_is_exact(case):
 # float32: the assertions compare greedy tokens and logprobs (atol 1e-4) between engines. num_blocks:
 # 4 sequences of 256 tokens (+ the null block; what CPU sizes by itself), so that on a GPU the engines
 # alive at once (the module's fixtures and a test's own) do not each size a pool from the device's memory
-BUNDLED = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256,
+BUNDLED = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, token_buckets=[16], max_model_len=256,
                num_blocks=4 * 256 // 16 + 1)
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
 # penalties see each accepted proposal (and, across rounds on the device, each round's tokens)
@@ -412,7 +412,7 @@ def test_greedy_identical_under_a_grammar(method, guided_reference):
 @pytest.fixture(scope="module")
 def gpt2_reference(hf_model_dir):
     # float32 and an explicit pool, as BUNDLED
-    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, token_buckets=[16], max_model_len=128,
               num_blocks=4 * 128 // 16 + 1)
     rng = np.random.RandomState(0)
     base = rng.randint(3, 80, 12).tolist()
@@ -503,7 +503,7 @@ def _assert_matches(tokens: np.ndarray, marginals) -> None:
 
 # speculation forced on: the load policy counts waiting sequences, and 1,024 samples wait here.
 # float32: the samples are tested against HF's float32 marginals; num_blocks: as BUNDLED
-EXACT_ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
+EXACT_ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, token_buckets=[32], max_model_len=64,
                     num_blocks=8 * 64 // 16 + 1, num_speculative_tokens=2, speculative_max_batch=16 * 64)
 
 

@@ -67,6 +67,10 @@ class EngineConfig:
                                                       "(default: one per stage)")
     max_num_seqs: int = setting(64, "sequences running at once at most")
     max_num_batched_tokens: int = setting(512, f"tokens one step computes at most (at least {MIN_TOKEN_BUDGET})")
+    token_buckets: tuple[int, ...] | None = setting(
+        None, "the step sizes in tokens compiled at warm-up, each step padded to the smallest that holds it "
+              "(default: powers of two from 8 to max_num_batched_tokens, which is always one): fewer compile "
+              "sooner, more pad less (vLLM's cudagraph_capture_sizes)")
     block_size: int = setting(16, "tokens per KV cache block")
     num_blocks: int | None = setting(None, "KV blocks in the pool (default: sized from --gpu-memory-utilization "
                                            "of the device's memory)")
@@ -125,6 +129,8 @@ class EngineConfig:
         if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
             raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
         object.__setattr__(self, "lora_modules", lora_modules(self.lora_modules))
+        if self.token_buckets is not None:
+            object.__setattr__(self, "token_buckets", token_buckets(self.token_buckets))
         for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "block_size", "max_decode_steps",
                      "num_speculative_tokens", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
@@ -143,6 +149,19 @@ class EngineConfig:
         if self.speculative_method is not None and self.pipeline_parallel > 1:
             # (tensor_parallel works: the draft model and Medusa heads are replicated on the mesh)
             raise ValueError("speculative decoding is not available with pipeline_parallel > 1")
+
+
+def token_buckets(given) -> tuple[int, ...]:
+    """token_buckets as a sorted tuple of distinct integers >= 1 (from any iterable of them; the CLI's
+    are already ints). Whether they fit the token budget is resolve_config's question."""
+    if isinstance(given, (str, bytes)) or not hasattr(given, "__iter__"):
+        raise ValueError(f"token_buckets must be a list of integers >= 1, got {given!r}")
+    values = list(given)
+    bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1), None)
+    if bad is not None or not values:
+        raise ValueError(f"token_buckets must be a non-empty list of integers >= 1, got {given!r}"
+                         + (f" ({bad!r})" if bad is not None else ""))
+    return tuple(sorted(set(values)))
 
 
 def lora_modules(given) -> tuple[tuple[str, str], ...] | None:

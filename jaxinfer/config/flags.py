@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser | Any, only: Iterable[str] | None
         if kind.startswith("dict["):   # name=value pairs (lora_modules: NAME=PATH ...)
             p.add_argument(*flag_names(f), dest=f.name, nargs="+", metavar="NAME=PATH", default=default,
                            help=f.metadata["help"])
+        elif kind.startswith("tuple[int"):   # a list of integers (token_buckets: T ...)
+            p.add_argument(*flag_names(f), dest=f.name, nargs="+", type=int, metavar="T", default=default,
+                           help=f.metadata["help"])
         elif kind == "bool":
             p.add_argument(*flag_names(f), dest=f.name, action="store_true" if f.default is False else "store_false",
                            default=default, help=f.metadata["help"])

@@ -78,6 +78,7 @@ class ResolvedConfig:
     max_model_len: int           # capped so one sequence of it fits in the pool
     max_num_seqs: int
     max_num_batched_tokens: int  # the step's token budget (at least MIN_TOKEN_BUDGET)
+    token_buckets: tuple[int, ...]   # the step sizes compiled, ascending, the last the budget
     max_decode_steps: int        # 1 where a step cannot loop on the device (pipeline stages)
     batching: str                # continuous | static | dynamic
     scheduling_policy: str       # fcfs | priority
@@ -119,16 +120,34 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
         raise ValueError("num_blocks=None needs memory (PoolInputs) to size the KV pool from free memory")
     check_pool_fits(cfg, max_model_len, num_blocks, pool)
     spec_tokens, spec_rounds, spec_max_batch = _speculation(cfg, backend)
+    budget = max(cfg.max_num_batched_tokens, MIN_TOKEN_BUDGET)
     return ResolvedConfig(
         backend=backend, dtype=dtype, kv_dtype=kv_dtype, attention=attention, matmul=attention,
         num_blocks=num_blocks, block_size=cfg.block_size, max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=max(cfg.max_num_batched_tokens, MIN_TOKEN_BUDGET),
+        max_num_batched_tokens=budget, token_buckets=resolve_token_buckets(cfg.token_buckets, budget),
         max_decode_steps=1 if pipelined else cfg.max_decode_steps, batching=cfg.batching,
         scheduling_policy=cfg.scheduling_policy, batch_window_s=cfg.batch_window_s,
         enable_prefix_caching=cfg.enable_prefix_caching,
         async_scheduling=cfg.async_scheduling and not pipelined, pipeline_microbatches=cfg.pipeline_microbatches,
         memory_fraction=cfg.memory_fraction, speculative_method=cfg.speculative_method, spec_tokens=spec_tokens,
         spec_rounds=spec_rounds, spec_max_batch=spec_max_batch, pool=pool, kv_offload_bytes=cfg.kv_offload_bytes)
+
+
+def resolve_token_buckets(given: tuple[int, ...] | None, budget: int) -> tuple[int, ...]:
+    """The step sizes a runner compiles: the given ones (EngineConfig.token_buckets, sorted) with the
+    budget added if missing, since a step of the whole budget must fit one; by default powers of two
+    from min(8, budget), then the budget. A size over the budget could never be used: refused."""
+    if given is None:
+        out, b = [], min(8, budget)
+        while b < budget:
+            out.append(b)
+            b *= 2
+        return (*out, budget)
+    over = [t for t in given if t > budget]
+    if over:
+        raise ValueError(f"token_buckets {over} exceed max_num_batched_tokens={budget}: a step never holds more "
+                         f"tokens than the budget; drop them or raise max_num_batched_tokens")
+    return tuple(given) if given[-1] == budget else (*given, budget)
 
 
 def _resolve_attention(cfg: EngineConfig, model_cfg: ModelConfig, backend: str) -> str:
