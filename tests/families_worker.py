@@ -22,8 +22,8 @@ RUNS = {"qwen3-gqa": [dict(tensor_parallel=2), dict(tensor_parallel=4)],
         "gemma3": [dict(tensor_parallel=2), dict(pipeline_parallel=2),
                    dict(pipeline_parallel=2, attention="pallas")]}
 PROMPTS = [[3, 17, 42, 9, 100, 5, 77, 12, 8, 60, 33, 1, 7, 19], [5, 6, 7]]
-ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, block_size=8,
-              num_blocks=33, warmup=False)
+ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=16, token_buckets=[16], max_num_seqs=4,
+              block_size=8, num_blocks=33, warmup=False)
 
 
 def main(tmp: Path) -> dict:

@@ -42,7 +42,7 @@ def main(tmp: Path) -> dict:
 
     folder = tmp / "vocab136"
     kw = dict(dtype="float32", attention="xla", max_num_seqs=2, block_size=8, num_blocks=9, max_model_len=64,
-              max_num_batched_tokens=16, max_decode_steps=2, warmup=False)
+              max_num_batched_tokens=16, token_buckets=[16], max_decode_steps=2, warmup=False)
     ref = Generator.from_pretrained(folder, **kw)
     out = {"n_devices": len(jax.devices()), "ref": turns(ref)}
     ref.close()

@@ -30,7 +30,7 @@ def main(tmp: Path) -> dict:
 
     folder = tmp / "vocab136"
     kw = dict(dtype="float32", attention="xla", max_num_seqs=2, block_size=8, num_blocks=32, max_model_len=32,
-              max_num_batched_tokens=16, max_decode_steps=2, enable_prefix_caching=False,
+              max_num_batched_tokens=16, token_buckets=[16], max_decode_steps=2, enable_prefix_caching=False,
               speculative_max_batch=2)
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     ref = Generator.from_pretrained(folder, **kw, warmup=False)

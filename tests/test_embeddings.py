@@ -27,8 +27,8 @@ transformers = pytest.importorskip("transformers")
 # different lengths, non-ASCII included; the longest runs past the 16-token budget (chunked prefill)
 TEXTS = ["the quick brown fox", "héllo wörld", "你好 世界", "a",
          "the lazy dog jumps over the quick brown fox again and again, ñandú 你好"]
-ENGINE = dict(dtype="float32", max_num_batched_tokens=16, max_num_seqs=8, block_size=8, num_blocks=64,
-              max_model_len=64)
+ENGINE = dict(dtype="float32", max_num_batched_tokens=16, token_buckets=[16], max_num_seqs=8, block_size=8,
+              num_blocks=64, max_model_len=64)
 QUERY_PROMPT = "Instruct: find the text\nQuery: "
 
 

@@ -27,6 +27,9 @@ def _small(**kw) -> dict:
     another is alive (the module's `warm`) does not find the device's memory taken by its pool."""
     kw = {**SMALL, **kw}
     kw.setdefault("num_blocks", kw["max_num_seqs"] * -(-kw["max_model_len"] // kw["block_size"]) + 1)
+    # one step size, the budget: a program per engine instead of one per power of two up to it (the
+    # suite's time; the buckets themselves are tested in test_engine.py)
+    kw.setdefault("token_buckets", [kw["max_num_batched_tokens"]])
     return kw
 
 
