@@ -10,7 +10,6 @@ surface below the request API (profiling, multi-host followers) is jaxinfer.debu
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -110,8 +109,10 @@ class Engine:
         eos = eos or self.model_cfg.eos_token_ids
         # structured outputs: grammars compiled against this tokenizer, masks filled by the runner
         self.grammars = Grammars(tokenizer, self.model_cfg.vocab_size, eos)
+        self.device_spec = perf.device_for_kind(jax.devices()[0].device_kind)   # None: peak unknown (CPU)
         self.scheduler = _build_scheduler(r, self.blocks, eos, draft_model is not None,
-                                          None if medusa_heads is None else medusa_heads[1])
+                                          None if medusa_heads is None else medusa_heads[1],
+                                          _compute_bound_tokens(model, weights, r.dtype, self.device_spec))
         self.spec_stats = SpecStats(r.spec_tokens)
         if isinstance(model, PipelinedDecoder):
             self.runner = PipelineRunner(model, runner_config(r, eos), r.pipeline_microbatches or model.pp,
@@ -123,8 +124,6 @@ class Engine:
             assert self.runner.host_kv.block_bytes == self.blocks.host.block_bytes
         self.weights = weights
         self.cost = perf.ModelCost.build(self.model_cfg, weights, self.runner.kv_bytes_per_token)
-        self.device_spec = perf.device_for_kind(jax.devices()[0].device_kind)   # None: peak unknown (CPU)
-        self.fit_scheduler_buckets()
         self.output = OutputProcessor(tokenizer)   # text, stop strings and deltas of every sample
         self._ids = itertools.count()
         self.stats_ = StepStats()
@@ -145,19 +144,6 @@ class Engine:
         self._model = model
         for name, path in cfg.lora_modules or ():
             self.load_lora(name, path)
-
-    def fit_scheduler_buckets(self) -> None:
-        """The scheduler's padding-aware chunking (Scheduler._fit_bucket): the runner's token buckets
-        and the tokens per step at which a step turns compute-bound here (perf.compute_bound_tokens:
-        the datasheet's peaks, the host-CPU assumptions on CPU; an unknown accelerator: 0, no cut).
-        Pipeline steps pad per group of microbatches: no cut there."""
-        device = self.device_spec or (perf.host_cpu_device() if jax.default_backend() == "cpu" else None)
-        if device is None or not isinstance(self.runner, ModelRunner):
-            return
-        ridge = perf.compute_bound_tokens(device, self.resolved.dtype,
-                                          self.weights.total / self.model_cfg.num_params(), self.model_cfg)
-        self.scheduler.cfg = dataclasses.replace(self.scheduler.cfg, token_buckets=tuple(self.runner.token_buckets),
-                                                 compute_bound_tokens=ridge)
 
     def warmup(self) -> None:
         """Compile every step shape now; afterwards serving must compile nothing (counted per step)."""
@@ -603,9 +589,11 @@ def _resolve(model, cfg: EngineConfig, draft_model: Decoder | None) -> ResolvedC
     return r
 
 
-def scheduler_config(r: ResolvedConfig, lazy_draft: bool = False, medusa_tree=None) -> SchedulerConfig:
+def scheduler_config(r: ResolvedConfig, lazy_draft: bool = False, medusa_tree=None,
+                     compute_bound_tokens: float = 0.0) -> SchedulerConfig:
     """The scheduler's settings from the resolved ones. lazy_draft: a draft model whose pages may
-    lag; medusa_tree: the Medusa tree (cut to num_speculative_tokens), whose nodes a row proposes."""
+    lag; medusa_tree: the Medusa tree (cut to num_speculative_tokens), whose nodes a row proposes;
+    compute_bound_tokens: the padding-aware chunking's ridge (_compute_bound_tokens; 0: no cut)."""
     return SchedulerConfig(policy=r.batching, max_num_seqs=r.max_num_seqs,
                            max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len,
                            batch_window_s=r.batch_window_s, scheduling_policy=r.scheduling_policy,
@@ -613,7 +601,20 @@ def scheduler_config(r: ResolvedConfig, lazy_draft: bool = False, medusa_tree=No
                            max_decode_steps=r.max_decode_steps,
                            spec_tokens=len(medusa_tree.paths) if medusa_tree is not None else r.spec_tokens,
                            spec_max_batch=r.spec_max_batch, spec_rounds=r.spec_rounds,
-                           lazy_draft=lazy_draft, step_proposes=medusa_tree is not None)
+                           lazy_draft=lazy_draft, step_proposes=medusa_tree is not None,
+                           token_buckets=r.token_buckets, compute_bound_tokens=compute_bound_tokens)
+
+
+def _compute_bound_tokens(model, weights: perf.WeightBytes, dtype: str, device: perf.Device | None) -> float:
+    """Tokens per step at which a step turns compute-bound here (perf.compute_bound_tokens: the
+    datasheet's peaks, the host-CPU assumptions on CPU), for the scheduler's padding-aware chunking
+    (Scheduler._fit_bucket). 0, no cut: an accelerator of unknown peak, and pipeline stages, which pad
+    each group of micro-batches to its own bucket."""
+    if device is None and jax.default_backend() == "cpu":
+        device = perf.host_cpu_device()
+    if device is None or isinstance(model, PipelinedDecoder):
+        return 0.0
+    return perf.compute_bound_tokens(device, dtype, weights.total / model.cfg.num_params(), model.cfg)
 
 
 def _host_tier(r: ResolvedConfig, model_cfg, draft_model: Decoder | None) -> HostTier | None:
@@ -639,12 +640,12 @@ def runner_config(r: ResolvedConfig, eos_ids: tuple[int, ...], host: HostTier | 
 
 
 def _build_scheduler(r: ResolvedConfig, blocks: BlockManager, eos_ids: tuple[int, ...], lazy_draft: bool,
-                     medusa_tree) -> Scheduler:
+                     medusa_tree, compute_bound_tokens: float) -> Scheduler:
     """The scheduler with its proposer when the engine speculates (the draft model's or n-gram's
     placeholders, or Medusa's trees)."""
     proposer = None
     if r.spec_tokens:
         depths = tuple(len(p) for p in medusa_tree.paths) if medusa_tree is not None else ()
         proposer = Proposer(r.speculative_method, tree_depths=depths, on_device=True)
-    return Scheduler(scheduler_config(r, lazy_draft, medusa_tree), blocks, eos_ids=eos_ids, propose=proposer,
+    return Scheduler(scheduler_config(r, lazy_draft, medusa_tree, compute_bound_tokens), blocks, eos_ids=eos_ids, propose=proposer,
                      spec_draws=None if proposer is None else proposer.draws)

@@ -187,6 +187,7 @@ def main(tmp: Path) -> dict:
                 "shared_tokens": shared, "shared_cache_hits": gen.stats()["prefix_cache_hits"] - hits0,
                 "compilations_after_warmup": gen.stats()["compilations_after_warmup"],
                 "kv_blocks_free_after": gen.stats()["kv_blocks_free"], "kv_blocks_total": gen.stats()["kv_blocks_total"],
+                "compute_bound_tokens": gen.engine.scheduler.cfg.compute_bound_tokens,
                 "weights": _weights(model, mesh),
                 "per_device_param_bytes": [per_device[d] for d in mesh.devices.flat],
                 "kv_per_device_bytes": [bytes_per_device(runner.kv_pages)[d] for d in mesh.devices.flat],

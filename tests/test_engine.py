@@ -241,16 +241,30 @@ def test_quantized_weights_generate(hf_model_dir):
         assert out.token_ids == naive_greedy(g, [5, 9, 33, 2, 41], 10)  # paged path == full forward, quantized
 
 
+# four 20-token prompts under a 128-token budget: the token-bucket tests' engine
+BUCKETED_MODEL = "llama-gqa-llama3"
+BUCKETED = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=128, max_num_seqs=4, block_size=8,
+                num_blocks=4 * 64 // 8 + 1)
+
+
+def _assert_hf_greedy(name: str, prompts: list[list[int]], outs, n: int) -> None:
+    """Every output's n greedy tokens are HF transformers' own generate's for its prompt."""
+    import torch
+
+    from tests.hf_models import build_hf_model
+    hf = build_hf_model(name)
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(p):].tolist()
+            assert o.token_ids == ref
+
+
 def test_token_buckets_compile_only_those_sizes_and_keep_hf_greedy_tokens(hf_model_dir):
     """token_buckets=[32] under a 128-token budget: the runner compiles the steps of 32 and 128 tokens
     (the budget is always one) and nothing else, warm-up included; four 20-token prompts (80 tokens:
     the 128 step) then their decode (4 tokens: the 32 step) give HF transformers' greedy tokens."""
-    import torch
-
-    from tests.hf_models import build_hf_model
-    name = "llama-gqa-llama3"
-    g = Generator.from_pretrained(hf_model_dir(name), dtype="float32", max_model_len=64, max_num_batched_tokens=128,
-                                  max_num_seqs=4, block_size=8, num_blocks=4 * 64 // 8 + 1, token_buckets=[32])
+    g = Generator.from_pretrained(hf_model_dir(BUCKETED_MODEL), **BUCKETED, token_buckets=[32])
     runner = g.engine.runner
     assert runner.token_buckets == [32, 128] and g.engine.scheduler.cfg.token_buckets == (32, 128)
     assert runner.step._cache_size() == 2            # one program per token bucket (one block bucket: XLA)
@@ -258,12 +272,7 @@ def test_token_buckets_compile_only_those_sizes_and_keep_hf_greedy_tokens(hf_mod
     prompts = [rng.randint(3, 131, 20).tolist() for _ in range(4)]
     outs = g.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert runner.step._cache_size() == 2 and g.engine.stats()["compilations_after_warmup"] == 0
-    hf = build_hf_model(name)
-    with torch.no_grad():
-        for p, o in zip(prompts, outs):
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(p):].tolist()
-            assert o.token_ids == ref
+    _assert_hf_greedy(BUCKETED_MODEL, prompts, outs, 6)
 
 
 def test_padding_aware_cut_keeps_hf_greedy_tokens(hf_model_dir):
@@ -271,12 +280,7 @@ def test_padding_aware_cut_keeps_hf_greedy_tokens(hf_model_dir):
     1 TFLOP/s over 50 GB/s times 4 bytes a float32 parameter over 2 = 40 tokens, so the 80-token
     step (padded to 128) is cut to 64 (the newest row keeps 4 tokens) and its 16 left follow in the
     next step. Every request's greedy tokens are still HF transformers' own."""
-    import torch
-
-    from tests.hf_models import build_hf_model
-    name = "llama-gqa-llama3"
-    g = Generator.from_pretrained(hf_model_dir(name), dtype="float32", max_model_len=64, max_num_batched_tokens=128,
-                                  max_num_seqs=4, block_size=8, num_blocks=4 * 64 // 8 + 1, warmup=False)
+    g = Generator.from_pretrained(hf_model_dir(BUCKETED_MODEL), **BUCKETED, warmup=False)
     assert g.engine.scheduler.cfg.compute_bound_tokens == pytest.approx(1e12 / 50e9 * 4 / 2, rel=1e-3)
     plans = []
     schedule = g.engine.scheduler.schedule
@@ -290,9 +294,4 @@ def test_padding_aware_cut_keeps_hf_greedy_tokens(hf_model_dir):
     prompts = [rng.randint(3, 131, 20).tolist() for _ in range(4)]
     outs = g.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert plans[0] == [20, 20, 20, 4] and plans[1] == [1, 1, 1, 16]
-    hf = build_hf_model(name)
-    with torch.no_grad():
-        for p, o in zip(prompts, outs):
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(p):].tolist()
-            assert o.token_ids == ref
+    _assert_hf_greedy(BUCKETED_MODEL, prompts, outs, 6)
