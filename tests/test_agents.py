@@ -118,7 +118,7 @@ def model_dir(tmp_path_factory) -> Path:
 def gen(model_dir):
     from jaxinfer import Generator
     g = Generator.from_pretrained(model_dir, dtype="float32", max_model_len=2048, max_num_batched_tokens=16,
-                                  max_num_seqs=4, block_size=16, warmup=False)
+                                  token_buckets=[16], max_num_seqs=4, block_size=16, warmup=False)
     yield g
     g.close()
 

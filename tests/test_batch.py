@@ -13,8 +13,10 @@ import pytest
 
 from tests.hf_models import save_text_model
 
-# a 16-token budget: each `jaxinfer batch` run warms up two step shapes (8, 16) where 64 would compile four
-FLAGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-batched-tokens", "16", "--max-num-seqs", "8",
+# a 16-token budget and one token bucket: each `jaxinfer batch` run warms up one step shape (the default
+# buckets would be 8 and 16)
+FLAGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-batched-tokens", "16", "--token-buckets", "16",
+         "--max-num-seqs", "8",
          "--block-size", "8", "--quiet", "--served-model-name", "tiny"]
 
 
@@ -122,7 +124,7 @@ def test_batch_keys_by_line_reports_bad_lines_and_goes_on(model, tmp_path):
     inp.write_bytes(b"\n".join(lines) + b"\n")
     out.write_text('[1]\n42\n{"line": "x"}\n{"cut by a ki')   # junk left in an existing output file
     gen = Generator.from_pretrained(model, dtype="float32", max_model_len=128, max_num_batched_tokens=64,
-                                    max_num_seqs=8, block_size=8, warmup=False)
+                                    token_buckets=[64], max_num_seqs=8, block_size=8, warmup=False)
     summary = run_batch(gen, inp, out, "tiny", progress=False)
     records = [json.loads(l) for l in out.read_text().splitlines()]
     assert len(records) == summary["lines"] == 8 and summary["ran"] == 3

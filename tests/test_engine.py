@@ -19,6 +19,9 @@ from jaxinfer import Generator, SamplingParams
 # an engine built while the module's `gen` is alive does not find the device's memory taken by its pool
 SMALL = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=16, block_size=8,
              num_blocks=16 * 128 // 8 + 1)
+# the engines a test builds beside `gen`: one step program (the budget) instead of two. `gen` and the
+# warm-up test keep the default buckets (8, 16), so batch invariance is checked across two programs
+ONE_BUCKET = dict(SMALL, token_buckets=[16])
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,7 @@ def test_preemption_gives_identical_outputs(hf_model_dir, gen):
     # context is what the pool holds (96 tokens: a pool must hold one sequence of max_model_len); the
     # longest request is 59 + 16 tokens
     tight = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"),
-                                      **{**SMALL, "num_blocks": 13, "max_model_len": 12 * 8})
+                                      **{**ONE_BUCKET, "num_blocks": 13, "max_model_len": 12 * 8})
     prompts = _prompts(12, tight.model_cfg.vocab_size, 20, 60, seed=5)
     params = [SamplingParams(max_tokens=16, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
               for i in range(12)]
@@ -189,7 +192,7 @@ def test_prompt_too_long_is_rejected_with_the_excess(gen):
 
 @pytest.mark.parametrize("policy", ["static", "dynamic"])
 def test_static_and_dynamic_policies_give_the_same_tokens(policy, hf_model_dir, gen):
-    g = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **{**SMALL, "max_num_seqs": 4,
+    g = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **{**ONE_BUCKET, "max_num_seqs": 4,
                                                                        "num_blocks": 4 * 128 // 8 + 1},
                                   batching=policy, warmup=False)
     prompts = _prompts(7, g.model_cfg.vocab_size, 5, 40, seed=12)
@@ -221,7 +224,7 @@ def test_live_mbu_is_bytes_read_over_step_time(gen, monkeypatch):
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_scaled_kv_cache_close_to_float(hf_model_dir, gen, kv_dtype):
     """int8 / fp8 KV (per token per head scales): the first token unchanged, logprobs close."""
-    q = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **SMALL, kv_dtype=kv_dtype, warmup=False)
+    q = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **ONE_BUCKET, kv_dtype=kv_dtype, warmup=False)
     assert q.engine.runner.kv_pages[0].k.dtype == {"int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}[kv_dtype]
     prompts = _prompts(4, gen.model_cfg.vocab_size, 10, 40, seed=13)
     p = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
@@ -236,7 +239,7 @@ def test_scaled_kv_cache_close_to_float(hf_model_dir, gen, kv_dtype):
 @pytest.mark.device
 def test_quantized_weights_generate(hf_model_dir):
     for method in ("int8", "int4"):
-        g = Generator.from_pretrained(hf_model_dir("qwen2-tied"), **SMALL, quantize=method, warmup=False)
+        g = Generator.from_pretrained(hf_model_dir("qwen2-tied"), **ONE_BUCKET, quantize=method, warmup=False)
         out = g.generate([[5, 9, 33, 2, 41]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
         assert out.token_ids == naive_greedy(g, [5, 9, 33, 2, 41], 10)  # paged path == full forward, quantized
 

@@ -21,7 +21,8 @@ from jaxinfer.client import SubmitError
 from jaxinfer.config import ConfigError, EngineConfig, ModelConfig, PoolInputs, ResolvedConfig, resolve_config
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = dict(dtype="float32", max_model_len=96, max_num_batched_tokens=32, max_num_seqs=8, block_size=8)
+SMALL = dict(dtype="float32", max_model_len=96, max_num_batched_tokens=32, token_buckets=[32], max_num_seqs=8,
+             block_size=8)
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
 

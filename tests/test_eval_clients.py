@@ -28,9 +28,9 @@ from tests.fake_devices import HANG_GUARD_S
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "checkpoints" / "jaxinfer-tiny-llama"
 TASKS = ["jaxinfer_verses_mc", "jaxinfer_verses_rolling"]
-# the longest task request (a passage, BOS first) is ~150 tokens; a 64-token budget keeps warm-up to
-# four step shapes
-SERVE_FLAGS = ["--dtype", "float32", "--max-model-len", "320", "--max-num-batched-tokens", "64",
+# the longest task request (a passage, BOS first) is ~150 tokens; a 64-token budget with two token
+# buckets keeps warm-up to two step shapes: 8 for guidellm's decoding, 64 for lm-eval's prompts
+SERVE_FLAGS = ["--dtype", "float32", "--max-model-len", "320", "--max-num-batched-tokens", "64", "--token-buckets", "8",
                "--max-num-seqs", "8", "--log-level", "warning"]
 
 

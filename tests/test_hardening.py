@@ -68,7 +68,7 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def gen(model_dir) -> Generator:
     return Generator.from_pretrained(model_dir, dtype="float32", max_model_len=128, max_num_batched_tokens=64,
-                                     max_num_seqs=16, block_size=8, warmup=False)
+                                     token_buckets=[8, 64], max_num_seqs=16, block_size=8, warmup=False)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ from serve.app import build_app
 
 model, port, trigger = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 gen = Generator.from_pretrained(model, dtype="float32", max_model_len=128, max_num_batched_tokens=64,
-                                max_num_seqs=8, block_size=8, warmup=False, max_decode_steps=1)
+                                token_buckets=[8, 64], max_num_seqs=8, block_size=8, warmup=False, max_decode_steps=1)
 
 def fault():   # the test-only step hook: slow steps, then an engine that dies once the trigger exists
     time.sleep(0.03)

@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 
 # a 16-token budget: each server warms up two step shapes (8, 16) where 64 would compile four
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-batched-tokens", "16",
-                "--max-num-seqs", "16", "--block-size", "8"]
+                "--token-buckets", "16", "--max-num-seqs", "16", "--block-size", "8"]
 
 
 def _free_port() -> int:

@@ -446,7 +446,7 @@ def gen():
     # what the pool holds (96 tokens: a pool must hold one sequence of max_model_len); the longest
     # request is a ~25-token prompt + 48
     g = Generator.from_pretrained(BUNDLED, dtype="float32", max_model_len=12 * 8, max_num_batched_tokens=16,
-                                  max_num_seqs=8, block_size=8, num_blocks=13)
+                                  token_buckets=[16], max_num_seqs=8, block_size=8, num_blocks=13)
     return g
 
 

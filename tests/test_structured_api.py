@@ -675,7 +675,7 @@ def test_batch_script_takes_the_same_fields(model_dir, tmp_path):
     inp.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": url,
                                        "body": {"model": "tiny", **body}}) + "\n" for i, (url, body) in enumerate(bodies)))
     gen = Generator.from_pretrained(model_dir, dtype="float32", max_model_len=1024, max_num_batched_tokens=32,
-                                    max_num_seqs=4, block_size=8, warmup=False)
+                                    token_buckets=[32], max_num_seqs=4, block_size=8, warmup=False)
     summary = run_batch(gen, inp, out, "tiny", progress=False)
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert summary["ran"] == 3 and [r["error"] is None for r in recs] == [True, True, True, False, False]
