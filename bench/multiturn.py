@@ -18,6 +18,12 @@ Reported per side: TTFT (first token - submission) p50 / p90 of turns >= 2, prom
 warmed-up Generators with identical settings but kv_offload_gb, each run --reps times alternately
 (each run starts from an empty cache: reset_prefix_cache), and the outputs must be identical.
 Results: bench/results/<date>-<device>-multiturn.json.
+
+--no-attention is a diagnostic, not a serving mode: the XLA paged attention's output is replaced by zeros
+(K/V are still written, restored and read by nothing), so each side's TTFT is what the rest of the work
+costs (the matmuls, the sampler, the restore, the host). Both sides then produce the same, meaningless,
+tokens, so the histories keep their lengths and the off/on ratio shows how far the tier could go if
+attention were free. Results: <date>-<device>-multiturn-no-attention.json.
 """
 from __future__ import annotations
 
@@ -78,9 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-offload-gb", type=float, default=0.25, help="the tier's budget on the 'on' side")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--no-attention", action="store_true",
+                    help="diagnostic: zeros for the paged attention's output on both sides (module docstring)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from jaxinfer import Generator
+    if args.no_attention:
+        import jax.numpy as jnp
+
+        import jaxinfer.attention
+        jaxinfer.attention.paged_attention_xla = lambda q, *_, **__: jnp.zeros_like(q)
 
     path = model_path(args.model)
     total = workload_tokens(args)
@@ -90,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                   block_size=args.block_size, num_blocks=num_blocks, max_model_len=longest + args.output_len)
     gens = {on: Generator.from_pretrained(path, **common, kv_offload_gb=args.kv_offload_gb if on else 0)
             for on in (False, True)}
+    if args.no_attention and any(g.client.resolved.attention != "xla" for g in gens.values()):
+        raise SystemExit("--no-attention replaces the XLA paged attention; these engines run "
+                         f"{gens[True].client.resolved.attention!r}")
     pool_tokens = (num_blocks - 1) * args.block_size
     print(f"pool {num_blocks - 1} blocks = {pool_tokens} tokens; histories at the end {total} tokens "
           f"({total / pool_tokens:.1f}x the pool)", flush=True)
@@ -122,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
               "tier_off": med[False], "tier_on": med[True], "runs_off": runs[False], "runs_on": runs[True],
               **ratios, "outputs_identical": True,
               "points": [{"tier": on, **med[on]} for on in (False, True)]}
-    out = results_path(args.out, device_slug(info), "multiturn")
+    out = results_path(args.out, device_slug(info), "multiturn-no-attention" if args.no_attention else "multiturn")
     write_report(report, out, "tier", "host tier", plot=False)
     print(f"wrote {out}")
     return 0
