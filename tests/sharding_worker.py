@@ -26,7 +26,7 @@ CONFIGS = {
 # tp 2 splits the 2 KV heads, tp 8 replicates them (tp 4 would repeat tp 8's case); vocab 131 does not divide
 TPS = {"vocab136": (2, 8), "vocab131": (8,)}
 LOGITS_PROMPT = [3, 17, 42, 9, 100, 5, 77, 12, 8, 60, 33, 1]
-PROMPTS = [[3, 17, 42, 9, 100], [5, 6, 7]]   # 8 tokens: prefill and decode share the T=8 bucket
+PROMPTS = [[3, 17, 42, 9, 100], [5, 6, 7]]   # 8 tokens: prefill and decode share the T=16 bucket
 # prefix caching under TP: a second request behind the same 16-token (two-block) prefix
 SHARED = [list(range(40, 56)) + [3, 4], list(range(40, 56)) + [5, 6, 7]]
 CHECKED = ("q", "k", "v", "o", "up", "gate", "down", "q_bias", "k_bias", "v_bias", "up_bias", "gate_bias",
@@ -60,7 +60,9 @@ def main(tmp: Path) -> dict:
     from flax import nnx
 
     t0 = time.perf_counter()
-    ecfg = EngineConfig(dtype="float32", max_num_seqs=4, block_size=8, num_blocks=64, max_model_len=64)
+    # one step program (16 tokens, the budget) per engine: tensor parallelism is what is compared
+    ecfg = EngineConfig(dtype="float32", max_num_seqs=4, block_size=8, num_blocks=64, max_model_len=64,
+                        token_buckets=(16,))
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     result: dict = {"n_devices": len(jax.devices()), "configs": {}}
 
