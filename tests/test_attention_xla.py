@@ -10,10 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.attention import attention, paged_attention_reference
+from jaxinfer.attention import attention as _attention, paged_attention_reference as _reference
 from jaxinfer.kv_cache import (CHUNK_GROUP, DECODE_GROUP, QUERY_TILE, StepRow, build_attention_metadata, init_kv_pages, kv_storage_dtype,
                                work_item_capacity, write_kv)
 from tests.precision import attention_rtol, rel_err
+
+# both under jit, as the engine's step runs them (called eagerly, each call compiled about a hundred
+# one-operation programs: this file took 1,267 compiles)
+attention = jax.jit(_attention, static_argnames=("scale", "window", "softcap", "impl"))
+paged_attention_reference = jax.jit(_reference, static_argnames=("scale", "window", "softcap"))
 
 
 def build_step(rng, chunks, *, pad_tokens, pad_rows, hkv, g, d, bs, kv_dtype):
