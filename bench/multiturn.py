@@ -2,6 +2,7 @@
 together hold about 4x what the device pool holds.
 
     python -m bench.multiturn [--model PATH] [--conversations 16] [--turns 6] [--kv-offload-gb 0.25]
+    python -m bench.multiturn --shape llama3-8b --kv-offload-gb 2   # a GPU: random 8B weights, bfloat16
 
 Workload: --conversations chats of --turns turns. Every turn resends a shared --system-len-token system
 prompt, the conversation's whole history (every earlier user message of --user-len tokens and every
@@ -16,8 +17,15 @@ returning conversation's history, which is recomputed; with it on, it is copied 
 Reported per side: TTFT (first token - submission) p50 / p90 of turns >= 2, prompt tokens computed
 (prefill work) and served from the cache, the tier's counters, wall time; and off/on ratios. Two
 warmed-up Generators with identical settings but kv_offload_gb, each run --reps times alternately
-(each run starts from an empty cache: reset_prefix_cache), and the outputs must be identical.
+(each run starts from an empty cache: reset_prefix_cache), and in float32 the outputs must be identical
+(in bfloat16 the report counts the identical ones: a restored block keeps the rounding of the step that
+computed it, a recompute has a prefill's, and a near tie can go the other way).
 Results: bench/results/<date>-<device>-multiturn.json.
+
+--shape llama3-8b (or tiny, its CPU smoke) builds a random bfloat16 model of that shape in memory
+(bench/gpu/parts.random_decoder: no checkpoint to write) and serves both sides from it with the
+platform's attention; its KV is 128 KiB a token, so the tier's budget must hold the evicted histories
+(about 1 GiB at the defaults: --kv-offload-gb 2). On a GPU the tier's buffers are pinned host memory.
 
 --no-attention is a diagnostic, not a serving mode: the XLA paged attention's output is replaced by zeros
 (K/V are still written, restored and read by nothing), so each side's TTFT is what the rest of the work
@@ -73,6 +81,8 @@ def run(gen, args, seed: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--shape", choices=("llama3-8b", "tiny"), default=None,
+                    help="a random bfloat16 model of this shape instead of --model (module docstring)")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--system-len", type=int, default=256)
@@ -95,14 +105,28 @@ def main(argv: list[str] | None = None) -> int:
         import jaxinfer.attention
         jaxinfer.attention.paged_attention_xla = lambda q, *_, **__: jnp.zeros_like(q)
 
-    path = model_path(args.model)
+    if args.shape and args.model:
+        raise SystemExit("--shape builds its own random model: give --model or --shape, not both")
+    path = f"random {args.shape}" if args.shape else model_path(args.model)
     total = workload_tokens(args)
     longest = args.system_len + args.turns * (args.user_len + args.output_len)
     num_blocks = args.num_blocks or max(total // 4, args.concurrency * longest) // args.block_size + 1
     common = dict(max_num_seqs=args.concurrency, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, num_blocks=num_blocks, max_model_len=longest + args.output_len)
-    gens = {on: Generator.from_pretrained(path, **common, kv_offload_gb=args.kv_offload_gb if on else 0)
-            for on in (False, True)}
+    if args.shape:
+        from bench.gpu.parts import random_decoder
+        from bench.gpu.workload import LLAMA3_8B, TINY_LLAMA
+        from jaxinfer.config import EngineConfig
+
+        model = random_decoder(LLAMA3_8B if args.shape == "llama3-8b" else TINY_LLAMA)   # shared: params are read only
+        budget = common.pop("max_num_batched_tokens")
+        gens = {on: Generator(model, None, EngineConfig(dtype="bfloat16", **common,
+                                                        kv_offload_bytes=int(args.kv_offload_gb * 2**30) if on else 0),
+                              max_num_batched_tokens=budget)
+                for on in (False, True)}
+    else:
+        gens = {on: Generator.from_pretrained(path, **common, kv_offload_gb=args.kv_offload_gb if on else 0)
+                for on in (False, True)}
     if args.no_attention and any(g.client.resolved.attention != "xla" for g in gens.values()):
         raise SystemExit("--no-attention replaces the XLA paged attention; these engines run "
                          f"{gens[True].client.resolved.attention!r}")
@@ -110,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pool {num_blocks - 1} blocks = {pool_tokens} tokens; histories at the end {total} tokens "
           f"({total / pool_tokens:.1f}x the pool)", flush=True)
     runs: dict[bool, list[dict]] = {False: [], True: []}
+    float32 = all(g.client.resolved.dtype == "float32" for g in gens.values())
+    identical: list[int] = []
     for rep in range(args.reps):
         outs = {}
         for on in ((False, True) if rep % 2 == 0 else (True, False)):   # alternate who runs first
@@ -121,7 +147,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"p90 {r['ttft_p90_s'] * 1e3:.1f} ms, prefill tokens {r['prefill_tokens_computed']}, "
                   f"cached {r['prefix_cache_hits']}, host hits {r['kv_host_hits']} blocks, "
                   f"restore {r['kv_host_restore_time_s'] * 1e3:.0f} ms", flush=True)
-        assert outs[True] == outs[False], "the host tier changed the greedy outputs"
+        same = [a == b for a, b in zip(outs[True], outs[False])]
+        identical.append(sum(same))
+        # float32: restored K/V are the bits a recompute gives, so every greedy output must match. In
+        # bfloat16 they are not: a restored block holds what the original steps computed (a decode
+        # step's rounding), a recompute what a 512-token prefill computes, and a near tie of a random
+        # model's logits can then go the other way (tiny shape: 92 of 96 outputs identical, the first
+        # difference 25 tokens into an answer; float32: 96 of 96)
+        if float32:
+            assert all(same), "the host tier changed the greedy outputs"
     med = {on: {k: float(np.median([r[k] for r in runs[on]])) for k in runs[on][0]} for on in runs}
     paired_ttft = [off["ttft_p50_s"] / on["ttft_p50_s"] for off, on in zip(runs[False], runs[True])]
     ratios = {
@@ -136,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "multiturn", "device": info, "model": str(path), "config": vars(args),
               "num_blocks": num_blocks, "pool_tokens": pool_tokens, "history_tokens_at_end": total,
               "tier_off": med[False], "tier_on": med[True], "runs_off": runs[False], "runs_on": runs[True],
-              **ratios, "outputs_identical": True,
+              **ratios, "outputs_identical": [f"{n} of {args.conversations * args.turns}" for n in identical],
               "points": [{"tier": on, **med[on]} for on in (False, True)]}
-    out = results_path(args.out, device_slug(info), "multiturn-no-attention" if args.no_attention else "multiturn")
+    mode = "multiturn" + (f"-{args.shape}" if args.shape else "") + ("-no-attention" if args.no_attention else "")
+    out = results_path(args.out, device_slug(info), mode)
     write_report(report, out, "tier", "host tier", plot=False)
     print(f"wrote {out}")
     return 0

@@ -197,19 +197,25 @@ def ceilings_part(wl: "Workload", rec: Recorder) -> None:
 
 
 # --------------------------------------------------------------------------- engine variants
-def build_model(wl: "Workload", variant: str):
-    """The random Decoder of wl.model, fused for one device, quantized unless bf16."""
+def random_decoder(hf_config: dict, variant: str = "bf16"):
+    """A random bfloat16 Decoder of an HF config (seed 0), fused for one device, quantized unless bf16:
+    the 8B shape without a checkpoint on disk (this file's engine parts, bench/multiturn.py --shape)."""
     from flax import nnx
 
     from jaxinfer.models.hf_configs import model_config_from_hf
     from jaxinfer.models.decoder import Decoder, FusedLayout, quantize_decoder
 
-    cfg = model_config_from_hf(dict(wl.model))
+    cfg = model_config_from_hf(dict(hf_config))
     model = Decoder(cfg, jnp.bfloat16, rngs=nnx.Rngs(0), fused=FusedLayout.for_tp(cfg, 1))
     if variant != "bf16":
         quantize_decoder(model, variant)
     jax.block_until_ready(jax.tree.leaves(nnx.state(model, nnx.Param)))
     return model
+
+
+def build_model(wl: "Workload", variant: str):
+    """The random Decoder of wl.model (random_decoder)."""
+    return random_decoder(wl.model, variant)
 
 
 def model_bytes(model) -> dict[str, int]:
