@@ -78,7 +78,7 @@ def run(gen, args, seed: int) -> dict:
             "kv_host_blocks_held": after["kv_host_blocks"], "outputs": outputs}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--shape", choices=("llama3-8b", "tiny"), default=None,
@@ -98,41 +98,33 @@ def main(argv: list[str] | None = None) -> int:
                     help="diagnostic: zeros for the paged attention's output on both sides (module docstring)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from jaxinfer import Generator
-    if args.no_attention:
-        import jax.numpy as jnp
-
-        import jaxinfer.attention
-        jaxinfer.attention.paged_attention_xla = lambda q, *_, **__: jnp.zeros_like(q)
-
     if args.shape and args.model:
         raise SystemExit("--shape builds its own random model: give --model or --shape, not both")
-    path = f"random {args.shape}" if args.shape else model_path(args.model)
-    total = workload_tokens(args)
-    longest = args.system_len + args.turns * (args.user_len + args.output_len)
-    num_blocks = args.num_blocks or max(total // 4, args.concurrency * longest) // args.block_size + 1
-    common = dict(max_num_seqs=args.concurrency, max_num_batched_tokens=args.max_num_batched_tokens,
-                  block_size=args.block_size, num_blocks=num_blocks, max_model_len=longest + args.output_len)
+    return args
+
+
+def build_generators(args, path, common: dict) -> dict:
+    """{tier on: Generator} with identical settings but kv_offload_gb: from --model's folder, or both
+    over one random model of --shape (its params are read only)."""
+    from jaxinfer import Generator
     if args.shape:
         from bench.gpu.parts import random_decoder
         from bench.gpu.workload import LLAMA3_8B, TINY_LLAMA
         from jaxinfer.config import EngineConfig
 
-        model = random_decoder(LLAMA3_8B if args.shape == "llama3-8b" else TINY_LLAMA)   # shared: params are read only
+        model = random_decoder(LLAMA3_8B if args.shape == "llama3-8b" else TINY_LLAMA)
+        common = dict(common)
         budget = common.pop("max_num_batched_tokens")
-        gens = {on: Generator(model, None, EngineConfig(dtype="bfloat16", **common,
+        return {on: Generator(model, None, EngineConfig(dtype="bfloat16", **common,
                                                         kv_offload_bytes=int(args.kv_offload_gb * 2**30) if on else 0),
                               max_num_batched_tokens=budget)
                 for on in (False, True)}
-    else:
-        gens = {on: Generator.from_pretrained(path, **common, kv_offload_gb=args.kv_offload_gb if on else 0)
-                for on in (False, True)}
-    if args.no_attention and any(g.client.resolved.attention != "xla" for g in gens.values()):
-        raise SystemExit("--no-attention replaces the XLA paged attention; these engines run "
-                         f"{gens[True].client.resolved.attention!r}")
-    pool_tokens = (num_blocks - 1) * args.block_size
-    print(f"pool {num_blocks - 1} blocks = {pool_tokens} tokens; histories at the end {total} tokens "
-          f"({total / pool_tokens:.1f}x the pool)", flush=True)
+    return {on: Generator.from_pretrained(path, **common, kv_offload_gb=args.kv_offload_gb if on else 0)
+            for on in (False, True)}
+
+
+def run_reps(gens: dict, args) -> tuple[dict, list[int]]:
+    """--reps passes of each side, alternating who runs first -> ({on: [run]}, identical outputs per rep)."""
     runs: dict[bool, list[dict]] = {False: [], True: []}
     float32 = all(g.client.resolved.dtype == "float32" for g in gens.values())
     identical: list[int] = []
@@ -156,6 +148,30 @@ def main(argv: list[str] | None = None) -> int:
         # difference 25 tokens into an answer; float32: 96 of 96)
         if float32:
             assert all(same), "the host tier changed the greedy outputs"
+    return runs, identical
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.no_attention:
+        import jax.numpy as jnp
+
+        import jaxinfer.attention
+        jaxinfer.attention.paged_attention_xla = lambda q, *_, **__: jnp.zeros_like(q)
+    path = f"random {args.shape}" if args.shape else model_path(args.model)
+    total = workload_tokens(args)
+    longest = args.system_len + args.turns * (args.user_len + args.output_len)
+    num_blocks = args.num_blocks or max(total // 4, args.concurrency * longest) // args.block_size + 1
+    common = dict(max_num_seqs=args.concurrency, max_num_batched_tokens=args.max_num_batched_tokens,
+                  block_size=args.block_size, num_blocks=num_blocks, max_model_len=longest + args.output_len)
+    gens = build_generators(args, path, common)
+    if args.no_attention and any(g.client.resolved.attention != "xla" for g in gens.values()):
+        raise SystemExit("--no-attention replaces the XLA paged attention; these engines run "
+                         f"{gens[True].client.resolved.attention!r}")
+    pool_tokens = (num_blocks - 1) * args.block_size
+    print(f"pool {num_blocks - 1} blocks = {pool_tokens} tokens; histories at the end {total} tokens "
+          f"({total / pool_tokens:.1f}x the pool)", flush=True)
+    runs, identical = run_reps(gens, args)
     med = {on: {k: float(np.median([r[k] for r in runs[on]])) for k in runs[on][0]} for on in runs}
     paired_ttft = [off["ttft_p50_s"] / on["ttft_p50_s"] for off, on in zip(runs[False], runs[True])]
     ratios = {
