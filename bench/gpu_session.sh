@@ -9,13 +9,14 @@
 #                                 # at batch 1, 16, 64, 256 (#39's targets, the same run's bf16 baseline)
 #   bash bench/gpu_session.sh 3   # ~7 min: bench.gpu.decode (#40: profile, MBU per setting, knee)
 #   bash bench/gpu_session.sh 4   # ~5 min: bench.gpu.attention, every part (#41)
-#   bash bench/gpu_session.sh 5   # <= 5 min: bench.multiturn on the random 8B shape, the prefix cache's
+#   bash bench/gpu_session.sh 5   # <= 9 min: bench.multiturn on the random 8B shape, the prefix cache's
 #                                 # host tier off vs on with pinned host buffers (#55's GPU target: TTFT
-#                                 # p50 of returning turns and prefill tokens, both >= 3x); never run yet
+#                                 # p50 of returning turns and prefill tokens, both >= 3x); never run yet:
+#                                 # the 8B steps' warm-up (7 token buckets, Pallas) is the unknown, so 9 min
 #
 # One 15-minute session holds calls 1 and 2 (about 13 min of commands; the last session's start, idle
 # and transfers took ~3.5 min): run call 1 with timeout_s 470 and call 2 within 30 s of its reply
-# (timeout_s 320) to keep the machine warm. Calls 3, 4 and 5 are the next sessions' (timeout_s 320 for 5).
+# (timeout_s 320) to keep the machine warm. Calls 3, 4 and 5 are the next sessions' (timeout_s 570 for 5).
 # Results land in $OUT (JSON, logs as one tarball); copy them to bench/results/ and commit them.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -52,7 +53,7 @@ case "${1:-}" in
     tail -40 "$LOGS/attention.log"
     ;;
 5)
-    timeout -s INT 300 python3 -m bench.multiturn --shape llama3-8b --kv-offload-gb 2 --reps 2 \
+    timeout -s INT 540 python3 -m bench.multiturn --shape llama3-8b --kv-offload-gb 2 --reps 2 \
         --out "$OUT/multiturn-8b.json" > "$LOGS/multiturn.log" 2>&1 || rc=$?
     tail -20 "$LOGS/multiturn.log"
     ;;
