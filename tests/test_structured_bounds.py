@@ -63,26 +63,38 @@ def _check_calls(calls, allowed: set[str]) -> None:
         jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
 
 
-def test_named_tool_choice_is_exactly_one_call(client):
+def test_named_tool_choice_is_exactly_one_call(server):
     """The issue's request: tool_choice naming get_verse, parallel_tool_calls at its default (true),
     max_tokens=120, temperature 0, came back as content holding a cut JSON array of get_verse calls.
     Now, greedy and seeded at temperature 1.0, parallel_tool_calls unset or true, streamed or not: one
-    call of that function, its arguments valid against its parameters, finish_reason "tool_calls"."""
-    for name in ("get_verse", "get_time"):
-        for sampling in (dict(temperature=0), dict(temperature=1.0, seed=1), dict(temperature=1.0, seed=2)):
-            for parallel in ({}, {"parallel_tool_calls": True}):
-                kw = dict(model="tiny", messages=MSG, tools=TOOLS, max_tokens=120, **sampling, **parallel,
-                          tool_choice={"type": "function", "function": {"name": name}})
-                r = client.chat.completions.create(**kw)
-                with client.chat.completions.stream(**kw) as stream:
-                    s = stream.get_final_completion()
-                for c in (r.choices[0], s.choices[0]):
-                    assert c.finish_reason == "tool_calls" and not c.message.content, c.message
-                    (call,) = c.message.tool_calls
-                    assert call.function.name == name
-                    _check_calls([call], {name})
-                assert s.choices[0].message.tool_calls[0].function.arguments == \
-                    r.choices[0].message.tool_calls[0].function.arguments
+    call of that function, its arguments valid against its parameters, finish_reason "tool_calls".
+    The 24 requests go in at once (the server batches them; each one's tokens are what it would
+    draw alone: greedy, or keyed by its seed and position)."""
+    kws = [dict(model="tiny", messages=MSG, tools=TOOLS, max_tokens=120, **sampling, **parallel,
+                tool_choice={"type": "function", "function": {"name": name}})
+           for name in ("get_verse", "get_time")
+           for sampling in (dict(temperature=0), dict(temperature=1.0, seed=1), dict(temperature=1.0, seed=2))
+           for parallel in ({}, {"parallel_tool_calls": True})]
+
+    async def run():
+        c = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+        async def both(kw):
+            r = await c.chat.completions.create(**kw)
+            async with c.chat.completions.stream(**kw) as stream:
+                s = await stream.get_final_completion()
+            return r, s
+        return await asyncio.wait_for(asyncio.gather(*(both(kw) for kw in kws)), timeout=600)
+
+    for kw, (r, s) in zip(kws, asyncio.run(run())):
+        name = kw["tool_choice"]["function"]["name"]
+        for c in (r.choices[0], s.choices[0]):
+            assert c.finish_reason == "tool_calls" and not c.message.content, c.message
+            (call,) = c.message.tool_calls
+            assert call.function.name == name
+            _check_calls([call], {name})
+        assert s.choices[0].message.tool_calls[0].function.arguments == \
+            r.choices[0].message.tool_calls[0].function.arguments
 
 
 # Schemas of bounded fields only (numbers, integers, booleans, enums, strings with maxLength, arrays with
