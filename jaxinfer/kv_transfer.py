@@ -95,31 +95,21 @@ class HostKVStore:
 
     def _stage(self, slots: list[int]) -> list:
         """The restored blocks' values as device arrays with the pages' shardings (one per leaf):
-        each device gets its shard's rows of its own host buffer. One batched host-to-device copy for
-        every leaf (a leaf held on one device goes straight to its sharding; the shards of a split
-        or replicated leaf go to their devices and are assembled after)."""
-        whole, pieces = [], []                    # (leaf, rows) / (leaf, rows, device)
-        for i, (leaf_buffers, x) in enumerate(zip(self.buffers, self._like)):
-            if len(leaf_buffers) == 1 and len(leaf_buffers[0][1]) == 1:
-                whole.append((i, leaf_buffers[0][2][:, slots]))              # (h, M, bs, ...), a copy
-            else:
-                for _, devices, buf in leaf_buffers:
-                    rows = buf[:, slots]
-                    pieces += [(i, rows, d) for d in devices]
-        values: list = [None] * len(self._like)
-        if whole:
-            for (i, _), arr in zip(whole, jax.device_put([r for _, r in whole], [self._like[i].sharding for i, _ in whole])):
-                values[i] = arr
-        if pieces:
-            arrays = jax.device_put([r for _, r, _ in pieces], [d for _, _, d in pieces])
-            by_leaf: dict[int, list] = {}
-            for (i, _, _), arr in zip(pieces, arrays):
-                by_leaf.setdefault(i, []).append(arr)
-            for i, arrs in by_leaf.items():
-                x = self._like[i]
-                values[i] = jax.make_array_from_single_device_arrays((x.shape[0], len(slots), *x.shape[2:]),
-                                                                     x.sharding, arrs)
-        return jax.tree.unflatten(self.treedef, values)
+        each device gets its shard's rows of its own host buffer, every leaf's in one batched
+        host-to-device copy, then each leaf's shards are assembled."""
+        rows, devices, leaf_of = [], [], []
+        for i, leaf_buffers in enumerate(self.buffers):
+            for _, devs, buf in leaf_buffers:
+                shard = buf[:, slots]                                  # (h, M, bs, ...), a copy
+                rows += [shard] * len(devs)
+                devices += devs
+                leaf_of += [i] * len(devs)
+        per_leaf: list[list] = [[] for _ in self._like]
+        for i, arr in zip(leaf_of, jax.device_put(rows, devices)):
+            per_leaf[i].append(arr)
+        return jax.tree.unflatten(self.treedef, [
+            jax.make_array_from_single_device_arrays((x.shape[0], len(slots), *x.shape[2:]), x.sharding, arrs)
+            for x, arrs in zip(self._like, per_leaf)])
 
     # ---------------------------------------------------------------- a step's copies
     def run(self, kv_pages, transfers: KVTransfers) -> tuple:
