@@ -92,7 +92,7 @@ def batch_parts(steps: list, s0: dict, s1: dict) -> dict:
     it fits one step) and the host time of the tier's copies before it (offloads and restores)."""
     first = next(s for s in steps if s.spans)
     return {"first_step_tokens": first.num_tokens,
-            "first_step_device_s": first.execute_s if first.execute_s is not None else first.time_s,
+            "first_step_device_s": first.execute_s,
             "transfer_host_s": (s1["kv_host_restore_time_s"] - s0["kv_host_restore_time_s"])
             + (s1["kv_host_offload_time_s"] - s0["kv_host_offload_time_s"])}
 
