@@ -4,25 +4,35 @@ step's copies batched: one gather of every offloaded block and one device-to-hos
 of every restored block (per bucket of TRANSFER_BUCKETS blocks).
 
 Every leaf of the KV pages pytree moves: each layer's K and V, the draft model's pages, int8/fp8
-scales; every leaf has the blocks on axis 1 ([n_kv_heads, num_blocks, block_size, ...]). The host
-copy of a leaf is one numpy buffer per distinct device shard, [heads of the shard, num_slots,
-block_size, ...]: under tensor parallelism each device's shard of a block goes to (and comes back
-from) its own buffer, never gathered across devices; a replicated leaf (the draft's pages, or KV
-heads fewer than the devices) is kept once and put back on every device.
-The gather writes its result straight to host memory: its output sharding is the pages' with
-memory_kind="pinned_host" (page-locked buffers the device's DMA engines copy into on a GPU; XLA:CPU
-has the same memory kind, so CPU runs this same path).
+scales; every leaf has the blocks on axis 1 ([n_kv_heads, num_blocks, block_size, ...]).
+
+Host layout: a block is one contiguous row of bytes. Leaves placed alike (the same sharding of the
+heads) form a group, and a group's host copy is one uint8 buffer [num_slots, row bytes] per distinct
+device shard (a part): a row holds that shard of the block of every leaf of the group, leaf after
+leaf, each in its own dtype's bytes. So a step's restore is one numpy row gather and one
+host-to-device copy per part (one in all on one device), not one per layer and per K/V, and an
+offload lands with one row store per part. The transfer programs pack and unpack the rows on the
+device (a bitcast and a transpose per leaf, run per device shard under jax.shard_map). Under tensor
+parallelism each device's shard of a block goes to (and comes back from) its own part's buffer,
+never gathered across devices; a replicated group (the draft model's pages, or KV heads fewer than
+the devices) is kept once and put back on every device.
+The gather writes its result straight to host memory: its output sharding has memory_kind=
+"pinned_host" (page-locked buffers the device's DMA engines copy into on a GPU; XLA:CPU has the same
+memory kind, so CPU runs this same path).
 Order (host_tier.py): offloads are read from the device first, restores written next, the offloaded
 bytes stored into their host slots last (at the next step's transfers: the gather's device-to-host
 copy runs behind the step, and restores from those slots wait for it). Never imported by host/.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxinfer.host.host_tier import KVTransfers
 
@@ -44,13 +54,105 @@ class TransferResult:
     failed_blocks: list[int] = field(default_factory=list)
 
 
-def _gather(pages, blocks):
-    return jax.tree.map(lambda x: x[:, blocks], pages)        # each leaf: (H, M, bs, ...)
+@dataclass
+class _Part:
+    """One distinct device shard of a group: the devices holding it, its place on the flat rows'
+    first axis, and its host buffer [num_slots, row bytes] (uint8)."""
+    devices: list
+    index: int
+    buffer: np.ndarray
 
 
-def _scatter(pages, blocks, values):
-    # blocks past the pool (padding) are dropped
-    return jax.tree.map(lambda x, v: x.at[:, blocks].set(v, mode="drop"), pages, values)
+@dataclass
+class _Group:
+    """Leaves placed alike: their indexes in jax.tree.leaves(pages), their PartitionSpec (None: one
+    device, no mesh), the flat rows' sharding ([parts, blocks, row bytes], split over the parts), the
+    bytes of one block's shard of the group, and its parts."""
+    leaves: list[int]
+    spec: PartitionSpec | None
+    flat_sharding: jax.sharding.Sharding
+    row_bytes: int
+    parts: list[_Part]
+
+    def flat_shape(self, m: int) -> tuple[int, int, int]:
+        return (len(self.parts), m, self.row_bytes)
+
+    def per_shard(self, fn, mesh, n_in_leaves: int, leaves_out: bool):
+        """fn over each device's shard of the group's leaves (jax.shard_map), or fn itself on one
+        device. fn(leaves, blocks[, rows]) -> rows (gather) or leaves (scatter)."""
+        if self.spec is None:
+            return fn
+        flat = PartitionSpec(self.spec[0] if len(self.spec) else None)
+        leaf_specs = [self.spec] * n_in_leaves
+        in_specs = (leaf_specs, PartitionSpec()) if not leaves_out else (leaf_specs, PartitionSpec(), flat)
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=leaf_specs if leaves_out else flat)
+
+
+def _leaf_row_bytes(shape: tuple, dtype) -> int:
+    """Bytes of one block of a (local) leaf [heads, num_blocks, block_size, ...]."""
+    return shape[0] * math.prod(shape[2:]) * np.dtype(dtype).itemsize
+
+
+def _pack(leaves: list, blocks) -> jax.Array:
+    """(local) leaves' blocks -> [1, M, row bytes] uint8: per block, every leaf's bytes in turn."""
+    m = blocks.shape[0]
+    pieces = []
+    for x in leaves:
+        v = jnp.moveaxis(x[:, blocks], 1, 0).reshape(m, -1)             # (M, heads * block_size * ...)
+        pieces.append(jax.lax.bitcast_convert_type(v, jnp.uint8).reshape(m, -1))
+    return jnp.concatenate(pieces, axis=1)[None]
+
+
+def _unpack_scatter(leaves: list, blocks, flat) -> list:
+    """Write rows [1, M, row bytes] (_pack's layout) into the (local) leaves at `blocks`; blocks past
+    the pool (padding) are dropped."""
+    rows, out, off = flat[0], [], 0
+    m = rows.shape[0]
+    for x in leaves:
+        size = jnp.dtype(x.dtype).itemsize
+        n = _leaf_row_bytes(x.shape, x.dtype)
+        piece = rows[:, off: off + n]
+        if size > 1:
+            piece = piece.reshape(m, n // size, size)
+        v = jax.lax.bitcast_convert_type(piece, x.dtype).reshape(m, x.shape[0], *x.shape[2:])
+        out.append(x.at[:, blocks].set(jnp.moveaxis(v, 0, 1), mode="drop"))
+        off += n
+    return out
+
+
+def _groups(leaves: list, num_slots: int) -> list[_Group]:
+    """The leaves grouped by placement (one device; heads split over a mesh axis; replicated), each
+    group's parts with their zeroed host buffers."""
+    keyed: dict = {}
+    for i, x in enumerate(leaves):
+        s = x.sharding
+        if isinstance(s, NamedSharding):
+            spec = tuple(s.spec) + (None,) * (x.ndim - len(s.spec))
+            if any(a is not None for a in spec[1:]):
+                raise ValueError(f"the host tier moves KV pages split over their heads only; a leaf is "
+                                 f"placed with {s.spec}")
+            key = ("mesh", s.mesh, spec[0])
+        elif isinstance(s, SingleDeviceSharding):
+            key = ("device", next(iter(s.device_set)))
+        else:
+            raise ValueError(f"the host tier cannot move KV pages placed with {type(s).__name__}")
+        keyed.setdefault(key, []).append(i)
+    groups = []
+    for key, idx in keyed.items():
+        if key[0] == "mesh":
+            mesh, axis = key[1], key[2]
+            spec = PartitionSpec(axis)
+            n_parts = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis or ()))
+            flat = NamedSharding(mesh, PartitionSpec(axis))
+        else:
+            spec, n_parts, flat = None, 1, SingleDeviceSharding(key[1])
+        row = sum(_leaf_row_bytes((leaves[i].shape[0] // n_parts, *leaves[i].shape[1:]), leaves[i].dtype) for i in idx)
+        holders: dict[int, list] = {}
+        for dev, index in flat.devices_indices_map((n_parts, 1, row)).items():
+            holders.setdefault(index[0].start or 0, []).append(dev)
+        parts = [_Part(devs, p, np.zeros((num_slots, row), np.uint8)) for p, devs in sorted(holders.items())]
+        groups.append(_Group(idx, spec, flat, row, parts))
+    return groups
 
 
 class HostKVStore:
@@ -62,27 +164,32 @@ class HostKVStore:
         self.num_blocks = leaves[0].shape[1]
         self.treedef = jax.tree.structure(kv_pages)
         self.block_bytes = sum(x.nbytes // x.shape[1] for x in leaves)
-        # per leaf: [(shard index, the devices holding it, numpy buffer)], one entry per distinct shard
-        self.buffers = [self._buffers(x) for x in leaves]
-        self._like = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
-        host = [x.sharding.with_memory_kind("pinned_host") for x in leaves]
-        self._gather = jax.jit(_gather, out_shardings=jax.tree.unflatten(self.treedef, host))
-        self._scatter = jax.jit(_scatter, donate_argnums=0)
-        self._pending: list = []       # the last step's offloads: (host slots, gathered leaves)
+        self.groups = _groups(leaves, num_slots)
+        mesh = next((x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)), None)
+        gathers = [g.per_shard(_pack, mesh, len(g.leaves), leaves_out=False) for g in self.groups]
+        scatters = [g.per_shard(_unpack_scatter, mesh, len(g.leaves), leaves_out=True) for g in self.groups]
+        groups = self.groups
+
+        def gather(pages, blocks):
+            xs = jax.tree.leaves(pages)
+            return [f([xs[i] for i in g.leaves], blocks) for f, g in zip(gathers, groups)]
+
+        def scatter(pages, blocks, flats):
+            xs = jax.tree.leaves(pages)
+            for f, g, rows in zip(scatters, groups, flats):
+                for i, x in zip(g.leaves, f([xs[i] for i in g.leaves], blocks, rows)):
+                    xs[i] = x
+            return jax.tree.unflatten(self.treedef, xs)
+
+        self._gather = jax.jit(gather, out_shardings=[g.flat_sharding.with_memory_kind("pinned_host")
+                                                      for g in groups])
+        self._scatter = jax.jit(scatter, donate_argnums=0)
+        self._pending: list = []       # the last step's offloads: (host slots, gathered rows per group)
         self.bytes_offloaded = self.bytes_restored = 0
         # host time: restores (staging the slots, the copies to the devices, dispatching the scatter);
         # offloads (storing the previous step's gathered bytes, dispatching this step's gather)
         self.restore_time_s = 0.0
         self.offload_time_s = 0.0
-
-    def _buffers(self, x: jax.Array) -> list:
-        shards: dict = {}
-        for s in x.addressable_shards:
-            key = _key(s.index)
-            if key not in shards:
-                shards[key] = ([], np.zeros((s.data.shape[0], self.num_slots, *s.data.shape[2:]), s.data.dtype))
-            shards[key][0].append(s.device)
-        return [(key, devices, buf) for key, (devices, buf) in shards.items()]
 
     # ---------------------------------------------------------------- programs
     def warmup(self, kv_pages):
@@ -94,22 +201,21 @@ class HostKVStore:
         return kv_pages
 
     def _stage(self, slots: list[int]) -> list:
-        """The restored blocks' values as device arrays with the pages' shardings (one per leaf):
-        each device gets its shard's rows of its own host buffer, every leaf's in one batched
-        host-to-device copy, then each leaf's shards are assembled."""
-        rows, devices, leaf_of = [], [], []
-        for i, leaf_buffers in enumerate(self.buffers):
-            for _, devs, buf in leaf_buffers:
-                shard = buf[:, slots]                                  # (h, M, bs, ...), a copy
-                rows += [shard] * len(devs)
-                devices += devs
-                leaf_of += [i] * len(devs)
-        per_leaf: list[list] = [[] for _ in self._like]
-        for i, arr in zip(leaf_of, jax.device_put(rows, devices)):
-            per_leaf[i].append(arr)
-        return jax.tree.unflatten(self.treedef, [
-            jax.make_array_from_single_device_arrays((x.shape[0], len(slots), *x.shape[2:]), x.sharding, arrs)
-            for x, arrs in zip(self._like, per_leaf)])
+        """The restored blocks' rows as device arrays, one per group ([parts, M, row bytes], each
+        device holding its part's rows): one numpy row gather per part, every part's rows to its
+        devices in one batched host-to-device copy, then each group's array assembled."""
+        rows, devices, group_of = [], [], []
+        for gi, g in enumerate(self.groups):
+            for part in g.parts:
+                r = part.buffer[slots][None]                    # (1, M, row bytes), a copy
+                rows += [r] * len(part.devices)
+                devices += part.devices
+                group_of += [gi] * len(part.devices)
+        per_group: list[list] = [[] for _ in self.groups]
+        for gi, arr in zip(group_of, jax.device_put(rows, devices)):
+            per_group[gi].append(arr)
+        return [jax.make_array_from_single_device_arrays(g.flat_shape(len(slots)), g.flat_sharding, arrs)
+                for g, arrs in zip(self.groups, per_group)]
 
     # ---------------------------------------------------------------- a step's copies
     def run(self, kv_pages, transfers: KVTransfers) -> tuple:
@@ -152,10 +258,11 @@ class HostKVStore:
         return kv_pages, result
 
     def _gather_blocks(self, kv_pages, blocks: list[int]) -> list:
-        """Dispatch the gather of these blocks (padded to a bucket) into pinned host memory."""
+        """Dispatch the gather of these blocks (padded to a bucket) into pinned host memory: one
+        array of rows per group."""
         idx = np.zeros(_bucket(len(blocks)), np.int32)
         idx[: len(blocks)] = blocks
-        return jax.tree.leaves(self._gather(kv_pages, idx))
+        return self._gather(kv_pages, idx)
 
     def _flush(self, result: TransferResult) -> set[int]:
         """Store the last step's gathered blocks into their host slots; returns the slots whose
@@ -163,26 +270,23 @@ class HostKVStore:
         lost: set[int] = set()
         for slots, gathered in self._pending:
             try:
-                leaves = [[np.asarray(by_key[key].data) for key, _, _ in leaf_buffers]
-                          for leaf_buffers, by_key in zip(self.buffers, map(_shards_by_key, gathered))]
+                rows = [[np.asarray(_part_shard(x, part.index)) for part in g.parts]
+                        for g, x in zip(self.groups, gathered)]
             except Exception:   # noqa: BLE001
                 result.failed_slots += slots
                 lost.update(slots)
                 self.bytes_offloaded -= len(slots) * self.block_bytes
                 continue
-            for leaf_buffers, shards in zip(self.buffers, leaves):
-                for (_, _, buf), rows in zip(leaf_buffers, shards):
-                    buf[:, slots] = rows[:, : len(slots)]    # in order: a later write to a slot wins
+            for g, per_part in zip(self.groups, rows):
+                for part, r in zip(g.parts, per_part):
+                    part.buffer[slots] = r[0, : len(slots)]    # in order: a later write to a slot wins
         self._pending = []
         return lost
 
 
-def _shards_by_key(x: jax.Array) -> dict:
-    return {_key(s.index): s for s in x.addressable_shards}
-
-
-def _key(index) -> tuple:
-    return tuple((i.start, i.stop) for i in index)
+def _part_shard(x: jax.Array, index: int) -> jax.Array:
+    """The data of x's shard at `index` on the flat rows' first axis."""
+    return next(s.data for s in x.addressable_shards if (s.index[0].start or 0) == index)
 
 
 def _chunks(pairs: list, size: int = TRANSFER_BUCKETS[-1]):

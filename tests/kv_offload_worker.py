@@ -33,8 +33,8 @@ def turns(gen, convs: int = 3, rounds: int = 3) -> list:
 def main(tmp: Path) -> dict:
     """TP 2 (the 2 KV heads split, one per device) with the draft model (the target itself, its pages
     replicated) and the tier on, against the one-device engine with neither: the same greedy tokens;
-    blocks restored; each target leaf kept as one host buffer per device shard (1 head each) and each
-    draft leaf once; nothing compiled when the workload runs again."""
+    blocks restored; the target's leaves kept as one host buffer per device shard (1 head each: a
+    row holds that device's half of every target leaf's block) and the draft's once; nothing compiled when the workload runs again."""
     import jax
 
     from jaxinfer.generator import Generator
@@ -59,10 +59,12 @@ def main(tmp: Path) -> dict:
     store = gen.engine.runner.host_kv
     target, draft = gen.engine.runner.kv_pages
     n_target = len(jax.tree.leaves(target))
-    out["target_buffers"] = [[(len(devices), buf.shape[0]) for _, devices, buf in leaf]
-                             for leaf in store.buffers[:n_target]]
-    out["draft_buffers"] = [[(len(devices), buf.shape[0]) for _, devices, buf in leaf]
-                            for leaf in store.buffers[n_target:]]
+    block_bytes = lambda leaves: sum(x.nbytes // x.shape[1] for x in leaves)   # noqa: E731
+    out["block_bytes"] = [block_bytes(jax.tree.leaves(target)), block_bytes(jax.tree.leaves(draft))]
+    # per group of leaves: its parts' (devices holding it, bytes of a block's row), and whose leaves
+    out["groups"] = [{"draft": min(g.leaves) >= n_target, "target": max(g.leaves) < n_target,
+                      "parts": [[len(p.devices), p.buffer.shape[1]] for p in g.parts],
+                      "slots": [p.buffer.shape[0] for p in g.parts]} for g in store.groups]
     gen.engine.blocks.host.check()
     out["kv_blocks_used"] = s["kv_blocks_used"]
     gen.close()

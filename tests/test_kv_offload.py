@@ -181,10 +181,10 @@ def test_random_multiturn_restores_the_right_kv(seed):
 
 # ------------------------------------------------------------------ the bytes (jax, no model)
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "bfloat16", "fp8"])
 def test_transfers_move_every_leaf_in_order(kv_dtype):
-    """HostKVStore on a (target, draft) pair of page lists with random contents (int8: codes and
-    scales): block 3 goes to slot 0 while slot 0's earlier contents (block 5's) come back into
+    """HostKVStore on a (target, draft) pair of page lists with random contents (int8 and fp8: codes
+    and float32 scales, packed into one host row per block, each leaf in its own dtype's bytes): block 3 goes to slot 0 while slot 0's earlier contents (block 5's) come back into
     block 3 in the same step, and slot 1 (block 6) into block 7: numpy's indexing of the pages
     before the step is the reference."""
     import jax
@@ -372,7 +372,7 @@ def test_tensor_parallel_restores_per_device_shards(tmp_path_factory):
     """TP 2 on fake devices with a draft model (tests/kv_offload_worker.py): the one-device engine's
     greedy tokens with the tier off, both times the workload runs (the second from an empty cache:
     recompiling nothing); blocks restored; the target's leaves held per device (1 KV head each: no
-    gather), the replicated draft's once."""
+    gather, one row of every target leaf's half of a block per device), the replicated draft's once."""
     from tests.fake_devices import run_worker
     from tests.sharding_worker import save_llama
 
@@ -383,5 +383,10 @@ def test_tensor_parallel_restores_per_device_shards(tmp_path_factory):
     assert tokens(r["tier"]) == tokens(r["tier_again"]) == tokens(r["ref"])
     assert r["stats"]["kv_host_hits"] > 0 and r["stats"]["kv_host_bytes_restored"] > 0
     assert r["stats"]["spec_decode_num_drafts"] > 0 and r["compiles_again"] == 0 and r["kv_blocks_used"] == 0
-    assert all(leaf == [[1, 1], [1, 1]] for leaf in r["target_buffers"])
-    assert all(leaf == [[2, 2]] for leaf in r["draft_buffers"])
+    target_bytes, draft_bytes = r["block_bytes"]
+    target = [g for g in r["groups"] if g["target"]]
+    draft = [g for g in r["groups"] if g["draft"]]
+    assert len(target) == len(draft) == 1 and len(r["groups"]) == 2
+    assert target[0]["parts"] == [[1, target_bytes // 2], [1, target_bytes // 2]]   # one per device
+    assert draft[0]["parts"] == [[2, draft_bytes]]                                   # once, on both
+    assert all(n == target[0]["slots"][0] for g in r["groups"] for n in g["slots"])
