@@ -77,15 +77,16 @@ class _Group:
     def flat_shape(self, m: int) -> tuple[int, int, int]:
         return (len(self.parts), m, self.row_bytes)
 
-    def per_shard(self, fn, mesh, n_in_leaves: int, leaves_out: bool):
-        """fn over each device's shard of the group's leaves (jax.shard_map), or fn itself on one
-        device. fn(leaves, blocks[, rows]) -> rows (gather) or leaves (scatter)."""
+    def per_shard(self, fn, n_in_leaves: int, leaves_out: bool):
+        """fn over each device's shard of the group's leaves (jax.shard_map over the flat rows' mesh:
+        the leaves and the rows split alike, along their first axis), or fn itself on one device.
+        fn(leaves, blocks[, rows]) -> rows (gather) or leaves (scatter)."""
         if self.spec is None:
             return fn
-        flat = PartitionSpec(self.spec[0] if len(self.spec) else None)
         leaf_specs = [self.spec] * n_in_leaves
-        in_specs = (leaf_specs, PartitionSpec()) if not leaves_out else (leaf_specs, PartitionSpec(), flat)
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=leaf_specs if leaves_out else flat)
+        in_specs = (leaf_specs, PartitionSpec(), self.spec) if leaves_out else (leaf_specs, PartitionSpec())
+        return jax.shard_map(fn, mesh=self.flat_sharding.mesh, in_specs=in_specs,
+                             out_specs=leaf_specs if leaves_out else self.spec)
 
 
 def _leaf_row_bytes(shape: tuple, dtype) -> int:
@@ -143,7 +144,7 @@ def _groups(leaves: list, num_slots: int) -> list[_Group]:
             mesh, axis = key[1], key[2]
             spec = PartitionSpec(axis)
             n_parts = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis or ()))
-            flat = NamedSharding(mesh, PartitionSpec(axis))
+            flat = NamedSharding(mesh, spec)
         else:
             spec, n_parts, flat = None, 1, SingleDeviceSharding(key[1])
         row = sum(_leaf_row_bytes((leaves[i].shape[0] // n_parts, *leaves[i].shape[1:]), leaves[i].dtype) for i in idx)
@@ -165,9 +166,8 @@ class HostKVStore:
         self.treedef = jax.tree.structure(kv_pages)
         self.block_bytes = sum(x.nbytes // x.shape[1] for x in leaves)
         self.groups = _groups(leaves, num_slots)
-        mesh = next((x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)), None)
-        gathers = [g.per_shard(_pack, mesh, len(g.leaves), leaves_out=False) for g in self.groups]
-        scatters = [g.per_shard(_unpack_scatter, mesh, len(g.leaves), leaves_out=True) for g in self.groups]
+        gathers = [g.per_shard(_pack, len(g.leaves), leaves_out=False) for g in self.groups]
+        scatters = [g.per_shard(_unpack_scatter, len(g.leaves), leaves_out=True) for g in self.groups]
         groups = self.groups
 
         def gather(pages, blocks):
