@@ -92,6 +92,7 @@ __all__ = [
 # Packing helpers (pure jnp, shared with the load-time quantizer).
 # --------------------------------------------------------------------------------------------
 
+@jax.jit
 def pack_int4(q: jax.Array) -> jax.Array:
     """q [K, N] ints in [-8, 7] (two's complement nibble) or [0, 15] -> uint8 [K // 2, N].
 
@@ -103,6 +104,7 @@ def pack_int4(q: jax.Array) -> jax.Array:
     return (u[0::2] | (u[1::2] << 4)).astype(jnp.uint8)
 
 
+@functools.partial(jax.jit, static_argnames=("signed",))
 def unpack_int4(packed: jax.Array, *, signed: bool) -> jax.Array:
     """uint8 [K // 2, N] -> int32 [K, N]; signed: nibbles are two's complement in [-8, 7]."""
     p = packed.astype(jnp.int32)
@@ -113,6 +115,7 @@ def unpack_int4(packed: jax.Array, *, signed: bool) -> jax.Array:
     return jnp.stack([lo, hi], axis=1).reshape(2 * k2, n)
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "group_size"))
 def dequantize_weight(w, scales, zeros=None, *, bits: int, group_size: int | None = None) -> jax.Array:
     """Kernel-format weight -> f32 [K, N] (the definition the kernel implements)."""
     if bits == 8:

@@ -71,6 +71,7 @@ carries no choice of implementation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -177,13 +178,15 @@ FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0
 
 
+@functools.partial(jax.jit, static_argnames=("dtype", "axis"))
 def symmetric_codes(x: jax.Array, dtype, axis: int) -> tuple[jax.Array, jax.Array]:
     """Symmetric scaled codes of x, one scale per slice along `axis`: scale = max|x| / qmax over it
     (qmax 127 for int8, 448 for e4m3; 1 where the slice is all zero; the smallest normal f32 where
     max|x| / qmax underflows) and codes of x / scale clipped at +-qmax: int8 rounds to nearest,
     e4m3 casts (round to nearest even; e4m3fn has no infinity). -> (codes, f32 scales [x's shape
     without `axis`]). Weights per output channel (axis 0 of [K, N]), activations per token (axis 1
-    of [M, K]) and KV pages per token and head (the last axis) all use it."""
+    of [M, K]) and KV pages per token and head (the last axis) all use it. One program per shape
+    (jitted: a weight quantized at load is one dispatch, not seven, and compiles once per shape)."""
     d = jnp.dtype(dtype)
     qmax = 127.0 if d == jnp.int8 else FP8_MAX
     xf = x.astype(jnp.float32)
@@ -211,14 +214,10 @@ def quantize_fp8(w, *, contract: int = 1, layout: str = "nk") -> QuantizedWeight
                            contract=contract, layout=layout)
 
 
-def quantize_int4(w, group_size: int = 128, symmetric: bool = True, *, contract: int = 1) -> QuantizedWeight:
-    """Group-wise (along K) int4, packed two per byte along K (low nibble = even k)."""
-    w2, shape, k, n = _as_2d(w, contract)
-    g = int(group_size)
-    if g <= 0 or g % 2:
-        raise ValueError(f"group_size must be a positive even number, got {group_size}")
-    if k % g:
-        raise ValueError(f"K={k} (shape {shape}, contract={contract}) is not a multiple of group_size={g}")
+@functools.partial(jax.jit, static_argnames=("g", "symmetric"))
+def _int4_codes(w2: jax.Array, g: int, symmetric: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """quantize_int4's arithmetic on w2 [K, N] float32, one program per shape -> (packed, scale, zeros)."""
+    k, n = w2.shape
     wg = w2.reshape(k // g, g, n)
     if symmetric:
         amax = jnp.max(jnp.abs(wg), axis=1)
@@ -234,6 +233,18 @@ def quantize_int4(w, group_size: int = 128, symmetric: bool = True, *, contract:
         q = jnp.clip(jnp.round(wg / scale[:, None, :]) + zero[:, None, :], 0, 15)
         zeros = zero.astype(jnp.uint8)
     packed = pack_int4(q.astype(jnp.int32).reshape(k, n))
+    return packed, scale, zeros
+
+
+def quantize_int4(w, group_size: int = 128, symmetric: bool = True, *, contract: int = 1) -> QuantizedWeight:
+    """Group-wise (along K) int4, packed two per byte along K (low nibble = even k)."""
+    w2, shape, k, n = _as_2d(w, contract)
+    g = int(group_size)
+    if g <= 0 or g % 2:
+        raise ValueError(f"group_size must be a positive even number, got {group_size}")
+    if k % g:
+        raise ValueError(f"K={k} (shape {shape}, contract={contract}) is not a multiple of group_size={g}")
+    packed, scale, zeros = _int4_codes(w2, g, bool(symmetric))
     return QuantizedWeight(packed, scale, zeros, bits=4, group_size=g, shape=shape, contract=contract)
 
 
