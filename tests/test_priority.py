@@ -93,7 +93,9 @@ def test_priority_under_fcfs_is_refused_as_vllm_does(hf_model_dir):
         r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, "priority": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
         assert "--scheduling-policy priority" in r.json()["error"]["message"]
-        r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, "priority": 0})
+        # ignore_eos: the request samples at temperature 1 from a 131-token vocabulary, where EOS
+        # comes ~1 time in 131 and would end it after one token
+        r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, "priority": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
