@@ -490,14 +490,13 @@ def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
     # each column shuffle is one jitted program (per leaf shape; every layer shares them), not a
     # dozen eager reshapes, repeats and concatenations per leaf compiled one by one
     qkv = jax.jit(_qkv_fuse(cfg, layout))
-    gate_ups: dict = {}
+    gate_ups = {s: jax.jit(_gate_up_fuse(s)) for s in {layout.expert_shards, layout.mlp_shards}}
     for i in range(cfg.n_layers):
         a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
         out[f"{a}/qkv"] = _fuse_leaves([_as_columns(p[f"{a}/{n}"]) for n in "qkv"], qkv)
         if cfg.qkv_bias:
             out[f"{a}/qkv_bias"] = qkv([p[f"{a}/{n}_bias"].reshape(-1) for n in "qkv"])
-        shards = layout.expert_shards if cfg.is_moe_layer(i) else layout.mlp_shards
-        gate_up = gate_ups.setdefault(shards, jax.jit(_gate_up_fuse(shards)))
+        gate_up = gate_ups[layout.expert_shards if cfg.is_moe_layer(i) else layout.mlp_shards]
         if cfg.gated_mlp:
             out[f"{m}/gate_up"] = _fuse_leaves([p[f"{m}/gate"], p[f"{m}/up"]], gate_up)
             if cfg.mlp_bias:
