@@ -117,5 +117,10 @@ def test_guidellm_synchronous_and_concurrent_profiles(server, hf_export, tmp_pat
             capture_output=True, text=True, timeout=HANG_GUARD_S, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         [bench] = json.loads(report.read_text())["benchmarks"]
+        # the scheduler's own tally covers every request it sent; `metrics.request_totals` counts only
+        # those inside guidellm's measurement window, whose end is a timestamp taken in another
+        # process, so the last request of a run can fall outside it (CI: 3 of 4, none errored)
+        state = bench["scheduler_state"]
+        assert (state["successful_requests"], state["errored_requests"], state["cancelled_requests"]) == (count, 0, 0), state
         totals = bench["metrics"]["request_totals"]
-        assert totals["errored"] == 0 and totals["successful"] == count, totals
+        assert totals["errored"] == 0 and totals["incomplete"] == 0 and 0 < totals["successful"] <= count, totals
