@@ -205,11 +205,26 @@ def test_part_timeouts_fit_the_deadline():
 
 
 def test_a_part_killed_at_its_timeout_keeps_its_records(tmp_path):
+    # A stand-in part that records one key the way parts.Recorder does and then never finishes: the
+    # real parts import jax first (over 5 s on a loaded 2-core machine, so a short timeout could kill
+    # one before its first record); this one writes within milliseconds of starting, well inside 10 s.
+    # The real parts' records are checked by the smoke run above.
+    import os
     from bench.gpu.run import read_records, run_worker
+    (tmp_path / "standin_part.py").write_text(
+        "import json, sys, time\n"
+        "path = sys.argv[sys.argv.index('--records') + 1]\n"
+        "part = sys.argv[sys.argv.index('--worker') + 1]\n"
+        "with open(path, 'a') as f:\n"
+        "    f.write(json.dumps({'key': ['device'], 'value': {'platform': 'cpu', 'part': part}}) + '\\n')\n"
+        "print('recorded', flush=True)\n"
+        "time.sleep(600)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     (tmp_path / "kernels.jsonl").write_text('{"key": ["stale"], "value": 1}\n')   # a previous run's: not read
-    entry = run_worker("kernels", 5.0, smoke=True, autotune=False, run_dir=tmp_path)   # the part takes ~15 s
+    entry = run_worker("kernels", 10.0, smoke=True, autotune=False, run_dir=tmp_path, module="standin_part", env=env)
     assert entry["status"] == "timeout" and "timeout" in entry["errors"][0] and entry["returncode"] is None
-    assert entry["results"]["device"]["platform"] == "cpu" and "stale" not in entry["results"]
+    assert 10.0 <= entry["wall_s"] < 70.0
+    assert entry["results"] == {"device": {"platform": "cpu", "part": "kernels"}}
     records = tmp_path / "r.jsonl"
     records.write_text('{"key": ["a", "b"], "value": {"x": 1}}\n{"key": ["a", "b"], "value": {"y": 2}}\n'
                        '{"key": ["a", "c"], "value": 3}\n{"key": ["a", "d"], "val')     # torn by the kill
