@@ -452,9 +452,12 @@ def _sleepy(delays, calls):
 def test_autotune_measures_caches_and_rereads(tmp_path, monkeypatch):
     # measuring is what this test checks (tests/conftest.py turns it off for test runs off CPU)
     monkeypatch.delenv("JAXINFER_AUTOTUNE", raising=False)
+    at.clear_memory_cache()      # this process's measuring budget, as a fresh process has it
     path = str(tmp_path / "sub" / "cache.json")
     cands = [{"v": 0}, {"v": 1}, {"v": 2}]
-    delays = {0: 0.02, 1: 0.001, 2: 0.01}
+    # gaps of 40 and 80 ms between the candidates' sleeps: more than a loaded machine's oversleep
+    # (a scheduler quantum of a few ms), so the order the medians give is the sleeps' order
+    delays = {0: 0.12, 1: 0.001, 2: 0.04}
 
     # CPU (the key of this process's device on CPU, on any backend): the defaults, nothing measured,
     # nothing written
