@@ -205,19 +205,17 @@ def test_part_timeouts_fit_the_deadline():
 
 
 def test_a_part_killed_at_its_timeout_keeps_its_records(tmp_path):
-    # A stand-in part that records one key the way parts.Recorder does and then never finishes: the
+    # A stand-in part that records one key with the parts' own Recorder and then never finishes: the
     # real parts import jax first (over 5 s on a loaded 2-core machine, so a short timeout could kill
-    # one before its first record); this one writes within milliseconds of starting, well inside 10 s.
-    # The real parts' records are checked by the smoke run above.
+    # one before its first record); bench/gpu/records.py imports no jax, so this one records within a
+    # second of starting, well inside 10 s. The real parts' records are checked by the smoke run above.
     import os
     from bench.gpu.run import read_records, run_worker
     (tmp_path / "standin_part.py").write_text(
-        "import json, sys, time\n"
-        "path = sys.argv[sys.argv.index('--records') + 1]\n"
-        "part = sys.argv[sys.argv.index('--worker') + 1]\n"
-        "with open(path, 'a') as f:\n"
-        "    f.write(json.dumps({'key': ['device'], 'value': {'platform': 'cpu', 'part': part}}) + '\\n')\n"
-        "print('recorded', flush=True)\n"
+        "import sys, time\n"
+        "from bench.gpu.records import Recorder\n"
+        "arg = lambda name: sys.argv[sys.argv.index(name) + 1]\n"
+        "Recorder(arg('--records')).put(('device',), {'platform': 'cpu', 'part': arg('--worker')})\n"
         "time.sleep(600)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     (tmp_path / "kernels.jsonl").write_text('{"key": ["stale"], "value": 1}\n')   # a previous run's: not read

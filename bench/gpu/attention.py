@@ -289,7 +289,8 @@ PART_FUNCS = {"copy": copy_part, "decode": decode_part, "mixed": mixed_part, "pr
 def run_part(part: str, smoke: bool, records: str) -> None:
     import jax
 
-    from bench.gpu.parts import Recorder, device_info
+    from bench.gpu.parts import device_info
+    from bench.gpu.records import Recorder
     jax.config.update("jax_enable_compilation_cache", False)
     rec = Recorder(records)
     rec.put(("device",), device_info())

@@ -406,7 +406,8 @@ def knee_part(dw: DecodeWorkload, rec) -> None:
 
 def run_part(part: str, dw: DecodeWorkload, records: str | Path) -> None:
     """The entry point of a part's subprocess."""
-    from bench.gpu.parts import Recorder, ceilings_part, device_info
+    from bench.gpu.parts import ceilings_part, device_info
+    from bench.gpu.records import Recorder
 
     rec = Recorder(records)
     rec.put(("device",), device_info())

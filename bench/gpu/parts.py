@@ -20,10 +20,8 @@ Never imports serve (the GPU image has no fastapi / uvicorn / llguidance).
 """
 from __future__ import annotations
 
-import json
 import math
 import time
-import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -32,49 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from bench.gpu.records import Recorder
 from bench.gpu.report import mean_context_tokens, net_seconds
 
 if TYPE_CHECKING:
     from bench.gpu.workload import Workload
-
-
-class Recorder:
-    """Appends {"key": [...], "value": ...} lines to a JSON-lines file, flushed as written, and
-    prints a short progress line into the part's log."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.t0 = time.perf_counter()
-
-    def put(self, key: tuple[str, ...], value: Any) -> None:
-        line = json.dumps({"key": list(key), "value": value}, default=_jsonable)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-        text = json.dumps(value, default=_jsonable)
-        print(f"{time.perf_counter() - self.t0:7.1f}s [{'/'.join(key)}] {text[:300]}", flush=True)
-
-    def guarded(self, key: tuple[str, ...], fn: Callable[[], Any], record: bool = True) -> Any:
-        """Record fn()'s value at key (unless record=False), or its error there, and go on; returns
-        the value, or None when fn failed."""
-        try:
-            value = fn()
-        except Exception as e:  # noqa: BLE001 -- one failed measurement must not lose the others
-            tb = traceback.format_exc(limit=6)
-            self.put(key, {"error": f"{type(e).__name__}: {e}"[:2000], "traceback": tb[-3000:]})
-            return None
-        if record:
-            self.put(key, value)
-        return value
-
-
-def _jsonable(o: Any) -> Any:
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)
 
 
 # --------------------------------------------------------------------------- timing helpers

@@ -230,7 +230,7 @@ def copy_part(sw: Sweep, rec) -> None:
 
 
 def run_part(part: str, sw: Sweep, records: str) -> None:
-    from bench.gpu.parts import Recorder
+    from bench.gpu.records import Recorder
     rec = Recorder(records)
     if part == "copy":
         copy_part(sw, rec)

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.common import device_slug, results_path, write_json_atomic
+from bench.gpu.records import read_records
 from bench.gpu.report import derive, markdown, plot
 from bench.gpu.workload import REAL, SMOKE, Workload
 
@@ -170,28 +171,6 @@ def worker_env(smoke: bool, autotune: bool, run_dir: Path, part: str) -> dict[st
     else:
         env["JAX_PLATFORMS"] = "cuda"             # fail at once rather than run 8B shapes on a CPU
     return env
-
-
-def read_records(path: Path) -> dict[str, Any]:
-    """Merge a part's {"key": [...], "value": ...} lines into one nested dict (a torn last line of a
-    killed part is skipped)."""
-    merged: dict[str, Any] = {}
-    if not path.exists():
-        return merged
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        *parents, last = rec["key"]
-        node = merged
-        for k in parents:
-            if not isinstance(node.get(k), dict):
-                node[k] = {}
-            node = node[k]
-        old, new = node.get(last), rec["value"]
-        node[last] = {**old, **new} if isinstance(old, dict) and isinstance(new, dict) else new
-    return merged
 
 
 def flags(results: Any, path: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
