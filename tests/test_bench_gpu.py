@@ -210,7 +210,8 @@ def test_a_part_killed_at_its_timeout_keeps_its_records(tmp_path):
     # one before its first record); bench/gpu/records.py imports no jax, so this one records within a
     # second of starting, well inside 10 s. The real parts' records are checked by the smoke run above.
     import os
-    from bench.gpu.run import read_records, run_worker
+    from bench.gpu.records import read_records
+    from bench.gpu.run import run_worker
     (tmp_path / "standin_part.py").write_text(
         "import sys, time\n"
         "from bench.gpu.records import Recorder\n"
