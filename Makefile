@@ -27,7 +27,7 @@ run: $(VENV)/.installed
 	$(BIN)/jaxinfer serve --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed-test
-	$(BIN)/pytest -n 2 --dist loadfile
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # The tests of device code (pytest -m device: kernels, the engine with attention="pallas", quantized,
 # fp8 and W8A8 matmuls) compiled on a GPU, with the machine's own Python: a GPU image has jax with its

@@ -7,6 +7,7 @@ marked `cpu_only(reason)` are skipped on any other backend, with their reason.
 """
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -69,6 +70,28 @@ def pytest_unconfigure(config):
     import shutil
     for folder in _OWN_XLA_CACHE:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+FILE_SECONDS = os.path.join(os.path.dirname(__file__), "file_seconds.json")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The test files heaviest first, each file's tests in their own order. `make test` runs
+    pytest-xdist's --dist loadfile with --no-loadscope-reorder, so its two workers take the files
+    in this order, each its next one when it runs low: longest first, the light files last fill
+    the gap between the workers (xdist's own order, most tests first, handed out last the heavy
+    files of few tests, test_eval_clients, test_speculative_tp, test_batch, and one worker waited
+    112 s of a 37-minute run for the other). Seconds from tests/file_seconds.json
+    (scripts/test_file_seconds.py rebuilds it); a file it does not list goes first, where
+    whatever it costs cannot leave a worker idle at the end. The order changes nothing a test
+    checks: each file's module fixtures are still built once, in one process."""
+    try:
+        with open(FILE_SECONDS) as f:
+            seconds = json.load(f)["seconds"]
+    except (OSError, ValueError, KeyError):
+        return
+    new = float("inf")
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], new), item.nodeid.split("::")[0]))
 
 
 def pytest_sessionstart(session):
