@@ -90,8 +90,11 @@ def pytest_collection_modifyitems(config, items):
             seconds = json.load(f)["seconds"]
     except (OSError, ValueError, KeyError):
         return
-    new = float("inf")
-    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], new), item.nodeid.split("::")[0]))
+    def heaviest_first(item):
+        path = item.nodeid.split("::")[0]
+        return -seconds.get(path, float("inf")), path
+
+    items.sort(key=heaviest_first)
 
 
 def pytest_sessionstart(session):

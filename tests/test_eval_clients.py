@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from tests.fake_devices import HANG_GUARD_S
+from tests.prometheus import metric_sum
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "checkpoints" / "jaxinfer-tiny-llama"
@@ -103,18 +104,11 @@ def test_lm_eval_local_completions_matches_its_hf_backend(server, hf_export):
                 assert tuple(x[1:]) == tuple(y[1:]), (task, x, y)
 
 
-def _finished_requests(url: str) -> float:
-    """The server's count of requests it finished (every finish reason), from /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("jaxinfer_request_success_total{"))
-
-
 def test_guidellm_synchronous_and_concurrent_profiles(server, hf_export, tmp_path):
     # its own process, as a user runs it (guidellm forks workers: not from a process that runs jax)
     for profile, count in (("kind=synchronous", 4), ("kind=concurrent,streams=4", 8)):
         report = tmp_path / f"{profile.split(',')[0][5:]}.json"
-        before = _finished_requests(server)
+        before = metric_sum(server, "jaxinfer_request_success_total")
         proc = subprocess.run([
             sys.executable, "-m", "guidellm", "run",
             "--backend", f"kind=openai_http,target={server},model=jaxinfer-tiny-llama",
@@ -131,9 +125,9 @@ def test_guidellm_synchronous_and_concurrent_profiles(server, hf_export, tmp_pat
         # and the server finished every one of them (its counter moves when the HTTP side releases a
         # request, just after the response: wait for it, with a deadline far beyond that)
         deadline = time.monotonic() + 60
-        while _finished_requests(server) - before < count and time.monotonic() < deadline:
+        while metric_sum(server, "jaxinfer_request_success_total") - before < count and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _finished_requests(server) - before == count
+        assert metric_sum(server, "jaxinfer_request_success_total") - before == count
         # guidellm's own tallies are views of the same run, each short of `count` in a known way: its
         # coordinator drops a completion that arrives before that request's earlier status updates
         # (worker_group._finalize_terminal_request, "already finalized by a racing terminal update":
