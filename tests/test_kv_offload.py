@@ -348,15 +348,16 @@ def test_int8_kv_and_draft_model_pages_restored(llama):
 
 
 def test_budget_and_flags(llama):
-    """kv_offload_gb / --kv-offload-gb in GiB become kv_offload_bytes; a budget under one block is
-    refused at start naming the block's bytes (here K,V x 2 layers x 2 heads x 16 x 4 B x 8 tokens
-    = 4096); 0 is no tier."""
+    """kv_offload_gb / --kv-offload-gb (or vLLM's --kv-offloading-size) in GiB become kv_offload_bytes;
+    a budget under one block is refused at start naming the block's bytes (here K,V x 2 layers x 2
+    heads x 16 x 4 B x 8 tokens = 4096); 0 is no tier."""
     from jaxinfer.cli import build_parser
     from jaxinfer.config.engine import engine_config
     from jaxinfer.config.flags import engine_kwargs
 
     for cmd in (["serve"], ["batch", "in.jsonl", "out.jsonl"], ["generate", "hi"]):
-        assert engine_kwargs(build_parser().parse_args([*cmd, "--kv-offload-gb", "0.5"]))["kv_offload_bytes"] == 2**29
+        for flag in ("--kv-offload-gb", "--kv-offloading-size"):
+            assert engine_kwargs(build_parser().parse_args([*cmd, flag, "0.5"]))["kv_offload_bytes"] == 2**29
     assert engine_config("from_pretrained", {"kv_offload_gb": 2}).kv_offload_bytes == 2 * 2**30
     assert engine_config("from_pretrained", {}).kv_offload_bytes == 0
     with pytest.raises(ValueError, match="kv_offload_gb must be a number >= 0"):

@@ -109,7 +109,7 @@ class EngineConfig:
     kv_offload_bytes: int = setting(
         0, "host memory for the prefix cache's second tier, in GiB (2**30 bytes): cached KV blocks evicted "
            "from the device pool are kept there and copied back on a hit (0: no host tier)",
-        alias=("kv_offload_gb", 2**30))
+        alias=("kv_offload_gb", 2**30), flags=("--kv-offload-gb", "--kv-offloading-size"))   # and vLLM's name
     pooling: str | None = setting(None, "embeddings: pool the final hidden states by the last token, their mean or "
                                         "the first token (default: a sentence-transformers folder's "
                                         "1_Pooling; a plain causal-LM folder embeds only with this set)",
