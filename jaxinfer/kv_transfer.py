@@ -1,30 +1,38 @@
 """The bytes of the prefix cache's host tier: KV blocks copied between the device pool and host memory.
 The block manager (host/host_tier.py) decides which blocks go where; this module moves them, a
-step's copies batched: one gather of every offloaded block and one device-to-host copy, one scatter
-of every restored block (per bucket of TRANSFER_BUCKETS blocks).
+step's copies batched: one gather of every offloaded block (its device-to-host copies made by the
+program), one batched host-to-device copy and one scatter of every restored block (per bucket of
+TRANSFER_BUCKETS blocks).
 
 Every leaf of the KV pages pytree moves: each layer's K and V, the draft model's pages, int8/fp8
 scales; every leaf has the blocks on axis 1 ([n_kv_heads, num_blocks, block_size, ...]).
 
-Host layout: a block is one contiguous row of bytes. Leaves placed alike (the same sharding of the
-heads) form a group, and a group's host copy is one uint8 buffer [num_slots, row bytes] per distinct
-device shard (a part): a row holds that shard of the block of every leaf of the group, leaf after
-leaf, each in its own dtype's bytes. So a step's restore is one numpy row gather and one
-host-to-device copy per part (one in all on one device), not one per layer and per K/V, and an
-offload lands with one row store per part. The transfer programs pack and unpack the rows on the
-device (a bitcast and a transpose per leaf, run per device shard under jax.shard_map). Under tensor
-parallelism each device's shard of a block goes to (and comes back from) its own part's buffer,
+Host layout: a block is one contiguous row of bytes per distinct device shard, in pinned host memory.
+Leaves placed alike (the same sharding of the heads) form a group; a group's row of a block holds
+every leaf's bytes of that block (that device shard's, a part), leaf after leaf, each in its own
+dtype's bytes: every layer's K and V in one row, so a block moves as one copy per part,
+not one per layer and per K/V. The transfer programs pack and unpack the rows on the device (a
+bitcast and a transpose per leaf, run per device shard under jax.shard_map).
+The tier's rows are jax arrays in memory_kind="pinned_host", one per block and part, on the part's
+device: the offload's gather writes them there itself (its outputs' sharding has that memory kind:
+page-locked buffers the device's DMA engines copy into on a GPU) and the tier keeps those very
+arrays, and a restore copies them back with one batched jax.device_put (page-locked to device, the
+DMA engines again), so no host CPU copies a byte either way. XLA:CPU has the same memory kinds, so CPU
+runs this same path. (Before 2026-12-03 the rows lived in numpy buffers [num_slots, row bytes]: an
+offload copied the gathered bytes into them and a restore gathered rows from them into a pageable
+array, two host copies each way; on a GPU a pageable host-to-device copy is also staged through a
+pinned buffer.)
+Under tensor parallelism each device's shard of a block goes to (and comes back from) its own row,
 never gathered across devices; a replicated group (the draft model's pages, or KV heads fewer than
-the devices) is kept once and put back on every device.
-The gather writes its result straight to host memory: its output sharding has memory_kind=
-"pinned_host" (page-locked buffers the device's DMA engines copy into on a GPU; XLA:CPU has the same
-memory kind, so CPU runs this same path).
-Order (host_tier.py): offloads are read from the device first, restores written next, the offloaded
-bytes stored into their host slots last (at the next step's transfers: the gather's device-to-host
-copy runs behind the step, and restores from those slots wait for it). Never imported by host/.
+the devices) is kept once, on its first device, and copied from there to the others on a restore.
+Order: the previous step's gathers are checked (a failed one loses its slots), the restores' rows are
+looked up, this step's offloads are gathered (dispatched before the restores' scatter, which donates
+the pages: a restore may write a block evicted in the same step), then the restores are copied and
+scattered. Never imported by host/.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,6 +43,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxinfer.host.host_tier import KVTransfers
+
+log = logging.getLogger(__name__)
 
 # blocks one transfer program moves: a step's copies run as the fewest calls of these sizes (each
 # size compiles once, at warm-up). Close together, since a padding block costs a whole block's copy:
@@ -56,36 +66,45 @@ class TransferResult:
 
 @dataclass
 class _Part:
-    """One distinct device shard of a group: the devices holding it, its place on the flat rows'
-    first axis, and its host buffer [num_slots, row bytes] (uint8)."""
+    """One distinct device shard of a group: the devices holding it (its host copy is the first one's,
+    put back on all of them) and its place on the rows' first axis."""
     devices: list
     index: int
-    buffer: np.ndarray
 
 
 @dataclass
 class _Group:
     """Leaves placed alike: their indexes in jax.tree.leaves(pages), their PartitionSpec (None: one
-    device, no mesh), the flat rows' sharding ([parts, blocks, row bytes], split over the parts), the
-    bytes of one block's shard of the group, and its parts."""
+    device, no mesh), a block's rows' sharding ([parts, row bytes], split over the parts, in device
+    memory), the bytes of one block's shard of the group, and its parts."""
     leaves: list[int]
     spec: PartitionSpec | None
-    flat_sharding: jax.sharding.Sharding
+    row_sharding: jax.sharding.Sharding
     row_bytes: int
     parts: list[_Part]
+    # whether a restore hands this group's host rows to the scatter program, which copies them to the
+    # devices itself (HostKVStore's copy_in_program, and every part on one device); else (a
+    # replicated part) they are copied to each of its devices before the program
+    copied_in_program: bool = True
 
-    def flat_shape(self, m: int) -> tuple[int, int, int]:
-        return (len(self.parts), m, self.row_bytes)
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        return (len(self.parts), self.row_bytes)
+
+    @property
+    def staged_sharding(self) -> jax.sharding.Sharding:
+        """A block's rows as the scatter program takes them: in pinned host memory, or on the devices."""
+        return self.row_sharding.with_memory_kind("pinned_host") if self.copied_in_program else self.row_sharding
 
     def per_shard(self, fn, n_in_leaves: int, leaves_out: bool):
-        """fn over each device's shard of the group's leaves (jax.shard_map over the flat rows' mesh:
+        """fn over each device's shard of the group's leaves (jax.shard_map over the rows' mesh:
         the leaves and the rows split alike, along their first axis), or fn itself on one device.
         fn(leaves, blocks[, rows]) -> rows (gather) or leaves (scatter)."""
         if self.spec is None:
             return fn
         leaf_specs = [self.spec] * n_in_leaves
         in_specs = (leaf_specs, PartitionSpec(), self.spec) if leaves_out else (leaf_specs, PartitionSpec())
-        return jax.shard_map(fn, mesh=self.flat_sharding.mesh, in_specs=in_specs,
+        return jax.shard_map(fn, mesh=self.row_sharding.mesh, in_specs=in_specs,
                              out_specs=leaf_specs if leaves_out else self.spec)
 
 
@@ -121,9 +140,9 @@ def _unpack_scatter(leaves: list, blocks, flat) -> list:
     return out
 
 
-def _groups(leaves: list, num_slots: int) -> list[_Group]:
+def _groups(leaves: list) -> list[_Group]:
     """The leaves grouped by placement (one device; heads split over a mesh axis; replicated), each
-    group's parts with their zeroed host buffers."""
+    with its parts."""
     keyed: dict = {}
     for i, x in enumerate(leaves):
         s = x.sharding
@@ -144,113 +163,168 @@ def _groups(leaves: list, num_slots: int) -> list[_Group]:
             mesh, axis = key[1], key[2]
             spec = PartitionSpec(axis)
             n_parts = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis or ()))
-            flat = NamedSharding(mesh, spec)
+            rows = NamedSharding(mesh, spec)
         else:
-            spec, n_parts, flat = None, 1, SingleDeviceSharding(key[1])
+            spec, n_parts, rows = None, 1, SingleDeviceSharding(key[1])
         row = sum(_leaf_row_bytes((leaves[i].shape[0] // n_parts, *leaves[i].shape[1:]), leaves[i].dtype) for i in idx)
         holders: dict[int, list] = {}
-        for dev, index in flat.devices_indices_map((n_parts, 1, row)).items():
+        for dev, index in rows.devices_indices_map((n_parts, row)).items():
             holders.setdefault(index[0].start or 0, []).append(dev)
-        parts = [_Part(devs, p, np.zeros((num_slots, row), np.uint8)) for p, devs in sorted(holders.items())]
-        groups.append(_Group(idx, spec, flat, row, parts))
+        parts = [_Part(devs, p) for p, devs in sorted(holders.items())]
+        groups.append(_Group(idx, spec, rows, row, parts))
     return groups
 
 
 class HostKVStore:
-    """The host tier's buffers and the two transfer programs (module docstring)."""
+    """The host tier's rows and the two transfer programs (module docstring). copy_in_program=False
+    copies every restored row to the devices before the scatter program (jax.device_put), which
+    warm-up also falls back to if a platform cannot compile the program's own host-to-device copies."""
 
-    def __init__(self, kv_pages, num_slots: int):
+    def __init__(self, kv_pages, num_slots: int, copy_in_program: bool = True):
         leaves = jax.tree.leaves(kv_pages)
         self.num_slots = num_slots
         self.num_blocks = leaves[0].shape[1]
         self.treedef = jax.tree.structure(kv_pages)
         self.block_bytes = sum(x.nbytes // x.shape[1] for x in leaves)
-        self.groups = _groups(leaves, num_slots)
-        gathers = [g.per_shard(_pack, len(g.leaves), leaves_out=False) for g in self.groups]
-        scatters = [g.per_shard(_unpack_scatter, len(g.leaves), leaves_out=True) for g in self.groups]
-        groups = self.groups
+        self.groups = groups = _groups(leaves)
+        for g in groups:
+            g.copied_in_program = copy_in_program and all(len(p.devices) == 1 for p in g.parts)
+        # slot -> its block's rows in pinned host memory: per group, per part, one [1, row bytes] array
+        # on the part's first device (None: nothing held)
+        self.rows: list[list[list[jax.Array]] | None] = [None] * num_slots
+        gathers = [g.per_shard(_pack, len(g.leaves), leaves_out=False) for g in groups]
+        scatters = [g.per_shard(_unpack_scatter, len(g.leaves), leaves_out=True) for g in groups]
 
         def gather(pages, blocks):
+            """Per group, per block: its rows [parts, row bytes], each an output of its own."""
             xs = jax.tree.leaves(pages)
-            return [f([xs[i] for i in g.leaves], blocks) for f, g in zip(gathers, groups)]
+            flats = [f([xs[i] for i in g.leaves], blocks) for f, g in zip(gathers, groups)]
+            return [[flat[:, j] for j in range(blocks.shape[0])] for flat in flats]
 
-        def scatter(pages, blocks, flats):
+        def scatter(pages, blocks, rows):
+            """rows: per group, per block, its rows [parts, row bytes]: in pinned host memory, copied to
+            the devices here (jax.memory.Space.Device: the program's own host-to-device copies, as
+            jax's parameter offloading does), or already on the devices (a replicated group's)."""
             xs = jax.tree.leaves(pages)
-            for f, g, rows in zip(scatters, groups, flats):
-                for i, x in zip(g.leaves, f([xs[i] for i in g.leaves], blocks, rows)):
+            for f, g, per_block in zip(scatters, groups, rows):
+                flat = jnp.stack([jax.device_put(r, jax.memory.Space.Device) for r in per_block], axis=1)
+                for i, x in zip(g.leaves, f([xs[i] for i in g.leaves], blocks, flat)):
                     xs[i] = x
             return jax.tree.unflatten(self.treedef, xs)
 
-        self._gather = jax.jit(gather, out_shardings=[g.flat_sharding.with_memory_kind("pinned_host")
-                                                      for g in groups])
+        # the gather's outputs are written by XLA straight into pinned host memory (the devices' DMA
+        # engines copy into page-locked buffers on a GPU), one array per block, which the tier keeps
+        self._gathers = {m: jax.jit(gather, out_shardings=[[g.row_sharding.with_memory_kind("pinned_host")] * m
+                                                           for g in groups]) for m in TRANSFER_BUCKETS}
         self._scatter = jax.jit(scatter, donate_argnums=0)
-        self._pending: list = []       # the last step's offloads: (host slots, gathered rows per group)
+        self._place_padding()
+        self._pending: list = []       # the last step's offloads: (host slots, their rows)
         self.bytes_offloaded = self.bytes_restored = 0
-        # host time: restores (staging the slots, the copies to the devices, dispatching the scatter);
-        # offloads (storing the previous step's gathered bytes, dispatching this step's gather)
+        # host time: restores (the copies to the devices, dispatching the scatter); offloads (checking
+        # the previous step's copies, dispatching this step's gather)
         self.restore_time_s = 0.0
         self.offload_time_s = 0.0
 
     # ---------------------------------------------------------------- programs
+    def _place_padding(self) -> None:
+        """A padding block's rows (restores are padded to a bucket; the scatter drops them), placed as
+        the restored rows are (so the programs warm-up compiles are the ones serving runs)."""
+        self._padding = [jax.device_put(np.zeros(g.row_shape, np.uint8), g.staged_sharding) for g in self.groups]
+
     def warmup(self, kv_pages):
-        """Compile both programs at every bucket (serving then compiles nothing); returns the pages."""
+        """Compile both programs at every bucket (serving then compiles nothing); returns the pages.
+        A scatter program whose own host-to-device copies do not compile here is replaced by copies
+        before it (copy_in_program=False), with a warning."""
         for m in TRANSFER_BUCKETS:
-            jax.block_until_ready(self._gather(kv_pages, np.zeros(m, np.int32)))
-            kv_pages = self._scatter(kv_pages, np.full(m, self.num_blocks, np.int32),
-                                     self._stage([0] * m))     # all padding: nothing written
+            jax.block_until_ready(self._gathers[m](kv_pages, np.zeros(m, np.int32)))
+            idx = np.full(m, self.num_blocks, np.int32)                        # all padding: nothing written
+            try:
+                kv_pages = self._scatter(kv_pages, idx, [[pad] * m for pad in self._padding])
+                continue
+            except Exception as e:   # noqa: BLE001 -- it failed to compile (nothing ran, nothing donated)
+                if not any(g.copied_in_program for g in self.groups):
+                    raise
+                log.warning("the host tier's restore program cannot copy from pinned host memory itself on "
+                            "%s (%s: %s); its rows are copied to the devices before it", jax.default_backend(),
+                            type(e).__name__, (str(e).splitlines() or [""])[0][:200])
+            for g in self.groups:
+                g.copied_in_program = False
+            self._place_padding()
+            return self.warmup(kv_pages)
         return kv_pages
 
-    def _stage(self, slots: list[int]) -> list:
-        """The restored blocks' rows as device arrays, one per group ([parts, M, row bytes], each
-        device holding its part's rows): one numpy row gather per part, every part's rows to its
-        devices in one batched host-to-device copy, then each group's array assembled."""
-        rows, devices, group_of = [], [], []
-        for gi, g in enumerate(self.groups):
-            for part in g.parts:
-                r = part.buffer[slots][None]                    # (1, M, row bytes), a copy
-                rows += [r] * len(part.devices)
-                devices += part.devices
-                group_of += [gi] * len(part.devices)
-        per_group: list[list] = [[] for _ in self.groups]
-        for gi, arr in zip(group_of, jax.device_put(rows, devices)):
-            per_group[gi].append(arr)
-        return [jax.make_array_from_single_device_arrays(g.flat_shape(len(slots)), g.flat_sharding, arrs)
-                for g, arrs in zip(self.groups, per_group)]
+    def _stage(self, rows: list) -> list:
+        """The restored blocks' rows (per block, self.rows' entry) as the scatter takes them: per group,
+        per block, [parts, row bytes] in pinned host memory (nothing copied: the parts' rows assembled
+        into one array), or, for a group with a replicated part, on the devices: that part's row copied
+        from pinned host memory to its first device (one batched copy for every such row), then to
+        its other devices."""
+        srcs, dsts = [], []
+        for r in rows:
+            for g, per_part in zip(self.groups, r):
+                if not g.copied_in_program:
+                    srcs += [arr for arr in per_part]
+                    dsts += [SingleDeviceSharding(part.devices[0]) for part in g.parts]
+        moved = iter(jax.device_put(srcs, dsts) if srcs else [])
+        out: list[list] = [[] for _ in self.groups]
+        for r in rows:
+            for gi, (g, per_part) in enumerate(zip(self.groups, r)):
+                if g.copied_in_program:
+                    shards = per_part
+                else:
+                    shards = []
+                    for part in g.parts:
+                        first = next(moved)
+                        shards.append(first)
+                        if len(part.devices) > 1:     # device to device
+                            shards += jax.device_put([first] * (len(part.devices) - 1),
+                                                     [SingleDeviceSharding(d) for d in part.devices[1:]])
+                out[gi].append(shards[0] if g.spec is None else
+                               jax.make_array_from_single_device_arrays(g.row_shape, g.staged_sharding, shards))
+        return out
 
     # ---------------------------------------------------------------- a step's copies
     def run(self, kv_pages, transfers: KVTransfers) -> tuple:
-        """Run a step's copies: the previous step's offloaded bytes land in their host slots (their
-        gather was dispatched then; waiting for it here, not there, keeps async scheduling's overlap),
-        this step's offloads are gathered (dispatched before the restores' scatter, which donates the
-        pages, so they read the blocks first), then its restores are staged from the slots and
-        scattered. Returns the new pages and a TransferResult; a failed copy loses what it moved,
-        never the pages."""
+        """Run a step's copies: the previous step's offloads are checked (their gather was dispatched
+        then; waiting for it here, not there, keeps async scheduling's overlap), the restores' rows are
+        looked up (before this step's offloads take their slots), this step's offloads are gathered
+        (dispatched before the restores' scatter, which donates the pages, so they read the blocks
+        first), then the restores are copied to the devices and scattered. Returns the new pages and
+        a TransferResult; a failed copy loses what it moved, never the pages."""
         result = TransferResult()
         t0 = time.perf_counter()
-        lost = self._flush(result)
+        self._flush(result)
+        restores = [(chunk, [self.rows[slot] for slot, _ in chunk]) for chunk in _chunks(transfers.restore)]
         pending = []
         for chunk in _chunks(transfers.offload):
             blocks, slots = zip(*chunk)
             try:
-                pending.append((list(slots), self._gather_blocks(kv_pages, list(blocks))))
-                self.bytes_offloaded += len(chunk) * self.block_bytes
+                per_block = self._gather_blocks(kv_pages, list(blocks))
             except Exception:   # noqa: BLE001 -- any failure: the entries go, the request recomputes
                 result.failed_slots += slots
+                for slot in slots:
+                    self.rows[slot] = None
+                continue
+            for slot, r in zip(slots, per_block):
+                self.rows[slot] = r
+            pending.append((list(slots), per_block))
+            self.bytes_offloaded += len(chunk) * self.block_bytes
         t1 = time.perf_counter()
-        for chunk in _chunks(transfers.restore):
+        for chunk, rows in restores:
             slots, blocks = zip(*chunk)
             m = _bucket(len(chunk))
             try:
-                if lost & set(slots):
+                if any(r is None for r in rows):
                     raise RuntimeError("the offload that filled these host slots failed")
-                values = self._stage(list(slots) + [0] * (m - len(chunk)))
+                values = self._stage(rows)
             except Exception:   # noqa: BLE001
                 result.failed_blocks += blocks
                 result.failed_slots += slots
                 continue
             idx = np.full(m, self.num_blocks, np.int32)
             idx[: len(chunk)] = blocks
-            kv_pages = self._scatter(kv_pages, idx, values)
+            kv_pages = self._scatter(kv_pages, idx, [v + [pad] * (m - len(chunk))
+                                                     for v, pad in zip(values, self._padding)])
             self.bytes_restored += len(chunk) * self.block_bytes
         self._pending = pending
         self.offload_time_s += t1 - t0
@@ -258,35 +332,35 @@ class HostKVStore:
         return kv_pages, result
 
     def _gather_blocks(self, kv_pages, blocks: list[int]) -> list:
-        """Dispatch the gather of these blocks (padded to a bucket) into pinned host memory: one
-        array of rows per group."""
+        """Dispatch the gather of these blocks (padded to a bucket) into pinned host memory; per block,
+        per group, per part: its row on the part's first device (the other copies of a replicated
+        group are let go)."""
         idx = np.zeros(_bucket(len(blocks)), np.int32)
         idx[: len(blocks)] = blocks
-        return self._gather(kv_pages, idx)
+        out = self._gathers[len(idx)](kv_pages, idx)
+        return [[[_shard_on(x[j], part.devices[0]) for part in g.parts] for g, x in zip(self.groups, out)]
+                for j in range(len(blocks))]
 
-    def _flush(self, result: TransferResult) -> set[int]:
-        """Store the last step's gathered blocks into their host slots; returns the slots whose
-        gather failed (reported in result: their entries are dropped, and restores from them fail)."""
-        lost: set[int] = set()
-        for slots, gathered in self._pending:
+    def _flush(self, result: TransferResult) -> None:
+        """Wait for the last step's gathers; the slots of one that failed are reported in result
+        (their entries are dropped) and hold nothing (a restore from them fails)."""
+        for slots, per_block in self._pending:
             try:
-                rows = [[np.asarray(_part_shard(x, part.index)) for part in g.parts]
-                        for g, x in zip(self.groups, gathered)]
+                jax.block_until_ready(per_block)
             except Exception:   # noqa: BLE001
                 result.failed_slots += slots
-                lost.update(slots)
                 self.bytes_offloaded -= len(slots) * self.block_bytes
-                continue
-            for g, per_part in zip(self.groups, rows):
-                for part, r in zip(g.parts, per_part):
-                    part.buffer[slots] = r[0, : len(slots)]    # in order: a later write to a slot wins
+                for slot, r in zip(slots, per_block):
+                    if self.rows[slot] is r:
+                        self.rows[slot] = None
         self._pending = []
-        return lost
 
 
-def _part_shard(x: jax.Array, index: int) -> jax.Array:
-    """The data of x's shard at `index` on the flat rows' first axis."""
-    return next(s.data for s in x.addressable_shards if (s.index[0].start or 0) == index)
+def _shard_on(x: jax.Array, device) -> jax.Array:
+    """x's shard on `device`, as an array of its own (the same buffer: nothing copied)."""
+    if len(x.sharding.device_set) == 1:
+        return x
+    return next(s.data for s in x.addressable_shards if s.device == device)
 
 
 def _chunks(pairs: list, size: int = TRANSFER_BUCKETS[-1]):

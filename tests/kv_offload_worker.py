@@ -33,7 +33,7 @@ def turns(gen, convs: int = 3, rounds: int = 3) -> list:
 def main(tmp: Path) -> dict:
     """TP 2 (the 2 KV heads split, one per device) with the draft model (the target itself, its pages
     replicated) and the tier on, against the one-device engine with neither: the same greedy tokens;
-    blocks restored; the target's leaves kept as one host buffer per device shard (1 head each: a
+    blocks restored; the target's leaves kept as one pinned host row per device shard (1 head each: a
     row holds that device's half of every target leaf's block) and the draft's once; nothing compiled when the workload runs again."""
     import jax
 
@@ -61,10 +61,15 @@ def main(tmp: Path) -> dict:
     n_target = len(jax.tree.leaves(target))
     block_bytes = lambda leaves: sum(x.nbytes // x.shape[1] for x in leaves)   # noqa: E731
     out["block_bytes"] = [block_bytes(jax.tree.leaves(target)), block_bytes(jax.tree.leaves(draft))]
-    # per group of leaves: its parts' (devices holding it, bytes of a block's row), and whose leaves
+    # per group of leaves: whose leaves, and per part (a distinct device shard) of a block the tier
+    # holds: how many devices hold that shard, the bytes of its host row, that row's memory kind and
+    # whether it is on the part's first device
+    held = [r for r in store.rows if r is not None]
+    out["slots_held"] = [len(held), store.num_slots]
     out["groups"] = [{"draft": min(g.leaves) >= n_target, "target": max(g.leaves) < n_target,
-                      "parts": [[len(p.devices), p.buffer.shape[1]] for p in g.parts],
-                      "slots": [p.buffer.shape[0] for p in g.parts]} for g in store.groups]
+                      "parts": [[len(p.devices), row.nbytes, row.sharding.memory_kind, row.devices() == {p.devices[0]}]
+                                for p, row in zip(g.parts, held[0][gi])]}
+                     for gi, g in enumerate(store.groups)]
     gen.engine.blocks.host.check()
     out["kv_blocks_used"] = s["kv_blocks_used"]
     gen.close()

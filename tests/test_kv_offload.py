@@ -181,12 +181,16 @@ def test_random_multiturn_restores_the_right_kv(seed):
 
 # ------------------------------------------------------------------ the bytes (jax, no model)
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "bfloat16", "fp8"])
-def test_transfers_move_every_leaf_in_order(kv_dtype):
+@pytest.mark.parametrize("kv_dtype,copy", [("float32", "in_program"), ("int8", "in_program"), ("bfloat16", "in_program"),
+                                           ("fp8", "in_program"), ("int8", "before"), ("float32", "fallback")])
+def test_transfers_move_every_leaf_in_order(kv_dtype, copy, caplog):
     """HostKVStore on a (target, draft) pair of page lists with random contents (int8 and fp8: codes
-    and float32 scales, packed into one host row per block, each leaf in its own dtype's bytes): block 3 goes to slot 0 while slot 0's earlier contents (block 5's) come back into
-    block 3 in the same step, and slot 1 (block 6) into block 7: numpy's indexing of the pages
-    before the step is the reference."""
+    and float32 scales, packed into one host row per block, each leaf in its own dtype's bytes): block
+    3 goes to slot 0 while slot 0's earlier contents (block 5's) come back into block 3 in the same
+    step, and slot 1 (block 6) into block 7: numpy's indexing of the pages before the step is the
+    reference. The rows are held in pinned host memory; a restore copies them to the device in the
+    scatter program ("in_program"), before it ("before": copy_in_program=False), or before it because
+    warm-up found the program's own copies failing ("fallback": a scatter that refuses pinned rows)."""
     import jax
 
     from jaxinfer.kv_cache import init_kv_pages, kv_storage_dtype
@@ -201,12 +205,23 @@ def test_transfers_move_every_leaf_in_order(kv_dtype):
         vals = rng.standard_normal(x.shape) * 50
         return jax.device_put(np.asarray(vals).astype(x.dtype), jax.devices()[0])
     pages = jax.tree.map(fill, pages)
-    store = HostKVStore(pages, num_slots=2)
+    store = HostKVStore(pages, num_slots=2, copy_in_program=copy != "before")
     assert store.block_bytes == sum(x.nbytes // 9 for x in jax.tree.leaves(pages))
+    if copy == "fallback":
+        real = store._scatter
+
+        def refuses_pinned(pages, blocks, rows):
+            if any(r.sharding.memory_kind == "pinned_host" for per_block in rows for r in per_block):
+                raise RuntimeError("host memory space not supported here")
+            return real(pages, blocks, rows)
+        store._scatter = refuses_pinned
     pages = store.warmup(pages)
+    assert [g.copied_in_program for g in store.groups] == [copy == "in_program"]
+    assert ("cannot copy from pinned host memory itself" in caplog.text) == (copy == "fallback")
     before = [np.asarray(x) for x in jax.tree.leaves(pages)]
     pages, res = store.run(pages, KVTransfers(offload=[(5, 0), (6, 1)]))
     assert not res.failed_slots and not res.failed_blocks
+    assert all(r.sharding.memory_kind == "pinned_host" for row in store.rows for per_part in row for r in per_part)
     pages, res = store.run(pages, KVTransfers(offload=[(3, 0)], restore=[(0, 3), (1, 7)]))
     after = [np.asarray(x) for x in jax.tree.leaves(pages)]
     for b, a in zip(before, after):
@@ -372,8 +387,9 @@ def test_budget_and_flags(llama):
 def test_tensor_parallel_restores_per_device_shards(tmp_path_factory):
     """TP 2 on fake devices with a draft model (tests/kv_offload_worker.py): the one-device engine's
     greedy tokens with the tier off, both times the workload runs (the second from an empty cache:
-    recompiling nothing); blocks restored; the target's leaves held per device (1 KV head each: no
-    gather, one row of every target leaf's half of a block per device), the replicated draft's once."""
+    recompiling nothing); blocks restored; the target's leaves held per device in pinned host memory
+    (1 KV head each: no gather, one row of every target leaf's half of a block per device), the
+    replicated draft's once."""
     from tests.fake_devices import run_worker
     from tests.sharding_worker import save_llama
 
@@ -388,6 +404,7 @@ def test_tensor_parallel_restores_per_device_shards(tmp_path_factory):
     target = [g for g in r["groups"] if g["target"]]
     draft = [g for g in r["groups"] if g["draft"]]
     assert len(target) == len(draft) == 1 and len(r["groups"]) == 2
-    assert target[0]["parts"] == [[1, target_bytes // 2], [1, target_bytes // 2]]   # one per device
-    assert draft[0]["parts"] == [[2, draft_bytes]]                                   # once, on both
-    assert all(n == target[0]["slots"][0] for g in r["groups"] for n in g["slots"])
+    # a block's rows in pinned host memory: the target's one per device, the replicated draft's once
+    assert target[0]["parts"] == [[1, target_bytes // 2, "pinned_host", True]] * 2
+    assert draft[0]["parts"] == [[2, draft_bytes, "pinned_host", True]]
+    assert 0 < r["slots_held"][0] <= r["slots_held"][1] == 2**30 // 1024 // (target_bytes + draft_bytes)
