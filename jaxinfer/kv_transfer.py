@@ -1,8 +1,8 @@
 """The bytes of the prefix cache's host tier: KV blocks copied between the device pool and host memory.
 The block manager (host/host_tier.py) decides which blocks go where; this module moves them, a
-step's copies batched: one gather of every offloaded block (its device-to-host copies made by the
-program), one batched host-to-device copy and one scatter of every restored block (per bucket of
-TRANSFER_BUCKETS blocks).
+step's copies batched: one gather of every offloaded block and one scatter of every restored block
+(per bucket of TRANSFER_BUCKETS blocks), each program making its own copies between the devices and
+pinned host memory.
 
 Every leaf of the KV pages pytree moves: each layer's K and V, the draft model's pages, int8/fp8
 scales; every leaf has the blocks on axis 1 ([n_kv_heads, num_blocks, block_size, ...]).
@@ -16,9 +16,11 @@ bitcast and a transpose per leaf, run per device shard under jax.shard_map).
 The tier's rows are jax arrays in memory_kind="pinned_host", one per block and part, on the part's
 device: the offload's gather writes them there itself (its outputs' sharding has that memory kind:
 page-locked buffers the device's DMA engines copy into on a GPU) and the tier keeps those very
-arrays, and a restore copies them back with one batched jax.device_put (page-locked to device, the
-DMA engines again), so no host CPU copies a byte either way. XLA:CPU has the same memory kinds, so CPU
-runs this same path. (Before 2026-12-03 the rows lived in numpy buffers [num_slots, row bytes]: an
+arrays; a restore hands them to the scatter program, which copies them to the device itself
+(jax.device_put to jax.memory.Space.Device inside the program, as jax's parameter offloading does:
+page-locked to device, the DMA engines again), so no host CPU copies a byte either way. Where a
+platform cannot compile that, warm-up falls back to copying them with jax.device_put before the
+program (copy_in_program=False). XLA:CPU has the same memory kinds, so CPU runs this same path. (Before 2026-12-03 the rows lived in numpy buffers [num_slots, row bytes]: an
 offload copied the gathered bytes into them and a restore gathered rows from them into a pageable
 array, two host copies each way; on a GPU a pageable host-to-device copy is also staged through a
 pinned buffer.)
