@@ -13,8 +13,8 @@ every leaf's bytes of that block (that device shard's, a part), leaf after leaf,
 dtype's bytes: every layer's K and V in one row, so a block moves as one copy per part,
 not one per layer and per K/V. The transfer programs pack and unpack the rows on the device (a
 bitcast and a transpose per leaf, run per device shard under jax.shard_map).
-The tier's rows are jax arrays in memory_kind="pinned_host", one per block and part, on the part's
-device: the offload's gather writes them there itself (its outputs' sharding has that memory kind:
+The tier's rows are jax arrays in memory_kind="pinned_host", one per block and group (a replicated
+group's: one per part, on the part's first device): the offload's gather writes them there itself (its outputs' sharding has that memory kind:
 page-locked buffers the device's DMA engines copy into on a GPU) and the tier keeps those very
 arrays; a restore hands them to the scatter program, which copies them to the device itself
 (jax.device_put to jax.memory.Space.Device inside the program, as jax's parameter offloading does:
@@ -85,13 +85,19 @@ class _Group:
     row_bytes: int
     parts: list[_Part]
     # whether a restore hands this group's host rows to the scatter program, which copies them to the
-    # devices itself (HostKVStore's copy_in_program, and every part on one device); else (a
-    # replicated part) they are copied to each of its devices before the program
+    # devices itself (HostKVStore's copy_in_program, and whole_rows); else they are copied to the
+    # devices before the program
     copied_in_program: bool = True
 
     @property
     def row_shape(self) -> tuple[int, int]:
         return (len(self.parts), self.row_bytes)
+
+    @property
+    def whole_rows(self) -> bool:
+        """Every part on one device: a block's gathered [parts, row bytes] array is kept as it is (no
+        shard held twice); else (a replicated part) each part's row is kept once, on its first device."""
+        return all(len(p.devices) == 1 for p in self.parts)
 
     @property
     def staged_sharding(self) -> jax.sharding.Sharding:
@@ -190,10 +196,11 @@ class HostKVStore:
         self.block_bytes = sum(x.nbytes // x.shape[1] for x in leaves)
         self.groups = groups = _groups(leaves)
         for g in groups:
-            g.copied_in_program = copy_in_program and all(len(p.devices) == 1 for p in g.parts)
-        # slot -> its block's rows in pinned host memory: per group, per part, one [1, row bytes] array
-        # on the part's first device (None: nothing held)
-        self.rows: list[list[list[jax.Array]] | None] = [None] * num_slots
+            g.copied_in_program = copy_in_program and g.whole_rows
+        # slot -> its block's rows in pinned host memory, per group: the [parts, row bytes] array the
+        # gather wrote (whole_rows), else per part one [1, row bytes] array on the part's first device
+        # (None: nothing held)
+        self.rows: list[list | None] = [None] * num_slots
         gathers = [g.per_shard(_pack, len(g.leaves), leaves_out=False) for g in groups]
         scatters = [g.per_shard(_unpack_scatter, len(g.leaves), leaves_out=True) for g in groups]
 
@@ -257,22 +264,28 @@ class HostKVStore:
 
     def _stage(self, rows: list) -> list:
         """The restored blocks' rows (per block, self.rows' entry) as the scatter takes them: per group,
-        per block, [parts, row bytes] in pinned host memory (nothing copied: the parts' rows assembled
-        into one array), or, for a group with a replicated part, on the devices: that part's row copied
-        from pinned host memory to its first device (one batched copy for every such row), then to
-        its other devices."""
+        per block, [parts, row bytes], the held array itself where the program copies it; else copied
+        to the devices first (one batched copy for every such row), a replicated part's row to its
+        first device and from there to its others."""
         srcs, dsts = [], []
         for r in rows:
-            for g, per_part in zip(self.groups, r):
-                if not g.copied_in_program:
-                    srcs += [arr for arr in per_part]
+            for g, held in zip(self.groups, r):
+                if g.copied_in_program:
+                    continue
+                if g.whole_rows:
+                    srcs.append(held)
+                    dsts.append(g.row_sharding)
+                else:
+                    srcs += held
                     dsts += [SingleDeviceSharding(part.devices[0]) for part in g.parts]
         moved = iter(jax.device_put(srcs, dsts) if srcs else [])
         out: list[list] = [[] for _ in self.groups]
         for r in rows:
-            for gi, (g, per_part) in enumerate(zip(self.groups, r)):
+            for gi, (g, held) in enumerate(zip(self.groups, r)):
                 if g.copied_in_program:
-                    shards = per_part
+                    out[gi].append(held)
+                elif g.whole_rows:
+                    out[gi].append(next(moved))
                 else:
                     shards = []
                     for part in g.parts:
@@ -281,8 +294,7 @@ class HostKVStore:
                         if len(part.devices) > 1:     # device to device
                             shards += jax.device_put([first] * (len(part.devices) - 1),
                                                      [SingleDeviceSharding(d) for d in part.devices[1:]])
-                out[gi].append(shards[0] if g.spec is None else
-                               jax.make_array_from_single_device_arrays(g.row_shape, g.staged_sharding, shards))
+                    out[gi].append(jax.make_array_from_single_device_arrays(g.row_shape, g.row_sharding, shards))
         return out
 
     # ---------------------------------------------------------------- a step's copies
@@ -335,13 +347,12 @@ class HostKVStore:
 
     def _gather_blocks(self, kv_pages, blocks: list[int]) -> list:
         """Dispatch the gather of these blocks (padded to a bucket) into pinned host memory; per block,
-        per group, per part: its row on the part's first device (the other copies of a replicated
-        group are let go)."""
+        per group, what self.rows holds (a replicated part's other copies are let go)."""
         idx = np.zeros(_bucket(len(blocks)), np.int32)
         idx[: len(blocks)] = blocks
         out = self._gathers[len(idx)](kv_pages, idx)
-        return [[[_shard_on(x[j], part.devices[0]) for part in g.parts] for g, x in zip(self.groups, out)]
-                for j in range(len(blocks))]
+        return [[x[j] if g.whole_rows else [_shard_on(x[j], part.devices[0]) for part in g.parts]
+                 for g, x in zip(self.groups, out)] for j in range(len(blocks))]
 
     def _flush(self, result: TransferResult) -> None:
         """Wait for the last step's gathers; the slots of one that failed are reported in result
@@ -360,8 +371,6 @@ class HostKVStore:
 
 def _shard_on(x: jax.Array, device) -> jax.Array:
     """x's shard on `device`, as an array of its own (the same buffer: nothing copied)."""
-    if len(x.sharding.device_set) == 1:
-        return x
     return next(s.data for s in x.addressable_shards if s.device == device)
 
 

@@ -30,6 +30,15 @@ def turns(gen, convs: int = 3, rounds: int = 3) -> list:
     return out
 
 
+def _part_rows(held, group) -> list:
+    """A held block's row of each part of a group: a replicated group keeps one array per part; a
+    split one keeps the gathered [parts, row bytes] array, whose shard on each part's device is that
+    part's row."""
+    if isinstance(held, list):
+        return held
+    return [next(s.data for s in held.addressable_shards if s.device == p.devices[0]) for p in group.parts]
+
+
 def main(tmp: Path) -> dict:
     """TP 2 (the 2 KV heads split, one per device) with the draft model (the target itself, its pages
     replicated) and the tier on, against the one-device engine with neither: the same greedy tokens;
@@ -68,7 +77,7 @@ def main(tmp: Path) -> dict:
     out["slots_held"] = [len(held), store.num_slots]
     out["groups"] = [{"draft": min(g.leaves) >= n_target, "target": max(g.leaves) < n_target,
                       "parts": [[len(p.devices), row.nbytes, row.sharding.memory_kind, row.devices() == {p.devices[0]}]
-                                for p, row in zip(g.parts, held[0][gi])]}
+                                for p, row in zip(g.parts, _part_rows(held[0][gi], g))]}
                      for gi, g in enumerate(store.groups)]
     gen.engine.blocks.host.check()
     out["kv_blocks_used"] = s["kv_blocks_used"]

@@ -221,7 +221,7 @@ def test_transfers_move_every_leaf_in_order(kv_dtype, copy, caplog):
     before = [np.asarray(x) for x in jax.tree.leaves(pages)]
     pages, res = store.run(pages, KVTransfers(offload=[(5, 0), (6, 1)]))
     assert not res.failed_slots and not res.failed_blocks
-    assert all(r.sharding.memory_kind == "pinned_host" for row in store.rows for per_part in row for r in per_part)
+    assert all(r.sharding.memory_kind == "pinned_host" for r in jax.tree.leaves(store.rows))
     pages, res = store.run(pages, KVTransfers(offload=[(3, 0)], restore=[(0, 3), (1, 7)]))
     after = [np.asarray(x) for x in jax.tree.leaves(pages)]
     for b, a in zip(before, after):
