@@ -92,8 +92,7 @@ def main() -> None:
     print(f"{len(records)} compiles, {total(records):.1f} s: {len(big)} over {args.big} s ({total(big):.1f} s), "
           f"{len(rest)} others ({total(rest):.1f} s)")
     by_file = lambda r: r["test"].split("::")[0]  # noqa: E731
-    for name, rs in (("over", big), ("others", rest)):
-        label = f"over {args.big} s" if name == "over" else f"at most {args.big} s"
+    for label, rs in ((f"over {args.big} s", big), (f"at most {args.big} s", rest)):
         print(f"\n== programs {label}, per test file")
         print("\n".join(table(rs, by_file, args.top)))
         print(f"\n== programs {label}, per innermost frame")
