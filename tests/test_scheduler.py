@@ -568,17 +568,21 @@ def test_random_workloads_with_bucket_cuts_match_ample_pool(seed):
 
 
 def test_bucket_cut_hand_worked():
-    """Four 40-token prompts at once, buckets 8..256, compute-bound from 40 tokens a step: 160
-    tokens would pad to 256. Cutting the newest row to 8 runs 128 (no padding): 256 - 128 = 128
-    token-steps saved now against at most max(40, 32) = 40 for the 32 left over, so the cut is made;
-    they go in the next step beside the three decodes (35 tokens: b = 32 is under the ridge, no cut)."""
+    """Four 40-token prompts at once, buckets 8..256, compute-bound from 40 tokens a step (a step of
+    T tokens costs c(T) = max(40, its bucket)): 160 tokens would pad to 256. Cutting the newest row
+    to 8 runs 128 (no padding): c(160) - c(128) = 128 saved now against c(32) = 40 for the 32 left
+    over (no decode rows yet), so the cut is made. Next step: three decodes beside those 32, 35
+    tokens: c(35) - c(32) = 64 - 40 = 24 saved by cutting 3 against c(6) - c(3) = 0 (they fit in
+    the decodes' bucket of 8), so 29 go now and 3 with the last decodes."""
     h = Harness(block_size=16, budget=256, max_num_seqs=8, ridge=40.0)
     reqs = [h.add(r, prompt_of(40, base=10 + i), max_tokens=3) for i, r in enumerate("abcd")]
     h.step()
     assert h.steps[-1].seqs == [("a", 0, 40, True), ("b", 0, 40, True), ("c", 0, 40, True), ("d", 0, 8, False)]
     assert len(h.bm.table("d")) == 1          # 8 tokens: one block of 16, the other two given back
     h.step()
-    assert h.steps[-1].seqs == [("a", 40, 1, True), ("b", 40, 1, True), ("c", 40, 1, True), ("d", 8, 32, True)]
+    assert h.steps[-1].seqs == [("a", 40, 1, True), ("b", 40, 1, True), ("c", 40, 1, True), ("d", 8, 29, False)]
+    h.step()
+    assert h.steps[-1].seqs == [("a", 41, 1, True), ("b", 41, 1, True), ("c", 41, 1, True), ("d", 37, 3, True)]
     h.run()
     for r in reqs:
         assert r.output_ids == expected_output(r, 512)
@@ -586,7 +590,7 @@ def test_bucket_cut_hand_worked():
 
 
 @pytest.mark.parametrize("lens, ridge, want", [
-    ([40], 40.0, [40]),            # 40 pads to 64; b = 32 is under the ridge: a bandwidth-bound step, no cut
+    ([40], 40.0, [40]),            # 40 pads to 64: c(40) - c(32) = 24 saved against the 8's own step, c(8) = 40
     ([100, 100], 40.0, [100, 100]),  # 200: b = 128 leaves 72, whose own step (128) costs what the cut saves
     ([100, 40], 40.0, [100, 28]),  # 140: cut 12 (its own step: max(40, 16) < 256 - 128)
     ([130], 200.0, [130]),         # a GPU-like ridge: 256 - max(200, 128) = 56 < 200, no cut
@@ -597,6 +601,25 @@ def test_bucket_cut_only_where_it_cannot_lose(lens, ridge, want):
         h.add(f"r{i}", prompt_of(n, base=10 + i), max_tokens=2)
     h.step()
     assert [q[2] for q in h.steps[-1].seqs] == want
+
+
+def test_bucket_cut_never_creeps_beside_a_full_decode_batch():
+    """31 rows decoding (a budget of 64, buckets 8..64, compute-bound from 4 tokens) when a 9-token
+    prompt arrives: 40 tokens pad to 64. Cutting 8 would run 32 now, but the 8 left over go beside
+    the same 31 decodes next step, 39 tokens, padded to 64 again: c(40) - c(32) = 32 saved against
+    c(39) - c(31) = 32 spent. No cut: the prompt is prefilled whole (a cut would have moved it on by
+    one token a step, each step decoding every row once)."""
+    h = Harness(block_size=4, budget=64, max_num_seqs=32, ridge=4.0)
+    for i in range(31):
+        h.add(f"d{i}", prompt_of(1, base=10 + i), max_tokens=20)
+    h.step()                                  # 31 one-token prompts: 31 tokens, bucket 32, nothing to cut
+    h.step()                                  # 31 decodes
+    h.add("p", prompt_of(9, base=60), max_tokens=2)
+    h.step()
+    assert h.steps[-1].seqs[-1] == ("p", 0, 9, True)
+    assert sum(q[2] for q in h.steps[-1].seqs) == 40
+    h.run()
+    h.assert_all_free()
 
 
 def test_random_workloads_do_preempt():

@@ -380,25 +380,31 @@ class Scheduler:
         """Padding-aware chunking. The runner pads a step of n tokens to the smallest bucket B >= n.
         When n overshoots the bucket b below B by o = n - b, cutting o prompt tokens (the newest
         rows' chunks first, each row keeps one) runs this step at b and leaves them to a later one.
-        On the roofline a step of T tokens costs max(R, T), R the compute-bound tokens: the cut
-        saves max(R, B) - max(R, b) now and costs at most max(R, bucket(o)) later (the o tokens in
-        a step of their own; they usually ride in the next step beside its decode rows for less).
-        So the cut is made only when it cannot lose: B - max(R, b) > max(R, bucket(o)), which needs
-        b > R (a bandwidth-bound step costs the same at any size: never cut there) and
-        bucket(o) < b. The rows that keep their chunk get their first token a step sooner; the
-        cut row gets it after two steps that together cost less than the padded one."""
+        On the roofline a step of T tokens costs c(T) = max(R, bucket(T)) (c(0) = 0), R the
+        compute-bound tokens: the cut saves c(n) - c(b) now. The o tokens go in a later step beside
+        that step's decode rows, which this step's d decode tokens foretell: they add
+        c(d + o) - c(d) there. So the cut is made only when it cannot lose:
+        c(n) - c(b) > c(d + o) - c(d), which needs bucket(n) > R (a bandwidth-bound step costs the
+        same at any size: never cut there). With no decode rows the right side is the o tokens' own
+        step; where they fit in the decode rows' padding it is 0. With many decode rows (d + o
+        past b) the next step would overshoot just as this one does: the two sides are equal and
+        nothing is cut (a cut there moved the prompt on by one token a step: 255 decode rows
+        beside a 65-token chunk gave 40 steps of one prompt token each and 40% more steps for the
+        whole batch, before the d term). The rows that keep their chunk get their first token a
+        step sooner; the cut row gets it after steps that together cost less than the padded one."""
         r, buckets = self.cfg.compute_bound_tokens, self.cfg.token_buckets
         n = out.num_batched_tokens
         if not r or not buckets or n > buckets[-1] or n <= buckets[0]:
             return
-        big = next(b for b in buckets if b >= n)
+        def cost(t: int) -> float:
+            return max(r, next(x for x in buckets if x >= t)) if t else 0.0
         b = max(x for x in buckets if x < n)
         o = n - b
-        rest = next(x for x in buckets if x >= o)
-        if not big - max(r, b) > max(r, rest):
-            return
         rows = [seq for seq in out.seqs if seq.num_tokens > 1 and not seq.spec and not seq.draft_only]
-        if sum(seq.num_tokens - 1 for seq in rows) < o:
+        d = n - sum(seq.num_tokens for seq in rows)          # decode (and speculation) tokens
+        if sum(seq.num_tokens - 1 for seq in rows) < o:      # the prompt rows cannot give o back
+            return
+        if not cost(n) - cost(b) > cost(d + o) - cost(d):     # d + o < n: within the buckets
             return
         for seq in reversed(rows):
             cut = min(o, seq.num_tokens - 1)
