@@ -9,8 +9,8 @@ with the smallest median time wins and is written to a JSON cache file. Later ca
 other process) return the cached winner without measuring, as long as it is still one of the
 candidates. A launch config shipped for the key in a kernel's table of tuned sizes (the TUNED table of
 quant_matmul_tuned.py) counts as a cached winner when this machine has measured none. On CPU nothing
-is measured: ``candidates[0]`` (the defaults) is returned; so it is everywhere with
-``$JAXINFER_AUTOTUNE=0``.
+is measured, and neither is it anywhere with ``$JAXINFER_AUTOTUNE=0``: there ``untuned_config`` is
+returned, the shipped config for the key if there is one, else ``candidates[0]`` (the defaults).
 
 Budget. Measuring compiles every candidate, and a GPU compile takes up to seconds, so the time one
 process spends measuring (compiles included, all keys together) is bounded by
@@ -49,7 +49,7 @@ import jax
 
 from pallas_kernels import quant_matmul_tuned
 
-__all__ = ["autotune", "shape_class", "cache_key", "default_cache_path", "device_kind",
+__all__ = ["autotune", "untuned_config", "shape_class", "cache_key", "default_cache_path", "device_kind",
            "load_cache", "clear_memory_cache", "DEFAULT_BUDGET_S", "budget_seconds", "budget_summary",
            "log_budget_summary"]
 
@@ -254,6 +254,17 @@ def _shipped_config(dev: str, kernel_name: str, key: str) -> dict | None:
     return None
 
 
+def untuned_config(kernel_name: str, shape_class_key: Any, candidates: Sequence[dict], *,
+                   device_key: str | None = None) -> dict:
+    """What runs when nothing is measured: the config shipped for this device kind, kernel and
+    shape class (the kernels' tables of tuned sizes) where it is one of `candidates`, else
+    candidates[0]. A shipped config that is no longer a candidate (the candidate lists changed
+    since it was measured) is not used."""
+    dev = device_kind() if device_key is None else str(device_key)
+    shipped = _shipped_config(dev, kernel_name, cache_key(kernel_name, shape_class_key, device_key=dev))
+    return dict(shipped if shipped is not None and shipped in candidates else candidates[0])
+
+
 def _entry_fields(kernel_name: str, key: str, dev: str) -> dict:
     return {"device_kind": dev, "jax_version": jax.__version__, "kernel": kernel_name,
             "shape_class": key.rsplit("|", 1)[-1], "time": time.time()}
@@ -265,9 +276,9 @@ def autotune(kernel_name: str, shape_class_key: Any, candidates: Sequence[dict],
     """Returns the fastest of `candidates` (JSON-serialisable dicts) for this key, cached on disk.
 
     run(cfg) launches the kernel with cfg and returns its output (blocked on for timing).
-    On CPU, or with $JAXINFER_AUTOTUNE=0, returns candidates[0] without measuring, unless
-    force=True. device_key overrides the device part of the cache key (a key starting with 'cpu'
-    counts as CPU); candidates that raise are skipped; if all raise, RuntimeError. Measuring stops
+    On CPU, or with $JAXINFER_AUTOTUNE=0, returns untuned_config (a shipped config for the key,
+    else candidates[0]) without measuring, unless force=True. device_key overrides the device part
+    of the cache key (a key starting with 'cpu' counts as CPU); candidates that raise are skipped; if all raise, RuntimeError. Measuring stops
     when this process's budget is spent (module docstring): the best so far, or candidates[0].
     """
     candidates = [dict(c) for c in candidates]
@@ -275,7 +286,7 @@ def autotune(kernel_name: str, shape_class_key: Any, candidates: Sequence[dict],
         raise ValueError("autotune needs at least one candidate")
     dev = device_kind() if device_key is None else str(device_key)
     if not force and (dev.lower().startswith("cpu") or os.environ.get("JAXINFER_AUTOTUNE", "1") == "0"):
-        return dict(candidates[0])
+        return untuned_config(kernel_name, shape_class_key, candidates, device_key=dev)
     if len(candidates) == 1:
         return dict(candidates[0])
 

@@ -125,15 +125,15 @@ EIGHT_B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "do
 
 def test_decode_defaults_follow_the_occupancy_rule():
     """candidates[0] for M <= 16 and the 8B projections, by hand: the tensor-core dot (M padded to
-    Mp = 16), block_n 64, the smallest power-of-two num_splits with N/64 * S >= 264 (2 programs on
-    each of 132 SMs), >= 4 block_k = 128 steps per split and S * Mp <= 64 (S <= 4): qkv 96 tiles ->
-    S = 4 (384 programs), o 64 -> 4 (256: capped), gate_up 448 -> 1, down 64 -> 4 (K/S = 3584). The
-    multiply-reduce with the same tiles is a candidate for M <= 8, none at M = 16."""
-    want = {"qkv": 4, "o": 4, "gate_up": 1, "down": 4}
+    Mp = 16), block_n 128, the smallest power-of-two num_splits with N/128 * S >= 264 (2 programs on
+    each of 132 SMs), >= 4 block_k = 128 steps per split and S * Mp <= 64 (S <= 4): qkv 48 tiles ->
+    S = 4 (192 programs: capped), o 32 -> 4 (128: capped), gate_up 224 -> 2 (448), down 32 -> 4
+    (K/S = 3584). The multiply-reduce with the same tiles is a candidate for M <= 8, none at M = 16."""
+    want = {"qkv": 4, "o": 4, "gate_up": 2, "down": 4}
     for name, (k, n) in EIGHT_B.items():
         for bits, g in ((8, None), (4, 128)):
             c1 = quant.pallas_block_candidates(1, k, n, bits, g)
-            default = {"kernel": "splitk", "num_splits": want[name], "block_n": 64, "block_k": 128,
+            default = {"kernel": "splitk", "num_splits": want[name], "block_n": 128, "block_k": 128,
                        "inner": "dot", "num_warps": 4, "num_stages": 3}
             assert c1[0] == default, (name, bits, c1[0])
             assert {c.get("inner") for c in c1} >= {"dot", "reduce"}
@@ -151,6 +151,50 @@ def test_decode_defaults_follow_the_occupancy_rule():
     # M > 16: the tiled kernel stays the default; W8A8 weights get tiled configs only
     assert "kernel" not in quant.pallas_block_candidates(64, 4096, 4096, 8, None)[0]
     assert all("kernel" not in c for c in quant.pallas_block_candidates(1, 4096, 4096, 8, None, weight_only=False))
+
+
+def test_tiled_candidates_fit_in_shared_memory():
+    """The H200 refused the int8 tiled config m64-n256-k256 at 3 stages asking for 360,448 bytes of
+    shared memory against 232,448 (the 2026-12-04 sweep's compile error): 3 x (64 x 256 x 2 + 256 x 256)
+    + 64 x 256 x 4 by hand. The estimate says so, and no tiled candidate of the 8B projections at
+    M = 64 or 128 asks for more than the limit (that config among them before)."""
+    from jaxinfer.quant.candidates import _tiled_smem_bytes
+    from pallas_kernels.quant_matmul_tuned import DEFAULT_KIND, TILED_DEFAULTS
+    refused = dict(block_m=64, block_n=256, block_k=256, num_warps=4, num_stages=3)
+    assert _tiled_smem_bytes(refused, 8) == 3 * (64 * 256 * 2 + 256 * 256) + 64 * 256 * 4 == 360448
+    limit = TILED_DEFAULTS[DEFAULT_KIND]["smem_bytes"]
+    for m in (64, 128):
+        for k, n in EIGHT_B.values():
+            for bits, g in ((8, None), (4, 128)):
+                tiled = [c for c in quant.pallas_block_candidates(m, k, n, bits, g) if "kernel" not in c]
+                assert tiled and all(_tiled_smem_bytes(c, bits) <= limit for c in tiled)
+                assert refused not in tiled
+
+
+def test_shipped_configs_are_candidates_and_serve_untuned(monkeypatch):
+    """Every launch config shipped for the H200 (quant_matmul_tuned.TUNED, from the 2026-12-04 sweep
+    of the 8B projections) is one of the tuner's candidates for the shape it was measured on, so none
+    is silently dropped; with measuring off (JAXINFER_AUTOTUNE=0) it is what runs, on that device kind
+    only (the default row elsewhere)."""
+    from pallas_kernels.quant_matmul_tuned import TUNED
+    monkeypatch.setenv("JAXINFER_AUTOTUNE", "0")
+    at.clear_memory_cache()
+    shipped = TUNED["NVIDIA H200"]
+    found = 0
+    for k, n in EIGHT_B.values():
+        for m in (1, 16, 64):
+            for bits, g in ((8, None), (4, 128)):
+                kname, key = quant.tuning_key(m, k, n, jnp.bfloat16, bits=bits, group_size=g)
+                cfg = shipped.get(kname, {}).get(key)
+                cands = quant.pallas_block_candidates(m, k, n, bits, g, device_kind="gpu:NVIDIA H200")
+                got = at.untuned_config(kname, key, cands, device_key="gpu:NVIDIA H200")
+                assert got == (cands[0] if cfg is None else cfg), (kname, key)
+                assert at.autotune(kname, key, cands, lambda c: pytest.fail("measured"),
+                                   device_key="gpu:NVIDIA H200") == got
+                assert at.untuned_config(kname, key, cands, device_key="gpu:NVIDIA H100") == cands[0]
+                found += cfg is not None
+    assert found == sum(len(v) for v in shipped.values())
+    at.clear_memory_cache()
 
 
 @pytest.mark.device

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from jaxinfer.quant.candidates import (SPLITK_DEFAULT_MAX_M, SPLITK_TARGET_PROGRAMS, XLA_MATMUL, matmul_class,
                                        pallas_block_candidates, splitk_candidates)
-from jaxinfer.quant.dispatch import dot_precision, fp8_native_matmul, qdot, quantize_rows_int8, select_blocks
+from jaxinfer.quant.dispatch import (dot_precision, fp8_native_matmul, qdot, quantize_rows_int8, select_blocks,
+                                     tuning_key)
 from jaxinfer.quant.format import (FP8_DTYPE, FP8_MAX, QuantizedWeight, dequantize, elementwise_error_bound,
                                    expert_weight, from_codes, grid_codes, grid_dequant, grid_params,
                                    matmul_error_bound, pack_int3, quantize, quantize_experts, quantize_fp8,
@@ -28,7 +29,7 @@ __all__ = [
     "grid_params", "grid_codes", "grid_dequant", "from_codes", "elementwise_error_bound",
     "matmul_error_bound", "pallas_block_candidates", "splitk_candidates", "select_blocks", "XLA_MATMUL",
     "FP8_DTYPE", "FP8_MAX", "symmetric_codes", "dot_precision", "quantize_rows_int8", "fp8_native_matmul",
-    "matmul_class", "SPLITK_TARGET_PROGRAMS", "SPLITK_DEFAULT_MAX_M",
+    "matmul_class", "SPLITK_TARGET_PROGRAMS", "SPLITK_DEFAULT_MAX_M", "tuning_key",
     # the kernels' names, as the former jaxinfer/quant.py re-exported them
     "REDUCE_MAX_M", "SPLITK_INNER", "SPLITK_MAX_M", "default_block_m", "dequantize_weight", "quant_matmul",
     "quant_matmul_splitk", "splitk_rows", "w8a8_matmul",

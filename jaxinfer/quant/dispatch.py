@@ -28,7 +28,7 @@ from jaxinfer.quant.format import FP8_DTYPE, QuantizedWeight, _dequantize_2d, sy
 from pallas_kernels import autotune as _autotune
 from pallas_kernels.quant_matmul import default_block_m, quant_matmul, quant_matmul_splitk, w8a8_matmul
 
-__all__ = ["qdot", "select_blocks", "dot_precision", "quantize_rows_int8", "fp8_native_matmul"]
+__all__ = ["qdot", "select_blocks", "tuning_key", "dot_precision", "quantize_rows_int8", "fp8_native_matmul"]
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +130,11 @@ def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_p
     None if no config is valid. Measuring runs the kernel on synthetic inputs of the same
     shapes/dtypes (eagerly, also when called while tracing), within the autotuner's per-process
     budget ($JAXINFER_AUTOTUNE_BUDGET_S); JAXINFER_AUTOTUNE=0 disables measuring.
-    Keys: M by matmul_class (weight-only: 1, 2, 4, 8, 16, then powers of two up to 512, where the
-    split-K tiles and inner products change; W8A8, tiled only: M <= 64 by default_block_m), K and N
-    by power of two, the weight format and the activation dtype. The candidates
+    Keys (tuning_key): M by matmul_class (weight-only: 1, 2, 4, 8, 16, then powers of two up to 512,
+    where the split-K tiles and inner products change; W8A8, tiled only: M <= 64 by default_block_m),
+    K and N by power of two, the weight format and the activation dtype. With measuring off, a
+    config shipped for the key in quant_matmul_tuned.TUNED (measured on that device kind) is the
+    default where it is one of the candidates, else the first candidate. The candidates
     (pallas_block_candidates) are tiled, split-K and XLA configs; qdot runs whichever wins.
     """
     cands = pallas_block_candidates(m, k, n, qw.bits, qw.group_size, weight_only=qw.act_bits is None)
@@ -140,14 +142,10 @@ def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_p
         cands = cands[:max_candidates]
     if not cands:
         return None
+    kname, key = tuning_key(m, k, n, dtype, bits=qw.bits, group_size=qw.group_size, symmetric=qw.symmetric,
+                            w8a8=qw.act_bits is not None, act_zero=qw.act_zero is not None)
     if os.environ.get("JAXINFER_AUTOTUNE", "1") == "0" and not force:
-        return cands[0]
-    m_class = matmul_class(m) if qw.act_bits is None else min(default_block_m(m) if m <= 64 else m, 512)
-    kname = f"quant_matmul_int{qw.bits}" + (
-        "" if qw.bits == 8 else f"_g{qw.group_size}_{'sym' if qw.symmetric else 'asym'}")
-    if qw.act_bits is not None:
-        kname = "w8a8_matmul" + ("" if qw.act_zero is None else "_asym")
-    key = f"{_autotune.shape_class(m_class, k, n)}_{jnp.dtype(dtype).name}"
+        return _autotune.untuned_config(kname, key, cands)
     compiled: dict[str, Any] = {}
     operands: list = []
 
@@ -185,6 +183,19 @@ def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_p
     except Exception as e:  # noqa: BLE001 -- tuning must never break inference
         log.warning("autotune for %s %s failed (%s); using defaults", kname, key, e)
         return cands[0]
+
+
+def tuning_key(m: int, k: int, n: int, dtype, *, bits: int, group_size: int | None = None, symmetric: bool = True,
+               w8a8: bool = False, act_zero: bool = False) -> tuple[str, str]:
+    """(kernel name, shape class) under which the autotuner caches, and quant_matmul_tuned.TUNED
+    ships, a quantized matmul's launch config: 'quant_matmul_int8' / 'quant_matmul_int4_g128_sym' /
+    'w8a8_matmul[_asym]', and 'M x K x N' by class (select_blocks) with the activation dtype."""
+    m_class = min(default_block_m(m) if m <= 64 else m, 512) if w8a8 else matmul_class(m)
+    if w8a8:
+        kname = "w8a8_matmul" + ("_asym" if act_zero else "")
+    else:
+        kname = f"quant_matmul_int{bits}" + ("" if bits == 8 else f"_g{group_size}_{'sym' if symmetric else 'asym'}")
+    return kname, f"{_autotune.shape_class(m_class, k, n)}_{jnp.dtype(dtype).name}"
 
 
 def _resolve_impl(impl: str) -> str:
