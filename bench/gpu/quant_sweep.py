@@ -3,11 +3,13 @@ projections, against the bf16 dot and the device's measured copy bandwidth (issu
 
     python -m bench.gpu.quant_sweep [--deadline-s 225] [--out PATH] [--log-dir DIR]
     python -m bench.gpu.quant_sweep --smoke [--out PATH]   every code path on CPU, tiny shapes (< 30 s)
+    python -m bench.gpu.quant_sweep --tuned JSON   the TUNED rows of pallas_kernels/quant_matmul_tuned.py
+                                                   that a sweep's JSON measured (printed)
 On a lent GPU machine, whose bench/results/ does not come back: --out $OUT/quant-sweep.json.
 
 Parts, each in its own subprocess with its own timeout (bench.gpu.run_worker), in this order:
     copy        the measured copy bandwidth: the fastest of bench.gpu.parts' three copy methods
-    qkv o gate_up down   for M = 1, 16, 64, 128, 4 (most wanted first: a deadline cuts the rest):
+    qkv o gate_up down   for M = 4, 8, 1, 16, 2, 64, 128 (most wanted first: a deadline cuts the rest):
                 the bf16 dot; int8 and int4 (g128, symmetric) through qdot with every launch config
                 of jaxinfer.quant.pallas_block_candidates -- XLA's dequantize-and-dot, the split-K
                 kernel's configs, the tiled kernel's (at M > 16 its first two only: the tiled sweep
@@ -61,12 +63,13 @@ class Sweep:
 
 
 GiB = 1 << 30
-REAL = Sweep(projections=PROJECTIONS, rows=(1, 16, 64, 128, 4), chain_bytes=GiB, max_chain=32, reps=7,
+REAL = Sweep(projections=PROJECTIONS, rows=(4, 8, 1, 16, 2, 64, 128), chain_bytes=GiB, max_chain=32, reps=7,
              copy_bytes=GiB, max_splitk=None, max_tiled_large_m=2, compile_threads=8,
-             # ~5 s of process and CUDA start each; 29-35 chains per M <= 16, 15 at M = 64, 9 at 128 (498
-             # in all), 0.3-1 s compiles (the 2026-11-26 H200 run) spread over 8 threads; weights (~5 GiB
-             # per projection, 5 formats) made on the device. Not yet run on a GPU: a part cut at its
-             # timeout keeps the M it finished (M = 4, the least wanted, is last).
+             # ~5 s of process and CUDA start each; 29-35 chains per M <= 16, 15 at M = 64, 9 at 128,
+             # 0.3-1 s compiles spread over 8 threads; weights (~5 GiB per projection, 5 formats) made on
+             # the device. The first H200 run (2026-12-04, 130 s) finished M = 1 and 16 of every
+             # projection in ~25 s each and cut the rest: M = 4 and 8 (no shipped configs yet) go first
+             # now, then 1 and 16 again (the candidate lists changed since), then 2, 64 and 128.
              caps_s={"copy": 15, "qkv": 48, "o": 45, "gate_up": 60, "down": 52})
 SMOKE = dataclasses.replace(REAL, projections={"qkv": (256, 128)}, rows=(1, 64), chain_bytes=1, max_chain=2,
                             reps=2, copy_bytes=1 << 20, max_splitk=1, max_tiled_large_m=1, compile_threads=2,
@@ -307,6 +310,30 @@ def run(args: argparse.Namespace) -> Path:
     return out
 
 
+def tuned_rows(report: dict[str, Any]) -> dict[str, dict[str, dict]]:
+    """The rows of pallas_kernels/quant_matmul_tuned.TUNED a sweep measured, for its device kind:
+    kernel name -> shape class -> the fastest timed config of each projection, M and format (int8,
+    int4) that is still one of the tuner's candidates for that shape and is not already their first
+    (the untuned default). Keys as the tuner builds them (jaxinfer.quant.tuning_key, bf16 rows)."""
+    from jaxinfer import quant
+    rows: dict[str, dict[str, dict]] = {}
+    for name, (k, n) in report["settings"]["projections"].items():
+        for m, row in report["parts"].get(name, {}).get("results", {}).get(name, {}).get("M", {}).items():
+            for fmt, bits in (("int8", 8), ("int4", 4)):
+                g = INT4_GROUP if bits == 4 else None
+                cands = quant.pallas_block_candidates(int(m), k, n, bits, g, device_kind=report["device"]["kind"])
+                timed = [(r["per_call_s"], r["config"]) for c, r in row.items()
+                         if c.split(":")[0] == fmt and isinstance(r, dict) and r.get("per_call_s")
+                         and r.get("config") in cands]
+                if not timed:
+                    continue
+                best = min(timed, key=lambda t: t[0])[1]
+                if best != cands[0]:
+                    kname, key = quant.tuning_key(int(m), k, n, "bfloat16", bits=bits, group_size=g)
+                    rows.setdefault(kname, {})[key] = best
+    return rows
+
+
 def summary(report: dict[str, Any]) -> str:
     """One line per projection and M: the winner per format, with its speed against bf16."""
     d = report["derived"]
@@ -327,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>-<device>-quant-sweep.json)")
     p.add_argument("--smoke", action="store_true", help="every code path on CPU with tiny shapes")
     p.add_argument("--log-dir", default=None, help="each part's log and records (default: a new temp folder)")
+    p.add_argument("--tuned", default=None, metavar="JSON",
+                   help="print the TUNED rows (pallas_kernels/quant_matmul_tuned.py) an earlier sweep's JSON "
+                        "measured, and exit")
     p.add_argument("--worker", default=None, choices=PARTS, help=argparse.SUPPRESS)
     p.add_argument("--records", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -334,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         run_part(args.worker, SMOKE if args.smoke else REAL, args.records)
         return 0
     import json
+    if args.tuned:
+        report = json.loads(Path(args.tuned).read_text())
+        print(json.dumps({report["device"]["kind"]: tuned_rows(report)}, indent=4, sort_keys=True))
+        return 0
     out = run(args)
     report = json.loads(out.read_text())
     print(summary(report))
