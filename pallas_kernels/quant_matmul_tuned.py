@@ -11,8 +11,10 @@ Three tables, each keyed by the device kind as jax names it (``jax.devices()[0].
   class (the autotuner's names: autotune.cache_key). A config found here is used as a cached winner
   would be (autotune.autotune); a winner measured on this machine takes precedence.
 
-What runs when nothing is measured comes from the first two; the autotuner (autotune.py) measures
-the candidates around them (jaxinfer.quant.candidates) and caches the winner per device kind.
+What runs when nothing is measured (autotuning off, or its budget spent) is the TUNED config for the
+key where there is one, else the default the first two give (autotune.untuned_config); the
+autotuner (autotune.py) measures the candidates around them (jaxinfer.quant.candidates) and caches
+the winner per device kind.
 
 This module is plain data and imports nothing.
 """

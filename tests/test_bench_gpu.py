@@ -110,6 +110,13 @@ def test_engine_bytes_mbu_and_ratios_recomputed(smoke):
             cr = r["concurrency"][str(c)]
             assert cr["total_new_tokens"] == c * w["new_tokens"]
             assert close(cr["output_tok_s"], cr["total_new_tokens"] / cr["wall_s"])
+            assert cr["compiles_in_timed_run"] == 0       # the warm-up compiled every step shape
+        if variant in ("int8", "int4"):                   # the launch configs, on CPU each shape's default
+            from jaxinfer import quant
+            bits, g = (8, None) if variant == "int8" else (4, 128)
+            for name, (k, n) in zip(("qkv", "o", "gate_up", "down"), layer_matrices(m)):
+                for mm, cfg in r["launch_configs"][name].items():
+                    assert cfg == quant.pallas_block_candidates(int(mm), k, n, bits, g)[0]
     rate = lambda part, k: (parts[part]["results"]["batch1"]["decode_tok_s"] if k == "batch1"  # noqa: E731
                             else parts[part]["results"]["concurrency"][k]["output_tok_s"])
     for variant in ("int8", "int4", "fp8"):

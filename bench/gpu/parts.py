@@ -270,6 +270,8 @@ def engine_part(wl: "Workload", variant: str, rec: Recorder) -> None:
                          "engine_config": {k: v for k, v in vars(ecfg).items() if k != "extra"},
                          "max_num_batched_tokens": wl.max_num_batched_tokens,
                          "resolved": str(gen.client.resolved)})
+    if variant in ("int8", "int4"):
+        rec.guarded(("launch_configs",), lambda: launch_configs(model.cfg, variant))
     vocab = model.cfg.vocab_size
     rec.guarded(("batch1",), lambda: batch1(gen, wl, vocab))
     for c in wl.concurrency:
@@ -279,6 +281,17 @@ def engine_part(wl: "Workload", variant: str, rec: Recorder) -> None:
     # runs reached: peak - (in use after the build + the pool) is what the steps' activations took
     rec.guarded(("memory", "end"), lambda: dict(memory_stats(), pool_bytes=pool_bytes(gen),
                                                  activation_reserve=activation_reserve(gen, wl)))
+
+
+def launch_configs(cfg, variant: str) -> dict[str, dict[str, Any]]:
+    """The quantized matmul's launch config for each projection of a layer at M = 1, 16 and 64 (a
+    batch-1 decode, 16 and 64 decode rows), as the engine's layers get it (quant.select_blocks in
+    this process: measured if autotuning is on, else a shipped config or the default)."""
+    from jaxinfer import quant
+    fmt = np.zeros((128, 8), np.float32)        # the format's metadata is what select_blocks reads
+    qw = quant.quantize_int8(fmt) if variant == "int8" else quant.quantize_int4(fmt, group_size=128)
+    return {name: {str(m): quant.select_blocks(m, k, n, qw, jnp.bfloat16) for m in (1, 16, 64)}
+            for name, (k, n) in projections(cfg).items()}
 
 
 def memory_stats() -> dict[str, Any]:
