@@ -422,10 +422,13 @@ def device_memory(stats: dict, platform: str, env: dict[str, str]) -> int:
 def step_activation_bytes(*, tokens: int, rows: int, d_model: int, ffn_dim: int, n_heads: int,
                           head_dim: int, vocab_size: int, dtype_bytes: int) -> int:
     """An upper estimate of the largest step's live temporaries: the logits of `rows` sequences in
-    float32 with the sampler's copies (softmax, sorted top-k/top-p, the Gumbel draw: 4 of them), and
-    per token the residual stream and norms in float32, q/k/v and the gated MLP's two halves in the
-    model dtype (x2: input and output of each matmul live together), plus ACTIVATION_SLACK."""
-    logits = 4 * rows * vocab_size * 4
+    float32 with the sampler's and the log-probabilities' copies (8 of them: XLA's buffer assignment
+    of the 512-token, 256-row step holds ~7 at once at a 128,256-token vocabulary; 4 were counted
+    before, and an H200 run's allocator peak stood 1.68 GB above memory in use against that 0.91 GB
+    reserve), and per token the residual stream and norms in float32, q/k/v and the gated MLP's two
+    halves in the model dtype (x2: input and output of each matmul live together), plus
+    ACTIVATION_SLACK. tests/test_cost_model.py checks it against XLA's memory analysis."""
+    logits = 8 * rows * vocab_size * 4
     per_token = 4 * d_model * 4 + 2 * dtype_bytes * (3 * n_heads * head_dim + 2 * ffn_dim)
     return logits + tokens * per_token + ACTIVATION_SLACK
 

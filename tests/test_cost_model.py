@@ -149,3 +149,30 @@ def test_a_lone_token_reads_its_experts_more_tokens_read_all(hf_model_dir):
     assert cost.step_bytes(decode2) == cost.weight_bytes_read + 2 * cost.row_bytes + 2 * 4 * 4 * expert + 18 * kv
     assert cost.weight_bytes_read == 4 * (cfg.num_params() - cfg.vocab_size * cfg.d_model * (not cfg.tie_embeddings)
                                           - 2 * 4 * expert)
+
+
+@pytest.mark.parametrize("vocab, width, ffn", [(128256, 256, 512), (32000, 1024, 3584)])
+def test_activation_reserve_covers_the_compiled_step(vocab, width, ffn):
+    """perf.step_activation_bytes, the KV pool's reserve for a step's temporaries, is at least what
+    XLA's buffer assignment gives the engine's largest step (its compiled memory analysis: 512
+    tokens, 256 rows, a 2-layer bfloat16 model). At the 8B's vocabulary the logits dominate: XLA holds
+    ~7 float32 [rows, vocab] copies at once (933 MB), where an estimate of 4 gave 800 MB; at a
+    32,000-token vocabulary and width 1,024, 440 MB against 429."""
+    from bench.gpu.parts import random_decoder
+    from bench.gpu.workload import TINY_LLAMA
+    from jaxinfer.config import EngineConfig
+
+    hf = dict(TINY_LLAMA, vocab_size=vocab, hidden_size=width, intermediate_size=ffn, num_hidden_layers=2,
+              num_attention_heads=width // 64, num_key_value_heads=max(1, width // 256))
+    g = Generator(random_decoder(hf), None, EngineConfig(dtype="bfloat16", attention="xla", max_num_seqs=256,
+                                                         block_size=16, num_blocks=64, max_model_len=512,
+                                                         enable_prefix_caching=False),
+                  max_num_batched_tokens=512, warmup=False)
+    runner, mc = g.engine.runner, g.model_cfg
+    t, b = max(runner.token_buckets), max(runner.block_buckets)
+    step = runner.step.lower(runner.params, runner.kv_pages, runner.empty_inputs(t, b), runner._no_prev).compile()
+    temp = step.memory_analysis().temp_size_in_bytes
+    reserve = perf.step_activation_bytes(tokens=512, rows=256, d_model=mc.d_model, ffn_dim=mc.ffn_dim,
+                                         n_heads=mc.n_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
+                                         dtype_bytes=2)
+    assert reserve >= temp, (reserve, temp)
