@@ -506,12 +506,16 @@ class ModelRunner:
         outputs = self._dispatch(inputs, self._no_prev)
         jax.block_until_ready(outputs)
 
-    def step_hlo(self, inputs: StepInputs) -> str:
-        """Profiling only: the optimized HLO text of the step compiled for `inputs`' shapes."""
+    def compiled_step(self, inputs: StepInputs):
+        """Profiling only: the step compiled for `inputs`' shapes (its HLO text, memory analysis)."""
         if self._is_plain(inputs):
             params, pages = target_state(self.params, self.kv_pages)
-            return self.plain_step.lower(params, pages, inputs, self._no_prev).compile().as_text()
-        return self.step.lower(self.params, self.kv_pages, inputs, self._no_prev).compile().as_text()
+            return self.plain_step.lower(params, pages, inputs, self._no_prev).compile()
+        return self.step.lower(self.params, self.kv_pages, inputs, self._no_prev).compile()
+
+    def step_hlo(self, inputs: StepInputs) -> str:
+        """Profiling only: the optimized HLO text of the step compiled for `inputs`' shapes."""
+        return self.compiled_step(inputs).as_text()
 
     def empty_inputs(self, t: int, b: int, plain: bool = False) -> StepInputs:
         """A step of bucket (T, B) with no tokens: what warm-up runs (and the follower's treedef);

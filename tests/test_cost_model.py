@@ -170,8 +170,7 @@ def test_activation_reserve_covers_the_compiled_step(vocab, width, ffn):
                   max_num_batched_tokens=512, warmup=False)
     runner, mc = g.engine.runner, g.model_cfg
     t, b = max(runner.token_buckets), max(runner.block_buckets)
-    step = runner.step.lower(runner.params, runner.kv_pages, runner.empty_inputs(t, b), runner._no_prev).compile()
-    temp = step.memory_analysis().temp_size_in_bytes
+    temp = runner.compiled_step(runner.empty_inputs(t, b)).memory_analysis().temp_size_in_bytes
     reserve = perf.step_activation_bytes(tokens=512, rows=256, d_model=mc.d_model, ffn_dim=mc.ffn_dim,
                                          n_heads=mc.n_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
                                          dtype_bytes=2)
