@@ -9,7 +9,8 @@
 #                                 # batch 1, 16, 64, 256 (#58's targets against the same run's bf16;
 #                                 # the check of the launch configs shipped from the 2026-12-04 sweep and
 #                                 # of the scheduler's fix at 256 requests)
-#   bash bench/gpu_session.sh 3   # ~7 min: bench.gpu.decode (#40: profile, MBU per setting, knee)
+#   bash bench/gpu_session.sh 3   # ~8 min: bench.gpu.decode (#40: profile, MBU per setting, knee; the
+#                                 # int8 engine's profile beside bf16's: where int8's extra ~0.5 ms a token goes)
 #   bash bench/gpu_session.sh 4   # ~5 min: bench.gpu.attention, every part (#41)
 #   bash bench/gpu_session.sh 5   # <= 9 min: bench.multiturn on the random 8B shape, the prefix cache's
 #                                 # host tier off vs on with pinned host buffers (#55's GPU target: TTFT
@@ -20,7 +21,8 @@
 #
 # One 15-minute session holds calls 1 and 2 (2026-12-04: the start took ~30 s, then 455 s and 277 s
 # of commands, 772 s held in all): run call 1 with timeout_s 470 and call 2 within 30 s of its reply
-# (timeout_s 330) to keep the machine warm. Calls 3-6 are the next sessions' (timeout_s 570 for 5).
+# (timeout_s 330) to keep the machine warm. Calls 3-6 are the next sessions' (timeout_s 500 for 3, 570
+# for 5; 3 and 4 together: ~810 s of commands, so call 4 within 30 s of call 3's reply).
 # Results land in $OUT (JSON, logs as one tarball); copy them to bench/results/ and commit them.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -45,7 +47,7 @@ case "${1:-}" in
     tail -30 "$LOGS/gpu.log"
     ;;
 3)
-    timeout -s INT 440 python3 -m bench.gpu.decode --deadline-s 420 --out "$OUT/decode.json" \
+    timeout -s INT 485 python3 -m bench.gpu.decode --deadline-s 465 --out "$OUT/decode.json" \
         --log-dir "$LOGS/decode" > "$LOGS/decode.log" 2>&1 || rc=$?
     tail -40 "$LOGS/decode.log"
     t=$(ls "$LOGS"/decode/traces/replay/plugins/profile/*/*.trace.json.gz 2>/dev/null | head -1)

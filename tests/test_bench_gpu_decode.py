@@ -18,7 +18,7 @@ from bench.gpu import trace as gpu_trace
 from tests.fake_devices import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ["ceilings", "profile", "profile_nocb", "batch1", "ttft", "knee"]
+PARTS = ["ceilings", "profile", "profile_nocb", "profile_int8", "batch1", "ttft", "knee"]
 
 
 @pytest.fixture(scope="module")
@@ -231,12 +231,14 @@ def test_every_part_ran(smoke):
 def test_profile_summaries_are_consistent(smoke):
     prof, w = smoke["parts"]["profile"]["results"], smoke["workload"]
     replay, loop, nocb = prof["replay"], prof["loop"], smoke["parts"]["profile_nocb"]["results"]["replay"]
+    int8 = smoke["parts"]["profile_int8"]["results"]["replay"]
     assert "loop" not in smoke["parts"]["profile_nocb"]["results"]
-    for r in (replay, nocb):
+    assert "loop" not in smoke["parts"]["profile_int8"]["results"]
+    for r in (replay, nocb, int8):
         assert r["decode_iterations_per_call"] == r["tokens_per_window"] == w["profile_steps"]
         assert r["num_windows"] == w["profile_calls"]
     assert loop["num_windows"] == 1 and loop["tokens"] > 0
-    for s in (replay, loop, nocb):
+    for s in (replay, loop, nocb, int8):
         for win in s["windows"]:
             assert close(win["wall_us"], win["lead_us"] + win["busy_us"] + win["gaps_us"] + win["tail_us"], 1e-6)
             assert 0 < win["busy_us"] <= min(win["wall_us"], win["kernel_us"] + 1e-6) and win["gaps_us"] >= 0
@@ -246,7 +248,22 @@ def test_profile_summaries_are_consistent(smoke):
         assert close(s["kernels_per_token"], s["kernels_per_window"] / s["tokens_per_window"])
         assert close(s["hlo_mapped_share"], 1.0, 1e-9)    # every thunk named an instruction of the step's HLO
     # the CPU's HLO stacks place time in every category of the decode call
-    assert all(replay["categories"][c]["us_per_window"] > 0 for c in ("attention", "matmul", "lm_head", "sampler"))
+    for r in (replay, int8):
+        assert all(r["categories"][c]["us_per_window"] > 0 for c in ("attention", "matmul", "lm_head", "sampler"))
+
+
+def test_int8_profile_against_bf16_recomputed(smoke):
+    """derived.profile_int8_vs_bf16: each category's (and the window's wall, busy and gap) time per
+    decode token in the bf16 and int8 replay traces, and int8's excess, from the raw summaries."""
+    a = smoke["parts"]["profile"]["results"]["replay"]
+    b = smoke["parts"]["profile_int8"]["results"]["replay"]
+    d = smoke["derived"]["profile_int8_vs_bf16"]
+    assert set(d) == {"wall_us", "busy_us", "gaps_us", "attention", "matmul", "lm_head", "sampler", "other"}
+    for key, row in d.items():
+        x, y = ((s[key] if key.endswith("_us") else s["categories"][key]["us_per_window"]) / s["tokens_per_window"]
+                for s in (a, b))
+        assert close(row["bf16_us_per_token"], x) and close(row["int8_us_per_token"], y)
+        assert close(row["int8_minus_bf16_us"], y - x, 1e-6)
 
 
 def test_mbu_knee_and_plan_recomputed(smoke):

@@ -1,9 +1,9 @@
 """`python -m bench.gpu.decode`: issue #40's measurements of batch-1 decode against the memory-bandwidth
-limit, on one GPU, in one command (estimated 5-6 minutes on an H200 from the bench.gpu run's timings,
+limit, on one GPU, in one command (estimated 6-7 minutes on an H200 from the bench.gpu run's timings,
 never more than --deadline-s: every part has its own timeout).
 
-    python -m bench.gpu.decode [--parts ceilings,profile,profile_nocb,batch1,ttft,knee] [--deadline-s 420] [--out PATH]
-                               [--log-dir DIR] [--cold]
+    python -m bench.gpu.decode [--parts ceilings,profile,profile_nocb,profile_int8,batch1,ttft,knee] [--deadline-s 465]
+                               [--out PATH] [--log-dir DIR] [--cold]
     python -m bench.gpu.decode --smoke [--out PATH]   every part on CPU with a tiny random model (< 60 s)
 On a lent GPU machine, whose bench/results/ does not come back: --out $OUT/decode.json and a --log-dir
 outside $OUT (it holds the run's compilation cache and traces), then copy its *.log files to $OUT.
@@ -23,6 +23,11 @@ bench/gpu/parts.build_model builds it, driven through Generator and its EngineCl
               (CUDA graphs; XLA_FLAGS=--xla_gpu_enable_command_buffer=): every kernel then records
               its HLO instruction, so a cuBLAS LM head is told from the other matmuls, and the gaps
               with and without graphs compare (on CPU the flag changes nothing)
+    profile_int8  the `replay` trace of the same model with int8 weight-only quantized linears (the
+              shipped launch configs: autotuning off), so that what int8 decode spends beyond bf16's
+              is seen per category (derived `profile_int8_vs_bf16`: each category's device time per
+              token in both, and the difference; 2026-12-04's bench.gpu run: int8 0.88x of bf16 at
+              batch 1, ~0.5 ms a token more than its matmuls' sweep accounts for)
     batch1    batch-1 decode tok/s and TPOT (bench/gpu/parts.batch1: N / (t(N+1 tokens) - t(1 token)),
               medians) per engine setting (attention, max_decode_steps, async_scheduling)
     ttft      time to first token of one `ttft_prompt_len`-token prompt at batch 1 (median of
@@ -49,8 +54,8 @@ Derived numbers (derive(), recomputed from the raw ones in the JSON):
 This process never imports jax (the parts hold the GPU). Output:
 bench/results/<date>-<device>-decode.json (or --out). Keys: benchmark, date, time, command,
 smoke, device, driver, versions, workload, settings, parts {<part>: {status, wall_s, timeout_s,
-returncode, errors, unavailable, log, results}}, derived {copy_Bps, matmul_flops, batch1, knee, plan_batch1},
-total_wall_s.
+returncode, errors, unavailable, log, results}}, derived {copy_Bps, matmul_flops, batch1, knee,
+profile_int8_vs_bf16, plan_batch1}, total_wall_s.
 """
 from __future__ import annotations
 
@@ -72,20 +77,22 @@ from bench.gpu.report import results as part_results
 from bench.gpu.run import stop_on_sigterm, the_command, versions, worker_env
 from bench.gpu.workload import REAL, SMOKE, Workload
 
-PARTS = ("ceilings", "profile", "profile_nocb", "batch1", "ttft", "knee")
+PARTS = ("ceilings", "profile", "profile_nocb", "profile_int8", "batch1", "ttft", "knee")
 # the XLA flag that turns GPU command buffers (CUDA graphs) off: each kernel then records its own
 # HLO instruction in the trace (in a command buffer a cuBLAS kernel records only the command buffer)
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
-# Seconds each part may take on an H200 (405 of the 420 s deadline; the last 15 are the parent's).
+# Seconds each part may take on an H200 (450 of the 465 s deadline; the last 15 are the parent's).
 # From the 2026-11-26 H200 run of bench.gpu: process + CUDA start + building the 8B model ~10 s, the
 # first request of a fresh engine setting ~13 s (pallas) / ~19 s (xla) of compiling, one loaded from
 # the run's compilation cache ~3 s; batch 1 takes 3 x 0.75 s per setting; 256 requests ~4 s.
 #   ceilings ~8 s    profile ~40 s: two engines (the second loads), 2 traces and their parsing
 #   profile_nocb ~30 s: one engine compiled without command buffers, one trace
+#   profile_int8 ~35 s: the model quantized at build, one engine compiling the int8 matmuls, one trace
 #   batch1  ~110 s: 7 settings, 4 of them compiled   ttft ~45 s: pallas + xla at max_model_len 4096
 #   knee     ~80 s: 9 levels, each new batch bucket compiling its decode shapes (~5 s)
 # A part also gets the time earlier parts left unused (up to twice its cap).
-PART_CAPS_S = {"ceilings": 20, "profile": 65, "profile_nocb": 45, "batch1": 135, "ttft": 50, "knee": 90}
+PART_CAPS_S = {"ceilings": 20, "profile": 65, "profile_nocb": 45, "profile_int8": 45, "batch1": 135, "ttft": 50,
+               "knee": 90}
 
 
 @dataclass(frozen=True)
@@ -291,11 +298,13 @@ def profile_loop(gen, dw: DecodeWorkload, prompt: list[int], hlo: str | None, tr
                       **gpu_trace.summarize(trace, "decode_loop", tokens, hlo)})
 
 
-def profile_part(dw: DecodeWorkload, rec, trace_dir: Path, loop_trace: bool = True) -> None:
+def profile_part(dw: DecodeWorkload, rec, trace_dir: Path, loop_trace: bool = True, weights: str = "bf16") -> None:
+    """The `replay` trace (and, with loop_trace, the `loop` trace) of batch-1 decode; weights: bf16 or a
+    weight-only quantization of bench.gpu.parts.build_model."""
     from bench.common import release
     from bench.gpu.parts import build_model
 
-    model = build_model(dw.base, "bf16")
+    model = build_model(dw.base, weights)
     prompt = random_prompts(1, dw.base.prompt_len, model.cfg.vocab_size, seed=1)[0]
     k = dw.profile_steps
     sync = make_generator(model, dw, "pallas", k, False, dw.base.max_num_seqs, dw.profile_model_len)
@@ -417,6 +426,8 @@ def run_part(part: str, dw: DecodeWorkload, records: str | Path) -> None:
         profile_part(dw, rec, Path(records).parent / "traces")
     elif part == "profile_nocb":            # run_worker set XLA_FLAGS: no command buffers
         profile_part(dw, rec, Path(records).parent / "traces-nocb", loop_trace=False)
+    elif part == "profile_int8":
+        profile_part(dw, rec, Path(records).parent / "traces-int8", loop_trace=False, weights="int8")
     elif part == "batch1":
         batch1_part(dw, rec)
     elif part == "ttft":
@@ -460,7 +471,8 @@ def new_report(args: argparse.Namespace, dw: DecodeWorkload, parts: list[str], c
                                            "one persistent cache for the run's parts, in the log folder: an engine "
                                            "setting compiled by an earlier part loads (first requests are not cold)"),
                      "pallas_autotune": "off (JAXINFER_AUTOTUNE=0)",
-                     "engine": "bf16 weights, prefix caching off, greedy, ignore_eos, random prompt ids; batch-1 "
+                     "engine": "bf16 weights (profile_int8: int8 weight-only), prefix caching off, greedy, ignore_eos, "
+                               "random prompt ids; batch-1 "
                                "engines max_model_len short_model_len, the knee's max_num_seqs and knee_num_blocks",
                      "log_dir": str(log_dir)},
         "parts": {}, "derived": {},
@@ -579,10 +591,31 @@ def derive(report: dict) -> dict:
             "datasheet": None if sheet is None else {"name": sheet.label, "bandwidth_Bps": sheet.bandwidth,
                                                      "bf16_flops": sheet.flops_bf16},
             "batch1": batch1, "knee": knee_summary(report, copy_bps, flops, sheet),
+            "profile_int8_vs_bf16": int8_vs_bf16(report),
             "plan_batch1": None if plan_b1 is None else {
                 **plan_b1, "setting": default, "measured_tok_s": (batch1.get(default) or {}).get("decode_tok_s"),
                 "measured_over_predicted": _ratio((batch1.get(default) or {}).get("decode_tok_s"),
                                                   plan_b1["decode_tokens_per_s_bs1"])}}
+
+
+PER_TOKEN = ("wall_us", "busy_us", "gaps_us")     # of a replay summary, per decode token in int8_vs_bf16
+
+
+def int8_vs_bf16(report: dict) -> dict | None:
+    """Device time per decode token of the bf16 and int8 `replay` traces, per category and for the
+    window's wall, busy and gap times, with int8's excess: where int8 decode's extra time goes."""
+    a = _at(part_results(report, "profile"), "replay")
+    b = _at(part_results(report, "profile_int8"), "replay")
+    if not a or not b:
+        return None
+    rows = {k: (a[k], b[k]) for k in PER_TOKEN}
+    rows |= {c: (a["categories"][c]["us_per_window"], b["categories"][c]["us_per_window"])
+             for c in gpu_trace.CATEGORIES}
+    out = {}
+    for key, (x, y) in rows.items():
+        x, y = x / a["tokens_per_window"], y / b["tokens_per_window"]
+        out[key] = {"bf16_us_per_token": x, "int8_us_per_token": y, "int8_minus_bf16_us": y - x}
+    return out
 
 
 # --------------------------------------------------------------------------- the printed summary
@@ -592,7 +625,8 @@ def _fmt(v: Any, digits: int = 1, scale: float = 1.0, suffix: str = "") -> str:
 
 def profile_lines(report: dict) -> list[str]:
     lines = []
-    for part, name in (("profile", "replay"), ("profile", "loop"), ("profile_nocb", "replay")):
+    for part, name in (("profile", "replay"), ("profile", "loop"), ("profile_nocb", "replay"),
+                       ("profile_int8", "replay")):
         s = _at(part_results(report, part), name)
         if not s:
             continue
@@ -602,6 +636,10 @@ def profile_lines(report: dict) -> list[str]:
                      f"({_fmt(s['busy_fraction'], 0, 100, '%')}), gaps {_fmt(s['gaps_us'], 0)} us, lead "
                      f"{_fmt(s['lead_us'], 0)} us, tail {_fmt(s['tail_us'], 0)} us; {_fmt(s['kernels_per_token'], 0)} "
                      f"kernels/token; {cats}; instruction known for {_fmt(s['hlo_mapped_share'], 0, 100, '%')}")
+    d = report["derived"].get("profile_int8_vs_bf16")
+    if d:
+        lines.append("int8 - bf16 per decode token: " + ", ".join(
+            f"{k} {v['int8_minus_bf16_us']:+,.1f} us" for k, v in d.items()))
     s = _at(part_results(report, "profile"), "replay")
     if s:
         lines += ["", "| kernel (copies merged) | us per call | share | category |", "|---|---|---|---|"]
@@ -658,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu.decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default=None, help=f"comma-separated subset of {','.join(PARTS)} (default: all)")
-    p.add_argument("--deadline-s", type=float, default=420.0, help="the whole run's time budget (default 420)")
+    p.add_argument("--deadline-s", type=float, default=465.0, help="the whole run's time budget (default 465)")
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/<date>-<device>-decode.json)")
     p.add_argument("--smoke", action="store_true", help="every part on CPU with a tiny model (a code-path check)")
     p.add_argument("--log-dir", default=None, help="each part's log, records and traces (default: a new temp folder)")
