@@ -258,6 +258,10 @@ def test_int8_profile_against_bf16_recomputed(smoke):
     a = smoke["parts"]["profile"]["results"]["replay"]
     b = smoke["parts"]["profile_int8"]["results"]["replay"]
     d = smoke["derived"]["profile_int8_vs_bf16"]
+    # the int8 part's model is the bf16 one with its linears' weights as int8 codes (+ per-channel scales)
+    bf16, int8 = (smoke["parts"][p]["results"]["build"] for p in ("profile", "profile_int8"))
+    assert (bf16["weights"], int8["weights"]) == ("bf16", "int8") and int8["embed_bytes"] == bf16["embed_bytes"]
+    assert int8["param_bytes"] < bf16["param_bytes"]
     assert set(d) == {"wall_us", "busy_us", "gaps_us", "attention", "matmul", "lm_head", "sampler", "other"}
     for key, row in d.items():
         x, y = ((s[key] if key.endswith("_us") else s["categories"][key]["us_per_window"]) / s["tokens_per_window"]

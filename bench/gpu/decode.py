@@ -302,9 +302,10 @@ def profile_part(dw: DecodeWorkload, rec, trace_dir: Path, loop_trace: bool = Tr
     """The `replay` trace (and, with loop_trace, the `loop` trace) of batch-1 decode; weights: bf16 or a
     weight-only quantization of bench.gpu.parts.build_model."""
     from bench.common import release
-    from bench.gpu.parts import build_model
+    from bench.gpu.parts import build_model, model_bytes
 
     model = build_model(dw.base, weights)
+    rec.put(("build",), {"weights": weights, **model_bytes(model)})
     prompt = random_prompts(1, dw.base.prompt_len, model.cfg.vocab_size, seed=1)[0]
     k = dw.profile_steps
     sync = make_generator(model, dw, "pallas", k, False, dw.base.max_num_seqs, dw.profile_model_len)
