@@ -278,8 +278,9 @@ def autotune(kernel_name: str, shape_class_key: Any, candidates: Sequence[dict],
     run(cfg) launches the kernel with cfg and returns its output (blocked on for timing).
     On CPU, or with $JAXINFER_AUTOTUNE=0, returns untuned_config (a shipped config for the key,
     else candidates[0]) without measuring, unless force=True. device_key overrides the device part
-    of the cache key (a key starting with 'cpu' counts as CPU); candidates that raise are skipped; if all raise, RuntimeError. Measuring stops
-    when this process's budget is spent (module docstring): the best so far, or candidates[0].
+    of the cache key (a key starting with 'cpu' counts as CPU); candidates that raise are skipped; if
+    all raise, RuntimeError. Measuring stops when this process's budget is spent (module docstring):
+    the best so far, or candidates[0].
     """
     candidates = [dict(c) for c in candidates]
     if not candidates:

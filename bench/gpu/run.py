@@ -62,8 +62,8 @@ from bench.gpu.workload import REAL, SMOKE, Workload
 
 REPO = Path(__file__).resolve().parents[2]   # the repository (this file is bench/gpu/run.py)
 PARTS = ("ceilings", "bf16", "hf", "kernels", "int8", "fp8", "int4")
-# Seconds each part may take in the real run: 505 of the 540 s deadline (the last 15 s are the
-# parent's: JSON, PNG). From the 2026-11-26 H200 probe (/work/shared/gpu/results), with ~1.4x for
+# Seconds each part may take in the real run: 505 of the 540 s deadline (the parent keeps its last
+# 15 s: JSON, PNG; 20 s are spare). From the 2026-11-26 H200 probe (/work/shared/gpu/results), with ~1.4x for
 # an H100's lower bandwidth where decode dominates:
 #   ceilings  ~10 s: process + CUDA start ~5 s, three 2 GiB copies and a chain of 8192^3 matmuls
 #   bf16      ~60 s: build 6 s, first request 5-13 s, batch 1 ~5 s, 16 / 64 requests 17 + 7 s
