@@ -55,7 +55,7 @@ case "${1:-}" in
     ;;
 4)
     timeout -s INT 320 python3 -m bench.gpu.attention --deadline-s 300 --out "$OUT/attention.json" \
-        > "$LOGS/attention.log" 2>&1 || rc=$?
+        --log-dir "$LOGS/attention" > "$LOGS/attention.log" 2>&1 || rc=$?
     tail -40 "$LOGS/attention.log"
     ;;
 5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +21,8 @@ SH = ga.SMOKE
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("att") / "att.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu.attention", "--smoke", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu.attention", "--smoke", "--out", str(out),
+                           "--log-dir", str(out.parent / "logs")],
                           capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -47,6 +49,9 @@ def test_counts_by_hand():
 def test_every_part_ran_and_agrees_with_its_reference(report):
     for part, entry in report["parts"].items():
         assert entry["status"] == "ok" and not entry["errors"], (part, entry["errors"])
+        # each part's log lands in the --log-dir given (a lent GPU machine sends back only that folder)
+        assert Path(entry["log"]).parent == Path(report["settings"]["log_dir"]) and Path(entry["log"]).is_file()
+    assert Path(report["settings"]["log_dir"]).name == "logs"
     # only what needs a GPU is unavailable on CPU
     unavailable = [u for e in report["parts"].values() for u in e["unavailable"]]
     assert unavailable and all("needs an NVIDIA GPU" in u and ("cudnn" in u or "mosaic_jax" in u) for u in unavailable)

@@ -389,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline-s", type=float, default=300.0, help="the whole run's budget (default 300)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>-<device>-attention.json)")
     p.add_argument("--smoke", action="store_true", help="every part on CPU with tiny shapes (a code-path check)")
+    p.add_argument("--log-dir", default=None, help="each part's log and records (default: a new temp folder)")
     p.add_argument("--worker", default=None, choices=PARTS, help=argparse.SUPPRESS)
     p.add_argument("--records", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
