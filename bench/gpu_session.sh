@@ -16,6 +16,7 @@
 #                                 # host tier off vs on with pinned host buffers (#55's GPU target: TTFT
 #                                 # p50 of returning turns and prefill tokens, both >= 3x); never run yet:
 #                                 # the 8B steps' warm-up (7 token buckets, Pallas) is the unknown, so 9 min
+#                                 # (the JSON is rewritten after each rep: a run cut short keeps its reps)
 #   bash bench/gpu_session.sh 6   # <= 5 min: bench.gpu's fp8 part (cut on 2026-12-04), HF transformers'
 #                                 # baseline and the kernels part (matmuls, prefill attention vs cuDNN)
 #

@@ -39,7 +39,7 @@ import argparse
 
 import numpy as np
 
-from bench.common import device_info, device_slug, model_path, results_path, write_report
+from bench.common import device_info, device_slug, model_path, results_path, write_json_atomic
 from bench.prefix_cache import run_batch
 
 
@@ -149,8 +149,9 @@ def build_generators(args, path, common: dict) -> dict:
             for on in (False, True)}
 
 
-def run_reps(gens: dict, args) -> tuple[dict, list[int]]:
-    """--reps passes of each side, alternating who runs first -> ({on: [run]}, identical outputs per rep)."""
+def run_reps(gens: dict, args, after_rep=None) -> tuple[dict, list[int]]:
+    """--reps passes of each side, alternating who runs first -> ({on: [run]}, identical outputs per rep).
+    after_rep(runs, identical) is called after each rep, both sides run (the report so far)."""
     runs: dict[bool, list[dict]] = {False: [], True: []}
     float32 = all(g.client.resolved.dtype == "float32" for g in gens.values())
     identical: list[int] = []
@@ -178,7 +179,28 @@ def run_reps(gens: dict, args) -> tuple[dict, list[int]]:
         # difference 25 tokens into an answer; float32: 96 of 96)
         if float32:
             assert all(same), "the host tier changed the greedy outputs"
+        if after_rep is not None:
+            after_rep(runs, identical)
     return runs, identical
+
+
+def summarize(runs: dict, identical: list[int], args) -> tuple[dict, dict]:
+    """The reps so far -> (off/on ratios, the report's results: each side's medians and runs, the ratios)."""
+    med = {on: {k: ({q: float(np.median([r[k][q] for r in runs[on]])) for q in v} if isinstance(v, dict)
+                    else float(np.median([r[k] for r in runs[on]]))) for k, v in runs[on][0].items()} for on in runs}
+    paired_ttft = [off["ttft_p50_s"] / on["ttft_p50_s"] for off, on in zip(runs[False], runs[True])]
+    ratios = {
+        "ttft_p50_off_over_on": med[False]["ttft_p50_s"] / med[True]["ttft_p50_s"],
+        "ttft_p90_off_over_on": med[False]["ttft_p90_s"] / med[True]["ttft_p90_s"],
+        "paired_ttft_p50_off_over_on": paired_ttft,
+        "prefill_tokens_off_over_on": med[False]["prefill_tokens_computed"] / med[True]["prefill_tokens_computed"],
+        # the most the tier could give: a returning batch's TTFT with it on no shorter than its first
+        # step's own device time (its new tokens' prefill over the restored context)
+        "ttft_p50_ceiling_off_over_on": med[False]["ttft_p50_s"] / med[True]["ttft_parts"]["first_step_device_s"],
+    }
+    return ratios, {"tier_off": med[False], "tier_on": med[True], "runs_off": runs[False], "runs_on": runs[True],
+                    **ratios, "outputs_identical": [f"{n} of {args.conversations * args.turns}" for n in identical],
+                    "points": [{"tier": on, **med[on]} for on in (False, True)]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,31 +223,20 @@ def main(argv: list[str] | None = None) -> int:
     pool_tokens = (num_blocks - 1) * args.block_size
     print(f"pool {num_blocks - 1} blocks = {pool_tokens} tokens; histories at the end {total} tokens "
           f"({total / pool_tokens:.1f}x the pool)", flush=True)
-    runs, identical = run_reps(gens, args)
-    med = {on: {k: ({q: float(np.median([r[k][q] for r in runs[on]])) for q in v} if isinstance(v, dict)
-                    else float(np.median([r[k] for r in runs[on]]))) for k, v in runs[on][0].items()} for on in runs}
-    paired_ttft = [off["ttft_p50_s"] / on["ttft_p50_s"] for off, on in zip(runs[False], runs[True])]
-    ratios = {
-        "ttft_p50_off_over_on": med[False]["ttft_p50_s"] / med[True]["ttft_p50_s"],
-        "ttft_p90_off_over_on": med[False]["ttft_p90_s"] / med[True]["ttft_p90_s"],
-        "paired_ttft_p50_off_over_on": paired_ttft,
-        "prefill_tokens_off_over_on": med[False]["prefill_tokens_computed"] / med[True]["prefill_tokens_computed"],
-        # the most the tier could give: a returning batch's TTFT with it on no shorter than its first
-        # step's own device time (its new tokens' prefill over the restored context)
-        "ttft_p50_ceiling_off_over_on": med[False]["ttft_p50_s"] / med[True]["ttft_parts"]["first_step_device_s"],
-    }
+    info = device_info()
+    mode = "multiturn" + (f"-{args.shape}" if args.shape else "") + ("-no-attention" if args.no_attention else "")
+    out = results_path(args.out, device_slug(info), mode)
+    setup = {"benchmark": "multiturn", "device": info, "model": str(path), "config": vars(args),
+             "num_blocks": num_blocks, "pool_tokens": pool_tokens, "history_tokens_at_end": total}
+
+    def write(runs: dict, identical: list[int]) -> None:
+        # rewritten after every rep, so a run cut short (a lent GPU's time limit) keeps the reps it finished
+        write_json_atomic({**setup, **summarize(runs, identical, args)[1], "reps_done": len(identical)}, out)
+
+    ratios, _ = summarize(*run_reps(gens, args, after_rep=write), args)
     print("off/on: TTFT p50 {ttft_p50_off_over_on:.2f}x, p90 {ttft_p90_off_over_on:.2f}x, prefill tokens "
           "{prefill_tokens_off_over_on:.2f}x; TTFT p50 ceiling (copies and host free) "
           "{ttft_p50_ceiling_off_over_on:.2f}x".format(**ratios), flush=True)
-    info = device_info()
-    report = {"benchmark": "multiturn", "device": info, "model": str(path), "config": vars(args),
-              "num_blocks": num_blocks, "pool_tokens": pool_tokens, "history_tokens_at_end": total,
-              "tier_off": med[False], "tier_on": med[True], "runs_off": runs[False], "runs_on": runs[True],
-              **ratios, "outputs_identical": [f"{n} of {args.conversations * args.turns}" for n in identical],
-              "points": [{"tier": on, **med[on]} for on in (False, True)]}
-    mode = "multiturn" + (f"-{args.shape}" if args.shape else "") + ("-no-attention" if args.no_attention else "")
-    out = results_path(args.out, device_slug(info), mode)
-    write_report(report, out, "tier", "host tier", plot=False)
     print(f"wrote {out}")
     return 0
 

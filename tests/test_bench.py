@@ -268,3 +268,49 @@ def test_speculative_copy_check_by_hand():
     assert got["share_of_output_3grams_in_prompt"] == [3 / 7]
     # an answer that copies the whole continuation
     assert copy_check([prompt], [[5, 6]], [[5, 6, 7]], n=2)["tokens_following_the_passage"] == [2]
+
+
+def test_multiturn_report_by_hand_and_kept_after_each_rep(tmp_path, monkeypatch):
+    """bench.multiturn's report from made-up passes (no engine): each side's medians and the off/on
+    ratios by hand, rewritten after every rep, so a run cut at rep 3 (a lent GPU's time limit; SIGINT
+    is a KeyboardInterrupt) keeps the two reps it finished."""
+    import types
+
+    from bench import multiturn
+
+    # (off, on) per rep: TTFT p50 and p90 (s), prefill tokens, the on side's first step (s)
+    passes = [((0.10, 0.30, 900), (0.05, 0.10, 300, 0.04)), ((0.30, 0.50, 900), (0.10, 0.12, 250, 0.02)),
+              ((0.20, 0.40, 900), (0.04, 0.09, 350, 0.03))]
+    calls = []
+
+    def fake_run(gen, args, seed):
+        rep = seed - 100
+        if rep == 2:
+            raise KeyboardInterrupt
+        calls.append((gen.on, rep))
+        p50, p90, prefill, *first = passes[rep][gen.on]
+        return {"ttft_p50_s": p50, "ttft_p90_s": p90, "prefill_tokens_computed": prefill, "prefix_cache_hits": 0,
+                "kv_host_hits": 0, "kv_host_restore_time_s": 0.0, "outputs": [[1, 2]] * 4,
+                "ttft_parts": {"launch_host_s": 0.0, "restore_host_s": 0.0, "first_step_tokens": 8,
+                               "first_step_device_s": first[0] if first else 0.09, "offload_host_s": 0.0}}
+
+    def fake_gen(on):
+        return types.SimpleNamespace(on=on, reset_prefix_cache=lambda: None,
+                                     client=types.SimpleNamespace(resolved=types.SimpleNamespace(dtype="float32")))
+    monkeypatch.setattr(multiturn, "run", fake_run)
+    monkeypatch.setattr(multiturn, "build_generators",
+                        lambda args, path, common: {on: fake_gen(on) for on in (False, True)})
+    out = tmp_path / "mt.json"
+    with pytest.raises(KeyboardInterrupt):
+        multiturn.main(["--shape", "tiny", "--reps", "3", "--conversations", "2", "--turns", "2", "--out", str(out)])
+    assert calls == [(False, 0), (True, 0), (True, 1), (False, 1)]    # who runs first alternates
+    r = json.loads(out.read_text())
+    assert r["reps_done"] == 2 and r["outputs_identical"] == ["4 of 4", "4 of 4"]
+    # medians of two reps: off TTFT (0.10 + 0.30) / 2, on (0.05 + 0.10) / 2; p90 0.40 / 0.11; prefill 900 / 275
+    assert r["tier_off"]["ttft_p50_s"] == pytest.approx(0.20) and r["tier_on"]["ttft_p50_s"] == pytest.approx(0.075)
+    assert r["ttft_p50_off_over_on"] == pytest.approx(0.20 / 0.075)
+    assert r["ttft_p90_off_over_on"] == pytest.approx(0.40 / 0.11)
+    assert r["paired_ttft_p50_off_over_on"] == pytest.approx([0.10 / 0.05, 0.30 / 0.10])
+    assert r["prefill_tokens_off_over_on"] == pytest.approx(900 / 275)
+    assert r["ttft_p50_ceiling_off_over_on"] == pytest.approx(0.20 / 0.03)
+    assert r["config"]["reps"] == 3 and r["pool_tokens"] == (r["num_blocks"] - 1) * 16
