@@ -17,13 +17,14 @@
 #                                 # p50 of returning turns and prefill tokens, both >= 3x); never run yet:
 #                                 # the 8B steps' warm-up (7 token buckets, Pallas) is the unknown, so 9 min
 #                                 # (the JSON is rewritten after each rep: a run cut short keeps its reps)
-#   bash bench/gpu_session.sh 6   # <= 5 min: bench.gpu's fp8 part (cut on 2026-12-04), HF transformers'
-#                                 # baseline and the kernels part (matmuls, prefill attention vs cuDNN)
+#   bash bench/gpu_session.sh 6   # <= 6.5 min: bench.gpu's fp8 part (cut on 2026-12-04), HF transformers'
+#                                 # baseline and the kernels part (matmuls, prefill attention vs cuDNN), then
+#                                 # the int4 part with --autotune (its cold start: never measured yet)
 #
 # One 15-minute session holds calls 1 and 2 (2026-12-04: the start took ~30 s, then 455 s and 277 s
 # of commands, 772 s held in all): run call 1 with timeout_s 470 and call 2 within 30 s of its reply
 # (timeout_s 330) to keep the machine warm. Calls 3-6 are the next sessions' (timeout_s 500 for 3, 570
-# for 5; 3 and 4 together: ~810 s of commands, so call 4 within 30 s of call 3's reply).
+# for 5, 420 for 6; 3 and 4 together: ~810 s of commands, so call 4 within 30 s of call 3's reply).
 # Results land in $OUT (JSON, logs as one tarball); copy them to bench/results/ and commit them.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -68,6 +69,12 @@ case "${1:-}" in
     timeout -s INT 290 python3 -m bench.gpu --parts ceilings,fp8,hf,kernels --deadline-s 280 \
         --out "$OUT/gpu-fp8-hf-kernels.json" --log-dir "$LOGS/gpu" > "$LOGS/gpu.log" 2>&1 || rc=$?
     tail -30 "$LOGS/gpu.log"
+    # #58's cold start of the first int4 request with autotuning on (<= 30 s: the part's build_s +
+    # batch1.first_request_s); only its first numbers are needed, so the part may be cut at 90 s
+    timeout -s INT 100 python3 -m bench.gpu --parts int4 --autotune --deadline-s 90 \
+        --out "$OUT/gpu-int4-autotune.json" --log-dir "$LOGS/gpu-int4-autotune" \
+        > "$LOGS/gpu-int4-autotune.log" 2>&1 || rc=$?
+    tail -12 "$LOGS/gpu-int4-autotune.log"
     ;;
 *)
     echo "usage: bash bench/gpu_session.sh 1|2|3|4|5|6" >&2
