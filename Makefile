@@ -41,7 +41,8 @@ test: $(VENV)/.installed-test
 GPU_WORKERS ?= 3
 test-gpu:
 	JAX_PLATFORMS=cuda JAXINFER_TEST_GPU=1 XLA_CLIENT_MEM_FRACTION=0.25 XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 \
-		$(PY) -m pytest -m device -p no:cacheprovider -o addopts="" -q --durations=15 $(if $(filter 0,$(GPU_WORKERS)),,-n $(GPU_WORKERS)) \
+		$(PY) -m pytest -m device -p no:cacheprovider -o addopts="" -q --durations=15 \
+		$(if $(filter 0,$(GPU_WORKERS)),,-n $(GPU_WORKERS)) \
 		$(shell grep -l "pytest.mark.device" tests/test_*.py)
 
 clean:

@@ -36,6 +36,7 @@ attention were free. Results: <date>-<device>-multiturn-no-attention.json.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -124,6 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="diagnostic: zeros for the paged attention's output on both sides (module docstring)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.reps < 1:
+        raise SystemExit("--reps must be at least 1")
     if args.shape and args.model:
         raise SystemExit("--shape builds its own random model: give --model or --shape, not both")
     return args
@@ -149,9 +152,9 @@ def build_generators(args, path, common: dict) -> dict:
             for on in (False, True)}
 
 
-def run_reps(gens: dict, args, after_rep=None) -> tuple[dict, list[int]]:
-    """--reps passes of each side, alternating who runs first -> ({on: [run]}, identical outputs per rep).
-    after_rep(runs, identical) is called after each rep, both sides run (the report so far)."""
+def run_reps(gens: dict, args) -> Iterator[tuple[dict, list[int]]]:
+    """--reps passes of each side, alternating who runs first; after each rep (both sides run) yields
+    the reps so far: ({on: [run]}, identical outputs per rep)."""
     runs: dict[bool, list[dict]] = {False: [], True: []}
     float32 = all(g.client.resolved.dtype == "float32" for g in gens.values())
     identical: list[int] = []
@@ -179,13 +182,11 @@ def run_reps(gens: dict, args, after_rep=None) -> tuple[dict, list[int]]:
         # difference 25 tokens into an answer; float32: 96 of 96)
         if float32:
             assert all(same), "the host tier changed the greedy outputs"
-        if after_rep is not None:
-            after_rep(runs, identical)
-    return runs, identical
+        yield runs, identical
 
 
-def summarize(runs: dict, identical: list[int], args) -> tuple[dict, dict]:
-    """The reps so far -> (off/on ratios, the report's results: each side's medians and runs, the ratios)."""
+def summarize(runs: dict, identical: list[int], args) -> dict:
+    """The reps so far -> the report's results: each side's medians and runs, the off/on ratios."""
     med = {on: {k: ({q: float(np.median([r[k][q] for r in runs[on]])) for q in v} if isinstance(v, dict)
                     else float(np.median([r[k] for r in runs[on]]))) for k, v in runs[on][0].items()} for on in runs}
     paired_ttft = [off["ttft_p50_s"] / on["ttft_p50_s"] for off, on in zip(runs[False], runs[True])]
@@ -198,9 +199,9 @@ def summarize(runs: dict, identical: list[int], args) -> tuple[dict, dict]:
         # step's own device time (its new tokens' prefill over the restored context)
         "ttft_p50_ceiling_off_over_on": med[False]["ttft_p50_s"] / med[True]["ttft_parts"]["first_step_device_s"],
     }
-    return ratios, {"tier_off": med[False], "tier_on": med[True], "runs_off": runs[False], "runs_on": runs[True],
-                    **ratios, "outputs_identical": [f"{n} of {args.conversations * args.turns}" for n in identical],
-                    "points": [{"tier": on, **med[on]} for on in (False, True)]}
+    return {"tier_off": med[False], "tier_on": med[True], "runs_off": runs[False], "runs_on": runs[True], **ratios,
+            "outputs_identical": [f"{n} of {args.conversations * args.turns}" for n in identical],
+            "points": [{"tier": on, **med[on]} for on in (False, True)]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,14 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     setup = {"benchmark": "multiturn", "device": info, "model": str(path), "config": vars(args),
              "num_blocks": num_blocks, "pool_tokens": pool_tokens, "history_tokens_at_end": total}
 
-    def write(runs: dict, identical: list[int]) -> None:
+    for runs, identical in run_reps(gens, args):
         # rewritten after every rep, so a run cut short (a lent GPU's time limit) keeps the reps it finished
-        write_json_atomic({**setup, **summarize(runs, identical, args)[1], "reps_done": len(identical)}, out)
-
-    ratios, _ = summarize(*run_reps(gens, args, after_rep=write), args)
+        results = summarize(runs, identical, args)
+        write_json_atomic({**setup, **results, "reps_done": len(identical)}, out)
     print("off/on: TTFT p50 {ttft_p50_off_over_on:.2f}x, p90 {ttft_p90_off_over_on:.2f}x, prefill tokens "
           "{prefill_tokens_off_over_on:.2f}x; TTFT p50 ceiling (copies and host free) "
-          "{ttft_p50_ceiling_off_over_on:.2f}x".format(**ratios), flush=True)
+          "{ttft_p50_ceiling_off_over_on:.2f}x".format(**results), flush=True)
     print(f"wrote {out}")
     return 0
 
