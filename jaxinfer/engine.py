@@ -273,15 +273,14 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        sample_ids = self._sample_ids(request_id, params.n)
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         now = time.monotonic() if arrival_time is None else arrival_time
         make = lambda i, rid: Request(rid, list(prompt_ids), params, seed, sample_index=i,  # noqa: E731
                                       priority=priority, arrival_time=now, cache_salt=cache_salt, lora_id=lora_id,
                                       pooling=pooling)
         leader = make(0, request_id)
-        leader.pending_forks = [make(i, f"{request_id}#{i}") for i in range(1, params.n)]
+        leader.pending_forks = [make(i, sample_ids[i]) for i in range(1, params.n)]
         if params.prompt_logprobs is not None:   # one prompt, one set of prompt logprobs for all samples
             shared: dict = {}
             for r in [leader, *leader.pending_forks]:
@@ -296,6 +295,17 @@ class Engine:
                                 params.stop, params.skip_special_tokens)
         self.scheduler.add(leader)
         return request_id
+
+    def _sample_ids(self, request_id: str, n: int) -> list[str]:
+        """The ids of a new request's n samples ("id", "id#1", ...), none of them a live sample's: a
+        sample of another request may hold "id#1", or a waiting request's sample not yet forked
+        the id given now."""
+        sample_ids = [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
+        taken = next((r for r in sample_ids if r in self.scheduler.requests or self.output.is_live(r)), None)
+        if taken is not None:
+            raise ValueError(f"request id {request_id!r} is already in use"
+                             + ("" if taken == request_id else f" (by a sample of another request: {taken!r})"))
+        return sample_ids
 
     def _check_pooling(self, prompt_ids: list[int], pooling: PoolingState) -> SamplingParams:
         """An embedding request's SamplingParams (one greedy draw, discarded), once the engine is one

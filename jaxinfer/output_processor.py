@@ -66,6 +66,10 @@ class OutputProcessor:
                      if self.tokenizer is not None else None)
             self._text[rid] = _TextState(detok, stops)
 
+    def is_live(self, sample_id: str) -> bool:
+        """Whether a sample ("rid", "rid#1", ...) of an unfinished request, forked yet or not, has this id."""
+        return sample_id in self._text
+
     def pop_samples(self, request_id: str) -> list[str]:
         """Forget a request's sample group (an abort); returns its samples' ids, leader first."""
         return self._groups.pop(request_id, [])

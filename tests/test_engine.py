@@ -116,6 +116,27 @@ def test_blocks_free_after_finish_and_abort(gen):
     assert _all_free(gen)
 
 
+def test_a_samples_id_is_never_a_live_requests_id(gen):
+    """Request "x" with n=2 names its second sample "x#1": a live request of that id, or a waiting
+    request's sample not yet forked, makes the other request's id taken (one scheduler entry and
+    one block table per id; sharing one wedged the engine)."""
+    eng = gen.engine
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    eng.add_request([5, 6, 7], sp, request_id="x#1")
+    with pytest.raises(ValueError, match=r"'x' is already in use \(by a sample of another request: 'x#1'\)"):
+        eng.add_request([8, 9, 10], SamplingParams(max_tokens=4, ignore_eos=True, n=2), request_id="x")
+    eng.add_request([8, 9, 10], SamplingParams(max_tokens=4, ignore_eos=True, n=2), request_id="y")
+    with pytest.raises(ValueError, match=r"'y#1' is already in use"):
+        eng.add_request([5, 6, 7], sp, request_id="y#1")       # y's second sample, not forked yet
+    while eng.has_unfinished():
+        eng.step()
+    assert _all_free(gen)
+    eng.add_request([8, 9, 10], SamplingParams(max_tokens=2, ignore_eos=True, n=2), request_id="x")   # free now
+    while eng.has_unfinished():
+        eng.step()
+    assert _all_free(gen)
+
+
 def test_no_compilation_after_warmup_over_200_requests(hf_model_dir):
     gen = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **SMALL)    # fresh: nothing served yet
     rng = np.random.RandomState(7)

@@ -190,6 +190,30 @@ def test_block_hash_is_chained_and_salted():
     assert block_hash(None, x, "a") == _hand_hash(None, x, "a") != block_hash(None, x, "b") != block_hash(None, x)
 
 
+def test_no_cache_salt_spells_an_adapters_namespace():
+    """The salt and the adapter salt the first block's hash as a pair: a base-model request whose
+    cache_salt is what the adapter's part once was ("\\x00lora:1") never starts from blocks adapter
+    1 computed, while the same adapter, or the same salt, does."""
+    from jaxinfer.host.lora_slots import LoraSlots
+    bm = BlockManager(32, 4, enable_caching=True)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64), bm, lora_slots=LoraSlots(2))
+    prompt, p = list(range(10, 23)), SamplingParams(max_tokens=1, ignore_eos=True)   # 3 full blocks
+
+    def start(**kw) -> int:   # the first token the request computes (its cached prefix), then run it
+        req = Request(f"r{len(s.requests)}-{kw}", list(prompt), p, 0, **kw)
+        s.add(req)
+        out = s.schedule()
+        first = next(q.start for q in out.seqs if q.request is req)
+        while s.has_unfinished():
+            s.update(out, {q.request.request_id: StepSample(5, 0.0) for q in out.seqs if q.sample})
+            out = s.schedule() if s.has_unfinished() else out
+        return first
+
+    assert start(lora_id=1) == 0
+    assert start(cache_salt="\x00lora:1") == 0 and start(cache_salt="[null, 1]") == 0
+    assert start(lora_id=1) == 12 and start(cache_salt="\x00lora:1") == 12
+
+
 def _scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64,
                caching: bool = True):
     bm = BlockManager(num_blocks, block_size, enable_caching=caching)

@@ -1244,3 +1244,32 @@ def test_engine_passes_its_scheduling_policy_to_the_scheduler():
         assert scheduler_config(resolve_config(cfg, mc, backend="cpu")).scheduling_policy == want
     with pytest.raises(ValueError, match="scheduling_policy"):
         EngineConfig(scheduling_policy="lifo")
+
+
+def test_waiting_forks_give_back_blocks_when_the_head_cannot_be_admitted():
+    """Forked samples wait with their prompt's blocks; the request at the head of the queue (by
+    priority; by the cache-aware admission's anti-starvation rule under the defaults) needs more
+    blocks than are free, and nothing runs: the waiting samples' blocks come back (they recompute)
+    instead of every later step scheduling nothing."""
+    h = Harness(num_blocks=9, block_size=4, max_num_seqs=1, budget=32, max_model_len=64)   # 8 usable
+    h.add("L", 17, max_tokens=3, n=3, ignore_eos=True)          # its samples fork at 16: 4 shared blocks
+    for _ in range(3):
+        h.step()
+    h.add("X", 20, priority=-1, max_tokens=4, ignore_eos=True)  # its prompt needs 5 blocks
+    h.run(max_steps=100)
+    bm = BlockManager(9, 4, enable_caching=True)    # the defaults: prefix caching, cache-aware admission
+    s = Scheduler(SchedulerConfig(policy="continuous", max_num_seqs=1, max_num_batched_tokens=32,
+                                  max_model_len=32), bm)
+    prompt = list(range(10, 27))
+    for i, (rid, ids, n, max_tokens) in enumerate([("A", prompt, 1, 2), ("X", list(range(40, 60)), 1, 4),
+                                                   ("L", prompt, 6, 3)]):
+        s.add(make_request(rid, ids, 4, arrival=float(i > 0), n=n, max_tokens=max_tokens, ignore_eos=True))
+        if rid == "A":   # A runs first and caches the prompt's 4 full blocks; L is admitted past X
+            out = s.schedule()
+            s.update(out, {q.request.request_id: StepSample(7, 0.0) for q in out.seqs if q.sample})
+    for _ in range(300):
+        if not s.has_unfinished():
+            break
+        out = s.schedule()
+        s.update(out, {q.request.request_id: StepSample(7, 0.0) for q in out.seqs if q.sample})
+    assert not s.has_unfinished() and bm.num_used == 0

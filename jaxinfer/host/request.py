@@ -9,6 +9,7 @@ previous one's tokens reach the host: those tokens are `num_inflight` placeholde
 from __future__ import annotations
 
 import enum
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,11 +126,12 @@ class Request(LatencyMetrics):
 
     @property
     def prefix_salt(self) -> str | None:
-        """What salts the first block's hash: the cache salt, and the adapter (two adapters, or an
-        adapter and the base model, never share K/V)."""
-        if self.lora_id is None:
-            return self.cache_salt
-        return f"{self.cache_salt or ''}\x00lora:{self.lora_id}"
+        """What salts the first block's hash: the cache salt and the adapter (two adapters, or an
+        adapter and the base model, never share K/V), as a JSON pair: no salt a client chooses can
+        spell another salt's or an adapter's pair."""
+        if self.lora_id is None and not self.cache_salt:
+            return None
+        return json.dumps([self.cache_salt or None, self.lora_id])
 
     @property
     def finished(self) -> bool:

@@ -222,11 +222,12 @@ class Scheduler:
         self.running.remove(req)
         self._enqueue(req)
 
-    def _reclaim_waiting(self) -> bool:
+    def _reclaim_waiting(self, keep: Request | None = None) -> bool:
         """Free the blocks of the newest waiting request that holds some (a forked sample that
-        shares its prompt's blocks); it will recompute. False if no waiting request holds blocks."""
+        shares its prompt's blocks), other than `keep`; it will recompute. False if no waiting
+        request holds blocks."""
         for req in reversed(self.waiting):
-            if self.blocks.table(req.request_id):
+            if req is not keep and self.blocks.table(req.request_id):
                 self.blocks.free(req.request_id)
                 req.num_computed_tokens = req.num_draft_computed = req.draft_catchup_end = 0
                 if req.pooling is not None:
@@ -357,7 +358,15 @@ class Scheduler:
                 continue
             hits, start, n = self._admission(req, budget)
             looked_up = self._looks_up(req)
-            if n == 0 or not self.blocks.allocate(req.request_id, start + n, prefix=hits):
+            # with nothing running, no one else will give blocks back: forked samples parked in the
+            # queue with their prompt's blocks return them first (they recompute), else the request
+            # at the head could wait for them forever while they wait behind it
+            while n and not self.blocks.allocate(req.request_id, start + n, prefix=hits):
+                if self.running or not self._reclaim_waiting(keep=req):
+                    n = 0
+                    break
+                hits, start, n = self._admission(req, budget)   # its cached prefix may have moved
+            if n == 0:
                 self._release_lora(req)
                 break
             if looked_up:
