@@ -12,6 +12,7 @@ cheap: it never imports jax, and the tokenizer libraries are imported only when 
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections.abc import Sequence
@@ -120,6 +121,30 @@ class Tokenizer:
             piece = self._backend.id_to_token(int(i))
             return piece if piece is not None else ""
         return self._backend.id_to_piece(int(i)) if 0 <= i < self.vocab_size else ""
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token ``i`` stands for (OpenAI's logprobs `bytes`; a multi-byte character split
+        over tokens comes back whole from their concatenation): a byte-fallback piece ``<0xNN>`` is
+        that byte, a byte-level BPE piece (GPT-2's alphabet: one character per byte) the bytes its
+        characters stand for, the SentencePiece word marker a space; special tokens their text."""
+        piece = self.id_to_piece(i)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if self.kind == "hf" and self._byte_level:
+            table = _byte_level_table()
+            if all(c in table for c in piece):   # else an added token written as plain text
+                return bytes(table[c] for c in piece)
+        return piece.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the HF tokenizer's decoder is byte-level (GPT-2, Llama 3, Qwen), read once."""
+        decoder = json.loads(self._backend.to_str()).get("decoder") or {}
+        parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+        return any(d.get("type") == "ByteLevel" for d in parts)
 
     def token_to_id(self, token: str) -> int | None:
         return _token_id(self._backend, self.kind, token)
@@ -236,6 +261,18 @@ def _special_ids(backend: Any, kind: str, tok_cfg: dict, st_map: dict, gen_cfg: 
     # end-of-turn) and stopping on any of them is what the model's authors intend.
     eos_ids = tuple(dict.fromkeys(_id_list(gen_cfg.get("eos_token_id")) + candidates("eos")))
     return (bos[0] if bos else None), eos_ids, (pad[0] if pad else None)
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's alphabet, character -> the byte it stands for: the 188 printable bytes stand
+    for themselves (as Latin-1 characters), the other 68 for U+0100 onwards in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    table = {chr(b): b for b in printable}
+    rest = [b for b in range(256) if b not in set(printable)]
+    table.update({chr(256 + k): b for k, b in enumerate(rest)})
+    return table
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:

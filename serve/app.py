@@ -189,7 +189,8 @@ class ServerState:
             kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
         text = self.render_chat_text(req.messages, req.tool_plan(), kwargs)
         prompt = self.encode_chat(text)
-        max_tokens = self.default_max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self.default_max_tokens(len(prompt), requested)   # 0 is refused, not taken as unset
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         parsers = OutputParsers(self.reasoning_parser, text, self.tool_call_parser)
@@ -218,6 +219,13 @@ class ServerState:
             return tok.id_to_piece(token_id).replace("\u2581", " ")
         text = tok.decode([token_id], skip_special_tokens=False)
         return text if text and "\ufffd" not in text else tok.id_to_piece(token_id)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """A token's bytes for chat logprobs (OpenAI's `bytes`: a byte piece is its one byte, not the
+        text of '<0x0A>'; the pieces of a split multi-byte character join into its UTF-8)."""
+        if self.tokenizer is None:
+            return list(self.token_str(token_id).encode())
+        return list(self.tokenizer.token_bytes(token_id))
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -354,7 +362,8 @@ async def completions(req: CompletionRequest, request: Request):
     if req.stream:
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
         return stream_response(state.engine, sub, base, n_prompt, _include_usage(req),
-                               CompletionChoices(sub, state.token_str, req.logprobs is not None, echo))
+                               CompletionChoices(sub, state.token_str, req.logprobs is not None, echo),
+                               count_output=not echo.echo_only)
     return await respond(state.engine, sub, request, lambda groups: echo.apply(completion_body(
         rid, created, model, groups, n_prompt, state.token_str, req.logprobs is not None, sub.n),
         groups, state.token_str, req.logprobs is not None, sub.n))
@@ -370,12 +379,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     rid, created, model = new_id("chatcmpl"), now(), lora or state.model_name
     if req.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        choices = ChatChoices(sub.n, req.tool_plan(), state.token_str, bool(req.logprobs), parsers)
+        choices = ChatChoices(sub.n, req.tool_plan(), state.token_str, bool(req.logprobs), parsers, state.token_bytes)
         return stream_response(state.engine, sub, base, len(prompt), _include_usage(req), choices, choices.head)
 
     def build(groups):
         body = chat_body(rid, created, model, groups, len(prompt), state.token_str, req.logprobs, sub.n,
-                         tools=req.tool_plan(), parsers=parsers)
+                         tools=req.tool_plan(), parsers=parsers, token_bytes=state.token_bytes)
         if req.prompt_logprobs is not None:   # vLLM's place: the response's top level
             entries = first_prompt_logprobs(groups[0])
             body["prompt_logprobs"] = None if entries is None else vllm_prompt_logprobs(entries, prompt,

@@ -133,7 +133,8 @@ def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -
     build = completion_body if job.url == "/v1/completions" else chat_body
     want_lp = job.request.logprobs is not None if job.url == "/v1/completions" else job.request.logprobs
     rid = new_id("cmpl" if job.url == "/v1/completions" else "chatcmpl")
-    extra = {"tools": job.request.tool_plan(), "parsers": job.parsers} if job.url == "/v1/chat/completions" else {}
+    extra = ({"tools": job.request.tool_plan(), "parsers": job.parsers, "token_bytes": state.token_bytes}
+             if job.url == "/v1/chat/completions" else {})
     body = build(rid, now(), state.check_model(job.request.model) or state.model_name, groups, n_prompt, state.token_str, bool(want_lp), job.params.n,
                  **extra)
     if job.echo is not None:

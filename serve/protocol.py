@@ -56,6 +56,19 @@ UNSUPPORTED_FIELDS = {
     "verbosity": lambda v: v is None,
     "prompt_cache_key": lambda v: v is None,
     "safety_identifier": lambda v: v is None,
+    # vLLM's sampling and rendering extras this server does not implement (clients written for vLLM
+    # send them expecting their effect)
+    "min_tokens": lambda v: v is None or v == 0,
+    "include_stop_str_in_output": lambda v: v is None or v is False,
+    "skip_special_tokens": lambda v: v is None or v is True,
+    "spaces_between_special_tokens": lambda v: v is None or v is True,
+    "bad_words": lambda v: v is None or v == [],
+    "allowed_token_ids": lambda v: v is None,
+    "truncate_prompt_tokens": lambda v: v is None,
+    "use_beam_search": lambda v: v is None or v is False,
+    "return_tokens_as_token_ids": lambda v: v is None or v is False,
+    "add_generation_prompt": lambda v: v is None or v is True,
+    "continue_final_message": lambda v: v is None or v is False,
 }
 
 # vLLM's structured_outputs object: the constraint keys, and the one option we honour
@@ -138,6 +151,13 @@ class _Body(BaseModel):
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_options(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("continuous_usage_stats") not in (None, False):
+            raise _refuse("stream_options", "stream_options.continuous_usage_stats is not supported by this server")
+        return data
+
 
 class _Sampling(_Body):
     """Fields both endpoints share (OpenAI's names) plus vLLM-style extras. Only types are checked
@@ -174,6 +194,13 @@ class _Sampling(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_stream_options(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("stream_options") is not None and not data.get("stream"):
+            raise _refuse("stream_options", "stream_options is only allowed when stream is true")   # as vLLM
+        return data
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
                         prefix: str | None = None) -> SamplingParams:
@@ -479,34 +506,45 @@ def _lp(v: float) -> float:
 
 
 def completion_logprobs(outs: list, token_str) -> dict:
-    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs (the top-k and the sampled
+    token itself: up to logprobs + 1 entries, as OpenAI and vLLM), text_offset: where each token's
+    text begins in the choice's text. A delta holds one token (OutputProcessor) and its text is
+    what that token added, so the offsets follow the text itself, not the tokens' display strings
+    (a byte piece shows as '<0x0A>' and adds one character, a held-back stop prefix adds none)."""
     tokens, lps, tops, offsets, offset = [], [], [], [], 0
     for d in outs:
         for i, t in enumerate(d.token_ids):
             s = token_str(t)
             offsets.append(offset)
-            offset += len(s)
             tokens.append(s)
             lps.append(_lp(d.logprobs[i]))
-            tops.append({token_str(a): _lp(b) for a, b in d.top_logprobs[i]} if d.top_logprobs else {})
+            top = {token_str(a): _lp(b) for a, b in d.top_logprobs[i]} if d.top_logprobs else {}
+            if d.top_logprobs:
+                top.setdefault(s, _lp(d.logprobs[i]))
+            tops.append(top)
+        offset += len(d.text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(outs: list, token_str) -> dict:
-    """OpenAI chat logprobs: content = [{token, logprob, bytes, top_logprobs}]."""
+def chat_logprobs(outs: list, token_str, token_bytes=None) -> dict:
+    """OpenAI chat logprobs: content = [{token, logprob, bytes, top_logprobs}]; token_bytes: a token
+    id's bytes (ServerState.token_bytes; None: its token_str's UTF-8)."""
+    token_bytes = token_bytes or (lambda t: list(token_str(t).encode()))
     content = []
     for d in outs:
         for i, t in enumerate(d.token_ids):
-            s = token_str(t)
-            tops = [{"token": token_str(a), "logprob": _lp(b), "bytes": list(token_str(a).encode())}
+            tops = [{"token": token_str(a), "logprob": _lp(b), "bytes": token_bytes(a)}
                     for a, b in (d.top_logprobs[i] if d.top_logprobs else [])]
-            content.append({"token": s, "logprob": _lp(d.logprobs[i]), "bytes": list(s.encode()), "top_logprobs": tops})
+            content.append({"token": token_str(t), "logprob": _lp(d.logprobs[i]), "bytes": token_bytes(t),
+                            "top_logprobs": tops})
     return {"content": content}
 
 
 def cached_tokens(groups: list[list], n: int) -> int:
-    """Prompt tokens served from the prefix cache: once per prompt (its n choices share the prompt)."""
-    return sum(max((d.num_cached_tokens for g in groups[i:i + n] for d in g), default=0)
+    """Prompt tokens served from the prefix cache: once per prompt (its n choices share the prompt).
+    The least of its samples': the first computes what the cache lacked and the others fork its
+    blocks, so theirs count the whole prompt as cached, even for a prompt never seen before."""
+    return sum(min((d.num_cached_tokens for g in groups[i:i + n] for d in g), default=0)
                for i in range(0, len(groups), n))
 
 
@@ -539,13 +577,14 @@ def chat_message(text: str, finish_reason: str | None, plan: ToolPlan | None,
 
 
 def chat_body(rid: str, created: int, model: str, groups: list[list], n_prompt: int, token_str,
-              logprobs: bool, n: int = 1, tools: ToolPlan | None = None, parsers: OutputParsers | None = None) -> dict:
+              logprobs: bool, n: int = 1, tools: ToolPlan | None = None, parsers: OutputParsers | None = None,
+              token_bytes=None) -> dict:
     """A non-streaming /v1/chat/completions response from each choice's deltas."""
     choices, n_reasoning = [], 0
     for i, g in enumerate(groups):
         message, finish = chat_message("".join(d.text for d in g), g[-1].finish_reason, tools, parsers)
-        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(g, token_str) if logprobs else None,
-                        "finish_reason": finish})
+        lp = chat_logprobs(g, token_str, token_bytes) if logprobs else None
+        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
         if parsers is not None and parsers.reasoning is not None:
             n_reasoning += reasoning_tokens(parsers, g)
     n_out = sum(len(d.token_ids) for g in groups for d in g)

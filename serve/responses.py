@@ -30,6 +30,7 @@ request naming an unknown (or evicted) previous_response_id gets a 404. Fields n
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -253,10 +254,10 @@ def _call_item(call: dict, status: str = "completed") -> dict:
             "arguments": call["function"]["arguments"], "status": status}
 
 
-def _response(rid: str, created: int, state, req: ResponsesRequest, output: list[dict], status: str,
+def _response(rid: str, created: int, model: str, req: ResponsesRequest, output: list[dict], status: str,
               usage: dict | None, cut: bool) -> dict:
     tools = [t for t in (req.tools or [])]
-    return {"id": rid, "object": "response", "created_at": created, "status": status, "model": state.model_name,
+    return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
             "output": output, "output_text": "".join(c["text"] for item in output if item["type"] == "message"
                                                      for c in item["content"] if c["type"] == "output_text"),
             "error": None,
@@ -287,6 +288,15 @@ def _assistant_messages(output: list[dict]) -> list[dict]:
     return [m]
 
 
+# the chat request's fields that a Responses request's own fields become (_chat_request)
+_RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input",
+                     "chat_template_kwargs": "reasoning"}
+
+
+def _responses_field(name: str) -> str:
+    return _RESPONSES_FIELDS.get(name, name)
+
+
 @router.post("/v1/responses")
 async def create_response(request: Request):
     state = request.app.state.server
@@ -302,14 +312,22 @@ async def create_response(request: Request):
         first = errors[0] if errors else {}
         loc = ".".join(str(x) for x in first.get("loc", ()))
         raise OpenAIError(400, f"{loc or 'body'}: {first.get('msg', e)}", param=loc.split(".")[0] or None) from None
-    chat, messages = await run_in_threadpool(_chat_request, state, req)
-    prompt, params, parsers = await run_in_threadpool(state.chat_request, chat)
-    sub = state.engine.submit([prompt], params, request_field=chat.request_field)
-    rid, created = new_id("resp"), now()
+    try:
+        chat, messages = await run_in_threadpool(_chat_request, state, req)
+        prompt, params, parsers = await run_in_threadpool(state.chat_request, chat)
+        lora = state.check_model(req.model)    # a loaded LoRA adapter's name runs with it, as on chat
+        field = lambda name: _responses_field(chat.request_field(name))   # noqa: E731
+        sub = state.engine.submit([prompt], params, request_field=field, lora=lora)
+    except OpenAIError as e:   # errors name this request's fields, not the chat request's
+        if e.param in _RESPONSES_FIELDS:
+            e.message = re.sub(rf"\b{e.param}\b", _RESPONSES_FIELDS[e.param], e.message)
+            e.param = _RESPONSES_FIELDS[e.param]
+        raise
+    rid, created, model = new_id("resp"), now(), lora or state.model_name
     plan = chat.tool_plan()
 
     def finish(output: list[dict], usage: dict, cut: bool) -> dict:
-        body = _response(rid, created, state, req, output, "incomplete" if cut else "completed", usage, cut)
+        body = _response(rid, created, model, req, output, "incomplete" if cut else "completed", usage, cut)
         if req.store:
             _store(state).put(rid, body, messages + _assistant_messages(output))
         return body
@@ -331,7 +349,7 @@ async def create_response(request: Request):
                                          n_reason), finish_reason == "length")
         return await respond(state.engine, sub, request, build)
     choices = ChatChoices(1, plan, state.token_str, False, parsers)
-    start = _response(rid, created, state, req, [], "in_progress", None, False)
+    start = _response(rid, created, model, req, [], "in_progress", None, False)
     return StreamingResponse(_events(state, sub, choices, start, len(prompt), finish), media_type="text/event-stream")
 
 

@@ -74,16 +74,19 @@ def sse_error(e: OpenAIError) -> str:
 
 
 def stream_response(engine: AsyncEngine, sub: Submission, base: dict, n_prompt: int, include_usage: bool,
-                    choices: Callable[[RequestOutput], list[dict]], head: Sequence[dict] = ()) -> StreamingResponse:
+                    choices: Callable[[RequestOutput], list[dict]], head: Sequence[dict] = (),
+                    count_output: bool = True) -> StreamingResponse:
     """The SSE response of a streaming route: each choice in `head` first, then each delta's choices
     (a delta with no text, no tokens and no end sends nothing), each as {**base, "choices": [one]};
-    base is the chunk's id, object, created and model."""
-    return StreamingResponse(_events(engine, sub, base, n_prompt, include_usage, choices, head),
+    base is the chunk's id, object, created and model. count_output False: the usage chunk counts no
+    completion tokens (echo with max_tokens 0: the one token the engine draws is never returned)."""
+    return StreamingResponse(_events(engine, sub, base, n_prompt, include_usage, choices, head, count_output),
                              media_type="text/event-stream")
 
 
 async def _events(engine: AsyncEngine, sub: Submission, base: dict, n_prompt: int, include_usage: bool,
-                  choices: Callable[[RequestOutput], list[dict]], head: Sequence[dict]) -> AsyncIterator[str]:
+                  choices: Callable[[RequestOutput], list[dict]], head: Sequence[dict],
+                  count_output: bool) -> AsyncIterator[str]:
     # finished: every sample ended, so releasing must not abort (a client gone during the usage
     # chunk or [DONE] leaves nothing running)
     finished, n_out, cached = False, 0, {}
@@ -94,8 +97,9 @@ async def _events(engine: AsyncEngine, sub: Submission, base: dict, n_prompt: in
         while remaining:
             d = await next_delta(sub)
             remaining -= d.finished
-            n_out += len(d.token_ids)
-            cached[d.request_id] = max(cached.get(d.request_id, 0), d.num_cached_tokens)
+            n_out += len(d.token_ids) if count_output else 0
+            # once per prompt: its first sample's (the others fork its blocks, protocol.cached_tokens)
+            cached[d.request_id] = min(cached.get(d.request_id, d.num_cached_tokens), d.num_cached_tokens)
             if not (d.text or d.token_ids or d.finished):
                 continue
             for choice in choices(d):
@@ -142,8 +146,8 @@ class ChatChoices:
     in the family's format. reasoning_tokens: the usage chunk's count (None without a parser)."""
 
     def __init__(self, n: int, plan: ToolPlan | None, token_str: Callable[[int], str], logprobs: bool,
-                 parsers: OutputParsers | None = None):
-        self.token_str, self.logprobs = token_str, logprobs
+                 parsers: OutputParsers | None = None, token_bytes: Callable[[int], list[int]] | None = None):
+        self.token_str, self.logprobs, self.token_bytes = token_str, logprobs, token_bytes
         parsers = parsers or OutputParsers()
         self.tools = [ToolStream(plan, parsers.tools) if plan is not None and plan.parses else None for _ in range(n)]
         self.reasoners = [parsers.reasoning_parser() for _ in range(n)]
@@ -159,7 +163,7 @@ class ChatChoices:
         return sum(c for c, rp in zip(self._reasoning_counts, self.reasoners) if rp.saw_reasoning)
 
     def __call__(self, d: RequestOutput) -> list[dict]:
-        lp = chat_logprobs([d], self.token_str) if self.logprobs else None
+        lp = chat_logprobs([d], self.token_str, self.token_bytes) if self.logprobs else None
         ts, rp = self.tools[d.sample_index], self.reasoners[d.sample_index]
         text, head = d.text, []
         if rp is not None:

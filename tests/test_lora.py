@@ -314,3 +314,50 @@ def test_tensor_parallel_with_kv_replicas(llama, tmp_path):
     assert result["mixed"] == result["alone"]
     assert result["alone"][0] == _peft_greedy(adapters["a"][1], PROMPT, 6)
     assert result["compilations"] == 0
+
+
+def test_chat_and_responses_run_the_adapter_named_in_model(tmp_path):
+    """`model` naming a loaded adapter runs it on /v1/chat/completions and /v1/responses alike (the
+    Responses route once dropped it and ran the base model), and each answers with that name: the
+    greedy text is PEFT's greedy continuation of the rendered chat, decoded by SentencePiece."""
+    import sentencepiece as spm
+    from fastapi.testclient import TestClient
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from serve.app import build_app
+    from serve.protocol import ChatCompletionRequest
+    from tests.hf_models import save_text_model
+
+    base = save_text_model(tmp_path / "base")
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(base), LoraConfig(**ADAPTERS["a"]))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0.0, 0.5)
+    model.eval().save_pretrained(tmp_path / "ad")
+    gen = Generator.from_pretrained(base, lora_modules={"ad": str(tmp_path / "ad")}, max_lora_rank=8,
+                                    max_model_len=128, max_num_seqs=2, block_size=8, num_blocks=40)
+    sp = spm.SentencePieceProcessor(model_file=str(base / "tokenizer.model"))
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    with TestClient(build_app(gen, "tiny")) as http:
+        prompt = http.app.state.server.chat_inputs(ChatCompletionRequest(model="ad", messages=messages))[0]
+        with torch.no_grad():
+            ids = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                 eos_token_id=2, pad_token_id=0)[0, len(prompt):].tolist()
+            with model.disable_adapter():
+                base_ids = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                          eos_token_id=2, pad_token_id=0)[0, len(prompt):].tolist()
+        assert ids != base_ids                      # the adapter changes the greedy continuation
+        want = sp.decode([i for i in ids if i != 2])
+        chat = http.post("/v1/chat/completions", json=dict(model="ad", messages=messages, max_tokens=6,
+                                                           temperature=0)).json()
+        resp = http.post("/v1/responses", json=dict(model="ad", input=messages, max_output_tokens=6,
+                                                    temperature=0)).json()
+        assert chat["model"] == resp["model"] == "ad"
+        assert chat["choices"][0]["message"]["content"].strip() == want.strip()
+        assert resp["output_text"].strip() == want.strip()
+        plain = http.post("/v1/responses", json=dict(input=messages, max_output_tokens=6, temperature=0)).json()
+        assert plain["model"] == "tiny" and plain["output_text"].strip() == sp.decode(
+            [i for i in base_ids if i != 2]).strip()

@@ -278,3 +278,103 @@ def test_prefix_cache_salt_usage_and_metrics(server, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
     assert server.metric("jaxinfer_prefix_cache_queries_total") - queries0 >= 3 * 40
     assert server.metric("jaxinfer_prefix_cache_hits_total") - hits0 >= 32 + usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),        # 0 refused like max_tokens 0, not read as unset
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "stream_options": {"include_usage": True}},
+     "stream_options"),               # vLLM: only with stream true
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream_options": {}},
+     "stream_options"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 0}, "max_output_tokens"),   # its own name
+    # vLLM's extras that would change the output: refused, never silently dropped
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 2}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["a"],
+                              "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": True,
+                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "stream_options"),
+])
+def test_refusals_name_the_field_the_request_sent(server, route, body, param):
+    r = httpx.post(f"{server.url}{route}", json={"model": "tiny", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert route != "/v1/responses" or "max_tokens" not in err["message"], err
+
+
+def test_vllm_extras_at_their_no_op_values_are_accepted(server):
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "x", "max_tokens": 2, "min_tokens": 0, "include_stop_str_in_output": False,
+        "skip_special_tokens": True, "stream_options": None})
+    assert r.status_code == 200, r.text
+
+
+def test_logprobs_keep_the_sampled_token_and_follow_the_text(server):
+    """OpenAI's legacy logprobs hold the sampled token beside the top-k (up to k + 1 entries) and
+    text_offset is where each token's text starts in the choice's text, streamed or not; chat
+    logprobs' `bytes` of a byte-fallback piece is that one byte, other pieces their text's UTF-8."""
+    body = {"model": "tiny", "prompt": "seven wizards", "max_tokens": 24, "temperature": 2.0, "seed": 5,
+            "logprobs": 1, "ignore_eos": True}
+    choice = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    lp = choice["logprobs"]
+    for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[tok] == v and 1 <= len(top) <= 2
+    offsets = lp["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(choice["text"])
+    streamed = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0]["logprobs"]["text_offset"]
+    assert streamed == offsets
+    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "seven wizards"}], "max_tokens": 24,
+        "temperature": 2.0, "seed": 5, "logprobs": True, "top_logprobs": 2, "ignore_eos": True}).json()
+    entries = chat["choices"][0]["logprobs"]["content"]
+    entries += [t for e in entries for t in e["top_logprobs"]]
+    for e in entries:
+        tok = e["token"]
+        byte_piece = len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">")
+        assert e["bytes"] == ([int(tok[3:5], 16)] if byte_piece else list(tok.encode())), e
+    assert any(len(e["token"]) == 6 and e["token"].startswith("<0x") for e in entries)   # the case was met
+
+
+def test_usage_of_echo_only_streams_and_of_a_new_prompt_sampled_n_times(server):
+    """echo with max_tokens 0 returns no completion tokens, streamed as not; a prompt never seen
+    before has no cached tokens, however many samples fork its blocks."""
+    body = {"model": "tiny", "prompt": "jolly hackers", "max_tokens": 0, "echo": True}
+    plain = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["usage"]
+    usage = None
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:]).get("usage"):
+                usage = json.loads(line[6:])["usage"]
+    assert plain["completion_tokens"] == usage["completion_tokens"] == 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] == plain["prompt_tokens"]
+    fresh = " ".join(["quietly lazy wizards hex seven jolly dogs"] * 3)    # 3 blocks and more, new here
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": fresh, "max_tokens": 2, "n": 4, "temperature": 1.0}).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    again = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": fresh, "max_tokens": 2}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0      # now it is cached
+
+
+def test_completion_logprobs_by_hand():
+    """Four one-token deltas (OutputProcessor's shape): ' the', a newline from the byte piece <0x0A>
+    (one character of text, six of display), a token whose text is held back (it may start a stop
+    string) and the token that releases it. Offsets count the text: 0, 4, 5, 5."""
+    from jaxinfer.output_processor import RequestOutput
+    from serve.protocol import completion_logprobs
+    names = {5: " the", 6: "<0x0A>", 7: "fo", 8: "x"}
+    deltas = [RequestOutput("r", 0, " the", [5], [-0.5], [[(7, -0.1)]]),
+              RequestOutput("r", 0, "\n", [6], [-2.0], [[(6, -2.0)]]),
+              RequestOutput("r", 0, "", [7], [-0.25], [[(5, -0.2)]]),
+              RequestOutput("r", 0, "fox", [8], [-1.0], [[(5, -0.75)]])]
+    lp = completion_logprobs(deltas, names.get)
+    assert lp["tokens"] == [" the", "<0x0A>", "fo", "x"]
+    assert lp["text_offset"] == [0, 4, 5, 5]
+    assert lp["top_logprobs"] == [{"fo": -0.1, " the": -0.5}, {"<0x0A>": -2.0}, {" the": -0.2, "fo": -0.25},
+                                  {" the": -0.75, "x": -1.0}]

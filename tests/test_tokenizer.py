@@ -394,3 +394,15 @@ def test_stream_with_stops_end_to_end() -> None:
         if idx is not None:
             break
     assert out == ["Forty", " two", "", ""] and "".join(out) == "Forty two"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_join_into_the_texts_utf8(sp_tok: Tokenizer, hf_tok: Tokenizer, text: str) -> None:
+    """Each token's bytes (OpenAI's logprobs `bytes`), joined, are the text's own UTF-8: byte-level
+    pieces and byte-fallback pieces of split multi-byte characters included; SentencePiece adds its
+    dummy-prefix space in front."""
+    hf = b"".join(hf_tok.token_bytes(i) for i in hf_tok.encode(text, add_special_tokens=False))
+    assert hf == text.encode()
+    sp = b"".join(sp_tok.token_bytes(i) for i in sp_tok.encode(text, add_special_tokens=False))
+    assert sp == (" " + text).encode() if text else sp == b""
+    assert sp_tok.token_bytes(1) == b"<s>" and hf_tok.token_bytes(0) == hf_tok.id_to_piece(0).encode()

@@ -166,17 +166,8 @@ def token_bytes(tokenizer) -> tuple[list[bytes], list[int]]:
     Tokenizer): '▁' is a space, <0xNN> byte-fallback pieces are that byte, control and unknown pieces
     are special (they never match grammar text)."""
     sp = tokenizer.backend
-    tokens, special = [], []
-    for i in range(sp.get_piece_size()):
-        piece = sp.id_to_piece(i)
-        if sp.is_control(i) or sp.is_unknown(i):
-            special.append(i)
-            tokens.append(piece.encode())
-        elif sp.is_byte(i):
-            tokens.append(bytes([int(piece[3:-1], 16)]))
-        else:
-            tokens.append(piece.replace("\u2581", " ").encode())
-    return tokens, special
+    special = [i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)]
+    return [tokenizer.token_bytes(i) for i in range(sp.get_piece_size())], special
 
 
 class _SentencePieceWrapper:
