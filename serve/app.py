@@ -346,10 +346,6 @@ async def detokenize(req: DetokenizeRequest, request: Request):
     return {"prompt": await run_in_threadpool(state.tokenizer.decode, req.tokens)}
 
 
-def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
-
-
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
     state = _state(request)
@@ -361,7 +357,7 @@ async def completions(req: CompletionRequest, request: Request):
     n_prompt = sum(len(x) for x in prompts)
     if req.stream:
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-        return stream_response(state.engine, sub, base, n_prompt, _include_usage(req),
+        return stream_response(state.engine, sub, base, [len(x) for x in prompts], req.stream_options,
                                CompletionChoices(sub, state.token_str, req.logprobs is not None, echo),
                                count_output=not echo.echo_only)
     return await respond(state.engine, sub, request, lambda groups: echo.apply(completion_body(
@@ -380,7 +376,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if req.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         choices = ChatChoices(sub.n, req.tool_plan(), state.token_str, bool(req.logprobs), parsers, state.token_bytes)
-        return stream_response(state.engine, sub, base, len(prompt), _include_usage(req), choices, choices.head)
+        return stream_response(state.engine, sub, base, [len(prompt)], req.stream_options, choices, choices.head)
 
     def build(groups):
         body = chat_body(rid, created, model, groups, len(prompt), state.token_str, req.logprobs, sub.n,

@@ -150,13 +150,7 @@ class _Body(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_options(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("continuous_usage_stats") not in (None, False):
-            raise _refuse("stream_options", "stream_options.continuous_usage_stats is not supported by this server")
-        return data
+    continuous_usage_stats: bool = False     # vLLM's: with include_usage, every chunk carries usage
 
 
 class _Sampling(_Body):

@@ -73,40 +73,57 @@ def sse_error(e: OpenAIError) -> str:
     return f"data: {error_bytes(e).decode()}\n\n"
 
 
-def stream_response(engine: AsyncEngine, sub: Submission, base: dict, n_prompt: int, include_usage: bool,
-                    choices: Callable[[RequestOutput], list[dict]], head: Sequence[dict] = (),
+def stream_response(engine: AsyncEngine, sub: Submission, base: dict, prompt_lens: Sequence[int],
+                    stream_options, choices: Callable[[RequestOutput], list[dict]], head: Sequence[dict] = (),
                     count_output: bool = True) -> StreamingResponse:
     """The SSE response of a streaming route: each choice in `head` first, then each delta's choices
     (a delta with no text, no tokens and no end sends nothing), each as {**base, "choices": [one]};
-    base is the chunk's id, object, created and model. count_output False: the usage chunk counts no
-    completion tokens (echo with max_tokens 0: the one token the engine draws is never returned)."""
-    return StreamingResponse(_events(engine, sub, base, n_prompt, include_usage, choices, head, count_output),
+    base is the chunk's id, object, created and model; prompt_lens: the tokens of each prompt of
+    sub. stream_options (protocol.StreamOptions or None): include_usage ends the stream with a
+    usage chunk; with continuous_usage_stats too, every chunk carries its choice's usage so far
+    (vLLM's extension: its prompt's tokens and the tokens that choice has produced). count_output
+    False: no completion tokens are counted (echo with max_tokens 0: the one token the engine draws
+    is never returned)."""
+    include = bool(stream_options and stream_options.include_usage)
+    continuous = include and bool(stream_options.continuous_usage_stats)
+    return StreamingResponse(_events(engine, sub, base, prompt_lens, include, continuous, choices, head, count_output),
                              media_type="text/event-stream")
 
 
-async def _events(engine: AsyncEngine, sub: Submission, base: dict, n_prompt: int, include_usage: bool,
-                  choices: Callable[[RequestOutput], list[dict]], head: Sequence[dict],
+async def _events(engine: AsyncEngine, sub: Submission, base: dict, prompt_lens: Sequence[int], include_usage: bool,
+                  continuous: bool, choices: Callable[[RequestOutput], list[dict]], head: Sequence[dict],
                   count_output: bool) -> AsyncIterator[str]:
     # finished: every sample ended, so releasing must not abort (a client gone during the usage
     # chunk or [DONE] leaves nothing running)
     finished, n_out, cached = False, 0, {}
+    produced: dict[tuple[str, int], int] = {}     # (request, sample) -> completion tokens so far
+
+    def chunk(choice: dict, prompt_len: int, completion: int) -> str:
+        body = {**base, "choices": [choice]}
+        if continuous:
+            body["usage"] = {"prompt_tokens": prompt_len, "completion_tokens": completion,
+                             "total_tokens": prompt_len + completion}
+        return sse(body)
     try:
         for choice in head:
-            yield sse({**base, "choices": [choice]})
+            yield chunk(choice, prompt_lens[0], 0)
         remaining = len(sub.request_ids) * sub.n
         while remaining:
             d = await next_delta(sub)
             remaining -= d.finished
-            n_out += len(d.token_ids) if count_output else 0
+            new = len(d.token_ids) if count_output else 0
+            n_out += new
+            key = (d.request_id, d.sample_index)
+            produced[key] = produced.get(key, 0) + new
             # once per prompt: its first sample's (the others fork its blocks, protocol.cached_tokens)
             cached[d.request_id] = min(cached.get(d.request_id, d.num_cached_tokens), d.num_cached_tokens)
             if not (d.text or d.token_ids or d.finished):
                 continue
             for choice in choices(d):
-                yield sse({**base, "choices": [choice]})
+                yield chunk(choice, prompt_lens[sub.request_ids.index(d.request_id)], produced[key])
         finished = True
         if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(n_prompt, n_out, sum(cached.values()),
+            yield sse({**base, "choices": [], "usage": usage(sum(prompt_lens), n_out, sum(cached.values()),
                                                                getattr(choices, "reasoning_tokens", None))})
         yield SSE_DONE
     except EngineDeadError as e:   # the stream ends with the error, then [DONE]

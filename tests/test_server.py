@@ -292,8 +292,6 @@ def test_prefix_cache_salt_usage_and_metrics(server, client):
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 2}, "min_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["a"],
                               "include_stop_str_in_output": True}, "include_stop_str_in_output"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": True,
-                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "stream_options"),
 ])
 def test_refusals_name_the_field_the_request_sent(server, route, body, param):
     r = httpx.post(f"{server.url}{route}", json={"model": "tiny", **body}, timeout=30)
@@ -301,6 +299,32 @@ def test_refusals_name_the_field_the_request_sent(server, route, body, param):
     err = r.json()["error"]
     assert err["param"] == param, err
     assert route != "/v1/responses" or "max_tokens" not in err["message"], err
+
+
+def test_continuous_usage_stats_give_each_chunk_its_choices_usage(server):
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it): every chunk carries its
+    choice's usage so far; two samples of 5 tokens each end at 5, and the final usage counts 10."""
+    body = {"model": "tiny", "prompt": "seven wizards", "max_tokens": 5, "n": 2, "temperature": 1.0,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    per_choice: dict[int, list[int]] = {0: [], 1: []}
+    prompt, final = None, None
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            c = json.loads(line[6:])
+            u = c["usage"]
+            assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+            if not c["choices"]:
+                final = u
+                continue
+            prompt = prompt or u["prompt_tokens"]
+            assert u["prompt_tokens"] == prompt
+            per_choice[c["choices"][0]["index"]].append(u["completion_tokens"])
+    for counts in per_choice.values():
+        assert counts == sorted(counts) and counts[-1] == 5 and counts[0] >= 1
+    assert final["completion_tokens"] == 10 and final["prompt_tokens"] == prompt
 
 
 def test_vllm_extras_at_their_no_op_values_are_accepted(server):
