@@ -562,7 +562,9 @@ def chat_message(text: str, finish_reason: str | None, plan: ToolPlan | None,
     parsers = parsers or OutputParsers()
     reasoning, answer = split_reasoning(parsers.reasoning, parsers.prompt, text)
     content, calls, finish_reason = parse_choice(answer, plan, finish_reason, parsers.tools)
-    message: dict[str, Any] = {"role": "assistant", "content": content if calls else answer}
+    # the parser's content, calls or not: the harmony parser drops the headers of the messages it
+    # passes on, as streaming does (the answer itself still holds them)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if parsers.reasoning is not None:
         message["reasoning_content"] = reasoning
     if calls:

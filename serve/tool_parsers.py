@@ -100,6 +100,14 @@ def _json_values(text: str, sep: str) -> list | None:
         i += len(sep)
 
 
+def _first_json(text: str) -> list | None:
+    """[the JSON value `text` starts with] (whatever follows it ignored), or None."""
+    try:
+        return [json.JSONDecoder().raw_decode(text)[0]]
+    except (json.JSONDecodeError, RecursionError):
+        return None
+
+
 class _Buffered:
     """Shared by llama3_json and mistral: content streams until the call marker; from there the rest
     is held and parsed when the output ends (kept as content if it does not parse)."""
@@ -177,7 +185,8 @@ class MistralParser(_Buffered):
         for part in text.split(MISTRAL_CALLS)[1:]:
             part = part.strip()
             if part.startswith("[") or part.startswith("{"):
-                values = _json_values(part, ",")
+                # an array of calls: what the model writes after it is dropped (as vLLM's parser does)
+                values = _first_json(part) if part.startswith("[") else _json_values(part, ",")
                 if values is None:
                     return None
                 items = values[0] if len(values) == 1 and isinstance(values[0], list) else values

@@ -386,17 +386,20 @@ def parse_output(text: str, plan: ToolPlan | None, finish_reason: str | None = N
     return parse_auto(text, plan, parser)
 
 
-def choice_finish_reason(finish_reason: str | None, has_calls: bool) -> str | None:
+def choice_finish_reason(finish_reason: str | None, has_calls: bool, plan: ToolPlan | None) -> str | None:
     """OpenAI's finish_reason for a chat choice: "length" wins (a cut turn is never reported as
-    finished calls); otherwise calls make it "tool_calls"."""
-    return "tool_calls" if has_calls and finish_reason != "length" else finish_reason
+    finished calls); otherwise calls make it "tool_calls", except under a named tool_choice, whose
+    call answers "stop" (OpenAI's rule, as vLLM's serving_chat applies it)."""
+    if not has_calls or finish_reason == "length" or (plan is not None and plan.mode == "named"):
+        return finish_reason
+    return "tool_calls"
 
 
 def parse_choice(text: str, plan: ToolPlan | None, finish_reason: str | None,
                  parser: str = "hermes") -> tuple[str | None, list[dict], str | None]:
     """A chat choice's whole text and the engine's finish_reason -> (content, tool calls, finish_reason)."""
     content, calls = parse_output(text, plan, finish_reason, parser)
-    return content, calls, choice_finish_reason(finish_reason, bool(calls))
+    return content, calls, choice_finish_reason(finish_reason, bool(calls), plan)
 
 
 class ToolStream:
@@ -443,4 +446,4 @@ class ToolStream:
         return out or [{}]
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return choice_finish_reason(reason, self.n_calls > 0)
+        return choice_finish_reason(reason, self.n_calls > 0, self.plan)

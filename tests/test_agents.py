@@ -315,7 +315,8 @@ def test_forced_tool_call_applies_after_the_reasoning(gen):
         m = r.choices[0].message
         assert m.model_extra["reasoning_content"] == "\nThe user wants the weather.\n", m
         (call,) = m.tool_calls
-        assert json.loads(call.function.arguments) == {"city": "Paris"} and r.choices[0].finish_reason == "tool_calls"
+        # a named tool_choice's call finishes "stop" (OpenAI's rule, vLLM's serving_chat)
+        assert json.loads(call.function.arguments) == {"city": "Paris"} and r.choices[0].finish_reason == "stop"
 
 
 # ============================================================== Responses API
@@ -446,6 +447,9 @@ def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prom
     ("llama3_json", 'It is {"name": "x"}', 'It is {"name": "x"}', []),
     ("mistral", 'Ok [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Ok ", [{"city": "Paris"}]),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None, [{"city": "Paris"}]),
+    # text after the array is dropped, as vLLM's parser drops it (it once made the whole call content)
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]\nDone.', None,
+     [{"city": "Paris"}]),
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": Paris}}]',
      '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": Paris}}]', []),
     ("openai", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>',
@@ -468,3 +472,25 @@ def test_tool_parsers_streamed_in_any_pieces(parser, text, content, args):
                 streamed += d.get("content") or ""
                 got += [tc["function"]["arguments"] for tc in d.get("tool_calls", []) if "id" not in tc]
         assert streamed == (content or "") and [json.loads(a) for a in got] == args, size
+
+
+def test_gpt_oss_answer_without_a_call_is_the_same_streamed_or_not():
+    """Tools offered, no call made: the answer after an analysis message and a commentary preamble
+    comes back without harmony's headers, whole or streamed a character at a time (the whole one
+    once kept the preamble's header: the text before tool parsing)."""
+    from jaxinfer.client import RequestOutput
+    from serve.protocol import chat_message
+    from serve.reasoning import OutputParsers
+    from serve.stream import ChatChoices
+    from serve.tools import plan_tools
+    plan, parsers = plan_tools(TOOLS, None, None), OutputParsers("gpt_oss", "", "openai")
+    text = ("<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>commentary<|message|>"
+            "Let me answer.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny.")
+    message, finish = chat_message(text, "stop", plan, parsers)
+    choices, streamed = ChatChoices(1, plan, str, False, parsers), ""
+    for k, ch in enumerate(text):
+        last = k == len(text) - 1
+        for c in choices(RequestOutput("r", 0, ch, [1], [0.0], [None], last, "stop" if last else None)):
+            streamed += c["delta"].get("content") or ""
+    assert message["content"] == streamed and "<|" not in streamed and streamed.endswith("It is sunny.")
+    assert message["reasoning_content"] == "think" and finish == "stop" and "tool_calls" not in message

@@ -247,6 +247,8 @@ def test_finish_reason_length_wins_over_tool_calls():
     assert parse_choice(cut[:30], required, "length") == (cut[:30], [], "length")
     named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None)
     assert parse_choice('{"name": "get_time", "arg', named, "length") == ('{"name": "get_time", "arg', [], "length")
+    # a named choice's whole call finishes "stop" (OpenAI's rule, as vLLM's serving_chat applies it)
+    assert parse_choice('{"name": "get_time", "arguments": {"zone": "cet"}}', named, "stop")[2] == "stop"
     auto = plan_tools(TOOLS, "auto", None)
     text = 'Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call> <tool_call>{"name": "get_w'
     content, calls, reason = parse_choice(text, auto, "length")
@@ -581,7 +583,7 @@ def test_named_tool_choice_yields_that_function(client):
                 r = s.get_final_completion()
         else:
             r = client.chat.completions.create(**kw)
-        assert r.choices[0].finish_reason == "tool_calls"
+        assert r.choices[0].finish_reason == "stop"     # a named choice's call: OpenAI's rule, as vLLM
         _check_calls(r.choices[0].message.tool_calls, {"get_time"})
 
 
