@@ -329,11 +329,13 @@ def load_pipelined(path: str | Path, dtype: str, mesh: Mesh, quantize: str | Non
     host memory, then restacked) -> a PipelinedDecoder on `mesh`. quantize ("int8" | "int4" | "fp8",
     models.decoder.quantize_decoder): the model is loaded and quantized in host memory, then restacked."""
     from jaxinfer.weights import DTYPES, CheckpointError, SafetensorsFolder, hf_value, is_native, load_model
+    from jaxinfer.models.hf_configs import quantization_config
     from jaxinfer.models.hf_maps import hf_weight_map
 
     path = Path(path)
-    prequantized = (path / "config.json").exists() and "quantization_config" in json.loads(
-        (path / "config.json").read_text())     # jaxinfer/prequant: packed weights, restacked like native ones
+    # jaxinfer/prequant: packed weights, restacked like native ones
+    prequantized = (path / "config.json").exists() and quantization_config(json.loads(
+        (path / "config.json").read_text())) is not None
     if is_native(path) or quantize is not None or prequantized:
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             model, _ = load_model(path, dtype)

@@ -116,17 +116,33 @@ class SafetensorsFolder:
             for t in f.tensors:
                 self.where[t] = f
 
-    def get(self, name: str) -> np.ndarray:
+    def stored(self, name: str) -> str | None:
+        """The name a tensor has in these files: `name`, or `name` without one of OPTIONAL_PREFIXES
+        (a bare model's, e.g. an embedding model's "layers.0..." for "model.layers.0..."); None if
+        absent. Every reader looks tensors up through here, the quantized formats' too."""
         for candidate in (name, *(name[len(p):] for p in OPTIONAL_PREFIXES if name.startswith(p))):
             if candidate in self.where:
-                return self.where[candidate].get(candidate)
-        raise CheckpointError(f"tensor {name!r} not found in {sorted(self.files)} "
-                              f"({len(self.where)} tensors present)")
+                return candidate
+        return None
+
+    def has(self, name: str) -> bool:
+        return self.stored(name) is not None
+
+    def dtype(self, name: str) -> str:
+        """The stored dtype of a tensor that exists (numpy's or ml_dtypes': int8, float8_e4m3fn, ...)."""
+        stored = self.stored(name)
+        return self.where[stored].tensors[stored][0]
+
+    def get(self, name: str) -> np.ndarray:
+        stored = self.stored(name)
+        if stored is None:
+            raise CheckpointError(f"tensor {name!r} not found in {sorted(self.files)} "
+                                  f"({len(self.where)} tensors present)")
+        return self.where[stored].get(stored)
 
     def source(self, name: str) -> str:
-        f = self.where.get(name) or next((self.where[name[len(p):]] for p in OPTIONAL_PREFIXES
-                                          if name[len(p):] in self.where), None)
-        return str(f.path) if f else "?"
+        stored = self.stored(name)
+        return str(self.where[stored].path) if stored is not None else "?"
 
 
 def _set_params(model: Decoder, arrays: dict[str, jax.Array]) -> Decoder:
@@ -145,6 +161,11 @@ def hf_value(st: SafetensorsFolder, ours: str, hf_names: tuple[str, ...], transf
     """Parameter `ours` in our layout from its HF tensors (memmap views where the transform allows),
     shape-checked against `expected`."""
     tensors = [st.get(n) for n in hf_names]
+    for n, t in zip(hf_names, tensors):   # a float parameter never comes from quantized codes
+        if t.dtype.kind in "iub" or t.dtype.itemsize == 1:
+            raise CheckpointError(
+                f"{st.source(n)}: tensor {n!r} stores {t.dtype} values, not floats: quantized codes whose "
+                f"scheme config.json does not describe (quantization_config) or jaxinfer does not read")
     try:
         value = np.asarray(transform(*tensors))
     except ValueError as e:  # a reshape that does not fit: the tensor has the wrong shape

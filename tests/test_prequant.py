@@ -100,6 +100,34 @@ def test_compressed_tensors_w8a8_int8_activations(ct):
     assert_rel_close(ours, pm.logits(pm.ct_reference(folder, base), IDS), 2e-2, "w8a8 vs ct fake-quant")
 
 
+def test_compression_config_key_is_read(ct, tmp_path):
+    """Older compressed-tensors checkpoints keep the config under `compression_config` (read after
+    `quantization_config` by compressed_tensors' get_quantization_config and by vLLM): the same
+    int8 codes and scales load packed (they were read as float weights, logits 1.4x off)."""
+    folder, base, _ = ct("w8a8")
+    moved = tmp_path / "m"
+    shutil.copytree(folder, moved)
+    cfg = json.loads((moved / "config.json").read_text())
+    cfg["compression_config"] = cfg.pop("quantization_config")
+    (moved / "config.json").write_text(json.dumps(cfg))
+    model, ours = _ours(moved)
+    assert isinstance(model.layers[0].mlp.down.get_value(), QuantizedWeight)
+    assert_rel_close(ours, pm.logits(pm.ct_reference(folder, base, activations="vllm"), IDS), 1e-3, "w8a8")
+
+
+def test_codes_without_their_config_are_refused_naming_the_tensor(ct, tmp_path):
+    """int8 codes with no quantization_config to say how to read them: refused, naming the file and
+    the tensor, never read as float weights."""
+    folder, _, _ = ct("w8a8")
+    bare = tmp_path / "m"
+    shutil.copytree(folder, bare)
+    cfg = json.loads((bare / "config.json").read_text())
+    del cfg["quantization_config"]
+    (bare / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.0\..*' stores int8"):
+        load_model(bare, "float32")
+
+
 def test_packed_bytes_in_memory(ct):
     """The loaded matmul weights hold the checkpoint's packed codes and scales, not floats: int4
     codes take exactly the bytes of weight_packed, scales stay one f32 per group and column."""

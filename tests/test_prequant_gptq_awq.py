@@ -206,3 +206,50 @@ def test_serve_gptq_folder(tmp_path):
                                                  "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == gen.tokenizer.decode(ids[len(prompt):])
+
+
+def _rewrite(src, dst, names=None, config=None):
+    """A copy of a checkpoint folder with its tensors renamed (names: old -> new) and its
+    config.json edited in place (config(cfg))."""
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(src, dst)
+    if names is not None:
+        for f in dst.glob("*.safetensors"):
+            save_file({names(k): v for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("case", ["gptq-4b-g64-asym", "awq-g32"])
+def test_tensors_without_the_model_prefix_load_quantized(made, tmp_path, case):
+    """A bare model's names ("layers.0...", as embedding models ship) reach the quantized readers as
+    they reach the float loader: the same codes, the same logits (they were not seen as quantized:
+    refused, or for fp8 / int8 codes read as floats)."""
+    folder, ref = made(case)
+    bare = _rewrite(folder, tmp_path / "bare", names=lambda k: k[len("model."):] if k.startswith("model.") else k)
+    model, ours = _ours(bare)
+    assert isinstance(model.layers[1].mlp.up.get_value(), QuantizedWeight)
+    assert_rel_close(ours, pm.logits(ref, IDS), F32_RTOL, case)
+
+
+def test_configs_as_transformers_writes_them_load(made, tmp_path):
+    """transformers 5's AwqConfig (a GPTQConfig) writes its calibration fields and `format` beside
+    `version`; older GPTQConfig writes disable_exllama / model_seqlen: none changes the stored codes,
+    so each loads as the producer's own config does; a format that contradicts version is refused."""
+    from transformers import AwqConfig
+
+    folder, ref = made("awq-g32")
+    resaved = _rewrite(folder, tmp_path / "awq", config=lambda c: c.update(quantization_config=json.loads(
+        json.dumps(AwqConfig.from_dict(c["quantization_config"]).to_dict(), default=str))))
+    assert "damp_percent" in json.loads((resaved / "config.json").read_text())["quantization_config"]
+    assert_rel_close(_ours(resaved)[1], pm.logits(ref, IDS), F32_RTOL, "awq resaved")
+    bad = _rewrite(folder, tmp_path / "awq-bad", config=lambda c: c["quantization_config"].update(format="gemv"))
+    with pytest.raises(CheckpointError, match="format"):
+        load_model(bad, "float32")
+    folder, ref = made("gptq-4b-g64-asym")
+    old = _rewrite(folder, tmp_path / "gptq", config=lambda c: c["quantization_config"].update(
+        disable_exllama=True, model_seqlen=2048))
+    assert_rel_close(_ours(old)[1], pm.logits(ref, IDS), F32_RTOL, "gptq optimum config")

@@ -262,12 +262,26 @@ def _num_experts(c: dict[str, Any], arch: str) -> int:
     return n
 
 
+def quantization_config(raw: dict[str, Any]) -> Any | None:
+    """config.json's quantization settings where the producers put them: `quantization_config`, a
+    multimodal model's `text_config.quantization_config`, or `compression_config` (older
+    compressed-tensors checkpoints), in the order compressed_tensors' get_quantization_config and
+    vLLM read them; None without any."""
+    text = raw.get("text_config")
+    for qc in (raw.get("quantization_config"), text.get("quantization_config") if isinstance(text, dict) else None,
+               raw.get("compression_config")):
+        if qc is not None:
+            return qc
+    return None
+
+
 def _gpt_oss(c: dict[str, Any], arch: str) -> ModelConfig:
     """gpt-oss: attention with biases, one learned sink logit per head and sliding / global layers
     (layer_types; alternating by default), YaRN RoPE, and on every layer experts with biases, routed
     by top-k of the biased router logits then softmax over the k, each a clamped SwiGLU (swiglu_limit,
     swiglu_alpha; the checkpoint interleaves gate and up columns, hf_maps de-interleaves them)."""
-    method = (c.get("quantization_config") or {}).get("quant_method")
+    qc = quantization_config(c)
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method not in (None, "mxfp4"):   # mxfp4 experts: jaxinfer/prequant/mxfp4.py
         raise ConfigError(f"{arch} checkpoints quantized with {method!r} (config.json quantization_config) are not "
                           "supported: load a bfloat16 copy (e.g. transformers with Mxfp4Config(dequantize=True), "

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jaxinfer.models.hf_configs import quantization_config
 from jaxinfer.prequant.common import QuantConfigError, as_float, place, refuse
 
 __all__ = ["QuantConfigError", "reader_for", "load_param", "SUPPORTED_METHODS"]
@@ -32,7 +33,7 @@ _CONTRACT = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1}
 def reader_for(raw: dict[str, Any], st) -> Any | None:
     """The reader for config.json's quantization_config (None when it has none); refuses, naming
     the method and the field, every configuration it does not fully understand."""
-    qc = raw.get("quantization_config")
+    qc = quantization_config(raw)
     if qc is None:
         return None
     if not isinstance(qc, dict):

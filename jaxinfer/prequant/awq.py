@@ -22,7 +22,11 @@ METHOD = "awq"
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _INERT = {"quant_method", "bits", "w_bit", "group_size", "q_group_size", "zero_point", "version",
           "modules_to_not_convert", "backend", "do_fuse", "fuse_max_seq_len", "modules_to_fuse",
-          "exllama_config"}
+          "exllama_config",
+          # what transformers 5's AwqConfig (a GPTQConfig) writes on save_pretrained: its calibration
+          # settings, and `format` for `version`; none changes how the gemm codes are stored
+          "format", "damp_percent", "act_group_aware", "sym", "true_sequential", "batch_size",
+          "cache_block_outputs"}
 
 
 class AWQReader:
@@ -32,7 +36,9 @@ class AWQReader:
         for key, value in qc.items():
             if key not in _INERT and value not in (None, False, {}, [], ""):
                 raise refuse(METHOD, key, value, "a field jaxinfer does not know")
-        version = str(qc.get("version", "gemm")).lower()
+        if "format" in qc and "version" in qc and str(qc["format"]).lower() != str(qc["version"]).lower():
+            raise refuse(METHOD, "format", qc["format"], f"it disagrees with version {qc['version']!r}")
+        version = str(qc.get("version", qc.get("format", "gemm"))).lower()
         if version != "gemm":
             raise refuse(METHOD, "version", qc.get("version"), "jaxinfer loads AutoAWQ's 'gemm' layout only "
                          "(gemv, gemv_fast, marlin, exllama and ipex pack the codes differently)")
@@ -49,7 +55,7 @@ class AWQReader:
         self.st = st
 
     def quantized(self, module: str) -> bool:
-        return f"{module}.qweight" in self.st.where and not any(s in module for s in self.skip)
+        return self.st.has(f"{module}.qweight") and not any(s in module for s in self.skip)
 
     def linear(self, module: str) -> QuantizedWeight:
         get = self.st.get

@@ -159,16 +159,12 @@ class CompressedTensorsReader:
         named = [s for s in hits if any(t != "Linear" and _match(module, t) for t in s.targets)]
         return (named or hits or [None])[0]     # a name or regex target wins over the class target
 
-    def _has(self, name: str) -> bool:
-        return name in self.st.where
-
     def quantized(self, module: str) -> bool:
         """The module's weight is stored quantized (checked against the scheme in linear())."""
-        if self._has(f"{module}.weight_packed") or self._has(f"{module}.weight_scale"):
+        if self.st.has(f"{module}.weight_packed") or self.st.has(f"{module}.weight_scale"):
             return True
-        if self.scheme(module) is not None and self._has(f"{module}.weight"):
-            dtype = self.st.where[f"{module}.weight"].tensors[f"{module}.weight"][0]
-            return dtype in (np.int8, ml_dtypes.float8_e4m3fn)
+        if self.scheme(module) is not None and self.st.has(f"{module}.weight"):
+            return self.st.dtype(f"{module}.weight") in (np.int8, ml_dtypes.float8_e4m3fn)
         return False
 
     def linear(self, module: str) -> QuantizedWeight:
@@ -177,7 +173,7 @@ class CompressedTensorsReader:
         if s is None:
             raise QuantConfigError(f"tensor {module!r} is stored quantized but no config_groups target "
                                    "matches it (or it is in ignore)")
-        if self._has(f"{module}.weight_g_idx"):
+        if self.st.has(f"{module}.weight_g_idx"):
             raise QuantConfigError(f"tensor {module}.weight_g_idx: activation-ordered groups are not "
                                    "implemented for compressed-tensors")
         get = self.st.get

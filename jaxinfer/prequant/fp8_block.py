@@ -54,7 +54,7 @@ class FineGrainedFP8Reader:
         self.st = st
 
     def quantized(self, module: str) -> bool:
-        return f"{module}.weight_scale_inv" in self.st.where
+        return self.st.has(f"{module}.weight_scale_inv")
 
     def linear(self, module: str) -> QuantizedWeight:
         w = self.st.get(f"{module}.weight")

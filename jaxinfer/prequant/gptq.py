@@ -42,7 +42,8 @@ _INERT = {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_f
           "batch_size", "pad_token_id", "tokenizer", "dataset", "module_name_preceding_first_block",
           "block_name_to_quantize", "cache_block_outputs", "max_input_length", "backend", "hyb_act",
           "fail_safe", "offload_to_disk", "offload_to_disk_path", "rotation", "is_marlin_format",
-          "damp_percent_auto", "device", "adapter", "gar"}
+          "damp_percent_auto", "device", "adapter", "gar",
+          "model_seqlen", "disable_exllama", "inside_layer_modules"}   # transformers' / optimum's GPTQConfig
 _V1_OFFSET = {4: 0x11111111, 8: 0x01010101}
 
 
@@ -76,13 +77,13 @@ class GPTQReader:
         self.st = st
 
     def quantized(self, module: str) -> bool:
-        return f"{module}.qweight" in self.st.where
+        return self.st.has(f"{module}.qweight")
 
     def linear(self, module: str) -> QuantizedWeight:
         get, b = self.st.get, self.bits
         scales = np.asarray(get(f"{module}.scales"), np.float32)
         groups, out = scales.shape
-        g_idx = np.asarray(get(f"{module}.g_idx")).astype(np.int64) if f"{module}.g_idx" in self.st.where else None
+        g_idx = np.asarray(get(f"{module}.g_idx")).astype(np.int64) if self.st.has(f"{module}.g_idx") else None
         inp = g_idx.shape[0] if g_idx is not None else get(f"{module}.qweight").shape[0] * 32 // b
         g = inp if self.group_size == -1 else self.group_size
         if inp % g or groups != inp // g:

@@ -42,7 +42,7 @@ class MXFP4Reader:
     def stacked_param(self, ours: str, hf_names: tuple[str, ...], transform: Callable,
                       expected: tuple[int, ...]) -> QuantizedWeight | None:
         """A mixture's stacked experts from `{name}_blocks` / `{name}_scales`; None for other parameters."""
-        if len(hf_names) != 1 or f"{hf_names[0]}_blocks" not in self.st.where:
+        if len(hf_names) != 1 or not self.st.has(f"{hf_names[0]}_blocks"):
             return None
         name = hf_names[0]
         blocks, scales = self.st.get(f"{name}_blocks"), self.st.get(f"{name}_scales")
