@@ -90,6 +90,25 @@ def test_logits_per_adapter_match_peft(gen, llama):
         assert_rel_close(gen.logits(PROMPT), base, _rtol(cfg, 0, len(PROMPT)), "base")
 
 
+def test_adapter_keys_without_the_peft_model_prefix(gen, llama, tmp_path):
+    """An adapter saved from a transformers model (its PEFT integration) names tensors by module alone
+    ("model.layers.0...lora_A.weight", no "base_model.model."), as vLLM also loads: the same logits
+    as PEFT's for adapter b."""
+    from safetensors.numpy import load_file, save_file
+    _, adapters = llama
+    folder = shutil.copytree(adapters["b"][0], tmp_path / "b-bare")
+    f = folder / "adapter_model.safetensors"
+    save_file({k.removeprefix("base_model.model."): v for k, v in load_file(str(f)).items()}, str(f))
+    gen.load_lora("b-bare", str(folder))
+    try:
+        with torch.no_grad():
+            ref = adapters["b"][1](torch.tensor([PROMPT])).logits[0].numpy()
+        assert_rel_close(gen.logits(PROMPT, lora="b-bare"), ref, _rtol(CONFIGS["llama-gqa-llama3"][1], 8, len(PROMPT)),
+                         "b-bare")
+    finally:
+        gen.unload_lora("b-bare")
+
+
 def test_mixed_batch_equals_alone_and_peft(gen, llama):
     """Base and three adapters over two slots in one generate call: every row's greedy tokens are
     what it draws alone, and what PEFT's own greedy decoding draws."""
