@@ -28,13 +28,16 @@ from jaxinfer.tokenizer import Tokenizer
 
 
 def score_windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
-    """(begin, first scored position, end) per window over n tokens; positions 1..n-1 once each."""
+    """(begin, first scored position, end) per window over n tokens: positions 1..n-1 once each,
+    except a window's first position where no earlier window reaches it (stride == window: it has
+    no context in its window), as transformers' strided perplexity recipe scores them."""
     spans, scored_to, begin = [], 1, 0
     while True:
         end = min(begin + window, n)
-        if end > scored_to:
-            spans.append((begin, scored_to, end))
-            scored_to = end
+        first = max(scored_to, begin + 1)
+        if end > first:
+            spans.append((begin, first, end))
+        scored_to = max(scored_to, end)
         if end >= n:
             return spans
         begin += stride

@@ -62,8 +62,11 @@ def test_stream_equals_generate(text_gen):
     assert deltas[-1].finish_reason == "length"
 
 
-def test_eval_ppl_matches_transformers_nll(text_gen):
-    """Sliding-window NLL against HF transformers scoring the same windows (window 32, stride 16)."""
+@pytest.mark.parametrize("stride", [16, 32])
+def test_eval_ppl_matches_transformers_nll(text_gen, stride):
+    """Sliding-window NLL against HF transformers scoring the same windows (window 32, stride 16, and
+    32: disjoint windows, whose first tokens have no context and are not scored; that run once
+    scored one token of the second window and none after)."""
     import math
 
     import torch
@@ -79,9 +82,9 @@ def test_eval_ppl_matches_transformers_nll(text_gen):
     text = " ".join(rng.choice(WORDS, 60)) + "\n" + " ".join(rng.choice(WORDS, 30))
     ids = text_gen.tokenizer.encode(text)
     assert len(ids) > 70
-    result = eval_ppl(model, text_gen.tokenizer, text, window=32, stride=16)
-    # reference: score token i (i >= 1) once, in the first window [b, b+32) with b % 16 == 0 that contains
-    # it beyond the part scored by the previous window
+    result = eval_ppl(model, text_gen.tokenizer, text, window=32, stride=stride)
+    # reference: score token i (i >= 1) once, in the first window [b, b+32) with b % stride == 0 that
+    # contains it beyond the part scored by the previous window, never a window's first token
     total, scored = 0.0, set()
     b = 0
     while True:
@@ -94,11 +97,12 @@ def test_eval_ppl_matches_transformers_nll(text_gen):
                 scored.add(i)
         if e >= len(ids):
             break
-        b += 16
-    assert scored == set(range(1, len(ids))) and result["tokens"] == len(ids) - 1
+        b += stride
+    want = set(range(1, len(ids))) - (set(range(32, len(ids), 32)) if stride == 32 else set())
+    assert scored == want and result["tokens"] == len(want)
     assert result["nll"] == pytest.approx(total, rel=1e-5)
     assert result["bits_per_byte"] == pytest.approx(total / math.log(2) / len(text.encode()), rel=1e-5)
-    assert result["ppl"] == pytest.approx(math.exp(total / (len(ids) - 1)), rel=1e-5)
+    assert result["ppl"] == pytest.approx(math.exp(total / len(want)), rel=1e-5)
 
 
 def test_eval_ppl_paged_path_equals_plain_and_int8_fp8_are_close(text_gen):
