@@ -62,6 +62,8 @@ def _parse_ids(text: str) -> list[int]:
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxinfer import Generator, SamplingParams
 
+    if args.ids is not None and args.prompt is not None:
+        raise SystemExit("give a prompt or --ids, not both")
     gen = Generator.from_pretrained(args.model, max_num_seqs=max(1, args.n), **engine_kwargs(args),
                                     **_multihost_kwargs(args))
     if not gen.is_leader:
@@ -391,7 +393,8 @@ def _add_serve(sub) -> None:
                     help="sequences (prompts x n) waiting for the engine before 429; a request with more gets 400")
     sv.add_argument("--max-request-bytes", type=int, default=4 << 20,
                     help="larger request bodies get 413 (default 4 MiB)")
-    sv.add_argument("--log-level", default="info")
+    sv.add_argument("--log-level", default="info", type=str.lower,
+                    choices=["critical", "error", "warning", "info", "debug", "trace"])   # uvicorn's
     # agents (serve.reasoning, serve.tool_parsers): vLLM's flag names and parser names
     from serve.reasoning import REASONING_PARSERS
     from serve.tool_parsers import TOOL_PARSERS

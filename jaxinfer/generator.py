@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.config.engine import engine_config, settings as engine_settings
-from jaxinfer.hub import resolve_model_path
+from jaxinfer.hub import ModelSpecError, resolve_model_path
 from jaxinfer.client import Completion, EngineClient, SubmitError
 from jaxinfer.embedding import EmbeddingSpec, read_embedding_spec
 from jaxinfer.engine import Engine
@@ -203,6 +203,9 @@ class Generator:
         A KV pool that cannot hold one sequence of max_model_len is a ConfigError naming what to change;
         reset_prefix_cache() forgets the cached prefix blocks of enable_prefix_caching."""
         cfg = engine_config("from_pretrained", settings)
+        if path is None and revision is not None:
+            raise ModelSpecError(f"revision={revision!r} applies to Hugging Face ids; no model was given "
+                                 "(the bundled model has no revisions)")
         path = resolve_model_path(path, revision) if path is not None else default_model_path()
         draft_path = draft_model_path(path, cfg.speculative_method, speculative_model)
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
@@ -251,7 +254,9 @@ class Generator:
         needs scheduling_policy="priority" (vLLM's rule).
         lora: a loaded LoRA adapter's name for every prompt, or a list with one per prompt (None: the
         base model); rows with different adapters share every step."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+            prompts = [prompts.tolist()]     # one prompt's token ids
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)

@@ -3,15 +3,18 @@ huggingface_hub.snapshot_download, its cache and its environment (HF_HOME / HF_H
 HF_HUB_OFFLINE=1 for cache only, HF_TOKEN for gated models), as vLLM and SGLang resolve `--model`.
 
 - A path that exists wins: `--model org/name` loads the local folder when there is one.
-- Only what jaxinfer reads is fetched (ALLOW_PATTERNS): the config, the tokenizer's files, the
-  safetensors and their index, the chat template, the generation config; never *.bin / *.pth
-  pickles, nor the other formats a repository may hold (GGUF, ONNX, original/ consolidated).
+- Only what jaxinfer reads is fetched (ALLOW_PATTERNS, top-level files: IGNORE_PATTERNS): the
+  config, the tokenizer's files, the safetensors and their index, the chat template, the generation
+  config, a sentence-transformers model's modules.json and prompts, then its module folders'
+  (module_patterns); never *.bin / *.pth pickles, nor the other formats a repository may hold
+  (GGUF, ONNX, original/, consolidated.safetensors).
 - Every failure is one error (ModelSpecError) naming the id, the revision and what to do.
 
 Never imports jax (the CLI resolves before the engine starts).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -19,14 +22,20 @@ from pathlib import Path
 from jaxinfer.errors import CheckpointError
 
 # what the loaders read (jaxinfer/weights.py, jaxinfer/tokenizer.py, the chat template, generation
-# defaults): top-level files only, so a repository's original/ or onnx/ copies are never fetched
+# defaults, a sentence-transformers model's module list and prompts: jaxinfer/embedding.py) ...
 ALLOW_PATTERNS = (
     "config.json", "generation_config.json",
     "*.safetensors", "model.safetensors.index.json",
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "vocab.json", "merges.txt",
     "chat_template.jinja", "chat_template.json",
+    "modules.json", "config_sentence_transformers.json", "sentence_bert_config.json",
 )
+# ... at the top level only (huggingface_hub's patterns are fnmatch's, whose * crosses '/': a
+# repository's original/ or onnx/ copies would match), and not Mistral's consolidated.safetensors
+# (the same weights again, in a layout jaxinfer does not read); a sentence-transformers model's
+# module folders (1_Pooling/, ...) are fetched by a second pass (module_patterns)
+IGNORE_PATTERNS = ("*/*", "consolidated*.safetensors")
 # a repository id as the Hub writes it: one slash, ORG and NAME of letters, digits, '-', '_', '.'
 HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 
@@ -75,13 +84,27 @@ def resolve_model_path(spec: str | os.PathLike, revision: str | None = None) -> 
     return Path(_download(repo_id, revision))
 
 
+def module_patterns(modules) -> list[str]:
+    """The files of a sentence-transformers model's module folders (modules.json's `path`s; the
+    root's own are ALLOW_PATTERNS): each folder's config and what the loaders read in it."""
+    paths = [m.get("path") for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
+    return [f"{p.strip('/')}/{pattern}" for p in paths if isinstance(p, str) and p.strip("/")
+            for pattern in ALLOW_PATTERNS]
+
+
 def _download(repo_id: str, revision: str | None) -> str:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
     what = f"{repo_id}" + (f" (revision {revision!r})" if revision else "")
     try:
-        return snapshot_download(repo_id, revision=revision, allow_patterns=list(ALLOW_PATTERNS))
+        root = snapshot_download(repo_id, revision=revision, allow_patterns=list(ALLOW_PATTERNS),
+                                 ignore_patterns=list(IGNORE_PATTERNS))
+        modules = Path(root) / "modules.json"
+        patterns = module_patterns(json.loads(modules.read_text())) if modules.is_file() else []
+        if patterns:   # a sentence-transformers model: its modules' folders (Pooling's config, ...)
+            root = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
+        return root
     except RevisionNotFoundError:
         raise ModelSpecError(f"{repo_id}: revision {revision!r} does not exist on the Hugging Face Hub "
                              "(give a branch, tag or commit of the repository)") from None

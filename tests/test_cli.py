@@ -285,3 +285,15 @@ def test_from_pretrained_keywords_are_engine_config_settings():
     assert all(f.name in (Generator.from_pretrained.__doc__ or "") for f in settings())
     with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_seq'"):
         Generator.from_pretrained(max_num_seq=4)
+
+
+def test_bad_log_level_and_prompt_with_ids_refused_before_anything_loads(capsys):
+    """--log-level takes uvicorn's levels (a typo crashed uvicorn after the model had loaded and
+    compiled); `generate` with both a prompt and --ids is refused (the prompt was dropped)."""
+    from jaxinfer.cli import cmd_generate
+    with pytest.raises(SystemExit):
+        _parse("serve", "--log-level", "warn")
+    assert "invalid choice: 'warn'" in capsys.readouterr().err
+    assert _parse("serve", "--log-level", "WARNING").log_level == "warning"
+    with pytest.raises(SystemExit, match="not both"):
+        cmd_generate(_parse("generate", "And God said", "--ids", "1,2,3"))

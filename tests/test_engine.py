@@ -69,6 +69,19 @@ def test_greedy_output_independent_of_batch(gen):
     assert batched[5].token_ids == naive_greedy(gen, prompts[5], params[5].max_tokens)
 
 
+def test_top_k_minus_one_is_off_and_a_numpy_prompt_is_one_prompt(gen):
+    """vLLM's top_k=-1 means off, as 0 does (its clients send it); -2 is refused. A 1-D numpy array of
+    token ids is one prompt, as the same list is (its truth value raised)."""
+    from jaxinfer.config import SamplingParamsError
+    assert SamplingParams(top_k=-1).top_k == 0
+    with pytest.raises(SamplingParamsError, match="top_k must be an integer >= 0"):
+        SamplingParams(top_k=-2)
+    prompt = _prompts(1, gen.model_cfg.vocab_size, 5, 20, seed=9)[0]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    (out,) = gen.generate(np.asarray(prompt, np.int32), sp)
+    assert out.token_ids == gen.generate([prompt], sp)[0].token_ids == naive_greedy(gen, prompt, 4)
+
+
 def test_seeded_sampling_independent_of_batch(gen):
     prompts = _prompts(16, gen.model_cfg.vocab_size, 2, 90, seed=4)
     params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=40, seed=100 + i, ignore_eos=True)

@@ -127,11 +127,30 @@ def test_download_fetches_only_what_the_model_needs():
                "pytorch_model.bin", "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json",
                "original/consolidated.00.pth", "original/params.json", "original/tokenizer.model",
                "onnx/model.onnx", "model.gguf", "flax_model.msgpack", "tf_model.h5", "README.md", "LICENSE.txt",
-               ".gitattributes", "USE_POLICY.md"]
-    got = set(filter_repo_objects(listing, allow_patterns=list(hub.ALLOW_PATTERNS)))
+               ".gitattributes", "USE_POLICY.md",
+               # fnmatch's * crosses '/': safetensors in a subfolder, and Mistral's consolidated copy
+               "original/model.safetensors", "onnx/model.safetensors", "consolidated.safetensors"]
+    got = set(filter_repo_objects(listing, allow_patterns=list(hub.ALLOW_PATTERNS),
+                                  ignore_patterns=list(hub.IGNORE_PATTERNS)))
     assert got == {"config.json", "generation_config.json", "model.safetensors", "model-00001-of-00002.safetensors",
                    "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt"}
+
+
+def test_download_fetches_a_sentence_transformers_models_modules():
+    """An embedding model's repository (Qwen3-Embedding's shape): the module list and prompts at the
+    top, then the Pooling module's folder named by modules.json (they were never fetched: the model
+    loaded as a plain causal LM or failed)."""
+    listing = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "modules.json",
+               "config_sentence_transformers.json", "1_Pooling/config.json", "README.md", "onnx/model.onnx"]
+    first = set(filter_repo_objects(listing, allow_patterns=list(hub.ALLOW_PATTERNS),
+                                    ignore_patterns=list(hub.IGNORE_PATTERNS)))
+    assert first == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "modules.json",
+                     "config_sentence_transformers.json"}
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    assert set(filter_repo_objects(listing, allow_patterns=hub.module_patterns(modules))) == {"1_Pooling/config.json"}
 
 
 def test_unknown_revision_online_is_one_clear_error(monkeypatch):
@@ -145,6 +164,14 @@ def test_unknown_revision_online_is_one_clear_error(monkeypatch):
         hub.resolve_model_path("tiny-org/x@v9")
     with pytest.raises(hub.ModelSpecError, match="two revisions given"):
         hub.resolve_model_path("tiny-org/x@v1", revision="v2")
+
+
+def test_a_revision_needs_a_hub_id():
+    """revision= with no model (the bundled one has no revisions) is refused before anything loads,
+    as with a local folder (it was ignored)."""
+    from jaxinfer import Generator
+    with pytest.raises(hub.ModelSpecError, match="revision='v1' applies to Hugging Face ids"):
+        Generator.from_pretrained(None, revision="v1")
 
 
 def test_served_name_and_local_paths(tmp_path, monkeypatch):

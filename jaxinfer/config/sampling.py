@@ -83,7 +83,7 @@ class SamplingParams:
     """How one request decodes. temperature 0 means greedy."""
     max_tokens: int = 16
     temperature: float = 1.0
-    top_k: int = 0                      # 0: off
+    top_k: int = 0                      # 0 (or -1, vLLM's): off
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -138,8 +138,10 @@ class SamplingParams:
             problems.append(("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"))
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             problems.append(("temperature", f"temperature must be >= 0, got {self.temperature!r}"))
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            problems.append(("top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"))
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            problems.append(("top_k", f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}"))
+        elif self.top_k == -1:   # vLLM's "off", which its clients send
+            object.__setattr__(self, "top_k", 0)
         if not 0.0 < self.top_p <= 1.0:
             problems.append(("top_p", f"top_p must be in (0, 1], got {self.top_p!r}"))
         if not 0.0 <= self.min_p <= 1.0:
