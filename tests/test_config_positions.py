@@ -121,3 +121,25 @@ def test_sampling_params_validation_names_the_field():
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)
     assert SamplingParams(stop="x").stop == ("x",)
+
+
+def test_fields_a_config_omits_take_transformers_defaults():
+    """Qwen2 with use_sliding_window but no max_window_layers / sliding_window: transformers' Qwen2Config
+    windows layers 28 on with 4096 (no layer got a window); a Phi-3 config spelling LongRoPE with the
+    older name "yarn" is LongRoPE, as Phi3Config renames it (it was built as YaRN)."""
+    from transformers import Phi3Config, Qwen2Config
+    qwen = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=64, hidden_size=32,
+                intermediate_size=64, num_hidden_layers=32, num_attention_heads=4, num_key_value_heads=2,
+                use_sliding_window=True)
+    ours = model_config_from_hf(qwen)
+    hf = Qwen2Config(**{k: v for k, v in qwen.items() if k != "architectures"})
+    assert ours.sliding_window == hf.sliding_window == 4096
+    assert list(ours.sliding_layers) == [t == "sliding_attention" for t in hf.layer_types]
+    assert sum(ours.sliding_layers) == 4
+    factors = [1.0] * 4
+    phi = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=64, hidden_size=32,
+               intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+               max_position_embeddings=1024, original_max_position_embeddings=256,
+               rope_scaling={"type": "yarn", "short_factor": factors, "long_factor": [2.0] * 4})
+    assert Phi3Config(**{k: v for k, v in phi.items() if k != "architectures"}).rope_parameters["rope_type"] == "longrope"
+    assert model_config_from_hf(phi).rope_scaling.kind == "longrope"

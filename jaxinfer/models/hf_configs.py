@@ -197,14 +197,17 @@ def _rope_params(c: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------- families
 
 def _qwen_window(c: dict[str, Any]) -> tuple[int | None, tuple[bool, ...] | None]:
-    """Qwen2 / Qwen3 use the window only when use_sliding_window is set, and then only on some layers."""
+    """Qwen2 / Qwen3 use the window only when use_sliding_window is set, and then only on some layers
+    (a field the config lacks takes transformers' Qwen2Config / Qwen3Config default: a window of
+    4096 from layer 28)."""
     if not c.get("use_sliding_window", False):
         return None, None
+    window = c.get("sliding_window", 4096)
     types = c.get("layer_types")
     if types is not None:
-        return c.get("sliding_window"), tuple(t == "sliding_attention" for t in types)
-    start = c.get("max_window_layers", c["num_hidden_layers"])
-    return c.get("sliding_window"), tuple(i >= start for i in range(c["num_hidden_layers"]))
+        return window, tuple(t == "sliding_attention" for t in types)
+    start = c.get("max_window_layers", 28)
+    return window, tuple(i >= start for i in range(c["num_hidden_layers"]))
 
 
 def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -360,6 +363,8 @@ def _phi3(c: dict[str, Any], arch: str) -> ModelConfig:
     d, h = c["hidden_size"], c["num_attention_heads"]
     head_dim = c.get("head_dim") or d // h
     params = _rope_params(c)
+    if params.get("rope_type", params.get("type")) in ("su", "yarn"):   # Phi3Config's older names of longrope
+        params = {**params, "rope_type": "longrope", "type": "longrope"}
     partial = float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
     rotary = int(head_dim * partial)
     theta, scaling = _rope(params, c)
