@@ -340,9 +340,12 @@ class Engine:
         return self.blocks.reset_cache()
 
     def samples(self, request_id: str) -> list[Request]:
-        """A just-added request's n samples (the leader and the samples it will fork)."""
+        """A just-added request's n samples in sample order, forked already or not (a prompt within
+        its first block forks when it is added: only the leader was listed, so its other samples
+        went unmeasured)."""
         leader = self.scheduler.requests[request_id]
-        return [leader, *leader.pending_forks]
+        pending = {r.request_id: r for r in leader.pending_forks}
+        return [pending.get(s) or self.scheduler.requests[s] for s in self.output.sample_ids(request_id)]
 
     def num_queued_sequences(self) -> int:
         """Sequences admitted but not running yet (a request with n samples counts n)."""

@@ -66,6 +66,10 @@ class OutputProcessor:
                      if self.tokenizer is not None else None)
             self._text[rid] = _TextState(detok, stops)
 
+    def sample_ids(self, request_id: str) -> list[str]:
+        """A live request's samples' ids ("rid", "rid#1", ...), in sample order."""
+        return list(self._groups[request_id])
+
     def is_live(self, sample_id: str) -> bool:
         """Whether a sample ("rid", "rid#1", ...) of an unfinished request, forked yet or not, has this id."""
         return sample_id in self._text

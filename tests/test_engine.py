@@ -82,6 +82,21 @@ def test_top_k_minus_one_is_off_and_a_numpy_prompt_is_one_prompt(gen):
     assert out.token_ids == gen.generate([prompt], sp)[0].token_ids == naive_greedy(gen, prompt, 4)
 
 
+def test_every_sample_is_measured_when_the_prompt_forks_at_once(gen):
+    """n=3 of a 3-token prompt (within its first block of 8: the samples fork when it is added) and of
+    a 20-token one: the client measures and releases 3 samples either way (the short prompt's
+    forks were never listed: the server's request metrics counted one sample)."""
+    sp = SamplingParams(max_tokens=3, temperature=0.8, seed=1, n=3, ignore_eos=True)
+    for prompt in (_prompts(1, gen.model_cfg.vocab_size, 3, 4, seed=4)[0],
+                   _prompts(1, gen.model_cfg.vocab_size, 20, 21, seed=5)[0]):
+        [rid] = gen.client.submit([prompt], sp)
+        assert [m.sample_index for m in gen.client.metrics(rid)] == [0, 1, 2], len(prompt)
+        gen.client.run_until_done()
+        done = gen.client.release(rid, abort=False)
+        assert [m.sample_index for m in done] == [0, 1, 2] and all(m.finished for m in done), len(prompt)
+    assert _all_free(gen)
+
+
 def test_seeded_sampling_independent_of_batch(gen):
     prompts = _prompts(16, gen.model_cfg.vocab_size, 2, 90, seed=4)
     params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=40, seed=100 + i, ignore_eos=True)
