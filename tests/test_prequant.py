@@ -128,6 +128,16 @@ def test_codes_without_their_config_are_refused_naming_the_tensor(ct, tmp_path):
         load_model(bare, "float32")
 
 
+def test_a_fused_projection_quantized_in_part_is_refused_by_name(tmp_path):
+    """compressed-tensors told to skip v_proj: q, k and v are one fused matmul when served, so the
+    engine refuses, naming the parts and which are float (it failed with an AttributeError)."""
+    folder, _ = pm.save_compressed_tensors(tmp_path / "m", _scheme("w8a8"), ignore=("lm_head", "re:.*v_proj"))
+    with pytest.raises(ValueError, match=r"layers/0/attn/q, layers/0/attn/k, layers/0/attn/v are served as one "
+                                         r"fused matmul.*layers/0/attn/v float"):
+        Generator.from_pretrained(folder, dtype="float32", max_model_len=64, token_buckets=[16],
+                                  max_num_batched_tokens=16)
+
+
 def test_packed_bytes_in_memory(ct):
     """The loaded matmul weights hold the checkpoint's packed codes and scales, not floats: int4
     codes take exactly the bytes of weight_packed, scales stay one f32 per group and column."""

@@ -419,14 +419,22 @@ def _gate_up_split(s: int):
     return fn
 
 
-def _fuse_leaves(parts: list, fn):
+def _fuse_leaves(parts: list, fn, names: tuple[str, ...] = ()):
     """fn applied to float weights as [d, n] columns, or to each leaf of QuantizedWeights (q, scales,
-    zeros: all end in the n columns) -> one fused [d, N] weight of the same kind."""
+    zeros: all end in the n columns) -> one fused [d, N] weight of the same kind. names: the parts'
+    parameters, for the error when they cannot be fused (some quantized and some not, or quantized
+    in different formats: a checkpoint whose quantization config skips one of them)."""
+    quantized = [isinstance(p, QuantizedWeight) for p in parts]
+    first = parts[0]
+    if any(quantized) and (not all(quantized) or not all(
+            (p.bits, p.group_size, p.contract, p.symmetric, p.act_bits, p.fp8, p.layout) ==
+            (first.bits, first.group_size, 1, first.symmetric, first.act_bits, first.fp8, first.layout)
+            for p in parts)):
+        kinds = ", ".join(f"{n} {'quantized' if q else 'float'}" for n, q in zip(names, quantized))
+        raise ValueError(f"{', '.join(names) or 'the parts'} are served as one fused matmul, and the checkpoint "
+                         f"does not quantize them alike ({kinds}): a quantization config that skips or treats "
+                         "one of them apart is not supported")
     if isinstance(parts[0], QuantizedWeight):
-        first = parts[0]
-        assert all((p.bits, p.group_size, p.contract, p.symmetric, p.act_bits, p.fp8, p.layout) ==
-                   (first.bits, first.group_size, 1, first.symmetric, first.act_bits, first.fp8, first.layout)
-                   for p in parts), "fused weights must share one quantization format"
         # a fused projection reads one input: its parts' static activation scales, and the row order
         # of activation-ordered GPTQ weights (perm), are that input's
         if any((p.perm is None) != (first.perm is None) or
@@ -493,12 +501,13 @@ def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
     gate_ups = {s: jax.jit(_gate_up_fuse(s)) for s in {layout.expert_shards, layout.mlp_shards}}
     for i in range(cfg.n_layers):
         a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
-        out[f"{a}/qkv"] = _fuse_leaves([_as_columns(p[f"{a}/{n}"]) for n in "qkv"], qkv)
+        out[f"{a}/qkv"] = _fuse_leaves([_as_columns(p[f"{a}/{n}"]) for n in "qkv"], qkv,
+                                       tuple(f"{a}/{n}" for n in "qkv"))
         if cfg.qkv_bias:
             out[f"{a}/qkv_bias"] = qkv([p[f"{a}/{n}_bias"].reshape(-1) for n in "qkv"])
         gate_up = gate_ups[layout.expert_shards if cfg.is_moe_layer(i) else layout.mlp_shards]
         if cfg.gated_mlp:
-            out[f"{m}/gate_up"] = _fuse_leaves([p[f"{m}/gate"], p[f"{m}/up"]], gate_up)
+            out[f"{m}/gate_up"] = _fuse_leaves([p[f"{m}/gate"], p[f"{m}/up"]], gate_up, (f"{m}/gate", f"{m}/up"))
             if cfg.mlp_bias:
                 out[f"{m}/gate_up_bias"] = gate_up([p[f"{m}/gate_bias"], p[f"{m}/up_bias"]])
         if consume:
