@@ -128,7 +128,7 @@ class SafetensorsFolder:
     def has(self, name: str) -> bool:
         return self.stored(name) is not None
 
-    def dtype(self, name: str) -> str:
+    def dtype(self, name: str) -> np.dtype:
         """The stored dtype of a tensor that exists (numpy's or ml_dtypes': int8, float8_e4m3fn, ...)."""
         stored = self.stored(name)
         return self.where[stored].tensors[stored][0]

@@ -319,9 +319,9 @@ async def create_response(request: Request):
         field = lambda name: _responses_field(chat.request_field(name))   # noqa: E731
         sub = state.engine.submit([prompt], params, request_field=field, lora=lora)
     except OpenAIError as e:   # errors name this request's fields, not the chat request's
-        if e.param in _RESPONSES_FIELDS:
-            e.message = re.sub(rf"\b{e.param}\b", _RESPONSES_FIELDS[e.param], e.message)
-            e.param = _RESPONSES_FIELDS[e.param]
+        name = _responses_field(e.param) if e.param is not None else None
+        if name != e.param:
+            e.message, e.param = re.sub(rf"\b{e.param}\b", name, e.message), name
         raise
     rid, created, model = new_id("resp"), now(), lora or state.model_name
     plan = chat.tool_plan()

@@ -97,12 +97,13 @@ async def _events(engine: AsyncEngine, sub: Submission, base: dict, prompt_lens:
     # chunk or [DONE] leaves nothing running)
     finished, n_out, cached = False, 0, {}
     produced: dict[tuple[str, int], int] = {}     # (request, sample) -> completion tokens so far
+    prompt_len = dict(zip(sub.request_ids, prompt_lens))
 
-    def chunk(choice: dict, prompt_len: int, completion: int) -> str:
+    def chunk(choice: dict, prompt: int, completion: int) -> str:
         body = {**base, "choices": [choice]}
         if continuous:
-            body["usage"] = {"prompt_tokens": prompt_len, "completion_tokens": completion,
-                             "total_tokens": prompt_len + completion}
+            body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
         return sse(body)
     try:
         for choice in head:
@@ -120,7 +121,7 @@ async def _events(engine: AsyncEngine, sub: Submission, base: dict, prompt_lens:
             if not (d.text or d.token_ids or d.finished):
                 continue
             for choice in choices(d):
-                yield chunk(choice, prompt_lens[sub.request_ids.index(d.request_id)], produced[key])
+                yield chunk(choice, prompt_len[d.request_id], produced[key])
         finished = True
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage(sum(prompt_lens), n_out, sum(cached.values()),
