@@ -127,6 +127,26 @@ def test_quantized_fusion(hf_model_dir, name, method):
         assert err <= reorder_bound(cfg.d_model, cfg.n_layers), (tp, err)
 
 
+def test_fused_static_activation_range_holds_every_part():
+    """q / k / v with different static W8A8 input quantizers fuse into one that clips none of
+    them (vLLM's rule for fused static int8 layers). By hand: symmetric scales 0.1, 0.2, 0.15 ->
+    0.2; asymmetric (0.1, z -100) covers [-2.8, 22.7] and (0.05, z 100) [-11.4, 1.35]: the union
+    [-11.4, 22.7] over 255 steps is 34.1 / 255 with the zero point round(-128 + 11.4 * 255 / 34.1)
+    = round(-42.75) = -43. Equal quantizers stay as they are, bit for bit."""
+    from jaxinfer.models.decoder import _fused_act_range
+    from jaxinfer.quant import quantize_int8
+    w = quantize_int8(jnp.ones((8, 4), jnp.float32))
+    part = lambda s, z=None: dataclasses.replace(  # noqa: E731
+        w, act_bits=8, act_scale=jnp.float32(s), act_zero=None if z is None else jnp.int32(z))
+    sym = _fused_act_range([part(0.1), part(0.2), part(0.15)])
+    assert sym["act_zero"] is None and float(sym["act_scale"]) == np.float32(0.2)
+    asym = _fused_act_range([part(0.1, -100), part(0.05, 100)])
+    assert abs(float(asym["act_scale"]) - 34.1 / 255) <= 1e-6 * 34.1 / 255 and int(asym["act_zero"]) == -43
+    same = _fused_act_range([part(0.3, 7), part(0.3, 7)])
+    assert float(same["act_scale"]) == np.float32(0.3) and int(same["act_zero"]) == 7
+    assert _fused_act_range([w, w]) == dict(act_scale=None, act_zero=None)
+
+
 def test_save_and_export_write_unfused_names(hf_model_dir, tmp_path):
     from jaxinfer.export import hf_tensors
     from jaxinfer.weights import load_native, save_native

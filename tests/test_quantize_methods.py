@@ -531,10 +531,33 @@ def test_w8a8_matmul_within_the_int8_error_bound(impl):
     assert np.all(np.abs(y - ref) <= bound * (1 + 1e-5)), np.max(np.abs(y - ref) / bound)
 
 
+@pytest.mark.parametrize("zero", [None, 4])
+def test_static_activation_codes_match_compressed_tensors(zero):
+    """A static W8A8 input's int8 codes are compressed-tensors' quantizer's (the producer of
+    llmcompressor's W8A8 checkpoints, and vLLM's static int8 kernel clips the same way): round half
+    to even, then clip to [-128, 127] on both sides, symmetric or with a zero point. (compressed-
+    tensors rounds x / s + z, vLLM's kernel and jaxinfer round x / s and add z: the same codes but at
+    a tie x / s = k + 1/2 with an odd z, so the zero point here is even and the ties are tested.)"""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from jaxinfer.quant.dispatch import quantize_rows_int8
+    rng = np.random.default_rng(SEED + 6)
+    sa = np.float32(0.2)
+    x = np.concatenate([np.array([-30.0, -25.7, -25.6, -25.5, -25.45, -25.3, -0.1, 0.1, 0.3, 25.4, 25.5, 30.0]),
+                        rng.uniform(-30, 30, 52)]).astype(np.float32).reshape(4, 16)
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=zero is None, strategy="tensor", dynamic=False)
+    ref = quantize(torch.from_numpy(x), torch.tensor([float(sa)]), torch.tensor([zero or 0], dtype=torch.int8),
+                   args).numpy()
+    codes, sx = quantize_rows_int8(jnp.asarray(x), jnp.asarray(sa), None if zero is None else jnp.int32(zero))
+    assert np.array_equal(np.asarray(codes).astype(np.float32), ref) and ref.min() == -128
+    assert np.all(np.asarray(sx) == sa)
+
+
 @pytest.mark.parametrize("impl", W8A8_IMPLS)
 def test_w8a8_static_scale_matmul_against_numpy(impl):
     """A static activation scale: every row quantized with the one calibrated scale, values beyond
-    127 * scale clipped; y equals numpy's integer product exactly as above, and rows that do not
+    127 * scale (below -128 * scale) clipped; y equals numpy's integer product exactly as above, and rows that do not
     clip stay within the int8 bound with dx = scale / 2."""
     import dataclasses
     from jaxinfer.quant import qdot, quantize_int8
@@ -542,11 +565,12 @@ def test_w8a8_static_scale_matmul_against_numpy(impl):
     m, k, n = 8, 64, 32
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[2, 7] = 60.0                                    # an outlier row: clips at 127 * sa = 25.4
+    x[5, 3] = -60.0                                   # and one that clips at -128 * sa = -25.6
     w = (0.1 * rng.standard_normal((k, n))).astype(np.float32)
     sa = np.float32(0.2)
     qw = dataclasses.replace(quantize_int8(jnp.asarray(w)), act_bits=8, act_scale=jnp.asarray(sa))
     y = np.asarray(qdot(jnp.asarray(x), qw, impl=impl), np.float64)
-    xq = np.clip(np.round(x / sa), -127, 127).astype(np.int64)
+    xq = np.clip(np.round(x / sa), -128, 127).astype(np.int64)
     sw = np.asarray(qw.scales)
     wq = np.asarray(qw.q).astype(np.int64)
     exact = (xq @ wq).astype(np.float64) * np.float64(sa) * sw[None, :].astype(np.float64)
@@ -555,7 +579,7 @@ def test_w8a8_static_scale_matmul_against_numpy(impl):
     dx, dw = np.float64(sa) / 2, sw.astype(np.float64)[None, :] / 2
     bound = dx * np.abs(w).sum(0)[None, :] + np.abs(x).sum(1)[:, None] * dw + k * dx * dw
     ok = np.abs(x).max(1) <= 127 * sa
-    assert not ok[2] and ok.sum() == m - 1
+    assert not ok[2] and not ok[5] and ok.sum() == m - 2
     assert np.all(np.abs(y - ref)[ok] <= bound[ok] * (1 + 1e-5))
 
 

@@ -450,10 +450,33 @@ def _fuse_leaves(parts: list, fn, names: tuple[str, ...] = ()):
                                shape=(*first.shape[:first.batch + 1], int(q.shape[-1])), contract=1,
                                layout=first.layout,
                                act_bits=first.act_bits,   # a copy: fuse_decoder(consume=True) deletes the parts
-                               act_scale=None if first.act_scale is None else jnp.array(first.act_scale),
-                               act_zero=None if first.act_zero is None else jnp.array(first.act_zero),
+                               **_fused_act_range(parts),
                                perm=None if first.perm is None else jnp.array(first.perm))
     return fn(parts)
+
+
+def _fused_act_range(parts: list) -> dict:
+    """The static activation quantizer of one fused input (act_scale, act_zero) from its parts'
+    (q / k / v, gate / up: calibrated on the same input, so normally equal, kept as they are).
+    Where they differ, the smallest range that holds every part's, so that no part's activations
+    clip where they did not (vLLM's rule for fused static int8 layers): symmetric -> the largest
+    scale; asymmetric -> the union of the ranges [s * (-128 - z), s * (127 - z)] over 255 steps,
+    its zero point round(-128 - lo / s)."""
+    first = parts[0]
+    if first.act_scale is None:
+        return dict(act_scale=None, act_zero=None)
+    scales = [float(np.asarray(p.act_scale)) for p in parts]
+    zeros = None if first.act_zero is None else [int(np.asarray(p.act_zero)) for p in parts]
+    if len(set(scales)) == 1 and (zeros is None or len(set(zeros)) == 1):
+        return dict(act_scale=jnp.array(first.act_scale),
+                    act_zero=None if first.act_zero is None else jnp.array(first.act_zero))
+    if zeros is None:
+        return dict(act_scale=jnp.asarray(max(scales), jnp.float32), act_zero=None)
+    lo = min(sc * (-128 - z) for sc, z in zip(scales, zeros))
+    hi = max(sc * (127 - z) for sc, z in zip(scales, zeros))
+    scale = (hi - lo) / 255
+    return dict(act_scale=jnp.asarray(scale, jnp.float32),
+                act_zero=jnp.asarray(int(np.clip(round(-128 - lo / scale), -128, 127)), jnp.int32))
 
 
 def _split_leaves(fused, fn, shapes: list[tuple[int, ...]]) -> list:

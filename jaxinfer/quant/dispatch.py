@@ -61,8 +61,9 @@ def _xla_matmul(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
 
 
 def quantize_rows_int8(x2: jax.Array, act_scale=None, act_zero=None) -> tuple[jax.Array, jax.Array]:
-    """x [M, K] -> (int8 [M, K], f32 scales [M]): symmetric, sx = max|x_m| / 127 per row (dynamic),
-    or the calibrated act_scale [] for every row (static; values beyond 127 * act_scale clip), with
+    """x [M, K] -> (int8 [M, K], f32 scales [M]): symmetric, sx = max|x_m| / 127 per row (dynamic,
+    codes in [-127, 127]), or the calibrated act_scale [] for every row (static: codes round(x / sx)
+    clipped to [-128, 127], as compressed-tensors' quantizer and vLLM's static int8 kernel clip), with
     the zero point act_zero [] if given (static asymmetric: codes round(x / sx) + z in [-128, 127])."""
     if act_scale is None:
         if act_zero is not None:
@@ -71,7 +72,7 @@ def quantize_rows_int8(x2: jax.Array, act_scale=None, act_zero=None) -> tuple[ja
     xf = x2.astype(jnp.float32)
     sx = jnp.broadcast_to(jnp.asarray(act_scale, jnp.float32), xf.shape[:1])
     if act_zero is None:
-        return jnp.clip(jnp.round(xf / sx[:, None]), -127, 127).astype(jnp.int8), sx
+        return jnp.clip(jnp.round(xf / sx[:, None]), -128, 127).astype(jnp.int8), sx
     z = jnp.asarray(act_zero, jnp.float32)
     return jnp.clip(jnp.round(xf / sx[:, None]) + z, -128, 127).astype(jnp.int8), sx
 

@@ -56,11 +56,12 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
   2^-4 |w| for |w| / scale >= 2^-6 (normal e4m3 numbers), <= 2^-10 scale below (subnormals).
 * W8A8 (act_bits=8, SmoothQuant): int8 weights as above, and at run time each row (token) of x is
   quantized symmetrically to int8 with the scale sx = max|x_t| / 127 of its own (dynamic), or with
-  one scale per weight calibrated offline (static, act_scale f32 []); y = (xq @ q as int32)
-  * sx * scales[n]. Static activations may be asymmetric (act_zero int32 [] in [-128, 127]):
-  xq = clip(round(x / sx) + z, -128, 127) and y = (xq @ q - z * colsum(q)) * sx * scales[n], the
+  one scale per weight calibrated offline (static, act_scale f32 []; codes clipped to [-128, 127]
+  as compressed-tensors and vLLM clip them); y = (xq @ q as int32) * sx * scales[n]. Static
+  activations may be asymmetric (act_zero int32 [] in [-128, 127]): xq = clip(round(x / sx) + z,
+  -128, 127) and y = (xq @ q - z * colsum(q)) * sx * scales[n], the
   column sums coming out of the same int32 dot (a row of ones appended to xq), so q is read once.
-  XLA only (the Pallas kernel is weight-only).
+  XLA's int8 dot, or the Pallas w8a8_matmul kernel (qdot's launch configs).
 All rounding is round-to-nearest (ties to even); an all-zero column/group gets scale 1.0 (q = 0).
 Error bound (symmetric and asymmetric): |w - dequant(w)| <= scale / 2 elementwise (plus f32 rounding),
 hence |x @ w - x @ dequant(w)| <= sum_k |x_k| * scale_k / 2 per output (see the *_bound helpers).

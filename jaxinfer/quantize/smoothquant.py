@@ -62,7 +62,7 @@ ACT_CALIBS = ("minmax", "percentile", "mse")
 
 
 def _int8_mse(x: np.ndarray, scale: float, w: np.ndarray | None) -> float:
-    err = np.clip(np.round(x / scale), -127, 127) * scale - x
+    err = np.clip(np.round(x / scale), -128, 127) * scale - x   # the run time's codes (quantize_rows_int8)
     return float(np.mean((err if w is None else err @ w) ** 2))
 
 
