@@ -4,7 +4,8 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
   hermes       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen 2.5/3, Hermes;
                serve.tools.AutoToolParser);
   llama3_json  Llama 3.1+/3.2 JSON calls: an output that is (after an optional `<|python_tag|>`) one
-               or more `{"name": ..., "parameters": {...}}` objects separated by `;`;
+               or more `{"name": ..., "parameters": {...}}` objects separated by `;`, or text and then
+               `<|python_tag|>` and the calls (the text is content);
   mistral      `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (Mistral v0.3 / Nemo), or
                `[TOOL_CALLS]name[ARGS]{...}` (the v11+ tokenizers' form), text before it is content;
   openai       gpt-oss harmony: a message whose header names a recipient `to=functions.NAME` is a call
@@ -122,6 +123,18 @@ class _Buffered:
         calls = [c for c in calls if c is not None]
         return calls[:1] if calls and not self.plan.parallel else calls
 
+    def _until(self, marker: str, text: str) -> tuple[str, list[dict]]:
+        """Content streams up to `marker`; from it on the text is held (a marker split across pieces
+        is held back until it is known)."""
+        self.pending += text
+        i = self.pending.find(marker)
+        if i >= 0:
+            content, self.held, self.pending = self.pending[:i], self.pending[i:], ""
+            return content, []
+        keep = partial_suffix(self.pending, marker)
+        out, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return out, []
+
     def finish(self) -> tuple[str, list[dict]]:
         rest, self.pending = self.pending, ""
         if self.held is None:
@@ -135,11 +148,11 @@ class _Buffered:
 
 
 class Llama3JsonParser(_Buffered):
-    plain = False      # the output did not start with a call: it is text, streamed as it comes
+    plain = False      # the output did not start with a call: text, up to a `<|python_tag|>` if any
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
-        if self.plain:
-            return text, []
+        if self.held is None and self.plain:     # Llama 3.1 may write text, then the tag and a call
+            return self._until(PYTHON_TAG, text)
         if self.held is not None:
             self.held += text
             return "", []
@@ -152,8 +165,9 @@ class Llama3JsonParser(_Buffered):
             return "", []
         if PYTHON_TAG.startswith(head):
             return "", []
-        out, self.pending, self.plain = self.pending, "", True
-        return out, []
+        self.plain = True
+        text, self.pending = self.pending, ""
+        return self._until(PYTHON_TAG, text)
 
     def _parse(self, text: str) -> list[dict] | None:
         body = text.strip()
@@ -171,14 +185,7 @@ class MistralParser(_Buffered):
         if self.held is not None:
             self.held += text
             return "", []
-        self.pending += text
-        i = self.pending.find(MISTRAL_CALLS)
-        if i >= 0:
-            content, self.held, self.pending = self.pending[:i], self.pending[i:], ""
-            return content, []
-        keep = partial_suffix(self.pending, MISTRAL_CALLS)
-        out, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
-        return out, []
+        return self._until(MISTRAL_CALLS, text)
 
     def _parse(self, text: str) -> list[dict] | None:
         calls: list = []

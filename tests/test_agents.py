@@ -445,6 +445,11 @@ def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prom
     ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
                     '{"name": "get_weather", "parameters": {"city": "Rome"}}', None, [{"city": "Paris"}, {"city": "Rome"}]),
     ("llama3_json", 'It is {"name": "x"}', 'It is {"name": "x"}', []),
+    # Llama 3.1 may write text first, then the tag and the call (the text stays content)
+    ("llama3_json", 'Let me look. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+     "Let me look. ", [{"city": "Paris"}]),
+    ("llama3_json", 'Let me look. <|python_tag|>{"name": "get_weather", "parameters": {"city": Paris}}',
+     'Let me look. <|python_tag|>{"name": "get_weather", "parameters": {"city": Paris}}', []),
     ("mistral", 'Ok [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Ok ", [{"city": "Paris"}]),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None, [{"city": "Paris"}]),
     # text after the array is dropped, as vLLM's parser drops it (it once made the whole call content)
