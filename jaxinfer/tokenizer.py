@@ -330,12 +330,34 @@ class IncrementalDetokenizer:
         self.ids: list[int] = [int(i) for i in prompt_ids]
         self.read_offset = len(self.ids)
         self.prefix_offset = max(self.read_offset - _PROMPT_CONTEXT, 0)
+        # The context must not start inside a character: byte-fallback decoders turn a whole run of
+        # byte pieces into U+FFFD when any of it is not UTF-8, so a window that began mid-character
+        # would garble every byte piece generated after it. Start up to 3 ids earlier (a character
+        # is at most 4 bytes) until the context decodes whole.
+        for _ in range(3):
+            if self.prefix_offset == 0 or _REPLACEMENT not in tokenizer.decode(
+                    self.ids[self.prefix_offset:self.read_offset], skip_special_tokens):
+                break
+            self.prefix_offset -= 1
         self.text = ""
+
+    def _window_start(self) -> int:
+        """Where this step's decode starts: prefix_offset, or earlier where a SentencePiece control
+        token (kept in the text) would open the window. SentencePiece drops the word marker of a
+        window's first text piece, so "<s>" + "▁good" would decode as "<s>good" where the whole
+        output has "<s> good"; the text piece before it keeps the space."""
+        start = self.prefix_offset
+        tok = self.tokenizer
+        if tok.kind == "sentencepiece" and not self.skip_special_tokens:
+            while start > 0 and 0 <= self.ids[start] < tok.vocab_size and tok.backend.is_control(self.ids[start]):
+                start -= 1
+        return start
 
     def _step(self, force: bool) -> str:
         dec = self.tokenizer.decode
-        prefix = dec(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full = dec(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        start = self._window_start()
+        prefix = dec(self.ids[start:self.read_offset], self.skip_special_tokens)
+        full = dec(self.ids[start:], self.skip_special_tokens)
         # A trailing U+FFFD is (almost always) a multi-byte char whose remaining bytes are still
         # to come; emitting it now would put a replacement char into the stream for good.
         if len(full) <= len(prefix) or (full.endswith(_REPLACEMENT) and not force):
