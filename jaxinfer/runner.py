@@ -45,6 +45,20 @@ from jaxinfer.step import MAX_STOP_IDS, StepInputs, StepOutputs, StepSettings, j
 INT32_MAX = np.iinfo(np.int32).max
 
 
+def key_seed(seed: int) -> int:
+    """A request's seed (any integer in [0, 2**63)) -> the uint32 the sampler's keys start from
+    (jax.random.key takes 32 bits without x64). Seeds below 2**32 are themselves; larger ones go
+    through splitmix64's finaliser, folded to 32 bits, so that seeds differing only above bit 31
+    (s and s + 2**32) draw different streams instead of one."""
+    if seed < 2**32:
+        return seed
+    z = seed & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & 0xFFFFFFFF
+
+
 class CompileCounter:
     """Counts XLA backend compilations in this process (every jit, eager op or kernel)."""
     _lock = threading.Lock()
@@ -369,7 +383,7 @@ class ModelRunner:
             # top_k past the vocabulary means "off" and may exceed int32 (the API takes any integer)
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, min(p.top_k, INT32_MAX), p.top_p, p.min_p
             rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-            seed[i], index[i] = req.seed & 0xFFFFFFFF, req.sample_index
+            seed[i], index[i] = key_seed(req.seed), req.sample_index
             num_logprobs[i] = p.logprobs or 0
         any_penalty = bool(np.any((rep != 1) | (pres != 0) | (freq != 0)))
         hist, is_out = self._history(s, rows, any_penalty or lookup)

@@ -1,6 +1,7 @@
 """The jittable sampler: one row per sampled token, each row with its own parameters.
 
-Order of operations per row (the order vLLM and HF apply them):
+Order of operations per row (HF's order; vLLM v1 applies min-p before top-k / top-p, which keeps
+a different set only where a row sets both min_p and top_p or top_k):
   0. logit_bias (OpenAI's: added to the raw logits), then the structured-output mask: tokens the
      row's grammar does not allow become -inf (a packed bitmask, host/structured.py), so every
      later rule, the logprobs included, sees the constrained distribution;
@@ -39,7 +40,7 @@ class SamplingBatch:
     repetition_penalty: jax.Array
     presence_penalty: jax.Array
     frequency_penalty: jax.Array
-    seed: jax.Array             # u32
+    seed: jax.Array             # u32: the request's seed (runner.key_seed of larger ones)
     sample_index: jax.Array     # i32: which of the request's n samples this row is
     position: jax.Array         # i32: position of the token being drawn
     num_logprobs: jax.Array     # i32: top logprobs the row wants (0 = none; the step computes

@@ -107,6 +107,29 @@ def test_seeded_sampling_independent_of_batch(gen):
     assert len({tuple(o.token_ids) for o in batched}) > 1
 
 
+def test_seeds_that_differ_above_bit_31_draw_their_own_streams(gen):
+    """Seeds are integers in [0, 2**63): s, s + 2**32 and s + 2**62 are three seeds and draw three
+    streams (the sampler's keys once took the low 32 bits, and all three gave one output); a seed
+    below 2**32 keeps its stream."""
+    from jaxinfer.runner import key_seed
+    prompt = _prompts(1, gen.model_cfg.vocab_size, 12, 13, seed=9)[0]
+    outs = [gen.generate([prompt], SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True))[0].token_ids
+            for s in (7, 7 + 2**32, 7 + 2**62)]
+    assert len({tuple(o) for o in outs}) == 3
+    assert key_seed(7) == 7 and len({key_seed(7 + 2**32), key_seed(7 + 2**62), 7}) == 3
+
+
+def test_tiny_temperatures_run_at_vllms_floor_with_finite_logprobs(gen):
+    """0 < temperature < 0.01 runs at 0.01 (vLLM clamps it there: logits / 1e-10 overflow float32),
+    so the logprobs are finite and equal those of temperature 0.01; 0 stays greedy."""
+    assert SamplingParams(temperature=1e-10).temperature == 0.01 and SamplingParams(temperature=0).temperature == 0
+    prompt = _prompts(1, gen.model_cfg.vocab_size, 12, 13, seed=10)[0]
+    tiny, floor = (gen.generate([prompt], SamplingParams(max_tokens=8, temperature=t, seed=3, logprobs=2,
+                                                         ignore_eos=True))[0] for t in (1e-10, 0.01))
+    assert tiny.token_ids == floor.token_ids and np.all(np.isfinite(tiny.logprobs))
+    assert tiny.logprobs == floor.logprobs
+
+
 def test_preemption_gives_identical_outputs(hf_model_dir, gen):
     # 12 blocks of 8 tokens for 12 requests that each need up to 9 blocks: heavy preemption. The
     # context is what the pool holds (96 tokens: a pool must hold one sequence of max_model_len); the

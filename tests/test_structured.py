@@ -102,6 +102,14 @@ def test_logit_bias_matches_numpy():
     np.testing.assert_allclose(np.asarray(lps), _log_softmax(ref)[np.arange(n), np.argmax(ref, axis=1)], atol=5e-5)
 
 
+def test_logit_bias_keeps_one_entry_per_token():
+    """logit_bias is a map: keys naming one token ("5", "05", 5) keep the last value given, as a
+    dict built from them does, so no token is biased past +-100 (they were summed: +200)."""
+    from jaxinfer import SamplingParams
+    assert SamplingParams(logit_bias={"5": 100, "05": -50, "7": 1}).logit_bias == ((5, -50.0), (7, 1.0))
+    assert SamplingParams(logit_bias=[(5, 100), ("5", 100)]).logit_bias == ((5, 100.0),)
+
+
 # ----------------------------------------------------------------------------- llguidance masks
 
 def _bytelevel_tokenizer_dir(folder) -> str:

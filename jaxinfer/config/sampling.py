@@ -19,6 +19,9 @@ MAX_LOGIT_BIAS = 300
 # top-N per prompt token at most (the step computes this many for every prompt position asked for;
 # sampling.MAX_LOGPROBS, vLLM's default max_logprobs)
 MAX_PROMPT_LOGPROBS = 20
+# vLLM's floor for a positive temperature: logits / T overflow float32 (logprobs of +-inf) below it,
+# so 0 < T < MIN_TEMPERATURE runs at MIN_TEMPERATURE (all but greedy; T = 0 is greedy)
+MIN_TEMPERATURE = 0.01
 
 
 class SamplingParamsError(ValueError):
@@ -80,7 +83,8 @@ class StructuredOutputs:
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """How one request decodes. temperature 0 means greedy."""
+    """How one request decodes. temperature 0 means greedy; a positive one below MIN_TEMPERATURE
+    runs at MIN_TEMPERATURE (vLLM's rule)."""
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = 0                      # 0 (or -1, vLLM's): off
@@ -116,8 +120,8 @@ class SamplingParams:
         problems: list[tuple[str, str]] = []   # (field, message)
         if self.logit_bias is not None:
             bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-            try:
-                pairs = tuple(sorted((int(k), float(v)) for k, v in bias))
+            try:   # one entry per token, the last one given (a dict's rule: {5: 1, "05": 2} is {5: 2})
+                pairs = tuple(sorted({int(k): float(v) for k, v in bias}.items()))
             except (TypeError, ValueError):
                 pairs = None
                 problems.append(("logit_bias", "logit_bias must map token ids (integers) to numbers"))
@@ -138,6 +142,8 @@ class SamplingParams:
             problems.append(("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"))
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             problems.append(("temperature", f"temperature must be >= 0, got {self.temperature!r}"))
+        elif 0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if not isinstance(self.top_k, int) or self.top_k < -1:
             problems.append(("top_k", f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}"))
         elif self.top_k == -1:   # vLLM's "off", which its clients send
