@@ -44,6 +44,8 @@ mixed steps; 8 to 32 items per iteration within the machine's noise.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -181,7 +183,7 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
     merged per tile by online softmax.
 
     q_tiles [NT+1, Hkv, Q, D] f32 (row NT: the padding items' dummy tile), pos_tiles [NT+1, Q]
-    (position of each query, -1: none), items [N, 2 + KB] int32, N a multiple of `group`; only the
+    (position of each query, -1: none), items [N, 2 + KB] int32 (any N >= num_items); only the
     first num_items are real and the loops stop there: the work follows the blocks the step actually
     reads, not the bucket. -> [NT+1, Hkv, Q, D] f32 (0: a query with no key).
     Keys past a query's position are masked, so an item's null blocks past the context cost work but
@@ -239,8 +241,10 @@ def _attend_items(q_tiles: jax.Array, pos_tiles: jax.Array, kv: LayerKV, items: 
         init = (jnp.broadcast_to(per_q(sinks.astype(jnp.float32)), (nt1, hkv, nq)),
                 jnp.ones((nt1, hkv, nq), jnp.float32), init[2])
     # full groups, then the rest in groups of `tail` so that a small step (batch-1 decode) does not
-    # pay for a whole group of padding items; items has room: its length is a multiple of `group`
-    tail = max(1, group // 8)
+    # pay for a whole group of padding items. tail divides both `group` and the item array's length,
+    # so the last tail slice ends inside the array (a slice past its end is shifted back by
+    # dynamic_slice, and its items would be merged twice)
+    tail = math.gcd(math.gcd(group, items.shape[0]), max(1, group // 8))
     full = num_items // group
     carry = jax.lax.fori_loop(0, full, lambda i, c: step(c, i * group, group), init)
     carry = jax.lax.fori_loop(0, (num_items - full * group + tail - 1) // tail,

@@ -30,6 +30,7 @@ __all__ = [
 
 _SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 _TEMPLATE_FILE = "chat_template.jinja"  # newer transformers write the template here instead
+_TEMPLATE_DIR = "additional_chat_templates"   # and the named ones other than "default" here
 _REPLACEMENT = "\ufffd"
 # How many prompt tokens seed the detokenizer window (vLLM uses the same number): enough for the
 # decoders to see the context a leading-space marker or a split multi-byte char depends on.
@@ -58,6 +59,8 @@ class Tokenizer:
         pad_id: int | None,
         chat_template: str | None,
         add_bos: bool,
+        chat_templates: dict[str, str] | None = None,
+        special_tokens: dict[str, str] | None = None,
     ) -> None:
         self._backend = backend
         self.kind = kind
@@ -66,6 +69,10 @@ class Tokenizer:
         self.eos_ids = eos_ids
         self.pad_id = pad_id
         self.chat_template = chat_template
+        # every template by name, as transformers keeps them ("default", "tool_use", ...; the one
+        # template is "default"), and the special tokens' text that templates read (bos_token, ...)
+        self.chat_templates: dict[str, str] = dict(chat_templates or ({"default": chat_template} if chat_template else {}))
+        self.special_tokens: dict[str, str] = dict(special_tokens or {})
         self.add_bos = add_bos
         if kind == "sentencepiece":
             self.vocab_size: int = backend.get_piece_size()
@@ -154,10 +161,11 @@ class Tokenizer:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         for f in self.files:
-            dst = out / f.name
+            dst = out / f.parent.name / f.name if f.parent.name == _TEMPLATE_DIR else out / f.name
             # Re-saving into the source folder is a no-op, not an error.
             if dst.exists() and dst.resolve() == f.resolve():
                 continue
+            dst.parent.mkdir(exist_ok=True)
             shutil.copyfile(f, dst)
 
 
@@ -197,16 +205,38 @@ def _id_list(v: Any) -> list[int]:
     return []
 
 
-def _chat_template(cfg: dict[str, Any]) -> str | None:
+def _chat_templates(folder: Path, cfg: dict[str, Any]) -> tuple[dict[str, str], list[Path]]:
+    """The chat templates by name and the files they came from, found as transformers finds them:
+    chat_template.jinja ("default") and additional_chat_templates/NAME.jinja where either exists,
+    else tokenizer_config's chat_template (a string: "default"; a list of {name, template})."""
+    paths = [folder / _TEMPLATE_FILE] if (folder / _TEMPLATE_FILE).is_file() else []
+    if (folder / _TEMPLATE_DIR).is_dir():
+        paths += sorted((folder / _TEMPLATE_DIR).glob("*.jinja"))
+    if paths:
+        return {("default" if p.parent == folder else p.name.removesuffix(".jinja")): p.read_text(encoding="utf-8")
+                for p in paths}, paths
     t = cfg.get("chat_template")
     if isinstance(t, str):
-        return t
+        return {"default": t}, []
     if isinstance(t, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        for entry in t:
-            if isinstance(entry, dict) and entry.get("name") == "default":
-                tmpl = entry.get("template")
-                return tmpl if isinstance(tmpl, str) else None
-    return None
+        return {e["name"]: e["template"] for e in t if isinstance(e, dict) and isinstance(e.get("name"), str)
+                and isinstance(e.get("template"), str)}, []
+    return {}, []
+
+
+# the special tokens transformers hands a chat template by name (its special_tokens_map)
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _special_token_texts(tok_cfg: dict, st_map: dict) -> dict[str, str]:
+    """name -> text of the special tokens tokenizer_config / special_tokens_map name (the first wins)."""
+    out: dict[str, str] = {}
+    for cfg in (tok_cfg, st_map):
+        for name in _TEMPLATE_TOKENS:
+            text = _token_str(cfg.get(name))
+            if text is not None:
+                out.setdefault(name, text)
+    return out
 
 
 def _load_backend(folder: Path) -> tuple[str, Path, Any] | None:
@@ -295,10 +325,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
     bos_id, eos_ids, pad_id = _special_ids(backend, kind, tok_cfg, cfgs.get("special_tokens_map.json", {}),
                                            cfgs.get("generation_config.json", {}), model_cfg)
 
-    chat_template = _chat_template(tok_cfg)
-    if chat_template is None and (folder / _TEMPLATE_FILE).is_file():
-        chat_template = (folder / _TEMPLATE_FILE).read_text(encoding="utf-8")
-        files.append(folder / _TEMPLATE_FILE)
+    templates, template_files = _chat_templates(folder, tok_cfg)
+    files += template_files
+    special = _special_token_texts(tok_cfg, cfgs.get("special_tokens_map.json", {}))
+    # a checkpoint that names none (a bare tokenizer.model): the ids' pieces
+    piece = backend.id_to_piece if kind == "sentencepiece" else backend.id_to_token
+    for name, i in (("bos_token", bos_id), ("eos_token", eos_ids[0] if eos_ids else None)):
+        if name not in special and i is not None:
+            special[name] = piece(i)
 
     if kind == "hf":
         # The post-processor in tokenizer.json decides whether BOS is added; probe it rather than
@@ -309,7 +343,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
         flag = tok_cfg.get("add_bos_token")
         add_bos = bos_id is not None and (flag if isinstance(flag, bool) else True)
     return Tokenizer(backend, kind, files, bos_id=bos_id, eos_ids=eos_ids, pad_id=pad_id,
-                     chat_template=chat_template, add_bos=add_bos)
+                     chat_template=templates.get("default"), add_bos=add_bos, chat_templates=templates,
+                     special_tokens=special)
 
 
 class IncrementalDetokenizer:

@@ -176,12 +176,17 @@ def attend_block(carry, q, k, v, k_scale, v_scale, kpos, q_pos, row_ok, kv_len, 
     correction = jnp.exp(m_prev - m_next)
     p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
     l_next = l_prev * correction + jnp.sum(p, axis=1)
-    if v_scale is not None:
-        p = p * v_scale[None, :]
     if v.dtype != cdt:
         v = v.astype(cdt)
-    acc = acc * correction[:, None] + dot_f32(p.astype(cdt), v)
-    return acc, m_next, l_next
+    if v_scale is None:
+        return acc * correction[:, None] + dot_f32(p.astype(cdt), v), m_next, l_next
+    # p * v_scale is rounded to the compute dtype for the dot: relative to the largest scale of the
+    # block's visible keys it stays in p's range, where float16 keeps its relative precision (p * v_scale itself fell into
+    # float16's subnormals for small V, and the output's error grew as V shrank)
+    vmax = jnp.max(jnp.where(jnp.any(valid, axis=0), v_scale, 0.0))   # over the keys seen (p = 0 elsewhere)
+    vmax = jnp.where(vmax > 0, vmax, 1.0)
+    pv = dot_f32((p * (v_scale / vmax)[None, :]).astype(cdt), v) * vmax
+    return acc * correction[:, None] + pv, m_next, l_next
 
 
 def init_carry(rows: int, head_dim: int, sinks: jax.Array | None = None):

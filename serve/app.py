@@ -20,22 +20,19 @@ wait for a whole response live in serve.stream, whose one helper writes every SS
 from __future__ import annotations
 
 import dataclasses
-import json
-from datetime import datetime
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxinfer.config import SamplingParams
 from jaxinfer.generator import Generator
 from serve import embeddings
 from serve.bridge import AsyncEngine, EngineDeadError
+from serve.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplates  # noqa: F401  (DEFAULT_...: re-exported)
 from serve.echo import Echo, first_prompt_logprobs, vllm_prompt_logprobs
 from serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard, error_bytes
 from serve.lora_routes import router as lora_router
@@ -46,12 +43,8 @@ from serve.stream import ChatChoices, CompletionChoices, respond, stream_respons
 from serve.reasoning import REASONING_PARSERS, OutputParsers, default_reasoning_parser, prompt_state, reasoning_prefix
 from serve.responses import router as responses_router
 from serve.tool_parsers import TOOL_PARSERS, default_tool_parser
-from serve.tools import ToolPlan, template_messages
+from serve.tools import ToolPlan
 
-# The bundled model has no chat template of its own; this plain one is documented in the README.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}")
 
 
 class ServerState:
@@ -70,7 +63,8 @@ class ServerState:
         self.max_model_len = gen.client.max_model_len
         self.metrics = ServerMetrics(model_name)
         self.engine = AsyncEngine(gen, self.metrics, max_queue)
-        template = chat_template or (self.tokenizer.chat_template if self.tokenizer else None) or DEFAULT_CHAT_TEMPLATE
+        self.chat = ChatTemplates.for_model(self.tokenizer, chat_template)
+        template = self.chat.text
         for value, choices, flag in ((reasoning_parser, REASONING_PARSERS + ("none",), "reasoning_parser"),
                                      (tool_call_parser, TOOL_PARSERS, "tool_call_parser")):
             if value is not None and value not in choices:
@@ -78,17 +72,6 @@ class ServerState:
         self.reasoning_parser = (default_reasoning_parser(template) if reasoning_parser is None
                                  else None if reasoning_parser == "none" else reasoning_parser)
         self.tool_call_parser = tool_call_parser or default_tool_parser(template)
-        # as transformers renders chat templates: loop controls, a tojson that neither sorts keys nor
-        # escapes HTML (Jinja's own does both), raise_exception and strftime_now
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_template_error
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self.chat_template_text = template
-        self.chat_template = env.from_string(template)
-        # HF templates with tool support take `tools` and structured tool calls; others get the plain
-        # rendering of serve.tools
-        self.template_has_tools = "tools" in template
 
     # -------------------------------------------------------------- inputs
     def check_model(self, name: str | None) -> str | None:
@@ -113,27 +96,18 @@ class ServerState:
 
     def render_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None,
                     template_kwargs: dict | None = None) -> list[int]:
-        return ServerState.encode_chat(self, ServerState.render_chat_text(self, messages, tools, template_kwargs))
+        return self.encode_chat(self.render_chat_text(messages, tools, template_kwargs))
 
     def encode_chat(self, text: str) -> list[int]:
-        # HF templates write the BOS token themselves; ours does not
-        return self.encode(text, add_special_tokens="bos_token" not in self.chat_template_text)
+        # as transformers and vLLM encode a rendered chat: the template writes BOS where the model
+        # wants it (the plain template does not: the tokenizer's rule adds it)
+        return self.encode(text, add_special_tokens=self.chat.plain)
 
     def render_chat_text(self, messages: list[ChatMessage], tools: ToolPlan | None = None,
                          template_kwargs: dict | None = None) -> str:
-        """The prompt as text: the model's chat template with HF's variables (messages, tools,
-        add_generation_prompt, bos/eos tokens) and the request's chat_template_kwargs."""
-        tok = self.tokenizer
-        native = self.template_has_tools
-        extra = {"tools": list(tools.tools)} if tools is not None and native else {}
-        msgs = template_messages([m.template_dict() for m in messages], tools, native)
-        try:
-            return self.chat_template.render(**{
-                **(template_kwargs or {}), "messages": msgs, "add_generation_prompt": True,
-                "bos_token": tok.id_to_piece(tok.bos_id) if tok and tok.bos_id is not None else "",
-                "eos_token": tok.id_to_piece(tok.eos_ids[0]) if tok and tok.eos_ids else "", **extra})
-        except TemplateError as e:
-            raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        """The prompt as text (serve.chat_template: the template for the request, HF's variables
+        and the request's chat_template_kwargs)."""
+        return self.chat.render([m.template_dict() for m in messages], tools, template_kwargs)
 
     def completion_inputs(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         """A /v1/completions body -> its prompts as token ids and the sampling params (both front
@@ -226,14 +200,6 @@ class ServerState:
         if self.tokenizer is None:
             return list(self.token_str(token_id).encode())
         return list(self.tokenizer.token_bytes(token_id))
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_template_error(message: str):
-    raise TemplateError(message)
 
 
 def _error_response(e: OpenAIError) -> Response:

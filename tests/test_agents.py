@@ -408,7 +408,7 @@ def test_jaxinfer_serve_flags_reach_the_server(gen, model_dir, monkeypatch):
     assert args.func(args) == 0
     state = apps[0].state.server
     assert (state.reasoning_parser, state.tool_call_parser) == ("deepseek_r1", "mistral")
-    assert state.chat_template_text == (TEMPLATES / "qwen3.jinja").read_text()
+    assert state.chat.text == (TEMPLATES / "qwen3.jinja").read_text()
     with TestClient(apps[0]) as http:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
         r = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=40)

@@ -217,6 +217,26 @@ def test_ragged_paged(dtype, bs, g, window, alibi, quant, bq, ppcb, check_np):
         assert rel_err(out, want) < tol
 
 
+@pytest.mark.parametrize("quant", [True, "fp8"])
+def test_ragged_float16_with_small_v_scales(quant):
+    """float16 queries over int8 / fp8 pages whose V scales are small (V of magnitude ~1e-5, as real
+    activations can be): attention is linear in V, so the error relative to the output stays within
+    float16's bound. The kernel rounded p * v_scale to float16 for the PV dot, which fell into
+    float16's subnormals (a fixed step of 6e-8), and the error grew as V shrank: 2.7e-3 to 1.8e-2."""
+    rng = np.random.default_rng(seed("f16-small-v", quant))
+    hkv, g, d, bs = 1, 2, 32, 16
+    chunks = [(200, 1), (150, 4), (0, 5)]
+    q, k, v, ks, vs, meta = make_ragged(rng, chunks=chunks, n_pad=2, hkv=hkv, g=g, d=d, bs=bs,
+                                        dtype=jnp.dtype("float16"), quant=quant)
+    vs = jnp.where(vs == 3.0, vs, vs * 1e-4)          # the visible keys' V scales only (pages past them keep 3.0)
+    kw = dict(scale=d ** -0.5, k_scale=ks, v_scale=vs)
+    out = ragged_paged_attention(q, k, v, **meta, block_q=8, **kw)
+    t = q.shape[0]
+    want = np_paged(q, k, v, meta["positions"], meta["seq_ids"], meta["block_tables"], meta["context_lens"],
+                    covered=np.arange(t) < t - 2, **kw)
+    assert rel_err(out[:t - 2], want[:t - 2]) < attention_rtol("float16", keys=204, head_dim=d)
+
+
 @pytest.mark.parametrize("dtype,window", [("float32", 11), ("float32", 2**30), ("bfloat16", 7)])
 def test_ragged_traced_window(dtype, window):
     """A window that is a value of the step (a pipeline stage's layer whose window differs between

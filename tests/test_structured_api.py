@@ -320,11 +320,7 @@ def test_plain_rendering_lists_tools_and_writes_calls_back():
 def test_templates_that_know_tools_receive_them():
     """An HF-style template that mentions `tools` gets them and the structured tool calls (arguments as
     objects); the plain template gets the preamble instead."""
-    from types import SimpleNamespace
-
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    from serve.app import DEFAULT_CHAT_TEMPLATE, ServerState
+    from serve.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplates
     from serve.protocol import ChatMessage
     hf = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
           "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
@@ -336,10 +332,7 @@ def test_templates_that_know_tools_receive_them():
     plan = plan_tools(TOOLS, None, None)
 
     def render(template: str) -> str:
-        fake = SimpleNamespace(tokenizer=None, template_has_tools="tools" in template, chat_template_text=template,
-                               chat_template=ImmutableSandboxedEnvironment().from_string(template),
-                               encode=lambda text, add_special_tokens: text)
-        return ServerState.render_chat(fake, msgs, plan)
+        return ChatTemplates({"default": template}).render([m.template_dict() for m in msgs], plan)
 
     assert render(hf) == "<tools>get_weather;get_time;</tools><user>time?<assistant>[get_time utc]<tool>12:00(call_9)"
     plain = render(DEFAULT_CHAT_TEMPLATE)

@@ -1,0 +1,108 @@
+"""Chat templates, applied as transformers' apply_chat_template applies them (vLLM renders chats the
+same way), for the server and the batch script:
+
+- the templates: every one the checkpoint names ("default", "tool_use", ...: jaxinfer.tokenizer
+  finds them as transformers does), or the one `--chat-template` gives, or, for a model without a
+  template, the plain DEFAULT_CHAT_TEMPLATE (documented in the README);
+- which one a request renders: "tool_use" when the request has tools and the model names one,
+  else "default" (transformers' get_chat_template; a model without either refuses with a 400);
+- the variables: the special tokens' text by name (bos_token, eos_token, unk_token, pad_token,
+  ...) as tokenizer_config names them, overridden by the request's chat_template_kwargs, then the
+  messages, add_generation_prompt and, for a template that mentions them, the tools;
+- Jinja as transformers sets it up: trim_blocks, lstrip_blocks, loop controls, a tojson that
+  neither sorts keys nor escapes HTML, raise_exception, strftime_now, and `{% generation %}`
+  blocks (transformers marks assistant text with them for training masks; rendered as their body);
+- the rendered text is encoded without adding special tokens (the template writes BOS where the
+  model wants it), except the plain template's, which the tokenizer's own rule gives a BOS.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from serve.protocol import OpenAIError
+from serve.tools import ToolPlan, template_messages
+
+# The bundled model has no chat template of its own; this plain one is documented in the README.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_template_error(message: str):
+    raise TemplateError(message)
+
+
+class _GenerationBlock(Extension):
+    """`{% generation %}...{% endgeneration %}`: its body, as transformers renders it."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+class ChatTemplates:
+    """A model's chat templates, compiled once (module docstring)."""
+
+    def __init__(self, templates: dict[str, str], special_tokens: dict[str, str] | None = None,
+                 plain: bool = False):
+        if not templates:
+            raise ValueError("no chat template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.texts = dict(templates)
+        self.compiled = {name: env.from_string(text) for name, text in templates.items()}
+        self.special_tokens = dict(special_tokens or {})
+        self.plain = plain
+
+    @classmethod
+    def for_model(cls, tokenizer, override: str | None = None) -> ChatTemplates:
+        """The templates the server renders for `tokenizer` (None: a model without one), or the
+        one template `override` (--chat-template)."""
+        special = tokenizer.special_tokens if tokenizer is not None else {}
+        if override:
+            return cls({"default": override}, special)
+        if tokenizer is not None and tokenizer.chat_templates:
+            return cls(tokenizer.chat_templates, special)
+        return cls({"default": DEFAULT_CHAT_TEMPLATE}, special, plain=True)
+
+    @property
+    def text(self) -> str:
+        """The template that shows the model's formats (the reasoning and tool-call parsers'
+        defaults): the default one, else tool_use, else the first."""
+        return self.texts.get("default") or self.texts.get("tool_use") or next(iter(self.texts.values()))
+
+    def name_for(self, tools: ToolPlan | None) -> str:
+        if tools is not None and "tool_use" in self.texts:
+            return "tool_use"
+        if "default" in self.texts:
+            return "default"
+        raise OpenAIError(400, f"this model's chat templates ({', '.join(sorted(self.texts))}) include no "
+                               "default for a request without tools; send tools, or start the server with "
+                               "--chat-template", param="messages")
+
+    def render(self, messages: list[dict], tools: ToolPlan | None = None, kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text of `messages` (template_dict()s) with the request's tool plan and
+        chat_template_kwargs; a template error is a 400."""
+        name = self.name_for(tools)
+        native = "tools" in self.texts[name]   # HF-style templates take tools and structured calls
+        extra = {"tools": list(tools.tools)} if tools is not None and native else {}
+        try:
+            return self.compiled[name].render(**{
+                **self.special_tokens, **(kwargs or {}), "messages": template_messages(messages, tools, native),
+                "add_generation_prompt": True, **extra})
+        except TemplateError as e:
+            raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None

@@ -1,0 +1,131 @@
+"""Chat templates (serve.chat_template) against transformers' apply_chat_template on the same local
+folders: the rendered text and the token ids, for the ways checkpoints ship and write templates.
+
+The tokenizer is a byte-level BPE trained here whose post-processor adds BOS, as Llama's and
+Mistral's tokenizer.json do: a rendered chat must not get a second BOS from it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from jaxinfer.tokenizer import load_tokenizer
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+USER = [{"role": "user", "content": "Hi there"}]
+DIALOG = USER + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "the cat?"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    words = "the cat sat on a mat Hi there Hello assistant user system weather tool".split()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<pad>", "<|eot|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([" ".join(words[i:] + words[:i]) for i in range(len(words))] * 4, trainer=trainer)
+    tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    d = tmp_path_factory.mktemp("chat-base")
+    tok.save(str(d / "tokenizer.json"))
+    # generation_config lists <|eot|> first: the template's eos_token is still tokenizer_config's
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 2]}))
+    return d
+
+
+def folder(base: Path, tmp_path: Path, template=None, files: dict[str, str] | None = None) -> Path:
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+           "unk_token": "<unk>", "pad_token": "<pad>"}
+    if template is not None:
+        cfg["chat_template"] = template
+    for name in ("tokenizer.json", "generation_config.json"):
+        (tmp_path / name).write_bytes((base / name).read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for rel, text in (files or {}).items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    return tmp_path
+
+
+def ours(d: Path, messages, tools=None, override=None) -> tuple[str, list[int]]:
+    from serve.app import ServerState
+    from serve.protocol import ChatCompletionRequest
+    gen = SimpleNamespace(tokenizer=load_tokenizer(d), client=SimpleNamespace(max_model_len=4096))
+    state = ServerState(gen, "m", None, 16, chat_template=override)
+    req = ChatCompletionRequest(model="m", messages=messages, tools=tools)
+    text = state.render_chat_text(req.messages, req.tool_plan())
+    return text, state.encode_chat(text)
+
+
+def theirs(d: Path, messages, tools=None) -> tuple[str, list[int]]:
+    from transformers import AutoTokenizer
+    t = AutoTokenizer.from_pretrained(str(d))
+    text = t.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    ids = t.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return text, list(ids)
+
+
+@pytest.mark.parametrize("template", [
+    CHATML,                                   # writes no BOS: none is added (it once got the tokenizer's)
+    "{{ bos_token }}" + CHATML,               # the variable: one BOS
+    "<s>" + CHATML,                           # written out: one BOS (it once had two)
+    # eos_token, unk_token and pad_token by name (eos_token was generation_config's first id's)
+    "{% for m in messages %}{{ m['content'] + eos_token }}{% endfor %}[{{ unk_token }}|{{ pad_token }}]",
+    # transformers' {% generation %} block (the server once failed to start on it)
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+    "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}",
+])
+def test_rendered_and_encoded_as_transformers_does(base, tmp_path, template):
+    d = folder(base, tmp_path, template)
+    assert ours(d, DIALOG) == theirs(d, DIALOG)
+
+
+def test_named_templates_pick_tool_use_for_tools(base, tmp_path):
+    """tokenizer_config's list of named templates (Hermes-2-Pro, Command-R): a request with tools
+    renders "tool_use", one without "default" (the default was rendered for both)."""
+    d = folder(base, tmp_path, [
+        {"name": "default", "template": "D:{% for m in messages %}{{ m['content'] }}{% endfor %}"},
+        {"name": "tool_use", "template": "T:{% for t in tools %}{{ t['function']['name'] }};{% endfor %}"
+                                         "{% for m in messages %}{{ m['content'] }}{% endfor %}"}])
+    assert ours(d, USER, TOOLS) == theirs(d, USER, TOOLS) and ours(d, USER, TOOLS)[0].startswith("T:get_weather;")
+    assert ours(d, USER) == theirs(d, USER) and ours(d, USER)[0] == "D:Hi there"
+
+
+def test_template_files_beat_tokenizer_config(base, tmp_path):
+    """chat_template.jinja is the default over tokenizer_config's, and additional_chat_templates/
+    holds the named ones (transformers' layout since 4.5x)."""
+    d = folder(base, tmp_path, "CONFIG{{ messages[0]['content'] }}",
+               {"chat_template.jinja": "JINJA{{ messages[0]['content'] }}",
+                "additional_chat_templates/tool_use.jinja": "TOOLS{{ tools | length }}{{ messages[0]['content'] }}"})
+    assert ours(d, USER) == theirs(d, USER) and ours(d, USER)[0] == "JINJAHi there"
+    assert ours(d, USER, TOOLS) == theirs(d, USER, TOOLS) and ours(d, USER, TOOLS)[0] == "TOOLS1Hi there"
+    saved = tmp_path / "saved"
+    load_tokenizer(d).save(saved)
+    assert (saved / "additional_chat_templates" / "tool_use.jinja").read_text().startswith("TOOLS")
+
+
+def test_named_templates_without_a_default_refuse_a_request_without_tools(base, tmp_path):
+    from serve.protocol import OpenAIError
+    d = folder(base, tmp_path, [{"name": "tool_use", "template": "T{{ messages[0]['content'] }}"}])
+    assert ours(d, USER, TOOLS)[0].startswith("T")   # (no `tools` in it: the plain tool preamble, README)
+    with pytest.raises(OpenAIError) as e:
+        ours(d, USER)
+    assert e.value.status == 400 and "tool_use" in str(e.value)
+
+
+def test_plain_template_gets_the_tokenizers_bos(base, tmp_path):
+    """A model without a template renders the plain one (README), encoded by the tokenizer's own
+    rule: its BOS, as transformers' tokenizer(text) adds it."""
+    from transformers import AutoTokenizer
+    d = folder(base, tmp_path)
+    text, ids = ours(d, USER)
+    assert text == "User: Hi there\nAssistant:" and ids == AutoTokenizer.from_pretrained(str(d))(text)["input_ids"]
+    assert ids[0] == 1
