@@ -44,8 +44,8 @@ def ct_scheme(preset: str, group_size: int | None = 32):
 
 
 def save_compressed_tensors(folder: Path, scheme, seed: int = 0, ignore=("lm_head",)):
-    """A tiny Llama quantized with `scheme` (a compressed_tensors QuantizationScheme) -> (folder,
-    the float model it came from)."""
+    """A tiny Llama quantized with `scheme` (a compressed_tensors QuantizationScheme, or a dict of
+    config groups: name -> scheme) -> (folder, the float model it came from)."""
     import torch
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
@@ -53,7 +53,8 @@ def save_compressed_tensors(folder: Path, scheme, seed: int = 0, ignore=("lm_hea
 
     model = tiny_llama(seed)
     base = copy.deepcopy(model)
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
+    groups = scheme if isinstance(scheme, dict) else {"group_0": scheme}
+    apply_quantization_config(model, QuantizationConfig(config_groups=groups, ignore=list(ignore)))
     with torch.no_grad():
         for _, mod in model.named_modules():
             if not hasattr(mod, "weight_scale"):

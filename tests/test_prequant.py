@@ -100,6 +100,34 @@ def test_compressed_tensors_w8a8_int8_activations(ct):
     assert_rel_close(ours, pm.logits(pm.ct_reference(folder, base), IDS), 2e-2, "w8a8 vs ct fake-quant")
 
 
+def test_overlapping_config_groups_follow_compressed_tensors(tmp_path):
+    """Config groups whose targets overlap on a module (a mixed-precision llm-compressor recipe):
+    the module gets the scheme compressed-tensors gives it (its most specific target: exact names,
+    then regexes in string order), checked against compressed-tensors' own assignment and
+    decompression. The first group in file order won before: down_proj loaded symmetric with its
+    zero points ignored (off by a quarter of max|w|)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from safetensors.torch import load_file
+    from jaxinfer.quant import dequantize
+    groups = {"group_0": pm.ct_scheme("W4A16"), "group_1": pm.ct_scheme("W4A16_ASYM"), "group_2": pm.ct_scheme("W8A16")}
+    for g, targets in zip(groups.values(), (["re:.*mlp.*"], ["re:.*down_proj"], ["model.layers.1.mlp.up_proj"])):
+        g.targets = targets
+    folder, _ = pm.save_compressed_tensors(tmp_path, groups)
+    probe = pm.tiny_llama(0)
+    apply_quantization_config(probe, QuantizationConfig(config_groups=groups, ignore=["lm_head"]))
+    tensors = load_file(str(folder / "model.safetensors"))
+    fmt = json.loads((folder / "config.json").read_text())["quantization_config"]["format"]
+    model, _ = load_model(folder, "float32")
+    for layer, part in ((0, "down"), (0, "gate"), (1, "up"), (1, "down")):
+        name = f"model.layers.{layer}.mlp.{part}_proj"
+        local = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+        scheme = probe.get_submodule(name).quantization_scheme
+        ref = BaseCompressor.get_value_from_registry(fmt).decompress(local, scheme)["weight"].float().numpy()
+        ours = np.asarray(dequantize(getattr(model.layers[layer].mlp, part).get_value()), np.float32).T
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-6 * np.abs(ref).max(), err_msg=name)
+
+
 def test_compression_config_key_is_read(ct, tmp_path):
     """Older compressed-tensors checkpoints keep the config under `compression_config` (read after
     `quantization_config` by compressed_tensors' get_quantization_config and by vLLM): the same

@@ -119,9 +119,6 @@ class _Scheme:
         raise refuse(METHOD, f"{field}.strategy", f"{strategy} (dynamic={dynamic})",
                      "activations load per token dynamic or per tensor static")
 
-    def matches(self, module: str) -> bool:
-        return any(_match(module, t) for t in self.targets)
-
 
 def _match(module: str, target: str) -> bool:
     """compressed_tensors.utils.match: "re:" + a regex (re.match), a class name ("Linear": every
@@ -149,15 +146,19 @@ class CompressedTensorsReader:
         if not groups:
             raise refuse(METHOD, "config_groups", groups, "no quantization scheme")
         self.schemes = [_Scheme(name, g, qc.get("format")) for name, g in groups.items()]
+        # compressed-tensors' precedence where targets overlap (utils.match.match_targets, then the
+        # first target's scheme): exact module names, then regexes, each in string order, then the
+        # class "Linear"; a target named by two groups is the later group's
+        self.by_target = {t: s for s in self.schemes for t in s.targets}
+        self.name_targets = sorted((t for t in self.by_target if t != "Linear"), key=lambda t: ("re:" in t, t))
         self.ignore = list(qc.get("ignore") or [])
         self.st = st
 
     def scheme(self, module: str) -> _Scheme | None:
         if any(_match(module, t) for t in self.ignore):
             return None
-        hits = [s for s in self.schemes if s.matches(module)]
-        named = [s for s in hits if any(t != "Linear" and _match(module, t) for t in s.targets)]
-        return (named or hits or [None])[0]     # a name or regex target wins over the class target
+        target = next((t for t in self.name_targets if _match(module, t)), None)
+        return self.by_target[target] if target is not None else self.by_target.get("Linear")
 
     def quantized(self, module: str) -> bool:
         """The module's weight is stored quantized (checked against the scheme in linear())."""
