@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.decoder import Decoder, unfuse_decoder
+from jaxinfer.quant import QuantizedWeight
 
 _LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
@@ -29,6 +30,14 @@ def hf_config(cfg: ModelConfig) -> dict:
         if s.kind == "llama3":
             rope |= {"low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
                      "original_max_position_embeddings": s.original_max_position_embeddings}
+        elif s.kind == "yarn":
+            rope |= {"original_max_position_embeddings": s.original_max_position_embeddings,
+                     "attention_factor": s.attention_factor, "beta_fast": s.beta_fast, "beta_slow": s.beta_slow,
+                     "truncate": s.truncate}
+        elif s.kind == "longrope":   # which factors apply follows max_position_embeddings, written below
+            rope |= {"original_max_position_embeddings": s.original_max_position_embeddings,
+                     "attention_factor": s.attention_factor, "short_factor": list(s.short_factor),
+                     "long_factor": list(s.long_factor)}
     out = {
         "architectures": [cfg.architecture], "model_type": _LLAMA_LIKE[cfg.architecture],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
@@ -55,8 +64,13 @@ def hf_config(cfg: ModelConfig) -> dict:
 def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
     model = unfuse_decoder(model)   # a fused model (fuse_decoder) is written with HF's separate names
     cfg = model.cfg
-    p = {"/".join(map(str, k)): np.asarray(v.get_value(), np.float32)
-         for k, v in nnx.state(model, nnx.Param).flat_state()}
+    values = {"/".join(map(str, k)): v.get_value() for k, v in nnx.state(model, nnx.Param).flat_state()}
+    quantized = [k for k, v in values.items() if isinstance(v, QuantizedWeight)]
+    if quantized:
+        raise ValueError(f"export-hf writes float weights, and this model holds quantized ones ({quantized[0]}"
+                         f"{f' and {len(quantized) - 1} more' if len(quantized) > 1 else ''}): export the float "
+                         "model, or serve the quantized checkpoint as it is")
+    p = {k: np.asarray(v, np.float32) for k, v in values.items()}
     d = cfg.d_model
     t = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm/scale"]}
     for i in range(cfg.n_layers):

@@ -46,6 +46,38 @@ def test_export_hf_round_trip_loads_in_transformers(hf_model_dir, tmp_path):
             np.testing.assert_allclose(back(ids).logits.numpy(), ref(ids).logits.numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0,
+     "beta_fast": 16.0},
+    {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+     "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.5 * i for i in range(8)]},
+])
+def test_export_hf_keeps_yarn_and_longrope(tmp_path, rope):
+    """YaRN's and LongRoPE's parameters reach the exported config (only `factor` did: the YaRN
+    export was another model, 3e-3 off in its logits, and transformers refused the LongRoPE one),
+    so transformers computes the same logits on the export as on the original over 100 positions."""
+    from transformers import AutoModelForCausalLM
+    from tests.hf_models import save_hf_model
+    src = tmp_path / "src"
+    save_hf_model("llama-gqa-llama3", src, overrides={"rope_scaling": None, "rope_parameters": rope,
+                                                      "max_position_embeddings": 128})
+    assert main(["export-hf", str(tmp_path / "out"), "--model", str(src)]) == 0
+    ids = torch.tensor([list(np.random.default_rng(0).integers(3, 90, size=100))])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(src).eval()(ids).logits.numpy()
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()(ids).logits.numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_export_hf_refuses_quantized_weights(hf_model_dir, tmp_path, capsys):
+    """A quantized model is refused by name with exit code 2 (it crashed with a TypeError)."""
+    src = tmp_path / "q"
+    assert main(["quantize", hf_model_dir("llama-gqa-llama3"), str(src), "--method", "rtn", "--bits", "8",
+                 "--group-size", "-1", "--sym"]) == 0
+    assert main(["export-hf", str(tmp_path / "x"), "--model", str(src)]) == 2
+    assert "quantized" in capsys.readouterr().err
+
+
 def test_export_hf_refuses_other_families(hf_model_dir, tmp_path, capsys):
     assert main(["export-hf", str(tmp_path / "x"), "--model", hf_model_dir("gpt2")]) == 2
     assert "Llama family" in capsys.readouterr().err
