@@ -153,17 +153,25 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from jaxinfer.weights import load_model, save_native
 
     bits, group = default_bits_group(args.method)
-    settings = QuantizeSettings(method=args.method, bits=bits if args.bits is None else args.bits,
+    bits = bits if args.bits is None else args.bits
+    group = -1 if bits == 8 else group          # 8-bit weights are per output channel
+    path = _model_path(args.model, default_model_path())
+    model, cfg = load_model(path, "float32")
+    # calibration and QAT windows run from position 0: no longer than the model's context
+    window = min(256, cfg.max_position_embeddings) if args.calib_window is None else args.calib_window
+    if window > cfg.max_position_embeddings:
+        raise ValueError(f"--calib-window {window} is longer than the model's context "
+                         f"({cfg.max_position_embeddings} positions)")
+    settings = QuantizeSettings(method=args.method, bits=bits,
                                 group_size=group if args.group_size is None else args.group_size,
                                 symmetric=not args.asym, act_order=args.act_order, clip_search=args.clip_search,
-                                calib_tokens=args.calib_tokens, calib_window=args.calib_window,
+                                calib_tokens=args.calib_tokens, calib_window=window,
                                 act_scales=args.act_scales, act_calib=args.act_calib,
                                 act_symmetric=not args.act_asym,
                                 act_percentile=args.act_percentile, qat_steps=args.qat_steps, qat_lr=args.qat_lr,
                                 qat_batch=args.qat_batch, qat_trainable=args.qat_trainable,
                                 qat_nll_weight=args.qat_nll_weight, qat_temperature=args.qat_temperature,
                                 qat_heldout=args.qat_heldout)
-    path = _model_path(args.model, default_model_path())
     tokenizer = load_tokenizer(path)
     windows, calib, train_tokens, train = None, None, None, None
     if settings.method == "qat":
@@ -187,7 +195,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             raise ValueError(f"{path}: the model has no tokenizer to encode --calib-text")
         ids = tokenizer.encode(calib.read_text(encoding="utf-8"))
         windows = calibration_windows(ids, settings.calib_tokens, settings.calib_window)
-    model, cfg = load_model(path, "float32")
     quantize_model(model, settings, windows, progress=not args.quiet, train_tokens=train_tokens)
     extra = {"quantization": {**settings.to_json(), "source": str(path.resolve()),
                               "calib_text": None if calib is None else str(calib),
@@ -322,7 +329,7 @@ def _add_quantize(sub) -> None:
     qz.add_argument("--bits", type=int, default=None, choices=[8, 4, 3],
                     help="default: 8 for fp8 and smoothquant, else 4")
     qz.add_argument("--group-size", type=int, default=None, choices=[128, 64, 32, -1],
-                    help="-1: per output channel (default: -1 for fp8 and smoothquant, else 128)")
+                    help="-1: per output channel (default: -1 for 8-bit weights: fp8, smoothquant, --bits 8; else 128)")
     sym = qz.add_mutually_exclusive_group()
     sym.add_argument("--sym", dest="asym", action="store_false", help="symmetric grid (default)")
     sym.add_argument("--asym", dest="asym", action="store_true", help="asymmetric grid with zero points")
@@ -338,7 +345,8 @@ def _calibration_args(qz: argparse.ArgumentParser) -> None:
                     help="UTF-8 calibration text, disjoint from evaluation text (default: MODEL/calibration.txt)")
     qz.add_argument("--calib-tokens", type=int, default=65536,
                     help="the first N tokens of the calibration text (default 65536; fewer if the text is shorter)")
-    qz.add_argument("--calib-window", type=int, default=256)
+    qz.add_argument("--calib-window", type=int, default=None,
+                    help="tokens per calibration (and QAT) window; default 256, or the model's context if shorter")
     qz.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
     qz.add_argument("--clip-search", action="store_true",
                     help="GPTQ: shrink each grid's range to the least |err|^2.4 before error propagation")

@@ -72,10 +72,22 @@ def test_export_hf_keeps_yarn_and_longrope(tmp_path, rope):
 def test_export_hf_refuses_quantized_weights(hf_model_dir, tmp_path, capsys):
     """A quantized model is refused by name with exit code 2 (it crashed with a TypeError)."""
     src = tmp_path / "q"
-    assert main(["quantize", hf_model_dir("llama-gqa-llama3"), str(src), "--method", "rtn", "--bits", "8",
-                 "--group-size", "-1", "--sym"]) == 0
+    # --bits 8 alone: 8-bit weights are per channel (the method's w4 group size 128 was taken, and refused)
+    assert main(["quantize", hf_model_dir("llama-gqa-llama3"), str(src), "--method", "rtn", "--bits", "8"]) == 0
+    assert json.loads((src / "config.json").read_text())["quantization"]["group_size"] == -1
     assert main(["export-hf", str(tmp_path / "x"), "--model", str(src)]) == 2
     assert "quantized" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,needle", [(["--calib-window", "999"], "longer than the model's context (256 positions)"),
+                                          (["--calib-window", "0"], "--calib-window must be >= 1"),
+                                          (["--calib-tokens", "-5"], "--calib-tokens and --calib-window must be >= 1")])
+def test_quantize_refuses_calibration_windows_it_cannot_run(hf_model_dir, tmp_path, capsys, flags, needle):
+    """Calibration (and QAT) windows start at position 0, so one longer than the context would read
+    positions the model does not have (learned position tables clamp them silently); empty or
+    negative sizes are refused by name (a ZeroDivisionError, or all but the last N tokens)."""
+    assert main(["quantize", hf_model_dir("llama-gqa-llama3"), str(tmp_path / "q"), "--method", "gptq", *flags]) == 2
+    assert needle in capsys.readouterr().err
 
 
 def test_export_hf_refuses_other_families(hf_model_dir, tmp_path, capsys):

@@ -58,6 +58,9 @@ class QuantizeSettings:
             raise ValueError(f"--bits must be 8, 4 or 3, got {self.bits}")
         if self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"--group-size must be positive or -1 (per channel), got {self.group_size}")
+        if self.calib_tokens < 1 or self.calib_window < 1:
+            raise ValueError(f"--calib-tokens and --calib-window must be >= 1, got {self.calib_tokens} and "
+                             f"{self.calib_window}")
         if self.bits == 8 and (self.group_size != -1 or not self.symmetric):
             raise ValueError("--bits 8 is per output channel and symmetric: use --group-size -1 --sym")
         if self.method == "smoothquant" and (self.bits != 8 or self.group_size != -1 or not self.symmetric):
