@@ -257,6 +257,9 @@ class Engine:
         need = self.blocks.blocks_for(min(len(prompt_ids) + params.max_tokens, self.max_model_len))
         if need > self.blocks.num_blocks - 1:
             raise ValueError(f"the request needs {need} KV blocks but the cache has {self.blocks.num_blocks - 1}")
+        if any(t >= self.model_cfg.vocab_size for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids {[t for t in params.stop_token_ids if t >= self.model_cfg.vocab_size][:5]} "
+                               f"are outside the vocabulary [0, {self.model_cfg.vocab_size})", "stop_token_ids")
         bias = params.logit_bias or ()
         if any(t >= self.model_cfg.vocab_size for t, _ in bias):
             raise RequestError(f"logit_bias token ids {[t for t, _ in bias if t >= self.model_cfg.vocab_size][:5]} are "

@@ -130,6 +130,23 @@ def test_tiny_temperatures_run_at_vllms_floor_with_finite_logprobs(gen):
     assert tiny.logprobs == floor.logprobs
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_refused_by_name(gen):
+    """A stop id past int32 killed the engine (an OverflowError building the step's arrays: the
+    server's every later request got 503); past the vocabulary it could never match. Both are
+    refused by name before anything runs; None means none, as in vLLM."""
+    from jaxinfer.config.sampling import SamplingParamsError
+    from jaxinfer.engine import RequestError
+    for bad in ([2**70], [-1]):
+        with pytest.raises(SamplingParamsError) as e:
+            SamplingParams(stop_token_ids=bad)
+        assert e.value.fields == ("stop_token_ids",)
+    with pytest.raises(RequestError) as e:
+        gen.engine.add_request([1, 5, 6], SamplingParams(stop_token_ids=[gen.model_cfg.vocab_size]))
+    assert e.value.param == "stop_token_ids" and not gen.engine.has_unfinished()
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == SamplingParams().stop_token_ids == ()
+    assert len(gen.generate([[1, 5, 6]], SamplingParams(max_tokens=3, temperature=0))[0].token_ids) == 3
+
+
 def test_preemption_gives_identical_outputs(hf_model_dir, gen):
     # 12 blocks of 8 tokens for 12 requests that each need up to 9 blocks: heavy preemption. The
     # context is what the pool holds (96 tokens: a pool must hold one sequence of max_model_len); the

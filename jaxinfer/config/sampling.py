@@ -113,11 +113,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the params stay hashable and immutable.
+        # None (vLLM's default for both) is none
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
         problems: list[tuple[str, str]] = []   # (field, message)
+        if any(not 0 <= t < 2**31 for t in self.stop_token_ids):
+            problems.append(("stop_token_ids", "stop_token_ids must be token ids (integers >= 0), got "
+                                               f"{[t for t in self.stop_token_ids if not 0 <= t < 2**31][:3]}"))
         if self.logit_bias is not None:
             bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
             try:   # one entry per token, the last one given (a dict's rule: {5: 1, "05": 2} is {5: 2})
