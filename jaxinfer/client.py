@@ -22,6 +22,7 @@ and Completion.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict, deque
@@ -34,9 +35,20 @@ from jaxinfer.engine import Engine, StepTrace
 from jaxinfer.output_processor import RequestOutput
 from jaxinfer.host.request import LatencyMetrics
 
-__all__ = ["Completion", "EngineClient", "RequestMetrics", "RequestOutput", "Route", "SubmitError"]
+__all__ = ["Completion", "EngineClient", "EngineFailedError", "RequestMetrics", "RequestOutput", "Route",
+           "SubmitError"]
 
 Route = Callable[[RequestOutput], None]
+
+
+class EngineFailedError(RuntimeError):
+    """An engine step raised: its state (the step in flight, the KV pages donated to it) is gone,
+    so every request waiting on it, and every later one, gets this error; build a new engine."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"the engine stopped: a step raised {type(cause).__name__}: {cause}; build a new "
+                         "Generator (or restart the server)")
+        self.cause = cause
 
 
 class SubmitError(ValueError):
@@ -95,6 +107,7 @@ class EngineClient:
         self._lock = threading.RLock()   # re-entrant: a submit's check() may read queued_sequences()
         self._routes: dict[str, Route | None] = {}
         self._samples: dict[str, list] = {}     # request id -> its n host Requests (metrics)
+        self.error: BaseException | None = None   # what a step raised: the engine is dead from then on
         # the step below the request API (profiling, benchmarks' memory accounting, multi-host
         # followers), under this client's lock: the one copy of that surface
         self.debug = StepDebugger(engine, self._lock)
@@ -197,6 +210,7 @@ class EngineClient:
             raise ValueError(f"got {len(llist)} LoRA names for {len(prompts)} prompts")
         rids: list[str] = []
         with self._lock:
+            self._check_alive()
             if check is not None:
                 check()
             try:
@@ -219,14 +233,26 @@ class EngineClient:
         handed to its request's route before the lock is released, so a request's deltas arrive in
         step order even when several threads step. Returns every delta of the step."""
         with self._lock:
+            self._check_alive()
             if not self.engine.has_unfinished():
                 return []
-            deltas = self.engine.step()
-            for d in deltas:
-                route = self._routes.get(d.request_id)
-                if route is not None:
-                    route(d)
+            try:
+                deltas = self.engine.step()
+            except BaseException as e:      # the thread that stepped gets e itself, every other caller
+                self.error = e              # EngineFailedError (KeyboardInterrupt included: the step's
+                raise                       # in-flight state is lost either way)
+            self._route(deltas)
         return deltas
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineFailedError(self.error) from self.error
+
+    def _route(self, deltas: list[RequestOutput]) -> None:
+        for d in deltas:
+            route = self._routes.get(d.request_id)
+            if route is not None:
+                route(d)
 
     def run_until_done(self) -> None:
         """Step until no request is unfinished (the batch script's and the benchmarks' loop)."""
@@ -235,8 +261,11 @@ class EngineClient:
 
     # ---------------------------------------------------------------- ending
     def abort(self, request_id: str) -> None:
+        """Abort a request; its final deltas (finish_reason "abort") go to its route, so a caller
+        waiting on it from another thread returns."""
         with self._lock:
-            self.engine.abort(request_id)
+            if self.error is None:
+                self._route(self.engine.abort(request_id))
 
     def release(self, request_id: str, abort: bool = True) -> list[RequestMetrics]:
         """The adapter is done with a request: abort it if it still runs (abort=False: leave the
@@ -245,7 +274,7 @@ class EngineClient:
             return self._release_locked(request_id, abort)
 
     def _release_locked(self, request_id: str, abort: bool) -> list[RequestMetrics]:
-        if abort:
+        if abort and self.error is None:
             self.engine.abort(request_id)
         self._routes.pop(request_id, None)
         return [_snapshot(request_id, r) for r in self._samples.pop(request_id, [])]
@@ -285,10 +314,23 @@ class EngineClient:
         rids = self.submit(prompts, plist, route=lambda d: queues[d.request_id].append(d), cache_salt=cache_salt,
                            priority=priority, lora=lora)
         results = [[Completion() for _ in range(p.n)] for p in plist]
-        for rid, p, samples in zip(rids, plist, results):
-            for d in self.stream_deltas(rid, p.n, queues[rid]):
-                samples[d.sample_index].add(d)
+        with self._releasing(rids):
+            for rid, p, samples in zip(rids, plist, results):
+                for d in self.stream_deltas(rid, p.n, queues[rid]):
+                    samples[d.sample_index].add(d)
         return rids, results
+
+    @contextlib.contextmanager
+    def _releasing(self, rids: list[str]):
+        """Whatever ends the block (an error, Ctrl-C), the requests it has not released yet are
+        aborted and released: none is left running for no caller."""
+        try:
+            yield
+        finally:
+            with self._lock:
+                for rid in rids:
+                    if rid in self._samples:
+                        self._release_locked(rid, abort=True)
 
 
     def embed(self, prompts: Sequence[list[int]], poolings: Sequence) -> list:
@@ -298,11 +340,12 @@ class EngineClient:
         rids = self.submit(prompts, SamplingParams(), route=lambda d: queues[d.request_id].append(d),
                            poolings=poolings)
         out = []
-        for rid in rids:
-            done = Completion()
-            for d in self.stream_deltas(rid, 1, queues[rid]):
-                done.add(d)
-            out.append(done.embedding)
+        with self._releasing(rids):
+            for rid in rids:
+                done = Completion()
+                for d in self.stream_deltas(rid, 1, queues[rid]):
+                    done.add(d)
+                out.append(done.embedding)
         return out
 
 

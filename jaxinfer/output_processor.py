@@ -92,10 +92,9 @@ class OutputProcessor:
         if st.detok is None:
             return False
         checked = len(st.text)
+        # (the scheduler asks only about tokens that did not end the request: a stop token id or an
+        # EOS that ends it is never text, while an EOS under ignore_eos is, as in vLLM)
         token = req.output_ids[-1]
-        if not st.detok.skip_special_tokens and (token in self.tokenizer.eos_ids or token in req.params.stop_token_ids):
-            st.marks.append(len(st.text))     # the token that ends the output is not text
-            return False
         st.text += st.detok.add(token)
         st.marks.append(len(st.text))
         if not st.stops:

@@ -10,6 +10,7 @@ import dataclasses
 import subprocess
 import sys
 import textwrap
+import time
 from collections import deque
 from pathlib import Path
 
@@ -115,6 +116,59 @@ INTERNAL_ATTRS = {"runner", "scheduler", "blocks", "block_manager", "stats_", "k
                   "pending_forks", "num_unfinished", "requests", "publish_step", "token_buckets", "grammars"}
 ENGINE_CONFIG_ATTRS = {"cfg", "resolved"}   # engine.cfg / engine.resolved: read client.resolved instead
 THIRD_PARTY_PRIVATE = {"_attn_implementation"}   # transformers' own config attribute (bench/gpu/parts.py)
+
+
+def test_abort_from_another_thread_ends_the_waiting_caller(gen):
+    """gen.abort(rid) while another thread waits on rid's deltas: that thread gets the final delta
+    (finish_reason "abort") and returns (the final delta was dropped and the waiter spun forever)."""
+    import threading
+    queue: deque = deque()
+    [rid] = gen.client.submit([[41, 42, 43]], SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True),
+                              route=queue.append)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.extend(gen.client.stream_deltas(rid, 1, queue)), daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + 60
+    while not got and time.monotonic() < deadline:      # the request runs: it has produced a delta
+        time.sleep(0.01)
+    gen.abort(rid)
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and got[-1].finished and got[-1].finish_reason == "abort"
+    assert _all_free(gen)
+
+
+def test_a_step_that_raises_fails_every_caller_and_every_later_one(hf_model_dir):
+    """A one-off exception inside a step (its in-flight state and donated KV pages are gone): the
+    caller that stepped gets it, every other caller an EngineFailedError naming it, and so does
+    every later call; none waits forever or returns a silently shortened output (a request could
+    hang or lose a token)."""
+    import threading
+    from jaxinfer.client import EngineFailedError
+    g = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **SMALL, warmup=False)
+    steps = []
+
+    def fault():
+        steps.append(1)
+        if len(steps) == 4:
+            raise RuntimeError("injected")
+    g.engine.fault_injector = fault
+    results: dict = {}
+
+    def run(i):
+        try:
+            results[i] = g.generate([[5 + i, 6, 7]], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        except BaseException as e:   # noqa: BLE001 (the test sorts them below)
+            results[i] = e
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and len(results) == 2
+    kinds = sorted(type(r).__name__ for r in results.values())
+    assert kinds == ["EngineFailedError", "RuntimeError"], results
+    with pytest.raises(EngineFailedError, match="injected"):
+        g.generate([[9, 9, 9]], GREEDY)
 
 
 def internal_reaches(source: str, allowed_modules: tuple[str, ...] = ()) -> list[str]:

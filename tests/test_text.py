@@ -53,6 +53,19 @@ def test_stop_strings_cut_the_text_across_token_boundaries(text_gen):
     assert deltas[-1].finish_reason == "stop" and all(d.finish_reason is None for d in deltas[:-1])
 
 
+def test_eos_under_ignore_eos_is_text_when_special_tokens_are_kept(text_gen):
+    """skip_special_tokens=False: an EOS that does not end the output (ignore_eos) is text, as the
+    tokenizer decodes it and vLLM returns it (it was dropped); a stop token id that ends it is not."""
+    tok = text_gen.tokenizer
+    eos = tok.eos_ids[0]
+    out = text_gen.generate("the lazy dog", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                                                           skip_special_tokens=False, logit_bias={eos: 100.0}))[0]
+    assert out.token_ids == [eos] * 3 and out.text == tok.decode([eos] * 3, skip_special_tokens=False) != ""
+    stopped = text_gen.generate("the lazy dog", SamplingParams(max_tokens=3, temperature=0, skip_special_tokens=False,
+                                                               logit_bias={eos: 100.0}))[0]
+    assert stopped.token_ids == [eos] and stopped.text == "" and stopped.finish_reason == "stop"
+
+
 def test_stream_equals_generate(text_gen):
     params = SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True)
     full = text_gen.generate("hackers write", params)[0]
