@@ -70,12 +70,24 @@ DEVICES: dict[str, Device] = {
     # Same datasheet, H100 PCIe column: 80GB HBM2e, 2TB/s, BF16 1,513 TFLOPS*, TF32 756*, INT8 3,026*.
     "h100-pcie": Device("h100-pcie", "NVIDIA H100 PCIe 80GB", 80 * GiB, 2.0e12, 756e12, 378e12, 1513e12,
                         source="NVIDIA H100 Tensor Core GPU datasheet (PCIe)", slug="h100"),
+    # Same datasheet, H100 NVL column: 94GB HBM3, 3.9TB/s, BF16 1,671 TFLOPS*, TF32 835*, INT8 3,341*.
+    "h100-nvl": Device("h100-nvl", "NVIDIA H100 NVL 94GB", 94 * GiB, 3.9e12, 835.5e12, 417.5e12, 1670.5e12,
+                       source="NVIDIA H100 Tensor Core GPU datasheet (NVL)", slug="h100"),
+    # NVIDIA GH200 Grace Hopper Superchip datasheet, its H100 GPU: 96GB HBM3 at 4TB/s, or 144GB HBM3e
+    # at 4.9TB/s; compute as H100 SXM.
+    "gh200": Device("gh200", "NVIDIA GH200 96GB", 96 * GiB, 4.0e12, 989e12, 494.5e12, 1979e12,
+                    source="NVIDIA GH200 Grace Hopper Superchip datasheet (HBM3)"),
+    "gh200-hbm3e": Device("gh200-hbm3e", "NVIDIA GH200 144GB", 144 * GiB, 4.9e12, 989e12, 494.5e12, 1979e12,
+                          source="NVIDIA GH200 Grace Hopper Superchip datasheet (HBM3e)", slug="gh200"),
     # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 141GB HBM3e, 4.8TB/s, same compute as H100 SXM.
     "h200": Device("h200", "NVIDIA H200 SXM 141GB", 141 * GiB, 4.8e12, 989e12, 494.5e12, 1979e12,
                    source="NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
     # NVIDIA A100 Tensor Core GPU datasheet: 40GB HBM2 1,555GB/s; BF16 312 TFLOPS, TF32 156, INT8 624 TOPS.
     "a100-40gb": Device("a100-40gb", "NVIDIA A100 40GB", 40 * GiB, 1.555e12, 312e12, 156e12, 624e12,
                         source="NVIDIA A100 Tensor Core GPU datasheet (40GB SXM)", slug="a100"),
+    # Same datasheet, 80GB HBM2e PCIe: 1,935GB/s.
+    "a100-80gb-pcie": Device("a100-80gb-pcie", "NVIDIA A100 80GB PCIe", 80 * GiB, 1.935e12, 312e12, 156e12, 624e12,
+                             source="NVIDIA A100 Tensor Core GPU datasheet (80GB PCIe)", slug="a100"),
     # Same datasheet, 80GB HBM2e SXM: 2,039GB/s.
     "a100-80gb": Device("a100-80gb", "NVIDIA A100 80GB", 80 * GiB, 2.039e12, 312e12, 156e12, 624e12,
                         source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)", slug="a100"),
@@ -97,8 +109,9 @@ CPU_FLOPS = 1e12
 
 # jax's device_kind (lower case, "-" as " ") -> DEVICES key; the first pattern whose words all occur wins
 _KIND_PATTERNS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("h100", "pcie"), "h100-pcie"), (("h100",), "h100"), (("h200",), "h200"),
-    (("a100", "40"), "a100-40gb"), (("a100",), "a100-80gb"),
+    (("h100", "pcie"), "h100-pcie"), (("h100", "nvl"), "h100-nvl"), (("h100",), "h100"),
+    (("gh200", "hbm3e"), "gh200-hbm3e"), (("gh200", "144"), "gh200-hbm3e"), (("gh200",), "gh200"), (("h200",), "h200"),
+    (("a100", "40"), "a100-40gb"), (("a100", "pcie"), "a100-80gb-pcie"), (("a100",), "a100-80gb"),
     (("v5 lite",), "tpu-v5e"), (("v5e",), "tpu-v5e"), (("v6",), "tpu-v6e"), (("v5",), "tpu-v5p"), (("v4",), "tpu-v4"),
 )
 
@@ -308,9 +321,9 @@ class ModelCost:
         return list(self.windows) if self.windows else [None] * self.n_layers
 
     def experts_read(self, tokens: int) -> int:
-        """Experts of one MoE layer that `tokens` tokens reach: a lone token its k, more tokens (which
-        ones is not known here) all of them."""
-        return 0 if not tokens else self.experts_per_token if tokens == 1 else self.num_experts
+        """Experts of one MoE layer that `tokens` tokens reach, at most: each token its k, all of
+        them once tokens * k >= E (which ones is not known here)."""
+        return min(self.num_experts, tokens * self.experts_per_token)
 
     def step_bytes(self, step: StepRecord) -> float:
         """Bytes one step reads; a sequence the device ran several iterations (multi-step decode) has
@@ -334,9 +347,12 @@ class ModelCost:
         return sum(c if w is None else min(c, w) for w in self._layer_windows() for c in context_lens)
 
     def step_flops(self, step: StepRecord) -> float:
-        """FLOPs of one forward over the step's spans (one iteration)."""
-        return forward_flops(self.body_params, self.vocab_size, self.d_model, self.n_heads, self.head_dim,
-                             step.spans, self._layer_windows())
+        """FLOPs of the step's forwards: one per iteration the device ran (multi-step decode), each
+        over the spans still live, one token further along each time (as step_bytes counts them)."""
+        its = step.iterations if step.iterations is not None else [1] * step.num_seqs
+        return sum(forward_flops(self.body_params, self.vocab_size, self.d_model, self.n_heads, self.head_dim,
+                                 [(s + j, n) for (s, n), k in zip(step.spans, its) if k > j], self._layer_windows())
+                   for j in range(max(its, default=0)))
 
 
 def utilization(steps: Sequence[StepRecord], cost: ModelCost, peak_bandwidth: float | None,

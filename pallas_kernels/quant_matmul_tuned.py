@@ -59,9 +59,9 @@ TILED_DEFAULTS: dict[str, dict] = {
 # why programs are the lever. Predicted (untested): int8 at M = 1 reaches ~1.7-2 TB/s on every
 # projection, about what 1.65x the bf16 dot needs; int4 (unpacking and two dots per K block)
 # ~1-1.3 TB/s: ~1.6-2.1x bf16, short of 2.6x, which needs ~1.6 TB/s of packed codes.
-# Measured (the sweep above, the best config of each): int8 at M = 1 drew 1.1 TB/s on qkv and o
+# Measured (the sweep above, the best config of each): int8 at M = 1 drew 1.1 and 1.0 TB/s on qkv and o
 # (25 and 17 MB: each call is 16-23 us where the copy ceiling's bandwidth would take 5-7), 1.7 TB/s
-# on gate_up and down; int4 0.6-0.9 TB/s. The bf16 dot drew 1.75 TB/s on qkv and 3.1 TB/s on gate_up.
+# on gate_up and down; int4 0.4-0.9 TB/s. The bf16 dot drew 1.75 TB/s on qkv and 3.1 TB/s on gate_up.
 # max_m: the default is split-K up to this M, the tiled kernel above.
 # Devices without a row use the default, which is the H200's rule.
 _SPLITK_H200 = dict(sm_count=132, programs_per_sm=2, min_k_steps=4, max_partial_rows=64, block_n=128,

@@ -86,6 +86,23 @@ def test_step_bytes_and_flops():
     assert windowed.step_bytes(PREFILL) == 4000 + 128 * 2 + 128 * 4
 
 
+def test_multi_step_decode_counts_every_iteration_in_bytes_and_flops():
+    """A step the device ran for several iterations (multi-step decode): bytes and FLOPs both count
+    each iteration, every live sequence one token further along (FLOPs counted one iteration, so MFU
+    came out low by the iteration count). By hand: iterations [3, 2] over contexts 4 and 10."""
+    step = StepRecord(0.003, [(4, 1), (10, 1)], iterations=[3, 2])
+    flops = lambda live, keys: 2 * 1000 * live + 2 * 100 * 32 * live + 4 * 4 * 8 * 2 * keys  # noqa: E731
+    assert COST.step_flops(step) == flops(2, 5 + 11) + flops(2, 6 + 12) + flops(1, 7)
+    assert COST.step_bytes(step) == 3 * 4000 + (5 + 11 + 6 + 12 + 7) * 256
+
+
+def test_moe_steps_read_the_experts_their_tokens_can_reach():
+    """T tokens with top-k routing reach at most min(E, T k) experts of a layer (all E were
+    counted from 2 tokens on: twice the expert bytes at T = 2 with E = 8, k = 2)."""
+    moe = dataclasses.replace(COST, num_experts=8, experts_per_token=2)
+    assert [moe.experts_read(t) for t in (0, 1, 2, 3, 4, 100)] == [0, 2, 4, 6, 8, 8]
+
+
 def test_mbu_mfu_on_a_made_up_step_log():
     u = utilization([PREFILL, DECODE], COST, peak_bandwidth=1e7, peak_flops=1e8)
     total_bytes, total_flops = 5024 + 8096, 16960 + 20896

@@ -449,6 +449,11 @@ def test_one_table_and_one_kv_formula_everywhere(gen):
     h100 = perf.device_for_kind("NVIDIA H100 80GB HBM3")
     assert h100 is plan.get_device("h100") is perf.DEVICES["h100"]
     assert perf.device_for_kind("NVIDIA A100-SXM4-40GB") is plan.get_device("a100-40gb")
+    # the datasheet of each kind, not a neighbour's (a GH200 read as an H200, an H100 NVL as an SXM)
+    for kind, bandwidth in (("NVIDIA GH200 480GB", 4.0e12), ("NVIDIA GH200 144G HBM3e", 4.9e12), ("NVIDIA H200", 4.8e12),
+                            ("NVIDIA H100 NVL", 3.9e12), ("NVIDIA H100 PCIe", 2.0e12), ("NVIDIA A100 80GB PCIe", 1.935e12),
+                            ("NVIDIA A100-SXM4-80GB", 2.039e12)):
+        assert perf.device_for_kind(kind).bandwidth == bandwidth, kind
     assert table_peaks("NVIDIA H100 80GB HBM3", "float32")["bandwidth_Bps"] == h100.bandwidth == 3.35e12
     assert table_peaks("NVIDIA H100 80GB HBM3", "float32")["flops"] == h100.flops_tf32
     mc = gen.model_cfg
