@@ -227,6 +227,24 @@ def test_adapters_do_not_reach_into_engine_internals():
     assert hits == []
 
 
+def test_max_model_len_past_the_models_positions_is_refused():
+    """max_model_len beyond the positions the model has is refused by name, as vLLM refuses it (it
+    was accepted: RoPE ran past its trained range, a learned position table clamped silently). The
+    limit, by vLLM's rule: max_position_embeddings, times a linear scaling's factor, or YaRN's
+    factor times its original length."""
+    from jaxinfer.config.model import RopeScaling
+    base = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
+                       max_position_embeddings=128)
+    linear = dataclasses.replace(base, rope_scaling=RopeScaling(kind="linear", factor=2.0))
+    yarn = dataclasses.replace(base, rope_scaling=RopeScaling(kind="yarn", factor=4.0, original_max_position_embeddings=64))
+    learned = dataclasses.replace(base, position="learned")
+    for mc, longest in ((base, 128), (linear, 256), (yarn, 256), (learned, 128)):
+        resolve_config(EngineConfig(num_blocks=40, block_size=16, max_model_len=longest), mc, backend="cpu")
+        with pytest.raises(ConfigError, match=f"max_model_len {longest + 1} is longer than the model's context "
+                                              f"\\({longest} positions"):
+            resolve_config(EngineConfig(num_blocks=40, block_size=16, max_model_len=longest + 1), mc, backend="cpu")
+
+
 def test_settings_flow_down_from_the_resolved_config():
     """The scheduler's and runner's settings are pure functions of the ResolvedConfig, and the pool
     of several processes is the smallest any of them fits (one global array)."""

@@ -110,6 +110,11 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
     kv_dtype = cfg.kv_dtype or dtype
     attention = _resolve_attention(cfg, model_cfg, backend)
     max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
+    longest = model_context(model_cfg)
+    if max_model_len > longest:
+        raise ConfigError(f"max_model_len {max_model_len} is longer than the model's context ({longest} positions: "
+                          f"config.json's max_position_embeddings {model_cfg.max_position_embeddings}"
+                          f"{'' if longest == model_cfg.max_position_embeddings else ' times its RoPE scaling factor'})")
     pool = None
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks
@@ -183,6 +188,20 @@ def _speculation(cfg: EngineConfig, backend: str) -> tuple[int, int, int]:
     rounds = {"draft": -(-cfg.max_decode_steps // 2), "ngram": cfg.max_decode_steps,
               "medusa": cfg.max_decode_steps}.get(cfg.speculative_method, 1)
     return spec, rounds, max_batch if spec else 0
+
+
+def model_context(model_cfg: ModelConfig) -> int:
+    """The longest context the model has positions for, as vLLM derives it: max_position_embeddings,
+    or more under a RoPE scaling whose config keeps the unscaled length there: linear's factor times
+    it, YaRN's factor times its original_max_position_embeddings (Llama 3's and LongRoPE's configs
+    give the scaled length). A learned position table has no more rows."""
+    n = model_cfg.max_position_embeddings
+    s = model_cfg.rope_scaling if model_cfg.position == "rope" else None
+    if s is not None and s.kind == "linear":
+        return max(n, int(n * s.factor))
+    if s is not None and s.kind == "yarn":
+        return max(n, int(s.original_max_position_embeddings * s.factor))
+    return n
 
 
 def size_pool(cfg: EngineConfig, model_cfg: ModelConfig, kv_dtype: str, max_model_len: int,
