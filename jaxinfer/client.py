@@ -210,9 +210,9 @@ class EngineClient:
             raise ValueError(f"got {len(llist)} LoRA names for {len(prompts)} prompts")
         rids: list[str] = []
         with self._lock:
-            self._check_alive()
-            if check is not None:
+            if check is not None:     # (an adapter's own dead-engine answer first: the server's 503)
                 check()
+            self._check_alive()
             try:
                 for i, (ids, p, prio, name) in enumerate(zip(prompts, plist, prios, llist)):
                     rid = self.engine.add_request(ids, p, arrival_time=arrival_time, cache_salt=cache_salt,

@@ -183,7 +183,7 @@ class Engine:
         self._enable_lora()
         try:
             self.lora.load(name, path)
-        except LoraError:
+        except Exception:
             if not self.lora.names:   # nothing registered: the engine stays as it was
                 self.scheduler.lora_slots = self.runner.lora = self.lora = None
             raise

@@ -92,12 +92,13 @@ def _encode(state, inputs: list, dimensions: int | None) -> tuple[list[list[int]
             [gen.embedding.pooling_state(len(ids), n, dimensions) for ids, n in encoded])
 
 
-async def _embed(state, request: Request, inputs: list, dimensions: int | None = None
+async def _embed(state, request: Request, inputs: list, dimensions: int | None = None, lora: str | None = None
                  ) -> tuple[list[np.ndarray], int]:
-    """Every input's embedding, in order, and the tokens they held."""
+    """Every input's embedding, in order, and the tokens they held; lora: the adapter `model` named
+    (check_model), None for the base model."""
     ids, poolings = await run_in_threadpool(_encode, state, inputs, dimensions)
     try:
-        sub = state.engine.submit(ids, EMBEDDING_PARAMS, poolings=poolings)
+        sub = state.engine.submit(ids, EMBEDDING_PARAMS, poolings=poolings, lora=lora)
     except OpenAIError as e:
         if e.param in ("prompt", None):
             e.param = "input"
@@ -117,11 +118,11 @@ def _vector(v: np.ndarray, encoding_format: str):
 @router.post("/v1/embeddings")
 async def embeddings(req: EmbeddingRequest, request: Request):
     state = request.app.state.server
-    state.check_model(req.model)
-    vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions)
+    lora = state.check_model(req.model)
+    vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora)
     if not isinstance(vectors, list):
         return vectors
-    return {"object": "list", "model": state.model_name,
+    return {"object": "list", "model": lora or state.model_name,
             "data": [{"object": "embedding", "index": i, "embedding": _vector(v, req.encoding_format)}
                      for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
@@ -137,7 +138,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 @router.post("/score")
 async def score(req: ScoreRequest, request: Request):
     state = request.app.state.server
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     first = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)
     second = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
     if not first or not second:
@@ -145,12 +146,12 @@ async def score(req: ScoreRequest, request: Request):
     if len(first) != 1 and len(first) != len(second):
         raise OpenAIError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: the pairs must be 1:1, "
                                "1:N or N:N", param="text_2")
-    vectors, n_tokens = await _embed(state, request, first + second)
+    vectors, n_tokens = await _embed(state, request, first + second, lora=lora)
     if not isinstance(vectors, list):
         return vectors
     left, right = vectors[:len(first)], vectors[len(first):]
     if len(left) == 1:
         left = left * len(right)
-    return {"id": new_id("score"), "object": "list", "created": now(), "model": state.model_name,
+    return {"id": new_id("score"), "object": "list", "created": now(), "model": lora or state.model_name,
             "data": [{"index": i, "object": "score", "score": cosine(a, b)} for i, (a, b) in enumerate(zip(left, right))],
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0}}

@@ -106,8 +106,19 @@ def load_adapter(name: str, folder: str | Path, model_cfg: ModelConfig, kv_repli
                  ) -> LoraAdapter:
     """The adapter at `folder` for a model of (unfused) model_cfg served with each KV head repeated
     kv_replicas times (models.decoder.FusedLayout). Every problem is a LoraError naming the file and
-    tensor."""
-    folder = Path(folder)
+    tensor: a corrupt safetensors file, or a config field of the wrong type, too."""
+    try:
+        return _load_adapter(name, Path(folder), model_cfg, kv_replicas, max_rank)
+    except LoraError:
+        raise
+    except CheckpointError as e:
+        raise LoraError(str(e)) from None
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        raise LoraError(f"{folder}: adapter_config.json or its tensors cannot be read "
+                        f"({type(e).__name__}: {e})") from None
+
+
+def _load_adapter(name: str, folder: Path, model_cfg: ModelConfig, kv_replicas: int, max_rank: int) -> LoraAdapter:
     cfg = read_config(folder, max_rank)
     if model_cfg.architecture not in LORA_FAMILIES:
         raise LoraError(f"{folder}: LoRA adapters are not supported for {model_cfg.architecture} "
