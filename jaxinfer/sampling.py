@@ -1,7 +1,8 @@
 """The jittable sampler: one row per sampled token, each row with its own parameters.
 
-Order of operations per row (HF's order; vLLM v1 applies min-p before top-k / top-p, which keeps
-a different set only where a row sets both min_p and top_p or top_k):
+Order of operations per row (vLLM v1's: min-p, an "argmax-invariant" processor there, runs before
+top-k / top-p, so top-p's mass is over what min-p kept; HF runs min-p last, a different set where a
+row sets min_p with top_p):
   0. logit_bias (OpenAI's: added to the raw logits), then the structured-output mask: tokens the
      row's grammar does not allow become -inf (a packed bitmask, host/structured.py), so every
      later rule, the logprobs included, sees the constrained distribution;
@@ -12,8 +13,9 @@ a different set only where a row sets both min_p and top_p or top_k):
   2. temperature: logits / T (greedy rows use T = 1 for their logprobs);
   3. logprobs: log_softmax of the logits after steps 1-2, i.e. the distribution after
      penalties and temperature, before top-k / top-p / min-p truncation;
-  4. truncation: top-k, then top-p (smallest set whose mass >= p), then min-p
-     (keep tokens with p >= min_p * p_max), each on the tempered distribution;
+  4. truncation on the tempered distribution: min-p (keep tokens with p >= min_p * p_max), then
+     top-k, then top-p (the smallest set whose mass, renormalised over what min-p and top-k kept,
+     reaches p);
   5. draw: Gumbel-max with a key derived only from (seed, sample index, position), so a
      row's draw never depends on what else is in the batch. Greedy rows take the argmax (a batch
      of greedy rows only skips the draw and the truncation).
@@ -95,9 +97,10 @@ TOP_CANDIDATES = 256   # truncation looks at each row's top 256 logits (lax.top_
 
 
 def truncate_sorted(logits: jax.Array, b: SamplingBatch) -> jax.Array:
-    """Mask (to -inf) the tokens outside each row's top-k / top-p / min-p set: the definition, over
+    """Mask (to -inf) the tokens outside each row's min-p / top-k / top-p set: the definition, over
     a full-vocabulary sort."""
     v = logits.shape[-1]
+    logits = _min_p(logits, jnp.max(logits, axis=-1, keepdims=True), b)
     sorted_desc = -jnp.sort(-logits, axis=-1)                        # (N, V)
     k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, v), v)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
@@ -110,8 +113,7 @@ def truncate_sorted(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     keep = (mass_before < b.top_p[:, None]) | (b.top_p[:, None] >= 1.0)
     keep = keep.at[:, 0].set(True)
     cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < cutoff, NEG_INF, logits)
-    return _min_p(logits, sorted_desc[:, :1], b)
+    return jnp.where(logits < cutoff, NEG_INF, logits)
 
 
 def _min_p(logits: jax.Array, top: jax.Array, b: SamplingBatch) -> jax.Array:
@@ -129,6 +131,10 @@ def truncate(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     v = logits.shape[-1]
     c = min(TOP_CANDIDATES, v)
     top_vals = jax.lax.top_k(logits, c)[0]                            # (N, c), descending
+    # min-p first (its floor is relative to the row's max, the first candidate), then the rest on
+    # what it keeps
+    logits = _min_p(logits, top_vals[:, :1], b)
+    top_vals = _min_p(top_vals, top_vals[:, :1], b)
     k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, v), v)
     in_k = jnp.arange(c)[None, :] < k[:, None]
     vals = jnp.where(in_k, top_vals, NEG_INF)
@@ -145,7 +151,7 @@ def truncate(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     # inside them; top-k in (c, v) needs the k-th largest logit (and the top-k set's normaliser)
     p_cut_inside = ~p_off[:, 0] & ~keep[:, -1]
     exact = (k <= c) | ((k >= v) & (p_off[:, 0] | p_cut_inside))
-    fast = lambda lg: _min_p(jnp.where(lg < cutoff[:, None], NEG_INF, lg), top_vals[:, :1], b)  # noqa: E731
+    fast = lambda lg: jnp.where(lg < cutoff[:, None], NEG_INF, lg)  # noqa: E731
     return jax.lax.cond(jnp.all(exact), fast, lambda lg: truncate_sorted(lg, b), logits)
 
 

@@ -53,27 +53,30 @@ def numpy_penalties(logits, prompt, output, r, p, f):
 
 
 def np_truncated_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, margin=1e-3):
-    """The renormalised distribution after top-k, then top-p, then min-p on softmax(logits / T).
+    """The renormalised distribution after min-p, then top-k, then top-p on softmax(logits / T)
+    (vLLM v1's order: min-p before top-k / top-p, top-p's mass over what the others kept).
 
     Asserts that no cutoff sits within `margin` of a boundary, so float32 vs float64 cannot
     disagree about which tokens are kept.
     """
     p = np_softmax(np.asarray(logits, np.float64) / temperature)
-    order = np.argsort(-p, kind="stable")
-    keep = np.zeros(len(p), bool)
-    k = len(p) if top_k <= 0 else min(top_k, len(p))
-    keep[order[:k]] = True
+    keep = np.ones(len(p), bool)
+    if min_p > 0:
+        ratio = p / p.max()
+        assert np.min(np.abs(np.log(ratio / min_p))) > margin, "min-p cutoff too close to a boundary"
+        keep &= ratio >= min_p
+    order = [i for i in np.argsort(-p, kind="stable") if keep[i]]
+    k = len(order) if top_k <= 0 else min(top_k, len(order))
+    order = order[:k]
+    keep[:] = False
+    keep[order] = True
     if top_p < 1.0:
-        q = p[order[:k]] / p[order[:k]].sum()            # renormalised over the top-k set
+        q = p[order] / p[order].sum()                     # renormalised over the kept set
         cs = np.cumsum(q)
         assert np.min(np.abs(cs - top_p)) > margin, "top-p cutoff too close to a boundary"
         m = int(np.argmax(cs >= top_p)) + 1               # smallest prefix whose mass >= top_p
         keep[:] = False
         keep[order[:m]] = True
-    if min_p > 0:
-        ratio = p / p.max()
-        assert np.min(np.abs(np.log(ratio / min_p))) > margin, "min-p cutoff too close to a boundary"
-        keep &= ratio >= min_p
     out = np.where(keep, p, 0.0)
     return out / out.sum()
 
@@ -230,10 +233,24 @@ def test_min_p_on_tempered_distribution(big):
     check_distribution(ids, expected, "T=1.5 min_p=0.1")
 
 
-def test_top_k_then_top_p_then_min_p(big):
+def test_min_p_then_top_k_then_top_p(big):
     ids, *_ = big["combined"]
     expected = np_truncated_probs(L, top_k=8, top_p=0.7, min_p=0.05)
     check_distribution(ids, expected, "top_k=8 top_p=0.7 min_p=0.05")
+
+
+def test_min_p_runs_before_top_p_as_in_vllm():
+    """vLLM v1 applies min-p (an argmax-invariant processor) before top-k / top-p. By hand, for
+    probabilities [.5, .3, .1, .05, .05], top_p 0.6, min_p 0.3: min-p keeps p >= 0.15, {0, 1}
+    renormalised to [.625, .375]; top-p 0.6 then keeps {0}. (HF's order, top-p on the whole
+    distribution first, keeps {0, 1}: what this sampler did.)"""
+    from jaxinfer.sampling import truncate_sorted
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.1, 0.05, 0.05]] * 2, jnp.float32))
+    b = make_batch(2, top_p=np.array([0.6, 0.6]), min_p=np.array([0.3, 0.0]))
+    for fn in (truncate, truncate_sorted):
+        kept = np.isfinite(np.asarray(jax.jit(fn)(logits, b)))
+        assert kept[0].tolist() == [True, False, False, False, False], fn.__name__
+        assert kept[1].tolist() == [True, True, False, False, False], fn.__name__   # top-p alone: .5 + .3 >= .6
 
 
 @pytest.mark.parametrize("name", list(STAT_BLOCKS))
