@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +36,7 @@ _REPLACEMENT = "\ufffd"
 # How many prompt tokens seed the detokenizer window (vLLM uses the same number): enough for the
 # decoders to see the context a leading-space marker or a split multi-byte char depends on.
 _PROMPT_CONTEXT = 5
+_UNK_TEXT = "<unk>"    # text whose SentencePiece pieces a word-marker-free encode is read after
 
 
 class TokenizerError(ValueError):
@@ -95,6 +97,44 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         return ids
+
+    def encode_rendered(self, text: str, special_texts: Sequence[str] = ()) -> list[int]:
+        """A rendered chat (a template wrote its special tokens out as text: bos_token, eos_token, ...)
+        -> ids, with no special token added, as transformers encodes apply_chat_template's text. The
+        tokenizers library finds special tokens in text itself; SentencePiece reads "<s>" as three
+        characters, so here each of `special_texts` that names a control piece becomes its id, and
+        the text between them is encoded plainly, a piece after a special token without the word
+        marker (transformers' Llama tokenizer, legacy=False: the marker goes before the first piece
+        of the text only)."""
+        if self.kind == "hf":
+            return self.encode(text, add_special_tokens=False)
+        sp = self._backend
+        ids_of = {t: i for t in special_texts if t and (i := self.token_to_id(t)) is not None and sp.is_control(i)}
+        if not ids_of:
+            return self.encode(text, add_special_tokens=False)
+        out: list[int] = []
+        pos = 0
+        for m in re.finditer("|".join(re.escape(t) for t in sorted(ids_of, key=len, reverse=True)), text):
+            out += self._encode_piece(text[pos:m.start()], pos == 0)
+            out.append(ids_of[m.group()])
+            pos = m.end()
+        return out + self._encode_piece(text[pos:], pos == 0)
+
+    def _encode_piece(self, text: str, first: bool) -> list[int]:
+        """SentencePiece ids of a stretch of text; not first: without the dummy-prefix word marker
+        (encoded after "<unk>"'s characters, whose pieces are then dropped)."""
+        if not text:
+            return []
+        sp = self._backend
+        if first or not self._dummy_prefix:
+            return sp.encode(text, out_type=int)
+        lead = sp.encode(_UNK_TEXT, out_type=int)
+        return sp.encode(_UNK_TEXT + text, out_type=int)[len(lead):]
+
+    @functools.cached_property
+    def _dummy_prefix(self) -> bool:
+        """Whether the SentencePiece model puts a word marker before the text (add_dummy_prefix)."""
+        return self.kind == "sentencepiece" and self._backend.encode("a", out_type=str)[0].startswith("\u2581")
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self.kind == "hf":

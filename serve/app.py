@@ -100,8 +100,14 @@ class ServerState:
 
     def encode_chat(self, text: str) -> list[int]:
         # as transformers and vLLM encode a rendered chat: the template writes BOS where the model
-        # wants it (the plain template does not: the tokenizer's rule adds it)
-        return self.encode(text, add_special_tokens=self.chat.plain)
+        # wants it (the plain template does not: the tokenizer's rule adds it), its special tokens
+        # as text that names them (Tokenizer.encode_rendered)
+        if self.chat.plain or self.tokenizer is None:
+            return self.encode(text, add_special_tokens=self.chat.plain)
+        try:
+            return self.tokenizer.encode_rendered(text, list(self.chat.special_tokens.values()))
+        except UnicodeError:
+            raise OpenAIError(400, "the messages are not valid Unicode text", param="messages") from None
 
     def render_chat_text(self, messages: list[ChatMessage], tools: ToolPlan | None = None,
                          template_kwargs: dict | None = None) -> str:

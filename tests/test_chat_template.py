@@ -129,3 +129,28 @@ def test_plain_template_gets_the_tokenizers_bos(base, tmp_path):
     text, ids = ours(d, USER)
     assert text == "User: Hi there\nAssistant:" and ids == AutoTokenizer.from_pretrained(str(d))(text)["input_ids"]
     assert ids[0] == 1
+
+
+@pytest.mark.parametrize("dummy_prefix", [True, False])
+def test_sentencepiece_only_checkpoint_reads_the_templates_special_tokens(tmp_path, dummy_prefix):
+    """A checkpoint with tokenizer.model and no tokenizer.json, its template writing bos_token and
+    eos_token (Llama 2's layout): the rendered "<s>" and "</s>" are the BOS and EOS ids, and the text
+    after them has no word marker, as transformers' Llama tokenizer (legacy=False) encodes it. They
+    were read as the characters '<', 's', '>' and the prompt had no BOS at all."""
+    import io
+    import sentencepiece as spm
+    words = "the cat sat on a mat Hi there Hello INST what is it yes no more".split()
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([" ".join(words[i:] + words[:i]) for i in range(len(words))] * 8), model_writer=buf,
+        vocab_size=320, model_type="bpe", byte_fallback=True, character_coverage=1.0, add_dummy_prefix=dummy_prefix,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2)
+    (tmp_path / "tokenizer.model").write_bytes(buf.getvalue())
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+                "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "legacy": False, "add_prefix_space": dummy_prefix, "chat_template": template}))
+    text, ids = ours(tmp_path, DIALOG)
+    assert (text, ids) == theirs(tmp_path, DIALOG)
+    assert ids[0] == 1 and ids.count(1) == 1 and ids.count(2) == 1
