@@ -6,6 +6,8 @@ same way), for the server and the batch script:
   template, the plain DEFAULT_CHAT_TEMPLATE (documented in the README);
 - which one a request renders: "tool_use" when the request has tools and the model names one,
   else "default" (transformers' get_chat_template; a model without either refuses with a 400);
+- a "developer" message (OpenAI's newer name for system) is a system message for a template that
+  does not know the role (gpt-oss's does; Qwen's, Llama's and Mistral's drop or refuse it);
 - the variables: the special tokens' text by name (bos_token, eos_token, unk_token, pad_token,
   ...) as tokenizer_config names them, overridden by the request's chat_template_kwargs, then the
   messages, add_generation_prompt and, for a template that mentions them, the tools;
@@ -99,6 +101,8 @@ class ChatTemplates:
         chat_template_kwargs; a template error is a 400."""
         name = self.name_for(tools)
         native = "tools" in self.texts[name]   # HF-style templates take tools and structured calls
+        if "developer" not in self.texts[name]:   # OpenAI's newer name for system, for templates that
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]  # lack it
         extra = {"tools": list(tools.tools)} if tools is not None and native else {}
         try:
             return self.compiled[name].render(**{

@@ -10,13 +10,16 @@ response.output_item.added, (reasoning: response.reasoning_text.delta ... .done;
 response.content_part.added, response.output_text.delta ... response.output_text.done,
 response.content_part.done; function call: response.function_call_arguments.delta, .done),
 response.output_item.done, and last response.completed (or response.incomplete when
-max_output_tokens cut it); every event carries its sequence_number.
+max_output_tokens cut it); every event carries its sequence_number; an engine that dies mid-stream
+ends it with an `error` event.
 
 Input: `input` as a string (one user message) or a list of items: messages ({"role", "content"} with
 a string or input_text / output_text parts, "type": "message" optional), function_call items (sent
 back as the assistant's tool calls) and function_call_output items (as tool messages, which each
-family's chat template renders its own way); reasoning items are accepted and not rendered (chat
-templates drop earlier turns' reasoning). `instructions` is a system message. tools: function tools
+family's chat template renders its own way); one model turn's reasoning item, message and function
+calls become one assistant message, the reasoning as its reasoning_content (templates render the
+current turn's reasoning, and drop earlier turns'). `instructions` is a system message, not carried
+to the next turn by previous_response_id (input system messages are). tools: function tools
 ({"type": "function", "name", "parameters", ...}); tool_choice: "none" | "auto" | "required" |
 {"type": "function", "name"}; text.format: text | json_object | json_schema; reasoning: accepted only
 where the server runs a reasoning parser (400 otherwise); its effort goes to the template as
@@ -37,12 +40,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from pydantic import field_validator
 from starlette.concurrency import run_in_threadpool
 
 from serve.bridge import EngineDeadError
 from serve.protocol import ChatCompletionRequest, OpenAIError, _Body, new_id, now
 from serve.reasoning import reasoning_tokens
-from serve.stream import ChatChoices, next_delta, respond, sse_error
+from serve.stream import ChatChoices, next_delta, respond
 
 RESPONSE_STORE = 1024
 
@@ -83,6 +87,12 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = None
     user: str | None = None
 
+    @field_validator("stream", "store", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info) -> Any:
+        """null is the default (the SDK's types make both nullable)."""
+        return cls.model_fields[info.field_name].default if v is None else v
+
     @classmethod
     def check_unsupported(cls, data: Any) -> None:
         if isinstance(data, dict):
@@ -108,11 +118,34 @@ def _text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its reasoning_text content, else its summary's text."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise OpenAIError(400, f"{where}: a reasoning item's content / summary is a list of text parts", param="input")
+    return "".join(p["text"] for p in parts)
+
+
 def input_messages(items: str | list[dict]) -> list[dict]:
-    """Responses input -> chat messages."""
+    """Responses input -> chat messages. One model turn's items (its reasoning, its message, its
+    function calls) become one assistant message, as the stored path (_assistant_messages) and chat
+    have it: the reasoning as its reasoning_content (the templates render it in the current turn),
+    the calls as its tool_calls."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict] = []
+    reasoning: str | None = None      # a reasoning item's text, for the assistant message that follows
+
+    def assistant(content: str = "") -> dict:
+        """The turn's assistant message: the last one when the previous item was part of it."""
+        nonlocal reasoning
+        if reasoning is None and out and out[-1]["role"] == "assistant" and not content:
+            return out[-1]
+        m: dict = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            m["reasoning_content"], reasoning = reasoning, None
+        out.append(m)
+        return m
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -122,17 +155,17 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise OpenAIError(400, f"{where}.role must be user, system, developer or assistant", param="input")
-            out.append({"role": role, "content": _text(item.get("content"), where)})
+            if role == "assistant":
+                assistant(_text(item.get("content"), where))
+            else:
+                out.append({"role": role, "content": _text(item.get("content"), where)})
         elif kind == "function_call":
             name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
                 raise OpenAIError(400, f"{where}: a function_call item has call_id, name and arguments (strings)",
                                   param="input")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
-                out[-1]["tool_calls"].append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            assistant().setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
@@ -140,7 +173,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             out.append({"role": "tool", "tool_call_id": call_id,
                         "content": output if isinstance(output, str) else _text(output, where)})
         elif kind == "reasoning":
-            continue
+            reasoning = (reasoning or "") + _reasoning_text(item, where)
         else:
             raise OpenAIError(400, f"{where}: input items of type {kind!r} are not supported (message, "
                                    "function_call, function_call_output, reasoning)", param="input")
@@ -216,12 +249,12 @@ def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, 
             raise OpenAIError(404, f"no stored response with id {req.previous_response_id!r} (responses are kept "
                                    "in memory, a bounded number, and lost when the server restarts)",
                               type_="not_found_error", param="previous_response_id", code="response_not_found")
-        history = [m for m in found[1] if m["role"] != "system"]
+        history = found[1]     # the conversation so far (its instructions are not part of it)
     if req.reasoning is not None and state.reasoning_parser is None:
         raise OpenAIError(400, "reasoning: this model is served without a reasoning parser "
                                "(start the server with --reasoning-parser)", param="reasoning")
-    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history + \
-        input_messages(req.input)
+    conversation = history + input_messages(req.input)
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
                             "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice),
                             "parallel_tool_calls": req.parallel_tool_calls,
@@ -234,9 +267,13 @@ def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, 
     if effort is not None:
         body["chat_template_kwargs"] = {"reasoning_effort": effort}
     try:
-        return ChatCompletionRequest.model_validate(body), messages
-    except ValueError as e:
-        raise OpenAIError(400, f"invalid request: {e}"[:800]) from None
+        return ChatCompletionRequest.model_validate(body), conversation
+    except ValueError as e:   # named by this request's field (messages: input)
+        errors = getattr(e, "errors", lambda: [])()
+        first = errors[0] if errors else {}
+        name = (first.get("ctx") or {}).get("param") or ".".join(str(x) for x in first.get("loc", ())[:1]) or None
+        raise OpenAIError(400, f"invalid request: {first.get('msg', e)}"[:800],
+                          param=_responses_field(name) if name else "input") from None
 
 
 def _message_item(text: str, status: str = "completed") -> dict:
@@ -271,10 +308,18 @@ def _response(rid: str, created: int, model: str, req: ResponsesRequest, output:
             "previous_response_id": req.previous_response_id, "store": req.store, "usage": usage}
 
 
-def _usage(n_prompt: int, n_out: int, cached: int, reasoning: int | None) -> dict:
-    return {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": cached},
+def _usage(n_prompt: int, n_out: int, cached: int, reasoning: int | None, written: int = 0) -> dict:
+    """written: prompt tokens this request put into the prefix cache (cache_write_tokens)."""
+    return {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
             "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": reasoning or 0},
             "total_tokens": n_prompt + n_out}
+
+
+def _cache_written(state, n_prompt: int, cached: int) -> int:
+    """Prompt tokens a request put into the prefix cache: with prefix caching, every full block of
+    its prompt that it computed (its cached tokens are whole blocks) is kept by its hash."""
+    r = state.gen.client.resolved
+    return max(0, n_prompt // r.block_size * r.block_size - cached) if r.enable_prefix_caching else 0
 
 
 def _assistant_messages(output: list[dict]) -> list[dict]:
@@ -283,6 +328,9 @@ def _assistant_messages(output: list[dict]) -> list[dict]:
     calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
              for i in output if i["type"] == "function_call"]
     m: dict[str, Any] = {"role": "assistant", "content": text}
+    reasoning = "".join(c["text"] for item in output if item["type"] == "reasoning" for c in item["content"])
+    if reasoning:
+        m["reasoning_content"] = reasoning
     if calls:
         m["tool_calls"] = calls
     return [m]
@@ -311,7 +359,8 @@ async def create_response(request: Request):
         errors = getattr(e, "errors", lambda: [])()
         first = errors[0] if errors else {}
         loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise OpenAIError(400, f"{loc or 'body'}: {first.get('msg', e)}", param=loc.split(".")[0] or None) from None
+        param = (first.get("ctx") or {}).get("param") or loc.split(".")[0] or None
+        raise OpenAIError(400, f"{loc or 'body'}: {first.get('msg', e)}", param=param) from None
     try:
         chat, messages = await run_in_threadpool(_chat_request, state, req)
         prompt, params, parsers = await run_in_threadpool(state.chat_request, chat)
@@ -345,8 +394,9 @@ async def create_response(request: Request):
             output += [_call_item(c) for c in message.get("tool_calls") or []]
             n_out = sum(len(d.token_ids) for d in g)
             n_reason = reasoning_tokens(parsers, g) if parsers.reasoning else 0
-            return finish(output, _usage(len(prompt), n_out, max((d.num_cached_tokens for d in g), default=0),
-                                         n_reason), finish_reason == "length")
+            cached = max((d.num_cached_tokens for d in g), default=0)
+            return finish(output, _usage(len(prompt), n_out, cached, n_reason,
+                                         _cache_written(state, len(prompt), cached)), finish_reason == "length")
         return await respond(state.engine, sub, request, build)
     choices = ChatChoices(1, plan, state.token_str, False, parsers)
     start = _response(rid, created, model, req, [], "in_progress", None, False)
@@ -392,10 +442,12 @@ class _EventWriter:
             self.output.append(item)
             self.open_item = item
             shown, idx = json.loads(json.dumps(item)), len(self.output) - 1
-            events.append(self.event("response.output_item.added", output_index=idx, item=shown))
-            if kind == "message":
+            if kind == "message":     # its part arrives with content_part.added, not inside the item
+                events.append(self.event("response.output_item.added", output_index=idx, item={**shown, "content": []}))
                 events.append(self.event("response.content_part.added", item_id=item["id"], output_index=idx,
                                          content_index=0, part=shown["content"][0]))
+            else:
+                events.append(self.event("response.output_item.added", output_index=idx, item=shown))
         item = self.open_item
         item["content"][0]["text"] += delta
         kind_delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
@@ -452,10 +504,11 @@ async def _events(state, sub, choices: ChatChoices, start: dict, n_prompt: int, 
         done = True
         for e in w.close():
             yield e
-        body = finish(w.output, _usage(n_prompt, n_out, cached, choices.reasoning_tokens), cut)
+        body = finish(w.output, _usage(n_prompt, n_out, cached, choices.reasoning_tokens,
+                                       _cache_written(state, n_prompt, cached)), cut)
         yield w.event("response.incomplete" if cut else "response.completed", response=body)
-    except EngineDeadError as e:
-        yield sse_error(e)
+    except EngineDeadError as e:   # the spec's error event (type "error", numbered like the rest)
+        yield w.event("error", code=e.code, message=e.message, param=e.param)
     finally:
         state.engine.release(sub, done)
 

@@ -382,6 +382,50 @@ def test_responses_message_output_text_and_errors(gen):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning"
 
 
+def test_responses_items_are_the_chat_turns_they_stand_for(gen):
+    """One model turn's items (reasoning, message, function call) echoed back are one assistant
+    message with its reasoning and calls, as chat and previous_response_id render it (they were two
+    turns, and the reasoning was dropped); an input system message survives previous_response_id
+    while instructions do not (it was dropped); a developer message is a system message for a
+    template without the role (Qwen3's dropped it); the stream announces a message with no content
+    until content_part.added (the SDK's accumulator got two parts); store / stream null are the
+    defaults; usage carries cache_write_tokens, which the SDK's type requires."""
+    from serve.protocol import ChatMessage
+    from serve.responses import input_messages
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    items = [{"role": "user", "content": "weather in Paris?"},
+             {"type": "reasoning", "id": "rs_1", "summary": [],
+              "content": [{"type": "reasoning_text", "text": "The user wants the weather."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    chat = [{"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": "Let me check.", "reasoning_content": "The user wants the weather.",
+             "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    assert input_messages(items) == chat
+    with serving(gen, "qwen3.jinja") as (client, http):
+        state = http.app.state.server
+        text = state.render_chat_text([ChatMessage.model_validate(m) for m in chat])
+        assert "<think>\nThe user wants the weather.\n</think>" in text and text.count("<|im_start|>assistant") == 2
+        dev = state.render_chat_text([ChatMessage(role="developer", content="be brief"), ChatMessage(role="user", content="hi")])
+        assert dev.startswith("<|im_start|>system\nbe brief<|im_end|>")
+        r1 = client.responses.create(model="tiny", instructions="INSTR-Y", max_output_tokens=4, temperature=0,
+                                     input=[{"role": "system", "content": "SYS-X"}, {"role": "user", "content": "2+2?"}])
+        convo = state.response_store.get(r1.id)[1]
+        assert convo[0] == {"role": "system", "content": "SYS-X"} and "INSTR-Y" not in json.dumps(convo)
+        details = r1.usage.input_tokens_details
+        assert details.cache_write_tokens == r1.usage.input_tokens // 16 * 16 - details.cached_tokens   # 16: block_size
+        events = list(client.responses.create(model="tiny", input="2+2?", temperature=0, max_output_tokens=20,
+                                              stream=True))
+        added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "message"]
+        assert added and added[0].item.content == []
+        assert len([p for o in events[-1].response.output if o.type == "message" for p in o.content]) == 1
+        r = http.post("/v1/responses", json={"model": "tiny", "input": "2+2?", "max_output_tokens": 2, "store": None,
+                                             "stream": None})
+        assert r.status_code == 200 and r.json()["store"] is True and http.get(f"/v1/responses/{r.json()['id']}").status_code == 200
+
+
 def test_unknown_parser_names_fail_at_start_listing_the_choices():
     for flag, choices in (("--reasoning-parser", "qwen3, deepseek_r1, gpt_oss"),
                           ("--tool-call-parser", "hermes, llama3_json, mistral, openai")):
