@@ -115,6 +115,8 @@ class Engine:
                                           _compute_bound_tokens(model, weights, r.dtype, self.device_spec))
         self.spec_stats = SpecStats(r.spec_tokens)
         if isinstance(model, PipelinedDecoder):
+            if self.blocks.host is not None:   # (the setting is refused with pipeline_parallel > 1; a
+                raise ValueError("kv_offload_gb (the host tier) is not available with pipeline_parallel > 1")  # direct build)
             self.runner = PipelineRunner(model, runner_config(r, eos), r.pipeline_microbatches or model.pp,
                                          grammars=self.grammars)
         else:
@@ -264,7 +266,7 @@ class Engine:
         if any(t >= self.model_cfg.vocab_size for t, _ in bias):
             raise RequestError(f"logit_bias token ids {[t for t, _ in bias if t >= self.model_cfg.vocab_size][:5]} are "
                                f"outside the vocabulary [0, {self.model_cfg.vocab_size})", "logit_bias")
-        if params.prompt_logprobs is not None and (self.resolved.spec_tokens or self.cfg.pipeline_parallel > 1):
+        if params.prompt_logprobs is not None and (self.resolved.spec_tokens or isinstance(self.runner, PipelineRunner)):
             raise RequestError("prompt_logprobs is not available with speculative decoding or pipeline_parallel > 1 "
                                "(their step programs do not score prompt tokens)", "prompt_logprobs")
         grammar = None

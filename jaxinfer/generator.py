@@ -216,6 +216,10 @@ class Generator:
         if cfg.pipeline_parallel > 1:
             if group is not None:
                 raise ValueError("pipeline_parallel > 1 is not available across several processes (multi-host)")
+            spec = read_embedding_spec(path, cfg.pooling, cfg.normalize)
+            if spec is not None and (cfg.pooling is not None or Path(spec.model_path) != Path(path)):
+                raise ValueError("embeddings (pooling=, a sentence-transformers folder) are not available with "
+                                 "pipeline_parallel > 1")
             return cls(_load_pipelined(path, cfg), load_tokenizer(path), cfg, None, warmup)
         mesh = None
         if cfg.tensor_parallel > 1:

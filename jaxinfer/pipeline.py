@@ -115,6 +115,15 @@ def bubble_fraction(num_microbatches: int, pp: int) -> float:
     return (pp - 1) / (num_microbatches + pp - 1)
 
 
+def _stages(mesh: Mesh) -> int:
+    """The mesh's pipeline stages; a pipelined model needs two or more (one is load_model's)."""
+    pp = int(dict(mesh.shape).get("pipeline", 1))
+    if pp < 2:
+        raise ValueError(f"a pipelined model needs a mesh with pipeline_parallel >= 2, got {pp} "
+                         "(one stage: load the model with weights.load_model)")
+    return pp
+
+
 def layers_per_stage(cfg: ModelConfig, pp: int) -> int:
     if pp < 1 or cfg.n_layers % pp:
         raise ValueError(f"pipeline_parallel={pp} must divide the model's {cfg.n_layers} layers "
@@ -312,6 +321,7 @@ def pipeline_decoder(model: Decoder, mesh: Mesh) -> PipelinedDecoder:
     """Restack an in-memory Decoder onto `mesh` (through host memory, one parameter at a time).
     Stages run unfused projections (a fused Decoder is unfused first; see the module docstring).
     Quantized weights (QuantizedWeight) are stacked like float ones, one format per weight."""
+    _stages(mesh)
     model = unfuse_decoder(model)
     values = {"/".join(map(str, p)): v.get_value() for p, v in nnx.state(model, nnx.Param).flat_state()}
     dtype = values["embed"].dtype
@@ -333,6 +343,7 @@ def load_pipelined(path: str | Path, dtype: str, mesh: Mesh, quantize: str | Non
     from jaxinfer.models.hf_maps import hf_weight_map
 
     path = Path(path)
+    _stages(mesh)
     # jaxinfer/prequant: packed weights, restacked like native ones
     prequantized = (path / "config.json").exists() and quantization_config(json.loads(
         (path / "config.json").read_text())) is not None

@@ -11,6 +11,7 @@ save_hf_model("llama-gqa-llama3", TMP_DIR / "bubble", BUBBLE_MODEL).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -219,6 +220,25 @@ def main(tmp: Path) -> dict:
         result["indivisible_error"] = None
     except ValueError as e:
         result["indivisible_error"] = str(e)
+    # pipeline.py's direct way in (a PipelinedDecoder into Generator, the config's pipeline_parallel
+    # left at 1): the same refusals as from_pretrained's, by the model's kind (prompt_logprobs once
+    # killed the engine, the host tier crashed the build); a one-stage mesh is refused by name
+    direct = Generator(load_pipelined(tmp / "llama-gqa-llama3", "float32", make_mesh(pipeline_parallel=2)), None,
+                       engine_config(), max_num_batched_tokens=TOKEN_BUDGET, warmup=False)
+    refusals = {}
+    for key, fn in (("prompt_logprobs", lambda: direct.generate([PROMPTS[0]], SamplingParams(max_tokens=2, prompt_logprobs=1))),
+                    ("kv_offload", lambda: Generator(load_pipelined(tmp / "llama-gqa-llama3", "float32",
+                                                                    make_mesh(pipeline_parallel=2)), None,
+                                                     dataclasses.replace(engine_config(), kv_offload_bytes=1 << 20),
+                                                     warmup=False)),
+                    ("one_stage", lambda: load_pipelined(tmp / "llama-gqa-llama3", "float32", make_mesh(pipeline_parallel=1)))):
+        try:
+            fn()
+            refusals[key] = None
+        except ValueError as e:
+            refusals[key] = str(e)
+    refusals["after"] = [o.token_ids for o in direct.generate(PROMPTS[:1], sp)]
+    result["direct_refusals"] = refusals
     result["seconds"] = time.perf_counter() - t0
     return result
 

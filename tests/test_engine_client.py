@@ -227,6 +227,15 @@ def test_adapters_do_not_reach_into_engine_internals():
     assert hits == []
 
 
+@pytest.mark.parametrize("name", ["tensor_parallel", "pipeline_parallel", "max_num_seqs"])
+def test_integer_settings_refuse_other_types_by_name(name):
+    """A string or None where an integer belongs is refused naming the setting (a TypeError from a
+    comparison before)."""
+    for bad in ("2", None, 2.0, True):
+        with pytest.raises(ValueError, match=f"{name} must be an integer >= 1, got {bad!r}"):
+            EngineConfig(**{name: bad})
+
+
 def test_max_model_len_past_the_models_positions_is_refused():
     """max_model_len beyond the positions the model has is refused by name, as vLLM refuses it (it
     was accepted: RoPE ran past its trained range, a learned position table clamped silently). The

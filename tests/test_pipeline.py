@@ -179,3 +179,8 @@ def test_pp_loading_paths_and_errors(pp_result):
     for name, entry in pp_result["configs"].items():
         assert entry["same_stacking"] == {"decoder": True, "native": True}, name
     assert "pipeline_parallel=2 must divide the model's 3 layers" in pp_result["indivisible_error"]
+    refusals = pp_result["direct_refusals"]
+    assert "prompt_logprobs is not available" in refusals["prompt_logprobs"]
+    assert "kv_offload_gb (the host tier) is not available" in refusals["kv_offload"]
+    assert "needs a mesh with pipeline_parallel >= 2, got 1" in refusals["one_stage"]
+    assert refusals["after"] == pp_result["configs"]["llama-gqa-llama3"]["ref_tokens"][:1]   # still serving

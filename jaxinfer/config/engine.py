@@ -133,8 +133,9 @@ class EngineConfig:
             object.__setattr__(self, "token_buckets", token_buckets(self.token_buckets))
         for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "block_size", "max_decode_steps",
                      "num_speculative_tokens", "max_loras", "max_lora_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens}")
