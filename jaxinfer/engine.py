@@ -249,23 +249,13 @@ class Engine:
                 f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion), "
                 f"{total - self.max_model_len} too many. Please reduce the prompt or max_tokens.",
                 "max_tokens" if len(prompt_ids) < self.max_model_len else "prompt", "context_length_exceeded")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model_cfg.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_cfg.vocab_size})",
-                               "prompt")
+        self._check_token_ids(prompt_ids, params)
         if len(prompt_ids) >= self.max_model_len + (pooling is not None):
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}, "
                                f"so it is {len(prompt_ids) - self.max_model_len + 1} tokens too long", "prompt")
         need = self.blocks.blocks_for(min(len(prompt_ids) + params.max_tokens, self.max_model_len))
         if need > self.blocks.num_blocks - 1:
             raise ValueError(f"the request needs {need} KV blocks but the cache has {self.blocks.num_blocks - 1}")
-        if any(t >= self.model_cfg.vocab_size for t in params.stop_token_ids):
-            raise RequestError(f"stop_token_ids {[t for t in params.stop_token_ids if t >= self.model_cfg.vocab_size][:5]} "
-                               f"are outside the vocabulary [0, {self.model_cfg.vocab_size})", "stop_token_ids")
-        bias = params.logit_bias or ()
-        if any(t >= self.model_cfg.vocab_size for t, _ in bias):
-            raise RequestError(f"logit_bias token ids {[t for t, _ in bias if t >= self.model_cfg.vocab_size][:5]} are "
-                               f"outside the vocabulary [0, {self.model_cfg.vocab_size})", "logit_bias")
         if params.prompt_logprobs is not None and (self.resolved.spec_tokens or isinstance(self.runner, PipelineRunner)):
             raise RequestError("prompt_logprobs is not available with speculative decoding or pipeline_parallel > 1 "
                                "(their step programs do not score prompt tokens)", "prompt_logprobs")
@@ -300,6 +290,17 @@ class Engine:
                                 params.stop, params.skip_special_tokens)
         self.scheduler.add(leader)
         return request_id
+
+    def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Every token id a request names (its prompt, stop_token_ids, logit_bias) is in the
+        vocabulary, or a RequestError names the field."""
+        v = self.model_cfg.vocab_size
+        for field, what, ids in (("prompt", "prompt token ids", prompt_ids),
+                                 ("stop_token_ids", "stop_token_ids", params.stop_token_ids),
+                                 ("logit_bias", "logit_bias token ids", [t for t, _ in params.logit_bias or ()])):
+            bad = [t for t in ids if not 0 <= t < v]
+            if bad:
+                raise RequestError(f"{what} {bad[:5]} are outside the vocabulary [0, {v})", field)
 
     def _sample_ids(self, request_id: str, n: int) -> list[str]:
         """The ids of a new request's n samples ("id", "id#1", ...), none of them a live sample's: a

@@ -183,7 +183,8 @@ def attend_block(carry, q, k, v, k_scale, v_scale, kpos, q_pos, row_ok, kv_len, 
     # p * v_scale is rounded to the compute dtype for the dot: relative to the largest scale of the
     # block's visible keys it stays in p's range, where float16 keeps its relative precision (p * v_scale itself fell into
     # float16's subnormals for small V, and the output's error grew as V shrank)
-    vmax = jnp.max(jnp.where(jnp.any(valid, axis=0), v_scale, 0.0))   # over the keys seen (p = 0 elsewhere)
+    vmax = jnp.max(jnp.where(valid, v_scale[None, :], 0.0))   # over the keys seen (p = 0 elsewhere; a
+    # max, not any(): Pallas' Triton lowering has no reduce_or)
     vmax = jnp.where(vmax > 0, vmax, 1.0)
     pv = dot_f32((p * (v_scale / vmax)[None, :]).astype(cdt), v) * vmax
     return acc * correction[:, None] + pv, m_next, l_next

@@ -169,8 +169,9 @@ TEXT_WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards qui
               "zebras and hackers write code in the night; café naïve über").split()
 
 
-def save_text_model(folder: Path, vocab: int = 400, seed: int = 0) -> Path:
-    """A random tiny Llama with a SentencePiece BPE (byte fallback) trained here on TEXT_WORDS."""
+def save_text_model(folder: Path, vocab: int = 400, seed: int = 0, max_positions: int = 256) -> Path:
+    """A random tiny Llama with a SentencePiece BPE (byte fallback) trained here on TEXT_WORDS; its
+    context is max_positions (the weights do not depend on it)."""
     import io
 
     import numpy as np
@@ -190,7 +191,7 @@ def save_text_model(folder: Path, vocab: int = 400, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
-                                 max_position_embeddings=256)).save_pretrained(folder)
+                                 max_position_embeddings=max_positions)).save_pretrained(folder)
     return folder
 
 

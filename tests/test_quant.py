@@ -406,6 +406,23 @@ def test_qdot_error_vs_float_within_bound(name, fn):
     assert np.mean(err) < np.mean(bound)                          # the bound is not vacuous
 
 
+def test_error_bounds_follow_stored_row_order_and_refuse_fp8():
+    """matmul_error_bound pairs x's logical column k with the scale of the row that holds it (rows
+    stored in `perm` order: stored row i is logical row perm[i]), checked on a grouped int8 weight
+    by hand; fp8, whose error is relative to the value, is refused (it got the integer grids' half
+    step, 32x too small)."""
+    k, n, g = 8, 2, 4
+    scales = np.array([[1.0, 2.0], [10.0, 20.0]], np.float32)        # groups of stored rows 0-3, 4-7
+    perm = np.array([7, 6, 5, 4, 3, 2, 1, 0], np.int32)               # reversed: logical 0 is stored 7
+    qw = QuantizedWeight(jnp.zeros((k, n), jnp.int8), jnp.asarray(scales), None, bits=8, group_size=g,
+                         shape=(k, n), perm=jnp.asarray(perm))
+    x = np.zeros((1, k), np.float32)
+    x[0, 0] = 1.0                                                      # logical column 0: stored row 7, group 1
+    assert quant.matmul_error_bound(x, qw).tolist() == [[5.0, 10.0]]
+    with pytest.raises(ValueError, match="fp8"):
+        quant.matmul_error_bound(x, quant.quantize_fp8(jnp.ones((k, n), jnp.float32)))
+
+
 def test_qdot_float_weights_auto_and_pytree():
     rng = np.random.default_rng(8)
     w = rng.standard_normal((3, 32, 48)).astype(np.float32)

@@ -259,3 +259,15 @@ def test_every_candidate_lowers_to_triton():
                 assert "xla.gpu.triton" in text, cfg     # the Triton custom call, its IR inside
                 count += 1
     assert count >= 150
+
+
+def test_candidates_keep_the_kernels_gpu_block_k_floor():
+    """No candidate, for any M, K or format, has a block_k the kernels refuse on a GPU (a power of
+    two >= 16: quant_matmul_splitk's check). The split-K list halved a multiply-reduce default of
+    16 to 8 for int8 at M = 5..8 with K not a multiple of 128 (a failed compile per tuning)."""
+    for k in range(32, 1025, 32):
+        for m in (1, 5, 8, 16, 33):
+            for bits, g in ((8, None), (4, 32), (4, 128 if k % 128 == 0 else 32)):
+                for cfg in quant.pallas_block_candidates(m, k, 64, bits, g):
+                    bk = cfg.get("block_k")
+                    assert bk is None or (bk >= 16 and bk & (bk - 1) == 0 and k % bk == 0), (m, k, bits, cfg)

@@ -347,7 +347,7 @@ openai = pytest.importorskip("openai")
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from tests.hf_models import save_text_model
-    return save_text_model(tmp_path_factory.mktemp("structured") / "model")
+    return save_text_model(tmp_path_factory.mktemp("structured") / "model", max_positions=1024)
 
 
 @pytest.fixture(scope="module")

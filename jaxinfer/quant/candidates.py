@@ -28,7 +28,7 @@ def _device(device_kind: str | None) -> str:
 
 
 def _valid_bk(bk: int, k: int, bits: int, g: int | None) -> bool:
-    if k % bk:
+    if k % bk or bk < 16:      # the kernels' GPU floor (Triton's dot: a K of 16 at least)
         return False
     if bits == 4:
         return bk >= 32 and (bk % g == 0 or g % bk == 0)

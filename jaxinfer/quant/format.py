@@ -408,10 +408,19 @@ def dequantize(qw: QuantizedWeight) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 
 def _scale_per_element(qw: QuantizedWeight) -> np.ndarray:
+    """[K, N] each logical weight's scale (rows stored in `perm` order put back in place). The
+    bounds below are round-to-nearest integer grids': fp8's error is relative to the value, not
+    half a step, so fp8 weights are refused."""
+    if qw.fp8 or qw.batch or np.asarray(qw.scales).dtype == np.uint8:
+        raise ValueError("the error bounds cover unstacked integer formats (fp8's error is 2^-4 |w|, "
+                         "MXFP4's scales are exponents)")
     s = np.asarray(qw.scales, np.float64)
-    if qw.bits == 8:
-        return np.broadcast_to(s[None, :], (qw.k, qw.n))
-    return np.repeat(s, qw.group_size, axis=0)
+    per = np.broadcast_to(s[None, :], (qw.k, qw.n)) if qw.group_size is None else np.repeat(s, qw.group_size, axis=0)
+    if qw.perm is None:
+        return per
+    out = np.empty_like(per)
+    out[np.asarray(qw.perm)] = per          # stored row i is logical row perm[i]
+    return out
 
 
 def elementwise_error_bound(qw: QuantizedWeight, rel_slack: float = 2.0 ** -14) -> np.ndarray:
