@@ -70,7 +70,6 @@ class Tokenizer:
         self.bos_id = bos_id
         self.eos_ids = eos_ids
         self.pad_id = pad_id
-        self.chat_template = chat_template
         # every template by name, as transformers keeps them ("default", "tool_use", ...; the one
         # template is "default"), and the special tokens' text that templates read (bos_token, ...)
         self.chat_templates: dict[str, str] = dict(chat_templates or ({"default": chat_template} if chat_template else {}))
@@ -80,6 +79,11 @@ class Tokenizer:
             self.vocab_size: int = backend.get_piece_size()
         else:
             self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template (None: the checkpoint has none, or only named ones without a default)."""
+        return self.chat_templates.get("default")
 
     @property
     def backend(self) -> Any:

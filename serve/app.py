@@ -32,7 +32,7 @@ from jaxinfer.config import SamplingParams
 from jaxinfer.generator import Generator
 from serve import embeddings
 from serve.bridge import AsyncEngine, EngineDeadError
-from serve.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplates  # noqa: F401  (DEFAULT_...: re-exported)
+from serve.chat_template import ChatTemplates
 from serve.echo import Echo, first_prompt_logprobs, vllm_prompt_logprobs
 from serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard, error_bytes
 from serve.lora_routes import router as lora_router
@@ -44,7 +44,6 @@ from serve.reasoning import REASONING_PARSERS, OutputParsers, default_reasoning_
 from serve.responses import router as responses_router
 from serve.tool_parsers import TOOL_PARSERS, default_tool_parser
 from serve.tools import ToolPlan
-
 
 
 class ServerState:

@@ -214,3 +214,17 @@ def random_medusa_heads(target_dir, out: Path, tree=None, num_heads: int = 3, se
                              "target": {"d_model": cfg.d_model, "vocab_size": cfg.vocab_size,
                                         "embed_sha256": target_fingerprint(model), "path": str(target_dir)}}, out)
     return out
+
+
+def seeded_peft(model, config: dict, seed: int, std: float):
+    """PEFT's LoRA over a transformers model with its A and B drawn N(0, std) from `seed` (PEFT
+    starts B at zero, which would make every adapter the identity), in eval mode."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(model, LoraConfig(**config))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0.0, std)
+    return model.eval()

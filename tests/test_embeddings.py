@@ -290,18 +290,13 @@ def test_embeddings_and_scores_run_the_adapter_model_names(folders, tmp_path):
     import torch
     import transformers
     from fastapi.testclient import TestClient
-    from peft import LoraConfig, get_peft_model
     from jaxinfer import Generator
     from serve.app import build_app
+    from tests.hf_models import seeded_peft
     folder, _ = folders["llama"]
-    pm = get_peft_model(transformers.LlamaForCausalLM.from_pretrained(folder),
-                        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_" in n:
-                p.normal_(0.0, 0.3)
-    pm.eval().save_pretrained(tmp_path / "ad")
+    pm = seeded_peft(transformers.LlamaForCausalLM.from_pretrained(folder),
+                     dict(r=4, lora_alpha=8, target_modules="all-linear"), 3, 0.3)
+    pm.save_pretrained(tmp_path / "ad")
     gen = Generator.from_pretrained(folder, **ENGINE, lora_modules={"ad": str(tmp_path / "ad")}, max_lora_rank=8,
                                     warmup=False)
     ids = [gen.tokenizer.encode(t) for t in TEXTS[:3]]

@@ -12,7 +12,7 @@ import torch
 from jaxinfer import Generator, SamplingParams
 from jaxinfer.host.lora_slots import LoraSlots
 from jaxinfer.lora.adapter import LoraError
-from tests.hf_models import CONFIGS, build_hf_model, save_hf_model
+from tests.hf_models import CONFIGS, build_hf_model, save_hf_model, seeded_peft
 from tests.precision import assert_rel_close, attention_rtol, dot_chain_rtol
 
 PROMPT = [5, 17, 42, 9, 88, 3, 61, 27, 14, 70, 33, 8, 51, 96, 22, 40, 7, 64, 12]   # 19 tokens: 2 blocks of 8 + 3
@@ -29,14 +29,7 @@ ADAPTERS = {
 
 def _peft(name: str, config: dict, seed: int):
     """A PEFT model over the family's tiny base with seeded non-zero A and B (PEFT starts B at zero)."""
-    from peft import LoraConfig, get_peft_model
-    model = get_peft_model(build_hf_model(name), LoraConfig(**config))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.normal_(0.0, 0.2)
-    return model.eval()
+    return seeded_peft(build_hf_model(name), config, seed, 0.2)
 
 
 def _rtol(cfg: dict, ranks: int, keys: int) -> float:
@@ -353,7 +346,6 @@ def test_chat_and_responses_run_the_adapter_named_in_model(tmp_path):
     greedy text is PEFT's greedy continuation of the rendered chat, decoded by SentencePiece."""
     import sentencepiece as spm
     from fastapi.testclient import TestClient
-    from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
     from serve.app import build_app
@@ -361,13 +353,8 @@ def test_chat_and_responses_run_the_adapter_named_in_model(tmp_path):
     from tests.hf_models import save_text_model
 
     base = save_text_model(tmp_path / "base")
-    model = get_peft_model(LlamaForCausalLM.from_pretrained(base), LoraConfig(**ADAPTERS["a"]))
-    torch.manual_seed(7)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.normal_(0.0, 0.5)
-    model.eval().save_pretrained(tmp_path / "ad")
+    model = seeded_peft(LlamaForCausalLM.from_pretrained(base), ADAPTERS["a"], 7, 0.5)
+    model.save_pretrained(tmp_path / "ad")
     gen = Generator.from_pretrained(base, lora_modules={"ad": str(tmp_path / "ad")}, max_lora_rank=8,
                                     max_model_len=128, max_num_seqs=2, block_size=8, num_blocks=40)
     sp = spm.SentencePieceProcessor(model_file=str(base / "tokenizer.model"))
