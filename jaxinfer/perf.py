@@ -237,6 +237,12 @@ class StepRecord:
     execute_s: float | None = None     # the engine's own device time of the step, for reference
     iterations: list[int] | None = None
 
+    def iteration_spans(self) -> list[list[tuple[int, int]]]:
+        """The (start, num_tokens) of the sequences each device iteration ran: a sequence run several
+        iterations (multi-step decode) is live in each, one token further along each time."""
+        its = self.iterations if self.iterations is not None else [1] * self.num_seqs
+        return [[(s + j, n) for (s, n), k in zip(self.spans, its) if k > j] for j in range(max(its, default=0))]
+
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.spans)
@@ -326,15 +332,10 @@ class ModelCost:
         return min(self.num_experts, tokens * self.experts_per_token)
 
     def step_bytes(self, step: StepRecord) -> float:
-        """Bytes one step reads; a sequence the device ran several iterations (multi-step decode) has
-        a context one token longer each time."""
-        its = step.iterations if step.iterations is not None else [1] * step.num_seqs
-        total = 0.0
-        for j in range(max(its, default=0)):
-            live = [(s + n + j, n) for (s, n), k in zip(step.spans, its) if k > j]   # (context, tokens)
-            total += bytes_read(self.iteration_weight_bytes(sum(n for _, n in live)),
-                                self.kv_bytes_per_token / self.n_layers, self.layer_context([c for c, _ in live]))
-        return total
+        """Bytes one step reads, summed over its iterations (step.iteration_spans)."""
+        return sum(bytes_read(self.iteration_weight_bytes(sum(n for _, n in live)),
+                              self.kv_bytes_per_token / self.n_layers, self.layer_context([s + n for s, n in live]))
+                   for live in step.iteration_spans())
 
     def iteration_weight_bytes(self, tokens: int) -> int:
         """Weight bytes one iteration over `tokens` tokens reads: W_read, a row per token, the experts reached."""
@@ -347,12 +348,10 @@ class ModelCost:
         return sum(c if w is None else min(c, w) for w in self._layer_windows() for c in context_lens)
 
     def step_flops(self, step: StepRecord) -> float:
-        """FLOPs of the step's forwards: one per iteration the device ran (multi-step decode), each
-        over the spans still live, one token further along each time (as step_bytes counts them)."""
-        its = step.iterations if step.iterations is not None else [1] * step.num_seqs
+        """FLOPs of the step's forwards, one per iteration (step.iteration_spans)."""
         return sum(forward_flops(self.body_params, self.vocab_size, self.d_model, self.n_heads, self.head_dim,
-                                 [(s + j, n) for (s, n), k in zip(step.spans, its) if k > j], self._layer_windows())
-                   for j in range(max(its, default=0)))
+                                 live, self._layer_windows())
+                   for live in step.iteration_spans())
 
 
 def utilization(steps: Sequence[StepRecord], cost: ModelCost, peak_bandwidth: float | None,
