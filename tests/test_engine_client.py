@@ -123,6 +123,7 @@ def test_abort_from_another_thread_ends_the_waiting_caller(gen):
     (finish_reason "abort") and returns (the final delta was dropped and the waiter spun forever)."""
     import threading
     queue: deque = deque()
+    gen.engine.fault_injector = lambda: time.sleep(0.2)   # >= 2 s of steps: the abort lands mid-request
     [rid] = gen.client.submit([[41, 42, 43]], SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True),
                               route=queue.append)
     got: list = []
@@ -133,6 +134,7 @@ def test_abort_from_another_thread_ends_the_waiting_caller(gen):
         time.sleep(0.01)
     gen.abort(rid)
     waiter.join(timeout=60)
+    gen.engine.fault_injector = None
     assert not waiter.is_alive() and got[-1].finished and got[-1].finish_reason == "abort"
     assert _all_free(gen)
 
