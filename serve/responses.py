@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: POST /v1/responses (streamed or not) and GET /v1/responses/{id}.
+"""OpenAI's Responses API: POST /v1/responses (streamed or not), GET and DELETE /v1/responses/{id},
+GET /v1/responses/{id}/input_items.
 
 A Responses request becomes a chat completion request (the same template, parsers, sampling and
 structured outputs as /v1/chat/completions, serve.app.ServerState.chat_request), and its output
@@ -26,9 +27,11 @@ where the server runs a reasoning parser (400 otherwise); its effort goes to the
 `reasoning_effort` (gpt-oss's template reads it).
 
 store / previous_response_id: a stored response (store defaults to true, as OpenAI's) keeps its
-whole conversation in memory, in a bounded LRU (RESPONSE_STORE entries) that a restart empties; a
-request naming an unknown (or evicted) previous_response_id gets a 404. Fields not implemented get a
-400 naming them (UNSUPPORTED_RESPONSE_FIELDS).
+whole conversation in memory, as Responses items with ids (ResponseStore), in a bounded LRU
+(RESPONSE_STORE entries) that a restart empties; a request naming an unknown (or evicted)
+previous_response_id gets a 404. An input `item_reference` (or an item with only an id) stands for
+the stored item with that id. Fields not implemented get a 400 naming them
+(UNSUPPORTED_RESPONSE_FIELDS).
 """
 from __future__ import annotations
 
@@ -128,9 +131,8 @@ def _reasoning_text(item: dict, where: str) -> str:
 
 def input_messages(items: str | list[dict]) -> list[dict]:
     """Responses input -> chat messages. One model turn's items (its reasoning, its message, its
-    function calls) become one assistant message, as the stored path (_assistant_messages) and chat
-    have it: the reasoning as its reasoning_content (the templates render it in the current turn),
-    the calls as its tool_calls."""
+    function calls) become one assistant message, as chat has it: the reasoning as its
+    reasoning_content (the templates render it in the current turn), the calls as its tool_calls."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict] = []
@@ -151,6 +153,9 @@ def input_messages(items: str | list[dict]) -> list[dict]:
         if not isinstance(item, dict):
             raise OpenAIError(400, f"{where} must be an object", param="input")
         kind = item.get("type", "message")
+        if reasoning is not None and (kind == "function_call_output"
+                                      or kind == "message" and item.get("role") != "assistant"):
+            assistant()       # a turn that ended in its reasoning (cut by max_output_tokens)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -176,7 +181,9 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             reasoning = (reasoning or "") + _reasoning_text(item, where)
         else:
             raise OpenAIError(400, f"{where}: input items of type {kind!r} are not supported (message, "
-                                   "function_call, function_call_output, reasoning)", param="input")
+                                   "function_call, function_call_output, reasoning, item_reference)", param="input")
+    if reasoning is not None:
+        assistant()
     return out
 
 
@@ -214,24 +221,52 @@ def response_format(text: dict | None) -> dict | None:
 
 
 class ResponseStore:
-    """Stored responses: id -> (response body, the conversation's chat messages after it). Bounded
-    (least recently used out first), in memory, lost on restart."""
+    """Stored responses: id -> (response body, its input items). A response's input items are its
+    whole conversation before its output, as Responses items with ids: the previous response's
+    input items and output, then this request's input (instructions are not items). Every stored
+    item is also found by its id (an `item_reference`), for as long as a response holding it is
+    stored. Bounded (least recently used out first), in memory, lost on restart."""
 
     def __init__(self, size: int = RESPONSE_STORE):
-        self.size, self._items, self._lock = size, OrderedDict(), threading.Lock()
+        self.size, self._lock = size, threading.Lock()
+        self._responses: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+        self._by_id: dict[str, list] = {}      # item id -> [item, how many stored responses hold it]
 
     def get(self, rid: str) -> tuple[dict, list[dict]] | None:
         with self._lock:
-            if rid in self._items:
-                self._items.move_to_end(rid)
-                return self._items[rid]
+            if rid in self._responses:
+                self._responses.move_to_end(rid)
+                return self._responses[rid]
             return None
 
-    def put(self, rid: str, body: dict, messages: list[dict]) -> None:
+    def item(self, item_id: str) -> dict | None:
         with self._lock:
-            self._items[rid] = (body, messages)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+            found = self._by_id.get(item_id)
+            return found[0] if found else None
+
+    def put(self, rid: str, body: dict, items: list[dict]) -> None:
+        with self._lock:
+            self._drop(rid)
+            self._responses[rid] = (body, items)
+            for item in items + body["output"]:
+                self._by_id.setdefault(item["id"], [item, 0])[1] += 1
+            while len(self._responses) > self.size:
+                self._drop(next(iter(self._responses)))
+
+    def delete(self, rid: str) -> bool:
+        with self._lock:
+            return self._drop(rid)
+
+    def _drop(self, rid: str) -> bool:
+        found = self._responses.pop(rid, None)
+        if found is None:
+            return False
+        for item in found[1] + found[0]["output"]:
+            held = self._by_id[item["id"]]
+            held[1] -= 1
+            if held[1] == 0:
+                del self._by_id[item["id"]]
+        return True
 
 
 def _store(state) -> ResponseStore:
@@ -240,20 +275,66 @@ def _store(state) -> ResponseStore:
     return state.response_store
 
 
+def _stored_item(item: dict) -> dict:
+    """An input item as the store keeps and input_items lists it: with an id and a status, and a
+    message's content as a list of parts (an assistant's output_text parts with their annotations)."""
+    kind = item.get("type", "message")
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[kind]
+    out = {**item, "type": kind, "id": item.get("id") or new_id(prefix), "status": item.get("status") or "completed"}
+    if kind == "message":
+        part = "output_text" if item["role"] == "assistant" else "input_text"
+        content = item.get("content")
+        content = [{"type": part, "text": content or ""}] if content is None or isinstance(content, str) else content
+        out["content"] = [{**p, "annotations": p.get("annotations", [])} if p["type"] == "output_text" else p
+                          for p in content]
+    elif kind == "reasoning":
+        out.setdefault("summary", [])
+    return out
+
+
+def _input_items(store: ResponseStore, req: ResponsesRequest, history: list[dict]) -> list[dict]:
+    """This request's input as stored items: item_references replaced by the stored items they
+    name (a 400 for an unknown id), every item checked (input_messages) and given an id; an item
+    already in previous_response_id's conversation is a 400 (OpenAI's duplicate-item rule: it would
+    be in the prompt twice)."""
+    if isinstance(req.input, str):
+        return [_stored_item({"type": "message", "role": "user", "content": req.input})]
+    items, held = [], {i["id"] for i in history}
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        if isinstance(item, dict) and item.get("id") is not None and not isinstance(item["id"], str):
+            raise OpenAIError(400, f"{where}.id must be a string", param="input")
+        if isinstance(item, dict) and (item.get("type") == "item_reference" or
+                                       "type" not in item and "role" not in item and "id" in item):
+            found = store.item(item["id"]) if isinstance(item.get("id"), str) else None
+            if found is None:
+                raise OpenAIError(400, f"{where}: no stored item with id {item.get('id')!r} (items are kept with "
+                                       "their stored responses, in memory)", param="input")
+            item = found
+        if isinstance(item, dict) and item.get("id") in held:
+            raise OpenAIError(400, f"{where}: duplicate item {item['id']!r}: it is already part of the "
+                                   "previous_response_id's conversation", param="input")
+        items.append(item)
+    input_messages(items)          # each item checked, the errors naming its index in input
+    return [_stored_item(item) for item in items]
+
+
 def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[dict]]:
-    """The chat request a Responses request stands for, and its messages (kept for the store)."""
-    history: list[dict] = []
+    """The chat request a Responses request stands for, and its input items (kept for the store)."""
+    store, history = _store(state), []
     if req.previous_response_id is not None:
-        found = _store(state).get(req.previous_response_id)
+        found = store.get(req.previous_response_id)
         if found is None:
             raise OpenAIError(404, f"no stored response with id {req.previous_response_id!r} (responses are kept "
                                    "in memory, a bounded number, and lost when the server restarts)",
                               type_="not_found_error", param="previous_response_id", code="response_not_found")
-        history = found[1]     # the conversation so far (its instructions are not part of it)
+        body, items = found
+        history = items + body["output"]     # the conversation so far (its instructions are not part of it)
     if req.reasoning is not None and state.reasoning_parser is None:
         raise OpenAIError(400, "reasoning: this model is served without a reasoning parser "
                                "(start the server with --reasoning-parser)", param="reasoning")
-    conversation = history + input_messages(req.input)
+    items = history + _input_items(store, req, history)
+    conversation = input_messages(items)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
                             "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice),
@@ -267,7 +348,7 @@ def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, 
     if effort is not None:
         body["chat_template_kwargs"] = {"reasoning_effort": effort}
     try:
-        return ChatCompletionRequest.model_validate(body), conversation
+        return ChatCompletionRequest.model_validate(body), items
     except ValueError as e:   # named by this request's field (messages: input)
         errors = getattr(e, "errors", lambda: [])()
         first = errors[0] if errors else {}
@@ -322,20 +403,6 @@ def _cache_written(state, n_prompt: int, cached: int) -> int:
     return max(0, n_prompt // r.block_size * r.block_size - cached) if r.enable_prefix_caching else 0
 
 
-def _assistant_messages(output: list[dict]) -> list[dict]:
-    """A response's output as the chat messages that continue its conversation."""
-    text = "".join(c["text"] for item in output if item["type"] == "message" for c in item["content"])
-    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-             for i in output if i["type"] == "function_call"]
-    m: dict[str, Any] = {"role": "assistant", "content": text}
-    reasoning = "".join(c["text"] for item in output if item["type"] == "reasoning" for c in item["content"])
-    if reasoning:
-        m["reasoning_content"] = reasoning
-    if calls:
-        m["tool_calls"] = calls
-    return [m]
-
-
 # the chat request's fields that a Responses request's own fields become (_chat_request)
 _RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input",
                      "chat_template_kwargs": "reasoning"}
@@ -362,7 +429,7 @@ async def create_response(request: Request):
         param = (first.get("ctx") or {}).get("param") or loc.split(".")[0] or None
         raise OpenAIError(400, f"{loc or 'body'}: {first.get('msg', e)}", param=param) from None
     try:
-        chat, messages = await run_in_threadpool(_chat_request, state, req)
+        chat, items = await run_in_threadpool(_chat_request, state, req)
         prompt, params, parsers = await run_in_threadpool(state.chat_request, chat)
         lora = state.check_model(req.model)    # a loaded LoRA adapter's name runs with it, as on chat
         field = lambda name: _responses_field(chat.request_field(name))   # noqa: E731
@@ -378,7 +445,7 @@ async def create_response(request: Request):
     def finish(output: list[dict], usage: dict, cut: bool) -> dict:
         body = _response(rid, created, model, req, output, "incomplete" if cut else "completed", usage, cut)
         if req.store:
-            _store(state).put(rid, body, messages + _assistant_messages(output))
+            _store(state).put(rid, body, items)
         return body
 
     if not req.stream:
@@ -513,10 +580,54 @@ async def _events(state, sub, choices: ChatChoices, start: dict, n_prompt: int, 
         state.engine.release(sub, done)
 
 
-@router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, request: Request):
+def _stored(request: Request, response_id: str) -> tuple[dict, list[dict]]:
     found = _store(request.app.state.server).get(response_id)
     if found is None:
         raise OpenAIError(404, f"no stored response with id {response_id!r}", type_="not_found_error",
                           param="response_id", code="response_not_found")
-    return found[0]
+    return found
+
+
+def _no_query(request: Request, noop: dict) -> None:
+    """Query parameters of a GET this server does not implement: a 400 naming them."""
+    for name, value in request.query_params.multi_items():
+        if name in noop and not noop[name](value):
+            raise OpenAIError(400, f"{name}={value!r} is not supported by this server", param=name)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    # stream / starting_after replay a background response's events, which this server does not run
+    _no_query(request, {"stream": lambda v: v.lower() == "false", "include[]": lambda v: False,
+                        "include": lambda v: False, "starting_after": lambda v: False})
+    return _stored(request, response_id)[0]
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    _stored(request, response_id)
+    _store(request.app.state.server).delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, after: str | None = None, limit: int = 20,
+                           order: str = "desc"):
+    """A stored response's input items (its conversation before its output), a page at a time:
+    OpenAI's cursor list (limit 1-100, default 20; order desc, the default, or asc; after an item id)."""
+    _no_query(request, {"include[]": lambda v: False, "include": lambda v: False})
+    if not 1 <= limit <= 100:
+        raise OpenAIError(400, f"limit must be between 1 and 100, got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise OpenAIError(400, f"order must be asc or desc, got {order!r}", param="order")
+    items = _stored(request, response_id)[1]
+    items = items[::-1] if order == "desc" else items
+    start = 0
+    if after is not None:
+        ids = [i["id"] for i in items]
+        if after not in ids:
+            raise OpenAIError(400, f"after: no input item {after!r} in response {response_id!r}", param="after")
+        start = ids.index(after) + 1
+    page = items[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}

@@ -412,8 +412,8 @@ def test_responses_items_are_the_chat_turns_they_stand_for(gen):
         assert dev.startswith("<|im_start|>system\nbe brief<|im_end|>")
         r1 = client.responses.create(model="tiny", instructions="INSTR-Y", max_output_tokens=4, temperature=0,
                                      input=[{"role": "system", "content": "SYS-X"}, {"role": "user", "content": "2+2?"}])
-        convo = state.response_store.get(r1.id)[1]
-        assert convo[0] == {"role": "system", "content": "SYS-X"} and "INSTR-Y" not in json.dumps(convo)
+        convo = client.responses.input_items.list(r1.id, order="asc").data
+        assert (convo[0].role, convo[0].content[0].text) == ("system", "SYS-X") and "INSTR-Y" not in str(convo)
         details = r1.usage.input_tokens_details
         assert details.cache_write_tokens == r1.usage.input_tokens // 16 * 16 - details.cached_tokens   # 16: block_size
         events = list(client.responses.create(model="tiny", input="2+2?", temperature=0, max_output_tokens=20,
@@ -424,6 +424,80 @@ def test_responses_items_are_the_chat_turns_they_stand_for(gen):
         r = http.post("/v1/responses", json={"model": "tiny", "input": "2+2?", "max_output_tokens": 2, "store": None,
                                              "stream": None})
         assert r.status_code == 200 and r.json()["store"] is True and http.get(f"/v1/responses/{r.json()['id']}").status_code == 200
+
+
+def test_responses_input_items_item_references_and_delete(gen):
+    """A stored response's input items (its conversation before its output, with ids) paged as the
+    SDK's cursor pager reads them; item_reference inputs stand for the stored items they name (the
+    same prompt as the items sent whole); an item already in previous_response_id's conversation is
+    a 400; DELETE drops a response, whose items stay referable while another stored response holds
+    them; a reasoning item that ended its turn is that turn (input_messages)."""
+    from serve.responses import ResponseStore, input_messages
+    assert input_messages([{"role": "user", "content": "a"}, {"type": "reasoning", "summary": [{"text": "t"}]},
+                           {"role": "user", "content": "b"}]) == \
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "reasoning_content": "t"},
+         {"role": "user", "content": "b"}]
+    tools = [{"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}]
+    kw = dict(model="tiny", tools=tools, temperature=0, max_output_tokens=40)
+    with serving(gen, "qwen3.jinja") as (client, http):
+        r1 = client.responses.create(input=[{"role": "system", "content": "SYS"},
+                                            {"role": "user", "content": "weather in Paris?"}], **kw)
+        reasoning, call = r1.output
+        answer = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+        r2 = client.responses.create(previous_response_id=r1.id, input=[answer], **kw)
+        # the SDK's pager asks for the next page with after=<last id> while has_more
+        items = list(client.responses.input_items.list(r2.id, limit=2, order="asc"))
+        assert [i.type for i in items] == ["message", "message", "reasoning", "function_call", "function_call_output"]
+        assert [i.id for i in items[2:4]] == [reasoning.id, call.id] and items[4].output == "sunny"
+        assert items[0].content[0].text == "SYS" and items[0].content[0].type == "input_text"
+        assert len({i.id for i in items}) == 5
+        page = client.responses.input_items.list(r2.id, limit=2)         # desc, the default
+        assert [i.id for i in page.data] == [items[4].id, items[3].id] and page.has_more
+        assert (page.first_id, page.last_id) == (items[4].id, items[3].id)
+        assert [i.id for i in client.responses.input_items.list(r2.id, after=items[1].id).data] == [items[0].id]
+        # references: the same prompt (input tokens) and greedy output as the items sent whole
+        user = {"role": "user", "content": "weather in Paris?"}
+        whole = client.responses.create(input=[user, reasoning.model_dump(exclude_none=True),
+                                               call.model_dump(exclude_none=True), answer], **kw)
+        by_ref = client.responses.create(input=[user, {"type": "item_reference", "id": reasoning.id},
+                                                {"id": call.id}, answer], **kw)     # the type is optional
+        bare = client.responses.create(input=[user, answer], **kw)
+        assert by_ref.usage.input_tokens == whole.usage.input_tokens != bare.usage.input_tokens
+        assert [(o.type, getattr(o, "arguments", None)) for o in by_ref.output] == \
+            [(o.type, getattr(o, "arguments", None)) for o in whole.output]
+        for body, param, says in (
+                ({"previous_response_id": r1.id, "input": [{"type": "item_reference", "id": call.id}]}, "input",
+                 "duplicate"),
+                ({"input": [{"type": "item_reference", "id": "fc_nope"}]}, "input", "fc_nope"),
+                ({"input": [{"id": 7, "role": "user", "content": "x"}]}, "input", "id")):
+            bad = http.post("/v1/responses", json={"model": "tiny", **body})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.json()
+            assert says in bad.json()["error"]["message"]
+        for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order"),
+                             ("after=msg_nope", "after"), ("include[]=message.output_text.logprobs", "include[]")):
+            bad = http.get(f"/v1/responses/{r2.id}/input_items?{query}")
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (query, bad.json())
+        assert http.get(f"/v1/responses/{r2.id}?stream=true").status_code == 400
+        # DELETE: OpenAI's deleted object; then the response is gone, its items held by r2 remain
+        assert http.delete(f"/v1/responses/{r1.id}").json() == {"id": r1.id, "object": "response", "deleted": True}
+        assert client.responses.delete(whole.id) is None          # the SDK's delete reads no body
+        for rid in (r1.id, whole.id):
+            assert http.get(f"/v1/responses/{rid}").status_code == 404
+            assert http.delete(f"/v1/responses/{rid}").status_code == 404
+            assert http.get(f"/v1/responses/{rid}/input_items").status_code == 404
+        again = http.post("/v1/responses", json={"model": "tiny", "max_output_tokens": 1,
+                                                 "input": [user, {"type": "item_reference", "id": call.id}]})
+        assert again.status_code == 200
+    # an item is found by its id while any stored response holds it (the bounded store drops the
+    # least recently used response, and with it the items only it held)
+    store = ResponseStore(size=2)
+    a, b, shared = {"id": "a", "type": "message"}, {"id": "b", "type": "message"}, {"id": "s", "type": "message"}
+    store.put("r1", {"output": [a]}, [shared])
+    store.put("r2", {"output": [b]}, [shared])
+    store.put("r3", {"output": []}, [b])
+    assert store.get("r1") is None and store.item("a") is None and store.item("s") == shared
+    assert store.delete("r2") and store.item("s") is None and store.item("b") == b
+    assert not store.delete("r2") and store.delete("r3") and store.item("b") is None
 
 
 def test_unknown_parser_names_fail_at_start_listing_the_choices():
