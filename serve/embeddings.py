@@ -13,6 +13,12 @@ index; a field this endpoint does not know is a 400 naming it.
 1:1, 1:N or N:N pairs, each scored by the cosine similarity of the two embeddings (vLLM's
 embedding-model scoring), as {"data": [{"index", "object": "score", "score"}], "usage"}.
 
+/v1/rerank (also /rerank, /v2/rerank; vLLM's shape, which Jina's and Cohere's clients read): `query`
+against `documents` (strings, or {"text"} objects as Jina and Cohere v1 send them), each scored as
+/v1/score scores it, as {"id", "model", "usage", "results": [{"index", "document": {"text"},
+"relevance_score"}]}, best first; `top_n` > 0 keeps that many (0, the default, keeps all);
+`return_documents` false (Jina's and Cohere's field) leaves each result's document out.
+
 Every input is one prefill-only engine request (Engine.add_request(pooling=...)), submitted all or
 nothing through the same bridge as generation, so embeddings share the engine's steps with it.
 """
@@ -59,6 +65,15 @@ class ScoreRequest(_StrictBody):
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
+    user: str | None = None
+
+
+class RerankRequest(_StrictBody):
+    model: str | None = None
+    query: str
+    documents: list[str | dict[str, Any]]
+    top_n: int = 0
+    return_documents: bool = True
     user: str | None = None
 
 
@@ -155,3 +170,31 @@ async def score(req: ScoreRequest, request: Request):
     return {"id": new_id("score"), "object": "list", "created": now(), "model": lora or state.model_name,
             "data": [{"index": i, "object": "score", "score": cosine(a, b)} for i, (a, b) in enumerate(zip(left, right))],
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0}}
+
+
+@router.post("/v1/rerank")
+@router.post("/rerank")
+@router.post("/v2/rerank")
+async def rerank(req: RerankRequest, request: Request):
+    state = request.app.state.server
+    lora = state.check_model(req.model)
+    docs = []
+    for i, d in enumerate(req.documents):
+        if isinstance(d, dict) and (set(d) != {"text"} or not isinstance(d["text"], str)):
+            raise OpenAIError(400, f"documents[{i}] must be a string or an object {{\"text\": string}}",
+                              param="documents")
+        docs.append(d if isinstance(d, str) else d["text"])
+    if not docs:
+        raise OpenAIError(400, "documents must not be empty", param="documents")
+    if req.top_n < 0:
+        raise OpenAIError(400, f"top_n must be 0 (all) or more, got {req.top_n}", param="top_n")
+    vectors, n_tokens = await _embed(state, request, [req.query] + docs, lora=lora)
+    if not isinstance(vectors, list):
+        return vectors
+    scores = [cosine(vectors[0], v) for v in vectors[1:]]
+    order = sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n or None]
+    return {"id": new_id("rerank"), "model": lora or state.model_name,
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+            "results": [{"index": i, "relevance_score": scores[i], **({"document": {"text": docs[i]}}
+                                                                      if req.return_documents else {})}
+                        for i in order]}

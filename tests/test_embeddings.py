@@ -283,6 +283,36 @@ def test_score_is_the_cosine_of_embeddings(servers, reference):
     assert r.status_code == 400 and r.json()["error"]["param"] == "text_2"
 
 
+def test_rerank_orders_documents_by_their_cosine_to_the_query(servers, reference):
+    """/v1/rerank (and /rerank, /v2/rerank): the documents by sentence-transformers' cosine to the
+    query, best first, cut to top_n; documents as strings or {"text"} objects; return_documents
+    false leaves the text out; usage counts the query's and documents' tokens."""
+    import httpx
+    want, _, model = reference["qwen3"]
+    cos = [float(np.dot(want[0], w) / (np.linalg.norm(want[0]) * np.linalg.norm(w))) for w in want[1:]]
+    best = [int(i) for i in np.argsort(-np.array(cos), kind="stable")]
+    assert len(set(np.round(cos, 4))) == len(cos)       # the order is decided well above float error
+    url = servers["qwen3"].url
+    r = httpx.post(f"{url}/v1/rerank", json={"model": "tiny", "query": TEXTS[0], "documents": TEXTS[1:]}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [x["index"] for x in body["results"]] == best
+    np.testing.assert_allclose([x["relevance_score"] for x in body["results"]], [cos[i] for i in best], atol=1e-5)
+    assert [x["document"]["text"] for x in body["results"]] == [TEXTS[1 + i] for i in best]
+    assert body["usage"]["total_tokens"] == sum(len(model.tokenizer(t)["input_ids"]) for t in TEXTS)
+    for route in ("/rerank", "/v2/rerank"):
+        r = httpx.post(f"{url}{route}", json={"query": TEXTS[0], "documents": [{"text": t} for t in TEXTS[1:]],
+                                              "top_n": 2, "return_documents": False}, timeout=120)
+        assert [x["index"] for x in r.json()["results"]] == best[:2], r.text
+        assert all("document" not in x for x in r.json()["results"])
+    for body, param in (({"query": "a", "documents": []}, "documents"),
+                        ({"query": "a", "documents": [{"txt": "b"}]}, "documents"),
+                        ({"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+                        ({"query": "a", "documents": ["b"], "max_chunks_per_doc": 2}, "max_chunks_per_doc")):
+        r = httpx.post(f"{url}/v1/rerank", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_embeddings_and_scores_run_the_adapter_model_names(folders, tmp_path):
     """/v1/embeddings and /v1/score with `model` naming a loaded LoRA adapter embed with it, as PEFT's
     adapted model does (mean of the last hidden states), and answer under its name (they returned
