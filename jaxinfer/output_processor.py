@@ -37,6 +37,7 @@ class RequestOutput:
     # (logprob, rank, [(token id, logprob)] top-N) per prompt token
     prompt_logprobs: list[PromptEntry | None] | None = None
     embedding: Any = None       # an embedding request's final delta: the pooled vector (np.float32 [D])
+    stop_reason: str | None = None   # the final delta of a request a stop string ended: that string
 
 
 @dataclass
@@ -46,7 +47,7 @@ class _TextState:
     text: str = ""              # all text decoded so far (after stop truncation)
     emitted: int = 0            # how much of text has been handed out
     marks: list[int] = field(default_factory=list)   # len(text) after each token of this step
-    stopped: bool = False       # a stop string completed (text is cut before it)
+    stopped: str | None = None  # the stop string that completed (text is cut before it)
 
 
 class OutputProcessor:
@@ -102,7 +103,7 @@ class OutputProcessor:
         cut = find_stop(st.text, st.stops, max(checked, st.emitted))
         if cut is None:
             return False
-        st.text, st.stopped = st.text[:cut], True
+        st.text, st.stopped = st.text[:cut], _stop_at(st.text, cut, st.stops)
         return True
 
     def delta(self, req: Request, new_tokens: int) -> RequestOutput:
@@ -117,7 +118,8 @@ class OutputProcessor:
             st.text += st.detok.flush()
             if st.stops:   # the flushed tail may still hold a stop string
                 cut = find_stop(st.text, st.stops, st.emitted)
-                st.text = st.text if cut is None else st.text[:cut]
+                if cut is not None:
+                    st.text, st.stopped = st.text[:cut], _stop_at(st.text, cut, st.stops)
         visible = len(st.text) if req.finished or not st.stops else len(st.text) - hold_back(st.text, st.stops)
         new_ids = req.output_ids[len(req.output_ids) - new_tokens:] if new_tokens else []
         lps = req.output_logprobs[len(req.output_logprobs) - new_tokens:] if new_tokens else []
@@ -134,13 +136,19 @@ class OutputProcessor:
             outs.append(RequestOutput(rid, req.sample_index, text, new_ids[j:j + 1], lps[j:j + 1], tops[j:j + 1],
                                       req.finished and last, req.finish_reason if last else None,
                                       req.num_cached_tokens or 0, prompt if j == 0 else None,
-                                      _embedding(req) if req.finished and last else None))
+                                      _embedding(req) if req.finished and last else None,
+                                      st.stopped if req.finished and last else None))
         if req.finished:
             del self._text[req.request_id]
             group = self._groups.get(rid)
             if group is not None and all(g not in self._text for g in group):
                 del self._groups[rid]
         return outs
+
+
+def _stop_at(text: str, cut: int, stops: tuple[str, ...]) -> str:
+    """The stop string found at text[cut:] (find_stop's earliest; the longest where several start there)."""
+    return max((s for s in stops if s and text.startswith(s, cut)), key=len)
 
 
 def _embedding(req: Request):

@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP server (FastAPI, run by uvicorn) on one Generator's engine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (serve.responses; all
-with `stream: true` as server-sent events), POST /v1/embeddings and /v1/score (serve.embeddings),
-GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics, and vLLM's
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (serve.responses),
+Anthropic's POST /v1/messages (serve.messages; all with `stream: true` as server-sent events),
+POST /v1/embeddings, /v1/score and /v1/rerank (serve.embeddings), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics, and vLLM's
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serve.lora_routes; a request whose `model`
 is a loaded adapter's name runs with it).
-Every error uses OpenAI's error JSON {"error": {"message", "type", "param", "code"}}: bad requests
+Every error uses OpenAI's error JSON {"error": {"message", "type", "param", "code"}} (Anthropic's on
+its /v1/messages routes, serve.guard.error_bytes): bad requests
 (malformed JSON or UTF-8, wrong types, out-of-range values, text that is not valid Unicode, fields we
 do not implement, prompts longer than the context, more sequences than the queue holds) get 400,
 an unknown model or route 404, a wrong method 405, a body over --max-request-bytes 413, a full
@@ -41,6 +42,7 @@ from serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionReques
                             OpenAIError, TokenizeRequest, chat_body, completion_body, new_id, now)
 from serve.stream import ChatChoices, CompletionChoices, respond, stream_response
 from serve.reasoning import REASONING_PARSERS, OutputParsers, default_reasoning_parser, prompt_state, reasoning_prefix
+from serve.messages import router as messages_router
 from serve.responses import router as responses_router
 from serve.tool_parsers import TOOL_PARSERS, default_tool_parser
 from serve.tools import ToolPlan
@@ -207,8 +209,9 @@ class ServerState:
         return list(self.tokenizer.token_bytes(token_id))
 
 
-def _error_response(e: OpenAIError) -> Response:
-    return Response(error_bytes(e), status_code=e.status, headers=e.headers, media_type="application/json")
+def _error_response(e: OpenAIError, request: Request) -> Response:
+    return Response(error_bytes(e, request.url.path), status_code=e.status, headers=e.headers,
+                    media_type="application/json")
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -243,20 +246,21 @@ def _http_error(request: Request, exc: StarletteHTTPException) -> OpenAIError:
     return OpenAIError(exc.status_code, message, type_=type_, code=code, headers=dict(exc.headers or {}))
 
 
-async def _openai_error(_: Request, exc: OpenAIError) -> Response:
-    return _error_response(exc)
+async def _openai_error(request: Request, exc: OpenAIError) -> Response:
+    return _error_response(exc, request)
 
 
-async def _invalid_request(_: Request, exc: RequestValidationError) -> Response:
-    return _error_response(_validation_error(exc))
+async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
+    return _error_response(_validation_error(exc), request)
 
 
 async def _starlette_error(request: Request, exc: StarletteHTTPException) -> Response:
-    return _error_response(_http_error(request, exc))
+    return _error_response(_http_error(request, exc), request)
 
 
-async def _internal_error(_: Request, exc: Exception) -> Response:
-    return _error_response(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error"))
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return _error_response(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error"),
+                           request)
 
 
 _EXCEPTION_HANDLERS = ((OpenAIError, _openai_error), (RequestValidationError, _invalid_request),
@@ -275,7 +279,7 @@ def _state(request: Request) -> ServerState:
 async def health(request: Request):
     state = _state(request)
     if not state.engine.alive:
-        return _error_response(EngineDeadError(state.engine.error))   # OpenAI's error shape, code engine_dead
+        return _error_response(EngineDeadError(state.engine.error), request)   # code engine_dead
     return {"status": "ok"}
 
 
@@ -380,4 +384,5 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
     app.include_router(lora_router)
     app.include_router(embeddings.router)   # /v1/embeddings, /v1/score
     app.include_router(responses_router)
+    app.include_router(messages_router)      # Anthropic's /v1/messages
     return app

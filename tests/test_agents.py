@@ -500,6 +500,115 @@ def test_responses_input_items_item_references_and_delete(gen):
     assert not store.delete("r2") and store.delete("r3") and store.item("b") is None
 
 
+# ============================================================== Anthropic's Messages API
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather in a city",
+                    "input_schema": TOOLS[0]["function"]["parameters"]}]
+
+
+def _anthropic(http):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic, anthropic.Anthropic(base_url="http://testserver", api_key="x", http_client=http, max_retries=0)
+
+
+def test_messages_thinking_tool_use_and_the_next_turn(gen, sp):
+    """/v1/messages through Anthropic's SDK: the same reasoning, call and token counts as chat
+    completions on the same request; the SDK's stream accumulator (its own partial-JSON reading of
+    input_json_delta) rebuilds the same message; the call's result sent back as a tool_result renders
+    the prompt chat renders for the same turns (count_tokens against /tokenize); thinking disabled
+    reaches the template (Qwen3's closed think block)."""
+    chain = CHAINS["<|im_start|>assistant\n"]
+    with serving(gen, "qwen3.jinja") as (client, http):
+        anthropic, ac = _anthropic(http)
+        kw = dict(model="tiny", max_tokens=40, tools=ANTHROPIC_TOOLS, extra_body={"temperature": 0},
+                  messages=[{"role": "user", "content": "weather in Paris?"}])
+        m = ac.messages.create(**kw)
+        chat = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=40)
+        assert [b.type for b in m.content] == ["thinking", "tool_use"] and m.stop_reason == "tool_use"
+        assert m.content[0].thinking == chat.choices[0].message.model_extra["reasoning_content"] \
+            == "\nThe user wants the weather.\n"
+        call = chat.choices[0].message.tool_calls[0]
+        assert (m.content[1].name, m.content[1].input) == ("get_weather", json.loads(call.function.arguments)) \
+            == ("get_weather", {"city": "Paris"})
+        assert m.usage.output_tokens == chat.usage.completion_tokens == _n_tokens(sp, chain) + 1
+        u = m.usage
+        assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens == chat.usage.prompt_tokens
+        assert u.cache_creation_input_tokens == (chat.usage.prompt_tokens // 16 * 16) - u.cache_read_input_tokens
+        with ac.messages.stream(**kw) as stream:
+            kinds = [e.type for e in stream]
+            final = stream.get_final_message()
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content[:1]] + \
+            [{**m.content[1].model_dump(), "id": final.content[1].id}]
+        assert (final.stop_reason, final.usage.output_tokens) == ("tool_use", m.usage.output_tokens)
+        # the next turn: tool_result after the assistant's thinking and tool_use
+        turns = kw["messages"] + [
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": m.content[1].id,
+                                          "content": [{"type": "text", "text": "sunny"}]}]}]
+        as_chat = USER + [{"role": "assistant", "content": "", "reasoning_content": m.content[0].thinking,
+                           "tool_calls": [{"id": m.content[1].id, "type": "function", "function": {
+                               "name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+                          {"role": "tool", "tool_call_id": m.content[1].id, "content": "sunny"}]
+        counted = ac.messages.count_tokens(model="tiny", messages=turns, tools=ANTHROPIC_TOOLS)
+        want = http.post("/tokenize", json={"messages": as_chat, "tools": TOOLS}).json()["count"]
+        assert counted.input_tokens == want
+        r2 = ac.messages.create(**{**kw, "messages": turns})
+        assert r2.usage.input_tokens + r2.usage.cache_read_input_tokens + r2.usage.cache_creation_input_tokens == want
+        # thinking disabled: Qwen3's template closes the think block, the model answers
+        off = ac.messages.create(**{k: v for k, v in kw.items() if k != "tools"}, thinking={"type": "disabled"})
+        assert [(b.type, b.text) for b in off.content] == [("text", "It is sunny in Paris.")]
+        assert off.stop_reason == "end_turn"
+
+
+def test_messages_stop_sequences_limits_and_errors(gen):
+    """stop_reason stop_sequence names the string that ended the text (cut before it, reasoning
+    first as chat splits it); max_tokens; Anthropic's error shape on its routes (blocks, server tools
+    and fields not implemented are a 400 naming them); x-api-key authenticates."""
+    from starlette.testclient import TestClient
+
+    from serve.app import build_app
+    with serving(gen, "deepseek-r1.jinja") as (_, http):
+        anthropic, ac = _anthropic(http)
+        raw = dict(model="tiny", max_tokens=40, temperature=0, messages=[{"role": "user", "content": "2+2?"}])
+        kw = {**{k: v for k, v in raw.items() if k != "temperature"}, "extra_body": {"temperature": 0}}
+        m = ac.messages.create(**kw, stop_sequences=["nope", "answer"])
+        assert [(b.type, getattr(b, "thinking", None) or b.text) for b in m.content] == \
+            [("thinking", "Two and two make four."), ("text", "\n\nThe ")]
+        assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "answer")
+        with ac.messages.stream(**kw, stop_sequences=["answer"]) as stream:
+            final = stream.get_final_message()
+        assert (final.stop_reason, final.stop_sequence, final.content[-1].text) == ("stop_sequence", "answer",
+                                                                                    "\n\nThe ")
+        m = ac.messages.create(**kw)
+        assert (m.stop_reason, m.stop_sequence, m.content[-1].text) == ("end_turn", None, "\n\nThe answer is 4.")
+        cut = ac.messages.create(**{**kw, "max_tokens": 2})
+        assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 2
+        for body, says in (
+                ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
+                ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
+                ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
+                ({"thinking": {"type": "enabled", "budget_tokens": 9}, "messages": [{"role": "tool", "content": "x"}]},
+                 "role"),
+                ({"max_tokens": "many"}, "max_tokens")):
+            r = http.post("/v1/messages", json={**raw, **body})
+            assert r.status_code == 400, r.text
+            err = r.json()
+            assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+            assert says in err["error"]["message"], err
+        with pytest.raises(anthropic.BadRequestError):
+            ac.messages.create(**{**kw, "max_tokens": 0})
+    with serving(gen, "llama3.1-json.jinja") as (_, http):    # no reasoning parser
+        r = http.post("/v1/messages", json={**raw, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+        assert r.status_code == 400 and "reasoning parser" in r.json()["error"]["message"]
+    with TestClient(build_app(gen, "tiny", api_key="sekret", chat_template=(TEMPLATES / "deepseek-r1.jinja").read_text())) \
+            as http:
+        assert http.post("/v1/messages", json=raw, headers={"x-api-key": "sekret"}).status_code == 200
+        r = http.post("/v1/messages", json=raw, headers={"x-api-key": "wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert http.post("/v1/chat/completions", json={**raw, "max_tokens": 2},
+                         headers={"Authorization": "Bearer sekret"}).status_code == 200
+
+
 def test_unknown_parser_names_fail_at_start_listing_the_choices():
     for flag, choices in (("--reasoning-parser", "qwen3, deepseek_r1, gpt_oss"),
                           ("--tool-call-parser", "hermes, llama3_json, mistral, openai")):
