@@ -29,6 +29,7 @@ documents, server tools, ...) are a 400 naming them.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -223,6 +224,11 @@ def _chat_request(state, req: MessagesRequest | CountTokensRequest) -> ChatCompl
         raise OpenAIError(400, f"invalid request: {first.get('msg', e)}"[:800], param=name) from None
 
 
+# the chat request's fields that a Messages request's own fields become (_chat_request)
+_MESSAGES_FIELDS = {"stop": "stop_sequences", "response_format": "output_config", "reasoning_effort": "output_config",
+                    "chat_template_kwargs": "thinking", "parallel_tool_calls": "tool_choice"}
+
+
 def _parse(model: type, raw: Any):
     if isinstance(raw, dict):
         for name, is_noop in UNSUPPORTED_MESSAGES_FIELDS.items():
@@ -276,10 +282,17 @@ def _usage(state, n_prompt: int, cached: int, n_out: int) -> dict:
 async def create_message(request: Request):
     state = request.app.state.server
     req = _parse(MessagesRequest, await _body(request))
-    chat = await run_in_threadpool(_chat_request, state, req)
-    prompt, params, parsers = await run_in_threadpool(state.chat_request, chat)
-    lora = state.check_model(req.model)       # a loaded LoRA adapter's name runs with it, as on chat
-    sub = state.engine.submit([prompt], params, request_field=chat.request_field, lora=lora)
+    try:
+        chat = await run_in_threadpool(_chat_request, state, req)
+        prompt, params, parsers = await run_in_threadpool(state.chat_request, chat)
+        lora = state.check_model(req.model)       # a loaded LoRA adapter's name runs with it, as on chat
+        field = lambda name: _MESSAGES_FIELDS.get(chat.request_field(name), name)   # noqa: E731
+        sub = state.engine.submit([prompt], params, request_field=field, lora=lora)
+    except OpenAIError as e:     # errors name this request's fields, not the chat request's
+        name = _MESSAGES_FIELDS.get(e.param, e.param)
+        if name != e.param:
+            e.message, e.param = re.sub(rf"\b{e.param}\b", name, e.message), name
+        raise
     mid, model, plan = new_id("msg"), lora or state.model_name, chat.tool_plan()
 
     def message(content: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
