@@ -288,13 +288,31 @@ async def metrics(request: Request):
     return PlainTextResponse(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models")
-async def models(request: Request):
-    state = _state(request)
+def _model_cards(state: ServerState) -> list[dict]:
+    """The served model's card, then each loaded LoRA adapter's (vLLM's cards: root, parent)."""
     card = lambda name, parent: {"id": name, "object": "model", "created": now(), "owned_by": "jaxinfer",  # noqa: E731
                                  "root": name, "parent": parent, "max_model_len": state.max_model_len}
-    return {"object": "list", "data": [card(state.model_name, None)] +   # LoRA adapters: vLLM's cards
-            [card(name, state.model_name) for name in state.gen.lora_adapters()]}
+    return [card(state.model_name, None)] + [card(name, state.model_name) for name in state.gen.lora_adapters()]
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    return {"object": "list", "data": _model_cards(_state(request))}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, request: Request):
+    """OpenAI's retrieve (client.models.retrieve): one card, a 404 for a model this server lacks."""
+    state = _state(request)
+    state.check_model(model)
+    return next(card for card in _model_cards(state) if card["id"] == model)
+
+
+@router.get("/version")
+async def version():
+    """vLLM's route: the server's version."""
+    from jaxinfer import __version__
+    return {"version": __version__}
 
 
 @router.post("/tokenize")

@@ -284,6 +284,13 @@ def test_http_adapters_models_load_unload(gen, llama, tmp_path):
         models = http.get("/v1/models").json()["data"]
         assert models[0]["id"] == "tiny" and models[0]["parent"] is None
         assert {m["id"]: m["parent"] for m in models[1:]} == {n: "tiny" for n in gen.lora_adapters()}
+        # OpenAI's retrieve: one card; an unknown model a 404 in OpenAI's shape
+        assert http.get("/v1/models/c").json() == {**models[[m["id"] for m in models].index("c")],
+                                                   "created": http.get("/v1/models/c").json()["created"]}
+        missing = http.get("/v1/models/nope")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        import jaxinfer
+        assert http.get("/version").json() == {"version": jaxinfer.__version__}
         body = dict(model="c", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1)
         out = http.post("/v1/completions", json=body).json()
         assert out["model"] == "c"
