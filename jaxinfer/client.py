@@ -71,6 +71,7 @@ class Completion:
     # SamplingParams.prompt_logprobs: None, then (logprob, rank, top-N) per prompt token after the first
     prompt_logprobs: list | None = None
     embedding: object = None        # an embedding request's pooled vector (np.float32 [D])
+    stop_reason: str | int | None = None   # the stop string or stop token id that ended it (vLLM's)
 
     def add(self, d: RequestOutput) -> None:
         self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
@@ -81,7 +82,7 @@ class Completion:
         self.logprobs += d.logprobs
         self.top_logprobs += d.top_logprobs
         if d.finished:
-            self.finish_reason = d.finish_reason
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
             self.embedding = d.embedding
 
 

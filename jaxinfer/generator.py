@@ -70,6 +70,11 @@ class GenerationOutput:
         return self.samples[0].finish_reason
 
     @property
+    def stop_reason(self) -> str | int | None:
+        """The stop string or stop token id that ended it (vLLM's; None: EOS, max_tokens)."""
+        return self.samples[0].stop_reason
+
+    @property
     def logprobs(self) -> list[float]:
         return self.samples[0].logprobs
 

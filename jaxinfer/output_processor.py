@@ -37,7 +37,9 @@ class RequestOutput:
     # (logprob, rank, [(token id, logprob)] top-N) per prompt token
     prompt_logprobs: list[PromptEntry | None] | None = None
     embedding: Any = None       # an embedding request's final delta: the pooled vector (np.float32 [D])
-    stop_reason: str | None = None   # the final delta of a request a stop string ended: that string
+    # the final delta of a request a stop string or a stop_token_ids entry ended: that string or id
+    # (vLLM's stop_reason; None for an EOS, max_tokens or an abort)
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -137,7 +139,7 @@ class OutputProcessor:
                                       req.finished and last, req.finish_reason if last else None,
                                       req.num_cached_tokens or 0, prompt if j == 0 else None,
                                       _embedding(req) if req.finished and last else None,
-                                      st.stopped if req.finished and last else None))
+                                      (st.stopped or req.stop_reason) if req.finished and last else None))
         if req.finished:
             del self._text[req.request_id]
             group = self._groups.get(rid)

@@ -547,7 +547,7 @@ def completion_body(rid: str, created: int, model: str, groups: list[list], n_pr
     """A non-streaming /v1/completions response from each choice's deltas."""
     choices = [{"index": i, "text": "".join(d.text for d in g),
                 "logprobs": completion_logprobs(g, token_str) if logprobs else None,
-                "finish_reason": g[-1].finish_reason} for i, g in enumerate(groups)]
+                "finish_reason": g[-1].finish_reason, "stop_reason": g[-1].stop_reason} for i, g in enumerate(groups)]
     n_out = sum(len(d.token_ids) for g in groups for d in g)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": usage(n_prompt, n_out, cached_tokens(groups, n))}
@@ -580,7 +580,8 @@ def chat_body(rid: str, created: int, model: str, groups: list[list], n_prompt: 
     for i, g in enumerate(groups):
         message, finish = chat_message("".join(d.text for d in g), g[-1].finish_reason, tools, parsers)
         lp = chat_logprobs(g, token_str, token_bytes) if logprobs else None
-        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
+        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish,
+                        "stop_reason": g[-1].stop_reason})
         if parsers is not None and parsers.reasoning is not None:
             n_reasoning += reasoning_tokens(parsers, g)
     n_out = sum(len(d.token_ids) for g in groups for d in g)

@@ -152,6 +152,8 @@ class CompletionChoices:
             lp["text_offset"] = [o + self.offsets.get(index, 0) for o in lp["text_offset"]]
         self.offsets[index] = self.offsets.get(index, 0) + len(d.text)
         chunk = {"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason if d.finished else None}
+        if d.finished:          # vLLM's: the stop string or stop token id that ended it
+            chunk["stop_reason"] = d.stop_reason
         if self.echo is not None and (self.echo.echo or self.echo.prompt_logprobs):
             chunk = self.echo.stream_choice(chunk, d, self.started, self.token_str, self.logprobs, self.sub.n)
         return [] if chunk is None else [chunk]
@@ -207,4 +209,6 @@ class ChatChoices:
                 continue
             out.append({"index": d.sample_index, "delta": delta, "logprobs": lp if j == 0 else None,
                         "finish_reason": finish if last else None})
+            if last and finish is not None:      # vLLM's: the stop string or stop token id that ended it
+                out[-1]["stop_reason"] = d.stop_reason
         return out

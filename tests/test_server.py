@@ -134,6 +134,13 @@ def test_n_seed_stop_and_logprobs(client):
     stop = free[len(free) // 2: len(free) // 2 + 3]
     cut = client.completions.create(model="tiny", prompt="lazy dog", max_tokens=30, temperature=0, stop=[stop])
     assert cut.choices[0].text == free[: free.index(stop)] and cut.choices[0].finish_reason == "stop"
+    # vLLM's stop_reason: the stop string (None for max_tokens); streamed on the chunk with finish_reason
+    assert cut.choices[0].model_extra["stop_reason"] == stop
+    assert client.completions.create(model="tiny", prompt="lazy dog", max_tokens=3,
+                                     temperature=0).choices[0].model_extra["stop_reason"] is None
+    chunks = [c.choices[0] for c in client.completions.create(model="tiny", prompt="lazy dog", max_tokens=30,
+                                                               temperature=0, stop=[stop], stream=True) if c.choices]
+    assert [c.model_extra.get("stop_reason") for c in chunks if c.finish_reason] == [stop]
     lp = client.completions.create(model="tiny", prompt="lazy dog", max_tokens=5, temperature=0, logprobs=3)
     block = lp.choices[0].logprobs
     assert len(block.token_logprobs) == len(block.tokens) == 5

@@ -43,7 +43,7 @@ def test_stop_strings_cut_the_text_across_token_boundaries(text_gen):
     stop = text[k: k + 4]
     out = text_gen.generate("seven wizards", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
                                                             stop=[stop, "\x00never"]))[0]
-    assert out.finish_reason == "stop"
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)       # vLLM's stop_reason: the string
     assert out.text == text[: text.index(stop)]
     assert out.token_ids == free.token_ids[: len(out.token_ids)]
     # streamed: the same text, the stop string never shown, no partial prefix left dangling
@@ -64,6 +64,14 @@ def test_eos_under_ignore_eos_is_text_when_special_tokens_are_kept(text_gen):
     stopped = text_gen.generate("the lazy dog", SamplingParams(max_tokens=3, temperature=0, skip_special_tokens=False,
                                                                logit_bias={eos: 100.0}))[0]
     assert stopped.token_ids == [eos] and stopped.text == "" and stopped.finish_reason == "stop"
+    assert stopped.stop_reason is None             # vLLM's: an EOS is no stop_reason
+    # a stop_token_ids entry: vLLM's stop_reason is its id (the output ends at its first occurrence)
+    free = text_gen.generate("the lazy dog", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    t = free.token_ids[3]
+    by_id = text_gen.generate("the lazy dog", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                             stop_token_ids=[t]))[0]
+    assert by_id.token_ids == free.token_ids[:free.token_ids.index(t) + 1]
+    assert (by_id.finish_reason, by_id.stop_reason, free.stop_reason) == ("stop", t, None)
 
 
 def test_stream_equals_generate(text_gen):

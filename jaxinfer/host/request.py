@@ -67,6 +67,7 @@ class Request(LatencyMetrics):
     draft_catchup_end: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None   # "stop" | "length" | "abort"
+    stop_reason: int | None = None     # the stop_token_ids entry that ended it (an EOS is not one, as vLLM)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None

@@ -666,7 +666,10 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int, stop_check: Callable[[Request], bool] | None) -> str | None:
         p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+        if not p.ignore_eos and token in self.eos_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            req.stop_reason = token
             return "stop"
         if stop_check is not None and stop_check(req):
             return "stop"
