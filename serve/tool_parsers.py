@@ -3,6 +3,9 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
 
   hermes       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen 2.5/3, Hermes;
                serve.tools.AutoToolParser);
+  qwen3_coder  `<tool_call>` blocks holding `<function=NAME>` and one `<parameter=P>VALUE</parameter>`
+               per argument (Qwen3-Coder, Qwen3.5): each value's text becomes the type its schema
+               declares (parse_xml_call); the same block handling as hermes;
   llama3_json  Llama 3.1+/3.2 JSON calls: an output that is (after an optional `<|python_tag|>`) one
                or more `{"name": ..., "parameters": {...}}` objects separated by `;`, or text and then
                `<|python_tag|>` and the calls (the text is content);
@@ -28,7 +31,7 @@ from typing import Any
 
 from serve.reasoning import H_CALL, H_END, H_MESSAGE, H_RETURN, partial_suffix
 
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "openai")
+TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "openai")
 
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
@@ -41,6 +44,8 @@ def default_tool_parser(template: str | None) -> str:
     t = template or ""
     if "<|channel|>" in t and "to=" in t:
         return "openai"
+    if "<function=" in t and "<parameter=" in t:
+        return "qwen3_coder"
     if "[TOOL_CALLS]" in t:
         return "mistral"
     if "<|start_header_id|>" in t and ("\"parameters\"" in t or "ipython" in t):
@@ -207,6 +212,76 @@ class MistralParser(_Buffered):
                     return None
                 calls.append(_call(self.plan, m.group(1), m.group(2), True))
         return None if not calls or None in calls else calls
+
+
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?", re.S)
+# a value ends at its closing tag, or (a model that left it out) where the next parameter or the
+# function's end begins
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.S)
+
+
+def _schema_types(schema: Any) -> list[str]:
+    """The JSON types a parameter's schema allows (its anyOf / oneOf branches' too), in order."""
+    if not isinstance(schema, dict):
+        return []
+    kind = schema.get("type")
+    types = [kind] if isinstance(kind, str) else [t for t in kind if isinstance(t, str)] if isinstance(kind, list) else []
+    for key in ("anyOf", "oneOf"):
+        for branch in schema.get(key) or []:
+            types += [t for t in _schema_types(branch) if t not in types]
+    if not types and "enum" in schema:
+        types = ["string"]
+    return types
+
+
+def _xml_value(text: str, schema: Any) -> Any:
+    """A parameter's text as the value its schema declares (the template wrote strings as they are,
+    numbers and booleans as Python's str(), objects and arrays as JSON): a string stays text; a
+    value that does not read as any declared type stays text too (as vLLM's qwen3_coder parser)."""
+    types, t = _schema_types(schema), text.strip()
+    # null: "null" where no string is allowed, or "None" (the template's str(None)) where null is
+    if (t in ("null", "None") and "string" not in types) or (t == "None" and "null" in types):
+        return None
+    for kind in types:
+        if kind == "string":
+            return text
+        if kind == "integer" and re.fullmatch(r"\s*-?\d+\s*", text):
+            return int(text)
+        if kind == "number":
+            try:
+                return int(text) if re.fullmatch(r"\s*-?\d+\s*", text) else float(text)
+            except ValueError:
+                continue
+        if kind == "boolean" and text.strip().lower() in ("true", "false"):
+            return text.strip().lower() == "true"
+        if kind in ("object", "array"):
+            try:
+                value = json.loads(text)
+            except (json.JSONDecodeError, RecursionError):
+                continue
+            if isinstance(value, dict if kind == "object" else list):
+                return value
+    return text
+
+
+def parse_xml_call(body: str, plan) -> dict | None:
+    """One qwen3_coder `<tool_call>` block's body -> a call, or None (the block stays content) when it
+    is not `<function=NAME>` of a known tool. Each value loses the newline the template writes after
+    its opening tag and before its closing one."""
+    m = _XML_FUNCTION.fullmatch(body)
+    if m is None or m.group(1).strip() not in plan.names:
+        return None
+    name = m.group(1).strip()
+    tool = next(t["function"] for t in plan.tools if t["function"]["name"] == name)
+    props = (tool.get("parameters") or {}).get("properties") or {}
+    args = {}
+    for p in _XML_PARAMETER.finditer(m.group(2)):
+        text = p.group(2)
+        text = text[1:] if text.startswith("\n") else text
+        text = text[:-1] if text.endswith("\n") else text
+        key = p.group(1).strip()
+        args[key] = _xml_value(text, props.get(key, {"type": "string"}))
+    return make_call(name, args)
 
 
 _RECIPIENT = re.compile(r"to=functions\.([A-Za-z0-9_.\-]+)")

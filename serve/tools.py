@@ -35,7 +35,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve.tool_parsers import FAMILY_PARSERS, make_call, new_call_id  # noqa: F401 (new_call_id: re-exported)
+from serve.tool_parsers import (FAMILY_PARSERS, make_call, new_call_id,  # noqa: F401 (new_call_id: re-exported)
+                                parse_xml_call)
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -284,8 +285,10 @@ class AutoToolParser:
     names an unknown tool stays content. With calls, trailing whitespace of the content is dropped
     and whitespace-only content becomes null. Without parallel_tool_calls only the first call is kept."""
 
-    def __init__(self, plan: ToolPlan):
+    def __init__(self, plan: ToolPlan, parse_block=None):
         self.plan = plan
+        # a block's body -> its call, or None (the block stays content): hermes' JSON by default
+        self.parse_block = parse_block or _parse_block
         self.pending = ""        # text not yet classified
         self.in_block = False
         self.held_ws = ""        # whitespace held back: dropped if a call follows at the end
@@ -316,7 +319,7 @@ class AutoToolParser:
                 body = self.pending[:end]
                 self.pending = self.pending[end + len(TOOL_CALL_CLOSE):]
                 self.in_block = False
-                call = _parse_block(body.strip(), self.plan)
+                call = self.parse_block(body.strip(), self.plan)
                 if call is None:
                     content += self._content(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)
                 else:
@@ -346,8 +349,11 @@ class AutoToolParser:
 
 
 def auto_parser(name: str, plan: ToolPlan):
-    """tool_choice "auto"'s parser for a family's format: hermes here, the others serve.tool_parsers'."""
-    return AutoToolParser(plan) if name == "hermes" else FAMILY_PARSERS[name](plan)
+    """tool_choice "auto"'s parser for a family's format: `<tool_call>` blocks here (hermes' JSON
+    bodies, or qwen3_coder's XML ones), the others serve.tool_parsers'."""
+    if name in ("hermes", "qwen3_coder"):
+        return AutoToolParser(plan, parse_xml_call if name == "qwen3_coder" else None)
+    return FAMILY_PARSERS[name](plan)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

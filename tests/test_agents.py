@@ -611,7 +611,7 @@ def test_messages_stop_sequences_limits_and_errors(gen):
 
 def test_unknown_parser_names_fail_at_start_listing_the_choices():
     for flag, choices in (("--reasoning-parser", "qwen3, deepseek_r1, gpt_oss"),
-                          ("--tool-call-parser", "hermes, llama3_json, mistral, openai")):
+                          ("--tool-call-parser", "hermes, qwen3_coder, llama3_json, mistral, openai")):
         p = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "serve", flag, "bogus"], capture_output=True,
                            text=True, timeout=120)
         assert p.returncode == 2 and "invalid choice: 'bogus'" in p.stderr
@@ -686,6 +686,12 @@ def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prom
      '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": Paris}}]', []),
     ("openai", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>',
      None, [{"city": "Paris"}]),
+    # Qwen3-Coder's XML: values on their own lines (the template's form) or inline, two calls
+    ("qwen3_coder", "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>Rome</parameter>\n"
+                    "</function>\n</tool_call>", "Let me check.", [{"city": "Paris"}, {"city": "Rome"}]),
+    ("qwen3_coder", "<tool_call>\n<function=get_time>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+     "<tool_call>\n<function=get_time>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", []),
     ("openai", '<|channel|>commentary to=functions.get_weather json<|message|>{"city":<|call|>',
      '<|channel|>commentary to=functions.get_weather json<|message|>{"city":<|call|>', []),
 ])

@@ -154,3 +154,37 @@ def test_sentencepiece_only_checkpoint_reads_the_templates_special_tokens(tmp_pa
     text, ids = ours(tmp_path, DIALOG)
     assert (text, ids) == theirs(tmp_path, DIALOG)
     assert ids[0] == 1 and ids.count(1) == 1 and ids.count(2) == 1
+
+
+def test_qwen3_coder_calls_round_trip_through_the_published_template(base, tmp_path):
+    """Qwen3-Coder's published template (tests/data/chat_templates) renders an assistant's calls as
+    XML, writing each argument by its Python type (strings as they are, numbers and booleans by str(),
+    objects and arrays as JSON): our rendering equals transformers', and the qwen3_coder parser reads
+    the calls transformers rendered back to the same typed arguments, by their schemas."""
+    from serve.tool_parsers import default_tool_parser
+    from serve.tools import parse_auto, plan_tools
+    template = (Path(__file__).parent / "data" / "chat_templates" / "qwen3-coder.jinja").read_text()
+    assert default_tool_parser(template) == "qwen3_coder"
+    props = {"path": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"},
+             "force": {"type": "boolean"}, "opts": {"type": "object"}, "tags": {"type": "array"},
+             "mode": {"enum": ["a", "b"]}, "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+             "note": {"type": ["string", "null"]}}
+    tools = [{"type": "function", "function": {"name": "edit", "description": "edit a file",
+                                               "parameters": {"type": "object", "properties": props}}}]
+    args = [{"path": "a.py", "count": 3, "ratio": 0.5, "force": True, "opts": {"k": [1, 2]}, "tags": ["x", "y"],
+             "mode": "b", "limit": None, "note": "two\nlines\n"},
+            {"path": "  spaced  ", "count": -7, "ratio": 2, "force": False, "opts": {}, "tags": [], "mode": "a",
+             "limit": 4, "note": "null"}]
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "edit", "arguments": a}}
+             for i, a in enumerate(args)]
+    theirs_msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                   {"role": "tool", "tool_call_id": "call_0", "content": "ok"}]
+    ours_msgs = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+                                      for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in theirs_msgs]
+    d = folder(base, tmp_path, template)
+    text, ids = theirs(d, theirs_msgs, tools)
+    assert ours(d, ours_msgs, tools) == (text, ids)
+    written = text.split("<|im_start|>assistant")[1].split("<|im_end|>")[0]
+    content, parsed = parse_auto(written, plan_tools(tools, None, None), "qwen3_coder")
+    # (None is written "None": null again where the schema allows it; a string's "null" stays text)
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in parsed] == args
