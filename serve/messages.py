@@ -29,7 +29,6 @@ documents, server tools, ...) are a 400 naming them.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -38,7 +37,7 @@ from pydantic import field_validator
 from starlette.concurrency import run_in_threadpool
 
 from serve.bridge import EngineDeadError
-from serve.protocol import ChatCompletionRequest, OpenAIError, _Body, chat_message, new_id
+from serve.protocol import ChatCompletionRequest, OpenAIError, _Body, chat_message, json_body, new_id, renamed, validated
 from serve.stream import ChatChoices, next_delta, respond
 
 router = APIRouter()
@@ -215,13 +214,7 @@ def _chat_request(state, req: MessagesRequest | CountTokensRequest) -> ChatCompl
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences)
         body.update({k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p),
                                        ("top_k", req.top_k)) if v is not None})
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValueError as e:
-        errors = getattr(e, "errors", lambda: [])()
-        first = errors[0] if errors else {}
-        name = (first.get("ctx") or {}).get("param") or ".".join(str(x) for x in first.get("loc", ())[:1]) or None
-        raise OpenAIError(400, f"invalid request: {first.get('msg', e)}"[:800], param=name) from None
+    return validated(ChatCompletionRequest, body)       # its errors renamed by the routes
 
 
 # the chat request's fields that a Messages request's own fields become (_chat_request)
@@ -229,25 +222,14 @@ _MESSAGES_FIELDS = {"stop": "stop_sequences", "response_format": "output_config"
                     "chat_template_kwargs": "thinking", "parallel_tool_calls": "tool_choice"}
 
 
-def _parse(model: type, raw: Any):
+async def _request(request: Request, model: type):
+    """The body as `model`: fields not implemented refused by name first."""
+    raw = await json_body(request)
     if isinstance(raw, dict):
         for name, is_noop in UNSUPPORTED_MESSAGES_FIELDS.items():
             if name in raw and not is_noop(raw[name]):
                 raise OpenAIError(400, f"{name} is not supported by this server's /v1/messages", param=name)
-    try:
-        return model.model_validate(raw)
-    except ValueError as e:
-        errors = getattr(e, "errors", lambda: [])()
-        first = errors[0] if errors else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise OpenAIError(400, f"{loc or 'body'}: {first.get('msg', e)}", param=loc.split(".")[0] or None) from None
-
-
-async def _body(request: Request) -> Any:
-    try:
-        return await request.json()
-    except (ValueError, UnicodeDecodeError) as e:
-        raise OpenAIError(400, f"the request body is not valid JSON ({e})"[:500]) from None
+    return validated(model, raw)
 
 
 def _blocks(message: dict) -> list[dict]:
@@ -281,7 +263,7 @@ def _usage(state, n_prompt: int, cached: int, n_out: int) -> dict:
 @router.post("/v1/messages")
 async def create_message(request: Request):
     state = request.app.state.server
-    req = _parse(MessagesRequest, await _body(request))
+    req = await _request(request, MessagesRequest)
     try:
         chat = await run_in_threadpool(_chat_request, state, req)
         prompt, params, parsers = await run_in_threadpool(state.chat_request, chat)
@@ -289,10 +271,7 @@ async def create_message(request: Request):
         field = lambda name: _MESSAGES_FIELDS.get(chat.request_field(name), name)   # noqa: E731
         sub = state.engine.submit([prompt], params, request_field=field, lora=lora)
     except OpenAIError as e:     # errors name this request's fields, not the chat request's
-        name = _MESSAGES_FIELDS.get(e.param, e.param)
-        if name != e.param:
-            e.message, e.param = re.sub(rf"\b{e.param}\b", name, e.message), name
-        raise
+        raise renamed(e, _MESSAGES_FIELDS) from None
     mid, model, plan = new_id("msg"), lora or state.model_name, chat.tool_plan()
 
     def message(content: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
@@ -388,8 +367,11 @@ async def _events(state, sub, choices: ChatChoices, n_prompt: int, message):
 async def count_tokens(request: Request):
     """The prompt's tokens as /v1/messages would render them (the template with its tools)."""
     state = request.app.state.server
-    req = _parse(CountTokensRequest, await _body(request))
+    req = await _request(request, CountTokensRequest)
     state.check_model(req.model)
-    chat = await run_in_threadpool(_chat_request, state, req)
+    try:
+        chat = await run_in_threadpool(_chat_request, state, req)
+    except OpenAIError as e:
+        raise renamed(e, _MESSAGES_FIELDS) from None
     text = await run_in_threadpool(state.render_chat_text, chat.messages, chat.tool_plan(), chat.chat_template_kwargs)
     return {"input_tokens": len(await run_in_threadpool(state.encode_chat, text))}

@@ -126,6 +126,37 @@ def _refuse(param: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_field", "{message}", {"message": message, "param": param})
 
 
+async def json_body(request) -> Any:
+    """A route's body parsed as JSON (routes that validate it themselves: Responses, Messages)."""
+    try:
+        return await request.json()
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OpenAIError(400, f"the request body is not valid JSON ({e})"[:500]) from None
+
+
+def validated(model: type[BaseModel], data: Any) -> Any:
+    """model.model_validate(data), its first error a 400 naming the field at fault."""
+    try:
+        return model.model_validate(data)
+    except ValueError as e:
+        errors = getattr(e, "errors", lambda: [])()
+        first = errors[0] if errors else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        param = (first.get("ctx") or {}).get("param") or loc.split(".")[0] or None
+        msg = first.get("msg", e)
+        raise OpenAIError(400, msg if (first.get("ctx") or {}).get("param") else f"{loc or 'body'}: {msg}",
+                          param=param) from None
+
+
+def renamed(e: OpenAIError, names: dict[str, str]) -> OpenAIError:
+    """An error of the chat request a route stands for (Responses, Messages), naming that route's own
+    field where the chat field came from one of its own (names: chat field -> the route's)."""
+    name = names.get(e.param, e.param)
+    if name != e.param:
+        e.message, e.param = re.sub(rf"\b{e.param}\b", name, e.message), name
+    return e
+
+
 class _Body(BaseModel):
     """A request body: strings must be valid Unicode; unknown extras are ignored with a warning."""
     model_config = ConfigDict(extra="ignore")

@@ -36,7 +36,6 @@ the stored item with that id. Fields not implemented get a 400 naming them
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -47,7 +46,7 @@ from pydantic import field_validator
 from starlette.concurrency import run_in_threadpool
 
 from serve.bridge import EngineDeadError
-from serve.protocol import ChatCompletionRequest, OpenAIError, _Body, new_id, now
+from serve.protocol import ChatCompletionRequest, OpenAIError, _Body, json_body, new_id, now, renamed, validated
 from serve.reasoning import reasoning_tokens
 from serve.stream import ChatChoices, next_delta, respond
 
@@ -347,14 +346,7 @@ def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, 
     effort = (req.reasoning or {}).get("effort")
     if effort is not None:
         body["chat_template_kwargs"] = {"reasoning_effort": effort}
-    try:
-        return ChatCompletionRequest.model_validate(body), items
-    except ValueError as e:   # named by this request's field (messages: input)
-        errors = getattr(e, "errors", lambda: [])()
-        first = errors[0] if errors else {}
-        name = (first.get("ctx") or {}).get("param") or ".".join(str(x) for x in first.get("loc", ())[:1]) or None
-        raise OpenAIError(400, f"invalid request: {first.get('msg', e)}"[:800],
-                          param=_responses_field(name) if name else "input") from None
+    return validated(ChatCompletionRequest, body), items     # its errors renamed by create_response
 
 
 def _message_item(text: str, status: str = "completed") -> dict:
@@ -408,37 +400,20 @@ _RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text
                      "chat_template_kwargs": "reasoning"}
 
 
-def _responses_field(name: str) -> str:
-    return _RESPONSES_FIELDS.get(name, name)
-
-
 @router.post("/v1/responses")
 async def create_response(request: Request):
     state = request.app.state.server
-    try:
-        raw = await request.json()
-    except (ValueError, UnicodeDecodeError) as e:
-        raise OpenAIError(400, f"the request body is not valid JSON ({e})"[:500]) from None
+    raw = await json_body(request)
     ResponsesRequest.check_unsupported(raw)
-    try:
-        req = ResponsesRequest.model_validate(raw)
-    except ValueError as e:
-        errors = getattr(e, "errors", lambda: [])()
-        first = errors[0] if errors else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()))
-        param = (first.get("ctx") or {}).get("param") or loc.split(".")[0] or None
-        raise OpenAIError(400, f"{loc or 'body'}: {first.get('msg', e)}", param=param) from None
+    req = validated(ResponsesRequest, raw)
     try:
         chat, items = await run_in_threadpool(_chat_request, state, req)
         prompt, params, parsers = await run_in_threadpool(state.chat_request, chat)
         lora = state.check_model(req.model)    # a loaded LoRA adapter's name runs with it, as on chat
-        field = lambda name: _responses_field(chat.request_field(name))   # noqa: E731
+        field = lambda name: _RESPONSES_FIELDS.get(chat.request_field(name), name)   # noqa: E731
         sub = state.engine.submit([prompt], params, request_field=field, lora=lora)
     except OpenAIError as e:   # errors name this request's fields, not the chat request's
-        name = _responses_field(e.param) if e.param is not None else None
-        if name != e.param:
-            e.message, e.param = re.sub(rf"\b{e.param}\b", name, e.message), name
-        raise
+        raise renamed(e, _RESPONSES_FIELDS) from None
     rid, created, model = new_id("resp"), now(), lora or state.model_name
     plan = chat.tool_plan()
 
