@@ -30,11 +30,14 @@ store / previous_response_id: a stored response (store defaults to true, as Open
 whole conversation in memory, as Responses items with ids (ResponseStore), in a bounded LRU
 (RESPONSE_STORE entries) that a restart empties; a request naming an unknown (or evicted)
 previous_response_id gets a 404. An input `item_reference` (or an item with only an id) stands for
-the stored item with that id. Fields not implemented get a 400 naming them
+the stored item with that id. include ["reasoning.encrypted_content"] (clients that store nothing,
+Codex among them) puts each reasoning item's text, base64 behind a marker (_seal: not encrypted),
+in its encrypted_content, which stands for the text when the item comes back. Fields not implemented get a 400 naming them
 (UNSUPPORTED_RESPONSE_FIELDS).
 """
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from collections import OrderedDict
@@ -56,10 +59,9 @@ RESPONSE_STORE = 1024
 UNSUPPORTED_RESPONSE_FIELDS = {
     "background": lambda v: v is None or v is False,
     "conversation": lambda v: v is None,
-    "include": lambda v: v is None or v == [],
+    "include": lambda v: v is None or (isinstance(v, list) and all(x == "reasoning.encrypted_content" for x in v)),
     "max_tool_calls": lambda v: v is None,
     "prompt": lambda v: v is None,
-    "prompt_cache_key": lambda v: v is None,
     "safety_identifier": lambda v: v is None,
     "service_tier": lambda v: v is None or v in ("auto", "default"),
     "top_logprobs": lambda v: v is None or v == 0,
@@ -88,6 +90,15 @@ class ResponsesRequest(_Body):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: list[str] | None = None
+    # OpenAI routes requests with one key to one cache; this server has one cache, used automatically
+    prompt_cache_key: str | None = None
+
+    @property
+    def sealed(self) -> bool:
+        """include reasoning.encrypted_content: reasoning items carry their text for a client that
+        stores nothing (store false) to send back."""
+        return "reasoning.encrypted_content" in (self.include or [])
 
     @field_validator("stream", "store", mode="before")
     @classmethod
@@ -120,8 +131,26 @@ def _text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
+_SEAL = "jaxinfer-reasoning-v1:"
+
+
+def _seal(text: str) -> str:
+    """A reasoning item's encrypted_content: not encrypted (this server keeps no secret), its text in
+    base64 behind a marker, opaque to clients as OpenAI's is, and read back by _reasoning_text."""
+    return _SEAL + base64.b64encode(text.encode()).decode("ascii")
+
+
 def _reasoning_text(item: dict, where: str) -> str:
-    """A reasoning item's text: its reasoning_text content, else its summary's text."""
+    """A reasoning item's text: its reasoning_text content, else its summary's text, else its
+    encrypted_content (_seal's)."""
+    sealed = item.get("encrypted_content")
+    if not item.get("content") and not item.get("summary") and sealed is not None:
+        try:
+            if not isinstance(sealed, str) or not sealed.startswith(_SEAL):
+                raise ValueError
+            return base64.b64decode(sealed[len(_SEAL):], validate=True).decode()
+        except ValueError:      # binascii.Error and UnicodeDecodeError are ValueErrors
+            raise OpenAIError(400, f"{where}: encrypted_content this server did not write", param="input") from None
     parts = item.get("content") or item.get("summary") or []
     if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
         raise OpenAIError(400, f"{where}: a reasoning item's content / summary is a list of text parts", param="input")
@@ -354,9 +383,12 @@ def _message_item(text: str, status: str = "completed") -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def _reasoning_item(text: str, status: str = "completed") -> dict:
-    return {"type": "reasoning", "id": new_id("rs"), "summary": [], "status": status,
+def _reasoning_item(text: str, status: str = "completed", sealed: bool = False) -> dict:
+    item = {"type": "reasoning", "id": new_id("rs"), "summary": [], "status": status,
             "content": [{"type": "reasoning_text", "text": text}]}
+    if sealed:
+        item["encrypted_content"] = _seal(text)
+    return item
 
 
 def _call_item(call: dict, status: str = "completed") -> dict:
@@ -430,7 +462,7 @@ async def create_response(request: Request):
             message, finish_reason = chat_message("".join(d.text for d in g), g[-1].finish_reason, plan, parsers)
             output = []
             if message.get("reasoning_content"):
-                output.append(_reasoning_item(message["reasoning_content"]))
+                output.append(_reasoning_item(message["reasoning_content"], sealed=req.sealed))
             if message.get("content"):
                 output.append(_message_item(message["content"]))
             output += [_call_item(c) for c in message.get("tool_calls") or []]
@@ -442,15 +474,16 @@ async def create_response(request: Request):
         return await respond(state.engine, sub, request, build)
     choices = ChatChoices(1, plan, state.token_str, False, parsers)
     start = _response(rid, created, model, req, [], "in_progress", None, False)
-    return StreamingResponse(_events(state, sub, choices, start, len(prompt), finish), media_type="text/event-stream")
+    return StreamingResponse(_events(state, sub, choices, start, len(prompt), finish, req.sealed),
+                             media_type="text/event-stream")
 
 
 class _EventWriter:
     """One streamed response's output items, built from its chat chunks, and the Responses events
     that announce them (each numbered by sequence_number)."""
 
-    def __init__(self):
-        self.seq, self.output = 0, []
+    def __init__(self, sealed: bool = False):
+        self.seq, self.output, self.sealed = 0, [], sealed
         self.open_item: dict | None = None        # the reasoning or message item being written
 
     def event(self, kind: str, **fields) -> str:
@@ -465,6 +498,8 @@ class _EventWriter:
         idx, part = self.output.index(item), item["content"][0]
         item["status"] = "completed"
         if item["type"] == "reasoning":
+            if self.sealed:
+                item["encrypted_content"] = _seal(part["text"])
             return [self.event("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
                                text=part["text"]),
                     self.event("response.output_item.done", output_index=idx, item=item)]
@@ -526,8 +561,8 @@ class _EventWriter:
         return events
 
 
-async def _events(state, sub, choices: ChatChoices, start: dict, n_prompt: int, finish):
-    w, done, n_out, cached, cut = _EventWriter(), False, 0, 0, False
+async def _events(state, sub, choices: ChatChoices, start: dict, n_prompt: int, finish, sealed: bool):
+    w, done, n_out, cached, cut = _EventWriter(sealed), False, 0, 0, False
     try:
         yield w.event("response.created", response=start)
         yield w.event("response.in_progress", response=start)

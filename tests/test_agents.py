@@ -609,6 +609,37 @@ def test_messages_stop_sequences_limits_and_errors(gen):
                          headers={"Authorization": "Bearer sekret"}).status_code == 200
 
 
+def test_responses_store_false_clients_send_reasoning_back_sealed(gen):
+    """include reasoning.encrypted_content (what Codex sends with store false): the reasoning item
+    carries an opaque encrypted_content, streamed and not, which sent back alone stands for the
+    reasoning text (the same prompt as the text sent whole, longer than without it); one this server
+    did not write is a 400; prompt_cache_key is accepted (this server's cache is automatic)."""
+    tools = [{"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}]
+    kw = dict(model="tiny", tools=tools, temperature=0, max_output_tokens=40, store=False,
+              include=["reasoning.encrypted_content"], extra_body={"prompt_cache_key": "user-7"})
+    user = {"role": "user", "content": "weather in Paris?"}
+    with serving(gen, "qwen3.jinja") as (client, http):
+        r = client.responses.create(input=[user], **kw)
+        reasoning, call = r.output
+        assert isinstance(reasoning.encrypted_content, str) and reasoning.content[0].text not in reasoning.encrypted_content
+        assert http.get(f"/v1/responses/{r.id}").status_code == 404            # store false
+        done = [e.item for e in client.responses.create(input=[user], stream=True, **kw)
+                if e.type == "response.output_item.done" and e.item.type == "reasoning"]
+        assert done and done[0].encrypted_content == reasoning.encrypted_content
+        answer = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+        fc = call.model_dump(exclude_none=True)
+        sealed = {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": reasoning.encrypted_content}
+        whole = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": reasoning.content[0].text}]}
+        n = {name: client.responses.create(input=[user, *item, fc, answer], **kw).usage.input_tokens
+             for name, item in (("sealed", [sealed]), ("whole", [whole]), ("none", []))}
+        assert n["sealed"] == n["whole"] > n["none"], n
+        bad = http.post("/v1/responses", json={"model": "tiny", "input": [user, {**sealed, "encrypted_content": "gAAAA"}, fc,
+                                                                         answer]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+        bad = http.post("/v1/responses", json={"model": "tiny", "input": "x", "include": ["message.output_text.logprobs"]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "include"
+
+
 def test_unknown_parser_names_fail_at_start_listing_the_choices():
     for flag, choices in (("--reasoning-parser", "qwen3, deepseek_r1, gpt_oss"),
                           ("--tool-call-parser", "hermes, qwen3_coder, llama3_json, mistral, openai")):
