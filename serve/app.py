@@ -39,7 +39,7 @@ from serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard, error_bytes
 from serve.lora_routes import router as lora_router
 from serve.metrics import ServerMetrics
 from serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                            OpenAIError, TokenizeRequest, chat_body, completion_body, new_id, now)
+                            OpenAIError, TokenizeRequest, chat_body, completion_body, new_id, now, with_token_ids)
 from serve.stream import ChatChoices, CompletionChoices, respond, stream_response
 from serve.reasoning import REASONING_PARSERS, OutputParsers, default_reasoning_parser, prompt_state, reasoning_prefix
 from serve.messages import router as messages_router
@@ -352,10 +352,16 @@ async def completions(req: CompletionRequest, request: Request):
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
         return stream_response(state.engine, sub, base, [len(x) for x in prompts], req.stream_options,
                                CompletionChoices(sub, state.token_str, req.logprobs is not None, echo),
-                               count_output=not echo.echo_only)
-    return await respond(state.engine, sub, request, lambda groups: echo.apply(completion_body(
-        rid, created, model, groups, n_prompt, state.token_str, req.logprobs is not None, sub.n),
-        groups, state.token_str, req.logprobs is not None, sub.n))
+                               count_output=not echo.echo_only, prompt_ids=prompts if req.return_token_ids else None)
+
+    def build(groups):
+        body = echo.apply(completion_body(rid, created, model, groups, n_prompt, state.token_str,
+                                          req.logprobs is not None, sub.n),
+                          groups, state.token_str, req.logprobs is not None, sub.n)
+        if not req.return_token_ids:
+            return body      # (echo with max_tokens 0: the one token drawn is not an output)
+        return with_token_ids(body, [[] for _ in groups] if echo.echo_only else groups, prompts, sub.n)
+    return await respond(state.engine, sub, request, build)
 
 
 @router.post("/v1/chat/completions")
@@ -369,7 +375,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if req.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         choices = ChatChoices(sub.n, req.tool_plan(), state.token_str, bool(req.logprobs), parsers, state.token_bytes)
-        return stream_response(state.engine, sub, base, [len(prompt)], req.stream_options, choices, choices.head)
+        return stream_response(state.engine, sub, base, [len(prompt)], req.stream_options, choices, choices.head,
+                               prompt_ids=[prompt] if req.return_token_ids else None)
 
     def build(groups):
         body = chat_body(rid, created, model, groups, len(prompt), state.token_str, req.logprobs, sub.n,
@@ -378,7 +385,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             entries = first_prompt_logprobs(groups[0])
             body["prompt_logprobs"] = None if entries is None else vllm_prompt_logprobs(entries, prompt,
                                                                                         state.token_str)
-        return body
+        return with_token_ids(body, groups, [prompt], sub.n) if req.return_token_ids else body
     return await respond(state.engine, sub, request, build)
 
 

@@ -206,6 +206,8 @@ class _Sampling(_Body):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM's: the prompt's and each choice's token ids in the response (RL trainers read them)
+    return_token_ids: bool = False
     # vLLM's: lower runs first under --scheduling-policy priority (other than 0 refused under fcfs)
     priority: int = 0
     # prefix caching (vLLM's name): requests share cached prompt blocks only under the same salt
@@ -619,6 +621,19 @@ def chat_body(rid: str, created: int, model: str, groups: list[list], n_prompt: 
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage(n_prompt, n_out, cached_tokens(groups, n),
                            n_reasoning if parsers is not None and parsers.reasoning is not None else None)}
+
+
+def with_token_ids(body: dict, groups: list[list], prompts: list[list[int]], n: int) -> dict:
+    """vLLM's return_token_ids: each choice's generated ids (its end-of-sequence token included) as
+    `token_ids`, and the prompt's ids as `prompt_token_ids` (on each completion choice; chat: once, at
+    the top level)."""
+    for i, c in enumerate(body["choices"]):
+        c["token_ids"] = [t for d in groups[i] for t in d.token_ids]
+        if body["object"] == "text_completion":
+            c["prompt_token_ids"] = prompts[i // n]
+    if body["object"] == "chat.completion":
+        body["prompt_token_ids"] = prompts[0]
+    return body
 
 
 def new_id(prefix: str) -> str:

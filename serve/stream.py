@@ -11,6 +11,7 @@ they finished. Everything goes through serve.bridge.AsyncEngine; nothing here to
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any, AsyncIterator, Callable, Sequence
 
@@ -75,7 +76,7 @@ def sse_error(e: OpenAIError) -> str:
 
 def stream_response(engine: AsyncEngine, sub: Submission, base: dict, prompt_lens: Sequence[int],
                     stream_options, choices: Callable[[RequestOutput], list[dict]], head: Sequence[dict] = (),
-                    count_output: bool = True) -> StreamingResponse:
+                    count_output: bool = True, prompt_ids: Sequence[list[int]] | None = None) -> StreamingResponse:
     """The SSE response of a streaming route: each choice in `head` first, then each delta's choices
     (a delta with no text, no tokens and no end sends nothing), each as {**base, "choices": [one]};
     base is the chunk's id, object, created and model; prompt_lens: the tokens of each prompt of
@@ -83,24 +84,43 @@ def stream_response(engine: AsyncEngine, sub: Submission, base: dict, prompt_len
     usage chunk; with continuous_usage_stats too, every chunk carries its choice's usage so far
     (vLLM's extension: its prompt's tokens and the tokens that choice has produced). count_output
     False: no completion tokens are counted (echo with max_tokens 0: the one token the engine draws
-    is never returned)."""
+    is never returned). prompt_ids (vLLM's return_token_ids): each prompt's ids, sent with the first
+    chunk (chat: at the top level; completions: on each choice's first chunk), and each delta's token
+    ids on its first chunk (an empty chunk carries them where the delta's text is held back)."""
     include = bool(stream_options and stream_options.include_usage)
     continuous = include and bool(stream_options.continuous_usage_stats)
-    return StreamingResponse(_events(engine, sub, base, prompt_lens, include, continuous, choices, head, count_output),
-                             media_type="text/event-stream")
+    return StreamingResponse(_events(engine, sub, base, prompt_lens, include, continuous, choices, head, count_output,
+                                     prompt_ids), media_type="text/event-stream")
+
+
+def _with_ids(out: list[dict], d: RequestOutput, index: int, chat: bool, prompt: list[int] | None) -> list[dict]:
+    """A delta's chunks with its token ids on the first (an empty chunk where it has none to show)."""
+    if not out and d.token_ids:
+        out = [{"index": index, **({"delta": {}} if chat else {"text": ""}), "logprobs": None, "finish_reason": None}]
+    for j, c in enumerate(out):
+        c["token_ids"] = list(d.token_ids) if j == 0 else []
+        if prompt is not None and j == 0:
+            c["prompt_token_ids"] = prompt
+    return out
 
 
 async def _events(engine: AsyncEngine, sub: Submission, base: dict, prompt_lens: Sequence[int], include_usage: bool,
                   continuous: bool, choices: Callable[[RequestOutput], list[dict]], head: Sequence[dict],
-                  count_output: bool) -> AsyncIterator[str]:
+                  count_output: bool, prompt_ids: Sequence[list[int]] | None = None) -> AsyncIterator[str]:
     # finished: every sample ended, so releasing must not abort (a client gone during the usage
     # chunk or [DONE] leaves nothing running)
     finished, n_out, cached = False, 0, {}
     produced: dict[tuple[str, int], int] = {}     # (request, sample) -> completion tokens so far
     prompt_len = dict(zip(sub.request_ids, prompt_lens))
 
+    chat = base["object"] == "chat.completion.chunk"
+    started: set[int] = set()        # completion choices whose prompt_token_ids went out
+    top = [prompt_ids is not None and chat]    # chat: the prompt's ids still to go, on the first chunk
+
     def chunk(choice: dict, prompt: int, completion: int) -> str:
         body = {**base, "choices": [choice]}
+        if top[0]:
+            top[0], body["prompt_token_ids"] = False, prompt_ids[0]
         if continuous:
             body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
                              "total_tokens": prompt + completion}
@@ -120,7 +140,16 @@ async def _events(engine: AsyncEngine, sub: Submission, base: dict, prompt_lens:
             cached[d.request_id] = min(cached.get(d.request_id, d.num_cached_tokens), d.num_cached_tokens)
             if not (d.text or d.token_ids or d.finished):
                 continue
-            for choice in choices(d):
+            out = choices(d)
+            if prompt_ids is not None:
+                if not count_output:          # (echo with max_tokens 0: its one drawn token is no output)
+                    d = dataclasses.replace(d, token_ids=[])
+                i = sub.request_ids.index(d.request_id)
+                index = i * sub.n + d.sample_index
+                first = not chat and index not in started
+                started.add(index)
+                out = _with_ids(out, d, index, chat, prompt_ids[i] if first else None)
+            for choice in out:
                 yield chunk(choice, prompt_len[d.request_id], produced[key])
         finished = True
         if include_usage:

@@ -154,6 +154,47 @@ def test_n_seed_stop_and_logprobs(client):
     assert all(len(c.top_logprobs) == 2 for c in chat.choices[0].logprobs.content)
 
 
+def test_return_token_ids_as_vllm_returns_them(server, client):
+    """vLLM's return_token_ids: each choice's generated ids (they decode to its text: /detokenize) and
+    its prompt's ids (what /tokenize makes of the prompt or the rendered messages), on each completion
+    choice and once at the top of a chat response; streamed, the same ids across the chunks, the
+    prompt's once."""
+    prompts = ["lazy dog", "hackers write"]
+    kw = dict(model="tiny", prompt=prompts, max_tokens=6, temperature=0, n=2, extra_body={"return_token_ids": True})
+    r = client.completions.create(**kw)
+    for i, c in enumerate(r.choices):
+        extra = c.model_extra
+        assert extra["prompt_token_ids"] == httpx.post(f"{server.url}/tokenize", json={"prompt": prompts[i // 2]}).json()["tokens"]
+        assert httpx.post(f"{server.url}/detokenize", json={"tokens": extra["token_ids"]}).json()["prompt"] == c.text
+    assert sum(len(c.model_extra["token_ids"]) for c in r.choices) == r.usage.completion_tokens
+    got: dict[int, list] = {}
+    prompt_ids: dict[int, list] = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            got.setdefault(c.index, []).extend(c.model_extra["token_ids"])
+            if "prompt_token_ids" in c.model_extra:
+                assert c.index not in prompt_ids
+                prompt_ids[c.index] = c.model_extra["prompt_token_ids"]
+    assert [got[i] for i in range(4)] == [c.model_extra["token_ids"] for c in r.choices]
+    assert [prompt_ids[i] for i in range(4)] == [c.model_extra["prompt_token_ids"] for c in r.choices]
+    messages = [{"role": "user", "content": "lazy dog"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    assert chat.model_extra["prompt_token_ids"] == \
+        httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["tokens"]
+    ids = chat.choices[0].model_extra["token_ids"]
+    assert len(ids) == chat.usage.completion_tokens
+    # (decoded after its prompt: SentencePiece drops a leading space from a text decoded alone)
+    whole = chat.model_extra["prompt_token_ids"] + ids
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": whole}).json()["prompt"].endswith(
+        chat.choices[0].message.content)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True, extra_body={"return_token_ids": True}))
+    assert [c.model_extra.get("prompt_token_ids") for c in chunks if c.model_extra.get("prompt_token_ids")] == \
+        [chat.model_extra["prompt_token_ids"]]
+    assert [t for c in chunks for ch in c.choices for t in ch.model_extra.get("token_ids", [])] == ids
+
+
 def test_64_concurrent_streams_equal_non_streaming(server, client):
     async def run():
         aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300, max_retries=0)
