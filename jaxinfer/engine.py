@@ -287,7 +287,7 @@ class Engine:
         # the samples share the prompt's full blocks, except the one holding the last prompt token
         leader.fork_at = (len(prompt_ids) - 1) // self.blocks.block_size * self.blocks.block_size
         self.output.add_request(request_id, [r.request_id for r in [leader, *leader.pending_forks]], prompt_ids,
-                                params.stop, params.skip_special_tokens)
+                                params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
         self.scheduler.add(leader)
         return request_id
 

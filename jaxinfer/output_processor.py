@@ -50,6 +50,7 @@ class _TextState:
     emitted: int = 0            # how much of text has been handed out
     marks: list[int] = field(default_factory=list)   # len(text) after each token of this step
     stopped: str | None = None  # the stop string that completed (text is cut before it)
+    keep_stop: bool = False     # include_stop_str_in_output: the text is cut after it instead
 
 
 class OutputProcessor:
@@ -61,13 +62,14 @@ class OutputProcessor:
         self._groups: dict[str, list[str]] = {}   # request id -> ids of its n samples
 
     def add_request(self, request_id: str, sample_ids: list[str], prompt_ids: list[int],
-                    stops: tuple[str, ...], skip_special_tokens: bool = True) -> None:
-        """Start the text of a request's samples (each detokenizes after the same prompt)."""
+                    stops: tuple[str, ...], skip_special_tokens: bool = True, keep_stop: bool = False) -> None:
+        """Start the text of a request's samples (each detokenizes after the same prompt); keep_stop:
+        SamplingParams.include_stop_str_in_output."""
         self._groups[request_id] = list(sample_ids)
         for rid in sample_ids:
             detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens)
                      if self.tokenizer is not None else None)
-            self._text[rid] = _TextState(detok, stops)
+            self._text[rid] = _TextState(detok, stops, keep_stop=keep_stop)
 
     def sample_ids(self, request_id: str) -> list[str]:
         """A live request's samples' ids ("rid", "rid#1", ...), in sample order."""
@@ -105,7 +107,8 @@ class OutputProcessor:
         cut = find_stop(st.text, st.stops, max(checked, st.emitted))
         if cut is None:
             return False
-        st.text, st.stopped = st.text[:cut], _stop_at(st.text, cut, st.stops)
+        st.stopped = _stop_at(st.text, cut, st.stops)
+        st.text = st.text[:cut + (len(st.stopped) if st.keep_stop else 0)]
         return True
 
     def delta(self, req: Request, new_tokens: int) -> RequestOutput:
@@ -121,7 +124,8 @@ class OutputProcessor:
             if st.stops:   # the flushed tail may still hold a stop string
                 cut = find_stop(st.text, st.stops, st.emitted)
                 if cut is not None:
-                    st.text, st.stopped = st.text[:cut], _stop_at(st.text, cut, st.stops)
+                    st.stopped = _stop_at(st.text, cut, st.stops)
+                    st.text = st.text[:cut + (len(st.stopped) if st.keep_stop else 0)]
         visible = len(st.text) if req.finished or not st.stops else len(st.text) - hold_back(st.text, st.stops)
         new_ids = req.output_ids[len(req.output_ids) - new_tokens:] if new_tokens else []
         lps = req.output_logprobs[len(req.output_logprobs) - new_tokens:] if new_tokens else []

@@ -21,6 +21,7 @@ wait for a whole response live in serve.stream, whose one helper writes every SS
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -111,10 +112,23 @@ class ServerState:
             raise OpenAIError(400, "the messages are not valid Unicode text", param="messages") from None
 
     def render_chat_text(self, messages: list[ChatMessage], tools: ToolPlan | None = None,
-                         template_kwargs: dict | None = None) -> str:
+                         template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+                         continue_final_message: bool = False) -> str:
         """The prompt as text (serve.chat_template: the template for the request, HF's variables
         and the request's chat_template_kwargs)."""
-        return self.chat.render([m.template_dict() for m in messages], tools, template_kwargs)
+        return self.chat.render([m.template_dict() for m in messages], tools, template_kwargs,
+                                add_generation_prompt, continue_final_message)
+
+    def truncated(self, prompt: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len's worth)."""
+        if keep is None:
+            return prompt
+        if keep == -1:
+            keep = self.max_model_len
+        if not isinstance(keep, int) or keep < 1:
+            raise OpenAIError(400, f"truncate_prompt_tokens must be -1 or >= 1, got {keep!r}",
+                              param="truncate_prompt_tokens")
+        return prompt[-keep:]
 
     def completion_inputs(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         """A /v1/completions body -> its prompts as token ids and the sampling params (both front
@@ -137,6 +151,9 @@ class ServerState:
             prompts = [list(x) for x in p]
         else:
             raise OpenAIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+        prompts = [self.truncated(x, req.truncate_prompt_tokens) for x in prompts]
+        if req.truncate_prompt_tokens is not None:
+            texts = None          # the echo is the kept tokens' text
         echo_only = req.echo and req.max_tokens == 0
         # lengths are the engine's to check (Engine.add_request, with max_tokens_must_fit)
         max_tokens = 1 if echo_only else self.default_max_tokens(max(len(x) for x in prompts), req.max_tokens)
@@ -168,8 +185,9 @@ class ServerState:
                 raise OpenAIError(400, "reasoning_effort is not supported by this server for this model: it runs "
                                        "no reasoning parser (--reasoning-parser)", param="reasoning_effort")
             kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
-        text = self.render_chat_text(req.messages, req.tool_plan(), kwargs)
-        prompt = self.encode_chat(text)
+        text = self.render_chat_text(req.messages, req.tool_plan(), kwargs, req.add_generation_prompt,
+                                     req.continue_final_message)
+        prompt = self.truncated(self.encode_chat(text), req.truncate_prompt_tokens)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.default_max_tokens(len(prompt), requested)   # 0 is refused, not taken as unset
         if req.top_logprobs and not req.logprobs:
@@ -188,6 +206,11 @@ class ServerState:
 
     def default_max_tokens(self, prompt_len: int, requested: int | None) -> int:
         return requested if requested is not None else max(1, self.max_model_len - prompt_len)
+
+    def logprob_token_str(self, req) -> Callable[[int], str]:
+        """How a request's logprobs name tokens: token_str, or vLLM's "token_id:N" under
+        return_tokens_as_token_ids."""
+        return (lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids else self.token_str
 
     def token_str(self, token_id: int) -> str:
         """A token as text for logprobs, unique per id (OpenAI keys top_logprobs by it): SentencePiece
@@ -348,16 +371,17 @@ async def completions(req: CompletionRequest, request: Request):
                               priority=req.priority, lora=lora)
     rid, created, model = new_id("cmpl"), now(), lora or state.model_name
     n_prompt = sum(len(x) for x in prompts)
+    token_str = state.logprob_token_str(req)
     if req.stream:
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
         return stream_response(state.engine, sub, base, [len(x) for x in prompts], req.stream_options,
-                               CompletionChoices(sub, state.token_str, req.logprobs is not None, echo),
+                               CompletionChoices(sub, token_str, req.logprobs is not None, echo),
                                count_output=not echo.echo_only, prompt_ids=prompts if req.return_token_ids else None)
 
     def build(groups):
-        body = echo.apply(completion_body(rid, created, model, groups, n_prompt, state.token_str,
+        body = echo.apply(completion_body(rid, created, model, groups, n_prompt, token_str,
                                           req.logprobs is not None, sub.n),
-                          groups, state.token_str, req.logprobs is not None, sub.n)
+                          groups, token_str, req.logprobs is not None, sub.n)
         if not req.return_token_ids:
             return body      # (echo with max_tokens 0: the one token drawn is not an output)
         return with_token_ids(body, [[] for _ in groups] if echo.echo_only else groups, prompts, sub.n)
@@ -372,19 +396,20 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt, request_field=req.request_field,
                               priority=req.priority, lora=lora)
     rid, created, model = new_id("chatcmpl"), now(), lora or state.model_name
+    token_str = state.logprob_token_str(req)
     if req.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        choices = ChatChoices(sub.n, req.tool_plan(), state.token_str, bool(req.logprobs), parsers, state.token_bytes)
+        choices = ChatChoices(sub.n, req.tool_plan(), token_str, bool(req.logprobs), parsers, state.token_bytes)
         return stream_response(state.engine, sub, base, [len(prompt)], req.stream_options, choices, choices.head,
                                prompt_ids=[prompt] if req.return_token_ids else None)
 
     def build(groups):
-        body = chat_body(rid, created, model, groups, len(prompt), state.token_str, req.logprobs, sub.n,
+        body = chat_body(rid, created, model, groups, len(prompt), token_str, req.logprobs, sub.n,
                          tools=req.tool_plan(), parsers=parsers, token_bytes=state.token_bytes)
         if req.prompt_logprobs is not None:   # vLLM's place: the response's top level
             entries = first_prompt_logprobs(groups[0])
             body["prompt_logprobs"] = None if entries is None else vllm_prompt_logprobs(entries, prompt,
-                                                                                        state.token_str)
+                                                                                        token_str)
         return with_token_ids(body, groups, [prompt], sub.n) if req.return_token_ids else body
     return await respond(state.engine, sub, request, build)
 

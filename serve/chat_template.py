@@ -35,6 +35,9 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}")
 
+# continue_final_message: appended to the last message, found in the rendered text, cut there (transformers)
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -96,9 +99,31 @@ class ChatTemplates:
                                "default for a request without tools; send tools, or start the server with "
                                "--chat-template", param="messages")
 
-    def render(self, messages: list[dict], tools: ToolPlan | None = None, kwargs: dict[str, Any] | None = None) -> str:
+    def render(self, messages: list[dict], tools: ToolPlan | None = None, kwargs: dict[str, Any] | None = None,
+               add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
         """The prompt text of `messages` (template_dict()s) with the request's tool plan and
-        chat_template_kwargs; a template error is a 400."""
+        chat_template_kwargs; a template error is a 400. continue_final_message: the text ends where
+        the last message's content does (transformers' rule: a tag appended to it marks the spot)."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise OpenAIError(400, "continue_final_message needs add_generation_prompt false",
+                                  param="continue_final_message")
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise OpenAIError(400, "continue_final_message: the last message has no text to continue",
+                                  param="continue_final_message")
+            messages = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
+        text = self._render(messages, tools, kwargs, add_generation_prompt)
+        if not continue_final_message:
+            return text
+        at = text.rfind(_CONTINUE_TAG.strip())
+        if at < 0:
+            raise OpenAIError(400, "continue_final_message: the chat template drops part of the last message, "
+                                   "so it cannot be continued", param="continue_final_message")
+        # a template that keeps the message's spacing ends right there; one that trims it, trimmed
+        return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
+
+    def _render(self, messages: list[dict], tools: ToolPlan | None, kwargs: dict[str, Any] | None,
+                add_generation_prompt: bool) -> str:
         name = self.name_for(tools)
         native = "tools" in self.texts[name]   # HF-style templates take tools and structured calls
         if "developer" not in self.texts[name]:   # OpenAI's newer name for system, for templates that
@@ -107,6 +132,6 @@ class ChatTemplates:
         try:
             return self.compiled[name].render(**{
                 **self.special_tokens, **(kwargs or {}), "messages": template_messages(messages, tools, native),
-                "add_generation_prompt": True, **extra})
+                "add_generation_prompt": add_generation_prompt, **extra})
         except TemplateError as e:
             raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None

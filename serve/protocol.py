@@ -59,14 +59,11 @@ UNSUPPORTED_FIELDS = {
     # vLLM's sampling and rendering extras this server does not implement (clients written for vLLM
     # send them expecting their effect)
     "min_tokens": lambda v: v is None or v == 0,
-    "include_stop_str_in_output": lambda v: v is None or v is False,
-    "skip_special_tokens": lambda v: v is None or v is True,
     "spaces_between_special_tokens": lambda v: v is None or v is True,
     "bad_words": lambda v: v is None or v == [],
     "allowed_token_ids": lambda v: v is None,
-    "truncate_prompt_tokens": lambda v: v is None,
     "use_beam_search": lambda v: v is None or v is False,
-    "return_tokens_as_token_ids": lambda v: v is None or v is False,
+    # chat template options (declared by chat requests; on completions they would be silently dropped)
     "add_generation_prompt": lambda v: v is None or v is True,
     "continue_final_message": lambda v: v is None or v is False,
 }
@@ -208,6 +205,12 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     # vLLM's: the prompt's and each choice's token ids in the response (RL trainers read them)
     return_token_ids: bool = False
+    # vLLM's: special tokens kept in the text (False); a stop string kept at the end of the text; only
+    # the prompt's last N tokens (-1: max_model_len) kept; logprobs' tokens as "token_id:N"
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool = False
     # vLLM's: lower runs first under --scheduling-policy priority (other than 0 refused under fcfs)
     priority: int = 0
     # prefix caching (vLLM's name): requests share cached prompt blocks only under the same salt
@@ -245,7 +248,8 @@ class _Sampling(_Body):
                 seed=self.seed, stop=tuple(stop),
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                 logprobs=logprobs, n=self.n, logit_bias=bias, structured_outputs=constraint,
-                prompt_logprobs=prompt_logprobs)
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output)
         except SamplingParamsError as e:
             raise OpenAIError(400, str(e), param=self.request_field(e.fields[0])) from None
 
@@ -470,6 +474,10 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's; given to the template as reasoning_effort (gpt-oss reads it), only under a reasoning parser
     reasoning_effort: str | None = None
+    # vLLM's (transformers' apply_chat_template options): no generation prompt; or the last message
+    # left open for the model to continue (a prefilled reply; add_generation_prompt must be false)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     _plan: Any = PrivateAttr(default=False)
 
     @model_validator(mode="before")

@@ -55,21 +55,24 @@ def folder(base: Path, tmp_path: Path, template=None, files: dict[str, str] | No
     return tmp_path
 
 
-def ours(d: Path, messages, tools=None, override=None) -> tuple[str, list[int]]:
+def ours(d: Path, messages, tools=None, override=None, **flags) -> tuple[str, list[int]]:
+    """flags: add_generation_prompt, continue_final_message (the request's fields)."""
     from serve.app import ServerState
     from serve.protocol import ChatCompletionRequest
     gen = SimpleNamespace(tokenizer=load_tokenizer(d), client=SimpleNamespace(max_model_len=4096))
     state = ServerState(gen, "m", None, 16, chat_template=override)
-    req = ChatCompletionRequest(model="m", messages=messages, tools=tools)
-    text = state.render_chat_text(req.messages, req.tool_plan())
+    req = ChatCompletionRequest(model="m", messages=messages, tools=tools, **flags)
+    text = state.render_chat_text(req.messages, req.tool_plan(), None, req.add_generation_prompt,
+                                  req.continue_final_message)
     return text, state.encode_chat(text)
 
 
-def theirs(d: Path, messages, tools=None) -> tuple[str, list[int]]:
+def theirs(d: Path, messages, tools=None, add_generation_prompt=True, **flags) -> tuple[str, list[int]]:
     from transformers import AutoTokenizer
     t = AutoTokenizer.from_pretrained(str(d))
-    text = t.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    ids = t.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+    kw = dict(tools=tools, add_generation_prompt=add_generation_prompt, **flags)
+    text = t.apply_chat_template(messages, tokenize=False, **kw)
+    ids = t.apply_chat_template(messages, tokenize=True, return_dict=False, **kw)
     return text, list(ids)
 
 
@@ -188,3 +191,21 @@ def test_qwen3_coder_calls_round_trip_through_the_published_template(base, tmp_p
     content, parsed = parse_auto(written, plan_tools(tools, None, None), "qwen3_coder")
     # (None is written "None": null again where the schema allows it; a string's "null" stays text)
     assert content is None and [json.loads(c["function"]["arguments"]) for c in parsed] == args
+
+
+@pytest.mark.parametrize("template", [CHATML, CHATML.replace("m['content']", "m['content'] | trim")])
+@pytest.mark.parametrize("last", ["The cat sat", "The cat sat "])
+def test_no_generation_prompt_and_continue_final_message_as_transformers(base, tmp_path, template, last):
+    """vLLM's add_generation_prompt false and continue_final_message (a prefilled reply the model
+    continues): the text and ids transformers' apply_chat_template makes, for a template that keeps
+    the message's trailing space and one that trims it."""
+    from serve.protocol import OpenAIError
+    d = folder(base, tmp_path, template)
+    assert ours(d, DIALOG, add_generation_prompt=False) == theirs(d, DIALOG, add_generation_prompt=False)
+    prefilled = USER + [{"role": "assistant", "content": last}]
+    want = theirs(d, prefilled, add_generation_prompt=False, continue_final_message=True)
+    assert ours(d, prefilled, add_generation_prompt=False, continue_final_message=True) == want
+    assert want[0].rstrip().endswith("The cat sat") and "<|im_end|>" not in want[0][-12:]
+    with pytest.raises(OpenAIError) as e:       # vLLM's rule: not both
+        ours(d, prefilled, continue_final_message=True)
+    assert e.value.param == "continue_final_message"

@@ -195,6 +195,36 @@ def test_return_token_ids_as_vllm_returns_them(server, client):
     assert [t for c in chunks for ch in c.choices for t in ch.model_extra.get("token_ids", [])] == ids
 
 
+def test_vllm_sampling_and_prompt_extras(server, client, model_dir):
+    """vLLM's extras that its clients send expecting their effect: include_stop_str_in_output keeps
+    the stop string; truncate_prompt_tokens keeps the prompt's last N tokens (the same output as those
+    N sent alone); return_tokens_as_token_ids names logprobs' tokens "token_id:N" (the ids
+    return_token_ids gives); skip_special_tokens false keeps EOS pieces as SentencePiece names them."""
+    import sentencepiece as spm
+    free = client.completions.create(model="tiny", prompt="lazy dog", max_tokens=30, temperature=0).choices[0].text
+    stop = free[len(free) // 2: len(free) // 2 + 3]
+    kept = client.completions.create(model="tiny", prompt="lazy dog", max_tokens=30, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert (kept.text, kept.finish_reason) == (free[: free.index(stop) + len(stop)], "stop")
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "the lazy dog jumps over hackers"}).json()["tokens"]
+    cut = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    alone = client.completions.create(model="tiny", prompt=ids[-3:], max_tokens=5, temperature=0)
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text == alone.choices[0].text
+    bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+    lp = client.completions.create(model="tiny", prompt="lazy dog", max_tokens=4, temperature=0, logprobs=1,
+                                   extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True}).choices[0]
+    assert lp.logprobs.tokens == [f"token_id:{t}" for t in lp.model_extra["token_ids"]]
+    sp = spm.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+    eos = sp.eos_id()
+    body = dict(model="tiny", prompt="lazy dog", max_tokens=3, temperature=0, ignore_eos=True,
+                logit_bias={str(eos): 100})
+    plain = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]["text"]
+    kept = httpx.post(f"{server.url}/v1/completions", json={**body, "skip_special_tokens": False}).json()
+    assert plain == "" and kept["choices"][0]["text"] == sp.id_to_piece(eos) * 3
+
+
 def test_64_concurrent_streams_equal_non_streaming(server, client):
     async def run():
         aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300, max_retries=0)
@@ -338,8 +368,9 @@ def test_prefix_cache_salt_usage_and_metrics(server, client):
     ("/v1/responses", {"input": "x", "max_output_tokens": 0}, "max_output_tokens"),   # its own name
     # vLLM's extras that would change the output: refused, never silently dropped
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 2}, "min_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["a"],
-                              "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "bad_words": ["a"]}, "bad_words"),
+    # chat-only template options on completions
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "continue_final_message": True}, "continue_final_message"),
 ])
 def test_refusals_name_the_field_the_request_sent(server, route, body, param):
     r = httpx.post(f"{server.url}{route}", json={"model": "tiny", **body}, timeout=30)

@@ -110,6 +110,8 @@ class SamplingParams:
     # them, e.g. Mistral's [TOOL_CALLS] or gpt-oss's harmony markers); the end-of-sequence or stop
     # token that ends the output is never text
     skip_special_tokens: bool = True
+    # vLLM's: a stop string that ends the output stays in its text (it is cut after the string)
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the params stay hashable and immutable.
