@@ -1,7 +1,9 @@
 """The offline batch script: `jaxinfer batch IN.jsonl OUT.jsonl [--model PATH]`.
 
 Input: one request per line in the OpenAI batch-file shape
-    {"custom_id": "...", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", "body": {...}}
+    {"custom_id": "...", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions" | "/v1/embeddings",
+     "body": {...}}
+(embeddings on a model that serves them, as vLLM's run-batch takes them; the bodies are the server's).
 All valid requests go to the engine at once, so continuous batching keeps the device full.
 Output: one line per input line, in input order, in the OpenAI batch-output shape
     {"id", "custom_id", "response": {"status_code", "request_id", "body"} | null, "error": {...} | null}
@@ -23,13 +25,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from jaxinfer.config import SamplingParams
+from jaxinfer.engine import EMBEDDING_PARAMS
 from jaxinfer.generator import Generator
 from serve.app import ServerState
 from serve.echo import first_prompt_logprobs, vllm_prompt_logprobs
+from serve.embeddings import EmbeddingRequest, embeddings_body, encode_embedding_inputs
 from serve.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_body, completion_body,
-                            find_invalid_text, new_id, now)
+                            find_invalid_text, new_id, now, with_token_ids)
 
-ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+          "/v1/embeddings": EmbeddingRequest}
 
 
 @dataclass
@@ -43,6 +48,7 @@ class Job:
     rids: list[str] | None = None
     echo: Any = None            # completions: serve.echo.Echo (echo, prompt logprobs)
     parsers: Any = None            # chat: how the output is read (serve.reasoning.OutputParsers)
+    poolings: list | None = None   # embeddings: each input's PoolingState
 
 
 def _key(line: int, custom_id: Any) -> tuple[int, str | None]:
@@ -77,12 +83,15 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
         return _error_line(line_no, cid, 400, "custom_id must be a non-empty string")
     if url not in ROUTES:
         return _error_line(line_no, cid, 400, f"url must be one of {sorted(ROUTES)}, got {url!r}")
-    parsers = None
+    parsers = poolings = None
     try:
         req = ROUTES[url].model_validate(obj.get("body"))
         echo = None
         if url == "/v1/completions":
             prompts, params, echo = state.completion_request(req)
+        elif url == "/v1/embeddings":
+            state.check_model(req.model)
+            (prompts, poolings), params = encode_embedding_inputs(state, req), EMBEDDING_PARAMS
         else:
             prompt, params, parsers = state.chat_request(req)
             prompts = [prompt]
@@ -94,7 +103,7 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
     except Exception as e:   # one line's surprise never ends the run
         return _error_line(line_no, cid, 500, f"line {line_no + 1}: {type(e).__name__}: {e}")
     return Job(line_no, cid, url, req, prompts, params, echo=echo,
-               parsers=parsers if url == "/v1/chat/completions" else None)
+               parsers=parsers if url == "/v1/chat/completions" else None, poolings=poolings)
 
 
 def _read_lines(path: Path) -> list[str | bytes]:
@@ -129,20 +138,29 @@ def _read_done(out_path: Path) -> dict[tuple[int, str | None], dict]:
 
 def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -> dict:
     groups = [samples for rid in job.rids for samples in outputs[rid]]
+    model = state.check_model(job.request.model) or state.model_name
+    if job.url == "/v1/embeddings":
+        rid = new_id("embd")
+        body = embeddings_body(job.request, model, [g[-1].embedding for g in groups], sum(map(len, job.prompts)))
+        return {"id": new_id("batch_req"), "custom_id": job.custom_id, "line": job.line,
+                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
     n_prompt = sum(map(len, job.prompts))
     build = completion_body if job.url == "/v1/completions" else chat_body
     want_lp = job.request.logprobs is not None if job.url == "/v1/completions" else job.request.logprobs
     rid = new_id("cmpl" if job.url == "/v1/completions" else "chatcmpl")
     extra = ({"tools": job.request.tool_plan(), "parsers": job.parsers, "token_bytes": state.token_bytes}
              if job.url == "/v1/chat/completions" else {})
-    body = build(rid, now(), state.check_model(job.request.model) or state.model_name, groups, n_prompt, state.token_str, bool(want_lp), job.params.n,
-                 **extra)
+    token_str = state.logprob_token_str(job.request)
+    body = build(rid, now(), model, groups, n_prompt, token_str, bool(want_lp), job.params.n, **extra)
     if job.echo is not None:
-        body = job.echo.apply(body, groups, state.token_str, bool(want_lp), job.params.n)
+        body = job.echo.apply(body, groups, token_str, bool(want_lp), job.params.n)
     elif getattr(job.request, "prompt_logprobs", None) is not None:   # chat: vLLM's top-level field
         entries = first_prompt_logprobs(groups[0])
         body["prompt_logprobs"] = None if entries is None else vllm_prompt_logprobs(entries, job.prompts[0],
-                                                                                    state.token_str)
+                                                                                    token_str)
+    if job.request.return_token_ids:
+        echo_only = job.echo is not None and job.echo.echo_only   # its one drawn token is no output
+        body = with_token_ids(body, [[] for _ in groups] if echo_only else groups, job.prompts, job.params.n)
     return {"id": new_id("batch_req"), "custom_id": job.custom_id, "line": job.line,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
@@ -198,9 +216,10 @@ def run_batch(gen: Generator, in_path: str | Path, out_path: str | Path, model_n
 
     for job in jobs:
         try:   # all of a job's prompts or none
-            job.rids = client.submit(job.prompts, job.params, route=route_of(job), cache_salt=job.request.cache_salt,
-                                     max_tokens_must_fit=True, priority=job.request.priority,
-                                     lora=state.check_model(job.request.model))
+            job.rids = client.submit(job.prompts, job.params, route=route_of(job),
+                                     cache_salt=getattr(job.request, "cache_salt", None), max_tokens_must_fit=True,
+                                     priority=getattr(job.request, "priority", 0),
+                                     lora=state.check_model(job.request.model), poolings=job.poolings)
         except ValueError as e:
             record(_key(job.line, job.custom_id), _error_line(job.line, job.custom_id, 400, str(e)))
             continue

@@ -130,6 +130,18 @@ def _vector(v: np.ndarray, encoding_format: str):
     return [float(x) for x in v]
 
 
+def encode_embedding_inputs(state, req: EmbeddingRequest) -> tuple[list[list[int]], list]:
+    """An embeddings body's inputs as (token ids, PoolingStates): the route's and the batch script's."""
+    return _encode(state, _inputs(req.input), req.dimensions)
+
+
+def embeddings_body(req: EmbeddingRequest, model: str, vectors: list[np.ndarray], n_tokens: int) -> dict:
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": _vector(v, req.encoding_format)}
+                     for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+
+
 @router.post("/v1/embeddings")
 async def embeddings(req: EmbeddingRequest, request: Request):
     state = request.app.state.server
@@ -137,10 +149,7 @@ async def embeddings(req: EmbeddingRequest, request: Request):
     vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora)
     if not isinstance(vectors, list):
         return vectors
-    return {"object": "list", "model": lora or state.model_name,
-            "data": [{"object": "embedding", "index": i, "embedding": _vector(v, req.encoding_format)}
-                     for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+    return embeddings_body(req, lora or state.model_name, vectors, n_tokens)
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:

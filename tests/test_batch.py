@@ -29,7 +29,7 @@ def _lines(n: int = 200) -> list[str]:
             out.append(json.dumps({"custom_id": f"r{i}", "url": "/v1/completions",
                                    "body": {"model": "tiny", "prompt": "fox", "max_tokens": -1}}))
         elif i % 29 == 17:
-            out.append(json.dumps({"custom_id": f"r{i}", "url": "/v1/embeddings", "body": {}}))
+            out.append(json.dumps({"custom_id": f"r{i}", "url": "/v1/moderations", "body": {}}))
         elif i % 2:
             out.append(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
                                    "body": {"model": "tiny", "messages": [{"role": "user", "content": f"zebra {i}"}],
@@ -93,7 +93,7 @@ def test_batch_file_with_bad_lines_and_resume(model, tmp_path):
     bad = [r for r in records if r["error"] is not None]
     assert len(bad) == sum(1 for i in range(200) if i % 29 in (5, 11, 17))
     assert any("max_tokens" in r["error"]["message"] for r in bad)
-    assert any("/v1/embeddings" in r["error"]["message"] for r in bad)
+    assert any("/v1/moderations" in r["error"]["message"] for r in bad)
     # nothing finished in the first run was redone: same result ids, and the second run skipped them
     for cid, rid in first.items():
         assert next(r for r in records if r["custom_id"] == cid)["id"] == rid
@@ -118,7 +118,10 @@ def test_batch_keys_by_line_reports_bad_lines_and_goes_on(model, tmp_path):
              req("sur", "abc\ud800def"), b"[1, 2, 3]", req("\udc00", "fox"),
              req("last", "zebras"),
              json.dumps({"custom_id": "lb", "url": "/v1/completions",
-                         "body": {"model": "tiny", "prompt": "fox", "logit_bias": {"fox": 100}}}).encode()]
+                         "body": {"model": "tiny", "prompt": "fox", "logit_bias": {"fox": 100}}}).encode(),
+             json.dumps({"custom_id": "ids", "url": "/v1/completions",
+                         "body": {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "logprobs": 0,
+                                  "return_token_ids": True, "return_tokens_as_token_ids": True}}).encode()]
     assert b"\\ud800" in lines[3]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_bytes(b"\n".join(lines) + b"\n")
@@ -127,8 +130,8 @@ def test_batch_keys_by_line_reports_bad_lines_and_goes_on(model, tmp_path):
                                     token_buckets=[64], max_num_seqs=8, block_size=8, warmup=False)
     summary = run_batch(gen, inp, out, "tiny", progress=False)
     records = [json.loads(l) for l in out.read_text().splitlines()]
-    assert len(records) == summary["lines"] == 8 and summary["ran"] == 3
-    assert [r["line"] for r in records] == list(range(8))
+    assert len(records) == summary["lines"] == 9 and summary["ran"] == 4
+    assert [r["line"] for r in records] == list(range(9))
     dup = records[:2]
     assert [r["custom_id"] for r in dup] == ["dup", "dup"] and all(r["error"] is None for r in dup)
     assert dup[0]["response"]["body"]["choices"] != dup[1]["response"]["body"]["choices"]
@@ -139,8 +142,12 @@ def test_batch_keys_by_line_reports_bad_lines_and_goes_on(model, tmp_path):
     assert records[5]["custom_id"] is None and "custom_id" in records[5]["error"]["message"]
     assert records[6]["custom_id"] == "last" and records[6]["error"] is None
     assert "logit_bias keys must be token ids" in records[7]["error"]["message"]
+    # vLLM's return_token_ids and return_tokens_as_token_ids, as the server returns them
+    choice = records[8]["response"]["body"]["choices"][0]
+    assert choice["prompt_token_ids"] == [5, 6, 7] and len(choice["token_ids"]) == 3
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
     # resuming a finished run redoes nothing and keeps both duplicates
     again = run_batch(gen, inp, out, "tiny", progress=False)
-    assert again["ran"] == 0 and again["skipped"] == 8
+    assert again["ran"] == 0 and again["skipped"] == 9
     assert [json.loads(l)["id"] for l in out.read_text().splitlines()] == [r["id"] for r in records]
     assert gen.stats()["kv_blocks_used"] == 0

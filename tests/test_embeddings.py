@@ -313,6 +313,32 @@ def test_rerank_orders_documents_by_their_cosine_to_the_query(servers, reference
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_batch_script_embeds_as_sentence_transformers(gens, reference, tmp_path):
+    """`jaxinfer batch` lines with url /v1/embeddings (vLLM's run-batch takes them): the vectors
+    sentence-transformers makes, base64 or float, token-id inputs as given; a bad body is its own
+    error line; a generation line on this embedding-only model is refused on its line."""
+    import base64
+
+    from serve.batch import run_batch
+    want, _, model = reference["qwen3"]
+    lines = [{"custom_id": "a", "url": "/v1/embeddings", "body": {"model": "tiny", "input": TEXTS[:3]}},
+             {"custom_id": "b", "url": "/v1/embeddings",
+              "body": {"input": model.tokenizer(TEXTS[3])["input_ids"], "encoding_format": "base64"}},
+             {"custom_id": "c", "url": "/v1/embeddings", "body": {"input": "x", "dimensions": 8}},
+             {"custom_id": "d", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 2}}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"method": "POST", **x}) + "\n" for x in lines))
+    run_batch(gens["qwen3"], src, out, "tiny", progress=False)
+    recs = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    body = recs["a"]["response"]["body"]
+    assert_close_vectors(np.array([d["embedding"] for d in body["data"]], np.float32), want[:3])
+    assert body["usage"]["prompt_tokens"] == sum(len(model.tokenizer(t)["input_ids"]) for t in TEXTS[:3])
+    vec = np.frombuffer(base64.b64decode(recs["b"]["response"]["body"]["data"][0]["embedding"]), "<f4")
+    assert_close_vectors(vec[None].astype(np.float32), want[3:4])
+    assert recs["c"]["error"] is not None and "dimensions" in recs["c"]["error"]["message"]
+    assert recs["d"]["error"] is not None and recs["a"]["error"] is None
+
+
 def test_embeddings_and_scores_run_the_adapter_model_names(folders, tmp_path):
     """/v1/embeddings and /v1/score with `model` naming a loaded LoRA adapter embed with it, as PEFT's
     adapted model does (mean of the last hidden states), and answer under its name (they returned
