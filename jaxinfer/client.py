@@ -185,6 +185,13 @@ class EngineClient:
             return fn()
 
     # ---------------------------------------------------------------- submitting
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Build a request's grammar ahead of submit, outside the lock (the engine caches it for the
+        request's add_request): a server calls this on a worker thread, so that a large grammar
+        (seconds of llguidance work) stalls neither its event loop nor the steps. RequestError
+        (param structured_outputs) when the grammar is refused."""
+        self.engine.compile_grammar(params)
+
     def submit(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
                route: Route | None = None, arrival_time: float | None = None,
                check: Callable[[], None] | None = None, cache_salt: str | None = None,

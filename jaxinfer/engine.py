@@ -259,12 +259,7 @@ class Engine:
         if params.prompt_logprobs is not None and (self.resolved.spec_tokens or isinstance(self.runner, PipelineRunner)):
             raise RequestError("prompt_logprobs is not available with speculative decoding or pipeline_parallel > 1 "
                                "(their step programs do not score prompt tokens)", "prompt_logprobs")
-        grammar = None
-        if params.structured_outputs is not None:
-            try:
-                grammar = self.grammars.compile(params.structured_outputs)
-            except StructuredOutputError as e:
-                raise RequestError(str(e), "structured_outputs") from None
+        grammar = self.compile_grammar(params)
         request_id = request_id or f"req-{next(self._ids)}"
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -513,6 +508,16 @@ class Engine:
             self.stats_.generation_tokens += new
             deltas += self.output.deltas(req, new)
         return deltas
+
+    def compile_grammar(self, params: SamplingParams):
+        """The request's grammar (None without structured outputs), built now or found in the cache;
+        RequestError naming structured_outputs if it is refused. Thread-safe (Grammars locks)."""
+        if params.structured_outputs is None:
+            return None
+        try:
+            return self.grammars.compile(params.structured_outputs)
+        except StructuredOutputError as e:
+            raise RequestError(str(e), "structured_outputs") from None
 
     def _stop_check(self, req: Request) -> bool:
         """Whether the request's newest token completes one of its stop strings (the output processor

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxinfer.config import SamplingParams
+from jaxinfer.engine import RequestError
 from jaxinfer.generator import Generator
 from serve import embeddings
 from serve.bridge import AsyncEngine, EngineDeadError
@@ -165,6 +166,7 @@ class ServerState:
             texts = [self.tokenizer.decode(x) if self.tokenizer is not None else "".join(map(self.token_str, x))
                      for x in prompts]
         echo = Echo(texts or [], prompts, req.echo, echo_only, req.prompt_logprobs is not None)
+        self.compile_grammar(params, req)
         return prompts, params, echo
 
     def chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
@@ -202,7 +204,16 @@ class ServerState:
                                                   self.tool_call_parser in ("llama3_json", "mistral", "openai")):
             # these formats are written in special tokens (harmony's markers, [TOOL_CALLS], <|python_tag|>)
             params = dataclasses.replace(params, skip_special_tokens=False)
+        self.compile_grammar(params, req)
         return prompt, params, parsers
+
+    def compile_grammar(self, params: SamplingParams, req) -> None:
+        """The request's grammar built here, on the worker thread that prepares the request (its
+        submit then finds it cached): a large one never stalls the event loop or the engine."""
+        try:
+            self.gen.client.compile_grammar(params)
+        except RequestError as e:
+            raise OpenAIError(400, str(e), param=req.request_field(e.param)) from None
 
     def default_max_tokens(self, prompt_len: int, requested: int | None) -> int:
         return requested if requested is not None else max(1, self.max_model_len - prompt_len)

@@ -517,6 +517,30 @@ def test_bad_grammar_and_bias_are_refused_naming_the_field(gen):
     assert not engine.has_unfinished()
 
 
+def test_deep_and_wide_grammars_are_served_or_refused_never_crash(gen):
+    """A chain of 5000 $refs and one of 20000 Lark rules (the native builder recursed past an 8 MiB
+    stack at 3000 and killed the process) are built on the grammar thread's stack and followed; 3000
+    choices (a Lark alternation stopped at llguidance's 2000 items per row, and every output ended
+    after one token as if complete) give one whole choice; a grammar past MAX_GRAMMAR_CHARS is
+    refused by name."""
+    from jaxinfer.engine import RequestError
+    from jaxinfer.host.structured import MAX_GRAMMAR_CHARS
+    depth = 5000
+    schema = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(depth)}, "$ref": "#/$defs/d0"}
+    schema["$defs"][f"d{depth}"] = {"type": "integer", "minimum": 0, "maximum": 999}
+    rules = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(20000)) + 'r20000: "yes" | "no"\n'
+    choices = [f"item-{i}" for i in range(3000)]
+    outs = gen.generate(["pick:"] * 3, [SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=so)
+                                        for so in (StructuredOutputs(json=schema), StructuredOutputs(grammar=rules),
+                                                   StructuredOutputs(choice=choices))])
+    assert 0 <= int(outs[0].text) <= 999 and outs[1].text in ("yes", "no") and outs[2].text in choices
+    assert all(o.finish_reason == "stop" for o in outs)
+    with pytest.raises(RequestError, match="too large") as e:
+        gen.engine.add_request([1, 5, 6], SamplingParams(structured_outputs=StructuredOutputs(
+            choice=["x" * 1000] * (MAX_GRAMMAR_CHARS // 1000 + 1))))
+    assert e.value.param == "structured_outputs"
+
+
 NUMERIC = [
     {"type": "object", "properties": {"ok": {"type": "boolean"},
                                       "score": {"type": "number", "minimum": -1, "maximum": 1}},

@@ -62,6 +62,29 @@ from ..config import StructuredOutputs
 log = logging.getLogger("jaxinfer")
 
 GRAMMAR_CACHE = 256   # compiled grammars kept per engine (a server sees the same schema many times)
+# llguidance builds a grammar by recursion on the calling thread's stack: a chain of 3000 $refs or
+# Lark rules (40 KB of request) overflowed an 8 MiB stack and killed the server (SIGSEGV). Every
+# grammar is built and checked on one worker thread whose stack holds ~3 KiB per level for far more
+# levels than a grammar of MAX_GRAMMAR_CHARS can have (~12 characters per level at the least).
+MAX_GRAMMAR_CHARS = 1 << 20
+GRAMMAR_STACK_BYTES = 512 << 20
+_worker = None
+_worker_lock = threading.Lock()
+
+
+def on_grammar_stack(fn, *args):
+    """fn(*args) on the grammar worker thread (its large stack), for llguidance's recursive builds."""
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            from concurrent.futures import ThreadPoolExecutor
+            old = threading.stack_size(GRAMMAR_STACK_BYTES)
+            try:   # the executor starts its thread with the first task, under this stack size
+                _worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+                _worker.submit(int).result()
+            finally:
+                threading.stack_size(old)
+    return _worker.submit(fn, *args).result()
 
 MAX_INTEGER_DIGITS = 20    # an integer in JSON output (every u64 and i64 fits)
 MAX_MANTISSA_DIGITS = 17   # a number with a fraction or an exponent: a float64's round-trip digits
@@ -112,10 +135,12 @@ def json_options(whitespace_flexible: bool) -> dict:
 @dataclass(frozen=True)
 class Grammar:
     """A compiled spec: llguidance's grammar text, and whether its output is JSON (and so also walks
-    the number bound)."""
+    the number bound); matcher: a fresh matcher of it, which each sample's guide copies (building one
+    parses the grammar again, on the grammar thread)."""
     text: str
     json: bool
     prefix: str | None = None   # StructuredOutputs.prefix: the number bound then starts after it too
+    matcher: Any = None
 
 
 def with_prefix(prefix: str | None, grammar: str) -> str:
@@ -140,6 +165,14 @@ def grammar_text(spec: StructuredOutputs) -> str:
         raise StructuredOutputError(f"invalid {spec.kind}: {e}") from None
 
 
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def _regex_literal(text: str) -> str:
+    """text as a regex (Rust regex syntax, llguidance's) that matches exactly it."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
 def _grammar_text(spec: StructuredOutputs) -> str:
     import llguidance as llg
     options = json_options(spec.whitespace_flexible)
@@ -152,8 +185,10 @@ def _grammar_text(spec: StructuredOutputs) -> str:
         if spec.regex is not None:
             return llg.LLMatcher.grammar_from_regex(spec.regex)
         if spec.choice is not None:
-            # a Lark alternation of string literals (JSON string escapes are Lark's)
-            return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+            # one regex of the escaped choices: the lexer's automaton takes them all (as a Lark
+            # alternation each choice was an Earley item, and llguidance stops a row at 2000 items:
+            # 2000 choices ended every output after one token, as if complete)
+            return llg.LLMatcher.grammar_from_regex("(?:" + "|".join(map(_regex_literal, spec.choice)) + ")")
         return llg.grammar_from("grammar", spec.grammar)   # Lark, or GBNF converted to Lark
     except StructuredOutputError:
         raise
@@ -223,8 +258,9 @@ class Guide:
         """Advance past a drawn token; True when the output is complete (the grammar accepts and
         admits nothing more) or the matcher failed (logged): either way the sample is over."""
         m = self.matcher
-        if not m.consume_token(token) or m.is_error():
-            log.warning("structured output: token %d rejected by the grammar (%s)", token, m.get_error())
+        if not m.consume_token(token) or m.is_error():   # (its first line: the rest dumps the grammar)
+            log.warning("structured output: token %d rejected by the grammar (%s)", token,
+                        (m.get_error() or "").splitlines()[0][:300] if m.get_error() else "")
             self.done.append(True)
         else:
             self.done.append(m.is_stopped())
@@ -295,28 +331,42 @@ class Grammars:
         return self._lltok
 
     def compile(self, spec: StructuredOutputs) -> Grammar:
-        """The spec's grammar, checked against this tokenizer (cached); StructuredOutputError if not."""
+        """The spec's grammar, checked against this tokenizer (cached); StructuredOutputError if not.
+        Thread-safe: a server compiles on its worker threads before the request reaches the engine."""
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
-        import llguidance as llg
-        text = grammar_text(spec)
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, self.lltokenizer)
-        if is_error:
-            raise StructuredOutputError(f"invalid {spec.kind}: {messages[0] if messages else 'does not compile'}")
-        grammar = Grammar(text, json=spec.json is not None or spec.json_object, prefix=spec.prefix)
+        grammar = on_grammar_stack(self._build, spec)
         with self._lock:
             self._cache[spec] = grammar
             while len(self._cache) > GRAMMAR_CACHE:
                 self._cache.popitem(last=False)
         return grammar
 
+    def _build(self, spec: StructuredOutputs) -> Grammar:
+        import llguidance as llg
+        size = len(spec.json or "") + len(spec.regex or "") + len(spec.grammar or "") + sum(map(len, spec.choice or ()))
+        if size > MAX_GRAMMAR_CHARS:
+            raise StructuredOutputError(f"the {spec.kind} is too large ({size} characters; at most {MAX_GRAMMAR_CHARS})")
+        text = grammar_text(spec)
+        if len(text) > 4 * MAX_GRAMMAR_CHARS:
+            raise StructuredOutputError(f"the {spec.kind}'s grammar is too large ({len(text)} characters)")
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, self.lltokenizer)
+        if is_error:
+            raise StructuredOutputError(f"invalid {spec.kind}: {messages[0] if messages else 'does not compile'}")
+        m = llg.LLMatcher(self.lltokenizer, text, log_level=0)
+        if not m.is_error():
+            m.compute_bitmask()   # the first mask: where the parser's limits fail (a row of 2000+ choices)
+        if m.is_error():
+            raise StructuredOutputError(f"the {spec.kind} is beyond what the grammar engine can run: "
+                                        f"{m.get_error().splitlines()[0][:300]}")
+        m.reset()
+        return Grammar(text, json=spec.json is not None or spec.json_object, prefix=spec.prefix, matcher=m)
+
     def guide(self, grammar: Grammar) -> Guide:
         import llguidance as llg
-        m = llg.LLMatcher(self.lltokenizer, grammar.text, log_level=0)
-        if m.is_error():
-            raise StructuredOutputError(m.get_error())
+        m = grammar.matcher.deep_copy()
         if not grammar.json:
             return Guide(m)
         bound = self._number_bound.get(grammar.prefix)
