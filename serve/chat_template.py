@@ -135,3 +135,7 @@ class ChatTemplates:
                 "add_generation_prompt": add_generation_prompt, **extra})
         except TemplateError as e:
             raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
+            # the request's values where the template expects others (chat_template_kwargs {"tools": 5})
+            raise OpenAIError(400, f"cannot apply the chat template to this request ({type(e).__name__}: {e})",
+                              param="chat_template_kwargs" if kwargs else "messages") from None

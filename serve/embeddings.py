@@ -33,7 +33,7 @@ from pydantic import model_validator
 from starlette.concurrency import run_in_threadpool
 
 from jaxinfer.engine import EMBEDDING_PARAMS
-from serve.protocol import OpenAIError, _Body, _refuse, new_id, now
+from serve.protocol import OpenAIError, _Body, _refuse, find_invalid_text, new_id, now
 from serve.stream import respond
 
 router = APIRouter()
@@ -45,7 +45,7 @@ class _StrictBody(_Body):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unknown(cls, data: Any) -> Any:
-        if isinstance(data, dict):
+        if isinstance(data, dict) and find_invalid_text(data) is None:   # (_Body refuses that text by name)
             unknown = sorted(set(data) - set(cls.model_fields))
             if unknown:
                 raise _refuse(unknown[0], f"unknown field(s) {', '.join(map(repr, unknown))} "

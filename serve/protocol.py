@@ -123,12 +123,26 @@ def _refuse(param: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_field", "{message}", {"message": message, "param": param})
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 async def json_body(request) -> Any:
-    """A route's body parsed as JSON (routes that validate it themselves: Responses, Messages)."""
+    """A route's body parsed as strict JSON (routes that validate it themselves: Responses,
+    Messages): NaN, Infinity and numbers out of float range are refused, as is nesting past
+    Python's recursion limit, with a 400 (they came back as 500s, and a stored NaN made the
+    stored response unserializable)."""
     try:
-        return await request.json()
-    except (ValueError, UnicodeDecodeError) as e:
-        raise OpenAIError(400, f"the request body is not valid JSON ({e})"[:500]) from None
+        return json.loads(await request.body(), parse_constant=_no_constant, parse_float=_finite)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise OpenAIError(400, f"the request body is not valid JSON ({type(e).__name__}: {e})"[:500]) from None
 
 
 def validated(model: type[BaseModel], data: Any) -> Any:

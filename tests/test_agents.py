@@ -640,6 +640,25 @@ def test_responses_store_false_clients_send_reasoning_back_sealed(gen):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "include"
 
 
+def test_malformed_bodies_are_400s_in_each_apis_shape(gen):
+    """Bodies that came back as 500s: NaN / Infinity / 1e999 (Python's json reads them; JSON has no
+    such numbers, and a stored NaN broke the stored response), nesting past Python's recursion limit,
+    a chat_template_kwargs value of the wrong type for the template (a TypeError inside Jinja)."""
+    with serving(gen, "qwen3.jinja") as (_, http):
+        post = lambda route, text: http.post(route, content=text, headers={"content-type": "application/json"})  # noqa: E731
+        for route in ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens"):
+            for text in ('{"input": "hi", "max_tokens": 4, "messages": [], "tools": [{"type": "function", '
+                         '"name": "f", "parameters": {"type": "object", "properties": NaN}}]}',
+                         '{"input": "hi", "max_tokens": 4, "messages": [], "temperature": 1e999}',
+                         '{"input": "hi", "x": ' + "[" * 5000 + "]" * 5000 + "}"):
+                r = post(route, text)
+                assert r.status_code == 400, (route, r.text[:200])
+                assert "not valid JSON" in json.dumps(r.json()), r.text[:300]
+        r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": USER, "max_tokens": 2,
+                                                    "chat_template_kwargs": {"tools": 5}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+
+
 def test_unknown_parser_names_fail_at_start_listing_the_choices():
     for flag, choices in (("--reasoning-parser", "qwen3, deepseek_r1, gpt_oss"),
                           ("--tool-call-parser", "hermes, qwen3_coder, llama3_json, mistral, openai")):

@@ -383,6 +383,10 @@ def test_server_refusals(servers):
     assert e.value.body["param"] == "input"
     r = httpx.post(f"{servers['qwen3'].url}/v1/embeddings", json={"input": "a", "truncate": True, "x": 1}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate" and "'x'" in r.json()["error"]["message"]
+    for route in ("/v1/embeddings", "/v1/score", "/v1/rerank"):     # a lone-surrogate key: 400 (it was a 500)
+        r = httpx.post(f"{servers['qwen3'].url}{route}", content=b'{"input": "hi", "\\ud800": 1}',
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and "Unicode" in r.json()["error"]["message"], (route, r.text)
     assert httpx.get(f"{servers['qwen3'].url}/health", timeout=10).status_code == 200
     # the llama folder serves both
     assert llama.completions.create(model="tiny", prompt="the quick", max_tokens=3).choices[0].text is not None

@@ -304,14 +304,20 @@ def test_http_adapters_models_load_unload(gen, llama, tmp_path):
         bad = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path / "none")})
         assert bad.status_code == 400 and "does not exist" in bad.json()["error"]["message"]
         # a partial copy (truncated tensors) and a config of the wrong shape: 400s naming them (500s before)
-        cut, odd = tmp_path / "cut", tmp_path / "odd"
-        for folder in (cut, odd):
+        cut, odd, huge, dir_ = tmp_path / "cut", tmp_path / "odd", tmp_path / "huge", tmp_path / "dir"
+        for folder in (cut, odd, huge, dir_):
             shutil.copytree(adapters["b"][0], folder)
         data = (cut / "adapter_model.safetensors").read_bytes()
         (cut / "adapter_model.safetensors").write_bytes(data[:200])
         (odd / "adapter_config.json").write_text(json.dumps({**json.loads((odd / "adapter_config.json").read_text()),
                                                              "r": "four"}))
-        for folder, needle in ((cut, "adapter_model.safetensors"), (odd, "adapter_config.json")):
+        # "r": Infinity (OverflowError) and a folder named adapter_config.json (OSError) were 500s
+        (huge / "adapter_config.json").write_text(json.dumps({**json.loads((huge / "adapter_config.json").read_text()),
+                                                              "r": float("inf")}))
+        (dir_ / "adapter_config.json").unlink()
+        (dir_ / "adapter_config.json").mkdir()
+        for folder, needle in ((cut, "adapter_model.safetensors"), (odd, "adapter_config.json"),
+                               (huge, "adapter_config.json"), (dir_, "adapter_config.json")):
             r = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(folder)})
             assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
             assert r.json()["error"]["param"] == "lora_path"

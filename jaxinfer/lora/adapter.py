@@ -72,8 +72,12 @@ def read_config(folder: Path, max_rank: int) -> dict:
         raise LoraError(f"{folder}: no adapter_config.json (not a PEFT adapter folder)")
     try:
         cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LoraError(f"{path}: not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise LoraError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+    except OSError as e:          # a folder of that name, unreadable
+        raise LoraError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise LoraError(f"{path}: not a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"{path}: peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
     if cfg.get("bias", "none") != "none":
@@ -113,7 +117,8 @@ def load_adapter(name: str, folder: str | Path, model_cfg: ModelConfig, kv_repli
         raise
     except CheckpointError as e:
         raise LoraError(str(e)) from None
-    except (ValueError, TypeError, AttributeError, KeyError) as e:
+    except (ValueError, TypeError, AttributeError, KeyError, OverflowError, OSError, RecursionError) as e:
+        # (OverflowError: "r": Infinity or 1e999 in the config)
         raise LoraError(f"{folder}: adapter_config.json or its tensors cannot be read "
                         f"({type(e).__name__}: {e})") from None
 
