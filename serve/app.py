@@ -344,9 +344,9 @@ async def model(model: str, request: Request):
 
 @router.get("/version")
 async def version():
-    """vLLM's route: the server's version."""
-    from jaxinfer import __version__
-    return {"version": __version__}
+    """vLLM's route: the server's version (the installed package's)."""
+    from importlib.metadata import version as installed
+    return {"version": installed("jaxinfer")}
 
 
 @router.post("/tokenize")

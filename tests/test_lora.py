@@ -289,8 +289,8 @@ def test_http_adapters_models_load_unload(gen, llama, tmp_path):
                                                    "created": http.get("/v1/models/c").json()["created"]}
         missing = http.get("/v1/models/nope")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
-        import jaxinfer
-        assert http.get("/version").json() == {"version": jaxinfer.__version__}
+        from importlib.metadata import version
+        assert http.get("/version").json() == {"version": version("jaxinfer")}
         body = dict(model="c", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1)
         out = http.post("/v1/completions", json=body).json()
         assert out["model"] == "c"

@@ -298,3 +298,17 @@ def test_rounds_on_the_device_draw_what_one_round_per_step_draws():
     depth = max(len(path) for path in load_heads(HEADS, load_model(BUNDLED)[0])[1].paths)
     assert max(drawn) > 1 + depth
     assert multi.engine.stats()["compilations_after_warmup"] == 0
+    # to the last position of the context, with the default budgets: the tree is cut to the KV slots
+    # left (4 heads' nodes with 2 positions left overran the block table: "17 exceeds the largest
+    # bucket 16", and the engine died), greedy as a plain forward picks
+    prompt = multi.tokenizer.encode((BUNDLED / "heldout.txt").read_text()[:40000])[100:100 + 232]
+    want = list(prompt)
+    for _ in range(24):
+        want.append(int(np.argmax(multi.logits(want)[-1])))
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    edge = Generator.from_pretrained(str(BUNDLED), dtype="float32", max_model_len=256, block_size=16,
+                                     speculative_method="medusa", warmup=False)
+    for g in (edge, multi, single):
+        out = g.generate([prompt], sp)[0]
+        assert (out.token_ids, out.finish_reason) == (want[232:], "length")
+    edge.close()

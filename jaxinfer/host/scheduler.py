@@ -277,7 +277,9 @@ class Scheduler:
                 or req.num_computed_tokens + 1 != req.num_tokens
                 or (req.guide is not None and guided >= MAX_GUIDED_ROWS)):
             return []
-        k, depth = min(k, budget - 1), self.draws_left(req) - 1
+        # every proposal takes its own KV slot after the root's, and the slots end at max_model_len (a
+        # Medusa tree's nodes outnumber its depth: 4 heads with 2 positions left overran the table)
+        k, depth = min(k, budget - 1, self.cfg.max_model_len - req.num_tokens), self.draws_left(req) - 1
         return list(self.propose(req, k, depth))[:k] if k > 0 and depth > 0 else []
 
     def schedule(self) -> SchedulerOutput:
