@@ -215,6 +215,13 @@ class ServerState:
         except RequestError as e:
             raise OpenAIError(400, str(e), param=req.request_field(e.param)) from None
 
+    def cache_written(self, n_prompt: int, cached: int) -> int:
+        """Prompt tokens a request put into the prefix cache (Responses' cache_write_tokens,
+        Messages' cache_creation_input_tokens): with prefix caching, every full block of its prompt
+        that it computed (its cached tokens are whole blocks) is kept by its hash."""
+        r = self.gen.client.resolved
+        return max(0, n_prompt // r.block_size * r.block_size - cached) if r.enable_prefix_caching else 0
+
     def default_max_tokens(self, prompt_len: int, requested: int | None) -> int:
         return requested if requested is not None else max(1, self.max_model_len - prompt_len)
 

@@ -69,6 +69,9 @@ class MessagesRequest(_Body):
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+    # Anthropic's values (auto, standard_only), checked by UNSUPPORTED_MESSAGES_FIELDS: declared so that
+    # the OpenAI list of _Body (auto, default) does not refuse them
+    service_tier: str | None = None
 
     @field_validator("stream", mode="before")
     @classmethod
@@ -254,8 +257,7 @@ def _stop(finish_reason: str | None, stop_string: str | None) -> tuple[str, str 
 
 
 def _usage(state, n_prompt: int, cached: int, n_out: int) -> dict:
-    r = state.gen.client.resolved
-    written = max(0, n_prompt // r.block_size * r.block_size - cached) if r.enable_prefix_caching else 0
+    written = state.cache_written(n_prompt, cached)
     return {"input_tokens": n_prompt - cached - written, "cache_creation_input_tokens": written,
             "cache_read_input_tokens": cached, "output_tokens": n_out}
 

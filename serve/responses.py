@@ -420,13 +420,6 @@ def _usage(n_prompt: int, n_out: int, cached: int, reasoning: int | None, writte
             "total_tokens": n_prompt + n_out}
 
 
-def _cache_written(state, n_prompt: int, cached: int) -> int:
-    """Prompt tokens a request put into the prefix cache: with prefix caching, every full block of
-    its prompt that it computed (its cached tokens are whole blocks) is kept by its hash."""
-    r = state.gen.client.resolved
-    return max(0, n_prompt // r.block_size * r.block_size - cached) if r.enable_prefix_caching else 0
-
-
 # the chat request's fields that a Responses request's own fields become (_chat_request)
 _RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input",
                      "chat_template_kwargs": "reasoning"}
@@ -470,7 +463,7 @@ async def create_response(request: Request):
             n_reason = reasoning_tokens(parsers, g) if parsers.reasoning else 0
             cached = max((d.num_cached_tokens for d in g), default=0)
             return finish(output, _usage(len(prompt), n_out, cached, n_reason,
-                                         _cache_written(state, len(prompt), cached)), finish_reason == "length")
+                                         state.cache_written(len(prompt), cached)), finish_reason == "length")
         return await respond(state.engine, sub, request, build)
     choices = ChatChoices(1, plan, state.token_str, False, parsers)
     start = _response(rid, created, model, req, [], "in_progress", None, False)
@@ -582,7 +575,7 @@ async def _events(state, sub, choices: ChatChoices, start: dict, n_prompt: int, 
         for e in w.close():
             yield e
         body = finish(w.output, _usage(n_prompt, n_out, cached, choices.reasoning_tokens,
-                                       _cache_written(state, n_prompt, cached)), cut)
+                                       state.cache_written(n_prompt, cached)), cut)
         yield w.event("response.incomplete" if cut else "response.completed", response=body)
     except EngineDeadError as e:   # the spec's error event (type "error", numbered like the rest)
         yield w.event("error", code=e.code, message=e.message, param=e.param)

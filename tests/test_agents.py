@@ -583,6 +583,8 @@ def test_messages_stop_sequences_limits_and_errors(gen):
         assert (m.stop_reason, m.stop_sequence, m.content[-1].text) == ("end_turn", None, "\n\nThe answer is 4.")
         cut = ac.messages.create(**{**kw, "max_tokens": 2})
         assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 2
+        # Anthropic's service_tier values (OpenAI's list, auto / default, refused standard_only)
+        assert ac.messages.create(**kw, service_tier="standard_only").stop_reason == "end_turn"
         for body, says in (
                 ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
                 ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
