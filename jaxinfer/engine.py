@@ -21,6 +21,7 @@ from typing import Callable
 import jax
 
 from jaxinfer.config import EngineConfig, ResolvedConfig, SamplingParams, resolve_config
+from jaxinfer.config.sampling import MAX_MIN_TOKENS_STOP_IDS
 from jaxinfer import perf
 from jaxinfer.host.block_manager import BlockManager
 from jaxinfer.host.host_tier import HostTier
@@ -29,6 +30,7 @@ from jaxinfer.host.request import Request
 from jaxinfer.host.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxinfer.host.speculative import Proposer, SpecStats
 from jaxinfer.host.structured import Grammars, StructuredOutputError
+from jaxinfer.host.token_bans import TokenBanError, bad_word_sequences, multi_token_array, static_mask
 from jaxinfer.memory import pool_inputs
 from jaxinfer.models.decoder import Decoder, set_matmul_impl, weight_bytes
 from jaxinfer.output_processor import OutputProcessor, RequestOutput
@@ -107,6 +109,7 @@ class Engine:
                                    host_tier=_host_tier(r, model.cfg, draft_model))
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
         eos = eos or self.model_cfg.eos_token_ids
+        self.eos_ids = tuple(eos)
         # structured outputs: grammars compiled against this tokenizer, masks filled by the runner
         self.grammars = Grammars(tokenizer, self.model_cfg.vocab_size, eos)
         self.device_spec = perf.device_for_kind(jax.devices()[0].device_kind)   # None: peak unknown (CPU)
@@ -260,6 +263,7 @@ class Engine:
             raise RequestError("prompt_logprobs is not available with speculative decoding or pipeline_parallel > 1 "
                                "(their step programs do not score prompt tokens)", "prompt_logprobs")
         grammar = self.compile_grammar(params)
+        mask, bad_words = self._token_bans(params)
         request_id = request_id or f"req-{next(self._ids)}"
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -268,7 +272,7 @@ class Engine:
         now = time.monotonic() if arrival_time is None else arrival_time
         make = lambda i, rid: Request(rid, list(prompt_ids), params, seed, sample_index=i,  # noqa: E731
                                       priority=priority, arrival_time=now, cache_salt=cache_salt, lora_id=lora_id,
-                                      pooling=pooling)
+                                      pooling=pooling, static_mask=mask, bad_word_ids=bad_words)
         leader = make(0, request_id)
         leader.pending_forks = [make(i, sample_ids[i]) for i in range(1, params.n)]
         if params.prompt_logprobs is not None:   # one prompt, one set of prompt logprobs for all samples
@@ -279,19 +283,41 @@ class Engine:
             self.num_constrained_requests += 1
             for r in [leader, *leader.pending_forks]:
                 r.guide = self.grammars.guide(grammar)
+                r.guide.static = mask
         # the samples share the prompt's full blocks, except the one holding the last prompt token
         leader.fork_at = (len(prompt_ids) - 1) // self.blocks.block_size * self.blocks.block_size
         self.output.add_request(request_id, [r.request_id for r in [leader, *leader.pending_forks]], prompt_ids,
-                                params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
+                                params.stop, params.skip_special_tokens, params.include_stop_str_in_output,
+                                params.min_tokens)
         self.scheduler.add(leader)
         return request_id
 
+    def _token_bans(self, params: SamplingParams) -> tuple:
+        """(the request's static token mask, its multi-token bad words): host/token_bans.py; a
+        RequestError names min_tokens, allowed_token_ids or bad_words where they cannot be served."""
+        if params.min_tokens > 0 and len(params.min_tokens_stop_ids(self.eos_ids)) > MAX_MIN_TOKENS_STOP_IDS:
+            raise RequestError(f"min_tokens bans the EOS ids and stop_token_ids on device, at most "
+                               f"{MAX_MIN_TOKENS_STOP_IDS} of them; this request has "
+                               f"{len(params.min_tokens_stop_ids(self.eos_ids))}", "min_tokens")
+        if not params.bad_words and params.allowed_token_ids is None:
+            return None, None
+        if params.bad_words and self.tokenizer is None:
+            raise RequestError("bad_words need the model's tokenizer (this engine has none)", "bad_words")
+        v = self.model_cfg.vocab_size
+        try:
+            seqs = bad_word_sequences(params.bad_words, lambda t: self.tokenizer.encode(t, add_special_tokens=False), v)
+            single = [s[0] for s in seqs if len(s) == 1]
+            return static_mask(params.allowed_token_ids, single, v, self.runner.mask_words), multi_token_array(seqs)
+        except TokenBanError as e:
+            raise RequestError(str(e), e.field) from None
+
     def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Every token id a request names (its prompt, stop_token_ids, logit_bias) is in the
-        vocabulary, or a RequestError names the field."""
+        """Every token id a request names (its prompt, stop_token_ids, logit_bias, allowed_token_ids)
+        is in the vocabulary, or a RequestError names the field."""
         v = self.model_cfg.vocab_size
         for field, what, ids in (("prompt", "prompt token ids", prompt_ids),
                                  ("stop_token_ids", "stop_token_ids", params.stop_token_ids),
+                                 ("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids or ()),
                                  ("logit_bias", "logit_bias token ids", [t for t, _ in params.logit_bias or ()])):
             bad = [t for t in ids if not 0 <= t < v]
             if bad:
@@ -428,12 +454,14 @@ class Engine:
 
     def _needs_tokens_first(self, prev: Launched) -> bool:
         """Whether the in-flight step's tokens must reach the host before the next step is planned.
-        Penalties read the host's history, and proposals follow the last token: both need step N's
+        Penalties and multi-token bad words read the host's history, and proposals follow the last
+        token: both need step N's
         tokens on the host before step N+1 is planned (not a row that cannot be proposed for, e.g.
         under a grammar with the draft model); so does a row that speculated in step N whatever the
         policy says now (a request arriving meanwhile turns it off): how many tokens it drew, so
         where its last one lies, is known only then."""
         return any(seq.spec or (seq.sample and (seq.request.params.uses_history
+                                                or seq.request.bad_word_ids is not None
                                                 or self.scheduler.may_propose(seq.request)))
                    for seq in prev.scheduled.seqs)
 

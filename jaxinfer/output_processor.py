@@ -51,6 +51,8 @@ class _TextState:
     marks: list[int] = field(default_factory=list)   # len(text) after each token of this step
     stopped: str | None = None  # the stop string that completed (text is cut before it)
     keep_stop: bool = False     # include_stop_str_in_output: the text is cut after it instead
+    min_tokens: int = 0         # no stop string ends before the text of this many tokens (vLLM's rule:
+    checked_from: int = 0       # one may start inside it): len(text) after the min_tokens-th token
 
 
 class OutputProcessor:
@@ -62,14 +64,15 @@ class OutputProcessor:
         self._groups: dict[str, list[str]] = {}   # request id -> ids of its n samples
 
     def add_request(self, request_id: str, sample_ids: list[str], prompt_ids: list[int],
-                    stops: tuple[str, ...], skip_special_tokens: bool = True, keep_stop: bool = False) -> None:
+                    stops: tuple[str, ...], skip_special_tokens: bool = True, keep_stop: bool = False,
+                    min_tokens: int = 0) -> None:
         """Start the text of a request's samples (each detokenizes after the same prompt); keep_stop:
-        SamplingParams.include_stop_str_in_output."""
+        SamplingParams.include_stop_str_in_output; min_tokens: SamplingParams.min_tokens."""
         self._groups[request_id] = list(sample_ids)
         for rid in sample_ids:
             detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens)
                      if self.tokenizer is not None else None)
-            self._text[rid] = _TextState(detok, stops, keep_stop=keep_stop)
+            self._text[rid] = _TextState(detok, stops, keep_stop=keep_stop, min_tokens=min_tokens)
 
     def sample_ids(self, request_id: str) -> list[str]:
         """A live request's samples' ids ("rid", "rid#1", ...), in sample order."""
@@ -104,7 +107,10 @@ class OutputProcessor:
         st.marks.append(len(st.text))
         if not st.stops:
             return False
-        cut = find_stop(st.text, st.stops, max(checked, st.emitted))
+        if len(req.output_ids) <= st.min_tokens:
+            st.checked_from = len(st.text)
+            return False
+        cut = find_stop(st.text, st.stops, max(checked, st.emitted, st.checked_from))
         if cut is None:
             return False
         st.stopped = _stop_at(st.text, cut, st.stops)
@@ -122,7 +128,7 @@ class OutputProcessor:
         if req.finished and st.detok is not None and not st.stopped:
             st.text += st.detok.flush()
             if st.stops:   # the flushed tail may still hold a stop string
-                cut = find_stop(st.text, st.stops, st.emitted)
+                cut = find_stop(st.text, st.stops, max(st.emitted, st.checked_from))
                 if cut is not None:
                     st.stopped = _stop_at(st.text, cut, st.stops)
                     st.text = st.text[:cut + (len(st.stopped) if st.keep_stop else 0)]

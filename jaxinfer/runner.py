@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer import perf
 from jaxinfer.config import MAX_LOGIT_BIAS, ModelConfig
+from jaxinfer.config.sampling import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS, MAX_MIN_TOKENS_STOP_IDS
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
 from jaxinfer.host.structured import Grammars, mask_words
 from jaxinfer.kv_cache import StepRow, attention_buckets, build_attention_metadata, init_kv_pages, kv_storage_dtype
@@ -145,6 +146,7 @@ class ModelRunner:
                               else _pow2_buckets(min(4, max_blocks), max_blocks, base=4))
         self._no_history: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._no_mask: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
+        self._no_bans: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
         self._no_targets: dict[int, jax.Array] = {}   # prompt_targets of a step where nobody asks, per T
         self._prompt_rows = PromptRows()   # those of the step being prepared
         self._no_pooling: dict[int, jax.Array] = {}
@@ -244,18 +246,25 @@ class ModelRunner:
 
     def _constraints(self, s: int, rows: list) -> tuple:
         """(token_mask [S, W], bias_ids [S, B], bias_values [S, B]): numpy when some row is
-        constrained or biased; otherwise arrays built once per bucket (no per-step transfer)."""
+        constrained (a grammar, allowed_token_ids, one-token bad_words) or biased; otherwise arrays
+        built once per bucket (no per-step transfer). A grammar row's mask is filled by fill_masks
+        (its static mask, if any, ANDed in there: Grammars.fill)."""
         guided = [(req.guide, i) for i, req in enumerate(rows) if req is not None and req.guide is not None]
+        static = [(i, req.static_mask) for i, req in enumerate(rows)
+                  if req is not None and req.static_mask is not None and req.guide is None]
         biased = [(i, req.params.logit_bias) for i, req in enumerate(rows) if req is not None and req.params.logit_bias]
         if s not in self._no_mask:
             self._no_mask[s] = jax.device_put((np.full((s, self.mask_words), -1, np.int32),
                                                np.full((s, MAX_LOGIT_BIAS), -1, np.int32),
                                                np.zeros((s, MAX_LOGIT_BIAS), np.float32)))
-        if not guided and not biased:
+        if not guided and not biased and not static:
             return self._no_mask[s]
         mask = self._no_mask[s][0]
-        if guided:
+        if guided or static:
             mask = np.full((s, self.mask_words), -1, np.int32)
+            for i, words in static:
+                mask[i] = words
+        if guided:
             self._unfilled = (guided, mask)   # filled by fill_masks, just before dispatch
         if not biased:
             return (mask, *self._no_mask[s][1:])
@@ -265,6 +274,30 @@ class ModelRunner:
             bias_ids[i, :len(pairs)] = [t for t, _ in pairs]
             bias_values[i, :len(pairs)] = [v for _, v in pairs]
         return mask, bias_ids, bias_values
+
+    def _bans(self, s: int, rows: list) -> tuple:
+        """(stop_ban [S, M], min_pos [S], bad_words [S, B, L]) of SamplingBatch: each min_tokens row's
+        stop ids (EOS, under ignore_eos too as in vLLM, and stop_token_ids) and the position its
+        min_tokens-th draw ends at; each row's multi-token bad words. Numpy when some row has either;
+        otherwise arrays built once per bucket (no per-step transfer)."""
+        banning = [(i, req) for i, req in enumerate(rows) if req is not None
+                   and (req.params.min_tokens > 0 or req.bad_word_ids is not None)]
+        if s not in self._no_bans:
+            self._no_bans[s] = jax.device_put((np.full((s, MAX_MIN_TOKENS_STOP_IDS), -1, np.int32), np.zeros(s, np.int32),
+                                               np.full((s, MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS), -1, np.int32)))
+        if not banning:
+            return self._no_bans[s]
+        stop_ban = np.full((s, MAX_MIN_TOKENS_STOP_IDS), -1, np.int32)
+        min_pos = np.zeros(s, np.int32)
+        bad = np.full((s, MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS), -1, np.int32)
+        for i, req in banning:
+            if req.params.min_tokens > 0:
+                ids = req.params.min_tokens_stop_ids(self.cfg.eos_ids)
+                stop_ban[i, :len(ids)] = ids
+                min_pos[i] = len(req.prompt_ids) + req.params.min_tokens
+            if req.bad_word_ids is not None:
+                bad[i, :len(req.bad_word_ids)] = req.bad_word_ids
+        return stop_ban, min_pos, bad
 
     # -------------------------------------------------------------------- host -> device
     def prepare(self, sched: SchedulerOutput, tables: dict[str, list[int]], buckets: tuple[int, int] | None = None,
@@ -385,11 +418,13 @@ class ModelRunner:
             rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
             seed[i], index[i] = key_seed(req.seed), req.sample_index
             num_logprobs[i] = p.logprobs or 0
+        bans = self._bans(s, rows)
+        reads = any(req is not None and req.bad_word_ids is not None for req in rows)
         any_penalty = bool(np.any((rep != 1) | (pres != 0) | (freq != 0)))
-        hist, is_out = self._history(s, rows, any_penalty or lookup)
+        hist, is_out = self._history(s, rows, any_penalty or lookup or reads)
         return SamplingBatch(temp, top_k, top_p, min_p, rep, pres, freq, seed, index,
                              positions_of_rows.astype(np.int32), num_logprobs, hist, is_out,
-                             *self._constraints(s, rows))
+                             *self._constraints(s, rows), *bans)
 
     def execute(self, sched: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, list[StepSample]]:
         """Run one step and wait for its tokens."""
@@ -500,8 +535,8 @@ class ModelRunner:
         sb = inputs.sampling
         if sb.history is None:
             sb.history, sb.history_is_output = self._history(len(inputs.logits_indices), [], False)
-        empty = self._constraints(len(inputs.logits_indices), [])   # any of the three sent as None
-        for name, value in zip(("token_mask", "bias_ids", "bias_values"), empty):
+        empty = (*self._constraints(len(inputs.logits_indices), []), *self._bans(len(inputs.logits_indices), []))
+        for name, value in zip(("token_mask", "bias_ids", "bias_values", "stop_ban", "min_pos", "bad_words"), empty):
             if getattr(sb, name) is None:
                 setattr(sb, name, value)
         if not isinstance(inputs, SpecStepInputs):   # speculative programs have neither

@@ -3,9 +3,12 @@
 Order of operations per row (vLLM v1's: min-p, an "argmax-invariant" processor there, runs before
 top-k / top-p, so top-p's mass is over what min-p kept; HF runs min-p last, a different set where a
 row sets min_p with top_p):
-  0. logit_bias (OpenAI's: added to the raw logits), then the structured-output mask: tokens the
-     row's grammar does not allow become -inf (a packed bitmask, host/structured.py), so every
-     later rule, the logprobs included, sees the constrained distribution;
+  0. logit_bias (OpenAI's: added to the raw logits), then the token mask: tokens the row's grammar
+     (a packed bitmask, host/structured.py), its allowed_token_ids or its one-token bad_words do
+     not allow become -inf; then vLLM's position-dependent bans: the last token of a multi-token bad
+     word where the row's output ends with the rest of it (read from the history), and the row's
+     stop ids while it has drawn fewer than min_tokens. Every later rule, the logprobs included,
+     sees the constrained distribution;
   1. penalties on the raw logits, from the row's history (prompt + output so far):
      repetition (CTRL: divide positive / multiply negative logits of every seen token),
      frequency (subtract freq * count of the token in the output),
@@ -52,6 +55,10 @@ class SamplingBatch:
     token_mask: jax.Array       # i32 [N, ceil(V / 32)]: bit j of word w allows token 32 w + j (-1: all)
     bias_ids: jax.Array         # i32 [N, MAX_LOGIT_BIAS]: logit_bias token ids, -1 padded
     bias_values: jax.Array      # f32 [N, MAX_LOGIT_BIAS]
+    stop_ban: jax.Array         # i32 [N, MAX_MIN_TOKENS_STOP_IDS]: min_tokens' banned stop ids, -1 padded
+    min_pos: jax.Array          # i32 [N]: they are banned while position < min_pos (0: never)
+    bad_words: jax.Array        # i32 [N, MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS]: multi-token bad
+                                #      words, left-padded with -1 (each word's last token in the last column)
 
 
 def row_keys(seed: jax.Array, sample_index: jax.Array, position: jax.Array) -> jax.Array:
@@ -63,6 +70,38 @@ def row_keys(seed: jax.Array, sample_index: jax.Array, position: jax.Array) -> j
 def any_penalty(b: SamplingBatch) -> jax.Array:
     """Some row uses a penalty (which reads the history)."""
     return jnp.any((b.repetition_penalty != 1) | (b.presence_penalty != 0) | (b.frequency_penalty != 0))
+
+
+def reads_history(b: SamplingBatch) -> jax.Array:
+    """Some row reads the history: a penalty, or a multi-token bad word (the steps then record what
+    each iteration, round or proposal puts before the token being drawn)."""
+    return any_penalty(b) | jnp.any(b.bad_words >= 0)
+
+
+def apply_bad_words(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    """-inf on each multi-token bad word's last token where the tokens just before the one being drawn
+    (positions position - L + 1 .. position - 1, all of them output, vLLM's rule) are the rest of it."""
+    n, v = logits.shape
+    lb = b.bad_words.shape[-1]
+    prefix = b.bad_words[..., :-1]                                               # [N, B, L-1]
+    cols = b.position[:, None] - (lb - 1) + jnp.arange(lb - 1)[None, :]         # [N, L-1]
+    inside = cols >= 0
+    cols = jnp.clip(cols, 0, b.history.shape[1] - 1)
+    seen = jnp.take_along_axis(b.history, cols, axis=1)                          # [N, L-1]
+    is_out = jnp.take_along_axis(b.history_is_output, cols, axis=1) & inside
+    match = (prefix < 0) | ((prefix == seen[:, None, :]) & is_out[:, None, :])
+    hit = jnp.all(match, axis=-1) & (b.bad_words[..., -1] >= 0)                  # [N, B]
+    rows = jnp.broadcast_to(jnp.arange(n)[:, None], hit.shape)
+    ids = jnp.where(hit, b.bad_words[..., -1], v)                                # no hit -> dropped
+    return logits.at[rows, ids].set(NEG_INF, mode="drop")
+
+
+def apply_min_tokens(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    """-inf on each row's stop ids while it has drawn fewer than min_tokens (position < min_pos)."""
+    n, v = logits.shape
+    rows = jnp.broadcast_to(jnp.arange(n)[:, None], b.stop_ban.shape)
+    ids = jnp.where((b.stop_ban >= 0) & (b.position < b.min_pos)[:, None], b.stop_ban, v)
+    return logits.at[rows, ids].set(NEG_INF, mode="drop")
 
 
 def apply_logit_bias(logits: jax.Array, b: SamplingBatch) -> jax.Array:
@@ -161,6 +200,8 @@ def process(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array, 
     unchanged = lambda l, _: l  # noqa: E731
     logits = jax.lax.cond(jnp.any(b.bias_ids >= 0), apply_logit_bias, unchanged, logits, b)
     logits = jax.lax.cond(jnp.any(b.token_mask != -1), apply_token_mask, unchanged, logits, b)
+    logits = jax.lax.cond(jnp.any(b.bad_words >= 0), apply_bad_words, unchanged, logits, b)
+    logits = jax.lax.cond(jnp.any(b.position < b.min_pos), apply_min_tokens, unchanged, logits, b)
     logits = jax.lax.cond(any_penalty(b), apply_penalties, unchanged, logits, b)
     greedy = b.temperature <= 0
     logits = logits / jnp.where(greedy, 1.0, b.temperature)[:, None]

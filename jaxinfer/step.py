@@ -56,7 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV
 from jaxinfer.prompt_logprobs import step_prompt_logprobs
-from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, any_penalty, sample
+from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, reads_history, sample
 
 MAX_STOP_IDS = 8   # stop ids checked on device per row; a row with more is checked by the host only
 
@@ -120,14 +120,14 @@ class StepSettings:
 
 
 def with_history(b: SamplingBatch, ids: jax.Array, drew: jax.Array) -> SamplingBatch:
-    """b with ids [N] recorded at b.position where drew [N] (penalties see the tokens drawn, or
-    proposed, before the one being drawn)."""
+    """b with ids [N] recorded at b.position where drew [N] (penalties and bad words see the tokens
+    drawn, or proposed, before the one being drawn)."""
     def record(b):
         rows = jnp.arange(ids.shape[0])
         col = jnp.where(drew, b.position, b.history.shape[1])              # out of range: dropped
         return SamplingBatch(**{**vars(b), "history": b.history.at[rows, col].set(ids, mode="drop"),
                                 "history_is_output": b.history_is_output.at[rows, col].set(True, mode="drop")})
-    return jax.lax.cond(any_penalty(b), record, lambda b: b, b)
+    return jax.lax.cond(reads_history(b), record, lambda b: b, b)
 
 
 def tokens_with_prev(inputs: StepInputs, prev_tokens: jax.Array) -> jax.Array:

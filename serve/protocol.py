@@ -57,11 +57,12 @@ UNSUPPORTED_FIELDS = {
     "prompt_cache_key": lambda v: v is None,
     "safety_identifier": lambda v: v is None,
     # vLLM's sampling and rendering extras this server does not implement (clients written for vLLM
-    # send them expecting their effect)
+    # send them expecting their effect); the first three are served by completions and chat (fields
+    # of _Sampling), refused by the APIs that do not declare them (Responses, Messages)
     "min_tokens": lambda v: v is None or v == 0,
-    "spaces_between_special_tokens": lambda v: v is None or v is True,
     "bad_words": lambda v: v is None or v == [],
     "allowed_token_ids": lambda v: v is None,
+    "spaces_between_special_tokens": lambda v: v is None or v is True,
     "use_beam_search": lambda v: v is None or v is False,
     # chat template options (declared by chat requests; on completions they would be silently dropped)
     "add_generation_prompt": lambda v: v is None or v is True,
@@ -224,6 +225,11 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
+    # vLLM's: no EOS, stop id or stop string before this many tokens; the only tokens the output may
+    # hold; words it must not contain (SamplingParams)
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool = False
     # vLLM's: lower runs first under --scheduling-policy priority (other than 0 refused under fcfs)
     priority: int = 0
@@ -263,7 +269,8 @@ class _Sampling(_Body):
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                 logprobs=logprobs, n=self.n, logit_bias=bias, structured_outputs=constraint,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens,
+                allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()))
         except SamplingParamsError as e:
             raise OpenAIError(400, str(e), param=self.request_field(e.fields[0])) from None
 

@@ -99,6 +99,9 @@ def make_batch(n, **fields):
     arrays["token_mask"] = np.asarray(fields.pop("token_mask", np.full((n, 32), -1)), np.int32)
     arrays["bias_ids"] = np.asarray(fields.pop("bias_ids", np.full((n, 4), -1)), np.int32)
     arrays["bias_values"] = np.asarray(fields.pop("bias_values", np.zeros((n, 4))), np.float32)
+    arrays["stop_ban"] = np.asarray(fields.pop("stop_ban", np.full((n, 2), -1)), np.int32)
+    arrays["min_pos"] = np.asarray(fields.pop("min_pos", np.zeros(n)), np.int32)
+    arrays["bad_words"] = np.asarray(fields.pop("bad_words", np.full((n, 1, 2), -1)), np.int32)
     assert not fields, f"unknown fields {sorted(fields)}"
     assert arrays["history"].shape == (n, H)
     return SamplingBatch(**arrays)

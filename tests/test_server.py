@@ -195,6 +195,34 @@ def test_return_token_ids_as_vllm_returns_them(server, client):
     assert [t for c in chunks for ch in c.choices for t in ch.model_extra.get("token_ids", [])] == ids
 
 
+def test_min_tokens_allowed_token_ids_and_bad_words_reach_the_engine(server, client):
+    """vLLM's min_tokens, allowed_token_ids and bad_words on completions and chat (extra_body, as
+    vLLM's clients send them): sampled ids stay in the allowed set; min_tokens holds EOS, made the
+    likeliest token by logit_bias, back for exactly that many tokens; a bad word's text never
+    appears where it did."""
+    allowed = list(range(40, 60))
+    r = client.completions.create(model="tiny", prompt="lazy dog", max_tokens=12, temperature=1.5, seed=1,
+                                  extra_body={"allowed_token_ids": allowed, "ignore_eos": True, "return_token_ids": True})
+    assert set(r.choices[0].model_extra["token_ids"]) <= set(allowed) and r.usage.completion_tokens == 12
+    eos = 2   # save_text_model's SentencePiece eos_id
+    kw = dict(model="tiny", prompt="lazy dog", max_tokens=12, temperature=0, logit_bias={str(eos): 100})
+    assert client.completions.create(**kw).usage.completion_tokens <= 1
+    held = client.completions.create(**kw, extra_body={"min_tokens": 5, "return_token_ids": True})
+    assert held.choices[0].finish_reason == "stop" and eos not in held.choices[0].model_extra["token_ids"][:5]
+    assert held.usage.completion_tokens in (5, 6)
+    # a bad word that is one token of the free output (its text encodes back to that token alone)
+    messages = [{"role": "user", "content": "lazy dog"}]
+    kw = dict(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    free = client.chat.completions.create(**kw, extra_body={"return_token_ids": True, "ignore_eos": True})
+    post = lambda route, body: httpx.post(f"{server.url}{route}", json=body).json()  # noqa: E731
+    token, word = next((t, w) for t in free.choices[0].model_extra["token_ids"]
+                       for w in [post("/detokenize", {"tokens": [t]})["prompt"].strip()]
+                       if w and post("/tokenize", {"prompt": w, "add_special_tokens": False})["tokens"] == [t])
+    banned = client.chat.completions.create(**kw, extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                              "bad_words": [word]})
+    assert token not in banned.choices[0].model_extra["token_ids"]
+
+
 def test_vllm_sampling_and_prompt_extras(server, client, model_dir):
     """vLLM's extras that its clients send expecting their effect: include_stop_str_in_output keeps
     the stop string; truncate_prompt_tokens keeps the prompt's last N tokens (the same output as those
@@ -367,8 +395,13 @@ def test_prefix_cache_salt_usage_and_metrics(server, client):
      "stream_options"),
     ("/v1/responses", {"input": "x", "max_output_tokens": 0}, "max_output_tokens"),   # its own name
     # vLLM's extras that would change the output: refused, never silently dropped
-    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 2}, "min_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "bad_words": ["a"]}, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "use_beam_search": True}, "use_beam_search"),
+    ("/v1/responses", {"input": "x", "min_tokens": 2}, "min_tokens"),   # declared by completions and chat only
+    # vLLM's bounds on min_tokens / allowed_token_ids / bad_words, named by the request's field
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "allowed_token_ids": [10**6]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "bad_words": [" "]}, "bad_words"),
     # chat-only template options on completions
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "continue_final_message": True}, "continue_final_message"),
 ])

@@ -139,7 +139,8 @@ def _batch(n: int, temperature: float, top_p: float = 1.0, rep: float = 1.0, his
     return SamplingBatch(f(temperature), f(0, np.int32), f(top_p), f(0.0), f(rep), f(0.0), f(0.0),
                          np.arange(n, dtype=np.uint32), f(0, np.int32), f(4, np.int32), f(0, np.int32),
                          h, np.zeros(h.shape, bool), np.full((n, 1), -1, np.int32),
-                         np.full((n, 300), -1, np.int32), np.zeros((n, 300), np.float32))
+                         np.full((n, 300), -1, np.int32), np.zeros((n, 300), np.float32),
+                         np.full((n, 2), -1, np.int32), np.zeros(n, np.int32), np.full((n, 1, 3), -1, np.int32))
 
 
 @pytest.mark.parametrize("case", ["draft", "garbage", "top_p_draft", "penalty", "grammar"])
@@ -225,14 +226,15 @@ def _prompts(tokenizer) -> list[list[int]]:
     return [copy + ids[900:905] + copy[:6], ids[2000:2011], ids[3000:3037], ids[4000:4003]]
 
 
-def _assert_same_greedy(ref, out) -> None:
+def _assert_same_greedy(ref, out, same_length: bool = True) -> None:
     """Token for token, up to a near-tie: where they first differ the reference's top two logprobs
     must lie within 1e-3 (a 5-token verification chunk and a 1-token decode sum the same products
     in a different order: float32 differences of ~1e-5 can flip only such a tie); the rest of that
-    sequence is then skipped."""
+    sequence is then skipped. same_length False: outputs that may stop early (EOS) have the same
+    length unless they differ somewhere."""
     for r, o in zip(ref, out):
         a, b = r.token_ids, o.token_ids
-        assert len(a) == len(b)
+        assert len(a) == len(b) or not same_length and a[:len(b)] != b[:len(a)], (a, b)
         for i, (x, y) in enumerate(zip(a, b)):
             if x != y:
                 top = r.samples[0].top_logprobs[i]
@@ -242,11 +244,27 @@ def _assert_same_greedy(ref, out) -> None:
             np.testing.assert_allclose(o.logprobs, r.logprobs, rtol=0, atol=1e-4)
 
 
+def _banning(tokenizer, ref) -> SamplingParams:
+    """vLLM's bans that verification and the device's rounds must honour like a plain step: bad
+    words made of reference outputs' own tokens (two and three tokens, in the middle of two outputs)
+    and min_tokens 12 against EOS at +8 (it ends outputs once allowed)."""
+    words = [tokenizer.decode(ref[0].token_ids[6:8]), tokenizer.decode(ref[2].token_ids[10:13])]
+    [eos] = tokenizer.eos_ids
+    return SamplingParams(max_tokens=40, temperature=0.0, logprobs=2, bad_words=[w.strip() for w in words],
+                          min_tokens=12, logit_bias={eos: 8.0})
+
+
 @pytest.fixture(scope="module")
 def bundled_reference():
     g = Generator.from_pretrained(**BUNDLED)
     prompts = _prompts(g.tokenizer)
-    return prompts, g.generate(prompts, GREEDY), g.generate(prompts, PENALISED), g
+    ref = g.generate(prompts, GREEDY)
+    banning = _banning(g.tokenizer, ref)
+    banned = g.generate(prompts, banning)
+    # the bans bite: the bad words' outputs change, and EOS ends some output after 12 tokens
+    assert banned[0].token_ids != ref[0].token_ids and banned[2].token_ids != ref[2].token_ids
+    assert any(o.samples[0].finish_reason == "stop" for o in banned) and min(len(o.token_ids) for o in banned) >= 12
+    return prompts, ref, g.generate(prompts, PENALISED), g, (banning, banned)
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram", "medusa"])
@@ -254,7 +272,7 @@ def test_greedy_identical_bundled_mixed_and_preempted(method, bundled_reference)
     """Speculation on vs off, the bundled model (medusa: its bundled heads and their tree): all
     prompts at once (prefill chunks beside speculating rows) in a pool so small (4 sequences of up to
     81 tokens, 252 in all, in 11 blocks of 16) that running requests are preempted and recomputed."""
-    prompts, ref, ref_penalised, _ = bundled_reference
+    prompts, ref, ref_penalised, _, _ = bundled_reference
     # a Medusa row's tree takes 8 of the 16-token budget, so fewer rows grow at once: a smaller pool.
     # The context is what the pool holds (a pool must hold one sequence of max_model_len): 144 or 176
     # tokens, over the 81 of the longest sequence and its proposals
@@ -281,6 +299,8 @@ def test_greedy_identical_bundled_mixed_and_preempted(method, bundled_reference)
     # steps that ran several rounds on the device: a row drew more than 1 + k tokens (Medusa: 1 + depth)
     assert max(drawn) > 4
     _assert_same_greedy(ref_penalised, g.generate(prompts, PENALISED))
+    banning, ref_banned = bundled_reference[4]
+    _assert_same_greedy(ref_banned, g.generate(prompts, banning), same_length=False)
 
 
 def _draft_pages_of(g, token_ids: list[int]) -> list[np.ndarray]:
@@ -310,7 +330,7 @@ def test_draft_skipped_while_speculation_is_off_then_caught_up(bundled_reference
     speculated throughout (the draft's pages are overwritten with 7.0 in between, so a missed
     write shows)."""
     import jax
-    _, _, _, plain = bundled_reference
+    _, _, _, plain, _ = bundled_reference
     long, short = _prompts(plain.tokenizer)[1:3]
     params = [SamplingParams(max_tokens=56, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)]
@@ -345,7 +365,7 @@ def test_load_policy_off_then_on_greedy_identical(method, bundled_reference):
     (Medusa's policy-off steps used to decode several iterations through the tree-masked attention
     without advancing its positions: tokens changed from the second iteration on, and a sequence
     that decoded that way was never given a tree again.)"""
-    _, _, _, plain = bundled_reference
+    _, _, _, plain, _ = bundled_reference
     prompts = _prompts(plain.tokenizer)[1:4]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (48, 12, 20)]
     ref = plain.generate(prompts, params)
@@ -560,7 +580,7 @@ def test_request_arriving_while_a_speculative_step_runs(method, bundled_referenc
     not read the row's last token at the slot of an all-accepted draw. Greedy tokens of both
     requests: the engine's without speculation."""
     from collections import defaultdict
-    _, _, _, plain = bundled_reference
+    _, _, _, plain, _ = bundled_reference
     prompts = _prompts(plain.tokenizer)[1:3]
     prompts[1] = prompts[1][:5]   # its prefill leaves budget for the first request's next token
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -13,6 +13,7 @@ The API layer (response_format, guided_*, tools) is tested in test_structured_ap
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -33,15 +34,22 @@ BUNDLED = "checkpoints/jaxinfer-tiny-llama"
 
 # ----------------------------------------------------------------------------- the sampler
 
-def _batch(n: int, v: int, temperature, token_mask=None, bias_ids=None, bias_values=None, seed=0) -> SamplingBatch:
+def _batch(n: int, v: int, temperature, token_mask=None, bias_ids=None, bias_values=None, seed=0,
+           stop_ban=None, min_pos=None, bad_words=None, history=None, history_is_output=None,
+           position=None) -> SamplingBatch:
     f = lambda x: np.broadcast_to(np.asarray(x, np.float32), (n,)).copy()  # noqa: E731
     w = (v + 31) // 32
     return SamplingBatch(f(temperature), np.zeros(n, np.int32), f(1.0), f(0.0), f(1.0), f(0.0), f(0.0),
-                         (np.arange(n) + seed).astype(np.uint32), np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
-                         np.full(n, 20, np.int32), np.full((n, 4), -1, np.int32), np.zeros((n, 4), bool),
+                         (np.arange(n) + seed).astype(np.uint32), np.zeros(n, np.int32),
+                         np.arange(n, dtype=np.int32) if position is None else position,
+                         np.full(n, 20, np.int32), np.full((n, 4), -1, np.int32) if history is None else history,
+                         np.zeros((n, 4), bool) if history_is_output is None else history_is_output,
                          np.full((n, w), -1, np.int32) if token_mask is None else token_mask,
                          np.full((n, 3), -1, np.int32) if bias_ids is None else bias_ids,
-                         np.zeros((n, 3), np.float32) if bias_values is None else bias_values)
+                         np.zeros((n, 3), np.float32) if bias_values is None else bias_values,
+                         np.full((n, 2), -1, np.int32) if stop_ban is None else stop_ban,
+                         np.zeros(n, np.int32) if min_pos is None else min_pos,
+                         np.full((n, 1, 3), -1, np.int32) if bad_words is None else bad_words)
 
 
 def _pack(allowed: np.ndarray) -> np.ndarray:
@@ -108,6 +116,61 @@ def test_logit_bias_keeps_one_entry_per_token():
     from jaxinfer import SamplingParams
     assert SamplingParams(logit_bias={"5": 100, "05": -50, "7": 1}).logit_bias == ((5, -50.0), (7, 1.0))
     assert SamplingParams(logit_bias=[(5, 100), ("5", 100)]).logit_bias == ((5, 100.0),)
+
+
+def _vllm_bad_words(logits_row: np.ndarray, seqs: list[list[int]], output: list[int]) -> np.ndarray:
+    """vLLM v1's _apply_bad_words_single_batch, as its source states it (vllm/v1/sample/ops/bad_words.py):
+    a sequence bans its last token where the output so far ends with the rest of it."""
+    out = logits_row.copy()
+    for seq in seqs:
+        if len(seq) > len(output) + 1:
+            continue
+        prefix = len(seq) - 1
+        actual = output[-prefix:] if prefix > 0 else []
+        if actual == seq[:prefix]:
+            out[seq[-1]] = -np.inf
+    return out
+
+
+def test_bad_words_and_min_tokens_match_numpy():
+    """apply_bad_words against vLLM's rule run by hand over each row's output (its prompt never counts),
+    apply_min_tokens against a hand-written ban: greedy ids and logprobs of the banned distribution."""
+    rng = np.random.RandomState(3)
+    n, v, h, lb = 6, 40, 24, 4
+    logits = rng.randn(n, v).astype(np.float32) * 2
+    prompt_len = np.array([5, 3, 8, 2, 6, 4])
+    position = np.array([9, 3, 12, 7, 6, 10], np.int32)             # of the token being drawn
+    history = np.full((n, h), -1, np.int32)
+    is_out = np.zeros((n, h), bool)
+    outputs = []
+    for i in range(n):
+        ids = rng.randint(0, v, position[i])
+        history[i, :position[i]] = ids
+        is_out[i, prompt_len[i]:position[i]] = True
+        outputs.append(ids[prompt_len[i]:].tolist())
+    # sequences that match each row's output end (and prompt ends, which must not count), one-token ones
+    seqs = [[[outputs[0][-1], 7]], [[history[1, 2], 11]], [[outputs[2][-3], outputs[2][-2], outputs[2][-1], 5], [9]],
+            [[outputs[3][-2], outputs[3][-1], 2], [outputs[3][-1], 3], [outputs[3][-2], 4]], [], [[1, 2, 3, 4]]]
+    bad = np.full((n, 3, lb), -1, np.int32)
+    for i, row in enumerate(seqs):
+        for j, s in enumerate(row):
+            bad[i, j, lb - len(s):] = s
+    stop_ban = np.array([[0, 1], [-1, -1], [2, -1], [3, 4], [int(np.argmax(logits[4])), -1], [5, -1]], np.int32)
+    min_pos = np.array([10, 0, 12, 7, 7, 10], np.int32)             # rows 0, 4 banned; 2, 3, 5 not (pos >= min_pos)
+    ref = logits.astype(np.float64).copy()
+    for i in range(n):
+        ref[i] = _vllm_bad_words(ref[i], seqs[i], outputs[i])
+        if position[i] < min_pos[i]:
+            ref[i, [t for t in stop_ban[i] if t >= 0]] = -np.inf
+    assert np.isinf(ref[0, 7]) and np.isinf(ref[2, 5]) and np.isinf(ref[3, 2]) and np.isinf(ref[3, 3])
+    assert not np.isinf(ref[1, 11]) and not np.isinf(ref[3, 4])      # a prompt token and a non-match
+    assert np.isinf(ref[4, int(np.argmax(logits[4]))])               # min_tokens moves row 4's argmax
+    ids, lps, _, _ = jax.jit(sample)(logits, _batch(n, v, 0.0, history=history, history_is_output=is_out,
+                                                     position=position, stop_ban=stop_ban, min_pos=min_pos,
+                                                     bad_words=bad))
+    np.testing.assert_array_equal(np.asarray(ids), np.argmax(ref, axis=1))
+    # float32 log_softmax of |x| <= ~8 over 40 terms: a few ulp -> 1e-5
+    np.testing.assert_allclose(np.asarray(lps), _log_softmax(ref)[np.arange(n), np.argmax(ref, axis=1)], atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- llguidance masks
@@ -488,6 +551,89 @@ def test_logit_bias_forces_and_bans(gen):
     assert first not in banned.samples[0].token_ids
     # the second-best token under the model: greedy's first pick once `first` is gone
     assert banned.samples[0].token_ids[0] == free.samples[0].top_logprobs[0][1][0]
+
+
+def _greedy_reference(gen, prompt_ids: list[int], steps: int, ban) -> list[int]:
+    """Greedy decoding by full causal forwards (Generator.logits, no cache, not the engine's step):
+    ban(logits, output) -> the logits the draw sees. Each pick's margin over the runner-up must
+    exceed the two paths' float32 differences (~1e-5 here), so the reference decides ties alone."""
+    out: list[int] = []
+    for _ in range(steps):
+        logits = ban(gen.logits(prompt_ids + out)[-1].astype(np.float64), out)
+        top2 = np.sort(logits[np.isfinite(logits)])[-2:]
+        assert top2[1] - top2[0] > 1e-3, "a near tie: pick another prompt"
+        out.append(int(np.argmax(logits)))
+    return out
+
+
+def test_min_tokens_allowed_token_ids_and_bad_words_follow_vllm(gen):
+    """vLLM's min_tokens, allowed_token_ids and bad_words in the engine (multi-step decode, the
+    runner's masks), each against a greedy reference of full forwards that applies vLLM's rule by
+    hand; bad_words' token sequences against SentencePiece's own ids and vLLM's tokenization rule."""
+    import sentencepiece as spm
+    tok = load_tokenizer(BUNDLED)
+    [eos] = tok.eos_ids
+    prompt = gen._encode("Once upon a time")
+    # min_tokens: EOS at +100 ends the free output at once; with min_tokens 4 it is banned for 4 draws
+    forced = SamplingParams(max_tokens=8, temperature=0.0, logit_bias={eos: 100})
+    [free] = gen.generate([prompt], forced)
+    assert free.samples[0].token_ids in ([], [eos]) and free.samples[0].finish_reason == "stop"
+    [held] = gen.generate([prompt], dataclasses.replace(forced, min_tokens=4))
+
+    def no_eos(logits, out):
+        logits[eos] = -np.inf if len(out) < 4 else logits[eos] + 100
+        return logits
+    ref = _greedy_reference(gen, prompt, 5, no_eos)
+    assert ref[4] == eos and eos not in ref[:4]
+    assert held.samples[0].token_ids[:4] == ref[:4] and held.samples[0].finish_reason == "stop"
+    assert held.samples[0].token_ids[4:] in ([], [eos])
+    # allowed_token_ids: the draws are the argmax over the allowed set
+    [run] = gen.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    first = gen.logits(prompt)[-1]
+    allowed = [int(t) for t in np.argsort(-first)[5:40:3]]           # none of the 5 likeliest
+    [only] = gen.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                   allowed_token_ids=allowed))
+    keep = np.isin(np.arange(first.shape[0]), allowed)
+    assert only.samples[0].token_ids == _greedy_reference(gen, prompt, 6, lambda lg, _: np.where(keep, lg, -np.inf))
+    [sampled] = gen.generate([prompt], SamplingParams(max_tokens=12, temperature=1.5, seed=3, ignore_eos=True,
+                                                      allowed_token_ids=allowed))
+    assert set(sampled.samples[0].token_ids) <= set(allowed)
+    # bad_words: a word made of the free output's 3rd and 4th tokens, tokenized by vLLM's rule
+    free_ids = run.samples[0].token_ids
+    word = tok.decode(free_ids[2:4]).strip()
+    sp = spm.SentencePieceProcessor(model_file=f"{BUNDLED}/tokenizer.model")
+    seqs = [sp.encode(word)]
+    spaced = sp.encode(" " + word)
+    if spaced[0] != seqs[0][0] and len(spaced) == len(seqs[0]):
+        seqs.append(spaced)
+
+    def vllm(logits, out):
+        return _vllm_bad_words(logits, seqs, out)
+    [banned] = gen.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, bad_words=[word]))
+    expect = _greedy_reference(gen, prompt, 6, vllm)
+    assert banned.samples[0].token_ids == expect and expect != free_ids
+    assert gen.stats()["compilations_after_warmup"] == 0
+
+
+def test_min_tokens_holds_stop_strings_back_as_vllm(gen):
+    """vLLM's detokenizer checks stop strings only after min_tokens tokens, and then finds one that
+    ends in the new text (it may start inside the held part): the expected text is cut by hand."""
+    tok = load_tokenizer(BUNDLED)
+    prompt = gen._encode("The king said")
+    [free] = gen.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    ids, text = free.samples[0].token_ids, free.text
+    held = len(tok.decode(ids[:3]))
+    assert text.startswith(tok.decode(ids[:3]))
+    cases = 0
+    for stop in sorted({text[i:i + 2] for i in range(held - 1)} - {""}):
+        cut = text.find(stop)
+        late = text.find(stop, held - len(stop) + 1)
+        p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop])
+        [plain], [later] = gen.generate([prompt], p), gen.generate([prompt], dataclasses.replace(p, min_tokens=3))
+        assert plain.text == text[:cut]
+        assert later.text == (text[:late] if late >= 0 else text), stop
+        cases += later.text != plain.text
+    assert cases > 0
 
 
 def test_streaming_and_stop_strings_with_a_grammar(gen):

@@ -22,6 +22,14 @@ MAX_PROMPT_LOGPROBS = 20
 # vLLM's floor for a positive temperature: logits / T overflow float32 (logprobs of +-inf) below it,
 # so 0 < T < MIN_TEMPERATURE runs at MIN_TEMPERATURE (all but greedy; T = 0 is greedy)
 MIN_TEMPERATURE = 0.01
+# min_tokens bans a row's stop ids (EOS and stop_token_ids) on device until it has drawn min_tokens:
+# at most this many ids (sampling.SamplingBatch.stop_ban)
+MAX_MIN_TOKENS_STOP_IDS = 16
+# bad_words of more than one token are matched on device against the row's last tokens: at most this
+# many token sequences (a word gives one or two: with and without a leading space) of at most this
+# many tokens each; one-token words join the row's static token mask and are not counted
+MAX_BAD_WORD_SEQUENCES = 16
+MAX_BAD_WORD_TOKENS = 8
 
 
 class SamplingParamsError(ValueError):
@@ -112,6 +120,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # vLLM's: a stop string that ends the output stays in its text (it is cut after the string)
     include_stop_str_in_output: bool = False
+    # vLLM's: no EOS or stop_token_ids (banned on device) and no stop string before this many tokens
+    min_tokens: int = 0
+    # vLLM's: the only tokens the output may hold (a static mask on device)
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's: strings the output must not contain as token sequences, each tokenized with and without
+    # a leading space; the last token of a sequence is banned where the output ends with the rest of it
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the params stay hashable and immutable.
@@ -120,7 +135,23 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
         problems: list[tuple[str, str]] = []   # (field, message)
+        if self.allowed_token_ids is not None:
+            try:
+                object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+            except (TypeError, ValueError):
+                problems.append(("allowed_token_ids", "allowed_token_ids must be a list of token ids"))
+            else:
+                if not self.allowed_token_ids:
+                    problems.append(("allowed_token_ids", "allowed_token_ids must not be empty"))
+                elif any(not 0 <= t < 2**31 for t in self.allowed_token_ids):
+                    problems.append(("allowed_token_ids", "allowed_token_ids must be token ids (integers >= 0), got "
+                                                          f"{[t for t in self.allowed_token_ids if not 0 <= t < 2**31][:3]}"))
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            problems.append(("bad_words", f"bad_words must be non-empty strings, got {list(self.bad_words)[:3]!r}"))
         if any(not 0 <= t < 2**31 for t in self.stop_token_ids):
             problems.append(("stop_token_ids", "stop_token_ids must be token ids (integers >= 0), got "
                                                f"{[t for t in self.stop_token_ids if not 0 <= t < 2**31][:3]}"))
@@ -146,6 +177,11 @@ class SamplingParams:
             problems.append(("structured_outputs", "structured_outputs must be a StructuredOutputs"))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             problems.append(("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"))
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            problems.append(("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"))
+        elif isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
+            problems.append(("min_tokens", f"min_tokens must be at most max_tokens={self.max_tokens}, "
+                                           f"got {self.min_tokens}"))
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             problems.append(("temperature", f"temperature must be >= 0, got {self.temperature!r}"))
         elif 0 < self.temperature < MIN_TEMPERATURE:
@@ -186,8 +222,14 @@ class SamplingParams:
 
     @property
     def uses_history(self) -> bool:
-        """The penalties read the request's token history."""
+        """The penalties read the request's token history (so do multi-token bad words:
+        Request.bad_word_ids, known once tokenized)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def min_tokens_stop_ids(self, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The ids min_tokens bans: the model's EOS ids (under ignore_eos too, as vLLM does) and
+        stop_token_ids, each once."""
+        return tuple(dict.fromkeys((*eos_ids, *self.stop_token_ids)))
 
     @property
     def constrained(self) -> bool:

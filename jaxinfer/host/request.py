@@ -92,6 +92,12 @@ class Request(LatencyMetrics):
     num_passed_over: int = 0
     # structured outputs: this sample's grammar matcher (host/structured.Guide), fed each drawn token
     guide: Any = None
+    # allowed_token_ids and one-token bad_words: the packed token mask the row samples under (numpy
+    # int32 [W], bit t % 32 of word t // 32 allows token t), None: no such constraint; multi-token
+    # bad_words: [B, L] int32 sequences left-padded with -1 (sampling.apply_bad_words), None: none.
+    # Built once by the engine, shared by the request's samples
+    static_mask: Any = None
+    bad_word_ids: Any = None
     # params.prompt_logprobs: position p -> the logprob entry of prompt token p + 1 (one dict shared by
     # the request's n samples; jaxinfer/prompt_logprobs.py), else None
     prompt_logprobs: dict | None = None

@@ -241,13 +241,27 @@ class _SentencePieceWrapper:
         return out
 
 
+def _and_static(words: np.ndarray, static: np.ndarray | None) -> None:
+    """words &= static (Guide.static) in place, unless that allows no token."""
+    if static is not None:
+        n = min(len(words), len(static))
+        both = words[:n] & static[:n]
+        if both.any():
+            words[:n] = both
+            words[n:] = 0
+
+
 class Guide:
     """One sample's grammar matcher, fed the sample's tokens as they are drawn; a JSON output's also
-    has the number bound's matcher (`bound`, None otherwise or once the schema needed more digits)."""
+    has the number bound's matcher (`bound`, None otherwise or once the schema needed more digits).
+    static: the request's own packed token mask (allowed_token_ids, one-token bad_words) that every
+    grammar mask is ANDed with, unless that leaves no token (the grammar's mask alone then: it may
+    need a token the request bans to finish)."""
 
-    def __init__(self, matcher, bound=None):
+    def __init__(self, matcher, bound=None, static: np.ndarray | None = None):
         self.matcher = matcher
         self.bound = bound
+        self.static = static
         self.done: list[bool] = []   # per output token consumed: did it end the output
 
     @property
@@ -391,6 +405,8 @@ class Grammars:
             both = tmp[i] & tmp[n + j]
             if both.any():   # else the schema needs more digits: its mask alone (Guide.consume drops the bound)
                 tmp[i] = both
+        for i, (g, _) in enumerate(guides):
+            _and_static(tmp[i], g.static)
         # the model's vocabulary may differ from the tokenizer's (padded embeddings): ids past the
         # tokenizer's are never allowed
         rows = [row for _, row in guides]
@@ -423,6 +439,7 @@ class Grammars:
                         both = tmp[0] & tmp[1]
                         if both.any():
                             tmp[0] = both
+                    _and_static(tmp[0], guide.static)
                     table[slot, n] = 0
                     table[slot, n, :w] = tmp[0, :w]
                 if taken:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata
-from jaxinfer.sampling import SamplingBatch, any_penalty, sample
+from jaxinfer.sampling import SamplingBatch, reads_history, sample
 from jaxinfer.spec_decode import draft_model, ngram
 from jaxinfer.spec_decode.contract import SpecStepInputs, SpecStepOutputs, SpecStepSettings
 from jaxinfer.spec_decode.rounds import drawn_outputs, no_draws, record_round
@@ -117,9 +117,9 @@ def step(params, kv_pages, inputs: SpecStepInputs, prev_tokens: jax.Array, setti
                                                               settings)
         drawn = jnp.where(done, 0, jnp.minimum(drawn, inputs.max_new - out.num_drawn))
         # penalties and prompt lookup in later rounds see what this one drew
-        reads_history = any_penalty(b) if sp.lookup is None else any_penalty(b) | jnp.any(sp.lookup)
+        reads = reads_history(b) if sp.lookup is None else reads_history(b) | jnp.any(sp.lookup)
         out, counts, b, stopped, last = record_round(out, counts, b, p, last, (ids, lps, top_ids, top_lps), drawn,
-                                                     ns, done, inputs.stop_ids, reads_history)
+                                                     ns, done, inputs.stop_ids, reads)
         p = p + drawn
         done = done | stopped | (drawn == 0) | (out.num_drawn + sp.num_spec + 1 > inputs.max_new)
         return i + 1, pages, p, last, done, b, out, counts

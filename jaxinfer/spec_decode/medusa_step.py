@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.kv_cache import PAD_SLOT, TREE_NONE, AttentionMetadata, move_kv
-from jaxinfer.sampling import SamplingBatch, any_penalty, sample
+from jaxinfer.sampling import SamplingBatch, reads_history, sample
 from jaxinfer.spec_decode import medusa
 from jaxinfer.spec_decode.contract import SpecStepInputs, SpecStepOutputs, SpecStepSettings
 from jaxinfer.spec_decode.rounds import drawn_outputs, no_draws, record_round
@@ -132,7 +132,7 @@ def step(params, kv_pages, inputs: SpecStepInputs, prev_tokens: jax.Array, setti
         proposals = jnp.where((drawn > 0)[:, None], nodes, proposals)
         # penalties in later rounds see what this one drew
         out, counts, b, stopped, last = record_round(out, counts, b, p, last, (ids, lps, top_ids, top_lps), drawn,
-                                                     sp.num_spec, done, inputs.stop_ids, any_penalty(b) & (rounds > 1))
+                                                     sp.num_spec, done, inputs.stop_ids, reads_history(b) & (rounds > 1))
         p = p + drawn
         done = done | stopped | (drawn == 0) | (out.num_drawn + per_round > inputs.max_new)
         return i + 1, pages, p, last, nodes, done, b, out, counts, proposals

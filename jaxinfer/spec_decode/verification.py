@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.sampling import NEG_INF, SamplingBatch, any_penalty, gumbel_draw, process, row_keys, top_logprobs
+from jaxinfer.sampling import NEG_INF, SamplingBatch, gumbel_draw, process, reads_history, row_keys, top_logprobs
 
 ACCEPT_TAG = 1   # fold_in tag of the acceptance uniforms (draft_model.DRAFT_TAG: the draft's own draws)
 
@@ -67,7 +67,7 @@ def expand_paths(b: SamplingBatch, node_tokens: jax.Array, depth: np.ndarray, pa
         rows = jnp.broadcast_to(jnp.arange(row_of.shape[0])[:, None], cols.shape)
         return {**out, "history": out["history"].at[rows, cols].set(toks, mode="drop"),
                 "history_is_output": out["history_is_output"].at[rows, cols].set(True, mode="drop")}
-    out = jax.lax.cond(any_penalty(b), extend, lambda o: o, out)
+    out = jax.lax.cond(reads_history(b), extend, lambda o: o, out)
     return SamplingBatch(**out)
 
 
