@@ -139,19 +139,7 @@ class SamplingParams:
             object.__setattr__(self, "bad_words", (self.bad_words,))
         object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
         problems: list[tuple[str, str]] = []   # (field, message)
-        if self.allowed_token_ids is not None:
-            try:
-                object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
-            except (TypeError, ValueError):
-                problems.append(("allowed_token_ids", "allowed_token_ids must be a list of token ids"))
-            else:
-                if not self.allowed_token_ids:
-                    problems.append(("allowed_token_ids", "allowed_token_ids must not be empty"))
-                elif any(not 0 <= t < 2**31 for t in self.allowed_token_ids):
-                    problems.append(("allowed_token_ids", "allowed_token_ids must be token ids (integers >= 0), got "
-                                                          f"{[t for t in self.allowed_token_ids if not 0 <= t < 2**31][:3]}"))
-        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
-            problems.append(("bad_words", f"bad_words must be non-empty strings, got {list(self.bad_words)[:3]!r}"))
+        problems += self._token_ban_problems()
         if any(not 0 <= t < 2**31 for t in self.stop_token_ids):
             problems.append(("stop_token_ids", "stop_token_ids must be token ids (integers >= 0), got "
                                                f"{[t for t in self.stop_token_ids if not 0 <= t < 2**31][:3]}"))
@@ -177,11 +165,6 @@ class SamplingParams:
             problems.append(("structured_outputs", "structured_outputs must be a StructuredOutputs"))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             problems.append(("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"))
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            problems.append(("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"))
-        elif isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
-            problems.append(("min_tokens", f"min_tokens must be at most max_tokens={self.max_tokens}, "
-                                           f"got {self.min_tokens}"))
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             problems.append(("temperature", f"temperature must be >= 0, got {self.temperature!r}"))
         elif 0 < self.temperature < MIN_TEMPERATURE:
@@ -219,6 +202,29 @@ class SamplingParams:
                                      f"{max(map(len, self.stop))}"))
         if problems:
             raise SamplingParamsError(problems)
+
+    def _token_ban_problems(self) -> list[tuple[str, str]]:
+        """vLLM's bounds on min_tokens, allowed_token_ids and bad_words (allowed_token_ids stored as
+        a tuple of ints)."""
+        problems = []
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            problems.append(("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"))
+        elif isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
+            problems.append(("min_tokens", f"min_tokens must be at most max_tokens={self.max_tokens}, "
+                                           f"got {self.min_tokens}"))
+        if self.allowed_token_ids is not None:
+            try:
+                object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+            except (TypeError, ValueError):
+                return problems + [("allowed_token_ids", "allowed_token_ids must be a list of token ids")]
+            if not self.allowed_token_ids:
+                problems.append(("allowed_token_ids", "allowed_token_ids must not be empty"))
+            elif any(not 0 <= t < 2**31 for t in self.allowed_token_ids):
+                problems.append(("allowed_token_ids", "allowed_token_ids must be token ids (integers >= 0), got "
+                                                      f"{[t for t in self.allowed_token_ids if not 0 <= t < 2**31][:3]}"))
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            problems.append(("bad_words", f"bad_words must be non-empty strings, got {list(self.bad_words)[:3]!r}"))
+        return problems
 
     @property
     def uses_history(self) -> bool:
