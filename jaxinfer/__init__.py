@@ -10,8 +10,9 @@ from jaxinfer.versions import check_jax_flax
 check_jax_flax()   # before anything imports flax: a broken jax / flax pair gets one clear error
 
 from jaxinfer.config import EngineConfig, ModelConfig, SamplingParams, StructuredOutputs
+from jaxinfer.host.beam_search import BeamSearchParams
 
-__all__ = ["Generator", "SamplingParams", "StructuredOutputs", "ModelConfig", "EngineConfig"]
+__all__ = ["Generator", "SamplingParams", "BeamSearchParams", "StructuredOutputs", "ModelConfig", "EngineConfig"]
 __version__ = "0.1.0"
 
 

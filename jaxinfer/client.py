@@ -32,7 +32,9 @@ from typing import Callable, Iterator, Sequence
 from jaxinfer.config import ResolvedConfig, SamplingParams
 from jaxinfer.debug import StepDebugger
 from jaxinfer.engine import Engine, StepTrace
+from jaxinfer.host.beam_search import BeamSearch, BeamSearchParams
 from jaxinfer.output_processor import RequestOutput
+from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxinfer.host.request import LatencyMetrics
 
 __all__ = ["Completion", "EngineClient", "EngineFailedError", "RequestMetrics", "RequestOutput", "Route",
@@ -117,6 +119,11 @@ class EngineClient:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The ids that end a request (unless it ignores EOS): the tokenizer's, else the model's."""
+        return self.engine.eos_ids
 
     @property
     def resolved(self) -> ResolvedConfig:
@@ -328,6 +335,26 @@ class EngineClient:
                     samples[d.sample_index].add(d)
         return rids, results
 
+    def beam_search(self, prompts: Sequence[list[int]], params: BeamSearchParams, cache_salt: str | None = None,
+                    priority: int = 0, lora: str | None = None) -> list[list[RequestOutput]]:
+        """Beam search over each prompt (host/beam_search.py): every round one request per live beam
+        of every prompt, run together; per prompt its beam_width best hypotheses, best first, each
+        one finished RequestOutput (beam_outputs). A prompt whose beams cannot reach max_tokens
+        within the context is a SubmitError naming max_tokens, before anything runs."""
+        for i, p in enumerate(prompts):
+            if len(p) + params.max_tokens > self.max_model_len:
+                raise SubmitError(i, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                     f"you requested {len(p) + params.max_tokens} tokens ({len(p)} in the prompt, "
+                                     f"{params.max_tokens} for the completion).", "max_tokens",
+                                  "context_length_exceeded")
+        searches = [BeamSearch(list(p), params, self.eos_ids) for p in prompts]
+        while live := [s for s in searches if not s.done]:
+            batch = [seq for s in live for seq in s.prompts()]
+            _, results = self.generate(batch, params.round_params(), cache_salt=cache_salt, priority=priority,
+                                       lora=lora)
+            advance_all(live, [r[0].top_logprobs[0] for r in results])
+        return [beam_outputs(s, str(i), self.engine.tokenizer) for i, s in enumerate(searches)]
+
     @contextlib.contextmanager
     def _releasing(self, rids: list[str]):
         """Whatever ends the block (an error, Ctrl-C), the requests it has not released yet are
@@ -361,3 +388,29 @@ def _snapshot(request_id: str, req) -> RequestMetrics:
     return RequestMetrics(request_id, req.sample_index, req.arrival_time, req.first_token_time, req.finish_time,
                           tuple(req.token_times), len(req.prompt_ids), len(req.output_ids), req.finish_reason,
                           req.finished)
+
+
+def advance_all(searches: list[BeamSearch], tops: list[list[tuple[int, float]]]) -> None:
+    """One round's top logprobs, one list per beam in the order of the searches' prompts(), to each."""
+    k = 0
+    for s in searches:
+        n = len(s.beams)
+        s.advance(tops[k:k + n])
+        k += n
+
+
+def beam_outputs(search: BeamSearch, request_id: str, tokenizer: Tokenizer | None) -> list[RequestOutput]:
+    """A finished search's best hypotheses as final deltas (sample_index = rank): text decoded after
+    the prompt as the engine's own outputs are, the chosen tokens' logprobs and each round's top."""
+    out = []
+    for rank, beam in enumerate(search.best()):
+        text = ""
+        if tokenizer is not None:
+            detok = IncrementalDetokenizer(tokenizer, beam.tokens[:search.prompt_len],
+                                           search.params.skip_special_tokens)
+            text = "".join(detok.add(t) for t in search.text_ids(beam)) + detok.flush()
+        k = search.params.logprobs
+        tops = [top[:k] for top in beam.top_logprobs] if k else []
+        out.append(RequestOutput(request_id, rank, text, search.output_ids(beam), beam.logprobs, tops, True,
+                                 beam.finish_reason))
+    return out

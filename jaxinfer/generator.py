@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.config.engine import engine_config, settings as engine_settings
+from jaxinfer.host.beam_search import BeamSearchParams
 from jaxinfer.hub import ModelSpecError, resolve_model_path
 from jaxinfer.client import Completion, EngineClient, SubmitError
 from jaxinfer.embedding import EmbeddingSpec, read_embedding_spec
@@ -280,6 +281,26 @@ class Generator:
             raise ValueError(f"prompt {e.index}: {e.message}") from None
         return [GenerationOutput(rid, ids, samples, max(c.num_cached_tokens for c in samples))
                 for rid, ids, samples in zip(rids, encoded, results)]
+
+    def beam_search(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], params: BeamSearchParams,
+                    cache_salt: str | None = None, lora: str | None = None) -> list[GenerationOutput]:
+        """vLLM's LLM.beam_search (jaxinfer/host/beam_search.py): per prompt, `samples` holds the
+        beam_width best hypotheses, best first (finish_reason "stop": ended by EOS; "length")."""
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        encoded = [self._encode(p) for p in prompts]
+        self._check_leader()
+        try:
+            results = self.client.beam_search(encoded, params, cache_salt=cache_salt, lora=lora)
+        except SubmitError as e:
+            raise ValueError(f"prompt {e.index}: {e.message}") from None
+        outputs = []
+        for i, (ids, beams) in enumerate(zip(encoded, results)):
+            samples = [Completion() for _ in beams]
+            for c, d in zip(samples, beams):
+                c.add(d)
+            outputs.append(GenerationOutput(f"beam-{i}", ids, samples))
+        return outputs
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                priority: int = 0, lora: str | None = None) -> Iterator[StreamDelta]:

@@ -34,6 +34,7 @@ from jaxinfer.config import SamplingParams
 from jaxinfer.engine import RequestError
 from jaxinfer.generator import Generator
 from serve import embeddings
+from serve.beam import beam_submission
 from serve.bridge import AsyncEngine, EngineDeadError
 from serve.chat_template import ChatTemplates
 from serve.echo import Echo, first_prompt_logprobs, vllm_prompt_logprobs
@@ -385,8 +386,13 @@ async def completions(req: CompletionRequest, request: Request):
     state = _state(request)
     prompts, params, echo = await run_in_threadpool(state.completion_request, req)
     lora = state.check_model(req.model)
-    sub = state.engine.submit(prompts, params, cache_salt=req.cache_salt, request_field=req.request_field,
-                              priority=req.priority, lora=lora)
+    if req.use_beam_search:
+        sub = await beam_submission(state, request, prompts, params, req, lora)
+        if isinstance(sub, Response):
+            return sub
+    else:
+        sub = state.engine.submit(prompts, params, cache_salt=req.cache_salt, request_field=req.request_field,
+                                  priority=req.priority, lora=lora)
     rid, created, model = new_id("cmpl"), now(), lora or state.model_name
     n_prompt = sum(len(x) for x in prompts)
     token_str = state.logprob_token_str(req)
@@ -411,8 +417,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = _state(request)
     prompt, params, parsers = await run_in_threadpool(state.chat_request, req)
     lora = state.check_model(req.model)
-    sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt, request_field=req.request_field,
-                              priority=req.priority, lora=lora)
+    if req.use_beam_search:
+        sub = await beam_submission(state, request, [prompt], params, req, lora)
+        if isinstance(sub, Response):
+            return sub
+    else:
+        sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt, request_field=req.request_field,
+                                  priority=req.priority, lora=lora)
     rid, created, model = new_id("chatcmpl"), now(), lora or state.model_name
     token_str = state.logprob_token_str(req)
     if req.stream:

@@ -4,7 +4,9 @@ Input: one request per line in the OpenAI batch-file shape
     {"custom_id": "...", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions" | "/v1/embeddings",
      "body": {...}}
 (embeddings on a model that serves them, as vLLM's run-batch takes them; the bodies are the server's).
-All valid requests go to the engine at once, so continuous batching keeps the device full.
+All valid requests go to the engine at once, so continuous batching keeps the device full; beam-search
+requests (use_beam_search, serve/beam.py) run after them, one line at a time (each line's prompts
+together), as their rounds depend on each other.
 Output: one line per input line, in input order, in the OpenAI batch-output shape
     {"id", "custom_id", "response": {"status_code", "request_id", "body"} | null, "error": {...} | null}
 A bad line (not UTF-8, not JSON, not an object, text that is not valid Unicode, a bad request) is
@@ -24,10 +26,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from jaxinfer.client import SubmitError
 from jaxinfer.config import SamplingParams
+from jaxinfer.host.beam_search import BeamSearchParams
 from jaxinfer.engine import EMBEDDING_PARAMS
 from jaxinfer.generator import Generator
 from serve.app import ServerState
+from serve.beam import beam_params
 from serve.echo import first_prompt_logprobs, vllm_prompt_logprobs
 from serve.embeddings import EmbeddingRequest, embeddings_body, encode_embedding_inputs
 from serve.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_body, completion_body,
@@ -49,6 +54,7 @@ class Job:
     echo: Any = None            # completions: serve.echo.Echo (echo, prompt logprobs)
     parsers: Any = None            # chat: how the output is read (serve.reasoning.OutputParsers)
     poolings: list | None = None   # embeddings: each input's PoolingState
+    beam: BeamSearchParams | None = None   # use_beam_search: the search's params
 
 
 def _key(line: int, custom_id: Any) -> tuple[int, str | None]:
@@ -95,6 +101,7 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
         else:
             prompt, params, parsers = state.chat_request(req)
             prompts = [prompt]
+        beam = beam_params(req, params) if getattr(req, "use_beam_search", False) else None
     except ValidationError as e:
         return _error_line(line_no, cid, 400, "; ".join(
             f"{'.'.join(map(str, x['loc']))}: {x['msg']}" if x["loc"] else x["msg"] for x in e.errors()[:5]))
@@ -103,7 +110,7 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
     except Exception as e:   # one line's surprise never ends the run
         return _error_line(line_no, cid, 500, f"line {line_no + 1}: {type(e).__name__}: {e}")
     return Job(line_no, cid, url, req, prompts, params, echo=echo,
-               parsers=parsers if url == "/v1/chat/completions" else None, poolings=poolings)
+               parsers=parsers if url == "/v1/chat/completions" else None, poolings=poolings, beam=beam)
 
 
 def _read_lines(path: Path) -> list[str | bytes]:
@@ -165,6 +172,21 @@ def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
 
+def _run_beam_job(state: ServerState, client, job: Job, outputs: dict[str, list[list]], record) -> None:
+    """A use_beam_search line: the search over its prompts, its result (or error) line recorded."""
+    try:
+        results = client.beam_search(job.prompts, job.beam, cache_salt=getattr(job.request, "cache_salt", None),
+                                     priority=getattr(job.request, "priority", 0),
+                                     lora=state.check_model(job.request.model))
+    except (SubmitError, ValueError) as e:
+        record(_key(job.line, job.custom_id), _error_line(job.line, job.custom_id, 400, getattr(e, "message", str(e))))
+        return
+    job.rids = [f"beam-{job.line}-{i}" for i in range(len(results))]
+    for rid, beams in zip(job.rids, results):
+        outputs[rid] = [[d] for d in beams]
+    record(_key(job.line, job.custom_id), _result_line(state, job, outputs))
+
+
 def run_batch(gen: Generator, in_path: str | Path, out_path: str | Path, model_name: str,
               progress: bool = True) -> dict[str, int]:
     from tqdm import tqdm
@@ -215,6 +237,8 @@ def run_batch(gen: Generator, in_path: str | Path, out_path: str | Path, model_n
         return route
 
     for job in jobs:
+        if job.beam is not None:   # after the others (below)
+            continue
         try:   # all of a job's prompts or none
             job.rids = client.submit(job.prompts, job.params, route=route_of(job),
                                      cache_salt=getattr(job.request, "cache_salt", None), max_tokens_must_fit=True,
@@ -226,12 +250,16 @@ def run_batch(gen: Generator, in_path: str | Path, out_path: str | Path, model_n
         pending[id(job)] = len(job.rids) * job.params.n
         for rid in job.rids:
             outputs[rid] = [[] for _ in range(job.params.n)]
-    bar = tqdm(total=len(pending), disable=not progress, unit="req", desc="batch")
+    bar = tqdm(total=len(pending) + sum(j.beam is not None for j in jobs), disable=not progress, unit="req",
+               desc="batch")
     t0 = time.perf_counter()
     client.run_until_done()
     for job in jobs:
         for rid in job.rids or ():
             client.release(rid)
+    for job in (j for j in jobs if j.beam is not None):
+        _run_beam_job(state, client, job, outputs, record)
+        bar.update(1)
     bar.close()
     sink.close()
     # final file: one line per input line, in input order

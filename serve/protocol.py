@@ -57,13 +57,15 @@ UNSUPPORTED_FIELDS = {
     "prompt_cache_key": lambda v: v is None,
     "safety_identifier": lambda v: v is None,
     # vLLM's sampling and rendering extras this server does not implement (clients written for vLLM
-    # send them expecting their effect); the first three are served by completions and chat (fields
-    # of _Sampling), refused by the APIs that do not declare them (Responses, Messages)
+    # send them expecting their effect); all but spaces_between_special_tokens are served by
+    # completions and chat (fields of _Sampling), refused by the APIs that do not declare them
+    # (Responses, Messages)
     "min_tokens": lambda v: v is None or v == 0,
     "bad_words": lambda v: v is None or v == [],
     "allowed_token_ids": lambda v: v is None,
-    "spaces_between_special_tokens": lambda v: v is None or v is True,
     "use_beam_search": lambda v: v is None or v is False,
+    "length_penalty": lambda v: v is None or v == 1.0,
+    "spaces_between_special_tokens": lambda v: v is None or v is True,
     # chat template options (declared by chat requests; on completions they would be silently dropped)
     "add_generation_prompt": lambda v: v is None or v is True,
     "continue_final_message": lambda v: v is None or v is False,
@@ -230,6 +232,9 @@ class _Sampling(_Body):
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's beam search (serve/beam.py): n beams, ranked by cumulative logprob / length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     return_tokens_as_token_ids: bool = False
     # vLLM's: lower runs first under --scheduling-policy priority (other than 0 refused under fcfs)
     priority: int = 0

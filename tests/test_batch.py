@@ -151,3 +151,30 @@ def test_batch_keys_by_line_reports_bad_lines_and_goes_on(model, tmp_path):
     assert again["ran"] == 0 and again["skipped"] == 9
     assert [json.loads(l)["id"] for l in out.read_text().splitlines()] == [r["id"] for r in records]
     assert gen.stats()["kv_blocks_used"] == 0
+
+
+def test_batch_runs_beam_search_lines(model, tmp_path):
+    """use_beam_search lines run after the others, each as Generator.beam_search runs it (tested
+    against HF transformers in test_beam_search.py): the same hypotheses, best first; a field the
+    search would drop is that line's 400."""
+    from jaxinfer import BeamSearchParams, Generator
+    from serve.batch import run_batch
+
+    def line(cid, body):
+        return json.dumps({"custom_id": cid, "url": "/v1/completions",
+                           "body": {"model": "tiny", "max_tokens": 4, "ignore_eos": True, **body}})
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join([line("beam", {"prompt": [5, 6, 7], "n": 3, "use_beam_search": True,
+                                            "return_token_ids": True}),
+                              line("plain", {"prompt": [5, 6, 7], "temperature": 0}),
+                              line("stop", {"prompt": [5, 6, 7], "use_beam_search": True, "stop": ["x"]})]) + "\n")
+    gen = Generator.from_pretrained(model, dtype="float32", max_model_len=128, max_num_batched_tokens=64,
+                                    token_buckets=[64], max_num_seqs=8, block_size=8, warmup=False)
+    summary = run_batch(gen, inp, out, "tiny", progress=False)
+    records = [json.loads(l) for l in out.read_text().splitlines()]
+    assert summary["errors"] == 1 and records[2]["error"]["message"] == "stop is not available with use_beam_search"
+    [ref] = gen.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True))
+    choices = records[0]["response"]["body"]["choices"]
+    assert [c["token_ids"] for c in choices] == [s.token_ids for s in ref.samples]
+    assert [c["text"] for c in choices] == [s.text for s in ref.samples]
+    assert records[1]["error"] is None and gen.stats()["kv_blocks_used"] == 0

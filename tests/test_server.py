@@ -223,6 +223,40 @@ def test_min_tokens_allowed_token_ids_and_bad_words_reach_the_engine(server, cli
     assert token not in banned.choices[0].model_extra["token_ids"]
 
 
+def test_use_beam_search_matches_transformers(server, client, model_dir):
+    """vLLM's use_beam_search on completions (n = beam width) against HF transformers' beam search on
+    the served checkpoint (no EOS: ignore_eos), best first, non-streamed and streamed; fields the
+    search would drop are 400s naming them."""
+    import torch
+    import transformers as tf
+    from tests.test_beam_search import _vllm_beam_search
+    prompt = httpx.post(f"{server.url}/tokenize", json={"prompt": "lazy dog"}).json()["tokens"]
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model.generation_config.eos_token_id = None
+    _vllm_beam_search(model, prompt, 3, 5, eos=-1, ignore_eos=True, length_penalty=1.0, include_stop=False)
+    ref = model.generate(torch.as_tensor([prompt]), num_beams=3, num_return_sequences=3, do_sample=False,
+                         max_new_tokens=5, length_penalty=0.0, early_stopping=False, pad_token_id=0)
+    kw = dict(model="tiny", prompt="lazy dog", max_tokens=5, n=3, logprobs=1,
+              extra_body={"use_beam_search": True, "ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(**kw)
+    assert [c.model_extra["token_ids"] for c in r.choices] == ref[:, len(prompt):].tolist()
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 15
+    assert all(c.finish_reason == "length" and len(c.logprobs.token_logprobs) == 5 for c in r.choices)
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(3)] == [c.text for c in r.choices]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "lazy dog"}],
+                                          max_tokens=4, n=2, extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2 and chat.choices[0].message.content is not None
+    for extra, param in [({"stop": ["x"]}, "stop"), ({"top_p": 0.5}, "top_p"), ({"n": 11}, "n"),
+                         ({"frequency_penalty": 1.0}, "frequency_penalty")]:
+        body = {"model": "tiny", "prompt": "lazy dog", "max_tokens": 5, "use_beam_search": True, **extra}
+        e = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
+
+
 def test_vllm_sampling_and_prompt_extras(server, client, model_dir):
     """vLLM's extras that its clients send expecting their effect: include_stop_str_in_output keeps
     the stop string; truncate_prompt_tokens keeps the prompt's last N tokens (the same output as those
@@ -395,7 +429,8 @@ def test_prefix_cache_salt_usage_and_metrics(server, client):
      "stream_options"),
     ("/v1/responses", {"input": "x", "max_output_tokens": 0}, "max_output_tokens"),   # its own name
     # vLLM's extras that would change the output: refused, never silently dropped
-    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "spaces_between_special_tokens": False},
+     "spaces_between_special_tokens"),
     ("/v1/responses", {"input": "x", "min_tokens": 2}, "min_tokens"),   # declared by completions and chat only
     # vLLM's bounds on min_tokens / allowed_token_ids / bad_words, named by the request's field
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
