@@ -301,6 +301,17 @@ def test_greedy_identical_bundled_mixed_and_preempted(method, bundled_reference)
     _assert_same_greedy(ref_penalised, g.generate(prompts, PENALISED))
     banning, ref_banned = bundled_reference[4]
     _assert_same_greedy(ref_banned, g.generate(prompts, banning), same_length=False)
+    # min_tokens across the device's rounds, rows with proposals and without: EOS at +30 (above any
+    # spread of this model's logits) is each output's first token once allowed, so every output is
+    # exactly min_tokens tokens and EOS (a later round without proposals read round 0's position)
+    [eos] = g.tokenizer.eos_ids
+    repeats = [g.tokenizer.encode(t) for t in ("the the the the the the the the the the the the the the the",
+                                               "Once upon a time there was a", "the hacker the hacker the hacker")]
+    for min_tokens in (9, 14, 20):
+        outs = g.generate(repeats, SamplingParams(max_tokens=40, temperature=0.0, logit_bias={eos: 30},
+                                                  min_tokens=min_tokens))
+        assert [o.token_ids for o in outs] == [o.token_ids[:min_tokens] + [eos] for o in outs], min_tokens
+        assert all(eos not in o.token_ids[:min_tokens] for o in outs)
 
 
 def _draft_pages_of(g, token_ids: list[int]) -> list[np.ndarray]:

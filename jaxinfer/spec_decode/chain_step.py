@@ -52,14 +52,17 @@ def _round(model, dmodel, kv_pages, inputs: SpecStepInputs, settings: SpecStepSe
     h, tpages = model.hidden_states(tokens, inputs.positions, tpages, inputs.meta, settings.attention)
     tpages = pin_pages(tpages, settings)
 
+    # the token after t0 is drawn at its position + 1: in a later round sb's (round 0's) is stale, and
+    # the draw's key, min_tokens' ban and the bad words' history columns all read it
+    b = SamplingBatch(**{**vars(sb), "position": inputs.positions[t0] + 1})
+
     def speculative(h):
         idx = jnp.minimum(t0[:, None] + jnp.arange(k1)[None, :], li[:, None])        # [S, k1]
         logits = model.logits(h[idx.reshape(-1)]).reshape(s, k1, -1)
-        b = SamplingBatch(**{**vars(sb), "position": inputs.positions[t0] + 1})
         return verify(logits, drafts, num_spec, q, b, sp.node_masks, sp.mask_slot)
 
     def plain(h):   # t0: a row whose lookup found nothing has placeholders after it
-        ids, lps, top_ids, top_lps = sample(model.logits(h[t0]), sb)
+        ids, lps, top_ids, top_lps = sample(model.logits(h[t0]), b)
         pad = lambda x: jnp.zeros((k1,) + x.shape, x.dtype).at[0].set(x)  # noqa: E731
         return pad(ids), pad(lps), pad(top_ids), pad(top_lps), jnp.ones((s,), jnp.int32)
 
