@@ -93,7 +93,7 @@ def apply_bad_words(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     hit = jnp.all(match, axis=-1) & (b.bad_words[..., -1] >= 0)                  # [N, B]
     rows = jnp.broadcast_to(jnp.arange(n)[:, None], hit.shape)
     ids = jnp.where(hit, b.bad_words[..., -1], v)                                # no hit -> dropped
-    return logits.at[rows, ids].set(NEG_INF, mode="drop")
+    return _unless_empty(logits.at[rows, ids].set(NEG_INF, mode="drop"), logits)
 
 
 def apply_min_tokens(logits: jax.Array, b: SamplingBatch) -> jax.Array:
@@ -101,7 +101,14 @@ def apply_min_tokens(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     n, v = logits.shape
     rows = jnp.broadcast_to(jnp.arange(n)[:, None], b.stop_ban.shape)
     ids = jnp.where((b.stop_ban >= 0) & (b.position < b.min_pos)[:, None], b.stop_ban, v)
-    return logits.at[rows, ids].set(NEG_INF, mode="drop")
+    return _unless_empty(logits.at[rows, ids].set(NEG_INF, mode="drop"), logits)
+
+
+def _unless_empty(banned: jax.Array, logits: jax.Array) -> jax.Array:
+    """A row's bans yield where they would leave it no token (a grammar that allows only a banned
+    one, e.g. the EOS that completes it): the row keeps what it had, as Guide.static yields to the
+    grammar's mask, instead of drawing from nothing."""
+    return jnp.where(jnp.any(banned > NEG_INF, axis=-1, keepdims=True), banned, logits)
 
 
 def apply_logit_bias(logits: jax.Array, b: SamplingBatch) -> jax.Array:

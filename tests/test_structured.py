@@ -173,6 +173,29 @@ def test_bad_words_and_min_tokens_match_numpy():
     np.testing.assert_allclose(np.asarray(lps), _log_softmax(ref)[np.arange(n), np.argmax(ref, axis=1)], atol=1e-5)
 
 
+
+def test_bans_yield_where_they_would_leave_no_token():
+    """A row whose mask allows only tokens min_tokens or a bad word bans (a grammar that only its EOS
+    completes) keeps them: by hand, row 0 allows {3} and min_tokens bans 3 -> 3; row 1 allows {3, 4},
+    the ban leaves 4; row 2 allows {5}, a bad word's last token after [9] -> 5."""
+    v = 40
+    logits = np.zeros((3, v), np.float32)
+    allowed = np.zeros((3, v), bool)
+    allowed[0, 3] = allowed[1, [3, 4]] = allowed[2, 5] = True
+    logits[1, 3] = 1.0                                       # the banned token is row 1's argmax
+    history = np.full((3, 4), -1, np.int32)
+    history[:, :3] = [[1, 2, 9], [1, 2, 9], [1, 2, 9]]
+    is_out = np.zeros((3, 4), bool)
+    is_out[:, 1:3] = True
+    bad = np.full((3, 1, 3), -1, np.int32)
+    bad[2, 0, 1:] = [9, 5]
+    ids, lps, _, _ = jax.jit(sample)(logits, _batch(3, v, 0.0, _pack(allowed), position=np.full(3, 3, np.int32),
+                                                    history=history, history_is_output=is_out,
+                                                    stop_ban=np.array([[3, -1], [3, -1], [-1, -1]], np.int32),
+                                                    min_pos=np.full(3, 5, np.int32), bad_words=bad))
+    assert np.asarray(ids).tolist() == [3, 4, 5]
+    np.testing.assert_allclose(np.asarray(lps), [0.0, 0.0, 0.0], atol=1e-6)
+
 # ----------------------------------------------------------------------------- llguidance masks
 
 def _bytelevel_tokenizer_dir(folder) -> str:
