@@ -340,7 +340,8 @@ class EngineClient:
         """Beam search over each prompt (host/beam_search.py): every round one request per live beam
         of every prompt, run together; per prompt its beam_width best hypotheses, best first, each
         one finished RequestOutput (beam_outputs). A prompt whose beams cannot reach max_tokens
-        within the context is a SubmitError naming max_tokens, before anything runs."""
+        within the context is a SubmitError naming max_tokens, before anything runs. Each prompt's
+        result is beam_outputs': one delta per token of each hypothesis."""
         for i, p in enumerate(prompts):
             if len(p) + params.max_tokens > self.max_model_len:
                 raise SubmitError(i, f"This model's maximum context length is {self.max_model_len} tokens. However, "
@@ -400,17 +401,20 @@ def advance_all(searches: list[BeamSearch], tops: list[list[tuple[int, float]]])
 
 
 def beam_outputs(search: BeamSearch, request_id: str, tokenizer: Tokenizer | None) -> list[RequestOutput]:
-    """A finished search's best hypotheses as final deltas (sample_index = rank): text decoded after
-    the prompt as the engine's own outputs are, the chosen tokens' logprobs and each round's top."""
+    """A finished search's best hypotheses (sample_index = rank) as the engine's deltas are made: one
+    per output token (at least one), its text decoded after the prompt and what precedes it, its
+    logprob and its round's top; the last one finished."""
     out = []
+    k = search.params.logprobs
     for rank, beam in enumerate(search.best()):
-        text = ""
-        if tokenizer is not None:
-            detok = IncrementalDetokenizer(tokenizer, beam.tokens[:search.prompt_len],
-                                           search.params.skip_special_tokens)
-            text = "".join(detok.add(t) for t in search.text_ids(beam)) + detok.flush()
-        k = search.params.logprobs
-        tops = [top[:k] for top in beam.top_logprobs] if k else []
-        out.append(RequestOutput(request_id, rank, text, search.output_ids(beam), beam.logprobs, tops, True,
-                                 beam.finish_reason))
+        ids, n_text = search.output_ids(beam), len(search.text_ids(beam))
+        detok = (IncrementalDetokenizer(tokenizer, beam.tokens[:search.prompt_len], search.params.skip_special_tokens)
+                 if tokenizer is not None else None)
+        for j in range(max(len(ids), 1)):
+            last = j >= len(ids) - 1
+            text = detok.add(ids[j]) if detok is not None and j < n_text else ""
+            text += detok.flush() if detok is not None and last else ""
+            out.append(RequestOutput(request_id, rank, text, ids[j:j + 1], beam.logprobs[j:j + 1],
+                                     [top[:k] for top in beam.top_logprobs[j:j + 1]] if k else [], last,
+                                     beam.finish_reason if last else None))
     return out

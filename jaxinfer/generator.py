@@ -295,10 +295,10 @@ class Generator:
         except SubmitError as e:
             raise ValueError(f"prompt {e.index}: {e.message}") from None
         outputs = []
-        for i, (ids, beams) in enumerate(zip(encoded, results)):
-            samples = [Completion() for _ in beams]
-            for c, d in zip(samples, beams):
-                c.add(d)
+        for i, (ids, deltas) in enumerate(zip(encoded, results)):
+            samples = [Completion() for _ in range(1 + max(d.sample_index for d in deltas))]
+            for d in deltas:
+                samples[d.sample_index].add(d)
             outputs.append(GenerationOutput(f"beam-{i}", ids, samples))
         return outputs
 

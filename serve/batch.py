@@ -182,9 +182,21 @@ def _run_beam_job(state: ServerState, client, job: Job, outputs: dict[str, list[
         record(_key(job.line, job.custom_id), _error_line(job.line, job.custom_id, 400, getattr(e, "message", str(e))))
         return
     job.rids = [f"beam-{job.line}-{i}" for i in range(len(results))]
-    for rid, beams in zip(job.rids, results):
-        outputs[rid] = [[d] for d in beams]
+    for rid, deltas in zip(job.rids, results):
+        outputs[rid] = [[] for _ in range(job.beam.beam_width)]
+        for d in deltas:
+            outputs[rid][d.sample_index].append(d)
     record(_key(job.line, job.custom_id), _result_line(state, job, outputs))
+
+
+def _write_in_order(out_path: Path, results: dict, keys: dict[int, tuple[int, str | None]]) -> list[dict]:
+    """The final file: one line per input line, in input order (written whole, then moved in place)."""
+    ordered = [results.get(key) or _error_line(i, key[1], 500, f"line {i + 1}: no result recorded")
+               for i, key in keys.items()]
+    tmp = out_path.with_suffix(out_path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ordered), encoding="utf-8")
+    os.replace(tmp, out_path)
+    return ordered
 
 
 def run_batch(gen: Generator, in_path: str | Path, out_path: str | Path, model_name: str,
@@ -262,11 +274,6 @@ def run_batch(gen: Generator, in_path: str | Path, out_path: str | Path, model_n
         bar.update(1)
     bar.close()
     sink.close()
-    # final file: one line per input line, in input order
-    ordered = [results.get(key) or _error_line(i, key[1], 500, f"line {i + 1}: no result recorded")
-               for i, key in keys.items()]
-    tmp = out_path.with_suffix(out_path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ordered), encoding="utf-8")
-    os.replace(tmp, out_path)
+    ordered = _write_in_order(out_path, results, keys)
     return {"lines": len(ordered), "skipped": skipped, "ran": len(jobs),
             "errors": sum(r["error"] is not None for r in ordered)}

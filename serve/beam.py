@@ -4,9 +4,10 @@
 BeamSearchParams; jaxinfer/host/beam_search.py says how the search runs). Each round is one ordinary
 submission through the bridge (one one-token request per live beam of every prompt), so beams share
 the engine's steps and prefix cache with other traffic, and a client gone between rounds stops the
-search. The best hypotheses then become one finished delta each on a Submission of their own, and
-the routes build their response from it as from any other (non-streaming, or streamed as one chunk
-per choice, as vLLM streams beam search). Sampling fields the search would not honour (stop strings,
+search. The best hypotheses then become deltas, one per token as the engine's are, on a Submission
+of their own, and the routes build their response from it as from any other (non-streaming, or
+streamed once the search has ended; vLLM streams it as one chunk per choice). Every round is
+admitted like any request: a full queue is a 429 at the round that meets it. Sampling fields the search would not honour (stop strings,
 top-p, penalties, a grammar, ...) are 400s naming them, where vLLM drops them silently; temperature
 is accepted and, as in vLLM v1 (raw logprobs), does not change the search.
 """
@@ -37,7 +38,8 @@ def beam_params(req, params: SamplingParams) -> BeamSearchParams:
     for name, default in UNHONOURED.items():
         if getattr(params, name) != default:
             field = req.request_field(name)
-            raise OpenAIError(400, f"{field} is not available with use_beam_search", param=field)
+            what = "prompt logprobs (prompt_logprobs, or echo with logprobs)" if name == "prompt_logprobs" else field
+            raise OpenAIError(400, f"{what} is not available with use_beam_search", param=field)
     try:
         return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
                                 length_penalty=req.length_penalty, logprobs=params.logprobs,
@@ -53,6 +55,10 @@ async def beam_submission(state, request: Request, prompts: list[list[int]], par
     """Run the search over every prompt; its best hypotheses as a finished Submission (request ids
     of its own, one per prompt), or the 499 Response of a client that left meanwhile."""
     bp = beam_params(req, params)
+    if len(prompts) * bp.beam_width > state.engine.max_queue:   # what a plain request of n samples is told
+        raise OpenAIError(400, f"this request has {len(prompts) * bp.beam_width} beams ({len(prompts)} prompt(s) x "
+                               f"n={bp.beam_width}) but the server queues at most {state.engine.max_queue}; split it",
+                          param="n")
     eos = state.gen.client.eos_ids
     for p in prompts:
         if len(p) + bp.max_tokens > state.max_model_len:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.hf_models import save_text_model
@@ -247,6 +248,14 @@ def test_use_beam_search_matches_transformers(server, client, model_dir):
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
     assert [texts[i] for i in range(3)] == [c.text for c in r.choices]
+    # one beam is greedy decoding: the same tokens, logprobs and text offsets as a greedy request
+    one, greedy = (client.completions.create(model="tiny", prompt="lazy dog", max_tokens=5, logprobs=1, temperature=0,
+                                             extra_body={"ignore_eos": True, "use_beam_search": beam})
+                   for beam in (True, False))
+    assert one.choices[0].logprobs.tokens == greedy.choices[0].logprobs.tokens
+    assert one.choices[0].logprobs.text_offset == greedy.choices[0].logprobs.text_offset
+    np.testing.assert_allclose(one.choices[0].logprobs.token_logprobs, greedy.choices[0].logprobs.token_logprobs,
+                               atol=1e-5)
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "lazy dog"}],
                                           max_tokens=4, n=2, extra_body={"use_beam_search": True})
     assert len(chat.choices) == 2 and chat.choices[0].message.content is not None
