@@ -256,7 +256,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     app = build_app(gen, _served_name(args), api_key=_api_key(args), max_queue=args.max_queue,
                     max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser,
-                    tool_call_parser=args.tool_call_parser, chat_template=template)
+                    tool_call_parser=args.tool_call_parser, chat_template=template,
+                    trust_request_chat_template=args.trust_request_chat_template)
     print(f"serving {_served_name(args)} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     gen.close()   # multi-host: the followers return
@@ -414,6 +415,9 @@ def _add_serve(sub) -> None:
                          "harmony); default: the one the chat template shows, else hermes")
     sv.add_argument("--chat-template", default=None,
                     help="a Jinja chat template file used instead of the tokenizer's")
+    sv.add_argument("--trust-request-chat-template", action="store_true",
+                    help="requests may bring their own chat template (chat_template; vLLM's flag: refused "
+                         "without it)")
     _multihost_args(sv)
     sv.set_defaults(func=cmd_serve)
 

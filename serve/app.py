@@ -58,11 +58,13 @@ class ServerState:
 
     def __init__(self, gen: Generator, model_name: str, api_key: str | None, max_queue: int,
                  reasoning_parser: str | None = None, tool_call_parser: str | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, trust_request_chat_template: bool = False):
         """reasoning_parser: serve.reasoning's names, "none", or None for the one the chat template
         shows; tool_call_parser: serve.tool_parsers' names, or None for the template's; chat_template:
-        a Jinja template replacing the tokenizer's."""
+        a Jinja template replacing the tokenizer's; trust_request_chat_template: requests may bring
+        their own (vLLM's --trust-request-chat-template)."""
         self.gen, self.model_name, self.api_key = gen, model_name, api_key
+        self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = gen.tokenizer
         self.max_model_len = gen.client.max_model_len
         self.metrics = ServerMetrics(model_name)
@@ -102,12 +104,14 @@ class ServerState:
                     template_kwargs: dict | None = None) -> list[int]:
         return self.encode_chat(self.render_chat_text(messages, tools, template_kwargs))
 
-    def encode_chat(self, text: str) -> list[int]:
+    def encode_chat(self, text: str, own_template: bool = False) -> list[int]:
         # as transformers and vLLM encode a rendered chat: the template writes BOS where the model
         # wants it (the plain template does not: the tokenizer's rule adds it), its special tokens
-        # as text that names them (Tokenizer.encode_rendered)
-        if self.chat.plain or self.tokenizer is None:
-            return self.encode(text, add_special_tokens=self.chat.plain)
+        # as text that names them (Tokenizer.encode_rendered). own_template: the request's template
+        # rendered it (never the plain one)
+        plain = self.chat.plain and not own_template
+        if plain or self.tokenizer is None:
+            return self.encode(text, add_special_tokens=plain)
         try:
             return self.tokenizer.encode_rendered(text, list(self.chat.special_tokens.values()))
         except UnicodeError:
@@ -115,11 +119,32 @@ class ServerState:
 
     def render_chat_text(self, messages: list[ChatMessage], tools: ToolPlan | None = None,
                          template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-                         continue_final_message: bool = False) -> str:
-        """The prompt as text (serve.chat_template: the template for the request, HF's variables
-        and the request's chat_template_kwargs)."""
+                         continue_final_message: bool = False, documents: list | None = None,
+                         template: str | None = None) -> str:
+        """The prompt as text (serve.chat_template: the template for the request, HF's variables,
+        the request's chat_template_kwargs and documents; template: the request's own, which the
+        server must trust: request_template checked it)."""
         return self.chat.render([m.template_dict() for m in messages], tools, template_kwargs,
-                                add_generation_prompt, continue_final_message)
+                                add_generation_prompt, continue_final_message, documents, template)
+
+    def request_template(self, req) -> tuple[str | None, dict | None]:
+        """(the request's own chat template, its chat_template_kwargs without it): vLLM's
+        `chat_template` field or chat_template_kwargs' `chat_template`, refused unless the server
+        trusts request templates (--trust-request-chat-template), as vLLM refuses it."""
+        kwargs = req.chat_template_kwargs
+        template = req.chat_template
+        if kwargs and "chat_template" in kwargs:
+            kwargs = {k: v for k, v in kwargs.items() if k != "chat_template"}
+            template = template if template is not None else req.chat_template_kwargs["chat_template"]
+        if template is None:
+            return None, kwargs
+        field = "chat_template" if req.chat_template is not None else "chat_template_kwargs"
+        if not self.trust_request_chat_template:
+            raise OpenAIError(400, "Chat template is passed with request, but --trust-request-chat-template is not "
+                                   "set. Refused request with untrusted chat template.", param=field)
+        if not isinstance(template, str) or not template:
+            raise OpenAIError(400, "chat_template must be a non-empty string", param=field)
+        return template, kwargs
 
     def truncated(self, prompt: list[int], keep: int | None) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len's worth)."""
@@ -182,15 +207,16 @@ class ServerState:
         self.check_model(req.model)
         if req.chat_template_kwargs is not None and not isinstance(req.chat_template_kwargs, dict):
             raise OpenAIError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
-        kwargs = req.chat_template_kwargs
+        template, kwargs = self.request_template(req)
         if req.reasoning_effort is not None:
             if self.reasoning_parser is None:
                 raise OpenAIError(400, "reasoning_effort is not supported by this server for this model: it runs "
                                        "no reasoning parser (--reasoning-parser)", param="reasoning_effort")
             kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
         text = self.render_chat_text(req.messages, req.tool_plan(), kwargs, req.add_generation_prompt,
-                                     req.continue_final_message)
-        prompt = self.truncated(self.encode_chat(text), req.truncate_prompt_tokens)
+                                     req.continue_final_message, req.documents, template)
+        prompt = self.truncated(self.encode_chat(text, own_template=template is not None),
+                                req.truncate_prompt_tokens)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.default_max_tokens(len(prompt), requested)   # 0 is refused, not taken as unset
         if req.top_logprobs and not req.logprobs:
@@ -445,11 +471,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 
 def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_queue: int = 1024,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, reasoning_parser: str | None = None,
-              tool_call_parser: str | None = None, chat_template: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, chat_template: str | None = None,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """api_key: required on every route but /health (serve.guard); max_queue: sequences (prompts x n)
     waiting for the engine before 429; max_request_bytes: larger bodies get 413; reasoning_parser,
-    tool_call_parser, chat_template: ServerState's."""
-    state = ServerState(gen, model_name, api_key, max_queue, reasoning_parser, tool_call_parser, chat_template)
+    tool_call_parser, chat_template, trust_request_chat_template: ServerState's."""
+    state = ServerState(gen, model_name, api_key, max_queue, reasoning_parser, tool_call_parser, chat_template,
+                        trust_request_chat_template)
     app = FastAPI(title="jaxinfer", version="0.1.0",
                   description="OpenAI-compatible completions and chat completions on the jaxinfer engine")
     app.state.server = state

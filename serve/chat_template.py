@@ -10,7 +10,12 @@ same way), for the server and the batch script:
   does not know the role (gpt-oss's does; Qwen's, Llama's and Mistral's drop or refuse it);
 - the variables: the special tokens' text by name (bos_token, eos_token, unk_token, pad_token,
   ...) as tokenizer_config names them, overridden by the request's chat_template_kwargs, then the
-  messages, add_generation_prompt and, for a template that mentions them, the tools;
+  messages, add_generation_prompt, the request's documents (vLLM's and transformers' RAG input,
+  when given) and, for a template that mentions them, the tools;
+- a request's own template (vLLM's `chat_template` field, or `chat_template` in
+  chat_template_kwargs), only where the server trusts request templates
+  (--trust-request-chat-template, vLLM's flag; else a 400): compiled in the same sandbox, the last
+  REQUEST_TEMPLATES kept;
 - Jinja as transformers sets it up: trim_blocks, lstrip_blocks, loop controls, a tojson that
   neither sorts keys nor escapes HTML, raise_exception, strftime_now, and `{% generation %}`
   blocks (transformers marks assistant text with them for training masks; rendered as their body);
@@ -20,6 +25,8 @@ same way), for the server and the batch script:
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from datetime import datetime
 from typing import Any
 
@@ -34,6 +41,10 @@ from serve.tools import ToolPlan, template_messages
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}")
+
+# requests' own templates kept compiled (least recently used dropped)
+REQUEST_TEMPLATES = 16
+MAX_REQUEST_TEMPLATE_CHARS = 1 << 20
 
 # continue_final_message: appended to the last message, found in the rendered text, cut there (transformers)
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -68,6 +79,9 @@ class ChatTemplates:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._env = env
+        self._requested: OrderedDict[str, Any] = OrderedDict()   # a request's template text -> compiled
+        self._lock = threading.Lock()      # requests render on the server's worker threads
         self.texts = dict(templates)
         self.compiled = {name: env.from_string(text) for name, text in templates.items()}
         self.special_tokens = dict(special_tokens or {})
@@ -83,6 +97,26 @@ class ChatTemplates:
         if tokenizer is not None and tokenizer.chat_templates:
             return cls(tokenizer.chat_templates, special)
         return cls({"default": DEFAULT_CHAT_TEMPLATE}, special, plain=True)
+
+    def _compiled_request(self, template: str) -> Any:
+        """A request's own template, compiled in this sandbox (cached); one that does not compile is a
+        400 naming chat_template."""
+        with self._lock:
+            if template in self._requested:
+                self._requested.move_to_end(template)
+                return self._requested[template]
+        if len(template) > MAX_REQUEST_TEMPLATE_CHARS:
+            raise OpenAIError(400, f"chat_template is too long ({len(template)} characters; at most "
+                                   f"{MAX_REQUEST_TEMPLATE_CHARS})", param="chat_template")
+        try:
+            compiled = self._env.from_string(template)
+        except TemplateError as e:
+            raise OpenAIError(400, f"chat_template does not compile: {e}", param="chat_template") from None
+        with self._lock:
+            self._requested[template] = compiled
+            while len(self._requested) > REQUEST_TEMPLATES:
+                self._requested.popitem(last=False)
+        return compiled
 
     @property
     def text(self) -> str:
@@ -100,10 +134,12 @@ class ChatTemplates:
                                "--chat-template", param="messages")
 
     def render(self, messages: list[dict], tools: ToolPlan | None = None, kwargs: dict[str, Any] | None = None,
-               add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
-        """The prompt text of `messages` (template_dict()s) with the request's tool plan and
-        chat_template_kwargs; a template error is a 400. continue_final_message: the text ends where
-        the last message's content does (transformers' rule: a tag appended to it marks the spot)."""
+               add_generation_prompt: bool = True, continue_final_message: bool = False,
+               documents: list | None = None, template: str | None = None) -> str:
+        """The prompt text of `messages` (template_dict()s) with the request's tool plan,
+        chat_template_kwargs and documents; a template error is a 400. continue_final_message: the
+        text ends where the last message's content does (transformers' rule: a tag appended to it
+        marks the spot). template: the request's own (the caller checked it may send one)."""
         if continue_final_message:
             if add_generation_prompt:
                 raise OpenAIError(400, "continue_final_message needs add_generation_prompt false",
@@ -112,7 +148,7 @@ class ChatTemplates:
                 raise OpenAIError(400, "continue_final_message: the last message has no text to continue",
                                   param="continue_final_message")
             messages = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
-        text = self._render(messages, tools, kwargs, add_generation_prompt)
+        text = self._render(messages, tools, kwargs, add_generation_prompt, documents, template)
         if not continue_final_message:
             return text
         at = text.rfind(_CONTINUE_TAG.strip())
@@ -123,14 +159,17 @@ class ChatTemplates:
         return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
 
     def _render(self, messages: list[dict], tools: ToolPlan | None, kwargs: dict[str, Any] | None,
-                add_generation_prompt: bool) -> str:
-        name = self.name_for(tools)
-        native = "tools" in self.texts[name]   # HF-style templates take tools and structured calls
-        if "developer" not in self.texts[name]:   # OpenAI's newer name for system, for templates that
-            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]  # lack it
+                add_generation_prompt: bool, documents: list | None, template: str | None) -> str:
+        text, compiled = (template, self._compiled_request(template)) if template is not None else \
+            (self.texts[self.name_for(tools)], self.compiled[self.name_for(tools)])
+        native = "tools" in text   # HF-style templates take tools and structured calls
+        if "developer" not in text:   # OpenAI's newer name for system, for templates that lack it
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         extra = {"tools": list(tools.tools)} if tools is not None and native else {}
+        if documents is not None:
+            extra["documents"] = documents
         try:
-            return self.compiled[name].render(**{
+            return compiled.render(**{
                 **self.special_tokens, **(kwargs or {}), "messages": template_messages(messages, tools, native),
                 "add_generation_prompt": add_generation_prompt, **extra})
         except TemplateError as e:

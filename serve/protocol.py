@@ -504,6 +504,10 @@ class ChatCompletionRequest(_Sampling):
     # left open for the model to continue (a prefilled reply; add_generation_prompt must be false)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's (transformers' apply_chat_template options): documents for a RAG template, as given;
+    # the request's own template (only under --trust-request-chat-template)
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
     _plan: Any = PrivateAttr(default=False)
 
     @model_validator(mode="before")

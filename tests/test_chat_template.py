@@ -209,3 +209,42 @@ def test_no_generation_prompt_and_continue_final_message_as_transformers(base, t
     with pytest.raises(OpenAIError) as e:       # vLLM's rule: not both
         ours(d, prefilled, continue_final_message=True)
     assert e.value.param == "continue_final_message"
+
+
+RAG = ("{% if documents %}{% for d in documents %}{{ '[' + d['title'] + '] ' + d['text'] + '\\n' }}{% endfor %}"
+       "{% endif %}") + CHATML
+DOCS = [{"title": "cats", "text": "the cat sat on a mat"}, {"title": "weather", "text": "Hi there"}]
+
+
+def ours_request(d: Path, trust: bool, **body) -> tuple[str, list[int]]:
+    """A chat body through ServerState's template choice (request_template), rendering and encoding."""
+    from serve.app import ServerState
+    from serve.protocol import ChatCompletionRequest
+    gen = SimpleNamespace(tokenizer=load_tokenizer(d), client=SimpleNamespace(max_model_len=4096))
+    state = ServerState(gen, "m", None, 16, trust_request_chat_template=trust)
+    req = ChatCompletionRequest(model="m", **body)
+    template, kwargs = state.request_template(req)
+    text = state.render_chat_text(req.messages, None, kwargs, documents=req.documents, template=template)
+    return text, state.encode_chat(text, own_template=template is not None)
+
+
+@pytest.mark.parametrize("own", ["field", "kwargs"])
+def test_documents_and_a_request_template_as_transformers(base, tmp_path, own):
+    """vLLM's documents (a RAG template's input) and a request's own chat_template, under
+    --trust-request-chat-template: the text and ids of transformers' apply_chat_template(documents=,
+    chat_template=); untrusted, a request template is vLLM's 400 naming the field it came in."""
+    from serve.protocol import OpenAIError
+    d = folder(base, tmp_path, CHATML)
+    body = ({"chat_template": RAG} if own == "field" else {"chat_template_kwargs": {"chat_template": RAG}})
+    want = theirs(d, USER, documents=DOCS, chat_template=RAG)
+    assert want[0].startswith("[cats] the cat sat on a mat\n[weather] Hi there\n<|im_start|>user")
+    assert ours_request(d, True, messages=USER, documents=DOCS, **body) == want
+    # the model's own template does not read documents: as transformers renders it
+    assert ours_request(d, True, messages=USER, documents=DOCS) == theirs(d, USER, documents=DOCS)
+    with pytest.raises(OpenAIError) as e:
+        ours_request(d, False, messages=USER, **body)
+    assert e.value.param == ("chat_template" if own == "field" else "chat_template_kwargs")
+    assert "--trust-request-chat-template" in e.value.message
+    with pytest.raises(OpenAIError) as e:
+        ours_request(d, True, messages=USER, chat_template="{% for %}")
+    assert e.value.param == "chat_template"
