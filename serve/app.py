@@ -169,9 +169,9 @@ class ServerState:
         p = req.prompt
         texts = None
         if isinstance(p, str):
-            prompts, texts = [self.encode(p)], [p]
+            prompts, texts = [self.encode(p, req.add_special_tokens)], [p]
         elif p and all(isinstance(x, str) for x in p):
-            prompts, texts = [self.encode(x) for x in p], list(p)
+            prompts, texts = [self.encode(x, req.add_special_tokens) for x in p], list(p)
         elif p and all(isinstance(x, int) for x in p):
             prompts = [list(p)]
         elif p and all(isinstance(x, list) for x in p):

@@ -66,6 +66,15 @@ UNSUPPORTED_FIELDS = {
     "use_beam_search": lambda v: v is None or v is False,
     "length_penalty": lambda v: v is None or v == 1.0,
     "spaces_between_special_tokens": lambda v: v is None or v is True,
+    # vLLM's request fields that would change the output and are not implemented: prompt embeddings,
+    # custom logits processors, keeping a truncated prompt's first tokens, an outlines whitespace
+    # pattern, and chat's add_special_tokens true (special tokens added on top of the template's;
+    # completions declare the field and honour it)
+    "prompt_embeds": lambda v: v is None,
+    "logits_processors": lambda v: v is None or v == [],
+    "truncation_side": lambda v: v is None or v == "left",
+    "guided_whitespace_pattern": lambda v: v is None,
+    "add_special_tokens": lambda v: v is None or v is False,
     # chat template options (declared by chat requests; on completions they would be silently dropped)
     "add_generation_prompt": lambda v: v is None or v is True,
     "continue_final_message": lambda v: v is None or v is False,
@@ -417,6 +426,8 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     max_tokens: int | None = 16
     prompt_logprobs: int | None = None      # vLLM's extension (echo with logprobs implies logprobs' k)
+    # vLLM's: text prompts get the tokenizer's special tokens (BOS); false encodes them as they are
+    add_special_tokens: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -441,6 +441,10 @@ def test_prefix_cache_salt_usage_and_metrics(server, client):
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "spaces_between_special_tokens": False},
      "spaces_between_special_tokens"),
     ("/v1/responses", {"input": "x", "min_tokens": 2}, "min_tokens"),   # declared by completions and chat only
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "truncation_side": "right"}, "truncation_side"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True},
+     "add_special_tokens"),      # (chat's default is false: the template writes them)
     # vLLM's bounds on min_tokens / allowed_token_ids / bad_words, named by the request's field
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "allowed_token_ids": []}, "allowed_token_ids"),
@@ -486,8 +490,15 @@ def test_continuous_usage_stats_give_each_chunk_its_choices_usage(server):
 def test_vllm_extras_at_their_no_op_values_are_accepted(server):
     r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": "x", "max_tokens": 2, "min_tokens": 0, "include_stop_str_in_output": False,
-        "skip_special_tokens": True, "stream_options": None})
+        "skip_special_tokens": True, "stream_options": None, "truncation_side": "left", "prompt_embeds": None})
     assert r.status_code == 200, r.text
+    # vLLM's add_special_tokens on completions: false encodes the text without the BOS SentencePiece's
+    # rule adds (its ids as /tokenize makes them either way)
+    for add in (True, False):
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "lazy dog", "max_tokens": 2, "add_special_tokens": add, "return_token_ids": True})
+        want = httpx.post(f"{server.url}/tokenize", json={"prompt": "lazy dog", "add_special_tokens": add}).json()
+        assert r.json()["choices"][0]["prompt_token_ids"] == want["tokens"] and (want["tokens"][0] == 1) == add
 
 
 def test_logprobs_keep_the_sampled_token_and_follow_the_text(server):
