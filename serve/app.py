@@ -146,8 +146,9 @@ class ServerState:
             raise OpenAIError(400, "chat_template must be a non-empty string", param=field)
         return template, kwargs
 
-    def truncated(self, prompt: list[int], keep: int | None) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len's worth)."""
+    def truncated(self, prompt: list[int], keep: int | None, side: str | None = None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len's worth);
+        its truncation_side "right": the first ones."""
         if keep is None:
             return prompt
         if keep == -1:
@@ -155,7 +156,7 @@ class ServerState:
         if not isinstance(keep, int) or keep < 1:
             raise OpenAIError(400, f"truncate_prompt_tokens must be -1 or >= 1, got {keep!r}",
                               param="truncate_prompt_tokens")
-        return prompt[-keep:]
+        return prompt[:keep] if side == "right" else prompt[-keep:]
 
     def completion_inputs(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         """A /v1/completions body -> its prompts as token ids and the sampling params (both front
@@ -178,7 +179,7 @@ class ServerState:
             prompts = [list(x) for x in p]
         else:
             raise OpenAIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
-        prompts = [self.truncated(x, req.truncate_prompt_tokens) for x in prompts]
+        prompts = [self.truncated(x, req.truncate_prompt_tokens, req.truncation_side) for x in prompts]
         if req.truncate_prompt_tokens is not None:
             texts = None          # the echo is the kept tokens' text
         echo_only = req.echo and req.max_tokens == 0
@@ -216,7 +217,7 @@ class ServerState:
         text = self.render_chat_text(req.messages, req.tool_plan(), kwargs, req.add_generation_prompt,
                                      req.continue_final_message, req.documents, template)
         prompt = self.truncated(self.encode_chat(text, own_template=template is not None),
-                                req.truncate_prompt_tokens)
+                                req.truncate_prompt_tokens, req.truncation_side)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.default_max_tokens(len(prompt), requested)   # 0 is refused, not taken as unset
         if req.top_logprobs and not req.logprobs:

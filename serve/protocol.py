@@ -67,12 +67,10 @@ UNSUPPORTED_FIELDS = {
     "length_penalty": lambda v: v is None or v == 1.0,
     "spaces_between_special_tokens": lambda v: v is None or v is True,
     # vLLM's request fields that would change the output and are not implemented: prompt embeddings,
-    # custom logits processors, keeping a truncated prompt's first tokens, an outlines whitespace
-    # pattern, and chat's add_special_tokens true (special tokens added on top of the template's;
-    # completions declare the field and honour it)
+    # custom logits processors, an outlines whitespace pattern, and chat's add_special_tokens true
+    # (special tokens added on top of the template's; completions declare the field and honour it)
     "prompt_embeds": lambda v: v is None,
     "logits_processors": lambda v: v is None or v == [],
-    "truncation_side": lambda v: v is None or v == "left",
     "guided_whitespace_pattern": lambda v: v is None,
     "add_special_tokens": lambda v: v is None or v is False,
     # chat template options (declared by chat requests; on completions they would be silently dropped)
@@ -236,6 +234,7 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None   # vLLM's: right keeps the first N tokens
     # vLLM's: no EOS, stop id or stop string before this many tokens; the only tokens the output may
     # hold; words it must not contain (SamplingParams)
     min_tokens: int = 0

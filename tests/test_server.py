@@ -282,6 +282,11 @@ def test_vllm_sampling_and_prompt_extras(server, client, model_dir):
                                     extra_body={"truncate_prompt_tokens": 3})
     alone = client.completions.create(model="tiny", prompt=ids[-3:], max_tokens=5, temperature=0)
     assert cut.usage.prompt_tokens == 3 and cut.choices[0].text == alone.choices[0].text
+    # truncation_side right (vLLM's): the first N instead
+    first = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": 3, "truncation_side": "right"})
+    head = client.completions.create(model="tiny", prompt=ids[:3], max_tokens=5, temperature=0)
+    assert first.usage.prompt_tokens == 3 and first.choices[0].text == head.choices[0].text
     bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
     lp = client.completions.create(model="tiny", prompt="lazy dog", max_tokens=4, temperature=0, logprobs=1,
@@ -442,7 +447,7 @@ def test_prefix_cache_salt_usage_and_metrics(server, client):
      "spaces_between_special_tokens"),
     ("/v1/responses", {"input": "x", "min_tokens": 2}, "min_tokens"),   # declared by completions and chat only
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "prompt_embeds": "AAAA"}, "prompt_embeds"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "truncation_side": "right"}, "truncation_side"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "truncation_side": "middle"}, "truncation_side"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True},
      "add_special_tokens"),      # (chat's default is false: the template writes them)
     # vLLM's bounds on min_tokens / allowed_token_ids / bad_words, named by the request's field
