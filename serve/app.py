@@ -42,7 +42,8 @@ from serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard, error_bytes
 from serve.lora_routes import router as lora_router
 from serve.metrics import ServerMetrics
 from serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                            OpenAIError, TokenizeRequest, chat_body, completion_body, new_id, now, with_token_ids)
+                            OpenAIError, TokenizeRequest, chat_body, completion_body, json_body, new_id, now,
+                            validated, with_token_ids)
 from serve.stream import ChatChoices, CompletionChoices, respond, stream_response
 from serve.reasoning import REASONING_PARSERS, OutputParsers, default_reasoning_parser, prompt_state, reasoning_prefix
 from serve.messages import router as messages_router
@@ -468,6 +469,33 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                                                                         token_str)
         return with_token_ids(body, groups, [prompt], sub.n) if req.return_token_ids else body
     return await respond(state.engine, sub, request, build)
+
+
+@router.get("/ping")
+@router.post("/ping")
+async def ping(request: Request):
+    """SageMaker's health check (vLLM serves it): /health's answer."""
+    return await health(request)
+
+
+# SageMaker's one entry (vLLM's /invocations): the route a body is for, by the field only its request
+# type requires, in vLLM's order of trying them (chat, completions, embeddings, score, rerank)
+_INVOCATIONS = (("messages", ChatCompletionRequest, chat_completions), ("prompt", CompletionRequest, completions),
+                ("input", embeddings.EmbeddingRequest, embeddings.embeddings),
+                ("text_1", embeddings.ScoreRequest, embeddings.score),
+                ("query", embeddings.RerankRequest, embeddings.rerank))
+
+
+@router.post("/invocations")
+async def invocations(request: Request):
+    """The body goes to the route its request type is for (its errors name their fields as there);
+    one that is none of them is a 400 listing what is expected."""
+    body = await json_body(request)
+    for key, model, handler in _INVOCATIONS:
+        if isinstance(body, dict) and key in body:
+            return await handler(validated(model, body), request)
+    raise OpenAIError(400, "Cannot find suitable handler for request. Expected one of: " + ", ".join(
+        f"{model.__name__} (with {key})" for key, model, _ in _INVOCATIONS))
 
 
 def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_queue: int = 1024,

@@ -5,8 +5,9 @@ disconnects pass through untouched. Errors use OpenAI's error JSON (serve.protoc
 Anthropic's on its routes (error_bytes).
 
 - API key: with a key set, every route except OPEN_PATHS needs `Authorization: Bearer KEY`
-  (scheme case-insensitive) or `x-api-key: KEY` (Anthropic's SDKs), compared in constant time. /health stays open so that load balancers
-  and orchestrators can probe liveness without the key, as in vLLM and llama.cpp.
+  (scheme case-insensitive) or `x-api-key: KEY` (Anthropic's SDKs), compared in constant time. /health
+  (and SageMaker's /ping) stay open so that load balancers and orchestrators can probe liveness
+  without the key, as in vLLM and llama.cpp.
 - Body size: a declared Content-Length above the limit gets a 413 before anything is read; a
   chunked body is counted as it arrives and refused with a 413 once it passes the limit.
 """
@@ -20,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.protocol import OpenAIError
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ping"})   # /ping: SageMaker's health check (serve/app.py)
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20   # 4 MiB: ~1M tokens of text, far beyond any context we serve
 
 

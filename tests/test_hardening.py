@@ -378,7 +378,7 @@ def test_tokenizing_a_large_prompt_does_not_block_the_event_loop(srv):
 @pytest.mark.parametrize("method,path", [
     ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
     ("POST", "/detokenize"), ("GET", "/metrics"), ("GET", "/docs"), ("GET", "/openapi.json"), ("GET", "/redoc"),
-    ("GET", "/no-such-route"),
+    ("GET", "/no-such-route"), ("POST", "/invocations"),
 ])
 def test_api_key_is_required_on_every_route_but_health(srv, method, path):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}):
@@ -386,6 +386,7 @@ def test_api_key_is_required_on_every_route_but_health(srv, method, path):
         assert r.status_code == 401, (path, headers, r.status_code)
         assert _openai_error(r)["type"] == "authentication_error"
     assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
+    assert httpx.get(srv.url + "/ping", timeout=30).status_code == 200    # SageMaker's health check
 
 
 def test_api_key_scheme_is_case_insensitive(srv):

@@ -574,3 +574,20 @@ def test_completion_logprobs_by_hand():
     assert lp["text_offset"] == [0, 4, 5, 5]
     assert lp["top_logprobs"] == [{"fo": -0.1, " the": -0.5}, {"<0x0A>": -2.0}, {" the": -0.2, "fo": -0.25},
                                   {" the": -0.75, "x": -1.0}]
+
+
+def test_sagemaker_ping_and_invocations(server):
+    """vLLM's SageMaker routes: /ping answers as /health does (GET and POST); /invocations sends a
+    body to the route its request type is for (greedy: the same answer as that route's), its
+    refusals naming the field as there; a body of no known type is a 400."""
+    post = lambda route, body: httpx.post(f"{server.url}{route}", json=body, timeout=60)  # noqa: E731
+    assert httpx.get(f"{server.url}/ping").status_code == 200 and httpx.post(f"{server.url}/ping").status_code == 200
+    for route, body in (("/v1/completions", {"prompt": "lazy dog"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "lazy dog"}]})):
+        body = {"model": "tiny", "max_tokens": 6, "temperature": 0, **body}
+        direct, routed = post(route, body).json(), post("/invocations", body).json()
+        assert routed["object"] == direct["object"] and routed["choices"] == direct["choices"]
+    bad = post("/invocations", {"model": "tiny", "prompt": "x", "min_tokens": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens"
+    none = post("/invocations", {"model": "tiny", "text": "x"})
+    assert none.status_code == 400 and "Expected one of" in none.json()["error"]["message"]
