@@ -73,6 +73,10 @@ UNSUPPORTED_FIELDS = {
     "logits_processors": lambda v: v is None or v == [],
     "guided_whitespace_pattern": lambda v: v is None,
     "add_special_tokens": lambda v: v is None or v is False,
+    # chat's template inputs (ChatCompletionRequest declares them), on routes that render no chat
+    # request's template (Responses, Messages, /tokenize)
+    "documents": lambda v: v is None,
+    "chat_template": lambda v: v is None,
     # chat template options (declared by chat requests; on completions they would be silently dropped)
     "add_generation_prompt": lambda v: v is None or v is True,
     "continue_final_message": lambda v: v is None or v is False,

@@ -450,6 +450,9 @@ def test_prefix_cache_salt_usage_and_metrics(server, client):
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "truncation_side": "middle"}, "truncation_side"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True},
      "add_special_tokens"),      # (chat's default is false: the template writes them)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
+     "chat_template"),           # vLLM's refusal without --trust-request-chat-template
+    ("/v1/responses", {"input": "x", "documents": [{"text": "d"}]}, "documents"),
     # vLLM's bounds on min_tokens / allowed_token_ids / bad_words, named by the request's field
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "allowed_token_ids": []}, "allowed_token_ids"),
