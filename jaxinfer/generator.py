@@ -30,6 +30,7 @@ from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.config.engine import engine_config, settings as engine_settings
 from jaxinfer.host.beam_search import BeamSearchParams
 from jaxinfer.hub import ModelSpecError, resolve_model_path
+from jaxinfer.classify import Classifier, read_classifier
 from jaxinfer.client import Completion, EngineClient, SubmitError
 from jaxinfer.embedding import EmbeddingSpec, read_embedding_spec
 from jaxinfer.engine import Engine
@@ -157,12 +158,14 @@ def _with_settings(func):
 class Generator:
     def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, max_num_batched_tokens: int | None = None,
                  warmup: bool = True, draft_model=None, medusa_heads=None, channel=None,
-                 embedding: EmbeddingSpec | None = None):
+                 embedding: EmbeddingSpec | None = None, classifier: Classifier | None = None):
         """max_num_batched_tokens: when given, replaces cfg's (EngineConfig.max_num_batched_tokens).
         channel: multi-host, the jaxinfer.distributed.StepChannel of this process's group
         (from_pretrained makes it): process 0 publishes every step and gen.logits call on it, the
         others follow() them; async scheduling is then off (followers need every input token).
-        embedding: how the model embeds (gen.embed; jaxinfer.embedding), None: it does not."""
+        embedding: how the model embeds (gen.embed; jaxinfer.embedding), None: it does not.
+        classifier: a sequence-classification checkpoint's head (gen.classify; jaxinfer.classify),
+        its decoder embedding by the last token."""
         from jaxinfer.compilation_cache import enable_compilation_cache
         from pallas_kernels.autotune import log_budget_summary
 
@@ -175,6 +178,7 @@ class Generator:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.embedding = embedding
+        self.classifier = classifier
         self._channel = channel
         publish = None
         if channel is not None and channel.group.is_leader:   # every step's host inputs go to the others first
@@ -232,6 +236,12 @@ class Generator:
             from jaxinfer.sharding import make_mesh
             mesh = make_mesh(tensor_parallel=cfg.tensor_parallel)   # clear error if too few devices
         channel = None if group is None else _join_group(group, mesh, path, cfg, warmup)
+        classifier = None if is_native(path) else read_classifier(path, lambda name: SafetensorsFolder(path).get(name))
+        if classifier is not None:   # transformers' head reads the last token's final-norm state
+            if cfg.pooling not in (None, "last") or cfg.normalize:
+                raise ValueError(f"{path} is a sequence-classification model: it pools the last token, "
+                                 "not normalized (pooling= and normalize= cannot change that)")
+            cfg = dataclasses.replace(cfg, pooling="last")
         embedding, model_cfg = _embedding_spec(path, cfg)
         if embedding is not None:   # a sentence-transformers folder's Transformer may lie in a subfolder
             path = embedding.model_path
@@ -240,7 +250,7 @@ class Generator:
             raise ValueError("speculative decoding is not available across several processes (multi-host)")
         draft, heads = _load_speculative(draft_path, cfg.speculative_method, model, cfg.dtype)
         return cls(model, load_tokenizer(path), cfg, None, warmup, draft_model=draft, medusa_heads=heads,
-                   channel=channel, embedding=embedding)
+                   channel=channel, embedding=embedding, classifier=classifier)
 
     # ---------------------------------------------------------------- inputs
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -371,6 +381,13 @@ class Generator:
         except SubmitError as e:
             raise ValueError(f"input {e.index}: {e.message}") from None
         return np.stack(vectors).astype(np.float32)
+
+    def classify(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]]) -> np.ndarray:
+        """np.float32 [n, num_labels]: each input's label probabilities (vLLM's LLM.classify; the
+        activation and labels: gen.classifier, jaxinfer/classify.py). Inputs as gen.embed takes them."""
+        if self.classifier is None:
+            raise ValueError("this model does not classify: load a ...ForSequenceClassification checkpoint")
+        return self.classifier.probabilities(self.embed(inputs))
 
     def _embedding_spec(self) -> EmbeddingSpec:
         if self.embedding is None:

@@ -68,6 +68,12 @@ class ScoreRequest(_StrictBody):
     user: str | None = None
 
 
+class ClassifyRequest(_StrictBody):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    user: str | None = None
+
+
 class RerankRequest(_StrictBody):
     model: str | None = None
     query: str
@@ -207,3 +213,25 @@ async def rerank(req: RerankRequest, request: Request):
             "results": [{"index": i, "relevance_score": scores[i], **({"document": {"text": docs[i]}}
                                                                       if req.return_documents else {})}
                         for i in order]}
+
+
+@router.post("/classify")
+@router.post("/v1/classify")
+async def classify(req: ClassifyRequest, request: Request):
+    """vLLM's classification API: each input's label probabilities (jaxinfer/classify.py) and its
+    likeliest label, {"id", "object": "list", "created", "model", "data": [{"index", "label",
+    "probs", "num_classes"}], "usage"}."""
+    state = request.app.state.server
+    lora = state.check_model(req.model)
+    head = state.gen.classifier
+    if head is None:
+        raise OpenAIError(400, f"the model '{state.model_name}' does not classify (load a "
+                               "...ForSequenceClassification checkpoint)", param="model")
+    vectors, n_tokens = await _embed(state, request, _inputs(req.input), lora=lora)
+    if not isinstance(vectors, list):
+        return vectors
+    probs = head.probabilities(np.stack(vectors))
+    return {"id": new_id("classify"), "object": "list", "created": now(), "model": lora or state.model_name,
+            "data": [{"index": i, "label": head.labels[int(np.argmax(p))], "probs": [float(x) for x in p],
+                      "num_classes": head.num_labels} for i, p in enumerate(probs)],
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0}}

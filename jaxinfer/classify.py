@@ -1,0 +1,69 @@
+"""Sequence-classification checkpoints (HF's `XForSequenceClassification` of a supported decoder
+family: reward models, sentiment and intent classifiers, one-label cross-encoder scorers).
+
+transformers' forward is the decoder's final-norm hidden states, `score` (a [num_labels, d] linear
+map, no bias) applied to each, and the row of the last non-padding token taken; an unpadded prompt's
+is its last token. Here the decoder runs in the engine as an embedding model (prefill-only requests
+pooled at the last token, not normalized: jaxinfer/embedding.py) and the head on the host, in
+float64 from the float32 pooled state. The probabilities follow vLLM's classify activation
+(its get_classification_activation_function, aligned with transformers' loss for the config's
+problem_type): "regression" -> the logits as they are; "multi_label_classification" -> sigmoid;
+otherwise softmax over the labels, or sigmoid for a single label (a cross-encoder's relevance).
+Labels are config.json's id2label, in id order (transformers' LABEL_i where it has none).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Classifier", "read_classifier"]
+
+
+@dataclass(frozen=True)
+class Classifier:
+    weight: np.ndarray              # float32 [num_labels, d]: the checkpoint's score.weight
+    labels: tuple[str, ...]
+    activation: str                 # "softmax" | "sigmoid" | "identity"
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
+    def logits(self, pooled: np.ndarray) -> np.ndarray:
+        """[n, d] pooled hidden states -> [n, num_labels] float64 logits."""
+        return np.asarray(pooled, np.float64) @ self.weight.astype(np.float64).T
+
+    def probabilities(self, pooled: np.ndarray) -> np.ndarray:
+        """[n, d] -> [n, num_labels] float32: the activation of the logits."""
+        z = self.logits(pooled)
+        if self.activation == "sigmoid":
+            z = 1.0 / (1.0 + np.exp(-z))
+        elif self.activation == "softmax":
+            z = np.exp(z - z.max(axis=-1, keepdims=True))
+            z = z / z.sum(axis=-1, keepdims=True)
+        return z.astype(np.float32)
+
+
+def read_classifier(folder: str | Path, read_tensor) -> Classifier | None:
+    """The folder's Classifier when config.json's architecture is a `...ForSequenceClassification`,
+    else None. read_tensor(name) -> np.ndarray reads a checkpoint tensor (SafetensorsFolder.get)."""
+    config_file = Path(folder) / "config.json"
+    if not config_file.exists():
+        return None
+    config = json.loads(config_file.read_text())
+    archs = config.get("architectures") or []
+    if not (archs and str(archs[0]).endswith("ForSequenceClassification")):
+        return None
+    weight = np.asarray(read_tensor("score.weight"), np.float32)
+    if weight.ndim != 2:
+        raise ValueError(f"{config_file.parent}: score.weight has shape {weight.shape}, expected [num_labels, d]")
+    n = weight.shape[0]
+    id2label = config.get("id2label") or {}
+    labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
+    problem = config.get("problem_type") or ""
+    activation = ("identity" if problem == "regression" else
+                  "sigmoid" if problem == "multi_label_classification" or n < 2 else "softmax")
+    return Classifier(weight, labels, activation)
