@@ -342,12 +342,7 @@ class EngineClient:
         one finished RequestOutput (beam_outputs). A prompt whose beams cannot reach max_tokens
         within the context is a SubmitError naming max_tokens, before anything runs. Each prompt's
         result is beam_outputs': one delta per token of each hypothesis."""
-        for i, p in enumerate(prompts):
-            if len(p) + params.max_tokens > self.max_model_len:
-                raise SubmitError(i, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                     f"you requested {len(p) + params.max_tokens} tokens ({len(p)} in the prompt, "
-                                     f"{params.max_tokens} for the completion).", "max_tokens",
-                                  "context_length_exceeded")
+        self.check_beam_fits(prompts, params)
         searches = [BeamSearch(list(p), params, self.eos_ids) for p in prompts]
         while live := [s for s in searches if not s.done]:
             batch = [seq for s in live for seq in s.prompts()]
@@ -355,6 +350,17 @@ class EngineClient:
                                        lora=lora)
             advance_all(live, [r[0].top_logprobs[0] for r in results])
         return [beam_outputs(s, str(i), self.engine.tokenizer) for i, s in enumerate(searches)]
+
+    def check_beam_fits(self, prompts: Sequence[list[int]], params: BeamSearchParams) -> None:
+        """A SubmitError naming max_tokens for the first prompt whose beams cannot reach max_tokens
+        within the context (the engine's own check of a request, made before any round runs)."""
+        for i, p in enumerate(prompts):
+            total = len(p) + params.max_tokens
+            if total > self.max_model_len:
+                raise SubmitError(i, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                     f"you requested {total} tokens ({len(p)} in the prompt, {params.max_tokens} for "
+                                     f"the completion), {total - self.max_model_len} too many. Please reduce the "
+                                     "prompt or max_tokens.", "max_tokens", "context_length_exceeded")
 
     @contextlib.contextmanager
     def _releasing(self, rids: list[str]):

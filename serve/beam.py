@@ -18,7 +18,7 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import Response
 
-from jaxinfer.client import advance_all, beam_outputs
+from jaxinfer.client import SubmitError, advance_all, beam_outputs
 from jaxinfer.config import SamplingParams
 from jaxinfer.config.sampling import SamplingParamsError
 from jaxinfer.host.beam_search import BeamSearch, BeamSearchParams
@@ -59,14 +59,11 @@ async def beam_submission(state, request: Request, prompts: list[list[int]], par
         raise OpenAIError(400, f"this request has {len(prompts) * bp.beam_width} beams ({len(prompts)} prompt(s) x "
                                f"n={bp.beam_width}) but the server queues at most {state.engine.max_queue}; split it",
                           param="n")
-    eos = state.gen.client.eos_ids
-    for p in prompts:
-        if len(p) + bp.max_tokens > state.max_model_len:
-            raise OpenAIError(400, f"This model's maximum context length is {state.max_model_len} tokens. "
-                                   f"However, you requested {len(p) + bp.max_tokens} tokens ({len(p)} in the prompt, "
-                                   f"{bp.max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-                              param=req.request_field("max_tokens"), code="context_length_exceeded")
-    searches = [BeamSearch(p, bp, eos) for p in prompts]
+    try:
+        state.gen.client.check_beam_fits(prompts, bp)
+    except SubmitError as e:
+        raise OpenAIError(400, e.message, param=req.request_field(e.param), code=e.code) from None
+    searches = [BeamSearch(p, bp, state.gen.client.eos_ids) for p in prompts]
     while live := [s for s in searches if not s.done]:
         sub = state.engine.submit([seq for s in live for seq in s.prompts()], bp.round_params(),
                                   cache_salt=req.cache_salt, request_field=req.request_field, priority=req.priority,

@@ -260,7 +260,7 @@ def test_use_beam_search_matches_transformers(server, client, model_dir):
                                           max_tokens=4, n=2, extra_body={"use_beam_search": True})
     assert len(chat.choices) == 2 and chat.choices[0].message.content is not None
     for extra, param in [({"stop": ["x"]}, "stop"), ({"top_p": 0.5}, "top_p"), ({"n": 11}, "n"),
-                         ({"frequency_penalty": 1.0}, "frequency_penalty")]:
+                         ({"frequency_penalty": 1.0}, "frequency_penalty"), ({"max_tokens": 4000}, "max_tokens")]:
         body = {"model": "tiny", "prompt": "lazy dog", "max_tokens": 5, "use_beam_search": True, **extra}
         e = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
         assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
