@@ -10,6 +10,13 @@ float64 from the float32 pooled state. The probabilities follow vLLM's classify 
 problem_type): "regression" -> the logits as they are; "multi_label_classification" -> sigmoid;
 otherwise softmax over the labels, or sigmoid for a single label (a cross-encoder's relevance).
 Labels are config.json's id2label, in id order (transformers' LABEL_i where it has none).
+
+A one-label model is a cross-encoder (a reranker): Generator.score and the server's /score and
+/rerank score each (query, document) pair by its probability (the sigmoid of the logit, what
+sentence-transformers' CrossEncoder.predict returns), the pair tokenized as vLLM tokenizes it:
+tokenizer(query, document), the tokenizer's pair template (Tokenizer.encode_pair), or, where
+config.json says use_pad_token: false (vLLM's flag for an "LLM as reranker" checkpoint whose prompt
+format is written into the texts), the two texts joined into one.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ class Classifier:
     weight: np.ndarray              # float32 [num_labels, d]: the checkpoint's score.weight
     labels: tuple[str, ...]
     activation: str                 # "softmax" | "sigmoid" | "identity"
+    pair_template: bool = True      # config.json's use_pad_token: a pair is tokenizer(a, b), else tokenizer(a + b)
 
     @property
     def num_labels(self) -> int:
@@ -45,6 +53,20 @@ class Classifier:
             z = np.exp(z - z.max(axis=-1, keepdims=True))
             z = z / z.sum(axis=-1, keepdims=True)
         return z.astype(np.float32)
+
+    def relevance(self, pooled: np.ndarray) -> np.ndarray:
+        """[n, d] pooled states of (query, document) pairs -> [n] float32 scores: a one-label
+        model's probability. A model of several labels is no cross-encoder: ValueError."""
+        if self.num_labels != 1:
+            raise ValueError(f"this model classifies into {self.num_labels} labels ({', '.join(self.labels)}); "
+                             "scoring pairs needs a one-label cross-encoder (or an embedding model)")
+        return self.probabilities(pooled)[:, 0]
+
+    def pair_ids(self, tokenizer, query: str, document: str) -> list[int]:
+        """A (query, document) pair's token ids as vLLM's get_score_prompt makes them."""
+        if self.pair_template:
+            return tokenizer.encode_pair(query, document)
+        return tokenizer.encode(query + document)
 
 
 def read_classifier(folder: str | Path, read_tensor) -> Classifier | None:
@@ -66,4 +88,4 @@ def read_classifier(folder: str | Path, read_tensor) -> Classifier | None:
     problem = config.get("problem_type") or ""
     activation = ("identity" if problem == "regression" else
                   "sigmoid" if problem == "multi_label_classification" or n < 2 else "softmax")
-    return Classifier(weight, labels, activation)
+    return Classifier(weight, labels, activation, pair_template=config.get("use_pad_token", True) is not False)

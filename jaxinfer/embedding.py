@@ -27,7 +27,7 @@ from typing import Any
 
 from jaxinfer.host.pooling import POOLING_METHODS, PoolingState
 
-__all__ = ["EmbeddingError", "EmbeddingSpec", "read_embedding_spec"]
+__all__ = ["EmbeddingError", "EmbeddingSpec", "read_embedding_spec", "score_pairs", "cosine"]
 
 # Pooling's pooling_mode names -> ours (the modes our step pools; ST's others are refused by name)
 _ST_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
@@ -162,3 +162,20 @@ def read_embedding_spec(folder: str | Path, pooling: str | None = None, normaliz
     return EmbeddingSpec(pooling=pooling or st_pooling[0], normalize=normalize or st_normalize,
                          include_prompt=st_pooling[1], prompts=dict(prompts), default_prompt_name=default,
                          matryoshka_dimensions=_matryoshka(config), generates=has_lm_head, model_path=model_path)
+
+
+def score_pairs(first: list, second: list) -> list[tuple]:
+    """vLLM's score pairing of text_1 against text_2: 1:1, 1:N (the one first text against each
+    second) or N:N; anything else, or an empty side, is a ValueError naming it."""
+    if not first or not second:
+        raise ValueError(f"{'text_1' if not first else 'text_2'} must not be empty")
+    if len(first) != 1 and len(first) != len(second):
+        raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: the pairs must be 1:1, 1:N or N:N")
+    return list(zip(first * len(second) if len(first) == 1 else first, second))
+
+
+def cosine(a, b) -> float:
+    """torch.nn.CosineSimilarity(dim=0)'s value (eps 1e-8), what vLLM scores embedding pairs by."""
+    import numpy as np
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.dot(a, b) / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-8))

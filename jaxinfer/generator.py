@@ -32,7 +32,7 @@ from jaxinfer.host.beam_search import BeamSearchParams
 from jaxinfer.hub import ModelSpecError, resolve_model_path
 from jaxinfer.classify import Classifier, read_classifier
 from jaxinfer.client import Completion, EngineClient, SubmitError
-from jaxinfer.embedding import EmbeddingSpec, read_embedding_spec
+from jaxinfer.embedding import EmbeddingSpec, cosine, read_embedding_spec, score_pairs
 from jaxinfer.engine import Engine
 from jaxinfer.lora.execute import LoraInputs
 from jaxinfer.spec_decode.medusa import is_medusa, load_heads
@@ -388,6 +388,24 @@ class Generator:
         if self.classifier is None:
             raise ValueError("this model does not classify: load a ...ForSequenceClassification checkpoint")
         return self.classifier.probabilities(self.embed(inputs))
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str]) -> np.ndarray:
+        """np.float32 [n]: vLLM's LLM.score, text_1 against text_2 (1:1, 1:N or N:N). A one-label
+        sequence-classification model (a cross-encoder reranker) scores each pair together, its
+        probability (jaxinfer/classify.py); an embedding model scores the cosine similarity of the
+        two texts' embeddings. A classifier of several labels is a ValueError."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        pairs = score_pairs(first, second)
+        if self.classifier is not None:
+            self.classifier.relevance(np.zeros((0, self.model_cfg.d_model)))   # one label, else its error
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer to pair the texts with")
+            return self.classifier.relevance(self.embed([self.classifier.pair_ids(self.tokenizer, a, b)
+                                                         for a, b in pairs]))
+        vectors = self.embed(first + second)
+        left, right = vectors[:len(first)], vectors[len(first):]
+        return np.asarray([cosine(left[0 if len(left) == 1 else i], v) for i, v in enumerate(right)], np.float32)
 
     def _embedding_spec(self) -> EmbeddingSpec:
         if self.embedding is None:

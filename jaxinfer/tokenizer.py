@@ -102,6 +102,16 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Two texts as one sequence with special tokens, as transformers' tokenizer(text,
+        text_pair) makes it (a cross-encoder's input): tokenizer.json's post-processor places the
+        pair (its TemplateProcessing "pair", e.g. "<s> $A </s></s> $B </s>"; a ByteLevel-only
+        processor, Qwen's, just joins the two); for a SentencePiece model, transformers' Llama rule,
+        each text after its own BOS where the model adds BOS."""
+        if self.kind == "hf":
+            return list(self._backend.encode(text, pair, add_special_tokens=True).ids)
+        return self.encode(text) + self.encode(pair)
+
     def encode_rendered(self, text: str, special_texts: Sequence[str] = ()) -> list[int]:
         """A rendered chat (a template wrote its special tokens out as text: bos_token, eos_token, ...)
         -> ids, with no special token added, as transformers encodes apply_chat_template's text. The

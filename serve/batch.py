@@ -1,9 +1,10 @@
 """The offline batch script: `jaxinfer batch IN.jsonl OUT.jsonl [--model PATH]`.
 
 Input: one request per line in the OpenAI batch-file shape
-    {"custom_id": "...", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions" | "/v1/embeddings",
-     "body": {...}}
-(embeddings on a model that serves them, as vLLM's run-batch takes them; the bodies are the server's).
+    {"custom_id": "...", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions" | "/v1/embeddings"
+     | "/v1/score" | "/v1/rerank", "body": {...}}
+(embeddings, scores and reranking on a model that serves them, as vLLM's run-batch takes them, also
+at "/score", "/rerank" and "/v2/rerank"; the bodies are the server's).
 All valid requests go to the engine at once, so continuous batching keeps the device full; beam-search
 requests (use_beam_search, serve/beam.py) run after them, one line at a time (each line's prompts
 together), as their rounds depend on each other.
@@ -34,12 +35,14 @@ from jaxinfer.generator import Generator
 from serve.app import ServerState
 from serve.beam import beam_params
 from serve.echo import first_prompt_logprobs, vllm_prompt_logprobs
-from serve.embeddings import EmbeddingRequest, embeddings_body, encode_embedding_inputs
+from serve.embeddings import (EmbeddingRequest, RerankRequest, ScorePlan, ScoreRequest, embeddings_body,
+                              encode_embedding_inputs, rerank_plan, score_plan)
 from serve.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_body, completion_body,
                             find_invalid_text, new_id, now, with_token_ids)
 
 ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-          "/v1/embeddings": EmbeddingRequest}
+          "/v1/embeddings": EmbeddingRequest, "/v1/score": ScoreRequest, "/score": ScoreRequest,
+          "/v1/rerank": RerankRequest, "/rerank": RerankRequest, "/v2/rerank": RerankRequest}
 
 
 @dataclass
@@ -53,7 +56,8 @@ class Job:
     rids: list[str] | None = None
     echo: Any = None            # completions: serve.echo.Echo (echo, prompt logprobs)
     parsers: Any = None            # chat: how the output is read (serve.reasoning.OutputParsers)
-    poolings: list | None = None   # embeddings: each input's PoolingState
+    poolings: list | None = None   # embeddings, scores: each input's PoolingState
+    plan: ScorePlan | None = None  # scores and reranking: how the vectors make the body
     beam: BeamSearchParams | None = None   # use_beam_search: the search's params
 
 
@@ -89,7 +93,7 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
         return _error_line(line_no, cid, 400, "custom_id must be a non-empty string")
     if url not in ROUTES:
         return _error_line(line_no, cid, 400, f"url must be one of {sorted(ROUTES)}, got {url!r}")
-    parsers = poolings = None
+    parsers = poolings = plan = None
     try:
         req = ROUTES[url].model_validate(obj.get("body"))
         echo = None
@@ -98,6 +102,10 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
         elif url == "/v1/embeddings":
             state.check_model(req.model)
             (prompts, poolings), params = encode_embedding_inputs(state, req), EMBEDDING_PARAMS
+        elif isinstance(req, (ScoreRequest, RerankRequest)):
+            state.check_model(req.model)
+            plan = (score_plan if isinstance(req, ScoreRequest) else rerank_plan)(state, req)
+            prompts, poolings, params = plan.ids, plan.poolings, EMBEDDING_PARAMS
         else:
             prompt, params, parsers = state.chat_request(req)
             prompts = [prompt]
@@ -110,7 +118,8 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
     except Exception as e:   # one line's surprise never ends the run
         return _error_line(line_no, cid, 500, f"line {line_no + 1}: {type(e).__name__}: {e}")
     return Job(line_no, cid, url, req, prompts, params, echo=echo,
-               parsers=parsers if url == "/v1/chat/completions" else None, poolings=poolings, beam=beam)
+               parsers=parsers if url == "/v1/chat/completions" else None, poolings=poolings, beam=beam,
+               plan=plan)
 
 
 def _read_lines(path: Path) -> list[str | bytes]:
@@ -146,9 +155,11 @@ def _read_done(out_path: Path) -> dict[tuple[int, str | None], dict]:
 def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -> dict:
     groups = [samples for rid in job.rids for samples in outputs[rid]]
     model = state.check_model(job.request.model) or state.model_name
-    if job.url == "/v1/embeddings":
-        rid = new_id("embd")
-        body = embeddings_body(job.request, model, [g[-1].embedding for g in groups], sum(map(len, job.prompts)))
+    if job.url == "/v1/embeddings" or job.plan is not None:
+        vectors = [g[-1].embedding for g in groups]
+        body = (job.plan.body(vectors, model, sum(map(len, job.prompts))) if job.plan is not None else
+                embeddings_body(job.request, model, vectors, sum(map(len, job.prompts))))
+        rid = body.get("id") or new_id("embd")
         return {"id": new_id("batch_req"), "custom_id": job.custom_id, "line": job.line,
                 "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
     n_prompt = sum(map(len, job.prompts))

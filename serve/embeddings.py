@@ -1,4 +1,4 @@
-"""POST /v1/embeddings (OpenAI's shape) and POST /v1/score (vLLM's, for embedding models).
+"""POST /v1/embeddings (OpenAI's shape), POST /v1/score, /v1/rerank and /classify (vLLM's).
 
 /v1/embeddings: `input` is a string, a list of strings, a list of token ids or a list of token-id
 lists; text is tokenized as gen.embed tokenizes it (the model's default prompt first, special tokens
@@ -10,8 +10,11 @@ input's tokens, special tokens included. An input longer than max_model_len is a
 index; a field this endpoint does not know is a 400 naming it.
 
 /v1/score (also /score): `text_1` (one string or a list) against `text_2` (a list, or one string):
-1:1, 1:N or N:N pairs, each scored by the cosine similarity of the two embeddings (vLLM's
-embedding-model scoring), as {"data": [{"index", "object": "score", "score"}], "usage"}.
+1:1, 1:N or N:N pairs, as {"data": [{"index", "object": "score", "score"}], "usage"}, each scored
+as vLLM scores it for the model loaded: a one-label sequence-classification checkpoint (a
+cross-encoder reranker) reads the pair as one input and scores its probability
+(jaxinfer/classify.py; a classifier of several labels is a 400 naming `model`); an embedding model
+scores the cosine similarity of the two texts' embeddings.
 
 /v1/rerank (also /rerank, /v2/rerank; vLLM's shape, which Jina's and Cohere's clients read): `query`
 against `documents` (strings, or {"text"} objects as Jina and Cohere v1 send them), each scored as
@@ -25,13 +28,15 @@ nothing through the same bridge as generation, so embeddings share the engine's 
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import model_validator
 from starlette.concurrency import run_in_threadpool
 
+from jaxinfer.embedding import cosine, score_pairs
 from jaxinfer.engine import EMBEDDING_PARAMS
 from serve.protocol import OpenAIError, _Body, _refuse, find_invalid_text, new_id, now
 from serve.stream import respond
@@ -118,6 +123,11 @@ async def _embed(state, request: Request, inputs: list, dimensions: int | None =
     """Every input's embedding, in order, and the tokens they held; lora: the adapter `model` named
     (check_model), None for the base model."""
     ids, poolings = await run_in_threadpool(_encode, state, inputs, dimensions)
+    return await _embed_encoded(state, request, ids, poolings, lora)
+
+
+async def _embed_encoded(state, request: Request, ids: list[list[int]], poolings: list, lora: str | None
+                         ) -> tuple[list[np.ndarray], int]:
     try:
         sub = state.engine.submit(ids, EMBEDDING_PARAMS, poolings=poolings, lora=lora)
     except OpenAIError as e:
@@ -158,41 +168,52 @@ async def embeddings(req: EmbeddingRequest, request: Request):
     return embeddings_body(req, lora or state.model_name, vectors, n_tokens)
 
 
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    """torch.nn.CosineSimilarity(dim=0)'s value (eps 1e-8), what vLLM scores embedding pairs by."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.dot(a, b) / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-8))
+@dataclass
+class ScorePlan:
+    """What one /v1/score or /v1/rerank body needs embedded (token ids, PoolingStates) and how the
+    pooled vectors, in that order, make its response body: the route's and the batch script's."""
+    ids: list[list[int]]
+    poolings: list
+    body: Callable[[list[np.ndarray], str, int], dict]     # (vectors, model name, tokens read) -> body
 
 
-@router.post("/v1/score")
-@router.post("/score")
-async def score(req: ScoreRequest, request: Request):
-    state = request.app.state.server
-    lora = state.check_model(req.model)
+def _pair_plan(state, first: list[str], second: list[str]) -> tuple[list[list[int]], list, Callable]:
+    """The (first, second) pairs' inputs (1:1, 1:N or N:N) and vectors -> scores: a one-label
+    classifier (a cross-encoder) reads each pair as one input (Classifier.pair_ids) and scores its
+    probability; an embedding model embeds each text once and scores the cosine similarity."""
+    try:
+        pairs = score_pairs(first, second)
+    except ValueError as e:
+        raise OpenAIError(400, str(e), param="text_1" if str(e).startswith("text_1 must") else "text_2") from None
+    gen = state.gen
+    head = gen.classifier
+    if head is None:
+        ids, poolings = _encode(state, first + second, None)
+        n = len(first)
+        return ids, poolings, lambda v: [cosine(v[0 if n == 1 else i], w) for i, w in enumerate(v[n:])]
+    try:
+        head.relevance(np.zeros((0, gen.model_cfg.d_model)))
+    except ValueError as e:
+        raise OpenAIError(400, str(e), param="model") from None
+    if gen.tokenizer is None:
+        raise OpenAIError(400, "this model has no tokenizer to pair the texts with", param="model")
+    ids, poolings = _encode(state, [head.pair_ids(gen.tokenizer, a, b) for a, b in pairs], None)
+    return ids, poolings, lambda v: [float(x) for x in head.relevance(np.stack(v))]
+
+
+def score_plan(state, req: ScoreRequest) -> ScorePlan:
     first = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)
     second = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
-    if not first or not second:
-        raise OpenAIError(400, "text_1 and text_2 must not be empty", param="text_1" if not first else "text_2")
-    if len(first) != 1 and len(first) != len(second):
-        raise OpenAIError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: the pairs must be 1:1, "
-                               "1:N or N:N", param="text_2")
-    vectors, n_tokens = await _embed(state, request, first + second, lora=lora)
-    if not isinstance(vectors, list):
-        return vectors
-    left, right = vectors[:len(first)], vectors[len(first):]
-    if len(left) == 1:
-        left = left * len(right)
-    return {"id": new_id("score"), "object": "list", "created": now(), "model": lora or state.model_name,
-            "data": [{"index": i, "object": "score", "score": cosine(a, b)} for i, (a, b) in enumerate(zip(left, right))],
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0}}
+    ids, poolings, scores_of = _pair_plan(state, first, second)
+
+    def body(vectors, model: str, n_tokens: int) -> dict:
+        return {"id": new_id("score"), "object": "list", "created": now(), "model": model,
+                "data": [{"index": i, "object": "score", "score": x} for i, x in enumerate(scores_of(vectors))],
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0}}
+    return ScorePlan(ids, poolings, body)
 
 
-@router.post("/v1/rerank")
-@router.post("/rerank")
-@router.post("/v2/rerank")
-async def rerank(req: RerankRequest, request: Request):
-    state = request.app.state.server
-    lora = state.check_model(req.model)
+def rerank_plan(state, req: RerankRequest) -> ScorePlan:
     docs = []
     for i, d in enumerate(req.documents):
         if isinstance(d, dict) and (set(d) != {"text"} or not isinstance(d["text"], str)):
@@ -203,16 +224,38 @@ async def rerank(req: RerankRequest, request: Request):
         raise OpenAIError(400, "documents must not be empty", param="documents")
     if req.top_n < 0:
         raise OpenAIError(400, f"top_n must be 0 (all) or more, got {req.top_n}", param="top_n")
-    vectors, n_tokens = await _embed(state, request, [req.query] + docs, lora=lora)
+    ids, poolings, scores_of = _pair_plan(state, [req.query], docs)
+
+    def body(vectors, model: str, n_tokens: int) -> dict:
+        scores = scores_of(vectors)
+        order = sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n or None]
+        return {"id": new_id("rerank"), "model": model,
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+                "results": [{"index": i, "relevance_score": scores[i],
+                             **({"document": {"text": docs[i]}} if req.return_documents else {})} for i in order]}
+    return ScorePlan(ids, poolings, body)
+
+
+async def _run_plan(state, request: Request, plan_of, req):
+    lora = state.check_model(req.model)
+    plan = await run_in_threadpool(plan_of, state, req)
+    vectors, n_tokens = await _embed_encoded(state, request, plan.ids, plan.poolings, lora)
     if not isinstance(vectors, list):
         return vectors
-    scores = [cosine(vectors[0], v) for v in vectors[1:]]
-    order = sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n or None]
-    return {"id": new_id("rerank"), "model": lora or state.model_name,
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
-            "results": [{"index": i, "relevance_score": scores[i], **({"document": {"text": docs[i]}}
-                                                                      if req.return_documents else {})}
-                        for i in order]}
+    return plan.body(vectors, lora or state.model_name, n_tokens)
+
+
+@router.post("/v1/score")
+@router.post("/score")
+async def score(req: ScoreRequest, request: Request):
+    return await _run_plan(request.app.state.server, request, score_plan, req)
+
+
+@router.post("/v1/rerank")
+@router.post("/rerank")
+@router.post("/v2/rerank")
+async def rerank(req: RerankRequest, request: Request):
+    return await _run_plan(request.app.state.server, request, rerank_plan, req)
 
 
 @router.post("/classify")

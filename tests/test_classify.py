@@ -79,3 +79,110 @@ def test_classify_route(tmp_path):
         np.testing.assert_allclose(one["data"][0]["probs"], probs[2], atol=1e-6)
         bad = client.post("/classify", json={"model": "cls", "input": "x", "top_k": 3})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k"
+
+
+# ------------------------------------------------------------------------------ cross-encoders
+
+QUERY = "the quick brown fox"
+DOCS = ["the lazy dog", "jumps over the dog", "brown fox jumps", "quick quick fox"]
+
+
+def _cross_encoder(root, num_labels: int = 1):
+    """A one-label LlamaForSequenceClassification with a byte-level BPE tokenizer.json whose
+    post-processor has a pair template (BERT/RoBERTa-style separators, as rerankers ship them)."""
+    import torch
+    import transformers as tf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([QUERY, *DOCS, "the quick brown fox jumps over the lazy dog"] * 4, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B:1 </s>:1", special_tokens=[("<s>", 1), ("</s>", 2)])
+    folder = root / f"cross{num_labels}"
+    cfg = tf.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, num_labels=num_labels)
+    torch.manual_seed(5)
+    model = tf.LlamaForSequenceClassification(cfg).eval()
+    with torch.no_grad():   # a score head large enough that the pairs' probabilities differ visibly
+        model.score.weight.mul_(20)
+    model.save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder, model
+
+
+def test_cross_encoder_scores_match_sentence_transformers(tmp_path):
+    """A one-label classifier scores (query, document) pairs as sentence-transformers' CrossEncoder
+    does (tokenizer(query, document) through the pair template, the sigmoid of the logit), through
+    Generator.score, POST /score (1:N and N:N) and POST /rerank (best first, top_n)."""
+    import transformers as tf
+    from fastapi.testclient import TestClient
+    from sentence_transformers import CrossEncoder
+
+    from serve.app import build_app
+    folder, _ = _cross_encoder(tmp_path)
+    ref = np.asarray(CrossEncoder(str(folder), device="cpu").predict([(QUERY, d) for d in DOCS]), np.float64)
+    assert ref.shape == (len(DOCS),) and np.ptp(ref) > 0.05       # distinct scores: the order is a real check
+    g = Generator.from_pretrained(folder, dtype="float32", max_model_len=64, max_num_seqs=4, warmup=False)
+    hf_tok = tf.AutoTokenizer.from_pretrained(folder)
+    for d in DOCS:   # the pair template's ids, separators included
+        assert g.classifier.pair_ids(g.tokenizer, QUERY, d) == hf_tok(QUERY, d)["input_ids"]
+    # probabilities of float32 forwards whose O(1-10) logits differ by ~1e-5 (sigmoid' <= 1/4)
+    np.testing.assert_allclose(g.score(QUERY, DOCS), ref, atol=1e-5)
+    np.testing.assert_allclose(g.score([QUERY] * 2, DOCS[:2]), ref[:2], atol=1e-5)
+    with TestClient(build_app(g, "rr")) as client:
+        body = client.post("/score", json={"model": "rr", "text_1": QUERY, "text_2": DOCS}).json()
+        np.testing.assert_allclose([d["score"] for d in body["data"]], ref, atol=1e-5)
+        assert body["usage"]["prompt_tokens"] == sum(len(hf_tok(QUERY, d)["input_ids"]) for d in DOCS)
+        nn = client.post("/v1/score", json={"text_1": [QUERY, DOCS[0]], "text_2": [DOCS[1], DOCS[2]]}).json()
+        want = CrossEncoder(str(folder), device="cpu").predict([(QUERY, DOCS[1]), (DOCS[0], DOCS[2])])
+        np.testing.assert_allclose([d["score"] for d in nn["data"]], want, atol=1e-5)
+        rr = client.post("/rerank", json={"query": QUERY, "documents": DOCS, "top_n": 3}).json()
+        assert [r["index"] for r in rr["results"]] == list(np.argsort(-ref)[:3])
+        np.testing.assert_allclose([r["relevance_score"] for r in rr["results"]], np.sort(ref)[::-1][:3], atol=1e-5)
+        bad = client.post("/score", json={"text_1": [QUERY] * 2, "text_2": DOCS})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+    # the batch script's score and rerank lines (vLLM's run-batch urls)
+    from serve.batch import run_batch
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "s", "method": "POST", "url": "/v1/score",
+                               "body": {"text_1": QUERY, "text_2": DOCS}}) + "\n" +
+                   json.dumps({"custom_id": "r", "method": "POST", "url": "/v2/rerank",
+                               "body": {"query": QUERY, "documents": [{"text": d} for d in DOCS]}}) + "\n")
+    run_batch(g, src, out, "rr", progress=False)
+    recs = {r["custom_id"]: r["response"]["body"] for r in map(json.loads, out.read_text().splitlines())}
+    np.testing.assert_allclose([d["score"] for d in recs["s"]["data"]], ref, atol=1e-5)
+    assert [r["index"] for r in recs["r"]["results"]] == list(np.argsort(-ref))
+
+
+def test_cross_encoder_without_pair_template_and_several_labels(tmp_path):
+    """config.json's use_pad_token: false (vLLM's "LLM as reranker" flag) scores tokenizer(query +
+    document), one input; a classifier of several labels is no cross-encoder: a ValueError and a
+    400 naming `model`, where vLLM fails the request too."""
+    import torch
+    import transformers as tf
+    from fastapi.testclient import TestClient
+
+    from serve.app import build_app
+    folder, model = _cross_encoder(tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "use_pad_token": False}))
+    hf_tok = tf.AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        logits = np.array([model(torch.as_tensor([hf_tok(QUERY + d)["input_ids"]])).logits[0, 0].item() for d in DOCS])
+    g = Generator.from_pretrained(folder, dtype="float32", max_model_len=64, max_num_seqs=4, warmup=False)
+    np.testing.assert_allclose(g.score(QUERY, DOCS), 1 / (1 + np.exp(-logits)), atol=1e-5)
+
+    folder3, _ = _cross_encoder(tmp_path, num_labels=3)
+    g3 = Generator.from_pretrained(folder3, dtype="float32", max_model_len=64, max_num_seqs=4, warmup=False)
+    with pytest.raises(ValueError, match="3 labels"):
+        g3.score(QUERY, DOCS)
+    with TestClient(build_app(g3, "c3")) as client:
+        for route, body in (("/score", {"text_1": QUERY, "text_2": DOCS}), ("/rerank", {"query": QUERY, "documents": DOCS})):
+            r = client.post(route, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "3 labels" in r.text, r.text

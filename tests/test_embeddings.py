@@ -136,6 +136,13 @@ def test_embed_matches_sentence_transformers(gens, reference, family):
     else:
         assert not np.allclose(np.linalg.norm(want, axis=1), 1.0, rtol=1e-2)
     assert gen.stats()["kv_blocks_used"] == 0   # no KV kept (only what the prefix cache holds, unreferenced)
+    # Generator.score (vLLM's LLM.score) of an embedding model: the cosine of sentence-transformers'
+    # embeddings, 1:N and N:N (cosines of unit-scale vectors within float32 rounding of them)
+    cos = lambda a, b: float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))  # noqa: E731
+    np.testing.assert_allclose(gen.score(TEXTS[0], TEXTS[1:3]), [cos(want[0], want[1]), cos(want[0], want[2])],
+                               atol=1e-5)
+    np.testing.assert_allclose(gen.score(TEXTS[:2], TEXTS[2:4]), [cos(want[0], want[2]), cos(want[1], want[3])],
+                               atol=1e-5)
 
 
 # Batch invariance holds up to the order of float32 sums: a neighbour moves where an input's prompt
@@ -325,7 +332,10 @@ def test_batch_script_embeds_as_sentence_transformers(gens, reference, tmp_path)
              {"custom_id": "b", "url": "/v1/embeddings",
               "body": {"input": model.tokenizer(TEXTS[3])["input_ids"], "encoding_format": "base64"}},
              {"custom_id": "c", "url": "/v1/embeddings", "body": {"input": "x", "dimensions": 8}},
-             {"custom_id": "d", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 2}}]
+             {"custom_id": "d", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 2}},
+             {"custom_id": "e", "url": "/v1/score", "body": {"text_1": TEXTS[0], "text_2": TEXTS[1:3]}},
+             {"custom_id": "f", "url": "/rerank", "body": {"query": TEXTS[0], "documents": TEXTS[1:4], "top_n": 2}},
+             {"custom_id": "g", "url": "/v1/score", "body": {"text_1": TEXTS[:2], "text_2": TEXTS[1:4]}}]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"method": "POST", **x}) + "\n" for x in lines))
     run_batch(gens["qwen3"], src, out, "tiny", progress=False)
@@ -337,6 +347,13 @@ def test_batch_script_embeds_as_sentence_transformers(gens, reference, tmp_path)
     assert_close_vectors(vec[None].astype(np.float32), want[3:4])
     assert recs["c"]["error"] is not None and "dimensions" in recs["c"]["error"]["message"]
     assert recs["d"]["error"] is not None and recs["a"]["error"] is None
+    # score and rerank lines (vLLM's run-batch takes them too): sentence-transformers' cosines
+    cos = [float(np.dot(want[0], w) / (np.linalg.norm(want[0]) * np.linalg.norm(w))) for w in want[1:4]]
+    np.testing.assert_allclose([d["score"] for d in recs["e"]["response"]["body"]["data"]], cos[:2], atol=1e-5)
+    ranked = recs["f"]["response"]["body"]["results"]
+    assert [r["index"] for r in ranked] == [int(i) for i in np.argsort(-np.array(cos))[:2]]
+    np.testing.assert_allclose([r["relevance_score"] for r in ranked], sorted(cos, reverse=True)[:2], atol=1e-5)
+    assert recs["g"]["error"] is not None and "1:1, 1:N or N:N" in recs["g"]["error"]["message"]
 
 
 def test_embeddings_and_scores_run_the_adapter_model_names(folders, tmp_path):
