@@ -69,9 +69,10 @@ class Classifier:
         return tokenizer.encode(query + document)
 
 
-def read_classifier(folder: str | Path, read_tensor) -> Classifier | None:
+def read_classifier(folder: str | Path, read_tensor, tokenizer=None) -> Classifier | None:
     """The folder's Classifier when config.json's architecture is a `...ForSequenceClassification`,
-    else None. read_tensor(name) -> np.ndarray reads a checkpoint tensor (SafetensorsFolder.get)."""
+    else None. read_tensor(name) -> np.ndarray reads a checkpoint tensor (SafetensorsFolder.get);
+    tokenizer (jaxinfer.tokenizer.Tokenizer): the vocabulary a causal LM's head is converted by."""
     config_file = Path(folder) / "config.json"
     if not config_file.exists():
         return None
@@ -79,13 +80,67 @@ def read_classifier(folder: str | Path, read_tensor) -> Classifier | None:
     archs = config.get("architectures") or []
     if not (archs and str(archs[0]).endswith("ForSequenceClassification")):
         return None
-    weight = np.asarray(read_tensor("score.weight"), np.float32)
+    method = _conversion(config, config_file)
+    if method is None:
+        weight = np.asarray(read_tensor("score.weight"), np.float32)
+    else:
+        weight = _head_from_tokens(config, method, read_tensor, tokenizer, config_file)
     if weight.ndim != 2:
         raise ValueError(f"{config_file.parent}: score.weight has shape {weight.shape}, expected [num_labels, d]")
     n = weight.shape[0]
     id2label = config.get("id2label") or {}
+    if len(id2label) != n:   # a converted head's label count is its tokens', not config.json's default two
+        id2label = {}
     labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
     problem = config.get("problem_type") or ""
     activation = ("identity" if problem == "regression" else
                   "sigmoid" if problem == "multi_label_classification" or n < 2 else "softmax")
-    return Classifier(weight, labels, activation, pair_template=config.get("use_pad_token", True) is not False)
+    # vLLM: a checkpoint's own head pairs by the tokenizer's template unless use_pad_token is false;
+    # an "LLM as reranker" (a converted causal LM) joins the texts unless it is true
+    pair_template = config.get("use_pad_token", method is None) is True
+    return Classifier(weight, labels, activation, pair_template=pair_template)
+
+
+def _conversion(config: dict, config_file: Path) -> str | None:
+    """vLLM's online conversion of a causal LM into a classifier (its hf_overrides): config.json's
+    `method` ("from_2_way_softmax" | "no_post_processing") with `classifier_from_token`, or
+    `is_original_qwen3_reranker` (Qwen3-Reranker: from_2_way_softmax over ["no", "yes"]); None for a
+    checkpoint with its own score head."""
+    method = config.get("method")
+    tokens = config.get("classifier_from_token")
+    if config.get("is_original_qwen3_reranker"):
+        if not (isinstance(tokens, list) and len(tokens) == 2):
+            raise ValueError(f"{config_file}: is_original_qwen3_reranker needs classifier_from_token, two tokens "
+                             "(the false one, then the true one: [\"no\", \"yes\"])")
+        method = "from_2_way_softmax"
+    if method is None:
+        return None
+    if method not in ("from_2_way_softmax", "no_post_processing"):
+        raise ValueError(f"{config_file}: method {method!r} is not a classifier conversion (from_2_way_softmax, "
+                         "no_post_processing)")
+    if not (isinstance(tokens, list) and tokens and all(isinstance(t, str) for t in tokens)):
+        raise ValueError(f"{config_file}: method {method!r} needs classifier_from_token, a list of tokens")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError(f"{config_file}: from_2_way_softmax needs two classifier_from_token entries, got {tokens}")
+    return method
+
+
+def _head_from_tokens(config: dict, method: str, read_tensor, tokenizer, config_file: Path) -> np.ndarray:
+    """The score head a causal LM's output rows make (vLLM's load_weights_using_from_2_way_softmax
+    and load_weights_no_post_processing): from_2_way_softmax, one row W[true] - W[false], so the
+    sigmoid of its logit is the softmax of the two tokens' logits; no_post_processing, the tokens'
+    rows as they are. W: lm_head.weight, or the embedding where the model ties them."""
+    tokens = config["classifier_from_token"]
+    if tokenizer is None:
+        raise ValueError(f"{config_file.parent}: classifier_from_token needs the model's tokenizer")
+    ids = []
+    for t in tokens:
+        i = tokenizer.token_to_id(t)
+        if i is None:
+            raise ValueError(f"{config_file}: classifier_from_token {t!r} is not a token of the model's vocabulary")
+        ids.append(i)
+    name = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
+    w = np.asarray(read_tensor(name), np.float32)
+    if method == "from_2_way_softmax":
+        return (w[ids[1]].astype(np.float64) - w[ids[0]].astype(np.float64)).astype(np.float32)[None]
+    return w[ids]

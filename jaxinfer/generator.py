@@ -29,7 +29,7 @@ from flax import nnx
 from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.config.engine import engine_config, settings as engine_settings
 from jaxinfer.host.beam_search import BeamSearchParams
-from jaxinfer.hub import ModelSpecError, resolve_model_path
+from jaxinfer.hub import ModelSpecError, apply_hf_overrides, resolve_model_path
 from jaxinfer.classify import Classifier, read_classifier
 from jaxinfer.client import Completion, EngineClient, SubmitError
 from jaxinfer.embedding import EmbeddingSpec, cosine, read_embedding_spec, score_pairs
@@ -217,6 +217,8 @@ class Generator:
             raise ModelSpecError(f"revision={revision!r} applies to Hugging Face ids; no model was given "
                                  "(the bundled model has no revisions)")
         path = resolve_model_path(path, revision) if path is not None else default_model_path()
+        if cfg.hf_overrides is not None:
+            path = apply_hf_overrides(path, json.loads(cfg.hf_overrides))
         draft_path = draft_model_path(path, cfg.speculative_method, speculative_model)
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
         group = distributed.initialize(coordinator_address, num_processes, process_id)
@@ -236,7 +238,8 @@ class Generator:
             from jaxinfer.sharding import make_mesh
             mesh = make_mesh(tensor_parallel=cfg.tensor_parallel)   # clear error if too few devices
         channel = None if group is None else _join_group(group, mesh, path, cfg, warmup)
-        classifier = None if is_native(path) else read_classifier(path, lambda name: SafetensorsFolder(path).get(name))
+        classifier = None if is_native(path) else read_classifier(path, lambda name: SafetensorsFolder(path).get(name),
+                                                                  load_tokenizer(path))
         if classifier is not None:   # transformers' head reads the last token's final-norm state
             if cfg.pooling not in (None, "last") or cfg.normalize:
                 raise ValueError(f"{path} is a sequence-classification model: it pools the last token, "

@@ -125,3 +125,45 @@ def _download(repo_id: str, revision: str | None) -> str:
                              f"reached ({e.__cause__ or e})") from None
     except HfHubHTTPError as e:
         raise ModelSpecError(f"{what}: the Hugging Face Hub refused the download ({e})") from None
+
+
+def apply_hf_overrides(folder: Path, overrides: dict) -> Path:
+    """A folder that reads as `folder` with its config.json updated by `overrides` (vLLM's
+    --hf-overrides: each key set, a nested object merged key by key): the folder's other entries
+    linked in, the merged config.json beside them, under the cache (~/.cache/jaxinfer/hf-overrides,
+    or $JAXINFER_CACHE/hf-overrides), keyed by the folder and the merged config. A folder without
+    config.json (a native checkpoint) is a CheckpointError."""
+    import hashlib
+
+    folder = Path(folder).resolve()
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{folder}: hf_overrides updates a Hugging Face folder's config.json, and this "
+                              "folder has none")
+    try:
+        merged = _merged(json.loads(config_file.read_text()), overrides)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
+    text = json.dumps(merged, indent=2, sort_keys=True)
+    key = hashlib.sha256(f"{folder}\n{text}".encode()).hexdigest()[:20]
+    root = Path(os.environ.get("JAXINFER_CACHE") or Path.home() / ".cache" / "jaxinfer")
+    out = root / "hf-overrides" / key
+    out.mkdir(parents=True, exist_ok=True)
+    for link in out.iterdir():      # entries the folder no longer has
+        if link.is_symlink() and not link.exists():
+            link.unlink()
+    for entry in folder.iterdir():
+        link = out / entry.name
+        if entry.name != "config.json" and not link.is_symlink():
+            link.symlink_to(entry)
+    tmp = out / f".config.json.{os.getpid()}"
+    tmp.write_text(text)
+    os.replace(tmp, out / "config.json")
+    return out
+
+
+def _merged(config: dict, overrides: dict) -> dict:
+    out = dict(config)
+    for k, v in overrides.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out

@@ -186,3 +186,93 @@ def test_cross_encoder_without_pair_template_and_several_labels(tmp_path):
         for route, body in (("/score", {"text_1": QUERY, "text_2": DOCS}), ("/rerank", {"query": QUERY, "documents": DOCS})):
             r = client.post(route, json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "3 labels" in r.text, r.text
+
+
+# ------------------------------------------------------------------------------ a causal LM as a reranker
+
+RERANK_PREFIX = "judge: yes or no\nquery: "
+
+
+def _causal_reranker(root, tie: bool = False):
+    """A tiny Qwen3ForCausalLM whose byte-level BPE vocabulary holds "yes" and "no" (as
+    Qwen3-Reranker's does), saved as a causal LM: vLLM's hf_overrides make it a classifier."""
+    import torch
+    import transformers as tf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["yes", "no", RERANK_PREFIX, QUERY, *DOCS] * 4, trainer)
+    assert tok.token_to_id("yes") is not None and tok.token_to_id("no") is not None
+    folder = root / f"causal-reranker{'-tied' if tie else ''}"
+    cfg = tf.Qwen3Config(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                         tie_word_embeddings=tie, eos_token_id=0)
+    torch.manual_seed(7)
+    model = tf.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():   # final states large enough that the pairs' scores differ visibly
+        model.model.norm.weight.mul_(12)
+    model.save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder, model, tok
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hf_overrides_make_a_causal_lm_a_reranker(tmp_path, monkeypatch, tie):
+    """vLLM's hf_overrides for Qwen3-Reranker ({"architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}) score a pair as its
+    model card computes it with transformers: the last token's logits of "no" and "yes", softmaxed,
+    P(yes); the texts joined (no pair template: vLLM's "LLM as reranker"). bge-reranker-v2-gemma's
+    ("classifier_from_token": ["yes"], "method": "no_post_processing"): the sigmoid of the yes logit."""
+    import torch
+    monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path / "cache"))     # where the overridden config goes
+    folder, model, tok = _causal_reranker(tmp_path, tie)
+    docs = [d + "\nanswer:" for d in DOCS]
+    with torch.no_grad():
+        last = np.stack([model(torch.as_tensor([tok.encode(RERANK_PREFIX + QUERY + d).ids])).logits[0, -1].double().numpy()
+                         for d in docs])
+    yes, no = tok.token_to_id("yes"), tok.token_to_id("no")
+    p_yes = np.exp(last[:, yes] - np.logaddexp(last[:, yes], last[:, no]))        # the model card's P(yes)
+    assert np.ptp(p_yes) > 0.05
+    qwen3 = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+             "is_original_qwen3_reranker": True}
+    g = Generator.from_pretrained(folder, dtype="float32", max_model_len=64, max_num_seqs=4, warmup=False,
+                                  hf_overrides=qwen3)
+    assert g.classifier.num_labels == 1 and not g.classifier.pair_template
+    # float32 forwards: logits within ~1e-5 of each other, probabilities (slope <= 1/4) closer still
+    np.testing.assert_allclose(g.score(RERANK_PREFIX + QUERY, docs), p_yes, atol=1e-5)
+    g.close()
+    bge = json.dumps({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["yes"],
+                      "method": "no_post_processing"})      # the CLI's JSON text
+    g = Generator.from_pretrained(folder, dtype="float32", max_model_len=64, max_num_seqs=4, warmup=False,
+                                  hf_overrides=bge)
+    np.testing.assert_allclose(g.score(RERANK_PREFIX + QUERY, docs), 1 / (1 + np.exp(-last[:, yes])), atol=1e-5)
+    g.close()
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]  # untouched
+    assert len(list((tmp_path / "cache" / "hf-overrides").iterdir())) == 2    # one folder per merged config
+
+
+def test_hf_overrides_refusals_and_flags(tmp_path, monkeypatch):
+    from jaxinfer.cli import build_parser
+    from jaxinfer.config.flags import engine_kwargs
+    monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path / "cache"))
+    folder, _, _ = _causal_reranker(tmp_path)
+    over = '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], ' \
+           '"is_original_qwen3_reranker": true}'
+    for flag in ("--hf-overrides", "--hf_overrides"):   # vLLM's spellings
+        args = build_parser().parse_args(["serve", flag, over])
+        assert json.loads(engine_kwargs(args)["hf_overrides"]) == json.loads(over)
+    kw = dict(dtype="float32", max_model_len=64, warmup=False)
+    with pytest.raises(ValueError, match="not a token of the model's vocabulary"):
+        Generator.from_pretrained(folder, hf_overrides={"architectures": ["Qwen3ForSequenceClassification"],
+                                                        "classifier_from_token": ["nope", "yes"],
+                                                        "is_original_qwen3_reranker": True}, **kw)
+    with pytest.raises(ValueError, match="needs classifier_from_token"):
+        Generator.from_pretrained(folder, hf_overrides={"architectures": ["Qwen3ForSequenceClassification"],
+                                                        "is_original_qwen3_reranker": True}, **kw)
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        Generator.from_pretrained(folder, hf_overrides="[1, 2]", **kw)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Generator.from_pretrained(folder, hf_overrides="{architectures", **kw)

@@ -6,6 +6,7 @@ EngineConfig's checks and the flags' choices. Never imports jax.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -116,6 +117,11 @@ class EngineConfig:
                                   choices=POOLING_CHOICES)
     normalize: bool = setting(False, "embeddings: L2-normalize them (default: as a sentence-transformers folder "
                                      "says, by a listed Normalize module)")
+    hf_overrides: str | None = setting(
+        None, "a JSON object merged into the checkpoint's config.json before anything reads it (vLLM's "
+              "--hf-overrides; from_pretrained also takes a dict), e.g. a causal-LM reranker as a "
+              "classifier: {\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+              "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}", flags=("--hf-overrides", "--hf_overrides"))
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -129,6 +135,7 @@ class EngineConfig:
         if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
             raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
         object.__setattr__(self, "lora_modules", lora_modules(self.lora_modules))
+        object.__setattr__(self, "hf_overrides", hf_overrides(self.hf_overrides))
         if self.token_buckets is not None:
             object.__setattr__(self, "token_buckets", token_buckets(self.token_buckets))
         for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "block_size", "max_decode_steps",
@@ -163,6 +170,21 @@ def token_buckets(given) -> tuple[int, ...]:
         raise ValueError(f"token_buckets must be a non-empty list of integers >= 1, got {given!r}"
                          + (f" ({bad!r})" if bad is not None else ""))
     return tuple(sorted(set(values)))
+
+
+def hf_overrides(given) -> str | None:
+    """hf_overrides as canonical JSON text (sorted keys, so that the settings stay hashable and
+    compare equal), from a dict or JSON text; anything but a JSON object is a ValueError."""
+    if given is None:
+        return None
+    if isinstance(given, str):
+        try:
+            given = json.loads(given)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hf_overrides is not valid JSON: {e}") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"hf_overrides must be a JSON object (config.json's keys and values), got {given!r}")
+    return json.dumps(given, sort_keys=True) if given else None
 
 
 def lora_modules(given) -> tuple[tuple[str, str], ...] | None:
