@@ -44,23 +44,24 @@ class Classifier:
         """[n, d] pooled hidden states -> [n, num_labels] float64 logits."""
         return np.asarray(pooled, np.float64) @ self.weight.astype(np.float64).T
 
-    def probabilities(self, pooled: np.ndarray) -> np.ndarray:
-        """[n, d] -> [n, num_labels] float32: the activation of the logits."""
+    def probabilities(self, pooled: np.ndarray, activation: bool = True) -> np.ndarray:
+        """[n, d] -> [n, num_labels] float32: the activation of the logits (activation False, vLLM's
+        use_activation false: the logits themselves, e.g. a reward model's raw score)."""
         z = self.logits(pooled)
-        if self.activation == "sigmoid":
+        if activation and self.activation == "sigmoid":
             z = 1.0 / (1.0 + np.exp(-z))
-        elif self.activation == "softmax":
+        elif activation and self.activation == "softmax":
             z = np.exp(z - z.max(axis=-1, keepdims=True))
             z = z / z.sum(axis=-1, keepdims=True)
         return z.astype(np.float32)
 
-    def relevance(self, pooled: np.ndarray) -> np.ndarray:
+    def relevance(self, pooled: np.ndarray, activation: bool = True) -> np.ndarray:
         """[n, d] pooled states of (query, document) pairs -> [n] float32 scores: a one-label
         model's probability. A model of several labels is no cross-encoder: ValueError."""
         if self.num_labels != 1:
             raise ValueError(f"this model classifies into {self.num_labels} labels ({', '.join(self.labels)}); "
                              "scoring pairs needs a one-label cross-encoder (or an embedding model)")
-        return self.probabilities(pooled)[:, 0]
+        return self.probabilities(pooled, activation)[:, 0]
 
     def pair_ids(self, tokenizer, query: str, document: str) -> list[int]:
         """A (query, document) pair's token ids as vLLM's get_score_prompt makes them."""

@@ -385,18 +385,22 @@ class Generator:
             raise ValueError(f"input {e.index}: {e.message}") from None
         return np.stack(vectors).astype(np.float32)
 
-    def classify(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]]) -> np.ndarray:
+    def classify(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *,
+                 use_activation: bool = True) -> np.ndarray:
         """np.float32 [n, num_labels]: each input's label probabilities (vLLM's LLM.classify; the
-        activation and labels: gen.classifier, jaxinfer/classify.py). Inputs as gen.embed takes them."""
+        activation and labels: gen.classifier, jaxinfer/classify.py), or with use_activation=False
+        the logits. Inputs as gen.embed takes them."""
         if self.classifier is None:
             raise ValueError("this model does not classify: load a ...ForSequenceClassification checkpoint")
-        return self.classifier.probabilities(self.embed(inputs))
+        return self.classifier.probabilities(self.embed(inputs), use_activation)
 
-    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str]) -> np.ndarray:
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
+              use_activation: bool = True) -> np.ndarray:
         """np.float32 [n]: vLLM's LLM.score, text_1 against text_2 (1:1, 1:N or N:N). A one-label
         sequence-classification model (a cross-encoder reranker) scores each pair together, its
         probability (jaxinfer/classify.py); an embedding model scores the cosine similarity of the
-        two texts' embeddings. A classifier of several labels is a ValueError."""
+        two texts' embeddings. A classifier of several labels is a ValueError; use_activation=False:
+        a cross-encoder's logits."""
         first = [text_1] if isinstance(text_1, str) else list(text_1)
         second = [text_2] if isinstance(text_2, str) else list(text_2)
         pairs = score_pairs(first, second)
@@ -405,7 +409,7 @@ class Generator:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer to pair the texts with")
             return self.classifier.relevance(self.embed([self.classifier.pair_ids(self.tokenizer, a, b)
-                                                         for a, b in pairs]))
+                                                         for a, b in pairs]), use_activation)
         vectors = self.embed(first + second)
         left, right = vectors[:len(first)], vectors[len(first):]
         return np.asarray([cosine(left[0 if len(left) == 1 else i], v) for i, v in enumerate(right)], np.float32)

@@ -66,20 +66,35 @@ class EmbeddingRequest(_StrictBody):
     user: str | None = None          # OpenAI's end-user id: accepted, not used
 
 
-class ScoreRequest(_StrictBody):
+class _ActivationFields(_StrictBody):
+    """vLLM's classifier switches: use_activation false returns a classifier's logits, not its
+    probabilities (a reward model's raw score); `activation` and `softmax` are its older names."""
+    use_activation: bool | None = None
+    activation: bool | None = None
+    softmax: bool | None = None
+
+    def wants_activation(self) -> bool:
+        """vLLM's get_use_activation: softmax, else activation, else use_activation (default true)."""
+        for v in (self.softmax, self.activation, self.use_activation):
+            if v is not None:
+                return v
+        return True
+
+
+class ScoreRequest(_ActivationFields):
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
     user: str | None = None
 
 
-class ClassifyRequest(_StrictBody):
+class ClassifyRequest(_ActivationFields):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     user: str | None = None
 
 
-class RerankRequest(_StrictBody):
+class RerankRequest(_ActivationFields):
     model: str | None = None
     query: str
     documents: list[str | dict[str, Any]]
@@ -177,7 +192,8 @@ class ScorePlan:
     body: Callable[[list[np.ndarray], str, int], dict]     # (vectors, model name, tokens read) -> body
 
 
-def _pair_plan(state, first: list[str], second: list[str]) -> tuple[list[list[int]], list, Callable]:
+def _pair_plan(state, first: list[str], second: list[str], activation: bool = True
+               ) -> tuple[list[list[int]], list, Callable]:
     """The (first, second) pairs' inputs (1:1, 1:N or N:N) and vectors -> scores: a one-label
     classifier (a cross-encoder) reads each pair as one input (Classifier.pair_ids) and scores its
     probability; an embedding model embeds each text once and scores the cosine similarity."""
@@ -198,13 +214,13 @@ def _pair_plan(state, first: list[str], second: list[str]) -> tuple[list[list[in
     if gen.tokenizer is None:
         raise OpenAIError(400, "this model has no tokenizer to pair the texts with", param="model")
     ids, poolings = _encode(state, [head.pair_ids(gen.tokenizer, a, b) for a, b in pairs], None)
-    return ids, poolings, lambda v: [float(x) for x in head.relevance(np.stack(v))]
+    return ids, poolings, lambda v: [float(x) for x in head.relevance(np.stack(v), activation)]
 
 
 def score_plan(state, req: ScoreRequest) -> ScorePlan:
     first = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)
     second = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
-    ids, poolings, scores_of = _pair_plan(state, first, second)
+    ids, poolings, scores_of = _pair_plan(state, first, second, req.wants_activation())
 
     def body(vectors, model: str, n_tokens: int) -> dict:
         return {"id": new_id("score"), "object": "list", "created": now(), "model": model,
@@ -224,7 +240,7 @@ def rerank_plan(state, req: RerankRequest) -> ScorePlan:
         raise OpenAIError(400, "documents must not be empty", param="documents")
     if req.top_n < 0:
         raise OpenAIError(400, f"top_n must be 0 (all) or more, got {req.top_n}", param="top_n")
-    ids, poolings, scores_of = _pair_plan(state, [req.query], docs)
+    ids, poolings, scores_of = _pair_plan(state, [req.query], docs, req.wants_activation())
 
     def body(vectors, model: str, n_tokens: int) -> dict:
         scores = scores_of(vectors)
@@ -273,7 +289,7 @@ async def classify(req: ClassifyRequest, request: Request):
     vectors, n_tokens = await _embed(state, request, _inputs(req.input), lora=lora)
     if not isinstance(vectors, list):
         return vectors
-    probs = head.probabilities(np.stack(vectors))
+    probs = head.probabilities(np.stack(vectors), req.wants_activation())
     return {"id": new_id("classify"), "object": "list", "created": now(), "model": lora or state.model_name,
             "data": [{"index": i, "label": head.labels[int(np.argmax(p))], "probs": [float(x) for x in p],
                       "num_classes": head.num_labels} for i, p in enumerate(probs)],

@@ -63,7 +63,8 @@ def test_classify_route(tmp_path):
     from fastapi.testclient import TestClient
 
     from serve.app import build_app
-    path, _ = _classifier(tmp_path, 3)
+    import torch
+    path, model = _classifier(tmp_path, 3)
     g = Generator.from_pretrained(path, dtype="float32", max_model_len=64, max_num_seqs=4, warmup=False)
     with TestClient(build_app(g, "cls")) as client:
         r = client.post("/classify", json={"model": "cls", "input": TEXTS})
@@ -79,6 +80,14 @@ def test_classify_route(tmp_path):
         np.testing.assert_allclose(one["data"][0]["probs"], probs[2], atol=1e-6)
         bad = client.post("/classify", json={"model": "cls", "input": "x", "top_k": 3})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k"
+        # vLLM's use_activation false (and its older names): the logits, transformers' own
+        ids = [g.tokenizer.encode(t) for t in TEXTS]
+        with torch.no_grad():
+            ref = np.stack([model(torch.as_tensor([x])).logits[0].double().numpy() for x in ids])
+        for field in ("use_activation", "activation", "softmax"):
+            raw = client.post("/classify", json={"input": TEXTS, field: False}).json()
+            np.testing.assert_allclose([d["probs"] for d in raw["data"]], ref, atol=2e-5)
+        np.testing.assert_allclose(g.classify(TEXTS, use_activation=False), ref, atol=2e-5)
 
 
 # ------------------------------------------------------------------------------ cross-encoders
@@ -125,7 +134,8 @@ def test_cross_encoder_scores_match_sentence_transformers(tmp_path):
     from sentence_transformers import CrossEncoder
 
     from serve.app import build_app
-    folder, _ = _cross_encoder(tmp_path)
+    import torch
+    folder, model = _cross_encoder(tmp_path)
     ref = np.asarray(CrossEncoder(str(folder), device="cpu").predict([(QUERY, d) for d in DOCS]), np.float64)
     assert ref.shape == (len(DOCS),) and np.ptp(ref) > 0.05       # distinct scores: the order is a real check
     g = Generator.from_pretrained(folder, dtype="float32", max_model_len=64, max_num_seqs=4, warmup=False)
@@ -147,6 +157,12 @@ def test_cross_encoder_scores_match_sentence_transformers(tmp_path):
         np.testing.assert_allclose([r["relevance_score"] for r in rr["results"]], np.sort(ref)[::-1][:3], atol=1e-5)
         bad = client.post("/score", json={"text_1": [QUERY] * 2, "text_2": DOCS})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+        # use_activation false: the cross-encoder's logits, transformers' own on the pair's ids
+        with torch.no_grad():
+            logit = np.array([model(torch.as_tensor([hf_tok(QUERY, d)["input_ids"]])).logits[0, 0].item() for d in DOCS])
+        raw = client.post("/rerank", json={"query": QUERY, "documents": DOCS, "use_activation": False}).json()
+        np.testing.assert_allclose([r["relevance_score"] for r in raw["results"]], np.sort(logit)[::-1], atol=2e-5)
+        np.testing.assert_allclose(g.score(QUERY, DOCS, use_activation=False), logit, atol=2e-5)
     # the batch script's score and rerank lines (vLLM's run-batch urls)
     from serve.batch import run_batch
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
