@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (serve.responses),
 Anthropic's POST /v1/messages (serve.messages; all with `stream: true` as server-sent events),
-POST /v1/embeddings, /v1/score and /v1/rerank (serve.embeddings), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics, and vLLM's
+POST /v1/embeddings, /v1/score, /v1/rerank, /classify and /pooling (serve.embeddings), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics, and vLLM's
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serve.lora_routes; a request whose `model`
 is a loaded adapter's name runs with it).
 Every error uses OpenAI's error JSON {"error": {"message", "type", "param", "code"}} (Anthropic's on
@@ -518,7 +518,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
         app.add_exception_handler(exc_type, handler)
     app.include_router(router)
     app.include_router(lora_router)
-    app.include_router(embeddings.router)   # /v1/embeddings, /v1/score
+    app.include_router(embeddings.router)   # /v1/embeddings, /v1/score, /v1/rerank, /classify, /pooling
     app.include_router(responses_router)
     app.include_router(messages_router)      # Anthropic's /v1/messages
     return app

@@ -103,6 +103,15 @@ class RerankRequest(_ActivationFields):
     user: str | None = None
 
 
+class PoolingRequest(_ActivationFields):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    task: str | None = None          # "embed" | "classify"; None: the model's own
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
 def _inputs(inp) -> list:
     """The request's inputs: each a string or a token-id list."""
     if isinstance(inp, str):
@@ -293,4 +302,33 @@ async def classify(req: ClassifyRequest, request: Request):
     return {"id": new_id("classify"), "object": "list", "created": now(), "model": lora or state.model_name,
             "data": [{"index": i, "label": head.labels[int(np.argmax(p))], "probs": [float(x) for x in p],
                       "num_classes": head.num_labels} for i, p in enumerate(probs)],
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0}}
+
+
+@router.post("/pooling")
+async def pooling(req: PoolingRequest, request: Request):
+    """vLLM's generic pooling API: each input's pooled output, {"id", "object": "list", "created",
+    "model", "data": [{"index", "object": "pooling", "data"}], "usage"}: a classifier's label
+    probabilities (task "classify", its default; logits with use_activation false: a reward
+    model's score), an embedding model's vector as /v1/embeddings makes it (task "embed"; float or
+    base64). Per-token tasks (token_embed, token_classify) are refused, naming `task`."""
+    state = request.app.state.server
+    lora = state.check_model(req.model)
+    head = state.gen.classifier
+    task = req.task or ("classify" if head is not None else "embed")
+    if task not in ("embed", "classify") or (task == "classify") != (head is not None):
+        can = "classify" if head is not None else "embed"
+        raise OpenAIError(400, f"task {task!r} is not available: this model's pooling task is {can!r}", param="task")
+    if task == "classify" and req.dimensions is not None:
+        raise OpenAIError(400, "dimensions applies to the embed task", param="dimensions")
+    if task == "embed" and not req.wants_activation():
+        raise OpenAIError(400, "use_activation applies to the classify task", param="use_activation")
+    vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora)
+    if not isinstance(vectors, list):
+        return vectors
+    if task == "classify":
+        vectors = list(head.probabilities(np.stack(vectors), req.wants_activation()))
+    return {"id": new_id("pool"), "object": "list", "created": now(), "model": lora or state.model_name,
+            "data": [{"index": i, "object": "pooling", "data": _vector(v, req.encoding_format)}
+                     for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0}}

@@ -88,6 +88,16 @@ def test_classify_route(tmp_path):
             raw = client.post("/classify", json={"input": TEXTS, field: False}).json()
             np.testing.assert_allclose([d["probs"] for d in raw["data"]], ref, atol=2e-5)
         np.testing.assert_allclose(g.classify(TEXTS, use_activation=False), ref, atol=2e-5)
+        # vLLM's /pooling: a classifier's probabilities (its default task), logits without activation
+        pooled = client.post("/pooling", json={"input": TEXTS}).json()
+        assert [d["object"] for d in pooled["data"]] == ["pooling"] * 3 and pooled["id"].startswith("pool")
+        np.testing.assert_allclose([d["data"] for d in pooled["data"]], probs, atol=1e-6)
+        raw = client.post("/pooling", json={"input": TEXTS, "task": "classify", "use_activation": False}).json()
+        np.testing.assert_allclose([d["data"] for d in raw["data"]], ref, atol=2e-5)
+        for body, param in (({"input": "x", "task": "embed"}, "task"), ({"input": "x", "task": "token_classify"}, "task"),
+                            ({"input": "x", "dimensions": 8}, "dimensions")):
+            r = client.post("/pooling", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 # ------------------------------------------------------------------------------ cross-encoders

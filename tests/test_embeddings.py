@@ -273,6 +273,24 @@ def test_openai_client_embeddings_match_sentence_transformers(servers, reference
     assert_close_vectors(np.array([d.embedding for d in got.data], np.float32), want[:2])
 
 
+def test_pooling_route_embeds_as_sentence_transformers(servers, reference):
+    """vLLM's POST /pooling on an embedding model (its task "embed"): sentence-transformers'
+    vectors, float or base64; the classify task is refused, naming `task`."""
+    import base64
+
+    import httpx
+    want = reference["qwen3"][0]
+    url = servers["qwen3"].url
+    r = httpx.post(f"{url}/pooling", json={"model": "tiny", "input": TEXTS[:3]}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert_close_vectors(np.array([d["data"] for d in r.json()["data"]], np.float32), want[:3])
+    r = httpx.post(f"{url}/pooling", json={"input": TEXTS[3], "task": "embed", "encoding_format": "base64"}, timeout=120)
+    vec = np.frombuffer(base64.b64decode(r.json()["data"][0]["data"]), "<f4")
+    assert_close_vectors(vec[None].astype(np.float32), want[3:4])
+    r = httpx.post(f"{url}/pooling", json={"input": "x", "task": "classify"}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "task"
+
+
 def test_score_is_the_cosine_of_embeddings(servers, reference):
     import httpx
     want = reference["qwen3"][0]
