@@ -688,7 +688,8 @@ def runner_config(r: ResolvedConfig, eos_ids: tuple[int, ...], host: HostTier | 
                         max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len,
                         token_buckets=r.token_buckets, kv_dtype=r.kv_dtype, attention=r.attention,
                         max_decode_steps=r.max_decode_steps, eos_ids=tuple(eos_ids), spec_tokens=r.spec_tokens,
-                        spec_rounds=r.spec_rounds, kv_offload_slots=host.num_slots if host is not None else 0)
+                        spec_rounds=r.spec_rounds, kv_offload_slots=host.num_slots if host is not None else 0,
+                        logprobs_mode=r.logprobs_mode)
 
 
 def _build_scheduler(r: ResolvedConfig, blocks: BlockManager, eos_ids: tuple[int, ...], lazy_draft: bool,

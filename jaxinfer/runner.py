@@ -111,6 +111,7 @@ class RunnerConfig:
     spec_tokens: int = 0                 # K > 0: speculative decoding with up to K proposals per row
     spec_rounds: int = 1                 # ... and up to this many rounds per step (StepSettings.max_iters)
     kv_offload_slots: int = 0            # blocks the prefix cache's host tier holds (0: no host tier)
+    logprobs_mode: str = "raw_logprobs"  # SamplingBatch.logprobs_mode (config.LOGPROBS_MODES)
 
 
 def _pow2_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
@@ -424,7 +425,7 @@ class ModelRunner:
         hist, is_out = self._history(s, rows, any_penalty or lookup or reads)
         return SamplingBatch(temp, top_k, top_p, min_p, rep, pres, freq, seed, index,
                              positions_of_rows.astype(np.int32), num_logprobs, hist, is_out,
-                             *self._constraints(s, rows), *bans)
+                             *self._constraints(s, rows), *bans, logprobs_mode=self.cfg.logprobs_mode)
 
     def execute(self, sched: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, list[StepSample]]:
         """Run one step and wait for its tokens."""

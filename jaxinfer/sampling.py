@@ -13,19 +13,22 @@ row sets min_p with top_p):
      repetition (CTRL: divide positive / multiply negative logits of every seen token),
      frequency (subtract freq * count of the token in the output),
      presence (subtract pres once for every token present in the output);
-  2. temperature: logits / T (greedy rows use T = 1 for their logprobs);
-  3. logprobs: log_softmax of the logits after steps 1-2, i.e. the distribution after
-     penalties and temperature, before top-k / top-p / min-p truncation;
-  4. truncation on the tempered distribution: min-p (keep tokens with p >= min_p * p_max), then
+  2. temperature: logits / T (greedy rows use T = 1);
+  3. truncation on the tempered distribution: min-p (keep tokens with p >= min_p * p_max), then
      top-k, then top-p (the smallest set whose mass, renormalised over what min-p and top-k kept,
      reaches p);
-  5. draw: Gumbel-max with a key derived only from (seed, sample index, position), so a
+  4. draw: Gumbel-max with a key derived only from (seed, sample index, position), so a
      row's draw never depends on what else is in the batch. Greedy rows take the argmax (a batch
      of greedy rows only skips the draw and the truncation).
+Logprobs (the drawn token's and the top 20) report what the engine's logprobs_mode says, vLLM's
+--logprobs-mode: raw_logprobs (the default), log_softmax of the model's logits as they come, before
+step 0; raw_logits, those logits; processed_logprobs, log_softmax after steps 0-3 (the distribution
+drawn from, tokens the truncation cut at -inf; a greedy row's untruncated, at temperature 1);
+processed_logits, the logits after steps 0-3.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +62,13 @@ class SamplingBatch:
     min_pos: jax.Array          # i32 [N]: they are banned while position < min_pos (0: never)
     bad_words: jax.Array        # i32 [N, MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS]: multi-token bad
                                 #      words, left-padded with -1 (each word's last token in the last column)
+    # what the logprobs report (module docstring): the engine's setting, static (part of the program)
+    logprobs_mode: str = field(default="raw_logprobs", metadata=dict(static=True))
+
+    def arrays(self) -> dict:
+        """The per-row arrays by field name (a transform's input: map, gather, repeat them, then
+        SamplingBatch(**arrays, logprobs_mode=b.logprobs_mode))."""
+        return {k: v for k, v in vars(self).items() if k != "logprobs_mode"}
 
 
 def row_keys(seed: jax.Array, sample_index: jax.Array, position: jax.Array) -> jax.Array:
@@ -202,8 +212,10 @@ def truncate(logits: jax.Array, b: SamplingBatch) -> jax.Array:
 
 
 def process(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Steps 0-4 of the module docstring: logits [N, V] -> (tempered logits, logprobs, truncated
-    logits). Greedy rows take the argmax of the tempered logits (temperature 1 for them)."""
+    """Steps 0-3 of the module docstring: logits [N, V] -> (tempered logits, logprobs as
+    b.logprobs_mode says, truncated logits). Greedy rows take the argmax of the tempered logits
+    (temperature 1 for them)."""
+    raw = logits
     unchanged = lambda l, _: l  # noqa: E731
     logits = jax.lax.cond(jnp.any(b.bias_ids >= 0), apply_logit_bias, unchanged, logits, b)
     logits = jax.lax.cond(jnp.any(b.token_mask != -1), apply_token_mask, unchanged, logits, b)
@@ -212,9 +224,13 @@ def process(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array, 
     logits = jax.lax.cond(any_penalty(b), apply_penalties, unchanged, logits, b)
     greedy = b.temperature <= 0
     logits = logits / jnp.where(greedy, 1.0, b.temperature)[:, None]
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
     any_truncation = jnp.any(((b.top_k > 0) | (b.top_p < 1) | (b.min_p > 0)) & ~greedy)
     filtered = jax.lax.cond(any_truncation, truncate, lambda l, _: l, logits, b)
+    if b.logprobs_mode.startswith("raw"):
+        reported = raw
+    else:   # greedy rows are not truncated (vLLM turns top-k / top-p / min-p off for them)
+        reported = jnp.where(greedy[:, None], logits, filtered)
+    logprobs = jax.nn.log_softmax(reported, axis=-1) if b.logprobs_mode.endswith("logprobs") else reported
     return logits, logprobs, filtered
 
 

@@ -232,6 +232,49 @@ def test_logprobs_are_log_softmax_of_the_model(gen):
         ids.append(tok)
 
 
+def _log_softmax(row: np.ndarray) -> np.ndarray:
+    row = row.astype(np.float64)
+    m = np.max(row[np.isfinite(row)])
+    return row - m - np.log(np.sum(np.exp(row - m)))
+
+
+def test_logprobs_mode_raw_and_processed(gen, hf_model_dir):
+    """vLLM's --logprobs-mode on sampled rows (temperature 0.7, top-k 4, a repetition penalty):
+    raw_logprobs (the default) reports log_softmax of the model's logits (gen.logits of the prefix);
+    processed_logprobs the distribution drawn from, by hand: CTRL penalty over prompt and output, /T,
+    the top 4 kept and renormalised (the others -inf); processed_logits and raw_logits the logits
+    themselves. float32 forwards: ~1e-5 of logits of O(1-10)."""
+    prompt = _prompts(1, gen.model_cfg.vocab_size, 10, 11, seed=8)[0]
+    params = SamplingParams(max_tokens=5, temperature=0.7, top_k=4, repetition_penalty=1.4, seed=2, logprobs=5,
+                            ignore_eos=True)
+
+    def by_hand(ids: list[int], mode: str) -> np.ndarray:
+        row = gen.logits(ids)[-1].astype(np.float64)
+        if mode.startswith("raw"):
+            return _log_softmax(row) if mode == "raw_logprobs" else row
+        seen = list(set(ids))
+        row[seen] = np.where(row[seen] > 0, row[seen] / 1.4, row[seen] * 1.4)
+        row = row / 0.7
+        row = np.where(row >= np.sort(row)[-4], row, -np.inf)
+        return _log_softmax(row) if mode == "processed_logprobs" else row
+
+    out = gen.generate([prompt], params)[0]
+    for mode in ("raw_logprobs", "processed_logprobs", "processed_logits", "raw_logits"):
+        if mode != "raw_logprobs":
+            g = Generator.from_pretrained(hf_model_dir("llama-gqa-llama3"), **ONE_BUCKET, logprobs_mode=mode,
+                                          warmup=False)
+            out = g.generate([prompt], params)[0]
+            g.close()
+        ids = list(prompt)
+        for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+            ref = by_hand(ids, mode)
+            assert np.isfinite(ref[tok]) and lp == pytest.approx(ref[tok], abs=1e-4), mode
+            k = min(5, int(np.isfinite(ref).sum()))
+            assert [t for t, _ in top][:k] == np.argsort(-ref)[:k].tolist(), mode
+            np.testing.assert_allclose([v for _, v in top][:k], np.sort(ref)[::-1][:k], atol=1e-4, err_msg=mode)
+            ids.append(tok)
+
+
 def test_n_samples_share_prompt_and_first_equals_n1(gen):
     prompt = _prompts(1, gen.model_cfg.vocab_size, 37, 38, seed=9)[0]
     p1 = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)

@@ -163,9 +163,8 @@ def test_verify_tree_is_exact(case):
     # an emitted token that is not a child's ends the round: nothing follows it
     assert (drawn[~np.isin(ids[0], node_tokens[0, :3])] == 1).all()
     # the logprobs are the target's at the node that drew each token
-    x0 = np.where(np.isin(np.arange(v), [0, 1, 2]), np.where(logits[0] > 0, logits[0] / rep, logits[0] * rep), logits[0])
-    with np.errstate(divide="ignore"):   # log 0 at the masked tokens (never emitted)
-        ref = np.log(_softmax(np.where(allowed[0], x0 / temp, -np.inf)))
+    with np.errstate(divide="ignore"):   # log 0 at the masked and cut tokens (never emitted)
+        ref = np.log(target(0, [0, 1, 2]))        # processed: after the mask, penalty, temperature, top-p
     np.testing.assert_allclose(np.asarray(lps)[0], ref[ids[0]], rtol=0, atol=2e-5)
     if case == "grammar":   # every emitted token is allowed by the mask of the node that drew it
         assert allowed[0, ids[0]].all() and not (path[:, 1] == 3).any()

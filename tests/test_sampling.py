@@ -102,9 +102,10 @@ def make_batch(n, **fields):
     arrays["stop_ban"] = np.asarray(fields.pop("stop_ban", np.full((n, 2), -1)), np.int32)
     arrays["min_pos"] = np.asarray(fields.pop("min_pos", np.zeros(n)), np.int32)
     arrays["bad_words"] = np.asarray(fields.pop("bad_words", np.full((n, 1, 2), -1)), np.int32)
+    mode = fields.pop("logprobs_mode", "raw_logprobs")
     assert not fields, f"unknown fields {sorted(fields)}"
     assert arrays["history"].shape == (n, H)
-    return SamplingBatch(**arrays)
+    return SamplingBatch(**arrays, logprobs_mode=mode)
 
 
 def history_row(prompt, output):
@@ -211,7 +212,7 @@ def test_temperature_sampling_matches_softmax(big):
 def test_top_k_1_is_greedy_for_every_seed(big):
     ids, lp, *_ = big["top_k1"]
     assert np.all(ids == np.argmax(L)), np.unique(ids)
-    np.testing.assert_allclose(lp, np_log_softmax(L / 1.3)[np.argmax(L)], atol=1e-5)
+    np.testing.assert_allclose(lp, np_log_softmax(L)[np.argmax(L)], atol=1e-5)     # raw: before T and top-k
 
 
 def test_top_k(big):
@@ -257,14 +258,42 @@ def test_min_p_runs_before_top_p_as_in_vllm():
 
 
 @pytest.mark.parametrize("name", list(STAT_BLOCKS))
-def test_logprobs_are_before_truncation(big, name):
-    """Chosen and top-20 logprobs are log_softmax(logits / T), whatever the truncation."""
+def test_raw_logprobs_whatever_the_processing(big, name):
+    """logprobs_mode raw_logprobs (vLLM's default): the chosen and top-20 logprobs are
+    log_softmax(logits), whatever the temperature and truncation."""
     ids, lp, top_ids, top_lp, params = big[name]
-    ref = np_log_softmax(L / params.get("temperature", 1.0))
+    ref = np_log_softmax(L)
     np.testing.assert_allclose(lp, ref[ids], atol=1e-5)
     order = np.argsort(-ref)[:MAX_LOGPROBS]
     assert np.all(top_ids == order[None, :])
     np.testing.assert_allclose(top_lp, np.broadcast_to(ref[order], top_lp.shape), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["top_k", "top_p", "min_p", "combined"])
+def test_processed_logprobs_are_the_distribution_drawn_from(name):
+    """logprobs_mode processed_logprobs: log of the tempered, truncated distribution (numpy's
+    np_truncated_probs), the tokens cut at -inf; processed_logits: the tempered logits, cut tokens
+    -inf; raw_logits: the logits as given."""
+    _, _, params, seed = STAT_BLOCKS[name]
+    n = 16
+    want = np_truncated_probs(L, **{k: params[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in params})
+    kept = want > 0
+    ids, lp, top_ids, top_lp = run(np.broadcast_to(L, (n, V)), make_batch(
+        n, **params, seed=seed + np.arange(n), logprobs_mode="processed_logprobs"))
+    assert np.all(kept[ids])
+    np.testing.assert_allclose(lp, np.log(want[ids]), atol=1e-5)
+    m = int(kept.sum())
+    order = np.argsort(-want)[:min(m, MAX_LOGPROBS)]
+    assert np.all(top_ids[:, :len(order)] == order[None, :])
+    np.testing.assert_allclose(top_lp[:, :len(order)], np.broadcast_to(np.log(want[order]), (n, len(order))), atol=1e-5)
+    assert np.all(np.isneginf(top_lp[:, len(order):]))
+    t = params.get("temperature", 1.0)
+    for mode, ref in (("processed_logits", np.where(kept, L / t, -np.inf)), ("raw_logits", L)):
+        ids, lp, top_ids, top_lp = run(np.broadcast_to(L, (n, V)), make_batch(
+            n, **params, seed=seed + np.arange(n), logprobs_mode=mode))
+        np.testing.assert_allclose(lp, ref[ids], rtol=1e-6, err_msg=mode)
+        np.testing.assert_allclose(top_lp[:, :len(order)], np.broadcast_to(ref[order], (n, len(order))), rtol=1e-6,
+                                   err_msg=mode)
 
 
 # ----------------------------------------------------------------------------- determinism
@@ -351,7 +380,8 @@ def test_numpy_penalties_reference():
 
 def test_penalties_row_independent():
     logits, batch, cases = _penalty_case()
-    ids, lp, top_ids, top_lp = run(logits, batch)
+    # processed logprobs show the penalties (raw ones would not): no row truncates
+    ids, lp, top_ids, top_lp = run(logits, SamplingBatch(**batch.arrays(), logprobs_mode="processed_logprobs"))
     for i, (prompt, output, r, p, f, t) in enumerate(cases):
         pen = numpy_penalties(logits[i], prompt, output, r, p, f)
         if (r, p, f) != (1.0, 0.0, 0.0):
@@ -378,8 +408,9 @@ def test_temperature_logprobs_and_top20():
     rng = np.random.default_rng(7)
     logits = (rng.standard_normal((N_SMALL, V)) * 3).astype(np.float32)
     temps = np.array([1.0, 0.5, 2.5, 0.05, 1.7, 0.0, 3.0, 0.8], np.float32)
-    ids, lp, top_ids, top_lp = run(logits, make_batch(N_SMALL, temperature=temps, seed=np.arange(N_SMALL)))
-    for i, t in enumerate(temps):
+    ids, lp, top_ids, top_lp = run(logits, make_batch(N_SMALL, temperature=temps, seed=np.arange(N_SMALL),
+                                                      logprobs_mode="processed_logprobs"))
+    for i, t in enumerate(temps):      # processed: the tempered distribution (no truncation here)
         ref = np_log_softmax(logits[i].astype(np.float64) / (t if t > 0 else 1.0))
         order = np.argsort(-ref)[:MAX_LOGPROBS]
         assert list(top_ids[i]) == list(order), i
@@ -409,13 +440,15 @@ def test_greedy_ignores_truncation_and_uses_penalised_argmax():
     ids, lp, top_ids, top_lp = run(logits, make_batch(
         N_SMALL, temperature=temps, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
         presence_penalty=pres, frequency_penalty=freq, seed=np.arange(N_SMALL) * 3 + 1, position=4,
-        history=np.stack(hists), history_is_output=np.stack(outs)))
+        history=np.stack(hists), history_is_output=np.stack(outs), logprobs_mode="processed_logprobs"))
     flipped = 0
     for i in range(N_SMALL):
         pen = numpy_penalties(logits[i], *cases[i], rep, pres, freq)
         t = temps[i] if temps[i] > 0 else 1.0
-        ref = np_log_softmax(pen / t)
-        np.testing.assert_allclose(lp[i], ref[ids[i]], atol=1e-5, err_msg=f"row {i}")
+        # processed: a greedy row's penalised distribution, untruncated (vLLM turns truncation off
+        # for greedy rows); a sampled row's truncated one
+        probs = np_truncated_probs(pen, t, top_k[i], top_p[i], min_p[i]) if temps[i] > 0 else np.exp(np_log_softmax(pen))
+        np.testing.assert_allclose(lp[i], np.log(probs[ids[i]]), atol=1e-5, err_msg=f"row {i}")
         if temps[i] == 0:
             assert ids[i] == np.argmax(pen), i
             flipped += np.argmax(pen) != np.argmax(logits[i])

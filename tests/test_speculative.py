@@ -140,7 +140,8 @@ def _batch(n: int, temperature: float, top_p: float = 1.0, rep: float = 1.0, his
                          np.arange(n, dtype=np.uint32), f(0, np.int32), f(4, np.int32), f(0, np.int32),
                          h, np.zeros(h.shape, bool), np.full((n, 1), -1, np.int32),
                          np.full((n, 300), -1, np.int32), np.zeros((n, 300), np.float32),
-                         np.full((n, 2), -1, np.int32), np.zeros(n, np.int32), np.full((n, 1, 3), -1, np.int32))
+                         np.full((n, 2), -1, np.int32), np.zeros(n, np.int32), np.full((n, 1, 3), -1, np.int32),
+                         logprobs_mode="processed_logprobs")   # the logprobs of what the target draws from
 
 
 @pytest.mark.parametrize("case", ["draft", "garbage", "top_p_draft", "penalty", "grammar"])
@@ -193,12 +194,9 @@ def test_verify_is_exact(case):
         rows, seen = (drawn >= 2) & (ids[0] == first), [0, 1, 2, 3, first]
     assert rows.sum() > 300
     assert _chi_square_p(np.bincount(ids[1][rows], minlength=v), target(1, seen)) > P_MIN
-    # the logprobs returned are the target's (after temperature, before top-p)
-    x0 = logits[0].astype(np.float64)
-    for t in range(4):
-        x0[t] = x0[t] / rep if x0[t] > 0 else x0[t] * rep
-    with np.errstate(divide="ignore"):   # log 0 at the masked tokens (never emitted)
-        ref = np.log(_softmax(np.where(allowed[0], x0 / temp, -np.inf)))
+    # the logprobs returned are the target's (processed: after the mask, penalty, temperature, top-p)
+    with np.errstate(divide="ignore"):   # log 0 at the masked and cut tokens (never emitted)
+        ref = np.log(target(0, [0, 1, 2, 3]))
     np.testing.assert_allclose(np.asarray(lps)[0], ref[ids[0]], rtol=0, atol=2e-5)
     # every emitted token is allowed at its position (accepted proposals and the drawn ones alike)
     for j in range(k + 1):

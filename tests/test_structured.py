@@ -36,7 +36,9 @@ BUNDLED = "checkpoints/jaxinfer-tiny-llama"
 
 def _batch(n: int, v: int, temperature, token_mask=None, bias_ids=None, bias_values=None, seed=0,
            stop_ban=None, min_pos=None, bad_words=None, history=None, history_is_output=None,
-           position=None) -> SamplingBatch:
+           position=None, logprobs_mode="processed_logprobs") -> SamplingBatch:
+    """processed_logprobs by default: the logprobs these tests read are of the distribution drawn
+    from (the mask, bias and bans applied)."""
     f = lambda x: np.broadcast_to(np.asarray(x, np.float32), (n,)).copy()  # noqa: E731
     w = (v + 31) // 32
     return SamplingBatch(f(temperature), np.zeros(n, np.int32), f(1.0), f(0.0), f(1.0), f(0.0), f(0.0),
@@ -49,7 +51,8 @@ def _batch(n: int, v: int, temperature, token_mask=None, bias_ids=None, bias_val
                          np.zeros((n, 3), np.float32) if bias_values is None else bias_values,
                          np.full((n, 2), -1, np.int32) if stop_ban is None else stop_ban,
                          np.zeros(n, np.int32) if min_pos is None else min_pos,
-                         np.full((n, 1, 3), -1, np.int32) if bad_words is None else bad_words)
+                         np.full((n, 1, 3), -1, np.int32) if bad_words is None else bad_words,
+                         logprobs_mode=logprobs_mode)
 
 
 def _pack(allowed: np.ndarray) -> np.ndarray:
@@ -86,6 +89,10 @@ def test_mask_greedy_logprobs_and_draws_match_numpy():
     top = np.asarray(top_lps)
     assert np.all(np.isneginf(top[1, 3:])) and np.allclose(np.sort(top[1, :3]), np.sort(ref_lp[1, [7, 64, 99]]),
                                                              atol=1e-5)
+    # raw_logprobs (vLLM's default mode): the model's own distribution, the mask not applied
+    ids, lps, *_ = jax.jit(sample)(logits, _batch(n, v, 0.0, mask, logprobs_mode="raw_logprobs"))
+    np.testing.assert_array_equal(np.asarray(ids), np.argmax(ref, axis=1))
+    np.testing.assert_allclose(np.asarray(lps), _log_softmax(logits)[np.arange(n), np.argmax(ref, axis=1)], atol=1e-5)
     # sampled rows never draw a disallowed token (200 seeds x 6 rows)
     for seed in range(0, 2000, 10):
         ids, *_ = jax.jit(sample)(logits, _batch(n, v, 1.5, mask, seed=seed))

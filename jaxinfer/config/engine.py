@@ -19,6 +19,7 @@ BATCHING_CHOICES = ("continuous", "static", "dynamic")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("draft", "ngram", "medusa")
 POOLING_CHOICES = ("last", "mean", "cls")   # jaxinfer/host/pooling.py
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")   # sampling.py
 # The smallest per-step token budget: the runner's first token bucket holds up to 8 tokens.
 MIN_TOKEN_BUDGET = 8
 MAX_SPECULATIVE_TOKENS = 16
@@ -117,6 +118,11 @@ class EngineConfig:
                                   choices=POOLING_CHOICES)
     normalize: bool = setting(False, "embeddings: L2-normalize them (default: as a sentence-transformers folder "
                                      "says, by a listed Normalize module)")
+    logprobs_mode: str = setting(
+        "raw_logprobs", "what logprobs report (vLLM's --logprobs-mode): raw_logprobs, the model's own distribution "
+                        "(before logit_bias, bans, penalties, temperature and truncation); processed_logprobs, "
+                        "the one drawn from (after all of them, truncated tokens -inf); *_logits: the logits "
+                        "instead", choices=LOGPROBS_MODES)
     hf_overrides: str | None = setting(
         None, "a JSON object merged into the checkpoint's config.json before anything reads it (vLLM's "
               "--hf-overrides; from_pretrained also takes a dict), e.g. a causal-LM reranker as a "

@@ -93,6 +93,7 @@ class ResolvedConfig:
     spec_max_batch: int = 0      # the load policy: speculate while at most this many sequences run or wait
     pool: Any = None             # perf.PoolSize: how num_blocks was sized (None: num_blocks was given)
     kv_offload_bytes: int = 0    # the prefix cache's host tier (0: none)
+    logprobs_mode: str = "raw_logprobs"   # what a drawn token's logprobs report (sampling.process)
 
     @property
     def pool_tokens(self) -> int:
@@ -135,7 +136,8 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
         enable_prefix_caching=cfg.enable_prefix_caching,
         async_scheduling=cfg.async_scheduling and not pipelined, pipeline_microbatches=cfg.pipeline_microbatches,
         memory_fraction=cfg.memory_fraction, speculative_method=cfg.speculative_method, spec_tokens=spec_tokens,
-        spec_rounds=spec_rounds, spec_max_batch=spec_max_batch, pool=pool, kv_offload_bytes=cfg.kv_offload_bytes)
+        spec_rounds=spec_rounds, spec_max_batch=spec_max_batch, pool=pool, kv_offload_bytes=cfg.kv_offload_bytes,
+        logprobs_mode=cfg.logprobs_mode)
 
 
 def resolve_token_buckets(given: tuple[int, ...] | None, budget: int) -> tuple[int, ...]:

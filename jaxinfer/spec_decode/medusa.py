@@ -257,7 +257,8 @@ def _emitted(path: jax.Array, accepted: jax.Array, last: jax.Array, tok_of: jax.
     ids = jnp.where(j == accepted[:, None], last[:, None], ids).astype(jnp.int32)    # [S, D+1]
     at = node_at[rows[:, None], path]                                                # [S, D+1]
     lps = logprobs[at, ids]
-    bp = SamplingBatch(**{name: jnp.repeat(getattr(b, name), d1, axis=0) for name in vars(b)})
+    bp = SamplingBatch(**{name: jnp.repeat(x, d1, axis=0) for name, x in b.arrays().items()},
+                       logprobs_mode=b.logprobs_mode)
     top_ids, top_lps = jax.lax.cond(
         jnp.any(b.num_logprobs > 0), lambda lp: top_logprobs(lp[at.reshape(-1)], bp),
         lambda lp: (jnp.zeros((s * d1, MAX_LOGPROBS), jnp.int32),

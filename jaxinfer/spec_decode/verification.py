@@ -51,7 +51,7 @@ def expand_paths(b: SamplingBatch, node_tokens: jax.Array, depth: np.ndarray, pa
     host/structured.Grammars.fill_paths) instead of its own token_mask (the mask after t0)."""
     depth, path_nodes = jnp.asarray(depth), jnp.asarray(path_nodes)
     node = jnp.maximum(node_of, 0)
-    out = {name: getattr(b, name)[row_of] for name in vars(b)}
+    out = {name: x[row_of] for name, x in b.arrays().items()}
     out["position"] = b.position[row_of] + depth[node]
     if node_masks is not None:
         slot = mask_slot[row_of]
@@ -68,7 +68,7 @@ def expand_paths(b: SamplingBatch, node_tokens: jax.Array, depth: np.ndarray, pa
         return {**out, "history": out["history"].at[rows, cols].set(toks, mode="drop"),
                 "history_is_output": out["history_is_output"].at[rows, cols].set(True, mode="drop")}
     out = jax.lax.cond(reads_history(b), extend, lambda o: o, out)
-    return SamplingBatch(**out)
+    return SamplingBatch(**out, logprobs_mode=b.logprobs_mode)
 
 
 def expand_batch(b: SamplingBatch, drafts: jax.Array, num_spec: jax.Array, k1: int,
