@@ -55,12 +55,16 @@ class Classifier:
             z = z / z.sum(axis=-1, keepdims=True)
         return z.astype(np.float32)
 
-    def relevance(self, pooled: np.ndarray, activation: bool = True) -> np.ndarray:
-        """[n, d] pooled states of (query, document) pairs -> [n] float32 scores: a one-label
-        model's probability. A model of several labels is no cross-encoder: ValueError."""
+    def check_cross_encoder(self) -> None:
+        """A model of several labels is no cross-encoder: ValueError saying so."""
         if self.num_labels != 1:
             raise ValueError(f"this model classifies into {self.num_labels} labels ({', '.join(self.labels)}); "
                              "scoring pairs needs a one-label cross-encoder (or an embedding model)")
+
+    def relevance(self, pooled: np.ndarray, activation: bool = True) -> np.ndarray:
+        """[n, d] pooled states of (query, document) pairs -> [n] float32 scores: a one-label
+        model's probability (its logit without activation)."""
+        self.check_cross_encoder()
         return self.probabilities(pooled, activation)[:, 0]
 
     def pair_ids(self, tokenizer, query: str, document: str) -> list[int]:

@@ -405,7 +405,7 @@ class Generator:
         second = [text_2] if isinstance(text_2, str) else list(text_2)
         pairs = score_pairs(first, second)
         if self.classifier is not None:
-            self.classifier.relevance(np.zeros((0, self.model_cfg.d_model)))   # one label, else its error
+            self.classifier.check_cross_encoder()
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer to pair the texts with")
             return self.classifier.relevance(self.embed([self.classifier.pair_ids(self.tokenizer, a, b)

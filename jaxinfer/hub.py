@@ -155,7 +155,10 @@ def apply_hf_overrides(folder: Path, overrides: dict) -> Path:
     for entry in folder.iterdir():
         link = out / entry.name
         if entry.name != "config.json" and not link.is_symlink():
-            link.symlink_to(entry)
+            try:
+                link.symlink_to(entry)
+            except FileExistsError:   # another process made it first
+                pass
     tmp = out / f".config.json.{os.getpid()}"
     tmp.write_text(text)
     os.replace(tmp, out / "config.json")

@@ -217,7 +217,7 @@ def _pair_plan(state, first: list[str], second: list[str], activation: bool = Tr
         n = len(first)
         return ids, poolings, lambda v: [cosine(v[0 if n == 1 else i], w) for i, w in enumerate(v[n:])]
     try:
-        head.relevance(np.zeros((0, gen.model_cfg.d_model)))
+        head.check_cross_encoder()
     except ValueError as e:
         raise OpenAIError(400, str(e), param="model") from None
     if gen.tokenizer is None:
