@@ -33,6 +33,7 @@ from jaxinfer.hub import ModelSpecError, apply_hf_overrides, resolve_model_path
 from jaxinfer.classify import Classifier, read_classifier
 from jaxinfer.client import Completion, EngineClient, SubmitError
 from jaxinfer.embedding import EmbeddingSpec, cosine, read_embedding_spec, score_pairs
+from jaxinfer.generation_defaults import max_tokens_cap, sampling_defaults
 from jaxinfer.engine import Engine
 from jaxinfer.lora.execute import LoraInputs
 from jaxinfer.spec_decode.medusa import is_medusa, load_heads
@@ -158,14 +159,18 @@ def _with_settings(func):
 class Generator:
     def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, max_num_batched_tokens: int | None = None,
                  warmup: bool = True, draft_model=None, medusa_heads=None, channel=None,
-                 embedding: EmbeddingSpec | None = None, classifier: Classifier | None = None):
+                 embedding: EmbeddingSpec | None = None, classifier: Classifier | None = None,
+                 sampling_defaults: dict | None = None):
         """max_num_batched_tokens: when given, replaces cfg's (EngineConfig.max_num_batched_tokens).
         channel: multi-host, the jaxinfer.distributed.StepChannel of this process's group
         (from_pretrained makes it): process 0 publishes every step and gen.logits call on it, the
         others follow() them; async scheduling is then off (followers need every input token).
         embedding: how the model embeds (gen.embed; jaxinfer.embedding), None: it does not.
         classifier: a sequence-classification checkpoint's head (gen.classify; jaxinfer.classify),
-        its decoder embedding by the last token."""
+        its decoder embedding by the last token.
+        sampling_defaults: the model's default sampling parameters (jaxinfer.generation_defaults;
+        from_pretrained reads them): gen.default_sampling_params(), and the server's for every
+        field a request leaves out."""
         from jaxinfer.compilation_cache import enable_compilation_cache
         from pallas_kernels.autotune import log_budget_summary
 
@@ -179,6 +184,8 @@ class Generator:
         self.cfg = cfg
         self.embedding = embedding
         self.classifier = classifier
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.max_tokens_cap = max_tokens_cap(cfg.generation_config, _override(cfg), self.sampling_defaults)
         self._channel = channel
         publish = None
         if channel is not None and channel.group.is_leader:   # every step's host inputs go to the others first
@@ -232,7 +239,8 @@ class Generator:
             if spec is not None and (cfg.pooling is not None or Path(spec.model_path) != Path(path)):
                 raise ValueError("embeddings (pooling=, a sentence-transformers folder) are not available with "
                                  "pipeline_parallel > 1")
-            return cls(_load_pipelined(path, cfg), load_tokenizer(path), cfg, None, warmup)
+            return cls(_load_pipelined(path, cfg), load_tokenizer(path), cfg, None, warmup,
+                       sampling_defaults=_sampling_defaults(path, cfg))
         mesh = None
         if cfg.tensor_parallel > 1:
             from jaxinfer.sharding import make_mesh
@@ -253,7 +261,14 @@ class Generator:
             raise ValueError("speculative decoding is not available across several processes (multi-host)")
         draft, heads = _load_speculative(draft_path, cfg.speculative_method, model, cfg.dtype)
         return cls(model, load_tokenizer(path), cfg, None, warmup, draft_model=draft, medusa_heads=heads,
-                   channel=channel, embedding=embedding, classifier=classifier)
+                   channel=channel, embedding=embedding, classifier=classifier,
+                   sampling_defaults=_sampling_defaults(path, cfg))
+
+    def default_sampling_params(self) -> SamplingParams:
+        """vLLM's LLM.get_default_sampling_params: SamplingParams with the model's recommended
+        values (generation_config.json, as generation_config / override_generation_config say),
+        what generate() and stream() use when given no params."""
+        return SamplingParams(**self.sampling_defaults)
 
     # ---------------------------------------------------------------- inputs
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -281,7 +296,7 @@ class Generator:
             prompts = [prompts.tolist()]     # one prompt's token ids
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
@@ -317,7 +332,7 @@ class Generator:
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                priority: int = 0, lora: str | None = None) -> Iterator[StreamDelta]:
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         ids = self._encode(prompt)
         self._check_leader()
         queue: deque = deque()
@@ -581,3 +596,12 @@ def _load_speculative(draft_path: Path | None, method: str | None, model, dtype:
     if method == "medusa":
         return None, load_heads(draft_path, model, model.embed.get_value().dtype)
     return load_draft(draft_path, dtype), None
+
+
+def _override(cfg: EngineConfig) -> dict | None:
+    return json.loads(cfg.override_generation_config) if cfg.override_generation_config else None
+
+
+def _sampling_defaults(path: Path, cfg: EngineConfig) -> dict:
+    """The model's default sampling parameters (jaxinfer.generation_defaults) for these settings."""
+    return sampling_defaults(path, cfg.generation_config, _override(cfg))

@@ -189,7 +189,7 @@ class ServerState:
         prompt_logprobs = req.prompt_logprobs
         if prompt_logprobs is None and req.echo and req.logprobs is not None:
             prompt_logprobs = req.logprobs
-        params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs)
+        params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs, defaults=self.gen.sampling_defaults)
         if req.echo and texts is None:
             texts = [self.tokenizer.decode(x) if self.tokenizer is not None else "".join(map(self.token_str, x))
                      for x in prompts]
@@ -227,7 +227,7 @@ class ServerState:
         prefix = (reasoning_prefix(self.reasoning_parser, prompt_state(self.reasoning_parser, text))
                   if self.reasoning_parser else None)
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                                     req.prompt_logprobs, prefix=prefix)
+                                     req.prompt_logprobs, prefix=prefix, defaults=self.gen.sampling_defaults)
         plan = req.tool_plan()
         if self.reasoning_parser == "gpt_oss" or (plan is not None and plan.parses and
                                                   self.tool_call_parser in ("llama3_json", "mistral", "openai")):
@@ -252,7 +252,16 @@ class ServerState:
         return max(0, n_prompt // r.block_size * r.block_size - cached) if r.enable_prefix_caching else 0
 
     def default_max_tokens(self, prompt_len: int, requested: int | None) -> int:
-        return requested if requested is not None else max(1, self.max_model_len - prompt_len)
+        """The request's max_tokens, else the model's default (generation_config.json's
+        max_new_tokens) within what the context leaves, else all it leaves; at most the cap of a
+        generation_config folder or --override-generation-config's max_new_tokens (vLLM's
+        get_max_tokens). A request's own value past the context is the engine's to refuse."""
+        if requested is None:
+            left = max(1, self.max_model_len - prompt_len)
+            fallback = self.gen.sampling_defaults.get("max_tokens")
+            requested = left if fallback is None else min(left, fallback)
+        cap = self.gen.max_tokens_cap
+        return requested if cap is None else min(requested, cap)
 
     def logprob_token_str(self, req) -> Callable[[int], str]:
         """How a request's logprobs name tokens: token_str, or vLLM's "token_id:N" under

@@ -209,14 +209,20 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False     # vLLM's: with include_usage, every chunk carries usage
 
 
+# the sampling fields a request may leave to the model's defaults, with the neutral value of each
+# (vLLM's _DEFAULT_SAMPLING_PARAMS)
+_DEFAULTED = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class _Sampling(_Body):
     """Fields both endpoints share (OpenAI's names) plus vLLM-style extras. Only types are checked
     here: every bound is SamplingParams' (jaxinfer.config), so the server and the Python API accept
     exactly the same values; a refused value becomes a 400 naming this request's field."""
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # None (left out): the model's default (generation_config.json, as vLLM takes it), else neutral
+    temperature: float | None = None
+    top_p: float | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -226,9 +232,9 @@ class _Sampling(_Body):
     frequency_penalty: float = 0.0
     user: str | None = None
     # extras (vLLM names)
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     # vLLM's: the prompt's and each choice's token ids in the response (RL trainers read them)
@@ -270,8 +276,13 @@ class _Sampling(_Body):
         return data
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                        prefix: str | None = None) -> SamplingParams:
-        """prefix: the reasoning section a constraint starts after (StructuredOutputs.prefix)."""
+                        prefix: str | None = None, defaults: dict | None = None) -> SamplingParams:
+        """prefix: the reasoning section a constraint starts after (StructuredOutputs.prefix);
+        defaults: the model's default sampling parameters (Generator.sampling_defaults), for the
+        fields left out (not under use_beam_search, which takes none of them), else neutral ones."""
+        d = {} if self.use_beam_search else (defaults or {})
+        given = {name: getattr(self, name) for name in _DEFAULTED}
+        chosen = {name: v if v is not None else d.get(name, _DEFAULTED[name]) for name, v in given.items()}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = self.logit_bias_ids()
         constraint = self.constraint()
@@ -279,8 +290,7 @@ class _Sampling(_Body):
             constraint = dataclasses.replace(constraint, prefix=prefix)
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                max_tokens=max_tokens, **chosen,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 seed=self.seed, stop=tuple(stop),
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,

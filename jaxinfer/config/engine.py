@@ -123,6 +123,13 @@ class EngineConfig:
                         "(before logit_bias, bans, penalties, temperature and truncation); processed_logprobs, "
                         "the one drawn from (after all of them, truncated tokens -inf); *_logits: the logits "
                         "instead", choices=LOGPROBS_MODES)
+    generation_config: str = setting(
+        "auto", "where requests' default sampling parameters come from (vLLM's --generation-config): auto, the "
+                "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                "max_new_tokens as max_tokens, where set); vllm, the neutral defaults; or a folder holding one")
+    override_generation_config: str | None = setting(
+        None, "a JSON object merged over those defaults (vLLM's --override-generation-config), e.g. "
+              "{\"temperature\": 0.5}; from_pretrained also takes a dict")
     hf_overrides: str | None = setting(
         None, "a JSON object merged into the checkpoint's config.json before anything reads it (vLLM's "
               "--hf-overrides; from_pretrained also takes a dict), e.g. a causal-LM reranker as a "
@@ -141,7 +148,9 @@ class EngineConfig:
         if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
             raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
         object.__setattr__(self, "lora_modules", lora_modules(self.lora_modules))
-        object.__setattr__(self, "hf_overrides", hf_overrides(self.hf_overrides))
+        object.__setattr__(self, "hf_overrides", json_object("hf_overrides", self.hf_overrides))
+        object.__setattr__(self, "override_generation_config",
+                           json_object("override_generation_config", self.override_generation_config))
         if self.token_buckets is not None:
             object.__setattr__(self, "token_buckets", token_buckets(self.token_buckets))
         for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "block_size", "max_decode_steps",
@@ -178,18 +187,19 @@ def token_buckets(given) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
-def hf_overrides(given) -> str | None:
-    """hf_overrides as canonical JSON text (sorted keys, so that the settings stay hashable and
-    compare equal), from a dict or JSON text; anything but a JSON object is a ValueError."""
+def json_object(name: str, given) -> str | None:
+    """A setting that is a JSON object (hf_overrides, override_generation_config) as canonical JSON
+    text (sorted keys, so that the settings stay hashable and compare equal), from a dict or JSON
+    text; anything but a JSON object is a ValueError naming the setting."""
     if given is None:
         return None
     if isinstance(given, str):
         try:
             given = json.loads(given)
         except json.JSONDecodeError as e:
-            raise ValueError(f"hf_overrides is not valid JSON: {e}") from None
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
     if not isinstance(given, dict):
-        raise ValueError(f"hf_overrides must be a JSON object (config.json's keys and values), got {given!r}")
+        raise ValueError(f"{name} must be a JSON object, got {given!r}")
     return json.dumps(given, sort_keys=True) if given else None
 
 
