@@ -15,8 +15,8 @@ A one-label model is a cross-encoder (a reranker): Generator.score and the serve
 /rerank score each (query, document) pair by its probability (the sigmoid of the logit, what
 sentence-transformers' CrossEncoder.predict returns), the pair tokenized as vLLM tokenizes it:
 tokenizer(query, document), the tokenizer's pair template (Tokenizer.encode_pair), or, where
-config.json says use_pad_token: false (vLLM's flag for an "LLM as reranker" checkpoint whose prompt
-format is written into the texts), the two texts joined into one.
+config.json says use_sep_token: false (vLLM's flag, use_pad_token before, for an "LLM as reranker"
+checkpoint whose prompt format is written into the texts), the two texts joined into one.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class Classifier:
     weight: np.ndarray              # float32 [num_labels, d]: the checkpoint's score.weight
     labels: tuple[str, ...]
     activation: str                 # "softmax" | "sigmoid" | "identity"
-    pair_template: bool = True      # config.json's use_pad_token: a pair is tokenizer(a, b), else tokenizer(a + b)
+    pair_template: bool = True      # config.json's use_sep_token: a pair is tokenizer(a, b), else tokenizer(a + b)
 
     @property
     def num_labels(self) -> int:
@@ -100,9 +100,12 @@ def read_classifier(folder: str | Path, read_tensor, tokenizer=None) -> Classifi
     problem = config.get("problem_type") or ""
     activation = ("identity" if problem == "regression" else
                   "sigmoid" if problem == "multi_label_classification" or n < 2 else "softmax")
-    # vLLM: a checkpoint's own head pairs by the tokenizer's template unless use_pad_token is false;
-    # an "LLM as reranker" (a converted causal LM) joins the texts unless it is true
-    pair_template = config.get("use_pad_token", method is None) is True
+    # vLLM: a checkpoint's own head pairs by the tokenizer's template unless use_sep_token (its older
+    # name use_pad_token, which wins where both are set) is false; an "LLM as reranker" (a converted
+    # causal LM) joins the texts unless it is true
+    flag = config.get("use_pad_token")
+    flag = config.get("use_sep_token") if flag is None else flag
+    pair_template = method is None if flag is None else flag is True
     return Classifier(weight, labels, activation, pair_template=pair_template)
 
 

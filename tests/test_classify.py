@@ -187,7 +187,7 @@ def test_cross_encoder_scores_match_sentence_transformers(tmp_path):
 
 
 def test_cross_encoder_without_pair_template_and_several_labels(tmp_path):
-    """config.json's use_pad_token: false (vLLM's "LLM as reranker" flag) scores tokenizer(query +
+    """config.json's use_pad_token / use_sep_token: false (vLLM's "LLM as reranker" flag) scores tokenizer(query +
     document), one input; a classifier of several labels is no cross-encoder: a ValueError and a
     400 naming `model`, where vLLM fails the request too."""
     import torch
@@ -203,6 +203,13 @@ def test_cross_encoder_without_pair_template_and_several_labels(tmp_path):
         logits = np.array([model(torch.as_tensor([hf_tok(QUERY + d)["input_ids"]])).logits[0, 0].item() for d in DOCS])
     g = Generator.from_pretrained(folder, dtype="float32", max_model_len=64, max_num_seqs=4, warmup=False)
     np.testing.assert_allclose(g.score(QUERY, DOCS), 1 / (1 + np.exp(-logits)), atol=1e-5)
+    # vLLM's newer name for the flag, use_sep_token; use_pad_token wins where both are set
+    from jaxinfer.classify import read_classifier
+    from jaxinfer.weights import SafetensorsFolder
+    for extra, joined in (({"use_sep_token": False}, True), ({"use_sep_token": False, "use_pad_token": True}, False),
+                          ({}, False)):
+        (folder / "config.json").write_text(json.dumps({**cfg, **extra}))
+        assert read_classifier(folder, SafetensorsFolder(folder).get).pair_template is not joined, extra
 
     folder3, _ = _cross_encoder(tmp_path, num_labels=3)
     g3 = Generator.from_pretrained(folder3, dtype="float32", max_model_len=64, max_num_seqs=4, warmup=False)
