@@ -368,10 +368,11 @@ def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, 
                             "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice),
                             "parallel_tool_calls": req.parallel_tool_calls,
                             "response_format": response_format(req.text)}
-    if req.temperature is not None:
-        body["temperature"] = req.temperature
-    if req.top_p is not None:
-        body["top_p"] = req.top_p
+    for name in ("temperature", "top_p"):   # left out: the model's default, which the response reports
+        if getattr(req, name) is None and name in state.gen.sampling_defaults:
+            setattr(req, name, state.gen.sampling_defaults[name])
+        if getattr(req, name) is not None:
+            body[name] = getattr(req, name)
     effort = (req.reasoning or {}).get("effort")
     if effort is not None:
         body["chat_template_kwargs"] = {"reasoning_effort": effort}

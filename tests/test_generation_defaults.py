@@ -40,11 +40,11 @@ def test_defaults_read_as_vllm_reads_them(tmp_path):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """The tiny SentencePiece Llama with a generation_config.json recommending top_k 1 (greedy
-    whatever the temperature) and max_new_tokens 4."""
+    whatever the temperature), temperature 0.3 and max_new_tokens 4."""
     from tests.hf_models import save_text_model
     folder = save_text_model(tmp_path_factory.mktemp("gen") / "m")
     cfg = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps({**cfg, "top_k": 1, "max_new_tokens": 4}))
+    (folder / "generation_config.json").write_text(json.dumps({**cfg, "top_k": 1, "temperature": 0.3, "max_new_tokens": 4}))
     return folder
 
 
@@ -54,7 +54,7 @@ def test_requests_that_leave_fields_out_take_the_models_defaults(model):
     from serve.app import build_app
     kw = dict(dtype="float32", max_model_len=64, max_num_seqs=4, token_buckets=[16], max_num_batched_tokens=16)
     g = Generator.from_pretrained(model, **kw, warmup=False)
-    assert g.default_sampling_params() == SamplingParams(top_k=1, max_tokens=4)
+    assert g.default_sampling_params() == SamplingParams(top_k=1, temperature=0.3, max_tokens=4)
     prompt = "the lazy dog"
     greedy = g.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
     assert len(greedy) == 4
@@ -78,6 +78,8 @@ def test_requests_that_leave_fields_out_take_the_models_defaults(model):
         beam = client.post("/v1/completions", json={"prompt": prompt, "use_beam_search": True, "n": 2,
                                                     "max_tokens": 3})
         assert beam.status_code == 200, beam.text                              # no default reaches the search
+        resp = client.post("/v1/responses", json={"input": prompt, "max_output_tokens": 2}).json()
+        assert resp["temperature"] == 0.3 and resp["top_p"] == 1.0           # the response reports what ran
     g.close()
     g = Generator.from_pretrained(model, **kw, warmup=False, generation_config="vllm",
                                   override_generation_config='{"temperature": 0.25, "max_new_tokens": 5}')
