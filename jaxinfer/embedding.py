@@ -27,7 +27,7 @@ from typing import Any
 
 from jaxinfer.host.pooling import POOLING_METHODS, PoolingState
 
-__all__ = ["EmbeddingError", "EmbeddingSpec", "read_embedding_spec", "score_pairs", "cosine"]
+__all__ = ["EmbeddingError", "EmbeddingSpec", "read_embedding_spec", "score_pairs", "pair_cosines", "cosine"]
 
 # Pooling's pooling_mode names -> ours (the modes our step pools; ST's others are refused by name)
 _ST_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
@@ -172,6 +172,13 @@ def score_pairs(first: list, second: list) -> list[tuple]:
     if len(first) != 1 and len(first) != len(second):
         raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: the pairs must be 1:1, 1:N or N:N")
     return list(zip(first * len(second) if len(first) == 1 else first, second))
+
+
+def pair_cosines(vectors, n_first: int) -> list[float]:
+    """The score_pairs pairs' cosines from the embeddings of the first texts then the second ones
+    (each text embedded once: one first text stands against every second one)."""
+    first, second = vectors[:n_first], vectors[n_first:]
+    return [cosine(first[0 if n_first == 1 else i], v) for i, v in enumerate(second)]
 
 
 def cosine(a, b) -> float:

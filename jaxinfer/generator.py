@@ -32,7 +32,7 @@ from jaxinfer.host.beam_search import BeamSearchParams
 from jaxinfer.hub import ModelSpecError, apply_hf_overrides, resolve_model_path
 from jaxinfer.classify import Classifier, read_classifier
 from jaxinfer.client import Completion, EngineClient, SubmitError
-from jaxinfer.embedding import EmbeddingSpec, cosine, read_embedding_spec, score_pairs
+from jaxinfer.embedding import EmbeddingSpec, pair_cosines, read_embedding_spec, score_pairs
 from jaxinfer.generation_defaults import max_tokens_cap, sampling_defaults
 from jaxinfer.engine import Engine
 from jaxinfer.lora.execute import LoraInputs
@@ -420,14 +420,16 @@ class Generator:
         second = [text_2] if isinstance(text_2, str) else list(text_2)
         pairs = score_pairs(first, second)
         if self.classifier is not None:
-            self.classifier.check_cross_encoder()
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer to pair the texts with")
-            return self.classifier.relevance(self.embed([self.classifier.pair_ids(self.tokenizer, a, b)
-                                                         for a, b in pairs]), use_activation)
-        vectors = self.embed(first + second)
-        left, right = vectors[:len(first)], vectors[len(first):]
-        return np.asarray([cosine(left[0 if len(left) == 1 else i], v) for i, v in enumerate(right)], np.float32)
+            return self.classifier.relevance(self.embed(self.cross_encoder_inputs(pairs)), use_activation)
+        return np.asarray(pair_cosines(self.embed(first + second), len(first)), np.float32)
+
+    def cross_encoder_inputs(self, pairs: Sequence[tuple[str, str]]) -> list[list[int]]:
+        """Each (query, document) pair's token ids for this one-label classifier (Classifier.pair_ids);
+        a classifier of several labels, or no tokenizer, is a ValueError saying so."""
+        self.classifier.check_cross_encoder()
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer to pair the texts with")
+        return [self.classifier.pair_ids(self.tokenizer, a, b) for a, b in pairs]
 
     def _embedding_spec(self) -> EmbeddingSpec:
         if self.embedding is None:

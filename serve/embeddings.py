@@ -36,7 +36,7 @@ from fastapi import APIRouter, Request
 from pydantic import model_validator
 from starlette.concurrency import run_in_threadpool
 
-from jaxinfer.embedding import cosine, score_pairs
+from jaxinfer.embedding import pair_cosines, score_pairs
 from jaxinfer.engine import EMBEDDING_PARAMS
 from serve.protocol import OpenAIError, _Body, _refuse, find_invalid_text, new_id, now
 from serve.stream import respond
@@ -214,15 +214,12 @@ def _pair_plan(state, first: list[str], second: list[str], activation: bool = Tr
     head = gen.classifier
     if head is None:
         ids, poolings = _encode(state, first + second, None)
-        n = len(first)
-        return ids, poolings, lambda v: [cosine(v[0 if n == 1 else i], w) for i, w in enumerate(v[n:])]
+        return ids, poolings, lambda v, n=len(first): pair_cosines(v, n)
     try:
-        head.check_cross_encoder()
+        pair_ids = gen.cross_encoder_inputs(pairs)
     except ValueError as e:
         raise OpenAIError(400, str(e), param="model") from None
-    if gen.tokenizer is None:
-        raise OpenAIError(400, "this model has no tokenizer to pair the texts with", param="model")
-    ids, poolings = _encode(state, [head.pair_ids(gen.tokenizer, a, b) for a, b in pairs], None)
+    ids, poolings = _encode(state, pair_ids, None)
     return ids, poolings, lambda v: [float(x) for x in head.relevance(np.stack(v), activation)]
 
 

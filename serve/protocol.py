@@ -209,9 +209,10 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False     # vLLM's: with include_usage, every chunk carries usage
 
 
-# the sampling fields a request may leave to the model's defaults, with the neutral value of each
-# (vLLM's _DEFAULT_SAMPLING_PARAMS)
-_DEFAULTED = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+# the sampling fields a request may leave to the model's defaults, with the neutral value of each:
+# SamplingParams' own (vLLM's _DEFAULT_SAMPLING_PARAMS)
+_DEFAULTED = {name: getattr(SamplingParams(), name)
+              for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
 
 
 class _Sampling(_Body):
