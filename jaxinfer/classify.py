@@ -67,11 +67,14 @@ class Classifier:
         self.check_cross_encoder()
         return self.probabilities(pooled, activation)[:, 0]
 
-    def pair_ids(self, tokenizer, query: str, document: str) -> list[int]:
-        """A (query, document) pair's token ids as vLLM's get_score_prompt makes them."""
+    def pair_ids(self, tokenizer, query: str, document: str, truncate: int | None = None,
+                 side: str = "right") -> list[int]:
+        """A (query, document) pair's token ids as vLLM's get_score_prompt makes them; truncate: at
+        most that many, as transformers' tokenizer(query, document, truncation=True, max_length=...)
+        cuts them (Tokenizer.encode_pair)."""
         if self.pair_template:
-            return tokenizer.encode_pair(query, document)
-        return tokenizer.encode(query + document)
+            return tokenizer.encode_pair(query, document, truncate=truncate, side=side)
+        return tokenizer.encode(query + document, truncate=truncate, side=side)
 
 
 def read_classifier(folder: str | Path, read_tensor, tokenizer=None) -> Classifier | None:

@@ -30,6 +30,7 @@ from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.config.engine import engine_config, settings as engine_settings
 from jaxinfer.host.beam_search import BeamSearchParams
 from jaxinfer.hub import ModelSpecError, apply_hf_overrides, resolve_model_path
+from jaxinfer.errors import FieldError
 from jaxinfer.classify import Classifier, read_classifier
 from jaxinfer.client import Completion, EngineClient, SubmitError
 from jaxinfer.embedding import EmbeddingSpec, pair_cosines, read_embedding_spec, score_pairs
@@ -271,12 +272,12 @@ class Generator:
         return SamplingParams(**self.sampling_defaults)
 
     # ---------------------------------------------------------------- inputs
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def _encode(self, prompt: str | Sequence[int], truncate: int | None = None, side: str = "right") -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (no tokenizer.json or tokenizer.model in its "
                                  "folder): pass prompts as lists of token ids")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, truncate=truncate, side=side)
         ids = list(prompt)
         if not all(isinstance(t, (int, np.integer)) for t in ids):
             raise ValueError("a prompt must be a string or a list of integer token ids")
@@ -381,17 +382,22 @@ class Generator:
         return self.client.locked(publish_and_run)
 
     def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *, prompt_name: str | None = None,
-              prompt: str | None = None, dimensions: int | None = None) -> np.ndarray:
+              prompt: str | None = None, dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
+              truncation_side: str | None = None) -> np.ndarray:
         """np.float32 [n, hidden] (or [n, dimensions]): one embedding per input (a string or a list of
         token ids), the final-norm hidden states pooled as the model says (jaxinfer.embedding), then
         L2-normalized where it lists a Normalize module. Text is tokenized with special tokens (the
         tokenizer's post-processor) after the prompt (`prompt`, else the model's prompts[prompt_name],
         else its default prompt), as sentence-transformers' encode does; token ids are used as given.
         Each input runs through the engine as a prefill-only request (batched with everything else,
-        chunked past the token budget). An input longer than max_model_len is a ValueError."""
+        chunked past the token budget). An input longer than max_model_len is a ValueError, unless
+        truncate_prompt_tokens (vLLM's; -1: max_model_len) keeps at most that many of each input's
+        tokens, special tokens included: text as transformers' tokenizer(..., truncation=True,
+        max_length=N) cuts it, token ids their first N; truncation_side "left" keeps the end instead
+        ("right", vLLM's default for pooling models, the start)."""
         spec = self._embedding_spec()
         spec.check_dimensions(dimensions, self.model_cfg.d_model)
-        encoded = self.embedding_inputs(inputs, prompt_name, prompt)
+        encoded = self.embedding_inputs(inputs, prompt_name, prompt, truncate_prompt_tokens, truncation_side)
         self._check_leader()
         try:
             vectors = self.client.embed([ids for ids, _ in encoded],
@@ -401,35 +407,64 @@ class Generator:
         return np.stack(vectors).astype(np.float32)
 
     def classify(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *,
-                 use_activation: bool = True) -> np.ndarray:
+                 use_activation: bool = True, truncate_prompt_tokens: int | None = None,
+                 truncation_side: str | None = None) -> np.ndarray:
         """np.float32 [n, num_labels]: each input's label probabilities (vLLM's LLM.classify; the
         activation and labels: gen.classifier, jaxinfer/classify.py), or with use_activation=False
-        the logits. Inputs as gen.embed takes them."""
+        the logits. Inputs and truncation as gen.embed takes them."""
         if self.classifier is None:
             raise ValueError("this model does not classify: load a ...ForSequenceClassification checkpoint")
-        return self.classifier.probabilities(self.embed(inputs), use_activation)
+        return self.classifier.probabilities(self.embed(inputs, truncate_prompt_tokens=truncate_prompt_tokens,
+                                                        truncation_side=truncation_side), use_activation)
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
-              use_activation: bool = True) -> np.ndarray:
+              use_activation: bool = True, truncate_prompt_tokens: int | None = None,
+              truncation_side: str | None = None) -> np.ndarray:
         """np.float32 [n]: vLLM's LLM.score, text_1 against text_2 (1:1, 1:N or N:N). A one-label
         sequence-classification model (a cross-encoder reranker) scores each pair together, its
         probability (jaxinfer/classify.py); an embedding model scores the cosine similarity of the
         two texts' embeddings. A classifier of several labels is a ValueError; use_activation=False:
-        a cross-encoder's logits."""
+        a cross-encoder's logits. truncate_prompt_tokens: each input (a pair, for a cross-encoder:
+        transformers' longest_first) cut to at most that many tokens, as gen.embed cuts them."""
         first = [text_1] if isinstance(text_1, str) else list(text_1)
         second = [text_2] if isinstance(text_2, str) else list(text_2)
         pairs = score_pairs(first, second)
+        cut = dict(truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side)
         if self.classifier is not None:
-            return self.classifier.relevance(self.embed(self.cross_encoder_inputs(pairs)), use_activation)
-        return np.asarray(pair_cosines(self.embed(first + second), len(first)), np.float32)
+            # the pairs are cut as pairs here; their ids then go through embed whole
+            return self.classifier.relevance(self.embed(self.cross_encoder_inputs(pairs, **cut)), use_activation)
+        return np.asarray(pair_cosines(self.embed(first + second, **cut), len(first)), np.float32)
 
-    def cross_encoder_inputs(self, pairs: Sequence[tuple[str, str]]) -> list[list[int]]:
-        """Each (query, document) pair's token ids for this one-label classifier (Classifier.pair_ids);
-        a classifier of several labels, or no tokenizer, is a ValueError saying so."""
+    def cross_encoder_inputs(self, pairs: Sequence[tuple[str, str]], truncate_prompt_tokens: int | None = None,
+                             truncation_side: str | None = None) -> list[list[int]]:
+        """Each (query, document) pair's token ids for this one-label classifier (Classifier.pair_ids),
+        cut as gen.score says; a classifier of several labels, or no tokenizer, is a ValueError."""
         self.classifier.check_cross_encoder()
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer to pair the texts with")
-        return [self.classifier.pair_ids(self.tokenizer, a, b) for a, b in pairs]
+        keep, side = self.pooling_truncation(truncate_prompt_tokens, truncation_side)
+        return [self.classifier.pair_ids(self.tokenizer, a, b, keep, side) for a, b in pairs]
+
+    def pooling_truncation(self, truncate_prompt_tokens: int | None, truncation_side: str | None
+                           ) -> tuple[int | None, str]:
+        """vLLM's truncate_prompt_tokens for pooling requests -> (tokens kept, or None for no cut;
+        side): -1 is max_model_len, more than max_model_len or less than 1 a ValueError; the side
+        "right" (keep the start: vLLM's pooling tokenizers) unless truncation_side says "left"."""
+        side = truncation_side or "right"
+        if side not in ("left", "right"):
+            raise FieldError("truncation_side", f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
+        keep = truncate_prompt_tokens
+        if keep is None:
+            return None, side
+        limit = self.client.max_model_len
+        if keep == -1:
+            return limit, side
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise FieldError("truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 or >= 1, got {keep!r}")
+        if keep > limit:
+            raise FieldError("truncate_prompt_tokens", f"truncate_prompt_tokens={keep} cannot be greater than "
+                             f"max_model_len={limit}: request a smaller truncation size")
+        return keep, side
 
     def _embedding_spec(self) -> EmbeddingSpec:
         if self.embedding is None:
@@ -437,19 +472,35 @@ class Generator:
                              "(last, mean or cls) for a causal-LM folder")
         return self.embedding
 
-    def embedding_inputs(self, inputs, prompt_name: str | None = None, prompt: str | None = None
+    def embedding_inputs(self, inputs, prompt_name: str | None = None, prompt: str | None = None,
+                         truncate_prompt_tokens: int | None = None, truncation_side: str | None = None
                          ) -> list[tuple[list[int], int]]:
         """Each input of gen.embed as (token ids, how many of them are the prompt's): text after the
-        prompt text, tokenized with special tokens; token-id lists as given (no prompt)."""
+        prompt text, tokenized with special tokens; token-id lists as given (no prompt); each cut
+        as gen.embed says (pooling_truncation)."""
         spec = self._embedding_spec()
         if isinstance(inputs, str) or (len(inputs) and isinstance(inputs[0], (int, np.integer))):
             inputs = [inputs]
         if not len(inputs):
             raise ValueError("no inputs to embed")
+        keep, side = self.pooling_truncation(truncate_prompt_tokens, truncation_side)
         prefix = spec.prompt_text(prompt_name, prompt)
         prefix_len = self._prompt_length(prefix) if prefix and not spec.include_prompt else 0
-        return [(self._encode(prefix + x), prefix_len) if isinstance(x, str) else (self._encode(x), 0)
-                for x in inputs]
+        if prefix and keep is not None and side == "left":
+            raise FieldError("truncation_side", "truncation_side 'left' would cut the model's prompt off the start "
+                             "of the text: truncate from the right, or pass prompt=''")
+        out = []
+        for i, x in enumerate(inputs):
+            if not isinstance(x, str):
+                ids = self._encode(x)
+                out.append((ids if keep is None else ids[:keep] if side == "right" else ids[len(ids) - keep:], 0))
+                continue
+            ids = self._encode(prefix + x, keep, side)
+            if prefix_len and len(ids) <= prefix_len:
+                raise FieldError("truncate_prompt_tokens", f"input {i}: truncate_prompt_tokens={keep} leaves none "
+                                 f"of it after the model's prompt ({prefix_len} tokens)")
+            out.append((ids, prefix_len))
+        return out
 
     def _prompt_length(self, prompt: str) -> int:
         """The prompt's tokens but a trailing special one (sentence-transformers' _get_prompt_length)."""

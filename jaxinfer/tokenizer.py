@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxinfer.errors import FieldError
+
 __all__ = [
     "Tokenizer",
     "TokenizerError",
@@ -41,6 +43,24 @@ _UNK_TEXT = "<unk>"    # text whose SentencePiece pieces a word-marker-free enco
 
 class TokenizerError(ValueError):
     """A tokenizer file exists but cannot be read or parsed."""
+
+
+def longest_first(lengths: Sequence[int], budget: int) -> list[int]:
+    """How many tokens each of one text or a pair keeps under transformers' longest_first
+    truncation to `budget` tokens (special tokens already taken out), as the tokenizers library
+    computes it (its truncate_encodings): the longer text is cut first, down to the shorter one's
+    length; where both must be cut, the first keeps budget // 2 and the second the rest."""
+    if len(lengths) == 1 or sum(lengths) <= budget:
+        return [min(n, budget) for n in lengths] if len(lengths) == 1 else list(lengths)
+    n1, n2 = lengths
+    swap = n1 > n2
+    if swap:
+        n1, n2 = n2, n1
+    n2 = n1 if n1 > budget else max(n1, budget - n1)
+    if n1 + n2 > budget:
+        n1 = budget // 2
+        n2 = n1 + budget % 2
+    return [n2, n1] if swap else [n1, n2]
 
 
 class Tokenizer:
@@ -94,23 +114,70 @@ class Tokenizer:
         return (f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
                 f"eos_ids={self.eos_ids}, pad_id={self.pad_id})")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, *, truncate: int | None = None,
+               side: str = "right") -> list[int]:
+        """truncate: at most that many ids, special tokens included, as transformers' tokenizer(text,
+        truncation=True, max_length=truncate) with truncation_side `side` ("right" keeps the text's
+        start, "left" its end; the special tokens stay)."""
+        if truncate is not None:
+            return self._truncated((text,), add_special_tokens, truncate, side)
         if self.kind == "hf":
             return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
         ids: list[int] = self._backend.encode(text, out_type=int)
-        if add_special_tokens and self.add_bos and self.bos_id is not None:
+        if add_special_tokens and self._adds_bos:
             ids.insert(0, self.bos_id)
         return ids
 
-    def encode_pair(self, text: str, pair: str) -> list[int]:
+    def encode_pair(self, text: str, pair: str, *, truncate: int | None = None, side: str = "right") -> list[int]:
         """Two texts as one sequence with special tokens, as transformers' tokenizer(text,
         text_pair) makes it (a cross-encoder's input): tokenizer.json's post-processor places the
         pair (its TemplateProcessing "pair", e.g. "<s> $A </s></s> $B </s>"; a ByteLevel-only
         processor, Qwen's, just joins the two); for a SentencePiece model, transformers' Llama rule,
-        each text after its own BOS where the model adds BOS."""
+        each text after its own BOS where the model adds BOS. truncate: transformers' truncation=True
+        (longest_first: the longer text loses tokens first) to at most that many ids."""
+        if truncate is not None:
+            return self._truncated((text, pair), True, truncate, side)
         if self.kind == "hf":
             return list(self._backend.encode(text, pair, add_special_tokens=True).ids)
         return self.encode(text) + self.encode(pair)
+
+    @property
+    def _adds_bos(self) -> bool:
+        return self.add_bos and self.bos_id is not None
+
+    def _truncated(self, texts: tuple[str, ...], add_special_tokens: bool, max_length: int, side: str) -> list[int]:
+        """One text or a pair encoded with transformers' truncation (strategy longest_first): the
+        tokenizers library's own truncation on a twin of the backend (this one's settings are never
+        changed, so concurrent encodes are unaffected); for SentencePiece the same rule by hand."""
+        if side not in ("left", "right"):
+            raise FieldError("truncation_side", f"truncation side must be 'left' or 'right', got {side!r}")
+        pair = len(texts) == 2
+        if self.kind == "hf":
+            n_special = self._backend.num_special_tokens_to_add(pair) if add_special_tokens else 0
+        else:
+            n_special = len(texts) if add_special_tokens and self._adds_bos else 0
+        if max_length < n_special + len(texts):
+            raise FieldError("truncate_prompt_tokens", f"cannot truncate to {max_length} tokens: the model adds "
+                             f"{n_special} special token(s) around {'each pair' if pair else 'each text'}")
+        if self.kind == "hf":
+            with self._twin_lock:
+                twin = self._truncating_twin
+                twin.enable_truncation(max_length, strategy="longest_first", direction=side)
+                return list(twin.encode(*texts, add_special_tokens=add_special_tokens).ids)
+        bodies = [self._backend.encode(t, out_type=int) for t in texts]
+        keep = longest_first([len(b) for b in bodies], max_length - n_special)
+        bos = [self.bos_id] if add_special_tokens and self._adds_bos else []
+        return [i for b, k in zip(bodies, keep) for i in bos + (b[:k] if side == "right" else b[len(b) - k:])]
+
+    @functools.cached_property
+    def _truncating_twin(self) -> Any:
+        import tokenizers
+        return tokenizers.Tokenizer.from_str(self._backend.to_str())
+
+    @functools.cached_property
+    def _twin_lock(self) -> Any:
+        import threading
+        return threading.Lock()
 
     def encode_rendered(self, text: str, special_texts: Sequence[str] = ()) -> list[int]:
         """A rendered chat (a template wrote its special tokens out as text: bos_token, eos_token, ...)
@@ -302,9 +369,14 @@ def _load_backend(folder: Path) -> tuple[str, Path, Any] | None:
         try:
             import tokenizers
 
-            return "hf", hf_file, tokenizers.Tokenizer.from_file(str(hf_file))
+            backend = tokenizers.Tokenizer.from_file(str(hf_file))
         except Exception as e:  # the Rust side raises bare Exception subclasses
             raise TokenizerError(f"{hf_file}: cannot load tokenizer: {e}") from e
+        # a truncation or padding saved in tokenizer.json applies only where a call asks for it in
+        # transformers (tokenizer(text) truncates and pads nothing): never by default here either
+        backend.no_truncation()
+        backend.no_padding()
+        return "hf", hf_file, backend
     if sp_file.is_file():
         try:
             import sentencepiece

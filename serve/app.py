@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxinfer.config import SamplingParams
 from jaxinfer.engine import RequestError
+from jaxinfer.errors import FieldError
 from jaxinfer.generator import Generator
 from serve import embeddings
 from serve.beam import beam_submission
@@ -93,13 +94,19 @@ class ServerState:
         raise OpenAIError(404, f"The model '{name}' does not exist; this server serves {served}",
                           param="model", code="model_not_found")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, truncate: int | None = None,
+               side: str = "left") -> list[int]:
+        """truncate: at most that many tokens, as vLLM's tokenizer(text, truncation=True, max_length=N)
+        cuts a text prompt (the special tokens the tokenizer adds stay; side "left", a generating
+        model's default there, keeps the text's end)."""
         if self.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer: send prompts as lists of token ids", param="prompt")
         try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, truncate=truncate, side=side)
         except UnicodeError:   # the request models refuse such text first; this is the backstop
             raise OpenAIError(400, "the prompt is not valid Unicode text", param="prompt") from None
+        except FieldError as e:
+            raise OpenAIError(400, str(e), param=e.field) from None
 
     def render_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None,
                     template_kwargs: dict | None = None) -> list[int]:
@@ -147,16 +154,23 @@ class ServerState:
             raise OpenAIError(400, "chat_template must be a non-empty string", param=field)
         return template, kwargs
 
-    def truncated(self, prompt: list[int], keep: int | None, side: str | None = None) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len's worth);
-        its truncation_side "right": the first ones."""
+    def truncation(self, keep: int | None) -> int | None:
+        """vLLM's truncate_prompt_tokens resolved: None (no cut), -1 max_model_len, else >= 1."""
         if keep is None:
-            return prompt
+            return None
         if keep == -1:
-            keep = self.max_model_len
+            return self.max_model_len
         if not isinstance(keep, int) or keep < 1:
             raise OpenAIError(400, f"truncate_prompt_tokens must be -1 or >= 1, got {keep!r}",
                               param="truncate_prompt_tokens")
+        return keep
+
+    def truncated(self, prompt: list[int], keep: int | None, side: str | None = None) -> list[int]:
+        """A token-id prompt cut by vLLM's truncate_prompt_tokens: its last `keep` tokens (-1:
+        max_model_len's worth); truncation_side "right": the first ones."""
+        keep = self.truncation(keep)
+        if keep is None:
+            return prompt
         return prompt[:keep] if side == "right" else prompt[-keep:]
 
     def completion_inputs(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
@@ -170,17 +184,18 @@ class ServerState:
         self.check_model(req.model)
         p = req.prompt
         texts = None
+        # a text prompt is cut as the tokenizer cuts it (its special tokens stay), token ids by slicing
+        cut = dict(truncate=self.truncation(req.truncate_prompt_tokens), side=req.truncation_side or "left")
         if isinstance(p, str):
-            prompts, texts = [self.encode(p, req.add_special_tokens)], [p]
+            prompts, texts = [self.encode(p, req.add_special_tokens, **cut)], [p]
         elif p and all(isinstance(x, str) for x in p):
-            prompts, texts = [self.encode(x, req.add_special_tokens) for x in p], list(p)
+            prompts, texts = [self.encode(x, req.add_special_tokens, **cut) for x in p], list(p)
         elif p and all(isinstance(x, int) for x in p):
-            prompts = [list(p)]
+            prompts = [self.truncated(list(p), req.truncate_prompt_tokens, req.truncation_side)]
         elif p and all(isinstance(x, list) for x in p):
-            prompts = [list(x) for x in p]
+            prompts = [self.truncated(list(x), req.truncate_prompt_tokens, req.truncation_side) for x in p]
         else:
             raise OpenAIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
-        prompts = [self.truncated(x, req.truncate_prompt_tokens, req.truncation_side) for x in prompts]
         if req.truncate_prompt_tokens is not None:
             texts = None          # the echo is the kept tokens' text
         echo_only = req.echo and req.max_tokens == 0

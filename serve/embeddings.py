@@ -22,6 +22,10 @@ against `documents` (strings, or {"text"} objects as Jina and Cohere v1 send the
 "relevance_score"}]}, best first; `top_n` > 0 keeps that many (0, the default, keeps all);
 `return_documents` false (Jina's and Cohere's field) leaves each result's document out.
 
+Every pooling body takes vLLM's `truncate_prompt_tokens` (-1: max_model_len) and `truncation_side`
+(default "right" for these routes, as vLLM's pooling tokenizers): each input, or a cross-encoder's
+pair, cut as transformers' tokenizer(..., truncation=True, max_length=N) cuts it (Generator.embed).
+
 Every input is one prefill-only engine request (Engine.add_request(pooling=...)), submitted all or
 nothing through the same bridge as generation, so embeddings share the engine's steps with it.
 """
@@ -38,6 +42,7 @@ from starlette.concurrency import run_in_threadpool
 
 from jaxinfer.embedding import pair_cosines, score_pairs
 from jaxinfer.engine import EMBEDDING_PARAMS
+from jaxinfer.errors import FieldError
 from serve.protocol import OpenAIError, _Body, _refuse, find_invalid_text, new_id, now
 from serve.stream import respond
 
@@ -58,7 +63,19 @@ class _StrictBody(_Body):
         return data
 
 
-class EmbeddingRequest(_StrictBody):
+class _TruncationFields(_StrictBody):
+    """vLLM's pooling truncation: each input cut to at most truncate_prompt_tokens tokens (-1:
+    max_model_len), special tokens included, from the right (keep the start: vLLM's default for
+    pooling models) or, with truncation_side "left", from the left; a pair is cut as transformers
+    cuts a pair (Generator.embed, Generator.score)."""
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+
+    def cut(self) -> dict:
+        return {"truncate_prompt_tokens": self.truncate_prompt_tokens, "truncation_side": self.truncation_side}
+
+
+class EmbeddingRequest(_TruncationFields):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -66,7 +83,7 @@ class EmbeddingRequest(_StrictBody):
     user: str | None = None          # OpenAI's end-user id: accepted, not used
 
 
-class _ActivationFields(_StrictBody):
+class _ActivationFields(_TruncationFields):
     """vLLM's classifier switches: use_activation false returns a classifier's logits, not its
     probabilities (a reward model's raw score); `activation` and `softmax` are its older names."""
     use_activation: bool | None = None
@@ -123,8 +140,9 @@ def _inputs(inp) -> list:
     return list(inp)
 
 
-def _encode(state, inputs: list, dimensions: int | None) -> tuple[list[list[int]], list]:
-    """(token ids per input, their PoolingStates), or a 400 naming what is wrong."""
+def _encode(state, inputs: list, dimensions: int | None, cut: dict | None = None) -> tuple[list[list[int]], list]:
+    """(token ids per input, their PoolingStates), or a 400 naming what is wrong; cut: the body's
+    truncation fields (_TruncationFields.cut)."""
     gen = state.gen
     if gen.embedding is None:
         raise OpenAIError(400, f"the model '{state.model_name}' does not serve embeddings (load a "
@@ -137,16 +155,19 @@ def _encode(state, inputs: list, dimensions: int | None) -> tuple[list[list[int]
         raise OpenAIError(400, str(e), param="dimensions") from None
     if any(isinstance(x, str) and not x for x in inputs) or any(isinstance(x, list) and not x for x in inputs):
         raise OpenAIError(400, "an input is empty", param="input")
-    encoded = gen.embedding_inputs(inputs)
+    try:
+        encoded = gen.embedding_inputs(inputs, **(cut or {}))
+    except ValueError as e:
+        raise OpenAIError(400, str(e), param=e.field if isinstance(e, FieldError) else "input") from None
     return ([ids for ids, _ in encoded],
             [gen.embedding.pooling_state(len(ids), n, dimensions) for ids, n in encoded])
 
 
-async def _embed(state, request: Request, inputs: list, dimensions: int | None = None, lora: str | None = None
-                 ) -> tuple[list[np.ndarray], int]:
+async def _embed(state, request: Request, inputs: list, dimensions: int | None = None, lora: str | None = None,
+                 cut: dict | None = None) -> tuple[list[np.ndarray], int]:
     """Every input's embedding, in order, and the tokens they held; lora: the adapter `model` named
-    (check_model), None for the base model."""
-    ids, poolings = await run_in_threadpool(_encode, state, inputs, dimensions)
+    (check_model), None for the base model; cut: the body's truncation fields."""
+    ids, poolings = await run_in_threadpool(_encode, state, inputs, dimensions, cut)
     return await _embed_encoded(state, request, ids, poolings, lora)
 
 
@@ -172,7 +193,7 @@ def _vector(v: np.ndarray, encoding_format: str):
 
 def encode_embedding_inputs(state, req: EmbeddingRequest) -> tuple[list[list[int]], list]:
     """An embeddings body's inputs as (token ids, PoolingStates): the route's and the batch script's."""
-    return _encode(state, _inputs(req.input), req.dimensions)
+    return _encode(state, _inputs(req.input), req.dimensions, req.cut())
 
 
 def embeddings_body(req: EmbeddingRequest, model: str, vectors: list[np.ndarray], n_tokens: int) -> dict:
@@ -186,7 +207,7 @@ def embeddings_body(req: EmbeddingRequest, model: str, vectors: list[np.ndarray]
 async def embeddings(req: EmbeddingRequest, request: Request):
     state = request.app.state.server
     lora = state.check_model(req.model)
-    vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora)
+    vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora, req.cut())
     if not isinstance(vectors, list):
         return vectors
     return embeddings_body(req, lora or state.model_name, vectors, n_tokens)
@@ -201,11 +222,12 @@ class ScorePlan:
     body: Callable[[list[np.ndarray], str, int], dict]     # (vectors, model name, tokens read) -> body
 
 
-def _pair_plan(state, first: list[str], second: list[str], activation: bool = True
+def _pair_plan(state, first: list[str], second: list[str], activation: bool = True, cut: dict | None = None
                ) -> tuple[list[list[int]], list, Callable]:
     """The (first, second) pairs' inputs (1:1, 1:N or N:N) and vectors -> scores: a one-label
     classifier (a cross-encoder) reads each pair as one input (Classifier.pair_ids) and scores its
-    probability; an embedding model embeds each text once and scores the cosine similarity."""
+    probability; an embedding model embeds each text once and scores the cosine similarity. cut:
+    the body's truncation fields (a cross-encoder's pair cut as a pair, else each text alone)."""
     try:
         pairs = score_pairs(first, second)
     except ValueError as e:
@@ -213,12 +235,12 @@ def _pair_plan(state, first: list[str], second: list[str], activation: bool = Tr
     gen = state.gen
     head = gen.classifier
     if head is None:
-        ids, poolings = _encode(state, first + second, None)
+        ids, poolings = _encode(state, first + second, None, cut)
         return ids, poolings, lambda v, n=len(first): pair_cosines(v, n)
     try:
-        pair_ids = gen.cross_encoder_inputs(pairs)
+        pair_ids = gen.cross_encoder_inputs(pairs, **(cut or {}))
     except ValueError as e:
-        raise OpenAIError(400, str(e), param="model") from None
+        raise OpenAIError(400, str(e), param=e.field if isinstance(e, FieldError) else "model") from None
     ids, poolings = _encode(state, pair_ids, None)
     return ids, poolings, lambda v: [float(x) for x in head.relevance(np.stack(v), activation)]
 
@@ -226,7 +248,7 @@ def _pair_plan(state, first: list[str], second: list[str], activation: bool = Tr
 def score_plan(state, req: ScoreRequest) -> ScorePlan:
     first = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)
     second = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
-    ids, poolings, scores_of = _pair_plan(state, first, second, req.wants_activation())
+    ids, poolings, scores_of = _pair_plan(state, first, second, req.wants_activation(), req.cut())
 
     def body(vectors, model: str, n_tokens: int) -> dict:
         return {"id": new_id("score"), "object": "list", "created": now(), "model": model,
@@ -246,7 +268,7 @@ def rerank_plan(state, req: RerankRequest) -> ScorePlan:
         raise OpenAIError(400, "documents must not be empty", param="documents")
     if req.top_n < 0:
         raise OpenAIError(400, f"top_n must be 0 (all) or more, got {req.top_n}", param="top_n")
-    ids, poolings, scores_of = _pair_plan(state, [req.query], docs, req.wants_activation())
+    ids, poolings, scores_of = _pair_plan(state, [req.query], docs, req.wants_activation(), req.cut())
 
     def body(vectors, model: str, n_tokens: int) -> dict:
         scores = scores_of(vectors)
@@ -292,7 +314,7 @@ async def classify(req: ClassifyRequest, request: Request):
     if head is None:
         raise OpenAIError(400, f"the model '{state.model_name}' does not classify (load a "
                                "...ForSequenceClassification checkpoint)", param="model")
-    vectors, n_tokens = await _embed(state, request, _inputs(req.input), lora=lora)
+    vectors, n_tokens = await _embed(state, request, _inputs(req.input), lora=lora, cut=req.cut())
     if not isinstance(vectors, list):
         return vectors
     probs = head.probabilities(np.stack(vectors), req.wants_activation())
@@ -320,7 +342,7 @@ async def pooling(req: PoolingRequest, request: Request):
         raise OpenAIError(400, "dimensions applies to the embed task", param="dimensions")
     if task == "embed" and not req.wants_activation():
         raise OpenAIError(400, "use_activation applies to the classify task", param="use_activation")
-    vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora)
+    vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora, req.cut())
     if not isinstance(vectors, list):
         return vectors
     if task == "classify":

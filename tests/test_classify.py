@@ -88,6 +88,14 @@ def test_classify_route(tmp_path):
             raw = client.post("/classify", json={"input": TEXTS, field: False}).json()
             np.testing.assert_allclose([d["probs"] for d in raw["data"]], ref, atol=2e-5)
         np.testing.assert_allclose(g.classify(TEXTS, use_activation=False), ref, atol=2e-5)
+        # truncate_prompt_tokens 2 (vLLM's; from the right for a pooling model): BOS and the first
+        # piece, the logits transformers gives those two tokens
+        with torch.no_grad():
+            cut = np.stack([model(torch.as_tensor([x[:2]])).logits[0].double().numpy() for x in ids])
+        r = client.post("/classify", json={"input": TEXTS, "truncate_prompt_tokens": 2, "use_activation": False})
+        assert r.json()["usage"]["prompt_tokens"] == sum(min(len(x), 2) for x in ids) and max(map(len, ids)) > 2
+        np.testing.assert_allclose([d["probs"] for d in r.json()["data"]], cut, atol=2e-5)
+        np.testing.assert_allclose(g.classify(TEXTS, use_activation=False, truncate_prompt_tokens=2), cut, atol=2e-5)
         # vLLM's /pooling: a classifier's probabilities (its default task), logits without activation
         pooled = client.post("/pooling", json={"input": TEXTS}).json()
         assert [d["object"] for d in pooled["data"]] == ["pooling"] * 3 and pooled["id"].startswith("pool")
@@ -173,6 +181,18 @@ def test_cross_encoder_scores_match_sentence_transformers(tmp_path):
         raw = client.post("/rerank", json={"query": QUERY, "documents": DOCS, "use_activation": False}).json()
         np.testing.assert_allclose([r["relevance_score"] for r in raw["results"]], np.sort(logit)[::-1], atol=2e-5)
         np.testing.assert_allclose(g.score(QUERY, DOCS, use_activation=False), logit, atol=2e-5)
+        # truncate_prompt_tokens: each pair cut as CrossEncoder(max_length=N) cuts it (transformers'
+        # longest_first: the longer text first), separators kept
+        n = 9
+        cut = CrossEncoder(str(folder), device="cpu", max_length=n).predict([(QUERY, d) for d in DOCS])
+        assert np.abs(cut - ref).max() > 1e-3
+        np.testing.assert_allclose(g.score(QUERY, DOCS, truncate_prompt_tokens=n), cut, atol=1e-5)
+        rr = client.post("/rerank", json={"query": QUERY, "documents": DOCS, "truncate_prompt_tokens": n}).json()
+        np.testing.assert_allclose([r["relevance_score"] for r in rr["results"]], np.sort(cut)[::-1], atol=1e-5)
+        assert rr["usage"]["prompt_tokens"] == sum(len(hf_tok(QUERY, d, truncation=True, max_length=n)["input_ids"])
+                                                   for d in DOCS)
+        bad = client.post("/score", json={"text_1": QUERY, "text_2": DOCS, "truncate_prompt_tokens": 4})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
     # the batch script's score and rerank lines (vLLM's run-batch urls)
     from serve.batch import run_batch
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

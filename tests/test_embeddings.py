@@ -428,6 +428,60 @@ def test_server_refusals(servers):
     assert len(llama.embeddings.create(model="tiny", input="the quick").data[0].embedding) == 32
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_truncate_prompt_tokens_cuts_as_sentence_transformers_max_seq_length(gens, servers, reference, family):
+    """vLLM's truncate_prompt_tokens on the pooling routes: each text cut to N tokens from the right,
+    special tokens kept (vLLM's default for pooling models) -- sentence-transformers' own cut at
+    max_seq_length N; truncation_side "left": the ids transformers' tokenizer keeps from the left;
+    token ids: their first N; -1: max_model_len (nothing cut here); usage counts the kept tokens.
+    0, more than max_model_len, fewer than the special tokens, or another side: a 400 naming it."""
+    import httpx
+    _, _, model = reference[family]
+    tok, n = model.tokenizer, 5
+    saved = model.max_seq_length
+    model.max_seq_length = n
+    try:
+        want = model.encode(TEXTS, convert_to_numpy=True, batch_size=len(TEXTS))
+    finally:
+        model.max_seq_length = saved
+    assert np.abs(want - reference[family][0]).max() > 0.05      # the cut changes the vectors
+    assert_close_vectors(gens[family].embed(TEXTS, truncate_prompt_tokens=n), want)
+    url = servers[family].url
+    post = lambda route, body: httpx.post(f"{url}{route}", json=body, timeout=120)  # noqa: E731
+    r = post("/v1/embeddings", {"input": TEXTS, "encoding_format": "float", "truncate_prompt_tokens": n})
+    assert r.status_code == 200, r.text
+    assert_close_vectors(np.array([d["embedding"] for d in r.json()["data"]], np.float32), want)
+    assert r.json()["usage"]["prompt_tokens"] == sum(len(tok(t, truncation=True, max_length=n)["input_ids"])
+                                                     for t in TEXTS)
+    r = post("/pooling", {"input": TEXTS[:2], "truncate_prompt_tokens": n})
+    assert_close_vectors(np.array([d["data"] for d in r.json()["data"]], np.float32), want[:2])
+    cos = lambda a, b: float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))  # noqa: E731
+    r = post("/v1/score", {"text_1": TEXTS[0], "text_2": TEXTS[1:3], "truncate_prompt_tokens": n})
+    np.testing.assert_allclose([d["score"] for d in r.json()["data"]], [cos(want[0], w) for w in want[1:3]], atol=1e-5)
+    tok.truncation_side = "left"
+    try:
+        left = [tok(t, truncation=True, max_length=n)["input_ids"] for t in TEXTS]
+    finally:
+        tok.truncation_side = "right"
+    r = post("/v1/embeddings", {"input": TEXTS, "encoding_format": "float", "truncate_prompt_tokens": n,
+                                "truncation_side": "left"})
+    assert_close_vectors(np.array([d["embedding"] for d in r.json()["data"]], np.float32), gens[family].embed(left))
+    ids = tok(TEXTS[4])["input_ids"]
+    r = post("/v1/embeddings", {"input": ids, "encoding_format": "float", "truncate_prompt_tokens": 3})
+    assert r.json()["usage"]["prompt_tokens"] == 3
+    assert_close_vectors(np.array([r.json()["data"][0]["embedding"]], np.float32), gens[family].embed(ids[:3]))
+    r = post("/v1/embeddings", {"input": TEXTS, "encoding_format": "float", "truncate_prompt_tokens": -1})
+    assert_close_vectors(np.array([d["embedding"] for d in r.json()["data"]], np.float32), reference[family][0])
+    n_special = len(tok("")["input_ids"])
+    for body, param in (({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                        ({"truncate_prompt_tokens": 65}, "truncate_prompt_tokens"),
+                        ({"truncate_prompt_tokens": n_special}, "truncate_prompt_tokens"),
+                        ({"truncate_prompt_tokens": 3, "truncation_side": "middle"}, "truncation_side")):
+        for route, inputs in (("/v1/embeddings", {"input": "the quick"}), ("/v1/score", {"text_1": "a", "text_2": "b"})):
+            r = post(route, {**inputs, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, body, r.text)
+
+
 # --------------------------------------------------------------------------- host-side pieces, no model
 def test_matryoshka_dimensions_cut_then_normalize():
     """vLLM's order: the pooled vector cut to `dimensions`, then L2-normalized (numpy reference)."""

@@ -287,6 +287,16 @@ def test_vllm_sampling_and_prompt_extras(server, client, model_dir):
                                       extra_body={"truncate_prompt_tokens": 3, "truncation_side": "right"})
     head = client.completions.create(model="tiny", prompt=ids[:3], max_tokens=5, temperature=0)
     assert first.usage.prompt_tokens == 3 and first.choices[0].text == head.choices[0].text
+    # a text prompt is cut as vLLM's tokenizer(text, truncation=True, max_length=N) cuts it (the left
+    # side for a generating model): the BOS the tokenizer adds stays, then the text's last N - 1 pieces
+    sp_ids = spm.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model")).encode(
+        "the lazy dog jumps over hackers")
+    assert ids == [1] + sp_ids
+    for side, want in (("left", [1] + sp_ids[-2:]), ("right", [1] + sp_ids[:2])):
+        body = {"prompt": "the lazy dog jumps over hackers", "max_tokens": 1, "truncate_prompt_tokens": 3,
+                "return_token_ids": True, **({"truncation_side": side} if side == "right" else {})}
+        got = httpx.post(f"{server.url}/v1/completions", json=body).json()
+        assert got["choices"][0]["prompt_token_ids"] == want and got["usage"]["prompt_tokens"] == 3, got
     bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
     lp = client.completions.create(model="tiny", prompt="lazy dog", max_tokens=4, temperature=0, logprobs=1,

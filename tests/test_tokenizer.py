@@ -452,3 +452,72 @@ def test_token_bytes_join_into_the_texts_utf8(sp_tok: Tokenizer, hf_tok: Tokeniz
     sp = b"".join(sp_tok.token_bytes(i) for i in sp_tok.encode(text, add_special_tokens=False))
     assert sp == (" " + text).encode() if text else sp == b""
     assert sp_tok.token_bytes(1) == b"<s>" and hf_tok.token_bytes(0) == hf_tok.id_to_piece(0).encode()
+
+
+# ---------------------------------------------------------------- truncation (vLLM's truncate_prompt_tokens)
+
+
+def test_hf_truncation_equals_transformers(hf_dir: Path, hf_tok: Tokenizer) -> None:
+    """encode(truncate=N) and encode_pair(truncate=N) equal transformers' tokenizer(text[, pair],
+    truncation=True, max_length=N) on either truncation side: the special tokens stay, a pair's
+    longer text loses tokens first (longest_first)."""
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"))
+    texts = [TEXTS[0], TEXTS[3], " ".join(_corpus()[:3])]
+    for side in ("right", "left"):
+        ref.truncation_side = side
+        for a in texts:
+            full = ref(a)["input_ids"]
+            for n in sorted({2, 3, max(2, len(full) // 2), max(2, len(full) - 1), len(full), len(full) + 5}):
+                assert hf_tok.encode(a, truncate=n, side=side) == ref(a, truncation=True, max_length=n)["input_ids"]
+            for b in texts:
+                for n in (4, 7, 12, 30):
+                    want = ref(a, b, truncation=True, max_length=n)["input_ids"]
+                    assert hf_tok.encode_pair(a, b, truncate=n, side=side) == want, (side, n)
+    with pytest.raises(ValueError, match="special token"):
+        hf_tok.encode_pair(texts[0], texts[1], truncate=3)     # two specials leave one token for two texts
+
+
+def test_longest_first_is_the_tokenizers_librarys_rule() -> None:
+    """longest_first (the SentencePiece path's pair truncation) keeps what the tokenizers library's
+    own longest_first truncation keeps, over every pair of lengths and budget up to 12."""
+    from jaxinfer.tokenizer import longest_first
+    lib = HFTokenizer(models.WordLevel({f"w{i}": i for i in range(30)}, unk_token="w0"))
+    lib.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    for n1 in range(1, 10):
+        for n2 in range(1, 10):
+            a, b = " ".join(f"w{i}" for i in range(n1)), " ".join(f"w{10 + i}" for i in range(n2))
+            for budget in range(2, 13):
+                lib.enable_truncation(budget, strategy="longest_first")
+                seq = lib.encode(a, b).sequence_ids
+                assert longest_first([n1, n2], budget) == [seq.count(0), seq.count(1)], (n1, n2, budget)
+
+
+def test_sp_truncation_keeps_bos(sp_tok: Tokenizer, ref_sp: spm.SentencePieceProcessor) -> None:
+    """A SentencePiece model that adds BOS: BOS, then the text's first (right) or last (left) N - 1
+    pieces, as transformers' Llama tokenizer truncates; a pair: BOS a BOS b, each text cut to what
+    longest_first keeps."""
+    from jaxinfer.tokenizer import longest_first
+    a, b = TEXTS[0], TEXTS[2]
+    pa, pb = ref_sp.encode(a), ref_sp.encode(b)
+    bos = sp_tok.bos_id
+    assert sp_tok.add_bos and bos is not None
+    assert sp_tok.encode(a, truncate=2) == [bos, pa[0]]
+    assert sp_tok.encode(a, truncate=2, side="left") == [bos, pa[-1]]
+    assert sp_tok.encode(a, truncate=100) == [bos, *pa]
+    ka, kb = longest_first([len(pa), len(pb)], 6 - 2)
+    assert sp_tok.encode_pair(a, b, truncate=6) == [bos, *pa[:ka], bos, *pb[:kb]]
+    assert sp_tok.encode_pair(a, b, truncate=6, side="left") == [bos, *pa[len(pa) - ka:], bos, *pb[len(pb) - kb:]]
+
+
+def test_truncation_and_padding_saved_in_tokenizer_json_are_not_applied(tmp_path: Path, hf_dir: Path) -> None:
+    """tokenizer.json may carry a truncation (BERT exports: 512) or a fixed padding; transformers'
+    tokenizer(text) applies neither unless asked, and neither does encode."""
+    transformers = pytest.importorskip("transformers")
+    lib = HFTokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    lib.enable_truncation(3)
+    lib.enable_padding(length=40, pad_id=2, pad_token="<pad>")
+    (tmp_path / "tokenizer.json").write_text(lib.to_str())
+    text = " ".join(_corpus()[:2])
+    want = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))(text)["input_ids"]
+    assert load_tokenizer(tmp_path).encode(text) == want and len(want) > 3 and 2 not in want
