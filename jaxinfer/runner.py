@@ -148,6 +148,7 @@ class ModelRunner:
         self._no_history: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._no_mask: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
         self._no_bans: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
+        self._no_grammar: dict[int, jax.Array] = {}
         self._no_targets: dict[int, jax.Array] = {}   # prompt_targets of a step where nobody asks, per T
         self._prompt_rows = PromptRows()   # those of the step being prepared
         self._no_pooling: dict[int, jax.Array] = {}
@@ -425,7 +426,17 @@ class ModelRunner:
         hist, is_out = self._history(s, rows, any_penalty or lookup or reads)
         return SamplingBatch(temp, top_k, top_p, min_p, rep, pres, freq, seed, index,
                              positions_of_rows.astype(np.int32), num_logprobs, hist, is_out,
-                             *self._constraints(s, rows), *bans, logprobs_mode=self.cfg.logprobs_mode)
+                             *self._constraints(s, rows), *bans, self._grammar_rows(s, rows),
+                             logprobs_mode=self.cfg.logprobs_mode)
+
+    def _grammar_rows(self, s: int, rows: list) -> np.ndarray | jax.Array:
+        """SamplingBatch.grammar_rows: numpy when some row has a grammar, else an array built once
+        per bucket."""
+        if not any(req is not None and req.guide is not None for req in rows):
+            if s not in self._no_grammar:
+                self._no_grammar[s] = jax.device_put(np.zeros(s, bool))
+            return self._no_grammar[s]
+        return np.array([req is not None and req.guide is not None for req in rows], bool)
 
     def execute(self, sched: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, list[StepSample]]:
         """Run one step and wait for its tokens."""
@@ -536,8 +547,10 @@ class ModelRunner:
         sb = inputs.sampling
         if sb.history is None:
             sb.history, sb.history_is_output = self._history(len(inputs.logits_indices), [], False)
-        empty = (*self._constraints(len(inputs.logits_indices), []), *self._bans(len(inputs.logits_indices), []))
-        for name, value in zip(("token_mask", "bias_ids", "bias_values", "stop_ban", "min_pos", "bad_words"), empty):
+        n = len(inputs.logits_indices)
+        empty = (*self._constraints(n, []), *self._bans(n, []), self._grammar_rows(n, []))
+        for name, value in zip(("token_mask", "bias_ids", "bias_values", "stop_ban", "min_pos", "bad_words",
+                                "grammar_rows"), empty):
             if getattr(sb, name) is None:
                 setattr(sb, name, value)
         if not isinstance(inputs, SpecStepInputs):   # speculative programs have neither

@@ -22,7 +22,9 @@ row sets min_p with top_p):
      of greedy rows only skips the draw and the truncation).
 Logprobs (the drawn token's and the top 20) report what the engine's logprobs_mode says, vLLM's
 --logprobs-mode: raw_logprobs (the default), log_softmax of the model's logits as they come, before
-step 0; raw_logits, those logits; processed_logprobs, log_softmax after steps 0-3 (the distribution
+step 0 (a grammar row's after its grammar's mask: vLLM applies the bitmask to the logits its sampler
+gets; where a row has a grammar and allowed_token_ids or one-token bad words, whose mask is ANDed
+into the grammar's, after all three); raw_logits, those logits; processed_logprobs, log_softmax after steps 0-3 (the distribution
 drawn from, tokens the truncation cut at -inf; a greedy row's untruncated, at temperature 1);
 processed_logits, the logits after steps 0-3.
 """
@@ -62,6 +64,8 @@ class SamplingBatch:
     min_pos: jax.Array          # i32 [N]: they are banned while position < min_pos (0: never)
     bad_words: jax.Array        # i32 [N, MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS]: multi-token bad
                                 #      words, left-padded with -1 (each word's last token in the last column)
+    grammar_rows: jax.Array     # bool [N]: the row's token_mask is its grammar's (the raw logprobs come
+                                #      after it, as vLLM applies a grammar's bitmask before its sampler)
     # what the logprobs report (module docstring): the engine's setting, static (part of the program)
     logprobs_mode: str = field(default="raw_logprobs", metadata=dict(static=True))
 
@@ -226,8 +230,9 @@ def process(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array, 
     logits = logits / jnp.where(greedy, 1.0, b.temperature)[:, None]
     any_truncation = jnp.any(((b.top_k > 0) | (b.top_p < 1) | (b.min_p > 0)) & ~greedy)
     filtered = jax.lax.cond(any_truncation, truncate, lambda l, _: l, logits, b)
-    if b.logprobs_mode.startswith("raw"):
-        reported = raw
+    if b.logprobs_mode.startswith("raw"):   # a grammar row's after its grammar's mask (vLLM's order)
+        reported = jax.lax.cond(jnp.any(b.grammar_rows),
+                                lambda r: jnp.where(b.grammar_rows[:, None], apply_token_mask(r, b), r), lambda r: r, raw)
     else:   # greedy rows are not truncated (vLLM turns top-k / top-p / min-p off for them)
         reported = jnp.where(greedy[:, None], logits, filtered)
     logprobs = jax.nn.log_softmax(reported, axis=-1) if b.logprobs_mode.endswith("logprobs") else reported

@@ -106,7 +106,7 @@ def test_step_inputs_round_trip():
                        np.zeros(s, np.int32), np.arange(s, dtype=np.int32) + 5, np.full(s, 2, np.int32),
                        hist, hist > 0, np.full((s, 2), -1, np.int32), np.full((s, 3), -1, np.int32),
                        np.zeros((s, 3), np.float32), np.full((s, 2), -1, np.int32), np.zeros(s, np.int32),
-                       np.full((s, 1, 3), -1, np.int32))
+                       np.full((s, 1, 3), -1, np.int32), np.zeros(s, bool))
     tokens, positions = np.arange(t, dtype=np.int32) * 3, np.arange(t, dtype=np.int32)
     logits_indices = np.array([2, 3, 0, 0], np.int32)
     stop_ids, max_new = np.full((s, MAX_STOP_IDS), -1, np.int32), np.array([1, 4, 0, 0], np.int32)

@@ -102,6 +102,7 @@ def make_batch(n, **fields):
     arrays["stop_ban"] = np.asarray(fields.pop("stop_ban", np.full((n, 2), -1)), np.int32)
     arrays["min_pos"] = np.asarray(fields.pop("min_pos", np.zeros(n)), np.int32)
     arrays["bad_words"] = np.asarray(fields.pop("bad_words", np.full((n, 1, 2), -1)), np.int32)
+    arrays["grammar_rows"] = np.broadcast_to(np.asarray(fields.pop("grammar_rows", False), bool), (n,)).copy()
     mode = fields.pop("logprobs_mode", "raw_logprobs")
     assert not fields, f"unknown fields {sorted(fields)}"
     assert arrays["history"].shape == (n, H)

@@ -141,7 +141,7 @@ def _batch(n: int, temperature: float, top_p: float = 1.0, rep: float = 1.0, his
                          h, np.zeros(h.shape, bool), np.full((n, 1), -1, np.int32),
                          np.full((n, 300), -1, np.int32), np.zeros((n, 300), np.float32),
                          np.full((n, 2), -1, np.int32), np.zeros(n, np.int32), np.full((n, 1, 3), -1, np.int32),
-                         logprobs_mode="processed_logprobs")   # the logprobs of what the target draws from
+                         np.zeros(n, bool), logprobs_mode="processed_logprobs")   # the logprobs of what the target draws from
 
 
 @pytest.mark.parametrize("case", ["draft", "garbage", "top_p_draft", "penalty", "grammar"])

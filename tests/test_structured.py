@@ -36,7 +36,7 @@ BUNDLED = "checkpoints/jaxinfer-tiny-llama"
 
 def _batch(n: int, v: int, temperature, token_mask=None, bias_ids=None, bias_values=None, seed=0,
            stop_ban=None, min_pos=None, bad_words=None, history=None, history_is_output=None,
-           position=None, logprobs_mode="processed_logprobs") -> SamplingBatch:
+           position=None, logprobs_mode="processed_logprobs", grammar_rows=None) -> SamplingBatch:
     """processed_logprobs by default: the logprobs these tests read are of the distribution drawn
     from (the mask, bias and bans applied)."""
     f = lambda x: np.broadcast_to(np.asarray(x, np.float32), (n,)).copy()  # noqa: E731
@@ -52,7 +52,7 @@ def _batch(n: int, v: int, temperature, token_mask=None, bias_ids=None, bias_val
                          np.full((n, 2), -1, np.int32) if stop_ban is None else stop_ban,
                          np.zeros(n, np.int32) if min_pos is None else min_pos,
                          np.full((n, 1, 3), -1, np.int32) if bad_words is None else bad_words,
-                         logprobs_mode=logprobs_mode)
+                         np.zeros(n, bool) if grammar_rows is None else grammar_rows, logprobs_mode=logprobs_mode)
 
 
 def _pack(allowed: np.ndarray) -> np.ndarray:
@@ -89,10 +89,17 @@ def test_mask_greedy_logprobs_and_draws_match_numpy():
     top = np.asarray(top_lps)
     assert np.all(np.isneginf(top[1, 3:])) and np.allclose(np.sort(top[1, :3]), np.sort(ref_lp[1, [7, 64, 99]]),
                                                              atol=1e-5)
-    # raw_logprobs (vLLM's default mode): the model's own distribution, the mask not applied
-    ids, lps, *_ = jax.jit(sample)(logits, _batch(n, v, 0.0, mask, logprobs_mode="raw_logprobs"))
+    # raw_logprobs (vLLM's default mode): the model's own distribution, with a grammar's mask
+    # applied (vLLM applies the bitmask to the logits its sampler gets) and without any other mask
+    # (allowed_token_ids, one-token bad words: vLLM's logits processors, after the raw logprobs)
+    grammar = np.array([False, True, True, False, True, False])
+    ids, lps, _, top_lps = jax.jit(sample)(logits, _batch(n, v, 0.0, mask, logprobs_mode="raw_logprobs",
+                                                          grammar_rows=grammar))
     np.testing.assert_array_equal(np.asarray(ids), np.argmax(ref, axis=1))
-    np.testing.assert_allclose(np.asarray(lps), _log_softmax(logits)[np.arange(n), np.argmax(ref, axis=1)], atol=1e-5)
+    want = np.where(grammar[:, None], ref_lp, _log_softmax(logits))
+    np.testing.assert_allclose(np.asarray(lps), want[np.arange(n), np.argmax(ref, axis=1)], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(top_lps)[3], np.sort(want[3])[::-1][:20], atol=1e-5)   # unmasked row
+    assert np.all(np.isneginf(np.asarray(top_lps)[1, 3:]))                                         # grammar row
     # sampled rows never draw a disallowed token (200 seeds x 6 rows)
     for seed in range(0, 2000, 10):
         ids, *_ = jax.jit(sample)(logits, _batch(n, v, 1.5, mask, seed=seed))
@@ -567,6 +574,29 @@ def test_mixed_batch_valid_and_batch_invariant(gen):
     # the bias row never drew its banned token
     assert 17 not in outs[7].samples[0].token_ids
     assert gen.stats()["compilations_after_warmup"] == 0
+
+
+def test_default_raw_logprobs_of_a_grammar_row_are_over_what_it_allows(gen):
+    """vLLM applies a grammar's bitmask to the logits its sampler gets, so even the default mode's
+    (raw_logprobs) logprobs of a constrained row are a distribution over the tokens the grammar
+    allows: at the first step of a two-word choice every allowed token is among the top 20, their
+    probabilities sum to 1, and each is the model's logit minus the logsumexp of the allowed
+    tokens' logits (numpy on gen.logits); an unconstrained row's are the whole vocabulary's."""
+    prompt = "Pick a colour: "
+    so = StructuredOutputs(choice=["yes", "no"])
+    [out] = gen.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=20, structured_outputs=so))
+    top = out.samples[0].top_logprobs[0]
+    finite = [(t, lp) for t, lp in top if np.isfinite(lp)]
+    assert 2 <= len(finite) < 20
+    assert sum(np.exp(lp) for _, lp in finite) == pytest.approx(1.0, abs=1e-5)
+    row = gen.logits(gen.tokenizer.encode(prompt))[-1].astype(np.float64)
+    allowed = [t for t, _ in finite]
+    norm = np.log(np.sum(np.exp(row[allowed] - row[allowed].max()))) + row[allowed].max()
+    # float32 logits of O(10): ~1e-5
+    np.testing.assert_allclose([lp for _, lp in finite], row[allowed] - norm, atol=1e-4)
+    assert out.samples[0].logprobs[0] == pytest.approx(dict(finite)[out.samples[0].token_ids[0]], abs=1e-6)
+    [free] = gen.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))
+    assert sum(np.exp(lp) for _, lp in free.samples[0].top_logprobs[0]) < 1 - 1e-3
 
 
 def test_logit_bias_forces_and_bans(gen):
