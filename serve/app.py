@@ -480,13 +480,15 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     token_str = state.logprob_token_str(req)
     if req.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        choices = ChatChoices(sub.n, req.tool_plan(), token_str, bool(req.logprobs), parsers, state.token_bytes)
+        choices = ChatChoices(sub.n, req.tool_plan(), token_str, bool(req.logprobs), parsers, state.token_bytes,
+                              req.response_role(), req.echo_text())
         return stream_response(state.engine, sub, base, [len(prompt)], req.stream_options, choices, choices.head,
                                prompt_ids=[prompt] if req.return_token_ids else None)
 
     def build(groups):
         body = chat_body(rid, created, model, groups, len(prompt), token_str, req.logprobs, sub.n,
-                         tools=req.tool_plan(), parsers=parsers, token_bytes=state.token_bytes)
+                         tools=req.tool_plan(), parsers=parsers, token_bytes=state.token_bytes,
+                         role=req.response_role(), echo=req.echo_text())
         if req.prompt_logprobs is not None:   # vLLM's place: the response's top level
             entries = first_prompt_logprobs(groups[0])
             body["prompt_logprobs"] = None if entries is None else vllm_prompt_logprobs(entries, prompt,

@@ -166,7 +166,8 @@ def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -
     build = completion_body if job.url == "/v1/completions" else chat_body
     want_lp = job.request.logprobs is not None if job.url == "/v1/completions" else job.request.logprobs
     rid = new_id("cmpl" if job.url == "/v1/completions" else "chatcmpl")
-    extra = ({"tools": job.request.tool_plan(), "parsers": job.parsers, "token_bytes": state.token_bytes}
+    extra = ({"tools": job.request.tool_plan(), "parsers": job.parsers, "token_bytes": state.token_bytes,
+              "role": job.request.response_role(), "echo": job.request.echo_text()}
              if job.url == "/v1/chat/completions" else {})
     token_str = state.logprob_token_str(job.request)
     body = build(rid, now(), model, groups, n_prompt, token_str, bool(want_lp), job.params.n, **extra)

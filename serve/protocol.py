@@ -535,13 +535,29 @@ class ChatCompletionRequest(_Sampling):
     chat_template: str | None = None
     _plan: Any = PrivateAttr(default=False)
 
+    # vLLM's: the response begins with the last message's content where that message has the
+    # response's role (an assistant message the model continues: continue_final_message)
+    echo: bool = False
+
     @model_validator(mode="before")
     @classmethod
     def _check_chat_extras(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("echo") not in (None, False):
-            raise _refuse("echo", "echo is not available on chat completions (OpenAI's chat API has none); "
-                                  "use /v1/completions with echo, or prompt_logprobs here")
         return _check_prompt_logprobs(data)
+
+    def response_role(self) -> str:
+        """vLLM's get_chat_request_role: "assistant" under a generation prompt, else the last
+        message's role (the model continues that message)."""
+        return "assistant" if self.add_generation_prompt or not self.messages else self.messages[-1].role
+
+    def echo_text(self) -> str:
+        """vLLM's chat echo: the last message's content (its text parts joined by newlines) where that
+        message has the response's role, else ""; "" without echo."""
+        if not self.echo or not self.messages or self.messages[-1].role != self.response_role():
+            return ""
+        content = self.messages[-1].content
+        if isinstance(content, list):
+            return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict) and "text" in part)
+        return content or ""
 
     def request_field(self, name: str) -> str:
         if name == "logprobs":
@@ -650,7 +666,7 @@ def completion_body(rid: str, created: int, model: str, groups: list[list], n_pr
 
 
 def chat_message(text: str, finish_reason: str | None, plan: ToolPlan | None,
-                 parsers: OutputParsers | None = None) -> tuple[dict, str | None]:
+                 parsers: OutputParsers | None = None, role: str = "assistant") -> tuple[dict, str | None]:
     """A chat choice's message and finish_reason: the reasoning split off first (serve.reasoning, as
     reasoning_content), then tool calls parsed out of the answer under the request's tool plan
     (serve.tools, in the family's format) come back as tool_calls with finish_reason "tool_calls", or
@@ -660,7 +676,7 @@ def chat_message(text: str, finish_reason: str | None, plan: ToolPlan | None,
     content, calls, finish_reason = parse_choice(answer, plan, finish_reason, parsers.tools)
     # the parser's content, calls or not: the harmony parser drops the headers of the messages it
     # passes on, as streaming does (the answer itself still holds them)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+    message: dict[str, Any] = {"role": role, "content": content}
     if parsers.reasoning is not None:
         message["reasoning_content"] = reasoning
     if calls:
@@ -670,11 +686,15 @@ def chat_message(text: str, finish_reason: str | None, plan: ToolPlan | None,
 
 def chat_body(rid: str, created: int, model: str, groups: list[list], n_prompt: int, token_str,
               logprobs: bool, n: int = 1, tools: ToolPlan | None = None, parsers: OutputParsers | None = None,
-              token_bytes=None) -> dict:
-    """A non-streaming /v1/chat/completions response from each choice's deltas."""
+              token_bytes=None, role: str = "assistant", echo: str = "") -> dict:
+    """A non-streaming /v1/chat/completions response from each choice's deltas; role: the messages'
+    (ChatCompletionRequest.response_role); echo: text each message's content begins with
+    (ChatCompletionRequest.echo_text, vLLM's chat echo)."""
     choices, n_reasoning = [], 0
     for i, g in enumerate(groups):
-        message, finish = chat_message("".join(d.text for d in g), g[-1].finish_reason, tools, parsers)
+        message, finish = chat_message("".join(d.text for d in g), g[-1].finish_reason, tools, parsers, role)
+        if echo:
+            message["content"] = echo + (message["content"] or "")
         lp = chat_logprobs(g, token_str, token_bytes) if logprobs else None
         choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish,
                         "stop_reason": g[-1].stop_reason})

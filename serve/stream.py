@@ -189,20 +189,25 @@ class CompletionChoices:
 
 
 class ChatChoices:
-    """Streamed /v1/chat/completions: the opening role chunk of each sample (`head`), then one delta ->
+    """Streamed /v1/chat/completions: the opening role chunk of each sample (`head`, then with vLLM's
+    chat echo the text it echoes), then one delta ->
     its choice chunks. With a reasoning parser, each sample's text is split first (reasoning_content
     deltas apart from content); under a tool plan that parses, the answer goes through a ToolStream
     in the family's format. reasoning_tokens: the usage chunk's count (None without a parser)."""
 
     def __init__(self, n: int, plan: ToolPlan | None, token_str: Callable[[int], str], logprobs: bool,
-                 parsers: OutputParsers | None = None, token_bytes: Callable[[int], list[int]] | None = None):
+                 parsers: OutputParsers | None = None, token_bytes: Callable[[int], list[int]] | None = None,
+                 role: str = "assistant", echo: str = ""):
         self.token_str, self.logprobs, self.token_bytes = token_str, logprobs, token_bytes
         parsers = parsers or OutputParsers()
         self.tools = [ToolStream(plan, parsers.tools) if plan is not None and plan.parses else None for _ in range(n)]
         self.reasoners = [parsers.reasoning_parser() for _ in range(n)]
         self._reasoning_counts = [0] * n
-        first = {"role": "assistant", "content": None if plan is not None and plan.constrained else ""}
+        first = {"role": role, "content": None if plan is not None and plan.constrained else ""}
         self.head = [{"index": i, "delta": first, "logprobs": None, "finish_reason": None} for i in range(n)]
+        if echo:   # vLLM's chat echo: the last message's content, one chunk per choice after the roles
+            self.head += [{"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
+                          for i in range(n)]
 
     @property
     def reasoning_tokens(self) -> int | None:

@@ -311,6 +311,33 @@ def test_vllm_sampling_and_prompt_extras(server, client, model_dir):
     assert plain == "" and kept["choices"][0]["text"] == sp.id_to_piece(eos) * 3
 
 
+def test_chat_echo_begins_the_reply_with_the_continued_message(server, client):
+    """vLLM's chat echo (its get_chat_request_role and echo rules): the response's role is the
+    assistant's under a generation prompt, else the last message's; where the last message has that
+    role its content (text parts joined by newlines) begins the reply's content, streamed as one
+    chunk right after the role chunk; a user's last message under a generation prompt is not echoed."""
+    msgs = [{"role": "user", "content": "tell me about the fox"}, {"role": "assistant", "content": "The fox"}]
+    cont = {"continue_final_message": True, "add_generation_prompt": False}
+    kw = dict(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**kw, extra_body=cont).choices[0].message.content
+    echoed = client.chat.completions.create(**kw, extra_body={**cont, "echo": True}).choices[0].message
+    assert (echoed.role, echoed.content) == ("assistant", "The fox" + plain)
+    chunks = [c.choices[0].delta for c in client.chat.completions.create(**kw, extra_body={**cont, "echo": True},
+                                                                         stream=True) if c.choices]
+    assert chunks[0].role == "assistant" and chunks[1].content == "The fox"
+    assert "".join(d.content or "" for d in chunks) == "The fox" + plain
+    parts = [{**msgs[0]}, {"role": "assistant", "content": [{"type": "text", "text": "The"}, {"type": "text", "text": "fox"}]}]
+    body = {"messages": parts, "max_tokens": 3, "temperature": 0, **cont, "echo": True}
+    got = httpx.post(f"{server.url}/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    assert got.startswith("The\nfox")
+    asked = dict(model="tiny", messages=msgs[:1], max_tokens=4, temperature=0)
+    assert (client.chat.completions.create(**asked, extra_body={"echo": True}).choices[0].message.content
+            == client.chat.completions.create(**asked).choices[0].message.content)
+    user = httpx.post(f"{server.url}/v1/chat/completions",
+                      json={"messages": msgs[:1], "max_tokens": 2, "add_generation_prompt": False}).json()
+    assert user["choices"][0]["message"]["role"] == "user"
+
+
 def test_64_concurrent_streams_equal_non_streaming(server, client):
     async def run():
         aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300, max_retries=0)
