@@ -108,10 +108,6 @@ class ServerState:
         except FieldError as e:
             raise OpenAIError(400, str(e), param=e.field) from None
 
-    def render_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None,
-                    template_kwargs: dict | None = None) -> list[int]:
-        return self.encode_chat(self.render_chat_text(messages, tools, template_kwargs))
-
     def encode_chat(self, text: str, own_template: bool = False) -> list[int]:
         # as transformers and vLLM encode a rendered chat: the template writes BOS where the model
         # wants it (the plain template does not: the tokenizer's rule adds it), its special tokens
@@ -124,6 +120,16 @@ class ServerState:
             return self.tokenizer.encode_rendered(text, list(self.chat.special_tokens.values()))
         except UnicodeError:
             raise OpenAIError(400, "the messages are not valid Unicode text", param="messages") from None
+
+    def tokenize_chat(self, req: TokenizeRequest) -> list[int]:
+        """/tokenize's messages: the ids a chat request with the same messages and template options
+        would send (chat_request's rendering)."""
+        if req.chat_template_kwargs is not None and not isinstance(req.chat_template_kwargs, dict):
+            raise OpenAIError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+        template, kwargs = self.request_template(req)
+        text = self.render_chat_text(req.messages, req.tool_plan(), kwargs, req.add_generation_prompt,
+                                     req.continue_final_message, req.documents, template)
+        return self.encode_chat(text, own_template=template is not None)
 
     def render_chat_text(self, messages: list[ChatMessage], tools: ToolPlan | None = None,
                          template_kwargs: dict | None = None, add_generation_prompt: bool = True,
@@ -416,8 +422,12 @@ async def tokenize(req: TokenizeRequest, request: Request):
     if (req.prompt is None) == (req.messages is None):
         raise OpenAIError(400, "give exactly one of prompt or messages")
     ids = await run_in_threadpool(lambda: state.encode(req.prompt, req.add_special_tokens)
-                                  if req.prompt is not None else state.render_chat(req.messages, req.tool_plan()))
-    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+                                  if req.prompt is not None else state.tokenize_chat(req))
+    body = {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+    if req.return_token_strs:   # vLLM's: the tokenizer's pieces (convert_ids_to_tokens)
+        body["token_strs"] = [state.tokenizer.id_to_piece(i) if state.tokenizer is not None else state.token_str(i)
+                              for i in ids]
+    return body
 
 
 @router.post("/detokenize")

@@ -588,11 +588,32 @@ class ChatCompletionRequest(_Sampling):
 
 
 class TokenizeRequest(_Body):
+    """vLLM's /tokenize bodies: a prompt (TokenizeCompletionRequest) or messages rendered as a chat
+    request renders them (TokenizeChatRequest: its template options, tools, documents, the request's
+    own template under --trust-request-chat-template); return_token_strs adds each id's piece."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     tools: list[dict[str, Any]] | None = None     # with messages: rendered as a chat request renders them
+    return_token_strs: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    documents: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _check_flags(self) -> "TokenizeRequest":
+        if self.continue_final_message and self.add_generation_prompt:
+            raise _refuse("continue_final_message", "Cannot set both `continue_final_message` and "
+                                                    "`add_generation_prompt` to True.")
+        if self.prompt is not None:
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template",
+                         "documents"):
+                if name in self.model_fields_set:
+                    raise _refuse(name, f"{name} applies to messages, not to a prompt")
+        return self
 
     def tool_plan(self) -> ToolPlan | None:
         try:

@@ -248,3 +248,32 @@ def test_documents_and_a_request_template_as_transformers(base, tmp_path, own):
     with pytest.raises(OpenAIError) as e:
         ours_request(d, True, messages=USER, chat_template="{% for %}")
     assert e.value.param == "chat_template"
+
+
+
+def test_tokenize_messages_with_vllm_options_as_transformers(base, tmp_path):
+    """vLLM's /tokenize with messages (ServerState.tokenize_chat): add_generation_prompt false,
+    continue_final_message, documents and chat_template_kwargs give the ids transformers'
+    apply_chat_template gives (the ids a chat request would send); template options on a prompt,
+    or both flags, are a 400 naming the field."""
+    import pydantic
+
+    from serve.app import ServerState
+    from serve.protocol import TokenizeRequest
+    template = "{% if greeting %}{{ greeting }}\n{% endif %}" + RAG
+    d = folder(base, tmp_path, template)
+    gen = SimpleNamespace(tokenizer=load_tokenizer(d), client=SimpleNamespace(max_model_len=4096))
+    state = ServerState(gen, "m", None, 16)
+    prefilled = USER + [{"role": "assistant", "content": "The cat"}]
+    for body, kw in (({"messages": DIALOG}, {}),
+                     ({"messages": DIALOG, "add_generation_prompt": False}, {"add_generation_prompt": False}),
+                     ({"messages": prefilled, "add_generation_prompt": False, "continue_final_message": True},
+                      {"add_generation_prompt": False, "continue_final_message": True}),
+                     ({"messages": USER, "documents": DOCS, "chat_template_kwargs": {"greeting": "Hello"}},
+                      {"documents": DOCS, "greeting": "Hello"})):
+        kw = {"add_generation_prompt": True, **kw}
+        assert state.tokenize_chat(TokenizeRequest(**body)) == theirs(d, body["messages"], **kw)[1], body
+    for body, param in (({"prompt": "x", "add_generation_prompt": False}, "add_generation_prompt"),
+                        ({"messages": prefilled, "continue_final_message": True}, "continue_final_message")):
+        with pytest.raises(pydantic.ValidationError, match=param):
+            TokenizeRequest(**body)

@@ -390,7 +390,7 @@ def test_bad_requests_get_clear_4xx(server, body, raw, status, needle):
     assert needle in err["message"] and err["type"]
 
 
-def test_chat_validation_and_tokenize_round_trip(server):
+def test_chat_validation_and_tokenize_round_trip(server, model_dir):
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=30)
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
@@ -400,6 +400,13 @@ def test_chat_validation_and_tokenize_round_trip(server):
     assert toks["count"] == len(toks["tokens"]) > 1
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": toks["tokens"]}, timeout=30).json()["prompt"]
     assert text == "seven wizards"
+    # vLLM's return_token_strs: each id's piece, as the tokenizer names it (SentencePiece's id_to_piece)
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+    strs = httpx.post(f"{server.url}/tokenize", json={"prompt": "seven wizards", "return_token_strs": True}).json()
+    assert strs["token_strs"] == [sp.id_to_piece(i) for i in toks["tokens"]] and strs["tokens"] == toks["tokens"]
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
 
 
 def test_metrics_report_latencies_and_counters(server, client):
