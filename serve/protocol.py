@@ -73,8 +73,8 @@ UNSUPPORTED_FIELDS = {
     "logits_processors": lambda v: v is None or v == [],
     "guided_whitespace_pattern": lambda v: v is None,
     "add_special_tokens": lambda v: v is None or v is False,
-    # chat's template inputs (ChatCompletionRequest declares them), on routes that render no chat
-    # request's template (Responses, Messages, /tokenize)
+    # chat's template inputs (ChatCompletionRequest and TokenizeRequest declare them), on routes that
+    # render no chat request's template (Responses, Messages)
     "documents": lambda v: v is None,
     "chat_template": lambda v: v is None,
     # chat template options (declared by chat requests; on completions they would be silently dropped)
