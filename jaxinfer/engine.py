@@ -208,6 +208,18 @@ class Engine:
     def lora_names(self) -> list[str]:
         return [] if self.lora is None else self.lora.names
 
+    def _lora_stats(self) -> dict:
+        """vLLM's lora_requests_info: the adapters of the running and of the waiting requests (names,
+        sorted) and the device slots (max_loras); None for all three while no adapter was ever loaded."""
+        if self.lora is None:
+            return {"running_lora_adapters": None, "waiting_lora_adapters": None, "max_loras": None}
+
+        def names(reqs) -> list[str]:
+            return sorted({self.lora.adapters[r.lora_id].name for r in reqs
+                           if r.lora_id is not None and r.lora_id in self.lora.adapters})
+        return {"running_lora_adapters": names(self.scheduler.running),
+                "waiting_lora_adapters": names(self.scheduler.waiting), "max_loras": self.cfg.max_loras}
+
     def _lora_in_use(self) -> set[int]:
         return {r.lora_id for r in self.scheduler.requests.values() if r.lora_id is not None and not r.finished} | {
             c.lora_id for r in self.scheduler.requests.values() for c in r.pending_forks if c.lora_id is not None}
@@ -564,6 +576,9 @@ class Engine:
             "kv_blocks_total": self.blocks.num_blocks - 1,
             "kv_blocks_used": self.blocks.num_used,
             "kv_blocks_free": self.blocks.num_free,
+            # vLLM's kv_cache_usage_perc: the share of the pool not free (cached-and-evictable is free)
+            "kv_cache_usage": self.blocks.num_used / max(1, self.blocks.num_blocks - 1),
+            **self._lora_stats(),
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,

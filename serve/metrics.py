@@ -28,6 +28,14 @@ class ServerMetrics:
                              registry=r).labels(**label)
         self.kv_used = Gauge("jaxinfer_kv_blocks_used", "KV cache blocks in use", ["model_name"],
                              registry=r).labels(**label)
+        self.kv_usage = Gauge("jaxinfer_kv_cache_usage_perc", "KV cache usage: the share of the pool's blocks "
+                              "not free (1 = full; vLLM's kv_cache_usage_perc)", ["model_name"],
+                              registry=r).labels(**label)
+        # vLLM's lora_requests_info (routers such as the Gateway API Inference Extension read it): one
+        # series per (running, waiting, max) labels, its value the time they were last seen
+        self.lora_info = Gauge("jaxinfer_lora_requests_info", "LoRA adapters of the running and waiting requests",
+                               ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+                               registry=r)
         self.kv_total = Gauge("jaxinfer_kv_blocks_total", "KV cache blocks", ["model_name"],
                               registry=r).labels(**label)
         self.compilations = Gauge("jaxinfer_compilations_after_warmup", "XLA compilations after warm-up",
@@ -98,6 +106,11 @@ class ServerMetrics:
         self.running.set(s["num_running"])
         self.kv_used.set(s["kv_blocks_used"])
         self.kv_total.set(s["kv_blocks_total"])
+        self.kv_usage.set(s["kv_cache_usage"])
+        if s["max_loras"] is not None:
+            self.lora_info.labels(**self._label, max_lora=str(s["max_loras"]),
+                                  running_lora_adapters=",".join(s["running_lora_adapters"]),
+                                  waiting_lora_adapters=",".join(s["waiting_lora_adapters"])).set_to_current_time()
         self.compilations.set(s["compilations_after_warmup"] or 0)
         self.mbu.set(float("nan") if s["mbu"] is None else s["mbu"])
         if s["achieved_bandwidth_bytes_per_s"] is not None:

@@ -392,3 +392,24 @@ def test_chat_and_responses_run_the_adapter_named_in_model(tmp_path):
         plain = http.post("/v1/responses", json=dict(input=messages, max_output_tokens=6, temperature=0)).json()
         assert plain["model"] == "tiny" and plain["output_text"].strip() == sp.decode(
             [i for i in base_ids if i != 2]).strip()
+        # vLLM's lora_requests_info and kv_cache_usage_perc on /metrics (prometheus_client's parser):
+        # a request of the adapter ran, so a series whose running_lora_adapters is "ad" (max_lora the
+        # device slots, 4) was set since it began (its value: the time it was last set)
+        import time
+
+        from prometheus_client.parser import text_string_to_metric_families
+        t0 = time.time()
+        body = dict(model="ad", messages=messages, max_tokens=40, temperature=0, stream=True, ignore_eos=True)
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if '"content"' in line)
+            families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+            for _ in lines:
+                pass
+        seen = {(x.labels["running_lora_adapters"], x.labels["waiting_lora_adapters"], x.labels["max_lora"])
+                for x in families["jaxinfer_lora_requests_info"].samples if x.value >= t0}
+        assert ("ad", "", "4") in seen, seen
+        stats = gen.stats()
+        usage = families["jaxinfer_kv_cache_usage_perc"].samples[0].value
+        assert 0 < usage <= 1 and stats["kv_blocks_total"] == 39
+        assert usage * 39 == pytest.approx(round(usage * 39))     # a whole number of the 39 usable blocks
