@@ -77,7 +77,16 @@ class ServerMetrics:
                                 registry=r).labels(**label)
         self.finished = Counter("jaxinfer_request_success", "Finished requests", ["model_name", "finish_reason"],
                                 registry=r)
-        # speculative decoding, named like vLLM's spec_decode metrics
+        self._spec_metrics(r, label)
+        self._label = label
+        self._last = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
+                      "prefix_cache_hits": 0, "prefix_cache_evictions": 0, "spec_decode_num_drafts": 0,
+                      "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0,
+                      "spec_decode_draft_catchup_tokens": 0, **dict.fromkeys(host, 0)}
+        self._last_pos: list[int] = []
+
+    def _spec_metrics(self, r: CollectorRegistry, label: dict) -> None:
+        """Speculative decoding's, named like vLLM's spec_decode metrics."""
         self.spec_drafts = Counter("jaxinfer_spec_decode_num_drafts", "Speculation rounds of a sequence that proposed",
                                    ["model_name"], registry=r).labels(**label)
         self.spec_draft_tokens = Counter("jaxinfer_spec_decode_num_draft_tokens", "Tokens proposed",
@@ -93,12 +102,6 @@ class ServerMetrics:
         self.spec_catchup = Counter("jaxinfer_spec_decode_draft_catchup_tokens",
                                     "Positions the draft model recomputed after decode steps that skipped it",
                                     ["model_name"], registry=r).labels(**label)
-        self._label = label
-        self._last = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
-                      "prefix_cache_hits": 0, "prefix_cache_evictions": 0, "spec_decode_num_drafts": 0,
-                      "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0,
-                      "spec_decode_draft_catchup_tokens": 0, **dict.fromkeys(host, 0)}
-        self._last_pos: list[int] = []
 
     def observe_step(self, s: dict) -> None:
         """s: the engine's stats() after a step."""
