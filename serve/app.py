@@ -43,8 +43,8 @@ from serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard, error_bytes
 from serve.lora_routes import router as lora_router
 from serve.metrics import ServerMetrics
 from serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                            OpenAIError, TokenizeRequest, chat_body, completion_body, json_body, new_id, now,
-                            validated, with_token_ids)
+                            OpenAIError, TokenizeRequest, chat_body, completion_body, json_body, now,
+                            response_id, validated, with_token_ids)
 from serve.stream import ChatChoices, CompletionChoices, respond, stream_response
 from serve.reasoning import REASONING_PARSERS, OutputParsers, default_reasoning_parser, prompt_state, reasoning_prefix
 from serve.messages import router as messages_router
@@ -455,7 +455,7 @@ async def completions(req: CompletionRequest, request: Request):
     else:
         sub = state.engine.submit(prompts, params, cache_salt=req.cache_salt, request_field=req.request_field,
                                   priority=req.priority, lora=lora)
-    rid, created, model = new_id("cmpl"), now(), lora or state.model_name
+    rid, created, model = response_id("cmpl", request.headers, req.request_id), now(), lora or state.model_name
     n_prompt = sum(len(x) for x in prompts)
     token_str = state.logprob_token_str(req)
     if req.stream:
@@ -486,7 +486,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     else:
         sub = state.engine.submit([prompt], params, cache_salt=req.cache_salt, request_field=req.request_field,
                                   priority=req.priority, lora=lora)
-    rid, created, model = new_id("chatcmpl"), now(), lora or state.model_name
+    rid, created, model = response_id("chatcmpl", request.headers, req.request_id), now(), lora or state.model_name
     token_str = state.logprob_token_str(req)
     if req.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}

@@ -38,7 +38,7 @@ from serve.echo import first_prompt_logprobs, vllm_prompt_logprobs
 from serve.embeddings import (EmbeddingRequest, RerankRequest, ScorePlan, ScoreRequest, embeddings_body,
                               encode_embedding_inputs, rerank_plan, score_plan)
 from serve.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_body, completion_body,
-                            find_invalid_text, new_id, now, with_token_ids)
+                            find_invalid_text, new_id, now, response_id, with_token_ids)
 
 ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
           "/v1/embeddings": EmbeddingRequest, "/v1/score": ScoreRequest, "/score": ScoreRequest,
@@ -165,7 +165,7 @@ def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -
     n_prompt = sum(map(len, job.prompts))
     build = completion_body if job.url == "/v1/completions" else chat_body
     want_lp = job.request.logprobs is not None if job.url == "/v1/completions" else job.request.logprobs
-    rid = new_id("cmpl" if job.url == "/v1/completions" else "chatcmpl")
+    rid = response_id("cmpl" if job.url == "/v1/completions" else "chatcmpl", None, job.request.request_id)
     extra = ({"tools": job.request.tool_plan(), "parsers": job.parsers, "token_bytes": state.token_bytes,
               "role": job.request.response_role(), "echo": job.request.echo_text()}
              if job.url == "/v1/chat/completions" else {})

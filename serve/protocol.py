@@ -257,6 +257,8 @@ class _Sampling(_Body):
     return_tokens_as_token_ids: bool = False
     # vLLM's: lower runs first under --scheduling-policy priority (other than 0 refused under fcfs)
     priority: int = 0
+    # vLLM's: the response's id is "<prefix>-<request_id>" (an X-Request-Id header wins; response_id)
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
     # prefix caching (vLLM's name): requests share cached prompt blocks only under the same salt
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # token id (as a string, OpenAI's shape) -> bias in [-100, 100]
@@ -742,6 +744,14 @@ def with_token_ids(body: dict, groups: list[list], prompts: list[list[int]], n: 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def response_id(prefix: str, headers, body_id: str | None) -> str:
+    """vLLM's request id of a chat or completions response: "<prefix>-" and the X-Request-Id header
+    where the request has one, else the body's request_id, else a new random id."""
+    given = headers.get("x-request-id") if headers is not None else None
+    given = given or body_id
+    return f"{prefix}-{given}" if given else new_id(prefix)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0, reasoning: int | None = None) -> dict:

@@ -338,6 +338,22 @@ def test_chat_echo_begins_the_reply_with_the_continued_message(server, client):
     assert user["choices"][0]["message"]["role"] == "user"
 
 
+def test_request_id_names_the_response_as_vllm(server):
+    """vLLM's request ids: a chat response's id is "chatcmpl-" and the X-Request-Id header where the
+    request has one, else the body's request_id; completions' "cmpl-" likewise (streamed chunks
+    too); without either, a random id."""
+    chat = {"messages": [{"role": "user", "content": "fox"}], "max_tokens": 2}
+    url = server.url
+    assert httpx.post(f"{url}/v1/chat/completions", json={**chat, "request_id": "abc"}).json()["id"] == "chatcmpl-abc"
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "request_id": "abc"}, headers={"X-Request-Id": "hdr"})
+    assert r.json()["id"] == "chatcmpl-hdr"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "fox", "max_tokens": 2, "request_id": "c1", "stream": True})
+    ids = {json.loads(line[6:])["id"] for line in r.text.splitlines() if line.startswith("data: {")}
+    assert ids == {"cmpl-c1"}
+    a, b = (httpx.post(f"{url}/v1/completions", json={"prompt": "fox", "max_tokens": 2}).json()["id"] for _ in "ab")
+    assert a != b and a.startswith("cmpl-")
+
+
 def test_64_concurrent_streams_equal_non_streaming(server, client):
     async def run():
         aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300, max_retries=0)
