@@ -486,16 +486,16 @@ class Generator:
         keep, side = self.pooling_truncation(truncate_prompt_tokens, truncation_side)
         prefix = spec.prompt_text(prompt_name, prompt)
         prefix_len = self._prompt_length(prefix) if prefix and not spec.include_prompt else 0
-        if prefix and keep is not None and side == "left":
-            raise FieldError("truncation_side", "truncation_side 'left' would cut the model's prompt off the start "
-                             "of the text: truncate from the right, or pass prompt=''")
         out = []
         for i, x in enumerate(inputs):
             if not isinstance(x, str):
                 ids = self._encode(x)
-                out.append((ids if keep is None else ids[:keep] if side == "right" else ids[len(ids) - keep:], 0))
+                out.append((ids if keep is None else ids[:keep] if side == "right" else ids[-keep:], 0))
                 continue
             ids = self._encode(prefix + x, keep, side)
+            if prefix and side == "left" and keep is not None and len(self._encode(prefix + x)) > keep:
+                raise FieldError("truncation_side", f"input {i}: truncation_side 'left' would cut the model's prompt "
+                                 "off the start of the text: truncate from the right, or pass prompt=''")
             if prefix_len and len(ids) <= prefix_len:
                 raise FieldError("truncate_prompt_tokens", f"input {i}: truncate_prompt_tokens={keep} leaves none "
                                  f"of it after the model's prompt ({prefix_len} tokens)")

@@ -16,6 +16,7 @@ import functools
 import json
 import re
 import shutil
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,9 @@ class Tokenizer:
         self.chat_templates: dict[str, str] = dict(chat_templates or ({"default": chat_template} if chat_template else {}))
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         self.add_bos = add_bos
+        # a copy of the backend that truncates (_truncated): made on first use, under the lock
+        self._twin: Any = None
+        self._twin_lock = threading.Lock()
         if kind == "sentencepiece":
             self.vocab_size: int = backend.get_piece_size()
         else:
@@ -156,28 +160,21 @@ class Tokenizer:
             n_special = self._backend.num_special_tokens_to_add(pair) if add_special_tokens else 0
         else:
             n_special = len(texts) if add_special_tokens and self._adds_bos else 0
-        if max_length < n_special + len(texts):
+        if max_length < n_special:
             raise FieldError("truncate_prompt_tokens", f"cannot truncate to {max_length} tokens: the model adds "
                              f"{n_special} special token(s) around {'each pair' if pair else 'each text'}")
         if self.kind == "hf":
             with self._twin_lock:
-                twin = self._truncating_twin
-                twin.enable_truncation(max_length, strategy="longest_first", direction=side)
-                return list(twin.encode(*texts, add_special_tokens=add_special_tokens).ids)
+                if self._twin is None:
+                    import tokenizers
+                    self._twin = tokenizers.Tokenizer.from_str(self._backend.to_str())
+                self._twin.enable_truncation(max_length, strategy="longest_first", direction=side)
+                return list(self._twin.encode(*texts, add_special_tokens=add_special_tokens).ids)
         bodies = [self._backend.encode(t, out_type=int) for t in texts]
         keep = longest_first([len(b) for b in bodies], max_length - n_special)
         bos = [self.bos_id] if add_special_tokens and self._adds_bos else []
         return [i for b, k in zip(bodies, keep) for i in bos + (b[:k] if side == "right" else b[len(b) - k:])]
 
-    @functools.cached_property
-    def _truncating_twin(self) -> Any:
-        import tokenizers
-        return tokenizers.Tokenizer.from_str(self._backend.to_str())
-
-    @functools.cached_property
-    def _twin_lock(self) -> Any:
-        import threading
-        return threading.Lock()
 
     def encode_rendered(self, text: str, special_texts: Sequence[str] = ()) -> list[int]:
         """A rendered chat (a template wrote its special tokens out as text: bos_token, eos_token, ...)

@@ -124,8 +124,6 @@ class ServerState:
     def tokenize_chat(self, req: TokenizeRequest) -> list[int]:
         """/tokenize's messages: the ids a chat request with the same messages and template options
         would send (chat_request's rendering)."""
-        if req.chat_template_kwargs is not None and not isinstance(req.chat_template_kwargs, dict):
-            raise OpenAIError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
         template, kwargs = self.request_template(req)
         text = self.render_chat_text(req.messages, req.tool_plan(), kwargs, req.add_generation_prompt,
                                      req.continue_final_message, req.documents, template)

@@ -615,6 +615,10 @@ class TokenizeRequest(_Body):
                          "documents"):
                 if name in self.model_fields_set:
                     raise _refuse(name, f"{name} applies to messages, not to a prompt")
+        elif self.add_special_tokens and "add_special_tokens" in self.model_fields_set:
+            # as on chat completions: special tokens on top of the template's are not implemented
+            raise _refuse("add_special_tokens", "add_special_tokens: true is not supported with messages (the chat "
+                                                "template writes the special tokens)")
         return self
 
     def tool_plan(self) -> ToolPlan | None:

@@ -191,7 +191,7 @@ def test_cross_encoder_scores_match_sentence_transformers(tmp_path):
         np.testing.assert_allclose([r["relevance_score"] for r in rr["results"]], np.sort(cut)[::-1], atol=1e-5)
         assert rr["usage"]["prompt_tokens"] == sum(len(hf_tok(QUERY, d, truncation=True, max_length=n)["input_ids"])
                                                    for d in DOCS)
-        bad = client.post("/score", json={"text_1": QUERY, "text_2": DOCS, "truncate_prompt_tokens": 4})
+        bad = client.post("/score", json={"text_1": QUERY, "text_2": DOCS, "truncate_prompt_tokens": 3})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
     # the batch script's score and rerank lines (vLLM's run-batch urls)
     from serve.batch import run_batch

@@ -470,12 +470,21 @@ def test_truncate_prompt_tokens_cuts_as_sentence_transformers_max_seq_length(gen
     r = post("/v1/embeddings", {"input": ids, "encoding_format": "float", "truncate_prompt_tokens": 3})
     assert r.json()["usage"]["prompt_tokens"] == 3
     assert_close_vectors(np.array([r.json()["data"][0]["embedding"]], np.float32), gens[family].embed(ids[:3]))
+    # the left side keeps token ids' last N; an N past the input (-1: max_model_len) keeps it whole
+    for keep, want_ids in ((3, ids[-3:]), (-1, ids), (len(ids) + 5, ids)):
+        r = post("/v1/embeddings", {"input": ids, "encoding_format": "float", "truncate_prompt_tokens": keep,
+                                    "truncation_side": "left"})
+        assert r.json()["usage"]["prompt_tokens"] == len(want_ids), keep
+        assert_close_vectors(np.array([r.json()["data"][0]["embedding"]], np.float32), gens[family].embed(want_ids))
     r = post("/v1/embeddings", {"input": TEXTS, "encoding_format": "float", "truncate_prompt_tokens": -1})
     assert_close_vectors(np.array([d["embedding"] for d in r.json()["data"]], np.float32), reference[family][0])
     n_special = len(tok("")["input_ids"])
+    r = post("/v1/embeddings", {"input": TEXTS[0], "truncate_prompt_tokens": n_special})   # the specials alone
+    assert r.json()["usage"]["prompt_tokens"] == n_special, r.text
     for body, param in (({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
                         ({"truncate_prompt_tokens": 65}, "truncate_prompt_tokens"),
-                        ({"truncate_prompt_tokens": n_special}, "truncate_prompt_tokens"),
+                        ({"truncate_prompt_tokens": max(1, n_special - 1)} if n_special > 1 else
+                         {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
                         ({"truncate_prompt_tokens": 3, "truncation_side": "middle"}, "truncation_side")):
         for route, inputs in (("/v1/embeddings", {"input": "the quick"}), ("/v1/score", {"text_1": "a", "text_2": "b"})):
             r = post(route, {**inputs, **body})

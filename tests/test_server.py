@@ -421,8 +421,8 @@ def test_chat_validation_and_tokenize_round_trip(server, model_dir):
     sp = spm.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
     strs = httpx.post(f"{server.url}/tokenize", json={"prompt": "seven wizards", "return_token_strs": True}).json()
     assert strs["token_strs"] == [sp.id_to_piece(i) for i in toks["tokens"]] and strs["tokens"] == toks["tokens"]
-    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "continue_final_message": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "add_generation_prompt": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_generation_prompt", r.text
 
 
 def test_metrics_report_latencies_and_counters(server, client):

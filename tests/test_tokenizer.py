@@ -474,8 +474,12 @@ def test_hf_truncation_equals_transformers(hf_dir: Path, hf_tok: Tokenizer) -> N
                 for n in (4, 7, 12, 30):
                     want = ref(a, b, truncation=True, max_length=n)["input_ids"]
                     assert hf_tok.encode_pair(a, b, truncate=n, side=side) == want, (side, n)
+    # as many tokens as the specials: the specials alone (transformers' too); fewer: refused
+    ref.truncation_side = "right"
+    assert hf_tok.encode_pair(texts[0], texts[1], truncate=2) == ref(texts[0], texts[1], truncation=True,
+                                                                     max_length=2)["input_ids"]
     with pytest.raises(ValueError, match="special token"):
-        hf_tok.encode_pair(texts[0], texts[1], truncate=3)     # two specials leave one token for two texts
+        hf_tok.encode_pair(texts[0], texts[1], truncate=1)
 
 
 def test_longest_first_is_the_tokenizers_librarys_rule() -> None:
