@@ -82,10 +82,13 @@ class EmbeddingSpec:
             raise ValueError(f"dimensions {dimensions} is not one of this model's matryoshka dimensions "
                              f"{list(self.matryoshka_dimensions)}")
 
-    def pooling_state(self, num_tokens: int, prompt_tokens: int = 0, dimensions: int | None = None) -> PoolingState:
-        """The host pooling of one input of num_tokens tokens whose first prompt_tokens are the prompt."""
+    def pooling_state(self, num_tokens: int, prompt_tokens: int = 0, dimensions: int | None = None,
+                      normalize: bool | None = None) -> PoolingState:
+        """The host pooling of one input of num_tokens tokens whose first prompt_tokens are the prompt;
+        normalize: L2-normalize or not (vLLM's request field), None: as the model says."""
         skip = 0 if self.include_prompt or self.pooling == "last" else min(prompt_tokens, max(num_tokens - 1, 0))
-        return PoolingState(self.pooling, num_tokens, normalize=self.normalize, skip=skip, dimensions=dimensions)
+        return PoolingState(self.pooling, num_tokens, normalize=self.normalize if normalize is None else normalize,
+                            skip=skip, dimensions=dimensions)
 
 
 def _read_json(path: Path) -> Any:

@@ -272,12 +272,13 @@ class Generator:
         return SamplingParams(**self.sampling_defaults)
 
     # ---------------------------------------------------------------- inputs
-    def _encode(self, prompt: str | Sequence[int], truncate: int | None = None, side: str = "right") -> list[int]:
+    def _encode(self, prompt: str | Sequence[int], truncate: int | None = None, side: str = "right",
+                add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (no tokenizer.json or tokenizer.model in its "
                                  "folder): pass prompts as lists of token ids")
-            return self.tokenizer.encode(prompt, truncate=truncate, side=side)
+            return self.tokenizer.encode(prompt, add_special_tokens, truncate=truncate, side=side)
         ids = list(prompt)
         if not all(isinstance(t, (int, np.integer)) for t in ids):
             raise ValueError("a prompt must be a string or a list of integer token ids")
@@ -383,7 +384,8 @@ class Generator:
 
     def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *, prompt_name: str | None = None,
               prompt: str | None = None, dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
-              truncation_side: str | None = None) -> np.ndarray:
+              truncation_side: str | None = None, normalize: bool | None = None,
+              add_special_tokens: bool = True) -> np.ndarray:
         """np.float32 [n, hidden] (or [n, dimensions]): one embedding per input (a string or a list of
         token ids), the final-norm hidden states pooled as the model says (jaxinfer.embedding), then
         L2-normalized where it lists a Normalize module. Text is tokenized with special tokens (the
@@ -394,14 +396,17 @@ class Generator:
         truncate_prompt_tokens (vLLM's; -1: max_model_len) keeps at most that many of each input's
         tokens, special tokens included: text as transformers' tokenizer(..., truncation=True,
         max_length=N) cuts it, token ids their first N; truncation_side "left" keeps the end instead
-        ("right", vLLM's default for pooling models, the start)."""
+        ("right", vLLM's default for pooling models, the start). normalize (vLLM's): L2-normalize the
+        vectors or not, None as the model says; add_special_tokens False: text without the tokenizer's
+        special tokens."""
         spec = self._embedding_spec()
         spec.check_dimensions(dimensions, self.model_cfg.d_model)
-        encoded = self.embedding_inputs(inputs, prompt_name, prompt, truncate_prompt_tokens, truncation_side)
+        encoded = self.embedding_inputs(inputs, prompt_name, prompt, truncate_prompt_tokens, truncation_side,
+                                        add_special_tokens)
         self._check_leader()
         try:
             vectors = self.client.embed([ids for ids, _ in encoded],
-                                        [spec.pooling_state(len(ids), n, dimensions) for ids, n in encoded])
+                                        [spec.pooling_state(len(ids), n, dimensions, normalize) for ids, n in encoded])
         except SubmitError as e:
             raise ValueError(f"input {e.index}: {e.message}") from None
         return np.stack(vectors).astype(np.float32)
@@ -473,11 +478,11 @@ class Generator:
         return self.embedding
 
     def embedding_inputs(self, inputs, prompt_name: str | None = None, prompt: str | None = None,
-                         truncate_prompt_tokens: int | None = None, truncation_side: str | None = None
-                         ) -> list[tuple[list[int], int]]:
+                         truncate_prompt_tokens: int | None = None, truncation_side: str | None = None,
+                         add_special_tokens: bool = True) -> list[tuple[list[int], int]]:
         """Each input of gen.embed as (token ids, how many of them are the prompt's): text after the
-        prompt text, tokenized with special tokens; token-id lists as given (no prompt); each cut
-        as gen.embed says (pooling_truncation)."""
+        prompt text, tokenized with special tokens (add_special_tokens); token-id lists as given (no
+        prompt); each cut as gen.embed says (pooling_truncation)."""
         spec = self._embedding_spec()
         if isinstance(inputs, str) or (len(inputs) and isinstance(inputs[0], (int, np.integer))):
             inputs = [inputs]
@@ -485,14 +490,14 @@ class Generator:
             raise ValueError("no inputs to embed")
         keep, side = self.pooling_truncation(truncate_prompt_tokens, truncation_side)
         prefix = spec.prompt_text(prompt_name, prompt)
-        prefix_len = self._prompt_length(prefix) if prefix and not spec.include_prompt else 0
+        prefix_len = self._prompt_length(prefix, add_special_tokens) if prefix and not spec.include_prompt else 0
         out = []
         for i, x in enumerate(inputs):
             if not isinstance(x, str):
                 ids = self._encode(x)
                 out.append((ids if keep is None else ids[:keep] if side == "right" else ids[-keep:], 0))
                 continue
-            ids = self._encode(prefix + x, keep, side)
+            ids = self._encode(prefix + x, keep, side, add_special_tokens)
             if prefix and side == "left" and keep is not None and len(self._encode(prefix + x)) > keep:
                 raise FieldError("truncation_side", f"input {i}: truncation_side 'left' would cut the model's prompt "
                                  "off the start of the text: truncate from the right, or pass prompt=''")
@@ -502,9 +507,9 @@ class Generator:
             out.append((ids, prefix_len))
         return out
 
-    def _prompt_length(self, prompt: str) -> int:
+    def _prompt_length(self, prompt: str, add_special_tokens: bool = True) -> int:
         """The prompt's tokens but a trailing special one (sentence-transformers' _get_prompt_length)."""
-        ids = self._encode(prompt)
+        ids = self._encode(prompt, add_special_tokens=add_special_tokens)
         special = set(self.tokenizer.eos_ids) | {self.tokenizer.bos_id, self.tokenizer.pad_id}
         return len(ids) - (1 if ids and ids[-1] in special else 0)
 

@@ -63,27 +63,38 @@ class _StrictBody(_Body):
         return data
 
 
-class _TruncationFields(_StrictBody):
-    """vLLM's pooling truncation: each input cut to at most truncate_prompt_tokens tokens (-1:
-    max_model_len), special tokens included, from the right (keep the start: vLLM's default for
-    pooling models) or, with truncation_side "left", from the left; a pair is cut as transformers
-    cuts a pair (Generator.embed, Generator.score)."""
+class _PoolingFields(_StrictBody):
+    """vLLM's fields of every pooling request: truncation (each input cut to at most
+    truncate_prompt_tokens tokens (-1: max_model_len), special tokens included, from the right
+    (keep the start: vLLM's default for pooling models) or, with truncation_side "left", from the
+    left; a pair is cut as transformers cuts a pair: Generator.embed, Generator.score) and priority
+    (lower runs first under --scheduling-policy priority; other than 0 refused under fcfs)."""
     truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None
+    priority: int = 0
 
     def cut(self) -> dict:
         return {"truncate_prompt_tokens": self.truncate_prompt_tokens, "truncation_side": self.truncation_side}
 
 
-class EmbeddingRequest(_TruncationFields):
+class _TextInputs(_PoolingFields):
+    """vLLM's add_special_tokens of the single-text pooling requests (embeddings, classify, pooling)."""
+    add_special_tokens: bool = True
+
+    def cut(self) -> dict:
+        return {**super().cut(), "add_special_tokens": self.add_special_tokens}
+
+
+class EmbeddingRequest(_TextInputs):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
+    normalize: bool | None = None    # vLLM's: L2-normalize or not (None: as the model says)
     user: str | None = None          # OpenAI's end-user id: accepted, not used
 
 
-class _ActivationFields(_TruncationFields):
+class _ActivationFields(_PoolingFields):
     """vLLM's classifier switches: use_activation false returns a classifier's logits, not its
     probabilities (a reward model's raw score); `activation` and `softmax` are its older names."""
     use_activation: bool | None = None
@@ -105,7 +116,7 @@ class ScoreRequest(_ActivationFields):
     user: str | None = None
 
 
-class ClassifyRequest(_ActivationFields):
+class ClassifyRequest(_ActivationFields, _TextInputs):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     user: str | None = None
@@ -120,12 +131,13 @@ class RerankRequest(_ActivationFields):
     user: str | None = None
 
 
-class PoolingRequest(_ActivationFields):
+class PoolingRequest(_ActivationFields, _TextInputs):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     task: str | None = None          # "embed" | "classify"; None: the model's own
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
+    normalize: bool | None = None    # the embed task's (EmbeddingRequest's)
     user: str | None = None
 
 
@@ -140,9 +152,10 @@ def _inputs(inp) -> list:
     return list(inp)
 
 
-def _encode(state, inputs: list, dimensions: int | None, cut: dict | None = None) -> tuple[list[list[int]], list]:
+def _encode(state, inputs: list, dimensions: int | None, cut: dict | None = None, normalize: bool | None = None
+            ) -> tuple[list[list[int]], list]:
     """(token ids per input, their PoolingStates), or a 400 naming what is wrong; cut: the body's
-    truncation fields (_TruncationFields.cut)."""
+    truncation and special-token fields (_PoolingFields.cut); normalize: the body's (None: the model's)."""
     gen = state.gen
     if gen.embedding is None:
         raise OpenAIError(400, f"the model '{state.model_name}' does not serve embeddings (load a "
@@ -160,21 +173,23 @@ def _encode(state, inputs: list, dimensions: int | None, cut: dict | None = None
     except ValueError as e:
         raise OpenAIError(400, str(e), param=e.field if isinstance(e, FieldError) else "input") from None
     return ([ids for ids, _ in encoded],
-            [gen.embedding.pooling_state(len(ids), n, dimensions) for ids, n in encoded])
+            [gen.embedding.pooling_state(len(ids), n, dimensions, normalize) for ids, n in encoded])
 
 
 async def _embed(state, request: Request, inputs: list, dimensions: int | None = None, lora: str | None = None,
-                 cut: dict | None = None) -> tuple[list[np.ndarray], int]:
+                 body: _PoolingFields | None = None, normalize: bool | None = None) -> tuple[list[np.ndarray], int]:
     """Every input's embedding, in order, and the tokens they held; lora: the adapter `model` named
-    (check_model), None for the base model; cut: the body's truncation fields."""
-    ids, poolings = await run_in_threadpool(_encode, state, inputs, dimensions, cut)
-    return await _embed_encoded(state, request, ids, poolings, lora)
+    (check_model), None for the base model; body: the request (its truncation, special tokens and
+    priority)."""
+    cut = body.cut() if body is not None else None
+    ids, poolings = await run_in_threadpool(_encode, state, inputs, dimensions, cut, normalize)
+    return await _embed_encoded(state, request, ids, poolings, lora, body.priority if body is not None else 0)
 
 
-async def _embed_encoded(state, request: Request, ids: list[list[int]], poolings: list, lora: str | None
-                         ) -> tuple[list[np.ndarray], int]:
+async def _embed_encoded(state, request: Request, ids: list[list[int]], poolings: list, lora: str | None,
+                         priority: int = 0) -> tuple[list[np.ndarray], int]:
     try:
-        sub = state.engine.submit(ids, EMBEDDING_PARAMS, poolings=poolings, lora=lora)
+        sub = state.engine.submit(ids, EMBEDDING_PARAMS, poolings=poolings, lora=lora, priority=priority)
     except OpenAIError as e:
         if e.param in ("prompt", None):
             e.param = "input"
@@ -193,7 +208,7 @@ def _vector(v: np.ndarray, encoding_format: str):
 
 def encode_embedding_inputs(state, req: EmbeddingRequest) -> tuple[list[list[int]], list]:
     """An embeddings body's inputs as (token ids, PoolingStates): the route's and the batch script's."""
-    return _encode(state, _inputs(req.input), req.dimensions, req.cut())
+    return _encode(state, _inputs(req.input), req.dimensions, req.cut(), req.normalize)
 
 
 def embeddings_body(req: EmbeddingRequest, model: str, vectors: list[np.ndarray], n_tokens: int) -> dict:
@@ -207,7 +222,7 @@ def embeddings_body(req: EmbeddingRequest, model: str, vectors: list[np.ndarray]
 async def embeddings(req: EmbeddingRequest, request: Request):
     state = request.app.state.server
     lora = state.check_model(req.model)
-    vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora, req.cut())
+    vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora, req, req.normalize)
     if not isinstance(vectors, list):
         return vectors
     return embeddings_body(req, lora or state.model_name, vectors, n_tokens)
@@ -283,7 +298,7 @@ def rerank_plan(state, req: RerankRequest) -> ScorePlan:
 async def _run_plan(state, request: Request, plan_of, req):
     lora = state.check_model(req.model)
     plan = await run_in_threadpool(plan_of, state, req)
-    vectors, n_tokens = await _embed_encoded(state, request, plan.ids, plan.poolings, lora)
+    vectors, n_tokens = await _embed_encoded(state, request, plan.ids, plan.poolings, lora, req.priority)
     if not isinstance(vectors, list):
         return vectors
     return plan.body(vectors, lora or state.model_name, n_tokens)
@@ -314,7 +329,7 @@ async def classify(req: ClassifyRequest, request: Request):
     if head is None:
         raise OpenAIError(400, f"the model '{state.model_name}' does not classify (load a "
                                "...ForSequenceClassification checkpoint)", param="model")
-    vectors, n_tokens = await _embed(state, request, _inputs(req.input), lora=lora, cut=req.cut())
+    vectors, n_tokens = await _embed(state, request, _inputs(req.input), lora=lora, body=req)
     if not isinstance(vectors, list):
         return vectors
     probs = head.probabilities(np.stack(vectors), req.wants_activation())
@@ -342,7 +357,9 @@ async def pooling(req: PoolingRequest, request: Request):
         raise OpenAIError(400, "dimensions applies to the embed task", param="dimensions")
     if task == "embed" and not req.wants_activation():
         raise OpenAIError(400, "use_activation applies to the classify task", param="use_activation")
-    vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora, req.cut())
+    if task == "classify" and req.normalize is not None:
+        raise OpenAIError(400, "normalize applies to the embed task", param="normalize")
+    vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora, req, req.normalize)
     if not isinstance(vectors, list):
         return vectors
     if task == "classify":

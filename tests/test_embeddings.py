@@ -491,6 +491,37 @@ def test_truncate_prompt_tokens_cuts_as_sentence_transformers_max_seq_length(gen
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, body, r.text)
 
 
+def test_normalize_add_special_tokens_and_priority_as_vllm(gens, servers, reference):
+    """vLLM's embedding fields: normalize false returns the pooled vector before the model's
+    Normalize module (sentence-transformers without that module), normalize true normalizes a model
+    that does not (numpy); add_special_tokens false embeds the text's ids without the tokenizer's
+    special tokens (transformers' own); priority other than 0 under fcfs is a 400 naming it."""
+    import httpx
+    want, _, model = reference["qwen3"]
+    bare = st.SentenceTransformer(modules=[model[0], model[1]], device="cpu")     # no Normalize
+    raw = bare.encode(TEXTS, convert_to_numpy=True, batch_size=len(TEXTS))
+    assert np.abs(np.linalg.norm(raw, axis=1) - 1).max() > 0.1
+    post = lambda family, body: httpx.post(f"{servers[family].url}/v1/embeddings", timeout=120,  # noqa: E731
+                                           json={"encoding_format": "float", **body})
+    r = post("qwen3", {"input": TEXTS, "normalize": False})
+    assert_close_vectors(np.array([d["embedding"] for d in r.json()["data"]], np.float32), raw)
+    assert_close_vectors(gens["qwen3"].embed(TEXTS, normalize=False), raw)
+    llama = reference["llama"][0]
+    r = post("llama", {"input": TEXTS, "normalize": True})
+    assert_close_vectors(np.array([d["embedding"] for d in r.json()["data"]], np.float32),
+                         (llama / np.linalg.norm(llama, axis=1, keepdims=True)).astype(np.float32))
+    tok = reference["llama"][2].tokenizer
+    plain = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
+    r = post("llama", {"input": TEXTS, "add_special_tokens": False})
+    assert r.json()["usage"]["prompt_tokens"] == sum(map(len, plain)) < sum(len(tok(t)["input_ids"]) for t in TEXTS)
+    assert_close_vectors(np.array([d["embedding"] for d in r.json()["data"]], np.float32), gens["llama"].embed(plain))
+    for route, body in (("/v1/embeddings", {"input": "a", "priority": 1}),
+                        ("/v1/score", {"text_1": "a", "text_2": "b", "priority": 1}),
+                        ("/pooling", {"input": "a", "task": "embed", "priority": 1})):
+        r = httpx.post(f"{servers['qwen3'].url}{route}", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", (route, r.text)
+
+
 # --------------------------------------------------------------------------- host-side pieces, no model
 def test_matryoshka_dimensions_cut_then_normalize():
     """vLLM's order: the pooled vector cut to `dimensions`, then L2-normalized (numpy reference)."""
