@@ -31,6 +31,7 @@ from jaxinfer.config.engine import engine_config, settings as engine_settings
 from jaxinfer.host.beam_search import BeamSearchParams
 from jaxinfer.hub import ModelSpecError, apply_hf_overrides, resolve_model_path
 from jaxinfer.errors import FieldError
+from jaxinfer.tokenizer import cut_ids
 from jaxinfer.classify import Classifier, read_classifier
 from jaxinfer.client import Completion, EngineClient, SubmitError
 from jaxinfer.embedding import EmbeddingSpec, pair_cosines, read_embedding_spec, score_pairs
@@ -494,8 +495,7 @@ class Generator:
         out = []
         for i, x in enumerate(inputs):
             if not isinstance(x, str):
-                ids = self._encode(x)
-                out.append((ids if keep is None else ids[:keep] if side == "right" else ids[-keep:], 0))
+                out.append((cut_ids(self._encode(x), keep, side), 0))
                 continue
             ids = self._encode(prefix + x, keep, side, add_special_tokens)
             if prefix and side == "left" and keep is not None and len(self._encode(prefix + x)) > keep:

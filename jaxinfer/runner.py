@@ -411,9 +411,11 @@ class ModelRunner:
         temp, top_p, min_p, rep, pres, freq = f(0.0), f(1.0), f(0.0), f(1.0), f(0.0), f(0.0)
         top_k, seed, index = np.zeros(s, np.int32), np.zeros(s, np.uint32), np.zeros(s, np.int32)
         num_logprobs = np.zeros(s, np.int32)
+        grammar = np.zeros(s, bool)
         for i, req in enumerate(rows):
             if req is None:
                 continue
+            grammar[i] = req.guide is not None
             p = req.params
             # top_k past the vocabulary means "off" and may exceed int32 (the API takes any integer)
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, min(p.top_k, INT32_MAX), p.top_p, p.min_p
@@ -426,17 +428,14 @@ class ModelRunner:
         hist, is_out = self._history(s, rows, any_penalty or lookup or reads)
         return SamplingBatch(temp, top_k, top_p, min_p, rep, pres, freq, seed, index,
                              positions_of_rows.astype(np.int32), num_logprobs, hist, is_out,
-                             *self._constraints(s, rows), *bans, self._grammar_rows(s, rows),
+                             *self._constraints(s, rows), *bans, grammar if grammar.any() else self._no_grammar_rows(s),
                              logprobs_mode=self.cfg.logprobs_mode)
 
-    def _grammar_rows(self, s: int, rows: list) -> np.ndarray | jax.Array:
-        """SamplingBatch.grammar_rows: numpy when some row has a grammar, else an array built once
-        per bucket."""
-        if not any(req is not None and req.guide is not None for req in rows):
-            if s not in self._no_grammar:
-                self._no_grammar[s] = jax.device_put(np.zeros(s, bool))
-            return self._no_grammar[s]
-        return np.array([req is not None and req.guide is not None for req in rows], bool)
+    def _no_grammar_rows(self, s: int) -> jax.Array:
+        """SamplingBatch.grammar_rows of a step without grammars: built once per bucket (no transfer)."""
+        if s not in self._no_grammar:
+            self._no_grammar[s] = jax.device_put(np.zeros(s, bool))
+        return self._no_grammar[s]
 
     def execute(self, sched: SchedulerOutput, tables: dict[str, list[int]]) -> dict[str, list[StepSample]]:
         """Run one step and wait for its tokens."""
@@ -548,7 +547,7 @@ class ModelRunner:
         if sb.history is None:
             sb.history, sb.history_is_output = self._history(len(inputs.logits_indices), [], False)
         n = len(inputs.logits_indices)
-        empty = (*self._constraints(n, []), *self._bans(n, []), self._grammar_rows(n, []))
+        empty = (*self._constraints(n, []), *self._bans(n, []), self._no_grammar_rows(n))
         for name, value in zip(("token_mask", "bias_ids", "bias_values", "stop_ban", "min_pos", "bad_words",
                                 "grammar_rows"), empty):
             if getattr(sb, name) is None:

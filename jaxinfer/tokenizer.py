@@ -46,6 +46,14 @@ class TokenizerError(ValueError):
     """A tokenizer file exists but cannot be read or parsed."""
 
 
+def cut_ids(ids: Sequence[int], keep: int | None, side: str) -> list[int]:
+    """Token ids cut as vLLM cuts a token-id prompt (truncate_prompt_tokens): the first `keep`
+    ("right") or the last `keep` ("left"); keep None: all of them."""
+    if keep is None:
+        return list(ids)
+    return list(ids[:keep]) if side == "right" else list(ids[-keep:])
+
+
 def longest_first(lengths: Sequence[int], budget: int) -> list[int]:
     """How many tokens each of one text or a pair keeps under transformers' longest_first
     truncation to `budget` tokens (special tokens already taken out), as the tokenizers library

@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from jaxinfer.config import SamplingParams
 from jaxinfer.engine import RequestError
 from jaxinfer.errors import FieldError
+from jaxinfer.tokenizer import cut_ids
 from jaxinfer.generator import Generator
 from serve import embeddings
 from serve.beam import beam_submission
@@ -172,10 +173,7 @@ class ServerState:
     def truncated(self, prompt: list[int], keep: int | None, side: str | None = None) -> list[int]:
         """A token-id prompt cut by vLLM's truncate_prompt_tokens: its last `keep` tokens (-1:
         max_model_len's worth); truncation_side "right": the first ones."""
-        keep = self.truncation(keep)
-        if keep is None:
-            return prompt
-        return prompt[:keep] if side == "right" else prompt[-keep:]
+        return cut_ids(prompt, self.truncation(keep), side or "left")
 
     def completion_inputs(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         """A /v1/completions body -> its prompts as token ids and the sampling params (both front
@@ -423,8 +421,7 @@ async def tokenize(req: TokenizeRequest, request: Request):
                                   if req.prompt is not None else state.tokenize_chat(req))
     body = {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
     if req.return_token_strs:   # vLLM's: the tokenizer's pieces (convert_ids_to_tokens)
-        body["token_strs"] = [state.tokenizer.id_to_piece(i) if state.tokenizer is not None else state.token_str(i)
-                              for i in ids]
+        body["token_strs"] = [state.tokenizer.id_to_piece(i) for i in ids]
     return body
 
 
