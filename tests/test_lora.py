@@ -394,15 +394,22 @@ def test_chat_and_responses_run_the_adapter_named_in_model(tmp_path):
             [i for i in base_ids if i != 2]).strip()
         # vLLM's lora_requests_info and kv_cache_usage_perc on /metrics (prometheus_client's parser):
         # a request of the adapter ran, so a series whose running_lora_adapters is "ad" (max_lora the
-        # device slots, 4) was set since it began (its value: the time it was last set)
+        # device slots, 4) was set since it began (its value: the time it was last set; read once a
+        # step's tokens arrived: the server observes each step before sending them)
         import time
 
         from prometheus_client.parser import text_string_to_metric_families
         t0 = time.time()
         body = dict(model="ad", messages=messages, max_tokens=40, temperature=0, stream=True, ignore_eos=True)
+        def text_of(line: str) -> str:   # a data line's delta text ("" for the role chunk and the rest)
+            if not line.startswith("data: {"):
+                return ""
+            choices = json.loads(line[6:])["choices"]
+            return (choices[0]["delta"].get("content") or "") if choices else ""
+
         with http.stream("POST", "/v1/chat/completions", json=body) as r:
             lines = r.iter_lines()
-            next(line for line in lines if '"content"' in line)
+            next(line for line in lines if text_of(line))
             families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
             for _ in lines:
                 pass
