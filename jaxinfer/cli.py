@@ -17,9 +17,10 @@ from jaxinfer.config.flags import add_engine_args, engine_kwargs
 
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model folder, jaxinfer checkpoint, or Hugging Face id "
-                                                 "ORG/NAME[@REVISION] (from its cache, downloaded unless "
-                                                 "HF_HUB_OFFLINE=1; default: the bundled model)")
+    p.add_argument("--model", default=None, help="HF model folder, jaxinfer checkpoint, .gguf file, or Hugging Face "
+                                                 "id ORG/NAME[@REVISION] or GGUF repository ORG/NAME:QUANT (from "
+                                                 "its cache, downloaded unless HF_HUB_OFFLINE=1; default: the "
+                                                 "bundled model)")
 
 
 def _model_path(model: str | None, default: Path) -> Path:

@@ -8,6 +8,8 @@ HF_HUB_OFFLINE=1 for cache only, HF_TOKEN for gated models), as vLLM and SGLang 
   config, a sentence-transformers model's modules.json and prompts, then its module folders'
   (module_patterns); never *.bin / *.pth pickles, nor the other formats a repository may hold
   (GGUF, ONNX, original/, consolidated.safetensors).
+- `ORG/NAME:QUANT` (vLLM's form for GGUF repositories): only the .gguf file(s) of that quantization,
+  prepared by jaxinfer.gguf_file.
 - Every failure is one error (ModelSpecError) naming the id, the revision and what to do.
 
 Never imports jax (the CLI resolves before the engine starts).
@@ -38,6 +40,8 @@ ALLOW_PATTERNS = (
 IGNORE_PATTERNS = ("*/*", "consolidated*.safetensors")
 # a repository id as the Hub writes it: one slash, ORG and NAME of letters, digits, '-', '_', '.'
 HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+# a GGUF repository's quantization label after ':' (vLLM's ORG/NAME:QUANT): Q4_K_M, IQ2_XXS, F16, UD-Q4_K_XL
+GGUF_QUANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}")
 
 
 class ModelSpecError(CheckpointError):
@@ -52,9 +56,12 @@ def split_spec(spec: str) -> tuple[str, str | None]:
 
 
 def is_hub_id(spec: str | os.PathLike) -> bool:
-    """spec names a Hub repository (and no local path of that name exists)."""
+    """spec names a Hub repository, or a GGUF quantization in one (ORG/NAME:QUANT), and no local path of
+    that name exists."""
     s = os.fspath(spec)
-    return not Path(s).exists() and HF_ID.fullmatch(split_spec(s)[0]) is not None
+    repo_id, colon, quant = split_spec(s)[0].partition(":")
+    return (not Path(s).exists() and HF_ID.fullmatch(repo_id) is not None
+            and (not colon or GGUF_QUANT.fullmatch(quant) is not None))
 
 
 def served_name(spec: str | os.PathLike | None, default: Path) -> str:
@@ -65,15 +72,24 @@ def served_name(spec: str | os.PathLike | None, default: Path) -> str:
 
 
 def resolve_model_path(spec: str | os.PathLike, revision: str | None = None) -> Path:
-    """A local folder: `spec` itself when it exists, else the snapshot of Hub id `spec` (ORG/NAME, with
+    """A local folder: `spec` itself when it exists (a .gguf file: the folder describing it,
+    jaxinfer.gguf_file.prepare_folder), else the snapshot of Hub id `spec` (ORG/NAME, with
     an optional @REVISION; or revision=) in the Hugging Face cache, downloaded there unless
     HF_HUB_OFFLINE=1."""
     s = os.fspath(spec)
     if Path(s).exists():
         if revision is not None:
             raise ModelSpecError(f"{s}: revision={revision!r} applies to Hugging Face ids; this is a local path")
+        if Path(s).is_file():
+            if not s.endswith(".gguf"):
+                raise ModelSpecError(f"{s}: a file; a model is a folder (HF or jaxinfer) or a .gguf file")
+            from jaxinfer.gguf_file import prepare_folder
+            return prepare_folder(s)
         return Path(s)
     repo_id, at_revision = split_spec(s)
+    repo_id, colon, quant = repo_id.partition(":")
+    if colon and not GGUF_QUANT.fullmatch(quant):
+        raise ModelSpecError(f"{s}: {quant!r} after ':' is not a GGUF quantization label (ORG/NAME:Q4_K_M)")
     if HF_ID.fullmatch(repo_id) is None:
         raise ModelSpecError(f"{s}: no such model folder (nor a Hugging Face model id ORG/NAME[@REVISION])")
     if at_revision is not None and revision is not None and at_revision != revision:
@@ -81,7 +97,35 @@ def resolve_model_path(spec: str | os.PathLike, revision: str | None = None) -> 
     revision = revision or at_revision
     if revision is not None and not revision:
         raise ModelSpecError(f"{s}: empty revision after '@'")
+    if colon:
+        return _gguf_download(repo_id, quant, revision)
     return Path(_download(repo_id, revision))
+
+
+def gguf_files(names: list[str], quant: str) -> list[str]:
+    """Of a GGUF repository's files, the model's in quantization `quant` (its label in the file name,
+    any case, not followed by more of a longer label: Q4_K is not Q4_K_M; not a vision projector
+    mmproj-*): one file, or every part of a split one."""
+    label = re.compile(rf"(?<![A-Za-z0-9]){re.escape(quant)}(?![A-Za-z0-9_])", re.IGNORECASE)
+    return sorted(n for n in names if n.endswith(".gguf") and label.search(Path(n).name)
+                  and not Path(n).name.lower().startswith("mmproj"))
+
+
+def _gguf_download(repo_id: str, quant: str, revision: str | None) -> Path:
+    """vLLM's `ORG/NAME:QUANT`: the .gguf file(s) of that quantization in a GGUF repository (through the
+    cache, as _download), as the folder jaxinfer.gguf_file prepares for them."""
+    from jaxinfer.gguf_file import SPLIT_NAME, prepare_folder
+    patterns = sorted({f"*{quant}*.gguf", f"*{quant.upper()}*.gguf", f"*{quant.lower()}*.gguf"})
+    root = Path(_download(repo_id, revision, allow=patterns, ignore=()))
+    names = gguf_files([p.relative_to(root).as_posix() for p in root.rglob("*.gguf")], quant)
+    what = f"{repo_id}:{quant}" + (f" (revision {revision!r})" if revision else "")
+    if not names:
+        raise ModelSpecError(f"{what}: the repository has no .gguf file of quantization {quant!r}")
+    firsts = [n for n in names if (m := SPLIT_NAME.fullmatch(Path(n).name)) is None or int(m.group(2)) == 1]
+    if len(firsts) != 1:
+        raise ModelSpecError(f"{what}: {len(firsts)} models match {quant!r} ({', '.join(firsts[:6])}); "
+                             "give the file's path")
+    return prepare_folder(root / firsts[0])
 
 
 def module_patterns(modules) -> list[str]:
@@ -92,14 +136,14 @@ def module_patterns(modules) -> list[str]:
             for pattern in ALLOW_PATTERNS]
 
 
-def _download(repo_id: str, revision: str | None) -> str:
+def _download(repo_id: str, revision: str | None, allow=ALLOW_PATTERNS, ignore=IGNORE_PATTERNS) -> str:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
     what = f"{repo_id}" + (f" (revision {revision!r})" if revision else "")
     try:
-        root = snapshot_download(repo_id, revision=revision, allow_patterns=list(ALLOW_PATTERNS),
-                                 ignore_patterns=list(IGNORE_PATTERNS))
+        root = snapshot_download(repo_id, revision=revision, allow_patterns=list(allow),
+                                 ignore_patterns=list(ignore) or None)
         modules = Path(root) / "modules.json"
         patterns = module_patterns(json.loads(modules.read_text())) if modules.is_file() else []
         if patterns:   # a sentence-transformers model: its modules' folders (Pooling's config, ...)

@@ -156,6 +156,16 @@ def _set_params(model: Decoder, arrays: dict[str, jax.Array]) -> Decoder:
     return nnx.merge(graphdef, nnx.State.from_flat_path(flat))
 
 
+def tensor_source(folder: Path):
+    """The tensors of an HF folder by name: its safetensors, or the GGUF file a folder prepared by
+    jaxinfer.gguf_file describes (dequantized to float32)."""
+    from jaxinfer.gguf_file import GGUFTensors, gguf_source
+    gguf_path = gguf_source(folder)
+    if gguf_path is None:
+        return SafetensorsFolder(folder)
+    return GGUFTensors(gguf_path, json.loads((folder / "config.json").read_text()))
+
+
 def hf_value(st: SafetensorsFolder, ours: str, hf_names: tuple[str, ...], transform,
              expected: tuple[int, ...]) -> np.ndarray:
     """Parameter `ours` in our layout from its HF tensors (memmap views where the transform allows),
@@ -186,7 +196,7 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
     (sharding.load_sharded; rules default to sharding.rules_for(cfg, mesh))."""
     folder = Path(folder)
     cfg = cfg or model_config_from_hf(folder)
-    st = SafetensorsFolder(folder)
+    st = tensor_source(folder)
     jdtype = DTYPES[dtype]
     model = abstract_decoder(cfg, jdtype)
     flat = nnx.state(model, nnx.Param).flat_state()

@@ -1,0 +1,447 @@
+"""GGUF checkpoints (llama.cpp's single-file format): `--model path/to/model.gguf`.
+
+A .gguf file holds the model's settings and its tokenizer as metadata (llama.cpp's key names) and
+its tensors under llama.cpp's names, in float formats or llama.cpp's block quantizations (Q4_0,
+Q8_0, the K-quants, ...). prepare_folder() turns the metadata into the files jaxinfer's loaders read
+(config.json, tokenizer.json, tokenizer_config.json, generation_config.json) in a small folder of
+the cache, keyed by the file's path, size and modification time; that folder's config.json names the
+file, and GGUFTensors serves the loader every tensor by its Hugging Face name (gguf.TensorNameMap,
+llama.cpp's own table), dequantized to float32 by the gguf package (llama.cpp's Python reference of
+its formats), Llama's Q and K rows turned back from llama.cpp's rotary layout. The weights are then
+held in the serving dtype (--dtype), as vLLM and transformers load a GGUF; `--quantization` may
+quantize them again.
+
+The tokenizer is rebuilt as transformers' GGUF loader rebuilds it (integrations/gguf), the reference
+the tests compare against: a "llama" vocabulary is SentencePiece BPE with byte fallback (merges from
+the scores when the file has none), a "gpt2" one byte-level BPE with the pre-tokenizer regex its
+`tokenizer.ggml.pre` names; control tokens are special, user-defined ones are added tokens; BOS is
+added as `tokenizer.ggml.add_bos_token` says (SentencePiece files without it: yes).
+
+Architectures: llama (also Mistral's files), qwen2, qwen3. Rope: none, linear, yarn, and Llama 3's
+(its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
+every stored divisor). Anything else is refused naming the key or tensor. Split files
+(NAME-00001-of-0000N.gguf) are read across their parts.
+
+Never imports jax (jaxinfer.hub resolves a model before the engine starts).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxinfer.errors import CheckpointError
+
+FORMAT_VERSION = 1   # of the prepared folder: a new one re-prepares
+MARKER = "gguf_file"   # config.json's key naming the file
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_CONTROL, _USER_DEFINED = 3, 4
+SPLIT_NAME = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
+
+# tokenizer.ggml.pre -> the pre-tokenizer regex its merges were learned with (llama.cpp's
+# llama-vocab.cpp and transformers' GGUF tokenizer name the same ones); unnamed: GPT-2's own
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), _LLAMA3),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2),
+    "tekken": _TEKKEN, **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O),
+}
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    return Path(path).is_file() and str(path).endswith(".gguf")
+
+
+# ----------------------------------------------------------------------------------- reading
+
+class GGUFFile:
+    """The metadata and tensors of a .gguf file and, when it is the first of a split, of every part."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.readers = [(self.path, self._open(self.path))]
+        self.meta = dict(self.readers[0][1].fields)
+        parts = self.get("split.count", 1)
+        if parts > 1:
+            m = SPLIT_NAME.fullmatch(self.path.name)
+            if m is None or int(m.group(2)) != 1:
+                raise CheckpointError(f"{self.path}: part of a split GGUF ({parts} parts); give the first, "
+                                      "NAME-00001-of-NNNNN.gguf")
+            for i in range(2, parts + 1):
+                p = self.path.with_name(f"{m.group(1)}-{i:05d}-of-{parts:05d}.gguf")
+                if not p.is_file():
+                    raise CheckpointError(f"{p}: missing (part {i} of the split GGUF {self.path.name})")
+                self.readers.append((p, self._open(p)))
+        self.tensors: dict[str, tuple[Any, Path]] = {}
+        for where, reader in self.readers:
+            for t in reader.tensors:
+                self.tensors[t.name] = (t, where)
+
+    @staticmethod
+    def _open(path: Path):
+        from gguf import GGUFReader
+        try:
+            return GGUFReader(path)
+        except (ValueError, KeyError, IndexError, OSError) as e:
+            raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.meta.get(key)
+        return default if field is None else field.contents()
+
+    def arch_get(self, key: str, default: Any = None) -> Any:
+        return self.get(f"{self.arch}.{key}", default)
+
+    @property
+    def arch(self) -> str:
+        return self.get("general.architecture", "")
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Tensor `name` as float32, in the row-major shape of its Hugging Face original."""
+        from gguf import GGMLQuantizationType, quants
+        t, where = self.tensors[name]
+        try:
+            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                x = np.asarray(t.data, dtype=np.float32)
+            else:
+                x = quants.dequantize(t.data, t.tensor_type)
+            return x.reshape(tuple(int(n) for n in reversed(t.shape)))
+        except NotImplementedError:
+            raise CheckpointError(f"{where}: tensor {name!r} is stored as {t.tensor_type.name}, a type the gguf "
+                                  "package cannot dequantize") from None
+        except ValueError as e:
+            raise CheckpointError(f"{where}: tensor {name!r} ({t.tensor_type.name}, shape {list(t.shape)}) is "
+                                  f"damaged: {e}") from None
+
+
+# ------------------------------------------------------------------------------------ config
+
+def hf_config(f: GGUFFile) -> dict[str, Any]:
+    """config.json (transformers' names) of the model the file holds."""
+    arch = f.arch
+    if arch not in ARCHS:
+        raise CheckpointError(f"{f.path}: GGUF architecture {arch!r} (general.architecture) is not supported; "
+                              f"supported: {sorted(ARCHS)}")
+    need = {k: f.arch_get(k) for k in ("block_count", "embedding_length", "feed_forward_length",
+                                       "attention.head_count")}
+    missing = [k for k, v in need.items() if v is None]
+    if missing:
+        raise CheckpointError(f"{f.path}: metadata {arch}.{missing[0]} is missing")
+    heads = int(need["attention.head_count"])
+    head_dim = int(f.arch_get("attention.key_length") or need["embedding_length"] // heads)
+    rotary = f.arch_get("rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        raise CheckpointError(f"{f.path}: {arch}.rope.dimension_count = {rotary} rotates part of each "
+                              f"{head_dim}-wide head; {arch} models in jaxinfer rotate all of it")
+    if "token_embd.weight" not in f.tensors:
+        raise CheckpointError(f"{f.path}: no tensor 'token_embd.weight'")
+    vocab = int(f.tensors["token_embd.weight"][0].shape[1])
+    cfg: dict[str, Any] = {
+        "architectures": [ARCHS[arch]], "model_type": _MODEL_TYPES[arch],
+        "vocab_size": vocab, "hidden_size": int(need["embedding_length"]),
+        "intermediate_size": int(need["feed_forward_length"]), "num_hidden_layers": int(need["block_count"]),
+        "num_attention_heads": heads, "num_key_value_heads": int(f.arch_get("attention.head_count_kv") or heads),
+        "head_dim": head_dim, "hidden_act": "silu",
+        "max_position_embeddings": int(f.arch_get("context_length") or 2048),
+        "rms_norm_eps": float(f.arch_get("attention.layer_norm_rms_epsilon") or 1e-6),
+        "tie_word_embeddings": "output.weight" not in f.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in f.tensors and arch != "qwen2",
+        "rope_parameters": {"rope_theta": float(f.arch_get("rope.freq_base") or 10000.0),
+                            **_rope_scaling(f, head_dim)},
+        MARKER: str(Path(os.path.abspath(f.path))),
+    }
+    for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                    ("padding_token_id", "pad_token_id")):
+        v = f.get(f"tokenizer.ggml.{key}")
+        if v is not None:
+            cfg[hf] = int(v)
+    return cfg
+
+
+def _rope_scaling(f: GGUFFile, head_dim: int) -> dict[str, Any]:
+    kind = f.arch_get("rope.scaling.type")
+    factor = f.arch_get("rope.scaling.factor")
+    if "rope_freqs.weight" in f.tensors:
+        if kind not in (None, "none"):
+            raise CheckpointError(f"{f.path}: both {f.arch}.rope.scaling.type = {kind!r} and rope_freqs.weight")
+        return _llama3_rope(f, head_dim)
+    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
+        return {"rope_type": "default"}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        original = f.arch_get("rope.scaling.original_context_length")
+        if original is None or factor is None:
+            raise CheckpointError(f"{f.path}: yarn rope scaling without {f.arch}.rope.scaling.factor and "
+                                  "original_context_length")
+        out = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+        for key, hf in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+            if f.arch_get(key) is not None:
+                out[hf] = float(f.arch_get(key))
+        return out
+    raise CheckpointError(f"{f.path}: {f.arch}.rope.scaling.type = {kind!r} is not supported (none, linear, yarn)")
+
+
+def llama3_divisors(head_dim: int, theta: float, factor: float, low: float, high: float,
+                    original: int) -> np.ndarray:
+    """Llama 3's per-frequency divisors (HF's _compute_llama3_parameters: inv_freq / divisor)."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv
+    smooth = (original / wavelen - low) / (high - low)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, mid))
+
+
+def _llama3_rope(f: GGUFFile, head_dim: int) -> dict[str, Any]:
+    """rope_freqs.weight (llama.cpp's divisors of each frequency) as transformers' llama3 parameters.
+    Only the ratios original/low and original/high change the divisors, so low_freq_factor is taken
+    as 1 and the other two are solved from the smoothly scaled frequencies; every divisor is then
+    recomputed and must match the file's."""
+    div = f.tensor("rope_freqs.weight").astype(np.float64).reshape(-1)
+    theta = float(f.arch_get("rope.freq_base") or 10000.0)
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    fail = CheckpointError(f"{f.path}: rope_freqs.weight is not Llama 3's frequency scaling (the only one "
+                           "jaxinfer reads from that tensor)")
+    if div.shape != inv.shape:
+        raise fail
+    factor = float(div.max())
+    mid = (div > 1 + 1e-6) & (div < factor - 1e-6 * factor)
+    if factor <= 1 or mid.sum() < 2:
+        raise CheckpointError(f"{f.path}: rope_freqs.weight has {int(mid.sum())} smoothly scaled frequencies; "
+                              "Llama 3's scaling is read from two or more")
+    # 1/div = (1 - s)/factor + s with s = (original/wavelen - low)/(high - low) = a / wavelen + b
+    s = (1 / div[mid] - 1 / factor) / (1 - 1 / factor)
+    a, b = np.polyfit(inv[mid] / (2 * math.pi), s, 1)
+    if not (a > 0 and b < 0):
+        raise fail
+    high = 1 - 1 / b            # low = 1: b = -1/(high - 1), a = original/(high - 1)
+    original = a * (high - 1)
+    params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": float(high),
+              "original_max_position_embeddings": float(original)}
+    if not np.allclose(llama3_divisors(head_dim, theta, factor, 1.0, high, original), div, rtol=1e-4):
+        raise fail
+    rounded = round(original)   # transformers' field is an integer: keep it so where that is exact
+    if abs(rounded - original) < 1e-3 * original and np.allclose(
+            llama3_divisors(head_dim, theta, factor, 1.0, high * rounded / original, rounded), div, rtol=1e-4):
+        params.update(original_max_position_embeddings=rounded, high_freq_factor=float(high * rounded / original))
+    return params
+
+
+def generation_config(f: GGUFFile) -> dict[str, Any]:
+    """Stop tokens (EOS and the end-of-turn / end-of-message tokens llama.cpp also stops at) and the
+    sampling defaults a file may carry (general.sampling.*: llama.cpp's names)."""
+    stops = [int(v) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+             if (v := f.get(f"tokenizer.ggml.{k}")) is not None]
+    out: dict[str, Any] = {}
+    if stops:
+        out["eos_token_id"] = list(dict.fromkeys(stops))
+    bos = f.get("tokenizer.ggml.bos_token_id")
+    if bos is not None:
+        out["bos_token_id"] = int(bos)
+    for key, hf in (("temp", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
+                    ("penalty_repeat", "repetition_penalty")):
+        v = f.get(f"general.sampling.{key}")
+        if v is not None:
+            out[hf] = v
+    if len(out) > ("bos_token_id" in out) + ("eos_token_id" in out):
+        out["do_sample"] = True
+    return out
+
+
+# --------------------------------------------------------------------------------- tokenizer
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte alphabet: printable bytes stand for themselves, the others for chr(256 + k)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def _score_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """A SentencePiece BPE vocabulary's merges, from its scores: each token that two vocabulary
+    pieces join to, ranked by the token's score (highest first), then by the left piece's and the
+    right piece's length (longest first), then by the pieces' ids."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    cands = []
+    for tok, score in dict(zip(tokens, scores)).items():
+        pairs = sorted(((tok[:k], tok[k:]) for k in range(1, len(tok)) if tok[:k] in ids and tok[k:] in ids),
+                       key=lambda p: (ids[p[0]], ids[p[1]]))
+        cands.extend((score, len(left), len(right), left, right) for left, right in pairs)
+    # a stable sort on the key alone keeps equal keys in the order they were found
+    cands.sort(key=lambda c: (c[0], c[1], c[2]), reverse=True)
+    return [(c[3], c[4]) for c in cands]
+
+
+def build_tokenizer(f: GGUFFile):
+    """(tokenizers.Tokenizer, add_bos) of the file's tokenizer.ggml.* metadata."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    kind = f.get("tokenizer.ggml.model")
+    tokens = f.get("tokenizer.ggml.tokens")
+    if kind is None or tokens is None:
+        raise CheckpointError(f"{f.path}: no tokenizer.ggml.model / tokenizer.ggml.tokens metadata (give --tokenizer "
+                              "a folder with the model's tokenizer)")
+    tokens = list(tokens)
+    types = list(f.get("tokenizer.ggml.token_type") or [])
+    merges = f.get("tokenizer.ggml.merges")
+    if kind == "llama":
+        scores = f.get("tokenizer.ggml.scores")
+        if merges is None and scores is None:
+            raise CheckpointError(f"{f.path}: a SentencePiece vocabulary without tokenizer.ggml.scores or merges")
+        pairs = [tuple(m.split(" ", 1)) for m in merges] if merges is not None else _score_merges(tokens, list(scores))
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=True,
+                                   byte_fallback=True))
+        prepend = "first" if f.get("tokenizer.ggml.add_space_prefix", True) else "never"
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend, split=False)
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+        spelled = None
+    elif kind == "gpt2":
+        if merges is None:
+            raise CheckpointError(f"{f.path}: a byte-level BPE vocabulary without tokenizer.ggml.merges")
+        alphabet = _bytes_to_unicode()
+        letters = set(alphabet.values())
+        vocab = {(t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))): i
+                 for i, t in enumerate(tokens)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+        split = PRE_TOKENIZERS.get(f.get("tokenizer.ggml.pre"))
+        tok.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else
+                             pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                      pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                               use_regex=False)]))
+        tok.decoder = decoders.ByteLevel()
+        spelled = letters
+    else:
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.model = {kind!r} is not supported (llama, gpt2); give "
+                              "--tokenizer a folder with the model's tokenizer")
+    control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+               if ty == _CONTROL and (spelled is None or set(t) <= spelled)]
+    tok.add_special_tokens(control)
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
+                    if ty == _USER_DEFINED])
+    flag = f.get("tokenizer.ggml.add_bos_token")
+    bos = f.get("tokenizer.ggml.bos_token_id")
+    add_bos = bool(flag) if flag is not None else kind == "llama"
+    if add_bos and bos is not None:
+        b = tokens[int(bos)]
+        tok.post_processor = processors.TemplateProcessing(single=f"{b}:0 $A:0", pair=f"{b}:0 $A:0 {b}:1 $B:1",
+                                                           special_tokens=[(b, int(bos))])
+    return tok, add_bos
+
+
+def tokenizer_config(f: GGUFFile, add_bos: bool) -> dict[str, Any]:
+    tokens = f.get("tokenizer.ggml.tokens") or []
+    out: dict[str, Any] = {"add_bos_token": add_bos, "add_eos_token": bool(f.get("tokenizer.ggml.add_eos_token", False))}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+                      ("pad_token", "padding_token_id")):
+        i = f.get(f"tokenizer.ggml.{key}")
+        if i is not None and 0 <= int(i) < len(tokens):
+            out[name] = tokens[int(i)]
+    template = f.get("tokenizer.chat_template")
+    named = {k[len("tokenizer.chat_template."):]: f.get(k) for k in f.meta if k.startswith("tokenizer.chat_template.")}
+    if named:
+        out["chat_template"] = ([{"name": "default", "template": template}] if template else []) + [
+            {"name": n, "template": t} for n, t in named.items()]
+    elif template is not None:
+        out["chat_template"] = template
+    return out
+
+
+# ------------------------------------------------------------------------------ the folder
+
+def cache_root() -> Path:
+    return Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer")) / "gguf"
+
+
+def prepare_folder(path: str | os.PathLike) -> Path:
+    """The folder of config.json, tokenizer.json, tokenizer_config.json and generation_config.json
+    describing GGUF file `path` (built once per file version; its tensors stay in the file)."""
+    path = Path(os.path.abspath(path))   # a symlink stays (the Hub cache's point at blobs/<hash>: names matter)
+    st = path.stat()
+    key = hashlib.sha256(f"{FORMAT_VERSION}\0{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    folder = cache_root() / f"{path.stem[:60]}-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    f = GGUFFile(path)
+    cfg = hf_config(f)
+    tok, add_bos = build_tokenizer(f)
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tok.save(str(tmp / "tokenizer.json"))
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(f, add_bos), indent=1))
+    (tmp / "generation_config.json").write_text(json.dumps(generation_config(f), indent=1))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))   # last: its presence marks a whole folder
+    try:
+        os.replace(tmp, folder)
+    except OSError:   # another process prepared it first
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file a prepared folder describes (None for any other folder)."""
+    try:
+        value = json.loads((Path(folder) / "config.json").read_text()).get(MARKER)
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return Path(value) if isinstance(value, str) else None
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's rotary row order of each head (pairs interleaved) back to transformers' (halves)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFTensors:
+    """A GGUF file's tensors by their Hugging Face names (weights.SafetensorsFolder's interface)."""
+
+    def __init__(self, path: Path, hf_cfg: dict[str, Any]):
+        import gguf
+        self.file = GGUFFile(path)
+        self.cfg = hf_cfg
+        self.names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[self.file.arch.upper()], hf_cfg["num_hidden_layers"])
+
+    def stored(self, name: str) -> str | None:
+        g = self.names.get_name(name, try_suffixes=(".weight", ".bias"))
+        return g if g in self.file.tensors else None
+
+    def has(self, name: str) -> bool:
+        return self.stored(name) is not None
+
+    def dtype(self, name: str) -> np.dtype:
+        return np.dtype(np.float32)
+
+    def source(self, name: str) -> str:
+        return str(self.file.path)
+
+    def get(self, name: str) -> np.ndarray:
+        g = self.stored(name)
+        if g is None:
+            raise CheckpointError(f"{self.file.path}: tensor {name!r} (GGUF "
+                                  f"{self.names.get_name(name, try_suffixes=('.weight', '.bias'))!r}) not found")
+        x = self.file.tensor(g)
+        if self.file.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+            heads = self.cfg["num_attention_heads"] if ".q_proj." in name else self.cfg["num_key_value_heads"]
+            x = _unpermute(x, heads)
+        return x

@@ -1,0 +1,149 @@
+"""GGUF files of tiny random HF models, written as llama.cpp's convert_hf_to_gguf.py writes them.
+
+Written with the `gguf` package (llama.cpp's own Python writer and quantizers): the architecture's
+metadata, llama.cpp's tensor names (gguf.TensorNameMap), Llama's Q and K rows permuted into
+llama.cpp's rotary layout (LlamaModel.permute in convert_hf_to_gguf.py; Qwen's are not), the
+tokenizer as metadata (a SentencePiece vocabulary with scores and token types, or a byte-level
+BPE's tokens and merges with its pre-tokenizer's name), and each tensor in the type the test asks
+(F32, F16, BF16, or llama.cpp's block quantizations: the gguf package's quantizers).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+# llama.cpp's token types (gguf.TokenType)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's rotary layout: each head's rows in (half, pair) order -> (pair, half) order."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def sentencepiece_vocab(model_file: Path) -> dict:
+    """tokenizer.ggml.* of a SentencePiece model, as convert_hf_to_gguf.py's _create_vocab_sentencepiece
+    reads one: every piece, its score, its type."""
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        types.append(UNKNOWN if sp.is_unknown(i) else CONTROL if sp.is_control(i) else BYTE if sp.is_byte(i)
+                     else UNUSED if sp.is_unused(i) else NORMAL)
+    return {"model": "llama", "pre": "default", "tokens": tokens, "scores": scores, "types": types,
+            "bos": sp.bos_id(), "eos": sp.eos_id(), "unk": sp.unk_id(), "pad": sp.pad_id()}
+
+
+def byte_level_vocab(lines, vocab_size: int, pre: str) -> dict:
+    """A byte-level BPE trained here (the tokenizers library) on `lines`, as a "gpt2" GGUF vocabulary:
+    specials <|endoftext|> (BOS/EOS), <|im_start|>, <|im_end|> (control) and <think> (user-defined)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    model = json.loads(tok.to_str())["model"]
+    tokens = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    types = [USER_DEFINED if t == "<think>" else CONTROL if t in specials else NORMAL for t in tokens]
+    return {"model": "gpt2", "pre": pre, "tokens": tokens, "merges": merges, "types": types,
+            "bos": 0, "eos": 0, "unk": None, "pad": None}
+
+
+# byte offsets of each K-quant block's float16 scales (d, dmin), from ggml-common.h's block layouts
+_K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(shape: tuple[int, ...], qtype, rng) -> np.ndarray:
+    """Random llama.cpp blocks of a K-quant type for a float tensor of `shape` (rows of a multiple of
+    256): random bits, each block's float16 scales set to small finite values."""
+    import gguf
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape[0], int(np.prod(shape[1:]))
+    b = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
+    for off in _K_SCALES[qtype.name]:
+        scale = rng.uniform(0.0005, 0.002, b.shape[:2]).astype(np.float16)
+        b[:, :, off:off + 2] = scale.view(np.uint8).reshape(*b.shape[:2], 2)
+    return b.reshape(rows, -1)
+
+
+def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = None, *,
+               add_bos: bool | None = True, chat_template: str | None = CHAT_TEMPLATE,
+               rope_freqs: np.ndarray | None = None) -> Path:
+    """`model` (a transformers Llama / Mistral / Qwen2 / Qwen3 causal LM) as a GGUF at `path`.
+    qtypes: {substring of an HF tensor name: GGML type name} (the first that matches; F32 otherwise);
+    rope_freqs: Llama 3's rope_freqs.weight (llama.cpp's frequency divisors), when given."""
+    import gguf
+
+    cfg = model.config
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    w = gguf.GGUFWriter(str(path), arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model(vocab["model"])
+    w.add_tokenizer_pre(vocab["pre"])
+    w.add_token_list(vocab["tokens"])
+    if "scores" in vocab:
+        w.add_token_scores(vocab["scores"])
+    if "merges" in vocab:
+        w.add_token_merges(vocab["merges"])
+    w.add_token_types(vocab["types"])
+    for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("unk", w.add_unk_token_id),
+                     ("pad", w.add_pad_token_id), ("eot", w.add_eot_token_id)):
+        if vocab.get(key) is not None and vocab[key] >= 0:
+            add(vocab[key])
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    rng = np.random.default_rng(0)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    for hf_name, t in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue   # a tied head is the embedding (convert_hf_to_gguf writes no output.weight)
+        x = t.float().numpy()
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            x = _permute(x, cfg.num_attention_heads)
+        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+            x = _permute(x, cfg.num_key_value_heads)
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        qtype = next((q for k, q in (qtypes or {}).items() if k in hf_name), "F32")
+        if qtype == "F32":
+            w.add_tensor(name, x.astype(np.float32))
+        elif qtype == "F16":
+            w.add_tensor(name, x.astype(np.float16))
+        elif qtype.startswith("random:"):   # a K-quant (no quantizer in the gguf package): random blocks
+            gt = gguf.GGMLQuantizationType[qtype[len("random:"):]]
+            w.add_tensor(name, random_blocks(x.shape, gt, rng), raw_dtype=gt)
+        else:
+            gt = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(x, gt), raw_dtype=gt)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)

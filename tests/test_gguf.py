@@ -1,0 +1,309 @@
+"""GGUF checkpoints (`--model file.gguf`) against transformers' own GGUF loader and the HF originals.
+
+Each file is written here as llama.cpp's converter writes one (tests/gguf_files.py): SentencePiece
+and byte-level vocabularies, Llama's permuted Q/K rows, float and block-quantized tensors (llama.cpp's
+quantizers in the gguf package; random blocks for the K-quants, which it cannot quantize).
+References: transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained(gguf_file=...)
+(transformers dequantizes the K-quants with its own torch code), and the HF model the file was
+written from (float32 tensors, Llama 3's rope_freqs).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from jaxinfer import Generator, SamplingParams
+from jaxinfer.errors import CheckpointError
+from jaxinfer.hub import ModelSpecError, resolve_model_path
+from tests.gguf_files import byte_level_vocab, sentencepiece_vocab, write_gguf
+from tests.hf_models import TEXT_WORDS, build_hf_model, save_text_model
+
+# Llama 3's scaling with three of the 8 frequencies of a 16-wide head in its smooth band (wavelengths
+# 16..256; Llama 3.1's 128-wide heads have seven there, at 8192 / 4 .. 8192)
+ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 16.0,
+        "original_max_position_embeddings": 256}
+TEXTS = ["the quick  brown fox café\n\nnaïve 123456 <think>x<|im_end|>", " hello", "Hello world", "",
+         "zebras write code 2024!\tover   a lazy dog's night"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory):
+    # the prepared folders go to this module's own cache, never the user's
+    old = os.environ.get("JAXINFER_CACHE")
+    os.environ["JAXINFER_CACHE"] = str(tmp_path_factory.mktemp("jaxinfer-cache"))
+    yield
+    if old is None:
+        os.environ.pop("JAXINFER_CACHE", None)
+    else:
+        os.environ["JAXINFER_CACHE"] = old
+
+
+def _lines(n=400, seed=0):
+    rng = np.random.RandomState(seed)
+    return [" ".join(rng.choice(TEXT_WORDS, rng.randint(4, 14))) for _ in range(n)]
+
+
+def _kquant_llama(vocab: int):
+    """A Llama whose every matrix has rows of 256 (the K-quants' block)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=0,
+                                        max_position_embeddings=128, attn_implementation="eager")).eval()
+
+
+def _make(name: str, root):
+    """(path of the .gguf, the HF model it was written from) of case `name`."""
+    from transformers import AutoModelForCausalLM
+    folder = root / name
+    folder.mkdir()
+    if name == "llama-spm":   # SentencePiece BPE with byte fallback; every float and block type but K
+        text = save_text_model(root / "spm-src")
+        hf = AutoModelForCausalLM.from_pretrained(text, attn_implementation="eager").eval()
+        vocab = sentencepiece_vocab(text / "tokenizer.model")
+        qtypes = {"q_proj": "F16", "k_proj": "BF16", "down": "Q8_0", "up": "Q4_0", "gate": "Q5_1",
+                  "embed": "Q4_1", "lm_head": "Q5_0"}
+        return write_gguf(hf, folder / "model.gguf", vocab, qtypes), hf
+    if name == "qwen2-bpe":   # byte-level BPE, Qwen2's pre-tokenizer; tied, biased q/k/v
+        vocab = byte_level_vocab(_lines(), 300, "qwen2")
+        vocab["eot"] = 2
+        hf = build_hf_model("qwen2-tied", overrides={"vocab_size": 300})
+        return write_gguf(hf, folder / "model.gguf", vocab, {"down": "Q8_0", "o_proj": "Q4_0", "embed": "Q8_0"}), hf
+    if name == "qwen3-f32":   # q/k norms, head_dim != hidden / heads (16): attention.key_length
+        vocab = byte_level_vocab(_lines(), 300, "llama-bpe")
+        # 128: transformers' GGUF loader reads no key_length for qwen3, and Qwen3Config's default is 128
+        hf = build_hf_model("qwen3-gqa", overrides={"vocab_size": 300, "head_dim": 128})
+        return write_gguf(hf, folder / "model.gguf", vocab, add_bos=False), hf
+    if name == "llama-kquant":
+        vocab = byte_level_vocab(_lines(), 300, "llama-bpe")
+        hf = _kquant_llama(300)
+        qtypes = {"q_proj": "random:Q2_K", "k_proj": "random:Q3_K", "v_proj": "random:Q4_K",
+                  "o_proj": "random:Q5_K", "mlp": "random:Q6_K", "embed": "Q8_0", "lm_head": "random:Q6_K"}
+        return write_gguf(hf, folder / "model.gguf", vocab, qtypes), hf
+    if name == "llama3-rope":   # Llama 3's rope scaling as llama.cpp stores it: rope_freqs.weight
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        vocab = byte_level_vocab(_lines(), 300, "llama-bpe")
+        hf = build_hf_model("llama-gqa-llama3", overrides={"vocab_size": 300, "rope_scaling": ROPE})
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")
+        plain = 1.0 / hf.config.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16)
+        return write_gguf(hf, folder / "model.gguf", vocab, rope_freqs=(plain / scaled).numpy()), hf
+    raise KeyError(name)
+
+
+@pytest.fixture(scope="module")
+def gguf_case(tmp_path_factory):
+    made = {}
+    root = tmp_path_factory.mktemp("gguf")
+
+    def get(name):
+        if name not in made:
+            made[name] = _make(name, root)
+        return made[name]
+    return get
+
+
+def _gen(path, **kw) -> Generator:
+    kw = {"max_model_len": 64, "max_num_batched_tokens": 16, "max_num_seqs": 2, "warmup": False, "num_blocks": 9, **kw}
+    return Generator.from_pretrained(str(path), **kw)
+
+
+def _rel_err(a, ref) -> float:
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "qwen2-bpe", "qwen3-f32", "llama-kquant"])
+def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path, _ = gguf_case(name)
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, attn_implementation="eager").eval()
+    ref_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    gen = _gen(path)
+    for text in TEXTS:
+        ids = ref_tok(text).input_ids
+        assert gen.tokenizer.encode(text) == ids, text
+        assert gen.tokenizer.decode(ids, skip_special_tokens=False) == ref_tok.decode(ids)
+        assert gen.tokenizer.decode(ids) == ref_tok.decode(ids, skip_special_tokens=True)
+    ids = ref_tok(TEXTS[-1]).input_ids
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].numpy()
+    # the same float32 weights on both sides: only the summation order differs (as tests/test_hf_parity)
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+
+
+def test_float32_file_is_the_original_model(gguf_case):
+    """Written in float32, the file computes what the model it came from computes (the writer, the
+    tensor names and the key_length head size are right, not merely agreed on by two readers)."""
+    path, hf = gguf_case("qwen3-f32")
+    gen = _gen(path)
+    ids = np.random.RandomState(1).randint(3, 300, 24).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    assert gen.model_cfg.head_dim == 128 and gen.model_cfg.qk_norm and not gen.tokenizer.add_bos
+
+
+def test_llama3_rope_freqs_recovered(gguf_case):
+    """rope_freqs.weight (llama.cpp's divisors) becomes transformers' llama3 parameters: every position
+    rotates as the HF model's (transformers' GGUF loader ignores the tensor); Llama's Q/K rows come
+    back from llama.cpp's permuted order."""
+    path, hf = gguf_case("llama3-rope")
+    gen = _gen(path)
+    rs = gen.model_cfg.rope_scaling
+    assert rs.kind == "llama3" and rs.factor == pytest.approx(ROPE["factor"])
+    # only the ratios original/low and original/high are fixed by the divisors (low is taken as 1)
+    assert rs.original_max_position_embeddings / rs.low_freq_factor == pytest.approx(256, rel=1e-4)
+    assert rs.original_max_position_embeddings / rs.high_freq_factor == pytest.approx(256 / 16, rel=1e-4)
+    ids = np.random.RandomState(2).randint(3, 300, 60).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+
+
+def test_generation_chat_template_and_stop_tokens(gguf_case):
+    """The served path: greedy tokens as transformers' GGUF model generates them; the file's chat
+    template renders; EOS and the end-of-turn token both stop (llama.cpp's end-of-generation set)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path, _ = gguf_case("qwen2-bpe")
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, attn_implementation="eager").eval()
+    gen = _gen(path)
+    assert gen.tokenizer.eos_ids == (0, 2) and gen.tokenizer.bos_id == 0
+    ids = gen.tokenizer.encode("the lazy dog")
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(ids):].tolist()
+    out = gen.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == expected
+    from serve.chat_template import ChatTemplates
+    rendered = ChatTemplates.for_model(gen.tokenizer).render([{"role": "user", "content": "hi"}])
+    ref_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert rendered == ref_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                   add_generation_prompt=True) == "<|user|>hi\n<|assistant|>"
+
+
+def test_split_file(gguf_case, tmp_path):
+    """A split GGUF (NAME-0000i-of-0000N.gguf, the gguf writer's split) loads from its first part and
+    computes what the whole file computes; a later part alone, or a part missing, is named."""
+    import gguf
+    path, hf = gguf_case("qwen3-f32")
+    reader = gguf.GGUFReader(path)
+    assert len(reader.tensors) > 8
+    split = tmp_path / "split"
+    split.mkdir()
+    vocab = byte_level_vocab(_lines(), 300, "llama-bpe")
+    write_gguf_split(hf, split / "model.gguf", vocab)
+    parts = sorted(p.name for p in split.iterdir())
+    assert parts[0] == "model-00001-of-00003.gguf" and len(parts) == 3
+    ids = [5, 17, 99, 3, 250, 8]
+    whole = _gen(path).logits(ids)
+    assert np.array_equal(_gen(split / parts[0]).logits(ids), whole)
+    with pytest.raises(CheckpointError, match="give the first"):
+        resolve_model_path(split / parts[1])
+    (split / parts[2]).unlink()
+    with pytest.raises(CheckpointError, match="00003-of-00003.gguf: missing"):
+        _gen(split / parts[0])
+
+
+def write_gguf_split(hf, path, vocab):
+    """The file in 3 parts (the gguf writer's split_max_tensors)."""
+    import gguf
+    orig = gguf.GGUFWriter.__init__
+
+    def init(self, *a, **kw):
+        orig(self, *a, **{**kw, "split_max_tensors": 10})
+    gguf.GGUFWriter.__init__ = init
+    try:
+        return write_gguf(hf, path, vocab, add_bos=False)
+    finally:
+        gguf.GGUFWriter.__init__ = orig
+
+
+def test_prepared_folder_reused_and_refreshed(gguf_case, tmp_path):
+    path, _ = gguf_case("qwen2-bpe")
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(path, copy)
+    first = resolve_model_path(copy)
+    assert resolve_model_path(copy) == first
+    cfg = json.loads((first / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["tie_word_embeddings"] is True
+    os.utime(copy, ns=(1, 1))
+    assert resolve_model_path(copy) != first
+
+
+def test_bad_files_named(gguf_case, tmp_path):
+    path, hf = gguf_case("qwen2-bpe")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(path.read_bytes()[:4000])
+    with pytest.raises(CheckpointError, match="truncated.gguf"):
+        resolve_model_path(truncated)
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"x")
+    with pytest.raises(ModelSpecError, match="a .gguf file"):
+        resolve_model_path(other)
+    import gguf
+    w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="'gpt2' .general.architecture. is not supported"):
+        resolve_model_path(tmp_path / "gpt2.gguf")
+
+
+def test_hub_id_with_quantization_label(gguf_case, tmp_path):
+    """vLLM's ORG/NAME:QUANT: the one .gguf of that label in a GGUF repository, through huggingface_hub's
+    cache (laid out as it lays one out, offline, in a subprocess: huggingface_hub reads its environment
+    when imported); Q8_0 is not Q8_0_L, a vision projector is not the model, two matches are named."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.fake_devices import HANG_GUARD_S
+    from tests.test_hub import lay_out_hf_cache
+    from jaxinfer.hub import gguf_files
+    assert gguf_files(["a-Q4_K.gguf", "a-Q4_K_M.gguf", "Q4_K_M/a-Q4_K_M-00001-of-00002.gguf",
+                       "mmproj-a-Q4_K_M.gguf", "a-q4_k_m.gguf"], "Q4_K_M") == [
+        "Q4_K_M/a-Q4_K_M-00001-of-00002.gguf", "a-Q4_K_M.gguf", "a-q4_k_m.gguf"]
+    path, _ = gguf_case("qwen2-bpe")
+    repo_files = tmp_path / "files"
+    repo_files.mkdir()
+    shutil.copy(path, repo_files / "tiny-Q8_0.gguf")
+    shutil.copy(path, repo_files / "tiny-Q8_0_L.gguf")
+    shutil.copy(path, repo_files / "mmproj-tiny-Q8_0.gguf")
+    shutil.copy(path, repo_files / "tiny-a-F16.gguf")
+    shutil.copy(path, repo_files / "tiny-b-F16.gguf")
+    home = tmp_path / "hf_home"
+    lay_out_hf_cache(home, "tiny-org/tiny-GGUF", repo_files, {"main": "c" * 40})
+    script = textwrap.dedent("""
+        import json
+        from jaxinfer.hub import ModelSpecError, is_hub_id, resolve_model_path, served_name
+        out = {"folder": str(resolve_model_path("tiny-org/tiny-GGUF:q8_0")),
+               "hub_id": is_hub_id("tiny-org/tiny-GGUF:Q8_0"), "served": served_name("tiny-org/tiny-GGUF:Q8_0", None)}
+        for spec in ("tiny-org/tiny-GGUF:F16", "tiny-org/tiny-GGUF:Q2_K", "tiny-org/tiny-GGUF:Q8 0"):
+            try:
+                resolve_model_path(spec)
+            except ModelSpecError as e:
+                out[spec] = str(e)
+        print("RESULT " + json.dumps(out))
+    """)
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env.pop("HF_HUB_CACHE", None)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    cfg = json.loads((Path(out["folder"]) / "config.json").read_text())
+    snapshot = home / "hub" / "models--tiny-org--tiny-GGUF" / "snapshots" / ("c" * 40)
+    assert cfg["gguf_file"] == str(snapshot / "tiny-Q8_0.gguf")
+    assert out["hub_id"] is True and out["served"] == "tiny-org/tiny-GGUF:Q8_0"
+    assert "2 models match 'F16'" in out["tiny-org/tiny-GGUF:F16"]
+    assert "no .gguf file of quantization 'Q2_K'" in out["tiny-org/tiny-GGUF:Q2_K"]
+    assert "not a GGUF quantization label" in out["tiny-org/tiny-GGUF:Q8 0"]
