@@ -29,7 +29,7 @@ from flax import nnx
 from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.config.engine import engine_config, settings as engine_settings
 from jaxinfer.host.beam_search import BeamSearchParams
-from jaxinfer.hub import ModelSpecError, apply_hf_overrides, resolve_model_path
+from jaxinfer.hub import ModelSpecError, apply_hf_overrides, resolve_model_path, resolve_tokenizer_path
 from jaxinfer.errors import FieldError
 from jaxinfer.tokenizer import cut_ids
 from jaxinfer.classify import Classifier, read_classifier
@@ -207,10 +207,11 @@ class Generator:
                         speculative_model: str | Path | None = None,
                         warmup: bool = True, coordinator_address: str | None = None, num_processes: int | None = None,
                         process_id: int | None = None, **settings) -> Generator:
-        """A Generator over the model at path (an HF folder or a native checkpoint; None: the bundled
-        model; a Hugging Face id "ORG/NAME" or "ORG/NAME@REVISION", or revision=: its snapshot in the
-        Hugging Face cache, downloaded unless HF_HUB_OFFLINE=1; a local path of that name wins, see
-        jaxinfer/hub.py). Every other keyword but these is an EngineConfig setting, with EngineConfig's default
+        """A Generator over the model at path (an HF folder, a native checkpoint or a .gguf file; None:
+        the bundled model; a Hugging Face id "ORG/NAME" or "ORG/NAME@REVISION", or revision=: its
+        snapshot in the Hugging Face cache, downloaded unless HF_HUB_OFFLINE=1; "ORG/NAME:QUANT": that
+        quantization's .gguf in a GGUF repository; a local path of that name wins, see jaxinfer/hub.py;
+        tokenizer=: another folder's, file's or id's tokenizer and chat template). Every other keyword but these is an EngineConfig setting, with EngineConfig's default
         (listed below and in inspect.signature; an unknown name is a TypeError).
         speculative_model: the draft model (speculative_method="draft", same tokenizer) or Medusa heads
         (scripts/train_medusa.py) to load; the bundled model's are the default for it.
@@ -228,6 +229,7 @@ class Generator:
         path = resolve_model_path(path, revision) if path is not None else default_model_path()
         if cfg.hf_overrides is not None:
             path = apply_hf_overrides(path, json.loads(cfg.hf_overrides))
+        tok_path = resolve_tokenizer_path(cfg.tokenizer) if cfg.tokenizer is not None else None
         draft_path = draft_model_path(path, cfg.speculative_method, speculative_model)
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
         group = distributed.initialize(coordinator_address, num_processes, process_id)
@@ -241,7 +243,8 @@ class Generator:
             if spec is not None and (cfg.pooling is not None or Path(spec.model_path) != Path(path)):
                 raise ValueError("embeddings (pooling=, a sentence-transformers folder) are not available with "
                                  "pipeline_parallel > 1")
-            return cls(_load_pipelined(path, cfg), load_tokenizer(path), cfg, None, warmup,
+            model = _load_pipelined(path, cfg)
+            return cls(model, _tokenizer(tok_path or path, cfg, model.cfg.vocab_size), cfg, None, warmup,
                        sampling_defaults=_sampling_defaults(path, cfg))
         mesh = None
         if cfg.tensor_parallel > 1:
@@ -249,7 +252,7 @@ class Generator:
             mesh = make_mesh(tensor_parallel=cfg.tensor_parallel)   # clear error if too few devices
         channel = None if group is None else _join_group(group, mesh, path, cfg, warmup)
         classifier = None if is_native(path) else read_classifier(path, lambda name: SafetensorsFolder(path).get(name),
-                                                                  load_tokenizer(path))
+                                                                  load_tokenizer(tok_path or path))
         if classifier is not None:   # transformers' head reads the last token's final-norm state
             if cfg.pooling not in (None, "last") or cfg.normalize:
                 raise ValueError(f"{path} is a sequence-classification model: it pools the last token, "
@@ -262,7 +265,8 @@ class Generator:
         if draft_path is not None and group is not None:
             raise ValueError("speculative decoding is not available across several processes (multi-host)")
         draft, heads = _load_speculative(draft_path, cfg.speculative_method, model, cfg.dtype)
-        return cls(model, load_tokenizer(path), cfg, None, warmup, draft_model=draft, medusa_heads=heads,
+        return cls(model, _tokenizer(tok_path or path, cfg, model.cfg.vocab_size), cfg, None, warmup,
+                   draft_model=draft, medusa_heads=heads,
                    channel=channel, embedding=embedding, classifier=classifier,
                    sampling_defaults=_sampling_defaults(path, cfg))
 
@@ -658,6 +662,19 @@ def _load_speculative(draft_path: Path | None, method: str | None, model, dtype:
 
 def _override(cfg: EngineConfig) -> dict | None:
     return json.loads(cfg.override_generation_config) if cfg.override_generation_config else None
+
+
+def _tokenizer(path: Path, cfg: EngineConfig, vocab_size: int):
+    """The tokenizer of `path` (the model's folder, or cfg.tokenizer's), checked to fit the model."""
+    tokenizer = load_tokenizer(path)
+    if cfg.tokenizer is None:
+        return tokenizer
+    if tokenizer is None:
+        raise ValueError(f"tokenizer={cfg.tokenizer!r}: {path} has no tokenizer.json or tokenizer.model")
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"tokenizer={cfg.tokenizer!r} has {tokenizer.vocab_size} tokens, more than the model's "
+                         f"{vocab_size} embeddings: not this model's tokenizer")
+    return tokenizer
 
 
 def _sampling_defaults(path: Path, cfg: EngineConfig) -> dict:

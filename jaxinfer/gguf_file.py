@@ -7,9 +7,9 @@ Q8_0, the K-quants, ...). prepare_folder() turns the metadata into the files jax
 the cache, keyed by the file's path, size and modification time; that folder's config.json names the
 file, and GGUFTensors serves the loader every tensor by its Hugging Face name (gguf.TensorNameMap,
 llama.cpp's own table), dequantized to float32 by the gguf package (llama.cpp's Python reference of
-its formats), Llama's Q and K rows turned back from llama.cpp's rotary layout. The weights are then
-held in the serving dtype (--dtype), as vLLM and transformers load a GGUF; `--quantization` may
-quantize them again.
+its formats), Llama's Q and K rows turned back from llama.cpp's rotary layout. Blocks that are
+jaxinfer formats exactly (Q8_0, Q4_0, Q5_0, Q6_K) stay packed (jaxinfer/prequant/gguf_blocks.py);
+the other weights are held in the serving dtype (--dtype).
 
 The tokenizer is rebuilt as transformers' GGUF loader rebuilds it (integrations/gguf), the reference
 the tests compare against: a "llama" vocabulary is SentencePiece BPE with byte fallback (merges from
@@ -77,12 +77,15 @@ class GGUFFile:
         self.path = Path(path)
         self.readers = [(self.path, self._open(self.path))]
         self.meta = dict(self.readers[0][1].fields)
-        parts = self.get("split.count", 1)
+        parts = int(self.get("split.count", 1))
         if parts > 1:
+            if int(self.get("split.no", 0)) != 0:
+                raise CheckpointError(f"{self.path}: part {int(self.get('split.no')) + 1} of a split GGUF ({parts} "
+                                      "parts); give the first, NAME-00001-of-NNNNN.gguf")
             m = SPLIT_NAME.fullmatch(self.path.name)
-            if m is None or int(m.group(2)) != 1:
-                raise CheckpointError(f"{self.path}: part of a split GGUF ({parts} parts); give the first, "
-                                      "NAME-00001-of-NNNNN.gguf")
+            if m is None:
+                raise CheckpointError(f"{self.path}: the first of {parts} parts of a split GGUF, named otherwise than "
+                                      "NAME-00001-of-NNNNN.gguf (llama.cpp's names), so its other parts cannot be found")
             for i in range(2, parts + 1):
                 p = self.path.with_name(f"{m.group(1)}-{i:05d}-of-{parts:05d}.gguf")
                 if not p.is_file():
@@ -440,7 +443,11 @@ class GGUFTensors:
         if g is None:
             raise CheckpointError(f"{self.file.path}: tensor {name!r} (GGUF "
                                   f"{self.names.get_name(name, try_suffixes=('.weight', '.bias'))!r}) not found")
-        x = self.file.tensor(g)
+        return self.rows(name, self.file.tensor(g))
+
+    def rows(self, name: str, x: np.ndarray) -> np.ndarray:
+        """x, indexed by tensor `name`'s rows as stored, in transformers' row order (Llama's Q and K:
+        llama.cpp's rotary order turned back)."""
         if self.file.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             heads = self.cfg["num_attention_heads"] if ".q_proj." in name else self.cfg["num_key_value_heads"]
             x = _unpermute(x, heads)

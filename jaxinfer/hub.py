@@ -38,6 +38,10 @@ ALLOW_PATTERNS = (
 # (the same weights again, in a layout jaxinfer does not read); a sentence-transformers model's
 # module folders (1_Pooling/, ...) are fetched by a second pass (module_patterns)
 IGNORE_PATTERNS = ("*/*", "consolidated*.safetensors")
+# what a tokenizer alone needs (--tokenizer ORG/NAME): ALLOW_PATTERNS less the weights and the rest
+TOKENIZER_PATTERNS = ("config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                      "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                      "chat_template.jinja", "chat_template.json")
 # a repository id as the Hub writes it: one slash, ORG and NAME of letters, digits, '-', '_', '.'
 HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 # a GGUF repository's quantization label after ':' (vLLM's ORG/NAME:QUANT): Q4_K_M, IQ2_XXS, F16, UD-Q4_K_XL
@@ -100,6 +104,18 @@ def resolve_model_path(spec: str | os.PathLike, revision: str | None = None) -> 
     if colon:
         return _gguf_download(repo_id, quant, revision)
     return Path(_download(repo_id, revision))
+
+
+def resolve_tokenizer_path(spec: str | os.PathLike) -> Path:
+    """--tokenizer: a local folder or .gguf file (as resolve_model_path), else Hub id ORG/NAME[@REVISION],
+    of which only TOKENIZER_PATTERNS are fetched."""
+    s = os.fspath(spec)
+    if Path(s).exists():
+        return resolve_model_path(s)
+    repo_id, revision = split_spec(s)
+    if HF_ID.fullmatch(repo_id) is None:
+        raise ModelSpecError(f"{s}: no such tokenizer folder (nor a Hugging Face id ORG/NAME[@REVISION])")
+    return Path(_download(repo_id, revision, allow=TOKENIZER_PATTERNS, ignore=IGNORE_PATTERNS))
 
 
 def gguf_files(names: list[str], quant: str) -> list[str]:

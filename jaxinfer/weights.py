@@ -228,7 +228,11 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
 def _prequant_reader(folder: Path, st: SafetensorsFolder):
     """jaxinfer.prequant's reader for config.json's quantization_config (None without one); a
     configuration it does not fully understand is refused here, before any tensor is read."""
+    from jaxinfer.gguf_file import GGUFTensors
     from jaxinfer.prequant import QuantConfigError, reader_for
+    if isinstance(st, GGUFTensors):   # llama.cpp's blocks that are jaxinfer formats stay packed
+        from jaxinfer.prequant.gguf_blocks import GGUFBlockReader
+        return GGUFBlockReader(st)
     raw = json.loads((folder / "config.json").read_text())
     try:
         return reader_for(raw, st)

@@ -136,6 +136,41 @@ def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
     assert _rel_err(gen.logits(ids), expected) < 1e-4
 
 
+@pytest.mark.parametrize("name, packed", [
+    # Q8_0 -> grouped int8 (g 32), Q4_0 -> int4 (g 32); q/k/v F32 stay floats
+    ("qwen2-bpe", {"mlp/down": (8, 32), "attn/o": (4, 32)}),
+    # Q6_K -> grouped int8 (g 16); Q2_K..Q5_K (offsets, not zero points) dequantized
+    ("llama-kquant", {"mlp/gate": (8, 16), "mlp/up": (8, 16), "mlp/down": (8, 16)}),
+    # down Q8_0 packed; gate Q5_1 and up Q4_0 are one fused matmul of two types: both floats
+    ("llama-spm", {"mlp/down": (8, 32)}),
+])
+def test_exact_blocks_stay_packed(name, packed, gguf_case):
+    """Q8_0, Q4_0, Q5_0 and Q6_K blocks load as jaxinfer's grouped formats, code for code (the
+    dequantized weights equal the gguf package's dequantization of the file exactly); the rest of
+    the matmul weights are floats."""
+    import gguf
+    from flax import nnx
+
+    from jaxinfer.quant import QuantizedWeight, dequantize
+    from jaxinfer.weights import load_model
+    path, _ = gguf_case(name)
+    folder = resolve_model_path(path)
+    model, cfg = load_model(folder, "float32")
+    params = {"/".join(map(str, p)): v.get_value() for p, v in nnx.state(model, nnx.Param).flat_state()}
+    reader = gguf.GGUFReader(path)
+    raw = {t.name: t for t in reader.tensors}
+    names = {"mlp/down": "ffn_down", "mlp/up": "ffn_up", "mlp/gate": "ffn_gate", "attn/o": "attn_output"}
+    for i in range(cfg.n_layers):
+        for ours in ("attn/q", "attn/k", "attn/v", "attn/o", "mlp/gate", "mlp/up", "mlp/down"):
+            w = params[f"layers/{i}/{ours}"]
+            assert isinstance(w, QuantizedWeight) == (ours in packed), (i, ours)
+            if ours in packed:
+                assert (w.bits, w.group_size, w.symmetric) == (*packed[ours], True)
+                t = raw[f"blk.{i}.{names[ours]}.weight"]
+                ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(t.shape[1], t.shape[0]).T   # [K, N]
+                assert np.array_equal(np.asarray(dequantize(w), np.float32).reshape(ref.shape), ref)
+
+
 def test_float32_file_is_the_original_model(gguf_case):
     """Written in float32, the file computes what the model it came from computes (the writer, the
     tensor names and the key_length head size are right, not merely agreed on by two readers)."""
@@ -307,3 +342,25 @@ def test_hub_id_with_quantization_label(gguf_case, tmp_path):
     assert "2 models match 'F16'" in out["tiny-org/tiny-GGUF:F16"]
     assert "no .gguf file of quantization 'Q2_K'" in out["tiny-org/tiny-GGUF:Q2_K"]
     assert "not a GGUF quantization label" in out["tiny-org/tiny-GGUF:Q8 0"]
+
+
+def test_tokenizer_from_another_folder(gguf_case, tmp_path):
+    """vLLM's --tokenizer: the base model's tokenizer and chat template instead of the file's (here
+    transformers' own save of the GGUF's tokenizer, with another template); one with more tokens
+    than the model has embeddings is refused; the flag is derived from the setting."""
+    from transformers import AutoTokenizer
+
+    from jaxinfer.cli import build_parser
+    path, _ = gguf_case("qwen2-bpe")
+    ref_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ref_tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    ref_tok.save_pretrained(tmp_path / "base")
+    gen = _gen(path, tokenizer=str(tmp_path / "base"))
+    assert gen.tokenizer.chat_template == ref_tok.chat_template
+    assert gen.tokenizer.encode(TEXTS[0]) == ref_tok(TEXTS[0]).input_ids
+    ref_tok.add_tokens([f"<extra{i}>" for i in range(5)])
+    ref_tok.save_pretrained(tmp_path / "bigger")
+    with pytest.raises(ValueError, match="305 tokens, more than the model's 300 embeddings"):
+        _gen(path, tokenizer=str(tmp_path / "bigger"))
+    args = build_parser().parse_args(["serve", "--model", str(path), "--tokenizer", str(tmp_path / "base")])
+    assert args.tokenizer == str(tmp_path / "base")

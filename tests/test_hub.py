@@ -137,6 +137,19 @@ def test_download_fetches_only_what_the_model_needs():
                    "special_tokens_map.json", "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt"}
 
 
+def test_tokenizer_download_fetches_no_weights():
+    """--tokenizer ORG/NAME: the tokenizer's files, its chat template and config.json (special ids),
+    never the weights (the same listing, huggingface_hub's filter)."""
+    listing = ["config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+               "tokenizer.model", "vocab.json", "merges.txt", "pytorch_model.bin", "original/tokenizer.model",
+               "model.gguf", "onnx/tokenizer.json"]
+    got = set(filter_repo_objects(listing, allow_patterns=list(hub.TOKENIZER_PATTERNS),
+                                  ignore_patterns=list(hub.IGNORE_PATTERNS)))
+    assert got == {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt"}
+
+
 def test_download_fetches_a_sentence_transformers_models_modules():
     """An embedding model's repository (Qwen3-Embedding's shape): the module list and prompts at the
     top, then the Pooling module's folder named by modules.json (they were never fetched: the model

@@ -135,6 +135,10 @@ class EngineConfig:
               "--hf-overrides; from_pretrained also takes a dict), e.g. a causal-LM reranker as a "
               "classifier: {\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
               "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}", flags=("--hf-overrides", "--hf_overrides"))
+    tokenizer: str | None = setting(
+        None, "the tokenizer to use instead of the model's own (vLLM's --tokenizer): a folder, a .gguf file, or "
+              "a Hugging Face id ORG/NAME[@REVISION], of which only the tokenizer's files and chat template are "
+              "fetched; e.g. a GGUF file's base model")
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
