@@ -17,7 +17,8 @@ the scores when the file has none), a "gpt2" one byte-level BPE with the pre-tok
 `tokenizer.ggml.pre` names; control tokens are special, user-defined ones are added tokens; BOS is
 added as `tokenizer.ggml.add_bos_token` says (SentencePiece files without it: yes).
 
-Architectures: llama (also Mistral's files), qwen2, qwen3. Rope: none, linear, yarn, and Llama 3's
+Architectures: llama (also Mistral's files, and Mixtral's: llama with experts), qwen2, qwen3,
+qwen3moe (experts stacked per layer: ffn_{gate,up,down}_exps, read expert by expert). Rope: none, linear, yarn, and Llama 3's
 (its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
 every stored divisor). Anything else is refused naming the key or tensor. Split files
 (NAME-00001-of-0000N.gguf) are read across their parts.
@@ -40,8 +41,13 @@ from jaxinfer.errors import CheckpointError
 
 FORMAT_VERSION = 1   # of the prepared folder: a new one re-prepares
 MARKER = "gguf_file"   # config.json's key naming the file
-ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "qwen3moe": "Qwen3MoeForCausalLM"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+# one expert's matrix (transformers' per-expert names, as hf_maps reads them) -> llama.cpp's stacked tensor
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _CONTROL, _USER_DEFINED = 3, 4
 SPLIT_NAME = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
 
@@ -169,12 +175,37 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
                             **_rope_scaling(f, head_dim)},
         MARKER: str(Path(os.path.abspath(f.path))),
     }
+    cfg.update(_experts(f, cfg))
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("padding_token_id", "pad_token_id")):
         v = f.get(f"tokenizer.ggml.{key}")
         if v is not None:
             cfg[hf] = int(v)
     return cfg
+
+
+def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts' fields: Mixtral (llama.cpp's `llama` with experts) or Qwen3-MoE (routing
+    normalized over the chosen experts, as llama.cpp's qwen3moe does); every layer routed."""
+    count, used = f.arch_get("expert_count"), f.arch_get("expert_used_count")
+    if not count:
+        if f.arch == "qwen3moe":
+            raise CheckpointError(f"{f.path}: metadata qwen3moe.expert_count is missing")
+        return {}
+    if not used:
+        raise CheckpointError(f"{f.path}: metadata {f.arch}.expert_used_count is missing")
+    dense = [i for i in range(cfg["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors]
+    if dense:   # llama.cpp's llama and qwen3moe route every layer
+        raise CheckpointError(f"{f.path}: tensor 'blk.{dense[0]}.ffn_gate_inp.weight' is missing (a {f.arch} "
+                              "mixture of experts routes every layer)")
+    if f.arch == "llama":
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": int(count),
+                "num_experts_per_tok": int(used), "sliding_window": None}
+    ffn = f.arch_get("expert_feed_forward_length")
+    if ffn is None:
+        raise CheckpointError(f"{f.path}: metadata qwen3moe.expert_feed_forward_length is missing")
+    return {"num_experts": int(count), "num_experts_per_tok": int(used), "moe_intermediate_size": int(ffn),
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def _rope_scaling(f: GGUFFile, head_dim: int) -> dict[str, Any]:
@@ -423,10 +454,13 @@ class GGUFTensors:
         import gguf
         self.file = GGUFFile(path)
         self.cfg = hf_cfg
+        self._stacked: tuple[str | None, Any] = (None, None)
         self.names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[self.file.arch.upper()], hf_cfg["num_hidden_layers"])
 
     def stored(self, name: str) -> str | None:
-        g = self.names.get_name(name, try_suffixes=(".weight", ".bias"))
+        m = _EXPERT.fullmatch(name)
+        g = (f"blk.{m.group(1)}.ffn_{_EXPERT_PART[m.group(3)]}_exps.weight" if m is not None
+             else self.names.get_name(name, try_suffixes=(".weight", ".bias")))
         return g if g in self.file.tensors else None
 
     def has(self, name: str) -> bool:
@@ -443,7 +477,12 @@ class GGUFTensors:
         if g is None:
             raise CheckpointError(f"{self.file.path}: tensor {name!r} (GGUF "
                                   f"{self.names.get_name(name, try_suffixes=('.weight', '.bias'))!r}) not found")
-        return self.rows(name, self.file.tensor(g))
+        m = _EXPERT.fullmatch(name)
+        if m is None:
+            return self.rows(name, self.file.tensor(g))
+        if self._stacked[0] != g:   # every expert of a layer is read in turn: dequantize the stack once
+            self._stacked = (g, self.file.tensor(g))
+        return self._stacked[1][int(m.group(2))]
 
     def rows(self, name: str, x: np.ndarray) -> np.ndarray:
         """x, indexed by tensor `name`'s rows as stored, in transformers' row order (Llama's Q and K:

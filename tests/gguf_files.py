@@ -68,24 +68,40 @@ def random_blocks(shape: tuple[int, ...], qtype, rng) -> np.ndarray:
     256): random bits, each block's float16 scales set to small finite values."""
     import gguf
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    rows, cols = shape[0], int(np.prod(shape[1:]))
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
     b = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
     for off in _K_SCALES[qtype.name]:
         scale = rng.uniform(0.0005, 0.002, b.shape[:2]).astype(np.float16)
         b[:, :, off:off + 2] = scale.view(np.uint8).reshape(*b.shape[:2], 2)
-    return b.reshape(rows, -1)
+    return b.reshape(*shape[:-1], -1)
+
+
+def _add(w, name: str, x: np.ndarray, qtype: str, rng) -> None:
+    import gguf
+    if qtype == "F32":
+        w.add_tensor(name, x.astype(np.float32))
+    elif qtype == "F16":
+        w.add_tensor(name, x.astype(np.float16))
+    elif qtype.startswith("random:"):   # a K-quant (no quantizer in the gguf package): random blocks
+        gt = gguf.GGMLQuantizationType[qtype[len("random:"):]]
+        w.add_tensor(name, random_blocks(x.shape, gt, rng), raw_dtype=gt)
+    else:
+        gt = gguf.GGMLQuantizationType[qtype]
+        w.add_tensor(name, gguf.quants.quantize(x, gt), raw_dtype=gt)
 
 
 def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = None, *,
                add_bos: bool | None = True, chat_template: str | None = CHAT_TEMPLATE,
                rope_freqs: np.ndarray | None = None) -> Path:
-    """`model` (a transformers Llama / Mistral / Qwen2 / Qwen3 causal LM) as a GGUF at `path`.
+    """`model` (a transformers Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE causal LM) as a GGUF
+    at `path` (experts stacked per layer, as llama.cpp stores them).
     qtypes: {substring of an HF tensor name: GGML type name} (the first that matches; F32 otherwise);
     rope_freqs: Llama 3's rope_freqs.weight (llama.cpp's frequency divisors), when given."""
     import gguf
 
     cfg = model.config
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
+            "qwen3_moe": "qwen3moe"}[cfg.model_type]
     w = gguf.GGUFWriter(str(path), arch)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_block_count(cfg.num_hidden_layers)
@@ -101,6 +117,12 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_tokenizer_model(vocab["model"])
     w.add_tokenizer_pre(vocab["pre"])
     w.add_token_list(vocab["tokens"])
@@ -127,19 +149,19 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             x = _permute(x, cfg.num_attention_heads)
         elif arch == "llama" and hf_name.endswith("k_proj.weight"):
             x = _permute(x, cfg.num_key_value_heads)
+        qtype = next((q for k, q in (qtypes or {}).items() if k in hf_name), "F32")
+        if hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # transformers' stacked experts: gate_up [E, 2F, D] (gate rows first), down [E, D, F] ->
+            # llama.cpp's ffn_gate_exps / ffn_up_exps [E, F, D] and ffn_down_exps [E, D, F]
+            layer = hf_name.split(".")[2]
+            parts = ({"gate": x[:, :x.shape[1] // 2], "up": x[:, x.shape[1] // 2:]} if "gate_up" in hf_name
+                     else {"down": x})
+            for part, value in parts.items():
+                _add(w, f"blk.{layer}.ffn_{part}_exps.weight", np.ascontiguousarray(value), qtype, rng)
+            continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
-        qtype = next((q for k, q in (qtypes or {}).items() if k in hf_name), "F32")
-        if qtype == "F32":
-            w.add_tensor(name, x.astype(np.float32))
-        elif qtype == "F16":
-            w.add_tensor(name, x.astype(np.float16))
-        elif qtype.startswith("random:"):   # a K-quant (no quantizer in the gguf package): random blocks
-            gt = gguf.GGMLQuantizationType[qtype[len("random:"):]]
-            w.add_tensor(name, random_blocks(x.shape, gt, rng), raw_dtype=gt)
-        else:
-            gt = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(name, gguf.quants.quantize(x, gt), raw_dtype=gt)
+        _add(w, name, x, qtype, rng)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     w.write_header_to_file()

@@ -93,6 +93,17 @@ def _make(name: str, root):
         scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")
         plain = 1.0 / hf.config.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16)
         return write_gguf(hf, folder / "model.gguf", vocab, rope_freqs=(plain / scaled).numpy()), hf
+    if name == "qwen3moe":   # experts (Q8_0 stacks, dequantized); q/k/v Q8_0 packed
+        vocab = byte_level_vocab(_lines(), 300, "qwen2")
+        # 768: transformers' GGUF loader reads no expert_feed_forward_length (Qwen3MoeConfig's default is 768)
+        hf = build_hf_model("qwen3moe-gqa", overrides={"vocab_size": 300, "head_dim": 128, "mlp_only_layers": [],
+                                                       "moe_intermediate_size": 768})
+        qtypes = {"experts": "Q8_0", "q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0"}
+        return write_gguf(hf, folder / "model.gguf", vocab, qtypes), hf
+    if name == "mixtral-f32":   # llama.cpp's llama with experts
+        vocab = byte_level_vocab(_lines(), 300, "llama-bpe")
+        hf = build_hf_model("mixtral-gqa", overrides={"vocab_size": 300})
+        return write_gguf(hf, folder / "model.gguf", vocab), hf
     raise KeyError(name)
 
 
@@ -117,7 +128,7 @@ def _rel_err(a, ref) -> float:
     return float(np.abs(a - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("name", ["llama-spm", "qwen2-bpe", "qwen3-f32", "llama-kquant"])
+@pytest.mark.parametrize("name", ["llama-spm", "qwen2-bpe", "qwen3-f32", "llama-kquant", "qwen3moe"])
 def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path, _ = gguf_case(name)
@@ -181,6 +192,19 @@ def test_float32_file_is_the_original_model(gguf_case):
         expected = hf(torch.tensor([ids])).logits[0].numpy()
     assert _rel_err(gen.logits(ids), expected) < 1e-4
     assert gen.model_cfg.head_dim == 128 and gen.model_cfg.qk_norm and not gen.tokenizer.add_bos
+
+
+def test_mixtral_is_the_original_model(gguf_case):
+    """Stacked experts (ffn_*_exps) read expert by expert: Mixtral (llama.cpp's llama with experts, Q/K
+    permuted) in float32 computes what the HF model computes (transformers' GGUF loader reads no
+    experts for llama; Qwen3-MoE's are checked against it above)."""
+    path, hf = gguf_case("mixtral-f32")
+    gen = _gen(path)
+    assert gen.model_cfg.num_experts == hf.config.num_local_experts
+    ids = np.random.RandomState(3).randint(3, 300, 24).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
 
 
 def test_llama3_rope_freqs_recovered(gguf_case):

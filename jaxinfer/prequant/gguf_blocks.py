@@ -47,6 +47,8 @@ class GGUFBlockReader:
         return None if stored is None else self.st.file.tensors[stored][0].tensor_type.name
 
     def quantized(self, module: str) -> bool:
+        if ".experts." in module:   # stacked experts: dequantized (jaxinfer.moe's experts are one array)
+            return False
         kind = self._type(module)
         if kind not in EXACT:
             return False
