@@ -70,6 +70,13 @@ PRE_TOKENIZERS = {
 }
 
 
+def expert_stack(name: str) -> str | None:
+    """llama.cpp's stacked tensor (blk.L.ffn_{gate,up,down}_exps.weight) holding transformers' per-expert
+    matrix `name`; None for any other name."""
+    m = _EXPERT.fullmatch(name)
+    return None if m is None else f"blk.{m.group(1)}.ffn_{_EXPERT_PART[m.group(3)]}_exps.weight"
+
+
 def is_gguf(path: str | os.PathLike) -> bool:
     return Path(path).is_file() and str(path).endswith(".gguf")
 
@@ -458,9 +465,7 @@ class GGUFTensors:
         self.names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[self.file.arch.upper()], hf_cfg["num_hidden_layers"])
 
     def stored(self, name: str) -> str | None:
-        m = _EXPERT.fullmatch(name)
-        g = (f"blk.{m.group(1)}.ffn_{_EXPERT_PART[m.group(3)]}_exps.weight" if m is not None
-             else self.names.get_name(name, try_suffixes=(".weight", ".bias")))
+        g = expert_stack(name) or self.names.get_name(name, try_suffixes=(".weight", ".bias"))
         return g if g in self.file.tensors else None
 
     def has(self, name: str) -> bool:

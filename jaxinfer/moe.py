@@ -27,8 +27,8 @@ Two grouped-matmul implementations, the same numbers:
 
 Quantized experts (quant.quantize_experts, int8 / int4 / fp8, one scale set per expert) are
 dequantized per call in XLA, once per used expert (not per tile): int8 and fp8 codes are converted
-to the compute dtype and their per-column scales multiply the dot's output rows; int4 groups are
-unpacked and scaled first. On XLA:CPU (bench/moe.py times one layer) int8 reads a quarter of the
+to the compute dtype and their per-column scales multiply the dot's output rows; int4 groups and
+grouped int8 (GGUF's Q8_0 / Q5_0 / Q6_K experts: a scale per group of k) are dequantized first. On XLA:CPU (bench/moe.py times one layer) int8 reads a quarter of the
 bytes and costs a conversion, about a wash per layer, while the engine decodes faster with int8
 experts; int4's unpacking dominates (a kernel that dequantizes in registers, as quant_matmul does for
 dense weights, would be the GPU answer).
@@ -105,7 +105,7 @@ def _expert_operand(w, e, dtype) -> tuple[jax.Array, jax.Array | None]:
     if not isinstance(w, QuantizedWeight):
         return w[e], None
     qe = expert_weight(w, e)
-    if qe.bits == 8:          # int8 or e4m3 codes: the scales act on the dot's output columns
+    if qe.bits == 8 and not qe.grouped8:    # int8 or e4m3 codes: the scales act on the dot's output columns
         return qe.q.astype(dtype), qe.scales.astype(jnp.float32)
     return dequantize(qe).astype(dtype), None
 
@@ -207,7 +207,7 @@ class MoE(nnx.Module):
                                  self.num_experts - 1)                              # (R,) rows past all groups: any
 
         def grouped(x, w, b):
-            if isinstance(w, QuantizedWeight) and w.bits == 8:    # int8 / e4m3 codes, scales on the output
+            if isinstance(w, QuantizedWeight) and w.bits == 8 and w.group_size is None:   # scales on the output
                 y = lax.ragged_dot(x, w.q.astype(x.dtype), sizes, precision=dot_precision(x.dtype),
                                    preferred_element_type=jnp.float32)
                 y = (y * w.scales.astype(jnp.float32)[row_expert]).astype(x.dtype)

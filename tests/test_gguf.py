@@ -154,6 +154,9 @@ def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
     ("llama-kquant", {"mlp/gate": (8, 16), "mlp/up": (8, 16), "mlp/down": (8, 16)}),
     # down Q8_0 packed; gate Q5_1 and up Q4_0 are one fused matmul of two types: both floats
     ("llama-spm", {"mlp/down": (8, 32)}),
+    # q/k/v Q8_0; the experts' Q8_0 stacks as stacked grouped int8 (one QuantizedWeight per layer)
+    ("qwen3moe", {"attn/q": (8, 32), "attn/k": (8, 32), "attn/v": (8, 32), "mlp/gate": (8, 32),
+                  "mlp/up": (8, 32), "mlp/down": (8, 32)}),
 ])
 def test_exact_blocks_stay_packed(name, packed, gguf_case):
     """Q8_0, Q4_0, Q5_0 and Q6_K blocks load as jaxinfer's grouped formats, code for code (the
@@ -170,15 +173,20 @@ def test_exact_blocks_stay_packed(name, packed, gguf_case):
     params = {"/".join(map(str, p)): v.get_value() for p, v in nnx.state(model, nnx.Param).flat_state()}
     reader = gguf.GGUFReader(path)
     raw = {t.name: t for t in reader.tensors}
-    names = {"mlp/down": "ffn_down", "mlp/up": "ffn_up", "mlp/gate": "ffn_gate", "attn/o": "attn_output"}
+    names = {"mlp/down": "ffn_down", "mlp/up": "ffn_up", "mlp/gate": "ffn_gate", "attn/o": "attn_output",
+             "attn/q": "attn_q", "attn/k": "attn_k", "attn/v": "attn_v"}
     for i in range(cfg.n_layers):
         for ours in ("attn/q", "attn/k", "attn/v", "attn/o", "mlp/gate", "mlp/up", "mlp/down"):
             w = params[f"layers/{i}/{ours}"]
             assert isinstance(w, QuantizedWeight) == (ours in packed), (i, ours)
             if ours in packed:
                 assert (w.bits, w.group_size, w.symmetric) == (*packed[ours], True)
-                t = raw[f"blk.{i}.{names[ours]}.weight"]
-                ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(t.shape[1], t.shape[0]).T   # [K, N]
+                stacked = cfg.num_experts and ours.startswith("mlp/")
+                t = raw[f"blk.{i}.{names[ours]}{'_exps' if stacked else ''}.weight"]
+                ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape)))
+                ref = ref.transpose(0, 2, 1) if stacked else ref.T                 # [E,] K, N
+                if ours in ("attn/q", "attn/k"):   # llama.cpp's rotary row order (llama arch only)
+                    assert cfg.architecture != "LlamaForCausalLM"
                 assert np.array_equal(np.asarray(dequantize(w), np.float32).reshape(ref.shape), ref)
 
 
@@ -388,3 +396,22 @@ def test_tokenizer_from_another_folder(gguf_case, tmp_path):
         _gen(path, tokenizer=str(tmp_path / "bigger"))
     args = build_parser().parse_args(["serve", "--model", str(path), "--tokenizer", str(tmp_path / "base")])
     assert args.tokenizer == str(tmp_path / "base")
+
+
+def test_packed_experts_under_ragged_dot(gguf_case):
+    """Grouped int8 experts (Q8_0 stacks) through jaxinfer.moe's opt-in lax.ragged_dot path compute
+    what the tile loop computes (two summation orders of the same float32 products)."""
+    import jax.numpy as jnp
+
+    from jaxinfer.moe import set_moe_impl
+    from jaxinfer.quant import QuantizedWeight
+    from jaxinfer.weights import load_model
+    from tests.precision import assert_rel_close
+    from tests.test_moe import _logits_rtol
+    path, _ = gguf_case("qwen3moe")
+    model, cfg = load_model(resolve_model_path(path), "float32")
+    assert isinstance(model.layers[0].mlp.down.get_value(), QuantizedWeight)
+    ids, pos = jnp.arange(3, 30, dtype=jnp.int32), jnp.arange(27, dtype=jnp.int32)
+    tiles = np.asarray(model(ids, pos)[0])
+    set_moe_impl(model, "ragged_dot")
+    assert_rel_close(model(ids, pos)[0], tiles, _logits_rtol(cfg, len(ids)), "ragged_dot vs the tile loop")

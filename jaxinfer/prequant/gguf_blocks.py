@@ -17,11 +17,16 @@ dequantized values divided by them, and every code times its scale must give tha
 exactly (else the tensor is refused by name). The other types (Q4_1, Q5_1, the other K-quants:
 offsets that are not integer zero points; the IQ types: lattice codebooks) are dequantized to
 floats by the loader. Projections served as one fused matmul (q, k, v; gate, up) stay packed only
-when the file stores them in the same type; otherwise all of them load as floats. Embeddings and a
-quantized LM head are dequantized (they are not matmul weights of the quantized path).
+when the file stores them in the same type; otherwise all of them load as floats. A mixture's
+experts (stacked in the file) load as one batch=1 QuantizedWeight per layer and matrix, expert by
+expert. Embeddings and a quantized LM head are dequantized (they are not matmul weights of the
+quantized path).
 """
 from __future__ import annotations
 
+import dataclasses
+
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.prequant.common import QuantConfigError, int_weight
@@ -47,7 +52,7 @@ class GGUFBlockReader:
         return None if stored is None else self.st.file.tensors[stored][0].tensor_type.name
 
     def quantized(self, module: str) -> bool:
-        if ".experts." in module:   # stacked experts: dequantized (jaxinfer.moe's experts are one array)
+        if ".experts." in module:   # stacked experts: stacked_param's
             return False
         kind = self._type(module)
         if kind not in EXACT:
@@ -58,28 +63,64 @@ class GGUFBlockReader:
 
     def linear(self, module: str) -> QuantizedWeight:
         name = f"{module}.weight"
-        kind = self._type(name[:-len(".weight")])
-        bits, g, d_at, sub, limit = EXACT[kind]
-        w = self.st.get(name)                              # float32 [N, K], llama.cpp's rows turned back
         t = self.st.file.tensors[self.st.stored(name)][0]
-        n, k = w.shape
-        raw = np.asarray(t.data, np.uint8).reshape(n, -1)
-        nbytes = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "Q6_K": 210}[kind]
-        blocks = raw.reshape(n, raw.shape[1] // nbytes, nbytes)
-        d = np.ascontiguousarray(blocks[:, :, d_at:d_at + 2]).view(np.float16)[..., 0].astype(np.float32)
-        if sub is not None:
-            sc = np.ascontiguousarray(blocks[:, :, sub[0]:sub[0] + sub[1]]).view(np.int8).astype(np.float32)
-            scales = (d[..., None] * sc).reshape(n, -1)
-        else:
-            scales = d
-        scales = self.st.rows(name, scales)                # the same row order as w
-        if scales.shape != (n, k // g):
-            raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}) has {scales.shape[1]} groups per row; "
-                                   f"expected {k // g} for {k} weights")
-        safe = np.where(scales == 0, 1.0, scales)[..., None]
-        codes = np.rint(w.reshape(n, k // g, g) / safe)
-        if (np.abs(codes).max(initial=0) > limit
-                or not np.array_equal((codes * scales[..., None]).astype(np.float32), w.reshape(n, k // g, g))):
-            raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}): its blocks are not scale x integer code "
-                                   "(a damaged tensor)")
-        return int_weight(codes.reshape(n, k).T.astype(np.int32), scales.T, None, bits, g)
+        w = self.st.get(name)                              # float32 [N, K], llama.cpp's rows turned back
+        codes, scales = _codes(t, w, np.asarray(t.data, np.uint8), lambda x: self.st.rows(name, x))
+        bits, g = EXACT[t.tensor_type.name][:2]
+        return int_weight(codes.T, scales.T, None, bits, g)
+
+    def stacked_param(self, ours: str, hf_names: tuple[str, ...], transform, expected: tuple[int, ...]):
+        """A mixture's experts (one stacked tensor in the file, llama.cpp's ffn_*_exps) as one batch=1
+        QuantizedWeight when their type is exact (and gate's and up's agree: one fused matmul here);
+        None otherwise (the loader reads them as floats)."""
+        from jaxinfer.gguf_file import expert_stack
+        stack = expert_stack(hf_names[0]) if hf_names else None
+        if stack is None or stack not in self.st.file.tensors:
+            return None
+        t = self.st.file.tensors[stack][0]
+        kind = t.tensor_type.name
+        pair = [f"blk.{stack.split('.')[1]}.ffn_{p}_exps.weight" for p in ("gate", "up")]
+        if kind not in EXACT or (stack in pair and any(
+                n not in self.st.file.tensors or self.st.file.tensors[n][0].tensor_type.name != kind for n in pair)):
+            return None
+        w = self.st.file.tensor(stack)                     # float32 [E, N, K]
+        e, n, k = w.shape
+        if len(hf_names) != e or tuple(expected) != (e, k, n):
+            raise QuantConfigError(f"GGUF tensor {stack!r} of shape {list(w.shape)} does not give {ours} of shape "
+                                   f"{tuple(expected)}")
+        raw = np.asarray(t.data, np.uint8).reshape(e, n, -1)
+        bits, g = EXACT[kind][:2]
+        parts = [int_weight(*(a.T for a in _codes(t, w[j], raw[j], lambda x: x)), None, bits, g) for j in range(e)]
+        stackq = lambda leaf: jnp.stack([getattr(p, leaf) for p in parts])  # noqa: E731
+        return dataclasses.replace(parts[0], q=stackq("q"), scales=stackq("scales"), shape=(e, k, n), contract=1,
+                                   batch=1)
+
+
+_NBYTES = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "Q6_K": 210}
+
+
+def _codes(t, w: np.ndarray, raw: np.ndarray, rows) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 codes [N, K], float32 scales [N, K/g]) of one [N, K] matrix of GGUF tensor t: w its
+    dequantized values (rows in transformers' order), raw its blocks' bytes as stored, rows() the
+    same row reordering for the scales."""
+    kind = t.tensor_type.name
+    _, g, d_at, sub, limit = EXACT[kind]
+    n, k = w.shape
+    blocks = raw.reshape(n, -1, _NBYTES[kind])
+    d = np.ascontiguousarray(blocks[:, :, d_at:d_at + 2]).view(np.float16)[..., 0].astype(np.float32)
+    if sub is not None:
+        sc = np.ascontiguousarray(blocks[:, :, sub[0]:sub[0] + sub[1]]).view(np.int8).astype(np.float32)
+        scales = (d[..., None] * sc).reshape(n, -1)
+    else:
+        scales = d
+    scales = rows(scales)
+    if scales.shape != (n, k // g):
+        raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}) has {scales.shape[1]} groups per row; "
+                               f"expected {k // g} for {k} weights")
+    safe = np.where(scales == 0, 1.0, scales)[..., None]
+    codes = np.rint(w.reshape(n, k // g, g) / safe)
+    if (np.abs(codes).max(initial=0) > limit
+            or not np.array_equal((codes * scales[..., None]).astype(np.float32), w.reshape(n, k // g, g))):
+        raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}): its blocks are not scale x integer code "
+                               "(a damaged tensor)")
+    return codes.reshape(n, k).astype(np.int32), scales
