@@ -41,7 +41,7 @@ from jaxinfer.lora.execute import LoraInputs
 from jaxinfer.spec_decode.medusa import is_medusa, load_heads
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.models.decoder import fuse_decoder, quantize_decoder
-from jaxinfer.weights import SafetensorsFolder, is_native, resolve_dtype, load_model
+from jaxinfer.weights import is_native, resolve_dtype, load_model, tensor_source
 
 DEFAULT_MODEL = "jaxinfer-tiny-llama"
 DEFAULT_DRAFT = "jaxinfer-tiny-llama-draft"   # the bundled model's draft (speculative_method="draft")
@@ -251,7 +251,7 @@ class Generator:
             from jaxinfer.sharding import make_mesh
             mesh = make_mesh(tensor_parallel=cfg.tensor_parallel)   # clear error if too few devices
         channel = None if group is None else _join_group(group, mesh, path, cfg, warmup)
-        classifier = None if is_native(path) else read_classifier(path, lambda name: SafetensorsFolder(path).get(name),
+        classifier = None if is_native(path) else read_classifier(path, lambda name: tensor_source(path).get(name),
                                                                   load_tokenizer(tok_path or path))
         if classifier is not None:   # transformers' head reads the last token's final-norm state
             if cfg.pooling not in (None, "last") or cfg.normalize:
@@ -628,7 +628,7 @@ def _embedding_spec(path: Path, cfg: EngineConfig):
     mc = model_config_from_hf(model_path)
     archs = json.loads((model_path / "config.json").read_text()).get("architectures") or []
     bare = bool(archs) and not archs[0].endswith("ForCausalLM")
-    has_head = "lm_head.weight" in SafetensorsFolder(model_path).where
+    has_head = tensor_source(model_path).has("lm_head.weight")
     generates = not bare and (has_head or mc.tie_embeddings)
     if not (has_head or mc.tie_embeddings):
         mc = dataclasses.replace(mc, tie_embeddings=True)
@@ -640,7 +640,8 @@ def _load_decoder(path: Path, cfg: EngineConfig, mesh, fuse: bool, model_cfg=Non
     grouped per device: models/decoder.py) unless multi-host (fuse False: it keeps the unfused
     names for now; tests/multihost_worker.py reads layers/0/mlp/up), quantized, then laid out on
     the mesh (the fused weights' tensor-parallel layout, QuantizedWeights included)."""
-    model, _ = load_model(path, cfg.dtype, mesh=mesh, cfg=model_cfg)
+    # quantize= requantizes a GGUF file's weights all alike: its packed blocks are read as floats
+    model, _ = load_model(path, cfg.dtype, mesh=mesh, cfg=model_cfg, gguf_blocks=cfg.quantize is None)
     if fuse:
         model = fuse_decoder(model, cfg.tensor_parallel, consume=True)
     if cfg.quantize is not None:

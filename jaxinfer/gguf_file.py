@@ -4,22 +4,23 @@ A .gguf file holds the model's settings and its tokenizer as metadata (llama.cpp
 its tensors under llama.cpp's names, in float formats or llama.cpp's block quantizations (Q4_0,
 Q8_0, the K-quants, ...). prepare_folder() turns the metadata into the files jaxinfer's loaders read
 (config.json, tokenizer.json, tokenizer_config.json, generation_config.json) in a small folder of
-the cache, keyed by the file's path, size and modification time; that folder's config.json names the
+the cache, keyed by the file's path, size and modification time and this module's source; that folder's config.json names the
 file, and GGUFTensors serves the loader every tensor by its Hugging Face name (gguf.TensorNameMap,
 llama.cpp's own table), dequantized to float32 by the gguf package (llama.cpp's Python reference of
 its formats), Llama's Q and K rows turned back from llama.cpp's rotary layout. Blocks that are
 jaxinfer formats exactly (Q8_0, Q4_0, Q5_0, Q6_K) stay packed (jaxinfer/prequant/gguf_blocks.py);
 the other weights are held in the serving dtype (--dtype).
 
-The tokenizer is rebuilt as transformers' GGUF loader rebuilds it (integrations/gguf), the reference
-the tests compare against: a "llama" vocabulary is SentencePiece BPE with byte fallback (merges from
-the scores when the file has none), a "gpt2" one byte-level BPE with the pre-tokenizer regex its
-`tokenizer.ggml.pre` names; control tokens are special, user-defined ones are added tokens; BOS is
-added as `tokenizer.ggml.add_bos_token` says (SentencePiece files without it: yes).
+The tokenizer is rebuilt as llama.cpp reads it (llama-vocab.cpp), in the tokenizers library: a
+"llama" vocabulary is SentencePiece BPE with byte fallback (merges from the scores when the file has
+none, as transformers' GGUF loader derives them), a "gpt2" one byte-level BPE over the regexes its
+`tokenizer.ggml.pre` names (an unknown name is refused); control tokens are special, user-defined
+ones plain, both kept as the raw text the converter wrote; BOS is added as
+`tokenizer.ggml.add_bos_token` says (without it: SentencePiece and Llama 3's vocabularies, yes).
 
 Architectures: llama (also Mistral's files, and Mixtral's: llama with experts), qwen2, qwen3,
-qwen3moe (experts stacked per layer: ffn_{gate,up,down}_exps, read expert by expert). Rope: none, linear, yarn, and Llama 3's
-(its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
+qwen3moe (experts stacked per layer: ffn_{gate,up,down}_exps, read expert by expert). Rope: none,
+linear, yarn, and Llama 3's (its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
 every stored divisor). Anything else is refused naming the key or tensor. Split files
 (NAME-00001-of-0000N.gguf) are read across their parts.
 
@@ -39,7 +40,6 @@ import numpy as np
 
 from jaxinfer.errors import CheckpointError
 
-FORMAT_VERSION = 1   # of the prepared folder: a new one re-prepares
 MARKER = "gguf_file"   # config.json's key naming the file
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "qwen3moe": "Qwen3MoeForCausalLM"}
@@ -51,8 +51,10 @@ _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", 
 _CONTROL, _USER_DEFINED = 3, 4
 SPLIT_NAME = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
 
-# tokenizer.ggml.pre -> the pre-tokenizer regex its merges were learned with (llama.cpp's
-# llama-vocab.cpp and transformers' GGUF tokenizer name the same ones); unnamed: GPT-2's own
+# tokenizer.ggml.pre -> the regexes llama.cpp's llama-vocab.cpp splits text with before BPE, applied in
+# turn (each splits the pieces the one before left, the text between matches kept as pieces: the
+# tokenizers library's Split "isolated", in sequence); a name not here is refused
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -63,11 +65,22 @@ _TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{L
 _GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), _LLAMA3),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2),
-    "tekken": _TEKKEN, **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O),
+# Llama 3's names: whole words of the vocabulary are taken before merging (llama.cpp's ignore_merges)
+LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
+PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(LLAMA3_PRE + ("dbrx", "smaug-bpe"), (_LLAMA3,)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), (_QWEN2,)),
+    "tekken": (_TEKKEN,), **dict.fromkeys(("gpt-4o", "llama4"), (_GPT4O,)),
+    **dict.fromkeys(("gpt-2", "mpt", "olmo", "jais"), (_GPT2,)),
+    **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"),
+                    (r"\p{N}", _GPT2)),
+    "deepseek-coder": ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}"),
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"),
 }
+# the end-of-generation tokens llama.cpp finds by their text (llama-vocab.cpp), besides the ids the
+# file names (EOS, EOT, EOM)
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+             "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
 
 
 def expert_stack(name: str) -> str | None:
@@ -285,10 +298,12 @@ def _llama3_rope(f: GGUFFile, head_dim: int) -> dict[str, Any]:
 
 
 def generation_config(f: GGUFFile) -> dict[str, Any]:
-    """Stop tokens (EOS and the end-of-turn / end-of-message tokens llama.cpp also stops at) and the
-    sampling defaults a file may carry (general.sampling.*: llama.cpp's names)."""
+    """Stop tokens (EOS, the end-of-turn / end-of-message ids, and the tokens llama.cpp stops at by their
+    text: EOG_TEXTS) and the sampling defaults a file may carry (general.sampling.*: llama.cpp's names)."""
+    tokens = list(f.get("tokenizer.ggml.tokens") or [])
     stops = [int(v) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
              if (v := f.get(f"tokenizer.ggml.{k}")) is not None]
+    stops += [i for i, t in enumerate(tokens) if t in EOG_TEXTS]
     out: dict[str, Any] = {}
     if stops:
         out["eos_token_id"] = list(dict.fromkeys(stops))
@@ -335,7 +350,7 @@ def _score_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str
 
 def build_tokenizer(f: GGUFFile):
     """(tokenizers.Tokenizer, add_bos) of the file's tokenizer.ggml.* metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, processors
     kind = f.get("tokenizer.ggml.model")
     tokens = f.get("tokenizer.ggml.tokens")
     if kind is None or tokens is None:
@@ -343,51 +358,74 @@ def build_tokenizer(f: GGUFFile):
                               "a folder with the model's tokenizer)")
     tokens = list(tokens)
     types = list(f.get("tokenizer.ggml.token_type") or [])
-    merges = f.get("tokenizer.ggml.merges")
     if kind == "llama":
-        scores = f.get("tokenizer.ggml.scores")
-        if merges is None and scores is None:
-            raise CheckpointError(f"{f.path}: a SentencePiece vocabulary without tokenizer.ggml.scores or merges")
-        pairs = [tuple(m.split(" ", 1)) for m in merges] if merges is not None else _score_merges(tokens, list(scores))
-        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=True,
-                                   byte_fallback=True))
-        prepend = "first" if f.get("tokenizer.ggml.add_space_prefix", True) else "never"
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend, split=False)
-        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
-        spelled = None
+        tok = _sentencepiece(f, tokens)
     elif kind == "gpt2":
-        if merges is None:
-            raise CheckpointError(f"{f.path}: a byte-level BPE vocabulary without tokenizer.ggml.merges")
-        alphabet = _bytes_to_unicode()
-        letters = set(alphabet.values())
-        vocab = {(t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))): i
-                 for i, t in enumerate(tokens)}
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
-                                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
-        split = PRE_TOKENIZERS.get(f.get("tokenizer.ggml.pre"))
-        tok.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else
-                             pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                      pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                               use_regex=False)]))
-        tok.decoder = decoders.ByteLevel()
-        spelled = letters
+        tok = _byte_level(f, tokens, types)
     else:
         raise CheckpointError(f"{f.path}: tokenizer.ggml.model = {kind!r} is not supported (llama, gpt2); give "
                               "--tokenizer a folder with the model's tokenizer")
-    control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
-               if ty == _CONTROL and (spelled is None or set(t) <= spelled)]
-    tok.add_special_tokens(control)
+    # control tokens are special, user-defined ones (<think>) plain; both matched whole, as llama.cpp does
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+                            if ty == _CONTROL])
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
                     if ty == _USER_DEFINED])
+    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.tokens lists {len(tokens)} tokens, of which "
+                              f"{len(tokens) - len(set(tokens))} repeat an earlier one")
     flag = f.get("tokenizer.ggml.add_bos_token")
     bos = f.get("tokenizer.ggml.bos_token_id")
-    add_bos = bool(flag) if flag is not None else kind == "llama"
+    add_bos = bool(flag) if flag is not None else (kind == "llama" or f.get("tokenizer.ggml.pre") in LLAMA3_PRE)
     if add_bos and bos is not None:
         b = tokens[int(bos)]
         tok.post_processor = processors.TemplateProcessing(single=f"{b}:0 $A:0", pair=f"{b}:0 $A:0 {b}:1 $B:1",
                                                            special_tokens=[(b, int(bos))])
     return tok, add_bos
+
+
+def _sentencepiece(f: GGUFFile, tokens: list[str]):
+    """A "llama" vocabulary: SentencePiece BPE with byte fallback; spaces as U+2581, one prepended (and
+    stripped again when decoding) as tokenizer.ggml.add_space_prefix says (default: yes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    merges, scores = f.get("tokenizer.ggml.merges"), f.get("tokenizer.ggml.scores")
+    if merges is None and scores is None:
+        raise CheckpointError(f"{f.path}: a SentencePiece vocabulary without tokenizer.ggml.scores or merges")
+    pairs = [tuple(m.split(" ", 1)) for m in merges] if merges is not None else _score_merges(tokens, list(scores))
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=True,
+                               byte_fallback=True))
+    prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
+                                                 split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok
+
+
+def _byte_level(f: GGUFFile, tokens: list[str], types: list[int]):
+    """A "gpt2" vocabulary: byte-level BPE over the regexes tokenizer.ggml.pre names. Its ordinary tokens
+    are spelled in GPT-2's byte alphabet already; control and user-defined ones are raw text (llama.cpp's
+    converter writes added tokens so) and stay so: matched whole, never respelled."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    merges = f.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise CheckpointError(f"{f.path}: a byte-level BPE vocabulary without tokenizer.ggml.merges")
+    pre = f.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.pre = {pre!r} is a pre-tokenizer jaxinfer does not know "
+                              f"(known: {sorted(PRE_TOKENIZERS)}); give --tokenizer the model's own tokenizer")
+    alphabet = _bytes_to_unicode()
+    letters = set(alphabet.values())
+    raw = {_CONTROL, _USER_DEFINED}
+    vocab = {(t if set(t) <= letters or (i < len(types) and types[i] in raw)
+              else "".join(alphabet[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                               continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                               ignore_merges=pre in LLAMA3_PRE))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok
 
 
 def tokenizer_config(f: GGUFFile, add_bos: bool) -> dict[str, Any]:
@@ -419,7 +457,9 @@ def prepare_folder(path: str | os.PathLike) -> Path:
     describing GGUF file `path` (built once per file version; its tensors stay in the file)."""
     path = Path(os.path.abspath(path))   # a symlink stays (the Hub cache's point at blobs/<hash>: names matter)
     st = path.stat()
-    key = hashlib.sha256(f"{FORMAT_VERSION}\0{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    # this module's own source in the key: a folder made by another version of it is never reused
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    key = hashlib.sha256(f"{code}\0{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
     folder = cache_root() / f"{path.stem[:60]}-{key}"
     if (folder / "config.json").is_file():
         return folder

@@ -16,6 +16,7 @@ Never imports jax (the CLI resolves before the engine starts).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -128,20 +129,36 @@ def gguf_files(names: list[str], quant: str) -> list[str]:
 
 
 def _gguf_download(repo_id: str, quant: str, revision: str | None) -> Path:
-    """vLLM's `ORG/NAME:QUANT`: the .gguf file(s) of that quantization in a GGUF repository (through the
-    cache, as _download), as the folder jaxinfer.gguf_file prepares for them."""
+    """vLLM's `ORG/NAME:QUANT`: the .gguf file(s) of that quantization in a GGUF repository, as the folder
+    jaxinfer.gguf_file prepares for them. The repository's listing is read first and only the chosen
+    file (every part of a split one) is fetched; offline, the listing is the cache's snapshot."""
+    from huggingface_hub import constants
     from jaxinfer.gguf_file import SPLIT_NAME, prepare_folder
-    patterns = sorted({f"*{quant}*.gguf", f"*{quant.upper()}*.gguf", f"*{quant.lower()}*.gguf"})
-    root = Path(_download(repo_id, revision, allow=patterns, ignore=()))
-    names = gguf_files([p.relative_to(root).as_posix() for p in root.rglob("*.gguf")], quant)
     what = f"{repo_id}:{quant}" + (f" (revision {revision!r})" if revision else "")
+    patterns = sorted({f"*{quant}*.gguf", f"*{quant.upper()}*.gguf", f"*{quant.lower()}*.gguf"})
+    if constants.is_offline_mode():
+        root = Path(_download(repo_id, revision, allow=patterns, ignore=()))
+        listing = [p.relative_to(root).as_posix() for p in root.rglob("*.gguf")]
+    else:
+        listing = _list_files(repo_id, revision)
+    names = gguf_files(listing, quant)
     if not names:
         raise ModelSpecError(f"{what}: the repository has no .gguf file of quantization {quant!r}")
     firsts = [n for n in names if (m := SPLIT_NAME.fullmatch(Path(n).name)) is None or int(m.group(2)) == 1]
     if len(firsts) != 1:
         raise ModelSpecError(f"{what}: {len(firsts)} models match {quant!r} ({', '.join(firsts[:6])}); "
                              "give the file's path")
+    m = SPLIT_NAME.fullmatch(Path(firsts[0]).name)
+    parts = [firsts[0]] if m is None else [n for n in names if (k := SPLIT_NAME.fullmatch(Path(n).name)) is not None
+                                           and Path(n).parent == Path(firsts[0]).parent and k.group(1) == m.group(1)]
+    root = Path(_download(repo_id, revision, allow=parts, ignore=()))
     return prepare_folder(root / firsts[0])
+
+
+def _list_files(repo_id: str, revision: str | None) -> list[str]:
+    from huggingface_hub import HfApi
+    with _hub_errors(repo_id, revision):
+        return HfApi().list_repo_files(repo_id, revision=revision)
 
 
 def module_patterns(modules) -> list[str]:
@@ -153,18 +170,29 @@ def module_patterns(modules) -> list[str]:
 
 
 def _download(repo_id: str, revision: str | None, allow=ALLOW_PATTERNS, ignore=IGNORE_PATTERNS) -> str:
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
-    what = f"{repo_id}" + (f" (revision {revision!r})" if revision else "")
-    try:
+    from huggingface_hub import snapshot_download
+    with _hub_errors(repo_id, revision):
         root = snapshot_download(repo_id, revision=revision, allow_patterns=list(allow),
                                  ignore_patterns=list(ignore) or None)
         modules = Path(root) / "modules.json"
         patterns = module_patterns(json.loads(modules.read_text())) if modules.is_file() else []
         if patterns:   # a sentence-transformers model: its modules' folders (Pooling's config, ...)
             root = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
+        if not (Path(root) / "config.json").exists() and repo_id.lower().endswith("gguf") and allow is ALLOW_PATTERNS:
+            raise ModelSpecError(f"{repo_id}: a GGUF repository (no config.json); name the quantization to load, "
+                                 f"e.g. {repo_id}:Q4_K_M")
         return root
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, revision: str | None):
+    """huggingface_hub's failures as one ModelSpecError naming the id, the revision and what to do."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+    what = f"{repo_id}" + (f" (revision {revision!r})" if revision else "")
+    try:
+        yield
     except RevisionNotFoundError:
         raise ModelSpecError(f"{repo_id}: revision {revision!r} does not exist on the Hugging Face Hub "
                              "(give a branch, tag or commit of the repository)") from None

@@ -338,7 +338,7 @@ def load_pipelined(path: str | Path, dtype: str, mesh: Mesh, quantize: str | Non
     """An HF folder (read straight into each device's layers) or a native checkpoint (restored to
     host memory, then restacked) -> a PipelinedDecoder on `mesh`. quantize ("int8" | "int4" | "fp8",
     models.decoder.quantize_decoder): the model is loaded and quantized in host memory, then restacked."""
-    from jaxinfer.weights import DTYPES, CheckpointError, SafetensorsFolder, hf_value, is_native, load_model
+    from jaxinfer.weights import DTYPES, CheckpointError, hf_value, is_native, load_model, tensor_source
     from jaxinfer.models.hf_configs import quantization_config
     from jaxinfer.models.hf_maps import hf_weight_map
 
@@ -349,7 +349,7 @@ def load_pipelined(path: str | Path, dtype: str, mesh: Mesh, quantize: str | Non
         (path / "config.json").read_text())) is not None
     if is_native(path) or quantize is not None or prequantized:
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            model, _ = load_model(path, dtype)
+            model, _ = load_model(path, dtype, gguf_blocks=quantize is None)
             if quantize is not None:
                 quantize_decoder(model, quantize)
         return pipeline_decoder(model, mesh)
@@ -357,7 +357,7 @@ def load_pipelined(path: str | Path, dtype: str, mesh: Mesh, quantize: str | Non
         raise CheckpointError(f"{path}: no config.json (expected an HF model folder or a jaxinfer checkpoint)")
     cfg = model_config_from_hf(path)
     layers_per_stage(cfg, int(mesh.shape["pipeline"]))
-    st, wmap, jdtype = SafetensorsFolder(path), hf_weight_map(cfg), DTYPES[dtype]
+    st, wmap, jdtype = tensor_source(path), hf_weight_map(cfg), DTYPES[dtype]
     specs = _param_specs(cfg, jdtype)
     read = lambda name: hf_value(st, name, *wmap[name], specs[name][1]).astype(np.float32)  # noqa: E731
     return _place(cfg, jdtype, mesh, read)

@@ -190,10 +190,12 @@ def hf_value(st: SafetensorsFolder, ours: str, hf_names: tuple[str, ...], transf
 
 
 def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None = None,
-            mesh=None, rules=None) -> Decoder:
+            mesh=None, rules=None, gguf_blocks: bool = True) -> Decoder:
     """Load an HF safetensors folder into a Decoder in `dtype`, checking every shape. With a mesh,
     each parameter is read from the memmap shard by shard straight onto its devices
-    (sharding.load_sharded; rules default to sharding.rules_for(cfg, mesh))."""
+    (sharding.load_sharded; rules default to sharding.rules_for(cfg, mesh)). gguf_blocks: a GGUF
+    file's exact blocks stay packed (jaxinfer/prequant/gguf_blocks.py); False: every weight a float
+    (to quantize it all again with quantize=)."""
     folder = Path(folder)
     cfg = cfg or model_config_from_hf(folder)
     st = tensor_source(folder)
@@ -207,7 +209,7 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
         shardings = {"/".join(map(str, p)): param_sharding(v.get_metadata().get("logical_axes"), rules, mesh,
                                                            tuple(v.get_value().shape)) for p, v in flat}
     arrays: dict[str, jax.Array] = {}
-    reader = _prequant_reader(folder, st)
+    reader = _prequant_reader(folder, st, gguf_blocks)
     for ours, (hf_names, transform) in hf_weight_map(cfg).items():
         if reader is not None:   # a pre-quantized checkpoint (jaxinfer/prequant): packed weights stay packed
             value = _prequant_param(folder, reader, ours, hf_names, transform, expected[ours])
@@ -225,14 +227,14 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
     return _set_params(model, arrays)
 
 
-def _prequant_reader(folder: Path, st: SafetensorsFolder):
+def _prequant_reader(folder: Path, st: SafetensorsFolder, gguf_blocks: bool = True):
     """jaxinfer.prequant's reader for config.json's quantization_config (None without one); a
     configuration it does not fully understand is refused here, before any tensor is read."""
     from jaxinfer.gguf_file import GGUFTensors
     from jaxinfer.prequant import QuantConfigError, reader_for
     if isinstance(st, GGUFTensors):   # llama.cpp's blocks that are jaxinfer formats stay packed
         from jaxinfer.prequant.gguf_blocks import GGUFBlockReader
-        return GGUFBlockReader(st)
+        return GGUFBlockReader(st) if gguf_blocks else None
     raw = json.loads((folder / "config.json").read_text())
     try:
         return reader_for(raw, st)
@@ -402,11 +404,12 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def load_model(path: str | Path, dtype: str = "float32", mesh=None, rules=None,
-               cfg: ModelConfig | None = None) -> tuple[Decoder, ModelConfig]:
+               cfg: ModelConfig | None = None, gguf_blocks: bool = True) -> tuple[Decoder, ModelConfig]:
     """An HF or native folder -> (Decoder, ModelConfig). Errors name the path at fault.
     mesh: place every parameter on it by sharding.rules_for (or `rules`) while loading.
     dtype: the compute/storage dtype of the float weights, or "auto" (resolve_dtype). cfg: an HF
-    folder's ModelConfig when not config.json's own (an embedding model without an LM head)."""
+    folder's ModelConfig when not config.json's own (an embedding model without an LM head).
+    gguf_blocks: load_hf's."""
     dtype = resolve_dtype(dtype)
     path = Path(path)
     if not path.is_dir():
@@ -414,5 +417,5 @@ def load_model(path: str | Path, dtype: str = "float32", mesh=None, rules=None,
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path}: no config.json (expected an HF model folder or a jaxinfer checkpoint)")
     model = (load_native(path, dtype, mesh=mesh, rules=rules) if is_native(path)
-             else load_hf(path, dtype, cfg=cfg, mesh=mesh, rules=rules))
+             else load_hf(path, dtype, cfg=cfg, mesh=mesh, rules=rules, gguf_blocks=gguf_blocks))
     return model, model.cfg

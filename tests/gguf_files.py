@@ -39,13 +39,14 @@ def sentencepiece_vocab(model_file: Path) -> dict:
             "bos": sp.bos_id(), "eos": sp.eos_id(), "unk": sp.unk_id(), "pad": sp.pad_id()}
 
 
-def byte_level_vocab(lines, vocab_size: int, pre: str) -> dict:
+def byte_level_vocab(lines, vocab_size: int, pre: str, raw: dict[str, int] | None = None) -> dict:
     """A byte-level BPE trained here (the tokenizers library) on `lines`, as a "gpt2" GGUF vocabulary:
-    specials <|endoftext|> (BOS/EOS), <|im_start|>, <|im_end|> (control) and <think> (user-defined)."""
+    specials <|endoftext|> (BOS/EOS), <|im_start|>, <|im_end|> (control) and <think> (user-defined);
+    raw: more added tokens {text: type}, written as raw text as llama.cpp's converter writes them."""
     import json
 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", *(raw or {})]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
@@ -54,7 +55,8 @@ def byte_level_vocab(lines, vocab_size: int, pre: str) -> dict:
     model = json.loads(tok.to_str())["model"]
     tokens = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    types = [USER_DEFINED if t == "<think>" else CONTROL if t in specials else NORMAL for t in tokens]
+    types = [(raw or {}).get(t) or (USER_DEFINED if t == "<think>" else CONTROL if t in specials else NORMAL)
+             for t in tokens]
     return {"model": "gpt2", "pre": pre, "tokens": tokens, "merges": merges, "types": types,
             "bos": 0, "eos": 0, "unk": None, "pad": None}
 
@@ -92,7 +94,7 @@ def _add(w, name: str, x: np.ndarray, qtype: str, rng) -> None:
 
 def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = None, *,
                add_bos: bool | None = True, chat_template: str | None = CHAT_TEMPLATE,
-               rope_freqs: np.ndarray | None = None) -> Path:
+               rope_freqs: np.ndarray | None = None, space_prefix: bool | None = None) -> Path:
     """`model` (a transformers Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE causal LM) as a GGUF
     at `path` (experts stacked per layer, as llama.cpp stores them).
     qtypes: {substring of an HF tensor name: GGML type name} (the first that matches; F32 otherwise);
@@ -137,6 +139,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             add(vocab[key])
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
+    if space_prefix is not None:
+        w.add_add_space_prefix(space_prefix)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     rng = np.random.default_rng(0)

@@ -93,6 +93,12 @@ def _make(name: str, root):
         scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")
         plain = 1.0 / hf.config.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16)
         return write_gguf(hf, folder / "model.gguf", vocab, rope_freqs=(plain / scaled).numpy()), hf
+    if name == "llama-q8":   # Llama's permuted Q/K packed: q/k/v Q8_0, o Q5_0, gate/up Q4_0, down Q8_0
+        vocab = byte_level_vocab(_lines(), 300, "smollm")
+        hf = build_hf_model("mistral-mha", overrides={"vocab_size": 300})
+        qtypes = {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0", "o_proj": "Q5_0", "gate": "Q4_0",
+                  "up_proj": "Q4_0", "down": "Q8_0"}
+        return write_gguf(hf, folder / "model.gguf", vocab, qtypes), hf
     if name == "qwen3moe":   # experts (Q8_0 stacks, dequantized); q/k/v Q8_0 packed
         vocab = byte_level_vocab(_lines(), 300, "qwen2")
         # 768: transformers' GGUF loader reads no expert_feed_forward_length (Qwen3MoeConfig's default is 768)
@@ -128,7 +134,7 @@ def _rel_err(a, ref) -> float:
     return float(np.abs(a - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("name", ["llama-spm", "qwen2-bpe", "qwen3-f32", "llama-kquant", "qwen3moe"])
+@pytest.mark.parametrize("name", ["llama-spm", "qwen2-bpe", "qwen3-f32", "llama-kquant", "qwen3moe", "llama-q8"])
 def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path, _ = gguf_case(name)
@@ -154,6 +160,9 @@ def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
     ("llama-kquant", {"mlp/gate": (8, 16), "mlp/up": (8, 16), "mlp/down": (8, 16)}),
     # down Q8_0 packed; gate Q5_1 and up Q4_0 are one fused matmul of two types: both floats
     ("llama-spm", {"mlp/down": (8, 32)}),
+    # Llama's Q/K rows (llama.cpp's rotary order) packed; Q5_0 -> grouped int8 (g 32)
+    ("llama-q8", {"attn/q": (8, 32), "attn/k": (8, 32), "attn/v": (8, 32), "attn/o": (8, 32), "mlp/gate": (4, 32),
+                  "mlp/up": (4, 32), "mlp/down": (8, 32)}),
     # q/k/v Q8_0; the experts' Q8_0 stacks as stacked grouped int8 (one QuantizedWeight per layer)
     ("qwen3moe", {"attn/q": (8, 32), "attn/k": (8, 32), "attn/v": (8, 32), "mlp/gate": (8, 32),
                   "mlp/up": (8, 32), "mlp/down": (8, 32)}),
@@ -185,9 +194,16 @@ def test_exact_blocks_stay_packed(name, packed, gguf_case):
                 t = raw[f"blk.{i}.{names[ours]}{'_exps' if stacked else ''}.weight"]
                 ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape)))
                 ref = ref.transpose(0, 2, 1) if stacked else ref.T                 # [E,] K, N
-                if ours in ("attn/q", "attn/k"):   # llama.cpp's rotary row order (llama arch only)
-                    assert cfg.architecture != "LlamaForCausalLM"
+                if ours in ("attn/q", "attn/k") and cfg.architecture == "LlamaForCausalLM":
+                    ref = _unpermute_cols(ref, cfg.n_heads if ours == "attn/q" else cfg.n_kv_heads)
                 assert np.array_equal(np.asarray(dequantize(w), np.float32).reshape(ref.shape), ref)
+
+
+def _unpermute_cols(w_kn: np.ndarray, heads: int) -> np.ndarray:
+    """[K, N] with llama.cpp's rotary order of each head's N columns -> transformers' (as its GGUF
+    loader's reverse_permute_weights: (heads, half, 2) -> (heads, 2, half))."""
+    k, n = w_kn.shape
+    return w_kn.reshape(k, heads, n // heads // 2, 2).swapaxes(2, 3).reshape(k, n)
 
 
 def test_float32_file_is_the_original_model(gguf_case):
@@ -415,3 +431,85 @@ def test_packed_experts_under_ragged_dot(gguf_case):
     tiles = np.asarray(model(ids, pos)[0])
     set_moe_impl(model, "ragged_dot")
     assert_rel_close(model(ids, pos)[0], tiles, _logits_rtol(cfg, len(ids)), "ragged_dot vs the tile loop")
+
+
+def test_added_tokens_whole_and_stops(gguf_case, tmp_path):
+    """llama.cpp's converter writes added tokens as raw text: a control token outside GPT-2's byte
+    alphabet (DeepSeek's <｜User｜>) and a user-defined one with a space are each one token, of the id the
+    file lists (transformers' GGUF tokenizer splits the first into bytes and gives the second an id
+    past the embeddings); <|eot_id|> and <|end_of_text|> stop generation by their text as in llama.cpp;
+    an unknown pre-tokenizer is refused."""
+    from jaxinfer.tokenizer import load_tokenizer
+    raw = {"<｜User｜>": 3, "<tool call>": 4, "<|eot_id|>": 3, "<|end_of_text|>": 3}
+    vocab = byte_level_vocab(_lines(), 300, "qwen2", raw=raw)
+    hf = build_hf_model("qwen2-tied", overrides={"vocab_size": 300})
+    path = write_gguf(hf, tmp_path / "added.gguf", vocab)
+    folder = resolve_model_path(path)
+    tok = load_tokenizer(folder)
+    ids = {t: vocab["tokens"].index(t) for t in raw}
+    assert tok.encode("<｜User｜>the dog<tool call>x", add_special_tokens=False)[:1] == [ids["<｜User｜>"]]
+    assert ids["<tool call>"] in tok.encode("the dog<tool call>x") and tok.vocab_size == 300
+    assert set(tok.eos_ids) == {0, 2, ids["<|eot_id|>"], ids["<|end_of_text|>"]}
+    gen = _gen(path)
+    out = gen.generate([tok.encode("the dog")], SamplingParams(max_tokens=6, temperature=0.0,
+                                                               logit_bias={ids["<|eot_id|>"]: 100.0}))[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) <= 1
+    vocab["pre"] = "no-such-pre"
+    bad = write_gguf(hf, tmp_path / "bad-pre.gguf", vocab)
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.pre = 'no-such-pre'"):
+        resolve_model_path(bad)
+
+
+def test_no_space_prefix_round_trip(tmp_path):
+    """tokenizer.ggml.add_space_prefix false: no U+2581 prepended, and none stripped when decoding
+    (llama.cpp's rule): a text with a leading space comes back as it was."""
+    from transformers import AutoModelForCausalLM
+
+    from jaxinfer.tokenizer import load_tokenizer
+    text = save_text_model(tmp_path / "spm")
+    hf = AutoModelForCausalLM.from_pretrained(text).eval()
+    path = write_gguf(hf, tmp_path / "noprefix.gguf", sentencepiece_vocab(text / "tokenizer.model"), space_prefix=False)
+    tok = load_tokenizer(resolve_model_path(path))
+    for s in (" the lazy dog", "the lazy dog"):
+        assert tok.decode(tok.encode(s, add_special_tokens=False)) == s
+
+
+def test_quantize_flag_requantizes_every_weight(gguf_case):
+    """quantize="int8" on a file with packed blocks (Q8_0 down, Q4_0 o) reads them as floats and
+    quantizes every matmul weight alike (per-channel int8), as for any float checkpoint."""
+    from flax import nnx
+
+    from jaxinfer.quant import QuantizedWeight
+    path, _ = gguf_case("qwen2-bpe")
+    gen = _gen(path, quantize="int8")
+    weights = [v.get_value() for p, v in nnx.state(gen.engine._model, nnx.Param).flat_state()
+               if str(p[-1]) in ("qkv", "o", "gate_up", "down")]
+    assert weights and all(isinstance(w, QuantizedWeight) and w.bits == 8 and w.group_size is None for w in weights)
+
+
+def test_hub_fetches_only_the_chosen_file(monkeypatch, tmp_path, gguf_case):
+    """Online, ORG/NAME:QUANT lists the repository first and fetches only the chosen file's parts
+    (huggingface_hub's own filter applied to the patterns passed to snapshot_download)."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+    path, _ = gguf_case("qwen2-bpe")
+    listing = ["README.md", "Qwen3-8B-BF16.gguf", "Qwen3-8B-F16.gguf", "mmproj-F16.gguf", "Qwen3-8B-Q4_K_M.gguf",
+               "Q8_0/Qwen3-8B-Q8_0-00001-of-00002.gguf", "Q8_0/Qwen3-8B-Q8_0-00002-of-00002.gguf",
+               "Qwen3-8B-Q8_0_L.gguf"]
+    calls = []
+
+    def snapshot(repo_id, revision=None, allow_patterns=None, ignore_patterns=None, **kw):
+        calls.append(allow_patterns)
+        root = tmp_path / "snap"
+        for name in filter_repo_objects(listing, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns):
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, root / name)
+        return str(root)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo_id, revision=None: listing)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    monkeypatch.setattr(huggingface_hub.constants, "is_offline_mode", lambda: False)
+    resolve_model_path("org/Qwen3-8B-GGUF:F16")
+    assert set(filter_repo_objects(listing, allow_patterns=calls[-1])) == {"Qwen3-8B-F16.gguf"}
+    resolve_model_path("org/Qwen3-8B-GGUF:Q8_0")   # (each part here is a whole file: only names matter)
+    assert set(filter_repo_objects(listing, allow_patterns=calls[-1])) == {
+        "Q8_0/Qwen3-8B-Q8_0-00001-of-00002.gguf", "Q8_0/Qwen3-8B-Q8_0-00002-of-00002.gguf"}
