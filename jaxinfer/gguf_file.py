@@ -19,7 +19,8 @@ ones plain, both kept as the raw text the converter wrote; BOS is added as
 `tokenizer.ggml.add_bos_token` says (without it: SentencePiece and Llama 3's vocabularies, yes).
 
 Architectures: llama (also Mistral's files, and Mixtral's: llama with experts), qwen2, qwen3,
-qwen3moe (experts stacked per layer: ffn_{gate,up,down}_exps, read expert by expert). Rope: none,
+qwen3moe (experts stacked per layer: ffn_{gate,up,down}_exps, read expert by expert), gemma2,
+gemma3 (text; the settings llama.cpp takes from the model size rather than the file: _GEMMA). Rope: none,
 linear, yarn, and Llama 3's (its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
 every stored divisor). Anything else is refused naming the key or tensor. Split files
 (NAME-00001-of-0000N.gguf) are read across their parts.
@@ -42,8 +43,13 @@ from jaxinfer.errors import CheckpointError
 
 MARKER = "gguf_file"   # config.json's key naming the file
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "qwen3moe": "Qwen3MoeForCausalLM"}
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+         "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
+                "gemma3": "gemma3_text"}
+# llama.cpp's Gemma: every `swa`-th layer global, the others sliding (hparams.set_swa_pattern), the
+# sliding layers' RoPE base 10 000, the 27B models' queries scaled by 1/sqrt(d_model / heads) (their
+# block counts), the others' by 1/sqrt(head_dim): none of it is in the file
+_GEMMA = {"gemma2": {"swa": 2, "big_layers": 46}, "gemma3": {"swa": 6, "big_layers": 62}}
 # one expert's matrix (transformers' per-expert names, as hf_maps reads them) -> llama.cpp's stacked tensor
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                      r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
@@ -196,12 +202,37 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         MARKER: str(Path(os.path.abspath(f.path))),
     }
     cfg.update(_experts(f, cfg))
+    if arch in _GEMMA:
+        cfg.update(_gemma(f, cfg))
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("padding_token_id", "pad_token_id")):
         v = f.get(f"tokenizer.ggml.{key}")
         if v is not None:
             cfg[hf] = int(v)
     return cfg
+
+
+def _gemma(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 / 3's fields as llama.cpp runs them (_GEMMA): GELU-tanh, tied embeddings, sliding and
+    global layers, the query scale, Gemma 2's soft caps; Gemma 3's global layers take the file's RoPE
+    base and linear scaling, its sliding ones base 10 000 (or the file's rope.freq_base_swa)."""
+    g, n = _GEMMA[f.arch], cfg["num_hidden_layers"]
+    window = f.arch_get("attention.sliding_window")
+    if window is None:
+        raise CheckpointError(f"{f.path}: metadata {f.arch}.attention.sliding_window is missing")
+    big = n == g["big_layers"]
+    out = {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+           "sliding_window": int(window),
+           "layer_types": ["sliding_attention" if (i + 1) % g["swa"] else "full_attention" for i in range(n)],
+           "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"],
+           "final_logit_softcapping": f.arch_get("final_logit_softcapping")}
+    if f.arch == "gemma2":
+        out["attn_logit_softcapping"] = f.arch_get("attn_logit_softcapping")
+        return out
+    local = float(f.arch_get("rope.freq_base_swa") or 10000.0)
+    out["rope_parameters"] = {"full_attention": cfg["rope_parameters"],
+                              "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+    return out
 
 
 def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -531,7 +562,10 @@ class GGUFTensors:
 
     def rows(self, name: str, x: np.ndarray) -> np.ndarray:
         """x, indexed by tensor `name`'s rows as stored, in transformers' row order (Llama's Q and K:
-        llama.cpp's rotary order turned back)."""
+        llama.cpp's rotary order turned back); Gemma's norm weights as transformers' w of (1 + w)
+        (llama.cpp's converter stores 1 + w)."""
+        if self.file.arch in _GEMMA and name.endswith("norm.weight"):
+            return x - 1.0
         if self.file.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             heads = self.cfg["num_attention_heads"] if ".q_proj." in name else self.cfg["num_key_value_heads"]
             x = _unpermute(x, heads)

@@ -95,15 +95,17 @@ def _add(w, name: str, x: np.ndarray, qtype: str, rng) -> None:
 def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = None, *,
                add_bos: bool | None = True, chat_template: str | None = CHAT_TEMPLATE,
                rope_freqs: np.ndarray | None = None, space_prefix: bool | None = None) -> Path:
-    """`model` (a transformers Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE causal LM) as a GGUF
-    at `path` (experts stacked per layer, as llama.cpp stores them).
+    """`model` (a transformers Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / Gemma 2 / Gemma 3
+    causal LM) as a GGUF at `path` (experts stacked per layer, Gemma's norms as 1 + w, as llama.cpp's
+    converter writes them).
     qtypes: {substring of an HF tensor name: GGML type name} (the first that matches; F32 otherwise);
     rope_freqs: Llama 3's rope_freqs.weight (llama.cpp's frequency divisors), when given."""
     import gguf
 
     cfg = model.config
     arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
-            "qwen3_moe": "qwen3moe"}[cfg.model_type]
+            "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg.model_type]
+    gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_block_count(cfg.num_hidden_layers)
@@ -112,10 +114,19 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)   # Gemma 3: the global layers'
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+    if gemma:   # Gemma2Model / Gemma3Model.set_gguf_parameters: the window and caps, key_length always
+        w.add_sliding_window(cfg.sliding_window)
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(head_dim)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    if gemma or head_dim != cfg.hidden_size // cfg.num_attention_heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
@@ -149,6 +160,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue   # a tied head is the embedding (convert_hf_to_gguf writes no output.weight)
         x = t.float().numpy()
+        if gemma and hf_name.endswith("norm.weight"):   # llama.cpp's Gemma norms are 1 + w
+            x = x + 1.0
         if arch == "llama" and hf_name.endswith("q_proj.weight"):
             x = _permute(x, cfg.num_attention_heads)
         elif arch == "llama" and hf_name.endswith("k_proj.weight"):

@@ -231,6 +231,56 @@ def test_mixtral_is_the_original_model(gguf_case):
     assert _rel_err(gen.logits(ids), expected) < 1e-4
 
 
+@pytest.mark.parametrize("name, overrides", [
+    # llama.cpp's Gemma 2: every other layer sliding, soft caps from the file, queries by 1/sqrt(head_dim)
+    ("gemma2", {"query_pre_attn_scalar": 16}),
+    # Gemma 3: five sliding layers to one global (base 1e6, linear x8; sliding base 10 000), q/k norms
+    ("gemma3", {"query_pre_attn_scalar": 16, "final_logit_softcapping": None}),
+])
+def test_gemma_is_the_original_model(name, overrides, tmp_path):
+    """Gemma 2 / 3 as llama.cpp's converter writes them (norms as 1 + w, SentencePiece without the
+    space prefix; Q8_0 projections packed) compute what the HF model computes, with the settings
+    llama.cpp assumes rather than reads (query scale, layer pattern, sliding RoPE base)."""
+    text = save_text_model(tmp_path / "spm")
+    hf = build_hf_model(name, overrides={"vocab_size": 400, **overrides})
+    qtypes = {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0", "o_proj": "Q8_0"}
+    path = write_gguf(hf, tmp_path / f"{name}.gguf", sentencepiece_vocab(text / "tokenizer.model"), space_prefix=False)
+    packed = write_gguf(hf, tmp_path / f"{name}-q8.gguf", sentencepiece_vocab(text / "tokenizer.model"), qtypes,
+                        space_prefix=False)
+    ids = np.random.RandomState(4).randint(3, 400, 24).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    assert _rel_err(_gen(path).logits(ids), expected) < 1e-4
+    ref = _dequantized_copy(hf, packed)   # the same Q8_0 weights, dequantized by the gguf package
+    with torch.no_grad():
+        expected_q8 = ref(torch.tensor([ids])).logits[0].numpy()
+    assert _rel_err(_gen(packed).logits(ids), expected_q8) < 1e-4
+
+
+def _dequantized_copy(hf, path):
+    """A copy of the HF model holding the file's weights as the gguf package dequantizes them (norms
+    turned back from llama.cpp's 1 + w); transformers' GGUF loader reads no Gemma layer pattern or
+    query scale, so the original model's config is kept."""
+    import copy
+
+    import gguf
+    model = copy.deepcopy(hf)
+    reader = gguf.GGUFReader(path)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[reader.fields["general.architecture"].contents().upper()],
+                                     hf.config.num_hidden_layers)
+    raw = {t.name: t for t in reader.tensors}
+    state = {}
+    for hf_name in model.state_dict():
+        t = raw.get(names.get_name(hf_name, try_suffixes=(".weight", ".bias")) or "")
+        if t is not None:
+            x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape)))
+            state[hf_name] = torch.tensor(x - 1.0 if hf_name.endswith("norm.weight") else x)
+    assert not set(model.state_dict()) - set(state) - {"lm_head.weight"}
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return model
+
+
 def test_llama3_rope_freqs_recovered(gguf_case):
     """rope_freqs.weight (llama.cpp's divisors) becomes transformers' llama3 parameters: every position
     rotates as the HF model's (transformers' GGUF loader ignores the tensor); Llama's Q/K rows come
