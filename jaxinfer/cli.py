@@ -99,8 +99,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from jaxinfer.tokenizer import load_tokenizer
     from jaxinfer.weights import load_model, save_native
 
-    model, cfg = load_model(args.hf_dir, args.dtype)
-    save_native(model, args.out_dir, args.dtype, tokenizer=load_tokenizer(args.hf_dir))
+    hf_dir = _model_path(args.hf_dir, None)   # a .gguf file: the folder describing it, its weights as floats
+    model, cfg = load_model(hf_dir, args.dtype, gguf_blocks=False)
+    save_native(model, args.out_dir, args.dtype, tokenizer=load_tokenizer(hf_dir))
     print(f"wrote {args.out_dir}: {cfg.architecture}, {cfg.num_params():,} parameters, {args.dtype}")
     return 0
 
@@ -129,7 +130,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise ValueError(f"{path}: the model has no tokenizer; eval-ppl scores text")
     text_path = Path(args.text) if args.text else _heldout_text(path)
-    model, _ = load_model(path, args.dtype)
+    model, _ = load_model(path, args.dtype, gguf_blocks=not args.quantize)
     if args.quantize:
         from jaxinfer.models.decoder import quantize_decoder
         quantize_decoder(model, args.quantize)
@@ -157,7 +158,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     bits = bits if args.bits is None else args.bits
     group = -1 if bits == 8 else group          # 8-bit weights are per output channel
     path = _model_path(args.model, default_model_path())
-    model, cfg = load_model(path, "float32")
+    model, cfg = load_model(path, "float32", gguf_blocks=False)   # a GGUF's blocks re-quantized as floats
     # calibration and QAT windows run from position 0: no longer than the model's context
     window = min(256, cfg.max_position_embeddings) if args.calib_window is None else args.calib_window
     if window > cfg.max_position_embeddings:
@@ -216,7 +217,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     from jaxinfer.weights import load_model
 
     path = _model_path(args.model, default_model_path())
-    model, cfg = load_model(path, "float32")
+    model, cfg = load_model(path, "float32", gguf_blocks=False)   # a GGUF file exports as float32
     export_hf(model, args.out_dir, load_tokenizer(path))
     print(f"wrote {args.out_dir}: {cfg.architecture} in the Hugging Face layout (float32 safetensors)")
     return 0

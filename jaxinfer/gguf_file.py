@@ -71,8 +71,10 @@ _TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{L
 _GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# Llama 3's names: whole words of the vocabulary are taken before merging (llama.cpp's ignore_merges)
 LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
+# whole words of the vocabulary taken before merging (llama.cpp's ignore_merges), BOS added unless the
+# file says otherwise: Llama 3's names and Mistral's tekken
+WHOLE_WORDS_PRE = LLAMA3_PRE + ("tekken",)
 PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(LLAMA3_PRE + ("dbrx", "smaug-bpe"), (_LLAMA3,)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), (_QWEN2,)),
@@ -353,17 +355,6 @@ def generation_config(f: GGUFFile) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------- tokenizer
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte alphabet: printable bytes stand for themselves, the others for chr(256 + k)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    out, extra = {b: chr(b) for b in keep}, 0
-    for b in range(256):
-        if b not in out:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
-
-
 def _score_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """A SentencePiece BPE vocabulary's merges, from its scores: each token that two vocabulary
     pieces join to, ranked by the token's score (highest first), then by the left piece's and the
@@ -401,12 +392,14 @@ def build_tokenizer(f: GGUFFile):
                             if ty == _CONTROL])
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
                     if ty == _USER_DEFINED])
-    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise CheckpointError(f"{f.path}: tokenizer.ggml.tokens lists {len(tokens)} tokens, of which "
-                              f"{len(tokens) - len(set(tokens))} repeat an earlier one")
+    if len(set(tokens)) != len(tokens):
+        seen: set[str] = set()
+        twice = next(t for t in tokens if t in seen or seen.add(t))
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.tokens lists {twice!r} twice ({len(tokens) - len(set(tokens))} "
+                              "repeated tokens)")
     flag = f.get("tokenizer.ggml.add_bos_token")
     bos = f.get("tokenizer.ggml.bos_token_id")
-    add_bos = bool(flag) if flag is not None else (kind == "llama" or f.get("tokenizer.ggml.pre") in LLAMA3_PRE)
+    add_bos = bool(flag) if flag is not None else (kind == "llama" or f.get("tokenizer.ggml.pre") in WHOLE_WORDS_PRE)
     if add_bos and bos is not None:
         b = tokens[int(bos)]
         tok.post_processor = processors.TemplateProcessing(single=f"{b}:0 $A:0", pair=f"{b}:0 $A:0 {b}:1 $B:1",
@@ -415,8 +408,10 @@ def build_tokenizer(f: GGUFFile):
 
 
 def _sentencepiece(f: GGUFFile, tokens: list[str]):
-    """A "llama" vocabulary: SentencePiece BPE with byte fallback; spaces as U+2581, one prepended (and
-    stripped again when decoding) as tokenizer.ggml.add_space_prefix says (default: yes)."""
+    """A "llama" vocabulary: SentencePiece BPE with byte fallback; spaces as U+2581, one prepended as
+    tokenizer.ggml.add_space_prefix says (default: yes) to the text and, as llama.cpp does, to each run
+    of text after a control or added token (the pieces between added tokens are pre-tokenized one by
+    one), the first stripped again when decoding."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     merges, scores = f.get("tokenizer.ggml.merges"), f.get("tokenizer.ggml.scores")
     if merges is None and scores is None:
@@ -425,7 +420,7 @@ def _sentencepiece(f: GGUFFile, tokens: list[str]):
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=True,
                                byte_fallback=True))
     prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always" if prefix else "never",
                                                  split=False)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
@@ -433,9 +428,9 @@ def _sentencepiece(f: GGUFFile, tokens: list[str]):
 
 
 def _byte_level(f: GGUFFile, tokens: list[str], types: list[int]):
-    """A "gpt2" vocabulary: byte-level BPE over the regexes tokenizer.ggml.pre names. Its ordinary tokens
-    are spelled in GPT-2's byte alphabet already; control and user-defined ones are raw text (llama.cpp's
-    converter writes added tokens so) and stay so: matched whole, never respelled."""
+    """A "gpt2" vocabulary: byte-level BPE over the regexes tokenizer.ggml.pre names. Its tokens are taken
+    as the file spells them, as llama.cpp takes them: ordinary ones in GPT-2's byte alphabet, control and
+    user-defined ones as raw text (llama.cpp's converter writes added tokens so), matched whole."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     merges = f.get("tokenizer.ggml.merges")
     if merges is None:
@@ -444,14 +439,9 @@ def _byte_level(f: GGUFFile, tokens: list[str], types: list[int]):
     if pre not in PRE_TOKENIZERS:
         raise CheckpointError(f"{f.path}: tokenizer.ggml.pre = {pre!r} is a pre-tokenizer jaxinfer does not know "
                               f"(known: {sorted(PRE_TOKENIZERS)}); give --tokenizer the model's own tokenizer")
-    alphabet = _bytes_to_unicode()
-    letters = set(alphabet.values())
-    raw = {_CONTROL, _USER_DEFINED}
-    vocab = {(t if set(t) <= letters or (i < len(types) and types[i] in raw)
-              else "".join(alphabet[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges],
                                continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
-                               ignore_merges=pre in LLAMA3_PRE))
+                               ignore_merges=pre in WHOLE_WORDS_PRE))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

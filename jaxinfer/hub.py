@@ -136,11 +136,10 @@ def _gguf_download(repo_id: str, quant: str, revision: str | None) -> Path:
     from jaxinfer.gguf_file import SPLIT_NAME, prepare_folder
     what = f"{repo_id}:{quant}" + (f" (revision {revision!r})" if revision else "")
     patterns = sorted({f"*{quant}*.gguf", f"*{quant.upper()}*.gguf", f"*{quant.lower()}*.gguf"})
-    if constants.is_offline_mode():
+    listing = None if constants.is_offline_mode() else _list_files(repo_id, revision)
+    if listing is None:   # offline, or the Hub unreachable: the cache's snapshot is the listing
         root = Path(_download(repo_id, revision, allow=patterns, ignore=()))
         listing = [p.relative_to(root).as_posix() for p in root.rglob("*.gguf")]
-    else:
-        listing = _list_files(repo_id, revision)
     names = gguf_files(listing, quant)
     if not names:
         raise ModelSpecError(f"{what}: the repository has no .gguf file of quantization {quant!r}")
@@ -155,10 +154,23 @@ def _gguf_download(repo_id: str, quant: str, revision: str | None) -> Path:
     return prepare_folder(root / firsts[0])
 
 
-def _list_files(repo_id: str, revision: str | None) -> list[str]:
+def _list_files(repo_id: str, revision: str | None) -> list[str] | None:
+    """The repository's files; None when the Hub cannot be reached (snapshot_download then falls back
+    to the cache, as it does for every other id)."""
     from huggingface_hub import HfApi
-    with _hub_errors(repo_id, revision):
+    try:
         return HfApi().list_repo_files(repo_id, revision=revision)
+    except Exception as e:   # noqa: BLE001 (httpx's and requests' transport errors alike)
+        if _unreachable(e):
+            return None
+        with _hub_errors(repo_id, revision):   # the Hub's answer (no such repository, gated, ...) named
+            raise e
+
+
+def _unreachable(e: BaseException) -> bool:
+    """A transport failure (no connection, a timeout), not an answer of the Hub."""
+    return isinstance(e, (ConnectionError, TimeoutError)) or any(
+        word in type(e).__name__ for word in ("Connect", "Timeout", "Network", "Transport"))
 
 
 def module_patterns(modules) -> list[str]:
@@ -213,6 +225,11 @@ def _hub_errors(repo_id: str, revision: str | None):
                              f"reached ({e.__cause__ or e})") from None
     except HfHubHTTPError as e:
         raise ModelSpecError(f"{what}: the Hugging Face Hub refused the download ({e})") from None
+    except Exception as e:   # noqa: BLE001
+        if not _unreachable(e):
+            raise
+        raise ModelSpecError(f"{what}: the Hugging Face Hub could not be reached ({type(e).__name__}: {e}); "
+                             "HF_HUB_OFFLINE=1 uses the cache only") from None
 
 
 def apply_hf_overrides(folder: Path, overrides: dict) -> Path:

@@ -563,3 +563,47 @@ def test_hub_fetches_only_the_chosen_file(monkeypatch, tmp_path, gguf_case):
     resolve_model_path("org/Qwen3-8B-GGUF:Q8_0")   # (each part here is a whole file: only names matter)
     assert set(filter_repo_objects(listing, allow_patterns=calls[-1])) == {
         "Q8_0/Qwen3-8B-Q8_0-00001-of-00002.gguf", "Q8_0/Qwen3-8B-Q8_0-00002-of-00002.gguf"}
+
+
+def test_hub_unreachable_falls_back_to_the_cache(monkeypatch, tmp_path, gguf_case):
+    """The Hub unreachable (no HF_HUB_OFFLINE): the listing comes from the cache's snapshot, as
+    snapshot_download falls back to the cache; a repository the Hub answers for is still named."""
+    import huggingface_hub
+    path, _ = gguf_case("qwen2-bpe")
+    (tmp_path / "snap").mkdir()
+    shutil.copy(path, tmp_path / "snap" / "tiny-Q8_0.gguf")
+
+    def unreachable(self, repo_id, revision=None):
+        raise ConnectionError("[Errno 111] Connection refused")
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", unreachable)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: str(tmp_path / "snap"))
+    monkeypatch.setattr(huggingface_hub.constants, "is_offline_mode", lambda: False)
+    folder = resolve_model_path("org/tiny-GGUF:Q8_0")
+    assert json.loads((folder / "config.json").read_text())["gguf_file"] == str(tmp_path / "snap" / "tiny-Q8_0.gguf")
+
+
+def test_whole_words_and_space_prefix_after_special_tokens(tmp_path):
+    """llama.cpp's rules the transformers GGUF tokenizer does not follow: Llama 3's and tekken's
+    vocabularies take a piece that is a whole vocabulary word before merging (ignore_merges; Qwen2's
+    do not), and a SentencePiece vocabulary prefixes a space to the text after a control token, so
+    "</s>the dog" is </s> followed by what sentencepiece makes of "the dog"."""
+    import sentencepiece as spm
+    from transformers import AutoModelForCausalLM
+
+    from jaxinfer.tokenizer import load_tokenizer
+    hf = build_hf_model("qwen2-tied", overrides={"vocab_size": 301})
+    for pre, whole in (("llama-bpe", True), ("tekken", True), ("qwen2", False)):
+        vocab = byte_level_vocab(_lines(), 300, pre)
+        vocab["tokens"].append("Ġqzxv")     # a word no merge reaches
+        vocab["types"].append(1)
+        tok = load_tokenizer(resolve_model_path(write_gguf(hf, tmp_path / f"{pre}.gguf", vocab, add_bos=None)))
+        ids = tok.encode("a qzxv", add_special_tokens=False)
+        assert (ids[-1] == 300) == whole and (len(ids) == 2) == whole, (pre, ids)
+        assert tok.add_bos == whole      # no add_bos_token in the file: llama.cpp's default for the name
+    text = save_text_model(tmp_path / "spm")
+    sp = spm.SentencePieceProcessor(model_file=str(text / "tokenizer.model"))
+    spm_model = AutoModelForCausalLM.from_pretrained(text).eval()
+    tok = load_tokenizer(resolve_model_path(write_gguf(spm_model, tmp_path / "spm.gguf",
+                                                       sentencepiece_vocab(text / "tokenizer.model"))))
+    assert tok.encode("</s>the dog", add_special_tokens=False) == [sp.eos_id()] + sp.encode("the dog")
+    assert tok.encode("the dog", add_special_tokens=False) == sp.encode("the dog")
