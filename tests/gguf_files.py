@@ -75,6 +75,9 @@ def random_blocks(shape: tuple[int, ...], qtype, rng) -> np.ndarray:
     for off in _K_SCALES[qtype.name]:
         scale = rng.uniform(0.0005, 0.002, b.shape[:2]).astype(np.float16)
         b[:, :, off:off + 2] = scale.view(np.uint8).reshape(*b.shape[:2], 2)
+    if qtype.name in ("Q4_K", "Q5_K"):   # every 6-bit sub-scale >= 1 (its low bit set in bytes 4-7, 12-15)
+        b[:, :, 4:8] |= 1
+        b[:, :, 12:16] |= 1
     return b.reshape(*shape[:-1], -1)
 
 

@@ -93,6 +93,13 @@ def _make(name: str, root):
         scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")
         plain = 1.0 / hf.config.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16)
         return write_gguf(hf, folder / "model.gguf", vocab, rope_freqs=(plain / scaled).numpy()), hf
+    if name == "llama-q4km":   # a Q4_K_M-like file (random K-quant blocks: no quantizer in the gguf package)
+        vocab = byte_level_vocab(_lines(), 300, "llama-bpe")
+        hf = _kquant_llama(300)
+        qtypes = {"q_proj": "random:Q4_K", "k_proj": "random:Q4_K", "v_proj": "random:Q4_K",
+                  "o_proj": "random:Q5_K", "gate": "random:Q4_K", "up_proj": "random:Q4_K", "down": "random:Q6_K",
+                  "embed": "Q8_0"}
+        return write_gguf(hf, folder / "model.gguf", vocab, qtypes), hf
     if name == "llama-q8":   # Llama's permuted Q/K packed: q/k/v Q8_0, o Q5_0, gate/up Q4_0, down Q8_0
         vocab = byte_level_vocab(_lines(), 300, "smollm")
         hf = build_hf_model("mistral-mha", overrides={"vocab_size": 300})
@@ -134,7 +141,8 @@ def _rel_err(a, ref) -> float:
     return float(np.abs(a - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("name", ["llama-spm", "qwen2-bpe", "qwen3-f32", "llama-kquant", "qwen3moe", "llama-q8"])
+@pytest.mark.parametrize("name", ["llama-spm", "qwen2-bpe", "qwen3-f32", "llama-kquant", "qwen3moe", "llama-q8",
+                                  "llama-q4km"])
 def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path, _ = gguf_case(name)
@@ -156,8 +164,13 @@ def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
 @pytest.mark.parametrize("name, packed", [
     # Q8_0 -> grouped int8 (g 32), Q4_0 -> int4 (g 32); q/k/v F32 stay floats
     ("qwen2-bpe", {"mlp/down": (8, 32), "attn/o": (4, 32)}),
-    # Q6_K -> grouped int8 (g 16); Q2_K..Q5_K (offsets, not zero points) dequantized
-    ("llama-kquant", {"mlp/gate": (8, 16), "mlp/up": (8, 16), "mlp/down": (8, 16)}),
+    # Q6_K -> grouped int8 (g 16), Q5_K (o) -> grouped int8 with float zero points; q (Q2_K), k (Q3_K)
+    # and v (Q4_K) are one fused matmul of three types: all floats
+    ("llama-kquant", {"mlp/gate": (8, 16), "mlp/up": (8, 16), "mlp/down": (8, 16), "attn/o": (8, 32, False)}),
+    # Q4_K q/k/v and gate/up -> int4 with float zero points, Q6_K down, Q5_K o
+    ("llama-q4km", {"attn/q": (4, 32, False), "attn/k": (4, 32, False), "attn/v": (4, 32, False),
+                    "attn/o": (8, 32, False), "mlp/gate": (4, 32, False), "mlp/up": (4, 32, False),
+                    "mlp/down": (8, 16)}),
     # down Q8_0 packed; gate Q5_1 and up Q4_0 are one fused matmul of two types: both floats
     ("llama-spm", {"mlp/down": (8, 32)}),
     # Llama's Q/K rows (llama.cpp's rotary order) packed; Q5_0 -> grouped int8 (g 32)
@@ -169,8 +182,9 @@ def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
 ])
 def test_exact_blocks_stay_packed(name, packed, gguf_case):
     """Q8_0, Q4_0, Q5_0 and Q6_K blocks load as jaxinfer's grouped formats, code for code (the
-    dequantized weights equal the gguf package's dequantization of the file exactly); the rest of
-    the matmul weights are floats."""
+    dequantized weights equal the gguf package's dequantization of the file exactly); Q4_K and Q5_K
+    with float zero points, within float32 rounding of it (4 ulp of the group's largest term, the
+    loader's own check: here against the gguf package independently); the rest are floats."""
     import gguf
     from flax import nnx
 
@@ -189,14 +203,19 @@ def test_exact_blocks_stay_packed(name, packed, gguf_case):
             w = params[f"layers/{i}/{ours}"]
             assert isinstance(w, QuantizedWeight) == (ours in packed), (i, ours)
             if ours in packed:
-                assert (w.bits, w.group_size, w.symmetric) == (*packed[ours], True)
+                bits, g, *sym = packed[ours]
+                assert (w.bits, w.group_size, w.symmetric) == (bits, g, sym[0] if sym else True)
                 stacked = cfg.num_experts and ours.startswith("mlp/")
                 t = raw[f"blk.{i}.{names[ours]}{'_exps' if stacked else ''}.weight"]
                 ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape)))
                 ref = ref.transpose(0, 2, 1) if stacked else ref.T                 # [E,] K, N
                 if ours in ("attn/q", "attn/k") and cfg.architecture == "LlamaForCausalLM":
                     ref = _unpermute_cols(ref, cfg.n_heads if ours == "attn/q" else cfg.n_kv_heads)
-                assert np.array_equal(np.asarray(dequantize(w), np.float32).reshape(ref.shape), ref)
+                got = np.asarray(dequantize(w), np.float32).reshape(ref.shape)
+                if w.symmetric:
+                    assert np.array_equal(got, ref)
+                else:   # (q - offset / s) * s against s * q - offset: a few roundings of terms <= max|w| * 2
+                    assert np.abs(got - ref).max() <= 8 * np.finfo(np.float32).eps * 2 * np.abs(ref).max()
 
 
 def _unpermute_cols(w_kn: np.ndarray, heads: int) -> np.ndarray:

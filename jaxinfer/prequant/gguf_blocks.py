@@ -10,13 +10,19 @@ formats (quant/format.py), so they load as QuantizedWeights with no rounding:
 | Q4_0 | 32 weights, d | q - 8 in [-8, 7] | int4 symmetric, group 32 |
 | Q5_0 | 32 weights, d | q - 16 in [-16, 15] | grouped int8, group 32 |
 | Q6_K | 256 weights, d and 16 int8 scales | q - 32 in [-32, 31] | grouped int8, group 16 (scale d * sc) |
+| Q4_K | 256 weights, d, dmin, 8 6-bit scales and mins | q in [0, 15] | int4, group 32, float zero points |
+| Q5_K | the same, 5-bit codes | q in [0, 31] | grouped int8, group 32, float zero points |
+
+Q4_K and Q5_K subtract an offset: w = (d sc) q - (dmin m) is held as (q - z) s with s = d sc and the
+zero point z = dmin m / s a float (quant/format.py's float_zeros; dequantized in XLA, no kernel), equal
+to the file's value to float32 rounding (checked at load: within 4 ulp of the group's largest term);
+a group with s = 0 and an offset (not representable so) leaves its tensor to floats.
 
 The scales are read from the blocks' bytes (ggml-common.h's layouts: d first in the 32-weight
 blocks; Q6_K's 16 scales at byte 192 and d at byte 208), the codes from the gguf package's
 dequantized values divided by them, and every code times its scale must give that value back
-exactly (else the tensor is refused by name). The other types (Q4_1, Q5_1, the other K-quants:
-offsets that are not integer zero points; the IQ types: lattice codebooks) are dequantized to
-floats by the loader. Projections served as one fused matmul (q, k, v; gate, up) stay packed only
+exactly (else the tensor is refused by name). The other types (Q4_1, Q5_1, Q2_K, Q3_K; the IQ
+types: lattice codebooks) are dequantized to floats by the loader. Projections served as one fused matmul (q, k, v; gate, up) stay packed only
 when the file stores them in the same type; otherwise all of them load as floats. A mixture's
 experts (stacked in the file) load as one batch=1 QuantizedWeight per layer and matrix, expert by
 expert. Embeddings and a quantized LM head are dequantized (they are not matmul weights of the
@@ -25,11 +31,12 @@ quantized path).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.prequant.common import QuantConfigError, int_weight
+from jaxinfer.prequant.common import QuantConfigError, int_weight, pack_int4_np
 from jaxinfer.quant import QuantizedWeight
 
 METHOD = "gguf"
@@ -37,6 +44,11 @@ METHOD = "gguf"
 # sub-scales or None, largest |code|)
 EXACT = {"Q8_0": (8, 32, 0, None, 128), "Q4_0": (4, 32, 0, None, 8), "Q5_0": (8, 32, 0, None, 16),
          "Q6_K": (8, 16, 208, (192, 16), 32)}
+# K-quants with an offset per 32 weights, w = d * sc * q - dmin * m (6-bit sc and m packed in 12
+# bytes at byte 4, ggml's get_scale_min_k4): unsigned codes with a float zero point m*dmin / (sc*d)
+# -> (bits of jaxinfer's format, largest code)
+OFFSET = {"Q4_K": (4, 15), "Q5_K": (8, 31)}
+_NBYTES = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "Q6_K": 210, "Q4_K": 144, "Q5_K": 176}
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -55,19 +67,22 @@ class GGUFBlockReader:
         if ".experts." in module:   # stacked experts: stacked_param's
             return False
         kind = self._type(module)
-        if kind not in EXACT:
-            return False
         head, _, last = module.rpartition(".")
         siblings = next((group for group in _FUSED if last in group), (last,))
-        return all(self._type(f"{head}.{s}") == kind for s in siblings)
+        return _packable(kind) and all(self._type(f"{head}.{s}") == kind and self._representable(f"{head}.{s}")
+                                       for s in siblings)
+
+    @functools.lru_cache(maxsize=None)
+    def _representable(self, module: str) -> bool:
+        """An offset type's groups all have a scale where they have an offset (the others: always)."""
+        t = self.st.file.tensors[self.st.stored(f"{module}.weight")][0]
+        return t.tensor_type.name not in OFFSET or _offsets_fit(np.asarray(t.data, np.uint8), t.tensor_type.name)
 
     def linear(self, module: str) -> QuantizedWeight:
         name = f"{module}.weight"
         t = self.st.file.tensors[self.st.stored(name)][0]
         w = self.st.get(name)                              # float32 [N, K], llama.cpp's rows turned back
-        codes, scales = _codes(t, w, np.asarray(t.data, np.uint8), lambda x: self.st.rows(name, x))
-        bits, g = EXACT[t.tensor_type.name][:2]
-        return int_weight(codes.T, scales.T, None, bits, g)
+        return _weight(t, w, np.asarray(t.data, np.uint8), lambda x: self.st.rows(name, x))
 
     def stacked_param(self, ours: str, hf_names: tuple[str, ...], transform, expected: tuple[int, ...]):
         """A mixture's experts (one stacked tensor in the file, llama.cpp's ffn_*_exps) as one batch=1
@@ -80,7 +95,8 @@ class GGUFBlockReader:
         t = self.st.file.tensors[stack][0]
         kind = t.tensor_type.name
         pair = [f"blk.{stack.split('.')[1]}.ffn_{p}_exps.weight" for p in ("gate", "up")]
-        if kind not in EXACT or (stack in pair and any(
+        raw = np.asarray(t.data, np.uint8)
+        if not _packable(kind) or (kind in OFFSET and not _offsets_fit(raw, kind)) or (stack in pair and any(
                 n not in self.st.file.tensors or self.st.file.tensors[n][0].tensor_type.name != kind for n in pair)):
             return None
         w = self.st.file.tensor(stack)                     # float32 [E, N, K]
@@ -88,15 +104,66 @@ class GGUFBlockReader:
         if len(hf_names) != e or tuple(expected) != (e, k, n):
             raise QuantConfigError(f"GGUF tensor {stack!r} of shape {list(w.shape)} does not give {ours} of shape "
                                    f"{tuple(expected)}")
-        raw = np.asarray(t.data, np.uint8).reshape(e, n, -1)
-        bits, g = EXACT[kind][:2]
-        parts = [int_weight(*(a.T for a in _codes(t, w[j], raw[j], lambda x: x)), None, bits, g) for j in range(e)]
-        stackq = lambda leaf: jnp.stack([getattr(p, leaf) for p in parts])  # noqa: E731
-        return dataclasses.replace(parts[0], q=stackq("q"), scales=stackq("scales"), shape=(e, k, n), contract=1,
-                                   batch=1)
+        raw = raw.reshape(e, n, -1)
+        parts = [_weight(t, w[j], raw[j], lambda x: x) for j in range(e)]
+        stackq = lambda leaf: None if getattr(parts[0], leaf) is None else jnp.stack(  # noqa: E731
+            [getattr(p, leaf) for p in parts])
+        return dataclasses.replace(parts[0], q=stackq("q"), scales=stackq("scales"), zeros=stackq("zeros"),
+                                   shape=(e, k, n), contract=1, batch=1)
 
 
-_NBYTES = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "Q6_K": 210}
+def _packable(kind: str | None) -> bool:
+    return kind in EXACT or kind in OFFSET
+
+
+def _k_scales(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, offset) float32 [..., groups] of Q4_K / Q5_K blocks: s = d * sc_j, o = dmin * m_j for the 8
+    groups of 32 of each block, sc_j and m_j unpacked from the 12 bytes at byte 4 (ggml-common.h:
+    groups 0-3 take the low 6 bits of bytes j and j + 4; groups 4-7 the nibbles of byte j + 4 with the
+    top 2 bits of bytes j - 4 and j)."""
+    blocks = raw.reshape(*raw.shape[:-1], -1, _NBYTES[kind])
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    dmin = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    b = blocks[..., 4:16].astype(np.int32)
+    sc = np.concatenate([b[..., 0:4] & 63, (b[..., 8:12] & 0xF) | ((b[..., 0:4] >> 6) << 4)], axis=-1)
+    m = np.concatenate([b[..., 4:8] & 63, (b[..., 8:12] >> 4) | ((b[..., 4:8] >> 6) << 4)], axis=-1)
+    scale = (d[..., None] * sc.astype(np.float32)).reshape(*raw.shape[:-1], -1)
+    offset = (dmin[..., None] * m.astype(np.float32)).reshape(*raw.shape[:-1], -1)
+    return scale, offset
+
+
+def _offsets_fit(raw: np.ndarray, kind: str) -> bool:
+    scale, offset = _k_scales(raw, kind)
+    return not np.any((scale == 0) & (offset != 0))
+
+
+def _weight(t, w: np.ndarray, raw: np.ndarray, rows) -> QuantizedWeight:
+    """One [N, K] matrix of GGUF tensor t as jaxinfer's [K, N] QuantizedWeight: w its dequantized
+    values (rows in transformers' order), raw its blocks' bytes as stored, rows() the same row
+    reordering for the scales."""
+    kind = t.tensor_type.name
+    if kind in EXACT:
+        codes, scales = _codes(t, w, raw, rows)
+        return int_weight(codes.T, scales.T, None, EXACT[kind][0], EXACT[kind][1])
+    bits, limit = OFFSET[kind]
+    n, k = w.shape
+    scale, offset = (rows(a) for a in _k_scales(raw, kind))
+    if scale.shape != (n, k // 32):
+        raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}) has {scale.shape[1]} groups per row; "
+                               f"expected {k // 32} for {k} weights")
+    safe = np.where(scale == 0, 1.0, scale)
+    codes = np.rint((w.reshape(n, k // 32, 32) + offset[..., None]) / safe[..., None])
+    zeros = (offset / safe).astype(np.float32)
+    back = (codes - zeros[..., None]) * scale[..., None]
+    size = np.abs(offset) + np.abs(scale) * limit            # the group's largest term
+    if (codes.min(initial=0) < 0 or codes.max(initial=0) > limit
+            or np.any(np.abs(back - w.reshape(n, k // 32, 32)) > 4 * np.finfo(np.float32).eps * size[..., None])):
+        raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}): its blocks are not scale x code - offset "
+                               "(a damaged tensor)")
+    codes = codes.reshape(n, k).T.astype(np.int32)
+    q = pack_int4_np(codes) if bits == 4 else codes.astype(np.int8)
+    return QuantizedWeight(jnp.asarray(q), jnp.asarray(scale.T.astype(np.float32)), jnp.asarray(zeros.T),
+                           bits=bits, group_size=32, shape=(k, n))
 
 
 def _codes(t, w: np.ndarray, raw: np.ndarray, rows) -> tuple[np.ndarray, np.ndarray]:

@@ -29,6 +29,9 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
   int4 (low nibble = even k), scales uint8 [K/32, N] e8m0 exponents (group_size 32): w = e2m1(code)
   * 2^(scale - 127); told from int4 by the scales' dtype; dequantized in XLA (no kernel), expert by
   expert on the MoE path. Stored 4.25 bits a weight.
+* float zero points (GGUF's Q4_K as int4, Q5_K as grouped int8, both groups of 32: w = scale * q -
+  offset, stored as zeros = offset / scale, float32 [K/g, N], unsigned codes): dequantized in XLA
+  (QuantizedWeight.float_zeros), no kernel.
 * row order (perm, pre-quantized GPTQ with desc_act only): the rows of q, scales and zeros are stored
   in the order perm (int32 [K]), chosen at load so that each group's rows are contiguous; the
   product is x[:, perm] @ dequant(q) (a gather of x's K columns per call, qdot), the logical weight
@@ -139,6 +142,12 @@ class QuantizedWeight:
     def mxfp4(self) -> bool:
         """OCP MXFP4 (gpt-oss experts): e2m1 codes packed like int4, e8m0 scale bytes per 32 k."""
         return self.bits == 4 and jnp.dtype(self.scales.dtype) == jnp.uint8
+
+    @property
+    def float_zeros(self) -> bool:
+        """Zero points that are floats (GGUF's Q4_K / Q5_K: w = scale * q - offset, zero = offset / scale):
+        dequantized in XLA, no kernel (the kernel's zero points are integers)."""
+        return self.zeros is not None and jnp.issubdtype(jnp.dtype(self.zeros.dtype), jnp.floating)
 
     @property
     def grouped8(self) -> bool:
@@ -381,6 +390,11 @@ def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
         if qw.zeros is not None:
             q = q - qw.zeros.astype(jnp.float32)[:, None, :]
         return (q * qw.scales.astype(jnp.float32)[:, None, :]).reshape(k, n)
+    if qw.bits == 4 and qw.float_zeros:   # unsigned codes, a float zero point per group
+        g = qw.group_size
+        q = unpack_int4(qw.q, signed=False).astype(jnp.float32).reshape(qw.k // g, g, qw.n)
+        return ((q - qw.zeros.astype(jnp.float32)[:, None, :]) * qw.scales.astype(jnp.float32)[:, None, :]
+                ).reshape(qw.k, qw.n)
     if qw.bits != 3:
         return dequantize_weight(qw.q_kn(), qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
     q = unpack_int3(qw.q, signed=qw.zeros is None)
