@@ -303,7 +303,8 @@ def _quantized_meta(qw: QuantizedWeight) -> dict[str, Any]:
             "format": "fp8_e4m3" if qw.fp8 else "mxfp4" if qw.mxfp4 else "int",
             "act_scales": None if qw.act_bits is None else ("static" if qw.act_scale is not None else "dynamic"),
             "act_symmetric": qw.act_zero is None, "batch": qw.batch, "layout": qw.layout,
-            **({"perm": True} if qw.perm is not None else {})}
+            **({"perm": True} if qw.perm is not None else {}),
+            **({"zeros": "float32"} if qw.float_zeros else {})}
 
 
 def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -322,7 +323,7 @@ def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
         out = {"q": jax.ShapeDtypeStruct((n, k) if nk else (k, n), q),
                "scales": jax.ShapeDtypeStruct((n,) if g is None else (k // g, n), jnp.float32)}
         if g is not None and not m["symmetric"]:     # grouped int8 with zero points (quant/format.py)
-            out["zeros"] = jax.ShapeDtypeStruct((k // g, n), jnp.int8)
+            out["zeros"] = jax.ShapeDtypeStruct((k // g, n), _zeros_dtype(m, jnp.int8))
         if m.get("act_scales") == "static":
             out["act_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
             if not m.get("act_symmetric", True):
@@ -331,8 +332,14 @@ def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
     out = {"q": jax.ShapeDtypeStruct((k * bits // 8, n), jnp.uint8),
            "scales": jax.ShapeDtypeStruct((k // g, n), jnp.uint8 if m.get("format") == "mxfp4" else jnp.float32)}
     if not m["symmetric"]:
-        out["zeros"] = jax.ShapeDtypeStruct((k // g, n), jnp.uint8)
+        out["zeros"] = jax.ShapeDtypeStruct((k // g, n), _zeros_dtype(m, jnp.uint8))
     return out
+
+
+def _zeros_dtype(m: dict[str, Any], integer):
+    """The stored zero points' dtype: float32 where config.json says so (GGUF's Q4_K / Q5_K), else the
+    format's integer one."""
+    return jnp.float32 if m.get("zeros") == "float32" else integer
 
 
 def read_native_config(folder: str | Path) -> tuple[ModelConfig, dict[str, Any]]:

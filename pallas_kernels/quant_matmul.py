@@ -402,6 +402,8 @@ def _check_operands(x, w, scales, zeros, bits: int, group_size: int | None) -> N
             raise ValueError(f"scales must be [K//g, N]={(k // group_size, n)}, got {scales.shape}")
         if zeros is not None and zeros.shape != scales.shape:
             raise ValueError(f"zeros must be [K//g, N]={scales.shape}, got {zeros.shape}")
+        if zeros is not None and not jnp.issubdtype(zeros.dtype, jnp.integer):
+            raise TypeError(f"zeros must be integers (the kernel subtracts them from the codes), got {zeros.dtype}")
     else:
         raise ValueError(f"bits must be 4 or 8, got {bits}")
 

@@ -626,3 +626,38 @@ def test_whole_words_and_space_prefix_after_special_tokens(tmp_path):
                                                        sentencepiece_vocab(text / "tokenizer.model"))))
     assert tok.encode("</s>the dog", add_special_tokens=False) == [sp.eos_id()] + sp.encode("the dog")
     assert tok.encode("the dog", add_special_tokens=False) == sp.encode("the dog")
+
+
+def test_k_quant_flat_group_and_native_round_trip(gguf_case, tmp_path):
+    """A Q4_K group whose 6-bit scale is 0 is the constant -dmin * m: held exactly (code 0, zero point 1,
+    the offset as its scale); float zero points survive a native checkpoint's save and restore; the
+    Pallas kernel refuses them (it subtracts integer zero points)."""
+    from types import SimpleNamespace
+
+    import gguf
+    import jax.numpy as jnp
+
+    from jaxinfer.prequant.gguf_blocks import _weight
+    from jaxinfer.quant import dequantize
+    from jaxinfer.weights import load_model, save_native
+    from pallas_kernels.quant_matmul import quant_matmul
+    from tests.gguf_files import random_blocks
+    q4k = gguf.GGMLQuantizationType.Q4_K
+    raw = random_blocks((2, 256), q4k, np.random.default_rng(1))
+    raw[0, 4] &= 0xC0            # group 0 of row 0: scale 0 (low 6 bits of byte 4) ...
+    raw[0, 8] |= 1               # ... and an offset (low 6 bits of byte 8)
+    w = gguf.quants.dequantize(raw, q4k)
+    assert np.all(w[0, :32] == w[0, 0]) and w[0, 0] != 0      # the flat group, as the gguf package reads it
+    qw = _weight(SimpleNamespace(tensor_type=q4k, name="t"), w, raw, lambda x: x)
+    got = np.asarray(dequantize(qw)).T
+    assert np.array_equal(got[0, :32], w[0, :32])
+    assert np.abs(got - w).max() <= 8 * np.finfo(np.float32).eps * 2 * np.abs(w).max()
+    with pytest.raises(TypeError, match="zeros must be integers"):
+        quant_matmul(jnp.ones((1, 256), jnp.float32), qw.q, qw.scales, qw.zeros, bits=4, group_size=32, interpret=True)
+    path, _ = gguf_case("llama-q4km")
+    model, _ = load_model(resolve_model_path(path), "float32")
+    save_native(model, tmp_path / "native", "float32")
+    again, _ = load_model(tmp_path / "native", "float32")
+    before, after = model.layers[0].attn.q.get_value(), again.layers[0].attn.q.get_value()
+    assert before.float_zeros and after.float_zeros
+    assert np.array_equal(np.asarray(dequantize(before)), np.asarray(dequantize(after)))

@@ -16,7 +16,7 @@ formats (quant/format.py), so they load as QuantizedWeights with no rounding:
 Q4_K and Q5_K subtract an offset: w = (d sc) q - (dmin m) is held as (q - z) s with s = d sc and the
 zero point z = dmin m / s a float (quant/format.py's float_zeros; dequantized in XLA, no kernel), equal
 to the file's value to float32 rounding (checked at load: within 4 ulp of the group's largest term);
-a group with s = 0 and an offset (not representable so) leaves its tensor to floats.
+a group with s = 0 (the constant -o) is held as code 0, zero point 1 and scale o, exactly.
 
 The scales are read from the blocks' bytes (ggml-common.h's layouts: d first in the 32-weight
 blocks; Q6_K's 16 scales at byte 192 and d at byte 208), the codes from the gguf package's
@@ -31,7 +31,6 @@ quantized path).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -69,14 +68,7 @@ class GGUFBlockReader:
         kind = self._type(module)
         head, _, last = module.rpartition(".")
         siblings = next((group for group in _FUSED if last in group), (last,))
-        return _packable(kind) and all(self._type(f"{head}.{s}") == kind and self._representable(f"{head}.{s}")
-                                       for s in siblings)
-
-    @functools.lru_cache(maxsize=None)
-    def _representable(self, module: str) -> bool:
-        """An offset type's groups all have a scale where they have an offset (the others: always)."""
-        t = self.st.file.tensors[self.st.stored(f"{module}.weight")][0]
-        return t.tensor_type.name not in OFFSET or _offsets_fit(np.asarray(t.data, np.uint8), t.tensor_type.name)
+        return _packable(kind) and all(self._type(f"{head}.{s}") == kind for s in siblings)
 
     def linear(self, module: str) -> QuantizedWeight:
         name = f"{module}.weight"
@@ -96,7 +88,7 @@ class GGUFBlockReader:
         kind = t.tensor_type.name
         pair = [f"blk.{stack.split('.')[1]}.ffn_{p}_exps.weight" for p in ("gate", "up")]
         raw = np.asarray(t.data, np.uint8)
-        if not _packable(kind) or (kind in OFFSET and not _offsets_fit(raw, kind)) or (stack in pair and any(
+        if not _packable(kind) or (stack in pair and any(
                 n not in self.st.file.tensors or self.st.file.tensors[n][0].tensor_type.name != kind for n in pair)):
             return None
         w = self.st.file.tensor(stack)                     # float32 [E, N, K]
@@ -132,11 +124,6 @@ def _k_scales(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     return scale, offset
 
 
-def _offsets_fit(raw: np.ndarray, kind: str) -> bool:
-    scale, offset = _k_scales(raw, kind)
-    return not np.any((scale == 0) & (offset != 0))
-
-
 def _weight(t, w: np.ndarray, raw: np.ndarray, rows) -> QuantizedWeight:
     """One [N, K] matrix of GGUF tensor t as jaxinfer's [K, N] QuantizedWeight: w its dequantized
     values (rows in transformers' order), raw its blocks' bytes as stored, rows() the same row
@@ -151,9 +138,11 @@ def _weight(t, w: np.ndarray, raw: np.ndarray, rows) -> QuantizedWeight:
     if scale.shape != (n, k // 32):
         raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}) has {scale.shape[1]} groups per row; "
                                f"expected {k // 32} for {k} weights")
-    safe = np.where(scale == 0, 1.0, scale)
-    codes = np.rint((w.reshape(n, k // 32, 32) + offset[..., None]) / safe[..., None])
-    zeros = (offset / safe).astype(np.float32)
+    # a group with scale 0 is the constant -offset: code 0, zero point 1 and the offset as its scale
+    flat = scale == 0
+    scale = np.where(flat, np.where(offset == 0, 1.0, offset), scale).astype(np.float32)
+    codes = np.where(flat[..., None], 0.0, np.rint((w.reshape(n, k // 32, 32) + offset[..., None]) / scale[..., None]))
+    zeros = np.where(flat, np.where(offset == 0, 0.0, 1.0), offset / scale).astype(np.float32)
     back = (codes - zeros[..., None]) * scale[..., None]
     size = np.abs(offset) + np.abs(scale) * limit            # the group's largest term
     if (codes.min(initial=0) < 0 or codes.max(initial=0) > limit
