@@ -104,7 +104,7 @@ def resolve_model_path(spec: str | os.PathLike, revision: str | None = None) -> 
         raise ModelSpecError(f"{s}: empty revision after '@'")
     if colon:
         return _gguf_download(repo_id, quant, revision)
-    return Path(_download(repo_id, revision))
+    return Path(_download(repo_id, revision, model=True))
 
 
 def resolve_tokenizer_path(spec: str | os.PathLike) -> Path:
@@ -181,7 +181,10 @@ def module_patterns(modules) -> list[str]:
             for pattern in ALLOW_PATTERNS]
 
 
-def _download(repo_id: str, revision: str | None, allow=ALLOW_PATTERNS, ignore=IGNORE_PATTERNS) -> str:
+def _download(repo_id: str, revision: str | None, allow=ALLOW_PATTERNS, ignore=IGNORE_PATTERNS,
+              model: bool = False) -> str:
+    """The snapshot folder of repo_id (allow / ignore: huggingface_hub's patterns). model: a whole model
+    is wanted (a GGUF repository without config.json is then refused with the ORG/NAME:QUANT hint)."""
     from huggingface_hub import snapshot_download
     with _hub_errors(repo_id, revision):
         root = snapshot_download(repo_id, revision=revision, allow_patterns=list(allow),
@@ -190,7 +193,7 @@ def _download(repo_id: str, revision: str | None, allow=ALLOW_PATTERNS, ignore=I
         patterns = module_patterns(json.loads(modules.read_text())) if modules.is_file() else []
         if patterns:   # a sentence-transformers model: its modules' folders (Pooling's config, ...)
             root = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
-        if not (Path(root) / "config.json").exists() and repo_id.lower().endswith("gguf") and allow is ALLOW_PATTERNS:
+        if model and not (Path(root) / "config.json").exists() and repo_id.lower().endswith("gguf"):
             raise ModelSpecError(f"{repo_id}: a GGUF repository (no config.json); name the quantization to load, "
                                  f"e.g. {repo_id}:Q4_K_M")
         return root

@@ -46,16 +46,18 @@ def int_weight(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, 
     """A linear's integer codes [K, N] (signed, w = codes * scale, when zeros is None; else unsigned
     in [0, 2^bits), w = (codes - zero) * scale), scales [K/g, N] and zeros [K/g, N] -> jaxinfer's
     int4 / int8 QuantizedWeight of shape (K, N) (quant/format.py), packed: int4 two per byte, int8
-    one byte each, per output channel or grouped (symmetric only: the caller checks)."""
+    one byte each, per output channel or grouped. Integer zero points are int4's only; float ones
+    (GGUF's K-quants: quant/format.py's float_zeros) stay float32, for int4 or grouped int8."""
     k, n = codes.shape
     scales = np.asarray(scales, np.float32)
+    floats = zeros is not None and np.issubdtype(np.asarray(zeros).dtype, np.floating)
+    zeros_ = None if zeros is None else jnp.asarray(np.asarray(zeros).astype(np.float32 if floats else np.uint8))
     if bits == 8:   # per channel: jaxinfer's int8 (kernels); grouped: grouped int8 (XLA)
-        assert zeros is None, "8-bit weights load symmetric only"
+        assert zeros is None or (floats and scales.shape[0] > 1), "8-bit zero points: grouped, float"
         per_channel = scales.shape[0] == 1
         return QuantizedWeight(jnp.asarray(codes.astype(np.int8)), jnp.asarray(scales[0] if per_channel else scales),
-                               None, bits=8, group_size=None if per_channel else group_size, shape=(k, n))
+                               zeros_, bits=8, group_size=None if per_channel else group_size, shape=(k, n))
     assert bits == 4, bits
-    zeros_ = None if zeros is None else jnp.asarray(np.asarray(zeros).astype(np.uint8))
     return QuantizedWeight(jnp.asarray(pack_int4_np(codes)), jnp.asarray(scales), zeros_, bits=4,
                            group_size=group_size, shape=(k, n))
 

@@ -35,7 +35,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.prequant.common import QuantConfigError, int_weight, pack_int4_np
+from jaxinfer.prequant.common import QuantConfigError, int_weight
 from jaxinfer.quant import QuantizedWeight
 
 METHOD = "gguf"
@@ -149,10 +149,7 @@ def _weight(t, w: np.ndarray, raw: np.ndarray, rows) -> QuantizedWeight:
             or np.any(np.abs(back - w.reshape(n, k // 32, 32)) > 4 * np.finfo(np.float32).eps * size[..., None])):
         raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}): its blocks are not scale x code - offset "
                                "(a damaged tensor)")
-    codes = codes.reshape(n, k).T.astype(np.int32)
-    q = pack_int4_np(codes) if bits == 4 else codes.astype(np.int8)
-    return QuantizedWeight(jnp.asarray(q), jnp.asarray(scale.T.astype(np.float32)), jnp.asarray(zeros.T),
-                           bits=bits, group_size=32, shape=(k, n))
+    return int_weight(codes.reshape(n, k).T.astype(np.int32), scale.T, zeros.T, bits, 32)
 
 
 def _codes(t, w: np.ndarray, raw: np.ndarray, rows) -> tuple[np.ndarray, np.ndarray]:
