@@ -8,8 +8,9 @@ the cache, keyed by the file's path, size and modification time and this module'
 file, and GGUFTensors serves the loader every tensor by its Hugging Face name (gguf.TensorNameMap,
 llama.cpp's own table), dequantized to float32 by the gguf package (llama.cpp's Python reference of
 its formats), Llama's Q and K rows turned back from llama.cpp's rotary layout. Blocks that are
-jaxinfer formats (Q8_0, Q4_0, Q5_0, Q6_K exactly; Q4_K, Q5_K with float zero points) stay packed
-(jaxinfer/prequant/gguf_blocks.py); the other weights are held in the serving dtype (--dtype).
+jaxinfer formats (Q8_0, Q4_0, Q5_0, Q6_K, gpt-oss's MXFP4 experts exactly; Q4_K, Q5_K with float
+zero points) stay packed (jaxinfer/prequant/gguf_blocks.py); the other weights are held in the
+serving dtype (--dtype).
 
 The tokenizer is rebuilt as llama.cpp reads it (llama-vocab.cpp), in the tokenizers library: a
 "llama" vocabulary is SentencePiece BPE with byte fallback (merges from the scores when the file has
@@ -20,7 +21,10 @@ ones plain, both kept as the raw text the converter wrote; BOS is added as
 
 Architectures: llama (also Mistral's files, and Mixtral's: llama with experts), qwen2, qwen3,
 qwen3moe (experts stacked per layer: ffn_{gate,up,down}_exps, read expert by expert), gemma2,
-gemma3 (text; the settings llama.cpp takes from the model size rather than the file: _GEMMA). Rope: none,
+gemma3 (text; the settings llama.cpp takes from the model size rather than the file: _GEMMA), phi3
+(Phi-3, Phi-3.5, Phi-4, Phi-4-mini: fused q/k/v and gate/up, LongRoPE's factors as tensors, partial
+rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fused, served in
+transformers' interleaved layout; sinks; the clamp llama.cpp fixes at 7.0). Rope: none,
 linear, yarn, and Llama 3's (its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
 every stored divisor). Anything else is refused naming the key or tensor. Split files
 (NAME-00001-of-0000N.gguf) are read across their parts.
@@ -43,9 +47,10 @@ from jaxinfer.errors import CheckpointError
 
 MARKER = "gguf_file"   # config.json's key naming the file
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+         "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+         "phi3": "Phi3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
-                "gemma3": "gemma3_text"}
+                "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss"}
 # llama.cpp's Gemma: every `swa`-th layer global, the others sliding (hparams.set_swa_pattern), the
 # sliding layers' RoPE base 10 000, the 27B models' queries scaled by 1/sqrt(d_model / heads) (their
 # block counts), the others' by 1/sqrt(head_dim): none of it is in the file
@@ -54,6 +59,9 @@ _GEMMA = {"gemma2": {"swa": 2, "big_layers": 46}, "gemma3": {"swa": 6, "big_laye
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                      r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+# gpt-oss's experts as transformers holds them: all of a layer's in one tensor, gate and up interleaved
+# (gate_up_proj [E, D, 2F], its bias [E, 2F]; down_proj [E, F, D], its bias [E, D])
+_OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 _CONTROL, _USER_DEFINED = 3, 4
 SPLIT_NAME = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
 
@@ -183,9 +191,12 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
     heads = int(need["attention.head_count"])
     head_dim = int(f.arch_get("attention.key_length") or need["embedding_length"] // heads)
     rotary = f.arch_get("rope.dimension_count")
+    partial = {}
     if rotary is not None and int(rotary) != head_dim:
-        raise CheckpointError(f"{f.path}: {arch}.rope.dimension_count = {rotary} rotates part of each "
-                              f"{head_dim}-wide head; {arch} models in jaxinfer rotate all of it")
+        if arch != "phi3":   # Phi-4-mini rotates 3/4 of each head
+            raise CheckpointError(f"{f.path}: {arch}.rope.dimension_count = {rotary} rotates part of each "
+                                  f"{head_dim}-wide head; {arch} models in jaxinfer rotate all of it")
+        partial = {"partial_rotary_factor": int(rotary) / head_dim}
     if "token_embd.weight" not in f.tensors:
         raise CheckpointError(f"{f.path}: no tensor 'token_embd.weight'")
     vocab = int(f.tensors["token_embd.weight"][0].shape[1])
@@ -200,12 +211,16 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in f.tensors,
         "attention_bias": "blk.0.attn_q.bias" in f.tensors and arch != "qwen2",
         "rope_parameters": {"rope_theta": float(f.arch_get("rope.freq_base") or 10000.0),
-                            **_rope_scaling(f, head_dim)},
+                            **_rope_scaling(f, head_dim), **partial},
         MARKER: str(Path(os.path.abspath(f.path))),
     }
     cfg.update(_experts(f, cfg))
     if arch in _GEMMA:
         cfg.update(_gemma(f, cfg))
+    elif arch == "phi3":
+        cfg.update(_phi3(f, cfg))
+    elif arch == "gpt-oss":
+        cfg.update(_gpt_oss(f, cfg))
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("padding_token_id", "pad_token_id")):
         v = f.get(f"tokenizer.ggml.{key}")
@@ -237,13 +252,54 @@ def _gemma(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _phi3(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3 / Phi-4 (llama.cpp's phi3, q/k/v and gate/up fused as transformers holds them: attn_qkv,
+    ffn_up): LongRoPE when the file has rope_factors_long / rope_factors_short (llama.cpp's converter
+    writes no rope type for it, only those tensors, rope.scaling.original_context_length and
+    rope.scaling.attn_factor); a window on every layer when attention.sliding_window > 0 (the converter
+    writes 0 for none). llama.cpp ignores that window (its "Phi SWA is currently disabled"); here it
+    is kept, as transformers and the model's own config.json run it."""
+    window = f.arch_get("attention.sliding_window")
+    out: dict[str, Any] = {"sliding_window": int(window) if window else None}
+    if "rope_factors_long.weight" not in f.tensors:
+        return out
+    original = f.arch_get("rope.scaling.original_context_length")
+    if original is None or "rope_factors_short.weight" not in f.tensors:
+        raise CheckpointError(f"{f.path}: rope_factors_long.weight without rope_factors_short.weight and "
+                              "phi3.rope.scaling.original_context_length")
+    rope = {**cfg["rope_parameters"], "rope_type": "longrope", "original_max_position_embeddings": int(original),
+            "long_factor": f.tensor("rope_factors_long.weight").reshape(-1).astype(float).tolist(),
+            "short_factor": f.tensor("rope_factors_short.weight").reshape(-1).astype(float).tolist()}
+    attention = f.arch_get("rope.scaling.attn_factor")
+    if attention is not None:
+        rope["attention_factor"] = float(attention)
+    return {**out, "rope_parameters": rope, "original_max_position_embeddings": int(original)}
+
+
+def _gpt_oss(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss (llama.cpp's llm_build_openai_moe): sliding and global layers alternating, the first
+    sliding (its SWA pattern 2, transformers' default layer_types); biased attention with sinks;
+    YaRN over the whole band (truncate false: the model as published, OpenAI's reference and
+    transformers; llama.cpp rounds the band's ends to whole dimensions). The clamped SwiGLU's alpha
+    and limit are not in the file (llama.cpp fixes them at 1.702 and 7.0, GptOssConfig's defaults)."""
+    window = f.arch_get("attention.sliding_window")
+    if window is None:
+        raise CheckpointError(f"{f.path}: metadata gpt-oss.attention.sliding_window is missing")
+    n = cfg["num_hidden_layers"]
+    rope = dict(cfg["rope_parameters"])
+    if rope.get("rope_type") == "yarn":
+        rope["truncate"] = False
+    return {"sliding_window": int(window), "attention_bias": True, "rope_parameters": rope,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]}
+
+
 def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
-    """A mixture of experts' fields: Mixtral (llama.cpp's `llama` with experts) or Qwen3-MoE (routing
-    normalized over the chosen experts, as llama.cpp's qwen3moe does); every layer routed."""
+    """A mixture of experts' fields: Mixtral (llama.cpp's `llama` with experts), Qwen3-MoE (routing
+    normalized over the chosen experts, as llama.cpp's qwen3moe does) or gpt-oss; every layer routed."""
     count, used = f.arch_get("expert_count"), f.arch_get("expert_used_count")
     if not count:
-        if f.arch == "qwen3moe":
-            raise CheckpointError(f"{f.path}: metadata qwen3moe.expert_count is missing")
+        if f.arch in ("qwen3moe", "gpt-oss"):
+            raise CheckpointError(f"{f.path}: metadata {f.arch}.expert_count is missing")
         return {}
     if not used:
         raise CheckpointError(f"{f.path}: metadata {f.arch}.expert_used_count is missing")
@@ -256,7 +312,9 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
                 "num_experts_per_tok": int(used), "sliding_window": None}
     ffn = f.arch_get("expert_feed_forward_length")
     if ffn is None:
-        raise CheckpointError(f"{f.path}: metadata qwen3moe.expert_feed_forward_length is missing")
+        raise CheckpointError(f"{f.path}: metadata {f.arch}.expert_feed_forward_length is missing")
+    if f.arch == "gpt-oss":   # GptOssConfig: the experts' width is intermediate_size
+        return {"num_local_experts": int(count), "num_experts_per_tok": int(used), "intermediate_size": int(ffn)}
     return {"num_experts": int(count), "num_experts_per_tok": int(used), "moe_intermediate_size": int(ffn),
             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
@@ -281,6 +339,13 @@ def _rope_scaling(f: GGUFFile, head_dim: int) -> dict[str, Any]:
         for key, hf in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
             if f.arch_get(key) is not None:
                 out[hf] = float(f.arch_get(key))
+        # llama.cpp's other YaRN knobs, at their neutral values only (its attn factor multiplies the
+        # magnitude transformers computes, where transformers' attention_factor replaces it)
+        for key, neutral in (("rope.scaling.yarn_attn_factor", 1.0), ("rope.scaling.yarn_ext_factor", 1.0),
+                             ("rope.scaling.yarn_log_multiplier", 0.0)):
+            if f.arch_get(key) not in (None, neutral):
+                raise CheckpointError(f"{f.path}: {f.arch}.{key} = {f.arch_get(key)} is not supported (YaRN as "
+                                      "transformers computes it)")
         return out
     raise CheckpointError(f"{f.path}: {f.arch}.rope.scaling.type = {kind!r} is not supported (none, linear, yarn)")
 
@@ -337,6 +402,11 @@ def generation_config(f: GGUFFile) -> dict[str, Any]:
     stops = [int(v) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
              if (v := f.get(f"tokenizer.ggml.{k}")) is not None]
     stops += [i for i, t in enumerate(tokens) if t in EOG_TEXTS]
+    # llama.cpp's rule for gpt-oss's harmony: with <|return|> and <|call|> ending generation, <|end|>
+    # ends only a message (the analysis channel's, before the final one)
+    texts = {tokens[i] for i in stops if 0 <= i < len(tokens)}
+    if {"<|return|>", "<|call|>", "<|end|>"} <= texts:
+        stops = [i for i in stops if not 0 <= i < len(tokens) or tokens[i] != "<|end|>"]
     out: dict[str, Any] = {}
     if stops:
         out["eos_token_id"] = list(dict.fromkeys(stops))
@@ -387,11 +457,16 @@ def build_tokenizer(f: GGUFFile):
     else:
         raise CheckpointError(f"{f.path}: tokenizer.ggml.model = {kind!r} is not supported (llama, gpt2); give "
                               "--tokenizer a folder with the model's tokenizer")
-    # control tokens are special, user-defined ones (<think>) plain; both matched whole, as llama.cpp does
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
-                            if ty == _CONTROL])
-    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
-                    if ty == _USER_DEFINED])
+    # control tokens are special, user-defined ones (<think>) plain; both matched whole, as llama.cpp does.
+    # A Phi-3's (llama.cpp tells them by general.name) also take the whitespace after them, as its
+    # tokenizer.json's added tokens do, but for <s>, <unk> and <|endoftext|> (llama.cpp's RSTRIP rule)
+    name = str(f.get("general.name", "")).lower()
+    phi3 = "phi-3" in name or "phi3" in name
+    strip = lambda t: phi3 and t not in ("<unk>", "<s>", "<|endoftext|>")  # noqa: E731
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True, rstrip=strip(t))
+                            for t, ty in zip(tokens, types) if ty == _CONTROL])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False, rstrip=strip(t))
+                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
     if len(set(tokens)) != len(tokens):
         seen: set[str] = set()
         twice = next(t for t in tokens if t in seen or seen.add(t))
@@ -410,9 +485,10 @@ def build_tokenizer(f: GGUFFile):
 def _sentencepiece(f: GGUFFile, tokens: list[str]):
     """A "llama" vocabulary: SentencePiece BPE with byte fallback; spaces as U+2581, one prepended as
     tokenizer.ggml.add_space_prefix says (default: yes) to the text and, as llama.cpp does, to each run
-    of text after a control or added token (the pieces between added tokens are pre-tokenized one by
-    one), the first stripped again when decoding."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    of text after a control or added token (the normalizer runs on the pieces between added tokens one
+    by one), also when the run starts with a space (llama.cpp's " " + text: "<s> hi" is "<s>", "▁▁hi",
+    as sentencepiece itself makes " hi" with its whitespace kept); the first stripped again when decoding."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
     merges, scores = f.get("tokenizer.ggml.merges"), f.get("tokenizer.ggml.scores")
     if merges is None and scores is None:
         raise CheckpointError(f"{f.path}: a SentencePiece vocabulary without tokenizer.ggml.scores or merges")
@@ -420,8 +496,7 @@ def _sentencepiece(f: GGUFFile, tokens: list[str]):
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=True,
                                byte_fallback=True))
     prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always" if prefix else "never",
-                                                 split=False)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581")] * prefix + [normalizers.Replace(" ", "\u2581")])
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return tok
@@ -523,11 +598,54 @@ class GGUFTensors:
         self.file = GGUFFile(path)
         self.cfg = hf_cfg
         self._stacked: tuple[str | None, Any] = (None, None)
-        self.names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[self.file.arch.upper()], hf_cfg["num_hidden_layers"])
+        arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == self.file.arch)   # "gpt-oss": GPT_OSS
+        self.names = gguf.get_tensor_name_map(arch, hf_cfg["num_hidden_layers"])
 
     def stored(self, name: str) -> str | None:
+        parts = self.oss_parts(name)
+        if parts is not None:
+            return parts[0] if all(p in self.file.tensors for p in parts) else None
         g = expert_stack(name) or self.names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if g is not None and g not in self.file.tensors and f"{g}.weight" in self.file.tensors:
+            g = f"{g}.weight"   # a name with no suffix in transformers (gpt-oss's sinks): llama.cpp adds .weight
         return g if g in self.file.tensors else None
+
+    def oss_parts(self, name: str) -> list[str] | None:
+        """The llama.cpp tensors gpt-oss's experts tensor `name` is made of (_OSS_EXPERTS): down as
+        ffn_down_exps, gate_up as ffn_gate_exps and ffn_up_exps or, fused, ffn_gate_up_exps (gate's
+        rows first); None for any other name."""
+        m = _OSS_EXPERTS.fullmatch(name) if self.file.arch == "gpt-oss" else None
+        if m is None:
+            return None
+        layer, suffix = m.group(1), ".bias" if m.group(3) else ".weight"
+        if m.group(2) == "down_proj":
+            return [f"blk.{layer}.ffn_down_exps{suffix}"]
+        fused = f"blk.{layer}.ffn_gate_up_exps{suffix}"
+        return [fused] if fused in self.file.tensors else [f"blk.{layer}.ffn_{p}_exps{suffix}" for p in ("gate", "up")]
+
+    def oss_rows(self, name: str, part: str) -> tuple[str, slice]:
+        """(llama.cpp tensor, its rows along axis 1) holding gpt-oss's experts tensor `name`'s `part`
+        (gate, up or down), each expert's rows [out, in] as llama.cpp stores them."""
+        parts = self.oss_parts(name)
+        if len(parts) == 2:
+            return parts[part == "up"], slice(None)
+        if part == "down":
+            return parts[0], slice(None)
+        f = int(self.file.tensors[parts[0]][0].shape[::-1][1]) // 2   # fused: [E, 2F(, D)], gate's rows first
+        return parts[0], slice(0, f) if part == "gate" else slice(f, 2 * f)
+
+    def _oss(self, name: str) -> np.ndarray:
+        """gpt-oss's experts tensor `name` in transformers' layout (_OSS_EXPERTS)."""
+        if name.endswith(("down_proj", "down_proj_bias")):
+            x = self.file.tensor(self.oss_parts(name)[0])                 # [E, D, F] or bias [E, D]
+            return x if x.ndim == 2 else x.transpose(0, 2, 1)
+        read = {t: self.file.tensor(t) for t in self.oss_parts(name)}
+        gate, up = (read[t][:, rows] for t, rows in (self.oss_rows(name, p) for p in ("gate", "up")))
+        if gate.ndim == 3:                                                # [E, F, D] -> [E, D, F]
+            gate, up = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+        out = np.empty((*gate.shape[:-1], 2 * gate.shape[-1]), np.float32)
+        out[..., 0::2], out[..., 1::2] = gate, up                         # interleaved, as transformers holds them
+        return out
 
     def has(self, name: str) -> bool:
         return self.stored(name) is not None
@@ -543,6 +661,10 @@ class GGUFTensors:
         if g is None:
             raise CheckpointError(f"{self.file.path}: tensor {name!r} (GGUF "
                                   f"{self.names.get_name(name, try_suffixes=('.weight', '.bias'))!r}) not found")
+        if self.oss_parts(name) is not None:   # gate's and up's parameters read it in turn: composed once
+            if self._stacked[0] != name:
+                self._stacked = (name, self._oss(name))
+            return self._stacked[1]
         m = _EXPERT.fullmatch(name)
         if m is None:
             return self.rows(name, self.file.tensor(g))

@@ -95,44 +95,120 @@ def _add(w, name: str, x: np.ndarray, qtype: str, rng) -> None:
         w.add_tensor(name, gguf.quants.quantize(x, gt), raw_dtype=gt)
 
 
-def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = None, *,
-               add_bos: bool | None = True, chat_template: str | None = CHAT_TEMPLATE,
-               rope_freqs: np.ndarray | None = None, space_prefix: bool | None = None) -> Path:
-    """`model` (a transformers Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / Gemma 2 / Gemma 3
-    causal LM) as a GGUF at `path` (experts stacked per layer, Gemma's norms as 1 + w, as llama.cpp's
-    converter writes them).
-    qtypes: {substring of an HF tensor name: GGML type name} (the first that matches; F32 otherwise);
-    rope_freqs: Llama 3's rope_freqs.weight (llama.cpp's frequency divisors), when given."""
-    import gguf
+def mxfp4_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """OCP MXFP4 as gpt-oss ships it (blocks uint8 [..., K/32, 16], value 2j in byte j's low nibble;
+    scales uint8 [..., K/32]) -> ggml's block_mxfp4 bytes [..., K/32 * 17] (the exponent byte, then
+    values 0-15 in the low nibbles and 16-31 in the high ones), as convert_hf_to_gguf.py's
+    GptOssModel.repack_mxfp4 writes them."""
+    codes = np.stack([blocks & 0xF, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    qs = (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
+    out = np.concatenate([scales[..., None], qs], axis=-1)
+    return np.ascontiguousarray(out.reshape(*out.shape[:-2], -1))
 
-    cfg = model.config
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
-            "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg.model_type]
+
+def _hparams(w, cfg, arch: str, head_dim: int) -> None:
+    """The architecture's metadata, as convert_hf_to_gguf.py's model classes write it."""
+    import gguf
     gemma = arch.startswith("gemma")
-    w = gguf.GGUFWriter(str(path), arch)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)   # Gemma 3: the global layers'
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)   # Gemma 3: the global layers'
     w.add_rope_freq_base(float(rope["rope_theta"]))
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
+    if rope.get("rope_type") == "yarn":   # TextModel.set_gguf_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(float(rope[key]))
     if gemma:   # Gemma2Model / Gemma3Model.set_gguf_parameters: the window and caps, key_length always
         w.add_sliding_window(cfg.sliding_window)
         if arch == "gemma2":
             w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
             w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "gpt-oss":   # GptOssModel.set_gguf_parameters
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+    if arch == "phi3":   # Phi3MiniModel.set_gguf_parameters: 0 for no window, the original context
+        w.add_sliding_window(cfg.sliding_window or 0)
+        original = rope.get("original_max_position_embeddings", getattr(cfg, "original_max_position_embeddings", None))
+        w.add_rope_scaling_orig_ctx_len(original or cfg.max_position_embeddings)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(head_dim)
-    if gemma or head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if gemma or arch == "gpt-oss" or head_dim != cfg.hidden_size // cfg.num_attention_heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
+
+
+def _phi3_rope_factors(w, cfg, head_dim: int) -> None:
+    """Phi3MiniModel.generate_extra_tensors: LongRoPE's factors as tensors, the attention factor recomputed."""
+    import math
+    rope = cfg.rope_parameters
+    if not rope.get("long_factor"):
+        return
+    original = rope.get("original_max_position_embeddings", getattr(cfg, "original_max_position_embeddings", None))
+    scale = cfg.max_position_embeddings / original
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+    w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+    w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+
+
+def _gpt_oss_experts(w, hf_name: str, x: np.ndarray, qtype: str, rng, mxfp4: dict | None, fuse: bool) -> None:
+    """gpt-oss's experts (transformers: gate_up_proj [E, D, 2F] with gate's and up's columns
+    interleaved, down_proj [E, F, D], their biases) as GptOssModel writes them: ffn_gate_exps /
+    ffn_up_exps [E, F, D] (fuse: one ffn_gate_up_exps [E, 2F, D], gate's rows first, as its
+    fuse_gate_up_exps option writes), ffn_down_exps [E, D, F] and .bias tensors; MXFP4 from the
+    checkpoint's own blocks (mxfp4: {HF name: (blocks, scales)}) when given."""
+    import gguf
+    layer, base = hf_name.split(".")[2], hf_name.rsplit(".", 1)[-1]
+    bias = base.endswith("_bias")
+    rows = {"gate": slice(0, None, 2), "up": slice(1, None, 2)} if base.startswith("gate_up") else {"down": slice(None)}
+    if mxfp4 is not None and not bias:   # the checkpoint's rows: gate's even, up's odd
+        blocks, scales = mxfp4[hf_name]
+        parts = {p: mxfp4_ggml(blocks[:, j], scales[:, j]) for p, j in rows.items()}
+    else:
+        parts = {p: x[..., j] if bias else x[..., j].transpose(0, 2, 1) for p, j in rows.items()}
+    if fuse and len(parts) == 2:
+        parts = {"gate_up": np.concatenate([parts["gate"], parts["up"]], axis=1 if not bias else -1)}
+    for part, value in parts.items():
+        name = f"blk.{layer}.ffn_{part}_exps.{'bias' if bias else 'weight'}"
+        if mxfp4 is not None and not bias:
+            w.add_tensor(name, value, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        else:
+            _add(w, name, np.ascontiguousarray(value), "F32" if bias else qtype, rng)
+
+
+def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = None, *,
+               add_bos: bool | None = True, chat_template: str | None = CHAT_TEMPLATE,
+               rope_freqs: np.ndarray | None = None, space_prefix: bool | None = None,
+               mxfp4: dict | None = None, name: str | None = None, fuse_gate_up: bool = False) -> Path:
+    """`model` (a transformers Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / Gemma 2 / Gemma 3
+    / Phi-3 / gpt-oss causal LM) as a GGUF at `path` (experts stacked per layer, Gemma's norms as 1 + w,
+    as llama.cpp's converter writes them).
+    qtypes: {substring of an HF tensor name: GGML type name} (the first that matches; F32 otherwise);
+    rope_freqs: Llama 3's rope_freqs.weight (llama.cpp's frequency divisors), when given;
+    mxfp4: gpt-oss's experts' MXFP4 blocks and scales by HF name (tests/prequant_models.mxfp4_pack);
+    name: general.name; fuse_gate_up: gpt-oss's gate and up experts in one tensor."""
+    import gguf
+
+    cfg = model.config
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
+            "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
+            "gpt_oss": "gpt-oss"}[cfg.model_type]
+    gemma = arch.startswith("gemma")
+    w = gguf.GGUFWriter(str(path), arch)
+    if name is not None:
+        w.add_name(name)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    _hparams(w, cfg, arch, head_dim)
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     if experts:
         w.add_expert_count(experts)
@@ -158,7 +234,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
     if chat_template is not None:
         w.add_chat_template(chat_template)
     rng = np.random.default_rng(0)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
+                                     cfg.num_hidden_layers)
     for hf_name, t in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue   # a tied head is the embedding (convert_hf_to_gguf writes no output.weight)
@@ -170,6 +247,9 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
         elif arch == "llama" and hf_name.endswith("k_proj.weight"):
             x = _permute(x, cfg.num_key_value_heads)
         qtype = next((q for k, q in (qtypes or {}).items() if k in hf_name), "F32")
+        if arch == "gpt-oss" and ".mlp.experts." in hf_name:
+            _gpt_oss_experts(w, hf_name, x, qtype, rng, mxfp4, fuse_gate_up)
+            continue
         if hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             # transformers' stacked experts: gate_up [E, 2F, D] (gate rows first), down [E, D, F] ->
             # llama.cpp's ffn_gate_exps / ffn_up_exps [E, F, D] and ffn_down_exps [E, D, F]
@@ -179,9 +259,13 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             for part, value in parts.items():
                 _add(w, f"blk.{layer}.ffn_{part}_exps.weight", np.ascontiguousarray(value), qtype, rng)
             continue
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert name is not None, hf_name
-        _add(w, name, x, qtype, rng)
+        gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, hf_name
+        if hf_name.endswith(".sinks"):   # GptOssModel.filter_tensors: sinks get a .weight
+            gname += ".weight"
+        _add(w, gname, x, qtype, rng)
+    if arch == "phi3":
+        _phi3_rope_factors(w, cfg, head_dim)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     w.write_header_to_file()

@@ -409,16 +409,17 @@ def mxfp4_pack(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return packed, (exp + 127).astype(np.uint8)
 
 
-def save_gpt_oss_mxfp4(folder: Path, seed: int = 0):
+def save_gpt_oss_mxfp4(folder: Path, seed: int = 0, overrides: dict | None = None):
     """A tiny gpt-oss (tests/hf_models.py "gpt-oss", ffn 64 so that both expert matmuls' K is a
-    multiple of 32) with its experts in MXFP4 as published -> (folder, reference: transformers loading
-    the folder with Mxfp4Config(dequantize=True), its own MXFP4 dequantization, float32)."""
+    multiple of 32; overrides: more config fields) with its experts in MXFP4 as published -> (folder,
+    reference: transformers loading the folder with Mxfp4Config(dequantize=True), its own MXFP4
+    dequantization, float32)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     from tests.hf_models import build_hf_model
-    model = build_hf_model("gpt-oss", seed=seed, overrides={"intermediate_size": 64})
+    model = build_hf_model("gpt-oss", seed=seed, overrides={"intermediate_size": 64, **(overrides or {})})
     model.save_pretrained(folder)
     state = _float_state(model)
     for i in range(model.config.num_hidden_layers):

@@ -12,6 +12,7 @@ formats (quant/format.py), so they load as QuantizedWeights with no rounding:
 | Q6_K | 256 weights, d and 16 int8 scales | q - 32 in [-32, 31] | grouped int8, group 16 (scale d * sc) |
 | Q4_K | 256 weights, d, dmin, 8 6-bit scales and mins | q in [0, 15] | int4, group 32, float zero points |
 | Q5_K | the same, 5-bit codes | q in [0, 31] | grouped int8, group 32, float zero points |
+| MXFP4 | 32 weights, an e8m0 exponent | e2m1 | mxfp4 (gpt-oss's experts; the nibbles reordered) |
 
 Q4_K and Q5_K subtract an offset: w = (d sc) q - (dmin m) is held as (q - z) s with s = d sc and the
 zero point z = dmin m / s a float (quant/format.py's float_zeros; dequantized in XLA, no kernel), equal
@@ -81,6 +82,8 @@ class GGUFBlockReader:
         QuantizedWeight when their type is exact (and gate's and up's agree: one fused matmul here);
         None otherwise (the loader reads them as floats)."""
         from jaxinfer.gguf_file import expert_stack
+        if len(hf_names) == 1 and not hf_names[0].endswith("_bias") and self.st.oss_parts(hf_names[0]) is not None:
+            return self._oss_param(ours, hf_names[0], transform, expected)
         stack = expert_stack(hf_names[0]) if hf_names else None
         if stack is None or stack not in self.st.file.tensors:
             return None
@@ -92,20 +95,74 @@ class GGUFBlockReader:
                 n not in self.st.file.tensors or self.st.file.tensors[n][0].tensor_type.name != kind for n in pair)):
             return None
         w = self.st.file.tensor(stack)                     # float32 [E, N, K]
-        e, n, k = w.shape
-        if len(hf_names) != e or tuple(expected) != (e, k, n):
-            raise QuantConfigError(f"GGUF tensor {stack!r} of shape {list(w.shape)} does not give {ours} of shape "
-                                   f"{tuple(expected)}")
-        raw = raw.reshape(e, n, -1)
-        parts = [_weight(t, w[j], raw[j], lambda x: x) for j in range(e)]
-        stackq = lambda leaf: None if getattr(parts[0], leaf) is None else jnp.stack(  # noqa: E731
-            [getattr(p, leaf) for p in parts])
-        return dataclasses.replace(parts[0], q=stackq("q"), scales=stackq("scales"), zeros=stackq("zeros"),
-                                   shape=(e, k, n), contract=1, batch=1)
+        if len(hf_names) != w.shape[0]:
+            raise QuantConfigError(f"GGUF tensor {stack!r} holds {w.shape[0]} experts; {ours} has {len(hf_names)}")
+        return _stack(t, w, raw.reshape(*w.shape[:2], -1), ours, expected)
+
+    def _oss_param(self, ours: str, name: str, transform, expected: tuple[int, ...]):
+        """gpt-oss's experts (transformers' gate_up_proj, gate's and up's columns interleaved: which of
+        them `transform` takes tells gate from up; down_proj) from llama.cpp's tensors: MXFP4 as
+        jaxinfer's mxfp4 format (the codes' nibbles moved, nothing computed), the exact and offset
+        types as the other experts; None for other types or a selection that is neither."""
+        if name.endswith("down_proj"):
+            part = "down"
+        else:
+            f = int(expected[-1])
+            cols = np.asarray(transform(np.arange(2 * f).reshape(1, 1, -1))).reshape(-1)
+            part = next((p for p, j in (("gate", 0), ("up", 1)) if np.array_equal(cols, np.arange(j, 2 * f, 2))), None)
+            if part is None:
+                return None
+        tensor, rows = self.st.oss_rows(name, part)
+        t = self.st.file.tensors[tensor][0]
+        kinds = {self.st.file.tensors[self.st.oss_rows(name, p)[0]][0].tensor_type.name
+                 for p in ((part,) if part == "down" else ("gate", "up"))}
+        if len(kinds) != 1 or not (kinds <= {"MXFP4"} or _packable(t.tensor_type.name)):
+            return None
+        raw = np.asarray(t.data, np.uint8)
+        raw = raw.reshape(-1, int(t.shape[1]), raw.shape[-1])[:, rows]          # [E, N, bytes of a row]
+        if t.tensor_type.name == "MXFP4":
+            return _mxfp4(tensor, raw, ours, expected)
+        return _stack(t, self.st.file.tensor(tensor)[:, rows], raw, ours, expected)
 
 
 def _packable(kind: str | None) -> bool:
     return kind in EXACT or kind in OFFSET
+
+
+def _stack(t, w: np.ndarray, raw: np.ndarray, ours: str, expected: tuple[int, ...]) -> QuantizedWeight:
+    """Stacked experts [E, N, K] of GGUF tensor t (w their dequantized values, raw their blocks' bytes
+    [E, N, bytes]) as one batch=1 QuantizedWeight [E, K, N], expert by expert."""
+    e, n, k = w.shape
+    if tuple(expected) != (e, k, n):
+        raise QuantConfigError(f"GGUF tensor {t.name!r} of shape {list(w.shape)} does not give {ours} of shape "
+                               f"{tuple(expected)}")
+    parts = [_weight(t, w[j], raw[j], lambda x: x) for j in range(e)]
+    stackq = lambda leaf: None if getattr(parts[0], leaf) is None else jnp.stack(  # noqa: E731
+        [getattr(p, leaf) for p in parts])
+    return dataclasses.replace(parts[0], q=stackq("q"), scales=stackq("scales"), zeros=stackq("zeros"),
+                               shape=(e, k, n), contract=1, batch=1)
+
+
+def _mxfp4(name: str, raw: np.ndarray, ours: str, expected: tuple[int, ...]) -> QuantizedWeight:
+    """MXFP4 blocks [E, N, K/32 * 17] (ggml's block_mxfp4: the e8m0 exponent byte, then 16 bytes whose
+    low nibbles are the block's values 0-15 and high nibbles 16-31) as jaxinfer's mxfp4 format
+    (quant/format.py: value 2i in byte i's low nibble, 2i+1 in its high, [E, K/2, N]; exponent bytes
+    [E, K/32, N]). ggml's value is kvalues[code] * 2^(e - 128) with kvalues twice the e2m1 values,
+    i.e. e2m1 * 2^(e - 127): the same exponent byte and code as the OCP layout."""
+    e, n, nbytes = raw.shape
+    if nbytes % 17:
+        raise QuantConfigError(f"GGUF tensor {name!r} (MXFP4): rows of {nbytes} bytes are not whole 17-byte blocks")
+    k = nbytes // 17 * 32
+    if tuple(expected) != (e, k, n):
+        raise QuantConfigError(f"GGUF tensor {name!r} of shape [{e}, {n}, {k}] does not give {ours} of shape "
+                               f"{tuple(expected)}")
+    blocks = raw.reshape(e, n, k // 32, 17)
+    qs = blocks[..., 1:]
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1)                   # [E, N, K/32, 32] in k order
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8).reshape(e, n, k // 2)
+    return QuantizedWeight(jnp.asarray(np.ascontiguousarray(packed.transpose(0, 2, 1))),
+                           jnp.asarray(np.ascontiguousarray(blocks[..., 0].transpose(0, 2, 1))), None,
+                           bits=4, group_size=32, shape=(e, k, n), contract=1, batch=1)
 
 
 def _k_scales(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
