@@ -20,7 +20,8 @@ ones plain, both kept as the raw text the converter wrote; BOS is added as
 `tokenizer.ggml.add_bos_token` says (without it: SentencePiece and Llama 3's vocabularies, yes).
 
 Architectures: llama (also Mistral's files, and Mixtral's: llama with experts), qwen2, qwen3,
-qwen3moe (experts stacked per layer: ffn_{gate,up,down}_exps, read expert by expert), gemma2,
+qwen3moe (experts stacked per layer: ffn_{gate,up,down}_exps or gate and up fused in
+ffn_gate_up_exps, read expert by expert), gemma2,
 gemma3 (text; the settings llama.cpp takes from the model size rather than the file: _GEMMA), phi3
 (Phi-3, Phi-3.5, Phi-4, Phi-4-mini: fused q/k/v and gate/up, LongRoPE's factors as tensors, partial
 rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fused, served in
@@ -196,6 +197,9 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         if arch != "phi3":   # Phi-4-mini rotates 3/4 of each head
             raise CheckpointError(f"{f.path}: {arch}.rope.dimension_count = {rotary} rotates part of each "
                                   f"{head_dim}-wide head; {arch} models in jaxinfer rotate all of it")
+        if int(rotary) % 2 or not 0 < int(rotary) < head_dim:
+            raise CheckpointError(f"{f.path}: phi3.rope.dimension_count = {rotary}: expected an even number of "
+                                  f"the {head_dim} features of a head")
         partial = {"partial_rotary_factor": int(rotary) / head_dim}
     if "token_embd.weight" not in f.tensors:
         raise CheckpointError(f"{f.path}: no tensor 'token_embd.weight'")
@@ -267,9 +271,15 @@ def _phi3(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     if original is None or "rope_factors_short.weight" not in f.tensors:
         raise CheckpointError(f"{f.path}: rope_factors_long.weight without rope_factors_short.weight and "
                               "phi3.rope.scaling.original_context_length")
+    rotary = int(cfg["head_dim"] * cfg["rope_parameters"].get("partial_rotary_factor", 1.0))
+    factors = {}
+    for kind in ("long", "short"):
+        factors[kind] = f.tensor(f"rope_factors_{kind}.weight").reshape(-1).astype(float).tolist()
+        if len(factors[kind]) != rotary // 2:
+            raise CheckpointError(f"{f.path}: tensor 'rope_factors_{kind}.weight' has {len(factors[kind])} values; "
+                                  f"expected {rotary // 2}, one per rotated frequency of {rotary}")
     rope = {**cfg["rope_parameters"], "rope_type": "longrope", "original_max_position_embeddings": int(original),
-            "long_factor": f.tensor("rope_factors_long.weight").reshape(-1).astype(float).tolist(),
-            "short_factor": f.tensor("rope_factors_short.weight").reshape(-1).astype(float).tolist()}
+            "long_factor": factors["long"], "short_factor": factors["short"]}
     attention = f.arch_get("rope.scaling.attn_factor")
     if attention is not None:
         rope["attention_factor"] = float(attention)
@@ -278,7 +288,8 @@ def _phi3(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _gpt_oss(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     """gpt-oss (llama.cpp's llm_build_openai_moe): sliding and global layers alternating, the first
-    sliding (its SWA pattern 2, transformers' default layer_types); biased attention with sinks;
+    sliding (its SWA pattern 2, transformers' default layer_types; another period when the file gives
+    attention.sliding_window_pattern); biased attention with sinks;
     YaRN over the whole band (truncate false: the model as published, OpenAI's reference and
     transformers; llama.cpp rounds the band's ends to whole dimensions). The clamped SwiGLU's alpha
     and limit are not in the file (llama.cpp fixes them at 1.702 and 7.0, GptOssConfig's defaults)."""
@@ -286,11 +297,21 @@ def _gpt_oss(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     if window is None:
         raise CheckpointError(f"{f.path}: metadata gpt-oss.attention.sliding_window is missing")
     n = cfg["num_hidden_layers"]
+    # llama.cpp also reads a period (every p-th layer global) and a sliding layers' RoPE base
+    period = f.arch_get("attention.sliding_window_pattern", 2)
+    if isinstance(period, list) or int(period) < 1:
+        raise CheckpointError(f"{f.path}: gpt-oss.attention.sliding_window_pattern = {period!r} is not supported "
+                              "(a period: every p-th layer global)")
+    swa_base = f.arch_get("rope.freq_base_swa")
+    if swa_base is not None and float(swa_base) != cfg["rope_parameters"]["rope_theta"]:
+        raise CheckpointError(f"{f.path}: gpt-oss.rope.freq_base_swa = {swa_base} (a RoPE base of the sliding layers "
+                              "apart from the others) is not supported")
     rope = dict(cfg["rope_parameters"])
     if rope.get("rope_type") == "yarn":
         rope["truncate"] = False
     return {"sliding_window": int(window), "attention_bias": True, "rope_parameters": rope,
-            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]}
+            "layer_types": ["sliding_attention" if i % int(period) < int(period) - 1 else "full_attention"
+                            for i in range(n)]}
 
 
 def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -459,7 +480,9 @@ def build_tokenizer(f: GGUFFile):
                               "--tokenizer a folder with the model's tokenizer")
     # control tokens are special, user-defined ones (<think>) plain; both matched whole, as llama.cpp does.
     # A Phi-3's (llama.cpp tells them by general.name) also take the whitespace after them, as its
-    # tokenizer.json's added tokens do, but for <s>, <unk> and <|endoftext|> (llama.cpp's RSTRIP rule)
+    # tokenizer.json's added tokens do, but for <s>, <unk> and <|endoftext|> (llama.cpp's RSTRIP rule; the
+    # tokenizers library strips any Unicode whitespace there, llama.cpp only ASCII's: a no-break space
+    # right after such a token is the one difference)
     name = str(f.get("general.name", "")).lower()
     phi3 = "phi-3" in name or "phi3" in name
     strip = lambda t: phi3 and t not in ("<unk>", "<s>", "<|endoftext|>")  # noqa: E731
@@ -605,10 +628,35 @@ class GGUFTensors:
         parts = self.oss_parts(name)
         if parts is not None:
             return parts[0] if all(p in self.file.tensors for p in parts) else None
+        stack = self.expert_rows(name)
+        if stack is not None:
+            return stack[0]
         g = expert_stack(name) or self.names.get_name(name, try_suffixes=(".weight", ".bias"))
         if g is not None and g not in self.file.tensors and f"{g}.weight" in self.file.tensors:
             g = f"{g}.weight"   # a name with no suffix in transformers (gpt-oss's sinks): llama.cpp adds .weight
         return g if g in self.file.tensors else None
+
+    def expert_rows(self, name: str) -> tuple[str, slice] | None:
+        """(llama.cpp stacked tensor, its rows along axis 1) holding transformers' per-expert matrix
+        `name`: ffn_{gate,up,down}_exps, or gate's or up's half of one ffn_gate_up_exps (gate's rows
+        first: convert_hf_to_gguf.py's --fuse-gate-up-exps); None for other names, or neither stored."""
+        stack = expert_stack(name)
+        if stack is None or stack in self.file.tensors:
+            return None if stack is None else (stack, slice(None))
+        fused = re.sub(r"ffn_(gate|up)_exps", "ffn_gate_up_exps", stack)
+        if fused == stack or fused not in self.file.tensors:
+            return None
+        return fused, self._half(fused, "gate" if ".ffn_gate_exps." in stack else "up")
+
+    def _half(self, fused: str, part: str) -> slice:
+        """Gate's or up's rows of a fused ffn_gate_up_exps tensor [E, 2F(, D)], gate's first (2F rows,
+        F the experts' width in the metadata, else the file is refused)."""
+        rows = int(self.file.tensors[fused][0].shape[::-1][1])
+        f = int(self.cfg.get("moe_intermediate_size") or self.cfg["intermediate_size"])
+        if rows != 2 * f:
+            raise CheckpointError(f"{self.file.path}: tensor {fused!r} has {rows} rows of gate and up; expected "
+                                  f"2 x {f} (the experts' feed_forward_length)")
+        return slice(0, f) if part == "gate" else slice(f, 2 * f)
 
     def oss_parts(self, name: str) -> list[str] | None:
         """The llama.cpp tensors gpt-oss's experts tensor `name` is made of (_OSS_EXPERTS): down as
@@ -629,10 +677,7 @@ class GGUFTensors:
         parts = self.oss_parts(name)
         if len(parts) == 2:
             return parts[part == "up"], slice(None)
-        if part == "down":
-            return parts[0], slice(None)
-        f = int(self.file.tensors[parts[0]][0].shape[::-1][1]) // 2   # fused: [E, 2F(, D)], gate's rows first
-        return parts[0], slice(0, f) if part == "gate" else slice(f, 2 * f)
+        return parts[0], slice(None) if part == "down" else self._half(parts[0], part)
 
     def _oss(self, name: str) -> np.ndarray:
         """gpt-oss's experts tensor `name` in transformers' layout (_OSS_EXPERTS)."""
@@ -641,6 +686,9 @@ class GGUFTensors:
             return x if x.ndim == 2 else x.transpose(0, 2, 1)
         read = {t: self.file.tensor(t) for t in self.oss_parts(name)}
         gate, up = (read[t][:, rows] for t, rows in (self.oss_rows(name, p) for p in ("gate", "up")))
+        if gate.shape != up.shape:
+            raise CheckpointError(f"{self.file.path}: gate's and up's tensors {self.oss_parts(name)} of {name!r} have "
+                                  f"the shapes {list(gate.shape)} and {list(up.shape)}; expected the same")
         if gate.ndim == 3:                                                # [E, F, D] -> [E, D, F]
             gate, up = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
         out = np.empty((*gate.shape[:-1], 2 * gate.shape[-1]), np.float32)
@@ -659,8 +707,11 @@ class GGUFTensors:
     def get(self, name: str) -> np.ndarray:
         g = self.stored(name)
         if g is None:
-            raise CheckpointError(f"{self.file.path}: tensor {name!r} (GGUF "
-                                  f"{self.names.get_name(name, try_suffixes=('.weight', '.bias'))!r}) not found")
+            wanted = (self.oss_parts(name) or [expert_stack(name)
+                                               or self.names.get_name(name, try_suffixes=(".weight", ".bias"))])
+            missing = [t for t in wanted if t not in self.file.tensors]
+            raise CheckpointError(f"{self.file.path}: tensor {name!r} (GGUF {', '.join(map(repr, missing))}) "
+                                  "not found")
         if self.oss_parts(name) is not None:   # gate's and up's parameters read it in turn: composed once
             if self._stacked[0] != name:
                 self._stacked = (name, self._oss(name))
@@ -670,7 +721,7 @@ class GGUFTensors:
             return self.rows(name, self.file.tensor(g))
         if self._stacked[0] != g:   # every expert of a layer is read in turn: dequantize the stack once
             self._stacked = (g, self.file.tensor(g))
-        return self._stacked[1][int(m.group(2))]
+        return self._stacked[1][int(m.group(2))][self.expert_rows(name)[1]]
 
     def rows(self, name: str, x: np.ndarray) -> np.ndarray:
         """x, indexed by tensor `name`'s rows as stored, in transformers' row order (Llama's Q and K:

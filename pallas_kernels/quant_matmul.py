@@ -20,6 +20,8 @@ inside the tile; nothing is dequantized in HBM):
     complement (``nib(q) = q & 0xF``); ``dequant = q * scale[k // g]``.
   - asymmetric (``zeros`` ``[K // g, N]``, any int dtype, values in [0, 15]; uint8 recommended):
     ``q`` unsigned in [0, 15]; ``dequant = (q - zero[k // g]) * scale[k // g]``.
+  - asymmetric with float zero points (``zeros`` float32 ``[K // g, N]``: llama.cpp's Q4_K / Q2_K,
+    ``w = scale * q - offset`` held as ``zero = offset / scale``): the same, ``q - zero`` in f32.
 
 Tiling: grid over (M / block_m, N / block_n); each program loops over K in blocks of ``block_k``
 (fori_loop) with an f32 ``[block_m, block_n]`` accumulator. M is zero-padded up to a multiple of
@@ -125,9 +127,13 @@ def dequantize_weight(w, scales, zeros=None, *, bits: int, group_size: int | Non
         k, n = q.shape
         g = group_size
         q = q.reshape(k // g, g, n)
-        if zeros is not None:
-            q = q - zeros.astype(jnp.int32)[:, None, :]
-        return (q.astype(jnp.float32) * scales.astype(jnp.float32)[:, None, :]).reshape(k, n)
+        if zeros is None:
+            q = q.astype(jnp.float32)
+        elif jnp.issubdtype(zeros.dtype, jnp.floating):
+            q = q.astype(jnp.float32) - zeros.astype(jnp.float32)[:, None, :]
+        else:
+            q = (q - zeros.astype(jnp.int32)[:, None, :]).astype(jnp.float32)
+        return (q * scales.astype(jnp.float32)[:, None, :]).reshape(k, n)
     raise ValueError(f"bits must be 4 or 8, got {bits}")
 
 
@@ -154,6 +160,20 @@ def _int8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, num_k, compute_dtype, p
     acc = lax.fori_loop(0, num_k, body, jnp.zeros((bm, bn), jnp.float32))
     scale = s_ref[...].astype(jnp.float32)
     o_ref[...] = (acc * scale[None, :]).astype(o_ref.dtype)
+
+
+def _zero_dtype(z_ref):
+    """Integer zero points are subtracted from the codes in int32, float ones (GGUF's) in float32."""
+    return jnp.float32 if jnp.issubdtype(z_ref.dtype, jnp.floating) else jnp.int32
+
+
+def _minus_zero(q, zero):
+    """int32 codes q - zero (None: q) as float32: exact for integer zero points, one rounding for float ones."""
+    if zero is None:
+        return q.astype(jnp.float32)
+    if jnp.issubdtype(zero.dtype, jnp.floating):
+        return q.astype(jnp.float32) - zero
+    return (q - zero).astype(jnp.float32)
 
 
 def _int4_kernel(xe_ref, xo_ref, w_ref, s_ref, *rest, block_k, num_k, group_size, symmetric,
@@ -183,17 +203,13 @@ def _int4_kernel(xe_ref, xo_ref, w_ref, s_ref, *rest, block_k, num_k, group_size
         if symmetric:
             lo, hi = (lo ^ 8) - 8, (hi ^ 8) - 8         # 4-bit two's complement -> [-8, 7]
         scale = s_ref[ss, :].astype(jnp.float32)                   # [n_s, bn]
-        zero = None if z_ref is None else z_ref[ss, :].astype(jnp.int32)
+        zero = None if z_ref is None else z_ref[ss, :].astype(_zero_dtype(z_ref))
 
         def dequant(q):                                 # [hk, bn] int32 -> [hk, bn] compute dtype
             if n_s == 1:                                # one group per K block: [1, bn] broadcasts
-                if zero is not None:
-                    q = q - zero
-                return (q.astype(jnp.float32) * scale).astype(compute_dtype)
+                return (_minus_zero(q, zero) * scale).astype(compute_dtype)
             q = q.reshape(n_s, glen // 2, bn)           # several groups: per-group broadcast
-            if zero is not None:
-                q = q - zero[:, None, :]
-            q = q.astype(jnp.float32) * scale[:, None, :]
+            q = _minus_zero(q, None if zero is None else zero[:, None, :]) * scale[:, None, :]
             return q.reshape(hk, bn).astype(compute_dtype)
 
         xe = xe_ref[:, ks].astype(compute_dtype)
@@ -402,8 +418,9 @@ def _check_operands(x, w, scales, zeros, bits: int, group_size: int | None) -> N
             raise ValueError(f"scales must be [K//g, N]={(k // group_size, n)}, got {scales.shape}")
         if zeros is not None and zeros.shape != scales.shape:
             raise ValueError(f"zeros must be [K//g, N]={scales.shape}, got {zeros.shape}")
-        if zeros is not None and not jnp.issubdtype(zeros.dtype, jnp.integer):
-            raise TypeError(f"zeros must be integers (the kernel subtracts them from the codes), got {zeros.dtype}")
+        if zeros is not None and not (jnp.issubdtype(zeros.dtype, jnp.integer) or zeros.dtype == jnp.float32):
+            raise TypeError(f"zeros must be integers or float32 (the kernel subtracts them from the codes), "
+                            f"got {zeros.dtype}")
     else:
         raise ValueError(f"bits must be 4 or 8, got {bits}")
 
@@ -501,15 +518,13 @@ def _int4_halves(w_ref, s_ref, z_ref, kb, *, block_k, group_size):
     if z_ref is None:
         lo, hi = (lo ^ 8) - 8, (hi ^ 8) - 8               # 4-bit two's complement -> [-8, 7]
     scale = s_ref[ss, :].astype(jnp.float32)              # [n_s, bn]
-    zero = None if z_ref is None else z_ref[ss, :].astype(jnp.int32)
+    zero = None if z_ref is None else z_ref[ss, :].astype(_zero_dtype(z_ref))
 
     def dequant(q):
         if n_s == 1:                                      # one group per K block: [1, bn] broadcasts
-            return ((q if zero is None else q - zero).astype(jnp.float32)) * scale   # (no reshape for Triton)
+            return _minus_zero(q, zero) * scale           # (no reshape for Triton)
         q = q.reshape(n_s, glen // 2, bn)                 # [n_s, g/2, bn]: one scale per group
-        if zero is not None:
-            q = q - zero[:, None, :]
-        return (q.astype(jnp.float32) * scale[:, None, :]).reshape(hk, bn)
+        return (_minus_zero(q, None if zero is None else zero[:, None, :]) * scale[:, None, :]).reshape(hk, bn)
     return dequant(lo), dequant(hi)
 
 

@@ -148,15 +148,18 @@ def _hparams(w, cfg, arch: str, head_dim: int) -> None:
     w.add_vocab_size(cfg.vocab_size)
 
 
-def _phi3_rope_factors(w, cfg, head_dim: int) -> None:
-    """Phi3MiniModel.generate_extra_tensors: LongRoPE's factors as tensors, the attention factor recomputed."""
+def _phi3_rope_factors(w, cfg, head_dim: int, attn_factor: float | None) -> None:
+    """Phi3MiniModel.generate_extra_tensors: LongRoPE's factors as tensors, the attention factor recomputed
+    (attn_factor: another value, as a file converted otherwise may carry)."""
     import math
     rope = cfg.rope_parameters
     if not rope.get("long_factor"):
         return
     original = rope.get("original_max_position_embeddings", getattr(cfg, "original_max_position_embeddings", None))
     scale = cfg.max_position_embeddings / original
-    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+    if attn_factor is None:
+        attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    w.add_rope_scaling_attn_factors(attn_factor)
     w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
     w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
 
@@ -189,14 +192,16 @@ def _gpt_oss_experts(w, hf_name: str, x: np.ndarray, qtype: str, rng, mxfp4: dic
 def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = None, *,
                add_bos: bool | None = True, chat_template: str | None = CHAT_TEMPLATE,
                rope_freqs: np.ndarray | None = None, space_prefix: bool | None = None,
-               mxfp4: dict | None = None, name: str | None = None, fuse_gate_up: bool = False) -> Path:
+               mxfp4: dict | None = None, name: str | None = None, fuse_gate_up: bool = False,
+               attn_factor: float | None = None, extra: dict | None = None) -> Path:
     """`model` (a transformers Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / Gemma 2 / Gemma 3
     / Phi-3 / gpt-oss causal LM) as a GGUF at `path` (experts stacked per layer, Gemma's norms as 1 + w,
     as llama.cpp's converter writes them).
     qtypes: {substring of an HF tensor name: GGML type name} (the first that matches; F32 otherwise);
     rope_freqs: Llama 3's rope_freqs.weight (llama.cpp's frequency divisors), when given;
     mxfp4: gpt-oss's experts' MXFP4 blocks and scales by HF name (tests/prequant_models.mxfp4_pack);
-    name: general.name; fuse_gate_up: gpt-oss's gate and up experts in one tensor."""
+    name: general.name; fuse_gate_up: a mixture's gate and up experts in one tensor; attn_factor: Phi-3's
+    LongRoPE attention factor other than the converter's; extra: more metadata {key: uint32 or float32}."""
     import gguf
 
     cfg = model.config
@@ -252,10 +257,11 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             continue
         if hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             # transformers' stacked experts: gate_up [E, 2F, D] (gate rows first), down [E, D, F] ->
-            # llama.cpp's ffn_gate_exps / ffn_up_exps [E, F, D] and ffn_down_exps [E, D, F]
+            # llama.cpp's ffn_gate_exps / ffn_up_exps [E, F, D] (fuse_gate_up: ffn_gate_up_exps [E, 2F, D],
+            # base.py's torch.cat([gate, up], dim=1)) and ffn_down_exps [E, D, F]
             layer = hf_name.split(".")[2]
-            parts = ({"gate": x[:, :x.shape[1] // 2], "up": x[:, x.shape[1] // 2:]} if "gate_up" in hf_name
-                     else {"down": x})
+            parts = ({"down": x} if "gate_up" not in hf_name else {"gate_up": x} if fuse_gate_up
+                     else {"gate": x[:, :x.shape[1] // 2], "up": x[:, x.shape[1] // 2:]})
             for part, value in parts.items():
                 _add(w, f"blk.{layer}.ffn_{part}_exps.weight", np.ascontiguousarray(value), qtype, rng)
             continue
@@ -265,7 +271,9 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             gname += ".weight"
         _add(w, gname, x, qtype, rng)
     if arch == "phi3":
-        _phi3_rope_factors(w, cfg, head_dim)
+        _phi3_rope_factors(w, cfg, head_dim, attn_factor)
+    for key, value in (extra or {}).items():
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     w.write_header_to_file()

@@ -108,6 +108,13 @@ def _make(name: str, root):
                   "o_proj": "random:Q5_K", "gate": "random:Q4_K", "up_proj": "random:Q4_K", "down": "random:Q6_K",
                   "embed": "Q8_0"}
         return write_gguf(hf, folder / "model.gguf", vocab, qtypes), hf
+    if name == "llama-q3km":   # a Q3_K_M-like file with Q2_K too: every K-quant packed
+        vocab = byte_level_vocab(_lines(), 300, "llama-bpe")
+        hf = _kquant_llama(300)
+        qtypes = {"q_proj": "random:Q3_K", "k_proj": "random:Q3_K", "v_proj": "random:Q3_K",
+                  "o_proj": "random:Q4_K", "gate": "random:Q2_K", "up_proj": "random:Q2_K", "down": "random:Q3_K",
+                  "embed": "Q8_0"}
+        return write_gguf(hf, folder / "model.gguf", vocab, qtypes), hf
     if name == "llama-q8":   # Llama's permuted Q/K packed: q/k/v Q8_0, o Q5_0, gate/up Q4_0, down Q8_0
         vocab = byte_level_vocab(_lines(), 300, "smollm")
         hf = build_hf_model("mistral-mha", overrides={"vocab_size": 300})
@@ -169,7 +176,7 @@ def _rel_err(a, ref) -> float:
 
 
 @pytest.mark.parametrize("name", ["llama-spm", "qwen2-bpe", "qwen3-f32", "llama-kquant", "qwen3moe", "llama-q8",
-                                  "llama-q4km", "phi3-spm"])
+                                  "llama-q4km", "llama-q3km", "phi3-spm"])
 def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path, _ = gguf_case(name)
@@ -203,6 +210,10 @@ def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
     ("llama-q4km", {"attn/q": (4, 32, False), "attn/k": (4, 32, False), "attn/v": (4, 32, False),
                     "attn/o": (8, 32, False), "mlp/gate": (4, 32, False), "mlp/up": (4, 32, False),
                     "mlp/down": (8, 16)}),
+    # Q3_K (q/k/v, Llama's permuted Q/K too; down) -> int4 symmetric (g 16, scale d (sc - 32)); Q2_K gate/up
+    # -> int4 (g 16) with float zero points; Q4_K o
+    ("llama-q3km", {"attn/q": (4, 16), "attn/k": (4, 16), "attn/v": (4, 16), "attn/o": (4, 32, False),
+                    "mlp/gate": (4, 16, False), "mlp/up": (4, 16, False), "mlp/down": (4, 16)}),
     # down Q8_0 packed; gate Q5_1 and up Q4_0 are one fused matmul of two types: both floats
     ("llama-spm", {"mlp/down": (8, 32)}),
     # Llama's Q/K rows (llama.cpp's rotary order) packed; Q5_0 -> grouped int8 (g 32)
@@ -213,9 +224,9 @@ def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
                   "mlp/up": (8, 32), "mlp/down": (8, 32)}),
 ])
 def test_exact_blocks_stay_packed(name, packed, gguf_case):
-    """Q8_0, Q4_0, Q5_0 and Q6_K blocks load as jaxinfer's grouped formats, code for code (the
-    dequantized weights equal the gguf package's dequantization of the file exactly); Q4_K and Q5_K
-    with float zero points, within float32 rounding of it (4 ulp of the group's largest term, the
+    """Q8_0, Q4_0, Q5_0, Q6_K and Q3_K blocks load as jaxinfer's grouped formats, code for code (the
+    dequantized weights equal the gguf package's dequantization of the file exactly); Q4_K, Q5_K and
+    Q2_K with float zero points, within float32 rounding of it (4 ulp of the group's largest term, the
     loader's own check: here against the gguf package independently); the rest are floats."""
     import gguf
     from flax import nnx
@@ -285,11 +296,9 @@ def test_mixtral_is_the_original_model(gguf_case):
 @pytest.mark.parametrize("name, overrides", [
     # Phi-4-mini's shape: LongRoPE, 3/4 of each head rotating, served past the original length (long factors)
     ("phi3-longrope", {}),
-    # a window on every layer, the short factors (its explicit attention_factor dropped: llama.cpp's
-    # converter recomputes that factor from the lengths)
-    ("phi3-mqa-window", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 500.0,
-                                             "short_factor": [1.0, 1.2, 1.5, 2.0, 2.0, 3.0, 4.0, 5.0],
-                                             "long_factor": [2.0] * 8}}),
+    # a window on every layer, the short factors, an attention factor of 1.1 (llama.cpp's converter would
+    # write the default 1.0 from the lengths; the file carries 1.1 here, as the model's config says)
+    ("phi3-mqa-window", {}),
 ])
 def test_phi3_is_the_original_model(name, overrides, gguf_case, tmp_path):
     """Phi-3 / Phi-4 as llama.cpp's converter writes them (Phi3MiniModel: q/k/v and gate/up fused;
@@ -303,7 +312,8 @@ def test_phi3_is_the_original_model(name, overrides, gguf_case, tmp_path):
     from jaxinfer.weights import load_model
     text = save_text_model(tmp_path / "spm")
     hf = build_hf_model(name, overrides={"vocab_size": 400, **overrides})
-    path = write_gguf(hf, tmp_path / f"{name}.gguf", sentencepiece_vocab(text / "tokenizer.model"))
+    factor = hf.config.rope_parameters.get("attention_factor")
+    path = write_gguf(hf, tmp_path / f"{name}.gguf", sentencepiece_vocab(text / "tokenizer.model"), attn_factor=factor)
     ids = np.random.RandomState(4).randint(3, 400, 24).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0].numpy()
@@ -390,6 +400,32 @@ def test_gpt_oss_fused_gate_up_experts(gguf_case):
             assert np.array_equal(got, bias[:, cols])
             j = 0 if part == "gate" else 1   # the checkpoint's interleaved columns
             assert np.array_equal(got, experts.gate_up_proj_bias.detach().numpy()[:, j::2])
+
+
+def test_fused_gate_up_experts(tmp_path):
+    """A Qwen3-MoE's gate and up experts in one ffn_gate_up_exps tensor (convert_hf_to_gguf.py's
+    --fuse-gate-up-exps, gate's rows first): in Q8_0 each packed from its half of the rows, equal to
+    the gguf package's values; as floats, the HF model's experts (F32)."""
+    import gguf
+
+    from jaxinfer.quant import QuantizedWeight, dequantize
+    from jaxinfer.weights import load_model
+    vocab = byte_level_vocab(_lines(), 300, "qwen2")
+    hf = build_hf_model("qwen3moe-gqa", overrides={"vocab_size": 300, "mlp_only_layers": [], "moe_intermediate_size": 64})
+    q8 = write_gguf(hf, tmp_path / "q8.gguf", vocab, {"experts": "Q8_0"}, fuse_gate_up=True)
+    f32 = write_gguf(hf, tmp_path / "f32.gguf", vocab, fuse_gate_up=True)
+    packed, cfg = load_model(resolve_model_path(q8), "float32")
+    floats, _ = load_model(resolve_model_path(f32), "float32")
+    raw = {t.name: t for t in gguf.GGUFReader(q8).tensors}
+    f = cfg.moe_ffn_dim or cfg.ffn_dim
+    for i in range(cfg.n_layers):
+        both = _oss_expert(raw[f"blk.{i}.ffn_gate_up_exps.weight"])                      # [E, D, 2F]
+        hf_both = hf.model.layers[i].mlp.experts.gate_up_proj.detach().numpy().transpose(0, 2, 1)
+        for part, cols in (("gate", slice(0, f)), ("up", slice(f, 2 * f))):
+            w = getattr(packed.layers[i].mlp, part).get_value()
+            assert isinstance(w, QuantizedWeight) and (w.bits, w.group_size, w.batch) == (8, 32, 1)
+            assert np.array_equal(np.asarray(dequantize(w), np.float32).reshape(both[..., cols].shape), both[..., cols])
+            assert np.array_equal(np.asarray(getattr(floats.layers[i].mlp, part).get_value()), hf_both[..., cols])
 
 
 @pytest.mark.parametrize("name, overrides", [
@@ -549,6 +585,46 @@ def test_bad_files_named(gguf_case, tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match="'gpt2' .general.architecture. is not supported"):
         resolve_model_path(tmp_path / "gpt2.gguf")
+
+
+def test_damaged_expert_and_rope_tensors_named(tmp_path):
+    """A fused ffn_gate_up_exps whose rows are not twice the experts' width, a LongRoPE factor tensor
+    of the wrong length, a missing gpt-oss expert tensor: each refused naming the file and tensor."""
+    from jaxinfer.weights import load_model
+    vocab = byte_level_vocab(_lines(), 300, "qwen2")
+    hf = build_hf_model("qwen3moe-gqa", overrides={"vocab_size": 300, "mlp_only_layers": []})
+    hf.config.moe_intermediate_size = 31     # the metadata's width; the tensors hold 2 x 32 rows
+    bad = write_gguf(hf, tmp_path / "moe.gguf", vocab, fuse_gate_up=True)
+    with pytest.raises(CheckpointError, match=r"moe.gguf: tensor 'blk.0.ffn_gate_up_exps.weight' has 64 rows"):
+        load_model(resolve_model_path(bad), "float32")
+    text = save_text_model(tmp_path / "spm")
+    phi = build_hf_model("phi3-longrope", overrides={"vocab_size": 400})
+    phi.config.rope_parameters["long_factor"] = phi.config.rope_parameters["long_factor"][:5]
+    bad = write_gguf(phi, tmp_path / "phi.gguf", sentencepiece_vocab(text / "tokenizer.model"))
+    with pytest.raises(CheckpointError, match=r"phi.gguf: tensor 'rope_factors_long.weight' has 5 values; expected 6"):
+        resolve_model_path(bad)
+    oss = build_hf_model("gpt-oss", overrides={"vocab_size": 300})
+    state = {k: v for k, v in oss.state_dict().items() if k != "model.layers.1.mlp.experts.gate_up_proj_bias"}
+    oss.load_state_dict(state, strict=False, assign=True)
+    del oss.model.layers[1].mlp.experts.gate_up_proj_bias
+    bad = write_gguf(oss, tmp_path / "oss.gguf", byte_level_vocab(_lines(), 300, "gpt-4o"))
+    with pytest.raises(CheckpointError, match=r"oss.gguf: tensor 'model.layers.1.mlp.experts.gate_up_proj_bias' "
+                                              r"\(GGUF 'blk.1.ffn_gate_exps.bias', 'blk.1.ffn_up_exps.bias'\) not found"):
+        load_model(resolve_model_path(bad), "float32")
+
+
+def test_gpt_oss_sliding_period_from_the_file(tmp_path):
+    """llama.cpp's gpt-oss reads attention.sliding_window_pattern (every p-th layer global, the others
+    sliding: its set_swa_pattern) and rope.freq_base_swa; a period of 3 gives sliding, sliding, global,
+    ...; a sliding layers' RoPE base of their own is refused by name."""
+    hf = build_hf_model("gpt-oss", overrides={"vocab_size": 300})
+    vocab = byte_level_vocab(_lines(), 300, "gpt-4o")
+    path = write_gguf(hf, tmp_path / "p3.gguf", vocab, extra={"gpt-oss.attention.sliding_window_pattern": 3})
+    cfg = json.loads((resolve_model_path(path) / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    path = write_gguf(hf, tmp_path / "swa.gguf", vocab, extra={"gpt-oss.rope.freq_base_swa": 10000.0})
+    with pytest.raises(CheckpointError, match=r"swa.gguf: gpt-oss.rope.freq_base_swa = 10000.0"):
+        resolve_model_path(path)
 
 
 def test_hub_id_with_quantization_label(gguf_case, tmp_path):
@@ -809,7 +885,8 @@ def test_sentencepiece_space_prefix_as_llama_cpp(tmp_path):
 def test_k_quant_flat_group_and_native_round_trip(gguf_case, tmp_path):
     """A Q4_K group whose 6-bit scale is 0 is the constant -dmin * m: held exactly (code 0, zero point 1,
     the offset as its scale); float zero points survive a native checkpoint's save and restore; the
-    Pallas kernel refuses them (it subtracts integer zero points)."""
+    Pallas int4 kernel (interpreted here) multiplies by them within float32's bound of the exact
+    product of the gguf package's values."""
     from types import SimpleNamespace
 
     import gguf
@@ -818,7 +895,7 @@ def test_k_quant_flat_group_and_native_round_trip(gguf_case, tmp_path):
     from jaxinfer.prequant.gguf_blocks import _weight
     from jaxinfer.quant import dequantize
     from jaxinfer.weights import load_model, save_native
-    from pallas_kernels.quant_matmul import quant_matmul
+    from jaxinfer.quant import qdot
     from tests.gguf_files import random_blocks
     q4k = gguf.GGMLQuantizationType.Q4_K
     raw = random_blocks((2, 256), q4k, np.random.default_rng(1))
@@ -830,8 +907,15 @@ def test_k_quant_flat_group_and_native_round_trip(gguf_case, tmp_path):
     got = np.asarray(dequantize(qw)).T
     assert np.array_equal(got[0, :32], w[0, :32])
     assert np.abs(got - w).max() <= 8 * np.finfo(np.float32).eps * 2 * np.abs(w).max()
-    with pytest.raises(TypeError, match="zeros must be integers"):
-        quant_matmul(jnp.ones((1, 256), jnp.float32), qw.q, qw.scales, qw.zeros, bits=4, group_size=32, interpret=True)
+    x = np.random.default_rng(2).standard_normal((3, 256)).astype(np.float32)
+    y = np.asarray(qdot(jnp.asarray(x), qw, impl="pallas", blocks={"block_m": 16, "block_n": 2, "block_k": 64},
+                        interpret=True), np.float64)
+    w64 = w.T.astype(np.float64)                               # [K, N], the gguf package's values
+    # (q - z) * s: two float32 roundings a weight and its difference from w (<= 8 ulp of 2 max|w|,
+    # checked above), then K float32 products and sums (tests/test_quant.dot_error_bound's analysis)
+    gamma = (256 + 3) * 2.0 ** -24 / (1 - (256 + 3) * 2.0 ** -24)
+    bound = gamma * (np.abs(x) @ np.abs(w64)) + 8 * np.finfo(np.float32).eps * 2 * np.abs(w).max() * np.abs(x).sum(1)[:, None]
+    assert np.all(np.abs(y - x.astype(np.float64) @ w64) <= bound)
     path, _ = gguf_case("llama-q4km")
     model, _ = load_model(resolve_model_path(path), "float32")
     save_native(model, tmp_path / "native", "float32")

@@ -88,19 +88,21 @@ def rel_err(y, ref) -> float:
 U_F32, U_BF16 = 2.0 ** -24, 2.0 ** -8    # unit roundoff of float32 and bfloat16 (round to nearest)
 
 
-def dot_error_bound(x64: np.ndarray, w64: np.ndarray, operands_bf16: bool, out_bf16: bool) -> np.ndarray:
+def dot_error_bound(x64: np.ndarray, w64: np.ndarray, operands_bf16: bool, out_bf16: bool,
+                    float_zeros: bool = False) -> np.ndarray:
     """Per-element bound on |computed - exact| for x @ w ([M, K] @ [K, N], exact in float64) as the
     kernels and the reference compute it. Standard floating-point error analysis (Higham, ch. 3):
-    - the weight is dequantized in float32 ((q - z) * s: one rounding) and, with bf16 operands,
-      rounded again to bfloat16: relative error u32 (+ u_bf16) per weight;
+    - the weight is dequantized in float32 ((q - z) * s: one rounding; two with a float zero point,
+      q - z rounding too) and, with bf16 operands, rounded again to bfloat16: relative error u32
+      (2 u32) (+ u_bf16) per weight;
     - each product of two bf16 (or f32 at HIGHEST) operands is accumulated in float32 in some order,
       with int8's per-column scale applied after the sum: |error| <= gamma_{K+2} * sum_k |x_k w_k|,
       gamma_n = n u32 / (1 - n u32), whatever the blocking or summation order;
     - a bfloat16 output is rounded once more: u_bf16 * |y|.
     The bound is worst case (realised errors are ~sqrt(K) smaller) but never flaky: it holds for
     every input and every accumulation order."""
-    k = x64.shape[1]
-    gamma = (k + 2) * U_F32 / (1 - (k + 2) * U_F32)
+    n_ops = x64.shape[1] + 2 + (1 if float_zeros else 0)
+    gamma = n_ops * U_F32 / (1 - n_ops * U_F32)
     sum_abs = np.abs(x64) @ np.abs(w64)
     exact = x64 @ w64
     bound = (gamma + (U_BF16 if operands_bf16 else 0.0)) * sum_abs
@@ -151,9 +153,11 @@ def random_kernel_operands(rng, bits, g, symmetric, k, n):
     if bits == 8:
         w = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
         return w, jnp.asarray(rng.uniform(1e-3, 2e-2, n), jnp.float32), None
-    q = rng.integers(-8, 8, (k, n)) if symmetric else rng.integers(0, 16, (k, n))
+    q = rng.integers(-8, 8, (k, n)) if symmetric is True else rng.integers(0, 16, (k, n))
     w = jnp.asarray(np_pack(q))
     s = jnp.asarray(rng.uniform(1e-3, 5e-2, (k // g, n)), jnp.float32)
+    if symmetric == "float":   # GGUF's Q4_K / Q2_K: a float32 zero point per group
+        return w, s, jnp.asarray(rng.uniform(0.0, 15.0, (k // g, n)), jnp.float32)
     z = None if symmetric else jnp.asarray(rng.integers(0, 16, (k // g, n)), jnp.uint8)
     return w, s, z
 
@@ -162,10 +166,14 @@ def random_kernel_operands(rng, bits, g, symmetric, k, n):
 # the full cross product would double the interpret-mode compile time for no new code path. block_m=2
 # is below Triton's tile, so on a GPU bf16 also runs at M=37 (3 blocks of 16, the last one partial)
 # for int8, a K block holding two groups (g32 asym) and one inside a group (g128 sym).
+# float zero points (symmetric "float": GGUF's Q4_K in groups of 32, Q2_K in groups of 16, 4 a K block)
+FLOAT_ZERO_KINDS = [("int4_g32_fzero", 4, 32, "float", 192, 64), ("int4_g16_fzero", 4, 16, "float", 192, 64)]
 KERNEL_CASES = ([(kind, m, bm, "float32") for kind in KINDS for m, bm in M_BLOCKS]
                 + [(kind, 5, 2, "bfloat16") for kind in KINDS]
                 + [(kind, 37, 16, "bfloat16") for kind in KINDS
-                   if kind[0] in ("int8", "int4_g32_asym", "int4_g128_sym")])
+                   if kind[0] in ("int8", "int4_g32_asym", "int4_g128_sym")]
+                + [(FLOAT_ZERO_KINDS[0], m, bm, "float32") for m, bm in M_BLOCKS]
+                + [(FLOAT_ZERO_KINDS[1], 5, 2, "float32"), (FLOAT_ZERO_KINDS[1], 37, 16, "bfloat16")])
 
 
 def _kernel_case(c):
@@ -190,9 +198,10 @@ def test_kernel_matches_reference(kind, m, block_m, dtype):
     x64, w64 = np.asarray(x, np.float64), np_dequant(qw)
     exact = x64 @ w64
     # each against the exact product, within what its float32/bfloat16 arithmetic can lose
-    assert_within(ref, exact, dot_error_bound(x64, w64, operands_bf16=False, out_bf16=False))
+    fz = sym == "float"
+    assert_within(ref, exact, dot_error_bound(x64, w64, operands_bf16=False, out_bf16=False, float_zeros=fz))
     bf16 = dtype == "bfloat16"
-    assert_within(y, exact, dot_error_bound(x64, w64, operands_bf16=bf16, out_bf16=bf16))
+    assert_within(y, exact, dot_error_bound(x64, w64, operands_bf16=bf16, out_bf16=bf16, float_zeros=fz))
 
 
 @pytest.mark.device

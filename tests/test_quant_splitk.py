@@ -28,7 +28,8 @@ K, N = 256, 128
 # (name, bits, group_size, symmetric): g=32 puts 2 groups in a 64-row K block, g=128 a 64-row block
 # inside one group, and a split of K/4 = 64 rows half a group (rejected: see the error test)
 KINDS = [("int8", 8, None, True), ("int4_g32_sym", 4, 32, True), ("int4_g64_asym", 4, 64, False),
-         ("int4_g128_sym", 4, 128, True), ("int4_g128_asym", 4, 128, False)]
+         ("int4_g128_sym", 4, 128, True), ("int4_g128_asym", 4, 128, False),
+         ("int4_g32_fzero", 4, 32, "float")]   # float zero points (GGUF's Q4_K)
 
 
 def operands(rng, bits, g, symmetric, k=K, n=N):
@@ -37,9 +38,10 @@ def operands(rng, bits, g, symmetric, k=K, n=N):
     if bits == 8:
         return (jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8),
                 jnp.asarray(rng.uniform(1e-3, 2e-2, n), jnp.float32), None)
-    q = rng.integers(-8, 8, (k, n)) if symmetric else rng.integers(0, 16, (k, n))
+    q = rng.integers(-8, 8, (k, n)) if symmetric is True else rng.integers(0, 16, (k, n))
     s = jnp.asarray(rng.uniform(1e-3, 5e-2, (k // g, n)), jnp.float32)
-    z = None if symmetric else jnp.asarray(rng.integers(0, 16, (k // g, n)), jnp.uint8)
+    z = (None if symmetric is True else jnp.asarray(rng.uniform(0.0, 15.0, (k // g, n)), jnp.float32)
+         if symmetric == "float" else jnp.asarray(rng.integers(0, 16, (k // g, n)), jnp.uint8))
     return jnp.asarray(np_pack(q)), s, z
 
 
@@ -69,10 +71,11 @@ def test_splitk_matches_exact_product_and_reference(name, bits, g, sym, m, inner
     qw = QuantizedWeight(w, s, z, bits=bits, group_size=g, shape=(K, N))
     x64, w64 = np.asarray(x, np.float64), np_dequant(qw)
     exact = x64 @ w64
-    bf16 = dtype == "bfloat16"
-    assert_within(y, exact, dot_error_bound(x64, w64, operands_bf16=bf16 and inner == "dot", out_bf16=bf16))
+    bf16, fz = dtype == "bfloat16", sym == "float"
+    assert_within(y, exact, dot_error_bound(x64, w64, operands_bf16=bf16 and inner == "dot", out_bf16=bf16,
+                                            float_zeros=fz))
     ref = quant_matmul_reference(x.astype(jnp.float32), w, s, z, bits=bits, group_size=g)
-    assert_within(ref, exact, dot_error_bound(x64, w64, operands_bf16=False, out_bf16=False))
+    assert_within(ref, exact, dot_error_bound(x64, w64, operands_bf16=False, out_bf16=False, float_zeros=fz))
 
 
 @pytest.mark.device
@@ -238,14 +241,16 @@ def test_select_blocks_measures_splitk_and_xla(tmp_path, monkeypatch):
 @pytest.mark.cpu_only("lowers for cuda from a CPU backend (a GPU compiles them for real in the tests above)")
 def test_every_candidate_lowers_to_triton():
     """Every Pallas launch config of the tuner's lists (split-K with both inner products, tiled) for
-    the 8B o projection (K = N = 4096) at M = 1, 8, 16, 64, int8 and int4 g128 sym / asym, passes
+    the 8B o projection (K = N = 4096) at M = 1, 8, 16, 64, int8 and int4 g128 sym / asym / float zero
+    points, passes
     Pallas's Triton lowering (power-of-two tiles, supported primitives), lowered for "cuda" with no
     GPU present. (Triton's own compile to PTX -- registers, shared memory -- needs the GPU.)"""
     import jax
 
     k, n = EIGHT_B["o"]
     count = 0
-    for bits, zeros in ((8, None), (4, None), (4, jax.ShapeDtypeStruct((k // 128, n), jnp.uint8))):
+    for bits, zeros in ((8, None), (4, None), (4, jax.ShapeDtypeStruct((k // 128, n), jnp.uint8)),
+                        (4, jax.ShapeDtypeStruct((k // 128, n), jnp.float32))):   # float zero points (GGUF)
         q = jax.ShapeDtypeStruct((k, n) if bits == 8 else (k // 2, n), jnp.int8 if bits == 8 else jnp.uint8)
         s = jax.ShapeDtypeStruct((n,) if bits == 8 else (k // 128, n), jnp.float32)
         qw = QuantizedWeight(q, s, zeros, bits=bits, group_size=None if bits == 8 else 128, shape=(k, n))

@@ -10,20 +10,24 @@ formats (quant/format.py), so they load as QuantizedWeights with no rounding:
 | Q4_0 | 32 weights, d | q - 8 in [-8, 7] | int4 symmetric, group 32 |
 | Q5_0 | 32 weights, d | q - 16 in [-16, 15] | grouped int8, group 32 |
 | Q6_K | 256 weights, d and 16 int8 scales | q - 32 in [-32, 31] | grouped int8, group 16 (scale d * sc) |
+| Q3_K | 256 weights, d and 16 6-bit scales sc | q - 4 in [-4, 3] | int4 symmetric, group 16 (scale d * (sc - 32)) |
 | Q4_K | 256 weights, d, dmin, 8 6-bit scales and mins | q in [0, 15] | int4, group 32, float zero points |
 | Q5_K | the same, 5-bit codes | q in [0, 31] | grouped int8, group 32, float zero points |
+| Q2_K | 256 weights, d, dmin, 16 4-bit scales and mins | q in [0, 3] | int4, group 16, float zero points |
 | MXFP4 | 32 weights, an e8m0 exponent | e2m1 | mxfp4 (gpt-oss's experts; the nibbles reordered) |
 
-Q4_K and Q5_K subtract an offset: w = (d sc) q - (dmin m) is held as (q - z) s with s = d sc and the
-zero point z = dmin m / s a float (quant/format.py's float_zeros; dequantized in XLA, no kernel), equal
+Q4_K, Q5_K and Q2_K subtract an offset: w = (d sc) q - (dmin m) is held as (q - z) s with s = d sc and the
+zero point z = dmin m / s a float (quant/format.py's float_zeros: int4's through the Pallas kernel,
+grouped int8's dequantized in XLA), equal
 to the file's value to float32 rounding (checked at load: within 4 ulp of the group's largest term);
 a group with s = 0 (the constant -o) is held as code 0, zero point 1 and scale o, exactly.
 
 The scales are read from the blocks' bytes (ggml-common.h's layouts: d first in the 32-weight
-blocks; Q6_K's 16 scales at byte 192 and d at byte 208), the codes from the gguf package's
+blocks; Q6_K's 16 scales at byte 192 and d at byte 208; Q3_K's 6-bit scales packed in the 12 bytes
+at byte 96 and d at byte 108; Q2_K's 16 bytes of scale and min nibbles first, d and dmin at 80), the codes from the gguf package's
 dequantized values divided by them, and every code times its scale must give that value back
-exactly (else the tensor is refused by name). The other types (Q4_1, Q5_1, Q2_K, Q3_K; the IQ
-types: lattice codebooks) are dequantized to floats by the loader. Projections served as one fused matmul (q, k, v; gate, up) stay packed only
+exactly (else the tensor is refused by name). The other types (Q4_1, Q5_1; the IQ types: lattice
+codebooks) are dequantized to floats by the loader. Projections served as one fused matmul (q, k, v; gate, up) stay packed only
 when the file stores them in the same type; otherwise all of them load as floats. A mixture's
 experts (stacked in the file) load as one batch=1 QuantizedWeight per layer and matrix, expert by
 expert. Embeddings and a quantized LM head are dequantized (they are not matmul weights of the
@@ -40,15 +44,15 @@ from jaxinfer.prequant.common import QuantConfigError, int_weight
 from jaxinfer.quant import QuantizedWeight
 
 METHOD = "gguf"
-# GGML type -> (bits of jaxinfer's format, group size, byte of the float16 d, (byte, count) of int8
-# sub-scales or None, largest |code|)
+# GGML type -> (bits of jaxinfer's format, group size, byte of the float16 d, sub-scales (_sub_scales:
+# int8 bytes at a byte, Q3_K's packed 6-bit ones) or None, largest |code|)
 EXACT = {"Q8_0": (8, 32, 0, None, 128), "Q4_0": (4, 32, 0, None, 8), "Q5_0": (8, 32, 0, None, 16),
-         "Q6_K": (8, 16, 208, (192, 16), 32)}
-# K-quants with an offset per 32 weights, w = d * sc * q - dmin * m (6-bit sc and m packed in 12
-# bytes at byte 4, ggml's get_scale_min_k4): unsigned codes with a float zero point m*dmin / (sc*d)
-# -> (bits of jaxinfer's format, largest code)
-OFFSET = {"Q4_K": (4, 15), "Q5_K": (8, 31)}
-_NBYTES = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "Q6_K": 210, "Q4_K": 144, "Q5_K": 176}
+         "Q6_K": (8, 16, 208, ("int8", 192), 32), "Q3_K": (4, 16, 108, ("q3_k", 96), 4)}
+# K-quants with an offset per group, w = d * sc * q - dmin * m (_k_scales: Q4_K / Q5_K's 6-bit sc and m
+# per 32 packed in 12 bytes at byte 4, ggml's get_scale_min_k4; Q2_K's 4-bit ones per 16, a byte each):
+# unsigned codes with a float zero point m*dmin / (sc*d) -> (bits of jaxinfer's format, largest code, group)
+OFFSET = {"Q4_K": (4, 15, 32), "Q5_K": (8, 31, 32), "Q2_K": (4, 3, 16)}
+_NBYTES = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "Q6_K": 210, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q2_K": 84}
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -81,29 +85,31 @@ class GGUFBlockReader:
         """A mixture's experts (one stacked tensor in the file, llama.cpp's ffn_*_exps) as one batch=1
         QuantizedWeight when their type is exact (and gate's and up's agree: one fused matmul here);
         None otherwise (the loader reads them as floats)."""
-        from jaxinfer.gguf_file import expert_stack
         if len(hf_names) == 1 and not hf_names[0].endswith("_bias") and self.st.oss_parts(hf_names[0]) is not None:
             return self._oss_param(ours, hf_names[0], transform, expected)
-        stack = expert_stack(hf_names[0]) if hf_names else None
-        if stack is None or stack not in self.st.file.tensors:
+        found = self.st.expert_rows(hf_names[0]) if hf_names else None
+        if found is None:
             return None
+        stack, rows = found
         t = self.st.file.tensors[stack][0]
         kind = t.tensor_type.name
         pair = [f"blk.{stack.split('.')[1]}.ffn_{p}_exps.weight" for p in ("gate", "up")]
-        raw = np.asarray(t.data, np.uint8)
         if not _packable(kind) or (stack in pair and any(
                 n not in self.st.file.tensors or self.st.file.tensors[n][0].tensor_type.name != kind for n in pair)):
             return None
-        w = self.st.file.tensor(stack)                     # float32 [E, N, K]
+        w = self.st.file.tensor(stack)[:, rows]            # float32 [E, N, K]
         if len(hf_names) != w.shape[0]:
             raise QuantConfigError(f"GGUF tensor {stack!r} holds {w.shape[0]} experts; {ours} has {len(hf_names)}")
-        return _stack(t, w, raw.reshape(*w.shape[:2], -1), ours, expected)
+        raw = np.asarray(t.data, np.uint8)
+        return _stack(t, w, raw.reshape(-1, int(t.shape[1]), raw.shape[-1])[:, rows], ours, expected)
 
     def _oss_param(self, ours: str, name: str, transform, expected: tuple[int, ...]):
         """gpt-oss's experts (transformers' gate_up_proj, gate's and up's columns interleaved: which of
         them `transform` takes tells gate from up; down_proj) from llama.cpp's tensors: MXFP4 as
         jaxinfer's mxfp4 format (the codes' nibbles moved, nothing computed), the exact and offset
         types as the other experts; None for other types or a selection that is neither."""
+        if self.st.stored(name) is None:   # a tensor missing: the loader names it
+            return None
         if name.endswith("down_proj"):
             part = "down"
         else:
@@ -165,17 +171,25 @@ def _mxfp4(name: str, raw: np.ndarray, ours: str, expected: tuple[int, ...]) -> 
                            bits=4, group_size=32, shape=(e, k, n), contract=1, batch=1)
 
 
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
 def _k_scales(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
-    """(scale, offset) float32 [..., groups] of Q4_K / Q5_K blocks: s = d * sc_j, o = dmin * m_j for the 8
-    groups of 32 of each block, sc_j and m_j unpacked from the 12 bytes at byte 4 (ggml-common.h:
-    groups 0-3 take the low 6 bits of bytes j and j + 4; groups 4-7 the nibbles of byte j + 4 with the
-    top 2 bits of bytes j - 4 and j)."""
+    """(scale, offset) float32 [..., groups] of Q4_K / Q5_K / Q2_K blocks: s = d * sc_j, o = dmin * m_j.
+    Q4_K / Q5_K: 8 groups of 32, d and dmin first, sc_j and m_j unpacked from the 12 bytes at byte 4
+    (ggml-common.h: groups 0-3 take the low 6 bits of bytes j and j + 4; groups 4-7 the nibbles of
+    byte j + 4 with the top 2 bits of bytes j - 4 and j). Q2_K: 16 groups of 16, byte j's low nibble
+    sc_j and high nibble m_j, d and dmin at bytes 80 and 82."""
     blocks = raw.reshape(*raw.shape[:-1], -1, _NBYTES[kind])
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
-    dmin = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
-    b = blocks[..., 4:16].astype(np.int32)
-    sc = np.concatenate([b[..., 0:4] & 63, (b[..., 8:12] & 0xF) | ((b[..., 0:4] >> 6) << 4)], axis=-1)
-    m = np.concatenate([b[..., 4:8] & 63, (b[..., 8:12] >> 4) | ((b[..., 4:8] >> 6) << 4)], axis=-1)
+    if kind == "Q2_K":
+        d, dmin = _f16(blocks, 80), _f16(blocks, 82)
+        sc, m = (blocks[..., :16] & 0xF).astype(np.int32), (blocks[..., :16] >> 4).astype(np.int32)
+    else:
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        b = blocks[..., 4:16].astype(np.int32)
+        sc = np.concatenate([b[..., 0:4] & 63, (b[..., 8:12] & 0xF) | ((b[..., 0:4] >> 6) << 4)], axis=-1)
+        m = np.concatenate([b[..., 4:8] & 63, (b[..., 8:12] >> 4) | ((b[..., 4:8] >> 6) << 4)], axis=-1)
     scale = (d[..., None] * sc.astype(np.float32)).reshape(*raw.shape[:-1], -1)
     offset = (dmin[..., None] * m.astype(np.float32)).reshape(*raw.shape[:-1], -1)
     return scale, offset
@@ -189,24 +203,36 @@ def _weight(t, w: np.ndarray, raw: np.ndarray, rows) -> QuantizedWeight:
     if kind in EXACT:
         codes, scales = _codes(t, w, raw, rows)
         return int_weight(codes.T, scales.T, None, EXACT[kind][0], EXACT[kind][1])
-    bits, limit = OFFSET[kind]
+    bits, limit, g = OFFSET[kind]
     n, k = w.shape
     scale, offset = (rows(a) for a in _k_scales(raw, kind))
-    if scale.shape != (n, k // 32):
+    if scale.shape != (n, k // g):
         raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}) has {scale.shape[1]} groups per row; "
-                               f"expected {k // 32} for {k} weights")
+                               f"expected {k // g} for {k} weights")
     # a group with scale 0 is the constant -offset: code 0, zero point 1 and the offset as its scale
     flat = scale == 0
     scale = np.where(flat, np.where(offset == 0, 1.0, offset), scale).astype(np.float32)
-    codes = np.where(flat[..., None], 0.0, np.rint((w.reshape(n, k // 32, 32) + offset[..., None]) / scale[..., None]))
+    codes = np.where(flat[..., None], 0.0, np.rint((w.reshape(n, k // g, g) + offset[..., None]) / scale[..., None]))
     zeros = np.where(flat, np.where(offset == 0, 0.0, 1.0), offset / scale).astype(np.float32)
     back = (codes - zeros[..., None]) * scale[..., None]
     size = np.abs(offset) + np.abs(scale) * limit            # the group's largest term
     if (codes.min(initial=0) < 0 or codes.max(initial=0) > limit
-            or np.any(np.abs(back - w.reshape(n, k // 32, 32)) > 4 * np.finfo(np.float32).eps * size[..., None])):
+            or np.any(np.abs(back - w.reshape(n, k // g, g)) > 4 * np.finfo(np.float32).eps * size[..., None])):
         raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}): its blocks are not scale x code - offset "
                                "(a damaged tensor)")
-    return int_weight(codes.reshape(n, k).T.astype(np.int32), scale.T, zeros.T, bits, 32)
+    return int_weight(codes.reshape(n, k).T.astype(np.int32), scale.T, zeros.T, bits, g)
+
+
+def _sub_scales(blocks: np.ndarray, how: str, at: int) -> np.ndarray:
+    """The 16 sub-scales float32 [..., 16] of each Q6_K / Q3_K block: Q6_K's int8 bytes at `at`; Q3_K's
+    6-bit values packed in the 12 bytes at `at`, minus 32 (ggml-common.h: scale j's low 4 bits in byte
+    j's low nibble for j < 8, byte j - 8's high one after; its top 2 bits in byte 8 + j % 4, bits 2 (j // 4))."""
+    if how == "int8":
+        return np.ascontiguousarray(blocks[..., at:at + 16]).view(np.int8).astype(np.float32)
+    b = blocks[..., at:at + 12].astype(np.int32)
+    low = np.concatenate([b[..., 0:8] & 0xF, b[..., 0:8] >> 4], axis=-1)
+    high = np.concatenate([(b[..., 8:12] >> s) & 3 for s in (0, 2, 4, 6)], axis=-1)
+    return ((low | (high << 4)) - 32).astype(np.float32)
 
 
 def _codes(t, w: np.ndarray, raw: np.ndarray, rows) -> tuple[np.ndarray, np.ndarray]:
@@ -217,12 +243,8 @@ def _codes(t, w: np.ndarray, raw: np.ndarray, rows) -> tuple[np.ndarray, np.ndar
     _, g, d_at, sub, limit = EXACT[kind]
     n, k = w.shape
     blocks = raw.reshape(n, -1, _NBYTES[kind])
-    d = np.ascontiguousarray(blocks[:, :, d_at:d_at + 2]).view(np.float16)[..., 0].astype(np.float32)
-    if sub is not None:
-        sc = np.ascontiguousarray(blocks[:, :, sub[0]:sub[0] + sub[1]]).view(np.int8).astype(np.float32)
-        scales = (d[..., None] * sc).reshape(n, -1)
-    else:
-        scales = d
+    d = _f16(blocks, d_at)
+    scales = d if sub is None else (d[..., None] * _sub_scales(blocks, *sub)).reshape(n, -1)
     scales = rows(scales)
     if scales.shape != (n, k // g):
         raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}) has {scales.shape[1]} groups per row; "

@@ -237,10 +237,9 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     if w.perm is not None:   # rows stored in perm order (format.py): gather x's columns the same way
         x2 = jnp.take(x2, w.perm, axis=1)
     mode = impl if impl in ("pallas", "xla") else _resolve_impl(impl)   # "auto": the backend's default
-    if w.grouped8 or w.mxfp4 or w.float_zeros:   # pre-quantized formats with no kernel: XLA
+    if w.grouped8 or w.mxfp4:   # pre-quantized formats with no kernel: XLA (int4's float zero points have one)
         if impl == "pallas" and not fallback:
-            raise ValueError("the Pallas quant_matmul kernel has no grouped 8-bit, MXFP4 or float-zero-point "
-                             "format; use impl='xla'")
+            raise ValueError("the Pallas quant_matmul kernel has no grouped 8-bit or MXFP4 format; use impl='xla'")
         return _xla_matmul(x2, w).reshape(lead + tuple(ndims))
     if w.fp8:   # the GPU path: XLA's native fp8 dot (no Pallas kernel); else dequantized
         y2 = fp8_native_matmul(x2, w) if mode == "pallas" and m > 0 else _xla_matmul(x2, w)

@@ -29,9 +29,10 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
   int4 (low nibble = even k), scales uint8 [K/32, N] e8m0 exponents (group_size 32): w = e2m1(code)
   * 2^(scale - 127); told from int4 by the scales' dtype; dequantized in XLA (no kernel), expert by
   expert on the MoE path. Stored 4.25 bits a weight.
-* float zero points (GGUF's Q4_K as int4, Q5_K as grouped int8, both groups of 32: w = scale * q -
-  offset, stored as zeros = offset / scale, float32 [K/g, N], unsigned codes): dequantized in XLA
-  (QuantizedWeight.float_zeros), no kernel.
+* float zero points (GGUF's Q4_K and Q2_K as int4, groups of 32 and 16, Q5_K as grouped int8: w =
+  scale * q - offset, stored as zeros = offset / scale, float32 [K/g, N], unsigned codes;
+  QuantizedWeight.float_zeros): int4's through the Pallas kernel (q - zero in float32), grouped
+  int8's dequantized in XLA.
 * row order (perm, pre-quantized GPTQ with desc_act only): the rows of q, scales and zeros are stored
   in the order perm (int32 [K]), chosen at load so that each group's rows are contiguous; the
   product is x[:, perm] @ dequant(q) (a gather of x's K columns per call, qdot), the logical weight
@@ -145,8 +146,8 @@ class QuantizedWeight:
 
     @property
     def float_zeros(self) -> bool:
-        """Zero points that are floats (GGUF's Q4_K / Q5_K: w = scale * q - offset, zero = offset / scale):
-        dequantized in XLA, no kernel (the kernel's zero points are integers)."""
+        """Zero points that are floats (GGUF's Q4_K / Q5_K / Q2_K: w = scale * q - offset, zero = offset /
+        scale): int4's through the Pallas kernel (q - zero in float32), grouped int8's in XLA."""
         return self.zeros is not None and jnp.issubdtype(jnp.dtype(self.zeros.dtype), jnp.floating)
 
     @property
