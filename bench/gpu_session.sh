@@ -20,11 +20,16 @@
 #   bash bench/gpu_session.sh 6   # <= 6.5 min: bench.gpu's fp8 part (cut on 2026-12-04), HF transformers'
 #                                 # baseline and the kernels part (matmuls, prefill attention vs cuDNN), then
 #                                 # the int4 part with --autotune (its cold start: never measured yet)
+#   bash bench/gpu_session.sh 7   # <= 5 min: bench.gpu.quant_sweep on GGUF's packed forms (never measured):
+#                                 # Q4_K as loaded (int4 g32 with float32 zero points, through the int4
+#                                 # kernels since 2026-12-06) and Q8_0 (grouped int8, XLA only) against
+#                                 # bf16 and int4 g128 on the 8B projections
 #
 # One 15-minute session holds calls 1 and 2 (2026-12-04: the start took ~30 s, then 455 s and 277 s
 # of commands, 772 s held in all): run call 1 with timeout_s 470 and call 2 within 30 s of its reply
 # (timeout_s 330) to keep the machine warm. Calls 3-6 are the next sessions' (timeout_s 500 for 3, 570
 # for 5, 420 for 6; 3 and 4 together: ~810 s of commands, so call 4 within 30 s of call 3's reply).
+# Call 7 fits beside 3 or 4 in one session (timeout_s 320).
 # Results land in $OUT (JSON, logs as one tarball); copy them to bench/results/ and commit them.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -76,8 +81,14 @@ case "${1:-}" in
         > "$LOGS/gpu-int4-autotune.log" 2>&1 || rc=$?
     tail -12 "$LOGS/gpu-int4-autotune.log"
     ;;
+7)
+    timeout -s INT 300 python3 -m bench.gpu.quant_sweep --formats bf16,int4,q4k,q8_0 --deadline-s 290 \
+        --out "$OUT/quant-sweep-gguf.json" --log-dir "$LOGS/quant-sweep-gguf" \
+        > "$LOGS/quant-sweep-gguf.log" 2>&1 || rc=$?
+    tail -40 "$LOGS/quant-sweep-gguf.log"
+    ;;
 *)
-    echo "usage: bash bench/gpu_session.sh 1|2|3|4|5|6" >&2
+    echo "usage: bash bench/gpu_session.sh 1|2|3|4|5|6|7" >&2
     exit 2
     ;;
 esac

@@ -8,8 +8,8 @@ the cache, keyed by the file's path, size and modification time and this module'
 file, and GGUFTensors serves the loader every tensor by its Hugging Face name (gguf.TensorNameMap,
 llama.cpp's own table), dequantized to float32 by the gguf package (llama.cpp's Python reference of
 its formats), Llama's Q and K rows turned back from llama.cpp's rotary layout. Blocks that are
-jaxinfer formats (Q8_0, Q4_0, Q5_0, Q6_K, gpt-oss's MXFP4 experts exactly; Q4_K, Q5_K with float
-zero points) stay packed (jaxinfer/prequant/gguf_blocks.py); the other weights are held in the
+jaxinfer formats (Q8_0, Q4_0, Q5_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS, gpt-oss's MXFP4 experts exactly;
+Q4_K, Q5_K, Q2_K with float zero points) stay packed (jaxinfer/prequant/gguf_blocks.py); the other weights are held in the
 serving dtype (--dtype).
 
 The tokenizer is rebuilt as llama.cpp reads it (llama-vocab.cpp), in the tokenizers library: a

@@ -337,7 +337,7 @@ def _quantized_leaves(m: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def _zeros_dtype(m: dict[str, Any], integer):
-    """The stored zero points' dtype: float32 where config.json says so (GGUF's Q4_K / Q5_K), else the
+    """The stored zero points' dtype: float32 where config.json says so (GGUF's Q4_K / Q5_K / Q2_K), else the
     format's integer one."""
     return jnp.float32 if m.get("zeros") == "float32" else integer
 

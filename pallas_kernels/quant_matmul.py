@@ -432,7 +432,8 @@ def quant_matmul(x, w, scales, zeros=None, *, bits: int, group_size: int | None 
 
     bits=8: w int8 [K, N], scales [N], zeros/group_size must be None.
     bits=4: w uint8 [K // 2, N] (low nibble = even k), scales [K // g, N], group_size=g,
-            zeros None (symmetric, signed nibbles) or [K // g, N] in [0, 15] (asymmetric).
+            zeros None (symmetric, signed nibbles) or [K // g, N]: integers in [0, 15] or float32
+            (asymmetric; float zero points subtracted in float32).
     block_m=None picks ``default_block_m(M)``; block_n / block_k are clamped to N / K.
     interpret=None means ``jax.default_backend() == "cpu"``.
     """

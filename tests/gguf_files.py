@@ -62,18 +62,21 @@ def byte_level_vocab(lines, vocab_size: int, pre: str, raw: dict[str, int] | Non
 
 
 # byte offsets of each K-quant block's float16 scales (d, dmin), from ggml-common.h's block layouts
-_K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+_K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+             "IQ4_XS": (0,)}
 
 
 def random_blocks(shape: tuple[int, ...], qtype, rng) -> np.ndarray:
-    """Random llama.cpp blocks of a K-quant type for a float tensor of `shape` (rows of a multiple of
-    256): random bits, each block's float16 scales set to small finite values."""
+    """Random llama.cpp blocks of a K-quant or IQ4 type for a float tensor of `shape` (rows of a multiple
+    of 256): random bits, each block's float16 scales set to small finite values."""
     import gguf
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = int(np.prod(shape[:-1])), shape[-1]
     b = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
+    # the IQ4 types' codes are int8 table values up to 127 (IQ4_XS's also times a 6-bit scale - 32)
+    low = {"IQ4_NL": 0.0002, "IQ4_XS": 0.00002}.get(qtype.name, 0.0005)
     for off in _K_SCALES[qtype.name]:
-        scale = rng.uniform(0.0005, 0.002, b.shape[:2]).astype(np.float16)
+        scale = rng.uniform(low, 4 * low, b.shape[:2]).astype(np.float16)
         b[:, :, off:off + 2] = scale.view(np.uint8).reshape(*b.shape[:2], 2)
     if qtype.name in ("Q4_K", "Q5_K"):   # every 6-bit sub-scale >= 1 (its low bit set in bytes 4-7, 12-15)
         b[:, :, 4:8] |= 1

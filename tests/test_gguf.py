@@ -115,6 +115,13 @@ def _make(name: str, root):
                   "o_proj": "random:Q4_K", "gate": "random:Q2_K", "up_proj": "random:Q2_K", "down": "random:Q3_K",
                   "embed": "Q8_0"}
         return write_gguf(hf, folder / "model.gguf", vocab, qtypes), hf
+    if name == "llama-iq4":   # the IQ4 types (a 16-value int8 table): grouped int8, exactly
+        vocab = byte_level_vocab(_lines(), 300, "llama-bpe")
+        hf = _kquant_llama(300)
+        qtypes = {"q_proj": "random:IQ4_XS", "k_proj": "random:IQ4_XS", "v_proj": "random:IQ4_XS",
+                  "o_proj": "random:IQ4_NL", "gate": "random:IQ4_NL", "up_proj": "random:IQ4_NL",
+                  "down": "random:IQ4_XS", "embed": "Q8_0"}
+        return write_gguf(hf, folder / "model.gguf", vocab, qtypes), hf
     if name == "llama-q8":   # Llama's permuted Q/K packed: q/k/v Q8_0, o Q5_0, gate/up Q4_0, down Q8_0
         vocab = byte_level_vocab(_lines(), 300, "smollm")
         hf = build_hf_model("mistral-mha", overrides={"vocab_size": 300})
@@ -176,7 +183,7 @@ def _rel_err(a, ref) -> float:
 
 
 @pytest.mark.parametrize("name", ["llama-spm", "qwen2-bpe", "qwen3-f32", "llama-kquant", "qwen3moe", "llama-q8",
-                                  "llama-q4km", "llama-q3km", "phi3-spm"])
+                                  "llama-q4km", "llama-q3km", "llama-iq4", "phi3-spm"])
 def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path, _ = gguf_case(name)
@@ -214,6 +221,9 @@ def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
     # -> int4 (g 16) with float zero points; Q4_K o
     ("llama-q3km", {"attn/q": (4, 16), "attn/k": (4, 16), "attn/v": (4, 16), "attn/o": (4, 32, False),
                     "mlp/gate": (4, 16, False), "mlp/up": (4, 16, False), "mlp/down": (4, 16)}),
+    # IQ4_XS (q/k/v, down: scale d (sc - 32) per 32) and IQ4_NL (o, gate/up) -> grouped int8 (g 32)
+    ("llama-iq4", {"attn/q": (8, 32), "attn/k": (8, 32), "attn/v": (8, 32), "attn/o": (8, 32), "mlp/gate": (8, 32),
+                   "mlp/up": (8, 32), "mlp/down": (8, 32)}),
     # down Q8_0 packed; gate Q5_1 and up Q4_0 are one fused matmul of two types: both floats
     ("llama-spm", {"mlp/down": (8, 32)}),
     # Llama's Q/K rows (llama.cpp's rotary order) packed; Q5_0 -> grouped int8 (g 32)
@@ -224,7 +234,7 @@ def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
                   "mlp/up": (8, 32), "mlp/down": (8, 32)}),
 ])
 def test_exact_blocks_stay_packed(name, packed, gguf_case):
-    """Q8_0, Q4_0, Q5_0, Q6_K and Q3_K blocks load as jaxinfer's grouped formats, code for code (the
+    """Q8_0, Q4_0, Q5_0, Q6_K, Q3_K, IQ4_NL and IQ4_XS blocks load as jaxinfer's grouped formats, code for code (the
     dequantized weights equal the gguf package's dequantization of the file exactly); Q4_K, Q5_K and
     Q2_K with float zero points, within float32 rounding of it (4 ulp of the group's largest term, the
     loader's own check: here against the gguf package independently); the rest are floats."""
@@ -903,7 +913,7 @@ def test_k_quant_flat_group_and_native_round_trip(gguf_case, tmp_path):
     raw[0, 8] |= 1               # ... and an offset (low 6 bits of byte 8)
     w = gguf.quants.dequantize(raw, q4k)
     assert np.all(w[0, :32] == w[0, 0]) and w[0, 0] != 0      # the flat group, as the gguf package reads it
-    qw = _weight(SimpleNamespace(tensor_type=q4k, name="t"), w, raw, lambda x: x)
+    qw = _weight(SimpleNamespace(tensor_type=q4k, name="t"), raw, lambda x: x)
     got = np.asarray(dequantize(qw)).T
     assert np.array_equal(got[0, :32], w[0, :32])
     assert np.abs(got - w).max() <= 8 * np.finfo(np.float32).eps * 2 * np.abs(w).max()

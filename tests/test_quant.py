@@ -166,14 +166,17 @@ def random_kernel_operands(rng, bits, g, symmetric, k, n):
 # the full cross product would double the interpret-mode compile time for no new code path. block_m=2
 # is below Triton's tile, so on a GPU bf16 also runs at M=37 (3 blocks of 16, the last one partial)
 # for int8, a K block holding two groups (g32 asym) and one inside a group (g128 sym).
-# float zero points (symmetric "float": GGUF's Q4_K in groups of 32, Q2_K in groups of 16, 4 a K block)
-FLOAT_ZERO_KINDS = [("int4_g32_fzero", 4, 32, "float", 192, 64), ("int4_g16_fzero", 4, 16, "float", 192, 64)]
+# float zero points (symmetric "float": GGUF's Q4_K in groups of 32, Q2_K in groups of 16, 4 a K block;
+# one group a K block too, the kernel's other branch)
+FLOAT_ZERO_KINDS = [("int4_g32_fzero", 4, 32, "float", 192, 64), ("int4_g16_fzero", 4, 16, "float", 192, 64),
+                    ("int4_g32_fzero_bk32", 4, 32, "float", 192, 32)]
 KERNEL_CASES = ([(kind, m, bm, "float32") for kind in KINDS for m, bm in M_BLOCKS]
                 + [(kind, 5, 2, "bfloat16") for kind in KINDS]
                 + [(kind, 37, 16, "bfloat16") for kind in KINDS
                    if kind[0] in ("int8", "int4_g32_asym", "int4_g128_sym")]
                 + [(FLOAT_ZERO_KINDS[0], m, bm, "float32") for m, bm in M_BLOCKS]
-                + [(FLOAT_ZERO_KINDS[1], 5, 2, "float32"), (FLOAT_ZERO_KINDS[1], 37, 16, "bfloat16")])
+                + [(FLOAT_ZERO_KINDS[1], 5, 2, "float32"), (FLOAT_ZERO_KINDS[1], 37, 16, "bfloat16"),
+                   (FLOAT_ZERO_KINDS[2], 5, 2, "float32")])
 
 
 def _kernel_case(c):

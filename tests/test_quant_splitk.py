@@ -242,19 +242,21 @@ def test_select_blocks_measures_splitk_and_xla(tmp_path, monkeypatch):
 def test_every_candidate_lowers_to_triton():
     """Every Pallas launch config of the tuner's lists (split-K with both inner products, tiled) for
     the 8B o projection (K = N = 4096) at M = 1, 8, 16, 64, int8 and int4 g128 sym / asym / float zero
-    points, passes
-    Pallas's Triton lowering (power-of-two tiles, supported primitives), lowered for "cuda" with no
+    points (and g16 sym / float zero points: GGUF's Q3_K and Q2_K, at M = 1 and 16), passes Pallas's
+    Triton lowering (power-of-two tiles, supported primitives), lowered for "cuda" with no
     GPU present. (Triton's own compile to PTX -- registers, shared memory -- needs the GPU.)"""
     import jax
 
     k, n = EIGHT_B["o"]
     count = 0
-    for bits, zeros in ((8, None), (4, None), (4, jax.ShapeDtypeStruct((k // 128, n), jnp.uint8)),
-                        (4, jax.ShapeDtypeStruct((k // 128, n), jnp.float32))):   # float zero points (GGUF)
+    for bits, g, zdt, rows in ((8, None, None, (1, 8, 16, 64)), (4, 128, None, (1, 8, 16, 64)),
+                               (4, 128, jnp.uint8, (1, 8, 16, 64)), (4, 128, jnp.float32, (1, 8, 16, 64)),
+                               (4, 16, None, (1, 16)), (4, 16, jnp.float32, (1, 16))):
+        zeros = None if zdt is None else jax.ShapeDtypeStruct((k // g, n), zdt)
         q = jax.ShapeDtypeStruct((k, n) if bits == 8 else (k // 2, n), jnp.int8 if bits == 8 else jnp.uint8)
-        s = jax.ShapeDtypeStruct((n,) if bits == 8 else (k // 128, n), jnp.float32)
-        qw = QuantizedWeight(q, s, zeros, bits=bits, group_size=None if bits == 8 else 128, shape=(k, n))
-        for m in (1, 8, 16, 64):
+        s = jax.ShapeDtypeStruct((n,) if bits == 8 else (k // g, n), jnp.float32)
+        qw = QuantizedWeight(q, s, zeros, bits=bits, group_size=g, shape=(k, n))
+        for m in rows:
             x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
             for cfg in quant.pallas_block_candidates(m, k, n, bits, qw.group_size):
                 if cfg == quant.XLA_MATMUL:

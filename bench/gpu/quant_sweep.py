@@ -1,7 +1,7 @@
 """`python -m bench.gpu.quant_sweep`: every weight-only matmul the engine can run, on the 8B decode
 projections, against the bf16 dot and the device's measured copy bandwidth (issue #39).
 
-    python -m bench.gpu.quant_sweep [--deadline-s 225] [--out PATH] [--log-dir DIR]
+    python -m bench.gpu.quant_sweep [--deadline-s 225] [--out PATH] [--log-dir DIR] [--formats F,F,...]
     python -m bench.gpu.quant_sweep --smoke [--out PATH]   every code path on CPU, tiny shapes (< 30 s)
     python -m bench.gpu.quant_sweep --tuned JSON   the TUNED rows of pallas_kernels/quant_matmul_tuned.py
                                                    that a sweep's JSON measured (printed)
@@ -15,7 +15,10 @@ Parts, each in its own subprocess with its own timeout (bench.gpu.run_worker), i
                 kernel's configs, the tiled kernel's (at M > 16 its first two only: the tiled sweep
                 at large M is bench.gpu's); fp8 (e4m3 per channel, x per token) as XLA's native fp8
                 dot with the weight stored [K, N] ("fp8:kn", contracting dim 0) and [N, K] ("fp8:nk",
-                K contiguous: cuBLASLt's TN layout, contracting dim 1)
+                K contiguous: cuBLASLt's TN layout, contracting dim 1); with --formats, GGUF's
+                packed forms too: "q4k" (llama.cpp's Q4_K as loaded: int4 in groups of 32 with float32
+                zero points, through qdot's launch configs as int4) and "q8_0" (grouped int8 in
+                groups of 32: XLA's dequantize-and-dot, the only path it has)
 Timing is bench.gpu.parts' (its module docstring): a jitted chain of kernels over distinct weights
 (about chain_bytes of them, more than L2 holds), each fed the previous output, the launch overhead
 of an empty call subtracted, the median of `reps` calls. A part compiles one M's chains in a thread
@@ -45,6 +48,10 @@ from typing import Any, Callable
 PROJECTIONS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 PARTS = ("copy", *PROJECTIONS)
 INT4_GROUP = 128
+GGUF_GROUP = 32                       # Q4_K's and Q8_0's groups
+FORMATS = ("bf16", "int8", "int4", "fp8_kn", "fp8_nk")
+GGUF_FORMATS = ("q4k", "q8_0")
+FORMATS_ENV = "JAXINFER_SWEEP_FORMATS"   # --formats, as the parent hands it to the part workers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +67,7 @@ class Sweep:
     max_tiled_large_m: int            # tiled configs at M > 16
     compile_threads: int
     caps_s: dict[str, float]          # each part's share of the deadline
+    formats: tuple[str, ...] = FORMATS    # the weight formats measured (bf16 always: the ratios' base)
 
 
 GiB = 1 << 30
@@ -73,7 +81,7 @@ REAL = Sweep(projections=PROJECTIONS, rows=(4, 8, 1, 16, 2, 64, 128), chain_byte
              caps_s={"copy": 15, "qkv": 48, "o": 45, "gate_up": 60, "down": 52})
 SMOKE = dataclasses.replace(REAL, projections={"qkv": (256, 128)}, rows=(1, 64), chain_bytes=1, max_chain=2,
                             reps=2, copy_bytes=1 << 20, max_splitk=1, max_tiled_large_m=1, compile_threads=2,
-                            caps_s={"copy": 20, "qkv": 60})
+                            caps_s={"copy": 20, "qkv": 60}, formats=FORMATS + GGUF_FORMATS)
 
 
 # --------------------------------------------------------------------------- the cases (worker side)
@@ -88,11 +96,11 @@ def config_name(fmt: str, cfg: dict) -> str:
     return f"{fmt}:tiled:m{cfg['block_m']}-n{cfg['block_n']}-k{cfg['block_k']}-w{cfg['num_warps']}-s{cfg['num_stages']}"
 
 
-def sweep_configs(sw: Sweep, m: int, k: int, n: int, bits: int) -> list[dict]:
+def sweep_configs(sw: Sweep, m: int, k: int, n: int, bits: int, group: int | None = None) -> list[dict]:
     """The tuner's candidates for this shape, less what the sweep leaves out (Sweep.max_*)."""
     from jaxinfer import quant
     out, per_inner, tiled = [], {}, 0
-    for cfg in quant.pallas_block_candidates(m, k, n, bits, INT4_GROUP if bits == 4 else None):
+    for cfg in quant.pallas_block_candidates(m, k, n, bits, group or (INT4_GROUP if bits == 4 else None)):
         kind = cfg.get("kernel", "tiled")
         if kind == "splitk":
             per_inner[cfg["inner"]] = per_inner.get(cfg["inner"], 0) + 1
@@ -118,9 +126,19 @@ def make_weights(k: int, n: int, fmt: str, count: int) -> list:
     def fp8(w, transpose):
         q, s = quant.symmetric_codes(w, quant.FP8_DTYPE, axis=0)
         return (q.T if transpose else q), s
+
+    def q4k(w):   # GGUF's Q4_K as jaxinfer holds it: unsigned codes, float32 scales and zero points per 32
+        qw = quant.quantize_int4(w, GGUF_GROUP, symmetric=False)
+        return dataclasses.replace(qw, zeros=qw.zeros.astype(jnp.float32))
+
+    def q8_0(w):  # GGUF's Q8_0: int8 codes with a float32 scale per 32 (grouped int8)
+        g = w.reshape(k // GGUF_GROUP, GGUF_GROUP, n)
+        s = jnp.maximum(jnp.max(jnp.abs(g), axis=1), 1e-30) / 127.0
+        q = jnp.round(g / s[:, None, :]).astype(jnp.int8).reshape(k, n)
+        return quant.QuantizedWeight(q, s, None, bits=8, group_size=GGUF_GROUP, shape=(k, n))
     to_fmt = {"bf16": lambda w: w.astype(jnp.bfloat16), "int8": quant.quantize_int8,
               "int4": lambda w: quant.quantize_int4(w, INT4_GROUP), "fp8_kn": lambda w: fp8(w, False),
-              "fp8_nk": lambda w: fp8(w, True)}[fmt]
+              "fp8_nk": lambda w: fp8(w, True), "q4k": q4k, "q8_0": q8_0}[fmt]
     make = jax.jit(lambda key: to_fmt(jax.random.normal(key, (k, n), jnp.float32) * k ** -0.5))
     return [make(jax.random.key(2000 + i)) for i in range(count)]
 
@@ -148,11 +166,12 @@ def case_ops(sw: Sweep, m: int, k: int, n: int) -> dict[str, tuple[str, Callable
     ops: dict[str, tuple[str, Callable, dict | None]] = {"bf16": ("bf16", lambda x, w: jnp.dot(x, w), None)}
     for layout in ("kn", "nk"):
         ops[f"fp8:{layout}"] = (f"fp8_{layout}", lambda x, w, layout=layout: fp8_dot(x, w, layout), None)
-    for fmt, bits in (("int8", 8), ("int4", 4)):
-        for cfg in sweep_configs(sw, m, k, n, bits):
+    for fmt, bits, group in (("int8", 8, None), ("int4", 4, INT4_GROUP), ("q4k", 4, GGUF_GROUP)):
+        for cfg in sweep_configs(sw, m, k, n, bits, group):
             ops[config_name(fmt, cfg)] = (fmt, lambda x, w, cfg=cfg: qdot(x, w, impl="pallas", blocks=cfg), cfg)
+    ops["q8_0:xla"] = ("q8_0", lambda x, w: qdot(x, w, impl="xla"), None)   # grouped int8: no kernel
     # the references of the agreement check (XLA's result of each format) are timed first
-    first = ["bf16", "fp8:kn", "int8:xla", "int4:xla"]
+    first = ["bf16", "fp8:kn", "int8:xla", "int4:xla", "q4k:xla", "q8_0:xla"]
     return {c: ops[c] for c in first if c in ops} | {c: o for c, o in ops.items() if c not in first}
 
 
@@ -188,7 +207,7 @@ def measure_rows(sw: Sweep, name: str, m: int, weights: dict[str, list], overhea
         def run(exe=exe, case=case, fmt=fmt, cfg=cfg, secs=secs):
             r = timed_chain(exe, args[case], len(weights[fmt]), overhead, sw.reps)
             firsts[case] = exe(*args[case])[1]
-            ref = firsts.get(f"{fmt}:xla") if fmt in ("int8", "int4") else firsts.get("fp8:kn")
+            ref = firsts.get(f"{fmt}:xla") if fmt in ("int8", "int4", "q4k", "q8_0") else firsts.get("fp8:kn")
             return r | {"compile_s": secs, "weight_bytes": weight_nbytes(weights[fmt][0]), "config": cfg,
                         "format": fmt, "rel_err_vs_xla": None if ref is None else rel_err(firsts[case], ref)}
         rec.guarded(key, run)
@@ -200,7 +219,8 @@ def weight_nbytes(w) -> int:
 
 
 def format_nbytes(k: int, n: int, fmt: str) -> int:
-    per = {"bf16": 2 * k * n, "int8": k * n + 4 * n, "int4": k * n // 2 + 4 * (k // INT4_GROUP) * n}
+    per = {"bf16": 2 * k * n, "int8": k * n + 4 * n, "int4": k * n // 2 + 4 * (k // INT4_GROUP) * n,
+           "q4k": k * n // 2 + 8 * (k // GGUF_GROUP) * n, "q8_0": k * n + 4 * (k // GGUF_GROUP) * n}
     return per.get(fmt, k * n + 4 * n)      # fp8: e4m3 codes + f32 scale per column
 
 
@@ -212,7 +232,7 @@ def projection_part(sw: Sweep, name: str, rec) -> None:
     rec.put(("launch_overhead_s",), overhead)
     rec.put((name, "shape"), {"K": k, "N": n})
     weights = {}
-    for fmt in ("bf16", "int8", "int4", "fp8_kn", "fp8_nk"):
+    for fmt in dict.fromkeys(("bf16", *sw.formats)):
         count = min(sw.max_chain, max(2, math.ceil(sw.chain_bytes / format_nbytes(k, n, fmt))))
         ws = rec.guarded((name, "weights", fmt), lambda fmt=fmt, count=count: make_weights(k, n, fmt, count),
                          record=False)
@@ -265,7 +285,7 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
                              "vs_bf16": None if bf16 is None else bf16 / r["per_call_s"]}
             cases.setdefault(name, {})[m] = out
             best = {}
-            for group in ("int8", "int4", "fp8"):
+            for group in ("int8", "int4", "fp8", "q4k", "q8_0"):
                 mine = [c for c in timed if c.split(":")[0] == group]
                 if mine:
                     best[group] = min(mine, key=lambda c: timed[c]["per_call_s"])
@@ -298,7 +318,7 @@ def new_report(args: argparse.Namespace, sw: Sweep, device: dict, driver: dict, 
 def run(args: argparse.Namespace) -> Path:
     """Every part in order, each in its own process with a timeout; the JSON rewritten after each."""
     from bench.gpu.run import open_run, part_timeouts, run_parts, run_worker
-    sw = SMOKE if args.smoke else REAL
+    sw = sweep_of(args)
     t0, driver, device, out, log_dir = open_run(args, "quant-sweep")
     report = new_report(args, sw, device, driver, log_dir)
     parts = ["copy", *sw.projections]
@@ -347,6 +367,22 @@ def summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def sweep_of(args: argparse.Namespace) -> Sweep:
+    """The run's Sweep: --smoke's or the real one, with --formats (the parent's, through FORMATS_ENV
+    for the part workers) when given."""
+    import os
+    sw = SMOKE if args.smoke else REAL
+    names = getattr(args, "formats", None) or os.environ.get(FORMATS_ENV)
+    if not names:
+        return sw
+    formats = tuple(f for f in names.split(",") if f)
+    unknown = sorted(set(formats) - set(FORMATS + GGUF_FORMATS))
+    if unknown:
+        raise SystemExit(f"--formats: unknown {unknown}; known: {', '.join(FORMATS + GGUF_FORMATS)}")
+    os.environ[FORMATS_ENV] = ",".join(formats)
+    return dataclasses.replace(sw, formats=formats)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu.quant_sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -357,11 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tuned", default=None, metavar="JSON",
                    help="print the TUNED rows (pallas_kernels/quant_matmul_tuned.py) an earlier sweep's JSON "
                         "measured, and exit")
+    p.add_argument("--formats", default=None,
+                   help=f"comma-separated weight formats (default: {','.join(FORMATS)}; also "
+                        f"{','.join(GGUF_FORMATS)}: GGUF's Q4_K and Q8_0 as loaded); bf16 is always measured")
     p.add_argument("--worker", default=None, choices=PARTS, help=argparse.SUPPRESS)
     p.add_argument("--records", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        run_part(args.worker, SMOKE if args.smoke else REAL, args.records)
+        run_part(args.worker, sweep_of(args), args.records)
         return 0
     import json
     if args.tuned:

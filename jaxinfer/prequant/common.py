@@ -37,8 +37,9 @@ def unpack_rows(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
 
 def pack_int4_np(q: np.ndarray) -> np.ndarray:
     """numpy twin of pallas_kernels.quant_matmul.pack_int4: [K, N] -> uint8 [K/2, N], low nibble = even k."""
-    u = np.asarray(q, np.int32) & 0xF
-    return (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
+    # bytes (a negative code wraps to its two's complement), row-major: a transposed view's strides made one pass
+    u = np.ascontiguousarray(np.asarray(q).astype(np.uint8)) & np.uint8(0xF)
+    return u[0::2] | (u[1::2] << np.uint8(4))
 
 
 def int_weight(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, bits: int,

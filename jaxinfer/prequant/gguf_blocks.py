@@ -11,6 +11,8 @@ formats (quant/format.py), so they load as QuantizedWeights with no rounding:
 | Q5_0 | 32 weights, d | q - 16 in [-16, 15] | grouped int8, group 32 |
 | Q6_K | 256 weights, d and 16 int8 scales | q - 32 in [-32, 31] | grouped int8, group 16 (scale d * sc) |
 | Q3_K | 256 weights, d and 16 6-bit scales sc | q - 4 in [-4, 3] | int4 symmetric, group 16 (scale d * (sc - 32)) |
+| IQ4_NL | 32 weights, d | kvalues[q], int8 of a 16-value table | grouped int8, group 32 |
+| IQ4_XS | 256 weights, d and 8 6-bit scales sc | kvalues[q] | grouped int8, group 32 (scale d * (sc - 32)) |
 | Q4_K | 256 weights, d, dmin, 8 6-bit scales and mins | q in [0, 15] | int4, group 32, float zero points |
 | Q5_K | the same, 5-bit codes | q in [0, 31] | grouped int8, group 32, float zero points |
 | Q2_K | 256 weights, d, dmin, 16 4-bit scales and mins | q in [0, 3] | int4, group 16, float zero points |
@@ -19,15 +21,19 @@ formats (quant/format.py), so they load as QuantizedWeights with no rounding:
 Q4_K, Q5_K and Q2_K subtract an offset: w = (d sc) q - (dmin m) is held as (q - z) s with s = d sc and the
 zero point z = dmin m / s a float (quant/format.py's float_zeros: int4's through the Pallas kernel,
 grouped int8's dequantized in XLA), equal
-to the file's value to float32 rounding (checked at load: within 4 ulp of the group's largest term);
+to the file's value to float32 rounding (a few ulp of the group's largest term: the tests check it);
 a group with s = 0 (the constant -o) is held as code 0, zero point 1 and scale o, exactly.
 
 The scales are read from the blocks' bytes (ggml-common.h's layouts: d first in the 32-weight
 blocks; Q6_K's 16 scales at byte 192 and d at byte 208; Q3_K's 6-bit scales packed in the 12 bytes
-at byte 96 and d at byte 108; Q2_K's 16 bytes of scale and min nibbles first, d and dmin at 80), the codes from the gguf package's
-dequantized values divided by them, and every code times its scale must give that value back
-exactly (else the tensor is refused by name). The other types (Q4_1, Q5_1; the IQ types: lattice
-codebooks) are dequantized to floats by the loader. Projections served as one fused matmul (q, k, v; gate, up) stay packed only
+at byte 96 and d at byte 108; Q2_K's 16 bytes of scale and min nibbles first, d and dmin at 80;
+IQ4_XS's 6-bit scales as a uint16 of high bits at byte 2 and 4 bytes of low nibbles at byte 4; the
+IQ4 types' non-linear table is int8 values, so their weights are int8 codes times a scale), the codes
+from the blocks themselves: a copy of them with every scale set to 1 and every offset to 0 (_UNIT),
+dequantized by the gguf package, is each weight's integer code (its layouts stay the gguf package's;
+nothing is divided or rounded, ~4x faster than dividing the dequantized values by the scales). A
+scale that is not finite is refused naming the tensor. The other types (Q4_1, Q5_1; the other IQ types:
+lattice codebooks) are dequantized to floats by the loader. Projections served as one fused matmul (q, k, v; gate, up) stay packed only
 when the file stores them in the same type; otherwise all of them load as floats. A mixture's
 experts (stacked in the file) load as one batch=1 QuantizedWeight per layer and matrix, expert by
 expert. Embeddings and a quantized LM head are dequantized (they are not matmul weights of the
@@ -45,15 +51,28 @@ from jaxinfer.quant import QuantizedWeight
 
 METHOD = "gguf"
 # GGML type -> (bits of jaxinfer's format, group size, byte of the float16 d, sub-scales (_sub_scales:
-# int8 bytes at a byte, Q3_K's packed 6-bit ones) or None, largest |code|)
-EXACT = {"Q8_0": (8, 32, 0, None, 128), "Q4_0": (4, 32, 0, None, 8), "Q5_0": (8, 32, 0, None, 16),
-         "Q6_K": (8, 16, 208, ("int8", 192), 32), "Q3_K": (4, 16, 108, ("q3_k", 96), 4)}
+# int8 bytes at a byte, Q3_K's / IQ4_XS's packed 6-bit ones) or None)
+EXACT = {"Q8_0": (8, 32, 0, None), "Q4_0": (4, 32, 0, None), "Q5_0": (8, 32, 0, None),
+         "Q6_K": (8, 16, 208, ("int8", 192)), "Q3_K": (4, 16, 108, ("q3_k", 96)),
+         "IQ4_NL": (8, 32, 0, None), "IQ4_XS": (8, 32, 0, ("iq4_xs", 2))}
 # K-quants with an offset per group, w = d * sc * q - dmin * m (_k_scales: Q4_K / Q5_K's 6-bit sc and m
 # per 32 packed in 12 bytes at byte 4, ggml's get_scale_min_k4; Q2_K's 4-bit ones per 16, a byte each):
-# unsigned codes with a float zero point m*dmin / (sc*d) -> (bits of jaxinfer's format, largest code, group)
-OFFSET = {"Q4_K": (4, 15, 32), "Q5_K": (8, 31, 32), "Q2_K": (4, 3, 16)}
-_NBYTES = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "Q6_K": 210, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q2_K": 84}
+# unsigned codes with a float zero point m*dmin / (sc*d) -> (bits of jaxinfer's format, group size)
+OFFSET = {"Q4_K": (4, 32), "Q5_K": (8, 32), "Q2_K": (4, 16)}
+_NBYTES = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "Q6_K": 210, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q2_K": 84,
+           "IQ4_NL": 18, "IQ4_XS": 136}
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# (byte, bytes) to write into a copy of each block so that its scales are 1 and its offsets 0: the gguf
+# package then dequantizes the copy to the integer codes. f16 1.0 is 00 3c; Q4_K / Q5_K's 12 bytes of
+# 6-bit scales and mins: sc 1 in bytes 0-3 and the low nibbles of 8-11, m 0; Q3_K's and IQ4_XS's
+# 6-bit scales 33 (= 1 + 32): low nibbles 1, top bits 2 (0xaa); Q6_K's int8 scales 1; Q2_K's nibbles sc 1, m 0
+_ONE = b"\x00\x3c"
+_UNIT = {"Q8_0": ((0, _ONE),), "Q4_0": ((0, _ONE),), "Q5_0": ((0, _ONE),), "IQ4_NL": ((0, _ONE),),
+         "Q6_K": ((192, b"\x01" * 16), (208, _ONE)), "Q3_K": ((96, b"\x11" * 8 + b"\xaa" * 4), (108, _ONE)),
+         "IQ4_XS": ((0, _ONE + b"\xaa\xaa" + b"\x11" * 4),),
+         "Q4_K": ((0, _ONE + b"\x00\x00" + b"\x01" * 4 + b"\x00" * 4 + b"\x01" * 4),),
+         "Q5_K": ((0, _ONE + b"\x00\x00" + b"\x01" * 4 + b"\x00" * 4 + b"\x01" * 4),),
+         "Q2_K": ((0, b"\x01" * 16), (80, _ONE + b"\x00\x00"))}
 
 
 class GGUFBlockReader:
@@ -78,8 +97,7 @@ class GGUFBlockReader:
     def linear(self, module: str) -> QuantizedWeight:
         name = f"{module}.weight"
         t = self.st.file.tensors[self.st.stored(name)][0]
-        w = self.st.get(name)                              # float32 [N, K], llama.cpp's rows turned back
-        return _weight(t, w, np.asarray(t.data, np.uint8), lambda x: self.st.rows(name, x))
+        return _weight(t, np.asarray(t.data, np.uint8), lambda x: self.st.rows(name, x))
 
     def stacked_param(self, ours: str, hf_names: tuple[str, ...], transform, expected: tuple[int, ...]):
         """A mixture's experts (one stacked tensor in the file, llama.cpp's ffn_*_exps) as one batch=1
@@ -97,11 +115,11 @@ class GGUFBlockReader:
         if not _packable(kind) or (stack in pair and any(
                 n not in self.st.file.tensors or self.st.file.tensors[n][0].tensor_type.name != kind for n in pair)):
             return None
-        w = self.st.file.tensor(stack)[:, rows]            # float32 [E, N, K]
-        if len(hf_names) != w.shape[0]:
-            raise QuantConfigError(f"GGUF tensor {stack!r} holds {w.shape[0]} experts; {ours} has {len(hf_names)}")
         raw = np.asarray(t.data, np.uint8)
-        return _stack(t, w, raw.reshape(-1, int(t.shape[1]), raw.shape[-1])[:, rows], ours, expected)
+        raw = raw.reshape(-1, int(t.shape[1]), raw.shape[-1])[:, rows]      # [E, N, bytes of a row]
+        if len(hf_names) != raw.shape[0]:
+            raise QuantConfigError(f"GGUF tensor {stack!r} holds {raw.shape[0]} experts; {ours} has {len(hf_names)}")
+        return _stack(t, raw, ours, expected)
 
     def _oss_param(self, ours: str, name: str, transform, expected: tuple[int, ...]):
         """gpt-oss's experts (transformers' gate_up_proj, gate's and up's columns interleaved: which of
@@ -128,21 +146,22 @@ class GGUFBlockReader:
         raw = raw.reshape(-1, int(t.shape[1]), raw.shape[-1])[:, rows]          # [E, N, bytes of a row]
         if t.tensor_type.name == "MXFP4":
             return _mxfp4(tensor, raw, ours, expected)
-        return _stack(t, self.st.file.tensor(tensor)[:, rows], raw, ours, expected)
+        return _stack(t, raw, ours, expected)
 
 
 def _packable(kind: str | None) -> bool:
     return kind in EXACT or kind in OFFSET
 
 
-def _stack(t, w: np.ndarray, raw: np.ndarray, ours: str, expected: tuple[int, ...]) -> QuantizedWeight:
-    """Stacked experts [E, N, K] of GGUF tensor t (w their dequantized values, raw their blocks' bytes
-    [E, N, bytes]) as one batch=1 QuantizedWeight [E, K, N], expert by expert."""
-    e, n, k = w.shape
+def _stack(t, raw: np.ndarray, ours: str, expected: tuple[int, ...]) -> QuantizedWeight:
+    """Stacked experts [E, N, K] of GGUF tensor t (raw their blocks' bytes [E, N, bytes]) as one batch=1
+    QuantizedWeight [E, K, N], expert by expert."""
+    kind = t.tensor_type.name
+    e, n, k = raw.shape[0], raw.shape[1], raw.shape[2] // _NBYTES[kind] * _block_size(kind)
     if tuple(expected) != (e, k, n):
-        raise QuantConfigError(f"GGUF tensor {t.name!r} of shape {list(w.shape)} does not give {ours} of shape "
+        raise QuantConfigError(f"GGUF tensor {t.name!r} of shape {[e, n, k]} does not give {ours} of shape "
                                f"{tuple(expected)}")
-    parts = [_weight(t, w[j], raw[j], lambda x: x) for j in range(e)]
+    parts = [_weight(t, raw[j], lambda x: x) for j in range(e)]
     stackq = lambda leaf: None if getattr(parts[0], leaf) is None else jnp.stack(  # noqa: E731
         [getattr(p, leaf) for p in parts])
     return dataclasses.replace(parts[0], q=stackq("q"), scales=stackq("scales"), zeros=stackq("zeros"),
@@ -195,64 +214,65 @@ def _k_scales(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     return scale, offset
 
 
-def _weight(t, w: np.ndarray, raw: np.ndarray, rows) -> QuantizedWeight:
-    """One [N, K] matrix of GGUF tensor t as jaxinfer's [K, N] QuantizedWeight: w its dequantized
-    values (rows in transformers' order), raw its blocks' bytes as stored, rows() the same row
-    reordering for the scales."""
+def _block_size(kind: str) -> int:
+    import gguf
+    return int(gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0])
+
+
+def _unit_codes(raw: np.ndarray, kind: str) -> np.ndarray:
+    """The integer codes float32 [N, K] of blocks raw [N, bytes]: the gguf package's dequantization of a
+    copy of them whose scales are 1 and offsets 0 (_UNIT)."""
+    import gguf
+    blocks = raw.reshape(raw.shape[0], -1, _NBYTES[kind]).copy()
+    for at, value in _UNIT[kind]:
+        blocks[..., at:at + len(value)] = np.frombuffer(value, np.uint8)
+    return gguf.quants.dequantize(blocks.reshape(raw.shape), gguf.GGMLQuantizationType[kind])
+
+
+def _finite(t, kind: str, *arrays: np.ndarray) -> None:
+    if not all(np.isfinite(a).all() for a in arrays):
+        raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}): a block's scale is not finite (a damaged tensor)")
+
+
+def _weight(t, raw: np.ndarray, rows) -> QuantizedWeight:
+    """One [N, K] matrix of GGUF tensor t (raw its blocks' bytes [N, bytes] as stored) as jaxinfer's
+    [K, N] QuantizedWeight; rows() turns a [N, ...] array from llama.cpp's row order into
+    transformers' (Llama's Q and K)."""
     kind = t.tensor_type.name
+    codes = rows(_unit_codes(raw, kind))                     # float32 [N, K], integers
+    n, k = codes.shape
+    blocks = raw.reshape(n, -1, _NBYTES[kind])
     if kind in EXACT:
-        codes, scales = _codes(t, w, raw, rows)
-        return int_weight(codes.T, scales.T, None, EXACT[kind][0], EXACT[kind][1])
-    bits, limit, g = OFFSET[kind]
-    n, k = w.shape
+        bits, g, d_at, sub = EXACT[kind]
+        d = _f16(blocks, d_at)
+        scales = rows(d if sub is None else (d[..., None] * _sub_scales(blocks, *sub)).reshape(n, -1))
+        _finite(t, kind, scales)
+        return int_weight(codes.T.astype(np.int32), scales.T, None, bits, g)
+    bits, g = OFFSET[kind]
     scale, offset = (rows(a) for a in _k_scales(raw, kind))
-    if scale.shape != (n, k // g):
-        raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}) has {scale.shape[1]} groups per row; "
-                               f"expected {k // g} for {k} weights")
+    _finite(t, kind, scale, offset)
     # a group with scale 0 is the constant -offset: code 0, zero point 1 and the offset as its scale
     flat = scale == 0
-    scale = np.where(flat, np.where(offset == 0, 1.0, offset), scale).astype(np.float32)
-    codes = np.where(flat[..., None], 0.0, np.rint((w.reshape(n, k // g, g) + offset[..., None]) / scale[..., None]))
-    zeros = np.where(flat, np.where(offset == 0, 0.0, 1.0), offset / scale).astype(np.float32)
-    back = (codes - zeros[..., None]) * scale[..., None]
-    size = np.abs(offset) + np.abs(scale) * limit            # the group's largest term
-    if (codes.min(initial=0) < 0 or codes.max(initial=0) > limit
-            or np.any(np.abs(back - w.reshape(n, k // g, g)) > 4 * np.finfo(np.float32).eps * size[..., None])):
-        raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}): its blocks are not scale x code - offset "
-                               "(a damaged tensor)")
-    return int_weight(codes.reshape(n, k).T.astype(np.int32), scale.T, zeros.T, bits, g)
+    scale = np.where(flat, np.where(offset == 0, np.float32(1), offset), scale).astype(np.float32)
+    zeros = np.where(flat, np.where(offset == 0, np.float32(0), np.float32(1)), offset / scale).astype(np.float32)
+    codes[np.repeat(flat, g, axis=1)] = 0
+    return int_weight(codes.T.astype(np.int32), scale.T, zeros.T, bits, g)
 
 
 def _sub_scales(blocks: np.ndarray, how: str, at: int) -> np.ndarray:
-    """The 16 sub-scales float32 [..., 16] of each Q6_K / Q3_K block: Q6_K's int8 bytes at `at`; Q3_K's
-    6-bit values packed in the 12 bytes at `at`, minus 32 (ggml-common.h: scale j's low 4 bits in byte
-    j's low nibble for j < 8, byte j - 8's high one after; its top 2 bits in byte 8 + j % 4, bits 2 (j // 4))."""
+    """The sub-scales float32 [..., 16 or 8] of each Q6_K / Q3_K / IQ4_XS block: Q6_K's int8 bytes at `at`;
+    Q3_K's 6-bit values packed in the 12 bytes at `at`, minus 32 (ggml-common.h: scale j's low 4 bits in
+    byte j's low nibble for j < 8, byte j - 8's high one after; its top 2 bits in byte 8 + j % 4, bits
+    2 (j // 4)); IQ4_XS's 8, minus 32: low 4 bits in the nibble j % 2 of byte at + 2 + j // 2, top 2
+    bits at bit 2j of the uint16 at `at`."""
     if how == "int8":
         return np.ascontiguousarray(blocks[..., at:at + 16]).view(np.int8).astype(np.float32)
+    if how == "iq4_xs":
+        high = np.ascontiguousarray(blocks[..., at:at + 2]).view(np.uint16).astype(np.int32)   # [..., 1]
+        low = blocks[..., at + 2:at + 6].astype(np.int32)
+        low = np.stack([low & 0xF, low >> 4], axis=-1).reshape(*low.shape[:-1], 8)
+        return ((low | (((high >> (2 * np.arange(8))) & 3) << 4)) - 32).astype(np.float32)
     b = blocks[..., at:at + 12].astype(np.int32)
     low = np.concatenate([b[..., 0:8] & 0xF, b[..., 0:8] >> 4], axis=-1)
     high = np.concatenate([(b[..., 8:12] >> s) & 3 for s in (0, 2, 4, 6)], axis=-1)
     return ((low | (high << 4)) - 32).astype(np.float32)
-
-
-def _codes(t, w: np.ndarray, raw: np.ndarray, rows) -> tuple[np.ndarray, np.ndarray]:
-    """(int32 codes [N, K], float32 scales [N, K/g]) of one [N, K] matrix of GGUF tensor t: w its
-    dequantized values (rows in transformers' order), raw its blocks' bytes as stored, rows() the
-    same row reordering for the scales."""
-    kind = t.tensor_type.name
-    _, g, d_at, sub, limit = EXACT[kind]
-    n, k = w.shape
-    blocks = raw.reshape(n, -1, _NBYTES[kind])
-    d = _f16(blocks, d_at)
-    scales = d if sub is None else (d[..., None] * _sub_scales(blocks, *sub)).reshape(n, -1)
-    scales = rows(scales)
-    if scales.shape != (n, k // g):
-        raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}) has {scales.shape[1]} groups per row; "
-                               f"expected {k // g} for {k} weights")
-    safe = np.where(scales == 0, 1.0, scales)[..., None]
-    codes = np.rint(w.reshape(n, k // g, g) / safe)
-    if (np.abs(codes).max(initial=0) > limit
-            or not np.array_equal((codes * scales[..., None]).astype(np.float32), w.reshape(n, k // g, g))):
-        raise QuantConfigError(f"GGUF tensor {t.name!r} ({kind}): its blocks are not scale x integer code "
-                               "(a damaged tensor)")
-    return codes.reshape(n, k).astype(np.int32), scales

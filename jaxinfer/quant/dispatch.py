@@ -144,7 +144,8 @@ def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_p
     if not cands:
         return None
     kname, key = tuning_key(m, k, n, dtype, bits=qw.bits, group_size=qw.group_size, symmetric=qw.symmetric,
-                            w8a8=qw.act_bits is not None, act_zero=qw.act_zero is not None)
+                            w8a8=qw.act_bits is not None, act_zero=qw.act_zero is not None,
+                            float_zeros=qw.float_zeros)
     if os.environ.get("JAXINFER_AUTOTUNE", "1") == "0" and not force:
         return _autotune.untuned_config(kname, key, cands)
     compiled: dict[str, Any] = {}
@@ -187,15 +188,17 @@ def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_p
 
 
 def tuning_key(m: int, k: int, n: int, dtype, *, bits: int, group_size: int | None = None, symmetric: bool = True,
-               w8a8: bool = False, act_zero: bool = False) -> tuple[str, str]:
+               w8a8: bool = False, act_zero: bool = False, float_zeros: bool = False) -> tuple[str, str]:
     """(kernel name, shape class) under which the autotuner caches, and quant_matmul_tuned.TUNED
     ships, a quantized matmul's launch config: 'quant_matmul_int8' / 'quant_matmul_int4_g128_sym' /
-    'w8a8_matmul[_asym]', and 'M x K x N' by class (select_blocks) with the activation dtype."""
+    '..._g32_fzero' (float zero points: 4 bytes a group more, a float subtract) / 'w8a8_matmul[_asym]',
+    and 'M x K x N' by class (select_blocks) with the activation dtype."""
     m_class = min(default_block_m(m) if m <= 64 else m, 512) if w8a8 else matmul_class(m)
     if w8a8:
         kname = "w8a8_matmul" + ("_asym" if act_zero else "")
     else:
-        kname = f"quant_matmul_int{bits}" + ("" if bits == 8 else f"_g{group_size}_{'sym' if symmetric else 'asym'}")
+        kind = "sym" if symmetric else "fzero" if float_zeros else "asym"
+        kname = f"quant_matmul_int{bits}" + ("" if bits == 8 else f"_g{group_size}_{kind}")
     return kname, f"{_autotune.shape_class(m_class, k, n)}_{jnp.dtype(dtype).name}"
 
 
