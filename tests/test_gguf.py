@@ -52,6 +52,12 @@ OSS_IDS = [1, 5, 9, 20, 33, 40, 7, 11, 60, 90, 100, 3]
 OSS_RTOL = dot_chain_rtol(*([64] * 6 * 4), 64)
 
 
+# files of one Llama whose rows are 256 (the K-quants' block): case -> the types of q/k/v, o, gate/up, down
+K_MIXES = {"llama-q4km": ("Q4_K", "Q5_K", "Q4_K", "Q6_K"),        # a Q4_K_M-like file
+           "llama-q3km": ("Q3_K", "Q4_K", "Q2_K", "Q3_K"),        # Q3_K_M-like, with Q2_K: every K-quant packed
+           "llama-iq4": ("IQ4_XS", "IQ4_NL", "IQ4_NL", "IQ4_XS")}  # a 16-value int8 table: grouped int8, exactly
+
+
 def _lines(n=400, seed=0):
     rng = np.random.RandomState(seed)
     return [" ".join(rng.choice(TEXT_WORDS, rng.randint(4, 14))) for _ in range(n)]
@@ -101,26 +107,12 @@ def _make(name: str, root):
         scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")
         plain = 1.0 / hf.config.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16)
         return write_gguf(hf, folder / "model.gguf", vocab, rope_freqs=(plain / scaled).numpy()), hf
-    if name == "llama-q4km":   # a Q4_K_M-like file (random K-quant blocks: no quantizer in the gguf package)
+    if name in K_MIXES:   # random blocks (no quantizer in the gguf package for these types)
+        qkv, o, gate_up, down = (f"random:{t}" for t in K_MIXES[name])
         vocab = byte_level_vocab(_lines(), 300, "llama-bpe")
         hf = _kquant_llama(300)
-        qtypes = {"q_proj": "random:Q4_K", "k_proj": "random:Q4_K", "v_proj": "random:Q4_K",
-                  "o_proj": "random:Q5_K", "gate": "random:Q4_K", "up_proj": "random:Q4_K", "down": "random:Q6_K",
-                  "embed": "Q8_0"}
-        return write_gguf(hf, folder / "model.gguf", vocab, qtypes), hf
-    if name == "llama-q3km":   # a Q3_K_M-like file with Q2_K too: every K-quant packed
-        vocab = byte_level_vocab(_lines(), 300, "llama-bpe")
-        hf = _kquant_llama(300)
-        qtypes = {"q_proj": "random:Q3_K", "k_proj": "random:Q3_K", "v_proj": "random:Q3_K",
-                  "o_proj": "random:Q4_K", "gate": "random:Q2_K", "up_proj": "random:Q2_K", "down": "random:Q3_K",
-                  "embed": "Q8_0"}
-        return write_gguf(hf, folder / "model.gguf", vocab, qtypes), hf
-    if name == "llama-iq4":   # the IQ4 types (a 16-value int8 table): grouped int8, exactly
-        vocab = byte_level_vocab(_lines(), 300, "llama-bpe")
-        hf = _kquant_llama(300)
-        qtypes = {"q_proj": "random:IQ4_XS", "k_proj": "random:IQ4_XS", "v_proj": "random:IQ4_XS",
-                  "o_proj": "random:IQ4_NL", "gate": "random:IQ4_NL", "up_proj": "random:IQ4_NL",
-                  "down": "random:IQ4_XS", "embed": "Q8_0"}
+        qtypes = {"q_proj": qkv, "k_proj": qkv, "v_proj": qkv, "o_proj": o, "gate": gate_up, "up_proj": gate_up,
+                  "down": down, "embed": "Q8_0"}
         return write_gguf(hf, folder / "model.gguf", vocab, qtypes), hf
     if name == "llama-q8":   # Llama's permuted Q/K packed: q/k/v Q8_0, o Q5_0, gate/up Q4_0, down Q8_0
         vocab = byte_level_vocab(_lines(), 300, "smollm")
@@ -236,8 +228,8 @@ def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
 def test_exact_blocks_stay_packed(name, packed, gguf_case):
     """Q8_0, Q4_0, Q5_0, Q6_K, Q3_K, IQ4_NL and IQ4_XS blocks load as jaxinfer's grouped formats, code for code (the
     dequantized weights equal the gguf package's dequantization of the file exactly); Q4_K, Q5_K and
-    Q2_K with float zero points, within float32 rounding of it (4 ulp of the group's largest term, the
-    loader's own check: here against the gguf package independently); the rest are floats."""
+    Q2_K with float zero points, within float32 rounding of it (16 eps of the tensor's largest |w|:
+    (q - z) s against s q - o, a few roundings of terms up to twice it); the rest are floats."""
     import gguf
     from flax import nnx
 
@@ -894,7 +886,8 @@ def test_sentencepiece_space_prefix_as_llama_cpp(tmp_path):
 
 def test_k_quant_flat_group_and_native_round_trip(gguf_case, tmp_path):
     """A Q4_K group whose 6-bit scale is 0 is the constant -dmin * m: held exactly (code 0, zero point 1,
-    the offset as its scale); float zero points survive a native checkpoint's save and restore; the
+    the offset as its scale); a block whose scale is not finite is refused naming the tensor; float
+    zero points survive a native checkpoint's save and restore; the
     Pallas int4 kernel (interpreted here) multiplies by them within float32's bound of the exact
     product of the gguf package's values."""
     from types import SimpleNamespace
@@ -902,6 +895,7 @@ def test_k_quant_flat_group_and_native_round_trip(gguf_case, tmp_path):
     import gguf
     import jax.numpy as jnp
 
+    from jaxinfer.prequant.common import QuantConfigError
     from jaxinfer.prequant.gguf_blocks import _weight
     from jaxinfer.quant import dequantize
     from jaxinfer.weights import load_model, save_native
@@ -926,6 +920,10 @@ def test_k_quant_flat_group_and_native_round_trip(gguf_case, tmp_path):
     gamma = (256 + 3) * 2.0 ** -24 / (1 - (256 + 3) * 2.0 ** -24)
     bound = gamma * (np.abs(x) @ np.abs(w64)) + 8 * np.finfo(np.float32).eps * 2 * np.abs(w).max() * np.abs(x).sum(1)[:, None]
     assert np.all(np.abs(y - x.astype(np.float64) @ w64) <= bound)
+    damaged = raw.copy()
+    damaged[1, 0:2] = np.frombuffer(b"\x00\x7c", np.uint8)   # row 1's first d: float16 infinity
+    with pytest.raises(QuantConfigError, match="GGUF tensor 't' .Q4_K.: a block's scale is not finite"):
+        _weight(SimpleNamespace(tensor_type=q4k, name="t"), damaged, lambda x: x)
     path, _ = gguf_case("llama-q4km")
     model, _ = load_model(resolve_model_path(path), "float32")
     save_native(model, tmp_path / "native", "float32")

@@ -78,3 +78,19 @@ def test_smoke_sweep_records_every_path_and_its_derived_numbers(tmp_path):
             mine = {c: r["per_call_s"] for c, r in row.items() if c.split(":")[0] == group}
             assert derived["winners"]["qkv"][m][group] == min(mine, key=mine.get)
         assert derived["winners"]["qkv"][m]["overall"] == min(row, key=lambda c: row[c]["per_call_s"])
+
+
+def test_formats_option_reaches_the_workers_and_refuses_unknown_names(monkeypatch):
+    """--formats: the parent's list becomes the Sweep's and is handed to the part workers through the
+    environment (a worker, run without the option, reads it back); an unknown name is refused."""
+    import argparse
+
+    import pytest
+
+    from bench.gpu import quant_sweep as qs
+    monkeypatch.delenv(qs.FORMATS_ENV, raising=False)
+    parent = qs.sweep_of(argparse.Namespace(smoke=True, formats="bf16,q4k"))
+    assert parent.formats == ("bf16", "q4k") and os.environ[qs.FORMATS_ENV] == "bf16,q4k"
+    assert qs.sweep_of(argparse.Namespace(smoke=True, formats=None)).formats == ("bf16", "q4k")
+    with pytest.raises(SystemExit, match=r"--formats: unknown \['q3'\]"):
+        qs.sweep_of(argparse.Namespace(smoke=True, formats="bf16,q3"))

@@ -115,7 +115,8 @@ def sweep_configs(sw: Sweep, m: int, k: int, n: int, bits: int, group: int | Non
 
 
 def make_weights(k: int, n: int, fmt: str, count: int) -> list:
-    """`count` distinct [K, N] weights (N(0, 1/K)): bf16, QuantizedWeights (int8, int4 g128), or fp8
+    """`count` distinct [K, N] weights (N(0, 1/K)): bf16, QuantizedWeights (int8, int4 g128; GGUF's q4k:
+    int4 g32 with float32 zero points, q8_0: grouped int8 g32), or fp8
     (e4m3 codes per output channel, jaxinfer.quant.symmetric_codes) as (codes, scales) with the codes
     [K, N] ("fp8_kn") or [N, K] ("fp8_nk", transposed once here)."""
     import jax
@@ -333,14 +334,13 @@ def run(args: argparse.Namespace) -> Path:
 def tuned_rows(report: dict[str, Any]) -> dict[str, dict[str, dict]]:
     """The rows of pallas_kernels/quant_matmul_tuned.TUNED a sweep measured, for its device kind:
     kernel name -> shape class -> the fastest timed config of each projection, M and format (int8,
-    int4) that is still one of the tuner's candidates for that shape and is not already their first
+    int4, q4k: quant_matmul_int4_g32_fzero) that is still one of the tuner's candidates for that shape and is not already their first
     (the untuned default). Keys as the tuner builds them (jaxinfer.quant.tuning_key, bf16 rows)."""
     from jaxinfer import quant
     rows: dict[str, dict[str, dict]] = {}
     for name, (k, n) in report["settings"]["projections"].items():
         for m, row in report["parts"].get(name, {}).get("results", {}).get(name, {}).get("M", {}).items():
-            for fmt, bits in (("int8", 8), ("int4", 4)):
-                g = INT4_GROUP if bits == 4 else None
+            for fmt, bits, g in (("int8", 8, None), ("int4", 4, INT4_GROUP), ("q4k", 4, GGUF_GROUP)):
                 cands = quant.pallas_block_candidates(int(m), k, n, bits, g, device_kind=report["device"]["kind"])
                 timed = [(r["per_call_s"], r["config"]) for c, r in row.items()
                          if c.split(":")[0] == fmt and isinstance(r, dict) and r.get("per_call_s")
@@ -349,7 +349,8 @@ def tuned_rows(report: dict[str, Any]) -> dict[str, dict[str, dict]]:
                     continue
                 best = min(timed, key=lambda t: t[0])[1]
                 if best != cands[0]:
-                    kname, key = quant.tuning_key(int(m), k, n, "bfloat16", bits=bits, group_size=g)
+                    kname, key = quant.tuning_key(int(m), k, n, "bfloat16", bits=bits, group_size=g,
+                                                  symmetric=fmt != "q4k", float_zeros=fmt == "q4k")
                     rows.setdefault(kname, {})[key] = best
     return rows
 

@@ -1,8 +1,10 @@
 """llama.cpp's block quantizations that are jaxinfer formats exactly, kept packed (GGUF files).
 
-A block of these types is a float16 scale d (times an int8 sub-scale for Q6_K's 16-weight groups)
-and signed integer codes, w = scale * code: the same arithmetic as jaxinfer's symmetric grouped
-formats (quant/format.py), so they load as QuantizedWeights with no rounding:
+A block of these types is a float16 scale d (times a sub-scale per group: Q6_K's int8 ones, Q3_K's
+and IQ4_XS's 6-bit ones minus 32) and signed integer codes (IQ4's: the int8 values of its 16-entry
+table), w = scale * code: the same arithmetic as jaxinfer's symmetric grouped formats
+(quant/format.py), so they load as QuantizedWeights with no rounding; the K-quants with an offset
+below hold it as a float zero point:
 
 | GGML type | block | codes | jaxinfer format |
 |---|---|---|---|
@@ -21,7 +23,7 @@ formats (quant/format.py), so they load as QuantizedWeights with no rounding:
 Q4_K, Q5_K and Q2_K subtract an offset: w = (d sc) q - (dmin m) is held as (q - z) s with s = d sc and the
 zero point z = dmin m / s a float (quant/format.py's float_zeros: int4's through the Pallas kernel,
 grouped int8's dequantized in XLA), equal
-to the file's value to float32 rounding (a few ulp of the group's largest term: the tests check it);
+to the file's value to float32 rounding (within 16 eps of the tensor's largest |w|: the tests check it);
 a group with s = 0 (the constant -o) is held as code 0, zero point 1 and scale o, exactly.
 
 The scales are read from the blocks' bytes (ggml-common.h's layouts: d first in the 32-weight
@@ -31,7 +33,7 @@ IQ4_XS's 6-bit scales as a uint16 of high bits at byte 2 and 4 bytes of low nibb
 IQ4 types' non-linear table is int8 values, so their weights are int8 codes times a scale), the codes
 from the blocks themselves: a copy of them with every scale set to 1 and every offset to 0 (_UNIT),
 dequantized by the gguf package, is each weight's integer code (its layouts stay the gguf package's;
-nothing is divided or rounded, ~4x faster than dividing the dequantized values by the scales). A
+nothing is divided or rounded: 1.2-2.1x faster than dividing the dequantized values by the scales). A
 scale that is not finite is refused naming the tensor. The other types (Q4_1, Q5_1; the other IQ types:
 lattice codebooks) are dequantized to floats by the loader. Projections served as one fused matmul (q, k, v; gate, up) stay packed only
 when the file stores them in the same type; otherwise all of them load as floats. A mixture's

@@ -191,7 +191,7 @@ def tuning_key(m: int, k: int, n: int, dtype, *, bits: int, group_size: int | No
                w8a8: bool = False, act_zero: bool = False, float_zeros: bool = False) -> tuple[str, str]:
     """(kernel name, shape class) under which the autotuner caches, and quant_matmul_tuned.TUNED
     ships, a quantized matmul's launch config: 'quant_matmul_int8' / 'quant_matmul_int4_g128_sym' /
-    '..._g32_fzero' (float zero points: 4 bytes a group more, a float subtract) / 'w8a8_matmul[_asym]',
+    '..._g32_fzero' (float zero points: float32 zeros, a float subtract) / 'w8a8_matmul[_asym]',
     and 'M x K x N' by class (select_blocks) with the activation dtype."""
     m_class = min(default_block_m(m) if m <= 64 else m, 512) if w8a8 else matmul_class(m)
     if w8a8:

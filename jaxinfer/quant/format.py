@@ -391,12 +391,7 @@ def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
         if qw.zeros is not None:
             q = q - qw.zeros.astype(jnp.float32)[:, None, :]
         return (q * qw.scales.astype(jnp.float32)[:, None, :]).reshape(k, n)
-    if qw.bits == 4 and qw.float_zeros:   # unsigned codes, a float zero point per group
-        g = qw.group_size
-        q = unpack_int4(qw.q, signed=False).astype(jnp.float32).reshape(qw.k // g, g, qw.n)
-        return ((q - qw.zeros.astype(jnp.float32)[:, None, :]) * qw.scales.astype(jnp.float32)[:, None, :]
-                ).reshape(qw.k, qw.n)
-    if qw.bits != 3:
+    if qw.bits != 3:   # int4's float zero points too: the kernel's definition subtracts them in float32
         return dequantize_weight(qw.q_kn(), qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
     q = unpack_int3(qw.q, signed=qw.zeros is None)
     k, n = q.shape
