@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.prequant.common import QuantConfigError, int_weight
+from jaxinfer.prequant.mxfp4 import stacked_mxfp4
 from jaxinfer.quant import QuantizedWeight
 
 METHOD = "gguf"
@@ -117,8 +118,7 @@ class GGUFBlockReader:
         if not _packable(kind) or (stack in pair and any(
                 n not in self.st.file.tensors or self.st.file.tensors[n][0].tensor_type.name != kind for n in pair)):
             return None
-        raw = np.asarray(t.data, np.uint8)
-        raw = raw.reshape(-1, int(t.shape[1]), raw.shape[-1])[:, rows]      # [E, N, bytes of a row]
+        raw = _row_bytes(t, rows)
         if len(hf_names) != raw.shape[0]:
             raise QuantConfigError(f"GGUF tensor {stack!r} holds {raw.shape[0]} experts; {ours} has {len(hf_names)}")
         return _stack(t, raw, ours, expected)
@@ -144,8 +144,7 @@ class GGUFBlockReader:
                  for p in ((part,) if part == "down" else ("gate", "up"))}
         if len(kinds) != 1 or not (kinds <= {"MXFP4"} or _packable(t.tensor_type.name)):
             return None
-        raw = np.asarray(t.data, np.uint8)
-        raw = raw.reshape(-1, int(t.shape[1]), raw.shape[-1])[:, rows]          # [E, N, bytes of a row]
+        raw = _row_bytes(t, rows)
         if t.tensor_type.name == "MXFP4":
             return _mxfp4(tensor, raw, ours, expected)
         return _stack(t, raw, ours, expected)
@@ -153,6 +152,12 @@ class GGUFBlockReader:
 
 def _packable(kind: str | None) -> bool:
     return kind in EXACT or kind in OFFSET
+
+
+def _row_bytes(t, rows: slice) -> np.ndarray:
+    """The blocks' bytes [E, N, bytes of a row] of stacked-experts tensor t, rows `rows` of each expert."""
+    raw = np.asarray(t.data, np.uint8)
+    return raw.reshape(-1, int(t.shape[1]), raw.shape[-1])[:, rows]
 
 
 def _stack(t, raw: np.ndarray, ours: str, expected: tuple[int, ...]) -> QuantizedWeight:
@@ -187,9 +192,7 @@ def _mxfp4(name: str, raw: np.ndarray, ours: str, expected: tuple[int, ...]) -> 
     qs = blocks[..., 1:]
     codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1)                   # [E, N, K/32, 32] in k order
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8).reshape(e, n, k // 2)
-    return QuantizedWeight(jnp.asarray(np.ascontiguousarray(packed.transpose(0, 2, 1))),
-                           jnp.asarray(np.ascontiguousarray(blocks[..., 0].transpose(0, 2, 1))), None,
-                           bits=4, group_size=32, shape=(e, k, n), contract=1, batch=1)
+    return stacked_mxfp4(packed, blocks[..., 0])
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:

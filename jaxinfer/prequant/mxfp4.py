@@ -58,10 +58,18 @@ class MXFP4Reader:
         if len(expected) != 3 or expected[0] != e or expected[1] != k or expected[2] != len(cols):
             raise QuantConfigError(f"tensor {name}_blocks of shape {blocks.shape} (experts {e}, in {k}, out {rows}) "
                                    f"does not give {ours} of shape {expected}")
-        q = np.asarray(blocks).reshape(e, rows, k // 2)[:, cols].transpose(0, 2, 1)        # [E, K/2, N]
-        s = np.asarray(scales)[:, cols].transpose(0, 2, 1)                                 # [E, K/32, N]
-        return QuantizedWeight(jnp.asarray(np.ascontiguousarray(q)), jnp.asarray(np.ascontiguousarray(s)), None,
-                               bits=4, group_size=32, shape=tuple(expected), contract=1, batch=1)
+        return stacked_mxfp4(np.asarray(blocks).reshape(e, rows, k // 2)[:, cols], np.asarray(scales)[:, cols])
 
     def linear(self, module: str) -> QuantizedWeight:
         raise AssertionError("mxfp4 checkpoints quantize no Linear")
+
+
+def stacked_mxfp4(codes: np.ndarray, exponents: np.ndarray) -> QuantizedWeight:
+    """Stacked experts in the OCP layout, row by output: codes uint8 [E, N, K/2] (value 2i of a row in
+    byte i's low nibble) and e8m0 exponent bytes [E, N, K/32] -> the batch=1 mxfp4 QuantizedWeight
+    [E, K, N] (quant/format.py), the bytes only transposed. The GGUF reader builds its MXFP4 experts
+    with it too (prequant/gguf_blocks.py)."""
+    e, n, half = codes.shape
+    return QuantizedWeight(jnp.asarray(np.ascontiguousarray(codes.transpose(0, 2, 1))),
+                           jnp.asarray(np.ascontiguousarray(exponents.transpose(0, 2, 1))), None,
+                           bits=4, group_size=32, shape=(e, 2 * half, n), contract=1, batch=1)
