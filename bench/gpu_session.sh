@@ -20,10 +20,12 @@
 #   bash bench/gpu_session.sh 6   # <= 6.5 min: bench.gpu's fp8 part (cut on 2026-12-04), HF transformers'
 #                                 # baseline and the kernels part (matmuls, prefill attention vs cuDNN), then
 #                                 # the int4 part with --autotune (its cold start: never measured yet)
-#   bash bench/gpu_session.sh 7   # <= 5 min: bench.gpu.quant_sweep on GGUF's packed forms (never measured):
-#                                 # Q4_K as loaded (int4 g32 with float32 zero points, through the int4
-#                                 # kernels since 2026-12-06) and Q8_0 (grouped int8, XLA only) against
-#                                 # bf16 and int4 g128 on the 8B projections
+#   bash bench/gpu_session.sh 7   # <= 5 min: bench.gpu.quant_sweep on the pre-quantized checkpoints'
+#                                 # packed forms (never measured): GGUF's Q4_K as loaded (int4 g32 with
+#                                 # float32 zero points, through the int4 kernels since 2026-12-06), Q8_0
+#                                 # (grouped int8 g32) and fine-grained FP8 (e4m3 codes g128), both through
+#                                 # the grouped 8-bit kernels since 2026-12-06 (XLA their untuned default),
+#                                 # against bf16 on the 8B projections; --tuned prints rows to ship
 #
 # One 15-minute session holds calls 1 and 2 (2026-12-04: the start took ~30 s, then 455 s and 277 s
 # of commands, 772 s held in all): run call 1 with timeout_s 470 and call 2 within 30 s of its reply
@@ -82,7 +84,7 @@ case "${1:-}" in
     tail -12 "$LOGS/gpu-int4-autotune.log"
     ;;
 7)
-    timeout -s INT 300 python3 -m bench.gpu.quant_sweep --formats bf16,int4,q4k,q8_0 --deadline-s 290 \
+    timeout -s INT 300 python3 -m bench.gpu.quant_sweep --formats bf16,q4k,q8_0,fp8b --deadline-s 290 \
         --out "$OUT/quant-sweep-gguf.json" --log-dir "$LOGS/quant-sweep-gguf" \
         > "$LOGS/quant-sweep-gguf.log" 2>&1 || rc=$?
     tail -40 "$LOGS/quant-sweep-gguf.log"

@@ -1,4 +1,4 @@
-"""Weight-only quantized matmul (int8 per-channel, int4 group-wise) as a Pallas (Triton-style) kernel.
+"""Weight-only quantized matmul (int8 per-channel, 8-bit and int4 group-wise) as a Pallas (Triton-style) kernel.
 
     y[M, N] = x[M, K] @ dequant(w)[K, N]      (f32 accumulation, output in x's dtype)
 
@@ -9,6 +9,13 @@ inside the tile; nothing is dequantized in HBM):
   ``[N]``; ``dequant(w) = w * scales[None, :]``. The per-channel scale is constant along K, so the
   kernel converts the int8 tile exactly to the activation dtype, accumulates ``x @ q`` in f32, and
   multiplies the accumulator by the scale once (mathematically identical, fewer multiplies).
+* ``bits=8`` with ``group_size=g`` -- grouped 8-bit, the pre-quantized checkpoints' formats
+  (GPTQ 8-bit, llama.cpp's Q8_0 / Q6_K / Q5_K / Q5_0 / IQ4 as loaded, fine-grained fp8): ``w`` int8 or
+  float8_e4m3fn ``[K, N]``, ``scales`` f32 ``[K // g, N]`` (K % g == 0, g even);
+  ``dequant = (q - zero[k // g]) * scale[k // g]`` with ``zeros`` None (no zero point), integers
+  ``[K // g, N]`` (subtracted in int32: exact) or float32 (llama.cpp's offsets, subtracted in f32).
+  e4m3 codes take no zero points. Codes and zero points convert exactly to f32; the tile is
+  dequantized in f32 and rounded once to the activation dtype for the dot, as XLA's path does.
 * ``bits=4`` -- group-wise along K with group size ``g`` (32, 64 or 128; K % g == 0):
   ``scales`` f32 ``[K // g, N]``.
 
@@ -27,20 +34,20 @@ Tiling: grid over (M / block_m, N / block_n); each program loops over K in block
 (fori_loop) with an f32 ``[block_m, block_n]`` accumulator. M is zero-padded up to a multiple of
 block_m (activations only; the padding rows are sliced off). N % block_n == 0 and K % block_k == 0
 are required (block sizes are clamped to N and K first). For int4, block_k must be a multiple of
-group_size or divide it. On GPU (Triton) all block sizes must be powers of two >= 16
+group_size or divide it (grouped 8-bit too). On GPU (Triton) all block sizes must be powers of two >= 16
 (block_k >= 32 for int4, because each nibble half is a dot with K = block_k / 2).
 
 For int4 the activations are viewed (free reshape) as ``[M, K/2, 2]`` and passed twice, once for
 the even and once for the odd columns, so that the kernel never has to interleave the two nibble
 halves: ``y = x_even @ dequant(lo) + x_odd @ dequant(hi)``.
 
-Split-K decode kernel (``quant_matmul_splitk``, int8 and int4 in the formats above, small M): the
+Split-K decode kernel (``quant_matmul_splitk``, every format above, small M): the
 tiled grid has only N / block_n programs when M fits one block_m (e.g. 32 for N = 4096 at
 block_n = 128 -- a quarter of an H200's 132 SMs streams all the weights), so this one also splits K:
 grid (N / block_n, num_splits), program (j, s) reduces K / num_splits rows of the weight in block_k
 steps and writes an f32 partial ``[Mp, block_n]`` of ``partials [num_splits, Mp, N]``; the wrapper
-sums the partials in XLA (and multiplies int8's per-channel scale there; int4's group scales are
-applied in the kernel as above). Every M row lives in one tile. Two inner products (static flag):
+sums the partials in XLA (and multiplies int8's per-channel scale there; group scales are
+applied in the kernel as above, each split holding whole groups). Every M row lives in one tile. Two inner products (static flag):
 
 * ``inner="dot"``: the tensor-core dot, M zero-padded to Mp = max(16, next power of two) rows;
   int4 as two dots (even and odd k) per K block, like the tiled kernel.
@@ -84,6 +91,7 @@ __all__ = [
     "w8a8_matmul",
     "w8a8_matmul_reference",
     "dequantize_weight",
+    "grouped8_name",
     "pack_int4",
     "unpack_int4",
     "default_block_m",
@@ -120,21 +128,27 @@ def unpack_int4(packed: jax.Array, *, signed: bool) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("bits", "group_size"))
 def dequantize_weight(w, scales, zeros=None, *, bits: int, group_size: int | None = None) -> jax.Array:
     """Kernel-format weight -> f32 [K, N] (the definition the kernel implements)."""
-    if bits == 8:
+    if bits == 8 and group_size is None:
         return w.astype(jnp.float32) * scales.astype(jnp.float32)[None, :]
+    if bits == 8:
+        k, n = w.shape
+        return _grouped_dequant(w.reshape(k // group_size, group_size, n), scales[:, None, :],
+                                None if zeros is None else zeros[:, None, :]).reshape(k, n)
     if bits == 4:
         q = unpack_int4(w, signed=zeros is None)
         k, n = q.shape
         g = group_size
-        q = q.reshape(k // g, g, n)
-        if zeros is None:
-            q = q.astype(jnp.float32)
-        elif jnp.issubdtype(zeros.dtype, jnp.floating):
-            q = q.astype(jnp.float32) - zeros.astype(jnp.float32)[:, None, :]
-        else:
-            q = (q - zeros.astype(jnp.int32)[:, None, :]).astype(jnp.float32)
-        return (q * scales.astype(jnp.float32)[:, None, :]).reshape(k, n)
+        return _grouped_dequant(q.reshape(k // g, g, n), scales[:, None, :],
+                                None if zeros is None else zeros[:, None, :]).reshape(k, n)
     raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+def _grouped_dequant(q, scale, zero):
+    """Codes q (ints or e4m3) -> f32 (q - zero) * scale, broadcasting scale / zero (None: no zero
+    point; integer zeros subtracted in int32, float ones in f32). The kernels' and the references'
+    one definition."""
+    return _minus_zero(q if zero is None or _zero_dtype(zero) == jnp.float32 else q.astype(jnp.int32),
+                       None if zero is None else zero.astype(_zero_dtype(zero))) * scale.astype(jnp.float32)
 
 
 def quant_matmul_reference(x, w, scales, zeros=None, *, bits: int, group_size: int | None = None):
@@ -168,7 +182,8 @@ def _zero_dtype(z_ref):
 
 
 def _minus_zero(q, zero):
-    """int32 codes q - zero (None: q) as float32: exact for integer zero points, one rounding for float ones."""
+    """Codes q - zero (None: q) as float32: int32 codes minus integer zero points exactly, float
+    zero points (or e4m3 codes) with one rounding."""
     if zero is None:
         return q.astype(jnp.float32)
     if jnp.issubdtype(zero.dtype, jnp.floating):
@@ -176,47 +191,66 @@ def _minus_zero(q, zero):
     return (q - zero).astype(jnp.float32)
 
 
+def _group_slice(s_ref, z_ref, kb, *, block_k, group_size):
+    """K block kb's group scales, f32 [n_s, bn], and zero points (None, or int32 / f32 [n_s, bn]):
+    n_s = block_k / group_size groups, or 1 where the block lies inside one group."""
+    if block_k >= group_size:
+        n_s = block_k // group_size
+        s_start = kb * n_s
+    else:
+        n_s = 1
+        s_start = lax.div(kb, group_size // block_k)
+    ss = pl.ds(s_start, n_s)
+    scale = s_ref[ss, :].astype(jnp.float32)
+    return scale, None if z_ref is None else z_ref[ss, :].astype(_zero_dtype(z_ref))
+
+
+def _dequant_tile(q, scale, zero):
+    """One K block's codes q [rows, bn] (int32, or e4m3) -> f32 (q - zero) * scale, its rows in
+    scale.shape[0] equal groups (_group_slice)."""
+    n_s = scale.shape[0]
+    if n_s == 1:                                          # one group per K block: [1, bn] broadcasts
+        return _minus_zero(q, zero) * scale               # (no reshape for Triton)
+    rows, bn = q.shape
+    q = q.reshape(n_s, rows // n_s, bn)                   # [n_s, rows / n_s, bn]: one scale per group
+    return (_minus_zero(q, None if zero is None else zero[:, None, :]) * scale[:, None, :]).reshape(rows, bn)
+
+
+def _grouped8_codes(w_ref, ks, zero):
+    """A K block of grouped 8-bit codes, as _minus_zero takes them: int32 beside integer zero
+    points, else as stored (int8 or e4m3, converted to f32 there)."""
+    q = w_ref[ks, :]
+    return q.astype(jnp.int32) if zero is not None and zero.dtype == jnp.int32 else q
+
+
 def _int4_kernel(xe_ref, xo_ref, w_ref, s_ref, *rest, block_k, num_k, group_size, symmetric,
                  compute_dtype, precision):
-    if symmetric:
-        (o_ref,) = rest
-        z_ref = None
-    else:
-        z_ref, o_ref = rest
+    z_ref, o_ref = (None, rest[0]) if symmetric else rest
     bm, bn = o_ref.shape
-    hk = block_k // 2                       # packed rows per K block
-    if block_k >= group_size:
-        n_s, glen = block_k // group_size, group_size   # groups per K block, k's per group
-    else:
-        n_s, glen = 1, block_k              # the K block lies inside one group
 
     def body(kb, acc):
-        ks = pl.ds(pl.multiple_of(kb * hk, hk), hk)
-        if block_k >= group_size:
-            s_start = kb * n_s
-        else:
-            s_start = lax.div(kb, group_size // block_k)
-        ss = pl.ds(s_start, n_s)
-        packed = w_ref[ks, :].astype(jnp.int32)         # [hk, bn], values 0..255
-        lo = packed & 0xF                               # even k
-        hi = (packed >> 4) & 0xF                        # odd k
-        if symmetric:
-            lo, hi = (lo ^ 8) - 8, (hi ^ 8) - 8         # 4-bit two's complement -> [-8, 7]
-        scale = s_ref[ss, :].astype(jnp.float32)                   # [n_s, bn]
-        zero = None if z_ref is None else z_ref[ss, :].astype(_zero_dtype(z_ref))
-
-        def dequant(q):                                 # [hk, bn] int32 -> [hk, bn] compute dtype
-            if n_s == 1:                                # one group per K block: [1, bn] broadcasts
-                return (_minus_zero(q, zero) * scale).astype(compute_dtype)
-            q = q.reshape(n_s, glen // 2, bn)           # several groups: per-group broadcast
-            q = _minus_zero(q, None if zero is None else zero[:, None, :]) * scale[:, None, :]
-            return q.reshape(hk, bn).astype(compute_dtype)
-
+        lo, hi = _int4_halves(w_ref, s_ref, z_ref, kb, block_k=block_k, group_size=group_size)
+        ks = pl.ds(pl.multiple_of(kb * (block_k // 2), block_k // 2), block_k // 2)
         xe = xe_ref[:, ks].astype(compute_dtype)
         xo = xo_ref[:, ks].astype(compute_dtype)
-        acc = acc + jnp.dot(xe, dequant(lo), preferred_element_type=jnp.float32, precision=precision)
-        acc = acc + jnp.dot(xo, dequant(hi), preferred_element_type=jnp.float32, precision=precision)
+        acc = acc + jnp.dot(xe, lo.astype(compute_dtype), preferred_element_type=jnp.float32, precision=precision)
+        acc = acc + jnp.dot(xo, hi.astype(compute_dtype), preferred_element_type=jnp.float32, precision=precision)
         return acc
+
+    acc = lax.fori_loop(0, num_k, body, jnp.zeros((bm, bn), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _grouped8_kernel(x_ref, w_ref, s_ref, *rest, block_k, num_k, group_size, compute_dtype, precision):
+    z_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
+    bm, bn = o_ref.shape
+
+    def body(kb, acc):
+        ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+        scale, zero = _group_slice(s_ref, z_ref, kb, block_k=block_k, group_size=group_size)
+        w = _dequant_tile(_grouped8_codes(w_ref, ks, zero), scale, zero).astype(compute_dtype)
+        x = x_ref[:, ks].astype(compute_dtype)
+        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision)
 
     acc = lax.fori_loop(0, num_k, body, jnp.zeros((bm, bn), jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
@@ -346,7 +380,19 @@ def _quant_matmul(x, w, scales, zeros, *, bits, group_size, block_m, block_n, bl
     out_shape = jax.ShapeDtypeStruct((mp, n), x.dtype)
     out_spec = pl.BlockSpec((block_m, block_n), lambda i, j: (i, j))
 
-    if bits == 8:
+    if bits == 8 and group_size is not None:
+        kernel = functools.partial(_grouped8_kernel, block_k=block_k, num_k=num_k, group_size=group_size,
+                                   compute_dtype=cdt, precision=precision)
+        ng = k // group_size
+        in_specs = [pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
+                    pl.BlockSpec((k, block_n), lambda i, j: (0, j)),
+                    pl.BlockSpec((ng, block_n), lambda i, j: (0, j))]
+        args = (x, w, scales)
+        if zeros is not None:
+            in_specs.append(pl.BlockSpec((ng, block_n), lambda i, j: (0, j)))
+            args = args + (zeros,)
+        name = grouped8_name(w.dtype, zeros)
+    elif bits == 8:
         kernel = functools.partial(_int8_kernel, block_k=block_k, num_k=num_k,
                                    compute_dtype=cdt, precision=precision)
         in_specs = [
@@ -388,6 +434,28 @@ def _quant_matmul(x, w, scales, zeros, *, bits, group_size, block_m, block_n, bl
     return out[:m] if mp != m else out
 
 
+def grouped8_name(codes_dtype, zeros) -> str:
+    """The grouped 8-bit kernels' name stem: by code type and zero points."""
+    codes = "fp8" if jnp.dtype(codes_dtype) == jnp.float8_e4m3fn else "int8"
+    kind = "sym" if zeros is None else "fzero" if jnp.issubdtype(zeros.dtype, jnp.floating) else "asym"
+    return f"quant_matmul_{codes}_grouped_{kind}"
+
+
+def _check_groups(k: int, n: int, scales, zeros, group_size) -> None:
+    """Group-wise scales [K/g, N] and zero points (integers, or float32) of the grouped formats."""
+    if group_size is None or group_size <= 0 or group_size % 2:
+        raise ValueError(f"group-wise weights need an even group_size (16/32/64/128), got {group_size}")
+    if k % group_size:
+        raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
+    if scales.shape != (k // group_size, n):
+        raise ValueError(f"scales must be [K//g, N]={(k // group_size, n)}, got {scales.shape}")
+    if zeros is not None and zeros.shape != scales.shape:
+        raise ValueError(f"zeros must be [K//g, N]={scales.shape}, got {zeros.shape}")
+    if zeros is not None and not (jnp.issubdtype(zeros.dtype, jnp.integer) or zeros.dtype == jnp.float32):
+        raise TypeError(f"zeros must be integers or float32 (the kernel subtracts them from the codes), "
+                        f"got {zeros.dtype}")
+
+
 def _check_operands(x, w, scales, zeros, bits: int, group_size: int | None) -> None:
     """The weight-only formats' shape and dtype checks (quant_matmul's docstring), one error each."""
     if x.ndim != 2:
@@ -396,31 +464,29 @@ def _check_operands(x, w, scales, zeros, bits: int, group_size: int | None) -> N
         raise ValueError(f"w must be 2-D, got shape {w.shape}")
     m, k = x.shape
     n = w.shape[1]
-    if bits == 8:
+    if bits == 8 and group_size is not None:
+        if w.dtype not in (jnp.int8, jnp.float8_e4m3fn):
+            raise TypeError(f"grouped bits=8 expects int8 or float8_e4m3fn codes, got {w.dtype}")
+        if w.shape[0] != k:
+            raise ValueError(f"K mismatch: x {x.shape} vs w {w.shape}")
+        _check_groups(k, n, scales, zeros, group_size)
+        if zeros is not None and w.dtype == jnp.float8_e4m3fn:
+            raise ValueError("float8_e4m3fn codes take no zero points")
+    elif bits == 8:
         if w.dtype != jnp.int8:
             raise TypeError(f"bits=8 expects int8 weights, got {w.dtype}")
         if w.shape[0] != k:
             raise ValueError(f"K mismatch: x {x.shape} vs w {w.shape}")
         if scales.shape != (n,):
             raise ValueError(f"bits=8 expects scales [N]={n}, got {scales.shape}")
-        if zeros is not None or group_size is not None:
-            raise ValueError("bits=8 is per-channel symmetric: zeros and group_size must be None")
+        if zeros is not None:
+            raise ValueError("per-channel bits=8 is symmetric: zeros must be None")
     elif bits == 4:
         if w.dtype != jnp.uint8:
             raise TypeError(f"bits=4 expects packed uint8 weights, got {w.dtype}")
-        if group_size is None or group_size <= 0 or group_size % 2:
-            raise ValueError(f"bits=4 needs an even group_size (32/64/128), got {group_size}")
         if k % 2 or w.shape[0] != k // 2:
             raise ValueError(f"K mismatch: x {x.shape} vs packed w {w.shape} (expects [K//2, N])")
-        if k % group_size:
-            raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
-        if scales.shape != (k // group_size, n):
-            raise ValueError(f"scales must be [K//g, N]={(k // group_size, n)}, got {scales.shape}")
-        if zeros is not None and zeros.shape != scales.shape:
-            raise ValueError(f"zeros must be [K//g, N]={scales.shape}, got {zeros.shape}")
-        if zeros is not None and not (jnp.issubdtype(zeros.dtype, jnp.integer) or zeros.dtype == jnp.float32):
-            raise TypeError(f"zeros must be integers or float32 (the kernel subtracts them from the codes), "
-                            f"got {zeros.dtype}")
+        _check_groups(k, n, scales, zeros, group_size)
     else:
         raise ValueError(f"bits must be 4 or 8, got {bits}")
 
@@ -430,7 +496,9 @@ def quant_matmul(x, w, scales, zeros=None, *, bits: int, group_size: int | None 
                  num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None):
     """x [M, K] (bf16/f16/f32) @ dequant(w) -> [M, N] in x's dtype, f32 accumulation.
 
-    bits=8: w int8 [K, N], scales [N], zeros/group_size must be None.
+    bits=8: w int8 [K, N], scales [N], zeros None, group_size None (per channel); or grouped
+            (group_size=g): w int8 / float8_e4m3fn [K, N], scales [K // g, N], zeros None or
+            [K // g, N] integers or float32 (int8 codes only).
     bits=4: w uint8 [K // 2, N] (low nibble = even k), scales [K // g, N], group_size=g,
             zeros None (symmetric, signed nibbles) or [K // g, N]: integers in [0, 15] or float32
             (asymmetric; float zero points subtracted in float32).
@@ -451,18 +519,17 @@ def quant_matmul(x, w, scales, zeros=None, *, bits: int, group_size: int | None 
         raise ValueError(f"N={n} is not a multiple of block_n={bn}")
     if k % bk:
         raise ValueError(f"K={k} is not a multiple of block_k={bk}")
-    if bits == 4:
-        if bk % 2:
-            raise ValueError(f"block_k={bk} must be even for int4")
-        if not (bk % group_size == 0 or group_size % bk == 0):
-            raise ValueError(f"block_k={bk} must be a multiple or a divisor of group_size={group_size}")
+    if bits == 4 and bk % 2:
+        raise ValueError(f"block_k={bk} must be even for int4")
+    if group_size is not None and not (bk % group_size == 0 or group_size % bk == 0):
+        raise ValueError(f"block_k={bk} must be a multiple or a divisor of group_size={group_size}")
     if not interpret:
         min_k = 32 if bits == 4 else 16
         for name, b, lo in (("block_m", bm, 16), ("block_n", bn, 16), ("block_k", bk, min_k)):
             if b < lo or b & (b - 1):
                 raise ValueError(f"on GPU {name} must be a power of two >= {lo}, got {b}")
 
-    return _quant_matmul(x, w, scales, zeros, bits=bits, group_size=group_size if bits == 4 else None,
+    return _quant_matmul(x, w, scales, zeros, bits=bits, group_size=group_size,
                          block_m=bm, block_n=bn, block_k=bk, num_warps=int(num_warps),
                          num_stages=int(num_stages), interpret=bool(interpret))
 
@@ -506,27 +573,27 @@ def _int4_halves(w_ref, s_ref, z_ref, kb, *, block_k, group_size):
     """K block kb of a packed int4 tile -> its even-k and odd-k halves dequantized, f32 [bk/2, bn]
     each (s_ref / z_ref: the same rows' group scales and zero points, [rows / g, bn])."""
     hk = block_k // 2
-    bn = w_ref.shape[1]
-    if block_k >= group_size:
-        n_s, glen = block_k // group_size, group_size     # groups per K block, k's per group
-        s_start = kb * n_s
-    else:
-        n_s, glen = 1, block_k                            # the K block lies inside one group
-        s_start = lax.div(kb, group_size // block_k)
-    ss = pl.ds(s_start, n_s)
     packed = w_ref[pl.ds(pl.multiple_of(kb * hk, hk), hk), :].astype(jnp.int32)   # [hk, bn] in 0..255
     lo, hi = packed & 0xF, (packed >> 4) & 0xF            # even k, odd k
     if z_ref is None:
         lo, hi = (lo ^ 8) - 8, (hi ^ 8) - 8               # 4-bit two's complement -> [-8, 7]
-    scale = s_ref[ss, :].astype(jnp.float32)              # [n_s, bn]
-    zero = None if z_ref is None else z_ref[ss, :].astype(_zero_dtype(z_ref))
+    scale, zero = _group_slice(s_ref, z_ref, kb, block_k=block_k, group_size=group_size)
+    return _dequant_tile(lo, scale, zero), _dequant_tile(hi, scale, zero)
 
-    def dequant(q):
-        if n_s == 1:                                      # one group per K block: [1, bn] broadcasts
-            return _minus_zero(q, zero) * scale           # (no reshape for Triton)
-        q = q.reshape(n_s, glen // 2, bn)                 # [n_s, g/2, bn]: one scale per group
-        return (_minus_zero(q, None if zero is None else zero[:, None, :]) * scale[:, None, :]).reshape(hk, bn)
-    return dequant(lo), dequant(hi)
+
+def _splitk_grouped8_kernel(x_ref, w_ref, s_ref, *rest, block_k, num_k, group_size, inner, compute_dtype,
+                            precision):
+    # x_ref [Mp, K/S], w_ref [K/S, bn], s_ref / z_ref [K/(S g), bn]: this split's rows; o_ref [Mp, bn]
+    z_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
+    mp, bn = o_ref.shape
+
+    def body(kb, acc):
+        ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+        scale, zero = _group_slice(s_ref, z_ref, kb, block_k=block_k, group_size=group_size)
+        w = _dequant_tile(_grouped8_codes(w_ref, ks, zero), scale, zero)
+        return acc + _inner_product(x_ref[:, ks], w, inner, compute_dtype, precision)
+
+    o_ref[...] = lax.fori_loop(0, num_k, body, jnp.zeros((mp, bn), jnp.float32))
 
 
 def _splitk_int4_kernel(xe_ref, xo_ref, w_ref, s_ref, *rest, block_k, num_k, group_size, inner,
@@ -563,7 +630,18 @@ def _quant_matmul_splitk(x, w, scales, zeros, *, bits, group_size, num_splits, b
     precision = lax.Precision.HIGHEST if cdt == jnp.float32 else lax.Precision.DEFAULT
     ks = k // num_splits                                   # K rows per split
     common = dict(block_k=block_k, num_k=ks // block_k, inner=inner, compute_dtype=cdt, precision=precision)
-    if bits == 8:
+    if bits == 8 and group_size is not None:
+        kernel = functools.partial(_splitk_grouped8_kernel, group_size=group_size, **common)
+        gs = ks // group_size                              # groups per split
+        in_specs = [pl.BlockSpec((mp, ks), lambda j, s: (0, s)),
+                    pl.BlockSpec((ks, block_n), lambda j, s: (s, j)),
+                    pl.BlockSpec((gs, block_n), lambda j, s: (s, j))]
+        args = (x, w, scales)
+        if zeros is not None:
+            in_specs.append(pl.BlockSpec((gs, block_n), lambda j, s: (s, j)))
+            args = args + (zeros,)
+        name = grouped8_name(w.dtype, zeros).replace("quant_matmul_", "quant_matmul_splitk_")
+    elif bits == 8:
         kernel = functools.partial(_splitk_int8_kernel, **common)
         in_specs = [pl.BlockSpec((mp, ks), lambda j, s: (0, s)),
                     pl.BlockSpec((ks, block_n), lambda j, s: (s, j))]
@@ -593,7 +671,7 @@ def _quant_matmul_splitk(x, w, scales, zeros, *, bits, group_size, num_splits, b
         name=f"{name}_{inner}",
     )(*args)
     y = jnp.sum(partials[:, :m], axis=0)                   # [M, N] f32: the splits' sum (real rows only), in XLA
-    if bits == 8:
+    if bits == 8 and group_size is None:
         y = y * scales.astype(jnp.float32)[None, :]
     return y.astype(x.dtype)
 
@@ -619,7 +697,7 @@ def _check_splitk_blocks(m: int, k: int, n: int, bits: int, group_size: int | No
         raise ValueError(f"N={n} is not a multiple of block_n={bn}")
     if ks % bk:
         raise ValueError(f"K/num_splits={ks} is not a multiple of block_k={bk}")
-    if bits == 4:
+    if group_size is not None:
         if ks % group_size:
             raise ValueError(f"K/num_splits={ks} is not a multiple of group_size={group_size} "
                              f"(each split must hold whole groups)")
@@ -640,7 +718,8 @@ def quant_matmul_splitk(x, w, scales, zeros=None, *, bits: int, group_size: int 
 
     num_splits must divide K; block_n / block_k are clamped to N / (K / num_splits), and
     N % block_n == 0, (K / num_splits) % block_k == 0 are required; for int4 each split holds whole
-    groups ((K / num_splits) % group_size == 0) and block_k is a multiple or a divisor of group_size.
+    groups ((K / num_splits) % group_size == 0) and block_k is a multiple or a divisor of group_size
+    (grouped 8-bit too).
     On GPU block_n and block_k are powers of two >= 16 (int4: block_k >= 32).
     interpret=None means ``jax.default_backend() == "cpu"``.
     """
@@ -650,6 +729,6 @@ def quant_matmul_splitk(x, w, scales, zeros=None, *, bits: int, group_size: int 
     m, k = x.shape
     bn, bk = _check_splitk_blocks(m, k, w.shape[1], bits, group_size, num_splits, block_n, block_k, inner,
                                   bool(interpret))
-    return _quant_matmul_splitk(x, w, scales, zeros, bits=bits, group_size=group_size if bits == 4 else None,
+    return _quant_matmul_splitk(x, w, scales, zeros, bits=bits, group_size=group_size,
                                 num_splits=num_splits, block_n=bn, block_k=bk, inner=inner,
                                 num_warps=int(num_warps), num_stages=int(num_stages), interpret=bool(interpret))

@@ -64,9 +64,12 @@ def np_unpack(p: np.ndarray, signed: bool) -> np.ndarray:
 def np_dequant(qw: QuantizedWeight) -> np.ndarray:
     """[K, N] float64 dequantized weight from the raw QuantizedWeight fields."""
     s = np.asarray(qw.scales, np.float64)
-    if qw.bits == 8:
+    if qw.bits == 8 and qw.group_size is None:
         return np.asarray(qw.q, np.float64) * s[None, :]
-    q = np_unpack(np.asarray(qw.q), signed=qw.zeros is None).astype(np.float64)
+    if qw.bits == 8:     # grouped 8-bit: int8 or e4m3 codes (ml_dtypes converts e4m3 exactly)
+        q = np.asarray(qw.q).astype(np.float64)
+    else:
+        q = np_unpack(np.asarray(qw.q), signed=qw.zeros is None).astype(np.float64)
     s_el = np.repeat(s, qw.group_size, axis=0)
     if qw.zeros is not None:
         q = q - np.repeat(np.asarray(qw.zeros, np.float64), qw.group_size, axis=0)
@@ -75,7 +78,7 @@ def np_dequant(qw: QuantizedWeight) -> np.ndarray:
 
 def np_scale_per_element(qw: QuantizedWeight) -> np.ndarray:
     s = np.asarray(qw.scales, np.float64)
-    if qw.bits == 8:
+    if qw.bits == 8 and qw.group_size is None:
         return np.broadcast_to(s[None, :], (qw.k, qw.n))
     return np.repeat(s, qw.group_size, axis=0)
 
@@ -150,9 +153,11 @@ TRITON_MIN_BLOCK = 16
 
 
 def random_kernel_operands(rng, bits, g, symmetric, k, n):
-    if bits == 8:
+    if bits == 8 and g is None:
         w = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
         return w, jnp.asarray(rng.uniform(1e-3, 2e-2, n), jnp.float32), None
+    if bits == 8:       # grouped 8-bit (symmetric: True, "int" zero points, "float" ones, or "fp8" codes)
+        return grouped8_operands(rng, g, symmetric, k, n)
     q = rng.integers(-8, 8, (k, n)) if symmetric is True else rng.integers(0, 16, (k, n))
     w = jnp.asarray(np_pack(q))
     s = jnp.asarray(rng.uniform(1e-3, 5e-2, (k // g, n)), jnp.float32)
@@ -160,6 +165,24 @@ def random_kernel_operands(rng, bits, g, symmetric, k, n):
         return w, s, jnp.asarray(rng.uniform(0.0, 15.0, (k // g, n)), jnp.float32)
     z = None if symmetric else jnp.asarray(rng.integers(0, 16, (k // g, n)), jnp.uint8)
     return w, s, z
+
+
+def grouped8_operands(rng, g, kind, k, n):
+    """Grouped 8-bit codes [K, N] with f32 scales [K/g, N]: int8 codes with no zero point (kind
+    True: GGUF's Q8_0 / Q6_K, GPTQ's symmetric 8-bit), int8 zero points ("int": GPTQ's asymmetric
+    8-bit, codes and zeros shifted into int8), float32 ones ("float": GGUF's Q5_K), or e4m3 codes
+    from normal draws, saturated at 448 ("fp8": fine-grained FP8 checkpoints)."""
+    import ml_dtypes
+    s = jnp.asarray(rng.uniform(1e-3, 2e-2, (k // g, n)), jnp.float32)
+    if kind == "fp8":
+        codes = np.clip(rng.standard_normal((k, n)) * 100.0, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        return jnp.asarray(codes), s, None
+    w = jnp.asarray(rng.integers(-128, 128, (k, n)), jnp.int8)
+    if kind == "int":
+        return w, s, jnp.asarray(rng.integers(-128, 128, (k // g, n)), jnp.int8)
+    if kind == "float":
+        return w, s, jnp.asarray(rng.uniform(-20.0, 20.0, (k // g, n)), jnp.float32)
+    return w, s, None
 
 
 # f32 over every (kind, M); bf16 activations over every kind at M=5 (partial last M block) --
@@ -170,7 +193,15 @@ def random_kernel_operands(rng, bits, g, symmetric, k, n):
 # one group a K block too, the kernel's other branch)
 FLOAT_ZERO_KINDS = [("int4_g32_fzero", 4, 32, "float", 192, 64), ("int4_g16_fzero", 4, 16, "float", 192, 64),
                     ("int4_g32_fzero_bk32", 4, 32, "float", 192, 32)]
+# grouped 8-bit (the pre-quantized checkpoints' formats): Q8_0 (g32, 2 groups a K block), Q6_K (g16,
+# 4), GPTQ 8-bit with zero points (g128, a K block inside a group), Q5_K's float zero points (g32),
+# fine-grained FP8 (e4m3 codes, g128, one group a K block)
+GROUPED8_KINDS = [("int8_g32_sym", 8, 32, True, 192, 64), ("int8_g16_sym", 8, 16, True, 192, 64),
+                  ("int8_g128_asym", 8, 128, "int", 384, 64), ("int8_g32_fzero", 8, 32, "float", 192, 64),
+                  ("fp8_g128", 8, 128, "fp8", 384, 128)]
 KERNEL_CASES = ([(kind, m, bm, "float32") for kind in KINDS for m, bm in M_BLOCKS]
+                + [(kind, m, bm, "float32") for kind in GROUPED8_KINDS for m, bm in M_BLOCKS[:2]]
+                + [(kind, 37, 16, "bfloat16") for kind in GROUPED8_KINDS[2:]]
                 + [(kind, 5, 2, "bfloat16") for kind in KINDS]
                 + [(kind, 37, 16, "bfloat16") for kind in KINDS
                    if kind[0] in ("int8", "int4_g32_asym", "int4_g128_sym")]
@@ -260,6 +291,22 @@ def test_kernel_rejects_bad_arguments():
         quant_matmul(x, w.astype(jnp.int8), s, bits=4, group_size=32, interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         quant_matmul(x, w, s, bits=4, group_size=32, block_n=48, block_k=32, interpret=False)
+    # grouped 8-bit: int8 / e4m3 codes only, no zero points with e4m3, whole groups, blocks that hold
+    # whole groups or lie inside one
+    q8, s8, _ = grouped8_operands(rng, 32, True, 96, 48)
+    f8, sf, _ = grouped8_operands(rng, 32, "fp8", 96, 48)
+    with pytest.raises(TypeError, match="int8 or float8_e4m3fn"):
+        quant_matmul(x, q8.astype(jnp.int16), s8, bits=8, group_size=32, interpret=True)
+    with pytest.raises(ValueError, match="no zero points"):
+        quant_matmul(x, f8, sf, jnp.zeros_like(sf), bits=8, group_size=32, interpret=True)
+    with pytest.raises(ValueError, match=r"scales must be \[K//g, N\]"):
+        quant_matmul(x, q8, s8[:2], bits=8, group_size=32, interpret=True)
+    with pytest.raises(ValueError, match="K=96 is not a multiple of group_size=64"):
+        quant_matmul(x, q8, s8, bits=8, group_size=64, interpret=True)
+    with pytest.raises(ValueError, match="multiple or a divisor of group_size=32"):
+        quant_matmul(x, q8, s8, bits=8, group_size=32, block_k=48, block_n=16, interpret=True)
+    with pytest.raises(ValueError, match="per-channel bits=8 is symmetric"):
+        quant_matmul(x, q8, s8[0], jnp.zeros((48,), jnp.int8), bits=8, interpret=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,22 +22,26 @@ from jaxinfer import quant
 from jaxinfer.quant import QuantizedWeight, qdot
 from pallas_kernels import autotune as at
 from pallas_kernels.quant_matmul import quant_matmul_reference, quant_matmul_splitk
-from tests.test_quant import assert_within, dot_error_bound, np_dequant, np_pack
+from tests.test_quant import assert_within, dot_error_bound, grouped8_operands, np_dequant, np_pack
 
 K, N = 256, 128
 # (name, bits, group_size, symmetric): g=32 puts 2 groups in a 64-row K block, g=128 a 64-row block
 # inside one group, and a split of K/4 = 64 rows half a group (rejected: see the error test)
 KINDS = [("int8", 8, None, True), ("int4_g32_sym", 4, 32, True), ("int4_g64_asym", 4, 64, False),
          ("int4_g128_sym", 4, 128, True), ("int4_g128_asym", 4, 128, False),
-         ("int4_g32_fzero", 4, 32, "float")]   # float zero points (GGUF's Q4_K)
+         ("int4_g32_fzero", 4, 32, "float"),   # float zero points (GGUF's Q4_K)
+         # grouped 8-bit: Q5_K's float zero points (g32), fine-grained FP8's e4m3 codes (g128)
+         ("int8_g32_fzero", 8, 32, "float"), ("fp8_g128", 8, 128, "fp8")]
 
 
 def operands(rng, bits, g, symmetric, k=K, n=N):
     """Random kernel-format weights: int8 codes in [-127, 127] with column scales, or packed int4
     codes (numpy's own packing) with group scales and zero points."""
-    if bits == 8:
+    if bits == 8 and g is None:
         return (jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8),
                 jnp.asarray(rng.uniform(1e-3, 2e-2, n), jnp.float32), None)
+    if bits == 8:
+        return grouped8_operands(rng, g, symmetric, k, n)
     q = rng.integers(-8, 8, (k, n)) if symmetric is True else rng.integers(0, 16, (k, n))
     s = jnp.asarray(rng.uniform(1e-3, 5e-2, (k // g, n)), jnp.float32)
     z = (None if symmetric is True else jnp.asarray(rng.uniform(0.0, 15.0, (k // g, n)), jnp.float32)
@@ -52,7 +56,7 @@ def _cases():
             for inner in ("dot", "reduce"):
                 if inner == "reduce" and m > 8:
                     continue
-                splits = 4 if bits == 8 or g <= 64 else 2     # each split whole groups: K/S % g == 0
+                splits = 4 if g is None or g <= 64 else 2     # each split whole groups: K/S % g == 0
                 dtype = "bfloat16" if (m == 3 or name == "int8" and m == 16) else "float32"
                 out.append(pytest.param(name, bits, g, sym, m, inner, splits, dtype,
                                         id=f"{name}-M{m}-{inner}-S{splits}-{dtype}"))
@@ -222,6 +226,38 @@ def test_qdot_runs_every_candidate_of_a_decode_shape():
 
 
 @pytest.mark.device
+def test_grouped8_serves_xla_untuned_and_every_candidate_runs(monkeypatch):
+    """Grouped 8-bit weights (GGUF's Q8_0 as loaded: int8 codes, a scale per 32; fine-grained FP8:
+    e4m3 codes, a scale per 128) reach the kernels through qdot: XLA is the tuner's untuned default
+    (candidates[0], what serves until a measurement or a shipped row says a kernel wins), every
+    candidate of a decode shape is within the f32 bound of the exact product (Q8_0; FP8: one of
+    each kernel kind), and each format tunes under its own key."""
+    monkeypatch.setenv("JAXINFER_AUTOTUNE", "0")
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((1, K)), jnp.float32)
+    x64 = np.asarray(x, np.float64)
+    keys = set()
+    for g, kind in ((32, True), (128, "fp8")):
+        w, s, z = grouped8_operands(rng, g, kind, K, N)
+        qw = QuantizedWeight(w, s, z, bits=8, group_size=g, shape=(K, N))
+        cands = quant.pallas_block_candidates(1, K, N, 8, g)
+        assert cands[0] == quant.XLA_MATMUL and quant.XLA_MATMUL not in cands[1:]
+        assert {c.get("kernel", "tiled") for c in cands} == {"splitk", "xla", "tiled"}
+        assert quant.select_blocks(1, K, N, qw, jnp.float32) == quant.XLA_MATMUL
+        if kind == "fp8":
+            cands = [next(c for c in cands if c.get("inner") == "reduce"),
+                     next(c for c in cands if c.get("inner") == "dot"), cands[-1]]
+        w64 = np_dequant(qw)
+        bound = dot_error_bound(x64, w64, operands_bf16=False, out_bf16=False)
+        for cfg in cands:
+            assert_within(qdot(x, qw, impl="pallas", blocks=cfg), x64 @ w64, bound)
+        np.testing.assert_array_equal(np.asarray(qdot(x, qw, impl="pallas", blocks=quant.XLA_MATMUL)),
+                                      np.asarray(qdot(x, qw, impl="xla")))
+        keys.add(quant.tuning_key(1, K, N, jnp.bfloat16, bits=8, group_size=g, fp8_codes=qw.fp8)[0])
+    assert keys == {"quant_matmul_int8_g32_sym", "quant_matmul_fp8_g128_sym"}
+
+
+@pytest.mark.device
 def test_select_blocks_measures_splitk_and_xla(tmp_path, monkeypatch):
     """The tuner times the split-K, XLA and tiled candidates alike (forced, as on a GPU) and keeps
     one of them; the winner is cached under the M class (1, 2, 4, 8, 16, ...) of the call."""
@@ -242,7 +278,8 @@ def test_select_blocks_measures_splitk_and_xla(tmp_path, monkeypatch):
 def test_every_candidate_lowers_to_triton():
     """Every Pallas launch config of the tuner's lists (split-K with both inner products, tiled) for
     the 8B o projection (K = N = 4096) at M = 1, 8, 16, 64, int8 and int4 g128 sym / asym / float zero
-    points (and g16 sym / float zero points: GGUF's Q3_K and Q2_K, at M = 1 and 16), passes Pallas's
+    points (and g16 sym / float zero points: GGUF's Q3_K and Q2_K, at M = 1 and 16; grouped 8-bit:
+    Q8_0, Q6_K, GPTQ 8-bit with zero points, Q5_K's float zero points, e4m3 codes), passes Pallas's
     Triton lowering (power-of-two tiles, supported primitives), lowered for "cuda" with no
     GPU present. (Triton's own compile to PTX -- registers, shared memory -- needs the GPU.)"""
     import jax
@@ -251,10 +288,14 @@ def test_every_candidate_lowers_to_triton():
     count = 0
     for bits, g, zdt, rows in ((8, None, None, (1, 8, 16, 64)), (4, 128, None, (1, 8, 16, 64)),
                                (4, 128, jnp.uint8, (1, 8, 16, 64)), (4, 128, jnp.float32, (1, 8, 16, 64)),
-                               (4, 16, None, (1, 16)), (4, 16, jnp.float32, (1, 16))):
+                               (4, 16, None, (1, 16)), (4, 16, jnp.float32, (1, 16)),
+                               (8, 32, None, (1, 16)), (8, 16, None, (1,)), (8, 128, jnp.int8, (1,)),
+                               (8, 32, jnp.float32, (1,)), (8, 128, "fp8", (1, 16))):
+        codes = jnp.float8_e4m3fn if zdt == "fp8" else jnp.int8 if bits == 8 else jnp.uint8
+        zdt = None if zdt == "fp8" else zdt
         zeros = None if zdt is None else jax.ShapeDtypeStruct((k // g, n), zdt)
-        q = jax.ShapeDtypeStruct((k, n) if bits == 8 else (k // 2, n), jnp.int8 if bits == 8 else jnp.uint8)
-        s = jax.ShapeDtypeStruct((n,) if bits == 8 else (k // g, n), jnp.float32)
+        q = jax.ShapeDtypeStruct((k, n) if bits == 8 else (k // 2, n), codes)
+        s = jax.ShapeDtypeStruct((n,) if g is None else (k // g, n), jnp.float32)
         qw = QuantizedWeight(q, s, zeros, bits=bits, group_size=g, shape=(k, n))
         for m in rows:
             x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
@@ -265,7 +306,7 @@ def test_every_candidate_lowers_to_triton():
                 text = fn.trace(x, qw).lower(lowering_platforms=("cuda",)).as_text()
                 assert "xla.gpu.triton" in text, cfg     # the Triton custom call, its IR inside
                 count += 1
-    assert count >= 150
+    assert count >= 250
 
 
 def test_candidates_keep_the_kernels_gpu_block_k_floor():

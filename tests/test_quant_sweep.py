@@ -40,10 +40,10 @@ def test_smoke_sweep_records_every_path_and_its_derived_numbers(tmp_path):
     rows = report["parts"]["qkv"]["results"]["qkv"]["M"]
     assert set(rows) == {"1", "64"}
     # every code path: both fp8 layouts, XLA, the tiled kernel and the split-K kernel with both inner
-    # products (M = 1) for int8 and int4; at M = 64 the tiled-first list with one split-K config
+    # products (M = 1) for int8 and int4, GGUF's Q4_K (float zero points) and the grouped 8-bit forms
+    # (Q8_0, fine-grained FP8); at M = 64 the tiled-first list with one split-K config
     names = set(rows["1"])
-    assert "q8_0:xla" in names      # GGUF's grouped int8: XLA only; Q4_K's float zero points: as int4
-    for fmt in ("int8", "int4", "q4k"):
+    for fmt in ("int8", "int4", "q4k", "q8_0", "fp8b"):
         assert {f"{fmt}:xla"} <= names
         assert any(n.startswith(f"{fmt}:tiled:") for n in names)
         assert any(n.startswith(f"{fmt}:splitk:") and n.endswith("-reduce-w4-s3") for n in names)
@@ -53,7 +53,8 @@ def test_smoke_sweep_records_every_path_and_its_derived_numbers(tmp_path):
 
     weight_bytes = {"bf16": 2 * K * N, "int8": K * N + 4 * N, "int4": K * N // 2 + 4 * (K // G) * N,
                     "fp8_kn": K * N + 4 * N, "fp8_nk": K * N + 4 * N,
-                    "q4k": K * N // 2 + 2 * 4 * (K // 32) * N, "q8_0": K * N + 4 * (K // 32) * N}
+                    "q4k": K * N // 2 + 2 * 4 * (K // 32) * N, "q8_0": K * N + 4 * (K // 32) * N,
+                    "fp8b": K * N + 4 * (K // 128) * N}
     for m, row in rows.items():
         bf16 = row["bf16"]
         assert "error" not in bf16
@@ -74,7 +75,7 @@ def test_smoke_sweep_records_every_path_and_its_derived_numbers(tmp_path):
                 # against XLA's result of the same format (fp8: the [K, N] layout): bf16 outputs
                 # rounded on each side (2^-8 each) and XLA's int4 weights rounded to bf16 (2^-8)
                 assert r["rel_err_vs_xla"] is not None and r["rel_err_vs_xla"] <= 2.0 ** -6, (case, r)
-        for group in ("int8", "int4", "fp8", "q4k", "q8_0"):
+        for group in ("int8", "int4", "fp8", "q4k", "q8_0", "fp8b"):
             mine = {c: r["per_call_s"] for c, r in row.items() if c.split(":")[0] == group}
             assert derived["winners"]["qkv"][m][group] == min(mine, key=mine.get)
         assert derived["winners"]["qkv"][m]["overall"] == min(row, key=lambda c: row[c]["per_call_s"])

@@ -17,8 +17,9 @@ Parts, each in its own subprocess with its own timeout (bench.gpu.run_worker), i
                 dot with the weight stored [K, N] ("fp8:kn", contracting dim 0) and [N, K] ("fp8:nk",
                 K contiguous: cuBLASLt's TN layout, contracting dim 1); with --formats, GGUF's
                 packed forms too: "q4k" (llama.cpp's Q4_K as loaded: int4 in groups of 32 with float32
-                zero points, through qdot's launch configs as int4) and "q8_0" (grouped int8 in
-                groups of 32: XLA's dequantize-and-dot, the only path it has)
+                zero points, through qdot's launch configs as int4), "q8_0" (grouped int8 in groups of
+                32) and "fp8b" (fine-grained FP8 checkpoints: e4m3 codes, a scale per 128 k), both
+                through qdot's launch configs as grouped 8-bit (XLA first: its untuned default)
 Timing is bench.gpu.parts' (its module docstring): a jitted chain of kernels over distinct weights
 (about chain_bytes of them, more than L2 holds), each fed the previous output, the launch overhead
 of an empty call subtracted, the median of `reps` calls. A part compiles one M's chains in a thread
@@ -49,8 +50,13 @@ PROJECTIONS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
 PARTS = ("copy", *PROJECTIONS)
 INT4_GROUP = 128
 GGUF_GROUP = 32                       # Q4_K's and Q8_0's groups
+FP8_BLOCK = 128                       # fine-grained FP8 checkpoints' blocks along K (DeepSeek-V3, Qwen3-FP8)
 FORMATS = ("bf16", "int8", "int4", "fp8_kn", "fp8_nk")
-GGUF_FORMATS = ("q4k", "q8_0")
+GGUF_FORMATS = ("q4k", "q8_0", "fp8b")  # the pre-quantized checkpoints' packed forms (--formats)
+# the formats qdot runs through the tuner's launch configs: (bits, group size, tuning_key keywords)
+QDOT_FORMATS = {"int8": (8, None, {}), "int4": (4, INT4_GROUP, {}),
+                "q4k": (4, GGUF_GROUP, {"symmetric": False, "float_zeros": True}),
+                "q8_0": (8, GGUF_GROUP, {}), "fp8b": (8, FP8_BLOCK, {"fp8_codes": True})}
 FORMATS_ENV = "JAXINFER_SWEEP_FORMATS"   # --formats, as the parent hands it to the part workers
 
 
@@ -116,7 +122,7 @@ def sweep_configs(sw: Sweep, m: int, k: int, n: int, bits: int, group: int | Non
 
 def make_weights(k: int, n: int, fmt: str, count: int) -> list:
     """`count` distinct [K, N] weights (N(0, 1/K)): bf16, QuantizedWeights (int8, int4 g128; GGUF's q4k:
-    int4 g32 with float32 zero points, q8_0: grouped int8 g32), or fp8
+    int4 g32 with float32 zero points, q8_0: grouped int8 g32; fp8b: e4m3 codes g128), or fp8
     (e4m3 codes per output channel, jaxinfer.quant.symmetric_codes) as (codes, scales) with the codes
     [K, N] ("fp8_kn") or [N, K] ("fp8_nk", transposed once here)."""
     import jax
@@ -137,9 +143,15 @@ def make_weights(k: int, n: int, fmt: str, count: int) -> list:
         s = jnp.maximum(jnp.max(jnp.abs(g), axis=1), 1e-30) / 127.0
         q = jnp.round(g / s[:, None, :]).astype(jnp.int8).reshape(k, n)
         return quant.QuantizedWeight(q, s, None, bits=8, group_size=GGUF_GROUP, shape=(k, n))
+
+    def fp8b(w):  # fine-grained FP8 as jaxinfer.prequant.fp8_block loads it: e4m3 [K, N], a scale per 128 k
+        g = w.reshape(k // FP8_BLOCK, FP8_BLOCK, n)
+        s = jnp.maximum(jnp.max(jnp.abs(g), axis=1), 1e-30) / quant.FP8_MAX
+        q = (g / s[:, None, :]).astype(quant.FP8_DTYPE).reshape(k, n)
+        return quant.QuantizedWeight(q, s, None, bits=8, group_size=FP8_BLOCK, shape=(k, n))
     to_fmt = {"bf16": lambda w: w.astype(jnp.bfloat16), "int8": quant.quantize_int8,
               "int4": lambda w: quant.quantize_int4(w, INT4_GROUP), "fp8_kn": lambda w: fp8(w, False),
-              "fp8_nk": lambda w: fp8(w, True), "q4k": q4k, "q8_0": q8_0}[fmt]
+              "fp8_nk": lambda w: fp8(w, True), "q4k": q4k, "q8_0": q8_0, "fp8b": fp8b}[fmt]
     make = jax.jit(lambda key: to_fmt(jax.random.normal(key, (k, n), jnp.float32) * k ** -0.5))
     return [make(jax.random.key(2000 + i)) for i in range(count)]
 
@@ -167,12 +179,11 @@ def case_ops(sw: Sweep, m: int, k: int, n: int) -> dict[str, tuple[str, Callable
     ops: dict[str, tuple[str, Callable, dict | None]] = {"bf16": ("bf16", lambda x, w: jnp.dot(x, w), None)}
     for layout in ("kn", "nk"):
         ops[f"fp8:{layout}"] = (f"fp8_{layout}", lambda x, w, layout=layout: fp8_dot(x, w, layout), None)
-    for fmt, bits, group in (("int8", 8, None), ("int4", 4, INT4_GROUP), ("q4k", 4, GGUF_GROUP)):
+    for fmt, (bits, group, _) in QDOT_FORMATS.items():
         for cfg in sweep_configs(sw, m, k, n, bits, group):
             ops[config_name(fmt, cfg)] = (fmt, lambda x, w, cfg=cfg: qdot(x, w, impl="pallas", blocks=cfg), cfg)
-    ops["q8_0:xla"] = ("q8_0", lambda x, w: qdot(x, w, impl="xla"), None)   # grouped int8: no kernel
     # the references of the agreement check (XLA's result of each format) are timed first
-    first = ["bf16", "fp8:kn", "int8:xla", "int4:xla", "q4k:xla", "q8_0:xla"]
+    first = ["bf16", "fp8:kn", *(f"{fmt}:xla" for fmt in QDOT_FORMATS)]
     return {c: ops[c] for c in first if c in ops} | {c: o for c, o in ops.items() if c not in first}
 
 
@@ -208,7 +219,7 @@ def measure_rows(sw: Sweep, name: str, m: int, weights: dict[str, list], overhea
         def run(exe=exe, case=case, fmt=fmt, cfg=cfg, secs=secs):
             r = timed_chain(exe, args[case], len(weights[fmt]), overhead, sw.reps)
             firsts[case] = exe(*args[case])[1]
-            ref = firsts.get(f"{fmt}:xla") if fmt in ("int8", "int4", "q4k", "q8_0") else firsts.get("fp8:kn")
+            ref = firsts.get(f"{fmt}:xla") if fmt in QDOT_FORMATS else firsts.get("fp8:kn")
             return r | {"compile_s": secs, "weight_bytes": weight_nbytes(weights[fmt][0]), "config": cfg,
                         "format": fmt, "rel_err_vs_xla": None if ref is None else rel_err(firsts[case], ref)}
         rec.guarded(key, run)
@@ -221,7 +232,8 @@ def weight_nbytes(w) -> int:
 
 def format_nbytes(k: int, n: int, fmt: str) -> int:
     per = {"bf16": 2 * k * n, "int8": k * n + 4 * n, "int4": k * n // 2 + 4 * (k // INT4_GROUP) * n,
-           "q4k": k * n // 2 + 8 * (k // GGUF_GROUP) * n, "q8_0": k * n + 4 * (k // GGUF_GROUP) * n}
+           "q4k": k * n // 2 + 8 * (k // GGUF_GROUP) * n, "q8_0": k * n + 4 * (k // GGUF_GROUP) * n,
+           "fp8b": k * n + 4 * (k // FP8_BLOCK) * n}
     return per.get(fmt, k * n + 4 * n)      # fp8: e4m3 codes + f32 scale per column
 
 
@@ -286,7 +298,7 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
                              "vs_bf16": None if bf16 is None else bf16 / r["per_call_s"]}
             cases.setdefault(name, {})[m] = out
             best = {}
-            for group in ("int8", "int4", "fp8", "q4k", "q8_0"):
+            for group in ("fp8", *QDOT_FORMATS):
                 mine = [c for c in timed if c.split(":")[0] == group]
                 if mine:
                     best[group] = min(mine, key=lambda c: timed[c]["per_call_s"])
@@ -334,13 +346,15 @@ def run(args: argparse.Namespace) -> Path:
 def tuned_rows(report: dict[str, Any]) -> dict[str, dict[str, dict]]:
     """The rows of pallas_kernels/quant_matmul_tuned.TUNED a sweep measured, for its device kind:
     kernel name -> shape class -> the fastest timed config of each projection, M and format (int8,
-    int4, q4k: quant_matmul_int4_g32_fzero) that is still one of the tuner's candidates for that shape and is not already their first
-    (the untuned default). Keys as the tuner builds them (jaxinfer.quant.tuning_key, bf16 rows)."""
+    int4, q4k: quant_matmul_int4_g32_fzero, q8_0: quant_matmul_int8_g32_sym, fp8b:
+    quant_matmul_fp8_g128_sym) that is still one of the tuner's candidates for that shape and is
+    not already their first (the untuned default). Keys as the tuner builds them
+    (jaxinfer.quant.tuning_key, bf16 rows)."""
     from jaxinfer import quant
     rows: dict[str, dict[str, dict]] = {}
     for name, (k, n) in report["settings"]["projections"].items():
         for m, row in report["parts"].get(name, {}).get("results", {}).get(name, {}).get("M", {}).items():
-            for fmt, bits, g in (("int8", 8, None), ("int4", 4, INT4_GROUP), ("q4k", 4, GGUF_GROUP)):
+            for fmt, (bits, g, key_kw) in QDOT_FORMATS.items():
                 cands = quant.pallas_block_candidates(int(m), k, n, bits, g, device_kind=report["device"]["kind"])
                 timed = [(r["per_call_s"], r["config"]) for c, r in row.items()
                          if c.split(":")[0] == fmt and isinstance(r, dict) and r.get("per_call_s")
@@ -349,8 +363,7 @@ def tuned_rows(report: dict[str, Any]) -> dict[str, dict[str, dict]]:
                     continue
                 best = min(timed, key=lambda t: t[0])[1]
                 if best != cands[0]:
-                    kname, key = quant.tuning_key(int(m), k, n, "bfloat16", bits=bits, group_size=g,
-                                                  symmetric=fmt != "q4k", float_zeros=fmt == "q4k")
+                    kname, key = quant.tuning_key(int(m), k, n, "bfloat16", bits=bits, group_size=g, **key_kw)
                     rows.setdefault(kname, {})[key] = best
     return rows
 
@@ -396,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                         "measured, and exit")
     p.add_argument("--formats", default=None,
                    help=f"comma-separated weight formats (default: {','.join(FORMATS)}; also "
-                        f"{','.join(GGUF_FORMATS)}: GGUF's Q4_K and Q8_0 as loaded); bf16 is always measured")
+                        f"{','.join(GGUF_FORMATS)}: GGUF's Q4_K and Q8_0, fine-grained FP8, as loaded); "
+                        f"bf16 is always measured")
     p.add_argument("--worker", default=None, choices=PARTS, help=argparse.SUPPRESS)
     p.add_argument("--records", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -30,9 +30,9 @@ def _device(device_kind: str | None) -> str:
 def _valid_bk(bk: int, k: int, bits: int, g: int | None) -> bool:
     if k % bk or bk < 16:      # the kernels' GPU floor (Triton's dot: a K of 16 at least)
         return False
-    if bits == 4:
-        return bk >= 32 and (bk % g == 0 or g % bk == 0)
-    return True
+    if bits == 4 and bk < 32:
+        return False
+    return g is None or bk % g == 0 or g % bk == 0
 
 
 def _tiled_smem_bytes(c: dict, bits: int) -> int:
@@ -78,7 +78,7 @@ def _splitk_config(m: int, k: int, n: int, bits: int, g: int | None, bn: int, bk
                    row: dict, splits: int | None = None) -> dict | None:
     """A valid split-K config (num_splits by the occupancy rule of `row`, SPLITK_DEFAULTS, unless
     given), or None."""
-    ks_ok = lambda s: k % s == 0 and (k // s) % bk == 0 and (bits != 4 or (k // s) % g == 0)  # noqa: E731
+    ks_ok = lambda s: k % s == 0 and (k // s) % bk == 0 and (g is None or (k // s) % g == 0)  # noqa: E731
     if n % bn or not _valid_bk(bk, k, bits, g) or (splits is not None and not ks_ok(splits)):
         return None
     if splits is None:
@@ -146,7 +146,9 @@ def pallas_block_candidates(m: int, k: int, n: int, bits: int, group_size: int |
     split-K configs first (the default: the occupancy rule of pallas_kernels/quant_matmul_tuned.py),
     then XLA, then the tiled default and one more; larger M: the tiled configs first, then up to 3
     split-K ones (M <= 64), then XLA. weight_only=False (W8A8): the tiled w8a8_matmul configs only.
-    device_kind: whose rows of the tables (None: the default device's).
+    Grouped 8-bit (bits 8 with a group_size): XLA first, the one path already measured on a GPU for
+    these formats, so that the kernels serve only where the tuner (or a shipped TUNED row) has
+    seen them win. device_kind: whose rows of the tables (None: the default device's).
     """
     dev = _device(device_kind)
     tiled = _tiled_candidates(m, k, n, bits, group_size, _tuned.for_device(_tuned.TILED_DEFAULTS, dev))
@@ -157,6 +159,8 @@ def pallas_block_candidates(m: int, k: int, n: int, bits: int, group_size: int |
         cands = split[:13] + [dict(XLA_MATMUL)] + tiled[:2]
     else:
         cands = tiled[:12] + split[:3] + [dict(XLA_MATMUL)]
+    if bits == 8 and group_size is not None:
+        cands = [dict(XLA_MATMUL)] + [c for c in cands if c != XLA_MATMUL][:15]
     return cands[:16]
 
 

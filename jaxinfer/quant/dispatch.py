@@ -145,7 +145,7 @@ def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_p
         return None
     kname, key = tuning_key(m, k, n, dtype, bits=qw.bits, group_size=qw.group_size, symmetric=qw.symmetric,
                             w8a8=qw.act_bits is not None, act_zero=qw.act_zero is not None,
-                            float_zeros=qw.float_zeros)
+                            float_zeros=qw.float_zeros, fp8_codes=qw.fp8)
     if os.environ.get("JAXINFER_AUTOTUNE", "1") == "0" and not force:
         return _autotune.untuned_config(kname, key, cands)
     compiled: dict[str, Any] = {}
@@ -188,17 +188,20 @@ def select_blocks(m: int, k: int, n: int, qw: QuantizedWeight, dtype, *, cache_p
 
 
 def tuning_key(m: int, k: int, n: int, dtype, *, bits: int, group_size: int | None = None, symmetric: bool = True,
-               w8a8: bool = False, act_zero: bool = False, float_zeros: bool = False) -> tuple[str, str]:
+               w8a8: bool = False, act_zero: bool = False, float_zeros: bool = False,
+               fp8_codes: bool = False) -> tuple[str, str]:
     """(kernel name, shape class) under which the autotuner caches, and quant_matmul_tuned.TUNED
     ships, a quantized matmul's launch config: 'quant_matmul_int8' / 'quant_matmul_int4_g128_sym' /
-    '..._g32_fzero' (float zero points: float32 zeros, a float subtract) / 'w8a8_matmul[_asym]',
-    and 'M x K x N' by class (select_blocks) with the activation dtype."""
+    '..._g32_fzero' (float zero points: float32 zeros, a float subtract) / grouped 8-bit
+    'quant_matmul_int8_g32_sym' (or '_asym', '_fzero'; e4m3 codes 'quant_matmul_fp8_g128_sym') /
+    'w8a8_matmul[_asym]', and 'M x K x N' by class (select_blocks) with the activation dtype."""
     m_class = min(default_block_m(m) if m <= 64 else m, 512) if w8a8 else matmul_class(m)
     if w8a8:
         kname = "w8a8_matmul" + ("_asym" if act_zero else "")
     else:
         kind = "sym" if symmetric else "fzero" if float_zeros else "asym"
-        kname = f"quant_matmul_int{bits}" + ("" if bits == 8 else f"_g{group_size}_{kind}")
+        codes = "fp8" if fp8_codes else f"int{bits}"
+        kname = f"quant_matmul_{codes}" + ("" if group_size is None else f"_g{group_size}_{kind}")
     return kname, f"{_autotune.shape_class(m_class, k, n)}_{jnp.dtype(dtype).name}"
 
 
@@ -240,11 +243,12 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     if w.perm is not None:   # rows stored in perm order (format.py): gather x's columns the same way
         x2 = jnp.take(x2, w.perm, axis=1)
     mode = impl if impl in ("pallas", "xla") else _resolve_impl(impl)   # "auto": the backend's default
-    if w.grouped8 or w.mxfp4:   # pre-quantized formats with no kernel: XLA (int4's float zero points have one)
+    if w.mxfp4 or (w.grouped8 and w.layout != "kn"):   # formats with no kernel: XLA
         if impl == "pallas" and not fallback:
-            raise ValueError("the Pallas quant_matmul kernel has no grouped 8-bit or MXFP4 format; use impl='xla'")
+            raise ValueError("the Pallas quant_matmul kernel has no MXFP4 format (nor grouped codes stored "
+                             "[N, K]); use impl='xla'")
         return _xla_matmul(x2, w).reshape(lead + tuple(ndims))
-    if w.fp8:   # the GPU path: XLA's native fp8 dot (no Pallas kernel); else dequantized
+    if w.fp8 and not w.grouped8:   # the GPU path: XLA's native fp8 dot (no Pallas kernel); else dequantized
         y2 = fp8_native_matmul(x2, w) if mode == "pallas" and m > 0 else _xla_matmul(x2, w)
         return y2.reshape(lead + tuple(ndims))
     cfg = None

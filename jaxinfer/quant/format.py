@@ -21,18 +21,20 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
   complement) or asymmetric codes in [0, 7] with zero points as for int4.
 * grouped int8 (pre-quantized checkpoints only: GPTQ and compressed-tensors W8A16 with groups, or
   GPTQ's asymmetric 8-bit): q int8 [K, N], scales f32 [K/g, N], group_size g (K: per channel with
-  zero points), zeros None or int8 [K/g, N] (w = (q - zero) * scale); dequantized in XLA (no kernel).
+  zero points), zeros None or int8 [K/g, N] (w = (q - zero) * scale). On a GPU the Pallas kernels'
+  grouped 8-bit format or XLA's dequantize-and-dot, whichever the tuner measures faster (qdot).
 * grouped fp8 (fine-grained FP8 checkpoints, quant_method "fp8", DeepSeek-V3 / Qwen3-FP8): e4m3 codes
   [K, N] (layout "kn") with scales f32 [K/g, N]: each [bk, bn] block's scale repeated over its bn
-  columns (the checkpoint's [N/bn, K/bk] table, 1/bn of a float per weight); dequantized in XLA.
+  columns (the checkpoint's [N/bn, K/bk] table, 1/bn of a float per weight); the kernels' grouped
+  8-bit format (e4m3 codes) or XLA, as grouped int8.
 * mxfp4 (gpt-oss experts as published, OCP MX): e2m1 codes packed two per byte along K exactly as
   int4 (low nibble = even k), scales uint8 [K/32, N] e8m0 exponents (group_size 32): w = e2m1(code)
   * 2^(scale - 127); told from int4 by the scales' dtype; dequantized in XLA (no kernel), expert by
   expert on the MoE path. Stored 4.25 bits a weight.
 * float zero points (GGUF's Q4_K and Q2_K as int4, groups of 32 and 16, Q5_K as grouped int8: w =
   scale * q - offset, stored as zeros = offset / scale, float32 [K/g, N], unsigned codes;
-  QuantizedWeight.float_zeros): int4's through the Pallas kernel (q - zero in float32), grouped
-  int8's dequantized in XLA.
+  QuantizedWeight.float_zeros): through the Pallas kernels (q - zero in float32), int4's and
+  grouped int8's.
 * row order (perm, pre-quantized GPTQ with desc_act only): the rows of q, scales and zeros are stored
   in the order perm (int32 [K]), chosen at load so that each group's rows are contiguous; the
   product is x[:, perm] @ dequant(q) (a gather of x's K columns per call, qdot), the logical weight
@@ -147,13 +149,14 @@ class QuantizedWeight:
     @property
     def float_zeros(self) -> bool:
         """Zero points that are floats (GGUF's Q4_K / Q5_K / Q2_K: w = scale * q - offset, zero = offset /
-        scale): int4's through the Pallas kernel (q - zero in float32), grouped int8's in XLA."""
+        scale): subtracted in float32 (the Pallas kernels, and XLA's dequantization)."""
         return self.zeros is not None and jnp.issubdtype(jnp.dtype(self.zeros.dtype), jnp.floating)
 
     @property
     def grouped8(self) -> bool:
         """int8 or e4m3 codes with one scale (and, int8, zero point, if any) per group of group_size
-        k (scales [K/g, N]; pre-quantized checkpoints, jaxinfer.prequant): dequantized in XLA, no kernel."""
+        k (scales [K/g, N]; pre-quantized checkpoints, jaxinfer.prequant): the kernels' grouped
+        8-bit format on a GPU (pallas_kernels.quant_matmul), else dequantized in XLA."""
         return self.bits == 8 and self.group_size is not None and self.batch == 0
 
     def q_kn(self) -> jax.Array:
@@ -376,7 +379,7 @@ def unpack_int3(packed: jax.Array, *, signed: bool) -> jax.Array:
 
 
 def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
-    """-> f32 [K, N]; int8 and int4 as the kernel defines them, int3 and grouped int8 here (no kernel)."""
+    """-> f32 [K, N]; int8, grouped 8-bit and int4 as the kernel defines them, int3 and mxfp4 here."""
     if qw.mxfp4:
         k, n = qw.k, qw.n
         g = qw.group_size
@@ -384,14 +387,9 @@ def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
         v = jnp.asarray(E2M1_VALUES, jnp.float32)[u].reshape(k // g, g, n)
         scale = jnp.exp2(qw.scales.astype(jnp.float32) - 127.0)                    # e8m0: 2^(byte - 127)
         return (v * scale[:, None, :]).reshape(k, n)
-    if qw.grouped8:
-        k, n = qw.k, qw.n
-        g = qw.group_size
-        q = qw.q_kn().astype(jnp.float32).reshape(k // g, g, n)      # int8 and e4m3 codes are exact in f32
-        if qw.zeros is not None:
-            q = q - qw.zeros.astype(jnp.float32)[:, None, :]
-        return (q * qw.scales.astype(jnp.float32)[:, None, :]).reshape(k, n)
-    if qw.bits != 3:   # int4's float zero points too: the kernel's definition subtracts them in float32
+    if qw.bits != 3:   # float zero points too: the kernel's definition subtracts them in float32
+        if qw.grouped8:
+            return dequantize_weight(qw.q_kn(), qw.scales, qw.zeros, bits=8, group_size=qw.group_size)
         return dequantize_weight(qw.q_kn(), qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
     q = unpack_int3(qw.q, signed=qw.zeros is None)
     k, n = q.shape
