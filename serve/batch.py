@@ -101,6 +101,10 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
             prompts, params, echo = state.completion_request(req)
         elif url == "/v1/embeddings":
             state.check_model(req.model)
+            if req.encoding_format in ("bytes", "bytes_only"):   # a JSONL output line holds JSON, not bytes
+                raise OpenAIError(400, f"encoding_format {req.encoding_format!r} makes a binary response, which "
+                                       "a batch output line cannot hold; use 'float' or 'base64'",
+                                  param="encoding_format")
             (prompts, poolings), params = encode_embedding_inputs(state, req), EMBEDDING_PARAMS
         elif isinstance(req, (ScoreRequest, RerankRequest)):
             state.check_model(req.model)

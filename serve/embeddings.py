@@ -3,8 +3,13 @@
 /v1/embeddings: `input` is a string, a list of strings, a list of token ids or a list of token-id
 lists; text is tokenized as gen.embed tokenizes it (the model's default prompt first, special tokens
 by the tokenizer's post-processor), token ids are used as given. `encoding_format` "float" (lists of
-numbers) or "base64" (each vector's little-endian float32 bytes, what the openai client sends by
-default and decodes); `dimensions` only for a model that declares Matryoshka sizes (the vector is
+numbers) or "base64" (each vector's bytes, by default little-endian float32: what the openai client
+sends by default and decodes), and vLLM's binary forms: `embed_dtype` (float32, float16, bfloat16,
+fp8_e4m3, fp8_e5m2: the float32 vector rounded to nearest, as torch's .to() rounds) and `endianness`
+(native, big, little) of those bytes, and `encoding_format` "bytes" (the vectors' bytes one after
+another as the body, application/octet-stream, with a `metadata` header: JSON {id, created, model,
+data: [{index, embed_dtype, endianness, start, end, shape}], usage}) or "bytes_only" (the body
+alone); `dimensions` only for a model that declares Matryoshka sizes (the vector is
 cut, then normalized where the model normalizes: vLLM's order); usage.prompt_tokens counts every
 input's tokens, special tokens included. An input longer than max_model_len is a 400 naming its
 index; a field this endpoint does not know is a 400 naming it.
@@ -32,11 +37,15 @@ nothing through the same bridge as generation, so embeddings share the engine's 
 from __future__ import annotations
 
 import base64
+import json
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
+import ml_dtypes
 import numpy as np
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import model_validator
 from starlette.concurrency import run_in_threadpool
 
@@ -85,10 +94,37 @@ class _TextInputs(_PoolingFields):
         return {**super().cut(), "add_special_tokens": self.add_special_tokens}
 
 
-class EmbeddingRequest(_TextInputs):
+# vLLM's embed_dtype names -> the numpy dtype of each element's bytes (ml_dtypes for the 16- and 8-bit
+# floats numpy lacks): what vLLM's tensor2binary writes after torch's .to(dtype)
+EMBED_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+                "bfloat16": np.dtype(ml_dtypes.bfloat16), "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
+                "fp8_e5m2": np.dtype(ml_dtypes.float8_e5m2)}
+
+
+class _VectorEncoding(_StrictBody):
+    """How a pooled vector is sent (vLLM's fields): "float" (a list of numbers), "base64" (its bytes),
+    "bytes" / "bytes_only" (the response body is the vectors' bytes: _bytes_response); the bytes are
+    embed_dtype's in endianness ("native": this server's byte order)."""
+    encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
+    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"
+
+    def binary(self, v: np.ndarray) -> bytes:
+        """One vector's bytes: float32 rounded to embed_dtype (to nearest even), in endianness."""
+        a = np.asarray(v, np.float32).astype(EMBED_DTYPES[self.embed_dtype])
+        if self.endianness not in ("native", sys.byteorder):
+            a = a.view(f"u{a.itemsize}").byteswap()
+        return a.tobytes()
+
+    def vector(self, v: np.ndarray):
+        if self.encoding_format == "float":
+            return [float(x) for x in v]
+        return base64.b64encode(self.binary(v)).decode("ascii")
+
+
+class EmbeddingRequest(_TextInputs, _VectorEncoding):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     normalize: bool | None = None    # vLLM's: L2-normalize or not (None: as the model says)
     user: str | None = None          # OpenAI's end-user id: accepted, not used
@@ -131,11 +167,10 @@ class RerankRequest(_ActivationFields):
     user: str | None = None
 
 
-class PoolingRequest(_ActivationFields, _TextInputs):
+class PoolingRequest(_ActivationFields, _TextInputs, _VectorEncoding):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     task: str | None = None          # "embed" | "classify"; None: the model's own
-    encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     normalize: bool | None = None    # the embed task's (EmbeddingRequest's)
     user: str | None = None
@@ -200,10 +235,21 @@ async def _embed_encoded(state, request: Request, ids: list[list[int]], poolings
     return out, sum(len(x) for x in ids)
 
 
-def _vector(v: np.ndarray, encoding_format: str):
-    if encoding_format == "base64":
-        return base64.b64encode(np.asarray(v, "<f4").tobytes()).decode("ascii")
-    return [float(x) for x in v]
+def _bytes_response(req: _VectorEncoding, rid: str, model: str, vectors: list[np.ndarray], n_tokens: int
+                    ) -> Response:
+    """vLLM's "bytes" / "bytes_only" response: the vectors' bytes (req.binary) one after another;
+    "bytes" adds the `metadata` header naming each vector's byte range and shape."""
+    parts = [req.binary(v) for v in vectors]
+    headers = None
+    if req.encoding_format == "bytes":
+        items, start = [], 0
+        for i, (b, v) in enumerate(zip(parts, vectors)):
+            items.append({"index": i, "embed_dtype": req.embed_dtype, "endianness": req.endianness,
+                          "start": start, "end": start + len(b), "shape": list(np.shape(v))})
+            start += len(b)
+        headers = {"metadata": json.dumps({"id": rid, "created": now(), "model": model, "data": items,
+                                           "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})}
+    return Response(content=b"".join(parts), media_type="application/octet-stream", headers=headers)
 
 
 def encode_embedding_inputs(state, req: EmbeddingRequest) -> tuple[list[list[int]], list]:
@@ -213,8 +259,7 @@ def encode_embedding_inputs(state, req: EmbeddingRequest) -> tuple[list[list[int
 
 def embeddings_body(req: EmbeddingRequest, model: str, vectors: list[np.ndarray], n_tokens: int) -> dict:
     return {"object": "list", "model": model,
-            "data": [{"object": "embedding", "index": i, "embedding": _vector(v, req.encoding_format)}
-                     for i, v in enumerate(vectors)],
+            "data": [{"object": "embedding", "index": i, "embedding": req.vector(v)} for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
 
 
@@ -225,6 +270,8 @@ async def embeddings(req: EmbeddingRequest, request: Request):
     vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora, req, req.normalize)
     if not isinstance(vectors, list):
         return vectors
+    if req.encoding_format in ("bytes", "bytes_only"):
+        return _bytes_response(req, new_id("embd"), lora or state.model_name, vectors, n_tokens)
     return embeddings_body(req, lora or state.model_name, vectors, n_tokens)
 
 
@@ -344,8 +391,8 @@ async def pooling(req: PoolingRequest, request: Request):
     """vLLM's generic pooling API: each input's pooled output, {"id", "object": "list", "created",
     "model", "data": [{"index", "object": "pooling", "data"}], "usage"}: a classifier's label
     probabilities (task "classify", its default; logits with use_activation false: a reward
-    model's score), an embedding model's vector as /v1/embeddings makes it (task "embed"; float or
-    base64). Per-token tasks (token_embed, token_classify) are refused, naming `task`."""
+    model's score), an embedding model's vector as /v1/embeddings makes it (task "embed"); each in
+    /v1/embeddings' encodings (float, base64, bytes, bytes_only; embed_dtype, endianness). Per-token tasks (token_embed, token_classify) are refused, naming `task`."""
     state = request.app.state.server
     lora = state.check_model(req.model)
     head = state.gen.classifier
@@ -364,7 +411,8 @@ async def pooling(req: PoolingRequest, request: Request):
         return vectors
     if task == "classify":
         vectors = list(head.probabilities(np.stack(vectors), req.wants_activation()))
+    if req.encoding_format in ("bytes", "bytes_only"):
+        return _bytes_response(req, new_id("pool"), lora or state.model_name, vectors, n_tokens)
     return {"id": new_id("pool"), "object": "list", "created": now(), "model": lora or state.model_name,
-            "data": [{"index": i, "object": "pooling", "data": _vector(v, req.encoding_format)}
-                     for i, v in enumerate(vectors)],
+            "data": [{"index": i, "object": "pooling", "data": req.vector(v)} for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0}}

@@ -353,7 +353,8 @@ def test_batch_script_embeds_as_sentence_transformers(gens, reference, tmp_path)
              {"custom_id": "d", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 2}},
              {"custom_id": "e", "url": "/v1/score", "body": {"text_1": TEXTS[0], "text_2": TEXTS[1:3]}},
              {"custom_id": "f", "url": "/rerank", "body": {"query": TEXTS[0], "documents": TEXTS[1:4], "top_n": 2}},
-             {"custom_id": "g", "url": "/v1/score", "body": {"text_1": TEXTS[:2], "text_2": TEXTS[1:4]}}]
+             {"custom_id": "g", "url": "/v1/score", "body": {"text_1": TEXTS[:2], "text_2": TEXTS[1:4]}},
+             {"custom_id": "h", "url": "/v1/embeddings", "body": {"input": "x", "encoding_format": "bytes"}}]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"method": "POST", **x}) + "\n" for x in lines))
     run_batch(gens["qwen3"], src, out, "tiny", progress=False)
@@ -372,6 +373,61 @@ def test_batch_script_embeds_as_sentence_transformers(gens, reference, tmp_path)
     assert [r["index"] for r in ranked] == [int(i) for i in np.argsort(-np.array(cos))[:2]]
     np.testing.assert_allclose([r["relevance_score"] for r in ranked], sorted(cos, reverse=True)[:2], atol=1e-5)
     assert recs["g"]["error"] is not None and "1:1, 1:N or N:N" in recs["g"]["error"]["message"]
+    assert recs["h"]["response"]["status_code"] == 400 and "'bytes'" in recs["h"]["error"]["message"]
+
+
+def _vllm_bytes(vector: list[float], embed_dtype: str, endianness: str) -> bytes:
+    """vLLM's tensor2binary, by torch: the float32 vector .to(embed_dtype), viewed as its bytes (16-bit
+    floats as float16, fp8 as uint8: numpy lacks their types), byte-swapped unless `endianness` is
+    native or the machine's."""
+    import sys
+
+    import torch
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[embed_dtype]
+    view = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.float16,
+            "fp8_e4m3": torch.uint8, "fp8_e5m2": torch.uint8}[embed_dtype]
+    a = torch.tensor(np.asarray(vector, np.float32)).to(dtype).flatten().contiguous().view(view).numpy()
+    if endianness != "native" and endianness != sys.byteorder:
+        a = a.byteswap()
+    return a.tobytes()
+
+
+def test_embed_dtype_endianness_and_bytes_as_vllm(servers):
+    """vLLM's binary encodings of a vector: base64 of its bytes in embed_dtype (float32 .. fp8_e5m2,
+    rounded as torch's .to() rounds) and endianness, the same bytes as torch makes them from the float
+    response's values; "bytes" returns them as the body with vLLM's `metadata` header (byte ranges,
+    shapes, usage), "bytes_only" the body alone; /pooling takes the same fields."""
+    import base64
+
+    import httpx
+    url = servers["qwen3"].url
+    post = lambda route, **body: httpx.post(f"{url}{route}", json={"input": TEXTS[:2], **body}, timeout=120)  # noqa: E731
+    floats = post("/v1/embeddings").json()
+    vectors = [d["embedding"] for d in floats["data"]]
+    for dt, end in (("float32", "native"), ("float16", "little"), ("bfloat16", "big"), ("fp8_e4m3", "little"),
+                    ("fp8_e5m2", "big"), ("float32", "big")):
+        r = post("/v1/embeddings", encoding_format="base64", embed_dtype=dt, endianness=end)
+        assert r.status_code == 200, r.text
+        got = [base64.b64decode(d["embedding"]) for d in r.json()["data"]]
+        assert got == [_vllm_bytes(v, dt, end) for v in vectors], (dt, end)
+    r = post("/v1/embeddings", encoding_format="bytes", embed_dtype="bfloat16", endianness="big")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+    meta = json.loads(r.headers["metadata"])
+    want = [_vllm_bytes(v, "bfloat16", "big") for v in vectors]
+    assert r.content == b"".join(want)
+    d = len(vectors[0])
+    assert meta["data"] == [{"index": i, "embed_dtype": "bfloat16", "endianness": "big", "start": 2 * d * i,
+                             "end": 2 * d * (i + 1), "shape": [d]} for i in range(2)]
+    assert meta["usage"] == floats["usage"] and meta["model"] == "tiny"
+    r = post("/v1/embeddings", encoding_format="bytes_only", embed_dtype="fp8_e4m3")
+    assert r.content == b"".join(_vllm_bytes(v, "fp8_e4m3", "native") for v in vectors)
+    assert "metadata" not in r.headers
+    r = post("/pooling", encoding_format="bytes", embed_dtype="float16")
+    assert r.content == b"".join(_vllm_bytes(v, "float16", "native") for v in vectors)
+    assert json.loads(r.headers["metadata"])["data"][1]["start"] == 2 * d
+    r = post("/v1/embeddings", encoding_format="base64", embed_dtype="int8")
+    assert r.status_code == 400 and "embed_dtype" in r.text
 
 
 def test_embeddings_and_scores_run_the_adapter_model_names(folders, tmp_path):
