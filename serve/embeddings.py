@@ -46,13 +46,13 @@ import ml_dtypes
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import model_validator
+from pydantic import Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from jaxinfer.embedding import pair_cosines, score_pairs
 from jaxinfer.engine import EMBEDDING_PARAMS
 from jaxinfer.errors import FieldError
-from serve.protocol import OpenAIError, _Body, _refuse, find_invalid_text, new_id, now
+from serve.protocol import OpenAIError, _Body, _refuse, find_invalid_text, new_id, now, response_id
 from serve.stream import respond
 
 router = APIRouter()
@@ -76,11 +76,14 @@ class _PoolingFields(_StrictBody):
     """vLLM's fields of every pooling request: truncation (each input cut to at most
     truncate_prompt_tokens tokens (-1: max_model_len), special tokens included, from the right
     (keep the start: vLLM's default for pooling models) or, with truncation_side "left", from the
-    left; a pair is cut as transformers cuts a pair: Generator.embed, Generator.score) and priority
-    (lower runs first under --scheduling-policy priority; other than 0 refused under fcfs)."""
+    left; a pair is cut as transformers cuts a pair: Generator.embed, Generator.score), priority
+    (lower runs first under --scheduling-policy priority; other than 0 refused under fcfs) and
+    request_id (the response's id is "<prefix>-<request_id>", an X-Request-Id header winning, as
+    for chat: protocol.response_id)."""
     truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None
     priority: int = 0
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     def cut(self) -> dict:
         return {"truncate_prompt_tokens": self.truncate_prompt_tokens, "truncation_side": self.truncation_side}
@@ -257,8 +260,10 @@ def encode_embedding_inputs(state, req: EmbeddingRequest) -> tuple[list[list[int
     return _encode(state, _inputs(req.input), req.dimensions, req.cut(), req.normalize)
 
 
-def embeddings_body(req: EmbeddingRequest, model: str, vectors: list[np.ndarray], n_tokens: int) -> dict:
-    return {"object": "list", "model": model,
+def embeddings_body(req: EmbeddingRequest, model: str, vectors: list[np.ndarray], n_tokens: int,
+                    rid: str | None = None) -> dict:
+    """OpenAI's embeddings body, with vLLM's id ("embd-...") and created."""
+    return {"id": rid or new_id("embd"), "object": "list", "created": now(), "model": model,
             "data": [{"object": "embedding", "index": i, "embedding": req.vector(v)} for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
 
@@ -270,9 +275,10 @@ async def embeddings(req: EmbeddingRequest, request: Request):
     vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora, req, req.normalize)
     if not isinstance(vectors, list):
         return vectors
+    rid = response_id("embd", request.headers, req.request_id)
     if req.encoding_format in ("bytes", "bytes_only"):
-        return _bytes_response(req, new_id("embd"), lora or state.model_name, vectors, n_tokens)
-    return embeddings_body(req, lora or state.model_name, vectors, n_tokens)
+        return _bytes_response(req, rid, lora or state.model_name, vectors, n_tokens)
+    return embeddings_body(req, lora or state.model_name, vectors, n_tokens, rid)
 
 
 @dataclass
@@ -281,7 +287,7 @@ class ScorePlan:
     pooled vectors, in that order, make its response body: the route's and the batch script's."""
     ids: list[list[int]]
     poolings: list
-    body: Callable[[list[np.ndarray], str, int], dict]     # (vectors, model name, tokens read) -> body
+    body: Callable[..., dict]     # (vectors, model name, tokens read, response id or None: a new one) -> body
 
 
 def _pair_plan(state, first: list[str], second: list[str], activation: bool = True, cut: dict | None = None
@@ -312,8 +318,8 @@ def score_plan(state, req: ScoreRequest) -> ScorePlan:
     second = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
     ids, poolings, scores_of = _pair_plan(state, first, second, req.wants_activation(), req.cut())
 
-    def body(vectors, model: str, n_tokens: int) -> dict:
-        return {"id": new_id("score"), "object": "list", "created": now(), "model": model,
+    def body(vectors, model: str, n_tokens: int, rid: str | None = None) -> dict:
+        return {"id": rid or new_id("score"), "object": "list", "created": now(), "model": model,
                 "data": [{"index": i, "object": "score", "score": x} for i, x in enumerate(scores_of(vectors))],
                 "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0}}
     return ScorePlan(ids, poolings, body)
@@ -332,36 +338,36 @@ def rerank_plan(state, req: RerankRequest) -> ScorePlan:
         raise OpenAIError(400, f"top_n must be 0 (all) or more, got {req.top_n}", param="top_n")
     ids, poolings, scores_of = _pair_plan(state, [req.query], docs, req.wants_activation(), req.cut())
 
-    def body(vectors, model: str, n_tokens: int) -> dict:
+    def body(vectors, model: str, n_tokens: int, rid: str | None = None) -> dict:
         scores = scores_of(vectors)
         order = sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n or None]
-        return {"id": new_id("rerank"), "model": model,
+        return {"id": rid or new_id("rerank"), "model": model,
                 "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
                 "results": [{"index": i, "relevance_score": scores[i],
                              **({"document": {"text": docs[i]}} if req.return_documents else {})} for i in order]}
     return ScorePlan(ids, poolings, body)
 
 
-async def _run_plan(state, request: Request, plan_of, req):
+async def _run_plan(state, request: Request, plan_of, req, prefix: str):
     lora = state.check_model(req.model)
     plan = await run_in_threadpool(plan_of, state, req)
     vectors, n_tokens = await _embed_encoded(state, request, plan.ids, plan.poolings, lora, req.priority)
     if not isinstance(vectors, list):
         return vectors
-    return plan.body(vectors, lora or state.model_name, n_tokens)
+    return plan.body(vectors, lora or state.model_name, n_tokens, response_id(prefix, request.headers, req.request_id))
 
 
 @router.post("/v1/score")
 @router.post("/score")
 async def score(req: ScoreRequest, request: Request):
-    return await _run_plan(request.app.state.server, request, score_plan, req)
+    return await _run_plan(request.app.state.server, request, score_plan, req, "score")
 
 
 @router.post("/v1/rerank")
 @router.post("/rerank")
 @router.post("/v2/rerank")
 async def rerank(req: RerankRequest, request: Request):
-    return await _run_plan(request.app.state.server, request, rerank_plan, req)
+    return await _run_plan(request.app.state.server, request, rerank_plan, req, "rerank")
 
 
 @router.post("/classify")
@@ -380,7 +386,8 @@ async def classify(req: ClassifyRequest, request: Request):
     if not isinstance(vectors, list):
         return vectors
     probs = head.probabilities(np.stack(vectors), req.wants_activation())
-    return {"id": new_id("classify"), "object": "list", "created": now(), "model": lora or state.model_name,
+    return {"id": response_id("classify", request.headers, req.request_id), "object": "list", "created": now(),
+            "model": lora or state.model_name,
             "data": [{"index": i, "label": head.labels[int(np.argmax(p))], "probs": [float(x) for x in p],
                       "num_classes": head.num_labels} for i, p in enumerate(probs)],
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0}}
@@ -392,7 +399,8 @@ async def pooling(req: PoolingRequest, request: Request):
     "model", "data": [{"index", "object": "pooling", "data"}], "usage"}: a classifier's label
     probabilities (task "classify", its default; logits with use_activation false: a reward
     model's score), an embedding model's vector as /v1/embeddings makes it (task "embed"); each in
-    /v1/embeddings' encodings (float, base64, bytes, bytes_only; embed_dtype, endianness). Per-token tasks (token_embed, token_classify) are refused, naming `task`."""
+    /v1/embeddings' encodings (float, base64, bytes, bytes_only; embed_dtype, endianness).
+    Per-token tasks (token_embed, token_classify) are refused, naming `task`."""
     state = request.app.state.server
     lora = state.check_model(req.model)
     head = state.gen.classifier
@@ -411,8 +419,9 @@ async def pooling(req: PoolingRequest, request: Request):
         return vectors
     if task == "classify":
         vectors = list(head.probabilities(np.stack(vectors), req.wants_activation()))
+    rid = response_id("pool", request.headers, req.request_id)
     if req.encoding_format in ("bytes", "bytes_only"):
-        return _bytes_response(req, new_id("pool"), lora or state.model_name, vectors, n_tokens)
-    return {"id": new_id("pool"), "object": "list", "created": now(), "model": lora or state.model_name,
+        return _bytes_response(req, rid, lora or state.model_name, vectors, n_tokens)
+    return {"id": rid, "object": "list", "created": now(), "model": lora or state.model_name,
             "data": [{"index": i, "object": "pooling", "data": req.vector(v)} for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0}}

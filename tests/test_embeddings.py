@@ -430,6 +430,26 @@ def test_embed_dtype_endianness_and_bytes_as_vllm(servers):
     assert r.status_code == 400 and "embed_dtype" in r.text
 
 
+def test_pooling_bodies_take_vllms_request_id(servers):
+    """vLLM's request_id on every pooling body: the response's id is "<prefix>-<request_id>" (embd,
+    pool, score, rerank), an X-Request-Id header winning, a new id without either."""
+    import httpx
+    url = servers["qwen3"].url
+    bodies = {"/v1/embeddings": ("embd", {"input": "x"}), "/pooling": ("pool", {"input": "x"}),
+              "/v1/score": ("score", {"text_1": "x", "text_2": "y"}),
+              "/v1/rerank": ("rerank", {"query": "x", "documents": ["y"]})}
+    for route, (prefix, body) in bodies.items():
+        r = httpx.post(f"{url}{route}", json={**body, "request_id": "abc-1"}, timeout=120)
+        assert r.status_code == 200 and r.json()["id"] == f"{prefix}-abc-1", (route, r.text)
+        r = httpx.post(f"{url}{route}", json={**body, "request_id": "abc-1"}, headers={"X-Request-Id": "hdr"},
+                       timeout=120)
+        assert r.json()["id"] == f"{prefix}-hdr"
+        rid = httpx.post(f"{url}{route}", json=body, timeout=120).json()["id"]
+        assert rid.startswith(f"{prefix}-") and len(rid) > len(prefix) + 8
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": "x", "request_id": ""}, timeout=120)
+    assert r.status_code == 400 and "request_id" in r.text
+
+
 def test_embeddings_and_scores_run_the_adapter_model_names(folders, tmp_path):
     """/v1/embeddings and /v1/score with `model` naming a loaded LoRA adapter embed with it, as PEFT's
     adapted model does (mean of the last hidden states), and answer under its name (they returned
