@@ -441,10 +441,11 @@ def grouped8_name(codes_dtype, zeros) -> str:
     return f"quant_matmul_{codes}_grouped_{kind}"
 
 
-def _check_groups(k: int, n: int, scales, zeros, group_size) -> None:
-    """Group-wise scales [K/g, N] and zero points (integers, or float32) of the grouped formats."""
-    if group_size is None or group_size <= 0 or group_size % 2:
-        raise ValueError(f"group-wise weights need an even group_size (16/32/64/128), got {group_size}")
+def _check_groups(k: int, n: int, scales, zeros, group_size, bits: int) -> None:
+    """Group-wise scales [K/g, N] and zero points (integers, or float32) of the grouped formats
+    (int4's groups even: two codes a byte)."""
+    if group_size is None or group_size <= 0 or (bits == 4 and group_size % 2):
+        raise ValueError(f"group-wise weights need a positive group_size (int4: even), got {group_size}")
     if k % group_size:
         raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
     if scales.shape != (k // group_size, n):
@@ -469,7 +470,7 @@ def _check_operands(x, w, scales, zeros, bits: int, group_size: int | None) -> N
             raise TypeError(f"grouped bits=8 expects int8 or float8_e4m3fn codes, got {w.dtype}")
         if w.shape[0] != k:
             raise ValueError(f"K mismatch: x {x.shape} vs w {w.shape}")
-        _check_groups(k, n, scales, zeros, group_size)
+        _check_groups(k, n, scales, zeros, group_size, bits)
         if zeros is not None and w.dtype == jnp.float8_e4m3fn:
             raise ValueError("float8_e4m3fn codes take no zero points")
     elif bits == 8:
@@ -486,7 +487,7 @@ def _check_operands(x, w, scales, zeros, bits: int, group_size: int | None) -> N
             raise TypeError(f"bits=4 expects packed uint8 weights, got {w.dtype}")
         if k % 2 or w.shape[0] != k // 2:
             raise ValueError(f"K mismatch: x {x.shape} vs packed w {w.shape} (expects [K//2, N])")
-        _check_groups(k, n, scales, zeros, group_size)
+        _check_groups(k, n, scales, zeros, group_size, bits)
     else:
         raise ValueError(f"bits must be 4 or 8, got {bits}")
 
@@ -701,8 +702,9 @@ def _check_splitk_blocks(m: int, k: int, n: int, bits: int, group_size: int | No
         if ks % group_size:
             raise ValueError(f"K/num_splits={ks} is not a multiple of group_size={group_size} "
                              f"(each split must hold whole groups)")
-        if bk % 2 or not (bk % group_size == 0 or group_size % bk == 0):
-            raise ValueError(f"block_k={bk} must be even and a multiple or a divisor of group_size={group_size}")
+        if (bits == 4 and bk % 2) or not (bk % group_size == 0 or group_size % bk == 0):
+            raise ValueError(f"block_k={bk} must be a multiple or a divisor of group_size={group_size}"
+                             + (" and even" if bits == 4 else ""))
     if not interpret:
         for name, b, lo in (("block_n", bn, 16), ("block_k", bk, 32 if bits == 4 else 16)):
             if b < lo or b & (b - 1):

@@ -238,6 +238,21 @@ def test_kernel_matches_reference(kind, m, block_m, dtype):
     assert_within(y, exact, dot_error_bound(x64, w64, operands_bf16=bf16, out_bf16=bf16, float_zeros=fz))
 
 
+@pytest.mark.cpu_only("an odd group and blocks below Triton's tile: interpret mode only")
+def test_grouped8_kernels_take_an_odd_group():
+    """Grouped 8-bit codes need no even group (int4's two codes a byte do): GPTQ 8-bit per channel
+    with zero points is one group of K, K odd here (45 rows, 2 groups), tiled and split-K."""
+    from pallas_kernels.quant_matmul import quant_matmul_splitk
+    rng = np.random.default_rng(45)
+    w, s, z = grouped8_operands(rng, 45, "int", 90, 32)
+    x = jnp.asarray(rng.standard_normal((3, 90)), jnp.float32)
+    x64, w64 = np.asarray(x, np.float64), np_dequant(QuantizedWeight(w, s, z, bits=8, group_size=45, shape=(90, 32)))
+    bound = dot_error_bound(x64, w64, operands_bf16=False, out_bf16=False)
+    assert_within(quant_matmul(x, w, s, z, bits=8, group_size=45, block_k=45, block_n=16), x64 @ w64, bound)
+    assert_within(quant_matmul_splitk(x, w, s, z, bits=8, group_size=45, num_splits=2, block_k=15, block_n=16,
+                                      inner="reduce"), x64 @ w64, bound)
+
+
 @pytest.mark.device
 @pytest.mark.parametrize("m,block_m,azp", [(5, 16, None), (37, 16, -29), (64, 32, 11)])
 def test_w8a8_kernel_is_exact(m, block_m, azp):

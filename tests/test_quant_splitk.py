@@ -30,8 +30,9 @@ K, N = 256, 128
 KINDS = [("int8", 8, None, True), ("int4_g32_sym", 4, 32, True), ("int4_g64_asym", 4, 64, False),
          ("int4_g128_sym", 4, 128, True), ("int4_g128_asym", 4, 128, False),
          ("int4_g32_fzero", 4, 32, "float"),   # float zero points (GGUF's Q4_K)
-         # grouped 8-bit: Q5_K's float zero points (g32), fine-grained FP8's e4m3 codes (g128)
-         ("int8_g32_fzero", 8, 32, "float"), ("fp8_g128", 8, 128, "fp8")]
+         # grouped 8-bit: Q5_K's float zero points (g32), GPTQ 8-bit's int8 ones (g64), fine-grained
+         # FP8's e4m3 codes (g128)
+         ("int8_g32_fzero", 8, 32, "float"), ("int8_g64_asym", 8, 64, "int"), ("fp8_g128", 8, 128, "fp8")]
 
 
 def operands(rng, bits, g, symmetric, k=K, n=N):

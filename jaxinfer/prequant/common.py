@@ -53,7 +53,7 @@ def int_weight(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, 
     scales = np.asarray(scales, np.float32)
     floats = zeros is not None and np.issubdtype(np.asarray(zeros).dtype, np.floating)
     zeros_ = None if zeros is None else jnp.asarray(np.asarray(zeros).astype(np.float32 if floats else np.uint8))
-    if bits == 8:   # per channel: jaxinfer's int8 (kernels); grouped: grouped int8 (XLA)
+    if bits == 8:   # per channel: jaxinfer's int8; grouped: grouped int8 (quant/format.py)
         assert zeros is None or (floats and scales.shape[0] > 1), "8-bit zero points: grouped, float"
         per_channel = scales.shape[0] == 1
         return QuantizedWeight(jnp.asarray(codes.astype(np.int8)), jnp.asarray(scales[0] if per_channel else scales),

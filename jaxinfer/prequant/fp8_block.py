@@ -7,7 +7,8 @@ and reads them (Fp8Dequantize._dequantize_one):
 Onto jaxinfer: grouped fp8 (quant/format.py): codes [in, out] (transposed once at load), one scale
 per group of bk inputs and output column (the block scale repeated over its bn columns; an output
 dimension that is not a multiple of bn has a last, partial block row, as DeepSeek-V3's do), the
-product dequantize-and-dot in XLA, activations not quantized (the checkpoints' dynamic per-token-group
+product the Pallas kernels' grouped 8-bit format (e4m3 codes) or XLA's dequantize-and-dot, whichever
+the tuner measures faster on a GPU (qdot), activations not quantized (the checkpoints' dynamic per-token-group
 e4m3 activations are a GPU-kernel choice: this path computes with the exact activations).
 Refused naming the field: activation_scheme "static", scale_fmt "ue8m0", expert_dtype "fp4", a
 missing weight_block_size (per-tensor FP8 is compressed-tensors' float-quantized here); an in

@@ -21,8 +21,8 @@ below hold it as a float zero point:
 | MXFP4 | 32 weights, an e8m0 exponent | e2m1 | mxfp4 (gpt-oss's experts; the nibbles reordered) |
 
 Q4_K, Q5_K and Q2_K subtract an offset: w = (d sc) q - (dmin m) is held as (q - z) s with s = d sc and the
-zero point z = dmin m / s a float (quant/format.py's float_zeros: int4's through the Pallas kernel,
-grouped int8's dequantized in XLA), equal
+zero point z = dmin m / s a float (quant/format.py's float_zeros: subtracted in float32 by the Pallas
+kernels, int4's and grouped int8's alike, and by XLA's dequantization), equal
 to the file's value to float32 rounding (within 16 eps of the tensor's largest |w|: the tests check it);
 a group with s = 0 (the constant -o) is held as code 0, zero point 1 and scale o, exactly.
 

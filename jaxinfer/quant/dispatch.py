@@ -7,8 +7,9 @@ The implementation is the caller's argument: "pallas" | "xla", or "auto" for the
 (ResolvedConfig.matmul; models.decoder.set_matmul_impl); a weight carries none. With "pallas" the
 launch config (tiled kernel, split-K kernel or XLA's own dot) is autotuned per shape class and cached
 (select_blocks; the candidates and their untuned defaults: candidates.py and
-pallas_kernels/quant_matmul_tuned.py). fp8 weights take XLA's native fp8 dot on the Pallas path,
-W8A8 weights the w8a8_matmul kernel (the formats: format.py).
+pallas_kernels/quant_matmul_tuned.py). Per-channel fp8 weights take XLA's native fp8 dot on the
+Pallas path, W8A8 weights the w8a8_matmul kernel, grouped 8-bit ones (int8 or e4m3 codes) the
+launch configs as int4 does, XLA first (the formats: format.py).
 """
 from __future__ import annotations
 
@@ -219,8 +220,8 @@ def qdot(x: jax.Array, w, contract: int = 1, impl: str = "auto", *, blocks: dict
     (its `contract` must match). impl: "pallas" (quant_matmul kernel; W8A8 weights: x quantized
     per row in XLA, then the w8a8_matmul kernel; fp8 weights: x quantized per row to e4m3, then
     XLA's fp8 dot), "xla" (dequantize per call),
-    "auto" (pallas on GPU when the shapes fit the kernel, else xla; fp8 weights take the native
-    fp8 dot on GPU whatever their shapes). Leading dims of x are
+    "auto" (pallas on GPU when the shapes fit the kernel, else xla; per-channel fp8 weights take the
+    native fp8 dot on GPU whatever their shapes, grouped e4m3 codes the launch configs). Leading dims of x are
     flattened to M; the output has x's dtype. blocks: an explicit launch config, one of
     pallas_block_candidates' kinds: quant_matmul's keywords (tiled), {"kernel": "splitk", ...}
     or XLA_MATMUL (default: select_blocks). fallback: a weight no kernel can run (int3, or shapes

@@ -53,7 +53,7 @@ Formats (see pallas_kernels.quant_matmul for the kernel side):
   allocator peak for fp8 only). Stacked experts (quantize_experts)
   keep [E, K, N] (layout "kn"): jaxinfer.moe multiplies their codes as [K, N] matrices. On the
   XLA path (the CPU default) it is dequantized per call: y = (x @ e4m3(q) as f32) * scales. On the
-  GPU path (qdot impl "pallas", the GPU default; the Pallas kernel has no fp8 format) it runs as
+  GPU path (qdot impl "pallas", the GPU default; per-channel e4m3 codes have no Pallas kernel) it runs as
   vLLM's fp8 checkpoints do on Hopper: each row of x is scaled to e4m3 too (sx = max|x_m| / 448,
   dynamic per token) and the fp8 x fp8 dot accumulates in f32 (precision HIGHEST: XLA lowers it to
   cuBLASLt's fp8 GEMM on sm_89+ without the GEMM's reduced-precision "fast accumulation", which it
@@ -387,9 +387,7 @@ def _dequantize_2d(qw: QuantizedWeight) -> jax.Array:
         v = jnp.asarray(E2M1_VALUES, jnp.float32)[u].reshape(k // g, g, n)
         scale = jnp.exp2(qw.scales.astype(jnp.float32) - 127.0)                    # e8m0: 2^(byte - 127)
         return (v * scale[:, None, :]).reshape(k, n)
-    if qw.bits != 3:   # float zero points too: the kernel's definition subtracts them in float32
-        if qw.grouped8:
-            return dequantize_weight(qw.q_kn(), qw.scales, qw.zeros, bits=8, group_size=qw.group_size)
+    if qw.bits != 3:   # grouped 8-bit and float zero points too (the kernel's definition: float32)
         return dequantize_weight(qw.q_kn(), qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
     q = unpack_int3(qw.q, signed=qw.zeros is None)
     k, n = q.shape
