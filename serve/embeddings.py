@@ -140,12 +140,14 @@ class _ActivationFields(_PoolingFields):
     activation: bool | None = None
     softmax: bool | None = None
 
+    def given_activation(self) -> bool | None:
+        """vLLM's get_use_activation: softmax, else activation, else use_activation (None: none given)."""
+        return next((v for v in (self.softmax, self.activation, self.use_activation) if v is not None), None)
+
     def wants_activation(self) -> bool:
-        """vLLM's get_use_activation: softmax, else activation, else use_activation (default true)."""
-        for v in (self.softmax, self.activation, self.use_activation):
-            if v is not None:
-                return v
-        return True
+        """The activation asked for, default true."""
+        v = self.given_activation()
+        return True if v is None else v
 
 
 class ScoreRequest(_ActivationFields):
@@ -410,11 +412,15 @@ async def pooling(req: PoolingRequest, request: Request):
         raise OpenAIError(400, f"task {task!r} is not available: this model's pooling task is {can!r}", param="task")
     if task == "classify" and req.dimensions is not None:
         raise OpenAIError(400, "dimensions applies to the embed task", param="dimensions")
-    if task == "embed" and not req.wants_activation():
-        raise OpenAIError(400, "use_activation applies to the classify task", param="use_activation")
+    normalize = req.normalize
+    if task == "embed" and req.given_activation() is not None:   # vLLM: an embedding's activation is its L2 norm
+        if normalize is not None and normalize != req.given_activation():
+            raise OpenAIError(400, "use_activation and normalize disagree (for the embed task both say whether "
+                                   "to L2-normalize)", param="use_activation")
+        normalize = req.given_activation()
     if task == "classify" and req.normalize is not None:
         raise OpenAIError(400, "normalize applies to the embed task", param="normalize")
-    vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora, req, req.normalize)
+    vectors, n_tokens = await _embed(state, request, _inputs(req.input), req.dimensions, lora, req, normalize)
     if not isinstance(vectors, list):
         return vectors
     if task == "classify":

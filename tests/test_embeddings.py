@@ -582,6 +582,14 @@ def test_normalize_add_special_tokens_and_priority_as_vllm(gens, servers, refere
     r = post("qwen3", {"input": TEXTS, "normalize": False})
     assert_close_vectors(np.array([d["embedding"] for d in r.json()["data"]], np.float32), raw)
     assert_close_vectors(gens["qwen3"].embed(TEXTS, normalize=False), raw)
+    # /pooling's embed task: vLLM's use_activation (and its older names) is the normalization switch
+    for field in ("use_activation", "softmax"):
+        r = httpx.post(f"{servers['qwen3'].url}/pooling", json={"input": TEXTS, "task": "embed", field: False},
+                       timeout=120)
+        assert_close_vectors(np.array([d["data"] for d in r.json()["data"]], np.float32), raw)
+    r = httpx.post(f"{servers['qwen3'].url}/pooling", timeout=120,
+                   json={"input": "a", "task": "embed", "use_activation": False, "normalize": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_activation"
     llama = reference["llama"][0]
     r = post("llama", {"input": TEXTS, "normalize": True})
     assert_close_vectors(np.array([d["embedding"] for d in r.json()["data"]], np.float32),
