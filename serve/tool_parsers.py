@@ -10,7 +10,10 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
                or more `{"name": ..., "parameters": {...}}` objects separated by `;`, or text and then
                `<|python_tag|>` and the calls (the text is content);
   mistral      `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (Mistral v0.3 / Nemo), or
-               `[TOOL_CALLS]name[ARGS]{...}` (the v11+ tokenizers' form), text before it is content;
+               `[TOOL_CALLS]name[ARGS]{...}` (the v11+ tokenizers' form), or
+               `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` (v11+ with call ids: mistral-common's
+               decode_tool_calls); text before it is content; an id the model wrote (`[CALL_ID]`, or
+               an array item's "id") is the call's id, else a new 9-character one;
   openai       gpt-oss harmony: a message whose header names a recipient `to=functions.NAME` is a call
                of NAME with the message body as its JSON arguments; other messages' bodies are content.
 
@@ -68,7 +71,7 @@ def make_call(name: str, arguments: Any) -> dict:
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def _call(plan, name, args, mistral: bool = False):
+def _call(plan, name, args, mistral: bool = False, call_id: str | None = None):
     if not isinstance(name, str) or name not in plan.names:
         return None
     if isinstance(args, str):
@@ -82,7 +85,7 @@ def _call(plan, name, args, mistral: bool = False):
         return None
     call = make_call(name, args)
     if mistral:
-        call["id"] = mistral_call_id()
+        call["id"] = call_id if isinstance(call_id, str) and call_id else mistral_call_id()
     return call
 
 
@@ -185,6 +188,10 @@ class Llama3JsonParser(_Buffered):
         return None if None in calls else calls
 
 
+_MISTRAL_V11 = re.compile(r"([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*([A-Za-z0-9_\-]+)\s*)?(?:\[ARGS\])?\s*(\{.*\})\s*$",
+                          re.S)
+
+
 class MistralParser(_Buffered):
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self.held is not None:
@@ -204,13 +211,13 @@ class MistralParser(_Buffered):
                 items = values[0] if len(values) == 1 and isinstance(values[0], list) else values
                 if not all(isinstance(v, dict) for v in items):
                     return None
-                calls += [_call(self.plan, v.get("name"), v.get("arguments", v.get("parameters")), True)
+                calls += [_call(self.plan, v.get("name"), v.get("arguments", v.get("parameters")), True, v.get("id"))
                           for v in items]
-            else:                                   # name[ARGS]{...}  or  name{...}
-                m = re.match(r"([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*(\{.*\})\s*$", part, re.S)
+            else:                                   # name[CALL_ID]id[ARGS]{...}, name[ARGS]{...} or name{...}
+                m = _MISTRAL_V11.match(part)
                 if not m:
                     return None
-                calls.append(_call(self.plan, m.group(1), m.group(2), True))
+                calls.append(_call(self.plan, m.group(1), m.group(3), True, m.group(2)))
         return None if not calls or None in calls else calls
 
 

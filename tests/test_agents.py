@@ -731,6 +731,9 @@ def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prom
      'Let me look. <|python_tag|>{"name": "get_weather", "parameters": {"city": Paris}}', []),
     ("mistral", 'Ok [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Ok ", [{"city": "Paris"}]),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None, [{"city": "Paris"}]),
+    # v11+ with call ids (mistral-common's decode_tool_calls: name[CALL_ID]id[ARGS]args), two calls
+    ("mistral", 'Ok[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}'
+                '[TOOL_CALLS]get_weather[CALL_ID]Zz9Yy8Xx7[ARGS]{"city": "Rome"}', "Ok", [{"city": "Paris"}, {"city": "Rome"}]),
     # text after the array is dropped, as vLLM's parser drops it (it once made the whole call content)
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]\nDone.', None,
      [{"city": "Paris"}]),
@@ -762,6 +765,21 @@ def test_tool_parsers_streamed_in_any_pieces(parser, text, content, args):
                 streamed += d.get("content") or ""
                 got += [tc["function"]["arguments"] for tc in d.get("tool_calls", []) if "id" not in tc]
         assert streamed == (content or "") and [json.loads(a) for a in got] == args, size
+
+
+def test_mistral_call_ids_the_model_wrote_are_the_calls_ids():
+    """mistral-common decodes `[CALL_ID]id` (v11+) and an array item's "id" (v2-v7) as the tool
+    call's id, which the next turn's tool message must echo: they are kept; a call without one gets
+    a new id of 9 letters and digits (the form Mistral's templates require)."""
+    import re
+
+    from serve.tools import parse_auto, plan_tools
+    plan = plan_tools(TOOLS, None, None)
+    _, calls = parse_auto('[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}', plan, "mistral")
+    assert [c["id"] for c in calls] == ["a1B2c3D4e"]
+    _, calls = parse_auto('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "Q1w2E3r4T"}, '
+                          '{"name": "get_weather", "arguments": {"city": "Rome"}}]', plan, "mistral")
+    assert calls[0]["id"] == "Q1w2E3r4T" and re.fullmatch(r"[A-Za-z0-9]{9}", calls[1]["id"])
 
 
 def test_gpt_oss_answer_without_a_call_is_the_same_streamed_or_not():
