@@ -49,9 +49,13 @@ from jaxinfer.errors import CheckpointError
 MARKER = "gguf_file"   # config.json's key naming the file
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-         "phi3": "Phi3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+         "phi3": "Phi3ForCausalLM", "gpt-oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
-                "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss"}
+                "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3"}
+# the architectures whose Q / K rows llama.cpp's converter stores in its rotary order (LlamaModel.permute)
+_PERMUTED_QK = ("llama", "smollm3")
+# SmolLM3's NoPE layers: every 4th, a constant of llama.cpp's (hparams.n_no_rope_layer_step), in no key
+_SMOLLM3_NO_ROPE_STEP = 4
 # llama.cpp's Gemma: every `swa`-th layer global, the others sliding (hparams.set_swa_pattern), the
 # sliding layers' RoPE base 10 000, the 27B models' queries scaled by 1/sqrt(d_model / heads) (their
 # block counts), the others' by 1/sqrt(head_dim): none of it is in the file
@@ -225,6 +229,8 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         cfg.update(_phi3(f, cfg))
     elif arch == "gpt-oss":
         cfg.update(_gpt_oss(f, cfg))
+    elif arch == "smollm3":
+        cfg["no_rope_layer_interval"] = _SMOLLM3_NO_ROPE_STEP
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("padding_token_id", "pad_token_id")):
         v = f.get(f"tokenizer.ggml.{key}")
@@ -729,7 +735,8 @@ class GGUFTensors:
         (llama.cpp's converter stores 1 + w)."""
         if self.file.arch in _GEMMA and name.endswith("norm.weight"):
             return x - 1.0
-        if self.file.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+        if self.file.arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
+                                                             "k_proj.bias")):
             heads = self.cfg["num_attention_heads"] if ".q_proj." in name else self.cfg["num_key_value_heads"]
             x = _unpermute(x, heads)
         return x

@@ -162,6 +162,12 @@ class PipelinedDecoder(nnx.Module):
         flags = [cfg.rope_local_theta is not None and cfg.is_sliding(q * self.lp + j) for q in range(self.pp)]
         return flags[0] if len(set(flags)) == 1 else jnp.asarray(flags)[p]
 
+    def _use_rope(self, j: int, p: jax.Array):
+        """Whether local layer j on stage p rotates q and k (SmolLM3's NoPE layers do not): static when
+        every stage agrees (decoder.Attention.attend)."""
+        flags = [self.cfg.uses_rope(q * self.lp + j) for q in range(self.pp)]
+        return flags[0] if len(set(flags)) == 1 else jnp.asarray(flags)[p]
+
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_pages: list[LayerKV] | None = None,
                  meta: AttentionMetadata | None = None, logits_indices: jax.Array | None = None,
                  impl: str = "xla", num_microbatches: jax.Array | None = None):
@@ -195,6 +201,7 @@ class PipelinedDecoder(nnx.Module):
                 blk = nnx.merge(block_gd, jax.tree.map(lambda a, j=j: a[j], block_state))
                 blk.attn.window = self._window(j, p)
                 blk.attn.local_rope = self._local_rope(j, p)
+                blk.attn.use_rope = self._use_rope(j, p)
                 blocks.append(blk)
             pages = [jax.tree.map(lambda a: a[0], kv) for kv in kv_pages] if paged else None
 

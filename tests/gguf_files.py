@@ -210,7 +210,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
     cfg = model.config
     arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
             "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
-            "gpt_oss": "gpt-oss"}[cfg.model_type]
+            "gpt_oss": "gpt-oss", "smollm3": "smollm3"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:
@@ -250,9 +250,9 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
         x = t.float().numpy()
         if gemma and hf_name.endswith("norm.weight"):   # llama.cpp's Gemma norms are 1 + w
             x = x + 1.0
-        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+        if arch in ("llama", "smollm3") and hf_name.endswith("q_proj.weight"):   # SmolLM3Model(LlamaModel)
             x = _permute(x, cfg.num_attention_heads)
-        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+        elif arch in ("llama", "smollm3") and hf_name.endswith("k_proj.weight"):
             x = _permute(x, cfg.num_key_value_heads)
         qtype = next((q for k, q in (qtypes or {}).items() if k in hf_name), "F32")
         if arch == "gpt-oss" and ".mlp.experts." in hf_name:

@@ -36,6 +36,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                        num_key_value_heads=1, tie_word_embeddings=True, attention_bias=True,
                                        use_sliding_window=True, sliding_window=6, max_window_layers=1,
                                        initializer_range=0.1)),
+    # SmolLM3: a NoPE layer every 2nd (no_rope_layer_interval), GQA, tied; then an explicit
+    # no_rope_layers list with the window on the NoPE layers (SmolLM3Config's layer_types rule)
+    "smollm3-nope": ("smollm3", dict(_COMMON, vocab_size=117, intermediate_size=96, num_hidden_layers=3,
+                                     num_key_value_heads=2, no_rope_layer_interval=2, tie_word_embeddings=True)),
+    "smollm3-window": ("smollm3", dict(_COMMON, vocab_size=103, intermediate_size=64, num_hidden_layers=4,
+                                       num_key_value_heads=1, no_rope_layers=[0, 1, 1, 0], use_sliding_window=True,
+                                       sliding_window=6, tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 5e5})),
     # sliding, global, sliding, global; query_pre_attn_scalar != head_dim; caps that bend
     "gemma2": ("gemma2", dict(_COMMON, vocab_size=137, intermediate_size=96, num_hidden_layers=4,
                               num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
@@ -135,7 +143,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
            "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
-           "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM)}[family]
+           "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+           "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

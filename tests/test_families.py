@@ -113,11 +113,29 @@ def test_gemma2_int8_weights_same_tokens(hf_model_dir):
                     sliding_layers=(True,) * 5 + (False,), sliding_window=5)),
     ("phi3-longrope", dict(rotary_dim=12, head_dim=16, tie_embeddings=True)),
     ("phi3-mqa-window", dict(rotary_dim=None, sliding_window=7, sliding_layers=None)),
+    # SmolLM3: NoPE every no_rope_layer_interval-th layer, or as no_rope_layers lists them; the window
+    # on the layers layer_types names (SmolLM3Config: the NoPE ones), only with use_sliding_window
+    ("smollm3-nope", dict(rope_layers=(True, False, True), sliding_window=None, sliding_layers=None,
+                          tie_embeddings=True, n_kv_heads=2)),
+    ("smollm3-window", dict(rope_layers=(False, True, True, False), sliding_window=6,
+                            sliding_layers=(True, False, False, True), rope_theta=5e5, n_kv_heads=1)),
 ])
 def test_from_hf_fields(name, expect, hf_model_dir):
     cfg = model_config_from_hf(hf_model_dir(name))
     for k, v in expect.items():
         assert getattr(cfg, k) == v, k
+
+
+def test_smollm3_refuses_a_malformed_nope_list():
+    """no_rope_layers must give one 0 / 1 per layer; no_rope_layer_interval must be positive."""
+    base = {"architectures": ["SmolLM3ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
+    for bad, match in (({"no_rope_layers": [1, 0]}, "no_rope_layers must be 3 values"),
+                       ({"no_rope_layers": [1, 2, 1]}, "no_rope_layers must be 3 values"),
+                       ({"no_rope_layer_interval": 0}, "no_rope_layer_interval must be a positive")):
+        with pytest.raises(ConfigError, match=match):
+            model_config_from_hf({**base, **bad})
+    assert model_config_from_hf(base).rope_layers == (True, True, True)   # interval 4: layer 3 would be NoPE
 
 
 def test_gemma3_per_layer_rope():

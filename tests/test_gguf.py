@@ -337,6 +337,40 @@ def test_phi3_is_the_original_model(name, overrides, gguf_case, tmp_path):
             assert np.array_equal(np.asarray(dequantize(w), np.float32).reshape(whole[:, a:b].shape), whole[:, a:b])
 
 
+def test_smollm3_is_the_original_model(tmp_path):
+    """SmolLM3 as llama.cpp's converter writes it (SmolLM3Model, a LlamaModel: Q / K rows permuted;
+    the NoPE step is no key: llama.cpp fixes it at 4, the published models' no_rope_layer_interval):
+    with layer 3 of 5 rotating nothing, in float32 and with q / k in Q8_0 (packed rows turned back
+    too), computes what the HF model computes (transformers' GGUF loader reads no smollm3)."""
+    text = save_text_model(tmp_path / "spm")
+    hf = build_hf_model("smollm3-nope", overrides={"vocab_size": 400, "no_rope_layer_interval": 4,
+                                                   "num_hidden_layers": 5})
+    assert list(hf.config.no_rope_layers) == [1, 1, 1, 0, 1]
+    ids = np.random.RandomState(6).randint(3, 400, 24).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    vocab = sentencepiece_vocab(text / "tokenizer.model")
+    gen = _gen(write_gguf(hf, tmp_path / "f32.gguf", vocab))
+    assert gen.model_cfg.rope_layers == (True, True, True, False, True)
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    import copy
+
+    import gguf
+    path = write_gguf(hf, tmp_path / "q8.gguf", vocab, {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0"})
+    raw = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    ref = copy.deepcopy(hf)      # the HF model holding the file's q / k / v as the gguf package dequantizes them
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            for ours, proj, heads in (("q", layer.self_attn.q_proj, hf.config.num_attention_heads),
+                                      ("k", layer.self_attn.k_proj, hf.config.num_key_value_heads),
+                                      ("v", layer.self_attn.v_proj, None)):
+                t = raw[f"blk.{i}.attn_{ours}.weight"]
+                x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape)))   # [out, in]
+                proj.weight.copy_(torch.tensor(x if heads is None else _unpermute_cols(x.T, heads).T))
+        expected_q8 = ref(torch.tensor([ids])).logits[0].numpy()
+    assert _rel_err(_gen(path).logits(ids), expected_q8) < 1e-4
+
+
 def _oss_expert(t) -> np.ndarray:
     """A llama.cpp experts tensor [E, N, K] as the gguf package dequantizes it, as jaxinfer's [E, K, N]."""
     import gguf

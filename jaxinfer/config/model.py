@@ -70,6 +70,9 @@ class ModelConfig:
     # Per layer: True where the sliding window applies (Qwen2 mixes full and windowed layers,
     # Gemma alternates them). None means every layer uses `sliding_window` when it is set.
     sliding_layers: tuple[bool, ...] | None = None
+    # Per layer: False where the layer applies no position encoding (SmolLM3's NoPE layers, every
+    # no_rope_layer_interval-th); None: every layer rotates
+    rope_layers: tuple[bool, ...] | None = None
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
@@ -130,6 +133,8 @@ class ModelConfig:
             "norm": self.norm in ("rmsnorm", "gemma_rmsnorm", "layernorm"),
             "position": self.position in ("rope", "alibi", "learned", "sinusoidal"),
             "sliding_layers": self.sliding_layers is None or len(self.sliding_layers) == self.n_layers,
+            "rope_layers": self.rope_layers is None or (len(self.rope_layers) == self.n_layers
+                                                        and self.position == "rope"),
             "rotary_dim": self.rotary_dim is None or 0 < self.rotary_dim <= self.head_dim,
             **{k: getattr(self, k) is None or getattr(self, k) > 0 for k in positive},
             "num_experts": self.num_experts >= 0,
@@ -174,6 +179,10 @@ class ModelConfig:
         if self.sliding_layers is not None:
             return self.sliding_layers[layer]
         return self.sliding_window is not None
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether the layer rotates q and k (position "rope", and not one of SmolLM3's NoPE layers)."""
+        return self.position == "rope" and (self.rope_layers is None or self.rope_layers[layer])
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of one layer, or None for full causal attention."""
@@ -242,7 +251,7 @@ class ModelConfig:
         if d.get("rope_scaling") is not None:   # lists from JSON back to tuples: the config stays hashable
             d["rope_scaling"] = RopeScaling(**{k: tuple(v) if isinstance(v, list) else v
                                                for k, v in d["rope_scaling"].items()})
-        for k in ("sliding_layers", "moe_layers", "eos_token_ids"):
+        for k in ("sliding_layers", "rope_layers", "moe_layers", "eos_token_ids"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         return cls(**d)

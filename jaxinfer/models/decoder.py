@@ -60,6 +60,8 @@ class Attention(nnx.Module):
         self.cfg, self.window, self.shards, self.matmul = cfg, cfg.layer_window(layer), shards, "auto"
         # Gemma 3: the sliding layers' RoPE base (a traced bool where pipeline stages differ)
         self.local_rope = cfg.rope_local_theta is not None and cfg.is_sliding(layer)
+        # SmolLM3's NoPE layers rotate nothing (a traced bool where pipeline stages differ)
+        self.use_rope = cfg.uses_rope(layer)
         qkv_bias, fused = cfg.qkv_bias, shards is not None
         assert not fused or (h % shards == 0 and kv % shards == 0), (h, kv, shards)
         unfused = lambda shape, axes, bias=False: (None if fused or (bias and not qkv_bias) else  # noqa: E731
@@ -133,8 +135,12 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         alibi = None
-        if cfg.position == "rope":
-            q, k = self.rope(q, k, positions)
+        if cfg.position == "rope" and self.use_rope is not False:
+            qr, kr = self.rope(q, k, positions)
+            if self.use_rope is True:
+                q, k = qr, kr
+            else:   # a pipeline stage's traced choice (pipeline.py)
+                q, k = jnp.where(self.use_rope, qr, q), jnp.where(self.use_rope, kr, k)
         elif cfg.position == "alibi":
             alibi = jnp.asarray(alibi_slopes(cfg.n_heads))
         sinks = None if self.sinks is None else self.sinks.get_value().astype(jnp.float32)

@@ -237,6 +237,28 @@ def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 
 
+def _smollm3(c: dict[str, Any], arch: str) -> ModelConfig:
+    """SmolLM3: Llama's block with no position encoding on some layers (transformers' SmolLM3Config:
+    no_rope_layers, 1 where a layer rotates, default every no_rope_layer_interval-th layer (4) without),
+    and a window only where use_sliding_window and layer_types say so."""
+    n = c["num_hidden_layers"]
+    flags = c.get("no_rope_layers")
+    if flags is None:
+        interval = c.get("no_rope_layer_interval", 4)
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ConfigError(f"no_rope_layer_interval must be a positive integer, got {interval!r}")
+        flags = [int((i + 1) % interval != 0) for i in range(n)]
+    if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) for f in flags):
+        raise ConfigError(f"no_rope_layers must be {n} values of 0 or 1 (one per layer), got {flags!r}")
+    window, sliding = None, None
+    if c.get("use_sliding_window", False) and c.get("sliding_window") is not None:
+        types = c.get("layer_types") or ["sliding_attention" if not f else "full_attention" for f in flags]
+        window, sliding = c["sliding_window"], tuple(t == "sliding_attention" for t in types)
+    cfg = _llama_like({**c, "sliding_window": None}, arch)
+    return dataclasses.replace(cfg, rope_layers=tuple(bool(f) for f in flags), sliding_window=window,
+                               sliding_layers=sliding)
+
+
 def _moe(c: dict[str, Any], arch: str) -> ModelConfig:
     """Mixtral and Qwen3-MoE: the Llama-like block with a mixture of experts for its MLP. Mixtral:
     every layer, experts of intermediate_size, top-k of the router logits then softmax over the k
@@ -415,6 +437,7 @@ _HF_BUILDERS = {
     "Qwen3ForCausalLM": _llama_like, "Gemma2ForCausalLM": _gemma, "Gemma3ForCausalLM": _gemma,
     "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2, "BloomForCausalLM": _bloom,
     "MixtralForCausalLM": _moe, "Qwen3MoeForCausalLM": _moe, "GptOssForCausalLM": _gpt_oss,
+    "SmolLM3ForCausalLM": _smollm3,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -422,7 +445,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                        "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM",
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                       "gpt_oss": "GptOssForCausalLM"}
+                       "gpt_oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
@@ -431,6 +454,7 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 _GEMMA_DEFAULTS = {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256, "tie_word_embeddings": True}
 _HF_DEFAULTS = {
     "Qwen3ForCausalLM": {"head_dim": 128},
+    "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "num_key_value_heads": 4},
     "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
                           "final_logit_softcapping": 30.0},
     "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072},
