@@ -49,11 +49,13 @@ from jaxinfer.errors import CheckpointError
 MARKER = "gguf_file"   # config.json's key naming the file
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-         "phi3": "Phi3ForCausalLM", "gpt-oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+         "phi3": "Phi3ForCausalLM", "gpt-oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+         "granite": "GraniteForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
-                "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3"}
+                "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
+                "granite": "granite"}
 # the architectures whose Q / K rows llama.cpp's converter stores in its rotary order (LlamaModel.permute)
-_PERMUTED_QK = ("llama", "smollm3")
+_PERMUTED_QK = ("llama", "smollm3", "granite")
 # SmolLM3's NoPE layers: every 4th, a constant of llama.cpp's (hparams.n_no_rope_layer_step), in no key
 _SMOLLM3_NO_ROPE_STEP = 4
 # llama.cpp's Gemma: every `swa`-th layer global, the others sliding (hparams.set_swa_pattern), the
@@ -231,6 +233,8 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         cfg.update(_gpt_oss(f, cfg))
     elif arch == "smollm3":
         cfg["no_rope_layer_interval"] = _SMOLLM3_NO_ROPE_STEP
+    elif arch == "granite":
+        cfg.update(_granite(f, cfg))
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("padding_token_id", "pad_token_id")):
         v = f.get(f"tokenizer.ggml.{key}")
@@ -260,6 +264,18 @@ def _gemma(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     out["rope_parameters"] = {"full_attention": cfg["rope_parameters"],
                               "sliding_attention": {"rope_type": "default", "rope_theta": local}}
     return out
+
+
+def _granite(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's multipliers as llama.cpp reads them (GraniteModel writes each only when the config's is
+    not 0): a missing embedding, residual or logit scale is no scaling, a missing attention scale
+    1/sqrt(head_dim) (llama.cpp's build_granite)."""
+    get = lambda key: f.arch_get(key) or None  # noqa: E731   (0, as absent, means the default)
+    scale = get("attention.scale")
+    return {"embedding_multiplier": float(get("embedding_scale") or 1.0),
+            "residual_multiplier": float(get("residual_scale") or 1.0),
+            "logits_scaling": float(get("logit_scale") or 1.0),
+            "attention_multiplier": float(scale) if scale is not None else cfg["head_dim"] ** -0.5}
 
 
 def _phi3(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:

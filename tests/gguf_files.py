@@ -139,6 +139,12 @@ def _hparams(w, cfg, arch: str, head_dim: int) -> None:
     if arch == "gpt-oss":   # GptOssModel.set_gguf_parameters
         w.add_sliding_window(cfg.sliding_window)
         w.add_expert_feed_forward_length(cfg.intermediate_size)
+    if arch == "granite":   # GraniteModel.set_gguf_parameters: each multiplier only when not 0
+        for value, add in ((cfg.attention_multiplier, w.add_attention_scale),
+                           (cfg.embedding_multiplier, w.add_embedding_scale),
+                           (cfg.residual_multiplier, w.add_residual_scale), (cfg.logits_scaling, w.add_logit_scale)):
+            if value:
+                add(value)
     if arch == "phi3":   # Phi3MiniModel.set_gguf_parameters: 0 for no window, the original context
         w.add_sliding_window(cfg.sliding_window or 0)
         original = rope.get("original_max_position_embeddings", getattr(cfg, "original_max_position_embeddings", None))
@@ -210,7 +216,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
     cfg = model.config
     arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
             "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
-            "gpt_oss": "gpt-oss", "smollm3": "smollm3"}[cfg.model_type]
+            "gpt_oss": "gpt-oss", "smollm3": "smollm3", "granite": "granite"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:
@@ -250,9 +256,9 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
         x = t.float().numpy()
         if gemma and hf_name.endswith("norm.weight"):   # llama.cpp's Gemma norms are 1 + w
             x = x + 1.0
-        if arch in ("llama", "smollm3") and hf_name.endswith("q_proj.weight"):   # SmolLM3Model(LlamaModel)
+        if arch in ("llama", "smollm3", "granite") and hf_name.endswith("q_proj.weight"):   # LlamaModel's kin
             x = _permute(x, cfg.num_attention_heads)
-        elif arch in ("llama", "smollm3") and hf_name.endswith("k_proj.weight"):
+        elif arch in ("llama", "smollm3", "granite") and hf_name.endswith("k_proj.weight"):
             x = _permute(x, cfg.num_key_value_heads)
         qtype = next((q for k, q in (qtypes or {}).items() if k in hf_name), "F32")
         if arch == "gpt-oss" and ".mlp.experts." in hf_name:

@@ -44,6 +44,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                        num_key_value_heads=1, no_rope_layers=[0, 1, 1, 0], use_sliding_window=True,
                                        sliding_window=6, tie_word_embeddings=False,
                                        rope_parameters={"rope_type": "default", "rope_theta": 5e5})),
+    # Granite 3.x: its four multipliers at the published 8B model's values (embeddings x 12, q.k x 1/128
+    # where 1/sqrt(head_dim) would be 1/4, each branch x 0.22, logits / 16)
+    "granite": ("granite", dict(_COMMON, vocab_size=121, intermediate_size=96, num_hidden_layers=3,
+                                num_key_value_heads=2, embedding_multiplier=12.0, attention_multiplier=0.0078125,
+                                residual_multiplier=0.22, logits_scaling=16.0, tie_word_embeddings=True)),
     # sliding, global, sliding, global; query_pre_attn_scalar != head_dim; caps that bend
     "gemma2": ("gemma2", dict(_COMMON, vocab_size=137, intermediate_size=96, num_hidden_layers=4,
                               num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
@@ -144,7 +149,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
            "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
-           "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM)}[family]
+           "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM), "granite": (tf.GraniteConfig, tf.GraniteForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

@@ -371,6 +371,34 @@ def test_smollm3_is_the_original_model(tmp_path):
     assert _rel_err(_gen(path).logits(ids), expected_q8) < 1e-4
 
 
+def test_granite_is_the_original_model(tmp_path):
+    """Granite as llama.cpp's converter writes it (GraniteModel, a LlamaModel: Q / K rows permuted; the
+    four multipliers as granite.attention.scale, embedding_scale, residual_scale, logit_scale)
+    computes what the HF model computes; without the attention scale key (llama.cpp's converter
+    skips a 0) the queries are scaled by 1/sqrt(head_dim), llama.cpp's default, which the HF model
+    with attention_multiplier = 1/sqrt(head_dim) computes."""
+    text = save_text_model(tmp_path / "spm")
+    vocab = sentencepiece_vocab(text / "tokenizer.model")
+    ids = np.random.RandomState(7).randint(3, 400, 24).tolist()
+    hf = build_hf_model("granite", overrides={"vocab_size": 400})
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    gen = _gen(write_gguf(hf, tmp_path / "granite.gguf", vocab))
+    cfg = gen.model_cfg
+    # the file's float32 values (0.22 is 0.2199999988... in float32, as transformers multiplies by it too)
+    assert (cfg.embed_scale, cfg.attn_scale, cfg.residual_scale, cfg.logits_scaling) == (
+        12.0, 0.0078125, float(np.float32(0.22)), 16.0)
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    hf0 = build_hf_model("granite", overrides={"vocab_size": 400, "attention_multiplier": 0.0})   # not written
+    path = write_gguf(hf0, tmp_path / "granite0.gguf", vocab)
+    hf0.config.attention_multiplier = 16 ** -0.5
+    for layer in hf0.model.layers:
+        layer.self_attn.scaling = 16 ** -0.5
+    with torch.no_grad():
+        expected = hf0(torch.tensor([ids])).logits[0].numpy()
+    assert _rel_err(_gen(path).logits(ids), expected) < 1e-4
+
+
 def _oss_expert(t) -> np.ndarray:
     """A llama.cpp experts tensor [E, N, K] as the gguf package dequantizes it, as jaxinfer's [E, K, N]."""
     import gguf

@@ -82,6 +82,9 @@ class ModelConfig:
     attn_softcap: float | None = None   # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
     final_softcap: float | None = None  # the same on the LM head's logits (Gemma 2 and 3)
     embed_scale: float = 1.0            # token embeddings multiplied by it (Gemma: sqrt(d_model))
+    residual_scale: float = 1.0         # each block's attention and MLP outputs multiplied by it before their
+                                        # residual add (Granite's residual_multiplier)
+    logits_scaling: float = 1.0         # the LM head's logits divided by it (Granite's logits_scaling)
     attn_sinks: bool = False            # gpt-oss: one learned logit per head in every softmax's denominator
     # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): num_experts > 0 replaces the MLP of the layers
     # moe_layers marks (None: every layer) by a router picking num_experts_per_tok experts per token,
@@ -109,7 +112,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         ints = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
                 "max_position_embeddings", "num_experts", "num_experts_per_tok")
-        floats = ("norm_eps", "rope_theta", "embed_scale", "swiglu_alpha")
+        floats = ("norm_eps", "rope_theta", "embed_scale", "swiglu_alpha", "residual_scale", "logits_scaling")
         optional = {"sliding_window": _is_int, "rotary_dim": _is_int, "rope_local_theta": _is_number,
                     "attn_scale": _is_number, "attn_softcap": _is_number, "final_softcap": _is_number,
                     "moe_ffn_dim": _is_int, "swiglu_limit": _is_number}
@@ -137,6 +140,7 @@ class ModelConfig:
                                                         and self.position == "rope"),
             "rotary_dim": self.rotary_dim is None or 0 < self.rotary_dim <= self.head_dim,
             **{k: getattr(self, k) is None or getattr(self, k) > 0 for k in positive},
+            "logits_scaling": self.logits_scaling != 0,
             "num_experts": self.num_experts >= 0,
             "num_experts_per_tok": (0 < self.num_experts_per_tok <= self.num_experts if self.num_experts
                                     else self.num_experts_per_tok == 0),

@@ -151,11 +151,12 @@ class Attention(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(attn_norm(x)), then + mlp(mlp_norm(.)). post_norms (Gemma):
     each branch's output is normed again before its residual add. residual_post_norm (BLOOM): the
-    residual is the normed input instead of x. The mlp is a mixture of experts (jaxinfer.moe.MoE)
+    residual is the normed input instead of x. residual_scale (Granite): each branch's output is
+    multiplied by it before its residual add. The mlp is a mixture of experts (jaxinfer.moe.MoE)
     on the layers cfg.is_moe_layer marks; it skips the step's padding tokens (slot PAD_SLOT)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None, fused: FusedLayout | None = None):
-        self.residual_post_norm = cfg.residual_post_norm
+        self.residual_post_norm, self.residual_scale = cfg.residual_post_norm, cfg.residual_scale
         norm = lambda: Norm(cfg.d_model, cfg.norm, cfg.norm_eps, dtype, rngs)  # noqa: E731
         self.attn_norm = norm()
         self.attn = Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards)
@@ -173,6 +174,7 @@ class Block(nnx.Module):
         attn_out, kv = self.attn(h, positions, kv, meta, impl, lora)
         if self.attn_post_norm is not None:
             attn_out = self.attn_post_norm(attn_out)
+        attn_out = self._scaled(attn_out)
         x = (h if self.residual_post_norm else x) + attn_out
         h = self.mlp_norm(x)
         if isinstance(self.mlp, MoE):   # padding tokens take no expert's work
@@ -181,7 +183,11 @@ class Block(nnx.Module):
             mlp_out = self.mlp(h, lora)
         if self.mlp_post_norm is not None:
             mlp_out = self.mlp_post_norm(mlp_out)
-        return (h if self.residual_post_norm else x) + mlp_out, kv
+        return (h if self.residual_post_norm else x) + self._scaled(mlp_out), kv
+
+    def _scaled(self, y: jax.Array) -> jax.Array:
+        """A branch's output times residual_scale (in its dtype, as transformers multiplies it)."""
+        return y if self.residual_scale == 1.0 else y * jnp.asarray(self.residual_scale, y.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +265,8 @@ class Decoder(nnx.Module):
         sampling, logprobs and speculative verification all see the capped logits)."""
         w = self.embed.get_value().T if self.lm_head is None else self.lm_head.get_value()
         logits = jnp.dot(h, w, preferred_element_type=jnp.float32, precision=dot_precision(h.dtype))
+        if self.cfg.logits_scaling != 1.0:   # Granite: divided, as transformers divides them
+            logits = logits / jnp.float32(self.cfg.logits_scaling)
         cap = self.cfg.final_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

@@ -259,6 +259,18 @@ def _smollm3(c: dict[str, Any], arch: str) -> ModelConfig:
                                sliding_layers=sliding)
 
 
+def _granite(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Granite (3.x dense): Llama's block with four multipliers (transformers' GraniteConfig): the
+    token embeddings times embedding_multiplier, q.k times attention_multiplier (instead of
+    1/sqrt(head_dim)), each branch's output times residual_multiplier before its residual add, the
+    logits divided by logits_scaling."""
+    cfg = _llama_like({**c, "sliding_window": None}, arch)
+    return dataclasses.replace(cfg, embed_scale=float(c.get("embedding_multiplier", 1.0)),
+                               attn_scale=float(c.get("attention_multiplier", 1.0)),
+                               residual_scale=float(c.get("residual_multiplier", 1.0)),
+                               logits_scaling=float(c.get("logits_scaling", 1.0)))
+
+
 def _moe(c: dict[str, Any], arch: str) -> ModelConfig:
     """Mixtral and Qwen3-MoE: the Llama-like block with a mixture of experts for its MLP. Mixtral:
     every layer, experts of intermediate_size, top-k of the router logits then softmax over the k
@@ -437,7 +449,7 @@ _HF_BUILDERS = {
     "Qwen3ForCausalLM": _llama_like, "Gemma2ForCausalLM": _gemma, "Gemma3ForCausalLM": _gemma,
     "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2, "BloomForCausalLM": _bloom,
     "MixtralForCausalLM": _moe, "Qwen3MoeForCausalLM": _moe, "GptOssForCausalLM": _gpt_oss,
-    "SmolLM3ForCausalLM": _smollm3,
+    "SmolLM3ForCausalLM": _smollm3, "GraniteForCausalLM": _granite,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -445,7 +457,8 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                        "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM",
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                       "gpt_oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                       "gpt_oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                       "granite": "GraniteForCausalLM"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
