@@ -40,7 +40,7 @@ ACTIVATIONS = {
 }
 
 
-NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "layernorm")
+NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm")
 
 
 class Norm(nnx.Module):
@@ -62,6 +62,8 @@ class Norm(nnx.Module):
                 # Gemma multiplies by (1 + w) in float32 and casts after (HF Gemma2RMSNorm); keeping w
                 # as stored keeps its precision in bfloat16, where 1 + w would round
                 return (y * (1.0 + self.scale.get_value().astype(jnp.float32))).astype(x.dtype)
+            if self.kind == "olmo_rmsnorm":   # OLMo 2: w times the float32 value, cast after (HF Olmo2RMSNorm)
+                return (self.scale.get_value().astype(jnp.float32) * y).astype(x.dtype)
             # HF casts back to the input dtype before multiplying by the weight.
             return self.scale.get_value() * y.astype(x.dtype)
         mean = jnp.mean(xf, axis=-1, keepdims=True)

@@ -49,6 +49,16 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "granite": ("granite", dict(_COMMON, vocab_size=121, intermediate_size=96, num_hidden_layers=3,
                                 num_key_value_heads=2, embedding_multiplier=12.0, attention_multiplier=0.0078125,
                                 residual_multiplier=0.22, logits_scaling=16.0, tie_word_embeddings=True)),
+    # OLMo 2: norms after each branch only, q / k norms over the whole projection (GQA here; the
+    # published models are MHA but for the 32B)
+    "olmo2": ("olmo2", dict(_COMMON, vocab_size=119, intermediate_size=96, num_hidden_layers=3,
+                            num_key_value_heads=2, tie_word_embeddings=False)),
+    # OLMo 3: + sliding layers (three of four by default) at their own RoPE base, YaRN on the full ones
+    "olmo3": ("olmo3", dict(_COMMON, vocab_size=107, intermediate_size=64, num_hidden_layers=4,
+                            num_key_value_heads=4, sliding_window=6, tie_word_embeddings=False,
+                            rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
+                                                                "original_max_position_embeddings": 64},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     # sliding, global, sliding, global; query_pre_attn_scalar != head_dim; caps that bend
     "gemma2": ("gemma2", dict(_COMMON, vocab_size=137, intermediate_size=96, num_hidden_layers=4,
                               num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
@@ -149,7 +159,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
            "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
-           "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM), "granite": (tf.GraniteConfig, tf.GraniteForCausalLM)}[family]
+           "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM), "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
+           "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM), "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

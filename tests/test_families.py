@@ -119,11 +119,28 @@ def test_gemma2_int8_weights_same_tokens(hf_model_dir):
                           tie_embeddings=True, n_kv_heads=2)),
     ("smollm3-window", dict(rope_layers=(False, True, True, False), sliding_window=6,
                             sliding_layers=(True, False, False, True), rope_theta=5e5, n_kv_heads=1)),
+    ("olmo2", dict(norm="olmo_rmsnorm", pre_norms=False, post_norms=True, qk_norm=True, qk_norm_full=True,
+                   sliding_window=None, norm_eps=1e-5)),
+    ("olmo3", dict(sliding_window=6, sliding_layers=(True, True, True, False), rope_theta=5e5, rope_local_theta=1e4,
+                   qk_norm_full=True)),
 ])
 def test_from_hf_fields(name, expect, hf_model_dir):
     cfg = model_config_from_hf(hf_model_dir(name))
     for k, v in expect.items():
         assert getattr(cfg, k) == v, k
+
+
+def test_olmo2_refusals():
+    """OLMo 2's whole-width k norm cannot follow KV heads repeated across devices (tensor_parallel
+    beyond its KV heads: refused naming the degree), and the calibrated quantizers, which replay
+    pre-norm blocks, refuse its post-norm ones."""
+    from jaxinfer.models.decoder import FusedLayout
+    from jaxinfer.quantize import calibrated_unsupported
+    cfg = model_config_from_hf(cfg_dict("olmo2"))
+    assert FusedLayout.for_tp(cfg, 2).kv_replicas == 1
+    with pytest.raises(ConfigError, match="tensor_parallel=4 splits 2 KV heads"):
+        FusedLayout.for_tp(cfg, 4)
+    assert "OLMo 2" in calibrated_unsupported(cfg)
 
 
 def test_smollm3_refuses_a_malformed_nope_list():
@@ -153,7 +170,7 @@ def test_gemma3_per_layer_rope():
 def cfg_dict(name: str) -> dict:
     return json.loads(build_hf_model(name).config.to_json_string()) | {"architectures": [
         {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-         "phi3": "Phi3ForCausalLM"}[name.split("-")[0]]]}
+         "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}[name.split("-")[0]]]}
 
 
 @pytest.mark.parametrize("name", ["phi3-longrope", "phi3-mqa-window"])

@@ -273,6 +273,27 @@ def test_awq_clip_search_matches_numpy_brute_force(n_grid):
     assert not np.allclose(got, w.astype(np.float32)), "no column clipped: the planted outliers should be"
 
 
+def test_calibration_replays_granites_scaled_residuals(hf_model_dir):
+    """The calibration taps replay a block as transformers computes it, Granite's residual multiplier
+    included (each branch's output times 0.22 before its add): layer 0's output from the embeddings
+    it was given, against transformers' hidden states, within the float32 rounding of the layer's dots."""
+    import torch
+
+    from jaxinfer.quantize.calibrate import _taps
+    from jaxinfer.weights import load_model
+    from tests.hf_models import build_hf_model
+    from tests.precision import assert_rel_close, dot_chain_rtol
+
+    hf = build_hf_model("granite")
+    model, cfg = load_model(hf_model_dir("granite"), "float32")
+    ids = np.random.default_rng(SEED).integers(3, cfg.vocab_size, 16)
+    with torch.no_grad():
+        hs = hf(torch.tensor(ids[None]), output_hidden_states=True).hidden_states
+    out = _taps(model.layers[0], jnp.asarray(hs[0][0].numpy()), jnp.arange(16, dtype=jnp.int32))["out"]
+    d, f, hd = cfg.d_model, cfg.ffn_dim, cfg.head_dim
+    assert_rel_close(out, hs[1][0].numpy(), dot_chain_rtol(d, hd, 16, d, d, f), "layer 0")
+
+
 def test_awq_folds_keep_the_float_block(hf_model_dir):
     """Dividing each tap's producer by s and multiplying the consuming rows by s leaves the float
     block's output unchanged (up to f32 rounding), for every fold AWQ uses (norms, v -> o, up -> down)."""

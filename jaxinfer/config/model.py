@@ -56,7 +56,8 @@ class ModelConfig:
     ffn_dim: int
     activation: str = "silu"            # silu | gelu (erf) | gelu_tanh | relu
     gated_mlp: bool = True              # act(x W_gate) * (x W_up) -> W_down; else act(x W_fc) -> W_proj
-    norm: str = "rmsnorm"               # rmsnorm | gemma_rmsnorm (scale 1 + w) | layernorm
+    norm: str = "rmsnorm"               # rmsnorm | gemma_rmsnorm (scale 1 + w) | olmo_rmsnorm (w times the
+                                        # normed float32 value, cast after) | layernorm
     norm_eps: float = 1e-6
     position: str = "rope"              # rope | alibi | learned | sinusoidal
     rope_theta: float = 10000.0
@@ -78,6 +79,9 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False               # a `norm` over head_dim of each q and k head before RoPE (Qwen3, Gemma 3)
     post_norms: bool = False            # Gemma: norms of the attention and MLP outputs before each residual add
+    pre_norms: bool = True              # False: no norm of a block's input (OLMo 2: post_norms only)
+    qk_norm_full: bool = False          # the q / k norms over each token's whole projection (H hd, Hkv hd:
+                                        # OLMo 2) instead of over each head
     attn_scale: float | None = None     # softmax scale of q.k; None: head_dim ** -0.5
     attn_softcap: float | None = None   # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
     final_softcap: float | None = None  # the same on the LM head's logits (Gemma 2 and 3)
@@ -133,7 +137,9 @@ class ModelConfig:
             "n_kv_heads": self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0,
             "head_dim": self.head_dim > 0, "ffn_dim": self.ffn_dim > 0,
             "activation": self.activation in ("silu", "gelu", "gelu_tanh", "relu"),
-            "norm": self.norm in ("rmsnorm", "gemma_rmsnorm", "layernorm"),
+            "norm": self.norm in ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm"),
+            "pre_norms": self.pre_norms or self.post_norms,
+            "qk_norm_full": self.qk_norm or not self.qk_norm_full,
             "position": self.position in ("rope", "alibi", "learned", "sinusoidal"),
             "sliding_layers": self.sliding_layers is None or len(self.sliding_layers) == self.n_layers,
             "rope_layers": self.rope_layers is None or (len(self.rope_layers) == self.n_layers

@@ -42,7 +42,7 @@ from flax import nnx
 
 from jaxinfer import perf
 from jaxinfer.attention import attention
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV
 from jaxinfer.layers import (MATMUL_IMPLS, MLP, Norm, alibi_slopes, apply_rope, dense, lora_delta, param, param_value,
                              rope_inv_freq, rope_magnitude, sinusoidal_embedding)
@@ -77,10 +77,12 @@ class Attention(nnx.Module):
         self.qkv_bias = param((n,), (axis,), dtype, rngs, init="zeros") if fused and qkv_bias else None
         self.o = param((h, hd, d), ("heads", "head_dim", "embed"), dtype, rngs)
         self.o_bias = param((d,), ("embed",), dtype, rngs, init="zeros") if cfg.out_bias else None
-        # one weight per head_dim feature, shared by every head (replicated under tensor parallelism)
-        qk_norm = lambda: Norm(hd, cfg.norm, cfg.norm_eps, dtype, rngs, axis="head_dim")  # noqa: E731
-        self.q_norm = qk_norm() if cfg.qk_norm else None
-        self.k_norm = qk_norm() if cfg.qk_norm else None
+        # one weight per head_dim feature, shared by every head (replicated under tensor parallelism);
+        # OLMo 2: one per feature of the whole projection (qk_norm_full), its mean over every head
+        qk_norm = lambda n: Norm(n * hd if cfg.qk_norm_full else hd, cfg.norm, cfg.norm_eps, dtype, rngs,  # noqa: E731
+                                 axis=None if cfg.qk_norm_full else "head_dim")
+        self.q_norm = qk_norm(h) if cfg.qk_norm else None
+        self.k_norm = qk_norm(kv) if cfg.qk_norm else None
         # gpt-oss: one logit per query head that joins every softmax's denominator (a key with value 0)
         self.sinks = param((h,), ("heads",), dtype, rngs, init="zeros") if cfg.attn_sinks else None
 
@@ -132,7 +134,10 @@ class Attention(nnx.Module):
         """x [T, D] -> the heads' outputs before the `o` projection [T, H, hd] (what calibration sees)."""
         cfg = self.cfg
         q, k, v = self.project_qkv(x, lora)                                                 # (T, H | Hkv, hd)
-        if self.q_norm is not None:
+        if self.q_norm is not None and cfg.qk_norm_full:   # over each token's heads together
+            q = self.q_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape)
+            k = self.k_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         alibi = None
         if cfg.position == "rope" and self.use_rope is not False:
@@ -150,7 +155,8 @@ class Attention(nnx.Module):
 
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(attn_norm(x)), then + mlp(mlp_norm(.)). post_norms (Gemma):
-    each branch's output is normed again before its residual add. residual_post_norm (BLOOM): the
+    each branch's output is normed again before its residual add; without pre_norms (OLMo 2) that is
+    the only norm. residual_post_norm (BLOOM): the
     residual is the normed input instead of x. residual_scale (Granite): each branch's output is
     multiplied by it before its residual add. The mlp is a mixture of experts (jaxinfer.moe.MoE)
     on the layers cfg.is_moe_layer marks; it skips the step's padding tokens (slot PAD_SLOT)."""
@@ -158,9 +164,9 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None, fused: FusedLayout | None = None):
         self.residual_post_norm, self.residual_scale = cfg.residual_post_norm, cfg.residual_scale
         norm = lambda: Norm(cfg.d_model, cfg.norm, cfg.norm_eps, dtype, rngs)  # noqa: E731
-        self.attn_norm = norm()
+        self.attn_norm = norm() if cfg.pre_norms else None
         self.attn = Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards)
-        self.mlp_norm = norm()
+        self.mlp_norm = norm() if cfg.pre_norms else None
         if cfg.is_moe_layer(layer):
             self.mlp = MoE(cfg, dtype, rngs, None if fused is None else fused.expert_shards)
         else:
@@ -170,22 +176,22 @@ class Block(nnx.Module):
 
     def __call__(self, x, positions, kv, meta, impl, lora: tuple | None = None):
         """lora: (token slots [T], this layer's LoRA stacks) or None (jaxinfer/lora/)."""
-        h = self.attn_norm(x)
+        h = x if self.attn_norm is None else self.attn_norm(x)
         attn_out, kv = self.attn(h, positions, kv, meta, impl, lora)
         if self.attn_post_norm is not None:
             attn_out = self.attn_post_norm(attn_out)
-        attn_out = self._scaled(attn_out)
+        attn_out = self.scale_branch(attn_out)
         x = (h if self.residual_post_norm else x) + attn_out
-        h = self.mlp_norm(x)
+        h = x if self.mlp_norm is None else self.mlp_norm(x)
         if isinstance(self.mlp, MoE):   # padding tokens take no expert's work
             mlp_out = self.mlp(h, None if meta is None else meta.slot_mapping != PAD_SLOT)
         else:
             mlp_out = self.mlp(h, lora)
         if self.mlp_post_norm is not None:
             mlp_out = self.mlp_post_norm(mlp_out)
-        return (h if self.residual_post_norm else x) + self._scaled(mlp_out), kv
+        return (h if self.residual_post_norm else x) + self.scale_branch(mlp_out), kv
 
-    def _scaled(self, y: jax.Array) -> jax.Array:
+    def scale_branch(self, y: jax.Array) -> jax.Array:
         """A branch's output times residual_scale (in its dtype, as transformers multiplies it)."""
         return y if self.residual_scale == 1.0 else y * jnp.asarray(self.residual_scale, y.dtype)
 
@@ -209,6 +215,9 @@ class FusedLayout:
         # the fewest copies of each KV head that split into whole heads per device while every
         # device's query heads still share its own KV heads (kv * r divides h: g = h / kv works)
         reps = next(r for r in range(1, h // kv + 1) if (h // kv) % r == 0 and (kv * r) % attn == 0)
+        if reps > 1 and cfg.qk_norm_full:
+            raise ConfigError(f"tensor_parallel={tp} splits {kv} KV heads by repeating them, and this model's k "
+                              f"norm spans all its KV heads at once (OLMo 2); use a tensor_parallel that divides {kv}")
         experts = tp if cfg.num_experts and cfg.expert_ffn_dim % tp == 0 else 1
         return FusedLayout(attn, tp if cfg.ffn_dim % tp == 0 else 1, reps, experts)
 

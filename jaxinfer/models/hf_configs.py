@@ -271,6 +271,31 @@ def _granite(c: dict[str, Any], arch: str) -> ModelConfig:
                                logits_scaling=float(c.get("logits_scaling", 1.0)))
 
 
+def _olmo(c: dict[str, Any], arch: str) -> ModelConfig:
+    """OLMo 2 and OLMo 3: Llama's projections and MLP with the norms after each branch only
+    (post_attention_layernorm, post_feedforward_layernorm; no input norm), q / k norms over the whole
+    projection, the weight times the float32 value (Olmo2RMSNorm). OLMo 3 adds sliding layers
+    (layer_types; by default three of every four, window 4096) whose RoPE is the plain rotation at
+    their own base (rope_parameters["sliding_attention"]), the full layers' possibly scaled."""
+    cfg = _llama_like({**c, "sliding_window": None, "rms_norm_eps": c.get("rms_norm_eps", 1e-5)}, arch)
+    cfg = dataclasses.replace(cfg, norm="olmo_rmsnorm", pre_norms=False, post_norms=True, qk_norm=True,
+                              qk_norm_full=True)
+    if arch != "Olmo3ForCausalLM":
+        return cfg
+    n = c["num_hidden_layers"]
+    types = c.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+    params = c.get("rope_parameters") or {}
+    full, local = ((params.get("full_attention") or {}, params.get("sliding_attention") or {})
+                   if "full_attention" in params or "sliding_attention" in params else (_rope_params(c), _rope_params(c)))
+    theta, scaling = _rope(full, c, default_theta=500000.0)
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"OLMo 3 sliding layers with RoPE scaling ({local['rope_type']}) are not supported")
+    local_theta = _rope(local, {}, default_theta=500000.0)[0]
+    return dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
+                               sliding_window=c.get("sliding_window", 4096),
+                               sliding_layers=tuple(t == "sliding_attention" for t in types))
+
+
 def _moe(c: dict[str, Any], arch: str) -> ModelConfig:
     """Mixtral and Qwen3-MoE: the Llama-like block with a mixture of experts for its MLP. Mixtral:
     every layer, experts of intermediate_size, top-k of the router logits then softmax over the k
@@ -449,7 +474,8 @@ _HF_BUILDERS = {
     "Qwen3ForCausalLM": _llama_like, "Gemma2ForCausalLM": _gemma, "Gemma3ForCausalLM": _gemma,
     "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2, "BloomForCausalLM": _bloom,
     "MixtralForCausalLM": _moe, "Qwen3MoeForCausalLM": _moe, "GptOssForCausalLM": _gpt_oss,
-    "SmolLM3ForCausalLM": _smollm3, "GraniteForCausalLM": _granite,
+    "SmolLM3ForCausalLM": _smollm3, "GraniteForCausalLM": _granite, "Olmo2ForCausalLM": _olmo,
+    "Olmo3ForCausalLM": _olmo,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -458,7 +484,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM",
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "gpt_oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                       "granite": "GraniteForCausalLM"}
+                       "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}

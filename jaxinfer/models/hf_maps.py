@@ -66,7 +66,9 @@ def _llama_map(cfg: ModelConfig, fused: bool = False) -> WeightMap:
     # HF's post_attention_layernorm is the pre-MLP norm in Llama but the attention output's norm in
     # Gemma, whose pre-MLP norm is pre_feedforward_layernorm
     norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
-    if cfg.post_norms:
+    if not cfg.pre_norms:   # OLMo 2: only the branches' output norms
+        norms = {"attn_post_norm": "post_attention_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+    elif cfg.post_norms:
         norms = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
                  "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
     rows = {"q": (0, h * hd), "k": (h * hd, (h + kv) * hd), "v": ((h + kv) * hd, (h + 2 * kv) * hd)}
@@ -187,7 +189,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Qwen3ForCausalLM": _llama_map, "Gemma2ForCausalLM": _llama_map, "Gemma3ForCausalLM": _llama_map,
          "Phi3ForCausalLM": lambda cfg: _llama_map(cfg, fused=True), "MixtralForCausalLM": _llama_map,
          "Qwen3MoeForCausalLM": _llama_map, "GptOssForCausalLM": _llama_map, "SmolLM3ForCausalLM": _llama_map,
-         "GraniteForCausalLM": _llama_map,
+         "GraniteForCausalLM": _llama_map, "Olmo2ForCausalLM": _llama_map, "Olmo3ForCausalLM": _llama_map,
          "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map}
 # Checkpoints saved from the bare model class (GPT2Model, BloomModel; an embedding model's Transformer,
 # e.g. Qwen3Model) lack these prefixes.

@@ -64,7 +64,7 @@ def calibrated_unsupported(cfg) -> str | None:
     fold their scales into the norm before a matmul (scale / s): Gemma's norms after attention and
     MLP are not in those taps, and its (1 + w) norm would need (1 + w) / s - 1."""
     if cfg.post_norms:
-        return "its blocks norm the attention and MLP outputs (Gemma), which calibration does not replay"
+        return "its blocks norm the attention and MLP outputs (Gemma, OLMo 2), which calibration does not replay"
     if cfg.norm == "gemma_rmsnorm":
         return "its norms scale by (1 + w) (Gemma), which AWQ / SmoothQuant's folding does not handle"
     return None

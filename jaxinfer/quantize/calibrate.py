@@ -44,10 +44,10 @@ def _taps(block: Block, x: jax.Array, positions: jax.Array) -> dict[str, jax.Arr
     h = block.attn_norm(x)
     heads, _ = block.attn.attend(h, positions, None, None, "xla")                   # (W, H, hd)
     attn_out = dense(heads, block.attn.o.get_value(), param_value(block.attn.o_bias), contract=2)  # (W, D)
-    x2 = (h if block.residual_post_norm else x) + attn_out
+    x2 = (h if block.residual_post_norm else x) + block.scale_branch(attn_out)     # (Granite: times residual_scale)
     m = block.mlp_norm(x2)
     down_in = block.mlp.hidden(m)
-    out = (m if block.residual_post_norm else x2) + block.mlp(m)
+    out = (m if block.residual_post_norm else x2) + block.scale_branch(block.mlp(m))
     return {"attn_in": h, "o_in": heads.reshape(heads.shape[0], -1), "mlp_in": m, "down_in": down_in, "out": out}
 
 
