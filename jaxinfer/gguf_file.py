@@ -271,6 +271,9 @@ def _granite(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     not 0): a missing embedding, residual or logit scale is no scaling, a missing attention scale
     1/sqrt(head_dim) (llama.cpp's build_granite)."""
     get = lambda key: f.arch_get(key) or None  # noqa: E731   (0, as absent, means the default)
+    if f.arch_get("rope.scaling.finetuned") is False:   # llama.cpp then runs no RoPE (granitehybrid's switch)
+        raise CheckpointError(f"{f.path}: granite.rope.scaling.finetuned = false (attention without RoPE) is "
+                              "not supported")
     scale = get("attention.scale")
     return {"embedding_multiplier": float(get("embedding_scale") or 1.0),
             "residual_multiplier": float(get("residual_scale") or 1.0),

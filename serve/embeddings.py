@@ -113,8 +113,12 @@ class _VectorEncoding(_StrictBody):
     endianness: Literal["native", "big", "little"] = "native"
 
     def binary(self, v: np.ndarray) -> bytes:
-        """One vector's bytes: float32 rounded to embed_dtype (to nearest even), in endianness."""
-        a = np.asarray(v, np.float32).astype(EMBED_DTYPES[self.embed_dtype])
+        """One vector's bytes: float32 rounded to embed_dtype (to nearest even; e4m3, which has no
+        infinity, saturating at +-448 as torch's conversion does), in endianness."""
+        a = np.asarray(v, np.float32)
+        if self.embed_dtype == "fp8_e4m3":
+            a = np.clip(a, -448.0, 448.0)
+        a = a.astype(EMBED_DTYPES[self.embed_dtype])
         if self.endianness not in ("native", sys.byteorder):
             a = a.view(f"u{a.itemsize}").byteswap()
         return a.tobytes()

@@ -84,8 +84,9 @@ def _call(plan, name, args, mistral: bool = False, call_id: str | None = None):
     if not isinstance(args, dict):
         return None
     call = make_call(name, args)
-    if mistral:
-        call["id"] = call_id if isinstance(call_id, str) and call_id else mistral_call_id()
+    if mistral:   # the model's own id where Mistral's templates take it back (9 letters and digits)
+        ok = isinstance(call_id, str) and re.fullmatch(r"[A-Za-z0-9]{9}", call_id)
+        call["id"] = call_id if ok else mistral_call_id()
     return call
 
 

@@ -282,7 +282,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
     if arch == "phi3":
         _phi3_rope_factors(w, cfg, head_dim, attn_factor)
     for key, value in (extra or {}).items():
-        (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
+        (w.add_bool if isinstance(value, bool) else w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     w.write_header_to_file()

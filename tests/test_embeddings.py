@@ -354,7 +354,8 @@ def test_batch_script_embeds_as_sentence_transformers(gens, reference, tmp_path)
              {"custom_id": "e", "url": "/v1/score", "body": {"text_1": TEXTS[0], "text_2": TEXTS[1:3]}},
              {"custom_id": "f", "url": "/rerank", "body": {"query": TEXTS[0], "documents": TEXTS[1:4], "top_n": 2}},
              {"custom_id": "g", "url": "/v1/score", "body": {"text_1": TEXTS[:2], "text_2": TEXTS[1:4]}},
-             {"custom_id": "h", "url": "/v1/embeddings", "body": {"input": "x", "encoding_format": "bytes"}}]
+             {"custom_id": "h", "url": "/v1/embeddings", "body": {"input": "x", "encoding_format": "bytes"}},
+             {"custom_id": "i", "url": "/v1/embeddings", "body": {"input": "x", "request_id": "r-7"}}]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"method": "POST", **x}) + "\n" for x in lines))
     run_batch(gens["qwen3"], src, out, "tiny", progress=False)
@@ -374,6 +375,7 @@ def test_batch_script_embeds_as_sentence_transformers(gens, reference, tmp_path)
     np.testing.assert_allclose([r["relevance_score"] for r in ranked], sorted(cos, reverse=True)[:2], atol=1e-5)
     assert recs["g"]["error"] is not None and "1:1, 1:N or N:N" in recs["g"]["error"]["message"]
     assert recs["h"]["response"]["status_code"] == 400 and "'bytes'" in recs["h"]["error"]["message"]
+    assert recs["i"]["response"]["body"]["id"] == recs["i"]["response"]["request_id"] == "embd-r-7"
 
 
 def _vllm_bytes(vector: list[float], embed_dtype: str, endianness: str) -> bytes:
@@ -428,6 +430,13 @@ def test_embed_dtype_endianness_and_bytes_as_vllm(servers):
     assert json.loads(r.headers["metadata"])["data"][1]["start"] == 2 * d
     r = post("/v1/embeddings", encoding_format="base64", embed_dtype="int8")
     assert r.status_code == 400 and "embed_dtype" in r.text
+    # values past a type's range (a classifier's logits on /pooling, an unnormalized vector): e4m3 has no
+    # infinity and torch saturates it at 448; e5m2 and the 16-bit floats overflow to inf as torch does
+    from serve.embeddings import EmbeddingRequest
+    wide = [500.0, -1e9, float("inf"), 70000.0, 1.0, -3.5e-3]
+    for dt in ("fp8_e4m3", "fp8_e5m2", "float16", "bfloat16"):
+        req = EmbeddingRequest(input="x", encoding_format="base64", embed_dtype=dt, endianness="little")
+        assert req.binary(np.asarray(wide, np.float32)) == _vllm_bytes(wide, dt, "little"), dt
 
 
 def test_pooling_bodies_take_vllms_request_id(servers):

@@ -147,12 +147,57 @@ def test_smollm3_refuses_a_malformed_nope_list():
     """no_rope_layers must give one 0 / 1 per layer; no_rope_layer_interval must be positive."""
     base = {"architectures": ["SmolLM3ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
-    for bad, match in (({"no_rope_layers": [1, 0]}, "no_rope_layers must be 3 values"),
-                       ({"no_rope_layers": [1, 2, 1]}, "no_rope_layers must be 3 values"),
+    for bad, match in (({"no_rope_layers": [1, 0]}, "no_rope_layers must be at least 3 values"),
+                       ({"no_rope_layers": [1, 2, 1]}, "no_rope_layers must be at least 3 values"),
                        ({"no_rope_layer_interval": 0}, "no_rope_layer_interval must be a positive")):
         with pytest.raises(ConfigError, match=match):
             model_config_from_hf({**base, **bad})
     assert model_config_from_hf(base).rope_layers == (True, True, True)   # interval 4: layer 3 would be NoPE
+    # transformers reads no_rope_layers[layer]: a longer list's tail is unused; SmolLM3Config's theta 2e6
+    cfg = model_config_from_hf({**base, "no_rope_layers": [1, 0, 1, 0, 0]})
+    assert cfg.rope_layers == (True, False, True) and cfg.rope_theta == 2e6
+
+
+def test_olmo3_legacy_rope_spelling_as_transformers_reads_it():
+    """The published OLMo 3 configs spell RoPE as rope_theta + rope_scaling (YaRN): transformers'
+    Olmo3Config puts the scaling on the full layers only, the sliding ones rotating plainly."""
+    import transformers as tf
+    legacy = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  rope_theta=5e5, rope_scaling={"rope_type": "yarn", "factor": 8.0,
+                                                "original_max_position_embeddings": 8192})
+    theirs = tf.Olmo3Config(**legacy).rope_parameters
+    cfg = model_config_from_hf({"architectures": ["Olmo3ForCausalLM"], **legacy})
+    assert theirs["full_attention"]["rope_type"] == "yarn" and theirs["sliding_attention"]["rope_type"] == "default"
+    assert cfg.rope_scaling.kind == "yarn" and cfg.rope_scaling.factor == theirs["full_attention"]["factor"]
+    assert cfg.rope_theta == theirs["full_attention"]["rope_theta"] == 5e5 and cfg.rope_local_theta == 5e5
+
+
+def test_granite_and_olmo_round_as_torch_in_bfloat16():
+    """bfloat16: Granite's residual multiplier and OLMo's RMSNorm round as transformers' do (bit for bit):
+    torch multiplies a bf16 tensor by a Python float in float32, rounding once; Olmo2RMSNorm multiplies
+    its weight in float32 and casts after, where Llama's casts first."""
+    import jax.numpy as jnp
+    import transformers as tf
+
+    from jaxinfer.layers import Norm
+    from jaxinfer.models.decoder import Block
+    from types import SimpleNamespace
+    rng = np.random.default_rng(0)
+    y = torch.tensor(rng.standard_normal((64, 512)), dtype=torch.bfloat16)
+    ours = Block.scale_branch(SimpleNamespace(residual_scale=0.22), jnp.asarray(y.float().numpy(), jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), (y * 0.22).float().numpy())
+    ref = tf.models.olmo2.modeling_olmo2.Olmo2RMSNorm(512, eps=1e-5)
+    with torch.no_grad():
+        ref.weight.copy_(torch.tensor(rng.uniform(0.5, 1.5, 512), dtype=torch.float32))
+    norm = Norm(512, "olmo_rmsnorm", 1e-5, jnp.float32, None)
+    norm.scale.set_value(jnp.asarray(ref.weight.detach().numpy()))
+    got = np.asarray(norm(jnp.asarray(y.float().numpy(), jnp.bfloat16)), np.float32)
+    want = ref(y).float().detach().numpy()
+    # XLA's and torch's float32 rsqrt may differ in an ulp or two, which flips the bf16 rounding of the
+    # ~2^-15 of elements that sit that close to a rounding boundary: those are one bf16 ulp apart; the
+    # other rounding order (Llama's: cast, then multiply) differs in about a quarter of them
+    assert np.all(np.abs(got - want) <= 2.0 ** -7 * np.abs(want))      # one bf16 ulp: at most 2^-7 relative
+    assert np.mean(got != want) < 1e-3
 
 
 def test_gemma3_per_layer_rope():

@@ -397,6 +397,10 @@ def test_granite_is_the_original_model(tmp_path):
     with torch.no_grad():
         expected = hf0(torch.tensor([ids])).logits[0].numpy()
     assert _rel_err(_gen(path).logits(ids), expected) < 1e-4
+    # llama.cpp runs no RoPE where rope.scaling.finetuned is false (granitehybrid's attention): refused
+    bad = write_gguf(hf, tmp_path / "norope.gguf", vocab, extra={"granite.rope.scaling.finetuned": False})
+    with pytest.raises(CheckpointError, match="granite.rope.scaling.finetuned = false"):
+        _gen(bad)
 
 
 def _oss_expert(t) -> np.ndarray:

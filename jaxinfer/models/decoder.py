@@ -192,8 +192,11 @@ class Block(nnx.Module):
         return (h if self.residual_post_norm else x) + self.scale_branch(mlp_out), kv
 
     def scale_branch(self, y: jax.Array) -> jax.Array:
-        """A branch's output times residual_scale (in its dtype, as transformers multiplies it)."""
-        return y if self.residual_scale == 1.0 else y * jnp.asarray(self.residual_scale, y.dtype)
+        """A branch's output times residual_scale, in float32 and rounded once to its dtype (as torch
+        multiplies a bfloat16 tensor by a Python float: the scale is not rounded to bfloat16 first)."""
+        if self.residual_scale == 1.0:
+            return y
+        return (y.astype(jnp.float32) * jnp.float32(self.residual_scale)).astype(y.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -248,8 +248,9 @@ def _smollm3(c: dict[str, Any], arch: str) -> ModelConfig:
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ConfigError(f"no_rope_layer_interval must be a positive integer, got {interval!r}")
         flags = [int((i + 1) % interval != 0) for i in range(n)]
-    if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) for f in flags):
-        raise ConfigError(f"no_rope_layers must be {n} values of 0 or 1 (one per layer), got {flags!r}")
+    if not isinstance(flags, list) or len(flags) < n or any(f not in (0, 1) for f in flags):
+        raise ConfigError(f"no_rope_layers must be at least {n} values of 0 or 1 (one per layer), got {flags!r}")
+    flags = flags[:n]   # transformers reads no_rope_layers[layer]: entries past the last layer are unused
     window, sliding = None, None
     if c.get("use_sliding_window", False) and c.get("sliding_window") is not None:
         types = c.get("layer_types") or ["sliding_attention" if not f else "full_attention" for f in flags]
@@ -285,8 +286,11 @@ def _olmo(c: dict[str, Any], arch: str) -> ModelConfig:
     n = c["num_hidden_layers"]
     types = c.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
     params = c.get("rope_parameters") or {}
-    full, local = ((params.get("full_attention") or {}, params.get("sliding_attention") or {})
-                   if "full_attention" in params or "sliding_attention" in params else (_rope_params(c), _rope_params(c)))
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    else:   # one dict (or legacy rope_theta + rope_scaling): the scaling is the full layers' (Olmo3Config)
+        full = _rope_params(c)
+        local = {"rope_theta": full["rope_theta"]} if "rope_theta" in full else {}
     theta, scaling = _rope(full, c, default_theta=500000.0)
     if local.get("rope_type", "default") != "default":
         raise ConfigError(f"OLMo 3 sliding layers with RoPE scaling ({local['rope_type']}) are not supported")
@@ -493,7 +497,8 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 _GEMMA_DEFAULTS = {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256, "tie_word_embeddings": True}
 _HF_DEFAULTS = {
     "Qwen3ForCausalLM": {"head_dim": 128},
-    "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "num_key_value_heads": 4},
+    "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "num_key_value_heads": 4,
+                           "rope_theta": 2000000.0},
     "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
                           "final_logit_softcapping": 30.0},
     "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072},
