@@ -59,6 +59,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                             rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
                                                                 "original_max_position_embeddings": 64},
                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # EXAONE 4.0: OLMo 2's block order with per-head q / k norms; sliding layers (LLLG) rotate, the
+    # global one does not; then no window: every layer rotates
+    "exaone4": ("exaone4", dict(_COMMON, vocab_size=111, intermediate_size=96, num_hidden_layers=4,
+                                num_key_value_heads=2, sliding_window=6, sliding_window_pattern="LLLG",
+                                tie_word_embeddings=True, layer_types=["sliding_attention"] * 3 + ["full_attention"])),
+    "exaone4-nowindow": ("exaone4", dict(_COMMON, vocab_size=101, intermediate_size=64, num_hidden_layers=2,
+                                         num_key_value_heads=4, sliding_window=None,
+                                         layer_types=["full_attention", "full_attention"])),
     # sliding, global, sliding, global; query_pre_attn_scalar != head_dim; caps that bend
     "gemma2": ("gemma2", dict(_COMMON, vocab_size=137, intermediate_size=96, num_hidden_layers=4,
                               num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
@@ -160,7 +168,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
            "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
            "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM), "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
-           "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM), "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM)}[family]
+           "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM), "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
+           "exaone4": (tf.Exaone4Config, tf.Exaone4ForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

@@ -123,11 +123,30 @@ def test_gemma2_int8_weights_same_tokens(hf_model_dir):
                    sliding_window=None, norm_eps=1e-5)),
     ("olmo3", dict(sliding_window=6, sliding_layers=(True, True, True, False), rope_theta=5e5, rope_local_theta=1e4,
                    qk_norm_full=True)),
+    # EXAONE 4.0: the global layer is also the one without RoPE; no window: every layer rotates
+    ("exaone4", dict(pre_norms=False, post_norms=True, qk_norm=True, qk_norm_full=False, norm="rmsnorm",
+                     sliding_window=6, sliding_layers=(True, True, True, False), rope_layers=(True, True, True, False))),
+    ("exaone4-nowindow", dict(sliding_window=None, sliding_layers=None, rope_layers=None, pre_norms=False)),
 ])
 def test_from_hf_fields(name, expect, hf_model_dir):
     cfg = model_config_from_hf(hf_model_dir(name))
     for k, v in expect.items():
         assert getattr(cfg, k) == v, k
+
+
+def test_exaone4_layer_pattern_without_layer_types():
+    """EXAONE 4.0 configs name the layers' kinds in layer_types; without it, sliding_window_pattern: a
+    period (every p-th layer global, transformers' Exaone4Config) or a string of L(ocal) and G(lobal), the
+    form Exaone4Config's docstring describes ("LLLG" as 4)."""
+    base = {"architectures": ["Exaone4ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 8}
+    import transformers as tf
+    theirs = tf.Exaone4Config(**{k: v for k, v in base.items() if k != "architectures"}, sliding_window_pattern=3)
+    ours = model_config_from_hf({**base, "sliding_window_pattern": 3})
+    assert ours.sliding_layers == tuple(t == "sliding_attention" for t in theirs.layer_types) == ours.rope_layers
+    assert model_config_from_hf({**base, "sliding_window_pattern": "LLG"}).sliding_layers == ours.sliding_layers
+    with pytest.raises(ConfigError, match="sliding_window_pattern must be"):
+        model_config_from_hf({**base, "sliding_window_pattern": "LX"})
 
 
 def test_olmo2_refusals():

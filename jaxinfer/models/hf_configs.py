@@ -300,6 +300,29 @@ def _olmo(c: dict[str, Any], arch: str) -> ModelConfig:
                                sliding_layers=tuple(t == "sliding_attention" for t in types))
 
 
+def _exaone4(c: dict[str, Any], arch: str) -> ModelConfig:
+    """EXAONE 4.0: OLMo 2's block order (norms after each branch only) with per-head q / k norms; with a
+    window, the sliding layers rotate and the global ones do not (NoPE), without one every layer
+    rotates (transformers' Exaone4Attention). The layers' kinds: layer_types, else
+    sliding_window_pattern, a period (every p-th layer global; default 4) or a string such as "LLLG"."""
+    n, window = c["num_hidden_layers"], c.get("sliding_window")
+    types = c.get("layer_types")
+    if types is None and window is not None:
+        pattern = c.get("sliding_window_pattern", 4)
+        if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+            types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(n)]
+        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        else:
+            raise ConfigError(f"sliding_window_pattern must be a positive period or a string of L and G, got {pattern!r}")
+    cfg = _llama_like({**c, "sliding_window": None, "rms_norm_eps": c.get("rms_norm_eps", 1e-5)}, arch)
+    cfg = dataclasses.replace(cfg, pre_norms=False, post_norms=True, qk_norm=True)
+    if window is None:
+        return cfg
+    sliding = tuple(t == "sliding_attention" for t in types)
+    return dataclasses.replace(cfg, sliding_window=window, sliding_layers=sliding, rope_layers=sliding)
+
+
 def _moe(c: dict[str, Any], arch: str) -> ModelConfig:
     """Mixtral and Qwen3-MoE: the Llama-like block with a mixture of experts for its MLP. Mixtral:
     every layer, experts of intermediate_size, top-k of the router logits then softmax over the k
@@ -479,7 +502,7 @@ _HF_BUILDERS = {
     "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2, "BloomForCausalLM": _bloom,
     "MixtralForCausalLM": _moe, "Qwen3MoeForCausalLM": _moe, "GptOssForCausalLM": _gpt_oss,
     "SmolLM3ForCausalLM": _smollm3, "GraniteForCausalLM": _granite, "Olmo2ForCausalLM": _olmo,
-    "Olmo3ForCausalLM": _olmo,
+    "Olmo3ForCausalLM": _olmo, "Exaone4ForCausalLM": _exaone4,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -488,7 +511,8 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM",
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "gpt_oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                       "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
+                       "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
+                       "exaone4": "Exaone4ForCausalLM"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
@@ -497,6 +521,7 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 _GEMMA_DEFAULTS = {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256, "tie_word_embeddings": True}
 _HF_DEFAULTS = {
     "Qwen3ForCausalLM": {"head_dim": 128},
+    "Exaone4ForCausalLM": {"sliding_window": 4096, "num_key_value_heads": 32},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "num_key_value_heads": 4,
                            "rope_theta": 2000000.0},
     "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
