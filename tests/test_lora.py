@@ -232,6 +232,23 @@ def test_second_family_and_int8_base(tmp_path):
     assert mixed[1].token_ids == q8.generate([PROMPT[3:]], GREEDY)[0].token_ids
 
 
+@pytest.mark.parametrize("name", ["smollm3-window", "granite", "olmo2", "exaone4"])
+def test_newer_families_match_peft(name, tmp_path):
+    """SmolLM3 (NoPE layers), Granite (the adapters' output times the residual multiplier), OLMo 2
+    (adapters before the whole-width q / k norms and the post-norms) and EXAONE 4.0: an all-linear
+    adapter's logits and greedy tokens as PEFT's."""
+    base = save_hf_model(name, tmp_path / "base")
+    model = _peft(name, dict(r=4, lora_alpha=8, target_modules="all-linear"), seed=11)
+    model.save_pretrained(tmp_path / "a")
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPT])).logits[0].numpy()
+    gen = Generator.from_pretrained(base, lora_modules={"a": str(tmp_path / "a")}, max_loras=1, max_lora_rank=4,
+                                    max_model_len=48, max_num_batched_tokens=16, token_buckets=[16], max_num_seqs=2,
+                                    block_size=8, num_blocks=13, warmup=False)
+    assert_rel_close(gen.logits(PROMPT, lora="a"), ref, _rtol(CONFIGS[name][1], 4, len(PROMPT)), name)
+    assert gen.generate([PROMPT], GREEDY, lora="a")[0].token_ids == _peft_greedy(model, PROMPT, 10)
+
+
 def test_speculative_decoding_with_lora_refused(llama):
     base, adapters = llama
     with pytest.raises(LoraError, match="speculative decoding"):
