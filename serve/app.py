@@ -246,9 +246,11 @@ class ServerState:
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                      req.prompt_logprobs, prefix=prefix, defaults=self.gen.sampling_defaults)
         plan = req.tool_plan()
-        if self.reasoning_parser == "gpt_oss" or (plan is not None and plan.parses and
-                                                  self.tool_call_parser in ("llama3_json", "mistral", "openai")):
-            # these formats are written in special tokens (harmony's markers, [TOOL_CALLS], <|python_tag|>)
+        if self.reasoning_parser in ("gpt_oss", "seed_oss") or (plan is not None and plan.parses and
+                                                                 self.tool_call_parser in ("llama3_json", "mistral",
+                                                                                           "openai", "seed_oss")):
+            # these formats are written in special tokens (harmony's markers, [TOOL_CALLS], <|python_tag|>,
+            # Seed-OSS's <seed:think> / <seed:tool_call>)
             params = dataclasses.replace(params, skip_special_tokens=False)
         self.compile_grammar(params, req)
         return prompt, params, parsers

@@ -5,6 +5,7 @@ its answer, streamed and not. Pure Python, no jax.
                `<think>` is all answer (Qwen3 with enable_thinking false, whose prompt closes the block);
   deepseek_r1  the same tags, but the opening `<think>` may be in the prompt (DeepSeek-R1's template
                ends with it): everything before `</think>` is reasoning, with or without the opening tag;
+  seed_oss     qwen3's rules with Seed-OSS's tags, `<seed:think>...</seed:think>`;
   gpt_oss      OpenAI harmony channels (gpt-oss): the `analysis` channel is reasoning, the `final`
                channel is the answer; any other message (a `commentary` preamble or a function call)
                is passed on whole, headers and all, to the tool-call parser (serve.tool_parsers).
@@ -25,9 +26,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss", "seed_oss")
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+SEED_THINK_OPEN, SEED_THINK_CLOSE = "<seed:think>", "</seed:think>"
+
+
+def think_tags(name: str) -> tuple[str, str]:
+    """The reasoning block's opening and closing tags under a `<think>`-style parser."""
+    return (SEED_THINK_OPEN, SEED_THINK_CLOSE) if name == "seed_oss" else (THINK_OPEN, THINK_CLOSE)
 H_START, H_END, H_CALL, H_RETURN = "<|start|>", "<|end|>", "<|call|>", "<|return|>"
 H_CHANNEL, H_MESSAGE = "<|channel|>", "<|message|>"
 
@@ -39,6 +46,8 @@ def default_reasoning_parser(template: str | None) -> str | None:
         return None
     if H_CHANNEL in template and "analysis" in template:
         return "gpt_oss"
+    if SEED_THINK_CLOSE in template:
+        return "seed_oss"
     if re.search(r"add_generation_prompt[\s\S]{0,200}<think>\\n['\"]", template) and "enable_thinking" not in template:
         return "deepseek_r1"
     if THINK_CLOSE in template:
@@ -59,19 +68,22 @@ def prompt_state(name: str, prompt: str) -> str:
     generation prompt closed the block) or "open" (the model decides)."""
     if name == "gpt_oss":
         return "open"
-    opened, closed = prompt.rfind(THINK_OPEN), prompt.rfind(THINK_CLOSE)
+    open_, close = think_tags(name)
+    opened, closed = prompt.rfind(open_), prompt.rfind(close)
     if opened > closed:
         return "reasoning"
-    if closed >= 0 and prompt.rstrip().endswith(THINK_CLOSE):
+    if closed >= 0 and prompt.rstrip().endswith(close):
         return "answer"
     return "reasoning" if name == "deepseek_r1" else "open"
 
 
 class ThinkParser:
-    """qwen3 / deepseek_r1: feed() text as it is generated -> (reasoning, content) safe to show now."""
+    """qwen3 / deepseek_r1 / seed_oss: feed() text as it is generated -> (reasoning, content) safe to
+    show now."""
 
     def __init__(self, name: str, state: str):
         self.name = name
+        self.open, self.close = think_tags(name)
         # "open": may start with <think> (stripped, as vLLM does, even where the prompt opened the
         # block); "reasoning"; "answer". Without the tag: reasoning where the prompt opened the block
         # or under deepseek_r1, else the answer.
@@ -86,23 +98,23 @@ class ThinkParser:
         while self.pending:
             if self.state == "open":
                 stripped = self.pending.lstrip()
-                if stripped.startswith(THINK_OPEN):
-                    self.pending = stripped[len(THINK_OPEN):]
+                if stripped.startswith(self.open):
+                    self.pending = stripped[len(self.open):]
                     self.state, self.saw_reasoning = "reasoning", True
                     continue
-                if THINK_OPEN.startswith(stripped):     # maybe the tag, not yet whole
+                if self.open.startswith(stripped):      # maybe the tag, not yet whole
                     break
                 self.state = self.fallback
                 self.saw_reasoning = self.state == "reasoning"
                 continue
             if self.state == "reasoning":
-                end = self.pending.find(THINK_CLOSE)
+                end = self.pending.find(self.close)
                 if end >= 0:
                     reasoning += self.pending[:end]
-                    self.pending = self.pending[end + len(THINK_CLOSE):]
+                    self.pending = self.pending[end + len(self.close):]
                     self.state = "answer"
                     continue
-                keep = partial_suffix(self.pending, THINK_CLOSE)
+                keep = partial_suffix(self.pending, self.close)
                 reasoning += self.pending[:len(self.pending) - keep]
                 self.pending = self.pending[len(self.pending) - keep:]
                 break
@@ -225,9 +237,10 @@ def reasoning_prefix(name: str | None, state: str) -> str | None:
         return ("start: (THINK \"<|start|>assistant\")? \"<|channel|>final<|message|>\" @answer\n"
                 f"THINK: {_section(H_CHANNEL + 'analysis' + H_MESSAGE, H_END)}\n")
     ws = "WS: /\\n{1,2}/\n"      # the line breaks thinking models write after </think>
+    open_, close = think_tags(name)
     if state == "reasoning":
-        return f"start: THINK WS? @answer\nTHINK: {_section('', THINK_CLOSE)}\n{ws}"
-    return f"start: (THINK WS?)? @answer\nTHINK: {_section(THINK_OPEN, THINK_CLOSE)}\n{ws}"
+        return f"start: THINK WS? @answer\nTHINK: {_section('', close)}\n{ws}"
+    return f"start: (THINK WS?)? @answer\nTHINK: {_section(open_, close)}\n{ws}"
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
                `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` (v11+ with call ids: mistral-common's
                decode_tool_calls); text before it is content; an id the model wrote (`[CALL_ID]`, or
                an array item's "id") is the call's id, else a new 9-character one;
+  seed_oss     `<seed:tool_call>` blocks holding qwen3_coder's `<function=NAME>` XML (Seed-OSS);
   openai       gpt-oss harmony: a message whose header names a recipient `to=functions.NAME` is a call
                of NAME with the message body as its JSON arguments; other messages' bodies are content.
 
@@ -34,7 +35,7 @@ from typing import Any
 
 from serve.reasoning import H_CALL, H_END, H_MESSAGE, H_RETURN, partial_suffix
 
-TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "openai")
+TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "openai", "seed_oss")
 
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
@@ -47,6 +48,8 @@ def default_tool_parser(template: str | None) -> str:
     t = template or ""
     if "<|channel|>" in t and "to=" in t:
         return "openai"
+    if "<seed:tool_call>" in t:
+        return "seed_oss"
     if "<function=" in t and "<parameter=" in t:
         return "qwen3_coder"
     if "[TOOL_CALLS]" in t:

@@ -39,6 +39,7 @@ from serve.tool_parsers import (FAMILY_PARSERS, make_call, new_call_id,  # noqa:
                                 parse_xml_call)
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+SEED_TOOL_CALL_OPEN, SEED_TOOL_CALL_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
 
 PLAIN_PREAMBLE = (
     "You can call the following functions. Each is described by a JSON object:\n{tools}\n"
@@ -285,8 +286,9 @@ class AutoToolParser:
     names an unknown tool stays content. With calls, trailing whitespace of the content is dropped
     and whitespace-only content becomes null. Without parallel_tool_calls only the first call is kept."""
 
-    def __init__(self, plan: ToolPlan, parse_block=None):
+    def __init__(self, plan: ToolPlan, parse_block=None, tags: tuple[str, str] = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)):
         self.plan = plan
+        self.open_tag, self.close_tag = tags     # the blocks' tags (Seed-OSS: <seed:tool_call>)
         # a block's body -> its call, or None (the block stays content): hermes' JSON by default
         self.parse_block = parse_block or _parse_block
         self.pending = ""        # text not yet classified
@@ -313,25 +315,25 @@ class AutoToolParser:
         content, calls = "", []
         while self.pending:
             if self.in_block:
-                end = self.pending.find(TOOL_CALL_CLOSE)
+                end = self.pending.find(self.close_tag)
                 if end < 0:
                     break
                 body = self.pending[:end]
-                self.pending = self.pending[end + len(TOOL_CALL_CLOSE):]
+                self.pending = self.pending[end + len(self.close_tag):]
                 self.in_block = False
                 call = self.parse_block(body.strip(), self.plan)
                 if call is None:
-                    content += self._content(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)
+                    content += self._content(self.open_tag + body + self.close_tag)
                 else:
                     calls += self._call(call)
             else:
-                start = self.pending.find(TOOL_CALL_OPEN)
+                start = self.pending.find(self.open_tag)
                 if start >= 0:
                     content += self._content(self.pending[:start])
-                    self.pending = self.pending[start + len(TOOL_CALL_OPEN):]
+                    self.pending = self.pending[start + len(self.open_tag):]
                     self.in_block = True
                     continue
-                keep = _partial_suffix(self.pending, TOOL_CALL_OPEN)
+                keep = _partial_suffix(self.pending, self.open_tag)
                 content += self._content(self.pending[:len(self.pending) - keep])
                 self.pending = self.pending[len(self.pending) - keep:]
                 break
@@ -339,7 +341,7 @@ class AutoToolParser:
 
     def finish(self) -> tuple[str, list[dict]]:
         """The rest at the end of the output: an unfinished block is content."""
-        rest = (TOOL_CALL_OPEN if self.in_block else "") + self.pending
+        rest = (self.open_tag if self.in_block else "") + self.pending
         self.pending, self.in_block = "", False
         content = self._content(rest) if rest else ""
         if not self.calls:
@@ -353,6 +355,8 @@ def auto_parser(name: str, plan: ToolPlan):
     bodies, or qwen3_coder's XML ones), the others serve.tool_parsers'."""
     if name in ("hermes", "qwen3_coder"):
         return AutoToolParser(plan, parse_xml_call if name == "qwen3_coder" else None)
+    if name == "seed_oss":   # qwen3_coder's XML calls in Seed-OSS's own blocks
+        return AutoToolParser(plan, parse_xml_call, (SEED_TOOL_CALL_OPEN, SEED_TOOL_CALL_CLOSE))
     return FAMILY_PARSERS[name](plan)
 
 

@@ -67,6 +67,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "exaone4-nowindow": ("exaone4", dict(_COMMON, vocab_size=101, intermediate_size=64, num_hidden_layers=2,
                                          num_key_value_heads=4, sliding_window=None,
                                          layer_types=["full_attention", "full_attention"])),
+    # Seed-OSS: biases on q / k / v and (attention_out_bias) on o, head_dim != d / heads
+    "seed_oss": ("seed_oss", dict(_COMMON, vocab_size=113, intermediate_size=96, num_hidden_layers=2,
+                                  num_key_value_heads=2, head_dim=32, attention_bias=True, attention_out_bias=True,
+                                  tie_word_embeddings=False)),
     # sliding, global, sliding, global; query_pre_attn_scalar != head_dim; caps that bend
     "gemma2": ("gemma2", dict(_COMMON, vocab_size=137, intermediate_size=96, num_hidden_layers=4,
                               num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
@@ -169,7 +173,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
            "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM), "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
            "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM), "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
-           "exaone4": (tf.Exaone4Config, tf.Exaone4ForCausalLM)}[family]
+           "exaone4": (tf.Exaone4Config, tf.Exaone4ForCausalLM),
+           "seed_oss": (tf.SeedOssConfig, tf.SeedOssForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

@@ -703,6 +703,10 @@ def test_jaxinfer_serve_flags_reach_the_server(gen, model_dir, monkeypatch):
     ("deepseek_r1", "x", "cut before the end", "cut before the end", ""),
     ("gpt_oss", "", "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>final<|message|>Yes.<|return|>",
      "hm", "Yes."),
+    # Seed-OSS: qwen3's rules with its own tags (vLLM's seed_oss, llama.cpp's try_parse_reasoning)
+    ("seed_oss", "<seed:bos>assistant\n", "<seed:think>a <think> b</seed:think>Hi", "a <think> b", "Hi"),
+    ("seed_oss", "x", "no block</think>", None, "no block</think>"),
+    ("seed_oss", "<seed:think>\n", "cut before the end", "cut before the end", ""),
 ])
 def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prompt, text, reasoning, content):
     """Streamed in pieces of every size (each tag split at every point), the parser answers as on the
@@ -741,6 +745,11 @@ def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prom
      '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": Paris}}]', []),
     ("openai", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>',
      None, [{"city": "Paris"}]),
+    # Seed-OSS: qwen3_coder's XML inside <seed:tool_call> blocks (llama.cpp's and vLLM's seed_oss format)
+    ("seed_oss", "Checking.<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                 "</function>\n</seed:tool_call>", "Checking.", [{"city": "Paris"}]),
+    ("seed_oss", "<tool_call>\n<function=get_weather>\n<parameter=city>Rome</parameter>\n</function>\n</tool_call>",
+     "<tool_call>\n<function=get_weather>\n<parameter=city>Rome</parameter>\n</function>\n</tool_call>", []),
     # Qwen3-Coder's XML: values on their own lines (the template's form) or inline, two calls
     ("qwen3_coder", "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                     "</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>Rome</parameter>\n"
@@ -765,6 +774,18 @@ def test_tool_parsers_streamed_in_any_pieces(parser, text, content, args):
                 streamed += d.get("content") or ""
                 got += [tc["function"]["arguments"] for tc in d.get("tool_calls", []) if "id" not in tc]
         assert streamed == (content or "") and [json.loads(a) for a in got] == args, size
+
+
+def test_seed_oss_template_picks_its_parsers():
+    """A chat template that writes Seed-OSS's blocks (its reasoning and tool-call tags) selects the
+    seed_oss parsers by default, as --reasoning-parser / --tool-call-parser seed_oss would."""
+    from serve.reasoning import default_reasoning_parser
+    from serve.tool_parsers import default_tool_parser
+    template = ("{%- if message.reasoning_content %}<seed:think>{{ message.reasoning_content }}</seed:think>{% endif %}"
+                "{%- for call in message.tool_calls %}<seed:tool_call>\n<function={{ call.function.name }}>"
+                "{% for k, v in call.function.arguments.items() %}\n<parameter={{ k }}>{{ v }}</parameter>"
+                "{% endfor %}\n</function>\n</seed:tool_call>{% endfor %}")
+    assert (default_reasoning_parser(template), default_tool_parser(template)) == ("seed_oss", "seed_oss")
 
 
 def test_mistral_call_ids_the_model_wrote_are_the_calls_ids():

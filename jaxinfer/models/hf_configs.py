@@ -323,6 +323,14 @@ def _exaone4(c: dict[str, Any], arch: str) -> ModelConfig:
     return dataclasses.replace(cfg, sliding_window=window, sliding_layers=sliding, rope_layers=sliding)
 
 
+def _seed_oss(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Seed-OSS: Llama's block with biases on q / k / v (attention_bias, default true) and, apart, on
+    o (attention_out_bias) and the MLP (mlp_bias); transformers' SeedOssConfig."""
+    cfg = _llama_like({**c, "sliding_window": None, "attention_bias": False}, arch)
+    return dataclasses.replace(cfg, qkv_bias=bool(c.get("attention_bias", True)),
+                               out_bias=bool(c.get("attention_out_bias", False)))
+
+
 def _moe(c: dict[str, Any], arch: str) -> ModelConfig:
     """Mixtral and Qwen3-MoE: the Llama-like block with a mixture of experts for its MLP. Mixtral:
     every layer, experts of intermediate_size, top-k of the router logits then softmax over the k
@@ -502,7 +510,7 @@ _HF_BUILDERS = {
     "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2, "BloomForCausalLM": _bloom,
     "MixtralForCausalLM": _moe, "Qwen3MoeForCausalLM": _moe, "GptOssForCausalLM": _gpt_oss,
     "SmolLM3ForCausalLM": _smollm3, "GraniteForCausalLM": _granite, "Olmo2ForCausalLM": _olmo,
-    "Olmo3ForCausalLM": _olmo, "Exaone4ForCausalLM": _exaone4,
+    "Olmo3ForCausalLM": _olmo, "Exaone4ForCausalLM": _exaone4, "SeedOssForCausalLM": _seed_oss,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -512,7 +520,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "gpt_oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                        "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
-                       "exaone4": "Exaone4ForCausalLM"}
+                       "exaone4": "Exaone4ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
@@ -522,6 +530,7 @@ _GEMMA_DEFAULTS = {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scal
 _HF_DEFAULTS = {
     "Qwen3ForCausalLM": {"head_dim": 128},
     "Exaone4ForCausalLM": {"sliding_window": 4096, "num_key_value_heads": 32},
+    "SeedOssForCausalLM": {"head_dim": 128, "num_key_value_heads": 8, "max_position_embeddings": 524288},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "num_key_value_heads": 4,
                            "rope_theta": 2000000.0},
     "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
