@@ -50,10 +50,10 @@ MARKER = "gguf_file"   # config.json's key naming the file
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
          "phi3": "Phi3ForCausalLM", "gpt-oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-         "granite": "GraniteForCausalLM"}
+         "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
-                "granite": "granite"}
+                "granite": "granite", "olmo2": "olmo2", "seed_oss": "seed_oss"}
 # the architectures whose Q / K rows llama.cpp's converter stores in its rotary order (LlamaModel.permute)
 _PERMUTED_QK = ("llama", "smollm3", "granite")
 # SmolLM3's NoPE layers: every 4th, a constant of llama.cpp's (hparams.n_no_rope_layer_step), in no key
@@ -235,6 +235,11 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         cfg["no_rope_layer_interval"] = _SMOLLM3_NO_ROPE_STEP
     elif arch == "granite":
         cfg.update(_granite(f, cfg))
+    elif arch == "olmo2" and f.arch_get("attention.sliding_window") is not None:
+        raise CheckpointError(f"{f.path}: olmo2.attention.sliding_window: OLMo 3's sliding layers from a GGUF file are "
+                              "not supported (load the HF folder)")
+    elif arch == "seed_oss":   # SeedOssModel: q / k / v biases and, apart, o's
+        cfg["attention_out_bias"] = "blk.0.attn_output.bias" in f.tensors
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("padding_token_id", "pad_token_id")):
         v = f.get(f"tokenizer.ggml.{key}")

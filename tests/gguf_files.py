@@ -216,7 +216,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
     cfg = model.config
     arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
             "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
-            "gpt_oss": "gpt-oss", "smollm3": "smollm3", "granite": "granite"}[cfg.model_type]
+            "gpt_oss": "gpt-oss", "smollm3": "smollm3", "granite": "granite",
+            "olmo2": "olmo2", "seed_oss": "seed_oss"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:

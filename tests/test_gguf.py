@@ -403,6 +403,24 @@ def test_granite_is_the_original_model(tmp_path):
         _gen(bad)
 
 
+@pytest.mark.parametrize("name", ["olmo2", "seed_oss"])
+def test_olmo2_and_seed_oss_are_the_original_model(name, tmp_path):
+    """OLMo 2 (llama.cpp's olmo2: the branch-output norms, whole-width q / k norms; Q / K as stored)
+    and Seed-OSS (seed_oss: q / k / v and o biases) as llama.cpp's converter writes them compute what
+    the HF model computes; a file with OLMo 3's sliding layers is refused by name."""
+    text = save_text_model(tmp_path / "spm")
+    vocab = sentencepiece_vocab(text / "tokenizer.model")
+    hf = build_hf_model(name, overrides={"vocab_size": 400})
+    ids = np.random.RandomState(8).randint(3, 400, 24).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    assert _rel_err(_gen(write_gguf(hf, tmp_path / f"{name}.gguf", vocab)).logits(ids), expected) < 1e-4
+    if name == "olmo2":
+        bad = write_gguf(hf, tmp_path / "olmo3.gguf", vocab, extra={"olmo2.attention.sliding_window": 4096})
+        with pytest.raises(CheckpointError, match="OLMo 3's sliding layers"):
+            _gen(bad)
+
+
 def _oss_expert(t) -> np.ndarray:
     """A llama.cpp experts tensor [E, N, K] as the gguf package dequantizes it, as jaxinfer's [E, K, N]."""
     import gguf
