@@ -282,6 +282,17 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return _token_id(self._backend, self.kind, token)
 
+    @functools.cached_property
+    def _added_tokens(self) -> dict[str, int]:
+        if self.kind != "hf":
+            return {}
+        return {t["content"]: t["id"] for t in json.loads(self._backend.to_str()).get("added_tokens") or []}
+
+    def added_token_id(self, text: str) -> int | None:
+        """The id of `text` where it is one of tokenizer.json's added tokens (which llguidance, reading
+        that file, matches only as that token, never as text), else None."""
+        return self._added_tokens.get(text)
+
     def save(self, out_dir: str | Path) -> None:
         """Copy the files this tokenizer was loaded from into ``out_dir``."""
         out = Path(out_dir)

@@ -47,7 +47,8 @@ from serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionReques
                             OpenAIError, TokenizeRequest, chat_body, completion_body, json_body, now,
                             response_id, validated, with_token_ids)
 from serve.stream import ChatChoices, CompletionChoices, respond, stream_response
-from serve.reasoning import REASONING_PARSERS, OutputParsers, default_reasoning_parser, prompt_state, reasoning_prefix
+from serve.reasoning import (REASONING_PARSERS, REASONING_TAGS, OutputParsers, default_reasoning_parser, prompt_state,
+                             reasoning_prefix)
 from serve.messages import router as messages_router
 from serve.responses import router as responses_router
 from serve.tool_parsers import TOOL_PARSERS, default_tool_parser
@@ -81,6 +82,9 @@ class ServerState:
         self.reasoning_parser = (default_reasoning_parser(template) if reasoning_parser is None
                                  else None if reasoning_parser == "none" else reasoning_parser)
         self.tool_call_parser = tool_call_parser or default_tool_parser(template)
+        # the reasoning tags that are added tokens (a grammar must name them as tokens: reasoning_prefix)
+        self.tag_ids = {} if self.tokenizer is None else {
+            t: i for t in REASONING_TAGS if (i := self.tokenizer.added_token_id(t)) is not None}
 
     # -------------------------------------------------------------- inputs
     def check_model(self, name: str | None) -> str | None:
@@ -241,7 +245,7 @@ class ServerState:
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         parsers = OutputParsers(self.reasoning_parser, text, self.tool_call_parser)
-        prefix = (reasoning_prefix(self.reasoning_parser, prompt_state(self.reasoning_parser, text))
+        prefix = (reasoning_prefix(self.reasoning_parser, prompt_state(self.reasoning_parser, text), self.tag_ids)
                   if self.reasoning_parser else None)
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                      req.prompt_logprobs, prefix=prefix, defaults=self.gen.sampling_defaults)

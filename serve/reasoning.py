@@ -227,17 +227,38 @@ def _section(open_: str, close: str) -> str:
     return rf"/{o}(?s:.*){c}/ & ~/{o}(?s:.*){c}(?s:.+)/"
 
 
-def reasoning_prefix(name: str | None, state: str) -> str | None:
+REASONING_TAGS = (THINK_OPEN, THINK_CLOSE, SEED_THINK_OPEN, SEED_THINK_CLOSE, H_START, H_END, H_CHANNEL, H_MESSAGE)
+
+
+def _body(close: str) -> str:
+    """A Lark terminal for any text (one character or more) that does not hold `close`."""
+    c = re.escape(close).replace("/", r"\/")
+    return rf"/(?s:.+)/ & ~/(?s:.*){c}(?s:.*)/"
+
+
+def reasoning_prefix(name: str | None, state: str, tag_ids: dict[str, int] | None = None) -> str | None:
     """The Lark grammar (llguidance's) of an output under this parser: the reasoning section, then
     `@answer`, the constraint's own grammar; None where the answer starts at once (the prompt closed
-    the block). A structured output then constrains only the answer."""
+    the block). A structured output then constrains only the answer. tag_ids: the tags that are
+    added tokens of the model's tokenizer (Tokenizer.added_token_id): llguidance matches those only
+    as their token (`<[id]>`), never as text, so the grammar names them so."""
     if name is None or state == "answer":
         return None
+    ids = tag_ids or {}
     if name == "gpt_oss":
+        if all(t in ids for t in (H_START, H_END, H_CHANNEL, H_MESSAGE)):
+            ch, msg, end, start = (f"<[{ids[t]}]>" for t in (H_CHANNEL, H_MESSAGE, H_END, H_START))
+            return (f"start: ({ch} \"analysis\" {msg} BODY? {end} {start} \"assistant\")? {ch} \"final\" {msg} "
+                    f"@answer\nBODY: {_body(H_END)}\n")
         return ("start: (THINK \"<|start|>assistant\")? \"<|channel|>final<|message|>\" @answer\n"
                 f"THINK: {_section(H_CHANNEL + 'analysis' + H_MESSAGE, H_END)}\n")
     ws = "WS: /\\n{1,2}/\n"      # the line breaks thinking models write after </think>
     open_, close = think_tags(name)
+    if open_ in ids and close in ids:
+        o, c = f"<[{ids[open_]}]>", f"<[{ids[close]}]>"
+        if state == "reasoning":
+            return f"start: BODY? {c} WS? @answer\nBODY: {_body(close)}\n{ws}"
+        return f"start: ({o} BODY? {c} WS?)? @answer\nBODY: {_body(close)}\n{ws}"
     if state == "reasoning":
         return f"start: THINK WS? @answer\nTHINK: {_section('', close)}\n{ws}"
     return f"start: (THINK WS?)? @answer\nTHINK: {_section(open_, close)}\n{ws}"

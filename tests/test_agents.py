@@ -703,7 +703,8 @@ def test_jaxinfer_serve_flags_reach_the_server(gen, model_dir, monkeypatch):
     ("deepseek_r1", "x", "cut before the end", "cut before the end", ""),
     ("gpt_oss", "", "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>final<|message|>Yes.<|return|>",
      "hm", "Yes."),
-    # Seed-OSS: qwen3's rules with its own tags (vLLM's seed_oss, llama.cpp's try_parse_reasoning)
+    # Seed-OSS: qwen3's rules with its own tags, as llama.cpp's try_parse_reasoning reads them (vLLM's
+    # seed_oss parser reads an output with no closing tag as reasoning, even without the opening one)
     ("seed_oss", "<seed:bos>assistant\n", "<seed:think>a <think> b</seed:think>Hi", "a <think> b", "Hi"),
     ("seed_oss", "x", "no block</think>", None, "no block</think>"),
     ("seed_oss", "<seed:think>\n", "cut before the end", "cut before the end", ""),
@@ -774,6 +775,60 @@ def test_tool_parsers_streamed_in_any_pieces(parser, text, content, args):
                 streamed += d.get("content") or ""
                 got += [tc["function"]["arguments"] for tc in d.get("tool_calls", []) if "id" not in tc]
         assert streamed == (content or "") and [json.loads(a) for a in got] == args, size
+
+
+def _tagged_tokenizer(tmp_path, tags, special: bool):
+    """A small byte-level BPE tokenizer (the tokenizers library) with `tags` added as tokens, loaded
+    as jaxinfer loads a model's tokenizer.json, and how to spell text with it avoiding the tags."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jaxinfer.tokenizer import load_tokenizer
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["the cat sat on a mat think final analysis {} <> / : |"] * 4, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    if tags:
+        tok.add_special_tokens([AddedToken(t, special=True) for t in tags]) if special else \
+            tok.add_tokens([AddedToken(t, special=False) for t in tags])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                "eos_token": "</s>"}))
+    spell = lambda text: [i for ch in text for i in tok.encode(ch, add_special_tokens=False).ids]  # noqa: E731
+    return load_tokenizer(tmp_path), tok, spell
+
+
+@pytest.mark.parametrize("name,tags,special", [
+    ("qwen3", ("<think>", "</think>"), False), ("seed_oss", ("<seed:think>", "</seed:think>"), True),
+    ("gpt_oss", ("<|start|>", "<|end|>", "<|channel|>", "<|message|>"), True), ("qwen3", (), False)])
+def test_reasoning_grammar_takes_the_tags_as_the_model_writes_them(name, tags, special, tmp_path):
+    """Under a reasoning parser a structured output's grammar starts after the reasoning section. Where
+    the tags are added tokens of the tokenizer (Qwen3's <think>, Seed-OSS's, harmony's markers),
+    llguidance matches them only as those tokens: the grammar names them so (<[id]>), and the model's
+    own tokens pass (before, a tag had to be spelled out in characters); plain text tags stay text."""
+    pytest.importorskip("llguidance")
+    from jaxinfer.config.sampling import StructuredOutputs
+    from jaxinfer.host.structured import Grammars
+    from serve.reasoning import REASONING_TAGS, reasoning_prefix
+    jt, tok, spell = _tagged_tokenizer(tmp_path, tags, special)
+    ids = {t: i for t in REASONING_TAGS if (i := jt.added_token_id(t)) is not None}
+    assert ids == {t: tok.token_to_id(t) for t in tags}
+    tag = lambda t: [ids[t]] if t in ids else spell(t)  # noqa: E731   (as the model writes it)
+    grammars = Grammars(jt, tok.get_vocab_size(), [2])
+    if name == "gpt_oss":
+        runs = {"open": tag("<|channel|>") + spell("analysis") + tag("<|message|>") + spell("hm") + tag("<|end|>")
+                + tag("<|start|>") + spell("assistant") + tag("<|channel|>") + spell("final") + tag("<|message|>")}
+    else:
+        runs = {"open": tag(tags[0] if tags else "<think>") + spell("hm") + tag(tags[1] if tags else "</think>") + spell("\n"),
+                "reasoning": spell("hm") + tag(tags[1] if tags else "</think>") + spell("\n")}
+    for state, seq in runs.items():
+        grammar = grammars.compile(StructuredOutputs(json_object=True, prefix=reasoning_prefix(name, state, ids)))
+        guide = grammars.guide(grammar)
+        for t in seq + spell('{"a":1}'):
+            guide.consume(t)
+            assert not guide.failed, (state, tok.id_to_token(t))
+        assert guide.done[-1], state                 # the object closed: the output is complete
 
 
 def test_seed_oss_template_picks_its_parsers():

@@ -145,6 +145,9 @@ def test_exaone4_layer_pattern_without_layer_types():
     ours = model_config_from_hf({**base, "sliding_window_pattern": 3})
     assert ours.sliding_layers == tuple(t == "sliding_attention" for t in theirs.layer_types) == ours.rope_layers
     assert model_config_from_hf({**base, "sliding_window_pattern": "LLG"}).sliding_layers == ours.sliding_layers
+    # "the final layer always uses global attention regardless of the pattern" (Exaone4Config's docstring)
+    assert model_config_from_hf({**base, "sliding_window_pattern": "LLLG"}).sliding_layers == (
+        True, True, True, False, True, False)
     with pytest.raises(ConfigError, match="sliding_window_pattern must be"):
         model_config_from_hf({**base, "sliding_window_pattern": "LX"})
 

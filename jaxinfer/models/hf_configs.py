@@ -304,13 +304,15 @@ def _exaone4(c: dict[str, Any], arch: str) -> ModelConfig:
     """EXAONE 4.0: OLMo 2's block order (norms after each branch only) with per-head q / k norms; with a
     window, the sliding layers rotate and the global ones do not (NoPE), without one every layer
     rotates (transformers' Exaone4Attention). The layers' kinds: layer_types, else
-    sliding_window_pattern, a period (every p-th layer global; default 4) or a string such as "LLLG"."""
+    sliding_window_pattern, a period (every p-th layer global; default 4) or a string such as "LLLG"
+    (repeated; the last layer global whatever it says: Exaone4Config's docstring)."""
     n, window = c["num_hidden_layers"], c.get("sliding_window")
     types = c.get("layer_types")
     if types is None and window is not None:
         pattern = c.get("sliding_window_pattern", 4)
-        if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
-            types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(n)]
+        if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:   # the last layer always global
+            types = ["sliding_attention" if pattern[i % len(pattern)] == "L" and i < n - 1 else "full_attention"
+                     for i in range(n)]
         elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
         else:
