@@ -161,8 +161,7 @@ def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -
     model = state.check_model(job.request.model) or state.model_name
     if job.url == "/v1/embeddings" or job.plan is not None:
         vectors = [g[-1].embedding for g in groups]
-        prefix = "embd" if job.plan is None else "score" if isinstance(job.request, ScoreRequest) else "rerank"
-        rid = response_id(prefix, None, job.request.request_id)    # vLLM's request_id, as for chat
+        rid = response_id("embd" if job.plan is None else job.plan.prefix, None, job.request.request_id)    # vLLM's request_id, as for chat
         body = (job.plan.body(vectors, model, sum(map(len, job.prompts)), rid) if job.plan is not None else
                 embeddings_body(job.request, model, vectors, sum(map(len, job.prompts)), rid))
         return {"id": new_id("batch_req"), "custom_id": job.custom_id, "line": job.line,

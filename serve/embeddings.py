@@ -295,6 +295,7 @@ class ScorePlan:
     ids: list[list[int]]
     poolings: list
     body: Callable[..., dict]     # (vectors, model name, tokens read, response id or None: a new one) -> body
+    prefix: str                   # the response id's prefix: "score" or "rerank"
 
 
 def _pair_plan(state, first: list[str], second: list[str], activation: bool = True, cut: dict | None = None
@@ -329,7 +330,7 @@ def score_plan(state, req: ScoreRequest) -> ScorePlan:
         return {"id": rid or new_id("score"), "object": "list", "created": now(), "model": model,
                 "data": [{"index": i, "object": "score", "score": x} for i, x in enumerate(scores_of(vectors))],
                 "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0}}
-    return ScorePlan(ids, poolings, body)
+    return ScorePlan(ids, poolings, body, "score")
 
 
 def rerank_plan(state, req: RerankRequest) -> ScorePlan:
@@ -352,29 +353,29 @@ def rerank_plan(state, req: RerankRequest) -> ScorePlan:
                 "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
                 "results": [{"index": i, "relevance_score": scores[i],
                              **({"document": {"text": docs[i]}} if req.return_documents else {})} for i in order]}
-    return ScorePlan(ids, poolings, body)
+    return ScorePlan(ids, poolings, body, "rerank")
 
 
-async def _run_plan(state, request: Request, plan_of, req, prefix: str):
+async def _run_plan(state, request: Request, plan_of, req):
     lora = state.check_model(req.model)
     plan = await run_in_threadpool(plan_of, state, req)
     vectors, n_tokens = await _embed_encoded(state, request, plan.ids, plan.poolings, lora, req.priority)
     if not isinstance(vectors, list):
         return vectors
-    return plan.body(vectors, lora or state.model_name, n_tokens, response_id(prefix, request.headers, req.request_id))
+    return plan.body(vectors, lora or state.model_name, n_tokens, response_id(plan.prefix, request.headers, req.request_id))
 
 
 @router.post("/v1/score")
 @router.post("/score")
 async def score(req: ScoreRequest, request: Request):
-    return await _run_plan(request.app.state.server, request, score_plan, req, "score")
+    return await _run_plan(request.app.state.server, request, score_plan, req)
 
 
 @router.post("/v1/rerank")
 @router.post("/rerank")
 @router.post("/v2/rerank")
 async def rerank(req: RerankRequest, request: Request):
-    return await _run_plan(request.app.state.server, request, rerank_plan, req, "rerank")
+    return await _run_plan(request.app.state.server, request, rerank_plan, req)
 
 
 @router.post("/classify")

@@ -185,13 +185,16 @@ def test_olmo3_legacy_rope_spelling_as_transformers_reads_it():
     Olmo3Config puts the scaling on the full layers only, the sliding ones rotating plainly."""
     import transformers as tf
     legacy = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  rope_theta=5e5, rope_scaling={"rope_type": "yarn", "factor": 8.0,
+                  rope_theta=2e5, rope_scaling={"rope_type": "yarn", "factor": 8.0,
                                                 "original_max_position_embeddings": 8192})
     theirs = tf.Olmo3Config(**legacy).rope_parameters
     cfg = model_config_from_hf({"architectures": ["Olmo3ForCausalLM"], **legacy})
     assert theirs["full_attention"]["rope_type"] == "yarn" and theirs["sliding_attention"]["rope_type"] == "default"
     assert cfg.rope_scaling.kind == "yarn" and cfg.rope_scaling.factor == theirs["full_attention"]["factor"]
-    assert cfg.rope_theta == theirs["full_attention"]["rope_theta"] == 5e5 and cfg.rope_local_theta == 5e5
+    assert cfg.rope_theta == theirs["full_attention"]["rope_theta"] == 2e5
+    # the sliding layers at that base too, as vLLM and transformers 4.57 read it (5.25's Olmo3Config
+    # falls back to its class default, 5e5, there: a double pop of rope_theta)
+    assert cfg.rope_local_theta == 2e5
 
 
 def test_granite_and_olmo_round_as_torch_in_bfloat16():

@@ -285,16 +285,10 @@ def _olmo(c: dict[str, Any], arch: str) -> ModelConfig:
         return cfg
     n = c["num_hidden_layers"]
     types = c.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
-    params = c.get("rope_parameters") or {}
-    if "full_attention" in params or "sliding_attention" in params:
-        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-    else:   # one dict (or legacy rope_theta + rope_scaling): the scaling is the full layers' (Olmo3Config)
-        full = _rope_params(c)
-        local = {"rope_theta": full["rope_theta"]} if "rope_theta" in full else {}
-    theta, scaling = _rope(full, c, default_theta=500000.0)
-    if local.get("rope_type", "default") != "default":
-        raise ConfigError(f"OLMo 3 sliding layers with RoPE scaling ({local['rope_type']}) are not supported")
-    local_theta = _rope(local, {}, default_theta=500000.0)[0]
+    # one dict (or legacy rope_theta + rope_scaling): the scaling is the full layers' (Olmo3Config), the
+    # sliding layers rotate plainly at the same base (vLLM, transformers 4.57)
+    base = _rope(_rope_params(c), c, default_theta=500000.0)[0]
+    theta, scaling, local_theta = _layer_type_rope(c, "OLMo 3", {"rope_theta": base}, 500000.0, 500000.0)
     return dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
                                sliding_window=c.get("sliding_window", 4096),
                                sliding_layers=tuple(t == "sliding_attention" for t in types))
@@ -407,18 +401,28 @@ def _gemma_rope(c: dict[str, Any], arch: str) -> tuple[float, RopeScaling | None
     base (rope_local_base_freq; rope_parameters["sliding_attention"] in transformers >= 5)."""
     if arch == "Gemma2ForCausalLM":
         return (*_rope(_rope_params(c), c), None)
+    # legacy: rope_theta + rope_scaling for the global layers, rope_local_base_freq for the rest
+    return _layer_type_rope(c, "Gemma 3", {"rope_theta": c.get("rope_local_base_freq", 10000.0)},
+                            1_000_000.0, 10000.0)
+
+
+def _layer_type_rope(c: dict[str, Any], family: str, legacy_local: dict[str, Any], full_theta: float,
+                     local_theta: float) -> tuple[float, RopeScaling | None, float]:
+    """(full layers' theta, their scaling, sliding layers' theta) of a family whose sliding layers
+    rotate plainly at a base of their own: rope_parameters["full_attention" / "sliding_attention"]
+    (transformers >= 5), or one dict (legacy rope_theta + rope_scaling) for the full layers and
+    `legacy_local` for the sliding ones; full_theta / local_theta: the defaults of their bases."""
     params = c.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:
         full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-    else:   # legacy: rope_theta + rope_scaling for the global layers, rope_local_base_freq for the rest
-        full = {**(c.get("rope_scaling") or {}), **params}
-        local = {"rope_theta": c.get("rope_local_base_freq", 10000.0)}
-    theta, scaling = _rope(full, c, default_theta=1_000_000.0)
-    local_theta, local_scaling = _rope(local, {}, default_theta=10000.0)
+    else:
+        full, local = _rope_params(c), legacy_local
+    theta, scaling = _rope(full, c, default_theta=full_theta)
+    local_base, local_scaling = _rope(local, {}, default_theta=local_theta)
     if local_scaling is not None:
-        raise ConfigError(f"Gemma 3 sliding layers with RoPE scaling ({local_scaling.kind}) are not supported; "
-                          "only their base (rope_local_base_freq) may differ from the global layers'")
-    return theta, scaling, local_theta
+        raise ConfigError(f"{family} sliding layers with RoPE scaling ({local_scaling.kind}) are not supported; "
+                          "only their base may differ from the full layers'")
+    return theta, scaling, local_base
 
 
 def _gemma(c: dict[str, Any], arch: str) -> ModelConfig:
