@@ -259,7 +259,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(gen, _served_name(args), api_key=_api_key(args), max_queue=args.max_queue,
                     max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser,
                     tool_call_parser=args.tool_call_parser, chat_template=template,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    enable_sleep_mode=args.enable_sleep_mode)
     print(f"serving {_served_name(args)} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     gen.close()   # multi-host: the followers return
@@ -420,6 +421,10 @@ def _add_serve(sub) -> None:
     sv.add_argument("--trust-request-chat-template", action="store_true",
                     help="requests may bring their own chat template (chat_template; vLLM's flag: refused "
                          "without it)")
+    sv.add_argument("--enable-sleep-mode", action="store_true",
+                    help="serve POST /sleep, POST /wake_up and GET /is_sleeping (vLLM's) and POST "
+                         "/update_weights_from_disk (SGLang's): free the accelerator between uses, new "
+                         "weights without a restart")
     _multihost_args(sv)
     sv.set_defaults(func=cmd_serve)
 

@@ -186,6 +186,23 @@ class EngineClient:
         with self._lock:
             return self.engine.lora_single(name)
 
+    # ---------------------------------------------------------------- new weights, sleep mode
+    def update_weights(self, params, what: str) -> None:
+        with self._lock:
+            self.engine.update_weights(params, what)
+
+    def sleep(self, level: int) -> None:
+        with self._lock:
+            self.engine.sleep(level)
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        with self._lock:
+            self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        with self._lock:
+            return self.engine.sleeping
+
     def locked(self, fn: Callable[[], object]) -> object:
         """Run fn() while holding the engine lock (multi-host: publish and run in one order)."""
         with self._lock:

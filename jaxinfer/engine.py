@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import jax
+from flax import nnx
 
 from jaxinfer.config import EngineConfig, ResolvedConfig, SamplingParams, resolve_config
 from jaxinfer.config.sampling import MAX_MIN_TOKENS_STOP_IDS
@@ -40,6 +41,7 @@ from jaxinfer.sharding import model_mesh
 from jaxinfer.spec_decode.checks import check_draft, check_medusa
 from jaxinfer.step_stats import StepStats
 from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.weight_update import Residency
 
 # RequestOutput (output_processor) and StepStats (step_stats) stay importable from here
 __all__ = ["Engine", "RequestError", "RequestOutput", "StepStats", "StepTrace", "runner_config", "scheduler_config"]
@@ -55,6 +57,10 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param, self.code = param, code
+
+
+class EngineSleepingError(RuntimeError):
+    """A request sent while the engine sleeps (its weights or KV pages are off the device)."""
 
 
 def check_priority(priority: int, policy: str) -> None:
@@ -147,6 +153,7 @@ class Engine:
         # by load_lora while serving; until then steps carry no LoRA input and compile no LoRA work
         self.lora = None
         self._model = model
+        self.residency = Residency(self.runner)   # where the weights and pages are (sleep mode)
         for name, path in cfg.lora_modules or ():
             self.load_lora(name, path)
 
@@ -247,6 +254,8 @@ class Engine:
         code "model_not_found").
         pooling: an embedding request (host/pooling.py): prefill only, it finishes at its last prompt
         token (its one draw is discarded) with the pooled vector; a prompt may fill the context."""
+        if self.residency.sleeping:
+            raise EngineSleepingError("the engine is sleeping (sleep mode): wake_up() first")
         lora_id = self._lora_id(lora)
         prompt_ids = [int(t) for t in prompt_ids]
         check_priority(priority, self.resolved.scheduling_policy)
@@ -377,6 +386,44 @@ class Engine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block (e.g. after swapping weights); returns how many."""
         return self.blocks.reset_cache()
+
+    # ---------------------------------------------------------------- new weights, sleep (weight_update.py)
+    def _check_idle(self, what: str) -> None:
+        n = self.scheduler.num_unfinished()
+        if n or self.step_in_flight:
+            raise RuntimeError(f"{what} runs between requests: {n} sequences are unfinished (wait for them to "
+                               "finish, or abort them)")
+
+    def _weights_changed(self) -> None:
+        """The model object (LoRA slots read it) holds the arrays the runner serves."""
+        if self.residency.weights_on_device:
+            nnx.update(self._model, self.runner.target_params)
+
+    def update_weights(self, params, what: str) -> None:
+        """Serve `params` (the served model's params in its own layout: same paths, shapes and dtypes,
+        else a CheckpointError and nothing changes) from now on, without compiling anything. The
+        prefix cache and its host tier are emptied: their K/V came from the old weights."""
+        self._check_idle("update_weights")
+        self.residency.update(params, what)
+        self._weights_changed()
+        self.blocks.reset_cache()
+
+    def sleep(self, level: int) -> None:
+        """vLLM's sleep: free the KV pages and the weights on the device (level 1: the weights kept
+        in host memory; 2: discarded). Requests are refused until wake_up."""
+        self._check_idle("sleep")
+        self.residency.sleep(level)
+        self.blocks.reset_cache()
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        """Put back the weights ("weights") and / or the KV pages, zeroed ("kv_cache");
+        weight_update.WeightsAsleep if the weights were discarded (sleep level 2)."""
+        self.residency.wake_up(tags)
+        self._weights_changed()
+
+    @property
+    def sleeping(self) -> bool:
+        return self.residency.sleeping
 
     def samples(self, request_id: str) -> list[Request]:
         """A just-added request's n samples in sample order, forked already or not (a prompt within

@@ -19,7 +19,7 @@ import os
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,7 @@ from jaxinfer.spec_decode.medusa import is_medusa, load_heads
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.models.decoder import fuse_decoder, quantize_decoder
 from jaxinfer.weights import is_native, resolve_dtype, load_model, tensor_source
+from jaxinfer.weight_update import checkpoint_name
 
 DEFAULT_MODEL = "jaxinfer-tiny-llama"
 DEFAULT_DRAFT = "jaxinfer-tiny-llama-draft"   # the bundled model's draft (speculative_method="draft")
@@ -189,6 +190,7 @@ class Generator:
         self.sampling_defaults = dict(sampling_defaults or {})
         self.max_tokens_cap = max_tokens_cap(cfg.generation_config, _override(cfg), self.sampling_defaults)
         self._channel = channel
+        self._recipe: _Recipe | None = None    # how from_pretrained read the weights (update_weights reads so)
         publish = None
         if channel is not None and channel.group.is_leader:   # every step's host inputs go to the others first
             from jaxinfer.distributed import step_arrays
@@ -244,8 +246,10 @@ class Generator:
                 raise ValueError("embeddings (pooling=, a sentence-transformers folder) are not available with "
                                  "pipeline_parallel > 1")
             model = _load_pipelined(path, cfg)
-            return cls(model, _tokenizer(tok_path or path, cfg, model.cfg.vocab_size), cfg, None, warmup,
-                       sampling_defaults=_sampling_defaults(path, cfg))
+            gen = cls(model, _tokenizer(tok_path or path, cfg, model.cfg.vocab_size), cfg, None, warmup,
+                      sampling_defaults=_sampling_defaults(path, cfg))
+            gen._recipe = _Recipe(path, cfg, None, pipelined=True)
+            return gen
         mesh = None
         if cfg.tensor_parallel > 1:
             from jaxinfer.sharding import make_mesh
@@ -265,10 +269,12 @@ class Generator:
         if draft_path is not None and group is not None:
             raise ValueError("speculative decoding is not available across several processes (multi-host)")
         draft, heads = _load_speculative(draft_path, cfg.speculative_method, model, cfg.dtype)
-        return cls(model, _tokenizer(tok_path or path, cfg, model.cfg.vocab_size), cfg, None, warmup,
-                   draft_model=draft, medusa_heads=heads,
-                   channel=channel, embedding=embedding, classifier=classifier,
-                   sampling_defaults=_sampling_defaults(path, cfg))
+        gen = cls(model, _tokenizer(tok_path or path, cfg, model.cfg.vocab_size), cfg, None, warmup,
+                  draft_model=draft, medusa_heads=heads,
+                  channel=channel, embedding=embedding, classifier=classifier,
+                  sampling_defaults=_sampling_defaults(path, cfg))
+        gen._recipe = _Recipe(path, cfg, model_cfg, pipelined=False)
+        return gen
 
     def default_sampling_params(self) -> SamplingParams:
         """vLLM's LLM.get_default_sampling_params: SamplingParams with the model's recommended
@@ -360,6 +366,9 @@ class Generator:
         adapter's name (None: the base model)."""
         ids = self._encode(token_ids)
         t = len(ids)
+        if not self.engine.residency.weights_on_device:
+            from jaxinfer.engine import EngineSleepingError
+            raise EngineSleepingError("the engine's weights are asleep (sleep mode): wake_up() first")
         if not 0 < t <= self.model_cfg.max_position_embeddings:
             raise ValueError(f"logits needs 1..{self.model_cfg.max_position_embeddings} tokens, got {t}")
         padded = max(16, 1 << (t - 1).bit_length())   # bucketed: a few compilations, not one per length
@@ -541,6 +550,84 @@ class Generator:
         """Forget every cached prefix block; returns how many were dropped."""
         return self.client.reset_prefix_cache()
 
+    # ---------------------------------------------------------------- new weights, sleep mode (weight_update.py)
+    def update_weights(self, weights: str | Path | Mapping[str, object]) -> None:
+        """Serve other weights of the same model from now on (a reinforcement-learning loop's new
+        policy), with nothing compiled again: `weights` is a checkpoint folder (or Hub id) of the same
+        architecture, or the HF-named tensors of every weight (numpy, jax or torch arrays: a trainer's
+        state dict). They are read as from_pretrained read the served ones (fused, quantized as
+        quantize= says) in host memory, checked, then replace the served ones leaf by leaf on their
+        devices. Runs between requests (RuntimeError while some are unfinished); empties the prefix
+        cache. A checkpoint of another shape or config is a CheckpointError naming the difference,
+        and nothing changes. Works asleep too: the weights are then put on the device (wake_up puts
+        back the KV pages). The draft model or Medusa heads of speculative decoding are kept."""
+        self._check_weights_api("update_weights")
+        params = self._read_weights(weights)
+        self.client.update_weights(params, checkpoint_name(weights))
+        self._params = self.engine.runner.target_params
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's LLM.sleep: free the accelerator memory the engine holds (the KV pages, and the
+        weights: level 1 keeps them in host memory, level 2 discards them) until wake_up. Runs
+        between requests; requests sent meanwhile are refused (EngineSleepingError)."""
+        self._check_weights_api("sleep")
+        self.client.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """vLLM's LLM.wake_up: put back the weights ("weights") and the KV pages ("kv_cache"; they come
+        back zeroed, the prefix cache empty); None: both. Weights discarded by sleep(level=2) and not
+        given since by update_weights are read again from the checkpoint the engine started from."""
+        from jaxinfer.weight_update import SLEEP_TAGS, WeightsAsleep
+        tags = SLEEP_TAGS if tags is None else tuple(tags)
+        unknown = [t for t in tags if t not in SLEEP_TAGS]
+        if unknown:
+            raise ValueError(f"wake_up tags {unknown} are not {list(SLEEP_TAGS)}")
+        try:
+            self.client.wake_up(tags)
+        except WeightsAsleep:
+            self.update_weights(self._recipe.path)
+            self.client.wake_up(tags)
+        if self.engine.residency.weights_on_device:
+            self._params = self.engine.runner.target_params
+
+    def is_sleeping(self) -> bool:
+        """True from sleep() until wake_up() has put back both the weights and the KV pages."""
+        return self.client.is_sleeping()
+
+    def _check_weights_api(self, what: str) -> None:
+        if self._channel is not None:
+            raise RuntimeError(f"{what} is not available across several processes (multi-host)")
+        if self.classifier is not None:
+            raise RuntimeError(f"{what} is not available for a sequence-classification model (its head is "
+                               "read apart from the decoder)")
+
+    def _read_weights(self, weights):
+        """The served model's params from `weights`, laid out as the served ones (in host memory where
+        the accelerator has a CPU backend beside it; a pipelined model's on its mesh)."""
+        from jaxinfer.weight_update import DictTensors, check_same_config, on_host
+        r = self._recipe
+        if r is None:
+            raise RuntimeError("update_weights reads weights as from_pretrained did: this Generator was not "
+                               "made by Generator.from_pretrained")
+        tensors = None
+        if isinstance(weights, Mapping):
+            path, tensors = r.path, DictTensors(weights)
+        elif isinstance(weights, (str, Path)):
+            path = resolve_model_path(weights, None)
+        else:
+            raise TypeError(f"update_weights takes a checkpoint folder or a mapping of tensor names to arrays, "
+                            f"not {type(weights).__name__}")
+        if r.pipelined:
+            if tensors is not None:
+                raise ValueError("update_weights with named tensors is not available with pipeline_parallel > 1: "
+                                 "pass a checkpoint folder")
+            model = _load_pipelined(path, r.cfg)
+        else:
+            with on_host():
+                model = _load_decoder(path, r.cfg, None, fuse=True, model_cfg=r.model_cfg, tensors=tensors)
+        check_same_config(self.model_cfg, model.cfg, checkpoint_name(weights))
+        return nnx.split(model)[1]
+
     # ---------------------------------------------------------------- multi-host (jaxinfer.distributed)
     @property
     def process_group(self):
@@ -635,13 +722,22 @@ def _embedding_spec(path: Path, cfg: EngineConfig):
     return dataclasses.replace(spec, generates=generates), mc
 
 
-def _load_decoder(path: Path, cfg: EngineConfig, mesh, fuse: bool, model_cfg=None):
+@dataclass(frozen=True)
+class _Recipe:
+    """How from_pretrained read the served weights (update_weights reads new ones the same way)."""
+    path: Path
+    cfg: EngineConfig
+    model_cfg: object | None     # an embedding model's config when not config.json's own
+    pipelined: bool
+
+
+def _load_decoder(path: Path, cfg: EngineConfig, mesh, fuse: bool, model_cfg=None, tensors=None):
     """The target model: each weight read straight into its shards, fused (qkv / gate_up, columns
     grouped per device: models/decoder.py) unless multi-host (fuse False: it keeps the unfused
     names for now; tests/multihost_worker.py reads layers/0/mlp/up), quantized, then laid out on
     the mesh (the fused weights' tensor-parallel layout, QuantizedWeights included)."""
     # quantize= requantizes a GGUF file's weights all alike: its packed blocks are read as floats
-    model, _ = load_model(path, cfg.dtype, mesh=mesh, cfg=model_cfg, gguf_blocks=cfg.quantize is None)
+    model, _ = load_model(path, cfg.dtype, mesh=mesh, cfg=model_cfg, gguf_blocks=cfg.quantize is None, tensors=tensors)
     if fuse:
         model = fuse_decoder(model, cfg.tensor_parallel, consume=True)
     if cfg.quantize is not None:

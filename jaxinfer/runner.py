@@ -38,7 +38,7 @@ from jaxinfer.prompt_logprobs import PromptRows, prompt_targets
 from jaxinfer.sampling import SamplingBatch
 from jaxinfer.sharding import kv_sharding, model_mesh
 from jaxinfer.spec_decode import jit_spec_step
-from jaxinfer.spec_decode.contract import SpecStepInputs, SpecStepOutputs
+from jaxinfer.spec_decode.contract import SpecStepInputs, SpecStepOutputs, TargetDraft, TargetHeads
 from jaxinfer.spec_decode.runner_side import SpecRunner, target_state, with_target_pages
 from jaxinfer.step import MAX_STOP_IDS, StepInputs, StepOutputs, StepSettings, jit_step
 
@@ -178,6 +178,7 @@ class ModelRunner:
         self.lora = None
         # the host tier's buffers and transfer programs (kv_transfer.py), over every page: the draft's too
         self.host_kv = HostKVStore(self.kv_pages, cfg.kv_offload_slots) if cfg.kv_offload_slots else None
+        self._blank_pages = None   # the pages' layout, from their first release (sleep)
 
     def _init_spec(self, draft: Decoder | None, medusa_heads, kv_dtype, plain_settings: dict) -> None:
         """A speculative engine's SpecRunner, paired params and pages, and two programs: the
@@ -212,6 +213,31 @@ class ModelRunner:
         # allocated in place on every device: the global pool never sits on one device
         sharding = kv_sharding(self.mesh, mc.n_kv_heads)
         return sharding, jax.jit(make_pages, out_shardings=sharding)()
+
+    # -------------------------------------------------------------------- weights and pages (weight_update.py)
+    @property
+    def target_params(self):
+        """The served model's params (a speculative engine's target, without the draft or heads)."""
+        return self.params.target if isinstance(self.params, (TargetDraft, TargetHeads)) else self.params
+
+    def set_target_params(self, params) -> None:
+        self.params = (self.params._replace(target=params) if isinstance(self.params, (TargetDraft, TargetHeads))
+                       else params)
+
+    def release_pages(self) -> None:
+        """Free the KV pages (the draft's too); restore_pages allocates them again, zeroed."""
+        from jaxinfer.weight_update import BlankPages, free
+        if self.kv_pages is None:
+            return
+        jax.block_until_ready(self.kv_pages)    # no step still reads them
+        if self._blank_pages is None:
+            self._blank_pages = BlankPages(self.kv_pages)
+        free(self.kv_pages)
+        self.kv_pages = None
+
+    def restore_pages(self) -> None:
+        if self.kv_pages is None:
+            self.kv_pages = self._blank_pages.make()
 
     # -------------------------------------------------------------------- buckets
     def num_seqs_for(self, t: int) -> int:

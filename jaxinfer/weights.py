@@ -190,15 +190,17 @@ def hf_value(st: SafetensorsFolder, ours: str, hf_names: tuple[str, ...], transf
 
 
 def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None = None,
-            mesh=None, rules=None, gguf_blocks: bool = True) -> Decoder:
+            mesh=None, rules=None, gguf_blocks: bool = True, tensors=None) -> Decoder:
     """Load an HF safetensors folder into a Decoder in `dtype`, checking every shape. With a mesh,
     each parameter is read from the memmap shard by shard straight onto its devices
     (sharding.load_sharded; rules default to sharding.rules_for(cfg, mesh)). gguf_blocks: a GGUF
     file's exact blocks stay packed (jaxinfer/prequant/gguf_blocks.py); False: every weight a float
-    (to quantize it all again with quantize=)."""
+    (to quantize it all again with quantize=). tensors: read the weights from this source (the
+    interface of SafetensorsFolder: weight_update.DictTensors) instead of the folder's files, which
+    then gives config.json only."""
     folder = Path(folder)
     cfg = cfg or model_config_from_hf(folder)
-    st = tensor_source(folder)
+    st = tensor_source(folder) if tensors is None else tensors
     jdtype = DTYPES[dtype]
     model = abstract_decoder(cfg, jdtype)
     flat = nnx.state(model, nnx.Param).flat_state()
@@ -411,18 +413,21 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def load_model(path: str | Path, dtype: str = "float32", mesh=None, rules=None,
-               cfg: ModelConfig | None = None, gguf_blocks: bool = True) -> tuple[Decoder, ModelConfig]:
+               cfg: ModelConfig | None = None, gguf_blocks: bool = True, tensors=None) -> tuple[Decoder, ModelConfig]:
     """An HF or native folder -> (Decoder, ModelConfig). Errors name the path at fault.
     mesh: place every parameter on it by sharding.rules_for (or `rules`) while loading.
     dtype: the compute/storage dtype of the float weights, or "auto" (resolve_dtype). cfg: an HF
     folder's ModelConfig when not config.json's own (an embedding model without an LM head).
-    gguf_blocks: load_hf's."""
+    gguf_blocks, tensors: load_hf's (a native checkpoint takes no tensors)."""
     dtype = resolve_dtype(dtype)
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such model folder")
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path}: no config.json (expected an HF model folder or a jaxinfer checkpoint)")
+    if is_native(path) and tensors is not None:
+        raise CheckpointError(f"{path}: a jaxinfer checkpoint's weights are read from its own files, not from "
+                              "named tensors")
     model = (load_native(path, dtype, mesh=mesh, rules=rules) if is_native(path)
-             else load_hf(path, dtype, cfg=cfg, mesh=mesh, rules=rules, gguf_blocks=gguf_blocks))
+             else load_hf(path, dtype, cfg=cfg, mesh=mesh, rules=rules, gguf_blocks=gguf_blocks, tensors=tensors))
     return model, model.cfg

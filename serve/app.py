@@ -538,10 +538,11 @@ async def invocations(request: Request):
 def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_queue: int = 1024,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, reasoning_parser: str | None = None,
               tool_call_parser: str | None = None, chat_template: str | None = None,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False, enable_sleep_mode: bool = False) -> FastAPI:
     """api_key: required on every route but /health (serve.guard); max_queue: sequences (prompts x n)
     waiting for the engine before 429; max_request_bytes: larger bodies get 413; reasoning_parser,
-    tool_call_parser, chat_template, trust_request_chat_template: ServerState's."""
+    tool_call_parser, chat_template, trust_request_chat_template: ServerState's. enable_sleep_mode:
+    the sleep / wake_up / is_sleeping and update_weights_from_disk routes (serve.sleep_routes)."""
     state = ServerState(gen, model_name, api_key, max_queue, reasoning_parser, tool_call_parser, chat_template,
                         trust_request_chat_template)
     app = FastAPI(title="jaxinfer", version="0.1.0",
@@ -558,4 +559,7 @@ def build_app(gen: Generator, model_name: str, api_key: str | None = None, max_q
     app.include_router(embeddings.router)   # /v1/embeddings, /v1/score, /v1/rerank, /classify, /pooling
     app.include_router(responses_router)
     app.include_router(messages_router)      # Anthropic's /v1/messages
+    if enable_sleep_mode:
+        from serve.sleep_routes import router as sleep_router
+        app.include_router(sleep_router)
     return app

@@ -84,6 +84,9 @@ class AsyncEngine:
         def admit() -> None:   # under the client's lock: nothing steps or submits meanwhile
             if self.error is not None or not self._thread.is_alive():
                 raise EngineDeadError(self.error)
+            if self.client.is_sleeping():
+                raise OpenAIError(503, "the engine is sleeping (POST /wake_up)", type_="server_error",
+                                  code="engine_sleeping")
             waiting = self.client.queued_sequences()
             if waiting + sequences > self.max_queue:
                 raise OpenAIError(429, f"the server is at capacity ({waiting} sequences waiting); retry later",
