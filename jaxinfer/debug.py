@@ -61,10 +61,7 @@ class StepDebugger:
         """Delete the KV pages now (a benchmark sizing the next engine from free device memory);
         this engine cannot step afterwards."""
         with self._lock:
-            runner = self._engine.runner
-            for x in jax.tree.leaves(runner.kv_pages):
-                x.delete()
-            runner.kv_pages = None
+            self._engine.runner.release_pages()
 
     def run_published_step(self, arrays: list) -> None:
         """Multi-host followers: run the step process 0 published, its StepInputs as the flat host

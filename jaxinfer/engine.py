@@ -63,6 +63,10 @@ class EngineSleepingError(RuntimeError):
     """A request sent while the engine sleeps (its weights or KV pages are off the device)."""
 
 
+class EngineBusyError(RuntimeError):
+    """update_weights or sleep while requests are unfinished (they run between requests)."""
+
+
 def check_priority(priority: int, policy: str) -> None:
     """vLLM's rule: a priority is an integer (lower runs first); one other than 0 needs the priority
     scheduling policy (fcfs would silently ignore it)."""
@@ -159,6 +163,8 @@ class Engine:
 
     def warmup(self) -> None:
         """Compile every step shape now; afterwards serving must compile nothing (counted per step)."""
+        if self.residency.sleeping:
+            raise EngineSleepingError("the engine is sleeping (sleep mode): wake_up() first")
         self.runner.warmup()
         if self.lora is not None:
             self.lora.warmup()
@@ -192,6 +198,8 @@ class Engine:
         if self.lora is not None:
             self.lora.load(name, path)
             return
+        if self.residency.sleeping:   # the first adapter compiles the LoRA steps: weights and pages needed
+            raise LoraError("the engine is sleeping (sleep mode): wake_up() before loading its first LoRA adapter")
         self._enable_lora()
         try:
             self.lora.load(name, path)
@@ -389,10 +397,15 @@ class Engine:
 
     # ---------------------------------------------------------------- new weights, sleep (weight_update.py)
     def _check_idle(self, what: str) -> None:
+        """EngineBusyError unless no request is unfinished. A step dispatched ahead (async scheduling)
+        after the one whose tokens finished the last request is still in flight, with nothing left to
+        schedule: it is collected here (it draws nothing anyone waits for)."""
+        if self.step_in_flight and not self.scheduler.has_unfinished():
+            self.step()
         n = self.scheduler.num_unfinished()
         if n or self.step_in_flight:
-            raise RuntimeError(f"{what} runs between requests: {n} sequences are unfinished (wait for them to "
-                               "finish, or abort them)")
+            raise EngineBusyError(f"{what} runs between requests: {n} sequences are unfinished (wait for them to "
+                                  "finish, or abort them)")
 
     def _weights_changed(self) -> None:
         """The model object (LoRA slots read it) holds the arrays the runner serves."""

@@ -366,9 +366,6 @@ class Generator:
         adapter's name (None: the base model)."""
         ids = self._encode(token_ids)
         t = len(ids)
-        if not self.engine.residency.weights_on_device:
-            from jaxinfer.engine import EngineSleepingError
-            raise EngineSleepingError("the engine's weights are asleep (sleep mode): wake_up() first")
         if not 0 < t <= self.model_cfg.max_position_embeddings:
             raise ValueError(f"logits needs 1..{self.model_cfg.max_position_embeddings} tokens, got {t}")
         padded = max(16, 1 << (t - 1).bit_length())   # bucketed: a few compilations, not one per length
@@ -383,11 +380,9 @@ class Generator:
             except KeyError:
                 raise ValueError(f"the LoRA adapter {lora!r} does not exist (loaded: {self.client.lora_names()})") from None
             lora_inputs = LoraInputs(np.zeros(padded, np.int32), stacks)   # every token: slot 0
-            out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions), lora_inputs)
-            return np.asarray(out, np.float32)[:t]
-        if self._channel is None:
-            out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions))
-            return np.asarray(out, np.float32)[:t]  # slice on the host: no extra XLA op
+            return self.client.locked(lambda: self._run_forward(tokens, positions, lora_inputs))[:t]
+        if self._channel is None:   # under the engine lock: update_weights and sleep swap the weights
+            return self.client.locked(lambda: self._run_forward(tokens, positions))[:t]
         self._check_leader()
 
         def publish_and_run() -> np.ndarray:   # multi-host: programs run in message order, each read first
@@ -395,6 +390,13 @@ class Generator:
             out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions))
             return np.asarray(out, np.float32)[:t]
         return self.client.locked(publish_and_run)
+
+    def _run_forward(self, tokens: np.ndarray, positions: np.ndarray, *lora) -> np.ndarray:
+        if not self.engine.residency.weights_on_device:
+            from jaxinfer.engine import EngineSleepingError
+            raise EngineSleepingError("the engine's weights are asleep (sleep mode): wake_up() first")
+        out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions), *lora)
+        return np.asarray(out, np.float32)   # sliced on the host: no extra XLA op
 
     def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *, prompt_name: str | None = None,
               prompt: str | None = None, dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
@@ -571,6 +573,9 @@ class Generator:
         weights: level 1 keeps them in host memory, level 2 discards them) until wake_up. Runs
         between requests; requests sent meanwhile are refused (EngineSleepingError)."""
         self._check_weights_api("sleep")
+        if level == 2 and self._recipe is None:
+            raise RuntimeError("sleep(level=2) discards the weights, which wake_up reads again from the checkpoint "
+                               "from_pretrained read: this Generator was not made by from_pretrained (use level 1)")
         self.client.sleep(level)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -613,7 +618,12 @@ class Generator:
         if isinstance(weights, Mapping):
             path, tensors = r.path, DictTensors(weights)
         elif isinstance(weights, (str, Path)):
+            if r.model_cfg is not None:
+                raise ValueError("update_weights from a folder is not available for this embedding model (its "
+                                 "decoder's config is not its folder's config.json): pass its named tensors")
             path = resolve_model_path(weights, None)
+            if r.cfg.hf_overrides is not None:   # the served config is the overridden one
+                path = apply_hf_overrides(path, json.loads(r.cfg.hf_overrides))
         else:
             raise TypeError(f"update_weights takes a checkpoint folder or a mapping of tensor names to arrays, "
                             f"not {type(weights).__name__}")

@@ -48,19 +48,26 @@ class DictTensors:
                 raise CheckpointError(f"{self.ORIGIN}: tensor names must be strings, got {name!r}")
 
     def stored(self, name: str) -> str | None:
-        return name if name in self.tensors else None
+        """`name`, or `name` without one of hf_maps.OPTIONAL_PREFIXES (a bare model's state dict), as
+        SafetensorsFolder.stored finds it."""
+        from jaxinfer.models.hf_maps import OPTIONAL_PREFIXES
+        for candidate in (name, *(name[len(p):] for p in OPTIONAL_PREFIXES if name.startswith(p))):
+            if candidate in self.tensors:
+                return candidate
+        return None
 
     def has(self, name: str) -> bool:
-        return name in self.tensors
+        return self.stored(name) is not None
 
     def dtype(self, name: str) -> np.dtype:
         return self.get(name).dtype
 
     def get(self, name: str) -> np.ndarray:
-        if name not in self.tensors:
+        stored = self.stored(name)
+        if stored is None:
             raise CheckpointError(f"tensor {name!r} not found in {self.ORIGIN} ({len(self.tensors)} given): every "
                                   "tensor of the checkpoint is needed (a partial update is not available)")
-        return host_array(self.tensors[name], name)
+        return host_array(self.tensors[stored], name)
 
     def source(self, name: str) -> str:
         return self.ORIGIN
@@ -101,10 +108,15 @@ def _named_leaves(tree) -> list[tuple[str, Any]]:
     return [(jax.tree_util.keystr(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+# ModelConfig fields no compiled program reads (the tokenizer's ids, the family's name)
+_NOT_COMPILED = ("bos_token_id", "eos_token_ids", "architecture")
+
+
 def check_same_config(served, new, what: str) -> None:
     """The new checkpoint's ModelConfig is the served one's (the compiled programs hold the served
     config: its RoPE, norms, activations): CheckpointError naming the fields that differ."""
-    differ = [f.name for f in dataclasses.fields(served) if getattr(served, f.name) != getattr(new, f.name)]
+    differ = [f.name for f in dataclasses.fields(served)
+              if f.name not in _NOT_COMPILED and getattr(served, f.name) != getattr(new, f.name)]
     if differ:
         shown = ", ".join(f"{n}: {getattr(new, n)!r} (served: {getattr(served, n)!r})" for n in differ[:4])
         raise CheckpointError(f"{what}: its config.json is not the served model's ({shown})")
@@ -268,18 +280,35 @@ class Residency:
             self.level = 0
 
     def update(self, params, what: str) -> None:
-        """The target's params from `params` (its layout checked first: nothing changes otherwise)."""
+        """The target's params from `params` (its layout checked first: nothing changes otherwise). A
+        copy that fails midway (the device out of memory) leaves the weights discarded, as sleep
+        level 2 does, never half replaced: requests are refused until update_weights or wake_up."""
         r = self.runner
+        rest = None    # the draft's or heads' params, on the device
         if self.weights_on_device:
             check_same_layout(r.target_params, params, what)
-            r.set_target_params(replace_leaves(r.target_params, params))
-            return
-        check_same_layout(self._template, params, what)
+            target = r.target_params
+            rest = r.params._replace(target=None) if target is not r.params else None
+            self._template = layout(target)
+            r.params = None   # from here on the old leaves go one by one
+        else:
+            check_same_layout(self._template, params, what)
+            target = self._template
         self._host_target = None
-        self._put_target(replace_leaves(self._template, params))
+        try:
+            new = replace_leaves(target, params)
+        except BaseException:
+            free(target)
+            if rest is not None:
+                self._host_rest = HostCopy(rest)
+                free(rest)
+            self.level = 2
+            raise
+        self._put_target(new, rest)
 
-    def _put_target(self, target) -> None:
-        rest = self._host_rest.restore() if self._host_rest is not None else None
+    def _put_target(self, target, rest=None) -> None:
+        if rest is None and self._host_rest is not None:
+            rest = self._host_rest.restore()
         self.runner.params = target if rest is None else rest._replace(target=target)
         self._host_target = self._host_rest = None
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import Generator, SamplingParams
-from jaxinfer.engine import EngineSleepingError
+from jaxinfer.engine import EngineBusyError, EngineSleepingError
 from jaxinfer.errors import CheckpointError
 from tests.hf_models import build_hf_model
 from tests.test_engine import BUCKETED, BUCKETED_MODEL
@@ -55,6 +55,10 @@ def test_update_weights_from_a_folder_and_from_named_tensors(models):
     assert a_ref != b_ref
     gen = Generator.from_pretrained(a_dir, **SETTINGS)
     assert tokens(gen) == a_ref and gen.stats()["prefix_cache_blocks"] > 0
+    # a request that ends on a stop token leaves the step dispatched after its last one in flight
+    # (async scheduling): the update collects it rather than waiting for a request that never comes
+    stop = SamplingParams(max_tokens=N, temperature=0, stop_token_ids=[a_ref[1][0]])   # its first token
+    assert gen.generate([PROMPTS[1]], stop)[0].finish_reason == "stop"
     gen.update_weights(b_dir)
     assert gen.stats()["prefix_cache_blocks"] == 0
     assert tokens(gen) == b_ref
@@ -86,11 +90,36 @@ def test_bad_weights_are_refused_and_nothing_changes(models):
     with pytest.raises(CheckpointError, match="down_proj"):
         gen.update_weights(state)
     rid = gen.client.submit([PROMPTS[0]], GREEDY)[0]
-    with pytest.raises(RuntimeError, match="unfinished"):
+    with pytest.raises(EngineBusyError, match="unfinished"):
         gen.update_weights(models["b"][0])
     gen.abort(rid)
     gen.client.run_until_done()
     assert tokens(gen) == a_ref
+
+
+def test_a_copy_that_fails_midway_leaves_the_weights_discarded(models, monkeypatch):
+    """The device refusing a leaf partway through (as when it runs out of memory): the error comes
+    out, the engine sleeps with its weights discarded (never half of A and half of B), requests are
+    refused, and wake_up() reads A's folder again."""
+    import jaxinfer.weight_update as wu
+    a_dir, _, a_ref = models["a"]
+    gen = Generator.from_pretrained(a_dir, **SETTINGS)
+    put, calls = wu._put, []
+
+    def failing(y, x):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (injected)")
+        return put(y, x)
+    monkeypatch.setattr(wu, "_put", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        gen.update_weights(models["b"][0])
+    monkeypatch.setattr(wu, "_put", put)
+    assert gen.is_sleeping()
+    with pytest.raises(EngineSleepingError):
+        gen.generate(PROMPTS, GREEDY)
+    gen.wake_up()
+    assert tokens(gen) == a_ref and gen.stats()["compilations_after_warmup"] == 0
 
 
 def test_sleep_frees_the_device_and_wake_up_restores(models):
@@ -179,7 +208,9 @@ def test_http_routes_with_enable_sleep_mode(models):
         assert http.post("/wake_up").status_code == 200
         r = http.post("/update_weights_from_disk", json={"model_path": str(models["narrow"][0])})
         assert r.status_code == 400 and r.json()["success"] is False and "ffn_dim" in r.json()["message"]
-        r = http.post("/update_weights_from_disk", json={"model_path": str(b_dir)})
+        r = http.post("/update_weights_from_disk", json={"model_path": str(b_dir), "abort_all_requests": True})
+        assert r.status_code == 400 and "abort_all_requests" in r.json()["message"]
+        r = http.post("/update_weights_from_disk", json={"model_path": str(b_dir), "weight_version": "step-7"})
         assert r.status_code == 200 and r.json()["success"] is True
         assert complete().json()["choices"][0]["token_ids"] == b_ref[0]
 
