@@ -37,13 +37,15 @@ This module never imports the model (models/decoder.py builds MoE where cfg.is_m
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.layers import ACTIVATIONS, dense, param, param_value, split_gate_up, swiglu_clamped
+from jaxinfer.layers import ACTIVATIONS, MLP, dense, param, param_value, split_gate_up, swiglu_clamped
 from jaxinfer.quant import QuantizedWeight, dequantize, dot_precision, expert_weight
 
 MAX_TILE = 32       # rows per tile of the "tiles" loop (fewer when the step has fewer rows per expert)
@@ -55,17 +57,39 @@ def default_impl() -> str:
     return "tiles"
 
 
-def route(logits: jax.Array, k: int, routing: str, norm_topk: bool) -> tuple[jax.Array, jax.Array]:
+def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: jax.Array | None = None,
+          groups: int = 1, topk_groups: int = 1, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """Router logits [T, E] float32 -> (weights [T, k] float32, experts [T, k] int32).
     topk_softmax (Mixtral, gpt-oss): the k largest logits, softmax over them. softmax_topk (Qwen3-MoE):
-    softmax over all E, the k largest probabilities, divided by their sum when norm_topk."""
+    softmax over all E, the k largest probabilities, divided by their sum when norm_topk.
+    sigmoid_topk (DeepSeek-V3, GLM-4.5): scores sigmoid(logits); experts chosen by scores + correction
+    [E] among the topk_groups best of `groups` equal groups (a group scored by the sum of its two best),
+    weighted by their scores (renormalized when norm_topk, as transformers does: + 1e-20), times scale."""
     if routing == "topk_softmax":
         top, experts = lax.top_k(logits, k)
         return jax.nn.softmax(top, axis=-1), experts
+    if routing == "sigmoid_topk":
+        return _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale)
     weights, experts = lax.top_k(jax.nn.softmax(logits, axis=-1), k)
     if norm_topk:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts
+
+
+def _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale):
+    t, e = logits.shape
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if correction is None else scores + correction.astype(jnp.float32)
+    if groups > 1:
+        best_two = lax.top_k(choice.reshape(t, groups, e // groups), 2)[0]
+        _, kept = lax.top_k(jnp.sum(best_two, axis=-1), topk_groups)                    # (T, topk_groups)
+        keep = jnp.zeros((t, groups), bool).at[jnp.arange(t)[:, None], kept].set(True)
+        choice = jnp.where(jnp.repeat(keep, e // groups, axis=1), choice, -jnp.inf)
+    _, experts = lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if norm_topk:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * jnp.float32(scale), experts
 
 
 def sort_rows(experts: jax.Array, valid: jax.Array | None, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -126,17 +150,26 @@ class MoE(nnx.Module):
     fused gate_up [E, D, 2F] whose columns are `shards` groups of [gate | up] per expert, as the
     dense MLP's (models/decoder.py, fuse_decoder). impl: "tiles" | "ragged_dot" | None (default_impl)."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, shards: int | None = None):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, shards: int | None = None,
+                 shared_shards: int | None = None):
         d, f, e = cfg.d_model, cfg.expert_ffn_dim, cfg.num_experts
         assert shards is None or f % shards == 0, (f, shards)
         self.num_experts, self.k, self.shards, self.impl = e, cfg.num_experts_per_tok, shards, None
         self.routing, self.norm_topk, self.act = cfg.moe_routing, cfg.moe_norm_topk, cfg.activation
+        self.groups, self.topk_groups, self.routed_scale = cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_routed_scale
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         fused, bias = shards is not None, cfg.mlp_bias
         expert = lambda n, axis, b=False: param((e, *n), ("experts", *axis), dtype, rngs,  # noqa: E731
                                                 init="zeros" if b else "normal")
         self.router = param((d, e), ("embed", None), dtype, rngs)
         self.router_bias = param((e,), (None,), dtype, rngs, init="zeros") if cfg.router_bias else None
+        # sigmoid_topk's choice correction (float32, as transformers keeps it)
+        self.router_correction = (param((e,), (None,), jnp.float32, rngs, init="zeros")
+                                  if cfg.moe_routing == "sigmoid_topk" else None)
+        # the shared experts: one dense gated MLP every token runs (+ Qwen2-MoE's sigmoid gate [d, 1])
+        self.shared = (MLP(dataclasses.replace(cfg, ffn_dim=cfg.moe_shared_ffn_dim, mlp_bias=False), dtype, rngs,
+                           shared_shards) if cfg.moe_shared_ffn_dim else None)
+        self.shared_gate = param((d, 1), ("embed", None), dtype, rngs) if cfg.moe_shared_gate else None
         self.gate = None if fused else expert((d, f), ("embed", "expert_mlp"))
         self.up = None if fused else expert((d, f), ("embed", "expert_mlp"))
         self.gate_bias = expert((f,), ("expert_mlp",), True) if bias and not fused else None
@@ -150,14 +183,23 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """x [T, D], valid [T] bool (None: every token) -> [T, D]; invalid tokens' outputs are 0."""
         logits = dense(x, self.router.get_value(), param_value(self.router_bias)).astype(jnp.float32)  # (T, E)
-        weights, experts = route(logits, self.k, self.routing, self.norm_topk)       # (T, k)
+        weights, experts = route(logits, self.k, self.routing, self.norm_topk, param_value(self.router_correction),
+                                 self.groups, self.topk_groups, self.routed_scale)   # (T, k)
         order, sizes = sort_rows(experts, valid, self.num_experts)                  # (R,), (E,)
         xs = x[order // self.k]                                                      # (R, D) sorted by expert
         impl = self.impl or default_impl()
         if impl not in IMPLS:
             raise ValueError(f"unknown MoE implementation {impl!r}; use one of {IMPLS}")
         ys = self._ffn_tiles(xs, sizes) if impl == "tiles" else self._ffn_ragged(xs, sizes)
-        return combine(ys, order, weights, valid).astype(x.dtype)
+        out = combine(ys, order, weights, valid).astype(x.dtype)
+        return out if self.shared is None else out + self._shared(x)
+
+    def _shared(self, x: jax.Array) -> jax.Array:
+        y = self.shared(x)
+        if self.shared_gate is None:
+            return y
+        g = jax.nn.sigmoid(dense(x, self.shared_gate.get_value(), None).astype(jnp.float32))
+        return (g * y.astype(jnp.float32)).astype(y.dtype)
 
     def _activate(self, y_gate: jax.Array, y_up: jax.Array) -> jax.Array:
         if self.limit is not None:

@@ -205,6 +205,9 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
     model = abstract_decoder(cfg, jdtype)
     flat = nnx.state(model, nnx.Param).flat_state()
     expected = {"/".join(map(str, p)): tuple(v.get_value().shape) for p, v in flat}
+    # each parameter in the dtype the model declares: `dtype`, but float32 where the model keeps one
+    # in float32 whatever the weights' dtype (a sigmoid router's correction, as transformers keeps it)
+    dtypes = {"/".join(map(str, p)): (jnp.float32 if v.get_value().dtype == jnp.float32 else jdtype) for p, v in flat}
     if mesh is not None:
         from jaxinfer.sharding import load_sharded, param_sharding, rules_for
         rules = rules if rules is not None else rules_for(cfg, mesh)
@@ -222,10 +225,10 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
             value = hf_value(st, ours, hf_names, transform, expected[ours])
         if mesh is None:
             arrays[ours] = jnp.asarray(value.astype(np.float32) if value.dtype != np.float32 else value,
-                                       dtype=jdtype)
+                                       dtype=dtypes[ours])
         else:   # value is (a view of) the memmap: each device's callback reads only its slice
             arrays[ours] = load_sharded(lambda idx, v=value: v[idx].astype(np.float32), expected[ours],
-                                        shardings[ours], dtype=jdtype)
+                                        shardings[ours], dtype=dtypes[ours])
     return _set_params(model, arrays)
 
 

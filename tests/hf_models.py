@@ -122,6 +122,19 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                                    rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                                     "original_max_position_embeddings": 32,
                                                                     "rope_theta": 10000.0})),
+    # Qwen2-MoE: a shared expert behind a sigmoid gate beside the routed ones, q/k/v biases, a dense layer
+    "qwen2moe-shared": ("qwen2_moe", dict(_COMMON, vocab_size=119, intermediate_size=64, moe_intermediate_size=24,
+                                          shared_expert_intermediate_size=40, num_hidden_layers=3,
+                                          num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                          norm_topk_prob=False, mlp_only_layers=[1], initializer_range=0.3)),
+    # GLM-4.5: sigmoid routing with a correction (randomized below) over 4 groups of which 2 are kept, scaled
+    # weights, two shared experts, partial rotary (half of each head), q/k norms, q/k/v biases, a first
+    # dense layer
+    "glm4moe-groups": ("glm4_moe", dict(_COMMON, vocab_size=123, intermediate_size=48, moe_intermediate_size=16,
+                                        num_hidden_layers=3, num_key_value_heads=2, head_dim=16, n_routed_experts=8,
+                                        num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=2,
+                                        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                                        use_qk_norm=True, attention_bias=True, initializer_range=0.3)),
     "mixtral-gqa": ("mixtral", dict(_COMMON, vocab_size=113, intermediate_size=48, num_hidden_layers=2,
                                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                     initializer_range=0.2)),
@@ -174,7 +187,9 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM), "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
            "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM), "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
            "exaone4": (tf.Exaone4Config, tf.Exaone4ForCausalLM),
-           "seed_oss": (tf.SeedOssConfig, tf.SeedOssForCausalLM)}[family]
+           "seed_oss": (tf.SeedOssConfig, tf.SeedOssForCausalLM),
+           "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+           "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)
@@ -196,6 +211,9 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
                 p.add_(0.1 * torch.randn_like(p))
             elif n.endswith(".sinks"):   # gpt-oss: sink logits as large as the scores, so that they matter
                 p.normal_(0.0, 1.0)
+        for n, b in model.named_buffers():   # GLM-4.5's choice correction (a buffer, zeros at init)
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
     return model
 
 

@@ -9,7 +9,9 @@ identical, and how its first MoE layer's expert weights are laid out:
   - Qwen3-MoE (a dense layer between two MoE layers) at TP 2 and TP 4 (each expert's FFN of 32
     split 2 and 4 ways; TP 4 repeats each of its 2 KV heads), and at TP 2 with int8 experts;
   - gpt-oss at TP 2 (sinks split with their heads, expert and router biases, the clamped SwiGLU), and
-    at PP 2 x TP 2 (two layers per stage, sliding on one, global on the other; stacked experts).
+    at PP 2 x TP 2 (two layers per stage, sliding on one, global on the other; stacked experts);
+  - GLM-4.5 at TP 2 with int8 weights (the shared experts' MLP split like a dense one, sigmoid
+    routing with its float32 correction, partial rotary).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import time
 from pathlib import Path
 
 RUNS = {"qwen3moe-gqa": [dict(tensor_parallel=2), dict(tensor_parallel=4), dict(tensor_parallel=2, quantize="int8")],
-        "gpt-oss": [dict(tensor_parallel=2), dict(pipeline_parallel=2, tensor_parallel=2)]}
+        "gpt-oss": [dict(tensor_parallel=2), dict(pipeline_parallel=2, tensor_parallel=2)],
+        "glm4moe-groups": [dict(tensor_parallel=2, quantize="int8")]}
 PROMPTS = [[3, 17, 42, 9, 100, 5, 77, 12, 8, 60, 33, 1, 7, 19], [5, 6, 7]]
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=16, token_buckets=[16], max_num_seqs=4,
               block_size=8, num_blocks=33, warmup=False)

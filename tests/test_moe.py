@@ -30,8 +30,9 @@ from tests.hf_models import CONFIGS, build_hf_model
 from tests.precision import assert_rel_close, dot_chain_rtol, unit_roundoff
 from tests.two_rounds import GREEDY, naive_greedy, serve_two_rounds, two_round_prompts
 
-MOE = [n for n in CONFIGS if n.split("-")[0] in ("qwen3moe", "mixtral", "gpt")]
-ARCH = {"qwen3moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt": "GptOssForCausalLM"}
+MOE = [n for n in CONFIGS if n.split("-")[0] in ("qwen3moe", "mixtral", "gpt", "qwen2moe", "glm4moe")]
+ARCH = {"qwen3moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt": "GptOssForCausalLM",
+        "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}
 PROMPT_LEN = 24
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4, block_size=8,
               num_blocks=4 * 64 // 8 + 1, warmup=False)
@@ -66,11 +67,13 @@ def test_pallas_kernels_match_transformers(name, hf_model_dir):
 
 # ------------------------------------------------------------------------------ routing
 
-@pytest.mark.parametrize("name", ["mixtral-gqa", "qwen3moe-gqa", "qwen3moe-mqa-window-yarn", "gpt-oss"])
+@pytest.mark.parametrize("name", ["mixtral-gqa", "qwen3moe-gqa", "qwen3moe-mqa-window-yarn", "gpt-oss",
+                                  "qwen2moe-shared", "glm4moe-groups"])
 def test_routing_matches_transformers_routers(name):
     """Our route() on the router logits against HF's router module on the same hidden states: the
     same k experts per token with the same weights (Mixtral: softmax-top-k-renormalize in HF, top-k
-    then softmax here; Qwen3-MoE with and without norm_topk_prob; gpt-oss: biased logits)."""
+    then softmax here; Qwen3-MoE with and without norm_topk_prob; gpt-oss: biased logits; GLM-4.5:
+    sigmoid scores, the random correction, 2 of 4 groups kept, renormalized, times 2.5)."""
     hf = build_hf_model(name)
     layer = next(m for m in hf.model.layers if hasattr(m.mlp, "experts"))
     router = layer.mlp.router if hasattr(layer.mlp, "router") else layer.mlp.gate
@@ -78,8 +81,10 @@ def test_routing_matches_transformers_routers(name):
     with torch.no_grad():
         logits, scores, idx = router(x)
     cfg = model_config_from_hf(cfg_dict(name))
+    correction = getattr(router, "e_score_correction_bias", None)
     weights, experts = route(jnp.asarray(logits.numpy()), cfg.num_experts_per_tok, cfg.moe_routing,
-                             cfg.moe_norm_topk)
+                             cfg.moe_norm_topk, None if correction is None else jnp.asarray(correction.numpy()),
+                             cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_routed_scale)
     order = np.argsort(np.asarray(experts), axis=1)
     hf_order = np.argsort(idx.numpy(), axis=1)
     np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), order, 1),

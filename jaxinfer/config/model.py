@@ -97,6 +97,12 @@ class ModelConfig:
     # the k) or "softmax_topk" (Qwen3-MoE: softmax over all experts, top-k, renormalized over the k when
     # moe_norm_topk). swiglu_limit (gpt-oss): the experts' clamped SwiGLU,
     # (clip(up, -L, L) + 1) * g * sigmoid(swiglu_alpha * g) with g = min(gate, L), instead of act(gate) * up.
+    # "sigmoid_topk" (DeepSeek-V3, GLM-4.5): sigmoid of the logits, a learned per-expert correction
+    # added for the choice only, the choice limited to the moe_topk_groups best of moe_groups expert
+    # groups (a group scored by its two best), the chosen sigmoids renormalized when moe_norm_topk,
+    # times moe_routed_scale. Shared experts (Qwen2-MoE, DeepSeek, GLM-4.5): a dense gated MLP of
+    # moe_shared_ffn_dim beside the routed experts of every MoE layer, its output added (Qwen2-MoE:
+    # times sigmoid(x . w) of a learned [d_model] gate when moe_shared_gate).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_ffn_dim: int | None = None
@@ -104,6 +110,11 @@ class ModelConfig:
     moe_routing: str = "topk_softmax"
     moe_norm_topk: bool = True
     router_bias: bool = False
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_routed_scale: float = 1.0
+    moe_shared_ffn_dim: int = 0
+    moe_shared_gate: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     tie_embeddings: bool = False
@@ -115,8 +126,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         ints = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
-                "max_position_embeddings", "num_experts", "num_experts_per_tok")
-        floats = ("norm_eps", "rope_theta", "embed_scale", "swiglu_alpha", "residual_scale", "logits_scaling")
+                "max_position_embeddings", "num_experts", "num_experts_per_tok", "moe_groups", "moe_topk_groups",
+                "moe_shared_ffn_dim")
+        floats = ("norm_eps", "rope_theta", "embed_scale", "swiglu_alpha", "residual_scale", "logits_scaling",
+                  "moe_routed_scale")
         optional = {"sliding_window": _is_int, "rotary_dim": _is_int, "rope_local_theta": _is_number,
                     "attn_scale": _is_number, "attn_softcap": _is_number, "final_softcap": _is_number,
                     "moe_ffn_dim": _is_int, "swiglu_limit": _is_number}
@@ -151,7 +164,12 @@ class ModelConfig:
             "num_experts_per_tok": (0 < self.num_experts_per_tok <= self.num_experts if self.num_experts
                                     else self.num_experts_per_tok == 0),
             "moe_layers": self.moe_layers is None or (len(self.moe_layers) == self.n_layers and self.num_experts > 0),
-            "moe_routing": self.moe_routing in ("topk_softmax", "softmax_topk"),
+            "moe_routing": self.moe_routing in ("topk_softmax", "softmax_topk", "sigmoid_topk"),
+            "moe_groups": self.moe_groups > 0 and (not self.num_experts or self.num_experts % self.moe_groups == 0),
+            "moe_topk_groups": 0 < self.moe_topk_groups <= self.moe_groups and (
+                self.moe_groups == 1 or self.moe_routing == "sigmoid_topk"),
+            "moe_shared_ffn_dim": self.moe_shared_ffn_dim >= 0 and (self.num_experts > 0 or not self.moe_shared_ffn_dim),
+            "moe_shared_gate": self.moe_shared_ffn_dim > 0 or not self.moe_shared_gate,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
@@ -237,7 +255,10 @@ class ModelConfig:
         mlp += ((2 * f if self.gated_mlp else f) + d) if self.mlp_bias else 0
         fe = self.expert_ffn_dim
         expert = 3 * d * fe + ((2 * fe + d) if self.mlp_bias else 0)
-        router = d * self.num_experts + (self.num_experts if self.router_bias else 0)
+        # the shared experts run for every token: with the router, per MoE layer (sigmoid_topk's correction
+        # is a buffer, not a parameter, in transformers' count)
+        router = (d * self.num_experts + (self.num_experts if self.router_bias else 0)
+                  + 3 * d * self.moe_shared_ffn_dim + (d if self.moe_shared_gate else 0))
         norms = (4 if self.post_norms else 2) * norm_p
         n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
         out = {"embedding": self.vocab_size * d, "lm_head": 0 if self.tie_embeddings else self.vocab_size * d,

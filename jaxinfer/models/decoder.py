@@ -168,7 +168,8 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards)
         self.mlp_norm = norm() if cfg.pre_norms else None
         if cfg.is_moe_layer(layer):
-            self.mlp = MoE(cfg, dtype, rngs, None if fused is None else fused.expert_shards)
+            self.mlp = MoE(cfg, dtype, rngs, *((None, None) if fused is None else (fused.expert_shards,
+                                                                                   fused.shared_shards)))
         else:
             self.mlp = MLP(cfg, dtype, rngs, None if fused is None else fused.mlp_shards)
         self.attn_post_norm = norm() if cfg.post_norms else None
@@ -209,6 +210,7 @@ class FusedLayout:
     mlp_shards: int
     kv_replicas: int
     expert_shards: int = 1
+    shared_shards: int = 1     # the shared experts' gate_up (cfg.moe_shared_ffn_dim)
 
     @staticmethod
     def for_tp(cfg: ModelConfig, tp: int = 1) -> "FusedLayout":
@@ -222,7 +224,8 @@ class FusedLayout:
             raise ConfigError(f"tensor_parallel={tp} splits {kv} KV heads by repeating them, and this model's k "
                               f"norm spans all its KV heads at once (OLMo 2); use a tensor_parallel that divides {kv}")
         experts = tp if cfg.num_experts and cfg.expert_ffn_dim % tp == 0 else 1
-        return FusedLayout(attn, tp if cfg.ffn_dim % tp == 0 else 1, reps, experts)
+        shared = tp if cfg.moe_shared_ffn_dim and cfg.moe_shared_ffn_dim % tp == 0 else 1
+        return FusedLayout(attn, tp if cfg.ffn_dim % tp == 0 else 1, reps, experts, shared)
 
 
 class Decoder(nnx.Module):
@@ -547,7 +550,7 @@ def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
     # each column shuffle is one jitted program (per leaf shape; every layer shares them), not a
     # dozen eager reshapes, repeats and concatenations per leaf compiled one by one
     qkv = jax.jit(_qkv_fuse(cfg, layout))
-    gate_ups = {s: jax.jit(_gate_up_fuse(s)) for s in {layout.expert_shards, layout.mlp_shards}}
+    gate_ups = {s: jax.jit(_gate_up_fuse(s)) for s in {layout.expert_shards, layout.mlp_shards, layout.shared_shards}}
     for i in range(cfg.n_layers):
         a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
         out[f"{a}/qkv"] = _fuse_leaves([_as_columns(p[f"{a}/{n}"]) for n in "qkv"], qkv,
@@ -559,8 +562,13 @@ def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
             out[f"{m}/gate_up"] = _fuse_leaves([p[f"{m}/gate"], p[f"{m}/up"]], gate_up, (f"{m}/gate", f"{m}/up"))
             if cfg.mlp_bias:
                 out[f"{m}/gate_up_bias"] = gate_up([p[f"{m}/gate_bias"], p[f"{m}/up_bias"]])
+        shared = f"{m}/shared"
+        if f"{shared}/gate" in p:
+            out[f"{shared}/gate_up"] = _fuse_leaves([p[f"{shared}/gate"], p[f"{shared}/up"]],
+                                                    gate_ups[layout.shared_shards], (f"{shared}/gate", f"{shared}/up"))
         if consume:
-            for name in [f"{a}/{n}" for n in fused_names[:6]] + [f"{m}/{n}" for n in fused_names[6:]]:
+            for name in ([f"{a}/{n}" for n in fused_names[:6]] + [f"{m}/{n}" for n in fused_names[6:]]
+                         + [f"{shared}/gate", f"{shared}/up"]):
                 for leaf in jax.tree.leaves(p.pop(name, None)):
                     leaf.delete()
     fused_cfg = dataclasses.replace(cfg, n_kv_heads=cfg.n_kv_heads * layout.kv_replicas)
@@ -597,6 +605,9 @@ def unfuse_decoder(model: Decoder) -> Decoder:
             if cfg.mlp_bias:
                 out[f"{m}/gate_bias"], out[f"{m}/up_bias"] = _split_leaves(p[f"{m}/gate_up_bias"], split,
                                                                            [(*lead, width)] * 2)
+        if f"{m}/shared/gate_up" in p:
+            out[f"{m}/shared/gate"], out[f"{m}/shared/up"] = _split_leaves(
+                p[f"{m}/shared/gate_up"], _gate_up_split(layout.shared_shards), [(d, cfg.moe_shared_ffn_dim)] * 2)
     unfused = _build(cfg, p["embed"].dtype, None, out)
     set_matmul_impl(unfused, matmul_impl(model))
     return unfused

@@ -25,7 +25,8 @@ _HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
                   "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_embed", "n_head",
                   "n_layer", "n_inner", "n_positions", "seq_length", "max_window_layers",
                   "original_max_position_embeddings", "num_experts", "num_local_experts", "num_experts_per_tok",
-                  "moe_intermediate_size", "decoder_sparse_step")
+                  "moe_intermediate_size", "decoder_sparse_step", "shared_expert_intermediate_size",
+                  "n_routed_experts", "n_group", "topk_group")
 _HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rope_local_base_freq", "swiglu_alpha")
 _HF_OPTIONAL_POSITIVE = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
                          "partial_rotary_factor", "swiglu_limit")
@@ -93,6 +94,8 @@ def check_hf_fields(c: dict[str, Any], where: str) -> None:
         if v is not None and not (_is_number(v) and v > 0):
             raise ConfigError(f"{where}: field {k!r} must be a positive number or null, got {v!r}")
     w = c.get("sliding_window")
+    if w == 0 and c.get("use_sliding_window") is False:   # Qwen2MoeConfig writes 0 for "no window"
+        w = None
     if w is not None and (not _is_int(w) or w <= 0):
         raise ConfigError(f"{where}: field 'sliding_window' must be a positive integer or null, got {w!r}")
     for k in ("max_position_embeddings", "n_positions", "seq_length"):
@@ -346,6 +349,52 @@ def _moe(c: dict[str, Any], arch: str) -> ModelConfig:
     return dataclasses.replace(_llama_like(c, arch), **moe)
 
 
+def _qwen2_moe(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Qwen1.5-MoE / Qwen2-MoE: Qwen3-MoE's routing (softmax over all experts, top-k, renormalized only
+    when norm_topk_prob) and layer pattern (decoder_sparse_step, mlp_only_layers) on Qwen2's attention
+    (q/k/v biases: qkv_bias), plus a shared expert of shared_expert_intermediate_size whose output is
+    scaled by sigmoid(shared_expert_gate(x)). A window only when use_sliding_window, on the layers
+    layer_types names (transformers' default: the odd-numbered ones below max_window_layers)."""
+    n = c["num_hidden_layers"]
+    cfg = _moe({**c, "use_sliding_window": False}, "Qwen3MoeForCausalLM")
+    window, sliding = None, None
+    if c.get("use_sliding_window", False):
+        types = c.get("layer_types") or ["sliding_attention" if (i + 1) % 2 and i < c.get("max_window_layers", 28)
+                                         else "full_attention" for i in range(n)]
+        window, sliding = c.get("sliding_window", 4096), tuple(t == "sliding_attention" for t in types)
+    return dataclasses.replace(cfg, qkv_bias=bool(c.get("qkv_bias", True)), qk_norm=False, sliding_window=window,
+                               sliding_layers=sliding, moe_shared_ffn_dim=c["shared_expert_intermediate_size"],
+                               moe_shared_gate=True, architecture=arch)
+
+
+def _glm4_moe(c: dict[str, Any], arch: str) -> ModelConfig:
+    """GLM-4.5 / 4.6 (transformers' Glm4Moe): Llama's block with partial rotary (partial_rotary_factor,
+    default 0.5: the first half of each head rotated, rotate_half style), q/k/v biases where
+    attention_bias, per-head q/k norms where use_qk_norm; dense MLPs of intermediate_size on the
+    first first_k_dense_replace layers, mixtures on the others: sigmoid routing with a learned
+    correction and group-limited choice (n_group, topk_group), weights renormalized (norm_topk_prob)
+    and times routed_scaling_factor, and n_shared_experts shared experts of moe_intermediate_size
+    each (one MLP of their total width). The checkpoint's next-token-prediction layers (past
+    num_hidden_layers) are not read."""
+    n, e = c["num_hidden_layers"], c.get("n_routed_experts") or c.get("num_local_experts")
+    if not (_is_int(e) and e > 0):
+        raise ConfigError(f"field 'n_routed_experts' must be a positive integer, got {e!r}")
+    first_dense = c.get("first_k_dense_replace", 1)
+    params = _rope_params(c)
+    partial = float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5)))
+    cfg = _llama_like({**c, "sliding_window": None}, arch)
+    rotary = int(cfg.head_dim * partial)
+    layers = tuple(i >= first_dense for i in range(n))
+    return dataclasses.replace(
+        cfg, rotary_dim=None if rotary == cfg.head_dim else rotary, qk_norm=bool(c.get("use_qk_norm", False)),
+        qkv_bias=bool(c.get("attention_bias", False)), out_bias=False,
+        num_experts=e, num_experts_per_tok=c["num_experts_per_tok"], moe_ffn_dim=c["moe_intermediate_size"],
+        moe_layers=None if all(layers) else layers, moe_routing="sigmoid_topk",
+        moe_norm_topk=bool(c.get("norm_topk_prob", True)), moe_groups=c.get("n_group", 1) or 1,
+        moe_topk_groups=c.get("topk_group", 1) or 1, moe_routed_scale=float(c.get("routed_scaling_factor", 1.0)),
+        moe_shared_ffn_dim=c["moe_intermediate_size"] * c.get("n_shared_experts", 1))
+
+
 def _num_experts(c: dict[str, Any], arch: str) -> int:
     """num_experts or num_local_experts (transformers >= 5 saves the latter for every MoE family: an
     attribute_map alias), else the class default."""
@@ -517,6 +566,7 @@ _HF_BUILDERS = {
     "MixtralForCausalLM": _moe, "Qwen3MoeForCausalLM": _moe, "GptOssForCausalLM": _gpt_oss,
     "SmolLM3ForCausalLM": _smollm3, "GraniteForCausalLM": _granite, "Olmo2ForCausalLM": _olmo,
     "Olmo3ForCausalLM": _olmo, "Exaone4ForCausalLM": _exaone4, "SeedOssForCausalLM": _seed_oss,
+    "Qwen2MoeForCausalLM": _qwen2_moe, "Glm4MoeForCausalLM": _glm4_moe,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -526,7 +576,8 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "gpt_oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                        "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
-                       "exaone4": "Exaone4ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
+                       "exaone4": "Exaone4ForCausalLM", "seed_oss": "SeedOssForCausalLM",
+                       "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}

@@ -133,6 +133,14 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
     m[f"{o}/mlp/router"] = ((f"{p}.{block}.gate.weight",), _t)
     for ours, theirs in names.items():
         m[f"{o}/mlp/{ours}"] = (tuple(f"{p}.{block}.experts.{j}.{theirs}.weight" for j in e), _stack_t)
+    if cfg.moe_routing == "sigmoid_topk":   # DeepSeek-V3 / GLM-4.5's choice correction
+        m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.gate.e_score_correction_bias",), _ident)
+    if cfg.moe_shared_ffn_dim:   # Qwen2-MoE: shared_expert (+ its gate); GLM-4.5 / DeepSeek: shared_experts
+        shared = "shared_expert" if cfg.moe_shared_gate else "shared_experts"
+        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            m[f"{o}/mlp/shared/{ours}"] = ((f"{p}.{block}.{shared}.{theirs}.weight",), _t)
+        if cfg.moe_shared_gate:
+            m[f"{o}/mlp/shared_gate"] = ((f"{p}.{block}.shared_expert_gate.weight",), _t)
 
 
 def _gpt2_map(cfg: ModelConfig) -> WeightMap:
@@ -188,7 +196,8 @@ def _bloom_map(cfg: ModelConfig) -> WeightMap:
 _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen2ForCausalLM": _llama_map,
          "Qwen3ForCausalLM": _llama_map, "Gemma2ForCausalLM": _llama_map, "Gemma3ForCausalLM": _llama_map,
          "Phi3ForCausalLM": lambda cfg: _llama_map(cfg, fused=True), "MixtralForCausalLM": _llama_map,
-         "Qwen3MoeForCausalLM": _llama_map, "GptOssForCausalLM": _llama_map, "SmolLM3ForCausalLM": _llama_map,
+         "Qwen3MoeForCausalLM": _llama_map, "Qwen2MoeForCausalLM": _llama_map, "Glm4MoeForCausalLM": _llama_map,
+         "GptOssForCausalLM": _llama_map, "SmolLM3ForCausalLM": _llama_map,
          "GraniteForCausalLM": _llama_map, "Olmo2ForCausalLM": _llama_map, "Olmo3ForCausalLM": _llama_map,
          "Exaone4ForCausalLM": _llama_map, "SeedOssForCausalLM": _llama_map,
          "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map}
