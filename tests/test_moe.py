@@ -30,9 +30,9 @@ from tests.hf_models import CONFIGS, build_hf_model
 from tests.precision import assert_rel_close, dot_chain_rtol, unit_roundoff
 from tests.two_rounds import GREEDY, naive_greedy, serve_two_rounds, two_round_prompts
 
-MOE = [n for n in CONFIGS if n.split("-")[0] in ("qwen3moe", "mixtral", "gpt", "qwen2moe", "glm4moe")]
+MOE = [n for n in CONFIGS if n.split("-")[0] in ("qwen3moe", "mixtral", "gpt", "qwen2moe", "glm4moe", "deepseekv3")]
 ARCH = {"qwen3moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt": "GptOssForCausalLM",
-        "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}
+        "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseekv3": "DeepseekV3ForCausalLM"}
 PROMPT_LEN = 24
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4, block_size=8,
               num_blocks=4 * 64 // 8 + 1, warmup=False)
@@ -367,7 +367,7 @@ def test_gpt_oss_rope_defaults_to_transformers_yarn():
 
 @pytest.mark.parametrize("change,message", [
     ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantized with 'bitsandbytes'"),  # mxfp4 loads (prequant)
-    ({"architectures": ["Qwen2MoeForCausalLM"]}, "shared expert"),
+    ({"architectures": ["DeepseekV2ForCausalLM"]}, "softmax group routing"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
     ({"num_local_experts": 0}, "num_local_experts"),
     ({"swiglu_limit": -1.0}, "swiglu_limit"),

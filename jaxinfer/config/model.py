@@ -103,6 +103,18 @@ class ModelConfig:
     # times moe_routed_scale. Shared experts (Qwen2-MoE, DeepSeek, GLM-4.5): a dense gated MLP of
     # moe_shared_ffn_dim beside the routed experts of every MoE layer, its output added (Qwen2-MoE:
     # times sigmoid(x . w) of a learned [d_model] gate when moe_shared_gate).
+    # Multi-head latent attention (DeepSeek-V3, Kimi K2; mla_kv_rank > 0): each token caches one latent
+    # vector of mla_kv_rank features (normed) and mla_rope_dim RoPE'd key features shared by every head:
+    # the KV pages hold it as one KV head of head_dim = mla_kv_rank + mla_rope_dim. Queries come from
+    # x (or a mla_q_rank-wide normed bottleneck when mla_q_rank > 0): mla_nope_dim + mla_rope_dim per
+    # head; the up-projection to each head's keys is folded into the query, the one to its values
+    # (mla_v_dim) applied after attention (models/mla.py).
+    mla_kv_rank: int = 0
+    mla_q_rank: int = 0
+    mla_nope_dim: int = 0
+    mla_rope_dim: int = 0
+    mla_v_dim: int = 0
+    mla_rope_interleave: bool = False   # the checkpoint's RoPE features in pairs (hf_maps de-interleaves them)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_ffn_dim: int | None = None
@@ -127,7 +139,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         ints = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
                 "max_position_embeddings", "num_experts", "num_experts_per_tok", "moe_groups", "moe_topk_groups",
-                "moe_shared_ffn_dim")
+                "moe_shared_ffn_dim", "mla_kv_rank", "mla_q_rank", "mla_nope_dim", "mla_rope_dim", "mla_v_dim")
         floats = ("norm_eps", "rope_theta", "embed_scale", "swiglu_alpha", "residual_scale", "logits_scaling",
                   "moe_routed_scale")
         optional = {"sliding_window": _is_int, "rotary_dim": _is_int, "rope_local_theta": _is_number,
@@ -170,6 +182,11 @@ class ModelConfig:
                 self.moe_groups == 1 or self.moe_routing == "sigmoid_topk"),
             "moe_shared_ffn_dim": self.moe_shared_ffn_dim >= 0 and (self.num_experts > 0 or not self.moe_shared_ffn_dim),
             "moe_shared_gate": self.moe_shared_ffn_dim > 0 or not self.moe_shared_gate,
+            "mla_kv_rank": self.mla_kv_rank >= 0 and (not self.mla_kv_rank or (
+                self.n_kv_heads == 1 and self.head_dim == self.mla_kv_rank + self.mla_rope_dim
+                and self.rotary_dim == self.mla_rope_dim and self.mla_nope_dim > 0 and self.mla_v_dim > 0
+                and self.position == "rope")),
+            "mla_q_rank": self.mla_q_rank >= 0,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
@@ -216,6 +233,11 @@ class ModelConfig:
         """The sliding window of one layer, or None for full causal attention."""
         return self.sliding_window if self.is_sliding(layer) else None
 
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (the mla_* fields)."""
+        return self.mla_kv_rank > 0
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether the layer's MLP is a mixture of experts (the others keep the dense MLP of ffn_dim)."""
         if not self.num_experts:
@@ -249,6 +271,11 @@ class ModelConfig:
         norm_p = per_norm * d
         attn = d * hd * (h + 2 * kv) + h * hd * d
         attn += (hd * (h + 2 * kv) if self.qkv_bias else 0) + (d if self.out_bias else 0)
+        if self.mla:
+            r, qk, qr = self.mla_kv_rank, self.mla_nope_dim + self.mla_rope_dim, self.mla_q_rank
+            attn = ((d * qr + qr + qr * h * qk) if qr else d * h * qk) + d * (r + self.mla_rope_dim) + r
+            attn += r * h * (self.mla_nope_dim + self.mla_v_dim) + h * self.mla_v_dim * d
+            attn += ((qr if qr else 0) + r + self.mla_rope_dim + d) if self.out_bias else 0
         attn += 2 * per_norm * hd if self.qk_norm else 0
         attn += h if self.attn_sinks else 0
         mlp = (3 if self.gated_mlp else 2) * d * f

@@ -46,6 +46,7 @@ from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV
 from jaxinfer.layers import (MATMUL_IMPLS, MLP, Norm, alibi_slopes, apply_rope, dense, lora_delta, param, param_value,
                              rope_inv_freq, rope_magnitude, sinusoidal_embedding)
+from jaxinfer.models.mla import MLAttention
 from jaxinfer.moe import MoE
 from jaxinfer.quant import QuantizedWeight, dot_precision, quantize, quantize_experts, quantize_fp8
 
@@ -165,7 +166,8 @@ class Block(nnx.Module):
         self.residual_post_norm, self.residual_scale = cfg.residual_post_norm, cfg.residual_scale
         norm = lambda: Norm(cfg.d_model, cfg.norm, cfg.norm_eps, dtype, rngs)  # noqa: E731
         self.attn_norm = norm() if cfg.pre_norms else None
-        self.attn = Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards)
+        self.attn = (MLAttention(cfg, layer, dtype, rngs) if cfg.mla else
+                     Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards))
         self.mlp_norm = norm() if cfg.pre_norms else None
         if cfg.is_moe_layer(layer):
             self.mlp = MoE(cfg, dtype, rngs, *((None, None) if fused is None else (fused.expert_shards,
@@ -223,6 +225,8 @@ class FusedLayout:
         if reps > 1 and cfg.qk_norm_full:
             raise ConfigError(f"tensor_parallel={tp} splits {kv} KV heads by repeating them, and this model's k "
                               f"norm spans all its KV heads at once (OLMo 2); use a tensor_parallel that divides {kv}")
+        if cfg.mla and tp > 1:
+            raise ConfigError(f"tensor_parallel={tp}: latent attention (DeepSeek-V3's MLA) runs on one device here")
         experts = tp if cfg.num_experts and cfg.expert_ffn_dim % tp == 0 else 1
         shared = tp if cfg.moe_shared_ffn_dim and cfg.moe_shared_ffn_dim % tp == 0 else 1
         return FusedLayout(attn, tp if cfg.ffn_dim % tp == 0 else 1, reps, experts, shared)
@@ -394,7 +398,7 @@ def set_matmul_impl(model, impl: str) -> None:
     if impl not in MATMUL_IMPLS:
         raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {impl!r}")
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, (Attention, MLP)):
+        if isinstance(node, (Attention, MLAttention, MLP)):
             node.matmul = impl
 
 
@@ -553,8 +557,9 @@ def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
     gate_ups = {s: jax.jit(_gate_up_fuse(s)) for s in {layout.expert_shards, layout.mlp_shards, layout.shared_shards}}
     for i in range(cfg.n_layers):
         a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
-        out[f"{a}/qkv"] = _fuse_leaves([_as_columns(p[f"{a}/{n}"]) for n in "qkv"], qkv,
-                                       tuple(f"{a}/{n}" for n in "qkv"))
+        if not cfg.mla:   # latent attention has no q / k / v to fuse
+            out[f"{a}/qkv"] = _fuse_leaves([_as_columns(p[f"{a}/{n}"]) for n in "qkv"], qkv,
+                                           tuple(f"{a}/{n}" for n in "qkv"))
         if cfg.qkv_bias:
             out[f"{a}/qkv_bias"] = qkv([p[f"{a}/{n}_bias"].reshape(-1) for n in "qkv"])
         gate_up = gate_ups[layout.expert_shards if cfg.is_moe_layer(i) else layout.mlp_shards]
@@ -591,7 +596,7 @@ def unfuse_decoder(model: Decoder) -> Decoder:
         a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
         split = _qkv_split(cfg, layout)
         shapes = [(d, h, hd), (d, kv, hd), (d, kv, hd)]
-        for n, w in zip("qkv", _split_leaves(p[f"{a}/qkv"], split, shapes)):
+        for n, w in zip("qkv", _split_leaves(p[f"{a}/qkv"], split, shapes) if not cfg.mla else ()):
             out[f"{a}/{n}"] = w
         if cfg.qkv_bias:
             for n, b in zip("qkv", _split_leaves(p[f"{a}/qkv_bias"], split, [s[1:] for s in shapes])):

@@ -26,7 +26,8 @@ _HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
                   "n_layer", "n_inner", "n_positions", "seq_length", "max_window_layers",
                   "original_max_position_embeddings", "num_experts", "num_local_experts", "num_experts_per_tok",
                   "moe_intermediate_size", "decoder_sparse_step", "shared_expert_intermediate_size",
-                  "n_routed_experts", "n_group", "topk_group")
+                  "n_routed_experts", "n_group", "topk_group", "kv_lora_rank", "qk_nope_head_dim",
+                  "qk_rope_head_dim", "v_head_dim")
 _HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rope_local_base_freq", "swiglu_alpha")
 _HF_OPTIONAL_POSITIVE = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
                          "partial_rotary_factor", "swiglu_limit")
@@ -395,6 +396,33 @@ def _glm4_moe(c: dict[str, Any], arch: str) -> ModelConfig:
         moe_shared_ffn_dim=c["moe_intermediate_size"] * c.get("n_shared_experts", 1))
 
 
+def _deepseek_v3(c: dict[str, Any], arch: str) -> ModelConfig:
+    """DeepSeek-V3 / R1, Kimi K2, Moonlight (transformers' DeepseekV3): latent attention (kv_lora_rank,
+    q_lora_rank or a plain q_proj, qk_nope_head_dim + qk_rope_head_dim per query head, v_head_dim;
+    RoPE features interleaved in pairs where rope_interleave; the softmax scale 1/sqrt(qk) times
+    YaRN's mscale(factor, mscale_all_dim)^2), and GLM-4.5's mixture (_glm4_moe: sigmoid routing with a
+    correction, n_group / topk_group, routed_scaling_factor, n_shared_experts, dense first
+    first_k_dense_replace layers). The checkpoint's next-token-prediction layers are not read."""
+    h, r = c["num_attention_heads"], c["kv_lora_rank"]
+    nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    for k, val in (("kv_lora_rank", r), ("qk_nope_head_dim", nope), ("qk_rope_head_dim", rope), ("v_head_dim", v)):
+        if not (_is_int(val) and val > 0):
+            raise ConfigError(f"field {k!r} must be a positive integer, got {val!r}")
+    qr = c.get("q_lora_rank") or 0
+    params = _rope_params(c)
+    scale = (nope + rope) ** -0.5
+    if params.get("rope_type", params.get("type", "default")) not in (None, "default") and params.get("mscale_all_dim"):
+        factor = float(params["factor"])
+        m = 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= m * m
+    moe = _glm4_moe({**c, "head_dim": r + rope, "num_key_value_heads": 1, "partial_rotary_factor": 1.0,
+                     "use_qk_norm": False, "attention_bias": False}, arch)
+    return dataclasses.replace(
+        moe, n_kv_heads=1, head_dim=r + rope, rotary_dim=rope, attn_scale=scale, qkv_bias=False,
+        out_bias=bool(c.get("attention_bias", False)), qk_norm=False, mla_kv_rank=r, mla_q_rank=qr,
+        mla_nope_dim=nope, mla_rope_dim=rope, mla_v_dim=v, mla_rope_interleave=bool(c.get("rope_interleave", True)))
+
+
 def _num_experts(c: dict[str, Any], arch: str) -> int:
     """num_experts or num_local_experts (transformers >= 5 saves the latter for every MoE family: an
     attribute_map alias), else the class default."""
@@ -566,7 +594,7 @@ _HF_BUILDERS = {
     "MixtralForCausalLM": _moe, "Qwen3MoeForCausalLM": _moe, "GptOssForCausalLM": _gpt_oss,
     "SmolLM3ForCausalLM": _smollm3, "GraniteForCausalLM": _granite, "Olmo2ForCausalLM": _olmo,
     "Olmo3ForCausalLM": _olmo, "Exaone4ForCausalLM": _exaone4, "SeedOssForCausalLM": _seed_oss,
-    "Qwen2MoeForCausalLM": _qwen2_moe, "Glm4MoeForCausalLM": _glm4_moe,
+    "Qwen2MoeForCausalLM": _qwen2_moe, "Glm4MoeForCausalLM": _glm4_moe, "DeepseekV3ForCausalLM": _deepseek_v3,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -577,7 +605,8 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "gpt_oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                        "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
                        "exaone4": "Exaone4ForCausalLM", "seed_oss": "SeedOssForCausalLM",
-                       "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+                       "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                       "deepseek_v3": "DeepseekV3ForCausalLM"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
@@ -607,8 +636,6 @@ _NOT_SUPPORTED = {
     "Gemma3ForConditionalGeneration": " (vision-language Gemma 3: only the text-only Gemma3ForCausalLM, "
                                       "model_type gemma3_text, is supported)",
     "Phi3SmallForCausalLM": " (Phi-3-small: block-sparse attention and its own MLP, not Phi3ForCausalLM's)",
-    "Qwen2MoeForCausalLM": " (Qwen2-MoE: its shared expert and shared-expert gate are not supported; Qwen3-MoE, "
-                           "Qwen3MoeForCausalLM, is)",
-    "DeepseekV3ForCausalLM": " (DeepSeek-V3: multi-head latent attention, shared experts and grouped routing are "
-                             "not supported)",
+    "DeepseekV2ForCausalLM": " (DeepSeek-V2: its softmax group routing is not supported; DeepSeek-V3's, "
+                             "DeepseekV3ForCausalLM, is)",
 }

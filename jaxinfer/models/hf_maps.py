@@ -76,7 +76,9 @@ def _llama_map(cfg: ModelConfig, fused: bool = False) -> WeightMap:
         p, o = f"model.layers.{i}", f"layers/{i}"
         for ours, theirs in norms.items():
             _norm(m, f"{o}/{ours}", f"{p}.{theirs}", False)
-        for name, heads in (("q", h), ("k", kv), ("v", kv)):
+        if cfg.mla:
+            _mla_map(m, cfg, f"{o}/attn", f"{p}.self_attn")
+        for name, heads in (("q", h), ("k", kv), ("v", kv)) if not cfg.mla else ():
             if fused:
                 lo, hi = rows[name]
                 m[f"{o}/attn/{name}"] = ((f"{p}.self_attn.qkv_proj.weight",),
@@ -91,7 +93,8 @@ def _llama_map(cfg: ModelConfig, fused: bool = False) -> WeightMap:
         if cfg.qk_norm:
             _norm(m, f"{o}/attn/q_norm", f"{p}.self_attn.q_norm", False)
             _norm(m, f"{o}/attn/k_norm", f"{p}.self_attn.k_norm", False)
-        m[f"{o}/attn/o"] = ((f"{p}.self_attn.o_proj.weight",), lambda w: w.T.reshape(h, hd, d))
+        if not cfg.mla:
+            m[f"{o}/attn/o"] = ((f"{p}.self_attn.o_proj.weight",), lambda w: w.T.reshape(h, hd, d))
         if cfg.out_bias:
             m[f"{o}/attn/o_bias"] = ((f"{p}.self_attn.o_proj.bias",), _ident)
         if cfg.attn_sinks:
@@ -112,6 +115,41 @@ def _llama_map(cfg: ModelConfig, fused: bool = False) -> WeightMap:
     if not cfg.tie_embeddings:
         m["lm_head"] = (("lm_head.weight",), _t)
     return m
+
+
+def _deinterleave(rope: int) -> np.ndarray:
+    """DeepSeek's RoPE features come in pairs (x0, x1), (x2, x3), ...; the half-split RoPE of
+    layers.apply_rope wants (x0, x2, ...) then (x1, x3, ...): this order of the rope features."""
+    return np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
+
+
+def _mla_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
+    """DeepSeek-V3's latent attention (models/mla.py): q_proj or q_a_proj / q_a_layernorm / q_b_proj,
+    kv_a_proj_with_mqa / kv_a_layernorm, kv_b_proj split into the keys' and the values' up-projections,
+    o_proj; the RoPE features of the queries and of kv_a de-interleaved (cfg.mla_rope_interleave)."""
+    h, d, r = cfg.n_heads, cfg.d_model, cfg.mla_kv_rank
+    nope, rope, v, qr = cfg.mla_nope_dim, cfg.mla_rope_dim, cfg.mla_v_dim, cfg.mla_q_rank
+    qk = nope + rope
+    perm = _deinterleave(rope) if cfg.mla_rope_interleave else np.arange(rope)
+    q_cols = np.concatenate([np.arange(nope), nope + perm])            # within each head's qk features
+    kv_cols = np.concatenate([np.arange(r), r + perm])
+    heads_out = lambda w, n_in: w.reshape(h, qk, n_in)[:, q_cols].transpose(2, 0, 1)  # noqa: E731  [out, in] -> [in, H, qk]
+    if qr:
+        m[f"{o}/q_down"] = ((f"{p}.q_a_proj.weight",), _t)
+        _norm(m, f"{o}/q_norm", f"{p}.q_a_layernorm", False)
+        m[f"{o}/q_up"] = ((f"{p}.q_b_proj.weight",), lambda w: heads_out(w, qr))
+        if cfg.out_bias:
+            m[f"{o}/q_down_bias"] = ((f"{p}.q_a_proj.bias",), _ident)
+    else:
+        m[f"{o}/q_full"] = ((f"{p}.q_proj.weight",), lambda w: heads_out(w, d))
+    m[f"{o}/kv_down"] = ((f"{p}.kv_a_proj_with_mqa.weight",), lambda w: w[kv_cols].T)
+    if cfg.out_bias:
+        m[f"{o}/kv_down_bias"] = ((f"{p}.kv_a_proj_with_mqa.bias",), lambda b: b[kv_cols])
+    _norm(m, f"{o}/kv_norm", f"{p}.kv_a_layernorm", False)
+    up = lambda w: w.reshape(h, nope + v, r).transpose(2, 0, 1)  # noqa: E731   [H (nope + v), r] -> [r, H, nope + v]
+    m[f"{o}/k_up"] = ((f"{p}.kv_b_proj.weight",), lambda w: up(w)[..., :nope])
+    m[f"{o}/v_up"] = ((f"{p}.kv_b_proj.weight",), lambda w: up(w)[..., nope:])
+    m[f"{o}/o"] = ((f"{p}.o_proj.weight",), lambda w: w.T.reshape(h, v, d))
 
 
 def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
@@ -197,6 +235,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Qwen3ForCausalLM": _llama_map, "Gemma2ForCausalLM": _llama_map, "Gemma3ForCausalLM": _llama_map,
          "Phi3ForCausalLM": lambda cfg: _llama_map(cfg, fused=True), "MixtralForCausalLM": _llama_map,
          "Qwen3MoeForCausalLM": _llama_map, "Qwen2MoeForCausalLM": _llama_map, "Glm4MoeForCausalLM": _llama_map,
+         "DeepseekV3ForCausalLM": _llama_map,
          "GptOssForCausalLM": _llama_map, "SmolLM3ForCausalLM": _llama_map,
          "GraniteForCausalLM": _llama_map, "Olmo2ForCausalLM": _llama_map, "Olmo3ForCausalLM": _llama_map,
          "Exaone4ForCausalLM": _llama_map, "SeedOssForCausalLM": _llama_map,
