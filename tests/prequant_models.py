@@ -380,6 +380,34 @@ def save_fp8_block(folder: Path, block=(32, 32), seed: int = 0):
     return Path(folder), model
 
 
+def save_fp8_block_deepseek(folder: Path, block=(8, 8)):
+    """tests/hf_models.py "deepseekv3-mla" (latent attention with a q bottleneck, interleaved RoPE,
+    sigmoid-routed experts, a shared expert) in fine-grained FP8 as DeepSeek publishes V3: every
+    linear layer of the attention and the MLPs (each routed expert's too, one tensor per expert as
+    the published checkpoints store them) quantized by transformers' Fp8Quantize; blocks of 8: the
+    tiny dims (24, 40, 64, 16) are multiples of 8 -> (folder, float model)."""
+    import types
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    from tests.hf_models import build_hf_model
+    model = build_hf_model("deepseekv3-mla")
+    model.save_pretrained(folder)
+    config = FineGrainedFP8Config(weight_block_size=list(block), modules_to_not_convert=["lm_head"])
+    quantize = Fp8Quantize(types.SimpleNamespace(quantization_config=config))
+    state = load_file(str(Path(folder) / "model.safetensors"))    # the per-expert names save_pretrained writes
+    linear = [n for n, t in state.items() if n.endswith("proj.weight") or n.endswith("proj_with_mqa.weight")]
+    for name in linear:
+        state.update(quantize._quantize_one(name, state.pop(name)))
+    save_file(state, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    cfg["quantization_config"] = {k: v for k, v in config.to_dict().items() if v is not None}
+    (Path(folder) / "config.json").write_text(json.dumps(cfg))
+    return Path(folder), model
+
+
 def fp8_block_reference(folder: Path):
     """transformers loading the folder on CPU: FineGrainedFP8 dequantizes every weight at load
     (Fp8Dequantize), float32."""

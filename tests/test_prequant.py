@@ -266,6 +266,27 @@ def test_fp8_block_matches_transformers(fp8_block):
     assert_rel_close(ours, pm.logits(ref, IDS), F32_RTOL, "fp8 block")
 
 
+def test_fp8_block_deepseek_latent_attention_and_experts(tmp_path):
+    """DeepSeek-V3's published form at a tiny size: every linear layer fine-grained FP8, the routed
+    experts one tensor each. Their e4m3 codes stay packed, stacked per layer with a scale per block
+    (the latent projections, which models/mla.py multiplies in their absorbed form, dequantized at
+    load); the logits are transformers' on the same folder (Fp8Dequantize), float32 rounding apart."""
+    from jaxinfer.quant import QuantizedWeight
+    folder, _ = pm.save_fp8_block_deepseek(tmp_path / "ds")
+    ref = pm.fp8_block_reference(folder)
+    model, ours = _ours(folder)
+    experts = model.layers[1].mlp.gate.get_value()
+    assert isinstance(experts, QuantizedWeight) and experts.batch == 1 and experts.shape == (8, 64, 16)
+    assert experts.q.dtype.name == "float8_e4m3fn" and experts.group_size == 8
+    assert isinstance(model.layers[1].mlp.shared.down.get_value(), QuantizedWeight)
+    # per layer (d=64): q_a 64, q_b 24, kv_a 64, the absorbed query 16, the score over latent + rope 40,
+    # v_up 32, o 64; then the dense MLP (64, 48) on layer 0, the experts and the shared expert (64, 16
+    # each) on layers 1 and 2; the LM head 64
+    attn = (64, 24, 64, 16, 40, 32, 64)
+    chain = attn + (64, 48) + 2 * (attn + (64, 16, 64, 16)) + (64,)
+    assert_rel_close(ours, pm.logits(ref, IDS), dot_chain_rtol(*chain), "fp8 block deepseek")
+
+
 @pytest.mark.parametrize("edit,needle", [
     (lambda q: q.update(activation_scheme="static"), "'activation_scheme' = 'static'"),
     (lambda q: q.pop("weight_block_size"), "'weight_block_size' = None"),

@@ -76,6 +76,8 @@ def load_param(reader, ours: str, hf_names: tuple[str, ...], transform: Callable
     quantized = [m is not None and reader.quantized(m) for m in modules]
     if not any(quantized):
         return None
+    if len(hf_names) > 1 and reader.method == "fp8" and all(quantized) and _stacks_experts(transform):
+        return _stacked_experts([reader.linear(m) for m in modules], ours, expected)
     if len(hf_names) != 1:
         raise QuantConfigError(f"tensors {list(hf_names)} make parameter {ours} (one tensor per expert "
                                f"or a fused tensor); quantized, they are not supported in {reader.method} "
@@ -89,3 +91,25 @@ def load_param(reader, ours: str, hf_names: tuple[str, ...], transform: Callable
         raise QuantConfigError(f"tensor {modules[0]!r} dequantizes to {as_float(qw).shape}, which does not "
                                f"give {ours} of shape {expected}")
     return value
+
+
+def _stacks_experts(transform) -> bool:
+    """The transform stacks one torch Linear per expert (hf_maps._stack_t)."""
+    from jaxinfer.models.hf_maps import _stack_t
+    return transform is _stack_t
+
+
+def _stacked_experts(qws: list, ours: str, expected: tuple[int, ...]):
+    """Per-expert [K, N] QuantizedWeights (fine-grained FP8: e4m3 codes, a scale per block) as one
+    stacked [E, K, N] (quant.quantize_experts' layout, batch 1: moe.py takes expert e's as they are)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    first = qws[0]
+    if any(q.shape != first.shape or q.group_size != first.group_size for q in qws):
+        raise QuantConfigError(f"the experts of {ours} are quantized in different shapes or blocks")
+    shape = (len(qws), *first.shape)
+    if shape != tuple(expected):
+        raise QuantConfigError(f"the experts of {ours} stack to {shape}; expected {tuple(expected)}")
+    return dataclasses.replace(first, q=jnp.stack([q.q for q in qws]), scales=jnp.stack([q.scales for q in qws]),
+                               zeros=None, shape=shape, batch=1)
