@@ -11,7 +11,9 @@ identical, and how its first MoE layer's expert weights are laid out:
   - gpt-oss at TP 2 (sinks split with their heads, expert and router biases, the clamped SwiGLU), and
     at PP 2 x TP 2 (two layers per stage, sliding on one, global on the other; stacked experts);
   - GLM-4.5 at TP 2 with int8 weights (the shared experts' MLP split like a dense one, sigmoid
-    routing with its float32 correction, partial rotary).
+    routing with its float32 correction, partial rotary);
+  - DeepSeek-V3 at TP 4 with int8 weights (latent attention: the query, key and value
+    up-projections split by head, the latent and its one-head KV pages replicated).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from pathlib import Path
 
 RUNS = {"qwen3moe-gqa": [dict(tensor_parallel=2), dict(tensor_parallel=4), dict(tensor_parallel=2, quantize="int8")],
         "gpt-oss": [dict(tensor_parallel=2), dict(pipeline_parallel=2, tensor_parallel=2)],
-        "glm4moe-groups": [dict(tensor_parallel=2, quantize="int8")]}
+        "glm4moe-groups": [dict(tensor_parallel=2, quantize="int8")],
+        "deepseekv3-mla": [dict(tensor_parallel=4, quantize="int8")]}
 PROMPTS = [[3, 17, 42, 9, 100, 5, 77, 12, 8, 60, 33, 1, 7, 19], [5, 6, 7]]
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=16, token_buckets=[16], max_num_seqs=4,
               block_size=8, num_blocks=33, warmup=False)

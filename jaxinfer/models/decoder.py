@@ -222,11 +222,11 @@ class FusedLayout:
         # the fewest copies of each KV head that split into whole heads per device while every
         # device's query heads still share its own KV heads (kv * r divides h: g = h / kv works)
         reps = next(r for r in range(1, h // kv + 1) if (h // kv) % r == 0 and (kv * r) % attn == 0)
+        if cfg.mla:   # the one latent "KV head" is replicated (each device reads it for its query heads)
+            reps = 1
         if reps > 1 and cfg.qk_norm_full:
             raise ConfigError(f"tensor_parallel={tp} splits {kv} KV heads by repeating them, and this model's k "
                               f"norm spans all its KV heads at once (OLMo 2); use a tensor_parallel that divides {kv}")
-        if cfg.mla and tp > 1:
-            raise ConfigError(f"tensor_parallel={tp}: latent attention (DeepSeek-V3's MLA) runs on one device here")
         experts = tp if cfg.num_experts and cfg.expert_ffn_dim % tp == 0 else 1
         shared = tp if cfg.moe_shared_ffn_dim and cfg.moe_shared_ffn_dim % tp == 0 else 1
         return FusedLayout(attn, tp if cfg.ffn_dim % tp == 0 else 1, reps, experts, shared)
