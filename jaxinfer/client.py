@@ -203,6 +203,15 @@ class EngineClient:
         with self._lock:
             return self.engine.sleeping
 
+    def weights_on_device(self) -> bool:
+        with self._lock:
+            return self.engine.residency.weights_on_device
+
+    def served_params(self):
+        """The served model's params as the engine holds them (what a full forward takes)."""
+        with self._lock:
+            return self.engine.runner.target_params
+
     def locked(self, fn: Callable[[], object]) -> object:
         """Run fn() while holding the engine lock (multi-host: publish and run in one order)."""
         with self._lock:

@@ -163,7 +163,7 @@ class Generator:
     def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, max_num_batched_tokens: int | None = None,
                  warmup: bool = True, draft_model=None, medusa_heads=None, channel=None,
                  embedding: EmbeddingSpec | None = None, classifier: Classifier | None = None,
-                 sampling_defaults: dict | None = None):
+                 sampling_defaults: dict | None = None, recipe: _Recipe | None = None):
         """max_num_batched_tokens: when given, replaces cfg's (EngineConfig.max_num_batched_tokens).
         channel: multi-host, the jaxinfer.distributed.StepChannel of this process's group
         (from_pretrained makes it): process 0 publishes every step and gen.logits call on it, the
@@ -173,7 +173,8 @@ class Generator:
         its decoder embedding by the last token.
         sampling_defaults: the model's default sampling parameters (jaxinfer.generation_defaults;
         from_pretrained reads them): gen.default_sampling_params(), and the server's for every
-        field a request leaves out."""
+        field a request leaves out. recipe: how from_pretrained read the weights (update_weights and
+        sleep(level=2) read new ones the same way; None: a Generator built around a model object)."""
         from jaxinfer.compilation_cache import enable_compilation_cache
         from pallas_kernels.autotune import log_budget_summary
 
@@ -190,7 +191,7 @@ class Generator:
         self.sampling_defaults = dict(sampling_defaults or {})
         self.max_tokens_cap = max_tokens_cap(cfg.generation_config, _override(cfg), self.sampling_defaults)
         self._channel = channel
-        self._recipe: _Recipe | None = None    # how from_pretrained read the weights (update_weights reads so)
+        self._recipe = recipe
         publish = None
         if channel is not None and channel.group.is_leader:   # every step's host inputs go to the others first
             from jaxinfer.distributed import step_arrays
@@ -246,10 +247,8 @@ class Generator:
                 raise ValueError("embeddings (pooling=, a sentence-transformers folder) are not available with "
                                  "pipeline_parallel > 1")
             model = _load_pipelined(path, cfg)
-            gen = cls(model, _tokenizer(tok_path or path, cfg, model.cfg.vocab_size), cfg, None, warmup,
-                      sampling_defaults=_sampling_defaults(path, cfg))
-            gen._recipe = _Recipe(path, cfg, None, pipelined=True)
-            return gen
+            return cls(model, _tokenizer(tok_path or path, cfg, model.cfg.vocab_size), cfg, None, warmup,
+                       sampling_defaults=_sampling_defaults(path, cfg), recipe=_Recipe(path, cfg, None, pipelined=True))
         mesh = None
         if cfg.tensor_parallel > 1:
             from jaxinfer.sharding import make_mesh
@@ -269,12 +268,10 @@ class Generator:
         if draft_path is not None and group is not None:
             raise ValueError("speculative decoding is not available across several processes (multi-host)")
         draft, heads = _load_speculative(draft_path, cfg.speculative_method, model, cfg.dtype)
-        gen = cls(model, _tokenizer(tok_path or path, cfg, model.cfg.vocab_size), cfg, None, warmup,
-                  draft_model=draft, medusa_heads=heads,
-                  channel=channel, embedding=embedding, classifier=classifier,
-                  sampling_defaults=_sampling_defaults(path, cfg))
-        gen._recipe = _Recipe(path, cfg, model_cfg, pipelined=False)
-        return gen
+        return cls(model, _tokenizer(tok_path or path, cfg, model.cfg.vocab_size), cfg, None, warmup,
+                   draft_model=draft, medusa_heads=heads,
+                   channel=channel, embedding=embedding, classifier=classifier,
+                   sampling_defaults=_sampling_defaults(path, cfg), recipe=_Recipe(path, cfg, model_cfg, pipelined=False))
 
     def default_sampling_params(self) -> SamplingParams:
         """vLLM's LLM.get_default_sampling_params: SamplingParams with the model's recommended
@@ -392,7 +389,7 @@ class Generator:
         return self.client.locked(publish_and_run)
 
     def _run_forward(self, tokens: np.ndarray, positions: np.ndarray, *lora) -> np.ndarray:
-        if not self.engine.residency.weights_on_device:
+        if not self.client.weights_on_device():
             from jaxinfer.engine import EngineSleepingError
             raise EngineSleepingError("the engine's weights are asleep (sleep mode): wake_up() first")
         out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions), *lora)
@@ -566,7 +563,7 @@ class Generator:
         self._check_weights_api("update_weights")
         params = self._read_weights(weights)
         self.client.update_weights(params, checkpoint_name(weights))
-        self._params = self.engine.runner.target_params
+        self._params = self.client.served_params()
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's LLM.sleep: free the accelerator memory the engine holds (the KV pages, and the
@@ -592,8 +589,8 @@ class Generator:
         except WeightsAsleep:
             self.update_weights(self._recipe.path)
             self.client.wake_up(tags)
-        if self.engine.residency.weights_on_device:
-            self._params = self.engine.runner.target_params
+        if self.client.weights_on_device():
+            self._params = self.client.served_params()
 
     def is_sleeping(self) -> bool:
         """True from sleep() until wake_up() has put back both the weights and the KV pages."""
