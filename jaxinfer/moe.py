@@ -161,7 +161,9 @@ class MoE(nnx.Module):
         fused, bias = shards is not None, cfg.mlp_bias
         expert = lambda n, axis, b=False: param((e, *n), ("experts", *axis), dtype, rngs,  # noqa: E731
                                                 init="zeros" if b else "normal")
-        self.router = param((d, e), ("embed", None), dtype, rngs)
+        # sigmoid routing: the router in float32, as transformers keeps it (its logits pick among many
+        # experts by small margins; bfloat16 logits changed ~2% of choices at DeepSeek-V3's size)
+        self.router = param((d, e), ("embed", None), jnp.float32 if cfg.moe_routing == "sigmoid_topk" else dtype, rngs)
         self.router_bias = param((e,), (None,), dtype, rngs, init="zeros") if cfg.router_bias else None
         # sigmoid_topk's choice correction (float32, as transformers keeps it)
         self.router_correction = (param((e,), (None,), jnp.float32, rngs, init="zeros")
@@ -181,8 +183,11 @@ class MoE(nnx.Module):
         self.down_bias = expert((d,), ("embed",), True) if bias else None
 
     def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-        """x [T, D], valid [T] bool (None: every token) -> [T, D]; invalid tokens' outputs are 0."""
-        logits = dense(x, self.router.get_value(), param_value(self.router_bias)).astype(jnp.float32)  # (T, E)
+        """x [T, D], valid [T] bool (None: every token) -> [T, D]; invalid tokens get no routed expert's
+        output (the shared experts run for every token)."""
+        router = self.router.get_value()
+        xr = x.astype(jnp.float32) if router.dtype == jnp.float32 else x
+        logits = dense(xr, router, param_value(self.router_bias)).astype(jnp.float32)           # (T, E)
         weights, experts = route(logits, self.k, self.routing, self.norm_topk, param_value(self.router_correction),
                                  self.groups, self.topk_groups, self.routed_scale)   # (T, k)
         order, sizes = sort_rows(experts, valid, self.num_experts)                  # (R,), (E,)

@@ -258,9 +258,12 @@ def _assemble(cfg: ModelConfig, dtype, mesh: Mesh, outer_values: dict, layer_val
 
 
 def _param_specs(cfg: ModelConfig, dtype):
-    """name -> (logical axes, shape) of the Decoder's parameters; layer i's as 'layers/i/...'."""
+    """name -> (logical axes, shape, dtype) of the Decoder's parameters; layer i's as 'layers/i/...'
+    (the dtype: `dtype`, or float32 where the model keeps a parameter in float32 whatever the weights'
+    dtype: a sigmoid router and its correction)."""
     flat = nnx.state(abstract_decoder(cfg, dtype), nnx.Param).flat_state()
-    return {"/".join(map(str, p)): (v.get_metadata().get("logical_axes"), tuple(v.get_value().shape)) for p, v in flat}
+    return {"/".join(map(str, p)): (v.get_metadata().get("logical_axes"), tuple(v.get_value().shape),
+                                    v.get_value().dtype) for p, v in flat}
 
 
 def _stack_quantized(name: str, per_layer: list[QuantizedWeight], axes, rules, mesh: Mesh) -> QuantizedWeight:
@@ -299,14 +302,14 @@ def _place(cfg: ModelConfig, dtype, mesh: Mesh, read) -> PipelinedDecoder:
     rules = rules_for(cfg, mesh)
     specs = _param_specs(cfg, dtype)
     outer, stacked = {}, {}
-    for name, (axes, shape) in specs.items():
+    for name, (axes, shape, pdtype) in specs.items():
         if not name.startswith("layers/"):
             value = read(name)
             if isinstance(value, QuantizedWeight):
                 outer[name] = jax.device_put(value, quantized_sharding(value, axes, rules, mesh))
             else:
                 outer[name] = load_sharded(lambda idx, v=value: v[idx], shape,
-                                           param_sharding(axes, rules, mesh, shape), dtype=dtype)
+                                           param_sharding(axes, rules, mesh, shape), dtype=pdtype)
         elif name.startswith("layers/0/"):
             rel = name[len("layers/0/"):]
             first = read(name)
@@ -320,7 +323,7 @@ def _place(cfg: ModelConfig, dtype, mesh: Mesh, read) -> PipelinedDecoder:
                 return np.stack([np.asarray(read(f"layers/{i}/{rel}"))[index[1:]]
                                  for i in range(*index[0].indices(cfg.n_layers))])
             stacked[rel] = load_sharded(stage_slice, (cfg.n_layers, *shape), _stacked_sharding(mesh, rules, axes, shape),
-                                        dtype=dtype)
+                                        dtype=pdtype)
     return _assemble(cfg, dtype, mesh, outer, stacked)
 
 
@@ -366,7 +369,7 @@ def load_pipelined(path: str | Path, dtype: str, mesh: Mesh, quantize: str | Non
     layers_per_stage(cfg, int(mesh.shape["pipeline"]))
     st, wmap, jdtype = tensor_source(path), hf_weight_map(cfg), DTYPES[dtype]
     specs = _param_specs(cfg, jdtype)
-    read = lambda name: hf_value(st, name, *wmap[name], specs[name][1]).astype(np.float32)  # noqa: E731
+    read = lambda name: hf_value(st, name, *wmap[name], specs[name][1]).astype(np.float32)  # noqa: E731  (shape)
     return _place(cfg, jdtype, mesh, read)
 
 

@@ -285,8 +285,8 @@ def save_native(model: Decoder, out_dir: str | Path, dtype: str, tokenizer=None,
             quantized[name] = _quantized_meta(value)
             params.update({f"{name}/{leaf}": getattr(value, leaf) for leaf in _QW_LEAVES
                            if getattr(value, leaf) is not None})
-        else:
-            params[name] = value.astype(jdtype)
+        else:   # a parameter the model keeps in float32 whatever its dtype (a sigmoid router) stays so
+            params[name] = value if name in _always_float32(model.cfg) else value.astype(jdtype)
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(out_dir / "params", params, force=True)
     ckptr.wait_until_finished()
@@ -299,6 +299,13 @@ def save_native(model: Decoder, out_dir: str | Path, dtype: str, tokenizer=None,
 
 
 _QW_LEAVES = ("q", "scales", "zeros", "act_scale", "act_zero", "perm")
+
+
+def _always_float32(cfg: ModelConfig) -> set[str]:
+    """The parameters the model declares float32 whatever its dtype (a sigmoid router and its choice
+    correction, as transformers keeps them)."""
+    return {"/".join(map(str, p)) for p, v in nnx.state(abstract_decoder(cfg, jnp.bfloat16), nnx.Param).flat_state()
+            if v.get_value().dtype == jnp.float32}
 
 
 def _quantized_meta(qw: QuantizedWeight) -> dict[str, Any]:
@@ -369,8 +376,12 @@ def load_native(folder: str | Path, dtype: str | None = None, mesh=None, rules=N
         rules = rules if rules is not None else rules_for(cfg, mesh)
         sharding = lambda v: param_sharding(v.get_metadata().get("logical_axes"), rules, mesh,  # noqa: E731
                                             tuple(v.get_value().shape))
-    abstract = {"/".join(map(str, p)): jax.ShapeDtypeStruct(v.get_value().shape, stored, sharding=sharding(v))
+    # float32 where the model keeps a parameter in float32 whatever the weights' dtype (a sigmoid router
+    # and its correction), else the stored dtype
+    abstract = {"/".join(map(str, p)): jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
+                                                            sharding=sharding(v))
                 for p, v in nnx.state(target, nnx.Param).flat_state()}
+    keep32 = _always_float32(cfg)
     quantized = meta.get("quantized_weights", {})
     replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     for name, m in quantized.items():   # QuantizedWeights are restored as stored (replicated on a mesh)
@@ -387,7 +398,8 @@ def load_native(folder: str | Path, dtype: str | None = None, mesh=None, rules=N
     except Exception as e:  # orbax raises many types; the user needs the folder and the cause
         raise CheckpointError(_restore_error(params_dir, e)) from None
     jdtype = DTYPES[dtype] if dtype else stored
-    arrays = {k: v.astype(jdtype) for k, v in restored.items() if k.rsplit("/", 1)[0] not in quantized}
+    arrays = {k: v if k in keep32 else v.astype(jdtype) for k, v in restored.items()
+              if k.rsplit("/", 1)[0] not in quantized}
     for name, m in quantized.items():   # keys not read here (none written so far) are ignored
         arrays[name] = QuantizedWeight(restored[f"{name}/q"], restored[f"{name}/scales"],
                                        restored.get(f"{name}/zeros"), bits=m["bits"], group_size=m["group_size"],

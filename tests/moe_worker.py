@@ -46,8 +46,15 @@ def _expert_layout(gen) -> dict:
     codes = lambda a: a.q if isinstance(a, QuantizedWeight) else a  # noqa: E731
     dev0 = jax.devices()[0]
     local = sum(s.data.nbytes for leaf in jax.tree.leaves(w) for s in leaf.addressable_shards if s.device == dev0)
-    return {"spec": [str(a) for a in codes(w).sharding.spec], "device0_fraction": local / sum(
+    out = {"spec": [str(a) for a in codes(w).sharding.spec], "device0_fraction": local / sum(
         leaf.nbytes for leaf in jax.tree.leaves(w)), "down_spec": [str(a) for a in codes(down).sharding.spec]}
+    if mlp.shared is not None:   # the shared experts' MLP: column- then row-parallel like a dense one
+        out["shared_specs"] = [[str(a) for a in codes(p.get_value()).sharding.spec]
+                               for p in (mlp.shared.gate_up, mlp.shared.down)]
+    if model.cfg.mla:   # latent attention: the per-head up-projections split by head
+        attn = model.layers[0].attn
+        out["mla_specs"] = [[str(a) for a in p.get_value().sharding.spec] for p in (attn.k_up, attn.v_up)]
+    return out
 
 
 def main(tmp: Path) -> dict:

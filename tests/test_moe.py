@@ -13,6 +13,7 @@ refusals; fusion, quantization and the native format round trip of expert weight
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -260,6 +261,33 @@ def test_tensor_parallel_equals_one_device(tmp_path):
         if "pipeline" not in run:
             assert r["spec"] == ["None", "None", "tensor"] and r["device0_fraction"] == 1 / r["tp"], (run, r)
             assert r["down_spec"] == ["None", "tensor"], (run, r)
+        trim = lambda spec: spec[:max((i + 1 for i, a in enumerate(spec) if a != "None"), default=0)]  # noqa: E731
+        if "shared_specs" in r:   # gate_up [d, 2F] column-, down [F, d] row-parallel
+            assert [trim(x) for x in r["shared_specs"]] == [["None", "tensor"], ["tensor"]], (run, r)
+        if "mla_specs" in r:      # k_up / v_up [r, H, n]: split by head
+            assert [trim(x) for x in r["mla_specs"]] == [["None", "tensor"]] * 2, (run, r)
+
+
+def test_sigmoid_router_and_its_correction_stay_float32(hf_model_dir, tmp_path):
+    """transformers keeps GLM-4.5's and DeepSeek-V3's router and choice correction in float32 whatever
+    the model's dtype (_keep_in_fp32_modules_strict): loaded in bfloat16, and through a native
+    checkpoint, they are the checkpoint's float32 values bit for bit; the rest is bfloat16. A latent-
+    attention model refuses LoRA by name."""
+    from jaxinfer.lora.execute import lora_supported
+    from jaxinfer.models.decoder import fuse_decoder
+    from jaxinfer.weights import SafetensorsFolder, load_model, save_native
+    folder = hf_model_dir("glm4moe-groups")
+    st = SafetensorsFolder(Path(folder))
+    model, _ = load_model(folder, "bfloat16")
+    save_native(model, tmp_path / "native", "bfloat16")
+    for m in (model, load_model(tmp_path / "native", "bfloat16")[0]):
+        mlp = m.layers[1].mlp
+        assert m.layers[1].attn.q.get_value().dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(mlp.router_correction.get_value()),
+                                      st.get("model.layers.1.mlp.gate.e_score_correction_bias"))
+        np.testing.assert_array_equal(np.asarray(mlp.router.get_value()), st.get("model.layers.1.mlp.gate.weight").T)
+    ds, _ = load_model(hf_model_dir("deepseekv3-mla"), "float32")
+    assert "latent attention" in lora_supported(fuse_decoder(ds))
 
 
 def test_pipeline_refuses_mixed_moe_and_dense_layers():

@@ -177,7 +177,8 @@ class ModelConfig:
                                     else self.num_experts_per_tok == 0),
             "moe_layers": self.moe_layers is None or (len(self.moe_layers) == self.n_layers and self.num_experts > 0),
             "moe_routing": self.moe_routing in ("topk_softmax", "softmax_topk", "sigmoid_topk"),
-            "moe_groups": self.moe_groups > 0 and (not self.num_experts or self.num_experts % self.moe_groups == 0),
+            "moe_groups": self.moe_groups > 0 and (not self.num_experts or self.num_experts % self.moe_groups == 0) and (
+                self.moe_groups == 1 or self.num_experts // self.moe_groups >= 2),   # a group is scored by its best two
             "moe_topk_groups": 0 < self.moe_topk_groups <= self.moe_groups and (
                 self.moe_groups == 1 or self.moe_routing == "sigmoid_topk"),
             "moe_shared_ffn_dim": self.moe_shared_ffn_dim >= 0 and (self.num_experts > 0 or not self.moe_shared_ffn_dim),

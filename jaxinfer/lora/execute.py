@@ -60,6 +60,8 @@ def lora_supported(model) -> str | None:
     """None if adapters can run on this model, else why not."""
     if getattr(model, "fused", None) is None:
         return "LoRA needs the fused serving model (not available multi-host or with pipeline_parallel > 1)"
+    if model.cfg.mla:
+        return "LoRA adapters are not available with latent attention (DeepSeek-V3's q / kv projections)"
     return None
 
 

@@ -357,7 +357,7 @@ def _qwen2_moe(c: dict[str, Any], arch: str) -> ModelConfig:
     scaled by sigmoid(shared_expert_gate(x)). A window only when use_sliding_window, on the layers
     layer_types names (transformers' default: the odd-numbered ones below max_window_layers)."""
     n = c["num_hidden_layers"]
-    cfg = _moe({**c, "use_sliding_window": False}, "Qwen3MoeForCausalLM")
+    cfg = _moe({**c, "use_sliding_window": False, "num_experts": _num_experts(c, arch)}, "Qwen3MoeForCausalLM")
     window, sliding = None, None
     if c.get("use_sliding_window", False):
         types = c.get("layer_types") or ["sliding_attention" if (i + 1) % 2 and i < c.get("max_window_layers", 28)
@@ -629,8 +629,22 @@ _HF_DEFAULTS = {
     "GptOssForCausalLM": {"head_dim": 64, "sliding_window": 128, "max_position_embeddings": 131072,
                           "rope_theta": 150000.0, "swiglu_limit": 7.0, "swiglu_alpha": 1.702, "num_experts_per_tok": 4,
                           "rms_norm_eps": 1e-5},
+    # transformers' class defaults of fields a hand-written config.json may leave out
+    "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "num_experts": 60, "num_experts_per_tok": 4,
+                            "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                            "norm_topk_prob": False, "rms_norm_eps": 1e-6},
+    "Glm4MoeForCausalLM": {"max_position_embeddings": 131072, "n_routed_experts": 128, "num_experts_per_tok": 8,
+                           "moe_intermediate_size": 1408, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                           "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+                           "rms_norm_eps": 1e-5},
+    "DeepseekV3ForCausalLM": {"max_position_embeddings": 4096, "n_routed_experts": 256, "num_experts_per_tok": 8,
+                              "moe_intermediate_size": 2048, "n_shared_experts": 1, "first_k_dense_replace": 3,
+                              "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+                              "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                              "qk_nope_head_dim": 128, "rms_norm_eps": 1e-6, "rope_interleave": True},
 }
-_DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128}
+_DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128,
+                    "Qwen2MoeForCausalLM": 60}
 # architectures close to a supported one, refused with a pointer to what is supported
 _NOT_SUPPORTED = {
     "Gemma3ForConditionalGeneration": " (vision-language Gemma 3: only the text-only Gemma3ForCausalLM, "
