@@ -48,13 +48,9 @@ class DictTensors:
                 raise CheckpointError(f"{self.ORIGIN}: tensor names must be strings, got {name!r}")
 
     def stored(self, name: str) -> str | None:
-        """`name`, or `name` without one of hf_maps.OPTIONAL_PREFIXES (a bare model's state dict), as
-        SafetensorsFolder.stored finds it."""
-        from jaxinfer.models.hf_maps import OPTIONAL_PREFIXES
-        for candidate in (name, *(name[len(p):] for p in OPTIONAL_PREFIXES if name.startswith(p))):
-            if candidate in self.tensors:
-                return candidate
-        return None
+        """As SafetensorsFolder.stored (a bare model's state dict lacks the "model." prefix)."""
+        from jaxinfer.weights import stored_name
+        return stored_name(name, self.tensors)
 
     def has(self, name: str) -> bool:
         return self.stored(name) is not None

@@ -90,6 +90,15 @@ class SafetensorsFile:
         return self._mmap[self.data_start + start: self.data_start + end].view(dtype).reshape(shape)
 
 
+def stored_name(name: str, present) -> str | None:
+    """`name`, or `name` without one of OPTIONAL_PREFIXES (a bare model's, e.g. an embedding model's
+    "layers.0..." for "model.layers.0..."), whichever `present` holds; None if neither."""
+    for candidate in (name, *(name[len(p):] for p in OPTIONAL_PREFIXES if name.startswith(p))):
+        if candidate in present:
+            return candidate
+    return None
+
+
 class SafetensorsFolder:
     """All tensors of an HF checkpoint folder, sharded or not, by name."""
 
@@ -117,13 +126,9 @@ class SafetensorsFolder:
                 self.where[t] = f
 
     def stored(self, name: str) -> str | None:
-        """The name a tensor has in these files: `name`, or `name` without one of OPTIONAL_PREFIXES
-        (a bare model's, e.g. an embedding model's "layers.0..." for "model.layers.0..."); None if
-        absent. Every reader looks tensors up through here, the quantized formats' too."""
-        for candidate in (name, *(name[len(p):] for p in OPTIONAL_PREFIXES if name.startswith(p))):
-            if candidate in self.where:
-                return candidate
-        return None
+        """The name a tensor has in these files (stored_name). Every reader looks tensors up through
+        here, the quantized formats' too."""
+        return stored_name(name, self.where)
 
     def has(self, name: str) -> bool:
         return self.stored(name) is not None

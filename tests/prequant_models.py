@@ -358,26 +358,30 @@ def save_fp8_block(folder: Path, block=(32, 32), seed: int = 0):
     (integrations/finegrained_fp8.py Fp8Quantize._quantize_one: per [bn, bk] block max|w| / 448,
     e4m3 codes, weight_scale_inv) with a quantization_config as transformers writes it -> (folder,
     float model). Blocks of 32: the tiny dims are not multiples of 128, which Fp8Quantize skips."""
+    model = tiny_llama(seed)
+    model.save_pretrained(folder)
+    names = [f"model.layers.{i}.{m}.weight" for i in range(model.config.num_hidden_layers) for m in _GPTQ_MODULES]
+    _write_fp8_block(Path(folder), _float_state(model), names, block)
+    return Path(folder), model
+
+
+def _write_fp8_block(folder: Path, state: dict, names: list[str], block) -> None:
+    """`state` with the tensors `names` quantized by transformers' Fp8Quantize in blocks `block`,
+    written as the folder's model.safetensors, and the quantization_config transformers writes."""
     import types
 
     from safetensors.torch import save_file
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
     from transformers.utils.quantization_config import FineGrainedFP8Config
 
-    model = tiny_llama(seed)
-    model.save_pretrained(folder)
     config = FineGrainedFP8Config(weight_block_size=list(block), modules_to_not_convert=["lm_head"])
     quantize = Fp8Quantize(types.SimpleNamespace(quantization_config=config))
-    state = _float_state(model)
-    for i in range(model.config.num_hidden_layers):
-        for m in _GPTQ_MODULES:
-            name = f"model.layers.{i}.{m}.weight"
-            state.update(quantize._quantize_one(name, state.pop(name)))
-    save_file(state, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((Path(folder) / "config.json").read_text())
+    for name in names:
+        state.update(quantize._quantize_one(name, state.pop(name)))
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
     cfg["quantization_config"] = {k: v for k, v in config.to_dict().items() if v is not None}
-    (Path(folder) / "config.json").write_text(json.dumps(cfg))
-    return Path(folder), model
+    (folder / "config.json").write_text(json.dumps(cfg))
 
 
 def save_fp8_block_deepseek(folder: Path, block=(8, 8)):
@@ -386,25 +390,14 @@ def save_fp8_block_deepseek(folder: Path, block=(8, 8)):
     linear layer of the attention and the MLPs (each routed expert's too, one tensor per expert as
     the published checkpoints store them) quantized by transformers' Fp8Quantize; blocks of 8: the
     tiny dims (24, 40, 64, 16) are multiples of 8 -> (folder, float model)."""
-    import types
-
-    from safetensors.torch import load_file, save_file
-    from transformers.integrations.finegrained_fp8 import Fp8Quantize
-    from transformers.utils.quantization_config import FineGrainedFP8Config
+    from safetensors.torch import load_file
 
     from tests.hf_models import build_hf_model
     model = build_hf_model("deepseekv3-mla")
     model.save_pretrained(folder)
-    config = FineGrainedFP8Config(weight_block_size=list(block), modules_to_not_convert=["lm_head"])
-    quantize = Fp8Quantize(types.SimpleNamespace(quantization_config=config))
     state = load_file(str(Path(folder) / "model.safetensors"))    # the per-expert names save_pretrained writes
-    linear = [n for n, t in state.items() if n.endswith("proj.weight") or n.endswith("proj_with_mqa.weight")]
-    for name in linear:
-        state.update(quantize._quantize_one(name, state.pop(name)))
-    save_file(state, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((Path(folder) / "config.json").read_text())
-    cfg["quantization_config"] = {k: v for k, v in config.to_dict().items() if v is not None}
-    (Path(folder) / "config.json").write_text(json.dumps(cfg))
+    linear = [n for n in state if n.endswith(("proj.weight", "proj_with_mqa.weight"))]
+    _write_fp8_block(Path(folder), state, linear, block)
     return Path(folder), model
 
 
