@@ -392,7 +392,7 @@ class Generator:
         if not self.client.weights_on_device():
             from jaxinfer.engine import EngineSleepingError
             raise EngineSleepingError("the engine's weights are asleep (sleep mode): wake_up() first")
-        out = self._forward(self._params, jnp.asarray(tokens), jnp.asarray(positions), *lora)
+        out = self._forward(self.client.served_params(), jnp.asarray(tokens), jnp.asarray(positions), *lora)
         return np.asarray(out, np.float32)   # sliced on the host: no extra XLA op
 
     def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *, prompt_name: str | None = None,
@@ -570,9 +570,11 @@ class Generator:
         weights: level 1 keeps them in host memory, level 2 discards them) until wake_up. Runs
         between requests; requests sent meanwhile are refused (EngineSleepingError)."""
         self._check_weights_api("sleep")
-        if level == 2 and self._recipe is None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (weights kept in host memory) or 2 (discarded), got {level!r}")
+        if level == 2 and (self._recipe is None or self._recipe.model_cfg is not None):
             raise RuntimeError("sleep(level=2) discards the weights, which wake_up reads again from the checkpoint "
-                               "from_pretrained read: this Generator was not made by from_pretrained (use level 1)")
+                               "from_pretrained read as a folder: not this Generator's (use level 1)")
         self.client.sleep(level)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:

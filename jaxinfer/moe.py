@@ -1,5 +1,7 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss): routing, the sort of token rows by expert,
-the grouped expert FFN and the weighted combine, all with static shapes.
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, DeepSeek-V3, gpt-oss): routing
+(route: top-k then softmax, softmax then top-k, or sigmoid scores with a choice correction and
+group-limited choice), the sort of token rows by expert, the grouped expert FFN and the weighted
+combine, all with static shapes; shared experts (one dense MLP every token runs) added after.
 
     x [T, D] -> router logits [T, E] -> top-k: weights [T, k], experts [T, k]
              -> R = T k rows (row r = token r // k, its (r % k)-th expert), sorted by expert: order [R]
@@ -162,7 +164,7 @@ class MoE(nnx.Module):
         expert = lambda n, axis, b=False: param((e, *n), ("experts", *axis), dtype, rngs,  # noqa: E731
                                                 init="zeros" if b else "normal")
         # sigmoid routing: the router in float32, as transformers keeps it (its logits pick among many
-        # experts by small margins; bfloat16 logits changed ~2% of choices at DeepSeek-V3's size)
+        # experts by small margins, which bfloat16 logits would move)
         self.router = param((d, e), ("embed", None), jnp.float32 if cfg.moe_routing == "sigmoid_topk" else dtype, rngs)
         self.router_bias = param((e,), (None,), dtype, rngs, init="zeros") if cfg.router_bias else None
         # sigmoid_topk's choice correction (float32, as transformers keeps it)

@@ -369,7 +369,7 @@ def load_pipelined(path: str | Path, dtype: str, mesh: Mesh, quantize: str | Non
     layers_per_stage(cfg, int(mesh.shape["pipeline"]))
     st, wmap, jdtype = tensor_source(path), hf_weight_map(cfg), DTYPES[dtype]
     specs = _param_specs(cfg, jdtype)
-    read = lambda name: hf_value(st, name, *wmap[name], specs[name][1]).astype(np.float32)  # noqa: E731  (shape)
+    read = lambda name: hf_value(st, name, *wmap[name], specs[name][1]).astype(np.float32)  # noqa: E731
     return _place(cfg, jdtype, mesh, read)
 
 

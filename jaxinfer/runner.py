@@ -220,10 +220,6 @@ class ModelRunner:
         """The served model's params (a speculative engine's target, without the draft or heads)."""
         return self.params.target if isinstance(self.params, (TargetDraft, TargetHeads)) else self.params
 
-    def set_target_params(self, params) -> None:
-        self.params = (self.params._replace(target=params) if isinstance(self.params, (TargetDraft, TargetHeads))
-                       else params)
-
     def release_pages(self) -> None:
         """Free the KV pages (the draft's too); restore_pages allocates them again, zeroed."""
         from jaxinfer.weight_update import BlankPages, free

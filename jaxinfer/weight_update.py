@@ -237,7 +237,6 @@ class Residency:
         self._template = None       # the target's params as ShapeDtypeStructs with shardings, once asleep
         self._host_target: HostCopy | None = None
         self._host_rest: HostCopy | None = None   # the draft's or heads' params (target None)
-        self.level = 0              # 0: awake; else the level of the last sleep
 
     @property
     def weights_on_device(self) -> bool:
@@ -262,7 +261,6 @@ class Residency:
             r.params = None
         elif level == 2:
             self._host_target = None
-        self.level = level
 
     def wake_up(self, tags: tuple[str, ...]) -> None:
         """Raises WeightsAsleep if the weights are asked for and were discarded (level 2)."""
@@ -272,8 +270,6 @@ class Residency:
             self._put_target(self._host_target.restore())
         if "kv_cache" in tags:
             self.runner.restore_pages()
-        if not self.sleeping:
-            self.level = 0
 
     def update(self, params, what: str) -> None:
         """The target's params from `params` (its layout checked first: nothing changes otherwise). A
@@ -298,7 +294,6 @@ class Residency:
             if rest is not None:
                 self._host_rest = HostCopy(rest)
                 free(rest)
-            self.level = 2
             raise
         self._put_target(new, rest)
 

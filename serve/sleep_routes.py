@@ -13,41 +13,43 @@ checkpoint takes seconds), under the engine's lock.
 """
 from __future__ import annotations
 
+import jax
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
-from jaxinfer.errors import CheckpointError
 from serve.protocol import OpenAIError
 
 router = APIRouter()
 
 
-def _busy(e: Exception) -> OpenAIError:
-    return OpenAIError(409, str(e), type_="invalid_request_error", code="engine_busy")
+async def _run(fn, param: str, *args) -> None:
+    """fn(*args) on a worker thread; the Generator's refusals as OpenAI errors: busy (requests
+    unfinished) a 409, a bad value (ValueError, naming it) or a model or checkpoint it cannot serve
+    so (RuntimeError, CheckpointError, OSError) a 400."""
+    from jaxinfer.engine import EngineBusyError
+    try:
+        await run_in_threadpool(fn, *args)
+    except EngineBusyError as e:
+        raise OpenAIError(409, str(e), type_="invalid_request_error", code="engine_busy") from None
+    except ValueError as e:   # CheckpointError is one
+        raise OpenAIError(400, str(e), param=param) from None
+    except (RuntimeError, OSError) as e:
+        if isinstance(e, jax.errors.JaxRuntimeError):   # the device failed (out of memory): not the request's fault
+            raise
+        raise OpenAIError(400, str(e)) from None
 
 
 @router.post("/sleep")
 async def sleep(request: Request, level: int = Query(1)):
-    if level not in (1, 2):
-        raise OpenAIError(400, f"level must be 1 (weights kept in host memory) or 2 (discarded), got {level}",
-                          param="level")
-    from jaxinfer.engine import EngineBusyError
-    try:
-        await run_in_threadpool(request.app.state.server.gen.sleep, level)
-    except EngineBusyError as e:
-        raise _busy(e) from None
+    await _run(request.app.state.server.gen.sleep, "level", level)
     return Response(status_code=200)
 
 
 @router.post("/wake_up")
 async def wake_up(request: Request, tags: list[str] | None = Query(None)):
-    from jaxinfer.weight_update import SLEEP_TAGS
-    unknown = [t for t in tags or () if t not in SLEEP_TAGS]
-    if unknown:
-        raise OpenAIError(400, f"tags {unknown} are not {list(SLEEP_TAGS)}", param="tags")
-    await run_in_threadpool(request.app.state.server.gen.wake_up, tags)
+    await _run(request.app.state.server.gen.wake_up, "tags", tags)
     return Response(status_code=200)
 
 
@@ -86,6 +88,9 @@ async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest, request: R
         await run_in_threadpool(request.app.state.server.gen.update_weights, req.model_path)
     except EngineBusyError as e:
         return _failed(409, str(e))
-    except (CheckpointError, ValueError, OSError, TypeError) as e:
+    except (ValueError, RuntimeError, OSError, TypeError) as e:   # CheckpointError is a ValueError
+        if isinstance(e, jax.errors.JaxRuntimeError):
+            return _failed(500, f"the device failed while copying the weights ({e}); the engine sleeps with its "
+                                "weights discarded: POST /wake_up reads the original checkpoint again")
         return _failed(400, str(e))
     return {"success": True, "message": f"Succeeded to update model weights from {req.model_path}."}

@@ -69,7 +69,7 @@ def test_pallas_kernels_match_transformers(name, hf_model_dir):
 # ------------------------------------------------------------------------------ routing
 
 @pytest.mark.parametrize("name", ["mixtral-gqa", "qwen3moe-gqa", "qwen3moe-mqa-window-yarn", "gpt-oss",
-                                  "qwen2moe-shared", "glm4moe-groups"])
+                                  "qwen2moe-shared", "glm4moe-groups", "deepseekv3-mla"])
 def test_routing_matches_transformers_routers(name):
     """Our route() on the router logits against HF's router module on the same hidden states: the
     same k experts per token with the same weights (Mixtral: softmax-top-k-renormalize in HF, top-k

@@ -172,12 +172,15 @@ def test_int8_weights_and_a_draft_model_kept(models):
     ref = tokens(fresh)
     gen = Generator.from_pretrained(a_dir, **kw, speculative_method="draft", speculative_model=a_dir,
                                     speculative_max_batch=4, num_speculative_tokens=2)
+    draft = lambda: [np.asarray(x) for x in jax.tree.leaves(gen.engine.runner.params.draft)]  # noqa: E731
+    before = draft()
     gen.update_weights(b_dir)
     assert tokens(gen) == ref
     assert gen.stats()["spec_decode_num_drafts"] > 0
     gen.sleep(1)
     gen.wake_up()
     assert tokens(gen) == ref
+    assert all(np.array_equal(x, y) for x, y in zip(draft(), before))   # the draft is A's, as it was
 
 
 def test_http_routes_with_enable_sleep_mode(models):

@@ -377,10 +377,10 @@ def _glm4_moe(c: dict[str, Any], arch: str) -> ModelConfig:
     and times routed_scaling_factor, and n_shared_experts shared experts of moe_intermediate_size
     each (one MLP of their total width). The checkpoint's next-token-prediction layers (past
     num_hidden_layers) are not read."""
-    n, e = c["num_hidden_layers"], c.get("n_routed_experts") or c.get("num_local_experts")
+    n, e = c["num_hidden_layers"], c.get("n_routed_experts") or _num_experts(c, arch)
     if not (_is_int(e) and e > 0):
         raise ConfigError(f"field 'n_routed_experts' must be a positive integer, got {e!r}")
-    first_dense = c.get("first_k_dense_replace", 1)
+    first_dense = c["first_k_dense_replace"]
     params = _rope_params(c)
     partial = float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5)))
     cfg = _llama_like({**c, "sliding_window": None}, arch)
@@ -391,9 +391,9 @@ def _glm4_moe(c: dict[str, Any], arch: str) -> ModelConfig:
         qkv_bias=bool(c.get("attention_bias", False)), out_bias=False,
         num_experts=e, num_experts_per_tok=c["num_experts_per_tok"], moe_ffn_dim=c["moe_intermediate_size"],
         moe_layers=None if all(layers) else layers, moe_routing="sigmoid_topk",
-        moe_norm_topk=bool(c.get("norm_topk_prob", True)), moe_groups=c.get("n_group", 1) or 1,
-        moe_topk_groups=c.get("topk_group", 1) or 1, moe_routed_scale=float(c.get("routed_scaling_factor", 1.0)),
-        moe_shared_ffn_dim=c["moe_intermediate_size"] * c.get("n_shared_experts", 1))
+        moe_norm_topk=bool(c["norm_topk_prob"]), moe_groups=c["n_group"] or 1, moe_topk_groups=c["topk_group"] or 1,
+        moe_routed_scale=float(c["routed_scaling_factor"]),
+        moe_shared_ffn_dim=c["moe_intermediate_size"] * c["n_shared_experts"])
 
 
 def _deepseek_v3(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -630,21 +630,21 @@ _HF_DEFAULTS = {
                           "rope_theta": 150000.0, "swiglu_limit": 7.0, "swiglu_alpha": 1.702, "num_experts_per_tok": 4,
                           "rms_norm_eps": 1e-5},
     # transformers' class defaults of fields a hand-written config.json may leave out
-    "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "num_experts": 60, "num_experts_per_tok": 4,
+    "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "num_experts_per_tok": 4,
                             "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
                             "norm_topk_prob": False, "rms_norm_eps": 1e-6},
-    "Glm4MoeForCausalLM": {"max_position_embeddings": 131072, "n_routed_experts": 128, "num_experts_per_tok": 8,
+    "Glm4MoeForCausalLM": {"max_position_embeddings": 131072, "num_experts_per_tok": 8,
                            "moe_intermediate_size": 1408, "n_shared_experts": 1, "first_k_dense_replace": 1,
                            "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
                            "rms_norm_eps": 1e-5},
-    "DeepseekV3ForCausalLM": {"max_position_embeddings": 4096, "n_routed_experts": 256, "num_experts_per_tok": 8,
+    "DeepseekV3ForCausalLM": {"max_position_embeddings": 4096, "num_experts_per_tok": 8,
                               "moe_intermediate_size": 2048, "n_shared_experts": 1, "first_k_dense_replace": 3,
                               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
                               "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
                               "qk_nope_head_dim": 128, "rms_norm_eps": 1e-6, "rope_interleave": True},
 }
 _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128,
-                    "Qwen2MoeForCausalLM": 60}
+                    "Qwen2MoeForCausalLM": 60, "Glm4MoeForCausalLM": 128, "DeepseekV3ForCausalLM": 256}
 # architectures close to a supported one, refused with a pointer to what is supported
 _NOT_SUPPORTED = {
     "Gemma3ForConditionalGeneration": " (vision-language Gemma 3: only the text-only Gemma3ForCausalLM, "

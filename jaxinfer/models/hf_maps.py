@@ -10,10 +10,12 @@ BLOOM fuses q, k, v per head as [heads, 3, head_dim, d_model]; Phi-3 stores [q |
 one qkv_proj and [gate | up] rows in one gate_up_proj (split here; fuse_decoder fuses them again
 for serving, grouped per tensor-parallel shard).
 Mixtures of experts: router [d_model, E]; experts gate/up [E, d_model, F], down [E, F, d_model].
-Mixtral (block_sparse_moe.experts.j.w1 / w3 / w2) and Qwen3-MoE (mlp.experts.j.gate_proj / up_proj /
-down_proj) store one torch Linear per expert, stacked here; gpt-oss stores them stacked [E, in, out]
-with gate and up interleaved column by column in gate_up_proj (gate: even columns, up: odd),
-de-interleaved here.
+Mixtral (block_sparse_moe.experts.j.w1 / w3 / w2) and Qwen2-MoE, Qwen3-MoE, GLM-4.5, DeepSeek-V3
+(mlp.experts.j.gate_proj / up_proj / down_proj) store one torch Linear per expert, stacked here; the
+last three's shared experts (mlp.shared_expert[s]) and sigmoid router's correction
+(mlp.gate.e_score_correction_bias) map to MoE.shared / router_correction. gpt-oss stores its experts
+stacked [E, in, out] with gate and up interleaved column by column in gate_up_proj (gate: even
+columns, up: odd), de-interleaved here. DeepSeek-V3's latent attention: _mla_map.
 
 A new family (dense or mixture-of-experts) is a builder in hf_configs.py and an entry here.
 """

@@ -26,7 +26,7 @@ from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import AttentionMetadata, LayerKV
 from jaxinfer.layers import Norm, apply_rope, dense, param, param_value, rope_inv_freq, rope_magnitude
-from jaxinfer.quant import QuantizedWeight, dequantize, dot_precision
+from jaxinfer.quant import dot_precision
 
 LATENT_NORM_EPS = 1e-6   # transformers' DeepseekV3RMSNorm default: the latent norms take no config eps
 
@@ -85,6 +85,6 @@ class MLAttention(nnx.Module):
 
 
 def _float(p: nnx.Param, dtype) -> jax.Array:
-    """A weight the absorbed form multiplies directly: a pre-quantized one dequantized."""
-    w = p.get_value()
-    return (dequantize(w) if isinstance(w, QuantizedWeight) else w).astype(dtype)
+    """A weight the absorbed form multiplies directly (always float: quantize= leaves k_up / v_up
+    alone and a pre-quantized checkpoint's are dequantized at load)."""
+    return p.get_value().astype(dtype)

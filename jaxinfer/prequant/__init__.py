@@ -80,8 +80,8 @@ def load_param(reader, ours: str, hf_names: tuple[str, ...], transform: Callable
         return _stacked_experts([reader.linear(m) for m in modules], ours, expected)
     if len(hf_names) != 1:
         raise QuantConfigError(f"tensors {list(hf_names)} make parameter {ours} (one tensor per expert "
-                               f"or a fused tensor); quantized, they are not supported in {reader.method} "
-                               "checkpoints")
+                               f"or a fused tensor); quantized, they are supported only in fine-grained fp8 "
+                               f"checkpoints, every expert quantized (this is {reader.method})")
     qw = reader.linear(modules[0])
     name = ours.rsplit("/", 1)[-1]
     if name in _CONTRACT:
