@@ -136,17 +136,18 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                         routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
                                         use_qk_norm=True, attention_bias=True, initializer_range=0.3)),
     # DeepSeek-V3: latent attention (a q bottleneck, interleaved RoPE features) and GLM-4.5's mixture;
-    # then without the q bottleneck, with attention biases and YaRN (mscale_all_dim: the softmax scale)
+    # then without the q bottleneck, with attention biases and YaRN (mscale_all_dim: the softmax scale);
+    # latent + rope = 32 features a token: a power of two, so the GPU's Pallas kernels take them too
     "deepseekv3-mla": ("deepseek_v3", dict(_COMMON, num_key_value_heads=4, vocab_size=117, intermediate_size=48, moe_intermediate_size=16,
                                            num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
                                            topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
-                                           first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=24,
+                                           first_k_dense_replace=1, kv_lora_rank=24, q_lora_rank=24,
                                            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                                            initializer_range=0.2)),
     "deepseekv3-yarn-bias": ("deepseek_v3", dict(_COMMON, num_key_value_heads=4, vocab_size=109, intermediate_size=40, moe_intermediate_size=16,
                                                  num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2,
                                                  n_group=1, topk_group=1, n_shared_experts=2, first_k_dense_replace=0,
-                                                 kv_lora_rank=24, q_lora_rank=None, qk_nope_head_dim=8,
+                                                 kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
                                                  qk_rope_head_dim=16, v_head_dim=12, attention_bias=True,
                                                  norm_topk_prob=False, initializer_range=0.2,
                                                  rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,

@@ -389,7 +389,7 @@ def save_fp8_block_deepseek(folder: Path, block=(8, 8)):
     sigmoid-routed experts, a shared expert) in fine-grained FP8 as DeepSeek publishes V3: every
     linear layer of the attention and the MLPs (each routed expert's too, one tensor per expert as
     the published checkpoints store them) quantized by transformers' Fp8Quantize; blocks of 8: the
-    tiny dims (24, 40, 64, 16) are multiples of 8 -> (folder, float model)."""
+    tiny dims (24, 32, 64, 16) are multiples of 8 -> (folder, float model)."""
     from safetensors.torch import load_file
 
     from tests.hf_models import build_hf_model

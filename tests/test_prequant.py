@@ -279,10 +279,10 @@ def test_fp8_block_deepseek_latent_attention_and_experts(tmp_path):
     assert isinstance(experts, QuantizedWeight) and experts.batch == 1 and experts.shape == (8, 64, 16)
     assert experts.q.dtype.name == "float8_e4m3fn" and experts.group_size == 8
     assert isinstance(model.layers[1].mlp.shared.down.get_value(), QuantizedWeight)
-    # per layer (d=64): q_a 64, q_b 24, kv_a 64, the absorbed query 16, the score over latent + rope 40,
-    # v_up 32, o 64; then the dense MLP (64, 48) on layer 0, the experts and the shared expert (64, 16
+    # per layer (d=64): q_a 64, q_b 24, kv_a 64, the absorbed query 16, the score over latent + rope 32,
+    # v_up 24, o 64; then the dense MLP (64, 48) on layer 0, the experts and the shared expert (64, 16
     # each) on layers 1 and 2; the LM head 64
-    attn = (64, 24, 64, 16, 40, 32, 64)
+    attn = (64, 24, 64, 16, 32, 24, 64)
     chain = attn + (64, 48) + 2 * (attn + (64, 16, 64, 16)) + (64,)
     assert_rel_close(ours, pm.logits(ref, IDS), dot_chain_rtol(*chain), "fp8 block deepseek")
 
