@@ -79,6 +79,163 @@ SPLITK_DEFAULTS: dict[str, dict] = {
 # a sweep times them. Used wherever the tuner measures nothing (autotune.untuned_config) and as a
 # cached winner where it would; a config that is no longer a candidate is ignored.
 TUNED: dict[str, dict[str, dict[str, dict]]] = {
+    'NVIDIA H100 80GB HBM3': {   # bench/results/2026-12-06-h100-quant-sweep-gguf.json (gpu_session.sh 7)
+        'quant_matmul_fp8_g128_sym': {
+            '128x4096x32768_bfloat16': dict(block_k=128, block_m=64, block_n=128, num_stages=3, num_warps=4),
+            '128x4096x8192_bfloat16': dict(block_k=128, block_m=64, block_n=128, num_stages=3, num_warps=4),
+            '16x16384x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=4, num_warps=4),
+            '16x4096x32768_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '16x4096x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=4, num_warps=4),
+            '16x4096x8192_bfloat16':
+                dict(block_k=64, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '1x16384x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=4, num_warps=4),
+            '1x4096x32768_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=1, num_stages=3, num_warps=4),
+            '1x4096x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '1x4096x8192_bfloat16':
+                dict(block_k=128, block_n=128, inner='reduce', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '2x16384x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '2x4096x32768_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '2x4096x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=4, num_warps=4),
+            '2x4096x8192_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=2, num_stages=3, num_warps=4),
+            '4x16384x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=4, num_warps=4),
+            '4x4096x32768_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=1, num_stages=3, num_warps=4),
+            '4x4096x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=4, num_warps=4),
+            '4x4096x8192_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '64x16384x4096_bfloat16':
+                dict(block_k=128, block_n=32, inner='dot', kernel='splitk', num_splits=1, num_stages=3, num_warps=4),
+            '64x4096x32768_bfloat16': dict(block_k=128, block_m=64, block_n=128, num_stages=3, num_warps=4),
+            '64x4096x4096_bfloat16':
+                dict(block_k=128, block_n=32, inner='dot', kernel='splitk', num_splits=1, num_stages=3, num_warps=4),
+            '64x4096x8192_bfloat16':
+                dict(block_k=128, block_n=32, inner='dot', kernel='splitk', num_splits=1, num_stages=3, num_warps=4),
+            '8x16384x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=4, num_warps=4),
+            '8x4096x32768_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '8x4096x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=4, num_warps=4),
+            '8x4096x8192_bfloat16':
+                dict(block_k=64, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+        },
+        'quant_matmul_int4_g32_fzero': {
+            '128x16384x4096_bfloat16': dict(kernel='xla'),
+            '128x4096x32768_bfloat16': dict(kernel='xla'),
+            '128x4096x4096_bfloat16': dict(kernel='xla'),
+            '128x4096x8192_bfloat16': dict(kernel='xla'),
+            '16x16384x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '16x4096x32768_bfloat16':
+                dict(block_k=64, block_n=128, inner='dot', kernel='splitk', num_splits=2, num_stages=3, num_warps=4),
+            '16x4096x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '16x4096x8192_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '1x16384x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '1x4096x32768_bfloat16':
+                dict(block_k=64, block_n=128, inner='dot', kernel='splitk', num_splits=2, num_stages=3, num_warps=4),
+            '1x4096x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '1x4096x8192_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '2x16384x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '2x4096x32768_bfloat16':
+                dict(block_k=64, block_n=128, inner='dot', kernel='splitk', num_splits=2, num_stages=3, num_warps=4),
+            '2x4096x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '2x4096x8192_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '4x16384x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '4x4096x32768_bfloat16':
+                dict(block_k=64, block_n=128, inner='dot', kernel='splitk', num_splits=2, num_stages=3, num_warps=4),
+            '4x4096x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '4x4096x8192_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '64x16384x4096_bfloat16':
+                dict(block_k=128, block_n=32, inner='dot', kernel='splitk', num_splits=1, num_stages=3, num_warps=4),
+            '64x4096x32768_bfloat16':
+                dict(block_k=128, block_n=32, inner='dot', kernel='splitk', num_splits=1, num_stages=3, num_warps=4),
+            '64x4096x4096_bfloat16':
+                dict(block_k=128, block_n=32, inner='dot', kernel='splitk', num_splits=1, num_stages=3, num_warps=4),
+            '64x4096x8192_bfloat16':
+                dict(block_k=128, block_n=32, inner='dot', kernel='splitk', num_splits=1, num_stages=3, num_warps=4),
+            '8x16384x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '8x4096x32768_bfloat16':
+                dict(block_k=64, block_n=128, inner='dot', kernel='splitk', num_splits=2, num_stages=3, num_warps=4),
+            '8x4096x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '8x4096x8192_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+        },
+        'quant_matmul_int8_g32_sym': {
+            '16x16384x4096_bfloat16':
+                dict(block_k=128, block_n=64, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '16x4096x32768_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '16x4096x4096_bfloat16':
+                dict(block_k=128, block_n=64, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '16x4096x8192_bfloat16':
+                dict(block_k=128, block_n=64, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '1x16384x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '1x4096x32768_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '1x4096x4096_bfloat16':
+                dict(block_k=64, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '1x4096x8192_bfloat16':
+                dict(block_k=128, block_n=64, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '2x16384x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '2x4096x32768_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '2x4096x4096_bfloat16':
+                dict(block_k=64, block_n=128, inner='reduce', kernel='splitk', num_splits=16, num_stages=3, num_warps=4),
+            '2x4096x8192_bfloat16':
+                dict(block_k=128, block_n=64, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '4x16384x4096_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=8, num_stages=3, num_warps=4),
+            '4x4096x32768_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '4x4096x4096_bfloat16':
+                dict(block_k=128, block_n=64, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '4x4096x8192_bfloat16':
+                dict(block_k=128, block_n=64, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '64x16384x4096_bfloat16':
+                dict(block_k=128, block_n=32, inner='dot', kernel='splitk', num_splits=1, num_stages=3, num_warps=4),
+            '64x4096x32768_bfloat16':
+                dict(block_k=128, block_n=32, inner='dot', kernel='splitk', num_splits=1, num_stages=3, num_warps=4),
+            '64x4096x4096_bfloat16':
+                dict(block_k=128, block_n=32, inner='dot', kernel='splitk', num_splits=1, num_stages=3, num_warps=4),
+            '64x4096x8192_bfloat16':
+                dict(block_k=128, block_n=32, inner='dot', kernel='splitk', num_splits=1, num_stages=3, num_warps=4),
+            '8x16384x4096_bfloat16':
+                dict(block_k=128, block_n=64, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '8x4096x32768_bfloat16':
+                dict(block_k=128, block_n=128, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '8x4096x4096_bfloat16':
+                dict(block_k=128, block_n=64, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+            '8x4096x8192_bfloat16':
+                dict(block_k=128, block_n=64, inner='dot', kernel='splitk', num_splits=4, num_stages=3, num_warps=4),
+        },
+    },
     'NVIDIA H200': {
         'quant_matmul_int4_g128_sym': {
             '16x16384x4096_bfloat16':

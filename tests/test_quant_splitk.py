@@ -205,6 +205,30 @@ def test_shipped_configs_are_candidates_and_serve_untuned(monkeypatch):
     at.clear_memory_cache()
 
 
+def test_shipped_h100_rows_are_candidates_and_serve_untuned(monkeypatch):
+    """The H100 rows (quant_matmul_tuned.TUNED, `bench.gpu.quant_sweep --tuned` of 2026-12-06: GGUF
+    Q4_K as int4 g32 with float zero points, Q8_0 as grouped int8 g32, fine-grained FP8 as e4m3 g128,
+    on the 8B projections) are each one of the tuner's candidates for their shape class and format,
+    what runs with measuring off on that device kind, and not used on another."""
+    from pallas_kernels.quant_matmul_tuned import TUNED
+    monkeypatch.setenv("JAXINFER_AUTOTUNE", "0")
+    at.clear_memory_cache()
+    kind = "gpu:NVIDIA H100 80GB HBM3"
+    formats = {"quant_matmul_int4_g32_fzero": (4, 32), "quant_matmul_int8_g32_sym": (8, 32),
+               "quant_matmul_fp8_g128_sym": (8, 128)}
+    shipped = TUNED["NVIDIA H100 80GB HBM3"]
+    assert set(shipped) == set(formats)
+    for kname, rows in shipped.items():
+        bits, g = formats[kname]
+        for key, cfg in rows.items():
+            m, k, n = (int(x) for x in key.split("_")[0].split("x"))
+            cands = quant.pallas_block_candidates(m, k, n, bits, g, device_kind=kind)
+            assert cfg in cands, (kname, key, cfg)
+            assert at.untuned_config(kname, key, cands, device_key=kind) == cfg
+            assert at.untuned_config(kname, key, cands, device_key="gpu:NVIDIA H200") == cands[0]
+    at.clear_memory_cache()
+
+
 @pytest.mark.device
 def test_qdot_runs_every_candidate_of_a_decode_shape():
     """qdot(blocks=cfg) for every candidate at M = 1 (split-K with both inner products, the tiled
