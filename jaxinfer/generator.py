@@ -199,6 +199,8 @@ class Generator:
         self.engine = Engine(model, tokenizer, cfg, draft_model=draft_model, medusa_heads=medusa_heads,
                              publish_step=publish, generates=embedding is None or embedding.generates)
         self.client = EngineClient(self.engine)
+        # _params: what multi-host processes run gen.logits on (one process reads the served params
+        # through the client instead: update_weights and sleep replace them)
         self._forward, self._params = _full_forward(model, self.client.resolved.attention, channel is not None)
         if warmup:
             self.client.warmup()
@@ -563,7 +565,6 @@ class Generator:
         self._check_weights_api("update_weights")
         params = self._read_weights(weights)
         self.client.update_weights(params, checkpoint_name(weights))
-        self._params = self.client.served_params()
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's LLM.sleep: free the accelerator memory the engine holds (the KV pages, and the
@@ -591,8 +592,6 @@ class Generator:
         except WeightsAsleep:
             self.update_weights(self._recipe.path)
             self.client.wake_up(tags)
-        if self.client.weights_on_device():
-            self._params = self.client.served_params()
 
     def is_sleeping(self) -> bool:
         """True from sleep() until wake_up() has put back both the weights and the KV pages."""

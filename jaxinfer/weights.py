@@ -210,9 +210,8 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
     model = abstract_decoder(cfg, jdtype)
     flat = nnx.state(model, nnx.Param).flat_state()
     expected = {"/".join(map(str, p)): tuple(v.get_value().shape) for p, v in flat}
-    # each parameter in the dtype the model declares: `dtype`, but float32 where the model keeps one
-    # in float32 whatever the weights' dtype (a sigmoid router's correction, as transformers keeps it)
-    dtypes = {"/".join(map(str, p)): (jnp.float32 if v.get_value().dtype == jnp.float32 else jdtype) for p, v in flat}
+    keep32 = _always_float32(cfg)
+    dtypes = {name: jnp.float32 if name in keep32 else jdtype for name in expected}
     if mesh is not None:
         from jaxinfer.sharding import load_sharded, param_sharding, rules_for
         rules = rules if rules is not None else rules_for(cfg, mesh)
@@ -284,6 +283,7 @@ def save_native(model: Decoder, out_dir: str | Path, dtype: str, tokenizer=None,
     out_dir.mkdir(parents=True, exist_ok=True)
     jdtype = DTYPES[dtype]
     params, quantized = {}, {}
+    keep32 = _always_float32(model.cfg)
     for p, v in nnx.state(model, nnx.Param).flat_state():
         name, value = "/".join(map(str, p)), v.get_value()
         if isinstance(value, QuantizedWeight):   # stored as name/q, name/scales[, name/zeros] as they are
@@ -291,7 +291,7 @@ def save_native(model: Decoder, out_dir: str | Path, dtype: str, tokenizer=None,
             params.update({f"{name}/{leaf}": getattr(value, leaf) for leaf in _QW_LEAVES
                            if getattr(value, leaf) is not None})
         else:   # a parameter the model keeps in float32 whatever its dtype (a sigmoid router) stays so
-            params[name] = value if name in _always_float32(model.cfg) else value.astype(jdtype)
+            params[name] = value if name in keep32 else value.astype(jdtype)
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(out_dir / "params", params, force=True)
     ckptr.wait_until_finished()

@@ -13,15 +13,19 @@ checkpoint takes seconds), under the engine's lock.
 """
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import jax
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from serve.protocol import OpenAIError
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 
 async def _run(fn, param: str, *args) -> None:
@@ -61,9 +65,20 @@ async def is_sleeping(request: Request):
 class UpdateWeightsFromDiskRequest(BaseModel):
     """SGLang's UpdateWeightFromDiskReqInput: the fields that change what happens are honoured or
     refused; bookkeeping ones (weight_version, is_async, torch_empty_cache, token_step, ...) and
-    unknown extras are accepted and ignored."""
+    unknown extras are ignored with a logged warning."""
     model_config = ConfigDict(extra="ignore")
     model_path: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored(cls, data: Any) -> Any:
+        """SGLang's bookkeeping fields and unknown extras: ignored with a logged warning, as the
+        OpenAI routes ignore theirs (serve.protocol._Body)."""
+        if isinstance(data, dict):
+            ignored = sorted(set(data) - set(cls.model_fields))
+            if ignored:
+                log.warning("update_weights_from_disk: ignoring field(s) %s", ignored)
+        return data
     load_format: str | None = None      # "auto" and "safetensors" are what this server reads
     abort_all_requests: bool = False    # True: refused (requests are never dropped here: 409 while some run)
     flush_cache: bool = True            # the prefix cache is always emptied (its K/V came from the old weights)
