@@ -25,7 +25,11 @@ ffn_gate_up_exps, read expert by expert), gemma2,
 gemma3 (text; the settings llama.cpp takes from the model size rather than the file: _GEMMA), phi3
 (Phi-3, Phi-3.5, Phi-4, Phi-4-mini: fused q/k/v and gate/up, LongRoPE's factors as tensors, partial
 rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fused, served in
-transformers' interleaved layout; sinks; the clamp llama.cpp fixes at 7.0). Rope: none,
+transformers' interleaved layout; sinks; the clamp llama.cpp fixes at 7.0), smollm3, granite, olmo2,
+seed_oss, qwen2moe (a gated shared expert), glm4moe (GLM-4.5: partial rotary, dense leading layers,
+sigmoid routing with exp_probs_b, shared experts; the appended next-token-prediction blocks skipped)
+and deepseek2 with sigmoid routing (DeepSeek-V3: latent attention, kv_b_proj from attn_k_b /
+attn_v_b or attn_kv_b; DeepSeek-V2's softmax routing refused). Rope: none,
 linear, yarn, and Llama 3's (its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
 every stored divisor). Anything else is refused naming the key or tensor. Split files
 (NAME-00001-of-0000N.gguf) are read across their parts.
@@ -50,10 +54,17 @@ MARKER = "gguf_file"   # config.json's key naming the file
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
          "phi3": "Phi3ForCausalLM", "gpt-oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-         "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
+         "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "seed_oss": "SeedOssForCausalLM",
+         "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
-                "granite": "granite", "olmo2": "olmo2", "seed_oss": "seed_oss"}
+                "granite": "granite", "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2moe": "qwen2_moe",
+                "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3"}
+# the architectures whose heads may rotate only their first rope.dimension_count features
+_PARTIAL_ROTARY = ("phi3", "glm4moe")
+# llama.cpp's mixtures with dense leading layers, sigmoid routing with a learned correction
+# (exp_probs_b), groups, a routed scale and shared experts (its build_moe_ffn with those settings)
+_SIGMOID_MOE = ("glm4moe", "deepseek2")
 # the architectures whose Q / K rows llama.cpp's converter stores in its rotary order (LlamaModel.permute)
 _PERMUTED_QK = ("llama", "smollm3", "granite")
 # SmolLM3's NoPE layers: every 4th, a constant of llama.cpp's (hparams.n_no_rope_layer_step), in no key
@@ -99,7 +110,14 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
                     (r"\p{N}", _GPT2)),
     "deepseek-coder": ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}"),
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"),
+    # GLM-4.5's (llama.cpp's CHATGLM4: Llama 3's expression, merges applied, no BOS) and DeepSeek-V3's
+    **dict.fromkeys(("glm4", "chatglm-bpe"), (_LLAMA3,)),
+    "deepseek-v3": (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+                    "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"),
 }
+# vocabularies llama.cpp gives no BOS whatever the file says (special_bos_id = LLAMA_TOKEN_NULL)
+NO_BOS_PRE = ("glm4", "chatglm-bpe")
 # the end-of-generation tokens llama.cpp finds by their text (llama-vocab.cpp), besides the ids the
 # file names (EOS, EOT, EOM)
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
@@ -199,27 +217,33 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
     head_dim = int(f.arch_get("attention.key_length") or need["embedding_length"] // heads)
     rotary = f.arch_get("rope.dimension_count")
     partial = {}
-    if rotary is not None and int(rotary) != head_dim:
-        if arch != "phi3":   # Phi-4-mini rotates 3/4 of each head
+    # deepseek2's key_length is its latent + RoPE width (_deepseek2 reads the heads' own widths)
+    if rotary is not None and int(rotary) != head_dim and arch != "deepseek2":
+        if arch not in _PARTIAL_ROTARY:   # Phi-4-mini rotates 3/4 of each head, GLM-4.5 half
             raise CheckpointError(f"{f.path}: {arch}.rope.dimension_count = {rotary} rotates part of each "
                                   f"{head_dim}-wide head; {arch} models in jaxinfer rotate all of it")
         if int(rotary) % 2 or not 0 < int(rotary) < head_dim:
-            raise CheckpointError(f"{f.path}: phi3.rope.dimension_count = {rotary}: expected an even number of "
+            raise CheckpointError(f"{f.path}: {arch}.rope.dimension_count = {rotary}: expected an even number of "
                                   f"the {head_dim} features of a head")
         partial = {"partial_rotary_factor": int(rotary) / head_dim}
+    # the next-token-prediction blocks llama.cpp's converter appends (GLM-4.5's) are not run
+    layers = int(need["block_count"]) - int(f.arch_get("nextn_predict_layers") or 0)
+    if layers < 1:
+        raise CheckpointError(f"{f.path}: {arch}.block_count = {need['block_count']} with "
+                              f"{arch}.nextn_predict_layers = {f.arch_get('nextn_predict_layers')} leaves no layer")
     if "token_embd.weight" not in f.tensors:
         raise CheckpointError(f"{f.path}: no tensor 'token_embd.weight'")
     vocab = int(f.tensors["token_embd.weight"][0].shape[1])
     cfg: dict[str, Any] = {
         "architectures": [ARCHS[arch]], "model_type": _MODEL_TYPES[arch],
         "vocab_size": vocab, "hidden_size": int(need["embedding_length"]),
-        "intermediate_size": int(need["feed_forward_length"]), "num_hidden_layers": int(need["block_count"]),
+        "intermediate_size": int(need["feed_forward_length"]), "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": int(f.arch_get("attention.head_count_kv") or heads),
         "head_dim": head_dim, "hidden_act": "silu",
         "max_position_embeddings": int(f.arch_get("context_length") or 2048),
         "rms_norm_eps": float(f.arch_get("attention.layer_norm_rms_epsilon") or 1e-6),
         "tie_word_embeddings": "output.weight" not in f.tensors,
-        "attention_bias": "blk.0.attn_q.bias" in f.tensors and arch != "qwen2",
+        "attention_bias": "blk.0.attn_q.bias" in f.tensors and arch not in ("qwen2", "qwen2moe"),
         "rope_parameters": {"rope_theta": float(f.arch_get("rope.freq_base") or 10000.0),
                             **_rope_scaling(f, head_dim), **partial},
         MARKER: str(Path(os.path.abspath(f.path))),
@@ -240,6 +264,13 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
                               "not supported (load the HF folder)")
     elif arch == "seed_oss":   # SeedOssModel: q / k / v biases and, apart, o's
         cfg["attention_out_bias"] = "blk.0.attn_output.bias" in f.tensors
+    elif arch == "qwen2moe":   # Qwen2MoeConfig's name for q / k / v biases
+        cfg["qkv_bias"] = "blk.0.attn_q.bias" in f.tensors
+    elif arch == "glm4moe":   # q / k norms (GLM-4.5, not 4.5-Air), the rotated share of each head stated
+        cfg.update(use_qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+                   partial_rotary_factor=partial.get("partial_rotary_factor", 1.0))
+    elif arch == "deepseek2":
+        cfg.update(_deepseek2(f, cfg))
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("padding_token_id", "pad_token_id")):
         v = f.get(f"tokenizer.ggml.{key}")
@@ -346,18 +377,21 @@ def _gpt_oss(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     """A mixture of experts' fields: Mixtral (llama.cpp's `llama` with experts), Qwen3-MoE (routing
-    normalized over the chosen experts, as llama.cpp's qwen3moe does) or gpt-oss; every layer routed."""
+    normalized over the chosen experts, as llama.cpp's qwen3moe does), Qwen2-MoE (not normalized, a
+    gated shared expert: llama.cpp's qwen2moe), gpt-oss, GLM-4.5 and DeepSeek-V3 (_sigmoid_experts);
+    every layer routed but the leading dense ones GLM-4.5's and DeepSeek's files name."""
     count, used = f.arch_get("expert_count"), f.arch_get("expert_used_count")
     if not count:
-        if f.arch in ("qwen3moe", "gpt-oss"):
+        if f.arch in ("qwen3moe", "gpt-oss", "qwen2moe", *_SIGMOID_MOE):
             raise CheckpointError(f"{f.path}: metadata {f.arch}.expert_count is missing")
         return {}
     if not used:
         raise CheckpointError(f"{f.path}: metadata {f.arch}.expert_used_count is missing")
-    dense = [i for i in range(cfg["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors]
-    if dense:   # llama.cpp's llama and qwen3moe route every layer
+    lead = int(f.arch_get("leading_dense_block_count") or 0) if f.arch in _SIGMOID_MOE else 0
+    dense = [i for i in range(lead, cfg["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors]
+    if dense:   # llama.cpp's llama, qwen3moe and qwen2moe route every layer, the others all after the lead
         raise CheckpointError(f"{f.path}: tensor 'blk.{dense[0]}.ffn_gate_inp.weight' is missing (a {f.arch} "
-                              "mixture of experts routes every layer)")
+                              f"mixture of experts routes every layer{f' after the first {lead}' if lead else ''})")
     if f.arch == "llama":
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": int(count),
                 "num_experts_per_tok": int(used), "sliding_window": None}
@@ -366,8 +400,73 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(f"{f.path}: metadata {f.arch}.expert_feed_forward_length is missing")
     if f.arch == "gpt-oss":   # GptOssConfig: the experts' width is intermediate_size
         return {"num_local_experts": int(count), "num_experts_per_tok": int(used), "intermediate_size": int(ffn)}
-    return {"num_experts": int(count), "num_experts_per_tok": int(used), "moe_intermediate_size": int(ffn),
-            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if f.arch in _SIGMOID_MOE:
+        return _sigmoid_experts(f, int(count), int(used), int(ffn), lead)
+    out = {"num_experts": int(count), "num_experts_per_tok": int(used), "moe_intermediate_size": int(ffn),
+           "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if f.arch == "qwen2moe":   # llama.cpp: the shared expert as wide as feed_forward_length when not given
+        shared = f.arch_get("expert_shared_feed_forward_length") or cfg["intermediate_size"]
+        out.update(norm_topk_prob=False, shared_expert_intermediate_size=int(shared), use_sliding_window=False)
+    return out
+
+
+def _sigmoid_experts(f: GGUFFile, count: int, used: int, ffn: int, lead: int) -> dict[str, Any]:
+    """GLM-4.5's and DeepSeek-V3's mixture as llama.cpp reads it: sigmoid scores (expert_gating_func 2;
+    DeepSeek-V2's softmax, also a file without the key for deepseek2, is refused), the choice biased by
+    exp_probs_b, expert_group_count groups of which expert_group_used_count are kept (1 and 1: none),
+    the weights renormalized where expert_weights_norm and times expert_weights_scale (1 when absent),
+    expert_shared_count shared experts of the experts' width, dense FFNs on the first
+    leading_dense_block_count layers."""
+    gating = f.arch_get("expert_gating_func")
+    if gating is None and f.arch == "glm4moe":
+        gating = 2   # llama.cpp's default for glm4moe
+    if gating != 2:
+        raise CheckpointError(f"{f.path}: {f.arch}.expert_gating_func = {gating} (absent: softmax, DeepSeek-V2's) is "
+                              "not supported; jaxinfer routes these mixtures by sigmoid scores (2, DeepSeek-V3's)")
+    shared = int(f.arch_get("expert_shared_count") or 0)
+    if shared < 1:
+        raise CheckpointError(f"{f.path}: {f.arch}.expert_shared_count = {shared}: expected 1 or more shared experts")
+    return {"n_routed_experts": count, "num_experts_per_tok": used, "moe_intermediate_size": ffn,
+            "n_shared_experts": shared, "first_k_dense_replace": lead,
+            "norm_topk_prob": bool(f.arch_get("expert_weights_norm", False)),
+            "routed_scaling_factor": float(f.arch_get("expert_weights_scale") or 1.0),
+            "n_group": int(f.arch_get("expert_group_count") or 1),
+            "topk_group": int(f.arch_get("expert_group_used_count") or 1)}
+
+
+def _deepseek2(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's latent attention as llama.cpp's converter writes it (deepseek2): kv_lora_rank,
+    q_lora_rank (absent: a plain attn_q, as DeepSeek-V2-Lite's), key_length_mla / value_length_mla (the
+    heads' own query-key and value widths; key_length / value_length are the latent form's),
+    rope.dimension_count RoPE features, interleaved in pairs as the HF checkpoint holds them (llama.cpp
+    rotates adjacent pairs: the converter moves nothing). YaRN's magnitude is llama.cpp's: RoPE
+    unscaled (attention_factor 1) and the softmax scale times mscale^2 with mscale = 1 +
+    rope.scaling.yarn_log_multiplier * ln(factor) (the converter writes 0.1 * mscale_all_dim there)."""
+    need = {k: f.arch_get(k) for k in ("attention.kv_lora_rank", "attention.key_length_mla",
+                                       "attention.value_length_mla", "rope.dimension_count")}
+    missing = [k for k, v in need.items() if v is None]
+    if missing:
+        raise CheckpointError(f"{f.path}: metadata deepseek2.{missing[0]} is missing")
+    rope, qk = int(need["rope.dimension_count"]), int(need["attention.key_length_mla"])
+    if not 0 < rope < qk:
+        raise CheckpointError(f"{f.path}: deepseek2.rope.dimension_count = {rope} with attention.key_length_mla = "
+                              f"{qk}: expected fewer RoPE features than a head's")
+    q_rank = int(f.arch_get("attention.q_lora_rank") or 0)
+    if (q_rank > 0) != ("blk.0.attn_q_a.weight" in f.tensors):
+        raise CheckpointError(f"{f.path}: deepseek2.attention.q_lora_rank = {q_rank} does not match the tensors "
+                              f"({'no ' * ('blk.0.attn_q_a.weight' not in f.tensors)}blk.0.attn_q_a.weight)")
+    out = {"kv_lora_rank": int(need["attention.kv_lora_rank"]), "q_lora_rank": q_rank or None,
+           "qk_nope_head_dim": qk - rope, "qk_rope_head_dim": rope, "v_head_dim": int(need["attention.value_length_mla"]),
+           "num_key_value_heads": cfg["num_attention_heads"], "rope_interleave": True,
+           "attention_bias": "blk.0.attn_kv_a_mqa.bias" in f.tensors}
+    rope_params = dict(cfg["rope_parameters"])
+    if rope_params.get("rope_type") == "yarn":
+        log_mul = float(f.arch_get("rope.scaling.yarn_log_multiplier") or 0.0)
+        rope_params["attention_factor"] = 1.0
+        if log_mul:
+            rope_params["mscale_all_dim"] = log_mul / 0.1
+        out["rope_parameters"] = rope_params
+    return out
 
 
 def _rope_scaling(f: GGUFFile, head_dim: int) -> dict[str, Any]:
@@ -394,6 +493,8 @@ def _rope_scaling(f: GGUFFile, head_dim: int) -> dict[str, Any]:
         # magnitude transformers computes, where transformers' attention_factor replaces it)
         for key, neutral in (("rope.scaling.yarn_attn_factor", 1.0), ("rope.scaling.yarn_ext_factor", 1.0),
                              ("rope.scaling.yarn_log_multiplier", 0.0)):
+            if f.arch == "deepseek2" and key.endswith("log_multiplier"):   # _deepseek2's softmax scale
+                continue
             if f.arch_get(key) not in (None, neutral):
                 raise CheckpointError(f"{f.path}: {f.arch}.{key} = {f.arch_get(key)} is not supported (YaRN as "
                                       "transformers computes it)")
@@ -528,6 +629,7 @@ def build_tokenizer(f: GGUFFile):
     flag = f.get("tokenizer.ggml.add_bos_token")
     bos = f.get("tokenizer.ggml.bos_token_id")
     add_bos = bool(flag) if flag is not None else (kind == "llama" or f.get("tokenizer.ggml.pre") in WHOLE_WORDS_PRE)
+    add_bos = add_bos and f.get("tokenizer.ggml.pre") not in NO_BOS_PRE
     if add_bos and bos is not None:
         b = tokens[int(bos)]
         tok.post_processor = processors.TemplateProcessing(single=f"{b}:0 $A:0", pair=f"{b}:0 $A:0 {b}:1 $B:1",
@@ -655,16 +757,23 @@ class GGUFTensors:
         self.names = gguf.get_tensor_name_map(arch, hf_cfg["num_hidden_layers"])
 
     def stored(self, name: str) -> str | None:
-        parts = self.oss_parts(name)
+        parts = self.oss_parts(name) or self.latent_parts(name)
         if parts is not None:
             return parts[0] if all(p in self.file.tensors for p in parts) else None
         stack = self.expert_rows(name)
         if stack is not None:
             return stack[0]
-        g = expert_stack(name) or self.names.get_name(name, try_suffixes=(".weight", ".bias"))
+        g = expert_stack(name) or self._mapped(name)
         if g is not None and g not in self.file.tensors and f"{g}.weight" in self.file.tensors:
             g = f"{g}.weight"   # a name with no suffix in transformers (gpt-oss's sinks): llama.cpp adds .weight
         return g if g in self.file.tensors else None
+
+    def _mapped(self, name: str) -> str | None:
+        """llama.cpp's name of transformers' tensor `name` (gguf.TensorNameMap; the router's correction
+        bias renamed first, as the converter does: .e_score_correction.bias -> exp_probs_b.bias)."""
+        if name.endswith(".e_score_correction_bias"):
+            name = name[:-len("_bias")] + ".bias"
+        return self.names.get_name(name, try_suffixes=(".weight", ".bias"))
 
     def expert_rows(self, name: str) -> tuple[str, slice] | None:
         """(llama.cpp stacked tensor, its rows along axis 1) holding transformers' per-expert matrix
@@ -725,6 +834,28 @@ class GGUFTensors:
         out[..., 0::2], out[..., 1::2] = gate, up                         # interleaved, as transformers holds them
         return out
 
+    def latent_parts(self, name: str) -> list[str] | None:
+        """The llama.cpp tensors DeepSeek's kv_b_proj is split into (attn_k_b, each head's key
+        up-projection transposed, and attn_v_b: what the converter writes for llama.cpp's absorbed
+        attention), when the file has no attn_kv_b (older files); None for any other name."""
+        m = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight", name)
+        if m is None or self.file.arch != "deepseek2" or f"blk.{m.group(1)}.attn_kv_b.weight" in self.file.tensors:
+            return None
+        return [f"blk.{m.group(1)}.attn_{p}_b.weight" for p in ("k", "v")]
+
+    def _kv_b(self, name: str) -> np.ndarray:
+        """kv_b_proj [H (nope + v), r] from attn_k_b [H, r, nope] and attn_v_b [H, v, r] (their row-major
+        shapes), each head's key rows then its value rows, as DeepSeek's checkpoint holds them."""
+        k_name, v_name = self.latent_parts(name)
+        k, v = self.file.tensor(k_name), self.file.tensor(v_name)
+        h, r = self.cfg["num_attention_heads"], self.cfg["kv_lora_rank"]
+        nope, vd = self.cfg["qk_nope_head_dim"], self.cfg["v_head_dim"]
+        for t, x, shape in ((k_name, k, (h, r, nope)), (v_name, v, (h, vd, r))):
+            if x.shape != shape:
+                raise CheckpointError(f"{self.file.path}: tensor {t!r} has the shape {list(x.shape)}; expected "
+                                      f"{list(shape)} (heads, then the latent attention's widths in the metadata)")
+        return np.concatenate([k.transpose(0, 2, 1), v], axis=1).reshape(h * (nope + vd), r)
+
     def has(self, name: str) -> bool:
         return self.stored(name) is not None
 
@@ -737,8 +868,8 @@ class GGUFTensors:
     def get(self, name: str) -> np.ndarray:
         g = self.stored(name)
         if g is None:
-            wanted = (self.oss_parts(name) or [expert_stack(name)
-                                               or self.names.get_name(name, try_suffixes=(".weight", ".bias"))])
+            wanted = (self.oss_parts(name) or self.latent_parts(name)
+                      or [expert_stack(name) or self._mapped(name)])
             missing = [t for t in wanted if t not in self.file.tensors]
             raise CheckpointError(f"{self.file.path}: tensor {name!r} (GGUF {', '.join(map(repr, missing))}) "
                                   "not found")
@@ -746,6 +877,8 @@ class GGUFTensors:
             if self._stacked[0] != name:
                 self._stacked = (name, self._oss(name))
             return self._stacked[1]
+        if self.latent_parts(name) is not None:
+            return self._kv_b(name)
         m = _EXPERT.fullmatch(name)
         if m is None:
             return self.rows(name, self.file.tensor(g))
@@ -756,9 +889,11 @@ class GGUFTensors:
     def rows(self, name: str, x: np.ndarray) -> np.ndarray:
         """x, indexed by tensor `name`'s rows as stored, in transformers' row order (Llama's Q and K:
         llama.cpp's rotary order turned back); Gemma's norm weights as transformers' w of (1 + w)
-        (llama.cpp's converter stores 1 + w)."""
+        (llama.cpp's converter stores 1 + w); Qwen2-MoE's shared-expert gate [D] as its one row [1, D]."""
         if self.file.arch in _GEMMA and name.endswith("norm.weight"):
             return x - 1.0
+        if name.endswith("shared_expert_gate.weight") and x.ndim == 1:   # llama.cpp's {n_embd}: one row
+            return x[None, :]
         if self.file.arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
                                                              "k_proj.bias")):
             heads = self.cfg["num_attention_heads"] if ".q_proj." in name else self.cfg["num_key_value_heads"]

@@ -109,17 +109,18 @@ def mxfp4_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(*out.shape[:-2], -1))
 
 
-def _hparams(w, cfg, arch: str, head_dim: int) -> None:
-    """The architecture's metadata, as convert_hf_to_gguf.py's model classes write it."""
+def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0) -> None:
+    """The architecture's metadata, as convert_hf_to_gguf.py's model classes write it (nextn: blocks
+    appended past the model's, counted in block_count as Glm4MoeModel counts them)."""
     import gguf
     gemma = arch.startswith("gemma")
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)   # Gemma 3: the global layers'
-    w.add_block_count(cfg.num_hidden_layers)
+    w.add_block_count(cfg.num_hidden_layers + nextn)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_head_count_kv(1 if arch == "deepseek2" else cfg.num_key_value_heads)   # DeepSeek: latent attention as MQA
     w.add_rope_freq_base(float(rope["rope_theta"]))
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -150,11 +151,69 @@ def _hparams(w, cfg, arch: str, head_dim: int) -> None:
         original = rope.get("original_max_position_embeddings", getattr(cfg, "original_max_position_embeddings", None))
         w.add_rope_scaling_orig_ctx_len(original or cfg.max_position_embeddings)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch == "deepseek2":   # DeepseekV2Model.set_gguf_parameters: the latent form as MQA (its own widths apart)
+        _deepseek2_hparams(w, cfg, rope)
+        w.add_vocab_size(cfg.vocab_size)
+        return
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if gemma or arch == "gpt-oss" or head_dim != cfg.hidden_size // cfg.num_attention_heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
+
+
+def _deepseek2_hparams(w, cfg, rope: dict) -> None:
+    """DeepseekV2Model.set_gguf_parameters: one KV head of latent + RoPE features (key_length) and the
+    latent (value_length), the heads' own widths as key_length_mla / value_length_mla, the ranks, and
+    YaRN's softmax magnitude as yarn_log_multiplier = 0.1 * mscale_all_dim."""
+    r, nope, rot = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    if cfg.q_lora_rank:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(r)
+    w.add_key_length(r + rot)
+    w.add_value_length(r)
+    w.add_key_length_mla(nope + rot)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_rope_dimension_count(rot)
+    if rope.get("mscale_all_dim") is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _moe_hparams(w, cfg, arch: str, nextn: int) -> None:
+    """The mixtures' metadata: Qwen3MoeModel / Qwen2MoeModel (the experts' and the shared expert's
+    widths), Glm4MoeModel and DeepseekV2Model (TextModel's group counts and sigmoid gating, leading
+    dense layers, shared experts, the routed scale, the renormalization where set)."""
+    import gguf
+    experts = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if not experts:
+        return
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch in ("qwen3moe", "qwen2moe", "glm4moe", "deepseek2"):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch in ("glm4moe", "deepseek2"):
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        if arch == "glm4moe" or cfg.norm_topk_prob:   # DeepseekV2Model writes it only when true
+            w.add_expert_weights_norm(cfg.norm_topk_prob)
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
+
+
+def _nextn_block(w, cfg, layer: int, rng) -> None:
+    """A next-token-prediction block as Glm4MoeModel appends it (blk.N past the model's layers: its
+    projection, norms and an attention of its own): llama.cpp loads and never runs it in the main model."""
+    d = cfg.hidden_size
+    for name, shape in (("nextn.eh_proj.weight", (d, 2 * d)), ("nextn.enorm.weight", (d,)), ("nextn.hnorm.weight", (d,)),
+                        ("nextn.shared_head_norm.weight", (d,)), ("attn_norm.weight", (d,)),
+                        ("attn_q.weight", (d, d))):
+        w.add_tensor(f"blk.{layer}.{name}", rng.standard_normal(shape).astype(np.float32))
 
 
 def _phi3_rope_factors(w, cfg, head_dim: int, attn_factor: float | None) -> None:
@@ -198,11 +257,22 @@ def _gpt_oss_experts(w, hf_name: str, x: np.ndarray, qtype: str, rng, mxfp4: dic
             _add(w, name, np.ascontiguousarray(value), "F32" if bias else qtype, rng)
 
 
+def _split_kv_b(w, cfg, hf_name: str, x: np.ndarray, qtype: str, rng) -> None:
+    """DeepseekV2Model.modify_tensors: kv_b_proj [H (nope + v), r] as attn_k_b [H, r, nope] (each head's
+    key rows transposed) and attn_v_b [H, v, r]."""
+    h, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    kv = x.reshape(h, nope + v, x.shape[-1])
+    layer = hf_name.split(".")[2]
+    _add(w, f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(kv[:, :nope].transpose(0, 2, 1)), qtype, rng)
+    _add(w, f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv[:, nope:]), qtype, rng)
+
+
 def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = None, *,
                add_bos: bool | None = True, chat_template: str | None = CHAT_TEMPLATE,
                rope_freqs: np.ndarray | None = None, space_prefix: bool | None = None,
                mxfp4: dict | None = None, name: str | None = None, fuse_gate_up: bool = False,
-               attn_factor: float | None = None, extra: dict | None = None) -> Path:
+               attn_factor: float | None = None, extra: dict | None = None, nextn: int = 0,
+               split_kv_b: bool = True) -> Path:
     """`model` (a transformers Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / Gemma 2 / Gemma 3
     / Phi-3 / gpt-oss causal LM) as a GGUF at `path` (experts stacked per layer, Gemma's norms as 1 + w,
     as llama.cpp's converter writes them).
@@ -210,26 +280,24 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
     rope_freqs: Llama 3's rope_freqs.weight (llama.cpp's frequency divisors), when given;
     mxfp4: gpt-oss's experts' MXFP4 blocks and scales by HF name (tests/prequant_models.mxfp4_pack);
     name: general.name; fuse_gate_up: a mixture's gate and up experts in one tensor; attn_factor: Phi-3's
-    LongRoPE attention factor other than the converter's; extra: more metadata {key: uint32 or float32}."""
+    LongRoPE attention factor other than the converter's; extra: more metadata {key: uint32 or float32};
+    nextn: next-token-prediction blocks appended (GLM-4.5's); split_kv_b: DeepSeek's kv_b_proj as
+    attn_k_b / attn_v_b (today's converter) rather than one attn_kv_b (older files)."""
     import gguf
 
     cfg = model.config
     arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
             "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
             "gpt_oss": "gpt-oss", "smollm3": "smollm3", "granite": "granite",
-            "olmo2": "olmo2", "seed_oss": "seed_oss"}[cfg.model_type]
+            "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe",
+            "deepseek_v3": "deepseek2"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:
         w.add_name(name)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    _hparams(w, cfg, arch, head_dim)
-    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
-    if experts:
-        w.add_expert_count(experts)
-        w.add_expert_used_count(cfg.num_experts_per_tok)
-        if arch == "qwen3moe":
-            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    _hparams(w, cfg, arch, head_dim, nextn)
+    _moe_hparams(w, cfg, arch, nextn)
     w.add_tokenizer_model(vocab["model"])
     w.add_tokenizer_pre(vocab["pre"])
     w.add_token_list(vocab["tokens"])
@@ -275,6 +343,13 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             for part, value in parts.items():
                 _add(w, f"blk.{layer}.ffn_{part}_exps.weight", np.ascontiguousarray(value), qtype, rng)
             continue
+        if hf_name.endswith("kv_b_proj.weight") and split_kv_b:   # DeepseekV2Model: k_b transposed, v_b
+            _split_kv_b(w, cfg, hf_name, x, qtype, rng)
+            continue
+        if hf_name.endswith("shared_expert_gate.weight"):   # [1, D] -> [D]: llama.cpp's ffn_gate_inp_shexp is 1-D
+            x = x.reshape(-1)
+        if hf_name.endswith(".e_score_correction_bias"):   # TextModel's rename before the name map
+            hf_name = hf_name[:-len("_bias")] + ".bias"
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, hf_name
         if hf_name.endswith(".sinks"):   # GptOssModel.filter_tensors: sinks get a .weight
@@ -284,6 +359,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
         _phi3_rope_factors(w, cfg, head_dim, attn_factor)
     for key, value in (extra or {}).items():
         (w.add_bool if isinstance(value, bool) else w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
+    for i in range(nextn):
+        _nextn_block(w, cfg, cfg.num_hidden_layers + i, rng)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     w.write_header_to_file()

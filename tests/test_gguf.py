@@ -127,6 +127,14 @@ def _make(name: str, root):
                                                        "moe_intermediate_size": 768})
         qtypes = {"experts": "Q8_0", "q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0"}
         return write_gguf(hf, folder / "model.gguf", vocab, qtypes), hf
+    if name == "qwen2moe":   # a gated shared expert (Q4_0) beside the experts (Q8_0 stacks); q/k/v Q8_0
+        vocab = byte_level_vocab(_lines(), 300, "qwen2")
+        # transformers' GGUF loader reads neither expert width (Qwen2MoeConfig's defaults: 1408, 5632)
+        hf = build_hf_model("qwen2moe-shared", overrides={"vocab_size": 300, "mlp_only_layers": [],
+                                                          "moe_intermediate_size": 1408,
+                                                          "shared_expert_intermediate_size": 5632})
+        qtypes = {"experts": "Q8_0", "q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0", "shared_expert.": "Q4_0"}
+        return write_gguf(hf, folder / "model.gguf", vocab, qtypes), hf
     if name == "phi3-spm":   # fused q/k/v (Q8_0: packed as one tensor) and gate/up (Q4_0); down Q5_0
         text = save_text_model(root / "phi3-src")
         # no LongRoPE, window or partial rotary: transformers' GGUF loader reads none of them for phi3
@@ -174,8 +182,8 @@ def _rel_err(a, ref) -> float:
     return float(np.abs(a - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("name", ["llama-spm", "qwen2-bpe", "qwen3-f32", "llama-kquant", "qwen3moe", "llama-q8",
-                                  "llama-q4km", "llama-q3km", "llama-iq4", "phi3-spm"])
+@pytest.mark.parametrize("name", ["llama-spm", "qwen2-bpe", "qwen3-f32", "llama-kquant", "qwen3moe", "qwen2moe",
+                                  "llama-q8", "llama-q4km", "llama-q3km", "llama-iq4", "phi3-spm"])
 def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path, _ = gguf_case(name)
@@ -223,6 +231,8 @@ def test_logits_and_tokenizer_match_transformers_gguf(name, gguf_case):
                   "mlp/up": (4, 32), "mlp/down": (8, 32)}),
     # q/k/v Q8_0; the experts' Q8_0 stacks as stacked grouped int8 (one QuantizedWeight per layer)
     ("qwen3moe", {"attn/q": (8, 32), "attn/k": (8, 32), "attn/v": (8, 32), "mlp/gate": (8, 32),
+                  "mlp/up": (8, 32), "mlp/down": (8, 32)}),
+    ("qwen2moe", {"attn/q": (8, 32), "attn/k": (8, 32), "attn/v": (8, 32), "mlp/gate": (8, 32),
                   "mlp/up": (8, 32), "mlp/down": (8, 32)}),
 ])
 def test_exact_blocks_stay_packed(name, packed, gguf_case):
@@ -419,6 +429,92 @@ def test_olmo2_and_seed_oss_are_the_original_model(name, tmp_path):
         bad = write_gguf(hf, tmp_path / "olmo3.gguf", vocab, extra={"olmo2.attention.sliding_window": 4096})
         with pytest.raises(CheckpointError, match="OLMo 3's sliding layers"):
             _gen(bad)
+
+
+# DeepSeek-V3's YaRN as its config.json gives it (mscale = mscale_all_dim): what a GGUF carries (the
+# converter writes 0.1 * mscale_all_dim only; llama.cpp takes mscale to equal it)
+DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+                 "mscale": 0.8, "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def _q8_0_round_trip(hf, parts: tuple[str, ...]) -> None:
+    """Every parameter of `hf` whose name holds one of `parts` replaced by the gguf package's Q8_0
+    quantization of it, dequantized (blocks of 32 along the last axis, as the writer stores it)."""
+    import gguf
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if any(part in n for part in parts):
+                x = p.detach().float().numpy()
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(x, q8), q8).reshape(x.shape)))
+
+
+@pytest.mark.parametrize("name, overrides, kw", [
+    # GLM-4.5: 4 groups of experts (2 kept), half of each head rotating, q/k norms, q/k/v biases, a dense
+    # first layer, two shared experts; the next-token-prediction block the converter appends (counted
+    # in block_count, named by nextn_predict_layers) is not run
+    ("glm4moe-groups", {}, {"nextn": 1}),
+    # DeepSeek-V3: a q bottleneck, kv_b_proj as attn_k_b / attn_v_b (today's converter)
+    ("deepseekv3-mla", {}, {}),
+    # no q bottleneck, one attn_kv_b (older files), YaRN: the softmax scale from yarn_log_multiplier
+    ("deepseekv3-yarn-bias", {"attention_bias": False, "rope_parameters": DEEPSEEK_YARN}, {"split_kv_b": False}),
+    # experts, shared experts, o and the latent down-projections Q8_0 (packed), the rest float32
+    ("deepseekv3-mla", {"moe_intermediate_size": 32},
+     {"qtypes": {"experts": "Q8_0", "shared_experts": "Q8_0", "o_proj": "Q8_0", "q_a_proj": "Q8_0",
+                 "kv_a_proj": "Q8_0"}}),
+])
+def test_glm4moe_and_deepseek_are_the_original_model(name, overrides, kw, tmp_path):
+    """GLM-4.5 (llama.cpp's glm4moe) and DeepSeek-V3 (deepseek2: latent attention written as MQA, its
+    own widths in key_length_mla / value_length_mla) as llama.cpp's converter writes them compute what
+    the HF model computes; quantized, what it computes with the file's Q8_0 weights (the gguf
+    package's round trip put into the HF model)."""
+    text = save_text_model(tmp_path / "spm")
+    vocab = sentencepiece_vocab(text / "tokenizer.model")
+    hf = build_hf_model(name, overrides={"vocab_size": 400, **overrides})
+    kw = dict(kw)
+    qtypes = kw.pop("qtypes", None)
+    path = write_gguf(hf, tmp_path / f"{name}.gguf", vocab, qtypes, **kw)
+    if qtypes:
+        _q8_0_round_trip(hf, tuple(qtypes))
+    ids = np.random.RandomState(8).randint(3, 400, 24).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    gen = _gen(path)
+    assert gen.model_cfg.n_layers == hf.config.num_hidden_layers
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+
+
+def test_glm4moe_and_deepseek_refusals_and_tokenizers(tmp_path):
+    """DeepSeek-V2's softmax routing (a deepseek2 file's expert_gating_func 1, or none) is refused by
+    name; DeepSeek-V3's pre-tokenizer splits text as its tokenizer.json's does (the tokenizers library
+    running the published Split expressions over the same vocabulary), and a glm4 vocabulary gets no
+    BOS whatever the file says (llama.cpp's rule for it)."""
+    from tokenizers import Tokenizer
+
+    from jaxinfer.gguf_file import GGUFFile, build_tokenizer
+    hf = build_hf_model("deepseekv3-mla", overrides={"vocab_size": 300})
+    bad = write_gguf(hf, tmp_path / "v2.gguf", byte_level_vocab(_lines(), 300, "deepseek-v3"),
+                     extra={"deepseek2.expert_gating_func": 1})
+    with pytest.raises(CheckpointError, match="expert_gating_func = 1"):
+        _gen(bad)
+    # DeepSeek-V3's tokenizer.json: three Splits ("Isolated"), then ByteLevel without its own regex
+    splits = [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+              "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+              "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"]
+    lines = _lines() + ["价格是1234567元，東京タワー!abc#def", "x.y(z)=1;\r\n  \tfoo", "naïve café—über"]
+    vocab = byte_level_vocab(lines, 300, "deepseek-v3")
+    path = write_gguf(build_hf_model("qwen2-tied", overrides={"vocab_size": 300}), tmp_path / "ds.gguf", vocab)
+    ours, _ = build_tokenizer(GGUFFile(path))
+    ref = json.loads(ours.to_str())
+    ref["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        *({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False} for r in splits),
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    ref = Tokenizer.from_str(json.dumps(ref))
+    for text in lines[-3:] + TEXTS:
+        assert ours.encode(text).ids == ref.encode(text).ids, text
+    glm = write_gguf(build_hf_model("qwen2-tied", overrides={"vocab_size": 300}), tmp_path / "glm.gguf",
+                     byte_level_vocab(_lines(), 300, "glm4"), add_bos=True)
+    assert build_tokenizer(GGUFFile(glm))[1] is False
 
 
 def _oss_expert(t) -> np.ndarray:

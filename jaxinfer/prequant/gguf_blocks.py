@@ -90,8 +90,8 @@ class GGUFBlockReader:
         return None if stored is None else self.st.file.tensors[stored][0].tensor_type.name
 
     def quantized(self, module: str) -> bool:
-        if ".experts." in module:   # stacked experts: stacked_param's
-            return False
+        if ".experts." in module or self.st.latent_parts(f"{module}.weight") is not None:
+            return False   # stacked experts: stacked_param's; DeepSeek's kv_b from two tensors: floats
         kind = self._type(module)
         head, _, last = module.rpartition(".")
         siblings = next((group for group in _FUSED if last in group), (last,))
