@@ -49,7 +49,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.kv_cache import CHUNK_GROUP, DECODE_GROUP, TREE_NONE, AttentionMetadata, LayerKV, write_kv
+from jaxinfer.kv_cache import (CHUNK_GROUP, DECODE_GROUP, TREE_NONE, AttentionMetadata, LayerKV, value_view,
+                               write_kv)
 from jaxinfer.quant import dot_precision
 from pallas_kernels.attention_common import soft_cap, tree_visible
 from pallas_kernels.flash_attention import flash_attention
@@ -82,13 +83,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
                                       softcap=softcap, sinks=sinks), None
     assert meta is not None, "paged attention needs AttentionMetadata"
     kv = write_kv(kv, k, v, meta.slot_mapping)
+    pages = value_view(kv)   # shared-value pages (latent attention): the values read from the K pages
     if impl == "pallas":
-        out = ragged_paged_attention(q, kv.k, kv.v, positions, meta.seq_ids, meta.query_start_loc,
+        out = ragged_paged_attention(q, pages.k, pages.v, positions, meta.seq_ids, meta.query_start_loc,
                                      meta.block_tables, meta.context_lens, scale=scale, window=window,
-                                     alibi_slopes=alibi, softcap=softcap, sinks=sinks, k_scale=kv.k_scale,
-                                     v_scale=kv.v_scale, tree=meta.tree, num_kv_splits=kv_splits)
+                                     alibi_slopes=alibi, softcap=softcap, sinks=sinks, k_scale=pages.k_scale,
+                                     v_scale=pages.v_scale, tree=meta.tree, num_kv_splits=kv_splits)
         return out.astype(q.dtype), kv
-    return paged_attention_xla(q, k, v, kv, positions, meta, scale=scale, window=window, alibi=alibi,
+    return paged_attention_xla(q, k, v, pages, positions, meta, scale=scale, window=window, alibi=alibi,
                                softcap=softcap, sinks=sinks, item_groups=item_groups), kv
 
 

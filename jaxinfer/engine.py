@@ -751,7 +751,7 @@ def _host_tier(r: ResolvedConfig, model_cfg, draft_model: Decoder | None) -> Hos
         return None
     if jax.process_count() > 1:
         raise ValueError("kv_offload_gb (the host tier) is not available across several processes (multi-host)")
-    block_bytes = r.block_size * sum(perf.kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, r.kv_dtype)
+    block_bytes = r.block_size * sum(perf.kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, r.kv_dtype, c.kv_value_dim)
                                      for c in [model_cfg] + ([draft_model.cfg] if draft_model is not None else []))
     return HostTier(r.kv_offload_bytes, block_bytes)
 

@@ -58,7 +58,7 @@ def _window_logits_fn(model: Decoder, window: int, kv_dtype: str | None):
     dtype = kv_storage_dtype(kv_dtype)
 
     def run(params, t):
-        pages = init_kv_pages(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks + 1, bs, dtype)
+        pages = init_kv_pages(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks + 1, bs, dtype, cfg.kv_value_dim)
         return nnx.merge(graphdef, params)(t, pos, pages, meta)[0]
     return run
 

@@ -28,8 +28,8 @@ rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fus
 transformers' interleaved layout; sinks; the clamp llama.cpp fixes at 7.0), smollm3, granite, olmo2,
 seed_oss, qwen2moe (a gated shared expert), glm4moe (GLM-4.5: partial rotary, dense leading layers,
 sigmoid routing with exp_probs_b, shared experts; the appended next-token-prediction blocks skipped)
-and deepseek2 with sigmoid routing (DeepSeek-V3: latent attention, kv_b_proj from attn_k_b /
-attn_v_b or attn_kv_b; DeepSeek-V2's softmax routing refused). Rope: none,
+and deepseek2 (DeepSeek-V3: latent attention, kv_b_proj from attn_k_b / attn_v_b or attn_kv_b,
+sigmoid routing; DeepSeek-V2 / V2-Lite / Coder-V2: softmax routing without groups). Rope: none,
 linear, yarn, and Llama 3's (its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
 every stored divisor). Anything else is refused naming the key or tensor. Split files
 (NAME-00001-of-0000N.gguf) are read across their parts.
@@ -411,60 +411,89 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sigmoid_experts(f: GGUFFile, count: int, used: int, ffn: int, lead: int) -> dict[str, Any]:
-    """GLM-4.5's and DeepSeek-V3's mixture as llama.cpp reads it: sigmoid scores (expert_gating_func 2;
-    DeepSeek-V2's softmax, also a file without the key for deepseek2, is refused), the choice biased by
-    exp_probs_b, expert_group_count groups of which expert_group_used_count are kept (1 and 1: none),
-    the weights renormalized where expert_weights_norm and times expert_weights_scale (1 when absent),
-    expert_shared_count shared experts of the experts' width, dense FFNs on the first
-    leading_dense_block_count layers."""
+    """GLM-4.5's and DeepSeek-V3's mixture as llama.cpp reads it: sigmoid scores (expert_gating_func 2),
+    the choice biased by exp_probs_b, expert_group_count groups of which expert_group_used_count are
+    kept (1 and 1: none), the weights renormalized where expert_weights_norm and times
+    expert_weights_scale (1 when absent), expert_shared_count shared experts of the experts' width,
+    dense FFNs on the first leading_dense_block_count layers. A deepseek2 file with softmax scores (1,
+    or no key: llama.cpp's default, DeepSeek-V2's files) is DeepSeek-V2's mixture: _softmax_experts."""
     gating = f.arch_get("expert_gating_func")
-    if gating is None and f.arch == "glm4moe":
-        gating = 2   # llama.cpp's default for glm4moe
-    if gating != 2:
-        raise CheckpointError(f"{f.path}: {f.arch}.expert_gating_func = {gating} (absent: softmax, DeepSeek-V2's) is "
-                              "not supported; jaxinfer routes these mixtures by sigmoid scores (2, DeepSeek-V3's)")
+    if gating is None:   # llama.cpp's defaults: glm4moe sigmoid, deepseek2 softmax
+        gating = 2 if f.arch == "glm4moe" else 1
     shared = int(f.arch_get("expert_shared_count") or 0)
     if shared < 1:
         raise CheckpointError(f"{f.path}: {f.arch}.expert_shared_count = {shared}: expected 1 or more shared experts")
-    return {"n_routed_experts": count, "num_experts_per_tok": used, "moe_intermediate_size": ffn,
-            "n_shared_experts": shared, "first_k_dense_replace": lead,
-            "norm_topk_prob": bool(f.arch_get("expert_weights_norm", False)),
-            "routed_scaling_factor": float(f.arch_get("expert_weights_scale") or 1.0),
+    common = {"n_routed_experts": count, "num_experts_per_tok": used, "moe_intermediate_size": ffn,
+              "n_shared_experts": shared, "first_k_dense_replace": lead,
+              "routed_scaling_factor": float(f.arch_get("expert_weights_scale") or 1.0)}
+    if gating == 1 and f.arch == "deepseek2":
+        return {**common, **_softmax_experts(f)}
+    if gating != 2:
+        raise CheckpointError(f"{f.path}: {f.arch}.expert_gating_func = {gating} is not supported (2: sigmoid scores; "
+                              f"1: softmax, {'on deepseek2 only' if f.arch != 'deepseek2' else 'DeepSeek-V2'})")
+    return {**common, "norm_topk_prob": bool(f.arch_get("expert_weights_norm", False)),
             "n_group": int(f.arch_get("expert_group_count") or 1),
             "topk_group": int(f.arch_get("expert_group_used_count") or 1)}
+
+
+def _softmax_experts(f: GGUFFile) -> dict[str, Any]:
+    """DeepSeek-V2 / V2-Lite / Coder-V2's routing as llama.cpp runs it: softmax over every expert, the
+    k best, times expert_weights_scale, not renormalized. Refused: renormalized weights
+    (expert_weights_norm), a choice correction, and groups (llama.cpp scores a group by its two best
+    experts, DeepSeek-V3's rule; DeepSeek-V2's by its best: the file's model and llama.cpp's disagree)."""
+    groups, kept = int(f.arch_get("expert_group_count") or 1), int(f.arch_get("expert_group_used_count") or 1)
+    if groups > 1 and kept < groups:
+        raise CheckpointError(f"{f.path}: deepseek2.expert_group_count = {groups} with softmax routing: llama.cpp "
+                              "limits the choice by DeepSeek-V3's group rule, not DeepSeek-V2's; not supported")
+    if f.arch_get("expert_weights_norm", False) or any(t.endswith(".exp_probs_b.bias") for t in f.tensors):
+        why = "" if f.arch_get("expert_gating_func") is not None else " (deepseek2.expert_gating_func is absent: softmax)"
+        raise CheckpointError(f"{f.path}: softmax routing{why} with expert_weights_norm or exp_probs_b is not "
+                              "DeepSeek-V2's; not supported")
+    return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "topk_method": "greedy",
+            "norm_topk_prob": False, "n_group": 1, "topk_group": 1}
 
 
 def _deepseek2(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V3's latent attention as llama.cpp's converter writes it (deepseek2): kv_lora_rank,
     q_lora_rank (absent: a plain attn_q, as DeepSeek-V2-Lite's), key_length_mla / value_length_mla (the
-    heads' own query-key and value widths; key_length / value_length are the latent form's),
-    rope.dimension_count RoPE features, interleaved in pairs as the HF checkpoint holds them (llama.cpp
-    rotates adjacent pairs: the converter moves nothing). YaRN's magnitude is llama.cpp's: RoPE
-    unscaled (attention_factor 1) and the softmax scale times mscale^2 with mscale = 1 +
-    rope.scaling.yarn_log_multiplier * ln(factor) (the converter writes 0.1 * mscale_all_dim there)."""
-    need = {k: f.arch_get(k) for k in ("attention.kv_lora_rank", "attention.key_length_mla",
-                                       "attention.value_length_mla", "rope.dimension_count")}
+    heads' own query-key and value widths; key_length / value_length are the latent form's; an older
+    file, one attn_kv_b and no *_mla keys, gives the heads' widths as key_length / value_length, as
+    llama.cpp reads it), rope.dimension_count RoPE features, interleaved in pairs as the HF checkpoint
+    holds them (llama.cpp rotates adjacent pairs: the converter moves nothing). YaRN's magnitude is
+    llama.cpp's: RoPE unscaled (attention_factor 1) and the softmax scale times mscale^2 with mscale =
+    1 + rope.scaling.yarn_log_multiplier * ln(factor) (the converter writes 0.1 * mscale_all_dim
+    there; a YaRN file without it is refused)."""
+    mla = f.arch_get("attention.key_length_mla") is not None or f.arch_get("attention.value_length_mla") is not None
+    if not mla and "blk.0.attn_kv_b.weight" not in f.tensors:
+        raise CheckpointError(f"{f.path}: metadata deepseek2.attention.key_length_mla is missing (a file without it "
+                              "holds kv_b_proj as one attn_kv_b, and this one has none)")
+    widths = ("attention.key_length_mla", "attention.value_length_mla") if mla else ("attention.key_length",
+                                                                                     "attention.value_length")
+    need = {k: f.arch_get(k) for k in ("attention.kv_lora_rank", *widths, "rope.dimension_count")}
     missing = [k for k, v in need.items() if v is None]
     if missing:
         raise CheckpointError(f"{f.path}: metadata deepseek2.{missing[0]} is missing")
-    rope, qk = int(need["rope.dimension_count"]), int(need["attention.key_length_mla"])
+    rope, qk = int(need["rope.dimension_count"]), int(need[widths[0]])
     if not 0 < rope < qk:
-        raise CheckpointError(f"{f.path}: deepseek2.rope.dimension_count = {rope} with attention.key_length_mla = "
-                              f"{qk}: expected fewer RoPE features than a head's")
+        raise CheckpointError(f"{f.path}: deepseek2.rope.dimension_count = {rope} with {widths[0]} = {qk}: "
+                              "expected fewer RoPE features than a head's")
     q_rank = int(f.arch_get("attention.q_lora_rank") or 0)
     if (q_rank > 0) != ("blk.0.attn_q_a.weight" in f.tensors):
         raise CheckpointError(f"{f.path}: deepseek2.attention.q_lora_rank = {q_rank} does not match the tensors "
                               f"({'no ' * ('blk.0.attn_q_a.weight' not in f.tensors)}blk.0.attn_q_a.weight)")
     out = {"kv_lora_rank": int(need["attention.kv_lora_rank"]), "q_lora_rank": q_rank or None,
-           "qk_nope_head_dim": qk - rope, "qk_rope_head_dim": rope, "v_head_dim": int(need["attention.value_length_mla"]),
+           "qk_nope_head_dim": qk - rope, "qk_rope_head_dim": rope, "v_head_dim": int(need[widths[1]]),
            "num_key_value_heads": cfg["num_attention_heads"], "rope_interleave": True,
            "attention_bias": "blk.0.attn_kv_a_mqa.bias" in f.tensors}
     rope_params = dict(cfg["rope_parameters"])
     if rope_params.get("rope_type") == "yarn":
-        log_mul = float(f.arch_get("rope.scaling.yarn_log_multiplier") or 0.0)
+        log_mul = f.arch_get("rope.scaling.yarn_log_multiplier")
+        if log_mul is None:   # llama.cpp then scales RoPE and the softmax alike, transformers otherwise
+            raise CheckpointError(f"{f.path}: deepseek2 YaRN without rope.scaling.yarn_log_multiplier (the converter "
+                                  "writes 0.1 * mscale_all_dim there) is not supported")
         rope_params["attention_factor"] = 1.0
-        if log_mul:
-            rope_params["mscale_all_dim"] = log_mul / 0.1
+        if float(log_mul):
+            rope_params["mscale_all_dim"] = float(log_mul) / 0.1
         out["rope_parameters"] = rope_params
     return out
 

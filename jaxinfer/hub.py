@@ -29,7 +29,7 @@ from jaxinfer.errors import CheckpointError
 ALLOW_PATTERNS = (
     "config.json", "generation_config.json",
     "*.safetensors", "model.safetensors.index.json",
-    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.json", "tokenizer.model", "tiktoken.model", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "vocab.json", "merges.txt",
     "chat_template.jinja", "chat_template.json",
     "modules.json", "config_sentence_transformers.json", "sentence_bert_config.json",
@@ -40,7 +40,7 @@ ALLOW_PATTERNS = (
 # module folders (1_Pooling/, ...) are fetched by a second pass (module_patterns)
 IGNORE_PATTERNS = ("*/*", "consolidated*.safetensors")
 # what a tokenizer alone needs (--tokenizer ORG/NAME): ALLOW_PATTERNS less the weights and the rest
-TOKENIZER_PATTERNS = ("config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+TOKENIZER_PATTERNS = ("config.json", "tokenizer.json", "tokenizer.model", "tiktoken.model", "tokenizer_config.json",
                       "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                       "chat_template.jinja", "chat_template.json")
 # a repository id as the Hub writes it: one slash, ORG and NAME of letters, digits, '-', '_', '.'

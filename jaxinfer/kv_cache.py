@@ -3,6 +3,8 @@
 Layout (chosen for the paged-attention kernels and for sharding kv heads over `tensor`):
     k, v: [n_kv_heads, num_blocks, block_size, head_dim]  one pair per layer
     flat slot of (block b, offset o) = b * block_size + o
+Shared-value pages (latent attention, whose key vector is also its value): v and v_scale are empty
+(last axis 0 wide); attention() reads the values from the K pages (value_view).
 Block 0 is never handed out by the host's BlockManager: it is the "null" block that padding
 rows of a block table point at, so a padded gather always reads valid memory.
 
@@ -101,20 +103,35 @@ def is_scaled_kv(dtype) -> bool:
 
 
 def init_kv_pages(n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                  dtype) -> list[LayerKV]:
-    """int8 and fp8 pages carry float32 scales per (kv head, token): value = stored * scale."""
+                  dtype, value_dim: int | None = None) -> list[LayerKV]:
+    """int8 and fp8 pages carry float32 scales per (kv head, token): value = stored * scale.
+    value_dim 0 (ModelConfig.kv_value_dim of latent attention): shared-value pages, whose V (and V
+    scales) are empty, their last axis 0 wide; attention() reads the values from the K pages."""
     shape = (n_kv_heads, num_blocks, block_size, head_dim)
+    v_shape = shape[:3] + (head_dim if value_dim is None else value_dim,)
+    v_scales = shape[:3] if v_shape[-1] else shape[:2] + (0,)
     if is_scaled_kv(dtype):
         d = jnp.dtype(dtype)
-        return [LayerKV(jnp.zeros(shape, d), jnp.zeros(shape, d),
-                        jnp.ones(shape[:3], jnp.float32), jnp.ones(shape[:3], jnp.float32)) for _ in range(n_layers)]
-    return [LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(n_layers)]
+        return [LayerKV(jnp.zeros(shape, d), jnp.zeros(v_shape, d),
+                        jnp.ones(shape[:3], jnp.float32), jnp.ones(v_scales, jnp.float32)) for _ in range(n_layers)]
+    return [LayerKV(jnp.zeros(shape, dtype), jnp.zeros(v_shape, dtype)) for _ in range(n_layers)]
 
 
-def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype) -> int:
+def shared_values(layer: LayerKV) -> bool:
+    """Whether the layer's values are read from its K pages (init_kv_pages' value_dim 0)."""
+    return layer.v.shape[-1] == 0
+
+
+def value_view(layer: LayerKV) -> LayerKV:
+    """The pages as the attention reads them: shared-value pages with their K pages (and K scales) in
+    V's place, others as they are."""
+    return LayerKV(layer.k, layer.k, layer.k_scale, layer.k_scale) if shared_values(layer) else layer
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype, value_dim: int | None = None) -> int:
     """K and V of one token in all layers: 2 * bytes * n_layers * n_kv_heads * head_dim
-    (+ the two float32 scales per kv head of int8 and fp8 pages)."""
-    return perf.kv_bytes_per_token(n_layers, n_kv_heads, head_dim, kv_dtype_name(dtype))
+    (+ the two float32 scales per kv head of int8 and fp8 pages); value_dim 0: K alone."""
+    return perf.kv_bytes_per_token(n_layers, n_kv_heads, head_dim, kv_dtype_name(dtype), value_dim)
 
 
 def quantize_kv(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
@@ -124,16 +141,21 @@ def quantize_kv(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
 
 
 def write_kv(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:
-    """Scatter this step's k, v [T, n_kv_heads, head_dim] into their slots (in place when donated)."""
+    """Scatter this step's k, v [T, n_kv_heads, head_dim] into their slots (in place when donated);
+    shared-value pages take k only (v is k there)."""
     hkv, nb, bs, hd = layer.k.shape
+    shared = shared_values(layer)
     k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)                     # (Hkv, T, hd)
 
     def put(pages, new):
         flat = pages.reshape(hkv, nb * bs, *pages.shape[3:])
         return flat.at[:, slot_mapping].set(new.astype(flat.dtype), mode="drop").reshape(pages.shape)
     if layer.k_scale is None:
-        return LayerKV(put(layer.k, k), put(layer.v, v))
-    (kq, ks), (vq, vs) = quantize_kv(k, layer.k.dtype), quantize_kv(v, layer.v.dtype)
+        return LayerKV(put(layer.k, k), layer.v if shared else put(layer.v, v))
+    kq, ks = quantize_kv(k, layer.k.dtype)
+    if shared:
+        return LayerKV(put(layer.k, kq), layer.v, put(layer.k_scale, ks), layer.v_scale)
+    vq, vs = quantize_kv(v, layer.v.dtype)
     return LayerKV(put(layer.k, kq), put(layer.v, vq), put(layer.k_scale, ks), put(layer.v_scale, vs))
 
 
@@ -258,8 +280,11 @@ def _padded(pieces: list[np.ndarray], size: int, dummy_tile: int, kb: int) -> np
 
 def move_kv(pages: list[LayerKV], src: jax.Array, dst: jax.Array) -> list[LayerKV]:
     """Copy every layer's K/V (and int8/fp8 scales) from flat slots src [M] to dst [M] (dst PAD_SLOT:
-    nothing): all sources are read before any destination is written, so the moves may overlap."""
+    nothing): all sources are read before any destination is written, so the moves may overlap.
+    Shared-value pages' empty V leaves stay as they are."""
     def move(x):
+        if x.size == 0:
+            return x
         hkv, nb, bs = x.shape[:3]
         flat = x.reshape(hkv, nb * bs, *x.shape[3:])
         vals = flat.at[:, src].get(mode="clip")

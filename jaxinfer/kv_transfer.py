@@ -150,9 +150,11 @@ def _unpack_scatter(leaves: list, blocks, flat) -> list:
 
 def _groups(leaves: list) -> list[_Group]:
     """The leaves grouped by placement (one device; heads split over a mesh axis; replicated), each
-    with its parts."""
+    with its parts; empty leaves (shared-value pages' V: nothing to move) in none."""
     keyed: dict = {}
     for i, x in enumerate(leaves):
+        if x.size == 0:
+            continue
         s = x.sharding
         if isinstance(s, NamedSharding):
             spec = tuple(s.spec) + (None,) * (x.ndim - len(s.spec))

@@ -59,6 +59,10 @@ def default_impl() -> str:
     return "tiles"
 
 
+# the routings whose router transformers runs in float32 (DeepSeek's, GLM-4.5's): kept so here
+FLOAT32_ROUTERS = ("sigmoid_topk", "softmax_group_topk")
+
+
 def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: jax.Array | None = None,
           groups: int = 1, topk_groups: int = 1, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """Router logits [T, E] float32 -> (weights [T, k] float32, experts [T, k] int32).
@@ -66,12 +70,17 @@ def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: 
     softmax over all E, the k largest probabilities, divided by their sum when norm_topk.
     sigmoid_topk (DeepSeek-V3, GLM-4.5): scores sigmoid(logits); experts chosen by scores + correction
     [E] among the topk_groups best of `groups` equal groups (a group scored by the sum of its two best),
-    weighted by their scores (renormalized when norm_topk, as transformers does: + 1e-20), times scale."""
+    weighted by their scores (renormalized when norm_topk, as transformers does: + 1e-20), times scale.
+    softmax_group_topk (DeepSeek-V2): softmax over all E; the k largest probabilities among the
+    topk_groups best of `groups` groups (a group scored by its best; the others' probabilities taken
+    as 0, as transformers masks them), never renormalized, times scale."""
     if routing == "topk_softmax":
         top, experts = lax.top_k(logits, k)
         return jax.nn.softmax(top, axis=-1), experts
     if routing == "sigmoid_topk":
         return _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale)
+    if routing == "softmax_group_topk":
+        return _route_softmax_groups(logits, k, groups, topk_groups, scale)
     weights, experts = lax.top_k(jax.nn.softmax(logits, axis=-1), k)
     if norm_topk:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -91,6 +100,18 @@ def _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale)
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if norm_topk:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * jnp.float32(scale), experts
+
+
+def _route_softmax_groups(logits, k, groups, topk_groups, scale):
+    t, e = logits.shape
+    scores = jax.nn.softmax(logits, axis=-1)
+    if groups > 1:
+        best = jnp.max(scores.reshape(t, groups, e // groups), axis=-1)
+        _, kept = lax.top_k(best, topk_groups)                                         # (T, topk_groups)
+        keep = jnp.zeros((t, groups), bool).at[jnp.arange(t)[:, None], kept].set(True)
+        scores = jnp.where(jnp.repeat(keep, e // groups, axis=1), scores, 0.0)
+    weights, experts = lax.top_k(scores, k)
     return weights * jnp.float32(scale), experts
 
 
@@ -163,9 +184,9 @@ class MoE(nnx.Module):
         fused, bias = shards is not None, cfg.mlp_bias
         expert = lambda n, axis, b=False: param((e, *n), ("experts", *axis), dtype, rngs,  # noqa: E731
                                                 init="zeros" if b else "normal")
-        # sigmoid routing: the router in float32, as transformers keeps it (its logits pick among many
-        # experts by small margins, which bfloat16 logits would move)
-        self.router = param((d, e), ("embed", None), jnp.float32 if cfg.moe_routing == "sigmoid_topk" else dtype, rngs)
+        # DeepSeek's and GLM-4.5's routing: the router in float32, as transformers keeps it (its logits
+        # pick among many experts by small margins, which bfloat16 logits would move)
+        self.router = param((d, e), ("embed", None), jnp.float32 if cfg.moe_routing in FLOAT32_ROUTERS else dtype, rngs)
         self.router_bias = param((e,), (None,), dtype, rngs, init="zeros") if cfg.router_bias else None
         # sigmoid_topk's choice correction (float32, as transformers keeps it)
         self.router_correction = (param((e,), (None,), jnp.float32, rngs, init="zeros")

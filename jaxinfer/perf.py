@@ -179,13 +179,17 @@ def table_peaks(device_kind: str, dtype: str = "bfloat16") -> dict[str, Any] | N
 
 
 # --------------------------------------------------------------------------- bytes
-def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
-    """K and V of one token in `n_layers` layers of `n_kv_heads` heads (+ int8/fp8 pages' f32 scales)."""
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, kv_dtype: str,
+                       value_dim: int | None = None) -> int:
+    """K and V of one token in `n_layers` layers of `n_kv_heads` heads (+ int8/fp8 pages' f32 scales).
+    value_dim: the V pages' width when not head_dim (0: no V pages, latent attention's values read
+    from the K pages: ModelConfig.kv_value_dim)."""
     if kv_dtype not in DTYPE_BYTES or kv_dtype == "int4":
         raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose from: float32, bfloat16, float16, int8, fp8")
-    total = 2 * int(DTYPE_BYTES[kv_dtype]) * n_layers * n_kv_heads * head_dim
+    value_dim = head_dim if value_dim is None else value_dim
+    total = int(DTYPE_BYTES[kv_dtype]) * n_layers * n_kv_heads * (head_dim + value_dim)
     if kv_dtype in ("int8", "fp8"):
-        total += 2 * KV_INT8_SCALE_BYTES * n_layers * n_kv_heads
+        total += (1 + (value_dim > 0)) * KV_INT8_SCALE_BYTES * n_layers * n_kv_heads
     return total
 
 
@@ -313,7 +317,8 @@ class ModelCost:
     @classmethod
     def from_config(cls, cfg: Any, weight_itemsize: float, kv_itemsize: int) -> "ModelCost":
         """Float weights of `weight_itemsize` bytes and float (or int8) KV pages of `kv_itemsize`."""
-        kv = kv_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, _KV_DTYPE_OF_ITEMSIZE[kv_itemsize])
+        kv = kv_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, _KV_DTYPE_OF_ITEMSIZE[kv_itemsize],
+                                getattr(cfg, "kv_value_dim", None))
         return cls.build(cfg, WeightBytes.of_float(cfg, weight_itemsize), kv)
 
     @classmethod

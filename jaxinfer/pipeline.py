@@ -410,7 +410,7 @@ class PipelineRunner(ModelRunner):
         sharding = NamedSharding(self.mesh, P("pipeline", "tensor") if kv_heads_split else P("pipeline"))
         make = lambda: jax.tree.map(lambda a: jnp.broadcast_to(a, (pp, *a.shape)),  # noqa: E731
                                     init_kv_pages(self.lp, mc.n_kv_heads, mc.head_dim, cfg.num_blocks,
-                                                  cfg.block_size, kv_dtype))
+                                                  cfg.block_size, kv_dtype, mc.kv_value_dim))
         return sharding, jax.jit(make, out_shardings=sharding)()
 
     def prepare_microbatches(self, out: SchedulerOutput, tables: dict[str, list[int]]):

@@ -31,6 +31,8 @@ KV cache
     kv_bytes_per_token = 2 (K and V) * bytes(kv_dtype) * L * H_kv * h
       int8 KV adds per-token, per-head f32 scales for K and V: + 2 * 4 * L * H_kv.
     kv_bytes_per_sequence = kv_bytes_per_token * T.
+    Latent attention (DeepSeek) stores its one vector per token and layer once (K pages only: the
+    attention reads the values from them): bytes(kv_dtype) * L * h (+ one f32 scale), h its width.
     Sliding windows do not shrink it: jaxinfer's paged cache keeps every token's block.
 
 Per-device layout (TP shards heads, PP shards layers)
@@ -257,11 +259,13 @@ def model_cost(cfg: ModelConfig, dtype: str = "bfloat16", kv_dtype: str | None =
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, *, layers: int | None = None,
                        kv_heads: int | None = None) -> int:
-    """2 * bytes(kv_dtype) * layers * kv_heads * head_dim (+ int8 scales); default: the whole model."""
+    """2 * bytes(kv_dtype) * layers * kv_heads * head_dim (+ int8 scales), latent attention's K pages
+    alone (kv_value_dim 0); default: the whole model."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose from: {', '.join(KV_DTYPES)}")
     return perf.kv_bytes_per_token(cfg.n_layers if layers is None else layers,
-                                   cfg.n_kv_heads if kv_heads is None else kv_heads, cfg.head_dim, kv_dtype)
+                                   cfg.n_kv_heads if kv_heads is None else kv_heads, cfg.head_dim, kv_dtype,
+                                   cfg.kv_value_dim)
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,8 @@ class ModelRunner:
         mc = self.model_cfg
         self.mesh = model_mesh(self.params)   # None unless the model was sharded (sharding.shard_decoder)
         self.kv_sharding, self.kv_pages = self._init_kv_pages(kv_dtype)
-        self.kv_bytes_per_token = perf.kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, cfg.kv_dtype)
+        self.kv_bytes_per_token = perf.kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, cfg.kv_dtype,
+                                                           mc.kv_value_dim)
         self.token_buckets = list(cfg.token_buckets)
         max_blocks = -(-cfg.max_model_len // cfg.block_size)
         self.block_buckets = ([max_blocks] if cfg.attention == "xla"
@@ -205,7 +206,7 @@ class ModelRunner:
         """(sharding or None, the zeroed KV pages: one LayerKV per layer)."""
         mc, cfg = self.model_cfg, self.cfg
         make_pages = lambda: init_kv_pages(mc.n_layers, mc.n_kv_heads, mc.head_dim, cfg.num_blocks,  # noqa: E731
-                                           cfg.block_size, kv_dtype)
+                                           cfg.block_size, kv_dtype, mc.kv_value_dim)
         if self.mesh is None:
             # committed to the device like every step's output, so warm-up compiles the same executable
             # that serving uses (an uncommitted first input keys a different jit cache entry)

@@ -1,8 +1,9 @@
 """Text <-> token ids for jaxinfer: loading a checkpoint's tokenizer, streaming detokenization
 and stop-string matching.
 
-Two on-disk formats are supported: a HuggingFace fast tokenizer (``tokenizer.json``, via the
-``tokenizers`` library) and a SentencePiece model (``tokenizer.model``). Special-token ids and the
+Three on-disk formats are supported: a HuggingFace fast tokenizer (``tokenizer.json``, via the
+``tokenizers`` library), Kimi's tiktoken vocabulary (``tiktoken.model``, rebuilt in the ``tokenizers``
+library by jaxinfer/tiktoken_file.py) and a SentencePiece model (``tokenizer.model``). Special-token ids and the
 chat template come from the HF side files (``tokenizer_config.json``, ``special_tokens_map.json``,
 ``generation_config.json``, ``config.json``) when present.
 
@@ -378,7 +379,8 @@ def _special_token_texts(tok_cfg: dict, st_map: dict) -> dict[str, str]:
 
 def _load_backend(folder: Path) -> tuple[str, Path, Any] | None:
     """(kind, main file, backend) of the tokenizer in `folder`, or None: tokenizer.json (the
-    `tokenizers` library) when present, as transformers prefers it, else tokenizer.model
+    `tokenizers` library) when present, as transformers prefers it, else a tiktoken.model (Kimi's:
+    jaxinfer/tiktoken_file.py rebuilds it in the `tokenizers` library), else tokenizer.model
     (SentencePiece)."""
     hf_file, sp_file = folder / "tokenizer.json", folder / "tokenizer.model"
     if hf_file.is_file():
@@ -393,6 +395,13 @@ def _load_backend(folder: Path) -> tuple[str, Path, Any] | None:
         backend.no_truncation()
         backend.no_padding()
         return "hf", hf_file, backend
+    if (folder / "tiktoken.model").is_file():
+        from jaxinfer import tiktoken_file
+        try:
+            backend, main = tiktoken_file.load(folder)
+        except tiktoken_file.TikTokenError as e:
+            raise TokenizerError(str(e)) from None
+        return "hf", main, backend
     if sp_file.is_file():
         try:
             import sentencepiece

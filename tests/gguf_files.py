@@ -109,9 +109,10 @@ def mxfp4_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(*out.shape[:-2], -1))
 
 
-def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0) -> None:
+def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True) -> None:
     """The architecture's metadata, as convert_hf_to_gguf.py's model classes write it (nextn: blocks
-    appended past the model's, counted in block_count as Glm4MoeModel counts them)."""
+    appended past the model's, counted in block_count as Glm4MoeModel counts them; mla: DeepSeek's
+    latent form, today's converter, else an older one's file)."""
     import gguf
     gemma = arch.startswith("gemma")
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)   # Gemma 3: the global layers'
@@ -120,7 +121,7 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0) -> None:
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(1 if arch == "deepseek2" else cfg.num_key_value_heads)   # DeepSeek: latent attention as MQA
+    w.add_head_count_kv(1 if arch == "deepseek2" and mla else cfg.num_key_value_heads)   # DeepSeek: latent form as MQA
     w.add_rope_freq_base(float(rope["rope_theta"]))
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -152,7 +153,7 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0) -> None:
         w.add_rope_scaling_orig_ctx_len(original or cfg.max_position_embeddings)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch == "deepseek2":   # DeepseekV2Model.set_gguf_parameters: the latent form as MQA (its own widths apart)
-        _deepseek2_hparams(w, cfg, rope)
+        _deepseek2_hparams(w, cfg, rope, mla)
         w.add_vocab_size(cfg.vocab_size)
         return
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
@@ -162,18 +163,23 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0) -> None:
     w.add_vocab_size(cfg.vocab_size)
 
 
-def _deepseek2_hparams(w, cfg, rope: dict) -> None:
+def _deepseek2_hparams(w, cfg, rope: dict, mla: bool) -> None:
     """DeepseekV2Model.set_gguf_parameters: one KV head of latent + RoPE features (key_length) and the
     latent (value_length), the heads' own widths as key_length_mla / value_length_mla, the ranks, and
-    YaRN's softmax magnitude as yarn_log_multiplier = 0.1 * mscale_all_dim."""
+    YaRN's softmax magnitude as yarn_log_multiplier = 0.1 * mscale_all_dim; an older converter's file
+    (mla False): the heads' widths as key_length / value_length, no *_mla keys."""
     r, nope, rot = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     if cfg.q_lora_rank:
         w.add_q_lora_rank(cfg.q_lora_rank)
     w.add_kv_lora_rank(r)
-    w.add_key_length(r + rot)
-    w.add_value_length(r)
-    w.add_key_length_mla(nope + rot)
-    w.add_value_length_mla(cfg.v_head_dim)
+    if mla:
+        w.add_key_length(r + rot)
+        w.add_value_length(r)
+        w.add_key_length_mla(nope + rot)
+        w.add_value_length_mla(cfg.v_head_dim)
+    else:
+        w.add_key_length(nope + rot)
+        w.add_value_length(cfg.v_head_dim)
     w.add_rope_dimension_count(rot)
     if rope.get("mscale_all_dim") is not None:
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
@@ -194,9 +200,11 @@ def _moe_hparams(w, cfg, arch: str, nextn: int) -> None:
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if arch in ("glm4moe", "deepseek2"):
-        w.add_expert_group_count(cfg.n_group)
-        w.add_expert_group_used_count(cfg.topk_group)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(cfg.n_group or 1)
+        w.add_expert_group_used_count(cfg.topk_group or 1)
+        # TextModel's scoring_func: DeepSeek-V2's softmax (transformers' V2 config has no such field)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX if cfg.model_type == "deepseek_v2"
+                                 else gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_shared_count(cfg.n_shared_experts)
         w.add_leading_dense_block_count(cfg.first_k_dense_replace)
         w.add_expert_weights_scale(cfg.routed_scaling_factor)
@@ -282,7 +290,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
     name: general.name; fuse_gate_up: a mixture's gate and up experts in one tensor; attn_factor: Phi-3's
     LongRoPE attention factor other than the converter's; extra: more metadata {key: uint32 or float32};
     nextn: next-token-prediction blocks appended (GLM-4.5's); split_kv_b: DeepSeek's kv_b_proj as
-    attn_k_b / attn_v_b (today's converter) rather than one attn_kv_b (older files)."""
+    attn_k_b / attn_v_b with the latent form's metadata (today's converter), else an older converter's
+    file (one attn_kv_b, the heads' widths as key_length / value_length)."""
     import gguf
 
     cfg = model.config
@@ -290,13 +299,13 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
             "gpt_oss": "gpt-oss", "smollm3": "smollm3", "granite": "granite",
             "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe",
-            "deepseek_v3": "deepseek2"}[cfg.model_type]
+            "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:
         w.add_name(name)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    _hparams(w, cfg, arch, head_dim, nextn)
+    _hparams(w, cfg, arch, head_dim, nextn, mla=split_kv_b)
     _moe_hparams(w, cfg, arch, nextn)
     w.add_tokenizer_model(vocab["model"])
     w.add_tokenizer_pre(vocab["pre"])

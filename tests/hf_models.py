@@ -154,6 +154,19 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                                                   "original_max_position_embeddings": 64,
                                                                   "mscale": 1.0, "mscale_all_dim": 0.8,
                                                                   "beta_fast": 32.0, "beta_slow": 1.0})),
+    # DeepSeek-V2: the same latent attention (no q bottleneck, as V2-Lite's) with softmax routing limited
+    # to 2 of 4 groups (each scored by its best expert), V2's large routed scale, two shared experts, YaRN
+    "deepseekv2-groups": ("deepseek_v2", dict(_COMMON, num_key_value_heads=4, vocab_size=113, intermediate_size=48,
+                                              moe_intermediate_size=16, num_hidden_layers=3, n_routed_experts=8,
+                                              num_experts_per_tok=3, n_group=4, topk_group=2,
+                                              topk_method="group_limited_greedy", n_shared_experts=2,
+                                              routed_scaling_factor=16.0, first_k_dense_replace=1, kv_lora_rank=24,
+                                              q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                              initializer_range=0.2,
+                                              rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                               "original_max_position_embeddings": 64,
+                                                               "mscale": 0.707, "mscale_all_dim": 0.707,
+                                                               "beta_fast": 32.0, "beta_slow": 1.0})),
     "mixtral-gqa": ("mixtral", dict(_COMMON, vocab_size=113, intermediate_size=48, num_hidden_layers=2,
                                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                     initializer_range=0.2)),
@@ -209,7 +222,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "seed_oss": (tf.SeedOssConfig, tf.SeedOssForCausalLM),
            "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
            "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
-           "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM)}[family]
+           "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
+           "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

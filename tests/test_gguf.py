@@ -456,18 +456,21 @@ def _q8_0_round_trip(hf, parts: tuple[str, ...]) -> None:
     ("glm4moe-groups", {}, {"nextn": 1}),
     # DeepSeek-V3: a q bottleneck, kv_b_proj as attn_k_b / attn_v_b (today's converter)
     ("deepseekv3-mla", {}, {}),
-    # no q bottleneck, one attn_kv_b (older files), YaRN: the softmax scale from yarn_log_multiplier
+    # no q bottleneck, an older converter's file (one attn_kv_b, the heads' widths as key_length /
+    # value_length, no *_mla keys), YaRN: the softmax scale from yarn_log_multiplier
     ("deepseekv3-yarn-bias", {"attention_bias": False, "rope_parameters": DEEPSEEK_YARN}, {"split_kv_b": False}),
+    # DeepSeek-V2-Lite's shape: softmax routing (expert_gating_func 1) without groups, times 16, YaRN
+    ("deepseekv2-groups", {"topk_method": "greedy", "n_group": 1, "topk_group": 1}, {}),
     # experts, shared experts, o and the latent down-projections Q8_0 (packed), the rest float32
     ("deepseekv3-mla", {"moe_intermediate_size": 32},
      {"qtypes": {"experts": "Q8_0", "shared_experts": "Q8_0", "o_proj": "Q8_0", "q_a_proj": "Q8_0",
                  "kv_a_proj": "Q8_0"}}),
 ])
 def test_glm4moe_and_deepseek_are_the_original_model(name, overrides, kw, tmp_path):
-    """GLM-4.5 (llama.cpp's glm4moe) and DeepSeek-V3 (deepseek2: latent attention written as MQA, its
-    own widths in key_length_mla / value_length_mla) as llama.cpp's converter writes them compute what
-    the HF model computes; quantized, what it computes with the file's Q8_0 weights (the gguf
-    package's round trip put into the HF model)."""
+    """GLM-4.5 (llama.cpp's glm4moe), DeepSeek-V3 and DeepSeek-V2 (deepseek2: latent attention written
+    as MQA, its own widths in key_length_mla / value_length_mla; sigmoid or softmax routing) as
+    llama.cpp's converter writes them compute what the HF model computes; quantized, what it computes
+    with the file's Q8_0 weights (the gguf package's round trip put into the HF model)."""
     text = save_text_model(tmp_path / "spm")
     vocab = sentencepiece_vocab(text / "tokenizer.model")
     hf = build_hf_model(name, overrides={"vocab_size": 400, **overrides})
@@ -485,17 +488,21 @@ def test_glm4moe_and_deepseek_are_the_original_model(name, overrides, kw, tmp_pa
 
 
 def test_glm4moe_and_deepseek_refusals_and_tokenizers(tmp_path):
-    """DeepSeek-V2's softmax routing (a deepseek2 file's expert_gating_func 1, or none) is refused by
-    name; DeepSeek-V3's pre-tokenizer splits text as its tokenizer.json's does (the tokenizers library
+    """Softmax routing with groups (DeepSeek-V2's full models: llama.cpp limits them by DeepSeek-V3's
+    group rule) and another gating function are refused by name; DeepSeek-V3's pre-tokenizer splits text as its tokenizer.json's does (the tokenizers library
     running the published Split expressions over the same vocabulary), and a glm4 vocabulary gets no
     BOS whatever the file says (llama.cpp's rule for it)."""
     from tokenizers import Tokenizer
 
     from jaxinfer.gguf_file import GGUFFile, build_tokenizer
     hf = build_hf_model("deepseekv3-mla", overrides={"vocab_size": 300})
-    bad = write_gguf(hf, tmp_path / "v2.gguf", byte_level_vocab(_lines(), 300, "deepseek-v3"),
-                     extra={"deepseek2.expert_gating_func": 1})
-    with pytest.raises(CheckpointError, match="expert_gating_func = 1"):
+    bad = write_gguf(hf, tmp_path / "gating.gguf", byte_level_vocab(_lines(), 300, "deepseek-v3"),
+                     extra={"deepseek2.expert_gating_func": 3})
+    with pytest.raises(CheckpointError, match="expert_gating_func = 3"):
+        _gen(bad)
+    v2 = build_hf_model("deepseekv2-groups", overrides={"vocab_size": 300})
+    bad = write_gguf(v2, tmp_path / "v2.gguf", byte_level_vocab(_lines(), 300, "deepseek-v3"))
+    with pytest.raises(CheckpointError, match="expert_group_count = 4 with softmax routing"):
         _gen(bad)
     # DeepSeek-V3's tokenizer.json: three Splits ("Isolated"), then ByteLevel without its own regex
     splits = [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+import jax
 import numpy as np
 import pytest
 
@@ -190,7 +191,8 @@ def test_transfers_move_every_leaf_in_order(kv_dtype, copy, caplog):
     step, and slot 1 (block 6) into block 7: numpy's indexing of the pages before the step is the
     reference. The rows are held in pinned host memory; a restore copies them to the device in the
     scatter program ("in_program"), before it ("before": copy_in_program=False), or before it because
-    warm-up found the program's own copies failing ("fallback": a scatter that refuses pinned rows)."""
+    warm-up found the program's own copies failing ("fallback": a scatter that refuses pinned rows).
+    The draft's pages are latent attention's (K pages only: its V leaves are empty)."""
     import jax
 
     from jaxinfer.kv_cache import init_kv_pages, kv_storage_dtype
@@ -199,7 +201,8 @@ def test_transfers_move_every_leaf_in_order(kv_dtype, copy, caplog):
 
     rng = np.random.default_rng(0)
     dt = kv_storage_dtype(kv_dtype)
-    pages = (init_kv_pages(2, 2, 8, 9, 4, dt), init_kv_pages(1, 1, 8, 9, 4, dt))
+    # the draft's pages shared-value (latent attention's: V and its scales empty, nothing of them moved)
+    pages = (init_kv_pages(2, 2, 8, 9, 4, dt), init_kv_pages(1, 1, 8, 9, 4, dt, value_dim=0))
 
     def fill(x):
         vals = rng.standard_normal(x.shape) * 50
@@ -359,6 +362,26 @@ def test_int8_kv_and_draft_model_pages_restored(llama):
     _same_tokens(_multiturn(g, turns=2), ref)
     s = g.stats()
     assert s["kv_host_hits"] > 0 and s["spec_decode_num_drafts"] > 0
+    _no_leak(g)
+
+
+def test_latent_attention_pages_restored(hf_model_dir):
+    """DeepSeek-V3's latent attention caches one vector per token, in the K pages only (its V pages
+    and their scales are empty; the attention reads the values from the K pages): int8 KV under the
+    host tier gives the tier-off engine's greedy tokens (one engine, its tier detached for the
+    reference, as above), blocks restored, and a block's bytes are the K pages' alone by hand
+    (3 layers x (latent 24 + RoPE 8 int8 codes + one float32 scale) x 8 tokens)."""
+    g = Generator.from_pretrained(hf_model_dir("deepseekv3-mla"), **ENGINE, kv_dtype="int8", kv_offload_gb=1 / 1024)
+    leaves = jax.tree.leaves(g.engine.runner.kv_pages)
+    assert [x.size == 0 for x in leaves] == [False, True, False, True] * 3   # k, v, k_scale, v_scale per layer
+    assert g.engine.blocks.host.block_bytes == 3 * (24 + 8 + 4) * 8 == g.stats()["kv_bytes_per_token"] * 8
+    host, g.engine.blocks.host = g.engine.blocks.host, None
+    ref = _multiturn(g)
+    assert g.stats()["prefix_cache_evictions"] > 0
+    g.reset_prefix_cache()
+    g.engine.blocks.host = host
+    _same_tokens(_multiturn(g), ref)
+    assert g.stats()["kv_host_hits"] > 0
     _no_leak(g)
 
 

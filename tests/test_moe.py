@@ -31,9 +31,11 @@ from tests.hf_models import CONFIGS, build_hf_model
 from tests.precision import assert_rel_close, dot_chain_rtol, unit_roundoff
 from tests.two_rounds import GREEDY, naive_greedy, serve_two_rounds, two_round_prompts
 
-MOE = [n for n in CONFIGS if n.split("-")[0] in ("qwen3moe", "mixtral", "gpt", "qwen2moe", "glm4moe", "deepseekv3")]
+MOE = [n for n in CONFIGS if n.split("-")[0] in ("qwen3moe", "mixtral", "gpt", "qwen2moe", "glm4moe", "deepseekv3",
+                                                 "deepseekv2")]
 ARCH = {"qwen3moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt": "GptOssForCausalLM",
-        "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseekv3": "DeepseekV3ForCausalLM"}
+        "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseekv3": "DeepseekV3ForCausalLM",
+        "deepseekv2": "DeepseekV2ForCausalLM"}
 PROMPT_LEN = 24
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4, block_size=8,
               num_blocks=4 * 64 // 8 + 1, warmup=False)
@@ -43,8 +45,9 @@ def _rel_err(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(a - ref).max() / np.abs(ref).max())
 
 
-def cfg_dict(name: str) -> dict:
-    return json.loads(build_hf_model(name).config.to_json_string()) | {"architectures": [ARCH[name.split("-")[0]]]}
+def cfg_dict(name: str, overrides: dict | None = None) -> dict:
+    return (json.loads(build_hf_model(name, overrides=overrides).config.to_json_string())
+            | {"architectures": [ARCH[name.split("-")[0]]]})
 
 
 # ------------------------------------------------------------------------------ the Pallas kernels
@@ -68,20 +71,23 @@ def test_pallas_kernels_match_transformers(name, hf_model_dir):
 
 # ------------------------------------------------------------------------------ routing
 
-@pytest.mark.parametrize("name", ["mixtral-gqa", "qwen3moe-gqa", "qwen3moe-mqa-window-yarn", "gpt-oss",
-                                  "qwen2moe-shared", "glm4moe-groups", "deepseekv3-mla"])
-def test_routing_matches_transformers_routers(name):
+@pytest.mark.parametrize("name, overrides", [
+    ("mixtral-gqa", None), ("qwen3moe-gqa", None), ("qwen3moe-mqa-window-yarn", None), ("gpt-oss", None),
+    ("qwen2moe-shared", None), ("glm4moe-groups", None), ("deepseekv3-mla", None), ("deepseekv2-groups", None),
+    ("deepseekv2-groups", {"topk_method": "greedy"})])
+def test_routing_matches_transformers_routers(name, overrides):
     """Our route() on the router logits against HF's router module on the same hidden states: the
     same k experts per token with the same weights (Mixtral: softmax-top-k-renormalize in HF, top-k
     then softmax here; Qwen3-MoE with and without norm_topk_prob; gpt-oss: biased logits; GLM-4.5:
-    sigmoid scores, the random correction, 2 of 4 groups kept, renormalized, times 2.5)."""
-    hf = build_hf_model(name)
+    sigmoid scores, the random correction, 2 of 4 groups kept, renormalized, times 2.5; DeepSeek-V2:
+    softmax over all, 2 of 4 groups kept by their best expert or none limited (greedy), times 16)."""
+    hf = build_hf_model(name, overrides=overrides)
     layer = next(m for m in hf.model.layers if hasattr(m.mlp, "experts"))
     router = layer.mlp.router if hasattr(layer.mlp, "router") else layer.mlp.gate
     x = torch.randn(64, hf.config.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits, scores, idx = router(x)
-    cfg = model_config_from_hf(cfg_dict(name))
+    cfg = model_config_from_hf(cfg_dict(name, overrides))
     correction = getattr(router, "e_score_correction_bias", None)
     weights, experts = route(jnp.asarray(logits.numpy()), cfg.num_experts_per_tok, cfg.moe_routing,
                              cfg.moe_norm_topk, None if correction is None else jnp.asarray(correction.numpy()),
@@ -395,14 +401,19 @@ def test_gpt_oss_rope_defaults_to_transformers_yarn():
 
 @pytest.mark.parametrize("change,message", [
     ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantized with 'bitsandbytes'"),  # mxfp4 loads (prequant)
-    ({"architectures": ["DeepseekV2ForCausalLM"]}, "softmax group routing"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
     ({"num_local_experts": 0}, "num_local_experts"),
     ({"swiglu_limit": -1.0}, "swiglu_limit"),
+    # DeepSeek-V2: renormalized weights (transformers and DeepSeek's code disagree there), another
+    # routing, MoE on every other layer
+    ({"norm_topk_prob": True}, "'norm_topk_prob' = true"),
+    ({"topk_method": "noaux_tc"}, "'topk_method' = 'noaux_tc'"),
+    ({"moe_layer_freq": 2}, "'moe_layer_freq' = 2"),
 ])
 def test_refused_moe_configs_name_the_field(change, message):
+    base = "deepseekv2-groups" if message.startswith("'") else "gpt-oss"
     with pytest.raises(ConfigError, match=message):
-        model_config_from_hf(cfg_dict("gpt-oss") | change)
+        model_config_from_hf(cfg_dict(base) | change)
 
 
 def test_clamped_swiglu_needs_experts():

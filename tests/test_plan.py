@@ -83,6 +83,21 @@ def test_large_presets_params():
     assert PRESETS["llama-3.1-70b"].num_params() == 70_553_706_496
 
 
+def test_latent_attention_kv_bytes_are_the_cached_vector_once():
+    """DeepSeek-V3's latent attention caches, per token and layer, one vector of latent + RoPE
+    features (its keys and, its first kv_lora_rank features, its values: nothing else is stored).
+    DeepSeek-V3's own widths (512 + 64, 61 layers) in bfloat16 by hand: 2 * 61 * 576 = 70272 bytes a
+    token; int8: 61 * (576 + 4), one float32 scale per token and layer."""
+    from jaxinfer.models.hf_configs import model_config_from_hf
+    from jaxinfer.plan import kv_bytes_per_token
+    cfg = model_config_from_hf({"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168,
+                                "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 128,
+                                "num_key_value_heads": 128, "n_routed_experts": 256})
+    assert cfg.kv_value_dim == 0 and cfg.head_dim == 576
+    assert kv_bytes_per_token(cfg, "bfloat16") == 2 * 61 * 576 == 70272
+    assert kv_bytes_per_token(cfg, "int8") == 61 * (576 + 4)
+
+
 def test_params_approximation():
     p = plan(PRESETS["llama-2-7b"], get_device("h100"))
     assert p.params_approx == 12 * 32 * 4096**2 + 2 * 32000 * 4096 == 6_704_594_944

@@ -525,3 +525,73 @@ def test_truncation_and_padding_saved_in_tokenizer_json_are_not_applied(tmp_path
     text = " ".join(_corpus()[:2])
     want = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))(text)["input_ids"]
     assert load_tokenizer(tmp_path).encode(text) == want and len(want) > 3 and 2 not in want
+
+
+# ---------------------------------------------------------------- Kimi's tiktoken vocabulary
+
+# tokenization_kimi.py's TikTokenTokenizer.pat_str, as Moonshot's repositories ship it
+KIMI_PAT = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+KIMI_TEXTS = ["Hello WORLD, it's I'M fine", "价格是1234567元，東京タワーに行きました", "[BOS]hi<|im_end|><|im_user|>x",
+              "  \n\n\tcode(x) = y;\r\n  ", "naïve café ÜBER 😀 emojis", "<|reserved_token_300|>z", ""]
+
+
+def test_kimi_tiktoken_vocabulary_matches_tiktoken(tmp_path, monkeypatch) -> None:
+    """A folder with Kimi's tiktoken.model (no tokenizer.json; auto_map names
+    tokenization_kimi.TikTokenTokenizer) encodes and decodes as tiktoken does with Kimi's pattern and
+    specials (added_tokens_decoder's at ids from the vocabulary's size on, <|reserved_token_ID|> for
+    the unnamed, all matched in text: TikTokenTokenizer.encode's allowed_special="all"); no BOS is
+    added (its encode adds none). The rebuilt tokenizer is cached and read back the same."""
+    import base64
+
+    import tiktoken
+    monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path / "cache"))
+    lines = [" ".join(random.Random(i).choices(["the", "The", "QUICK", "fox's", "价格", "東京", "12345", "café",
+                                                 "naïve", "(x)", "=", "\n", "  ", "😀", "don't"], k=12))
+             for i in range(300)]
+    bpe = HFTokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    chars = {v: k for k, v in _gpt2_bytes().items()}
+    ranks = {bytes(chars[c] for c in bpe.id_to_token(i)): i for i in range(bpe.get_vocab_size())}
+    folder = tmp_path / "kimi"
+    folder.mkdir()
+    (folder / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    n = len(ranks)
+    named = {n: "[BOS]", n + 1: "[EOS]", n + 2: "<|im_end|>", n + 3: "<|im_user|>", n + 5: "[EOT]"}
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}, "bos_token": "[BOS]",
+        "eos_token": "[EOS]", "added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in named.items()}}))
+    specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n, n + 258)}
+    ref = tiktoken.Encoding(name="kimi", pat_str=KIMI_PAT, mergeable_ranks=ranks, special_tokens=specials)
+    for attempt in ("built", "cached"):
+        tok = load_tokenizer(folder)
+        assert (tok.bos_id, tok.eos_ids, tok.add_bos) == (n, (n + 1,), False), attempt
+        for text in KIMI_TEXTS:
+            ids = ref.encode(text, allowed_special="all")
+            assert tok.encode(text) == ids, (attempt, text)
+            assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids)
+    assert len(list((tmp_path / "cache" / "tiktoken").glob("*.json"))) == 1
+    (folder / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["tok.Other", None]}}))
+    with pytest.raises(TokenizerError, match="is not 'tokenization_kimi.TikTokenTokenizer'"):
+        load_tokenizer(folder)
+
+
+def _gpt2_bytes() -> dict[int, str]:
+    """GPT-2's byte -> character table, from the tokenizers library's ByteLevel alphabet: the printable
+    bytes stand for themselves, the others for 256 + their order among the unprintable ones."""
+    printable = {ord(c) for c in pre_tokenizers.ByteLevel.alphabet() if ord(c) < 256}
+    out, extra = {}, 0
+    for b in range(256):
+        out[b] = chr(b) if b in printable else chr(256 + extra)
+        extra += b not in printable
+    return out

@@ -187,7 +187,7 @@ def model_bytes(model) -> dict[str, int]:
     weights = weight_bytes(model)
     assert model.lm_head is not None, "the 8B shape has an untied LM head (read in full by every step)"
     cfg = model.cfg
-    kv = perf.kv_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "bfloat16")
+    kv = perf.kv_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "bfloat16", cfg.kv_value_dim)
     return {"param_bytes": weights.total, "embed_bytes": weights.tables, "embed_row_bytes": weights.row,
             "weight_bytes_read_per_token": perf.ModelCost.build(cfg, weights, kv).iteration_weight_bytes(1),
             "kv_bytes_per_token": kv}

@@ -100,12 +100,15 @@ class ModelConfig:
     # "sigmoid_topk" (DeepSeek-V3, GLM-4.5): sigmoid of the logits, a learned per-expert correction
     # added for the choice only, the choice limited to the moe_topk_groups best of moe_groups expert
     # groups (a group scored by its two best), the chosen sigmoids renormalized when moe_norm_topk,
+    # times moe_routed_scale; "softmax_group_topk" (DeepSeek-V2): softmax over all experts, the choice
+    # limited to the moe_topk_groups best groups (a group scored by its best), never renormalized,
     # times moe_routed_scale. Shared experts (Qwen2-MoE, DeepSeek, GLM-4.5): a dense gated MLP of
     # moe_shared_ffn_dim beside the routed experts of every MoE layer, its output added (Qwen2-MoE:
     # times sigmoid(x . w) of a learned [d_model] gate when moe_shared_gate).
     # Multi-head latent attention (DeepSeek-V3, Kimi K2; mla_kv_rank > 0): each token caches one latent
     # vector of mla_kv_rank features (normed) and mla_rope_dim RoPE'd key features shared by every head:
-    # the KV pages hold it as one KV head of head_dim = mla_kv_rank + mla_rope_dim. Queries come from
+    # the KV pages hold it as one KV head of head_dim = mla_kv_rank + mla_rope_dim, in the K pages only
+    # (the values are its first mla_kv_rank features: kv_value_dim 0, no V pages). Queries come from
     # x (or a mla_q_rank-wide normed bottleneck when mla_q_rank > 0): mla_nope_dim + mla_rope_dim per
     # head; the up-projection to each head's keys is folded into the query, the one to its values
     # (mla_v_dim) applied after attention (models/mla.py).
@@ -176,11 +179,12 @@ class ModelConfig:
             "num_experts_per_tok": (0 < self.num_experts_per_tok <= self.num_experts if self.num_experts
                                     else self.num_experts_per_tok == 0),
             "moe_layers": self.moe_layers is None or (len(self.moe_layers) == self.n_layers and self.num_experts > 0),
-            "moe_routing": self.moe_routing in ("topk_softmax", "softmax_topk", "sigmoid_topk"),
+            "moe_routing": self.moe_routing in ("topk_softmax", "softmax_topk", "sigmoid_topk", "softmax_group_topk"),
             "moe_groups": self.moe_groups > 0 and (not self.num_experts or self.num_experts % self.moe_groups == 0) and (
-                self.moe_groups == 1 or self.num_experts // self.moe_groups >= 2),   # a group is scored by its best two
+                self.moe_groups == 1 or self.num_experts // self.moe_groups
+                >= (2 if self.moe_routing == "sigmoid_topk" else 1)),   # sigmoid: a group scored by its best two
             "moe_topk_groups": 0 < self.moe_topk_groups <= self.moe_groups and (
-                self.moe_groups == 1 or self.moe_routing == "sigmoid_topk"),
+                self.moe_groups == 1 or self.moe_routing in ("sigmoid_topk", "softmax_group_topk")),
             "moe_shared_ffn_dim": self.moe_shared_ffn_dim >= 0 and (self.num_experts > 0 or not self.moe_shared_ffn_dim),
             "moe_shared_gate": self.moe_shared_ffn_dim > 0 or not self.moe_shared_gate,
             "mla_kv_rank": self.mla_kv_rank >= 0 and (not self.mla_kv_rank or (
@@ -238,6 +242,13 @@ class ModelConfig:
     def mla(self) -> bool:
         """Multi-head latent attention (the mla_* fields)."""
         return self.mla_kv_rank > 0
+
+    @property
+    def kv_value_dim(self) -> int:
+        """The width of a token's cached value per KV head: head_dim, or 0 where the values are read
+        from the key pages (latent attention: the cached vector is the key and, its first
+        mla_kv_rank features, the value; kv_cache's shared-value pages)."""
+        return 0 if self.mla else self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether the layer's MLP is a mixture of experts (the others keep the dense MLP of ffn_dim)."""

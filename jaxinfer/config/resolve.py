@@ -214,10 +214,11 @@ def size_pool(cfg: EngineConfig, model_cfg: ModelConfig, kv_dtype: str, max_mode
     max_num_seqs sequences of max_model_len need, capped at a share of RAM. Multi-host: this
     process's pool with the fewest blocks any process fits (one global array)."""
     mc, bs = model_cfg, cfg.block_size
-    block_bytes = bs * perf.kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_dtype) // memory.kv_shards
+    block_bytes = bs * perf.kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_dtype,
+                                            mc.kv_value_dim) // memory.kv_shards
     if memory.draft is not None:   # a draft model's pages use the same blocks
         d = memory.draft
-        block_bytes += bs * perf.kv_bytes_per_token(d.n_layers, d.n_kv_heads, d.head_dim, kv_dtype)
+        block_bytes += bs * perf.kv_bytes_per_token(d.n_layers, d.n_kv_heads, d.head_dim, kv_dtype, d.kv_value_dim)
     spec_rows = 1 + (cfg.num_speculative_tokens if cfg.speculative_method else 0)
     reserve = perf.step_activation_bytes(
         tokens=max(cfg.max_num_batched_tokens, MIN_TOKEN_BUDGET), rows=cfg.max_num_seqs * spec_rows,

@@ -423,6 +423,30 @@ def _deepseek_v3(c: dict[str, Any], arch: str) -> ModelConfig:
         mla_nope_dim=nope, mla_rope_dim=rope, mla_v_dim=v, mla_rope_interleave=bool(c.get("rope_interleave", True)))
 
 
+def _deepseek_v2(c: dict[str, Any], arch: str) -> ModelConfig:
+    """DeepSeek-V2 / V2.5 / V2-Lite, DeepSeek-Coder-V2 (transformers' DeepseekV2): DeepSeek-V3's latent
+    attention (its RoPE features always interleaved in pairs) and shared experts, routed by softmax
+    over all experts: topk_method greedy, or group_limited_greedy (the topk_group best of n_group
+    groups, a group scored by its best expert), the chosen probabilities times routed_scaling_factor
+    and never renormalized (transformers' router; DeepSeek's own code renormalizes where
+    norm_topk_prob and then skips the scale: a config with norm_topk_prob true is refused, as one
+    whose moe_layer_freq is not 1)."""
+    method = c.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ConfigError(f"field 'topk_method' = {method!r} is not supported (greedy, group_limited_greedy)")
+    if c.get("norm_topk_prob"):
+        raise ConfigError("field 'norm_topk_prob' = true is not supported for DeepSeek-V2 (transformers never "
+                          "renormalizes its routing weights; DeepSeek's code does and then drops the scale)")
+    if c.get("moe_layer_freq", 1) != 1:
+        raise ConfigError(f"field 'moe_layer_freq' = {c['moe_layer_freq']!r} is not supported (1: every layer from "
+                          "first_k_dense_replace on is a mixture)")
+    grouped = method == "group_limited_greedy"
+    cfg = _deepseek_v3({**c, "rope_interleave": True, "norm_topk_prob": False,
+                        "n_group": (c.get("n_group") or 1) if grouped else 1,
+                        "topk_group": (c.get("topk_group") or 1) if grouped else 1}, arch)
+    return dataclasses.replace(cfg, moe_routing="softmax_group_topk")
+
+
 def _num_experts(c: dict[str, Any], arch: str) -> int:
     """num_experts or num_local_experts (transformers >= 5 saves the latter for every MoE family: an
     attribute_map alias), else the class default."""
@@ -595,6 +619,7 @@ _HF_BUILDERS = {
     "SmolLM3ForCausalLM": _smollm3, "GraniteForCausalLM": _granite, "Olmo2ForCausalLM": _olmo,
     "Olmo3ForCausalLM": _olmo, "Exaone4ForCausalLM": _exaone4, "SeedOssForCausalLM": _seed_oss,
     "Qwen2MoeForCausalLM": _qwen2_moe, "Glm4MoeForCausalLM": _glm4_moe, "DeepseekV3ForCausalLM": _deepseek_v3,
+    "DeepseekV2ForCausalLM": _deepseek_v2,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -606,7 +631,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
                        "exaone4": "Exaone4ForCausalLM", "seed_oss": "SeedOssForCausalLM",
                        "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                       "deepseek_v3": "DeepseekV3ForCausalLM"}
+                       "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
@@ -642,14 +667,17 @@ _HF_DEFAULTS = {
                               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
                               "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
                               "qk_nope_head_dim": 128, "rms_norm_eps": 1e-6, "rope_interleave": True},
+    "DeepseekV2ForCausalLM": {"max_position_embeddings": 2048, "moe_intermediate_size": 1407, "n_shared_experts": 2,
+                              "first_k_dense_replace": 0, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+                              "topk_method": "greedy", "kv_lora_rank": 512, "q_lora_rank": 1536,
+                              "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "rms_norm_eps": 1e-6},
 }
 _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128,
-                    "Qwen2MoeForCausalLM": 60, "Glm4MoeForCausalLM": 128, "DeepseekV3ForCausalLM": 256}
+                    "Qwen2MoeForCausalLM": 60, "Glm4MoeForCausalLM": 128, "DeepseekV3ForCausalLM": 256,
+                    "DeepseekV2ForCausalLM": 64}
 # architectures close to a supported one, refused with a pointer to what is supported
 _NOT_SUPPORTED = {
     "Gemma3ForConditionalGeneration": " (vision-language Gemma 3: only the text-only Gemma3ForCausalLM, "
                                       "model_type gemma3_text, is supported)",
     "Phi3SmallForCausalLM": " (Phi-3-small: block-sparse attention and its own MLP, not Phi3ForCausalLM's)",
-    "DeepseekV2ForCausalLM": " (DeepSeek-V2: its softmax group routing is not supported; DeepSeek-V3's, "
-                             "DeepseekV3ForCausalLM, is)",
 }

@@ -7,7 +7,8 @@ k_pe = rope(x W_kv_down[:, r:]) of mla_rope_dim features shared by every head. H
 W_q (or the normed bottleneck W_q_down, W_q_up). Since q_nope . (c W_k_up[h]) = (W_k_up[h] q_nope) . c,
 each head's query is folded into the latent space, [W_k_up[h] q_nope | q_pe], and every head attends to
 the same cached vector [c | k_pe]: multi-query attention with one KV head of head_dim = r +
-mla_rope_dim (the KV pages hold that vector as both the key and the value). The first r features of
+mla_rope_dim (the K pages hold that vector; the values are read from them, since the attention's
+value is the same vector: ModelConfig.kv_value_dim 0, no V pages). The first r features of
 each head's output, the softmax-weighted sum of c, go through W_v_up[h], then W_o. The scores are the
 expanded form's (the softmax scale is cfg.softmax_scale: 1/sqrt(nope + rope) times YaRN's mscale^2),
 summed in another order.

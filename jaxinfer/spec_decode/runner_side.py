@@ -55,7 +55,7 @@ class SpecRunner:
             draft_graphdef, draft_params = nnx.split(draft)
             dc = draft.cfg
             draft_pages = jax.device_put(init_kv_pages(dc.n_layers, dc.n_kv_heads, dc.head_dim, num_blocks,
-                                                       block_size, kv_dtype), beside)
+                                                       block_size, kv_dtype, dc.kv_value_dim), beside)
             params = TargetDraft(params, jax.device_put(draft_params, beside))
             kv_pages = (kv_pages, draft_pages)
         if medusa_heads is not None:
