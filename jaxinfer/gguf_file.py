@@ -266,7 +266,7 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         cfg["attention_out_bias"] = "blk.0.attn_output.bias" in f.tensors
     elif arch == "qwen2moe":   # Qwen2MoeConfig's name for q / k / v biases
         cfg["qkv_bias"] = "blk.0.attn_q.bias" in f.tensors
-    elif arch == "glm4moe":   # q / k norms (GLM-4.5, not 4.5-Air), the rotated share of each head stated
+    elif arch == "glm4moe":   # q / k norms where the file has them, the rotated share of each head stated
         cfg.update(use_qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
                    partial_rotary_factor=partial.get("partial_rotary_factor", 1.0))
     elif arch == "deepseek2":

@@ -10,8 +10,11 @@ whose vocabulary is the tokens (GPT-2's byte-to-unicode alphabet) and whose merg
 order, each token split where tiktoken's merging of its bytes below its own rank last joined it
 (tokens no merge reaches are kept whole only), with whole pieces taken first (ignore_merges), the
 regex split before the byte-level step, and the special tokens added at their ids. Kimi's specials:
-tokenizer_config.json's added_tokens_decoder at ids from the vocabulary's size on, 258 of them, the
-unnamed ones <|reserved_token_ID|>.
+the 256 ids from the vocabulary's size on (TikTokenTokenizer.num_reserved_special_tokens: Kimi K2's
+163 584 tokens + 256 = its 163 840 embeddings), named by tokenizer_config.json's added_tokens_decoder
+(with its `special` flag: a special one is dropped by decode's skip_special_tokens), the unnamed
+ones <|reserved_token_ID|>, and any id past those that added_tokens_decoder names (copies of the
+code that reserve 2 more).
 
 Deriving the merges walks every token (seconds for Kimi's 163 840), so the result is kept as a
 tokenizer.json in the cache, keyed by the vocabulary's and tokenizer_config.json's bytes and this
@@ -43,7 +46,7 @@ KIMI_PATTERN = "|".join([
     r"\s+(?!\S)",
     r"\s+",
 ])
-KIMI_RESERVED = 256 + 2   # TikTokenTokenizer: num_reserved_special_tokens + 2 ids past the vocabulary
+KIMI_RESERVED = 256   # TikTokenTokenizer.num_reserved_special_tokens: ids past the vocabulary
 
 
 class TikTokenError(ValueError):
@@ -94,11 +97,22 @@ def _split(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
     return parts
 
 
-def kimi_specials(tok_cfg: dict[str, Any], base: int) -> dict[str, int]:
-    """Kimi's special tokens by id: added_tokens_decoder's, <|reserved_token_ID|> for the others."""
-    named = {int(i): (d.get("content") if isinstance(d, dict) else str(d))
-             for i, d in (tok_cfg.get("added_tokens_decoder") or {}).items()}
-    return {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + KIMI_RESERVED)}
+def kimi_specials(path: Path, tok_cfg: dict[str, Any], base: int) -> dict[int, tuple[str, bool]]:
+    """Kimi's special tokens: id -> (text, whether decode drops it): added_tokens_decoder's (its
+    `special` flag; true when absent), <|reserved_token_ID|> for the other reserved ids (dropped)."""
+    named: dict[int, tuple[str, bool]] = {}
+    for i, d in (tok_cfg.get("added_tokens_decoder") or {}).items():
+        try:
+            named[int(i)] = (d["content"], bool(d.get("special", True))) if isinstance(d, dict) else (str(d), True)
+        except (KeyError, TypeError, ValueError):
+            raise TikTokenError(f"{path.with_name('tokenizer_config.json')}: added_tokens_decoder entry {i!r} is not "
+                                "an id with a content") from None
+    below = [i for i in named if i < base]
+    if below:
+        raise TikTokenError(f"{path.with_name('tokenizer_config.json')}: added_tokens_decoder names id {below[0]}, "
+                            f"a vocabulary token (the specials start at {base})")
+    ids = sorted(set(range(base, base + KIMI_RESERVED)) | set(named))
+    return {i: named.get(i, (f"<|reserved_token_{i}|>", True)) for i in ids}
 
 
 def build(path: Path, tok_cfg: dict[str, Any]):
@@ -113,26 +127,33 @@ def build(path: Path, tok_cfg: dict[str, Any]):
             parts = _split(ranks, token, rank)
             if len(parts) == 2:
                 merges.append((text(parts[0]), text(parts[1])))
-    specials = kimi_specials(tok_cfg, len(ranks))
-    vocab = {text(t): r for t, r in ranks.items()} | specials
-    if len(vocab) != len(ranks) + len(specials):
-        raise TikTokenError(f"{path}: a special token of tokenizer_config.json spells a vocabulary token")
+    specials = kimi_specials(path, tok_cfg, len(ranks))
+    vocab = {text(t): r for t, r in ranks.items()}
+    for i, (s, _) in specials.items():
+        if s in vocab:
+            raise TikTokenError(f"{path}: special token {s!r} (id {i}) also spells vocabulary token {vocab[s]}")
+        vocab[s] = i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(KIMI_PATTERN), behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
-                            for s, _ in sorted(specials.items(), key=lambda kv: kv[1])])
+    added = [AddedToken(s, special=special, normalized=False) for _, (s, special) in sorted(specials.items())]
+    tok.add_special_tokens([a for a in added if a.special])
+    tok.add_tokens([a for a in added if not a.special])
     return tok
 
 
 def load(folder: Path):
     """(the tokenizers.Tokenizer, tiktoken.model's path) of a folder whose tokenizer is a tiktoken
     vocabulary, built once and cached (module docstring)."""
+    import tokenizers
     from tokenizers import Tokenizer
     path = Path(folder) / "tiktoken.model"
     cfg_file = Path(folder) / "tokenizer_config.json"
-    tok_cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    try:
+        tok_cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TikTokenError(f"{cfg_file}: not readable JSON ({e})") from None
     auto = (tok_cfg.get("auto_map") or {}).get("AutoTokenizer") or []
     if KIMI_CLASS not in (auto if isinstance(auto, list) else [auto]):
         raise TikTokenError(f"{path}: a tiktoken vocabulary without tokenizer.json whose tokenizer class "
@@ -140,12 +161,16 @@ def load(folder: Path):
                             "rebuilds (its splitting regex lives in the model's own code); give --tokenizer a "
                             "folder with a tokenizer.json")
     key = hashlib.sha256()
-    for part in (path.read_bytes(), cfg_file.read_bytes() if cfg_file.is_file() else b"", Path(__file__).read_bytes()):
+    for part in (path.read_bytes(), cfg_file.read_bytes() if cfg_file.is_file() else b"", Path(__file__).read_bytes(),
+                 tokenizers.__version__.encode()):
         key.update(hashlib.sha256(part).digest())
     cache = (Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer")) / "tiktoken"
              / f"{key.hexdigest()[:24]}.json")
     if cache.is_file():
-        return Tokenizer.from_file(str(cache)), path
+        try:
+            return Tokenizer.from_file(str(cache)), path
+        except Exception:  # noqa: BLE001   a damaged cache file (the Rust side raises bare Exception): rebuilt
+            pass
     tok = build(path, tok_cfg)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")

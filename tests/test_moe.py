@@ -409,6 +409,7 @@ def test_gpt_oss_rope_defaults_to_transformers_yarn():
     ({"norm_topk_prob": True}, "'norm_topk_prob' = true"),
     ({"topk_method": "noaux_tc"}, "'topk_method' = 'noaux_tc'"),
     ({"moe_layer_freq": 2}, "'moe_layer_freq' = 2"),
+    ({"scoring_func": "sigmoid"}, "'scoring_func' = 'sigmoid'"),
 ])
 def test_refused_moe_configs_name_the_field(change, message):
     base = "deepseekv2-groups" if message.startswith("'") else "gpt-oss"

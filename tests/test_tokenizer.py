@@ -567,19 +567,25 @@ def test_kimi_tiktoken_vocabulary_matches_tiktoken(tmp_path, monkeypatch) -> Non
     folder.mkdir()
     (folder / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
     n = len(ranks)
-    named = {n: "[BOS]", n + 1: "[EOS]", n + 2: "<|im_end|>", n + 3: "<|im_user|>", n + 5: "[EOT]"}
+    # one id past Moonshot's 256 reserved ones named too (copies of the code that reserve 2 more), and a
+    # token marked not special (kept by decode's skip_special_tokens)
+    named = {n: "[BOS]", n + 1: "[EOS]", n + 2: "<|im_end|>", n + 3: "<|im_user|>", n + 5: "[EOT]", n + 6: "<think>",
+             n + 256: "<|extra|>"}
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}, "bos_token": "[BOS]",
-        "eos_token": "[EOS]", "added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in named.items()}}))
-    specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n, n + 258)}
+        "eos_token": "[EOS]", "added_tokens_decoder": {str(i): {"content": c, "special": c != "<think>"}
+                                                       for i, c in named.items()}}))
+    specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n, n + 257)}
     ref = tiktoken.Encoding(name="kimi", pat_str=KIMI_PAT, mergeable_ranks=ranks, special_tokens=specials)
     for attempt in ("built", "cached"):
         tok = load_tokenizer(folder)
-        assert (tok.bos_id, tok.eos_ids, tok.add_bos) == (n, (n + 1,), False), attempt
-        for text in KIMI_TEXTS:
+        assert (tok.bos_id, tok.eos_ids, tok.add_bos, tok.vocab_size) == (n, (n + 1,), False, n + 257), attempt
+        for text in KIMI_TEXTS + ["<think>a</think>[EOS]<|extra|>"]:
             ids = ref.encode(text, allowed_special="all")
             assert tok.encode(text) == ids, (attempt, text)
             assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids)
+            kept = [i for i in ids if i < n or i == n + 6]   # the vocabulary's tokens and <think>
+            assert tok.decode(ids) == ref.decode(kept), (attempt, text)
     assert len(list((tmp_path / "cache" / "tiktoken").glob("*.json"))) == 1
     (folder / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["tok.Other", None]}}))
     with pytest.raises(TokenizerError, match="is not 'tokenization_kimi.TikTokenTokenizer'"):

@@ -430,13 +430,15 @@ def _deepseek_v2(c: dict[str, Any], arch: str) -> ModelConfig:
     groups, a group scored by its best expert), the chosen probabilities times routed_scaling_factor
     and never renormalized (transformers' router; DeepSeek's own code renormalizes where
     norm_topk_prob and then skips the scale: a config with norm_topk_prob true is refused, as one
-    whose moe_layer_freq is not 1)."""
+    whose moe_layer_freq is not 1 or whose scoring_func is not softmax)."""
     method = c.get("topk_method") or "greedy"
     if method not in ("greedy", "group_limited_greedy"):
         raise ConfigError(f"field 'topk_method' = {method!r} is not supported (greedy, group_limited_greedy)")
     if c.get("norm_topk_prob"):
         raise ConfigError("field 'norm_topk_prob' = true is not supported for DeepSeek-V2 (transformers never "
                           "renormalizes its routing weights; DeepSeek's code does and then drops the scale)")
+    if c.get("scoring_func", "softmax") != "softmax":
+        raise ConfigError(f"field 'scoring_func' = {c['scoring_func']!r} is not supported for DeepSeek-V2 (softmax)")
     if c.get("moe_layer_freq", 1) != 1:
         raise ConfigError(f"field 'moe_layer_freq' = {c['moe_layer_freq']!r} is not supported (1: every layer from "
                           "first_k_dense_replace on is a mixture)")
