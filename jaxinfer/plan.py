@@ -88,6 +88,7 @@ from typing import Any
 
 from jaxinfer import perf
 from jaxinfer.config import KV_DTYPE_CHOICES, ModelConfig, RopeScaling
+from jaxinfer.models.hf_configs import model_config_from_hf
 from jaxinfer.perf import CPU_BANDWIDTH, CPU_FLOPS, DEVICES, DTYPE_BYTES, GiB, KV_INT8_SCALE_BYTES, Device  # noqa: F401
 
 INT4_GROUP_SIZE = 128
@@ -152,6 +153,27 @@ PRESETS: dict[str, ModelConfig] = {
                           qkv_bias=True, out_bias=True, mlp_bias=True, attn_sinks=True, num_experts=32,
                           num_experts_per_tok=4, router_bias=True, swiglu_limit=7.0, eos_token_ids=(200002,),
                           architecture="GptOssForCausalLM"),
+    # latent attention (its KV: one 576-feature vector a token and layer)
+    "deepseek-v3": model_config_from_hf({
+        "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8,
+        "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 1,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, "rope_theta": 10000}),
+    "deepseek-v2-lite": model_config_from_hf({
+        "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400, "hidden_size": 2048,
+        "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64, "num_experts_per_tok": 6,
+        "topk_method": "greedy", "first_k_dense_replace": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "bos_token_id": 100000, "eos_token_id": 100001,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}, "rope_theta": 10000}),
 }
 
 
@@ -193,13 +215,15 @@ def approx_params(cfg: ModelConfig) -> int:
 
 def layer_matmul_shapes(cfg: ModelConfig, layer: int = 0) -> list[tuple[int, int]]:
     """[K, N] (contracted, output) of each quantizable matmul weight in one layer (an MoE layer:
-    each expert's gate, up and down, num_experts times over)."""
+    its shared experts' gate, up and down, then each expert's, num_experts times over; latent
+    attention: o alone, its latent projections stay float as quantize_decoder leaves them)."""
     d, hd = cfg.d_model, cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
-    attn = [(d, q), (d, kv), (d, kv), (q, d)]
+    attn = [(cfg.n_heads * cfg.mla_v_dim, d)] if cfg.mla else [(d, q), (d, kv), (d, kv), (q, d)]
     if cfg.is_moe_layer(layer):
-        f = cfg.expert_ffn_dim
-        return attn + [(d, f), (d, f), (f, d)] * cfg.num_experts
+        f, s = cfg.expert_ffn_dim, cfg.moe_shared_ffn_dim
+        shared = [(d, s), (d, s), (s, d)] if s else []
+        return attn + shared + [(d, f), (d, f), (f, d)] * cfg.num_experts
     f = cfg.ffn_dim
     mlp = [(d, f), (d, f), (f, d)] if cfg.gated_mlp else [(d, f), (f, d)]
     return attn + mlp

@@ -351,10 +351,11 @@ def test_num_params_match_transformers(name):
     assert cfg.num_active_params() == cfg.num_params() - unrouted
 
 
-@pytest.mark.parametrize("preset", ["mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-20b"])
+@pytest.mark.parametrize("preset", ["mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v3", "deepseek-v2-lite"])
 def test_plan_presets_match_transformers(preset):
     """The planner's published MoE shapes: transformers' model of the same config (on the meta
-    device: no memory) has num_params() parameters; weight bytes per token are the active ones."""
+    device: no memory) has num_params() parameters (DeepSeek-V3: 671.0 B, its published total;
+    V2-Lite: 15.7 B); weight bytes per token are the active ones."""
     import transformers as tf
 
     from jaxinfer.plan import PRESETS, weight_bytes
@@ -362,9 +363,16 @@ def test_plan_presets_match_transformers(preset):
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
                   num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                   num_experts_per_tok=cfg.num_experts_per_tok, intermediate_size=cfg.ffn_dim)
+    mla = dict(common, head_dim=cfg.mla_rope_dim, kv_lora_rank=cfg.mla_kv_rank, q_lora_rank=cfg.mla_q_rank or None,
+               qk_nope_head_dim=cfg.mla_nope_dim, qk_rope_head_dim=cfg.mla_rope_dim, v_head_dim=cfg.mla_v_dim,
+               moe_intermediate_size=cfg.moe_ffn_dim, n_routed_experts=cfg.num_experts,
+               n_shared_experts=cfg.moe_shared_ffn_dim // max(cfg.moe_ffn_dim or 1, 1),
+               first_k_dense_replace=sum(not cfg.is_moe_layer(i) for i in range(cfg.n_layers)))
     hf_cfg = {"mixtral-8x7b": lambda: tf.MixtralConfig(num_local_experts=8, **common),
               "qwen3-30b-a3b": lambda: tf.Qwen3MoeConfig(num_experts=128, moe_intermediate_size=768, **common),
-              "gpt-oss-20b": lambda: tf.GptOssConfig(num_local_experts=32, **common)}[preset]()
+              "gpt-oss-20b": lambda: tf.GptOssConfig(num_local_experts=32, **common),
+              "deepseek-v3": lambda: tf.DeepseekV3Config(**mla),
+              "deepseek-v2-lite": lambda: tf.DeepseekV2Config(**mla)}[preset]()
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(hf_cfg)
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())

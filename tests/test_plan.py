@@ -98,6 +98,20 @@ def test_latent_attention_kv_bytes_are_the_cached_vector_once():
     assert kv_bytes_per_token(cfg, "int8") == 61 * (576 + 4)
 
 
+def test_latent_attention_int8_weights_by_hand():
+    """quantize="int8" on DeepSeek-V3 (the preset, its published shape) quantizes o, the dense and
+    shared MLPs and the experts, and leaves the latent projections in bfloat16: the planner's int8
+    matmul bytes by hand (61 layers' o [128 x 128, 7168]; 3 dense MLPs of 18432; 58 MoE layers of
+    one shared and 256 routed experts of 2048), everything else at 2 bytes a parameter."""
+    from jaxinfer.plan import PRESETS, weight_bytes
+    cfg = PRESETS["deepseek-v3"]
+    o, dense, expert = 128 * 128 * 7168, 3 * 7168 * 18432, 3 * 7168 * 2048
+    matmul = 61 * o + 3 * dense + 58 * (1 + 256) * expert
+    wb = weight_bytes(cfg, "int8")
+    assert wb["matmul"] == matmul
+    assert wb["other"] == 2 * (cfg.num_params() - matmul)
+
+
 def test_params_approximation():
     p = plan(PRESETS["llama-2-7b"], get_device("h100"))
     assert p.params_approx == 12 * 32 * 4096**2 + 2 * 32000 * 4096 == 6_704_594_944
