@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from jaxinfer.errors import CheckpointError
+from jaxinfer.cache_dir import cache_dir
 
 MARKER = "gguf_file"   # config.json's key naming the file
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -82,6 +83,8 @@ _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", 
 _OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 _CONTROL, _USER_DEFINED = 3, 4
 SPLIT_NAME = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
+# DeepSeek's kv_b_proj (transformers' name), which today's converter splits in two (GGUFTensors.latent_parts)
+_KV_B = re.compile(r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight")
 
 # tokenizer.ggml.pre -> the regexes llama.cpp's llama-vocab.cpp splits text with before BPE, applied in
 # turn (each splits the pieces the one before left, the text between matches kept as pieces: the
@@ -729,7 +732,7 @@ def tokenizer_config(f: GGUFFile, add_bos: bool) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ the folder
 
 def cache_root() -> Path:
-    return Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer")) / "gguf"
+    return cache_dir("gguf")
 
 
 def prepare_folder(path: str | os.PathLike) -> Path:
@@ -867,7 +870,7 @@ class GGUFTensors:
         """The llama.cpp tensors DeepSeek's kv_b_proj is split into (attn_k_b, each head's key
         up-projection transposed, and attn_v_b: what the converter writes for llama.cpp's absorbed
         attention), when the file has no attn_kv_b (older files); None for any other name."""
-        m = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight", name)
+        m = _KV_B.fullmatch(name)
         if m is None or self.file.arch != "deepseek2" or f"blk.{m.group(1)}.attn_kv_b.weight" in self.file.tensors:
             return None
         return [f"blk.{m.group(1)}.attn_{p}_b.weight" for p in ("k", "v")]

@@ -22,6 +22,7 @@ import os
 import re
 from pathlib import Path
 
+from jaxinfer.cache_dir import cache_dir
 from jaxinfer.errors import CheckpointError
 
 # what the loaders read (jaxinfer/weights.py, jaxinfer/tokenizer.py, the chat template, generation
@@ -254,8 +255,7 @@ def apply_hf_overrides(folder: Path, overrides: dict) -> Path:
         raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
     text = json.dumps(merged, indent=2, sort_keys=True)
     key = hashlib.sha256(f"{folder}\n{text}".encode()).hexdigest()[:20]
-    root = Path(os.environ.get("JAXINFER_CACHE") or Path.home() / ".cache" / "jaxinfer")
-    out = root / "hf-overrides" / key
+    out = cache_dir("hf-overrides") / key
     out.mkdir(parents=True, exist_ok=True)
     for link in out.iterdir():      # entries the folder no longer has
         if link.is_symlink() and not link.exists():

@@ -93,9 +93,7 @@ def _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale)
     choice = scores if correction is None else scores + correction.astype(jnp.float32)
     if groups > 1:
         best_two = lax.top_k(choice.reshape(t, groups, e // groups), 2)[0]
-        _, kept = lax.top_k(jnp.sum(best_two, axis=-1), topk_groups)                    # (T, topk_groups)
-        keep = jnp.zeros((t, groups), bool).at[jnp.arange(t)[:, None], kept].set(True)
-        choice = jnp.where(jnp.repeat(keep, e // groups, axis=1), choice, -jnp.inf)
+        choice = jnp.where(_kept_groups(jnp.sum(best_two, axis=-1), topk_groups, e // groups), choice, -jnp.inf)
     _, experts = lax.top_k(choice, k)
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if norm_topk:
@@ -108,11 +106,17 @@ def _route_softmax_groups(logits, k, groups, topk_groups, scale):
     scores = jax.nn.softmax(logits, axis=-1)
     if groups > 1:
         best = jnp.max(scores.reshape(t, groups, e // groups), axis=-1)
-        _, kept = lax.top_k(best, topk_groups)                                         # (T, topk_groups)
-        keep = jnp.zeros((t, groups), bool).at[jnp.arange(t)[:, None], kept].set(True)
-        scores = jnp.where(jnp.repeat(keep, e // groups, axis=1), scores, 0.0)
+        scores = jnp.where(_kept_groups(best, topk_groups, e // groups), scores, 0.0)
     weights, experts = lax.top_k(scores, k)
     return weights * jnp.float32(scale), experts
+
+
+def _kept_groups(group_scores: jax.Array, topk_groups: int, per_group: int) -> jax.Array:
+    """group_scores [T, G] -> [T, G * per_group] bool: the experts of each token's topk_groups best groups."""
+    t, g = group_scores.shape
+    _, kept = lax.top_k(group_scores, topk_groups)                                     # (T, topk_groups)
+    keep = jnp.zeros((t, g), bool).at[jnp.arange(t)[:, None], kept].set(True)
+    return jnp.repeat(keep, per_group, axis=1)
 
 
 def sort_rows(experts: jax.Array, valid: jax.Array | None, num_experts: int) -> tuple[jax.Array, jax.Array]:

@@ -32,6 +32,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jaxinfer.cache_dir import cache_dir
+
 KIMI_CLASS = "tokenization_kimi.TikTokenTokenizer"
 # tokenization_kimi.py's TikTokenTokenizer.pat_str (Kimi K2 / Moonlight)
 KIMI_PATTERN = "|".join([
@@ -164,8 +166,7 @@ def load(folder: Path):
     for part in (path.read_bytes(), cfg_file.read_bytes() if cfg_file.is_file() else b"", Path(__file__).read_bytes(),
                  tokenizers.__version__.encode()):
         key.update(hashlib.sha256(part).digest())
-    cache = (Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer")) / "tiktoken"
-             / f"{key.hexdigest()[:24]}.json")
+    cache = cache_dir("tiktoken") / f"{key.hexdigest()[:24]}.json"
     if cache.is_file():
         try:
             return Tokenizer.from_file(str(cache)), path
