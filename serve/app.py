@@ -51,7 +51,7 @@ from serve.reasoning import (REASONING_PARSERS, REASONING_TAGS, OutputParsers, d
                              reasoning_prefix)
 from serve.messages import router as messages_router
 from serve.responses import router as responses_router
-from serve.tool_parsers import TOOL_PARSERS, default_tool_parser
+from serve.tool_parsers import SPECIAL_TOKEN_PARSERS, TOOL_PARSERS, default_tool_parser
 from serve.tools import ToolPlan
 
 
@@ -142,7 +142,8 @@ class ServerState:
         the request's chat_template_kwargs and documents; template: the request's own, which the
         server must trust: request_template checked it)."""
         return self.chat.render([m.template_dict() for m in messages], tools, template_kwargs,
-                                add_generation_prompt, continue_final_message, documents, template)
+                                add_generation_prompt, continue_final_message, documents, template,
+                                self.tool_call_parser)
 
     def request_template(self, req) -> tuple[str | None, dict | None]:
         """(the request's own chat template, its chat_template_kwargs without it): vLLM's
@@ -251,10 +252,9 @@ class ServerState:
                                      req.prompt_logprobs, prefix=prefix, defaults=self.gen.sampling_defaults)
         plan = req.tool_plan()
         if self.reasoning_parser in ("gpt_oss", "seed_oss") or (plan is not None and plan.parses and
-                                                                 self.tool_call_parser in ("llama3_json", "mistral",
-                                                                                           "openai", "seed_oss")):
+                                                                 self.tool_call_parser in SPECIAL_TOKEN_PARSERS):
             # these formats are written in special tokens (harmony's markers, [TOOL_CALLS], <|python_tag|>,
-            # Seed-OSS's <seed:think> / <seed:tool_call>)
+            # Seed-OSS's <seed:think> / <seed:tool_call>, DeepSeek's and Kimi's call sections, GLM's tags)
             params = dataclasses.replace(params, skip_special_tokens=False)
         self.compile_grammar(params, req)
         return prompt, params, parsers

@@ -35,7 +35,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from serve.protocol import OpenAIError
-from serve.tools import ToolPlan, template_messages
+from serve.tools import FAMILY_PREAMBLES, ToolPlan, template_messages
 
 # The bundled model has no chat template of its own; this plain one is documented in the README.
 DEFAULT_CHAT_TEMPLATE = (
@@ -135,11 +135,13 @@ class ChatTemplates:
 
     def render(self, messages: list[dict], tools: ToolPlan | None = None, kwargs: dict[str, Any] | None = None,
                add_generation_prompt: bool = True, continue_final_message: bool = False,
-               documents: list | None = None, template: str | None = None) -> str:
+               documents: list | None = None, template: str | None = None, tool_format: str = "hermes") -> str:
         """The prompt text of `messages` (template_dict()s) with the request's tool plan,
         chat_template_kwargs and documents; a template error is a 400. continue_final_message: the
         text ends where the last message's content does (transformers' rule: a tag appended to it
-        marks the spot). template: the request's own (the caller checked it may send one)."""
+        marks the spot). template: the request's own (the caller checked it may send one).
+        tool_format: the server's tool-call parser, whose format a template that lists no tools is
+        asked for (serve.tools.template_messages)."""
         if continue_final_message:
             if add_generation_prompt:
                 raise OpenAIError(400, "continue_final_message needs add_generation_prompt false",
@@ -148,7 +150,7 @@ class ChatTemplates:
                 raise OpenAIError(400, "continue_final_message: the last message has no text to continue",
                                   param="continue_final_message")
             messages = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
-        text = self._render(messages, tools, kwargs, add_generation_prompt, documents, template)
+        text = self._render(messages, tools, kwargs, add_generation_prompt, documents, template, tool_format)
         if not continue_final_message:
             return text
         at = text.rfind(_CONTINUE_TAG.strip())
@@ -159,10 +161,13 @@ class ChatTemplates:
         return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
 
     def _render(self, messages: list[dict], tools: ToolPlan | None, kwargs: dict[str, Any] | None,
-                add_generation_prompt: bool, documents: list | None, template: str | None) -> str:
+                add_generation_prompt: bool, documents: list | None, template: str | None,
+                tool_format: str = "hermes") -> str:
         text, compiled = (template, self._compiled_request(template)) if template is not None else \
             (self.texts[self.name_for(tools)], self.compiled[self.name_for(tools)])
         native = "tools" in text   # HF-style templates take tools and structured calls
+        # a template that lists no tools but writes the calls in its family's format (DeepSeek's)
+        family = tool_format if not native and tool_format in FAMILY_PREAMBLES and "tool_calls" in text else None
         if "developer" not in text:   # OpenAI's newer name for system, for templates that lack it
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         extra = {"tools": list(tools.tools)} if tools is not None and native else {}
@@ -170,7 +175,7 @@ class ChatTemplates:
             extra["documents"] = documents
         try:
             return compiled.render(**{
-                **self.special_tokens, **(kwargs or {}), "messages": template_messages(messages, tools, native),
+                **self.special_tokens, **(kwargs or {}), "messages": template_messages(messages, tools, native, family),
                 "add_generation_prompt": add_generation_prompt, **extra})
         except TemplateError as e:
             raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None

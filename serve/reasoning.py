@@ -6,6 +6,13 @@ its answer, streamed and not. Pure Python, no jax.
   deepseek_r1  the same tags, but the opening `<think>` may be in the prompt (DeepSeek-R1's template
                ends with it): everything before `</think>` is reasoning, with or without the opening tag;
   seed_oss     qwen3's rules with Seed-OSS's tags, `<seed:think>...</seed:think>`;
+  deepseek_v3  qwen3's rules under vLLM's name for DeepSeek-V3.1 / V3.2, whose generation prompt opens the
+               block (`<think>`, thinking on) or closes it (`</think>`, thinking off);
+  glm45        qwen3's rules under vLLM's name for GLM-4.5 / 4.6 / 4.7 (whose prompt closes the block,
+               `<think></think>`, with enable_thinking false);
+  kimi_k2      deepseek_r1's rules (Kimi K2 Thinking), and a tool-call section
+               (`<|tool_calls_section_begin|>`) also ends the reasoning: it is the answer's, for the
+               kimi_k2 tool-call parser;
   gpt_oss      OpenAI harmony channels (gpt-oss): the `analysis` channel is reasoning, the `final`
                channel is the answer; any other message (a `commentary` preamble or a function call)
                is passed on whole, headers and all, to the tool-call parser (serve.tool_parsers).
@@ -26,7 +33,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss", "seed_oss")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss", "seed_oss", "deepseek_v3", "glm45", "kimi_k2")
+# the parsers under which an output with no opening tag is reasoning (the prompt may have opened it)
+_OPEN_BY_DEFAULT = ("deepseek_r1", "kimi_k2")
+KIMI_SECTION = "<|tool_calls_section_begin|>"
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SEED_THINK_OPEN, SEED_THINK_CLOSE = "<seed:think>", "</seed:think>"
@@ -48,6 +58,8 @@ def default_reasoning_parser(template: str | None) -> str | None:
         return "gpt_oss"
     if SEED_THINK_CLOSE in template:
         return "seed_oss"
+    if "<|im_assistant|>" in template and THINK_CLOSE in template:
+        return "kimi_k2"
     if re.search(r"add_generation_prompt[\s\S]{0,200}<think>\\n['\"]", template) and "enable_thinking" not in template:
         return "deepseek_r1"
     if THINK_CLOSE in template:
@@ -74,12 +86,12 @@ def prompt_state(name: str, prompt: str) -> str:
         return "reasoning"
     if closed >= 0 and prompt.rstrip().endswith(close):
         return "answer"
-    return "reasoning" if name == "deepseek_r1" else "open"
+    return "reasoning" if name in _OPEN_BY_DEFAULT else "open"
 
 
 class ThinkParser:
-    """qwen3 / deepseek_r1 / seed_oss: feed() text as it is generated -> (reasoning, content) safe to
-    show now."""
+    """The `<think>`-style parsers (all but gpt_oss): feed() text as it is generated -> (reasoning,
+    content) safe to show now."""
 
     def __init__(self, name: str, state: str):
         self.name = name
@@ -87,7 +99,9 @@ class ThinkParser:
         # "open": may start with <think> (stripped, as vLLM does, even where the prompt opened the
         # block); "reasoning"; "answer". Without the tag: reasoning where the prompt opened the block
         # or under deepseek_r1, else the answer.
-        self.fallback = "reasoning" if state == "reasoning" or name == "deepseek_r1" else "answer"
+        self.fallback = "reasoning" if state == "reasoning" or name in _OPEN_BY_DEFAULT else "answer"
+        # the markers that end the reasoning and stay in the answer (Kimi's tool-call section)
+        self.section = KIMI_SECTION if name == "kimi_k2" else None
         self.state = "answer" if state == "answer" else "open"
         self.pending = ""
         self.saw_reasoning = False
@@ -109,12 +123,18 @@ class ThinkParser:
                 continue
             if self.state == "reasoning":
                 end = self.pending.find(self.close)
+                cut = self.pending.find(self.section) if self.section else -1
+                if cut >= 0 and (end < 0 or cut < end):     # the section is the answer's, kept in it
+                    reasoning += self.pending[:cut]
+                    self.pending, self.state = self.pending[cut:], "answer"
+                    continue
                 if end >= 0:
                     reasoning += self.pending[:end]
                     self.pending = self.pending[end + len(self.close):]
                     self.state = "answer"
                     continue
-                keep = partial_suffix(self.pending, self.close)
+                keep = max(partial_suffix(self.pending, self.close),
+                           partial_suffix(self.pending, self.section) if self.section else 0)
                 reasoning += self.pending[:len(self.pending) - keep]
                 self.pending = self.pending[len(self.pending) - keep:]
                 break

@@ -16,13 +16,22 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
                an array item's "id") is the call's id, else a new 9-character one;
   seed_oss     `<seed:tool_call>` blocks holding qwen3_coder's `<function=NAME>` XML (Seed-OSS);
   openai       gpt-oss harmony: a message whose header names a recipient `to=functions.NAME` is a call
-               of NAME with the message body as its JSON arguments; other messages' bodies are content.
+               of NAME with the message body as its JSON arguments; other messages' bodies are content;
+  deepseek_v3  DeepSeek-V3 / R1 (the published V3-0324 and R1-0528 templates): a section
+               `<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>` of calls
+               `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` + "\n```json\n" + ARGS + "\n```<｜tool▁call▁end｜>";
+  deepseek_v31 DeepSeek-V3.1: the same section, each call `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`;
+  kimi_k2      Kimi K2: `<|tool_calls_section_begin|>...<|tool_calls_section_end|>` of calls
+               `<|tool_call_begin|>functions.NAME:N<|tool_call_argument_begin|>ARGS<|tool_call_end|>`;
+               the call's id is the model's `functions.NAME:N` (Kimi's templates write it back);
+  glm45        GLM-4.5 / 4.6 / 4.7: `<tool_call>NAME` then one `<arg_key>K</arg_key><arg_value>V</arg_value>`
+               per argument (strings written as they are, other values as JSON) and `</tool_call>`.
 
 Every parser has the interface of AutoToolParser: feed(text) -> (content safe to show now, calls
 completed so far), finish() -> (the rest). A call whose JSON does not parse, or that names a function
 not in the request's tools, stays content (as vLLM leaves it), so a malformed call never fails the
 request. Calls in the llama3_json and mistral forms are known only when the output ends, so their
-streamed tool_calls come with the last chunk; hermes and openai calls go out as each one closes.
+streamed tool_calls come with the last chunk; the others go out as each one closes.
 """
 from __future__ import annotations
 
@@ -35,11 +44,19 @@ from typing import Any
 
 from serve.reasoning import H_CALL, H_END, H_MESSAGE, H_RETURN, partial_suffix
 
-TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "openai", "seed_oss")
+TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3",
+                "deepseek_v31", "kimi_k2", "glm45")
+# the parsers whose formats are written in special tokens: the output is detokenized with them
+SPECIAL_TOKEN_PARSERS = ("llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3", "deepseek_v31", "kimi_k2",
+                         "glm45")
 
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
 MISTRAL_ARGS = "[ARGS]"
+DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+KIMI_CALLS, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL, KIMI_CALL_END, KIMI_ARGS = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
 
 
 def default_tool_parser(template: str | None) -> str:
@@ -48,6 +65,12 @@ def default_tool_parser(template: str | None) -> str:
     t = template or ""
     if "<|channel|>" in t and "to=" in t:
         return "openai"
+    if DS_SEP in t:
+        return "deepseek_v3" if "```json" in t else "deepseek_v31"
+    if KIMI_ARGS in t or "<|im_system|>tool_declare" in t:
+        return "kimi_k2"
+    if "<arg_key>" in t:
+        return "glm45"
     if "<seed:tool_call>" in t:
         return "seed_oss"
     if "<function=" in t and "<parameter=" in t:
@@ -355,5 +378,136 @@ class HarmonyToolParser:
         return rest, []
 
 
-FAMILY_PARSERS = {"llama3_json": Llama3JsonParser, "mistral": MistralParser, "openai": HarmonyToolParser}
+def _args_text(text: str) -> str:
+    return text.strip() or "{}"      # a call written with no arguments at all
+
+
+_DS_V3_CALL = re.compile(r"\s*(\w+)" + DS_SEP + r"\s*(\S[^\n]*?)\s*\n```(?:json)?[ \t]*\n(.*?)\n?```\s*", re.S)
+_DS_V31_CALL = re.compile(r"\s*([^\s<]+?)\s*" + DS_SEP + r"(.*)", re.S)
+_KIMI_CALL = re.compile(r"\s*((?:functions\.)?([^\s<]+?):\d+)\s*" + re.escape(KIMI_ARGS) + r"(.*)", re.S)
+
+
+def _deepseek_v3_call(body: str, plan) -> dict | None:
+    m = _DS_V3_CALL.fullmatch(body)
+    return None if m is None or m.group(1) != "function" else _call(plan, m.group(2), _args_text(m.group(3)))
+
+
+def _deepseek_v31_call(body: str, plan) -> dict | None:
+    m = _DS_V31_CALL.fullmatch(body)
+    return None if m is None else _call(plan, m.group(1), _args_text(m.group(2)))
+
+
+def _kimi_call(body: str, plan) -> dict | None:
+    m = _KIMI_CALL.fullmatch(body)
+    call = None if m is None else _call(plan, m.group(2), _args_text(m.group(3)))
+    if call is not None:
+        call["id"] = m.group(1)     # `functions.NAME:N`, as Kimi's template writes the id back
+    return call
+
+
+class SectionToolParser:
+    """deepseek_v3 / deepseek_v31 / kimi_k2: content streams until the section's opening marker;
+    inside it each call goes out as its closing marker arrives; after the section's end the text is
+    content again. A call that does not parse, or names an unknown tool, stays content as written
+    (told when the section ends); a section with no call that parses, or one the output cut before
+    its end, is content whole, markers and all."""
+
+    FORMATS = {"deepseek_v3": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, _deepseek_v3_call),
+               "deepseek_v31": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, _deepseek_v31_call),
+               "kimi_k2": (KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL, KIMI_CALL_END, _kimi_call)}
+
+    def __init__(self, plan, name: str):
+        self.plan = plan
+        self.open, self.close, self.call_open, self.call_close, self.parse = self.FORMATS[name]
+        self.pending = ""
+        self.section: str | None = None    # the open section's text as written so far (None: outside one)
+        self.kept = ""                     # its calls that stay content
+        self.taken = 0                     # its calls that parsed
+        self.calls: list[dict] = []
+
+    def _take(self, segment: str) -> list[dict]:
+        """One `<call_open>body` segment (its closing marker cut off) -> [its call], or [] (kept)."""
+        head = segment.lstrip()
+        call = self.parse(head[len(self.call_open):], self.plan) if head.startswith(self.call_open) else None
+        if call is None or (self.calls and not self.plan.parallel):
+            self.kept += segment + self.call_close
+            return []
+        self.calls.append(call)
+        self.taken += 1
+        return [call]
+
+    def _end_section(self, rest: str) -> str:
+        """The content a section leaves when it ends (rest: its text after the last call)."""
+        content = self.kept + (rest if rest.strip() else "") if self.taken else self.section
+        self.section, self.kept, self.taken = None, "", 0
+        return content
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.pending += text
+        content, calls = "", []
+        while self.pending:
+            if self.section is None:
+                i = self.pending.find(self.open)
+                if i < 0:
+                    keep = partial_suffix(self.pending, self.open)
+                    content += self.pending[:len(self.pending) - keep]
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    break
+                content += self.pending[:i]
+                self.section, self.pending = self.open, self.pending[i + len(self.open):]
+                continue
+            ends = [(i, m) for i, m in ((self.pending.find(m), m) for m in (self.call_close, self.close)) if i >= 0]
+            if not ends:
+                break
+            i, marker = min(ends)
+            segment, self.pending = self.pending[:i], self.pending[i + len(marker):]
+            self.section += segment + marker
+            if marker == self.close:
+                content += self._end_section(segment)
+            else:
+                calls += self._take(segment)
+        return content, calls
+
+    def finish(self) -> tuple[str, list[dict]]:
+        rest, self.pending = self.pending, ""
+        if self.section is not None:        # cut inside the section
+            self.section += rest
+            rest = self._end_section(rest)
+        return (rest if rest.strip() or not self.calls else ""), []
+
+
+_GLM_NAME = re.compile(r"\s*([^\s<]+)\s*(.*)", re.S)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _glm_value(text: str, schema: Any) -> Any:
+    """An `<arg_value>`: the type its schema declares (parse_xml_call's rules); an argument the schema
+    does not declare is JSON where it reads as JSON (the template wrote non-strings with tojson)."""
+    if schema is not None:
+        return _xml_value(text, schema)
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return text
+
+
+def parse_glm_call(body: str, plan) -> dict | None:
+    """One glm45 `<tool_call>` block's body -> a call, or None (the block stays content) when it is
+    not a known tool's name followed by whole key / value pairs and nothing else."""
+    m = _GLM_NAME.fullmatch(body)
+    if m is None or m.group(1) not in plan.names:
+        return None
+    tool = next(t["function"] for t in plan.tools if t["function"]["name"] == m.group(1))
+    props = (tool.get("parameters") or {}).get("properties") or {}
+    pairs = list(_GLM_ARG.finditer(m.group(2)))
+    if _GLM_ARG.sub("", m.group(2)).strip():
+        return None
+    return make_call(m.group(1), {k.group(1).strip(): _glm_value(k.group(2), props.get(k.group(1).strip()))
+                                  for k in pairs})
+
+
+FAMILY_PARSERS = {"llama3_json": Llama3JsonParser, "mistral": MistralParser, "openai": HarmonyToolParser,
+                  "deepseek_v3": lambda plan: SectionToolParser(plan, "deepseek_v3"),
+                  "deepseek_v31": lambda plan: SectionToolParser(plan, "deepseek_v31"),
+                  "kimi_k2": lambda plan: SectionToolParser(plan, "kimi_k2")}
 # hermes is serve.tools.AutoToolParser (serve.tools.auto_parser picks between them)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve.tool_parsers import (FAMILY_PARSERS, make_call, new_call_id,  # noqa: F401 (new_call_id: re-exported)
-                                parse_xml_call)
+                                parse_glm_call, parse_xml_call)
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 SEED_TOOL_CALL_OPEN, SEED_TOOL_CALL_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
@@ -45,6 +45,23 @@ PLAIN_PREAMBLE = (
     "You can call the following functions. Each is described by a JSON object:\n{tools}\n"
     "To call a function, answer with one block per call, exactly in this form:\n"
     '<tool_call>{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}</tool_call>')
+# The families whose templates write an assistant's calls in the family's own format but never list
+# the tools (DeepSeek-V3 / R1's and V3.1's published templates): the plain preamble lists them and asks
+# for that format, and the calls sent back are the template's to write.
+FAMILY_PREAMBLES = {
+    "deepseek_v3": (
+        "You can call the following functions. Each is described by a JSON object:\n{tools}\n"
+        "To call functions, answer with all the calls in one section, exactly in this form:\n"
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜><function name>\n```json\n"
+        "<arguments as JSON>\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>\n"
+        "with one <｜tool▁call▁begin｜>...<｜tool▁call▁end｜> per call, on its own line."),
+    "deepseek_v31": (
+        "You can call the following functions. Each is described by a JSON object:\n{tools}\n"
+        "To call functions, answer with all the calls in one section, exactly in this form:\n"
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><function name><｜tool▁sep｜><arguments as JSON>"
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>\n"
+        "with one <｜tool▁call▁begin｜>...<｜tool▁call▁end｜> per call, chained with nothing between them."),
+}
 
 
 class ToolSpecError(ValueError):
@@ -153,27 +170,31 @@ def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolPl
 
 
 # ------------------------------------------------------------------ rendering
-def template_messages(messages: list[dict], plan: ToolPlan | None, native: bool) -> list[dict]:
+def template_messages(messages: list[dict], plan: ToolPlan | None, native: bool,
+                      family: str | None = None) -> list[dict]:
     """The messages as a chat template receives them. native: the template handles tools itself
     (assistant tool_calls get their arguments as objects, as HF templates expect); otherwise the
     plain rendering: tool calls written back as <tool_call> blocks and, with tools, a preamble
-    merged into the first system message (or a new one)."""
+    merged into the first system message (or a new one). family: a FAMILY_PREAMBLES name where the
+    template writes calls in that family's format (the preamble asks for it; the template writes the
+    calls sent back)."""
     out = []
     for m in messages:
         m = dict(m)
         calls = m.pop("tool_calls", None)
         if calls:
-            if native:
+            if native or family is not None:
                 m["tool_calls"] = [_template_call(c) for c in calls]
             else:
                 blocks = "".join(f"{TOOL_CALL_OPEN}{json.dumps(_call_object(c), ensure_ascii=False)}{TOOL_CALL_CLOSE}"
                                  for c in calls)
                 m["content"] = (m.get("content") or "") + blocks
-        if not native:
+        if not native and family is None:
             m.pop("tool_call_id", None)
         out.append(m)
     if plan is not None and not native:
-        preamble = PLAIN_PREAMBLE.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in plan.tools))
+        preamble = FAMILY_PREAMBLES.get(family, PLAIN_PREAMBLE).format(
+            tools="\n".join(json.dumps(t, ensure_ascii=False) for t in plan.tools))
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = {**out[0], "content": preamble + ("\n\n" + out[0]["content"] if out[0].get("content") else "")}
         else:
@@ -195,9 +216,29 @@ def _call_object(call: dict) -> dict:
     return {"name": fn.get("name"), "arguments": _arguments_object(fn.get("arguments"))}
 
 
+class TemplateArguments(dict):
+    """A call's arguments as a chat template receives them: the object HF templates expect (they
+    iterate it or apply tojson), which also concatenates as the JSON text the client sent, for the
+    templates that write `'...' + arguments` and so take the text (DeepSeek's published ones)."""
+
+    def __init__(self, value: dict, text: str):
+        super().__init__(value)
+        self.text = text
+
+    def __add__(self, other):
+        return self.text + other if isinstance(other, str) else NotImplemented
+
+    def __radd__(self, other):
+        return other + self.text if isinstance(other, str) else NotImplemented
+
+
 def _template_call(call: dict) -> dict:
     fn = call.get("function") or {}
-    return {**call, "function": {**fn, "arguments": _arguments_object(fn.get("arguments"))}}
+    raw = fn.get("arguments")
+    args = _arguments_object(raw)
+    if isinstance(args, dict):
+        args = TemplateArguments(args, raw if isinstance(raw, str) else json.dumps(args, ensure_ascii=False))
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def check_message_tool_calls(calls: Any) -> None:
@@ -357,6 +398,8 @@ def auto_parser(name: str, plan: ToolPlan):
         return AutoToolParser(plan, parse_xml_call if name == "qwen3_coder" else None)
     if name == "seed_oss":   # qwen3_coder's XML calls in Seed-OSS's own blocks
         return AutoToolParser(plan, parse_xml_call, (SEED_TOOL_CALL_OPEN, SEED_TOOL_CALL_CLOSE))
+    if name == "glm45":      # <tool_call> blocks of a name and <arg_key> / <arg_value> pairs
+        return AutoToolParser(plan, parse_glm_call)
     return FAMILY_PARSERS[name](plan)
 
 

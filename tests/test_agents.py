@@ -53,11 +53,21 @@ CHAINS = {
     "<|start|>assistant": ["<|channel|>analysis<|message|>", "The user asks for the weather.",
                            "<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
                            "<|constrain|>json<|message|>", '{"city":"Paris"}', "<|call|>"],
+    # Kimi K2 Thinking: reasoning with no opening tag, ended by the tool-call section
+    "<|im_assistant|>assistant<|im_middle|>": ["Kimi looks up the weather.", "<|tool_calls_section_begin|>",
+                                               "<|tool_call_begin|>", "functions.get_weather:0",
+                                               "<|tool_call_argument_begin|>", '{"city": "Paris"}', "<|tool_call_end|>",
+                                               "<|tool_calls_section_end|>"],
+    # DeepSeek-V3.1, thinking off (its generation prompt closes the block)
+    "<｜Assistant｜></think>": ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "get_weather", "<｜tool▁sep｜>",
+                               '{"city": "Rome"}', "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"],
     # a tool call whose JSON does not parse (the test template below ends with this token)
     "<|bad_turn|>": ['<tool_call>{"name": "get_weather", "arguments": {"city": ', "Paris}}</tool_call>"],
 }
 # special (control) tokens, as in the real vocabularies: dropped from text unless a parser asks for them
-CONTROL = ("[TOOL_CALLS]",)
+CONTROL = ("[TOOL_CALLS]", "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+           "<|tool_call_end|>", "<|tool_calls_section_end|>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+           "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
 BAD_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}<|bad_turn|>"
 
 
@@ -270,6 +280,57 @@ def test_llama3_json_tool_call(gen):
                           {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
         ids = http.post("/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
         assert ids    # rendered without error
+
+
+def test_kimi_k2_reasoning_ended_by_its_call_section_and_the_call_ids(gen):
+    """Kimi K2 Thinking's template picks the kimi_k2 parsers: the reasoning has no opening tag and ends
+    where the tool-call section (special tokens, kept for the parser) begins; the call's id is the
+    model's `functions.NAME:N`, and the call sent back renders as the model wrote it."""
+    from serve.protocol import ChatMessage
+    from serve.tools import plan_tools
+    chain = CHAINS["<|im_assistant|>assistant<|im_middle|>"]
+    with serving(gen, "kimi-k2-thinking.jinja") as (client, http):
+        state = http.app.state.server
+        assert (state.reasoning_parser, state.tool_call_parser) == ("kimi_k2", "kimi_k2")
+        r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=20)
+        m = r.choices[0].message
+        assert m.model_extra["reasoning_content"] == chain[0] and m.content is None
+        (call,) = m.tool_calls
+        assert (call.id, call.function.name, json.loads(call.function.arguments)) == \
+            ("functions.get_weather:0", "get_weather", {"city": "Paris"})
+        assert r.choices[0].finish_reason == "tool_calls"
+        reasoning, content, calls, finish, _ = _stream_chat(client, model="tiny", messages=USER, tools=TOOLS,
+                                                            temperature=0, max_tokens=20)
+        assert (reasoning, content, finish) == (chain[0], "", "tool_calls")
+        assert calls == [{"name": "get_weather", "arguments": call.function.arguments}]
+        history = USER + [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        text = state.render_chat_text([ChatMessage.model_validate(h) for h in history], plan_tools(TOOLS, None, None))
+        assert "".join(chain[1:]) in text and "## Return of functions.get_weather:0\nsunny" in text
+
+
+def test_deepseek_v31_calls_asked_for_and_written_back_in_its_format(gen):
+    """DeepSeek-V3.1's template lists no tools but writes calls in its section format: the server's
+    system message lists the tools and asks for that format, the deepseek_v31 parser reads the
+    model's section (special tokens), and the call sent back renders exactly as the model wrote it."""
+    from serve.protocol import ChatMessage
+    from serve.tools import plan_tools
+    chain = CHAINS["<｜Assistant｜></think>"]
+    with serving(gen, "deepseek-v3.1.jinja") as (client, http):
+        state = http.app.state.server
+        assert state.tool_call_parser == "deepseek_v31"
+        r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=20)
+        m = r.choices[0].message
+        (call,) = m.tool_calls
+        assert m.content is None and json.loads(call.function.arguments) == {"city": "Rome"}
+        _, content, calls, finish, _ = _stream_chat(client, model="tiny", messages=USER, tools=TOOLS, temperature=0,
+                                                    max_tokens=20)
+        assert content == "" and finish == "tool_calls" and calls == [{"name": "get_weather",
+                                                                        "arguments": call.function.arguments}]
+        history = USER + [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "rain"}]
+        text = state.render_chat_text([ChatMessage.model_validate(h) for h in history], plan_tools(TOOLS, None, None))
+        assert text.startswith("<s>You can call the following functions.") and '"name": "get_weather"' in text
+        assert "<｜User｜>weather in Paris?<｜Assistant｜></think>" + "".join(chain) + "<｜end▁of▁sentence｜>" \
+               "<｜tool▁output▁begin｜>rain<｜tool▁output▁end｜>" in text
 
 
 def test_mistral_tool_call_and_result(gen, sp):
@@ -708,6 +769,18 @@ def test_jaxinfer_serve_flags_reach_the_server(gen, model_dir, monkeypatch):
     ("seed_oss", "<seed:bos>assistant\n", "<seed:think>a <think> b</seed:think>Hi", "a <think> b", "Hi"),
     ("seed_oss", "x", "no block</think>", None, "no block</think>"),
     ("seed_oss", "<seed:think>\n", "cut before the end", "cut before the end", ""),
+    # vLLM's names for the same <think> rules: DeepSeek-V3.1's prompt opens the block (thinking) or
+    # closes it; GLM-4.5's model opens it, its prompt closes it with enable_thinking false
+    ("deepseek_v3", "<｜Assistant｜><think>", "a</think>b", "a", "b"),
+    ("deepseek_v3", "<｜Assistant｜></think>", "a</think>b", None, "a</think>b"),
+    ("glm45", "<|assistant|>", "<think>a</think>\nb", "a", "\nb"),
+    ("glm45", "<|assistant|>\n<think></think>", "a</think>b", None, "a</think>b"),
+    # Kimi K2 (vLLM's kimi_k2): reasoning without the opening tag too, and a tool-call section ends it
+    # (the section stays in the content, for the kimi_k2 tool-call parser)
+    ("kimi_k2", "<|im_assistant|>assistant<|im_middle|>", "<think>a</think>b", "a", "b"),
+    ("kimi_k2", "<|im_assistant|>assistant<|im_middle|>", "plan<|tool_calls_section_begin|><|tool_call_begin|>",
+     "plan", "<|tool_calls_section_begin|><|tool_call_begin|>"),
+    ("kimi_k2", "x", "a <|tool_calls_section", "a <|tool_calls_section", ""),
 ])
 def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prompt, text, reasoning, content):
     """Streamed in pieces of every size (each tag split at every point), the parser answers as on the
@@ -759,6 +832,38 @@ def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prom
      "<tool_call>\n<function=get_time>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", []),
     ("openai", '<|channel|>commentary to=functions.get_weather json<|message|>{"city":<|call|>',
      '<|channel|>commentary to=functions.get_weather json<|message|>{"city":<|call|>', []),
+    # DeepSeek-V3 / R1: a section of calls, each `function<sep>NAME` and its JSON in a fenced block
+    ("deepseek_v3", "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                    '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n'
+                    '```json\n{"city": "Rome"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Sure.",
+     [{"city": "Paris"}, {"city": "Rome"}]),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```"
+                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```"
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", []),
+    # DeepSeek-V3.1: NAME<sep>JSON; an output cut inside the section keeps it as written
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", None, [{"city": "Paris"}]),
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Pa',
+     '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Pa', []),
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                     "<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜>", [{"city": "Paris"}]),
+    # Kimi K2: functions.NAME:N then the JSON arguments
+    ("kimi_k2", 'Ok.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+                '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1'
+                '<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>', "Ok.",
+     [{"city": "Paris"}, {"city": "Rome"}]),
+    ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+                '{"city": Paris}<|tool_call_end|><|tool_calls_section_end|>',
+     '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+     '{"city": Paris}<|tool_call_end|><|tool_calls_section_end|>', []),
+    # GLM-4.5: <tool_call>NAME and <arg_key> / <arg_value> pairs (GLM-4.7 writes no newline after the name)
+    ("glm45", "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
+              "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>", "Checking.",
+     [{"city": "Paris"}, {"city": "Rome"}]),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n</tool_call>",
+     "<tool_call>get_weather\n<arg_key>city</arg_key>\n</tool_call>", []),
 ])
 def test_tool_parsers_streamed_in_any_pieces(parser, text, content, args):
     """Each family's format, whole and in pieces of every size: the calls (arguments compared as
