@@ -8,7 +8,7 @@ its answer, streamed and not. Pure Python, no jax.
   seed_oss     qwen3's rules with Seed-OSS's tags, `<seed:think>...</seed:think>`;
   deepseek_v3  qwen3's rules under vLLM's name for DeepSeek-V3.1 / V3.2, whose generation prompt opens the
                block (`<think>`, thinking on) or closes it (`</think>`, thinking off);
-  glm45        qwen3's rules under vLLM's name for GLM-4.5 / 4.6 / 4.7 (whose prompt closes the block,
+  glm45, glm47 qwen3's rules under vLLM's names for GLM-4.5 / 4.6 / 4.7 (whose prompt closes the block,
                `<think></think>`, with enable_thinking false);
   kimi_k2      deepseek_r1's rules (Kimi K2 Thinking), and a tool-call section
                (`<|tool_calls_section_begin|>`) also ends the reasoning: it is the answer's, for the
@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss", "seed_oss", "deepseek_v3", "glm45", "kimi_k2")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss", "seed_oss", "deepseek_v3", "glm45", "glm47", "kimi_k2")
 # the parsers under which an output with no opening tag is reasoning (the prompt may have opened it)
 _OPEN_BY_DEFAULT = ("deepseek_r1", "kimi_k2")
 KIMI_SECTION = "<|tool_calls_section_begin|>"

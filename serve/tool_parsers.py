@@ -25,7 +25,8 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
                `<|tool_call_begin|>functions.NAME:N<|tool_call_argument_begin|>ARGS<|tool_call_end|>`;
                the call's id is the model's `functions.NAME:N` (Kimi's templates write it back);
   glm45        GLM-4.5 / 4.6 / 4.7: `<tool_call>NAME` then one `<arg_key>K</arg_key><arg_value>V</arg_value>`
-               per argument (strings written as they are, other values as JSON) and `</tool_call>`.
+               per argument (strings written as they are, other values as JSON) and `</tool_call>`;
+               glm47 is the same parser (vLLM's name for GLM-4.7, which writes no newline after NAME).
 
 Every parser has the interface of AutoToolParser: feed(text) -> (content safe to show now, calls
 completed so far), finish() -> (the rest). A call whose JSON does not parse, or that names a function
@@ -45,10 +46,10 @@ from typing import Any
 from serve.reasoning import H_CALL, H_END, H_MESSAGE, H_RETURN, partial_suffix
 
 TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3",
-                "deepseek_v31", "kimi_k2", "glm45")
+                "deepseek_v31", "kimi_k2", "glm45", "glm47")
 # the parsers whose formats are written in special tokens: the output is detokenized with them
 SPECIAL_TOKEN_PARSERS = ("llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3", "deepseek_v31", "kimi_k2",
-                         "glm45")
+                         "glm45", "glm47")
 
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"

@@ -398,7 +398,7 @@ def auto_parser(name: str, plan: ToolPlan):
         return AutoToolParser(plan, parse_xml_call if name == "qwen3_coder" else None)
     if name == "seed_oss":   # qwen3_coder's XML calls in Seed-OSS's own blocks
         return AutoToolParser(plan, parse_xml_call, (SEED_TOOL_CALL_OPEN, SEED_TOOL_CALL_CLOSE))
-    if name == "glm45":      # <tool_call> blocks of a name and <arg_key> / <arg_value> pairs
+    if name in ("glm45", "glm47"):      # <tool_call> blocks of a name and <arg_key> / <arg_value> pairs
         return AutoToolParser(plan, parse_glm_call)
     return FAMILY_PARSERS[name](plan)
 

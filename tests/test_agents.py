@@ -775,6 +775,7 @@ def test_jaxinfer_serve_flags_reach_the_server(gen, model_dir, monkeypatch):
     ("deepseek_v3", "<｜Assistant｜></think>", "a</think>b", None, "a</think>b"),
     ("glm45", "<|assistant|>", "<think>a</think>\nb", "a", "\nb"),
     ("glm45", "<|assistant|>\n<think></think>", "a</think>b", None, "a</think>b"),
+    ("glm47", "<|assistant|>", "<think>a</think>b", "a", "b"),
     # Kimi K2 (vLLM's kimi_k2): reasoning without the opening tag too, and a tool-call section ends it
     # (the section stays in the content, for the kimi_k2 tool-call parser)
     ("kimi_k2", "<|im_assistant|>assistant<|im_middle|>", "<think>a</think>b", "a", "b"),
@@ -862,6 +863,8 @@ def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prom
     ("glm45", "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
               "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>", "Checking.",
      [{"city": "Paris"}, {"city": "Rome"}]),
+    ("glm47", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>", None,
+     [{"city": "Oslo"}]),
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n</tool_call>",
      "<tool_call>get_weather\n<arg_key>city</arg_key>\n</tool_call>", []),
 ])
