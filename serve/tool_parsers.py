@@ -24,6 +24,11 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
   kimi_k2      Kimi K2: `<|tool_calls_section_begin|>...<|tool_calls_section_end|>` of calls
                `<|tool_call_begin|>functions.NAME:N<|tool_call_argument_begin|>ARGS<|tool_call_end|>`;
                the call's id is the model's `functions.NAME:N` (Kimi's templates write it back);
+  pythonic     Llama 3.2 / Llama 4's Python calls: an output that is one list `[NAME(ARG=VALUE, ...), ...]`
+               of calls with keyword arguments whose values are literals (strings, numbers, True / False /
+               None, and JSON's true / false / null, lists, dicts);
+  olmo3        OLMo 3's: the same calls, one per line, in `<function_calls>...</function_calls>` (text
+               before it is content);
   glm45        GLM-4.5 / 4.6 / 4.7: `<tool_call>NAME` then one `<arg_key>K</arg_key><arg_value>V</arg_value>`
                per argument (strings written as they are, other values as JSON) and `</tool_call>`;
                glm47 is the same parser (vLLM's name for GLM-4.7, which writes no newline after NAME).
@@ -31,11 +36,12 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
 Every parser has the interface of AutoToolParser: feed(text) -> (content safe to show now, calls
 completed so far), finish() -> (the rest). A call whose JSON does not parse, or that names a function
 not in the request's tools, stays content (as vLLM leaves it), so a malformed call never fails the
-request. Calls in the llama3_json and mistral forms are known only when the output ends, so their
-streamed tool_calls come with the last chunk; the others go out as each one closes.
+request. Calls in the llama3_json, mistral, pythonic and olmo3 forms are known only when the output
+ends, so their streamed tool_calls come with the last chunk; the others go out as each one closes.
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
@@ -46,10 +52,10 @@ from typing import Any
 from serve.reasoning import H_CALL, H_END, H_MESSAGE, H_RETURN, partial_suffix
 
 TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3",
-                "deepseek_v31", "kimi_k2", "glm45", "glm47")
+                "deepseek_v31", "kimi_k2", "glm45", "glm47", "pythonic", "olmo3")
 # the parsers whose formats are written in special tokens: the output is detokenized with them
 SPECIAL_TOKEN_PARSERS = ("llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3", "deepseek_v31", "kimi_k2",
-                         "glm45", "glm47")
+                         "glm45", "glm47", "olmo3")
 
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
@@ -72,6 +78,10 @@ def default_tool_parser(template: str | None) -> str:
         return "kimi_k2"
     if "<arg_key>" in t:
         return "glm45"
+    if "<function_calls>" in t:
+        return "olmo3"
+    if "[func_name1(" in t:
+        return "pythonic"
     if "<seed:tool_call>" in t:
         return "seed_oss"
     if "<function=" in t and "<parameter=" in t:
@@ -214,6 +224,90 @@ class Llama3JsonParser(_Buffered):
             return None
         calls = [_call(self.plan, v.get("name"), v.get("parameters", v.get("arguments"))) for v in values]
         return None if None in calls else calls
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _py_value(node: ast.expr) -> Any:
+    """A call argument's literal (JSON's true / false / null taken too, as models write them)."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_py_value(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("** in a dict")
+        return {_py_value(k): _py_value(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)       # constants, and signed numbers
+
+
+def _python_calls(text: str, plan) -> list[dict] | None:
+    """`[NAME(ARG=VALUE, ...), ...]` -> its calls; None unless every item is a keyword-argument call of a
+    known tool with literal values."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                    and all(k.arg is not None for k in node.keywords)):
+                return None
+            args = {k.arg: _py_value(k.value) for k in node.keywords}
+            calls.append(_call(plan, node.func.id, json.dumps(args, allow_nan=False)))
+        return None if None in calls else calls
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None
+
+
+class PythonicParser(_Buffered):
+    """pythonic: an output that starts with `[` is held and read as a call list when it ends; any other
+    output is content (as vLLM's parser reads it)."""
+
+    plain = False
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.plain:
+            return text, []
+        if self.held is not None:
+            self.held += text
+            return "", []
+        self.pending += text
+        head = self.pending.lstrip()
+        if not head:
+            return "", []
+        if head.startswith("["):
+            self.held, self.pending = self.pending, ""
+            return "", []
+        self.plain = True
+        text, self.pending = self.pending, ""
+        return text, []
+
+    def _parse(self, text: str) -> list[dict] | None:
+        return _python_calls(text, self.plan)
+
+
+OLMO_CALLS, OLMO_CALLS_END = "<function_calls>", "</function_calls>"
+
+
+class Olmo3Parser(_Buffered):
+    """olmo3: content streams up to `<function_calls>`; from there the calls (one per line) are read
+    when the output ends."""
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.held is not None:
+            self.held += text
+            return "", []
+        return self._until(OLMO_CALLS, text)
+
+    def _parse(self, text: str) -> list[dict] | None:
+        body = text[len(OLMO_CALLS):]
+        end = body.find(OLMO_CALLS_END)
+        if end < 0 or body[end + len(OLMO_CALLS_END):].strip():
+            return None
+        lines = [line.strip() for line in body[:end].splitlines() if line.strip()]
+        return _python_calls("[" + ", ".join(lines) + "]", self.plan) if lines else None
 
 
 _MISTRAL_V11 = re.compile(r"([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*([A-Za-z0-9_\-]+)\s*)?(?:\[ARGS\])?\s*(\{.*\})\s*$",
@@ -508,6 +602,7 @@ def parse_glm_call(body: str, plan) -> dict | None:
 
 
 FAMILY_PARSERS = {"llama3_json": Llama3JsonParser, "mistral": MistralParser, "openai": HarmonyToolParser,
+                  "pythonic": PythonicParser, "olmo3": Olmo3Parser,
                   "deepseek_v3": lambda plan: SectionToolParser(plan, "deepseek_v3"),
                   "deepseek_v31": lambda plan: SectionToolParser(plan, "deepseek_v31"),
                   "kimi_k2": lambda plan: SectionToolParser(plan, "kimi_k2")}

@@ -865,6 +865,16 @@ def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prom
      [{"city": "Paris"}, {"city": "Rome"}]),
     ("glm47", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>", None,
      [{"city": "Oslo"}]),
+    # Llama 3.2 / 4 pythonic: a list of keyword calls (Python's and JSON's literals), else all content
+    ("pythonic", "[get_weather(city='Paris'), get_weather(city=\"Rome\", days=-3, hourly=true, unit=None)]", None,
+     [{"city": "Paris"}, {"city": "Rome", "days": -3, "hourly": True, "unit": None}]),
+    ("pythonic", "It is [get_weather(city='Paris')]", "It is [get_weather(city='Paris')]", []),
+    ("pythonic", "[get_weather('Paris')]", "[get_weather('Paris')]", []),
+    # OLMo 3: text, then the calls one a line in <function_calls>
+    ("olmo3", "Sure.\n<function_calls>\nget_weather(city='Paris')\nget_weather(city='Rome')\n</function_calls>",
+     "Sure.\n", [{"city": "Paris"}, {"city": "Rome"}]),
+    ("olmo3", "<function_calls>\nget_weather(city=Paris)\n</function_calls>",
+     "<function_calls>\nget_weather(city=Paris)\n</function_calls>", []),
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n</tool_call>",
      "<tool_call>get_weather\n<arg_key>city</arg_key>\n</tool_call>", []),
 ])

@@ -207,34 +207,48 @@ EDIT_ARGS = [{"path": "a.py", "count": 3, "ratio": 0.5, "force": True, "opts": {
               "note": "null"}]
 
 
-@pytest.mark.parametrize("file,parser,section,as_text", [
+# OLMo 3's template quotes strings with '...' and escapes nothing; Llama 3.2's pythonic one writes each
+# value with Python's "%s" (a string unquoted, a list or dict as its repr): arguments they can write back
+OLMO_ARGS = [{k: v for k, v in a.items() if k != "note"} | {"note": n} for a, n in zip(EDIT_ARGS, ["it is", None])]
+OLMO_ARGS[1]["path"] = "b.py"
+PY_ARGS = [{k: v for k, v in a.items() if k not in ("path", "note")} for a in EDIT_ARGS]
+
+
+@pytest.mark.parametrize("file,parser,section,as_text,args", [
     # DeepSeek-R1's (and V3-0324's) published template: `'...' + arguments`, so it takes the JSON text
-    ("deepseek-r1.jinja", "deepseek_v3", ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"), True),
-    ("deepseek-v3.1.jinja", "deepseek_v31", ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"), True),
+    ("deepseek-r1.jinja", "deepseek_v3", ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"), True, EDIT_ARGS),
+    ("deepseek-v3.1.jinja", "deepseek_v31", ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"), True, EDIT_ARGS),
     # Kimi K2 Thinking's: the JSON text as it is, or an object through tojson
-    ("kimi-k2-thinking.jinja", "kimi_k2", ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"), True),
-    ("kimi-k2-thinking.jinja", "kimi_k2", ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"), False),
+    ("kimi-k2-thinking.jinja", "kimi_k2", ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"), True,
+     EDIT_ARGS),
+    ("kimi-k2-thinking.jinja", "kimi_k2", ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"), False,
+     EDIT_ARGS),
     # GLM-4.5's: each argument from the object, strings as they are and other values with tojson
-    ("glm-4.5.jinja", "glm45", ("<tool_call>", "</tool_call>"), False),
+    ("glm-4.5.jinja", "glm45", ("<tool_call>", "</tool_call>"), False, EDIT_ARGS),
+    # OLMo 3's (vLLM's copy): Python calls, one a line, JSON's true / false / null
+    ("olmo3.jinja", "olmo3", ("<function_calls>", "</function_calls>"), False, OLMO_ARGS),
+    # Llama 3.2's pythonic one (vLLM's): a Python list of calls
+    ("llama3.2-pythonic.jinja", "pythonic", ("[", "]"), False, PY_ARGS),
 ])
-def test_family_calls_round_trip_through_the_published_templates(base, tmp_path, file, parser, section, as_text):
-    """DeepSeek-V3 / R1, DeepSeek-V3.1, Kimi K2 and GLM-4.5's published templates (tests/data/chat_templates)
-    render an assistant's two calls as transformers renders them (arguments as the JSON text or as
-    the object, whichever form the template takes): the server's rendering of the same request, whose
-    client sends the arguments as JSON text, equals it; the template picks the family's parser, which
-    reads the calls transformers rendered back to the same arguments (and, for Kimi, the same ids)."""
+def test_family_calls_round_trip_through_the_published_templates(base, tmp_path, file, parser, section, as_text, args):
+    """DeepSeek-V3 / R1, DeepSeek-V3.1, Kimi K2, GLM-4.5, OLMo 3 and Llama 3.2 (pythonic) templates
+    (tests/data/chat_templates) render an assistant's two calls as transformers renders them
+    (arguments as the JSON text or as the object, whichever form the template takes): the server's
+    rendering of the same request, whose client sends the arguments as JSON text, equals it; the
+    template picks the family's parser, which reads the calls transformers rendered back to the same
+    arguments (and, for Kimi, the same ids)."""
     from serve.tool_parsers import default_tool_parser
     from serve.tools import FAMILY_PREAMBLES, parse_auto, plan_tools
     template = (Path(__file__).parent / "data" / "chat_templates" / file).read_text()
     assert default_tool_parser(template) == parser
     tools = _edit_tools()
-    ids = [f"functions.edit:{i}" for i in range(len(EDIT_ARGS))]
+    ids = [f"functions.edit:{i}" for i in range(len(args))]
     calls = [{"id": i, "type": "function", "function": {"name": "edit", "arguments": json.dumps(a) if as_text else a}}
-             for i, a in zip(ids, EDIT_ARGS)]
+             for i, a in zip(ids, args)]
     theirs_msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "", "tool_calls": calls},
                    {"role": "tool", "tool_call_id": ids[0], "content": "ok"}]
     ours_msgs = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(a)}}
-                                      for c, a in zip(calls, EDIT_ARGS)]} if m.get("tool_calls") else m
+                                      for c, a in zip(calls, args)]} if m.get("tool_calls") else m
                  for m in theirs_msgs]
     if "tools" not in template:    # DeepSeek's list no tools: the server's system message asks for their format
         theirs_msgs = [{"role": "system", "content": FAMILY_PREAMBLES[parser].format(
@@ -244,7 +258,7 @@ def test_family_calls_round_trip_through_the_published_templates(base, tmp_path,
     assert ours(d, ours_msgs, tools) == (text, ids_)
     written = text[text.index(section[0], text.index("Hi there")):text.rindex(section[1]) + len(section[1])]
     content, parsed = parse_auto(written, plan_tools(tools, None, None), parser)
-    assert content is None and [json.loads(c["function"]["arguments"]) for c in parsed] == EDIT_ARGS
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in parsed] == args
     if parser == "kimi_k2":
         assert [c["id"] for c in parsed] == ids
 
