@@ -29,6 +29,8 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
                None, and JSON's true / false / null, lists, dicts);
   olmo3        OLMo 3's: the same calls, one per line, in `<function_calls>...</function_calls>` (text
                before it is content);
+  granite      Granite 3.x: an output that is `<|tool_call|>` (3.0's token) or `<tool_call>` (3.1+'s text),
+               then a JSON array of `{"name", "arguments"}` (vLLM's granite parser);
   glm45        GLM-4.5 / 4.6 / 4.7: `<tool_call>NAME` then one `<arg_key>K</arg_key><arg_value>V</arg_value>`
                per argument (strings written as they are, other values as JSON) and `</tool_call>`;
                glm47 is the same parser (vLLM's name for GLM-4.7, which writes no newline after NAME).
@@ -36,8 +38,8 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
 Every parser has the interface of AutoToolParser: feed(text) -> (content safe to show now, calls
 completed so far), finish() -> (the rest). A call whose JSON does not parse, or that names a function
 not in the request's tools, stays content (as vLLM leaves it), so a malformed call never fails the
-request. Calls in the llama3_json, mistral, pythonic and olmo3 forms are known only when the output
-ends, so their streamed tool_calls come with the last chunk; the others go out as each one closes.
+request. Calls in the llama3_json, mistral, pythonic, olmo3 and granite forms are known only when the
+output ends, so their streamed tool_calls come with the last chunk; the others go out as each one closes.
 """
 from __future__ import annotations
 
@@ -52,10 +54,10 @@ from typing import Any
 from serve.reasoning import H_CALL, H_END, H_MESSAGE, H_RETURN, partial_suffix
 
 TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3",
-                "deepseek_v31", "kimi_k2", "glm45", "glm47", "pythonic", "olmo3")
+                "deepseek_v31", "kimi_k2", "glm45", "glm47", "pythonic", "olmo3", "granite")
 # the parsers whose formats are written in special tokens: the output is detokenized with them
 SPECIAL_TOKEN_PARSERS = ("llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3", "deepseek_v31", "kimi_k2",
-                         "glm45", "glm47", "olmo3")
+                         "glm45", "glm47", "olmo3", "granite")
 
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
@@ -80,6 +82,8 @@ def default_tool_parser(template: str | None) -> str:
         return "glm45"
     if "<function_calls>" in t:
         return "olmo3"
+    if GRANITE_CALL in t:
+        return "granite"
     if "[func_name1(" in t:
         return "pythonic"
     if "<seed:tool_call>" in t:
@@ -286,6 +290,44 @@ class PythonicParser(_Buffered):
 
     def _parse(self, text: str) -> list[dict] | None:
         return _python_calls(text, self.plan)
+
+
+GRANITE_CALL = "<|tool_call|>"
+
+
+class GraniteParser(_Buffered):
+    """granite: an output that starts with `<|tool_call|>`, `<tool_call>` or `[` is held and read as
+    a JSON array of calls when it ends; any other output is content."""
+
+    plain = False
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.plain:
+            return text, []
+        if self.held is not None:
+            self.held += text
+            return "", []
+        self.pending += text
+        head = self.pending.lstrip()
+        if not head or any(m.startswith(head) for m in (GRANITE_CALL, "<tool_call>")):
+            return "", []
+        if head.startswith(("[", GRANITE_CALL, "<tool_call>")):
+            self.held, self.pending = self.pending, ""
+            return "", []
+        self.plain = True
+        text, self.pending = self.pending, ""
+        return text, []
+
+    def _parse(self, text: str) -> list[dict] | None:
+        body = text.strip().removeprefix(GRANITE_CALL).removeprefix("<tool_call>").strip()
+        try:
+            items = json.loads(body)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        if not isinstance(items, list) or not items or not all(isinstance(v, dict) for v in items):
+            return None
+        calls = [_call(self.plan, v.get("name"), v.get("arguments", v.get("parameters"))) for v in items]
+        return None if None in calls else calls
 
 
 OLMO_CALLS, OLMO_CALLS_END = "<function_calls>", "</function_calls>"
@@ -602,7 +644,7 @@ def parse_glm_call(body: str, plan) -> dict | None:
 
 
 FAMILY_PARSERS = {"llama3_json": Llama3JsonParser, "mistral": MistralParser, "openai": HarmonyToolParser,
-                  "pythonic": PythonicParser, "olmo3": Olmo3Parser,
+                  "pythonic": PythonicParser, "olmo3": Olmo3Parser, "granite": GraniteParser,
                   "deepseek_v3": lambda plan: SectionToolParser(plan, "deepseek_v3"),
                   "deepseek_v31": lambda plan: SectionToolParser(plan, "deepseek_v31"),
                   "kimi_k2": lambda plan: SectionToolParser(plan, "kimi_k2")}

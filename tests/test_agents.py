@@ -870,6 +870,13 @@ def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prom
      [{"city": "Paris"}, {"city": "Rome", "days": -3, "hourly": True, "unit": None}]),
     ("pythonic", "It is [get_weather(city='Paris')]", "It is [get_weather(city='Paris')]", []),
     ("pythonic", "[get_weather('Paris')]", "[get_weather('Paris')]", []),
+    # Granite 3.0's <|tool_call|> token, 3.1+'s <tool_call> text, then a JSON array (vLLM's granite parser)
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_weather", "arguments": {"city": "Rome"}}]', None, [{"city": "Paris"}, {"city": "Rome"}]),
+    ("granite", ' <tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', None, [{"city": "Oslo"}]),
+    ("granite", "<tool_ca", "<tool_ca", []),
+    ("granite", '[{"name": "get_time", "arguments": {}}]', '[{"name": "get_time", "arguments": {}}]', []),
+    ("granite", "Sunny. <|tool_call|>[]", "Sunny. <|tool_call|>[]", []),
     # OLMo 3: text, then the calls one a line in <function_calls>
     ("olmo3", "Sure.\n<function_calls>\nget_weather(city='Paris')\nget_weather(city='Rome')\n</function_calls>",
      "Sure.\n", [{"city": "Paris"}, {"city": "Rome"}]),
