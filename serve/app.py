@@ -81,7 +81,8 @@ class ServerState:
                 raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
         self.reasoning_parser = (default_reasoning_parser(template) if reasoning_parser is None
                                  else None if reasoning_parser == "none" else reasoning_parser)
-        self.tool_call_parser = tool_call_parser or default_tool_parser(template)
+        self.tool_call_parser = tool_call_parser or default_tool_parser(
+            template, None if self.tokenizer is None else self.tokenizer.token_to_id)
         # the reasoning tags that are added tokens (a grammar must name them as tokens: reasoning_prefix)
         self.tag_ids = {} if self.tokenizer is None else {
             t: i for t in REASONING_TAGS if (i := self.tokenizer.added_token_id(t)) is not None}

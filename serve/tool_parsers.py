@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import secrets
 import string
@@ -68,13 +69,15 @@ KIMI_CALLS, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_secti
 KIMI_CALL, KIMI_CALL_END, KIMI_ARGS = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
 
 
-def default_tool_parser(template: str | None) -> str:
+def default_tool_parser(template: str | None, token_id=None) -> str:
     """The parser a chat template shows; hermes (the `<tool_call>` form our own plain rendering asks
-    for) when it shows none."""
+    for) when it shows none. token_id: the model tokenizer's token_to_id, where known: DeepSeek's
+    section format is the default only for a tokenizer that has its markers as tokens (the models
+    distilled from R1 keep R1's template but were never taught its calls)."""
     t = template or ""
     if "<|channel|>" in t and "to=" in t:
         return "openai"
-    if DS_SEP in t:
+    if DS_SEP in t and (token_id is None or token_id(DS_CALLS) is not None):
         return "deepseek_v3" if "```json" in t else "deepseek_v31"
     if KIMI_ARGS in t or "<|im_system|>tool_declare" in t:
         return "kimi_k2"
@@ -112,19 +115,34 @@ def make_call(name: str, arguments: Any) -> dict:
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
+def no_json_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def json_object(text: str) -> dict | None:
+    """`text` as a strict JSON object (NaN and Infinity refused), else None."""
+    try:
+        value = json.loads(text, parse_constant=no_json_constant)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def _call(plan, name, args, mistral: bool = False, call_id: str | None = None):
+    """A call of a known tool, or None. Arguments given as text keep the model's own text (so a
+    template that writes them back as text renders what the model wrote) once it reads as an object."""
     if not isinstance(name, str) or name not in plan.names:
         return None
+    text = None
     if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except (json.JSONDecodeError, RecursionError):
-            return None
-    if args is None:
+        text, args = args.strip(), json_object(args)
+    if args is None and text is None:
         args = {}
     if not isinstance(args, dict):
         return None
     call = make_call(name, args)
+    if text is not None:
+        call["function"]["arguments"] = text
     if mistral:   # the model's own id where Mistral's templates take it back (9 letters and digits)
         ok = isinstance(call_id, str) and re.fullmatch(r"[A-Za-z0-9]{9}", call_id)
         call["id"] = call_id if ok else mistral_call_id()
@@ -133,13 +151,13 @@ def _call(plan, name, args, mistral: bool = False, call_id: str | None = None):
 
 def _json_values(text: str, sep: str) -> list | None:
     """`text` as JSON values separated by `sep` (and whitespace); None unless all of it is."""
-    dec, out, i = json.JSONDecoder(), [], 0
+    dec, out, i = json.JSONDecoder(parse_constant=no_json_constant), [], 0
     while True:
         while i < len(text) and text[i].isspace():
             i += 1
         try:
             value, i = dec.raw_decode(text, i)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             return None
         out.append(value)
         while i < len(text) and text[i].isspace():
@@ -154,8 +172,8 @@ def _json_values(text: str, sep: str) -> list | None:
 def _first_json(text: str) -> list | None:
     """[the JSON value `text` starts with] (whatever follows it ignored), or None."""
     try:
-        return [json.JSONDecoder().raw_decode(text)[0]]
-    except (json.JSONDecodeError, RecursionError):
+        return [json.JSONDecoder(parse_constant=no_json_constant).raw_decode(text)[0]]
+    except (ValueError, RecursionError):
         return None
 
 
@@ -321,8 +339,8 @@ class GraniteParser(_Buffered):
     def _parse(self, text: str) -> list[dict] | None:
         body = text.strip().removeprefix(GRANITE_CALL).removeprefix("<tool_call>").strip()
         try:
-            items = json.loads(body)
-        except (json.JSONDecodeError, RecursionError):
+            items = json.loads(body, parse_constant=no_json_constant)
+        except (ValueError, RecursionError):
             return None
         if not isinstance(items, list) or not items or not all(isinstance(v, dict) for v in items):
             return None
@@ -420,15 +438,17 @@ def _xml_value(text: str, schema: Any) -> Any:
             return int(text)
         if kind == "number":
             try:
-                return int(text) if re.fullmatch(r"\s*-?\d+\s*", text) else float(text)
+                number = int(text) if re.fullmatch(r"\s*-?\d+\s*", text) else float(text)
             except ValueError:
                 continue
+            if math.isfinite(number):
+                return number
         if kind == "boolean" and text.strip().lower() in ("true", "false"):
             return text.strip().lower() == "true"
         if kind in ("object", "array"):
             try:
-                value = json.loads(text)
-            except (json.JSONDecodeError, RecursionError):
+                value = json.loads(text, parse_constant=no_json_constant)
+            except (ValueError, RecursionError):
                 continue
             if isinstance(value, dict if kind == "object" else list):
                 return value
@@ -519,14 +539,14 @@ def _args_text(text: str) -> str:
     return text.strip() or "{}"      # a call written with no arguments at all
 
 
-_DS_V3_CALL = re.compile(r"\s*(\w+)" + DS_SEP + r"\s*(\S[^\n]*?)\s*\n```(?:json)?[ \t]*\n(.*?)\n?```\s*", re.S)
+_DS_V3_CALL = re.compile(r"\s*(\w+)" + DS_SEP + r"([^\n]*)\n```(?:json)?[ \t]*\n(.*?)\n?```\s*", re.S)
 _DS_V31_CALL = re.compile(r"\s*([^\s<]+?)\s*" + DS_SEP + r"(.*)", re.S)
 _KIMI_CALL = re.compile(r"\s*((?:functions\.)?([^\s<]+?):\d+)\s*" + re.escape(KIMI_ARGS) + r"(.*)", re.S)
 
 
 def _deepseek_v3_call(body: str, plan) -> dict | None:
     m = _DS_V3_CALL.fullmatch(body)
-    return None if m is None or m.group(1) != "function" else _call(plan, m.group(2), _args_text(m.group(3)))
+    return None if m is None or m.group(1) != "function" else _call(plan, m.group(2).strip(), _args_text(m.group(3)))
 
 
 def _deepseek_v31_call(body: str, plan) -> dict | None:
@@ -547,7 +567,8 @@ class SectionToolParser:
     inside it each call goes out as its closing marker arrives; after the section's end the text is
     content again. A call that does not parse, or names an unknown tool, stays content as written
     (told when the section ends); a section with no call that parses, or one the output cut before
-    its end, is content whole, markers and all."""
+    its end, is content whole, markers and all. Calls past the first without parallel_tool_calls are
+    dropped, and the content's trailing whitespace before calls too (AutoToolParser's rules)."""
 
     FORMATS = {"deepseek_v3": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, _deepseek_v3_call),
                "deepseek_v31": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, _deepseek_v31_call),
@@ -561,16 +582,28 @@ class SectionToolParser:
         self.kept = ""                     # its calls that stay content
         self.taken = 0                     # its calls that parsed
         self.calls: list[dict] = []
+        self.held_ws = ""                  # content's trailing whitespace: dropped if calls follow
+
+    def _content(self, text: str) -> str:
+        if not text:
+            return ""
+        text = self.held_ws + text
+        stripped = text.rstrip()
+        self.held_ws = text[len(stripped):]
+        return stripped
 
     def _take(self, segment: str) -> list[dict]:
-        """One `<call_open>body` segment (its closing marker cut off) -> [its call], or [] (kept)."""
+        """One `<call_open>body` segment (its closing marker cut off) -> [its call], or [] (kept as
+        content, or dropped past the first call without parallel_tool_calls)."""
         head = segment.lstrip()
         call = self.parse(head[len(self.call_open):], self.plan) if head.startswith(self.call_open) else None
-        if call is None or (self.calls and not self.plan.parallel):
+        if call is None:
             self.kept += segment + self.call_close
             return []
-        self.calls.append(call)
         self.taken += 1
+        if self.calls and not self.plan.parallel:
+            return []
+        self.calls.append(call)
         return [call]
 
     def _end_section(self, rest: str) -> str:
@@ -587,10 +620,10 @@ class SectionToolParser:
                 i = self.pending.find(self.open)
                 if i < 0:
                     keep = partial_suffix(self.pending, self.open)
-                    content += self.pending[:len(self.pending) - keep]
+                    content += self._content(self.pending[:len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep:]
                     break
-                content += self.pending[:i]
+                content += self._content(self.pending[:i])
                 self.section, self.pending = self.open, self.pending[i + len(self.open):]
                 continue
             ends = [(i, m) for i, m in ((self.pending.find(m), m) for m in (self.call_close, self.close)) if i >= 0]
@@ -600,7 +633,7 @@ class SectionToolParser:
             segment, self.pending = self.pending[:i], self.pending[i + len(marker):]
             self.section += segment + marker
             if marker == self.close:
-                content += self._end_section(segment)
+                content += self._content(self._end_section(segment))
             else:
                 calls += self._take(segment)
         return content, calls
@@ -610,11 +643,16 @@ class SectionToolParser:
         if self.section is not None:        # cut inside the section
             self.section += rest
             rest = self._end_section(rest)
-        return (rest if rest.strip() or not self.calls else ""), []
+        content = self._content(rest)
+        if not self.calls:
+            content += self.held_ws
+        self.held_ws = ""
+        return content, []
 
 
-_GLM_NAME = re.compile(r"\s*([^\s<]+)\s*(.*)", re.S)
-_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+_GLM_NAME = re.compile(r"\s*([^\s<]+)", re.S)
+_GLM_ARG = re.compile(r"\s*<arg_key>((?:(?!</arg_key>).)*)</arg_key>\s*<arg_value>((?:(?!</arg_value>).)*)</arg_value>",
+                      re.S)
 
 
 def _glm_value(text: str, schema: Any) -> Any:
@@ -623,24 +661,24 @@ def _glm_value(text: str, schema: Any) -> Any:
     if schema is not None:
         return _xml_value(text, schema)
     try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        return json.loads(text, parse_constant=no_json_constant)
+    except (ValueError, RecursionError):
         return text
 
 
 def parse_glm_call(body: str, plan) -> dict | None:
     """One glm45 `<tool_call>` block's body -> a call, or None (the block stays content) when it is
     not a known tool's name followed by whole key / value pairs and nothing else."""
-    m = _GLM_NAME.fullmatch(body)
+    m = _GLM_NAME.match(body)
     if m is None or m.group(1) not in plan.names:
         return None
     tool = next(t["function"] for t in plan.tools if t["function"]["name"] == m.group(1))
     props = (tool.get("parameters") or {}).get("properties") or {}
-    pairs = list(_GLM_ARG.finditer(m.group(2)))
-    if _GLM_ARG.sub("", m.group(2)).strip():
-        return None
-    return make_call(m.group(1), {k.group(1).strip(): _glm_value(k.group(2), props.get(k.group(1).strip()))
-                                  for k in pairs})
+    args, i = {}, m.end()
+    while (pair := _GLM_ARG.match(body, i)) is not None:
+        key = pair.group(1).strip()
+        args[key], i = _glm_value(pair.group(2), props.get(key)), pair.end()
+    return make_call(m.group(1), args) if not body[i:].strip() else None
 
 
 FAMILY_PARSERS = {"llama3_json": Llama3JsonParser, "mistral": MistralParser, "openai": HarmonyToolParser,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve.tool_parsers import (FAMILY_PARSERS, make_call, new_call_id,  # noqa: F401 (new_call_id: re-exported)
-                                parse_glm_call, parse_xml_call)
+                                no_json_constant, parse_glm_call, parse_xml_call)
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 SEED_TOOL_CALL_OPEN, SEED_TOOL_CALL_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
@@ -233,12 +233,14 @@ class TemplateArguments(dict):
 
 
 def _template_call(call: dict) -> dict:
+    """A call sent back, as a template receives it: its arguments as TemplateArguments, and its
+    "type" ("function", which clients may leave out and DeepSeek's templates write)."""
     fn = call.get("function") or {}
     raw = fn.get("arguments")
     args = _arguments_object(raw)
     if isinstance(args, dict):
         args = TemplateArguments(args, raw if isinstance(raw, str) else json.dumps(args, ensure_ascii=False))
-    return {**call, "function": {**fn, "arguments": args}}
+    return {"type": "function", **call, "function": {**fn, "arguments": args}}
 
 
 def check_message_tool_calls(calls: Any) -> None:
@@ -307,8 +309,8 @@ def complete_calls(text: str, plan: ToolPlan) -> list[dict]:
 
 def _parse_block(body: str, plan: ToolPlan) -> dict | None:
     try:
-        value = json.loads(body)
-    except (json.JSONDecodeError, RecursionError):
+        value = json.loads(body, parse_constant=no_json_constant)     # NaN / Infinity are no JSON
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict) or value.get("name") not in plan.names:
         return None

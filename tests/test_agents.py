@@ -850,6 +850,13 @@ def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prom
     ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
                      "<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
      "<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜>", [{"city": "Paris"}]),
+    # whitespace before the section is dropped with calls; NaN is no JSON (the call stays content)
+    ("deepseek_v31", '\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Rome"}'
+                     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>\n", None, [{"city": "Rome"}]),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": NaN}"
+                     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": NaN}<｜tool▁call▁end｜>"
+     "<｜tool▁calls▁end｜>", []),
     # Kimi K2: functions.NAME:N then the JSON arguments
     ("kimi_k2", 'Ok.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
                 '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1'
@@ -882,6 +889,10 @@ def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prom
      "Sure.\n", [{"city": "Paris"}, {"city": "Rome"}]),
     ("olmo3", "<function_calls>\nget_weather(city=Paris)\n</function_calls>",
      "<function_calls>\nget_weather(city=Paris)\n</function_calls>", []),
+    # an undeclared argument is JSON where it parses as JSON (NaN does not: it stays text)
+    ("glm45", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value><arg_key>days</arg_key>"
+              "<arg_value>[1, 2]</arg_value><arg_key>mean</arg_key><arg_value>NaN</arg_value></tool_call>", None,
+     [{"city": "Oslo", "days": [1, 2], "mean": "NaN"}]),
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n</tool_call>",
      "<tool_call>get_weather\n<arg_key>city</arg_key>\n</tool_call>", []),
 ])
@@ -900,6 +911,23 @@ def test_tool_parsers_streamed_in_any_pieces(parser, text, content, args):
                 streamed += d.get("content") or ""
                 got += [tc["function"]["arguments"] for tc in d.get("tool_calls", []) if "id" not in tc]
         assert streamed == (content or "") and [json.loads(a) for a in got] == args, size
+
+
+def test_section_calls_keep_the_model_text_and_one_call_without_parallel_tool_calls():
+    """A DeepSeek / Kimi call's arguments are the model's own JSON text (its spacing kept, so the call
+    sent back renders as the model wrote it); with parallel_tool_calls false only the first call is
+    kept and the others are dropped, not shown as markup (AutoToolParser's rule); DeepSeek's format is
+    the default only where the tokenizer has its markers (R1's distilled models keep hermes)."""
+    from serve.tool_parsers import default_tool_parser
+    from serve.tools import parse_auto, plan_tools
+    text = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city":"Paris"}<｜tool▁call▁end｜>'
+            '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city":"Rome"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    content, calls = parse_auto(text, plan_tools(TOOLS, None, None), "deepseek_v31")
+    assert content is None and [c["function"]["arguments"] for c in calls] == ['{"city":"Paris"}', '{"city":"Rome"}']
+    content, calls = parse_auto(text, plan_tools(TOOLS, None, False), "deepseek_v31")
+    assert content is None and [c["function"]["arguments"] for c in calls] == ['{"city":"Paris"}']
+    r1 = (TEMPLATES / "deepseek-r1.jinja").read_text()
+    assert default_tool_parser(r1, lambda t: None) == "hermes" and default_tool_parser(r1, lambda t: 9) == "deepseek_v3"
 
 
 def _tagged_tokenizer(tmp_path, tags, special: bool):
