@@ -47,8 +47,8 @@ from serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionReques
                             OpenAIError, TokenizeRequest, chat_body, completion_body, json_body, now,
                             response_id, validated, with_token_ids)
 from serve.stream import ChatChoices, CompletionChoices, respond, stream_response
-from serve.reasoning import (REASONING_PARSERS, REASONING_TAGS, OutputParsers, default_reasoning_parser, prompt_state,
-                             reasoning_prefix)
+from serve.reasoning import (REASONING_PARSERS, REASONING_TAGS, SPECIAL_TAG_PARSERS, OutputParsers,
+                             default_reasoning_parser, prompt_state, reasoning_prefix)
 from serve.messages import router as messages_router
 from serve.responses import router as responses_router
 from serve.tool_parsers import SPECIAL_TOKEN_PARSERS, TOOL_PARSERS, default_tool_parser
@@ -252,10 +252,11 @@ class ServerState:
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                      req.prompt_logprobs, prefix=prefix, defaults=self.gen.sampling_defaults)
         plan = req.tool_plan()
-        if self.reasoning_parser in ("gpt_oss", "seed_oss") or (plan is not None and plan.parses and
+        if self.reasoning_parser in SPECIAL_TAG_PARSERS or (plan is not None and plan.parses and
                                                                  self.tool_call_parser in SPECIAL_TOKEN_PARSERS):
             # these formats are written in special tokens (harmony's markers, [TOOL_CALLS], <|python_tag|>,
-            # Seed-OSS's <seed:think> / <seed:tool_call>, DeepSeek's and Kimi's call sections, GLM's tags)
+            # Seed-OSS's <seed:think> / <seed:tool_call>, Magistral's [THINK], DeepSeek's and Kimi's call
+            # sections, GLM's tags)
             params = dataclasses.replace(params, skip_special_tokens=False)
         self.compile_grammar(params, req)
         return prompt, params, parsers

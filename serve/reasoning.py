@@ -10,6 +10,8 @@ its answer, streamed and not. Pure Python, no jax.
                block (`<think>`, thinking on) or closes it (`</think>`, thinking off);
   glm45, glm47 qwen3's rules under vLLM's names for GLM-4.5 / 4.6 / 4.7 (whose prompt closes the block,
                `<think></think>`, with enable_thinking false);
+  mistral      qwen3's rules with Mistral's control tokens `[THINK]...[/THINK]` (Magistral; kept in the
+               text for the parser, as Seed-OSS's tags are);
   kimi_k2      deepseek_r1's rules (Kimi K2 Thinking), and a tool-call section
                (`<|tool_calls_section_begin|>`) also ends the reasoning: it is the answer's, for the
                kimi_k2 tool-call parser;
@@ -33,18 +35,23 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss", "seed_oss", "deepseek_v3", "glm45", "glm47", "kimi_k2")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss", "seed_oss", "deepseek_v3", "glm45", "glm47", "kimi_k2",
+                     "mistral")
 # the parsers under which an output with no opening tag is reasoning (the prompt may have opened it)
 _OPEN_BY_DEFAULT = ("deepseek_r1", "kimi_k2")
 KIMI_SECTION = "<|tool_calls_section_begin|>"
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SEED_THINK_OPEN, SEED_THINK_CLOSE = "<seed:think>", "</seed:think>"
+MISTRAL_THINK_OPEN, MISTRAL_THINK_CLOSE = "[THINK]", "[/THINK]"
+_TAGS = {"seed_oss": (SEED_THINK_OPEN, SEED_THINK_CLOSE), "mistral": (MISTRAL_THINK_OPEN, MISTRAL_THINK_CLOSE)}
+# the parsers whose tags are special tokens in their models' vocabularies (the output keeps them)
+SPECIAL_TAG_PARSERS = ("gpt_oss", "seed_oss", "mistral")
 
 
 def think_tags(name: str) -> tuple[str, str]:
     """The reasoning block's opening and closing tags under a `<think>`-style parser."""
-    return (SEED_THINK_OPEN, SEED_THINK_CLOSE) if name == "seed_oss" else (THINK_OPEN, THINK_CLOSE)
+    return _TAGS.get(name, (THINK_OPEN, THINK_CLOSE))
 H_START, H_END, H_CALL, H_RETURN = "<|start|>", "<|end|>", "<|call|>", "<|return|>"
 H_CHANNEL, H_MESSAGE = "<|channel|>", "<|message|>"
 
@@ -58,6 +65,8 @@ def default_reasoning_parser(template: str | None) -> str | None:
         return "gpt_oss"
     if SEED_THINK_CLOSE in template:
         return "seed_oss"
+    if MISTRAL_THINK_CLOSE in template:
+        return "mistral"
     if "<|im_assistant|>" in template and THINK_CLOSE in template:
         return "kimi_k2"
     if re.search(r"add_generation_prompt[\s\S]{0,200}<think>\\n['\"]", template) and "enable_thinking" not in template:
@@ -247,7 +256,8 @@ def _section(open_: str, close: str) -> str:
     return rf"/{o}(?s:.*){c}/ & ~/{o}(?s:.*){c}(?s:.+)/"
 
 
-REASONING_TAGS = (THINK_OPEN, THINK_CLOSE, SEED_THINK_OPEN, SEED_THINK_CLOSE, H_START, H_END, H_CHANNEL, H_MESSAGE)
+REASONING_TAGS = (THINK_OPEN, THINK_CLOSE, SEED_THINK_OPEN, SEED_THINK_CLOSE, MISTRAL_THINK_OPEN, MISTRAL_THINK_CLOSE,
+                  H_START, H_END, H_CHANNEL, H_MESSAGE)
 
 
 def _body(close: str) -> str:

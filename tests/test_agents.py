@@ -776,6 +776,10 @@ def test_jaxinfer_serve_flags_reach_the_server(gen, model_dir, monkeypatch):
     ("glm45", "<|assistant|>", "<think>a</think>\nb", "a", "\nb"),
     ("glm45", "<|assistant|>\n<think></think>", "a</think>b", None, "a</think>b"),
     ("glm47", "<|assistant|>", "<think>a</think>b", "a", "b"),
+    # Magistral (vLLM's mistral): [THINK]...[/THINK] written by the model; without [THINK] all answer
+    ("mistral", "[/INST]", "[THINK]a [b] c[/THINK]The answer.", "a [b] c", "The answer."),
+    ("mistral", "[/INST]", "No thinking [/THINK] here", None, "No thinking [/THINK] here"),
+    ("mistral", "[/INST]", "[THINK]cut before the end", "cut before the end", ""),
     # Kimi K2 (vLLM's kimi_k2): reasoning without the opening tag too, and a tool-call section ends it
     # (the section stays in the content, for the kimi_k2 tool-call parser)
     ("kimi_k2", "<|im_assistant|>assistant<|im_middle|>", "<think>a</think>b", "a", "b"),
@@ -954,7 +958,8 @@ def _tagged_tokenizer(tmp_path, tags, special: bool):
 
 @pytest.mark.parametrize("name,tags,special", [
     ("qwen3", ("<think>", "</think>"), False), ("seed_oss", ("<seed:think>", "</seed:think>"), True),
-    ("gpt_oss", ("<|start|>", "<|end|>", "<|channel|>", "<|message|>"), True), ("qwen3", (), False)])
+    ("gpt_oss", ("<|start|>", "<|end|>", "<|channel|>", "<|message|>"), True), ("qwen3", (), False),
+    ("mistral", ("[THINK]", "[/THINK]"), True)])
 def test_reasoning_grammar_takes_the_tags_as_the_model_writes_them(name, tags, special, tmp_path):
     """Under a reasoning parser a structured output's grammar starts after the reasoning section. Where
     the tags are added tokens of the tokenizer (Qwen3's <think>, Seed-OSS's, harmony's markers),
