@@ -10,8 +10,9 @@ its answer, streamed and not. Pure Python, no jax.
                block (`<think>`, thinking on) or closes it (`</think>`, thinking off);
   glm45, glm47 qwen3's rules under vLLM's names for GLM-4.5 / 4.6 / 4.7 (whose prompt closes the block,
                `<think></think>`, with enable_thinking false);
-  mistral      qwen3's rules with Mistral's control tokens `[THINK]...[/THINK]` (Magistral; kept in the
-               text for the parser, as Seed-OSS's tags are);
+  mistral      Mistral's control tokens `[THINK]...[/THINK]` (Magistral; kept in the text for the parser, as
+               Seed-OSS's tags are), read as vLLM's mistral parser reads them: text before `[THINK]` is
+               answer too, and a `[/THINK]` with no `[THINK]` before it is dropped;
   kimi_k2      deepseek_r1's rules (Kimi K2 Thinking), and a tool-call section
                (`<|tool_calls_section_begin|>`) also ends the reasoning: it is the answer's, for the
                kimi_k2 tool-call parser;
@@ -232,9 +233,46 @@ class HarmonyParser:
         return "", rest
 
 
+class MistralThinkParser(ThinkParser):
+    """mistral: the answer until `[THINK]` (a `[/THINK]` there is dropped), then reasoning until
+    `[/THINK]`, then the answer as written (vLLM's MistralReasoningParser's split)."""
+
+    def __init__(self, state: str):
+        super().__init__("mistral", state)
+        self.state = "reasoning" if state == "reasoning" else "before"
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if self.state != "before":
+            return super().feed(text)
+        self.pending += text
+        content = ""
+        while True:
+            hits = [(i, t) for i, t in ((self.pending.find(t), t) for t in (self.open, self.close)) if i >= 0]
+            if not hits:
+                keep = max(partial_suffix(self.pending, self.open), partial_suffix(self.pending, self.close))
+                content += self.pending[:len(self.pending) - keep]
+                self.pending = self.pending[len(self.pending) - keep:]
+                return "", content
+            i, tag = min(hits)
+            content, self.pending = content + self.pending[:i], self.pending[i + len(tag):]
+            if tag == self.open:
+                self.state, self.saw_reasoning = "reasoning", True
+                rest, self.pending = self.pending, ""
+                reasoning, more = super().feed(rest)
+                return reasoning, content + more
+
+    def finish(self) -> tuple[str, str]:
+        if self.state == "before":
+            rest, self.pending = self.pending, ""
+            return "", rest
+        return super().finish()
+
+
 def make_reasoning_parser(name: str, prompt: str):
     if name == "gpt_oss":
         return HarmonyParser()
+    if name == "mistral":
+        return MistralThinkParser(prompt_state(name, prompt))
     return ThinkParser(name, prompt_state(name, prompt))
 
 

@@ -115,14 +115,40 @@ def make_call(name: str, arguments: Any) -> dict:
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
+def model_call(name: str, arguments: Any) -> dict | None:
+    """make_call for arguments read from model output: None where they cannot be JSON (a value too
+    deeply nested to write back, a number beyond float range)."""
+    try:
+        return {"id": new_call_id(), "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, allow_nan=False)}}
+    except (ValueError, RecursionError):
+        return None
+
+
 def no_json_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+def finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is beyond float range")
+    return value
+
+
+def strict_json(text: str) -> Any:
+    """JSON read from model output: NaN, Infinity and numbers beyond float range refused (ValueError),
+    as a client could not read them back."""
+    return json.loads(text, parse_constant=no_json_constant, parse_float=finite_float)
+
+
+STRICT_DECODER = json.JSONDecoder(parse_constant=no_json_constant, parse_float=finite_float)
+
+
 def json_object(text: str) -> dict | None:
-    """`text` as a strict JSON object (NaN and Infinity refused), else None."""
+    """`text` as a strict JSON object (strict_json), else None."""
     try:
-        value = json.loads(text, parse_constant=no_json_constant)
+        value = strict_json(text)
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
@@ -140,7 +166,9 @@ def _call(plan, name, args, mistral: bool = False, call_id: str | None = None):
         args = {}
     if not isinstance(args, dict):
         return None
-    call = make_call(name, args)
+    call = model_call(name, args)
+    if call is None:
+        return None
     if text is not None:
         call["function"]["arguments"] = text
     if mistral:   # the model's own id where Mistral's templates take it back (9 letters and digits)
@@ -151,7 +179,7 @@ def _call(plan, name, args, mistral: bool = False, call_id: str | None = None):
 
 def _json_values(text: str, sep: str) -> list | None:
     """`text` as JSON values separated by `sep` (and whitespace); None unless all of it is."""
-    dec, out, i = json.JSONDecoder(parse_constant=no_json_constant), [], 0
+    dec, out, i = STRICT_DECODER, [], 0
     while True:
         while i < len(text) and text[i].isspace():
             i += 1
@@ -172,7 +200,7 @@ def _json_values(text: str, sep: str) -> list | None:
 def _first_json(text: str) -> list | None:
     """[the JSON value `text` starts with] (whatever follows it ignored), or None."""
     try:
-        return [json.JSONDecoder(parse_constant=no_json_constant).raw_decode(text)[0]]
+        return [STRICT_DECODER.raw_decode(text)[0]]
     except (ValueError, RecursionError):
         return None
 
@@ -277,7 +305,7 @@ def _python_calls(text: str, plan) -> list[dict] | None:
                     and all(k.arg is not None for k in node.keywords)):
                 return None
             args = {k.arg: _py_value(k.value) for k in node.keywords}
-            calls.append(_call(plan, node.func.id, json.dumps(args, allow_nan=False)))
+            calls.append(_call(plan, node.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)))
         return None if None in calls else calls
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return None
@@ -339,7 +367,7 @@ class GraniteParser(_Buffered):
     def _parse(self, text: str) -> list[dict] | None:
         body = text.strip().removeprefix(GRANITE_CALL).removeprefix("<tool_call>").strip()
         try:
-            items = json.loads(body, parse_constant=no_json_constant)
+            items = strict_json(body)
         except (ValueError, RecursionError):
             return None
         if not isinstance(items, list) or not items or not all(isinstance(v, dict) for v in items):
@@ -370,7 +398,8 @@ class Olmo3Parser(_Buffered):
         return _python_calls("[" + ", ".join(lines) + "]", self.plan) if lines else None
 
 
-_MISTRAL_V11 = re.compile(r"([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*([A-Za-z0-9_\-]+)\s*)?(?:\[ARGS\])?\s*(\{.*\})\s*$",
+# possessive \s*+ : the spaces around the optional groups are never rescanned (linear on any text)
+_MISTRAL_V11 = re.compile(r"([A-Za-z0-9_.\-]+)\s*+(?:\[CALL_ID\]\s*+([A-Za-z0-9_\-]+)\s*+)?(?:\[ARGS\])?\s*+(\{.*\})\s*$",
                           re.S)
 
 
@@ -434,11 +463,11 @@ def _xml_value(text: str, schema: Any) -> Any:
     for kind in types:
         if kind == "string":
             return text
-        if kind == "integer" and re.fullmatch(r"\s*-?\d+\s*", text):
+        if kind == "integer" and re.fullmatch(r"\s*-?\d{1,4000}\s*", text):   # (Python's digit limit)
             return int(text)
         if kind == "number":
             try:
-                number = int(text) if re.fullmatch(r"\s*-?\d+\s*", text) else float(text)
+                number = int(text) if re.fullmatch(r"\s*-?\d{1,4000}\s*", text) else float(text)
             except ValueError:
                 continue
             if math.isfinite(number):
@@ -447,7 +476,7 @@ def _xml_value(text: str, schema: Any) -> Any:
             return text.strip().lower() == "true"
         if kind in ("object", "array"):
             try:
-                value = json.loads(text, parse_constant=no_json_constant)
+                value = strict_json(text)
             except (ValueError, RecursionError):
                 continue
             if isinstance(value, dict if kind == "object" else list):
@@ -472,7 +501,7 @@ def parse_xml_call(body: str, plan) -> dict | None:
         text = text[:-1] if text.endswith("\n") else text
         key = p.group(1).strip()
         args[key] = _xml_value(text, props.get(key, {"type": "string"}))
-    return make_call(name, args)
+    return model_call(name, args)
 
 
 _RECIPIENT = re.compile(r"to=functions\.([A-Za-z0-9_.\-]+)")
@@ -661,7 +690,7 @@ def _glm_value(text: str, schema: Any) -> Any:
     if schema is not None:
         return _xml_value(text, schema)
     try:
-        return json.loads(text, parse_constant=no_json_constant)
+        return strict_json(text)
     except (ValueError, RecursionError):
         return text
 
@@ -678,7 +707,7 @@ def parse_glm_call(body: str, plan) -> dict | None:
     while (pair := _GLM_ARG.match(body, i)) is not None:
         key = pair.group(1).strip()
         args[key], i = _glm_value(pair.group(2), props.get(key)), pair.end()
-    return make_call(m.group(1), args) if not body[i:].strip() else None
+    return model_call(m.group(1), args) if not body[i:].strip() else None
 
 
 FAMILY_PARSERS = {"llama3_json": Llama3JsonParser, "mistral": MistralParser, "openai": HarmonyToolParser,

@@ -35,8 +35,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve.tool_parsers import (FAMILY_PARSERS, make_call, new_call_id,  # noqa: F401 (new_call_id: re-exported)
-                                no_json_constant, parse_glm_call, parse_xml_call)
+from serve.tool_parsers import (FAMILY_PARSERS, make_call, model_call, new_call_id,  # noqa: F401 (new_call_id: re-exported)
+                                parse_glm_call, parse_xml_call, strict_json)
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 SEED_TOOL_CALL_OPEN, SEED_TOOL_CALL_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
@@ -205,8 +205,8 @@ def template_messages(messages: list[dict], plan: ToolPlan | None, native: bool,
 def _arguments_object(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
-        except json.JSONDecodeError:
+            return strict_json(arguments)
+        except (ValueError, RecursionError):
             return arguments
     return arguments
 
@@ -309,7 +309,7 @@ def complete_calls(text: str, plan: ToolPlan) -> list[dict]:
 
 def _parse_block(body: str, plan: ToolPlan) -> dict | None:
     try:
-        value = json.loads(body, parse_constant=no_json_constant)     # NaN / Infinity are no JSON
+        value = strict_json(body)     # NaN / Infinity are no JSON
     except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict) or value.get("name") not in plan.names:
@@ -319,7 +319,7 @@ def _parse_block(body: str, plan: ToolPlan) -> dict | None:
         args = _arguments_object(args)
     if not isinstance(args, dict):
         return None
-    return make_call(value["name"], args)
+    return model_call(value["name"], args)
 
 
 class AutoToolParser:

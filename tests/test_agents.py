@@ -776,10 +776,13 @@ def test_jaxinfer_serve_flags_reach_the_server(gen, model_dir, monkeypatch):
     ("glm45", "<|assistant|>", "<think>a</think>\nb", "a", "\nb"),
     ("glm45", "<|assistant|>\n<think></think>", "a</think>b", None, "a</think>b"),
     ("glm47", "<|assistant|>", "<think>a</think>b", "a", "b"),
-    # Magistral (vLLM's mistral): [THINK]...[/THINK] written by the model; without [THINK] all answer
+    # Magistral (vLLM's mistral): [THINK]...[/THINK] written by the model, text before it answer too; a
+    # [/THINK] with no [THINK] before it is dropped; without tags all answer
     ("mistral", "[/INST]", "[THINK]a [b] c[/THINK]The answer.", "a [b] c", "The answer."),
-    ("mistral", "[/INST]", "No thinking [/THINK] here", None, "No thinking [/THINK] here"),
+    ("mistral", "[/INST]", "So[THINK]r[/THINK]d[THINK]", "r", "Sod[THINK]"),
+    ("mistral", "[/INST]", "No thinking [/THINK] here", None, "No thinking  here"),
     ("mistral", "[/INST]", "[THINK]cut before the end", "cut before the end", ""),
+    ("mistral", "[/INST]", "plain [THIN", None, "plain [THIN"),
     # Kimi K2 (vLLM's kimi_k2): reasoning without the opening tag too, and a tool-call section ends it
     # (the section stays in the content, for the kimi_k2 tool-call parser)
     ("kimi_k2", "<|im_assistant|>assistant<|im_middle|>", "<think>a</think>b", "a", "b"),
