@@ -246,8 +246,9 @@ class ServerState:
         max_tokens = self.default_max_tokens(len(prompt), requested)   # 0 is refused, not taken as unset
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        parsers = OutputParsers(self.reasoning_parser, text, self.tool_call_parser)
-        prefix = (reasoning_prefix(self.reasoning_parser, prompt_state(self.reasoning_parser, text), self.tag_ids)
+        decisive = self.reasoning_context(req, kwargs, template, text)
+        parsers = OutputParsers(self.reasoning_parser, decisive, self.tool_call_parser)
+        prefix = (reasoning_prefix(self.reasoning_parser, prompt_state(self.reasoning_parser, decisive), self.tag_ids)
                   if self.reasoning_parser else None)
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                      req.prompt_logprobs, prefix=prefix, defaults=self.gen.sampling_defaults)
@@ -260,6 +261,21 @@ class ServerState:
             params = dataclasses.replace(params, skip_special_tokens=False)
         self.compile_grammar(params, req)
         return prompt, params, parsers
+
+    def reasoning_context(self, req, kwargs: dict | None, template: str | None, text: str) -> str:
+        """The part of the rendered prompt `text` that settles where the output starts (in the
+        reasoning or the answer: serve.reasoning.prompt_state): the generation prompt the template
+        added, i.e. the text past the same messages rendered without it, so that a tag a message
+        quotes ("what does <think> do?") cannot. The whole prompt where there is none
+        (continue_final_message, add_generation_prompt false) or where the template renders the
+        messages differently with it."""
+        if self.reasoning_parser in (None, "gpt_oss") or not req.add_generation_prompt or req.continue_final_message:
+            return text
+        try:
+            base = self.render_chat_text(req.messages, req.tool_plan(), kwargs, False, False, req.documents, template)
+        except OpenAIError:
+            return text
+        return text[len(base):] if text.startswith(base) else text
 
     def compile_grammar(self, params: SamplingParams, req) -> None:
         """The request's grammar built here, on the worker thread that prepares the request (its

@@ -920,6 +920,27 @@ def test_tool_parsers_streamed_in_any_pieces(parser, text, content, args):
         assert streamed == (content or "") and [json.loads(a) for a in got] == args, size
 
 
+@pytest.mark.parametrize("template,kwargs,text,expected", [
+    # Qwen3-2507-style output that never opens a block: all answer, though the user quoted <think>
+    ("qwen3.jinja", {}, "It opens the reasoning.", (None, "It opens the reasoning.")),
+    ("qwen3.jinja", {}, "<think>hm</think>It opens it.", ("hm", "It opens it.")),
+    # the generation prompt still settles it: closed by enable_thinking false, opened by R1's template
+    ("qwen3.jinja", {"enable_thinking": False}, "a</think>b", (None, "a</think>b")),
+    ("deepseek-r1.jinja", {}, "a</think>b", ("a", "b")),
+])
+def test_a_tag_quoted_in_a_message_does_not_decide_the_reasoning(gen, template, kwargs, text, expected):
+    """Where the output starts (reasoning or answer) is read from the generation prompt the template
+    adds, not from the whole prompt: a user who asks about the `<think>` tag does not turn the answer
+    into reasoning (before, the quoted tag counted as an open block)."""
+    from serve.protocol import ChatCompletionRequest
+    from serve.reasoning import split_reasoning
+    quoted = [{"role": "user", "content": "What does <think> do?"}]
+    with serving(gen, template) as (_, http):
+        state = http.app.state.server
+        _, _, parsers = state.chat_request(ChatCompletionRequest(messages=quoted, chat_template_kwargs=kwargs))
+        assert split_reasoning(parsers.reasoning, parsers.prompt, text) == expected
+
+
 def test_section_calls_keep_the_model_text_and_one_call_without_parallel_tool_calls():
     """A DeepSeek / Kimi call's arguments are the model's own JSON text (its spacing kept, so the call
     sent back renders as the model wrote it); with parallel_tool_calls false only the first call is
