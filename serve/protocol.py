@@ -27,6 +27,7 @@ from pydantic_core import PydanticCustomError
 
 from jaxinfer.config import SamplingParams, SamplingParamsError, StructuredOutputs
 from serve.reasoning import OutputParsers, reasoning_tokens, split_reasoning
+from serve.tool_parsers import strict_json
 from serve.tools import ToolPlan, ToolSpecError, check_message_tool_calls, parse_choice, plan_tools
 
 log = logging.getLogger("jaxinfer.serve")
@@ -137,16 +138,6 @@ def _refuse(param: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_field", "{message}", {"message": message, "param": param})
 
 
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text[:40]} is out of range")
-    return value
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
 
 async def json_body(request) -> Any:
     """A route's body parsed as strict JSON (routes that validate it themselves: Responses,
@@ -154,7 +145,7 @@ async def json_body(request) -> Any:
     Python's recursion limit, with a 400 (they came back as 500s, and a stored NaN made the
     stored response unserializable)."""
     try:
-        return json.loads(await request.body(), parse_constant=_no_constant, parse_float=_finite)
+        return strict_json(await request.body())
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise OpenAIError(400, f"the request body is not valid JSON ({type(e).__name__}: {e})"[:500]) from None
 

@@ -125,20 +125,20 @@ def model_call(name: str, arguments: Any) -> dict | None:
         return None
 
 
-def no_json_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
+def no_json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"{text} is beyond float range")
+        raise ValueError(f"the number {text[:40]} is out of range")
     return value
 
 
-def strict_json(text: str) -> Any:
-    """JSON read from model output: NaN, Infinity and numbers beyond float range refused (ValueError),
-    as a client could not read them back."""
+def strict_json(text: str | bytes) -> Any:
+    """JSON as clients can read it back (request bodies, model output): NaN, Infinity and numbers
+    beyond float range are refused (ValueError)."""
     return json.loads(text, parse_constant=no_json_constant, parse_float=finite_float)
 
 
@@ -311,10 +311,11 @@ def _python_calls(text: str, plan) -> list[dict] | None:
         return None
 
 
-class PythonicParser(_Buffered):
-    """pythonic: an output that starts with `[` is held and read as a call list when it ends; any other
-    output is content (as vLLM's parser reads it)."""
+class _StartsWithCalls(_Buffered):
+    """An output that starts (after whitespace) with one of MARKERS is held and read as calls when it
+    ends; any other output is content as it comes."""
 
+    MARKERS: tuple[str, ...] = ()
     plain = False
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
@@ -325,14 +326,21 @@ class PythonicParser(_Buffered):
             return "", []
         self.pending += text
         head = self.pending.lstrip()
-        if not head:
+        if not head or any(m.startswith(head) for m in self.MARKERS):    # maybe a marker, not yet whole
             return "", []
-        if head.startswith("["):
+        if head.startswith(self.MARKERS):
             self.held, self.pending = self.pending, ""
             return "", []
         self.plain = True
         text, self.pending = self.pending, ""
         return text, []
+
+
+class PythonicParser(_StartsWithCalls):
+    """pythonic: an output that starts with `[` is read as a call list when it ends; any other output
+    is content (as vLLM's parser reads it)."""
+
+    MARKERS = ("[",)
 
     def _parse(self, text: str) -> list[dict] | None:
         return _python_calls(text, self.plan)
@@ -341,28 +349,11 @@ class PythonicParser(_Buffered):
 GRANITE_CALL = "<|tool_call|>"
 
 
-class GraniteParser(_Buffered):
-    """granite: an output that starts with `<|tool_call|>`, `<tool_call>` or `[` is held and read as
-    a JSON array of calls when it ends; any other output is content."""
+class GraniteParser(_StartsWithCalls):
+    """granite: an output that starts with `<|tool_call|>`, `<tool_call>` or `[` is read as a JSON
+    array of calls when it ends; any other output is content."""
 
-    plain = False
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        if self.plain:
-            return text, []
-        if self.held is not None:
-            self.held += text
-            return "", []
-        self.pending += text
-        head = self.pending.lstrip()
-        if not head or any(m.startswith(head) for m in (GRANITE_CALL, "<tool_call>")):
-            return "", []
-        if head.startswith(("[", GRANITE_CALL, "<tool_call>")):
-            self.held, self.pending = self.pending, ""
-            return "", []
-        self.plain = True
-        text, self.pending = self.pending, ""
-        return text, []
+    MARKERS = ("[", GRANITE_CALL, "<tool_call>")
 
     def _parse(self, text: str) -> list[dict] | None:
         body = text.strip().removeprefix(GRANITE_CALL).removeprefix("<tool_call>").strip()
@@ -591,7 +582,22 @@ def _kimi_call(body: str, plan) -> dict | None:
     return call
 
 
-class SectionToolParser:
+class HeldSpace:
+    """Content whose trailing whitespace is held back: dropped if calls follow, shown at the end
+    otherwise (the auto parsers' rule: with calls, whitespace-only content becomes null)."""
+
+    held_ws = ""
+
+    def _content(self, text: str) -> str:
+        if not text:
+            return ""
+        text = self.held_ws + text
+        stripped = text.rstrip()
+        self.held_ws = text[len(stripped):]
+        return stripped
+
+
+class SectionToolParser(HeldSpace):
     """deepseek_v3 / deepseek_v31 / kimi_k2: content streams until the section's opening marker;
     inside it each call goes out as its closing marker arrives; after the section's end the text is
     content again. A call that does not parse, or names an unknown tool, stays content as written
@@ -611,15 +617,6 @@ class SectionToolParser:
         self.kept = ""                     # its calls that stay content
         self.taken = 0                     # its calls that parsed
         self.calls: list[dict] = []
-        self.held_ws = ""                  # content's trailing whitespace: dropped if calls follow
-
-    def _content(self, text: str) -> str:
-        if not text:
-            return ""
-        text = self.held_ws + text
-        stripped = text.rstrip()
-        self.held_ws = text[len(stripped):]
-        return stripped
 
     def _take(self, segment: str) -> list[dict]:
         """One `<call_open>body` segment (its closing marker cut off) -> [its call], or [] (kept as

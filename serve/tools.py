@@ -35,8 +35,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve.tool_parsers import (FAMILY_PARSERS, make_call, model_call, new_call_id,  # noqa: F401 (new_call_id: re-exported)
-                                parse_glm_call, parse_xml_call, strict_json)
+from serve.tool_parsers import (FAMILY_PARSERS, HeldSpace, make_call, model_call,  # noqa: F401 (new_call_id: re-exported)
+                                new_call_id, parse_glm_call, parse_xml_call, strict_json)
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 SEED_TOOL_CALL_OPEN, SEED_TOOL_CALL_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
@@ -322,7 +322,7 @@ def _parse_block(body: str, plan: ToolPlan) -> dict | None:
     return model_call(value["name"], args)
 
 
-class AutoToolParser:
+class AutoToolParser(HeldSpace):
     """Incremental parser for tool_choice "auto": feed() text as it is generated and get back the
     content that is safe to show now and the tool calls completed so far; text that may be the start
     of a `<tool_call>` block is held back until it is known. A block whose JSON does not parse or
@@ -336,16 +336,7 @@ class AutoToolParser:
         self.parse_block = parse_block or _parse_block
         self.pending = ""        # text not yet classified
         self.in_block = False
-        self.held_ws = ""        # whitespace held back: dropped if a call follows at the end
         self.calls: list[dict] = []
-
-    def _content(self, text: str) -> str:
-        if not text:
-            return ""
-        text = self.held_ws + text
-        stripped = text.rstrip()
-        self.held_ws = text[len(stripped):]
-        return stripped
 
     def _call(self, call: dict) -> list[dict]:
         if self.calls and not self.plan.parallel:
