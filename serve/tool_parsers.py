@@ -29,6 +29,8 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
                None, and JSON's true / false / null, lists, dicts);
   olmo3        OLMo 3's: the same calls, one per line, in `<function_calls>...</function_calls>` (text
                before it is content);
+  phi4_mini_json  Phi-4-mini: `functools` then a JSON array of `{"name", "arguments"}` (text before it is
+               content; vLLM's phi4_mini_json);
   granite      Granite 3.x: an output that is `<|tool_call|>` (3.0's token) or `<tool_call>` (3.1+'s text),
                then a JSON array of `{"name", "arguments"}` (vLLM's granite parser);
   glm45        GLM-4.5 / 4.6 / 4.7: `<tool_call>NAME` then one `<arg_key>K</arg_key><arg_value>V</arg_value>`
@@ -38,8 +40,8 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
 Every parser has the interface of AutoToolParser: feed(text) -> (content safe to show now, calls
 completed so far), finish() -> (the rest). A call whose JSON does not parse, or that names a function
 not in the request's tools, stays content (as vLLM leaves it), so a malformed call never fails the
-request. Calls in the llama3_json, mistral, pythonic, olmo3 and granite forms are known only when the
-output ends, so their streamed tool_calls come with the last chunk; the others go out as each one closes.
+request. Calls in the llama3_json, mistral, pythonic, olmo3, granite and phi4_mini_json forms are known
+only when the output ends, so their streamed tool_calls come with the last chunk; the others go out as each one closes.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ from typing import Any
 from serve.reasoning import H_CALL, H_END, H_MESSAGE, H_RETURN, partial_suffix
 
 TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3",
-                "deepseek_v31", "kimi_k2", "glm45", "glm47", "pythonic", "olmo3", "granite")
+                "deepseek_v31", "kimi_k2", "glm45", "glm47", "pythonic", "olmo3", "granite", "phi4_mini_json")
 # the parsers whose formats are written in special tokens: the output is detokenized with them
 SPECIAL_TOKEN_PARSERS = ("llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3", "deepseek_v31", "kimi_k2",
                          "glm45", "glm47", "olmo3", "granite")
@@ -87,6 +89,8 @@ def default_tool_parser(template: str | None, token_id=None) -> str:
         return "olmo3"
     if GRANITE_CALL in t:
         return "granite"
+    if PHI4_CALLS in t:
+        return "phi4_mini_json"
     if "[func_name1(" in t:
         return "pythonic"
     if "<seed:tool_call>" in t:
@@ -364,6 +368,29 @@ class GraniteParser(_StartsWithCalls):
         if not isinstance(items, list) or not items or not all(isinstance(v, dict) for v in items):
             return None
         calls = [_call(self.plan, v.get("name"), v.get("arguments", v.get("parameters"))) for v in items]
+        return None if None in calls else calls
+
+
+PHI4_CALLS = "functools"
+
+
+class Phi4MiniParser(_Buffered):
+    """phi4_mini_json: content streams up to `functools`; from there the JSON array of calls after it
+    is read when the output ends (what follows the array is dropped, as vLLM's parser drops it)."""
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.held is not None:
+            self.held += text
+            return "", []
+        return self._until(PHI4_CALLS, text)
+
+    def _parse(self, text: str) -> list[dict] | None:
+        body = text[len(PHI4_CALLS):].lstrip()
+        values = _first_json(body) if body.startswith("[") else None
+        if not values or not isinstance(values[0], list) or not values[0] or \
+                not all(isinstance(v, dict) for v in values[0]):
+            return None
+        calls = [_call(self.plan, v.get("name"), v.get("arguments", v.get("parameters"))) for v in values[0]]
         return None if None in calls else calls
 
 
@@ -709,6 +736,7 @@ def parse_glm_call(body: str, plan) -> dict | None:
 
 FAMILY_PARSERS = {"llama3_json": Llama3JsonParser, "mistral": MistralParser, "openai": HarmonyToolParser,
                   "pythonic": PythonicParser, "olmo3": Olmo3Parser, "granite": GraniteParser,
+                  "phi4_mini_json": Phi4MiniParser,
                   "deepseek_v3": lambda plan: SectionToolParser(plan, "deepseek_v3"),
                   "deepseek_v31": lambda plan: SectionToolParser(plan, "deepseek_v31"),
                   "kimi_k2": lambda plan: SectionToolParser(plan, "kimi_k2")}

@@ -891,6 +891,13 @@ def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prom
     ("granite", "<tool_ca", "<tool_ca", []),
     ("granite", '[{"name": "get_time", "arguments": {}}]', '[{"name": "get_time", "arguments": {}}]', []),
     ("granite", "Sunny. <|tool_call|>[]", "Sunny. <|tool_call|>[]", []),
+    # Phi-4-mini: functools then a JSON array (text before it is content, after the array dropped)
+    ("phi4_mini_json", 'Checking. functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                       '{"name": "get_weather", "parameters": {"city": "Rome"}}]', "Checking. ",
+     [{"city": "Paris"}, {"city": "Rome"}]),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "Oslo", "days": [1, 2]}}] ok', None,
+     [{"city": "Oslo", "days": [1, 2]}]),
+    ("phi4_mini_json", "functools is a Python module", "functools is a Python module", []),
     # OLMo 3: text, then the calls one a line in <function_calls>
     ("olmo3", "Sure.\n<function_calls>\nget_weather(city='Paris')\nget_weather(city='Rome')\n</function_calls>",
      "Sure.\n", [{"city": "Paris"}, {"city": "Rome"}]),
