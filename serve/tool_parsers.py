@@ -41,7 +41,8 @@ Every parser has the interface of AutoToolParser: feed(text) -> (content safe to
 completed so far), finish() -> (the rest). A call whose JSON does not parse, or that names a function
 not in the request's tools, stays content (as vLLM leaves it), so a malformed call never fails the
 request. Calls in the llama3_json, mistral, pythonic, olmo3, granite and phi4_mini_json forms are known
-only when the output ends, so their streamed tool_calls come with the last chunk; the others go out as each one closes.
+only when the output ends, so their streamed tool_calls come with the last chunk; the others go out
+as each one closes.
 """
 from __future__ import annotations
 
