@@ -55,7 +55,7 @@ import string
 import uuid
 from typing import Any
 
-from serve.reasoning import H_CALL, H_END, H_MESSAGE, H_RETURN, partial_suffix
+from serve.reasoning import H_CALL, H_END, H_MESSAGE, H_RETURN, KIMI_SECTION, partial_suffix
 
 TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3",
                 "deepseek_v31", "kimi_k2", "glm45", "glm47", "pythonic", "olmo3", "granite", "phi4_mini_json")
@@ -68,7 +68,7 @@ MISTRAL_CALLS = "[TOOL_CALLS]"
 MISTRAL_ARGS = "[ARGS]"
 DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-KIMI_CALLS, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALLS, KIMI_CALLS_END = KIMI_SECTION, "<|tool_calls_section_end|>"
 KIMI_CALL, KIMI_CALL_END, KIMI_ARGS = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
 
 
@@ -210,6 +210,16 @@ def _first_json(text: str) -> list | None:
         return None
 
 
+def _object_calls(items: Any, plan, first: str = "arguments") -> list[dict] | None:
+    """A list of `{"name", "arguments" | "parameters"}` objects (`first` looked up first) -> their
+    calls; None unless it is a non-empty list whose every item is a call of a known tool."""
+    if not isinstance(items, list) or not items or not all(isinstance(v, dict) for v in items):
+        return None
+    second = "parameters" if first == "arguments" else "arguments"
+    calls = [_call(plan, v.get("name"), v.get(first, v.get(second))) for v in items]
+    return None if None in calls else calls
+
+
 class _Buffered:
     """Shared by llama3_json and mistral: content streams until the call marker; from there the rest
     is held and parsed when the output ends (kept as content if it does not parse)."""
@@ -248,6 +258,18 @@ class _Buffered:
         return "", self.calls
 
 
+class _MarkedCalls(_Buffered):
+    """Content streams up to MARKER; from there the output is held and read as calls when it ends."""
+
+    MARKER = ""
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.held is not None:
+            self.held += text
+            return "", []
+        return self._until(self.MARKER, text)
+
+
 class Llama3JsonParser(_Buffered):
     plain = False      # the output did not start with a call: text, up to a `<|python_tag|>` if any
 
@@ -274,11 +296,7 @@ class Llama3JsonParser(_Buffered):
         body = text.strip()
         if body.startswith(PYTHON_TAG):
             body = body[len(PYTHON_TAG):]
-        values = _json_values(body, ";")
-        if not values or not all(isinstance(v, dict) for v in values):
-            return None
-        calls = [_call(self.plan, v.get("name"), v.get("parameters", v.get("arguments"))) for v in values]
-        return None if None in calls else calls
+        return _object_calls(_json_values(body, ";"), self.plan, "parameters")
 
 
 _JSON_NAMES = {"true": True, "false": False, "null": None}
@@ -309,8 +327,7 @@ def _python_calls(text: str, plan) -> list[dict] | None:
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
                     and all(k.arg is not None for k in node.keywords)):
                 return None
-            args = {k.arg: _py_value(k.value) for k in node.keywords}
-            calls.append(_call(plan, node.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)))
+            calls.append(_call(plan, node.func.id, {k.arg: _py_value(k.value) for k in node.keywords}))
         return None if None in calls else calls
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return None
@@ -363,50 +380,34 @@ class GraniteParser(_StartsWithCalls):
     def _parse(self, text: str) -> list[dict] | None:
         body = text.strip().removeprefix(GRANITE_CALL).removeprefix("<tool_call>").strip()
         try:
-            items = strict_json(body)
+            return _object_calls(strict_json(body), self.plan)
         except (ValueError, RecursionError):
             return None
-        if not isinstance(items, list) or not items or not all(isinstance(v, dict) for v in items):
-            return None
-        calls = [_call(self.plan, v.get("name"), v.get("arguments", v.get("parameters"))) for v in items]
-        return None if None in calls else calls
 
 
 PHI4_CALLS = "functools"
 
 
-class Phi4MiniParser(_Buffered):
+class Phi4MiniParser(_MarkedCalls):
     """phi4_mini_json: content streams up to `functools`; from there the JSON array of calls after it
     is read when the output ends (what follows the array is dropped, as vLLM's parser drops it)."""
 
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        if self.held is not None:
-            self.held += text
-            return "", []
-        return self._until(PHI4_CALLS, text)
+    MARKER = PHI4_CALLS
 
     def _parse(self, text: str) -> list[dict] | None:
         body = text[len(PHI4_CALLS):].lstrip()
         values = _first_json(body) if body.startswith("[") else None
-        if not values or not isinstance(values[0], list) or not values[0] or \
-                not all(isinstance(v, dict) for v in values[0]):
-            return None
-        calls = [_call(self.plan, v.get("name"), v.get("arguments", v.get("parameters"))) for v in values[0]]
-        return None if None in calls else calls
+        return _object_calls(values[0], self.plan) if values else None
 
 
 OLMO_CALLS, OLMO_CALLS_END = "<function_calls>", "</function_calls>"
 
 
-class Olmo3Parser(_Buffered):
+class Olmo3Parser(_MarkedCalls):
     """olmo3: content streams up to `<function_calls>`; from there the calls (one per line) are read
     when the output ends."""
 
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        if self.held is not None:
-            self.held += text
-            return "", []
-        return self._until(OLMO_CALLS, text)
+    MARKER = OLMO_CALLS
 
     def _parse(self, text: str) -> list[dict] | None:
         body = text[len(OLMO_CALLS):]
@@ -422,12 +423,8 @@ _MISTRAL_V11 = re.compile(r"([A-Za-z0-9_.\-]+)\s*+(?:\[CALL_ID\]\s*+([A-Za-z0-9_
                           re.S)
 
 
-class MistralParser(_Buffered):
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        if self.held is not None:
-            self.held += text
-            return "", []
-        return self._until(MISTRAL_CALLS, text)
+class MistralParser(_MarkedCalls):
+    MARKER = MISTRAL_CALLS
 
     def _parse(self, text: str) -> list[dict] | None:
         calls: list = []
@@ -503,6 +500,12 @@ def _xml_value(text: str, schema: Any) -> Any:
     return text
 
 
+def _properties(plan, name: str) -> dict:
+    """The argument schemas of the request's tool `name` (a name in plan.names)."""
+    tool = next(t["function"] for t in plan.tools if t["function"]["name"] == name)
+    return (tool.get("parameters") or {}).get("properties") or {}
+
+
 def parse_xml_call(body: str, plan) -> dict | None:
     """One qwen3_coder `<tool_call>` block's body -> a call, or None (the block stays content) when it
     is not `<function=NAME>` of a known tool. Each value loses the newline the template writes after
@@ -511,8 +514,7 @@ def parse_xml_call(body: str, plan) -> dict | None:
     if m is None or m.group(1).strip() not in plan.names:
         return None
     name = m.group(1).strip()
-    tool = next(t["function"] for t in plan.tools if t["function"]["name"] == name)
-    props = (tool.get("parameters") or {}).get("properties") or {}
+    props = _properties(plan, name)
     args = {}
     for p in _XML_PARAMETER.finditer(m.group(2)):
         text = p.group(2)
@@ -624,6 +626,11 @@ class HeldSpace:
         self.held_ws = text[len(stripped):]
         return stripped
 
+    def _last_space(self) -> str:
+        """At the output's end: the held whitespace, unless calls followed it."""
+        held, self.held_ws = self.held_ws, ""
+        return "" if self.calls else held
+
 
 class SectionToolParser(HeldSpace):
     """deepseek_v3 / deepseek_v31 / kimi_k2: content streams until the section's opening marker;
@@ -697,11 +704,7 @@ class SectionToolParser(HeldSpace):
         if self.section is not None:        # cut inside the section
             self.section += rest
             rest = self._end_section(rest)
-        content = self._content(rest)
-        if not self.calls:
-            content += self.held_ws
-        self.held_ws = ""
-        return content, []
+        return self._content(rest) + self._last_space(), []
 
 
 _GLM_NAME = re.compile(r"\s*([^\s<]+)", re.S)
@@ -726,8 +729,7 @@ def parse_glm_call(body: str, plan) -> dict | None:
     m = _GLM_NAME.match(body)
     if m is None or m.group(1) not in plan.names:
         return None
-    tool = next(t["function"] for t in plan.tools if t["function"]["name"] == m.group(1))
-    props = (tool.get("parameters") or {}).get("properties") or {}
+    props = _properties(plan, m.group(1))
     args, i = {}, m.end()
     while (pair := _GLM_ARG.match(body, i)) is not None:
         key = pair.group(1).strip()

@@ -35,6 +35,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve.reasoning import partial_suffix
 from serve.tool_parsers import (FAMILY_PARSERS, HeldSpace, make_call, model_call,  # noqa: F401 (new_call_id: re-exported)
                                 new_call_id, parse_glm_call, parse_xml_call, strict_json)
 
@@ -367,7 +368,7 @@ class AutoToolParser(HeldSpace):
                     self.pending = self.pending[start + len(self.open_tag):]
                     self.in_block = True
                     continue
-                keep = _partial_suffix(self.pending, self.open_tag)
+                keep = partial_suffix(self.pending, self.open_tag)
                 content += self._content(self.pending[:len(self.pending) - keep])
                 self.pending = self.pending[len(self.pending) - keep:]
                 break
@@ -377,11 +378,7 @@ class AutoToolParser(HeldSpace):
         """The rest at the end of the output: an unfinished block is content."""
         rest = (self.open_tag if self.in_block else "") + self.pending
         self.pending, self.in_block = "", False
-        content = self._content(rest) if rest else ""
-        if not self.calls:
-            content += self.held_ws
-            self.held_ws = ""
-        return content, []
+        return self._content(rest) + self._last_space(), []
 
 
 def auto_parser(name: str, plan: ToolPlan):
@@ -394,14 +391,6 @@ def auto_parser(name: str, plan: ToolPlan):
     if name in ("glm45", "glm47"):      # <tool_call> blocks of a name and <arg_key> / <arg_value> pairs
         return AutoToolParser(plan, parse_glm_call)
     return FAMILY_PARSERS[name](plan)
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest suffix of text that is a proper prefix of marker."""
-    for k in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
 
 
 def parse_auto(text: str, plan: ToolPlan, parser: str = "hermes") -> tuple[str | None, list[dict]]:
