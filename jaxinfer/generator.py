@@ -31,6 +31,7 @@ from jaxinfer.config.engine import engine_config, settings as engine_settings
 from jaxinfer.host.beam_search import BeamSearchParams
 from jaxinfer.hub import ModelSpecError, apply_hf_overrides, resolve_model_path, resolve_tokenizer_path
 from jaxinfer.errors import FieldError
+from jaxinfer.fim import fim_prompt
 from jaxinfer.tokenizer import cut_ids
 from jaxinfer.classify import Classifier, read_classifier
 from jaxinfer.client import Completion, EngineClient, SubmitError
@@ -294,16 +295,24 @@ class Generator:
             raise ValueError("a prompt must be a string or a list of integer token ids")
         return [int(t) for t in ids]
 
+    def _fim(self, prefix: str | Sequence[int], suffix: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("suffix needs the model's tokenizer, which this model lacks")
+        ids = prefix if isinstance(prefix, str) else self._encode(prefix)
+        return fim_prompt(self.tokenizer, ids, suffix)
+
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  cache_salt: str | None = None, priority: int | Sequence[int] = 0,
-                 lora: str | None | Sequence[str | None] = None) -> list[GenerationOutput]:
+                 lora: str | None | Sequence[str | None] = None, suffix: str | None = None) -> list[GenerationOutput]:
         """cache_salt: these prompts share cached prefix blocks only with requests of the same salt.
         priority: lower runs first (one for all prompts or one per prompt); a priority other than 0
         needs scheduling_policy="priority" (vLLM's rule).
         lora: a loaded LoRA adapter's name for every prompt, or a list with one per prompt (None: the
-        base model); rows with different adapters share every step."""
+        base model); rows with different adapters share every step.
+        suffix: fill in the middle (OpenAI's `suffix`; jaxinfer.fim): each prompt is the prefix and
+        the model writes the text between it and `suffix`, ended also by its infill stop tokens."""
         if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
             prompts = [prompts.tolist()]     # one prompt's token ids
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
@@ -312,7 +321,10 @@ class Generator:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        encoded = [self._encode(p) for p in prompts]
+        encoded = [self._encode(p) for p in prompts] if not suffix else [self._fim(p, suffix) for p in prompts]
+        if suffix:
+            stops = self.tokenizer.fim.stops
+            plist = [dataclasses.replace(p, stop_token_ids=tuple(dict.fromkeys(p.stop_token_ids + stops))) for p in plist]
         self._check_leader()
         try:
             rids, results = self.client.generate(encoded, plist, cache_salt=cache_salt, priority=priority,

@@ -41,6 +41,7 @@ _REPLACEMENT = "\ufffd"
 # decoders to see the context a leading-space marker or a split multi-byte char depends on.
 _PROMPT_CONTEXT = 5
 _UNK_TEXT = "<unk>"    # text whose SentencePiece pieces a word-marker-free encode is read after
+_ANCHOR = "\u263a"     # the same for a tokenizer.json (mistral_common's choice)
 
 
 class TokenizerError(ValueError):
@@ -217,6 +218,42 @@ class Tokenizer:
             return sp.encode(text, out_type=int)
         lead = sp.encode(_UNK_TEXT, out_type=int)
         return sp.encode(_UNK_TEXT + text, out_type=int)[len(lead):]
+
+    def encode_piece(self, text: str, first: bool = True) -> list[int]:
+        """Ids of a stretch of text with no special token added, as SentencePiece's encoders of
+        infilling prompts make them (Meta's CodeLlama, mistral_common): as a text of its own (first:
+        one word marker before it where the tokenizer adds a dummy prefix, even before a space), or
+        as text that goes on after other tokens (no marker: the ids of "\u263a" + text less those of
+        "\u263a", their encode_infilling). A byte-level tokenizer has no marker: both are its ids."""
+        if self.kind != "hf":
+            return self._encode_piece(text, first)
+        if self._byte_level or not text:
+            return self.encode(text, add_special_tokens=False)
+        if first and self._marks_words:
+            text = " " + text       # the dummy prefix, then the marker-free encode below
+        lead = self.encode(_ANCHOR, add_special_tokens=False)
+        joined = self.encode(_ANCHOR + text, add_special_tokens=False)
+        return joined[len(lead):] if joined[:len(lead)] == lead else self.encode(text, add_special_tokens=False)
+
+    @functools.cached_property
+    def _marks_words(self) -> bool:
+        """Whether a tokenizer.json puts a word marker before a text (Metaspace, or a Prepend("▁")
+        normalizer: SentencePiece's dummy prefix)."""
+        return self._backend.encode("a", add_special_tokens=False).tokens[:1] != ["a"]
+
+    @functools.cached_property
+    def adds_bos_token(self) -> bool:
+        """Whether encode(text) puts BOS first (tokenizer.json's post-processor; for SentencePiece,
+        add_bos_token)."""
+        if self.kind == "hf":
+            return self.bos_id is not None and self._backend.encode("", add_special_tokens=True).ids[:1] == [self.bos_id]
+        return self._adds_bos
+
+    @functools.cached_property
+    def fim(self) -> Any:
+        """The model's fill-in-the-middle tokens (jaxinfer.fim.FimTokens), or None."""
+        from jaxinfer.fim import find_fim_tokens
+        return find_fim_tokens(self)
 
     @functools.cached_property
     def _dummy_prefix(self) -> bool:

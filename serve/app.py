@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from jaxinfer.config import SamplingParams
 from jaxinfer.engine import RequestError
 from jaxinfer.errors import FieldError
+from jaxinfer.fim import FimError, fim_prompt
 from jaxinfer.tokenizer import cut_ids
 from jaxinfer.generator import Generator
 from serve import embeddings
@@ -194,7 +195,9 @@ class ServerState:
         texts = None
         # a text prompt is cut as the tokenizer cuts it (its special tokens stay), token ids by slicing
         cut = dict(truncate=self.truncation(req.truncate_prompt_tokens), side=req.truncation_side or "left")
-        if isinstance(p, str):
+        if req.suffix:
+            prompts = self.fim_prompts(req)
+        elif isinstance(p, str):
             prompts, texts = [self.encode(p, req.add_special_tokens, **cut)], [p]
         elif p and all(isinstance(x, str) for x in p):
             prompts, texts = [self.encode(x, req.add_special_tokens, **cut) for x in p], list(p)
@@ -213,12 +216,33 @@ class ServerState:
         if prompt_logprobs is None and req.echo and req.logprobs is not None:
             prompt_logprobs = req.logprobs
         params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs, defaults=self.gen.sampling_defaults)
+        if req.suffix:       # what ends an infill besides EOS (jaxinfer.fim)
+            params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(
+                params.stop_token_ids + self.tokenizer.fim.stops)))
         if req.echo and texts is None:
             texts = [self.tokenizer.decode(x) if self.tokenizer is not None else "".join(map(self.token_str, x))
                      for x in prompts]
         echo = Echo(texts or [], prompts, req.echo, echo_only, req.prompt_logprobs is not None)
         self.compile_grammar(params, req)
         return prompts, params, echo
+
+    def fim_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """`suffix` (OpenAI's, DeepSeek's FIM completion): each prompt (text, or token ids) is the
+        prefix, and the model is asked for the middle in its fill-in-the-middle format (jaxinfer.fim)."""
+        for name in ("echo", "truncate_prompt_tokens"):
+            if getattr(req, name) not in (None, False):
+                raise OpenAIError(400, f"{name} cannot be used with suffix", param=name)
+        if self.tokenizer is None:
+            raise OpenAIError(400, "suffix needs the model's tokenizer, which this model lacks", param="suffix")
+        p = req.prompt
+        one = isinstance(p, str) or (p and all(isinstance(x, int) for x in p))
+        prefixes = [p] if one else list(p)
+        if not prefixes or not all(isinstance(x, str) or (x and all(isinstance(t, int) for t in x)) for x in prefixes):
+            raise OpenAIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+        try:
+            return [fim_prompt(self.tokenizer, x, req.suffix, req.add_special_tokens) for x in prefixes]
+        except FimError as e:
+            raise OpenAIError(400, f"suffix: {e}", param="suffix") from None
 
     def chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         """A /v1/chat/completions body -> the rendered prompt's token ids and the sampling params."""

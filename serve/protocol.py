@@ -433,6 +433,8 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     max_tokens: int | None = 16
     prompt_logprobs: int | None = None      # vLLM's extension (echo with logprobs implies logprobs' k)
+    # OpenAI's: the text after the completion; the prompt is then the prefix (fill in the middle)
+    suffix: str | None = None
     # vLLM's: text prompts get the tokenizer's special tokens (BOS); false encodes them as they are
     add_special_tokens: bool = True
 

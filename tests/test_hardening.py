@@ -249,7 +249,8 @@ def test_non_streaming_disconnect_aborts_and_frees_blocks(srv, gen):
 # ------------------------------------------------------------------ 13. unsupported fields are refused
 @pytest.mark.parametrize("route,field,value", [
     ("/v1/completions", "best_of", 3),
-    ("/v1/completions", "suffix", " the end"),
+    ("/v1/completions", "suffix", " the end"),     # a model with no fill-in-the-middle tokens (tests/test_fim.py)
+    ("/v1/chat/completions", "suffix", " the end"),
     # tools are chat-only (tests/test_structured_api.py covers them, structured outputs and logit_bias)
     ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("/v1/completions", "tool_choice", "required"),
