@@ -1,5 +1,5 @@
-"""OpenAI's Responses API: POST /v1/responses (streamed or not), GET and DELETE /v1/responses/{id},
-GET /v1/responses/{id}/input_items.
+"""OpenAI's Responses API: POST /v1/responses (streamed or not, in the background or not), GET and
+DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items.
 
 A Responses request becomes a chat completion request (the same template, parsers, sampling and
 structured outputs as /v1/chat/completions, serve.app.ServerState.chat_request), and its output
@@ -34,10 +34,17 @@ the stored item with that id. include ["reasoning.encrypted_content"] (clients t
 Codex among them) puts each reasoning item's text, base64 behind a marker (_seal: not encrypted),
 in its encrypted_content, which stands for the text when the item comes back. Fields not implemented get a 400 naming them
 (UNSUPPORTED_RESPONSE_FIELDS).
+
+background (needs store): the request is answered at once with status "queued" and runs on the
+server's event loop whoever listens (_Run), stored "in_progress" until it ends (completed,
+incomplete, "failed" with the error where the engine died); GET ?stream=true replays its events
+after starting_after and follows the rest, cancel aborts it ("cancelled"), DELETE stops it too.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import threading
 from collections import OrderedDict
@@ -57,7 +64,6 @@ RESPONSE_STORE = 1024
 
 # Responses fields this server does not implement: a 400 naming the field unless its value is a no-op
 UNSUPPORTED_RESPONSE_FIELDS = {
-    "background": lambda v: v is None or v is False,
     "conversation": lambda v: v is None,
     "include": lambda v: v is None or (isinstance(v, list) and all(x == "reasoning.encrypted_content" for x in v)),
     "max_tool_calls": lambda v: v is None,
@@ -87,6 +93,7 @@ class ResponsesRequest(_Body):
     reasoning: dict[str, Any] | None = None
     stream: bool = False
     store: bool = True
+    background: bool = False
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -100,7 +107,7 @@ class ResponsesRequest(_Body):
         stores nothing (store false) to send back."""
         return "reasoning.encrypted_content" in (self.include or [])
 
-    @field_validator("stream", "store", mode="before")
+    @field_validator("stream", "store", "background", mode="before")
     @classmethod
     def _null_is_default(cls, v: Any, info) -> Any:
         """null is the default (the SDK's types make both nullable)."""
@@ -432,6 +439,8 @@ async def create_response(request: Request):
     raw = await json_body(request)
     ResponsesRequest.check_unsupported(raw)
     req = validated(ResponsesRequest, raw)
+    if req.background and not req.store:
+        raise OpenAIError(400, "background responses must be stored: background needs store true", param="background")
     try:
         chat, items = await run_in_threadpool(_chat_request, state, req)
         prompt, params, parsers = await run_in_threadpool(state.chat_request, chat)
@@ -449,6 +458,9 @@ async def create_response(request: Request):
             _store(state).put(rid, body, items)
         return body
 
+    if req.background:
+        return _run_in_background(state, req, sub, items, finish, ChatChoices(1, plan, state.token_str, False, parsers),
+                                  _response(rid, created, model, req, [], "queued", None, False), len(prompt))
     if not req.stream:
         def build(groups):
             from serve.protocol import chat_message
@@ -559,7 +571,7 @@ async def _events(state, sub, choices: ChatChoices, start: dict, n_prompt: int, 
     w, done, n_out, cached, cut = _EventWriter(sealed), False, 0, 0, False
     try:
         yield w.event("response.created", response=start)
-        yield w.event("response.in_progress", response=start)
+        yield w.event("response.in_progress", response={**start, "status": "in_progress"})
         remaining = 1
         while remaining:
             d = await next_delta(sub)
@@ -584,6 +596,76 @@ async def _events(state, sub, choices: ChatChoices, start: dict, n_prompt: int, 
         state.engine.release(sub, done)
 
 
+class _Run:
+    """A background response (background: true) running on the server's event loop whoever
+    listens: its events so far (each one's index is its sequence_number), which GET
+    /v1/responses/{id}?stream=true replays from starting_after and then follows; its task, which
+    cancel stops (the engine request aborted, its blocks freed)."""
+
+    def __init__(self, events):
+        self.events: list[str] = []
+        self.done = False
+        self._signal = asyncio.Event()
+        self.task = asyncio.ensure_future(self._run(events))
+
+    async def _run(self, events) -> None:
+        try:
+            async for e in events:
+                self.events.append(e)
+                self._wake()
+        finally:
+            self.done = True
+            self._wake()
+
+    def _wake(self) -> None:
+        signal, self._signal = self._signal, asyncio.Event()
+        signal.set()
+
+    async def follow(self, after: int):
+        i = after + 1
+        while True:
+            signal = self._signal
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.done:
+                return
+            await signal.wait()
+
+    def error(self) -> dict | None:
+        """The error event that ended it (an engine that died), as a response's `error`."""
+        if self.events and '"type": "error"' in self.events[-1]:
+            e = json.loads(self.events[-1].split("data: ", 1)[1])
+            return {"code": e.get("code") or "server_error", "message": e["message"]}
+        return None
+
+
+def _runs(state) -> dict[str, _Run]:
+    if not hasattr(state, "response_runs"):
+        state.response_runs = {}
+    return state.response_runs
+
+
+def _run_in_background(state, req: ResponsesRequest, sub, items: list[dict], finish, choices: ChatChoices,
+                       queued: dict, n_prompt: int):
+    """background: true: stored at once (in progress), answered "queued"; the run goes on without
+    the client, streamed to it where it asked (stream true) and to whoever asks later."""
+    store, runs = _store(state), _runs(state)
+    for rid in [r for r, run in runs.items() if run.done and store.get(r) is None]:
+        del runs[rid]                   # finished runs whose response the store has dropped
+    store.put(queued["id"], {**queued, "status": "in_progress"}, items)
+    run = runs[queued["id"]] = _Run(_events(state, sub, choices, queued, n_prompt, finish, req.sealed))
+
+    def ended(_task) -> None:           # an engine that died: the stored response failed
+        found = store.get(queued["id"])
+        if found is not None and found[0]["status"] == "in_progress" and (error := run.error()) is not None:
+            store.put(queued["id"], {**found[0], "status": "failed", "error": error}, found[1])
+    run.task.add_done_callback(ended)
+    if req.stream:
+        return StreamingResponse(run.follow(-1), media_type="text/event-stream")
+    return queued
+
+
 def _stored(request: Request, response_id: str) -> tuple[dict, list[dict]]:
     found = _store(request.app.state.server).get(response_id)
     if found is None:
@@ -600,16 +682,53 @@ def _no_query(request: Request, noop: dict) -> None:
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, request: Request):
-    # stream / starting_after replay a background response's events, which this server does not run
-    _no_query(request, {"stream": lambda v: v.lower() == "false", "include[]": lambda v: False,
-                        "include": lambda v: False, "starting_after": lambda v: False})
-    return _stored(request, response_id)[0]
+async def get_response(response_id: str, request: Request, stream: bool = False, starting_after: int | None = None):
+    """A stored response; stream=true: a background response's events after starting_after (its
+    sequence_number; all of them without it), then the rest as they come."""
+    _no_query(request, {"include[]": lambda v: False, "include": lambda v: False})
+    body = _stored(request, response_id)[0]
+    if not stream:
+        if starting_after is not None:
+            raise OpenAIError(400, "starting_after needs stream=true", param="starting_after")
+        return body
+    run = _runs(request.app.state.server).get(response_id)
+    if run is None:
+        raise OpenAIError(400, "stream=true replays a background response's events; this response was not "
+                               "run in the background", param="stream")
+    return StreamingResponse(run.follow(-1 if starting_after is None else starting_after),
+                             media_type="text/event-stream")
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request):
+    """Stop a background response: its engine request aborted, its status "cancelled" (again: the
+    same response); a response that was not run in the background, or has ended, is a 400."""
+    state = request.app.state.server
+    body = _stored(request, response_id)[0]
+    run = _runs(state).get(response_id)
+    if run is None:
+        raise OpenAIError(400, "Cannot cancel a synchronous response.", param="response_id")
+    if body["status"] == "in_progress":
+        run.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run.task
+    body, items = _stored(request, response_id)
+    if body["status"] == "in_progress":
+        body = {**body, "status": "cancelled"}
+        _store(state).put(response_id, body, items)
+    elif body["status"] != "cancelled":
+        raise OpenAIError(400, f"Cannot cancel a response that is {body['status']}.", param="response_id")
+    return body
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request):
     _stored(request, response_id)
+    run = _runs(request.app.state.server).pop(response_id, None)
+    if run is not None and not run.done:       # a background response still running stops
+        run.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run.task
     _store(request.app.state.server).delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 

@@ -22,6 +22,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -434,7 +435,7 @@ def test_responses_message_output_text_and_errors(gen):
         # unknown previous_response_id, unimplemented fields
         bad = http.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": "resp_nope"})
         assert bad.status_code == 404 and "resp_nope" in bad.json()["error"]["message"]
-        bad = http.post("/v1/responses", json={"model": "tiny", "input": "x", "background": True})
+        bad = http.post("/v1/responses", json={"model": "tiny", "input": "x", "background": True, "store": False})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "background"
         stored = http.get(f"/v1/responses/{r.id}").json()
         assert stored["id"] == r.id and stored["output_text"] == "\n\nThe answer is 4."
@@ -670,6 +671,58 @@ def test_messages_stop_sequences_limits_and_errors(gen):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert http.post("/v1/chat/completions", json={**raw, "max_tokens": 2},
                          headers={"Authorization": "Bearer sekret"}).status_code == 200
+
+
+def _settled(client, rid: str, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while (r := client.responses.retrieve(rid)).status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return r
+
+
+def test_responses_in_the_background_polled_replayed_and_cancelled(gen):
+    """background: true (OpenAI's, vLLM's): answered "queued" at once and polled until completed with
+    the foreground's output; its events, streamed again (the SDK's retrieve(stream=True)), are the
+    foreground stream's, and from starting_after the ones after it; background with stream streams
+    them at once. cancel stops one still running (its engine request aborted, its blocks freed;
+    "cancelled" again when asked twice); a foreground or finished response cannot be cancelled."""
+    with serving(gen, "deepseek-r1.jinja") as (client, http):
+        kw = dict(model="tiny", input="2+2?", temperature=0, max_output_tokens=20)
+        fg = client.responses.create(**kw)
+        streamed = [e.type for e in client.responses.create(**kw, stream=True)]
+        bg = client.responses.create(**kw, background=True)
+        assert bg.status == "queued" and bg.output == []
+        done = _settled(client, bg.id)
+        assert done.status == "completed" and done.output_text == fg.output_text == "\n\nThe answer is 4."
+        assert [o.type for o in done.output] == [o.type for o in fg.output]
+        events = list(client.responses.retrieve(bg.id, stream=True))
+        assert [e.type for e in events] == streamed and [e.sequence_number for e in events] == list(range(len(events)))
+        assert events[0].response.status == "queued" and events[-1].response.output_text == fg.output_text
+        later = list(client.responses.retrieve(bg.id, stream=True, starting_after=3))
+        assert [e.sequence_number for e in later] == list(range(4, len(events)))
+        assert [e.type for e in client.responses.create(**kw, background=True, stream=True)] == streamed
+        # a long one (a string of at least 3000 characters, cut at 1500 tokens), cancelled while it runs
+        schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 3000}}, "required": ["a"]}
+        long = client.responses.create(model="tiny", input="2+2?", temperature=0, max_output_tokens=1500, background=True,
+                                       text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+        deadline = time.monotonic() + 60
+        while gen.stats()["num_running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        cancelled = client.responses.cancel(long.id)
+        assert cancelled.status == "cancelled" and client.responses.cancel(long.id).status == "cancelled"
+        assert client.responses.retrieve(long.id).status == "cancelled"
+        assert "response.completed" not in [e.type for e in client.responses.retrieve(long.id, stream=True)]
+        deadline = time.monotonic() + 30
+        while gen.stats()["kv_blocks_used"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gen.stats()["kv_blocks_used"] == 0 and gen.stats()["num_running"] == 0
+        for path, status, param in ((f"/v1/responses/{fg.id}/cancel", 400, "response_id"),     # foreground
+                                    (f"/v1/responses/{bg.id}/cancel", 400, "response_id"),     # completed
+                                    ("/v1/responses/resp_nope/cancel", 404, "response_id")):
+            r = http.post(path)
+            assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+        r = http.get(f"/v1/responses/{fg.id}?starting_after=2")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after", r.text
 
 
 def test_responses_store_false_clients_send_reasoning_back_sealed(gen):

@@ -173,6 +173,12 @@ def test_dead_engine_fails_every_request_and_sigterm_exits(model_dir, tmp_path):
         while "streaming" not in results and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "streaming" in results, "the stream never started"
+        # a background response (a string of 1000 characters or more: no EOS before it ends)
+        schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 1000}}, "required": ["a"]}
+        bg = httpx.post(f"{url}/v1/responses", timeout=60, json={
+            "model": "tiny", "input": "the night", "background": True, "max_output_tokens": 100, "temperature": 0,
+            "text": {"format": {"type": "json_schema", "name": "a", "schema": schema}}})
+        assert bg.status_code == 200 and bg.json()["status"] == "queued", bg.text
         trigger.touch()
         t_fault = time.monotonic()
         for t in threads:
@@ -187,6 +193,11 @@ def test_dead_engine_fails_every_request_and_sigterm_exits(model_dir, tmp_path):
         assert error_event["error"]["type"] == "server_error" and "injected fault" in error_event["error"]["message"]
         plain_r = results["plain"]
         assert plain_r.status_code == 503 and _openai_error(plain_r)["code"] == "engine_dead"
+        deadline = time.monotonic() + 30     # the background response is stored failed, with the error
+        while (stored := httpx.get(f"{url}/v1/responses/{bg.json()['id']}", timeout=10).json())["status"] == \
+                "in_progress" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stored["status"] == "failed" and "injected fault" in stored["error"]["message"], stored
         health = httpx.get(f"{url}/health", timeout=5)
         assert health.status_code == 503 and _openai_error(health)["code"] == "engine_dead"
         assert "injected fault" in _openai_error(health)["message"]
