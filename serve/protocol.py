@@ -557,6 +557,8 @@ class ChatCompletionRequest(_Sampling):
     def request_field(self, name: str) -> str:
         if name == "logprobs":
             return "top_logprobs"
+        if name == "prompt":
+            return "messages"     # the rendered conversation (one too long for the context)
         if name == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
         if name == "structured_outputs" and self.constraint_field() == "tool_choice":

@@ -35,6 +35,9 @@ Codex among them) puts each reasoning item's text, base64 behind a marker (_seal
 in its encrypted_content, which stands for the text when the item comes back. Fields not implemented get a 400 naming them
 (UNSUPPORTED_RESPONSE_FIELDS).
 
+truncation "auto" leaves the earliest turns out of a prompt too long for the context (_fitted);
+max_tool_calls, a limit on built-in tools' calls, has none here to limit.
+
 background (needs store): the request is answered at once with status "queued" and runs on the
 server's event loop whoever listens (_Run), stored "in_progress" until it ends (completed,
 incomplete, "failed" with the error where the engine died); GET ?stream=true replays its events
@@ -48,11 +51,11 @@ import contextlib
 import json
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from serve.bridge import EngineDeadError
@@ -66,12 +69,10 @@ RESPONSE_STORE = 1024
 UNSUPPORTED_RESPONSE_FIELDS = {
     "conversation": lambda v: v is None,
     "include": lambda v: v is None or (isinstance(v, list) and all(x == "reasoning.encrypted_content" for x in v)),
-    "max_tool_calls": lambda v: v is None,
     "prompt": lambda v: v is None,
     "safety_identifier": lambda v: v is None,
     "service_tier": lambda v: v is None or v in ("auto", "default"),
     "top_logprobs": lambda v: v is None or v == 0,
-    "truncation": lambda v: v is None or v == "disabled",
     "stream_options": lambda v: v is None,
     "context_management": lambda v: v is None,
 }
@@ -94,6 +95,10 @@ class ResponsesRequest(_Body):
     stream: bool = False
     store: bool = True
     background: bool = False
+    # "auto": a conversation longer than the context loses its earliest turns (_fitted)
+    truncation: Literal["auto", "disabled"] | None = None
+    # calls to built-in tools, of which this server has none: accepted, with nothing to limit
+    max_tool_calls: int | None = Field(default=None, ge=0)
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -354,8 +359,30 @@ def _input_items(store: ResponseStore, req: ResponsesRequest, history: list[dict
     return [_stored_item(item) for item in items]
 
 
-def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[dict]]:
-    """The chat request a Responses request stands for, and its input items (kept for the store)."""
+def _fitted(state, req: ResponsesRequest):
+    """The chat request, its input items, and the rendered prompt, sampling params and parsers
+    (ServerState.chat_request). truncation "auto": while the prompt and max_output_tokens (at least
+    one token) overflow max_model_len, the conversation's earliest turns are left out of the prompt,
+    a whole turn at a time (from a user message up to the next), the instructions kept; the stored
+    input items stay whole."""
+    chat, items = _chat_request(state, req)
+    rendered = state.chat_request(chat)
+    if req.truncation != "auto":
+        return chat, items, *rendered
+    room = state.max_model_len - (req.max_output_tokens or 1)
+    turns = [i for i, item in enumerate(items) if i and item.get("type", "message") == "message"
+             and item.get("role") == "user"]
+    for skip in turns:
+        if len(rendered[0]) <= room:
+            break
+        chat = _chat_request(state, req, skip)[0]
+        rendered = state.chat_request(chat)
+    return chat, items, *rendered
+
+
+def _chat_request(state, req: ResponsesRequest, skip: int = 0) -> tuple[ChatCompletionRequest, list[dict]]:
+    """The chat request a Responses request stands for, and its input items (kept for the store);
+    skip: how many of the conversation's first items the prompt leaves out (_fitted)."""
     store, history = _store(state), []
     if req.previous_response_id is not None:
         found = store.get(req.previous_response_id)
@@ -369,7 +396,7 @@ def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, 
         raise OpenAIError(400, "reasoning: this model is served without a reasoning parser "
                                "(start the server with --reasoning-parser)", param="reasoning")
     items = history + _input_items(store, req, history)
-    conversation = input_messages(items)
+    conversation = input_messages(items[skip:])
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
                             "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice),
@@ -418,7 +445,8 @@ def _response(rid: str, created: int, model: str, req: ResponsesRequest, output:
             "top_p": req.top_p if req.top_p is not None else 1.0,
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": tools,
             "text": req.text or {"format": {"type": "text"}}, "reasoning": req.reasoning,
-            "previous_response_id": req.previous_response_id, "store": req.store, "usage": usage}
+            "previous_response_id": req.previous_response_id, "store": req.store, "background": req.background,
+            "truncation": req.truncation or "disabled", "max_tool_calls": req.max_tool_calls, "usage": usage}
 
 
 def _usage(n_prompt: int, n_out: int, cached: int, reasoning: int | None, written: int = 0) -> dict:
@@ -442,8 +470,7 @@ async def create_response(request: Request):
     if req.background and not req.store:
         raise OpenAIError(400, "background responses must be stored: background needs store true", param="background")
     try:
-        chat, items = await run_in_threadpool(_chat_request, state, req)
-        prompt, params, parsers = await run_in_threadpool(state.chat_request, chat)
+        chat, items, prompt, params, parsers = await run_in_threadpool(_fitted, state, req)
         lora = state.check_model(req.model)    # a loaded LoRA adapter's name runs with it, as on chat
         field = lambda name: _RESPONSES_FIELDS.get(chat.request_field(name), name)   # noqa: E731
         sub = state.engine.submit([prompt], params, request_field=field, lora=lora)

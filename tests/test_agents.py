@@ -725,6 +725,29 @@ def test_responses_in_the_background_polled_replayed_and_cancelled(gen):
         assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after", r.text
 
 
+def test_responses_truncation_auto_leaves_out_the_earliest_turns(gen):
+    """truncation "auto" (OpenAI's): a conversation that overflows the context (2048 tokens here)
+    with max_output_tokens loses whole turns from its start, the instructions kept: the prompt is the
+    one the same request makes without those turns; "disabled" (the default) is a 400. The stored
+    input items stay whole. max_tool_calls (built-in tools, none here) is accepted."""
+    long = " ".join(["the cat sat on a mat"] * 100)     # about 1600 tokens
+    early = [{"role": "user", "content": long}, {"role": "assistant", "content": "ok"}]
+    late = [{"role": "user", "content": "2+2?"}]
+    kw = dict(model="tiny", temperature=0, instructions="be brief", max_output_tokens=1200)
+    with serving(gen, "deepseek-r1.jinja") as (client, http):
+        bad = http.post("/v1/responses", json={**kw, "input": early + late})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_output_tokens", bad.text
+        bad = http.post("/v1/responses", json={**kw, "input": early * 2 + late, "max_output_tokens": None})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "input", bad.text
+        cut = client.responses.create(**kw, input=early + late, truncation="auto", max_tool_calls=3)
+        alone = client.responses.create(**kw, input=late)
+        assert cut.truncation == "auto" and cut.usage.input_tokens == alone.usage.input_tokens
+        assert cut.output_text == alone.output_text
+        assert len(list(client.responses.input_items.list(cut.id))) == 3
+        fits = client.responses.create(**{**kw, "max_output_tokens": 20}, input=early + late, truncation="auto")
+        assert fits.usage.input_tokens > 1000           # nothing to leave out
+
+
 def test_responses_store_false_clients_send_reasoning_back_sealed(gen):
     """include reasoning.encrypted_content (what Codex sends with store false): the reasoning item
     carries an opaque encrypted_content, streamed and not, which sent back alone stands for the
