@@ -290,13 +290,15 @@ class ServerState:
         """The part of the rendered prompt `text` that settles where the output starts (in the
         reasoning or the answer: serve.reasoning.prompt_state): the generation prompt the template
         added, i.e. the text past the same messages rendered without it, so that a tag a message
-        quotes ("what does <think> do?") cannot. The whole prompt where there is none
-        (continue_final_message, add_generation_prompt false) or where the template renders the
-        messages differently with it."""
-        if self.reasoning_parser in (None, "gpt_oss") or not req.add_generation_prompt or req.continue_final_message:
+        quotes ("what does <think> do?") cannot; under continue_final_message, the continued message
+        (with its header: the text past the messages before it). The whole prompt where there is
+        neither (add_generation_prompt false) or where the template renders the earlier messages
+        differently then."""
+        if self.reasoning_parser in (None, "gpt_oss") or not (req.add_generation_prompt or req.continue_final_message):
             return text
+        earlier = req.messages[:-1] if req.continue_final_message else req.messages
         try:
-            base = self.render_chat_text(req.messages, req.tool_plan(), kwargs, False, False, req.documents, template)
+            base = self.render_chat_text(earlier, req.tool_plan(), kwargs, False, False, req.documents, template)
         except OpenAIError:
             return text
         return text[len(base):] if text.startswith(base) else text

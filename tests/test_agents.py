@@ -1024,6 +1024,26 @@ def test_a_tag_quoted_in_a_message_does_not_decide_the_reasoning(gen, template, 
         assert split_reasoning(parsers.reasoning, parsers.prompt, text) == expected
 
 
+@pytest.mark.parametrize("continued,text,expected", [
+    ("Sure,", " it opens a block.", (None, " it opens a block.")),
+    ("<think>let me", " see</think>It opens one.", (" see", "It opens one.")),
+])
+def test_a_continued_message_decides_the_reasoning_not_a_tag_quoted_before_it(gen, continued, text, expected):
+    """continue_final_message: the continued assistant message (its header and text) settles where
+    the output starts, not a `<think>` an earlier message quotes (before, the whole prompt was read,
+    and the quoted tag opened a block the reply never had)."""
+    from serve.protocol import ChatCompletionRequest
+    from serve.reasoning import split_reasoning
+    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    messages = [{"role": "user", "content": "What does <think> do?"}, {"role": "assistant", "content": continued}]
+    with serving(gen, template, reasoning_parser="qwen3") as (_, http):
+        state = http.app.state.server
+        _, _, parsers = state.chat_request(ChatCompletionRequest(messages=messages, continue_final_message=True,
+                                                                 add_generation_prompt=False))
+        assert split_reasoning(parsers.reasoning, parsers.prompt, text) == expected
+
+
 def test_section_calls_keep_the_model_text_and_one_call_without_parallel_tool_calls():
     """A DeepSeek / Kimi call's arguments are the model's own JSON text (its spacing kept, so the call
     sent back renders as the model wrote it); with parallel_tool_calls false only the first call is
