@@ -295,6 +295,11 @@ class Generator:
             raise ValueError("a prompt must be a string or a list of integer token ids")
         return [int(t) for t in ids]
 
+    def _fim_params(self, params: SamplingParams) -> SamplingParams:
+        """An infill also ends at its family's infill stop tokens (jaxinfer.fim)."""
+        stops = tuple(dict.fromkeys(params.stop_token_ids + self.tokenizer.fim.stops))
+        return dataclasses.replace(params, stop_token_ids=stops)
+
     def _fim(self, prefix: str | Sequence[int], suffix: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("suffix needs the model's tokenizer, which this model lacks")
@@ -323,8 +328,7 @@ class Generator:
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts] if not suffix else [self._fim(p, suffix) for p in prompts]
         if suffix:
-            stops = self.tokenizer.fim.stops
-            plist = [dataclasses.replace(p, stop_token_ids=tuple(dict.fromkeys(p.stop_token_ids + stops))) for p in plist]
+            plist = [self._fim_params(p) for p in plist]
         self._check_leader()
         try:
             rids, results = self.client.generate(encoded, plist, cache_salt=cache_salt, priority=priority,
@@ -355,9 +359,12 @@ class Generator:
         return outputs
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               priority: int = 0, lora: str | None = None) -> Iterator[StreamDelta]:
+               priority: int = 0, lora: str | None = None, suffix: str | None = None) -> Iterator[StreamDelta]:
+        """suffix: fill in the middle, as generate's."""
         params = params or self.default_sampling_params()
-        ids = self._encode(prompt)
+        ids = self._encode(prompt) if not suffix else self._fim(prompt, suffix)
+        if suffix:
+            params = self._fim_params(params)
         self._check_leader()
         queue: deque = deque()
         try:

@@ -192,5 +192,7 @@ def test_served_infill_stops_where_transformers_stops(tmp_path):
             assert r.status_code == 400 and r.json()["error"]["param"] == "suffix", r.text
         out = gen.generate(prefix, SamplingParams(max_tokens=8, temperature=0.0), suffix=suffix)[0]
         assert out.prompt_token_ids == prompt and out.token_ids == drawn and out.stop_reason == chain[-1]
+        deltas = list(gen.stream(prefix, SamplingParams(max_tokens=8, temperature=0.0), suffix=suffix))
+        assert [t for d in deltas for t in d.token_ids] == drawn and deltas[-1].finish_reason == "stop"
     finally:
         gen.close()
