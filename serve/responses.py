@@ -35,6 +35,9 @@ Codex among them) puts each reasoning item's text, base64 behind a marker (_seal
 in its encrypted_content, which stands for the text when the item comes back. Fields not implemented get a 400 naming them
 (UNSUPPORTED_RESPONSE_FIELDS).
 
+include message.output_text.logprobs: an output_text part carries its own tokens' logprobs
+(ChatChoices.answer_logprobs: a delta's tokens outside the reasoning, matched to the text they
+write; a call's are dropped), non-streamed too (_replayed: the items as the stream builds them).
 truncation "auto" leaves the earliest turns out of a prompt too long for the context (_fitted);
 max_tool_calls, a limit on built-in tools' calls, has none here to limit.
 
@@ -64,15 +67,15 @@ from serve.reasoning import reasoning_tokens
 from serve.stream import ChatChoices, next_delta, respond
 
 RESPONSE_STORE = 1024
+INCLUDABLE = ("reasoning.encrypted_content", "message.output_text.logprobs")
 
 # Responses fields this server does not implement: a 400 naming the field unless its value is a no-op
 UNSUPPORTED_RESPONSE_FIELDS = {
     "conversation": lambda v: v is None,
-    "include": lambda v: v is None or (isinstance(v, list) and all(x == "reasoning.encrypted_content" for x in v)),
+    "include": lambda v: v is None or (isinstance(v, list) and all(x in INCLUDABLE for x in v)),
     "prompt": lambda v: v is None,
     "safety_identifier": lambda v: v is None,
     "service_tier": lambda v: v is None or v in ("auto", "default"),
-    "top_logprobs": lambda v: v is None or v == 0,
     "stream_options": lambda v: v is None,
     "context_management": lambda v: v is None,
 }
@@ -99,6 +102,9 @@ class ResponsesRequest(_Body):
     truncation: Literal["auto", "disabled"] | None = None
     # calls to built-in tools, of which this server has none: accepted, with nothing to limit
     max_tool_calls: int | None = Field(default=None, ge=0)
+    # with include message.output_text.logprobs: each output_text token's alternatives (vLLM's rule:
+    # without that include no logprobs are returned)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -111,6 +117,11 @@ class ResponsesRequest(_Body):
         """include reasoning.encrypted_content: reasoning items carry their text for a client that
         stores nothing (store false) to send back."""
         return "reasoning.encrypted_content" in (self.include or [])
+
+    @property
+    def logprobs(self) -> bool:
+        """include message.output_text.logprobs: each output_text part carries its tokens' logprobs."""
+        return "message.output_text.logprobs" in (self.include or [])
 
     @field_validator("stream", "store", "background", mode="before")
     @classmethod
@@ -407,6 +418,8 @@ def _chat_request(state, req: ResponsesRequest, skip: int = 0) -> tuple[ChatComp
             setattr(req, name, state.gen.sampling_defaults[name])
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
+    if req.logprobs:
+        body |= {"logprobs": True, "top_logprobs": req.top_logprobs or 0}
     effort = (req.reasoning or {}).get("effort")
     if effort is not None:
         body["chat_template_kwargs"] = {"reasoning_effort": effort}
@@ -485,8 +498,9 @@ async def create_response(request: Request):
             _store(state).put(rid, body, items)
         return body
 
+    choices = lambda: ChatChoices(1, plan, state.token_str, req.logprobs, parsers, state.token_bytes)  # noqa: E731
     if req.background:
-        return _run_in_background(state, req, sub, items, finish, ChatChoices(1, plan, state.token_str, False, parsers),
+        return _run_in_background(state, req, sub, items, finish, choices(),
                                   _response(rid, created, model, req, [], "queued", None, False), len(prompt))
     if not req.stream:
         def build(groups):
@@ -499,15 +513,16 @@ async def create_response(request: Request):
             if message.get("content"):
                 output.append(_message_item(message["content"]))
             output += [_call_item(c) for c in message.get("tool_calls") or []]
+            if req.logprobs:     # the items as streamed, whose output_text parts carry their tokens
+                output = _replayed(g, choices(), req.sealed)
             n_out = sum(len(d.token_ids) for d in g)
             n_reason = reasoning_tokens(parsers, g) if parsers.reasoning else 0
             cached = max((d.num_cached_tokens for d in g), default=0)
             return finish(output, _usage(len(prompt), n_out, cached, n_reason,
                                          state.cache_written(len(prompt), cached)), finish_reason == "length")
         return await respond(state.engine, sub, request, build)
-    choices = ChatChoices(1, plan, state.token_str, False, parsers)
     start = _response(rid, created, model, req, [], "in_progress", None, False)
-    return StreamingResponse(_events(state, sub, choices, start, len(prompt), finish, req.sealed),
+    return StreamingResponse(_events(state, sub, choices(), start, len(prompt), finish, req.sealed),
                              media_type="text/event-stream")
 
 
@@ -518,6 +533,12 @@ class _EventWriter:
     def __init__(self, sealed: bool = False):
         self.seq, self.output, self.sealed = 0, [], sealed
         self.open_item: dict | None = None        # the reasoning or message item being written
+        # answer tokens' logprobs not yet matched to text: they go with the next output_text delta
+        # (text a parser held back comes out later), or are dropped where a tool call comes first
+        self.pending: list[dict] = []
+
+    def tokens(self, logprobs: list[dict]) -> None:
+        self.pending += logprobs
 
     def event(self, kind: str, **fields) -> str:
         self.seq += 1
@@ -537,7 +558,7 @@ class _EventWriter:
                                text=part["text"]),
                     self.event("response.output_item.done", output_index=idx, item=item)]
         return [self.event("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                           text=part["text"], logprobs=[]),
+                           text=part["text"], logprobs=part["logprobs"]),
                 self.event("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
                            part=part),
                 self.event("response.output_item.done", output_index=idx, item=item)]
@@ -561,12 +582,16 @@ class _EventWriter:
         item = self.open_item
         item["content"][0]["text"] += delta
         kind_delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {}
+        if kind == "message":
+            extra["logprobs"], self.pending = self.pending, []
+            item["content"][0]["logprobs"] += extra["logprobs"]
         return events + [self.event(kind_delta, item_id=item["id"], output_index=self.output.index(item),
                                     content_index=0, delta=delta, **extra)]
 
     def tool_call(self, tc: dict) -> list[str]:
         """A streamed tool-call delta: the call's id and name (the item opens), then its arguments."""
+        self.pending = []           # a call's tokens are no output_text's
         if "id" in tc:
             events = self.close()
             item = _call_item({"id": tc["id"], "function": {"name": tc["function"]["name"], "arguments": ""}},
@@ -594,6 +619,19 @@ class _EventWriter:
         return events
 
 
+def _replayed(deltas: list, choices: ChatChoices, sealed: bool) -> list[dict]:
+    """A finished choice's deltas -> its output items, as the stream builds them."""
+    w = _EventWriter(sealed)
+    for d in deltas:
+        if d.text or d.token_ids or d.finished:
+            chunks = choices(d)
+            w.tokens(choices.answer_logprobs)
+            for chunk in chunks:
+                w.chunk(chunk)
+    w.close()
+    return w.output
+
+
 async def _events(state, sub, choices: ChatChoices, start: dict, n_prompt: int, finish, sealed: bool):
     w, done, n_out, cached, cut = _EventWriter(sealed), False, 0, 0, False
     try:
@@ -607,7 +645,9 @@ async def _events(state, sub, choices: ChatChoices, start: dict, n_prompt: int, 
             cached = max(cached, d.num_cached_tokens)
             if not (d.text or d.token_ids or d.finished):
                 continue
-            for chunk in choices(d):
+            chunks = choices(d)
+            w.tokens(choices.answer_logprobs)
+            for chunk in chunks:
                 for e in w.chunk(chunk):
                     yield e
                 cut = cut or chunk.get("finish_reason") == "length"

@@ -203,6 +203,7 @@ class ChatChoices:
         self.tools = [ToolStream(plan, parsers.tools) if plan is not None and plan.parses else None for _ in range(n)]
         self.reasoners = [parsers.reasoning_parser() for _ in range(n)]
         self._reasoning_counts = [0] * n
+        self.answer_logprobs: list[dict] = []
         first = {"role": role, "content": None if plan is not None and plan.constrained else ""}
         self.head = [{"index": i, "delta": first, "logprobs": None, "finish_reason": None} for i in range(n)]
         if echo:   # vLLM's chat echo: the last message's content, one chunk per choice after the roles
@@ -219,17 +220,21 @@ class ChatChoices:
     def __call__(self, d: RequestOutput) -> list[dict]:
         lp = chat_logprobs([d], self.token_str, self.token_bytes) if self.logprobs else None
         ts, rp = self.tools[d.sample_index], self.reasoners[d.sample_index]
-        text, head = d.text, []
+        text, head, thought = d.text, [], False
         if rp is not None:
             before = in_reasoning(rp)
             reasoning, text = rp.feed(d.text)
             if d.finished:
                 r2, c2 = rp.finish()
                 reasoning, text = reasoning + r2, text + c2
-            if before or in_reasoning(rp):
+            thought = before or in_reasoning(rp)
+            if thought:
                 self._reasoning_counts[d.sample_index] += len(d.token_ids)
             if reasoning:
                 head = [{"reasoning_content": reasoning}]
+        # this delta's tokens that are the answer's (content or calls), not reasoning (Responses'
+        # output_text logprobs)
+        self.answer_logprobs = lp["content"] if lp is not None and not thought else []
         deltas = [{"content": text} if text else {}] if ts is None else ts.feed(text, d.finished, d.finish_reason)
         if head:
             deltas = head + [x for x in deltas if x]

@@ -725,6 +725,32 @@ def test_responses_in_the_background_polled_replayed_and_cancelled(gen):
         assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after", r.text
 
 
+def test_responses_output_text_logprobs_are_its_own_tokens(gen):
+    """include message.output_text.logprobs with top_logprobs (what the AI SDK sends for logprobs):
+    the output_text part carries its own tokens, their strings joining into its text (the
+    reasoning's tokens, its end tag and the EOS are not its), each with the logprob and alternatives
+    the chat completion reports for the same token; streamed, the deltas carry the same list; without
+    the include, none (vLLM's rule)."""
+    with serving(gen, "deepseek-r1.jinja") as (client, http):
+        kw = dict(model="tiny", input="2+2?", temperature=0, max_output_tokens=20)
+        r = client.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=2)
+        part = r.output[-1].content[0]
+        assert [o.type for o in r.output] == ["reasoning", "message"]
+        assert "".join(x.token for x in part.logprobs) == part.text == "\n\nThe answer is 4."
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "2+2?"}],
+                                              temperature=0, max_tokens=20, logprobs=True, top_logprobs=2)
+        listed = lambda xs: [(x.token, x.logprob, [(t.token, t.logprob) for t in x.top_logprobs]) for x in xs]  # noqa: E731
+        n = len(part.logprobs)
+        assert listed(part.logprobs) == listed(chat.choices[0].logprobs.content[-1 - n:-1])
+        assert all(len(x.top_logprobs) == 2 for x in part.logprobs)
+        streamed, final = [], None
+        for e in client.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=2, stream=True):
+            streamed += e.logprobs if e.type == "response.output_text.delta" else []
+            final = e.response if e.type == "response.completed" else final
+        assert listed(streamed) == listed(part.logprobs) == listed(final.output[-1].content[0].logprobs)
+        assert not client.responses.create(**kw, top_logprobs=2).output[-1].content[0].logprobs
+
+
 def test_responses_truncation_auto_leaves_out_the_earliest_turns(gen):
     """truncation "auto" (OpenAI's): a conversation that overflows the context (2048 tokens here)
     with max_output_tokens loses whole turns from its start, the instructions kept: the prompt is the
@@ -775,7 +801,7 @@ def test_responses_store_false_clients_send_reasoning_back_sealed(gen):
         bad = http.post("/v1/responses", json={"model": "tiny", "input": [user, {**sealed, "encrypted_content": "gAAAA"}, fc,
                                                                          answer]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
-        bad = http.post("/v1/responses", json={"model": "tiny", "input": "x", "include": ["message.output_text.logprobs"]})
+        bad = http.post("/v1/responses", json={"model": "tiny", "input": "x", "include": ["file_search_call.results"]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "include"
 
 
