@@ -290,6 +290,10 @@ class ResponseStore:
                 return self._responses[rid]
             return None
 
+    def __contains__(self, rid: str) -> bool:     # (no use: the order of eviction unchanged)
+        with self._lock:
+            return rid in self._responses
+
     def item(self, item_id: str) -> dict | None:
         with self._lock:
             found = self._by_id.get(item_id)
@@ -718,7 +722,7 @@ def _run_in_background(state, req: ResponsesRequest, sub, items: list[dict], fin
     """background: true: stored at once (in progress), answered "queued"; the run goes on without
     the client, streamed to it where it asked (stream true) and to whoever asks later."""
     store, runs = _store(state), _runs(state)
-    for rid in [r for r, run in runs.items() if run.done and store.get(r) is None]:
+    for rid in [r for r, run in runs.items() if run.done and r not in store]:
         del runs[rid]                   # finished runs whose response the store has dropped
     store.put(queued["id"], {**queued, "status": "in_progress"}, items)
     run = runs[queued["id"]] = _Run(_events(state, sub, choices, queued, n_prompt, finish, req.sealed))
