@@ -43,7 +43,7 @@ FAMILIES: tuple[tuple[str, str, str, str | None], ...] = (
     ("mistral", "[PREFIX]", "[SUFFIX]", None),
 )
 STOP_TEXTS = ("<|fim_pad|>", "<fim_pad>", "<fim-pad>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>",
-              "<reponame>", "<|file_sep|>", "<file_sep>", "<EOT>", "▁<EOT>")
+              "<reponame>", "<repo_name>", "<|file_sep|>", "<file_sep>", "<|file_separator|>", "<EOT>", "▁<EOT>")
 
 
 class FimError(ValueError):
@@ -70,6 +70,13 @@ def find_fim_tokens(tok: Any) -> FimTokens | None:
         pre, suf = (texts[0], ids[0]), (texts[1], ids[1])
         return FimTokens(family, pre, suf, (texts[2], ids[2]) if texts[2] is not None else None, stops)
     return None
+
+
+def fills_in(tok: Any, suffix: str | None) -> bool:
+    """Whether a request with this `suffix` fills in the middle: any suffix given, an empty one too
+    (the cursor at the end of a file: mistral_common and llama.cpp keep the layout), except an empty
+    one for a model with no such tokens (OpenAI's no-op value: a plain completion)."""
+    return suffix is not None and (suffix != "" or (tok is not None and tok.fim is not None))
 
 
 def fim_prompt(tok: Any, prefix: str | Sequence[int], suffix: str, add_special_tokens: bool = True) -> list[int]:

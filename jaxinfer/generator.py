@@ -31,7 +31,7 @@ from jaxinfer.config.engine import engine_config, settings as engine_settings
 from jaxinfer.host.beam_search import BeamSearchParams
 from jaxinfer.hub import ModelSpecError, apply_hf_overrides, resolve_model_path, resolve_tokenizer_path
 from jaxinfer.errors import FieldError
-from jaxinfer.fim import fim_prompt
+from jaxinfer.fim import fills_in, fim_prompt
 from jaxinfer.tokenizer import cut_ids
 from jaxinfer.classify import Classifier, read_classifier
 from jaxinfer.client import Completion, EngineClient, SubmitError
@@ -326,8 +326,9 @@ class Generator:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        encoded = [self._encode(p) for p in prompts] if not suffix else [self._fim(p, suffix) for p in prompts]
-        if suffix:
+        fim = fills_in(self.tokenizer, suffix)
+        encoded = [self._fim(p, suffix) for p in prompts] if fim else [self._encode(p) for p in prompts]
+        if fim:
             plist = [self._fim_params(p) for p in plist]
         self._check_leader()
         try:
@@ -362,8 +363,9 @@ class Generator:
                priority: int = 0, lora: str | None = None, suffix: str | None = None) -> Iterator[StreamDelta]:
         """suffix: fill in the middle, as generate's."""
         params = params or self.default_sampling_params()
-        ids = self._encode(prompt) if not suffix else self._fim(prompt, suffix)
-        if suffix:
+        fim = fills_in(self.tokenizer, suffix)
+        ids = self._fim(prompt, suffix) if fim else self._encode(prompt)
+        if fim:
             params = self._fim_params(params)
         self._check_leader()
         queue: deque = deque()

@@ -40,8 +40,8 @@ _REPLACEMENT = "\ufffd"
 # How many prompt tokens seed the detokenizer window (vLLM uses the same number): enough for the
 # decoders to see the context a leading-space marker or a split multi-byte char depends on.
 _PROMPT_CONTEXT = 5
-_UNK_TEXT = "<unk>"    # text whose SentencePiece pieces a word-marker-free encode is read after
-_ANCHOR = "\u263a"     # the same for a tokenizer.json (mistral_common's choice)
+_ANCHOR = "\u263a"     # text whose pieces a word-marker-free encode is read after (mistral_common's)
+_UNK_TEXT = "<unk>"    # the second choice
 
 
 class TokenizerError(ValueError):
@@ -210,14 +210,14 @@ class Tokenizer:
 
     def _encode_piece(self, text: str, first: bool) -> list[int]:
         """SentencePiece ids of a stretch of text; not first: without the dummy-prefix word marker
-        (encoded after "<unk>"'s characters, whose pieces are then dropped)."""
+        (_after_anchor)."""
         if not text:
             return []
         sp = self._backend
         if first or not self._dummy_prefix:
             return sp.encode(text, out_type=int)
-        lead = sp.encode(_UNK_TEXT, out_type=int)
-        return sp.encode(_UNK_TEXT + text, out_type=int)[len(lead):]
+        found = _after_anchor(lambda t: sp.encode(t, out_type=int), text)
+        return found if found is not None else sp.encode(text, out_type=int)
 
     def encode_piece(self, text: str, first: bool = True) -> list[int]:
         """Ids of a stretch of text with no special token added, as SentencePiece's encoders of
@@ -229,11 +229,10 @@ class Tokenizer:
             return self._encode_piece(text, first)
         if self._byte_level or not text:
             return self.encode(text, add_special_tokens=False)
-        if first and self._marks_words:
-            text = " " + text       # the dummy prefix, then the marker-free encode below
-        lead = self.encode(_ANCHOR, add_special_tokens=False)
-        joined = self.encode(_ANCHOR + text, add_special_tokens=False)
-        return joined[len(lead):] if joined[:len(lead)] == lead else self.encode(text, add_special_tokens=False)
+        # first: the dummy prefix, then the marker-free encode
+        found = _after_anchor(lambda t: self.encode(t, add_special_tokens=False),
+                              " " + text if first and self._marks_words else text)
+        return found if found is not None else self.encode(text, add_special_tokens=False)
 
     @functools.cached_property
     def _marks_words(self) -> bool:
@@ -342,6 +341,18 @@ class Tokenizer:
                 continue
             dst.parent.mkdir(exist_ok=True)
             shutil.copyfile(f, dst)
+
+
+def _after_anchor(encode, text: str) -> list[int] | None:
+    """The ids of `text` encoded after an anchor, less the anchor's: text that goes on after other
+    tokens, without the word marker a SentencePiece-style tokenizer puts before a text (Meta's and
+    mistral_common's encode_infilling use "\u263a"). Only where the anchor's ids come out unchanged
+    (no piece merged across the boundary: "<unk>" + ">=" could make ">="); None where neither does."""
+    for anchor in (_ANCHOR, _UNK_TEXT):
+        lead, joined = encode(anchor), encode(anchor + text)
+        if joined[:len(lead)] == lead:
+            return joined[len(lead):]
+    return None
 
 
 def _token_id(backend: Any, kind: str, token: str) -> int | None:

@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from jaxinfer.config import SamplingParams
 from jaxinfer.engine import RequestError
 from jaxinfer.errors import FieldError
-from jaxinfer.fim import FimError, fim_prompt
+from jaxinfer.fim import FimError, fills_in, fim_prompt
 from jaxinfer.tokenizer import cut_ids
 from jaxinfer.generator import Generator
 from serve import embeddings
@@ -195,7 +195,8 @@ class ServerState:
         texts = None
         # a text prompt is cut as the tokenizer cuts it (its special tokens stay), token ids by slicing
         cut = dict(truncate=self.truncation(req.truncate_prompt_tokens), side=req.truncation_side or "left")
-        if req.suffix:
+        fim = fills_in(self.tokenizer, req.suffix)
+        if fim:
             prompts = self.fim_prompts(req)
         elif isinstance(p, str):
             prompts, texts = [self.encode(p, req.add_special_tokens, **cut)], [p]
@@ -216,7 +217,7 @@ class ServerState:
         if prompt_logprobs is None and req.echo and req.logprobs is not None:
             prompt_logprobs = req.logprobs
         params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs, defaults=self.gen.sampling_defaults)
-        if req.suffix:       # what ends an infill besides EOS (jaxinfer.fim)
+        if fim:       # what ends an infill besides EOS (jaxinfer.fim)
             params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(
                 params.stop_token_ids + self.tokenizer.fim.stops)))
         if req.echo and texts is None:
@@ -367,7 +368,7 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
         if err.get("type") == "json_invalid":
             return OpenAIError(400, f"the request body is not valid JSON: {err.get('msg')}")
         ctx = err.get("ctx") or {}
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path"))
         param = param or ctx.get("param") or (loc.split(".")[0] if loc else None)
         parts.append(err.get("msg") if "param" in ctx else f"{loc or 'body'}: {err.get('msg')}")
     return OpenAIError(400, "; ".join(parts) or "invalid request", param=param)

@@ -52,6 +52,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 import threading
 from collections import OrderedDict
 from typing import Any, Literal
@@ -66,6 +67,7 @@ from serve.protocol import ChatCompletionRequest, OpenAIError, _Body, json_body,
 from serve.reasoning import reasoning_tokens
 from serve.stream import ChatChoices, next_delta, respond
 
+log = logging.getLogger("jaxinfer.serve")
 RESPONSE_STORE = 1024
 INCLUDABLE = ("reasoning.encrypted_content", "message.output_text.logprobs")
 
@@ -378,8 +380,9 @@ def _fitted(state, req: ResponsesRequest):
     """The chat request, its input items, and the rendered prompt, sampling params and parsers
     (ServerState.chat_request). truncation "auto": while the prompt and max_output_tokens (at least
     one token) overflow max_model_len, the conversation's earliest turns are left out of the prompt,
-    a whole turn at a time (from a user message up to the next), the instructions kept; the stored
-    input items stay whole."""
+    a whole turn at a time (from a user message up to the next), the instructions and system or
+    developer messages kept; the stored input items stay whole. The last turn is never cut: a
+    conversation whose last user message and what follows it overflow is a 400."""
     chat, items = _chat_request(state, req)
     rendered = state.chat_request(chat)
     if req.truncation != "auto":
@@ -411,7 +414,8 @@ def _chat_request(state, req: ResponsesRequest, skip: int = 0) -> tuple[ChatComp
         raise OpenAIError(400, "reasoning: this model is served without a reasoning parser "
                                "(start the server with --reasoning-parser)", param="reasoning")
     items = history + _input_items(store, req, history)
-    conversation = input_messages(items[skip:])
+    kept = [i for i in items[:skip] if i.get("type", "message") == "message" and i.get("role") in ("system", "developer")]
+    conversation = input_messages(kept + items[skip:])
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
                             "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice),
@@ -673,11 +677,19 @@ class _Run:
     /v1/responses/{id}?stream=true replays from starting_after and then follows; its task, which
     cancel stops (the engine request aborted, its blocks freed)."""
 
-    def __init__(self, events):
+    def __init__(self, events, body: dict, items: list[dict]):
         self.events: list[str] = []
         self.done = False
+        self.body, self.items = body, items      # as stored at the start (the store may drop it)
         self._signal = asyncio.Event()
         self.task = asyncio.ensure_future(self._run(events))
+
+    async def stop(self) -> None:
+        """Cancel the run (its engine request aborted) and wait for it to end."""
+        if not self.task.done():
+            self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):   # (an error is the run's own)
+            await self.task
 
     async def _run(self, events) -> None:
         try:
@@ -704,10 +716,13 @@ class _Run:
             await signal.wait()
 
     def error(self) -> dict | None:
-        """The error event that ended it (an engine that died), as a response's `error`."""
+        """What ended it without a response, as a response's `error`: the error event of an engine
+        that died, or an exception of its own (a 500's server_error); None: a response, or cancel."""
         if self.events and '"type": "error"' in self.events[-1]:
             e = json.loads(self.events[-1].split("data: ", 1)[1])
             return {"code": e.get("code") or "server_error", "message": e["message"]}
+        if self.task.done() and not self.task.cancelled() and (exc := self.task.exception()) is not None:
+            return {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}
         return None
 
 
@@ -724,13 +739,15 @@ def _run_in_background(state, req: ResponsesRequest, sub, items: list[dict], fin
     store, runs = _store(state), _runs(state)
     for rid in [r for r, run in runs.items() if run.done and r not in store]:
         del runs[rid]                   # finished runs whose response the store has dropped
-    store.put(queued["id"], {**queued, "status": "in_progress"}, items)
-    run = runs[queued["id"]] = _Run(_events(state, sub, choices, queued, n_prompt, finish, req.sealed))
+    body = {**queued, "status": "in_progress"}
+    store.put(queued["id"], body, items)
+    run = runs[queued["id"]] = _Run(_events(state, sub, choices, queued, n_prompt, finish, req.sealed), body, items)
 
-    def ended(_task) -> None:           # an engine that died: the stored response failed
+    def ended(_task) -> None:           # an engine that died, or an error of the run: stored failed
         found = store.get(queued["id"])
         if found is not None and found[0]["status"] == "in_progress" and (error := run.error()) is not None:
             store.put(queued["id"], {**found[0], "status": "failed", "error": error}, found[1])
+            log.error("background response %s failed: %s", queued["id"], error["message"])
     run.task.add_done_callback(ended)
     if req.stream:
         return StreamingResponse(run.follow(-1), media_type="text/event-stream")
@@ -758,9 +775,10 @@ async def get_response(response_id: str, request: Request, stream: bool = False,
     sequence_number; all of them without it), then the rest as they come."""
     _no_query(request, {"include[]": lambda v: False, "include": lambda v: False})
     body = _stored(request, response_id)[0]
+    if starting_after is not None and (not stream or starting_after < 0):
+        raise OpenAIError(400, "starting_after is a sequence number (0 or more), with stream=true, got "
+                               f"{starting_after}", param="starting_after")
     if not stream:
-        if starting_after is not None:
-            raise OpenAIError(400, "starting_after needs stream=true", param="starting_after")
         return body
     run = _runs(request.app.state.server).get(response_id)
     if run is None:
@@ -775,15 +793,13 @@ async def cancel_response(response_id: str, request: Request):
     """Stop a background response: its engine request aborted, its status "cancelled" (again: the
     same response); a response that was not run in the background, or has ended, is a 400."""
     state = request.app.state.server
-    body = _stored(request, response_id)[0]
     run = _runs(state).get(response_id)
     if run is None:
+        _stored(request, response_id)
         raise OpenAIError(400, "Cannot cancel a synchronous response.", param="response_id")
-    if body["status"] == "in_progress":
-        run.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await run.task
-    body, items = _stored(request, response_id)
+    await run.stop()
+    # (a running response the store dropped, with 1024 newer ones, is stored again, cancelled)
+    body, items = _store(state).get(response_id) or (run.body, run.items)
     if body["status"] == "in_progress":
         body = {**body, "status": "cancelled"}
         _store(state).put(response_id, body, items)
@@ -794,12 +810,11 @@ async def cancel_response(response_id: str, request: Request):
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request):
-    _stored(request, response_id)
     run = _runs(request.app.state.server).pop(response_id, None)
-    if run is not None and not run.done:       # a background response still running stops
-        run.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await run.task
+    if run is None:
+        _stored(request, response_id)
+    else:            # a background response still running stops (found even where the store dropped it)
+        await run.stop()
     _store(request.app.state.server).delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 

@@ -210,6 +210,15 @@ class ChatChoices:
             self.head += [{"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
                           for i in range(n)]
 
+    def _tail_tokens(self, ids: list[int], n_chars: int) -> int:
+        """How many of a delta's last tokens write its last n_chars characters (a delta of several
+        tokens, as speculative decoding makes, can end the reasoning and begin the answer)."""
+        k = used = 0
+        while k < len(ids) and used + len(self.token_str(ids[-1 - k])) <= n_chars:
+            used += len(self.token_str(ids[-1 - k]))
+            k += 1
+        return k if n_chars else 0
+
     @property
     def reasoning_tokens(self) -> int | None:
         """As serve.reasoning.reasoning_tokens counts them, summed over the samples."""
@@ -220,21 +229,24 @@ class ChatChoices:
     def __call__(self, d: RequestOutput) -> list[dict]:
         lp = chat_logprobs([d], self.token_str, self.token_bytes) if self.logprobs else None
         ts, rp = self.tools[d.sample_index], self.reasoners[d.sample_index]
-        text, head, thought = d.text, [], False
+        text, head, answer = d.text, [], len(d.token_ids)
         if rp is not None:
             before = in_reasoning(rp)
             reasoning, text = rp.feed(d.text)
             if d.finished:
                 r2, c2 = rp.finish()
                 reasoning, text = reasoning + r2, text + c2
-            thought = before or in_reasoning(rp)
-            if thought:
+            if before or in_reasoning(rp):     # (usage's count: serve.reasoning.reasoning_tokens' rule)
                 self._reasoning_counts[d.sample_index] += len(d.token_ids)
+            if in_reasoning(rp):
+                answer = 0
+            elif before:       # the reasoning ended in this delta: the answer is its last tokens
+                answer = self._tail_tokens(d.token_ids, len(text))
             if reasoning:
                 head = [{"reasoning_content": reasoning}]
         # this delta's tokens that are the answer's (content or calls), not reasoning (Responses'
         # output_text logprobs)
-        self.answer_logprobs = lp["content"] if lp is not None and not thought else []
+        self.answer_logprobs = lp["content"][len(d.token_ids) - answer:] if lp is not None else []
         deltas = [{"content": text} if text else {}] if ts is None else ts.feed(text, d.finished, d.finish_reason)
         if head:
             deltas = head + [x for x in deltas if x]

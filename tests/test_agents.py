@@ -721,8 +721,46 @@ def test_responses_in_the_background_polled_replayed_and_cancelled(gen):
                                     ("/v1/responses/resp_nope/cancel", 404, "response_id")):
             r = http.post(path)
             assert r.status_code == status and r.json()["error"]["param"] == param, r.text
-        r = http.get(f"/v1/responses/{fg.id}?starting_after=2")
-        assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after", r.text
+        for query in ("starting_after=2", "stream=true&starting_after=-3", "stream=true&starting_after=x"):
+            r = http.get(f"/v1/responses/{bg.id}?{query}")
+            assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after", (query, r.text)
+
+
+def test_a_delta_of_several_tokens_ending_the_reasoning_gives_its_answer_tokens_logprobs():
+    """Speculative decoding hands out several tokens a step: where one delta ends the reasoning and
+    begins the answer, its last tokens (those whose strings write the answer's text) are the
+    answer's, for Responses' output_text logprobs; usage still counts the delta as reasoning
+    (serve.reasoning.reasoning_tokens' rule, the same streamed or not)."""
+    from jaxinfer.output_processor import RequestOutput
+    from serve.reasoning import OutputParsers
+    from serve.stream import ChatChoices
+    pieces = {1: "hm", 2: "</think>", 3: "\n\n", 4: "Four", 5: "."}
+    choices = ChatChoices(1, None, pieces.__getitem__, True, OutputParsers("deepseek_r1", "<think>\n"))
+    delta = lambda ids: RequestOutput("r", 0, "".join(pieces[i] for i in ids), ids, [-0.5] * len(ids),  # noqa: E731
+                                      [[] for _ in ids])
+    choices(delta([1]))
+    assert choices.answer_logprobs == []
+    chunks = choices(delta([2, 3, 4]))
+    assert [c["delta"] for c in chunks] == [{"content": "\n\nFour"}]
+    assert [x["token"] for x in choices.answer_logprobs] == ["\n\n", "Four"]
+    choices(delta([5]))
+    assert [x["token"] for x in choices.answer_logprobs] == ["."] and choices.reasoning_tokens == 4
+
+
+def test_a_background_response_whose_run_fails_is_stored_failed(gen, monkeypatch):
+    """A run that raises (here its usage) ends as a failed response with the error, not one left in
+    progress for its pollers; cancelling it is then a 400."""
+    import serve.responses as responses
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("usage broke")
+    with serving(gen, "deepseek-r1.jinja") as (client, http):
+        monkeypatch.setattr(responses, "_usage", broken)
+        bg = client.responses.create(model="tiny", input="2+2?", temperature=0, max_output_tokens=20, background=True)
+        r = _settled(client, bg.id)
+        assert r.status == "failed" and "usage broke" in r.error.message
+        r = http.post(f"/v1/responses/{bg.id}/cancel")
+        assert r.status_code == 400 and "failed" in r.json()["error"]["message"]
 
 
 def test_responses_output_text_logprobs_are_its_own_tokens(gen):
@@ -772,6 +810,9 @@ def test_responses_truncation_auto_leaves_out_the_earliest_turns(gen):
         assert len(list(client.responses.input_items.list(cut.id))) == 3
         fits = client.responses.create(**{**kw, "max_output_tokens": 20}, input=early + late, truncation="auto")
         assert fits.usage.input_tokens > 1000           # nothing to leave out
+        system = {"role": "system", "content": "answer in numbers"}     # system messages stay
+        cut = client.responses.create(**kw, input=[system] + early + late, truncation="auto")
+        assert cut.usage.input_tokens == client.responses.create(**kw, input=[system] + late).usage.input_tokens
 
 
 def test_responses_store_false_clients_send_reasoning_back_sealed(gen):

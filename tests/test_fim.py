@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 CASES = [("def area(r):\n    return", " * r\n\nprint(area(2))\n"), ("x = [", "]"), ("", " tail"),
-         ("  lead", "\n\tpass")]
+         ("  lead", "\n\tpass"), ("x = 1\n", "")]     # (an empty suffix: the cursor at the end of a file)
 QWEN = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|file_sep|>", "<|endoftext|>")
 DEEPSEEK = ("<｜begin▁of▁sentence｜>", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", "<｜end▁of▁sentence｜>")
 
@@ -75,7 +75,8 @@ def test_codellama_prompt_is_transformers_and_metas(tmp_path):
     tok = load_tokenizer(tmp_path)
     assert tok.fim.family == "codellama" and tok.fim.stops == (ref.eot_id,)
     marker = vocab["▁"]
-    for prefix, suffix in [c for c in CASES if c[0]]:   # transformers encodes " " + "" as a lone "▁"
+    # transformers encodes " " + "" as a lone "▁", and makes no infill of an empty suffix
+    for prefix, suffix in [c for c in CASES if c[0] and c[1]]:
         want = ref(prefix, suffix=suffix)["input_ids"]
         ours = fim_prompt(tok, prefix, suffix)
         if suffix.startswith(" "):
@@ -96,16 +97,18 @@ def test_mistral_suffix_first_as_mistral_common_encodes_it(tmp_path):
     from jaxinfer.fim import fim_prompt
     from jaxinfer.tokenizer import load_tokenizer
     buf = io.BytesIO()
-    lines = ["def area(r): return 3.14 * r * r", "print(area(2)) x = [1, 2] lead tail pass"] * 50
+    lines = ["def area(r): return 3.14 * r * r", "print(area(2)) x = [1, 2] lead tail pass",
+             "if x >= 1 and y >> 2: <unk> > 0"] * 50
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=330, model_type="bpe",
                                    byte_fallback=True, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=3,
-                                   control_symbols=["[PREFIX]", "[SUFFIX]"], user_defined_symbols=["☺"],
+                                   control_symbols=["[PREFIX]", "[SUFFIX]"], user_defined_symbols=["☺", ">=", ">>"],
                                    remove_extra_whitespaces=False, normalization_rule_name="identity")
     (tmp_path / "tokenizer.model").write_bytes(buf.getvalue())
     sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
     tok = load_tokenizer(tmp_path)
     assert tok.fim.family == "mistral" and tok.fim.middle is None
-    for prefix, suffix in CASES:
+    assert sp.piece_to_id(">=") != sp.unk_id()      # a piece that a "<unk>" anchor's ">" would merge into
+    for prefix, suffix in CASES + [("x", ">= 1"), ("x", "> 0"), ("x", ">> 2")]:
         want = [1, sp.piece_to_id("[SUFFIX]"), *sp.encode("☺" + suffix)[2:], sp.piece_to_id("[PREFIX]"), *sp.encode(prefix)]
         assert fim_prompt(tok, prefix, suffix) == want, (prefix, suffix)
 
@@ -184,6 +187,10 @@ def test_served_infill_stops_where_transformers_stops(tmp_path):
                                                               "max_tokens": 8, "temperature": 0, "stream": True}) as r:
                 events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
             assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == ref.decode(drawn[:-1])
+            r = http.post("/v1/completions", json={"model": "coder", "prompt": prefix, "suffix": "", "max_tokens": 1,
+                                                   "return_token_ids": True})     # at the end of a file: an infill too
+            assert r.json()["choices"][0]["prompt_token_ids"] == ref.encode(
+                f"<|fim_prefix|>{prefix}<|fim_suffix|><|fim_middle|>").ids
             for body, param in (({"echo": True}, "echo"), ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens")):
                 r = http.post("/v1/completions", json={"model": "coder", "prompt": prefix, "suffix": suffix, **body})
                 assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
