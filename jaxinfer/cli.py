@@ -80,13 +80,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if isinstance(prompt, str):
             print(prompt, end="", flush=True)
         n_tokens = 0
-        for delta in gen.stream(prompt, params):
+        for delta in gen.stream(prompt, params, suffix=args.suffix):
             print(delta.text if gen.tokenizer else " ".join(map(str, delta.token_ids)) + " ", end="", flush=True)
             n_tokens += len(delta.token_ids)
         dt = time.perf_counter() - t0
         print(f"\n[{n_tokens} tokens in {dt:.2f} s, {n_tokens / dt:.1f} tok/s]", file=sys.stderr)
         return 0
-    out = gen.generate([prompt], params)[0]
+    out = gen.generate([prompt], params, suffix=args.suffix)[0]
     for i, s in enumerate(out.samples):
         if args.json:
             print(json.dumps({"index": i, "text": s.text, "token_ids": s.token_ids, "finish_reason": s.finish_reason}))
@@ -298,6 +298,8 @@ def _add_generate(sub) -> None:
     _model_arg(g)
     g.add_argument("prompt", nargs="?", default=None)
     g.add_argument("--ids", default=None, help="the prompt as token ids, e.g. '1,2,3'")
+    g.add_argument("--suffix", default=None, help="fill in the middle: the prompt is the code before the cursor, "
+                                                   "this the code after it (a code model's FIM tokens)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

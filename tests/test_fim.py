@@ -151,11 +151,11 @@ def _chain_model(folder: Path):
     return model, ref, chain[1:]
 
 
-def test_served_infill_stops_where_transformers_stops(tmp_path):
+def test_served_infill_stops_where_transformers_stops(tmp_path, capsys):
     """/v1/completions with `suffix`: the prompt is the model card's FIM string, and the infill ends
     at <|fim_pad|> (a stop llama.cpp counts end of generation) with the tokens transformers' greedy
-    generate draws given the same stop ids; Generator.generate(suffix=...) the same. echo with suffix
-    is refused naming echo; chat has no suffix."""
+    generate draws given the same stop ids; Generator.generate / stream(suffix=...) and `jaxinfer
+    generate --suffix` the same. echo with suffix is refused naming echo; chat has no suffix."""
     import torch
     from starlette.testclient import TestClient
 
@@ -203,3 +203,8 @@ def test_served_infill_stops_where_transformers_stops(tmp_path):
         assert [t for d in deltas for t in d.token_ids] == drawn and deltas[-1].finish_reason == "stop"
     finally:
         gen.close()
+    from jaxinfer.cli import main        # `jaxinfer generate PREFIX --suffix SUFFIX`
+    assert main(["generate", "--model", str(tmp_path / "m"), "--dtype", "float32", prefix, "--suffix", suffix,
+                 "--json", "--max-tokens", "8", "--max-num-batched-tokens", "32", "--max-model-len", "128"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["token_ids"] == drawn and line["text"] == ref.decode(drawn[:-1])
