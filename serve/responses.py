@@ -78,7 +78,8 @@ UNSUPPORTED_RESPONSE_FIELDS = {
     "prompt": lambda v: v is None,
     "safety_identifier": lambda v: v is None,
     "service_tier": lambda v: v is None or v in ("auto", "default"),
-    "stream_options": lambda v: v is None,
+    # stream obfuscation (random padding on delta events) is not done: only asking for none is a no-op
+    "stream_options": lambda v: v is None or v == {} or v == {"include_obfuscation": False},
     "context_management": lambda v: v is None,
 }
 

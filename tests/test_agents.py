@@ -689,7 +689,10 @@ def test_responses_in_the_background_polled_replayed_and_cancelled(gen):
     with serving(gen, "deepseek-r1.jinja") as (client, http):
         kw = dict(model="tiny", input="2+2?", temperature=0, max_output_tokens=20)
         fg = client.responses.create(**kw)
-        streamed = [e.type for e in client.responses.create(**kw, stream=True)]
+        streamed = [e.type for e in client.responses.create(**kw, stream=True,
+                                                            stream_options={"include_obfuscation": False})]
+        r = http.post("/v1/responses", json={**kw, "stream": True, "stream_options": {"include_obfuscation": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
         bg = client.responses.create(**kw, background=True)
         assert bg.status == "queued" and bg.output == []
         done = _settled(client, bg.id)
