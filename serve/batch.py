@@ -1,8 +1,8 @@
 """The offline batch script: `jaxinfer batch IN.jsonl OUT.jsonl [--model PATH]`.
 
 Input: one request per line in the OpenAI batch-file shape
-    {"custom_id": "...", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions" | "/v1/embeddings"
-     | "/v1/score" | "/v1/rerank", "body": {...}}
+    {"custom_id": "...", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions" | "/v1/responses"
+     | "/v1/embeddings" | "/v1/score" | "/v1/rerank", "body": {...}}
 (embeddings, scores and reranking on a model that serves them, as vLLM's run-batch takes them, also
 at "/score", "/rerank" and "/v2/rerank"; the bodies are the server's).
 All valid requests go to the engine at once, so continuous batching keeps the device full; beam-search
@@ -39,8 +39,10 @@ from serve.embeddings import (EmbeddingRequest, RerankRequest, ScorePlan, ScoreR
                               encode_embedding_inputs, rerank_plan, score_plan)
 from serve.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_body, completion_body,
                             find_invalid_text, new_id, now, response_id, with_token_ids)
+from serve.responses import ResponsesRequest, final_body, prepared
 
 ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+          "/v1/responses": ResponsesRequest,
           "/v1/embeddings": EmbeddingRequest, "/v1/score": ScoreRequest, "/score": ScoreRequest,
           "/v1/rerank": RerankRequest, "/rerank": RerankRequest, "/v2/rerank": RerankRequest}
 
@@ -59,6 +61,7 @@ class Job:
     poolings: list | None = None   # embeddings, scores: each input's PoolingState
     plan: ScorePlan | None = None  # scores and reranking: how the vectors make the body
     beam: BeamSearchParams | None = None   # use_beam_search: the search's params
+    responses: tuple | None = None  # /v1/responses: (its chat request, its input items, its id, created)
 
 
 def _key(line: int, custom_id: Any) -> tuple[int, str | None]:
@@ -93,11 +96,19 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
         return _error_line(line_no, cid, 400, "custom_id must be a non-empty string")
     if url not in ROUTES:
         return _error_line(line_no, cid, 400, f"url must be one of {sorted(ROUTES)}, got {url!r}")
-    parsers = poolings = plan = None
+    parsers = poolings = plan = responses = None
     try:
+        if url == "/v1/responses":
+            ResponsesRequest.check_unsupported(obj.get("body"))
         req = ROUTES[url].model_validate(obj.get("body"))
         echo = None
-        if url == "/v1/completions":
+        if isinstance(req, ResponsesRequest):
+            for name in ("stream", "background"):
+                if getattr(req, name):
+                    raise OpenAIError(400, f"{name}: a batch line's response is written whole", param=name)
+            chat, items, prompt, params, parsers = prepared(state, req)
+            prompts, responses = [prompt], (chat, items, new_id("resp"), now())
+        elif url == "/v1/completions":
             prompts, params, echo = state.completion_request(req)
         elif url == "/v1/embeddings":
             state.check_model(req.model)
@@ -122,8 +133,8 @@ def parse_line(state: ServerState, line_no: int, text: str | bytes) -> Job | dic
     except Exception as e:   # one line's surprise never ends the run
         return _error_line(line_no, cid, 500, f"line {line_no + 1}: {type(e).__name__}: {e}")
     return Job(line_no, cid, url, req, prompts, params, echo=echo,
-               parsers=parsers if url == "/v1/chat/completions" else None, poolings=poolings, beam=beam,
-               plan=plan)
+               parsers=parsers if url in ("/v1/chat/completions", "/v1/responses") else None, poolings=poolings,
+               beam=beam, plan=plan, responses=responses)
 
 
 def _read_lines(path: Path) -> list[str | bytes]:
@@ -167,6 +178,11 @@ def _result_line(state: ServerState, job: Job, outputs: dict[str, list[list]]) -
         return {"id": new_id("batch_req"), "custom_id": job.custom_id, "line": job.line,
                 "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
     n_prompt = sum(map(len, job.prompts))
+    if job.responses is not None:
+        chat, items, rid, created = job.responses
+        body = final_body(state, job.request, rid, created, model, chat, items, job.parsers, groups[0], n_prompt)
+        return {"id": new_id("batch_req"), "custom_id": job.custom_id, "line": job.line,
+                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
     build = completion_body if job.url == "/v1/completions" else chat_body
     want_lp = job.request.logprobs is not None if job.url == "/v1/completions" else job.request.logprobs
     rid = response_id("cmpl" if job.url == "/v1/completions" else "chatcmpl", None, job.request.request_id)

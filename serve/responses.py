@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import logging
 import threading
@@ -483,6 +484,47 @@ _RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text
                      "chat_template_kwargs": "reasoning"}
 
 
+def prepared(state, req: ResponsesRequest):
+    """_fitted, its errors named by this API's fields (create_response and the batch script)."""
+    try:
+        return _fitted(state, req)
+    except OpenAIError as e:
+        raise renamed(e, _RESPONSES_FIELDS) from None
+
+
+def _finish(state, req: ResponsesRequest, rid: str, created: int, model: str, items: list[dict],
+            output: list[dict], usage: dict, cut: bool) -> dict:
+    body = _response(rid, created, model, req, output, "incomplete" if cut else "completed", usage, cut)
+    if req.store:
+        _store(state).put(rid, body, items)
+    return body
+
+
+def _choices(state, req: ResponsesRequest, chat: ChatCompletionRequest, parsers) -> ChatChoices:
+    return ChatChoices(1, chat.tool_plan(), state.token_str, req.logprobs, parsers, state.token_bytes)
+
+
+def final_body(state, req: ResponsesRequest, rid: str, created: int, model: str, chat: ChatCompletionRequest,
+               items: list[dict], parsers, deltas: list, n_prompt: int) -> dict:
+    """A finished, non-streamed response's body from its one choice's deltas (stored where req.store)."""
+    from serve.protocol import chat_message
+    g = deltas
+    message, finish_reason = chat_message("".join(d.text for d in g), g[-1].finish_reason, chat.tool_plan(), parsers)
+    output = []
+    if message.get("reasoning_content"):
+        output.append(_reasoning_item(message["reasoning_content"], sealed=req.sealed))
+    if message.get("content"):
+        output.append(_message_item(message["content"]))
+    output += [_call_item(c) for c in message.get("tool_calls") or []]
+    if req.logprobs:     # the items as streamed, whose output_text parts carry their tokens
+        output = _replayed(g, _choices(state, req, chat, parsers), req.sealed)
+    n_out = sum(len(d.token_ids) for d in g)
+    n_reason = reasoning_tokens(parsers, g) if parsers.reasoning else 0
+    cached = max((d.num_cached_tokens for d in g), default=0)
+    usage = _usage(n_prompt, n_out, cached, n_reason, state.cache_written(n_prompt, cached))
+    return _finish(state, req, rid, created, model, items, output, usage, finish_reason == "length")
+
+
 @router.post("/v1/responses")
 async def create_response(request: Request):
     state = request.app.state.server
@@ -491,48 +533,24 @@ async def create_response(request: Request):
     req = validated(ResponsesRequest, raw)
     if req.background and not req.store:
         raise OpenAIError(400, "background responses must be stored: background needs store true", param="background")
+    chat, items, prompt, params, parsers = await run_in_threadpool(prepared, state, req)
     try:
-        chat, items, prompt, params, parsers = await run_in_threadpool(_fitted, state, req)
         lora = state.check_model(req.model)    # a loaded LoRA adapter's name runs with it, as on chat
         field = lambda name: _RESPONSES_FIELDS.get(chat.request_field(name), name)   # noqa: E731
         sub = state.engine.submit([prompt], params, request_field=field, lora=lora)
     except OpenAIError as e:   # errors name this request's fields, not the chat request's
         raise renamed(e, _RESPONSES_FIELDS) from None
     rid, created, model = new_id("resp"), now(), lora or state.model_name
-    plan = chat.tool_plan()
-
-    def finish(output: list[dict], usage: dict, cut: bool) -> dict:
-        body = _response(rid, created, model, req, output, "incomplete" if cut else "completed", usage, cut)
-        if req.store:
-            _store(state).put(rid, body, items)
-        return body
-
-    choices = lambda: ChatChoices(1, plan, state.token_str, req.logprobs, parsers, state.token_bytes)  # noqa: E731
+    finish = functools.partial(_finish, state, req, rid, created, model, items)
     if req.background:
-        return _run_in_background(state, req, sub, items, finish, choices(),
+        return _run_in_background(state, req, sub, items, finish, _choices(state, req, chat, parsers),
                                   _response(rid, created, model, req, [], "queued", None, False), len(prompt))
     if not req.stream:
-        def build(groups):
-            from serve.protocol import chat_message
-            g = groups[0]
-            message, finish_reason = chat_message("".join(d.text for d in g), g[-1].finish_reason, plan, parsers)
-            output = []
-            if message.get("reasoning_content"):
-                output.append(_reasoning_item(message["reasoning_content"], sealed=req.sealed))
-            if message.get("content"):
-                output.append(_message_item(message["content"]))
-            output += [_call_item(c) for c in message.get("tool_calls") or []]
-            if req.logprobs:     # the items as streamed, whose output_text parts carry their tokens
-                output = _replayed(g, choices(), req.sealed)
-            n_out = sum(len(d.token_ids) for d in g)
-            n_reason = reasoning_tokens(parsers, g) if parsers.reasoning else 0
-            cached = max((d.num_cached_tokens for d in g), default=0)
-            return finish(output, _usage(len(prompt), n_out, cached, n_reason,
-                                         state.cache_written(len(prompt), cached)), finish_reason == "length")
-        return await respond(state.engine, sub, request, build)
+        return await respond(state.engine, sub, request, lambda groups: final_body(
+            state, req, rid, created, model, chat, items, parsers, groups[0], len(prompt)))
     start = _response(rid, created, model, req, [], "in_progress", None, False)
-    return StreamingResponse(_events(state, sub, choices(), start, len(prompt), finish, req.sealed),
-                             media_type="text/event-stream")
+    return StreamingResponse(_events(state, sub, _choices(state, req, chat, parsers), start, len(prompt), finish,
+                                     req.sealed), media_type="text/event-stream")
 
 
 class _EventWriter:

@@ -792,6 +792,33 @@ def test_responses_output_text_logprobs_are_its_own_tokens(gen):
         assert not client.responses.create(**kw, top_logprobs=2).output[-1].content[0].logprobs
 
 
+def test_batch_runs_responses_lines_as_the_server_answers_them(gen, tmp_path):
+    """/v1/responses lines in a batch file (OpenAI's batch API takes them) get the body the server
+    answers for the same request (output text, items, usage but for the prefix cache's share); stream or background on a line, or a
+    field this server refuses, is that line's 400 naming it."""
+    from starlette.testclient import TestClient
+
+    from serve.app import build_app
+    from serve.batch import run_batch
+    body = {"model": "tiny", "input": "2+2?", "temperature": 0, "max_output_tokens": 12, "instructions": "be brief"}
+    lines = [{"custom_id": "a", "method": "POST", "url": "/v1/responses", "body": body},
+             {"custom_id": "b", "method": "POST", "url": "/v1/responses", "body": {**body, "stream": True}},
+             {"custom_id": "c", "method": "POST", "url": "/v1/responses", "body": {**body, "background": True}},
+             {"custom_id": "d", "method": "POST", "url": "/v1/responses", "body": {**body, "conversation": "c1"}}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run_batch(gen, tmp_path / "in.jsonl", tmp_path / "out.jsonl", "tiny", progress=False)
+    rows = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    with TestClient(build_app(gen, "tiny")) as http:
+        served = http.post("/v1/responses", json=body).json()
+    got = rows["a"]["response"]["body"]
+    drop_cache = lambda u: {k: v for k, v in u.items() if k != "input_tokens_details"}  # noqa: E731  (ran second)
+    assert got["output_text"] == served["output_text"] and drop_cache(got["usage"]) == drop_cache(served["usage"])
+    assert [o["type"] for o in got["output"]] == [o["type"] for o in served["output"]]
+    assert got["status"] == served["status"] == "incomplete"        # (12 tokens of a random model)
+    for cid, name in (("b", "stream"), ("c", "background"), ("d", "conversation")):
+        assert rows[cid]["response"]["status_code"] == 400 and name in rows[cid]["error"]["message"], rows[cid]
+
+
 def test_responses_truncation_auto_leaves_out_the_earliest_turns(gen):
     """truncation "auto" (OpenAI's): a conversation that overflows the context (2048 tokens here)
     with max_output_tokens loses whole turns from its start, the instructions kept: the prompt is the
