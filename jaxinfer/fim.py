@@ -79,6 +79,11 @@ def fills_in(tok: Any, suffix: str | None) -> bool:
     return suffix is not None and (suffix != "" or (tok is not None and tok.fim is not None))
 
 
+def with_fim_stops(tok: Any, params: Any) -> Any:
+    """SamplingParams that also end at the family's infill stop tokens (FimTokens.stops)."""
+    return dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + tok.fim.stops)))
+
+
 def fim_prompt(tok: Any, prefix: str | Sequence[int], suffix: str, add_special_tokens: bool = True) -> list[int]:
     """The prompt ids that ask the model for the text between `prefix` (text, or its token ids
     taken as they are) and `suffix`; FimError if the vocabulary has no fill-in-the-middle tokens."""

@@ -31,7 +31,7 @@ from jaxinfer.config.engine import engine_config, settings as engine_settings
 from jaxinfer.host.beam_search import BeamSearchParams
 from jaxinfer.hub import ModelSpecError, apply_hf_overrides, resolve_model_path, resolve_tokenizer_path
 from jaxinfer.errors import FieldError
-from jaxinfer.fim import fills_in, fim_prompt
+from jaxinfer.fim import fills_in, fim_prompt, with_fim_stops
 from jaxinfer.tokenizer import cut_ids
 from jaxinfer.classify import Classifier, read_classifier
 from jaxinfer.client import Completion, EngineClient, SubmitError
@@ -295,11 +295,6 @@ class Generator:
             raise ValueError("a prompt must be a string or a list of integer token ids")
         return [int(t) for t in ids]
 
-    def _fim_params(self, params: SamplingParams) -> SamplingParams:
-        """An infill also ends at its family's infill stop tokens (jaxinfer.fim)."""
-        stops = tuple(dict.fromkeys(params.stop_token_ids + self.tokenizer.fim.stops))
-        return dataclasses.replace(params, stop_token_ids=stops)
-
     def _fim(self, prefix: str | Sequence[int], suffix: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("suffix needs the model's tokenizer, which this model lacks")
@@ -329,7 +324,7 @@ class Generator:
         fim = fills_in(self.tokenizer, suffix)
         encoded = [self._fim(p, suffix) for p in prompts] if fim else [self._encode(p) for p in prompts]
         if fim:
-            plist = [self._fim_params(p) for p in plist]
+            plist = [with_fim_stops(self.tokenizer, p) for p in plist]
         self._check_leader()
         try:
             rids, results = self.client.generate(encoded, plist, cache_salt=cache_salt, priority=priority,
@@ -366,7 +361,7 @@ class Generator:
         fim = fills_in(self.tokenizer, suffix)
         ids = self._fim(prompt, suffix) if fim else self._encode(prompt)
         if fim:
-            params = self._fim_params(params)
+            params = with_fim_stops(self.tokenizer, params)
         self._check_leader()
         queue: deque = deque()
         try:

@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from jaxinfer.config import SamplingParams
 from jaxinfer.engine import RequestError
 from jaxinfer.errors import FieldError
-from jaxinfer.fim import FimError, fills_in, fim_prompt
+from jaxinfer.fim import FimError, fills_in, fim_prompt, with_fim_stops
 from jaxinfer.tokenizer import cut_ids
 from jaxinfer.generator import Generator
 from serve import embeddings
@@ -217,9 +217,8 @@ class ServerState:
         if prompt_logprobs is None and req.echo and req.logprobs is not None:
             prompt_logprobs = req.logprobs
         params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs, defaults=self.gen.sampling_defaults)
-        if fim:       # what ends an infill besides EOS (jaxinfer.fim)
-            params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(
-                params.stop_token_ids + self.tokenizer.fim.stops)))
+        if fim:       # what ends an infill besides EOS
+            params = with_fim_stops(self.tokenizer, params)
         if req.echo and texts is None:
             texts = [self.tokenizer.decode(x) if self.tokenizer is not None else "".join(map(self.token_str, x))
                      for x in prompts]
