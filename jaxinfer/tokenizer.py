@@ -203,42 +203,28 @@ class Tokenizer:
         out: list[int] = []
         pos = 0
         for m in re.finditer("|".join(re.escape(t) for t in sorted(ids_of, key=len, reverse=True)), text):
-            out += self._encode_piece(text[pos:m.start()], pos == 0)
+            out += self.encode_piece(text[pos:m.start()], pos == 0)
             out.append(ids_of[m.group()])
             pos = m.end()
-        return out + self._encode_piece(text[pos:], pos == 0)
-
-    def _encode_piece(self, text: str, first: bool) -> list[int]:
-        """SentencePiece ids of a stretch of text; not first: without the dummy-prefix word marker
-        (_after_anchor)."""
-        if not text:
-            return []
-        sp = self._backend
-        if first or not self._dummy_prefix:
-            return sp.encode(text, out_type=int)
-        found = _after_anchor(lambda t: sp.encode(t, out_type=int), text)
-        return found if found is not None else sp.encode(text, out_type=int)
+        return out + self.encode_piece(text[pos:], pos == 0)
 
     def encode_piece(self, text: str, first: bool = True) -> list[int]:
         """Ids of a stretch of text with no special token added, as SentencePiece's encoders of
         infilling prompts make them (Meta's CodeLlama, mistral_common): as a text of its own (first:
         one word marker before it where the tokenizer adds a dummy prefix, even before a space), or
-        as text that goes on after other tokens (no marker: the ids of "\u263a" + text less those of
-        "\u263a", their encode_infilling). A byte-level tokenizer has no marker: both are its ids."""
-        if self.kind != "hf":
-            return self._encode_piece(text, first)
-        if self._byte_level or not text:
-            return self.encode(text, add_special_tokens=False)
-        # first: the dummy prefix, then the marker-free encode
-        found = _after_anchor(lambda t: self.encode(t, add_special_tokens=False),
-                              " " + text if first and self._marks_words else text)
-        return found if found is not None else self.encode(text, add_special_tokens=False)
-
-    @functools.cached_property
-    def _marks_words(self) -> bool:
-        """Whether a tokenizer.json puts a word marker before a text (Metaspace, or a Prepend("▁")
-        normalizer: SentencePiece's dummy prefix)."""
-        return self._backend.encode("a", add_special_tokens=False).tokens[:1] != ["a"]
+        as text that goes on after other tokens (no marker: _after_anchor, their encode_infilling).
+        A tokenizer with no marker (byte-level) gives its plain ids either way."""
+        if not text:
+            return []
+        if self.kind == "hf":
+            enc = lambda t: self.encode(t, add_special_tokens=False)   # noqa: E731
+        else:
+            enc = lambda t: self._backend.encode(t, out_type=int)      # noqa: E731
+        if not self._dummy_prefix or (first and self.kind != "hf"):    # (SentencePiece's own dummy prefix)
+            return enc(text)
+        # first, for a tokenizer.json: the marker even before a space (Metaspace adds none there)
+        found = _after_anchor(enc, " " + text if first else text)
+        return found if found is not None else enc(text)
 
     @functools.cached_property
     def adds_bos_token(self) -> bool:
@@ -256,8 +242,11 @@ class Tokenizer:
 
     @functools.cached_property
     def _dummy_prefix(self) -> bool:
-        """Whether the SentencePiece model puts a word marker before the text (add_dummy_prefix)."""
-        return self.kind == "sentencepiece" and self._backend.encode("a", out_type=str)[0].startswith("\u2581")
+        """Whether the tokenizer puts a word marker before a text: SentencePiece's add_dummy_prefix,
+        a tokenizer.json's Metaspace or Prepend("\u2581") normalizer (a byte-level one has none)."""
+        if self.kind == "hf":
+            return self._backend.encode("a", add_special_tokens=False).tokens[:1] != ["a"]
+        return self._backend.encode("a", out_type=str)[0].startswith("\u2581")
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self.kind == "hf":

@@ -195,19 +195,20 @@ class ServerState:
         texts = None
         # a text prompt is cut as the tokenizer cuts it (its special tokens stay), token ids by slicing
         cut = dict(truncate=self.truncation(req.truncate_prompt_tokens), side=req.truncation_side or "left")
-        fim = fills_in(self.tokenizer, req.suffix)
-        if fim:
-            prompts = self.fim_prompts(req)
-        elif isinstance(p, str):
-            prompts, texts = [self.encode(p, req.add_special_tokens, **cut)], [p]
-        elif p and all(isinstance(x, str) for x in p):
-            prompts, texts = [self.encode(x, req.add_special_tokens, **cut) for x in p], list(p)
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [self.truncated(list(p), req.truncate_prompt_tokens, req.truncation_side)]
-        elif p and all(isinstance(x, list) for x in p):
-            prompts = [self.truncated(list(x), req.truncate_prompt_tokens, req.truncation_side) for x in p]
+        # each prompt: a text, or token ids
+        if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)):
+            items = [p if isinstance(p, str) else list(p)]
+        elif p and all(isinstance(x, (str, list)) for x in p):
+            items = list(p)
         else:
             raise OpenAIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+        fim = fills_in(self.tokenizer, req.suffix)
+        if fim:
+            prompts = self.fim_prompts(req, items)
+        else:
+            prompts = [self.encode(x, req.add_special_tokens, **cut) if isinstance(x, str) else
+                       self.truncated(list(x), req.truncate_prompt_tokens, req.truncation_side) for x in items]
+            texts = items if isinstance(items[0], str) else None
         if req.truncate_prompt_tokens is not None:
             texts = None          # the echo is the kept tokens' text
         echo_only = req.echo and req.max_tokens == 0
@@ -226,7 +227,7 @@ class ServerState:
         self.compile_grammar(params, req)
         return prompts, params, echo
 
-    def fim_prompts(self, req: CompletionRequest) -> list[list[int]]:
+    def fim_prompts(self, req: CompletionRequest, prefixes: list) -> list[list[int]]:
         """`suffix` (OpenAI's, DeepSeek's FIM completion): each prompt (text, or token ids) is the
         prefix, and the model is asked for the middle in its fill-in-the-middle format (jaxinfer.fim)."""
         for name in ("echo", "truncate_prompt_tokens"):
@@ -234,11 +235,6 @@ class ServerState:
                 raise OpenAIError(400, f"{name} cannot be used with suffix", param=name)
         if self.tokenizer is None:
             raise OpenAIError(400, "suffix needs the model's tokenizer, which this model lacks", param="suffix")
-        p = req.prompt
-        one = isinstance(p, str) or (p and all(isinstance(x, int) for x in p))
-        prefixes = [p] if one else list(p)
-        if not prefixes or not all(isinstance(x, str) or (x and all(isinstance(t, int) for t in x)) for x in prefixes):
-            raise OpenAIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
         try:
             return [fim_prompt(self.tokenizer, x, req.suffix, req.add_special_tokens) for x in prefixes]
         except FimError as e:

@@ -510,14 +510,13 @@ def final_body(state, req: ResponsesRequest, rid: str, created: int, model: str,
     from serve.protocol import chat_message
     g = deltas
     message, finish_reason = chat_message("".join(d.text for d in g), g[-1].finish_reason, chat.tool_plan(), parsers)
-    output = []
-    if message.get("reasoning_content"):
-        output.append(_reasoning_item(message["reasoning_content"], sealed=req.sealed))
-    if message.get("content"):
-        output.append(_message_item(message["content"]))
-    output += [_call_item(c) for c in message.get("tool_calls") or []]
     if req.logprobs:     # the items as streamed, whose output_text parts carry their tokens
         output = _replayed(g, _choices(state, req, chat, parsers), req.sealed)
+    else:
+        output = [_reasoning_item(message["reasoning_content"], sealed=req.sealed)] if message.get(
+            "reasoning_content") else []
+        output += [_message_item(message["content"])] if message.get("content") else []
+        output += [_call_item(c) for c in message.get("tool_calls") or []]
     n_out = sum(len(d.token_ids) for d in g)
     n_reason = reasoning_tokens(parsers, g) if parsers.reasoning else 0
     cached = max((d.num_cached_tokens for d in g), default=0)
@@ -563,6 +562,7 @@ class _EventWriter:
         # answer tokens' logprobs not yet matched to text: they go with the next output_text delta
         # (text a parser held back comes out later), or are dropped where a tool call comes first
         self.pending: list[dict] = []
+        self.cut = False
 
     def tokens(self, logprobs: list[dict]) -> None:
         self.pending += logprobs
@@ -635,7 +635,14 @@ class _EventWriter:
                            arguments=item["arguments"], name=item["name"]),
                 self.event("response.output_item.done", output_index=idx, item=item)]
 
+    def delta(self, choices: ChatChoices, d) -> list[str]:
+        """One engine delta of the choice: its chat chunks' events, its answer tokens matched to text."""
+        chunks = choices(d)
+        self.tokens(choices.answer_logprobs)
+        return [e for chunk in chunks for e in self.chunk(chunk)]
+
     def chunk(self, chunk: dict) -> list[str]:
+        self.cut = self.cut or chunk.get("finish_reason") == "length"     # max_output_tokens ended it
         delta, events = chunk["delta"], []
         if delta.get("reasoning_content"):
             events += self.text("reasoning", delta["reasoning_content"])
@@ -651,16 +658,13 @@ def _replayed(deltas: list, choices: ChatChoices, sealed: bool) -> list[dict]:
     w = _EventWriter(sealed)
     for d in deltas:
         if d.text or d.token_ids or d.finished:
-            chunks = choices(d)
-            w.tokens(choices.answer_logprobs)
-            for chunk in chunks:
-                w.chunk(chunk)
+            w.delta(choices, d)
     w.close()
     return w.output
 
 
 async def _events(state, sub, choices: ChatChoices, start: dict, n_prompt: int, finish, sealed: bool):
-    w, done, n_out, cached, cut = _EventWriter(sealed), False, 0, 0, False
+    w, done, n_out, cached = _EventWriter(sealed), False, 0, 0
     try:
         yield w.event("response.created", response=start)
         yield w.event("response.in_progress", response={**start, "status": "in_progress"})
@@ -672,18 +676,14 @@ async def _events(state, sub, choices: ChatChoices, start: dict, n_prompt: int, 
             cached = max(cached, d.num_cached_tokens)
             if not (d.text or d.token_ids or d.finished):
                 continue
-            chunks = choices(d)
-            w.tokens(choices.answer_logprobs)
-            for chunk in chunks:
-                for e in w.chunk(chunk):
-                    yield e
-                cut = cut or chunk.get("finish_reason") == "length"
+            for e in w.delta(choices, d):
+                yield e
         done = True
         for e in w.close():
             yield e
         body = finish(w.output, _usage(n_prompt, n_out, cached, choices.reasoning_tokens,
-                                       state.cache_written(n_prompt, cached)), cut)
-        yield w.event("response.incomplete" if cut else "response.completed", response=body)
+                                       state.cache_written(n_prompt, cached)), w.cut)
+        yield w.event("response.incomplete" if w.cut else "response.completed", response=body)
     except EngineDeadError as e:   # the spec's error event (type "error", numbered like the rest)
         yield w.event("error", code=e.code, message=e.message, param=e.param)
     finally:

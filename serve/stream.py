@@ -214,10 +214,12 @@ class ChatChoices:
         """How many of a delta's last tokens write its last n_chars characters (a delta of several
         tokens, as speculative decoding makes, can end the reasoning and begin the answer)."""
         k = used = 0
-        while k < len(ids) and used + len(self.token_str(ids[-1 - k])) <= n_chars:
-            used += len(self.token_str(ids[-1 - k]))
+        for t in reversed(ids if n_chars else []):
+            used += len(self.token_str(t))
+            if used > n_chars:
+                break
             k += 1
-        return k if n_chars else 0
+        return k
 
     @property
     def reasoning_tokens(self) -> int | None:
