@@ -27,8 +27,10 @@ gemma3 (text; the settings llama.cpp takes from the model size rather than the f
 rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fused, served in
 transformers' interleaved layout; sinks; the clamp llama.cpp fixes at 7.0), smollm3, granite, olmo2,
 seed_oss, qwen2moe (a gated shared expert), glm4moe (GLM-4.5: partial rotary, dense leading layers,
-sigmoid routing with exp_probs_b, shared experts; the appended next-token-prediction blocks skipped)
-and deepseek2 (DeepSeek-V3: latent attention, kv_b_proj from attn_k_b / attn_v_b or attn_kv_b,
+sigmoid routing with exp_probs_b, shared experts; the appended next-token-prediction blocks skipped),
+glm4 (GLM-4-0414: gate and up fused in ffn_up, the norms after each branch, half of each head rotating
+in pairs, stored as transformers stores them), starcoder2 (LayerNorms, ungated MLP, biases; no window,
+as llama.cpp runs it) and deepseek2 (DeepSeek-V3: latent attention, kv_b_proj from attn_k_b / attn_v_b or attn_kv_b,
 sigmoid routing; DeepSeek-V2 / V2-Lite / Coder-V2: softmax routing without groups). Rope: none,
 linear, yarn, and Llama 3's (its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
 every stored divisor). Anything else is refused naming the key or tensor. Split files
@@ -56,13 +58,14 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
          "phi3": "Phi3ForCausalLM", "gpt-oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
          "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "seed_oss": "SeedOssForCausalLM",
-         "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM"}
+         "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
+         "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
                 "granite": "granite", "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2moe": "qwen2_moe",
-                "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3"}
+                "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3", "glm4": "glm4", "starcoder2": "starcoder2"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
-_PARTIAL_ROTARY = ("phi3", "glm4moe")
+_PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4")
 # llama.cpp's mixtures with dense leading layers, sigmoid routing with a learned correction
 # (exp_probs_b), groups, a routed scale and shared experts (its build_moe_ffn with those settings)
 _SIGMOID_MOE = ("glm4moe", "deepseek2")
@@ -272,6 +275,10 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
     elif arch == "glm4moe":   # q / k norms where the file has them, the rotated share of each head stated
         cfg.update(use_qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
                    partial_rotary_factor=partial.get("partial_rotary_factor", 1.0))
+    elif arch == "glm4":   # the rotated share of each head stated (Glm4Config's default is half)
+        cfg["partial_rotary_factor"] = partial.get("partial_rotary_factor", 1.0)
+    elif arch == "starcoder2":
+        cfg.update(_starcoder2(f))
     elif arch == "deepseek2":
         cfg.update(_deepseek2(f, cfg))
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
@@ -280,6 +287,18 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         if v is not None:
             cfg[hf] = int(v)
     return cfg
+
+
+def _starcoder2(f: GGUFFile) -> dict[str, Any]:
+    """StarCoder2 as llama.cpp's starcoder2 runs it: LayerNorms with biases (attention.layer_norm_epsilon),
+    the ungated GELU-tanh MLP, biases on every projection where the file has them, and no window on
+    any layer (the published models' 4096-token window is not in the file, and llama.cpp attends to
+    the whole context)."""
+    eps = f.arch_get("attention.layer_norm_epsilon")
+    if eps is None:
+        raise CheckpointError(f"{f.path}: metadata starcoder2.attention.layer_norm_epsilon is missing")
+    return {"hidden_act": "gelu_pytorch_tanh", "norm_epsilon": float(eps), "sliding_window": None,
+            "use_bias": "blk.0.attn_q.bias" in f.tensors}
 
 
 def _gemma(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:

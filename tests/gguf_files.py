@@ -151,7 +151,10 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
         w.add_sliding_window(cfg.sliding_window or 0)
         original = rope.get("original_max_position_embeddings", getattr(cfg, "original_max_position_embeddings", None))
         w.add_rope_scaling_orig_ctx_len(original or cfg.max_position_embeddings)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch == "starcoder2":   # TextModel.set_gguf_parameters: norm_epsilon as the LayerNorm's
+        w.add_layer_norm_eps(cfg.norm_epsilon)
+    else:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch == "deepseek2":   # DeepseekV2Model.set_gguf_parameters: the latent form as MQA (its own widths apart)
         _deepseek2_hparams(w, cfg, rope, mla)
         w.add_vocab_size(cfg.vocab_size)
@@ -299,7 +302,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
             "gpt_oss": "gpt-oss", "smollm3": "smollm3", "granite": "granite",
             "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe",
-            "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}[cfg.model_type]
+            "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4": "glm4",
+            "starcoder2": "starcoder2"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:

@@ -71,6 +71,21 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "seed_oss": ("seed_oss", dict(_COMMON, vocab_size=113, intermediate_size=96, num_hidden_layers=2,
                                   num_key_value_heads=2, head_dim=32, attention_bias=True, attention_out_bias=True,
                                   tie_word_embeddings=False)),
+    # GLM-4-0414 / GLM-Z1: a norm after each branch too, half of each head rotating in pairs, q/k/v
+    # biases; GLM-4 (chat-hf): the plain block, MQA, three quarters rotating, no biases
+    "glm4": ("glm4", dict(_COMMON, vocab_size=123, intermediate_size=96, num_hidden_layers=3,
+                          num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
+    "glm-mqa": ("glm", dict(_COMMON, vocab_size=101, intermediate_size=64, num_hidden_layers=2,
+                            num_key_value_heads=1, head_dim=16, attention_bias=False, tie_word_embeddings=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 500.0,
+                                             "partial_rotary_factor": 0.75})),
+    # StarCoder2: LayerNorms with biases, an ungated gelu MLP, biases everywhere, a window on every
+    # layer shorter than the prompt, tied; then no biases, MQA, untied, no window
+    "starcoder2-window": ("starcoder2", dict(_COMMON, vocab_size=117, intermediate_size=96, num_hidden_layers=3,
+                                             num_key_value_heads=2, sliding_window=7)),
+    "starcoder2-mqa": ("starcoder2", dict(_COMMON, vocab_size=93, intermediate_size=80, num_hidden_layers=2,
+                                          num_key_value_heads=1, use_bias=False, tie_word_embeddings=False,
+                                          sliding_window=None)),
     # sliding, global, sliding, global; query_pre_attn_scalar != head_dim; caps that bend
     "gemma2": ("gemma2", dict(_COMMON, vocab_size=137, intermediate_size=96, num_hidden_layers=4,
                               num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
@@ -223,7 +238,9 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
            "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
            "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
-           "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM)}[family]
+           "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
+           "glm": (tf.GlmConfig, tf.GlmForCausalLM), "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM),
+           "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

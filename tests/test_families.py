@@ -127,6 +127,13 @@ def test_gemma2_int8_weights_same_tokens(hf_model_dir):
     ("exaone4", dict(pre_norms=False, post_norms=True, qk_norm=True, qk_norm_full=False, norm="rmsnorm",
                      sliding_window=6, sliding_layers=(True, True, True, False), rope_layers=(True, True, True, False))),
     ("exaone4-nowindow", dict(sliding_window=None, sliding_layers=None, rope_layers=None, pre_norms=False)),
+    # GLM-4-0414: both norms around each branch, half of head_dim 32 rotating; GLM-4: 3/4 of 16
+    ("glm4", dict(pre_norms=True, post_norms=True, rotary_dim=16, qkv_bias=True, out_bias=False, gated_mlp=True)),
+    ("glm-mqa", dict(post_norms=False, rotary_dim=12, qkv_bias=False, rope_theta=500.0, tie_embeddings=True)),
+    ("starcoder2-window", dict(norm="layernorm", gated_mlp=False, activation="gelu_tanh", sliding_window=7,
+                               sliding_layers=None, qkv_bias=True, out_bias=True, mlp_bias=True, tie_embeddings=True)),
+    ("starcoder2-mqa", dict(qkv_bias=False, out_bias=False, mlp_bias=False, sliding_window=None, n_kv_heads=1,
+                            tie_embeddings=False)),
 ])
 def test_from_hf_fields(name, expect, hf_model_dir):
     cfg = model_config_from_hf(hf_model_dir(name))
@@ -263,6 +270,25 @@ def test_num_params_match_transformers():
     for name in NEW_FAMILIES:
         hf = build_hf_model(name)
         assert model_config_from_hf(cfg_dict(name)).num_params() == sum(p.numel() for p in hf.parameters()), name
+
+
+@pytest.mark.parametrize("name", ["glm4", "glm-mqa", "starcoder2-window", "starcoder2-mqa"])
+def test_glm_and_starcoder2_params_match_transformers(name, hf_model_dir):
+    hf = build_hf_model(name)
+    assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
+
+
+def test_glm4_published_config_spelling():
+    """GLM-4-0414's config.json (rope_theta and partial_rotary_factor at the top level, no
+    rope_parameters), and one that leaves the factor out, as transformers' Glm4Config reads them."""
+    import transformers as tf
+    fields = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, rope_theta=10000.0)
+    for extra in ({"partial_rotary_factor": 0.25}, {}):
+        theirs = tf.Glm4Config(**fields, **extra).rope_parameters
+        cfg = model_config_from_hf({"architectures": ["Glm4ForCausalLM"], **fields, **extra})
+        assert cfg.rotary_dim == int(32 * theirs["partial_rotary_factor"]) and cfg.rope_theta == theirs["rope_theta"]
+        assert cfg.qkv_bias == tf.Glm4Config(**fields).attention_bias
 
 
 @pytest.mark.parametrize("change,message", [

@@ -431,6 +431,30 @@ def test_olmo2_and_seed_oss_are_the_original_model(name, tmp_path):
             _gen(bad)
 
 
+@pytest.mark.parametrize("name,overrides", [("glm4", {}), ("starcoder2-window", {"sliding_window": None})])
+def test_glm4_and_starcoder2_are_the_original_model(name, overrides, tmp_path):
+    """GLM-4-0414 (llama.cpp's glm4: gate and up fused in ffn_up, the branch-output norms, q / k as
+    transformers stores them, half of each head rotating in pairs) and StarCoder2 (starcoder2:
+    LayerNorms, biases, the ungated MLP) as llama.cpp's converter writes them compute what the HF
+    model computes. llama.cpp's starcoder2 attends to the whole context (its graph has no window,
+    the file none to give), so the reference is the model without its window."""
+    text = save_text_model(tmp_path / "spm")
+    vocab = sentencepiece_vocab(text / "tokenizer.model")
+    hf = build_hf_model(name, overrides={"vocab_size": 400, **overrides})
+    ids = np.random.RandomState(9).randint(3, 400, 24).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    gen = _gen(write_gguf(hf, tmp_path / f"{name}.gguf", vocab))
+    assert gen.model_cfg.architecture == type(hf).__name__ and gen.model_cfg.sliding_window is None
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    # Q8_0 blocks (packed) on the fused gate / up and the ungated up projections
+    packed = write_gguf(hf, tmp_path / f"{name}-q8.gguf", vocab, {"gate_up_proj.weight": "Q8_0", "c_fc.weight": "Q8_0"})
+    ref = _dequantized_copy(hf, packed)   # the same Q8_0 weights, dequantized by the gguf package
+    with torch.no_grad():
+        expected_q8 = ref(torch.tensor([ids])).logits[0].numpy()
+    assert _rel_err(_gen(packed).logits(ids), expected_q8) < 1e-4
+
+
 # DeepSeek-V3's YaRN as its config.json gives it (mscale = mscale_all_dim): what a GGUF carries (the
 # converter writes 0.1 * mscale_all_dim only; llama.cpp takes mscale to equal it)
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 64,
@@ -644,8 +668,8 @@ def test_gemma_is_the_original_model(name, overrides, tmp_path):
 
 
 def _dequantized_copy(hf, path):
-    """A copy of the HF model holding the file's weights as the gguf package dequantizes them (norms
-    turned back from llama.cpp's 1 + w); transformers' GGUF loader reads no Gemma layer pattern or
+    """A copy of the HF model holding the file's weights as the gguf package dequantizes them (Gemma's
+    norms turned back from llama.cpp's 1 + w); transformers' GGUF loader reads no Gemma layer pattern or
     query scale, so the original model's config is kept."""
     import copy
 
@@ -660,7 +684,8 @@ def _dequantized_copy(hf, path):
         t = raw.get(names.get_name(hf_name, try_suffixes=(".weight", ".bias")) or "")
         if t is not None:
             x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape)))
-            state[hf_name] = torch.tensor(x - 1.0 if hf_name.endswith("norm.weight") else x)
+            gemma_norm = hf.config.model_type.startswith("gemma") and hf_name.endswith("norm.weight")
+            state[hf_name] = torch.tensor(x - 1.0 if gemma_norm else x)
     assert not set(model.state_dict()) - set(state) - {"lm_head.weight"}
     model.load_state_dict(state, strict=False)
     model.tie_weights()

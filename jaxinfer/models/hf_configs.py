@@ -28,7 +28,7 @@ _HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
                   "moe_intermediate_size", "decoder_sparse_step", "shared_expert_intermediate_size",
                   "n_routed_experts", "n_group", "topk_group", "kv_lora_rank", "qk_nope_head_dim",
                   "qk_rope_head_dim", "v_head_dim")
-_HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rope_local_base_freq", "swiglu_alpha")
+_HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "norm_epsilon", "rope_theta", "rope_local_base_freq", "swiglu_alpha")
 _HF_OPTIONAL_POSITIVE = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
                          "partial_rotary_factor", "swiglu_limit")
 
@@ -331,6 +331,41 @@ def _seed_oss(c: dict[str, Any], arch: str) -> ModelConfig:
                                out_bias=bool(c.get("attention_out_bias", False)))
 
 
+def _glm(c: dict[str, Any], arch: str) -> ModelConfig:
+    """GLM-4 (GlmForCausalLM: GLM-4-9B-chat-hf) and GLM-4-0414 / GLM-Z1 (Glm4ForCausalLM): Llama's
+    block with gate and up fused in gate_up_proj, q/k/v biases (attention_bias, default true) and
+    partial rotary (partial_rotary_factor, default 0.5) whose rotated features come in pairs (x0, x1),
+    (x2, x3), ... (transformers' GLM rotate_half; hf_maps de-interleaves q and k). Glm4 adds a norm
+    of each branch's output before its residual add (post_self_attn_layernorm, post_mlp_layernorm)."""
+    params = _rope_params(c)
+    partial = float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5)))
+    cfg = _llama_like({**c, "sliding_window": None, "attention_bias": c.get("attention_bias", True)}, arch)
+    rotary = int(cfg.head_dim * partial)
+    if rotary % 2 or rotary <= 0:
+        raise ConfigError(f"partial_rotary_factor {partial} gives {rotary} rotated features of head_dim "
+                          f"{cfg.head_dim}; an even, positive number is needed")
+    return dataclasses.replace(cfg, rotary_dim=None if rotary == cfg.head_dim else rotary, out_bias=False,
+                               mlp_bias=False, post_norms=arch == "Glm4ForCausalLM")
+
+
+def _starcoder2(c: dict[str, Any], arch: str) -> ModelConfig:
+    """StarCoder2 (transformers' Starcoder2): LayerNorms with biases (norm_epsilon), GQA with RoPE, a
+    window on every layer when sliding_window is set, an ungated MLP (c_fc, act, c_proj), biases on
+    every projection where use_bias (default true), tied embeddings by default."""
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    theta, scaling = _rope(_rope_params(c), c)
+    bias = bool(c.get("use_bias", True))
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c["num_hidden_layers"], n_heads=h,
+        n_kv_heads=c.get("num_key_value_heads") or h, head_dim=c.get("head_dim") or d // h,
+        ffn_dim=c["intermediate_size"], activation=_activation(c, "hidden_act", default="gelu_pytorch_tanh"),
+        gated_mlp=False, norm="layernorm", norm_eps=float(c.get("norm_epsilon", 1e-5)), position="rope",
+        rope_theta=theta, rope_scaling=scaling, max_position_embeddings=c.get("max_position_embeddings", 4096),
+        sliding_window=c.get("sliding_window"), qkv_bias=bias, out_bias=bias, mlp_bias=bias,
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
 def _moe(c: dict[str, Any], arch: str) -> ModelConfig:
     """Mixtral and Qwen3-MoE: the Llama-like block with a mixture of experts for its MLP. Mixtral:
     every layer, experts of intermediate_size, top-k of the router logits then softmax over the k
@@ -621,7 +656,8 @@ _HF_BUILDERS = {
     "SmolLM3ForCausalLM": _smollm3, "GraniteForCausalLM": _granite, "Olmo2ForCausalLM": _olmo,
     "Olmo3ForCausalLM": _olmo, "Exaone4ForCausalLM": _exaone4, "SeedOssForCausalLM": _seed_oss,
     "Qwen2MoeForCausalLM": _qwen2_moe, "Glm4MoeForCausalLM": _glm4_moe, "DeepseekV3ForCausalLM": _deepseek_v3,
-    "DeepseekV2ForCausalLM": _deepseek_v2,
+    "DeepseekV2ForCausalLM": _deepseek_v2, "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm,
+    "Starcoder2ForCausalLM": _starcoder2,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -633,7 +669,8 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
                        "exaone4": "Exaone4ForCausalLM", "seed_oss": "SeedOssForCausalLM",
                        "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                       "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
+                       "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                       "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
@@ -642,6 +679,8 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 _GEMMA_DEFAULTS = {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256, "tie_word_embeddings": True}
 _HF_DEFAULTS = {
     "Qwen3ForCausalLM": {"head_dim": 128},
+    "GlmForCausalLM": {"head_dim": 128, "rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072},
+    "Glm4ForCausalLM": {"head_dim": 128, "rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072},
     "Exaone4ForCausalLM": {"sliding_window": 4096, "num_key_value_heads": 32},
     "SeedOssForCausalLM": {"head_dim": 128, "num_key_value_heads": 8, "max_position_embeddings": 524288},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "num_key_value_heads": 4,

@@ -58,29 +58,48 @@ def _norm(m: WeightMap, ours: str, hf: str, layernorm: bool) -> None:
         m[f"{ours}/bias"] = ((f"{hf}.bias",), _ident)
 
 
-def _llama_map(cfg: ModelConfig, fused: bool = False) -> WeightMap:
+def _block_norms(cfg: ModelConfig) -> dict[str, str]:
+    """Our norm -> HF's, per block. HF's post_attention_layernorm is the pre-MLP norm in Llama and
+    GLM-4 but the attention output's norm in Gemma, whose pre-MLP norm is pre_feedforward_layernorm."""
+    if not cfg.pre_norms:   # OLMo 2: only the branches' output norms
+        return {"attn_post_norm": "post_attention_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+    if cfg.post_norms and cfg.architecture == "Glm4ForCausalLM":
+        return {"attn_norm": "input_layernorm", "attn_post_norm": "post_self_attn_layernorm",
+                "mlp_norm": "post_attention_layernorm", "mlp_post_norm": "post_mlp_layernorm"}
+    if cfg.post_norms:
+        return {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+    return {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+
+
+def _head_order(cfg: ModelConfig) -> np.ndarray:
+    """The order of each q / k head's stored features that gives layers.apply_rope's layout: GLM's
+    rotated features come in pairs (x0, x1), (x2, x3), ... (de-interleaved: _deinterleave), the
+    features past them unrotated; every other family's are already in it."""
+    order = np.arange(cfg.head_dim)
+    if cfg.architecture in _PAIRED_ROPE:
+        order[:cfg.rope_dim] = _deinterleave(cfg.rope_dim)
+    return order
+
+
+def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -> WeightMap:
     """Llama, Mistral, Qwen2, Qwen3 (+ q_norm / k_norm), Gemma 2 / 3 (+ the norms after attention and
-    MLP), Mixtral, Qwen3-MoE and gpt-oss (+ sinks; their experts: _experts_map) and, with fused=True,
+    MLP), Mixtral, Qwen3-MoE and gpt-oss (+ sinks; their experts: _experts_map); with fused=True,
     Phi-3 (q, k, v in one qkv_proj [(H + 2 Hkv) hd, d]; gate and up in one gate_up_proj [2F, d], gate
-    first: each part is a slice of the stored tensor)."""
+    first: each part is a slice of the stored tensor); with fused_mlp=True, GLM-4 (gate_up_proj only,
+    q and k de-interleaved: _head_order); StarCoder2 (LayerNorms, the ungated mlp.c_fc / c_proj)."""
     h, kv, hd, d, f = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.ffn_dim
     m: WeightMap = {"embed": (("model.embed_tokens.weight",), _ident)}
-    # HF's post_attention_layernorm is the pre-MLP norm in Llama but the attention output's norm in
-    # Gemma, whose pre-MLP norm is pre_feedforward_layernorm
-    norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
-    if not cfg.pre_norms:   # OLMo 2: only the branches' output norms
-        norms = {"attn_post_norm": "post_attention_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
-    elif cfg.post_norms:
-        norms = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
-                 "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+    norms, layernorm, order = _block_norms(cfg), cfg.norm == "layernorm", _head_order(cfg)
     rows = {"q": (0, h * hd), "k": (h * hd, (h + kv) * hd), "v": ((h + kv) * hd, (h + 2 * kv) * hd)}
     for i in range(cfg.n_layers):
         p, o = f"model.layers.{i}", f"layers/{i}"
         for ours, theirs in norms.items():
-            _norm(m, f"{o}/{ours}", f"{p}.{theirs}", False)
+            _norm(m, f"{o}/{ours}", f"{p}.{theirs}", layernorm)
         if cfg.mla:
             _mla_map(m, cfg, f"{o}/attn", f"{p}.self_attn")
         for name, heads in (("q", h), ("k", kv), ("v", kv)) if not cfg.mla else ():
+            feats = order if name != "v" else np.arange(hd)
             if fused:
                 lo, hi = rows[name]
                 m[f"{o}/attn/{name}"] = ((f"{p}.self_attn.qkv_proj.weight",),
@@ -88,10 +107,10 @@ def _llama_map(cfg: ModelConfig, fused: bool = False) -> WeightMap:
                                          _rows(w, lo, hi, (h + 2 * kv) * hd).T.reshape(d, n, hd))
             else:
                 m[f"{o}/attn/{name}"] = ((f"{p}.self_attn.{name}_proj.weight",),
-                                         lambda w, n=heads: w.T.reshape(d, n, hd))
+                                         lambda w, n=heads, j=feats: w.T.reshape(d, n, hd)[..., j])
             if cfg.qkv_bias:
                 m[f"{o}/attn/{name}_bias"] = ((f"{p}.self_attn.{name}_proj.bias",),
-                                              lambda b, n=heads: b.reshape(n, hd))
+                                              lambda b, n=heads, j=feats: b.reshape(n, hd)[..., j])
         if cfg.qk_norm:
             _norm(m, f"{o}/attn/q_norm", f"{p}.self_attn.q_norm", False)
             _norm(m, f"{o}/attn/k_norm", f"{p}.self_attn.k_norm", False)
@@ -104,16 +123,18 @@ def _llama_map(cfg: ModelConfig, fused: bool = False) -> WeightMap:
         if cfg.is_moe_layer(i):
             _experts_map(m, cfg, o, p)
             continue
-        if fused:
+        if fused or fused_mlp:
             m[f"{o}/mlp/gate"] = ((f"{p}.mlp.gate_up_proj.weight",), lambda w: _rows(w, 0, f, 2 * f).T)
             m[f"{o}/mlp/up"] = ((f"{p}.mlp.gate_up_proj.weight",), lambda w: _rows(w, f, 2 * f, 2 * f).T)
             m[f"{o}/mlp/down"] = ((f"{p}.mlp.down_proj.weight",), _t)
             continue
-        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+        mlp = ((("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")) if cfg.gated_mlp else
+               (("up", "c_fc"), ("down", "c_proj")))
+        for ours, theirs in mlp:
             m[f"{o}/mlp/{ours}"] = ((f"{p}.mlp.{theirs}.weight",), _t)
             if cfg.mlp_bias:
                 m[f"{o}/mlp/{ours}_bias"] = ((f"{p}.mlp.{theirs}.bias",), _ident)
-    _norm(m, "final_norm", "model.norm", False)
+    _norm(m, "final_norm", "model.norm", layernorm)
     if not cfg.tie_embeddings:
         m["lm_head"] = (("lm_head.weight",), _t)
     return m
@@ -241,7 +262,11 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "GptOssForCausalLM": _llama_map, "SmolLM3ForCausalLM": _llama_map,
          "GraniteForCausalLM": _llama_map, "Olmo2ForCausalLM": _llama_map, "Olmo3ForCausalLM": _llama_map,
          "Exaone4ForCausalLM": _llama_map, "SeedOssForCausalLM": _llama_map,
+         "GlmForCausalLM": lambda cfg: _llama_map(cfg, fused_mlp=True),
+         "Glm4ForCausalLM": lambda cfg: _llama_map(cfg, fused_mlp=True), "Starcoder2ForCausalLM": _llama_map,
          "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map}
+# the families whose rotated q / k features are stored in pairs (_head_order)
+_PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM")
 # Checkpoints saved from the bare model class (GPT2Model, BloomModel; an embedding model's Transformer,
 # e.g. Qwen3Model) lack these prefixes.
 OPTIONAL_PREFIXES = ("transformer.", "model.")
