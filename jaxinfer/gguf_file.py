@@ -59,11 +59,13 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "phi3": "Phi3ForCausalLM", "gpt-oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
          "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "seed_oss": "SeedOssForCausalLM",
          "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
-         "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
+         "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "command-r": "CohereForCausalLM",
+         "cohere2": "Cohere2ForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
                 "granite": "granite", "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2moe": "qwen2_moe",
-                "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3", "glm4": "glm4", "starcoder2": "starcoder2"}
+                "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3", "glm4": "glm4", "starcoder2": "starcoder2",
+                "command-r": "cohere", "cohere2": "cohere2"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
 _PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4")
 # llama.cpp's mixtures with dense leading layers, sigmoid routing with a learned correction
@@ -279,6 +281,8 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         cfg["partial_rotary_factor"] = partial.get("partial_rotary_factor", 1.0)
     elif arch == "starcoder2":
         cfg.update(_starcoder2(f))
+    elif arch in ("command-r", "cohere2"):
+        cfg.update(_cohere(f))
     elif arch == "deepseek2":
         cfg.update(_deepseek2(f, cfg))
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
@@ -322,6 +326,32 @@ def _gemma(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     out["rope_parameters"] = {"full_attention": cfg["rope_parameters"],
                               "sliding_attention": {"rope_type": "default", "rope_theta": local}}
     return out
+
+
+def _cohere(f: GGUFFile) -> dict[str, Any]:
+    """Command R / Aya (llama.cpp's command-r) and Command R7B / A (cohere2): the LayerNorm's epsilon,
+    logit_scale, the embedding as the LM head (neither graph reads an output tensor); cohere2's
+    window on three layers of every attention.sliding_window_pattern (default 4), the others global
+    and without RoPE. Command R+'s q / k norms (attn_q_norm) are refused, as for an HF folder."""
+    eps, scale = f.arch_get("attention.layer_norm_epsilon"), f.arch_get("logit_scale")
+    for key, value in (("attention.layer_norm_epsilon", eps), ("logit_scale", scale)):
+        if value is None:
+            raise CheckpointError(f"{f.path}: metadata {f.arch}.{key} is missing")
+    out = {"layer_norm_eps": float(eps), "logit_scale": float(scale), "tie_word_embeddings": True,
+           "use_qk_norm": "blk.0.attn_q_norm.weight" in f.tensors}
+    if f.arch != "cohere2":
+        return out
+    window, period = f.arch_get("attention.sliding_window"), f.arch_get("attention.sliding_window_pattern", 4)
+    if window is None:
+        raise CheckpointError(f"{f.path}: metadata cohere2.attention.sliding_window is missing")
+    if isinstance(period, list) or int(period) < 1:
+        raise CheckpointError(f"{f.path}: cohere2.attention.sliding_window_pattern = {period!r} is not supported "
+                              "(a period: every p-th layer global)")
+    swa_base = f.arch_get("rope.freq_base_swa")
+    if swa_base is not None and float(swa_base) != float(f.arch_get("rope.freq_base") or 10000.0):
+        raise CheckpointError(f"{f.path}: cohere2.rope.freq_base_swa = {swa_base} (a RoPE base of the sliding "
+                              "layers apart from the others) is not supported")
+    return {**out, "sliding_window": int(window), "sliding_window_pattern": int(period)}
 
 
 def _granite(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:

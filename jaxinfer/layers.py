@@ -40,12 +40,13 @@ ACTIVATIONS = {
 }
 
 
-NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm")
+NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias")
 
 
 class Norm(nnx.Module):
-    """RMSNorm (Llama family), Gemma's RMSNorm (weight stored as w, applied as 1 + w) or LayerNorm
-    with bias (GPT-2, BLOOM), computed in float32. `axis`: the logical axis of the weight (embed for
+    """RMSNorm (Llama family), Gemma's RMSNorm (weight stored as w, applied as 1 + w), LayerNorm
+    with bias (GPT-2, BLOOM) or without (Cohere: the weight times the float32 value, cast after),
+    computed in float32. `axis`: the logical axis of the weight (embed for
     the residual stream, head_dim for the per-head q/k norms of Qwen3 and Gemma 3)."""
 
     def __init__(self, dim: int, kind: str, eps: float, dtype, rngs: nnx.Rngs | None, axis: str = "embed"):
@@ -56,7 +57,7 @@ class Norm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
-        if self.kind != "layernorm":
+        if not self.kind.startswith("layernorm"):
             y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
             if self.kind == "gemma_rmsnorm":
                 # Gemma multiplies by (1 + w) in float32 and casts after (HF Gemma2RMSNorm); keeping w
@@ -69,7 +70,8 @@ class Norm(nnx.Module):
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.scale.get_value().astype(jnp.float32) + self.bias.get_value().astype(jnp.float32)).astype(x.dtype)
+        y = y * self.scale.get_value().astype(jnp.float32)
+        return (y if self.bias is None else y + self.bias.get_value().astype(jnp.float32)).astype(x.dtype)
 
 
 MATMUL_IMPLS = ("auto", "pallas", "xla")

@@ -153,6 +153,11 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
         w.add_rope_scaling_orig_ctx_len(original or cfg.max_position_embeddings)
     if arch == "starcoder2":   # TextModel.set_gguf_parameters: norm_epsilon as the LayerNorm's
         w.add_layer_norm_eps(cfg.norm_epsilon)
+    elif arch in ("command-r", "cohere2"):   # CommandR2Model / Cohere2Model: layer_norm_eps, logit_scale
+        w.add_layer_norm_eps(cfg.layer_norm_eps)
+        w.add_logit_scale(cfg.logit_scale)
+        if arch == "cohere2":
+            w.add_sliding_window(cfg.sliding_window)
     else:
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch == "deepseek2":   # DeepseekV2Model.set_gguf_parameters: the latent form as MQA (its own widths apart)
@@ -303,7 +308,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "gpt_oss": "gpt-oss", "smollm3": "smollm3", "granite": "granite",
             "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe",
             "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4": "glm4",
-            "starcoder2": "starcoder2"}[cfg.model_type]
+            "starcoder2": "starcoder2", "cohere": "command-r", "cohere2": "cohere2"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:

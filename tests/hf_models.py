@@ -79,6 +79,15 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                             num_key_value_heads=1, head_dim=16, attention_bias=False, tie_word_embeddings=True,
                             rope_parameters={"rope_type": "default", "rope_theta": 500.0,
                                              "partial_rotary_factor": 0.75})),
+    # Command R / Aya (Cohere): one bias-free LayerNorm feeding attention and MLP side by side, RoPE
+    # in pairs, q/k/v/o biases, logits x 1/16, tied; Command R7B / A (Cohere2): three sliding layers
+    # that rotate to one global that does not, a window shorter than the prompt, logits x 1/4
+    "cohere": ("cohere", dict(_COMMON, vocab_size=119, intermediate_size=96, num_hidden_layers=3,
+                              num_key_value_heads=2, attention_bias=True, logit_scale=0.0625)),
+    "cohere2": ("cohere2", dict(_COMMON, vocab_size=107, intermediate_size=64, num_hidden_layers=4,
+                                num_key_value_heads=1, sliding_window=6, logit_scale=0.25,
+                                layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                tie_word_embeddings=False)),
     # StarCoder2: LayerNorms with biases, an ungated gelu MLP, biases everywhere, a window on every
     # layer shorter than the prompt, tied; then no biases, MQA, untied, no window
     "starcoder2-window": ("starcoder2", dict(_COMMON, vocab_size=117, intermediate_size=96, num_hidden_layers=3,
@@ -240,7 +249,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
            "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
            "glm": (tf.GlmConfig, tf.GlmForCausalLM), "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM),
-           "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM)}[family]
+           "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM),
+           "cohere": (tf.CohereConfig, tf.CohereForCausalLM), "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

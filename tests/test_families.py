@@ -134,6 +134,11 @@ def test_gemma2_int8_weights_same_tokens(hf_model_dir):
                                sliding_layers=None, qkv_bias=True, out_bias=True, mlp_bias=True, tie_embeddings=True)),
     ("starcoder2-mqa", dict(qkv_bias=False, out_bias=False, mlp_bias=False, sliding_window=None, n_kv_heads=1,
                             tie_embeddings=False)),
+    # Cohere: logits x logit_scale as a division by its inverse (1/16 and 1/4: exact in binary)
+    ("cohere", dict(norm="layernorm_nobias", parallel_block=True, logits_scaling=16.0, qkv_bias=True, out_bias=True,
+                    tie_embeddings=True, sliding_window=None, rope_layers=None)),
+    ("cohere2", dict(parallel_block=True, logits_scaling=4.0, sliding_window=6, sliding_layers=(True,) * 3 + (False,),
+                     rope_layers=(True,) * 3 + (False,), tie_embeddings=False)),
 ])
 def test_from_hf_fields(name, expect, hf_model_dir):
     cfg = model_config_from_hf(hf_model_dir(name))
@@ -272,10 +277,26 @@ def test_num_params_match_transformers():
         assert model_config_from_hf(cfg_dict(name)).num_params() == sum(p.numel() for p in hf.parameters()), name
 
 
-@pytest.mark.parametrize("name", ["glm4", "glm-mqa", "starcoder2-window", "starcoder2-mqa"])
-def test_glm_and_starcoder2_params_match_transformers(name, hf_model_dir):
+@pytest.mark.parametrize("name", ["glm4", "glm-mqa", "starcoder2-window", "starcoder2-mqa", "cohere", "cohere2"])
+def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
+
+
+def test_cohere_configs_as_transformers_reads_them():
+    """Cohere2 without layer_types: every sliding_window_pattern-th layer global (Cohere2Config);
+    without a window no layer rotates (Cohere2Attention rotates only where the layer has one).
+    Cohere's per-head q / k norms (Command R+) are refused by name."""
+    import transformers as tf
+    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4)
+    theirs = tf.Cohere2Config(**fields, sliding_window_pattern=3)
+    cfg = model_config_from_hf({"architectures": ["Cohere2ForCausalLM"], **fields, "sliding_window_pattern": 3})
+    assert cfg.sliding_layers == tuple(t == "sliding_attention" for t in theirs.layer_types) == cfg.rope_layers
+    assert cfg.sliding_window == theirs.sliding_window == 4096
+    cfg = model_config_from_hf({"architectures": ["Cohere2ForCausalLM"], **fields, "sliding_window": None})
+    assert cfg.rope_layers == (False,) * 6 and cfg.sliding_window is None
+    with pytest.raises(ConfigError, match="use_qk_norm"):
+        model_config_from_hf({"architectures": ["CohereForCausalLM"], **fields, "use_qk_norm": True})
 
 
 def test_glm4_published_config_spelling():

@@ -431,13 +431,17 @@ def test_olmo2_and_seed_oss_are_the_original_model(name, tmp_path):
             _gen(bad)
 
 
-@pytest.mark.parametrize("name,overrides", [("glm4", {}), ("starcoder2-window", {"sliding_window": None})])
-def test_glm4_and_starcoder2_are_the_original_model(name, overrides, tmp_path):
+@pytest.mark.parametrize("name,overrides", [("glm4", {}), ("starcoder2-window", {"sliding_window": None}),
+                                            ("cohere", {}), ("cohere2", {"tie_word_embeddings": True})])
+def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path):
     """GLM-4-0414 (llama.cpp's glm4: gate and up fused in ffn_up, the branch-output norms, q / k as
-    transformers stores them, half of each head rotating in pairs) and StarCoder2 (starcoder2:
-    LayerNorms, biases, the ungated MLP) as llama.cpp's converter writes them compute what the HF
-    model computes. llama.cpp's starcoder2 attends to the whole context (its graph has no window,
-    the file none to give), so the reference is the model without its window."""
+    transformers stores them, half of each head rotating in pairs), StarCoder2 (starcoder2:
+    LayerNorms, biases, the ungated MLP), Command R (command-r: one bias-free LayerNorm for attention
+    and MLP side by side, logit_scale) and Command R7B (cohere2: three sliding layers with RoPE to one
+    global without, llama.cpp's default period) as llama.cpp's converter writes them compute what the
+    HF model computes. llama.cpp's starcoder2 attends to the whole context (its graph has no window,
+    the file none to give), so the reference is the model without its window; cohere2's graph reads
+    no output tensor, so the reference is tied."""
     text = save_text_model(tmp_path / "spm")
     vocab = sentencepiece_vocab(text / "tokenizer.model")
     hf = build_hf_model(name, overrides={"vocab_size": 400, **overrides})
@@ -445,10 +449,12 @@ def test_glm4_and_starcoder2_are_the_original_model(name, overrides, tmp_path):
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0].numpy()
     gen = _gen(write_gguf(hf, tmp_path / f"{name}.gguf", vocab))
-    assert gen.model_cfg.architecture == type(hf).__name__ and gen.model_cfg.sliding_window is None
+    assert gen.model_cfg.architecture == type(hf).__name__
+    assert gen.model_cfg.sliding_window == (6 if name == "cohere2" else None)
     assert _rel_err(gen.logits(ids), expected) < 1e-4
     # Q8_0 blocks (packed) on the fused gate / up and the ungated up projections
-    packed = write_gguf(hf, tmp_path / f"{name}-q8.gguf", vocab, {"gate_up_proj.weight": "Q8_0", "c_fc.weight": "Q8_0"})
+    packed = write_gguf(hf, tmp_path / f"{name}-q8.gguf", vocab, {"gate_up_proj.weight": "Q8_0", "c_fc.weight": "Q8_0",
+                                                                  "mlp.up_proj.weight": "Q8_0"})
     ref = _dequantized_copy(hf, packed)   # the same Q8_0 weights, dequantized by the gguf package
     with torch.no_grad():
         expected_q8 = ref(torch.tensor([ids])).logits[0].numpy()
@@ -676,7 +682,8 @@ def _dequantized_copy(hf, path):
     import gguf
     model = copy.deepcopy(hf)
     reader = gguf.GGUFReader(path)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[reader.fields["general.architecture"].contents().upper()],
+    arch = reader.fields["general.architecture"].contents()
+    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                      hf.config.num_hidden_layers)
     raw = {t.name: t for t in reader.tensors}
     state = {}

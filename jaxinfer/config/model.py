@@ -56,7 +56,7 @@ class ModelConfig:
     ffn_dim: int
     activation: str = "silu"            # silu | gelu (erf) | gelu_tanh | relu
     gated_mlp: bool = True              # act(x W_gate) * (x W_up) -> W_down; else act(x W_fc) -> W_proj
-    norm: str = "rmsnorm"               # rmsnorm | gemma_rmsnorm (scale 1 + w) | olmo_rmsnorm (w times the
+    norm: str = "rmsnorm"               # rmsnorm | gemma_rmsnorm (scale 1 + w) | layernorm_nobias (Cohere) | olmo_rmsnorm (w times the
                                         # normed float32 value, cast after) | layernorm
     norm_eps: float = 1e-6
     position: str = "rope"              # rope | alibi | learned | sinusoidal
@@ -135,6 +135,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     embed_norm: bool = False            # BLOOM: LayerNorm right after the token embedding
     residual_post_norm: bool = False    # BLOOM's apply_residual_connection_post_layernorm
+    parallel_block: bool = False        # Cohere: x + attn(norm(x)) + mlp(norm(x)), one norm per block
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
@@ -165,7 +166,9 @@ class ModelConfig:
             "n_kv_heads": self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0,
             "head_dim": self.head_dim > 0, "ffn_dim": self.ffn_dim > 0,
             "activation": self.activation in ("silu", "gelu", "gelu_tanh", "relu"),
-            "norm": self.norm in ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm"),
+            "norm": self.norm in ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias"),
+            "parallel_block": not self.parallel_block or (self.pre_norms and not self.post_norms
+                                                          and not self.residual_post_norm and not self.num_experts),
             "pre_norms": self.pre_norms or self.post_norms,
             "qk_norm_full": self.qk_norm or not self.qk_norm_full,
             "position": self.position in ("rope", "alibi", "learned", "sinusoidal"),
@@ -298,7 +301,7 @@ class ModelConfig:
         # is a buffer, not a parameter, in transformers' count)
         router = (d * self.num_experts + (self.num_experts if self.router_bias else 0)
                   + 3 * d * self.moe_shared_ffn_dim + (d if self.moe_shared_gate else 0))
-        norms = (4 if self.post_norms else 2) * norm_p
+        norms = (4 if self.post_norms else 1 if self.parallel_block else 2) * norm_p
         n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
         out = {"embedding": self.vocab_size * d, "lm_head": 0 if self.tie_embeddings else self.vocab_size * d,
                "positions": self.max_position_embeddings * d if self.position == "learned" else 0,

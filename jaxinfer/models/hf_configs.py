@@ -28,7 +28,7 @@ _HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
                   "moe_intermediate_size", "decoder_sparse_step", "shared_expert_intermediate_size",
                   "n_routed_experts", "n_group", "topk_group", "kv_lora_rank", "qk_nope_head_dim",
                   "qk_rope_head_dim", "v_head_dim")
-_HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "norm_epsilon", "rope_theta", "rope_local_base_freq", "swiglu_alpha")
+_HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "norm_epsilon", "layer_norm_eps", "logit_scale", "rope_theta", "rope_local_base_freq", "swiglu_alpha")
 _HF_OPTIONAL_POSITIVE = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
                          "partial_rotary_factor", "swiglu_limit")
 
@@ -348,6 +348,34 @@ def _glm(c: dict[str, Any], arch: str) -> ModelConfig:
                                mlp_bias=False, post_norms=arch == "Glm4ForCausalLM")
 
 
+def _cohere(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Command R / R7B / A, Aya (transformers' Cohere and Cohere2): one LayerNorm without bias per
+    block feeding attention and MLP side by side (x + attn + mlp), RoPE over whole heads with the
+    features in pairs (de-interleaved by hf_maps), biases on q / k / v / o where attention_bias, the
+    logits times logit_scale, tied embeddings. Cohere2: sliding layers (layer_types, else every
+    sliding_window_pattern-th layer global) that rotate, global ones that do not. Cohere's per-head
+    q / k norms (use_qk_norm: Command R+) are refused."""
+    if c.get("use_qk_norm"):
+        raise ConfigError("use_qk_norm (Cohere's per-head q / k LayerNorms, Command R+) is not supported")
+    cfg = _llama_like({**c, "sliding_window": None, "rms_norm_eps": c.get("layer_norm_eps", 1e-5)}, arch)
+    scale = c.get("logit_scale", 0.0625)
+    if not _is_number(scale) or scale <= 0:
+        raise ConfigError(f"logit_scale must be a positive number, got {scale!r}")
+    cfg = dataclasses.replace(cfg, norm="layernorm_nobias", parallel_block=True, logits_scaling=1.0 / float(scale),
+                              tie_embeddings=bool(c.get("tie_word_embeddings", True)))
+    if arch != "Cohere2ForCausalLM":
+        return cfg
+    n, window = c["num_hidden_layers"], c.get("sliding_window", 4096)
+    period = c.get("sliding_window_pattern", 4)
+    if not (_is_int(period) and period > 0):
+        raise ConfigError(f"sliding_window_pattern must be a positive integer, got {period!r}")
+    types = c.get("layer_types") or ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
+    # transformers' Cohere2Attention rotates where the layer has a window: with none, no layer does
+    sliding = tuple(t == "sliding_attention" and window is not None for t in types)
+    return dataclasses.replace(cfg, sliding_window=window if any(sliding) else None,
+                               sliding_layers=sliding if any(sliding) else None, rope_layers=sliding)
+
+
 def _starcoder2(c: dict[str, Any], arch: str) -> ModelConfig:
     """StarCoder2 (transformers' Starcoder2): LayerNorms with biases (norm_epsilon), GQA with RoPE, a
     window on every layer when sliding_window is set, an ungated MLP (c_fc, act, c_proj), biases on
@@ -657,7 +685,7 @@ _HF_BUILDERS = {
     "Olmo3ForCausalLM": _olmo, "Exaone4ForCausalLM": _exaone4, "SeedOssForCausalLM": _seed_oss,
     "Qwen2MoeForCausalLM": _qwen2_moe, "Glm4MoeForCausalLM": _glm4_moe, "DeepseekV3ForCausalLM": _deepseek_v3,
     "DeepseekV2ForCausalLM": _deepseek_v2, "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm,
-    "Starcoder2ForCausalLM": _starcoder2,
+    "Starcoder2ForCausalLM": _starcoder2, "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -670,7 +698,8 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "exaone4": "Exaone4ForCausalLM", "seed_oss": "SeedOssForCausalLM",
                        "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                        "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                       "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
+                       "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
+                       "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}

@@ -87,10 +87,13 @@ def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -
     MLP), Mixtral, Qwen3-MoE and gpt-oss (+ sinks; their experts: _experts_map); with fused=True,
     Phi-3 (q, k, v in one qkv_proj [(H + 2 Hkv) hd, d]; gate and up in one gate_up_proj [2F, d], gate
     first: each part is a slice of the stored tensor); with fused_mlp=True, GLM-4 (gate_up_proj only,
-    q and k de-interleaved: _head_order); StarCoder2 (LayerNorms, the ungated mlp.c_fc / c_proj)."""
+    q and k de-interleaved: _head_order); StarCoder2 (LayerNorms, the ungated mlp.c_fc / c_proj);
+    Cohere / Cohere2 (one input_layernorm per block, q and k de-interleaved)."""
     h, kv, hd, d, f = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.ffn_dim
     m: WeightMap = {"embed": (("model.embed_tokens.weight",), _ident)}
     norms, layernorm, order = _block_norms(cfg), cfg.norm == "layernorm", _head_order(cfg)
+    if cfg.parallel_block:   # Cohere: the one input_layernorm
+        norms = {"attn_norm": "input_layernorm"}
     rows = {"q": (0, h * hd), "k": (h * hd, (h + kv) * hd), "v": ((h + kv) * hd, (h + 2 * kv) * hd)}
     for i in range(cfg.n_layers):
         p, o = f"model.layers.{i}", f"layers/{i}"
@@ -264,9 +267,10 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Exaone4ForCausalLM": _llama_map, "SeedOssForCausalLM": _llama_map,
          "GlmForCausalLM": lambda cfg: _llama_map(cfg, fused_mlp=True),
          "Glm4ForCausalLM": lambda cfg: _llama_map(cfg, fused_mlp=True), "Starcoder2ForCausalLM": _llama_map,
+         "CohereForCausalLM": _llama_map, "Cohere2ForCausalLM": _llama_map,
          "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map}
 # the families whose rotated q / k features are stored in pairs (_head_order)
-_PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM")
+_PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
 # Checkpoints saved from the bare model class (GPT2Model, BloomModel; an embedding model's Transformer,
 # e.g. Qwen3Model) lack these prefixes.
 OPTIONAL_PREFIXES = ("transformer.", "model.")

@@ -65,6 +65,8 @@ def calibrated_unsupported(cfg) -> str | None:
     MLP are not in those taps, and its (1 + w) norm would need (1 + w) / s - 1."""
     if cfg.post_norms:
         return "its blocks norm the attention and MLP outputs (Gemma, OLMo 2), which calibration does not replay"
+    if cfg.parallel_block:
+        return "its blocks run attention and MLP side by side on one norm (Cohere), which calibration does not replay"
     if cfg.norm == "gemma_rmsnorm":
         return "its norms scale by (1 + w) (Gemma), which AWQ / SmoothQuant's folding does not handle"
     return None
