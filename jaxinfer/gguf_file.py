@@ -332,7 +332,7 @@ def _cohere(f: GGUFFile) -> dict[str, Any]:
     """Command R / Aya (llama.cpp's command-r) and Command R7B / A (cohere2): the LayerNorm's epsilon,
     logit_scale, the embedding as the LM head (neither graph reads an output tensor); cohere2's
     window on three layers of every attention.sliding_window_pattern (default 4), the others global
-    and without RoPE. Command R+'s q / k norms (attn_q_norm) are refused, as for an HF folder."""
+    and without RoPE; Command R+'s per-head q / k norms where the file has attn_q_norm."""
     eps, scale = f.arch_get("attention.layer_norm_epsilon"), f.arch_get("logit_scale")
     for key, value in (("attention.layer_norm_epsilon", eps), ("logit_scale", scale)):
         if value is None:

@@ -49,11 +49,15 @@ class Norm(nnx.Module):
     computed in float32. `axis`: the logical axis of the weight (embed for
     the residual stream, head_dim for the per-head q/k norms of Qwen3 and Gemma 3)."""
 
-    def __init__(self, dim: int, kind: str, eps: float, dtype, rngs: nnx.Rngs | None, axis: str = "embed"):
+    def __init__(self, dim: int, kind: str, eps: float, dtype, rngs: nnx.Rngs | None, axis: str = "embed",
+                 heads: tuple[int, str] | None = None):
+        """heads: (count, logical axis): one weight per head (Cohere's q / k norms: [heads, dim]),
+        the statistics still over the last axis."""
         assert kind in NORM_KINDS, kind
         self.kind, self.eps = kind, eps
-        self.scale = param((dim,), (axis,), dtype, rngs, init="zeros" if kind == "gemma_rmsnorm" else "ones")
-        self.bias = param((dim,), (axis,), dtype, rngs, init="zeros") if kind == "layernorm" else None
+        shape, axes = ((dim,), (axis,)) if heads is None else ((heads[0], dim), (heads[1], axis))
+        self.scale = param(shape, axes, dtype, rngs, init="zeros" if kind == "gemma_rmsnorm" else "ones")
+        self.bias = param(shape, axes, dtype, rngs, init="zeros") if kind == "layernorm" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)

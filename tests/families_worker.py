@@ -13,7 +13,9 @@ relative error against the same model on one device and whether its greedy token
   - SmolLM3 at PP 2 (four layers, NoPE on 0 and 3: local layer 0 rotates on stage 1 only, and is
     windowed on stage 0 only, so both are picked per stage: pipeline.PipelinedDecoder._use_rope);
   - OLMo 2 at TP 2 (its q / k norms span every head, which the devices hold in halves: the mean of
-    squares is reduced across them).
+    squares is reduced across them);
+  - Command R+ (Cohere) at TP 2: its per-head q / k norm weights split with the heads, attention and
+    MLP side by side.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from pathlib import Path
 RUNS = {"qwen3-gqa": [dict(tensor_parallel=2), dict(tensor_parallel=4)],
         "gemma3": [dict(tensor_parallel=2), dict(pipeline_parallel=2),
                    dict(pipeline_parallel=2, attention="pallas")],
-        "smollm3-window": [dict(pipeline_parallel=2)], "olmo2": [dict(tensor_parallel=2)]}
+        "smollm3-window": [dict(pipeline_parallel=2)], "olmo2": [dict(tensor_parallel=2)],
+        "cohere": [dict(tensor_parallel=2)]}
 PROMPTS = [[3, 17, 42, 9, 100, 5, 77, 12, 8, 60, 33, 1, 7, 19], [5, 6, 7]]
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=16, token_buckets=[16], max_num_seqs=4,
               block_size=8, num_blocks=33, warmup=False)

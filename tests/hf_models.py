@@ -79,11 +79,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                             num_key_value_heads=1, head_dim=16, attention_bias=False, tie_word_embeddings=True,
                             rope_parameters={"rope_type": "default", "rope_theta": 500.0,
                                              "partial_rotary_factor": 0.75})),
-    # Command R / Aya (Cohere): one bias-free LayerNorm feeding attention and MLP side by side, RoPE
-    # in pairs, q/k/v/o biases, logits x 1/16, tied; Command R7B / A (Cohere2): three sliding layers
+    # Command R+ (Cohere): one bias-free LayerNorm feeding attention and MLP side by side, RoPE in
+    # pairs, per-head q / k norms, q/k/v/o biases, logits x 1/16, tied; Command R7B / A (Cohere2): three sliding layers
     # that rotate to one global that does not, a window shorter than the prompt, logits x 1/4
     "cohere": ("cohere", dict(_COMMON, vocab_size=119, intermediate_size=96, num_hidden_layers=3,
-                              num_key_value_heads=2, attention_bias=True, logit_scale=0.0625)),
+                              num_key_value_heads=2, attention_bias=True, logit_scale=0.0625, use_qk_norm=True)),
     "cohere2": ("cohere2", dict(_COMMON, vocab_size=107, intermediate_size=64, num_hidden_layers=4,
                                 num_key_value_heads=1, sliding_window=6, logit_scale=0.25,
                                 layer_types=["sliding_attention"] * 3 + ["full_attention"],

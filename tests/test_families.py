@@ -136,8 +136,8 @@ def test_gemma2_int8_weights_same_tokens(hf_model_dir):
                             tie_embeddings=False)),
     # Cohere: logits x logit_scale as a division by its inverse (1/16 and 1/4: exact in binary)
     ("cohere", dict(norm="layernorm_nobias", parallel_block=True, logits_scaling=16.0, qkv_bias=True, out_bias=True,
-                    tie_embeddings=True, sliding_window=None, rope_layers=None)),
-    ("cohere2", dict(parallel_block=True, logits_scaling=4.0, sliding_window=6, sliding_layers=(True,) * 3 + (False,),
+                    tie_embeddings=True, sliding_window=None, rope_layers=None, qk_norm=True, qk_norm_heads=True)),
+    ("cohere2", dict(parallel_block=True, logits_scaling=4.0, qk_norm=False, sliding_window=6, sliding_layers=(True,) * 3 + (False,),
                      rope_layers=(True,) * 3 + (False,), tie_embeddings=False)),
 ])
 def test_from_hf_fields(name, expect, hf_model_dir):
@@ -277,7 +277,7 @@ def test_num_params_match_transformers():
         assert model_config_from_hf(cfg_dict(name)).num_params() == sum(p.numel() for p in hf.parameters()), name
 
 
-@pytest.mark.parametrize("name", ["glm4", "glm-mqa", "starcoder2-window", "starcoder2-mqa", "cohere", "cohere2"])
+@pytest.mark.parametrize("name", ["glm4", "glm-mqa", "starcoder2-window", "starcoder2-mqa", "cohere", "cohere2", "olmo2"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -286,7 +286,7 @@ def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
 def test_cohere_configs_as_transformers_reads_them():
     """Cohere2 without layer_types: every sliding_window_pattern-th layer global (Cohere2Config);
     without a window no layer rotates (Cohere2Attention rotates only where the layer has one).
-    Cohere's per-head q / k norms (Command R+) are refused by name."""
+    Command R+'s per-head k norm cannot follow KV heads repeated for tensor parallelism: refused."""
     import transformers as tf
     fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4)
     theirs = tf.Cohere2Config(**fields, sliding_window_pattern=3)
@@ -295,8 +295,12 @@ def test_cohere_configs_as_transformers_reads_them():
     assert cfg.sliding_window == theirs.sliding_window == 4096
     cfg = model_config_from_hf({"architectures": ["Cohere2ForCausalLM"], **fields, "sliding_window": None})
     assert cfg.rope_layers == (False,) * 6 and cfg.sliding_window is None
-    with pytest.raises(ConfigError, match="use_qk_norm"):
-        model_config_from_hf({"architectures": ["CohereForCausalLM"], **fields, "use_qk_norm": True})
+    from jaxinfer.models.decoder import FusedLayout
+    plus = model_config_from_hf({"architectures": ["CohereForCausalLM"], **fields, "num_key_value_heads": 2,
+                                 "use_qk_norm": True})
+    assert FusedLayout.for_tp(plus, 2).kv_replicas == 1
+    with pytest.raises(ConfigError, match="weights per KV head"):
+        FusedLayout.for_tp(plus, 4)
 
 
 def test_glm4_published_config_spelling():
@@ -336,7 +340,8 @@ def test_longrope_factors_must_fit_the_rotated_features():
 
 def test_tensor_and_pipeline_parallel_equal_one_device(tmp_path):
     """tests/families_worker.py on 8 fake CPU devices: Qwen3 at TP 2 and 4, Gemma 3 at TP 2 and PP 2
-    (PP 2 on both attentions: the Pallas ragged kernel takes the stage's window as an input) give one
+    (PP 2 on both attentions: the Pallas ragged kernel takes the stage's window as an input), Command R+
+    at TP 2 (its per-head q / k norm weights split with the heads) give one
     device's logits (to float32 reduction order) and greedy tokens."""
     from tests.fake_devices import run_model_runs
     from tests.families_worker import RUNS

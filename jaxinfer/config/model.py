@@ -82,6 +82,8 @@ class ModelConfig:
     pre_norms: bool = True              # False: no norm of a block's input (OLMo 2: post_norms only)
     qk_norm_full: bool = False          # the q / k norms over each token's whole projection (H hd, Hkv hd:
                                         # OLMo 2) instead of over each head
+    qk_norm_heads: bool = False         # the q / k norms over each head with weights per head [heads, head_dim]
+                                        # (Cohere's use_qk_norm: Command R+)
     attn_scale: float | None = None     # softmax scale of q.k; None: head_dim ** -0.5
     attn_softcap: float | None = None   # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
     final_softcap: float | None = None  # the same on the LM head's logits (Gemma 2 and 3)
@@ -171,6 +173,7 @@ class ModelConfig:
                                                           and not self.residual_post_norm and not self.num_experts),
             "pre_norms": self.pre_norms or self.post_norms,
             "qk_norm_full": self.qk_norm or not self.qk_norm_full,
+            "qk_norm_heads": not self.qk_norm_heads or (self.qk_norm and not self.qk_norm_full),
             "position": self.position in ("rope", "alibi", "learned", "sinusoidal"),
             "sliding_layers": self.sliding_layers is None or len(self.sliding_layers) == self.n_layers,
             "rope_layers": self.rope_layers is None or (len(self.rope_layers) == self.n_layers
@@ -291,7 +294,8 @@ class ModelConfig:
             attn = ((d * qr + qr + qr * h * qk) if qr else d * h * qk) + d * (r + self.mla_rope_dim) + r
             attn += r * h * (self.mla_nope_dim + self.mla_v_dim) + h * self.mla_v_dim * d
             attn += ((qr if qr else 0) + r + self.mla_rope_dim + d) if self.out_bias else 0
-        attn += 2 * per_norm * hd if self.qk_norm else 0
+        if self.qk_norm:   # one weight per feature of a head, or per feature of every head (OLMo 2, Cohere)
+            attn += per_norm * hd * ((h + kv) if self.qk_norm_full or self.qk_norm_heads else 2)
         attn += h if self.attn_sinks else 0
         mlp = (3 if self.gated_mlp else 2) * d * f
         mlp += ((2 * f if self.gated_mlp else f) + d) if self.mlp_bias else 0
@@ -301,7 +305,9 @@ class ModelConfig:
         # is a buffer, not a parameter, in transformers' count)
         router = (d * self.num_experts + (self.num_experts if self.router_bias else 0)
                   + 3 * d * self.moe_shared_ffn_dim + (d if self.moe_shared_gate else 0))
-        norms = (4 if self.post_norms else 1 if self.parallel_block else 2) * norm_p
+        # two norms a block (before attention and MLP, or after each: OLMo 2), four with both (Gemma), one
+        # for a parallel block (Cohere)
+        norms = (1 if self.parallel_block else 2 * (self.pre_norms + self.post_norms)) * norm_p
         n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
         out = {"embedding": self.vocab_size * d, "lm_head": 0 if self.tie_embeddings else self.vocab_size * d,
                "positions": self.max_position_embeddings * d if self.position == "learned" else 0,

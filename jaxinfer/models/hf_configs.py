@@ -353,16 +353,16 @@ def _cohere(c: dict[str, Any], arch: str) -> ModelConfig:
     block feeding attention and MLP side by side (x + attn + mlp), RoPE over whole heads with the
     features in pairs (de-interleaved by hf_maps), biases on q / k / v / o where attention_bias, the
     logits times logit_scale, tied embeddings. Cohere2: sliding layers (layer_types, else every
-    sliding_window_pattern-th layer global) that rotate, global ones that do not. Cohere's per-head
-    q / k norms (use_qk_norm: Command R+) are refused."""
-    if c.get("use_qk_norm"):
-        raise ConfigError("use_qk_norm (Cohere's per-head q / k LayerNorms, Command R+) is not supported")
+    sliding_window_pattern-th layer global) that rotate, global ones that do not. use_qk_norm
+    (Command R+): bias-free LayerNorms of each q and k head, with weights per head."""
     cfg = _llama_like({**c, "sliding_window": None, "rms_norm_eps": c.get("layer_norm_eps", 1e-5)}, arch)
     scale = c.get("logit_scale", 0.0625)
     if not _is_number(scale) or scale <= 0:
         raise ConfigError(f"logit_scale must be a positive number, got {scale!r}")
+    heads_norm = bool(c.get("use_qk_norm", False))
     cfg = dataclasses.replace(cfg, norm="layernorm_nobias", parallel_block=True, logits_scaling=1.0 / float(scale),
-                              tie_embeddings=bool(c.get("tie_word_embeddings", True)))
+                              tie_embeddings=bool(c.get("tie_word_embeddings", True)), qk_norm=heads_norm,
+                              qk_norm_heads=heads_norm)
     if arch != "Cohere2ForCausalLM":
         return cfg
     n, window = c["num_hidden_layers"], c.get("sliding_window", 4096)

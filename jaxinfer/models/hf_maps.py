@@ -114,7 +114,11 @@ def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -
             if cfg.qkv_bias:
                 m[f"{o}/attn/{name}_bias"] = ((f"{p}.self_attn.{name}_proj.bias",),
                                               lambda b, n=heads, j=feats: b.reshape(n, hd)[..., j])
-        if cfg.qk_norm:
+        if cfg.qk_norm_heads:   # Cohere: [heads, head_dim], its features in the q / k order (_head_order)
+            for name, heads in (("q", h), ("k", kv)):
+                m[f"{o}/attn/{name}_norm/scale"] = ((f"{p}.self_attn.{name}_norm.weight",),
+                                                    lambda w, n=heads: w.reshape(n, hd)[..., order])
+        elif cfg.qk_norm:
             _norm(m, f"{o}/attn/q_norm", f"{p}.self_attn.q_norm", False)
             _norm(m, f"{o}/attn/k_norm", f"{p}.self_attn.k_norm", False)
         if not cfg.mla:
