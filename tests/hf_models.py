@@ -88,6 +88,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                 num_key_value_heads=1, sliding_window=6, logit_scale=0.25,
                                 layer_types=["sliding_attention"] * 3 + ["full_attention"],
                                 tie_word_embeddings=False)),
+    # ERNIE 4.5 (0.3B's shape): RoPE in pairs over whole heads, biases everywhere (use_bias), tied
+    "ernie4_5": ("ernie4_5", dict(_COMMON, vocab_size=111, intermediate_size=96, num_hidden_layers=2,
+                                  num_key_value_heads=2, head_dim=32, use_bias=True)),
     # StarCoder2: LayerNorms with biases, an ungated gelu MLP, biases everywhere, a window on every
     # layer shorter than the prompt, tied; then no biases, MQA, untied, no window
     "starcoder2-window": ("starcoder2", dict(_COMMON, vocab_size=117, intermediate_size=96, num_hidden_layers=3,
@@ -250,6 +253,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
            "glm": (tf.GlmConfig, tf.GlmForCausalLM), "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM),
            "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM),
+           "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),
            "cohere": (tf.CohereConfig, tf.CohereForCausalLM), "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for

@@ -376,6 +376,16 @@ def _cohere(c: dict[str, Any], arch: str) -> ModelConfig:
                                sliding_layers=sliding if any(sliding) else None, rope_layers=sliding)
 
 
+def _ernie4_5(c: dict[str, Any], arch: str) -> ModelConfig:
+    """ERNIE 4.5 dense (transformers' Ernie4_5): Llama's block with RoPE over whole heads in pairs
+    (GLM's layout; de-interleaved by hf_maps), biases on every projection where use_bias, tied
+    embeddings by default."""
+    bias = bool(c.get("use_bias", False))
+    cfg = _llama_like({**c, "sliding_window": None, "attention_bias": bias, "mlp_bias": bias,
+                       "rms_norm_eps": c.get("rms_norm_eps", 1e-5)}, arch)
+    return dataclasses.replace(cfg, tie_embeddings=bool(c.get("tie_word_embeddings", True)))
+
+
 def _starcoder2(c: dict[str, Any], arch: str) -> ModelConfig:
     """StarCoder2 (transformers' Starcoder2): LayerNorms with biases (norm_epsilon), GQA with RoPE, a
     window on every layer when sliding_window is set, an ungated MLP (c_fc, act, c_proj), biases on
@@ -686,6 +696,7 @@ _HF_BUILDERS = {
     "Qwen2MoeForCausalLM": _qwen2_moe, "Glm4MoeForCausalLM": _glm4_moe, "DeepseekV3ForCausalLM": _deepseek_v3,
     "DeepseekV2ForCausalLM": _deepseek_v2, "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm,
     "Starcoder2ForCausalLM": _starcoder2, "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere,
+    "Ernie4_5ForCausalLM": _ernie4_5,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -699,7 +710,8 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                        "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
-                       "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM"}
+                       "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
+                       "ernie4_5": "Ernie4_5ForCausalLM"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
@@ -708,6 +720,7 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 _GEMMA_DEFAULTS = {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256, "tie_word_embeddings": True}
 _HF_DEFAULTS = {
     "Qwen3ForCausalLM": {"head_dim": 128},
+    "Ernie4_5ForCausalLM": {"head_dim": 128, "num_key_value_heads": 2, "max_position_embeddings": 131072},
     "GlmForCausalLM": {"head_dim": 128, "rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072},
     "Glm4ForCausalLM": {"head_dim": 128, "rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072},
     "Exaone4ForCausalLM": {"sliding_window": 4096, "num_key_value_heads": 32},

@@ -271,10 +271,10 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Exaone4ForCausalLM": _llama_map, "SeedOssForCausalLM": _llama_map,
          "GlmForCausalLM": lambda cfg: _llama_map(cfg, fused_mlp=True),
          "Glm4ForCausalLM": lambda cfg: _llama_map(cfg, fused_mlp=True), "Starcoder2ForCausalLM": _llama_map,
-         "CohereForCausalLM": _llama_map, "Cohere2ForCausalLM": _llama_map,
+         "CohereForCausalLM": _llama_map, "Cohere2ForCausalLM": _llama_map, "Ernie4_5ForCausalLM": _llama_map,
          "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map}
 # the families whose rotated q / k features are stored in pairs (_head_order)
-_PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
+_PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM")
 # Checkpoints saved from the bare model class (GPT2Model, BloomModel; an embedding model's Transformer,
 # e.g. Qwen3Model) lack these prefixes.
 OPTIONAL_PREFIXES = ("transformer.", "model.")
