@@ -60,7 +60,12 @@ def default_impl() -> str:
 
 
 # the routings whose router transformers runs in float32 (DeepSeek's, GLM-4.5's): kept so here
-FLOAT32_ROUTERS = ("sigmoid_topk", "softmax_group_topk")
+FLOAT32_ROUTERS = ("sigmoid_topk", "softmax_group_topk", "softmax_corrected_topk")
+# the routings with a learned per-expert correction of the choice (router_correction)
+CORRECTED_ROUTERS = ("sigmoid_topk", "softmax_corrected_topk")
+# ERNIE 4.5's floor under the chosen probabilities' sum (transformers' moe_norm_min default; the
+# published configs keep it)
+ERNIE_NORM_MIN = 1e-12
 
 
 def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: jax.Array | None = None,
@@ -73,7 +78,9 @@ def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: 
     weighted by their scores (renormalized when norm_topk, as transformers does: + 1e-20), times scale.
     softmax_group_topk (DeepSeek-V2): softmax over all E; the k largest probabilities among the
     topk_groups best of `groups` groups (a group scored by its best; the others' probabilities taken
-    as 0, as transformers masks them), never renormalized, times scale."""
+    as 0, as transformers masks them), never renormalized, times scale. softmax_corrected_topk
+    (ERNIE 4.5): softmax over all E, the k largest of probabilities + correction [E], weighted by
+    their probabilities divided by max(sum, 1e-12)."""
     if routing == "topk_softmax":
         top, experts = lax.top_k(logits, k)
         return jax.nn.softmax(top, axis=-1), experts
@@ -81,6 +88,11 @@ def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: 
         return _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale)
     if routing == "softmax_group_topk":
         return _route_softmax_groups(logits, k, groups, topk_groups, scale)
+    if routing == "softmax_corrected_topk":
+        probs = jax.nn.softmax(logits, axis=-1)
+        _, experts = lax.top_k(probs + correction.astype(jnp.float32), k)
+        weights = jnp.take_along_axis(probs, experts, axis=1)
+        return weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), ERNIE_NORM_MIN), experts
     weights, experts = lax.top_k(jax.nn.softmax(logits, axis=-1), k)
     if norm_topk:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -192,9 +204,9 @@ class MoE(nnx.Module):
         # pick among many experts by small margins, which bfloat16 logits would move)
         self.router = param((d, e), ("embed", None), jnp.float32 if cfg.moe_routing in FLOAT32_ROUTERS else dtype, rngs)
         self.router_bias = param((e,), (None,), dtype, rngs, init="zeros") if cfg.router_bias else None
-        # sigmoid_topk's choice correction (float32, as transformers keeps it)
+        # the choice correction of sigmoid_topk and softmax_corrected_topk (float32, as transformers keeps it)
         self.router_correction = (param((e,), (None,), jnp.float32, rngs, init="zeros")
-                                  if cfg.moe_routing == "sigmoid_topk" else None)
+                                  if cfg.moe_routing in CORRECTED_ROUTERS else None)
         # the shared experts: one dense gated MLP every token runs (+ Qwen2-MoE's sigmoid gate [d, 1])
         self.shared = (MLP(dataclasses.replace(cfg, ffn_dim=cfg.moe_shared_ffn_dim, mlp_bias=False), dtype, rngs,
                            shared_shards) if cfg.moe_shared_ffn_dim else None)

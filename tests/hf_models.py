@@ -91,6 +91,12 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     # ERNIE 4.5 (0.3B's shape): RoPE in pairs over whole heads, biases everywhere (use_bias), tied
     "ernie4_5": ("ernie4_5", dict(_COMMON, vocab_size=111, intermediate_size=96, num_hidden_layers=2,
                                   num_key_value_heads=2, head_dim=32, use_bias=True)),
+    # ERNIE 4.5 MoE (21B-A3B's routing): a dense first layer, then top-2 of 4 by softmax + a choice
+    # correction (randomised below), renormalized, one shared expert
+    "ernie4_5_moe": ("ernie4_5_moe", dict(_COMMON, vocab_size=113, intermediate_size=96, num_hidden_layers=3,
+                                          num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+                                          moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
+                                          moe_layer_start_index=1, initializer_range=0.3)),
     # StarCoder2: LayerNorms with biases, an ungated gelu MLP, biases everywhere, a window on every
     # layer shorter than the prompt, tied; then no biases, MQA, untied, no window
     "starcoder2-window": ("starcoder2", dict(_COMMON, vocab_size=117, intermediate_size=96, num_hidden_layers=3,
@@ -254,6 +260,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "glm": (tf.GlmConfig, tf.GlmForCausalLM), "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM),
            "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM),
            "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),
+           "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
            "cohere": (tf.CohereConfig, tf.CohereForCausalLM), "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
@@ -272,10 +279,13 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
         if name in EMBED_STD:
             model.get_input_embeddings().weight.normal_(0.0, EMBED_STD[name])
         for n, p in model.named_parameters():
-            if n.endswith((".bias", "_bias")) or "norm" in n or "ln_" in n:
+            if n.endswith("moe_statics.e_score_correction_bias"):   # ERNIE's choice correction (zeros at init)
+                p.normal_(0.0, 0.3)
+            elif n.endswith((".bias", "_bias")) or "norm" in n or "ln_" in n:
                 p.add_(0.1 * torch.randn_like(p))
             elif n.endswith(".sinks"):   # gpt-oss: sink logits as large as the scores, so that they matter
                 p.normal_(0.0, 1.0)
+
         for n, b in model.named_buffers():   # GLM-4.5's choice correction (a buffer, zeros at init)
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.3)

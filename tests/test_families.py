@@ -278,7 +278,7 @@ def test_num_params_match_transformers():
 
 
 @pytest.mark.parametrize("name", ["glm4", "glm-mqa", "starcoder2-window", "starcoder2-mqa", "cohere", "cohere2", "olmo2",
-                                  "ernie4_5"])
+                                  "ernie4_5", "ernie4_5_moe"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -302,6 +302,22 @@ def test_cohere_configs_as_transformers_reads_them():
     assert FusedLayout.for_tp(plus, 2).kv_replicas == 1
     with pytest.raises(ConfigError, match="weights per KV head"):
         FusedLayout.for_tp(plus, 4)
+
+
+def test_ernie4_5_moe_layer_pattern_as_transformers_reads_it():
+    """moe_layer_end_index -1 (the last layer, Ernie4_5_MoeConfig), an interval, a start; use_bias
+    (biased dense and shared MLPs beside unbiased routed experts) refused by name."""
+    import transformers as tf
+    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                  num_key_value_heads=2, moe_intermediate_size=16, moe_num_experts=4, moe_k=2)
+    for pattern in (dict(moe_layer_start_index=1, moe_layer_end_index=-1, moe_layer_interval=1),
+                    dict(moe_layer_start_index=0, moe_layer_end_index=4, moe_layer_interval=2)):
+        theirs = tf.Ernie4_5_MoeForCausalLM(tf.Ernie4_5_MoeConfig(**fields, **pattern))
+        moe = tuple(type(layer.mlp).__name__ == "Ernie4_5_MoeSparseMoeBlock" for layer in theirs.model.layers)
+        cfg = model_config_from_hf({"architectures": ["Ernie4_5_MoeForCausalLM"], **fields, **pattern})
+        assert tuple(cfg.is_moe_layer(i) for i in range(6)) == moe
+    with pytest.raises(ConfigError, match="use_bias"):
+        model_config_from_hf({"architectures": ["Ernie4_5_MoeForCausalLM"], **fields, "use_bias": True})
 
 
 def test_glm4_published_config_spelling():

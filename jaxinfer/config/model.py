@@ -104,7 +104,8 @@ class ModelConfig:
     # groups (a group scored by its two best), the chosen sigmoids renormalized when moe_norm_topk,
     # times moe_routed_scale; "softmax_group_topk" (DeepSeek-V2): softmax over all experts, the choice
     # limited to the moe_topk_groups best groups (a group scored by its best), never renormalized,
-    # times moe_routed_scale. Shared experts (Qwen2-MoE, DeepSeek, GLM-4.5): a dense gated MLP of
+    # times moe_routed_scale; "softmax_corrected_topk" (ERNIE 4.5): softmax over all experts, the
+    # correction added for the choice only, the chosen probabilities divided by max(their sum, 1e-12). Shared experts (Qwen2-MoE, DeepSeek, GLM-4.5): a dense gated MLP of
     # moe_shared_ffn_dim beside the routed experts of every MoE layer, its output added (Qwen2-MoE:
     # times sigmoid(x . w) of a learned [d_model] gate when moe_shared_gate).
     # Multi-head latent attention (DeepSeek-V3, Kimi K2; mla_kv_rank > 0): each token caches one latent
@@ -185,7 +186,8 @@ class ModelConfig:
             "num_experts_per_tok": (0 < self.num_experts_per_tok <= self.num_experts if self.num_experts
                                     else self.num_experts_per_tok == 0),
             "moe_layers": self.moe_layers is None or (len(self.moe_layers) == self.n_layers and self.num_experts > 0),
-            "moe_routing": self.moe_routing in ("topk_softmax", "softmax_topk", "sigmoid_topk", "softmax_group_topk"),
+            "moe_routing": self.moe_routing in ("topk_softmax", "softmax_topk", "sigmoid_topk", "softmax_group_topk",
+                                                "softmax_corrected_topk"),
             "moe_groups": self.moe_groups > 0 and (not self.num_experts or self.num_experts % self.moe_groups == 0) and (
                 self.moe_groups == 1 or self.num_experts // self.moe_groups
                 >= (2 if self.moe_routing == "sigmoid_topk" else 1)),   # sigmoid: a group scored by its best two
@@ -304,7 +306,8 @@ class ModelConfig:
         # the shared experts run for every token: with the router, per MoE layer (sigmoid_topk's correction
         # is a buffer, not a parameter, in transformers' count)
         router = (d * self.num_experts + (self.num_experts if self.router_bias else 0)
-                  + 3 * d * self.moe_shared_ffn_dim + (d if self.moe_shared_gate else 0))
+                  + 3 * d * self.moe_shared_ffn_dim + (d if self.moe_shared_gate else 0)
+                  + (self.num_experts if self.moe_routing == "softmax_corrected_topk" else 0))   # ERNIE's: a parameter
         # two norms a block (before attention and MLP, or after each: OLMo 2), four with both (Gemma), one
         # for a parallel block (Cohere)
         norms = (1 if self.parallel_block else 2 * (self.pre_norms + self.post_norms)) * norm_p

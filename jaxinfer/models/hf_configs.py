@@ -386,6 +386,40 @@ def _ernie4_5(c: dict[str, Any], arch: str) -> ModelConfig:
     return dataclasses.replace(cfg, tie_embeddings=bool(c.get("tie_word_embeddings", True)))
 
 
+def _ernie4_5_moe(c: dict[str, Any], arch: str) -> ModelConfig:
+    """ERNIE 4.5 MoE (transformers' Ernie4_5_Moe: ERNIE-4.5-21B-A3B, 300B-A47B): the dense block of
+    _ernie4_5 with mixtures on the layers i with (i + 1) % moe_layer_interval == 0 and
+    moe_layer_start_index <= i <= moe_layer_end_index (-1: the last layer), dense MLPs of
+    intermediate_size on the others; moe_num_experts experts of moe_intermediate_size, moe_k per
+    token by softmax_corrected_topk (the correction: moe_statics), moe_num_shared_experts ungated
+    shared experts of moe_intermediate_size each (one MLP of their total width)."""
+    n = c["num_hidden_layers"]
+    e, k = c.get("moe_num_experts", c.get("num_experts", 64)), c.get("moe_k", c.get("num_experts_per_tok", 6))
+    start, end, every = c.get("moe_layer_start_index", 1), c.get("moe_layer_end_index", -1), c.get("moe_layer_interval", 1)
+    for field, v in (("moe_num_experts", e), ("moe_k", k), ("moe_layer_interval", every),
+                     ("moe_intermediate_size", c.get("moe_intermediate_size", 1536))):
+        if not (_is_int(v) and v > 0):
+            raise ConfigError(f"field {field!r} must be a positive integer, got {v!r}")
+    if not (_is_int(start) and _is_int(end) and start >= 0):
+        raise ConfigError(f"moe_layer_start_index / moe_layer_end_index must be integers, got {start!r} / {end!r}")
+    end = n - 1 if end == -1 else end
+    if c.get("use_bias"):   # transformers: biases on attention, dense and shared MLPs, none on the routed experts
+        raise ConfigError("use_bias = true on ERNIE 4.5 MoE (biased dense and shared MLPs beside unbiased experts) "
+                          "is not supported")
+    norm_min = c.get("moe_norm_min", 1e-12)
+    if norm_min != 1e-12:
+        raise ConfigError(f"moe_norm_min = {norm_min!r} is not supported (1e-12, transformers' default)")
+    layers = tuple((i + 1) % every == 0 and start <= i <= end for i in range(n))
+    if not any(layers):
+        raise ConfigError(f"moe_layer_start_index {start} / moe_layer_end_index {end} / moe_layer_interval {every} "
+                          f"leave no mixture-of-experts layer of {n}")
+    cfg = _ernie4_5(c, arch)
+    return dataclasses.replace(
+        cfg, num_experts=e, num_experts_per_tok=k, moe_ffn_dim=c.get("moe_intermediate_size", 1536),
+        moe_layers=None if all(layers) else layers, moe_routing="softmax_corrected_topk", moe_norm_topk=True,
+        moe_shared_ffn_dim=c.get("moe_intermediate_size", 1536) * int(c.get("moe_num_shared_experts") or 0))
+
+
 def _starcoder2(c: dict[str, Any], arch: str) -> ModelConfig:
     """StarCoder2 (transformers' Starcoder2): LayerNorms with biases (norm_epsilon), GQA with RoPE, a
     window on every layer when sliding_window is set, an ungated MLP (c_fc, act, c_proj), biases on
@@ -696,7 +730,7 @@ _HF_BUILDERS = {
     "Qwen2MoeForCausalLM": _qwen2_moe, "Glm4MoeForCausalLM": _glm4_moe, "DeepseekV3ForCausalLM": _deepseek_v3,
     "DeepseekV2ForCausalLM": _deepseek_v2, "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm,
     "Starcoder2ForCausalLM": _starcoder2, "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere,
-    "Ernie4_5ForCausalLM": _ernie4_5,
+    "Ernie4_5ForCausalLM": _ernie4_5, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -711,7 +745,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
                        "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
-                       "ernie4_5": "Ernie4_5ForCausalLM"}
+                       "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}

@@ -203,6 +203,9 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
         m[f"{o}/mlp/{ours}"] = (tuple(f"{p}.{block}.experts.{j}.{theirs}.weight" for j in e), _stack_t)
     if cfg.moe_routing == "sigmoid_topk":   # DeepSeek-V3 / GLM-4.5's choice correction
         m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.gate.e_score_correction_bias",), _ident)
+    elif cfg.moe_routing == "softmax_corrected_topk":   # ERNIE 4.5's, [1, E] in its moe_statics
+        m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.moe_statics.e_score_correction_bias",),
+                                           lambda b: b.reshape(-1))
     if cfg.moe_shared_ffn_dim:   # Qwen2-MoE: shared_expert (+ its gate); GLM-4.5 / DeepSeek: shared_experts
         shared = "shared_expert" if cfg.moe_shared_gate else "shared_experts"
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
@@ -272,9 +275,11 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "GlmForCausalLM": lambda cfg: _llama_map(cfg, fused_mlp=True),
          "Glm4ForCausalLM": lambda cfg: _llama_map(cfg, fused_mlp=True), "Starcoder2ForCausalLM": _llama_map,
          "CohereForCausalLM": _llama_map, "Cohere2ForCausalLM": _llama_map, "Ernie4_5ForCausalLM": _llama_map,
+         "Ernie4_5_MoeForCausalLM": _llama_map,
          "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map}
 # the families whose rotated q / k features are stored in pairs (_head_order)
-_PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM")
+_PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
+                "Ernie4_5_MoeForCausalLM")
 # Checkpoints saved from the bare model class (GPT2Model, BloomModel; an embedding model's Transformer,
 # e.g. Qwen3Model) lack these prefixes.
 OPTIONAL_PREFIXES = ("transformer.", "model.")
