@@ -278,6 +278,9 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         cfg.update(use_qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
                    partial_rotary_factor=partial.get("partial_rotary_factor", 1.0))
     elif arch == "glm4":   # the rotated share of each head stated (Glm4Config's default is half)
+        if f.arch_get("rope.dimension_sections") is not None:   # Glm4Model's M-RoPE files: Q / K reordered
+            raise CheckpointError(f"{f.path}: glm4.rope.dimension_sections (the text model of a GLM-4.xV / GLM-OCR "
+                                  "file, with M-RoPE and its Q / K rows reordered) is not supported")
         cfg["partial_rotary_factor"] = partial.get("partial_rotary_factor", 1.0)
     elif arch == "starcoder2":
         cfg.update(_starcoder2(f))

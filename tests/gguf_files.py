@@ -296,7 +296,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
     rope_freqs: Llama 3's rope_freqs.weight (llama.cpp's frequency divisors), when given;
     mxfp4: gpt-oss's experts' MXFP4 blocks and scales by HF name (tests/prequant_models.mxfp4_pack);
     name: general.name; fuse_gate_up: a mixture's gate and up experts in one tensor; attn_factor: Phi-3's
-    LongRoPE attention factor other than the converter's; extra: more metadata {key: uint32 or float32};
+    LongRoPE attention factor other than the converter's; extra: more metadata {key: uint32, float32, bool
+    or a list};
     nextn: next-token-prediction blocks appended (GLM-4.5's); split_kv_b: DeepSeek's kv_b_proj as
     attn_k_b / attn_v_b with the latent form's metadata (today's converter), else an older converter's
     file (one attn_kv_b, the heads' widths as key_length / value_length)."""
@@ -376,7 +377,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
     if arch == "phi3":
         _phi3_rope_factors(w, cfg, head_dim, attn_factor)
     for key, value in (extra or {}).items():
-        (w.add_bool if isinstance(value, bool) else w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
+        (w.add_array if isinstance(value, list) else w.add_bool if isinstance(value, bool)
+         else w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
     for i in range(nextn):
         _nextn_block(w, cfg, cfg.num_hidden_layers + i, rng)
     if rope_freqs is not None:

@@ -284,6 +284,22 @@ def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
 
 
+@pytest.mark.parametrize("arch", ["CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
+                                  "Ernie4_5_MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
+                                  "Starcoder2ForCausalLM"])
+def test_new_families_fill_missing_fields_as_transformers(arch):
+    """A config.json that leaves out the RoPE base, KV heads, context and special tokens: transformers'
+    class defaults (Cohere's and ERNIE's RoPE base 500 000, GLM's and StarCoder2's 2 KV heads, ...)."""
+    import transformers as tf
+    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    theirs = getattr(tf, arch.replace("ForCausalLM", "Config"))(**fields)
+    cfg = model_config_from_hf({"architectures": [arch], **fields})
+    eos = theirs.eos_token_id if isinstance(theirs.eos_token_id, list) else [theirs.eos_token_id]
+    assert (cfg.rope_theta, cfg.n_kv_heads, cfg.max_position_embeddings, cfg.eos_token_ids, cfg.bos_token_id) == (
+        theirs.rope_parameters["rope_theta"], theirs.num_key_value_heads or 4, theirs.max_position_embeddings,
+        tuple(eos), theirs.bos_token_id)
+
+
 def test_cohere_configs_as_transformers_reads_them():
     """Cohere2 without layer_types: every sliding_window_pattern-th layer global (Cohere2Config);
     without a window no layer rotates (Cohere2Attention rotates only where the layer has one).
@@ -326,10 +342,10 @@ def test_glm4_published_config_spelling():
     import transformers as tf
     fields = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, rope_theta=10000.0)
-    for extra in ({"partial_rotary_factor": 0.25}, {}):
+    for extra in ({"partial_rotary_factor": 0.25}, {}, {"partial_rotary_factor": 1.0}):
         theirs = tf.Glm4Config(**fields, **extra).rope_parameters
         cfg = model_config_from_hf({"architectures": ["Glm4ForCausalLM"], **fields, **extra})
-        assert cfg.rotary_dim == int(32 * theirs["partial_rotary_factor"]) and cfg.rope_theta == theirs["rope_theta"]
+        assert cfg.rope_dim == int(32 * theirs["partial_rotary_factor"]) and cfg.rope_theta == theirs["rope_theta"]
         assert cfg.qkv_bias == tf.Glm4Config(**fields).attention_bias
 
 

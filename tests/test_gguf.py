@@ -452,13 +452,19 @@ def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path
     assert gen.model_cfg.architecture == type(hf).__name__
     assert gen.model_cfg.sliding_window == (6 if name == "cohere2" else None)
     assert _rel_err(gen.logits(ids), expected) < 1e-4
-    # Q8_0 blocks (packed) on the fused gate / up and the ungated up projections
-    packed = write_gguf(hf, tmp_path / f"{name}-q8.gguf", vocab, {"gate_up_proj.weight": "Q8_0", "c_fc.weight": "Q8_0",
-                                                                  "mlp.up_proj.weight": "Q8_0"})
+    # Q8_0 blocks (packed) on q and k (whose rows the paired families' RoPE reorders), the fused gate / up
+    # and the ungated up projections
+    qtypes = {"q_proj.weight": "Q8_0", "k_proj.weight": "Q8_0", "gate_up_proj.weight": "Q8_0", "c_fc.weight": "Q8_0",
+              "mlp.up_proj.weight": "Q8_0"}
+    packed = write_gguf(hf, tmp_path / f"{name}-q8.gguf", vocab, qtypes)
     ref = _dequantized_copy(hf, packed)   # the same Q8_0 weights, dequantized by the gguf package
     with torch.no_grad():
         expected_q8 = ref(torch.tensor([ids])).logits[0].numpy()
     assert _rel_err(_gen(packed).logits(ids), expected_q8) < 1e-4
+    if name == "glm4":   # a GLM-4.xV text model's file (M-RoPE, Q / K rows reordered by the converter): refused
+        bad = write_gguf(hf, tmp_path / "glm4v.gguf", vocab, extra={"glm4.rope.dimension_sections": [8, 12, 12, 0]})
+        with pytest.raises(CheckpointError, match="glm4.rope.dimension_sections"):
+            _gen(bad)
 
 
 # DeepSeek-V3's YaRN as its config.json gives it (mscale = mscale_all_dim): what a GGUF carries (the

@@ -355,21 +355,25 @@ def _cohere(c: dict[str, Any], arch: str) -> ModelConfig:
     logits times logit_scale, tied embeddings. Cohere2: sliding layers (layer_types, else every
     sliding_window_pattern-th layer global) that rotate, global ones that do not. use_qk_norm
     (Command R+): bias-free LayerNorms of each q and k head, with weights per head."""
+    if arch == "Cohere2ForCausalLM":   # Cohere2Config sets head_dim = hidden_size // heads whatever the file says
+        c = {**c, "head_dim": None}
     cfg = _llama_like({**c, "sliding_window": None, "rms_norm_eps": c.get("layer_norm_eps", 1e-5)}, arch)
     scale = c.get("logit_scale", 0.0625)
     if not _is_number(scale) or scale <= 0:
         raise ConfigError(f"logit_scale must be a positive number, got {scale!r}")
-    heads_norm = bool(c.get("use_qk_norm", False))
+    heads_norm = arch == "CohereForCausalLM" and bool(c.get("use_qk_norm", False))   # not in Cohere2
     cfg = dataclasses.replace(cfg, norm="layernorm_nobias", parallel_block=True, logits_scaling=1.0 / float(scale),
                               tie_embeddings=bool(c.get("tie_word_embeddings", True)), qk_norm=heads_norm,
                               qk_norm_heads=heads_norm)
     if arch != "Cohere2ForCausalLM":
         return cfg
     n, window = c["num_hidden_layers"], c.get("sliding_window", 4096)
-    period = c.get("sliding_window_pattern", 4)
-    if not (_is_int(period) and period > 0):
-        raise ConfigError(f"sliding_window_pattern must be a positive integer, got {period!r}")
-    types = c.get("layer_types") or ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
+    types = c.get("layer_types")
+    if not types:   # Cohere2Config: every sliding_window_pattern-th layer global
+        period = c.get("sliding_window_pattern", 4)
+        if not (_is_int(period) and period > 0):
+            raise ConfigError(f"sliding_window_pattern must be a positive integer, got {period!r}")
+        types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
     # transformers' Cohere2Attention rotates where the layer has a window: with none, no layer does
     sliding = tuple(t == "sliding_attention" and window is not None for t in types)
     return dataclasses.replace(cfg, sliding_window=window if any(sliding) else None,
@@ -754,9 +758,19 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 _GEMMA_DEFAULTS = {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256, "tie_word_embeddings": True}
 _HF_DEFAULTS = {
     "Qwen3ForCausalLM": {"head_dim": 128},
-    "Ernie4_5ForCausalLM": {"head_dim": 128, "num_key_value_heads": 2, "max_position_embeddings": 131072},
-    "GlmForCausalLM": {"head_dim": 128, "rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072},
-    "Glm4ForCausalLM": {"head_dim": 128, "rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072},
+    "Ernie4_5ForCausalLM": {"head_dim": 128, "num_key_value_heads": 2, "max_position_embeddings": 131072,
+                            "rope_theta": 500000.0, "bos_token_id": 1, "eos_token_id": 2},
+    "Ernie4_5_MoeForCausalLM": {"num_key_value_heads": 4, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+                                "bos_token_id": 1, "eos_token_id": 2},
+    "GlmForCausalLM": {"head_dim": 128, "rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072,
+                       "num_key_value_heads": 2, "eos_token_id": [151329, 151336, 151338]},
+    "Glm4ForCausalLM": {"head_dim": 128, "rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072,
+                        "num_key_value_heads": 2, "eos_token_id": [151329, 151336, 151338]},
+    "Starcoder2ForCausalLM": {"num_key_value_heads": 2, "bos_token_id": 50256, "eos_token_id": 50256},
+    "CohereForCausalLM": {"rope_theta": 500000.0, "max_position_embeddings": 8192, "bos_token_id": 5,
+                          "eos_token_id": 255001},
+    "Cohere2ForCausalLM": {"max_position_embeddings": 8192, "bos_token_id": 5, "eos_token_id": 255001,
+                           "sliding_window": 4096},
     "Exaone4ForCausalLM": {"sliding_window": 4096, "num_key_value_heads": 32},
     "SeedOssForCausalLM": {"head_dim": 128, "num_key_value_heads": 8, "max_position_embeddings": 524288},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "num_key_value_heads": 4,
