@@ -257,43 +257,50 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         MARKER: str(Path(os.path.abspath(f.path))),
     }
     cfg.update(_experts(f, cfg))
-    if arch in _GEMMA:
-        cfg.update(_gemma(f, cfg))
-    elif arch == "phi3":
-        cfg.update(_phi3(f, cfg))
-    elif arch == "gpt-oss":
-        cfg.update(_gpt_oss(f, cfg))
-    elif arch == "smollm3":
-        cfg["no_rope_layer_interval"] = _SMOLLM3_NO_ROPE_STEP
-    elif arch == "granite":
-        cfg.update(_granite(f, cfg))
-    elif arch == "olmo2" and f.arch_get("attention.sliding_window") is not None:
-        raise CheckpointError(f"{f.path}: olmo2.attention.sliding_window: OLMo 3's sliding layers from a GGUF file are "
-                              "not supported (load the HF folder)")
-    elif arch == "seed_oss":   # SeedOssModel: q / k / v biases and, apart, o's
-        cfg["attention_out_bias"] = "blk.0.attn_output.bias" in f.tensors
-    elif arch == "qwen2moe":   # Qwen2MoeConfig's name for q / k / v biases
-        cfg["qkv_bias"] = "blk.0.attn_q.bias" in f.tensors
-    elif arch == "glm4moe":   # q / k norms where the file has them, the rotated share of each head stated
-        cfg.update(use_qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
-                   partial_rotary_factor=partial.get("partial_rotary_factor", 1.0))
-    elif arch == "glm4":   # the rotated share of each head stated (Glm4Config's default is half)
-        if f.arch_get("rope.dimension_sections") is not None:   # Glm4Model's M-RoPE files: Q / K reordered
-            raise CheckpointError(f"{f.path}: glm4.rope.dimension_sections (the text model of a GLM-4.xV / GLM-OCR "
-                                  "file, with M-RoPE and its Q / K rows reordered) is not supported")
-        cfg["partial_rotary_factor"] = partial.get("partial_rotary_factor", 1.0)
-    elif arch == "starcoder2":
-        cfg.update(_starcoder2(f))
-    elif arch in ("command-r", "cohere2"):
-        cfg.update(_cohere(f))
-    elif arch == "deepseek2":
-        cfg.update(_deepseek2(f, cfg))
+    cfg.update(_arch_fields(f, cfg, partial))
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("padding_token_id", "pad_token_id")):
         v = f.get(f"tokenizer.ggml.{key}")
         if v is not None:
             cfg[hf] = int(v)
     return cfg
+
+
+def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) -> dict[str, Any]:
+    """The fields of config.json that only some architectures' files give (or refuse), by architecture."""
+    arch = f.arch
+    if arch in _GEMMA:
+        return _gemma(f, cfg)
+    elif arch == "phi3":
+        return _phi3(f, cfg)
+    elif arch == "gpt-oss":
+        return _gpt_oss(f, cfg)
+    elif arch == "smollm3":
+        return {"no_rope_layer_interval": _SMOLLM3_NO_ROPE_STEP}
+    elif arch == "granite":
+        return _granite(f, cfg)
+    elif arch == "olmo2" and f.arch_get("attention.sliding_window") is not None:
+        raise CheckpointError(f"{f.path}: olmo2.attention.sliding_window: OLMo 3's sliding layers from a GGUF file are "
+                              "not supported (load the HF folder)")
+    elif arch == "seed_oss":   # SeedOssModel: q / k / v biases and, apart, o's
+        return {"attention_out_bias": "blk.0.attn_output.bias" in f.tensors}
+    elif arch == "qwen2moe":   # Qwen2MoeConfig's name for q / k / v biases
+        return {"qkv_bias": "blk.0.attn_q.bias" in f.tensors}
+    elif arch == "glm4moe":   # q / k norms where the file has them, the rotated share of each head stated
+        return {"use_qk_norm": "blk.0.attn_q_norm.weight" in f.tensors,
+                "partial_rotary_factor": partial.get("partial_rotary_factor", 1.0)}
+    elif arch == "glm4":   # the rotated share of each head stated (Glm4Config's default is half)
+        if f.arch_get("rope.dimension_sections") is not None:   # Glm4Model's M-RoPE files: Q / K reordered
+            raise CheckpointError(f"{f.path}: glm4.rope.dimension_sections (the text model of a GLM-4.xV / GLM-OCR "
+                                  "file, with M-RoPE and its Q / K rows reordered) is not supported")
+        return {"partial_rotary_factor": partial.get("partial_rotary_factor", 1.0)}
+    elif arch == "starcoder2":
+        return _starcoder2(f)
+    elif arch in ("command-r", "cohere2"):
+        return _cohere(f)
+    elif arch == "deepseek2":
+        return _deepseek2(f, cfg)
+    return {}
 
 
 def _starcoder2(f: GGUFFile) -> dict[str, Any]:
