@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.models.hf_maps import head_order
 from jaxinfer.weights import CheckpointError, SafetensorsFile
 
 # HF module name -> (our group, part index within the fused group)
@@ -36,7 +37,8 @@ GROUP_PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
 LORA_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                  "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
                  "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-                 "Exaone4ForCausalLM", "SeedOssForCausalLM")
+                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
+                 "Ernie4_5ForCausalLM")
 # PeftModel.save_pretrained writes base_model.model.<module>; an adapter saved from a transformers
 # model (its PEFT integration: model.add_adapter, then save_pretrained) the module names alone
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -175,6 +177,8 @@ def _load_adapter(name: str, folder: Path, model_cfg: ModelConfig, kv_replicas: 
                             f"model and adapter_config.json (expected [{r}, {n_in}] / [{n_out}, {r}])")
         if r > max_rank:
             raise LoraError(f"{weights}: module {module!r} has rank {r}, above max_lora_rank={max_rank}")
+        if proj in ("q_proj", "k_proj"):   # q / k features in the order the model's weights were loaded in
+            b = b.reshape(-1, hd, r)[:, head_order(model_cfg)].reshape(n_out, r)
         lora_alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, alpha))
         scale = lora_alpha / math.sqrt(r) if rslora else lora_alpha / r
         group, j = PROJECTIONS[proj]

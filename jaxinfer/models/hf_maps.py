@@ -72,7 +72,7 @@ def _block_norms(cfg: ModelConfig) -> dict[str, str]:
     return {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 
-def _head_order(cfg: ModelConfig) -> np.ndarray:
+def head_order(cfg: ModelConfig) -> np.ndarray:
     """The order of each q / k head's stored features that gives layers.apply_rope's layout: GLM's
     rotated features come in pairs (x0, x1), (x2, x3), ... (de-interleaved: _deinterleave), the
     features past them unrotated; every other family's are already in it."""
@@ -87,11 +87,11 @@ def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -
     MLP), Mixtral, Qwen3-MoE and gpt-oss (+ sinks; their experts: _experts_map); with fused=True,
     Phi-3 (q, k, v in one qkv_proj [(H + 2 Hkv) hd, d]; gate and up in one gate_up_proj [2F, d], gate
     first: each part is a slice of the stored tensor); with fused_mlp=True, GLM-4 (gate_up_proj only,
-    q and k de-interleaved: _head_order); StarCoder2 (LayerNorms, the ungated mlp.c_fc / c_proj);
+    q and k de-interleaved: head_order); StarCoder2 (LayerNorms, the ungated mlp.c_fc / c_proj);
     Cohere / Cohere2 (one input_layernorm per block, q and k de-interleaved)."""
     h, kv, hd, d, f = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.ffn_dim
     m: WeightMap = {"embed": (("model.embed_tokens.weight",), _ident)}
-    norms, layernorm, order = _block_norms(cfg), cfg.norm == "layernorm", _head_order(cfg)
+    norms, layernorm, order = _block_norms(cfg), cfg.norm == "layernorm", head_order(cfg)
     if cfg.parallel_block:   # Cohere: the one input_layernorm
         norms = {"attn_norm": "input_layernorm"}
     rows = {"q": (0, h * hd), "k": (h * hd, (h + kv) * hd), "v": ((h + kv) * hd, (h + 2 * kv) * hd)}
@@ -114,7 +114,7 @@ def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -
             if cfg.qkv_bias:
                 m[f"{o}/attn/{name}_bias"] = ((f"{p}.self_attn.{name}_proj.bias",),
                                               lambda b, n=heads, j=feats: b.reshape(n, hd)[..., j])
-        if cfg.qk_norm_heads:   # Cohere: [heads, head_dim], its features in the q / k order (_head_order)
+        if cfg.qk_norm_heads:   # Cohere: [heads, head_dim], its features in the q / k order (head_order)
             for name, heads in (("q", h), ("k", kv)):
                 m[f"{o}/attn/{name}_norm/scale"] = ((f"{p}.self_attn.{name}_norm.weight",),
                                                     lambda w, n=heads: w.reshape(n, hd)[..., order])
@@ -277,7 +277,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "CohereForCausalLM": _llama_map, "Cohere2ForCausalLM": _llama_map, "Ernie4_5ForCausalLM": _llama_map,
          "Ernie4_5_MoeForCausalLM": _llama_map,
          "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map}
-# the families whose rotated q / k features are stored in pairs (_head_order)
+# the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM")
 # Checkpoints saved from the bare model class (GPT2Model, BloomModel; an embedding model's Transformer,
