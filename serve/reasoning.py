@@ -16,6 +16,10 @@ its answer, streamed and not. Pure Python, no jax.
   kimi_k2      deepseek_r1's rules (Kimi K2 Thinking), and a tool-call section
                (`<|tool_calls_section_begin|>`) also ends the reasoning: it is the answer's, for the
                kimi_k2 tool-call parser;
+  cohere_command3, cohere_command4  Command R7B / A and Command A Reasoning (vLLM's tool-parser names,
+               whose parsers split the thinking off too): qwen3's rules with Cohere's tags,
+               `<|START_THINKING|>...<|END_THINKING|>`; the answer's `<|START_RESPONSE|>` /
+               `<|END_RESPONSE|>` markers are dropped from the content (as cohere_melody drops them);
   gpt_oss      OpenAI harmony channels (gpt-oss): the `analysis` channel is reasoning, the `final`
                channel is the answer; any other message (a `commentary` preamble or a function call)
                is passed on whole, headers and all, to the tool-call parser (serve.tool_parsers).
@@ -37,7 +41,7 @@ import re
 from dataclasses import dataclass
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss", "seed_oss", "deepseek_v3", "glm45", "glm47", "kimi_k2",
-                     "mistral")
+                     "mistral", "cohere_command3", "cohere_command4")
 # the parsers under which an output with no opening tag is reasoning (the prompt may have opened it)
 _OPEN_BY_DEFAULT = ("deepseek_r1", "kimi_k2")
 KIMI_SECTION = "<|tool_calls_section_begin|>"
@@ -45,9 +49,14 @@ KIMI_SECTION = "<|tool_calls_section_begin|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SEED_THINK_OPEN, SEED_THINK_CLOSE = "<seed:think>", "</seed:think>"
 MISTRAL_THINK_OPEN, MISTRAL_THINK_CLOSE = "[THINK]", "[/THINK]"
-_TAGS = {"seed_oss": (SEED_THINK_OPEN, SEED_THINK_CLOSE), "mistral": (MISTRAL_THINK_OPEN, MISTRAL_THINK_CLOSE)}
+COHERE_THINK_OPEN, COHERE_THINK_CLOSE = "<|START_THINKING|>", "<|END_THINKING|>"
+# Cohere's answer markers (special tokens): not part of the answer's text
+COHERE_RESPONSE = ("<|START_RESPONSE|>", "<|END_RESPONSE|>")
+COHERE_PARSERS = ("cohere_command3", "cohere_command4")
+_TAGS = {"seed_oss": (SEED_THINK_OPEN, SEED_THINK_CLOSE), "mistral": (MISTRAL_THINK_OPEN, MISTRAL_THINK_CLOSE),
+         **dict.fromkeys(COHERE_PARSERS, (COHERE_THINK_OPEN, COHERE_THINK_CLOSE))}
 # the parsers whose tags are special tokens in their models' vocabularies (the output keeps them)
-SPECIAL_TAG_PARSERS = ("gpt_oss", "seed_oss", "mistral")
+SPECIAL_TAG_PARSERS = ("gpt_oss", "seed_oss", "mistral", *COHERE_PARSERS)
 
 
 def think_tags(name: str) -> tuple[str, str]:
@@ -68,6 +77,8 @@ def default_reasoning_parser(template: str | None) -> str | None:
         return "seed_oss"
     if MISTRAL_THINK_CLOSE in template:
         return "mistral"
+    if COHERE_THINK_CLOSE in template:
+        return "cohere_command3"
     if "<|im_assistant|>" in template and THINK_CLOSE in template:
         return "kimi_k2"
     if re.search(r"add_generation_prompt[\s\S]{0,200}<think>\\n['\"]", template) and "enable_thinking" not in template:
@@ -75,6 +86,26 @@ def default_reasoning_parser(template: str | None) -> str | None:
     if THINK_CLOSE in template:
         return "qwen3"
     return None
+
+
+class DropMarkers:
+    """Text streamed with some markers taken out; a marker split across pieces is held back until it
+    is known (Cohere's answer markers)."""
+
+    def __init__(self, markers: tuple[str, ...]):
+        self.markers, self.pending = markers, ""
+
+    def feed(self, text: str) -> str:
+        self.pending += text
+        for m in self.markers:
+            self.pending = self.pending.replace(m, "")
+        keep = max(partial_suffix(self.pending, m) for m in self.markers)
+        out, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return out
+
+    def finish(self) -> str:
+        rest, self.pending = self.pending, ""
+        return rest
 
 
 def partial_suffix(text: str, marker: str) -> int:
@@ -115,6 +146,8 @@ class ThinkParser:
         self.state = "answer" if state == "answer" else "open"
         self.pending = ""
         self.saw_reasoning = False
+        # Cohere: the answer's markers dropped
+        self.answer = DropMarkers(COHERE_RESPONSE) if name in COHERE_PARSERS else None
 
     def feed(self, text: str) -> tuple[str, str]:
         self.pending += text
@@ -148,7 +181,7 @@ class ThinkParser:
                 reasoning += self.pending[:len(self.pending) - keep]
                 self.pending = self.pending[len(self.pending) - keep:]
                 break
-            content += self.pending
+            content += self.pending if self.answer is None else self.answer.feed(self.pending)
             self.pending = ""
         return reasoning, content
 
@@ -159,6 +192,8 @@ class ThinkParser:
             self.saw_reasoning = self.state == "reasoning"
         if self.state == "reasoning":
             return rest, ""
+        if self.answer is not None:
+            rest = self.answer.feed(rest) + self.answer.finish()
         return "", rest
 
 
@@ -295,7 +330,7 @@ def _section(open_: str, close: str) -> str:
 
 
 REASONING_TAGS = (THINK_OPEN, THINK_CLOSE, SEED_THINK_OPEN, SEED_THINK_CLOSE, MISTRAL_THINK_OPEN, MISTRAL_THINK_CLOSE,
-                  H_START, H_END, H_CHANNEL, H_MESSAGE)
+                  COHERE_THINK_OPEN, COHERE_THINK_CLOSE, H_START, H_END, H_CHANNEL, H_MESSAGE)
 
 
 def _body(close: str) -> str:

@@ -33,6 +33,10 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
                content; vLLM's phi4_mini_json);
   granite      Granite 3.x: an output that is `<|tool_call|>` (3.0's token) or `<tool_call>` (3.1+'s text),
                then a JSON array of `{"name", "arguments"}` (vLLM's granite parser);
+  cohere_command3, cohere_command4  Command R7B / A and Command A Reasoning: `<|START_ACTION|>` then a JSON
+               array of `{"tool_call_id", "tool_name", "parameters"}` and `<|END_ACTION|>` (the ids the
+               model wrote kept, as vLLM's parsers keep cohere_melody's); the answer's
+               `<|START_RESPONSE|>` / `<|END_RESPONSE|>` markers are dropped from the content;
   glm45        GLM-4.5 / 4.6 / 4.7: `<tool_call>NAME` then one `<arg_key>K</arg_key><arg_value>V</arg_value>`
                per argument (strings written as they are, other values as JSON) and `</tool_call>`;
                glm47 is the same parser (vLLM's name for GLM-4.7, which writes no newline after NAME).
@@ -40,7 +44,7 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
 Every parser has the interface of AutoToolParser: feed(text) -> (content safe to show now, calls
 completed so far), finish() -> (the rest). A call whose JSON does not parse, or that names a function
 not in the request's tools, stays content (as vLLM leaves it), so a malformed call never fails the
-request. Calls in the llama3_json, mistral, pythonic, olmo3, granite and phi4_mini_json forms are known
+request. Calls in the llama3_json, mistral, pythonic, olmo3, granite, phi4_mini_json and cohere forms are known
 only when the output ends, so their streamed tool_calls come with the last chunk; the others go out
 as each one closes.
 """
@@ -55,13 +59,15 @@ import string
 import uuid
 from typing import Any
 
-from serve.reasoning import H_CALL, H_END, H_MESSAGE, H_RETURN, KIMI_SECTION, partial_suffix
+from serve.reasoning import (COHERE_PARSERS, COHERE_RESPONSE, H_CALL, H_END, H_MESSAGE, H_RETURN, KIMI_SECTION,
+                             DropMarkers, partial_suffix)
 
 TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3",
-                "deepseek_v31", "kimi_k2", "glm45", "glm47", "pythonic", "olmo3", "granite", "phi4_mini_json")
+                "deepseek_v31", "kimi_k2", "glm45", "glm47", "pythonic", "olmo3", "granite", "phi4_mini_json",
+                *COHERE_PARSERS)
 # the parsers whose formats are written in special tokens: the output is detokenized with them
 SPECIAL_TOKEN_PARSERS = ("llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3", "deepseek_v31", "kimi_k2",
-                         "glm45", "glm47", "olmo3", "granite")
+                         "glm45", "glm47", "olmo3", "granite", *COHERE_PARSERS)
 
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
@@ -86,6 +92,8 @@ def default_tool_parser(template: str | None, token_id=None) -> str:
         return "kimi_k2"
     if "<arg_key>" in t:
         return "glm45"
+    if COHERE_ACTION in t:
+        return "cohere_command3"
     if "<function_calls>" in t:
         return "olmo3"
     if GRANITE_CALL in t:
@@ -418,6 +426,44 @@ class Olmo3Parser(_MarkedCalls):
         return _python_calls("[" + ", ".join(lines) + "]", self.plan) if lines else None
 
 
+COHERE_ACTION, COHERE_ACTION_END = "<|START_ACTION|>", "<|END_ACTION|>"
+
+
+class CohereParser(_MarkedCalls):
+    """cohere_command3 / cohere_command4: content (its answer markers dropped) streams up to
+    `<|START_ACTION|>`; from there the output is read as a JSON array of calls when it ends."""
+
+    MARKER = COHERE_ACTION
+
+    def __init__(self, plan):
+        super().__init__(plan)
+        self.answer = DropMarkers(COHERE_RESPONSE)
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        content, calls = super().feed(text)
+        return self.answer.feed(content), calls
+
+    def finish(self) -> tuple[str, list[dict]]:
+        content, calls = super().finish()
+        return self.answer.feed(content) + self.answer.finish(), calls
+
+    def _parse(self, text: str) -> list[dict] | None:
+        body = text[len(COHERE_ACTION):]
+        end = body.find(COHERE_ACTION_END)
+        items = _first_json(body[:end] if end >= 0 else body)
+        if items is None or not isinstance(items[0], list) or not items[0]:
+            return None
+        calls = []
+        for v in items[0]:
+            if not isinstance(v, dict):
+                return None
+            call = _call(self.plan, v.get("tool_name"), v.get("parameters"))
+            if call is not None and isinstance(v.get("tool_call_id"), (str, int)) and str(v["tool_call_id"]):
+                call["id"] = str(v["tool_call_id"])   # the model's id, as vLLM's Cohere parsers keep it
+            calls.append(call)
+        return None if None in calls else calls
+
+
 # possessive \s*+ : the spaces around the optional groups are never rescanned (linear on any text)
 _MISTRAL_V11 = re.compile(r"([A-Za-z0-9_.\-]+)\s*+(?:\[CALL_ID\]\s*+([A-Za-z0-9_\-]+)\s*+)?(?:\[ARGS\])?\s*+(\{.*\})\s*$",
                           re.S)
@@ -739,7 +785,7 @@ def parse_glm_call(body: str, plan) -> dict | None:
 
 FAMILY_PARSERS = {"llama3_json": Llama3JsonParser, "mistral": MistralParser, "openai": HarmonyToolParser,
                   "pythonic": PythonicParser, "olmo3": Olmo3Parser, "granite": GraniteParser,
-                  "phi4_mini_json": Phi4MiniParser,
+                  "phi4_mini_json": Phi4MiniParser, **dict.fromkeys(COHERE_PARSERS, CohereParser),
                   "deepseek_v3": lambda plan: SectionToolParser(plan, "deepseek_v3"),
                   "deepseek_v31": lambda plan: SectionToolParser(plan, "deepseek_v31"),
                   "kimi_k2": lambda plan: SectionToolParser(plan, "kimi_k2")}
