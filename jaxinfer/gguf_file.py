@@ -30,7 +30,9 @@ seed_oss, qwen2moe (a gated shared expert), glm4moe (GLM-4.5: partial rotary, de
 sigmoid routing with exp_probs_b, shared experts; the appended next-token-prediction blocks skipped),
 glm4 (GLM-4-0414: gate and up fused in ffn_up, the norms after each branch, half of each head rotating
 in pairs, stored as transformers stores them), starcoder2 (LayerNorms, ungated MLP, biases; no window,
-as llama.cpp runs it) and deepseek2 (DeepSeek-V3: latent attention, kv_b_proj from attn_k_b / attn_v_b or attn_kv_b,
+as llama.cpp runs it), command-r (Command R / R+ / Aya: one LayerNorm for attention and MLP side by
+side, logit_scale) and cohere2 (Command R7B / A: three sliding layers with RoPE to one global without)
+and deepseek2 (DeepSeek-V3: latent attention, kv_b_proj from attn_k_b / attn_v_b or attn_kv_b,
 sigmoid routing; DeepSeek-V2 / V2-Lite / Coder-V2: softmax routing without groups). Rope: none,
 linear, yarn, and Llama 3's (its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
 every stored divisor). Anything else is refused naming the key or tensor. Split files

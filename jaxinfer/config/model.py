@@ -56,8 +56,8 @@ class ModelConfig:
     ffn_dim: int
     activation: str = "silu"            # silu | gelu (erf) | gelu_tanh | relu
     gated_mlp: bool = True              # act(x W_gate) * (x W_up) -> W_down; else act(x W_fc) -> W_proj
-    norm: str = "rmsnorm"               # rmsnorm | gemma_rmsnorm (scale 1 + w) | layernorm_nobias (Cohere) | olmo_rmsnorm (w times the
-                                        # normed float32 value, cast after) | layernorm
+    norm: str = "rmsnorm"               # rmsnorm | gemma_rmsnorm (scale 1 + w) | olmo_rmsnorm (w times the
+                                        # normed float32 value, cast after) | layernorm | layernorm_nobias (Cohere)
     norm_eps: float = 1e-6
     position: str = "rope"              # rope | alibi | learned | sinusoidal
     rope_theta: float = 10000.0
@@ -105,9 +105,10 @@ class ModelConfig:
     # times moe_routed_scale; "softmax_group_topk" (DeepSeek-V2): softmax over all experts, the choice
     # limited to the moe_topk_groups best groups (a group scored by its best), never renormalized,
     # times moe_routed_scale; "softmax_corrected_topk" (ERNIE 4.5): softmax over all experts, the
-    # correction added for the choice only, the chosen probabilities divided by max(their sum, 1e-12). Shared experts (Qwen2-MoE, DeepSeek, GLM-4.5): a dense gated MLP of
-    # moe_shared_ffn_dim beside the routed experts of every MoE layer, its output added (Qwen2-MoE:
-    # times sigmoid(x . w) of a learned [d_model] gate when moe_shared_gate).
+    # correction added for the choice only, the chosen probabilities divided by max(their sum, 1e-12).
+    # Shared experts (Qwen2-MoE, DeepSeek, GLM-4.5, ERNIE 4.5): a dense gated MLP of moe_shared_ffn_dim
+    # beside the routed experts of every MoE layer, its output added (Qwen2-MoE: times sigmoid(x . w) of
+    # a learned [d_model] gate when moe_shared_gate).
     # Multi-head latent attention (DeepSeek-V3, Kimi K2; mla_kv_rank > 0): each token caches one latent
     # vector of mla_kv_rank features (normed) and mla_rope_dim RoPE'd key features shared by every head:
     # the KV pages hold it as one KV head of head_dim = mla_kv_rank + mla_rope_dim, in the K pages only

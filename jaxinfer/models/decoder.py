@@ -81,9 +81,9 @@ class Attention(nnx.Module):
         # one weight per head_dim feature, shared by every head (replicated under tensor parallelism);
         # OLMo 2: one per feature of the whole projection (qk_norm_full), its mean over every head
         # Cohere (qk_norm_heads): one weight per head and feature, statistics over each head
-        qk_norm = lambda n, axis: Norm(n * hd if cfg.qk_norm_full else hd, cfg.norm, cfg.norm_eps, dtype, rngs,  # noqa: E731
-                                       axis=None if cfg.qk_norm_full else "head_dim",
-                                       heads=(n, axis) if cfg.qk_norm_heads else None)
+        qk_norm = lambda n, axis: Norm(  # noqa: E731
+            n * hd if cfg.qk_norm_full else hd, cfg.norm, cfg.norm_eps, dtype, rngs,
+            axis=None if cfg.qk_norm_full else "head_dim", heads=(n, axis) if cfg.qk_norm_heads else None)
         self.q_norm = qk_norm(h, "heads") if cfg.qk_norm else None
         self.k_norm = qk_norm(kv, "kv_heads") if cfg.qk_norm else None
         # gpt-oss: one logit per query head that joins every softmax's denominator (a key with value 0)
@@ -231,9 +231,10 @@ class FusedLayout:
         if cfg.mla:   # the one latent "KV head" is replicated (each device reads it for its query heads)
             reps = 1
         if reps > 1 and (cfg.qk_norm_full or cfg.qk_norm_heads):
+            why = ("spans all its KV heads at once (OLMo 2)" if cfg.qk_norm_full
+                   else "has weights per KV head (Command R+)")
             raise ConfigError(f"tensor_parallel={tp} splits {kv} KV heads by repeating them, and this model's k "
-                              f"norm {'spans all its KV heads at once (OLMo 2)' if cfg.qk_norm_full else 'has weights per KV head (Command R+)'}"
-                              f"; use a tensor_parallel that divides {kv}")
+                              f"norm {why}; use a tensor_parallel that divides {kv}")
         experts = tp if cfg.num_experts and cfg.expert_ffn_dim % tp == 0 else 1
         shared = tp if cfg.moe_shared_ffn_dim and cfg.moe_shared_ffn_dim % tp == 0 else 1
         return FusedLayout(attn, tp if cfg.ffn_dim % tp == 0 else 1, reps, experts, shared)

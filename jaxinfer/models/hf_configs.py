@@ -28,7 +28,8 @@ _HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
                   "moe_intermediate_size", "decoder_sparse_step", "shared_expert_intermediate_size",
                   "n_routed_experts", "n_group", "topk_group", "kv_lora_rank", "qk_nope_head_dim",
                   "qk_rope_head_dim", "v_head_dim")
-_HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "norm_epsilon", "layer_norm_eps", "logit_scale", "rope_theta", "rope_local_base_freq", "swiglu_alpha")
+_HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "norm_epsilon", "layer_norm_eps", "logit_scale", "rope_theta",
+                    "rope_local_base_freq", "swiglu_alpha")
 _HF_OPTIONAL_POSITIVE = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
                          "partial_rotary_factor", "swiglu_limit")
 
@@ -399,7 +400,8 @@ def _ernie4_5_moe(c: dict[str, Any], arch: str) -> ModelConfig:
     shared experts of moe_intermediate_size each (one MLP of their total width)."""
     n = c["num_hidden_layers"]
     e, k = c.get("moe_num_experts", c.get("num_experts", 64)), c.get("moe_k", c.get("num_experts_per_tok", 6))
-    start, end, every = c.get("moe_layer_start_index", 1), c.get("moe_layer_end_index", -1), c.get("moe_layer_interval", 1)
+    start, end = c.get("moe_layer_start_index", 1), c.get("moe_layer_end_index", -1)
+    every = c.get("moe_layer_interval", 1)
     for field, v in (("moe_num_experts", e), ("moe_k", k), ("moe_layer_interval", every),
                      ("moe_intermediate_size", c.get("moe_intermediate_size", 1536))):
         if not (_is_int(v) and v > 0):

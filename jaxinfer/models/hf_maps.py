@@ -60,7 +60,10 @@ def _norm(m: WeightMap, ours: str, hf: str, layernorm: bool) -> None:
 
 def _block_norms(cfg: ModelConfig) -> dict[str, str]:
     """Our norm -> HF's, per block. HF's post_attention_layernorm is the pre-MLP norm in Llama and
-    GLM-4 but the attention output's norm in Gemma, whose pre-MLP norm is pre_feedforward_layernorm."""
+    GLM-4 but the attention output's norm in Gemma, whose pre-MLP norm is pre_feedforward_layernorm;
+    Cohere's one input_layernorm feeds both branches."""
+    if cfg.parallel_block:
+        return {"attn_norm": "input_layernorm"}
     if not cfg.pre_norms:   # OLMo 2: only the branches' output norms
         return {"attn_post_norm": "post_attention_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
     if cfg.post_norms and cfg.architecture == "Glm4ForCausalLM":
@@ -73,8 +76,8 @@ def _block_norms(cfg: ModelConfig) -> dict[str, str]:
 
 
 def head_order(cfg: ModelConfig) -> np.ndarray:
-    """The order of each q / k head's stored features that gives layers.apply_rope's layout: GLM's
-    rotated features come in pairs (x0, x1), (x2, x3), ... (de-interleaved: _deinterleave), the
+    """The order of each q / k head's stored features that gives layers.apply_rope's layout: GLM's,
+    Cohere's and ERNIE 4.5's rotated features come in pairs (x0, x1), (x2, x3), ... (de-interleaved: _deinterleave), the
     features past them unrotated; every other family's are already in it."""
     order = np.arange(cfg.head_dim)
     if cfg.architecture in _PAIRED_ROPE:
@@ -92,8 +95,6 @@ def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -
     h, kv, hd, d, f = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.ffn_dim
     m: WeightMap = {"embed": (("model.embed_tokens.weight",), _ident)}
     norms, layernorm, order = _block_norms(cfg), cfg.norm == "layernorm", head_order(cfg)
-    if cfg.parallel_block:   # Cohere: the one input_layernorm
-        norms = {"attn_norm": "input_layernorm"}
     rows = {"q": (0, h * hd), "k": (h * hd, (h + kv) * hd), "v": ((h + kv) * hd, (h + 2 * kv) * hd)}
     for i in range(cfg.n_layers):
         p, o = f"model.layers.{i}", f"layers/{i}"
