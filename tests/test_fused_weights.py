@@ -89,7 +89,8 @@ def test_fused_logits_match_unfused(hf_model_dir, name):
     ref = forward(model)
     bound = reorder_bound(cfg.d_model, cfg.n_layers)
     for tp in (1, 4):
-        if cfg.qk_norm_full and tp > cfg.n_kv_heads:   # OLMo 2's k norm spans the KV heads: not repeated
+        # OLMo 2's k norm spans the KV heads, Command R+'s has weights per KV head: neither is repeated
+        if (cfg.qk_norm_full or cfg.qk_norm_heads) and tp > cfg.n_kv_heads:
             with pytest.raises(ConfigError, match=f"tensor_parallel={tp} splits {cfg.n_kv_heads} KV heads"):
                 fuse_decoder(model, tp)
             continue
