@@ -156,7 +156,7 @@ def _load_adapter(name: str, folder: Path, model_cfg: ModelConfig, kv_replicas: 
     # per layer, group: the parts' A^T [in, R] and scaled B^T [R, out] (None: not adapted)
     parts: list[dict[str, list]] = [{} for _ in range(model_cfg.n_layers)]
     alpha, r_cfg, rslora = float(cfg.get("lora_alpha", 8)), int(cfg.get("r", 8)), bool(cfg.get("use_rslora"))
-    top_rank = 0
+    top_rank, qk_order = 0, head_order(model_cfg)
     for module, ab in sorted(pairs.items()):
         mm = _MODULE.match(module)
         proj = mm["proj"] if mm else module.rsplit(".", 1)[-1]
@@ -178,7 +178,7 @@ def _load_adapter(name: str, folder: Path, model_cfg: ModelConfig, kv_replicas: 
         if r > max_rank:
             raise LoraError(f"{weights}: module {module!r} has rank {r}, above max_lora_rank={max_rank}")
         if proj in ("q_proj", "k_proj"):   # q / k features in the order the model's weights were loaded in
-            b = b.reshape(-1, hd, r)[:, head_order(model_cfg)].reshape(n_out, r)
+            b = b.reshape(-1, hd, r)[:, qk_order].reshape(n_out, r)
         lora_alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, alpha))
         scale = lora_alpha / math.sqrt(r) if rslora else lora_alpha / r
         group, j = PROJECTIONS[proj]

@@ -194,6 +194,14 @@ def _longrope(params: dict[str, Any], c: dict[str, Any]) -> RopeScaling:
                        use_long_factor=c.get("max_position_embeddings", original) > original)
 
 
+def _rotary_dim(params: dict[str, Any], c: dict[str, Any], head_dim: int, default: float) -> int | None:
+    """The features of each head RoPE rotates (None: all of them) from partial_rotary_factor, in the
+    RoPE parameters or at the top level of config.json (the family's default where neither has it);
+    ModelConfig refuses an odd or empty count."""
+    rotary = int(head_dim * float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", default))))
+    return None if rotary == head_dim else rotary
+
+
 def _rope_params(c: dict[str, Any]) -> dict[str, Any]:
     """The one RoPE parameter dict of a family without per-layer-type RoPE (new and legacy spellings)."""
     return {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
@@ -338,14 +346,8 @@ def _glm(c: dict[str, Any], arch: str) -> ModelConfig:
     partial rotary (partial_rotary_factor, default 0.5) whose rotated features come in pairs (x0, x1),
     (x2, x3), ... (transformers' GLM rotate_half; hf_maps de-interleaves q and k). Glm4 adds a norm
     of each branch's output before its residual add (post_self_attn_layernorm, post_mlp_layernorm)."""
-    params = _rope_params(c)
-    partial = float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5)))
     cfg = _llama_like({**c, "sliding_window": None, "attention_bias": c.get("attention_bias", True)}, arch)
-    rotary = int(cfg.head_dim * partial)
-    if rotary % 2 or rotary <= 0:
-        raise ConfigError(f"partial_rotary_factor {partial} gives {rotary} rotated features of head_dim "
-                          f"{cfg.head_dim}; an even, positive number is needed")
-    return dataclasses.replace(cfg, rotary_dim=None if rotary == cfg.head_dim else rotary, out_bias=False,
+    return dataclasses.replace(cfg, rotary_dim=_rotary_dim(_rope_params(c), c, cfg.head_dim, 0.5), out_bias=False,
                                mlp_bias=False, post_norms=arch == "Glm4ForCausalLM")
 
 
@@ -494,13 +496,10 @@ def _glm4_moe(c: dict[str, Any], arch: str) -> ModelConfig:
     if not (_is_int(e) and e > 0):
         raise ConfigError(f"field 'n_routed_experts' must be a positive integer, got {e!r}")
     first_dense = c["first_k_dense_replace"]
-    params = _rope_params(c)
-    partial = float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5)))
     cfg = _llama_like({**c, "sliding_window": None}, arch)
-    rotary = int(cfg.head_dim * partial)
     layers = tuple(i >= first_dense for i in range(n))
     return dataclasses.replace(
-        cfg, rotary_dim=None if rotary == cfg.head_dim else rotary, qk_norm=bool(c.get("use_qk_norm", False)),
+        cfg, rotary_dim=_rotary_dim(_rope_params(c), c, cfg.head_dim, 0.5), qk_norm=bool(c.get("use_qk_norm", False)),
         qkv_bias=bool(c.get("attention_bias", False)), out_bias=False,
         num_experts=e, num_experts_per_tok=c["num_experts_per_tok"], moe_ffn_dim=c["moe_intermediate_size"],
         moe_layers=None if all(layers) else layers, moe_routing="sigmoid_topk",
@@ -681,15 +680,13 @@ def _phi3(c: dict[str, Any], arch: str) -> ModelConfig:
     params = _rope_params(c)
     if params.get("rope_type", params.get("type")) in ("su", "yarn"):   # Phi3Config's older names of longrope
         params = {**params, "rope_type": "longrope", "type": "longrope"}
-    partial = float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
-    rotary = int(head_dim * partial)
     theta, scaling = _rope(params, c)
     return ModelConfig(
         vocab_size=c["vocab_size"], d_model=d, n_layers=c["num_hidden_layers"], n_heads=h,
         n_kv_heads=c.get("num_key_value_heads") or h, head_dim=head_dim, ffn_dim=c["intermediate_size"],
         activation=_activation(c, "hidden_act"), gated_mlp=True, norm="rmsnorm",
         norm_eps=float(c.get("rms_norm_eps", 1e-5)), position="rope", rope_theta=theta, rope_scaling=scaling,
-        rotary_dim=None if rotary == head_dim else rotary,
+        rotary_dim=_rotary_dim(params, c, head_dim, 1.0),
         max_position_embeddings=c.get("max_position_embeddings", 4096), sliding_window=c.get("sliding_window"),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
@@ -758,21 +755,19 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 # transformers' class defaults of the fields a config.json may leave out, where they differ from what
 # the builders assume (Qwen3Config, Gemma2Config, Gemma3TextConfig, MixtralConfig, Qwen3MoeConfig, GptOssConfig)
 _GEMMA_DEFAULTS = {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256, "tie_word_embeddings": True}
+_GLM_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072,
+                 "num_key_value_heads": 2, "eos_token_id": [151329, 151336, 151338]}
+_COHERE_DEFAULTS = {"max_position_embeddings": 8192, "bos_token_id": 5, "eos_token_id": 255001}
 _HF_DEFAULTS = {
     "Qwen3ForCausalLM": {"head_dim": 128},
     "Ernie4_5ForCausalLM": {"head_dim": 128, "num_key_value_heads": 2, "max_position_embeddings": 131072,
                             "rope_theta": 500000.0, "bos_token_id": 1, "eos_token_id": 2},
     "Ernie4_5_MoeForCausalLM": {"num_key_value_heads": 4, "max_position_embeddings": 131072, "rope_theta": 500000.0,
                                 "bos_token_id": 1, "eos_token_id": 2},
-    "GlmForCausalLM": {"head_dim": 128, "rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072,
-                       "num_key_value_heads": 2, "eos_token_id": [151329, 151336, 151338]},
-    "Glm4ForCausalLM": {"head_dim": 128, "rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072,
-                        "num_key_value_heads": 2, "eos_token_id": [151329, 151336, 151338]},
+    "GlmForCausalLM": _GLM_DEFAULTS, "Glm4ForCausalLM": _GLM_DEFAULTS,
     "Starcoder2ForCausalLM": {"num_key_value_heads": 2, "bos_token_id": 50256, "eos_token_id": 50256},
-    "CohereForCausalLM": {"rope_theta": 500000.0, "max_position_embeddings": 8192, "bos_token_id": 5,
-                          "eos_token_id": 255001},
-    "Cohere2ForCausalLM": {"max_position_embeddings": 8192, "bos_token_id": 5, "eos_token_id": 255001,
-                           "sliding_window": 4096},
+    "CohereForCausalLM": {**_COHERE_DEFAULTS, "rope_theta": 500000.0},
+    "Cohere2ForCausalLM": {**_COHERE_DEFAULTS, "sliding_window": 4096},
     "Exaone4ForCausalLM": {"sliding_window": 4096, "num_key_value_heads": 32},
     "SeedOssForCausalLM": {"head_dim": 128, "num_key_value_heads": 8, "max_position_embeddings": 524288},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "num_key_value_heads": 4,
