@@ -35,6 +35,7 @@ __all__ = [
 
 _SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 _TEMPLATE_FILE = "chat_template.jinja"  # newer transformers write the template here instead
+_PROCESSOR_TEMPLATE_FILE = "chat_template.json"   # a multimodal processor's, older transformers
 _TEMPLATE_DIR = "additional_chat_templates"   # and the named ones other than "default" here
 _REPLACEMENT = "\ufffd"
 # How many prompt tokens seed the detokenizer window (vLLM uses the same number): enough for the
@@ -383,7 +384,9 @@ def _id_list(v: Any) -> list[int]:
 def _chat_templates(folder: Path, cfg: dict[str, Any]) -> tuple[dict[str, str], list[Path]]:
     """The chat templates by name and the files they came from, found as transformers finds them:
     chat_template.jinja ("default") and additional_chat_templates/NAME.jinja where either exists,
-    else tokenizer_config's chat_template (a string: "default"; a list of {name, template})."""
+    else tokenizer_config's chat_template (a string: "default"; a list of {name, template}), else a
+    vision-language checkpoint's processor template (chat_template.json: {"chat_template": ...}),
+    as vLLM falls back to the processor's."""
     paths = [folder / _TEMPLATE_FILE] if (folder / _TEMPLATE_FILE).is_file() else []
     if (folder / _TEMPLATE_DIR).is_dir():
         paths += sorted((folder / _TEMPLATE_DIR).glob("*.jinja"))
@@ -396,6 +399,11 @@ def _chat_templates(folder: Path, cfg: dict[str, Any]) -> tuple[dict[str, str], 
     if isinstance(t, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         return {e["name"]: e["template"] for e in t if isinstance(e, dict) and isinstance(e.get("name"), str)
                 and isinstance(e.get("template"), str)}, []
+    processor = folder / _PROCESSOR_TEMPLATE_FILE
+    if processor.is_file():
+        t = _read_json(processor).get("chat_template")
+        if isinstance(t, str):
+            return {"default": t}, [processor]
     return {}, []
 
 

@@ -32,7 +32,7 @@ from flax import nnx
 from jaxinfer.config import ConfigError, ModelConfig, resolve_dtype_name
 from jaxinfer.models.hf_configs import model_config_from_hf
 from jaxinfer.models.decoder import Decoder, abstract_decoder, unfuse_decoder
-from jaxinfer.models.hf_maps import OPTIONAL_PREFIXES, hf_weight_map
+from jaxinfer.models.hf_maps import LANGUAGE_MODEL_PREFIXES, OPTIONAL_PREFIXES, hf_weight_map
 from jaxinfer.errors import CheckpointError  # noqa: F401  (raised here; defined jax-free for jaxinfer.hub)
 from jaxinfer.quant import QuantizedWeight
 
@@ -92,8 +92,10 @@ class SafetensorsFile:
 
 def stored_name(name: str, present) -> str | None:
     """`name`, or `name` without one of OPTIONAL_PREFIXES (a bare model's, e.g. an embedding model's
-    "layers.0..." for "model.layers.0..."), whichever `present` holds; None if neither."""
-    for candidate in (name, *(name[len(p):] for p in OPTIONAL_PREFIXES if name.startswith(p))):
+    "layers.0..." for "model.layers.0..."), or under a vision-language checkpoint's language model
+    (LANGUAGE_MODEL_PREFIXES), whichever `present` holds; None if none."""
+    for candidate in (name, *(name[len(p):] for p in OPTIONAL_PREFIXES if name.startswith(p)),
+                      *(theirs + name[len(ours):] for ours, theirs in LANGUAGE_MODEL_PREFIXES if name.startswith(ours))):
         if candidate in present:
             return candidate
     return None

@@ -500,7 +500,10 @@ class ChatMessage(BaseModel):
             parts = []
             for part in self.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise OpenAIError(400, "only text content parts are supported", param="messages")
+                    # a vision-language checkpoint is served as its language model (hf_configs._MULTIMODAL)
+                    raise OpenAIError(400, f"content part of type {part.get('type')!r} is not supported: only text "
+                                      "content parts are (jaxinfer serves text models, and a vision-language "
+                                      "checkpoint as its language model)", param="messages")
                 parts.append(part["text"])
             return "".join(parts)
         return self.content or ""

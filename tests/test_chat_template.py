@@ -116,6 +116,17 @@ def test_template_files_beat_tokenizer_config(base, tmp_path):
     assert (saved / "additional_chat_templates" / "tool_use.jinja").read_text().startswith("TOOLS")
 
 
+def test_a_processors_template_when_the_tokenizer_has_none(base, tmp_path):
+    """A vision-language checkpoint's template in its processor's chat_template.json (older
+    transformers), none in tokenizer_config: rendered as transformers renders that template (vLLM
+    takes the processor's); tokenizer_config's, where it has one, stays the default."""
+    processor = "PROC{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    d = folder(base, tmp_path, None, {"chat_template.json": json.dumps({"chat_template": processor})})
+    assert ours(d, DIALOG) == theirs(d, DIALOG, chat_template=processor) and ours(d, DIALOG)[0].startswith("PROC<user>")
+    d = folder(base, tmp_path, "CONFIG{{ messages[0]['content'] }}")
+    assert ours(d, USER)[0] == "CONFIGHi there"
+
+
 def test_named_templates_without_a_default_refuse_a_request_without_tools(base, tmp_path):
     from serve.protocol import OpenAIError
     d = folder(base, tmp_path, [{"name": "tool_use", "template": "T{{ messages[0]['content'] }}"}])

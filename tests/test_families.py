@@ -351,7 +351,8 @@ def test_glm4_published_config_spelling():
 
 @pytest.mark.parametrize("change,message", [
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
-    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "only the text-only Gemma3ForCausalLM"),
+    # the vision-language wrapper reads its language model from text_config (tests/test_vision_language.py)
+    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "needs a 'text_config' object"),
     ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
      "sliding layers with RoPE scaling"),

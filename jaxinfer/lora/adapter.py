@@ -42,7 +42,12 @@ LORA_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
 # PeftModel.save_pretrained writes base_model.model.<module>; an adapter saved from a transformers
 # model (its PEFT integration: model.add_adapter, then save_pretrained) the module names alone
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
-_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>\w+)$")
+_MODULE = re.compile(r"^(?:model\.language_model|language_model\.model|model)\.layers\.(?P<layer>\d+)\."
+                     r"(?:self_attn|mlp)\.(?P<proj>\w+)$")
+# An adapter of a vision-language checkpoint (served as its language model, hf_configs._MULTIMODAL):
+# its language model's modules under LANGUAGE_MODEL_PREFIXES' names; those of its vision tower and
+# projector (an "all-linear" adapter's) never touch a text-only request, so they are left out
+_VISION = re.compile(r"^(?:model\.)?(?:vision_tower|vision_model|multi_modal_projector)\.")
 
 
 class LoraError(ValueError):
@@ -67,8 +72,9 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def read_config(folder: Path, max_rank: int) -> dict:
-    """adapter_config.json, with every setting this does not run refused by name."""
+def read_config(folder: Path, max_rank: int, vision: frozenset[str] = frozenset()) -> dict:
+    """adapter_config.json, with every setting this does not run refused by name. vision: the
+    target names the adapter's tensors adapt in a vision tower only (_vision_targets: left out)."""
     path = folder / "adapter_config.json"
     if not folder.is_dir():
         raise LoraError(f"LoRA adapter folder {str(folder)!r} does not exist")
@@ -101,7 +107,7 @@ def read_config(folder: Path, max_rank: int) -> dict:
             t = target.rsplit(".", 1)[-1]
             if t in ("embed_tokens", "lm_head", "wte", "word_embeddings"):
                 raise LoraError(f"{path}: target module {t!r}: embedding and LM-head adapters are not supported")
-            if t not in PROJECTIONS:
+            if t not in PROJECTIONS and t not in vision:
                 raise LoraError(f"{path}: target module {t!r} is not in the model (LoRA targets: "
                                 f"{', '.join(PROJECTIONS)})")
     ranks = [int(cfg.get("r", 8)), *(int(v) for v in (cfg.get("rank_pattern") or {}).values())]
@@ -127,12 +133,22 @@ def load_adapter(name: str, folder: str | Path, model_cfg: ModelConfig, kv_repli
                         f"({type(e).__name__}: {e})") from None
 
 
+def _vision_targets(weights: Path) -> frozenset[str]:
+    """The module names (their last part: PEFT's target names) the adapter adapts in a vision tower
+    or projector only."""
+    if not weights.is_file():
+        return frozenset()
+    modules = [m["module"] for m in map(_KEY.match, SafetensorsFile(weights).tensors) if m is not None]
+    language = {m.rsplit(".", 1)[-1] for m in modules if not _VISION.match(m)}
+    return frozenset(m.rsplit(".", 1)[-1] for m in modules if _VISION.match(m)) - language
+
+
 def _load_adapter(name: str, folder: Path, model_cfg: ModelConfig, kv_replicas: int, max_rank: int) -> LoraAdapter:
-    cfg = read_config(folder, max_rank)
+    weights = folder / "adapter_model.safetensors"
+    cfg = read_config(folder, max_rank, _vision_targets(weights))
     if model_cfg.architecture not in LORA_FAMILIES:
         raise LoraError(f"{folder}: LoRA adapters are not supported for {model_cfg.architecture} "
                         f"(supported: {', '.join(LORA_FAMILIES)})")
-    weights = folder / "adapter_model.safetensors"
     if not weights.exists():
         if (folder / "adapter_model.bin").exists():
             raise LoraError(f"{folder}: adapter_model.bin (a pickled PyTorch file) is not loaded; save the adapter "
@@ -142,6 +158,8 @@ def _load_adapter(name: str, folder: Path, model_cfg: ModelConfig, kv_replicas: 
     pairs: dict[str, dict[str, str]] = {}
     for key in st.tensors:
         m = _KEY.match(key)
+        if m is not None and _VISION.match(m["module"]):
+            continue
         if m is None:
             what = ("an embedding adapter" if "lora_embedding" in key else "a DoRA magnitude" if "magnitude" in key
                     else "a LoRA bias" if ".lora_B.bias" in key else "not a LoRA matrix")

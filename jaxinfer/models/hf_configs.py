@@ -61,6 +61,8 @@ def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
     archs = config.get("architectures") or []
     model_type = config.get("model_type", "")
     arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type, "")
+    if arch in _MULTIMODAL:
+        return build_model_config(_language_config(config, arch, where), where)
     # the bare base model (an embedding model's Transformer, e.g. Qwen3Model): the same decoder
     arch = _BARE_MODELS.get(arch, arch)
     builder = _HF_BUILDERS.get(arch)
@@ -68,7 +70,7 @@ def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
         hint = _NOT_SUPPORTED.get(arch, "")
         raise ConfigError(
             f"unsupported architecture {arch or model_type!r} (config.json 'architectures'){hint}; "
-            f"supported: {sorted(_HF_BUILDERS)}")
+            f"supported: {sorted([*_HF_BUILDERS, *_MULTIMODAL])}")
     config = {**_HF_DEFAULTS.get(arch, {}), **config}   # an explicit null stays null
     check_hf_fields(config, where)
     try:
@@ -79,6 +81,30 @@ def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
         raise ConfigError(f"{where}: {e}") from None
     except (TypeError, ValueError) as e:   # a field of a type the checks above did not foresee
         raise ConfigError(f"{where}: a field has the wrong type for {arch} ({e})") from None
+
+
+# vision-language checkpoints whose language model is a supported decoder, served text-only (as
+# vLLM with an image limit of 0): config.json's text_config, the weights under language_model
+# (weights.stored_name), a request with an image part refused (serve/protocol.py). Each: its
+# text_config's model types (the first: its class's default).
+_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("gemma3_text",),
+               "Mistral3ForConditionalGeneration": ("mistral", "llama")}
+# fields the wrapper's config.json holds for its language model (Gemma 3's eos_token_id [1, 106])
+_INHERITED = ("bos_token_id", "eos_token_id", "pad_token_id", "quantization_config", "compression_config")
+
+
+def _language_config(config: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """The text_config of a vision-language config.json as a causal LM's config.json."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: {arch} needs a 'text_config' object (its language model's config)")
+    kinds = _MULTIMODAL[arch]
+    kind = text.get("model_type", kinds[0])
+    if kind not in kinds:
+        raise ConfigError(f"{where}: {arch} with a text_config of model_type {kind!r} is not supported; "
+                          f"supported: {list(kinds)}")
+    inherited = {k: config[k] for k in _INHERITED if k in config and k not in text}
+    return {**inherited, **text, "model_type": kind, "architectures": [_ARCH_BY_MODEL_TYPE[kind]]}
 
 
 def check_hf_fields(c: dict[str, Any], where: str) -> None:
@@ -748,7 +774,8 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
                        "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
-                       "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
+                       "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+                       "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
@@ -774,7 +801,11 @@ _HF_DEFAULTS = {
                            "rope_theta": 2000000.0},
     "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
                           "final_logit_softcapping": 30.0},
-    "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072},
+    # Gemma3TextConfig's: the text_config of a Gemma 3 vision-language checkpoint names only the sizes
+    # that differ from them (gemma-3-4b-it: hidden, intermediate and layer counts)
+    "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072, "vocab_size": 262208,
+                          "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                          "num_attention_heads": 8, "num_key_value_heads": 4, "bos_token_id": 2, "eos_token_id": 1},
     "MixtralForCausalLM": {"rope_theta": 1e6, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
                            "num_experts_per_tok": 2},
     "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "num_experts_per_tok": 8,
@@ -805,7 +836,5 @@ _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOss
                     "DeepseekV2ForCausalLM": 64}
 # architectures close to a supported one, refused with a pointer to what is supported
 _NOT_SUPPORTED = {
-    "Gemma3ForConditionalGeneration": " (vision-language Gemma 3: only the text-only Gemma3ForCausalLM, "
-                                      "model_type gemma3_text, is supported)",
     "Phi3SmallForCausalLM": " (Phi-3-small: block-sparse attention and its own MLP, not Phi3ForCausalLM's)",
 }

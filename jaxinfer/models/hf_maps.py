@@ -284,6 +284,11 @@ _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Coher
 # Checkpoints saved from the bare model class (GPT2Model, BloomModel; an embedding model's Transformer,
 # e.g. Qwen3Model) lack these prefixes.
 OPTIONAL_PREFIXES = ("transformer.", "model.")
+# A vision-language checkpoint's language model (hf_configs._MULTIMODAL): transformers >= 4.52 saves
+# its tensors under model.language_model. (the head at lm_head.), earlier versions under
+# language_model.model. and language_model.lm_head. (ours, theirs)
+LANGUAGE_MODEL_PREFIXES = (("model.", "model.language_model."), ("model.", "language_model.model."),
+                           ("lm_head.", "language_model.lm_head."))
 
 
 def hf_weight_map(cfg: ModelConfig) -> WeightMap:
