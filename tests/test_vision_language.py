@@ -1,8 +1,11 @@
-"""Vision-language checkpoints served as their language model (Gemma 3 4B-27B, Mistral Small 3.x):
+"""Vision-language checkpoints served as their language model (Gemma 3 4B-27B, Mistral Small 3.x,
+Qwen2.5-VL, Qwen3-VL):
 config.json's text_config, the weights under language_model, against transformers' own
 ForConditionalGeneration on text (no image)."""
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,37 +24,62 @@ ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=8, max_n
 
 def _wrapper(family: str):
     """A tiny random Gemma3ForConditionalGeneration (the gemma3 text config of tests/hf_models.py,
-    its image tokens beyond the prompt's ids) or Mistral3ForConditionalGeneration (mistral-window's,
-    untied as Mistral Small's), each with a one-layer vision tower."""
+    its image tokens beyond the prompt's ids), Mistral3ForConditionalGeneration (mistral-window's,
+    untied as Mistral Small's), Qwen2_5_VLForConditionalGeneration or Qwen3VLForConditionalGeneration
+    (their M-RoPE sections over 8 frequencies; Qwen3-VL's interleaved), each with a one-layer vision
+    tower."""
     import transformers as tf
     torch.manual_seed(0)
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
     if family == "gemma3":
-        # Gemma3ForConditionalGeneration does not soft-cap its logits (the published models set no cap)
-        text = tf.Gemma3TextConfig(**{**CONFIGS["gemma3"][1], "final_logit_softcapping": None})
+        # its text config soft-caps the logits, which Gemma3ForConditionalGeneration's head never does
+        text = tf.Gemma3TextConfig(**CONFIGS["gemma3"][1])
         cfg = tf.Gemma3Config(text_config=text.to_dict(), vision_config=tf.SiglipVisionConfig(**vision).to_dict(),
                               mm_tokens_per_image=4, boi_token_index=128, eoi_token_index=129, image_token_index=130)
         return tf.Gemma3ForConditionalGeneration(cfg).eval()
-    text = tf.MistralConfig(**CONFIGS["mistral-window"][1], tie_word_embeddings=False)
-    cfg = tf.Mistral3Config(text_config=text.to_dict(), vision_config=tf.PixtralVisionConfig(**vision, head_dim=8).to_dict(),
-                            image_token_index=110, spatial_merge_size=1, tie_word_embeddings=False)
-    return tf.Mistral3ForConditionalGeneration(cfg).eval()
+    if family == "mistral3":
+        text = tf.MistralConfig(**CONFIGS["mistral-window"][1], tie_word_embeddings=False)
+        cfg = tf.Mistral3Config(text_config=text.to_dict(), tie_word_embeddings=False, image_token_index=110,
+                                vision_config=tf.PixtralVisionConfig(**vision, head_dim=8).to_dict(), spatial_merge_size=1)
+        return tf.Mistral3ForConditionalGeneration(cfg).eval()
+    text = dict(vocab_size=139, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1,
+                eos_token_id=2, rope_theta=10000.0)
+    qwen_vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=14,
+                       spatial_merge_size=1, temporal_patch_size=1)
+    tokens = dict(image_token_id=135, video_token_id=136, vision_start_token_id=137, vision_end_token_id=138)
+    if family == "qwen2_5_vl":
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}
+        cfg = tf.Qwen2_5_VLConfig(text_config=text, vision_config=dict(qwen_vision, fullatt_block_indexes=[0],
+                                                                         window_size=28), **tokens)
+        return tf.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    text = dict(text, head_dim=16, rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                 "mrope_interleaved": True})
+    # qwen3_vl_tied: tied at the top level (transformers 5 ties by it: no head stored), untied in
+    # text_config, as transformers 5 saves Qwen3-VL-2B / 4B's fine-tunes
+    cfg = tf.Qwen3VLConfig(text_config=text, vision_config=dict(qwen_vision, num_position_embeddings=16,
+                                                                deepstack_visual_indexes=[0]),
+                           tie_word_embeddings=family == "qwen3_vl_tied", **tokens)
+    return tf.Qwen3VLForConditionalGeneration(cfg).eval()
 
 
-def _renamed(folder: Path, out: Path) -> Path:
-    """The folder with its tensors under transformers 4.52-4.5x's layout (model.language_model.*,
-    model.vision_tower.*, the head at lm_head), as checkpoints saved by those versions have them."""
+def _other_layout(folder: Path, out: Path) -> Path:
+    """The folder with its language model's tensors under the other names jaxinfer reads:
+    model.language_model.* and lm_head (Qwen3-VL's uploads) for language_model.model.* and
+    language_model.lm_head (Gemma 3's and Mistral Small's) or model.* (Qwen2.5-VL's), and
+    Gemma 3's names for Qwen3-VL's."""
     from safetensors.numpy import load_file, save_file
     out.mkdir()
     new = {}
     for k, v in load_file(folder / "model.safetensors").items():
-        if k.startswith("language_model.model."):
-            k = "model.language_model." + k[len("language_model.model."):]
-        elif k.startswith("language_model.lm_head."):
-            k = k[len("language_model."):]
-        else:
-            k = "model." + k
+        for old, body in (("language_model.model.", "model.language_model."), ("model.language_model.", "language_model.model."),
+                          ("language_model.lm_head.", "lm_head."), ("lm_head.", "language_model.lm_head."),
+                          ("model.layers.", "model.language_model.layers."), ("model.embed_tokens.", "model.language_model.embed_tokens."),
+                          ("model.norm.", "model.language_model.norm.")):
+            if k.startswith(old):
+                k = body + k[len(old):]
+                break
         new[k] = v
     save_file(new, out / "model.safetensors", metadata={"format": "pt"})
     for f in folder.iterdir():
@@ -60,16 +88,35 @@ def _renamed(folder: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral3"])
+def _flat_config(folder: Path, out: Path) -> Path:
+    """Qwen2.5-VL's config.json as published before transformers 5: the text fields at the top level,
+    its RoPE the legacy {"type": "mrope", "mrope_section"} (no rope_type)."""
+    shutil.copytree(folder, out)
+    cfg = json.loads((out / "config.json").read_text())
+    text = cfg.pop("text_config")
+    text.pop("model_type", None)
+    sections = (text.pop("rope_parameters", None) or text.pop("rope_scaling"))["mrope_section"]
+    cfg.update(text, rope_scaling={"type": "mrope", "mrope_section": sections}, rope_theta=10000.0)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_tied"])
 def test_language_model_of_a_vision_language_checkpoint_matches_transformers(family, tmp_path):
     hf = _wrapper(family)
     hf.save_pretrained(tmp_path / "hf")
-    assert (tmp_path / "hf" / "model.safetensors").is_file()   # one file: _renamed rewrites it
+    assert (tmp_path / "hf" / "model.safetensors").is_file()   # one file: _other_layout rewrites it
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([PROMPT])).logits[0].numpy()
-    for folder in (tmp_path / "hf", _renamed(tmp_path / "hf", tmp_path / "renamed")):
+    folders = [tmp_path / "hf", _other_layout(tmp_path / "hf", tmp_path / "other")]
+    if family == "qwen2_5_vl":
+        folders.append(_flat_config(tmp_path / "hf", tmp_path / "flat"))
+    for folder in folders:
         gen = Generator.from_pretrained(folder, **ENGINE)
-        assert gen.model_cfg.architecture == {"gemma3": "Gemma3ForCausalLM", "mistral3": "MistralForCausalLM"}[family]
+        assert gen.model_cfg.architecture == {"gemma3": "Gemma3ForCausalLM", "mistral3": "MistralForCausalLM",
+                                              "qwen2_5_vl": "Qwen2ForCausalLM", "qwen3_vl": "Qwen3ForCausalLM",
+                                              "qwen3_vl_tied": "Qwen3ForCausalLM"}[family]
+        assert gen.model_cfg.tie_embeddings == (family in ("gemma3", "qwen3_vl_tied"))
         logits = gen.logits(PROMPT)
         assert np.abs(logits - ref).max() / np.abs(ref).max() < 1e-4, folder.name
     if family == "gemma3":   # the paged path too: greedy tokens as transformers' generate
@@ -131,28 +178,48 @@ def test_an_image_part_is_refused_by_name():
     assert e.value.status == 400 and e.value.param == "messages" and "'image_url'" in e.value.message
 
 
-def test_an_adapter_of_a_vision_language_checkpoint_matches_peft(tmp_path):
-    """PEFT's all-linear LoRA over Gemma3ForConditionalGeneration adapts its language model and its
-    vision tower: the text-only server takes the language model's matrices (under
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_vl"])
+def test_an_adapter_of_a_vision_language_checkpoint_matches_peft(family, tmp_path):
+    """PEFT's all-linear LoRA over Gemma3ForConditionalGeneration / Qwen3VLForConditionalGeneration
+    adapts its language model and its vision tower (Qwen's `visual`, with target names of its own:
+    qkv, proj, linear_fc1, ...): the text-only server takes the language model's matrices (under
     model.language_model, as PEFT names them) and leaves the tower's out, and its logits on text are
     PEFT's."""
     from safetensors import safe_open
 
     from tests.hf_models import seeded_peft
     from tests.precision import assert_rel_close, attention_rtol, dot_chain_rtol
-    hf = _wrapper("gemma3")
+    hf = _wrapper(family)
     hf.save_pretrained(tmp_path / "hf")
     model = seeded_peft(hf, dict(r=4, lora_alpha=8, target_modules="all-linear"), 11, 0.2)
     model.save_pretrained(tmp_path / "a")
     with safe_open(tmp_path / "a" / "adapter_model.safetensors", "np") as f:
         keys = list(f.keys())
-    assert any("vision_tower" in k for k in keys) and any("language_model.layers" in k for k in keys)
+    assert any(".vision_tower." in k or ".visual." in k for k in keys) and any("language_model.layers" in k for k in keys)
     with torch.no_grad():
         ref = model(input_ids=torch.tensor([PROMPT])).logits[0].numpy()
     gen = Generator.from_pretrained(tmp_path / "hf", lora_modules={"a": str(tmp_path / "a")}, max_loras=1,
                                     max_lora_rank=4, **ENGINE)
-    c = CONFIGS["gemma3"][1]
-    d, f, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
-    rtol = dot_chain_rtol(*([d, d, 4 * hd, f, 4, 4] * c["num_hidden_layers"]), d) + \
+    c = hf.config.text_config
+    d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    rtol = dot_chain_rtol(*([d, d, c.num_attention_heads * hd, f, 4, 4] * c.num_hidden_layers), d) + \
         attention_rtol("float32", len(PROMPT), hd)
-    assert_rel_close(gen.logits(PROMPT, lora="a"), ref, rtol, "gemma3 wrapper")
+    assert_rel_close(gen.logits(PROMPT, lora="a"), ref, rtol, family)
+
+
+@pytest.mark.parametrize("arch,kind", [("Qwen3VLForConditionalGeneration", "qwen3_vl_text"),
+                                       ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl_text")])
+def test_text_config_defaults_as_transformers_fills_them(arch, kind):
+    """A text_config naming only its sizes: RoPE base, context, norm epsilon, head size and special
+    ids as Qwen3VLTextConfig / Qwen2_5_VLTextConfig fill them."""
+    import transformers as tf
+    sizes = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
+                 num_attention_heads=16, num_key_value_heads=8)
+    cls = tf.Qwen3VLConfig if kind == "qwen3_vl_text" else tf.Qwen2_5_VLConfig
+    t = cls(text_config=dict(sizes, model_type=kind)).text_config
+    ours = model_config_from_hf({"architectures": [arch], "text_config": dict(sizes, model_type=kind)})
+    assert ours.rope_theta == t.rope_parameters["rope_theta"] and ours.rope_scaling is None
+    assert ours.max_position_embeddings == t.max_position_embeddings and ours.norm_eps == t.rms_norm_eps
+    assert ours.head_dim == (getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads)
+    bos, eos = getattr(t, "bos_token_id", None), getattr(t, "eos_token_id", None)
+    assert ours.bos_token_id == bos and list(ours.eos_token_ids) == ([eos] if eos is not None else [])

@@ -47,7 +47,7 @@ _MODULE = re.compile(r"^(?:model\.language_model|language_model\.model|model)\.l
 # An adapter of a vision-language checkpoint (served as its language model, hf_configs._MULTIMODAL):
 # its language model's modules under LANGUAGE_MODEL_PREFIXES' names; those of its vision tower and
 # projector (an "all-linear" adapter's) never touch a text-only request, so they are left out
-_VISION = re.compile(r"^(?:model\.)?(?:vision_tower|vision_model|multi_modal_projector)\.")
+_VISION = re.compile(r"^(?:model\.)?(?:vision_tower|vision_model|visual|multi_modal_projector)\.")
 
 
 class LoraError(ValueError):

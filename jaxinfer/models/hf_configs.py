@@ -53,14 +53,22 @@ def model_config_from_hf(config: str | Path | dict[str, Any]) -> ModelConfig:
         where = str(path)
         if not isinstance(config, dict):
             raise ConfigError(f"{path}: expected a JSON object, got {type(config).__name__}")
+        cfg = build_model_config(config, where)
+        head = _has_head(path.parent) if _wrapper(config) in _MULTIMODAL else None
+        return cfg if head is None else dataclasses.replace(cfg, tie_embeddings=not head)
     return build_model_config(config, where)
+
+
+def _wrapper(config: dict[str, Any]) -> str:
+    """config.json's architecture (architectures[0], else by model_type)."""
+    archs = config.get("architectures") or []
+    return archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(config.get("model_type", ""), "")
 
 
 def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
     """The ModelConfig of a parsed config.json (`where`: its path, for messages)."""
-    archs = config.get("architectures") or []
     model_type = config.get("model_type", "")
-    arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type, "")
+    arch = _wrapper(config)
     if arch in _MULTIMODAL:
         return build_model_config(_language_config(config, arch, where), where)
     # the bare base model (an embedding model's Transformer, e.g. Qwen3Model): the same decoder
@@ -86,25 +94,67 @@ def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
 # vision-language checkpoints whose language model is a supported decoder, served text-only (as
 # vLLM with an image limit of 0): config.json's text_config, the weights under language_model
 # (weights.stored_name), a request with an image part refused (serve/protocol.py). Each: its
-# text_config's model types (the first: its class's default).
-_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("gemma3_text",),
-               "Mistral3ForConditionalGeneration": ("mistral", "llama")}
+# text_config's model types (the first: its class's default) and the decoder each is. Qwen2.5-VL's
+# and Qwen3-VL's M-RoPE gives every text token one position on its three axes: plain RoPE.
+_MULTIMODAL = {"Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
+               "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM"},
+               "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
+               "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"}}
+# Qwen2.5-VL's config.json before transformers 5 keeps the text fields at the top level
+_FLAT_TEXT = ("Qwen2_5_VLForConditionalGeneration",)
 # fields the wrapper's config.json holds for its language model (Gemma 3's eos_token_id [1, 106])
 _INHERITED = ("bos_token_id", "eos_token_id", "pad_token_id", "quantization_config", "compression_config")
+# the text config classes' defaults where they differ from the decoders' (Qwen3VLTextConfig's,
+# Qwen2_5_VLTextConfig's)
+_TEXT_DEFAULTS = {"qwen3_vl_text": {"rope_theta": 500000.0, "max_position_embeddings": 128000, "head_dim": 128,
+                                    "rms_norm_eps": 1e-6},
+                  "qwen2_5_vl_text": {"rope_theta": 1000000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+                                      "bos_token_id": 151643, "eos_token_id": 151645}}
 
 
 def _language_config(config: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
     """The text_config of a vision-language config.json as a causal LM's config.json."""
     text = config.get("text_config")
+    if text is None and arch in _FLAT_TEXT:
+        text = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "vision_config")}
     if not isinstance(text, dict):
         raise ConfigError(f"{where}: {arch} needs a 'text_config' object (its language model's config)")
     kinds = _MULTIMODAL[arch]
-    kind = text.get("model_type", kinds[0])
+    kind = text.get("model_type", next(iter(kinds)))
+    for key in ("rope_scaling", "rope_parameters"):   # Qwen2.5-VL's legacy {"type": "mrope", "mrope_section": ...}
+        p = text.get(key)
+        if isinstance(p, dict) and p.get("rope_type", p.get("type")) == "mrope":
+            text = {**text, key: {**p, "rope_type": "default"}}
     if kind not in kinds:
         raise ConfigError(f"{where}: {arch} with a text_config of model_type {kind!r} is not supported; "
                           f"supported: {list(kinds)}")
     inherited = {k: config[k] for k in _INHERITED if k in config and k not in text}
-    return {**inherited, **text, "model_type": kind, "architectures": [_ARCH_BY_MODEL_TYPE[kind]]}
+    out = {**_TEXT_DEFAULTS.get(kind, {}), **inherited, **text, "model_type": kind, "architectures": [kinds[kind]]}
+    if kind == "gemma3_text":   # Gemma3ForConditionalGeneration's head never soft-caps (the published set none)
+        out["final_logit_softcapping"] = None
+    return out
+
+
+def _has_head(folder: Path) -> bool | None:
+    """Whether a checkpoint folder stores an LM head (lm_head.weight, or its language model's), from
+    its safetensors index or the files' headers; None without safetensors. A vision-language
+    checkpoint ties its embeddings exactly when it stores none: transformers 5 unties a wrapper whose
+    config says tied when both tensors are present, and its configs disagree between the top level
+    and text_config (a re-saved Mistral Small: tied above, untied in text_config, a head stored)."""
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            names = set(json.loads(index.read_text())["weight_map"])
+        else:
+            names = set()
+            for f in sorted(folder.glob("*.safetensors")):
+                with open(f, "rb") as fh:
+                    names |= set(json.loads(fh.read(int.from_bytes(fh.read(8), "little"))))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None   # unreadable: the weights' loader names the file
+    if not names:
+        return None
+    return bool(names & {"lm_head.weight", "language_model.lm_head.weight"})
 
 
 def check_hf_fields(c: dict[str, Any], where: str) -> None:
@@ -775,7 +825,9 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
                        "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
                        "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
-                       "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
+                       "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
+                       "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                       "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}

@@ -284,9 +284,9 @@ _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Coher
 # Checkpoints saved from the bare model class (GPT2Model, BloomModel; an embedding model's Transformer,
 # e.g. Qwen3Model) lack these prefixes.
 OPTIONAL_PREFIXES = ("transformer.", "model.")
-# A vision-language checkpoint's language model (hf_configs._MULTIMODAL): transformers >= 4.52 saves
-# its tensors under model.language_model. (the head at lm_head.), earlier versions under
-# language_model.model. and language_model.lm_head. (ours, theirs)
+# A vision-language checkpoint's language model (hf_configs._MULTIMODAL) under the names its uploads
+# use: model.language_model. (Qwen3-VL's, the head at lm_head.), or language_model.model. and
+# language_model.lm_head. (Gemma 3's, Mistral Small's); Qwen2.5-VL's are ours. (ours, theirs)
 LANGUAGE_MODEL_PREFIXES = (("model.", "model.language_model."), ("model.", "language_model.model."),
                            ("lm_head.", "language_model.lm_head."))
 
