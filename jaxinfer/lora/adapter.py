@@ -28,7 +28,8 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.hf_maps import head_order
-from jaxinfer.weights import CheckpointError, SafetensorsFile
+from jaxinfer.errors import CheckpointError
+from jaxinfer.safetensors_file import SafetensorsFile
 
 # HF module name -> (our group, part index within the fused group)
 PROJECTIONS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
@@ -133,28 +134,28 @@ def load_adapter(name: str, folder: str | Path, model_cfg: ModelConfig, kv_repli
                         f"({type(e).__name__}: {e})") from None
 
 
-def _vision_targets(weights: Path) -> frozenset[str]:
+def _vision_targets(st: SafetensorsFile | None) -> frozenset[str]:
     """The module names (their last part: PEFT's target names) the adapter adapts in a vision tower
     or projector only."""
-    if not weights.is_file():
+    if st is None:
         return frozenset()
-    modules = [m["module"] for m in map(_KEY.match, SafetensorsFile(weights).tensors) if m is not None]
+    modules = [m["module"] for m in map(_KEY.match, st.tensors) if m is not None]
     language = {m.rsplit(".", 1)[-1] for m in modules if not _VISION.match(m)}
     return frozenset(m.rsplit(".", 1)[-1] for m in modules if _VISION.match(m)) - language
 
 
 def _load_adapter(name: str, folder: Path, model_cfg: ModelConfig, kv_replicas: int, max_rank: int) -> LoraAdapter:
     weights = folder / "adapter_model.safetensors"
-    cfg = read_config(folder, max_rank, _vision_targets(weights))
+    st = SafetensorsFile(weights) if weights.is_file() else None
+    cfg = read_config(folder, max_rank, _vision_targets(st))
     if model_cfg.architecture not in LORA_FAMILIES:
         raise LoraError(f"{folder}: LoRA adapters are not supported for {model_cfg.architecture} "
                         f"(supported: {', '.join(LORA_FAMILIES)})")
-    if not weights.exists():
+    if st is None:
         if (folder / "adapter_model.bin").exists():
             raise LoraError(f"{folder}: adapter_model.bin (a pickled PyTorch file) is not loaded; save the adapter "
                             "with safe_serialization=True (adapter_model.safetensors)")
         raise LoraError(f"{folder}: no adapter_model.safetensors")
-    st = SafetensorsFile(weights)
     pairs: dict[str, dict[str, str]] = {}
     for key in st.tensors:
         m = _KEY.match(key)

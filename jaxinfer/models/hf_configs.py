@@ -121,13 +121,13 @@ def _language_config(config: dict[str, Any], arch: str, where: str) -> dict[str,
         raise ConfigError(f"{where}: {arch} needs a 'text_config' object (its language model's config)")
     kinds = _MULTIMODAL[arch]
     kind = text.get("model_type", next(iter(kinds)))
+    if kind not in kinds:
+        raise ConfigError(f"{where}: {arch} with a text_config of model_type {kind!r} is not supported; "
+                          f"supported: {list(kinds)}")
     for key in ("rope_scaling", "rope_parameters"):   # Qwen2.5-VL's legacy {"type": "mrope", "mrope_section": ...}
         p = text.get(key)
         if isinstance(p, dict) and p.get("rope_type", p.get("type")) == "mrope":
             text = {**text, key: {**p, "rope_type": "default"}}
-    if kind not in kinds:
-        raise ConfigError(f"{where}: {arch} with a text_config of model_type {kind!r} is not supported; "
-                          f"supported: {list(kinds)}")
     inherited = {k: config[k] for k in _INHERITED if k in config and k not in text}
     out = {**_TEXT_DEFAULTS.get(kind, {}), **inherited, **text, "model_type": kind, "architectures": [kinds[kind]]}
     if kind == "gemma3_text":   # Gemma3ForConditionalGeneration's head never soft-caps (the published set none)
@@ -141,16 +141,15 @@ def _has_head(folder: Path) -> bool | None:
     checkpoint ties its embeddings exactly when it stores none: transformers 5 unties a wrapper whose
     config says tied when both tensors are present, and its configs disagree between the top level
     and text_config (a re-saved Mistral Small: tied above, untied in text_config, a head stored)."""
+    from jaxinfer.errors import CheckpointError
+    from jaxinfer.safetensors_file import SafetensorsFile
     index = folder / "model.safetensors.index.json"
     try:
         if index.is_file():
             names = set(json.loads(index.read_text())["weight_map"])
         else:
-            names = set()
-            for f in sorted(folder.glob("*.safetensors")):
-                with open(f, "rb") as fh:
-                    names |= set(json.loads(fh.read(int.from_bytes(fh.read(8), "little"))))
-    except (OSError, ValueError, KeyError, TypeError):
+            names = {n for f in sorted(folder.glob("*.safetensors")) for n in SafetensorsFile(f).tensors}
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError):
         return None   # unreadable: the weights' loader names the file
     if not names:
         return None
