@@ -227,6 +227,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "bloom": ("bloom", dict(vocab_size=103, hidden_size=64, n_layer=2, n_head=4)),
     "bloom-6heads-postnorm": ("bloom", dict(vocab_size=91, hidden_size=48, n_layer=2, n_head=6,
                                             apply_residual_connection_post_layernorm=True)),
+    # GPT-NeoX (Pythia): fused per-head q/k/v, a quarter of each head rotated, attention and MLP side
+    # by side on their own LayerNorms; sequential, tanh GELU, RoPE base 5000, no attention biases
+    # and tied in the second
+    "gpt-neox": ("gpt_neox", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=2,
+                                  rotary_pct=0.25)),
+    "gpt-neox-sequential": ("gpt_neox", dict(_COMMON, vocab_size=95, intermediate_size=80, num_hidden_layers=3,
+                                             rotary_pct=0.5, rotary_emb_base=5000, use_parallel_residual=False,
+                                             hidden_act="gelu_fast", attention_bias=False, tie_word_embeddings=True)),
 }
 
 
@@ -261,7 +269,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM),
            "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),
            "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
-           "cohere": (tf.CohereConfig, tf.CohereForCausalLM), "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM)}[family]
+           "cohere": (tf.CohereConfig, tf.CohereForCausalLM), "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM),
+           "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

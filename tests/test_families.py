@@ -278,7 +278,7 @@ def test_num_params_match_transformers():
 
 
 @pytest.mark.parametrize("name", ["glm4", "glm-mqa", "starcoder2-window", "starcoder2-mqa", "cohere", "cohere2", "olmo2",
-                                  "ernie4_5", "ernie4_5_moe"])
+                                  "ernie4_5", "ernie4_5_moe", "gpt-neox", "gpt-neox-sequential"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -298,6 +298,33 @@ def test_new_families_fill_missing_fields_as_transformers(arch):
     assert (cfg.rope_theta, cfg.n_kv_heads, cfg.max_position_embeddings, cfg.eos_token_ids, cfg.bos_token_id) == (
         theirs.rope_parameters["rope_theta"], theirs.num_key_value_heads or 4, theirs.max_position_embeddings,
         tuple(eos), theirs.bos_token_id)
+
+
+def test_gpt_neox_config_as_transformers_reads_it():
+    """Pythia's published config.json (pythia-160m: the legacy rotary_pct / rotary_emb_base, no
+    attention_bias or use_parallel_residual) and one that names nothing optional, read as
+    GPTNeoXConfig reads them: its RoPE parameters, biases, block layout and special ids."""
+    import transformers as tf
+    pythia = {"architectures": ["GPTNeoXForCausalLM"], "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "gelu",
+              "hidden_size": 768, "intermediate_size": 3072, "layer_norm_eps": 1e-05, "max_position_embeddings": 2048,
+              "model_type": "gpt_neox", "num_attention_heads": 12, "num_hidden_layers": 12, "rotary_emb_base": 10000,
+              "rotary_pct": 0.25, "tie_word_embeddings": False, "use_cache": True, "use_parallel_residual": True,
+              "vocab_size": 50304}
+    bare = dict(vocab_size=256, hidden_size=96, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    for fields in (pythia, {"architectures": ["GPTNeoXForCausalLM"], **bare},
+                   {"architectures": ["GPTNeoXForCausalLM"], **bare, "rotary_pct": 0.5, "rotary_emb_base": 5000,
+                    "use_parallel_residual": False, "attention_bias": False, "tie_word_embeddings": True}):
+        theirs = tf.GPTNeoXConfig(**{k: v for k, v in fields.items() if k != "architectures"})
+        cfg = model_config_from_hf(fields)
+        head = theirs.hidden_size // theirs.num_attention_heads
+        assert (cfg.rope_theta, cfg.rope_dim, cfg.eos_token_ids, cfg.bos_token_id, cfg.max_position_embeddings) == (
+            theirs.rope_parameters["rope_theta"], int(head * theirs.rope_parameters["partial_rotary_factor"]),
+            (theirs.eos_token_id,), theirs.bos_token_id, theirs.max_position_embeddings)
+        assert (cfg.qkv_bias, cfg.out_bias, cfg.parallel_block, cfg.parallel_mlp_norm, cfg.tie_embeddings) == (
+            theirs.attention_bias, theirs.attention_bias, theirs.use_parallel_residual,
+            theirs.use_parallel_residual, theirs.tie_word_embeddings)
+        if fields is not pythia:   # (160M parameters: not built)
+            assert cfg.num_params() == sum(p.numel() for p in tf.GPTNeoXForCausalLM(theirs).parameters())
 
 
 def test_cohere_configs_as_transformers_reads_them():

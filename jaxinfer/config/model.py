@@ -140,6 +140,8 @@ class ModelConfig:
     embed_norm: bool = False            # BLOOM: LayerNorm right after the token embedding
     residual_post_norm: bool = False    # BLOOM's apply_residual_connection_post_layernorm
     parallel_block: bool = False        # Cohere: x + attn(norm(x)) + mlp(norm(x)), one norm per block
+    parallel_mlp_norm: bool = False     # GPT-NeoX: the parallel block's MLP reads its own norm,
+                                        # mlp(mlp_norm(x)) + attn(attn_norm(x)) + x
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
@@ -173,6 +175,7 @@ class ModelConfig:
             "norm": self.norm in ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias"),
             "parallel_block": not self.parallel_block or (self.pre_norms and not self.post_norms
                                                           and not self.residual_post_norm and not self.num_experts),
+            "parallel_mlp_norm": self.parallel_block or not self.parallel_mlp_norm,
             "pre_norms": self.pre_norms or self.post_norms,
             "qk_norm_full": self.qk_norm or not self.qk_norm_full,
             "qk_norm_heads": not self.qk_norm_heads or (self.qk_norm and not self.qk_norm_full),
@@ -310,8 +313,8 @@ class ModelConfig:
                   + 3 * d * self.moe_shared_ffn_dim + (d if self.moe_shared_gate else 0)
                   + (self.num_experts if self.moe_routing == "softmax_corrected_topk" else 0))   # ERNIE's: a parameter
         # two norms a block (before attention and MLP, or after each: OLMo 2), four with both (Gemma), one
-        # for a parallel block (Cohere)
-        norms = (1 if self.parallel_block else 2 * (self.pre_norms + self.post_norms)) * norm_p
+        # for a parallel block (Cohere; two with its own MLP norm: GPT-NeoX)
+        norms = ((1 + self.parallel_mlp_norm) if self.parallel_block else 2 * (self.pre_norms + self.post_norms)) * norm_p
         n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
         out = {"embedding": self.vocab_size * d, "lm_head": 0 if self.tie_embeddings else self.vocab_size * d,
                "positions": self.max_position_embeddings * d if self.position == "learned" else 0,

@@ -35,7 +35,7 @@ _HF_OPTIONAL_POSITIVE = ("attn_logit_softcapping", "final_logit_softcapping", "q
 
 # config.json `hidden_act` -> ModelConfig.activation
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "gelu_pytorch_tanh": "gelu_tanh",
-                "gelu_new": "gelu_tanh"}
+                "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 
 
 def model_config_from_hf(config: str | Path | dict[str, Any]) -> ModelConfig:
@@ -798,6 +798,30 @@ def _bloom(c: dict[str, Any], arch: str) -> ModelConfig:
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 
 
+def _gpt_neox(c: dict[str, Any], arch: str) -> ModelConfig:
+    """GPT-NeoX (Pythia, GPT-NeoX-20B and their fine-tunes): LayerNorms with biases, multi-head
+    attention with partial rotary (rotary_pct of each head, default 0.25; RoPE base rotary_emb_base),
+    biases on q/k/v and the output where attention_bias (default true), an ungated MLP with biases,
+    attention and MLP side by side on their own norms where use_parallel_residual (default true),
+    an untied LM head by default."""
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    if d % h:
+        raise ConfigError(f"hidden_size {d} is not a multiple of num_attention_heads {h}")
+    params = {"rope_theta": c.get("rotary_emb_base", 10000.0), **_rope_params(c)}
+    theta, scaling = _rope(params, c)
+    bias, parallel = bool(c.get("attention_bias", True)), bool(c.get("use_parallel_residual", True))
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c["num_hidden_layers"], n_heads=h, n_kv_heads=h,
+        head_dim=d // h, ffn_dim=c["intermediate_size"], activation=_activation(c, "hidden_act", default="gelu"),
+        gated_mlp=False, norm="layernorm", norm_eps=float(c.get("layer_norm_eps", 1e-5)), position="rope",
+        rope_theta=theta, rope_scaling=scaling, rotary_dim=_rotary_dim({"partial_rotary_factor": c.get(
+            "rotary_pct", 0.25), **params}, c, d // h, 0.25),
+        max_position_embeddings=c.get("max_position_embeddings", 2048), qkv_bias=bias, out_bias=bias,
+        mlp_bias=True, parallel_block=parallel, parallel_mlp_norm=parallel,
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
 _HF_BUILDERS = {
     "LlamaForCausalLM": _llama_like, "MistralForCausalLM": _llama_like, "Qwen2ForCausalLM": _llama_like,
     "Qwen3ForCausalLM": _llama_like, "Gemma2ForCausalLM": _gemma, "Gemma3ForCausalLM": _gemma,
@@ -809,6 +833,7 @@ _HF_BUILDERS = {
     "DeepseekV2ForCausalLM": _deepseek_v2, "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm,
     "Starcoder2ForCausalLM": _starcoder2, "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere,
     "Ernie4_5ForCausalLM": _ernie4_5, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
+    "GPTNeoXForCausalLM": _gpt_neox,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -824,6 +849,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
                        "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
                        "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+                       "gpt_neox": "GPTNeoXForCausalLM",
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                        "qwen3_vl": "Qwen3VLForConditionalGeneration"}
@@ -844,6 +870,7 @@ _HF_DEFAULTS = {
                                 "bos_token_id": 1, "eos_token_id": 2},
     "GlmForCausalLM": _GLM_DEFAULTS, "Glm4ForCausalLM": _GLM_DEFAULTS,
     "Starcoder2ForCausalLM": {"num_key_value_heads": 2, "bos_token_id": 50256, "eos_token_id": 50256},
+    "GPTNeoXForCausalLM": {"bos_token_id": 0, "eos_token_id": 2},
     "CohereForCausalLM": {**_COHERE_DEFAULTS, "rope_theta": 500000.0},
     "Cohere2ForCausalLM": {**_COHERE_DEFAULTS, "sliding_window": 4096},
     "Exaone4ForCausalLM": {"sliding_window": 4096, "num_key_value_heads": 32},

@@ -265,6 +265,35 @@ def _bloom_map(cfg: ModelConfig) -> WeightMap:
     return m
 
 
+def _neox_map(cfg: ModelConfig) -> WeightMap:
+    """GPT-NeoX (Pythia): q, k, v fused per head in query_key_value [h, 3, hd] rows (as BLOOM's),
+    LayerNorms before attention and MLP (side by side when use_parallel_residual), the LM head in
+    embed_out (transformers 5 reads it as lm_head and writes embed_out back)."""
+    h, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+    m: WeightMap = {"embed": (("gpt_neox.embed_in.weight",), _ident)}
+    for i in range(cfg.n_layers):
+        p, o = f"gpt_neox.layers.{i}", f"layers/{i}"
+        _norm(m, f"{o}/attn_norm", f"{p}.input_layernorm", True)
+        _norm(m, f"{o}/mlp_norm", f"{p}.post_attention_layernorm", True)
+        for j, name in enumerate("qkv"):
+            m[f"{o}/attn/{name}"] = ((f"{p}.attention.query_key_value.weight",),
+                                     lambda w, j=j: w.reshape(h, 3, hd, d)[:, j].transpose(2, 0, 1))
+            if cfg.qkv_bias:
+                m[f"{o}/attn/{name}_bias"] = ((f"{p}.attention.query_key_value.bias",),
+                                              lambda b, j=j: b.reshape(h, 3, hd)[:, j])
+        m[f"{o}/attn/o"] = ((f"{p}.attention.dense.weight",), lambda w: w.T.reshape(h, hd, d))
+        if cfg.out_bias:
+            m[f"{o}/attn/o_bias"] = ((f"{p}.attention.dense.bias",), _ident)
+        m[f"{o}/mlp/up"] = ((f"{p}.mlp.dense_h_to_4h.weight",), _t)
+        m[f"{o}/mlp/up_bias"] = ((f"{p}.mlp.dense_h_to_4h.bias",), _ident)
+        m[f"{o}/mlp/down"] = ((f"{p}.mlp.dense_4h_to_h.weight",), _t)
+        m[f"{o}/mlp/down_bias"] = ((f"{p}.mlp.dense_4h_to_h.bias",), _ident)
+    _norm(m, "final_norm", "gpt_neox.final_layer_norm", True)
+    if not cfg.tie_embeddings:
+        m["lm_head"] = (("embed_out.weight",), _t)
+    return m
+
+
 _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen2ForCausalLM": _llama_map,
          "Qwen3ForCausalLM": _llama_map, "Gemma2ForCausalLM": _llama_map, "Gemma3ForCausalLM": _llama_map,
          "Phi3ForCausalLM": lambda cfg: _llama_map(cfg, fused=True), "MixtralForCausalLM": _llama_map,
@@ -277,13 +306,14 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Glm4ForCausalLM": lambda cfg: _llama_map(cfg, fused_mlp=True), "Starcoder2ForCausalLM": _llama_map,
          "CohereForCausalLM": _llama_map, "Cohere2ForCausalLM": _llama_map, "Ernie4_5ForCausalLM": _llama_map,
          "Ernie4_5_MoeForCausalLM": _llama_map,
-         "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map}
+         "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map,
+         "GPTNeoXForCausalLM": _neox_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM")
 # Checkpoints saved from the bare model class (GPT2Model, BloomModel; an embedding model's Transformer,
 # e.g. Qwen3Model) lack these prefixes.
-OPTIONAL_PREFIXES = ("transformer.", "model.")
+OPTIONAL_PREFIXES = ("transformer.", "model.", "gpt_neox.")
 # A vision-language checkpoint's language model (hf_configs._MULTIMODAL) under the names its uploads
 # use: model.language_model. (Qwen3-VL's, the head at lm_head.), or language_model.model. and
 # language_model.lm_head. (Gemma 3's, Mistral Small's); Qwen2.5-VL's are ours. (ours, theirs)
