@@ -235,6 +235,12 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "gpt-neox-sequential": ("gpt_neox", dict(_COMMON, vocab_size=95, intermediate_size=80, num_hidden_layers=3,
                                              rotary_pct=0.5, rotary_emb_base=5000, use_parallel_residual=False,
                                              hidden_act="gelu_fast", attention_bias=False, tie_word_embeddings=True)),
+    # Phi-2: one LayerNorm feeding attention and MLP side by side, 0.4 of each head rotated, biases
+    # everywhere including the LM head; GQA with per-head q / k LayerNorms and tied in the second
+    "phi": ("phi", dict(_COMMON, vocab_size=103, intermediate_size=96, num_hidden_layers=2,
+                        partial_rotary_factor=0.4)),
+    "phi-qk-layernorm": ("phi", dict(_COMMON, vocab_size=89, intermediate_size=64, num_hidden_layers=3,
+                                     num_key_value_heads=2, qk_layernorm=True, tie_word_embeddings=True)),
 }
 
 
@@ -270,7 +276,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),
            "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
            "cohere": (tf.CohereConfig, tf.CohereForCausalLM), "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM),
-           "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM)}[family]
+           "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM), "phi": (tf.PhiConfig, tf.PhiForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

@@ -278,7 +278,8 @@ def test_num_params_match_transformers():
 
 
 @pytest.mark.parametrize("name", ["glm4", "glm-mqa", "starcoder2-window", "starcoder2-mqa", "cohere", "cohere2", "olmo2",
-                                  "ernie4_5", "ernie4_5_moe", "gpt-neox", "gpt-neox-sequential"])
+                                  "ernie4_5", "ernie4_5_moe", "gpt-neox", "gpt-neox-sequential", "phi",
+                                  "phi-qk-layernorm"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -325,6 +326,29 @@ def test_gpt_neox_config_as_transformers_reads_it():
             theirs.use_parallel_residual, theirs.tie_word_embeddings)
         if fields is not pythia:   # (160M parameters: not built)
             assert cfg.num_params() == sum(p.numel() for p in tf.GPTNeoXForCausalLM(theirs).parameters())
+
+
+def test_phi_config_as_transformers_reads_it():
+    """Phi-2's published config.json (microsoft/phi-2, transformers' own format since 4.37) and one
+    that names nothing optional, read as PhiConfig reads them: RoPE, KV heads, q / k norms, ids."""
+    import transformers as tf
+    phi2 = {"architectures": ["PhiForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 50256, "embd_pdrop": 0.0,
+            "eos_token_id": 50256, "hidden_act": "gelu_new", "hidden_size": 2560, "initializer_range": 0.02,
+            "intermediate_size": 10240, "layer_norm_eps": 1e-05, "max_position_embeddings": 2048, "model_type": "phi",
+            "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+            "partial_rotary_factor": 0.4, "qk_layernorm": False, "resid_pdrop": 0.1, "rope_scaling": None,
+            "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float16", "vocab_size": 51200}
+    bare = {"architectures": ["PhiForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4}
+    for fields in (phi2, bare):
+        theirs = tf.PhiConfig(**{k: v for k, v in fields.items() if k not in ("architectures", "torch_dtype")})
+        cfg = model_config_from_hf(fields)
+        head = theirs.hidden_size // theirs.num_attention_heads
+        assert (cfg.rope_theta, cfg.rope_dim, cfg.n_kv_heads, cfg.qk_norm) == (
+            theirs.rope_parameters["rope_theta"], int(head * theirs.rope_parameters["partial_rotary_factor"]),
+            theirs.num_key_value_heads, theirs.qk_layernorm)
+        assert (cfg.eos_token_ids, cfg.bos_token_id, cfg.max_position_embeddings, cfg.tie_embeddings) == (
+            (theirs.eos_token_id,), theirs.bos_token_id, theirs.max_position_embeddings, theirs.tie_word_embeddings)
 
 
 def test_cohere_configs_as_transformers_reads_them():

@@ -137,6 +137,7 @@ class ModelConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     tie_embeddings: bool = False
+    lm_head_bias: bool = False          # Phi-1 / 1.5 / 2: a bias [vocab] added to the LM head's logits
     embed_norm: bool = False            # BLOOM: LayerNorm right after the token embedding
     residual_post_norm: bool = False    # BLOOM's apply_residual_connection_post_layernorm
     parallel_block: bool = False        # Cohere: x + attn(norm(x)) + mlp(norm(x)), one norm per block
@@ -320,8 +321,8 @@ class ModelConfig:
                "positions": self.max_position_embeddings * d if self.position == "learned" else 0,
                "expert": expert if n_moe else 0, "experts": n_moe * self.num_experts * expert, "moe_layers": n_moe}
         blocks = self.n_layers * (attn + norms) + (self.n_layers - n_moe) * mlp + n_moe * router + out["experts"]
-        out["total"] = (blocks + norm_p + (norm_p if self.embed_norm else 0)
-                        + out["embedding"] + out["lm_head"] + out["positions"])
+        out["total"] = (blocks + norm_p + (norm_p if self.embed_norm else 0) + out["embedding"] + out["lm_head"]
+                        + (self.vocab_size if self.lm_head_bias else 0) + out["positions"])
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -261,6 +261,7 @@ class Decoder(nnx.Module):
         self.layers = nnx.List([Block(cfg, i, dtype, rngs, fused) for i in range(cfg.n_layers)])
         self.final_norm = Norm(d, cfg.norm, cfg.norm_eps, dtype, rngs)
         self.lm_head = None if cfg.tie_embeddings else param((d, cfg.vocab_size), ("embed", "vocab"), dtype, rngs)
+        self.lm_head_bias = param((cfg.vocab_size,), ("vocab",), dtype, rngs, init="zeros") if cfg.lm_head_bias else None
 
     def embed_tokens(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """tokens [T], positions [T] -> the first block's input [T, D] (token + position
@@ -295,6 +296,8 @@ class Decoder(nnx.Module):
         sampling, logprobs and speculative verification all see the capped logits)."""
         w = self.embed.get_value().T if self.lm_head is None else self.lm_head.get_value()
         logits = jnp.dot(h, w, preferred_element_type=jnp.float32, precision=dot_precision(h.dtype))
+        if self.lm_head_bias is not None:   # Phi-2
+            logits = logits + self.lm_head_bias.get_value().astype(jnp.float32)
         if self.cfg.logits_scaling != 1.0:   # Granite: divided, as transformers divides them
             logits = logits / jnp.float32(self.cfg.logits_scaling)
         cap = self.cfg.final_softcap

@@ -798,6 +798,26 @@ def _bloom(c: dict[str, Any], arch: str) -> ModelConfig:
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 
 
+def _phi(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Phi-1 / 1.5 / 2 (transformers' Phi): one LayerNorm with biases per block feeding attention and
+    an ungated MLP side by side, biases on every projection and on the LM head, partial rotary
+    (partial_rotary_factor, default 0.5), per-head q / k LayerNorms where qk_layernorm."""
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    if d % h:
+        raise ConfigError(f"hidden_size {d} is not a multiple of num_attention_heads {h}")
+    params = _rope_params(c)
+    theta, scaling = _rope(params, c)
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c["num_hidden_layers"], n_heads=h,
+        n_kv_heads=c.get("num_key_value_heads") or h, head_dim=d // h, ffn_dim=c["intermediate_size"],
+        activation=_activation(c, "hidden_act", default="gelu_new"), gated_mlp=False, norm="layernorm",
+        norm_eps=float(c.get("layer_norm_eps", 1e-5)), position="rope", rope_theta=theta, rope_scaling=scaling,
+        rotary_dim=_rotary_dim(params, c, d // h, 0.5), max_position_embeddings=c.get("max_position_embeddings", 2048),
+        qkv_bias=True, out_bias=True, mlp_bias=True, qk_norm=bool(c.get("qk_layernorm", False)),
+        parallel_block=True, lm_head_bias=True, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
 def _gpt_neox(c: dict[str, Any], arch: str) -> ModelConfig:
     """GPT-NeoX (Pythia, GPT-NeoX-20B and their fine-tunes): LayerNorms with biases, multi-head
     attention with partial rotary (rotary_pct of each head, default 0.25; RoPE base rotary_emb_base),
@@ -833,7 +853,7 @@ _HF_BUILDERS = {
     "DeepseekV2ForCausalLM": _deepseek_v2, "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm,
     "Starcoder2ForCausalLM": _starcoder2, "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere,
     "Ernie4_5ForCausalLM": _ernie4_5, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
-    "GPTNeoXForCausalLM": _gpt_neox,
+    "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -849,7 +869,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
                        "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
                        "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
-                       "gpt_neox": "GPTNeoXForCausalLM",
+                       "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM",
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                        "qwen3_vl": "Qwen3VLForConditionalGeneration"}
@@ -871,6 +891,7 @@ _HF_DEFAULTS = {
     "GlmForCausalLM": _GLM_DEFAULTS, "Glm4ForCausalLM": _GLM_DEFAULTS,
     "Starcoder2ForCausalLM": {"num_key_value_heads": 2, "bos_token_id": 50256, "eos_token_id": 50256},
     "GPTNeoXForCausalLM": {"bos_token_id": 0, "eos_token_id": 2},
+    "PhiForCausalLM": {"bos_token_id": 1, "eos_token_id": 2},
     "CohereForCausalLM": {**_COHERE_DEFAULTS, "rope_theta": 500000.0},
     "Cohere2ForCausalLM": {**_COHERE_DEFAULTS, "sliding_window": 4096},
     "Exaone4ForCausalLM": {"sliding_window": 4096, "num_key_value_heads": 32},

@@ -265,6 +265,27 @@ def _bloom_map(cfg: ModelConfig) -> WeightMap:
     return m
 
 
+# Phi-1 / 1.5 / 2's names for what _llama_map names otherwise (module name parts, in this order)
+_PHI_NAMES = ((".self_attn.o_proj.", ".self_attn.dense."), (".mlp.c_fc.", ".mlp.fc1."), (".mlp.c_proj.", ".mlp.fc2."),
+              ("model.norm.", "model.final_layernorm."), ("_norm.", "_layernorm."))
+
+
+def _phi_map(cfg: ModelConfig) -> WeightMap:
+    """Phi-1 / 1.5 / 2: _llama_map's parallel block (one input_layernorm) under Phi's names (dense,
+    fc1 / fc2, final_layernorm; q_layernorm / k_layernorm over each head, with biases, where
+    qk_layernorm), and the LM head's bias."""
+    def rename(name: str) -> str:
+        for ours, theirs in _PHI_NAMES:
+            name = name.replace(ours, theirs)
+        return name
+    m: WeightMap = {ours: (tuple(rename(n) for n in names), fn) for ours, (names, fn) in _llama_map(cfg).items()}
+    for i in range(cfg.n_layers) if cfg.qk_norm else ():
+        for name in "qk":
+            m[f"layers/{i}/attn/{name}_norm/bias"] = ((f"model.layers.{i}.self_attn.{name}_layernorm.bias",), _ident)
+    m["lm_head_bias"] = (("lm_head.bias",), _ident)
+    return m
+
+
 def _neox_map(cfg: ModelConfig) -> WeightMap:
     """GPT-NeoX (Pythia): q, k, v fused per head in query_key_value [h, 3, hd] rows (as BLOOM's),
     LayerNorms before attention and MLP (side by side when use_parallel_residual), the LM head in
@@ -307,7 +328,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "CohereForCausalLM": _llama_map, "Cohere2ForCausalLM": _llama_map, "Ernie4_5ForCausalLM": _llama_map,
          "Ernie4_5_MoeForCausalLM": _llama_map,
          "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map,
-         "GPTNeoXForCausalLM": _neox_map}
+         "GPTNeoXForCausalLM": _neox_map, "PhiForCausalLM": _phi_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM")
