@@ -241,6 +241,13 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                         partial_rotary_factor=0.4)),
     "phi-qk-layernorm": ("phi", dict(_COMMON, vocab_size=89, intermediate_size=64, num_hidden_layers=3,
                                      num_key_value_heads=2, qk_layernorm=True, tie_word_embeddings=True)),
+    # StableLM 2 1.6B: Llama's block on LayerNorms, a quarter of each head rotated, q/k/v biases;
+    # StableLM 2 12B: GQA, a LayerNorm per head of q and k, attention and MLP side by side
+    "stablelm": ("stablelm", dict(_COMMON, vocab_size=101, intermediate_size=96, num_hidden_layers=2,
+                                  num_key_value_heads=4, use_qkv_bias=True)),
+    "stablelm-parallel-qk-norm": ("stablelm", dict(_COMMON, vocab_size=93, intermediate_size=64, num_hidden_layers=3,
+                                                   num_key_value_heads=2, qk_layernorm=True,
+                                                   use_parallel_residual=True, partial_rotary_factor=0.5)),
 }
 
 
@@ -276,7 +283,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),
            "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
            "cohere": (tf.CohereConfig, tf.CohereForCausalLM), "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM),
-           "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM), "phi": (tf.PhiConfig, tf.PhiForCausalLM)}[family]
+           "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM), "phi": (tf.PhiConfig, tf.PhiForCausalLM),
+           "stablelm": (tf.StableLmConfig, tf.StableLmForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

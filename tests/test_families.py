@@ -279,7 +279,7 @@ def test_num_params_match_transformers():
 
 @pytest.mark.parametrize("name", ["glm4", "glm-mqa", "starcoder2-window", "starcoder2-mqa", "cohere", "cohere2", "olmo2",
                                   "ernie4_5", "ernie4_5_moe", "gpt-neox", "gpt-neox-sequential", "phi",
-                                  "phi-qk-layernorm"])
+                                  "phi-qk-layernorm", "stablelm", "stablelm-parallel-qk-norm"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -349,6 +349,31 @@ def test_phi_config_as_transformers_reads_it():
             theirs.num_key_value_heads, theirs.qk_layernorm)
         assert (cfg.eos_token_ids, cfg.bos_token_id, cfg.max_position_embeddings, cfg.tie_embeddings) == (
             (theirs.eos_token_id,), theirs.bos_token_id, theirs.max_position_embeddings, theirs.tie_word_embeddings)
+
+
+def test_stablelm_config_as_transformers_reads_it():
+    """A StableLM 2 1.6B-style config.json, StableLM 2 12B's options, and one that names nothing
+    optional (StableLmConfig's 32 KV heads, a quarter of each head rotated, ids 0), read as
+    StableLmConfig reads them."""
+    import transformers as tf
+    two = {"architectures": ["StableLmForCausalLM"], "bos_token_id": 100257, "eos_token_id": 100257,
+           "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 5632, "layer_norm_eps": 1e-05,
+           "max_position_embeddings": 4096, "model_type": "stablelm", "num_attention_heads": 32,
+           "num_hidden_layers": 24, "num_key_value_heads": 32, "partial_rotary_factor": 0.25, "qk_layernorm": False,
+           "rope_scaling": None, "rope_theta": 10000, "tie_word_embeddings": False, "use_parallel_residual": False,
+           "use_qkv_bias": True, "vocab_size": 100352}
+    bare = {"architectures": ["StableLmForCausalLM"], "vocab_size": 256, "hidden_size": 64 * 32,
+            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 32}
+    for fields in (two, {**two, "num_key_value_heads": 8, "qk_layernorm": True, "use_parallel_residual": True,
+                         "use_qkv_bias": False}, bare):
+        theirs = tf.StableLmConfig(**{k: v for k, v in fields.items() if k != "architectures"})
+        cfg = model_config_from_hf(fields)
+        head = theirs.hidden_size // theirs.num_attention_heads
+        assert (cfg.rope_theta, cfg.rope_dim, cfg.n_kv_heads, cfg.qkv_bias, cfg.qk_norm_heads, cfg.parallel_block) == (
+            theirs.rope_parameters["rope_theta"], int(head * theirs.rope_parameters["partial_rotary_factor"]),
+            theirs.num_key_value_heads, theirs.use_qkv_bias, theirs.qk_layernorm, theirs.use_parallel_residual)
+        assert (cfg.eos_token_ids, cfg.bos_token_id, cfg.max_position_embeddings) == (
+            (theirs.eos_token_id,), theirs.bos_token_id, theirs.max_position_embeddings)
 
 
 def test_cohere_configs_as_transformers_reads_them():

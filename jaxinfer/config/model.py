@@ -224,6 +224,12 @@ class ModelConfig:
                               f"(rotated features / 2), got {got}")
 
     @property
+    def qk_norm_kind(self) -> str:
+        """The q / k norms' kind: `norm`, but without a bias where they have weights per head
+        (qk_norm_heads: Cohere's, StableLM 2 12B's bias-free LayerNorm per head)."""
+        return "layernorm_nobias" if self.qk_norm_heads and self.norm == "layernorm" else self.norm
+
+    @property
     def rope_dim(self) -> int:
         """How many features of each head RoPE rotates (the first ones; the rest pass through)."""
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
@@ -301,8 +307,9 @@ class ModelConfig:
             attn = ((d * qr + qr + qr * h * qk) if qr else d * h * qk) + d * (r + self.mla_rope_dim) + r
             attn += r * h * (self.mla_nope_dim + self.mla_v_dim) + h * self.mla_v_dim * d
             attn += ((qr if qr else 0) + r + self.mla_rope_dim + d) if self.out_bias else 0
-        if self.qk_norm:   # one weight per feature of a head, or per feature of every head (OLMo 2, Cohere)
-            attn += per_norm * hd * ((h + kv) if self.qk_norm_full or self.qk_norm_heads else 2)
+        if self.qk_norm:   # one weight per feature of a head, or per feature of every head (OLMo 2, Cohere);
+            # weights per head never come with a bias (qk_norm_kind)
+            attn += (1 if self.qk_norm_heads else per_norm) * hd * ((h + kv) if self.qk_norm_full or self.qk_norm_heads else 2)
         attn += h if self.attn_sinks else 0
         mlp = (3 if self.gated_mlp else 2) * d * f
         mlp += ((2 * f if self.gated_mlp else f) + d) if self.mlp_bias else 0

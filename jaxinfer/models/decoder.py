@@ -82,7 +82,7 @@ class Attention(nnx.Module):
         # OLMo 2: one per feature of the whole projection (qk_norm_full), its mean over every head
         # Cohere (qk_norm_heads): one weight per head and feature, statistics over each head
         qk_norm = lambda n, axis: Norm(  # noqa: E731
-            n * hd if cfg.qk_norm_full else hd, cfg.norm, cfg.norm_eps, dtype, rngs,
+            n * hd if cfg.qk_norm_full else hd, cfg.qk_norm_kind, cfg.norm_eps, dtype, rngs,
             axis=None if cfg.qk_norm_full else "head_dim", heads=(n, axis) if cfg.qk_norm_heads else None)
         self.q_norm = qk_norm(h, "heads") if cfg.qk_norm else None
         self.k_norm = qk_norm(kv, "kv_heads") if cfg.qk_norm else None

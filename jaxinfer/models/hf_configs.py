@@ -818,6 +818,28 @@ def _phi(c: dict[str, Any], arch: str) -> ModelConfig:
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 
 
+def _stablelm(c: dict[str, Any], arch: str) -> ModelConfig:
+    """StableLM (3B-4E1T, Zephyr 3B, StableLM 2 1.6B / 12B): Llama's names and gated SiLU MLP with
+    LayerNorms (biases), partial rotary (partial_rotary_factor, default 0.25), q / k / v biases where
+    use_qkv_bias, a bias-free LayerNorm per head of q and k where qk_layernorm, attention and MLP side
+    by side on the one input norm where use_parallel_residual (StableLM 2 12B)."""
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    if d % h:
+        raise ConfigError(f"hidden_size {d} is not a multiple of num_attention_heads {h}")
+    params = _rope_params(c)
+    theta, scaling = _rope(params, c)
+    qk_norm = bool(c.get("qk_layernorm", False))
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c["num_hidden_layers"], n_heads=h,
+        n_kv_heads=c.get("num_key_value_heads") or h, head_dim=d // h, ffn_dim=c["intermediate_size"],
+        activation=_activation(c, "hidden_act"), norm="layernorm", norm_eps=float(c.get("layer_norm_eps", 1e-5)),
+        position="rope", rope_theta=theta, rope_scaling=scaling, rotary_dim=_rotary_dim(params, c, d // h, 0.25),
+        max_position_embeddings=c.get("max_position_embeddings", 4096), qkv_bias=bool(c.get("use_qkv_bias", False)),
+        qk_norm=qk_norm, qk_norm_heads=qk_norm, parallel_block=bool(c.get("use_parallel_residual", False)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
 def _gpt_neox(c: dict[str, Any], arch: str) -> ModelConfig:
     """GPT-NeoX (Pythia, GPT-NeoX-20B and their fine-tunes): LayerNorms with biases, multi-head
     attention with partial rotary (rotary_pct of each head, default 0.25; RoPE base rotary_emb_base),
@@ -854,6 +876,7 @@ _HF_BUILDERS = {
     "Starcoder2ForCausalLM": _starcoder2, "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere,
     "Ernie4_5ForCausalLM": _ernie4_5, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi,
+    "StableLmForCausalLM": _stablelm,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -870,6 +893,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
                        "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
                        "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM",
+                       "stablelm": "StableLmForCausalLM",
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                        "qwen3_vl": "Qwen3VLForConditionalGeneration"}
@@ -892,6 +916,7 @@ _HF_DEFAULTS = {
     "Starcoder2ForCausalLM": {"num_key_value_heads": 2, "bos_token_id": 50256, "eos_token_id": 50256},
     "GPTNeoXForCausalLM": {"bos_token_id": 0, "eos_token_id": 2},
     "PhiForCausalLM": {"bos_token_id": 1, "eos_token_id": 2},
+    "StableLmForCausalLM": {"num_key_value_heads": 32, "bos_token_id": 0, "eos_token_id": 0},
     "CohereForCausalLM": {**_COHERE_DEFAULTS, "rope_theta": 500000.0},
     "Cohere2ForCausalLM": {**_COHERE_DEFAULTS, "sliding_window": 4096},
     "Exaone4ForCausalLM": {"sliding_window": 4096, "num_key_value_heads": 32},

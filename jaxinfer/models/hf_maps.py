@@ -286,6 +286,17 @@ def _phi_map(cfg: ModelConfig) -> WeightMap:
     return m
 
 
+def _stablelm_map(cfg: ModelConfig) -> WeightMap:
+    """StableLM: _llama_map's names; StableLM 2 12B's q / k LayerNorms are one bias-free LayerNorm per
+    head (q_layernorm.norms.j), stacked into our per-head weights [heads, head_dim]."""
+    m = _llama_map(cfg)
+    for i in range(cfg.n_layers) if cfg.qk_norm_heads else ():
+        for name, heads in (("q", cfg.n_heads), ("k", cfg.n_kv_heads)):
+            per_head = tuple(f"model.layers.{i}.self_attn.{name}_layernorm.norms.{j}.weight" for j in range(heads))
+            m[f"layers/{i}/attn/{name}_norm/scale"] = (per_head, lambda *w: np.stack(w))
+    return m
+
+
 def _neox_map(cfg: ModelConfig) -> WeightMap:
     """GPT-NeoX (Pythia): q, k, v fused per head in query_key_value [h, 3, hd] rows (as BLOOM's),
     LayerNorms before attention and MLP (side by side when use_parallel_residual), the LM head in
@@ -328,7 +339,8 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "CohereForCausalLM": _llama_map, "Cohere2ForCausalLM": _llama_map, "Ernie4_5ForCausalLM": _llama_map,
          "Ernie4_5_MoeForCausalLM": _llama_map,
          "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map,
-         "GPTNeoXForCausalLM": _neox_map, "PhiForCausalLM": _phi_map}
+         "GPTNeoXForCausalLM": _neox_map, "PhiForCausalLM": _phi_map,
+         "StableLmForCausalLM": _stablelm_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM")
