@@ -245,7 +245,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     # StableLM 2 12B: GQA, a LayerNorm per head of q and k, attention and MLP side by side
     "stablelm": ("stablelm", dict(_COMMON, vocab_size=101, intermediate_size=96, num_hidden_layers=2,
                                   num_key_value_heads=4, use_qkv_bias=True)),
-    "stablelm-parallel-qk-norm": ("stablelm", dict(_COMMON, vocab_size=93, intermediate_size=64, num_hidden_layers=3,
+    "stablelm-parallel-qk-norm": ("stablelm", dict(_COMMON, vocab_size=105, intermediate_size=64, num_hidden_layers=3,
                                                    num_key_value_heads=2, qk_layernorm=True,
                                                    use_parallel_residual=True, partial_rotary_factor=0.5)),
 }
