@@ -160,6 +160,8 @@ class MLP(nnx.Module):
             h = act(gate) * up
         else:
             h = dense(x, self.up.get_value(), param_value(self.up_bias), impl=self.matmul)
+            if lora is not None:   # an ungated MLP's up (a gated MLP is fused: gate_up above)
+                h = h + lora_delta(x, *lora[1]["up"], lora[0])[0]
             if self.gated:
                 h = act(dense(x, self.gate.get_value(), param_value(self.gate_bias), impl=self.matmul)) * h
             else:

@@ -252,6 +252,27 @@ def test_newer_families_match_peft(name, tmp_path):
     assert gen.generate([PROMPT], GREEDY, lora="a")[0].token_ids == _peft_greedy(model, PROMPT, 10)
 
 
+@pytest.mark.parametrize("name", ["phi", "starcoder2-window", "gpt-neox", "bloom", "gpt2"])
+def test_ungated_and_fused_qkv_families_match_peft(name, tmp_path):
+    """The families PEFT adapts under their own module names: Phi (dense, fc1 / fc2), StarCoder2
+    (c_fc / c_proj), GPT-NeoX and BLOOM (q, k, v fused per head in query_key_value: one A, B split
+    into the three), GPT-2 (c_attn: [q | k | v] rows; Conv1D modules): an all-linear adapter's logits
+    and greedy tokens as PEFT's, the ungated MLPs' up projection adapted."""
+    base = save_hf_model(name, tmp_path / "base")
+    model = _peft(name, dict(r=4, lora_alpha=8, target_modules="all-linear"), seed=13)
+    model.save_pretrained(tmp_path / "a")
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPT])).logits[0].numpy()
+    gen = Generator.from_pretrained(base, lora_modules={"a": str(tmp_path / "a")}, max_loras=1, max_lora_rank=4,
+                                    max_model_len=48, max_num_batched_tokens=16, token_buckets=[16], max_num_seqs=2,
+                                    block_size=8, num_blocks=13, warmup=False)
+    c = gen.model_cfg
+    per_layer = [c.d_model, c.d_model, 4 * c.head_dim, c.ffn_dim, 4, 4]
+    rtol = dot_chain_rtol(*(per_layer * c.n_layers), c.d_model) + attention_rtol("float32", len(PROMPT), c.head_dim)
+    assert_rel_close(gen.logits(PROMPT, lora="a"), ref, rtol, name)
+    assert gen.generate([PROMPT], GREEDY, lora="a")[0].token_ids == _peft_greedy(model, PROMPT, 10)
+
+
 def test_speculative_decoding_with_lora_refused(llama):
     base, adapters = llama
     with pytest.raises(LoraError, match="speculative decoding"):

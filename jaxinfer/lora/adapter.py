@@ -7,14 +7,16 @@ with use_rslora), r and lora_alpha per module from rank_pattern / alpha_pattern 
 utils.other.get_pattern_key: the first pattern that matches the end of the module's name).
 
 The serving model fuses q, k, v into `qkv` and gate, up into `gate_up` (models/decoder.py), so an
-adapter becomes four groups per layer (qkv, o, gate_up, down), each one A [*in, P R] (its P parts'
-A side by side: qkv 3, gate_up 2, o and down 1; R = max_lora_rank, part j's rank columns j R ..
-j R + r, zero-padded past r, so every adapter has the same shapes and loading one compiles nothing)
-and one B [R, n_p] per part, added to q, k, v and gate, up after the fused output is split (KV
-heads repeated as the fused model repeats them). The scaling is folded into B. Only the Llama-style
-families (separate q/k/v/o and gate/up/down projections) take
-adapters; everything PEFT can save that this does not run (biases, DoRA, modules_to_save, embedding
-or LM-head adapters, experts) is refused by name, as is a folder that does not fit the model.
+adapter becomes four groups per layer (qkv, o, gate_up or an ungated MLP's up, down), each one
+A [*in, P R] (its P parts' A side by side: qkv 3, gate_up 2, o, up and down 1; R = max_lora_rank,
+part j's rank columns j R .. j R + r, zero-padded past r, so every adapter has the same shapes and
+loading one compiles nothing) and one B [R, n_p] per part, added to q, k, v and gate, up after the
+fused output is split (KV heads repeated as the fused model repeats them). The scaling is folded
+into B. Each family's module names are its own (_FAMILY_PROJECTIONS: Phi's dense / fc1 / fc2,
+GPT-NeoX's and BLOOM's query_key_value, GPT-2's c_attn; Llama's q_proj ... down_proj for the rest);
+a module that fuses q, k and v gives its one A to all three parts and its B rows split among them.
+Everything PEFT can save that this does not run (biases, DoRA, modules_to_save, embedding or LM-head
+adapters, experts) is refused by name, as is a folder that does not fit the model.
 """
 from __future__ import annotations
 
@@ -31,20 +33,40 @@ from jaxinfer.models.hf_maps import head_order
 from jaxinfer.errors import CheckpointError
 from jaxinfer.safetensors_file import SafetensorsFile
 
-# HF module name -> (our group, part index within the fused group)
-PROJECTIONS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
-               "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
-GROUP_PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
+# per family: the adapted module ("attn." or "mlp." + its HF name) -> (our group, part index within
+# the fused group); part "heads": q, k, v fused per head in one module, [heads, 3, head_dim] rows
+# (GPT-NeoX's, BLOOM's query_key_value), "rows": fused as [q | k | v] rows (GPT-2's c_attn). The
+# ungated MLPs' up projection is the group "up" (one part).
+_LLAMA = {"attn.q_proj": ("qkv", 0), "attn.k_proj": ("qkv", 1), "attn.v_proj": ("qkv", 2), "attn.o_proj": ("o", 0),
+          "mlp.gate_proj": ("gate_up", 0), "mlp.up_proj": ("gate_up", 1), "mlp.down_proj": ("down", 0)}
+_QKV = {"attn.q_proj": ("qkv", 0), "attn.k_proj": ("qkv", 1), "attn.v_proj": ("qkv", 2)}
+_FUSED_QKV = {"attn.query_key_value": ("qkv", "heads"), "attn.dense": ("o", 0), "mlp.dense_h_to_4h": ("up", 0),
+              "mlp.dense_4h_to_h": ("down", 0)}
+_FAMILY_PROJECTIONS = {
+    "PhiForCausalLM": {**_QKV, "attn.dense": ("o", 0), "mlp.fc1": ("up", 0), "mlp.fc2": ("down", 0)},
+    "Starcoder2ForCausalLM": {**_QKV, "attn.o_proj": ("o", 0), "mlp.c_fc": ("up", 0), "mlp.c_proj": ("down", 0)},
+    "GPTNeoXForCausalLM": _FUSED_QKV, "BloomForCausalLM": _FUSED_QKV,
+    "GPT2LMHeadModel": {"attn.c_attn": ("qkv", "rows"), "attn.c_proj": ("o", 0), "mlp.c_fc": ("up", 0),
+                        "mlp.c_proj": ("down", 0)},
+}
+GROUP_PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "up": 1, "down": 1}
 LORA_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                  "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
                  "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                  "Exaone4ForCausalLM", "SeedOssForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
-                 "Ernie4_5ForCausalLM", "StableLmForCausalLM")
+                 "Ernie4_5ForCausalLM", "StableLmForCausalLM", *_FAMILY_PROJECTIONS)
 # PeftModel.save_pretrained writes base_model.model.<module>; an adapter saved from a transformers
 # model (its PEFT integration: model.add_adapter, then save_pretrained) the module names alone
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
-_MODULE = re.compile(r"^(?:model\.language_model|language_model\.model|model)\.layers\.(?P<layer>\d+)\."
-                     r"(?:self_attn|mlp)\.(?P<proj>\w+)$")
+_MODULE = re.compile(r"^(?:(?:model\.language_model|language_model\.model|model|gpt_neox)\.layers|transformer\.h)"
+                     r"\.(?P<layer>\d+)\.(?P<part>self_attn|attention|self_attention|attn|mlp)\.(?P<proj>\w+)$")
+
+
+def projections(architecture: str) -> dict[str, tuple[str, int | str]]:
+    """The family's adapted modules (_FAMILY_PROJECTIONS; Llama's names for the others)."""
+    return _FAMILY_PROJECTIONS.get(architecture, _LLAMA)
+
+
 # An adapter of a vision-language checkpoint (served as its language model, hf_configs._MULTIMODAL):
 # its language model's modules under LANGUAGE_MODEL_PREFIXES' names; those of its vision tower and
 # projector (an "all-linear" adapter's) never touch a text-only request, so they are left out
@@ -73,9 +95,11 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def read_config(folder: Path, max_rank: int, vision: frozenset[str] = frozenset()) -> dict:
+def read_config(folder: Path, max_rank: int, vision: frozenset[str] = frozenset(),
+                names: frozenset[str] = frozenset(p.split(".", 1)[1] for p in _LLAMA)) -> dict:
     """adapter_config.json, with every setting this does not run refused by name. vision: the
-    target names the adapter's tensors adapt in a vision tower only (_vision_targets: left out)."""
+    target names the adapter's tensors adapt in a vision tower only (_vision_targets: left out);
+    names: the model's adaptable module names (projections)."""
     path = folder / "adapter_config.json"
     if not folder.is_dir():
         raise LoraError(f"LoRA adapter folder {str(folder)!r} does not exist")
@@ -108,9 +132,9 @@ def read_config(folder: Path, max_rank: int, vision: frozenset[str] = frozenset(
             t = target.rsplit(".", 1)[-1]
             if t in ("embed_tokens", "lm_head", "wte", "word_embeddings"):
                 raise LoraError(f"{path}: target module {t!r}: embedding and LM-head adapters are not supported")
-            if t not in PROJECTIONS and t not in vision:
+            if t not in names and t not in vision:
                 raise LoraError(f"{path}: target module {t!r} is not in the model (LoRA targets: "
-                                f"{', '.join(PROJECTIONS)})")
+                                f"{', '.join(sorted(names))})")
     ranks = [int(cfg.get("r", 8)), *(int(v) for v in (cfg.get("rank_pattern") or {}).values())]
     if max(ranks) > max_rank:
         raise LoraError(f"{path}: rank {max(ranks)} exceeds max_lora_rank={max_rank}")
@@ -147,7 +171,8 @@ def _vision_targets(st: SafetensorsFile | None) -> frozenset[str]:
 def _load_adapter(name: str, folder: Path, model_cfg: ModelConfig, kv_replicas: int, max_rank: int) -> LoraAdapter:
     weights = folder / "adapter_model.safetensors"
     st = SafetensorsFile(weights) if weights.is_file() else None
-    cfg = read_config(folder, max_rank, _vision_targets(st))
+    table = projections(model_cfg.architecture)
+    cfg = read_config(folder, max_rank, _vision_targets(st), frozenset(p.split(".", 1)[1] for p in table))
     if model_cfg.architecture not in LORA_FAMILIES:
         raise LoraError(f"{folder}: LoRA adapters are not supported for {model_cfg.architecture} "
                         f"(supported: {', '.join(LORA_FAMILIES)})")
@@ -168,54 +193,71 @@ def _load_adapter(name: str, folder: Path, model_cfg: ModelConfig, kv_replicas: 
         pairs.setdefault(m["module"], {})[m["ab"]] = key
     if not pairs:
         raise LoraError(f"{weights}: no LoRA tensors")
-    r_max = max_rank
-    d, h, kv, hd, f = model_cfg.d_model, model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim, model_cfg.ffn_dim
-    dims = {"q_proj": (d, h * hd), "k_proj": (d, kv * hd), "v_proj": (d, kv * hd), "o_proj": (h * hd, d),
-            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
     # per layer, group: the parts' A^T [in, R] and scaled B^T [R, out] (None: not adapted)
     parts: list[dict[str, list]] = [{} for _ in range(model_cfg.n_layers)]
     alpha, r_cfg, rslora = float(cfg.get("lora_alpha", 8)), int(cfg.get("r", 8)), bool(cfg.get("use_rslora"))
     top_rank, qk_order = 0, head_order(model_cfg)
+    ins, outs = _group_dims(model_cfg)
     for module, ab in sorted(pairs.items()):
         mm = _MODULE.match(module)
-        proj = mm["proj"] if mm else module.rsplit(".", 1)[-1]
-        if mm is None or proj not in PROJECTIONS or int(mm["layer"]) >= model_cfg.n_layers:
-            raise LoraError(f"{weights}: adapted module {module!r} is not in the model (LoRA targets: "
-                            f"model.layers.<0..{model_cfg.n_layers - 1}>.{{self_attn,mlp}}.{{{','.join(PROJECTIONS)}}})")
-        layer = int(mm["layer"])
-        if proj in ("gate_proj", "up_proj", "down_proj") and model_cfg.is_moe_layer(layer):
+        key = None if mm is None else ("mlp." if mm["part"] == "mlp" else "attn.") + mm["proj"]
+        if key not in table or int(mm["layer"]) >= model_cfg.n_layers:
+            raise LoraError(f"{weights}: adapted module {module!r} is not in the model (LoRA targets: layers "
+                            f"0..{model_cfg.n_layers - 1}, modules {', '.join(table)})")
+        layer, (group, j) = int(mm["layer"]), table[key]
+        if group in ("gate_up", "up", "down") and model_cfg.is_moe_layer(layer):
             raise LoraError(f"{weights}: adapted module {module!r}: layer {layer} is a mixture of experts "
                             "(expert adapters are not supported)")
         if set(ab) != {"A", "B"}:
             raise LoraError(f"{weights}: module {module!r} has lora_{next(iter(ab))} without its pair")
         a, b = st.get(ab["A"]).astype(np.float32), st.get(ab["B"]).astype(np.float32)
         r = int(_pattern_value(cfg.get("rank_pattern") or {}, module, r_cfg))
-        n_in, n_out = dims[proj]
+        n_in, n_out = ins[group], (sum(outs[group]) if isinstance(j, str) else outs[group][j])
         if a.shape != (r, n_in) or b.shape != (n_out, r):
             raise LoraError(f"{weights}: module {module!r}: lora_A {a.shape} / lora_B {b.shape} disagree with the "
                             f"model and adapter_config.json (expected [{r}, {n_in}] / [{n_out}, {r}])")
         if r > max_rank:
             raise LoraError(f"{weights}: module {module!r} has rank {r}, above max_lora_rank={max_rank}")
-        if proj in ("q_proj", "k_proj"):   # q / k features in the order the model's weights were loaded in
-            b = b.reshape(-1, hd, r)[:, qk_order].reshape(n_out, r)
         lora_alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, alpha))
-        scale = lora_alpha / math.sqrt(r) if rslora else lora_alpha / r
-        group, j = PROJECTIONS[proj]
+        scale = np.float32(lora_alpha / math.sqrt(r) if rslora else lora_alpha / r)
         slots = parts[layer].setdefault(group, [None] * GROUP_PARTS[group])
-        slots[j] = (a.T, b.T * np.float32(scale), r)
+        for i, part in _split_parts(model_cfg, b, j):
+            if group == "qkv" and i < 2:   # q / k features in the order the model's weights were loaded in
+                part = part.reshape(-1, model_cfg.head_dim, r)[:, qk_order].reshape(-1, r)
+            slots[i] = (a.T, part.T * scale, r)
         top_rank = max(top_rank, r)
-    layers = [{group: _fuse_group(model_cfg, group, got, r_max, kv_replicas) for group, got in parts[i].items()}
+    layers = [{group: _fuse_group(model_cfg, group, got, max_rank, kv_replicas) for group, got in parts[i].items()}
               for i in range(model_cfg.n_layers)]
     return LoraAdapter(name, str(folder), top_rank, layers)
+
+
+def _group_dims(cfg: ModelConfig) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Per group: its input width, and its parts' output widths."""
+    d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    return ({"qkv": d, "o": h * hd, "gate_up": d, "up": d, "down": f},
+            {"qkv": [h * hd, kv * hd, kv * hd], "o": [d], "gate_up": [f, f], "up": [f], "down": [d]})
+
+
+def _split_parts(cfg: ModelConfig, b: np.ndarray, j: int | str) -> list[tuple[int, np.ndarray]]:
+    """A module's lora_B [out, r] -> (part index, its rows) for each part it adapts: itself (j an
+    index), or q, k, v of a fused module (j "heads": [heads, 3, head_dim] rows; "rows": [q | k | v])."""
+    if isinstance(j, int):
+        return [(j, b)]
+    h, kv, hd, r = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, b.shape[1]
+    if j == "heads":   # (multi-head attention only: GPT-NeoX, BLOOM)
+        per_head = b.reshape(h, 3, hd, r)
+        return [(i, per_head[:, i].reshape(h * hd, r)) for i in range(3)]
+    bounds = np.cumsum([0, h * hd, kv * hd, kv * hd])
+    return [(i, b[bounds[i]:bounds[i + 1]]) for i in range(3)]
 
 
 def _fuse_group(cfg: ModelConfig, group: str, got: list, r_max: int, kv_replicas: int
                 ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """One group's parts -> (A [*in, P R], (B_p [R, n_p] for each part)) as the serving model adds
     them (module docstring): k and v columns repeated per KV replica; absent parts zero."""
-    d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
-    ins = {"qkv": d, "o": h * hd, "gate_up": d, "down": f}[group]
-    outs = {"qkv": [h * hd, kv * hd, kv * hd], "o": [d], "gate_up": [f, f], "down": [d]}[group]
+    h, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    ins_by_group, outs_by_group = _group_dims(cfg)
+    ins, outs = ins_by_group[group], outs_by_group[group]
     p = len(outs)
     a = np.zeros((ins, p * r_max), np.float32)
     bs = []

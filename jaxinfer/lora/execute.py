@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxinfer.lora.adapter import GROUP_PARTS, LoraAdapter
 
-GROUP_CONTRACT = {"qkv": 1, "o": 2, "gate_up": 1, "down": 1}
+GROUP_CONTRACT = {"qkv": 1, "o": 2, "gate_up": 1, "up": 1, "down": 1}
 
 
 @jax.tree_util.register_dataclass
@@ -44,8 +44,10 @@ def group_shapes(model) -> list[dict[str, tuple]]:
     for block in model.layers:
         named = [("qkv", block.attn.qkv, [cfg.n_heads * cfg.head_dim] + [cfg.n_kv_heads * cfg.head_dim] * 2),
                  ("o", block.attn.o, [cfg.d_model])]
-        if isinstance(block.mlp, MLP):
+        if isinstance(block.mlp, MLP) and block.mlp.gated:
             named += [("gate_up", block.mlp.gate_up, [cfg.ffn_dim] * 2), ("down", block.mlp.down, [cfg.d_model])]
+        elif isinstance(block.mlp, MLP):   # an ungated MLP (Phi, StarCoder2, GPT-NeoX, BLOOM, GPT-2)
+            named += [("up", block.mlp.up, [cfg.ffn_dim]), ("down", block.mlp.down, [cfg.d_model])]
         groups = {}
         for group, var, widths in named:
             c = GROUP_CONTRACT[group]
