@@ -367,7 +367,8 @@ def load_pipelined(path: str | Path, dtype: str, mesh: Mesh, quantize: str | Non
         raise CheckpointError(f"{path}: no config.json (expected an HF model folder or a jaxinfer checkpoint)")
     cfg = model_config_from_hf(path)
     layers_per_stage(cfg, int(mesh.shape["pipeline"]))
-    st, wmap, jdtype = tensor_source(path), hf_weight_map(cfg), DTYPES[dtype]
+    st, jdtype = tensor_source(path), DTYPES[dtype]
+    wmap = hf_weight_map(cfg, st.has)
     specs = _param_specs(cfg, jdtype)
     read = lambda name: hf_value(st, name, *wmap[name], specs[name][1]).astype(np.float32)  # noqa: E731
     return _place(cfg, jdtype, mesh, read)

@@ -169,7 +169,7 @@ def load_hf(folder: str | Path, dtype: str = "float32", cfg: ModelConfig | None 
                                                            tuple(v.get_value().shape)) for p, v in flat}
     arrays: dict[str, jax.Array] = {}
     reader = _prequant_reader(folder, st, gguf_blocks)
-    for ours, (hf_names, transform) in hf_weight_map(cfg).items():
+    for ours, (hf_names, transform) in hf_weight_map(cfg, st.has).items():
         if reader is not None:   # a pre-quantized checkpoint (jaxinfer/prequant): packed weights stay packed
             value = _prequant_param(folder, reader, ours, hf_names, transform, expected[ours])
             if isinstance(value, QuantizedWeight):

@@ -1,5 +1,5 @@
 """Vision-language checkpoints served as their language model (Gemma 3 4B-27B, Mistral Small 3.x,
-Qwen2.5-VL, Qwen3-VL):
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE):
 config.json's text_config, the weights under language_model, against transformers' own
 ForConditionalGeneration on text (no image)."""
 from __future__ import annotations
@@ -125,6 +125,97 @@ def test_language_model_of_a_vision_language_checkpoint_matches_transformers(fam
                                pad_token_id=0)[0, len(PROMPT):].tolist()
         out = gen.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
         assert out.token_ids == want
+
+
+def _moe_wrapper():
+    """A tiny random Qwen3VLMoeForConditionalGeneration: 4 experts of 24 (2F != d: the two layouts of
+    the fused experts differ in shape, as in every published size), top-2, the second of its
+    three layers dense (mlp_only_layers), a one-layer vision tower. transformers' init leaves the
+    router at zero: drawn here, so that the choice of experts matters."""
+    import transformers as tf
+    torch.manual_seed(0)
+    text = dict(vocab_size=139, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    cfg = tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=135, video_token_id=136,
+                              vision_start_token_id=137, vision_end_token_id=138)
+    hf = tf.Qwen3VLMoeForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    return hf
+
+
+def _rewrite_experts(folder: Path, out: Path, layout: str) -> Path:
+    """The folder with each layer's fused experts as the uploads store them ("upload": gate_up_proj
+    [E, d, 2F], down_proj [E, F, d], what transformers' loader transposes) or one Linear per expert
+    ("per_expert": experts.j.gate_proj / up_proj / down_proj [out, in], the FP8 uploads' layout)."""
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(folder, out)
+    new = {}
+    for k, v in load_file(folder / "model.safetensors").items():
+        if not k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            new[k] = v
+        elif layout == "upload":
+            new[k] = np.ascontiguousarray(v.transpose(0, 2, 1))
+        elif k.endswith("gate_up_proj"):   # [E, 2F, d]: gate rows, then up
+            f = v.shape[1] // 2
+            for j in range(v.shape[0]):
+                new[k.replace("gate_up_proj", f"{j}.gate_proj.weight")] = np.ascontiguousarray(v[j, :f])
+                new[k.replace("gate_up_proj", f"{j}.up_proj.weight")] = np.ascontiguousarray(v[j, f:])
+        else:
+            for j in range(v.shape[0]):
+                new[k.replace("down_proj", f"{j}.down_proj.weight")] = np.ascontiguousarray(v[j])
+    save_file(new, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_qwen3_vl_moe_language_model_matches_transformers(tmp_path):
+    """Qwen3-VL-30B-A3B / 235B-A22B served as their Qwen3-MoE language model: logits on text as
+    transformers' Qwen3VLMoeForConditionalGeneration, with the experts as transformers 5 saves them
+    ([E, 2F, d] / [E, d, F]), as the uploads store them (transposed) and one tensor per expert; greedy
+    tokens as its generate. Its config without norm_topk_prob still renormalizes, as its router does."""
+    hf = _moe_wrapper()
+    hf.save_pretrained(tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([PROMPT])).logits[0].numpy()
+        want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert "norm_topk_prob" not in json.loads((tmp_path / "hf" / "config.json").read_text())["text_config"]
+    for folder in (tmp_path / "hf", _rewrite_experts(tmp_path / "hf", tmp_path / "up", "upload"),
+                   _rewrite_experts(tmp_path / "hf", tmp_path / "pe", "per_expert")):
+        gen = Generator.from_pretrained(folder, **ENGINE)
+        cfg = gen.model_cfg
+        assert (cfg.architecture, cfg.num_experts, cfg.moe_norm_topk, cfg.moe_layers) == (
+            "Qwen3MoeForCausalLM", 4, True, (True, False, True))
+        assert np.abs(gen.logits(PROMPT) - ref).max() / np.abs(ref).max() < 1e-4, folder.name
+    out = gen.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == want
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl_moe_text", "qwen3_vl_text"])
+def test_qwen3_vl_sizes_default_as_transformers(kind):
+    """A Qwen3-VL(-MoE) text_config naming only its width, heads and depth: its KV heads, MLP and
+    (MoE) experts as Qwen3VLMoeTextConfig's / Qwen3VLTextConfig's defaults (60 experts, top-4, 16 KV
+    heads; 32 KV heads, ...), not Qwen3's / Qwen3-MoE's."""
+    import transformers as tf
+    text = {"model_type": kind, "hidden_size": 64, "num_attention_heads": 32, "num_hidden_layers": 2, "vocab_size": 256}
+    moe = kind == "qwen3_vl_moe_text"
+    t = (tf.Qwen3VLMoeConfig if moe else tf.Qwen3VLConfig)(text_config=text).text_config
+    arch = "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"
+    ours = model_config_from_hf({"architectures": [arch], "text_config": text})
+    assert (ours.ffn_dim, ours.n_kv_heads, ours.head_dim) == (t.intermediate_size, t.num_key_value_heads, t.head_dim)
+    assert (ours.rope_theta, ours.max_position_embeddings, ours.norm_eps, ours.sliding_window) == (
+        t.rope_parameters["rope_theta"], t.max_position_embeddings, t.rms_norm_eps, None)
+    if moe:
+        assert (ours.num_experts, ours.num_experts_per_tok, ours.moe_ffn_dim, ours.moe_norm_topk) == (
+            t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size, True)
 
 
 def test_published_gemma3_text_config_reads_as_transformers_does():

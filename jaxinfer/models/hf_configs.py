@@ -99,7 +99,8 @@ def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
 _MULTIMODAL = {"Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
                "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM"},
                "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
-               "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"}}
+               "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
+               "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}}
 # Qwen2.5-VL's config.json before transformers 5 keeps the text fields at the top level
 _FLAT_TEXT = ("Qwen2_5_VLForConditionalGeneration",)
 # fields the wrapper's config.json holds for its language model (Gemma 3's eos_token_id [1, 106])
@@ -107,9 +108,16 @@ _INHERITED = ("bos_token_id", "eos_token_id", "pad_token_id", "quantization_conf
 # the text config classes' defaults where they differ from the decoders' (Qwen3VLTextConfig's,
 # Qwen2_5_VLTextConfig's)
 _TEXT_DEFAULTS = {"qwen3_vl_text": {"rope_theta": 500000.0, "max_position_embeddings": 128000, "head_dim": 128,
-                                    "rms_norm_eps": 1e-6},
+                                    "rms_norm_eps": 1e-6, "num_key_value_heads": 32, "intermediate_size": 22016},
                   "qwen2_5_vl_text": {"rope_theta": 1000000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
-                                      "bos_token_id": 151643, "eos_token_id": 151645}}
+                                      "bos_token_id": 151643, "eos_token_id": 151645},
+                  "qwen3_vl_moe_text": {"rope_theta": 500000.0, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+                                        "intermediate_size": 5632, "moe_intermediate_size": 1408, "num_key_value_heads": 16,
+                                        "num_local_experts": 60, "num_experts_per_tok": 4}}   # (under num_experts'
+# alias: a config's num_experts still wins, _num_experts)
+# what the text model computes whatever its config says: Qwen3-VL-MoE's router always renormalizes the
+# chosen experts' probabilities (Qwen3VLMoeTextTopKRouter) and no layer has a window
+_TEXT_FIXED = {"qwen3_vl_moe_text": {"norm_topk_prob": True, "use_sliding_window": False}}
 
 
 def _language_config(config: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
@@ -129,7 +137,8 @@ def _language_config(config: dict[str, Any], arch: str, where: str) -> dict[str,
         if isinstance(p, dict) and p.get("rope_type", p.get("type")) == "mrope":
             text = {**text, key: {**p, "rope_type": "default"}}
     inherited = {k: config[k] for k in _INHERITED if k in config and k not in text}
-    out = {**_TEXT_DEFAULTS.get(kind, {}), **inherited, **text, "model_type": kind, "architectures": [kinds[kind]]}
+    out = {**_TEXT_DEFAULTS.get(kind, {}), **inherited, **text, **_TEXT_FIXED.get(kind, {}), "model_type": kind,
+           "architectures": [kinds[kind]]}
     if kind == "gemma3_text":   # Gemma3ForConditionalGeneration's head never soft-caps (the published set none)
         out["final_logit_softcapping"] = None
     return out
@@ -896,7 +905,8 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "stablelm": "StableLmForCausalLM",
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                       "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+                       "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                       "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}

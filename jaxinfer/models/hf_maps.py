@@ -21,6 +21,7 @@ A new family (dense or mixture-of-experts) is a builder in hf_configs.py and an 
 """
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import numpy as np
@@ -354,5 +355,37 @@ LANGUAGE_MODEL_PREFIXES = (("model.", "model.language_model."), ("model.", "lang
                            ("lm_head.", "language_model.lm_head."))
 
 
-def hf_weight_map(cfg: ModelConfig) -> WeightMap:
-    return _MAPS[cfg.architecture](cfg)
+def hf_weight_map(cfg: ModelConfig, stored: Callable[[str], bool] | None = None) -> WeightMap:
+    """Our parameter path -> (HF tensor names, transform). stored: whether the checkpoint holds a
+    tensor (SafetensorsFolder.has); with it, per-expert entries whose tensors are not stored read the
+    layer's experts fused (_fused_experts)."""
+    m = _MAPS[cfg.architecture](cfg)
+    if stored is None:
+        return m
+    return {ours: _fused_experts(cfg, names, fn, stored) for ours, (names, fn) in m.items()}
+
+
+# one expert's gate / up / down as _experts_map names it (experts 0 .. E-1, stacked by _stack_t)
+_PER_EXPERT = re.compile(r"(?P<experts>.+\.experts)\.0\.(?P<part>gate_proj|up_proj|down_proj)\.weight")
+
+
+def _fused_experts(cfg: ModelConfig, names: tuple[str, ...], transform: Transform,
+                   stored: Callable[[str], bool]) -> tuple[tuple[str, ...], Transform]:
+    """A per-expert entry, or, where its tensors are not stored, the layer's experts as one tensor each
+    (Qwen3-VL-MoE's uploads, and transformers 5's own layout): experts.gate_up_proj (gate columns,
+    then up) and experts.down_proj. Two orientations: the uploads' [E, d, 2F] / [E, F, d] (used as
+    x @ w) and transformers 5's [E, 2F, d] / [E, d, F] (F.linear's). As transformers' loader
+    (Transpose(check_dims=True)), a tensor with its model's shape, [E, 2F, d] / [E, d, F], is taken as
+    that one, any other is transposed."""
+    m = _PER_EXPERT.fullmatch(names[0])
+    if m is None or stored(names[0]):
+        return names, transform
+    d, f = cfg.d_model, cfg.expert_ffn_dim
+    if m["part"] == "down_proj":
+        return (f"{m['experts']}.down_proj",), lambda w: w.transpose(0, 2, 1) if w.shape[1:] == (d, f) else w
+    j = 0 if m["part"] == "gate_proj" else 1
+
+    def gate_or_up(w: np.ndarray) -> np.ndarray:
+        w = w.transpose(0, 2, 1) if w.shape[1:] == (2 * f, d) else w      # -> [E, d, 2F]
+        return w[..., j * f:(j + 1) * f]
+    return (f"{m['experts']}.gate_up_proj",), gate_or_up
