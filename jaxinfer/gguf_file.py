@@ -33,7 +33,12 @@ in pairs, stored as transformers stores them), starcoder2 (LayerNorms, ungated M
 as llama.cpp runs it), command-r (Command R / R+ / Aya: one LayerNorm for attention and MLP side by
 side, logit_scale) and cohere2 (Command R7B / A: three sliding layers with RoPE to one global without)
 and deepseek2 (DeepSeek-V3: latent attention, kv_b_proj from attn_k_b / attn_v_b or attn_kv_b,
-sigmoid routing; DeepSeek-V2 / V2-Lite / Coder-V2: softmax routing without groups). Rope: none,
+sigmoid routing; DeepSeek-V2 / V2-Lite / Coder-V2: softmax routing without groups), phi2 (Phi-1 / 1.5 / 2:
+one LayerNorm for attention and MLP side by side, the head's bias), gptneox (Pythia, GPT-NeoX-20B:
+attn_qkv's [q | k | v] rows put back in transformers' per-head order, use_parallel_residual; the
+original models' erf GELU, where llama.cpp runs the tanh one) and stablelm (StableLM: per-head q / k
+norms stacked in attn_q_norm / attn_k_norm; parallel blocks where the file has no ffn_norm, as
+llama.cpp runs them); these three rotate the share of each head rope.dimension_count gives. Rope: none,
 linear, yarn, and Llama 3's (its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
 every stored divisor). Anything else is refused naming the key or tensor. Split files
 (NAME-00001-of-0000N.gguf) are read across their parts.
@@ -62,14 +67,16 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "seed_oss": "SeedOssForCausalLM",
          "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
          "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "command-r": "CohereForCausalLM",
-         "cohere2": "Cohere2ForCausalLM"}
+         "cohere2": "Cohere2ForCausalLM", "phi2": "PhiForCausalLM", "gptneox": "GPTNeoXForCausalLM",
+         "stablelm": "StableLmForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
                 "granite": "granite", "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2moe": "qwen2_moe",
                 "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3", "glm4": "glm4", "starcoder2": "starcoder2",
-                "command-r": "cohere", "cohere2": "cohere2"}
+                "command-r": "cohere", "cohere2": "cohere2", "phi2": "phi", "gptneox": "gpt_neox",
+                "stablelm": "stablelm"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
-_PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4")
+_PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm")
 # llama.cpp's mixtures with dense leading layers, sigmoid routing with a learned correction
 # (exp_probs_b), groups, a routed scale and shared experts (its build_moe_ffn with those settings)
 _SIGMOID_MOE = ("glm4moe", "deepseek2")
@@ -90,6 +97,9 @@ _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", 
 _OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 _CONTROL, _USER_DEFINED = 3, 4
 SPLIT_NAME = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
+# StableLM 2 12B's q / k norm of one head (transformers' name); the converter stacks a layer's heads in one
+# tensor [heads, head_dim] (StableLMModel._stack_qk_norm)
+_QK_NORM_HEAD = re.compile(r"(model\.layers\.\d+\.self_attn\.[qk]_layernorm)\.norms\.(\d+)\.weight")
 # DeepSeek's kv_b_proj (transformers' name), which today's converter splits in two (GGUFTensors.latent_parts)
 _KV_B = re.compile(r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight")
 
@@ -115,7 +125,7 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(LLAMA3_PRE + ("dbrx", "smaug-bpe"), (_LLAMA3,)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), (_QWEN2,)),
     "tekken": (_TEKKEN,), **dict.fromkeys(("gpt-4o", "llama4"), (_GPT4O,)),
-    **dict.fromkeys(("gpt-2", "mpt", "olmo", "jais"), (_GPT2,)),
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais"), (_GPT2,)),
     **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"),
                     (r"\p{N}", _GPT2)),
     "deepseek-coder": ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}"),
@@ -302,7 +312,29 @@ def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) ->
         return _cohere(f)
     elif arch == "deepseek2":
         return _deepseek2(f, cfg)
+    elif arch in ("phi2", "gptneox", "stablelm"):
+        return _layernorm_family(f, partial.get("partial_rotary_factor", 1.0))
     return {}
+
+
+def _layernorm_family(f: GGUFFile, rotary: float) -> dict[str, Any]:
+    """phi2, gptneox and stablelm, whose converters write their own metadata: the LayerNorm's epsilon,
+    the rotated share of each head stated (their config classes default to a part), the biases and
+    norms by the tensors present, gptneox's block layout by use_parallel_residual and stablelm's by
+    whether the file has ffn_norm (llama.cpp's graph decides so)."""
+    eps = f.arch_get("attention.layer_norm_epsilon")
+    if eps is None:
+        raise CheckpointError(f"{f.path}: metadata {f.arch}.attention.layer_norm_epsilon is missing")
+    out: dict[str, Any] = {"layer_norm_eps": float(eps), "partial_rotary_factor": rotary}
+    if f.arch == "gptneox":
+        out.update(rotary_pct=rotary, hidden_act="gelu", attention_bias="blk.0.attn_qkv.bias" in f.tensors,
+                   use_parallel_residual=bool(f.arch_get("use_parallel_residual", True)))
+    elif f.arch == "stablelm":
+        out.update(use_qkv_bias="blk.0.attn_q.bias" in f.tensors, qk_layernorm="blk.0.attn_q_norm.weight" in f.tensors,
+                   use_parallel_residual="blk.0.ffn_norm.weight" not in f.tensors)
+    else:
+        out["hidden_act"] = "gelu_new"
+    return out
 
 
 def _starcoder2(f: GGUFFile) -> dict[str, Any]:
@@ -863,9 +895,13 @@ class GGUFTensors:
 
     def _mapped(self, name: str) -> str | None:
         """llama.cpp's name of transformers' tensor `name` (gguf.TensorNameMap; the router's correction
-        bias renamed first, as the converter does: .e_score_correction.bias -> exp_probs_b.bias)."""
+        bias renamed first, as the converter does: .e_score_correction.bias -> exp_probs_b.bias; one
+        head's q / k norm: the layer's stacked tensor)."""
         if name.endswith(".e_score_correction_bias"):
             name = name[:-len("_bias")] + ".bias"
+        head = _QK_NORM_HEAD.fullmatch(name)
+        if head is not None:
+            name = f"{head.group(1)}.weight"
         return self.names.get_name(name, try_suffixes=(".weight", ".bias"))
 
     def expert_rows(self, name: str) -> tuple[str, slice] | None:
@@ -982,11 +1018,19 @@ class GGUFTensors:
     def rows(self, name: str, x: np.ndarray) -> np.ndarray:
         """x, indexed by tensor `name`'s rows as stored, in transformers' row order (Llama's Q and K:
         llama.cpp's rotary order turned back); Gemma's norm weights as transformers' w of (1 + w)
-        (llama.cpp's converter stores 1 + w); Qwen2-MoE's shared-expert gate [D] as its one row [1, D]."""
+        (llama.cpp's converter stores 1 + w); Qwen2-MoE's shared-expert gate [D] as its one row [1, D];
+        StableLM's stacked q / k norms as one head's; GPT-NeoX's fused q / k / v rows per head."""
         if self.file.arch in _GEMMA and name.endswith("norm.weight"):
             return x - 1.0
         if name.endswith("shared_expert_gate.weight") and x.ndim == 1:   # llama.cpp's {n_embd}: one row
             return x[None, :]
+        head = _QK_NORM_HEAD.fullmatch(name)
+        if head is not None:   # one head's row of the stacked norms
+            return x[int(head.group(2))]
+        if self.file.arch == "gptneox" and ".attention.query_key_value." in name:
+            # the converter's [q | k | v] rows -> transformers' [heads, 3, head_dim] (GPTNeoXModel.modify_tensors)
+            h = self.cfg["num_attention_heads"]
+            return x.reshape(3, h, -1, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
         if self.file.arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
                                                              "k_proj.bias")):
             heads = self.cfg["num_attention_heads"] if ".q_proj." in name else self.cfg["num_key_value_heads"]

@@ -109,11 +109,31 @@ def mxfp4_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(*out.shape[:-2], -1))
 
 
+def _layernorm_family_hparams(w, cfg, arch: str, head_dim: int) -> None:
+    """Phi2Model's, GPTNeoXModel's and StableLMModel's set_gguf_parameters, which write only these keys
+    (no RoPE base: llama.cpp's 10 000): the context, widths (Phi-2's MLP as 4 x its width), heads,
+    the rotated features of a head, the LayerNorm's epsilon, GPT-NeoX's and StableLM's
+    use_parallel_residual, Phi-2's add_bos_token false."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(4 * cfg.hidden_size if arch == "phi2" else cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    if arch != "gptneox":
+        w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * head_dim))
+    if arch != "phi2":
+        w.add_parallel_residual(cfg.use_parallel_residual)
+    w.add_layer_norm_eps(cfg.layer_norm_eps)
+
+
 def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True) -> None:
     """The architecture's metadata, as convert_hf_to_gguf.py's model classes write it (nextn: blocks
     appended past the model's, counted in block_count as Glm4MoeModel counts them; mla: DeepSeek's
     latent form, today's converter, else an older one's file)."""
     import gguf
+    if arch in ("phi2", "gptneox", "stablelm"):
+        return _layernorm_family_hparams(w, cfg, arch, head_dim)
     gemma = arch.startswith("gemma")
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)   # Gemma 3: the global layers'
     w.add_block_count(cfg.num_hidden_layers + nextn)
@@ -309,7 +329,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "gpt_oss": "gpt-oss", "smollm3": "smollm3", "granite": "granite",
             "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe",
             "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4": "glm4",
-            "starcoder2": "starcoder2", "cohere": "command-r", "cohere2": "cohere2"}[cfg.model_type]
+            "starcoder2": "starcoder2", "cohere": "command-r", "cohere2": "cohere2", "phi": "phi2",
+            "gpt_neox": "gptneox", "stablelm": "stablelm"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:
@@ -367,6 +388,15 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             continue
         if hf_name.endswith("shared_expert_gate.weight"):   # [1, D] -> [D]: llama.cpp's ffn_gate_inp_shexp is 1-D
             x = x.reshape(-1)
+        if arch == "gptneox" and ".query_key_value." in hf_name:   # per head [h, 3, hd] -> [q | k | v] rows
+            h = cfg.num_attention_heads
+            x = np.ascontiguousarray(x.reshape(h, 3, -1, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape))
+        if "_layernorm.norms." in hf_name:   # StableLM's per-head q / k norms: stacked per layer
+            if not hf_name.endswith(".norms.0.weight"):
+                continue
+            prefix = hf_name[:-len("norms.0.weight")]
+            x = np.stack([v.float().numpy() for k, v in model.state_dict().items() if k.startswith(prefix + "norms.")])
+            hf_name = prefix + "weight"
         if hf_name.endswith(".e_score_correction_bias"):   # TextModel's rename before the name map
             hf_name = hf_name[:-len("_bias")] + ".bias"
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))

@@ -467,6 +467,39 @@ def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path
             _gen(bad)
 
 
+@pytest.mark.parametrize("name,overrides", [
+    ("phi", {"intermediate_size": 256}), ("gpt-neox", {}),
+    ("gpt-neox-sequential", {"rotary_emb_base": 10000, "hidden_act": "gelu", "tie_word_embeddings": False}),
+    ("stablelm", {}), ("stablelm-parallel-qk-norm", {})])
+def test_phi2_gptneox_stablelm_are_the_original_model(name, overrides, tmp_path):
+    """Phi-2 (llama.cpp's phi2: the LM head's bias), GPT-NeoX / Pythia (gptneox: attn_qkv's rows as
+    [q | k | v], written back per head; sequential blocks by use_parallel_residual) and StableLM
+    (stablelm: StableLM 2 12B's per-head q / k norms stacked, parallel blocks without ffn_norm) as
+    llama.cpp's converters write them compute what the HF model computes. Their converters write no
+    RoPE base (llama.cpp's 10 000) and Phi-2's MLP width as 4 x its width, so the references have
+    those; GPT-NeoX's activation is the original models' erf GELU."""
+    text = save_text_model(tmp_path / "spm")
+    vocab = sentencepiece_vocab(text / "tokenizer.model")
+    hf = build_hf_model(name, overrides={"vocab_size": 400, **overrides})
+    ids = np.random.RandomState(9).randint(3, 400, 24).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    gen = _gen(write_gguf(hf, tmp_path / f"{name}.gguf", vocab))
+    assert gen.model_cfg.architecture == type(hf).__name__
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    if name in ("gpt-neox", "stablelm-parallel-qk-norm", "phi"):
+        # llama.cpp's blocks kept packed: Q8_0 / Q4_0 on the fused q / k / v (rows reordered per head as
+        # codes and scales), the projections, the MLP and Phi-2's biased head
+        qtypes = {"query_key_value.weight": "Q8_0", "q_proj.weight": "Q8_0", "k_proj.weight": "Q8_0",
+                  "dense.weight": "Q8_0", "fc1.weight": "Q4_0", "dense_h_to_4h.weight": "Q4_0", "gate_proj": "Q8_0",
+                  "lm_head.weight": "Q8_0"}
+        packed = write_gguf(hf, tmp_path / f"{name}-q.gguf", vocab, qtypes)
+        ref = _dequantized_copy(hf, packed)   # the same blocks, dequantized by the gguf package
+        with torch.no_grad():
+            expected_q = ref(torch.tensor([ids])).logits[0].numpy()
+        assert _rel_err(_gen(packed).logits(ids), expected_q) < 1e-4
+
+
 # DeepSeek-V3's YaRN as its config.json gives it (mscale = mscale_all_dim): what a GGUF carries (the
 # converter writes 0.1 * mscale_all_dim only; llama.cpp takes mscale to equal it)
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 64,
@@ -694,10 +727,19 @@ def _dequantized_copy(hf, path):
     raw = {t.name: t for t in reader.tensors}
     state = {}
     for hf_name in model.state_dict():
-        t = raw.get(names.get_name(hf_name, try_suffixes=(".weight", ".bias")) or "")
+        stacked, head = hf_name, None
+        if "_layernorm.norms." in hf_name:   # StableLM's per-head q / k norms: one row of the stacked tensor
+            stacked, rest = hf_name.split(".norms.")
+            stacked, head = f"{stacked}.weight", int(rest.split(".")[0])
+        t = raw.get(names.get_name(stacked, try_suffixes=(".weight", ".bias")) or "")
         if t is not None:
             x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape)))
             gemma_norm = hf.config.model_type.startswith("gemma") and hf_name.endswith("norm.weight")
+            if head is not None:
+                x = x[head]
+            if arch == "gptneox" and ".query_key_value." in hf_name:   # [q | k | v] rows -> per head
+                h = hf.config.num_attention_heads
+                x = np.ascontiguousarray(x.reshape(3, h, -1, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape))
             state[hf_name] = torch.tensor(x - 1.0 if gemma_norm else x)
     assert not set(model.state_dict()) - set(state) - {"lm_head.weight"}
     model.load_state_dict(state, strict=False)
