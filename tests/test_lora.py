@@ -252,12 +252,13 @@ def test_newer_families_match_peft(name, tmp_path):
     assert gen.generate([PROMPT], GREEDY, lora="a")[0].token_ids == _peft_greedy(model, PROMPT, 10)
 
 
-@pytest.mark.parametrize("name", ["phi", "starcoder2-window", "gpt-neox", "bloom", "gpt2"])
+@pytest.mark.parametrize("name", ["phi", "starcoder2-window", "gpt-neox", "bloom", "gpt2", "phi3-longrope", "glm4"])
 def test_ungated_and_fused_qkv_families_match_peft(name, tmp_path):
     """The families PEFT adapts under their own module names: Phi (dense, fc1 / fc2), StarCoder2
     (c_fc / c_proj), GPT-NeoX and BLOOM (q, k, v fused per head in query_key_value: one A, B split
-    into the three), GPT-2 (c_attn: [q | k | v] rows; Conv1D modules): an all-linear adapter's logits
-    and greedy tokens as PEFT's, the ungated MLPs' up projection adapted."""
+    into the three), GPT-2 (c_attn: [q | k | v] rows; Conv1D modules), Phi-3 (qkv_proj's [q | k | v]
+    and gate_up_proj's [gate | up] rows; LongRoPE), GLM-4-0414 (gate_up_proj; q / k in RoPE pairs): an
+    all-linear adapter's logits and greedy tokens as PEFT's, the ungated MLPs' up projection adapted."""
     base = save_hf_model(name, tmp_path / "base")
     model = _peft(name, dict(r=4, lora_alpha=8, target_modules="all-linear"), seed=13)
     model.save_pretrained(tmp_path / "a")

@@ -13,8 +13,9 @@ part j's rank columns j R .. j R + r, zero-padded past r, so every adapter has t
 loading one compiles nothing) and one B [R, n_p] per part, added to q, k, v and gate, up after the
 fused output is split (KV heads repeated as the fused model repeats them). The scaling is folded
 into B. Each family's module names are its own (_FAMILY_PROJECTIONS: Phi's dense / fc1 / fc2,
-GPT-NeoX's and BLOOM's query_key_value, GPT-2's c_attn; Llama's q_proj ... down_proj for the rest);
-a module that fuses q, k and v gives its one A to all three parts and its B rows split among them.
+GPT-NeoX's and BLOOM's query_key_value, GPT-2's c_attn, Phi-3's qkv_proj and gate_up_proj, GLM-4's
+gate_up_proj; Llama's q_proj ... down_proj for the rest); a module that fuses q, k and v (or gate and
+up) gives its one A to every part and its B rows split among them.
 Everything PEFT can save that this does not run (biases, DoRA, modules_to_save, embedding or LM-head
 adapters, experts) is refused by name, as is a folder that does not fit the model.
 """
@@ -35,14 +36,19 @@ from jaxinfer.safetensors_file import SafetensorsFile
 
 # per family: the adapted module ("attn." or "mlp." + its HF name) -> (our group, part index within
 # the fused group); part "heads": q, k, v fused per head in one module, [heads, 3, head_dim] rows
-# (GPT-NeoX's, BLOOM's query_key_value), "rows": fused as [q | k | v] rows (GPT-2's c_attn). The
-# ungated MLPs' up projection is the group "up" (one part).
+# (GPT-NeoX's, BLOOM's query_key_value), "rows": every part of the group in one module, their rows
+# one after another ([q | k | v]: GPT-2's c_attn, Phi-3's qkv_proj; [gate | up]: Phi-3's and GLM-4's
+# gate_up_proj). The ungated MLPs' up projection is the group "up" (one part).
 _LLAMA = {"attn.q_proj": ("qkv", 0), "attn.k_proj": ("qkv", 1), "attn.v_proj": ("qkv", 2), "attn.o_proj": ("o", 0),
           "mlp.gate_proj": ("gate_up", 0), "mlp.up_proj": ("gate_up", 1), "mlp.down_proj": ("down", 0)}
 _QKV = {"attn.q_proj": ("qkv", 0), "attn.k_proj": ("qkv", 1), "attn.v_proj": ("qkv", 2)}
 _FUSED_QKV = {"attn.query_key_value": ("qkv", "heads"), "attn.dense": ("o", 0), "mlp.dense_h_to_4h": ("up", 0),
               "mlp.dense_4h_to_h": ("down", 0)}
+_GLM = {**_QKV, "attn.o_proj": ("o", 0), "mlp.gate_up_proj": ("gate_up", "rows"), "mlp.down_proj": ("down", 0)}
 _FAMILY_PROJECTIONS = {
+    "Phi3ForCausalLM": {"attn.qkv_proj": ("qkv", "rows"), "attn.o_proj": ("o", 0), "mlp.gate_up_proj": ("gate_up", "rows"),
+                        "mlp.down_proj": ("down", 0)},
+    "GlmForCausalLM": _GLM, "Glm4ForCausalLM": _GLM,
     "PhiForCausalLM": {**_QKV, "attn.dense": ("o", 0), "mlp.fc1": ("up", 0), "mlp.fc2": ("down", 0)},
     "Starcoder2ForCausalLM": {**_QKV, "attn.o_proj": ("o", 0), "mlp.c_fc": ("up", 0), "mlp.c_proj": ("down", 0)},
     "GPTNeoXForCausalLM": _FUSED_QKV, "BloomForCausalLM": _FUSED_QKV,
@@ -221,7 +227,7 @@ def _load_adapter(name: str, folder: Path, model_cfg: ModelConfig, kv_replicas: 
         lora_alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, alpha))
         scale = np.float32(lora_alpha / math.sqrt(r) if rslora else lora_alpha / r)
         slots = parts[layer].setdefault(group, [None] * GROUP_PARTS[group])
-        for i, part in _split_parts(model_cfg, b, j):
+        for i, part in _split_parts(model_cfg, group, b, j):
             if group == "qkv" and i < 2:   # q / k features in the order the model's weights were loaded in
                 part = part.reshape(-1, model_cfg.head_dim, r)[:, qk_order].reshape(-1, r)
             slots[i] = (a.T, part.T * scale, r)
@@ -238,17 +244,18 @@ def _group_dims(cfg: ModelConfig) -> tuple[dict[str, int], dict[str, list[int]]]
             {"qkv": [h * hd, kv * hd, kv * hd], "o": [d], "gate_up": [f, f], "up": [f], "down": [d]})
 
 
-def _split_parts(cfg: ModelConfig, b: np.ndarray, j: int | str) -> list[tuple[int, np.ndarray]]:
+def _split_parts(cfg: ModelConfig, group: str, b: np.ndarray, j: int | str) -> list[tuple[int, np.ndarray]]:
     """A module's lora_B [out, r] -> (part index, its rows) for each part it adapts: itself (j an
-    index), or q, k, v of a fused module (j "heads": [heads, 3, head_dim] rows; "rows": [q | k | v])."""
+    index), or every part of a fused module (j "heads": q, k, v in [heads, 3, head_dim] rows; "rows":
+    the group's parts one after another, [q | k | v] or [gate | up])."""
     if isinstance(j, int):
         return [(j, b)]
-    h, kv, hd, r = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, b.shape[1]
+    h, hd, r = cfg.n_heads, cfg.head_dim, b.shape[1]
     if j == "heads":   # (multi-head attention only: GPT-NeoX, BLOOM)
         per_head = b.reshape(h, 3, hd, r)
         return [(i, per_head[:, i].reshape(h * hd, r)) for i in range(3)]
-    bounds = np.cumsum([0, h * hd, kv * hd, kv * hd])
-    return [(i, b[bounds[i]:bounds[i + 1]]) for i in range(3)]
+    bounds = np.cumsum([0, *_group_dims(cfg)[1][group]])
+    return [(i, b[bounds[i]:bounds[i + 1]]) for i in range(len(bounds) - 1)]
 
 
 def _fuse_group(cfg: ModelConfig, group: str, got: list, r_max: int, kv_replicas: int
