@@ -49,6 +49,17 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "granite": ("granite", dict(_COMMON, vocab_size=121, intermediate_size=96, num_hidden_layers=3,
                                 num_key_value_heads=2, embedding_multiplier=12.0, attention_multiplier=0.0078125,
                                 residual_multiplier=0.22, logits_scaling=16.0, tie_word_embeddings=True)),
+    # Granite 3.x MoE: Granite's multipliers on top-2 of 4 experts (Mixtral's routing), every layer;
+    # GraniteMoeShared: a shared gated MLP beside top-1 of 3
+    "granitemoe": ("granitemoe", dict(_COMMON, vocab_size=117, intermediate_size=32, num_hidden_layers=2,
+                                      num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                      embedding_multiplier=12.0, attention_multiplier=0.0078125,
+                                      residual_multiplier=0.22, logits_scaling=16.0, tie_word_embeddings=True)),
+    "granitemoeshared": ("granitemoeshared", dict(_COMMON, vocab_size=111, intermediate_size=24, num_hidden_layers=2,
+                                                  num_key_value_heads=1, num_local_experts=3, num_experts_per_tok=1,
+                                                  shared_intermediate_size=40, embedding_multiplier=6.0,
+                                                  attention_multiplier=0.015625, residual_multiplier=0.5,
+                                                  logits_scaling=4.0, tie_word_embeddings=False)),
     # OLMo 2: norms after each branch only, q / k norms over the whole projection (GQA here; the
     # published models are MHA but for the 32B)
     "olmo2": ("olmo2", dict(_COMMON, vocab_size=119, intermediate_size=96, num_hidden_layers=3,
@@ -284,7 +295,9 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
            "cohere": (tf.CohereConfig, tf.CohereForCausalLM), "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM),
            "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM), "phi": (tf.PhiConfig, tf.PhiForCausalLM),
-           "stablelm": (tf.StableLmConfig, tf.StableLmForCausalLM)}[family]
+           "stablelm": (tf.StableLmConfig, tf.StableLmForCausalLM),
+           "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM),
+           "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

@@ -369,6 +369,17 @@ def _granite(c: dict[str, Any], arch: str) -> ModelConfig:
                                logits_scaling=float(c.get("logits_scaling", 1.0)))
 
 
+def _granitemoe(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Granite 3.x MoE (GraniteMoe: 1B-A400M, 3B-A800M) and GraniteMoeShared: Granite's four
+    multipliers on a mixture of num_local_experts experts of intermediate_size on every layer, Mixtral's
+    routing (top-k of the router logits, softmax over the k); GraniteMoeShared adds a gated MLP of
+    shared_intermediate_size (0: none) beside the experts, its output added to theirs."""
+    shared = int(c.get("shared_intermediate_size") or 0) if arch == "GraniteMoeSharedForCausalLM" else 0
+    return dataclasses.replace(_granite(c, arch), num_experts=_num_experts(c, arch),
+                               num_experts_per_tok=c["num_experts_per_tok"], moe_routing="topk_softmax",
+                               moe_shared_ffn_dim=shared)
+
+
 def _olmo(c: dict[str, Any], arch: str) -> ModelConfig:
     """OLMo 2 and OLMo 3: Llama's projections and MLP with the norms after each branch only
     (post_attention_layernorm, post_feedforward_layernorm; no input norm), q / k norms over the whole
@@ -885,7 +896,7 @@ _HF_BUILDERS = {
     "Starcoder2ForCausalLM": _starcoder2, "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere,
     "Ernie4_5ForCausalLM": _ernie4_5, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi,
-    "StableLmForCausalLM": _stablelm,
+    "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -902,7 +913,8 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
                        "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
                        "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM",
-                       "stablelm": "StableLmForCausalLM",
+                       "stablelm": "StableLmForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
+                       "granitemoeshared": "GraniteMoeSharedForCausalLM",
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                        "qwen3_vl": "Qwen3VLForConditionalGeneration",
@@ -927,6 +939,8 @@ _HF_DEFAULTS = {
     "GPTNeoXForCausalLM": {"bos_token_id": 0, "eos_token_id": 2},
     "PhiForCausalLM": {"bos_token_id": 1, "eos_token_id": 2},
     "StableLmForCausalLM": {"num_key_value_heads": 32, "bos_token_id": 0, "eos_token_id": 0},
+    "GraniteMoeForCausalLM": {"num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2},
+    "GraniteMoeSharedForCausalLM": {"num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2},
     "CohereForCausalLM": {**_COHERE_DEFAULTS, "rope_theta": 500000.0},
     "Cohere2ForCausalLM": {**_COHERE_DEFAULTS, "sliding_window": 4096},
     "Exaone4ForCausalLM": {"sliding_window": 4096, "num_key_value_heads": 32},
@@ -967,7 +981,7 @@ _HF_DEFAULTS = {
 }
 _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128,
                     "Qwen2MoeForCausalLM": 60, "Glm4MoeForCausalLM": 128, "DeepseekV3ForCausalLM": 256,
-                    "DeepseekV2ForCausalLM": 64}
+                    "DeepseekV2ForCausalLM": 64, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8}
 # architectures close to a supported one, refused with a pointer to what is supported
 _NOT_SUPPORTED = {
     "Phi3SmallForCausalLM": " (Phi-3-small: block-sparse attention and its own MLP, not Phi3ForCausalLM's)",

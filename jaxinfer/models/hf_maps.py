@@ -197,6 +197,9 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
         m[f"{o}/mlp/down"] = ((f"{x}.down_proj",), _ident)
         m[f"{o}/mlp/down_bias"] = ((f"{x}.down_proj_bias",), _ident)
         return
+    if cfg.architecture in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"):
+        _granite_experts(m, cfg, o, p)
+        return
     block, names = (("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})
                     if cfg.architecture == "MixtralForCausalLM" else
                     ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}))
@@ -214,6 +217,21 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
             m[f"{o}/mlp/shared/{ours}"] = ((f"{p}.{block}.{shared}.{theirs}.weight",), _t)
         if cfg.moe_shared_gate:
             m[f"{o}/mlp/shared_gate"] = ((f"{p}.{block}.shared_expert_gate.weight",), _t)
+
+
+def _granite_experts(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
+    """Granite MoE's experts stacked as torch Linears: input_linear [E, 2F, d] (gate's rows, then up's),
+    output_linear [E, d, F], the router in router.layer; GraniteMoeShared's shared_mlp the same way
+    unstacked ([2S, d], [d, S])."""
+    x, f, s = f"{p}.block_sparse_moe", cfg.expert_ffn_dim, cfg.moe_shared_ffn_dim
+    m[f"{o}/mlp/router"] = ((f"{x}.router.layer.weight",), _t)
+    m[f"{o}/mlp/gate"] = ((f"{x}.input_linear.weight",), lambda w: w[:, :f].transpose(0, 2, 1))
+    m[f"{o}/mlp/up"] = ((f"{x}.input_linear.weight",), lambda w: w[:, f:].transpose(0, 2, 1))
+    m[f"{o}/mlp/down"] = ((f"{x}.output_linear.weight",), lambda w: w.transpose(0, 2, 1))
+    if s:
+        m[f"{o}/mlp/shared/gate"] = ((f"{p}.shared_mlp.input_linear.weight",), lambda w: w[:s].T)
+        m[f"{o}/mlp/shared/up"] = ((f"{p}.shared_mlp.input_linear.weight",), lambda w: w[s:].T)
+        m[f"{o}/mlp/shared/down"] = ((f"{p}.shared_mlp.output_linear.weight",), _t)
 
 
 def _gpt2_map(cfg: ModelConfig) -> WeightMap:
@@ -341,7 +359,8 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Ernie4_5_MoeForCausalLM": _llama_map,
          "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map,
          "GPTNeoXForCausalLM": _neox_map, "PhiForCausalLM": _phi_map,
-         "StableLmForCausalLM": _stablelm_map}
+         "StableLmForCausalLM": _stablelm_map, "GraniteMoeForCausalLM": _llama_map,
+         "GraniteMoeSharedForCausalLM": _llama_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM")
