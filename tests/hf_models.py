@@ -60,6 +60,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                                   shared_intermediate_size=40, embedding_multiplier=6.0,
                                                   attention_multiplier=0.015625, residual_multiplier=0.5,
                                                   logits_scaling=4.0, tie_word_embeddings=False)),
+    # OLMoE: q / k norms over the whole projection before RoPE, top-3 of 5 experts, not renormalized
+    "olmoe": ("olmoe", dict(_COMMON, vocab_size=119, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2,
+                            num_experts=5, num_experts_per_tok=3, norm_topk_prob=False)),
     # OLMo 2: norms after each branch only, q / k norms over the whole projection (GQA here; the
     # published models are MHA but for the 32B)
     "olmo2": ("olmo2", dict(_COMMON, vocab_size=119, intermediate_size=96, num_hidden_layers=3,
@@ -297,7 +300,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM), "phi": (tf.PhiConfig, tf.PhiForCausalLM),
            "stablelm": (tf.StableLmConfig, tf.StableLmForCausalLM),
            "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM),
-           "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM)}[family]
+           "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM),
+           "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

@@ -233,15 +233,20 @@ def test_second_family_and_int8_base(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["smollm3-window", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "cohere",
-                                  "cohere2", "ernie4_5", "stablelm-parallel-qk-norm", "granitemoe"])
+                                  "cohere2", "ernie4_5", "stablelm-parallel-qk-norm", "granitemoe",
+                                  "olmoe"])
 def test_newer_families_match_peft(name, tmp_path):
     """SmolLM3 (NoPE layers), Granite (the adapters' output times the residual multiplier), OLMo 2
     (adapters before the whole-width q / k norms and the post-norms), OLMo 3, EXAONE 4.0, Seed-OSS
     (biased projections), Command R+ / R7B (parallel blocks, per-head q / k norms) and ERNIE 4.5 (their
-    q / k adapters' output features in the de-interleaved RoPE order): an all-linear adapter's logits
-    and greedy tokens as PEFT's."""
+    q / k adapters' output features in the de-interleaved RoPE order), StableLM 2 12B (per-head q / k
+    LayerNorms, parallel blocks), Granite MoE and OLMoE (their attention): an all-linear adapter's
+    logits and greedy tokens as PEFT's."""
     base = save_hf_model(name, tmp_path / "base")
-    model = _peft(name, dict(r=4, lora_alpha=8, target_modules="all-linear"), seed=11)
+    # PEFT's all-linear on OLMoE also adapts its experts' and router's parameters (target_parameters,
+    # refused): its attention here
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if name == "olmoe" else "all-linear"
+    model = _peft(name, dict(r=4, lora_alpha=8, target_modules=targets), seed=11)
     model.save_pretrained(tmp_path / "a")
     with torch.no_grad():
         ref = model(torch.tensor([PROMPT])).logits[0].numpy()

@@ -60,7 +60,8 @@ LORA_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
                  "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
                  "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                  "Exaone4ForCausalLM", "SeedOssForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
-                 "Ernie4_5ForCausalLM", "StableLmForCausalLM", "GraniteMoeForCausalLM", *_FAMILY_PROJECTIONS)
+                 "Ernie4_5ForCausalLM", "StableLmForCausalLM", "GraniteMoeForCausalLM", "OlmoeForCausalLM",
+                 *_FAMILY_PROJECTIONS)
 # PeftModel.save_pretrained writes base_model.model.<module>; an adapter saved from a transformers
 # model (its PEFT integration: model.add_adapter, then save_pretrained) the module names alone
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")

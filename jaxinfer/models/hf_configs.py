@@ -380,6 +380,19 @@ def _granitemoe(c: dict[str, Any], arch: str) -> ModelConfig:
                                moe_shared_ffn_dim=shared)
 
 
+def _olmoe(c: dict[str, Any], arch: str) -> ModelConfig:
+    """OLMoE (transformers' Olmoe): Llama's pre-norm block with q / k RMSNorms over the whole projection
+    (OLMo 2's, Llama's norm), and on every layer a mixture of num_experts experts of intermediate_size,
+    Qwen3-MoE's routing (softmax over all experts, top-k, renormalized only when norm_topk_prob).
+    clip_qkv (q, k, v clamped) is refused."""
+    if c.get("clip_qkv") is not None:
+        raise ConfigError(f"OLMoE with clip_qkv={c['clip_qkv']!r} (q, k and v clamped) is not supported")
+    cfg = _llama_like({**c, "sliding_window": None}, arch)
+    return dataclasses.replace(cfg, qk_norm=True, qk_norm_full=True, num_experts=_num_experts(c, arch),
+                               num_experts_per_tok=c["num_experts_per_tok"], moe_routing="softmax_topk",
+                               moe_norm_topk=bool(c.get("norm_topk_prob", False)))
+
+
 def _olmo(c: dict[str, Any], arch: str) -> ModelConfig:
     """OLMo 2 and OLMo 3: Llama's projections and MLP with the norms after each branch only
     (post_attention_layernorm, post_feedforward_layernorm; no input norm), q / k norms over the whole
@@ -897,6 +910,7 @@ _HF_BUILDERS = {
     "Ernie4_5ForCausalLM": _ernie4_5, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi,
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
+    "OlmoeForCausalLM": _olmoe,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -914,7 +928,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
                        "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM",
                        "stablelm": "StableLmForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
-                       "granitemoeshared": "GraniteMoeSharedForCausalLM",
+                       "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                        "qwen3_vl": "Qwen3VLForConditionalGeneration",
@@ -941,6 +955,8 @@ _HF_DEFAULTS = {
     "StableLmForCausalLM": {"num_key_value_heads": 32, "bos_token_id": 0, "eos_token_id": 0},
     "GraniteMoeForCausalLM": {"num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2},
     "GraniteMoeSharedForCausalLM": {"num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2},
+    "OlmoeForCausalLM": {"num_experts_per_tok": 8, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                         "eos_token_id": 50279},
     "CohereForCausalLM": {**_COHERE_DEFAULTS, "rope_theta": 500000.0},
     "Cohere2ForCausalLM": {**_COHERE_DEFAULTS, "sliding_window": 4096},
     "Exaone4ForCausalLM": {"sliding_window": 4096, "num_key_value_heads": 32},
@@ -981,7 +997,8 @@ _HF_DEFAULTS = {
 }
 _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128,
                     "Qwen2MoeForCausalLM": 60, "Glm4MoeForCausalLM": 128, "DeepseekV3ForCausalLM": 256,
-                    "DeepseekV2ForCausalLM": 64, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8}
+                    "DeepseekV2ForCausalLM": 64, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
+                    "OlmoeForCausalLM": 64}
 # architectures close to a supported one, refused with a pointer to what is supported
 _NOT_SUPPORTED = {
     "Phi3SmallForCausalLM": " (Phi-3-small: block-sparse attention and its own MLP, not Phi3ForCausalLM's)",
