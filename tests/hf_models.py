@@ -60,6 +60,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                                   shared_intermediate_size=40, embedding_multiplier=6.0,
                                                   attention_multiplier=0.015625, residual_multiplier=0.5,
                                                   logits_scaling=4.0, tie_word_embeddings=False)),
+    # Ministral 3: Mistral with YaRN and its queries scaled up by log position past every 8 tokens
+    # (the published period is 16384)
+    "ministral3": ("ministral3", dict(_COMMON, vocab_size=131, intermediate_size=96, num_hidden_layers=2,
+                                      num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                                      rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                                                       "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                                                       "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                                                       "llama_4_scaling_beta": 0.4})),
     # OLMoE: q / k norms over the whole projection before RoPE, top-3 of 5 experts, not renormalized
     "olmoe": ("olmoe", dict(_COMMON, vocab_size=119, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2,
                             num_experts=5, num_experts_per_tok=3, norm_topk_prob=False)),
@@ -301,7 +309,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "stablelm": (tf.StableLmConfig, tf.StableLmForCausalLM),
            "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM),
            "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM),
-           "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM)}[family]
+           "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
+           "ministral3": (tf.Ministral3Config, tf.Ministral3ForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

@@ -38,8 +38,9 @@ def _wrapper(family: str):
         cfg = tf.Gemma3Config(text_config=text.to_dict(), vision_config=tf.SiglipVisionConfig(**vision).to_dict(),
                               mm_tokens_per_image=4, boi_token_index=128, eoi_token_index=129, image_token_index=130)
         return tf.Gemma3ForConditionalGeneration(cfg).eval()
-    if family == "mistral3":
-        text = tf.MistralConfig(**CONFIGS["mistral-window"][1], tie_word_embeddings=False)
+    if family in ("mistral3", "ministral3"):   # Mistral Small 3.x's text model, or Ministral 3's
+        text = (tf.MistralConfig(**CONFIGS["mistral-window"][1], tie_word_embeddings=False) if family == "mistral3"
+                else tf.Ministral3Config(**CONFIGS["ministral3"][1]))
         cfg = tf.Mistral3Config(text_config=text.to_dict(), tie_word_embeddings=False, image_token_index=110,
                                 vision_config=tf.PixtralVisionConfig(**vision, head_dim=8).to_dict(), spatial_merge_size=1)
         return tf.Mistral3ForConditionalGeneration(cfg).eval()
@@ -101,7 +102,7 @@ def _flat_config(folder: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_tied"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral3", "ministral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_tied"])
 def test_language_model_of_a_vision_language_checkpoint_matches_transformers(family, tmp_path):
     hf = _wrapper(family)
     hf.save_pretrained(tmp_path / "hf")
@@ -114,6 +115,7 @@ def test_language_model_of_a_vision_language_checkpoint_matches_transformers(fam
     for folder in folders:
         gen = Generator.from_pretrained(folder, **ENGINE)
         assert gen.model_cfg.architecture == {"gemma3": "Gemma3ForCausalLM", "mistral3": "MistralForCausalLM",
+                                              "ministral3": "Ministral3ForCausalLM",
                                               "qwen2_5_vl": "Qwen2ForCausalLM", "qwen3_vl": "Qwen3ForCausalLM",
                                               "qwen3_vl_tied": "Qwen3ForCausalLM"}[family]
         assert gen.model_cfg.tie_embeddings == (family in ("gemma3", "qwen3_vl_tied"))
@@ -216,6 +218,24 @@ def test_qwen3_vl_sizes_default_as_transformers(kind):
     if moe:
         assert (ours.num_experts, ours.num_experts_per_tok, ours.moe_ffn_dim, ours.moe_norm_topk) == (
             t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size, True)
+
+
+def test_ministral3_text_config_defaults_as_transformers():
+    """A Ministral 3 text_config naming only its sizes: Ministral3Config's YaRN (base 1e6, x16 over
+    16384), its query scale (beta 0.1 over 16384 positions), heads and context."""
+    import transformers as tf
+    text = {"model_type": "ministral3", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "vocab_size": 256}
+    t = tf.Mistral3Config(text_config=text).text_config
+    ours = model_config_from_hf({"architectures": ["Mistral3ForConditionalGeneration"], "text_config": text})
+    p = t.rope_parameters
+    assert (ours.rope_theta, ours.rope_scaling.kind, ours.rope_scaling.factor,
+            ours.rope_scaling.original_max_position_embeddings) == (
+        p["rope_theta"], p["rope_type"], p["factor"], p["original_max_position_embeddings"])
+    assert ours.query_log_scale == (p["llama_4_scaling_beta"], p["original_max_position_embeddings"])
+    assert (ours.n_heads, ours.n_kv_heads, ours.head_dim, ours.max_position_embeddings, ours.norm_eps) == (
+        t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.max_position_embeddings, t.rms_norm_eps)
+    assert (ours.bos_token_id, ours.eos_token_ids) == (t.bos_token_id, (t.eos_token_id,))
 
 
 def test_published_gemma3_text_config_reads_as_transformers_does():

@@ -92,6 +92,9 @@ class ModelConfig:
                                         # residual add (Granite's residual_multiplier)
     logits_scaling: float = 1.0         # the LM head's logits divided by it (Granite's logits_scaling)
     attn_sinks: bool = False            # gpt-oss: one learned logit per head in every softmax's denominator
+    query_log_scale: tuple[float, int] | None = None   # Ministral 3 (transformers' llama_4_scaling_beta):
+                                        # (beta, period): each query after RoPE times
+                                        # 1 + beta log(1 + floor(position / period))
     # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): num_experts > 0 replaces the MLP of the layers
     # moe_layers marks (None: every layer) by a router picking num_experts_per_tok experts per token,
     # each a gated MLP of moe_ffn_dim (None: ffn_dim; the dense layers keep ffn_dim), with biases where
@@ -185,6 +188,9 @@ class ModelConfig:
             "rope_layers": self.rope_layers is None or (len(self.rope_layers) == self.n_layers
                                                         and self.position == "rope"),
             "rotary_dim": self.rotary_dim is None or 0 < self.rotary_dim <= self.head_dim,
+            "query_log_scale": self.query_log_scale is None or (
+                len(self.query_log_scale) == 2 and _is_number(self.query_log_scale[0])
+                and _is_int(self.query_log_scale[1]) and self.query_log_scale[1] > 0),
             **{k: getattr(self, k) is None or getattr(self, k) > 0 for k in positive},
             "logits_scaling": self.logits_scaling != 0,
             "num_experts": self.num_experts >= 0,

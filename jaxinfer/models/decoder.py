@@ -149,6 +149,10 @@ class Attention(nnx.Module):
                 q, k = qr, kr
             else:   # a pipeline stage's traced choice (pipeline.py)
                 q, k = jnp.where(self.use_rope, qr, q), jnp.where(self.use_rope, kr, k)
+            if cfg.query_log_scale is not None:   # Ministral 3: in the queries' dtype, as transformers
+                beta, period = cfg.query_log_scale
+                grow = 1.0 + beta * jnp.log1p(jnp.floor(positions.astype(jnp.float32) / period))
+                q = q * grow.astype(q.dtype)[:, None, None]
         elif cfg.position == "alibi":
             alibi = jnp.asarray(alibi_slopes(cfg.n_heads))
         sinks = None if self.sinks is None else self.sinks.get_value().astype(jnp.float32)

@@ -97,7 +97,7 @@ def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
 # text_config's model types (the first: its class's default) and the decoder each is. Qwen2.5-VL's
 # and Qwen3-VL's M-RoPE gives every text token one position on its three axes: plain RoPE.
 _MULTIMODAL = {"Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
-               "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM"},
+               "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM"},
                "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
                "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
                "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}}
@@ -332,6 +332,27 @@ def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
+# Ministral3Config's RoPE when config.json names none
+_MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 16384,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
+
+
+def _ministral3(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Ministral 3 (3B / 8B / 14B; Mistral3ForConditionalGeneration's text model): Mistral's block with
+    YaRN (Ministral3Config's default when config.json names no RoPE) and the queries after RoPE times
+    1 + llama_4_scaling_beta log(1 + floor(position / original_max_position_embeddings))."""
+    if not c.get("rope_parameters") and not c.get("rope_scaling"):
+        c = {**c, "rope_parameters": _MINISTRAL3_ROPE}
+    params = _rope_params(c)
+    beta = params.get("llama_4_scaling_beta")
+    period = params.get("original_max_position_embeddings")
+    if beta is not None and (not _is_number(beta) or not _is_int(period) or period <= 0):
+        raise ConfigError(f"llama_4_scaling_beta={beta!r} needs a number and a positive integer "
+                          f"original_max_position_embeddings in rope_parameters, got {period!r}")
+    cfg = _llama_like(c, arch)
+    return dataclasses.replace(cfg, query_log_scale=None if beta is None else (float(beta), int(period)))
 
 
 def _smollm3(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -910,7 +931,7 @@ _HF_BUILDERS = {
     "Ernie4_5ForCausalLM": _ernie4_5, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi,
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
-    "OlmoeForCausalLM": _olmoe,
+    "OlmoeForCausalLM": _olmoe, "Ministral3ForCausalLM": _ministral3,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -929,6 +950,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM",
                        "stablelm": "StableLmForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                        "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
+                       "ministral3": "Ministral3ForCausalLM",
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                        "qwen3_vl": "Qwen3VLForConditionalGeneration",
@@ -955,6 +977,10 @@ _HF_DEFAULTS = {
     "StableLmForCausalLM": {"num_key_value_heads": 32, "bos_token_id": 0, "eos_token_id": 0},
     "GraniteMoeForCausalLM": {"num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2},
     "GraniteMoeSharedForCausalLM": {"num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2},
+    "Ministral3ForCausalLM": {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336,
+                              "num_hidden_layers": 34, "num_attention_heads": 32, "num_key_value_heads": 8,
+                              "head_dim": 128, "max_position_embeddings": 262144, "rms_norm_eps": 1e-5,
+                              "bos_token_id": 1, "eos_token_id": 2},
     "OlmoeForCausalLM": {"num_experts_per_tok": 8, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                          "eos_token_id": 50279},
     "CohereForCausalLM": {**_COHERE_DEFAULTS, "rope_theta": 500000.0},

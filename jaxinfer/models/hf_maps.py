@@ -360,7 +360,8 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map,
          "GPTNeoXForCausalLM": _neox_map, "PhiForCausalLM": _phi_map,
          "StableLmForCausalLM": _stablelm_map, "GraniteMoeForCausalLM": _llama_map,
-         "GraniteMoeSharedForCausalLM": _llama_map, "OlmoeForCausalLM": _llama_map}
+         "GraniteMoeSharedForCausalLM": _llama_map, "OlmoeForCausalLM": _llama_map,
+         "Ministral3ForCausalLM": _llama_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM")
