@@ -150,7 +150,13 @@ def _head_from_tokens(config: dict, method: str, read_tensor, tokenizer, config_
         if i is None:
             raise ValueError(f"{config_file}: classifier_from_token {t!r} is not a token of the model's vocabulary")
         ids.append(i)
-    name = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
+    from jaxinfer.models.hf_configs import model_config_from_hf
+    from jaxinfer.models.hf_maps import hf_weight_map
+    cfg = model_config_from_hf(config)
+    if cfg.lm_head_bias:
+        raise ValueError(f"{config_file}: classifier_from_token over {cfg.architecture}'s LM head, which has a bias, "
+                         "is not supported")
+    name = hf_weight_map(cfg)["embed" if cfg.tie_embeddings else "lm_head"][0][0]   # (GPT-NeoX: embed_out)
     w = np.asarray(read_tensor(name), np.float32)
     if method == "from_2_way_softmax":
         return (w[ids[1]].astype(np.float64) - w[ids[0]].astype(np.float64)).astype(np.float32)[None]

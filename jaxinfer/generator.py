@@ -739,7 +739,9 @@ def _embedding_spec(path: Path, cfg: EngineConfig):
     mc = model_config_from_hf(model_path)
     archs = json.loads((model_path / "config.json").read_text()).get("architectures") or []
     bare = bool(archs) and not archs[0].endswith("ForCausalLM")
-    has_head = tensor_source(model_path).has("lm_head.weight")
+    from jaxinfer.models.hf_maps import hf_weight_map
+    head = hf_weight_map(dataclasses.replace(mc, tie_embeddings=False))["lm_head"][0][0]   # (GPT-NeoX's embed_out)
+    has_head = tensor_source(model_path).has(head)
     generates = not bare and (has_head or mc.tie_embeddings)
     if not (has_head or mc.tie_embeddings):
         mc = dataclasses.replace(mc, tie_embeddings=True)

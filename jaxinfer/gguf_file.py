@@ -34,9 +34,10 @@ as llama.cpp runs it), command-r (Command R / R+ / Aya: one LayerNorm for attent
 side, logit_scale) and cohere2 (Command R7B / A: three sliding layers with RoPE to one global without)
 and deepseek2 (DeepSeek-V3: latent attention, kv_b_proj from attn_k_b / attn_v_b or attn_kv_b,
 sigmoid routing; DeepSeek-V2 / V2-Lite / Coder-V2: softmax routing without groups), phi2 (Phi-1 / 1.5 / 2:
-one LayerNorm for attention and MLP side by side, the head's bias), gptneox (Pythia, GPT-NeoX-20B:
+one LayerNorm for attention and MLP side by side, the head's bias; q / k / v apart or, in files
+converted from the remote-code Phi, fused in attn_qkv), gptneox (Pythia, GPT-NeoX-20B:
 attn_qkv's [q | k | v] rows put back in transformers' per-head order, use_parallel_residual; the
-original models' erf GELU, where llama.cpp runs the tanh one) and stablelm (StableLM: per-head q / k
+tanh GELU llama.cpp runs every such file with, Pythia's erf one not being in the file) and stablelm (StableLM: per-head q / k
 norms stacked in attn_q_norm / attn_k_norm; parallel blocks where the file has no ffn_norm, as
 llama.cpp runs them); these three rotate the share of each head rope.dimension_count gives. Rope: none,
 linear, yarn, and Llama 3's (its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
@@ -100,6 +101,8 @@ SPLIT_NAME = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
 # StableLM 2 12B's q / k norm of one head (transformers' name); the converter stacks a layer's heads in one
 # tensor [heads, head_dim] (StableLMModel._stack_qk_norm)
 _QK_NORM_HEAD = re.compile(r"(model\.layers\.\d+\.self_attn\.[qk]_layernorm)\.norms\.(\d+)\.weight")
+# Phi-2's q / k / v projections (transformers' names), fused in attn_qkv by older files (GGUFTensors._phi2_qkv)
+_PHI2_QKV = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)")
 # DeepSeek's kv_b_proj (transformers' name), which today's converter splits in two (GGUFTensors.latent_parts)
 _KV_B = re.compile(r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight")
 
@@ -327,7 +330,7 @@ def _layernorm_family(f: GGUFFile, rotary: float) -> dict[str, Any]:
         raise CheckpointError(f"{f.path}: metadata {f.arch}.attention.layer_norm_epsilon is missing")
     out: dict[str, Any] = {"layer_norm_eps": float(eps), "partial_rotary_factor": rotary}
     if f.arch == "gptneox":
-        out.update(rotary_pct=rotary, hidden_act="gelu", attention_bias="blk.0.attn_qkv.bias" in f.tensors,
+        out.update(rotary_pct=rotary, hidden_act="gelu_new", attention_bias="blk.0.attn_qkv.bias" in f.tensors,
                    use_parallel_residual=bool(f.arch_get("use_parallel_residual", True)))
     elif f.arch == "stablelm":
         out.update(use_qkv_bias="blk.0.attn_q.bias" in f.tensors, qk_layernorm="blk.0.attn_q_norm.weight" in f.tensors,
@@ -891,7 +894,20 @@ class GGUFTensors:
         g = expert_stack(name) or self._mapped(name)
         if g is not None and g not in self.file.tensors and f"{g}.weight" in self.file.tensors:
             g = f"{g}.weight"   # a name with no suffix in transformers (gpt-oss's sinks): llama.cpp adds .weight
+        if g is not None and g not in self.file.tensors and self._phi2_qkv(name) is not None:
+            g = self._phi2_qkv(name)[0]
         return g if g in self.file.tensors else None
+
+    def _phi2_qkv(self, name: str) -> tuple[str, slice] | None:
+        """(attn_qkv, q's, k's or v's rows in it) for Phi-2's q / k / v projection `name`: files converted
+        from the remote-code Phi (mixer.Wqkv) hold them fused as [q | k | v] rows, which llama.cpp's phi2
+        reads too; None for other names or architectures."""
+        m = _PHI2_QKV.fullmatch(name) if self.file.arch == "phi2" else None
+        if m is None:
+            return None
+        width = self.cfg["num_attention_heads"] * (self.cfg["hidden_size"] // self.cfg["num_attention_heads"])
+        j = "qkv".index(m.group(2))
+        return f"blk.{m.group(1)}.attn_qkv.{m.group(3)}", slice(j * width, (j + 1) * width)
 
     def _mapped(self, name: str) -> str | None:
         """llama.cpp's name of transformers' tensor `name` (gguf.TensorNameMap; the router's correction
@@ -1027,6 +1043,9 @@ class GGUFTensors:
         head = _QK_NORM_HEAD.fullmatch(name)
         if head is not None:   # one head's row of the stacked norms
             return x[int(head.group(2))]
+        fused = self._phi2_qkv(name)
+        if fused is not None and self.stored(name) == fused[0]:   # q's, k's or v's rows of attn_qkv
+            return x[fused[1]]
         if self.file.arch == "gptneox" and ".attention.query_key_value." in name:
             # the converter's [q | k | v] rows -> transformers' [heads, 3, head_dim] (GPTNeoXModel.modify_tensors)
             h = self.cfg["num_attention_heads"]

@@ -119,8 +119,8 @@ def _layernorm_family_hparams(w, cfg, arch: str, head_dim: int) -> None:
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(4 * cfg.hidden_size if arch == "phi2" else cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    if arch != "gptneox":
-        w.add_head_count_kv(cfg.num_key_value_heads)
+    if arch != "gptneox":   # (Phi2Model writes n_head)
+        w.add_head_count_kv(cfg.num_attention_heads if arch == "phi2" else cfg.num_key_value_heads)
     w.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * head_dim))
     if arch != "phi2":
         w.add_parallel_residual(cfg.use_parallel_residual)
@@ -308,7 +308,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
                rope_freqs: np.ndarray | None = None, space_prefix: bool | None = None,
                mxfp4: dict | None = None, name: str | None = None, fuse_gate_up: bool = False,
                attn_factor: float | None = None, extra: dict | None = None, nextn: int = 0,
-               split_kv_b: bool = True) -> Path:
+               split_kv_b: bool = True, fuse_qkv: bool = False) -> Path:
     """`model` (a transformers Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / Gemma 2 / Gemma 3
     / Phi-3 / gpt-oss causal LM) as a GGUF at `path` (experts stacked per layer, Gemma's norms as 1 + w,
     as llama.cpp's converter writes them).
@@ -320,7 +320,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
     or a list};
     nextn: next-token-prediction blocks appended (GLM-4.5's); split_kv_b: DeepSeek's kv_b_proj as
     attn_k_b / attn_v_b with the latent form's metadata (today's converter), else an older converter's
-    file (one attn_kv_b, the heads' widths as key_length / value_length)."""
+    file (one attn_kv_b, the heads' widths as key_length / value_length); fuse_qkv: q / k / v in one
+    attn_qkv as [q | k | v] rows (a Phi-2 file converted from its remote-code checkpoint's mixer.Wqkv)."""
     import gguf
 
     cfg = model.config
@@ -388,6 +389,13 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             continue
         if hf_name.endswith("shared_expert_gate.weight"):   # [1, D] -> [D]: llama.cpp's ffn_gate_inp_shexp is 1-D
             x = x.reshape(-1)
+        if fuse_qkv and ".self_attn." in hf_name and hf_name.split(".")[-2] in ("q_proj", "k_proj", "v_proj"):
+            if ".q_proj." not in hf_name:
+                continue
+            state = model.state_dict()
+            x = np.concatenate([state[hf_name.replace("q_proj", p)].float().numpy() for p in ("q_proj", "k_proj", "v_proj")])
+            _add(w, f"blk.{hf_name.split('.')[2]}.attn_qkv.{hf_name.split('.')[-1]}", x, qtype, rng)
+            continue
         if arch == "gptneox" and ".query_key_value." in hf_name:   # per head [h, 3, hd] -> [q | k | v] rows
             h = cfg.num_attention_heads
             x = np.ascontiguousarray(x.reshape(h, 3, -1, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape))

@@ -468,8 +468,8 @@ def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path
 
 
 @pytest.mark.parametrize("name,overrides", [
-    ("phi", {"intermediate_size": 256}), ("gpt-neox", {}),
-    ("gpt-neox-sequential", {"rotary_emb_base": 10000, "hidden_act": "gelu", "tie_word_embeddings": False}),
+    ("phi", {"intermediate_size": 256}), ("gpt-neox", {"hidden_act": "gelu_new"}),
+    ("gpt-neox-sequential", {"rotary_emb_base": 10000, "hidden_act": "gelu_new", "tie_word_embeddings": False}),
     ("stablelm", {}), ("stablelm-parallel-qk-norm", {})])
 def test_phi2_gptneox_stablelm_are_the_original_model(name, overrides, tmp_path):
     """Phi-2 (llama.cpp's phi2: the LM head's bias), GPT-NeoX / Pythia (gptneox: attn_qkv's rows as
@@ -477,7 +477,8 @@ def test_phi2_gptneox_stablelm_are_the_original_model(name, overrides, tmp_path)
     (stablelm: StableLM 2 12B's per-head q / k norms stacked, parallel blocks without ffn_norm) as
     llama.cpp's converters write them compute what the HF model computes. Their converters write no
     RoPE base (llama.cpp's 10 000) and Phi-2's MLP width as 4 x its width, so the references have
-    those; GPT-NeoX's activation is the original models' erf GELU."""
+    those; GPT-NeoX's activation is the tanh GELU llama.cpp runs every gptneox file with. An older
+    Phi-2 file's fused attn_qkv ([q | k | v] rows) reads as its three projections."""
     text = save_text_model(tmp_path / "spm")
     vocab = sentencepiece_vocab(text / "tokenizer.model")
     hf = build_hf_model(name, overrides={"vocab_size": 400, **overrides})
@@ -487,6 +488,9 @@ def test_phi2_gptneox_stablelm_are_the_original_model(name, overrides, tmp_path)
     gen = _gen(write_gguf(hf, tmp_path / f"{name}.gguf", vocab))
     assert gen.model_cfg.architecture == type(hf).__name__
     assert _rel_err(gen.logits(ids), expected) < 1e-4
+    if name == "phi":
+        fused = write_gguf(hf, tmp_path / "phi-fused.gguf", vocab, fuse_qkv=True)
+        assert _rel_err(_gen(fused).logits(ids), expected) < 1e-4
     if name in ("gpt-neox", "stablelm-parallel-qk-norm", "phi"):
         # llama.cpp's blocks kept packed: Q8_0 / Q4_0 on the fused q / k / v (rows reordered per head as
         # codes and scales), the projections, the MLP and Phi-2's biased head

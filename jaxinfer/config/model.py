@@ -146,6 +146,8 @@ class ModelConfig:
     parallel_block: bool = False        # Cohere: x + attn(norm(x)) + mlp(norm(x)), one norm per block
     parallel_mlp_norm: bool = False     # GPT-NeoX: the parallel block's MLP reads its own norm,
                                         # mlp(mlp_norm(x)) + attn(attn_norm(x)) + x
+    parallel_sum_first: bool = False    # GPT-NeoX, Phi: the parallel block adds its branches, then x:
+                                        # (attn + mlp) + x, not (x + attn) + mlp (Cohere, StableLM)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
@@ -179,7 +181,7 @@ class ModelConfig:
             "norm": self.norm in ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias"),
             "parallel_block": not self.parallel_block or (self.pre_norms and not self.post_norms
                                                           and not self.residual_post_norm and not self.num_experts),
-            "parallel_mlp_norm": self.parallel_block or not self.parallel_mlp_norm,
+            "parallel_mlp_norm": self.parallel_block or not (self.parallel_mlp_norm or self.parallel_sum_first),
             "pre_norms": self.pre_norms or self.post_norms,
             "qk_norm_full": self.qk_norm or not self.qk_norm_full,
             "qk_norm_heads": not self.qk_norm_heads or (self.qk_norm and not self.qk_norm_full),

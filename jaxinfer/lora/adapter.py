@@ -138,7 +138,7 @@ def read_config(folder: Path, max_rank: int, vision: frozenset[str] = frozenset(
     if isinstance(targets, list):
         for target in targets:   # a name, or a module path: PEFT matches the name's last part
             t = target.rsplit(".", 1)[-1]
-            if t in ("embed_tokens", "lm_head", "wte", "word_embeddings"):
+            if t in ("embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed_out"):
                 raise LoraError(f"{path}: target module {t!r}: embedding and LM-head adapters are not supported")
             if t not in names and t not in vision:
                 raise LoraError(f"{path}: target module {t!r} is not in the model (LoRA targets: "
@@ -211,7 +211,7 @@ def _load_adapter(name: str, folder: Path, model_cfg: ModelConfig, kv_replicas: 
         key = None if mm is None else ("mlp." if mm["part"] == "mlp" else "attn.") + mm["proj"]
         if key not in table or int(mm["layer"]) >= model_cfg.n_layers:
             raise LoraError(f"{weights}: adapted module {module!r} is not in the model (LoRA targets: layers "
-                            f"0..{model_cfg.n_layers - 1}, modules {', '.join(table)})")
+                            f"0..{model_cfg.n_layers - 1}, modules {', '.join(k.split('.', 1)[1] for k in table)})")
         layer, (group, j) = int(mm["layer"]), table[key]
         if group in ("gate_up", "up", "down") and model_cfg.is_moe_layer(layer):
             raise LoraError(f"{weights}: adapted module {module!r}: layer {layer} is a mixture of experts "

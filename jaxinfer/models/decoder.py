@@ -167,7 +167,8 @@ class Block(nnx.Module):
     residual is the normed input instead of x. residual_scale (Granite): each branch's output is
     multiplied by it before its residual add. parallel_block (Cohere): attention and MLP both read
     the one attn_norm(x), x + attn + mlp; with parallel_mlp_norm (GPT-NeoX) the MLP reads
-    mlp_norm(x), mlp + attn + x (transformers' order of the adds). The mlp is a mixture of experts (jaxinfer.moe.MoE)
+    mlp_norm(x); parallel_sum_first (GPT-NeoX, Phi): (attn + mlp) + x, transformers' order of the
+    adds there. The mlp is a mixture of experts (jaxinfer.moe.MoE)
     on the layers cfg.is_moe_layer marks; it skips the step's padding tokens (slot PAD_SLOT)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None, fused: FusedLayout | None = None):
@@ -177,7 +178,7 @@ class Block(nnx.Module):
         self.attn = (MLAttention(cfg, layer, dtype, rngs) if cfg.mla else
                      Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards))
         self.mlp_norm = norm() if cfg.pre_norms and (cfg.parallel_mlp_norm or not cfg.parallel_block) else None
-        self.parallel = cfg.parallel_block
+        self.parallel, self.sum_first = cfg.parallel_block, cfg.parallel_sum_first
         if cfg.is_moe_layer(layer):
             self.mlp = MoE(cfg, dtype, rngs, *((None, None) if fused is None else (fused.expert_shards,
                                                                                    fused.shared_shards)))
@@ -193,10 +194,9 @@ class Block(nnx.Module):
         if self.attn_post_norm is not None:
             attn_out = self.attn_post_norm(attn_out)
         attn_out = self.scale_branch(attn_out)
-        if self.parallel and self.mlp_norm is not None:   # GPT-NeoX: mlp + attn + x, in that order
-            return self.scale_branch(self.mlp(self.mlp_norm(x), lora)) + attn_out + x, kv
-        if self.parallel:   # the MLP reads the same normed input; x + attn + mlp, in that order
-            return x + attn_out + self.scale_branch(self.mlp(h, lora)), kv
+        if self.parallel:   # the MLP reads the same normed input, or its own norm's (GPT-NeoX)
+            mlp_out = self.scale_branch(self.mlp(h if self.mlp_norm is None else self.mlp_norm(x), lora))
+            return ((attn_out + mlp_out) + x if self.sum_first else (x + attn_out) + mlp_out), kv
         x = (h if self.residual_post_norm else x) + attn_out
         h = x if self.mlp_norm is None else self.mlp_norm(x)
         if isinstance(self.mlp, MoE):   # padding tokens take no expert's work

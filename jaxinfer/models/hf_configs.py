@@ -855,10 +855,17 @@ def _bloom(c: dict[str, Any], arch: str) -> ModelConfig:
 def _phi(c: dict[str, Any], arch: str) -> ModelConfig:
     """Phi-1 / 1.5 / 2 (transformers' Phi): one LayerNorm with biases per block feeding attention and
     an ungated MLP side by side, biases on every projection and on the LM head, partial rotary
-    (partial_rotary_factor, default 0.5), per-head q / k LayerNorms where qk_layernorm."""
+    (partial_rotary_factor, default 0.5), per-head q / k LayerNorms where qk_layernorm. The remote-code
+    format (model_type phi-msft: n_embd, mixer.Wqkv) is refused by name."""
+    if c.get("model_type") == "phi-msft" or "hidden_size" not in c and "n_embd" in c:
+        raise ConfigError("a Phi checkpoint in the remote-code format (model_type 'phi-msft', n_embd, mixer.Wqkv) "
+                          "is not supported; use the transformers-format upload (PhiForCausalLM, model_type 'phi')")
     d, h = c["hidden_size"], c["num_attention_heads"]
     if d % h:
         raise ConfigError(f"hidden_size {d} is not a multiple of num_attention_heads {h}")
+    if c.get("head_dim") not in (None, d // h):
+        raise ConfigError(f"Phi with head_dim={c['head_dim']!r} other than hidden_size / num_attention_heads = "
+                          f"{d // h} is not supported")
     params = _rope_params(c)
     theta, scaling = _rope(params, c)
     return ModelConfig(
@@ -868,7 +875,8 @@ def _phi(c: dict[str, Any], arch: str) -> ModelConfig:
         norm_eps=float(c.get("layer_norm_eps", 1e-5)), position="rope", rope_theta=theta, rope_scaling=scaling,
         rotary_dim=_rotary_dim(params, c, d // h, 0.5), max_position_embeddings=c.get("max_position_embeddings", 2048),
         qkv_bias=True, out_bias=True, mlp_bias=True, qk_norm=bool(c.get("qk_layernorm", False)),
-        parallel_block=True, lm_head_bias=True, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        parallel_block=True, parallel_sum_first=True, lm_head_bias=True,
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 
 
@@ -913,7 +921,7 @@ def _gpt_neox(c: dict[str, Any], arch: str) -> ModelConfig:
         rope_theta=theta, rope_scaling=scaling, rotary_dim=_rotary_dim({"partial_rotary_factor": c.get(
             "rotary_pct", 0.25), **params}, c, d // h, 0.25),
         max_position_embeddings=c.get("max_position_embeddings", 2048), qkv_bias=bias, out_bias=bias,
-        mlp_bias=True, parallel_block=parallel, parallel_mlp_norm=parallel,
+        mlp_bias=True, parallel_block=parallel, parallel_mlp_norm=parallel, parallel_sum_first=parallel,
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 

@@ -398,14 +398,17 @@ def _fused_experts(cfg: ModelConfig, names: tuple[str, ...], transform: Transfor
     (Transpose(check_dims=True)), a tensor with its model's shape, [E, 2F, d] / [E, d, F], is taken as
     that one, any other is transposed."""
     m = _PER_EXPERT.fullmatch(names[0])
-    if m is None or stored(names[0]):
+    fused = None if m is None else f"{m['experts']}.{'down_proj' if m['part'] == 'down_proj' else 'gate_up_proj'}"
+    # only where the fused tensor is there: a quantized upload's per-expert tensors (qweight, weight_packed)
+    # stay the quantized readers', a missing expert stays a missing tensor
+    if fused is None or stored(names[0]) or not stored(fused):
         return names, transform
     d, f = cfg.d_model, cfg.expert_ffn_dim
     if m["part"] == "down_proj":
-        return (f"{m['experts']}.down_proj",), lambda w: w.transpose(0, 2, 1) if w.shape[1:] == (d, f) else w
+        return (fused,), lambda w: w.transpose(0, 2, 1) if w.shape[1:] == (d, f) else w
     j = 0 if m["part"] == "gate_proj" else 1
 
     def gate_or_up(w: np.ndarray) -> np.ndarray:
         w = w.transpose(0, 2, 1) if w.shape[1:] == (2 * f, d) else w      # -> [E, d, 2F]
         return w[..., j * f:(j + 1) * f]
-    return (f"{m['experts']}.gate_up_proj",), gate_or_up
+    return (fused,), gate_or_up

@@ -241,20 +241,22 @@ def _finite(t, kind: str, *arrays: np.ndarray) -> None:
 
 def _weight(t, raw: np.ndarray, rows) -> QuantizedWeight:
     """One [N, K] matrix of GGUF tensor t (raw its blocks' bytes [N, bytes] as stored) as jaxinfer's
-    [K, N] QuantizedWeight; rows() turns a [N, ...] array from llama.cpp's row order into
-    transformers' (Llama's Q and K)."""
+    [K, N] QuantizedWeight; rows() turns a [N, ...] array from llama.cpp's rows into transformers'
+    (Llama's Q and K reordered, GPT-NeoX's fused q / k / v per head, one of Phi-2's fused q / k / v):
+    applied to the blocks' bytes, each row's blocks being its own."""
     kind = t.tensor_type.name
-    codes = rows(_unit_codes(raw, kind))                     # float32 [N, K], integers
+    raw = np.ascontiguousarray(rows(raw))
+    codes = _unit_codes(raw, kind)                           # float32 [N, K], integers
     n, k = codes.shape
     blocks = raw.reshape(n, -1, _NBYTES[kind])
     if kind in EXACT:
         bits, g, d_at, sub = EXACT[kind]
         d = _f16(blocks, d_at)
-        scales = rows(d if sub is None else (d[..., None] * _sub_scales(blocks, *sub)).reshape(n, -1))
+        scales = d if sub is None else (d[..., None] * _sub_scales(blocks, *sub)).reshape(n, -1)
         _finite(t, kind, scales)
         return int_weight(codes.T.astype(np.int32), scales.T, None, bits, g)
     bits, g = OFFSET[kind]
-    scale, offset = (rows(a) for a in _k_scales(raw, kind))
+    scale, offset = _k_scales(raw, kind)
     _finite(t, kind, scale, offset)
     # a group with scale 0 is the constant -offset: code 0, zero point 1 and the offset as its scale
     flat = scale == 0
