@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -253,3 +254,25 @@ def test_configs_as_transformers_writes_them_load(made, tmp_path):
     old = _rewrite(folder, tmp_path / "gptq", config=lambda c: c["quantization_config"].update(
         disable_exllama=True, model_seqlen=2048))
     assert_rel_close(_ours(old)[1], pm.logits(ref, IDS), F32_RTOL, "gptq optimum config")
+
+
+def test_gptq_experts_refused_naming_them(tmp_path):
+    """A GPTQ mixture of experts, each expert's gate / up / down packed as GPTQModel writes them:
+    refused naming the experts' tensors (never read as a fused experts tensor it does not hold)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.hf_models import save_hf_model
+    folder = Path(save_hf_model("qwen3moe-gqa", tmp_path / "m"))
+    state = load_file(folder / "model.safetensors")
+    for name in [n for n in state if ".experts." in n and n.endswith("_proj.weight")]:
+        packed = pm.gptq_pack(state.pop(name).float(), 4, 32, True, False)
+        state.update({f"{name[:-len('.weight')]}.{k}": v for k, v in packed.items()})
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
+                                  "checkpoint_format": "gptq"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert torch.is_tensor(state["model.layers.0.mlp.experts.0.gate_proj.qweight"])
+    with pytest.raises(CheckpointError, match=r"experts\.0\.gate_proj.*one tensor per expert"):
+        load_model(folder, "float32")
