@@ -68,6 +68,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                                        "original_max_position_embeddings": 8, "beta_fast": 32.0,
                                                        "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
                                                        "llama_4_scaling_beta": 0.4})),
+    # HunYuan dense: per-head q / k norms after RoPE, the checkpoints' "dynamic" RoPE with a fixed alpha
+    "hunyuan": ("hunyuan_v1_dense", dict(_COMMON, vocab_size=131, intermediate_size=96, num_hidden_layers=2,
+                                         num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                                         rope_scaling={"type": "dynamic", "alpha": 1000.0, "factor": 1.0})),
     # OLMoE: q / k norms over the whole projection before RoPE, top-3 of 5 experts, not renormalized
     "olmoe": ("olmoe", dict(_COMMON, vocab_size=119, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2,
                             num_experts=5, num_experts_per_tok=3, norm_topk_prob=False)),
@@ -310,7 +314,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM),
            "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM),
            "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
-           "ministral3": (tf.Ministral3Config, tf.Ministral3ForCausalLM)}[family]
+           "ministral3": (tf.Ministral3Config, tf.Ministral3ForCausalLM),
+           "hunyuan_v1_dense": (tf.HunYuanDenseV1Config, tf.HunYuanDenseV1ForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

@@ -280,7 +280,7 @@ def test_num_params_match_transformers():
 @pytest.mark.parametrize("name", ["glm4", "glm-mqa", "starcoder2-window", "starcoder2-mqa", "cohere", "cohere2", "olmo2",
                                   "ernie4_5", "ernie4_5_moe", "gpt-neox", "gpt-neox-sequential", "phi",
                                   "phi-qk-layernorm", "stablelm", "stablelm-parallel-qk-norm", "granitemoe",
-                                  "granitemoeshared", "olmoe"])
+                                  "granitemoeshared", "olmoe", "hunyuan"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -375,6 +375,24 @@ def test_stablelm_config_as_transformers_reads_it():
             theirs.num_key_value_heads, theirs.use_qkv_bias, theirs.qk_layernorm, theirs.use_parallel_residual)
         assert (cfg.eos_token_ids, cfg.bos_token_id, cfg.max_position_embeddings) == (
             (theirs.eos_token_id,), theirs.bos_token_id, theirs.max_position_embeddings)
+
+
+def test_hunyuan_rope_as_transformers_computes_it():
+    """HunYuan's "dynamic" RoPE with a fixed alpha: the rotation at the stretched base, frequency by
+    frequency as transformers' HunYuanDenseV1RotaryEmbedding computes them (its ntk_alpha), from a
+    config.json with the checkpoints' legacy keys beside it."""
+    import transformers as tf
+    fields = dict(vocab_size=256, hidden_size=512, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=128, rope_theta=10000.0, max_position_embeddings=32768,
+                  rope_scaling={"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0, "mscale": 1.0,
+                                "mscale_all_dim": 1.0, "type": "dynamic"})
+    legacy = dict(use_qk_norm=True, use_rotary_pos_emb=True, attention_head_dim=128, use_cla=False, moe_topk=1)
+    theirs = tf.HunYuanDenseV1Config(**fields)
+    ref = tf.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense.HunYuanDenseV1RotaryEmbedding(theirs).inv_freq.numpy()
+    cfg = model_config_from_hf({"architectures": ["HunYuanDenseV1ForCausalLM"], **fields, **legacy})
+    ours = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+    np.testing.assert_allclose(ours, ref, rtol=1e-6)   # float32 powers of one base (2^-23 each, a few roundings)
+    assert (cfg.qk_norm, cfg.qk_norm_after_rope, cfg.n_kv_heads, cfg.head_dim) == (True, True, 2, 128)
 
 
 def test_cohere_configs_as_transformers_reads_them():

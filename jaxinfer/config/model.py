@@ -78,6 +78,7 @@ class ModelConfig:
     out_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False               # a `norm` over head_dim of each q and k head before RoPE (Qwen3, Gemma 3)
+    qk_norm_after_rope: bool = False    # HunYuan: the q / k norms after RoPE
     post_norms: bool = False            # Gemma: norms of the attention and MLP outputs before each residual add
     pre_norms: bool = True              # False: no norm of a block's input (OLMo 2: post_norms only)
     qk_norm_full: bool = False          # the q / k norms over each token's whole projection (H hd, Hkv hd:
@@ -184,6 +185,7 @@ class ModelConfig:
             "parallel_mlp_norm": self.parallel_block or not (self.parallel_mlp_norm or self.parallel_sum_first),
             "pre_norms": self.pre_norms or self.post_norms,
             "qk_norm_full": self.qk_norm or not self.qk_norm_full,
+            "qk_norm_after_rope": self.qk_norm or not self.qk_norm_after_rope,
             "qk_norm_heads": not self.qk_norm_heads or (self.qk_norm and not self.qk_norm_full),
             "position": self.position in ("rope", "alibi", "learned", "sinusoidal"),
             "sliding_layers": self.sliding_layers is None or len(self.sliding_layers) == self.n_layers,

@@ -116,6 +116,16 @@ class Attention(nnx.Module):
         y = dense(out, self.o.get_value(), param_value(self.o_bias), contract=2, impl=self.matmul)   # (T, D)
         return (y if lora is None else y + lora_delta(out, *lora[1]["o"], lora[0], contract=2)[0]), kv
 
+    def qk_norms(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """q and k through their norms, where the family has them: per head, or over each token's heads
+        together (qk_norm_full)."""
+        if self.q_norm is None:
+            return q, k
+        if self.cfg.qk_norm_full:
+            return (self.q_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape),
+                    self.k_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape))
+        return self.q_norm(q), self.k_norm(k)
+
     def rope(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """q [T, H, hd], k [T, Hkv, hd] rotated by this layer's RoPE (its base, scaling, rotated features)."""
         cfg = self.cfg
@@ -137,11 +147,8 @@ class Attention(nnx.Module):
         """x [T, D] -> the heads' outputs before the `o` projection [T, H, hd] (what calibration sees)."""
         cfg = self.cfg
         q, k, v = self.project_qkv(x, lora)                                                 # (T, H | Hkv, hd)
-        if self.q_norm is not None and cfg.qk_norm_full:   # over each token's heads together
-            q = self.q_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape)
-            k = self.k_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
-        elif self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if not cfg.qk_norm_after_rope:
+            q, k = self.qk_norms(q, k)
         alibi = None
         if cfg.position == "rope" and self.use_rope is not False:
             qr, kr = self.rope(q, k, positions)
@@ -155,6 +162,8 @@ class Attention(nnx.Module):
                 q = q * grow.astype(q.dtype)[:, None, None]
         elif cfg.position == "alibi":
             alibi = jnp.asarray(alibi_slopes(cfg.n_heads))
+        if cfg.qk_norm_after_rope:   # HunYuan
+            q, k = self.qk_norms(q, k)
         sinks = None if self.sinks is None else self.sinks.get_value().astype(jnp.float32)
         return attention(q, k, v, positions, scale=cfg.softmax_scale, window=self.window, alibi=alibi,
                          softcap=cfg.attn_softcap, sinks=sinks, kv=kv, meta=meta, impl=impl)

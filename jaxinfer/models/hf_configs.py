@@ -355,6 +355,21 @@ def _ministral3(c: dict[str, Any], arch: str) -> ModelConfig:
     return dataclasses.replace(cfg, query_log_scale=None if beta is None else (float(beta), int(period)))
 
 
+def _hunyuan(c: dict[str, Any], arch: str) -> ModelConfig:
+    """HunYuan dense (Hunyuan 0.5B-7B, Hunyuan-MT; transformers' HunYuanDenseV1): Llama's block with
+    an RMSNorm of each q / k head after RoPE (query_layernorm / key_layernorm), and the checkpoints'
+    "dynamic" RoPE with a fixed alpha, which transformers runs as the plain rotation at the base
+    rope_theta * alpha ** (head_dim / (head_dim - 2)) (its ntk_alpha)."""
+    params = _rope_params(c)
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    if params.get("rope_type", params.get("type")) == "dynamic" and params.get("alpha"):
+        theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+        base = theta * float(params["alpha"]) ** (hd / (hd - 2))
+        c = {**c, "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": base}}
+    cfg = _llama_like({**c, "sliding_window": None}, arch)
+    return dataclasses.replace(cfg, qk_norm=True, qk_norm_after_rope=True)
+
+
 def _smollm3(c: dict[str, Any], arch: str) -> ModelConfig:
     """SmolLM3: Llama's block with no position encoding on some layers (transformers' SmolLM3Config:
     no_rope_layers, 1 where a layer rotates, default every no_rope_layer_interval-th layer (4) without),
@@ -940,6 +955,7 @@ _HF_BUILDERS = {
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi,
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
     "OlmoeForCausalLM": _olmoe, "Ministral3ForCausalLM": _ministral3,
+    "HunYuanDenseV1ForCausalLM": _hunyuan,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -958,7 +974,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM",
                        "stablelm": "StableLmForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                        "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
-                       "ministral3": "Ministral3ForCausalLM",
+                       "ministral3": "Ministral3ForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                        "qwen3_vl": "Qwen3VLForConditionalGeneration",
@@ -985,6 +1001,7 @@ _HF_DEFAULTS = {
     "StableLmForCausalLM": {"num_key_value_heads": 32, "bos_token_id": 0, "eos_token_id": 0},
     "GraniteMoeForCausalLM": {"num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2},
     "GraniteMoeSharedForCausalLM": {"num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2},
+    "HunYuanDenseV1ForCausalLM": {"bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5},
     "Ministral3ForCausalLM": {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336,
                               "num_hidden_layers": 34, "num_attention_heads": 32, "num_key_value_heads": 8,
                               "head_dim": 128, "max_position_embeddings": 262144, "rms_norm_eps": 1e-5,

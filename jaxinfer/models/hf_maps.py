@@ -305,6 +305,13 @@ def _phi_map(cfg: ModelConfig) -> WeightMap:
     return m
 
 
+def _hunyuan_map(cfg: ModelConfig) -> WeightMap:
+    """HunYuan: _llama_map's names, its q / k norms as query_layernorm / key_layernorm."""
+    names = {".self_attn.q_norm.": ".self_attn.query_layernorm.", ".self_attn.k_norm.": ".self_attn.key_layernorm."}
+    rename = lambda n: next((n.replace(a, b) for a, b in names.items() if a in n), n)  # noqa: E731
+    return {ours: (tuple(rename(n) for n in hf), fn) for ours, (hf, fn) in _llama_map(cfg).items()}
+
+
 def _stablelm_map(cfg: ModelConfig) -> WeightMap:
     """StableLM: _llama_map's names; StableLM 2 12B's q / k LayerNorms are one bias-free LayerNorm per
     head (q_layernorm.norms.j), stacked into our per-head weights [heads, head_dim]."""
@@ -361,7 +368,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "GPTNeoXForCausalLM": _neox_map, "PhiForCausalLM": _phi_map,
          "StableLmForCausalLM": _stablelm_map, "GraniteMoeForCausalLM": _llama_map,
          "GraniteMoeSharedForCausalLM": _llama_map, "OlmoeForCausalLM": _llama_map,
-         "Ministral3ForCausalLM": _llama_map}
+         "Ministral3ForCausalLM": _llama_map, "HunYuanDenseV1ForCausalLM": _hunyuan_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM")
