@@ -31,8 +31,8 @@ from tests.hf_models import CONFIGS, build_hf_model
 from tests.precision import assert_rel_close, dot_chain_rtol, unit_roundoff
 from tests.two_rounds import GREEDY, naive_greedy, serve_two_rounds, two_round_prompts
 
-MOE = [n for n in CONFIGS if n.split("-")[0] in ("qwen3moe", "mixtral", "gpt", "qwen2moe", "glm4moe", "deepseekv3",
-                                                 "deepseekv2")]
+MOE = [n for n in CONFIGS if n.startswith("gpt-oss") or n.split("-")[0] in ("qwen3moe", "mixtral", "qwen2moe", "glm4moe",
+                                                                            "deepseekv3", "deepseekv2")]
 ARCH = {"qwen3moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt": "GptOssForCausalLM",
         "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseekv3": "DeepseekV3ForCausalLM",
         "deepseekv2": "DeepseekV2ForCausalLM"}
