@@ -319,7 +319,8 @@ class ModelConfig:
             attn += ((qr if qr else 0) + r + self.mla_rope_dim + d) if self.out_bias else 0
         if self.qk_norm:   # one weight per feature of a head, or per feature of every head (OLMo 2, Cohere);
             # weights per head never come with a bias (qk_norm_kind)
-            attn += (1 if self.qk_norm_heads else per_norm) * hd * ((h + kv) if self.qk_norm_full or self.qk_norm_heads else 2)
+            per_qk = 1 if self.qk_norm_heads else per_norm
+            attn += per_qk * hd * ((h + kv) if self.qk_norm_full or self.qk_norm_heads else 2)
         attn += h if self.attn_sinks else 0
         mlp = (3 if self.gated_mlp else 2) * d * f
         mlp += ((2 * f if self.gated_mlp else f) + d) if self.mlp_bias else 0
@@ -332,7 +333,8 @@ class ModelConfig:
                   + (self.num_experts if self.moe_routing == "softmax_corrected_topk" else 0))   # ERNIE's: a parameter
         # two norms a block (before attention and MLP, or after each: OLMo 2), four with both (Gemma), one
         # for a parallel block (Cohere; two with its own MLP norm: GPT-NeoX)
-        norms = ((1 + self.parallel_mlp_norm) if self.parallel_block else 2 * (self.pre_norms + self.post_norms)) * norm_p
+        norms = norm_p * ((1 + self.parallel_mlp_norm) if self.parallel_block
+                          else 2 * (self.pre_norms + self.post_norms))
         n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
         out = {"embedding": self.vocab_size * d, "lm_head": 0 if self.tie_embeddings else self.vocab_size * d,
                "positions": self.max_position_embeddings * d if self.position == "learned" else 0,

@@ -113,8 +113,9 @@ _TEXT_DEFAULTS = {"qwen3_vl_text": {"rope_theta": 500000.0, "max_position_embedd
                                       "bos_token_id": 151643, "eos_token_id": 151645},
                   "qwen3_vl_moe_text": {"rope_theta": 500000.0, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
                                         "intermediate_size": 5632, "moe_intermediate_size": 1408, "num_key_value_heads": 16,
-                                        "num_local_experts": 60, "num_experts_per_tok": 4}}   # (under num_experts'
-# alias: a config's num_experts still wins, _num_experts)
+                                        "num_local_experts": 60, "num_experts_per_tok": 4}}
+# (Qwen3-VL-MoE's default expert count under the alias transformers 5 saves: a config's own num_experts
+# or num_local_experts still wins, _num_experts)
 # what the text model computes whatever its config says: Qwen3-VL-MoE's router always renormalizes the
 # chosen experts' probabilities (Qwen3VLMoeTextTopKRouter) and no layer has a window
 _TEXT_FIXED = {"qwen3_vl_moe_text": {"norm_topk_prob": True, "use_sliding_window": False}}
