@@ -365,22 +365,39 @@ def save_fp8_block(folder: Path, block=(32, 32), seed: int = 0):
     return Path(folder), model
 
 
-def _write_fp8_block(folder: Path, state: dict, names: list[str], block) -> None:
-    """`state` with the tensors `names` quantized by transformers' Fp8Quantize in blocks `block`,
-    written as the folder's model.safetensors, and the quantization_config transformers writes."""
+def save_fp8_per_tensor(folder: Path, seed: int = 0):
+    """A tiny Llama in per-tensor FP8 with static activation scales, as Ministral 3's / Devstral 2's
+    uploads store it (transformers' FP8Linear with no block size: `weight_scale_inv` one multiplier,
+    `activation_scale` one scale; quant_method fp8, activation_scheme static, weight_block_size null),
+    the weights quantized by transformers' Fp8Quantize -> (folder, float model)."""
+    import torch
+    model = tiny_llama(seed)
+    model.save_pretrained(folder)
+    names = [f"model.layers.{i}.{m}.weight" for i in range(model.config.num_hidden_layers) for m in _GPTQ_MODULES]
+    state = _float_state(model)
+    acts = {n.replace(".weight", ".activation_scale"): torch.tensor(0.05 + 0.01 * i) for i, n in enumerate(names)}
+    _write_fp8_block(Path(folder), {**state, **acts}, names, None, activation_scheme="static")
+    return Path(folder), model
+
+
+def _write_fp8_block(folder: Path, state: dict, names: list[str], block, activation_scheme: str = "dynamic") -> None:
+    """`state` with the tensors `names` quantized by transformers' Fp8Quantize in blocks `block`
+    (None: per tensor), written as the folder's model.safetensors, and the quantization_config
+    transformers writes."""
     import types
 
     from safetensors.torch import save_file
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
     from transformers.utils.quantization_config import FineGrainedFP8Config
 
-    config = FineGrainedFP8Config(weight_block_size=list(block), modules_to_not_convert=["lm_head"])
+    config = FineGrainedFP8Config(weight_block_size=None if block is None else list(block),
+                                  activation_scheme=activation_scheme, modules_to_not_convert=["lm_head"])
     quantize = Fp8Quantize(types.SimpleNamespace(quantization_config=config))
     for name in names:
         state.update(quantize._quantize_one(name, state.pop(name)))
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {k: v for k, v in config.to_dict().items() if v is not None}
+    cfg["quantization_config"] = {k: v for k, v in config.to_dict().items() if v is not None or k == "weight_block_size"}
     (folder / "config.json").write_text(json.dumps(cfg))
 
 

@@ -287,9 +287,25 @@ def test_fp8_block_deepseek_latent_attention_and_experts(tmp_path):
     assert_rel_close(ours, pm.logits(ref, IDS), dot_chain_rtol(*chain), "fp8 block deepseek")
 
 
+def test_fp8_per_tensor_static_matches_transformers(tmp_path):
+    """Per-tensor FP8 with static activation scales (Ministral 3's, Devstral 2's uploads): one e4m3
+    code a weight and its tensor's multiplier; the logits are transformers' on the same folder (on CPU
+    it dequantizes the weights at load and leaves the activations unquantized, as jaxinfer's XLA
+    path does), float32 rounding apart."""
+    folder, _ = pm.save_fp8_per_tensor(tmp_path / "pt")
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert (qc["activation_scheme"], qc["weight_block_size"]) == ("static", None)
+    model, ours = _ours(folder)
+    qw = model.layers[0].mlp.gate.get_value()
+    w = SafetensorsFolder(folder).get("model.layers.0.mlp.gate_proj.weight")
+    assert qw.fp8 and qw.q.nbytes == w.nbytes and np.unique(np.asarray(qw.scales)).size == 1
+    assert_rel_close(ours, pm.logits(pm.fp8_block_reference(folder), IDS), F32_RTOL, "fp8 per tensor")
+
+
 @pytest.mark.parametrize("edit,needle", [
     (lambda q: q.update(activation_scheme="static"), "'activation_scheme' = 'static'"),
-    (lambda q: q.pop("weight_block_size"), "'weight_block_size' = None"),
+    (lambda q: q.pop("weight_block_size"),
+     r"q_proj\.weight_scale_inv has shape \(2, 2\); per-tensor fp8 \(no weight_block_size\) stores one scale"),
     (lambda q: q.update(scale_fmt="ue8m0"), "'scale_fmt' = 'ue8m0'"),
     (lambda q: q.update(weight_block_size=[32, 16]),
      r"q_proj\.weight_scale_inv has shape \(2, 2\); expected \(2, 4\) for weight \[64, 64\]"),

@@ -76,12 +76,14 @@ def load_param(reader, ours: str, hf_names: tuple[str, ...], transform: Callable
     quantized = [m is not None and reader.quantized(m) for m in modules]
     if not any(quantized):
         return None
-    if len(hf_names) > 1 and reader.method == "fp8" and all(quantized) and _stacks_experts(transform):
+    if (len(hf_names) > 1 and reader.method == "fp8" and not reader.per_tensor and all(quantized)
+            and _stacks_experts(transform)):
         return _stacked_experts([reader.linear(m) for m in modules], ours, expected)
     if len(hf_names) != 1:
         raise QuantConfigError(f"tensors {list(hf_names)} make parameter {ours} (one tensor per expert "
                                f"or a fused tensor); quantized, they are supported only in fine-grained fp8 "
-                               f"checkpoints, every expert quantized (this is {reader.method})")
+                               f"checkpoints, every expert quantized (this is {reader.method}"
+                               f"{' per tensor' if getattr(reader, 'per_tensor', False) else ''})")
     qw = reader.linear(modules[0])
     name = ours.rsplit("/", 1)[-1]
     if name in _CONTRACT:
