@@ -734,11 +734,11 @@ def _embedding_spec(path: Path, cfg: EngineConfig):
     spec = read_embedding_spec(path, cfg.pooling, cfg.normalize)
     if spec is None or is_native(spec.model_path):
         return spec, None
-    from jaxinfer.models.hf_configs import model_config_from_hf
+    from jaxinfer.models.hf_configs import is_bare_model, model_config_from_hf
     model_path = spec.model_path
     mc = model_config_from_hf(model_path)
     archs = json.loads((model_path / "config.json").read_text()).get("architectures") or []
-    bare = bool(archs) and not archs[0].endswith("ForCausalLM")
+    bare = bool(archs) and is_bare_model(archs[0])   # (GPT2LMHeadModel, a ...ForConditionalGeneration: not bare)
     from jaxinfer.models.hf_maps import hf_weight_map
     head = hf_weight_map(dataclasses.replace(mc, tie_embeddings=False))["lm_head"][0][0]   # (GPT-NeoX's embed_out)
     has_head = tensor_source(model_path).has(head)

@@ -649,3 +649,21 @@ def test_sentence_transformers_pooling_configs(tmp_path):
     pooling.write_text(json.dumps({"pooling_mode": "weightedmean"}))
     with pytest.raises(EmbeddingError, match="pooling mode 'weightedmean' is not supported"):
         read_embedding_spec(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt-neox"])
+def test_pooling_over_a_causal_lm_of_another_head_name_still_generates(name, hf_model_dir):
+    """--pooling over GPT2LMHeadModel (not named ...ForCausalLM) and GPT-NeoX (its head in embed_out):
+    the model embeds and still generates with its own head, the greedy tokens transformers' generate
+    gives."""
+    from jaxinfer import Generator, SamplingParams
+    from tests.hf_models import build_hf_model
+    gen = Generator.from_pretrained(hf_model_dir(name), pooling="mean", **ENGINE)
+    assert gen.embedding.generates and gen.embed([[5, 6, 7]]).shape == (1, gen.model_cfg.d_model)
+    hf = build_hf_model(name)
+    ids = [5, 17, 42, 9, 60, 33]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(ids):].tolist()
+    got = gen.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids
+    assert got == want

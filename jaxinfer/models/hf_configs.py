@@ -59,6 +59,12 @@ def model_config_from_hf(config: str | Path | dict[str, Any]) -> ModelConfig:
     return build_model_config(config, where)
 
 
+def is_bare_model(arch: str) -> bool:
+    """Whether config.json's architecture is a decoder without its LM head's class (Qwen3Model, a
+    ...ForSequenceClassification: _BARE_MODELS)."""
+    return arch in _BARE_MODELS
+
+
 def _wrapper(config: dict[str, Any]) -> str:
     """config.json's architecture (architectures[0], else by model_type)."""
     archs = config.get("architectures") or []
