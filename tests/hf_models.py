@@ -72,6 +72,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "hunyuan": ("hunyuan_v1_dense", dict(_COMMON, vocab_size=131, intermediate_size=96, num_hidden_layers=2,
                                          num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
                                          rope_scaling={"type": "dynamic", "alpha": 1000.0, "factor": 1.0})),
+    # HunYuan MoE: HunYuan's attention, top-2 of 4 experts renormalized beside a shared MLP
+    "hunyuan-moe": ("hunyuan_v1_moe", dict(_COMMON, vocab_size=127, intermediate_size=32, num_hidden_layers=2,
+                                           num_key_value_heads=1, head_dim=16, num_experts=4, moe_topk=2,
+                                           rope_theta=10000.0,
+                                           rope_scaling={"type": "dynamic", "alpha": 50.0, "factor": 1.0})),
     # OLMoE: q / k norms over the whole projection before RoPE, top-3 of 5 experts, not renormalized
     "olmoe": ("olmoe", dict(_COMMON, vocab_size=119, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2,
                             num_experts=5, num_experts_per_tok=3, norm_topk_prob=False)),
@@ -315,7 +320,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM),
            "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
            "ministral3": (tf.Ministral3Config, tf.Ministral3ForCausalLM),
-           "hunyuan_v1_dense": (tf.HunYuanDenseV1Config, tf.HunYuanDenseV1ForCausalLM)}[family]
+           "hunyuan_v1_dense": (tf.HunYuanDenseV1Config, tf.HunYuanDenseV1ForCausalLM),
+           "hunyuan_v1_moe": (tf.HunYuanMoEV1Config, tf.HunYuanMoEV1ForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)

@@ -377,6 +377,29 @@ def _hunyuan(c: dict[str, Any], arch: str) -> ModelConfig:
     return dataclasses.replace(cfg, qk_norm=True, qk_norm_after_rope=True)
 
 
+def _per_layer_one(c: dict[str, Any], key: str, default: int) -> int:
+    """A HunYuan MoE field that may be one value or one per layer (all the same: per-layer expert
+    counts or top-k are refused)."""
+    v = c.get(key, default)
+    if isinstance(v, list):
+        if not v or any(x != v[0] for x in v):
+            raise ConfigError(f"{key}={v!r}: a different value per layer is not supported")
+        v = v[0]
+    if not _is_int(v) or v <= 0:
+        raise ConfigError(f"field {key!r} must be a positive integer, got {v!r}")
+    return v
+
+
+def _hunyuan_moe(c: dict[str, Any], arch: str) -> ModelConfig:
+    """HunYuan MoE (Hunyuan-A13B; transformers' HunYuanMoEV1): the dense HunYuan attention, and on every
+    layer num_experts experts of intermediate_size (softmax over all, top moe_topk, renormalized; the
+    router in float32) beside a shared MLP of intermediate_size, its output added."""
+    cfg = _hunyuan(c, arch)
+    return dataclasses.replace(cfg, num_experts=_per_layer_one(c, "num_experts", 1),
+                               num_experts_per_tok=_per_layer_one(c, "moe_topk", 1), moe_routing="softmax_topk",
+                               moe_norm_topk=True, moe_shared_ffn_dim=c["intermediate_size"])
+
+
 def _smollm3(c: dict[str, Any], arch: str) -> ModelConfig:
     """SmolLM3: Llama's block with no position encoding on some layers (transformers' SmolLM3Config:
     no_rope_layers, 1 where a layer rotates, default every no_rope_layer_interval-th layer (4) without),
@@ -962,7 +985,7 @@ _HF_BUILDERS = {
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi,
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
     "OlmoeForCausalLM": _olmoe, "Ministral3ForCausalLM": _ministral3,
-    "HunYuanDenseV1ForCausalLM": _hunyuan,
+    "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
@@ -982,6 +1005,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "stablelm": "StableLmForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                        "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
                        "ministral3": "Ministral3ForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
+                       "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                        "qwen3_vl": "Qwen3VLForConditionalGeneration",
@@ -1009,6 +1033,7 @@ _HF_DEFAULTS = {
     "GraniteMoeForCausalLM": {"num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2},
     "GraniteMoeSharedForCausalLM": {"num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2},
     "HunYuanDenseV1ForCausalLM": {"bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5},
+    "HunYuanMoEV1ForCausalLM": {"bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5},
     "Ministral3ForCausalLM": {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336,
                               "num_hidden_layers": 34, "num_attention_heads": 32, "num_key_value_heads": 8,
                               "head_dim": 128, "max_position_embeddings": 262144, "rms_norm_eps": 1e-5,

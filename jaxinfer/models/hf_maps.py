@@ -203,7 +203,8 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
     block, names = (("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})
                     if cfg.architecture == "MixtralForCausalLM" else
                     ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}))
-    m[f"{o}/mlp/router"] = ((f"{p}.{block}.gate.weight",), _t)
+    hunyuan = cfg.architecture == "HunYuanMoEV1ForCausalLM"   # its router in gate.wg, its shared MLP shared_mlp
+    m[f"{o}/mlp/router"] = ((f"{p}.{block}.gate.wg.weight" if hunyuan else f"{p}.{block}.gate.weight",), _t)
     for ours, theirs in names.items():
         m[f"{o}/mlp/{ours}"] = (tuple(f"{p}.{block}.experts.{j}.{theirs}.weight" for j in e), _stack_t)
     if cfg.moe_routing == "sigmoid_topk":   # DeepSeek-V3 / GLM-4.5's choice correction
@@ -212,7 +213,7 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
         m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.moe_statics.e_score_correction_bias",),
                                            lambda b: b.reshape(-1))
     if cfg.moe_shared_ffn_dim:   # Qwen2-MoE: shared_expert (+ its gate); GLM-4.5 / DeepSeek: shared_experts
-        shared = "shared_expert" if cfg.moe_shared_gate else "shared_experts"
+        shared = "shared_mlp" if hunyuan else "shared_expert" if cfg.moe_shared_gate else "shared_experts"
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             m[f"{o}/mlp/shared/{ours}"] = ((f"{p}.{block}.{shared}.{theirs}.weight",), _t)
         if cfg.moe_shared_gate:
@@ -368,7 +369,8 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "GPTNeoXForCausalLM": _neox_map, "PhiForCausalLM": _phi_map,
          "StableLmForCausalLM": _stablelm_map, "GraniteMoeForCausalLM": _llama_map,
          "GraniteMoeSharedForCausalLM": _llama_map, "OlmoeForCausalLM": _llama_map,
-         "Ministral3ForCausalLM": _llama_map, "HunYuanDenseV1ForCausalLM": _hunyuan_map}
+         "Ministral3ForCausalLM": _llama_map, "HunYuanDenseV1ForCausalLM": _hunyuan_map,
+         "HunYuanMoEV1ForCausalLM": _hunyuan_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM")
