@@ -477,3 +477,19 @@ def test_tensor_and_pipeline_parallel_equal_one_device(tmp_path):
 
     for run, r in run_model_runs("tests.families_worker", RUNS, tmp_path).items():
         assert r["rel_err"] < 1e-5 and r["same_tokens"], (run, r)
+
+
+def test_hunyuan_moe_router_stays_float32(hf_model_dir):
+    """HunYuan MoE's router is float32 whatever the model's dtype (HunYuanMoEV1Gate's nn.Linear(dtype=
+    torch.float32), its input cast to float): loaded in bfloat16 it is transformers' float32 values bit
+    for bit, the rest bfloat16."""
+    import jax.numpy as jnp
+    import transformers as tf
+
+    from jaxinfer.weights import load_model
+    folder = hf_model_dir("hunyuan-moe")
+    theirs = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).model.layers[0]
+    assert theirs.mlp.gate.wg.weight.dtype == torch.float32 and theirs.self_attn.q_proj.weight.dtype == torch.bfloat16
+    ours = load_model(folder, "bfloat16")[0].layers[0]
+    assert ours.attn.q.get_value().dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(ours.mlp.router.get_value()), theirs.mlp.gate.wg.weight.detach().numpy().T)

@@ -431,6 +431,30 @@ def test_olmo2_and_seed_oss_are_the_original_model(name, tmp_path):
             _gen(bad)
 
 
+def _as_converted(name: str, overrides: dict, tmp_path: Path):
+    """(HF model of tests/hf_models.py's `name` with a 400-token vocabulary, the GGUF vocabulary,
+    a 24-token prompt, the HF logits of it, a Generator on the model's GGUF as the converter writes it)."""
+    text = save_text_model(tmp_path / "spm")
+    vocab = sentencepiece_vocab(text / "tokenizer.model")
+    hf = build_hf_model(name, overrides={"vocab_size": 400, **overrides})
+    ids = np.random.RandomState(9).randint(3, 400, 24).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    gen = _gen(write_gguf(hf, tmp_path / f"{name}.gguf", vocab))
+    assert gen.model_cfg.architecture == type(hf).__name__
+    return hf, vocab, ids, expected, gen
+
+
+def _assert_packed_as_dequantized(hf, vocab, ids, qtypes: dict, path: Path) -> None:
+    """The model's GGUF with llama.cpp's blocks (qtypes) kept packed computes what the same model with
+    the gguf package's dequantization of those blocks computes."""
+    packed = write_gguf(hf, path, vocab, qtypes)
+    ref = _dequantized_copy(hf, packed)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].numpy()
+    assert _rel_err(_gen(packed).logits(ids), expected) < 1e-4
+
+
 @pytest.mark.parametrize("name,overrides", [("glm4", {}), ("starcoder2-window", {"sliding_window": None}),
                                             ("cohere", {}), ("cohere2", {"tie_word_embeddings": True})])
 def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path):
@@ -442,25 +466,14 @@ def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path
     HF model computes. llama.cpp's starcoder2 attends to the whole context (its graph has no window,
     the file none to give), so the reference is the model without its window; cohere2's graph reads
     no output tensor, so the reference is tied."""
-    text = save_text_model(tmp_path / "spm")
-    vocab = sentencepiece_vocab(text / "tokenizer.model")
-    hf = build_hf_model(name, overrides={"vocab_size": 400, **overrides})
-    ids = np.random.RandomState(9).randint(3, 400, 24).tolist()
-    with torch.no_grad():
-        expected = hf(torch.tensor([ids])).logits[0].numpy()
-    gen = _gen(write_gguf(hf, tmp_path / f"{name}.gguf", vocab))
-    assert gen.model_cfg.architecture == type(hf).__name__
+    hf, vocab, ids, expected, gen = _as_converted(name, overrides, tmp_path)
     assert gen.model_cfg.sliding_window == (6 if name == "cohere2" else None)
     assert _rel_err(gen.logits(ids), expected) < 1e-4
     # Q8_0 blocks (packed) on q and k (whose rows the paired families' RoPE reorders), the fused gate / up
     # and the ungated up projections
     qtypes = {"q_proj.weight": "Q8_0", "k_proj.weight": "Q8_0", "gate_up_proj.weight": "Q8_0", "c_fc.weight": "Q8_0",
               "mlp.up_proj.weight": "Q8_0"}
-    packed = write_gguf(hf, tmp_path / f"{name}-q8.gguf", vocab, qtypes)
-    ref = _dequantized_copy(hf, packed)   # the same Q8_0 weights, dequantized by the gguf package
-    with torch.no_grad():
-        expected_q8 = ref(torch.tensor([ids])).logits[0].numpy()
-    assert _rel_err(_gen(packed).logits(ids), expected_q8) < 1e-4
+    _assert_packed_as_dequantized(hf, vocab, ids, qtypes, tmp_path / f"{name}-q8.gguf")
     if name == "glm4":   # a GLM-4.xV text model's file (M-RoPE, Q / K rows reordered by the converter): refused
         bad = write_gguf(hf, tmp_path / "glm4v.gguf", vocab, extra={"glm4.rope.dimension_sections": [8, 12, 12, 0]})
         with pytest.raises(CheckpointError, match="glm4.rope.dimension_sections"):
@@ -479,14 +492,7 @@ def test_phi2_gptneox_stablelm_are_the_original_model(name, overrides, tmp_path)
     RoPE base (llama.cpp's 10 000) and Phi-2's MLP width as 4 x its width, so the references have
     those; GPT-NeoX's activation is the tanh GELU llama.cpp runs every gptneox file with. An older
     Phi-2 file's fused attn_qkv ([q | k | v] rows) reads as its three projections."""
-    text = save_text_model(tmp_path / "spm")
-    vocab = sentencepiece_vocab(text / "tokenizer.model")
-    hf = build_hf_model(name, overrides={"vocab_size": 400, **overrides})
-    ids = np.random.RandomState(9).randint(3, 400, 24).tolist()
-    with torch.no_grad():
-        expected = hf(torch.tensor([ids])).logits[0].numpy()
-    gen = _gen(write_gguf(hf, tmp_path / f"{name}.gguf", vocab))
-    assert gen.model_cfg.architecture == type(hf).__name__
+    hf, vocab, ids, expected, gen = _as_converted(name, overrides, tmp_path)
     assert _rel_err(gen.logits(ids), expected) < 1e-4
     if name == "phi":
         fused = write_gguf(hf, tmp_path / "phi-fused.gguf", vocab, fuse_qkv=True)
@@ -497,11 +503,7 @@ def test_phi2_gptneox_stablelm_are_the_original_model(name, overrides, tmp_path)
         qtypes = {"query_key_value.weight": "Q8_0", "q_proj.weight": "Q8_0", "k_proj.weight": "Q8_0",
                   "dense.weight": "Q8_0", "fc1.weight": "Q4_0", "dense_h_to_4h.weight": "Q4_0", "gate_proj": "Q8_0",
                   "lm_head.weight": "Q8_0"}
-        packed = write_gguf(hf, tmp_path / f"{name}-q.gguf", vocab, qtypes)
-        ref = _dequantized_copy(hf, packed)   # the same blocks, dequantized by the gguf package
-        with torch.no_grad():
-            expected_q = ref(torch.tensor([ids])).logits[0].numpy()
-        assert _rel_err(_gen(packed).logits(ids), expected_q) < 1e-4
+        _assert_packed_as_dequantized(hf, vocab, ids, qtypes, tmp_path / f"{name}-q.gguf")
 
 
 # DeepSeek-V3's YaRN as its config.json gives it (mscale = mscale_all_dim): what a GGUF carries (the

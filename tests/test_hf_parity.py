@@ -59,7 +59,7 @@ def test_bfloat16_logits_close_to_float32(name, hf_model_dir):
 
 
 @pytest.mark.parametrize("name", ["llama-mqa-tied-linear", "gpt2-untied-relu", "bloom-6heads-postnorm", "gemma3",
-                                  "phi3-longrope"])
+                                  "phi3-longrope", "ministral3"])
 def test_native_round_trip_identical_logits(name, hf_model_dir, tmp_path):
     path = hf_model_dir(name)
     model, cfg = load_model(path, "float32")

@@ -33,11 +33,16 @@ def _peft(name: str, config: dict, seed: int):
 
 
 def _rtol(cfg: dict, ranks: int, keys: int) -> float:
+    """Float32 rounding on the logits' path (_chain_rtol) of a tests/hf_models.py config."""
+    d = cfg["hidden_size"]
+    return _chain_rtol(d, cfg["intermediate_size"], cfg.get("head_dim", d // 4), cfg["num_hidden_layers"], ranks, keys)
+
+
+def _chain_rtol(d: int, f: int, hd: int, layers: int, ranks: int, keys: int) -> float:
     """Float32 rounding on the logits' path: every layer's projections (the adapters add an r-long
     and an input-long contraction beside each), its attention, then the LM head."""
-    d, f, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("head_dim", cfg["hidden_size"] // 4)
     per_layer = [d, d, 4 * hd, f, ranks, ranks]
-    return dot_chain_rtol(*(per_layer * cfg["num_hidden_layers"]), d) + attention_rtol("float32", keys, hd)
+    return dot_chain_rtol(*(per_layer * layers), d) + attention_rtol("float32", keys, hd)
 
 
 @pytest.fixture(scope="module")
@@ -233,15 +238,20 @@ def test_second_family_and_int8_base(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["smollm3-window", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "cohere",
-                                  "cohere2", "ernie4_5", "stablelm-parallel-qk-norm", "granitemoe",
-                                  "olmoe", "hunyuan"])
+                                  "cohere2", "ernie4_5", "stablelm-parallel-qk-norm", "granitemoe", "olmoe", "hunyuan",
+                                  "phi", "starcoder2-window", "gpt-neox", "bloom", "gpt2", "phi3-longrope", "glm4",
+                                  "ministral3"])
 def test_newer_families_match_peft(name, tmp_path):
     """SmolLM3 (NoPE layers), Granite (the adapters' output times the residual multiplier), OLMo 2
     (adapters before the whole-width q / k norms and the post-norms), OLMo 3, EXAONE 4.0, Seed-OSS
     (biased projections), Command R+ / R7B (parallel blocks, per-head q / k norms) and ERNIE 4.5 (their
     q / k adapters' output features in the de-interleaved RoPE order), StableLM 2 12B (per-head q / k
-    LayerNorms, parallel blocks), Granite MoE and OLMoE (their attention): an all-linear adapter's
-    logits and greedy tokens as PEFT's."""
+    LayerNorms, parallel blocks), Granite MoE and OLMoE (their attention), HunYuan (q / k norms after
+    RoPE), Ministral 3 (its queries scaled by log position); and the families PEFT adapts under their own module names: Phi (dense, fc1 / fc2),
+    StarCoder2 (c_fc / c_proj), GPT-NeoX and BLOOM (q, k, v fused per head in query_key_value: one A,
+    B split into the three), GPT-2 (c_attn: [q | k | v] rows; Conv1D modules), Phi-3 (qkv_proj's
+    [q | k | v] and gate_up_proj's [gate | up] rows), GLM-4-0414 (gate_up_proj; q / k in RoPE pairs),
+    the ungated MLPs' up projection adapted: an all-linear adapter's logits and greedy tokens as PEFT's."""
     base = save_hf_model(name, tmp_path / "base")
     # PEFT's all-linear on OLMoE also adapts its experts' and router's parameters (target_parameters,
     # refused): its attention here
@@ -253,28 +263,8 @@ def test_newer_families_match_peft(name, tmp_path):
     gen = Generator.from_pretrained(base, lora_modules={"a": str(tmp_path / "a")}, max_loras=1, max_lora_rank=4,
                                     max_model_len=48, max_num_batched_tokens=16, token_buckets=[16], max_num_seqs=2,
                                     block_size=8, num_blocks=13, warmup=False)
-    assert_rel_close(gen.logits(PROMPT, lora="a"), ref, _rtol(CONFIGS[name][1], 4, len(PROMPT)), name)
-    assert gen.generate([PROMPT], GREEDY, lora="a")[0].token_ids == _peft_greedy(model, PROMPT, 10)
-
-
-@pytest.mark.parametrize("name", ["phi", "starcoder2-window", "gpt-neox", "bloom", "gpt2", "phi3-longrope", "glm4"])
-def test_ungated_and_fused_qkv_families_match_peft(name, tmp_path):
-    """The families PEFT adapts under their own module names: Phi (dense, fc1 / fc2), StarCoder2
-    (c_fc / c_proj), GPT-NeoX and BLOOM (q, k, v fused per head in query_key_value: one A, B split
-    into the three), GPT-2 (c_attn: [q | k | v] rows; Conv1D modules), Phi-3 (qkv_proj's [q | k | v]
-    and gate_up_proj's [gate | up] rows; LongRoPE), GLM-4-0414 (gate_up_proj; q / k in RoPE pairs): an
-    all-linear adapter's logits and greedy tokens as PEFT's, the ungated MLPs' up projection adapted."""
-    base = save_hf_model(name, tmp_path / "base")
-    model = _peft(name, dict(r=4, lora_alpha=8, target_modules="all-linear"), seed=13)
-    model.save_pretrained(tmp_path / "a")
-    with torch.no_grad():
-        ref = model(torch.tensor([PROMPT])).logits[0].numpy()
-    gen = Generator.from_pretrained(base, lora_modules={"a": str(tmp_path / "a")}, max_loras=1, max_lora_rank=4,
-                                    max_model_len=48, max_num_batched_tokens=16, token_buckets=[16], max_num_seqs=2,
-                                    block_size=8, num_blocks=13, warmup=False)
-    c = gen.model_cfg
-    per_layer = [c.d_model, c.d_model, 4 * c.head_dim, c.ffn_dim, 4, 4]
-    rtol = dot_chain_rtol(*(per_layer * c.n_layers), c.d_model) + attention_rtol("float32", len(PROMPT), c.head_dim)
+    c = gen.model_cfg   # the served model's sizes (GPT-2's config names them otherwise)
+    rtol = _chain_rtol(c.d_model, c.ffn_dim, c.head_dim, c.n_layers, 4, len(PROMPT))
     assert_rel_close(gen.logits(PROMPT, lora="a"), ref, rtol, name)
     assert gen.generate([PROMPT], GREEDY, lora="a")[0].token_ids == _peft_greedy(model, PROMPT, 10)
 

@@ -133,6 +133,8 @@ class ModelConfig:
     moe_routing: str = "topk_softmax"
     moe_norm_topk: bool = True
     router_bias: bool = False
+    moe_router_fp32: bool = False       # HunYuan MoE: the router float32 whatever the dtype, as transformers
+                                        # keeps it (sigmoid_topk and the group routings always are: moe.py)
     moe_groups: int = 1
     moe_topk_groups: int = 1
     moe_routed_scale: float = 1.0
@@ -357,7 +359,7 @@ class ModelConfig:
         if d.get("rope_scaling") is not None:   # lists from JSON back to tuples: the config stays hashable
             d["rope_scaling"] = RopeScaling(**{k: tuple(v) if isinstance(v, list) else v
                                                for k, v in d["rope_scaling"].items()})
-        for k in ("sliding_layers", "rope_layers", "moe_layers", "eos_token_ids"):
+        for k in ("sliding_layers", "rope_layers", "moe_layers", "eos_token_ids", "query_log_scale"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         return cls(**d)

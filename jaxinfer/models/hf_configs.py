@@ -378,8 +378,8 @@ def _hunyuan(c: dict[str, Any], arch: str) -> ModelConfig:
 
 
 def _per_layer_one(c: dict[str, Any], key: str, default: int) -> int:
-    """A HunYuan MoE field that may be one value or one per layer (all the same: per-layer expert
-    counts or top-k are refused)."""
+    """A HunYuan MoE field that may be one value or one per layer (moe_topk; different values per
+    layer are refused)."""
     v = c.get(key, default)
     if isinstance(v, list):
         if not v or any(x != v[0] for x in v):
@@ -395,9 +395,10 @@ def _hunyuan_moe(c: dict[str, Any], arch: str) -> ModelConfig:
     layer num_experts experts of intermediate_size (softmax over all, top moe_topk, renormalized; the
     router in float32) beside a shared MLP of intermediate_size, its output added."""
     cfg = _hunyuan(c, arch)
-    return dataclasses.replace(cfg, num_experts=_per_layer_one(c, "num_experts", 1),
-                               num_experts_per_tok=_per_layer_one(c, "moe_topk", 1), moe_routing="softmax_topk",
-                               moe_norm_topk=True, moe_shared_ffn_dim=c["intermediate_size"])
+    topk = "moe_topk" if "moe_topk" in c or "num_experts_per_tok" not in c else "num_experts_per_tok"   # (its alias)
+    return dataclasses.replace(cfg, num_experts=_num_experts(c, arch), num_experts_per_tok=_per_layer_one(c, topk, 1),
+                               moe_routing="softmax_topk", moe_norm_topk=True, moe_router_fp32=True,
+                               moe_shared_ffn_dim=c["intermediate_size"])
 
 
 def _smollm3(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -1081,7 +1082,8 @@ _HF_DEFAULTS = {
 _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128,
                     "Qwen2MoeForCausalLM": 60, "Glm4MoeForCausalLM": 128, "DeepseekV3ForCausalLM": 256,
                     "DeepseekV2ForCausalLM": 64, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
-                    "OlmoeForCausalLM": 64}
+                    "OlmoeForCausalLM": 64,
+                    "HunYuanMoEV1ForCausalLM": 1}
 # architectures close to a supported one, refused with a pointer to what is supported
 _NOT_SUPPORTED = {
     "Phi3SmallForCausalLM": " (Phi-3-small: block-sparse attention and its own MLP, not Phi3ForCausalLM's)",

@@ -260,25 +260,32 @@ def _gpt2_map(cfg: ModelConfig) -> WeightMap:
     return m
 
 
-def _bloom_map(cfg: ModelConfig) -> WeightMap:
+def _per_head_qkv_block(m: WeightMap, cfg: ModelConfig, o: str, p: str, attn: str) -> None:
+    """BLOOM's and GPT-NeoX's block: LayerNorms before attention and MLP, q, k, v fused per head in
+    {attn}.query_key_value ([h, 3, hd] rows), {attn}.dense, the ungated mlp.dense_h_to_4h /
+    dense_4h_to_h, biases where the config has them."""
     h, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+    _norm(m, f"{o}/attn_norm", f"{p}.input_layernorm", True)
+    _norm(m, f"{o}/mlp_norm", f"{p}.post_attention_layernorm", True)
+    for j, name in enumerate("qkv"):
+        m[f"{o}/attn/{name}"] = ((f"{p}.{attn}.query_key_value.weight",),
+                                 lambda w, j=j: w.reshape(h, 3, hd, d)[:, j].transpose(2, 0, 1))
+        if cfg.qkv_bias:
+            m[f"{o}/attn/{name}_bias"] = ((f"{p}.{attn}.query_key_value.bias",), lambda b, j=j: b.reshape(h, 3, hd)[:, j])
+    m[f"{o}/attn/o"] = ((f"{p}.{attn}.dense.weight",), lambda w: w.T.reshape(h, hd, d))
+    if cfg.out_bias:
+        m[f"{o}/attn/o_bias"] = ((f"{p}.{attn}.dense.bias",), _ident)
+    for ours, theirs in (("up", "dense_h_to_4h"), ("down", "dense_4h_to_h")):
+        m[f"{o}/mlp/{ours}"] = ((f"{p}.mlp.{theirs}.weight",), _t)
+        if cfg.mlp_bias:
+            m[f"{o}/mlp/{ours}_bias"] = ((f"{p}.mlp.{theirs}.bias",), _ident)
+
+
+def _bloom_map(cfg: ModelConfig) -> WeightMap:
     m: WeightMap = {"embed": (("transformer.word_embeddings.weight",), _ident)}
     _norm(m, "embed_norm", "transformer.word_embeddings_layernorm", True)
     for i in range(cfg.n_layers):
-        p, o = f"transformer.h.{i}", f"layers/{i}"
-        _norm(m, f"{o}/attn_norm", f"{p}.input_layernorm", True)
-        _norm(m, f"{o}/mlp_norm", f"{p}.post_attention_layernorm", True)
-        for j, name in enumerate("qkv"):  # fused per head: [h, 3, hd, d]
-            m[f"{o}/attn/{name}"] = ((f"{p}.self_attention.query_key_value.weight",),
-                                     lambda w, j=j: w.reshape(h, 3, hd, d)[:, j].transpose(2, 0, 1))
-            m[f"{o}/attn/{name}_bias"] = ((f"{p}.self_attention.query_key_value.bias",),
-                                          lambda b, j=j: b.reshape(h, 3, hd)[:, j])
-        m[f"{o}/attn/o"] = ((f"{p}.self_attention.dense.weight",), lambda w: w.T.reshape(h, hd, d))
-        m[f"{o}/attn/o_bias"] = ((f"{p}.self_attention.dense.bias",), _ident)
-        m[f"{o}/mlp/up"] = ((f"{p}.mlp.dense_h_to_4h.weight",), _t)
-        m[f"{o}/mlp/up_bias"] = ((f"{p}.mlp.dense_h_to_4h.bias",), _ident)
-        m[f"{o}/mlp/down"] = ((f"{p}.mlp.dense_4h_to_h.weight",), _t)
-        m[f"{o}/mlp/down_bias"] = ((f"{p}.mlp.dense_4h_to_h.bias",), _ident)
+        _per_head_qkv_block(m, cfg, f"layers/{i}", f"transformer.h.{i}", "self_attention")
     _norm(m, "final_norm", "transformer.ln_f", True)
     if not cfg.tie_embeddings:
         m["lm_head"] = (("lm_head.weight",), _t)
@@ -325,28 +332,12 @@ def _stablelm_map(cfg: ModelConfig) -> WeightMap:
 
 
 def _neox_map(cfg: ModelConfig) -> WeightMap:
-    """GPT-NeoX (Pythia): q, k, v fused per head in query_key_value [h, 3, hd] rows (as BLOOM's),
-    LayerNorms before attention and MLP (side by side when use_parallel_residual), the LM head in
-    embed_out (transformers 5 reads it as lm_head and writes embed_out back)."""
-    h, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+    """GPT-NeoX (Pythia): BLOOM's block under gpt_neox.layers.i.attention (_per_head_qkv_block; side by
+    side when use_parallel_residual), the LM head in embed_out (transformers 5 reads it as lm_head
+    and writes embed_out back)."""
     m: WeightMap = {"embed": (("gpt_neox.embed_in.weight",), _ident)}
     for i in range(cfg.n_layers):
-        p, o = f"gpt_neox.layers.{i}", f"layers/{i}"
-        _norm(m, f"{o}/attn_norm", f"{p}.input_layernorm", True)
-        _norm(m, f"{o}/mlp_norm", f"{p}.post_attention_layernorm", True)
-        for j, name in enumerate("qkv"):
-            m[f"{o}/attn/{name}"] = ((f"{p}.attention.query_key_value.weight",),
-                                     lambda w, j=j: w.reshape(h, 3, hd, d)[:, j].transpose(2, 0, 1))
-            if cfg.qkv_bias:
-                m[f"{o}/attn/{name}_bias"] = ((f"{p}.attention.query_key_value.bias",),
-                                              lambda b, j=j: b.reshape(h, 3, hd)[:, j])
-        m[f"{o}/attn/o"] = ((f"{p}.attention.dense.weight",), lambda w: w.T.reshape(h, hd, d))
-        if cfg.out_bias:
-            m[f"{o}/attn/o_bias"] = ((f"{p}.attention.dense.bias",), _ident)
-        m[f"{o}/mlp/up"] = ((f"{p}.mlp.dense_h_to_4h.weight",), _t)
-        m[f"{o}/mlp/up_bias"] = ((f"{p}.mlp.dense_h_to_4h.bias",), _ident)
-        m[f"{o}/mlp/down"] = ((f"{p}.mlp.dense_4h_to_h.weight",), _t)
-        m[f"{o}/mlp/down_bias"] = ((f"{p}.mlp.dense_4h_to_h.bias",), _ident)
+        _per_head_qkv_block(m, cfg, f"layers/{i}", f"gpt_neox.layers.{i}", "attention")
     _norm(m, "final_norm", "gpt_neox.final_layer_norm", True)
     if not cfg.tie_embeddings:
         m["lm_head"] = (("embed_out.weight",), _t)
