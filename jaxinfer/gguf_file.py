@@ -37,9 +37,10 @@ sigmoid routing; DeepSeek-V2 / V2-Lite / Coder-V2: softmax routing without group
 one LayerNorm for attention and MLP side by side, the head's bias; q / k / v apart or, in files
 converted from the remote-code Phi, fused in attn_qkv), gptneox (Pythia, GPT-NeoX-20B:
 attn_qkv's [q | k | v] rows put back in transformers' per-head order, use_parallel_residual; the
-tanh GELU llama.cpp runs every such file with, Pythia's erf one not being in the file) and stablelm (StableLM: per-head q / k
-norms stacked in attn_q_norm / attn_k_norm; parallel blocks where the file has no ffn_norm, as
-llama.cpp runs them); these three rotate the share of each head rope.dimension_count gives. Rope: none,
+tanh GELU llama.cpp runs every such file with, Pythia's erf one not being in the file) and stablelm
+(StableLM: per-head q / k norms stacked in attn_q_norm / attn_k_norm; parallel blocks where the file
+has no ffn_norm, as llama.cpp runs them); these three rotate the share of each head
+rope.dimension_count gives. Rope: none,
 linear, yarn, and Llama 3's (its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
 every stored divisor). Anything else is refused naming the key or tensor. Split files
 (NAME-00001-of-0000N.gguf) are read across their parts.

@@ -247,8 +247,8 @@ def test_newer_families_match_peft(name, tmp_path):
     (biased projections), Command R+ / R7B (parallel blocks, per-head q / k norms) and ERNIE 4.5 (their
     q / k adapters' output features in the de-interleaved RoPE order), StableLM 2 12B (per-head q / k
     LayerNorms, parallel blocks), Granite MoE and OLMoE (their attention), HunYuan (q / k norms after
-    RoPE), Ministral 3 (its queries scaled by log position); and the families PEFT adapts under their own module names: Phi (dense, fc1 / fc2),
-    StarCoder2 (c_fc / c_proj), GPT-NeoX and BLOOM (q, k, v fused per head in query_key_value: one A,
+    RoPE), Ministral 3 (its queries scaled by log position); and the families PEFT adapts under their
+    own module names: Phi (dense, fc1 / fc2), StarCoder2 (c_fc / c_proj), GPT-NeoX and BLOOM (q, k, v fused per head in query_key_value: one A,
     B split into the three), GPT-2 (c_attn: [q | k | v] rows; Conv1D modules), Phi-3 (qkv_proj's
     [q | k | v] and gate_up_proj's [gate | up] rows), GLM-4-0414 (gate_up_proj; q / k in RoPE pairs),
     the ungated MLPs' up projection adapted: an all-linear adapter's logits and greedy tokens as PEFT's."""
