@@ -187,18 +187,17 @@ class ModelConfig:
             "parallel_mlp_norm": self.parallel_block or not (self.parallel_mlp_norm or self.parallel_sum_first),
             "pre_norms": self.pre_norms or self.post_norms,
             "qk_norm_full": self.qk_norm or not self.qk_norm_full,
-            "qk_norm_after_rope": not self.qk_norm_after_rope or (self.qk_norm and self.position == "rope"
-                                                                  and not self.mla_kv_rank),
+            "qk_norm_after_rope, query_log_scale (RoPE only)": not (self.qk_norm_after_rope or self.query_log_scale) or (
+                self.qk_norm_after_rope <= self.qk_norm and self.position == "rope" and not self.mla_kv_rank),
             "qk_norm_heads": not self.qk_norm_heads or (self.qk_norm and not self.qk_norm_full),
             "position": self.position in ("rope", "alibi", "learned", "sinusoidal"),
             "sliding_layers": self.sliding_layers is None or len(self.sliding_layers) == self.n_layers,
             "rope_layers": self.rope_layers is None or (len(self.rope_layers) == self.n_layers
                                                         and self.position == "rope"),
             "rotary_dim": self.rotary_dim is None or 0 < self.rotary_dim <= self.head_dim,
-            "query_log_scale": self.query_log_scale is None or (
-                len(self.query_log_scale) == 2 and _is_number(self.query_log_scale[0])
-                and _is_int(self.query_log_scale[1]) and self.query_log_scale[1] > 0
-                and self.position == "rope" and not self.mla_kv_rank),   # (models/mla.py has no such scale)
+            "query_log_scale": self.query_log_scale is None or (   # (models/mla.py has no such scale)
+                len(self.query_log_scale) == 2 and _is_number(self.query_log_scale[0]) and _is_int(
+                    self.query_log_scale[1]) and self.query_log_scale[1] > 0 and self.position == "rope"),
             **{k: getattr(self, k) is None or getattr(self, k) > 0 for k in positive},
             "logits_scaling": self.logits_scaling != 0,
             "num_experts": self.num_experts >= 0,
