@@ -21,7 +21,7 @@ ones plain, both kept as the raw text the converter wrote; BOS is added as
 
 Architectures: llama (also Mistral's files, and Mixtral's: llama with experts), qwen2, qwen3,
 qwen3moe (experts stacked per layer: ffn_{gate,up,down}_exps or gate and up fused in
-ffn_gate_up_exps, read expert by expert), gemma2,
+ffn_gate_up_exps, read expert by expert), gemma (Gemma 1 and CodeGemma: every layer global), gemma2,
 gemma3 (text; the settings llama.cpp takes from the model size rather than the file: _GEMMA), phi3
 (Phi-3, Phi-3.5, Phi-4, Phi-4-mini: fused q/k/v and gate/up, LongRoPE's factors as tensors, partial
 rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fused, served in
@@ -64,14 +64,15 @@ from jaxinfer.cache_dir import cache_dir
 
 MARKER = "gguf_file"   # config.json's key naming the file
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+         "qwen3moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
          "phi3": "Phi3ForCausalLM", "gpt-oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
          "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "seed_oss": "SeedOssForCausalLM",
          "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
          "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "command-r": "CohereForCausalLM",
          "cohere2": "Cohere2ForCausalLM", "phi2": "PhiForCausalLM", "gptneox": "GPTNeoXForCausalLM",
          "stablelm": "StableLmForCausalLM"}
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma": "gemma",
+                "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
                 "granite": "granite", "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2moe": "qwen2_moe",
                 "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3", "glm4": "glm4", "starcoder2": "starcoder2",
@@ -287,6 +288,8 @@ def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) ->
     arch = f.arch
     if arch in _GEMMA:
         return _gemma(f, cfg)
+    elif arch == "gemma":   # llama.cpp's gemma: GELU-tanh, the embedding as the head, queries by 1/sqrt(head_dim)
+        return {"hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True}
     elif arch == "phi3":
         return _phi3(f, cfg)
     elif arch == "gpt-oss":
@@ -1037,7 +1040,7 @@ class GGUFTensors:
         llama.cpp's rotary order turned back); Gemma's norm weights as transformers' w of (1 + w)
         (llama.cpp's converter stores 1 + w); Qwen2-MoE's shared-expert gate [D] as its one row [1, D];
         StableLM's stacked q / k norms as one head's; GPT-NeoX's fused q / k / v rows per head."""
-        if self.file.arch in _GEMMA and name.endswith("norm.weight"):
+        if self.file.arch in (*_GEMMA, "gemma") and name.endswith("norm.weight"):
             return x - 1.0
         if name.endswith("shared_expert_gate.weight") and x.ndim == 1:   # llama.cpp's {n_embd}: one row
             return x[None, :]

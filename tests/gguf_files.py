@@ -142,7 +142,8 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(1 if arch == "deepseek2" and mla else cfg.num_key_value_heads)   # DeepSeek: latent form as MQA
-    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if arch != "gemma":   # GemmaModel.set_gguf_parameters writes no RoPE base (llama.cpp's 10 000)
+        w.add_rope_freq_base(float(rope["rope_theta"]))
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
@@ -153,7 +154,7 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
         for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
             if rope.get(key) is not None:
                 add(float(rope[key]))
-    if gemma:   # Gemma2Model / Gemma3Model.set_gguf_parameters: the window and caps, key_length always
+    if gemma and arch != "gemma":   # Gemma2Model / Gemma3Model.set_gguf_parameters: the window and caps
         w.add_sliding_window(cfg.sliding_window)
         if arch == "gemma2":
             w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
@@ -326,7 +327,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
 
     cfg = model.config
     arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
-            "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
+            "qwen3_moe": "qwen3moe", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
             "gpt_oss": "gpt-oss", "smollm3": "smollm3", "granite": "granite",
             "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe",
             "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4": "glm4",

@@ -135,6 +135,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "starcoder2-mqa": ("starcoder2", dict(_COMMON, vocab_size=93, intermediate_size=80, num_hidden_layers=2,
                                           num_key_value_heads=1, use_bias=False, tie_word_embeddings=False,
                                           sliding_window=None)),
+    # Gemma (1): Llama's block with Gemma's norms, GeGLU and scaled embedding; MQA as gemma-2b,
+    # head_dim != d_model / heads as gemma-7b
+    "gemma": ("gemma", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=2,
+                            num_key_value_heads=1, head_dim=32, initializer_range=0.2)),
     # sliding, global, sliding, global; query_pre_attn_scalar != head_dim; caps that bend
     "gemma2": ("gemma2", dict(_COMMON, vocab_size=137, intermediate_size=96, num_hidden_layers=4,
                               num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
@@ -284,7 +288,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
 
 # Tied embeddings at initializer_range 0.2 dominate the residual stream and greedy decoding repeats
 # one token; drawn smaller (this std) the continuations stay varied, so greedy checks mean something.
-EMBED_STD = {"gemma2": 0.05, "gemma3": 0.05}
+EMBED_STD = {"gemma": 0.05, "gemma2": 0.05, "gemma3": 0.05}
 
 
 def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
@@ -297,7 +301,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
            "bloom": (tf.BloomConfig, tf.BloomForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
-           "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+           "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM), "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
            "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
            "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),

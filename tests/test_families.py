@@ -329,6 +329,31 @@ def test_gpt_neox_config_as_transformers_reads_it():
             assert cfg.num_params() == sum(p.numel() for p in tf.GPTNeoXForCausalLM(theirs).parameters())
 
 
+def test_gemma_config_as_transformers_reads_it():
+    """gemma-2b's published config.json (hidden_act "gelu", meant as the tanh GELU), gemma-1.1's
+    added hidden_activation, and one that names nothing optional, read as GemmaConfig reads them."""
+    import transformers as tf
+    gemma_2b = {"architectures": ["GemmaForCausalLM"], "attention_bias": False, "bos_token_id": 2, "eos_token_id": 1,
+                "head_dim": 256, "hidden_act": "gelu", "hidden_size": 2048, "intermediate_size": 16384,
+                "max_position_embeddings": 8192, "model_type": "gemma", "num_attention_heads": 8,
+                "num_hidden_layers": 18, "num_key_value_heads": 1, "pad_token_id": 0, "rms_norm_eps": 1e-06,
+                "rope_scaling": None, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "vocab_size": 256000}
+    bare = {"architectures": ["GemmaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    acts = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+    for fields in (gemma_2b, {**gemma_2b, "hidden_activation": "gelu_pytorch_tanh"}, bare):
+        theirs = tf.GemmaConfig(**{k: v for k, v in fields.items() if k not in ("architectures", "torch_dtype")})
+        cfg = model_config_from_hf(fields)
+        assert (cfg.activation, cfg.head_dim, cfg.rope_theta, cfg.n_kv_heads, cfg.norm_eps) == (
+            acts[theirs.hidden_act], theirs.head_dim, theirs.rope_parameters["rope_theta"],
+            theirs.num_key_value_heads, theirs.rms_norm_eps)
+        assert (cfg.eos_token_ids, cfg.bos_token_id, cfg.max_position_embeddings, cfg.tie_embeddings) == (
+            (theirs.eos_token_id,), theirs.bos_token_id, theirs.max_position_embeddings, theirs.tie_word_embeddings)
+        assert cfg.softmax_scale == pytest.approx(theirs.head_dim ** -0.5)
+        if fields is bare:   # (2.5B parameters: not built)
+            assert cfg.num_params() == sum(p.numel() for p in tf.GemmaForCausalLM(theirs).parameters())
+
+
 def test_phi_config_as_transformers_reads_it():
     """Phi-2's published config.json (microsoft/phi-2, transformers' own format since 4.37) and one
     that names nothing optional, read as PhiConfig reads them: RoPE, KV heads, q / k norms, ids."""

@@ -693,13 +693,15 @@ def test_fused_gate_up_experts(tmp_path):
 
 
 @pytest.mark.parametrize("name, overrides", [
+    # llama.cpp's Gemma (1): every layer global, no RoPE base in the file
+    ("gemma", {}),
     # llama.cpp's Gemma 2: every other layer sliding, soft caps from the file, queries by 1/sqrt(head_dim)
     ("gemma2", {"query_pre_attn_scalar": 16}),
     # Gemma 3: five sliding layers to one global (base 1e6, linear x8; sliding base 10 000), q/k norms
     ("gemma3", {"query_pre_attn_scalar": 16, "final_logit_softcapping": None}),
 ])
 def test_gemma_is_the_original_model(name, overrides, tmp_path):
-    """Gemma 2 / 3 as llama.cpp's converter writes them (norms as 1 + w, SentencePiece without the
+    """Gemma 1 / 2 / 3 as llama.cpp's converter writes them (norms as 1 + w, SentencePiece without the
     space prefix; Q8_0 projections packed) compute what the HF model computes, with the settings
     llama.cpp assumes rather than reads (query scale, layer pattern, sliding RoPE base)."""
     text = save_text_model(tmp_path / "spm")

@@ -56,7 +56,7 @@ _FAMILY_PROJECTIONS = {
                         "mlp.c_proj": ("down", 0)},
 }
 GROUP_PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "up": 1, "down": 1}
-LORA_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+LORA_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                  "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
                  "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                  "Exaone4ForCausalLM", "SeedOssForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",

@@ -819,12 +819,14 @@ def _gemma(c: dict[str, Any], arch: str) -> ModelConfig:
     """Gemma 2 and Gemma 3 (text): GeGLU, embeddings times sqrt(d_model), RMSNorm with (1 + w) before
     and after attention and MLP, sliding and global layers (layer_types), query_pre_attn_scalar;
     Gemma 2 soft-caps attention scores, both may soft-cap the logits; Gemma 3 adds q/k norms and a
-    RoPE base of its own for the sliding layers."""
+    RoPE base of its own for the sliding layers. Gemma (1), CodeGemma: _gemma1."""
     if c.get("use_bidirectional_attention"):
         raise ConfigError(f"{arch} with use_bidirectional_attention (an embedding model) is not supported: "
                           "jaxinfer runs causal decoders")
     d, h, n = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
     head_dim = c.get("head_dim") or d // h
+    if arch == "GemmaForCausalLM":
+        return _gemma1(c, arch, head_dim)
     pattern = 2 if arch == "Gemma2ForCausalLM" else c.get("sliding_window_pattern", 6)
     types = c.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                      for i in range(n)]
@@ -844,6 +846,25 @@ def _gemma(c: dict[str, Any], arch: str) -> ModelConfig:
         attn_softcap=c.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
         final_softcap=c.get("final_logit_softcapping"), embed_scale=math.sqrt(d),
         tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
+def _gemma1(c: dict[str, Any], arch: str, head_dim: int) -> ModelConfig:
+    """Gemma (1, 1.1) and CodeGemma: Llama's pre-norm block with Gemma's (1 + w) RMSNorms, GeGLU,
+    embeddings times sqrt(d_model), tied head, every layer global, scores scaled by head_dim^-1/2;
+    the published configs' hidden_act "gelu" is the tanh GELU (GemmaConfig.__post_init__; transformers
+    5 reads hidden_act alone, not the older hidden_activation)."""
+    d, act = c["hidden_size"], c.get("hidden_act") or "gelu_pytorch_tanh"
+    theta, scaling = _rope(_rope_params(c), c)
+    bias = bool(c.get("attention_bias", False))
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
+        n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], head_dim=head_dim,
+        ffn_dim=c["intermediate_size"],
+        activation=_activation({"hidden_act": "gelu_pytorch_tanh" if act == "gelu" else act}, "hidden_act"),
+        gated_mlp=True, norm="gemma_rmsnorm", norm_eps=float(c.get("rms_norm_eps", 1e-6)), position="rope",
+        rope_theta=theta, rope_scaling=scaling, max_position_embeddings=c.get("max_position_embeddings", 8192),
+        qkv_bias=bias, out_bias=bias, embed_scale=math.sqrt(d), tie_embeddings=bool(c.get("tie_word_embeddings", True)),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 
 
@@ -974,7 +995,8 @@ def _gpt_neox(c: dict[str, Any], arch: str) -> ModelConfig:
 
 _HF_BUILDERS = {
     "LlamaForCausalLM": _llama_like, "MistralForCausalLM": _llama_like, "Qwen2ForCausalLM": _llama_like,
-    "Qwen3ForCausalLM": _llama_like, "Gemma2ForCausalLM": _gemma, "Gemma3ForCausalLM": _gemma,
+    "Qwen3ForCausalLM": _llama_like, "GemmaForCausalLM": _gemma, "Gemma2ForCausalLM": _gemma,
+    "Gemma3ForCausalLM": _gemma,
     "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2, "BloomForCausalLM": _bloom,
     "MixtralForCausalLM": _moe, "Qwen3MoeForCausalLM": _moe, "GptOssForCausalLM": _gpt_oss,
     "SmolLM3ForCausalLM": _smollm3, "GraniteForCausalLM": _granite, "Olmo2ForCausalLM": _olmo,
@@ -991,7 +1013,7 @@ _HF_BUILDERS = {
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                       "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                       "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                        "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM",
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "gpt_oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
@@ -1047,6 +1069,8 @@ _HF_DEFAULTS = {
     "SeedOssForCausalLM": {"head_dim": 128, "num_key_value_heads": 8, "max_position_embeddings": 524288},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "num_key_value_heads": 4,
                            "rope_theta": 2000000.0},
+    "GemmaForCausalLM": {"head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+                         "bos_token_id": 2, "eos_token_id": 1},
     "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
                           "final_logit_softcapping": 30.0},
     # Gemma3TextConfig's: the text_config of a Gemma 3 vision-language checkpoint names only the sizes

@@ -345,7 +345,8 @@ def _neox_map(cfg: ModelConfig) -> WeightMap:
 
 
 _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen2ForCausalLM": _llama_map,
-         "Qwen3ForCausalLM": _llama_map, "Gemma2ForCausalLM": _llama_map, "Gemma3ForCausalLM": _llama_map,
+         "Qwen3ForCausalLM": _llama_map, "GemmaForCausalLM": _llama_map, "Gemma2ForCausalLM": _llama_map,
+         "Gemma3ForCausalLM": _llama_map,
          "Phi3ForCausalLM": lambda cfg: _llama_map(cfg, fused=True), "MixtralForCausalLM": _llama_map,
          "Qwen3MoeForCausalLM": _llama_map, "Qwen2MoeForCausalLM": _llama_map, "Glm4MoeForCausalLM": _llama_map,
          "DeepseekV3ForCausalLM": _llama_map, "DeepseekV2ForCausalLM": _llama_map,
