@@ -280,7 +280,7 @@ def test_num_params_match_transformers():
 @pytest.mark.parametrize("name", ["glm4", "glm-mqa", "starcoder2-window", "starcoder2-mqa", "cohere", "cohere2", "olmo2",
                                   "ernie4_5", "ernie4_5_moe", "gpt-neox", "gpt-neox-sequential", "phi",
                                   "phi-qk-layernorm", "stablelm", "stablelm-parallel-qk-norm", "granitemoe",
-                                  "granitemoeshared", "olmoe", "hunyuan", "hunyuan-moe"])
+                                  "granitemoeshared", "olmoe", "hunyuan", "hunyuan-moe", "arcee"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -288,7 +288,7 @@ def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
 
 @pytest.mark.parametrize("arch", ["CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                                   "Ernie4_5_MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
-                                  "Starcoder2ForCausalLM"])
+                                  "Starcoder2ForCausalLM", "ArceeForCausalLM"])
 def test_new_families_fill_missing_fields_as_transformers(arch):
     """A config.json that leaves out the RoPE base, KV heads, context and special tokens: transformers'
     class defaults (Cohere's and ERNIE's RoPE base 500 000, GLM's and StarCoder2's 2 KV heads, ...)."""
@@ -300,6 +300,8 @@ def test_new_families_fill_missing_fields_as_transformers(arch):
     assert (cfg.rope_theta, cfg.n_kv_heads, cfg.max_position_embeddings, cfg.eos_token_ids, cfg.bos_token_id) == (
         theirs.rope_parameters["rope_theta"], theirs.num_key_value_heads or 4, theirs.max_position_embeddings,
         tuple(eos), theirs.bos_token_id)
+    if arch == "ArceeForCausalLM":   # ArceeConfig's squared ReLU, ungated
+        assert (cfg.activation, cfg.gated_mlp) == (theirs.hidden_act, False)
 
 
 def test_gpt_neox_config_as_transformers_reads_it():

@@ -54,7 +54,7 @@ class ModelConfig:
     n_kv_heads: int
     head_dim: int
     ffn_dim: int
-    activation: str = "silu"            # silu | gelu (erf) | gelu_tanh | relu
+    activation: str = "silu"            # silu | gelu (erf) | gelu_tanh | relu | relu2 (squared ReLU)
     gated_mlp: bool = True              # act(x W_gate) * (x W_up) -> W_down; else act(x W_fc) -> W_proj
     norm: str = "rmsnorm"               # rmsnorm | gemma_rmsnorm (scale 1 + w) | olmo_rmsnorm (w times the
                                         # normed float32 value, cast after) | layernorm | layernorm_nobias (Cohere)
@@ -180,7 +180,7 @@ class ModelConfig:
             "n_layers": self.n_layers > 0, "n_heads": self.n_heads > 0,
             "n_kv_heads": self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0,
             "head_dim": self.head_dim > 0, "ffn_dim": self.ffn_dim > 0,
-            "activation": self.activation in ("silu", "gelu", "gelu_tanh", "relu"),
+            "activation": self.activation in ("silu", "gelu", "gelu_tanh", "relu", "relu2"),
             "norm": self.norm in ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias"),
             "parallel_block": not self.parallel_block or (self.pre_norms and not self.post_norms
                                                           and not self.residual_post_norm and not self.num_experts),

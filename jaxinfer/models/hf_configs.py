@@ -34,7 +34,8 @@ _HF_OPTIONAL_POSITIVE = ("attn_logit_softcapping", "final_logit_softcapping", "q
                          "partial_rotary_factor", "swiglu_limit")
 
 # config.json `hidden_act` -> ModelConfig.activation
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "gelu_pytorch_tanh": "gelu_tanh",
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "relu2": "relu2",
+                "gelu_pytorch_tanh": "gelu_tanh",
                 "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 
 
@@ -316,7 +317,8 @@ def _qwen_window(c: dict[str, Any]) -> tuple[int | None, tuple[bool, ...] | None
 
 def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
     """Llama, Mistral, Qwen2, Qwen3: RMSNorm, RoPE, GQA, SwiGLU (Qwen3: + q/k norms); the attention
-    half of Mixtral and Qwen3-MoE (_moe adds their experts)."""
+    half of Mixtral and Qwen3-MoE (_moe adds their experts); Arcee (AFM-4.5B): Llama with an ungated
+    MLP, up_proj then down_proj, of squared ReLU (ArceeConfig's hidden_act default)."""
     d, h = c["hidden_size"], c["num_attention_heads"]
     theta, scaling = _rope(_rope_params(c), c)
     window, sliding_layers = c.get("sliding_window"), None
@@ -324,15 +326,15 @@ def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
         window, sliding_layers = _qwen_window(c)
     elif arch == "Qwen3MoeForCausalLM":   # every layer windowed, and only when use_sliding_window
         window = c.get("sliding_window") if c.get("use_sliding_window", False) else None
-    elif arch == "LlamaForCausalLM":
+    elif arch in ("LlamaForCausalLM", "ArceeForCausalLM"):
         window = None
     bias = bool(c.get("attention_bias", False))
     return ModelConfig(
         vocab_size=c["vocab_size"], d_model=d, n_layers=c["num_hidden_layers"], n_heads=h,
         n_kv_heads=c.get("num_key_value_heads") or h, head_dim=c.get("head_dim") or d // h,
         ffn_dim=c["intermediate_size"], activation=_activation(c, "hidden_act"),
-        gated_mlp=True, norm="rmsnorm", norm_eps=float(c.get("rms_norm_eps", 1e-6)), position="rope",
-        rope_theta=theta, rope_scaling=scaling,
+        gated_mlp=arch != "ArceeForCausalLM", norm="rmsnorm", norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        position="rope", rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=c.get("max_position_embeddings", 2048),
         sliding_window=window, sliding_layers=sliding_layers,
         qkv_bias=bias or arch == "Qwen2ForCausalLM", out_bias=bias, mlp_bias=bool(c.get("mlp_bias", False)),
@@ -995,7 +997,7 @@ def _gpt_neox(c: dict[str, Any], arch: str) -> ModelConfig:
 
 _HF_BUILDERS = {
     "LlamaForCausalLM": _llama_like, "MistralForCausalLM": _llama_like, "Qwen2ForCausalLM": _llama_like,
-    "Qwen3ForCausalLM": _llama_like, "GemmaForCausalLM": _gemma, "Gemma2ForCausalLM": _gemma,
+    "Qwen3ForCausalLM": _llama_like, "ArceeForCausalLM": _llama_like, "GemmaForCausalLM": _gemma, "Gemma2ForCausalLM": _gemma,
     "Gemma3ForCausalLM": _gemma,
     "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2, "BloomForCausalLM": _bloom,
     "MixtralForCausalLM": _moe, "Qwen3MoeForCausalLM": _moe, "GptOssForCausalLM": _gpt_oss,
@@ -1013,7 +1015,7 @@ _HF_BUILDERS = {
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                       "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                       "qwen3": "Qwen3ForCausalLM", "arcee": "ArceeForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                        "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM",
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "gpt_oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
@@ -1069,6 +1071,8 @@ _HF_DEFAULTS = {
     "SeedOssForCausalLM": {"head_dim": 128, "num_key_value_heads": 8, "max_position_embeddings": 524288},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "num_key_value_heads": 4,
                            "rope_theta": 2000000.0},
+    "ArceeForCausalLM": {"hidden_act": "relu2", "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                         "bos_token_id": 128000, "eos_token_id": 128001},
     "GemmaForCausalLM": {"head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True,
                          "bos_token_id": 2, "eos_token_id": 1},
     "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,

@@ -86,6 +86,10 @@ def head_order(cfg: ModelConfig) -> np.ndarray:
     return order
 
 
+# the ungated MLPs' tensors on Llama's block: StarCoder2's c_fc / c_proj, Arcee's up_proj / down_proj
+_UNGATED_MLP = {"ArceeForCausalLM": (("up", "up_proj"), ("down", "down_proj"))}
+
+
 def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -> WeightMap:
     """Llama, Mistral, Qwen2, Qwen3 (+ q_norm / k_norm), Gemma 2 / 3 (+ the norms after attention and
     MLP), Mixtral, Qwen3-MoE and gpt-oss (+ sinks; their experts: _experts_map); with fused=True,
@@ -138,7 +142,7 @@ def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -
             m[f"{o}/mlp/down"] = ((f"{p}.mlp.down_proj.weight",), _t)
             continue
         mlp = ((("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")) if cfg.gated_mlp else
-               (("up", "c_fc"), ("down", "c_proj")))
+               _UNGATED_MLP.get(cfg.architecture, (("up", "c_fc"), ("down", "c_proj"))))
         for ours, theirs in mlp:
             m[f"{o}/mlp/{ours}"] = ((f"{p}.mlp.{theirs}.weight",), _t)
             if cfg.mlp_bias:
@@ -346,7 +350,7 @@ def _neox_map(cfg: ModelConfig) -> WeightMap:
 
 _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen2ForCausalLM": _llama_map,
          "Qwen3ForCausalLM": _llama_map, "GemmaForCausalLM": _llama_map, "Gemma2ForCausalLM": _llama_map,
-         "Gemma3ForCausalLM": _llama_map,
+         "Gemma3ForCausalLM": _llama_map, "ArceeForCausalLM": _llama_map,
          "Phi3ForCausalLM": lambda cfg: _llama_map(cfg, fused=True), "MixtralForCausalLM": _llama_map,
          "Qwen3MoeForCausalLM": _llama_map, "Qwen2MoeForCausalLM": _llama_map, "Glm4MoeForCausalLM": _llama_map,
          "DeepseekV3ForCausalLM": _llama_map, "DeepseekV2ForCausalLM": _llama_map,
