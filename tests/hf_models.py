@@ -140,6 +140,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                             num_key_value_heads=2, tie_word_embeddings=False,
                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                              "original_max_position_embeddings": 16})),
+    # Helium: Llama's block, q / k rotated in pairs, biased q / k / v (unbiased o)
+    "helium": ("helium", dict(_COMMON, vocab_size=127, intermediate_size=96, num_hidden_layers=2,
+                              num_key_value_heads=2, head_dim=16, attention_bias=True, mlp_bias=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
     # Gemma (1): Llama's block with Gemma's norms, GeGLU and scaled embedding; MQA as gemma-2b,
     # head_dim != d_model / heads as gemma-7b
     "gemma": ("gemma", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=2,
@@ -306,7 +310,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
            "bloom": (tf.BloomConfig, tf.BloomForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
-           "arcee": (tf.ArceeConfig, tf.ArceeForCausalLM), "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM), "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+           "arcee": (tf.ArceeConfig, tf.ArceeForCausalLM), "helium": (tf.HeliumConfig, tf.HeliumForCausalLM), "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM), "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
            "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
            "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),

@@ -280,7 +280,7 @@ def test_num_params_match_transformers():
 @pytest.mark.parametrize("name", ["glm4", "glm-mqa", "starcoder2-window", "starcoder2-mqa", "cohere", "cohere2", "olmo2",
                                   "ernie4_5", "ernie4_5_moe", "gpt-neox", "gpt-neox-sequential", "phi",
                                   "phi-qk-layernorm", "stablelm", "stablelm-parallel-qk-norm", "granitemoe",
-                                  "granitemoeshared", "olmoe", "hunyuan", "hunyuan-moe", "arcee"])
+                                  "granitemoeshared", "olmoe", "hunyuan", "hunyuan-moe", "arcee", "helium"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())

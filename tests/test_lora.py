@@ -240,12 +240,12 @@ def test_second_family_and_int8_base(tmp_path):
 @pytest.mark.parametrize("name", ["smollm3-window", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "cohere",
                                   "cohere2", "ernie4_5", "stablelm-parallel-qk-norm", "granitemoe", "olmoe", "hunyuan",
                                   "phi", "starcoder2-window", "gpt-neox", "bloom", "gpt2", "phi3-longrope", "glm4",
-                                  "ministral3", "gemma", "arcee"])
+                                  "ministral3", "gemma", "arcee", "helium"])
 def test_newer_families_match_peft(name, tmp_path):
     """SmolLM3 (NoPE layers), Granite (the adapters' output times the residual multiplier), OLMo 2
     (adapters before the whole-width q / k norms and the post-norms), OLMo 3, EXAONE 4.0, Seed-OSS
     (biased projections), Command R+ / R7B (parallel blocks, per-head q / k norms) and ERNIE 4.5 (their
-    q / k adapters' output features in the de-interleaved RoPE order), StableLM 2 12B (per-head q / k
+    q / k adapters' output features in the de-interleaved RoPE order; Helium too), StableLM 2 12B (per-head q / k
     LayerNorms, parallel blocks), Granite MoE and OLMoE (their attention), HunYuan (q / k norms after
     RoPE), Ministral 3 (its queries scaled by log position); and the families PEFT adapts under their
     own module names: Phi (dense, fc1 / fc2), StarCoder2 (c_fc / c_proj), Arcee (ungated up_proj), GPT-NeoX and BLOOM (q, k, v fused per head in query_key_value: one A,

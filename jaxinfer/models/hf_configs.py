@@ -318,7 +318,8 @@ def _qwen_window(c: dict[str, Any]) -> tuple[int | None, tuple[bool, ...] | None
 def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
     """Llama, Mistral, Qwen2, Qwen3: RMSNorm, RoPE, GQA, SwiGLU (Qwen3: + q/k norms); the attention
     half of Mixtral and Qwen3-MoE (_moe adds their experts); Arcee (AFM-4.5B): Llama with an ungated
-    MLP, up_proj then down_proj, of squared ReLU (ArceeConfig's hidden_act default)."""
+    MLP, up_proj then down_proj, of squared ReLU (ArceeConfig's hidden_act default); Helium: Llama
+    with q / k features rotated in pairs (hf_maps._PAIRED_ROPE) and attention_bias on q / k / v only."""
     d, h = c["hidden_size"], c["num_attention_heads"]
     theta, scaling = _rope(_rope_params(c), c)
     window, sliding_layers = c.get("sliding_window"), None
@@ -326,7 +327,7 @@ def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
         window, sliding_layers = _qwen_window(c)
     elif arch == "Qwen3MoeForCausalLM":   # every layer windowed, and only when use_sliding_window
         window = c.get("sliding_window") if c.get("use_sliding_window", False) else None
-    elif arch in ("LlamaForCausalLM", "ArceeForCausalLM"):
+    elif arch in ("LlamaForCausalLM", "ArceeForCausalLM", "HeliumForCausalLM"):
         window = None
     bias = bool(c.get("attention_bias", False))
     return ModelConfig(
@@ -337,7 +338,8 @@ def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
         position="rope", rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=c.get("max_position_embeddings", 2048),
         sliding_window=window, sliding_layers=sliding_layers,
-        qkv_bias=bias or arch == "Qwen2ForCausalLM", out_bias=bias, mlp_bias=bool(c.get("mlp_bias", False)),
+        qkv_bias=bias or arch == "Qwen2ForCausalLM", out_bias=bias and arch != "HeliumForCausalLM",
+        mlp_bias=bool(c.get("mlp_bias", False)),
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
@@ -997,7 +999,8 @@ def _gpt_neox(c: dict[str, Any], arch: str) -> ModelConfig:
 
 _HF_BUILDERS = {
     "LlamaForCausalLM": _llama_like, "MistralForCausalLM": _llama_like, "Qwen2ForCausalLM": _llama_like,
-    "Qwen3ForCausalLM": _llama_like, "ArceeForCausalLM": _llama_like, "GemmaForCausalLM": _gemma, "Gemma2ForCausalLM": _gemma,
+    "Qwen3ForCausalLM": _llama_like, "ArceeForCausalLM": _llama_like, "HeliumForCausalLM": _llama_like,
+    "GemmaForCausalLM": _gemma, "Gemma2ForCausalLM": _gemma,
     "Gemma3ForCausalLM": _gemma,
     "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2, "BloomForCausalLM": _bloom,
     "MixtralForCausalLM": _moe, "Qwen3MoeForCausalLM": _moe, "GptOssForCausalLM": _gpt_oss,
@@ -1015,7 +1018,8 @@ _HF_BUILDERS = {
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                       "qwen3": "Qwen3ForCausalLM", "arcee": "ArceeForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                       "qwen3": "Qwen3ForCausalLM", "arcee": "ArceeForCausalLM", "helium": "HeliumForCausalLM",
+                       "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                        "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM",
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "gpt_oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
@@ -1073,6 +1077,8 @@ _HF_DEFAULTS = {
                            "rope_theta": 2000000.0},
     "ArceeForCausalLM": {"hidden_act": "relu2", "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                          "bos_token_id": 128000, "eos_token_id": 128001},
+    "HeliumForCausalLM": {"head_dim": 128, "rms_norm_eps": 1e-8, "max_position_embeddings": 4096,
+                          "bos_token_id": 1, "eos_token_id": 2},
     "GemmaForCausalLM": {"head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True,
                          "bos_token_id": 2, "eos_token_id": 1},
     "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,

@@ -350,7 +350,7 @@ def _neox_map(cfg: ModelConfig) -> WeightMap:
 
 _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen2ForCausalLM": _llama_map,
          "Qwen3ForCausalLM": _llama_map, "GemmaForCausalLM": _llama_map, "Gemma2ForCausalLM": _llama_map,
-         "Gemma3ForCausalLM": _llama_map, "ArceeForCausalLM": _llama_map,
+         "Gemma3ForCausalLM": _llama_map, "ArceeForCausalLM": _llama_map, "HeliumForCausalLM": _llama_map,
          "Phi3ForCausalLM": lambda cfg: _llama_map(cfg, fused=True), "MixtralForCausalLM": _llama_map,
          "Qwen3MoeForCausalLM": _llama_map, "Qwen2MoeForCausalLM": _llama_map, "Glm4MoeForCausalLM": _llama_map,
          "DeepseekV3ForCausalLM": _llama_map, "DeepseekV2ForCausalLM": _llama_map,
@@ -369,7 +369,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "HunYuanMoEV1ForCausalLM": _hunyuan_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
-                "Ernie4_5_MoeForCausalLM")
+                "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM")
 # Checkpoints saved from the bare model class (GPT2Model, BloomModel; an embedding model's Transformer,
 # e.g. Qwen3Model) lack these prefixes.
 OPTIONAL_PREFIXES = ("transformer.", "model.", "gpt_neox.")
