@@ -1,5 +1,5 @@
 """Vision-language checkpoints served as their language model (Gemma 3 4B-27B, Mistral Small 3.x,
-Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE):
+LLaVA 1.5 / NeXT / OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE):
 config.json's text_config, the weights under language_model, against transformers' own
 ForConditionalGeneration on text (no image)."""
 from __future__ import annotations
@@ -25,9 +25,10 @@ ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=8, max_n
 def _wrapper(family: str):
     """A tiny random Gemma3ForConditionalGeneration (the gemma3 text config of tests/hf_models.py,
     its image tokens beyond the prompt's ids), Mistral3ForConditionalGeneration (mistral-window's,
-    untied as Mistral Small's), Qwen2_5_VLForConditionalGeneration or Qwen3VLForConditionalGeneration
-    (their M-RoPE sections over 8 frequencies; Qwen3-VL's interleaved), each with a one-layer vision
-    tower."""
+    untied as Mistral Small's), LLaVA's three classes (a llama, mistral or qwen2 text model of
+    tests/hf_models.py), Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration or
+    Qwen3VLForConditionalGeneration (their M-RoPE sections over 8 frequencies; Qwen3-VL's
+    interleaved), each with a one-layer vision tower."""
     import transformers as tf
     torch.manual_seed(0)
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -44,12 +45,34 @@ def _wrapper(family: str):
         cfg = tf.Mistral3Config(text_config=text.to_dict(), tie_word_embeddings=False, image_token_index=110,
                                 vision_config=tf.PixtralVisionConfig(**vision, head_dim=8).to_dict(), spatial_merge_size=1)
         return tf.Mistral3ForConditionalGeneration(cfg).eval()
+    if family.startswith("llava"):   # LLaVA 1.5 (Vicuna: llama), LLaVA-NeXT (Mistral), LLaVA-OneVision (Qwen2)
+        name = {"llava": "llama-gqa-llama3", "llava_next": "mistral-window", "llava_onevision": "qwen2-window"}[family]
+        kind, fields = CONFIGS[name]
+        text = dict(fields, model_type=kind, tie_word_embeddings=False)
+        clip = dict(vision, projection_dim=16)
+        if family == "llava":
+            cfg = tf.LlavaConfig(text_config=text, vision_config=dict(clip, model_type="clip_vision_model"),
+                                 image_token_index=95)
+            return tf.LlavaForConditionalGeneration(cfg).eval()
+        if family == "llava_next":
+            cfg = tf.LlavaNextConfig(text_config=text, vision_config=dict(clip, model_type="clip_vision_model"),
+                                     image_token_index=95, image_grid_pinpoints=[[28, 28]])
+            return tf.LlavaNextForConditionalGeneration(cfg).eval()
+        cfg = tf.LlavaOnevisionConfig(text_config=text, vision_config=dict(vision, model_type="siglip_vision_model"),
+                                      image_token_index=95, video_token_index=96, image_grid_pinpoints=[[28, 28]])
+        return tf.LlavaOnevisionForConditionalGeneration(cfg).eval()
     text = dict(vocab_size=139, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1,
                 eos_token_id=2, rope_theta=10000.0)
     qwen_vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=14,
                        spatial_merge_size=1, temporal_patch_size=1)
     tokens = dict(image_token_id=135, video_token_id=136, vision_start_token_id=137, vision_end_token_id=138)
+    if family == "qwen2_vl":
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}
+        cfg = tf.Qwen2VLConfig(text_config=text, vision_config=dict(depth=1, embed_dim=16, hidden_size=64, num_heads=2,
+                                                                     mlp_ratio=2, patch_size=14, spatial_merge_size=1,
+                                                                     temporal_patch_size=1), **tokens)
+        return tf.Qwen2VLForConditionalGeneration(cfg).eval()
     if family == "qwen2_5_vl":
         text["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}
         cfg = tf.Qwen2_5_VLConfig(text_config=text, vision_config=dict(qwen_vision, fullatt_block_indexes=[0],
@@ -102,7 +125,8 @@ def _flat_config(folder: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral3", "ministral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_tied"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral3", "ministral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+                                    "qwen3_vl_tied", "llava", "llava_next", "llava_onevision"])
 def test_language_model_of_a_vision_language_checkpoint_matches_transformers(family, tmp_path):
     hf = _wrapper(family)
     hf.save_pretrained(tmp_path / "hf")
@@ -110,14 +134,16 @@ def test_language_model_of_a_vision_language_checkpoint_matches_transformers(fam
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([PROMPT])).logits[0].numpy()
     folders = [tmp_path / "hf", _other_layout(tmp_path / "hf", tmp_path / "other")]
-    if family == "qwen2_5_vl":
+    if family in ("qwen2_vl", "qwen2_5_vl"):
         folders.append(_flat_config(tmp_path / "hf", tmp_path / "flat"))
     for folder in folders:
         gen = Generator.from_pretrained(folder, **ENGINE)
         assert gen.model_cfg.architecture == {"gemma3": "Gemma3ForCausalLM", "mistral3": "MistralForCausalLM",
                                               "ministral3": "Ministral3ForCausalLM",
-                                              "qwen2_5_vl": "Qwen2ForCausalLM", "qwen3_vl": "Qwen3ForCausalLM",
-                                              "qwen3_vl_tied": "Qwen3ForCausalLM"}[family]
+                                              "qwen2_vl": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM",
+                                              "qwen3_vl": "Qwen3ForCausalLM", "qwen3_vl_tied": "Qwen3ForCausalLM",
+                                              "llava": "LlamaForCausalLM", "llava_next": "MistralForCausalLM",
+                                              "llava_onevision": "Qwen2ForCausalLM"}[family]
         assert gen.model_cfg.tie_embeddings == (family in ("gemma3", "qwen3_vl_tied"))
         logits = gen.logits(PROMPT)
         assert np.abs(logits - ref).max() / np.abs(ref).max() < 1e-4, folder.name
@@ -319,14 +345,16 @@ def test_an_adapter_of_a_vision_language_checkpoint_matches_peft(family, tmp_pat
 
 
 @pytest.mark.parametrize("arch,kind", [("Qwen3VLForConditionalGeneration", "qwen3_vl_text"),
-                                       ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl_text")])
+                                       ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl_text"),
+                                       ("Qwen2VLForConditionalGeneration", "qwen2_vl_text")])
 def test_text_config_defaults_as_transformers_fills_them(arch, kind):
     """A text_config naming only its sizes: RoPE base, context, norm epsilon, head size and special
     ids as Qwen3VLTextConfig / Qwen2_5_VLTextConfig fill them."""
     import transformers as tf
     sizes = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
                  num_attention_heads=16, num_key_value_heads=8)
-    cls = tf.Qwen3VLConfig if kind == "qwen3_vl_text" else tf.Qwen2_5_VLConfig
+    cls = {"qwen3_vl_text": tf.Qwen3VLConfig, "qwen2_5_vl_text": tf.Qwen2_5_VLConfig,
+           "qwen2_vl_text": tf.Qwen2VLConfig}[kind]
     t = cls(text_config=dict(sizes, model_type=kind)).text_config
     ours = model_config_from_hf({"architectures": [arch], "text_config": dict(sizes, model_type=kind)})
     assert ours.rope_theta == t.rope_parameters["rope_theta"] and ours.rope_scaling is None
@@ -334,3 +362,36 @@ def test_text_config_defaults_as_transformers_fills_them(arch, kind):
     assert ours.head_dim == (getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads)
     bos, eos = getattr(t, "bos_token_id", None), getattr(t, "eos_token_id", None)
     assert ours.bos_token_id == bos and list(ours.eos_token_ids) == ([eos] if eos is not None else [])
+
+
+@pytest.mark.parametrize("arch,text", [
+    # llava-1.5-7b-hf's text_config (Vicuna 7B): every size left to LlamaConfig
+    ("LlavaForConditionalGeneration", {"max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05,
+                                       "vocab_size": 32064}),
+    # llava-v1.6-mistral-7b-hf's: hidden size, layers and heads left to MistralConfig
+    ("LlavaNextForConditionalGeneration", {"intermediate_size": 14336, "max_position_embeddings": 32768,
+                                           "model_type": "mistral", "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+                                           "rope_theta": 1000000.0, "sliding_window": None, "vocab_size": 32064}),
+    ("LlavaNextForConditionalGeneration", {"model_type": "mistral"}),
+    ("LlavaOnevisionForConditionalGeneration", {"model_type": "qwen2", "hidden_size": 896, "num_attention_heads": 14,
+                                                "num_key_value_heads": 2, "intermediate_size": 4864,
+                                                "num_hidden_layers": 24, "tie_word_embeddings": True}),
+    ("LlavaOnevisionForConditionalGeneration", {}),   # no text_config fields: Qwen2Config's
+])
+def test_llava_text_config_sizes_as_transformers_fills_them(arch, text):
+    """A LLaVA text_config naming only what differs from its language model's config class: every size
+    as LlamaConfig / MistralConfig / Qwen2Config fill them inside LlavaConfig / LlavaNextConfig /
+    LlavaOnevisionConfig."""
+    import transformers as tf
+    cls = {"LlavaForConditionalGeneration": tf.LlavaConfig, "LlavaNextForConditionalGeneration": tf.LlavaNextConfig,
+           "LlavaOnevisionForConditionalGeneration": tf.LlavaOnevisionConfig}[arch]
+    t = cls(text_config=dict(text) or None).text_config
+    ours = model_config_from_hf({"architectures": [arch], "text_config": text})
+    assert (ours.vocab_size, ours.d_model, ours.n_layers, ours.n_heads, ours.n_kv_heads, ours.ffn_dim) == (
+        t.vocab_size, t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads,
+        t.intermediate_size)
+    assert (ours.rope_theta, ours.max_position_embeddings, ours.norm_eps, ours.sliding_window) == (
+        t.rope_parameters["rope_theta"], t.max_position_embeddings, t.rms_norm_eps,
+        getattr(t, "sliding_window", None) if getattr(t, "use_sliding_window", True) is not False else None)
+    eos = t.eos_token_id
+    assert ours.bos_token_id == t.bos_token_id and list(ours.eos_token_ids) == ([eos] if eos is not None else [])

@@ -101,23 +101,42 @@ def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
 # vision-language checkpoints whose language model is a supported decoder, served text-only (as
 # vLLM with an image limit of 0): config.json's text_config, the weights under language_model
 # (weights.stored_name), a request with an image part refused (serve/protocol.py). Each: its
-# text_config's model types (the first: its class's default) and the decoder each is. Qwen2.5-VL's
-# and Qwen3-VL's M-RoPE gives every text token one position on its three axes: plain RoPE.
+# text_config's model types (the first: its class's default) and the decoder each is. Qwen2-VL's,
+# Qwen2.5-VL's and Qwen3-VL's M-RoPE gives every text token one position on its three axes: plain
+# RoPE. LLaVA's text_config is any causal LM's (AutoConfig): the ones its releases use (LLaVA 1.5:
+# Vicuna, a llama; LLaVA-NeXT: Vicuna, Mistral, Llama 3, Yi; Pixtral: Mistral; LLaVA-OneVision and
+# LLaVA-Interleave: Qwen2).
+_LLAVA_TEXT = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _MULTIMODAL = {"Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
                "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM"},
+               "LlavaForConditionalGeneration": _LLAVA_TEXT, "LlavaNextForConditionalGeneration": _LLAVA_TEXT,
+               "LlavaOnevisionForConditionalGeneration": {"qwen2": "Qwen2ForCausalLM", **_LLAVA_TEXT},
+               "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": "Qwen2ForCausalLM"},
                "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
                "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
                "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}}
-# Qwen2.5-VL's config.json before transformers 5 keeps the text fields at the top level
-_FLAT_TEXT = ("Qwen2_5_VLForConditionalGeneration",)
+# Qwen2-VL's and Qwen2.5-VL's config.json before transformers 5 keep the text fields at the top level
+_FLAT_TEXT = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # fields the wrapper's config.json holds for its language model (Gemma 3's eos_token_id [1, 106])
 _INHERITED = ("bos_token_id", "eos_token_id", "pad_token_id", "quantization_config", "compression_config")
 # the text config classes' defaults where they differ from the decoders' (Qwen3VLTextConfig's,
 # Qwen2_5_VLTextConfig's)
+_QWEN2_VL_TEXT = {"rope_theta": 1000000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+                  "bos_token_id": 151643, "eos_token_id": 151645}
+_BASE_SIZES = {"vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
 _TEXT_DEFAULTS = {"qwen3_vl_text": {"rope_theta": 500000.0, "max_position_embeddings": 128000, "head_dim": 128,
                                     "rms_norm_eps": 1e-6, "num_key_value_heads": 32, "intermediate_size": 22016},
-                  "qwen2_5_vl_text": {"rope_theta": 1000000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
-                                      "bos_token_id": 151643, "eos_token_id": 151645},
+                  "qwen2_5_vl_text": _QWEN2_VL_TEXT, "qwen2_vl_text": _QWEN2_VL_TEXT,
+                  # LlamaConfig's, MistralConfig's and Qwen2Config's sizes: LLaVA 1.5's and LLaVA-NeXT's
+                  # text_config names only the fields that differ from them
+                  "llama": {**_BASE_SIZES, "intermediate_size": 11008, "max_position_embeddings": 2048,
+                            "bos_token_id": 1, "eos_token_id": 2},
+                  "mistral": {**_BASE_SIZES, "intermediate_size": 14336, "num_key_value_heads": 8,
+                              "max_position_embeddings": 131072, "sliding_window": 4096, "bos_token_id": 1,
+                              "eos_token_id": 2},
+                  "qwen2": {**_BASE_SIZES, "vocab_size": 151936, "intermediate_size": 22016,
+                            "max_position_embeddings": 32768},
                   "qwen3_vl_moe_text": {"rope_theta": 500000.0, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
                                         "intermediate_size": 5632, "moe_intermediate_size": 1408, "num_key_value_heads": 16,
                                         "num_local_experts": 60, "num_experts_per_tok": 4}}
@@ -1036,7 +1055,9 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "ministral3": "Ministral3ForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
                        "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
-                       "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                       "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
+                       "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+                       "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                        "qwen3_vl": "Qwen3VLForConditionalGeneration",
                        "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 # gpt-oss's RoPE when config.json names none (GptOssConfig.__post_init__)
