@@ -70,14 +70,14 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
          "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "command-r": "CohereForCausalLM",
          "cohere2": "Cohere2ForCausalLM", "phi2": "PhiForCausalLM", "gptneox": "GPTNeoXForCausalLM",
-         "stablelm": "StableLmForCausalLM"}
+         "stablelm": "StableLmForCausalLM", "starcoder": "GPTBigCodeForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma": "gemma",
                 "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
                 "granite": "granite", "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2moe": "qwen2_moe",
                 "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3", "glm4": "glm4", "starcoder2": "starcoder2",
                 "command-r": "cohere", "cohere2": "cohere2", "phi2": "phi", "gptneox": "gpt_neox",
-                "stablelm": "stablelm"}
+                "stablelm": "stablelm", "starcoder": "gpt_bigcode"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
 _PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm")
 # llama.cpp's mixtures with dense leading layers, sigmoid routing with a learned correction
@@ -321,7 +321,26 @@ def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) ->
         return _deepseek2(f, cfg)
     elif arch in ("phi2", "gptneox", "stablelm"):
         return _layernorm_family(f, partial.get("partial_rotary_factor", 1.0))
+    elif arch == "starcoder":
+        return _starcoder(f, cfg)
     return {}
+
+
+def _starcoder(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
+    """StarCoder 1 / SantaCoder (llama.cpp's starcoder, transformers' GPTBigCode): learned positions,
+    LayerNorms, c_attn's rows [q | k | v] as stored, one KV head (the converter writes head_count_kv
+    1 for every file), the tanh GELU llama.cpp runs, the embedding as the head without output."""
+    eps = f.arch_get("attention.layer_norm_epsilon")
+    if eps is None:
+        raise CheckpointError(f"{f.path}: metadata starcoder.attention.layer_norm_epsilon is missing")
+    if cfg["num_key_value_heads"] != 1:
+        raise CheckpointError(f"{f.path}: starcoder.attention.head_count_kv = {cfg['num_key_value_heads']}: "
+                              "llama.cpp's starcoder runs one KV head")
+    if "position_embd.weight" not in f.tensors:
+        raise CheckpointError(f"{f.path}: no tensor 'position_embd.weight' (starcoder's learned positions)")
+    return {"n_embd": cfg["hidden_size"], "n_head": cfg["num_attention_heads"], "n_layer": cfg["num_hidden_layers"],
+            "n_inner": cfg["intermediate_size"], "n_positions": int(f.tensors["position_embd.weight"][0].shape[1]),
+            "multi_query": True, "activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": float(eps)}
 
 
 def _layernorm_family(f: GGUFFile, rotary: float) -> dict[str, Any]:

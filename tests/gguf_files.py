@@ -134,6 +134,15 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
     import gguf
     if arch in ("phi2", "gptneox", "stablelm"):
         return _layernorm_family_hparams(w, cfg, arch, head_dim)
+    if arch == "starcoder":   # StarCoderModel.set_gguf_parameters: these keys only, the MLP as 4 x the width
+        w.add_context_length(cfg.n_positions)
+        w.add_embedding_length(cfg.n_embd)
+        w.add_feed_forward_length(4 * cfg.n_embd)
+        w.add_block_count(cfg.n_layer)
+        w.add_head_count(cfg.n_head)
+        w.add_head_count_kv(1)
+        w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+        return
     gemma = arch.startswith("gemma")
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)   # Gemma 3: the global layers'
     w.add_block_count(cfg.num_hidden_layers + nextn)
@@ -332,7 +341,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe",
             "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4": "glm4",
             "starcoder2": "starcoder2", "cohere": "command-r", "cohere2": "cohere2", "phi": "phi2",
-            "gpt_neox": "gptneox", "stablelm": "stablelm"}[cfg.model_type]
+            "gpt_neox": "gptneox", "stablelm": "stablelm", "gpt_bigcode": "starcoder"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:

@@ -144,6 +144,12 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "helium": ("helium", dict(_COMMON, vocab_size=127, intermediate_size=96, num_hidden_layers=2,
                               num_key_value_heads=2, head_dim=16, attention_bias=True, mlp_bias=True,
                               rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
+    # GPTBigCode: StarCoder 1's one KV head (multi_query), and per-head q / k / v without it, unscaled scores
+    "gpt-bigcode-mqa": ("gpt_bigcode", dict(vocab_size=131, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                            n_inner=112, multi_query=True)),
+    "gpt-bigcode-mha": ("gpt_bigcode", dict(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                            multi_query=False, scale_attn_weights=False, tie_word_embeddings=False,
+                                            activation_function="gelu")),
     # Gemma (1): Llama's block with Gemma's norms, GeGLU and scaled embedding; MQA as gemma-2b,
     # head_dim != d_model / heads as gemma-7b
     "gemma": ("gemma", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=2,
@@ -310,6 +316,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
            "bloom": (tf.BloomConfig, tf.BloomForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+           "gpt_bigcode": (tf.GPTBigCodeConfig, tf.GPTBigCodeForCausalLM),
            "arcee": (tf.ArceeConfig, tf.ArceeForCausalLM), "helium": (tf.HeliumConfig, tf.HeliumForCausalLM), "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM), "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
            "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),

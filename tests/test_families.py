@@ -280,7 +280,8 @@ def test_num_params_match_transformers():
 @pytest.mark.parametrize("name", ["glm4", "glm-mqa", "starcoder2-window", "starcoder2-mqa", "cohere", "cohere2", "olmo2",
                                   "ernie4_5", "ernie4_5_moe", "gpt-neox", "gpt-neox-sequential", "phi",
                                   "phi-qk-layernorm", "stablelm", "stablelm-parallel-qk-norm", "granitemoe",
-                                  "granitemoeshared", "olmoe", "hunyuan", "hunyuan-moe", "arcee", "helium"])
+                                  "granitemoeshared", "olmoe", "hunyuan", "hunyuan-moe", "arcee", "helium",
+                                  "gpt-bigcode-mqa", "gpt-bigcode-mha"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -354,6 +355,31 @@ def test_gemma_config_as_transformers_reads_it():
         assert cfg.softmax_scale == pytest.approx(theirs.head_dim ** -0.5)
         if fields is bare:   # (2.5B parameters: not built)
             assert cfg.num_params() == sum(p.numel() for p in tf.GemmaForCausalLM(theirs).parameters())
+
+
+def test_gpt_bigcode_config_as_transformers_reads_it():
+    """StarCoder's published config.json (bigcode/starcoder: exact GELU, one KV head, its own ids), one
+    without multi_query, and one that names nothing optional, read as GPTBigCodeConfig reads them."""
+    import transformers as tf
+    starcoder = {"activation_function": "gelu", "architectures": ["GPTBigCodeForCausalLM"],
+                 "attention_softmax_in_fp32": True, "bos_token_id": 0, "eos_token_id": 0, "layer_norm_epsilon": 1e-05,
+                 "model_type": "gpt_bigcode", "multi_query": True, "n_embd": 6144, "n_head": 48, "n_inner": 24576,
+                 "n_layer": 40, "n_positions": 8192, "scale_attention_softmax_in_fp32": True,
+                 "scale_attn_weights": True, "vocab_size": 49152}
+    bare = {"architectures": ["GPTBigCodeForCausalLM"], "vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4}
+    acts = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+    for fields in (starcoder, bare, {**bare, "multi_query": False, "scale_attn_weights": False}):
+        theirs = tf.GPTBigCodeConfig(**{k: v for k, v in fields.items() if k != "architectures"})
+        cfg = model_config_from_hf(fields)
+        hd = theirs.n_embd // theirs.n_head
+        assert (cfg.activation, cfg.n_kv_heads, cfg.ffn_dim, cfg.max_position_embeddings, cfg.norm_eps) == (
+            acts[theirs.activation_function], 1 if theirs.multi_query else theirs.n_head,
+            theirs.n_inner or 4 * theirs.n_embd, theirs.n_positions, theirs.layer_norm_epsilon)
+        assert cfg.softmax_scale == (hd ** -0.5 if theirs.scale_attn_weights else 1.0)
+        assert (cfg.eos_token_ids, cfg.bos_token_id, cfg.tie_embeddings) == (
+            (theirs.eos_token_id,), theirs.bos_token_id, theirs.tie_word_embeddings)
+        if fields is not starcoder:   # (15.5B parameters: not built)
+            assert cfg.num_params() == sum(p.numel() for p in tf.GPTBigCodeForCausalLM(theirs).parameters())
 
 
 def test_phi_config_as_transformers_reads_it():

@@ -483,7 +483,8 @@ def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path
 @pytest.mark.parametrize("name,overrides", [
     ("phi", {"intermediate_size": 256}), ("gpt-neox", {"hidden_act": "gelu_new"}),
     ("gpt-neox-sequential", {"rotary_emb_base": 10000, "hidden_act": "gelu_new", "tie_word_embeddings": False}),
-    ("stablelm", {}), ("stablelm-parallel-qk-norm", {})])
+    ("stablelm", {}), ("stablelm-parallel-qk-norm", {}),
+    ("gpt-bigcode-mqa", {"n_inner": None, "activation_function": "gelu_pytorch_tanh"})])
 def test_phi2_gptneox_stablelm_are_the_original_model(name, overrides, tmp_path):
     """Phi-2 (llama.cpp's phi2: the LM head's bias), GPT-NeoX / Pythia (gptneox: attn_qkv's rows as
     [q | k | v], written back per head; sequential blocks by use_parallel_residual) and StableLM
@@ -491,16 +492,18 @@ def test_phi2_gptneox_stablelm_are_the_original_model(name, overrides, tmp_path)
     llama.cpp's converters write them compute what the HF model computes. Their converters write no
     RoPE base (llama.cpp's 10 000) and Phi-2's MLP width as 4 x its width, so the references have
     those; GPT-NeoX's activation is the tanh GELU llama.cpp runs every gptneox file with. An older
-    Phi-2 file's fused attn_qkv ([q | k | v] rows) reads as its three projections."""
+    Phi-2 file's fused attn_qkv ([q | k | v] rows) reads as its three projections. StarCoder 1
+    (starcoder: GPTBigCode's one KV head, c_attn's rows as stored, learned positions; its MLP 4 x the
+    width and the tanh GELU, as the converter and llama.cpp assume)."""
     hf, vocab, ids, expected, gen = _as_converted(name, overrides, tmp_path)
     assert _rel_err(gen.logits(ids), expected) < 1e-4
     if name == "phi":
         fused = write_gguf(hf, tmp_path / "phi-fused.gguf", vocab, fuse_qkv=True)
         assert _rel_err(_gen(fused).logits(ids), expected) < 1e-4
-    if name in ("gpt-neox", "stablelm-parallel-qk-norm", "phi"):
+    if name in ("gpt-neox", "stablelm-parallel-qk-norm", "phi", "gpt-bigcode-mqa"):
         # llama.cpp's blocks kept packed: Q8_0 / Q4_0 on the fused q / k / v (rows reordered per head as
         # codes and scales), the projections, the MLP and Phi-2's biased head
-        qtypes = {"query_key_value.weight": "Q8_0", "q_proj.weight": "Q8_0", "k_proj.weight": "Q8_0",
+        qtypes = {"query_key_value.weight": "Q8_0", "q_proj.weight": "Q8_0", "k_proj.weight": "Q8_0", "c_attn": "Q8_0",
                   "dense.weight": "Q8_0", "fc1.weight": "Q4_0", "dense_h_to_4h.weight": "Q4_0", "gate_proj": "Q8_0",
                   "lm_head.weight": "Q8_0"}
         _assert_packed_as_dequantized(hf, vocab, ids, qtypes, tmp_path / f"{name}-q.gguf")

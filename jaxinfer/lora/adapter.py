@@ -55,6 +55,9 @@ _FAMILY_PROJECTIONS = {
     "GPTNeoXForCausalLM": _FUSED_QKV, "BloomForCausalLM": _FUSED_QKV,
     "GPT2LMHeadModel": {"attn.c_attn": ("qkv", "rows"), "attn.c_proj": ("o", 0), "mlp.c_fc": ("up", 0),
                         "mlp.c_proj": ("down", 0)},
+    # c_attn's rows [q | k | v] with one KV head, per head without (multi_query false)
+    "GPTBigCodeForCausalLM": {"attn.c_attn": ("qkv", "mqa_rows"), "attn.c_proj": ("o", 0), "mlp.c_fc": ("up", 0),
+                              "mlp.c_proj": ("down", 0)},
 }
 GROUP_PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "up": 1, "down": 1}
 LORA_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
@@ -254,7 +257,9 @@ def _split_parts(cfg: ModelConfig, group: str, b: np.ndarray, j: int | str) -> l
     if isinstance(j, int):
         return [(j, b)]
     h, hd, r = cfg.n_heads, cfg.head_dim, b.shape[1]
-    if j == "heads":   # (multi-head attention only: GPT-NeoX, BLOOM)
+    if j == "mqa_rows":   # GPTBigCode
+        j = "rows" if cfg.n_kv_heads == 1 else "heads"
+    if j == "heads":   # (multi-head attention only: GPT-NeoX, BLOOM, GPTBigCode without multi_query)
         per_head = b.reshape(h, 3, hd, r)
         return [(i, per_head[:, i].reshape(h * hd, r)) for i in range(3)]
     bounds = np.cumsum([0, *_group_dims(cfg)[1][group]])

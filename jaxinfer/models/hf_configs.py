@@ -927,6 +927,25 @@ def _gpt2(c: dict[str, Any], arch: str) -> ModelConfig:
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 
 
+def _gpt_bigcode(c: dict[str, Any], arch: str) -> ModelConfig:
+    """GPTBigCode (StarCoder 1, StarCoderBase, SantaCoder, WizardCoder, OctoCoder): GPT-2's block with
+    nn.Linear tensors, one KV head where multi_query (GPTBigCodeConfig's default), scores unscaled
+    where scale_attn_weights is false."""
+    if c.get("add_cross_attention"):
+        raise ConfigError("GPTBigCode with add_cross_attention (an encoder-decoder's decoder) is not supported")
+    d, h = c["n_embd"], c["n_head"]
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c["n_layer"], n_heads=h,
+        n_kv_heads=1 if c.get("multi_query", True) else h, head_dim=d // h, ffn_dim=c.get("n_inner") or 4 * d,
+        activation=_activation(c, "activation_function", default="gelu_pytorch_tanh"), gated_mlp=False,
+        norm="layernorm", norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), position="learned",
+        max_position_embeddings=c.get("n_positions", 1024), qkv_bias=True, out_bias=True, mlp_bias=True,
+        attn_scale=None if c.get("scale_attn_weights", True) else 1.0,
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        bos_token_id=c.get("bos_token_id", 50256), eos_token_ids=_eos_ids({"eos_token_id": 50256, **c}),
+        architecture=arch)
+
+
 def _bloom(c: dict[str, Any], arch: str) -> ModelConfig:
     d = c.get("hidden_size", c.get("n_embed"))
     h = c.get("n_head", c.get("num_attention_heads"))
@@ -1021,7 +1040,7 @@ _HF_BUILDERS = {
     "Qwen3ForCausalLM": _llama_like, "ArceeForCausalLM": _llama_like, "HeliumForCausalLM": _llama_like,
     "GemmaForCausalLM": _gemma, "Gemma2ForCausalLM": _gemma,
     "Gemma3ForCausalLM": _gemma,
-    "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2, "BloomForCausalLM": _bloom,
+    "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2, "GPTBigCodeForCausalLM": _gpt_bigcode, "BloomForCausalLM": _bloom,
     "MixtralForCausalLM": _moe, "Qwen3MoeForCausalLM": _moe, "GptOssForCausalLM": _gpt_oss,
     "SmolLM3ForCausalLM": _smollm3, "GraniteForCausalLM": _granite, "Olmo2ForCausalLM": _olmo,
     "Olmo3ForCausalLM": _olmo, "Exaone4ForCausalLM": _exaone4, "SeedOssForCausalLM": _seed_oss,
@@ -1039,7 +1058,8 @@ _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.end
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "arcee": "ArceeForCausalLM", "helium": "HeliumForCausalLM",
                        "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                       "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM",
+                       "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel",
+                       "gpt_bigcode": "GPTBigCodeForCausalLM", "bloom": "BloomForCausalLM",
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "gpt_oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                        "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",

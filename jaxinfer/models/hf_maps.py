@@ -264,6 +264,38 @@ def _gpt2_map(cfg: ModelConfig) -> WeightMap:
     return m
 
 
+def _gpt_bigcode_map(cfg: ModelConfig) -> WeightMap:
+    """GPTBigCode: GPT-2's names over nn.Linear tensors [out, in]; c_attn's rows [q | k | v] with one
+    KV head (multi_query), else [heads, 3, head_dim] (q, k, v per head)."""
+    h, kv, hd, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+    m: WeightMap = {"embed": (("transformer.wte.weight",), _ident),
+                    "pos_embed": (("transformer.wpe.weight",), _ident)}
+    for i in range(cfg.n_layers):
+        p, o = f"transformer.h.{i}", f"layers/{i}"
+        _norm(m, f"{o}/attn_norm", f"{p}.ln_1", True)
+        _norm(m, f"{o}/mlp_norm", f"{p}.ln_2", True)
+        bounds = (0, h * hd, (h + kv) * hd, (h + 2 * kv) * hd)
+        for j, (name, heads) in enumerate((("q", h), ("k", kv), ("v", kv))):
+            if kv == 1:
+                lo, hi = bounds[j], bounds[j + 1]
+                w_fn = lambda w, lo=lo, hi=hi, n=heads: w[lo:hi].T.reshape(d, n, hd)  # noqa: E731
+                b_fn = lambda b, lo=lo, hi=hi, n=heads: b[lo:hi].reshape(n, hd)  # noqa: E731
+            else:
+                w_fn = lambda w, j=j: w.reshape(h, 3, hd, d)[:, j].transpose(2, 0, 1)  # noqa: E731
+                b_fn = lambda b, j=j: b.reshape(h, 3, hd)[:, j]  # noqa: E731
+            m[f"{o}/attn/{name}"] = ((f"{p}.attn.c_attn.weight",), w_fn)
+            m[f"{o}/attn/{name}_bias"] = ((f"{p}.attn.c_attn.bias",), b_fn)
+        m[f"{o}/attn/o"] = ((f"{p}.attn.c_proj.weight",), lambda w: w.T.reshape(h, hd, d))
+        m[f"{o}/attn/o_bias"] = ((f"{p}.attn.c_proj.bias",), _ident)
+        for ours, theirs in (("up", "c_fc"), ("down", "c_proj")):
+            m[f"{o}/mlp/{ours}"] = ((f"{p}.mlp.{theirs}.weight",), _t)
+            m[f"{o}/mlp/{ours}_bias"] = ((f"{p}.mlp.{theirs}.bias",), _ident)
+    _norm(m, "final_norm", "transformer.ln_f", True)
+    if not cfg.tie_embeddings:
+        m["lm_head"] = (("lm_head.weight",), _t)
+    return m
+
+
 def _per_head_qkv_block(m: WeightMap, cfg: ModelConfig, o: str, p: str, attn: str) -> None:
     """BLOOM's and GPT-NeoX's block: LayerNorms before attention and MLP, q, k, v fused per head in
     {attn}.query_key_value ([h, 3, hd] rows), {attn}.dense, the ungated mlp.dense_h_to_4h /
@@ -361,7 +393,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Glm4ForCausalLM": lambda cfg: _llama_map(cfg, fused_mlp=True), "Starcoder2ForCausalLM": _llama_map,
          "CohereForCausalLM": _llama_map, "Cohere2ForCausalLM": _llama_map, "Ernie4_5ForCausalLM": _llama_map,
          "Ernie4_5_MoeForCausalLM": _llama_map,
-         "GPT2LMHeadModel": _gpt2_map, "BloomForCausalLM": _bloom_map,
+         "GPT2LMHeadModel": _gpt2_map, "GPTBigCodeForCausalLM": _gpt_bigcode_map, "BloomForCausalLM": _bloom_map,
          "GPTNeoXForCausalLM": _neox_map, "PhiForCausalLM": _phi_map,
          "StableLmForCausalLM": _stablelm_map, "GraniteMoeForCausalLM": _llama_map,
          "GraniteMoeSharedForCausalLM": _llama_map, "OlmoeForCausalLM": _llama_map,
