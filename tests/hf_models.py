@@ -150,6 +150,17 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "gpt-bigcode-mha": ("gpt_bigcode", dict(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                                             multi_query=False, scale_attn_weights=False, tie_word_embeddings=False,
                                             activation_function="gelu")),
+    # Falcon: 7B's block (one KV head, attention and MLP side by side on one norm); 40B / 180B's
+    # (KV groups, ln_attn and ln_mlp, biases here); the original block sequential, multi-head
+    "falcon-7b": ("falcon", dict(vocab_size=131, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 max_position_embeddings=256)),
+    "falcon-40b": ("falcon", dict(vocab_size=103, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                                  num_kv_heads=2, new_decoder_architecture=True, bias=True, ffn_hidden_size=112,
+                                  max_position_embeddings=256, tie_word_embeddings=False)),
+    "falcon-sequential": ("falcon", dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         multi_query=False, parallel_attn=False, max_position_embeddings=256,
+                                         rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                          "rope_theta": 10000.0})),
     # Gemma (1): Llama's block with Gemma's norms, GeGLU and scaled embedding; MQA as gemma-2b,
     # head_dim != d_model / heads as gemma-7b
     "gemma": ("gemma", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=2,
@@ -317,6 +328,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
            "bloom": (tf.BloomConfig, tf.BloomForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
            "gpt_bigcode": (tf.GPTBigCodeConfig, tf.GPTBigCodeForCausalLM),
+           "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
            "arcee": (tf.ArceeConfig, tf.ArceeForCausalLM), "helium": (tf.HeliumConfig, tf.HeliumForCausalLM), "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM), "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
            "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),

@@ -281,7 +281,8 @@ def test_num_params_match_transformers():
                                   "ernie4_5", "ernie4_5_moe", "gpt-neox", "gpt-neox-sequential", "phi",
                                   "phi-qk-layernorm", "stablelm", "stablelm-parallel-qk-norm", "granitemoe",
                                   "granitemoeshared", "olmoe", "hunyuan", "hunyuan-moe", "arcee", "helium",
-                                  "gpt-bigcode-mqa", "gpt-bigcode-mha"])
+                                  "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
+                                  "falcon-sequential"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -380,6 +381,34 @@ def test_gpt_bigcode_config_as_transformers_reads_it():
             (theirs.eos_token_id,), theirs.bos_token_id, theirs.tie_word_embeddings)
         if fields is not starcoder:   # (15.5B parameters: not built)
             assert cfg.num_params() == sum(p.numel() for p in tf.GPTBigCodeForCausalLM(theirs).parameters())
+
+
+def test_falcon_config_as_transformers_reads_it():
+    """Falcon-7B's and Falcon-40B's published config.json and one that names nothing optional, read as
+    FalconConfig reads them: KV heads, block layout, MLP width, ids."""
+    import transformers as tf
+    f7 = {"alibi": False, "apply_residual_connection_post_layernorm": False, "architectures": ["FalconForCausalLM"],
+          "bias": False, "bos_token_id": 11, "eos_token_id": 11, "hidden_size": 4544, "layer_norm_epsilon": 1e-05,
+          "model_type": "falcon", "multi_query": True, "new_decoder_architecture": False, "num_attention_heads": 71,
+          "num_hidden_layers": 32, "parallel_attn": True, "vocab_size": 65024}
+    f40 = {**f7, "hidden_size": 8192, "num_attention_heads": 128, "num_hidden_layers": 60, "num_kv_heads": 8,
+           "new_decoder_architecture": True}
+    bare = {"architectures": ["FalconForCausalLM"], "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4}
+    for fields in (f7, f40, bare):
+        theirs = tf.FalconConfig(**{k: v for k, v in fields.items() if k != "architectures"})
+        cfg = model_config_from_hf(fields)
+        assert (cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.rope_theta, cfg.max_position_embeddings) == (
+            theirs.num_key_value_heads, theirs.head_dim, theirs.ffn_hidden_size, theirs.rope_parameters["rope_theta"],
+            theirs.max_position_embeddings)
+        assert (cfg.parallel_block, cfg.parallel_mlp_norm, cfg.qkv_bias) == (
+            theirs.parallel_attn or theirs.new_decoder_architecture, theirs.new_decoder_architecture, theirs.bias)
+        assert (cfg.eos_token_ids, cfg.bos_token_id, cfg.tie_embeddings) == (
+            (theirs.eos_token_id,), theirs.bos_token_id, theirs.tie_word_embeddings)
+        if fields is bare:   # (7B and 40B parameters: not built)
+            assert cfg.num_params() == sum(p.numel() for p in tf.FalconForCausalLM(theirs).parameters())
+    with pytest.raises(ConfigError, match="alibi"):
+        model_config_from_hf({**bare, "alibi": True})
 
 
 def test_phi_config_as_transformers_reads_it():

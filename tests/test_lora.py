@@ -240,7 +240,8 @@ def test_second_family_and_int8_base(tmp_path):
 @pytest.mark.parametrize("name", ["smollm3-window", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "cohere",
                                   "cohere2", "ernie4_5", "stablelm-parallel-qk-norm", "granitemoe", "olmoe", "hunyuan",
                                   "phi", "starcoder2-window", "gpt-neox", "bloom", "gpt2", "phi3-longrope", "glm4",
-                                  "ministral3", "gemma", "arcee", "helium", "gpt-bigcode-mqa", "gpt-bigcode-mha"])
+                                  "ministral3", "gemma", "arcee", "helium", "gpt-bigcode-mqa", "gpt-bigcode-mha",
+                                  "falcon-7b", "falcon-40b", "falcon-sequential"])
 def test_newer_families_match_peft(name, tmp_path):
     """SmolLM3 (NoPE layers), Granite (the adapters' output times the residual multiplier), OLMo 2
     (adapters before the whole-width q / k norms and the post-norms), OLMo 3, EXAONE 4.0, Seed-OSS
@@ -250,7 +251,7 @@ def test_newer_families_match_peft(name, tmp_path):
     RoPE), Ministral 3 (its queries scaled by log position); and the families PEFT adapts under their
     own module names: Phi (dense, fc1 / fc2), StarCoder2 (c_fc / c_proj), Arcee (ungated up_proj), GPT-NeoX and BLOOM (q, k, v fused per head in query_key_value: one A,
     B split into the three), GPT-2 (c_attn: [q | k | v] rows; Conv1D modules), GPTBigCode (c_attn: [q | k | v] rows with one KV head, per
-    head without), Phi-3 (qkv_proj's
+    head without), Falcon (query_key_value in KV groups, each its query heads, key and value), Phi-3 (qkv_proj's
     [q | k | v] and gate_up_proj's [gate | up] rows), GLM-4-0414 (gate_up_proj; q / k in RoPE pairs),
     the ungated MLPs' up projection adapted: an all-linear adapter's logits and greedy tokens as PEFT's."""
     base = save_hf_model(name, tmp_path / "base")

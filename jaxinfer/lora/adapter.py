@@ -13,8 +13,9 @@ part j's rank columns j R .. j R + r, zero-padded past r, so every adapter has t
 loading one compiles nothing) and one B [R, n_p] per part, added to q, k, v and gate, up after the
 fused output is split (KV heads repeated as the fused model repeats them). The scaling is folded
 into B. Each family's module names are its own (_FAMILY_PROJECTIONS: Phi's dense / fc1 / fc2,
-GPT-NeoX's and BLOOM's query_key_value, GPT-2's c_attn, Phi-3's qkv_proj and gate_up_proj, GLM-4's
-gate_up_proj; Llama's q_proj ... down_proj for the rest); a module that fuses q, k and v (or gate and
+GPT-NeoX's, BLOOM's and Falcon's query_key_value, GPT-2's and GPTBigCode's c_attn, Phi-3's qkv_proj
+and gate_up_proj, GLM-4's gate_up_proj; Llama's q_proj ... down_proj for the rest); a module that
+fuses q, k and v (or gate and
 up) gives its one A to every part and its B rows split among them.
 Everything PEFT can save that this does not run (biases, DoRA, modules_to_save, embedding or LM-head
 adapters, experts) is refused by name, as is a folder that does not fit the model.
@@ -35,14 +36,16 @@ from jaxinfer.errors import CheckpointError
 from jaxinfer.safetensors_file import SafetensorsFile
 
 # per family: the adapted module ("attn." or "mlp." + its HF name) -> (our group, part index within
-# the fused group); part "heads": q, k, v fused per head in one module, [heads, 3, head_dim] rows
-# (GPT-NeoX's, BLOOM's query_key_value), "rows": every part of the group in one module, their rows
+# the fused group); part "kv_groups": q, k, v fused in one module, [kv heads, h / kv + 2, head_dim]
+# rows (each KV head's query heads, key, value: GPT-NeoX's, BLOOM's and Falcon's query_key_value,
+# GPTBigCode's c_attn; per head [q, k, v] with as many KV heads as heads, [q | k | v] with one),
+# "rows": every part of the group in one module, their rows
 # one after another ([q | k | v]: GPT-2's c_attn, Phi-3's qkv_proj; [gate | up]: Phi-3's and GLM-4's
 # gate_up_proj). The ungated MLPs' up projection is the group "up" (one part).
 _LLAMA = {"attn.q_proj": ("qkv", 0), "attn.k_proj": ("qkv", 1), "attn.v_proj": ("qkv", 2), "attn.o_proj": ("o", 0),
           "mlp.gate_proj": ("gate_up", 0), "mlp.up_proj": ("gate_up", 1), "mlp.down_proj": ("down", 0)}
 _QKV = {"attn.q_proj": ("qkv", 0), "attn.k_proj": ("qkv", 1), "attn.v_proj": ("qkv", 2)}
-_FUSED_QKV = {"attn.query_key_value": ("qkv", "heads"), "attn.dense": ("o", 0), "mlp.dense_h_to_4h": ("up", 0),
+_FUSED_QKV = {"attn.query_key_value": ("qkv", "kv_groups"), "attn.dense": ("o", 0), "mlp.dense_h_to_4h": ("up", 0),
               "mlp.dense_4h_to_h": ("down", 0)}
 _GLM = {**_QKV, "attn.o_proj": ("o", 0), "mlp.gate_up_proj": ("gate_up", "rows"), "mlp.down_proj": ("down", 0)}
 _FAMILY_PROJECTIONS = {
@@ -52,11 +55,10 @@ _FAMILY_PROJECTIONS = {
     "PhiForCausalLM": {**_QKV, "attn.dense": ("o", 0), "mlp.fc1": ("up", 0), "mlp.fc2": ("down", 0)},
     "Starcoder2ForCausalLM": {**_QKV, "attn.o_proj": ("o", 0), "mlp.c_fc": ("up", 0), "mlp.c_proj": ("down", 0)},
     "ArceeForCausalLM": {**_QKV, "attn.o_proj": ("o", 0), "mlp.up_proj": ("up", 0), "mlp.down_proj": ("down", 0)},
-    "GPTNeoXForCausalLM": _FUSED_QKV, "BloomForCausalLM": _FUSED_QKV,
+    "GPTNeoXForCausalLM": _FUSED_QKV, "BloomForCausalLM": _FUSED_QKV, "FalconForCausalLM": _FUSED_QKV,
     "GPT2LMHeadModel": {"attn.c_attn": ("qkv", "rows"), "attn.c_proj": ("o", 0), "mlp.c_fc": ("up", 0),
                         "mlp.c_proj": ("down", 0)},
-    # c_attn's rows [q | k | v] with one KV head, per head without (multi_query false)
-    "GPTBigCodeForCausalLM": {"attn.c_attn": ("qkv", "mqa_rows"), "attn.c_proj": ("o", 0), "mlp.c_fc": ("up", 0),
+    "GPTBigCodeForCausalLM": {"attn.c_attn": ("qkv", "kv_groups"), "attn.c_proj": ("o", 0), "mlp.c_fc": ("up", 0),
                               "mlp.c_proj": ("down", 0)},
 }
 GROUP_PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "up": 1, "down": 1}
@@ -252,16 +254,17 @@ def _group_dims(cfg: ModelConfig) -> tuple[dict[str, int], dict[str, list[int]]]
 
 def _split_parts(cfg: ModelConfig, group: str, b: np.ndarray, j: int | str) -> list[tuple[int, np.ndarray]]:
     """A module's lora_B [out, r] -> (part index, its rows) for each part it adapts: itself (j an
-    index), or every part of a fused module (j "heads": q, k, v in [heads, 3, head_dim] rows; "rows":
+    index), or every part of a fused module (j "kv_groups": q, k, v in [kv, h / kv + 2, head_dim] rows; "rows":
     the group's parts one after another, [q | k | v] or [gate | up])."""
     if isinstance(j, int):
         return [(j, b)]
     h, hd, r = cfg.n_heads, cfg.head_dim, b.shape[1]
-    if j == "mqa_rows":   # GPTBigCode
-        j = "rows" if cfg.n_kv_heads == 1 else "heads"
-    if j == "heads":   # (multi-head attention only: GPT-NeoX, BLOOM, GPTBigCode without multi_query)
-        per_head = b.reshape(h, 3, hd, r)
-        return [(i, per_head[:, i].reshape(h * hd, r)) for i in range(3)]
+    if j == "kv_groups":   # per KV head: its h / kv query heads, its key, its value
+        kv = cfg.n_kv_heads
+        g = h // kv
+        per = b.reshape(kv, g + 2, hd, r)
+        return [(0, per[:, :g].reshape(h * hd, r)), (1, per[:, g].reshape(kv * hd, r)),
+                (2, per[:, g + 1].reshape(kv * hd, r))]
     bounds = np.cumsum([0, *_group_dims(cfg)[1][group]])
     return [(i, b[bounds[i]:bounds[i + 1]]) for i in range(len(bounds) - 1)]
 

@@ -1035,6 +1035,41 @@ def _gpt_neox(c: dict[str, Any], arch: str) -> ModelConfig:
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 
 
+def _falcon(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Falcon (7B / 40B / 180B, Falcon2-11B; FalconConfig): LayerNorms, RoPE over whole heads, an
+    ungated GELU MLP, biases where `bias`. The original blocks (new_decoder_architecture false): one
+    KV head where multi_query, attention and MLP side by side on one norm where parallel_attn, else
+    one after the other; the new ones (40B, 180B): num_kv_heads KV heads, always side by side, on
+    ln_attn and ln_mlp (num_ln_in_parallel_attn 2, the default) or on one norm."""
+    for key in ("alibi", "apply_residual_connection_post_layernorm"):
+        if c.get(key):
+            raise ConfigError(f"Falcon with {key}=true (Falcon-RW) is not supported")
+    d = c.get("hidden_size", c.get("n_embed"))
+    h = c.get("num_attention_heads", c.get("n_head"))
+    if d is None or h is None or d % h:
+        raise ConfigError(f"Falcon needs hidden_size a multiple of num_attention_heads, got {d!r} and {h!r}")
+    new = bool(c.get("new_decoder_architecture", False))
+    kv = c.get("num_kv_heads") or h
+    if not new and c.get("multi_query", True):
+        kv = 1
+    norms = c.get("num_ln_in_parallel_attn") or 2
+    if new and norms == 1 and not c.get("parallel_attn", True):
+        raise ConfigError("Falcon's new_decoder_architecture with one norm needs parallel_attn")
+    parallel = new or bool(c.get("parallel_attn", True))
+    theta, scaling = _rope(_rope_params(c), c)
+    bias = bool(c.get("bias", False))
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c.get("num_hidden_layers", c.get("n_layer")), n_heads=h,
+        n_kv_heads=kv, head_dim=d // h, ffn_dim=c.get("ffn_hidden_size") or 4 * d,
+        activation=_activation(c, "activation", default="gelu"), gated_mlp=False, norm="layernorm",
+        norm_eps=float(c.get("layer_norm_epsilon") or 1e-5), position="rope", rope_theta=theta,
+        rope_scaling=scaling, max_position_embeddings=c.get("max_position_embeddings", 2048), qkv_bias=bias,
+        out_bias=bias, mlp_bias=bias, parallel_block=parallel, parallel_mlp_norm=new and norms == 2,
+        parallel_sum_first=parallel, tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        bos_token_id=c.get("bos_token_id", 11), eos_token_ids=_eos_ids({"eos_token_id": 11, **c}),
+        architecture=arch)
+
+
 _HF_BUILDERS = {
     "LlamaForCausalLM": _llama_like, "MistralForCausalLM": _llama_like, "Qwen2ForCausalLM": _llama_like,
     "Qwen3ForCausalLM": _llama_like, "ArceeForCausalLM": _llama_like, "HeliumForCausalLM": _llama_like,
@@ -1048,7 +1083,7 @@ _HF_BUILDERS = {
     "DeepseekV2ForCausalLM": _deepseek_v2, "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm,
     "Starcoder2ForCausalLM": _starcoder2, "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere,
     "Ernie4_5ForCausalLM": _ernie4_5, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
-    "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi,
+    "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi, "FalconForCausalLM": _falcon,
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
     "OlmoeForCausalLM": _olmoe, "Ministral3ForCausalLM": _ministral3,
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
@@ -1059,7 +1094,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "qwen3": "Qwen3ForCausalLM", "arcee": "ArceeForCausalLM", "helium": "HeliumForCausalLM",
                        "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                        "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel",
-                       "gpt_bigcode": "GPTBigCodeForCausalLM", "bloom": "BloomForCausalLM",
+                       "gpt_bigcode": "GPTBigCodeForCausalLM", "falcon": "FalconForCausalLM", "bloom": "BloomForCausalLM",
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "gpt_oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                        "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",

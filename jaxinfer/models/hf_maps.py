@@ -296,6 +296,42 @@ def _gpt_bigcode_map(cfg: ModelConfig) -> WeightMap:
     return m
 
 
+def _falcon_map(cfg: ModelConfig) -> WeightMap:
+    """Falcon: query_key_value's rows in KV groups, each its h / kv query heads, then its key and
+    value head ([kv, h / kv + 2, head_dim]: [q | k | v] with one KV head, per head [q, k, v]
+    without multi_query: one layout for the three of FalconAttention); the block's norms
+    input_layernorm (+ post_attention_layernorm, sequential) or ln_attn and ln_mlp."""
+    h, kv, hd, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+    g = h // kv
+    m: WeightMap = {"embed": (("transformer.word_embeddings.weight",), _ident)}
+    norms = ({"attn_norm": "ln_attn", "mlp_norm": "ln_mlp"} if cfg.parallel_mlp_norm else
+             {"attn_norm": "input_layernorm"} if cfg.parallel_block else
+             {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"})
+    parts = {"q": slice(0, g), "k": slice(g, g + 1), "v": slice(g + 1, g + 2)}
+    for i in range(cfg.n_layers):
+        p, o = f"transformer.h.{i}", f"layers/{i}"
+        for ours, theirs in norms.items():
+            _norm(m, f"{o}/{ours}", f"{p}.{theirs}", True)
+        for name, rows in parts.items():
+            m[f"{o}/attn/{name}"] = ((f"{p}.self_attention.query_key_value.weight",),
+                                     lambda w, r=rows: w.reshape(kv, g + 2, hd, d)[:, r].reshape(-1, hd, d)
+                                     .transpose(2, 0, 1))
+            if cfg.qkv_bias:
+                m[f"{o}/attn/{name}_bias"] = ((f"{p}.self_attention.query_key_value.bias",),
+                                              lambda b, r=rows: b.reshape(kv, g + 2, hd)[:, r].reshape(-1, hd))
+        m[f"{o}/attn/o"] = ((f"{p}.self_attention.dense.weight",), lambda w: w.T.reshape(h, hd, d))
+        if cfg.out_bias:
+            m[f"{o}/attn/o_bias"] = ((f"{p}.self_attention.dense.bias",), _ident)
+        for ours, theirs in (("up", "dense_h_to_4h"), ("down", "dense_4h_to_h")):
+            m[f"{o}/mlp/{ours}"] = ((f"{p}.mlp.{theirs}.weight",), _t)
+            if cfg.mlp_bias:
+                m[f"{o}/mlp/{ours}_bias"] = ((f"{p}.mlp.{theirs}.bias",), _ident)
+    _norm(m, "final_norm", "transformer.ln_f", True)
+    if not cfg.tie_embeddings:
+        m["lm_head"] = (("lm_head.weight",), _t)
+    return m
+
+
 def _per_head_qkv_block(m: WeightMap, cfg: ModelConfig, o: str, p: str, attn: str) -> None:
     """BLOOM's and GPT-NeoX's block: LayerNorms before attention and MLP, q, k, v fused per head in
     {attn}.query_key_value ([h, 3, hd] rows), {attn}.dense, the ungated mlp.dense_h_to_4h /
@@ -393,7 +429,8 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Glm4ForCausalLM": lambda cfg: _llama_map(cfg, fused_mlp=True), "Starcoder2ForCausalLM": _llama_map,
          "CohereForCausalLM": _llama_map, "Cohere2ForCausalLM": _llama_map, "Ernie4_5ForCausalLM": _llama_map,
          "Ernie4_5_MoeForCausalLM": _llama_map,
-         "GPT2LMHeadModel": _gpt2_map, "GPTBigCodeForCausalLM": _gpt_bigcode_map, "BloomForCausalLM": _bloom_map,
+         "GPT2LMHeadModel": _gpt2_map, "GPTBigCodeForCausalLM": _gpt_bigcode_map,
+         "FalconForCausalLM": _falcon_map, "BloomForCausalLM": _bloom_map,
          "GPTNeoXForCausalLM": _neox_map, "PhiForCausalLM": _phi_map,
          "StableLmForCausalLM": _stablelm_map, "GraniteMoeForCausalLM": _llama_map,
          "GraniteMoeSharedForCausalLM": _llama_map, "OlmoeForCausalLM": _llama_map,
