@@ -248,6 +248,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                                                   "original_max_position_embeddings": 64,
                                                                   "mscale": 1.0, "mscale_all_dim": 0.8,
                                                                   "beta_fast": 32.0, "beta_slow": 1.0})),
+    # GLM-4.7-Flash: DeepSeek-V3's latent attention and mixture, a dense layer between mixtures
+    # (mlp_layer_types)
+    "glm4moelite": ("glm4_moe_lite", dict(_COMMON, num_key_value_heads=4, vocab_size=107, intermediate_size=48,
+                                          moe_intermediate_size=16, num_hidden_layers=3, n_routed_experts=6,
+                                          num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=1.8,
+                                          mlp_layer_types=["sparse", "dense", "sparse"], kv_lora_rank=24,
+                                          q_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+                                          initializer_range=0.2)),
     # DeepSeek-V2: the same latent attention (no q bottleneck, as V2-Lite's) with softmax routing limited
     # to 2 of 4 groups (each scored by its best expert), V2's large routed scale, two shared experts, YaRN
     "deepseekv2-groups": ("deepseek_v2", dict(_COMMON, num_key_value_heads=4, vocab_size=113, intermediate_size=48,
@@ -341,6 +349,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
            "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
            "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
+           "glm4_moe_lite": (tf.Glm4MoeLiteConfig, tf.Glm4MoeLiteForCausalLM),
            "glm": (tf.GlmConfig, tf.GlmForCausalLM), "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM),
            "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM),
            "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),

@@ -733,6 +733,19 @@ def _deepseek_v3(c: dict[str, Any], arch: str) -> ModelConfig:
         mla_nope_dim=nope, mla_rope_dim=rope, mla_v_dim=v, mla_rope_interleave=bool(c.get("rope_interleave", True)))
 
 
+def _glm4_moe_lite(c: dict[str, Any], arch: str) -> ModelConfig:
+    """GLM-4.7-Flash (transformers' Glm4MoeLite): DeepSeek-V3's latent attention and mixture, its dense
+    and mixture layers named by mlp_layer_types (default: the first dense, the rest mixtures)."""
+    n = c["num_hidden_layers"]
+    types = c.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
+    if not isinstance(types, list) or len(types) != n or set(types) - {"dense", "sparse"}:
+        raise ConfigError(f"field 'mlp_layer_types' must list 'dense' or 'sparse' for each of the {n} layers, "
+                          f"got {types!r}")
+    cfg = _deepseek_v3({**c, "first_k_dense_replace": 0}, arch)
+    layers = tuple(t == "sparse" for t in types)
+    return dataclasses.replace(cfg, moe_layers=None if all(layers) else layers)
+
+
 def _deepseek_v2(c: dict[str, Any], arch: str) -> ModelConfig:
     """DeepSeek-V2 / V2.5 / V2-Lite, DeepSeek-Coder-V2 (transformers' DeepseekV2): DeepSeek-V3's latent
     attention (its RoPE features always interleaved in pairs) and shared experts, routed by softmax
@@ -1080,7 +1093,7 @@ _HF_BUILDERS = {
     "SmolLM3ForCausalLM": _smollm3, "GraniteForCausalLM": _granite, "Olmo2ForCausalLM": _olmo,
     "Olmo3ForCausalLM": _olmo, "Exaone4ForCausalLM": _exaone4, "SeedOssForCausalLM": _seed_oss,
     "Qwen2MoeForCausalLM": _qwen2_moe, "Glm4MoeForCausalLM": _glm4_moe, "DeepseekV3ForCausalLM": _deepseek_v3,
-    "DeepseekV2ForCausalLM": _deepseek_v2, "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm,
+    "DeepseekV2ForCausalLM": _deepseek_v2, "Glm4MoeLiteForCausalLM": _glm4_moe_lite, "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm,
     "Starcoder2ForCausalLM": _starcoder2, "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere,
     "Ernie4_5ForCausalLM": _ernie4_5, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi, "FalconForCausalLM": _falcon,
@@ -1101,6 +1114,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "exaone4": "Exaone4ForCausalLM", "seed_oss": "SeedOssForCausalLM",
                        "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                        "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                       "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
                        "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
                        "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
@@ -1184,6 +1198,11 @@ _HF_DEFAULTS = {
                               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
                               "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
                               "qk_nope_head_dim": 128, "rms_norm_eps": 1e-6, "rope_interleave": True},
+    "Glm4MoeLiteForCausalLM": {"max_position_embeddings": 202752, "num_experts_per_tok": 4, "moe_intermediate_size": 1536,
+                               "n_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.8, "n_group": 1,
+                               "topk_group": 1, "kv_lora_rank": 512, "q_lora_rank": 768, "qk_rope_head_dim": 64,
+                               "v_head_dim": 256, "qk_nope_head_dim": 192, "rms_norm_eps": 1e-5, "rope_interleave": True,
+                               "bos_token_id": 0, "eos_token_id": 1},
     "DeepseekV2ForCausalLM": {"max_position_embeddings": 2048, "moe_intermediate_size": 1407, "n_shared_experts": 2,
                               "first_k_dense_replace": 0, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
                               "topk_method": "greedy", "kv_lora_rank": 512, "q_lora_rank": 1536,
@@ -1191,7 +1210,7 @@ _HF_DEFAULTS = {
 }
 _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128,
                     "Qwen2MoeForCausalLM": 60, "Glm4MoeForCausalLM": 128, "DeepseekV3ForCausalLM": 256,
-                    "DeepseekV2ForCausalLM": 64, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
+                    "DeepseekV2ForCausalLM": 64, "Glm4MoeLiteForCausalLM": 64, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
                     "OlmoeForCausalLM": 64,
                     "HunYuanMoEV1ForCausalLM": 1}
 # architectures close to a supported one, refused with a pointer to what is supported
