@@ -248,6 +248,12 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                                                   "original_max_position_embeddings": 64,
                                                                   "mscale": 1.0, "mscale_all_dim": 0.8,
                                                                   "beta_fast": 32.0, "beta_slow": 1.0})),
+    # MiniMax-M2: whole-projection q / k norms, half of each head rotated (the legacy rotary_dim),
+    # sigmoid-chosen experts with a learned correction, renormalized
+    "minimax-m2": ("minimax_m2", dict(_COMMON, vocab_size=117, intermediate_size=24, num_hidden_layers=2,
+                                      num_key_value_heads=2, head_dim=16, rotary_dim=8, num_local_experts=6,
+                                      num_experts_per_tok=2, initializer_range=0.2,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     # GLM-4.7-Flash: DeepSeek-V3's latent attention and mixture, a dense layer between mixtures
     # (mlp_layer_types)
     "glm4moelite": ("glm4_moe_lite", dict(_COMMON, num_key_value_heads=4, vocab_size=107, intermediate_size=48,
@@ -350,6 +356,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
            "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
            "glm4_moe_lite": (tf.Glm4MoeLiteConfig, tf.Glm4MoeLiteForCausalLM),
+           "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM),
            "glm": (tf.GlmConfig, tf.GlmForCausalLM), "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM),
            "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM),
            "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),

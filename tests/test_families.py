@@ -282,7 +282,7 @@ def test_num_params_match_transformers():
                                   "phi-qk-layernorm", "stablelm", "stablelm-parallel-qk-norm", "granitemoe",
                                   "granitemoeshared", "olmoe", "hunyuan", "hunyuan-moe", "arcee", "helium",
                                   "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
-                                  "falcon-sequential", "glm4moelite"])
+                                  "falcon-sequential", "glm4moelite", "minimax-m2"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -409,6 +409,33 @@ def test_falcon_config_as_transformers_reads_it():
             assert cfg.num_params() == sum(p.numel() for p in tf.FalconForCausalLM(theirs).parameters())
     with pytest.raises(ConfigError, match="alibi"):
         model_config_from_hf({**bare, "alibi": True})
+
+
+def test_minimax_m2_config_as_transformers_reads_it():
+    """MiniMax-M2's published config.json (the legacy rotary_dim, rope_theta at the top level, its own
+    keys for what transformers hard-codes) and one that names nothing optional, read as
+    MiniMaxM2Config reads them."""
+    import transformers as tf
+    m2 = {"architectures": ["MiniMaxM2ForCausalLM"], "head_dim": 128, "hidden_act": "silu", "hidden_size": 3072,
+          "intermediate_size": 1536, "max_position_embeddings": 196608, "model_type": "minimax_m2",
+          "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62, "num_key_value_heads": 8,
+          "num_local_experts": 256, "qk_norm_type": "per_layer", "rms_norm_eps": 1e-06, "rope_theta": 5000000,
+          "rotary_dim": 64, "scoring_func": "sigmoid", "shared_intermediate_size": 0, "tie_word_embeddings": False,
+          "use_qk_norm": True, "use_routing_bias": True, "vocab_size": 200064}
+    bare = {"architectures": ["MiniMaxM2ForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "num_local_experts": 4, "num_experts_per_tok": 2}
+    for fields in (m2, bare):
+        theirs = tf.MiniMaxM2Config(**{k: v for k, v in fields.items() if k != "architectures"})
+        cfg = model_config_from_hf(fields)
+        rotary = int(theirs.head_dim * theirs.rope_parameters.get("partial_rotary_factor", 1.0))
+        assert (cfg.rope_theta, cfg.rope_dim, cfg.n_kv_heads, cfg.head_dim, cfg.max_position_embeddings) == (
+            theirs.rope_parameters["rope_theta"], rotary, theirs.num_key_value_heads, theirs.head_dim,
+            theirs.max_position_embeddings)
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.eos_token_ids, cfg.bos_token_id) == (
+            theirs.num_local_experts, theirs.num_experts_per_tok, (theirs.eos_token_id,), theirs.bos_token_id)
+        if fields is bare:   # (230B parameters: not built)
+            assert cfg.num_params() == sum(p.numel() for p in tf.MiniMaxM2ForCausalLM(theirs).parameters())
 
 
 def test_phi_config_as_transformers_reads_it():

@@ -483,6 +483,27 @@ def _olmoe(c: dict[str, Any], arch: str) -> ModelConfig:
                                moe_norm_topk=bool(c.get("norm_topk_prob", False)))
 
 
+def _minimax_m2(c: dict[str, Any], arch: str) -> ModelConfig:
+    """MiniMax-M2 / M2.1 (transformers' MiniMaxM2): Llama's block with q / k RMSNorms over the whole
+    projection (before RoPE), the first rotary_dim features of each head rotated (the published
+    configs' legacy rotary_dim, or partial_rotary_factor), and on every layer Mixtral's experts chosen
+    by sigmoid scores plus a learned correction (e_score_correction_bias), weighted by the sigmoid
+    scores renormalized over the chosen. No shared experts (shared_intermediate_size refused)."""
+    if c.get("shared_intermediate_size"):
+        raise ConfigError(f"MiniMax-M2 with shared_intermediate_size={c['shared_intermediate_size']!r} (shared "
+                          "experts) is not supported")
+    if c.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ConfigError(f"MiniMax-M2 with scoring_func={c['scoring_func']!r} is not supported (sigmoid)")
+    cfg = _llama_like({**c, "sliding_window": None}, arch)
+    params = _rope_params(c)
+    if c.get("rotary_dim") is not None and "partial_rotary_factor" not in params:
+        params = {**params, "partial_rotary_factor": c["rotary_dim"] / cfg.head_dim}
+    return dataclasses.replace(
+        cfg, rotary_dim=_rotary_dim(params, c, cfg.head_dim, 1.0), qk_norm=True, qk_norm_full=True,
+        num_experts=_num_experts(c, arch), num_experts_per_tok=c["num_experts_per_tok"], moe_routing="sigmoid_topk",
+        moe_norm_topk=True)
+
+
 def _olmo(c: dict[str, Any], arch: str) -> ModelConfig:
     """OLMo 2 and OLMo 3: Llama's projections and MLP with the norms after each branch only
     (post_attention_layernorm, post_feedforward_layernorm; no input norm), q / k norms over the whole
@@ -1098,7 +1119,7 @@ _HF_BUILDERS = {
     "Ernie4_5ForCausalLM": _ernie4_5, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi, "FalconForCausalLM": _falcon,
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
-    "OlmoeForCausalLM": _olmoe, "Ministral3ForCausalLM": _ministral3,
+    "OlmoeForCausalLM": _olmoe, "MiniMaxM2ForCausalLM": _minimax_m2, "Ministral3ForCausalLM": _ministral3,
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
@@ -1115,6 +1136,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                        "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                        "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+                       "minimax_m2": "MiniMaxM2ForCausalLM",
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
                        "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
                        "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
@@ -1198,6 +1220,9 @@ _HF_DEFAULTS = {
                               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
                               "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
                               "qk_nope_head_dim": 128, "rms_norm_eps": 1e-6, "rope_interleave": True},
+    "MiniMaxM2ForCausalLM": {"head_dim": 128, "num_key_value_heads": 8, "rope_theta": 5000000.0,
+                             "max_position_embeddings": 196608, "num_experts_per_tok": 8, "rms_norm_eps": 1e-6,
+                             "bos_token_id": 200034, "eos_token_id": 200020},
     "Glm4MoeLiteForCausalLM": {"max_position_embeddings": 202752, "num_experts_per_tok": 4, "moe_intermediate_size": 1536,
                                "n_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.8, "n_group": 1,
                                "topk_group": 1, "kv_lora_rank": 512, "q_lora_rank": 768, "qk_rope_head_dim": 64,
@@ -1210,7 +1235,7 @@ _HF_DEFAULTS = {
 }
 _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128,
                     "Qwen2MoeForCausalLM": 60, "Glm4MoeForCausalLM": 128, "DeepseekV3ForCausalLM": 256,
-                    "DeepseekV2ForCausalLM": 64, "Glm4MoeLiteForCausalLM": 64, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
+                    "DeepseekV2ForCausalLM": 64, "Glm4MoeLiteForCausalLM": 64, "MiniMaxM2ForCausalLM": 256, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
                     "OlmoeForCausalLM": 64,
                     "HunYuanMoEV1ForCausalLM": 1}
 # architectures close to a supported one, refused with a pointer to what is supported

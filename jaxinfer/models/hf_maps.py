@@ -204,15 +204,17 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
     if cfg.architecture in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"):
         _granite_experts(m, cfg, o, p)
         return
+    minimax = cfg.architecture == "MiniMaxM2ForCausalLM"   # Mixtral's names, its correction beside the gate
     block, names = (("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})
-                    if cfg.architecture == "MixtralForCausalLM" else
+                    if cfg.architecture == "MixtralForCausalLM" or minimax else
                     ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}))
     hunyuan = cfg.architecture == "HunYuanMoEV1ForCausalLM"   # its router in gate.wg, its shared MLP shared_mlp
     m[f"{o}/mlp/router"] = ((f"{p}.{block}.gate.wg.weight" if hunyuan else f"{p}.{block}.gate.weight",), _t)
     for ours, theirs in names.items():
         m[f"{o}/mlp/{ours}"] = (tuple(f"{p}.{block}.experts.{j}.{theirs}.weight" for j in e), _stack_t)
     if cfg.moe_routing == "sigmoid_topk":   # DeepSeek-V3 / GLM-4.5's choice correction
-        m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.gate.e_score_correction_bias",), _ident)
+        m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.{'' if minimax else 'gate.'}e_score_correction_bias",),
+                                           _ident)
     elif cfg.moe_routing == "softmax_corrected_topk":   # ERNIE 4.5's, [1, E] in its moe_statics
         m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.moe_statics.e_score_correction_bias",),
                                            lambda b: b.reshape(-1))
@@ -422,6 +424,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Phi3ForCausalLM": lambda cfg: _llama_map(cfg, fused=True), "MixtralForCausalLM": _llama_map,
          "Qwen3MoeForCausalLM": _llama_map, "Qwen2MoeForCausalLM": _llama_map, "Glm4MoeForCausalLM": _llama_map,
          "DeepseekV3ForCausalLM": _llama_map, "DeepseekV2ForCausalLM": _llama_map, "Glm4MoeLiteForCausalLM": _llama_map,
+         "MiniMaxM2ForCausalLM": _llama_map,
          "GptOssForCausalLM": _llama_map, "SmolLM3ForCausalLM": _llama_map,
          "GraniteForCausalLM": _llama_map, "Olmo2ForCausalLM": _llama_map, "Olmo3ForCausalLM": _llama_map,
          "Exaone4ForCausalLM": _llama_map, "SeedOssForCausalLM": _llama_map,
