@@ -23,6 +23,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                             attention_bias=True, mlp_bias=True)),
     "mistral-window": ("mistral", dict(_COMMON, vocab_size=113, intermediate_size=96, num_hidden_layers=2,
                                        num_key_value_heads=2, sliding_window=7)),
+    # Ministral 8B (2410): the window on the layers layer_types names
+    "ministral": ("ministral", dict(_COMMON, vocab_size=119, intermediate_size=96, num_hidden_layers=3,
+                                    num_key_value_heads=2, head_dim=16, sliding_window=6,
+                                    layer_types=["full_attention", "sliding_attention", "sliding_attention"])),
     "mistral-mha": ("mistral", dict(_COMMON, vocab_size=128, intermediate_size=64, num_hidden_layers=2,
                                     num_key_value_heads=4, sliding_window=None, head_dim=32)),
     "qwen2-tied": ("qwen2", dict(_COMMON, vocab_size=151, intermediate_size=96, num_hidden_layers=2,
@@ -357,6 +361,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
            "glm4_moe_lite": (tf.Glm4MoeLiteConfig, tf.Glm4MoeLiteForCausalLM),
            "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM),
+           "ministral": (tf.MinistralConfig, tf.MinistralForCausalLM),
            "glm": (tf.GlmConfig, tf.GlmForCausalLM), "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM),
            "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM),
            "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),

@@ -364,6 +364,21 @@ def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 
 
+def _ministral(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Ministral 8B (2410; transformers' Ministral): Mistral's block with its window on the layers
+    layer_types names sliding (by default every layer, where a window is set)."""
+    cfg = _llama_like(c, arch)
+    if cfg.sliding_window is None:
+        return cfg
+    types = c.get("layer_types") or ["sliding_attention"] * cfg.n_layers
+    if len(types) != cfg.n_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ConfigError(f"field 'layer_types' must name 'sliding_attention' or 'full_attention' for each of "
+                          f"the {cfg.n_layers} layers, got {types!r}")
+    sliding = tuple(t == "sliding_attention" for t in types)
+    return dataclasses.replace(cfg, sliding_window=cfg.sliding_window if any(sliding) else None,
+                               sliding_layers=None if all(sliding) or not any(sliding) else sliding)
+
+
 # Ministral3Config's RoPE when config.json names none
 _MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 16384,
                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
@@ -1119,7 +1134,7 @@ _HF_BUILDERS = {
     "Ernie4_5ForCausalLM": _ernie4_5, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi, "FalconForCausalLM": _falcon,
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
-    "OlmoeForCausalLM": _olmoe, "MiniMaxM2ForCausalLM": _minimax_m2, "Ministral3ForCausalLM": _ministral3,
+    "OlmoeForCausalLM": _olmoe, "MiniMaxM2ForCausalLM": _minimax_m2, "MinistralForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
@@ -1136,7 +1151,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                        "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                        "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
-                       "minimax_m2": "MiniMaxM2ForCausalLM",
+                       "minimax_m2": "MiniMaxM2ForCausalLM", "ministral": "MinistralForCausalLM",
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
                        "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
                        "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
@@ -1220,6 +1235,8 @@ _HF_DEFAULTS = {
                               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
                               "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
                               "qk_nope_head_dim": 128, "rms_norm_eps": 1e-6, "rope_interleave": True},
+    "MinistralForCausalLM": {"sliding_window": 4096, "max_position_embeddings": 131072, "num_key_value_heads": 8,
+                             "bos_token_id": 1, "eos_token_id": 2},
     "MiniMaxM2ForCausalLM": {"head_dim": 128, "num_key_value_heads": 8, "rope_theta": 5000000.0,
                              "max_position_embeddings": 196608, "num_experts_per_tok": 8, "rms_norm_eps": 1e-6,
                              "bos_token_id": 200034, "eos_token_id": 200020},
