@@ -258,6 +258,13 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                       num_key_value_heads=2, head_dim=16, rotary_dim=8, num_local_experts=6,
                                       num_experts_per_tok=2, initializer_range=0.2,
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # dots.llm1: Qwen3's attention (biased, its last layer windowed) and DeepSeek-V3's mixture after a
+    # dense first layer
+    "dots1": ("dots1", dict(_COMMON, vocab_size=111, intermediate_size=48, moe_intermediate_size=16,
+                            num_hidden_layers=3, num_key_value_heads=2, head_dim=16, n_routed_experts=6,
+                            num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                            routed_scaling_factor=2.0, norm_topk_prob=True, first_k_dense_replace=1,
+                            attention_bias=True, sliding_window=6, max_window_layers=2, initializer_range=0.2)),
     # GLM-4.7-Flash: DeepSeek-V3's latent attention and mixture, a dense layer between mixtures
     # (mlp_layer_types)
     "glm4moelite": ("glm4_moe_lite", dict(_COMMON, num_key_value_heads=4, vocab_size=107, intermediate_size=48,
@@ -362,6 +369,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "glm4_moe_lite": (tf.Glm4MoeLiteConfig, tf.Glm4MoeLiteForCausalLM),
            "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM),
            "ministral": (tf.MinistralConfig, tf.MinistralForCausalLM),
+           "dots1": (tf.Dots1Config, tf.Dots1ForCausalLM),
            "glm": (tf.GlmConfig, tf.GlmForCausalLM), "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM),
            "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM),
            "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),

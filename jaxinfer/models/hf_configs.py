@@ -742,6 +742,26 @@ def _glm4_moe(c: dict[str, Any], arch: str) -> ModelConfig:
         moe_shared_ffn_dim=c["moe_intermediate_size"] * c["n_shared_experts"])
 
 
+def _dots1(c: dict[str, Any], arch: str) -> ModelConfig:
+    """dots.llm1 (transformers' Dots1): Qwen3's attention (per-head q / k norms, biases on q / k / v / o
+    where attention_bias, a window on the layers layer_types names sliding: by default those from
+    max_window_layers on) and DeepSeek-V3's mixture (_glm4_moe's routing, shared experts, the first
+    first_k_dense_replace layers dense)."""
+    n, window = c["num_hidden_layers"], c.get("sliding_window")
+    if not c.get("n_routed_experts") or not c.get("num_experts_per_tok"):
+        raise ConfigError("dots.llm1 needs n_routed_experts and num_experts_per_tok (Dots1Config has no default)")
+    types = c.get("layer_types") or ["sliding_attention" if window is not None and i >= c["max_window_layers"]
+                                     else "full_attention" for i in range(n)]
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise ConfigError(f"field 'layer_types' must name 'sliding_attention' or 'full_attention' for each of "
+                          f"the {n} layers, got {types!r}")
+    bias = bool(c.get("attention_bias", False))
+    cfg = _glm4_moe({**c, "partial_rotary_factor": 1.0, "use_qk_norm": True}, arch)
+    sliding = tuple(t == "sliding_attention" for t in types)
+    return dataclasses.replace(cfg, out_bias=bias, sliding_window=window if any(sliding) else None,
+                               sliding_layers=None if all(sliding) or not any(sliding) else sliding)
+
+
 def _deepseek_v3(c: dict[str, Any], arch: str) -> ModelConfig:
     """DeepSeek-V3 / R1, Kimi K2, Moonlight (transformers' DeepseekV3): latent attention (kv_lora_rank,
     q_lora_rank or a plain q_proj, qk_nope_head_dim + qk_rope_head_dim per query head, v_head_dim;
@@ -1134,7 +1154,7 @@ _HF_BUILDERS = {
     "Ernie4_5ForCausalLM": _ernie4_5, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi, "FalconForCausalLM": _falcon,
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
-    "OlmoeForCausalLM": _olmoe, "MiniMaxM2ForCausalLM": _minimax_m2, "MinistralForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
+    "OlmoeForCausalLM": _olmoe, "MiniMaxM2ForCausalLM": _minimax_m2, "Dots1ForCausalLM": _dots1, "MinistralForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
@@ -1152,6 +1172,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                        "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
                        "minimax_m2": "MiniMaxM2ForCausalLM", "ministral": "MinistralForCausalLM",
+                       "dots1": "Dots1ForCausalLM",
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
                        "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
                        "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
@@ -1235,6 +1256,10 @@ _HF_DEFAULTS = {
                               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
                               "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
                               "qk_nope_head_dim": 128, "rms_norm_eps": 1e-6, "rope_interleave": True},
+    "Dots1ForCausalLM": {"moe_intermediate_size": 1408, "n_shared_experts": 0, "n_group": 1, "topk_group": 1,
+                         "first_k_dense_replace": 0, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+                         "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "sliding_window": 4096,
+                         "max_window_layers": 62},
     "MinistralForCausalLM": {"sliding_window": 4096, "max_position_embeddings": 131072, "num_key_value_heads": 8,
                              "bos_token_id": 1, "eos_token_id": 2},
     "MiniMaxM2ForCausalLM": {"head_dim": 128, "num_key_value_heads": 8, "rope_theta": 5000000.0,
