@@ -265,6 +265,12 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                             num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
                             routed_scaling_factor=2.0, norm_topk_prob=True, first_k_dense_replace=1,
                             attention_bias=True, sliding_window=6, max_window_layers=2, initializer_range=0.2)),
+    # Solar Open: Llama's attention (q / k / v biases) and GLM-4.5's mixture on every layer
+    "solar-open": ("solar_open", dict(_COMMON, vocab_size=109, moe_intermediate_size=16, num_hidden_layers=2,
+                                      num_key_value_heads=2, head_dim=16, n_routed_experts=6, num_experts_per_tok=2,
+                                      n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.5,
+                                      attention_bias=True, initializer_range=0.2,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     # GLM-4.7-Flash: DeepSeek-V3's latent attention and mixture, a dense layer between mixtures
     # (mlp_layer_types)
     "glm4moelite": ("glm4_moe_lite", dict(_COMMON, num_key_value_heads=4, vocab_size=107, intermediate_size=48,
@@ -370,6 +376,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM),
            "ministral": (tf.MinistralConfig, tf.MinistralForCausalLM),
            "dots1": (tf.Dots1Config, tf.Dots1ForCausalLM),
+           "solar_open": (tf.SolarOpenConfig, tf.SolarOpenForCausalLM),
            "glm": (tf.GlmConfig, tf.GlmForCausalLM), "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM),
            "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM),
            "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),

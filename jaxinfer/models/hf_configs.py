@@ -762,6 +762,14 @@ def _dots1(c: dict[str, Any], arch: str) -> ModelConfig:
                                sliding_layers=None if all(sliding) or not any(sliding) else sliding)
 
 
+def _solar_open(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Solar Open (transformers' SolarOpen): Llama's attention (biases on q / k / v only, where
+    attention_bias; whole heads rotated unless rope_parameters says otherwise) and GLM-4.5's mixture
+    on every layer."""
+    return _glm4_moe({**c, "first_k_dense_replace": 0, "use_qk_norm": False, "partial_rotary_factor": 1.0,
+                      "intermediate_size": c["moe_intermediate_size"]}, arch)
+
+
 def _deepseek_v3(c: dict[str, Any], arch: str) -> ModelConfig:
     """DeepSeek-V3 / R1, Kimi K2, Moonlight (transformers' DeepseekV3): latent attention (kv_lora_rank,
     q_lora_rank or a plain q_proj, qk_nope_head_dim + qk_rope_head_dim per query head, v_head_dim;
@@ -1154,7 +1162,8 @@ _HF_BUILDERS = {
     "Ernie4_5ForCausalLM": _ernie4_5, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi, "FalconForCausalLM": _falcon,
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
-    "OlmoeForCausalLM": _olmoe, "MiniMaxM2ForCausalLM": _minimax_m2, "Dots1ForCausalLM": _dots1, "MinistralForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
+    "OlmoeForCausalLM": _olmoe, "MiniMaxM2ForCausalLM": _minimax_m2, "Dots1ForCausalLM": _dots1,
+    "SolarOpenForCausalLM": _solar_open, "MinistralForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
@@ -1172,7 +1181,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                        "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
                        "minimax_m2": "MiniMaxM2ForCausalLM", "ministral": "MinistralForCausalLM",
-                       "dots1": "Dots1ForCausalLM",
+                       "dots1": "Dots1ForCausalLM", "solar_open": "SolarOpenForCausalLM",
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
                        "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
                        "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
@@ -1256,6 +1265,10 @@ _HF_DEFAULTS = {
                               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
                               "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
                               "qk_nope_head_dim": 128, "rms_norm_eps": 1e-6, "rope_interleave": True},
+    "SolarOpenForCausalLM": {"head_dim": 128, "num_key_value_heads": 8, "rope_theta": 1000000.0,
+                             "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "moe_intermediate_size": 1280,
+                             "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+                             "n_group": 1, "topk_group": 1, "norm_topk_prob": True},
     "Dots1ForCausalLM": {"moe_intermediate_size": 1408, "n_shared_experts": 0, "n_group": 1, "topk_group": 1,
                          "first_k_dense_replace": 0, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
                          "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "sliding_window": 4096,
@@ -1277,7 +1290,8 @@ _HF_DEFAULTS = {
 }
 _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128,
                     "Qwen2MoeForCausalLM": 60, "Glm4MoeForCausalLM": 128, "DeepseekV3ForCausalLM": 256,
-                    "DeepseekV2ForCausalLM": 64, "Glm4MoeLiteForCausalLM": 64, "MiniMaxM2ForCausalLM": 256, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
+                    "DeepseekV2ForCausalLM": 64, "Glm4MoeLiteForCausalLM": 64, "MiniMaxM2ForCausalLM": 256,
+                    "SolarOpenForCausalLM": 128, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
                     "OlmoeForCausalLM": 64,
                     "HunYuanMoEV1ForCausalLM": 1}
 # architectures close to a supported one, refused with a pointer to what is supported
