@@ -271,6 +271,13 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                       n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.5,
                                       attention_bias=True, initializer_range=0.2,
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # K-EXAONE: EXAONE 4.0's attention (sliding layers with RoPE, the global one without) in a pre-norm
+    # block, DeepSeek-V3's mixture after a dense first layer
+    "exaone-moe": ("exaone_moe", dict(_COMMON, vocab_size=113, intermediate_size=48, moe_intermediate_size=16,
+                                      num_hidden_layers=3, num_key_value_heads=2, head_dim=16, num_experts=6,
+                                      num_experts_per_tok=2, num_shared_experts=1, routed_scaling_factor=2.5,
+                                      first_k_dense_replace=1, sliding_window=6, sliding_window_pattern=3,
+                                      initializer_range=0.2)),
     # GLM-4.7-Flash: DeepSeek-V3's latent attention and mixture, a dense layer between mixtures
     # (mlp_layer_types)
     "glm4moelite": ("glm4_moe_lite", dict(_COMMON, num_key_value_heads=4, vocab_size=107, intermediate_size=48,
@@ -377,6 +384,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "ministral": (tf.MinistralConfig, tf.MinistralForCausalLM),
            "dots1": (tf.Dots1Config, tf.Dots1ForCausalLM),
            "solar_open": (tf.SolarOpenConfig, tf.SolarOpenForCausalLM),
+           "exaone_moe": (tf.ExaoneMoeConfig, tf.ExaoneMoeForCausalLM),
            "glm": (tf.GlmConfig, tf.GlmForCausalLM), "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM),
            "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM),
            "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),

@@ -283,7 +283,7 @@ def test_num_params_match_transformers():
                                   "granitemoeshared", "olmoe", "hunyuan", "hunyuan-moe", "arcee", "helium",
                                   "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
                                   "falcon-sequential", "glm4moelite", "minimax-m2", "ministral", "dots1",
-                                  "solar-open"])
+                                  "solar-open", "exaone-moe"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())

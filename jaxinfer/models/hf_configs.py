@@ -566,6 +566,26 @@ def _exaone4(c: dict[str, Any], arch: str) -> ModelConfig:
     return dataclasses.replace(cfg, sliding_window=window, sliding_layers=sliding, rope_layers=sliding)
 
 
+def _exaone_moe(c: dict[str, Any], arch: str) -> ModelConfig:
+    """K-EXAONE (transformers' ExaoneMoe): EXAONE 4.0's attention (per-head q / k norms, sliding layers
+    with RoPE, global ones without) in a pre-norm block (OLMoE's), and DeepSeek-V3's mixture
+    (num_experts, num_shared_experts) on the layers mlp_layer_types names sparse (by default all but
+    the first first_k_dense_replace)."""
+    n = c["num_hidden_layers"]
+    types = c.get("mlp_layer_types") or ["dense" if i < c["first_k_dense_replace"] else "sparse" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or set(types) - {"dense", "sparse"}:
+        raise ConfigError(f"field 'mlp_layer_types' must list 'dense' or 'sparse' for each of the {n} layers, "
+                          f"got {types!r}")
+    layers = tuple(t == "sparse" for t in types)
+    moe_f = c["moe_intermediate_size"]
+    return dataclasses.replace(
+        _exaone4(c, arch), pre_norms=True, post_norms=False, num_experts=_num_experts(c, arch),
+        num_experts_per_tok=c["num_experts_per_tok"], moe_ffn_dim=moe_f, moe_layers=None if all(layers) else layers,
+        moe_routing="sigmoid_topk", moe_norm_topk=bool(c["norm_topk_prob"]), moe_groups=c["n_group"] or 1,
+        moe_topk_groups=c["topk_group"] or 1, moe_routed_scale=float(c["routed_scaling_factor"]),
+        moe_shared_ffn_dim=moe_f * c["num_shared_experts"])
+
+
 def _seed_oss(c: dict[str, Any], arch: str) -> ModelConfig:
     """Seed-OSS: Llama's block with biases on q / k / v (attention_bias, default true) and, apart, on
     o (attention_out_bias) and the MLP (mlp_bias); transformers' SeedOssConfig."""
@@ -1163,7 +1183,7 @@ _HF_BUILDERS = {
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi, "FalconForCausalLM": _falcon,
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
     "OlmoeForCausalLM": _olmoe, "MiniMaxM2ForCausalLM": _minimax_m2, "Dots1ForCausalLM": _dots1,
-    "SolarOpenForCausalLM": _solar_open, "MinistralForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
+    "SolarOpenForCausalLM": _solar_open, "ExaoneMoeForCausalLM": _exaone_moe, "MinistralForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
@@ -1182,6 +1202,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
                        "minimax_m2": "MiniMaxM2ForCausalLM", "ministral": "MinistralForCausalLM",
                        "dots1": "Dots1ForCausalLM", "solar_open": "SolarOpenForCausalLM",
+                       "exaone_moe": "ExaoneMoeForCausalLM",
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
                        "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
                        "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
@@ -1265,6 +1286,11 @@ _HF_DEFAULTS = {
                               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
                               "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
                               "qk_nope_head_dim": 128, "rms_norm_eps": 1e-6, "rope_interleave": True},
+    "ExaoneMoeForCausalLM": {"sliding_window": 4096, "sliding_window_pattern": 4, "num_key_value_heads": 32,
+                             "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "first_k_dense_replace": 1,
+                             "moe_intermediate_size": 1024, "num_experts_per_tok": 8, "num_shared_experts": 1,
+                             "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
+                             "bos_token_id": 1, "eos_token_id": 53},
     "SolarOpenForCausalLM": {"head_dim": 128, "num_key_value_heads": 8, "rope_theta": 1000000.0,
                              "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "moe_intermediate_size": 1280,
                              "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
@@ -1291,7 +1317,7 @@ _HF_DEFAULTS = {
 _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128,
                     "Qwen2MoeForCausalLM": 60, "Glm4MoeForCausalLM": 128, "DeepseekV3ForCausalLM": 256,
                     "DeepseekV2ForCausalLM": 64, "Glm4MoeLiteForCausalLM": 64, "MiniMaxM2ForCausalLM": 256,
-                    "SolarOpenForCausalLM": 128, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
+                    "SolarOpenForCausalLM": 128, "ExaoneMoeForCausalLM": 64, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
                     "OlmoeForCausalLM": 64,
                     "HunYuanMoEV1ForCausalLM": 1}
 # architectures close to a supported one, refused with a pointer to what is supported

@@ -204,7 +204,7 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
     if cfg.architecture in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"):
         _granite_experts(m, cfg, o, p)
         return
-    minimax = cfg.architecture == "MiniMaxM2ForCausalLM"   # Mixtral's names, its correction beside the gate
+    minimax = cfg.architecture == "MiniMaxM2ForCausalLM"   # Mixtral's names
     block, names = (("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})
                     if cfg.architecture == "MixtralForCausalLM" or minimax else
                     ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}))
@@ -213,7 +213,8 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
     for ours, theirs in names.items():
         m[f"{o}/mlp/{ours}"] = (tuple(f"{p}.{block}.experts.{j}.{theirs}.weight" for j in e), _stack_t)
     if cfg.moe_routing == "sigmoid_topk":   # DeepSeek-V3 / GLM-4.5's choice correction
-        m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.{'' if minimax else 'gate.'}e_score_correction_bias",),
+        beside = cfg.architecture in ("MiniMaxM2ForCausalLM", "ExaoneMoeForCausalLM")   # not in the gate
+        m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.{'' if beside else 'gate.'}e_score_correction_bias",),
                                            _ident)
     elif cfg.moe_routing == "softmax_corrected_topk":   # ERNIE 4.5's, [1, E] in its moe_statics
         m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.moe_statics.e_score_correction_bias",),
@@ -425,7 +426,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Qwen3MoeForCausalLM": _llama_map, "Qwen2MoeForCausalLM": _llama_map, "Glm4MoeForCausalLM": _llama_map,
          "DeepseekV3ForCausalLM": _llama_map, "DeepseekV2ForCausalLM": _llama_map, "Glm4MoeLiteForCausalLM": _llama_map,
          "MiniMaxM2ForCausalLM": _llama_map, "MinistralForCausalLM": _llama_map, "Dots1ForCausalLM": _llama_map,
-         "SolarOpenForCausalLM": _llama_map,
+         "SolarOpenForCausalLM": _llama_map, "ExaoneMoeForCausalLM": _llama_map,
          "GptOssForCausalLM": _llama_map, "SmolLM3ForCausalLM": _llama_map,
          "GraniteForCausalLM": _llama_map, "Olmo2ForCausalLM": _llama_map, "Olmo3ForCausalLM": _llama_map,
          "Exaone4ForCausalLM": _llama_map, "SeedOssForCausalLM": _llama_map,
