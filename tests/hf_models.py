@@ -27,6 +27,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "ministral": ("ministral", dict(_COMMON, vocab_size=119, intermediate_size=96, num_hidden_layers=3,
                                     num_key_value_heads=2, head_dim=16, sliding_window=6,
                                     layer_types=["full_attention", "sliding_attention", "sliding_attention"])),
+    # CWM: Llama's block, every 4th layer from the first global, the others windowed; its default
+    # Llama 3 RoPE (scaled from 8192 positions: the factors of the lowest frequencies)
+    "cwm": ("cwm", dict(_COMMON, vocab_size=127, intermediate_size=96, num_hidden_layers=5, num_key_value_heads=2,
+                        head_dim=16, sliding_window=5)),
     "mistral-mha": ("mistral", dict(_COMMON, vocab_size=128, intermediate_size=64, num_hidden_layers=2,
                                     num_key_value_heads=4, sliding_window=None, head_dim=32)),
     "qwen2-tied": ("qwen2", dict(_COMMON, vocab_size=151, intermediate_size=96, num_hidden_layers=2,
@@ -381,7 +385,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
            "glm4_moe_lite": (tf.Glm4MoeLiteConfig, tf.Glm4MoeLiteForCausalLM),
            "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM),
-           "ministral": (tf.MinistralConfig, tf.MinistralForCausalLM),
+           "ministral": (tf.MinistralConfig, tf.MinistralForCausalLM), "cwm": (tf.CwmConfig, tf.CwmForCausalLM),
            "dots1": (tf.Dots1Config, tf.Dots1ForCausalLM),
            "solar_open": (tf.SolarOpenConfig, tf.SolarOpenForCausalLM),
            "exaone_moe": (tf.ExaoneMoeConfig, tf.ExaoneMoeForCausalLM),

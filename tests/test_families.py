@@ -283,7 +283,7 @@ def test_num_params_match_transformers():
                                   "granitemoeshared", "olmoe", "hunyuan", "hunyuan-moe", "arcee", "helium",
                                   "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
                                   "falcon-sequential", "glm4moelite", "minimax-m2", "ministral", "dots1",
-                                  "solar-open", "exaone-moe"])
+                                  "solar-open", "exaone-moe", "cwm"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -437,6 +437,25 @@ def test_minimax_m2_config_as_transformers_reads_it():
             theirs.num_local_experts, theirs.num_experts_per_tok, (theirs.eos_token_id,), theirs.bos_token_id)
         if fields is bare:   # (230B parameters: not built)
             assert cfg.num_params() == sum(p.numel() for p in tf.MiniMaxM2ForCausalLM(theirs).parameters())
+
+
+def test_cwm_and_ministral_defaults_as_transformers_fill_them():
+    """A CWM config.json naming only its sizes: CwmConfig's layer pattern (every 4th layer from the first
+    global), window, Llama 3 RoPE and end ids; Ministral's window on every layer by default."""
+    import transformers as tf
+    fields = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    theirs = tf.CwmConfig(**fields)
+    cfg = model_config_from_hf({"architectures": ["CwmForCausalLM"], **fields})
+    assert cfg.sliding_layers == tuple(t == "sliding_attention" for t in theirs.layer_types)
+    assert cfg.sliding_window == theirs.sliding_window and cfg.rope_theta == theirs.rope_parameters["rope_theta"]
+    rope = theirs.rope_parameters
+    assert (cfg.rope_scaling.kind, cfg.rope_scaling.factor, cfg.rope_scaling.original_max_position_embeddings) == (
+        rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"])
+    assert list(cfg.eos_token_ids) == theirs.eos_token_id and cfg.bos_token_id == theirs.bos_token_id
+    theirs = tf.MinistralConfig(**fields, sliding_window=32)
+    cfg = model_config_from_hf({"architectures": ["MinistralForCausalLM"], **fields, "sliding_window": 32})
+    assert theirs.layer_types == ["sliding_attention"] * 6 and cfg.sliding_window == 32 and cfg.sliding_layers is None
 
 
 def test_phi_config_as_transformers_reads_it():

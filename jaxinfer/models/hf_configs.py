@@ -366,11 +366,17 @@ def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
 
 def _ministral(c: dict[str, Any], arch: str) -> ModelConfig:
     """Ministral 8B (2410; transformers' Ministral): Mistral's block with its window on the layers
-    layer_types names sliding (by default every layer, where a window is set)."""
-    cfg = _llama_like(c, arch)
+    layer_types names sliding (by default every layer, where a window is set). CWM (Meta's Code World
+    Model; transformers' Cwm): Llama's, by default every 4th layer from the first global and the
+    others sliding, Llama 3's RoPE scaled 16x from 8192 positions when config.json names none."""
+    if arch == "CwmForCausalLM" and not c.get("rope_parameters") and not c.get("rope_scaling"):
+        c = {**c, "rope_parameters": _CWM_ROPE}
+    cfg = _llama_like({**c, "sliding_window": c.get("sliding_window") or None}, arch)
     if cfg.sliding_window is None:
         return cfg
-    types = c.get("layer_types") or ["sliding_attention"] * cfg.n_layers
+    default = (["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(cfg.n_layers)]
+               if arch == "CwmForCausalLM" else ["sliding_attention"] * cfg.n_layers)
+    types = c.get("layer_types") or default
     if len(types) != cfg.n_layers or set(types) - {"sliding_attention", "full_attention"}:
         raise ConfigError(f"field 'layer_types' must name 'sliding_attention' or 'full_attention' for each of "
                           f"the {cfg.n_layers} layers, got {types!r}")
@@ -379,6 +385,9 @@ def _ministral(c: dict[str, Any], arch: str) -> ModelConfig:
                                sliding_layers=None if all(sliding) or not any(sliding) else sliding)
 
 
+# CwmConfig's RoPE when config.json names none
+_CWM_ROPE = {"rope_type": "llama3", "rope_theta": 1_000_000.0, "factor": 16.0, "high_freq_factor": 4.0,
+             "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
 # Ministral3Config's RoPE when config.json names none
 _MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 16384,
                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
@@ -1183,7 +1192,8 @@ _HF_BUILDERS = {
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi, "FalconForCausalLM": _falcon,
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
     "OlmoeForCausalLM": _olmoe, "MiniMaxM2ForCausalLM": _minimax_m2, "Dots1ForCausalLM": _dots1,
-    "SolarOpenForCausalLM": _solar_open, "ExaoneMoeForCausalLM": _exaone_moe, "MinistralForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
+    "SolarOpenForCausalLM": _solar_open, "ExaoneMoeForCausalLM": _exaone_moe, "MinistralForCausalLM": _ministral,
+    "CwmForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
 }
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
@@ -1200,7 +1210,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                        "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                        "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
-                       "minimax_m2": "MiniMaxM2ForCausalLM", "ministral": "MinistralForCausalLM",
+                       "minimax_m2": "MiniMaxM2ForCausalLM", "ministral": "MinistralForCausalLM", "cwm": "CwmForCausalLM",
                        "dots1": "Dots1ForCausalLM", "solar_open": "SolarOpenForCausalLM",
                        "exaone_moe": "ExaoneMoeForCausalLM",
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
@@ -1299,6 +1309,9 @@ _HF_DEFAULTS = {
                          "first_k_dense_replace": 0, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
                          "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "sliding_window": 4096,
                          "max_window_layers": 62},
+    "CwmForCausalLM": {"head_dim": 128, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                       "rms_norm_eps": 1e-5, "sliding_window": 8192, "bos_token_id": 128000,
+                       "eos_token_id": [128001, 128008, 128009]},
     "MinistralForCausalLM": {"sliding_window": 4096, "max_position_embeddings": 131072, "num_key_value_heads": 8,
                              "bos_token_id": 1, "eos_token_id": 2},
     "MiniMaxM2ForCausalLM": {"head_dim": 128, "num_key_value_heads": 8, "rope_theta": 5000000.0,
