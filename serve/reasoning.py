@@ -13,6 +13,8 @@ its answer, streamed and not. Pure Python, no jax.
   mistral      Mistral's control tokens `[THINK]...[/THINK]` (Magistral; kept in the text for the parser, as
                Seed-OSS's tags are), read as vLLM's mistral parser reads them: text before `[THINK]` is
                answer too, and a `[/THINK]` with no `[THINK]` before it is dropped;
+  minimax_m2   deepseek_r1's rules under vLLM's name for MiniMax-M2 (whose generation prompt ends with
+               `<think>`);
   kimi_k2      deepseek_r1's rules (Kimi K2 Thinking), and a tool-call section
                (`<|tool_calls_section_begin|>`) also ends the reasoning: it is the answer's, for the
                kimi_k2 tool-call parser;
@@ -40,10 +42,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss", "seed_oss", "deepseek_v3", "glm45", "glm47", "kimi_k2",
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss", "seed_oss", "deepseek_v3", "glm45", "glm47", "kimi_k2", "minimax_m2",
                      "mistral", "cohere_command3", "cohere_command4")
 # the parsers under which an output with no opening tag is reasoning (the prompt may have opened it)
-_OPEN_BY_DEFAULT = ("deepseek_r1", "kimi_k2")
+_OPEN_BY_DEFAULT = ("deepseek_r1", "kimi_k2", "minimax_m2")
 KIMI_SECTION = "<|tool_calls_section_begin|>"
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

@@ -37,6 +37,10 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
                array of `{"tool_call_id", "tool_name", "parameters"}` and `<|END_ACTION|>` (the ids the
                model wrote kept, as vLLM's parsers keep cohere_melody's); the answer's
                `<|START_RESPONSE|>` / `<|END_RESPONSE|>` markers are dropped from the content;
+  minimax_m2   MiniMax-M2 / M2.1 / M2.5: a section `<minimax:tool_call>...</minimax:tool_call>` of calls
+               `<invoke name="NAME">` with one `<parameter name="P">VALUE</parameter>` per argument and
+               `</invoke>`: each value's text (its surrounding whitespace dropped, as MiniMax's own parser
+               drops it) becomes the type its schema declares (parse_xml_call's rules);
   glm45        GLM-4.5 / 4.6 / 4.7: `<tool_call>NAME` then one `<arg_key>K</arg_key><arg_value>V</arg_value>`
                per argument (strings written as they are, other values as JSON) and `</tool_call>`;
                glm47 is the same parser (vLLM's name for GLM-4.7, which writes no newline after NAME).
@@ -63,10 +67,10 @@ from serve.reasoning import (COHERE_PARSERS, COHERE_RESPONSE, H_CALL, H_END, H_M
                              DropMarkers, partial_suffix)
 
 TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3",
-                "deepseek_v31", "kimi_k2", "glm45", "glm47", "pythonic", "olmo3", "granite", "phi4_mini_json",
+                "deepseek_v31", "kimi_k2", "minimax_m2", "glm45", "glm47", "pythonic", "olmo3", "granite", "phi4_mini_json",
                 *COHERE_PARSERS)
 # the parsers whose formats are written in special tokens: the output is detokenized with them
-SPECIAL_TOKEN_PARSERS = ("llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3", "deepseek_v31", "kimi_k2",
+SPECIAL_TOKEN_PARSERS = ("llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2",
                          "glm45", "glm47", "olmo3", "granite", *COHERE_PARSERS)
 
 PYTHON_TAG = "<|python_tag|>"
@@ -76,6 +80,8 @@ DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end
 DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 KIMI_CALLS, KIMI_CALLS_END = KIMI_SECTION, "<|tool_calls_section_end|>"
 KIMI_CALL, KIMI_CALL_END, KIMI_ARGS = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+MINIMAX_CALLS, MINIMAX_CALLS_END = "<minimax:tool_call>", "</minimax:tool_call>"
+MINIMAX_CALL, MINIMAX_CALL_END = "<invoke name=", "</invoke>"
 
 
 def default_tool_parser(template: str | None, token_id=None) -> str:
@@ -90,6 +96,8 @@ def default_tool_parser(template: str | None, token_id=None) -> str:
         return "deepseek_v3" if "```json" in t else "deepseek_v31"
     if KIMI_ARGS in t or "<|im_system|>tool_declare" in t:
         return "kimi_k2"
+    if MINIMAX_CALLS in t:
+        return "minimax_m2"
     if "<arg_key>" in t:
         return "glm45"
     if COHERE_ACTION in t:
@@ -650,6 +658,24 @@ def _deepseek_v31_call(body: str, plan) -> dict | None:
     return None if m is None else _call(plan, m.group(1), _args_text(m.group(2)))
 
 
+_MINIMAX_NAME = re.compile(r"\s*\"([^\"\n]+)\"\s*>", re.S)
+_MINIMAX_PARAMETER = re.compile(r"\s*<parameter name=\"([^\"\n]+)\"\s*>(.*?)</parameter>", re.S)
+
+
+def _minimax_call(body: str, plan) -> dict | None:
+    """One `<invoke name=` call's rest (`"NAME">` and its parameters) -> a call, or None (it stays
+    content) when NAME is not a known tool or anything but whole parameters follows it."""
+    m = _MINIMAX_NAME.match(body)
+    if m is None or m.group(1) not in plan.names:
+        return None
+    props = _properties(plan, m.group(1))
+    args, i = {}, m.end()
+    while (p := _MINIMAX_PARAMETER.match(body, i)) is not None:
+        key = p.group(1).strip()
+        args[key], i = _xml_value(p.group(2).strip(), props.get(key, {"type": "string"})), p.end()
+    return model_call(m.group(1), args) if not body[i:].strip() else None
+
+
 def _kimi_call(body: str, plan) -> dict | None:
     m = _KIMI_CALL.fullmatch(body)
     call = None if m is None else _call(plan, m.group(2), _args_text(m.group(3)))
@@ -679,7 +705,7 @@ class HeldSpace:
 
 
 class SectionToolParser(HeldSpace):
-    """deepseek_v3 / deepseek_v31 / kimi_k2: content streams until the section's opening marker;
+    """deepseek_v3 / deepseek_v31 / kimi_k2 / minimax_m2: content streams until the section's opening marker;
     inside it each call goes out as its closing marker arrives; after the section's end the text is
     content again. A call that does not parse, or names an unknown tool, stays content as written
     (told when the section ends); a section with no call that parses, or one the output cut before
@@ -688,7 +714,8 @@ class SectionToolParser(HeldSpace):
 
     FORMATS = {"deepseek_v3": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, _deepseek_v3_call),
                "deepseek_v31": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, _deepseek_v31_call),
-               "kimi_k2": (KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL, KIMI_CALL_END, _kimi_call)}
+               "kimi_k2": (KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL, KIMI_CALL_END, _kimi_call),
+               "minimax_m2": (MINIMAX_CALLS, MINIMAX_CALLS_END, MINIMAX_CALL, MINIMAX_CALL_END, _minimax_call)}
 
     def __init__(self, plan, name: str):
         self.plan = plan
@@ -788,5 +815,6 @@ FAMILY_PARSERS = {"llama3_json": Llama3JsonParser, "mistral": MistralParser, "op
                   "phi4_mini_json": Phi4MiniParser, **dict.fromkeys(COHERE_PARSERS, CohereParser),
                   "deepseek_v3": lambda plan: SectionToolParser(plan, "deepseek_v3"),
                   "deepseek_v31": lambda plan: SectionToolParser(plan, "deepseek_v31"),
-                  "kimi_k2": lambda plan: SectionToolParser(plan, "kimi_k2")}
+                  "kimi_k2": lambda plan: SectionToolParser(plan, "kimi_k2"),
+                  "minimax_m2": lambda plan: SectionToolParser(plan, "minimax_m2")}
 # hermes is serve.tools.AutoToolParser (serve.tools.auto_parser picks between them)

@@ -1260,3 +1260,66 @@ def test_gpt_oss_answer_without_a_call_is_the_same_streamed_or_not():
             streamed += c["delta"].get("content") or ""
     assert message["content"] == streamed and "<|" not in streamed and streamed.endswith("It is sunny.")
     assert message["reasoning_content"] == "think" and finish == "stop" and "tool_calls" not in message
+
+
+# MiniMax-M2.5's tool-calling guide (docs/tool_calling_guide.md): its tools, a model output with two
+# calls, and what the guide's own parse_tool_calls makes of them
+MINIMAX_TOOLS = [{"type": "function", "function": {"name": "search_web", "description": "Search function.",
+                                                   "parameters": {"type": "object", "properties": {
+                                                       "query_list": {"type": "array", "items": {"type": "string"}},
+                                                       "query_tag": {"type": "array", "items": {"type": "string"}}},
+                                                       "required": ["query_list", "query_tag"]}}},
+                 {"type": "function", "function": {"name": "get_weather", "parameters": {
+                     "type": "object", "properties": {"location": {"type": "string"}, "unit": {"type": "string"},
+                                                      "days": {"type": "integer"}}}}}]
+MINIMAX_OUTPUT = ('<think>\nTwo searches.\n</think>\n\n<minimax:tool_call>\n<invoke name="search_web">\n'
+                  '<parameter name="query_tag">["technology", "events"]</parameter>\n'
+                  '<parameter name="query_list">["\\"OpenAI\\" \\"latest\\" \\"release\\""]</parameter>\n</invoke>\n'
+                  '<invoke name="search_web">\n<parameter name="query_tag">["technology", "events"]</parameter>\n'
+                  '<parameter name="query_list">["\\"Gemini\\" \\"latest\\" \\"release\\""]</parameter>\n</invoke>\n'
+                  '</minimax:tool_call>')
+MINIMAX_CALLS = [("search_web", {"query_tag": ["technology", "events"], "query_list": ['"OpenAI" "latest" "release"']}),
+                 ("search_web", {"query_tag": ["technology", "events"], "query_list": ['"Gemini" "latest" "release"']})]
+
+
+def test_minimax_m2_calls_as_minimax_parses_them():
+    """minimax_m2: the guide's two-call output gives the calls its parse_tool_calls gives (arrays typed
+    by their schema), whole and streamed a few characters at a time; the text before the section is
+    content; an integer parameter by its schema; an unknown tool stays content; without
+    parallel_tool_calls one call; the guide's system prompt shows the format (default parser)."""
+    from serve.tool_parsers import default_tool_parser
+    from serve.tools import auto_parser, parse_auto, plan_tools
+    plan = plan_tools(MINIMAX_TOOLS, None, None)
+    body = MINIMAX_OUTPUT.split("</think>\n\n")[1]
+    content, calls = parse_auto(body, plan, "minimax_m2")
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [(n, a) for n, a in MINIMAX_CALLS]
+    p, streamed, text = auto_parser("minimax_m2", plan), [], ""
+    for i in range(0, len(body), 5):
+        piece, got = p.feed(body[i:i + 5])
+        text, streamed = text + piece, streamed + got
+    piece, got = p.finish()
+    assert (text + piece, [c["function"]["arguments"] for c in streamed + got]) == (
+        "", [c["function"]["arguments"] for c in calls])
+    weather = ('Let me help you query the weather.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+               '<parameter name="location">San Francisco</parameter>\n<parameter name="unit">celsius</parameter>\n'
+               '<parameter name="days">\n3\n</parameter>\n</invoke>\n</minimax:tool_call>')
+    content, calls = parse_auto(weather, plan, "minimax_m2")
+    assert content == "Let me help you query the weather."   # (the whitespace before calls dropped, as for every parser)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"location": "San Francisco", "unit": "celsius", "days": 3}
+    unknown = weather.replace("get_weather", "get_time")
+    assert parse_auto(unknown, plan, "minimax_m2") == (unknown, [])
+    _, calls = parse_auto(body, plan_tools(MINIMAX_TOOLS, None, False), "minimax_m2")
+    assert len(calls) == 1
+    system = ("When making tool calls, use XML format to invoke tools and pass parameters:\n\n<minimax:tool_call>\n"
+              '<invoke name="tool-name-1">\n<parameter name="param-key-1">param-value-1</parameter>\n')
+    assert default_tool_parser("{{ '" + system.replace("\n", "\\n") + "' }}") == "minimax_m2"
+
+
+def test_minimax_m2_reasoning_opened_by_its_prompt():
+    """minimax_m2 reasoning: MiniMax's generation prompt ends with `<think>` (the guide's rendering), so
+    the output's text before `</think>` is reasoning; the calls after it are the tool parser's."""
+    from serve.reasoning import split_reasoning
+    prompt = "]~b]user\nWhen were the latest announcements from OpenAI and Gemini?[e~[\n]~b]ai\n<think>\n"
+    reasoning, content = split_reasoning("minimax_m2", prompt, MINIMAX_OUTPUT[len("<think>\n"):])
+    assert reasoning.strip() == "Two searches." and content.startswith("\n\n<minimax:tool_call>")
