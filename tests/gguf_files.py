@@ -341,7 +341,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe",
             "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4": "glm4",
             "starcoder2": "starcoder2", "cohere": "command-r", "cohere2": "cohere2", "phi": "phi2",
-            "gpt_neox": "gptneox", "stablelm": "stablelm", "gpt_bigcode": "starcoder"}[cfg.model_type]
+            "gpt_neox": "gptneox", "stablelm": "stablelm", "gpt_bigcode": "starcoder", "arcee": "arcee"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:
@@ -376,9 +376,9 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
         x = t.float().numpy()
         if gemma and hf_name.endswith("norm.weight"):   # llama.cpp's Gemma norms are 1 + w
             x = x + 1.0
-        if arch in ("llama", "smollm3", "granite") and hf_name.endswith("q_proj.weight"):   # LlamaModel's kin
+        if arch in ("llama", "smollm3", "granite", "arcee") and hf_name.endswith("q_proj.weight"):   # LlamaModel's kin
             x = _permute(x, cfg.num_attention_heads)
-        elif arch in ("llama", "smollm3", "granite") and hf_name.endswith("k_proj.weight"):
+        elif arch in ("llama", "smollm3", "granite", "arcee") and hf_name.endswith("k_proj.weight"):
             x = _permute(x, cfg.num_key_value_heads)
         qtype = next((q for k, q in (qtypes or {}).items() if k in hf_name), "F32")
         if arch == "gpt-oss" and ".mlp.experts." in hf_name:
