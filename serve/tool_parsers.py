@@ -658,22 +658,25 @@ def _deepseek_v31_call(body: str, plan) -> dict | None:
     return None if m is None else _call(plan, m.group(1), _args_text(m.group(2)))
 
 
-_MINIMAX_NAME = re.compile(r"\s*\"([^\"\n]+)\"\s*>", re.S)
-_MINIMAX_PARAMETER = re.compile(r"\s*<parameter name=\"([^\"\n]+)\"\s*>(.*?)</parameter>", re.S)
+# a name in double or single quotes, or bare (MiniMax's own parser takes each)
+_MINIMAX_QUOTED = r"(?:\"([^\"\n]+)\"|'([^'\n]+)'|([^\s\"'>]+))"
+_MINIMAX_NAME = re.compile(r"\s*" + _MINIMAX_QUOTED + r"\s*>", re.S)
+_MINIMAX_PARAMETER = re.compile(r"\s*<parameter name=" + _MINIMAX_QUOTED + r"\s*>(.*?)</parameter>", re.S)
 
 
 def _minimax_call(body: str, plan) -> dict | None:
     """One `<invoke name=` call's rest (`"NAME">` and its parameters) -> a call, or None (it stays
     content) when NAME is not a known tool or anything but whole parameters follows it."""
     m = _MINIMAX_NAME.match(body)
-    if m is None or m.group(1) not in plan.names:
+    name = None if m is None else next(g for g in m.groups() if g is not None)
+    if name not in plan.names:
         return None
-    props = _properties(plan, m.group(1))
+    props = _properties(plan, name)
     args, i = {}, m.end()
     while (p := _MINIMAX_PARAMETER.match(body, i)) is not None:
-        key = p.group(1).strip()
-        args[key], i = _xml_value(p.group(2).strip(), props.get(key, {"type": "string"})), p.end()
-    return model_call(m.group(1), args) if not body[i:].strip() else None
+        key = next(g for g in p.groups()[:3] if g is not None)
+        args[key], i = _xml_value(p.group(4).strip(), props.get(key, {"type": "string"})), p.end()
+    return model_call(name, args) if not body[i:].strip() else None
 
 
 def _kimi_call(body: str, plan) -> dict | None:

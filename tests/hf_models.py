@@ -165,6 +165,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "falcon-40b": ("falcon", dict(vocab_size=103, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
                                   num_kv_heads=2, new_decoder_architecture=True, bias=True, ffn_hidden_size=112,
                                   max_position_embeddings=256, tie_word_embeddings=False)),
+    # Falcon2-11B's: KV groups, side by side on one norm (num_ln_in_parallel_attn 1)
+    "falcon-11b": ("falcon", dict(vocab_size=107, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                                  num_kv_heads=2, new_decoder_architecture=True, num_ln_in_parallel_attn=1,
+                                  max_position_embeddings=256)),
     "falcon-sequential": ("falcon", dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                          multi_query=False, parallel_attn=False, max_position_embeddings=256,
                                          rope_parameters={"rope_type": "linear", "factor": 2.0,

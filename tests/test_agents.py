@@ -1285,7 +1285,8 @@ MINIMAX_CALLS = [("search_web", {"query_tag": ["technology", "events"], "query_l
 def test_minimax_m2_calls_as_minimax_parses_them():
     """minimax_m2: the guide's two-call output gives the calls its parse_tool_calls gives (arrays typed
     by their schema), whole and streamed a few characters at a time; the text before the section is
-    content; an integer parameter by its schema; an unknown tool stays content; without
+    content; an integer parameter by its schema; names in single quotes or bare (as MiniMax's parser
+    takes them); an unknown tool stays content; without
     parallel_tool_calls one call; the guide's system prompt shows the format (default parser)."""
     from serve.tool_parsers import default_tool_parser
     from serve.tools import auto_parser, parse_auto, plan_tools
@@ -1307,6 +1308,8 @@ def test_minimax_m2_calls_as_minimax_parses_them():
     content, calls = parse_auto(weather, plan, "minimax_m2")
     assert content == "Let me help you query the weather."   # (the whitespace before calls dropped, as for every parser)
     assert json.loads(calls[0]["function"]["arguments"]) == {"location": "San Francisco", "unit": "celsius", "days": 3}
+    quoted = weather.replace('"get_weather"', "'get_weather'").replace('name="days"', "name=days")
+    assert parse_auto(quoted, plan, "minimax_m2")[1][0]["function"]["arguments"] == calls[0]["function"]["arguments"]
     unknown = weather.replace("get_weather", "get_time")
     assert parse_auto(unknown, plan, "minimax_m2") == (unknown, [])
     _, calls = parse_auto(body, plan_tools(MINIMAX_TOOLS, None, False), "minimax_m2")

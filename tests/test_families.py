@@ -426,7 +426,8 @@ def test_minimax_m2_config_as_transformers_reads_it():
     bare = {"architectures": ["MiniMaxM2ForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 32,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
             "num_local_experts": 4, "num_experts_per_tok": 2}
-    for fields in (m2, bare):
+    # a top-level partial_rotary_factor wins over the legacy rotary_dim (MiniMaxM2Config's setdefault)
+    for fields in (m2, bare, {**bare, "rotary_dim": 8, "partial_rotary_factor": 0.25}):
         theirs = tf.MiniMaxM2Config(**{k: v for k, v in fields.items() if k != "architectures"})
         cfg = model_config_from_hf(fields)
         rotary = int(theirs.head_dim * theirs.rope_parameters.get("partial_rotary_factor", 1.0))
@@ -456,6 +457,63 @@ def test_cwm_and_ministral_defaults_as_transformers_fill_them():
     theirs = tf.MinistralConfig(**fields, sliding_window=32)
     cfg = model_config_from_hf({"architectures": ["MinistralForCausalLM"], **fields, "sliding_window": 32})
     assert theirs.layer_types == ["sliding_attention"] * 6 and cfg.sliding_window == 32 and cfg.sliding_layers is None
+
+
+@pytest.mark.parametrize("arch,fields,message", [
+    ("SolarOpenForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("Dots1ForCausalLM", {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5},
+                          "n_routed_experts": 4, "num_experts_per_tok": 2}, "partial_rotary_factor"),
+    ("Glm4MoeLiteForCausalLM", {"head_dim": 32, "qk_rope_head_dim": 16}, "head_dim"),
+    ("FalconForCausalLM", {"multi_query": False, "num_kv_heads": 2}, "num_kv_heads"),
+    ("FalconForCausalLM", {"alibi": True}, "alibi"),
+])
+def test_new_family_configs_transformers_cannot_run_are_refused_by_field(arch, fields, message):
+    """Options the transformers classes do not run as the config says (Solar Open's and dots.llm1's
+    partial rotary, which their apply_rotary_pos_emb cannot pass through; a head_dim that
+    Glm4MoeLiteConfig silently takes for qk_rope_head_dim; a multi-head Falcon with fewer KV heads,
+    which FalconAttention builds per head anyway; Falcon-RW's ALiBi) are refused naming the field."""
+    base = {"architectures": [arch], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    with pytest.raises(ConfigError, match=message):
+        model_config_from_hf({**base, **fields})
+
+
+def test_helium_gemma_and_qwen2_vl_defaults_as_transformers_fill_them():
+    """Fields a config.json leaves out: HeliumConfig's RoPE base 100 000 and epsilon, GemmaConfig's 16 KV
+    heads, Qwen2VLTextConfig's 8 KV heads and window only from layer 80."""
+    import transformers as tf
+    fields = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    theirs, cfg = tf.HeliumConfig(**fields), model_config_from_hf({"architectures": ["HeliumForCausalLM"], **fields})
+    assert (cfg.rope_theta, cfg.norm_eps, cfg.max_position_embeddings, cfg.bos_token_id, cfg.eos_token_ids) == (
+        theirs.rope_parameters["rope_theta"], theirs.rms_norm_eps, theirs.max_position_embeddings,
+        theirs.bos_token_id, (theirs.eos_token_id,))
+    sixteen = {**fields, "num_attention_heads": 16, "hidden_size": 256}
+    del sixteen["num_key_value_heads"]
+    theirs, cfg = tf.GemmaConfig(**sixteen), model_config_from_hf({"architectures": ["GemmaForCausalLM"], **sixteen})
+    assert cfg.n_kv_heads == theirs.num_key_value_heads == 16
+    text = {**sixteen, "num_hidden_layers": 30, "use_sliding_window": True, "sliding_window": 8,
+            "model_type": "qwen2_vl_text"}
+    theirs = tf.Qwen2VLConfig(text_config=text).text_config
+    cfg = model_config_from_hf({"architectures": ["Qwen2VLForConditionalGeneration"], "text_config": text})
+    assert cfg.n_kv_heads == theirs.num_key_value_heads == 8
+    assert theirs.layer_types == ["full_attention"] * 30   # (the window from layer 80: on no layer)
+    assert cfg.sliding_window is None or (cfg.sliding_layers is not None and not any(cfg.sliding_layers))
+
+
+def test_gpt_bigcode_without_multi_query_in_its_config_is_refused_by_tensor(tmp_path):
+    """A multi-head GPTBigCode checkpoint whose config.json leaves multi_query out (GPTBigCodeConfig's
+    default: one KV head) has a c_attn of 3 d rows, not d + 2 hd: refused naming the tensor, as
+    transformers refuses its size, instead of loading three wrong projections."""
+    from jaxinfer.errors import CheckpointError
+    from tests.hf_models import save_hf_model
+    folder = tmp_path / "mha"
+    save_hf_model("gpt-bigcode-mha", folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["multi_query"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="c_attn"):
+        Generator.from_pretrained(str(folder), dtype="float32", max_model_len=32, num_blocks=5, warmup=False)
 
 
 def test_phi_config_as_transformers_reads_it():

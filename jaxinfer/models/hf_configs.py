@@ -122,7 +122,7 @@ _INHERITED = ("bos_token_id", "eos_token_id", "pad_token_id", "quantization_conf
 # the text config classes' defaults where they differ from the decoders' (Qwen3VLTextConfig's,
 # Qwen2_5_VLTextConfig's)
 _QWEN2_VL_TEXT = {"rope_theta": 1000000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
-                  "bos_token_id": 151643, "eos_token_id": 151645}
+                  "num_key_value_heads": 8, "max_window_layers": 80, "bos_token_id": 151643, "eos_token_id": 151645}
 _BASE_SIZES = {"vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
                "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
 _TEXT_DEFAULTS = {"qwen3_vl_text": {"rope_theta": 500000.0, "max_position_embeddings": 128000, "head_dim": 128,
@@ -520,7 +520,7 @@ def _minimax_m2(c: dict[str, Any], arch: str) -> ModelConfig:
         raise ConfigError(f"MiniMax-M2 with scoring_func={c['scoring_func']!r} is not supported (sigmoid)")
     cfg = _llama_like({**c, "sliding_window": None}, arch)
     params = _rope_params(c)
-    if c.get("rotary_dim") is not None and "partial_rotary_factor" not in params:
+    if c.get("rotary_dim") is not None and "partial_rotary_factor" not in params and "partial_rotary_factor" not in c:
         params = {**params, "partial_rotary_factor": c["rotary_dim"] / cfg.head_dim}
     return dataclasses.replace(
         cfg, rotary_dim=_rotary_dim(params, c, cfg.head_dim, 1.0), qk_norm=True, qk_norm_full=True,
@@ -785,6 +785,7 @@ def _dots1(c: dict[str, Any], arch: str) -> ModelConfig:
         raise ConfigError(f"field 'layer_types' must name 'sliding_attention' or 'full_attention' for each of "
                           f"the {n} layers, got {types!r}")
     bias = bool(c.get("attention_bias", False))
+    _whole_heads_rotated(c, "dots.llm1")
     cfg = _glm4_moe({**c, "partial_rotary_factor": 1.0, "use_qk_norm": True}, arch)
     sliding = tuple(t == "sliding_attention" for t in types)
     return dataclasses.replace(cfg, out_bias=bias, sliding_window=window if any(sliding) else None,
@@ -795,8 +796,18 @@ def _solar_open(c: dict[str, Any], arch: str) -> ModelConfig:
     """Solar Open (transformers' SolarOpen): Llama's attention (biases on q / k / v only, where
     attention_bias; whole heads rotated unless rope_parameters says otherwise) and GLM-4.5's mixture
     on every layer."""
+    _whole_heads_rotated(c, "Solar Open")
     return _glm4_moe({**c, "first_k_dense_replace": 0, "use_qk_norm": False, "partial_rotary_factor": 1.0,
                       "intermediate_size": c["moe_intermediate_size"]}, arch)
+
+
+def _whole_heads_rotated(c: dict[str, Any], family: str) -> None:
+    """Refuses a partial_rotary_factor other than 1 for a family whose transformers class rotates
+    whole heads only (its apply_rotary_pos_emb has no pass-through part)."""
+    for where in (c, _rope_params(c)):
+        if where.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError(f"{family} with partial_rotary_factor={where['partial_rotary_factor']!r} is not "
+                              "supported: transformers rotates its whole heads")
 
 
 def _deepseek_v3(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -830,6 +841,9 @@ def _glm4_moe_lite(c: dict[str, Any], arch: str) -> ModelConfig:
     """GLM-4.7-Flash (transformers' Glm4MoeLite): DeepSeek-V3's latent attention and mixture, its dense
     and mixture layers named by mlp_layer_types (default: the first dense, the rest mixtures)."""
     n = c["num_hidden_layers"]
+    if c.get("head_dim") is not None and c["head_dim"] != c["qk_rope_head_dim"]:
+        raise ConfigError(f"field 'head_dim' = {c['head_dim']!r} differs from qk_rope_head_dim = "
+                          f"{c['qk_rope_head_dim']!r}, which Glm4MoeLiteConfig makes it an alias of")
     types = c.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
     if not isinstance(types, list) or len(types) != n or set(types) - {"dense", "sparse"}:
         raise ConfigError(f"field 'mlp_layer_types' must list 'dense' or 'sparse' for each of the {n} layers, "
@@ -1039,14 +1053,18 @@ def _gpt_bigcode(c: dict[str, Any], arch: str) -> ModelConfig:
     where scale_attn_weights is false."""
     if c.get("add_cross_attention"):
         raise ConfigError("GPTBigCode with add_cross_attention (an encoder-decoder's decoder) is not supported")
-    d, h = c["n_embd"], c["n_head"]
+    d, h = c.get("n_embd", c.get("hidden_size")), c.get("n_head", c.get("num_attention_heads"))
+    n = c.get("n_layer", c.get("num_hidden_layers"))
+    if d is None or h is None or n is None:
+        raise ConfigError("GPTBigCode config.json needs n_embd, n_head and n_layer (or hidden_size, "
+                          "num_attention_heads and num_hidden_layers)")
     return ModelConfig(
-        vocab_size=c["vocab_size"], d_model=d, n_layers=c["n_layer"], n_heads=h,
+        vocab_size=c["vocab_size"], d_model=d, n_layers=n, n_heads=h,
         n_kv_heads=1 if c.get("multi_query", True) else h, head_dim=d // h, ffn_dim=c.get("n_inner") or 4 * d,
         activation=_activation(c, "activation_function", default="gelu_pytorch_tanh"), gated_mlp=False,
         norm="layernorm", norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), position="learned",
-        max_position_embeddings=c.get("n_positions", 1024), qkv_bias=True, out_bias=True, mlp_bias=True,
-        attn_scale=None if c.get("scale_attn_weights", True) else 1.0,
+        max_position_embeddings=c.get("n_positions", c.get("max_position_embeddings", 1024)), qkv_bias=True,
+        out_bias=True, mlp_bias=True, attn_scale=None if c.get("scale_attn_weights", True) else 1.0,
         tie_embeddings=bool(c.get("tie_word_embeddings", True)),
         bos_token_id=c.get("bos_token_id", 50256), eos_token_ids=_eos_ids({"eos_token_id": 50256, **c}),
         architecture=arch)
@@ -1158,6 +1176,9 @@ def _falcon(c: dict[str, Any], arch: str) -> ModelConfig:
     kv = c.get("num_kv_heads") or h
     if not new and c.get("multi_query", True):
         kv = 1
+    elif not new and kv != h:   # FalconAttention's per-head q, k, v whatever num_kv_heads says
+        raise ConfigError(f"Falcon without new_decoder_architecture or multi_query has one KV head per head; "
+                          f"num_kv_heads = {kv} with {h} heads is not a checkpoint transformers builds")
     norms = c.get("num_ln_in_parallel_attn") or 2
     if new and norms == 1 and not c.get("parallel_attn", True):
         raise ConfigError("Falcon's new_decoder_architecture with one norm needs parallel_attn")
@@ -1265,9 +1286,9 @@ _HF_DEFAULTS = {
                            "rope_theta": 2000000.0},
     "ArceeForCausalLM": {"hidden_act": "relu2", "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                          "bos_token_id": 128000, "eos_token_id": 128001},
-    "HeliumForCausalLM": {"head_dim": 128, "rms_norm_eps": 1e-8, "max_position_embeddings": 4096,
+    "HeliumForCausalLM": {"head_dim": 128, "rms_norm_eps": 1e-8, "rope_theta": 100000.0, "max_position_embeddings": 4096,
                           "bos_token_id": 1, "eos_token_id": 2},
-    "GemmaForCausalLM": {"head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+    "GemmaForCausalLM": {"head_dim": 256, "num_key_value_heads": 16, "max_position_embeddings": 8192, "tie_word_embeddings": True,
                          "bos_token_id": 2, "eos_token_id": 1},
     "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
                           "final_logit_softcapping": 30.0},
@@ -1305,7 +1326,7 @@ _HF_DEFAULTS = {
                              "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "moe_intermediate_size": 1280,
                              "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
                              "n_group": 1, "topk_group": 1, "norm_topk_prob": True},
-    "Dots1ForCausalLM": {"moe_intermediate_size": 1408, "n_shared_experts": 0, "n_group": 1, "topk_group": 1,
+    "Dots1ForCausalLM": {"num_key_value_heads": 32, "moe_intermediate_size": 1408, "n_shared_experts": 0, "n_group": 1, "topk_group": 1,
                          "first_k_dense_replace": 0, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
                          "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "sliding_window": 4096,
                          "max_window_layers": 62},

@@ -279,10 +279,10 @@ def _gpt_bigcode_map(cfg: ModelConfig) -> WeightMap:
         _norm(m, f"{o}/mlp_norm", f"{p}.ln_2", True)
         bounds = (0, h * hd, (h + kv) * hd, (h + 2 * kv) * hd)
         for j, (name, heads) in enumerate((("q", h), ("k", kv), ("v", kv))):
-            if kv == 1:
-                lo, hi = bounds[j], bounds[j + 1]
-                w_fn = lambda w, lo=lo, hi=hi, n=heads: w[lo:hi].T.reshape(d, n, hd)  # noqa: E731
-                b_fn = lambda b, lo=lo, hi=hi, n=heads: b[lo:hi].reshape(n, hd)  # noqa: E731
+            if kv == 1:   # (a c_attn of another height, a multi-head model without multi_query: refused)
+                lo, hi, total = bounds[j], bounds[j + 1], bounds[-1]
+                w_fn = lambda w, lo=lo, hi=hi, n=heads: _rows(w, lo, hi, total).T.reshape(d, n, hd)  # noqa: E731
+                b_fn = lambda b, lo=lo, hi=hi, n=heads: _rows(b, lo, hi, total).reshape(n, hd)  # noqa: E731
             else:
                 w_fn = lambda w, j=j: w.reshape(h, 3, hd, d)[:, j].transpose(2, 0, 1)  # noqa: E731
                 b_fn = lambda b, j=j: b.reshape(h, 3, hd)[:, j]  # noqa: E731
