@@ -339,7 +339,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "qwen3_moe": "qwen3moe", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
             "gpt_oss": "gpt-oss", "smollm3": "smollm3", "granite": "granite",
             "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe",
-            "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4": "glm4",
+            "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe_lite": "deepseek2", "glm4": "glm4",
             "starcoder2": "starcoder2", "cohere": "command-r", "cohere2": "cohere2", "phi": "phi2",
             "gpt_neox": "gptneox", "stablelm": "stablelm", "gpt_bigcode": "starcoder", "arcee": "arcee"}[cfg.model_type]
     gemma = arch.startswith("gemma")

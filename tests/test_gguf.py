@@ -539,19 +539,25 @@ def _q8_0_round_trip(hf, parts: tuple[str, ...]) -> None:
     ("deepseekv3-yarn-bias", {"attention_bias": False, "rope_parameters": DEEPSEEK_YARN}, {"split_kv_b": False}),
     # DeepSeek-V2-Lite's shape: softmax routing (expert_gating_func 1) without groups, times 16, YaRN
     ("deepseekv2-groups", {"topk_method": "greedy", "n_group": 1, "topk_group": 1}, {}),
+    # GLM-4.7-Flash: llama.cpp's converter writes it as deepseek2 (Glm4MoeLiteModel), its dense first layer
+    # as leading_dense_block_count from the published config.json's first_k_dense_replace, its MTP block
+    # appended
+    ("glm4moelite", {"mlp_layer_types": ["dense", "sparse", "sparse"]}, {"nextn": 1}),
     # experts, shared experts, o and the latent down-projections Q8_0 (packed), the rest float32
     ("deepseekv3-mla", {"moe_intermediate_size": 32},
      {"qtypes": {"experts": "Q8_0", "shared_experts": "Q8_0", "o_proj": "Q8_0", "q_a_proj": "Q8_0",
                  "kv_a_proj": "Q8_0"}}),
 ])
 def test_glm4moe_and_deepseek_are_the_original_model(name, overrides, kw, tmp_path):
-    """GLM-4.5 (llama.cpp's glm4moe), DeepSeek-V3 and DeepSeek-V2 (deepseek2: latent attention written
+    """GLM-4.5 (llama.cpp's glm4moe), DeepSeek-V3, GLM-4.7-Flash and DeepSeek-V2 (deepseek2: latent attention written
     as MQA, its own widths in key_length_mla / value_length_mla; sigmoid or softmax routing) as
     llama.cpp's converter writes them compute what the HF model computes; quantized, what it computes
     with the file's Q8_0 weights (the gguf package's round trip put into the HF model)."""
     text = save_text_model(tmp_path / "spm")
     vocab = sentencepiece_vocab(text / "tokenizer.model")
     hf = build_hf_model(name, overrides={"vocab_size": 400, **overrides})
+    if name == "glm4moelite":   # (the published config.json names it; Glm4MoeLiteConfig keeps it as given)
+        hf.config.first_k_dense_replace = 1
     kw = dict(kw)
     qtypes = kw.pop("qtypes", None)
     path = write_gguf(hf, tmp_path / f"{name}.gguf", vocab, qtypes, **kw)
