@@ -173,6 +173,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                          multi_query=False, parallel_attn=False, max_position_embeddings=256,
                                          rope_parameters={"rope_type": "linear", "factor": 2.0,
                                                           "rope_theta": 10000.0})),
+    # Granite SWA: Granite's multipliers, a sink logit per head (drawn: see build_hf_model), windows on
+    # all but every 4th layer from the first (the first without RoPE), the sliding layers at a base of their own
+    "granite-swa": ("granite_swa", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=5,
+                                        num_key_value_heads=2, sliding_window=5, embedding_multiplier=6.0,
+                                        attention_multiplier=0.1, residual_multiplier=0.5, logits_scaling=4.0,
+                                        tie_word_embeddings=False,
+                                        layer_rope_theta=[0, 50.0, 50.0, 50.0, 20000.0],
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     # Gemma (1): Llama's block with Gemma's norms, GeGLU and scaled embedding; MQA as gemma-2b,
     # head_dim != d_model / heads as gemma-7b
     "gemma": ("gemma", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=2,
@@ -390,6 +398,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "glm4_moe_lite": (tf.Glm4MoeLiteConfig, tf.Glm4MoeLiteForCausalLM),
            "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM),
            "ministral": (tf.MinistralConfig, tf.MinistralForCausalLM), "cwm": (tf.CwmConfig, tf.CwmForCausalLM),
+           "granite_swa": (tf.GraniteSWAConfig, tf.GraniteSWAForCausalLM),
            "dots1": (tf.Dots1Config, tf.Dots1ForCausalLM),
            "solar_open": (tf.SolarOpenConfig, tf.SolarOpenForCausalLM),
            "exaone_moe": (tf.ExaoneMoeConfig, tf.ExaoneMoeForCausalLM),

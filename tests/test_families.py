@@ -283,7 +283,7 @@ def test_num_params_match_transformers():
                                   "granitemoeshared", "olmoe", "hunyuan", "hunyuan-moe", "arcee", "helium",
                                   "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
                                   "falcon-sequential", "glm4moelite", "minimax-m2", "ministral", "dots1",
-                                  "solar-open", "exaone-moe", "cwm"])
+                                  "solar-open", "exaone-moe", "cwm", "granite-swa"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -442,7 +442,8 @@ def test_minimax_m2_config_as_transformers_reads_it():
 
 def test_cwm_and_ministral_defaults_as_transformers_fill_them():
     """A CWM config.json naming only its sizes: CwmConfig's layer pattern (every 4th layer from the first
-    global), window, Llama 3 RoPE and end ids; Ministral's window on every layer by default."""
+    global), window, Llama 3 RoPE and end ids; Granite SWA's the same pattern, its window, tied head and
+    ids; Ministral's window on every layer by default."""
     import transformers as tf
     fields = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
@@ -454,6 +455,11 @@ def test_cwm_and_ministral_defaults_as_transformers_fill_them():
     assert (cfg.rope_scaling.kind, cfg.rope_scaling.factor, cfg.rope_scaling.original_max_position_embeddings) == (
         rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"])
     assert list(cfg.eos_token_ids) == theirs.eos_token_id and cfg.bos_token_id == theirs.bos_token_id
+    theirs = tf.GraniteSWAConfig(**fields)
+    cfg = model_config_from_hf({"architectures": ["GraniteSWAForCausalLM"], **fields})
+    assert cfg.sliding_layers == tuple(t == "sliding_attention" for t in theirs.layer_types)
+    assert (cfg.sliding_window, cfg.tie_embeddings, cfg.eos_token_ids, cfg.rope_layers) == (
+        theirs.sliding_window, theirs.tie_word_embeddings, (theirs.eos_token_id,), None)
     theirs = tf.MinistralConfig(**fields, sliding_window=32)
     cfg = model_config_from_hf({"architectures": ["MinistralForCausalLM"], **fields, "sliding_window": 32})
     assert theirs.layer_types == ["sliding_attention"] * 6 and cfg.sliding_window == 32 and cfg.sliding_layers is None
@@ -466,12 +472,15 @@ def test_cwm_and_ministral_defaults_as_transformers_fill_them():
     ("Glm4MoeLiteForCausalLM", {"head_dim": 32, "qk_rope_head_dim": 16}, "head_dim"),
     ("FalconForCausalLM", {"multi_query": False, "num_kv_heads": 2}, "num_kv_heads"),
     ("FalconForCausalLM", {"alibi": True}, "alibi"),
+    ("GraniteSWAForCausalLM", {"num_hidden_layers": 5, "layer_rope_theta": [1e4, 50.0, 50.0, 50.0, 2e4]},
+     "layer_rope_theta"),
 ])
 def test_new_family_configs_transformers_cannot_run_are_refused_by_field(arch, fields, message):
     """Options the transformers classes do not run as the config says (Solar Open's and dots.llm1's
     partial rotary, which their apply_rotary_pos_emb cannot pass through; a head_dim that
     Glm4MoeLiteConfig silently takes for qk_rope_head_dim; a multi-head Falcon with fewer KV heads,
-    which FalconAttention builds per head anyway; Falcon-RW's ALiBi) are refused naming the field."""
+    which FalconAttention builds per head anyway; Falcon-RW's ALiBi; Granite SWA's full layers at two
+    RoPE bases) are refused naming the field."""
     base = {"architectures": [arch], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
     with pytest.raises(ConfigError, match=message):

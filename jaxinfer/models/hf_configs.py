@@ -483,6 +483,38 @@ def _granite(c: dict[str, Any], arch: str) -> ModelConfig:
                                logits_scaling=float(c.get("logits_scaling", 1.0)))
 
 
+def _granite_swa(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Granite SWA (transformers' GraniteSWA): Granite's multipliers, a learnable sink logit per head
+    (sigmoid(lse - sink) times the output: gpt-oss's sinks), a window on the layers layer_types names
+    sliding (by default all but every fourth from the first), and a RoPE base per layer
+    (layer_rope_theta; 0: no RoPE). jaxinfer runs one base for the full layers and one for the
+    sliding ones (the latter unscaled): other per-layer bases are refused by name."""
+    cfg = _granite(c, arch)
+    n = cfg.n_layers
+    types = c.get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)]
+    thetas = c.get("layer_rope_theta") or [cfg.rope_theta] * n
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise ConfigError(f"field 'layer_types' must name 'sliding_attention' or 'full_attention' for each of "
+                          f"the {n} layers, got {types!r}")
+    if len(thetas) != n or not all(_is_number(t) and t >= 0 for t in thetas):
+        raise ConfigError(f"field 'layer_rope_theta' must give a RoPE base (0: none) for each of the {n} layers, "
+                          f"got {thetas!r}")
+    sliding = tuple(t == "sliding_attention" for t in types)
+    full_bases = {float(t) for t, s in zip(thetas, sliding) if t and not s}
+    local_bases = {float(t) for t, s in zip(thetas, sliding) if t and s}
+    base = next(iter(full_bases or local_bases), cfg.rope_theta)
+    local = next(iter(local_bases), base)
+    if len(full_bases) > 1 or len(local_bases) > 1 or (local != base and cfg.rope_scaling is not None):
+        raise ConfigError(f"field 'layer_rope_theta' = {thetas!r}: jaxinfer runs one RoPE base for the full "
+                          "layers and one unscaled base for the sliding ones")
+    window = c.get("sliding_window")
+    return dataclasses.replace(
+        cfg, attn_sinks=True, rope_theta=base, rope_local_theta=None if local == base else local,
+        rope_layers=None if all(thetas) else tuple(bool(t) for t in thetas),
+        sliding_window=window if window and any(sliding) else None,
+        sliding_layers=None if not window or all(sliding) or not any(sliding) else sliding)
+
+
 def _granitemoe(c: dict[str, Any], arch: str) -> ModelConfig:
     """Granite 3.x MoE (GraniteMoe: 1B-A400M, 3B-A800M) and GraniteMoeShared: Granite's four
     multipliers on a mixture of num_local_experts experts of intermediate_size on every layer, Mixtral's
@@ -1215,7 +1247,8 @@ _HF_BUILDERS = {
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi, "FalconForCausalLM": _falcon,
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
     "OlmoeForCausalLM": _olmoe, "MiniMaxM2ForCausalLM": _minimax_m2, "Dots1ForCausalLM": _dots1,
-    "SolarOpenForCausalLM": _solar_open, "ExaoneMoeForCausalLM": _exaone_moe, "MinistralForCausalLM": _ministral,
+    "SolarOpenForCausalLM": _solar_open, "ExaoneMoeForCausalLM": _exaone_moe,
+    "GraniteSWAForCausalLM": _granite_swa, "MinistralForCausalLM": _ministral,
     "CwmForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
 }
@@ -1235,7 +1268,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                        "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
                        "minimax_m2": "MiniMaxM2ForCausalLM", "ministral": "MinistralForCausalLM",
-                       "cwm": "CwmForCausalLM",
+                       "cwm": "CwmForCausalLM", "granite_swa": "GraniteSWAForCausalLM",
                        "dots1": "Dots1ForCausalLM", "solar_open": "SolarOpenForCausalLM",
                        "exaone_moe": "ExaoneMoeForCausalLM",
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
@@ -1335,6 +1368,9 @@ _HF_DEFAULTS = {
                          "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
                          "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "sliding_window": 4096,
                          "max_window_layers": 62},
+    "GraniteSWAForCausalLM": {"num_key_value_heads": 4, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+                              "tie_word_embeddings": True, "sliding_window": 128, "bos_token_id": 100257,
+                              "eos_token_id": 100257},
     "CwmForCausalLM": {"head_dim": 128, "num_key_value_heads": 8, "max_position_embeddings": 131072,
                        "rms_norm_eps": 1e-5, "sliding_window": 8192, "bos_token_id": 128000,
                        "eos_token_id": [128001, 128008, 128009]},

@@ -426,7 +426,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Qwen3MoeForCausalLM": _llama_map, "Qwen2MoeForCausalLM": _llama_map, "Glm4MoeForCausalLM": _llama_map,
          "DeepseekV3ForCausalLM": _llama_map, "DeepseekV2ForCausalLM": _llama_map, "Glm4MoeLiteForCausalLM": _llama_map,
          "MiniMaxM2ForCausalLM": _llama_map, "MinistralForCausalLM": _llama_map, "Dots1ForCausalLM": _llama_map,
-         "CwmForCausalLM": _llama_map,
+         "CwmForCausalLM": _llama_map, "GraniteSWAForCausalLM": _llama_map,
          "SolarOpenForCausalLM": _llama_map, "ExaoneMoeForCausalLM": _llama_map,
          "GptOssForCausalLM": _llama_map, "SmolLM3ForCausalLM": _llama_map,
          "GraniteForCausalLM": _llama_map, "Olmo2ForCausalLM": _llama_map, "Olmo3ForCausalLM": _llama_map,
