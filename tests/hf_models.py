@@ -181,6 +181,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                         tie_word_embeddings=False,
                                         layer_rope_theta=[0, 50.0, 50.0, 50.0, 20000.0],
                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # Jais 2: Llama's block with LayerNorms, biases everywhere, an ungated squared-ReLU MLP
+    "jais2": ("jais2", dict(_COMMON, vocab_size=103, intermediate_size=112, num_hidden_layers=2,
+                            num_key_value_heads=2)),
     # Gemma (1): Llama's block with Gemma's norms, GeGLU and scaled embedding; MQA as gemma-2b,
     # head_dim != d_model / heads as gemma-7b
     "gemma": ("gemma", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=2,
@@ -399,6 +402,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM),
            "ministral": (tf.MinistralConfig, tf.MinistralForCausalLM), "cwm": (tf.CwmConfig, tf.CwmForCausalLM),
            "granite_swa": (tf.GraniteSWAConfig, tf.GraniteSWAForCausalLM),
+           "jais2": (tf.Jais2Config, tf.Jais2ForCausalLM),
            "dots1": (tf.Dots1Config, tf.Dots1ForCausalLM),
            "solar_open": (tf.SolarOpenConfig, tf.SolarOpenForCausalLM),
            "exaone_moe": (tf.ExaoneMoeConfig, tf.ExaoneMoeForCausalLM),

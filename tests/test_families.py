@@ -283,7 +283,8 @@ def test_num_params_match_transformers():
                                   "granitemoeshared", "olmoe", "hunyuan", "hunyuan-moe", "arcee", "helium",
                                   "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
                                   "falcon-sequential", "glm4moelite", "minimax-m2", "ministral", "dots1",
-                                  "solar-open", "exaone-moe", "cwm", "granite-swa"])
+                                  "solar-open", "exaone-moe", "cwm", "granite-swa",
+                                  "jais2"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -291,7 +292,7 @@ def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
 
 @pytest.mark.parametrize("arch", ["CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                                   "Ernie4_5_MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
-                                  "Starcoder2ForCausalLM", "ArceeForCausalLM"])
+                                  "Starcoder2ForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM"])
 def test_new_families_fill_missing_fields_as_transformers(arch):
     """A config.json that leaves out the RoPE base, KV heads, context and special tokens: transformers'
     class defaults (Cohere's and ERNIE's RoPE base 500 000, GLM's and StarCoder2's 2 KV heads, ...)."""
@@ -303,8 +304,11 @@ def test_new_families_fill_missing_fields_as_transformers(arch):
     assert (cfg.rope_theta, cfg.n_kv_heads, cfg.max_position_embeddings, cfg.eos_token_ids, cfg.bos_token_id) == (
         theirs.rope_parameters["rope_theta"], theirs.num_key_value_heads or 4, theirs.max_position_embeddings,
         tuple(eos), theirs.bos_token_id)
-    if arch == "ArceeForCausalLM":   # ArceeConfig's squared ReLU, ungated
+    if arch in ("ArceeForCausalLM", "Jais2ForCausalLM"):   # their configs' squared ReLU, ungated
         assert (cfg.activation, cfg.gated_mlp) == (theirs.hidden_act, False)
+    if arch == "Jais2ForCausalLM":
+        assert (cfg.norm, cfg.norm_eps, cfg.qkv_bias, cfg.mlp_bias) == ("layernorm", theirs.layer_norm_eps,
+                                                                        theirs.attention_bias, theirs.mlp_bias)
 
 
 def test_gpt_neox_config_as_transformers_reads_it():

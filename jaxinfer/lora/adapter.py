@@ -47,6 +47,7 @@ _LLAMA = {"attn.q_proj": ("qkv", 0), "attn.k_proj": ("qkv", 1), "attn.v_proj": (
 _QKV = {"attn.q_proj": ("qkv", 0), "attn.k_proj": ("qkv", 1), "attn.v_proj": ("qkv", 2)}
 _FUSED_QKV = {"attn.query_key_value": ("qkv", "kv_groups"), "attn.dense": ("o", 0), "mlp.dense_h_to_4h": ("up", 0),
               "mlp.dense_4h_to_h": ("down", 0)}
+_UNGATED_UP = {**_QKV, "attn.o_proj": ("o", 0), "mlp.up_proj": ("up", 0), "mlp.down_proj": ("down", 0)}
 _GLM = {**_QKV, "attn.o_proj": ("o", 0), "mlp.gate_up_proj": ("gate_up", "rows"), "mlp.down_proj": ("down", 0)}
 _FAMILY_PROJECTIONS = {
     "Phi3ForCausalLM": {"attn.qkv_proj": ("qkv", "rows"), "attn.o_proj": ("o", 0), "mlp.gate_up_proj": ("gate_up", "rows"),
@@ -54,7 +55,7 @@ _FAMILY_PROJECTIONS = {
     "GlmForCausalLM": _GLM, "Glm4ForCausalLM": _GLM,
     "PhiForCausalLM": {**_QKV, "attn.dense": ("o", 0), "mlp.fc1": ("up", 0), "mlp.fc2": ("down", 0)},
     "Starcoder2ForCausalLM": {**_QKV, "attn.o_proj": ("o", 0), "mlp.c_fc": ("up", 0), "mlp.c_proj": ("down", 0)},
-    "ArceeForCausalLM": {**_QKV, "attn.o_proj": ("o", 0), "mlp.up_proj": ("up", 0), "mlp.down_proj": ("down", 0)},
+    "ArceeForCausalLM": _UNGATED_UP, "Jais2ForCausalLM": _UNGATED_UP,
     "GPTNeoXForCausalLM": _FUSED_QKV, "BloomForCausalLM": _FUSED_QKV, "FalconForCausalLM": _FUSED_QKV,
     "GPT2LMHeadModel": {"attn.c_attn": ("qkv", "rows"), "attn.c_proj": ("o", 0), "mlp.c_fc": ("up", 0),
                         "mlp.c_proj": ("down", 0)},

@@ -86,8 +86,9 @@ def head_order(cfg: ModelConfig) -> np.ndarray:
     return order
 
 
-# the ungated MLPs' tensors on Llama's block: StarCoder2's c_fc / c_proj, Arcee's up_proj / down_proj
-_UNGATED_MLP = {"ArceeForCausalLM": (("up", "up_proj"), ("down", "down_proj"))}
+# the ungated MLPs' tensors on Llama's block: StarCoder2's c_fc / c_proj, Arcee's and Jais 2's up_proj / down_proj
+_UNGATED_MLP = {"ArceeForCausalLM": (("up", "up_proj"), ("down", "down_proj")),
+                "Jais2ForCausalLM": (("up", "up_proj"), ("down", "down_proj"))}
 
 
 def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -> WeightMap:
@@ -427,6 +428,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "DeepseekV3ForCausalLM": _llama_map, "DeepseekV2ForCausalLM": _llama_map, "Glm4MoeLiteForCausalLM": _llama_map,
          "MiniMaxM2ForCausalLM": _llama_map, "MinistralForCausalLM": _llama_map, "Dots1ForCausalLM": _llama_map,
          "CwmForCausalLM": _llama_map, "GraniteSWAForCausalLM": _llama_map,
+         "Jais2ForCausalLM": _llama_map,
          "SolarOpenForCausalLM": _llama_map, "ExaoneMoeForCausalLM": _llama_map,
          "GptOssForCausalLM": _llama_map, "SmolLM3ForCausalLM": _llama_map,
          "GraniteForCausalLM": _llama_map, "Olmo2ForCausalLM": _llama_map, "Olmo3ForCausalLM": _llama_map,
