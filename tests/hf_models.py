@@ -196,6 +196,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                   num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=5,
                                   tie_word_embeddings=False, attn_logit_softcapping=1.5,
                                   final_logit_softcapping=None, initializer_range=0.2)),
+    # VaultGemma: Gemma 2 without the norms after attention and MLP
+    "vaultgemma": ("vaultgemma", dict(_COMMON, vocab_size=113, intermediate_size=96, num_hidden_layers=4,
+                                      num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+                                      attn_logit_softcapping=2.0, final_logit_softcapping=1.0, initializer_range=0.2)),
     # five local layers (base 10 000) to one global (base 1e6, linear scaling 8), q/k norms
     "gemma3": ("gemma3_text", dict(_COMMON, vocab_size=131, intermediate_size=96, num_hidden_layers=6,
                                    num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=20, sliding_window=5,
@@ -371,7 +375,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
 
 # Tied embeddings at initializer_range 0.2 dominate the residual stream and greedy decoding repeats
 # one token; drawn smaller (this std) the continuations stay varied, so greedy checks mean something.
-EMBED_STD = {"gemma": 0.05, "gemma2": 0.05, "gemma3": 0.05}
+EMBED_STD = {"gemma": 0.05, "gemma2": 0.05, "gemma3": 0.05, "vaultgemma": 0.05}
 
 
 def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
@@ -387,6 +391,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "gpt_bigcode": (tf.GPTBigCodeConfig, tf.GPTBigCodeForCausalLM),
            "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
            "arcee": (tf.ArceeConfig, tf.ArceeForCausalLM), "helium": (tf.HeliumConfig, tf.HeliumForCausalLM), "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM), "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+           "vaultgemma": (tf.VaultGemmaConfig, tf.VaultGemmaForCausalLM),
            "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
            "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),

@@ -969,10 +969,15 @@ def _gpt_oss(c: dict[str, Any], arch: str) -> ModelConfig:
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 
 
+# Gemma 2's layer pattern, one RoPE and soft-capped attention: Gemma 2, and VaultGemma (Gemma 2 without
+# the norms after attention and MLP)
+_GEMMA2_LIKE = ("Gemma2ForCausalLM", "VaultGemmaForCausalLM")
+
+
 def _gemma_rope(c: dict[str, Any], arch: str) -> tuple[float, RopeScaling | None, float | None]:
     """(global theta, global scaling, local theta or None). Gemma 3's sliding layers have their own
     base (rope_local_base_freq; rope_parameters["sliding_attention"] in transformers >= 5)."""
-    if arch == "Gemma2ForCausalLM":
+    if arch in _GEMMA2_LIKE:
         return (*_rope(_rope_params(c), c), None)
     # legacy: rope_theta + rope_scaling for the global layers, rope_local_base_freq for the rest
     return _layer_type_rope(c, "Gemma 3", {"rope_theta": c.get("rope_local_base_freq", 10000.0)},
@@ -1002,7 +1007,8 @@ def _gemma(c: dict[str, Any], arch: str) -> ModelConfig:
     """Gemma 2 and Gemma 3 (text): GeGLU, embeddings times sqrt(d_model), RMSNorm with (1 + w) before
     and after attention and MLP, sliding and global layers (layer_types), query_pre_attn_scalar;
     Gemma 2 soft-caps attention scores, both may soft-cap the logits; Gemma 3 adds q/k norms and a
-    RoPE base of its own for the sliding layers. Gemma (1), CodeGemma: _gemma1."""
+    RoPE base of its own for the sliding layers; VaultGemma: Gemma 2 without the norms after attention
+    and MLP. Gemma (1), CodeGemma: _gemma1."""
     if c.get("use_bidirectional_attention"):
         raise ConfigError(f"{arch} with use_bidirectional_attention (an embedding model) is not supported: "
                           "jaxinfer runs causal decoders")
@@ -1010,7 +1016,7 @@ def _gemma(c: dict[str, Any], arch: str) -> ModelConfig:
     head_dim = c.get("head_dim") or d // h
     if arch == "GemmaForCausalLM":
         return _gemma1(c, arch, head_dim)
-    pattern = 2 if arch == "Gemma2ForCausalLM" else c.get("sliding_window_pattern", 6)
+    pattern = 2 if arch in _GEMMA2_LIKE else c.get("sliding_window_pattern", 6)
     types = c.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                      for i in range(n)]
     theta, scaling, local_theta = _gemma_rope(c, arch)
@@ -1023,10 +1029,10 @@ def _gemma(c: dict[str, Any], arch: str) -> ModelConfig:
         rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
         max_position_embeddings=c.get("max_position_embeddings", 8192),
         sliding_window=c.get("sliding_window"), sliding_layers=tuple(t == "sliding_attention" for t in types),
-        qkv_bias=bias, out_bias=bias, qk_norm=arch == "Gemma3ForCausalLM", post_norms=True,
+        qkv_bias=bias, out_bias=bias, qk_norm=arch == "Gemma3ForCausalLM", post_norms=arch != "VaultGemmaForCausalLM",
         attn_scale=float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
         # HF's Gemma3Attention does not apply attn_logit_softcapping (Gemma 3 configs leave it null)
-        attn_softcap=c.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
+        attn_softcap=c.get("attn_logit_softcapping") if arch in _GEMMA2_LIKE else None,
         final_softcap=c.get("final_logit_softcapping"), embed_scale=math.sqrt(d),
         tie_embeddings=bool(c.get("tie_word_embeddings", True)),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
@@ -1240,7 +1246,7 @@ def _falcon(c: dict[str, Any], arch: str) -> ModelConfig:
 _HF_BUILDERS = {
     "LlamaForCausalLM": _llama_like, "MistralForCausalLM": _llama_like, "Qwen2ForCausalLM": _llama_like,
     "Qwen3ForCausalLM": _llama_like, "ArceeForCausalLM": _llama_like, "HeliumForCausalLM": _llama_like,
-    "GemmaForCausalLM": _gemma, "Gemma2ForCausalLM": _gemma,
+    "GemmaForCausalLM": _gemma, "Gemma2ForCausalLM": _gemma, "VaultGemmaForCausalLM": _gemma,
     "Gemma3ForCausalLM": _gemma,
     "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2, "GPTBigCodeForCausalLM": _gpt_bigcode,
     "BloomForCausalLM": _bloom,
@@ -1264,7 +1270,8 @@ _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.end
                 for head in ("Model", "ForSequenceClassification")}
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "arcee": "ArceeForCausalLM", "helium": "HeliumForCausalLM",
-                       "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                       "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                       "vaultgemma": "VaultGemmaForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                        "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel",
                        "gpt_bigcode": "GPTBigCodeForCausalLM", "falcon": "FalconForCausalLM",
                        "bloom": "BloomForCausalLM",
@@ -1338,6 +1345,9 @@ _HF_DEFAULTS = {
                          "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1},
     "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
                           "final_logit_softcapping": 30.0},
+    "VaultGemmaForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
+                              "final_logit_softcapping": 30.0, "num_key_value_heads": 4, "bos_token_id": 2,
+                              "eos_token_id": 1},
     # Gemma3TextConfig's: the text_config of a Gemma 3 vision-language checkpoint names only the sizes
     # that differ from them (gemma-3-4b-it: hidden, intermediate and layer counts)
     "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072, "vocab_size": 262208,

@@ -73,6 +73,8 @@ def _block_norms(cfg: ModelConfig) -> dict[str, str]:
     if cfg.post_norms:
         return {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
                 "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+    if cfg.architecture == "VaultGemmaForCausalLM":   # Gemma 2's names, without its post-norms
+        return {"attn_norm": "input_layernorm", "mlp_norm": "pre_feedforward_layernorm"}
     return {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 
@@ -422,6 +424,7 @@ def _neox_map(cfg: ModelConfig) -> WeightMap:
 
 _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen2ForCausalLM": _llama_map,
          "Qwen3ForCausalLM": _llama_map, "GemmaForCausalLM": _llama_map, "Gemma2ForCausalLM": _llama_map,
+         "VaultGemmaForCausalLM": _llama_map,
          "Gemma3ForCausalLM": _llama_map, "ArceeForCausalLM": _llama_map, "HeliumForCausalLM": _llama_map,
          "Phi3ForCausalLM": lambda cfg: _llama_map(cfg, fused=True), "MixtralForCausalLM": _llama_map,
          "Qwen3MoeForCausalLM": _llama_map, "Qwen2MoeForCausalLM": _llama_map, "Glm4MoeForCausalLM": _llama_map,
