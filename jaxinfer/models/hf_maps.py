@@ -246,55 +246,27 @@ def _granite_experts(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
 
 
 def _gpt2_map(cfg: ModelConfig) -> WeightMap:
+    """GPT-2 (Conv1D tensors [in, out]; c_attn's columns [q | k | v]) and GPTBigCode (GPT-2's names over
+    nn.Linear tensors [out, in]; c_attn's rows in KV groups: [q | k | v] with one KV head, where
+    multi_query, per head [q, k, v] without)."""
     h, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+    linear = cfg.architecture == "GPTBigCodeForCausalLM"
     m: WeightMap = {"embed": (("transformer.wte.weight",), _ident),
                     "pos_embed": (("transformer.wpe.weight",), _ident)}
     for i in range(cfg.n_layers):
         p, o = f"transformer.h.{i}", f"layers/{i}"
         _norm(m, f"{o}/attn_norm", f"{p}.ln_1", True)
         _norm(m, f"{o}/mlp_norm", f"{p}.ln_2", True)
-        for j, name in enumerate("qkv"):  # c_attn is Conv1D [d, 3d]: columns q | k | v
-            m[f"{o}/attn/{name}"] = ((f"{p}.attn.c_attn.weight",),
-                                     lambda w, j=j: w[:, j * d:(j + 1) * d].reshape(d, h, hd))
-            m[f"{o}/attn/{name}_bias"] = ((f"{p}.attn.c_attn.bias",),
-                                          lambda b, j=j: b[j * d:(j + 1) * d].reshape(h, hd))
-        m[f"{o}/attn/o"] = ((f"{p}.attn.c_proj.weight",), lambda w: w.reshape(h, hd, d))
-        m[f"{o}/attn/o_bias"] = ((f"{p}.attn.c_proj.bias",), _ident)
-        m[f"{o}/mlp/up"] = ((f"{p}.mlp.c_fc.weight",), _ident)
-        m[f"{o}/mlp/up_bias"] = ((f"{p}.mlp.c_fc.bias",), _ident)
-        m[f"{o}/mlp/down"] = ((f"{p}.mlp.c_proj.weight",), _ident)
-        m[f"{o}/mlp/down_bias"] = ((f"{p}.mlp.c_proj.bias",), _ident)
-    _norm(m, "final_norm", "transformer.ln_f", True)
-    if not cfg.tie_embeddings:
-        m["lm_head"] = (("lm_head.weight",), _t)
-    return m
-
-
-def _gpt_bigcode_map(cfg: ModelConfig) -> WeightMap:
-    """GPTBigCode: GPT-2's names over nn.Linear tensors [out, in]; c_attn's rows [q | k | v] with one
-    KV head (multi_query), else [heads, 3, head_dim] (q, k, v per head)."""
-    h, kv, hd, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
-    m: WeightMap = {"embed": (("transformer.wte.weight",), _ident),
-                    "pos_embed": (("transformer.wpe.weight",), _ident)}
-    for i in range(cfg.n_layers):
-        p, o = f"transformer.h.{i}", f"layers/{i}"
-        _norm(m, f"{o}/attn_norm", f"{p}.ln_1", True)
-        _norm(m, f"{o}/mlp_norm", f"{p}.ln_2", True)
-        bounds = (0, h * hd, (h + kv) * hd, (h + 2 * kv) * hd)
-        for j, (name, heads) in enumerate((("q", h), ("k", kv), ("v", kv))):
-            if kv == 1:   # (a c_attn of another height, a multi-head model without multi_query: refused)
-                lo, hi, total = bounds[j], bounds[j + 1], bounds[-1]
-                w_fn = lambda w, lo=lo, hi=hi, n=heads: _rows(w, lo, hi, total).T.reshape(d, n, hd)  # noqa: E731
-                b_fn = lambda b, lo=lo, hi=hi, n=heads: _rows(b, lo, hi, total).reshape(n, hd)  # noqa: E731
-            else:
-                w_fn = lambda w, j=j: w.reshape(h, 3, hd, d)[:, j].transpose(2, 0, 1)  # noqa: E731
-                b_fn = lambda b, j=j: b.reshape(h, 3, hd)[:, j]  # noqa: E731
+        for j, name in enumerate("qkv"):
+            w_fn, b_fn = (_kv_grouped(cfg, name) if linear else
+                          (lambda w, j=j: w[:, j * d:(j + 1) * d].reshape(d, h, hd),
+                           lambda b, j=j: b[j * d:(j + 1) * d].reshape(h, hd)))
             m[f"{o}/attn/{name}"] = ((f"{p}.attn.c_attn.weight",), w_fn)
             m[f"{o}/attn/{name}_bias"] = ((f"{p}.attn.c_attn.bias",), b_fn)
-        m[f"{o}/attn/o"] = ((f"{p}.attn.c_proj.weight",), lambda w: w.T.reshape(h, hd, d))
+        m[f"{o}/attn/o"] = ((f"{p}.attn.c_proj.weight",), lambda w, t=linear: (w.T if t else w).reshape(h, hd, d))
         m[f"{o}/attn/o_bias"] = ((f"{p}.attn.c_proj.bias",), _ident)
         for ours, theirs in (("up", "c_fc"), ("down", "c_proj")):
-            m[f"{o}/mlp/{ours}"] = ((f"{p}.mlp.{theirs}.weight",), _t)
+            m[f"{o}/mlp/{ours}"] = ((f"{p}.mlp.{theirs}.weight",), _t if linear else _ident)
             m[f"{o}/mlp/{ours}_bias"] = ((f"{p}.mlp.{theirs}.bias",), _ident)
     _norm(m, "final_norm", "transformer.ln_f", True)
     if not cfg.tie_embeddings:
@@ -302,29 +274,36 @@ def _gpt_bigcode_map(cfg: ModelConfig) -> WeightMap:
     return m
 
 
+def _kv_grouped(cfg: ModelConfig, part: str) -> tuple[Transform, Transform]:
+    """(weight, bias) transforms taking q, k or v from a fused tensor whose rows come in KV groups,
+    [kv, h / kv + 2, head_dim]: each KV head's query heads, then its key and its value (Falcon's
+    query_key_value, GPTBigCode's c_attn). A tensor of another height does not reshape: refused."""
+    h, kv, hd, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+    g = h // kv
+    rows = {"q": slice(0, g), "k": slice(g, g + 1), "v": slice(g + 1, g + 2)}[part]
+    return (lambda w: w.reshape(kv, g + 2, hd, d)[:, rows].reshape(-1, hd, d).transpose(2, 0, 1),
+            lambda b: b.reshape(kv, g + 2, hd)[:, rows].reshape(-1, hd))
+
+
 def _falcon_map(cfg: ModelConfig) -> WeightMap:
     """Falcon: query_key_value's rows in KV groups, each its h / kv query heads, then its key and
     value head ([kv, h / kv + 2, head_dim]: [q | k | v] with one KV head, per head [q, k, v]
     without multi_query: one layout for the three of FalconAttention); the block's norms
     input_layernorm (+ post_attention_layernorm, sequential) or ln_attn and ln_mlp."""
-    h, kv, hd, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
-    g = h // kv
+    h, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
     m: WeightMap = {"embed": (("transformer.word_embeddings.weight",), _ident)}
     norms = ({"attn_norm": "ln_attn", "mlp_norm": "ln_mlp"} if cfg.parallel_mlp_norm else
              {"attn_norm": "input_layernorm"} if cfg.parallel_block else
              {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"})
-    parts = {"q": slice(0, g), "k": slice(g, g + 1), "v": slice(g + 1, g + 2)}
     for i in range(cfg.n_layers):
         p, o = f"transformer.h.{i}", f"layers/{i}"
         for ours, theirs in norms.items():
             _norm(m, f"{o}/{ours}", f"{p}.{theirs}", True)
-        for name, rows in parts.items():
-            m[f"{o}/attn/{name}"] = ((f"{p}.self_attention.query_key_value.weight",),
-                                     lambda w, r=rows: w.reshape(kv, g + 2, hd, d)[:, r].reshape(-1, hd, d)
-                                     .transpose(2, 0, 1))
+        for name in "qkv":
+            w_fn, b_fn = _kv_grouped(cfg, name)
+            m[f"{o}/attn/{name}"] = ((f"{p}.self_attention.query_key_value.weight",), w_fn)
             if cfg.qkv_bias:
-                m[f"{o}/attn/{name}_bias"] = ((f"{p}.self_attention.query_key_value.bias",),
-                                              lambda b, r=rows: b.reshape(kv, g + 2, hd)[:, r].reshape(-1, hd))
+                m[f"{o}/attn/{name}_bias"] = ((f"{p}.self_attention.query_key_value.bias",), b_fn)
         m[f"{o}/attn/o"] = ((f"{p}.self_attention.dense.weight",), lambda w: w.T.reshape(h, hd, d))
         if cfg.out_bias:
             m[f"{o}/attn/o_bias"] = ((f"{p}.self_attention.dense.bias",), _ident)
@@ -440,7 +419,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Glm4ForCausalLM": lambda cfg: _llama_map(cfg, fused_mlp=True), "Starcoder2ForCausalLM": _llama_map,
          "CohereForCausalLM": _llama_map, "Cohere2ForCausalLM": _llama_map, "Ernie4_5ForCausalLM": _llama_map,
          "Ernie4_5_MoeForCausalLM": _llama_map,
-         "GPT2LMHeadModel": _gpt2_map, "GPTBigCodeForCausalLM": _gpt_bigcode_map,
+         "GPT2LMHeadModel": _gpt2_map, "GPTBigCodeForCausalLM": _gpt2_map,
          "FalconForCausalLM": _falcon_map, "BloomForCausalLM": _bloom_map,
          "GPTNeoXForCausalLM": _neox_map, "PhiForCausalLM": _phi_map,
          "StableLmForCausalLM": _stablelm_map, "GraniteMoeForCausalLM": _llama_map,
