@@ -41,7 +41,7 @@ ACTIVATIONS = {
 }
 
 
-NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias")
+NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias", "layernorm1p")
 
 
 class Norm(nnx.Module):
@@ -57,8 +57,9 @@ class Norm(nnx.Module):
         assert kind in NORM_KINDS, kind
         self.kind, self.eps = kind, eps
         shape, axes = ((dim,), (axis,)) if heads is None else ((heads[0], dim), (heads[1], axis))
-        self.scale = param(shape, axes, dtype, rngs, init="zeros" if kind == "gemma_rmsnorm" else "ones")
-        self.bias = param(shape, axes, dtype, rngs, init="zeros") if kind == "layernorm" else None
+        one_plus = kind in ("gemma_rmsnorm", "layernorm1p")   # (the stored w of a 1 + w scale)
+        self.scale = param(shape, axes, dtype, rngs, init="zeros" if one_plus else "ones")
+        self.bias = param(shape, axes, dtype, rngs, init="zeros") if kind in ("layernorm", "layernorm1p") else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
@@ -75,7 +76,8 @@ class Norm(nnx.Module):
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
-        y = y * self.scale.get_value().astype(jnp.float32)
+        scale = self.scale.get_value().astype(jnp.float32)
+        y = y * (1.0 + scale if self.kind == "layernorm1p" else scale)   # Nemotron's LayerNorm1P: 1 + w
         return (y if self.bias is None else y + self.bias.get_value().astype(jnp.float32)).astype(x.dtype)
 
 

@@ -184,6 +184,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     # Jais 2: Llama's block with LayerNorms, biases everywhere, an ungated squared-ReLU MLP
     "jais2": ("jais2", dict(_COMMON, vocab_size=103, intermediate_size=112, num_hidden_layers=2,
                             num_key_value_heads=2)),
+    # Nemotron (Minitron): LayerNorm1P, half of each head rotated (NemotronConfig's default), an ungated
+    # squared-ReLU MLP, biases
+    "nemotron": ("nemotron", dict(_COMMON, vocab_size=127, intermediate_size=112, num_hidden_layers=2,
+                                  num_key_value_heads=2, attention_bias=True, mlp_bias=True)),
     # Gemma (1): Llama's block with Gemma's norms, GeGLU and scaled embedding; MQA as gemma-2b,
     # head_dim != d_model / heads as gemma-7b
     "gemma": ("gemma", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=2,
@@ -407,7 +411,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM),
            "ministral": (tf.MinistralConfig, tf.MinistralForCausalLM), "cwm": (tf.CwmConfig, tf.CwmForCausalLM),
            "granite_swa": (tf.GraniteSWAConfig, tf.GraniteSWAForCausalLM),
-           "jais2": (tf.Jais2Config, tf.Jais2ForCausalLM),
+           "jais2": (tf.Jais2Config, tf.Jais2ForCausalLM), "nemotron": (tf.NemotronConfig, tf.NemotronForCausalLM),
            "dots1": (tf.Dots1Config, tf.Dots1ForCausalLM),
            "solar_open": (tf.SolarOpenConfig, tf.SolarOpenForCausalLM),
            "exaone_moe": (tf.ExaoneMoeConfig, tf.ExaoneMoeForCausalLM),

@@ -284,7 +284,7 @@ def test_num_params_match_transformers():
                                   "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
                                   "falcon-sequential", "glm4moelite", "minimax-m2", "ministral", "dots1",
                                   "solar-open", "exaone-moe", "cwm", "granite-swa",
-                                  "jais2", "vaultgemma"])
+                                  "jais2", "vaultgemma", "nemotron"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -527,6 +527,31 @@ def test_gpt_bigcode_without_multi_query_in_its_config_is_refused_by_tensor(tmp_
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="c_attn"):
         Generator.from_pretrained(str(folder), dtype="float32", max_model_len=32, num_blocks=5, warmup=False)
+
+
+def test_nemotron_config_as_transformers_reads_it():
+    """Minitron-4B's published config.json (partial_rotary_factor at the top level, norm_eps) and one that
+    names nothing optional (NemotronConfig's half-rotated heads), read as NemotronConfig reads them."""
+    import transformers as tf
+    minitron = {"architectures": ["NemotronForCausalLM"], "bos_token_id": 2, "eos_token_id": 3, "head_dim": 128,
+                "hidden_act": "relu2", "hidden_size": 3072, "intermediate_size": 9216,
+                "max_position_embeddings": 4096, "model_type": "nemotron", "norm_eps": 1e-05,
+                "num_attention_heads": 24, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                "partial_rotary_factor": 0.5, "rope_theta": 10000, "tie_word_embeddings": False, "vocab_size": 256000}
+    bare = {"architectures": ["NemotronForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    for fields in (minitron, bare):
+        theirs = tf.NemotronConfig(**{k: v for k, v in fields.items() if k != "architectures"})
+        cfg = model_config_from_hf(fields)
+        rotary = int(theirs.head_dim * theirs.rope_parameters["partial_rotary_factor"])
+        assert (cfg.rope_dim, cfg.head_dim, cfg.norm_eps, cfg.activation, cfg.gated_mlp, cfg.norm) == (
+            rotary, theirs.head_dim, theirs.norm_eps, theirs.hidden_act, False, "layernorm1p")
+        assert (cfg.eos_token_ids, cfg.bos_token_id, cfg.max_position_embeddings) == (
+            (theirs.eos_token_id,), theirs.bos_token_id, theirs.max_position_embeddings)
+        if fields is bare:   # (4B parameters: not built)
+            assert cfg.num_params() == sum(p.numel() for p in tf.NemotronForCausalLM(theirs).parameters())
+    from jaxinfer.quantize import calibrated_unsupported   # AWQ / SmoothQuant cannot fold into 1 + w
+    assert "(1 + w)" in calibrated_unsupported(cfg)
 
 
 def test_phi_config_as_transformers_reads_it():

@@ -242,7 +242,7 @@ def test_second_family_and_int8_base(tmp_path):
                                   "phi", "starcoder2-window", "gpt-neox", "bloom", "gpt2", "phi3-longrope", "glm4",
                                   "ministral3", "gemma", "arcee", "helium", "gpt-bigcode-mqa", "gpt-bigcode-mha",
                                   "falcon-7b", "falcon-40b", "falcon-sequential", "ministral",
-                                  "granite-swa", "jais2"])
+                                  "granite-swa", "jais2", "nemotron"])
 def test_newer_families_match_peft(name, tmp_path):
     """SmolLM3 (NoPE layers), Granite (the adapters' output times the residual multiplier), OLMo 2
     (adapters before the whole-width q / k norms and the post-norms), OLMo 3, EXAONE 4.0, Seed-OSS

@@ -42,6 +42,10 @@ class RopeScaling:
     truncate: bool = True
 
 
+# the norm kinds (layers.NORM_KINDS, which this jax-free module cannot import)
+NORMS = ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias", "layernorm1p")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """One decoder-only transformer. Every supported HF family maps onto these fields
@@ -58,6 +62,7 @@ class ModelConfig:
     gated_mlp: bool = True              # act(x W_gate) * (x W_up) -> W_down; else act(x W_fc) -> W_proj
     norm: str = "rmsnorm"               # rmsnorm | gemma_rmsnorm (scale 1 + w) | olmo_rmsnorm (w times the
                                         # normed float32 value, cast after) | layernorm | layernorm_nobias (Cohere)
+                                        # | layernorm1p (Nemotron: scale 1 + w, with bias)
     norm_eps: float = 1e-6
     position: str = "rope"              # rope | alibi | learned | sinusoidal
     rope_theta: float = 10000.0
@@ -181,7 +186,7 @@ class ModelConfig:
             "n_kv_heads": self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0,
             "head_dim": self.head_dim > 0, "ffn_dim": self.ffn_dim > 0,
             "activation": self.activation in ("silu", "gelu", "gelu_tanh", "relu", "relu2"),
-            "norm": self.norm in ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias"),
+            "norm": self.norm in NORMS,
             "parallel_block": not self.parallel_block or (self.pre_norms and not self.post_norms
                                                           and not self.residual_post_norm and not self.num_experts),
             "parallel_mlp_norm": self.parallel_block or not (self.parallel_mlp_norm or self.parallel_sum_first),
@@ -311,7 +316,7 @@ class ModelConfig:
         (one expert of one MoE layer), "experts" (every expert of every MoE layer), "moe_layers",
         "total". Checked against transformers' models in the tests."""
         d, f, h, kv, hd = self.d_model, self.ffn_dim, self.n_heads, self.n_kv_heads, self.head_dim
-        per_norm = 2 if self.norm == "layernorm" else 1
+        per_norm = 2 if self.norm in ("layernorm", "layernorm1p") else 1
         norm_p = per_norm * d
         attn = d * hd * (h + 2 * kv) + h * hd * d
         attn += (hd * (h + 2 * kv) if self.qkv_bias else 0) + (d if self.out_bias else 0)

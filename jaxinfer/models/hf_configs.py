@@ -372,6 +372,16 @@ def _jais2(c: dict[str, Any], arch: str) -> ModelConfig:
     return dataclasses.replace(cfg, norm="layernorm", norm_eps=float(c.get("layer_norm_eps", 1e-5)), gated_mlp=False)
 
 
+def _nemotron(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Nemotron (Minitron 4B / 8B, Nemotron-Mini-4B, Mistral-NeMo-Minitron-8B; transformers' Nemotron):
+    Llama's attention (biases where attention_bias) with the first half of each head rotated by
+    default (partial_rotary_factor 0.5), LayerNorm1P (weight 1 + w, with bias) and an ungated
+    squared-ReLU MLP (up_proj, down_proj; biases where mlp_bias)."""
+    cfg = _llama_like({**c, "sliding_window": None}, arch)
+    return dataclasses.replace(cfg, norm="layernorm1p", norm_eps=float(c.get("norm_eps", 1e-5)), gated_mlp=False,
+                               rotary_dim=_rotary_dim(_rope_params(c), c, cfg.head_dim, 0.5))
+
+
 def _ministral(c: dict[str, Any], arch: str) -> ModelConfig:
     """Ministral 8B (2410; transformers' Ministral): Mistral's block with its window on the layers
     layer_types names sliding (by default every layer, where a window is set). CWM (Meta's Code World
@@ -1262,7 +1272,8 @@ _HF_BUILDERS = {
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
     "OlmoeForCausalLM": _olmoe, "MiniMaxM2ForCausalLM": _minimax_m2, "Dots1ForCausalLM": _dots1,
     "SolarOpenForCausalLM": _solar_open, "ExaoneMoeForCausalLM": _exaone_moe,
-    "GraniteSWAForCausalLM": _granite_swa, "Jais2ForCausalLM": _jais2, "MinistralForCausalLM": _ministral,
+    "GraniteSWAForCausalLM": _granite_swa, "Jais2ForCausalLM": _jais2, "NemotronForCausalLM": _nemotron,
+    "MinistralForCausalLM": _ministral,
     "CwmForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
 }
@@ -1284,6 +1295,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
                        "minimax_m2": "MiniMaxM2ForCausalLM", "ministral": "MinistralForCausalLM",
                        "cwm": "CwmForCausalLM", "granite_swa": "GraniteSWAForCausalLM", "jais2": "Jais2ForCausalLM",
+                       "nemotron": "NemotronForCausalLM",
                        "dots1": "Dots1ForCausalLM", "solar_open": "SolarOpenForCausalLM",
                        "exaone_moe": "ExaoneMoeForCausalLM",
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
@@ -1386,6 +1398,8 @@ _HF_DEFAULTS = {
                          "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
                          "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "sliding_window": 4096,
                          "max_window_layers": 62},
+    "NemotronForCausalLM": {"hidden_act": "relu2", "max_position_embeddings": 4096, "bos_token_id": 2,
+                            "eos_token_id": 3},
     "Jais2ForCausalLM": {"hidden_act": "relu2", "max_position_embeddings": 8192, "attention_bias": True,
                          "mlp_bias": True, "bos_token_id": 0, "eos_token_id": 150024},
     "GraniteSWAForCausalLM": {"num_key_value_heads": 4, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,

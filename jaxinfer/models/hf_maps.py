@@ -90,6 +90,7 @@ def head_order(cfg: ModelConfig) -> np.ndarray:
 
 # the ungated MLPs' tensors on Llama's block: StarCoder2's c_fc / c_proj, Arcee's and Jais 2's up_proj / down_proj
 _UNGATED_MLP = {"ArceeForCausalLM": (("up", "up_proj"), ("down", "down_proj")),
+                "NemotronForCausalLM": (("up", "up_proj"), ("down", "down_proj")),
                 "Jais2ForCausalLM": (("up", "up_proj"), ("down", "down_proj"))}
 
 
@@ -102,7 +103,7 @@ def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -
     Cohere / Cohere2 (one input_layernorm per block, q and k de-interleaved)."""
     h, kv, hd, d, f = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.ffn_dim
     m: WeightMap = {"embed": (("model.embed_tokens.weight",), _ident)}
-    norms, layernorm, order = _block_norms(cfg), cfg.norm == "layernorm", head_order(cfg)
+    norms, layernorm, order = _block_norms(cfg), cfg.norm in ("layernorm", "layernorm1p"), head_order(cfg)
     rows = {"q": (0, h * hd), "k": (h * hd, (h + kv) * hd), "v": ((h + kv) * hd, (h + 2 * kv) * hd)}
     for i in range(cfg.n_layers):
         p, o = f"model.layers.{i}", f"layers/{i}"
@@ -410,7 +411,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "DeepseekV3ForCausalLM": _llama_map, "DeepseekV2ForCausalLM": _llama_map, "Glm4MoeLiteForCausalLM": _llama_map,
          "MiniMaxM2ForCausalLM": _llama_map, "MinistralForCausalLM": _llama_map, "Dots1ForCausalLM": _llama_map,
          "CwmForCausalLM": _llama_map, "GraniteSWAForCausalLM": _llama_map,
-         "Jais2ForCausalLM": _llama_map,
+         "Jais2ForCausalLM": _llama_map, "NemotronForCausalLM": _llama_map,
          "SolarOpenForCausalLM": _llama_map, "ExaoneMoeForCausalLM": _llama_map,
          "GptOssForCausalLM": _llama_map, "SmolLM3ForCausalLM": _llama_map,
          "GraniteForCausalLM": _llama_map, "Olmo2ForCausalLM": _llama_map, "Olmo3ForCausalLM": _llama_map,
