@@ -320,6 +320,32 @@ def _rope_params(c: dict[str, Any]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------- families
 
+def _sliding_kinds(c: dict[str, Any], n: int, default: list[str]) -> tuple[bool, ...]:
+    """Which of the n layers slide: config.json's layer_types (else `default`), checked."""
+    types = c.get("layer_types") or default
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise ConfigError(f"field 'layer_types' must name 'sliding_attention' or 'full_attention' for each of "
+                          f"the {n} layers, got {types!r}")
+    return tuple(t == "sliding_attention" for t in types)
+
+
+def _windows(window: int | None, sliding: tuple[bool, ...]) -> dict[str, Any]:
+    """ModelConfig's sliding_window / sliding_layers for a window on the `sliding` layers."""
+    on = bool(window) and any(sliding)
+    return {"sliding_window": window if on else None, "sliding_layers": sliding if on and not all(sliding) else None}
+
+
+def _sparse_kinds(c: dict[str, Any], n: int, default: list[str]) -> tuple[bool, ...] | None:
+    """Which of the n layers are mixtures: config.json's mlp_layer_types (else `default`), checked;
+    None when all are."""
+    types = c.get("mlp_layer_types") or default
+    if not isinstance(types, list) or len(types) != n or set(types) - {"dense", "sparse"}:
+        raise ConfigError(f"field 'mlp_layer_types' must list 'dense' or 'sparse' for each of the {n} layers, "
+                          f"got {types!r}")
+    sparse = tuple(t == "sparse" for t in types)
+    return None if all(sparse) else sparse
+
+
 def _qwen_window(c: dict[str, Any]) -> tuple[int | None, tuple[bool, ...] | None]:
     """Qwen2 / Qwen3 use the window only when use_sliding_window is set, and then only on some layers
     (a field the config lacks takes transformers' Qwen2Config / Qwen3Config default: a window of
@@ -394,13 +420,7 @@ def _ministral(c: dict[str, Any], arch: str) -> ModelConfig:
         return cfg
     default = (["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(cfg.n_layers)]
                if arch == "CwmForCausalLM" else ["sliding_attention"] * cfg.n_layers)
-    types = c.get("layer_types") or default
-    if len(types) != cfg.n_layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise ConfigError(f"field 'layer_types' must name 'sliding_attention' or 'full_attention' for each of "
-                          f"the {cfg.n_layers} layers, got {types!r}")
-    sliding = tuple(t == "sliding_attention" for t in types)
-    return dataclasses.replace(cfg, sliding_window=cfg.sliding_window if any(sliding) else None,
-                               sliding_layers=None if all(sliding) or not any(sliding) else sliding)
+    return dataclasses.replace(cfg, **_windows(cfg.sliding_window, _sliding_kinds(c, cfg.n_layers, default)))
 
 
 # CwmConfig's RoPE when config.json names none
@@ -509,15 +529,11 @@ def _granite_swa(c: dict[str, Any], arch: str) -> ModelConfig:
     sliding ones (the latter unscaled): other per-layer bases are refused by name."""
     cfg = _granite(c, arch)
     n = cfg.n_layers
-    types = c.get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)]
+    sliding = _sliding_kinds(c, n, ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)])
     thetas = c.get("layer_rope_theta") or [cfg.rope_theta] * n
-    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
-        raise ConfigError(f"field 'layer_types' must name 'sliding_attention' or 'full_attention' for each of "
-                          f"the {n} layers, got {types!r}")
     if len(thetas) != n or not all(_is_number(t) and t >= 0 for t in thetas):
         raise ConfigError(f"field 'layer_rope_theta' must give a RoPE base (0: none) for each of the {n} layers, "
                           f"got {thetas!r}")
-    sliding = tuple(t == "sliding_attention" for t in types)
     full_bases = {float(t) for t, s in zip(thetas, sliding) if t and not s}
     local_bases = {float(t) for t, s in zip(thetas, sliding) if t and s}
     base = next(iter(full_bases or local_bases), cfg.rope_theta)
@@ -525,12 +541,10 @@ def _granite_swa(c: dict[str, Any], arch: str) -> ModelConfig:
     if len(full_bases) > 1 or len(local_bases) > 1 or (local != base and cfg.rope_scaling is not None):
         raise ConfigError(f"field 'layer_rope_theta' = {thetas!r}: jaxinfer runs one RoPE base for the full "
                           "layers and one unscaled base for the sliding ones")
-    window = c.get("sliding_window")
     return dataclasses.replace(
         cfg, attn_sinks=True, rope_theta=base, rope_local_theta=None if local == base else local,
         rope_layers=None if all(thetas) else tuple(bool(t) for t in thetas),
-        sliding_window=window if window and any(sliding) else None,
-        sliding_layers=None if not window or all(sliding) or not any(sliding) else sliding)
+        **_windows(c.get("sliding_window"), sliding))
 
 
 def _granitemoe(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -631,15 +645,11 @@ def _exaone_moe(c: dict[str, Any], arch: str) -> ModelConfig:
     (num_experts, num_shared_experts) on the layers mlp_layer_types names sparse (by default all but
     the first first_k_dense_replace)."""
     n = c["num_hidden_layers"]
-    types = c.get("mlp_layer_types") or ["dense" if i < c["first_k_dense_replace"] else "sparse" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or set(types) - {"dense", "sparse"}:
-        raise ConfigError(f"field 'mlp_layer_types' must list 'dense' or 'sparse' for each of the {n} layers, "
-                          f"got {types!r}")
-    layers = tuple(t == "sparse" for t in types)
+    layers = _sparse_kinds(c, n, ["dense" if i < c["first_k_dense_replace"] else "sparse" for i in range(n)])
     moe_f = c["moe_intermediate_size"]
     return dataclasses.replace(
         _exaone4(c, arch), pre_norms=True, post_norms=False, num_experts=_num_experts(c, arch),
-        num_experts_per_tok=c["num_experts_per_tok"], moe_ffn_dim=moe_f, moe_layers=None if all(layers) else layers,
+        num_experts_per_tok=c["num_experts_per_tok"], moe_ffn_dim=moe_f, moe_layers=layers,
         moe_routing="sigmoid_topk", moe_norm_topk=bool(c["norm_topk_prob"]), moe_groups=c["n_group"] or 1,
         moe_topk_groups=c["topk_group"] or 1, moe_routed_scale=float(c["routed_scaling_factor"]),
         moe_shared_ffn_dim=moe_f * c["num_shared_experts"])
@@ -829,17 +839,12 @@ def _dots1(c: dict[str, Any], arch: str) -> ModelConfig:
     n, window = c["num_hidden_layers"], c.get("sliding_window")
     if not c.get("n_routed_experts") or not c.get("num_experts_per_tok"):
         raise ConfigError("dots.llm1 needs n_routed_experts and num_experts_per_tok (Dots1Config has no default)")
-    types = c.get("layer_types") or ["sliding_attention" if window is not None and i >= c["max_window_layers"]
-                                     else "full_attention" for i in range(n)]
-    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
-        raise ConfigError(f"field 'layer_types' must name 'sliding_attention' or 'full_attention' for each of "
-                          f"the {n} layers, got {types!r}")
+    sliding = _sliding_kinds(c, n, ["sliding_attention" if window is not None and i >= c["max_window_layers"]
+                                    else "full_attention" for i in range(n)])
     bias = bool(c.get("attention_bias", False))
     _whole_heads_rotated(c, "dots.llm1")
     cfg = _glm4_moe({**c, "partial_rotary_factor": 1.0, "use_qk_norm": True}, arch)
-    sliding = tuple(t == "sliding_attention" for t in types)
-    return dataclasses.replace(cfg, out_bias=bias, sliding_window=window if any(sliding) else None,
-                               sliding_layers=None if all(sliding) or not any(sliding) else sliding)
+    return dataclasses.replace(cfg, out_bias=bias, **_windows(window, sliding))
 
 
 def _solar_open(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -894,13 +899,8 @@ def _glm4_moe_lite(c: dict[str, Any], arch: str) -> ModelConfig:
     if c.get("head_dim") is not None and c["head_dim"] != c["qk_rope_head_dim"]:
         raise ConfigError(f"field 'head_dim' = {c['head_dim']!r} differs from qk_rope_head_dim = "
                           f"{c['qk_rope_head_dim']!r}, which Glm4MoeLiteConfig makes it an alias of")
-    types = c.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
-    if not isinstance(types, list) or len(types) != n or set(types) - {"dense", "sparse"}:
-        raise ConfigError(f"field 'mlp_layer_types' must list 'dense' or 'sparse' for each of the {n} layers, "
-                          f"got {types!r}")
-    cfg = _deepseek_v3({**c, "first_k_dense_replace": 0}, arch)
-    layers = tuple(t == "sparse" for t in types)
-    return dataclasses.replace(cfg, moe_layers=None if all(layers) else layers)
+    layers = _sparse_kinds(c, n, ["dense"] + ["sparse"] * (n - 1))
+    return dataclasses.replace(_deepseek_v3({**c, "first_k_dense_replace": 0}, arch), moe_layers=layers)
 
 
 def _deepseek_v2(c: dict[str, Any], arch: str) -> ModelConfig:
