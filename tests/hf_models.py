@@ -152,6 +152,13 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "helium": ("helium", dict(_COMMON, vocab_size=127, intermediate_size=96, num_hidden_layers=2,
                               num_key_value_heads=2, head_dim=16, attention_bias=True, mlp_bias=True,
                               rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
+    # EXAONE 3.5 (transformers runs it as Llama, its tensors renamed): tied, Llama 3 RoPE, GQA
+    "exaone": ("exaone", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=3,
+                              num_key_value_heads=2, tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE)),
+    # InternLM3 (Llama in transformers): biases everywhere, "dynamic" RoPE (plain within the context)
+    "internlm3": ("internlm3", dict(_COMMON, vocab_size=103, intermediate_size=96, num_hidden_layers=2,
+                                    num_key_value_heads=2, head_dim=16, qkv_bias=True, bias=True,
+                                    rope_parameters={"rope_type": "dynamic", "factor": 6.0, "rope_theta": 50000.0})),
     # GPTBigCode: StarCoder 1's one KV head (multi_query), and per-head q / k / v without it, unscaled scores
     "gpt-bigcode-mqa": ("gpt_bigcode", dict(vocab_size=131, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                                             n_inner=112, multi_query=True)),
@@ -427,7 +434,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
            "ministral3": (tf.Ministral3Config, tf.Ministral3ForCausalLM),
            "hunyuan_v1_dense": (tf.HunYuanDenseV1Config, tf.HunYuanDenseV1ForCausalLM),
-           "hunyuan_v1_moe": (tf.HunYuanMoEV1Config, tf.HunYuanMoEV1ForCausalLM)}[family]
+           "hunyuan_v1_moe": (tf.HunYuanMoEV1Config, tf.HunYuanMoEV1ForCausalLM),
+           "exaone": (tf.ExaoneConfig, tf.LlamaForCausalLM), "internlm3": (tf.InternLM3Config, tf.LlamaForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
     # Gemma 2 was sdpa, which drops its attention soft-capping: seen on the GPU image, 2026-11-26)
@@ -458,8 +466,26 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
     return model
 
 
+# Families transformers runs with another's class (LlamaForCausalLM): the config.json of their uploads
+# (architectures, and the fields under their own names), where save_pretrained writes the class's
+_PUBLISHED = {"exaone": ("ExaoneForCausalLM", {"num_hidden_layers": "num_layers", "rms_norm_eps": "layer_norm_epsilon",
+                                               "hidden_act": "activation_function"}),
+              "internlm3": ("InternLM3ForCausalLM", {"attention_bias": "qkv_bias", "mlp_bias": "bias"})}
+
+
+def published_config(name: str, saved: dict) -> dict:
+    """config.json as CONFIGS[name]'s family's uploads spell it (_PUBLISHED), from save_pretrained's."""
+    arch, names = _PUBLISHED[CONFIGS[name][0]]
+    return {**{names.get(k, k): v for k, v in saved.items()}, "architectures": [arch]}
+
+
 def save_hf_model(name: str, folder: Path, overrides: dict | None = None) -> str:
+    import json
+
     build_hf_model(name, overrides=overrides).save_pretrained(folder)
+    if CONFIGS[name][0] in _PUBLISHED:
+        path = Path(folder) / "config.json"
+        path.write_text(json.dumps(published_config(name, json.loads(path.read_text()))))
     return str(folder)
 
 

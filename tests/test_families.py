@@ -12,6 +12,7 @@ the refusals.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -284,7 +285,7 @@ def test_num_params_match_transformers():
                                   "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
                                   "falcon-sequential", "glm4moelite", "minimax-m2", "ministral", "dots1",
                                   "solar-open", "exaone-moe", "cwm", "granite-swa",
-                                  "jais2", "vaultgemma", "nemotron"])
+                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
@@ -292,23 +293,48 @@ def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
 
 @pytest.mark.parametrize("arch", ["CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                                   "Ernie4_5_MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
-                                  "Starcoder2ForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM"])
+                                  "Starcoder2ForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM",
+                                  "ExaoneForCausalLM", "InternLM3ForCausalLM"])
 def test_new_families_fill_missing_fields_as_transformers(arch):
     """A config.json that leaves out the RoPE base, KV heads, context and special tokens: transformers'
     class defaults (Cohere's and ERNIE's RoPE base 500 000, GLM's and StarCoder2's 2 KV heads, ...)."""
     import transformers as tf
-    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    heads = 8 if arch == "ExaoneForCausalLM" else 4   # EXAONE's default of 8 KV heads needs as many query heads
+    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=heads)
     theirs = getattr(tf, arch.replace("ForCausalLM", "Config"))(**fields)
     cfg = model_config_from_hf({"architectures": [arch], **fields})
     eos = theirs.eos_token_id if isinstance(theirs.eos_token_id, list) else [theirs.eos_token_id]
     assert (cfg.rope_theta, cfg.n_kv_heads, cfg.max_position_embeddings, cfg.eos_token_ids, cfg.bos_token_id) == (
-        theirs.rope_parameters["rope_theta"], theirs.num_key_value_heads or 4, theirs.max_position_embeddings,
+        theirs.rope_parameters["rope_theta"], theirs.num_key_value_heads or heads, theirs.max_position_embeddings,
         tuple(eos), theirs.bos_token_id)
     if arch in ("ArceeForCausalLM", "Jais2ForCausalLM"):   # their configs' squared ReLU, ungated
         assert (cfg.activation, cfg.gated_mlp) == (theirs.hidden_act, False)
     if arch == "Jais2ForCausalLM":
         assert (cfg.norm, cfg.norm_eps, cfg.qkv_bias, cfg.mlp_bias) == ("layernorm", theirs.layer_norm_eps,
                                                                         theirs.attention_bias, theirs.mlp_bias)
+
+
+@pytest.mark.parametrize("name", ["exaone", "internlm3"])
+def test_llama_run_families_read_as_transformers_reads_them(name, hf_model_dir):
+    """EXAONE 3.5 and InternLM3, which transformers runs as LlamaForCausalLM: their uploads' config.json
+    (own field names: num_layers, layer_norm_epsilon, activation_function; qkv_bias, bias) and the one
+    transformers writes back (Llama's names, architectures LlamaForCausalLM, the model_type kept) give
+    one ModelConfig, with the fields transformers reads; InternLM3's "dynamic" RoPE is the plain
+    rotation, served up to the original context."""
+    import transformers as tf
+    folder = Path(hf_model_dir(name))
+    theirs = tf.AutoConfig.from_pretrained(folder)
+    resaved = {**theirs.to_dict(), "architectures": ["LlamaForCausalLM"]}
+    published = json.loads((folder / "config.json").read_text())
+    cfg = model_config_from_hf(published)
+    assert model_config_from_hf(resaved) == cfg
+    assert cfg.architecture == published["architectures"][0] != "LlamaForCausalLM"
+    assert (cfg.n_layers, cfg.norm_eps, cfg.activation, cfg.n_kv_heads, cfg.head_dim) == (
+        theirs.num_hidden_layers, theirs.rms_norm_eps, theirs.hidden_act, theirs.num_key_value_heads, theirs.head_dim)
+    assert (cfg.qkv_bias, cfg.out_bias, cfg.mlp_bias) == (theirs.attention_bias,) * 2 + (theirs.mlp_bias,)
+    assert (cfg.rope_theta, cfg.max_position_embeddings) == (theirs.rope_parameters["rope_theta"],
+                                                            theirs.max_position_embeddings)
+    assert (cfg.rope_scaling is None) == (theirs.rope_parameters["rope_type"] == "dynamic")
 
 
 def test_gpt_neox_config_as_transformers_reads_it():

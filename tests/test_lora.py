@@ -242,7 +242,7 @@ def test_second_family_and_int8_base(tmp_path):
                                   "phi", "starcoder2-window", "gpt-neox", "bloom", "gpt2", "phi3-longrope", "glm4",
                                   "ministral3", "gemma", "arcee", "helium", "gpt-bigcode-mqa", "gpt-bigcode-mha",
                                   "falcon-7b", "falcon-40b", "falcon-sequential", "ministral",
-                                  "granite-swa", "jais2", "nemotron"])
+                                  "granite-swa", "jais2", "nemotron", "exaone", "internlm3"])
 def test_newer_families_match_peft(name, tmp_path):
     """SmolLM3 (NoPE layers), Granite (the adapters' output times the residual multiplier), OLMo 2
     (adapters before the whole-width q / k norms and the post-norms), OLMo 3, EXAONE 4.0, Seed-OSS
@@ -254,7 +254,9 @@ def test_newer_families_match_peft(name, tmp_path):
     B split into the three), GPT-2 (c_attn: [q | k | v] rows; Conv1D modules), GPTBigCode (c_attn: [q | k | v] rows with one KV head, per
     head without), Falcon (query_key_value in KV groups, each its query heads, key and value), Phi-3 (qkv_proj's
     [q | k | v] and gate_up_proj's [gate | up] rows), GLM-4-0414 (gate_up_proj; q / k in RoPE pairs),
-    the ungated MLPs' up projection adapted: an all-linear adapter's logits and greedy tokens as PEFT's."""
+    the ungated MLPs' up projection adapted, EXAONE 3.5 (also the adapter under its modeling code's
+    module names: transformer.h.i.attn.attention.out_proj, mlp.c_fc_0, ...), InternLM3 (biases):
+    an all-linear adapter's logits and greedy tokens as PEFT's."""
     base = save_hf_model(name, tmp_path / "base")
     # PEFT's all-linear on OLMoE also adapts its experts' and router's parameters (target_parameters,
     # refused): its attention here
@@ -263,13 +265,42 @@ def test_newer_families_match_peft(name, tmp_path):
     model.save_pretrained(tmp_path / "a")
     with torch.no_grad():
         ref = model(torch.tensor([PROMPT])).logits[0].numpy()
-    gen = Generator.from_pretrained(base, lora_modules={"a": str(tmp_path / "a")}, max_loras=1, max_lora_rank=4,
+    adapters = {"a": str(tmp_path / "a")}
+    if name == "exaone":
+        adapters["b"] = _exaone_names(tmp_path / "a", tmp_path / "b")
+    gen = Generator.from_pretrained(base, lora_modules=adapters, max_loras=1, max_lora_rank=4,
                                     max_model_len=48, max_num_batched_tokens=16, token_buckets=[16], max_num_seqs=2,
                                     block_size=8, num_blocks=13, warmup=False)
     c = gen.model_cfg   # the served model's sizes (GPT-2's config names them otherwise)
     rtol = _chain_rtol(c.d_model, c.ffn_dim, c.head_dim, c.n_layers, 4, len(PROMPT))
     assert_rel_close(gen.logits(PROMPT, lora="a"), ref, rtol, name)
     assert gen.generate([PROMPT], GREEDY, lora="a")[0].token_ids == _peft_greedy(model, PROMPT, 10)
+    if name == "exaone":
+        assert_rel_close(gen.logits(PROMPT, lora="b"), ref, rtol, "EXAONE's module names")
+
+
+_EXAONE_MODULES = ((".model.layers.", ".transformer.h."), (".self_attn.o_proj.", ".attn.attention.out_proj."),
+                   (".self_attn.", ".attn.attention."), (".gate_proj.", ".c_fc_0."), (".up_proj.", ".c_fc_1."),
+                   (".down_proj.", ".c_proj."))
+
+
+def _exaone_names(src, dst) -> str:
+    """A PEFT adapter of transformers' EXAONE (Llama's module names) under those of EXAONE's modeling
+    code, as adapters trained on it name them (tensors and target_modules)."""
+    from safetensors.numpy import load_file, save_file
+
+    def rename(key: str) -> str:
+        for a, b in _EXAONE_MODULES:
+            key = key.replace(a, b)
+        return key
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "adapter_model.safetensors")
+    save_file({rename(k): v for k, v in tensors.items()}, dst / "adapter_model.safetensors")
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    names = {"o_proj": "out_proj", "gate_proj": "c_fc_0", "up_proj": "c_fc_1", "down_proj": "c_proj"}
+    cfg["target_modules"] = sorted(names.get(t, t) for t in cfg["target_modules"])
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return str(dst)
 
 
 def test_speculative_decoding_with_lora_refused(llama):

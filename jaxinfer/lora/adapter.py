@@ -61,6 +61,10 @@ _FAMILY_PROJECTIONS = {
                         "mlp.c_proj": ("down", 0)},
     "GPTBigCodeForCausalLM": {"attn.c_attn": ("qkv", "kv_groups"), "attn.c_proj": ("o", 0), "mlp.c_fc": ("up", 0),
                               "mlp.c_proj": ("down", 0)},
+    # EXAONE 3.x: Llama's names (transformers' model) and those of its modeling code
+    # (transformer.h.i.attn.attention.q_proj / out_proj, mlp.c_fc_0 / c_fc_1 / c_proj)
+    "ExaoneForCausalLM": {**_LLAMA, "attn.out_proj": ("o", 0), "mlp.c_fc_0": ("gate_up", 0),
+                          "mlp.c_fc_1": ("gate_up", 1), "mlp.c_proj": ("down", 0)},
 }
 GROUP_PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "up": 1, "down": 1}
 LORA_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
@@ -69,13 +73,13 @@ LORA_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
                  "Exaone4ForCausalLM", "SeedOssForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
                  "Ernie4_5ForCausalLM", "StableLmForCausalLM", "GraniteMoeForCausalLM", "OlmoeForCausalLM",
                  "Ministral3ForCausalLM", "HunYuanDenseV1ForCausalLM", "HeliumForCausalLM",
-                 "MinistralForCausalLM", "GraniteSWAForCausalLM",
+                 "MinistralForCausalLM", "GraniteSWAForCausalLM", "InternLM3ForCausalLM",
                  *_FAMILY_PROJECTIONS)
 # PeftModel.save_pretrained writes base_model.model.<module>; an adapter saved from a transformers
 # model (its PEFT integration: model.add_adapter, then save_pretrained) the module names alone
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _MODULE = re.compile(r"^(?:(?:model\.language_model|language_model\.model|model|gpt_neox)\.layers|transformer\.h)"
-                     r"\.(?P<layer>\d+)\.(?P<part>self_attn|attention|self_attention|attn|mlp)\.(?P<proj>\w+)$")
+                     r"\.(?P<layer>\d+)\.(?P<part>self_attn|attention|self_attention|attn|mlp)(?:\.attention)?\.(?P<proj>\w+)$")
 
 
 def projections(architecture: str) -> dict[str, tuple[str, int | str]]:

@@ -23,7 +23,7 @@ from jaxinfer.config import MAX_POSITIONS, ConfigError, ModelConfig, RopeScaling
 # config.json fields (every supported family's names) that must be positive integers / numbers
 _HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_embed", "n_head",
-                  "n_layer", "n_inner", "n_positions", "seq_length", "max_window_layers",
+                  "n_layer", "n_inner", "n_positions", "seq_length", "max_window_layers", "num_layers",
                   "original_max_position_embeddings", "num_experts", "num_local_experts", "num_experts_per_tok",
                   "moe_intermediate_size", "decoder_sparse_step", "shared_expert_intermediate_size",
                   "n_routed_experts", "n_group", "topk_group", "kv_lora_rank", "qk_nope_head_dim",
@@ -67,9 +67,13 @@ def is_bare_model(arch: str) -> bool:
 
 
 def _wrapper(config: dict[str, Any]) -> str:
-    """config.json's architecture (architectures[0], else by model_type)."""
+    """config.json's architecture (architectures[0], else by model_type; a checkpoint transformers
+    re-saved from LlamaForCausalLM keeps its model_type: _AS_LLAMA)."""
     archs = config.get("architectures") or []
-    return archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(config.get("model_type", ""), "")
+    model_type = config.get("model_type", "")
+    if archs[:1] == ["LlamaForCausalLM"] and model_type in _AS_LLAMA:
+        return _AS_LLAMA[model_type]
+    return archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type, "")
 
 
 def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
@@ -460,6 +464,45 @@ def _hunyuan(c: dict[str, Any], arch: str) -> ModelConfig:
         c = {**c, "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": base}}
     cfg = _llama_like({**c, "sliding_window": None}, arch)
     return dataclasses.replace(cfg, qk_norm=True, qk_norm_after_rope=True)
+
+
+def _internlm3(c: dict[str, Any], arch: str) -> ModelConfig:
+    """InternLM3 (InternLM3ForCausalLM; transformers runs it as LlamaForCausalLM): Llama's block with
+    qkv_bias on q / k / v and bias on the output projection and the MLP (InternLM's modeling code;
+    transformers' attribute_map reads them as attention_bias and mlp_bias, the spellings of a
+    checkpoint it re-saved), and "dynamic" RoPE (_dynamic_ntk)."""
+    attention_bias = bool(c.get("attention_bias", False))
+    return dataclasses.replace(_llama_like(_dynamic_ntk(c), arch),
+                               qkv_bias=bool(c.get("qkv_bias", attention_bias)),
+                               out_bias=bool(c.get("bias", attention_bias)),
+                               mlp_bias=bool(c.get("bias", c.get("mlp_bias", False))))
+
+
+def _dynamic_ntk(c: dict[str, Any]) -> dict[str, Any]:
+    """config.json with "dynamic" (NTK) RoPE read as transformers runs it: the plain rotation for
+    sequences up to original_max_position_embeddings (max_position_embeddings where it names none),
+    its base rescaled to every longer sequence's length. A paged cache keeps each key as first
+    rotated, so the served length stops at the original one, where the two agree (vLLM instead
+    rotates every sequence at the base of max_position_embeddings * factor positions)."""
+    params = _rope_params(c)
+    if params.get("rope_type", params.get("type")) != "dynamic":
+        return c
+    original = int(params.get("original_max_position_embeddings") or c.get("max_position_embeddings", 2048))
+    theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+    return {**c, "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+            "max_position_embeddings": min(original, c.get("max_position_embeddings", original))}
+
+
+_EXAONE_FIELDS = (("num_layers", "num_hidden_layers"), ("layer_norm_epsilon", "rms_norm_eps"),
+                  ("activation_function", "hidden_act"))
+
+
+def _exaone(c: dict[str, Any], arch: str) -> ModelConfig:
+    """EXAONE 3.0 / 3.5 (ExaoneForCausalLM; transformers runs it as LlamaForCausalLM): Llama's block
+    under GPT-2-like names (hf_maps._EXAONE_NAMES) and its config's own spellings of three fields
+    (ExaoneConfig.attribute_map), read before Llama's (the class defaults' spelling)."""
+    c = {**c, **{ours: c[theirs] for theirs, ours in _EXAONE_FIELDS if theirs in c}}
+    return _llama_like(_dynamic_ntk(c), arch)
 
 
 def _per_layer_one(c: dict[str, Any], key: str, default: int) -> int:
@@ -1276,7 +1319,11 @@ _HF_BUILDERS = {
     "MinistralForCausalLM": _ministral,
     "CwmForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
+    "ExaoneForCausalLM": _exaone, "InternLM3ForCausalLM": _internlm3,
 }
+# model types transformers reads with LlamaForCausalLM (renaming EXAONE's tensors as it loads and
+# back as it saves), whose config.json names that class once re-saved
+_AS_LLAMA = {"exaone": "ExaoneForCausalLM", "internlm3": "InternLM3ForCausalLM"}
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -1305,7 +1352,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "stablelm": "StableLmForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                        "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
                        "ministral3": "Ministral3ForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
-                       "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
+                       "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", **_AS_LLAMA,
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
                        "llava_onevision": "LlavaOnevisionForConditionalGeneration",
@@ -1337,6 +1384,14 @@ _HF_DEFAULTS = {
     "GraniteMoeSharedForCausalLM": {"num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2},
     "HunYuanDenseV1ForCausalLM": {"bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5},
     "HunYuanMoEV1ForCausalLM": {"bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5},
+    "ExaoneForCausalLM": {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 14336,
+                          "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                          "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                          "bos_token_id": 1, "eos_token_id": 361},
+    "InternLM3ForCausalLM": {"vocab_size": 128512, "hidden_size": 4096, "intermediate_size": 10240,
+                             "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 2,
+                             "head_dim": 128, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+                             "bos_token_id": 1, "eos_token_id": 2},
     "Ministral3ForCausalLM": {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336,
                               "num_hidden_layers": 34, "num_attention_heads": 32, "num_key_value_heads": 8,
                               "head_dim": 128, "max_position_embeddings": 262144, "rms_norm_eps": 1e-5,

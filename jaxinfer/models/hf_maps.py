@@ -355,15 +355,21 @@ _PHI_NAMES = ((".self_attn.o_proj.", ".self_attn.dense."), (".mlp.c_fc.", ".mlp.
               ("model.norm.", "model.final_layernorm."), ("_norm.", "_layernorm."))
 
 
+def _renamed(m: WeightMap, pairs: tuple[tuple[str, str], ...]) -> WeightMap:
+    """A map's entries under another family's tensor names: each (Llama's, theirs) substring replaced,
+    in order."""
+    def rename(name: str) -> str:
+        for ours, theirs in pairs:
+            name = name.replace(ours, theirs)
+        return name
+    return {ours: (tuple(rename(n) for n in names), fn) for ours, (names, fn) in m.items()}
+
+
 def _phi_map(cfg: ModelConfig) -> WeightMap:
     """Phi-1 / 1.5 / 2: _llama_map's parallel block (one input_layernorm) under Phi's names (dense,
     fc1 / fc2, final_layernorm; q_layernorm / k_layernorm over each head, with biases, where
     qk_layernorm), and the LM head's bias."""
-    def rename(name: str) -> str:
-        for ours, theirs in _PHI_NAMES:
-            name = name.replace(ours, theirs)
-        return name
-    m: WeightMap = {ours: (tuple(rename(n) for n in names), fn) for ours, (names, fn) in _llama_map(cfg).items()}
+    m = _renamed(_llama_map(cfg), _PHI_NAMES)
     for i in range(cfg.n_layers) if cfg.qk_norm else ():
         for name in "qk":
             m[f"layers/{i}/attn/{name}_norm/bias"] = ((f"model.layers.{i}.self_attn.{name}_layernorm.bias",), _ident)
@@ -373,9 +379,16 @@ def _phi_map(cfg: ModelConfig) -> WeightMap:
 
 def _hunyuan_map(cfg: ModelConfig) -> WeightMap:
     """HunYuan: _llama_map's names, its q / k norms as query_layernorm / key_layernorm."""
-    names = {".self_attn.q_norm.": ".self_attn.query_layernorm.", ".self_attn.k_norm.": ".self_attn.key_layernorm."}
-    rename = lambda n: next((n.replace(a, b) for a, b in names.items() if a in n), n)  # noqa: E731
-    return {ours: (tuple(rename(n) for n in hf), fn) for ours, (hf, fn) in _llama_map(cfg).items()}
+    return _renamed(_llama_map(cfg), ((".self_attn.q_norm.", ".self_attn.query_layernorm."),
+                                      (".self_attn.k_norm.", ".self_attn.key_layernorm.")))
+
+
+# EXAONE 3.0 / 3.5's names of Llama's tensors (transformers' conversion_mapping reads them as these)
+_EXAONE_NAMES = (("model.embed_tokens.", "transformer.wte."), ("model.layers.", "transformer.h."),
+                 ("model.norm.", "transformer.ln_f."), (".self_attn.o_proj.", ".attn.attention.out_proj."),
+                 (".self_attn.", ".attn.attention."), (".input_layernorm.", ".ln_1."),
+                 (".post_attention_layernorm.", ".ln_2."), (".mlp.gate_proj.", ".mlp.c_fc_0."),
+                 (".mlp.up_proj.", ".mlp.c_fc_1."), (".mlp.down_proj.", ".mlp.c_proj."))
 
 
 def _stablelm_map(cfg: ModelConfig) -> WeightMap:
@@ -426,7 +439,8 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "StableLmForCausalLM": _stablelm_map, "GraniteMoeForCausalLM": _llama_map,
          "GraniteMoeSharedForCausalLM": _llama_map, "OlmoeForCausalLM": _llama_map,
          "Ministral3ForCausalLM": _llama_map, "HunYuanDenseV1ForCausalLM": _hunyuan_map,
-         "HunYuanMoEV1ForCausalLM": _hunyuan_map}
+         "HunYuanMoEV1ForCausalLM": _hunyuan_map, "InternLM3ForCausalLM": _llama_map,
+         "ExaoneForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _EXAONE_NAMES)}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM")
