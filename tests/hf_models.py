@@ -159,6 +159,13 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "internlm3": ("internlm3", dict(_COMMON, vocab_size=103, intermediate_size=96, num_hidden_layers=2,
                                     num_key_value_heads=2, head_dim=16, qkv_bias=True, bias=True,
                                     rope_parameters={"rope_type": "dynamic", "factor": 6.0, "rope_theta": 50000.0})),
+    # Arcee Trinity (AFMoE): gated attention, RoPE and a window on the sliding layers only, OLMo 2 norms
+    # around attention and MLP, a dense first layer, then sigmoid-routed experts with a correction, a
+    # route scale and a shared expert; embeddings times sqrt(hidden) (mup_enabled)
+    "afmoe": ("afmoe", dict(_COMMON, vocab_size=127, intermediate_size=96, num_hidden_layers=4, num_key_value_heads=2,
+                            head_dim=16, num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=6,
+                            num_experts=6, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32,
+                            route_scale=2.5, mup_enabled=True, tie_word_embeddings=False)),
     # GPTBigCode: StarCoder 1's one KV head (multi_query), and per-head q / k / v without it, unscaled scores
     "gpt-bigcode-mqa": ("gpt_bigcode", dict(vocab_size=131, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                                             n_inner=112, multi_query=True)),
@@ -435,6 +442,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "ministral3": (tf.Ministral3Config, tf.Ministral3ForCausalLM),
            "hunyuan_v1_dense": (tf.HunYuanDenseV1Config, tf.HunYuanDenseV1ForCausalLM),
            "hunyuan_v1_moe": (tf.HunYuanMoEV1Config, tf.HunYuanMoEV1ForCausalLM),
+           "afmoe": (tf.AfmoeConfig, tf.AfmoeForCausalLM),
            "exaone": (tf.ExaoneConfig, tf.LlamaForCausalLM), "internlm3": (tf.InternLM3Config, tf.LlamaForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
@@ -459,6 +467,10 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
                 p.add_(0.1 * torch.randn_like(p))
             elif n.endswith(".sinks"):   # gpt-oss: sink logits as large as the scores, so that they matter
                 p.normal_(0.0, 1.0)
+            elif n.endswith(("self_attn.gate_proj.weight", "router.gate.weight")):
+                # AFMoE's attention gate and router (zeros at init): gates that differ per feature, and
+                # scores that differ per expert
+                p.normal_(0.0, 0.3)
 
         for n, b in model.named_buffers():   # GLM-4.5's choice correction (a buffer, zeros at init)
             if n.endswith("e_score_correction_bias"):

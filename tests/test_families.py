@@ -285,10 +285,13 @@ def test_num_params_match_transformers():
                                   "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
                                   "falcon-sequential", "glm4moelite", "minimax-m2", "ministral", "dots1",
                                   "solar-open", "exaone-moe", "cwm", "granite-swa",
-                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3"])
+                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3", "afmoe"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
-    assert model_config_from_hf(hf_model_dir(name)).num_params() == sum(p.numel() for p in hf.parameters())
+    # the sigmoid router's choice correction: a buffer in DeepSeek-V3's and GLM-4.5's classes, which
+    # num_params leaves out as their count does; AFMoE's class makes it a parameter (expert_bias)
+    theirs = sum(p.numel() for n, p in hf.named_parameters() if not n.endswith(".mlp.expert_bias"))
+    assert model_config_from_hf(hf_model_dir(name)).num_params() == theirs
 
 
 @pytest.mark.parametrize("arch", ["CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
@@ -312,6 +315,24 @@ def test_new_families_fill_missing_fields_as_transformers(arch):
     if arch == "Jais2ForCausalLM":
         assert (cfg.norm, cfg.norm_eps, cfg.qkv_bias, cfg.mlp_bias) == ("layernorm", theirs.layer_norm_eps,
                                                                         theirs.attention_bias, theirs.mlp_bias)
+
+
+def test_afmoe_defaults_as_transformers_fill_them():
+    """A Trinity config.json that names only the sizes: AfmoeConfig's defaults (its layer_types from
+    global_attn_every_n_layers, one dense layer, 64 experts of 1408 with 6 chosen and 2 shared, the
+    window, the context, head_dim 128, KV heads = heads), and RoPE only where a layer slides."""
+    import transformers as tf
+    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4)
+    theirs = tf.AfmoeConfig(**fields)
+    cfg = model_config_from_hf({"architectures": ["AfmoeForCausalLM"], **fields})
+    sliding = tuple(t == "sliding_attention" for t in theirs.layer_types)
+    assert (cfg.sliding_layers, cfg.rope_layers, cfg.sliding_window) == (sliding, sliding, theirs.sliding_window)
+    assert cfg.moe_layers == tuple(i >= theirs.num_dense_layers for i in range(8))
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_ffn_dim, cfg.moe_shared_ffn_dim, cfg.moe_routed_scale) == (
+        theirs.num_experts, theirs.num_experts_per_tok, theirs.moe_intermediate_size,
+        theirs.moe_intermediate_size * theirs.num_shared_experts, theirs.route_scale)
+    assert (cfg.head_dim, cfg.n_kv_heads, cfg.max_position_embeddings, cfg.embed_scale) == (
+        theirs.head_dim, theirs.num_key_value_heads, theirs.max_position_embeddings, 1.0)   # mup_enabled: false
 
 
 @pytest.mark.parametrize("name", ["exaone", "internlm3"])

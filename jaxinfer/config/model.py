@@ -98,6 +98,8 @@ class ModelConfig:
                                         # residual add (Granite's residual_multiplier)
     logits_scaling: float = 1.0         # the LM head's logits divided by it (Granite's logits_scaling)
     attn_sinks: bool = False            # gpt-oss: one learned logit per head in every softmax's denominator
+    attn_out_gate: bool = False         # AFMoE: the heads' outputs times sigmoid(x W_gate), W_gate [d, heads,
+                                        # head_dim], before the output projection
     query_log_scale: tuple[float, int] | None = None   # Ministral 3 (transformers' llama_4_scaling_beta):
                                         # (beta, period): each query after RoPE times
                                         # 1 + beta log(1 + floor(position / period))
@@ -219,7 +221,7 @@ class ModelConfig:
             "moe_shared_ffn_dim": self.moe_shared_ffn_dim >= 0 and (self.num_experts > 0 or not self.moe_shared_ffn_dim),
             "moe_shared_gate": self.moe_shared_ffn_dim > 0 or not self.moe_shared_gate,
             "mla_kv_rank": self.mla_kv_rank >= 0 and (not self.mla_kv_rank or (
-                self.n_kv_heads == 1 and self.head_dim == self.mla_kv_rank + self.mla_rope_dim
+                self.n_kv_heads == 1 and not self.attn_out_gate and self.head_dim == self.mla_kv_rank + self.mla_rope_dim
                 and self.rotary_dim == self.mla_rope_dim and self.mla_nope_dim > 0 and self.mla_v_dim > 0
                 and self.position == "rope")),
             "mla_q_rank": self.mla_q_rank >= 0,
@@ -329,7 +331,7 @@ class ModelConfig:
             # weights per head never come with a bias (qk_norm_kind)
             per_qk = 1 if self.qk_norm_heads else per_norm
             attn += per_qk * hd * ((h + kv) if self.qk_norm_full or self.qk_norm_heads else 2)
-        attn += h if self.attn_sinks else 0
+        attn += (h if self.attn_sinks else 0) + (d * h * hd if self.attn_out_gate else 0)
         mlp = (3 if self.gated_mlp else 2) * d * f
         mlp += ((2 * f if self.gated_mlp else f) + d) if self.mlp_bias else 0
         fe = self.expert_ffn_dim

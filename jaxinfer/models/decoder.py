@@ -88,6 +88,8 @@ class Attention(nnx.Module):
         self.k_norm = qk_norm(kv, "kv_heads") if cfg.qk_norm else None
         # gpt-oss: one logit per query head that joins every softmax's denominator (a key with value 0)
         self.sinks = param((h,), ("heads",), dtype, rngs, init="zeros") if cfg.attn_sinks else None
+        # AFMoE: a sigmoid gate on each head's output features, from the block's input (never fused)
+        self.out_gate = param((d, h, hd), ("embed", "heads", "head_dim"), dtype, rngs) if cfg.attn_out_gate else None
 
     def project_qkv(self, x: jax.Array, lora: tuple | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, D] -> q [T, H, hd], k, v [T, Hkv, hd]. lora: (token slots [T], this layer's LoRA
@@ -113,6 +115,8 @@ class Attention(nnx.Module):
                  meta: AttentionMetadata | None, impl: str, lora: tuple | None = None
                  ) -> tuple[jax.Array, LayerKV | None]:
         out, kv = self.attend(x, positions, kv, meta, impl, lora)
+        if self.out_gate is not None:   # sigmoid in the gate's dtype, as transformers
+            out = out * jax.nn.sigmoid(dense(x, self.out_gate.get_value(), None, impl=self.matmul))
         y = dense(out, self.o.get_value(), param_value(self.o_bias), contract=2, impl=self.matmul)   # (T, D)
         return (y if lora is None else y + lora_delta(out, *lora[1]["o"], lora[0], contract=2)[0]), kv
 
@@ -370,7 +374,8 @@ def weight_bytes(model) -> perf.WeightBytes:
 # LM head stay in the model dtype (as llama.cpp keeps the output layer at higher precision). An MoE
 # layer's gate / up / down / gate_up have a leading experts axis: each expert is quantized on its own
 # (quant.quantize_experts).
-CONTRACTED_DIMS = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1, "qkv": 1, "gate_up": 1}
+CONTRACTED_DIMS = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1, "qkv": 1, "gate_up": 1,
+                   "out_gate": 1}
 
 
 def window_logits(model: Decoder, windows: jax.Array) -> jax.Array:

@@ -890,6 +890,23 @@ def _dots1(c: dict[str, Any], arch: str) -> ModelConfig:
     return dataclasses.replace(cfg, out_bias=bias, **_windows(window, sliding))
 
 
+def _afmoe(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Arcee Trinity (transformers' Afmoe): OLMo 2's RMSNorm before and after attention and MLP,
+    per-head q / k norms, a sigmoid gate (gate_proj) on the heads' outputs, RoPE and the window on the
+    sliding layers only (layer_types; by default every global_attn_every_n_layers-th is global), the
+    embeddings times sqrt(hidden_size) where mup_enabled; the first num_dense_layers MLPs dense, then
+    DeepSeek-V3's mixture without groups (sigmoid scores, choice by score + expert_bias, the chosen
+    renormalized and times route_scale; num_shared_experts shared experts of moe_intermediate_size)."""
+    n, window, every = c["num_hidden_layers"], c.get("sliding_window"), c["global_attn_every_n_layers"]
+    sliding = _sliding_kinds(c, n, ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)])
+    cfg = _glm4_moe({**c, "first_k_dense_replace": c["num_dense_layers"], "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": c["route_scale"],
+                     "n_shared_experts": c["num_shared_experts"], "use_qk_norm": True, "partial_rotary_factor": 1.0},
+                    arch)
+    return dataclasses.replace(
+        cfg, norm="olmo_rmsnorm", post_norms=True, attn_out_gate=True, out_bias=cfg.qkv_bias, rope_layers=sliding,
+        embed_scale=math.sqrt(cfg.d_model) if c.get("mup_enabled") else 1.0, **_windows(window, sliding))
+
+
 def _solar_open(c: dict[str, Any], arch: str) -> ModelConfig:
     """Solar Open (transformers' SolarOpen): Llama's attention (biases on q / k / v only, where
     attention_bias; whole heads rotated unless rope_parameters says otherwise) and GLM-4.5's mixture
@@ -1319,7 +1336,7 @@ _HF_BUILDERS = {
     "MinistralForCausalLM": _ministral,
     "CwmForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
-    "ExaoneForCausalLM": _exaone, "InternLM3ForCausalLM": _internlm3,
+    "ExaoneForCausalLM": _exaone, "InternLM3ForCausalLM": _internlm3, "AfmoeForCausalLM": _afmoe,
 }
 # model types transformers reads with LlamaForCausalLM (renaming EXAONE's tensors as it loads and
 # back as it saves), whose config.json names that class once re-saved
@@ -1352,7 +1369,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "stablelm": "StableLmForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                        "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
                        "ministral3": "Ministral3ForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
-                       "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", **_AS_LLAMA,
+                       "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "afmoe": "AfmoeForCausalLM", **_AS_LLAMA,
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
                        "llava_onevision": "LlavaOnevisionForConditionalGeneration",
@@ -1388,6 +1405,11 @@ _HF_DEFAULTS = {
                           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                           "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
                           "bos_token_id": 1, "eos_token_id": 361},
+    "AfmoeForCausalLM": {"vocab_size": 200192, "hidden_size": 2048, "intermediate_size": 6144,
+                         "moe_intermediate_size": 1408, "num_hidden_layers": 32, "num_dense_layers": 1,
+                         "num_attention_heads": 16, "head_dim": 128, "max_position_embeddings": 16384,
+                         "rms_norm_eps": 1e-5, "num_experts_per_tok": 6, "num_shared_experts": 2, "route_scale": 1.0,
+                         "global_attn_every_n_layers": 4, "sliding_window": 1024},
     "InternLM3ForCausalLM": {"vocab_size": 128512, "hidden_size": 4096, "intermediate_size": 10240,
                              "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 2,
                              "head_dim": 128, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
@@ -1481,7 +1503,7 @@ _HF_DEFAULTS = {
 _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128,
                     "Qwen2MoeForCausalLM": 60, "Glm4MoeForCausalLM": 128, "DeepseekV3ForCausalLM": 256,
                     "DeepseekV2ForCausalLM": 64, "Glm4MoeLiteForCausalLM": 64, "MiniMaxM2ForCausalLM": 256,
-                    "SolarOpenForCausalLM": 128, "ExaoneMoeForCausalLM": 64, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
+                    "SolarOpenForCausalLM": 128, "ExaoneMoeForCausalLM": 64, "AfmoeForCausalLM": 64, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
                     "OlmoeForCausalLM": 64,
                     "HunYuanMoEV1ForCausalLM": 1}
 # architectures close to a supported one, refused with a pointer to what is supported

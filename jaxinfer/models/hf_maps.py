@@ -71,8 +71,9 @@ def _block_norms(cfg: ModelConfig) -> dict[str, str]:
         return {"attn_norm": "input_layernorm", "attn_post_norm": "post_self_attn_layernorm",
                 "mlp_norm": "post_attention_layernorm", "mlp_post_norm": "post_mlp_layernorm"}
     if cfg.post_norms:
+        mlp = "mlp" if cfg.architecture == "AfmoeForCausalLM" else "feedforward"
         return {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
-                "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+                "mlp_norm": f"pre_{mlp}_layernorm", "mlp_post_norm": f"post_{mlp}_layernorm"}
     if cfg.architecture == "VaultGemmaForCausalLM":   # Gemma 2's names, without its post-norms
         return {"attn_norm": "input_layernorm", "mlp_norm": "pre_feedforward_layernorm"}
     return {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
@@ -137,6 +138,8 @@ def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -
             m[f"{o}/attn/o_bias"] = ((f"{p}.self_attn.o_proj.bias",), _ident)
         if cfg.attn_sinks:
             m[f"{o}/attn/sinks"] = ((f"{p}.self_attn.sinks",), _ident)
+        if cfg.attn_out_gate:
+            m[f"{o}/attn/out_gate"] = ((f"{p}.self_attn.gate_proj.weight",), lambda w: w.T.reshape(d, h, hd))
         if cfg.is_moe_layer(i):
             _experts_map(m, cfg, o, p)
             continue
@@ -213,13 +216,15 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
                     if cfg.architecture == "MixtralForCausalLM" or minimax else
                     ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}))
     hunyuan = cfg.architecture == "HunYuanMoEV1ForCausalLM"   # its router in gate.wg, its shared MLP shared_mlp
-    m[f"{o}/mlp/router"] = ((f"{p}.{block}.gate.wg.weight" if hunyuan else f"{p}.{block}.gate.weight",), _t)
+    afmoe = cfg.architecture == "AfmoeForCausalLM"   # its router in router.gate, its correction expert_bias
+    router = "gate.wg" if hunyuan else "router.gate" if afmoe else "gate"
+    m[f"{o}/mlp/router"] = ((f"{p}.{block}.{router}.weight",), _t)
     for ours, theirs in names.items():
         m[f"{o}/mlp/{ours}"] = (tuple(f"{p}.{block}.experts.{j}.{theirs}.weight" for j in e), _stack_t)
     if cfg.moe_routing == "sigmoid_topk":   # DeepSeek-V3 / GLM-4.5's choice correction
         beside = cfg.architecture in ("MiniMaxM2ForCausalLM", "ExaoneMoeForCausalLM")   # not in the gate
-        m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.{'' if beside else 'gate.'}e_score_correction_bias",),
-                                           _ident)
+        correction = "expert_bias" if afmoe else f"{'' if beside else 'gate.'}e_score_correction_bias"
+        m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.{correction}",), _ident)
     elif cfg.moe_routing == "softmax_corrected_topk":   # ERNIE 4.5's, [1, E] in its moe_statics
         m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.moe_statics.e_score_correction_bias",),
                                            lambda b: b.reshape(-1))
@@ -440,7 +445,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "GraniteMoeSharedForCausalLM": _llama_map, "OlmoeForCausalLM": _llama_map,
          "Ministral3ForCausalLM": _llama_map, "HunYuanDenseV1ForCausalLM": _hunyuan_map,
          "HunYuanMoEV1ForCausalLM": _hunyuan_map, "InternLM3ForCausalLM": _llama_map,
-         "ExaoneForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _EXAONE_NAMES)}
+         "ExaoneForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _EXAONE_NAMES), "AfmoeForCausalLM": _llama_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM")
