@@ -22,7 +22,7 @@ ones plain, both kept as the raw text the converter wrote; BOS is added as
 Architectures: llama (also Mistral's files, and Mixtral's: llama with experts), qwen2, qwen3,
 qwen3moe (experts stacked per layer: ffn_{gate,up,down}_exps or gate and up fused in
 ffn_gate_up_exps, read expert by expert), gemma (Gemma 1 and CodeGemma: every layer global), arcee (Arcee AFM: Llama's permuted Q/K, the ungated
-squared-ReLU MLP), gemma2,
+squared-ReLU MLP), exaone (EXAONE 3.x: Llama's block, Q/K as stored: NeoX RoPE), gemma2,
 gemma3 (text; the settings llama.cpp takes from the model size rather than the file: _GEMMA), phi3
 (Phi-3, Phi-3.5, Phi-4, Phi-4-mini: fused q/k/v and gate/up, LongRoPE's factors as tensors, partial
 rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fused, served in
@@ -72,14 +72,15 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
          "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "command-r": "CohereForCausalLM",
          "cohere2": "Cohere2ForCausalLM", "phi2": "PhiForCausalLM", "gptneox": "GPTNeoXForCausalLM",
-         "stablelm": "StableLmForCausalLM", "starcoder": "GPTBigCodeForCausalLM", "arcee": "ArceeForCausalLM"}
+         "stablelm": "StableLmForCausalLM", "starcoder": "GPTBigCodeForCausalLM", "arcee": "ArceeForCausalLM",
+         "exaone": "LlamaForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma": "gemma",
                 "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
                 "granite": "granite", "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2moe": "qwen2_moe",
                 "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3", "glm4": "glm4", "starcoder2": "starcoder2",
                 "command-r": "cohere", "cohere2": "cohere2", "phi2": "phi", "gptneox": "gpt_neox",
-                "stablelm": "stablelm", "starcoder": "gpt_bigcode", "arcee": "arcee"}
+                "stablelm": "stablelm", "starcoder": "gpt_bigcode", "arcee": "arcee", "exaone": "llama"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
 _PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm")
 # llama.cpp's mixtures with dense leading layers, sigmoid routing with a learned correction

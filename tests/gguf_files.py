@@ -341,7 +341,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe",
             "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe_lite": "deepseek2", "glm4": "glm4",
             "starcoder2": "starcoder2", "cohere": "command-r", "cohere2": "cohere2", "phi": "phi2",
-            "gpt_neox": "gptneox", "stablelm": "stablelm", "gpt_bigcode": "starcoder", "arcee": "arcee"}[cfg.model_type]
+            "gpt_neox": "gptneox", "stablelm": "stablelm", "gpt_bigcode": "starcoder", "arcee": "arcee",
+            "exaone": "exaone"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:

@@ -456,14 +456,16 @@ def _assert_packed_as_dequantized(hf, vocab, ids, qtypes: dict, path: Path) -> N
 
 
 @pytest.mark.parametrize("name,overrides", [("glm4", {}), ("starcoder2-window", {"sliding_window": None}),
-                                            ("cohere", {}), ("cohere2", {"tie_word_embeddings": True}), ("arcee", {})])
+                                            ("cohere", {}), ("cohere2", {"tie_word_embeddings": True}), ("arcee", {}),
+                                            ("exaone", {"rope_scaling": None})])
 def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path):
     """GLM-4-0414 (llama.cpp's glm4: gate and up fused in ffn_up, the branch-output norms, q / k as
     transformers stores them, half of each head rotating in pairs), StarCoder2 (starcoder2:
     LayerNorms, biases, the ungated MLP), Command R (command-r: one bias-free LayerNorm for attention
     and MLP side by side, logit_scale) and Command R7B (cohere2: three sliding layers with RoPE to one
     global without, llama.cpp's default period) and Arcee (arcee: Llama's permuted Q / K, YaRN, the
-    ungated squared-ReLU MLP) as llama.cpp's converter writes them compute what the HF model computes. llama.cpp's starcoder2 attends to the whole context (its graph has no window,
+    ungated squared-ReLU MLP) and EXAONE 3.5 (exaone: Llama's block, Q / K not permuted: NeoX RoPE; the
+    embedding as the head) as llama.cpp's converter writes them compute what the HF model computes. llama.cpp's starcoder2 attends to the whole context (its graph has no window,
     the file none to give), so the reference is the model without its window; cohere2's graph reads
     no output tensor, so the reference is tied."""
     hf, vocab, ids, expected, gen = _as_converted(name, overrides, tmp_path)
