@@ -69,7 +69,8 @@ ERNIE_NORM_MIN = 1e-12
 
 
 def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: jax.Array | None = None,
-          groups: int = 1, topk_groups: int = 1, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+          groups: int = 1, topk_groups: int = 1, scale: float = 1.0, jitter: float = 0.0
+          ) -> tuple[jax.Array, jax.Array]:
     """Router logits [T, E] float32 -> (weights [T, k] float32, experts [T, k] int32).
     topk_softmax (Mixtral, gpt-oss): the k largest logits, softmax over them. softmax_topk (Qwen3-MoE):
     softmax over all E, the k largest probabilities, divided by their sum when norm_topk.
@@ -80,7 +81,7 @@ def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: 
     topk_groups best of `groups` groups (a group scored by its best; the others' probabilities taken
     as 0, as transformers masks them), never renormalized, times scale. softmax_corrected_topk
     (ERNIE 4.5): softmax over all E, the k largest of probabilities + correction [E], weighted by
-    their probabilities divided by max(sum, 1e-12)."""
+    their probabilities divided by max(sum, 1e-12). sparsemixer (PhiMoE; k = 2): _route_sparsemixer."""
     if routing == "topk_softmax":
         top, experts = lax.top_k(logits, k)
         return jax.nn.softmax(top, axis=-1), experts
@@ -88,6 +89,8 @@ def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: 
         return _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale)
     if routing == "softmax_group_topk":
         return _route_softmax_groups(logits, k, groups, topk_groups, scale)
+    if routing == "sparsemixer":
+        return _route_sparsemixer(logits, jitter)
     if routing == "softmax_corrected_topk":
         probs = jax.nn.softmax(logits, axis=-1)
         _, experts = lax.top_k(probs + correction.astype(jnp.float32), k)
@@ -111,6 +114,21 @@ def _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale)
     if norm_topk:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return weights * jnp.float32(scale), experts
+
+
+def _route_sparsemixer(logits: jax.Array, jitter: float) -> tuple[jax.Array, jax.Array]:
+    """PhiMoE's sparsemixer at inference (transformers' sparsemixer with training off): the expert of
+    the largest logit m, weighted by its softmax probability over the logits s within a relative
+    margin of it, (m - s) / max(|s|, m) <= 2 jitter (the others taken as -inf); then, its logit
+    excluded, the same for the largest of the others (margins measured from the second logit)."""
+    def pick(scores: jax.Array) -> tuple[jax.Array, jax.Array]:
+        top, best = jnp.max(scores, axis=-1, keepdims=True), jnp.argmax(scores, axis=-1)
+        far = (top - logits) / jnp.maximum(jnp.abs(logits), top) > 2 * jitter   # 0 / 0 is not far, as in torch
+        probs = jax.nn.softmax(jnp.where(far, -jnp.inf, scores), axis=-1)
+        return jnp.take_along_axis(probs, best[:, None], axis=1)[:, 0], best
+    w1, e1 = pick(logits)
+    w2, e2 = pick(jnp.where(jax.nn.one_hot(e1, logits.shape[-1], dtype=bool), -jnp.inf, logits))
+    return jnp.stack([w1, w2], axis=-1), jnp.stack([e1, e2], axis=-1).astype(jnp.int32)
 
 
 def _route_softmax_groups(logits, k, groups, topk_groups, scale):
@@ -196,6 +214,7 @@ class MoE(nnx.Module):
         self.num_experts, self.k, self.shards, self.impl = e, cfg.num_experts_per_tok, shards, None
         self.routing, self.norm_topk, self.act = cfg.moe_routing, cfg.moe_norm_topk, cfg.activation
         self.groups, self.topk_groups, self.routed_scale = cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_routed_scale
+        self.jitter = cfg.moe_router_jitter
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         fused, bias = shards is not None, cfg.mlp_bias
         expert = lambda n, axis, b=False: param((e, *n), ("experts", *axis), dtype, rngs,  # noqa: E731
@@ -229,7 +248,7 @@ class MoE(nnx.Module):
         xr = x.astype(jnp.float32) if router.dtype == jnp.float32 else x
         logits = dense(xr, router, param_value(self.router_bias)).astype(jnp.float32)           # (T, E)
         weights, experts = route(logits, self.k, self.routing, self.norm_topk, param_value(self.router_correction),
-                                 self.groups, self.topk_groups, self.routed_scale)   # (T, k)
+                                 self.groups, self.topk_groups, self.routed_scale, self.jitter)   # (T, k)
         order, sizes = sort_rows(experts, valid, self.num_experts)                  # (R,), (E,)
         xs = x[order // self.k]                                                      # (R, D) sorted by expert
         impl = self.impl or default_impl()

@@ -166,6 +166,16 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                             head_dim=16, num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=6,
                             num_experts=6, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32,
                             route_scale=2.5, mup_enabled=True, tie_word_embeddings=False)),
+    # Phi-3.5-MoE: LayerNorms, biases, the LM head's bias, LongRoPE with its short_mscale (the short
+    # factors: served within the original context), sparsemixer's top-2 with a wide margin (several
+    # logits within it)
+    "phimoe": ("phimoe", dict(_COMMON, vocab_size=113, intermediate_size=48, num_hidden_layers=2, num_key_value_heads=2,
+                              num_local_experts=4, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
+                              router_jitter_noise=0.3, sliding_window=None,
+                              rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                               "short_factor": [1.0 + 0.15 * i for i in range(8)],
+                                               "long_factor": [2.0 + 0.3 * i for i in range(8)], "short_mscale": 1.2,
+                                               "long_mscale": 1.35, "original_max_position_embeddings": 256})),
     # GPTBigCode: StarCoder 1's one KV head (multi_query), and per-head q / k / v without it, unscaled scores
     "gpt-bigcode-mqa": ("gpt_bigcode", dict(vocab_size=131, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                                             n_inner=112, multi_query=True)),
@@ -442,7 +452,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "ministral3": (tf.Ministral3Config, tf.Ministral3ForCausalLM),
            "hunyuan_v1_dense": (tf.HunYuanDenseV1Config, tf.HunYuanDenseV1ForCausalLM),
            "hunyuan_v1_moe": (tf.HunYuanMoEV1Config, tf.HunYuanMoEV1ForCausalLM),
-           "afmoe": (tf.AfmoeConfig, tf.AfmoeForCausalLM),
+           "afmoe": (tf.AfmoeConfig, tf.AfmoeForCausalLM), "phimoe": (tf.PhimoeConfig, tf.PhimoeForCausalLM),
            "exaone": (tf.ExaoneConfig, tf.LlamaForCausalLM), "internlm3": (tf.InternLM3Config, tf.LlamaForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for

@@ -285,7 +285,7 @@ def test_num_params_match_transformers():
                                   "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
                                   "falcon-sequential", "glm4moelite", "minimax-m2", "ministral", "dots1",
                                   "solar-open", "exaone-moe", "cwm", "granite-swa",
-                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3", "afmoe"])
+                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3", "afmoe", "phimoe"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     # the sigmoid router's choice correction: a buffer in DeepSeek-V3's and GLM-4.5's classes, which
@@ -297,12 +297,13 @@ def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
 @pytest.mark.parametrize("arch", ["CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                                   "Ernie4_5_MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
                                   "Starcoder2ForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM",
-                                  "ExaoneForCausalLM", "InternLM3ForCausalLM"])
+                                  "ExaoneForCausalLM", "InternLM3ForCausalLM", "PhimoeForCausalLM"])
 def test_new_families_fill_missing_fields_as_transformers(arch):
     """A config.json that leaves out the RoPE base, KV heads, context and special tokens: transformers'
     class defaults (Cohere's and ERNIE's RoPE base 500 000, GLM's and StarCoder2's 2 KV heads, ...)."""
     import transformers as tf
-    heads = 8 if arch == "ExaoneForCausalLM" else 4   # EXAONE's default of 8 KV heads needs as many query heads
+    # EXAONE's and PhiMoE's default of 8 KV heads needs as many query heads
+    heads = 8 if arch in ("ExaoneForCausalLM", "PhimoeForCausalLM") else 4
     fields = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=heads)
     theirs = getattr(tf, arch.replace("ForCausalLM", "Config"))(**fields)
     cfg = model_config_from_hf({"architectures": [arch], **fields})

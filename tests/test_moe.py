@@ -35,7 +35,7 @@ MOE = [n for n in CONFIGS if n.startswith("gpt-oss") or n.split("-")[0] in ("qwe
                                                                             "deepseekv3", "deepseekv2")]
 ARCH = {"qwen3moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt": "GptOssForCausalLM",
         "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseekv3": "DeepseekV3ForCausalLM",
-        "deepseekv2": "DeepseekV2ForCausalLM"}
+        "deepseekv2": "DeepseekV2ForCausalLM", "phimoe": "PhimoeForCausalLM"}
 PROMPT_LEN = 24
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4, block_size=8,
               num_blocks=4 * 64 // 8 + 1, warmup=False)
@@ -74,13 +74,14 @@ def test_pallas_kernels_match_transformers(name, hf_model_dir):
 @pytest.mark.parametrize("name, overrides", [
     ("mixtral-gqa", None), ("qwen3moe-gqa", None), ("qwen3moe-mqa-window-yarn", None), ("gpt-oss", None),
     ("qwen2moe-shared", None), ("glm4moe-groups", None), ("deepseekv3-mla", None), ("deepseekv2-groups", None),
-    ("deepseekv2-groups", {"topk_method": "greedy"})])
+    ("deepseekv2-groups", {"topk_method": "greedy"}), ("phimoe", None)])
 def test_routing_matches_transformers_routers(name, overrides):
     """Our route() on the router logits against HF's router module on the same hidden states: the
     same k experts per token with the same weights (Mixtral: softmax-top-k-renormalize in HF, top-k
     then softmax here; Qwen3-MoE with and without norm_topk_prob; gpt-oss: biased logits; GLM-4.5:
     sigmoid scores, the random correction, 2 of 4 groups kept, renormalized, times 2.5; DeepSeek-V2:
-    softmax over all, 2 of 4 groups kept by their best expert or none limited (greedy), times 16)."""
+    softmax over all, 2 of 4 groups kept by their best expert or none limited (greedy), times 16;
+    PhiMoE: sparsemixer's two picks, each weighted over the logits within its margin)."""
     hf = build_hf_model(name, overrides=overrides)
     layer = next(m for m in hf.model.layers if hasattr(m.mlp, "experts"))
     router = layer.mlp.router if hasattr(layer.mlp, "router") else layer.mlp.gate
@@ -91,7 +92,7 @@ def test_routing_matches_transformers_routers(name, overrides):
     correction = getattr(router, "e_score_correction_bias", None)
     weights, experts = route(jnp.asarray(logits.numpy()), cfg.num_experts_per_tok, cfg.moe_routing,
                              cfg.moe_norm_topk, None if correction is None else jnp.asarray(correction.numpy()),
-                             cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_routed_scale)
+                             cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_routed_scale, cfg.moe_router_jitter)
     order = np.argsort(np.asarray(experts), axis=1)
     hf_order = np.argsort(idx.numpy(), axis=1)
     np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), order, 1),

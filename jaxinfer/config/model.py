@@ -42,6 +42,9 @@ class RopeScaling:
     truncate: bool = True
 
 
+# ModelConfig's fields that must be numbers
+_FLOATS = ("norm_eps", "rope_theta", "embed_scale", "swiglu_alpha", "residual_scale", "logits_scaling",
+           "moe_routed_scale", "moe_router_jitter")
 # the norm kinds (layers.NORM_KINDS, which this jax-free module cannot import)
 NORMS = ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias", "layernorm1p")
 
@@ -116,7 +119,9 @@ class ModelConfig:
     # times moe_routed_scale; "softmax_group_topk" (DeepSeek-V2): softmax over all experts, the choice
     # limited to the moe_topk_groups best groups (a group scored by its best), never renormalized,
     # times moe_routed_scale; "softmax_corrected_topk" (ERNIE 4.5): softmax over all experts, the
-    # correction added for the choice only, the chosen probabilities divided by max(their sum, 1e-12).
+    # correction added for the choice only, the chosen probabilities divided by max(their sum, 1e-12);
+    # "sparsemixer" (PhiMoE, top-2): the best logit's expert weighted by its softmax probability among the
+    # logits within 2 moe_router_jitter of it (relative), then the same among the others for the second.
     # Shared experts (Qwen2-MoE, DeepSeek, GLM-4.5, ERNIE 4.5): a dense gated MLP of moe_shared_ffn_dim
     # beside the routed experts of every MoE layer, its output added (Qwen2-MoE: times sigmoid(x . w) of
     # a learned [d_model] gate when moe_shared_gate).
@@ -145,6 +150,7 @@ class ModelConfig:
     moe_groups: int = 1
     moe_topk_groups: int = 1
     moe_routed_scale: float = 1.0
+    moe_router_jitter: float = 0.0      # "sparsemixer"'s (PhiMoE) relative margin (router_jitter_noise)
     moe_shared_ffn_dim: int = 0
     moe_shared_gate: bool = False
     swiglu_limit: float | None = None
@@ -166,13 +172,11 @@ class ModelConfig:
         ints = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
                 "max_position_embeddings", "num_experts", "num_experts_per_tok", "moe_groups", "moe_topk_groups",
                 "moe_shared_ffn_dim", "mla_kv_rank", "mla_q_rank", "mla_nope_dim", "mla_rope_dim", "mla_v_dim")
-        floats = ("norm_eps", "rope_theta", "embed_scale", "swiglu_alpha", "residual_scale", "logits_scaling",
-                  "moe_routed_scale")
         optional = {"sliding_window": _is_int, "rotary_dim": _is_int, "rope_local_theta": _is_number,
                     "attn_scale": _is_number, "attn_softcap": _is_number, "final_softcap": _is_number,
                     "moe_ffn_dim": _is_int, "swiglu_limit": _is_number}
         wrong = [f"{k}={getattr(self, k)!r} must be an integer" for k in ints if not _is_int(getattr(self, k))]
-        wrong += [f"{k}={getattr(self, k)!r} must be a number" for k in floats if not _is_number(getattr(self, k))]
+        wrong += [f"{k}={getattr(self, k)!r} must be a number" for k in _FLOATS if not _is_number(getattr(self, k))]
         wrong += [f"{k}={getattr(self, k)!r} must be {'an integer' if ok is _is_int else 'a number'} or null"
                   for k, ok in optional.items() if getattr(self, k) is not None and not ok(getattr(self, k))]
         if wrong:
@@ -212,7 +216,8 @@ class ModelConfig:
                                     else self.num_experts_per_tok == 0),
             "moe_layers": self.moe_layers is None or (len(self.moe_layers) == self.n_layers and self.num_experts > 0),
             "moe_routing": self.moe_routing in ("topk_softmax", "softmax_topk", "sigmoid_topk", "softmax_group_topk",
-                                                "softmax_corrected_topk"),
+                                                "softmax_corrected_topk", "sparsemixer") and (
+                self.moe_routing != "sparsemixer" or self.num_experts_per_tok == 2),   # sparsemixer picks two
             "moe_groups": self.moe_groups > 0 and (not self.num_experts or self.num_experts % self.moe_groups == 0) and (
                 self.moe_groups == 1 or self.num_experts // self.moe_groups
                 >= (2 if self.moe_routing == "sigmoid_topk" else 1)),   # sigmoid: a group scored by its best two

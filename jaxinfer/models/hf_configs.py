@@ -831,6 +831,27 @@ def _moe(c: dict[str, Any], arch: str) -> ModelConfig:
     return dataclasses.replace(_llama_like(c, arch), **moe)
 
 
+def _phimoe(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Phi-3.5-MoE (transformers' Phimoe): Mixtral's block on LayerNorms (eps rms_norm_eps), biases on
+    q / k / v / o where attention_bias and on the LM head where lm_head_bias, experts chosen by
+    sparsemixer (top-2, router_jitter_noise), LongRoPE with the cos / sin magnitude its parameters name
+    (long_mscale with the long factors, short_mscale with the short ones). Which factors: Phi-3's
+    static choice (_longrope; Microsoft's modeling code and vLLM take the long ones past the original
+    length, transformers 5's Phimoe class the short ones at every length)."""
+    if c["num_experts_per_tok"] != 2:
+        raise ConfigError(f"field 'num_experts_per_tok' = {c['num_experts_per_tok']!r}: PhiMoE's sparsemixer "
+                          "picks two experts per token")
+    cfg = _moe(c, arch)
+    scaling, params = cfg.rope_scaling, _rope_params(c)
+    if scaling is not None and scaling.kind == "longrope":
+        mscale = params.get("long_mscale" if scaling.use_long_factor else "short_mscale")
+        scaling = scaling if mscale is None else dataclasses.replace(scaling, attention_factor=float(mscale))
+    bias = bool(c.get("attention_bias", False))
+    return dataclasses.replace(cfg, norm="layernorm", qkv_bias=bias, out_bias=bias, rope_scaling=scaling,
+                               lm_head_bias=bool(c.get("lm_head_bias", False)), moe_routing="sparsemixer",
+                               moe_router_jitter=float(c["router_jitter_noise"]))
+
+
 def _qwen2_moe(c: dict[str, Any], arch: str) -> ModelConfig:
     """Qwen1.5-MoE / Qwen2-MoE: Qwen3-MoE's routing (softmax over all experts, top-k, renormalized only
     when norm_topk_prob) and layer pattern (decoder_sparse_step, mlp_only_layers) on Qwen2's attention
@@ -1337,6 +1358,7 @@ _HF_BUILDERS = {
     "CwmForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
     "ExaoneForCausalLM": _exaone, "InternLM3ForCausalLM": _internlm3, "AfmoeForCausalLM": _afmoe,
+    "PhimoeForCausalLM": _phimoe,
 }
 # model types transformers reads with LlamaForCausalLM (renaming EXAONE's tensors as it loads and
 # back as it saves), whose config.json names that class once re-saved
@@ -1369,7 +1391,8 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "stablelm": "StableLmForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                        "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
                        "ministral3": "Ministral3ForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
-                       "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "afmoe": "AfmoeForCausalLM", **_AS_LLAMA,
+                       "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "afmoe": "AfmoeForCausalLM",
+                       "phimoe": "PhimoeForCausalLM", **_AS_LLAMA,
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
                        "llava_onevision": "LlavaOnevisionForConditionalGeneration",
@@ -1405,6 +1428,10 @@ _HF_DEFAULTS = {
                           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                           "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
                           "bos_token_id": 1, "eos_token_id": 361},
+    "PhimoeForCausalLM": {"vocab_size": 32064, "hidden_size": 4096, "intermediate_size": 6400, "num_hidden_layers": 32,
+                          "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                          "rms_norm_eps": 1e-5, "num_experts_per_tok": 2, "router_jitter_noise": 0.01, "rope_theta": 1e6,
+                          "bos_token_id": 1, "eos_token_id": 2},
     "AfmoeForCausalLM": {"vocab_size": 200192, "hidden_size": 2048, "intermediate_size": 6144,
                          "moe_intermediate_size": 1408, "num_hidden_layers": 32, "num_dense_layers": 1,
                          "num_attention_heads": 16, "head_dim": 128, "max_position_embeddings": 16384,
@@ -1503,7 +1530,8 @@ _HF_DEFAULTS = {
 _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128,
                     "Qwen2MoeForCausalLM": 60, "Glm4MoeForCausalLM": 128, "DeepseekV3ForCausalLM": 256,
                     "DeepseekV2ForCausalLM": 64, "Glm4MoeLiteForCausalLM": 64, "MiniMaxM2ForCausalLM": 256,
-                    "SolarOpenForCausalLM": 128, "ExaoneMoeForCausalLM": 64, "AfmoeForCausalLM": 64, "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
+                    "SolarOpenForCausalLM": 128, "ExaoneMoeForCausalLM": 64, "AfmoeForCausalLM": 64, "PhimoeForCausalLM": 16,
+                    "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
                     "OlmoeForCausalLM": 64,
                     "HunYuanMoEV1ForCausalLM": 1}
 # architectures close to a supported one, refused with a pointer to what is supported

@@ -157,6 +157,8 @@ def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -
     _norm(m, "final_norm", "model.norm", layernorm)
     if not cfg.tie_embeddings:
         m["lm_head"] = (("lm_head.weight",), _t)
+    if cfg.lm_head_bias:   # Phi-2, PhiMoE
+        m["lm_head_bias"] = (("lm_head.bias",), _ident)
     return m
 
 
@@ -213,7 +215,7 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
         return
     minimax = cfg.architecture == "MiniMaxM2ForCausalLM"   # Mixtral's names
     block, names = (("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})
-                    if cfg.architecture == "MixtralForCausalLM" or minimax else
+                    if cfg.architecture in ("MixtralForCausalLM", "PhimoeForCausalLM") or minimax else
                     ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}))
     hunyuan = cfg.architecture == "HunYuanMoEV1ForCausalLM"   # its router in gate.wg, its shared MLP shared_mlp
     afmoe = cfg.architecture == "AfmoeForCausalLM"   # its router in router.gate, its correction expert_bias
@@ -378,7 +380,6 @@ def _phi_map(cfg: ModelConfig) -> WeightMap:
     for i in range(cfg.n_layers) if cfg.qk_norm else ():
         for name in "qk":
             m[f"layers/{i}/attn/{name}_norm/bias"] = ((f"model.layers.{i}.self_attn.{name}_layernorm.bias",), _ident)
-    m["lm_head_bias"] = (("lm_head.bias",), _ident)
     return m
 
 
@@ -445,7 +446,8 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "GraniteMoeSharedForCausalLM": _llama_map, "OlmoeForCausalLM": _llama_map,
          "Ministral3ForCausalLM": _llama_map, "HunYuanDenseV1ForCausalLM": _hunyuan_map,
          "HunYuanMoEV1ForCausalLM": _hunyuan_map, "InternLM3ForCausalLM": _llama_map,
-         "ExaoneForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _EXAONE_NAMES), "AfmoeForCausalLM": _llama_map}
+         "ExaoneForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _EXAONE_NAMES), "AfmoeForCausalLM": _llama_map,
+         "PhimoeForCausalLM": _llama_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM")
