@@ -166,6 +166,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                             head_dim=16, num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=6,
                             num_experts=6, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32,
                             route_scale=2.5, mup_enabled=True, tie_word_embeddings=False)),
+    # Apertus: Llama 3 RoPE, q / k norms, an ungated xIELU MLP (its two scalars randomised below)
+    "apertus": ("apertus", dict(_COMMON, vocab_size=107, intermediate_size=112, num_hidden_layers=2,
+                                num_key_value_heads=2, head_dim=16,
+                                rope_parameters={**LLAMA3_ROPE, "rope_theta": 12000000.0})),
     # Phi-3.5-MoE: LayerNorms, biases, the LM head's bias, LongRoPE with its short_mscale (the short
     # factors: served within the original context), sparsemixer's top-2 with a wide margin (several
     # logits within it)
@@ -452,7 +456,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "ministral3": (tf.Ministral3Config, tf.Ministral3ForCausalLM),
            "hunyuan_v1_dense": (tf.HunYuanDenseV1Config, tf.HunYuanDenseV1ForCausalLM),
            "hunyuan_v1_moe": (tf.HunYuanMoEV1Config, tf.HunYuanMoEV1ForCausalLM),
-           "afmoe": (tf.AfmoeConfig, tf.AfmoeForCausalLM), "phimoe": (tf.PhimoeConfig, tf.PhimoeForCausalLM),
+           "afmoe": (tf.AfmoeConfig, tf.AfmoeForCausalLM), "apertus": (tf.ApertusConfig, tf.ApertusForCausalLM), "phimoe": (tf.PhimoeConfig, tf.PhimoeForCausalLM),
            "exaone": (tf.ExaoneConfig, tf.LlamaForCausalLM), "internlm3": (tf.InternLM3Config, tf.LlamaForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for
@@ -477,6 +481,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
                 p.add_(0.1 * torch.randn_like(p))
             elif n.endswith(".sinks"):   # gpt-oss: sink logits as large as the scores, so that they matter
                 p.normal_(0.0, 1.0)
+            elif n.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):   # xIELU's scalars: other slopes per layer
+                p.add_(0.5 * torch.randn_like(p))
             elif n.endswith(("self_attn.gate_proj.weight", "router.gate.weight")):
                 # AFMoE's attention gate and router (zeros at init): gates that differ per feature, and
                 # scores that differ per expert

@@ -285,7 +285,7 @@ def test_num_params_match_transformers():
                                   "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
                                   "falcon-sequential", "glm4moelite", "minimax-m2", "ministral", "dots1",
                                   "solar-open", "exaone-moe", "cwm", "granite-swa",
-                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3", "afmoe", "phimoe"])
+                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3", "afmoe", "phimoe", "apertus"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     # the sigmoid router's choice correction: a buffer in DeepSeek-V3's and GLM-4.5's classes, which
@@ -297,7 +297,8 @@ def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
 @pytest.mark.parametrize("arch", ["CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                                   "Ernie4_5_MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
                                   "Starcoder2ForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM",
-                                  "ExaoneForCausalLM", "InternLM3ForCausalLM", "PhimoeForCausalLM"])
+                                  "ExaoneForCausalLM", "InternLM3ForCausalLM", "PhimoeForCausalLM",
+                                  "ApertusForCausalLM"])
 def test_new_families_fill_missing_fields_as_transformers(arch):
     """A config.json that leaves out the RoPE base, KV heads, context and special tokens: transformers'
     class defaults (Cohere's and ERNIE's RoPE base 500 000, GLM's and StarCoder2's 2 KV heads, ...)."""
@@ -313,6 +314,11 @@ def test_new_families_fill_missing_fields_as_transformers(arch):
         tuple(eos), theirs.bos_token_id)
     if arch in ("ArceeForCausalLM", "Jais2ForCausalLM"):   # their configs' squared ReLU, ungated
         assert (cfg.activation, cfg.gated_mlp) == (theirs.hidden_act, False)
+    if arch == "ApertusForCausalLM":   # its default RoPE: Llama 3's, from 8192 positions
+        s, theirs_rope = cfg.rope_scaling, theirs.rope_parameters
+        assert (s.kind, s.factor, s.original_max_position_embeddings, cfg.activation) == (
+            theirs_rope["rope_type"], theirs_rope["factor"], theirs_rope["original_max_position_embeddings"],
+            theirs.hidden_act)
     if arch == "Jais2ForCausalLM":
         assert (cfg.norm, cfg.norm_eps, cfg.qkv_bias, cfg.mlp_bias) == ("layernorm", theirs.layer_norm_eps,
                                                                         theirs.attention_bias, theirs.mlp_bias)

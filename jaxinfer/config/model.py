@@ -61,7 +61,8 @@ class ModelConfig:
     n_kv_heads: int
     head_dim: int
     ffn_dim: int
-    activation: str = "silu"            # silu | gelu (erf) | gelu_tanh | relu | relu2 (squared ReLU)
+    activation: str = "silu"            # silu | gelu (erf) | gelu_tanh | relu | relu2 (squared ReLU) | xielu
+                                        # (Apertus: xIELU, two learned scalars per layer, ungated MLPs only)
     gated_mlp: bool = True              # act(x W_gate) * (x W_up) -> W_down; else act(x W_fc) -> W_proj
     norm: str = "rmsnorm"               # rmsnorm | gemma_rmsnorm (scale 1 + w) | olmo_rmsnorm (w times the
                                         # normed float32 value, cast after) | layernorm | layernorm_nobias (Cohere)
@@ -191,7 +192,8 @@ class ModelConfig:
             "n_layers": self.n_layers > 0, "n_heads": self.n_heads > 0,
             "n_kv_heads": self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0,
             "head_dim": self.head_dim > 0, "ffn_dim": self.ffn_dim > 0,
-            "activation": self.activation in ("silu", "gelu", "gelu_tanh", "relu", "relu2"),
+            "activation": self.activation in ("silu", "gelu", "gelu_tanh", "relu", "relu2", "xielu") and not (
+                self.activation == "xielu" and (self.gated_mlp or self.num_experts)),   # Apertus: plain MLPs
             "norm": self.norm in NORMS,
             "parallel_block": not self.parallel_block or (self.pre_norms and not self.post_norms
                                                           and not self.residual_post_norm and not self.num_experts),
@@ -337,7 +339,7 @@ class ModelConfig:
             per_qk = 1 if self.qk_norm_heads else per_norm
             attn += per_qk * hd * ((h + kv) if self.qk_norm_full or self.qk_norm_heads else 2)
         attn += (h if self.attn_sinks else 0) + (d * h * hd if self.attn_out_gate else 0)
-        mlp = (3 if self.gated_mlp else 2) * d * f
+        mlp = (3 if self.gated_mlp else 2) * d * f + (2 if self.activation == "xielu" else 0)
         mlp += ((2 * f if self.gated_mlp else f) + d) if self.mlp_bias else 0
         fe = self.expert_ffn_dim
         expert = 3 * d * fe + ((2 * fe + d) if self.mlp_bias else 0)

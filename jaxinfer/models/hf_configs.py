@@ -34,7 +34,7 @@ _HF_OPTIONAL_POSITIVE = ("attn_logit_softcapping", "final_logit_softcapping", "q
                          "partial_rotary_factor", "swiglu_limit")
 
 # config.json `hidden_act` -> ModelConfig.activation
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "relu2": "relu2",
+_ACTIVATIONS = {"xielu": "xielu", "silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "relu2": "relu2",
                 "gelu_pytorch_tanh": "gelu_tanh",
                 "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 
@@ -383,7 +383,7 @@ def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
         vocab_size=c["vocab_size"], d_model=d, n_layers=c["num_hidden_layers"], n_heads=h,
         n_kv_heads=c.get("num_key_value_heads") or h, head_dim=c.get("head_dim") or d // h,
         ffn_dim=c["intermediate_size"], activation=_activation(c, "hidden_act"),
-        gated_mlp=arch != "ArceeForCausalLM", norm="rmsnorm", norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        gated_mlp=arch not in ("ArceeForCausalLM", "ApertusForCausalLM"), norm="rmsnorm", norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         position="rope", rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=c.get("max_position_embeddings", 2048),
         sliding_window=window, sliding_layers=sliding_layers,
@@ -400,6 +400,21 @@ def _jais2(c: dict[str, Any], arch: str) -> ModelConfig:
     biases (mlp_bias)."""
     cfg = _llama_like({**c, "sliding_window": None}, arch)
     return dataclasses.replace(cfg, norm="layernorm", norm_eps=float(c.get("layer_norm_eps", 1e-5)), gated_mlp=False)
+
+
+_APERTUS_ROPE = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192,
+                 "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+def _apertus(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Apertus (transformers' Apertus): Llama's attention with per-head q / k norms, its norms named
+    attention_layernorm / feedforward_layernorm (hf_maps._block_norms), an ungated MLP of xIELU
+    (two learned scalars per layer), up_proj then down_proj; Llama 3 RoPE by default."""
+    if c.get("hidden_act", "xielu") != "xielu":
+        raise ConfigError(f"field 'hidden_act' = {c['hidden_act']!r}: Apertus checkpoints use xielu")
+    if not c.get("rope_parameters") and not c.get("rope_scaling"):   # ApertusConfig's default
+        c = {**c, "rope_parameters": {**_APERTUS_ROPE, "rope_theta": c.get("rope_theta", 12000000.0)}}
+    return dataclasses.replace(_llama_like({**c, "sliding_window": None}, arch), qk_norm=True)
 
 
 def _nemotron(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -1358,7 +1373,7 @@ _HF_BUILDERS = {
     "CwmForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
     "ExaoneForCausalLM": _exaone, "InternLM3ForCausalLM": _internlm3, "AfmoeForCausalLM": _afmoe,
-    "PhimoeForCausalLM": _phimoe,
+    "PhimoeForCausalLM": _phimoe, "ApertusForCausalLM": _apertus,
 }
 # model types transformers reads with LlamaForCausalLM (renaming EXAONE's tensors as it loads and
 # back as it saves), whose config.json names that class once re-saved
@@ -1392,7 +1407,8 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
                        "ministral3": "Ministral3ForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
                        "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "afmoe": "AfmoeForCausalLM",
-                       "phimoe": "PhimoeForCausalLM", **_AS_LLAMA,
+                       "phimoe": "PhimoeForCausalLM", "apertus": "ApertusForCausalLM",
+                       **_AS_LLAMA,
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
                        "llava_onevision": "LlavaOnevisionForConditionalGeneration",
@@ -1428,6 +1444,9 @@ _HF_DEFAULTS = {
                           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                           "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
                           "bos_token_id": 1, "eos_token_id": 361},
+    "ApertusForCausalLM": {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336,
+                           "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 65536,
+                           "rms_norm_eps": 1e-5, "hidden_act": "xielu", "bos_token_id": 1, "eos_token_id": 2},
     "PhimoeForCausalLM": {"vocab_size": 32064, "hidden_size": 4096, "intermediate_size": 6400, "num_hidden_layers": 32,
                           "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
                           "rms_norm_eps": 1e-5, "num_experts_per_tok": 2, "router_jitter_noise": 0.01, "rope_theta": 1e6,

@@ -74,6 +74,8 @@ def _block_norms(cfg: ModelConfig) -> dict[str, str]:
         mlp = "mlp" if cfg.architecture == "AfmoeForCausalLM" else "feedforward"
         return {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
                 "mlp_norm": f"pre_{mlp}_layernorm", "mlp_post_norm": f"post_{mlp}_layernorm"}
+    if cfg.architecture == "ApertusForCausalLM":
+        return {"attn_norm": "attention_layernorm", "mlp_norm": "feedforward_layernorm"}
     if cfg.architecture == "VaultGemmaForCausalLM":   # Gemma 2's names, without its post-norms
         return {"attn_norm": "input_layernorm", "mlp_norm": "pre_feedforward_layernorm"}
     return {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
@@ -92,7 +94,8 @@ def head_order(cfg: ModelConfig) -> np.ndarray:
 # the ungated MLPs' tensors on Llama's block: StarCoder2's c_fc / c_proj, Arcee's and Jais 2's up_proj / down_proj
 _UNGATED_MLP = {"ArceeForCausalLM": (("up", "up_proj"), ("down", "down_proj")),
                 "NemotronForCausalLM": (("up", "up_proj"), ("down", "down_proj")),
-                "Jais2ForCausalLM": (("up", "up_proj"), ("down", "down_proj"))}
+                "Jais2ForCausalLM": (("up", "up_proj"), ("down", "down_proj")),
+                "ApertusForCausalLM": (("up", "up_proj"), ("down", "down_proj"))}
 
 
 def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -> WeightMap:
@@ -154,6 +157,9 @@ def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -
             m[f"{o}/mlp/{ours}"] = ((f"{p}.mlp.{theirs}.weight",), _t)
             if cfg.mlp_bias:
                 m[f"{o}/mlp/{ours}_bias"] = ((f"{p}.mlp.{theirs}.bias",), _ident)
+        if cfg.activation == "xielu":   # Apertus: [alpha_p, alpha_n], [1] each
+            m[f"{o}/mlp/xielu"] = ((f"{p}.mlp.act_fn.alpha_p", f"{p}.mlp.act_fn.alpha_n"),
+                                   lambda a, b: np.concatenate([a.reshape(-1), b.reshape(-1)]))
     _norm(m, "final_norm", "model.norm", layernorm)
     if not cfg.tie_embeddings:
         m["lm_head"] = (("lm_head.weight",), _t)
@@ -447,7 +453,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Ministral3ForCausalLM": _llama_map, "HunYuanDenseV1ForCausalLM": _hunyuan_map,
          "HunYuanMoEV1ForCausalLM": _hunyuan_map, "InternLM3ForCausalLM": _llama_map,
          "ExaoneForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _EXAONE_NAMES), "AfmoeForCausalLM": _llama_map,
-         "PhimoeForCausalLM": _llama_map}
+         "PhimoeForCausalLM": _llama_map, "ApertusForCausalLM": _llama_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM")
