@@ -285,7 +285,7 @@ def test_num_params_match_transformers():
                                   "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
                                   "falcon-sequential", "glm4moelite", "minimax-m2", "ministral", "dots1",
                                   "solar-open", "exaone-moe", "cwm", "granite-swa",
-                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3", "afmoe", "phimoe", "apertus"])
+                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3", "afmoe", "phimoe", "apertus", "gptj"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     # the sigmoid router's choice correction: a buffer in DeepSeek-V3's and GLM-4.5's classes, which
@@ -322,6 +322,21 @@ def test_new_families_fill_missing_fields_as_transformers(arch):
     if arch == "Jais2ForCausalLM":
         assert (cfg.norm, cfg.norm_eps, cfg.qkv_bias, cfg.mlp_bias) == ("layernorm", theirs.layer_norm_eps,
                                                                         theirs.attention_bias, theirs.mlp_bias)
+
+
+def test_gptj_6b_published_config():
+    """EleutherAI's GPT-J-6B config.json: transformers' parameter count of it (built on the meta
+    device), 64 of each head's 256 features rotated, the tanh GELU, 4 x n_embd MLP (n_inner null)."""
+    import transformers as tf
+    published = {"activation_function": "gelu_new", "architectures": ["GPTJForCausalLM"], "bos_token_id": 50256,
+                 "eos_token_id": 50256, "layer_norm_epsilon": 1e-05, "model_type": "gptj", "n_embd": 4096,
+                 "n_head": 16, "n_inner": None, "n_layer": 28, "n_positions": 2048, "rotary": True, "rotary_dim": 64,
+                 "tie_word_embeddings": False, "vocab_size": 50400}
+    cfg = model_config_from_hf(published)
+    with torch.device("meta"):
+        theirs = tf.GPTJForCausalLM(tf.GPTJConfig(**{k: v for k, v in published.items() if k != "architectures"}))
+    assert cfg.num_params() == sum(p.numel() for p in theirs.parameters())
+    assert (cfg.rotary_dim, cfg.head_dim, cfg.ffn_dim, cfg.activation) == (64, 256, 16384, "gelu_tanh")
 
 
 def test_afmoe_defaults_as_transformers_fill_them():

@@ -57,6 +57,7 @@ _FAMILY_PROJECTIONS = {
     "Starcoder2ForCausalLM": {**_QKV, "attn.o_proj": ("o", 0), "mlp.c_fc": ("up", 0), "mlp.c_proj": ("down", 0)},
     "ArceeForCausalLM": _UNGATED_UP, "Jais2ForCausalLM": _UNGATED_UP, "NemotronForCausalLM": _UNGATED_UP,
     "ApertusForCausalLM": _UNGATED_UP,
+    "GPTJForCausalLM": {**_QKV, "attn.out_proj": ("o", 0), "mlp.fc_in": ("up", 0), "mlp.fc_out": ("down", 0)},
     "GPTNeoXForCausalLM": _FUSED_QKV, "BloomForCausalLM": _FUSED_QKV, "FalconForCausalLM": _FUSED_QKV,
     "GPT2LMHeadModel": {"attn.c_attn": ("qkv", "rows"), "attn.c_proj": ("o", 0), "mlp.c_fc": ("up", 0),
                         "mlp.c_proj": ("down", 0)},

@@ -1265,6 +1265,25 @@ def _phi(c: dict[str, Any], arch: str) -> ModelConfig:
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 
 
+def _gptj(c: dict[str, Any], arch: str) -> ModelConfig:
+    """GPT-J (transformers' GPTJ; EleutherAI's GPT-J-6B and its fine-tunes): one LayerNorm per block
+    feeding attention and an ungated MLP side by side, (attn + mlp) + x; unbiased q / k / v / o, biased
+    fc_in / fc_out and LM head; the first rotary_dim features of each head rotated in pairs
+    (hf_maps._PAIRED_ROPE; all of them where rotary_dim is null), at base 10 000."""
+    d, h = c["n_embd"], c["n_head"]
+    if d % h:
+        raise ConfigError(f"n_embd {d} is not a multiple of n_head {h}")
+    rotary = c.get("rotary_dim")
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c["n_layer"], n_heads=h, n_kv_heads=h, head_dim=d // h,
+        ffn_dim=c.get("n_inner") or 4 * d, activation=_activation(c, "activation_function", default="gelu_new"),
+        gated_mlp=False, norm="layernorm", norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), position="rope",
+        rotary_dim=None if rotary in (None, d // h) else rotary, max_position_embeddings=c.get("n_positions", 2048),
+        mlp_bias=True, parallel_block=True, parallel_sum_first=True, lm_head_bias=True,
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
 def _stablelm(c: dict[str, Any], arch: str) -> ModelConfig:
     """StableLM (3B-4E1T, Zephyr 3B, StableLM 2 1.6B / 12B): Llama's names and gated SiLU MLP with
     LayerNorms (biases), partial rotary (partial_rotary_factor, default 0.25), q / k / v biases where
@@ -1373,7 +1392,7 @@ _HF_BUILDERS = {
     "CwmForCausalLM": _ministral, "Ministral3ForCausalLM": _ministral3,
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
     "ExaoneForCausalLM": _exaone, "InternLM3ForCausalLM": _internlm3, "AfmoeForCausalLM": _afmoe,
-    "PhimoeForCausalLM": _phimoe, "ApertusForCausalLM": _apertus,
+    "PhimoeForCausalLM": _phimoe, "ApertusForCausalLM": _apertus, "GPTJForCausalLM": _gptj,
 }
 # model types transformers reads with LlamaForCausalLM (renaming EXAONE's tensors as it loads and
 # back as it saves), whose config.json names that class once re-saved
@@ -1407,7 +1426,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
                        "ministral3": "Ministral3ForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
                        "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "afmoe": "AfmoeForCausalLM",
-                       "phimoe": "PhimoeForCausalLM", "apertus": "ApertusForCausalLM",
+                       "phimoe": "PhimoeForCausalLM", "apertus": "ApertusForCausalLM", "gptj": "GPTJForCausalLM",
                        **_AS_LLAMA,
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
@@ -1444,6 +1463,8 @@ _HF_DEFAULTS = {
                           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                           "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
                           "bos_token_id": 1, "eos_token_id": 361},
+    "GPTJForCausalLM": {"vocab_size": 50400, "n_positions": 2048, "n_embd": 4096, "n_layer": 28, "n_head": 16,
+                        "rotary_dim": 64, "bos_token_id": 50256, "eos_token_id": 50256},
     "ApertusForCausalLM": {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336,
                            "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 65536,
                            "rms_norm_eps": 1e-5, "hidden_act": "xielu", "bos_token_id": 1, "eos_token_id": 2},

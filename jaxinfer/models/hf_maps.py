@@ -395,6 +395,11 @@ def _hunyuan_map(cfg: ModelConfig) -> WeightMap:
                                       (".self_attn.k_norm.", ".self_attn.key_layernorm.")))
 
 
+# GPT-J's names of _llama_map's parallel block (one ln_1; the ungated MLP's c_fc / c_proj)
+_GPTJ_NAMES = (("model.embed_tokens.", "transformer.wte."), ("model.layers.", "transformer.h."),
+               ("model.norm.", "transformer.ln_f."), (".input_layernorm.", ".ln_1."),
+               (".self_attn.o_proj.", ".attn.out_proj."), (".self_attn.", ".attn."), (".mlp.c_fc.", ".mlp.fc_in."),
+               (".mlp.c_proj.", ".mlp.fc_out."))
 # EXAONE 3.0 / 3.5's names of Llama's tensors (transformers' conversion_mapping reads them as these)
 _EXAONE_NAMES = (("model.embed_tokens.", "transformer.wte."), ("model.layers.", "transformer.h."),
                  ("model.norm.", "transformer.ln_f."), (".self_attn.o_proj.", ".attn.attention.out_proj."),
@@ -453,10 +458,11 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Ministral3ForCausalLM": _llama_map, "HunYuanDenseV1ForCausalLM": _hunyuan_map,
          "HunYuanMoEV1ForCausalLM": _hunyuan_map, "InternLM3ForCausalLM": _llama_map,
          "ExaoneForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _EXAONE_NAMES), "AfmoeForCausalLM": _llama_map,
-         "PhimoeForCausalLM": _llama_map, "ApertusForCausalLM": _llama_map}
+         "PhimoeForCausalLM": _llama_map, "ApertusForCausalLM": _llama_map,
+         "GPTJForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _GPTJ_NAMES)}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
-                "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM")
+                "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM")
 # Checkpoints saved from the bare model class (GPT2Model, BloomModel; an embedding model's Transformer,
 # e.g. Qwen3Model) lack these prefixes.
 OPTIONAL_PREFIXES = ("transformer.", "model.", "gpt_neox.")
