@@ -55,7 +55,8 @@ def xielu(x: jax.Array, alpha: jax.Array) -> jax.Array:
     return jnp.where(x > 0, a_p * x * x + beta * x, neg)
 
 
-NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias", "layernorm1p")
+NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias", "layernorm1p",
+              "layernorm_noparam")
 
 
 class Norm(nnx.Module):
@@ -72,7 +73,8 @@ class Norm(nnx.Module):
         self.kind, self.eps = kind, eps
         shape, axes = ((dim,), (axis,)) if heads is None else ((heads[0], dim), (heads[1], axis))
         one_plus = kind in ("gemma_rmsnorm", "layernorm1p")   # (the stored w of a 1 + w scale)
-        self.scale = param(shape, axes, dtype, rngs, init="zeros" if one_plus else "ones")
+        self.scale = (None if kind == "layernorm_noparam" else   # OLMo 1's LayerNorm has no parameters
+                      param(shape, axes, dtype, rngs, init="zeros" if one_plus else "ones"))
         self.bias = param(shape, axes, dtype, rngs, init="zeros") if kind in ("layernorm", "layernorm1p") else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -90,6 +92,8 @@ class Norm(nnx.Module):
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        if self.scale is None:
+            return y.astype(x.dtype)
         scale = self.scale.get_value().astype(jnp.float32)
         y = y * (1.0 + scale if self.kind == "layernorm1p" else scale)   # Nemotron's LayerNorm1P: 1 + w
         return (y if self.bias is None else y + self.bias.get_value().astype(jnp.float32)).astype(x.dtype)

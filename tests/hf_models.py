@@ -166,6 +166,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                             head_dim=16, num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=6,
                             num_experts=6, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32,
                             route_scale=2.5, mup_enabled=True, tie_word_embeddings=False)),
+    # OLMo 1: parameter-free LayerNorms, q / k / v clamped (at a bound the projections cross), biases
+    "olmo": ("olmo", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2,
+                          clip_qkv=0.12, attention_bias=True, tie_word_embeddings=True)),
     # GPT-J: a parallel block on one LayerNorm, a quarter of each head rotated in pairs, the LM head's bias
     "gptj": ("gptj", dict(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=4,
                           n_inner=112)),
@@ -460,7 +463,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "hunyuan_v1_dense": (tf.HunYuanDenseV1Config, tf.HunYuanDenseV1ForCausalLM),
            "hunyuan_v1_moe": (tf.HunYuanMoEV1Config, tf.HunYuanMoEV1ForCausalLM),
            "afmoe": (tf.AfmoeConfig, tf.AfmoeForCausalLM), "apertus": (tf.ApertusConfig, tf.ApertusForCausalLM),
-           "gptj": (tf.GPTJConfig, tf.GPTJForCausalLM), "phimoe": (tf.PhimoeConfig, tf.PhimoeForCausalLM),
+           "gptj": (tf.GPTJConfig, tf.GPTJForCausalLM), "olmo": (tf.OlmoConfig, tf.OlmoForCausalLM), "phimoe": (tf.PhimoeConfig, tf.PhimoeForCausalLM),
            "exaone": (tf.ExaoneConfig, tf.LlamaForCausalLM), "internlm3": (tf.InternLM3Config, tf.LlamaForCausalLM)}[family]
     torch.manual_seed(seed)
     # eager attention: the published computation on every transformers version (5.17's default for

@@ -46,7 +46,8 @@ class RopeScaling:
 _FLOATS = ("norm_eps", "rope_theta", "embed_scale", "swiglu_alpha", "residual_scale", "logits_scaling",
            "moe_routed_scale", "moe_router_jitter")
 # the norm kinds (layers.NORM_KINDS, which this jax-free module cannot import)
-NORMS = ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias", "layernorm1p")
+NORMS = ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias", "layernorm1p",
+         "layernorm_noparam")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +68,7 @@ class ModelConfig:
     norm: str = "rmsnorm"               # rmsnorm | gemma_rmsnorm (scale 1 + w) | olmo_rmsnorm (w times the
                                         # normed float32 value, cast after) | layernorm | layernorm_nobias (Cohere)
                                         # | layernorm1p (Nemotron: scale 1 + w, with bias)
+                                        # | layernorm_noparam (OLMo 1: no weight, no bias)
     norm_eps: float = 1e-6
     position: str = "rope"              # rope | alibi | learned | sinusoidal
     rope_theta: float = 10000.0
@@ -102,6 +104,8 @@ class ModelConfig:
                                         # residual add (Granite's residual_multiplier)
     logits_scaling: float = 1.0         # the LM head's logits divided by it (Granite's logits_scaling)
     attn_sinks: bool = False            # gpt-oss: one learned logit per head in every softmax's denominator
+    clip_qkv: float | None = None       # OLMo 1: q, k and v clamped to [-clip_qkv, clip_qkv] after their
+                                        # projections (and q / k norms)
     attn_out_gate: bool = False         # AFMoE: the heads' outputs times sigmoid(x W_gate), W_gate [d, heads,
                                         # head_dim], before the output projection
     query_log_scale: tuple[float, int] | None = None   # Ministral 3 (transformers' llama_4_scaling_beta):
@@ -175,7 +179,7 @@ class ModelConfig:
                 "moe_shared_ffn_dim", "mla_kv_rank", "mla_q_rank", "mla_nope_dim", "mla_rope_dim", "mla_v_dim")
         optional = {"sliding_window": _is_int, "rotary_dim": _is_int, "rope_local_theta": _is_number,
                     "attn_scale": _is_number, "attn_softcap": _is_number, "final_softcap": _is_number,
-                    "moe_ffn_dim": _is_int, "swiglu_limit": _is_number}
+                    "moe_ffn_dim": _is_int, "swiglu_limit": _is_number, "clip_qkv": _is_number}
         wrong = [f"{k}={getattr(self, k)!r} must be an integer" for k in ints if not _is_int(getattr(self, k))]
         wrong += [f"{k}={getattr(self, k)!r} must be a number" for k in _FLOATS if not _is_number(getattr(self, k))]
         wrong += [f"{k}={getattr(self, k)!r} must be {'an integer' if ok is _is_int else 'a number'} or null"
@@ -186,7 +190,7 @@ class ModelConfig:
             raise ConfigError(f"invalid ModelConfig: max_position_embeddings={self.max_position_embeddings} is "
                               f"beyond the {MAX_POSITIONS} positions jaxinfer supports")
         positive = ("sliding_window", "rope_local_theta", "attn_scale", "attn_softcap", "final_softcap",
-                    "moe_ffn_dim", "swiglu_limit")
+                    "moe_ffn_dim", "swiglu_limit", "clip_qkv")
         checks = {
             "vocab_size": self.vocab_size > 0, "d_model": self.d_model > 0,
             "n_layers": self.n_layers > 0, "n_heads": self.n_heads > 0,
@@ -325,7 +329,7 @@ class ModelConfig:
         (one expert of one MoE layer), "experts" (every expert of every MoE layer), "moe_layers",
         "total". Checked against transformers' models in the tests."""
         d, f, h, kv, hd = self.d_model, self.ffn_dim, self.n_heads, self.n_kv_heads, self.head_dim
-        per_norm = 2 if self.norm in ("layernorm", "layernorm1p") else 1
+        per_norm = {"layernorm": 2, "layernorm1p": 2, "layernorm_noparam": 0}.get(self.norm, 1)
         norm_p = per_norm * d
         attn = d * hd * (h + 2 * kv) + h * hd * d
         attn += (hd * (h + 2 * kv) if self.qkv_bias else 0) + (d if self.out_bias else 0)

@@ -153,6 +153,8 @@ class Attention(nnx.Module):
         q, k, v = self.project_qkv(x, lora)                                                 # (T, H | Hkv, hd)
         if not cfg.qk_norm_after_rope:
             q, k = self.qk_norms(q, k)
+        if cfg.clip_qkv is not None:   # OLMo 1
+            q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
         alibi = None
         if cfg.position == "rope" and self.use_rope is not False:
             qr, kr = self.rope(q, k, positions)

@@ -616,6 +616,13 @@ def _granitemoe(c: dict[str, Any], arch: str) -> ModelConfig:
                                moe_shared_ffn_dim=shared)
 
 
+def _olmo1(c: dict[str, Any], arch: str) -> ModelConfig:
+    """OLMo 1 (transformers' Olmo: OLMo-1B-hf, OLMo-7B-0424-hf): Llama's block with LayerNorms that have
+    no weight or bias (eps 1e-5), q / k / v clamped to clip_qkv where set, biases where attention_bias."""
+    return dataclasses.replace(_llama_like({**c, "sliding_window": None}, arch), norm="layernorm_noparam",
+                               norm_eps=1e-5, clip_qkv=None if c.get("clip_qkv") is None else float(c["clip_qkv"]))
+
+
 def _olmoe(c: dict[str, Any], arch: str) -> ModelConfig:
     """OLMoE (transformers' Olmoe): Llama's pre-norm block with q / k RMSNorms over the whole projection
     (OLMo 2's, Llama's norm), and on every layer a mixture of num_experts experts of intermediate_size,
@@ -1393,6 +1400,7 @@ _HF_BUILDERS = {
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
     "ExaoneForCausalLM": _exaone, "InternLM3ForCausalLM": _internlm3, "AfmoeForCausalLM": _afmoe,
     "PhimoeForCausalLM": _phimoe, "ApertusForCausalLM": _apertus, "GPTJForCausalLM": _gptj,
+    "OlmoForCausalLM": _olmo1,
 }
 # model types transformers reads with LlamaForCausalLM (renaming EXAONE's tensors as it loads and
 # back as it saves), whose config.json names that class once re-saved
@@ -1427,6 +1435,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "ministral3": "Ministral3ForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
                        "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "afmoe": "AfmoeForCausalLM",
                        "phimoe": "PhimoeForCausalLM", "apertus": "ApertusForCausalLM", "gptj": "GPTJForCausalLM",
+                       "olmo": "OlmoForCausalLM",
                        **_AS_LLAMA,
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
@@ -1463,6 +1472,8 @@ _HF_DEFAULTS = {
                           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                           "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
                           "bos_token_id": 1, "eos_token_id": 361},
+    "OlmoForCausalLM": {"vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                        "num_attention_heads": 32, "max_position_embeddings": 2048, "eos_token_id": 50279},
     "GPTJForCausalLM": {"vocab_size": 50400, "n_positions": 2048, "n_embd": 4096, "n_layer": 28, "n_head": 16,
                         "rotary_dim": 64, "bos_token_id": 50256, "eos_token_id": 50256},
     "ApertusForCausalLM": {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336,

@@ -53,7 +53,10 @@ def _stack_t(*ws: np.ndarray) -> np.ndarray:
     return np.stack([w.T for w in ws])
 
 
-def _norm(m: WeightMap, ours: str, hf: str, layernorm: bool) -> None:
+def _norm(m: WeightMap, ours: str, hf: str, layernorm: bool | None) -> None:
+    """A norm's weight (and bias where `layernorm`; None: OLMo 1's norm, with neither)."""
+    if layernorm is None:
+        return
     m[f"{ours}/scale"] = ((f"{hf}.weight",), _ident)
     if layernorm:
         m[f"{ours}/bias"] = ((f"{hf}.bias",), _ident)
@@ -107,7 +110,8 @@ def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -
     Cohere / Cohere2 (one input_layernorm per block, q and k de-interleaved)."""
     h, kv, hd, d, f = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.ffn_dim
     m: WeightMap = {"embed": (("model.embed_tokens.weight",), _ident)}
-    norms, layernorm, order = _block_norms(cfg), cfg.norm in ("layernorm", "layernorm1p"), head_order(cfg)
+    layernorm = None if cfg.norm == "layernorm_noparam" else cfg.norm in ("layernorm", "layernorm1p")
+    norms, order = _block_norms(cfg), head_order(cfg)
     rows = {"q": (0, h * hd), "k": (h * hd, (h + kv) * hd), "v": ((h + kv) * hd, (h + 2 * kv) * hd)}
     for i in range(cfg.n_layers):
         p, o = f"model.layers.{i}", f"layers/{i}"
@@ -459,7 +463,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "HunYuanMoEV1ForCausalLM": _hunyuan_map, "InternLM3ForCausalLM": _llama_map,
          "ExaoneForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _EXAONE_NAMES), "AfmoeForCausalLM": _llama_map,
          "PhimoeForCausalLM": _llama_map, "ApertusForCausalLM": _llama_map,
-         "GPTJForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _GPTJ_NAMES)}
+         "GPTJForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _GPTJ_NAMES), "OlmoForCausalLM": _llama_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM")
