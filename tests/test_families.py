@@ -324,6 +324,57 @@ def test_new_families_fill_missing_fields_as_transformers(arch):
                                                                         theirs.attention_bias, theirs.mlp_bias)
 
 
+def test_internlm2_is_the_llama_it_packs(tmp_path):
+    """InternLM2 / 2.5 (remote code, no transformers class): a transformers Llama (GQA, biased q / k / v /
+    o) written as InternLM2's modeling code names and packs it (tok_embeddings; attention.wqkv's rows
+    per KV head: its query heads, its key, its value, as vLLM's internlm2.py splits them; wo;
+    feed_forward.w1 / w3 / w2; attention_norm / ffn_norm; output) with its config.json (bias, dynamic
+    RoPE within the context) computes the Llama's logits and greedy tokens."""
+    import transformers as tf
+    from safetensors.numpy import save_file
+    h, kv, hd = 4, 2, 16
+    torch.manual_seed(3)
+    hf = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                            num_attention_heads=h, num_key_value_heads=kv, attention_bias=True,
+                                            max_position_embeddings=256, rope_theta=50000.0,
+                                            attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith(".bias") or "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    out = {"model.tok_embeddings.weight": sd["model.embed_tokens.weight"], "model.norm.weight": sd["model.norm.weight"],
+           "output.weight": sd["lm_head.weight"]}
+    for i in range(2):
+        a, p = f"model.layers.{i}.self_attn", f"model.layers.{i}"
+        for suffix in ("weight", "bias"):
+            q, k, v = (sd[f"{a}.{n}_proj.{suffix}"] for n in "qkv")
+            groups = [q.reshape(kv, h // kv, hd, -1), k.reshape(kv, 1, hd, -1), v.reshape(kv, 1, hd, -1)]
+            out[f"{p}.attention.wqkv.{suffix}"] = np.concatenate(groups, axis=1).reshape(-1, *q.shape[1:])
+            out[f"{p}.attention.wo.{suffix}"] = sd[f"{a}.o_proj.{suffix}"]
+        for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+            out[f"{p}.feed_forward.{theirs}.weight"] = sd[f"{p}.mlp.{ours}.weight"]
+        out[f"{p}.attention_norm.weight"] = sd[f"{p}.input_layernorm.weight"]
+        out[f"{p}.ffn_norm.weight"] = sd[f"{p}.post_attention_layernorm.weight"]
+    save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["InternLM2ForCausalLM"], "model_type": "internlm2", "bias": True, "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 96,
+        "max_position_embeddings": 256, "num_attention_heads": h, "num_hidden_layers": 2, "num_key_value_heads": kv,
+        "rms_norm_eps": 1e-6, "rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_theta": 50000,
+        "tie_word_embeddings": False, "vocab_size": 101}))
+    gen = Generator.from_pretrained(str(tmp_path), dtype="float32", max_model_len=64, max_num_batched_tokens=8,
+                                    max_num_seqs=2, num_blocks=9, warmup=False)
+    ids = np.random.RandomState(0).randint(3, 101, 24).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, 24:].tolist()
+    assert np.abs(gen.logits(ids) - ref).max() < 1e-4 * np.abs(ref).max()
+    assert gen.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].token_ids == want
+    assert gen.model_cfg.max_position_embeddings == 256 and gen.model_cfg.rope_scaling is None
+
+
 def test_gptj_6b_published_config():
     """EleutherAI's GPT-J-6B config.json: transformers' parameter count of it (built on the meta
     device), 64 of each head's 256 features rotated, the tanh GELU, 4 x n_embd MLP (n_inner null)."""

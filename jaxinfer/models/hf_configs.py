@@ -508,6 +508,15 @@ def _dynamic_ntk(c: dict[str, Any]) -> dict[str, Any]:
             "max_position_embeddings": min(original, c.get("max_position_embeddings", original))}
 
 
+def _internlm2(c: dict[str, Any], arch: str) -> ModelConfig:
+    """InternLM2 / 2.5 (remote code: InternLM2ForCausalLM): Llama's block with q, k and v fused in
+    attention.wqkv in KV groups (hf_maps._internlm2_map), biases on wqkv and wo where `bias` (its
+    config class's default: true), and "dynamic" RoPE (_dynamic_ntk)."""
+    bias = bool(c.get("bias", True))
+    return dataclasses.replace(_llama_like(_dynamic_ntk({**c, "sliding_window": None}), arch), qkv_bias=bias,
+                               out_bias=bias, mlp_bias=False)
+
+
 _EXAONE_FIELDS = (("num_layers", "num_hidden_layers"), ("layer_norm_epsilon", "rms_norm_eps"),
                   ("activation_function", "hidden_act"))
 
@@ -1400,7 +1409,7 @@ _HF_BUILDERS = {
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
     "ExaoneForCausalLM": _exaone, "InternLM3ForCausalLM": _internlm3, "AfmoeForCausalLM": _afmoe,
     "PhimoeForCausalLM": _phimoe, "ApertusForCausalLM": _apertus, "GPTJForCausalLM": _gptj,
-    "OlmoForCausalLM": _olmo1,
+    "OlmoForCausalLM": _olmo1, "InternLM2ForCausalLM": _internlm2,
 }
 # model types transformers reads with LlamaForCausalLM (renaming EXAONE's tensors as it loads and
 # back as it saves), whose config.json names that class once re-saved
@@ -1435,7 +1444,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "ministral3": "Ministral3ForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
                        "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "afmoe": "AfmoeForCausalLM",
                        "phimoe": "PhimoeForCausalLM", "apertus": "ApertusForCausalLM", "gptj": "GPTJForCausalLM",
-                       "olmo": "OlmoForCausalLM",
+                       "olmo": "OlmoForCausalLM", "internlm2": "InternLM2ForCausalLM",
                        **_AS_LLAMA,
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",

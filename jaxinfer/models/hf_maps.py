@@ -404,6 +404,27 @@ _GPTJ_NAMES = (("model.embed_tokens.", "transformer.wte."), ("model.layers.", "t
                ("model.norm.", "transformer.ln_f."), (".input_layernorm.", ".ln_1."),
                (".self_attn.o_proj.", ".attn.out_proj."), (".self_attn.", ".attn."), (".mlp.c_fc.", ".mlp.fc_in."),
                (".mlp.c_proj.", ".mlp.fc_out."))
+# InternLM2's names of Llama's tensors (its fused wqkv apart: _internlm2_map)
+_INTERNLM2_NAMES = (("model.embed_tokens.", "model.tok_embeddings."), (".self_attn.o_proj.", ".attention.wo."),
+                    (".input_layernorm.", ".attention_norm."), (".post_attention_layernorm.", ".ffn_norm."),
+                    (".mlp.gate_proj.", ".feed_forward.w1."), (".mlp.up_proj.", ".feed_forward.w3."),
+                    (".mlp.down_proj.", ".feed_forward.w2."), ("lm_head.", "output."))
+
+
+def _internlm2_map(cfg: ModelConfig) -> WeightMap:
+    """InternLM2 / 2.5: _llama_map's tensors under its names, q, k and v from attention.wqkv, whose rows
+    come in KV groups (each KV head's query heads, then its key and value: _kv_grouped)."""
+    m = _renamed(_llama_map(cfg), _INTERNLM2_NAMES)
+    for i in range(cfg.n_layers):
+        p, o = f"model.layers.{i}.attention.wqkv", f"layers/{i}/attn"
+        for name in "qkv":
+            w_fn, b_fn = _kv_grouped(cfg, name)
+            m[f"{o}/{name}"] = ((f"{p}.weight",), w_fn)
+            if cfg.qkv_bias:
+                m[f"{o}/{name}_bias"] = ((f"{p}.bias",), b_fn)
+    return m
+
+
 # EXAONE 3.0 / 3.5's names of Llama's tensors (transformers' conversion_mapping reads them as these)
 _EXAONE_NAMES = (("model.embed_tokens.", "transformer.wte."), ("model.layers.", "transformer.h."),
                  ("model.norm.", "transformer.ln_f."), (".self_attn.o_proj.", ".attn.attention.out_proj."),
@@ -463,7 +484,8 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "HunYuanMoEV1ForCausalLM": _hunyuan_map, "InternLM3ForCausalLM": _llama_map,
          "ExaoneForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _EXAONE_NAMES), "AfmoeForCausalLM": _llama_map,
          "PhimoeForCausalLM": _llama_map, "ApertusForCausalLM": _llama_map,
-         "GPTJForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _GPTJ_NAMES), "OlmoForCausalLM": _llama_map}
+         "GPTJForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _GPTJ_NAMES), "OlmoForCausalLM": _llama_map,
+         "InternLM2ForCausalLM": _internlm2_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM")
