@@ -166,6 +166,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                             head_dim=16, num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=6,
                             num_experts=6, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32,
                             route_scale=2.5, mup_enabled=True, tie_word_embeddings=False)),
+    # MiniCPM (remote code): written from transformers' Granite with muP's scales as its multipliers
+    # (_PUBLISHED: scale_emb, scale_depth / sqrt(layers), hidden / dim_model_base), tied
+    "minicpm": ("granite", dict(_COMMON, vocab_size=103, intermediate_size=96, num_hidden_layers=4,
+                                num_key_value_heads=2, embedding_multiplier=12.0, residual_multiplier=1.4 / 2.0,
+                                logits_scaling=64 / 16, attention_multiplier=16 ** -0.5, tie_word_embeddings=True)),
     # OLMo 1: parameter-free LayerNorms, q / k / v clamped (at a bound the projections cross), biases
     "olmo": ("olmo", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2,
                           clip_qkv=0.12, attention_bias=True, tie_word_embeddings=True)),
@@ -510,6 +515,11 @@ _PUBLISHED = {"exaone": ("ExaoneForCausalLM", {"num_hidden_layers": "num_layers"
 
 def published_config(name: str, saved: dict) -> dict:
     """config.json as CONFIGS[name]'s family's uploads spell it (_PUBLISHED), from save_pretrained's."""
+    if name == "minicpm":   # MiniCPM's scales from the Granite multipliers it was written from
+        fields = {k: v for k, v in saved.items() if not k.endswith(("_multiplier", "logits_scaling"))}
+        return {**fields, "architectures": ["MiniCPMForCausalLM"], "model_type": "minicpm",
+                "scale_emb": saved["embedding_multiplier"], "scale_depth": saved["residual_multiplier"] * 2.0,
+                "dim_model_base": saved["hidden_size"] / saved["logits_scaling"]}
     arch, names = _PUBLISHED[CONFIGS[name][0]]
     return {**{names.get(k, k): v for k, v in saved.items()}, "architectures": [arch]}
 
@@ -518,7 +528,7 @@ def save_hf_model(name: str, folder: Path, overrides: dict | None = None) -> str
     import json
 
     build_hf_model(name, overrides=overrides).save_pretrained(folder)
-    if CONFIGS[name][0] in _PUBLISHED:
+    if CONFIGS[name][0] in _PUBLISHED or name == "minicpm":
         path = Path(folder) / "config.json"
         path.write_text(json.dumps(published_config(name, json.loads(path.read_text()))))
     return str(folder)

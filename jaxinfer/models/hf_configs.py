@@ -588,6 +588,23 @@ def _granite(c: dict[str, Any], arch: str) -> ModelConfig:
                                logits_scaling=float(c.get("logits_scaling", 1.0)))
 
 
+def _minicpm(c: dict[str, Any], arch: str) -> ModelConfig:
+    """MiniCPM 1 / 2 / 4 (remote code: MiniCPMForCausalLM): Llama's block with muP's three scales, as
+    Granite's multipliers: the token embeddings times scale_emb, each branch's output times
+    scale_depth / sqrt(num_hidden_layers) before its residual add, the final hidden states divided by
+    hidden_size / dim_model_base before the LM head (here the logits: the same product). Its mixture of
+    experts (num_experts) and MiniCPM4's InfLLM v2 sparse attention (sparse_config) are refused."""
+    if c.get("num_experts"):
+        raise ConfigError(f"MiniCPM-MoE (num_experts={c['num_experts']!r}) is not supported")
+    if c.get("sparse_config"):
+        raise ConfigError("MiniCPM4's sparse attention (config.json sparse_config: InfLLM v2) is not supported; "
+                          "the checkpoint without sparse_config serves its dense attention")
+    cfg = _llama_like({**c, "sliding_window": None}, arch)
+    return dataclasses.replace(cfg, embed_scale=float(c.get("scale_emb", 1.0)),
+                               residual_scale=float(c.get("scale_depth", 1.0)) / math.sqrt(cfg.n_layers),
+                               logits_scaling=c["hidden_size"] / float(c.get("dim_model_base", c["hidden_size"])))
+
+
 def _granite_swa(c: dict[str, Any], arch: str) -> ModelConfig:
     """Granite SWA (transformers' GraniteSWA): Granite's multipliers, a learnable sink logit per head
     (sigmoid(lse - sink) times the output: gpt-oss's sinks), a window on the layers layer_types names
@@ -1409,7 +1426,7 @@ _HF_BUILDERS = {
     "HunYuanDenseV1ForCausalLM": _hunyuan, "HunYuanMoEV1ForCausalLM": _hunyuan_moe,
     "ExaoneForCausalLM": _exaone, "InternLM3ForCausalLM": _internlm3, "AfmoeForCausalLM": _afmoe,
     "PhimoeForCausalLM": _phimoe, "ApertusForCausalLM": _apertus, "GPTJForCausalLM": _gptj,
-    "OlmoForCausalLM": _olmo1, "InternLM2ForCausalLM": _internlm2,
+    "OlmoForCausalLM": _olmo1, "InternLM2ForCausalLM": _internlm2, "MiniCPMForCausalLM": _minicpm,
 }
 # model types transformers reads with LlamaForCausalLM (renaming EXAONE's tensors as it loads and
 # back as it saves), whose config.json names that class once re-saved
@@ -1445,6 +1462,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "afmoe": "AfmoeForCausalLM",
                        "phimoe": "PhimoeForCausalLM", "apertus": "ApertusForCausalLM", "gptj": "GPTJForCausalLM",
                        "olmo": "OlmoForCausalLM", "internlm2": "InternLM2ForCausalLM",
+                       "minicpm": "MiniCPMForCausalLM",
                        **_AS_LLAMA,
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",

@@ -485,7 +485,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "ExaoneForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _EXAONE_NAMES), "AfmoeForCausalLM": _llama_map,
          "PhimoeForCausalLM": _llama_map, "ApertusForCausalLM": _llama_map,
          "GPTJForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _GPTJ_NAMES), "OlmoForCausalLM": _llama_map,
-         "InternLM2ForCausalLM": _internlm2_map}
+         "InternLM2ForCausalLM": _internlm2_map, "MiniCPMForCausalLM": _llama_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM")
