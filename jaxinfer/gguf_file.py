@@ -22,7 +22,8 @@ ones plain, both kept as the raw text the converter wrote; BOS is added as
 Architectures: llama (also Mistral's files, and Mixtral's: llama with experts), qwen2, qwen3,
 qwen3moe (experts stacked per layer: ffn_{gate,up,down}_exps or gate and up fused in
 ffn_gate_up_exps, read expert by expert), gemma (Gemma 1 and CodeGemma: every layer global), arcee (Arcee AFM: Llama's permuted Q/K, the ungated
-squared-ReLU MLP), exaone (EXAONE 3.x: Llama's block, Q/K as stored: NeoX RoPE), gemma2,
+squared-ReLU MLP), exaone (EXAONE 3.x: Llama's block, Q/K as stored: NeoX RoPE), internlm2
+(InternLM2 / 2.5: the converter splits wqkv into Llama's permuted Q/K and V; InternLM3's files are llama), gemma2,
 gemma3 (text; the settings llama.cpp takes from the model size rather than the file: _GEMMA), phi3
 (Phi-3, Phi-3.5, Phi-4, Phi-4-mini: fused q/k/v and gate/up, LongRoPE's factors as tensors, partial
 rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fused, served in
@@ -73,21 +74,21 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "command-r": "CohereForCausalLM",
          "cohere2": "Cohere2ForCausalLM", "phi2": "PhiForCausalLM", "gptneox": "GPTNeoXForCausalLM",
          "stablelm": "StableLmForCausalLM", "starcoder": "GPTBigCodeForCausalLM", "arcee": "ArceeForCausalLM",
-         "exaone": "LlamaForCausalLM"}
+         "exaone": "LlamaForCausalLM", "internlm2": "LlamaForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma": "gemma",
                 "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
                 "granite": "granite", "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2moe": "qwen2_moe",
                 "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3", "glm4": "glm4", "starcoder2": "starcoder2",
                 "command-r": "cohere", "cohere2": "cohere2", "phi2": "phi", "gptneox": "gpt_neox",
-                "stablelm": "stablelm", "starcoder": "gpt_bigcode", "arcee": "arcee", "exaone": "llama"}
+                "stablelm": "stablelm", "starcoder": "gpt_bigcode", "arcee": "arcee", "exaone": "llama", "internlm2": "llama"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
 _PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm")
 # llama.cpp's mixtures with dense leading layers, sigmoid routing with a learned correction
 # (exp_probs_b), groups, a routed scale and shared experts (its build_moe_ffn with those settings)
 _SIGMOID_MOE = ("glm4moe", "deepseek2")
 # the architectures whose Q / K rows llama.cpp's converter stores in its rotary order (LlamaModel.permute)
-_PERMUTED_QK = ("llama", "smollm3", "granite", "arcee")
+_PERMUTED_QK = ("llama", "smollm3", "granite", "arcee", "internlm2")
 # SmolLM3's NoPE layers: every 4th, a constant of llama.cpp's (hparams.n_no_rope_layer_step), in no key
 _SMOLLM3_NO_ROPE_STEP = 4
 # llama.cpp's Gemma: every `swa`-th layer global, the others sliding (hparams.set_swa_pattern), the

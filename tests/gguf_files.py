@@ -19,6 +19,10 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
+# the architectures whose converters store Q / K rows permuted into llama.cpp's rotary layout
+_PERMUTED = ("llama", "smollm3", "granite", "arcee", "internlm2")
+
+
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's rotary layout: each head's rows in (half, pair) order -> (pair, half) order."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -318,7 +322,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
                rope_freqs: np.ndarray | None = None, space_prefix: bool | None = None,
                mxfp4: dict | None = None, name: str | None = None, fuse_gate_up: bool = False,
                attn_factor: float | None = None, extra: dict | None = None, nextn: int = 0,
-               split_kv_b: bool = True, fuse_qkv: bool = False) -> Path:
+               split_kv_b: bool = True, fuse_qkv: bool = False, arch: str | None = None) -> Path:
     """`model` (a transformers Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / Gemma 2 / Gemma 3
     / Phi-3 / gpt-oss causal LM) as a GGUF at `path` (experts stacked per layer, Gemma's norms as 1 + w,
     as llama.cpp's converter writes them).
@@ -331,11 +335,13 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
     nextn: next-token-prediction blocks appended (GLM-4.5's); split_kv_b: DeepSeek's kv_b_proj as
     attn_k_b / attn_v_b with the latent form's metadata (today's converter), else an older converter's
     file (one attn_kv_b, the heads' widths as key_length / value_length); fuse_qkv: q / k / v in one
-    attn_qkv as [q | k | v] rows (a Phi-2 file converted from its remote-code checkpoint's mixer.Wqkv)."""
+    attn_qkv as [q | k | v] rows (a Phi-2 file converted from its remote-code checkpoint's mixer.Wqkv);
+    arch: llama.cpp's architecture other than the model type's (a Llama written as internlm2: what
+    InternLM2Model writes, wqkv split into permuted Q / K and V)."""
     import gguf
 
     cfg = model.config
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
+    arch = arch or {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
             "qwen3_moe": "qwen3moe", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
             "gpt_oss": "gpt-oss", "smollm3": "smollm3", "granite": "granite",
             "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe",
@@ -377,9 +383,9 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
         x = t.float().numpy()
         if gemma and hf_name.endswith("norm.weight"):   # llama.cpp's Gemma norms are 1 + w
             x = x + 1.0
-        if arch in ("llama", "smollm3", "granite", "arcee") and hf_name.endswith("q_proj.weight"):   # LlamaModel's kin
+        if arch in _PERMUTED and hf_name.endswith("q_proj.weight"):   # LlamaModel's kin
             x = _permute(x, cfg.num_attention_heads)
-        elif arch in ("llama", "smollm3", "granite", "arcee") and hf_name.endswith("k_proj.weight"):
+        elif arch in _PERMUTED and hf_name.endswith("k_proj.weight"):
             x = _permute(x, cfg.num_key_value_heads)
         qtype = next((q for k, q in (qtypes or {}).items() if k in hf_name), "F32")
         if arch == "gpt-oss" and ".mlp.experts." in hf_name:

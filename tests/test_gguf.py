@@ -22,7 +22,7 @@ from jaxinfer import Generator, SamplingParams
 from jaxinfer.errors import CheckpointError
 from jaxinfer.hub import ModelSpecError, resolve_model_path
 from tests import prequant_models as pm
-from tests.gguf_files import CONTROL, byte_level_vocab, sentencepiece_vocab, write_gguf
+from tests.gguf_files import _PERMUTED, CONTROL, byte_level_vocab, sentencepiece_vocab, write_gguf
 from tests.hf_models import TEXT_WORDS, build_hf_model, save_text_model
 from tests.precision import assert_rel_close, dot_chain_rtol
 
@@ -482,6 +482,20 @@ def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path
             _gen(bad)
 
 
+def test_internlm2_is_the_original_model(tmp_path):
+    """InternLM2 / 2.5 (internlm2: InternLM2Model splits attention.wqkv into Q, K and V and permutes Q
+    and K as LlamaModel does, so a file is a Llama's under another name): a Llama written as that
+    converter writes it computes what the Llama computes."""
+    text = save_text_model(tmp_path / "spm")
+    vocab = sentencepiece_vocab(text / "tokenizer.model")
+    hf = build_hf_model("llama-gqa-llama3", overrides={"vocab_size": 400, "rope_scaling": None})
+    ids = np.random.RandomState(9).randint(3, 400, 24).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    gen = _gen(write_gguf(hf, tmp_path / "internlm2.gguf", vocab, arch="internlm2"))
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+
+
 @pytest.mark.parametrize("name,overrides", [
     ("phi", {"intermediate_size": 256}), ("gpt-neox", {"hidden_act": "gelu_new"}),
     ("gpt-neox-sequential", {"rotary_emb_base": 10000, "hidden_act": "gelu_new", "tie_word_embeddings": False}),
@@ -756,7 +770,7 @@ def _dequantized_copy(hf, path):
             gemma_norm = hf.config.model_type.startswith("gemma") and hf_name.endswith("norm.weight")
             if head is not None:
                 x = x[head]
-            if arch in ("llama", "smollm3", "granite", "arcee") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            if arch in _PERMUTED and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 n = hf.config.num_attention_heads if ".q_proj." in hf_name else hf.config.num_key_value_heads
                 x = np.ascontiguousarray(x.reshape(n, -1, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape))   # unpermute
             if arch == "gptneox" and ".query_key_value." in hf_name:   # [q | k | v] rows -> per head
