@@ -76,7 +76,7 @@ LORA_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
                  "Ernie4_5ForCausalLM", "StableLmForCausalLM", "GraniteMoeForCausalLM", "OlmoeForCausalLM",
                  "Ministral3ForCausalLM", "HunYuanDenseV1ForCausalLM", "HeliumForCausalLM",
                  "MinistralForCausalLM", "GraniteSWAForCausalLM", "InternLM3ForCausalLM", "OlmoForCausalLM",
-                 "MiniCPMForCausalLM",
+                 "MiniCPMForCausalLM", "PhimoeForCausalLM", "AfmoeForCausalLM",
                  *_FAMILY_PROJECTIONS)
 # PeftModel.save_pretrained writes base_model.model.<module>; an adapter saved from a transformers
 # model (its PEFT integration: model.add_adapter, then save_pretrained) the module names alone
