@@ -390,6 +390,35 @@ def test_gptj_6b_published_config():
     assert (cfg.rotary_dim, cfg.head_dim, cfg.ffn_dim, cfg.activation) == (64, 256, 16384, "gelu_tanh")
 
 
+def test_phi35_moe_published_config():
+    """Phi-3.5-MoE-instruct's config.json (its modeling code's class name PhiMoEForCausalLM, the legacy
+    rope_scaling with short / long mscale) as transformers' Phimoe reads it: LongRoPE over 4096
+    original positions served to 131 072 (the long factors, long_mscale), sparsemixer's margin,
+    16 experts of 6400, biases on attention and the LM head, transformers' parameter count."""
+    import transformers as tf
+    short, long = [1.0 + 0.01 * i for i in range(64)], [1.5 + 0.2 * i for i in range(64)]
+    published = {"architectures": ["PhiMoEForCausalLM"], "attention_bias": True, "bos_token_id": 1, "eos_token_id": 32000,
+                 "hidden_act": "silu", "hidden_size": 4096, "input_jitter_noise": 0.01, "intermediate_size": 6400,
+                 "lm_head_bias": True, "max_position_embeddings": 131072, "model_type": "phimoe",
+                 "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+                 "num_key_value_heads": 8, "num_local_experts": 16, "original_max_position_embeddings": 4096,
+                 "rms_norm_eps": 1e-05, "rope_scaling": {"long_factor": long, "long_mscale": 1.243163121016122,
+                                                         "original_max_position_embeddings": 4096, "short_factor": short,
+                                                         "short_mscale": 1.243163121016122, "type": "longrope"},
+                 "rope_theta": 10000.0, "router_jitter_noise": 0.01, "sliding_window": 131072,
+                 "tie_word_embeddings": False, "vocab_size": 32064}
+    cfg = model_config_from_hf(published)
+    s = cfg.rope_scaling
+    assert (cfg.architecture, s.kind, s.use_long_factor, s.long_factor, s.attention_factor) == (
+        "PhimoeForCausalLM", "longrope", True, tuple(long), 1.243163121016122)
+    assert (cfg.moe_routing, cfg.moe_router_jitter, cfg.num_experts, cfg.expert_ffn_dim, cfg.norm) == (
+        "sparsemixer", 0.01, 16, 6400, "layernorm")
+    assert cfg.qkv_bias and cfg.out_bias and cfg.lm_head_bias
+    with torch.device("meta"):
+        theirs = tf.PhimoeForCausalLM(tf.PhimoeConfig(**{k: v for k, v in published.items() if k != "architectures"}))
+    assert cfg.num_params() == sum(p.numel() for p in theirs.parameters())
+
+
 def test_afmoe_defaults_as_transformers_fill_them():
     """A Trinity config.json that names only the sizes: AfmoeConfig's defaults (its layer_types from
     global_attn_every_n_layers, one dense layer, 64 experts of 1408 with 6 chosen and 2 shared, the

@@ -73,7 +73,7 @@ def _wrapper(config: dict[str, Any]) -> str:
     model_type = config.get("model_type", "")
     if archs[:1] == ["LlamaForCausalLM"] and model_type in _AS_LLAMA:
         return _AS_LLAMA[model_type]
-    return archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type, "")
+    return _ALIASES.get(archs[0], archs[0]) if archs else _ARCH_BY_MODEL_TYPE.get(model_type, "")
 
 
 def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
@@ -1431,6 +1431,8 @@ _HF_BUILDERS = {
 # model types transformers reads with LlamaForCausalLM (renaming EXAONE's tensors as it loads and
 # back as it saves), whose config.json names that class once re-saved
 _AS_LLAMA = {"exaone": "ExaoneForCausalLM", "internlm3": "InternLM3ForCausalLM"}
+# the names uploads' modeling code gives a class transformers spells otherwise (Phi-3.5-MoE's)
+_ALIASES = {"PhiMoEForCausalLM": "PhimoeForCausalLM"}
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
