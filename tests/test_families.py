@@ -867,3 +867,12 @@ def test_hunyuan_moe_router_stays_float32(hf_model_dir):
     ours = load_model(folder, "bfloat16")[0].layers[0]
     assert ours.attn.q.get_value().dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(ours.mlp.router.get_value()), theirs.mlp.gate.wg.weight.detach().numpy().T)
+
+
+@pytest.mark.parametrize("arch, hint", [("OLMoForCausalLM", "OlmoForCausalLM"), ("Phi3SmallForCausalLM", "block-sparse"),
+                                        ("NoSuchForCausalLM", "supported: ")])
+def test_unsupported_architecture_named(arch, hint):
+    """An architecture no builder reads: one ConfigError naming it (and, for a format close to a supported
+    one, what to load instead)."""
+    with pytest.raises(ConfigError, match=f"unsupported architecture '{arch}'.*{hint}"):
+        model_config_from_hf({"architectures": [arch], "hidden_size": 64})

@@ -1617,4 +1617,5 @@ _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOss
 # architectures close to a supported one, refused with a pointer to what is supported
 _NOT_SUPPORTED = {
     "Phi3SmallForCausalLM": " (Phi-3-small: block-sparse attention and its own MLP, not Phi3ForCausalLM's)",
+    "OLMoForCausalLM": " (OLMo 1's hf_olmo remote-code format: load its -hf upload, OlmoForCausalLM)",
 }
