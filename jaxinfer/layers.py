@@ -39,20 +39,14 @@ ACTIVATIONS = {
     "relu": jax.nn.relu,
     "relu2": lambda x: jnp.square(jax.nn.relu(x)),   # Nemotron's, Arcee's squared ReLU
 }
-# xIELU's constants (transformers' XIELUActivation defaults; buffers its checkpoints carry unchanged)
-XIELU_BETA, XIELU_EPS = 0.5, -1e-6
-
-
-def xielu(x: jax.Array, alpha: jax.Array) -> jax.Array:
-    """xIELU (Apertus; arXiv 2411.13010) with the learned alpha = [alpha_p, alpha_n] before their
-    softplus: a_p x^2 + b x for x > 0, else (expm1(min(x, eps)) - x) a_n + b x, where a_p =
-    softplus(alpha_p), a_n = b + softplus(alpha_n), b = XIELU_BETA, eps = XIELU_EPS; in x's dtype, as
-    transformers' Python form."""
-    a_p = jax.nn.softplus(alpha[0]).astype(x.dtype)
-    a_n = (XIELU_BETA + jax.nn.softplus(alpha[1])).astype(x.dtype)
-    beta = jnp.asarray(XIELU_BETA, x.dtype)
-    neg = (jnp.expm1(jnp.minimum(x, jnp.asarray(XIELU_EPS, x.dtype))) - x) * a_n + beta * x
-    return jnp.where(x > 0, a_p * x * x + beta * x, neg)
+def xielu(x: jax.Array, p: jax.Array) -> jax.Array:
+    """xIELU (Apertus; arXiv 2411.13010) of p = [alpha_p, alpha_n, beta, eps] (the learned alphas before
+    their softplus, and the checkpoint's beta / eps buffers): a_p x^2 + beta x for x > 0, else
+    (expm1(min(x, eps)) - x) a_n + beta x, with a_p = softplus(alpha_p), a_n = beta + softplus(alpha_n);
+    in x's dtype as transformers' Python form, each softplus rounded once from float32 as torch's."""
+    soft = jax.nn.softplus(p[:2].astype(jnp.float32)).astype(p.dtype)
+    a_p, a_n, beta, eps = (v.astype(x.dtype) for v in (soft[0], p[2] + soft[1], p[2], p[3]))
+    return jnp.where(x > 0, a_p * x * x + beta * x, (jnp.expm1(jnp.minimum(x, eps)) - x) * a_n + beta * x)
 
 
 NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias", "layernorm1p",
@@ -162,8 +156,8 @@ class MLP(nnx.Module):
         self.gate_up_bias = param((2 * f,), (axis,), dtype, rngs, init="zeros") if fused and bias else None
         self.down = param((f, d), ("mlp", "embed"), dtype, rngs)
         self.down_bias = param((d,), ("embed",), dtype, rngs, init="zeros") if bias else None
-        # xIELU's learned [alpha_p, alpha_n] (replicated under tensor parallelism)
-        self.xielu = param((2,), (None,), dtype, rngs, init="zeros") if cfg.activation == "xielu" else None
+        # xIELU's [alpha_p, alpha_n, beta, eps] (replicated under tensor parallelism)
+        self.xielu = param((4,), (None,), dtype, rngs, init="zeros") if cfg.activation == "xielu" else None
 
     def __call__(self, x: jax.Array, lora: tuple | None = None) -> jax.Array:
         """lora: (token slots [T], this layer's LoRA stacks: group -> (A, B)) or None (lora_delta)."""

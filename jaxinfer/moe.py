@@ -221,7 +221,7 @@ class MoE(nnx.Module):
                                                 init="zeros" if b else "normal")
         # DeepSeek's and GLM-4.5's routing: the router in float32, as transformers keeps it (its logits
         # pick among many experts by small margins, which bfloat16 logits would move)
-        fp32 = cfg.moe_routing in FLOAT32_ROUTERS or cfg.moe_router_fp32   # (HunYuan MoE's too)
+        fp32 = (cfg.moe_routing in FLOAT32_ROUTERS or cfg.moe_router_fp32) and not cfg.moe_router_in_dtype
         self.router = param((d, e), ("embed", None), jnp.float32 if fp32 else dtype, rngs)
         self.router_bias = param((e,), (None,), dtype, rngs, init="zeros") if cfg.router_bias else None
         # the choice correction of sigmoid_topk and softmax_corrected_topk (float32, as transformers keeps it)

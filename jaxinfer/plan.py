@@ -220,6 +220,7 @@ def layer_matmul_shapes(cfg: ModelConfig, layer: int = 0) -> list[tuple[int, int
     d, hd = cfg.d_model, cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
     attn = [(cfg.n_heads * cfg.mla_v_dim, d)] if cfg.mla else [(d, q), (d, kv), (d, kv), (q, d)]
+    attn += [(d, q)] if cfg.attn_out_gate else []   # AFMoE's gate: q's shape
     if cfg.is_moe_layer(layer):
         f, s = cfg.expert_ffn_dim, cfg.moe_shared_ffn_dim
         shared = [(d, s), (d, s), (s, d)] if s else []

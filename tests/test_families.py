@@ -388,6 +388,8 @@ def test_gptj_6b_published_config():
         theirs = tf.GPTJForCausalLM(tf.GPTJConfig(**{k: v for k, v in published.items() if k != "architectures"}))
     assert cfg.num_params() == sum(p.numel() for p in theirs.parameters())
     assert (cfg.rotary_dim, cfg.head_dim, cfg.ffn_dim, cfg.activation) == (64, 256, 16384, "gelu_tanh")
+    with pytest.raises(ConfigError, match="'rotary_dim' = None"):   # transformers' GPTJ cannot build it either
+        model_config_from_hf({**published, "rotary_dim": None})
 
 
 def test_phi35_moe_published_config():

@@ -750,3 +750,26 @@ def test_quantize_refuses_mixtures_of_experts(hf_model_dir, method):
     with pytest.raises(ValueError, match=r"cannot quantize MixtralForCausalLM: its MLPs are mixtures of experts"):
         quantize_model(model, QuantizeSettings(method=method, bits=4), windows=np.zeros((1, 16), np.int32),
                        train_tokens=np.zeros(4096, np.int32))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibrated_methods_on_weightless_norms(hf_model_dir, method):
+    """OLMo 1's LayerNorms have no weight to fold AWQ's scales into: AWQ keeps to its clip search there
+    (GPTQ never folds). 8-bit per channel, the logits stay within int8's rounding of transformers' float
+    ones: 2^-8 relative per weight, a few percent over two layers."""
+    import torch
+
+    from jaxinfer.weights import load_model
+    from tests.hf_models import build_hf_model
+
+    model, cfg = load_model(hf_model_dir("olmo"), "float32")
+    assert cfg.norm == "layernorm_noparam"
+    windows = np.random.RandomState(0).randint(3, cfg.vocab_size, (4, 32)).astype(np.int32)
+    quantize_model(model, QuantizeSettings(method=method, bits=8, group_size=-1), windows=windows, progress=False)
+    assert all(b.attn_norm.scale is None and b.mlp_norm.scale is None for b in model.layers)
+    assert isinstance(model.layers[0].attn.q.get_value(), QuantizedWeight)
+    ids = np.random.RandomState(1).randint(3, cfg.vocab_size, 24).tolist()
+    with torch.no_grad():
+        ref = build_hf_model("olmo")(torch.tensor([ids])).logits[0].numpy()
+    got = np.asarray(model(jnp.asarray(ids, jnp.int32), jnp.arange(24, dtype=jnp.int32))[0])
+    assert np.abs(got - ref).max() < 5e-2 * np.abs(ref).max()

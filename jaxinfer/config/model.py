@@ -151,7 +151,8 @@ class ModelConfig:
     moe_norm_topk: bool = True
     router_bias: bool = False
     moe_router_fp32: bool = False       # HunYuan MoE: the router float32 whatever the dtype, as transformers
-                                        # keeps it (sigmoid_topk and the group routings always are: moe.py)
+                                        # keeps it (sigmoid_topk and the group routings always are: moe.py),
+    moe_router_in_dtype: bool = False   # except AFMoE's: its sigmoid_topk router's logits in the model dtype
     moe_groups: int = 1
     moe_topk_groups: int = 1
     moe_routed_scale: float = 1.0
@@ -343,6 +344,7 @@ class ModelConfig:
             per_qk = 1 if self.qk_norm_heads else per_norm
             attn += per_qk * hd * ((h + kv) if self.qk_norm_full or self.qk_norm_heads else 2)
         attn += (h if self.attn_sinks else 0) + (d * h * hd if self.attn_out_gate else 0)
+        # xIELU: its two alphas (its beta and eps are buffers in transformers' count, parameters here)
         mlp = (3 if self.gated_mlp else 2) * d * f + (2 if self.activation == "xielu" else 0)
         mlp += ((2 * f if self.gated_mlp else f) + d) if self.mlp_bias else 0
         fe = self.expert_ffn_dim

@@ -115,8 +115,9 @@ class Attention(nnx.Module):
                  meta: AttentionMetadata | None, impl: str, lora: tuple | None = None
                  ) -> tuple[jax.Array, LayerKV | None]:
         out, kv = self.attend(x, positions, kv, meta, impl, lora)
-        if self.out_gate is not None:   # sigmoid in the gate's dtype, as transformers
-            out = out * jax.nn.sigmoid(dense(x, self.out_gate.get_value(), None, impl=self.matmul))
+        if self.out_gate is not None:   # the sigmoid rounded once from float32 to the gate's dtype, as torch's
+            g = dense(x, self.out_gate.get_value(), None, impl=self.matmul)
+            out = out * jax.nn.sigmoid(g.astype(jnp.float32)).astype(g.dtype)
         y = dense(out, self.o.get_value(), param_value(self.o_bias), contract=2, impl=self.matmul)   # (T, D)
         return (y if lora is None else y + lora_delta(out, *lora[1]["o"], lora[0], contract=2)[0]), kv
 

@@ -376,7 +376,8 @@ def _llama_like(c: dict[str, Any], arch: str) -> ModelConfig:
         window, sliding_layers = _qwen_window(c)
     elif arch == "Qwen3MoeForCausalLM":   # every layer windowed, and only when use_sliding_window
         window = c.get("sliding_window") if c.get("use_sliding_window", False) else None
-    elif arch in ("LlamaForCausalLM", "ArceeForCausalLM", "HeliumForCausalLM"):
+    elif arch in ("LlamaForCausalLM", "ArceeForCausalLM", "HeliumForCausalLM", "ExaoneForCausalLM",
+                  "InternLM3ForCausalLM"):   # (the last two: run as transformers' Llama, which has no window)
         window = None
     bias = bool(c.get("attention_bias", False))
     return ModelConfig(
@@ -495,17 +496,15 @@ def _internlm3(c: dict[str, Any], arch: str) -> ModelConfig:
 
 def _dynamic_ntk(c: dict[str, Any]) -> dict[str, Any]:
     """config.json with "dynamic" (NTK) RoPE read as transformers runs it: the plain rotation for
-    sequences up to original_max_position_embeddings (max_position_embeddings where it names none),
-    its base rescaled to every longer sequence's length. A paged cache keeps each key as first
-    rotated, so the served length stops at the original one, where the two agree (vLLM instead
-    rotates every sequence at the base of max_position_embeddings * factor positions)."""
+    sequences up to max_position_embeddings (its dynamic_rope_update's threshold), its base rescaled
+    to every longer sequence's length. A paged cache keeps each key as first rotated, so the served
+    length stops at max_position_embeddings, where the two agree (vLLM instead rotates every sequence
+    at the base of max_position_embeddings * factor positions)."""
     params = _rope_params(c)
     if params.get("rope_type", params.get("type")) != "dynamic":
         return c
-    original = int(params.get("original_max_position_embeddings") or c.get("max_position_embeddings", 2048))
     theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
-    return {**c, "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-            "max_position_embeddings": min(original, c.get("max_position_embeddings", original))}
+    return {**c, "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
 
 
 def _internlm2(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -600,9 +599,9 @@ def _minicpm(c: dict[str, Any], arch: str) -> ModelConfig:
         raise ConfigError("MiniCPM4's sparse attention (config.json sparse_config: InfLLM v2) is not supported; "
                           "the checkpoint without sparse_config serves its dense attention")
     cfg = _llama_like({**c, "sliding_window": None}, arch)
-    return dataclasses.replace(cfg, embed_scale=float(c.get("scale_emb", 1.0)),
-                               residual_scale=float(c.get("scale_depth", 1.0)) / math.sqrt(cfg.n_layers),
-                               logits_scaling=c["hidden_size"] / float(c.get("dim_model_base", c["hidden_size"])))
+    return dataclasses.replace(cfg, embed_scale=float(c["scale_emb"]),
+                               residual_scale=float(c["scale_depth"]) / math.sqrt(cfg.n_layers),
+                               logits_scaling=c["hidden_size"] / float(c["dim_model_base"]))
 
 
 def _granite_swa(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -971,8 +970,9 @@ def _afmoe(c: dict[str, Any], arch: str) -> ModelConfig:
     cfg = _glm4_moe({**c, "first_k_dense_replace": c["num_dense_layers"], "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": c["route_scale"],
                      "n_shared_experts": c["num_shared_experts"], "use_qk_norm": True, "partial_rotary_factor": 1.0},
                     arch)
-    return dataclasses.replace(
+    return dataclasses.replace(   # its router's logits in the model dtype, as AfmoeTokenChoiceRouter's
         cfg, norm="olmo_rmsnorm", post_norms=True, attn_out_gate=True, out_bias=cfg.qkv_bias, rope_layers=sliding,
+        moe_router_in_dtype=True,
         embed_scale=math.sqrt(cfg.d_model) if c.get("mup_enabled") else 1.0, **_windows(window, sliding))
 
 
@@ -1307,11 +1307,13 @@ def _gptj(c: dict[str, Any], arch: str) -> ModelConfig:
     if d % h:
         raise ConfigError(f"n_embd {d} is not a multiple of n_head {h}")
     rotary = c.get("rotary_dim")
+    if not rotary:   # transformers' GPTJ then builds its sinusoids at n_embd and fails on the heads
+        raise ConfigError(f"field 'rotary_dim' = {rotary!r}: GPT-J with every feature rotated is not supported")
     return ModelConfig(
         vocab_size=c["vocab_size"], d_model=d, n_layers=c["n_layer"], n_heads=h, n_kv_heads=h, head_dim=d // h,
         ffn_dim=c.get("n_inner") or 4 * d, activation=_activation(c, "activation_function", default="gelu_new"),
         gated_mlp=False, norm="layernorm", norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), position="rope",
-        rotary_dim=None if rotary in (None, d // h) else rotary, max_position_embeddings=c.get("n_positions", 2048),
+        rotary_dim=None if rotary == d // h else rotary, max_position_embeddings=c.get("n_positions", 2048),
         mlp_bias=True, parallel_block=True, parallel_sum_first=True, lm_head_bias=True,
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
@@ -1505,6 +1507,11 @@ _HF_DEFAULTS = {
                         "num_attention_heads": 32, "max_position_embeddings": 2048, "eos_token_id": 50279},
     "GPTJForCausalLM": {"vocab_size": 50400, "n_positions": 2048, "n_embd": 4096, "n_layer": 28, "n_head": 16,
                         "rotary_dim": 64, "bos_token_id": 50256, "eos_token_id": 50256},
+    # the remote MiniCPMConfig's (openbmb's modeling code)
+    "MiniCPMForCausalLM": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                           "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
+                           "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "scale_emb": 1, "dim_model_base": 1,
+                           "scale_depth": 1, "bos_token_id": 1, "eos_token_id": 2},
     "ApertusForCausalLM": {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336,
                            "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 65536,
                            "rms_norm_eps": 1e-5, "hidden_act": "xielu", "bos_token_id": 1, "eos_token_id": 2},

@@ -161,9 +161,9 @@ def _llama_map(cfg: ModelConfig, fused: bool = False, fused_mlp: bool = False) -
             m[f"{o}/mlp/{ours}"] = ((f"{p}.mlp.{theirs}.weight",), _t)
             if cfg.mlp_bias:
                 m[f"{o}/mlp/{ours}_bias"] = ((f"{p}.mlp.{theirs}.bias",), _ident)
-        if cfg.activation == "xielu":   # Apertus: [alpha_p, alpha_n], [1] each
-            m[f"{o}/mlp/xielu"] = ((f"{p}.mlp.act_fn.alpha_p", f"{p}.mlp.act_fn.alpha_n"),
-                                   lambda a, b: np.concatenate([a.reshape(-1), b.reshape(-1)]))
+        if cfg.activation == "xielu":   # Apertus: alpha_p, alpha_n [1]; its beta and eps buffers []
+            m[f"{o}/mlp/xielu"] = (tuple(f"{p}.mlp.act_fn.{n}" for n in ("alpha_p", "alpha_n", "beta", "eps")),
+                                   lambda *v: np.concatenate([x.reshape(-1) for x in v]))
     _norm(m, "final_norm", "model.norm", layernorm)
     if not cfg.tie_embeddings:
         m["lm_head"] = (("lm_head.weight",), _t)

@@ -67,8 +67,6 @@ def calibrated_unsupported(cfg) -> str | None:
         return "its blocks norm the attention and MLP outputs (Gemma, OLMo 2), which calibration does not replay"
     if cfg.parallel_block:
         return "its blocks run attention and MLP side by side on one norm (Cohere), which calibration does not replay"
-    if cfg.norm == "layernorm_noparam":
-        return "its norms have no weight (OLMo 1) to fold AWQ / SmoothQuant's scales into"
     if cfg.attn_out_gate:
         return "its attention gates each head's output (AFMoE), which calibration does not replay"
     if cfg.norm in ("gemma_rmsnorm", "layernorm1p"):

@@ -47,9 +47,11 @@ def _divide_columns(var, bias_var, s_cols: np.ndarray) -> None:
 
 def _foldable(block, tap: str) -> bool:
     """Whether the operator producing `tap` can absorb AWQ's 1 / s: not a norm whose output is also
-    the residual (residual_post_norm), nor a non-gated MLP's up (act(up) is not linear in up)."""
+    the residual (residual_post_norm) or that has no weight (OLMo 1's), nor a non-gated MLP's up
+    (act(up) is not linear in up)."""
     if tap in ("attn_in", "mlp_in"):
-        return not block.residual_post_norm
+        norm = block.attn_norm if tap == "attn_in" else block.mlp_norm
+        return not block.residual_post_norm and norm.scale is not None
     if tap == "down_in":
         return block.mlp.gate is not None
     assert tap == "o_in", tap
