@@ -63,7 +63,7 @@ class ModelConfig:
     head_dim: int
     ffn_dim: int
     activation: str = "silu"            # silu | gelu (erf) | gelu_tanh | relu | relu2 (squared ReLU) | xielu
-                                        # (Apertus: xIELU, two learned scalars per layer, ungated MLPs only)
+                                        # (Apertus: xIELU, four scalars per layer, ungated MLPs only)
     gated_mlp: bool = True              # act(x W_gate) * (x W_up) -> W_down; else act(x W_fc) -> W_proj
     norm: str = "rmsnorm"               # rmsnorm | gemma_rmsnorm (scale 1 + w) | olmo_rmsnorm (w times the
                                         # normed float32 value, cast after) | layernorm | layernorm_nobias (Cohere)

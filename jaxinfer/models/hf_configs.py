@@ -410,7 +410,7 @@ _APERTUS_ROPE = {"rope_type": "llama3", "factor": 8.0, "original_max_position_em
 def _apertus(c: dict[str, Any], arch: str) -> ModelConfig:
     """Apertus (transformers' Apertus): Llama's attention with per-head q / k norms, its norms named
     attention_layernorm / feedforward_layernorm (hf_maps._block_norms), an ungated MLP of xIELU
-    (two learned scalars per layer), up_proj then down_proj; Llama 3 RoPE by default."""
+    (two learned scalars and its beta / eps per layer), up_proj then down_proj; Llama 3 RoPE by default."""
     if c.get("hidden_act", "xielu") != "xielu":
         raise ConfigError(f"field 'hidden_act' = {c['hidden_act']!r}: Apertus checkpoints use xielu")
     if not c.get("rope_parameters") and not c.get("rope_scaling"):   # ApertusConfig's default
