@@ -171,6 +171,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "minicpm": ("granite", dict(_COMMON, vocab_size=103, intermediate_size=96, num_hidden_layers=4,
                                 num_key_value_heads=2, embedding_multiplier=12.0, residual_multiplier=1.4 / 2.0,
                                 logits_scaling=64 / 16, attention_multiplier=16 ** -0.5, tie_word_embeddings=True)),
+    # OPT (125m ... 66b): pre-LayerNorm blocks, ReLU, learned positions offset by 2, tied; biases
+    "opt": ("opt", dict(vocab_size=109, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=112,
+                        max_position_embeddings=256)),
     # OLMo 1: parameter-free LayerNorms, q / k / v clamped (at a bound the projections cross), biases
     "olmo": ("olmo", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2,
                           clip_qkv=0.12, attention_bias=True, tie_word_embeddings=True)),
@@ -469,7 +472,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM"),
            "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
            "afmoe": ("AfmoeConfig", "AfmoeForCausalLM"), "apertus": ("ApertusConfig", "ApertusForCausalLM"),
-           "gptj": ("GPTJConfig", "GPTJForCausalLM"), "olmo": ("OlmoConfig", "OlmoForCausalLM"),
+           "gptj": ("GPTJConfig", "GPTJForCausalLM"), "olmo": ("OlmoConfig", "OlmoForCausalLM"), "opt": ("OPTConfig", "OPTForCausalLM"),
            "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
            "exaone": ("ExaoneConfig", "LlamaForCausalLM"), "internlm3": ("InternLM3Config", "LlamaForCausalLM")}[family]
     cls = (getattr(tf, names[0]), getattr(tf, names[1]))   # only this family's classes: one

@@ -285,12 +285,13 @@ def test_num_params_match_transformers():
                                   "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
                                   "falcon-sequential", "glm4moelite", "minimax-m2", "ministral", "dots1",
                                   "solar-open", "exaone-moe", "cwm", "granite-swa",
-                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3", "afmoe", "phimoe", "apertus", "gptj", "olmo", "minicpm"])
+                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3", "afmoe", "phimoe", "apertus", "gptj", "olmo", "minicpm", "opt"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     # the sigmoid router's choice correction: a buffer in DeepSeek-V3's and GLM-4.5's classes, which
     # num_params leaves out as their count does; AFMoE's class makes it a parameter (expert_bias)
     theirs = sum(p.numel() for n, p in hf.named_parameters() if not n.endswith(".mlp.expert_bias"))
+    theirs -= 2 * hf.config.hidden_size if name == "opt" else 0   # OPT's two position rows never read
     assert model_config_from_hf(hf_model_dir(name)).num_params() == theirs
 
 
@@ -390,6 +391,25 @@ def test_gptj_6b_published_config():
     assert (cfg.rotary_dim, cfg.head_dim, cfg.ffn_dim, cfg.activation) == (64, 256, 16384, "gelu_tanh")
     with pytest.raises(ConfigError, match="'rotary_dim' = None"):   # transformers' GPTJ cannot build it either
         model_config_from_hf({**published, "rotary_dim": None})
+
+
+def test_opt_published_configs():
+    """facebook/opt-125m's config.json: transformers' parameter count (on the meta device) less the two
+    position rows OPT never reads (its offset of 2); OPT-350m's post-LayerNorm blocks and projected
+    embeddings refused by field."""
+    import transformers as tf
+    published = {"activation_function": "relu", "architectures": ["OPTForCausalLM"], "bos_token_id": 2,
+                 "do_layer_norm_before": True, "eos_token_id": 2, "ffn_dim": 3072, "hidden_size": 768,
+                 "max_position_embeddings": 2048, "model_type": "opt", "num_attention_heads": 12,
+                 "num_hidden_layers": 12, "pad_token_id": 1, "vocab_size": 50272, "word_embed_proj_dim": 768}
+    cfg = model_config_from_hf(published)
+    with torch.device("meta"):
+        theirs = tf.OPTForCausalLM(tf.OPTConfig(**{k: v for k, v in published.items() if k != "architectures"}))
+    assert cfg.num_params() == sum(p.numel() for p in theirs.parameters()) - 2 * 768
+    assert (cfg.tie_embeddings, cfg.activation, cfg.position) == (True, "relu", "learned")
+    for field, value in (("do_layer_norm_before", False), ("word_embed_proj_dim", 512)):
+        with pytest.raises(ConfigError, match=field):
+            model_config_from_hf({**published, field: value})
 
 
 def test_phi35_moe_published_config():

@@ -1319,6 +1319,32 @@ def _gptj(c: dict[str, Any], arch: str) -> ModelConfig:
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 
 
+def _opt(c: dict[str, Any], arch: str) -> ModelConfig:
+    """OPT (transformers' OPT: facebook/opt-125m ... 66b): GPT-2's pre-LayerNorm block over nn.Linear
+    q / k / v / out_proj and fc1 / fc2, biases where enable_bias, ReLU, learned positions (their table's
+    first two rows unused: OPT offsets positions by 2, hf_maps._opt_map), the embedding as the head
+    unless tie_word_embeddings is false. OPT-350m's post-LayerNorm blocks with projections of the
+    embedding (do_layer_norm_before false, word_embed_proj_dim) are refused by field."""
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    for field, ok in (("do_layer_norm_before", True), ("_remove_final_layer_norm", False),
+                      ("layer_norm_elementwise_affine", True)):
+        if c.get(field, ok) != ok:
+            raise ConfigError(f"OPT with {field}={c[field]!r} is not supported (OPT-350m's post-LayerNorm blocks)")
+    if c.get("word_embed_proj_dim") not in (None, d):
+        raise ConfigError(f"OPT with word_embed_proj_dim={c['word_embed_proj_dim']!r} other than hidden_size {d} "
+                          "(OPT-350m's projected embeddings) is not supported")
+    if d % h:
+        raise ConfigError(f"hidden_size {d} is not a multiple of num_attention_heads {h}")
+    bias = bool(c.get("enable_bias", True))
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=c["num_hidden_layers"], n_heads=h, n_kv_heads=h,
+        head_dim=d // h, ffn_dim=c["ffn_dim"], activation=_activation(c, "activation_function", default="relu"),
+        gated_mlp=False, norm="layernorm", norm_eps=1e-5, position="learned",
+        max_position_embeddings=c["max_position_embeddings"], qkv_bias=bias, out_bias=bias, mlp_bias=bias,
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
 def _stablelm(c: dict[str, Any], arch: str) -> ModelConfig:
     """StableLM (3B-4E1T, Zephyr 3B, StableLM 2 1.6B / 12B): Llama's names and gated SiLU MLP with
     LayerNorms (biases), partial rotary (partial_rotary_factor, default 0.25), q / k / v biases where
@@ -1429,6 +1455,7 @@ _HF_BUILDERS = {
     "ExaoneForCausalLM": _exaone, "InternLM3ForCausalLM": _internlm3, "AfmoeForCausalLM": _afmoe,
     "PhimoeForCausalLM": _phimoe, "ApertusForCausalLM": _apertus, "GPTJForCausalLM": _gptj,
     "OlmoForCausalLM": _olmo1, "InternLM2ForCausalLM": _internlm2, "MiniCPMForCausalLM": _minicpm,
+    "OPTForCausalLM": _opt,
 }
 # model types transformers reads with LlamaForCausalLM (renaming EXAONE's tensors as it loads and
 # back as it saves), whose config.json names that class once re-saved
@@ -1466,7 +1493,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "afmoe": "AfmoeForCausalLM",
                        "phimoe": "PhimoeForCausalLM", "apertus": "ApertusForCausalLM", "gptj": "GPTJForCausalLM",
                        "olmo": "OlmoForCausalLM", "internlm2": "InternLM2ForCausalLM",
-                       "minicpm": "MiniCPMForCausalLM",
+                       "minicpm": "MiniCPMForCausalLM", "opt": "OPTForCausalLM",
                        **_AS_LLAMA,
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
@@ -1507,6 +1534,9 @@ _HF_DEFAULTS = {
                         "num_attention_heads": 32, "max_position_embeddings": 2048, "eos_token_id": 50279},
     "GPTJForCausalLM": {"vocab_size": 50400, "n_positions": 2048, "n_embd": 4096, "n_layer": 28, "n_head": 16,
                         "rotary_dim": 64, "bos_token_id": 50256, "eos_token_id": 50256},
+    "OPTForCausalLM": {"vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "ffn_dim": 3072,
+                       "max_position_embeddings": 2048, "num_attention_heads": 12, "bos_token_id": 2,
+                       "eos_token_id": 2},
     # the remote MiniCPMConfig's (openbmb's modeling code)
     "MiniCPMForCausalLM": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
                            "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,

@@ -335,6 +335,40 @@ def _falcon_map(cfg: ModelConfig) -> WeightMap:
     return m
 
 
+# OPT offsets every position by 2 (OPTLearnedPositionalEmbedding): its table's first two rows are unused
+OPT_POSITION_OFFSET = 2
+
+
+def _opt_map(cfg: ModelConfig) -> WeightMap:
+    """OPT: model.decoder.{embed_tokens, embed_positions (rows from OPT_POSITION_OFFSET), layers.i,
+    final_layer_norm}; per layer self_attn_layer_norm, self_attn.q / k / v / out_proj, final_layer_norm
+    (the MLP's), fc1, fc2. Uploads saved from OPTModel lack the leading `model.` (OPTIONAL_PREFIXES)."""
+    h, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+    p0 = "model.decoder"
+    m: WeightMap = {"embed": ((f"{p0}.embed_tokens.weight",), _ident),
+                    "pos_embed": ((f"{p0}.embed_positions.weight",), lambda w: w[OPT_POSITION_OFFSET:])}
+    for i in range(cfg.n_layers):
+        p, o = f"{p0}.layers.{i}", f"layers/{i}"
+        _norm(m, f"{o}/attn_norm", f"{p}.self_attn_layer_norm", True)
+        _norm(m, f"{o}/mlp_norm", f"{p}.final_layer_norm", True)
+        for name in "qkv":
+            m[f"{o}/attn/{name}"] = ((f"{p}.self_attn.{name}_proj.weight",), lambda w: w.T.reshape(d, h, hd))
+            if cfg.qkv_bias:
+                m[f"{o}/attn/{name}_bias"] = ((f"{p}.self_attn.{name}_proj.bias",), lambda b: b.reshape(h, hd))
+        m[f"{o}/attn/o"] = ((f"{p}.self_attn.out_proj.weight",), lambda w: w.T.reshape(h, hd, d))
+        for ours, theirs in (("up", "fc1"), ("down", "fc2")):
+            m[f"{o}/mlp/{ours}"] = ((f"{p}.{theirs}.weight",), _t)
+        if cfg.out_bias:
+            m[f"{o}/attn/o_bias"] = ((f"{p}.self_attn.out_proj.bias",), _ident)
+        if cfg.mlp_bias:
+            for ours, theirs in (("up", "fc1"), ("down", "fc2")):
+                m[f"{o}/mlp/{ours}_bias"] = ((f"{p}.{theirs}.bias",), _ident)
+    _norm(m, "final_norm", f"{p0}.final_layer_norm", True)
+    if not cfg.tie_embeddings:
+        m["lm_head"] = (("lm_head.weight",), _t)
+    return m
+
+
 def _per_head_qkv_block(m: WeightMap, cfg: ModelConfig, o: str, p: str, attn: str) -> None:
     """BLOOM's and GPT-NeoX's block: LayerNorms before attention and MLP, q, k, v fused per head in
     {attn}.query_key_value ([h, 3, hd] rows), {attn}.dense, the ungated mlp.dense_h_to_4h /
@@ -485,7 +519,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "ExaoneForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _EXAONE_NAMES), "AfmoeForCausalLM": _llama_map,
          "PhimoeForCausalLM": _llama_map, "ApertusForCausalLM": _llama_map,
          "GPTJForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _GPTJ_NAMES), "OlmoForCausalLM": _llama_map,
-         "InternLM2ForCausalLM": _internlm2_map, "MiniCPMForCausalLM": _llama_map}
+         "InternLM2ForCausalLM": _internlm2_map, "MiniCPMForCausalLM": _llama_map, "OPTForCausalLM": _opt_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM")
