@@ -174,6 +174,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     # OPT (125m ... 66b): pre-LayerNorm blocks, ReLU, learned positions offset by 2, tied; biases
     "opt": ("opt", dict(vocab_size=109, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=112,
                         max_position_embeddings=256)),
+    # GPT-Neo: global and local (windowed, shorter than the prompt) layers, unscaled scores, learned positions
+    "gpt-neo": ("gpt_neo", dict(vocab_size=111, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=256,
+                                window_size=6, attention_types=[[["global", "local"], 1]])),
     # OLMo 1: parameter-free LayerNorms, q / k / v clamped (at a bound the projections cross), biases
     "olmo": ("olmo", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2,
                           clip_qkv=0.12, attention_bias=True, tie_word_embeddings=True)),
@@ -473,6 +476,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
            "afmoe": ("AfmoeConfig", "AfmoeForCausalLM"), "apertus": ("ApertusConfig", "ApertusForCausalLM"),
            "gptj": ("GPTJConfig", "GPTJForCausalLM"), "olmo": ("OlmoConfig", "OlmoForCausalLM"), "opt": ("OPTConfig", "OPTForCausalLM"),
+           "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM"),
            "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
            "exaone": ("ExaoneConfig", "LlamaForCausalLM"), "internlm3": ("InternLM3Config", "LlamaForCausalLM")}[family]
     cls = (getattr(tf, names[0]), getattr(tf, names[1]))   # only this family's classes: one

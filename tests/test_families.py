@@ -285,7 +285,7 @@ def test_num_params_match_transformers():
                                   "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
                                   "falcon-sequential", "glm4moelite", "minimax-m2", "ministral", "dots1",
                                   "solar-open", "exaone-moe", "cwm", "granite-swa",
-                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3", "afmoe", "phimoe", "apertus", "gptj", "olmo", "minicpm", "opt"])
+                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3", "afmoe", "phimoe", "apertus", "gptj", "olmo", "minicpm", "opt", "gpt-neo"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     # the sigmoid router's choice correction: a buffer in DeepSeek-V3's and GLM-4.5's classes, which
@@ -391,6 +391,23 @@ def test_gptj_6b_published_config():
     assert (cfg.rotary_dim, cfg.head_dim, cfg.ffn_dim, cfg.activation) == (64, 256, 16384, "gelu_tanh")
     with pytest.raises(ConfigError, match="'rotary_dim' = None"):   # transformers' GPTJ cannot build it either
         model_config_from_hf({**published, "rotary_dim": None})
+
+
+def test_gpt_neo_125m_published_config():
+    """EleutherAI's gpt-neo-125M config.json: its attention_layers alternate global and local (a window
+    of 256 on every other layer), unscaled scores, transformers' parameter count (on the meta device)."""
+    import transformers as tf
+    published = {"activation_function": "gelu_new", "architectures": ["GPTNeoForCausalLM"],
+                 "attention_layers": ["global", "local"] * 6, "attention_types": [[["global", "local"], 6]],
+                 "bos_token_id": 50256, "eos_token_id": 50256, "hidden_size": 768, "intermediate_size": None,
+                 "layer_norm_epsilon": 1e-05, "max_position_embeddings": 2048, "model_type": "gpt_neo",
+                 "num_heads": 12, "num_layers": 12, "vocab_size": 50257, "window_size": 256}
+    cfg = model_config_from_hf(published)
+    assert (cfg.sliding_window, cfg.sliding_layers, cfg.attn_scale) == (256, (False, True) * 6, 1.0)
+    fields = {k: v for k, v in published.items() if k not in ("architectures", "attention_layers")}
+    with torch.device("meta"):
+        theirs = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(**fields))
+    assert cfg.num_params() == sum(p.numel() for p in theirs.parameters())
 
 
 def test_opt_published_configs():

@@ -1345,6 +1345,30 @@ def _opt(c: dict[str, Any], arch: str) -> ModelConfig:
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
 
 
+def _gpt_neo(c: dict[str, Any], arch: str) -> ModelConfig:
+    """GPT-Neo (transformers' GPTNeo: 125M, 1.3B, 2.7B): GPT-2's pre-LayerNorm block over nn.Linear
+    q / k / v (unbiased) / out_proj and c_fc / c_proj, learned positions, unscaled scores (q.k, no
+    1/sqrt(head_dim)), and a window of window_size on the layers attention_layers names "local"
+    (else attention_types expanded: [[["global", "local"], 12]] by default)."""
+    d, h, n = c["hidden_size"], c["num_heads"], c["num_layers"]
+    if d % h:
+        raise ConfigError(f"hidden_size {d} is not a multiple of num_heads {h}")
+    kinds = c.get("attention_layers") or [k for kinds, times in (c.get("attention_types") or [[["global", "local"], 12]])
+                                          for _ in range(times) for k in kinds]
+    if len(kinds) != n or set(kinds) - {"global", "local"}:
+        raise ConfigError(f"field 'attention_layers' must name 'global' or 'local' for each of the {n} layers, "
+                          f"got {kinds!r}")
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=d, n_layers=n, n_heads=h, n_kv_heads=h, head_dim=d // h,
+        ffn_dim=c.get("intermediate_size") or 4 * d,
+        activation=_activation(c, "activation_function", default="gelu_new"), gated_mlp=False, norm="layernorm",
+        norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), position="learned",
+        max_position_embeddings=c["max_position_embeddings"], out_bias=True, mlp_bias=True, attn_scale=1.0,
+        **_windows(c["window_size"], tuple(k == "local" for k in kinds)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_eos_ids(c), architecture=arch)
+
+
 def _stablelm(c: dict[str, Any], arch: str) -> ModelConfig:
     """StableLM (3B-4E1T, Zephyr 3B, StableLM 2 1.6B / 12B): Llama's names and gated SiLU MLP with
     LayerNorms (biases), partial rotary (partial_rotary_factor, default 0.25), q / k / v biases where
@@ -1455,7 +1479,7 @@ _HF_BUILDERS = {
     "ExaoneForCausalLM": _exaone, "InternLM3ForCausalLM": _internlm3, "AfmoeForCausalLM": _afmoe,
     "PhimoeForCausalLM": _phimoe, "ApertusForCausalLM": _apertus, "GPTJForCausalLM": _gptj,
     "OlmoForCausalLM": _olmo1, "InternLM2ForCausalLM": _internlm2, "MiniCPMForCausalLM": _minicpm,
-    "OPTForCausalLM": _opt,
+    "OPTForCausalLM": _opt, "GPTNeoForCausalLM": _gpt_neo,
 }
 # model types transformers reads with LlamaForCausalLM (renaming EXAONE's tensors as it loads and
 # back as it saves), whose config.json names that class once re-saved
@@ -1494,6 +1518,7 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "phimoe": "PhimoeForCausalLM", "apertus": "ApertusForCausalLM", "gptj": "GPTJForCausalLM",
                        "olmo": "OlmoForCausalLM", "internlm2": "InternLM2ForCausalLM",
                        "minicpm": "MiniCPMForCausalLM", "opt": "OPTForCausalLM",
+                       "gpt_neo": "GPTNeoForCausalLM",
                        **_AS_LLAMA,
                        "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
                        "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
@@ -1534,6 +1559,9 @@ _HF_DEFAULTS = {
                         "num_attention_heads": 32, "max_position_embeddings": 2048, "eos_token_id": 50279},
     "GPTJForCausalLM": {"vocab_size": 50400, "n_positions": 2048, "n_embd": 4096, "n_layer": 28, "n_head": 16,
                         "rotary_dim": 64, "bos_token_id": 50256, "eos_token_id": 50256},
+    "GPTNeoForCausalLM": {"vocab_size": 50257, "max_position_embeddings": 2048, "hidden_size": 2048,
+                          "num_layers": 24, "num_heads": 16, "window_size": 256, "bos_token_id": 50256,
+                          "eos_token_id": 50256},
     "OPTForCausalLM": {"vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "ffn_dim": 3072,
                        "max_position_embeddings": 2048, "num_attention_heads": 12, "bos_token_id": 2,
                        "eos_token_id": 2},

@@ -369,6 +369,28 @@ def _opt_map(cfg: ModelConfig) -> WeightMap:
     return m
 
 
+def _gpt_neo_map(cfg: ModelConfig) -> WeightMap:
+    """GPT-Neo: transformer.{wte, wpe, h.i, ln_f}; per layer ln_1, attn.attention.q / k / v_proj (no
+    biases), out_proj, ln_2, mlp.c_fc / c_proj (nn.Linear [out, in])."""
+    h, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+    m: WeightMap = {"embed": (("transformer.wte.weight",), _ident), "pos_embed": (("transformer.wpe.weight",), _ident)}
+    for i in range(cfg.n_layers):
+        p, o = f"transformer.h.{i}", f"layers/{i}"
+        _norm(m, f"{o}/attn_norm", f"{p}.ln_1", True)
+        _norm(m, f"{o}/mlp_norm", f"{p}.ln_2", True)
+        for name in "qkv":
+            m[f"{o}/attn/{name}"] = ((f"{p}.attn.attention.{name}_proj.weight",), lambda w: w.T.reshape(d, h, hd))
+        m[f"{o}/attn/o"] = ((f"{p}.attn.attention.out_proj.weight",), lambda w: w.T.reshape(h, hd, d))
+        m[f"{o}/attn/o_bias"] = ((f"{p}.attn.attention.out_proj.bias",), _ident)
+        for ours, theirs in (("up", "c_fc"), ("down", "c_proj")):
+            m[f"{o}/mlp/{ours}"] = ((f"{p}.mlp.{theirs}.weight",), _t)
+            m[f"{o}/mlp/{ours}_bias"] = ((f"{p}.mlp.{theirs}.bias",), _ident)
+    _norm(m, "final_norm", "transformer.ln_f", True)
+    if not cfg.tie_embeddings:
+        m["lm_head"] = (("lm_head.weight",), _t)
+    return m
+
+
 def _per_head_qkv_block(m: WeightMap, cfg: ModelConfig, o: str, p: str, attn: str) -> None:
     """BLOOM's and GPT-NeoX's block: LayerNorms before attention and MLP, q, k, v fused per head in
     {attn}.query_key_value ([h, 3, hd] rows), {attn}.dense, the ungated mlp.dense_h_to_4h /
@@ -519,7 +541,8 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "ExaoneForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _EXAONE_NAMES), "AfmoeForCausalLM": _llama_map,
          "PhimoeForCausalLM": _llama_map, "ApertusForCausalLM": _llama_map,
          "GPTJForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _GPTJ_NAMES), "OlmoForCausalLM": _llama_map,
-         "InternLM2ForCausalLM": _internlm2_map, "MiniCPMForCausalLM": _llama_map, "OPTForCausalLM": _opt_map}
+         "InternLM2ForCausalLM": _internlm2_map, "MiniCPMForCausalLM": _llama_map, "OPTForCausalLM": _opt_map,
+         "GPTNeoForCausalLM": _gpt_neo_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM")
