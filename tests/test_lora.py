@@ -242,7 +242,7 @@ def test_second_family_and_int8_base(tmp_path):
                                   "phi", "starcoder2-window", "gpt-neox", "bloom", "gpt2", "phi3-longrope", "glm4",
                                   "ministral3", "gemma", "arcee", "helium", "gpt-bigcode-mqa", "gpt-bigcode-mha",
                                   "falcon-7b", "falcon-40b", "falcon-sequential", "ministral",
-                                  "granite-swa", "jais2", "nemotron", "exaone", "internlm3", "apertus", "gptj", "olmo", "minicpm", "phimoe", "afmoe"])
+                                  "granite-swa", "jais2", "nemotron", "exaone", "internlm3", "apertus", "gptj", "olmo", "minicpm", "phimoe", "afmoe", "gpt-neo", "opt"])
 def test_newer_families_match_peft(name, tmp_path):
     """SmolLM3 (NoPE layers), Granite (the adapters' output times the residual multiplier), OLMo 2
     (adapters before the whole-width q / k norms and the post-norms), OLMo 3, EXAONE 4.0, Seed-OSS
@@ -251,7 +251,9 @@ def test_newer_families_match_peft(name, tmp_path):
     LayerNorms, parallel blocks), Granite MoE and OLMoE (their attention), HunYuan (q / k norms after
     RoPE), Ministral 3 (its queries scaled by log position); and the families PEFT adapts under their
     own module names: Phi (dense, fc1 / fc2), StarCoder2 (c_fc / c_proj), Arcee, Jais 2 and Apertus (ungated
-    up_proj; Apertus's xIELU between), GPT-J (out_proj, fc_in / fc_out; q / k rotated in pairs), GPT-NeoX and BLOOM (q, k, v fused per head in query_key_value: one A,
+    up_proj; Apertus's xIELU between), GPT-J (out_proj, fc_in / fc_out; q / k rotated in pairs), GPT-Neo
+    (attn.attention.q_proj ..., c_fc / c_proj), OPT (model.decoder.layers.i: self_attn.out_proj, and fc1 / fc2
+    directly under the layer), GPT-NeoX and BLOOM (q, k, v fused per head in query_key_value: one A,
     B split into the three), GPT-2 (c_attn: [q | k | v] rows; Conv1D modules), GPTBigCode (c_attn: [q | k | v] rows with one KV head, per
     head without), Falcon (query_key_value in KV groups, each its query heads, key and value), Phi-3 (qkv_proj's
     [q | k | v] and gate_up_proj's [gate | up] rows), GLM-4-0414 (gate_up_proj; q / k in RoPE pairs),

@@ -58,6 +58,8 @@ _FAMILY_PROJECTIONS = {
     "ArceeForCausalLM": _UNGATED_UP, "Jais2ForCausalLM": _UNGATED_UP, "NemotronForCausalLM": _UNGATED_UP,
     "ApertusForCausalLM": _UNGATED_UP,
     "GPTJForCausalLM": {**_QKV, "attn.out_proj": ("o", 0), "mlp.fc_in": ("up", 0), "mlp.fc_out": ("down", 0)},
+    "GPTNeoForCausalLM": {**_QKV, "attn.out_proj": ("o", 0), "mlp.c_fc": ("up", 0), "mlp.c_proj": ("down", 0)},
+    "OPTForCausalLM": {**_QKV, "attn.out_proj": ("o", 0), "mlp.fc1": ("up", 0), "mlp.fc2": ("down", 0)},
     "GPTNeoXForCausalLM": _FUSED_QKV, "BloomForCausalLM": _FUSED_QKV, "FalconForCausalLM": _FUSED_QKV,
     "GPT2LMHeadModel": {"attn.c_attn": ("qkv", "rows"), "attn.c_proj": ("o", 0), "mlp.c_fc": ("up", 0),
                         "mlp.c_proj": ("down", 0)},
@@ -81,8 +83,10 @@ LORA_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
 # PeftModel.save_pretrained writes base_model.model.<module>; an adapter saved from a transformers
 # model (its PEFT integration: model.add_adapter, then save_pretrained) the module names alone
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
-_MODULE = re.compile(r"^(?:(?:model\.language_model|language_model\.model|model|gpt_neox)\.layers|transformer\.h)"
-                     r"\.(?P<layer>\d+)\.(?P<part>self_attn|attention|self_attention|attn|mlp)(?:\.attention)?\.(?P<proj>\w+)$")
+# (OPT's fc1 / fc2 sit directly under the layer: no part, read as the MLP's)
+_MODULE = re.compile(r"^(?:(?:model\.language_model|language_model\.model|model|gpt_neox|model\.decoder)\.layers"
+                     r"|transformer\.h)\.(?P<layer>\d+)\."
+                     r"(?:(?P<part>self_attn|attention|self_attention|attn|mlp)(?:\.attention)?\.)?(?P<proj>\w+)$")
 
 
 def projections(architecture: str) -> dict[str, tuple[str, int | str]]:
@@ -223,7 +227,7 @@ def _load_adapter(name: str, folder: Path, model_cfg: ModelConfig, kv_replicas: 
     ins, outs = _group_dims(model_cfg)
     for module, ab in sorted(pairs.items()):
         mm = _MODULE.match(module)
-        key = None if mm is None else ("mlp." if mm["part"] == "mlp" else "attn.") + mm["proj"]
+        key = None if mm is None else ("mlp." if mm["part"] in ("mlp", None) else "attn.") + mm["proj"]
         if key not in table or int(mm["layer"]) >= model_cfg.n_layers:
             raise LoraError(f"{weights}: adapted module {module!r} is not in the model (LoRA targets: layers "
                             f"0..{model_cfg.n_layers - 1}, modules {', '.join(k.split('.', 1)[1] for k in table)})")
