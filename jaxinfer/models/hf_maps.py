@@ -339,31 +339,37 @@ def _falcon_map(cfg: ModelConfig) -> WeightMap:
 OPT_POSITION_OFFSET = 2
 
 
+def _linear_block(m: WeightMap, cfg: ModelConfig, o: str, p: str, norms: tuple[str, str], attn: str,
+                  mlp: tuple[str, str]) -> None:
+    """A pre-LayerNorm block over nn.Linear tensors [out, in] (GPT-Neo, OPT): the norms {p}.{norms},
+    {p}.{attn}.q_proj / k_proj / v_proj / out_proj, the ungated MLP's {p}.{mlp} (up, down), biases
+    where the config has them."""
+    h, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+    for ours, theirs in zip(("attn_norm", "mlp_norm"), norms):
+        _norm(m, f"{o}/{ours}", f"{p}.{theirs}", True)
+    for name in "qkv":
+        m[f"{o}/attn/{name}"] = ((f"{p}.{attn}.{name}_proj.weight",), lambda w: w.T.reshape(d, h, hd))
+        if cfg.qkv_bias:
+            m[f"{o}/attn/{name}_bias"] = ((f"{p}.{attn}.{name}_proj.bias",), lambda b: b.reshape(h, hd))
+    m[f"{o}/attn/o"] = ((f"{p}.{attn}.out_proj.weight",), lambda w: w.T.reshape(h, hd, d))
+    if cfg.out_bias:
+        m[f"{o}/attn/o_bias"] = ((f"{p}.{attn}.out_proj.bias",), _ident)
+    for ours, theirs in zip(("up", "down"), mlp):
+        m[f"{o}/mlp/{ours}"] = ((f"{p}.{theirs}.weight",), _t)
+        if cfg.mlp_bias:
+            m[f"{o}/mlp/{ours}_bias"] = ((f"{p}.{theirs}.bias",), _ident)
+
+
 def _opt_map(cfg: ModelConfig) -> WeightMap:
     """OPT: model.decoder.{embed_tokens, embed_positions (rows from OPT_POSITION_OFFSET), layers.i,
     final_layer_norm}; per layer self_attn_layer_norm, self_attn.q / k / v / out_proj, final_layer_norm
     (the MLP's), fc1, fc2. Uploads saved from OPTModel lack the leading `model.` (OPTIONAL_PREFIXES)."""
-    h, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
-    p0 = "model.decoder"
-    m: WeightMap = {"embed": ((f"{p0}.embed_tokens.weight",), _ident),
-                    "pos_embed": ((f"{p0}.embed_positions.weight",), lambda w: w[OPT_POSITION_OFFSET:])}
+    m: WeightMap = {"embed": (("model.decoder.embed_tokens.weight",), _ident),
+                    "pos_embed": (("model.decoder.embed_positions.weight",), lambda w: w[OPT_POSITION_OFFSET:])}
     for i in range(cfg.n_layers):
-        p, o = f"{p0}.layers.{i}", f"layers/{i}"
-        _norm(m, f"{o}/attn_norm", f"{p}.self_attn_layer_norm", True)
-        _norm(m, f"{o}/mlp_norm", f"{p}.final_layer_norm", True)
-        for name in "qkv":
-            m[f"{o}/attn/{name}"] = ((f"{p}.self_attn.{name}_proj.weight",), lambda w: w.T.reshape(d, h, hd))
-            if cfg.qkv_bias:
-                m[f"{o}/attn/{name}_bias"] = ((f"{p}.self_attn.{name}_proj.bias",), lambda b: b.reshape(h, hd))
-        m[f"{o}/attn/o"] = ((f"{p}.self_attn.out_proj.weight",), lambda w: w.T.reshape(h, hd, d))
-        for ours, theirs in (("up", "fc1"), ("down", "fc2")):
-            m[f"{o}/mlp/{ours}"] = ((f"{p}.{theirs}.weight",), _t)
-        if cfg.out_bias:
-            m[f"{o}/attn/o_bias"] = ((f"{p}.self_attn.out_proj.bias",), _ident)
-        if cfg.mlp_bias:
-            for ours, theirs in (("up", "fc1"), ("down", "fc2")):
-                m[f"{o}/mlp/{ours}_bias"] = ((f"{p}.{theirs}.bias",), _ident)
-    _norm(m, "final_norm", f"{p0}.final_layer_norm", True)
+        _linear_block(m, cfg, f"layers/{i}", f"model.decoder.layers.{i}", ("self_attn_layer_norm", "final_layer_norm"),
+                      "self_attn", ("fc1", "fc2"))
+    _norm(m, "final_norm", "model.decoder.final_layer_norm", True)
     if not cfg.tie_embeddings:
         m["lm_head"] = (("lm_head.weight",), _t)
     return m
@@ -371,20 +377,11 @@ def _opt_map(cfg: ModelConfig) -> WeightMap:
 
 def _gpt_neo_map(cfg: ModelConfig) -> WeightMap:
     """GPT-Neo: transformer.{wte, wpe, h.i, ln_f}; per layer ln_1, attn.attention.q / k / v_proj (no
-    biases), out_proj, ln_2, mlp.c_fc / c_proj (nn.Linear [out, in])."""
-    h, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+    biases), out_proj, ln_2, mlp.c_fc / c_proj."""
     m: WeightMap = {"embed": (("transformer.wte.weight",), _ident), "pos_embed": (("transformer.wpe.weight",), _ident)}
     for i in range(cfg.n_layers):
-        p, o = f"transformer.h.{i}", f"layers/{i}"
-        _norm(m, f"{o}/attn_norm", f"{p}.ln_1", True)
-        _norm(m, f"{o}/mlp_norm", f"{p}.ln_2", True)
-        for name in "qkv":
-            m[f"{o}/attn/{name}"] = ((f"{p}.attn.attention.{name}_proj.weight",), lambda w: w.T.reshape(d, h, hd))
-        m[f"{o}/attn/o"] = ((f"{p}.attn.attention.out_proj.weight",), lambda w: w.T.reshape(h, hd, d))
-        m[f"{o}/attn/o_bias"] = ((f"{p}.attn.attention.out_proj.bias",), _ident)
-        for ours, theirs in (("up", "c_fc"), ("down", "c_proj")):
-            m[f"{o}/mlp/{ours}"] = ((f"{p}.mlp.{theirs}.weight",), _t)
-            m[f"{o}/mlp/{ours}_bias"] = ((f"{p}.mlp.{theirs}.bias",), _ident)
+        _linear_block(m, cfg, f"layers/{i}", f"transformer.h.{i}", ("ln_1", "ln_2"), "attn.attention",
+                      ("mlp.c_fc", "mlp.c_proj"))
     _norm(m, "final_norm", "transformer.ln_f", True)
     if not cfg.tie_embeddings:
         m["lm_head"] = (("lm_head.weight",), _t)
