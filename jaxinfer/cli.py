@@ -160,10 +160,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     path = _model_path(args.model, default_model_path())
     model, cfg = load_model(path, "float32", gguf_blocks=False)   # a GGUF's blocks re-quantized as floats
     # calibration and QAT windows run from position 0: no longer than the model's context
-    window = min(256, cfg.max_position_embeddings) if args.calib_window is None else args.calib_window
-    if window > cfg.max_position_embeddings:
+    window = min(256, cfg.exact_positions) if args.calib_window is None else args.calib_window
+    if window > cfg.exact_positions:
         raise ValueError(f"--calib-window {window} is longer than the model's context "
-                         f"({cfg.max_position_embeddings} positions)")
+                         f"({cfg.exact_positions} positions)")
     settings = QuantizeSettings(method=args.method, bits=bits,
                                 group_size=group if args.group_size is None else args.group_size,
                                 symmetric=not args.asym, act_order=args.act_order, clip_search=args.clip_search,

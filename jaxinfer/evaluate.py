@@ -66,9 +66,9 @@ def _window_logits_fn(model: Decoder, window: int, kv_dtype: str | None):
 def eval_ppl(model: Decoder, tokenizer: Tokenizer, text: str, window: int = 256, stride: int | None = None,
              batch: int = 8, kv_dtype: str | None = None) -> dict[str, Any]:
     stride = stride or window // 2
-    if not 0 < stride <= window <= model.cfg.max_position_embeddings:
+    if not 0 < stride <= window <= model.cfg.exact_positions:
         raise ValueError(f"need 0 < stride ({stride}) <= window ({window}) <= the model's "
-                         f"max_position_embeddings ({model.cfg.max_position_embeddings})")
+                         f"context ({model.cfg.exact_positions} positions)")
     ids = np.asarray(tokenizer.encode(text), np.int32)
     if len(ids) < 2:
         raise ValueError("the text has fewer than two tokens: nothing to score")

@@ -381,8 +381,8 @@ class Generator:
         adapter's name (None: the base model)."""
         ids = self._encode(token_ids)
         t = len(ids)
-        if not 0 < t <= self.model_cfg.max_position_embeddings:
-            raise ValueError(f"logits needs 1..{self.model_cfg.max_position_embeddings} tokens, got {t}")
+        if not 0 < t <= self.model_cfg.exact_positions:
+            raise ValueError(f"logits needs 1..{self.model_cfg.exact_positions} tokens, got {t}")
         padded = max(16, 1 << (t - 1).bit_length())   # bucketed: a few compilations, not one per length
         tokens = np.zeros(padded, np.int32)
         tokens[:t] = ids

@@ -93,6 +93,13 @@ class Norm(nnx.Module):
         return (y if self.bias is None else y + self.bias.get_value().astype(jnp.float32)).astype(x.dtype)
 
 
+def rms_unweighted(x: jax.Array, eps: float) -> jax.Array:
+    """x divided by its root mean square over the last axis, in float32, cast back (Llama 4's weightless
+    q / k norm, transformers' Llama4TextL2Norm)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 MATMUL_IMPLS = ("auto", "pallas", "xla")
 
 

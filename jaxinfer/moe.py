@@ -81,10 +81,14 @@ def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: 
     topk_groups best of `groups` groups (a group scored by its best; the others' probabilities taken
     as 0, as transformers masks them), never renormalized, times scale. softmax_corrected_topk
     (ERNIE 4.5): softmax over all E, the k largest of probabilities + correction [E], weighted by
-    their probabilities divided by max(sum, 1e-12). sparsemixer (PhiMoE; k = 2): _route_sparsemixer."""
+    their probabilities divided by max(sum, 1e-12). sparsemixer (PhiMoE; k = 2): _route_sparsemixer.
+    topk_sigmoid (Llama 4): the k largest logits, each weighted by its sigmoid."""
     if routing == "topk_softmax":
         top, experts = lax.top_k(logits, k)
         return jax.nn.softmax(top, axis=-1), experts
+    if routing == "topk_sigmoid":
+        top, experts = lax.top_k(logits, k)
+        return jax.nn.sigmoid(top), experts
     if routing == "sigmoid_topk":
         return _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale)
     if routing == "softmax_group_topk":
@@ -214,7 +218,7 @@ class MoE(nnx.Module):
         self.num_experts, self.k, self.shards, self.impl = e, cfg.num_experts_per_tok, shards, None
         self.routing, self.norm_topk, self.act = cfg.moe_routing, cfg.moe_norm_topk, cfg.activation
         self.groups, self.topk_groups, self.routed_scale = cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_routed_scale
-        self.jitter = cfg.moe_router_jitter
+        self.jitter, self.scale_inputs = cfg.moe_router_jitter, cfg.moe_scale_inputs
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         fused, bias = shards is not None, cfg.mlp_bias
         expert = lambda n, axis, b=False: param((e, *n), ("experts", *axis), dtype, rngs,  # noqa: E731
@@ -251,6 +255,9 @@ class MoE(nnx.Module):
                                  self.groups, self.topk_groups, self.routed_scale, self.jitter)   # (T, k)
         order, sizes = sort_rows(experts, valid, self.num_experts)                  # (R,), (E,)
         xs = x[order // self.k]                                                      # (R, D) sorted by expert
+        if self.scale_inputs:   # Llama 4: each row times its weight (in x's dtype) before its expert
+            xs = xs * weights.reshape(-1)[order].astype(x.dtype)[:, None]
+            weights = jnp.ones_like(weights)
         impl = self.impl or default_impl()
         if impl not in IMPLS:
             raise ValueError(f"unknown MoE implementation {impl!r}; use one of {IMPLS}")

@@ -9,6 +9,9 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
   llama3_json  Llama 3.1+/3.2 JSON calls: an output that is (after an optional `<|python_tag|>`) one
                or more `{"name": ..., "parameters": {...}}` objects separated by `;`, or text and then
                `<|python_tag|>` and the calls (the text is content);
+  llama4_json  Llama 4's JSON calls (its published template): llama3_json's objects, after an optional
+               `<|python_start|>`; the template writes a turn with calls as `<|python_start|>TEXT<|python_end|>`
+               (the text: content) and then the objects one after another; calls inside the tags are read too;
   mistral      `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (Mistral v0.3 / Nemo), or
                `[TOOL_CALLS]name[ARGS]{...}` (the v11+ tokenizers' form), or
                `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` (v11+ with call ids: mistral-common's
@@ -27,6 +30,8 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
   pythonic     Llama 3.2 / Llama 4's Python calls: an output that is one list `[NAME(ARG=VALUE, ...), ...]`
                of calls with keyword arguments whose values are literals (strings, numbers, True / False /
                None, and JSON's true / false / null, lists, dicts);
+  llama4_pythonic  pythonic's list, optionally inside `<|python_start|>` ... `<|python_end|>` (vLLM's parser
+               for its Llama 4 pythonic template);
   olmo3        OLMo 3's: the same calls, one per line, in `<function_calls>...</function_calls>` (text
                before it is content);
   phi4_mini_json  Phi-4-mini: `functools` then a JSON array of `{"name", "arguments"}` (text before it is
@@ -66,14 +71,15 @@ from typing import Any
 from serve.reasoning import (COHERE_PARSERS, COHERE_RESPONSE, H_CALL, H_END, H_MESSAGE, H_RETURN, KIMI_SECTION,
                              DropMarkers, partial_suffix)
 
-TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3",
+TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "llama4_json", "llama4_pythonic", "mistral", "openai", "seed_oss", "deepseek_v3",
                 "deepseek_v31", "kimi_k2", "minimax_m2", "glm45", "glm47", "pythonic", "olmo3", "granite", "phi4_mini_json",
                 *COHERE_PARSERS)
 # the parsers whose formats are written in special tokens: the output is detokenized with them
-SPECIAL_TOKEN_PARSERS = ("llama3_json", "mistral", "openai", "seed_oss", "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2",
+SPECIAL_TOKEN_PARSERS = ("llama3_json", "llama4_json", "llama4_pythonic", "mistral", "openai", "seed_oss", "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2",
                          "glm45", "glm47", "olmo3", "granite", *COHERE_PARSERS)
 
 PYTHON_TAG = "<|python_tag|>"
+PY_START, PY_END = "<|python_start|>", "<|python_end|>"   # Llama 4's
 MISTRAL_CALLS = "[TOOL_CALLS]"
 MISTRAL_ARGS = "[ARGS]"
 DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -108,6 +114,8 @@ def default_tool_parser(template: str | None, token_id=None) -> str:
         return "granite"
     if PHI4_CALLS in t:
         return "phi4_mini_json"
+    if "<|header_start|>" in t:   # Llama 4's headers: its pythonic template (vLLM's) or the published JSON one
+        return "llama4_pythonic" if "[func_name1(" in t else "llama4_json"
     if "[func_name1(" in t:
         return "pythonic"
     if "<seed:tool_call>" in t:
@@ -199,7 +207,7 @@ def _call(plan, name, args, mistral: bool = False, call_id: str | None = None):
 
 
 def _json_values(text: str, sep: str) -> list | None:
-    """`text` as JSON values separated by `sep` (and whitespace); None unless all of it is."""
+    """`text` as JSON values separated by `sep` (and whitespace; sep "": by nothing); None unless all of it is."""
     dec, out, i = STRICT_DECODER, [], 0
     while True:
         while i < len(text) and text[i].isspace():
@@ -288,10 +296,11 @@ class _MarkedCalls(_Buffered):
 
 class Llama3JsonParser(_Buffered):
     plain = False      # the output did not start with a call: text, up to a `<|python_tag|>` if any
+    TAG = PYTHON_TAG
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self.held is None and self.plain:     # Llama 3.1 may write text, then the tag and a call
-            return self._until(PYTHON_TAG, text)
+            return self._until(self.TAG, text)
         if self.held is not None:
             self.held += text
             return "", []
@@ -299,20 +308,42 @@ class Llama3JsonParser(_Buffered):
         head = self.pending.lstrip()
         if not head:
             return "", []
-        if head.startswith("{") or head.startswith(PYTHON_TAG):
+        if head.startswith("{") or head.startswith(self.TAG):
             self.held, self.pending = self.pending, ""
             return "", []
-        if PYTHON_TAG.startswith(head):
+        if self.TAG.startswith(head):
             return "", []
         self.plain = True
         text, self.pending = self.pending, ""
-        return self._until(PYTHON_TAG, text)
+        return self._until(self.TAG, text)
 
     def _parse(self, text: str) -> list[dict] | None:
         body = text.strip()
         if body.startswith(PYTHON_TAG):
             body = body[len(PYTHON_TAG):]
         return _object_calls(_json_values(body, ";"), self.plan, "parameters")
+
+
+class Llama4JsonParser(Llama3JsonParser):
+    """llama4_json (module docstring): the calls after `<|python_start|>TEXT<|python_end|>` (TEXT is
+    content), or inside the tags, or the whole output; objects separated by `;` or by nothing."""
+
+    TAG = PY_START
+
+    def finish(self) -> tuple[str, list[dict]]:
+        rest, self.pending = self.pending, ""
+        if self.held is None:
+            return rest, []
+        held, self.held = self.held + rest, None
+        content, body = "", held.strip()
+        if body.startswith(PY_START):
+            inner, end, after = body[len(PY_START):].partition(PY_END)
+            content, body = (inner, after) if end and after.strip() else ("", inner)
+        calls = _object_calls(_json_values(body, ";") or _json_values(body, ""), self.plan, "parameters")
+        if not calls:
+            return held, []
+        self.calls = self._limit(calls)
+        return content, self.calls
 
 
 _JSON_NAMES = {"true": True, "false": False, "null": None}
@@ -382,6 +413,15 @@ class PythonicParser(_StartsWithCalls):
 
     def _parse(self, text: str) -> list[dict] | None:
         return _python_calls(text, self.plan)
+
+
+class Llama4PythonicParser(PythonicParser):
+    """llama4_pythonic: pythonic's list, optionally between `<|python_start|>` and `<|python_end|>`."""
+
+    MARKERS = ("[", PY_START)
+
+    def _parse(self, text: str) -> list[dict] | None:
+        return _python_calls(text.strip().removeprefix(PY_START).strip().removesuffix(PY_END), self.plan)
 
 
 GRANITE_CALL = "<|tool_call|>"
@@ -813,7 +853,8 @@ def parse_glm_call(body: str, plan) -> dict | None:
     return model_call(m.group(1), args) if not body[i:].strip() else None
 
 
-FAMILY_PARSERS = {"llama3_json": Llama3JsonParser, "mistral": MistralParser, "openai": HarmonyToolParser,
+FAMILY_PARSERS = {"llama3_json": Llama3JsonParser, "llama4_json": Llama4JsonParser,
+                  "llama4_pythonic": Llama4PythonicParser, "mistral": MistralParser, "openai": HarmonyToolParser,
                   "pythonic": PythonicParser, "olmo3": Olmo3Parser, "granite": GraniteParser,
                   "phi4_mini_json": Phi4MiniParser, **dict.fromkeys(COHERE_PARSERS, CohereParser),
                   "deepseek_v3": lambda plan: SectionToolParser(plan, "deepseek_v3"),

@@ -197,6 +197,21 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                                "short_factor": [1.0 + 0.15 * i for i in range(8)],
                                                "long_factor": [2.0 + 0.3 * i for i in range(8)], "short_mscale": 1.2,
                                                "long_mscale": 1.35, "original_max_position_embeddings": 256})),
+    # Llama 4 Scout: Llama 3 RoPE in pairs on every other layer (no_rope_layer_interval 2) with the
+    # weightless q / k norm after it, the others unrotated with their queries scaled by position
+    # (floor_scale small enough for the prompts to cross it); MoE on every layer: top-1 of 4 experts,
+    # the input scaled by its sigmoid, plus the shared expert
+    "llama4-scout": ("llama4_text", dict(_COMMON, vocab_size=127, intermediate_size=32, intermediate_size_mlp=96,
+                                         num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                         num_experts_per_tok=1, no_rope_layer_interval=2, attention_chunk_size=256,
+                                         floor_scale=4, attn_scale=0.5, use_qk_norm=True,
+                                         rope_parameters={**LLAMA3_ROPE, "rope_theta": 500000.0})),
+    # Llama 4 Maverick's pattern: MoE on every other layer (interleave_moe_layer_step 2), dense MLPs of
+    # intermediate_size_mlp between, no q / k norm; top-2 of 6 here (each scaled input its own row)
+    "llama4-maverick": ("llama4_text", dict(_COMMON, vocab_size=109, intermediate_size=32, intermediate_size_mlp=80,
+                                            num_hidden_layers=4, num_key_value_heads=1, num_local_experts=6,
+                                            num_experts_per_tok=2, interleave_moe_layer_step=2, use_qk_norm=False,
+                                            attention_chunk_size=256, floor_scale=6, attn_scale=0.3)),
     # GPTBigCode: StarCoder 1's one KV head (multi_query), and per-head q / k / v without it, unscaled scores
     "gpt-bigcode-mqa": ("gpt_bigcode", dict(vocab_size=131, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                                             n_inner=112, multi_query=True)),
@@ -476,7 +491,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
            "afmoe": ("AfmoeConfig", "AfmoeForCausalLM"), "apertus": ("ApertusConfig", "ApertusForCausalLM"),
            "gptj": ("GPTJConfig", "GPTJForCausalLM"), "olmo": ("OlmoConfig", "OlmoForCausalLM"), "opt": ("OPTConfig", "OPTForCausalLM"),
-           "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM"),
+           "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM"), "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
            "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
            "exaone": ("ExaoneConfig", "LlamaForCausalLM"), "internlm3": ("InternLM3Config", "LlamaForCausalLM")}[family]
     cls = (getattr(tf, names[0]), getattr(tf, names[1]))   # only this family's classes: one
@@ -506,9 +521,9 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
                 p.normal_(0.0, 1.0)
             elif n.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):   # xIELU's scalars: other slopes per layer
                 p.add_(0.5 * torch.randn_like(p))
-            elif n.endswith(("self_attn.gate_proj.weight", "router.gate.weight")):
-                # AFMoE's attention gate and router (zeros at init): gates that differ per feature, and
-                # scores that differ per expert
+            elif n.endswith(("self_attn.gate_proj.weight", "router.gate.weight", "feed_forward.router.weight")):
+                # AFMoE's attention gate and router (zeros at init), Llama 4's router: gates that differ
+                # per feature, and scores that differ per expert
                 p.normal_(0.0, 0.3)
 
         for n, b in model.named_buffers():   # GLM-4.5's choice correction (a buffer, zeros at init)

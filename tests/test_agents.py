@@ -988,6 +988,19 @@ def test_every_split_of_the_text_gives_the_same_reasoning_and_content(name, prom
      "Let me look. ", [{"city": "Paris"}]),
     ("llama3_json", 'Let me look. <|python_tag|>{"name": "get_weather", "parameters": {"city": Paris}}',
      'Let me look. <|python_tag|>{"name": "get_weather", "parameters": {"city": Paris}}', []),
+    # Llama 4: the objects bare, after <|python_start|>TEXT<|python_end|> (the text content), or in the tags
+    ("llama4_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [{"city": "Paris"}]),
+    ("llama4_json", '<|python_start|>Looking.<|python_end|>{"name": "get_weather", "parameters": {"city": "Paris"}}'
+                    '{"name": "get_weather", "parameters": {"city": "Rome"}}', "Looking.", [{"city": "Paris"}, {"city": "Rome"}]),
+    ("llama4_json", '<|python_start|>{"name": "get_weather", "parameters": {"city": "Oslo"}}<|python_end|>', None,
+     [{"city": "Oslo"}]),
+    ("llama4_json", 'It is {"name": "x"}', 'It is {"name": "x"}', []),
+    ("llama4_json", '<|python_start|>{"name": "get_weather", "parameters": {"city": Oslo}}<|python_end|>',
+     '<|python_start|>{"name": "get_weather", "parameters": {"city": Oslo}}<|python_end|>', []),
+    ("llama4_pythonic", "<|python_start|>[get_weather(city='Paris'), get_weather(city='Rome')]<|python_end|>", None,
+     [{"city": "Paris"}, {"city": "Rome"}]),
+    ("llama4_pythonic", "[get_weather(city='Oslo')]", None, [{"city": "Oslo"}]),
+    ("llama4_pythonic", "It is [get_weather(city='Paris')]", "It is [get_weather(city='Paris')]", []),
     ("mistral", 'Ok [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Ok ", [{"city": "Paris"}]),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None, [{"city": "Paris"}]),
     # v11+ with call ids (mistral-common's decode_tool_calls: name[CALL_ID]id[ARGS]args), two calls

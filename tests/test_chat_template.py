@@ -360,3 +360,26 @@ def test_tokenize_messages_with_vllm_options_as_transformers(base, tmp_path):
                         ({"messages": prefilled, "continue_final_message": True}, "continue_final_message")):
         with pytest.raises(pydantic.ValidationError, match=param):
             TokenizeRequest(**body)
+
+
+@pytest.mark.parametrize("text", ["Editing both.", ""])
+def test_llama4_published_template_calls_read_back(text):
+    """transformers' Llama 4 chat template (the uploads' own, processing_llama4.chat_template) picks
+    llama4_json; an assistant turn with text and two calls as transformers renders it (the text between
+    `<|python_start|>` and `<|python_end|>`, then the objects one after another) reads back as that
+    text and the same two calls."""
+    from transformers.models.llama4.processing_llama4 import chat_template
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from serve.tool_parsers import default_tool_parser
+    from serve.tools import parse_auto, plan_tools
+    assert default_tool_parser(chat_template) == "llama4_json"
+    tools = _edit_tools()
+    calls = [{"type": "function", "function": {"name": "edit", "arguments": a}} for a in EDIT_ARGS]
+    msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": text, "tool_calls": calls}]
+    (rendered,), _ = render_jinja_template([msgs], tools=tools, chat_template=chat_template, bos_token="<s>")
+    header = "<|header_start|>assistant<|header_end|>\n\n"
+    written = rendered[rendered.rindex(header) + len(header):rendered.rindex("<|eot|>")]
+    assert written.startswith("<|python_start|>")
+    content, parsed = parse_auto(written, plan_tools(tools, None, None), "llama4_json")
+    assert content == (text or None) and [json.loads(c["function"]["arguments"]) for c in parsed] == EDIT_ARGS

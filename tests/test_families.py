@@ -285,7 +285,8 @@ def test_num_params_match_transformers():
                                   "gpt-bigcode-mqa", "gpt-bigcode-mha", "falcon-7b", "falcon-40b",
                                   "falcon-sequential", "glm4moelite", "minimax-m2", "ministral", "dots1",
                                   "solar-open", "exaone-moe", "cwm", "granite-swa",
-                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3", "afmoe", "phimoe", "apertus", "gptj", "olmo", "minicpm", "opt", "gpt-neo"])
+                                  "jais2", "vaultgemma", "nemotron", "exaone", "internlm3", "afmoe", "phimoe", "apertus", "gptj", "olmo", "minicpm", "opt", "gpt-neo",
+                                  "llama4-scout", "llama4-maverick"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     # the sigmoid router's choice correction: a buffer in DeepSeek-V3's and GLM-4.5's classes, which
@@ -915,3 +916,49 @@ def test_unsupported_architecture_named(arch, hint):
     one, what to load instead)."""
     with pytest.raises(ConfigError, match=f"unsupported architecture '{arch}'.*{hint}"):
         model_config_from_hf({"architectures": [arch], "hidden_size": 64})
+
+
+def test_llama4_upload_reads_as_transformers_fills_it(hf_model_dir, tmp_path):
+    """A Llama 4 upload (Llama4ForConditionalGeneration): its text_config names only some fields, the rest
+    are Llama4TextConfig's (no RoPE on every fourth layer, MoE on every interleave_moe_layer_step-th, 16
+    experts, top-1, the temperature tuning's scales, the chunk); its language model's tensors under
+    language_model.* give transformers' text model's logits. max_model_len defaults to one attention
+    chunk when that is shorter than the context, and a longer one is refused naming attention_chunk_size
+    (chunked attention differs from causal past one chunk, and jaxinfer does not implement it)."""
+    import transformers as tf
+    from safetensors.numpy import load_file, save_file
+    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=16,
+                  interleave_moe_layer_step=2)
+    theirs = tf.Llama4TextConfig(**fields)
+    cfg = model_config_from_hf({"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+                                "text_config": {"model_type": "llama4_text", **fields}, "vision_config": {}})
+    assert cfg.architecture == "Llama4ForCausalLM" and cfg.rope_layers == tuple(map(bool, theirs.no_rope_layers))
+    assert cfg.moe_layers == tuple(i in theirs.moe_layers for i in range(8)) and not all(cfg.moe_layers)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_ffn_dim, cfg.moe_shared_ffn_dim, cfg.ffn_dim) == (
+        theirs.num_local_experts, theirs.num_experts_per_tok, theirs.intermediate_size, theirs.intermediate_size,
+        theirs.intermediate_size_mlp)
+    assert (cfg.head_dim, cfg.n_kv_heads, cfg.norm_eps, cfg.rope_theta, cfg.max_position_embeddings) == (
+        theirs.head_dim, theirs.num_key_value_heads, theirs.rms_norm_eps, theirs.rope_parameters["rope_theta"],
+        theirs.max_position_embeddings)
+    assert (cfg.attention_chunk, cfg.nope_query_scale, cfg.qk_rms_after_rope) == (
+        theirs.attention_chunk_size, (theirs.attn_scale, theirs.floor_scale), theirs.use_qk_norm)
+
+    folder = Path(hf_model_dir("llama4-scout"))
+    text = json.loads((folder / "config.json").read_text())
+    wrapped = tmp_path / "wrapped"
+    wrapped.mkdir()
+    (wrapped / "config.json").write_text(json.dumps({
+        "architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "vision_config": {},
+        "text_config": {**text, "attention_chunk_size": 40}}))
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({f"language_model.{k}": v for k, v in tensors.items()}, str(wrapped / "model.safetensors"))
+    prompt = [3, 17, 42, 9, 100, 5, 77, 12, 8, 60, 33, 1, 7, 19, 20, 21, 22, 23]   # NoPE scales grow every 4
+    with torch.no_grad():
+        ref = build_hf_model("llama4-scout")(torch.tensor([prompt])).logits[0].numpy()
+    with pytest.raises(ConfigError, match=r"longer than one attention chunk \(40 positions: config.json's "
+                                          r"attention_chunk_size\)"):
+        Generator.from_pretrained(wrapped, max_model_len=48, num_blocks=16, block_size=8)
+    gen = Generator.from_pretrained(wrapped, dtype="float32", max_num_batched_tokens=16, token_buckets=[16],
+                                    num_blocks=16, block_size=8, warmup=False)
+    assert gen.client.max_model_len == 40 < gen.model_cfg.max_position_embeddings
+    assert np.abs(gen.logits(prompt) - ref).max() <= 1e-4 * np.abs(ref).max()

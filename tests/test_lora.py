@@ -242,7 +242,8 @@ def test_second_family_and_int8_base(tmp_path):
                                   "phi", "starcoder2-window", "gpt-neox", "bloom", "gpt2", "phi3-longrope", "glm4",
                                   "ministral3", "gemma", "arcee", "helium", "gpt-bigcode-mqa", "gpt-bigcode-mha",
                                   "falcon-7b", "falcon-40b", "falcon-sequential", "ministral",
-                                  "granite-swa", "jais2", "nemotron", "exaone", "internlm3", "apertus", "gptj", "olmo", "minicpm", "phimoe", "afmoe", "gpt-neo", "opt"])
+                                  "granite-swa", "jais2", "nemotron", "exaone", "internlm3", "apertus", "gptj", "olmo", "minicpm", "phimoe", "afmoe", "gpt-neo", "opt",
+                                  "llama4-maverick"])
 def test_newer_families_match_peft(name, tmp_path):
     """SmolLM3 (NoPE layers), Granite (the adapters' output times the residual multiplier), OLMo 2
     (adapters before the whole-width q / k norms and the post-norms), OLMo 3, EXAONE 4.0, Seed-OSS
@@ -260,12 +261,15 @@ def test_newer_families_match_peft(name, tmp_path):
     the ungated MLPs' up projection adapted, EXAONE 3.5 (also the adapter under its modeling code's
     module names: transformer.h.i.attn.attention.out_proj, mlp.c_fc_0, ...), InternLM3 (biases), OLMo 1
     (adapters before the clamp of q / k / v), MiniCPM (muP's scales; PEFT on the Granite it is written from),
-    Phi-3.5-MoE and Arcee Trinity (their attention; Trinity's o_proj adapter reads the gated heads):
-    an all-linear adapter's logits and greedy tokens as PEFT's."""
+    Phi-3.5-MoE and Arcee Trinity (their attention; Trinity's o_proj adapter reads the gated heads),
+    Llama 4 (its attention, q / k in RoPE pairs, and the dense layers' feed_forward MLP): an all-linear
+    adapter's logits and greedy tokens as PEFT's."""
     base = save_hf_model(name, tmp_path / "base")
     # PEFT's all-linear on OLMoE also adapts its experts' and router's parameters (target_parameters,
     # refused): its attention here
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if name in ("olmoe", "phimoe", "afmoe") else "all-linear"
+    if name == "llama4-maverick":   # (all-linear would adapt the MoE layers' router and shared expert: refused)
+        targets = r".*\.(self_attn\.[qkvo]_proj|feed_forward\.(gate|up|down)_proj)"
     model = _peft(name, dict(r=4, lora_alpha=8, target_modules=targets), seed=11)
     model.save_pretrained(tmp_path / "a")
     with torch.no_grad():

@@ -111,6 +111,15 @@ class ModelConfig:
     query_log_scale: tuple[float, int] | None = None   # Ministral 3 (transformers' llama_4_scaling_beta):
                                         # (beta, period): each query after RoPE times
                                         # 1 + beta log(1 + floor(position / period))
+    qk_rms_after_rope: bool = False     # Llama 4 (use_qk_norm): each q and k head divided by its root mean
+                                        # square over head_dim (eps norm_eps, in float32, no weight) after
+                                        # RoPE, on the RoPE layers only
+    nope_query_scale: tuple[float, int] | None = None   # Llama 4 (attn_temperature_tuning): (attn_scale,
+                                        # floor_scale): the queries of the layers without RoPE times
+                                        # 1 + attn_scale log(1 + floor((position + 1) / floor_scale)) in float32
+    attention_chunk: int | None = None  # Llama 4's attention_chunk_size: its RoPE layers attend within aligned
+                                        # chunks of this many positions, which jaxinfer serves up to one chunk
+                                        # long (config/resolve.py), where it is plain causal attention
     # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): num_experts > 0 replaces the MLP of the layers
     # moe_layers marks (None: every layer) by a router picking num_experts_per_tok experts per token,
     # each a gated MLP of moe_ffn_dim (None: ffn_dim; the dense layers keep ffn_dim), with biases where
@@ -125,7 +134,9 @@ class ModelConfig:
     # limited to the moe_topk_groups best groups (a group scored by its best), never renormalized,
     # times moe_routed_scale; "softmax_corrected_topk" (ERNIE 4.5): softmax over all experts, the
     # correction added for the choice only, the chosen probabilities divided by max(their sum, 1e-12);
-    # "sparsemixer" (PhiMoE, top-2): the best logit's expert weighted by its softmax probability among the
+    # "topk_sigmoid" (Llama 4): the k largest logits, each expert weighted by its logit's sigmoid (in
+    # float32, then the model dtype); with moe_scale_inputs the weight multiplies the expert's input
+    # rows instead of its output. "sparsemixer" (PhiMoE, top-2): the best logit's expert weighted by its softmax probability among the
     # logits within 2 moe_router_jitter of it (relative), then the same among the others for the second.
     # Shared experts (Qwen2-MoE, DeepSeek, GLM-4.5, ERNIE 4.5): a dense gated MLP of moe_shared_ffn_dim
     # beside the routed experts of every MoE layer, its output added (Qwen2-MoE: times sigmoid(x . w) of
@@ -159,6 +170,7 @@ class ModelConfig:
     moe_router_jitter: float = 0.0      # "sparsemixer"'s (PhiMoE) relative margin (router_jitter_noise)
     moe_shared_ffn_dim: int = 0
     moe_shared_gate: bool = False
+    moe_scale_inputs: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     tie_embeddings: bool = False
@@ -180,7 +192,8 @@ class ModelConfig:
                 "moe_shared_ffn_dim", "mla_kv_rank", "mla_q_rank", "mla_nope_dim", "mla_rope_dim", "mla_v_dim")
         optional = {"sliding_window": _is_int, "rotary_dim": _is_int, "rope_local_theta": _is_number,
                     "attn_scale": _is_number, "attn_softcap": _is_number, "final_softcap": _is_number,
-                    "moe_ffn_dim": _is_int, "swiglu_limit": _is_number, "clip_qkv": _is_number}
+                    "moe_ffn_dim": _is_int, "swiglu_limit": _is_number, "clip_qkv": _is_number,
+                    "attention_chunk": _is_int}
         wrong = [f"{k}={getattr(self, k)!r} must be an integer" for k in ints if not _is_int(getattr(self, k))]
         wrong += [f"{k}={getattr(self, k)!r} must be a number" for k in _FLOATS if not _is_number(getattr(self, k))]
         wrong += [f"{k}={getattr(self, k)!r} must be {'an integer' if ok is _is_int else 'a number'} or null"
@@ -191,7 +204,7 @@ class ModelConfig:
             raise ConfigError(f"invalid ModelConfig: max_position_embeddings={self.max_position_embeddings} is "
                               f"beyond the {MAX_POSITIONS} positions jaxinfer supports")
         positive = ("sliding_window", "rope_local_theta", "attn_scale", "attn_softcap", "final_softcap",
-                    "moe_ffn_dim", "swiglu_limit", "clip_qkv")
+                    "moe_ffn_dim", "swiglu_limit", "clip_qkv", "attention_chunk")
         checks = {
             "vocab_size": self.vocab_size > 0, "d_model": self.d_model > 0,
             "n_layers": self.n_layers > 0, "n_heads": self.n_heads > 0,
@@ -223,7 +236,7 @@ class ModelConfig:
                                     else self.num_experts_per_tok == 0),
             "moe_layers": self.moe_layers is None or (len(self.moe_layers) == self.n_layers and self.num_experts > 0),
             "moe_routing": self.moe_routing in ("topk_softmax", "softmax_topk", "sigmoid_topk", "softmax_group_topk",
-                                                "softmax_corrected_topk", "sparsemixer") and (
+                                                "softmax_corrected_topk", "sparsemixer", "topk_sigmoid") and (
                 self.moe_routing != "sparsemixer" or self.num_experts_per_tok == 2),   # sparsemixer picks two
             "moe_groups": self.moe_groups > 0 and (not self.num_experts or self.num_experts % self.moe_groups == 0) and (
                 self.moe_groups == 1 or self.num_experts // self.moe_groups
@@ -237,10 +250,21 @@ class ModelConfig:
                 and self.rotary_dim == self.mla_rope_dim and self.mla_nope_dim > 0 and self.mla_v_dim > 0
                 and self.position == "rope")),
             "mla_q_rank": self.mla_q_rank >= 0,
+            **self._llama4_checks(),
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ConfigError(f"invalid ModelConfig field(s) {bad}: {self}")
+        self._check_combinations()
+
+    def _llama4_checks(self) -> dict[str, bool]:
+        s = self.nope_query_scale
+        return {"qk_rms_after_rope": not self.qk_rms_after_rope or (self.position == "rope" and not self.mla_kv_rank),
+                "nope_query_scale": s is None or (len(s) == 2 and _is_number(s[0]) and _is_int(s[1]) and s[1] > 0
+                                                  and self.position == "rope" and not self.mla_kv_rank),
+                "moe_scale_inputs": not self.moe_scale_inputs or self.num_experts > 0}
+
+    def _check_combinations(self) -> None:
         if self.num_experts and not self.gated_mlp:
             raise ConfigError("mixture-of-experts layers are gated MLPs; gated_mlp=False with num_experts > 0 "
                               "is not supported")
@@ -254,6 +278,13 @@ class ModelConfig:
             got = f"{len(s.short_factor or ())} and {len(s.long_factor or ())}"
             raise ConfigError(f"longrope needs short_factor and long_factor of {self.rope_dim // 2} values each "
                               f"(rotated features / 2), got {got}")
+
+    @property
+    def exact_positions(self) -> int:
+        """The longest sequence computed as the model does: max_position_embeddings, or Llama 4's
+        attention_chunk where shorter (past one chunk its RoPE layers' attention is chunked, which
+        jaxinfer does not implement)."""
+        return min(self.max_position_embeddings, self.attention_chunk or self.max_position_embeddings)
 
     @property
     def qk_norm_kind(self) -> str:
@@ -380,7 +411,8 @@ class ModelConfig:
         if d.get("rope_scaling") is not None:   # lists from JSON back to tuples: the config stays hashable
             d["rope_scaling"] = RopeScaling(**{k: tuple(v) if isinstance(v, list) else v
                                                for k, v in d["rope_scaling"].items()})
-        for k in ("sliding_layers", "rope_layers", "moe_layers", "eos_token_ids", "query_log_scale"):
+        for k in ("sliding_layers", "rope_layers", "moe_layers", "eos_token_ids", "query_log_scale",
+                  "nope_query_scale"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         return cls(**d)

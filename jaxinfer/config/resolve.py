@@ -110,12 +110,17 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
     dtype = resolve_dtype_name(cfg.dtype, backend, weight_dtype)
     kv_dtype = cfg.kv_dtype or dtype
     attention = _resolve_attention(cfg, model_cfg, backend)
-    max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
+    chunk = model_cfg.attention_chunk
+    max_model_len = cfg.max_model_len or model_cfg.exact_positions
     longest = model_context(model_cfg)
     if max_model_len > longest:
         raise ConfigError(f"max_model_len {max_model_len} is longer than the model's context ({longest} positions: "
                           f"config.json's max_position_embeddings {model_cfg.max_position_embeddings}"
                           f"{'' if longest == model_cfg.max_position_embeddings else ' times its RoPE scaling factor'})")
+    if chunk is not None and max_model_len > chunk:
+        raise ConfigError(f"max_model_len {max_model_len} is longer than one attention chunk ({chunk} positions: "
+                          f"config.json's attention_chunk_size): jaxinfer does not implement Llama 4's chunked "
+                          f"attention, which differs from causal attention past one chunk; use max_model_len <= {chunk}")
     pool = None
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks

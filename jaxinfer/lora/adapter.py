@@ -78,15 +78,15 @@ LORA_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
                  "Ernie4_5ForCausalLM", "StableLmForCausalLM", "GraniteMoeForCausalLM", "OlmoeForCausalLM",
                  "Ministral3ForCausalLM", "HunYuanDenseV1ForCausalLM", "HeliumForCausalLM",
                  "MinistralForCausalLM", "GraniteSWAForCausalLM", "InternLM3ForCausalLM", "OlmoForCausalLM",
-                 "MiniCPMForCausalLM", "PhimoeForCausalLM", "AfmoeForCausalLM",
+                 "MiniCPMForCausalLM", "PhimoeForCausalLM", "AfmoeForCausalLM", "Llama4ForCausalLM",
                  *_FAMILY_PROJECTIONS)
 # PeftModel.save_pretrained writes base_model.model.<module>; an adapter saved from a transformers
 # model (its PEFT integration: model.add_adapter, then save_pretrained) the module names alone
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
-# (OPT's fc1 / fc2 sit directly under the layer: no part, read as the MLP's)
+# (OPT's fc1 / fc2 sit directly under the layer: no part, read as the MLP's; Llama 4's MLP is its feed_forward)
 _MODULE = re.compile(r"^(?:(?:model\.language_model|language_model\.model|model|gpt_neox|model\.decoder)\.layers"
                      r"|transformer\.h)\.(?P<layer>\d+)\."
-                     r"(?:(?P<part>self_attn|attention|self_attention|attn|mlp)(?:\.attention)?\.)?(?P<proj>\w+)$")
+                     r"(?:(?P<part>self_attn|attention|self_attention|attn|mlp|feed_forward)(?:\.attention)?\.)?(?P<proj>\w+)$")
 
 
 def projections(architecture: str) -> dict[str, tuple[str, int | str]]:
@@ -227,7 +227,7 @@ def _load_adapter(name: str, folder: Path, model_cfg: ModelConfig, kv_replicas: 
     ins, outs = _group_dims(model_cfg)
     for module, ab in sorted(pairs.items()):
         mm = _MODULE.match(module)
-        key = None if mm is None else ("mlp." if mm["part"] in ("mlp", None) else "attn.") + mm["proj"]
+        key = None if mm is None else ("mlp." if mm["part"] in ("mlp", "feed_forward", None) else "attn.") + mm["proj"]
         if key not in table or int(mm["layer"]) >= model_cfg.n_layers:
             raise LoraError(f"{weights}: adapted module {module!r} is not in the model (LoRA targets: layers "
                             f"0..{model_cfg.n_layers - 1}, modules {', '.join(k.split('.', 1)[1] for k in table)})")

@@ -45,7 +45,7 @@ from jaxinfer.attention import attention
 from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV
 from jaxinfer.layers import (MATMUL_IMPLS, MLP, Norm, alibi_slopes, apply_rope, dense, lora_delta, param, param_value,
-                             rope_inv_freq, rope_magnitude, sinusoidal_embedding)
+                             rms_unweighted, rope_inv_freq, rope_magnitude, sinusoidal_embedding)
 from jaxinfer.models.mla import MLAttention
 from jaxinfer.moe import MoE
 from jaxinfer.quant import QuantizedWeight, dot_precision, quantize, quantize_experts, quantize_fp8
@@ -157,8 +157,15 @@ class Attention(nnx.Module):
         if cfg.clip_qkv is not None:   # OLMo 1
             q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
         alibi = None
+        if cfg.nope_query_scale is not None and self.use_rope is not True:   # Llama 4's layers without RoPE
+            attn_scale, floor_scale = cfg.nope_query_scale
+            grow = 1.0 + attn_scale * jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / floor_scale))
+            scaled = (q.astype(jnp.float32) * grow[:, None, None]).astype(q.dtype)
+            q = scaled if self.use_rope is False else jnp.where(self.use_rope, q, scaled)
         if cfg.position == "rope" and self.use_rope is not False:
             qr, kr = self.rope(q, k, positions)
+            if cfg.qk_rms_after_rope:   # Llama 4: on the RoPE layers only
+                qr, kr = rms_unweighted(qr, cfg.norm_eps), rms_unweighted(kr, cfg.norm_eps)
             if self.use_rope is True:
                 q, k = qr, kr
             else:   # a pipeline stage's traced choice (pipeline.py)

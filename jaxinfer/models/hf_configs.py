@@ -118,7 +118,8 @@ _MULTIMODAL = {"Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausa
                "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": "Qwen2ForCausalLM"},
                "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
                "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
-               "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}}
+               "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": "Qwen3MoeForCausalLM"},
+               "Llama4ForConditionalGeneration": {"llama4_text": "Llama4ForCausalLM"}}
 # Qwen2-VL's and Qwen2.5-VL's config.json before transformers 5 keep the text fields at the top level
 _FLAT_TEXT = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # fields the wrapper's config.json holds for its language model (Gemma 3's eos_token_id [1, 106])
@@ -552,20 +553,59 @@ def _hunyuan_moe(c: dict[str, Any], arch: str) -> ModelConfig:
                                moe_shared_ffn_dim=c["intermediate_size"])
 
 
-def _smollm3(c: dict[str, Any], arch: str) -> ModelConfig:
-    """SmolLM3: Llama's block with no position encoding on some layers (transformers' SmolLM3Config:
-    no_rope_layers, 1 where a layer rotates, default every no_rope_layer_interval-th layer (4) without),
-    and a window only where use_sliding_window and layer_types say so."""
+def _rope_flags(c: dict[str, Any]) -> list[int]:
+    """SmolLM3's and Llama 4's no_rope_layers (1 where a layer rotates; an empty list or none: every
+    no_rope_layer_interval-th layer, default 4, without), one per layer."""
     n = c["num_hidden_layers"]
     flags = c.get("no_rope_layers")
-    if flags is None:
+    if not flags:
         interval = c.get("no_rope_layer_interval", 4)
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ConfigError(f"no_rope_layer_interval must be a positive integer, got {interval!r}")
         flags = [int((i + 1) % interval != 0) for i in range(n)]
     if not isinstance(flags, list) or len(flags) < n or any(f not in (0, 1) for f in flags):
         raise ConfigError(f"no_rope_layers must be at least {n} values of 0 or 1 (one per layer), got {flags!r}")
-    flags = flags[:n]   # transformers reads no_rope_layers[layer]: entries past the last layer are unused
+    return flags[:n]   # transformers reads no_rope_layers[layer]: entries past the last layer are unused
+
+
+def _llama4(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Llama 4 (Scout 17B-16E, Maverick 17B-128E: Llama4ForCausalLM, or the text model of
+    Llama4ForConditionalGeneration): Llama's attention with q / k features rotated in pairs
+    (hf_maps._PAIRED_ROPE), no RoPE on the layers no_rope_layers marks 0 (every fourth by default) and
+    the queries there scaled by position (attn_temperature_tuning: nope_query_scale), a weightless RMS
+    norm of q and k after RoPE on the others (use_qk_norm); MoE on the layers moe_layers lists (default
+    every interleave_moe_layer_step-th): experts of intermediate_size picked by top-k of the router logits,
+    each token's input to an expert times the sigmoid of its logit (topk_sigmoid, moe_scale_inputs), plus
+    a shared expert of intermediate_size; dense MLPs of intermediate_size_mlp on the other layers. Its
+    RoPE layers attend within chunks of attention_chunk_size (attention_chunk: served up to one chunk)."""
+    n = c["num_hidden_layers"]
+    flags = _rope_flags(c)
+    step = c.get("interleave_moe_layer_step", 1)
+    listed = c.get("moe_layers")
+    if listed is None:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ConfigError(f"interleave_moe_layer_step must be a positive integer, got {step!r}")
+        listed = range(step - 1, n, step)
+    if not isinstance(listed, (list, range)) or not all(isinstance(i, int) and 0 <= i < n for i in listed):
+        raise ConfigError(f"moe_layers must list layer indices below num_hidden_layers ({n}), got {listed!r}")
+    layers = tuple(i in set(listed) for i in range(n))
+    chunk = c.get("attention_chunk_size")
+    tuning = bool(c.get("attn_temperature_tuning", True))
+    cfg = _llama_like({**c, "sliding_window": None}, arch)
+    return dataclasses.replace(
+        cfg, ffn_dim=c["intermediate_size_mlp"], rope_layers=tuple(bool(f) for f in flags),
+        qk_rms_after_rope=bool(c.get("use_qk_norm", True)), attention_chunk=chunk if any(flags) else None,
+        nope_query_scale=(float(c["attn_scale"]), int(c["floor_scale"])) if tuning and not all(flags) else None,
+        num_experts=_num_experts(c, arch), num_experts_per_tok=c["num_experts_per_tok"],
+        moe_ffn_dim=c["intermediate_size"], moe_layers=None if all(layers) else layers, moe_routing="topk_sigmoid",
+        moe_scale_inputs=True, moe_shared_ffn_dim=c["intermediate_size"])
+
+
+def _smollm3(c: dict[str, Any], arch: str) -> ModelConfig:
+    """SmolLM3: Llama's block with no position encoding on some layers (transformers' SmolLM3Config:
+    no_rope_layers, 1 where a layer rotates, default every no_rope_layer_interval-th layer (4) without),
+    and a window only where use_sliding_window and layer_types say so."""
+    flags = _rope_flags(c)
     window, sliding = None, None
     if c.get("use_sliding_window", False) and c.get("sliding_window") is not None:
         types = c.get("layer_types") or ["sliding_attention" if not f else "full_attention" for f in flags]
@@ -1479,7 +1519,7 @@ _HF_BUILDERS = {
     "ExaoneForCausalLM": _exaone, "InternLM3ForCausalLM": _internlm3, "AfmoeForCausalLM": _afmoe,
     "PhimoeForCausalLM": _phimoe, "ApertusForCausalLM": _apertus, "GPTJForCausalLM": _gptj,
     "OlmoForCausalLM": _olmo1, "InternLM2ForCausalLM": _internlm2, "MiniCPMForCausalLM": _minicpm,
-    "OPTForCausalLM": _opt, "GPTNeoForCausalLM": _gpt_neo,
+    "OPTForCausalLM": _opt, "GPTNeoForCausalLM": _gpt_neo, "Llama4ForCausalLM": _llama4,
 }
 # model types transformers reads with LlamaForCausalLM (renaming EXAONE's tensors as it loads and
 # back as it saves), whose config.json names that class once re-saved
@@ -1488,7 +1528,8 @@ _AS_LLAMA = {"exaone": "ExaoneForCausalLM", "internlm3": "InternLM3ForCausalLM"}
 _ALIASES = {"PhiMoEForCausalLM": "PhimoeForCausalLM"}
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
-_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+_ARCH_BY_MODEL_TYPE = {"llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration",
+                       "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "arcee": "ArceeForCausalLM", "helium": "HeliumForCausalLM",
                        "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                        "vaultgemma": "VaultGemmaForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
@@ -1537,6 +1578,13 @@ _GLM_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1.5625e-07, "max_position_embe
                  "num_key_value_heads": 2, "eos_token_id": [151329, 151336, 151338]}
 _COHERE_DEFAULTS = {"max_position_embeddings": 8192, "bos_token_id": 5, "eos_token_id": 255001}
 _HF_DEFAULTS = {
+    # Llama4TextConfig's (a Llama 4 upload's text_config names only some)
+    "Llama4ForCausalLM": {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+                          "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
+                          "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+                          "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                          "num_experts_per_tok": 1, "attention_chunk_size": 8192, "floor_scale": 8192,
+                          "attn_scale": 0.1, "bos_token_id": 1, "eos_token_id": 2},
     "Qwen3ForCausalLM": {"head_dim": 128},
     "Ernie4_5ForCausalLM": {"head_dim": 128, "num_key_value_heads": 2, "max_position_embeddings": 131072,
                             "rope_theta": 500000.0, "bos_token_id": 1, "eos_token_id": 2},
@@ -1678,7 +1726,7 @@ _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOss
                     "SolarOpenForCausalLM": 128, "ExaoneMoeForCausalLM": 64, "AfmoeForCausalLM": 64, "PhimoeForCausalLM": 16,
                     "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
                     "OlmoeForCausalLM": 64,
-                    "HunYuanMoEV1ForCausalLM": 1}
+                    "HunYuanMoEV1ForCausalLM": 1, "Llama4ForCausalLM": 16}
 # architectures close to a supported one, refused with a pointer to what is supported
 _NOT_SUPPORTED = {
     "Phi3SmallForCausalLM": " (Phi-3-small: block-sparse attention and its own MLP, not Phi3ForCausalLM's)",

@@ -425,6 +425,11 @@ _PHI_NAMES = ((".self_attn.o_proj.", ".self_attn.dense."), (".mlp.c_fc.", ".mlp.
               ("model.norm.", "model.final_layernorm."), ("_norm.", "_layernorm."))
 
 
+# Llama 4's MLP is its feed_forward: router, experts (fused: hf_weight_map), shared_expert, or a dense MLP
+_LLAMA4_NAMES = ((".mlp.gate.weight", ".feed_forward.router.weight"),
+                 (".mlp.shared_experts.", ".feed_forward.shared_expert."), (".mlp.", ".feed_forward."))
+
+
 def _renamed(m: WeightMap, pairs: tuple[tuple[str, str], ...]) -> WeightMap:
     """A map's entries under another family's tensor names: each (Llama's, theirs) substring replaced,
     in order."""
@@ -539,10 +544,11 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "PhimoeForCausalLM": _llama_map, "ApertusForCausalLM": _llama_map,
          "GPTJForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _GPTJ_NAMES), "OlmoForCausalLM": _llama_map,
          "InternLM2ForCausalLM": _internlm2_map, "MiniCPMForCausalLM": _llama_map, "OPTForCausalLM": _opt_map,
-         "GPTNeoForCausalLM": _gpt_neo_map}
+         "GPTNeoForCausalLM": _gpt_neo_map,
+         "Llama4ForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _LLAMA4_NAMES)}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
-                "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM")
+                "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM", "Llama4ForCausalLM")
 # Checkpoints saved from the bare model class (GPT2Model, BloomModel; an embedding model's Transformer,
 # e.g. Qwen3Model) lack these prefixes.
 OPTIONAL_PREFIXES = ("transformer.", "model.", "gpt_neox.")
@@ -574,7 +580,8 @@ def _fused_experts(cfg: ModelConfig, names: tuple[str, ...], transform: Transfor
     then up) and experts.down_proj. Two orientations: the uploads' [E, d, 2F] / [E, F, d] (used as
     x @ w) and transformers 5's [E, 2F, d] / [E, d, F] (F.linear's). As transformers' loader
     (Transpose(check_dims=True)), a tensor with its model's shape, [E, 2F, d] / [E, d, F], is taken as
-    that one, any other is transposed."""
+    that one, any other is transposed; Llama 4's own model holds them as the uploads do (bmm's [E, d, 2F]
+    / [E, F, d]): never transposed, whatever the sizes (d = 2F would look like the other)."""
     m = _PER_EXPERT.fullmatch(names[0])
     fused = None if m is None else f"{m['experts']}.{'down_proj' if m['part'] == 'down_proj' else 'gate_up_proj'}"
     # only where the fused tensor is there: a quantized upload's per-expert tensors (qweight, weight_packed)
@@ -582,6 +589,9 @@ def _fused_experts(cfg: ModelConfig, names: tuple[str, ...], transform: Transfor
     if fused is None or stored(names[0]) or not stored(fused):
         return names, transform
     d, f = cfg.d_model, cfg.expert_ffn_dim
+    if cfg.architecture == "Llama4ForCausalLM":
+        j = 0 if m["part"] == "gate_proj" else 1
+        return (fused,), _ident if m["part"] == "down_proj" else lambda w, j=j: w[..., j * f:(j + 1) * f]
     if m["part"] == "down_proj":
         return (fused,), lambda w: w.transpose(0, 2, 1) if w.shape[1:] == (d, f) else w
     j = 0 if m["part"] == "gate_proj" else 1
