@@ -116,7 +116,8 @@ class Engine:
         self.max_model_len = r.max_model_len
         set_matmul_impl(model, r.matmul)   # before the runner splits the model: the graph holds it
         self.blocks = BlockManager(r.num_blocks, r.block_size, enable_caching=r.enable_prefix_caching,
-                                   host_tier=_host_tier(r, model.cfg, draft_model))
+                                   host_tier=_host_tier(r, model.cfg, draft_model),
+                                   state_slots=r.max_num_seqs if model.cfg.has_state else 0)
         eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
         eos = eos or self.model_cfg.eos_token_ids
         self.eos_ids = tuple(eos)
@@ -135,6 +136,7 @@ class Engine:
         else:
             self.runner = ModelRunner(model, runner_config(r, eos, self.blocks.host), draft_model, medusa_heads,
                                       self.grammars, publish_step)
+        self.runner.state_slots = self.blocks.state_of   # each request's conv state slot (models with conv layers)
         if self.blocks.host is not None:   # the tier's slots are sized in the bytes the runner moves
             assert self.runner.host_kv.block_bytes == self.blocks.host.block_bytes
         self.weights = weights
@@ -314,7 +316,9 @@ class Engine:
                 r.guide = self.grammars.guide(grammar)
                 r.guide.static = mask
         # the samples share the prompt's full blocks, except the one holding the last prompt token
-        leader.fork_at = (len(prompt_ids) - 1) // self.blocks.block_size * self.blocks.block_size
+        # (none with conv layers: a block holds no conv state, so each sample computes its prompt)
+        leader.fork_at = 0 if self.model_cfg.has_state else (len(prompt_ids) - 1) // self.blocks.block_size * \
+            self.blocks.block_size
         self.output.add_request(request_id, [r.request_id for r in [leader, *leader.pending_forks]], prompt_ids,
                                 params.stop, params.skip_special_tokens, params.include_stop_str_in_output,
                                 params.min_tokens)
@@ -751,7 +755,8 @@ def _host_tier(r: ResolvedConfig, model_cfg, draft_model: Decoder | None) -> Hos
         return None
     if jax.process_count() > 1:
         raise ValueError("kv_offload_gb (the host tier) is not available across several processes (multi-host)")
-    block_bytes = r.block_size * sum(perf.kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, r.kv_dtype, c.kv_value_dim)
+    block_bytes = r.block_size * sum(perf.kv_bytes_per_token(c.n_attn_layers, c.n_kv_heads, c.head_dim, r.kv_dtype,
+                                                             c.kv_value_dim)
                                      for c in [model_cfg] + ([draft_model.cfg] if draft_model is not None else []))
     return HostTier(r.kv_offload_bytes, block_bytes)
 

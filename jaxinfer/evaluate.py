@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.kv_cache import AttentionMetadata, init_kv_pages, kv_storage_dtype
+from jaxinfer.kv_cache import AttentionMetadata, init_kv_pages, kv_storage_dtype, with_conv_states
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.tokenizer import Tokenizer
 
@@ -54,11 +54,16 @@ def _window_logits_fn(model: Decoder, window: int, kv_dtype: str | None):
     n_blocks = -(-window // bs)
     meta = AttentionMetadata(jnp.zeros(window, jnp.int32), pos + bs,          # block 0 is the null block
                              jnp.arange(1, n_blocks + 1, dtype=jnp.int32)[None], jnp.array([window], jnp.int32),
-                             jnp.array([0, window], jnp.int32))
+                             jnp.array([0, window], jnp.int32),
+                             state_slots=jnp.zeros(1, jnp.int32) if cfg.has_state else None)
     dtype = kv_storage_dtype(kv_dtype)
 
     def run(params, t):
-        pages = init_kv_pages(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks + 1, bs, dtype, cfg.kv_value_dim)
+        pages = init_kv_pages(cfg.n_attn_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks + 1, bs, dtype,
+                              cfg.kv_value_dim)
+        if cfg.has_state:   # LFM2's conv layers: one state slot, the window's
+            pages = with_conv_states(pages, cfg.layer_kinds, 1, cfg.conv_kernel, cfg.d_model,
+                                     model.embed.get_value().dtype)
         return nnx.merge(graphdef, params)(t, pos, pages, meta)[0]
     return run
 

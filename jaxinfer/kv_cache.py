@@ -62,6 +62,23 @@ class LayerKV:
 
 @jax.tree_util.register_dataclass
 @dataclass
+class ConvState:
+    """One short-convolution layer's state (LFM2; models/decoder.py ShortConv): u [num_slots, L - 1, D],
+    per state slot the conv inputs of its sequence's last L - 1 positions, position p at row p % (L - 1).
+    A sequence holds one slot while it has blocks (host/block_manager.py; slot 0 is never handed out)."""
+    u: jax.Array
+
+
+def with_conv_states(pages: list, layer_kinds: Sequence[str], num_slots: int, taps: int, d_model: int,
+                     dtype) -> list:
+    """The attention layers' pages (in layer order) with a zeroed ConvState at each conv layer."""
+    it = iter(pages)
+    return [ConvState(jnp.zeros((num_slots, taps - 1, d_model), dtype)) if kind == "conv" else next(it)
+            for kind in layer_kinds]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
 class AttentionMetadata:
     seq_ids: jax.Array        # [T] int32: the row of block_tables each token belongs to
     slot_mapping: jax.Array   # [T] int32: flat slot this token's K/V is written to (PAD_SLOT: padding)
@@ -78,6 +95,8 @@ class AttentionMetadata:
     # sequence, which the causal mask compares keys with; the first tree-node slot of its row, or
     # TREE_NONE; the bitmask of the nodes it sees, bit j: slot first + j)
     tree: jax.Array | None = None            # [T, 3] int32
+    # models with conv layers (ConvState), else None: each row's state slot (padding rows: 0)
+    state_slots: jax.Array | None = None     # [S] int32
 
 
 # Scaled KV formats: their storage dtypes. A token's K (or V) in one KV head is stored as x / scale
@@ -179,6 +198,7 @@ class StepRow:
     # multi-step decoding (step.py): positions later iterations of the same call add; their keys are
     # read through this call's items, so the items (and the table) cover them too
     lookahead: int = 0
+    state_slot: int = 0   # its conv layers' state slot (models with conv layers)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -208,11 +228,12 @@ def attention_buckets(token_buckets: Sequence[int], block_buckets: Sequence[int]
 
 def build_attention_metadata(rows: Sequence[StepRow], block_size: int, num_tokens_bucket: int,
                              num_seqs_bucket: int, num_blocks_bucket: int,
-                             keys_per_item: int = KEYS_PER_ITEM) -> AttentionMetadata:
+                             keys_per_item: int = KEYS_PER_ITEM, with_state: bool = False) -> AttentionMetadata:
     """Numpy metadata of one step, padded to (T, S, B) = the buckets: tokens of row i at
     [query_start_loc[i], query_start_loc[i+1]), padding tokens to PAD_SLOT, padding rows empty.
     B must cover every row's blocks up to start + num_tokens. `rows=[]` gives warm-up's dummy.
-    keys_per_item: the width of a work item (bench/attention_xla.py compares widths)."""
+    keys_per_item: the width of a work item (bench/attention_xla.py compares widths). with_state: the
+    rows' state slots too (a model with conv layers)."""
     t, s, b, bs = num_tokens_bucket, num_seqs_bucket, num_blocks_bucket, block_size
     assert len(rows) <= s and sum(r.num_tokens for r in rows) <= t, (len(rows), s, t)
     seq_ids = np.zeros(t, np.int32)
@@ -265,7 +286,9 @@ def build_attention_metadata(rows: Sequence[StepRow], block_size: int, num_token
     return AttentionMetadata(seq_ids, slots, block_tables, context_lens, query_start,
                              decode_tokens=decode_tokens, decode_items=_padded(decode_items, nd, s, kb),
                              chunk_tiles=tiles, chunk_items=_padded(chunk_items, nc, nt, kb),
-                             num_items=num_items)
+                             num_items=num_items,
+                             state_slots=np.asarray([r.state_slot for r in rows] + [0] * (s - len(rows)), np.int32)
+                             if with_state else None)
 
 
 def _padded(pieces: list[np.ndarray], size: int, dummy_tile: int, kb: int) -> np.ndarray:

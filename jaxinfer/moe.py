@@ -69,14 +69,15 @@ ERNIE_NORM_MIN = 1e-12
 
 
 def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: jax.Array | None = None,
-          groups: int = 1, topk_groups: int = 1, scale: float = 1.0, jitter: float = 0.0
+          groups: int = 1, topk_groups: int = 1, scale: float = 1.0, jitter: float = 0.0, norm_eps: float = 1e-20
           ) -> tuple[jax.Array, jax.Array]:
     """Router logits [T, E] float32 -> (weights [T, k] float32, experts [T, k] int32).
     topk_softmax (Mixtral, gpt-oss): the k largest logits, softmax over them. softmax_topk (Qwen3-MoE):
     softmax over all E, the k largest probabilities, divided by their sum when norm_topk.
     sigmoid_topk (DeepSeek-V3, GLM-4.5): scores sigmoid(logits); experts chosen by scores + correction
     [E] among the topk_groups best of `groups` equal groups (a group scored by the sum of its two best),
-    weighted by their scores (renormalized when norm_topk, as transformers does: + 1e-20), times scale.
+    weighted by their scores (renormalized when norm_topk, as transformers does: their sum + norm_eps, 1e-20;
+    LFM2-MoE's 1e-6), times scale.
     softmax_group_topk (DeepSeek-V2): softmax over all E; the k largest probabilities among the
     topk_groups best of `groups` groups (a group scored by its best; the others' probabilities taken
     as 0, as transformers masks them), never renormalized, times scale. softmax_corrected_topk
@@ -90,7 +91,7 @@ def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: 
         top, experts = lax.top_k(logits, k)
         return jax.nn.sigmoid(top), experts
     if routing == "sigmoid_topk":
-        return _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale)
+        return _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale, norm_eps)
     if routing == "softmax_group_topk":
         return _route_softmax_groups(logits, k, groups, topk_groups, scale)
     if routing == "sparsemixer":
@@ -106,7 +107,7 @@ def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: 
     return weights, experts
 
 
-def _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale):
+def _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale, norm_eps=1e-20):
     t, e = logits.shape
     scores = jax.nn.sigmoid(logits)
     choice = scores if correction is None else scores + correction.astype(jnp.float32)
@@ -116,7 +117,7 @@ def _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale)
     _, experts = lax.top_k(choice, k)
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if norm_topk:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + norm_eps)
     return weights * jnp.float32(scale), experts
 
 
@@ -218,7 +219,7 @@ class MoE(nnx.Module):
         self.num_experts, self.k, self.shards, self.impl = e, cfg.num_experts_per_tok, shards, None
         self.routing, self.norm_topk, self.act = cfg.moe_routing, cfg.moe_norm_topk, cfg.activation
         self.groups, self.topk_groups, self.routed_scale = cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_routed_scale
-        self.jitter, self.scale_inputs = cfg.moe_router_jitter, cfg.moe_scale_inputs
+        self.jitter, self.scale_inputs, self.norm_eps = cfg.moe_router_jitter, cfg.moe_scale_inputs, cfg.moe_norm_eps
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         fused, bias = shards is not None, cfg.mlp_bias
         expert = lambda n, axis, b=False: param((e, *n), ("experts", *axis), dtype, rngs,  # noqa: E731
@@ -252,7 +253,8 @@ class MoE(nnx.Module):
         xr = x.astype(jnp.float32) if router.dtype == jnp.float32 else x
         logits = dense(xr, router, param_value(self.router_bias)).astype(jnp.float32)           # (T, E)
         weights, experts = route(logits, self.k, self.routing, self.norm_topk, param_value(self.router_correction),
-                                 self.groups, self.topk_groups, self.routed_scale, self.jitter)   # (T, k)
+                                 self.groups, self.topk_groups, self.routed_scale, self.jitter,
+                                 self.norm_eps)                                     # (T, k)
         order, sizes = sort_rows(experts, valid, self.num_experts)                  # (R,), (E,)
         xs = x[order // self.k]                                                      # (R, D) sorted by expert
         if self.scale_inputs:   # Llama 4: each row times its weight (in x's dtype) before its expert

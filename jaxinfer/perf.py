@@ -295,7 +295,7 @@ class ModelCost:
     body_params: int                      # FLOPs: parameters a token runs through outside the embedding tables
     weight_bytes_read: int                # W_read: read whole once per iteration
     kv_bytes_per_token: int               # K and V of one token, all layers
-    windows: tuple[int | None, ...] = ()  # per layer sliding window (None = full causal)
+    windows: tuple[int | None, ...] = ()  # per layer sliding window (None = full causal; 0: a conv layer, no KV)
     row_bytes: int = 0                    # gathered per token from the token (and position) tables
     expert_bytes: int = 0                 # one expert of one MoE layer
     moe_layers: int = 0
@@ -310,14 +310,14 @@ class ModelCost:
         experts = c["moe_layers"] * cfg.num_experts
         return cls(cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_model, cfg.vocab_size, body,
                    weights.total - weights.tables - weights.experts, kv_bytes_per_token,
-                   tuple(cfg.layer_window(i) for i in range(cfg.n_layers)), weights.row,
+                   tuple(0 if cfg.is_conv_layer(i) else cfg.layer_window(i) for i in range(cfg.n_layers)), weights.row,
                    weights.experts // experts if experts else 0, c["moe_layers"],
                    cfg.num_experts if experts else 0, cfg.num_experts_per_tok if experts else 0)
 
     @classmethod
     def from_config(cls, cfg: Any, weight_itemsize: float, kv_itemsize: int) -> "ModelCost":
         """Float weights of `weight_itemsize` bytes and float (or int8) KV pages of `kv_itemsize`."""
-        kv = kv_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, _KV_DTYPE_OF_ITEMSIZE[kv_itemsize],
+        kv = kv_bytes_per_token(cfg.n_attn_layers, cfg.n_kv_heads, cfg.head_dim, _KV_DTYPE_OF_ITEMSIZE[kv_itemsize],
                                 getattr(cfg, "kv_value_dim", None))
         return cls.build(cfg, WeightBytes.of_float(cfg, weight_itemsize), kv)
 
@@ -327,6 +327,11 @@ class ModelCost:
         weights = WeightBytes(stats["weight_bytes"], stats["embedding_table_bytes"], stats["embedding_row_bytes"],
                               stats["expert_weight_bytes"])
         return cls.build(cfg, weights, stats["kv_bytes_per_token"])
+
+    @property
+    def attn_layers(self) -> int:
+        """The layers with KV (a conv layer's window is 0: it reads none)."""
+        return max(1, sum(w != 0 for w in self._layer_windows()))
 
     def _layer_windows(self) -> list[int | None]:
         return list(self.windows) if self.windows else [None] * self.n_layers
@@ -339,7 +344,7 @@ class ModelCost:
     def step_bytes(self, step: StepRecord) -> float:
         """Bytes one step reads, summed over its iterations (step.iteration_spans)."""
         return sum(bytes_read(self.iteration_weight_bytes(sum(n for _, n in live)),
-                              self.kv_bytes_per_token / self.n_layers, self.layer_context([s + n for s, n in live]))
+                              self.kv_bytes_per_token / self.attn_layers, self.layer_context([s + n for s, n in live]))
                    for live in step.iteration_spans())
 
     def iteration_weight_bytes(self, tokens: int) -> int:

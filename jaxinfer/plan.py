@@ -221,6 +221,8 @@ def layer_matmul_shapes(cfg: ModelConfig, layer: int = 0) -> list[tuple[int, int
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
     attn = [(cfg.n_heads * cfg.mla_v_dim, d)] if cfg.mla else [(d, q), (d, kv), (d, kv), (q, d)]
     attn += [(d, q)] if cfg.attn_out_gate else []   # AFMoE's gate: q's shape
+    if cfg.is_conv_layer(layer):   # LFM2's in_proj and out_proj (its taps stay float)
+        attn = [(d, 3 * d), (d, d)]
     if cfg.is_moe_layer(layer):
         f, s = cfg.expert_ffn_dim, cfg.moe_shared_ffn_dim
         shared = [(d, s), (d, s), (s, d)] if s else []
@@ -288,7 +290,7 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, *, layers: int | None = 
     alone (kv_value_dim 0); default: the whole model."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose from: {', '.join(KV_DTYPES)}")
-    return perf.kv_bytes_per_token(cfg.n_layers if layers is None else layers,
+    return perf.kv_bytes_per_token(cfg.n_attn_layers if layers is None else layers,
                                    cfg.n_kv_heads if kv_heads is None else kv_heads, cfg.head_dim, kv_dtype,
                                    cfg.kv_value_dim)
 

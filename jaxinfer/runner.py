@@ -30,7 +30,8 @@ from jaxinfer.config import MAX_LOGIT_BIAS, ModelConfig
 from jaxinfer.config.sampling import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS, MAX_MIN_TOKENS_STOP_IDS
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
 from jaxinfer.host.structured import Grammars, mask_words
-from jaxinfer.kv_cache import StepRow, attention_buckets, build_attention_metadata, init_kv_pages, kv_storage_dtype
+from jaxinfer.kv_cache import (StepRow, attention_buckets, build_attention_metadata, init_kv_pages, kv_storage_dtype,
+                               with_conv_states)
 from jaxinfer.kv_transfer import HostKVStore, TransferResult
 from jaxinfer.lora.execute import LoraInputs
 from jaxinfer.models.decoder import Decoder
@@ -139,8 +140,8 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         mc = self.model_cfg
         self.mesh = model_mesh(self.params)   # None unless the model was sharded (sharding.shard_decoder)
-        self.kv_sharding, self.kv_pages = self._init_kv_pages(kv_dtype)
-        self.kv_bytes_per_token = perf.kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, cfg.kv_dtype,
+        self.kv_sharding, self.kv_pages = self._init_kv_pages(kv_dtype, model.embed.get_value().dtype)
+        self.kv_bytes_per_token = perf.kv_bytes_per_token(mc.n_attn_layers, mc.n_kv_heads, mc.head_dim, cfg.kv_dtype,
                                                            mc.kv_value_dim)
         self.token_buckets = list(cfg.token_buckets)
         max_blocks = -(-cfg.max_model_len // cfg.block_size)
@@ -180,6 +181,7 @@ class ModelRunner:
         # the host tier's buffers and transfer programs (kv_transfer.py), over every page: the draft's too
         self.host_kv = HostKVStore(self.kv_pages, cfg.kv_offload_slots) if cfg.kv_offload_slots else None
         self._blank_pages = None   # the pages' layout, from their first release (sleep)
+        self.state_slots: dict[str, int] = {}   # request -> its conv state slot (the engine's BlockManager's)
 
     def _init_spec(self, draft: Decoder | None, medusa_heads, kv_dtype, plain_settings: dict) -> None:
         """A speculative engine's SpecRunner, paired params and pages, and two programs: the
@@ -202,11 +204,17 @@ class ModelRunner:
         self.plain_step = jit_step(StepSettings(**plain_settings, max_iters=max(cfg.max_decode_steps, 1),
                                                 next_rows=self.settings.out_rows))
 
-    def _init_kv_pages(self, kv_dtype):
-        """(sharding or None, the zeroed KV pages: one LayerKV per layer)."""
+    def _init_kv_pages(self, kv_dtype, act_dtype):
+        """(sharding or None, the zeroed KV pages: one LayerKV per attention layer, a ConvState in the
+        activations' dtype per conv layer, with a state slot per sequence and slot 0 unused)."""
         mc, cfg = self.model_cfg, self.cfg
-        make_pages = lambda: init_kv_pages(mc.n_layers, mc.n_kv_heads, mc.head_dim, cfg.num_blocks,  # noqa: E731
-                                           cfg.block_size, kv_dtype, mc.kv_value_dim)
+
+        def make_pages():
+            pages = init_kv_pages(mc.n_attn_layers, mc.n_kv_heads, mc.head_dim, cfg.num_blocks, cfg.block_size,
+                                  kv_dtype, mc.kv_value_dim)
+            if not mc.has_state:
+                return pages
+            return with_conv_states(pages, mc.layer_kinds, cfg.max_num_seqs + 1, mc.conv_kernel, mc.d_model, act_dtype)
         if self.mesh is None:
             # committed to the device like every step's output, so warm-up compiles the same executable
             # that serving uses (an uncommitted first input keys a different jit cache entry)
@@ -339,9 +347,11 @@ class ModelRunner:
             t, b = buckets
         s = self.num_seqs_for(t)
         assert len(sched.seqs) <= s
+        state = self.model_cfg.has_state
         meta = build_attention_metadata([StepRow(seq.start, seq.num_tokens, tables[seq.request.request_id],
-                                                 seq.lookahead)
-                                         for seq in sched.seqs], self.cfg.block_size, t, s, b)   # (T, S, B)
+                                                 seq.lookahead, self.state_slots[seq.request.request_id] if state else 0)
+                                         for seq in sched.seqs], self.cfg.block_size, t, s, b,
+                                        with_state=state)   # (T, S, B)
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         logits_indices = np.zeros(s, np.int32)

@@ -201,7 +201,7 @@ def step(params, kv_pages: list[LayerKV], inputs: StepInputs, prev_tokens: jax.A
     model = nnx.merge(settings.graphdef, params)
     inputs = dataclasses.replace(inputs, tokens=tokens_with_prev(inputs, prev_tokens))
     s, k = inputs.logits_indices.shape[0], settings.max_iters
-    block_size = kv_pages[0].k.shape[-2]
+    block_size = next(p for p in kv_pages if isinstance(p, LayerKV)).block_size   # (conv layers: ConvState)
 
     def iteration(i, kv, x: StepInputs, out: StepOutputs, done):
         """One forward + sample; returns the drawn ids and the updated kv, outputs and done."""

@@ -32,6 +32,10 @@ the text a model writes -> OpenAI tool_calls, streamed and not. Pure Python, no 
                None, and JSON's true / false / null, lists, dicts);
   llama4_pythonic  pythonic's list, optionally inside `<|python_start|>` ... `<|python_end|>` (vLLM's parser
                for its Llama 4 pythonic template);
+  lfm2         LFM2 / LFM2.5 (Liquid's format, as llama.cpp reads it): text, then blocks
+               `<|tool_call_start|>[NAME(ARG=VALUE, ...), ...]<|tool_call_end|>` of pythonic's calls (one bare
+               call without the brackets too, or a JSON array of `{"name", "arguments"}`, the form a system
+               prompt may ask for); the text around the blocks is content;
   olmo3        OLMo 3's: the same calls, one per line, in `<function_calls>...</function_calls>` (text
                before it is content);
   phi4_mini_json  Phi-4-mini: `functools` then a JSON array of `{"name", "arguments"}` (text before it is
@@ -71,15 +75,17 @@ from typing import Any
 from serve.reasoning import (COHERE_PARSERS, COHERE_RESPONSE, H_CALL, H_END, H_MESSAGE, H_RETURN, KIMI_SECTION,
                              DropMarkers, partial_suffix)
 
-TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "llama4_json", "llama4_pythonic", "mistral", "openai", "seed_oss", "deepseek_v3",
-                "deepseek_v31", "kimi_k2", "minimax_m2", "glm45", "glm47", "pythonic", "olmo3", "granite", "phi4_mini_json",
-                *COHERE_PARSERS)
+TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "llama4_json", "llama4_pythonic", "lfm2", "mistral", "openai",
+                "seed_oss", "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2", "glm45", "glm47", "pythonic", "olmo3",
+                "granite", "phi4_mini_json", *COHERE_PARSERS)
 # the parsers whose formats are written in special tokens: the output is detokenized with them
-SPECIAL_TOKEN_PARSERS = ("llama3_json", "llama4_json", "llama4_pythonic", "mistral", "openai", "seed_oss", "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2",
-                         "glm45", "glm47", "olmo3", "granite", *COHERE_PARSERS)
+SPECIAL_TOKEN_PARSERS = ("llama3_json", "llama4_json", "llama4_pythonic", "lfm2", "mistral", "openai", "seed_oss",
+                         "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2", "glm45", "glm47", "olmo3", "granite",
+                         *COHERE_PARSERS)
 
 PYTHON_TAG = "<|python_tag|>"
 PY_START, PY_END = "<|python_start|>", "<|python_end|>"   # Llama 4's
+LFM2_CALL, LFM2_CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
 MISTRAL_ARGS = "[ARGS]"
 DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -114,6 +120,8 @@ def default_tool_parser(template: str | None, token_id=None) -> str:
         return "granite"
     if PHI4_CALLS in t:
         return "phi4_mini_json"
+    if LFM2_CALL in t or "<|tool_list_start|>" in t:
+        return "lfm2"
     if "<|header_start|>" in t:   # Llama 4's headers: its pythonic template (vLLM's) or the published JSON one
         return "llama4_pythonic" if "[func_name1(" in t else "llama4_json"
     if "[func_name1(" in t:
@@ -422,6 +430,39 @@ class Llama4PythonicParser(PythonicParser):
 
     def _parse(self, text: str) -> list[dict] | None:
         return _python_calls(text.strip().removeprefix(PY_START).strip().removesuffix(PY_END), self.plan)
+
+
+class Lfm2Parser(_MarkedCalls):
+    """lfm2 (module docstring): content streams up to the first `<|tool_call_start|>`; from there the
+    output is held and read when it ends: every block's calls, the text between and after the blocks
+    as content; a block that does not parse (or is not closed) keeps the whole held text as content."""
+
+    MARKER = LFM2_CALL
+
+    def finish(self) -> tuple[str, list[dict]]:
+        rest, self.pending = self.pending, ""
+        if self.held is None:
+            return rest, []
+        held, self.held = self.held + rest, None
+        calls, content, i = [], [], 0
+        while (j := held.find(LFM2_CALL, i)) >= 0:
+            content.append(held[i:j])
+            k = held.find(LFM2_CALL_END, j)
+            got = None if k < 0 else self._block(held[j + len(LFM2_CALL):k])
+            if not got:
+                return held, []
+            calls += got
+            i = k + len(LFM2_CALL_END)
+        content.append(held[i:])
+        self.calls = self._limit(calls)
+        return "".join(content), self.calls
+
+    def _block(self, body: str) -> list[dict] | None:
+        body = body.strip()
+        if body.startswith("[{"):
+            values = _json_values(body, "")
+            return _object_calls(values[0], self.plan) if values and len(values) == 1 else None
+        return _python_calls(body if body.startswith("[") else f"[{body}]", self.plan)
 
 
 GRANITE_CALL = "<|tool_call|>"
@@ -853,7 +894,7 @@ def parse_glm_call(body: str, plan) -> dict | None:
     return model_call(m.group(1), args) if not body[i:].strip() else None
 
 
-FAMILY_PARSERS = {"llama3_json": Llama3JsonParser, "llama4_json": Llama4JsonParser,
+FAMILY_PARSERS = {"llama3_json": Llama3JsonParser, "llama4_json": Llama4JsonParser, "lfm2": Lfm2Parser,
                   "llama4_pythonic": Llama4PythonicParser, "mistral": MistralParser, "openai": HarmonyToolParser,
                   "pythonic": PythonicParser, "olmo3": Olmo3Parser, "granite": GraniteParser,
                   "phi4_mini_json": Phi4MiniParser, **dict.fromkeys(COHERE_PARSERS, CohereParser),

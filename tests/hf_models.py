@@ -197,6 +197,23 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                                "short_factor": [1.0 + 0.15 * i for i in range(8)],
                                                "long_factor": [2.0 + 0.3 * i for i in range(8)], "short_mscale": 1.2,
                                                "long_mscale": 1.35, "original_max_position_embeddings": 256})),
+    # LFM2: short-convolution layers (3 taps) around attention layers with per-head q / k norms; the
+    # MLP's width from block_ff_dim (2/3 of it, rounded up to block_multiple_of), tied; weights of std 0.2
+    # (initializer_range) so that the mixers move the residual (else a tied model repeats its last token)
+    "lfm2": ("lfm2", dict(_COMMON, vocab_size=113, initializer_range=0.2, block_ff_dim=144, block_multiple_of=32,
+                          num_hidden_layers=4,
+                          num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "full_attention"])),
+    # LFM2 with biased conv layers of 4 taps (a biased upload's shape), three conv layers in a row, untied
+    "lfm2-bias": ("lfm2", dict(_COMMON, vocab_size=101, initializer_range=0.2, intermediate_size=96,
+                               block_auto_adjust_ff_dim=False,
+                               num_hidden_layers=4, num_key_value_heads=4, conv_L_cache=4, conv_bias=True,
+                               full_attn_idxs=[3], tie_word_embeddings=False)),
+    # LFM2-MoE: a dense first layer, then top-2 of 6 experts chosen by sigmoid + expert_bias, renormalized
+    # and scaled; conv and attention layers as LFM2's
+    "lfm2-moe": ("lfm2_moe", dict(_COMMON, vocab_size=107, initializer_range=0.2, intermediate_size=96,
+                                  moe_intermediate_size=32, num_hidden_layers=4, num_key_value_heads=2, num_experts=6,
+                                  num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=1.5,
+                                  layer_types=["conv", "full_attention", "conv", "full_attention"])),
     # Llama 4 Scout: Llama 3 RoPE in pairs on every other layer (no_rope_layer_interval 2) with the
     # weightless q / k norm after it, the others unrotated with their queries scaled by position
     # (floor_scale small enough for the prompts to cross it); MoE on every layer: top-1 of 4 experts,
@@ -492,6 +509,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "afmoe": ("AfmoeConfig", "AfmoeForCausalLM"), "apertus": ("ApertusConfig", "ApertusForCausalLM"),
            "gptj": ("GPTJConfig", "GPTJForCausalLM"), "olmo": ("OlmoConfig", "OlmoForCausalLM"), "opt": ("OPTConfig", "OPTForCausalLM"),
            "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM"), "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
+           "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"), "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM"),
            "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
            "exaone": ("ExaoneConfig", "LlamaForCausalLM"), "internlm3": ("InternLM3Config", "LlamaForCausalLM")}[family]
     cls = (getattr(tf, names[0]), getattr(tf, names[1]))   # only this family's classes: one
@@ -521,13 +539,14 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
                 p.normal_(0.0, 1.0)
             elif n.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):   # xIELU's scalars: other slopes per layer
                 p.add_(0.5 * torch.randn_like(p))
-            elif n.endswith(("self_attn.gate_proj.weight", "router.gate.weight", "feed_forward.router.weight")):
-                # AFMoE's attention gate and router (zeros at init), Llama 4's router: gates that differ
+            elif n.endswith(("self_attn.gate_proj.weight", "router.gate.weight", "feed_forward.router.weight",
+                             "feed_forward.gate.weight")):
+                # AFMoE's attention gate and router (zeros at init), Llama 4's and LFM2-MoE's routers: gates that differ
                 # per feature, and scores that differ per expert
                 p.normal_(0.0, 0.3)
 
-        for n, b in model.named_buffers():   # GLM-4.5's choice correction (a buffer, zeros at init)
-            if n.endswith("e_score_correction_bias"):
+        for n, b in model.named_buffers():   # GLM-4.5's and LFM2-MoE's choice correction (buffers, zeros at init)
+            if n.endswith(("e_score_correction_bias", "feed_forward.expert_bias")):
                 b.normal_(0.0, 0.3)
     return model
 

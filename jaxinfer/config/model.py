@@ -44,7 +44,7 @@ class RopeScaling:
 
 # ModelConfig's fields that must be numbers
 _FLOATS = ("norm_eps", "rope_theta", "embed_scale", "swiglu_alpha", "residual_scale", "logits_scaling",
-           "moe_routed_scale", "moe_router_jitter")
+           "moe_routed_scale", "moe_router_jitter", "moe_norm_eps")
 # the norm kinds (layers.NORM_KINDS, which this jax-free module cannot import)
 NORMS = ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nobias", "layernorm1p",
          "layernorm_noparam")
@@ -120,6 +120,13 @@ class ModelConfig:
     attention_chunk: int | None = None  # Llama 4's attention_chunk_size: its RoPE layers attend within aligned
                                         # chunks of this many positions, which jaxinfer serves up to one chunk
                                         # long (config/resolve.py), where it is plain causal attention
+    # LFM2's short-convolution layers: "conv" in layer_kinds (None: every layer attends) replaces the
+    # layer's attention by a gated depthwise causal convolution of conv_kernel taps (models/decoder.py
+    # ShortConv, with biases where conv_bias), whose last conv_kernel - 1 inputs of each sequence are
+    # its state across steps (kv_cache.ConvState, in the sequence's state slot)
+    layer_kinds: tuple[str, ...] | None = None
+    conv_kernel: int = 0
+    conv_bias: bool = False
     # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): num_experts > 0 replaces the MLP of the layers
     # moe_layers marks (None: every layer) by a router picking num_experts_per_tok experts per token,
     # each a gated MLP of moe_ffn_dim (None: ffn_dim; the dense layers keep ffn_dim), with biases where
@@ -171,6 +178,7 @@ class ModelConfig:
     moe_shared_ffn_dim: int = 0
     moe_shared_gate: bool = False
     moe_scale_inputs: bool = False
+    moe_norm_eps: float = 1e-20         # sigmoid_topk's renormalization: the chosen scores over their sum + this
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     tie_embeddings: bool = False
@@ -189,7 +197,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         ints = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
                 "max_position_embeddings", "num_experts", "num_experts_per_tok", "moe_groups", "moe_topk_groups",
-                "moe_shared_ffn_dim", "mla_kv_rank", "mla_q_rank", "mla_nope_dim", "mla_rope_dim", "mla_v_dim")
+                "moe_shared_ffn_dim", "mla_kv_rank", "mla_q_rank", "mla_nope_dim", "mla_rope_dim", "mla_v_dim",
+                "conv_kernel")
         optional = {"sliding_window": _is_int, "rotary_dim": _is_int, "rope_local_theta": _is_number,
                     "attn_scale": _is_number, "attn_softcap": _is_number, "final_softcap": _is_number,
                     "moe_ffn_dim": _is_int, "swiglu_limit": _is_number, "clip_qkv": _is_number,
@@ -262,7 +271,11 @@ class ModelConfig:
         return {"qk_rms_after_rope": not self.qk_rms_after_rope or (self.position == "rope" and not self.mla_kv_rank),
                 "nope_query_scale": s is None or (len(s) == 2 and _is_number(s[0]) and _is_int(s[1]) and s[1] > 0
                                                   and self.position == "rope" and not self.mla_kv_rank),
-                "moe_scale_inputs": not self.moe_scale_inputs or self.num_experts > 0}
+                "moe_scale_inputs": not self.moe_scale_inputs or self.num_experts > 0,
+                "layer_kinds": self.layer_kinds is None or (
+                    len(self.layer_kinds) == self.n_layers and set(self.layer_kinds) <= {"attention", "conv"}
+                    and "attention" in self.layer_kinds and not self.mla_kv_rank),
+                "conv_kernel": self.conv_kernel >= 2 if self.has_state else self.conv_kernel == 0}
 
     def _check_combinations(self) -> None:
         if self.num_experts and not self.gated_mlp:
@@ -332,6 +345,20 @@ class ModelConfig:
         mla_kv_rank features, the value; kv_cache's shared-value pages)."""
         return 0 if self.mla else self.head_dim
 
+    def is_conv_layer(self, layer: int) -> bool:
+        """Whether the layer mixes tokens by LFM2's short convolution instead of attention."""
+        return self.layer_kinds is not None and self.layer_kinds[layer] == "conv"
+
+    @property
+    def has_state(self) -> bool:
+        """Whether some layer keeps a per-sequence state across steps besides its KV (conv layers)."""
+        return self.layer_kinds is not None and "conv" in self.layer_kinds
+
+    @property
+    def n_attn_layers(self) -> int:
+        """The layers that attend, and so have KV pages."""
+        return self.n_layers - sum(self.is_conv_layer(i) for i in range(self.n_layers))
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether the layer's MLP is a mixture of experts (the others keep the dense MLP of ffn_dim)."""
         if not self.num_experts:
@@ -393,7 +420,10 @@ class ModelConfig:
         out = {"embedding": self.vocab_size * d, "lm_head": 0 if self.tie_embeddings else self.vocab_size * d,
                "positions": self.max_position_embeddings * d if self.position == "learned" else 0,
                "expert": expert if n_moe else 0, "experts": n_moe * self.num_experts * expert, "moe_layers": n_moe}
-        blocks = self.n_layers * (attn + norms) + (self.n_layers - n_moe) * mlp + n_moe * router + out["experts"]
+        n_conv = self.n_layers - self.n_attn_layers   # LFM2: in_proj [d, 3d], the taps [L, d], out_proj [d, d]
+        conv = 4 * d * d + self.conv_kernel * d + (5 * d if self.conv_bias else 0)
+        blocks = (self.n_attn_layers * attn + n_conv * conv + self.n_layers * norms + (self.n_layers - n_moe) * mlp
+                  + n_moe * router + out["experts"])
         out["total"] = (blocks + norm_p + (norm_p if self.embed_norm else 0) + out["embedding"] + out["lm_head"]
                         + (self.vocab_size if self.lm_head_bias else 0) + out["positions"])
         return out
@@ -412,7 +442,7 @@ class ModelConfig:
             d["rope_scaling"] = RopeScaling(**{k: tuple(v) if isinstance(v, list) else v
                                                for k, v in d["rope_scaling"].items()})
         for k in ("sliding_layers", "rope_layers", "moe_layers", "eos_token_ids", "query_log_scale",
-                  "nope_query_scale"):
+                  "nope_query_scale", "layer_kinds"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         return cls(**d)

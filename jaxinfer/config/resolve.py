@@ -110,6 +110,7 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
     dtype = resolve_dtype_name(cfg.dtype, backend, weight_dtype)
     kv_dtype = cfg.kv_dtype or dtype
     attention = _resolve_attention(cfg, model_cfg, backend)
+    _check_state_model(cfg, model_cfg)
     chunk = model_cfg.attention_chunk
     max_model_len = cfg.max_model_len or model_cfg.exact_positions
     longest = model_context(model_cfg)
@@ -138,11 +139,30 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
         max_num_batched_tokens=budget, token_buckets=resolve_token_buckets(cfg.token_buckets, budget),
         max_decode_steps=1 if pipelined else cfg.max_decode_steps, batching=cfg.batching,
         scheduling_policy=cfg.scheduling_policy, batch_window_s=cfg.batch_window_s,
-        enable_prefix_caching=cfg.enable_prefix_caching,
+        enable_prefix_caching=cfg.enable_prefix_caching and not model_cfg.has_state,
         async_scheduling=cfg.async_scheduling and not pipelined, pipeline_microbatches=cfg.pipeline_microbatches,
         memory_fraction=cfg.memory_fraction, speculative_method=cfg.speculative_method, spec_tokens=spec_tokens,
         spec_rounds=spec_rounds, spec_max_batch=spec_max_batch, pool=pool, kv_offload_bytes=cfg.kv_offload_bytes,
         logprobs_mode=cfg.logprobs_mode)
+
+
+def _check_state_model(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
+    """A model with conv layers (LFM2) keeps each sequence's conv state in a slot of its own, which
+    nothing that shares, moves or splits sequences' KV carries: its prefix caching is off (resolve_config),
+    and these settings are refused by name."""
+    if not model_cfg.has_state:
+        return
+    refused = [(name, why) for name, on, why in (
+        ("speculative_method", cfg.speculative_method is not None, "rejected proposals would stay in the conv state"),
+        ("kv_offload_gb", bool(cfg.kv_offload_bytes), "the host tier keeps prefix-cache blocks, and prefix caching "
+                                                        "is off (a block holds no conv state)"),
+        ("tensor_parallel", cfg.tensor_parallel > 1, "the conv layers are not sharded"),
+        ("pipeline_parallel", cfg.pipeline_parallel > 1, "the conv layers are not split into stages"))
+        if on]
+    if refused:
+        name, why = refused[0]
+        raise ConfigError(f"{name} is not available for {model_cfg.architecture}, whose conv layers keep a state per "
+                          f"sequence: {why}")
 
 
 def resolve_token_buckets(given: tuple[int, ...] | None, budget: int) -> tuple[int, ...]:
@@ -219,7 +239,7 @@ def size_pool(cfg: EngineConfig, model_cfg: ModelConfig, kv_dtype: str, max_mode
     max_num_seqs sequences of max_model_len need, capped at a share of RAM. Multi-host: this
     process's pool with the fewest blocks any process fits (one global array)."""
     mc, bs = model_cfg, cfg.block_size
-    block_bytes = bs * perf.kv_bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_dtype,
+    block_bytes = bs * perf.kv_bytes_per_token(mc.n_attn_layers, mc.n_kv_heads, mc.head_dim, kv_dtype,
                                             mc.kv_value_dim) // memory.kv_shards
     if memory.draft is not None:   # a draft model's pages use the same blocks
         d = memory.draft
@@ -231,6 +251,9 @@ def size_pool(cfg: EngineConfig, model_cfg: ModelConfig, kv_dtype: str, max_mode
         # a mixture of experts holds each token's k experts' hidden states at once
         ffn_dim=max(mc.ffn_dim, mc.num_experts_per_tok * (mc.moe_ffn_dim or mc.ffn_dim) if mc.num_experts else 0),
         n_heads=mc.n_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size, dtype_bytes=memory.activation_dtype_bytes)
+    # conv layers' states: a slot per sequence (and the unused slot 0), L - 1 inputs of d_model each
+    reserve += ((cfg.max_num_seqs + 1) * (mc.n_layers - mc.n_attn_layers) * max(mc.conv_kernel - 1, 0) * mc.d_model
+                * memory.activation_dtype_bytes)
     pools = [perf.size_kv_pool(block_bytes=block_bytes, memory_fraction=cfg.memory_fraction, stats=stats,
                                platform=memory.platform, env=memory.env, reserve=reserve, host_ram=memory.host_ram,
                                wanted_blocks=cfg.max_num_seqs * math.ceil(max_model_len / bs) + 1)

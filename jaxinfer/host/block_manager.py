@@ -57,8 +57,13 @@ def block_hash(parent: bytes | None, token_ids, salt: str | None = None) -> byte
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 host_tier: HostTier | None = None):
-        """host_tier: the prefix cache's host tier (only with enable_caching)."""
+                 host_tier: HostTier | None = None, state_slots: int = 0):
+        """host_tier: the prefix cache's host tier (only with enable_caching). state_slots: a model with
+        conv layers keeps each sequence's conv state in one of this many slots (1 .. state_slots; the
+        device's slot 0 is never handed out): a request takes one with its first blocks and gives it
+        back with them, and an allocation that finds none free fails like one short of blocks (the
+        scheduler preempts). No prefix caching nor forks then: a shared block holds no conv state."""
+        assert not (state_slots and enable_caching), "a conv state is not in any block: no prefix caching"
         assert num_blocks >= 2, "need the null block plus at least one usable block"
         self.host = host_tier if enable_caching else None
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -73,6 +78,9 @@ class BlockManager:
         self.draft_stale = np.zeros(num_blocks, np.bool_)       # the draft's K/V lags the target's here
         self._draft_marks: dict[str, tuple[int, int, int]] = {}  # request -> (lo, hi, table length) marked
         self.num_evictions = 0
+        self._needs_state = state_slots > 0
+        self.state_free: list[int] = list(range(state_slots, 0, -1))   # popped from the end: 1 first
+        self.state_of: dict[str, int] = {}                            # request -> its state slot
 
     @property
     def free_blocks(self) -> list[int]:
@@ -138,6 +146,10 @@ class BlockManager:
         need = self.num_new_blocks(request_id, num_tokens)
         if need > len(self.free_queue):
             return False
+        if self._needs_state and request_id not in self.state_of:
+            if not self.state_free:
+                return False
+            self.state_of[request_id] = self.state_free.pop()
         table = self.tables.setdefault(request_id, [])
         for _ in range(need):
             table.append(self._take())
@@ -156,6 +168,7 @@ class BlockManager:
 
     def fork(self, src_id: str, dst_id: str, num_blocks: int) -> None:
         """dst shares the first num_blocks blocks of src (reference counted, read only)."""
+        assert not self._needs_state, "a fork would share no conv state (engine.py forks at 0 then)"
         assert dst_id not in self.tables or not self.tables[dst_id], "fork into a non-empty table"
         shared = self.tables[src_id][:num_blocks]
         assert len(shared) == num_blocks
@@ -168,6 +181,8 @@ class BlockManager:
         """Release the request's blocks, deepest first; cached ones stay cached (LRU tail)."""
         self._registered.pop(request_id, None)
         self._draft_marks.pop(request_id, None)
+        if request_id in self.state_of:
+            self.state_free.append(self.state_of.pop(request_id))
         for b in reversed(self.tables.pop(request_id, [])):
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0

@@ -43,7 +43,7 @@ from flax import nnx
 from jaxinfer import perf
 from jaxinfer.attention import attention
 from jaxinfer.config import ConfigError, ModelConfig
-from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, LayerKV
+from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, ConvState, LayerKV
 from jaxinfer.layers import (MATMUL_IMPLS, MLP, Norm, alibi_slopes, apply_rope, dense, lora_delta, param, param_value,
                              rms_unweighted, rope_inv_freq, rope_magnitude, sinusoidal_embedding)
 from jaxinfer.models.mla import MLAttention
@@ -183,6 +183,61 @@ class Attention(nnx.Module):
                          softcap=cfg.attn_softcap, sinks=sinks, kv=kv, meta=meta, impl=impl)
 
 
+class ShortConv(nnx.Module):
+    """LFM2's gated short convolution, a conv layer's token mixer in attention's place: B, C, v = the
+    thirds of x W_in (+ bias) [T, D] each; u = B v; a causal depthwise convolution of L = conv_kernel taps
+    along each sequence, conv[p] = sum_j w[j] u[p - (L - 1) + j] (+ bias), zero before position 0;
+    y = (C conv) W_out (+ bias). In a paged step each token reads the earlier inputs of its own row from
+    the step, and those before its row's first token from the row's ConvState slot (meta.state_slots),
+    then the last L - 1 inputs of each row are written there (padding and stopped rows, whose slot
+    mapping is PAD_SLOT, write nothing). Without pages: one sequence from position 0."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
+        d, taps = cfg.d_model, cfg.conv_kernel
+        bias = lambda n: param((n,), (None,), dtype, rngs, init="zeros") if cfg.conv_bias else None  # noqa: E731
+        self.in_proj = param((d, 3 * d), ("embed", None), dtype, rngs)
+        self.in_proj_bias = bias(3 * d)
+        self.conv = param((taps, d), (None, "embed"), dtype, rngs)
+        self.conv_bias = bias(d)
+        self.out_proj = param((d, d), (None, "embed"), dtype, rngs)
+        self.out_proj_bias = bias(d)
+        self.matmul = "auto"
+
+    def __call__(self, x: jax.Array, positions: jax.Array, state: ConvState | None,
+                 meta: AttentionMetadata | None, impl: str, lora: tuple | None = None
+                 ) -> tuple[jax.Array, ConvState | None]:
+        assert lora is None, "LoRA adapts no conv layer (lora/adapter.py refuses the family)"
+        d = x.shape[-1]
+        bcv = dense(x, self.in_proj.get_value(), param_value(self.in_proj_bias), impl=self.matmul)   # (T, 3D)
+        u = bcv[:, :d] * bcv[:, 2 * d:]                                                              # (T, D)
+        w = self.conv.get_value().astype(jnp.float32)                                               # (L, D)
+        taps, t = w.shape[0], x.shape[0]
+        idx = jnp.arange(t)
+        row = jnp.zeros(t, jnp.int32) if meta is None else meta.seq_ids
+        slot = None if state is None else meta.state_slots[row]                                      # (T,)
+        acc = u.astype(jnp.float32) * w[taps - 1]
+        for k in range(1, taps):   # the input k positions back
+            src = jnp.maximum(idx - k, 0)
+            here = (idx >= k) & (row[src] == row) & (positions[src] == positions - k)
+            prev = jnp.where(here[:, None], u[src], 0).astype(jnp.float32)
+            if state is not None:   # before the row's first token in this step: its state slot
+                held = state.u[slot, (positions - k) % (taps - 1)].astype(jnp.float32)
+                prev = jnp.where((~here & (positions >= k))[:, None], held, prev)
+            acc = acc + prev * w[taps - 1 - k]
+        if self.conv_bias is not None:
+            acc = acc + self.conv_bias.get_value().astype(jnp.float32)
+        y = bcv[:, d:2 * d] * acc.astype(x.dtype)
+        out = dense(y, self.out_proj.get_value(), param_value(self.out_proj_bias), impl=self.matmul)
+        if state is None:
+            return out, None
+        # each row's last L - 1 inputs (its tokens within L - 1 of its cached length) to its slot
+        last = meta.context_lens[row] - positions <= taps - 1
+        keep = (meta.slot_mapping != PAD_SLOT) & last
+        flat = jnp.where(keep, slot * (taps - 1) + positions % (taps - 1), state.u.shape[0] * (taps - 1))
+        u_flat = state.u.reshape(-1, d).at[flat].set(u.astype(state.u.dtype), mode="drop")
+        return out, ConvState(u_flat.reshape(state.u.shape))
+
+
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(attn_norm(x)), then + mlp(mlp_norm(.)). post_norms (Gemma):
     each branch's output is normed again before its residual add; without pre_norms (OLMo 2) that is
@@ -198,8 +253,8 @@ class Block(nnx.Module):
         self.residual_post_norm, self.residual_scale = cfg.residual_post_norm, cfg.residual_scale
         norm = lambda: Norm(cfg.d_model, cfg.norm, cfg.norm_eps, dtype, rngs)  # noqa: E731
         self.attn_norm = norm() if cfg.pre_norms else None
-        self.attn = (MLAttention(cfg, layer, dtype, rngs) if cfg.mla else
-                     Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards))
+        self.attn = (ShortConv(cfg, dtype, rngs) if cfg.is_conv_layer(layer) else MLAttention(cfg, layer, dtype, rngs)
+                     if cfg.mla else Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards))
         self.mlp_norm = norm() if cfg.pre_norms and (cfg.parallel_mlp_norm or not cfg.parallel_block) else None
         self.parallel, self.sum_first = cfg.parallel_block, cfg.parallel_sum_first
         if cfg.is_moe_layer(layer):
@@ -385,7 +440,7 @@ def weight_bytes(model) -> perf.WeightBytes:
 # layer's gate / up / down / gate_up have a leading experts axis: each expert is quantized on its own
 # (quant.quantize_experts).
 CONTRACTED_DIMS = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1, "qkv": 1, "gate_up": 1,
-                   "out_gate": 1}
+                   "out_gate": 1, "in_proj": 1, "out_proj": 1}
 
 
 def window_logits(model: Decoder, windows: jax.Array) -> jax.Array:
@@ -432,7 +487,7 @@ def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Deco
 
 
 def set_matmul_impl(model, impl: str) -> None:
-    """Every layer of the model that multiplies by its weights (Attention, MLP) runs its quantized
+    """Every layer of the model that multiplies by its weights (Attention, MLP, ShortConv) runs its quantized
     matmuls with `impl` ("pallas" | "xla": the engine's resolved matmul implementation,
     config.ResolvedConfig.matmul; "auto": the backend's default). A static attribute of the layers,
     so the model's graph (and each step program compiled from it) holds it, as it holds the
@@ -440,7 +495,7 @@ def set_matmul_impl(model, impl: str) -> None:
     if impl not in MATMUL_IMPLS:
         raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {impl!r}")
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, (Attention, MLAttention, MLP)):
+        if isinstance(node, (Attention, MLAttention, MLP, ShortConv)):
             node.matmul = impl
 
 
@@ -599,10 +654,10 @@ def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
     gate_ups = {s: jax.jit(_gate_up_fuse(s)) for s in {layout.expert_shards, layout.mlp_shards, layout.shared_shards}}
     for i in range(cfg.n_layers):
         a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
-        if not cfg.mla:   # latent attention has no q / k / v to fuse
+        if not cfg.mla and not cfg.is_conv_layer(i):   # latent attention and conv layers have no q / k / v
             out[f"{a}/qkv"] = _fuse_leaves([_as_columns(p[f"{a}/{n}"]) for n in "qkv"], qkv,
                                            tuple(f"{a}/{n}" for n in "qkv"))
-        if cfg.qkv_bias:
+        if cfg.qkv_bias and not cfg.is_conv_layer(i):
             out[f"{a}/qkv_bias"] = qkv([p[f"{a}/{n}_bias"].reshape(-1) for n in "qkv"])
         gate_up = gate_ups[layout.expert_shards if cfg.is_moe_layer(i) else layout.mlp_shards]
         if cfg.gated_mlp:

@@ -601,6 +601,58 @@ def _llama4(c: dict[str, Any], arch: str) -> ModelConfig:
         moe_scale_inputs=True, moe_shared_ffn_dim=c["intermediate_size"])
 
 
+def _lfm2(c: dict[str, Any], arch: str) -> ModelConfig:
+    """LFM2 (Liquid: 350M ... 2.6B, LFM2.5; transformers' Lfm2): attention layers (per-head RMSNorm of q
+    and k before RoPE) and short-convolution layers (layer_types "conv"; by default those not in
+    full_attn_idxs) of conv_L_cache taps, each block's mixer and SwiGLU MLP behind RMSNorms
+    (operator_norm, ffn_norm), the final norm named embedding_norm, tied embeddings. The MLP's width:
+    intermediate_size (its uploads' block_ff_dim), and with block_auto_adjust_ff_dim 2/3 of it, times
+    block_ffn_dim_multiplier and rounded up to block_multiple_of (Lfm2MLP)."""
+    n = c["num_hidden_layers"]
+    types = c.get("layer_types")
+    if types is None:
+        attn = c.get("full_attn_idxs")
+        attn = set(range(n)) if attn is None else set(attn)
+        types = ["full_attention" if i in attn else "conv" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or set(types) - {"full_attention", "conv"}:
+        raise ConfigError(f"layer_types must name one of 'full_attention' / 'conv' per layer ({n}), got {types!r}")
+    f = c.get("block_ff_dim", c["intermediate_size"])
+    if c.get("block_auto_adjust_ff_dim", True):
+        f = int(2 * f / 3)
+        if c.get("block_ffn_dim_multiplier", 1.0) is not None:
+            m = c.get("block_multiple_of", 256)
+            f = m * ((int(c.get("block_ffn_dim_multiplier", 1.0) * f) + m - 1) // m)
+    taps = c.get("conv_L_cache", 3)
+    if not _is_int(taps) or taps < 2:
+        raise ConfigError(f"conv_L_cache must be an integer >= 2 (the conv layers' taps), got {taps!r}")
+    cfg = _llama_like({**c, "intermediate_size": f, "rms_norm_eps": c.get("norm_eps", 1e-5), "sliding_window": None,
+                       "tie_word_embeddings": c.get("tie_embedding", c.get("tie_word_embeddings", True))}, arch)
+    kinds = tuple("conv" if t == "conv" else "attention" for t in types)
+    return dataclasses.replace(cfg, qk_norm=True, layer_kinds=kinds, conv_kernel=taps,
+                               conv_bias=bool(c.get("conv_bias", False)))
+
+
+def _lfm2_moe(c: dict[str, Any], arch: str) -> ModelConfig:
+    """LFM2-MoE (LFM2-8B-A1B; transformers' Lfm2Moe): LFM2's layers with dense MLPs of intermediate_size
+    (as given) on the first num_dense_layers and experts of moe_intermediate_size on the others: the
+    router's sigmoids plus the learned expert_bias choose the top-k (use_expert_bias), the chosen
+    sigmoids renormalized (norm_topk_prob; over their sum + 1e-6) and times routed_scaling_factor, in
+    the model dtype (the router's logits too)."""
+    if not c.get("use_expert_bias", True):
+        raise ConfigError("use_expert_bias=false (LFM2-MoE without its routing correction) is not supported: "
+                          "the published LFM2-MoE models route with it")
+    n = c["num_hidden_layers"]
+    cfg = _lfm2({**c, "block_auto_adjust_ff_dim": False}, arch)
+    layers = tuple(i >= c.get("num_dense_layers", 2) for i in range(n))
+    if not any(layers):
+        raise ConfigError(f"num_dense_layers={c.get('num_dense_layers')!r} leaves no MoE layer of {n}")
+    return dataclasses.replace(
+        cfg, num_experts=_num_experts(c, arch), num_experts_per_tok=c["num_experts_per_tok"],
+        moe_ffn_dim=c["moe_intermediate_size"], moe_layers=None if all(layers) else layers, moe_routing="sigmoid_topk",
+        moe_norm_topk=bool(c.get("norm_topk_prob", True)), moe_routed_scale=float(c.get("routed_scaling_factor", 1.0)),
+        moe_norm_eps=1e-6, moe_router_in_dtype=True)
+
+
 def _smollm3(c: dict[str, Any], arch: str) -> ModelConfig:
     """SmolLM3: Llama's block with no position encoding on some layers (transformers' SmolLM3Config:
     no_rope_layers, 1 where a layer rotates, default every no_rope_layer_interval-th layer (4) without),
@@ -1519,7 +1571,8 @@ _HF_BUILDERS = {
     "ExaoneForCausalLM": _exaone, "InternLM3ForCausalLM": _internlm3, "AfmoeForCausalLM": _afmoe,
     "PhimoeForCausalLM": _phimoe, "ApertusForCausalLM": _apertus, "GPTJForCausalLM": _gptj,
     "OlmoForCausalLM": _olmo1, "InternLM2ForCausalLM": _internlm2, "MiniCPMForCausalLM": _minicpm,
-    "OPTForCausalLM": _opt, "GPTNeoForCausalLM": _gpt_neo, "Llama4ForCausalLM": _llama4,
+    "OPTForCausalLM": _opt, "GPTNeoForCausalLM": _gpt_neo, "Llama4ForCausalLM": _llama4, "Lfm2ForCausalLM": _lfm2,
+    "Lfm2MoeForCausalLM": _lfm2_moe,
 }
 # model types transformers reads with LlamaForCausalLM (renaming EXAONE's tensors as it loads and
 # back as it saves), whose config.json names that class once re-saved
@@ -1528,7 +1581,8 @@ _AS_LLAMA = {"exaone": "ExaoneForCausalLM", "internlm3": "InternLM3ForCausalLM"}
 _ALIASES = {"PhiMoEForCausalLM": "PhimoeForCausalLM"}
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
-_ARCH_BY_MODEL_TYPE = {"llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration",
+_ARCH_BY_MODEL_TYPE = {"lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM", "llama4_text": "Llama4ForCausalLM",
+                       "llama4": "Llama4ForConditionalGeneration",
                        "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "arcee": "ArceeForCausalLM", "helium": "HeliumForCausalLM",
                        "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
@@ -1578,6 +1632,15 @@ _GLM_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1.5625e-07, "max_position_embe
                  "num_key_value_heads": 2, "eos_token_id": [151329, 151336, 151338]}
 _COHERE_DEFAULTS = {"max_position_embeddings": 8192, "bos_token_id": 5, "eos_token_id": 255001}
 _HF_DEFAULTS = {
+    # Lfm2MoeConfig's
+    "Lfm2MoeForCausalLM": {"vocab_size": 65536, "hidden_size": 2048, "intermediate_size": 7168,
+                           "moe_intermediate_size": 1792, "num_hidden_layers": 32, "num_attention_heads": 32,
+                           "num_key_value_heads": 8, "max_position_embeddings": 128000, "rope_theta": 1000000.0,
+                           "num_experts_per_tok": 4, "bos_token_id": 1, "eos_token_id": 2},
+    # Lfm2Config's
+    "Lfm2ForCausalLM": {"vocab_size": 65536, "hidden_size": 2560, "intermediate_size": 12288, "num_hidden_layers": 32,
+                        "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 128000,
+                        "rope_theta": 1000000.0, "bos_token_id": 1, "eos_token_id": 2},
     # Llama4TextConfig's (a Llama 4 upload's text_config names only some)
     "Llama4ForCausalLM": {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
                           "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
@@ -1726,7 +1789,8 @@ _DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOss
                     "SolarOpenForCausalLM": 128, "ExaoneMoeForCausalLM": 64, "AfmoeForCausalLM": 64, "PhimoeForCausalLM": 16,
                     "GraniteMoeForCausalLM": 8, "GraniteMoeSharedForCausalLM": 8,
                     "OlmoeForCausalLM": 64,
-                    "HunYuanMoEV1ForCausalLM": 1, "Llama4ForCausalLM": 16}
+                    "HunYuanMoEV1ForCausalLM": 1, "Llama4ForCausalLM": 16,
+                    "Lfm2MoeForCausalLM": 32}
 # architectures close to a supported one, refused with a pointer to what is supported
 _NOT_SUPPORTED = {
     "Phi3SmallForCausalLM": " (Phi-3-small: block-sparse attention and its own MLP, not Phi3ForCausalLM's)",

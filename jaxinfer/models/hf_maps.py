@@ -224,8 +224,10 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
         _granite_experts(m, cfg, o, p)
         return
     minimax = cfg.architecture == "MiniMaxM2ForCausalLM"   # Mixtral's names
-    block, names = (("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})
-                    if cfg.architecture in ("MixtralForCausalLM", "PhimoeForCausalLM") or minimax else
+    lfm2 = cfg.architecture == "Lfm2MoeForCausalLM"        # Mixtral's experts under feed_forward
+    w123 = {"gate": "w1", "up": "w3", "down": "w2"}
+    block, names = (("block_sparse_moe", w123) if cfg.architecture in ("MixtralForCausalLM", "PhimoeForCausalLM")
+                    or minimax else ("feed_forward", w123) if lfm2 else
                     ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}))
     hunyuan = cfg.architecture == "HunYuanMoEV1ForCausalLM"   # its router in gate.wg, its shared MLP shared_mlp
     afmoe = cfg.architecture == "AfmoeForCausalLM"   # its router in router.gate, its correction expert_bias
@@ -235,7 +237,7 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
         m[f"{o}/mlp/{ours}"] = (tuple(f"{p}.{block}.experts.{j}.{theirs}.weight" for j in e), _stack_t)
     if cfg.moe_routing == "sigmoid_topk":   # DeepSeek-V3 / GLM-4.5's choice correction
         beside = cfg.architecture in ("MiniMaxM2ForCausalLM", "ExaoneMoeForCausalLM")   # not in the gate
-        correction = "expert_bias" if afmoe else f"{'' if beside else 'gate.'}e_score_correction_bias"
+        correction = "expert_bias" if afmoe or lfm2 else f"{'' if beside else 'gate.'}e_score_correction_bias"
         m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.{correction}",), _ident)
     elif cfg.moe_routing == "softmax_corrected_topk":   # ERNIE 4.5's, [1, E] in its moe_statics
         m[f"{o}/mlp/router_correction"] = ((f"{p}.{block}.moe_statics.e_score_correction_bias",),
@@ -430,6 +432,32 @@ _LLAMA4_NAMES = ((".mlp.gate.weight", ".feed_forward.router.weight"),
                  (".mlp.shared_experts.", ".feed_forward.shared_expert."), (".mlp.", ".feed_forward."))
 
 
+# LFM2's names for _llama_map's tensors (its attention layers' q / k norms, output projection, MLP, norms)
+_LFM2_NAMES = ((".self_attn.q_norm.", ".self_attn.q_layernorm."), (".self_attn.k_norm.", ".self_attn.k_layernorm."),
+               (".self_attn.o_proj.", ".self_attn.out_proj."), (".mlp.gate_proj.", ".feed_forward.w1."),
+               (".mlp.up_proj.", ".feed_forward.w3."), (".mlp.down_proj.", ".feed_forward.w2."),
+               (".input_layernorm.", ".operator_norm."), (".post_attention_layernorm.", ".ffn_norm."),
+               ("model.norm.", "model.embedding_norm."))
+
+
+def _lfm2_map(cfg: ModelConfig) -> WeightMap:
+    """LFM2: _llama_map under its names, each conv layer's attention replaced by conv.in_proj [3d, d]
+    (its rows B, C, x), conv.conv [d, 1, L] (the taps) and conv.out_proj [d, d], biased where conv_bias."""
+    m = _renamed(_llama_map(cfg), _LFM2_NAMES)
+    for i in range(cfg.n_layers):
+        if not cfg.is_conv_layer(i):
+            continue
+        o, p = f"layers/{i}/attn", f"model.layers.{i}.conv"
+        m = {k: v for k, v in m.items() if not k.startswith(f"{o}/")}
+        m[f"{o}/in_proj"] = ((f"{p}.in_proj.weight",), _t)
+        m[f"{o}/conv"] = ((f"{p}.conv.weight",), lambda w: w[:, 0, :].T)
+        m[f"{o}/out_proj"] = ((f"{p}.out_proj.weight",), _t)
+        if cfg.conv_bias:
+            for name in ("in_proj", "conv", "out_proj"):
+                m[f"{o}/{name}_bias"] = ((f"{p}.{name}.bias",), _ident)
+    return m
+
+
 def _renamed(m: WeightMap, pairs: tuple[tuple[str, str], ...]) -> WeightMap:
     """A map's entries under another family's tensor names: each (Llama's, theirs) substring replaced,
     in order."""
@@ -545,7 +573,8 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "GPTJForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _GPTJ_NAMES), "OlmoForCausalLM": _llama_map,
          "InternLM2ForCausalLM": _internlm2_map, "MiniCPMForCausalLM": _llama_map, "OPTForCausalLM": _opt_map,
          "GPTNeoForCausalLM": _gpt_neo_map,
-         "Llama4ForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _LLAMA4_NAMES)}
+         "Llama4ForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _LLAMA4_NAMES), "Lfm2ForCausalLM": _lfm2_map,
+         "Lfm2MoeForCausalLM": _lfm2_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM", "Llama4ForCausalLM")
@@ -570,7 +599,7 @@ def hf_weight_map(cfg: ModelConfig, stored: Callable[[str], bool] | None = None)
 
 
 # one expert's gate / up / down as _experts_map names it (experts 0 .. E-1, stacked by _stack_t)
-_PER_EXPERT = re.compile(r"(?P<experts>.+\.experts)\.0\.(?P<part>gate_proj|up_proj|down_proj)\.weight")
+_PER_EXPERT = re.compile(r"(?P<experts>.+\.experts)\.0\.(?P<part>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
 
 
 def _fused_experts(cfg: ModelConfig, names: tuple[str, ...], transform: Transform,
@@ -583,7 +612,8 @@ def _fused_experts(cfg: ModelConfig, names: tuple[str, ...], transform: Transfor
     that one, any other is transposed; Llama 4's own model holds them as the uploads do (bmm's [E, d, 2F]
     / [E, F, d]): never transposed, whatever the sizes (d = 2F would look like the other)."""
     m = _PER_EXPERT.fullmatch(names[0])
-    fused = None if m is None else f"{m['experts']}.{'down_proj' if m['part'] == 'down_proj' else 'gate_up_proj'}"
+    down = m is not None and m["part"] in ("down_proj", "w2")   # (Mixtral's and LFM2-MoE's w1 / w3 / w2)
+    fused = None if m is None else f"{m['experts']}.{'down_proj' if down else 'gate_up_proj'}"
     # only where the fused tensor is there: a quantized upload's per-expert tensors (qweight, weight_packed)
     # stay the quantized readers', a missing expert stays a missing tensor
     if fused is None or stored(names[0]) or not stored(fused):
@@ -591,10 +621,10 @@ def _fused_experts(cfg: ModelConfig, names: tuple[str, ...], transform: Transfor
     d, f = cfg.d_model, cfg.expert_ffn_dim
     if cfg.architecture == "Llama4ForCausalLM":
         j = 0 if m["part"] == "gate_proj" else 1
-        return (fused,), _ident if m["part"] == "down_proj" else lambda w, j=j: w[..., j * f:(j + 1) * f]
-    if m["part"] == "down_proj":
+        return (fused,), _ident if down else lambda w, j=j: w[..., j * f:(j + 1) * f]
+    if down:
         return (fused,), lambda w: w.transpose(0, 2, 1) if w.shape[1:] == (d, f) else w
-    j = 0 if m["part"] == "gate_proj" else 1
+    j = 0 if m["part"] in ("gate_proj", "w1") else 1
 
     def gate_or_up(w: np.ndarray) -> np.ndarray:
         w = w.transpose(0, 2, 1) if w.shape[1:] == (2 * f, d) else w      # -> [E, d, 2F]

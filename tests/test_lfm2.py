@@ -1,0 +1,115 @@
+"""LFM2's short-convolution layers through the paged engine: each sequence's conv state (its last L - 1
+conv inputs) carried across chunked prefill, mixed steps and multi-step decoding in a state slot of
+its own, and what the engine refuses for such a model. The reference is transformers' Lfm2ForCausalLM
+(tests/hf_models.py "lfm2": conv, attention, conv, attention)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxinfer import Generator, SamplingParams
+from jaxinfer.config import ConfigError
+from tests.hf_models import build_hf_model
+
+TOKENS = 12
+ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=16, token_buckets=[16], block_size=8,
+              warmup=False)
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens by full forwards of transformers' model (no cache: nothing of ours)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def lfm2(hf_model_dir):
+    rng = np.random.RandomState(5)
+    prompts = [rng.randint(3, 113, n).tolist() for n in (5, 45, 17, 30, 9)]
+    hf = build_hf_model("lfm2")
+    return hf_model_dir("lfm2"), hf, prompts, [_hf_greedy(hf, p, TOKENS) for p in prompts]
+
+
+def test_state_across_chunks_rows_slot_reuse_and_preemption(lfm2):
+    """Five prompts of 5 to 45 tokens, prefilled in 16-token chunks beside other rows' decode tokens,
+    through two state slots (max_num_seqs 2: each finished request's slot is taken by the next) and a
+    pool of 8 blocks, too small for two sequences (preempted, then recomputed from position 0):
+    every continuation is transformers' greedy one. Each of n = 2 greedy samples computes its own
+    prompt (no fork: a shared block holds no conv state) and gives it too."""
+    folder, _, prompts, want = lfm2
+    gen = Generator.from_pretrained(folder, max_num_seqs=2, num_blocks=9, **ENGINE)
+    greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in gen.generate(prompts, greedy)] == want
+    stats = gen.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0
+    assert not gen.engine.resolved.enable_prefix_caching and not gen.engine.blocks.state_of
+    two = gen.generate([prompts[2]], SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, n=2))[0]
+    assert [s.token_ids for s in two.samples] == [want[2], want[2]]
+
+
+def test_prompt_logprobs_across_chunk_boundaries(lfm2):
+    """Teacher-forced: a 45-token prompt's logprobs, computed in three chunks whose conv layers read
+    the previous chunk's last inputs from the state, are transformers' log-softmax (to float32
+    rounding relative to the logits' magnitude)."""
+    folder, hf, prompts, _ = lfm2
+    gen = Generator.from_pretrained(folder, max_num_seqs=4, num_blocks=40, **ENGINE)
+    ids = prompts[1]
+    out = gen.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].double()
+    ref = torch.log_softmax(logits, -1).numpy()
+    got = np.array([e[0] for e in out.prompt_logprobs[1:]])
+    want = np.array([ref[p, ids[p + 1]] for p in range(len(ids) - 1)])
+    assert np.abs(got - want).max() <= 1e-5 * float(logits.abs().max())
+
+
+def test_what_a_conv_state_cannot_carry_is_refused(lfm2, tmp_path):
+    """Speculative decoding (rejected proposals would stay in the state), the host KV tier, tensor and
+    pipeline parallelism are refused by name; LoRA names the supported families; jaxinfer quantize
+    points to load-time quantization."""
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.config.resolve import resolve_config
+    from jaxinfer.lora.adapter import LORA_FAMILIES
+    from jaxinfer.models.hf_configs import model_config_from_hf
+    from jaxinfer.quantize import QuantizeSettings, quantize_model
+    from jaxinfer.weights import load_model
+    folder = lfm2[0]
+    cfg = model_config_from_hf(folder)
+    for name, kw in (("speculative_method", dict(speculative_method="ngram", num_speculative_tokens=2)),
+                     ("tensor_parallel", dict(tensor_parallel=2)), ("pipeline_parallel", dict(pipeline_parallel=2))):
+        with pytest.raises(ConfigError, match=rf"{name} is not available for Lfm2ForCausalLM, whose conv layers"):
+            resolve_config(EngineConfig(num_blocks=16, **kw), cfg, backend="cpu")
+    with pytest.raises(ConfigError, match="kv_offload_gb is not available"):
+        resolve_config(EngineConfig(num_blocks=16, kv_offload_bytes=1 << 20), cfg, backend="cpu")
+    assert "Lfm2ForCausalLM" not in LORA_FAMILIES
+    model, _ = load_model(folder, "float32")
+    with pytest.raises(ValueError, match="conv layers .* --quantize int8"):
+        quantize_model(model, QuantizeSettings(method="rtn", bits=4))
+
+
+def test_lfm2_moe_experts_in_transformers_own_layout(tmp_path):
+    """LFM2-MoE's uploads store each expert's w1 / w3 / w2 (tests/test_hf_parity.py reads those); the
+    state dict of transformers' own model holds a layer's experts fused, gate_up_proj [E, 2F, d] and
+    down_proj [E, d, F]: a folder of that gives transformers' logits too."""
+    import json
+
+    from safetensors.torch import save_file
+    from tests.hf_models import save_hf_model
+    hf = build_hf_model("lfm2-moe")
+    folder = tmp_path / "fused"
+    save_hf_model("lfm2-moe", tmp_path / "upload")
+    folder.mkdir()
+    (folder / "config.json").write_text((tmp_path / "upload" / "config.json").read_text())
+    tensors = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}   # (tied)
+    assert "model.layers.1.feed_forward.experts.gate_up_proj" in tensors
+    save_file(tensors, str(folder / "model.safetensors"))
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Lfm2MoeForCausalLM"]
+    ids = [3, 17, 42, 9, 100, 5, 77, 12, 8, 60, 33, 1, 7, 19]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    gen = Generator.from_pretrained(folder, max_num_seqs=2, num_blocks=16, **ENGINE)
+    assert np.abs(gen.logits(ids) - ref).max() <= 1e-4 * np.abs(ref).max()
