@@ -237,6 +237,7 @@ class Generator:
             path = apply_hf_overrides(path, json.loads(cfg.hf_overrides))
         tok_path = resolve_tokenizer_path(cfg.tokenizer) if cfg.tokenizer is not None else None
         draft_path = draft_model_path(path, cfg.speculative_method, speculative_model)
+        _check_state_settings(path, cfg)
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
         group = distributed.initialize(coordinator_address, num_processes, process_id)
         # the model's dtype, decided once by config.resolve_dtype_name's rule (after initialize: it asks
@@ -704,6 +705,21 @@ def _full_forward(model, impl: str, replicated: bool):
     from jax.sharding import NamedSharding, PartitionSpec
     from jaxinfer.sharding import model_mesh
     return jax.jit(forward, out_shardings=NamedSharding(model_mesh(params), PartitionSpec())), params
+
+
+def _check_state_settings(path: Path, cfg: EngineConfig) -> None:
+    """Before any loading: a model with conv layers (LFM2) refuses the settings its per-sequence state
+    cannot take (config.resolve.check_state_model) by name, not by whichever part of loading fails
+    first (pipeline stages stack the layers, tensor parallelism fuses and shards them)."""
+    from jaxinfer.config import ConfigError
+    from jaxinfer.config.resolve import check_state_model
+    from jaxinfer.models.hf_configs import model_config_from_hf
+    from jaxinfer.weights import read_native_config
+    try:
+        mc = read_native_config(path)[0] if is_native(path) else model_config_from_hf(path)
+    except (ConfigError, OSError, ValueError):   # (a GGUF file, or a config the loader will name)
+        return
+    check_state_model(cfg, mc)
 
 
 def _load_pipelined(path: Path, cfg: EngineConfig):

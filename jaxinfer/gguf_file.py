@@ -42,7 +42,8 @@ attn_qkv's [q | k | v] rows put back in transformers' per-head order, use_parall
 tanh GELU llama.cpp runs every such file with, Pythia's erf one not being in the file) and stablelm
 (StableLM: per-head q / k norms stacked in attn_q_norm / attn_k_norm; parallel blocks where the file
 has no ffn_norm, as llama.cpp runs them); these three rotate the share of each head
-rope.dimension_count gives. Rope: none,
+rope.dimension_count gives; and lfm2 (LFM2: head_count_kv per layer, 0 on the short-convolution
+layers, whose taps the converter squeezes to [d, L]; the MLP's width already adjusted). Rope: none,
 linear, yarn, and Llama 3's (its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
 every stored divisor). Anything else is refused naming the key or tensor. Split files
 (NAME-00001-of-0000N.gguf) are read across their parts.
@@ -74,14 +75,15 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "command-r": "CohereForCausalLM",
          "cohere2": "Cohere2ForCausalLM", "phi2": "PhiForCausalLM", "gptneox": "GPTNeoXForCausalLM",
          "stablelm": "StableLmForCausalLM", "starcoder": "GPTBigCodeForCausalLM", "arcee": "ArceeForCausalLM",
-         "exaone": "LlamaForCausalLM", "internlm2": "LlamaForCausalLM"}
+         "exaone": "LlamaForCausalLM", "internlm2": "LlamaForCausalLM", "lfm2": "Lfm2ForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma": "gemma",
                 "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
                 "granite": "granite", "olmo2": "olmo2", "seed_oss": "seed_oss", "qwen2moe": "qwen2_moe",
                 "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3", "glm4": "glm4", "starcoder2": "starcoder2",
                 "command-r": "cohere", "cohere2": "cohere2", "phi2": "phi", "gptneox": "gpt_neox",
-                "stablelm": "stablelm", "starcoder": "gpt_bigcode", "arcee": "arcee", "exaone": "llama", "internlm2": "llama"}
+                "stablelm": "stablelm", "starcoder": "gpt_bigcode", "arcee": "arcee", "exaone": "llama", "internlm2": "llama",
+                "lfm2": "lfm2"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
 _PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm")
 # llama.cpp's mixtures with dense leading layers, sigmoid routing with a learned correction
@@ -267,7 +269,7 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         "architectures": [ARCHS[arch]], "model_type": _MODEL_TYPES[arch],
         "vocab_size": vocab, "hidden_size": int(need["embedding_length"]),
         "intermediate_size": int(need["feed_forward_length"]), "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": int(f.arch_get("attention.head_count_kv") or heads),
+        "num_attention_heads": heads, "num_key_value_heads": _kv_heads(f, heads),
         "head_dim": head_dim, "hidden_act": "silu",
         "max_position_embeddings": int(f.arch_get("context_length") or 2048),
         "rms_norm_eps": float(f.arch_get("attention.layer_norm_rms_epsilon") or 1e-6),
@@ -285,6 +287,31 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         if v is not None:
             cfg[hf] = int(v)
     return cfg
+
+
+def _kv_heads(f: GGUFFile, heads: int) -> int:
+    """attention.head_count_kv: one number, or one per layer (lfm2's: 0 on its conv layers), the
+    attention layers' then; absent: as many as the heads."""
+    kv = f.arch_get("attention.head_count_kv")
+    if isinstance(kv, list):
+        kv = max(kv, default=0)
+    return int(kv or heads)
+
+
+def _lfm2(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's lfm2 (LFM2Model): head_count_kv per layer, 0 on the short-convolution layers; the
+    MLP's width as Lfm2MLP computes it (feed_forward_length, already adjusted); the conv layers' taps
+    (shortconv.l_cache); the final norm in token_embd_norm."""
+    kv, taps = f.arch_get("attention.head_count_kv"), f.arch_get("shortconv.l_cache")
+    if not isinstance(kv, list) or len(kv) != cfg["num_hidden_layers"]:
+        raise CheckpointError(f"{f.path}: lfm2.attention.head_count_kv must give each of the "
+                              f"{cfg['num_hidden_layers']} layers its KV heads (0 on a conv layer), got {kv!r}")
+    if taps is None:
+        raise CheckpointError(f"{f.path}: metadata lfm2.shortconv.l_cache is missing")
+    conv = [i for i, k in enumerate(kv) if k == 0]
+    return {"layer_types": ["conv" if k == 0 else "full_attention" for k in kv], "conv_L_cache": int(taps),
+            "block_auto_adjust_ff_dim": False, "norm_eps": cfg["rms_norm_eps"],
+            "conv_bias": bool(conv) and f"blk.{conv[0]}.shortconv.in_proj.bias" in f.tensors}
 
 
 def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) -> dict[str, Any]:
@@ -329,6 +356,8 @@ def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) ->
         return _starcoder(f, cfg)
     elif arch == "arcee":   # llama.cpp's arcee: Llama's attention, the ungated squared-ReLU MLP
         return {"hidden_act": "relu2"}
+    elif arch == "lfm2":
+        return _lfm2(f, cfg)
     return {}
 
 

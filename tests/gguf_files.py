@@ -138,6 +138,8 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
     import gguf
     if arch in ("phi2", "gptneox", "stablelm"):
         return _layernorm_family_hparams(w, cfg, arch, head_dim)
+    if arch == "lfm2":
+        return _lfm2_hparams(w, cfg, head_dim)
     if arch == "starcoder":   # StarCoderModel.set_gguf_parameters: these keys only, the MLP as 4 x the width
         w.add_context_length(cfg.n_positions)
         w.add_embedding_length(cfg.n_embd)
@@ -203,6 +205,29 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
+
+
+def _lfm2_hparams(w, cfg, head_dim: int) -> None:
+    """LFM2Model.set_gguf_parameters: num_key_value_heads per layer (0 on the conv layers), TextModel's
+    keys, the vocabulary size, the conv layers' taps, norm_eps as the RMS epsilon and the MLP's width
+    as Lfm2MLP computes it (_add_feed_forward_length)."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads if t != "conv" else 0 for t in cfg.layer_types])
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_shortconv_l_cache(cfg.conv_L_cache)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    ff = cfg.intermediate_size
+    if cfg.block_auto_adjust_ff_dim:
+        ff = int(2 * ff / 3)
+        if cfg.block_ffn_dim_multiplier is not None:
+            ff = int(cfg.block_ffn_dim_multiplier * ff)
+        ff = cfg.block_multiple_of * ((ff + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
+    w.add_feed_forward_length(ff)
 
 
 def _deepseek2_hparams(w, cfg, rope: dict, mla: bool) -> None:
@@ -348,7 +373,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe_lite": "deepseek2", "glm4": "glm4",
             "starcoder2": "starcoder2", "cohere": "command-r", "cohere2": "cohere2", "phi": "phi2",
             "gpt_neox": "gptneox", "stablelm": "stablelm", "gpt_bigcode": "starcoder", "arcee": "arcee",
-            "exaone": "exaone"}[cfg.model_type]
+            "exaone": "exaone", "lfm2": "lfm2"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:
@@ -422,6 +447,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             prefix = hf_name[:-len("norms.0.weight")]
             x = np.stack([v.float().numpy() for k, v in model.state_dict().items() if k.startswith(prefix + "norms.")])
             hf_name = prefix + "weight"
+        if hf_name.endswith(".conv.conv.weight"):   # LFM2Model.modify_tensors: the taps [d, 1, L] -> [d, L]
+            x = x[:, 0, :]
         if hf_name.endswith(".e_score_correction_bias"):   # TextModel's rename before the name map
             hf_name = hf_name[:-len("_bias")] + ".bias"
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))

@@ -457,7 +457,7 @@ def _assert_packed_as_dequantized(hf, vocab, ids, qtypes: dict, path: Path) -> N
 
 @pytest.mark.parametrize("name,overrides", [("glm4", {}), ("starcoder2-window", {"sliding_window": None}),
                                             ("cohere", {}), ("cohere2", {"tie_word_embeddings": True}), ("arcee", {}),
-                                            ("exaone", {"rope_scaling": None})])
+                                            ("exaone", {"rope_scaling": None}), ("lfm2", {}), ("lfm2-bias", {})])
 def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path):
     """GLM-4-0414 (llama.cpp's glm4: gate and up fused in ffn_up, the branch-output norms, q / k as
     transformers stores them, half of each head rotating in pairs), StarCoder2 (starcoder2:
@@ -465,7 +465,8 @@ def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path
     and MLP side by side, logit_scale) and Command R7B (cohere2: three sliding layers with RoPE to one
     global without, llama.cpp's default period) and Arcee (arcee: Llama's permuted Q / K, YaRN, the
     ungated squared-ReLU MLP) and EXAONE 3.5 (exaone: Llama's block, Q / K not permuted: NeoX RoPE; the
-    embedding as the head) as llama.cpp's converter writes them compute what the HF model computes. llama.cpp's starcoder2 attends to the whole context (its graph has no window,
+    embedding as the head) and LFM2 (lfm2: KV heads per layer, 0 on the short-convolution layers, the
+    taps squeezed to [d, L], the MLP's width already adjusted; biased and untied too) as llama.cpp's converter writes them compute what the HF model computes. llama.cpp's starcoder2 attends to the whole context (its graph has no window,
     the file none to give), so the reference is the model without its window; cohere2's graph reads
     no output tensor, so the reference is tied."""
     hf, vocab, ids, expected, gen = _as_converted(name, overrides, tmp_path)
@@ -474,7 +475,7 @@ def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path
     # Q8_0 blocks (packed) on q and k (whose rows the paired families' RoPE reorders), the fused gate / up
     # and the ungated up projections
     qtypes = {"q_proj.weight": "Q8_0", "k_proj.weight": "Q8_0", "gate_up_proj.weight": "Q8_0", "c_fc.weight": "Q8_0",
-              "mlp.up_proj.weight": "Q8_0"}
+              "mlp.up_proj.weight": "Q8_0", "conv.in_proj.weight": "Q8_0"}
     _assert_packed_as_dequantized(hf, vocab, ids, qtypes, tmp_path / f"{name}-q8.gguf")
     if name == "glm4":   # a GLM-4.xV text model's file (M-RoPE, Q / K rows reordered by the converter): refused
         bad = write_gguf(hf, tmp_path / "glm4v.gguf", vocab, extra={"glm4.rope.dimension_sections": [8, 12, 12, 0]})
@@ -776,6 +777,8 @@ def _dequantized_copy(hf, path):
             if arch == "gptneox" and ".query_key_value." in hf_name:   # [q | k | v] rows -> per head
                 h = hf.config.num_attention_heads
                 x = np.ascontiguousarray(x.reshape(3, h, -1, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape))
+            if hf_name.endswith(".conv.conv.weight"):   # LFM2's taps, squeezed to [d, L] by the converter
+                x = x[:, None, :]
             state[hf_name] = torch.tensor(x - 1.0 if gemma_norm else x)
     assert not set(model.state_dict()) - set(state) - {"lm_head.weight"}
     model.load_state_dict(state, strict=False)

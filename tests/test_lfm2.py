@@ -68,9 +68,9 @@ def test_prompt_logprobs_across_chunk_boundaries(lfm2):
 
 
 def test_what_a_conv_state_cannot_carry_is_refused(lfm2, tmp_path):
-    """Speculative decoding (rejected proposals would stay in the state), the host KV tier, tensor and
-    pipeline parallelism are refused by name; LoRA names the supported families; jaxinfer quantize
-    points to load-time quantization."""
+    """Speculative decoding (rejected proposals would stay in the state), tensor and pipeline
+    parallelism (before any loading) and the host KV tier are refused by name; LoRA names the supported
+    families; jaxinfer quantize points to load-time quantization."""
     from jaxinfer.config import EngineConfig
     from jaxinfer.config.resolve import resolve_config
     from jaxinfer.lora.adapter import LORA_FAMILIES
@@ -82,7 +82,7 @@ def test_what_a_conv_state_cannot_carry_is_refused(lfm2, tmp_path):
     for name, kw in (("speculative_method", dict(speculative_method="ngram", num_speculative_tokens=2)),
                      ("tensor_parallel", dict(tensor_parallel=2)), ("pipeline_parallel", dict(pipeline_parallel=2))):
         with pytest.raises(ConfigError, match=rf"{name} is not available for Lfm2ForCausalLM, whose conv layers"):
-            resolve_config(EngineConfig(num_blocks=16, **kw), cfg, backend="cpu")
+            Generator.from_pretrained(folder, **kw)   # (refused before any loading)
     with pytest.raises(ConfigError, match="kv_offload_gb is not available"):
         resolve_config(EngineConfig(num_blocks=16, kv_offload_bytes=1 << 20), cfg, backend="cpu")
     assert "Lfm2ForCausalLM" not in LORA_FAMILIES

@@ -110,7 +110,7 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
     dtype = resolve_dtype_name(cfg.dtype, backend, weight_dtype)
     kv_dtype = cfg.kv_dtype or dtype
     attention = _resolve_attention(cfg, model_cfg, backend)
-    _check_state_model(cfg, model_cfg)
+    check_state_model(cfg, model_cfg)
     chunk = model_cfg.attention_chunk
     max_model_len = cfg.max_model_len or model_cfg.exact_positions
     longest = model_context(model_cfg)
@@ -146,7 +146,7 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
         logprobs_mode=cfg.logprobs_mode)
 
 
-def _check_state_model(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
+def check_state_model(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
     """A model with conv layers (LFM2) keeps each sequence's conv state in a slot of its own, which
     nothing that shares, moves or splits sequences' KV carries: its prefix caching is off (resolve_config),
     and these settings are refused by name."""

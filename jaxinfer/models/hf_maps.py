@@ -442,7 +442,8 @@ _LFM2_NAMES = ((".self_attn.q_norm.", ".self_attn.q_layernorm."), (".self_attn.k
 
 def _lfm2_map(cfg: ModelConfig) -> WeightMap:
     """LFM2: _llama_map under its names, each conv layer's attention replaced by conv.in_proj [3d, d]
-    (its rows B, C, x), conv.conv [d, 1, L] (the taps) and conv.out_proj [d, d], biased where conv_bias."""
+    (its rows B, C, x), conv.conv [d, 1, L] (the taps; llama.cpp's converter squeezes it to [d, L]) and
+    conv.out_proj [d, d], biased where conv_bias."""
     m = _renamed(_llama_map(cfg), _LFM2_NAMES)
     for i in range(cfg.n_layers):
         if not cfg.is_conv_layer(i):
@@ -450,7 +451,7 @@ def _lfm2_map(cfg: ModelConfig) -> WeightMap:
         o, p = f"layers/{i}/attn", f"model.layers.{i}.conv"
         m = {k: v for k, v in m.items() if not k.startswith(f"{o}/")}
         m[f"{o}/in_proj"] = ((f"{p}.in_proj.weight",), _t)
-        m[f"{o}/conv"] = ((f"{p}.conv.weight",), lambda w: w[:, 0, :].T)
+        m[f"{o}/conv"] = ((f"{p}.conv.weight",), lambda w: (w[:, 0, :] if w.ndim == 3 else w).T)   # (GGUF: [d, L])
         m[f"{o}/out_proj"] = ((f"{p}.out_proj.weight",), _t)
         if cfg.conv_bias:
             for name in ("in_proj", "conv", "out_proj"):
