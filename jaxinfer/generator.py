@@ -236,8 +236,8 @@ class Generator:
         if cfg.hf_overrides is not None:
             path = apply_hf_overrides(path, json.loads(cfg.hf_overrides))
         tok_path = resolve_tokenizer_path(cfg.tokenizer) if cfg.tokenizer is not None else None
-        draft_path = draft_model_path(path, cfg.speculative_method, speculative_model)
         _check_state_settings(path, cfg)
+        draft_path = draft_model_path(path, cfg.speculative_method, speculative_model)
         from jaxinfer import distributed   # joins before any other jax call (jax's rule)
         group = distributed.initialize(coordinator_address, num_processes, process_id)
         # the model's dtype, decided once by config.resolve_dtype_name's rule (after initialize: it asks
@@ -713,11 +713,14 @@ def _check_state_settings(path: Path, cfg: EngineConfig) -> None:
     first (pipeline stages stack the layers, tensor parallelism fuses and shards them)."""
     from jaxinfer.config import ConfigError
     from jaxinfer.config.resolve import check_state_model
+    from jaxinfer.errors import CheckpointError
+    from jaxinfer.gguf_file import GGUFFile, hf_config, is_gguf
     from jaxinfer.models.hf_configs import model_config_from_hf
     from jaxinfer.weights import read_native_config
     try:
-        mc = read_native_config(path)[0] if is_native(path) else model_config_from_hf(path)
-    except (ConfigError, OSError, ValueError):   # (a GGUF file, or a config the loader will name)
+        mc = (read_native_config(path)[0] if is_native(path) else
+              model_config_from_hf(hf_config(GGUFFile(path)) if is_gguf(path) else path))
+    except (ConfigError, CheckpointError, OSError, ValueError):   # the loader names what is wrong
         return
     check_state_model(cfg, mc)
 

@@ -69,15 +69,16 @@ ERNIE_NORM_MIN = 1e-12
 
 
 def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: jax.Array | None = None,
-          groups: int = 1, topk_groups: int = 1, scale: float = 1.0, jitter: float = 0.0, norm_eps: float = 1e-20
-          ) -> tuple[jax.Array, jax.Array]:
+          groups: int = 1, topk_groups: int = 1, scale: float = 1.0, jitter: float = 0.0, norm_eps: float = 1e-20,
+          scores_dtype=None) -> tuple[jax.Array, jax.Array]:
     """Router logits [T, E] float32 -> (weights [T, k] float32, experts [T, k] int32).
     topk_softmax (Mixtral, gpt-oss): the k largest logits, softmax over them. softmax_topk (Qwen3-MoE):
     softmax over all E, the k largest probabilities, divided by their sum when norm_topk.
     sigmoid_topk (DeepSeek-V3, GLM-4.5): scores sigmoid(logits); experts chosen by scores + correction
     [E] among the topk_groups best of `groups` equal groups (a group scored by the sum of its two best),
     weighted by their scores (renormalized when norm_topk, as transformers does: their sum + norm_eps, 1e-20;
-    LFM2-MoE's 1e-6), times scale.
+    LFM2-MoE's 1e-6), times scale; with scores_dtype (LFM2-MoE's bfloat16 router) the sigmoids, their
+    renormalization and scale rounded to that dtype at each step, as transformers computes them there.
     softmax_group_topk (DeepSeek-V2): softmax over all E; the k largest probabilities among the
     topk_groups best of `groups` groups (a group scored by its best; the others' probabilities taken
     as 0, as transformers masks them), never renormalized, times scale. softmax_corrected_topk
@@ -91,7 +92,7 @@ def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: 
         top, experts = lax.top_k(logits, k)
         return jax.nn.sigmoid(top), experts
     if routing == "sigmoid_topk":
-        return _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale, norm_eps)
+        return _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale, norm_eps, scores_dtype)
     if routing == "softmax_group_topk":
         return _route_softmax_groups(logits, k, groups, topk_groups, scale)
     if routing == "sparsemixer":
@@ -107,15 +108,22 @@ def route(logits: jax.Array, k: int, routing: str, norm_topk: bool, correction: 
     return weights, experts
 
 
-def _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale, norm_eps=1e-20):
+def _route_sigmoid(logits, k, norm_topk, correction, groups, topk_groups, scale, norm_eps=1e-20, dtype=None):
     t, e = logits.shape
     scores = jax.nn.sigmoid(logits)
+    if dtype is not None:   # LFM2-MoE: the sigmoids rounded to the router's dtype before the correction
+        scores = scores.astype(dtype).astype(jnp.float32)
     choice = scores if correction is None else scores + correction.astype(jnp.float32)
     if groups > 1:
         best_two = lax.top_k(choice.reshape(t, groups, e // groups), 2)[0]
         choice = jnp.where(_kept_groups(jnp.sum(best_two, axis=-1), topk_groups, e // groups), choice, -jnp.inf)
     _, experts = lax.top_k(choice, k)
     weights = jnp.take_along_axis(scores, experts, axis=1)
+    if dtype is not None:   # renormalized and scaled in that dtype, each operation rounded as torch rounds it
+        rnd = lambda a: a.astype(dtype).astype(jnp.float32)  # noqa: E731
+        if norm_topk:
+            weights = rnd(weights / rnd(rnd(jnp.sum(weights, axis=-1, keepdims=True)) + norm_eps))
+        return rnd(weights * jnp.float32(scale)), experts
     if norm_topk:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + norm_eps)
     return weights * jnp.float32(scale), experts
@@ -220,6 +228,7 @@ class MoE(nnx.Module):
         self.routing, self.norm_topk, self.act = cfg.moe_routing, cfg.moe_norm_topk, cfg.activation
         self.groups, self.topk_groups, self.routed_scale = cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_routed_scale
         self.jitter, self.scale_inputs, self.norm_eps = cfg.moe_router_jitter, cfg.moe_scale_inputs, cfg.moe_norm_eps
+        self.scores_in_dtype = cfg.moe_scores_in_dtype
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         fused, bias = shards is not None, cfg.mlp_bias
         expert = lambda n, axis, b=False: param((e, *n), ("experts", *axis), dtype, rngs,  # noqa: E731
@@ -253,8 +262,8 @@ class MoE(nnx.Module):
         xr = x.astype(jnp.float32) if router.dtype == jnp.float32 else x
         logits = dense(xr, router, param_value(self.router_bias)).astype(jnp.float32)           # (T, E)
         weights, experts = route(logits, self.k, self.routing, self.norm_topk, param_value(self.router_correction),
-                                 self.groups, self.topk_groups, self.routed_scale, self.jitter,
-                                 self.norm_eps)                                     # (T, k)
+                                 self.groups, self.topk_groups, self.routed_scale, self.jitter, self.norm_eps,
+                                 router.dtype if self.scores_in_dtype else None)   # (T, k)
         order, sizes = sort_rows(experts, valid, self.num_experts)                  # (R,), (E,)
         xs = x[order // self.k]                                                      # (R, D) sorted by expert
         if self.scale_inputs:   # Llama 4: each row times its weight (in x's dtype) before its expert

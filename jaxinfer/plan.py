@@ -356,6 +356,9 @@ def _check_layout(cfg: ModelConfig, context: int, tp: int, pp: int, memory_fract
     warnings = []
     if context > cfg.max_position_embeddings:
         warnings.append(f"context {context} exceeds the model's max_position_embeddings {cfg.max_position_embeddings}")
+    if cfg.attention_chunk is not None and context > cfg.attention_chunk:
+        warnings.append(f"context {context} exceeds one attention chunk ({cfg.attention_chunk}, Llama 4's "
+                        "attention_chunk_size); engines refuse a longer max_model_len")
     if cfg.n_heads % tp:
         warnings.append(f"tp={tp} does not divide n_heads={cfg.n_heads}; engines reject this layout")
     if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
@@ -368,7 +371,7 @@ def _check_layout(cfg: ModelConfig, context: int, tp: int, pp: int, memory_fract
 def _memory(cfg: ModelConfig, device: Device, total_weight_bytes: int, kv_dtype: str, context: int, tp: int, pp: int,
             memory_fraction: float, warnings: list[str]) -> dict[str, Any]:
     """Per-device weights, KV per token and budget, and how many sequences fit (appends warnings)."""
-    dev_kv_tok = kv_bytes_per_token(cfg, kv_dtype, layers=math.ceil(cfg.n_layers / pp),
+    dev_kv_tok = kv_bytes_per_token(cfg, kv_dtype, layers=math.ceil(cfg.n_attn_layers / pp),   # (conv layers: none)
                                     kv_heads=math.ceil(cfg.n_kv_heads / tp))
     dev_weights = math.ceil(total_weight_bytes / (tp * pp))
     usable = int(device.memory_bytes * memory_fraction)
@@ -392,7 +395,7 @@ def _roofline(cfg: ModelConfig, device: Device, cost: perf.ModelCost, dtype: str
     over tp, and the sequence's KV up to each layer's window, stage after stage over pp."""
     flops = device.peak_flops(dtype)
     b_star = flops / device.bandwidth
-    per_layer_kv = dev_kv_tok / math.ceil(cfg.n_layers / pp)
+    per_layer_kv = dev_kv_tok / math.ceil(cfg.n_attn_layers / pp)
     step_bytes_bs1 = perf.bytes_read(cost.iteration_weight_bytes(1) / tp, per_layer_kv, cost.layer_context([context]))
     tok_s = device.bandwidth / step_bytes_bs1
     return dict(peak_flops=flops, peak_flops_kind="tf32" if dtype == "float32" else "bf16",

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from jaxinfer import Generator, SamplingParams
+from jaxinfer.config import ConfigError
 from jaxinfer.errors import CheckpointError
 from jaxinfer.hub import ModelSpecError, resolve_model_path
 from tests import prequant_models as pm
@@ -471,6 +472,9 @@ def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path
     no output tensor, so the reference is tied."""
     hf, vocab, ids, expected, gen = _as_converted(name, overrides, tmp_path)
     assert gen.model_cfg.sliding_window == (6 if name == "cohere2" else None)
+    if name == "lfm2":   # the file's conv layers refuse what their state cannot take, before loading
+        with pytest.raises(ConfigError, match="tensor_parallel is not available for Lfm2ForCausalLM"):
+            _gen(tmp_path / "lfm2.gguf", tensor_parallel=2)
     assert _rel_err(gen.logits(ids), expected) < 1e-4
     # Q8_0 blocks (packed) on q and k (whose rows the paired families' RoPE reorders), the fused gate / up
     # and the ungated up projections

@@ -113,3 +113,19 @@ def test_lfm2_moe_experts_in_transformers_own_layout(tmp_path):
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     gen = Generator.from_pretrained(folder, max_num_seqs=2, num_blocks=16, **ENGINE)
     assert np.abs(gen.logits(ids) - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_state_slots_follow_the_blocks():
+    """BlockManager's state slots: a request takes one with its first blocks (all or nothing: a request
+    that cannot get its blocks takes no slot), keeps it as its table grows, gives it back with its
+    blocks; the freed slot is the next one handed out; slot 0 never is."""
+    from jaxinfer.host.block_manager import BlockManager
+    bm = BlockManager(num_blocks=6, block_size=4, state_slots=2)
+    assert bm.allocate("a", 8) and bm.allocate("b", 4) and bm.state_of == {"a": 1, "b": 2}
+    assert bm.allocate("a", 12) and bm.state_of["a"] == 1          # a longer table, the same slot
+    assert not bm.allocate("c", 8) and "c" not in bm.state_of      # one block free, two wanted: nothing taken
+    bm.free("a")
+    assert bm.allocate("c", 8) and bm.state_of == {"b": 2, "c": 1}
+    bm.free("b")
+    bm.free("c")
+    assert bm.state_of == {} and sorted(bm.state_free) == [1, 2] and bm.num_free == 5

@@ -105,6 +105,47 @@ def test_routing_matches_transformers_routers(name, overrides):
                      np.take_along_axis(scores.float().numpy(), hf_order, 1), rtol, f"{name} routing weights")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lfm2_moe_and_llama4_routing_match_transformers_routers(dtype):
+    """LFM2-MoE's router (Lfm2MoeTopKRouter: sigmoids of the model-dtype logits, the float32 expert_bias
+    added for the choice, renormalized over their sum + 1e-6, times 1.5, all in the model's dtype) and
+    Llama 4's (Llama4Router: top-k of the logits, each weighted by its sigmoid, rounded to the dtype) on
+    the same hidden states: the same experts, and the same weights (to float32 rounding; in bfloat16
+    the very values, each operation rounded where transformers rounds it)."""
+    for name in ("lfm2-moe", "llama4-maverick"):
+        hf = build_hf_model(name).to(getattr(torch, dtype))
+        ff = next(m.feed_forward for m in hf.model.layers if hasattr(m.feed_forward, "experts"))
+        x = torch.randn(64, hf.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(getattr(torch, dtype))
+        cfg = model_config_from_hf(json.loads(hf.config.to_json_string()))
+        with torch.no_grad():
+            if name == "lfm2-moe":
+                logits, hf_w, idx = ff.gate(x, ff.expert_bias)
+            else:   # [T, E] with the chosen sigmoids, -inf elsewhere (0 after the sigmoid)
+                dense, logits = ff.router(x)
+                idx = torch.topk(logits, cfg.num_experts_per_tok, dim=1).indices
+                hf_w = dense.gather(1, idx)
+        correction = jnp.asarray(ff.expert_bias.float().numpy()) if name == "lfm2-moe" else None
+        weights, experts = route(jnp.asarray(logits.float().numpy()), cfg.num_experts_per_tok, cfg.moe_routing,
+                                 cfg.moe_norm_topk, correction, scale=cfg.moe_routed_scale, norm_eps=cfg.moe_norm_eps,
+                                 scores_dtype=jnp.bfloat16 if dtype == "bfloat16" and cfg.moe_scores_in_dtype else None)
+        # a token whose k-th and (k+1)-th choice values tie (bfloat16 logits do) may take either expert
+        choice = logits.float().numpy() if name != "lfm2-moe" else (
+            torch.sigmoid(logits).float() + ff.expert_bias.float()).numpy()
+        top = -np.sort(-choice, axis=1)
+        clear = top[:, cfg.num_experts_per_tok - 1] != top[:, cfg.num_experts_per_tok]
+        assert clear.sum() >= 48, clear.sum()
+        order, hf_order = np.argsort(np.asarray(experts), axis=1), np.argsort(idx.numpy(), axis=1)
+        np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), order, 1)[clear],
+                                      np.take_along_axis(idx.numpy(), hf_order, 1)[clear])
+        got = np.take_along_axis(np.asarray(weights), order, 1)[clear]
+        if dtype == "bfloat16":   # Llama 4's weights are rounded when they scale the inputs (moe.py)
+            got = np.asarray(jnp.asarray(got).astype(jnp.bfloat16).astype(jnp.float32))
+        want = np.take_along_axis(hf_w.float().numpy(), hf_order, 1)[clear]
+        # float32: a sigmoid's few ulps, a k-term sum and a division; bfloat16: bit for bit
+        rtol = 8 * unit_roundoff("float32") if dtype == "float32" else 0.0
+        assert_rel_close(got, want, rtol, f"{name} routing weights ({dtype})")
+
+
 # ------------------------------------------------------------------------------ the grouped expert FFN
 
 def _tiny_moe(quantize: str | None, fused: bool, limit: float | None, seed: int = 0) -> tuple[MoE, ModelConfig]:

@@ -179,6 +179,8 @@ class ModelConfig:
     moe_shared_gate: bool = False
     moe_scale_inputs: bool = False
     moe_norm_eps: float = 1e-20         # sigmoid_topk's renormalization: the chosen scores over their sum + this
+    moe_scores_in_dtype: bool = False   # LFM2-MoE: sigmoid_topk's scores, renormalization and scale rounded to
+                                        # the router's dtype (with moe_router_in_dtype: the model's)
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     tie_embeddings: bool = False

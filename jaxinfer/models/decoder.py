@@ -693,9 +693,10 @@ def unfuse_decoder(model: Decoder) -> Decoder:
         a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
         split = _qkv_split(cfg, layout)
         shapes = [(d, h, hd), (d, kv, hd), (d, kv, hd)]
-        for n, w in zip("qkv", _split_leaves(p[f"{a}/qkv"], split, shapes) if not cfg.mla else ()):
+        no_qkv = cfg.mla or cfg.is_conv_layer(i)   # latent attention and conv layers have none
+        for n, w in zip("qkv", _split_leaves(p[f"{a}/qkv"], split, shapes) if not no_qkv else ()):
             out[f"{a}/{n}"] = w
-        if cfg.qkv_bias:
+        if cfg.qkv_bias and not no_qkv:
             for n, b in zip("qkv", _split_leaves(p[f"{a}/qkv_bias"], split, [s[1:] for s in shapes])):
                 out[f"{a}/{n}_bias"] = b
         if cfg.gated_mlp:

@@ -650,7 +650,7 @@ def _lfm2_moe(c: dict[str, Any], arch: str) -> ModelConfig:
         cfg, num_experts=_num_experts(c, arch), num_experts_per_tok=c["num_experts_per_tok"],
         moe_ffn_dim=c["moe_intermediate_size"], moe_layers=None if all(layers) else layers, moe_routing="sigmoid_topk",
         moe_norm_topk=bool(c.get("norm_topk_prob", True)), moe_routed_scale=float(c.get("routed_scaling_factor", 1.0)),
-        moe_norm_eps=1e-6, moe_router_in_dtype=True)
+        moe_norm_eps=1e-6, moe_router_in_dtype=True, moe_scores_in_dtype=True)
 
 
 def _smollm3(c: dict[str, Any], arch: str) -> ModelConfig:
