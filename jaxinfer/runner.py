@@ -140,7 +140,9 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         mc = self.model_cfg
         self.mesh = model_mesh(self.params)   # None unless the model was sharded (sharding.shard_decoder)
-        self.kv_sharding, self.kv_pages = self._init_kv_pages(kv_dtype, model.embed.get_value().dtype)
+        # conv layers' states are in the activations' dtype, the embedding's (a PipelinedDecoder has none)
+        self._state_dtype = model.embed.get_value().dtype if mc.has_state else None
+        self.kv_sharding, self.kv_pages = self._init_kv_pages(kv_dtype)
         self.kv_bytes_per_token = perf.kv_bytes_per_token(mc.n_attn_layers, mc.n_kv_heads, mc.head_dim, cfg.kv_dtype,
                                                            mc.kv_value_dim)
         self.token_buckets = list(cfg.token_buckets)
@@ -204,7 +206,7 @@ class ModelRunner:
         self.plain_step = jit_step(StepSettings(**plain_settings, max_iters=max(cfg.max_decode_steps, 1),
                                                 next_rows=self.settings.out_rows))
 
-    def _init_kv_pages(self, kv_dtype, act_dtype):
+    def _init_kv_pages(self, kv_dtype):
         """(sharding or None, the zeroed KV pages: one LayerKV per attention layer, a ConvState in the
         activations' dtype per conv layer, with a state slot per sequence and slot 0 unused)."""
         mc, cfg = self.model_cfg, self.cfg
@@ -214,7 +216,8 @@ class ModelRunner:
                                   kv_dtype, mc.kv_value_dim)
             if not mc.has_state:
                 return pages
-            return with_conv_states(pages, mc.layer_kinds, cfg.max_num_seqs + 1, mc.conv_kernel, mc.d_model, act_dtype)
+            return with_conv_states(pages, mc.layer_kinds, cfg.max_num_seqs + 1, mc.conv_kernel, mc.d_model,
+                                    self._state_dtype)
         if self.mesh is None:
             # committed to the device like every step's output, so warm-up compiles the same executable
             # that serving uses (an uncommitted first input keys a different jit cache entry)
