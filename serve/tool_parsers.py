@@ -283,11 +283,16 @@ class _Buffered:
         if self.held is None:
             return rest, []
         held, self.held = self.held + rest, None
-        calls = self._parse(held)
-        if not calls:
+        read = self._read(held)
+        if read is None:
             return held, []
-        self.calls = self._limit(calls)
-        return "", self.calls
+        self.calls = self._limit(read[1])
+        return read[0], self.calls
+
+    def _read(self, held: str) -> tuple[str, list[dict]] | None:
+        """(content, calls) of the held text, or None where it holds no valid call (it stays content)."""
+        calls = self._parse(held)
+        return ("", calls) if calls else None
 
 
 class _MarkedCalls(_Buffered):
@@ -338,20 +343,13 @@ class Llama4JsonParser(Llama3JsonParser):
 
     TAG = PY_START
 
-    def finish(self) -> tuple[str, list[dict]]:
-        rest, self.pending = self.pending, ""
-        if self.held is None:
-            return rest, []
-        held, self.held = self.held + rest, None
+    def _read(self, held: str) -> tuple[str, list[dict]] | None:
         content, body = "", held.strip()
         if body.startswith(PY_START):
             inner, end, after = body[len(PY_START):].partition(PY_END)
             content, body = (inner, after) if end and after.strip() else ("", inner)
         calls = _object_calls(_json_values(body, ";") or _json_values(body, ""), self.plan, "parameters")
-        if not calls:
-            return held, []
-        self.calls = self._limit(calls)
-        return content, self.calls
+        return (content, calls) if calls else None
 
 
 _JSON_NAMES = {"true": True, "false": False, "null": None}
@@ -439,23 +437,18 @@ class Lfm2Parser(_MarkedCalls):
 
     MARKER = LFM2_CALL
 
-    def finish(self) -> tuple[str, list[dict]]:
-        rest, self.pending = self.pending, ""
-        if self.held is None:
-            return rest, []
-        held, self.held = self.held + rest, None
+    def _read(self, held: str) -> tuple[str, list[dict]] | None:
         calls, content, i = [], [], 0
         while (j := held.find(LFM2_CALL, i)) >= 0:
             content.append(held[i:j])
             k = held.find(LFM2_CALL_END, j)
             got = None if k < 0 else self._block(held[j + len(LFM2_CALL):k])
             if not got:
-                return held, []
+                return None
             calls += got
             i = k + len(LFM2_CALL_END)
         content.append(held[i:])
-        self.calls = self._limit(calls)
-        return "".join(content), self.calls
+        return "".join(content), calls
 
     def _block(self, body: str) -> list[dict] | None:
         body = body.strip()

@@ -61,8 +61,9 @@ class BlockManager:
         """host_tier: the prefix cache's host tier (only with enable_caching). state_slots: a model with
         conv layers keeps each sequence's conv state in one of this many slots (1 .. state_slots; the
         device's slot 0 is never handed out): a request takes one with its first blocks and gives it
-        back with them, and an allocation that finds none free fails like one short of blocks (the
-        scheduler preempts). No prefix caching nor forks then: a shared block holds no conv state."""
+        back with them (the engine passes max_num_seqs, so every running sequence has one; an
+        allocation that found none free would fail like one short of blocks). No prefix caching nor
+        forks then: a shared block holds no conv state."""
         assert not (state_slots and enable_caching), "a conv state is not in any block: no prefix caching"
         assert num_blocks >= 2, "need the null block plus at least one usable block"
         self.host = host_tier if enable_caching else None
