@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.kv_cache import AttentionMetadata, init_kv_pages, kv_storage_dtype, with_conv_states
+from jaxinfer.kv_cache import AttentionMetadata, init_kv_pages, kv_storage_dtype, with_states
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.tokenizer import Tokenizer
 
@@ -61,9 +61,8 @@ def _window_logits_fn(model: Decoder, window: int, kv_dtype: str | None):
     def run(params, t):
         pages = init_kv_pages(cfg.n_attn_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks + 1, bs, dtype,
                               cfg.kv_value_dim)
-        if cfg.has_state:   # LFM2's conv layers: one state slot, the window's
-            pages = with_conv_states(pages, cfg.layer_kinds, 1, cfg.conv_kernel, cfg.d_model,
-                                     model.embed.get_value().dtype)
+        if cfg.has_state:   # conv and Gated DeltaNet layers: one state slot, the window's
+            pages = with_states(pages, cfg, 1, model.embed.get_value().dtype)
         return nnx.merge(graphdef, params)(t, pos, pages, meta)[0]
     return run
 

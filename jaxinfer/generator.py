@@ -708,7 +708,7 @@ def _full_forward(model, impl: str, replicated: bool):
 
 
 def _check_state_settings(path: Path, cfg: EngineConfig) -> None:
-    """Before any loading: a model with conv layers (LFM2) refuses the settings its per-sequence state
+    """Before any loading: a model with state layers (LFM2's conv, Qwen3.5's Gated DeltaNet) refuses the settings its per-sequence state
     cannot take (config.resolve.check_state_model) by name, not by whichever part of loading fails
     first (pipeline stages stack the layers, tensor parallelism fuses and shards them)."""
     from jaxinfer.config import ConfigError

@@ -69,12 +69,33 @@ class ConvState:
     u: jax.Array
 
 
-def with_conv_states(pages: list, layer_kinds: Sequence[str], num_slots: int, taps: int, d_model: int,
-                     dtype) -> list:
-    """The attention layers' pages (in layer order) with a zeroed ConvState at each conv layer."""
-    it = iter(pages)
-    return [ConvState(jnp.zeros((num_slots, taps - 1, d_model), dtype)) if kind == "conv" else next(it)
-            for kind in layer_kinds]
+@jax.tree_util.register_dataclass
+@dataclass
+class DeltaState:
+    """One Gated DeltaNet layer's state (Qwen3-Next, Qwen3.5; models/decoder.py GatedDeltaNet), per state
+    slot: u [num_slots, L - 1, C], the convolution's inputs of its sequence's last L - 1 positions
+    (position p at row p % (L - 1)), and h [num_slots, Hv, dk, dv] float32, each value head's
+    recurrent state after the sequence's last cached token."""
+    u: jax.Array
+    h: jax.Array
+
+
+def with_states(pages: list, cfg, num_slots: int, dtype) -> list:
+    """The attention layers' pages (in layer order) with a zeroed state at each state layer of the
+    ModelConfig cfg: a ConvState at each conv layer, a DeltaState at each Gated DeltaNet layer (its
+    convolution's inputs in dtype, its recurrent state float32)."""
+    it, taps = iter(pages), cfg.conv_kernel
+    out = []
+    for i in range(cfg.n_layers):
+        if cfg.is_conv_layer(i):
+            out.append(ConvState(jnp.zeros((num_slots, taps - 1, cfg.d_model), dtype)))
+        elif cfg.is_linear_layer(i):
+            out.append(DeltaState(jnp.zeros((num_slots, taps - 1, cfg.linear_conv_dim), dtype),
+                                  jnp.zeros((num_slots, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim),
+                                            jnp.float32)))
+        else:
+            out.append(next(it))
+    return out
 
 
 @jax.tree_util.register_dataclass

@@ -310,7 +310,7 @@ class ModelCost:
         experts = c["moe_layers"] * cfg.num_experts
         return cls(cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_model, cfg.vocab_size, body,
                    weights.total - weights.tables - weights.experts, kv_bytes_per_token,
-                   tuple(0 if cfg.is_conv_layer(i) else cfg.layer_window(i) for i in range(cfg.n_layers)), weights.row,
+                   tuple(0 if cfg.is_state_layer(i) else cfg.layer_window(i) for i in range(cfg.n_layers)), weights.row,
                    weights.experts // experts if experts else 0, c["moe_layers"],
                    cfg.num_experts if experts else 0, cfg.num_experts_per_tok if experts else 0)
 

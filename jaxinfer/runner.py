@@ -31,7 +31,7 @@ from jaxinfer.config.sampling import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS
 from jaxinfer.host.scheduler import SchedulerOutput, StepSample
 from jaxinfer.host.structured import Grammars, mask_words
 from jaxinfer.kv_cache import (StepRow, attention_buckets, build_attention_metadata, init_kv_pages, kv_storage_dtype,
-                               with_conv_states)
+                               with_states)
 from jaxinfer.kv_transfer import HostKVStore, TransferResult
 from jaxinfer.lora.execute import LoraInputs
 from jaxinfer.models.decoder import Decoder
@@ -207,8 +207,8 @@ class ModelRunner:
                                                 next_rows=self.settings.out_rows))
 
     def _init_kv_pages(self, kv_dtype):
-        """(sharding or None, the zeroed KV pages: one LayerKV per attention layer, a ConvState in the
-        activations' dtype per conv layer, with a state slot per sequence and slot 0 unused)."""
+        """(sharding or None, the zeroed KV pages: one LayerKV per attention layer, a ConvState or
+        DeltaState (kv_cache.with_states) per state layer, with a state slot per sequence and slot 0 unused)."""
         mc, cfg = self.model_cfg, self.cfg
 
         def make_pages():
@@ -216,8 +216,7 @@ class ModelRunner:
                                   kv_dtype, mc.kv_value_dim)
             if not mc.has_state:
                 return pages
-            return with_conv_states(pages, mc.layer_kinds, cfg.max_num_seqs + 1, mc.conv_kernel, mc.d_model,
-                                    self._state_dtype)
+            return with_states(pages, mc, cfg.max_num_seqs + 1, self._state_dtype)
         if self.mesh is None:
             # committed to the device like every step's output, so warm-up compiles the same executable
             # that serving uses (an uncommitted first input keys a different jit cache entry)

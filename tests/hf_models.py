@@ -214,6 +214,37 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                   moe_intermediate_size=32, num_hidden_layers=4, num_key_value_heads=2, num_experts=6,
                                   num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=1.5,
                                   layer_types=["conv", "full_attention", "conv", "full_attention"])),
+    # Qwen3-Next: Gated DeltaNet layers (2 query / key heads of 8, 4 value heads of 12: each key head
+    # shared by two, a 4-tap convolution) around gated attention layers with half of each head rotated;
+    # top-2 of 4 experts renormalized plus the gated shared expert, a dense MLP on layer 2
+    # (mlp_only_layers); A_log drawn so that the state decays by ~0.85 a token (build_hf_model), not ~0
+    "qwen3-next": ("qwen3_next", dict(_COMMON, vocab_size=109, intermediate_size=96, num_hidden_layers=4,
+                                      num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                                      mlp_only_layers=[2], linear_num_key_heads=2, linear_num_value_heads=4,
+                                      linear_key_head_dim=8, linear_value_head_dim=12, initializer_range=0.2,
+                                      layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                   "full_attention"],
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.5})),
+    # Qwen3.5: the same mixers (three Gated DeltaNet layers in a row: full_attention_interval 4, one
+    # key head per value head, 3 taps) with SwiGLU MLPs, its in_proj_qkv / z / b / a unfused, its
+    # text config's interleaved M-RoPE section (one position per text token: plain RoPE), tied
+    "qwen3.5": ("qwen3_5_text", dict(_COMMON, vocab_size=103, intermediate_size=96, num_hidden_layers=4,
+                                     num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+                                     linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=8,
+                                     linear_conv_kernel_dim=3, initializer_range=0.2, tie_word_embeddings=True,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                      "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                                                      "mrope_section": [1, 1, 0]})),
+    # Qwen3.5-MoE: experts on every layer (top-2 of 4, always renormalized) and the gated shared expert
+    "qwen3.5-moe": ("qwen3_5_moe_text", dict(_COMMON, vocab_size=107, num_hidden_layers=4, num_key_value_heads=2,
+                                             head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=40,
+                                             num_experts=4, num_experts_per_tok=2, linear_num_key_heads=2,
+                                             linear_num_value_heads=4, linear_key_head_dim=8,
+                                             linear_value_head_dim=8, initializer_range=0.2,
+                                             layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                          "full_attention"])),
     # Llama 4 Scout: Llama 3 RoPE in pairs on every other layer (no_rope_layer_interval 2) with the
     # weightless q / k norm after it, the others unrotated with their queries scaled by position
     # (floor_scale small enough for the prompts to cross it); MoE on every layer: top-1 of 4 experts,
@@ -511,6 +542,9 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM"), "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
            "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"), "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM"),
            "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
+           "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+           "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+           "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
            "exaone": ("ExaoneConfig", "LlamaForCausalLM"), "internlm3": ("InternLM3Config", "LlamaForCausalLM")}[family]
     cls = (getattr(tf, names[0]), getattr(tf, names[1]))   # only this family's classes: one
     # missing from an older transformers (the GPU image's) fails only its own tests
@@ -535,6 +569,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
                 p.normal_(0.0, 0.3)
             elif n.endswith((".bias", "_bias")) or "norm" in n or "ln_" in n:
                 p.add_(0.1 * torch.randn_like(p))
+            elif n.endswith(".A_log"):   # Gated DeltaNet: a decay exp(-A softplus(.)) of ~0.85 a token, not ~0
+                p.normal_(-2.0, 0.5)
             elif n.endswith(".sinks"):   # gpt-oss: sink logits as large as the scores, so that they matter
                 p.normal_(0.0, 1.0)
             elif n.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):   # xIELU's scalars: other slopes per layer

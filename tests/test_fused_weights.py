@@ -96,7 +96,7 @@ def test_fused_logits_match_unfused(hf_model_dir, name):
             continue
         fused = fuse_decoder(model, tp)
         names = flat(fused)
-        first = next(i for i in range(cfg.n_layers) if not cfg.is_conv_layer(i))   # (LFM2's conv layers: none)
+        first = next(i for i in range(cfg.n_layers) if not cfg.is_state_layer(i))   # (conv, DeltaNet layers: none)
         assert (f"layers/{first}/attn/qkv" in names) != cfg.mla   # latent attention has no q / k / v to fuse
         assert not any(n.endswith(("attn/q", "attn/k", "attn/v")) for n in names)
         assert ("layers/0/mlp/gate_up" in names) == cfg.gated_mlp and "layers/0/mlp/gate" not in names

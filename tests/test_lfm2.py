@@ -87,7 +87,7 @@ def test_what_a_conv_state_cannot_carry_is_refused(lfm2, tmp_path):
         resolve_config(EngineConfig(num_blocks=16, kv_offload_bytes=1 << 20), cfg, backend="cpu")
     assert "Lfm2ForCausalLM" not in LORA_FAMILIES
     model, _ = load_model(folder, "float32")
-    with pytest.raises(ValueError, match="conv layers .* --quantize int8"):
+    with pytest.raises(ValueError, match="state layers .* --quantize int8"):
         quantize_model(model, QuantizeSettings(method="rtn", bits=4))
 
 

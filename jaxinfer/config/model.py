@@ -124,9 +124,18 @@ class ModelConfig:
     # layer's attention by a gated depthwise causal convolution of conv_kernel taps (models/decoder.py
     # ShortConv, with biases where conv_bias), whose last conv_kernel - 1 inputs of each sequence are
     # its state across steps (kv_cache.ConvState, in the sequence's state slot)
+    # Qwen3-Next's and Qwen3.5's Gated DeltaNet layers: "linear" in layer_kinds (models/decoder.py
+    # GatedDeltaNet): linear_k_heads query / key heads of linear_k_dim and linear_v_heads value heads of
+    # linear_v_dim, after a causal depthwise convolution of conv_kernel taps; each sequence's state is
+    # the convolution's last conv_kernel - 1 inputs and one [linear_k_dim, linear_v_dim] matrix per value
+    # head (kv_cache.DeltaState)
     layer_kinds: tuple[str, ...] | None = None
     conv_kernel: int = 0
     conv_bias: bool = False
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
     # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): num_experts > 0 replaces the MLP of the layers
     # moe_layers marks (None: every layer) by a router picking num_experts_per_tok experts per token,
     # each a gated MLP of moe_ffn_dim (None: ffn_dim; the dense layers keep ffn_dim), with biases where
@@ -200,7 +209,7 @@ class ModelConfig:
         ints = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
                 "max_position_embeddings", "num_experts", "num_experts_per_tok", "moe_groups", "moe_topk_groups",
                 "moe_shared_ffn_dim", "mla_kv_rank", "mla_q_rank", "mla_nope_dim", "mla_rope_dim", "mla_v_dim",
-                "conv_kernel")
+                "conv_kernel", "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim")
         optional = {"sliding_window": _is_int, "rotary_dim": _is_int, "rope_local_theta": _is_number,
                     "attn_scale": _is_number, "attn_softcap": _is_number, "final_softcap": _is_number,
                     "moe_ffn_dim": _is_int, "swiglu_limit": _is_number, "clip_qkv": _is_number,
@@ -275,9 +284,13 @@ class ModelConfig:
                                                   and self.position == "rope" and not self.mla_kv_rank),
                 "moe_scale_inputs": not self.moe_scale_inputs or self.num_experts > 0,
                 "layer_kinds": self.layer_kinds is None or (
-                    len(self.layer_kinds) == self.n_layers and set(self.layer_kinds) <= {"attention", "conv"}
+                    len(self.layer_kinds) == self.n_layers and set(self.layer_kinds) <= {"attention", "conv", "linear"}
                     and "attention" in self.layer_kinds and not self.mla_kv_rank),
-                "conv_kernel": self.conv_kernel >= 2 if self.has_state else self.conv_kernel == 0}
+                "conv_kernel": self.conv_kernel >= 2 if self.has_state else self.conv_kernel == 0,
+                "linear_k_heads, linear_v_heads, linear_k_dim, linear_v_dim": (
+                    min(self.linear_k_heads, self.linear_v_heads, self.linear_k_dim, self.linear_v_dim) > 0
+                    and self.linear_v_heads % self.linear_k_heads == 0 if self._has_kind("linear") else
+                    self.linear_k_heads == self.linear_v_heads == self.linear_k_dim == self.linear_v_dim == 0)}
 
     def _check_combinations(self) -> None:
         if self.num_experts and not self.gated_mlp:
@@ -351,15 +364,45 @@ class ModelConfig:
         """Whether the layer mixes tokens by LFM2's short convolution instead of attention."""
         return self.layer_kinds is not None and self.layer_kinds[layer] == "conv"
 
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether the layer mixes tokens by a Gated DeltaNet (Qwen3-Next, Qwen3.5) instead of attention."""
+        return self.layer_kinds is not None and self.layer_kinds[layer] == "linear"
+
+    def is_state_layer(self, layer: int) -> bool:
+        """Whether the layer keeps a state per sequence instead of KV pages (conv or Gated DeltaNet)."""
+        return self.is_conv_layer(layer) or self.is_linear_layer(layer)
+
+    def _has_kind(self, kind: str) -> bool:
+        return self.layer_kinds is not None and kind in self.layer_kinds
+
     @property
     def has_state(self) -> bool:
-        """Whether some layer keeps a per-sequence state across steps besides its KV (conv layers)."""
-        return self.layer_kinds is not None and "conv" in self.layer_kinds
+        """Whether some layer keeps a per-sequence state across steps besides its KV (conv layers,
+        Gated DeltaNet layers)."""
+        return self._has_kind("conv") or self._has_kind("linear")
 
     @property
     def n_attn_layers(self) -> int:
         """The layers that attend, and so have KV pages."""
-        return self.n_layers - sum(self.is_conv_layer(i) for i in range(self.n_layers))
+        return self.n_layers - sum(self.is_state_layer(i) for i in range(self.n_layers))
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """A Gated DeltaNet layer's convolved channels: its queries', keys' and values' features."""
+        return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
+
+    def state_bytes_per_slot(self, itemsize: int) -> int:
+        """The bytes of one sequence's state over every state layer: a conv layer's last conv_kernel - 1
+        inputs (d_model wide, LFM2; linear_conv_dim wide, Gated DeltaNet) in the model dtype of itemsize
+        bytes, and a Gated DeltaNet layer's float32 [linear_k_dim, linear_v_dim] per value head."""
+        per = 0
+        for i in range(self.n_layers):
+            if self.is_conv_layer(i):
+                per += (self.conv_kernel - 1) * self.d_model * itemsize
+            elif self.is_linear_layer(i):
+                per += ((self.conv_kernel - 1) * self.linear_conv_dim * itemsize
+                        + 4 * self.linear_v_heads * self.linear_k_dim * self.linear_v_dim)
+        return per
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether the layer's MLP is a mixture of experts (the others keep the dense MLP of ffn_dim)."""
@@ -422,9 +465,14 @@ class ModelConfig:
         out = {"embedding": self.vocab_size * d, "lm_head": 0 if self.tie_embeddings else self.vocab_size * d,
                "positions": self.max_position_embeddings * d if self.position == "learned" else 0,
                "expert": expert if n_moe else 0, "experts": n_moe * self.num_experts * expert, "moe_layers": n_moe}
-        n_conv = self.n_layers - self.n_attn_layers   # LFM2: in_proj [d, 3d], the taps [L, d], out_proj [d, d]
-        conv = 4 * d * d + self.conv_kernel * d + (5 * d if self.conv_bias else 0)
-        blocks = (self.n_attn_layers * attn + n_conv * conv + self.n_layers * norms + (self.n_layers - n_moe) * mlp
+        n_conv = sum(self.is_conv_layer(i) for i in range(self.n_layers))   # LFM2: in_proj [d, 3d], the taps [L, d],
+        conv = 4 * d * d + self.conv_kernel * d + (5 * d if self.conv_bias else 0)   # out_proj [d, d]
+        # Gated DeltaNet: in_proj_qkv, in_proj_z, in_proj_b / a, the taps, A_log, dt_bias, the gated norm, out_proj
+        hv, vd, cd = self.linear_v_heads, self.linear_v_heads * self.linear_v_dim, self.linear_conv_dim
+        linear = d * cd + d * vd + 2 * d * hv + self.conv_kernel * cd + 2 * hv + self.linear_v_dim + vd * d
+        n_linear = sum(self.is_linear_layer(i) for i in range(self.n_layers))
+        blocks = (self.n_attn_layers * attn + n_conv * conv + n_linear * linear + self.n_layers * norms
+                  + (self.n_layers - n_moe) * mlp
                   + n_moe * router + out["experts"])
         out["total"] = (blocks + norm_p + (norm_p if self.embed_norm else 0) + out["embedding"] + out["lm_head"]
                         + (self.vocab_size if self.lm_head_bias else 0) + out["positions"])

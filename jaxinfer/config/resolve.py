@@ -147,21 +147,23 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
 
 
 def check_state_model(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
-    """A model with conv layers (LFM2) keeps each sequence's conv state in a slot of its own, which
-    nothing that shares, moves or splits sequences' KV carries: its prefix caching is off (resolve_config),
-    and these settings are refused by name."""
+    """A model with conv layers (LFM2) or Gated DeltaNet layers (Qwen3-Next, Qwen3.5) keeps each
+    sequence's state in a slot of its own, which nothing that shares, moves or splits sequences' KV
+    carries: its prefix caching is off (resolve_config), and these settings are refused by name."""
     if not model_cfg.has_state:
         return
+    layers = "conv layers" if any(model_cfg.is_conv_layer(i) for i in range(model_cfg.n_layers)) else \
+        "Gated DeltaNet layers"
     refused = [(name, why) for name, on, why in (
-        ("speculative_method", cfg.speculative_method is not None, "rejected proposals would stay in the conv state"),
+        ("speculative_method", cfg.speculative_method is not None, "rejected proposals would stay in the state"),
         ("kv_offload_gb", bool(cfg.kv_offload_bytes), "the host tier keeps prefix-cache blocks, and prefix caching "
-                                                        "is off (a block holds no conv state)"),
-        ("tensor_parallel", cfg.tensor_parallel > 1, "the conv layers are not sharded"),
-        ("pipeline_parallel", cfg.pipeline_parallel > 1, "the conv layers are not split into stages"))
+                                                        "is off (a block holds no such state)"),
+        ("tensor_parallel", cfg.tensor_parallel > 1, f"the {layers} are not sharded"),
+        ("pipeline_parallel", cfg.pipeline_parallel > 1, f"the {layers} are not split into stages"))
         if on]
     if refused:
         name, why = refused[0]
-        raise ConfigError(f"{name} is not available for {model_cfg.architecture}, whose conv layers keep a state per "
+        raise ConfigError(f"{name} is not available for {model_cfg.architecture}, whose {layers} keep a state per "
                           f"sequence: {why}")
 
 
@@ -251,9 +253,8 @@ def size_pool(cfg: EngineConfig, model_cfg: ModelConfig, kv_dtype: str, max_mode
         # a mixture of experts holds each token's k experts' hidden states at once
         ffn_dim=max(mc.ffn_dim, mc.num_experts_per_tok * (mc.moe_ffn_dim or mc.ffn_dim) if mc.num_experts else 0),
         n_heads=mc.n_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size, dtype_bytes=memory.activation_dtype_bytes)
-    # conv layers' states: a slot per sequence (and the unused slot 0), L - 1 inputs of d_model each
-    reserve += ((cfg.max_num_seqs + 1) * (mc.n_layers - mc.n_attn_layers) * max(mc.conv_kernel - 1, 0) * mc.d_model
-                * memory.activation_dtype_bytes)
+    # the state layers' states (conv, Gated DeltaNet): a slot per sequence, and the unused slot 0
+    reserve += (cfg.max_num_seqs + 1) * mc.state_bytes_per_slot(memory.activation_dtype_bytes)
     pools = [perf.size_kv_pool(block_bytes=block_bytes, memory_fraction=cfg.memory_fraction, stats=stats,
                                platform=memory.platform, env=memory.env, reserve=reserve, host_ram=memory.host_ram,
                                wanted_blocks=cfg.max_num_seqs * math.ceil(max_model_len / bs) + 1)

@@ -46,6 +46,7 @@ from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, ConvState, LayerKV
 from jaxinfer.layers import (MATMUL_IMPLS, MLP, Norm, alibi_slopes, apply_rope, dense, lora_delta, param, param_value,
                              rms_unweighted, rope_inv_freq, rope_magnitude, sinusoidal_embedding)
+from jaxinfer.models.deltanet import GatedDeltaNet, causal_conv, store_conv_inputs
 from jaxinfer.models.mla import MLAttention
 from jaxinfer.moe import MoE
 from jaxinfer.quant import QuantizedWeight, dot_precision, quantize, quantize_experts, quantize_fp8
@@ -210,32 +211,17 @@ class ShortConv(nnx.Module):
         d = x.shape[-1]
         bcv = dense(x, self.in_proj.get_value(), param_value(self.in_proj_bias), impl=self.matmul)   # (T, 3D)
         u = bcv[:, :d] * bcv[:, 2 * d:]                                                              # (T, D)
-        w = self.conv.get_value().astype(jnp.float32)                                               # (L, D)
-        taps, t = w.shape[0], x.shape[0]
-        idx = jnp.arange(t)
-        row = jnp.zeros(t, jnp.int32) if meta is None else meta.seq_ids
+        row = jnp.zeros(x.shape[0], jnp.int32) if meta is None else meta.seq_ids
         slot = None if state is None else meta.state_slots[row]                                      # (T,)
-        acc = u.astype(jnp.float32) * w[taps - 1]
-        for k in range(1, taps):   # the input k positions back
-            src = jnp.maximum(idx - k, 0)
-            here = (idx >= k) & (row[src] == row) & (positions[src] == positions - k)
-            prev = jnp.where(here[:, None], u[src], 0).astype(jnp.float32)
-            if state is not None:   # before the row's first token in this step: its state slot
-                held = state.u[slot, (positions - k) % (taps - 1)].astype(jnp.float32)
-                prev = jnp.where((~here & (positions >= k))[:, None], held, prev)
-            acc = acc + prev * w[taps - 1 - k]
+        acc = causal_conv(u, self.conv.get_value().astype(jnp.float32), positions, row,
+                          None if state is None else state.u, slot)
         if self.conv_bias is not None:
             acc = acc + self.conv_bias.get_value().astype(jnp.float32)
         y = bcv[:, d:2 * d] * acc.astype(x.dtype)
         out = dense(y, self.out_proj.get_value(), param_value(self.out_proj_bias), impl=self.matmul)
         if state is None:
             return out, None
-        # each row's last L - 1 inputs (its tokens within L - 1 of its cached length) to its slot
-        last = meta.context_lens[row] - positions <= taps - 1
-        keep = (meta.slot_mapping != PAD_SLOT) & last
-        flat = jnp.where(keep, slot * (taps - 1) + positions % (taps - 1), state.u.shape[0] * (taps - 1))
-        u_flat = state.u.reshape(-1, d).at[flat].set(u.astype(state.u.dtype), mode="drop")
-        return out, ConvState(u_flat.reshape(state.u.shape))
+        return out, ConvState(store_conv_inputs(u, state.u, positions, row, slot, meta))
 
 
 class Block(nnx.Module):
@@ -253,7 +239,8 @@ class Block(nnx.Module):
         self.residual_post_norm, self.residual_scale = cfg.residual_post_norm, cfg.residual_scale
         norm = lambda: Norm(cfg.d_model, cfg.norm, cfg.norm_eps, dtype, rngs)  # noqa: E731
         self.attn_norm = norm() if cfg.pre_norms else None
-        self.attn = (ShortConv(cfg, dtype, rngs) if cfg.is_conv_layer(layer) else MLAttention(cfg, layer, dtype, rngs)
+        self.attn = (ShortConv(cfg, dtype, rngs) if cfg.is_conv_layer(layer) else GatedDeltaNet(cfg, dtype, rngs)
+                     if cfg.is_linear_layer(layer) else MLAttention(cfg, layer, dtype, rngs)
                      if cfg.mla else Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards))
         self.mlp_norm = norm() if cfg.pre_norms and (cfg.parallel_mlp_norm or not cfg.parallel_block) else None
         self.parallel, self.sum_first = cfg.parallel_block, cfg.parallel_sum_first
@@ -438,9 +425,10 @@ def weight_bytes(model) -> perf.WeightBytes:
 # [heads, head_dim, d]); jaxinfer.quantize reads it too. Embeddings, norms, biases, MoE routers and the
 # LM head stay in the model dtype (as llama.cpp keeps the output layer at higher precision). An MoE
 # layer's gate / up / down / gate_up have a leading experts axis: each expert is quantized on its own
-# (quant.quantize_experts).
+# (quant.quantize_experts). A Gated DeltaNet's in_proj_b / in_proj_a (one column per value head) stay
+# float, as its taps.
 CONTRACTED_DIMS = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1, "qkv": 1, "gate_up": 1,
-                   "out_gate": 1, "in_proj": 1, "out_proj": 1}
+                   "out_gate": 1, "in_proj": 1, "out_proj": 1, "in_proj_qkv": 1, "in_proj_z": 1}
 
 
 def window_logits(model: Decoder, windows: jax.Array) -> jax.Array:
@@ -487,7 +475,7 @@ def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Deco
 
 
 def set_matmul_impl(model, impl: str) -> None:
-    """Every layer of the model that multiplies by its weights (Attention, MLP, ShortConv) runs its quantized
+    """Every layer of the model that multiplies by its weights (Attention, MLP, ShortConv, GatedDeltaNet) runs its quantized
     matmuls with `impl` ("pallas" | "xla": the engine's resolved matmul implementation,
     config.ResolvedConfig.matmul; "auto": the backend's default). A static attribute of the layers,
     so the model's graph (and each step program compiled from it) holds it, as it holds the
@@ -495,7 +483,7 @@ def set_matmul_impl(model, impl: str) -> None:
     if impl not in MATMUL_IMPLS:
         raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {impl!r}")
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, (Attention, MLAttention, MLP, ShortConv)):
+        if isinstance(node, (Attention, MLAttention, MLP, ShortConv, GatedDeltaNet)):
             node.matmul = impl
 
 
@@ -654,10 +642,10 @@ def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
     gate_ups = {s: jax.jit(_gate_up_fuse(s)) for s in {layout.expert_shards, layout.mlp_shards, layout.shared_shards}}
     for i in range(cfg.n_layers):
         a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
-        if not cfg.mla and not cfg.is_conv_layer(i):   # latent attention and conv layers have no q / k / v
+        if not cfg.mla and not cfg.is_state_layer(i):   # latent attention and state layers have no q / k / v
             out[f"{a}/qkv"] = _fuse_leaves([_as_columns(p[f"{a}/{n}"]) for n in "qkv"], qkv,
                                            tuple(f"{a}/{n}" for n in "qkv"))
-        if cfg.qkv_bias and not cfg.is_conv_layer(i):
+        if cfg.qkv_bias and not cfg.is_state_layer(i):
             out[f"{a}/qkv_bias"] = qkv([p[f"{a}/{n}_bias"].reshape(-1) for n in "qkv"])
         gate_up = gate_ups[layout.expert_shards if cfg.is_moe_layer(i) else layout.mlp_shards]
         if cfg.gated_mlp:
@@ -693,7 +681,7 @@ def unfuse_decoder(model: Decoder) -> Decoder:
         a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
         split = _qkv_split(cfg, layout)
         shapes = [(d, h, hd), (d, kv, hd), (d, kv, hd)]
-        no_qkv = cfg.mla or cfg.is_conv_layer(i)   # latent attention and conv layers have none
+        no_qkv = cfg.mla or cfg.is_state_layer(i)   # latent attention and state layers have none
         for n, w in zip("qkv", _split_leaves(p[f"{a}/qkv"], split, shapes) if not no_qkv else ()):
             out[f"{a}/{n}"] = w
         if cfg.qkv_bias and not no_qkv:

@@ -119,7 +119,9 @@ _MULTIMODAL = {"Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausa
                "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
                "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
                "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": "Qwen3MoeForCausalLM"},
-               "Llama4ForConditionalGeneration": {"llama4_text": "Llama4ForCausalLM"}}
+               "Llama4ForConditionalGeneration": {"llama4_text": "Llama4ForCausalLM"},
+               "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": "Qwen3_5ForCausalLM"},
+               "Qwen3_5MoeForConditionalGeneration": {"qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}}
 # Qwen2-VL's and Qwen2.5-VL's config.json before transformers 5 keep the text fields at the top level
 _FLAT_TEXT = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # fields the wrapper's config.json holds for its language model (Gemma 3's eos_token_id [1, 106])
@@ -651,6 +653,55 @@ def _lfm2_moe(c: dict[str, Any], arch: str) -> ModelConfig:
         moe_ffn_dim=c["moe_intermediate_size"], moe_layers=None if all(layers) else layers, moe_routing="sigmoid_topk",
         moe_norm_topk=bool(c.get("norm_topk_prob", True)), moe_routed_scale=float(c.get("routed_scaling_factor", 1.0)),
         moe_norm_eps=1e-6, moe_router_in_dtype=True, moe_scores_in_dtype=True)
+
+
+def _qwen3_next(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Qwen3-Next (80B-A3B), Qwen3.5 (dense) and Qwen3.5-MoE: Gated DeltaNet layers (layer_types
+    "linear_attention"; by default all but every full_attention_interval-th, 4) of linear_num_key_heads
+    query / key heads of linear_key_head_dim, linear_num_value_heads value heads of
+    linear_value_head_dim and a convolution of linear_conv_kernel_dim taps (models/deltanet.py)
+    between attention layers whose q_proj also gives a sigmoid gate on each head's output
+    (attn_out_gate), with q / k norms per head and RoPE on partial_rotary_factor of each head
+    (default 0.25); every norm zero-centred (1 + w: gemma_rmsnorm). Qwen3-Next's and Qwen3.5-MoE's
+    MLPs: Qwen2-MoE's (softmax top-k, renormalized where norm_topk_prob, always for Qwen3.5-MoE, plus
+    the shared expert behind its sigmoid gate) on the layers Qwen3-MoE's pattern names; Qwen3.5's:
+    SwiGLU. Text only: Qwen3.5's interleaved M-RoPE gives a text token one position on its three axes."""
+    n = c["num_hidden_layers"]
+    types = c.get("layer_types")
+    if types is None:
+        every = c.get("full_attention_interval", 4)
+        if not _is_int(every) or every < 1:
+            raise ConfigError(f"full_attention_interval must be a positive integer, got {every!r}")
+        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or set(types) - {"full_attention", "linear_attention"}:
+        raise ConfigError(f"layer_types must name one of 'full_attention' / 'linear_attention' per layer ({n}), "
+                          f"got {types!r}")
+    linear = {k: c[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                "linear_value_head_dim", "linear_conv_kernel_dim")}
+    wrong = [f"{k}={v!r}" for k, v in linear.items() if not (_is_int(v) and v > 0)]
+    if wrong or linear["linear_num_value_heads"] % linear["linear_num_key_heads"]:
+        raise ConfigError(f"the Gated DeltaNet's sizes must be positive integers, linear_num_value_heads a multiple "
+                          f"of linear_num_key_heads: {linear}")
+    if c.get("attention_bias"):
+        raise ConfigError("attention_bias=true is not supported for this family (no published model has it: its "
+                          "q_proj bias would hold the output gate's too)")
+    moe = arch != "Qwen3_5ForCausalLM"
+    base = {**c, "sliding_window": None, "use_sliding_window": False}
+    if moe:
+        base.update(num_experts=_num_experts(c, arch), shared_expert_intermediate_size=c[
+            "shared_expert_intermediate_size"], intermediate_size=c.get("intermediate_size") or c["moe_intermediate_size"])
+        if arch == "Qwen3_5MoeForCausalLM":   # (its router always renormalizes; every layer has experts)
+            base.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    cfg = _moe(base, "Qwen3MoeForCausalLM") if moe else _llama_like(base, "Qwen3ForCausalLM")
+    if moe:
+        cfg = dataclasses.replace(cfg, moe_shared_ffn_dim=c["shared_expert_intermediate_size"], moe_shared_gate=True)
+    kinds = tuple("linear" if t == "linear_attention" else "attention" for t in types)
+    return dataclasses.replace(
+        cfg, norm="gemma_rmsnorm", qk_norm=True, attn_out_gate=True,
+        rotary_dim=_rotary_dim(_rope_params(c), c, cfg.head_dim, 0.25), layer_kinds=kinds,
+        conv_kernel=linear["linear_conv_kernel_dim"], linear_k_heads=linear["linear_num_key_heads"],
+        linear_v_heads=linear["linear_num_value_heads"], linear_k_dim=linear["linear_key_head_dim"],
+        linear_v_dim=linear["linear_value_head_dim"], architecture=arch)
 
 
 def _smollm3(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -1572,7 +1623,8 @@ _HF_BUILDERS = {
     "PhimoeForCausalLM": _phimoe, "ApertusForCausalLM": _apertus, "GPTJForCausalLM": _gptj,
     "OlmoForCausalLM": _olmo1, "InternLM2ForCausalLM": _internlm2, "MiniCPMForCausalLM": _minicpm,
     "OPTForCausalLM": _opt, "GPTNeoForCausalLM": _gpt_neo, "Llama4ForCausalLM": _llama4, "Lfm2ForCausalLM": _lfm2,
-    "Lfm2MoeForCausalLM": _lfm2_moe,
+    "Lfm2MoeForCausalLM": _lfm2_moe, "Qwen3NextForCausalLM": _qwen3_next, "Qwen3_5ForCausalLM": _qwen3_next,
+    "Qwen3_5MoeForCausalLM": _qwen3_next,
 }
 # model types transformers reads with LlamaForCausalLM (renaming EXAONE's tensors as it loads and
 # back as it saves), whose config.json names that class once re-saved
@@ -1581,7 +1633,8 @@ _AS_LLAMA = {"exaone": "ExaoneForCausalLM", "internlm3": "InternLM3ForCausalLM"}
 _ALIASES = {"PhiMoEForCausalLM": "PhimoeForCausalLM"}
 _BARE_MODELS = {a.replace("ForCausalLM", head): a for a in _HF_BUILDERS if a.endswith("ForCausalLM")
                 for head in ("Model", "ForSequenceClassification")}
-_ARCH_BY_MODEL_TYPE = {"lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM", "llama4_text": "Llama4ForCausalLM",
+_ARCH_BY_MODEL_TYPE = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                       "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM", "llama4_text": "Llama4ForCausalLM",
                        "llama4": "Llama4ForConditionalGeneration",
                        "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "arcee": "ArceeForCausalLM", "helium": "HeliumForCausalLM",
@@ -1631,7 +1684,20 @@ _GEMMA_DEFAULTS = {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scal
 _GLM_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072,
                  "num_key_value_heads": 2, "eos_token_id": [151329, 151336, 151338]}
 _COHERE_DEFAULTS = {"max_position_embeddings": 8192, "bos_token_id": 5, "eos_token_id": 255001}
+# what Qwen3NextConfig, Qwen3_5TextConfig and Qwen3_5MoeTextConfig share
+_QWEN3_NEXT = {"num_attention_heads": 16, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 256,
+               "hidden_act": "silu", "tie_word_embeddings": False, "linear_conv_kernel_dim": 4,
+               "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+               "linear_num_value_heads": 32, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
 _HF_DEFAULTS = {
+    # Qwen3NextConfig's, Qwen3_5TextConfig's and Qwen3_5MoeTextConfig's
+    "Qwen3NextForCausalLM": {**_QWEN3_NEXT, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+                             "num_hidden_layers": 48, "num_key_value_heads": 2, "num_experts_per_tok": 10,
+                             "norm_topk_prob": True},
+    "Qwen3_5ForCausalLM": {**_QWEN3_NEXT, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+                           "num_hidden_layers": 32, "num_key_value_heads": 4},
+    "Qwen3_5MoeForCausalLM": {**_QWEN3_NEXT, "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+                              "num_key_value_heads": 2, "num_experts_per_tok": 8},
     # Lfm2MoeConfig's
     "Lfm2MoeForCausalLM": {"vocab_size": 65536, "hidden_size": 2048, "intermediate_size": 7168,
                            "moe_intermediate_size": 1792, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -1783,7 +1849,8 @@ _HF_DEFAULTS = {
                               "topk_method": "greedy", "kv_lora_rank": 512, "q_lora_rank": 1536,
                               "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "rms_norm_eps": 1e-6},
 }
-_DEFAULT_EXPERTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128,
+_DEFAULT_EXPERTS = {"Qwen3NextForCausalLM": 512, "Qwen3_5MoeForCausalLM": 256,
+                    "MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128,
                     "Qwen2MoeForCausalLM": 60, "Glm4MoeForCausalLM": 128, "DeepseekV3ForCausalLM": 256,
                     "DeepseekV2ForCausalLM": 64, "Glm4MoeLiteForCausalLM": 64, "MiniMaxM2ForCausalLM": 256,
                     "SolarOpenForCausalLM": 128, "ExaoneMoeForCausalLM": 64, "AfmoeForCausalLM": 64, "PhimoeForCausalLM": 16,

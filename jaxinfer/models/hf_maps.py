@@ -459,6 +459,55 @@ def _lfm2_map(cfg: ModelConfig) -> WeightMap:
     return m
 
 
+def _qwen3_next_map(cfg: ModelConfig) -> WeightMap:
+    """Qwen3-Next, Qwen3.5, Qwen3.5-MoE: _llama_map (with Qwen2-MoE's experts), each attention layer's
+    q_proj [H 2 hd, d] holding per head its hd query rows then hd gate rows (the gate: out_gate), and
+    each Gated DeltaNet layer under linear_attn: Qwen3.5's in_proj_qkv [2 Hk dk + Hv dv, d] (rows q, k,
+    v), in_proj_z, in_proj_b, in_proj_a; or Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head
+    (q, k, then its Hv / Hk value heads' v and z; b then a), regrouped here into those; the taps
+    conv1d.weight [C, 1, L], dt_bias, A_log, the gated norm's weight and out_proj."""
+    m = _llama_map(cfg)
+    h, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+    hk, dk, dv, r = cfg.linear_k_heads, cfg.linear_k_dim, cfg.linear_v_dim, cfg.linear_v_heads // max(cfg.linear_k_heads, 1)
+    next_layout = cfg.architecture == "Qwen3NextForCausalLM"
+
+    def qkvz(w: np.ndarray, part: str) -> np.ndarray:
+        g = _rows(w, 0, w.shape[0], hk * (2 * dk + 2 * r * dv)).reshape(hk, 2 * dk + 2 * r * dv, -1)
+        cut = {"q": (0, dk), "k": (dk, 2 * dk), "v": (2 * dk, 2 * dk + r * dv), "z": (2 * dk + r * dv, None)}
+        if part == "qkv":
+            return np.concatenate([qkvz(w, n) for n in "qkv"], axis=1)
+        lo, hi = cut[part]
+        return g[:, lo:hi].reshape(-1, g.shape[-1]).T
+
+    def ba(w: np.ndarray, part: str) -> np.ndarray:
+        g = _rows(w, 0, w.shape[0], 2 * hk * r).reshape(hk, 2 * r, -1)
+        return (g[:, :r] if part == "b" else g[:, r:]).reshape(-1, g.shape[-1]).T
+
+    for i in range(cfg.n_layers):
+        o, p = f"layers/{i}/attn", f"model.layers.{i}"
+        if not cfg.is_linear_layer(i):
+            q = f"{p}.self_attn.q_proj.weight"
+            m[f"{o}/q"] = ((q,), lambda w: w.T.reshape(d, h, 2, hd)[:, :, 0])
+            m[f"{o}/out_gate"] = ((q,), lambda w: w.T.reshape(d, h, 2, hd)[:, :, 1])
+            continue
+        m = {k: v for k, v in m.items() if not k.startswith(f"{o}/")}
+        a = f"{p}.linear_attn"
+        if next_layout:
+            for ours, part in (("in_proj_qkv", "qkv"), ("in_proj_z", "z")):
+                m[f"{o}/{ours}"] = ((f"{a}.in_proj_qkvz.weight",), lambda w, part=part: qkvz(w, part))
+            for ours, part in (("in_proj_b", "b"), ("in_proj_a", "a")):
+                m[f"{o}/{ours}"] = ((f"{a}.in_proj_ba.weight",), lambda w, part=part: ba(w, part))
+        else:
+            for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+                m[f"{o}/{name}"] = ((f"{a}.{name}.weight",), _t)
+        m[f"{o}/conv"] = ((f"{a}.conv1d.weight",), lambda w: (w[:, 0, :] if w.ndim == 3 else w).T)
+        m[f"{o}/dt_bias"] = ((f"{a}.dt_bias",), _ident)
+        m[f"{o}/A_log"] = ((f"{a}.A_log",), _ident)
+        m[f"{o}/norm"] = ((f"{a}.norm.weight",), _ident)
+        m[f"{o}/out_proj"] = ((f"{a}.out_proj.weight",), _t)
+    return m
+
+
 def _renamed(m: WeightMap, pairs: tuple[tuple[str, str], ...]) -> WeightMap:
     """A map's entries under another family's tensor names: each (Llama's, theirs) substring replaced,
     in order."""
@@ -575,7 +624,8 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "InternLM2ForCausalLM": _internlm2_map, "MiniCPMForCausalLM": _llama_map, "OPTForCausalLM": _opt_map,
          "GPTNeoForCausalLM": _gpt_neo_map,
          "Llama4ForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _LLAMA4_NAMES), "Lfm2ForCausalLM": _lfm2_map,
-         "Lfm2MoeForCausalLM": _lfm2_map}
+         "Lfm2MoeForCausalLM": _lfm2_map, "Qwen3NextForCausalLM": _qwen3_next_map, "Qwen3_5ForCausalLM": _qwen3_next_map,
+         "Qwen3_5MoeForCausalLM": _qwen3_next_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM", "Llama4ForCausalLM")

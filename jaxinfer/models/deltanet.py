@@ -1,0 +1,191 @@
+"""Token mixers that keep a state per sequence instead of KV pages: the causal depthwise convolution
+that LFM2's ShortConv (models/decoder.py) and the Gated DeltaNet share, and the Gated DeltaNet of
+Qwen3-Next and Qwen3.5 (Yang et al., "Gated Delta Networks", arXiv 2412.06464; transformers'
+Qwen3NextGatedDeltaNet).
+
+In a paged step the tokens of several rows lie in one flat [T] axis (meta.seq_ids: each token's row,
+positions ascending within a row). A row's state lives in its state slot (meta.state_slots; host/
+block_manager.py hands one to each sequence and never slot 0): a row whose first token in the step
+is at position 0 starts from zeros, any other from its slot, and the rows that computed a token write
+their state back (padding and stopped rows, whose slot mapping is PAD_SLOT, write nothing). Without
+pages (meta None): one sequence from position 0."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, DeltaState
+from jaxinfer.layers import dense, param
+
+
+def causal_conv(u: jax.Array, w: jax.Array, positions: jax.Array, row: jax.Array, held: jax.Array | None,
+                slot: jax.Array | None) -> jax.Array:
+    """u [T, C] convolved along each row's positions by the taps w [L, C] (float32):
+    conv[p] = sum_j w[j] u[p - (L - 1) + j], zero before position 0. A token reads the earlier inputs
+    of its own row from the step, and those before its row's first token from held [slots, L - 1, C]
+    at its row's slot (position p at p % (L - 1)). -> float32 [T, C]."""
+    taps, t = w.shape[0], u.shape[0]
+    idx = jnp.arange(t)
+    acc = u.astype(jnp.float32) * w[taps - 1]
+    for k in range(1, taps):   # the input k positions back
+        src = jnp.maximum(idx - k, 0)
+        here = (idx >= k) & (row[src] == row) & (positions[src] == positions - k)
+        prev = jnp.where(here[:, None], u[src], 0).astype(jnp.float32)
+        if held is not None:   # before the row's first token in this step: its state slot
+            old = held[slot, (positions - k) % (taps - 1)].astype(jnp.float32)
+            prev = jnp.where((~here & (positions >= k))[:, None], old, prev)
+        acc = acc + prev * w[taps - 1 - k]
+    return acc
+
+
+def store_conv_inputs(u: jax.Array, held: jax.Array, positions: jax.Array, row: jax.Array, slot: jax.Array,
+                      meta: AttentionMetadata) -> jax.Array:
+    """held [slots, L - 1, C] with each row's last L - 1 inputs of u [T, C] (its tokens within L - 1
+    of its cached length) written to its slot."""
+    n = held.shape[1]
+    last = meta.context_lens[row] - positions <= n
+    keep = (meta.slot_mapping != PAD_SLOT) & last
+    flat = jnp.where(keep, slot * n + positions % n, held.shape[0] * n)
+    return held.reshape(-1, held.shape[-1]).at[flat].set(u.astype(held.dtype), mode="drop").reshape(held.shape)
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    """x over the root of its squares' sum along the last axis (plus 1e-6, as the FLA kernels and
+    transformers' l2norm)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _delta_update(h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+    """One token of the gated delta rule on a state h [..., Hv, dk, dv] (q, k [..., Hv, dk], v [..., Hv,
+    dv], g, beta [..., Hv]): H = exp(g) h, H += k (beta (v - H^T k))^T -> (H, H^T q)."""
+    h = h * jnp.exp(g)[..., None, None]
+    mem = jnp.einsum("...hkv,...hk->...hv", h, k)
+    h = h + k[..., :, None] * ((v - mem) * beta[..., None])[..., None, :]
+    return h, jnp.einsum("...hkv,...hk->...hv", h, q)
+
+
+def gated_delta_rule_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                               row: jax.Array, positions: jax.Array, valid: jax.Array, h0: jax.Array
+                               ) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule, token by token over the whole step in float32 (transformers'
+    torch_recurrent_gated_delta_rule; gated_delta_rule's reference). q, k [T, Hv, dk] (L2-normalized,
+    q scaled by dk^-1/2), v [T, Hv, dv], g, beta [T, Hv]; per token t of row r: H = exp(g_t) H_r (zeros
+    first where its position is 0), H += k_t (beta_t (v_t - H^T k_t))^T, o_t = H^T q_t, and H_r = H
+    where valid[t]. h0 [S, Hv, dk, dv]: each row's state before the step. -> (o [T, Hv, dv], each
+    row's state after the step)."""
+    s = h0.shape[0]
+
+    def step(carry, inp):
+        qt, kt, vt, gt, bt, r, p, ok = inp
+        h, out = _delta_update(jnp.where(p == 0, 0.0, carry[r]), qt, kt, vt, gt, bt)
+        return carry.at[jnp.where(ok, r, s)].set(h, mode="drop"), out
+
+    h, o = jax.lax.scan(step, h0, (q, k, v, g, beta, row, positions, valid))
+    return o, h
+
+
+def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, row: jax.Array,
+                     positions: jax.Array, valid: jax.Array, h0: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """gated_delta_rule_reference's numbers (to float32 rounding), with only the recurrence
+    sequential: a row with one token in the step (a decode row) is updated with every other such row
+    at once (H^T k and H^T q scaled by the decay rather than H first: the same sums, rounded
+    elsewhere); the tokens of rows with several (prefill chunks) go one at a time through a while
+    loop whose trip count is their number (0 in a decode-only step), each reading and writing its
+    row's state in the carry. Padding tokens (not valid) compute nothing that is kept."""
+    t, s = q.shape[0], h0.shape[0]
+    count = jnp.zeros(s, jnp.int32).at[row].add(valid.astype(jnp.int32))
+    single = valid & (count[row] == 1)
+    # decode rows: their one token each, gathered per row (S of them). In one pass over the states:
+    # H^T k and H^T q read h0 once, then exp(g) H + k delta^T is written once; a row without such a
+    # token gets decay 1 and delta 0 (its state unchanged, exactly), one at position 0 decay 0
+    tok = jnp.full(s, t, jnp.int32).at[jnp.where(single, row, s)].set(jnp.arange(t, dtype=jnp.int32), mode="drop")
+    has = tok < t
+    at = jnp.minimum(tok, t - 1)
+    qa, ka, va, ba = q[at], k[at], v[at], beta[at]
+    decay = jnp.where(has[:, None], jnp.where((positions[at] == 0)[:, None], 0.0, jnp.exp(g[at])), 1.0)   # (S, Hv)
+    read = jnp.einsum("shkv,shck->shcv", h0, jnp.stack([ka, qa], axis=2)) * decay[:, :, None, None]
+    delta = jnp.where(has[:, None, None], (va - read[:, :, 0]) * ba[..., None], 0.0)                    # (S, Hv, dv)
+    h = h0 * decay[..., None, None] + ka[..., :, None] * delta[..., None, :]
+    o1 = read[:, :, 1] + jnp.sum(ka * qa, axis=-1)[..., None] * delta
+    o = jnp.zeros(v.shape, jnp.float32).at[jnp.where(has, tok, t)].set(o1, mode="drop")
+    # the other rows' tokens, in order, one at a time
+    multi = valid & ~single
+    order = jnp.nonzero(multi, size=t, fill_value=0)[0]
+
+    def body(i, carry):
+        h, o = carry
+        j = order[i]
+        r = row[j]
+        hr, oj = _delta_update(jnp.where(positions[j] == 0, 0.0, h[r]), q[j], k[j], v[j], g[j], beta[j])
+        return h.at[r].set(hr), o.at[j].set(oj)
+
+    h, o = jax.lax.fori_loop(0, jnp.sum(multi), body, (h, o))
+    return o, h
+
+
+class GatedDeltaNet(nnx.Module):
+    """Qwen3-Next's and Qwen3.5's linear-attention layer. From x [T, D]: qkv = x W_qkv through the
+    causal depthwise convolution of conv_kernel taps and SiLU, split into q, k [T, Hk, dk] and
+    v [T, Hv, dv]; z = x W_z, beta = sigmoid(x W_b), g = -exp(A_log) softplus(x W_a + dt_bias) [T, Hv];
+    q and k L2-normalized, q times dk^-1/2, each k head shared by Hv / Hk value heads (repeated, as
+    repeat_interleave); the gated delta rule (gated_delta_rule); each head's output RMS-normed (weight
+    `norm`), times SiLU(z), then W_out. Rounding as transformers': the projections, convolution,
+    SiLU and beta in the model dtype; the rule, g and the norm's statistics in float32. Qwen3-Next's
+    in_proj_qkvz / in_proj_ba (grouped per key head) are split into these at load (hf_maps)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
+        d, hv, vd, c = cfg.d_model, cfg.linear_v_heads, cfg.linear_v_heads * cfg.linear_v_dim, cfg.linear_conv_dim
+        self.cfg = cfg
+        self.in_proj_qkv = param((d, c), ("embed", None), dtype, rngs)
+        self.in_proj_z = param((d, vd), ("embed", None), dtype, rngs)
+        self.in_proj_b = param((d, hv), ("embed", None), dtype, rngs)
+        self.in_proj_a = param((d, hv), ("embed", None), dtype, rngs)
+        self.conv = param((cfg.conv_kernel, c), (None, None), dtype, rngs)
+        self.dt_bias = param((hv,), (None,), dtype, rngs, init="ones")
+        self.A_log = param((hv,), (None,), dtype, rngs, init="zeros")
+        self.norm = param((cfg.linear_v_dim,), (None,), dtype, rngs, init="ones")
+        self.out_proj = param((vd, d), (None, "embed"), dtype, rngs)
+        self.matmul = "auto"
+
+    def __call__(self, x: jax.Array, positions: jax.Array, state: DeltaState | None,
+                 meta: AttentionMetadata | None, impl: str, lora: tuple | None = None
+                 ) -> tuple[jax.Array, DeltaState | None]:
+        assert lora is None, "LoRA adapts no Gated DeltaNet layer (lora/adapter.py refuses the family)"
+        cfg, dtype, t = self.cfg, x.dtype, x.shape[0]
+        hk, hv, dk, dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
+        f32 = jnp.float32
+        mixed = dense(x, self.in_proj_qkv.get_value(), None, impl=self.matmul)                    # (T, C)
+        z = dense(x, self.in_proj_z.get_value(), None, impl=self.matmul).reshape(t, hv, dv)
+        b = dense(x, self.in_proj_b.get_value(), None, impl=self.matmul)                          # (T, Hv)
+        a = dense(x, self.in_proj_a.get_value(), None, impl=self.matmul)
+        row = jnp.zeros(t, jnp.int32) if meta is None else meta.seq_ids
+        slot = None if state is None else meta.state_slots[row]
+        conv = causal_conv(mixed, self.conv.get_value().astype(f32), positions, row,
+                           None if state is None else state.u, slot).astype(dtype)
+        conv = jax.nn.silu(conv.astype(f32)).astype(dtype)
+        q = conv[:, :hk * dk].reshape(t, hk, dk).astype(f32)
+        k = conv[:, hk * dk:2 * hk * dk].reshape(t, hk, dk).astype(f32)
+        v = conv[:, 2 * hk * dk:].reshape(t, hv, dv).astype(f32)
+        beta = jax.nn.sigmoid(b.astype(f32)).astype(dtype).astype(f32)
+        g = -jnp.exp(self.A_log.get_value().astype(f32)) * jax.nn.softplus(
+            a.astype(f32) + self.dt_bias.get_value().astype(f32))
+        q, k = _l2norm(q) * dk ** -0.5, _l2norm(k)
+        q, k = jnp.repeat(q, hv // hk, axis=1), jnp.repeat(k, hv // hk, axis=1)
+        if state is None:
+            h0, valid = jnp.zeros((1, hv, dk, dv), f32), jnp.ones(t, bool)
+        else:
+            h0, valid = state.h[meta.state_slots], meta.slot_mapping != PAD_SLOT
+        o, h = gated_delta_rule(q, k, v, g, beta, row, positions, valid, h0)
+        o = o.astype(dtype).astype(f32)                                                          # (T, Hv, dv)
+        normed = (o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.norm_eps)).astype(dtype)
+        y = (self.norm.get_value() * normed).astype(f32) * jax.nn.silu(z.astype(f32))
+        out = dense(y.astype(dtype).reshape(t, hv * dv), self.out_proj.get_value(), None, impl=self.matmul)
+        if state is None:
+            return out, None
+        wrote = jnp.zeros(h0.shape[0], bool).at[row].max(valid)
+        target = jnp.where(wrote, meta.state_slots, state.h.shape[0])
+        return out, DeltaState(store_conv_inputs(mixed, state.u, positions, row, slot, meta),
+                               state.h.at[target].set(h, mode="drop"))

@@ -1,0 +1,169 @@
+"""Qwen3-Next's and Qwen3.5's Gated DeltaNet layers through the paged engine: each sequence's state (its
+convolution's last inputs and one recurrent matrix per value head) carried across chunked prefill,
+mixed steps and multi-step decoding in a state slot of its own; Qwen3.5's vision-language upload
+served as its language model; what the engine refuses for such a model. The references are
+transformers' Qwen3NextForCausalLM, Qwen3_5ForCausalLM and Qwen3_5ForConditionalGeneration
+(tests/hf_models.py "qwen3-next", "qwen3.5")."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxinfer import Generator, SamplingParams
+from jaxinfer.config import ConfigError
+from tests.hf_models import CONFIGS, build_hf_model
+
+TOKENS = 12
+ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=16, token_buckets=[16], block_size=8,
+              warmup=False)
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens by full forwards of transformers' model (no cache: nothing of ours)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(hf_model_dir):
+    rng = np.random.RandomState(7)
+    prompts = [rng.randint(3, 109, n).tolist() for n in (5, 45, 17, 30, 9)]
+    hf = build_hf_model("qwen3-next")
+    return hf_model_dir("qwen3-next"), hf, prompts, [_hf_greedy(hf, p, TOKENS) for p in prompts]
+
+
+def test_state_across_chunks_rows_slot_reuse_preemption_and_prompt_logprobs(qwen3_next):
+    """Five prompts of 5 to 45 tokens, prefilled in 16-token chunks beside other rows' decode tokens,
+    through two state slots (max_num_seqs 2: each finished request's slot is taken by the next) and a
+    pool of 8 blocks, too small for two sequences (preempted, then recomputed from position 0):
+    every continuation is transformers' greedy one. Then, teacher-forced, the 45-token prompt's
+    logprobs (three chunks, each reading the state the previous one left) are transformers'
+    log-softmax, to float32 rounding relative to the logits' magnitude (transformers computes the
+    prompt by its chunked form of the rule, we by the recurrence: the same sums in another order)."""
+    folder, hf, prompts, want = qwen3_next
+    gen = Generator.from_pretrained(folder, max_num_seqs=2, num_blocks=9, **ENGINE)
+    greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in gen.generate(prompts, greedy)] == want
+    stats = gen.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0
+    assert not gen.engine.resolved.enable_prefix_caching and not gen.engine.blocks.state_of
+    ids = prompts[1]
+    out = gen.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].double()
+    ref = torch.log_softmax(logits, -1).numpy()
+    got = np.array([e[0] for e in out.prompt_logprobs[1:]])
+    assert np.abs(got - [ref[p, ids[p + 1]] for p in range(len(ids) - 1)]).max() <= 1e-5 * float(logits.abs().max())
+
+
+def test_qwen3_5_vision_language_upload_serves_its_language_model(tmp_path):
+    """A Qwen3_5ForConditionalGeneration (the "qwen3.5" text config, a one-layer vision tower) as
+    transformers saves it, its language model under model.language_model.*: text logits and greedy
+    tokens (through the paged engine: chunks and decode steps carry the states) are transformers'."""
+    import transformers as tf
+    torch.manual_seed(0)
+    text = dict(CONFIGS["qwen3.5"][1], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16)
+    cfg = tf.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=99, video_token_id=100,
+                           vision_start_token_id=101, vision_end_token_id=102, tie_word_embeddings=True)
+    hf = tf.Qwen3_5ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith(".A_log"):   # a decay of ~0.85 a token (tests/hf_models.py)
+                p.normal_(-2.0, 0.5)
+            elif "language_model" in n and ("norm" in n or n.endswith("_bias")):
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    prompt = [5, 7, 9, 11, 13, 50, 60, 70, 3, 4, 90, 17, 22, 8, 31, 40, 41, 6, 77, 12]
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([prompt])).logits[0].numpy()
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=TOKENS, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    gen = Generator.from_pretrained(tmp_path, max_num_seqs=2, num_blocks=17, **{**ENGINE, "max_num_batched_tokens": 8,
+                                                                              "token_buckets": [8]})
+    assert gen.model_cfg.architecture == "Qwen3_5ForCausalLM" and gen.model_cfg.tie_embeddings
+    assert np.abs(gen.logits(prompt) - ref).max() <= 1e-4 * np.abs(ref).max()
+    out = gen.generate([prompt], SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == want
+
+
+def test_what_a_delta_state_cannot_carry_is_refused(qwen3_next):
+    """Speculative decoding, tensor and pipeline parallelism (before any loading) and the host KV tier
+    are refused by name; LoRA is not offered for the family; jaxinfer quantize points to load-time
+    quantization."""
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.config.resolve import resolve_config
+    from jaxinfer.lora.adapter import LORA_FAMILIES
+    from jaxinfer.models.hf_configs import model_config_from_hf
+    from jaxinfer.quantize import QuantizeSettings, quantize_model
+    from jaxinfer.weights import load_model
+    folder = qwen3_next[0]
+    cfg = model_config_from_hf(folder)
+    for name, kw in (("speculative_method", dict(speculative_method="ngram", num_speculative_tokens=2)),
+                     ("tensor_parallel", dict(tensor_parallel=2)), ("pipeline_parallel", dict(pipeline_parallel=2))):
+        with pytest.raises(ConfigError, match=rf"{name} is not available for Qwen3NextForCausalLM, whose Gated "
+                                              "DeltaNet layers keep a state per sequence"):
+            Generator.from_pretrained(folder, **kw)
+    with pytest.raises(ConfigError, match="kv_offload_gb is not available"):
+        resolve_config(EngineConfig(num_blocks=16, kv_offload_bytes=1 << 20), cfg, backend="cpu")
+    assert not {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"} & set(LORA_FAMILIES)
+    model, _ = load_model(folder, "float32")
+    with pytest.raises(ValueError, match="state layers .* --quantize int8"):
+        quantize_model(model, QuantizeSettings(method="rtn", bits=4))
+
+
+def test_state_bytes_and_refused_configs():
+    """One sequence's state bytes by hand for Qwen3.5-9B's published shape (24 Gated DeltaNet layers
+    of 16 key heads of 128, 32 value heads of 128, 4 taps; bfloat16 inputs, float32 matrices), and a
+    config.json whose value heads are not a multiple of its key heads, or whose attention has biases,
+    refused by name."""
+    from jaxinfer.models.hf_configs import model_config_from_hf
+    base = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 248320,
+            "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
+            "num_key_value_heads": 4, "head_dim": 256, "full_attention_interval": 4}
+    cfg = model_config_from_hf(base)
+    assert cfg.n_attn_layers == 8 and cfg.rotary_dim == 64 and cfg.linear_conv_dim == 2 * 16 * 128 + 32 * 128
+    assert cfg.state_bytes_per_slot(2) == 24 * (3 * 8192 * 2 + 4 * 32 * 128 * 128)
+    with pytest.raises(ConfigError, match="linear_num_value_heads a multiple of linear_num_key_heads"):
+        model_config_from_hf({**base, "linear_num_value_heads": 24})
+    with pytest.raises(ConfigError, match="attention_bias=true is not supported"):
+        model_config_from_hf({**base, "attention_bias": True})
+
+
+def test_gated_delta_rule_matches_its_token_by_token_reference():
+    """gated_delta_rule (decode rows at once, the other rows' tokens in a loop) against
+    gated_delta_rule_reference (every token of the step in order) on a packed step: a prefill row
+    from position 0 whose slot holds stale numbers (ignored), a decode row, a prefill chunk continuing
+    from its state, a second decode row, a one-token prompt (position 0: its stale slot ignored too),
+    two padding tokens and a row with no token. The same float32
+    operations per token, their dot products (over dk = 8) possibly summed in another order: outputs
+    and states agree to 64 float32 roundings of their magnitude."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.models.deltanet import gated_delta_rule, gated_delta_rule_reference
+    hv, dk, dv = 3, 8, 5
+    row = np.array([0, 0, 0, 0, 1, 2, 2, 2, 3, 4, 0, 0], np.int32)
+    positions = np.array([0, 1, 2, 3, 9, 7, 8, 9, 4, 0, 0, 0], np.int32)
+    valid = np.array([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0], bool)
+    t, s = len(row), 6
+    keys = jax.random.split(jax.random.PRNGKey(3), 6)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = unit(jax.random.normal(keys[0], (t, hv, dk))) * dk ** -0.5
+    k = unit(jax.random.normal(keys[1], (t, hv, dk)))
+    v = jax.random.normal(keys[2], (t, hv, dv))
+    g = -jax.nn.softplus(jax.random.normal(keys[3], (t, hv)))
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (t, hv)))
+    h0 = jax.random.normal(keys[5], (s, hv, dk, dv))
+    args = (q, k, v, g, beta, jnp.asarray(row), jnp.asarray(positions), jnp.asarray(valid), h0)
+    o, h = jax.jit(gated_delta_rule)(*args)
+    o_ref, h_ref = jax.jit(gated_delta_rule_reference)(*args)
+    eps = 64 * np.finfo(np.float32).eps
+    assert np.abs(np.asarray(o - o_ref))[valid].max() <= eps * np.abs(np.asarray(o_ref)).max()
+    assert np.abs(np.asarray(h - h_ref)).max() <= eps * np.abs(np.asarray(h_ref)).max()
+    assert np.array_equal(np.asarray(h[5]), np.asarray(h0[5]))   # the row without a token keeps its state
