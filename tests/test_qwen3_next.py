@@ -135,23 +135,32 @@ def test_state_bytes_and_refused_configs():
         model_config_from_hf({**base, "attention_bias": True})
 
 
-def test_gated_delta_rule_matches_its_token_by_token_reference():
-    """gated_delta_rule (decode rows at once, the other rows' tokens in a loop) against
-    gated_delta_rule_reference (every token of the step in order) on a packed step: a prefill row
-    from position 0 whose slot holds stale numbers (ignored), a decode row, a prefill chunk continuing
-    from its state, a second decode row, a one-token prompt (position 0: its stale slot ignored too),
-    two padding tokens and a row with no token. The same float32
-    operations per token, their dot products (over dk = 8) possibly summed in another order: outputs
-    and states agree to 64 float32 roundings of their magnitude."""
+# packed steps (each token's row, position; False: padding): prefill rows from position 0 and
+# continuing, decode rows, a one-token prompt, padding; and six two-token rows (more segments than a
+# chunk computes in closed form: token by token)
+_STEPS = {"mixed": ([0, 0, 0, 0, 1, 2, 2, 2, 3, 4, 0, 0], [0, 1, 2, 3, 9, 7, 8, 9, 4, 0, 0, 0],
+                    [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]),
+          "many": ([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 6, 6, 1, 1], [5, 6, 0, 1, 3, 4, 2, 3, 8, 9, 0, 1, 0, 0],
+                   [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0])}
+
+
+@pytest.mark.parametrize("step", sorted(_STEPS))
+def test_gated_delta_rule_matches_its_token_by_token_reference(step):
+    """gated_delta_rule (decode rows at once, the other rows' tokens by chunks of 64, 4 and 2: closed
+    form, or token by token where a chunk holds more than CHUNK_SEGMENTS rows, or as a CPU runs
+    them: every chunk token by token) against
+    gated_delta_rule_reference (every token of the step in order) on packed steps (_STEPS): rows
+    from position 0 whose slots hold stale numbers (ignored), decode rows, prefill chunks continuing
+    from their states, padding tokens and rows with no token. The same sums in other orders (the
+    closed form's over at most a chunk's tokens and dk = 8 features, its triangular solve's entries
+    at most 1 in magnitude): outputs and states agree to 64 float32 roundings of their magnitude."""
     import jax
     import jax.numpy as jnp
 
     from jaxinfer.models.deltanet import gated_delta_rule, gated_delta_rule_reference
     hv, dk, dv = 3, 8, 5
-    row = np.array([0, 0, 0, 0, 1, 2, 2, 2, 3, 4, 0, 0], np.int32)
-    positions = np.array([0, 1, 2, 3, 9, 7, 8, 9, 4, 0, 0, 0], np.int32)
-    valid = np.array([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0], bool)
-    t, s = len(row), 6
+    row, positions, valid = (np.array(a, dtype) for a, dtype in zip(_STEPS[step], (np.int32, np.int32, bool)))
+    t, s = len(row), 8
     keys = jax.random.split(jax.random.PRNGKey(3), 6)
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     q = unit(jax.random.normal(keys[0], (t, hv, dk))) * dk ** -0.5
@@ -161,9 +170,11 @@ def test_gated_delta_rule_matches_its_token_by_token_reference():
     beta = jax.nn.sigmoid(jax.random.normal(keys[4], (t, hv)))
     h0 = jax.random.normal(keys[5], (s, hv, dk, dv))
     args = (q, k, v, g, beta, jnp.asarray(row), jnp.asarray(positions), jnp.asarray(valid), h0)
-    o, h = jax.jit(gated_delta_rule)(*args)
     o_ref, h_ref = jax.jit(gated_delta_rule_reference)(*args)
     eps = 64 * np.finfo(np.float32).eps
-    assert np.abs(np.asarray(o - o_ref))[valid].max() <= eps * np.abs(np.asarray(o_ref)).max()
-    assert np.abs(np.asarray(h - h_ref)).max() <= eps * np.abs(np.asarray(h_ref)).max()
-    assert np.array_equal(np.asarray(h[5]), np.asarray(h0[5]))   # the row without a token keeps its state
+    for chunk, closed_form in ((64, True), (4, True), (2, True), (4, False)):
+        o, h = jax.jit(gated_delta_rule, static_argnames=("chunk", "closed_form"))(*args, chunk=chunk,
+                                                                                   closed_form=closed_form)
+        assert np.abs(np.asarray(o - o_ref))[valid].max() <= eps * np.abs(np.asarray(o_ref)).max(), chunk
+        assert np.abs(np.asarray(h - h_ref)).max() <= eps * np.abs(np.asarray(h_ref)).max(), chunk
+        assert np.array_equal(np.asarray(h[5]), np.asarray(h0[5]))   # a row without a token keeps its state

@@ -19,6 +19,9 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, DeltaState
 from jaxinfer.layers import dense, param
 
+# float32 products in float32 on every backend (XLA's DEFAULT rounds them to TF32 on a GPU: quant.dot_precision)
+HIGHEST = jax.lax.Precision.HIGHEST
+
 
 def causal_conv(u: jax.Array, w: jax.Array, positions: jax.Array, row: jax.Array, held: jax.Array | None,
                 slot: jax.Array | None) -> jax.Array:
@@ -62,9 +65,9 @@ def _delta_update(h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax
     """One token of the gated delta rule on a state h [..., Hv, dk, dv] (q, k [..., Hv, dk], v [..., Hv,
     dv], g, beta [..., Hv]): H = exp(g) h, H += k (beta (v - H^T k))^T -> (H, H^T q)."""
     h = h * jnp.exp(g)[..., None, None]
-    mem = jnp.einsum("...hkv,...hk->...hv", h, k)
+    mem = jnp.einsum("...hkv,...hk->...hv", h, k, precision=HIGHEST)
     h = h + k[..., :, None] * ((v - mem) * beta[..., None])[..., None, :]
-    return h, jnp.einsum("...hkv,...hk->...hv", h, q)
+    return h, jnp.einsum("...hkv,...hk->...hv", h, q, precision=HIGHEST)
 
 
 def gated_delta_rule_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
@@ -87,43 +90,117 @@ def gated_delta_rule_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
     return o, h
 
 
+# the prefill tokens' chunks (gated_delta_rule): tokens per chunk, and the most sequences one chunk
+# computes in closed form (more: that chunk goes token by token)
+CHUNK = 64
+CHUNK_SEGMENTS = 4
+
+
+def _chunk_closed_form(h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                       seg: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The rule over one chunk of C tokens in closed form (the WY / UT form of Yang et al.; FLA's
+    chunked kernels, transformers' torch_chunk_gated_delta_rule), the chunk holding up to R
+    sequences' contiguous segments: seg [C] each token's segment (0 .. R - 1), h [R, Hv, dk, dv]
+    each segment's state before the chunk; padding tokens carry g = beta = 0. With G_i the
+    segment's cumulative log-decay through token i, the values u solve (I + A) u = beta (v - e^G
+    H^T k), A_ij = beta_i e^(G_i - G_j) k_i.k_j for j < i in i's segment; o_i = e^(G_i) H^T q_i +
+    sum_(j <= i) e^(G_i - G_j) (q_i.k_j) u_j, and a segment ends at e^(G_last) H + sum_j
+    e^(G_last - G_j) k_j u_j^T. -> (o [C, Hv, dv], each segment's state after the chunk)."""
+    c, r = q.shape[0], h.shape[0]
+    idx = jnp.arange(c)
+    first = jax.lax.cummax(jnp.where(jnp.concatenate([jnp.array([True]), seg[1:] != seg[:-1]]), idx, 0))
+    cs = jnp.cumsum(g, axis=0)                                                     # (C, Hv)
+    big = cs - (cs[first] - g[first])                                              # G: within each segment
+    same = seg[:, None] == seg[None, :]
+    strict, incl = same & (idx[:, None] > idx[None, :]), same & (idx[:, None] >= idx[None, :])
+    diff = big[:, None, :] - big[None, :, :]                                       # (C, C, Hv): G_i - G_j
+    decay = lambda m: jnp.exp(jnp.where(m[..., None], diff, -jnp.inf))  # noqa: E731
+    onehot = (seg[:, None] == jnp.arange(r)[None, :]).astype(jnp.float32)          # (C, R)
+    per_segment = jnp.einsum("rhkv,ihck->rihcv", h, jnp.stack([k, q], axis=2), precision=HIGHEST)    # (R, C, Hv, 2, dv)
+    read = jnp.einsum("ir,rihcv->ihcv", onehot, per_segment, precision=HIGHEST)    # H^T k, H^T q per token
+    eg = jnp.exp(big)[..., None]
+    rhs = beta[..., None] * (v - eg * read[:, :, 0])                                # (C, Hv, dv)
+    a = beta[:, None, :] * jnp.einsum("ihd,jhd->ijh", k, k, precision=HIGHEST) * decay(strict)
+    system = jnp.eye(c, dtype=jnp.float32) + jnp.moveaxis(a, 2, 0)                 # (Hv, C, C)
+    u = jnp.moveaxis(jax.scipy.linalg.solve_triangular(system, jnp.moveaxis(rhs, 1, 0), lower=True,
+                                                       unit_diagonal=True), 0, 1)  # (C, Hv, dv)
+    qk = jnp.einsum("ihd,jhd->ijh", q, k, precision=HIGHEST) * decay(incl)
+    o = eg * read[:, :, 1] + jnp.einsum("ijh,jhv->ihv", qk, u, precision=HIGHEST)
+    last = jnp.max(jnp.where(onehot > 0, idx[:, None], -1), axis=0)                # (R,) -1: no token
+    glast = jnp.where((last >= 0)[:, None], big[jnp.maximum(last, 0)], 0.0)        # (R, Hv)
+    w = onehot.T[..., None] * jnp.exp(jnp.minimum(glast[:, None, :] - big[None], 0.0))   # (R, C, Hv)
+    return o, jnp.exp(glast)[..., None, None] * h + jnp.einsum("rjhk,jhv->rhkv", w[..., None] * k[None], u,
+                                                               precision=HIGHEST)
+
+
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, row: jax.Array,
-                     positions: jax.Array, valid: jax.Array, h0: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """gated_delta_rule_reference's numbers (to float32 rounding), with only the recurrence
-    sequential: a row with one token in the step (a decode row) is updated with every other such row
-    at once (H^T k and H^T q scaled by the decay rather than H first: the same sums, rounded
-    elsewhere); the tokens of rows with several (prefill chunks) go one at a time through a while
-    loop whose trip count is their number (0 in a decode-only step), each reading and writing its
-    row's state in the carry. Padding tokens (not valid) compute nothing that is kept."""
+                     positions: jax.Array, valid: jax.Array, h0: jax.Array, chunk: int = CHUNK,
+                     closed_form: bool = True) -> tuple[jax.Array, jax.Array]:
+    """gated_delta_rule_reference's numbers (to float32 rounding) without its token-by-token loop.
+    A row with one token in the step (a decode row) is updated with every other such row at once
+    (H^T k and H^T q read once, scaled by the decay; the state written once). The tokens of rows with
+    several (prefill chunks), in order, go by chunks of `chunk` in a loop whose trip count is their
+    number over the chunk (0 in a decode-only step): a chunk of at most CHUNK_SEGMENTS rows' segments
+    in closed form (_chunk_closed_form), one of more token by token (every chunk, without
+    closed_form). Each chunk reads its rows' states from the carry (zeros for a segment starting at
+    position 0) and writes them back. Padding tokens (not valid) compute nothing that is kept."""
     t, s = q.shape[0], h0.shape[0]
     count = jnp.zeros(s, jnp.int32).at[row].add(valid.astype(jnp.int32))
     single = valid & (count[row] == 1)
-    # decode rows: their one token each, gathered per row (S of them). In one pass over the states:
-    # H^T k and H^T q read h0 once, then exp(g) H + k delta^T is written once; a row without such a
-    # token gets decay 1 and delta 0 (its state unchanged, exactly), one at position 0 decay 0
+    # decode rows: their one token each, gathered per row (S of them); a row without such a token
+    # gets decay 1 and delta 0 (its state unchanged, exactly), one at position 0 decay 0
     tok = jnp.full(s, t, jnp.int32).at[jnp.where(single, row, s)].set(jnp.arange(t, dtype=jnp.int32), mode="drop")
     has = tok < t
     at = jnp.minimum(tok, t - 1)
     qa, ka, va, ba = q[at], k[at], v[at], beta[at]
     decay = jnp.where(has[:, None], jnp.where((positions[at] == 0)[:, None], 0.0, jnp.exp(g[at])), 1.0)   # (S, Hv)
-    read = jnp.einsum("shkv,shck->shcv", h0, jnp.stack([ka, qa], axis=2)) * decay[:, :, None, None]
+    read = jnp.einsum("shkv,shck->shcv", h0, jnp.stack([ka, qa], axis=2), precision=HIGHEST) * decay[:, :, None, None]
     delta = jnp.where(has[:, None, None], (va - read[:, :, 0]) * ba[..., None], 0.0)                    # (S, Hv, dv)
     h = h0 * decay[..., None, None] + ka[..., :, None] * delta[..., None, :]
     o1 = read[:, :, 1] + jnp.sum(ka * qa, axis=-1)[..., None] * delta
     o = jnp.zeros(v.shape, jnp.float32).at[jnp.where(has, tok, t)].set(o1, mode="drop")
-    # the other rows' tokens, in order, one at a time
+    # the other rows' tokens, compacted in order, by chunks
     multi = valid & ~single
-    order = jnp.nonzero(multi, size=t, fill_value=0)[0]
+    n = jnp.sum(multi)
+    size = -(-t // chunk) * chunk
+    order = jnp.nonzero(multi, size=size, fill_value=t)[0]
+    pad = lambda a: jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])  # noqa: E731  (index t: padding)
+    qp, kp, vp, gp, bp = pad(q), pad(k), pad(v), pad(g), pad(beta)
+    rowp, posp = jnp.concatenate([row, jnp.array([-1], row.dtype)]), pad(positions)
 
-    def body(i, carry):
+    def one_chunk(i, carry):
         h, o = carry
-        j = order[i]
-        r = row[j]
-        hr, oj = _delta_update(jnp.where(positions[j] == 0, 0.0, h[r]), q[j], k[j], v[j], g[j], beta[j])
-        return h.at[r].set(hr), o.at[j].set(oj)
+        j = jax.lax.dynamic_slice(order, (i * chunk,), (chunk,))
+        rj = rowp[j]
+        seg = jnp.cumsum(jnp.concatenate([jnp.array([0]), (rj[1:] != rj[:-1]).astype(jnp.int32)]))
+        start = jax.lax.cummax(jnp.where(jnp.concatenate([jnp.array([True]), rj[1:] != rj[:-1]]),
+                                         jnp.arange(chunk), 0))
+        # each segment's row and first position (segments past the last: none)
+        seg_row = jnp.full(CHUNK_SEGMENTS, -1, rj.dtype).at[seg].set(rj, mode="drop")
+        seg_pos = jnp.zeros(CHUNK_SEGMENTS, posp.dtype).at[seg].set(posp[j[start]], mode="drop")
 
-    h, o = jax.lax.fori_loop(0, jnp.sum(multi), body, (h, o))
-    return o, h
+        # up to CHUNK_SEGMENTS segments: the closed form; more: its writes dropped and the chunk's
+        # tokens go one by one instead (a loop of 0 or `chunk` iterations; no conditional, which
+        # would copy the carried states)
+        if closed_form:
+            closed = seg[-1] < CHUNK_SEGMENTS
+            hs = jnp.where(((seg_row < 0) | (seg_pos == 0))[:, None, None, None], 0.0, h[jnp.maximum(seg_row, 0)])
+            oc, he = _chunk_closed_form(hs, qp[j], kp[j], vp[j], gp[j], bp[j], seg)
+            h = h.at[jnp.where(closed & (seg_row >= 0), seg_row, s)].set(he, mode="drop")
+        else:
+            closed, oc = jnp.array(False), jnp.zeros((chunk, *v.shape[1:]), jnp.float32)
+
+        def by_token(m, carry):
+            h, oc = carry
+            jm, r = j[m], rj[m]
+            hr, om = _delta_update(jnp.where(posp[jm] == 0, 0.0, h[jnp.maximum(r, 0)]), qp[jm], kp[jm], vp[jm],
+                                   gp[jm], bp[jm])
+            return h.at[jnp.where(r >= 0, r, s)].set(hr, mode="drop"), oc.at[m].set(om)
+
+        h, oc = jax.lax.fori_loop(0, jnp.where(closed, 0, chunk), by_token, (h, oc))
+        return h, o.at[j].set(oc, mode="drop")
+
+    return jax.lax.fori_loop(0, -(-n // chunk), one_chunk, (h, o))[::-1]
 
 
 class GatedDeltaNet(nnx.Module):
@@ -178,7 +255,11 @@ class GatedDeltaNet(nnx.Module):
             h0, valid = jnp.zeros((1, hv, dk, dv), f32), jnp.ones(t, bool)
         else:
             h0, valid = state.h[meta.state_slots], meta.slot_mapping != PAD_SLOT
-        o, h = gated_delta_rule(q, k, v, g, beta, row, positions, valid, h0)
+        # the chunks' closed form where it pays: a GPU's (or TPU's) kernel launches make a token loop
+        # slow; a CPU computes the closed form's extra flops (CHUNK_SEGMENTS segments each) more slowly
+        # than the loop (0.75x measured here for a 512-token prompt, README)
+        o, h = gated_delta_rule(q, k, v, g, beta, row, positions, valid, h0,
+                                closed_form=jax.default_backend() != "cpu")
         o = o.astype(dtype).astype(f32)                                                          # (T, Hv, dv)
         normed = (o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.norm_eps)).astype(dtype)
         y = (self.norm.get_value() * normed).astype(f32) * jax.nn.silu(z.astype(f32))
