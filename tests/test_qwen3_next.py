@@ -13,51 +13,21 @@ import torch
 from jaxinfer import Generator, SamplingParams
 from jaxinfer.config import ConfigError
 from tests.hf_models import CONFIGS, build_hf_model
-
-TOKENS = 12
-ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=16, token_buckets=[16], block_size=8,
-              warmup=False)
-
-
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """n greedy tokens by full forwards of transformers' model (no cache: nothing of ours)."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
+from tests.state_engine import ENGINE, TOKENS, check_state_engine, hf_greedy
 
 @pytest.fixture(scope="module")
 def qwen3_next(hf_model_dir):
     rng = np.random.RandomState(7)
     prompts = [rng.randint(3, 109, n).tolist() for n in (5, 45, 17, 30, 9)]
     hf = build_hf_model("qwen3-next")
-    return hf_model_dir("qwen3-next"), hf, prompts, [_hf_greedy(hf, p, TOKENS) for p in prompts]
+    return hf_model_dir("qwen3-next"), hf, prompts, [hf_greedy(hf, p) for p in prompts]
 
 
 def test_state_across_chunks_rows_slot_reuse_preemption_and_prompt_logprobs(qwen3_next):
-    """Five prompts of 5 to 45 tokens, prefilled in 16-token chunks beside other rows' decode tokens,
-    through two state slots (max_num_seqs 2: each finished request's slot is taken by the next) and a
-    pool of 8 blocks, too small for two sequences (preempted, then recomputed from position 0):
-    every continuation is transformers' greedy one. Then, teacher-forced, the 45-token prompt's
-    logprobs (three chunks, each reading the state the previous one left) are transformers'
-    log-softmax, to float32 rounding relative to the logits' magnitude (transformers computes the
-    prompt by its chunked form of the rule, we by the recurrence: the same sums in another order)."""
-    folder, hf, prompts, want = qwen3_next
-    gen = Generator.from_pretrained(folder, max_num_seqs=2, num_blocks=9, **ENGINE)
-    greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
-    assert [o.token_ids for o in gen.generate(prompts, greedy)] == want
-    stats = gen.stats()
-    assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0
-    assert not gen.engine.resolved.enable_prefix_caching and not gen.engine.blocks.state_of
-    ids = prompts[1]
-    out = gen.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
-    with torch.no_grad():
-        logits = hf(torch.tensor([ids])).logits[0].double()
-    ref = torch.log_softmax(logits, -1).numpy()
-    got = np.array([e[0] for e in out.prompt_logprobs[1:]])
-    assert np.abs(got - [ref[p, ids[p + 1]] for p in range(len(ids) - 1)]).max() <= 1e-5 * float(logits.abs().max())
+    """tests/state_engine.py's check: greedy continuations through two slots, preemption and n = 2,
+    then prompt logprobs across chunk boundaries, against transformers (which computes the prompt by
+    its chunked form of the rule, we token by token on a CPU: the same sums in another order)."""
+    check_state_engine(*qwen3_next)
 
 
 def test_qwen3_5_vision_language_upload_serves_its_language_model(tmp_path):
