@@ -43,7 +43,10 @@ tanh GELU llama.cpp runs every such file with, Pythia's erf one not being in the
 (StableLM: per-head q / k norms stacked in attn_q_norm / attn_k_norm; parallel blocks where the file
 has no ffn_norm, as llama.cpp runs them); these three rotate the share of each head
 rope.dimension_count gives; and lfm2 (LFM2: head_count_kv per layer, 0 on the short-convolution
-layers, whose taps the converter squeezes to [d, L]; the MLP's width already adjusted). Rope: none,
+layers, whose taps the converter squeezes to [d, L]; the MLP's width already adjusted); qwen35,
+qwen35moe and qwen3next (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: the Gated DeltaNet's sizes in ssm.*, its
+tensors' conversions undone (GGUFTensors.rows), Qwen3-Next's in_proj_qkvz regrouped from attn_qkv and
+attn_gate; the next-token-prediction blocks qwen35 files append not run). Rope: none,
 linear, yarn, and Llama 3's (its rope_freqs.weight divisors, recovered as transformers' llama3 parameters and checked against
 every stored divisor). Anything else is refused naming the key or tensor. Split files
 (NAME-00001-of-0000N.gguf) are read across their parts.
@@ -75,7 +78,8 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "command-r": "CohereForCausalLM",
          "cohere2": "Cohere2ForCausalLM", "phi2": "PhiForCausalLM", "gptneox": "GPTNeoXForCausalLM",
          "stablelm": "StableLmForCausalLM", "starcoder": "GPTBigCodeForCausalLM", "arcee": "ArceeForCausalLM",
-         "exaone": "LlamaForCausalLM", "internlm2": "LlamaForCausalLM", "lfm2": "Lfm2ForCausalLM"}
+         "exaone": "LlamaForCausalLM", "internlm2": "LlamaForCausalLM", "lfm2": "Lfm2ForCausalLM",
+         "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma": "gemma",
                 "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
@@ -83,9 +87,15 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe"
                 "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3", "glm4": "glm4", "starcoder2": "starcoder2",
                 "command-r": "cohere", "cohere2": "cohere2", "phi2": "phi", "gptneox": "gpt_neox",
                 "stablelm": "stablelm", "starcoder": "gpt_bigcode", "arcee": "arcee", "exaone": "llama", "internlm2": "llama",
-                "lfm2": "lfm2"}
+                "lfm2": "lfm2", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
-_PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm")
+_PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm", "qwen35", "qwen35moe", "qwen3next")
+# Gated DeltaNet models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): the converter stores every norm weight as
+# 1 + w but the Gated DeltaNet's own (linear_attn.norm), A_log as -exp(A_log) (ssm_a), and for qwen35
+# / qwen35moe the value heads "tiled" where there are more than key heads (_LinearAttentionVReorderBase)
+_DELTANET = ("qwen35", "qwen35moe", "qwen3next")
+# Qwen3-Next's in_proj_qkvz (transformers' name; the converter splits it into attn_qkv and attn_gate)
+_QKVZ = re.compile(r"model\.layers\.(\d+)\.linear_attn\.in_proj_qkvz\.weight")
 # llama.cpp's mixtures with dense leading layers, sigmoid routing with a learned correction
 # (exp_probs_b), groups, a routed scale and shared experts (its build_moe_ffn with those settings)
 _SIGMOID_MOE = ("glm4moe", "deepseek2")
@@ -136,6 +146,9 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(LLAMA3_PRE + ("dbrx", "smaug-bpe"), (_LLAMA3,)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), (_QWEN2,)),
     "tekken": (_TEKKEN,), **dict.fromkeys(("gpt-4o", "llama4"), (_GPT4O,)),
+    # Qwen3.5's (llama.cpp's QWEN35): Qwen2's with combining marks (\p{M}) kept in words, out of punctuation
+    "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+               r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
     **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais"), (_GPT2,)),
     **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"),
                     (r"\p{N}", _GPT2)),
@@ -241,6 +254,8 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
                               f"supported: {sorted(ARCHS)}")
     need = {k: f.arch_get(k) for k in ("block_count", "embedding_length", "feed_forward_length",
                                        "attention.head_count")}
+    if arch == "qwen35moe" and need["feed_forward_length"] is None:   # (no dense MLP: none written)
+        need["feed_forward_length"] = f.arch_get("expert_feed_forward_length")
     missing = [k for k, v in need.items() if v is None]
     if missing:
         raise CheckpointError(f"{f.path}: metadata {arch}.{missing[0]} is missing")
@@ -314,6 +329,25 @@ def _lfm2(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
             "conv_bias": bool(conv) and f"blk.{conv[0]}.shortconv.in_proj.bias" in f.tensors}
 
 
+def _deltanet(f: GGUFFile) -> dict[str, Any]:
+    """llama.cpp's qwen35 / qwen35moe / qwen3next (Qwen3NextModel.set_gguf_parameters): the Gated
+    DeltaNet's sizes in ssm.* (conv_kernel; state_size: a key head's width; group_count: key heads;
+    time_step_rank: value heads; inner_size: value heads x their width) and full_attention_interval."""
+    keys = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
+            "full_attention_interval")
+    got = {k: f.arch_get(k) for k in keys}
+    missing = [k for k, v in got.items() if v is None]
+    if missing:
+        raise CheckpointError(f"{f.path}: metadata {f.arch}.{missing[0]} is missing")
+    v_heads, inner = int(got["ssm.time_step_rank"]), int(got["ssm.inner_size"])
+    if v_heads <= 0 or inner % v_heads:
+        raise CheckpointError(f"{f.path}: {f.arch}.ssm.inner_size = {inner} is not a multiple of "
+                              f"{f.arch}.ssm.time_step_rank = {v_heads} (value heads)")
+    return {"linear_conv_kernel_dim": int(got["ssm.conv_kernel"]), "linear_key_head_dim": int(got["ssm.state_size"]),
+            "linear_num_key_heads": int(got["ssm.group_count"]), "linear_num_value_heads": v_heads,
+            "linear_value_head_dim": inner // v_heads, "full_attention_interval": int(got["full_attention_interval"])}
+
+
 def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) -> dict[str, Any]:
     """The fields of config.json that only some architectures' files give (or refuse), by architecture."""
     arch = f.arch
@@ -358,6 +392,8 @@ def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) ->
         return {"hidden_act": "relu2"}
     elif arch == "lfm2":
         return _lfm2(f, cfg)
+    elif arch in _DELTANET:
+        return _deltanet(f)
     return {}
 
 
@@ -539,7 +575,7 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     every layer routed but the leading dense ones GLM-4.5's and DeepSeek's files name."""
     count, used = f.arch_get("expert_count"), f.arch_get("expert_used_count")
     if not count:
-        if f.arch in ("qwen3moe", "gpt-oss", "qwen2moe", *_SIGMOID_MOE):
+        if f.arch in ("qwen3moe", "gpt-oss", "qwen2moe", "qwen35moe", "qwen3next", *_SIGMOID_MOE):
             raise CheckpointError(f"{f.path}: metadata {f.arch}.expert_count is missing")
         return {}
     if not used:
@@ -561,6 +597,11 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
         return _sigmoid_experts(f, int(count), int(used), int(ffn), lead)
     out = {"num_experts": int(count), "num_experts_per_tok": int(used), "moe_intermediate_size": int(ffn),
            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if f.arch in ("qwen35moe", "qwen3next"):   # Qwen2-MoE's shared expert, the routing renormalized
+        shared = f.arch_get("expert_shared_feed_forward_length")
+        if shared is None:
+            raise CheckpointError(f"{f.path}: metadata {f.arch}.expert_shared_feed_forward_length is missing")
+        out.update(shared_expert_intermediate_size=int(shared))
     if f.arch == "qwen2moe":   # llama.cpp: the shared expert as wide as feed_forward_length when not given
         shared = f.arch_get("expert_shared_feed_forward_length") or cfg["intermediate_size"]
         out.update(norm_topk_prob=False, shared_expert_intermediate_size=int(shared), use_sliding_window=False)
@@ -943,7 +984,7 @@ class GGUFTensors:
         self.names = gguf.get_tensor_name_map(arch, hf_cfg["num_hidden_layers"])
 
     def stored(self, name: str) -> str | None:
-        parts = self.oss_parts(name) or self.latent_parts(name)
+        parts = self.oss_parts(name) or self.latent_parts(name) or self.qkvz_parts(name)
         if parts is not None:
             return parts[0] if all(p in self.file.tensors for p in parts) else None
         stack = self.expert_rows(name)
@@ -973,6 +1014,8 @@ class GGUFTensors:
         head's q / k norm: the layer's stacked tensor)."""
         if name.endswith(".e_score_correction_bias"):
             name = name[:-len("_bias")] + ".bias"
+        if name.endswith(".linear_attn.dt_bias"):   # the converter's rename: dt_proj.bias -> ssm_dt.bias
+            name = name[:-len("dt_bias")] + "dt_proj.bias"
         head = _QK_NORM_HEAD.fullmatch(name)
         if head is not None:
             name = f"{head.group(1)}.weight"
@@ -1059,6 +1102,56 @@ class GGUFTensors:
                                       f"{list(shape)} (heads, then the latent attention's widths in the metadata)")
         return np.concatenate([k.transpose(0, 2, 1), v], axis=1).reshape(h * (nope + vd), r)
 
+    def qkvz_parts(self, name: str) -> list[str] | None:
+        """The tensors Qwen3-Next's in_proj_qkvz is split into by the converter (attn_qkv: every key
+        head's q, then k, then v; attn_gate: z), for a qwen3next file; None for any other name."""
+        m = _QKVZ.fullmatch(name) if self.file.arch == "qwen3next" else None
+        return None if m is None else [f"blk.{m.group(1)}.attn_qkv.weight", f"blk.{m.group(1)}.attn_gate.weight"]
+
+    def _qkvz(self, name: str) -> np.ndarray:
+        """in_proj_qkvz as transformers holds it, grouped per key head ([q, k, v, z] of each), from
+        attn_qkv and attn_gate (the inverse of Qwen3NextModel.modify_tensors' split)."""
+        qkv_name, z_name = self.qkvz_parts(name)
+        qkv, z = self.file.tensor(qkv_name), self.file.tensor(z_name)
+        hk, dk = self.cfg["linear_num_key_heads"], self.cfg["linear_key_head_dim"]
+        vd = self.cfg["linear_num_value_heads"] * self.cfg["linear_value_head_dim"]
+        if qkv.shape[0] != 2 * hk * dk + vd or z.shape[0] != vd:
+            raise CheckpointError(f"{self.file.path}: tensors {qkv_name!r} / {z_name!r} have {qkv.shape[0]} / "
+                                  f"{z.shape[0]} rows; expected {2 * hk * dk + vd} / {vd} (the ssm.* sizes)")
+        per = lambda x: x.reshape(hk, -1, x.shape[-1])  # noqa: E731   (key head, its rows, d)
+        parts = (qkv[:hk * dk], qkv[hk * dk:2 * hk * dk], qkv[2 * hk * dk:], z)
+        return np.concatenate([per(x) for x in parts], axis=1).reshape(-1, qkv.shape[-1])
+
+    def columns_reordered(self, name: str) -> bool:
+        """Whether the tensor's columns (within its rows' blocks) need reordering: a tiled qwen35 /
+        qwen35moe out_proj (_untile), which cannot stay packed."""
+        return (self.file.arch in ("qwen35", "qwen35moe") and name.endswith(".linear_attn.out_proj.weight")
+                and self.cfg["linear_num_key_heads"] != self.cfg["linear_num_value_heads"])
+
+    def _untile(self, name: str, x: np.ndarray) -> np.ndarray:
+        """A qwen35 / qwen35moe Gated DeltaNet tensor's value heads back from the converter's tiled
+        order (value head j of key head g at j Hk + g) to transformers' grouped one (g r + j, r = Hv /
+        Hk): the v rows of in_proj_qkv and of the taps, in_proj_z's rows, in_proj_a's / in_proj_b's,
+        A_log's and dt_bias's, out_proj's columns; as stored where Hv = Hk."""
+        hk, hv = self.cfg["linear_num_key_heads"], self.cfg["linear_num_value_heads"]
+        if self.file.arch not in ("qwen35", "qwen35moe") or hk == hv or ".linear_attn." not in name:
+            return x
+
+        def grouped(a: np.ndarray, axis: int, width: int) -> np.ndarray:
+            shape = a.shape
+            a = a.reshape(*shape[:axis], hv // hk, hk, width, *shape[axis + 1:])
+            return np.swapaxes(a, axis, axis + 1).reshape(shape)
+        dv, qk = self.cfg["linear_value_head_dim"], 2 * hk * self.cfg["linear_key_head_dim"]
+        if ".in_proj_qkv." in name or ".conv1d." in name:
+            return np.concatenate([x[:qk], grouped(x[qk:], 0, dv)])
+        if ".in_proj_z." in name:
+            return grouped(x, 0, dv)
+        if any(p in name for p in (".in_proj_a.", ".in_proj_b.", ".A_log", ".dt_bias")):
+            return grouped(x, 0, 1)
+        if ".out_proj." in name:
+            return grouped(x, 1, dv)
+        return x
+
     def has(self, name: str) -> bool:
         return self.stored(name) is not None
 
@@ -1082,6 +1175,8 @@ class GGUFTensors:
             return self._stacked[1]
         if self.latent_parts(name) is not None:
             return self._kv_b(name)
+        if self.qkvz_parts(name) is not None:
+            return self._qkvz(name)
         m = _EXPERT.fullmatch(name)
         if m is None:
             return self.rows(name, self.file.tensor(g))
@@ -1093,9 +1188,16 @@ class GGUFTensors:
         """x, indexed by tensor `name`'s rows as stored, in transformers' row order (Llama's Q and K:
         llama.cpp's rotary order turned back); Gemma's norm weights as transformers' w of (1 + w)
         (llama.cpp's converter stores 1 + w); Qwen2-MoE's shared-expert gate [D] as its one row [1, D];
-        StableLM's stacked q / k norms as one head's; GPT-NeoX's fused q / k / v rows per head."""
+        StableLM's stacked q / k norms as one head's; GPT-NeoX's fused q / k / v rows per head; the Gated
+        DeltaNet models' norms (1 + w), A_log (-exp) and tiled value heads (_untile) undone."""
         if self.file.arch in (*_GEMMA, "gemma") and name.endswith("norm.weight"):
             return x - 1.0
+        if self.file.arch in _DELTANET:   # (Qwen3NextModel.modify_tensors' changes undone)
+            if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+                x = x - 1.0
+            elif name.endswith(".A_log"):
+                x = np.log(-x)
+            x = self._untile(name, x)
         if name.endswith("shared_expert_gate.weight") and x.ndim == 1:   # llama.cpp's {n_embd}: one row
             return x[None, :]
         head = _QK_NORM_HEAD.fullmatch(name)

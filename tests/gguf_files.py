@@ -154,7 +154,8 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
     w.add_block_count(cfg.num_hidden_layers + nextn)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    if cfg.to_dict().get("intermediate_size") is not None:   # TextModel: only when the config has it (not Qwen3.5-MoE)
+        w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(1 if arch == "deepseek2" and mla else cfg.num_key_value_heads)   # DeepSeek: latent form as MQA
     if arch != "gemma":   # GemmaModel.set_gguf_parameters writes no RoPE base (llama.cpp's 10 000)
@@ -200,7 +201,22 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
         _deepseek2_hparams(w, cfg, rope, mla)
         w.add_vocab_size(cfg.vocab_size)
         return
-    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    deltanet = arch in ("qwen3next", "qwen35", "qwen35moe")
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25 if deltanet else 1.0)))
+    if deltanet:   # Qwen3NextModel.set_gguf_parameters (Qwen3.5's: and its M-RoPE sections, _Qwen35MRopeMixin)
+        w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+        w.add_ssm_state_size(cfg.linear_key_head_dim)
+        w.add_ssm_group_count(cfg.linear_num_key_heads)
+        w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+        w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+        # the converter writes config.json's full_attention_interval (else 4); transformers saves layer_types
+        # instead, which llama.cpp cannot read: the interval they follow
+        every = cfg.layer_types.index("full_attention") + 1
+        assert cfg.layer_types == ["linear_attention" if (i + 1) % every else "full_attention"
+                                   for i in range(cfg.num_hidden_layers)]
+        w.add_full_attention_interval(every)
+        if arch != "qwen3next":
+            w.add_rope_dimension_sections([11, 11, 10, 0])
     if gemma or arch == "gpt-oss" or head_dim != cfg.hidden_size // cfg.num_attention_heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -257,14 +273,16 @@ def _moe_hparams(w, cfg, arch: str, nextn: int) -> None:
     widths), Glm4MoeModel and DeepseekV2Model (TextModel's group counts and sigmoid gating, leading
     dense layers, shared experts, the routed scale, the renormalization where set)."""
     import gguf
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
     experts = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     if not experts:
         return
     w.add_expert_count(experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch in ("qwen3moe", "qwen2moe", "glm4moe", "deepseek2"):
+    if arch in ("qwen3moe", "qwen2moe", "glm4moe", "deepseek2", "qwen3next", "qwen35moe"):
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "qwen3next", "qwen35moe"):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if arch in ("glm4moe", "deepseek2"):
         w.add_expert_group_count(cfg.n_group or 1)
@@ -277,8 +295,50 @@ def _moe_hparams(w, cfg, arch: str, nextn: int) -> None:
         w.add_expert_weights_scale(cfg.routed_scaling_factor)
         if arch == "glm4moe" or cfg.norm_topk_prob:   # DeepseekV2Model writes it only when true
             w.add_expert_weights_norm(cfg.norm_topk_prob)
-    if nextn:
-        w.add_nextn_predict_layers(nextn)
+
+
+def _tiled(x: np.ndarray, axis: int, hk: int, r: int, width: int) -> np.ndarray:
+    """_LinearAttentionVReorderBase._reorder_v_heads: value heads grouped per key head [Hk, r, width]
+    along `axis` -> tiled [r, Hk, width]."""
+    shape = x.shape
+    x = x.reshape(*shape[:axis], hk, r, width, *shape[axis + 1:])
+    return np.ascontiguousarray(np.swapaxes(x, axis, axis + 1).reshape(shape))
+
+
+def _deltanet_tensor(w, cfg, arch: str, hf_name: str, x: np.ndarray, qtype: str, rng):
+    """Qwen3NextModel.modify_tensors (and, for qwen35 / qwen35moe, _LinearAttentionVReorderBase's):
+    every norm weight but the Gated DeltaNet's as 1 + w, A_log as -exp(A_log), dt_bias renamed
+    dt_proj.bias, the taps squeezed; Qwen3-Next's in_proj_qkvz split into attn_qkv (every key head's
+    q, then k, then v) and attn_gate (z), written here (-> None); Qwen3.5's value heads tiled where there
+    are more than key heads. -> (the name to map, the tensor)."""
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
+    if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+        x = x + 1.0
+    elif hf_name.endswith(".A_log"):
+        x = -np.exp(x)
+    elif hf_name.endswith(".dt_bias"):
+        hf_name = hf_name[:-len("dt_bias")] + "dt_proj.bias"
+    elif ".conv1d." in hf_name:
+        x = x[:, 0, :]
+    if hf_name.endswith("in_proj_qkvz.weight"):
+        g = x.reshape(hk, 2 * dk + 2 * r * dv, -1)
+        q, k, v, z = (g[:, a:b].reshape(-1, g.shape[-1]) for a, b in (
+            (0, dk), (dk, 2 * dk), (2 * dk, 2 * dk + r * dv), (2 * dk + r * dv, 2 * dk + 2 * r * dv)))
+        layer = hf_name.split(".")[2]
+        _add(w, f"blk.{layer}.attn_qkv.weight", np.ascontiguousarray(np.concatenate([q, k, v])), qtype, rng)
+        _add(w, f"blk.{layer}.attn_gate.weight", np.ascontiguousarray(z), qtype, rng)
+        return None, x
+    if arch != "qwen3next" and r > 1 and ".linear_attn." in hf_name:
+        if ".in_proj_qkv." in hf_name or ".conv1d." in hf_name:
+            x = np.concatenate([x[:2 * hk * dk], _tiled(x[2 * hk * dk:], 0, hk, r, dv)])
+        elif ".in_proj_z." in hf_name:
+            x = _tiled(x, 0, hk, r, dv)
+        elif any(p in hf_name for p in (".in_proj_a.", ".in_proj_b.", ".A_log", ".dt_proj.")):
+            x = _tiled(x, 0, hk, r, 1)
+        elif ".out_proj." in hf_name:
+            x = _tiled(x, 1, hk, r, dv)
+    return hf_name, x
 
 
 def _nextn_block(w, cfg, layer: int, rng) -> None:
@@ -373,7 +433,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe_lite": "deepseek2", "glm4": "glm4",
             "starcoder2": "starcoder2", "cohere": "command-r", "cohere2": "cohere2", "phi": "phi2",
             "gpt_neox": "gptneox", "stablelm": "stablelm", "gpt_bigcode": "starcoder", "arcee": "arcee",
-            "exaone": "exaone", "lfm2": "lfm2"}[cfg.model_type]
+            "exaone": "exaone", "lfm2": "lfm2", "qwen3_next": "qwen3next", "qwen3_5_text": "qwen35",
+            "qwen3_5_moe_text": "qwen35moe"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:
@@ -449,6 +510,10 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             hf_name = prefix + "weight"
         if hf_name.endswith(".conv.conv.weight"):   # LFM2Model.modify_tensors: the taps [d, 1, L] -> [d, L]
             x = x[:, 0, :]
+        if arch in ("qwen3next", "qwen35", "qwen35moe"):
+            hf_name, x = _deltanet_tensor(w, cfg, arch, hf_name, x, qtype, rng)
+            if hf_name is None:
+                continue
         if hf_name.endswith(".e_score_correction_bias"):   # TextModel's rename before the name map
             hf_name = hf_name[:-len("_bias")] + ".bias"
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))

@@ -214,7 +214,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                   moe_intermediate_size=32, num_hidden_layers=4, num_key_value_heads=2, num_experts=6,
                                   num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=1.5,
                                   layer_types=["conv", "full_attention", "conv", "full_attention"])),
-    # Qwen3-Next: Gated DeltaNet layers (2 query / key heads of 8, 4 value heads of 12: each key head
+    # Qwen3-Next: Gated DeltaNet layers (2 query / key heads of 8, 4 value heads of 8: each key head
     # shared by two, a 4-tap convolution) around gated attention layers with half of each head rotated;
     # top-2 of 4 experts renormalized plus the gated shared expert, a dense MLP on layer 2
     # (mlp_only_layers); A_log drawn so that the state decays by ~0.85 a token (build_hf_model), not ~0
@@ -222,7 +222,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                       num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
                                       mlp_only_layers=[2], linear_num_key_heads=2, linear_num_value_heads=4,
-                                      linear_key_head_dim=8, linear_value_head_dim=12, initializer_range=0.2,
+                                      linear_key_head_dim=8, linear_value_head_dim=8, initializer_range=0.2,
                                       layer_types=["linear_attention", "full_attention", "linear_attention",
                                                    "full_attention"],
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
@@ -232,7 +232,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     # text config's interleaved M-RoPE section (one position per text token: plain RoPE), tied
     "qwen3.5": ("qwen3_5_text", dict(_COMMON, vocab_size=103, intermediate_size=96, num_hidden_layers=4,
                                      num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
-                                     linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=8,
+                                     linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                                      linear_conv_kernel_dim=3, initializer_range=0.2, tie_word_embeddings=True,
                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                       "partial_rotary_factor": 0.25, "mrope_interleaved": True,

@@ -25,7 +25,7 @@ from jaxinfer.layers import rope_inv_freq
 from tests.hf_models import CONFIGS, build_hf_model
 from tests.two_rounds import GREEDY, naive_greedy, serve_two_rounds, two_round_prompts
 
-NEW_FAMILIES = [n for n in CONFIGS if n.split("-")[0] in ("qwen3", "gemma2", "gemma3", "phi3")]
+NEW_FAMILIES = [n for n in CONFIGS if CONFIGS[n][0] in ("qwen3", "gemma2", "gemma3_text", "phi3")]
 PROMPT_LEN = 24
 # 8-token budget: one step shape to compile; block_size 8 for the Pallas kernels' tiles
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4, block_size=8,

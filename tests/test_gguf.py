@@ -487,6 +487,109 @@ def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path
             _gen(bad)
 
 
+@pytest.mark.parametrize("name", ["qwen3-next", "qwen3.5", "qwen3.5-moe"])
+def test_gated_deltanet_files_are_the_original_model(name, tmp_path):
+    """Qwen3-Next (qwen3next: in_proj_qkvz split into attn_qkv and attn_gate, in_proj_ba as stored),
+    Qwen3.5 (qwen35, M-RoPE sections written, two next-token-prediction blocks appended and not run)
+    and Qwen3.5-MoE (qwen35moe: its value heads tiled, two per key head) as llama.cpp's converter
+    writes them (every norm but the Gated DeltaNet's as 1 + w, A_log as -exp, dt_bias as ssm_dt.bias,
+    the taps squeezed) compute what the HF model computes: logits, and greedy tokens through the paged
+    engine's states. Then Q8_0 blocks on the attention's q / k / o, the Gated DeltaNet's input
+    projections (rows reordered in the packed form) and out_proj (Qwen3-Next's: packed; Qwen3.5-MoE's,
+    columns tiled: dequantized at load) give what the HF model gives with those weights as the gguf
+    package dequantizes them."""
+    # (llama.cpp's qwen3next has no dense MLP layer: the published model has none)
+    hf, vocab, ids, expected, gen = _as_converted(name, {"mlp_only_layers": []} if name == "qwen3-next" else {},
+                                                  tmp_path)
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(ids):].tolist()
+    out = gen.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == want
+    if name == "qwen3.5":
+        nextn = write_gguf(hf, tmp_path / "nextn.gguf", vocab, nextn=2)
+        assert _rel_err(_gen(nextn).logits(ids), expected) < 1e-4
+    qtypes = {"q_proj.weight": "Q8_0", "k_proj.weight": "Q8_0", "v_proj.weight": "Q8_0", "o_proj.weight": "Q8_0",
+              "in_proj_qkv": "Q8_0", "in_proj_z": "Q8_0", "linear_attn.out_proj": "Q8_0"}
+    packed = write_gguf(hf, tmp_path / f"{name}-q8.gguf", vocab, qtypes)
+    ref = _with_dequantized(hf, packed, ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_qkvz",
+                                         "in_proj_z", "out_proj"))
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].numpy()
+    gen = _gen(packed)
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    from flax import nnx
+
+    from jaxinfer.quant import QuantizedWeight
+    params = {"/".join(map(str, p)): v.get_value() for p, v in nnx.state(gen.engine.runner.params, nnx.Param).flat_state()}
+    first = next(i for i in range(gen.model_cfg.n_layers) if not gen.model_cfg.is_linear_layer(i))
+    assert isinstance(params[f"layers/{first}/attn/qkv"], QuantizedWeight)
+    assert isinstance(params["layers/0/attn/in_proj_qkv"], QuantizedWeight) == (name != "qwen3-next")
+    assert isinstance(params["layers/0/attn/out_proj"], QuantizedWeight) == (name != "qwen3.5-moe")
+
+
+def test_qwen35_pre_tokenizer_keeps_combining_marks_in_words():
+    """llama.cpp's qwen35 split (LLAMA_VOCAB_PRE_TYPE_QWEN35, Qwen3.5's tokenizer.json): Qwen2's, but a
+    combining mark (\\p{M}) stays in its word and out of punctuation runs. By hand, "cafe" + U+0301 +
+    " x!" is ["cafe\u0301", " x", "!"]; Qwen2's split cuts the mark off as a piece of its own."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from jaxinfer.gguf_file import PRE_TOKENIZERS
+
+    def pieces(pre: str, text: str) -> list[str]:
+        split = pre_tokenizers.Split(Regex(PRE_TOKENIZERS[pre][0]), behavior="isolated")
+        return [p for p, _ in split.pre_tokenize_str(text)]
+    assert pieces("qwen35", "cafe\u0301 x!") == ["cafe\u0301", " x", "!"]
+    assert pieces("qwen2", "cafe\u0301 x!") == ["cafe", "\u0301", " x", "!"]
+
+
+def _with_dequantized(hf, path, modules: tuple[str, ...]):
+    """A copy of the HF model whose `modules`' weights (transformers' names, each stored by the
+    converter as is, or as Qwen3-Next's split / Qwen3.5's tiled forms) are the file's as the gguf
+    package dequantizes them, the converter's reordering undone here (tests/gguf_files.py does it)."""
+    import copy
+
+    import gguf
+
+    from tests.gguf_files import _tiled
+    model = copy.deepcopy(hf)
+    cfg = hf.config
+    reader = gguf.GGUFReader(path)
+    raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape)))
+           for t in reader.tensors}
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    r = hv // hk
+    untile = lambda x, axis, width: _tiled(x, axis, r, hk, width) if r > 1 and cfg.model_type != "qwen3_next" \
+        else x  # noqa: E731   (tiled [r, Hk] back to grouped [Hk, r]: the same swap)
+    state = {}
+    for hf_name in model.state_dict():
+        layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
+        if layer is None or not any(f".{m}." in hf_name for m in modules):
+            continue
+        part = hf_name.split(".")[-2]
+        if part in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            x = raw[f"blk.{layer}.attn_{dict(q_proj='q', k_proj='k', v_proj='v', o_proj='output')[part]}.weight"]
+        elif part == "in_proj_qkvz":   # attn_qkv's q, k, v and attn_gate regrouped per key head
+            qkv, z = raw[f"blk.{layer}.attn_qkv.weight"], raw[f"blk.{layer}.attn_gate.weight"]
+            parts = (qkv[:hk * dk], qkv[hk * dk:2 * hk * dk], qkv[2 * hk * dk:], z)
+            x = np.concatenate([p.reshape(hk, -1, p.shape[-1]) for p in parts], axis=1).reshape(-1, qkv.shape[-1])
+        elif part == "in_proj_qkv":
+            x = raw[f"blk.{layer}.attn_qkv.weight"]
+            x = np.concatenate([x[:2 * hk * dk], untile(x[2 * hk * dk:], 0, dv)])
+        elif part == "in_proj_z":
+            x = untile(raw[f"blk.{layer}.attn_gate.weight"], 0, dv)
+        elif part == "out_proj":
+            x = untile(raw[f"blk.{layer}.ssm_out.weight"], 1, dv)
+        else:
+            continue
+        state[hf_name] = torch.tensor(np.ascontiguousarray(x))
+    assert state
+    model.load_state_dict(state, strict=False)
+    return model
+
+
 def test_internlm2_is_the_original_model(tmp_path):
     """InternLM2 / 2.5 (internlm2: InternLM2Model splits attention.wqkv into Q, K and V and permutes Q
     and K as LlamaModel does, so a file is a Llama's under another name): a Llama written as that

@@ -27,7 +27,8 @@ __all__ = ["QuantConfigError", "reader_for", "load_param", "SUPPORTED_METHODS"]
 
 SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "mxfp4")
 # the decoder's matmul weights (models/decoder.py CONTRACTED_DIMS): these stay packed
-_CONTRACT = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1, "out_gate": 1, "in_proj": 1, "out_proj": 1}
+_CONTRACT = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1, "out_gate": 1, "in_proj": 1, "out_proj": 1,
+             "in_proj_qkv": 1, "in_proj_z": 1}
 
 
 def reader_for(raw: dict[str, Any], st) -> Any | None:

@@ -90,8 +90,12 @@ class GGUFBlockReader:
         return None if stored is None else self.st.file.tensors[stored][0].tensor_type.name
 
     def quantized(self, module: str) -> bool:
-        if ".experts." in module or self.st.latent_parts(f"{module}.weight") is not None:
-            return False   # stacked experts: stacked_param's; DeepSeek's kv_b from two tensors: floats
+        name = f"{module}.weight"
+        if ".experts." in module or self.st.latent_parts(name) is not None or self.st.qkvz_parts(name) is not None \
+                or self.st.columns_reordered(name):
+            # stacked experts: stacked_param's; DeepSeek's kv_b and Qwen3-Next's in_proj_qkvz from two tensors,
+            # Qwen3.5's out_proj with its columns reordered: floats
+            return False
         kind = self._type(module)
         head, _, last = module.rpartition(".")
         siblings = next((group for group in _FUSED if last in group), (last,))
