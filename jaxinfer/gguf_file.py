@@ -1106,7 +1106,9 @@ class GGUFTensors:
         """The tensors Qwen3-Next's in_proj_qkvz is split into by the converter (attn_qkv: every key
         head's q, then k, then v; attn_gate: z), for a qwen3next file; None for any other name."""
         m = _QKVZ.fullmatch(name) if self.file.arch == "qwen3next" else None
-        return None if m is None else [f"blk.{m.group(1)}.attn_qkv.weight", f"blk.{m.group(1)}.attn_gate.weight"]
+        if m is None or f"blk.{m.group(1)}.attn_qkv.weight" not in self.file.tensors:
+            return None   # (older files: ssm_in, transformers' in_proj_qkvz as it is, which llama.cpp still reads)
+        return [f"blk.{m.group(1)}.attn_qkv.weight", f"blk.{m.group(1)}.attn_gate.weight"]
 
     def _qkvz(self, name: str) -> np.ndarray:
         """in_proj_qkvz as transformers holds it, grouped per key head ([q, k, v, z] of each), from

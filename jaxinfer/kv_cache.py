@@ -72,7 +72,7 @@ class ConvState:
 @jax.tree_util.register_dataclass
 @dataclass
 class DeltaState:
-    """One Gated DeltaNet layer's state (Qwen3-Next, Qwen3.5; models/decoder.py GatedDeltaNet), per state
+    """One Gated DeltaNet layer's state (Qwen3-Next, Qwen3.5; models/deltanet.py GatedDeltaNet), per state
     slot: u [num_slots, L - 1, C], the convolution's inputs of its sequence's last L - 1 positions
     (position p at row p % (L - 1)), and h [num_slots, Hv, dk, dv] float32, each value head's
     recurrent state after the sequence's last cached token."""

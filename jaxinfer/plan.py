@@ -43,7 +43,9 @@ Per-device layout (TP shards heads, PP shards layers)
     Layers per device = ceil(L / pp).
     per_device_kv_bytes_per_token = 2 * bytes(kv) * ceil(L/pp) * ceil(H_kv/tp) * h (+ scales)
     per_device_kv_budget_bytes = M * f - per_device_weight_bytes
-    max_sequences = floor(per_device_kv_budget_bytes / (per_device_kv_bytes_per_token * T))
+    max_sequences = floor(per_device_kv_budget_bytes / (per_device_kv_bytes_per_token * T
+                                                        + per_device_state_bytes_per_sequence))
+      (the state: ModelConfig.state_bytes_per_slot over pp, bfloat16 inputs; 0 without state layers)
       which, when tp divides H_kv and pp divides L, is the aggregate
       floor((M * f * tp * pp - weight_bytes) / kv_bytes_per_sequence).
 
@@ -324,6 +326,7 @@ class CapacityPlan:
     per_device_weight_bytes: int
     per_device_kv_bytes_per_token: int
     per_device_kv_bytes_per_sequence: int
+    per_device_state_bytes_per_sequence: int   # conv / Gated DeltaNet layers' per-sequence state (else 0)
     per_device_kv_budget_bytes: int
     max_sequences: int
     max_kv_tokens: int
@@ -382,12 +385,15 @@ def _memory(cfg: ModelConfig, device: Device, total_weight_bytes: int, kv_dtype:
     if budget <= 0:
         warnings.append(f"weights ({dev_weights / GiB:.2f} GiB per device) do not fit in "
                         f"{usable / GiB:.2f} GiB usable; raise tp/pp or quantize")
-    max_seqs = max(0, budget // (dev_kv_tok * context))
+    # the state layers' state of a sequence (LFM2's conv inputs, Qwen3.5's float32 matrices; bfloat16 inputs)
+    state = math.ceil(cfg.state_bytes_per_slot(2) / pp)
+    max_seqs = max(0, budget // (dev_kv_tok * context + state))
     if 0 < budget and max_seqs == 0:
         warnings.append(f"not one sequence of {context} tokens fits in the KV budget; lower --context")
     return dict(per_device_memory_bytes=device.memory_bytes, per_device_usable_bytes=usable,
                 per_device_weight_bytes=dev_weights, per_device_kv_bytes_per_token=dev_kv_tok,
-                per_device_kv_bytes_per_sequence=dev_kv_tok * context, per_device_kv_budget_bytes=budget,
+                per_device_kv_bytes_per_sequence=dev_kv_tok * context, per_device_state_bytes_per_sequence=state,
+                per_device_kv_budget_bytes=budget,
                 max_sequences=max_seqs, max_kv_tokens=max(0, budget // dev_kv_tok))
 
 
@@ -478,6 +484,8 @@ def format_plan(p: CapacityPlan) -> str:
         f"                  weights {_gib(p.per_device_weight_bytes)} (/ tp*pp = {n_dev})",
         f"                  KV budget {_gib(p.per_device_kv_budget_bytes)}; KV {p.kv_sharding} over tp: "
         f"{p.per_device_kv_bytes_per_token:,} B/token, {_gib(p.per_device_kv_bytes_per_sequence)} per sequence",
+        *([f"                  + state {_gib(p.per_device_state_bytes_per_sequence)} per sequence (conv / Gated "
+            "DeltaNet layers)"] if p.per_device_state_bytes_per_sequence else []),
         f"capacity          {p.max_sequences:,} sequences of {p.context:,} tokens "
         f"({p.max_kv_tokens:,} KV tokens in all)",
         "",

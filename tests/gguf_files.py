@@ -305,7 +305,7 @@ def _tiled(x: np.ndarray, axis: int, hk: int, r: int, width: int) -> np.ndarray:
     return np.ascontiguousarray(np.swapaxes(x, axis, axis + 1).reshape(shape))
 
 
-def _deltanet_tensor(w, cfg, arch: str, hf_name: str, x: np.ndarray, qtype: str, rng):
+def _deltanet_tensor(w, cfg, arch: str, hf_name: str, x: np.ndarray, qtype: str, rng, split_qkvz: bool = True):
     """Qwen3NextModel.modify_tensors (and, for qwen35 / qwen35moe, _LinearAttentionVReorderBase's):
     every norm weight but the Gated DeltaNet's as 1 + w, A_log as -exp(A_log), dt_bias renamed
     dt_proj.bias, the taps squeezed; Qwen3-Next's in_proj_qkvz split into attn_qkv (every key head's
@@ -321,7 +321,7 @@ def _deltanet_tensor(w, cfg, arch: str, hf_name: str, x: np.ndarray, qtype: str,
         hf_name = hf_name[:-len("dt_bias")] + "dt_proj.bias"
     elif ".conv1d." in hf_name:
         x = x[:, 0, :]
-    if hf_name.endswith("in_proj_qkvz.weight"):
+    if hf_name.endswith("in_proj_qkvz.weight") and split_qkvz:
         g = x.reshape(hk, 2 * dk + 2 * r * dv, -1)
         q, k, v, z = (g[:, a:b].reshape(-1, g.shape[-1]) for a, b in (
             (0, dk), (dk, 2 * dk), (2 * dk, 2 * dk + r * dv), (2 * dk + r * dv, 2 * dk + 2 * r * dv)))
@@ -407,7 +407,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
                rope_freqs: np.ndarray | None = None, space_prefix: bool | None = None,
                mxfp4: dict | None = None, name: str | None = None, fuse_gate_up: bool = False,
                attn_factor: float | None = None, extra: dict | None = None, nextn: int = 0,
-               split_kv_b: bool = True, fuse_qkv: bool = False, arch: str | None = None) -> Path:
+               split_kv_b: bool = True, fuse_qkv: bool = False, arch: str | None = None,
+               split_qkvz: bool = True) -> Path:
     """`model` (a transformers Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / Gemma 2 / Gemma 3
     / Phi-3 / gpt-oss causal LM) as a GGUF at `path` (experts stacked per layer, Gemma's norms as 1 + w,
     as llama.cpp's converter writes them).
@@ -422,7 +423,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
     file (one attn_kv_b, the heads' widths as key_length / value_length); fuse_qkv: q / k / v in one
     attn_qkv as [q | k | v] rows (a Phi-2 file converted from its remote-code checkpoint's mixer.Wqkv);
     arch: llama.cpp's architecture other than the model type's (a Llama written as internlm2: what
-    InternLM2Model writes, wqkv split into permuted Q / K and V)."""
+    InternLM2Model writes, wqkv split into permuted Q / K and V); split_qkvz: Qwen3-Next's in_proj_qkvz
+    as attn_qkv and attn_gate (today's converter), else as it is in ssm_in (an older one's file)."""
     import gguf
 
     cfg = model.config
@@ -511,7 +513,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
         if hf_name.endswith(".conv.conv.weight"):   # LFM2Model.modify_tensors: the taps [d, 1, L] -> [d, L]
             x = x[:, 0, :]
         if arch in ("qwen3next", "qwen35", "qwen35moe"):
-            hf_name, x = _deltanet_tensor(w, cfg, arch, hf_name, x, qtype, rng)
+            hf_name, x = _deltanet_tensor(w, cfg, arch, hf_name, x, qtype, rng, split_qkvz)
             if hf_name is None:
                 continue
         if hf_name.endswith(".e_score_correction_bias"):   # TextModel's rename before the name map

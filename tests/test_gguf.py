@@ -489,7 +489,8 @@ def test_glm4_starcoder2_cohere_are_the_original_model(name, overrides, tmp_path
 
 @pytest.mark.parametrize("name", ["qwen3-next", "qwen3.5", "qwen3.5-moe"])
 def test_gated_deltanet_files_are_the_original_model(name, tmp_path):
-    """Qwen3-Next (qwen3next: in_proj_qkvz split into attn_qkv and attn_gate, in_proj_ba as stored),
+    """Qwen3-Next (qwen3next: in_proj_qkvz split into attn_qkv and attn_gate, in_proj_ba as stored; an
+    older converter's file with in_proj_qkvz in ssm_in too),
     Qwen3.5 (qwen35, M-RoPE sections written, two next-token-prediction blocks appended and not run)
     and Qwen3.5-MoE (qwen35moe: its value heads tiled, two per key head) as llama.cpp's converter
     writes them (every norm but the Gated DeltaNet's as 1 + w, A_log as -exp, dt_bias as ssm_dt.bias,
@@ -510,6 +511,9 @@ def test_gated_deltanet_files_are_the_original_model(name, tmp_path):
     if name == "qwen3.5":
         nextn = write_gguf(hf, tmp_path / "nextn.gguf", vocab, nextn=2)
         assert _rel_err(_gen(nextn).logits(ids), expected) < 1e-4
+    if name == "qwen3-next":   # an older converter's file: in_proj_qkvz as it is, in ssm_in
+        legacy = write_gguf(hf, tmp_path / "legacy.gguf", vocab, split_qkvz=False)
+        assert _rel_err(_gen(legacy).logits(ids), expected) < 1e-4
     qtypes = {"q_proj.weight": "Q8_0", "k_proj.weight": "Q8_0", "v_proj.weight": "Q8_0", "o_proj.weight": "Q8_0",
               "in_proj_qkv": "Q8_0", "in_proj_z": "Q8_0", "linear_attn.out_proj": "Q8_0"}
     packed = write_gguf(hf, tmp_path / f"{name}-q8.gguf", vocab, qtypes)

@@ -89,16 +89,23 @@ def test_what_a_delta_state_cannot_carry_is_refused(qwen3_next):
 
 def test_state_bytes_and_refused_configs():
     """One sequence's state bytes by hand for Qwen3.5-9B's published shape (24 Gated DeltaNet layers
-    of 16 key heads of 128, 32 value heads of 128, 4 taps; bfloat16 inputs, float32 matrices), and a
+    of 16 key heads of 128, 32 value heads of 128, 4 taps; bfloat16 inputs, float32 matrices), counted
+    by `jaxinfer plan` beside the sequence's KV; and a
     config.json whose value heads are not a multiple of its key heads, or whose attention has biases,
     refused by name."""
     from jaxinfer.models.hf_configs import model_config_from_hf
+    from jaxinfer.plan import get_device, plan
     base = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 248320,
             "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
             "num_key_value_heads": 4, "head_dim": 256, "full_attention_interval": 4}
     cfg = model_config_from_hf(base)
     assert cfg.n_attn_layers == 8 and cfg.rotary_dim == 64 and cfg.linear_conv_dim == 2 * 16 * 128 + 32 * 128
-    assert cfg.state_bytes_per_slot(2) == 24 * (3 * 8192 * 2 + 4 * 32 * 128 * 128)
+    state = 24 * (3 * 8192 * 2 + 4 * 32 * 128 * 128)
+    assert cfg.state_bytes_per_slot(2) == state
+    p = plan(cfg, get_device("h100"), context=4096)   # jaxinfer plan: each sequence's state beside its KV
+    kv_seq = 2 * 2 * 8 * 4 * 256 * 4096   # K and V, bfloat16, 8 attention layers, 4 KV heads of 256
+    assert p.per_device_kv_bytes_per_sequence == kv_seq and p.per_device_state_bytes_per_sequence == state
+    assert p.max_sequences == p.per_device_kv_budget_bytes // (kv_seq + state)
     with pytest.raises(ConfigError, match="linear_num_value_heads a multiple of linear_num_key_heads"):
         model_config_from_hf({**base, "linear_num_value_heads": 24})
     with pytest.raises(ConfigError, match="attention_bias=true is not supported"):
@@ -107,9 +114,10 @@ def test_state_bytes_and_refused_configs():
 
 # packed steps (each token's row, position; False: padding): prefill rows from position 0 and
 # continuing, decode rows, a one-token prompt, padding; and six two-token rows (more segments than a
-# chunk computes in closed form: token by token)
+# chunk computes in closed form: token by token); four (exactly as many as it does, padding after them)
 _STEPS = {"mixed": ([0, 0, 0, 0, 1, 2, 2, 2, 3, 4, 0, 0], [0, 1, 2, 3, 9, 7, 8, 9, 4, 0, 0, 0],
                     [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]),
+          "four": ([0, 0, 1, 1, 2, 2, 3, 3, 0, 0], [0, 1, 5, 6, 3, 4, 0, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]),
           "many": ([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 6, 6, 1, 1], [5, 6, 0, 1, 3, 4, 2, 3, 8, 9, 0, 1, 0, 0],
                    [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0])}
 

@@ -124,7 +124,7 @@ class ModelConfig:
     # layer's attention by a gated depthwise causal convolution of conv_kernel taps (models/decoder.py
     # ShortConv, with biases where conv_bias), whose last conv_kernel - 1 inputs of each sequence are
     # its state across steps (kv_cache.ConvState, in the sequence's state slot)
-    # Qwen3-Next's and Qwen3.5's Gated DeltaNet layers: "linear" in layer_kinds (models/decoder.py
+    # Qwen3-Next's and Qwen3.5's Gated DeltaNet layers: "linear" in layer_kinds (models/deltanet.py
     # GatedDeltaNet): linear_k_heads query / key heads of linear_k_dim and linear_v_heads value heads of
     # linear_v_dim, after a causal depthwise convolution of conv_kernel taps; each sequence's state is
     # the convolution's last conv_kernel - 1 inputs and one [linear_k_dim, linear_v_dim] matrix per value

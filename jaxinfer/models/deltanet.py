@@ -183,7 +183,7 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
         # tokens go one by one instead (a loop of 0 or `chunk` iterations; no conditional, which
         # would copy the carried states)
         if closed_form:
-            closed = seg[-1] < CHUNK_SEGMENTS
+            closed = seg[-1] - (rj[-1] < 0) < CHUNK_SEGMENTS   # (the padding's segment, last, takes no place)
             hs = jnp.where(((seg_row < 0) | (seg_pos == 0))[:, None, None, None], 0.0, h[jnp.maximum(seg_row, 0)])
             oc, he = _chunk_closed_form(hs, qp[j], kp[j], vp[j], gp[j], bp[j], seg)
             h = h.at[jnp.where(closed & (seg_row >= 0), seg_row, s)].set(he, mode="drop")
@@ -257,7 +257,7 @@ class GatedDeltaNet(nnx.Module):
             h0, valid = state.h[meta.state_slots], meta.slot_mapping != PAD_SLOT
         # the chunks' closed form where it pays: a GPU's (or TPU's) kernel launches make a token loop
         # slow; a CPU computes the closed form's extra flops (CHUNK_SEGMENTS segments each) more slowly
-        # than the loop (0.75x measured here for a 512-token prompt, README)
+        # than the loop (0.64x measured here for a 512-token prompt: bench/deltanet.py, README)
         o, h = gated_delta_rule(q, k, v, g, beta, row, positions, valid, h0,
                                 closed_form=jax.default_backend() != "cpu")
         o = o.astype(dtype).astype(f32)                                                          # (T, Hv, dv)

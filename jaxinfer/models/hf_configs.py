@@ -682,6 +682,9 @@ def _qwen3_next(c: dict[str, Any], arch: str) -> ModelConfig:
     if wrong or linear["linear_num_value_heads"] % linear["linear_num_key_heads"]:
         raise ConfigError(f"the Gated DeltaNet's sizes must be positive integers, linear_num_value_heads a multiple "
                           f"of linear_num_key_heads: {linear}")
+    if _activation(c, "hidden_act") != "silu":   # (the Gated DeltaNet's convolution applies it too)
+        raise ConfigError(f"hidden_act={c.get('hidden_act')!r} is not supported for this family (every published "
+                          "model uses silu, which jaxinfer's Gated DeltaNet layer applies after its convolution)")
     if c.get("attention_bias"):
         raise ConfigError("attention_bias=true is not supported for this family (no published model has it: its "
                           "q_proj bias would hold the output gate's too)")
