@@ -20,18 +20,25 @@ def hf_greedy(hf, prompt: list[int], n: int = TOKENS) -> list[int]:
     return ids[len(prompt):]
 
 
-def check_state_engine(folder, hf, prompts: list[list[int]], want: list[list[int]]) -> None:
+def check_state_engine(folder, hf, prompts: list[list[int]], want: list[list[int]], model=None) -> None:
     """Five prompts of 5 to 45 tokens, prefilled in 16-token chunks beside other rows' decode tokens,
     through two state slots (max_num_seqs 2: each finished request's slot is taken by the next) and a
     pool of 8 blocks, too small for two sequences (preempted, then recomputed from position 0):
     every continuation is transformers' greedy one (`want`). Each of n = 2 greedy samples of the third
     prompt computes its own prompt (no fork: a shared block holds no state) and gives it too. Then,
     teacher-forced, the 45-token prompt's logprobs (three chunks, each reading the state the previous
-    one left) are transformers' log-softmax to float32 rounding relative to the logits' magnitude."""
+    one left) are transformers' log-softmax to float32 rounding relative to the logits' magnitude.
+    model: an already loaded (and altered) model to serve instead of the folder's."""
     import torch
 
     from jaxinfer import Generator, SamplingParams
-    gen = Generator.from_pretrained(folder, max_num_seqs=2, num_blocks=9, **ENGINE)
+    if model is None:
+        gen = Generator.from_pretrained(folder, max_num_seqs=2, num_blocks=9, **ENGINE)
+    else:
+        from jaxinfer.config import EngineConfig
+        cfg = EngineConfig(max_num_seqs=2, num_blocks=9, **{k: tuple(v) if isinstance(v, list) else v
+                                                             for k, v in ENGINE.items() if k != "warmup"})
+        gen = Generator(model, None, cfg, warmup=False)
     greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in gen.generate(prompts, greedy)] == want
     stats = gen.stats()

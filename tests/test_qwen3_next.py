@@ -30,6 +30,22 @@ def test_state_across_chunks_rows_slot_reuse_preemption_and_prompt_logprobs(qwen
     check_state_engine(*qwen3_next)
 
 
+def test_closed_form_prefill_inside_the_engine(qwen3_next):
+    """The prefill chunks' closed form, which only a GPU takes by itself (GatedDeltaNet.closed_form),
+    set on every Gated DeltaNet layer and run through the paged engine: the same check, against
+    transformers, as the test above (16-token chunks of one row, beside decode rows; preemption)."""
+    from flax import nnx
+
+    from jaxinfer.models.deltanet import GatedDeltaNet
+    from jaxinfer.weights import load_model
+    model, _ = load_model(qwen3_next[0], "float32")
+    layers = [node for _, node in nnx.iter_graph(model) if isinstance(node, GatedDeltaNet)]
+    assert len(layers) == 2
+    for node in layers:
+        node.closed_form = True
+    check_state_engine(*qwen3_next, model=model)
+
+
 def test_qwen3_5_vision_language_upload_serves_its_language_model(tmp_path):
     """A Qwen3_5ForConditionalGeneration (the "qwen3.5" text config, a one-layer vision tower) as
     transformers saves it, its language model under model.language_model.*: text logits and greedy

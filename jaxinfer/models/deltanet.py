@@ -226,6 +226,9 @@ class GatedDeltaNet(nnx.Module):
         self.norm = param((cfg.linear_v_dim,), (None,), dtype, rngs, init="ones")
         self.out_proj = param((vd, d), (None, "embed"), dtype, rngs)
         self.matmul = "auto"
+        # the prefill chunks' closed form (gated_delta_rule): None, where it pays (not on a CPU); a
+        # static attribute, so that each choice compiles its own step (tests set it)
+        self.closed_form: bool | None = None
 
     def __call__(self, x: jax.Array, positions: jax.Array, state: DeltaState | None,
                  meta: AttentionMetadata | None, impl: str, lora: tuple | None = None
@@ -258,8 +261,8 @@ class GatedDeltaNet(nnx.Module):
         # the chunks' closed form where it pays: a GPU's (or TPU's) kernel launches make a token loop
         # slow; a CPU computes the closed form's extra flops (CHUNK_SEGMENTS segments each) more slowly
         # than the loop (0.64x measured here for a 512-token prompt: bench/deltanet.py, README)
-        o, h = gated_delta_rule(q, k, v, g, beta, row, positions, valid, h0,
-                                closed_form=jax.default_backend() != "cpu")
+        closed = jax.default_backend() != "cpu" if self.closed_form is None else self.closed_form
+        o, h = gated_delta_rule(q, k, v, g, beta, row, positions, valid, h0, closed_form=closed)
         o = o.astype(dtype).astype(f32)                                                          # (T, Hv, dv)
         normed = (o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.norm_eps)).astype(dtype)
         y = (self.norm.get_value() * normed).astype(f32) * jax.nn.silu(z.astype(f32))
