@@ -391,6 +391,12 @@ class ModelConfig:
         """A Gated DeltaNet layer's convolved channels: its queries', keys' and values' features."""
         return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
 
+    @property
+    def linear_matrix_bytes(self) -> int:
+        """A Gated DeltaNet layer's recurrent state of one sequence: a float32 [linear_k_dim, linear_v_dim]
+        per value head (0 without such layers)."""
+        return 4 * self.linear_v_heads * self.linear_k_dim * self.linear_v_dim
+
     def state_bytes_per_slot(self, itemsize: int) -> int:
         """The bytes of one sequence's state over every state layer: a conv layer's last conv_kernel - 1
         inputs (d_model wide, LFM2; linear_conv_dim wide, Gated DeltaNet) in the model dtype of itemsize
@@ -400,8 +406,7 @@ class ModelConfig:
             if self.is_conv_layer(i):
                 per += (self.conv_kernel - 1) * self.d_model * itemsize
             elif self.is_linear_layer(i):
-                per += ((self.conv_kernel - 1) * self.linear_conv_dim * itemsize
-                        + 4 * self.linear_v_heads * self.linear_k_dim * self.linear_v_dim)
+                per += (self.conv_kernel - 1) * self.linear_conv_dim * itemsize + self.linear_matrix_bytes
         return per
 
     def is_moe_layer(self, layer: int) -> bool:

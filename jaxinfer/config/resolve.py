@@ -256,7 +256,7 @@ def size_pool(cfg: EngineConfig, model_cfg: ModelConfig, kv_dtype: str, max_mode
     # the state layers' states (conv, Gated DeltaNet): a slot per sequence, and the unused slot 0
     reserve += (cfg.max_num_seqs + 1) * mc.state_bytes_per_slot(memory.activation_dtype_bytes)
     # and a Gated DeltaNet layer's step: its rows' float32 matrices gathered, then updated (two copies)
-    reserve += 2 * (cfg.max_num_seqs + 1) * 4 * mc.linear_v_heads * mc.linear_k_dim * mc.linear_v_dim
+    reserve += 2 * (cfg.max_num_seqs + 1) * mc.linear_matrix_bytes
     pools = [perf.size_kv_pool(block_bytes=block_bytes, memory_fraction=cfg.memory_fraction, stats=stats,
                                platform=memory.platform, env=memory.env, reserve=reserve, host_ram=memory.host_ram,
                                wanted_blocks=cfg.max_num_seqs * math.ceil(max_model_len / bs) + 1)
