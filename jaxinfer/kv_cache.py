@@ -72,7 +72,8 @@ class ConvState:
 @jax.tree_util.register_dataclass
 @dataclass
 class DeltaState:
-    """One Gated DeltaNet layer's state (Qwen3-Next, Qwen3.5; models/deltanet.py GatedDeltaNet), per state
+    """One Gated DeltaNet layer's state (Qwen3-Next, Qwen3.5; models/deltanet.py GatedDeltaNet), or a Mamba-2
+    layer's (Granite 4.0-H; models/mamba2.py: Hv heads, dk its state size, dv its head's features), per state
     slot: u [num_slots, L - 1, C], the convolution's inputs of its sequence's last L - 1 positions
     (position p at row p % (L - 1)), and h [num_slots, Hv, dk, dv] float32, each value head's
     recurrent state after the sequence's last cached token."""
@@ -82,14 +83,14 @@ class DeltaState:
 
 def with_states(pages: list, cfg, num_slots: int, dtype) -> list:
     """The attention layers' pages (in layer order) with a zeroed state at each state layer of the
-    ModelConfig cfg: a ConvState at each conv layer, a DeltaState at each Gated DeltaNet layer (its
-    convolution's inputs in dtype, its recurrent state float32)."""
+    ModelConfig cfg: a ConvState at each conv layer, a DeltaState at each Gated DeltaNet or Mamba-2 layer
+    (its convolution's inputs in dtype, its recurrent state float32)."""
     it, taps = iter(pages), cfg.conv_kernel
     out = []
     for i in range(cfg.n_layers):
         if cfg.is_conv_layer(i):
             out.append(ConvState(jnp.zeros((num_slots, taps - 1, cfg.d_model), dtype)))
-        elif cfg.is_linear_layer(i):
+        elif cfg.has_state_matrix(i):
             out.append(DeltaState(jnp.zeros((num_slots, taps - 1, cfg.linear_conv_dim), dtype),
                                   jnp.zeros((num_slots, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim),
                                             jnp.float32)))

@@ -225,7 +225,7 @@ def layer_matmul_shapes(cfg: ModelConfig, layer: int = 0) -> list[tuple[int, int
     attn += [(d, q)] if cfg.attn_out_gate else []   # AFMoE's gate: q's shape
     if cfg.is_conv_layer(layer):   # LFM2's in_proj and out_proj (its taps stay float)
         attn = [(d, 3 * d), (d, d)]
-    if cfg.is_linear_layer(layer):   # a Gated DeltaNet's in_proj_qkv, in_proj_z and out_proj
+    if cfg.has_state_matrix(layer):   # a Gated DeltaNet's (or Mamba-2's) in_proj_qkv, in_proj_z and out_proj
         vd = cfg.linear_v_heads * cfg.linear_v_dim
         attn = [(d, cfg.linear_conv_dim), (d, vd), (vd, d)]
     if cfg.is_moe_layer(layer):

@@ -245,6 +245,26 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                              linear_value_head_dim=8, initializer_range=0.2,
                                              layer_types=["linear_attention", "full_attention", "linear_attention",
                                                           "full_attention"])),
+    # Granite 4.0-H-Tiny's shape: Mamba-2 layers (8 heads of 16 in 2 groups of state size 8, 4 taps and
+    # the convolution's bias; transformers chunks its scan by 16) around an attention layer without
+    # positions (the uploads' "nope"), Granite's multipliers, top-2 of 4 experts beside the shared MLP;
+    # A_log drawn as the Gated DeltaNet's (a decay of ~0.85 a token: build_hf_model); untied (tied, its
+    # embeddings times 12 dominate the residual: greedy repeats the last token)
+    "granitemoehybrid": ("granitemoehybrid", dict(
+        _COMMON, vocab_size=113, intermediate_size=32, num_hidden_layers=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=40, embedding_multiplier=12.0,
+        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=16.0, initializer_range=0.2,
+        layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8,
+        mamba_d_head=16, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=16, tie_word_embeddings=False)),
+    # Granite 4.0-H-Micro's: dense (the shared MLP alone), RoPE on the attention layers, one group, 3
+    # taps without a bias
+    "granitemoehybrid-dense": ("granitemoehybrid", dict(
+        _COMMON, vocab_size=107, num_hidden_layers=4, num_key_value_heads=1, num_local_experts=0,
+        shared_intermediate_size=96, embedding_multiplier=6.0, attention_multiplier=0.015625,
+        residual_multiplier=0.5, logits_scaling=4.0, initializer_range=0.2, position_embedding_type="rope",
+        layer_types=["attention", "mamba", "mamba", "attention"], mamba_n_heads=4, mamba_n_groups=1,
+        mamba_d_state=12, mamba_d_head=16, mamba_expand=1, mamba_d_conv=3, mamba_conv_bias=False,
+        mamba_chunk_size=16, tie_word_embeddings=False)),
     # Llama 4 Scout: Llama 3 RoPE in pairs on every other layer (no_rope_layer_interval 2) with the
     # weightless q / k norm after it, the others unrotated with their queries scaled by position
     # (floor_scale small enough for the prompts to cross it); MoE on every layer: top-1 of 4 experts,
@@ -544,6 +564,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
            "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
            "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+           "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
            "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
            "exaone": ("ExaoneConfig", "LlamaForCausalLM"), "internlm3": ("InternLM3Config", "LlamaForCausalLM")}[family]
     cls = (getattr(tf, names[0]), getattr(tf, names[1]))   # only this family's classes: one
@@ -571,6 +592,8 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
                 p.add_(0.1 * torch.randn_like(p))
             elif n.endswith(".A_log"):   # Gated DeltaNet: a decay exp(-A softplus(.)) of ~0.85 a token, not ~0
                 p.normal_(-2.0, 0.5)
+            elif n.endswith("mamba.D"):   # Mamba-2's skip (ones at init)
+                p.add_(0.3 * torch.randn_like(p))
             elif n.endswith(".sinks"):   # gpt-oss: sink logits as large as the scores, so that they matter
                 p.normal_(0.0, 1.0)
             elif n.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):   # xIELU's scalars: other slopes per layer

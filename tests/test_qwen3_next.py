@@ -138,8 +138,9 @@ _STEPS = {"mixed": ([0, 0, 0, 0, 1, 2, 2, 2, 3, 4, 0, 0], [0, 1, 2, 3, 9, 7, 8, 
                    [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0])}
 
 
+@pytest.mark.parametrize("delta", [True, False], ids=["delta", "mamba2"])
 @pytest.mark.parametrize("step", sorted(_STEPS))
-def test_gated_delta_rule_matches_its_token_by_token_reference(step):
+def test_gated_delta_rule_matches_its_token_by_token_reference(step, delta):
     """gated_delta_rule (decode rows at once, the other rows' tokens by chunks of 64, 4 and 2: closed
     form, or token by token where a chunk holds more than CHUNK_SEGMENTS rows, or as a CPU runs
     them: every chunk token by token) against
@@ -147,7 +148,9 @@ def test_gated_delta_rule_matches_its_token_by_token_reference(step):
     from position 0 whose slots hold stale numbers (ignored), decode rows, prefill chunks continuing
     from their states, padding tokens and rows with no token. The same sums in other orders (the
     closed form's over at most a chunk's tokens and dk = 8 features, its triangular solve's entries
-    at most 1 in magnitude): outputs and states agree to 64 float32 roundings of their magnitude."""
+    at most 1 in magnitude): outputs and states agree to 64 float32 roundings of their magnitude.
+    Without delta (Mamba-2's rule, models/mamba2.py: beta its step, positive and unbounded) the
+    same, with no solve."""
     import jax
     import jax.numpy as jnp
 
@@ -161,14 +164,14 @@ def test_gated_delta_rule_matches_its_token_by_token_reference(step):
     k = unit(jax.random.normal(keys[1], (t, hv, dk)))
     v = jax.random.normal(keys[2], (t, hv, dv))
     g = -jax.nn.softplus(jax.random.normal(keys[3], (t, hv)))
-    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (t, hv)))
+    beta = (jax.nn.sigmoid if delta else jax.nn.softplus)(jax.random.normal(keys[4], (t, hv)))
     h0 = jax.random.normal(keys[5], (s, hv, dk, dv))
     args = (q, k, v, g, beta, jnp.asarray(row), jnp.asarray(positions), jnp.asarray(valid), h0)
-    o_ref, h_ref = jax.jit(gated_delta_rule_reference)(*args)
+    o_ref, h_ref = jax.jit(gated_delta_rule_reference, static_argnames="delta")(*args, delta=delta)
     eps = 64 * np.finfo(np.float32).eps
     for chunk, closed_form in ((64, True), (4, True), (2, True), (4, False)):
-        o, h = jax.jit(gated_delta_rule, static_argnames=("chunk", "closed_form"))(*args, chunk=chunk,
-                                                                                   closed_form=closed_form)
+        o, h = jax.jit(gated_delta_rule, static_argnames=("chunk", "closed_form", "delta"))(
+            *args, chunk=chunk, closed_form=closed_form, delta=delta)
         assert np.abs(np.asarray(o - o_ref))[valid].max() <= eps * np.abs(np.asarray(o_ref)).max(), chunk
         assert np.abs(np.asarray(h - h_ref)).max() <= eps * np.abs(np.asarray(h_ref)).max(), chunk
         assert np.array_equal(np.asarray(h[5]), np.asarray(h0[5]))   # a row without a token keeps its state

@@ -129,6 +129,11 @@ class ModelConfig:
     # linear_v_dim, after a causal depthwise convolution of conv_kernel taps; each sequence's state is
     # the convolution's last conv_kernel - 1 inputs and one [linear_k_dim, linear_v_dim] matrix per value
     # head (kv_cache.DeltaState)
+    # Mamba-2 layers (Granite 4.0-H): "mamba" in layer_kinds (models/mamba2.py Mamba2) on the same
+    # fields: linear_v_heads heads of linear_v_dim, linear_k_heads groups of state size linear_k_dim
+    # (their B and C), the convolution (biased where conv_bias) over x, B and C, each head's step
+    # clamped to ssm_dt_limit (None: unclamped); the state: one [linear_k_dim, linear_v_dim] matrix
+    # per head, as a Gated DeltaNet's
     layer_kinds: tuple[str, ...] | None = None
     conv_kernel: int = 0
     conv_bias: bool = False
@@ -136,6 +141,7 @@ class ModelConfig:
     linear_v_heads: int = 0
     linear_k_dim: int = 0
     linear_v_dim: int = 0
+    ssm_dt_limit: tuple[float, float] | None = None
     # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): num_experts > 0 replaces the MLP of the layers
     # moe_layers marks (None: every layer) by a router picking num_experts_per_tok experts per token,
     # each a gated MLP of moe_ffn_dim (None: ffn_dim; the dense layers keep ffn_dim), with biases where
@@ -284,13 +290,18 @@ class ModelConfig:
                                                   and self.position == "rope" and not self.mla_kv_rank),
                 "moe_scale_inputs": not self.moe_scale_inputs or self.num_experts > 0,
                 "layer_kinds": self.layer_kinds is None or (
-                    len(self.layer_kinds) == self.n_layers and set(self.layer_kinds) <= {"attention", "conv", "linear"}
+                    len(self.layer_kinds) == self.n_layers and set(self.layer_kinds) <= {"attention", "conv", "linear", "mamba"}
                     and "attention" in self.layer_kinds and not self.mla_kv_rank),
                 "conv_kernel": self.conv_kernel >= 2 if self.has_state else self.conv_kernel == 0,
                 "linear_k_heads, linear_v_heads, linear_k_dim, linear_v_dim": (
                     min(self.linear_k_heads, self.linear_v_heads, self.linear_k_dim, self.linear_v_dim) > 0
-                    and self.linear_v_heads % self.linear_k_heads == 0 if self._has_kind("linear") else
-                    self.linear_k_heads == self.linear_v_heads == self.linear_k_dim == self.linear_v_dim == 0)}
+                    and self.linear_v_heads % self.linear_k_heads == 0
+                    if self._has_kind("linear") or self._has_kind("mamba") else
+                    self.linear_k_heads == self.linear_v_heads == self.linear_k_dim == self.linear_v_dim == 0),
+                "ssm_dt_limit": self.ssm_dt_limit is None or (
+                    self._has_kind("mamba") and len(self.ssm_dt_limit) == 2
+                    and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in self.ssm_dt_limit)
+                    and 0 <= self.ssm_dt_limit[0] <= self.ssm_dt_limit[1])}
 
     def _check_combinations(self) -> None:
         if self.num_experts and not self.gated_mlp:
@@ -368,9 +379,19 @@ class ModelConfig:
         """Whether the layer mixes tokens by a Gated DeltaNet (Qwen3-Next, Qwen3.5) instead of attention."""
         return self.layer_kinds is not None and self.layer_kinds[layer] == "linear"
 
+    def is_mamba_layer(self, layer: int) -> bool:
+        """Whether the layer mixes tokens by Mamba-2's selective state space (Granite 4.0-H)."""
+        return self.layer_kinds is not None and self.layer_kinds[layer] == "mamba"
+
+    def has_state_matrix(self, layer: int) -> bool:
+        """Whether the layer's state holds a recurrent matrix per head besides its convolution's inputs
+        (Gated DeltaNet, Mamba-2: kv_cache.DeltaState)."""
+        return self.is_linear_layer(layer) or self.is_mamba_layer(layer)
+
     def is_state_layer(self, layer: int) -> bool:
-        """Whether the layer keeps a state per sequence instead of KV pages (conv or Gated DeltaNet)."""
-        return self.is_conv_layer(layer) or self.is_linear_layer(layer)
+        """Whether the layer keeps a state per sequence instead of KV pages (conv, Gated DeltaNet or
+        Mamba-2)."""
+        return self.is_conv_layer(layer) or self.has_state_matrix(layer)
 
     def _has_kind(self, kind: str) -> bool:
         return self.layer_kinds is not None and kind in self.layer_kinds
@@ -378,8 +399,8 @@ class ModelConfig:
     @property
     def has_state(self) -> bool:
         """Whether some layer keeps a per-sequence state across steps besides its KV (conv layers,
-        Gated DeltaNet layers)."""
-        return self._has_kind("conv") or self._has_kind("linear")
+        Gated DeltaNet or Mamba-2 layers)."""
+        return self._has_kind("conv") or self._has_kind("linear") or self._has_kind("mamba")
 
     @property
     def n_attn_layers(self) -> int:
@@ -388,24 +409,25 @@ class ModelConfig:
 
     @property
     def linear_conv_dim(self) -> int:
-        """A Gated DeltaNet layer's convolved channels: its queries', keys' and values' features."""
+        """A Gated DeltaNet layer's convolved channels: its queries', keys' and values' features (Mamba-2's:
+        x, B and C)."""
         return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
 
     @property
     def linear_matrix_bytes(self) -> int:
-        """A Gated DeltaNet layer's recurrent state of one sequence: a float32 [linear_k_dim, linear_v_dim]
-        per value head (0 without such layers)."""
+        """A Gated DeltaNet's or Mamba-2 layer's recurrent state of one sequence: a float32 [linear_k_dim,
+        linear_v_dim] per value head (0 without such layers)."""
         return 4 * self.linear_v_heads * self.linear_k_dim * self.linear_v_dim
 
     def state_bytes_per_slot(self, itemsize: int) -> int:
         """The bytes of one sequence's state over every state layer: a conv layer's last conv_kernel - 1
-        inputs (d_model wide, LFM2; linear_conv_dim wide, Gated DeltaNet) in the model dtype of itemsize
-        bytes, and a Gated DeltaNet layer's float32 [linear_k_dim, linear_v_dim] per value head."""
+        inputs (d_model wide, LFM2; linear_conv_dim wide, Gated DeltaNet and Mamba-2) in the model dtype
+        of itemsize bytes, and such a layer's float32 [linear_k_dim, linear_v_dim] per value head."""
         per = 0
         for i in range(self.n_layers):
             if self.is_conv_layer(i):
                 per += (self.conv_kernel - 1) * self.d_model * itemsize
-            elif self.is_linear_layer(i):
+            elif self.has_state_matrix(i):
                 per += (self.conv_kernel - 1) * self.linear_conv_dim * itemsize + self.linear_matrix_bytes
         return per
 
@@ -476,7 +498,12 @@ class ModelConfig:
         hv, vd, cd = self.linear_v_heads, self.linear_v_heads * self.linear_v_dim, self.linear_conv_dim
         linear = d * cd + d * vd + 2 * d * hv + self.conv_kernel * cd + 2 * hv + self.linear_v_dim + vd * d
         n_linear = sum(self.is_linear_layer(i) for i in range(self.n_layers))
-        blocks = (self.n_attn_layers * attn + n_conv * conv + n_linear * linear + self.n_layers * norms
+        # Mamba-2: in_proj (xBC, z, dt), the taps (+ bias), A_log, dt_bias, D, the gated norm, out_proj
+        mamba = (d * cd + d * vd + d * hv + self.conv_kernel * cd + (cd if self.conv_bias else 0) + 3 * hv + vd
+                 + vd * d)
+        n_mamba = sum(self.is_mamba_layer(i) for i in range(self.n_layers))
+        blocks = (self.n_attn_layers * attn + n_conv * conv + n_linear * linear + n_mamba * mamba
+                  + self.n_layers * norms
                   + (self.n_layers - n_moe) * mlp
                   + n_moe * router + out["experts"])
         out["total"] = (blocks + norm_p + (norm_p if self.embed_norm else 0) + out["embedding"] + out["lm_head"]
@@ -497,7 +524,7 @@ class ModelConfig:
             d["rope_scaling"] = RopeScaling(**{k: tuple(v) if isinstance(v, list) else v
                                                for k, v in d["rope_scaling"].items()})
         for k in ("sliding_layers", "rope_layers", "moe_layers", "eos_token_ids", "query_log_scale",
-                  "nope_query_scale", "layer_kinds"):
+                  "nope_query_scale", "layer_kinds", "ssm_dt_limit"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         return cls(**d)

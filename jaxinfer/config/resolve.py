@@ -147,13 +147,14 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, *, backend: str, w
 
 
 def check_state_model(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
-    """A model with conv layers (LFM2) or Gated DeltaNet layers (Qwen3-Next, Qwen3.5) keeps each
+    """A model with conv layers (LFM2), Gated DeltaNet layers (Qwen3-Next, Qwen3.5) or Mamba-2 layers
+    (Granite 4.0-H) keeps each
     sequence's state in a slot of its own, which nothing that shares, moves or splits sequences' KV
     carries: its prefix caching is off (resolve_config), and these settings are refused by name."""
     if not model_cfg.has_state:
         return
-    layers = "conv layers" if any(model_cfg.is_conv_layer(i) for i in range(model_cfg.n_layers)) else \
-        "Gated DeltaNet layers"
+    kinds = set(model_cfg.layer_kinds)
+    layers = "conv layers" if "conv" in kinds else "Gated DeltaNet layers" if "linear" in kinds else "Mamba-2 layers"
     refused = [(name, why) for name, on, why in (
         ("speculative_method", cfg.speculative_method is not None, "rejected proposals would stay in the state"),
         ("kv_offload_gb", bool(cfg.kv_offload_bytes), "the host tier keeps prefix-cache blocks, and prefix caching "

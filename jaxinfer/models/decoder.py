@@ -47,6 +47,7 @@ from jaxinfer.kv_cache import PAD_SLOT, AttentionMetadata, ConvState, LayerKV
 from jaxinfer.layers import (MATMUL_IMPLS, MLP, Norm, alibi_slopes, apply_rope, dense, lora_delta, param, param_value,
                              rms_unweighted, rope_inv_freq, rope_magnitude, sinusoidal_embedding)
 from jaxinfer.models.deltanet import GatedDeltaNet, causal_conv, store_conv_inputs
+from jaxinfer.models.mamba2 import Mamba2
 from jaxinfer.models.mla import MLAttention
 from jaxinfer.moe import MoE
 from jaxinfer.quant import QuantizedWeight, dot_precision, quantize, quantize_experts, quantize_fp8
@@ -240,7 +241,8 @@ class Block(nnx.Module):
         norm = lambda: Norm(cfg.d_model, cfg.norm, cfg.norm_eps, dtype, rngs)  # noqa: E731
         self.attn_norm = norm() if cfg.pre_norms else None
         self.attn = (ShortConv(cfg, dtype, rngs) if cfg.is_conv_layer(layer) else GatedDeltaNet(cfg, dtype, rngs)
-                     if cfg.is_linear_layer(layer) else MLAttention(cfg, layer, dtype, rngs)
+                     if cfg.is_linear_layer(layer) else Mamba2(cfg, dtype, rngs) if cfg.is_mamba_layer(layer)
+                     else MLAttention(cfg, layer, dtype, rngs)
                      if cfg.mla else Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards))
         self.mlp_norm = norm() if cfg.pre_norms and (cfg.parallel_mlp_norm or not cfg.parallel_block) else None
         self.parallel, self.sum_first = cfg.parallel_block, cfg.parallel_sum_first
@@ -475,15 +477,15 @@ def quantize_decoder(model: Decoder, method: str, group_size: int = 128) -> Deco
 
 
 def set_matmul_impl(model, impl: str) -> None:
-    """Every layer of the model that multiplies by its weights (Attention, MLP, ShortConv, GatedDeltaNet) runs its quantized
-    matmuls with `impl` ("pallas" | "xla": the engine's resolved matmul implementation,
+    """Every layer of the model that multiplies by its weights (Attention, MLP, ShortConv, GatedDeltaNet,
+    Mamba2) runs its quantized matmuls with `impl` ("pallas" | "xla": the engine's resolved matmul implementation,
     config.ResolvedConfig.matmul; "auto": the backend's default). A static attribute of the layers,
     so the model's graph (and each step program compiled from it) holds it, as it holds the
     layers' windows; the weights carry no choice."""
     if impl not in MATMUL_IMPLS:
         raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {impl!r}")
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, (Attention, MLAttention, MLP, ShortConv, GatedDeltaNet)):
+        if isinstance(node, (Attention, MLAttention, MLP, ShortConv, GatedDeltaNet, Mamba2)):
             node.matmul = impl
 
 

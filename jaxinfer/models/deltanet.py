@@ -60,30 +60,31 @@ def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def _delta_update(h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
-                  ) -> tuple[jax.Array, jax.Array]:
+def _delta_update(h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                  delta: bool = True) -> tuple[jax.Array, jax.Array]:
     """One token of the gated delta rule on a state h [..., Hv, dk, dv] (q, k [..., Hv, dk], v [..., Hv,
-    dv], g, beta [..., Hv]): H = exp(g) h, H += k (beta (v - H^T k))^T -> (H, H^T q)."""
+    dv], g, beta [..., Hv]): H = exp(g) h, H += k (beta (v - H^T k))^T -> (H, H^T q). Without delta
+    (Mamba-2's selective state space, a gated linear attention): H += k (beta v)^T."""
     h = h * jnp.exp(g)[..., None, None]
-    mem = jnp.einsum("...hkv,...hk->...hv", h, k, precision=HIGHEST)
+    mem = jnp.einsum("...hkv,...hk->...hv", h, k, precision=HIGHEST) if delta else 0.0
     h = h + k[..., :, None] * ((v - mem) * beta[..., None])[..., None, :]
     return h, jnp.einsum("...hkv,...hk->...hv", h, q, precision=HIGHEST)
 
 
 def gated_delta_rule_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                               row: jax.Array, positions: jax.Array, valid: jax.Array, h0: jax.Array
-                               ) -> tuple[jax.Array, jax.Array]:
+                               row: jax.Array, positions: jax.Array, valid: jax.Array, h0: jax.Array,
+                               delta: bool = True) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule, token by token over the whole step in float32 (transformers'
     torch_recurrent_gated_delta_rule; gated_delta_rule's reference). q, k [T, Hv, dk] (L2-normalized,
     q scaled by dk^-1/2), v [T, Hv, dv], g, beta [T, Hv]; per token t of row r: H = exp(g_t) H_r (zeros
     first where its position is 0), H += k_t (beta_t (v_t - H^T k_t))^T, o_t = H^T q_t, and H_r = H
     where valid[t]. h0 [S, Hv, dk, dv]: each row's state before the step. -> (o [T, Hv, dv], each
-    row's state after the step)."""
+    row's state after the step). Without delta: H += k_t (beta_t v_t)^T (_delta_update)."""
     s = h0.shape[0]
 
     def step(carry, inp):
         qt, kt, vt, gt, bt, r, p, ok = inp
-        h, out = _delta_update(jnp.where(p == 0, 0.0, carry[r]), qt, kt, vt, gt, bt)
+        h, out = _delta_update(jnp.where(p == 0, 0.0, carry[r]), qt, kt, vt, gt, bt, delta)
         return carry.at[jnp.where(ok, r, s)].set(h, mode="drop"), out
 
     h, o = jax.lax.scan(step, h0, (q, k, v, g, beta, row, positions, valid))
@@ -97,7 +98,7 @@ CHUNK_SEGMENTS = 4
 
 
 def _chunk_closed_form(h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                       seg: jax.Array) -> tuple[jax.Array, jax.Array]:
+                       seg: jax.Array, delta: bool = True) -> tuple[jax.Array, jax.Array]:
     """The rule over one chunk of C tokens in closed form (the WY / UT form of Yang et al.; FLA's
     chunked kernels, transformers' torch_chunk_gated_delta_rule), the chunk holding up to R
     sequences' contiguous segments: seg [C] each token's segment (0 .. R - 1), h [R, Hv, dk, dv]
@@ -105,7 +106,8 @@ def _chunk_closed_form(h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g
     segment's cumulative log-decay through token i, the values u solve (I + A) u = beta (v - e^G
     H^T k), A_ij = beta_i e^(G_i - G_j) k_i.k_j for j < i in i's segment; o_i = e^(G_i) H^T q_i +
     sum_(j <= i) e^(G_i - G_j) (q_i.k_j) u_j, and a segment ends at e^(G_last) H + sum_j
-    e^(G_last - G_j) k_j u_j^T. -> (o [C, Hv, dv], each segment's state after the chunk)."""
+    e^(G_last - G_j) k_j u_j^T. -> (o [C, Hv, dv], each segment's state after the chunk). Without
+    delta: u = beta v (A = 0, and nothing read from H for it: Mamba-2's state space duality)."""
     c, r = q.shape[0], h.shape[0]
     idx = jnp.arange(c)
     first = jax.lax.cummax(jnp.where(jnp.concatenate([jnp.array([True]), seg[1:] != seg[:-1]]), idx, 0))
@@ -119,11 +121,14 @@ def _chunk_closed_form(h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g
     per_segment = jnp.einsum("rhkv,ihck->rihcv", h, jnp.stack([k, q], axis=2), precision=HIGHEST)    # (R, C, Hv, 2, dv)
     read = jnp.einsum("ir,rihcv->ihcv", onehot, per_segment, precision=HIGHEST)    # H^T k, H^T q per token
     eg = jnp.exp(big)[..., None]
-    rhs = beta[..., None] * (v - eg * read[:, :, 0])                                # (C, Hv, dv)
-    a = beta[:, None, :] * jnp.einsum("ihd,jhd->ijh", k, k, precision=HIGHEST) * decay(strict)
-    system = jnp.eye(c, dtype=jnp.float32) + jnp.moveaxis(a, 2, 0)                 # (Hv, C, C)
-    u = jnp.moveaxis(jax.scipy.linalg.solve_triangular(system, jnp.moveaxis(rhs, 1, 0), lower=True,
-                                                       unit_diagonal=True), 0, 1)  # (C, Hv, dv)
+    rhs = beta[..., None] * (v - eg * read[:, :, 0] if delta else v)               # (C, Hv, dv)
+    if delta:
+        a = beta[:, None, :] * jnp.einsum("ihd,jhd->ijh", k, k, precision=HIGHEST) * decay(strict)
+        system = jnp.eye(c, dtype=jnp.float32) + jnp.moveaxis(a, 2, 0)             # (Hv, C, C)
+        u = jnp.moveaxis(jax.scipy.linalg.solve_triangular(system, jnp.moveaxis(rhs, 1, 0), lower=True,
+                                                           unit_diagonal=True), 0, 1)  # (C, Hv, dv)
+    else:
+        u = rhs
     qk = jnp.einsum("ihd,jhd->ijh", q, k, precision=HIGHEST) * decay(incl)
     o = eg * read[:, :, 1] + jnp.einsum("ijh,jhv->ihv", qk, u, precision=HIGHEST)
     last = jnp.max(jnp.where(onehot > 0, idx[:, None], -1), axis=0)                # (R,) -1: no token
@@ -135,7 +140,7 @@ def _chunk_closed_form(h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g
 
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, row: jax.Array,
                      positions: jax.Array, valid: jax.Array, h0: jax.Array, chunk: int = CHUNK,
-                     closed_form: bool = True) -> tuple[jax.Array, jax.Array]:
+                     closed_form: bool = True, delta: bool = True) -> tuple[jax.Array, jax.Array]:
     """gated_delta_rule_reference's numbers (to float32 rounding) without its token-by-token loop.
     A row with one token in the step (a decode row) is updated with every other such row at once
     (H^T k and H^T q read once, scaled by the decay; the state written once). The tokens of rows with
@@ -143,7 +148,8 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     number over the chunk (0 in a decode-only step): a chunk of at most CHUNK_SEGMENTS rows' segments
     in closed form (_chunk_closed_form), one of more token by token (every chunk, without
     closed_form). Each chunk reads its rows' states from the carry (zeros for a segment starting at
-    position 0) and writes them back. Padding tokens (not valid) compute nothing that is kept."""
+    position 0) and writes them back. Padding tokens (not valid) compute nothing that is kept. delta
+    False: Mamba-2's rule instead (_delta_update)."""
     t, s = q.shape[0], h0.shape[0]
     count = jnp.zeros(s, jnp.int32).at[row].add(valid.astype(jnp.int32))
     single = valid & (count[row] == 1)
@@ -155,9 +161,9 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     qa, ka, va, ba = q[at], k[at], v[at], beta[at]
     decay = jnp.where(has[:, None], jnp.where((positions[at] == 0)[:, None], 0.0, jnp.exp(g[at])), 1.0)   # (S, Hv)
     read = jnp.einsum("shkv,shck->shcv", h0, jnp.stack([ka, qa], axis=2), precision=HIGHEST) * decay[:, :, None, None]
-    delta = jnp.where(has[:, None, None], (va - read[:, :, 0]) * ba[..., None], 0.0)                    # (S, Hv, dv)
-    h = h0 * decay[..., None, None] + ka[..., :, None] * delta[..., None, :]
-    o1 = read[:, :, 1] + jnp.sum(ka * qa, axis=-1)[..., None] * delta
+    add = jnp.where(has[:, None, None], ((va - read[:, :, 0]) if delta else va) * ba[..., None], 0.0)   # (S, Hv, dv)
+    h = h0 * decay[..., None, None] + ka[..., :, None] * add[..., None, :]
+    o1 = read[:, :, 1] + jnp.sum(ka * qa, axis=-1)[..., None] * add
     o = jnp.zeros(v.shape, jnp.float32).at[jnp.where(has, tok, t)].set(o1, mode="drop")
     # the other rows' tokens, compacted in order, by chunks
     multi = valid & ~single
@@ -185,7 +191,7 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
         if closed_form:
             closed = seg[-1] - (rj[-1] < 0) < CHUNK_SEGMENTS   # (the padding's segment, last, takes no place)
             hs = jnp.where(((seg_row < 0) | (seg_pos == 0))[:, None, None, None], 0.0, h[jnp.maximum(seg_row, 0)])
-            oc, he = _chunk_closed_form(hs, qp[j], kp[j], vp[j], gp[j], bp[j], seg)
+            oc, he = _chunk_closed_form(hs, qp[j], kp[j], vp[j], gp[j], bp[j], seg, delta)
             h = h.at[jnp.where(closed & (seg_row >= 0), seg_row, s)].set(he, mode="drop")
         else:
             closed, oc = jnp.array(False), jnp.zeros((chunk, *v.shape[1:]), jnp.float32)
@@ -194,13 +200,34 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
             h, oc = carry
             jm, r = j[m], rj[m]
             hr, om = _delta_update(jnp.where(posp[jm] == 0, 0.0, h[jnp.maximum(r, 0)]), qp[jm], kp[jm], vp[jm],
-                                   gp[jm], bp[jm])
+                                   gp[jm], bp[jm], delta)
             return h.at[jnp.where(r >= 0, r, s)].set(hr, mode="drop"), oc.at[m].set(om)
 
         h, oc = jax.lax.fori_loop(0, jnp.where(closed, 0, chunk), by_token, (h, oc))
         return h, o.at[j].set(oc, mode="drop")
 
     return jax.lax.fori_loop(0, -(-n // chunk), one_chunk, (h, o))[::-1]
+
+
+def recurrent_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, row: jax.Array,
+                   positions: jax.Array, state: DeltaState | None, meta: AttentionMetadata | None,
+                   closed_form: bool | None, delta: bool = True) -> tuple[jax.Array, jax.Array | None]:
+    """gated_delta_rule over a layer's step: each row from its state slot's matrix (state None: one
+    sequence from zeros), the padding tokens (slot mapping PAD_SLOT) left out. closed_form None: the
+    prefill chunks' closed form where it pays, not on a CPU (a GPU's or TPU's kernel launches make a
+    token loop slow; a CPU computes the closed form's extra flops, CHUNK_SEGMENTS segments each, more
+    slowly than the loop: 0.64x measured here for a 512-token prompt, bench/deltanet.py, README).
+    -> (o [T, Hv, dv] float32, state.h with the rows that computed a token written back, or None)."""
+    if state is None:
+        h0, valid = jnp.zeros((1, v.shape[1], k.shape[-1], v.shape[-1]), jnp.float32), jnp.ones(q.shape[0], bool)
+    else:
+        h0, valid = state.h[meta.state_slots], meta.slot_mapping != PAD_SLOT
+    closed = jax.default_backend() != "cpu" if closed_form is None else closed_form
+    o, h = gated_delta_rule(q, k, v, g, beta, row, positions, valid, h0, closed_form=closed, delta=delta)
+    if state is None:
+        return o, None
+    wrote = jnp.zeros(h0.shape[0], bool).at[row].max(valid)
+    return o, state.h.at[jnp.where(wrote, meta.state_slots, state.h.shape[0])].set(h, mode="drop")
 
 
 class GatedDeltaNet(nnx.Module):
@@ -254,22 +281,11 @@ class GatedDeltaNet(nnx.Module):
             a.astype(f32) + self.dt_bias.get_value().astype(f32))
         q, k = _l2norm(q) * dk ** -0.5, _l2norm(k)
         q, k = jnp.repeat(q, hv // hk, axis=1), jnp.repeat(k, hv // hk, axis=1)
-        if state is None:
-            h0, valid = jnp.zeros((1, hv, dk, dv), f32), jnp.ones(t, bool)
-        else:
-            h0, valid = state.h[meta.state_slots], meta.slot_mapping != PAD_SLOT
-        # the chunks' closed form where it pays: a GPU's (or TPU's) kernel launches make a token loop
-        # slow; a CPU computes the closed form's extra flops (CHUNK_SEGMENTS segments each) more slowly
-        # than the loop (0.64x measured here for a 512-token prompt: bench/deltanet.py, README)
-        closed = jax.default_backend() != "cpu" if self.closed_form is None else self.closed_form
-        o, h = gated_delta_rule(q, k, v, g, beta, row, positions, valid, h0, closed_form=closed)
+        o, h = recurrent_step(q, k, v, g, beta, row, positions, state, meta, self.closed_form)
         o = o.astype(dtype).astype(f32)                                                          # (T, Hv, dv)
         normed = (o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.norm_eps)).astype(dtype)
         y = (self.norm.get_value() * normed).astype(f32) * jax.nn.silu(z.astype(f32))
         out = dense(y.astype(dtype).reshape(t, hv * dv), self.out_proj.get_value(), None, impl=self.matmul)
         if state is None:
             return out, None
-        wrote = jnp.zeros(h0.shape[0], bool).at[row].max(valid)
-        target = jnp.where(wrote, meta.state_slots, state.h.shape[0])
-        return out, DeltaState(store_conv_inputs(mixed, state.u, positions, row, slot, meta),
-                               state.h.at[target].set(h, mode="drop"))
+        return out, DeltaState(store_conv_inputs(mixed, state.u, positions, row, slot, meta), h)

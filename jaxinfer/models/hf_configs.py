@@ -91,7 +91,8 @@ def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
             f"unsupported architecture {arch or model_type!r} (config.json 'architectures'){hint}; "
             f"supported: {sorted([*_HF_BUILDERS, *_MULTIMODAL])}")
     config = {**_HF_DEFAULTS.get(arch, {}), **config}   # an explicit null stays null
-    check_hf_fields(config, where)
+    dense_hybrid = arch == "GraniteMoeHybridForCausalLM" and config.get("num_local_experts") == 0
+    check_hf_fields({k: v for k, v in config.items() if not (dense_hybrid and k == "num_local_experts")}, where)
     try:
         return builder(config, arch)
     except KeyError as e:
@@ -785,6 +786,57 @@ def _granitemoe(c: dict[str, Any], arch: str) -> ModelConfig:
     return dataclasses.replace(_granite(c, arch), num_experts=_num_experts(c, arch),
                                num_experts_per_tok=c["num_experts_per_tok"], moe_routing="topk_softmax",
                                moe_shared_ffn_dim=shared)
+
+
+def _granitemoehybrid(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Granite 4.0-H (transformers' GraniteMoeHybrid: -Micro dense, -Tiny 7B-A1B, -Small 32B-A9B):
+    Mamba-2 layers (layer_types "mamba", or transformers' newer "linear_attention"; models/mamba2.py)
+    of mamba_n_heads heads of mamba_d_head ("auto": mamba_expand hidden_size / mamba_n_heads),
+    mamba_n_groups groups of mamba_d_state, a convolution of mamba_d_conv taps (biased where
+    mamba_conv_bias), the step clamped to time_step_limit, between attention layers ("attention" /
+    "full_attention") with RoPE only where position_embedding_type is "rope" (the uploads: none);
+    Granite's four multipliers; each layer's MLP GraniteMoeShared's (num_local_experts > 0: experts
+    plus the shared MLP of shared_intermediate_size) or that shared MLP alone (0)."""
+    n = c["num_hidden_layers"]
+    remap = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention"}
+    types = c.get("layer_types") or c.get("layers_block_type") or ["mamba"] * n
+    if not isinstance(types, list) or len(types) != n or set(types) - set(remap):
+        raise ConfigError(f"layer_types must name 'mamba' / 'attention' for each of the {n} layers, got {types!r}")
+    heads, expand, hidden = c["mamba_n_heads"], c["mamba_expand"], c["hidden_size"]
+    head_dim = c.get("mamba_d_head", "auto")
+    if head_dim == "auto" and _is_int(heads) and heads > 0 and _is_int(expand):
+        head_dim = expand * hidden // heads
+    sizes = {"mamba_n_heads": heads, "mamba_d_head": head_dim, "mamba_n_groups": c["mamba_n_groups"],
+             "mamba_d_state": c["mamba_d_state"], "mamba_d_conv": c["mamba_d_conv"], "mamba_expand": expand}
+    if (not all(_is_int(v) and v > 0 for v in sizes.values()) or heads % sizes["mamba_n_groups"]
+            or heads * head_dim != expand * hidden):
+        raise ConfigError(f"the Mamba-2 layers' sizes must be positive integers, mamba_n_heads a multiple of "
+                          f"mamba_n_groups and mamba_n_heads * mamba_d_head = mamba_expand * hidden_size: {sizes}")
+    if c.get("mamba_proj_bias"):
+        raise ConfigError("mamba_proj_bias=true is not supported (no published Granite 4.0-H model has biased "
+                          "Mamba-2 projections)")
+    if _activation(c, "hidden_act") != "silu":   # (the Mamba-2 convolution applies it too)
+        raise ConfigError(f"hidden_act={c.get('hidden_act')!r} is not supported for this family (every published "
+                          "model uses silu, which jaxinfer's Mamba-2 layer applies after its convolution)")
+    limit = c.get("time_step_limit") or (0.0, math.inf)
+    if isinstance(limit, (list, tuple)):   # transformers >= 5 saves an infinity as {"__float__": "Infinity"}
+        limit = [float(v["__float__"]) if isinstance(v, dict) and isinstance(v.get("__float__"), str) else v
+                 for v in limit]
+    if not (isinstance(limit, (list, tuple)) and len(limit) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v) for v in limit)
+            and 0 <= limit[0] <= limit[1]):
+        raise ConfigError(f"field 'time_step_limit' must be [low, high] with 0 <= low <= high, got {limit!r}")
+    experts = c.get("num_local_experts", c.get("num_experts")) or 0
+    base = {**c, "sliding_window": None}
+    if experts:
+        cfg = dataclasses.replace(_granitemoe(base, "GraniteMoeSharedForCausalLM"), architecture=arch)
+    else:
+        cfg = _granite({**base, "intermediate_size": c["shared_intermediate_size"]}, arch)
+    rope = c.get("position_embedding_type") == "rope"
+    return dataclasses.replace(
+        cfg, layer_kinds=tuple(remap[t] for t in types), rope_layers=None if rope else (False,) * n,
+        conv_kernel=sizes["mamba_d_conv"], conv_bias=bool(c.get("mamba_conv_bias", True)),
+        linear_k_heads=sizes["mamba_n_groups"], linear_v_heads=heads, linear_k_dim=sizes["mamba_d_state"],
+        linear_v_dim=head_dim, ssm_dt_limit=None if tuple(limit) == (0.0, math.inf) else (float(limit[0]), float(limit[1])))
 
 
 def _olmo1(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -1616,6 +1668,7 @@ _HF_BUILDERS = {
     "Ernie4_5ForCausalLM": _ernie4_5, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi, "FalconForCausalLM": _falcon,
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
+    "GraniteMoeHybridForCausalLM": _granitemoehybrid,
     "OlmoeForCausalLM": _olmoe, "MiniMaxM2ForCausalLM": _minimax_m2, "Dots1ForCausalLM": _dots1,
     "SolarOpenForCausalLM": _solar_open, "ExaoneMoeForCausalLM": _exaone_moe,
     "GraniteSWAForCausalLM": _granite_swa, "Jais2ForCausalLM": _jais2, "NemotronForCausalLM": _nemotron,
@@ -1664,6 +1717,7 @@ _ARCH_BY_MODEL_TYPE = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qw
                        "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM",
                        "stablelm": "StableLmForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                        "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
+                       "granitemoehybrid": "GraniteMoeHybridForCausalLM",
                        "ministral3": "Ministral3ForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
                        "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "afmoe": "AfmoeForCausalLM",
                        "phimoe": "PhimoeForCausalLM", "apertus": "ApertusForCausalLM", "gptj": "GPTJForCausalLM",
@@ -1729,6 +1783,15 @@ _HF_DEFAULTS = {
     "StableLmForCausalLM": {"num_key_value_heads": 32, "bos_token_id": 0, "eos_token_id": 0},
     "GraniteMoeForCausalLM": {"num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2},
     "GraniteMoeSharedForCausalLM": {"num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2},
+    # GraniteMoeHybridConfig's
+    "GraniteMoeHybridForCausalLM": {"vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+                                    "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                                    "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 1,
+                                    "eos_token_id": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                    "intermediate_size": 11008, "shared_intermediate_size": 1024,
+                                    "mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256,
+                                    "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2,
+                                    "mamba_conv_bias": True, "mamba_proj_bias": False},
     "HunYuanDenseV1ForCausalLM": {"bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5},
     "HunYuanMoEV1ForCausalLM": {"bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5},
     "ExaoneForCausalLM": {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 14336,

@@ -220,7 +220,7 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
         m[f"{o}/mlp/down"] = ((f"{x}.down_proj",), _ident)
         m[f"{o}/mlp/down_bias"] = ((f"{x}.down_proj_bias",), _ident)
         return
-    if cfg.architecture in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"):
+    if cfg.architecture in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM"):
         _granite_experts(m, cfg, o, p)
         return
     minimax = cfg.architecture == "MiniMaxM2ForCausalLM"   # Mixtral's names
@@ -459,6 +459,37 @@ def _lfm2_map(cfg: ModelConfig) -> WeightMap:
     return m
 
 
+def _granitemoehybrid_map(cfg: ModelConfig) -> WeightMap:
+    """Granite 4.0-H: _llama_map with GraniteMoeShared's experts and shared MLP where num_experts, else
+    that shared_mlp alone as the MLP (input_linear [2F, d]: gate's rows, then up's; output_linear);
+    each Mamba-2 layer under mamba: in_proj [I + C + H, d] (rows z, then x / B / C, then dt) split
+    into in_proj_z, in_proj_qkv and in_proj_a; conv1d.weight [C, 1, L] and its bias, dt_bias, A_log, D,
+    the gated norm's weight [I] and out_proj."""
+    m = _llama_map(cfg)
+    inner, c, h, f = cfg.linear_v_heads * cfg.linear_v_dim, cfg.linear_conv_dim, cfg.linear_v_heads, cfg.ffn_dim
+    for i in range(cfg.n_layers):
+        o, p = f"layers/{i}", f"model.layers.{i}"
+        if not cfg.is_moe_layer(i):
+            m[f"{o}/mlp/gate"] = ((f"{p}.shared_mlp.input_linear.weight",), lambda w: _rows(w, 0, f, 2 * f).T)
+            m[f"{o}/mlp/up"] = ((f"{p}.shared_mlp.input_linear.weight",), lambda w: _rows(w, f, 2 * f, 2 * f).T)
+            m[f"{o}/mlp/down"] = ((f"{p}.shared_mlp.output_linear.weight",), _t)
+        if not cfg.is_mamba_layer(i):
+            continue
+        m = {k: v for k, v in m.items() if not k.startswith(f"{o}/attn/")}
+        a = f"{p}.mamba"
+        for ours, lo, hi in (("in_proj_z", 0, inner), ("in_proj_qkv", inner, inner + c),
+                             ("in_proj_a", inner + c, inner + c + h)):
+            m[f"{o}/attn/{ours}"] = ((f"{a}.in_proj.weight",), lambda w, lo=lo, hi=hi: _rows(w, lo, hi, inner + c + h).T)
+        m[f"{o}/attn/conv"] = ((f"{a}.conv1d.weight",), lambda w: (w[:, 0, :] if w.ndim == 3 else w).T)
+        if cfg.conv_bias:
+            m[f"{o}/attn/conv_bias"] = ((f"{a}.conv1d.bias",), _ident)
+        for name in ("dt_bias", "A_log", "D"):
+            m[f"{o}/attn/{name}"] = ((f"{a}.{name}",), _ident)
+        m[f"{o}/attn/norm"] = ((f"{a}.norm.weight",), _ident)
+        m[f"{o}/attn/out_proj"] = ((f"{a}.out_proj.weight",), _t)
+    return m
+
+
 def _qwen3_next_map(cfg: ModelConfig) -> WeightMap:
     """Qwen3-Next, Qwen3.5, Qwen3.5-MoE: _llama_map (with Qwen2-MoE's experts), each attention layer's
     q_proj [H 2 hd, d] holding per head its hd query rows then hd gate rows (the gate: out_gate), and
@@ -625,7 +656,7 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "GPTNeoForCausalLM": _gpt_neo_map,
          "Llama4ForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _LLAMA4_NAMES), "Lfm2ForCausalLM": _lfm2_map,
          "Lfm2MoeForCausalLM": _lfm2_map, "Qwen3NextForCausalLM": _qwen3_next_map, "Qwen3_5ForCausalLM": _qwen3_next_map,
-         "Qwen3_5MoeForCausalLM": _qwen3_next_map}
+         "Qwen3_5MoeForCausalLM": _qwen3_next_map, "GraniteMoeHybridForCausalLM": _granitemoehybrid_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM", "Llama4ForCausalLM")

@@ -86,7 +86,7 @@ def quantize_model(model: Decoder, settings: QuantizeSettings, windows: np.ndarr
         raise ValueError(f"--method {settings.method} needs calibration text (--calib-text)")
     if model.cfg.has_state:
         raise ValueError(f"jaxinfer quantize cannot quantize {model.cfg.architecture}: its state layers (LFM2's short "
-                         "convolutions, Gated DeltaNets) are not linears its methods take apart; quantize at load instead: "
+                         "convolutions, Gated DeltaNets, Mamba-2 mixers) are not linears its methods take apart; quantize at load instead: "
                          "--quantize int8 | int4 | fp8 (Generator.from_pretrained(quantize=...))")
     if model.cfg.num_experts:
         raise ValueError(f"jaxinfer quantize cannot quantize {model.cfg.architecture}: its MLPs are mixtures of "

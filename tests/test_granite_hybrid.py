@@ -1,0 +1,107 @@
+"""Granite 4.0-H's Mamba-2 layers through the paged engine: each sequence's state (its convolution's
+last inputs and one [state, head] matrix per head) carried across chunked prefill, mixed steps and
+multi-step decoding in a state slot of its own; the selective state space's rule against its
+token-by-token reference; what the engine refuses for such a model. The references are
+transformers' GraniteMoeHybridForCausalLM (tests/hf_models.py "granitemoehybrid", the MoE shape
+without positions, and "granitemoehybrid-dense", dense with RoPE)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxinfer import Generator
+from jaxinfer.config import ConfigError
+from tests.hf_models import build_hf_model
+from tests.state_engine import check_state_engine, hf_greedy
+
+
+def _case(folder, hf):
+    """tests/state_engine.py's arguments: five prompts and transformers' greedy continuations."""
+    rng = np.random.RandomState(11)
+    prompts = [rng.randint(3, 100, n).tolist() for n in (5, 45, 17, 30, 9)]
+    return folder, hf, prompts, [hf_greedy(hf, p) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def granite(hf_model_dir):
+    return _case(hf_model_dir("granitemoehybrid"), build_hf_model("granitemoehybrid"))
+
+
+def test_state_across_chunks_rows_slot_reuse_preemption_and_prompt_logprobs(granite):
+    """tests/state_engine.py's check on the MoE shape: greedy continuations through two slots,
+    preemption and n = 2, then prompt logprobs across chunk boundaries, against transformers (which
+    computes a prompt by its chunked scan, 16 tokens a chunk, we token by token on a CPU: the same
+    sums in another order)."""
+    check_state_engine(*granite)
+
+
+def test_closed_form_prefill_and_clamped_step_inside_the_engine(tmp_path):
+    """The dense shape (RoPE, one group) with each step clamped to [0.3, 1.5] (time_step_limit; the
+    softplus spans both bounds) and the prefill chunks' closed form, which only a GPU takes by
+    itself (Mamba2.closed_form), set on every Mamba-2 layer: the same check against transformers'
+    full forwards (its cached decoding, selective_state_update as mamba_ssm's step, leaves the
+    step unclamped, unlike its scan: the model's training form, which every token here follows)."""
+    from flax import nnx
+
+    from jaxinfer.models.mamba2 import Mamba2
+    from jaxinfer.weights import load_model
+    hf = build_hf_model("granitemoehybrid-dense", overrides={"time_step_limit": (0.3, 1.5)})
+    hf.save_pretrained(tmp_path)
+    case = _case(tmp_path, hf)
+    model, _ = load_model(case[0], "float32")
+    assert model.cfg.ssm_dt_limit == (0.3, 1.5) and model.cfg.rope_layers is None
+    layers = [node for _, node in nnx.iter_graph(model) if isinstance(node, Mamba2)]
+    assert len(layers) == 2
+    for node in layers:
+        node.closed_form = True
+    check_state_engine(*case, model=model)
+
+
+def test_what_a_mamba_state_cannot_carry_is_refused(granite):
+    """Speculative decoding, tensor and pipeline parallelism (before any loading) are refused by name;
+    LoRA is not offered for the family; jaxinfer quantize points to load-time quantization."""
+    from jaxinfer.lora.adapter import LORA_FAMILIES
+    from jaxinfer.quantize import QuantizeSettings, quantize_model
+    from jaxinfer.weights import load_model
+    folder = granite[0]
+    for name, kw in (("speculative_method", dict(speculative_method="ngram", num_speculative_tokens=2)),
+                     ("tensor_parallel", dict(tensor_parallel=2)), ("pipeline_parallel", dict(pipeline_parallel=2))):
+        with pytest.raises(ConfigError, match=rf"{name} is not available for GraniteMoeHybridForCausalLM, whose "
+                                              "Mamba-2 layers keep a state per sequence"):
+            Generator.from_pretrained(folder, **kw)
+    assert "GraniteMoeHybridForCausalLM" not in LORA_FAMILIES
+    model, _ = load_model(folder, "float32")
+    with pytest.raises(ValueError, match="state layers .* --quantize int8"):
+        quantize_model(model, QuantizeSettings(method="rtn", bits=4))
+
+
+def test_state_bytes_and_refused_configs():
+    """One sequence's state bytes by hand for Granite 4.0-H-Tiny's published shape (40 layers, 4 of
+    them attention; 48 Mamba-2 heads of 64, one group of state size 128, 4 taps: 3 inputs of
+    48 * 64 + 2 * 128 channels in bfloat16 and 48 float32 [128, 64] matrices a layer), counted by
+    `jaxinfer plan` beside the sequence's KV; config.json fields that do not fit, refused by name."""
+    from jaxinfer.models.hf_configs import model_config_from_hf
+    from jaxinfer.plan import get_device, plan
+    types = ["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)]
+    base = {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+            "vocab_size": 100352, "hidden_size": 1536, "intermediate_size": 512, "num_hidden_layers": 40,
+            "num_attention_heads": 12, "num_key_value_heads": 4, "num_local_experts": 64, "num_experts_per_tok": 6,
+            "shared_intermediate_size": 1024, "layer_types": types, "mamba_n_heads": 48, "mamba_d_head": 64,
+            "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_expand": 2, "mamba_d_conv": 4,
+            "position_embedding_type": "nope", "embedding_multiplier": 12, "residual_multiplier": 0.22,
+            "attention_multiplier": 0.0078125, "logits_scaling": 6, "tie_word_embeddings": True}
+    cfg = model_config_from_hf(base)
+    assert cfg.n_attn_layers == 4 and cfg.rope_layers == (False,) * 40 and cfg.linear_conv_dim == 3072 + 256
+    state = 36 * (3 * 3328 * 2 + 4 * 48 * 128 * 64)
+    assert cfg.state_bytes_per_slot(2) == state
+    p = plan(cfg, get_device("h100"), context=4096)
+    kv_seq = 2 * 2 * 4 * 4 * 128 * 4096   # K and V, bfloat16, 4 attention layers, 4 KV heads of 128
+    assert p.per_device_kv_bytes_per_sequence == kv_seq and p.per_device_state_bytes_per_sequence == state
+    for bad, match in (({"mamba_d_head": 32}, "mamba_n_heads \\* mamba_d_head = mamba_expand \\* hidden_size"),
+                       ({"mamba_n_groups": 5}, "mamba_n_heads a multiple of mamba_n_groups"),
+                       ({"mamba_proj_bias": True}, "mamba_proj_bias=true is not supported"),
+                       ({"layer_types": types[:-1]}, "layer_types must name 'mamba' / 'attention' for each of the 40"),
+                       ({"time_step_limit": [1.0, 0.5]}, "time_step_limit"),
+                       ({"layer_types": ["mamba"] * 40}, "layer_kinds")):
+        with pytest.raises(ConfigError, match=match):
+            model_config_from_hf({**base, **bad})
