@@ -79,7 +79,8 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "cohere2": "Cohere2ForCausalLM", "phi2": "PhiForCausalLM", "gptneox": "GPTNeoXForCausalLM",
          "stablelm": "StableLmForCausalLM", "starcoder": "GPTBigCodeForCausalLM", "arcee": "ArceeForCausalLM",
          "exaone": "LlamaForCausalLM", "internlm2": "LlamaForCausalLM", "lfm2": "Lfm2ForCausalLM",
-         "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM"}
+         "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
+         "granitehybrid": "GraniteMoeHybridForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma": "gemma",
                 "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
@@ -87,7 +88,8 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe"
                 "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3", "glm4": "glm4", "starcoder2": "starcoder2",
                 "command-r": "cohere", "cohere2": "cohere2", "phi2": "phi", "gptneox": "gpt_neox",
                 "stablelm": "stablelm", "starcoder": "gpt_bigcode", "arcee": "arcee", "exaone": "llama", "internlm2": "llama",
-                "lfm2": "lfm2", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
+                "lfm2": "lfm2", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",
+                "granitehybrid": "granitemoehybrid"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
 _PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm", "qwen35", "qwen35moe", "qwen3next")
 # Gated DeltaNet models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): the converter stores every norm weight as
@@ -96,11 +98,14 @@ _PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm", "qw
 _DELTANET = ("qwen35", "qwen35moe", "qwen3next")
 # Qwen3-Next's in_proj_qkvz (transformers' name; the converter splits it into attn_qkv and attn_gate)
 _QKVZ = re.compile(r"model\.layers\.(\d+)\.linear_attn\.in_proj_qkvz\.weight")
+# Granite 4.0-H's fused MLP tensors (transformers' names on disk), which the converter splits
+# (GraniteMoeModel.modify_tensors): GGUFTensors.granite_parts
+_GRANITE_MLP = re.compile(r"model\.layers\.(\d+)\.(block_sparse_moe|shared_mlp)\.(input_linear|output_linear)\.weight")
 # llama.cpp's mixtures with dense leading layers, sigmoid routing with a learned correction
 # (exp_probs_b), groups, a routed scale and shared experts (its build_moe_ffn with those settings)
 _SIGMOID_MOE = ("glm4moe", "deepseek2")
 # the architectures whose Q / K rows llama.cpp's converter stores in its rotary order (LlamaModel.permute)
-_PERMUTED_QK = ("llama", "smollm3", "granite", "arcee", "internlm2")
+_PERMUTED_QK = ("llama", "smollm3", "granite", "arcee", "internlm2", "granitehybrid")
 # SmolLM3's NoPE layers: every 4th, a constant of llama.cpp's (hparams.n_no_rope_layer_step), in no key
 _SMOLLM3_NO_ROPE_STEP = 4
 # llama.cpp's Gemma: every `swa`-th layer global, the others sliding (hparams.set_swa_pattern), the
@@ -394,6 +399,8 @@ def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) ->
         return _lfm2(f, cfg)
     elif arch in _DELTANET:
         return _deltanet(f)
+    elif arch == "granitehybrid":
+        return _granitehybrid(f, cfg)
     return {}
 
 
@@ -499,15 +506,50 @@ def _granite(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     """Granite's multipliers as llama.cpp reads them (GraniteModel writes each only when the config's is
     not 0): a missing embedding, residual or logit scale is no scaling, a missing attention scale
     1/sqrt(head_dim) (llama.cpp's build_granite)."""
-    get = lambda key: f.arch_get(key) or None  # noqa: E731   (0, as absent, means the default)
-    if f.arch_get("rope.scaling.finetuned") is False:   # llama.cpp then runs no RoPE (granitehybrid's switch)
+    if f.arch == "granite" and f.arch_get("rope.scaling.finetuned") is False:   # llama.cpp then runs no RoPE
         raise CheckpointError(f"{f.path}: granite.rope.scaling.finetuned = false (attention without RoPE) is "
                               "not supported")
+    get = lambda key: f.arch_get(key) or None  # noqa: E731   (0, as absent, means the default)
     scale = get("attention.scale")
     return {"embedding_multiplier": float(get("embedding_scale") or 1.0),
             "residual_multiplier": float(get("residual_scale") or 1.0),
             "logits_scaling": float(get("logit_scale") or 1.0),
             "attention_multiplier": float(scale) if scale is not None else cfg["head_dim"] ** -0.5}
+
+
+def _granitehybrid(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's granitehybrid (GraniteHybridModel: Granite 4.0-H): head_count_kv per layer, 0 on the
+    Mamba-2 layers; the mixer's sizes in ssm.* (conv_kernel; state_size; group_count; time_step_rank:
+    heads; inner_size: heads x their width), the convolution's bias where the file has one; Granite's
+    multipliers; RoPE only where rope.scaling.finetuned is true (the converter's switch, false for
+    every hybrid: llama.cpp then rotates nothing); experts where expert_count, else the shared MLP alone,
+    its width expert_shared_feed_forward_length either way (the experts': feed_forward_length)."""
+    n, kv = cfg["num_hidden_layers"], f.arch_get("attention.head_count_kv")
+    if not isinstance(kv, list) or len(kv) != n:
+        raise CheckpointError(f"{f.path}: granitehybrid.attention.head_count_kv must give each of the {n} layers' "
+                              f"KV heads (0 on a Mamba-2 layer), got {kv!r}")
+    keys = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
+            "expert_shared_feed_forward_length")
+    got = {k: f.arch_get(k) for k in keys}
+    missing = [k for k, v in got.items() if v is None]
+    if missing:
+        raise CheckpointError(f"{f.path}: metadata granitehybrid.{missing[0]} is missing")
+    heads, inner, hidden = int(got["ssm.time_step_rank"]), int(got["ssm.inner_size"]), cfg["hidden_size"]
+    if heads <= 0 or inner % heads or inner % hidden:
+        raise CheckpointError(f"{f.path}: granitehybrid.ssm.inner_size = {inner} must be a multiple of "
+                              f"ssm.time_step_rank = {heads} (heads) and of embedding_length = {hidden}")
+    mamba = [i for i, k in enumerate(kv) if k == 0]
+    out = {"layer_types": ["mamba" if k == 0 else "attention" for k in kv],
+           "mamba_d_conv": int(got["ssm.conv_kernel"]), "mamba_d_state": int(got["ssm.state_size"]),
+           "mamba_n_groups": int(got["ssm.group_count"]), "mamba_n_heads": heads, "mamba_d_head": inner // heads,
+           "mamba_expand": inner // hidden, "mamba_conv_bias": bool(mamba) and f"blk.{mamba[0]}.ssm_conv1d.bias" in f.tensors,
+           "shared_intermediate_size": int(got["expert_shared_feed_forward_length"]),
+           "position_embedding_type": "rope" if f.arch_get("rope.scaling.finetuned") is True else None,
+           **_granite(f, cfg)}
+    count, used = f.arch_get("expert_count"), f.arch_get("expert_used_count")
+    if count and not used:
+        raise CheckpointError(f"{f.path}: metadata granitehybrid.expert_used_count is missing")
+    return {**out, "num_local_experts": int(count or 0), **({"num_experts_per_tok": int(used)} if count else {})}
 
 
 def _phi3(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -573,6 +615,8 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     normalized over the chosen experts, as llama.cpp's qwen3moe does), Qwen2-MoE (not normalized, a
     gated shared expert: llama.cpp's qwen2moe), gpt-oss, GLM-4.5 and DeepSeek-V3 (_sigmoid_experts);
     every layer routed but the leading dense ones GLM-4.5's and DeepSeek's files name."""
+    if f.arch == "granitehybrid":   # (_granitehybrid: GraniteMoeShared's fields)
+        return {}
     count, used = f.arch_get("expert_count"), f.arch_get("expert_used_count")
     if not count:
         if f.arch in ("qwen3moe", "gpt-oss", "qwen2moe", "qwen35moe", "qwen3next", *_SIGMOID_MOE):
@@ -984,7 +1028,7 @@ class GGUFTensors:
         self.names = gguf.get_tensor_name_map(arch, hf_cfg["num_hidden_layers"])
 
     def stored(self, name: str) -> str | None:
-        parts = self.oss_parts(name) or self.latent_parts(name) or self.qkvz_parts(name)
+        parts = self.oss_parts(name) or self.latent_parts(name) or self.qkvz_parts(name) or self.granite_parts(name)
         if parts is not None:
             return parts[0] if all(p in self.file.tensors for p in parts) else None
         stack = self.expert_rows(name)
@@ -1014,7 +1058,7 @@ class GGUFTensors:
         head's q / k norm: the layer's stacked tensor)."""
         if name.endswith(".e_score_correction_bias"):
             name = name[:-len("_bias")] + ".bias"
-        if name.endswith(".linear_attn.dt_bias"):   # the converter's rename: dt_proj.bias -> ssm_dt.bias
+        if name.endswith((".linear_attn.dt_bias", ".mamba.dt_bias")):   # the converter's rename: dt_proj.bias -> ssm_dt.bias
             name = name[:-len("dt_bias")] + "dt_proj.bias"
         head = _QK_NORM_HEAD.fullmatch(name)
         if head is not None:
@@ -1124,6 +1168,28 @@ class GGUFTensors:
         parts = (qkv[:hk * dk], qkv[hk * dk:2 * hk * dk], qkv[2 * hk * dk:], z)
         return np.concatenate([per(x) for x in parts], axis=1).reshape(-1, qkv.shape[-1])
 
+    def granite_parts(self, name: str) -> list[str] | None:
+        """The tensors a granitehybrid file holds Granite 4.0-H's fused MLP tensors in (GraniteMoeModel.
+        modify_tensors): the experts' input_linear [E, 2F, D] as ffn_gate_exps and ffn_up_exps, the
+        shared MLP's input_linear [2S, D] as ffn_gate_shexp and ffn_up_shexp and its output_linear as
+        ffn_down_shexp (a model without experts: ffn_gate, ffn_up, ffn_down); None for any other name
+        (the experts' output_linear is ffn_down_exps by the name map)."""
+        m = _GRANITE_MLP.fullmatch(name) if self.file.arch == "granitehybrid" else None
+        if m is None or (m.group(2) == "block_sparse_moe" and m.group(3) == "output_linear"):
+            return None
+        layer, gate_up = m.group(1), ("gate", "up") if m.group(3) == "input_linear" else ("down",)
+        suffix = "_exps" if m.group(2) == "block_sparse_moe" else "_shexp" if self.cfg.get("num_local_experts") else ""
+        return [f"blk.{layer}.ffn_{p}{suffix}.weight" for p in gate_up]
+
+    def _granite_mlp(self, name: str) -> np.ndarray:
+        """A fused Granite 4.0-H MLP tensor from its parts (granite_parts): gate's rows, then up's."""
+        parts = self.granite_parts(name)
+        read = [self.file.tensor(t) for t in parts]
+        if any(x.shape != read[0].shape for x in read):
+            raise CheckpointError(f"{self.file.path}: tensors {parts} of {name!r} have the shapes "
+                                  f"{[list(x.shape) for x in read]}; expected the same")
+        return np.concatenate(read, axis=-2)
+
     def columns_reordered(self, name: str) -> bool:
         """Whether the tensor's columns (within its rows' blocks) need reordering: a tiled qwen35 /
         qwen35moe out_proj (_untile), which cannot stay packed."""
@@ -1166,7 +1232,7 @@ class GGUFTensors:
     def get(self, name: str) -> np.ndarray:
         g = self.stored(name)
         if g is None:
-            wanted = (self.oss_parts(name) or self.latent_parts(name)
+            wanted = (self.oss_parts(name) or self.latent_parts(name) or self.granite_parts(name)
                       or [expert_stack(name) or self._mapped(name)])
             missing = [t for t in wanted if t not in self.file.tensors]
             raise CheckpointError(f"{self.file.path}: tensor {name!r} (GGUF {', '.join(map(repr, missing))}) "
@@ -1179,6 +1245,10 @@ class GGUFTensors:
             return self._kv_b(name)
         if self.qkvz_parts(name) is not None:
             return self._qkvz(name)
+        if self.granite_parts(name) is not None:   # the experts' gate and up parameters read it in turn
+            if self._stacked[0] != name:
+                self._stacked = (name, self._granite_mlp(name))
+            return self._stacked[1]
         m = _EXPERT.fullmatch(name)
         if m is None:
             return self.rows(name, self.file.tensor(g))
@@ -1200,6 +1270,11 @@ class GGUFTensors:
             elif name.endswith(".A_log"):
                 x = np.log(-x)
             x = self._untile(name, x)
+        if self.file.arch == "granitehybrid" and ".mamba." in name:   # (Mamba2Model.modify_tensors undone)
+            if name.endswith(".A_log"):   # stored as -exp(A_log), [H, 1]
+                return np.log(-x).reshape(-1)
+            if name.endswith((".D", ".norm.weight")):   # [H, 1]; the gated norm's [groups, I / groups]
+                return x.reshape(-1)
         if name.endswith("shared_expert_gate.weight") and x.ndim == 1:   # llama.cpp's {n_embd}: one row
             return x[None, :]
         head = _QK_NORM_HEAD.fullmatch(name)

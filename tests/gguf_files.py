@@ -20,7 +20,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 
 
 # the architectures whose converters store Q / K rows permuted into llama.cpp's rotary layout
-_PERMUTED = ("llama", "smollm3", "granite", "arcee", "internlm2")
+_PERMUTED = ("llama", "smollm3", "granite", "arcee", "internlm2", "granitehybrid")
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -140,6 +140,8 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
         return _layernorm_family_hparams(w, cfg, arch, head_dim)
     if arch == "lfm2":
         return _lfm2_hparams(w, cfg, head_dim)
+    if arch == "granitehybrid":
+        return _granitehybrid_hparams(w, cfg)
     if arch == "starcoder":   # StarCoderModel.set_gguf_parameters: these keys only, the MLP as 4 x the width
         w.add_context_length(cfg.n_positions)
         w.add_embedding_length(cfg.n_embd)
@@ -178,12 +180,8 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
     if arch == "gpt-oss":   # GptOssModel.set_gguf_parameters
         w.add_sliding_window(cfg.sliding_window)
         w.add_expert_feed_forward_length(cfg.intermediate_size)
-    if arch == "granite":   # GraniteModel.set_gguf_parameters: each multiplier only when not 0
-        for value, add in ((cfg.attention_multiplier, w.add_attention_scale),
-                           (cfg.embedding_multiplier, w.add_embedding_scale),
-                           (cfg.residual_multiplier, w.add_residual_scale), (cfg.logits_scaling, w.add_logit_scale)):
-            if value:
-                add(value)
+    if arch == "granite":
+        _granite_scales(w, cfg)
     if arch == "phi3":   # Phi3MiniModel.set_gguf_parameters: 0 for no window, the original context
         w.add_sliding_window(cfg.sliding_window or 0)
         original = rope.get("original_max_position_embeddings", getattr(cfg, "original_max_position_embeddings", None))
@@ -221,6 +219,71 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
+
+
+def _granite_scales(w, cfg) -> None:
+    """GraniteModel.set_gguf_parameters: each multiplier only when not 0."""
+    for value, add in ((cfg.attention_multiplier, w.add_attention_scale), (cfg.embedding_multiplier, w.add_embedding_scale),
+                       (cfg.residual_multiplier, w.add_residual_scale), (cfg.logits_scaling, w.add_logit_scale)):
+        if value:
+            add(value)
+
+
+def _granitehybrid_hparams(w, cfg) -> None:
+    """GraniteHybridModel.set_gguf_parameters: GraniteMoeModel's (TextModel's keys, Granite's scales, the
+    shared MLP's width), the Mamba-2 sizes in ssm.* (time_step_rank: the heads), head_count_kv per layer
+    (0 on a Mamba-2 layer), rope.scaling.finetuned false and a context of 2^20 for a hybrid (no RoPE)."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    _granite_scales(w, cfg)
+    w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+    w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    w.add_ssm_state_size(cfg.mamba_d_state)
+    w.add_ssm_group_count(cfg.mamba_n_groups)
+    w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
+    w.add_ssm_time_step_rank(cfg.mamba_n_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads if t in ("attention", "full_attention") else 0
+                         for t in cfg.layer_types])
+    w.add_rope_scaling_finetuned(False)
+    w.add_context_length(2 ** 20)
+    w.add_vocab_size(cfg.vocab_size)
+
+
+def _granitehybrid_tensor(w, cfg, hf_name: str, x: np.ndarray, qtype: str, rng):
+    """GraniteHybridModel.modify_tensors, Mamba2Model's part: the taps squeezed to [C, L], dt_bias as
+    ssm_dt.bias, A_log as -exp(A_log) [H, 1], D as [H, 1], the gated norm as [groups, I / groups];
+    GraniteMoeModel's: the shared MLP's input_linear split into gate and up (_shexp beside experts,
+    else the dense ffn_gate / ffn_up, its output_linear ffn_down); the router under transformers'
+    on-disk name. -> (the name to map, x), or (None, None) when written here."""
+    layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
+    if ".shared_mlp." in hf_name:
+        suffix = "_shexp" if cfg.num_local_experts else ""
+        if "input_linear" in hf_name:
+            half = x.shape[0] // 2
+            for part, value in (("gate", x[:half]), ("up", x[half:])):
+                _add(w, f"blk.{layer}.ffn_{part}{suffix}.weight", np.ascontiguousarray(value), qtype, rng)
+        else:
+            _add(w, f"blk.{layer}.ffn_down{suffix}.weight", x, qtype, rng)
+        return None, None
+    if hf_name.endswith(".block_sparse_moe.router.weight"):
+        return hf_name.replace(".router.weight", ".router.layer.weight"), x
+    if ".mamba." not in hf_name:
+        return hf_name, x
+    if hf_name.endswith("conv1d.weight"):
+        x = x[:, 0, :]
+    elif hf_name.endswith(".dt_bias"):
+        hf_name = hf_name[:-len("dt_bias")] + "dt_proj.bias"
+    elif hf_name.endswith(".A_log"):
+        x = -np.exp(x).reshape(-1, 1)
+    elif hf_name.endswith(".D"):
+        x = x.reshape(-1, 1)
+    elif hf_name.endswith(".norm.weight"):
+        x = x.reshape(cfg.mamba_n_groups, -1)
+    return hf_name, np.ascontiguousarray(x)
 
 
 def _lfm2_hparams(w, cfg, head_dim: int) -> None:
@@ -436,7 +499,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "starcoder2": "starcoder2", "cohere": "command-r", "cohere2": "cohere2", "phi": "phi2",
             "gpt_neox": "gptneox", "stablelm": "stablelm", "gpt_bigcode": "starcoder", "arcee": "arcee",
             "exaone": "exaone", "lfm2": "lfm2", "qwen3_next": "qwen3next", "qwen3_5_text": "qwen35",
-            "qwen3_5_moe_text": "qwen35moe"}[cfg.model_type]
+            "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:
@@ -514,6 +577,10 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             x = x[:, 0, :]
         if arch in ("qwen3next", "qwen35", "qwen35moe"):
             hf_name, x = _deltanet_tensor(w, cfg, arch, hf_name, x, qtype, rng, split_qkvz)
+            if hf_name is None:
+                continue
+        if arch == "granitehybrid":
+            hf_name, x = _granitehybrid_tensor(w, cfg, hf_name, x, qtype, rng)
             if hf_name is None:
                 continue
         if hf_name.endswith(".e_score_correction_bias"):   # TextModel's rename before the name map

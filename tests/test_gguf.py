@@ -533,6 +533,46 @@ def test_gated_deltanet_files_are_the_original_model(name, tmp_path):
     assert isinstance(params["layers/0/attn/out_proj"], QuantizedWeight) == (name != "qwen3.5-moe")
 
 
+@pytest.mark.parametrize("name", ["granitemoehybrid", "granitemoehybrid-dense"])
+def test_granitehybrid_files_are_the_original_model(name, tmp_path):
+    """Granite 4.0-H as llama.cpp's converter writes it (granitehybrid, GraniteHybridModel: head_count_kv
+    0 on the Mamba-2 layers, their sizes in ssm.*, A_log as -exp [H, 1], D [H, 1], the gated norm
+    [groups, I / groups], dt_bias as ssm_dt.bias, the taps squeezed; the shared MLP's input_linear split
+    into gate and up, _shexp beside the experts, the dense ffn_* without; Q / K permuted; no RoPE, as the
+    converter marks every hybrid) computes what the HF model computes: logits, and greedy tokens
+    through the paged engine's states. Then Q8_0 blocks on the Mamba-2 layers' ssm_in (its rows three
+    parameters, the x / B / C and gate ones packed) and ssm_out and on the attention's v / o give what
+    the HF model gives with those weights as the gguf package dequantizes them."""
+    import copy
+
+    import gguf
+    from flax import nnx
+
+    from jaxinfer.quant import QuantizedWeight
+    hf, vocab, ids, expected, gen = _as_converted(name, {"position_embedding_type": None}, tmp_path)
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(ids):].tolist()
+    assert gen.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids == want
+    parts = {"mamba.in_proj": "ssm_in", "mamba.out_proj": "ssm_out", "v_proj": "attn_v", "o_proj": "attn_output"}
+    packed = write_gguf(hf, tmp_path / f"{name}-q8.gguf", vocab, {f"{k}.weight": "Q8_0" for k in parts})
+    raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape)))
+           for t in gguf.GGUFReader(packed).tensors}
+    ref = copy.deepcopy(hf)
+    ref.load_state_dict({n: torch.tensor(raw[f"blk.{n.split('.')[2]}.{g}.weight"]) for n in ref.state_dict()
+                         for k, g in parts.items() if n.endswith(f".{k}.weight")}, strict=False)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].numpy()
+    gen = _gen(packed)
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    params = {"/".join(map(str, p)): v.get_value() for p, v in nnx.state(gen.engine.runner.params, nnx.Param).flat_state()}
+    first = gen.model_cfg.layer_kinds.index("mamba")
+    assert all(isinstance(params[f"layers/{first}/attn/{p}"], QuantizedWeight) for p in ("in_proj_qkv", "in_proj_z",
+                                                                                            "out_proj"))
+    assert not isinstance(params[f"layers/{first}/attn/in_proj_a"], QuantizedWeight)
+
+
 def test_qwen35_pre_tokenizer_keeps_combining_marks_in_words():
     """llama.cpp's qwen35 split (LLAMA_VOCAB_PRE_TYPE_QWEN35, Qwen3.5's tokenizer.json): Qwen2's, but a
     combining mark (\\p{M}) stays in its word and out of punctuation runs. By hand, "cafe" + U+0301 +

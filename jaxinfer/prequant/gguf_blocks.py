@@ -91,10 +91,11 @@ class GGUFBlockReader:
 
     def quantized(self, module: str) -> bool:
         name = f"{module}.weight"
-        if ".experts." in module or self.st.latent_parts(name) is not None or self.st.qkvz_parts(name) is not None \
-                or self.st.columns_reordered(name):
+        if ".experts." in module or ".block_sparse_moe.output_linear" in module or self.st.latent_parts(name) is not None or self.st.qkvz_parts(name) is not None \
+                or self.st.granite_parts(name) is not None or self.st.columns_reordered(name):
             # stacked experts: stacked_param's; DeepSeek's kv_b and Qwen3-Next's in_proj_qkvz from two tensors,
-            # Qwen3.5's out_proj with its columns reordered: floats
+            # Qwen3.5's out_proj with its columns reordered, Granite 4.0-H's fused MLPs from two and its
+            # stacked experts' output_linear: floats
             return False
         kind = self._type(module)
         head, _, last = module.rpartition(".")
