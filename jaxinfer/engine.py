@@ -140,7 +140,8 @@ class Engine:
         if self.blocks.host is not None:   # the tier's slots are sized in the bytes the runner moves
             assert self.runner.host_kv.block_bytes == self.blocks.host.block_bytes
         self.weights = weights
-        self.cost = perf.ModelCost.build(self.model_cfg, weights, self.runner.kv_bytes_per_token)
+        self.cost = perf.ModelCost.build(self.model_cfg, weights, self.runner.kv_bytes_per_token,
+                                         self.runner.state_itemsize)
         self.output = OutputProcessor(tokenizer)   # text, stop strings and deltas of every sample
         self._ids = itertools.count()
         self.stats_ = StepStats()
@@ -670,6 +671,7 @@ class Engine:
             "embedding_row_bytes": self.weights.row,
             "expert_weight_bytes": self.weights.experts,
             "kv_bytes_per_token": self.cost.kv_bytes_per_token,
+            "state_bytes_per_sequence": self.cost.state_bytes_per_sequence,
             "max_model_len": self.max_model_len,
             "block_size": self.resolved.block_size,
             "speculative_method": self.resolved.speculative_method,

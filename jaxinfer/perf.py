@@ -18,6 +18,9 @@ Formulas (bytes, seconds, FLOPs; L layers, H / H_kv query / KV heads, h head_dim
                                                        reaches, else (unknown which) all E
                           + sum_seqs sum_layers min(c, window) * kv_bytes_per_token / L
                                                        each sequence's KV context c after the iteration
+                          + S_i * state                each of the S_i sequences' recurrent state, read
+                                                       once (conv, Gated DeltaNet and Mamba-2 layers: the
+                                                       convolution's last inputs and the float32 matrices)
                           (KV writes of the new tokens are not counted: vLLM/Databricks MBU)
     MBU                 = bytes read / seconds / peak bandwidth
     MFU                 = FLOPs / seconds / peak FLOP/s
@@ -301,10 +304,12 @@ class ModelCost:
     moe_layers: int = 0
     num_experts: int = 0
     experts_per_token: int = 0
+    state_bytes_per_sequence: int = 0     # a sequence's state over its state layers (ModelConfig.state_bytes_per_slot)
 
     @classmethod
-    def build(cls, cfg: Any, weights: WeightBytes, kv_bytes_per_token: int) -> "ModelCost":
-        """From a ModelConfig, its weight bytes and its KV bytes per token."""
+    def build(cls, cfg: Any, weights: WeightBytes, kv_bytes_per_token: int, state_itemsize: int = 2) -> "ModelCost":
+        """From a ModelConfig, its weight bytes and its KV bytes per token; a state layer's convolution
+        inputs in state_itemsize bytes (the model's dtype)."""
         c = cfg.param_counts()
         body = cfg.num_active_params() - c["embedding"] - c["lm_head"] - c["positions"]
         experts = c["moe_layers"] * cfg.num_experts
@@ -312,21 +317,23 @@ class ModelCost:
                    weights.total - weights.tables - weights.experts, kv_bytes_per_token,
                    tuple(0 if cfg.is_state_layer(i) else cfg.layer_window(i) for i in range(cfg.n_layers)), weights.row,
                    weights.experts // experts if experts else 0, c["moe_layers"],
-                   cfg.num_experts if experts else 0, cfg.num_experts_per_tok if experts else 0)
+                   cfg.num_experts if experts else 0, cfg.num_experts_per_tok if experts else 0,
+                   cfg.state_bytes_per_slot(state_itemsize))
 
     @classmethod
     def from_config(cls, cfg: Any, weight_itemsize: float, kv_itemsize: int) -> "ModelCost":
         """Float weights of `weight_itemsize` bytes and float (or int8) KV pages of `kv_itemsize`."""
         kv = kv_bytes_per_token(cfg.n_attn_layers, cfg.n_kv_heads, cfg.head_dim, _KV_DTYPE_OF_ITEMSIZE[kv_itemsize],
                                 getattr(cfg, "kv_value_dim", None))
-        return cls.build(cfg, WeightBytes.of_float(cfg, weight_itemsize), kv)
+        return cls.build(cfg, WeightBytes.of_float(cfg, weight_itemsize), kv, 4 if weight_itemsize == 4 else 2)
 
     @classmethod
     def from_stats(cls, cfg: Any, stats: dict) -> "ModelCost":
         """From the model's config and the engine's stats(): the engine's own weight bytes and KV bytes."""
         weights = WeightBytes(stats["weight_bytes"], stats["embedding_table_bytes"], stats["embedding_row_bytes"],
                               stats["expert_weight_bytes"])
-        return cls.build(cfg, weights, stats["kv_bytes_per_token"])
+        return dataclasses.replace(cls.build(cfg, weights, stats["kv_bytes_per_token"]),
+                                   state_bytes_per_sequence=stats.get("state_bytes_per_sequence", 0))
 
     @property
     def attn_layers(self) -> int:
@@ -345,7 +352,7 @@ class ModelCost:
         """Bytes one step reads, summed over its iterations (step.iteration_spans)."""
         return sum(bytes_read(self.iteration_weight_bytes(sum(n for _, n in live)),
                               self.kv_bytes_per_token / self.attn_layers, self.layer_context([s + n for s, n in live]))
-                   for live in step.iteration_spans())
+                   + len(live) * self.state_bytes_per_sequence for live in step.iteration_spans())
 
     def iteration_weight_bytes(self, tokens: int) -> int:
         """Weight bytes one iteration over `tokens` tokens reads: W_read, a row per token, the experts reached."""

@@ -175,3 +175,28 @@ def test_activation_reserve_covers_the_compiled_step(vocab, width, ffn):
                                          n_heads=mc.n_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
                                          dtype_bytes=2)
     assert reserve >= temp, (reserve, temp)
+
+
+def test_each_live_sequence_reads_its_recurrent_state(hf_model_dir):
+    """The Granite 4.0-H shape of tests/hf_models.py ("granitemoehybrid": 3 Mamba-2 layers of 8 heads
+    of 16, 2 groups of state size 8, 4 taps): each sequence live in an iteration reads its state once,
+    by hand 3 x (8 float32 [8, 16] matrices + 3 convolution inputs of 8 x 16 + 2 x 2 x 8 = 160 float32
+    channels), beside the weights and KV (a multi-step decode's sequence once per iteration it runs);
+    the float32 engine's stats() report the same, which ModelCost.from_stats reads back."""
+    import dataclasses
+
+    from jaxinfer.models.hf_configs import model_config_from_hf
+    folder = hf_model_dir("granitemoehybrid")
+    cfg = model_config_from_hf(folder)
+    state = 3 * (4 * 8 * 8 * 16 + 3 * 160 * 4)
+    cost = ModelCost.from_config(cfg, 4, 4)
+    stateless = dataclasses.replace(cost, state_bytes_per_sequence=0)
+    assert cost.state_bytes_per_sequence == state
+    for step, live in ((StepRecord(0.0, [(7, 1)]), 1), (StepRecord(0.0, [(7, 1), (9, 16)]), 2),
+                       (StepRecord(0.0, [(7, 1), (9, 1)], iterations=[3, 1]), 4)):
+        assert cost.step_bytes(step) - stateless.step_bytes(step) == live * state
+    g = Generator.from_pretrained(folder, dtype="float32", max_model_len=64, max_num_seqs=2, block_size=8,
+                                  num_blocks=9, max_num_batched_tokens=16, warmup=False)
+    stats = g.stats()
+    assert stats["state_bytes_per_sequence"] == state
+    assert ModelCost.from_stats(g.model_cfg, stats).state_bytes_per_sequence == state
