@@ -102,6 +102,32 @@ def test_state_bytes_and_refused_configs():
                        ({"mamba_proj_bias": True}, "mamba_proj_bias=true is not supported"),
                        ({"layer_types": types[:-1]}, "layer_types must name 'mamba' / 'attention' for each of the 40"),
                        ({"time_step_limit": [1.0, 0.5]}, "time_step_limit"),
-                       ({"layer_types": ["mamba"] * 40}, "layer_kinds")):
+                       ({"layer_types": ["mamba"] * 40}, "needs at least one attention layer")):
         with pytest.raises(ConfigError, match=match):
             model_config_from_hf({**base, **bad})
+    # -Micro's dense form as uploaded: 0 experts, 0 of them a token, the shared MLP alone
+    dense = model_config_from_hf({**base, "num_local_experts": 0, "num_experts_per_tok": 0,
+                                  "shared_intermediate_size": 8192})
+    assert (dense.num_experts, dense.ffn_dim, dense.state_bytes_per_slot(2)) == (0, 8192, state)
+
+
+def test_all_attention_upload_is_granite(tmp_path):
+    """The class's uploads without Mamba-2 layers (Granite 4.0-Micro, -1B, -350M: every layer_types
+    entry "attention"): logits and greedy tokens through the paged engine are transformers', and no
+    state is kept (prefix caching stays on)."""
+    import torch
+
+    from jaxinfer import SamplingParams
+    hf = build_hf_model("granitemoehybrid", overrides={"layer_types": ["attention"] * 4})
+    hf.save_pretrained(tmp_path)
+    prompt = np.random.RandomState(5).randint(3, 100, 20).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].numpy()
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    gen = Generator.from_pretrained(tmp_path, dtype="float32", max_model_len=64, max_num_seqs=2, block_size=8,
+                                    num_blocks=17, max_num_batched_tokens=16, warmup=False)
+    assert not gen.model_cfg.has_state and gen.engine.resolved.enable_prefix_caching
+    assert np.abs(gen.logits(prompt) - ref).max() <= 1e-4 * np.abs(ref).max()
+    assert gen.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0,
+                                                 ignore_eos=True))[0].token_ids == want

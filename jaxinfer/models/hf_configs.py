@@ -91,8 +91,10 @@ def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
             f"unsupported architecture {arch or model_type!r} (config.json 'architectures'){hint}; "
             f"supported: {sorted([*_HF_BUILDERS, *_MULTIMODAL])}")
     config = {**_HF_DEFAULTS.get(arch, {}), **config}   # an explicit null stays null
+    # (a dense Granite 4.0 upload says so by 0 experts, 0 of them a token)
     dense_hybrid = arch == "GraniteMoeHybridForCausalLM" and config.get("num_local_experts") == 0
-    check_hf_fields({k: v for k, v in config.items() if not (dense_hybrid and k == "num_local_experts")}, where)
+    check_hf_fields({k: v for k, v in config.items()
+                     if not (dense_hybrid and k in ("num_local_experts", "num_experts_per_tok"))}, where)
     try:
         return builder(config, arch)
     except KeyError as e:
@@ -796,12 +798,18 @@ def _granitemoehybrid(c: dict[str, Any], arch: str) -> ModelConfig:
     mamba_conv_bias), the step clamped to time_step_limit, between attention layers ("attention" /
     "full_attention") with RoPE only where position_embedding_type is "rope" (the uploads: none);
     Granite's four multipliers; each layer's MLP GraniteMoeShared's (num_local_experts > 0: experts
-    plus the shared MLP of shared_intermediate_size) or that shared MLP alone (0)."""
+    plus the shared MLP of shared_intermediate_size) or that shared MLP alone (0). The class's
+    all-attention uploads (Granite 4.0-Micro, -1B, -350M) are Granite (3.x)'s blocks under these names;
+    an all-Mamba model (no attention layer, the class's default layer_types) is refused."""
     n = c["num_hidden_layers"]
     remap = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention"}
     types = c.get("layer_types") or c.get("layers_block_type") or ["mamba"] * n
     if not isinstance(types, list) or len(types) != n or set(types) - set(remap):
         raise ConfigError(f"layer_types must name 'mamba' / 'attention' for each of the {n} layers, got {types!r}")
+    kinds = tuple(remap[t] for t in types)
+    if "attention" not in kinds:
+        raise ConfigError("a model whose every layer is Mamba-2 (layer_types absent, or all 'mamba') is not "
+                          "supported: jaxinfer's engine needs at least one attention layer")
     heads, expand, hidden = c["mamba_n_heads"], c["mamba_expand"], c["hidden_size"]
     head_dim = c.get("mamba_d_head", "auto")
     if head_dim == "auto" and _is_int(heads) and heads > 0 and _is_int(expand):
@@ -832,8 +840,10 @@ def _granitemoehybrid(c: dict[str, Any], arch: str) -> ModelConfig:
     else:
         cfg = _granite({**base, "intermediate_size": c["shared_intermediate_size"]}, arch)
     rope = c.get("position_embedding_type") == "rope"
+    if "mamba" not in kinds:   # Granite 4.0-Micro / -1B / -350M: attention only
+        return dataclasses.replace(cfg, rope_layers=None if rope else (False,) * n)
     return dataclasses.replace(
-        cfg, layer_kinds=tuple(remap[t] for t in types), rope_layers=None if rope else (False,) * n,
+        cfg, layer_kinds=kinds, rope_layers=None if rope else (False,) * n,
         conv_kernel=sizes["mamba_d_conv"], conv_bias=bool(c.get("mamba_conv_bias", True)),
         linear_k_heads=sizes["mamba_n_groups"], linear_v_heads=heads, linear_k_dim=sizes["mamba_d_state"],
         linear_v_dim=head_dim, ssm_dt_limit=None if tuple(limit) == (0.0, math.inf) else (float(limit[0]), float(limit[1])))

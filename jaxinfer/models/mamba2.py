@@ -68,8 +68,8 @@ class Mamba2(nnx.Module):
         k, q = jnp.repeat(bc[:, 0], h // g, axis=1), jnp.repeat(bc[:, 1], h // g, axis=1)      # (T, H, N)
         dt = jax.nn.softplus((a.astype(f32) + self.dt_bias.get_value().astype(f32)).astype(dtype).astype(f32))
         dt = dt.astype(dtype).astype(f32)
-        if cfg.ssm_dt_limit is not None:
-            dt = jnp.clip(dt, *cfg.ssm_dt_limit)
+        if cfg.ssm_dt_limit is not None:   # (as torch clamps a tensor of the model's dtype: each bound rounded to it)
+            dt = jnp.clip(dt, *cfg.ssm_dt_limit).astype(dtype).astype(f32)
         decay = -jnp.exp(self.A_log.get_value().astype(f32)) * dt                                 # (T, H)
         o, hs = recurrent_step(q, k, xs, decay, dt, row, positions, state, meta, self.closed_form, delta=False)
         y = (o + self.D.get_value().astype(f32)[:, None] * xs).reshape(t, h * p) * jax.nn.silu(z.astype(f32))
