@@ -810,6 +810,21 @@ def _granitemoehybrid(c: dict[str, Any], arch: str) -> ModelConfig:
     if "attention" not in kinds:
         raise ConfigError("a model whose every layer is Mamba-2 (layer_types absent, or all 'mamba') is not "
                           "supported: jaxinfer's engine needs at least one attention layer")
+    experts = c.get("num_local_experts", c.get("num_experts")) or 0
+    base = {**c, "sliding_window": None}
+    if experts:
+        cfg = dataclasses.replace(_granitemoe(base, "GraniteMoeSharedForCausalLM"), architecture=arch)
+    else:
+        cfg = _granite({**base, "intermediate_size": c["shared_intermediate_size"]}, arch)
+    rope = c.get("position_embedding_type") == "rope"
+    cfg = dataclasses.replace(cfg, rope_layers=None if rope else (False,) * n)
+    if "mamba" not in kinds:   # Granite 4.0-Micro / -1B / -350M: attention only
+        return cfg
+    return dataclasses.replace(cfg, layer_kinds=kinds, **_mamba2_fields(c))
+
+
+def _mamba2_fields(c: dict[str, Any]) -> dict[str, Any]:
+    """GraniteMoeHybrid's Mamba-2 sizes (mamba_*, time_step_limit) as ModelConfig's fields."""
     heads, expand, hidden = c["mamba_n_heads"], c["mamba_expand"], c["hidden_size"]
     head_dim = c.get("mamba_d_head", "auto")
     if head_dim == "auto" and _is_int(heads) and heads > 0 and _is_int(expand):
@@ -830,23 +845,13 @@ def _granitemoehybrid(c: dict[str, Any], arch: str) -> ModelConfig:
     if isinstance(limit, (list, tuple)):   # transformers >= 5 saves an infinity as {"__float__": "Infinity"}
         limit = [float(v["__float__"]) if isinstance(v, dict) and isinstance(v.get("__float__"), str) else v
                  for v in limit]
-    if not (isinstance(limit, (list, tuple)) and len(limit) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v) for v in limit)
-            and 0 <= limit[0] <= limit[1]):
+    real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)  # noqa: E731
+    if not (isinstance(limit, (list, tuple)) and len(limit) == 2 and all(map(real, limit)) and 0 <= limit[0] <= limit[1]):
         raise ConfigError(f"field 'time_step_limit' must be [low, high] with 0 <= low <= high, got {limit!r}")
-    experts = c.get("num_local_experts", c.get("num_experts")) or 0
-    base = {**c, "sliding_window": None}
-    if experts:
-        cfg = dataclasses.replace(_granitemoe(base, "GraniteMoeSharedForCausalLM"), architecture=arch)
-    else:
-        cfg = _granite({**base, "intermediate_size": c["shared_intermediate_size"]}, arch)
-    rope = c.get("position_embedding_type") == "rope"
-    if "mamba" not in kinds:   # Granite 4.0-Micro / -1B / -350M: attention only
-        return dataclasses.replace(cfg, rope_layers=None if rope else (False,) * n)
-    return dataclasses.replace(
-        cfg, layer_kinds=kinds, rope_layers=None if rope else (False,) * n,
-        conv_kernel=sizes["mamba_d_conv"], conv_bias=bool(c.get("mamba_conv_bias", True)),
-        linear_k_heads=sizes["mamba_n_groups"], linear_v_heads=heads, linear_k_dim=sizes["mamba_d_state"],
-        linear_v_dim=head_dim, ssm_dt_limit=None if tuple(limit) == (0.0, math.inf) else (float(limit[0]), float(limit[1])))
+    return dict(conv_kernel=sizes["mamba_d_conv"], conv_bias=bool(c.get("mamba_conv_bias", True)),
+                linear_k_heads=sizes["mamba_n_groups"], linear_v_heads=heads, linear_k_dim=sizes["mamba_d_state"],
+                linear_v_dim=head_dim,
+                ssm_dt_limit=None if tuple(limit) == (0.0, math.inf) else (float(limit[0]), float(limit[1])))
 
 
 def _olmo1(c: dict[str, Any], arch: str) -> ModelConfig:
