@@ -334,16 +334,24 @@ def _lfm2(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
             "conv_bias": bool(conv) and f"blk.{conv[0]}.shortconv.in_proj.bias" in f.tensors}
 
 
-def _deltanet(f: GGUFFile) -> dict[str, Any]:
-    """llama.cpp's qwen35 / qwen35moe / qwen3next (Qwen3NextModel.set_gguf_parameters): the Gated
-    DeltaNet's sizes in ssm.* (conv_kernel; state_size: a key head's width; group_count: key heads;
-    time_step_rank: value heads; inner_size: value heads x their width) and full_attention_interval."""
-    keys = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
-            "full_attention_interval")
+# the recurrent layers' sizes (llama.cpp's LLM_KV_SSM_*): qwen35 / qwen35moe / qwen3next, granitehybrid
+_SSM_KEYS = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size")
+
+
+def _required(f: GGUFFile, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The architecture's metadata `keys` (under its prefix), the first missing one named."""
     got = {k: f.arch_get(k) for k in keys}
     missing = [k for k, v in got.items() if v is None]
     if missing:
         raise CheckpointError(f"{f.path}: metadata {f.arch}.{missing[0]} is missing")
+    return got
+
+
+def _deltanet(f: GGUFFile) -> dict[str, Any]:
+    """llama.cpp's qwen35 / qwen35moe / qwen3next (Qwen3NextModel.set_gguf_parameters): the Gated
+    DeltaNet's sizes in ssm.* (conv_kernel; state_size: a key head's width; group_count: key heads;
+    time_step_rank: value heads; inner_size: value heads x their width) and full_attention_interval."""
+    got = _required(f, (*_SSM_KEYS, "full_attention_interval"))
     v_heads, inner = int(got["ssm.time_step_rank"]), int(got["ssm.inner_size"])
     if v_heads <= 0 or inner % v_heads:
         raise CheckpointError(f"{f.path}: {f.arch}.ssm.inner_size = {inner} is not a multiple of "
@@ -528,12 +536,7 @@ def _granitehybrid(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(kv, list) or len(kv) != n:
         raise CheckpointError(f"{f.path}: granitehybrid.attention.head_count_kv must give each of the {n} layers' "
                               f"KV heads (0 on a Mamba-2 layer), got {kv!r}")
-    keys = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
-            "expert_shared_feed_forward_length")
-    got = {k: f.arch_get(k) for k in keys}
-    missing = [k for k, v in got.items() if v is None]
-    if missing:
-        raise CheckpointError(f"{f.path}: metadata granitehybrid.{missing[0]} is missing")
+    got = _required(f, (*_SSM_KEYS, "expert_shared_feed_forward_length"))
     heads, inner, hidden = int(got["ssm.time_step_rank"]), int(got["ssm.inner_size"]), cfg["hidden_size"]
     if heads <= 0 or inner % heads or inner % hidden:
         raise CheckpointError(f"{f.path}: granitehybrid.ssm.inner_size = {inner} must be a multiple of "

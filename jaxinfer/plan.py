@@ -326,7 +326,7 @@ class CapacityPlan:
     per_device_weight_bytes: int
     per_device_kv_bytes_per_token: int
     per_device_kv_bytes_per_sequence: int
-    per_device_state_bytes_per_sequence: int   # conv / Gated DeltaNet layers' per-sequence state (else 0)
+    per_device_state_bytes_per_sequence: int   # conv / Gated DeltaNet / Mamba-2 layers' per-sequence state (else 0)
     per_device_kv_budget_bytes: int
     max_sequences: int
     max_kv_tokens: int
@@ -485,7 +485,7 @@ def format_plan(p: CapacityPlan) -> str:
         f"                  KV budget {_gib(p.per_device_kv_budget_bytes)}; KV {p.kv_sharding} over tp: "
         f"{p.per_device_kv_bytes_per_token:,} B/token, {_gib(p.per_device_kv_bytes_per_sequence)} per sequence",
         *([f"                  + state {_gib(p.per_device_state_bytes_per_sequence)} per sequence (conv / Gated "
-            "DeltaNet layers)"] if p.per_device_state_bytes_per_sequence else []),
+            "DeltaNet / Mamba-2 layers)"] if p.per_device_state_bytes_per_sequence else []),
         f"capacity          {p.max_sequences:,} sequences of {p.context:,} tokens "
         f"({p.max_kv_tokens:,} KV tokens in all)",
         "",

@@ -1,6 +1,7 @@
 """The check that a model whose layers keep a state per sequence (LFM2's conv layers, Qwen3-Next's and
-Qwen3.5's Gated DeltaNet layers) carries it through the paged engine, against transformers' own
-model (tests/test_lfm2.py, tests/test_qwen3_next.py)."""
+Qwen3.5's Gated DeltaNet layers, Granite 4.0-H's Mamba-2 layers) carries it through the paged engine,
+against transformers' own model (tests/test_lfm2.py, tests/test_qwen3_next.py,
+tests/test_granite_hybrid.py)."""
 from __future__ import annotations
 
 import numpy as np
