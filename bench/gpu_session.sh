@@ -32,11 +32,12 @@
 # (timeout_s 330) to keep the machine warm. Calls 3-6 are the next sessions' (timeout_s 500 for 3, 570
 # for 5, 420 for 6; 3 and 4 together: ~810 s of commands, so call 4 within 30 s of call 3's reply).
 # Call 7 fits beside 3 or 4 in one session (timeout_s 320).
-#   bash bench/gpu_session.sh 8   # <= 2.5 min: bench.deltanet, the Gated DeltaNet's recurrence (Qwen3.5,
-#                                 # Qwen3-Next): its chunks' closed form, which only a GPU runs, against the
-#                                 # token-by-token loop (CPU: 0.64x for a 512-token prompt; the prediction
-#                                 # on a GPU: several times faster, each token of the loop being a few
-#                                 # kernel launches); fits beside any call (timeout_s 170)
+#   bash bench/gpu_session.sh 8   # <= 5 min: bench.deltanet, the Gated DeltaNet's recurrence (Qwen3.5,
+#                                 # Qwen3-Next), then Mamba-2's (--rule mamba2: Granite 4.0-H): the chunks'
+#                                 # closed form, which only a GPU runs, against the token-by-token loop
+#                                 # (CPU: 0.64x for a 512-token prompt, Mamba-2's 0.56x; the prediction on
+#                                 # a GPU: several times faster, each token of the loop being a few kernel
+#                                 # launches); fits beside call 7 or alone (timeout_s 320)
 # Results land in $OUT (JSON, logs as one tarball); copy them to bench/results/ and commit them.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -98,6 +99,9 @@ case "${1:-}" in
     timeout -s INT 150 python3 -m bench.deltanet --reps 9 --out "$OUT/deltanet.json" \
         > "$LOGS/deltanet.log" 2>&1 || rc=$?
     tail -12 "$LOGS/deltanet.log"
+    timeout -s INT 150 python3 -m bench.deltanet --rule mamba2 --reps 9 --out "$OUT/mamba2.json" \
+        > "$LOGS/mamba2.log" 2>&1 || rc=$?
+    tail -12 "$LOGS/mamba2.log"
     ;;
 *)
     echo "usage: bash bench/gpu_session.sh 1|2|3|4|5|6|7|8" >&2
