@@ -118,8 +118,9 @@ def _chunk_closed_form(h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g
     diff = big[:, None, :] - big[None, :, :]                                       # (C, C, Hv): G_i - G_j
     decay = lambda m: jnp.exp(jnp.where(m[..., None], diff, -jnp.inf))  # noqa: E731
     onehot = (seg[:, None] == jnp.arange(r)[None, :]).astype(jnp.float32)          # (C, R)
-    per_segment = jnp.einsum("rhkv,ihck->rihcv", h, jnp.stack([k, q], axis=2), precision=HIGHEST)    # (R, C, Hv, 2, dv)
-    read = jnp.einsum("ir,rihcv->ihcv", onehot, per_segment, precision=HIGHEST)    # H^T k, H^T q per token
+    keys = jnp.stack([k, q], axis=2) if delta else q[:, :, None]                   # (C, Hv, 2 or 1, dk)
+    per_segment = jnp.einsum("rhkv,ihck->rihcv", h, keys, precision=HIGHEST)       # (R, C, Hv, 2 or 1, dv)
+    read = jnp.einsum("ir,rihcv->ihcv", onehot, per_segment, precision=HIGHEST)    # (H^T k,) H^T q per token
     eg = jnp.exp(big)[..., None]
     rhs = beta[..., None] * (v - eg * read[:, :, 0] if delta else v)               # (C, Hv, dv)
     if delta:
@@ -130,7 +131,7 @@ def _chunk_closed_form(h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g
     else:
         u = rhs
     qk = jnp.einsum("ihd,jhd->ijh", q, k, precision=HIGHEST) * decay(incl)
-    o = eg * read[:, :, 1] + jnp.einsum("ijh,jhv->ihv", qk, u, precision=HIGHEST)
+    o = eg * read[:, :, -1] + jnp.einsum("ijh,jhv->ihv", qk, u, precision=HIGHEST)
     last = jnp.max(jnp.where(onehot > 0, idx[:, None], -1), axis=0)                # (R,) -1: no token
     glast = jnp.where((last >= 0)[:, None], big[jnp.maximum(last, 0)], 0.0)        # (R, Hv)
     w = onehot.T[..., None] * jnp.exp(jnp.minimum(glast[:, None, :] - big[None], 0.0))   # (R, C, Hv)
@@ -160,10 +161,11 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     at = jnp.minimum(tok, t - 1)
     qa, ka, va, ba = q[at], k[at], v[at], beta[at]
     decay = jnp.where(has[:, None], jnp.where((positions[at] == 0)[:, None], 0.0, jnp.exp(g[at])), 1.0)   # (S, Hv)
-    read = jnp.einsum("shkv,shck->shcv", h0, jnp.stack([ka, qa], axis=2), precision=HIGHEST) * decay[:, :, None, None]
+    keys = jnp.stack([ka, qa], axis=2) if delta else qa[:, :, None]    # H^T k only for the delta correction
+    read = jnp.einsum("shkv,shck->shcv", h0, keys, precision=HIGHEST) * decay[:, :, None, None]
     add = jnp.where(has[:, None, None], ((va - read[:, :, 0]) if delta else va) * ba[..., None], 0.0)   # (S, Hv, dv)
     h = h0 * decay[..., None, None] + ka[..., :, None] * add[..., None, :]
-    o1 = read[:, :, 1] + jnp.sum(ka * qa, axis=-1)[..., None] * add
+    o1 = read[:, :, -1] + jnp.sum(ka * qa, axis=-1)[..., None] * add
     o = jnp.zeros(v.shape, jnp.float32).at[jnp.where(has, tok, t)].set(o1, mode="drop")
     # the other rows' tokens, compacted in order, by chunks
     multi = valid & ~single
