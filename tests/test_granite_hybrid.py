@@ -102,13 +102,19 @@ def test_state_bytes_and_refused_configs():
                        ({"mamba_proj_bias": True}, "mamba_proj_bias=true is not supported"),
                        ({"layer_types": types[:-1]}, "layer_types must name 'mamba' / 'attention' for each of the 40"),
                        ({"time_step_limit": [1.0, 0.5]}, "time_step_limit"),
-                       ({"layer_types": ["mamba"] * 40}, "needs at least one attention layer")):
+                       ({"layer_types": ["mamba"] * 40}, "needs at least one attention layer"),
+                       ({"num_experts_per_tok": 0}, "'num_experts_per_tok' must be a positive integer with 64"),
+                       ({"num_local_experts": -1}, "'num_local_experts' must be a positive integer")):
         with pytest.raises(ConfigError, match=match):
             model_config_from_hf({**base, **bad})
     # -Micro's dense form as uploaded: 0 experts, 0 of them a token, the shared MLP alone
     dense = model_config_from_hf({**base, "num_local_experts": 0, "num_experts_per_tok": 0,
                                   "shared_intermediate_size": 8192})
     assert (dense.num_experts, dense.ffn_dim, dense.state_bytes_per_slot(2)) == (0, 8192, state)
+    # 0 meaning none is this architecture's: a Granite MoE upload with 0 experts is still refused
+    with pytest.raises(ConfigError, match="'num_local_experts' must be a positive integer, got 0"):
+        model_config_from_hf({**base, "architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe",
+                              "num_local_experts": 0})
 
 
 def test_all_attention_upload_is_granite(tmp_path):

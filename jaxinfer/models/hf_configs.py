@@ -30,6 +30,9 @@ _HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
                   "qk_rope_head_dim", "v_head_dim")
 _HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "norm_epsilon", "layer_norm_eps", "logit_scale", "rope_theta",
                     "rope_local_base_freq", "swiglu_alpha")
+# integer fields an architecture's config may set to 0, meaning none (a dense Granite 4.0 upload: 0
+# experts, 0 of them a token; the builder then reads shared_intermediate_size)
+_HF_ZERO_MEANS_NONE = {"GraniteMoeHybridForCausalLM": ("num_local_experts", "num_experts", "num_experts_per_tok")}
 _HF_OPTIONAL_POSITIVE = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
                          "partial_rotary_factor", "swiglu_limit")
 
@@ -91,10 +94,7 @@ def build_model_config(config: dict[str, Any], where: str) -> ModelConfig:
             f"unsupported architecture {arch or model_type!r} (config.json 'architectures'){hint}; "
             f"supported: {sorted([*_HF_BUILDERS, *_MULTIMODAL])}")
     config = {**_HF_DEFAULTS.get(arch, {}), **config}   # an explicit null stays null
-    # (a dense Granite 4.0 upload says so by 0 experts, 0 of them a token)
-    dense_hybrid = arch == "GraniteMoeHybridForCausalLM" and config.get("num_local_experts") == 0
-    check_hf_fields({k: v for k, v in config.items()
-                     if not (dense_hybrid and k in ("num_local_experts", "num_experts_per_tok"))}, where)
+    check_hf_fields(config, where, arch)
     try:
         return builder(config, arch)
     except KeyError as e:
@@ -202,11 +202,13 @@ def _has_head(folder: Path) -> bool | None:
     return bool(names & {"lm_head.weight", "language_model.lm_head.weight"})
 
 
-def check_hf_fields(c: dict[str, Any], where: str) -> None:
-    """One clear line for a field of the wrong type or an absurd size, before any arithmetic on it."""
+def check_hf_fields(c: dict[str, Any], where: str, arch: str = "") -> None:
+    """One clear line for a field of the wrong type or an absurd size, before any arithmetic on it
+    (`arch`: the architecture, whose _HF_ZERO_MEANS_NONE fields may be 0)."""
+    may_be_zero = _HF_ZERO_MEANS_NONE.get(arch, ())
     for k in _HF_INT_FIELDS:
         v = c.get(k)
-        if v is not None and (not _is_int(v) or v <= 0):
+        if v is not None and (not _is_int(v) or v < 0 or (v == 0 and k not in may_be_zero)):
             raise ConfigError(f"{where}: field {k!r} must be a positive integer, got {v!r}")
     for k in _HF_FLOAT_FIELDS:
         v = c.get(k)
@@ -811,6 +813,9 @@ def _granitemoehybrid(c: dict[str, Any], arch: str) -> ModelConfig:
         raise ConfigError("a model whose every layer is Mamba-2 (layer_types absent, or all 'mamba') is not "
                           "supported: jaxinfer's engine needs at least one attention layer")
     experts = c.get("num_local_experts", c.get("num_experts")) or 0
+    if experts and not c.get("num_experts_per_tok"):   # (check_hf_fields lets it be 0 for a dense upload)
+        raise ConfigError(f"field 'num_experts_per_tok' must be a positive integer with {experts} experts, "
+                          f"got {c.get('num_experts_per_tok')!r}")
     base = {**c, "sliding_window": None}
     if experts:
         cfg = dataclasses.replace(_granitemoe(base, "GraniteMoeSharedForCausalLM"), architecture=arch)
