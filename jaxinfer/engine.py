@@ -141,7 +141,7 @@ class Engine:
             assert self.runner.host_kv.block_bytes == self.blocks.host.block_bytes
         self.weights = weights
         self.cost = perf.ModelCost.build(self.model_cfg, weights, self.runner.kv_bytes_per_token,
-                                         self.runner.state_itemsize)
+                                         self.runner.state_bytes_per_sequence)
         self.output = OutputProcessor(tokenizer)   # text, stop strings and deltas of every sample
         self._ids = itertools.count()
         self.stats_ = StepStats()

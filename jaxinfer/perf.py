@@ -307,9 +307,10 @@ class ModelCost:
     state_bytes_per_sequence: int = 0     # a sequence's state over its state layers (ModelConfig.state_bytes_per_slot)
 
     @classmethod
-    def build(cls, cfg: Any, weights: WeightBytes, kv_bytes_per_token: int, state_itemsize: int = 2) -> "ModelCost":
-        """From a ModelConfig, its weight bytes and its KV bytes per token; a state layer's convolution
-        inputs in state_itemsize bytes (the model's dtype)."""
+    def build(cls, cfg: Any, weights: WeightBytes, kv_bytes_per_token: int,
+              state_bytes_per_sequence: int = 0) -> "ModelCost":
+        """From a ModelConfig, its weight bytes, its KV bytes per token and a sequence's state bytes
+        (ModelConfig.state_bytes_per_slot in the dtype the states are kept in; 0 without state layers)."""
         c = cfg.param_counts()
         body = cfg.num_active_params() - c["embedding"] - c["lm_head"] - c["positions"]
         experts = c["moe_layers"] * cfg.num_experts
@@ -318,22 +319,22 @@ class ModelCost:
                    tuple(0 if cfg.is_state_layer(i) else cfg.layer_window(i) for i in range(cfg.n_layers)), weights.row,
                    weights.experts // experts if experts else 0, c["moe_layers"],
                    cfg.num_experts if experts else 0, cfg.num_experts_per_tok if experts else 0,
-                   cfg.state_bytes_per_slot(state_itemsize))
+                   state_bytes_per_sequence)
 
     @classmethod
     def from_config(cls, cfg: Any, weight_itemsize: float, kv_itemsize: int) -> "ModelCost":
         """Float weights of `weight_itemsize` bytes and float (or int8) KV pages of `kv_itemsize`."""
         kv = kv_bytes_per_token(cfg.n_attn_layers, cfg.n_kv_heads, cfg.head_dim, _KV_DTYPE_OF_ITEMSIZE[kv_itemsize],
                                 getattr(cfg, "kv_value_dim", None))
-        return cls.build(cfg, WeightBytes.of_float(cfg, weight_itemsize), kv, 4 if weight_itemsize == 4 else 2)
+        return cls.build(cfg, WeightBytes.of_float(cfg, weight_itemsize), kv,
+                         cfg.state_bytes_per_slot(4 if weight_itemsize == 4 else 2))
 
     @classmethod
     def from_stats(cls, cfg: Any, stats: dict) -> "ModelCost":
         """From the model's config and the engine's stats(): the engine's own weight bytes and KV bytes."""
         weights = WeightBytes(stats["weight_bytes"], stats["embedding_table_bytes"], stats["embedding_row_bytes"],
                               stats["expert_weight_bytes"])
-        return dataclasses.replace(cls.build(cfg, weights, stats["kv_bytes_per_token"]),
-                                   state_bytes_per_sequence=stats.get("state_bytes_per_sequence", 0))
+        return cls.build(cfg, weights, stats["kv_bytes_per_token"], stats.get("state_bytes_per_sequence", 0))
 
     @property
     def attn_layers(self) -> int:

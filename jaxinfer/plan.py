@@ -286,7 +286,8 @@ def model_cost(cfg: ModelConfig, dtype: str = "bfloat16", kv_dtype: str | None =
         weight_bytes(cfg, dtype)["total"], round((untied * c["embedding"] + c["positions"]) * other),
         round((untied + (1 if c["positions"] else 0)) * cfg.d_model * other),
         c["moe_layers"] * cfg.num_experts * _expert_bytes(cfg, dtype))
-    return perf.ModelCost.build(cfg, weights, kv_bytes_per_token(cfg, kv_dtype), 4 if dtype == "float32" else 2)
+    return perf.ModelCost.build(cfg, weights, kv_bytes_per_token(cfg, kv_dtype),
+                                cfg.state_bytes_per_slot(4 if dtype == "float32" else 2))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, *, layers: int | None = None,

@@ -142,8 +142,6 @@ class ModelRunner:
         self.mesh = model_mesh(self.params)   # None unless the model was sharded (sharding.shard_decoder)
         # conv layers' states are in the activations' dtype, the embedding's (a PipelinedDecoder has none)
         self._state_dtype = model.embed.get_value().dtype if mc.has_state else None
-        # the bytes of a state layer's convolution inputs (the model's dtype): perf.ModelCost's state traffic
-        self.state_itemsize = 2 if self._state_dtype is None else self._state_dtype.itemsize
         self.kv_sharding, self.kv_pages = self._init_kv_pages(kv_dtype)
         self.kv_bytes_per_token = perf.kv_bytes_per_token(mc.n_attn_layers, mc.n_kv_heads, mc.head_dim, cfg.kv_dtype,
                                                            mc.kv_value_dim)
@@ -232,6 +230,12 @@ class ModelRunner:
     def target_params(self):
         """The served model's params (a speculative engine's target, without the draft or heads)."""
         return self.params.target if isinstance(self.params, (TargetDraft, TargetHeads)) else self.params
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """One sequence's state slot in the dtype it is kept in (0 without state layers):
+        perf.ModelCost's state traffic."""
+        return 0 if self._state_dtype is None else self.model_cfg.state_bytes_per_slot(self._state_dtype.itemsize)
 
     def release_pages(self) -> None:
         """Free the KV pages (the draft's too); restore_pages allocates them again, zeroed."""
