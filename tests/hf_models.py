@@ -265,6 +265,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         layer_types=["attention", "mamba", "mamba", "attention"], mamba_n_heads=4, mamba_n_groups=1,
         mamba_d_state=12, mamba_d_head=16, mamba_expand=1, mamba_d_conv=3, mamba_conv_bias=False,
         mamba_chunk_size=16, tie_word_embeddings=False)),
+    # Bamba-9B's shape: Mamba-2 layers (8 heads of 16 in 2 groups of state size 8, 4 taps with a bias)
+    # around attention layers that rotate half of each 16-wide head, Llama's MLP on every layer; no
+    # multipliers; untied
+    "bamba": ("bamba", dict(
+        _COMMON, vocab_size=109, intermediate_size=80, num_hidden_layers=4, num_key_value_heads=2,
+        attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_head=16,
+        mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=16, initializer_range=0.2, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
     # Llama 4 Scout: Llama 3 RoPE in pairs on every other layer (no_rope_layer_interval 2) with the
     # weightless q / k norm after it, the others unrotated with their queries scaled by position
     # (floor_scale small enough for the prompts to cross it); MoE on every layer: top-1 of 4 experts,
@@ -565,6 +573,7 @@ def build_hf_model(name: str, seed: int = 0, overrides: dict | None = None):
            "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
            "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
            "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+           "bamba": ("BambaConfig", "BambaForCausalLM"),
            "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
            "exaone": ("ExaoneConfig", "LlamaForCausalLM"), "internlm3": ("InternLM3Config", "LlamaForCausalLM")}[family]
     cls = (getattr(tf, names[0]), getattr(tf, names[1]))   # only this family's classes: one

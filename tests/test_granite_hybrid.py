@@ -3,7 +3,7 @@ last inputs and one [state, head] matrix per head) carried across chunked prefil
 multi-step decoding in a state slot of its own; the selective state space's rule against its
 token-by-token reference; what the engine refuses for such a model. The references are
 transformers' GraniteMoeHybridForCausalLM (tests/hf_models.py "granitemoehybrid", the MoE shape
-without positions, and "granitemoehybrid-dense", dense with RoPE)."""
+without positions, and "granitemoehybrid-dense", dense with RoPE) and BambaForCausalLM ("bamba")."""
 from __future__ import annotations
 
 import numpy as np
@@ -137,3 +137,36 @@ def test_all_attention_upload_is_granite(tmp_path):
     assert np.abs(gen.logits(prompt) - ref).max() <= 1e-4 * np.abs(ref).max()
     assert gen.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0,
                                                  ignore_eos=True))[0].token_ids == want
+
+
+def test_bamba(tmp_path):
+    """Bamba (transformers' BambaForCausalLM, tests/hf_models.py "bamba"): Granite 4.0-H's Mamba-2
+    layers around attention that rotates half of each head, without multipliers. A 20-token prompt's
+    logits (prefilled in 16-token chunks: the state carried across them) and greedy tokens (decode
+    steps beside a second prompt's prefill) are transformers' full forwards'; config.json's
+    partial_rotary_factor is 0.5 whatever it says (BambaConfig's), and a config without
+    attn_layer_indices (all Mamba-2) is refused by name."""
+    import json
+
+    import torch
+
+    from jaxinfer import SamplingParams
+    from jaxinfer.models.hf_configs import model_config_from_hf
+    hf = build_hf_model("bamba")
+    hf.save_pretrained(tmp_path)
+    prompts = [np.random.RandomState(5).randint(3, 100, n).tolist() for n in (20, 33)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompts[0]])).logits[0].numpy()
+    gen = Generator.from_pretrained(tmp_path, dtype="float32", max_model_len=64, max_num_seqs=2, block_size=8,
+                                    num_blocks=17, max_num_batched_tokens=16, warmup=False)
+    assert gen.model_cfg.rotary_dim == 8 and gen.model_cfg.attn_scale is None
+    assert np.abs(gen.logits(prompts[0]) - ref).max() <= 1e-4 * np.abs(ref).max()
+    outs = gen.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert model_config_from_hf({**config, "rope_parameters": {**config["rope_parameters"],
+                                                               "partial_rotary_factor": 1.0}}).rotary_dim == 8
+    with pytest.raises(ConfigError, match="without attn_layer_indices is all Mamba-2"):
+        model_config_from_hf({**config, "attn_layer_indices": None})
+    with pytest.raises(ConfigError, match="'attn_layer_indices' must list layers 0 .. 3"):
+        model_config_from_hf({**config, "attn_layer_indices": [1, 4]})

@@ -828,6 +828,26 @@ def _granitemoehybrid(c: dict[str, Any], arch: str) -> ModelConfig:
     return dataclasses.replace(cfg, layer_kinds=kinds, **_mamba2_fields(c))
 
 
+def _bamba(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Bamba (IBM's Bamba-9B v1 / v2; transformers' Bamba): Granite 4.0-H's dense form without its
+    multipliers. Mamba-2 layers everywhere but attn_layer_indices, whose attention rotates the first
+    half of each head (BambaConfig fixes partial_rotary_factor at 0.5, whatever config.json says),
+    and on every layer Llama's gated MLP of intermediate_size (feed_forward; mlp_bias). A config
+    without attn_layer_indices (the class's default) is all Mamba-2, refused."""
+    n = c["num_hidden_layers"]
+    idx = c.get("attn_layer_indices") or []
+    if not isinstance(idx, list) or not all(_is_int(i) and 0 <= i < n for i in idx):
+        raise ConfigError(f"field 'attn_layer_indices' must list layers 0 .. {n - 1}, got {idx!r}")
+    if not idx:
+        raise ConfigError("a Bamba model without attn_layer_indices is all Mamba-2 layers, which is not supported: "
+                          "jaxinfer's engine needs at least one attention layer")
+    types = ["attention" if i in idx else "mamba" for i in range(n)]
+    hybrid = {**c, "layer_types": types, "num_local_experts": 0, "shared_intermediate_size": c["intermediate_size"],
+              "position_embedding_type": "rope"}
+    cfg = _granitemoehybrid(hybrid, arch)
+    return dataclasses.replace(cfg, attn_scale=None, rotary_dim=cfg.head_dim // 2)
+
+
 def _mamba2_fields(c: dict[str, Any]) -> dict[str, Any]:
     """GraniteMoeHybrid's Mamba-2 sizes (mamba_*, time_step_limit) as ModelConfig's fields."""
     heads, expand, hidden = c["mamba_n_heads"], c["mamba_expand"], c["hidden_size"]
@@ -1689,6 +1709,7 @@ _HF_BUILDERS = {
     "GPTNeoXForCausalLM": _gpt_neox, "PhiForCausalLM": _phi, "FalconForCausalLM": _falcon,
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
     "GraniteMoeHybridForCausalLM": _granitemoehybrid,
+    "BambaForCausalLM": _bamba,
     "OlmoeForCausalLM": _olmoe, "MiniMaxM2ForCausalLM": _minimax_m2, "Dots1ForCausalLM": _dots1,
     "SolarOpenForCausalLM": _solar_open, "ExaoneMoeForCausalLM": _exaone_moe,
     "GraniteSWAForCausalLM": _granite_swa, "Jais2ForCausalLM": _jais2, "NemotronForCausalLM": _nemotron,
@@ -1737,7 +1758,7 @@ _ARCH_BY_MODEL_TYPE = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qw
                        "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM",
                        "stablelm": "StableLmForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                        "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
-                       "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+                       "granitemoehybrid": "GraniteMoeHybridForCausalLM", "bamba": "BambaForCausalLM",
                        "ministral3": "Ministral3ForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
                        "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "afmoe": "AfmoeForCausalLM",
                        "phimoe": "PhimoeForCausalLM", "apertus": "ApertusForCausalLM", "gptj": "GPTJForCausalLM",
@@ -1812,6 +1833,13 @@ _HF_DEFAULTS = {
                                     "mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256,
                                     "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2,
                                     "mamba_conv_bias": True, "mamba_proj_bias": False},
+    # BambaConfig's
+    "BambaForCausalLM": {"vocab_size": 128000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                         "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 262144,
+                         "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 1,
+                         "eos_token_id": 2, "mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256,
+                         "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2, "mamba_conv_bias": True,
+                         "mamba_proj_bias": False},
     "HunYuanDenseV1ForCausalLM": {"bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5},
     "HunYuanMoEV1ForCausalLM": {"bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5},
     "ExaoneForCausalLM": {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 14336,

@@ -462,21 +462,39 @@ def _lfm2_map(cfg: ModelConfig) -> WeightMap:
 def _granitemoehybrid_map(cfg: ModelConfig) -> WeightMap:
     """Granite 4.0-H: _llama_map with GraniteMoeShared's experts and shared MLP where num_experts, else
     that shared_mlp alone as the MLP (input_linear [2F, d]: gate's rows, then up's; output_linear);
-    each Mamba-2 layer under mamba: in_proj [I + C + H, d] (rows z, then x / B / C, then dt) split
-    into in_proj_z, in_proj_qkv and in_proj_a; conv1d.weight [C, 1, L] and its bias, dt_bias, A_log, D,
-    the gated norm's weight [I] and out_proj."""
+    each Mamba-2 layer's mixer under mamba (_mamba2_layers)."""
     m = _llama_map(cfg)
-    inner, c, h, f = cfg.linear_v_heads * cfg.linear_v_dim, cfg.linear_conv_dim, cfg.linear_v_heads, cfg.ffn_dim
+    f = cfg.ffn_dim
     for i in range(cfg.n_layers):
         o, p = f"layers/{i}", f"model.layers.{i}"
         if not cfg.is_moe_layer(i):
             m[f"{o}/mlp/gate"] = ((f"{p}.shared_mlp.input_linear.weight",), lambda w: _rows(w, 0, f, 2 * f).T)
             m[f"{o}/mlp/up"] = ((f"{p}.shared_mlp.input_linear.weight",), lambda w: _rows(w, f, 2 * f, 2 * f).T)
             m[f"{o}/mlp/down"] = ((f"{p}.shared_mlp.output_linear.weight",), _t)
+    return _mamba2_layers(m, cfg)
+
+
+# Bamba's names for Llama's MLP and norms
+_BAMBA_NAMES = ((".mlp.", ".feed_forward."), (".post_attention_layernorm.", ".pre_ff_layernorm."),
+                ("model.norm.", "model.final_layernorm."))
+
+
+def _bamba_map(cfg: ModelConfig) -> WeightMap:
+    """Bamba: _llama_map under Bamba's names (feed_forward, pre_ff_layernorm, final_layernorm), its
+    Mamba-2 layers Granite 4.0-H's (_mamba2_layers)."""
+    return _mamba2_layers(_renamed(_llama_map(cfg), _BAMBA_NAMES), cfg)
+
+
+def _mamba2_layers(m: WeightMap, cfg: ModelConfig) -> WeightMap:
+    """Each Mamba-2 layer's mixer in place of its attention: under mamba, in_proj [I + C + H, d] (rows
+    z, then x / B / C, then dt) split into in_proj_z, in_proj_qkv and in_proj_a; conv1d.weight [C, 1, L]
+    and its bias, dt_bias, A_log, D, the gated norm's weight [I] and out_proj."""
+    inner, c, h = cfg.linear_v_heads * cfg.linear_v_dim, cfg.linear_conv_dim, cfg.linear_v_heads
+    for i in range(cfg.n_layers):
         if not cfg.is_mamba_layer(i):
             continue
+        o, a = f"layers/{i}", f"model.layers.{i}.mamba"
         m = {k: v for k, v in m.items() if not k.startswith(f"{o}/attn/")}
-        a = f"{p}.mamba"
         for ours, lo, hi in (("in_proj_z", 0, inner), ("in_proj_qkv", inner, inner + c),
                              ("in_proj_a", inner + c, inner + c + h)):
             m[f"{o}/attn/{ours}"] = ((f"{a}.in_proj.weight",), lambda w, lo=lo, hi=hi: _rows(w, lo, hi, inner + c + h).T)
@@ -656,7 +674,8 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "GPTNeoForCausalLM": _gpt_neo_map,
          "Llama4ForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _LLAMA4_NAMES), "Lfm2ForCausalLM": _lfm2_map,
          "Lfm2MoeForCausalLM": _lfm2_map, "Qwen3NextForCausalLM": _qwen3_next_map, "Qwen3_5ForCausalLM": _qwen3_next_map,
-         "Qwen3_5MoeForCausalLM": _qwen3_next_map, "GraniteMoeHybridForCausalLM": _granitemoehybrid_map}
+         "Qwen3_5MoeForCausalLM": _qwen3_next_map, "GraniteMoeHybridForCausalLM": _granitemoehybrid_map,
+         "BambaForCausalLM": _bamba_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM", "Llama4ForCausalLM")
