@@ -142,6 +142,9 @@ class ModelConfig:
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     ssm_dt_limit: tuple[float, float] | None = None
+    # Nemotron-H's layers are a mixer or an MLP each: a block per mixer, with the MLP that follows it
+    # where one does; mlp_layers marks the blocks that have an MLP (None: every block)
+    mlp_layers: tuple[bool, ...] | None = None
     # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): num_experts > 0 replaces the MLP of the layers
     # moe_layers marks (None: every layer) by a router picking num_experts_per_tok experts per token,
     # each a gated MLP of moe_ffn_dim (None: ffn_dim; the dense layers keep ffn_dim), with biases where
@@ -289,6 +292,9 @@ class ModelConfig:
                 "nope_query_scale": s is None or (len(s) == 2 and _is_number(s[0]) and _is_int(s[1]) and s[1] > 0
                                                   and self.position == "rope" and not self.mla_kv_rank),
                 "moe_scale_inputs": not self.moe_scale_inputs or self.num_experts > 0,
+                "mlp_layers": self.mlp_layers is None or (len(self.mlp_layers) == self.n_layers
+                                                          and all(isinstance(b, bool) for b in self.mlp_layers)
+                                                          and not self.parallel_block and not self.post_norms),
                 "layer_kinds": self.layer_kinds is None or (
                     len(self.layer_kinds) == self.n_layers and set(self.layer_kinds) <= {"attention", "conv", "linear", "mamba"}
                     and "attention" in self.layer_kinds and not self.mla_kv_rank),
@@ -393,6 +399,10 @@ class ModelConfig:
         Mamba-2)."""
         return self.is_conv_layer(layer) or self.has_state_matrix(layer)
 
+    def has_mlp(self, layer: int) -> bool:
+        """Whether the block has an MLP (or mixture of experts) after its mixer (mlp_layers)."""
+        return self.mlp_layers is None or self.mlp_layers[layer]
+
     def _has_kind(self, kind: str) -> bool:
         return self.layer_kinds is not None and kind in self.layer_kinds
 
@@ -433,7 +443,7 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether the layer's MLP is a mixture of experts (the others keep the dense MLP of ffn_dim)."""
-        if not self.num_experts:
+        if not self.num_experts or not self.has_mlp(layer):
             return False
         return True if self.moe_layers is None else self.moe_layers[layer]
 
@@ -489,6 +499,7 @@ class ModelConfig:
         norms = norm_p * ((1 + self.parallel_mlp_norm) if self.parallel_block
                           else 2 * (self.pre_norms + self.post_norms))
         n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        n_mlp = sum(self.has_mlp(i) for i in range(self.n_layers))   # (the blocks without one lack its norm too)
         out = {"embedding": self.vocab_size * d, "lm_head": 0 if self.tie_embeddings else self.vocab_size * d,
                "positions": self.max_position_embeddings * d if self.position == "learned" else 0,
                "expert": expert if n_moe else 0, "experts": n_moe * self.num_experts * expert, "moe_layers": n_moe}
@@ -503,8 +514,8 @@ class ModelConfig:
                  + vd * d)
         n_mamba = sum(self.is_mamba_layer(i) for i in range(self.n_layers))
         blocks = (self.n_attn_layers * attn + n_conv * conv + n_linear * linear + n_mamba * mamba
-                  + self.n_layers * norms
-                  + (self.n_layers - n_moe) * mlp
+                  + self.n_layers * norms - (self.n_layers - n_mlp) * norm_p * (self.pre_norms + self.post_norms)
+                  + (n_mlp - n_moe) * mlp
                   + n_moe * router + out["experts"])
         out["total"] = (blocks + norm_p + (norm_p if self.embed_norm else 0) + out["embedding"] + out["lm_head"]
                         + (self.vocab_size if self.lm_head_bias else 0) + out["positions"])
@@ -524,7 +535,7 @@ class ModelConfig:
             d["rope_scaling"] = RopeScaling(**{k: tuple(v) if isinstance(v, list) else v
                                                for k, v in d["rope_scaling"].items()})
         for k in ("sliding_layers", "rope_layers", "moe_layers", "eos_token_ids", "query_log_scale",
-                  "nope_query_scale", "layer_kinds", "ssm_dt_limit"):
+                  "nope_query_scale", "layer_kinds", "ssm_dt_limit", "mlp_layers"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         return cls(**d)

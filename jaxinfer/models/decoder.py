@@ -234,7 +234,8 @@ class Block(nnx.Module):
     the one attn_norm(x), x + attn + mlp; with parallel_mlp_norm (GPT-NeoX) the MLP reads
     mlp_norm(x); parallel_sum_first (GPT-NeoX, Phi): (attn + mlp) + x, transformers' order of the
     adds there. The mlp is a mixture of experts (jaxinfer.moe.MoE)
-    on the layers cfg.is_moe_layer marks; it skips the step's padding tokens (slot PAD_SLOT)."""
+    on the layers cfg.is_moe_layer marks; it skips the step's padding tokens (slot PAD_SLOT). A block
+    cfg.has_mlp leaves out (Nemotron-H's mixers without an MLP after them) is x + attn(attn_norm(x))."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None, fused: FusedLayout | None = None):
         self.residual_post_norm, self.residual_scale = cfg.residual_post_norm, cfg.residual_scale
@@ -244,15 +245,18 @@ class Block(nnx.Module):
                      if cfg.is_linear_layer(layer) else Mamba2(cfg, dtype, rngs) if cfg.is_mamba_layer(layer)
                      else MLAttention(cfg, layer, dtype, rngs)
                      if cfg.mla else Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards))
-        self.mlp_norm = norm() if cfg.pre_norms and (cfg.parallel_mlp_norm or not cfg.parallel_block) else None
+        mlp = cfg.has_mlp(layer)
+        self.mlp_norm = norm() if mlp and cfg.pre_norms and (cfg.parallel_mlp_norm or not cfg.parallel_block) else None
         self.parallel, self.sum_first = cfg.parallel_block, cfg.parallel_sum_first
-        if cfg.is_moe_layer(layer):
+        if not mlp:
+            self.mlp = None
+        elif cfg.is_moe_layer(layer):
             self.mlp = MoE(cfg, dtype, rngs, *((None, None) if fused is None else (fused.expert_shards,
                                                                                    fused.shared_shards)))
         else:
             self.mlp = MLP(cfg, dtype, rngs, None if fused is None else fused.mlp_shards)
         self.attn_post_norm = norm() if cfg.post_norms else None
-        self.mlp_post_norm = norm() if cfg.post_norms else None
+        self.mlp_post_norm = norm() if cfg.post_norms and mlp else None
 
     def __call__(self, x, positions, kv, meta, impl, lora: tuple | None = None):
         """lora: (token slots [T], this layer's LoRA stacks) or None (jaxinfer/lora/)."""
@@ -265,6 +269,8 @@ class Block(nnx.Module):
             mlp_out = self.scale_branch(self.mlp(h if self.mlp_norm is None else self.mlp_norm(x), lora))
             return ((attn_out + mlp_out) + x if self.sum_first else (x + attn_out) + mlp_out), kv
         x = (h if self.residual_post_norm else x) + attn_out
+        if self.mlp is None:
+            return x, kv
         h = x if self.mlp_norm is None else self.mlp_norm(x)
         if isinstance(self.mlp, MoE):   # padding tokens take no expert's work
             mlp_out = self.mlp(h, None if meta is None else meta.slot_mapping != PAD_SLOT)
@@ -650,7 +656,7 @@ def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
         if cfg.qkv_bias and not cfg.is_state_layer(i):
             out[f"{a}/qkv_bias"] = qkv([p[f"{a}/{n}_bias"].reshape(-1) for n in "qkv"])
         gate_up = gate_ups[layout.expert_shards if cfg.is_moe_layer(i) else layout.mlp_shards]
-        if cfg.gated_mlp:
+        if cfg.gated_mlp and cfg.has_mlp(i):
             out[f"{m}/gate_up"] = _fuse_leaves([p[f"{m}/gate"], p[f"{m}/up"]], gate_up, (f"{m}/gate", f"{m}/up"))
             if cfg.mlp_bias:
                 out[f"{m}/gate_up_bias"] = gate_up([p[f"{m}/gate_bias"], p[f"{m}/up_bias"]])
@@ -689,7 +695,7 @@ def unfuse_decoder(model: Decoder) -> Decoder:
         if cfg.qkv_bias and not no_qkv:
             for n, b in zip("qkv", _split_leaves(p[f"{a}/qkv_bias"], split, [s[1:] for s in shapes])):
                 out[f"{a}/{n}_bias"] = b
-        if cfg.gated_mlp:
+        if cfg.gated_mlp and cfg.has_mlp(i):
             moe = cfg.is_moe_layer(i)
             split = _gate_up_split(layout.expert_shards if moe else layout.mlp_shards)
             lead = (cfg.num_experts,) if moe else ()

@@ -848,22 +848,81 @@ def _bamba(c: dict[str, Any], arch: str) -> ModelConfig:
     return dataclasses.replace(cfg, attn_scale=None, rotary_dim=cfg.head_dim // 2)
 
 
-def _mamba2_fields(c: dict[str, Any]) -> dict[str, Any]:
-    """GraniteMoeHybrid's Mamba-2 sizes (mamba_*, time_step_limit) as ModelConfig's fields."""
-    heads, expand, hidden = c["mamba_n_heads"], c["mamba_expand"], c["hidden_size"]
-    head_dim = c.get("mamba_d_head", "auto")
-    if head_dim == "auto" and _is_int(heads) and heads > 0 and _is_int(expand):
-        head_dim = expand * hidden // heads
-    sizes = {"mamba_n_heads": heads, "mamba_d_head": head_dim, "mamba_n_groups": c["mamba_n_groups"],
-             "mamba_d_state": c["mamba_d_state"], "mamba_d_conv": c["mamba_d_conv"], "mamba_expand": expand}
+# Nemotron-H's layer types (config.json layers_block_type, or the legacy hybrid_override_pattern's letters)
+_NEMOTRON_H_KINDS = {"M": "mamba", "mamba": "mamba", "linear_attention": "mamba", "*": "attention",
+                     "attention": "attention", "full_attention": "attention", "-": "mlp", "mlp": "mlp",
+                     "E": "moe", "moe": "moe"}
+
+
+def _nemotron_h_blocks(c: dict[str, Any]) -> tuple[list[str], list[bool]]:
+    """Nemotron-H's layers as blocks: each mixer (a Mamba-2 or attention layer) with the MLP layer
+    that follows it, where one does -> (each block's mixer kind, whether it has an MLP)."""
+    types = c.get("layers_block_type") or c.get("layer_types") or list(c.get("hybrid_override_pattern") or "")
+    if not isinstance(types, list) or not types or any(t not in _NEMOTRON_H_KINDS for t in types):
+        raise ConfigError(f"layers_block_type (or hybrid_override_pattern) must name each layer 'mamba', "
+                          f"'attention' or 'mlp' (M, *, -), got {types!r}")
+    kinds = [_NEMOTRON_H_KINDS[t] for t in types]
+    if "moe" in kinds:
+        raise ConfigError("Nemotron-H's mixture-of-experts layers ('moe', E: Nemotron 3 Nano / Super) are not "
+                          "supported; the dense Nemotron-H models (Mamba-2, attention and MLP layers) are")
+    mixers, mlps = [], []
+    for i, k in enumerate(kinds):
+        if k != "mlp":
+            mixers.append(k)
+            mlps.append(False)
+        elif i and kinds[i - 1] != "mlp":
+            mlps[-1] = True
+        else:
+            raise ConfigError(f"layer {i} is an MLP layer without a Mamba-2 or attention layer before it, which "
+                              "jaxinfer's blocks (a mixer, then its MLP) cannot hold")
+    return mixers, mlps
+
+
+def _nemotron_h(c: dict[str, Any], arch: str) -> ModelConfig:
+    """Nemotron-H (NVIDIA's Nemotron-H 8B / 47B / 56B, Nemotron Nano 2 9B / 12B; transformers'
+    NemotronH): layers of one part each, a Mamba-2 mixer (M: mamba_num_heads heads of mamba_head_dim,
+    n_groups groups of ssm_state_size, conv_kernel taps), attention without positions (*) or an
+    ungated MLP of intermediate_size (-, mlp_hidden_act: squared ReLU), each x + part(norm(x)). A
+    mixer and the MLP after it are one of jaxinfer's blocks; a mixer without one is a block with no
+    MLP (ModelConfig.mlp_layers). The mixture-of-experts layers (E) are refused."""
+    mixers, mlps = _nemotron_h_blocks(c)
+    if c.get("mamba_proj_bias") or c.get("use_bias"):
+        raise ConfigError("use_bias=true (biased Mamba-2 projections) is not supported: no published Nemotron-H "
+                          "model has them")
+    heads, head_dim = c["mamba_num_heads"], c["mamba_head_dim"]
+    mamba = _mamba2_fields({
+        "mamba_n_heads": heads, "mamba_d_head": head_dim, "mamba_n_groups": c.get("mamba_n_groups", c["n_groups"]),
+        "mamba_d_state": c["ssm_state_size"], "mamba_d_conv": c.get("mamba_d_conv", c["conv_kernel"]),
+        "mamba_conv_bias": c.get("mamba_conv_bias", c.get("use_conv_bias", True)),
+        "hidden_act": c.get("mamba_hidden_act", "silu"),
+        "time_step_limit": c.get("mamba_dt_limit", c.get("time_step_limit"))}, expand=False)
+    base = {**c, "num_hidden_layers": len(mixers), "hidden_act": c.get("mlp_hidden_act", "relu2"),
+            "rms_norm_eps": c.get("layer_norm_epsilon", 1e-5), "attention_bias": False, "sliding_window": None}
+    cfg = _llama_like(base, arch)
+    return dataclasses.replace(cfg, gated_mlp=False, rope_layers=(False,) * len(mixers), layer_kinds=tuple(mixers),
+                               mlp_layers=tuple(mlps), **mamba)
+
+
+def _mamba2_fields(c: dict[str, Any], expand: bool = True) -> dict[str, Any]:
+    """GraniteMoeHybrid's Mamba-2 sizes (mamba_*, time_step_limit) as ModelConfig's fields; without
+    `expand`, no mamba_expand (Nemotron-H's heads * head dim is its own width, not a multiple of d_model)."""
+    heads = c["mamba_n_heads"]
+    sizes = {"mamba_n_heads": heads, "mamba_d_head": c.get("mamba_d_head", "auto"),
+             "mamba_n_groups": c["mamba_n_groups"], "mamba_d_state": c["mamba_d_state"], "mamba_d_conv": c["mamba_d_conv"]}
+    if expand:
+        times, hidden = c["mamba_expand"], c["hidden_size"]
+        if sizes["mamba_d_head"] == "auto" and _is_int(heads) and heads > 0 and _is_int(times):
+            sizes["mamba_d_head"] = times * hidden // heads
+        sizes["mamba_expand"] = times
+    head_dim = sizes["mamba_d_head"]
     if (not all(_is_int(v) and v > 0 for v in sizes.values()) or heads % sizes["mamba_n_groups"]
-            or heads * head_dim != expand * hidden):
+            or (expand and heads * head_dim != sizes["mamba_expand"] * c["hidden_size"])):
         raise ConfigError(f"the Mamba-2 layers' sizes must be positive integers, mamba_n_heads a multiple of "
                           f"mamba_n_groups and mamba_n_heads * mamba_d_head = mamba_expand * hidden_size: {sizes}")
     if c.get("mamba_proj_bias"):
         raise ConfigError("mamba_proj_bias=true is not supported (no published Granite 4.0-H model has biased "
                           "Mamba-2 projections)")
-    if _activation(c, "hidden_act") != "silu":   # (the Mamba-2 convolution applies it too)
+    if c.get("hidden_act", "silu") not in ("silu", "swish"):   # (the Mamba-2 convolution applies it too)
         raise ConfigError(f"hidden_act={c.get('hidden_act')!r} is not supported for this family (every published "
                           "model uses silu, which jaxinfer's Mamba-2 layer applies after its convolution)")
     limit = c.get("time_step_limit") or (0.0, math.inf)
@@ -1710,6 +1769,7 @@ _HF_BUILDERS = {
     "StableLmForCausalLM": _stablelm, "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoe,
     "GraniteMoeHybridForCausalLM": _granitemoehybrid,
     "BambaForCausalLM": _bamba,
+    "NemotronHForCausalLM": _nemotron_h,
     "OlmoeForCausalLM": _olmoe, "MiniMaxM2ForCausalLM": _minimax_m2, "Dots1ForCausalLM": _dots1,
     "SolarOpenForCausalLM": _solar_open, "ExaoneMoeForCausalLM": _exaone_moe,
     "GraniteSWAForCausalLM": _granite_swa, "Jais2ForCausalLM": _jais2, "NemotronForCausalLM": _nemotron,
@@ -1759,6 +1819,7 @@ _ARCH_BY_MODEL_TYPE = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qw
                        "stablelm": "StableLmForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                        "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
                        "granitemoehybrid": "GraniteMoeHybridForCausalLM", "bamba": "BambaForCausalLM",
+                       "nemotron_h": "NemotronHForCausalLM",
                        "ministral3": "Ministral3ForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
                        "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "afmoe": "AfmoeForCausalLM",
                        "phimoe": "PhimoeForCausalLM", "apertus": "ApertusForCausalLM", "gptj": "GPTJForCausalLM",
@@ -1833,6 +1894,13 @@ _HF_DEFAULTS = {
                                     "mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256,
                                     "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2,
                                     "mamba_conv_bias": True, "mamba_proj_bias": False},
+    # NemotronHConfig's
+    "NemotronHForCausalLM": {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 21504,
+                             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                             "max_position_embeddings": 4096, "layer_norm_epsilon": 1e-5, "mlp_hidden_act": "relu2",
+                             "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "mamba_num_heads": 128,
+                             "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4,
+                             "use_conv_bias": True, "mamba_hidden_act": "silu"},
     # BambaConfig's
     "BambaForCausalLM": {"vocab_size": 128000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                          "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 262144,

@@ -97,6 +97,7 @@ def head_order(cfg: ModelConfig) -> np.ndarray:
 # the ungated MLPs' tensors on Llama's block: StarCoder2's c_fc / c_proj, Arcee's and Jais 2's up_proj / down_proj
 _UNGATED_MLP = {"ArceeForCausalLM": (("up", "up_proj"), ("down", "down_proj")),
                 "NemotronForCausalLM": (("up", "up_proj"), ("down", "down_proj")),
+                "NemotronHForCausalLM": (("up", "up_proj"), ("down", "down_proj")),
                 "Jais2ForCausalLM": (("up", "up_proj"), ("down", "down_proj")),
                 "ApertusForCausalLM": (("up", "up_proj"), ("down", "down_proj"))}
 
@@ -485,15 +486,46 @@ def _bamba_map(cfg: ModelConfig) -> WeightMap:
     return _mamba2_layers(_renamed(_llama_map(cfg), _BAMBA_NAMES), cfg)
 
 
-def _mamba2_layers(m: WeightMap, cfg: ModelConfig) -> WeightMap:
+def _nemotron_h_map(cfg: ModelConfig) -> WeightMap:
+    """Nemotron-H: block j's mixer is the checkpoint's layer m_j (its norm and mixer: attention's q / k /
+    v / o_proj, or _mamba2_layers' Mamba-2 tensors) and its MLP, where it has one, layer m_j + 1 (norm,
+    mixer.up_proj / down_proj); embeddings, norm_f. The uploads' backbone. prefix: LANGUAGE_MODEL_PREFIXES."""
+    first, at = [], 0
+    for j in range(cfg.n_layers):
+        first.append(at)
+        at += 2 if cfg.has_mlp(j) else 1
+    out: WeightMap = {}
+    for ours, (names, fn) in _llama_map(cfg).items():
+        parts = ours.split("/")
+        if parts[0] == "layers" and not cfg.has_mlp(int(parts[1])) and parts[2] in ("mlp", "mlp_norm"):
+            continue
+        out[ours] = (tuple(_nemotron_h_name(n, first) for n in names), fn)
+    return _mamba2_layers(out, cfg, lambda j: f"model.layers.{first[j]}.mixer")
+
+
+def _nemotron_h_name(name: str, first: list[int]) -> str:
+    """One of _llama_map's tensor names under Nemotron-H's (first: each block's mixer layer)."""
+    if not name.startswith("model.layers."):
+        return {"model.embed_tokens.weight": "model.embeddings.weight", "model.norm.weight": "model.norm_f.weight"}.get(
+            name, name)
+    j, rest = name[len("model.layers."):].split(".", 1)
+    part, tail = rest.split(".", 1)
+    layer, new = {"input_layernorm": (0, "norm"), "self_attn": (0, "mixer"), "post_attention_layernorm": (1, "norm"),
+                  "mlp": (1, "mixer")}[part]
+    return f"model.layers.{first[int(j)] + layer}.{new}.{tail}"
+
+
+def _mamba2_layers(m: WeightMap, cfg: ModelConfig,
+                   where: Callable[[int], str] = lambda i: f"model.layers.{i}.mamba") -> WeightMap:
     """Each Mamba-2 layer's mixer in place of its attention: under mamba, in_proj [I + C + H, d] (rows
     z, then x / B / C, then dt) split into in_proj_z, in_proj_qkv and in_proj_a; conv1d.weight [C, 1, L]
-    and its bias, dt_bias, A_log, D, the gated norm's weight [I] and out_proj."""
+    and its bias, dt_bias, A_log, D, the gated norm's weight [I] and out_proj (`where`: layer i's mixer's
+    tensor prefix)."""
     inner, c, h = cfg.linear_v_heads * cfg.linear_v_dim, cfg.linear_conv_dim, cfg.linear_v_heads
     for i in range(cfg.n_layers):
         if not cfg.is_mamba_layer(i):
             continue
-        o, a = f"layers/{i}", f"model.layers.{i}.mamba"
+        o, a = f"layers/{i}", where(i)
         m = {k: v for k, v in m.items() if not k.startswith(f"{o}/attn/")}
         for ours, lo, hi in (("in_proj_z", 0, inner), ("in_proj_qkv", inner, inner + c),
                              ("in_proj_a", inner + c, inner + c + h)):
@@ -675,7 +707,8 @@ _MAPS = {"LlamaForCausalLM": _llama_map, "MistralForCausalLM": _llama_map, "Qwen
          "Llama4ForCausalLM": lambda cfg: _renamed(_llama_map(cfg), _LLAMA4_NAMES), "Lfm2ForCausalLM": _lfm2_map,
          "Lfm2MoeForCausalLM": _lfm2_map, "Qwen3NextForCausalLM": _qwen3_next_map, "Qwen3_5ForCausalLM": _qwen3_next_map,
          "Qwen3_5MoeForCausalLM": _qwen3_next_map, "GraniteMoeHybridForCausalLM": _granitemoehybrid_map,
-         "BambaForCausalLM": _bamba_map}
+         "BambaForCausalLM": _bamba_map,
+         "NemotronHForCausalLM": _nemotron_h_map}
 # the families whose rotated q / k features are stored in pairs (head_order)
 _PAIRED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Ernie4_5ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM", "Llama4ForCausalLM")
@@ -686,6 +719,7 @@ OPTIONAL_PREFIXES = ("transformer.", "model.", "gpt_neox.")
 # use: model.language_model. (Qwen3-VL's, the head at lm_head.), or language_model.model. and
 # language_model.lm_head. (Gemma 3's, Mistral Small's); Qwen2.5-VL's are ours. (ours, theirs)
 LANGUAGE_MODEL_PREFIXES = (("model.", "model.language_model."), ("model.", "language_model.model."),
+                           ("model.", "backbone."),   # (Nemotron-H's uploads: backbone.embeddings, ...)
                            ("lm_head.", "language_model.lm_head."))
 
 
