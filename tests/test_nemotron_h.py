@@ -38,16 +38,20 @@ def test_logits_and_greedy_tokens_are_transformers(tmp_path):
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
 
 
-def test_refused_layer_patterns(tmp_path):
-    """Nemotron 3's mixture-of-experts layers, an MLP layer with no mixer before it and an unknown
-    layer type are each refused by name; the legacy hybrid_override_pattern spelling reads as
-    layers_block_type."""
-    build_hf_model("nemotron-h").config.save_pretrained(tmp_path)
+def test_legacy_spellings_and_refused_layer_patterns(tmp_path):
+    """NVIDIA's remote-code config.json spellings (hybrid_override_pattern, attention_head_dim,
+    mamba_n_groups, mamba_d_conv) read as transformers' NemotronHConfig reads them (the tiny model's
+    sizes: each changed from its default); Nemotron 3's mixture-of-experts layers, an MLP layer with
+    no mixer before it and an unknown layer type are each refused by name."""
+    hf = build_hf_model("nemotron-h")
+    hf.config.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    base = {k: v for k, v in config.items() if k != "layers_block_type"}
+    renamed = {"head_dim": "attention_head_dim", "n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv"}
+    base = {renamed.get(k, k): v for k, v in config.items() if k != "layers_block_type"}
     legacy = model_config_from_hf({**base, "hybrid_override_pattern": "M-*-MM-"})
-    assert legacy.layer_kinds == ("mamba", "attention", "mamba", "mamba") and legacy.mlp_layers == (True, True,
-                                                                                                    False, True)
+    assert legacy == model_config_from_hf(config)
+    assert (legacy.head_dim, legacy.linear_k_heads, legacy.conv_kernel) == (hf.config.head_dim, hf.config.n_groups,
+                                                                            hf.config.conv_kernel) == (16, 2, 3)
     for pattern, match in (("MEM*E", "mixture-of-experts layers"), ("-M*", "layer 0 is an MLP layer"),
                            ("M--*", "layer 2 is an MLP layer"), ("MX*", "must name each layer")):
         with pytest.raises(ConfigError, match=match):

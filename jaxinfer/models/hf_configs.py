@@ -896,7 +896,9 @@ def _nemotron_h(c: dict[str, Any], arch: str) -> ModelConfig:
         "mamba_conv_bias": c.get("mamba_conv_bias", c.get("use_conv_bias", True)),
         "hidden_act": c.get("mamba_hidden_act", "silu"),
         "time_step_limit": c.get("mamba_dt_limit", c.get("time_step_limit"))}, expand=False)
-    base = {**c, "num_hidden_layers": len(mixers), "hidden_act": c.get("mlp_hidden_act", "relu2"),
+    # (NVIDIA's remote-code config spells head_dim attention_head_dim; NemotronHConfig's default: 128)
+    head_dim = c.get("head_dim") or c.get("attention_head_dim") or 128
+    base = {**c, "num_hidden_layers": len(mixers), "hidden_act": c.get("mlp_hidden_act", "relu2"), "head_dim": head_dim,
             "rms_norm_eps": c.get("layer_norm_epsilon", 1e-5), "attention_bias": False, "sliding_window": None}
     cfg = _llama_like(base, arch)
     return dataclasses.replace(cfg, gated_mlp=False, rope_layers=(False,) * len(mixers), layer_kinds=tuple(mixers),
@@ -1896,7 +1898,7 @@ _HF_DEFAULTS = {
                                     "mamba_conv_bias": True, "mamba_proj_bias": False},
     # NemotronHConfig's
     "NemotronHForCausalLM": {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 21504,
-                             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                             "num_attention_heads": 32, "num_key_value_heads": 8,
                              "max_position_embeddings": 4096, "layer_norm_epsilon": 1e-5, "mlp_hidden_act": "relu2",
                              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "mamba_num_heads": 128,
                              "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4,
