@@ -80,7 +80,7 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "stablelm": "StableLmForCausalLM", "starcoder": "GPTBigCodeForCausalLM", "arcee": "ArceeForCausalLM",
          "exaone": "LlamaForCausalLM", "internlm2": "LlamaForCausalLM", "lfm2": "Lfm2ForCausalLM",
          "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
-         "granitehybrid": "GraniteMoeHybridForCausalLM"}
+         "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma": "gemma",
                 "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
@@ -89,7 +89,7 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe"
                 "command-r": "cohere", "cohere2": "cohere2", "phi2": "phi", "gptneox": "gpt_neox",
                 "stablelm": "stablelm", "starcoder": "gpt_bigcode", "arcee": "arcee", "exaone": "llama", "internlm2": "llama",
                 "lfm2": "lfm2", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",
-                "granitehybrid": "granitemoehybrid"}
+                "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
 _PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm", "qwen35", "qwen35moe", "qwen3next")
 # Gated DeltaNet models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): the converter stores every norm weight as
@@ -105,7 +105,7 @@ _GRANITE_MLP = re.compile(r"model\.layers\.(\d+)\.(block_sparse_moe|shared_mlp)\
 # (exp_probs_b), groups, a routed scale and shared experts (its build_moe_ffn with those settings)
 _SIGMOID_MOE = ("glm4moe", "deepseek2")
 # the architectures whose Q / K rows llama.cpp's converter stores in its rotary order (LlamaModel.permute)
-_PERMUTED_QK = ("llama", "smollm3", "granite", "arcee", "internlm2", "granitehybrid")
+_PERMUTED_QK = ("llama", "smollm3", "granite", "arcee", "internlm2", "granitehybrid", "nemotron_h")
 # SmolLM3's NoPE layers: every 4th, a constant of llama.cpp's (hparams.n_no_rope_layer_step), in no key
 _SMOLLM3_NO_ROPE_STEP = 4
 # llama.cpp's Gemma: every `swa`-th layer global, the others sliding (hparams.set_swa_pattern), the
@@ -261,6 +261,8 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
                                        "attention.head_count")}
     if arch == "qwen35moe" and need["feed_forward_length"] is None:   # (no dense MLP: none written)
         need["feed_forward_length"] = f.arch_get("expert_feed_forward_length")
+    if arch == "nemotron_h" and isinstance(need["feed_forward_length"], list):   # per layer: 0 but on MLP layers
+        need["feed_forward_length"] = max(need["feed_forward_length"], default=None) or None
     missing = [k for k, v in need.items() if v is None]
     if missing:
         raise CheckpointError(f"{f.path}: metadata {arch}.{missing[0]} is missing")
@@ -409,6 +411,8 @@ def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) ->
         return _deltanet(f)
     elif arch == "granitehybrid":
         return _granitehybrid(f, cfg)
+    elif arch == "nemotron_h":
+        return _nemotron_h(f, cfg)
     return {}
 
 
@@ -555,6 +559,32 @@ def _granitehybrid(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     return {**out, "num_local_experts": int(count or 0), **({"num_experts_per_tok": int(used)} if count else {})}
 
 
+def _nemotron_h(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's nemotron_h (NemotronHModel: Nemotron-H, Nemotron Nano 2): every layer one part, told
+    apart by head_count_kv (> 0: attention) and feed_forward_length (> 0: the MLP), both per layer,
+    the rest Mamba-2 layers of GraniteHybridModel's ssm.* sizes (inner_size: heads x their width, not a
+    multiple of embedding_length); the squared-ReLU MLP; no RoPE. nemotron_h_moe (Nemotron 3) is another
+    architecture, not supported."""
+    n = cfg["num_hidden_layers"]
+    kv, ff = f.arch_get("attention.head_count_kv"), f.arch_get("feed_forward_length")
+    for key, value in (("attention.head_count_kv", kv), ("feed_forward_length", ff)):
+        if not isinstance(value, list) or len(value) != n:
+            raise CheckpointError(f"{f.path}: nemotron_h.{key} must give each of the {n} layers its value (0 "
+                                  f"where the layer has none), got {value!r}")
+    got = _required(f, _SSM_KEYS)
+    heads, inner = int(got["ssm.time_step_rank"]), int(got["ssm.inner_size"])
+    if heads <= 0 or inner % heads:
+        raise CheckpointError(f"{f.path}: nemotron_h.ssm.inner_size = {inner} must be a multiple of "
+                              f"ssm.time_step_rank = {heads} (heads)")
+    types = ["attention" if k else "mlp" if m else "mamba" for k, m in zip(kv, ff)]
+    mamba = [i for i, t in enumerate(types) if t == "mamba"]
+    return {"layers_block_type": types, "mamba_num_heads": heads, "mamba_head_dim": inner // heads,
+            "n_groups": int(got["ssm.group_count"]), "ssm_state_size": int(got["ssm.state_size"]),
+            "conv_kernel": int(got["ssm.conv_kernel"]), "mlp_hidden_act": "relu2",
+            "use_conv_bias": bool(mamba) and f"blk.{mamba[0]}.ssm_conv1d.bias" in f.tensors,
+            "layer_norm_epsilon": cfg["rms_norm_eps"]}
+
+
 def _phi3(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     """Phi-3 / Phi-4 (llama.cpp's phi3, q/k/v and gate/up fused as transformers holds them: attn_qkv,
     ffn_up): LongRoPE when the file has rope_factors_long / rope_factors_short (llama.cpp's converter
@@ -618,7 +648,7 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     normalized over the chosen experts, as llama.cpp's qwen3moe does), Qwen2-MoE (not normalized, a
     gated shared expert: llama.cpp's qwen2moe), gpt-oss, GLM-4.5 and DeepSeek-V3 (_sigmoid_experts);
     every layer routed but the leading dense ones GLM-4.5's and DeepSeek's files name."""
-    if f.arch == "granitehybrid":   # (_granitehybrid: GraniteMoeShared's fields)
+    if f.arch in ("granitehybrid", "nemotron_h"):   # (_granitehybrid: GraniteMoeShared's fields; nemotron_h: dense)
         return {}
     count, used = f.arch_get("expert_count"), f.arch_get("expert_used_count")
     if not count:
@@ -1061,8 +1091,10 @@ class GGUFTensors:
         head's q / k norm: the layer's stacked tensor)."""
         if name.endswith(".e_score_correction_bias"):
             name = name[:-len("_bias")] + ".bias"
-        if name.endswith((".linear_attn.dt_bias", ".mamba.dt_bias")):   # the converter's rename: dt_proj.bias -> ssm_dt.bias
-            name = name[:-len("dt_bias")] + "dt_proj.bias"
+        if name.endswith((".linear_attn.dt_bias", ".mamba.dt_bias", ".mixer.dt_bias")):   # the converter's rename:
+            name = name[:-len("dt_bias")] + "dt_proj.bias"                                 # dt_proj.bias -> ssm_dt.bias
+        if self.file.arch == "nemotron_h" and name.startswith("model."):   # (the gguf package maps its on-disk names)
+            name = "backbone." + name[len("model."):]
         head = _QK_NORM_HEAD.fullmatch(name)
         if head is not None:
             name = f"{head.group(1)}.weight"
@@ -1273,7 +1305,8 @@ class GGUFTensors:
             elif name.endswith(".A_log"):
                 x = np.log(-x)
             x = self._untile(name, x)
-        if self.file.arch == "granitehybrid" and ".mamba." in name:   # (Mamba2Model.modify_tensors undone)
+        mixer = {"granitehybrid": ".mamba.", "nemotron_h": ".mixer."}.get(self.file.arch)
+        if mixer is not None and mixer in name:   # a Mamba-2 mixer's (Mamba2Model.modify_tensors undone)
             if name.endswith(".A_log"):   # stored as -exp(A_log), [H, 1]
                 return np.log(-x).reshape(-1)
             if name.endswith((".D", ".norm.weight")):   # [H, 1]; the gated norm's [groups, I / groups]

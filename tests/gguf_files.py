@@ -20,7 +20,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 
 
 # the architectures whose converters store Q / K rows permuted into llama.cpp's rotary layout
-_PERMUTED = ("llama", "smollm3", "granite", "arcee", "internlm2", "granitehybrid")
+_PERMUTED = ("llama", "smollm3", "granite", "arcee", "internlm2", "granitehybrid", "nemotron_h")
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -142,6 +142,8 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
         return _lfm2_hparams(w, cfg, head_dim)
     if arch == "granitehybrid":
         return _granitehybrid_hparams(w, cfg)
+    if arch == "nemotron_h":
+        return _nemotron_h_hparams(w, cfg)
     if arch == "starcoder":   # StarCoderModel.set_gguf_parameters: these keys only, the MLP as 4 x the width
         w.add_context_length(cfg.n_positions)
         w.add_embedding_length(cfg.n_embd)
@@ -273,6 +275,13 @@ def _granitehybrid_tensor(w, cfg, hf_name: str, x: np.ndarray, qtype: str, rng):
         return hf_name.replace(".router.weight", ".router.layer.weight"), x
     if ".mamba." not in hf_name:
         return hf_name, x
+    return _mamba2_tensor(cfg.mamba_n_groups, hf_name, x)
+
+
+def _mamba2_tensor(groups: int, hf_name: str, x: np.ndarray) -> tuple[str, np.ndarray]:
+    """Mamba2Model.modify_tensors on one of a Mamba-2 mixer's tensors: the taps squeezed to [C, L],
+    dt_bias as dt_proj.bias (ssm_dt.bias), A_log as -exp(A_log) [H, 1], D as [H, 1], the gated norm
+    as [groups, I / groups]."""
     if hf_name.endswith("conv1d.weight"):
         x = x[:, 0, :]
     elif hf_name.endswith(".dt_bias"):
@@ -282,8 +291,31 @@ def _granitehybrid_tensor(w, cfg, hf_name: str, x: np.ndarray, qtype: str, rng):
     elif hf_name.endswith(".D"):
         x = x.reshape(-1, 1)
     elif hf_name.endswith(".norm.weight"):
-        x = x.reshape(cfg.mamba_n_groups, -1)
+        x = x.reshape(groups, -1)
     return hf_name, np.ascontiguousarray(x)
+
+
+def _nemotron_h_hparams(w, cfg) -> None:
+    """NemotronHModel.set_gguf_parameters (over GraniteHybridModel's): head_count_kv per layer (0 but on
+    attention layers), feed_forward_length per layer (0 but on MLP layers), key / value length the
+    attention's head_dim, the Mamba-2 sizes in ssm.* (inner_size: heads x head dim), no RoPE."""
+    types = cfg.layers_block_type
+    w.add_block_count(len(types))
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length([cfg.intermediate_size if t == "mlp" else 0 for t in types])
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads if t == "full_attention" else 0 for t in types])
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
+    w.add_ssm_conv_kernel(cfg.conv_kernel)
+    w.add_ssm_state_size(cfg.ssm_state_size)
+    w.add_ssm_group_count(cfg.n_groups)
+    w.add_ssm_inner_size(cfg.mamba_num_heads * cfg.mamba_head_dim)
+    w.add_ssm_time_step_rank(cfg.mamba_num_heads)
+    w.add_rope_scaling_finetuned(False)
+    w.add_context_length(2 ** 20)
+    w.add_vocab_size(cfg.vocab_size)
 
 
 def _lfm2_hparams(w, cfg, head_dim: int) -> None:
@@ -499,14 +531,16 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "starcoder2": "starcoder2", "cohere": "command-r", "cohere2": "cohere2", "phi": "phi2",
             "gpt_neox": "gptneox", "stablelm": "stablelm", "gpt_bigcode": "starcoder", "arcee": "arcee",
             "exaone": "exaone", "lfm2": "lfm2", "qwen3_next": "qwen3next", "qwen3_5_text": "qwen35",
-            "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid"}[cfg.model_type]
+            "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid",
+            "nemotron_h": "nemotron_h"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:
         w.add_name(name)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     _hparams(w, cfg, arch, head_dim, nextn, mla=split_kv_b)
-    _moe_hparams(w, cfg, arch, nextn)
+    if arch != "nemotron_h":   # (its experts are nemotron_h_moe's, another architecture)
+        _moe_hparams(w, cfg, arch, nextn)
     w.add_tokenizer_model(vocab["model"])
     w.add_tokenizer_pre(vocab["pre"])
     w.add_token_list(vocab["tokens"])
@@ -583,6 +617,10 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             hf_name, x = _granitehybrid_tensor(w, cfg, hf_name, x, qtype, rng)
             if hf_name is None:
                 continue
+        if arch == "nemotron_h":   # the names on disk (backbone.); a Mamba-2 layer's as Mamba2Model writes them
+            hf_name = "backbone." + hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+            if ".mixer." in hf_name and cfg.layers_block_type[int(hf_name.split(".")[2])] == "linear_attention":
+                hf_name, x = _mamba2_tensor(cfg.n_groups, hf_name, x)
         if hf_name.endswith(".e_score_correction_bias"):   # TextModel's rename before the name map
             hf_name = hf_name[:-len("_bias")] + ".bias"
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))

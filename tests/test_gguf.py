@@ -533,6 +533,21 @@ def test_gated_deltanet_files_are_the_original_model(name, tmp_path):
     assert isinstance(params["layers/0/attn/out_proj"], QuantizedWeight) == (name != "qwen3.5-moe")
 
 
+def test_nemotron_h_files_are_the_original_model(tmp_path):
+    """Nemotron-H as llama.cpp's converter writes it (nemotron_h, NemotronHModel: the layers told apart
+    by head_count_kv and feed_forward_length, each per layer; Mamba2Model's tensors: A_log as -exp
+    [H, 1], D [H, 1], the gated norm [groups, I / groups], dt_bias as ssm_dt.bias, the taps squeezed;
+    Q / K permuted; each layer's one norm attn_norm) computes what the HF model computes: logits, and
+    greedy tokens through the paged engine's states."""
+    hf, vocab, ids, expected, gen = _as_converted("nemotron-h", {}, tmp_path)
+    assert gen.model_cfg.mlp_layers == (True, True, False, True)
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(ids):].tolist()
+    assert gen.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids == want
+
+
 @pytest.mark.parametrize("name", ["granitemoehybrid", "granitemoehybrid-dense"])
 def test_granitehybrid_files_are_the_original_model(name, tmp_path):
     """Granite 4.0-H as llama.cpp's converter writes it (granitehybrid, GraniteHybridModel: head_count_kv
