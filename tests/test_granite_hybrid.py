@@ -143,12 +143,16 @@ def test_bamba(tmp_path):
     """Bamba (transformers' BambaForCausalLM, tests/hf_models.py "bamba"): Granite 4.0-H's Mamba-2
     layers around attention that rotates half of each head, without multipliers. A 20-token prompt's
     logits (prefilled in 16-token chunks: the state carried across them) and greedy tokens (decode
-    steps beside a second prompt's prefill) are transformers' full forwards'; config.json's
-    partial_rotary_factor is 0.5 whatever it says (BambaConfig's), and a config without
-    attn_layer_indices (all Mamba-2) is refused by name."""
+    steps beside a second prompt's prefill) are transformers' full forwards'. The rotated features as
+    transformers' BambaConfig and RoPE read them (a top-level partial_rotary_factor is set to 0.5, one
+    in rope_parameters wins: the counts its inv_freq holds), Granite's multipliers in a Bamba config
+    read by nothing, a config without attn_layer_indices (all Mamba-2) refused by name."""
     import json
 
     import torch
+
+    from transformers import BambaConfig
+    from transformers.models.bamba.modeling_bamba import BambaRotaryEmbedding
 
     from jaxinfer import SamplingParams
     from jaxinfer.models.hf_configs import model_config_from_hf
@@ -164,8 +168,15 @@ def test_bamba(tmp_path):
     outs = gen.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
     config = json.loads((tmp_path / "config.json").read_text())
-    assert model_config_from_hf({**config, "rope_parameters": {**config["rope_parameters"],
-                                                               "partial_rotary_factor": 1.0}}).rotary_dim == 8
+    rope = {k: v for k, v in config["rope_parameters"].items() if k != "partial_rotary_factor"}
+    for change in ({"partial_rotary_factor": 1.0, "rope_parameters": rope},
+                   {"rope_parameters": {**rope, "partial_rotary_factor": 1.0}}, {"rope_parameters": rope}):
+        theirs = BambaConfig(**{k: v for k, v in {**config, **change}.items() if k != "time_step_limit"})
+        rotated = 2 * BambaRotaryEmbedding(theirs).inv_freq.numel()   # the features transformers rotates
+        assert (model_config_from_hf({**config, **change}).rotary_dim or 16) == rotated, change
+    granite = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0}
+    ours = model_config_from_hf({**config, **granite})
+    assert (ours.embed_scale, ours.residual_scale, ours.logits_scaling) == (1.0, 1.0, 1.0)
     with pytest.raises(ConfigError, match="without attn_layer_indices is all Mamba-2"):
         model_config_from_hf({**config, "attn_layer_indices": None})
     with pytest.raises(ConfigError, match="'attn_layer_indices' must list layers 0 .. 3"):

@@ -38,21 +38,37 @@ def test_logits_and_greedy_tokens_are_transformers(tmp_path):
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
 
 
-def test_legacy_spellings_and_refused_layer_patterns(tmp_path):
-    """NVIDIA's remote-code config.json spellings (hybrid_override_pattern, attention_head_dim,
-    mamba_n_groups, mamba_d_conv) read as transformers' NemotronHConfig reads them (the tiny model's
-    sizes: each changed from its default); Nemotron 3's mixture-of-experts layers, an MLP layer with
-    no mixer before it and an unknown layer type are each refused by name."""
+def test_legacy_spellings_and_refused_configs(tmp_path):
+    """NVIDIA's remote-code config.json spellings (hybrid_override_pattern, mamba_n_groups,
+    mamba_d_conv, which transformers' NemotronHConfig renames too, and attention_head_dim, which
+    NVIDIA's remote code reads; the tiny model's sizes, each changed from its default) give the same
+    model; tie_word_embeddings ties nothing (NemotronHForCausalLM has no tied weights); Nemotron 3's
+    mixture-of-experts layers, runs of MLP layers (Nemotron-H-47B's), a pattern without Mamba-2 or
+    without attention layers, an unknown layer type, biased projections and another activation in the
+    mixer are each refused by name."""
+    from transformers import NemotronHConfig
     hf = build_hf_model("nemotron-h")
     hf.config.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     renamed = {"head_dim": "attention_head_dim", "n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv"}
     base = {renamed.get(k, k): v for k, v in config.items() if k != "layers_block_type"}
+    theirs = NemotronHConfig(**{k: v for k, v in base.items() if k != "time_step_limit"},
+                             hybrid_override_pattern="M-*-MM-")
     legacy = model_config_from_hf({**base, "hybrid_override_pattern": "M-*-MM-"})
     assert legacy == model_config_from_hf(config)
-    assert (legacy.head_dim, legacy.linear_k_heads, legacy.conv_kernel) == (hf.config.head_dim, hf.config.n_groups,
-                                                                            hf.config.conv_kernel) == (16, 2, 3)
-    for pattern, match in (("MEM*E", "mixture-of-experts layers"), ("-M*", "layer 0 is an MLP layer"),
-                           ("M--*", "layer 2 is an MLP layer"), ("MX*", "must name each layer")):
+    assert (legacy.linear_k_heads, legacy.conv_kernel) == (theirs.n_groups, theirs.conv_kernel) == (2, 3)
+    assert legacy.head_dim == 16 and legacy.layer_kinds == ("mamba", "attention", "mamba", "mamba")
+    tied = build_hf_model("nemotron-h", overrides={"tie_word_embeddings": True})
+    assert tied.lm_head.weight.data_ptr() != tied.get_input_embeddings().weight.data_ptr()
+    assert not model_config_from_hf({**config, "tie_word_embeddings": True}).tie_embeddings
+    for change, match in (({"hybrid_override_pattern": "MEM*E"}, "mixture-of-experts layers"),
+                          ({"hybrid_override_pattern": "-M*"}, "layer 0 is an MLP layer"),
+                          ({"hybrid_override_pattern": "M*-M---M-"}, "layer 5 is an MLP layer .*47B"),
+                          ({"hybrid_override_pattern": "M-M-"}, "needs Mamba-2 and attention layers"),
+                          ({"hybrid_override_pattern": "*-*-"}, "needs Mamba-2 and attention layers"),
+                          ({"hybrid_override_pattern": "MX*"}, "must name each layer"),
+                          ({"use_bias": True}, "use_bias=true"),
+                          ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act='gelu'"),
+                          ({"mamba_n_groups": 3}, "mamba_num_heads a multiple of n_groups")):
         with pytest.raises(ConfigError, match=match):
-            model_config_from_hf({**base, "hybrid_override_pattern": pattern})
+            model_config_from_hf({"hybrid_override_pattern": "M-*-MM-", **base, **change})

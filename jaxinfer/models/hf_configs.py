@@ -831,7 +831,7 @@ def _granitemoehybrid(c: dict[str, Any], arch: str) -> ModelConfig:
 def _bamba(c: dict[str, Any], arch: str) -> ModelConfig:
     """Bamba (IBM's Bamba-9B v1 / v2; transformers' Bamba): Granite 4.0-H's dense form without its
     multipliers. Mamba-2 layers everywhere but attn_layer_indices, whose attention rotates the first
-    half of each head (BambaConfig fixes partial_rotary_factor at 0.5, whatever config.json says),
+    half of each head (BambaConfig's partial_rotary_factor 0.5, unless rope_parameters gives another),
     and on every layer Llama's gated MLP of intermediate_size (feed_forward; mlp_bias). A config
     without attn_layer_indices (the class's default) is all Mamba-2, refused."""
     n = c["num_hidden_layers"]
@@ -845,7 +845,10 @@ def _bamba(c: dict[str, Any], arch: str) -> ModelConfig:
     hybrid = {**c, "layer_types": types, "num_local_experts": 0, "shared_intermediate_size": c["intermediate_size"],
               "position_embedding_type": "rope"}
     cfg = _granitemoehybrid(hybrid, arch)
-    return dataclasses.replace(cfg, attn_scale=None, rotary_dim=cfg.head_dim // 2)
+    # (BambaConfig sets a top-level partial_rotary_factor to 0.5; one in rope_parameters wins, as
+    # transformers' RoPE reads it; Granite's multipliers, which _granite read, are not Bamba's)
+    return dataclasses.replace(cfg, attn_scale=None, embed_scale=1.0, residual_scale=1.0, logits_scaling=1.0,
+                               rotary_dim=_rotary_dim(c.get("rope_parameters") or {}, {}, cfg.head_dim, 0.5))
 
 
 # Nemotron-H's layer types (config.json layers_block_type, or the legacy hybrid_override_pattern's letters)
@@ -872,34 +875,48 @@ def _nemotron_h_blocks(c: dict[str, Any]) -> tuple[list[str], list[bool]]:
             mlps.append(False)
         elif i and kinds[i - 1] != "mlp":
             mlps[-1] = True
-        else:
-            raise ConfigError(f"layer {i} is an MLP layer without a Mamba-2 or attention layer before it, which "
-                              "jaxinfer's blocks (a mixer, then its MLP) cannot hold")
+        else:   # (Nemotron-H-47B's ---: not supported)
+            raise ConfigError(f"layer {i} is an MLP layer without a Mamba-2 or attention layer right before it "
+                              "(Nemotron-H-47B's pattern has such runs), which jaxinfer's blocks (a mixer, then its "
+                              "MLP) cannot hold")
+    if "mamba" not in mixers or "attention" not in mixers:
+        raise ConfigError(f"a Nemotron-H model needs Mamba-2 and attention layers (jaxinfer's engine keeps an "
+                          f"attention layer's KV beside the Mamba-2 states), got {types!r}")
     return mixers, mlps
 
 
 def _nemotron_h(c: dict[str, Any], arch: str) -> ModelConfig:
-    """Nemotron-H (NVIDIA's Nemotron-H 8B / 47B / 56B, Nemotron Nano 2 9B / 12B; transformers'
+    """Nemotron-H (NVIDIA's Nemotron-H 8B / 56B, Nemotron Nano 2 9B / 12B; transformers'
     NemotronH): layers of one part each, a Mamba-2 mixer (M: mamba_num_heads heads of mamba_head_dim,
     n_groups groups of ssm_state_size, conv_kernel taps), attention without positions (*) or an
     ungated MLP of intermediate_size (-, mlp_hidden_act: squared ReLU), each x + part(norm(x)). A
     mixer and the MLP after it are one of jaxinfer's blocks; a mixer without one is a block with no
-    MLP (ModelConfig.mlp_layers). The mixture-of-experts layers (E) are refused."""
+    MLP (ModelConfig.mlp_layers). The mixture-of-experts layers (E) and runs of MLP layers (47B's) are
+    refused; the head is never the embedding (NemotronHForCausalLM ties nothing, whatever
+    tie_word_embeddings says)."""
     mixers, mlps = _nemotron_h_blocks(c)
-    if c.get("mamba_proj_bias") or c.get("use_bias"):
+    if c.get("use_bias"):   # (mamba_proj_bias: read by nothing in NemotronH)
         raise ConfigError("use_bias=true (biased Mamba-2 projections) is not supported: no published Nemotron-H "
                           "model has them")
-    heads, head_dim = c["mamba_num_heads"], c["mamba_head_dim"]
+    sizes = {"mamba_num_heads": c["mamba_num_heads"], "mamba_head_dim": c["mamba_head_dim"],
+             "n_groups": c.get("mamba_n_groups", c["n_groups"]), "ssm_state_size": c["ssm_state_size"],
+             "conv_kernel": c.get("mamba_d_conv", c["conv_kernel"])}
+    if not all(_is_int(v) and v > 0 for v in sizes.values()) or sizes["mamba_num_heads"] % sizes["n_groups"]:
+        raise ConfigError(f"the Mamba-2 layers' sizes must be positive integers and mamba_num_heads a multiple of "
+                          f"n_groups: {sizes}")
+    if c.get("mamba_hidden_act", "silu") not in ("silu", "swish"):
+        raise ConfigError(f"mamba_hidden_act={c['mamba_hidden_act']!r} is not supported (every published model uses "
+                          "silu, which jaxinfer's Mamba-2 layer applies after its convolution)")
     mamba = _mamba2_fields({
-        "mamba_n_heads": heads, "mamba_d_head": head_dim, "mamba_n_groups": c.get("mamba_n_groups", c["n_groups"]),
-        "mamba_d_state": c["ssm_state_size"], "mamba_d_conv": c.get("mamba_d_conv", c["conv_kernel"]),
-        "mamba_conv_bias": c.get("mamba_conv_bias", c.get("use_conv_bias", True)),
-        "hidden_act": c.get("mamba_hidden_act", "silu"),
+        "mamba_n_heads": sizes["mamba_num_heads"], "mamba_d_head": sizes["mamba_head_dim"],
+        "mamba_n_groups": sizes["n_groups"], "mamba_d_state": sizes["ssm_state_size"],
+        "mamba_d_conv": sizes["conv_kernel"], "mamba_conv_bias": c.get("mamba_conv_bias", c.get("use_conv_bias", True)),
         "time_step_limit": c.get("mamba_dt_limit", c.get("time_step_limit"))}, expand=False)
     # (NVIDIA's remote-code config spells head_dim attention_head_dim; NemotronHConfig's default: 128)
     head_dim = c.get("head_dim") or c.get("attention_head_dim") or 128
     base = {**c, "num_hidden_layers": len(mixers), "hidden_act": c.get("mlp_hidden_act", "relu2"), "head_dim": head_dim,
-            "rms_norm_eps": c.get("layer_norm_epsilon", 1e-5), "attention_bias": False, "sliding_window": None}
+            "rms_norm_eps": c.get("layer_norm_epsilon", 1e-5), "attention_bias": False, "sliding_window": None,
+            "tie_word_embeddings": False}
     cfg = _llama_like(base, arch)
     return dataclasses.replace(cfg, gated_mlp=False, rope_layers=(False,) * len(mixers), layer_kinds=tuple(mixers),
                                mlp_layers=tuple(mlps), **mamba)
@@ -920,7 +937,8 @@ def _mamba2_fields(c: dict[str, Any], expand: bool = True) -> dict[str, Any]:
     if (not all(_is_int(v) and v > 0 for v in sizes.values()) or heads % sizes["mamba_n_groups"]
             or (expand and heads * head_dim != sizes["mamba_expand"] * c["hidden_size"])):
         raise ConfigError(f"the Mamba-2 layers' sizes must be positive integers, mamba_n_heads a multiple of "
-                          f"mamba_n_groups and mamba_n_heads * mamba_d_head = mamba_expand * hidden_size: {sizes}")
+                          f"mamba_n_groups{' and mamba_n_heads * mamba_d_head = mamba_expand * hidden_size' * expand}: "
+                          f"{sizes}")
     if c.get("mamba_proj_bias"):
         raise ConfigError("mamba_proj_bias=true is not supported (no published Granite 4.0-H model has biased "
                           "Mamba-2 projections)")
