@@ -90,6 +90,8 @@ def with_states(pages: list, cfg, num_slots: int, dtype) -> list:
     for i in range(cfg.n_layers):
         if cfg.is_conv_layer(i):
             out.append(ConvState(jnp.zeros((num_slots, taps - 1, cfg.d_model), dtype)))
+        elif not cfg.has_mixer(i):   # an MLP block: nothing
+            out.append(None)
         elif cfg.has_state_matrix(i):
             out.append(DeltaState(jnp.zeros((num_slots, taps - 1, cfg.linear_conv_dim), dtype),
                                   jnp.zeros((num_slots, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim),

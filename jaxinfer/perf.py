@@ -298,7 +298,7 @@ class ModelCost:
     body_params: int                      # FLOPs: parameters a token runs through outside the embedding tables
     weight_bytes_read: int                # W_read: read whole once per iteration
     kv_bytes_per_token: int               # K and V of one token, all layers
-    windows: tuple[int | None, ...] = ()  # per layer sliding window (None = full causal; 0: a conv layer, no KV)
+    windows: tuple[int | None, ...] = ()  # per layer sliding window (None = full causal; 0: a layer without KV)
     row_bytes: int = 0                    # gathered per token from the token (and position) tables
     expert_bytes: int = 0                 # one expert of one MoE layer
     moe_layers: int = 0
@@ -316,7 +316,7 @@ class ModelCost:
         experts = c["moe_layers"] * cfg.num_experts
         return cls(cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_model, cfg.vocab_size, body,
                    weights.total - weights.tables - weights.experts, kv_bytes_per_token,
-                   tuple(0 if cfg.is_state_layer(i) else cfg.layer_window(i) for i in range(cfg.n_layers)), weights.row,
+                   tuple(0 if not cfg.has_kv(i) else cfg.layer_window(i) for i in range(cfg.n_layers)), weights.row,
                    weights.experts // experts if experts else 0, c["moe_layers"],
                    cfg.num_experts if experts else 0, cfg.num_experts_per_tok if experts else 0,
                    state_bytes_per_sequence)

@@ -228,6 +228,8 @@ def layer_matmul_shapes(cfg: ModelConfig, layer: int = 0) -> list[tuple[int, int
     if cfg.has_state_matrix(layer):   # a Gated DeltaNet's (or Mamba-2's) in_proj_qkv, in_proj_z and out_proj
         vd = cfg.linear_v_heads * cfg.linear_v_dim
         attn = [(d, cfg.linear_conv_dim), (d, vd), (vd, d)]
+    if not cfg.has_mixer(layer):   # (Nemotron-H's MLP layers after another)
+        attn = []
     if not cfg.has_mlp(layer):   # (Nemotron-H's mixers without an MLP after them)
         return attn
     if cfg.is_moe_layer(layer):

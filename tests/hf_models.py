@@ -273,13 +273,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_head=16,
         mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=16, initializer_range=0.2, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
-    # Nemotron Nano 2's layer pattern in small (M-, *-, M alone, M-: four blocks, one without an MLP):
+    # Nemotron-H's layer patterns in small (M-, *-, M alone, M-, then a second - as 47B's runs: five
+    # blocks, one without an MLP, one without a mixer):
     # Mamba-2 layers of 8 heads of 10 (heads * head dim not a multiple of hidden_size, as Nano 9B v2's)
     # in 2 groups of state size 8, 3 taps; attention of 16-wide heads without positions; squared-ReLU MLPs
     "nemotron-h": ("nemotron_h", dict(
         _COMMON, vocab_size=103, intermediate_size=80, num_key_value_heads=2, head_dim=16,
         layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
-                           "linear_attention", "mlp"], mamba_num_heads=8, mamba_head_dim=10, n_groups=2,
+                           "linear_attention", "mlp", "mlp"], mamba_num_heads=8, mamba_head_dim=10, n_groups=2,
         ssm_state_size=8, conv_kernel=3, chunk_size=16, initializer_range=0.2, tie_word_embeddings=False)),
     # Llama 4 Scout: Llama 3 RoPE in pairs on every other layer (no_rope_layer_interval 2) with the
     # weightless q / k norm after it, the others unrotated with their queries scaled by position

@@ -540,7 +540,7 @@ def test_nemotron_h_files_are_the_original_model(tmp_path):
     Q / K permuted; each layer's one norm attn_norm) computes what the HF model computes: logits, and
     greedy tokens through the paged engine's states."""
     hf, vocab, ids, expected, gen = _as_converted("nemotron-h", {}, tmp_path)
-    assert gen.model_cfg.mlp_layers == (True, True, False, True)
+    assert gen.model_cfg.mlp_layers == (True, True, False, True, True)
     assert _rel_err(gen.logits(ids), expected) < 1e-4
     with torch.no_grad():
         want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,

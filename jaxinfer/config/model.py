@@ -143,7 +143,8 @@ class ModelConfig:
     linear_v_dim: int = 0
     ssm_dt_limit: tuple[float, float] | None = None
     # Nemotron-H's layers are a mixer or an MLP each: a block per mixer, with the MLP that follows it
-    # where one does; mlp_layers marks the blocks that have an MLP (None: every block)
+    # where one does; mlp_layers marks the blocks that have an MLP (None: every block); an MLP layer
+    # after another is a block of its own, "mlp" in layer_kinds (no mixer, no KV, no state)
     mlp_layers: tuple[bool, ...] | None = None
     # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): num_experts > 0 replaces the MLP of the layers
     # moe_layers marks (None: every layer) by a router picking num_experts_per_tok experts per token,
@@ -296,8 +297,10 @@ class ModelConfig:
                                                           and all(isinstance(b, bool) for b in self.mlp_layers)
                                                           and not self.parallel_block and not self.post_norms),
                 "layer_kinds": self.layer_kinds is None or (
-                    len(self.layer_kinds) == self.n_layers and set(self.layer_kinds) <= {"attention", "conv", "linear", "mamba"}
-                    and "attention" in self.layer_kinds and not self.mla_kv_rank),
+                    len(self.layer_kinds) == self.n_layers
+                    and set(self.layer_kinds) <= {"attention", "conv", "linear", "mamba", "mlp"}
+                    and "attention" in self.layer_kinds and not self.mla_kv_rank
+                    and all(self.has_mlp(i) for i, k in enumerate(self.layer_kinds) if k == "mlp")),
                 "conv_kernel": self.conv_kernel >= 2 if self.has_state else self.conv_kernel == 0,
                 "linear_k_heads, linear_v_heads, linear_k_dim, linear_v_dim": (
                     min(self.linear_k_heads, self.linear_v_heads, self.linear_k_dim, self.linear_v_dim) > 0
@@ -403,6 +406,14 @@ class ModelConfig:
         """Whether the block has an MLP (or mixture of experts) after its mixer (mlp_layers)."""
         return self.mlp_layers is None or self.mlp_layers[layer]
 
+    def has_mixer(self, layer: int) -> bool:
+        """Whether the block has attention or a state layer's mixer before its MLP (not an "mlp" block)."""
+        return self.layer_kinds is None or self.layer_kinds[layer] != "mlp"
+
+    def has_kv(self, layer: int) -> bool:
+        """Whether the block attends, and so has KV pages."""
+        return self.has_mixer(layer) and not self.is_state_layer(layer)
+
     def _has_kind(self, kind: str) -> bool:
         return self.layer_kinds is not None and kind in self.layer_kinds
 
@@ -415,7 +426,7 @@ class ModelConfig:
     @property
     def n_attn_layers(self) -> int:
         """The layers that attend, and so have KV pages."""
-        return self.n_layers - sum(self.is_state_layer(i) for i in range(self.n_layers))
+        return sum(self.has_kv(i) for i in range(self.n_layers))
 
     @property
     def linear_conv_dim(self) -> int:
@@ -499,7 +510,8 @@ class ModelConfig:
         norms = norm_p * ((1 + self.parallel_mlp_norm) if self.parallel_block
                           else 2 * (self.pre_norms + self.post_norms))
         n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
-        n_mlp = sum(self.has_mlp(i) for i in range(self.n_layers))   # (the blocks without one lack its norm too)
+        n_mlp = sum(self.has_mlp(i) for i in range(self.n_layers))   # (the blocks without one lack its norm too,
+        n_mixer = sum(self.has_mixer(i) for i in range(self.n_layers))   # the blocks without a mixer its)
         out = {"embedding": self.vocab_size * d, "lm_head": 0 if self.tie_embeddings else self.vocab_size * d,
                "positions": self.max_position_embeddings * d if self.position == "learned" else 0,
                "expert": expert if n_moe else 0, "experts": n_moe * self.num_experts * expert, "moe_layers": n_moe}
@@ -514,7 +526,7 @@ class ModelConfig:
                  + vd * d)
         n_mamba = sum(self.is_mamba_layer(i) for i in range(self.n_layers))
         blocks = (self.n_attn_layers * attn + n_conv * conv + n_linear * linear + n_mamba * mamba
-                  + self.n_layers * norms - (self.n_layers - n_mlp) * norm_p * (self.pre_norms + self.post_norms)
+                  + self.n_layers * norms - (2 * self.n_layers - n_mlp - n_mixer) * norm_p * (self.pre_norms + self.post_norms)
                   + (n_mlp - n_moe) * mlp
                   + n_moe * router + out["experts"])
         out["total"] = (blocks + norm_p + (norm_p if self.embed_norm else 0) + out["embedding"] + out["lm_head"]

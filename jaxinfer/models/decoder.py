@@ -235,13 +235,16 @@ class Block(nnx.Module):
     mlp_norm(x); parallel_sum_first (GPT-NeoX, Phi): (attn + mlp) + x, transformers' order of the
     adds there. The mlp is a mixture of experts (jaxinfer.moe.MoE)
     on the layers cfg.is_moe_layer marks; it skips the step's padding tokens (slot PAD_SLOT). A block
-    cfg.has_mlp leaves out (Nemotron-H's mixers without an MLP after them) is x + attn(attn_norm(x))."""
+    cfg.has_mlp leaves out (Nemotron-H's mixers without an MLP after them) is x + attn(attn_norm(x)),
+    one cfg.has_mixer leaves out (its MLP layers after another) x + mlp(mlp_norm(x))."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None, fused: FusedLayout | None = None):
         self.residual_post_norm, self.residual_scale = cfg.residual_post_norm, cfg.residual_scale
         norm = lambda: Norm(cfg.d_model, cfg.norm, cfg.norm_eps, dtype, rngs)  # noqa: E731
-        self.attn_norm = norm() if cfg.pre_norms else None
-        self.attn = (ShortConv(cfg, dtype, rngs) if cfg.is_conv_layer(layer) else GatedDeltaNet(cfg, dtype, rngs)
+        mixer = cfg.has_mixer(layer)
+        self.attn_norm = norm() if cfg.pre_norms and mixer else None
+        self.attn = (None if not mixer else ShortConv(cfg, dtype, rngs) if cfg.is_conv_layer(layer)
+                     else GatedDeltaNet(cfg, dtype, rngs)
                      if cfg.is_linear_layer(layer) else Mamba2(cfg, dtype, rngs) if cfg.is_mamba_layer(layer)
                      else MLAttention(cfg, layer, dtype, rngs)
                      if cfg.mla else Attention(cfg, layer, dtype, rngs, None if fused is None else fused.attn_shards))
@@ -255,11 +258,13 @@ class Block(nnx.Module):
                                                                                    fused.shared_shards)))
         else:
             self.mlp = MLP(cfg, dtype, rngs, None if fused is None else fused.mlp_shards)
-        self.attn_post_norm = norm() if cfg.post_norms else None
+        self.attn_post_norm = norm() if cfg.post_norms and mixer else None
         self.mlp_post_norm = norm() if cfg.post_norms and mlp else None
 
     def __call__(self, x, positions, kv, meta, impl, lora: tuple | None = None):
         """lora: (token slots [T], this layer's LoRA stacks) or None (jaxinfer/lora/)."""
+        if self.attn is None:   # an MLP block (Nemotron-H's MLP layer after another)
+            return self.mlp_branch(x, meta, lora), kv
         h = x if self.attn_norm is None else self.attn_norm(x)
         attn_out, kv = self.attn(h, positions, kv, meta, impl, lora)
         if self.attn_post_norm is not None:
@@ -269,8 +274,10 @@ class Block(nnx.Module):
             mlp_out = self.scale_branch(self.mlp(h if self.mlp_norm is None else self.mlp_norm(x), lora))
             return ((attn_out + mlp_out) + x if self.sum_first else (x + attn_out) + mlp_out), kv
         x = (h if self.residual_post_norm else x) + attn_out
-        if self.mlp is None:
-            return x, kv
+        return (x if self.mlp is None else self.mlp_branch(x, meta, lora)), kv
+
+    def mlp_branch(self, x: jax.Array, meta, lora) -> jax.Array:
+        """x plus the MLP's branch: mlp(mlp_norm(x)), normed again where post_norms, scaled."""
         h = x if self.mlp_norm is None else self.mlp_norm(x)
         if isinstance(self.mlp, MoE):   # padding tokens take no expert's work
             mlp_out = self.mlp(h, None if meta is None else meta.slot_mapping != PAD_SLOT)
@@ -278,7 +285,7 @@ class Block(nnx.Module):
             mlp_out = self.mlp(h, lora)
         if self.mlp_post_norm is not None:
             mlp_out = self.mlp_post_norm(mlp_out)
-        return (h if self.residual_post_norm else x) + self.scale_branch(mlp_out), kv
+        return (h if self.residual_post_norm else x) + self.scale_branch(mlp_out)
 
     def scale_branch(self, y: jax.Array) -> jax.Array:
         """A branch's output times residual_scale, in float32 and rounded once to its dtype (as torch
@@ -650,10 +657,10 @@ def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
     gate_ups = {s: jax.jit(_gate_up_fuse(s)) for s in {layout.expert_shards, layout.mlp_shards, layout.shared_shards}}
     for i in range(cfg.n_layers):
         a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
-        if not cfg.mla and not cfg.is_state_layer(i):   # latent attention and state layers have no q / k / v
+        if not cfg.mla and cfg.has_kv(i):   # latent attention, state layers and MLP blocks have no q / k / v
             out[f"{a}/qkv"] = _fuse_leaves([_as_columns(p[f"{a}/{n}"]) for n in "qkv"], qkv,
                                            tuple(f"{a}/{n}" for n in "qkv"))
-        if cfg.qkv_bias and not cfg.is_state_layer(i):
+        if cfg.qkv_bias and cfg.has_kv(i):
             out[f"{a}/qkv_bias"] = qkv([p[f"{a}/{n}_bias"].reshape(-1) for n in "qkv"])
         gate_up = gate_ups[layout.expert_shards if cfg.is_moe_layer(i) else layout.mlp_shards]
         if cfg.gated_mlp and cfg.has_mlp(i):
@@ -689,7 +696,7 @@ def unfuse_decoder(model: Decoder) -> Decoder:
         a, m = f"layers/{i}/attn", f"layers/{i}/mlp"
         split = _qkv_split(cfg, layout)
         shapes = [(d, h, hd), (d, kv, hd), (d, kv, hd)]
-        no_qkv = cfg.mla or cfg.is_state_layer(i)   # latent attention and state layers have none
+        no_qkv = cfg.mla or not cfg.has_kv(i)   # latent attention, state layers and MLP blocks have none
         for n, w in zip("qkv", _split_leaves(p[f"{a}/qkv"], split, shapes) if not no_qkv else ()):
             out[f"{a}/{n}"] = w
         if cfg.qkv_bias and not no_qkv:

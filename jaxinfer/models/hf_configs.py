@@ -859,7 +859,8 @@ _NEMOTRON_H_KINDS = {"M": "mamba", "mamba": "mamba", "linear_attention": "mamba"
 
 def _nemotron_h_blocks(c: dict[str, Any]) -> tuple[list[str], list[bool]]:
     """Nemotron-H's layers as blocks: each mixer (a Mamba-2 or attention layer) with the MLP layer
-    that follows it, where one does -> (each block's mixer kind, whether it has an MLP)."""
+    that follows it, where one does; an MLP layer after another (or first) a block of its own, "mlp"
+    -> (each block's kind, whether it has an MLP)."""
     types = c.get("layers_block_type") or c.get("layer_types") or list(c.get("hybrid_override_pattern") or "")
     if not isinstance(types, list) or not types or any(t not in _NEMOTRON_H_KINDS for t in types):
         raise ConfigError(f"layers_block_type (or hybrid_override_pattern) must name each layer 'mamba', "
@@ -870,15 +871,11 @@ def _nemotron_h_blocks(c: dict[str, Any]) -> tuple[list[str], list[bool]]:
                           "supported; the dense Nemotron-H models (Mamba-2, attention and MLP layers) are")
     mixers, mlps = [], []
     for i, k in enumerate(kinds):
-        if k != "mlp":
-            mixers.append(k)
-            mlps.append(False)
-        elif i and kinds[i - 1] != "mlp":
+        if k == "mlp" and i and kinds[i - 1] != "mlp":   # the MLP after a mixer: that mixer's block's
             mlps[-1] = True
-        else:   # (Nemotron-H-47B's ---: not supported)
-            raise ConfigError(f"layer {i} is an MLP layer without a Mamba-2 or attention layer right before it "
-                              "(Nemotron-H-47B's pattern has such runs), which jaxinfer's blocks (a mixer, then its "
-                              "MLP) cannot hold")
+        else:   # a mixer, or an MLP after another (Nemotron-H-47B's ---): a block of its own
+            mixers.append(k)
+            mlps.append(k == "mlp")
     if "mamba" not in mixers or "attention" not in mixers:
         raise ConfigError(f"a Nemotron-H model needs Mamba-2 and attention layers (jaxinfer's engine keeps an "
                           f"attention layer's KV beside the Mamba-2 states), got {types!r}")
@@ -886,13 +883,13 @@ def _nemotron_h_blocks(c: dict[str, Any]) -> tuple[list[str], list[bool]]:
 
 
 def _nemotron_h(c: dict[str, Any], arch: str) -> ModelConfig:
-    """Nemotron-H (NVIDIA's Nemotron-H 8B / 56B, Nemotron Nano 2 9B / 12B; transformers'
+    """Nemotron-H (NVIDIA's Nemotron-H 8B / 47B / 56B, Nemotron Nano 2 9B / 12B; transformers'
     NemotronH): layers of one part each, a Mamba-2 mixer (M: mamba_num_heads heads of mamba_head_dim,
     n_groups groups of ssm_state_size, conv_kernel taps), attention without positions (*) or an
     ungated MLP of intermediate_size (-, mlp_hidden_act: squared ReLU), each x + part(norm(x)). A
     mixer and the MLP after it are one of jaxinfer's blocks; a mixer without one is a block with no
-    MLP (ModelConfig.mlp_layers). The mixture-of-experts layers (E) and runs of MLP layers (47B's) are
-    refused; the head is never the embedding (NemotronHForCausalLM ties nothing, whatever
+    MLP (ModelConfig.mlp_layers), an MLP layer after another (47B's runs) one with no mixer ("mlp" in
+    layer_kinds). The mixture-of-experts layers (E) are refused; the head is never the embedding (NemotronHForCausalLM ties nothing, whatever
     tie_word_embeddings says)."""
     mixers, mlps = _nemotron_h_blocks(c)
     if c.get("use_bias"):   # (mamba_proj_bias: read by nothing in NemotronH)

@@ -489,29 +489,34 @@ def _bamba_map(cfg: ModelConfig) -> WeightMap:
 def _nemotron_h_map(cfg: ModelConfig) -> WeightMap:
     """Nemotron-H: block j's mixer is the checkpoint's layer m_j (its norm and mixer: attention's q / k /
     v / o_proj, or _mamba2_layers' Mamba-2 tensors) and its MLP, where it has one, layer m_j + 1 (norm,
-    mixer.up_proj / down_proj); embeddings, norm_f. The uploads' backbone. prefix: LANGUAGE_MODEL_PREFIXES."""
+    mixer.up_proj / down_proj); an MLP block's is layer m_j itself; embeddings, norm_f. The uploads'
+    backbone. prefix: LANGUAGE_MODEL_PREFIXES."""
     first, at = [], 0
     for j in range(cfg.n_layers):
         first.append(at)
-        at += 2 if cfg.has_mlp(j) else 1
+        at += cfg.has_mixer(j) + cfg.has_mlp(j)
     out: WeightMap = {}
     for ours, (names, fn) in _llama_map(cfg).items():
         parts = ours.split("/")
-        if parts[0] == "layers" and not cfg.has_mlp(int(parts[1])) and parts[2] in ("mlp", "mlp_norm"):
-            continue
-        out[ours] = (tuple(_nemotron_h_name(n, first) for n in names), fn)
+        if parts[0] == "layers":
+            j = int(parts[1])
+            if parts[2] in ("mlp", "mlp_norm") and not cfg.has_mlp(j) or parts[2] in ("attn", "attn_norm") and not (
+                    cfg.has_mixer(j)):
+                continue
+        out[ours] = (tuple(_nemotron_h_name(n, first, cfg) for n in names), fn)
     return _mamba2_layers(out, cfg, lambda j: f"model.layers.{first[j]}.mixer")
 
 
-def _nemotron_h_name(name: str, first: list[int]) -> str:
-    """One of _llama_map's tensor names under Nemotron-H's (first: each block's mixer layer)."""
+def _nemotron_h_name(name: str, first: list[int], cfg: ModelConfig) -> str:
+    """One of _llama_map's tensor names under Nemotron-H's (first: each block's first layer)."""
     if not name.startswith("model.layers."):
         return {"model.embed_tokens.weight": "model.embeddings.weight", "model.norm.weight": "model.norm_f.weight"}.get(
             name, name)
     j, rest = name[len("model.layers."):].split(".", 1)
     part, tail = rest.split(".", 1)
-    layer, new = {"input_layernorm": (0, "norm"), "self_attn": (0, "mixer"), "post_attention_layernorm": (1, "norm"),
-                  "mlp": (1, "mixer")}[part]
+    mlp = int(cfg.has_mixer(int(j)))   # the MLP's layer after the block's first
+    layer, new = {"input_layernorm": (0, "norm"), "self_attn": (0, "mixer"), "post_attention_layernorm": (mlp, "norm"),
+                  "mlp": (mlp, "mixer")}[part]
     return f"model.layers.{first[int(j)] + layer}.{new}.{tail}"
 
 
