@@ -231,6 +231,15 @@ def _granite_scales(w, cfg) -> None:
             add(value)
 
 
+def _ssm_sizes(w, taps: int, state: int, groups: int, heads: int, inner: int) -> None:
+    """Mamba2Model's ssm.* keys (time_step_rank: the heads; inner_size: heads x their width)."""
+    w.add_ssm_conv_kernel(taps)
+    w.add_ssm_state_size(state)
+    w.add_ssm_group_count(groups)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(heads)
+
+
 def _granitehybrid_hparams(w, cfg) -> None:
     """GraniteHybridModel.set_gguf_parameters: GraniteMoeModel's (TextModel's keys, Granite's scales, the
     shared MLP's width), the Mamba-2 sizes in ssm.* (time_step_rank: the heads), head_count_kv per layer
@@ -243,11 +252,8 @@ def _granitehybrid_hparams(w, cfg) -> None:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     _granite_scales(w, cfg)
     w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
-    w.add_ssm_conv_kernel(cfg.mamba_d_conv)
-    w.add_ssm_state_size(cfg.mamba_d_state)
-    w.add_ssm_group_count(cfg.mamba_n_groups)
-    w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
-    w.add_ssm_time_step_rank(cfg.mamba_n_heads)
+    _ssm_sizes(w, cfg.mamba_d_conv, cfg.mamba_d_state, cfg.mamba_n_groups, cfg.mamba_n_heads,
+               cfg.mamba_expand * cfg.hidden_size)
     w.add_head_count_kv([cfg.num_key_value_heads if t in ("attention", "full_attention") else 0
                          for t in cfg.layer_types])
     w.add_rope_scaling_finetuned(False)
@@ -308,11 +314,8 @@ def _nemotron_h_hparams(w, cfg) -> None:
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
-    w.add_ssm_conv_kernel(cfg.conv_kernel)
-    w.add_ssm_state_size(cfg.ssm_state_size)
-    w.add_ssm_group_count(cfg.n_groups)
-    w.add_ssm_inner_size(cfg.mamba_num_heads * cfg.mamba_head_dim)
-    w.add_ssm_time_step_rank(cfg.mamba_num_heads)
+    _ssm_sizes(w, cfg.conv_kernel, cfg.ssm_state_size, cfg.n_groups, cfg.mamba_num_heads,
+               cfg.mamba_num_heads * cfg.mamba_head_dim)
     w.add_rope_scaling_finetuned(False)
     w.add_context_length(2 ** 20)
     w.add_vocab_size(cfg.vocab_size)

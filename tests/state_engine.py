@@ -1,7 +1,7 @@
 """The check that a model whose layers keep a state per sequence (LFM2's conv layers, Qwen3-Next's and
-Qwen3.5's Gated DeltaNet layers, Granite 4.0-H's Mamba-2 layers) carries it through the paged engine,
-against transformers' own model (tests/test_lfm2.py, tests/test_qwen3_next.py,
-tests/test_granite_hybrid.py)."""
+Qwen3.5's Gated DeltaNet layers, Granite 4.0-H's, Bamba's and Nemotron-H's Mamba-2 layers) carries it
+through the paged engine, against transformers' own model (tests/test_lfm2.py, tests/test_qwen3_next.py,
+tests/test_granite_hybrid.py, tests/test_nemotron_h.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,6 +19,21 @@ def hf_greedy(hf, prompt: list[int], n: int = TOKENS) -> list[int]:
         for _ in range(n):
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def served(hf, folder, prompt_lens: tuple[int, ...], seed: int):
+    """transformers' model `hf` saved to `folder` and served by a float32 Generator (16-token chunks, two
+    rows) -> (the Generator, prompts of prompt_lens tokens, transformers' logits of the first)."""
+    import torch
+
+    from jaxinfer import Generator
+    hf.save_pretrained(folder)
+    prompts = [np.random.RandomState(seed).randint(3, 100, n).tolist() for n in prompt_lens]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompts[0]])).logits[0].numpy()
+    gen = Generator.from_pretrained(folder, dtype="float32", max_model_len=64, max_num_seqs=2, block_size=8,
+                                    num_blocks=17, max_num_batched_tokens=16, warmup=False)
+    return gen, prompts, ref
 
 
 def check_state_engine(folder, hf, prompts: list[list[int]], want: list[list[int]], model=None) -> None:

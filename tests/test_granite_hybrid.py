@@ -12,7 +12,7 @@ import pytest
 from jaxinfer import Generator
 from jaxinfer.config import ConfigError
 from tests.hf_models import build_hf_model
-from tests.state_engine import check_state_engine, hf_greedy
+from tests.state_engine import check_state_engine, hf_greedy, served
 
 
 def _case(folder, hf):
@@ -149,20 +149,13 @@ def test_bamba(tmp_path):
     read by nothing, a config without attn_layer_indices (all Mamba-2) refused by name."""
     import json
 
-    import torch
-
     from transformers import BambaConfig
     from transformers.models.bamba.modeling_bamba import BambaRotaryEmbedding
 
     from jaxinfer import SamplingParams
     from jaxinfer.models.hf_configs import model_config_from_hf
     hf = build_hf_model("bamba")
-    hf.save_pretrained(tmp_path)
-    prompts = [np.random.RandomState(5).randint(3, 100, n).tolist() for n in (20, 33)]
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompts[0]])).logits[0].numpy()
-    gen = Generator.from_pretrained(tmp_path, dtype="float32", max_model_len=64, max_num_seqs=2, block_size=8,
-                                    num_blocks=17, max_num_batched_tokens=16, warmup=False)
+    gen, prompts, ref = served(hf, tmp_path, (20, 33), 5)
     assert gen.model_cfg.rotary_dim == 8 and gen.model_cfg.attn_scale is None
     assert np.abs(gen.logits(prompts[0]) - ref).max() <= 1e-4 * np.abs(ref).max()
     outs = gen.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))

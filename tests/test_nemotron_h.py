@@ -1,7 +1,7 @@
 """Nemotron-H (transformers' NemotronHForCausalLM, tests/hf_models.py "nemotron-h"): layers of one
 part each (a Mamba-2 mixer, attention without positions, or a squared-ReLU MLP), run as jaxinfer's
-blocks of a mixer and the MLP after it, one block without an MLP. The references are transformers'
-full forwards and its parameter count."""
+blocks of a mixer and the MLP after it (a block without an MLP, one without a mixer). The
+references are transformers' full forwards, its parameter count and its config class."""
 from __future__ import annotations
 
 import json
@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from jaxinfer import Generator, SamplingParams
+from jaxinfer import SamplingParams
 from jaxinfer.config import ConfigError
 from jaxinfer.models.hf_configs import model_config_from_hf
 from tests.hf_models import build_hf_model
-from tests.state_engine import hf_greedy
+from tests.state_engine import hf_greedy, served
 
 
 def test_logits_and_greedy_tokens_are_transformers(tmp_path):
@@ -21,14 +21,8 @@ def test_logits_and_greedy_tokens_are_transformers(tmp_path):
     logits, prefilled in 16-token chunks (the Mamba-2 states carried across them), and 8 greedy
     tokens of two prompts, decoded beside each other's prefill, are transformers' full forwards'.
     The eight layers are five blocks, the third without an MLP, the fifth without a mixer."""
-    import torch
     hf = build_hf_model("nemotron-h")
-    hf.save_pretrained(tmp_path)
-    prompts = [np.random.RandomState(7).randint(3, 100, n).tolist() for n in (20, 29)]
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompts[0]])).logits[0].numpy()
-    gen = Generator.from_pretrained(tmp_path, dtype="float32", max_model_len=64, max_num_seqs=2, block_size=8,
-                                    num_blocks=17, max_num_batched_tokens=16, warmup=False)
+    gen, prompts, ref = served(hf, tmp_path, (20, 29), 7)
     cfg = gen.model_cfg
     assert (cfg.n_layers, cfg.layer_kinds, cfg.mlp_layers) == (5, ("mamba", "attention", "mamba", "mamba", "mlp"),
                                                                (True, True, False, True, True))
