@@ -59,8 +59,11 @@ def test_closed_form_prefill_and_clamped_step_inside_the_engine(tmp_path):
 
 def test_what_a_mamba_state_cannot_carry_is_refused(granite):
     """Speculative decoding, tensor and pipeline parallelism (before any loading) are refused by name;
-    LoRA is not offered for the family; jaxinfer quantize points to load-time quantization."""
+    LoRA is not offered for the family, nor its device stacks built (they read each block's q / k / v);
+    jaxinfer quantize points to load-time quantization."""
     from jaxinfer.lora.adapter import LORA_FAMILIES
+    from jaxinfer.lora.execute import lora_supported
+    from jaxinfer.models.decoder import fuse_decoder
     from jaxinfer.quantize import QuantizeSettings, quantize_model
     from jaxinfer.weights import load_model
     folder = granite[0]
@@ -71,6 +74,7 @@ def test_what_a_mamba_state_cannot_carry_is_refused(granite):
             Generator.from_pretrained(folder, **kw)
     assert "GraniteMoeHybridForCausalLM" not in LORA_FAMILIES
     model, _ = load_model(folder, "float32")
+    assert "not available for GraniteMoeHybridForCausalLM" in lora_supported(fuse_decoder(model))
     with pytest.raises(ValueError, match="state layers .* --quantize int8"):
         quantize_model(model, QuantizeSettings(method="rtn", bits=4))
 

@@ -4,6 +4,7 @@ blocks of a mixer and the MLP after it (a block without an MLP, one without a mi
 references are transformers' full forwards, its parameter count and its config class."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -52,6 +53,10 @@ def test_legacy_spellings_and_refused_configs(tmp_path):
     assert legacy == model_config_from_hf(config)
     assert (legacy.linear_k_heads, legacy.conv_kernel) == (theirs.n_groups, theirs.conv_kernel) == (2, 3)
     assert legacy.head_dim == 16 and legacy.layer_kinds == ("mamba", "attention", "mamba", "mamba", "mlp")
+    # an MLP block only where state layers keep the engine on its per-layer path, not in a parallel block
+    for change in ({"layer_kinds": ("attention",) * 4 + ("mlp",)}, {"parallel_block": True}):
+        with pytest.raises(ConfigError, match="layer_kinds"):
+            dataclasses.replace(legacy, **change)
     tied = build_hf_model("nemotron-h", overrides={"tie_word_embeddings": True})
     assert tied.lm_head.weight.data_ptr() != tied.get_input_embeddings().weight.data_ptr()
     assert not model_config_from_hf({**config, "tie_word_embeddings": True}).tie_embeddings

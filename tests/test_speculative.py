@@ -481,6 +481,9 @@ def test_draft_model_refused_clearly(hf_model_dir, tmp_path):
                                   warmup=False)
     with pytest.raises(ValueError, match="only used with"):
         Generator.from_pretrained(target, speculative_model=target, warmup=False)
+    with pytest.raises(ValueError, match=r"draft model with state layers \(GraniteMoeHybridForCausalLM"):
+        Generator.from_pretrained(target, speculative_method="draft", warmup=False,
+                                  speculative_model=hf_model_dir("granitemoehybrid"))
     with pytest.raises(ValueError, match="speculative_method"):
         Generator.from_pretrained(target, speculative_method="medusa2", warmup=False)
 

@@ -300,6 +300,7 @@ class ModelConfig:
                     len(self.layer_kinds) == self.n_layers
                     and set(self.layer_kinds) <= {"attention", "conv", "linear", "mamba", "mlp"}
                     and "attention" in self.layer_kinds and not self.mla_kv_rank
+                    and ("mlp" not in self.layer_kinds or self.has_state and not self.parallel_block)
                     and all(self.has_mlp(i) for i, k in enumerate(self.layer_kinds) if k == "mlp")),
                 "conv_kernel": self.conv_kernel >= 2 if self.has_state else self.conv_kernel == 0,
                 "linear_k_heads, linear_v_heads, linear_k_dim, linear_v_dim": (

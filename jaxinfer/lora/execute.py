@@ -64,6 +64,9 @@ def lora_supported(model) -> str | None:
         return "LoRA needs the fused serving model (not available multi-host or with pipeline_parallel > 1)"
     if model.cfg.mla:
         return "LoRA adapters are not available with latent attention (DeepSeek-V3's q / kv projections)"
+    if model.cfg.has_state:
+        return (f"LoRA adapters are not available for {model.cfg.architecture}, whose conv / Gated DeltaNet / "
+                "Mamba-2 layers take none")
     return None
 
 

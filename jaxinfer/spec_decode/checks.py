@@ -38,6 +38,9 @@ def check_draft(model, draft: Decoder | None, cfg: EngineConfig) -> None:
         # (a tensor-parallel target is fine: the runner replicates the draft on its mesh)
         raise ValueError("speculative decoding with a draft model needs a one-stage target (no pipeline_parallel) "
                          "and an unsharded draft")
+    if draft.cfg.has_state:   # (its runner keeps KV pages for every layer and no state slots)
+        raise ValueError(f"a draft model with state layers ({draft.cfg.architecture}: conv / Gated DeltaNet / "
+                         "Mamba-2) is not supported; draft with an attention-only model")
     if draft.cfg.vocab_size != model.cfg.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) differs from the "
                          f"target's ({model.cfg.vocab_size}): a draft must share the target's tokenizer")
