@@ -1093,8 +1093,6 @@ class GGUFTensors:
             name = name[:-len("_bias")] + ".bias"
         if name.endswith((".linear_attn.dt_bias", ".mamba.dt_bias", ".mixer.dt_bias")):   # the converter's rename:
             name = name[:-len("dt_bias")] + "dt_proj.bias"                                 # dt_proj.bias -> ssm_dt.bias
-        if self.file.arch == "nemotron_h" and name.startswith("model."):   # (the gguf package maps its on-disk names)
-            name = "backbone." + name[len("model."):]
         head = _QK_NORM_HEAD.fullmatch(name)
         if head is not None:
             name = f"{head.group(1)}.weight"

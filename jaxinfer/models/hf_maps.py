@@ -489,8 +489,8 @@ def _bamba_map(cfg: ModelConfig) -> WeightMap:
 def _nemotron_h_map(cfg: ModelConfig) -> WeightMap:
     """Nemotron-H: block j's mixer is the checkpoint's layer m_j (its norm and mixer: attention's q / k /
     v / o_proj, or _mamba2_layers' Mamba-2 tensors) and its MLP, where it has one, layer m_j + 1 (norm,
-    mixer.up_proj / down_proj); an MLP block's is layer m_j itself; embeddings, norm_f. The uploads'
-    backbone. prefix: LANGUAGE_MODEL_PREFIXES."""
+    mixer.up_proj / down_proj); an MLP block's is layer m_j itself; embeddings, norm_f; all under
+    backbone., as the uploads and transformers' save_pretrained write them."""
     first, at = [], 0
     for j in range(cfg.n_layers):
         first.append(at)
@@ -504,20 +504,20 @@ def _nemotron_h_map(cfg: ModelConfig) -> WeightMap:
                     cfg.has_mixer(j)):
                 continue
         out[ours] = (tuple(_nemotron_h_name(n, first, cfg) for n in names), fn)
-    return _mamba2_layers(out, cfg, lambda j: f"model.layers.{first[j]}.mixer")
+    return _mamba2_layers(out, cfg, lambda j: f"backbone.layers.{first[j]}.mixer")
 
 
 def _nemotron_h_name(name: str, first: list[int], cfg: ModelConfig) -> str:
     """One of _llama_map's tensor names under Nemotron-H's (first: each block's first layer)."""
     if not name.startswith("model.layers."):
-        return {"model.embed_tokens.weight": "model.embeddings.weight", "model.norm.weight": "model.norm_f.weight"}.get(
-            name, name)
+        return {"model.embed_tokens.weight": "backbone.embeddings.weight",
+                "model.norm.weight": "backbone.norm_f.weight"}.get(name, name)
     j, rest = name[len("model.layers."):].split(".", 1)
     part, tail = rest.split(".", 1)
     mlp = int(cfg.has_mixer(int(j)))   # the MLP's layer after the block's first
     layer, new = {"input_layernorm": (0, "norm"), "self_attn": (0, "mixer"), "post_attention_layernorm": (mlp, "norm"),
                   "mlp": (mlp, "mixer")}[part]
-    return f"model.layers.{first[int(j)] + layer}.{new}.{tail}"
+    return f"backbone.layers.{first[int(j)] + layer}.{new}.{tail}"
 
 
 def _mamba2_layers(m: WeightMap, cfg: ModelConfig,
@@ -724,7 +724,6 @@ OPTIONAL_PREFIXES = ("transformer.", "model.", "gpt_neox.")
 # use: model.language_model. (Qwen3-VL's, the head at lm_head.), or language_model.model. and
 # language_model.lm_head. (Gemma 3's, Mistral Small's); Qwen2.5-VL's are ours. (ours, theirs)
 LANGUAGE_MODEL_PREFIXES = (("model.", "model.language_model."), ("model.", "language_model.model."),
-                           ("model.", "backbone."),   # (Nemotron-H's uploads: backbone.embeddings, ...)
                            ("lm_head.", "language_model.lm_head."))
 
 
