@@ -889,26 +889,13 @@ def _nemotron_h(c: dict[str, Any], arch: str) -> ModelConfig:
     ungated MLP of intermediate_size (-, mlp_hidden_act: squared ReLU), each x + part(norm(x)). A
     mixer and the MLP after it are one of jaxinfer's blocks; a mixer without one is a block with no
     MLP (ModelConfig.mlp_layers), an MLP layer after another (47B's runs) one with no mixer ("mlp" in
-    layer_kinds). The mixture-of-experts layers (E) are refused; the head is never the embedding (NemotronHForCausalLM ties nothing, whatever
-    tie_word_embeddings says)."""
+    layer_kinds). The mixture-of-experts layers (E) are refused; the head is never the embedding
+    (NemotronHForCausalLM ties nothing, whatever tie_word_embeddings says)."""
     mixers, mlps = _nemotron_h_blocks(c)
-    if c.get("use_bias"):   # (mamba_proj_bias: read by nothing in NemotronH)
-        raise ConfigError("use_bias=true (biased Mamba-2 projections) is not supported: no published Nemotron-H "
-                          "model has them")
-    sizes = {"mamba_num_heads": c["mamba_num_heads"], "mamba_head_dim": c["mamba_head_dim"],
-             "n_groups": c.get("mamba_n_groups", c["n_groups"]), "ssm_state_size": c["ssm_state_size"],
-             "conv_kernel": c.get("mamba_d_conv", c["conv_kernel"])}
-    if not all(_is_int(v) and v > 0 for v in sizes.values()) or sizes["mamba_num_heads"] % sizes["n_groups"]:
-        raise ConfigError(f"the Mamba-2 layers' sizes must be positive integers and mamba_num_heads a multiple of "
-                          f"n_groups: {sizes}")
-    if c.get("mamba_hidden_act", "silu") not in ("silu", "swish"):
-        raise ConfigError(f"mamba_hidden_act={c['mamba_hidden_act']!r} is not supported (every published model uses "
-                          "silu, which jaxinfer's Mamba-2 layer applies after its convolution)")
-    mamba = _mamba2_fields({
-        "mamba_n_heads": sizes["mamba_num_heads"], "mamba_d_head": sizes["mamba_head_dim"],
-        "mamba_n_groups": sizes["n_groups"], "mamba_d_state": sizes["ssm_state_size"],
-        "mamba_d_conv": sizes["conv_kernel"], "mamba_conv_bias": c.get("mamba_conv_bias", c.get("use_conv_bias", True)),
-        "time_step_limit": c.get("mamba_dt_limit", c.get("time_step_limit"))}, expand=False)
+    # NVIDIA's remote-code spellings, which NemotronHConfig renames too (they win where both are given)
+    legacy = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_conv_bias": "use_conv_bias",
+              "mamba_dt_limit": "time_step_limit"}
+    mamba = _mamba2_fields({**c, **{ours: c[old] for old, ours in legacy.items() if old in c}}, _NEMOTRON_H_MAMBA2)
     # (NVIDIA's remote-code config spells head_dim attention_head_dim; NemotronHConfig's default: 128)
     head_dim = c.get("head_dim") or c.get("attention_head_dim") or 128
     base = {**c, "num_hidden_layers": len(mixers), "hidden_act": c.get("mlp_hidden_act", "relu2"), "head_dim": head_dim,
@@ -919,39 +906,50 @@ def _nemotron_h(c: dict[str, Any], arch: str) -> ModelConfig:
                                mlp_layers=tuple(mlps), **mamba)
 
 
-def _mamba2_fields(c: dict[str, Any], expand: bool = True) -> dict[str, Any]:
-    """GraniteMoeHybrid's Mamba-2 sizes (mamba_*, time_step_limit) as ModelConfig's fields; without
-    `expand`, no mamba_expand (Nemotron-H's heads * head dim is its own width, not a multiple of d_model)."""
-    heads = c["mamba_n_heads"]
-    sizes = {"mamba_n_heads": heads, "mamba_d_head": c.get("mamba_d_head", "auto"),
-             "mamba_n_groups": c["mamba_n_groups"], "mamba_d_state": c["mamba_d_state"], "mamba_d_conv": c["mamba_d_conv"]}
+# a family's config.json names of the Mamba-2 fields _mamba2_fields reads (expand: Granite's width check)
+_GRANITE_MAMBA2 = {"heads": "mamba_n_heads", "head_dim": "mamba_d_head", "groups": "mamba_n_groups",
+                   "state": "mamba_d_state", "taps": "mamba_d_conv", "conv_bias": "mamba_conv_bias",
+                   "bias": "mamba_proj_bias", "act": "hidden_act", "limit": "time_step_limit", "expand": "mamba_expand"}
+_NEMOTRON_H_MAMBA2 = {"heads": "mamba_num_heads", "head_dim": "mamba_head_dim", "groups": "n_groups",
+                      "state": "ssm_state_size", "taps": "conv_kernel", "conv_bias": "use_conv_bias", "bias": "use_bias",
+                      "act": "mamba_hidden_act", "limit": "time_step_limit"}
+
+
+def _mamba2_fields(c: dict[str, Any], names: dict[str, str] = _GRANITE_MAMBA2) -> dict[str, Any]:
+    """A family's Mamba-2 sizes, convolution bias and step limit (their config.json `names`, each
+    named in its refusal) as ModelConfig's fields. With an "expand" name (Granite 4.0-H, Bamba):
+    heads x head dim = expand x hidden_size, the head dim "auto" derived from it; without (Nemotron-H),
+    heads x head dim is a width of its own."""
+    heads = c[names["heads"]]
+    sizes = {names[k]: c.get(names[k], "auto") if k == "head_dim" else c[names[k]]
+             for k in ("heads", "head_dim", "groups", "state", "taps")}
+    expand = names.get("expand")
     if expand:
-        times, hidden = c["mamba_expand"], c["hidden_size"]
-        if sizes["mamba_d_head"] == "auto" and _is_int(heads) and heads > 0 and _is_int(times):
-            sizes["mamba_d_head"] = times * hidden // heads
-        sizes["mamba_expand"] = times
-    head_dim = sizes["mamba_d_head"]
-    if (not all(_is_int(v) and v > 0 for v in sizes.values()) or heads % sizes["mamba_n_groups"]
-            or (expand and heads * head_dim != sizes["mamba_expand"] * c["hidden_size"])):
-        raise ConfigError(f"the Mamba-2 layers' sizes must be positive integers, mamba_n_heads a multiple of "
-                          f"mamba_n_groups{' and mamba_n_heads * mamba_d_head = mamba_expand * hidden_size' * expand}: "
-                          f"{sizes}")
-    if c.get("mamba_proj_bias"):
-        raise ConfigError("mamba_proj_bias=true is not supported (no published Granite 4.0-H model has biased "
-                          "Mamba-2 projections)")
-    if c.get("hidden_act", "silu") not in ("silu", "swish"):   # (the Mamba-2 convolution applies it too)
-        raise ConfigError(f"hidden_act={c.get('hidden_act')!r} is not supported for this family (every published "
+        times = c[expand]
+        if sizes[names["head_dim"]] == "auto" and _is_int(heads) and heads > 0 and _is_int(times):
+            sizes[names["head_dim"]] = times * c["hidden_size"] // heads
+        sizes[expand] = times
+    head_dim, groups = sizes[names["head_dim"]], sizes[names["groups"]]
+    if (not all(_is_int(v) and v > 0 for v in sizes.values()) or heads % groups
+            or (expand and heads * head_dim != sizes[expand] * c["hidden_size"])):
+        width = f" and {names['heads']} * {names['head_dim']} = {expand} * hidden_size" if expand else ""
+        raise ConfigError(f"the Mamba-2 layers' sizes must be positive integers, {names['heads']} a multiple of "
+                          f"{names['groups']}{width}: {sizes}")
+    if c.get(names["bias"]):
+        raise ConfigError(f"{names['bias']}=true is not supported (biased Mamba-2 projections: no published model "
+                          "of this family has them)")
+    if c.get(names["act"], "silu") not in ("silu", "swish"):   # (the Mamba-2 convolution applies it too)
+        raise ConfigError(f"{names['act']}={c.get(names['act'])!r} is not supported for this family (every published "
                           "model uses silu, which jaxinfer's Mamba-2 layer applies after its convolution)")
-    limit = c.get("time_step_limit") or (0.0, math.inf)
+    limit = c.get(names["limit"]) or (0.0, math.inf)
     if isinstance(limit, (list, tuple)):   # transformers >= 5 saves an infinity as {"__float__": "Infinity"}
         limit = [float(v["__float__"]) if isinstance(v, dict) and isinstance(v.get("__float__"), str) else v
                  for v in limit]
     real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)  # noqa: E731
     if not (isinstance(limit, (list, tuple)) and len(limit) == 2 and all(map(real, limit)) and 0 <= limit[0] <= limit[1]):
         raise ConfigError(f"field 'time_step_limit' must be [low, high] with 0 <= low <= high, got {limit!r}")
-    return dict(conv_kernel=sizes["mamba_d_conv"], conv_bias=bool(c.get("mamba_conv_bias", True)),
-                linear_k_heads=sizes["mamba_n_groups"], linear_v_heads=heads, linear_k_dim=sizes["mamba_d_state"],
-                linear_v_dim=head_dim,
+    return dict(conv_kernel=sizes[names["taps"]], conv_bias=bool(c.get(names["conv_bias"], True)),
+                linear_k_heads=groups, linear_v_heads=heads, linear_k_dim=sizes[names["state"]], linear_v_dim=head_dim,
                 ssm_dt_limit=None if tuple(limit) == (0.0, math.inf) else (float(limit[0]), float(limit[1])))
 
 
