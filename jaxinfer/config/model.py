@@ -506,13 +506,14 @@ class ModelConfig:
         router = (d * self.num_experts + (self.num_experts if self.router_bias else 0)
                   + 3 * d * self.moe_shared_ffn_dim + (d if self.moe_shared_gate else 0)
                   + (self.num_experts if self.moe_routing == "softmax_corrected_topk" else 0))   # ERNIE's: a parameter
-        # two norms a block (before attention and MLP, or after each: OLMo 2), four with both (Gemma), one
-        # for a parallel block (Cohere; two with its own MLP norm: GPT-NeoX)
-        norms = norm_p * ((1 + self.parallel_mlp_norm) if self.parallel_block
-                          else 2 * (self.pre_norms + self.post_norms))
         n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
-        n_mlp = sum(self.has_mlp(i) for i in range(self.n_layers))   # (the blocks without one lack its norm too,
-        n_mixer = sum(self.has_mixer(i) for i in range(self.n_layers))   # the blocks without a mixer its)
+        n_mlp = sum(self.has_mlp(i) for i in range(self.n_layers))
+        n_mixer = sum(self.has_mixer(i) for i in range(self.n_layers))
+        # a norm before each branch (or after it: OLMo 2), two with both (Gemma): a block without an MLP
+        # or without a mixer (Nemotron-H) lacks that branch's; one for a parallel block (Cohere; two with
+        # its own MLP norm: GPT-NeoX)
+        norms = norm_p * ((1 + self.parallel_mlp_norm) * self.n_layers if self.parallel_block
+                          else (self.pre_norms + self.post_norms) * (n_mixer + n_mlp))
         out = {"embedding": self.vocab_size * d, "lm_head": 0 if self.tie_embeddings else self.vocab_size * d,
                "positions": self.max_position_embeddings * d if self.position == "learned" else 0,
                "expert": expert if n_moe else 0, "experts": n_moe * self.num_experts * expert, "moe_layers": n_moe}
@@ -527,7 +528,7 @@ class ModelConfig:
                  + vd * d)
         n_mamba = sum(self.is_mamba_layer(i) for i in range(self.n_layers))
         blocks = (self.n_attn_layers * attn + n_conv * conv + n_linear * linear + n_mamba * mamba
-                  + self.n_layers * norms - (2 * self.n_layers - n_mlp - n_mixer) * norm_p * (self.pre_norms + self.post_norms)
+                  + norms
                   + (n_mlp - n_moe) * mlp
                   + n_moe * router + out["experts"])
         out["total"] = (blocks + norm_p + (norm_p if self.embed_norm else 0) + out["embedding"] + out["lm_head"]
