@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, DeepSeek-V3, gpt-oss): routing
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, DeepSeek-V3, gpt-oss, Nemotron 3): routing
 (route: top-k then softmax, softmax then top-k, or sigmoid scores with a choice correction and
 group-limited choice), the sort of token rows by expert, the grouped expert FFN and the weighted
 combine, all with static shapes; shared experts (one dense MLP every token runs) added after.
@@ -6,7 +6,8 @@ combine, all with static shapes; shared experts (one dense MLP every token runs)
     x [T, D] -> router logits [T, E] -> top-k: weights [T, k], experts [T, k]
              -> R = T k rows (row r = token r // k, its (r % k)-th expert), sorted by expert: order [R]
              -> group_sizes [E] (rows per expert), the sorted rows' hidden states xs [R, D]
-             -> per expert e, its rows through act(rows W_gate[e], rows W_up[e]) W_down[e] -> ys [R, D]
+             -> per expert e, its rows through act(rows W_gate[e]) * (rows W_up[e]) W_down[e] -> ys [R, D]
+                (ungated experts, cfg.gated_mlp False: act(rows W_up[e]) W_down[e]; Nemotron 3)
              -> unsorted, weighted, summed over each token's k rows -> [T, D]
 
 Work is proportional to the rows, T k, never to T x E: each row goes through its own expert only.
@@ -218,11 +219,14 @@ class MoE(nnx.Module):
     """The mixture-of-experts MLP of one layer: router [D, E] (+ bias), experts' gate / up [E, D, F]
     and down [E, F, D] (+ biases where cfg.mlp_bias). shards None: separate gate and up; an int: one
     fused gate_up [E, D, 2F] whose columns are `shards` groups of [gate | up] per expert, as the
-    dense MLP's (models/decoder.py, fuse_decoder). impl: "tiles" | "ragged_dot" | None (default_impl)."""
+    dense MLP's (models/decoder.py, fuse_decoder). Ungated experts (cfg.gated_mlp False: Nemotron 3's
+    squared-ReLU experts) have up and down only, never fused, and so do their shared experts (the dense
+    MLP's ungated form). impl: "tiles" | "ragged_dot" | None (default_impl)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, shards: int | None = None,
                  shared_shards: int | None = None):
         d, f, e = cfg.d_model, cfg.expert_ffn_dim, cfg.num_experts
+        shards = shards if cfg.gated_mlp else None    # (an ungated expert has no gate to fuse with its up)
         assert shards is None or f % shards == 0, (f, shards)
         self.num_experts, self.k, self.shards, self.impl = e, cfg.num_experts_per_tok, shards, None
         self.routing, self.norm_topk, self.act = cfg.moe_routing, cfg.moe_norm_topk, cfg.activation
@@ -230,7 +234,7 @@ class MoE(nnx.Module):
         self.jitter, self.scale_inputs, self.norm_eps = cfg.moe_router_jitter, cfg.moe_scale_inputs, cfg.moe_norm_eps
         self.scores_in_dtype = cfg.moe_scores_in_dtype
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
-        fused, bias = shards is not None, cfg.mlp_bias
+        fused, bias, gated = shards is not None, cfg.mlp_bias, cfg.gated_mlp
         expert = lambda n, axis, b=False: param((e, *n), ("experts", *axis), dtype, rngs,  # noqa: E731
                                                 init="zeros" if b else "normal")
         # DeepSeek's and GLM-4.5's routing: the router in float32, as transformers keeps it (its logits
@@ -241,13 +245,13 @@ class MoE(nnx.Module):
         # the choice correction of sigmoid_topk and softmax_corrected_topk (float32, as transformers keeps it)
         self.router_correction = (param((e,), (None,), jnp.float32, rngs, init="zeros")
                                   if cfg.moe_routing in CORRECTED_ROUTERS else None)
-        # the shared experts: one dense gated MLP every token runs (+ Qwen2-MoE's sigmoid gate [d, 1])
+        # the shared experts: one dense MLP every token runs (+ Qwen2-MoE's sigmoid gate [d, 1])
         self.shared = (MLP(dataclasses.replace(cfg, ffn_dim=cfg.moe_shared_ffn_dim, mlp_bias=False), dtype, rngs,
                            shared_shards) if cfg.moe_shared_ffn_dim else None)
         self.shared_gate = param((d, 1), ("embed", None), dtype, rngs) if cfg.moe_shared_gate else None
-        self.gate = None if fused else expert((d, f), ("embed", "expert_mlp"))
+        self.gate = expert((d, f), ("embed", "expert_mlp")) if gated and not fused else None
         self.up = None if fused else expert((d, f), ("embed", "expert_mlp"))
-        self.gate_bias = expert((f,), ("expert_mlp",), True) if bias and not fused else None
+        self.gate_bias = expert((f,), ("expert_mlp",), True) if bias and gated and not fused else None
         self.up_bias = expert((f,), ("expert_mlp",), True) if bias and not fused else None
         axis = "expert_gate_up" if fused and shards > 1 else None
         self.gate_up = expert((d, 2 * f), ("embed", axis)) if fused else None
@@ -283,22 +287,26 @@ class MoE(nnx.Module):
         g = jax.nn.sigmoid(dense(x, self.shared_gate.get_value(), None).astype(jnp.float32))
         return (g * y.astype(jnp.float32)).astype(y.dtype)
 
-    def _activate(self, y_gate: jax.Array, y_up: jax.Array) -> jax.Array:
+    def _activate(self, outs: list[jax.Array]) -> jax.Array:
+        """The hidden rows from the gate / up side's outputs (_in_weights' order): act(gate) * up, gpt-oss's
+        clamped SwiGLU, or an ungated expert's act(up)."""
+        if self.gate is None and self.gate_up is None:
+            return ACTIVATIONS[self.act](outs[0])
+        y_gate, y_up = split_gate_up(outs[0], self.shards) if len(outs) == 1 else outs
         if self.limit is not None:
             return swiglu_clamped(y_gate, y_up, self.limit, self.alpha)
         return ACTIVATIONS[self.act](y_gate) * y_up
 
     def _in_weights(self) -> list:
-        """The gate / up side: [gate_up] (fused) or [gate, up], with their biases alongside."""
+        """The gate / up side: [gate_up] (fused), [gate, up] or [up] (ungated), with their biases alongside."""
         if self.gate_up is not None:
             return [(self.gate_up.get_value(), param_value(self.gate_up_bias))]
-        return [(self.gate.get_value(), param_value(self.gate_bias)), (self.up.get_value(), param_value(self.up_bias))]
+        up = (self.up.get_value(), param_value(self.up_bias))
+        return [up] if self.gate is None else [(self.gate.get_value(), param_value(self.gate_bias)), up]
 
     def _expert_ffn(self, rows: jax.Array, ins: list, down: tuple) -> jax.Array:
         """One expert on rows [m, D]: ins [(operand, bias [.., N] or None)], down (operand, bias)."""
-        outs = [_matmul(rows, w) + (0 if b is None else b) for w, b in ins]
-        gate, up = split_gate_up(outs[0], self.shards) if len(outs) == 1 else outs
-        h = self._activate(gate, up)
+        h = self._activate([_matmul(rows, w) + (0 if b is None else b) for w, b in ins])
         return _matmul(h, down[0]) + (0 if down[1] is None else down[1])
 
     def _ffn_tiles(self, xs: jax.Array, sizes: jax.Array) -> jax.Array:
@@ -340,8 +348,7 @@ class MoE(nnx.Module):
                 y = lax.ragged_dot(x, w, sizes, precision=dot_precision(x.dtype))
             return y if b is None else y + b[row_expert]
         outs = [grouped(xs, w, b) for w, b in self._in_weights()]
-        gate, up = split_gate_up(outs[0], self.shards) if len(outs) == 1 else outs
-        return grouped(self._activate(gate, up), self.down.get_value(), param_value(self.down_bias))
+        return grouped(self._activate(outs), self.down.get_value(), param_value(self.down_bias))
 
 
 def set_moe_impl(model, impl: str | None) -> None:

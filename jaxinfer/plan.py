@@ -233,12 +233,15 @@ def layer_matmul_shapes(cfg: ModelConfig, layer: int = 0) -> list[tuple[int, int
     if not cfg.has_mlp(layer):   # (Nemotron-H's mixers without an MLP after them)
         return attn
     if cfg.is_moe_layer(layer):
-        f, s = cfg.expert_ffn_dim, cfg.moe_shared_ffn_dim
-        shared = [(d, s), (d, s), (s, d)] if s else []
-        return attn + shared + [(d, f), (d, f), (f, d)] * cfg.num_experts
-    f = cfg.ffn_dim
-    mlp = [(d, f), (d, f), (f, d)] if cfg.gated_mlp else [(d, f), (f, d)]
-    return attn + mlp
+        s = cfg.moe_shared_ffn_dim
+        return attn + (_mlp_shapes(cfg, s) if s else []) + _mlp_shapes(cfg, cfg.expert_ffn_dim) * cfg.num_experts
+    return attn + _mlp_shapes(cfg, cfg.ffn_dim)
+
+
+def _mlp_shapes(cfg: ModelConfig, f: int) -> list[tuple[int, int]]:
+    """One MLP of hidden size f (a dense MLP, shared experts or one expert): gate, up, down, or up, down."""
+    d = cfg.d_model
+    return [(d, f), (d, f), (f, d)] if cfg.gated_mlp else [(d, f), (f, d)]
 
 
 def _matmul_bytes(shapes: list[tuple[int, int]], dtype: str) -> tuple[int, int]:
@@ -273,10 +276,10 @@ def _other_bytes(dtype: str) -> float:
 
 
 def _expert_bytes(cfg: ModelConfig, dtype: str) -> int:
-    """One expert of one MoE layer: gate, up and down as `dtype` (+ their biases, unquantized)."""
+    """One expert of one MoE layer: gate (where gated), up and down as `dtype` (+ their biases, unquantized)."""
     f, d = cfg.expert_ffn_dim, cfg.d_model
-    biases = (2 * f + d) * _other_bytes(dtype) if cfg.mlp_bias else 0
-    return sum(_matmul_bytes([(d, f), (d, f), (f, d)], dtype)) + biases
+    biases = ((2 if cfg.gated_mlp else 1) * f + d) * _other_bytes(dtype) if cfg.mlp_bias else 0
+    return sum(_matmul_bytes(_mlp_shapes(cfg, f), dtype)) + biases
 
 
 def model_cost(cfg: ModelConfig, dtype: str = "bfloat16", kv_dtype: str | None = None) -> perf.ModelCost:

@@ -282,6 +282,17 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
                            "linear_attention", "mlp", "mlp"], mamba_num_heads=8, mamba_head_dim=10, n_groups=2,
         ssm_state_size=8, conv_kernel=3, chunk_size=16, initializer_range=0.2, tie_word_embeddings=False)),
+    # Nemotron 3 Nano's mixtures in small: M E * - E M E, four blocks (a Mamba-2 and its MoE, attention
+    # and a dense MLP, an MoE without a mixer, a Mamba-2 and its MoE); 8 ungated squared-ReLU experts of
+    # 32, 2 a token, in 2 groups of which 1 is chosen, sigmoid scores renormalized and scaled by 2.5,
+    # and an ungated shared MLP of 48
+    "nemotron-h-moe": ("nemotron_h", dict(
+        _COMMON, vocab_size=101, intermediate_size=80, num_key_value_heads=2, head_dim=16,
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "moe", "linear_attention", "moe"],
+        mamba_num_heads=8, mamba_head_dim=10, n_groups=2, ssm_state_size=8, conv_kernel=3, chunk_size=16,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.5, norm_topk_prob=True,
+        initializer_range=0.2, tie_word_embeddings=False)),
     # Llama 4 Scout: Llama 3 RoPE in pairs on every other layer (no_rope_layer_interval 2) with the
     # weightless q / k norm after it, the others unrotated with their queries scaled by position
     # (floor_scale small enough for the prompts to cross it); MoE on every layer: top-1 of 4 experts,

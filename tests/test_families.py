@@ -288,7 +288,7 @@ def test_num_params_match_transformers():
                                   "jais2", "vaultgemma", "nemotron", "exaone", "internlm3", "afmoe", "phimoe", "apertus", "gptj", "olmo", "minicpm", "opt", "gpt-neo",
                                   "llama4-scout", "llama4-maverick", "lfm2", "lfm2-bias",
                                   "lfm2-moe", "qwen3-next", "qwen3.5", "qwen3.5-moe", "granitemoehybrid",
-                                  "granitemoehybrid-dense", "bamba", "nemotron-h"])
+                                  "granitemoehybrid-dense", "bamba", "nemotron-h", "nemotron-h-moe"])
 def test_glm_starcoder2_cohere_params_match_transformers(name, hf_model_dir):
     hf = build_hf_model(name)
     # the sigmoid router's choice correction: a buffer in DeepSeek-V3's and GLM-4.5's classes, which

@@ -149,7 +149,7 @@ class ModelConfig:
     # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): num_experts > 0 replaces the MLP of the layers
     # moe_layers marks (None: every layer) by a router picking num_experts_per_tok experts per token,
     # each a gated MLP of moe_ffn_dim (None: ffn_dim; the dense layers keep ffn_dim), with biases where
-    # mlp_bias. moe_routing: "topk_softmax" (Mixtral, gpt-oss: top-k of the router logits, softmax over
+    # mlp_bias (ungated, act(x W_up) W_down, where gated_mlp is False: Nemotron 3's squared-ReLU experts). moe_routing: "topk_softmax" (Mixtral, gpt-oss: top-k of the router logits, softmax over
     # the k) or "softmax_topk" (Qwen3-MoE: softmax over all experts, top-k, renormalized over the k when
     # moe_norm_topk). swiglu_limit (gpt-oss): the experts' clamped SwiGLU,
     # (clip(up, -L, L) + 1) * g * sigmoid(swiglu_alpha * g) with g = min(gate, L), instead of act(gate) * up.
@@ -164,7 +164,7 @@ class ModelConfig:
     # float32, then the model dtype); with moe_scale_inputs the weight multiplies the expert's input
     # rows instead of its output. "sparsemixer" (PhiMoE, top-2): the best logit's expert weighted by its softmax probability among the
     # logits within 2 moe_router_jitter of it (relative), then the same among the others for the second.
-    # Shared experts (Qwen2-MoE, DeepSeek, GLM-4.5, ERNIE 4.5): a dense gated MLP of moe_shared_ffn_dim
+    # Shared experts (Qwen2-MoE, DeepSeek, GLM-4.5, ERNIE 4.5): a dense (gated_mlp: gated) MLP of moe_shared_ffn_dim
     # beside the routed experts of every MoE layer, its output added (Qwen2-MoE: times sigmoid(x . w) of
     # a learned [d_model] gate when moe_shared_gate).
     # Multi-head latent attention (DeepSeek-V3, Kimi K2; mla_kv_rank > 0): each token caches one latent
@@ -314,11 +314,9 @@ class ModelConfig:
                     and 0 <= self.ssm_dt_limit[0] <= self.ssm_dt_limit[1])}
 
     def _check_combinations(self) -> None:
-        if self.num_experts and not self.gated_mlp:
-            raise ConfigError("mixture-of-experts layers are gated MLPs; gated_mlp=False with num_experts > 0 "
-                              "is not supported")
-        if self.swiglu_limit is not None and not self.num_experts:
-            raise ConfigError("swiglu_limit (gpt-oss's clamped SwiGLU) applies to experts; it needs num_experts > 0")
+        if self.swiglu_limit is not None and not (self.num_experts and self.gated_mlp):
+            raise ConfigError("swiglu_limit (gpt-oss's clamped SwiGLU) applies to gated experts; it needs "
+                              "num_experts > 0 and gated_mlp")
         if self.position == "rope" and self.rope_dim % 2:
             raise ConfigError(f"rope needs an even number of rotated features, got {self.rope_dim}")
         s = self.rope_scaling
@@ -461,7 +459,7 @@ class ModelConfig:
 
     @property
     def expert_ffn_dim(self) -> int:
-        """The hidden size of each expert's gated MLP."""
+        """The hidden size of each expert's MLP."""
         return self.ffn_dim if self.moe_ffn_dim is None else self.moe_ffn_dim
 
     def num_params(self) -> int:
@@ -499,12 +497,12 @@ class ModelConfig:
         # xIELU: its two alphas (its beta and eps are buffers in transformers' count, parameters here)
         mlp = (3 if self.gated_mlp else 2) * d * f + (2 if self.activation == "xielu" else 0)
         mlp += ((2 * f if self.gated_mlp else f) + d) if self.mlp_bias else 0
-        fe = self.expert_ffn_dim
-        expert = 3 * d * fe + ((2 * fe + d) if self.mlp_bias else 0)
+        fe, mats = self.expert_ffn_dim, 3 if self.gated_mlp else 2
+        expert = mats * d * fe + (((mats - 1) * fe + d) if self.mlp_bias else 0)
         # the shared experts run for every token: with the router, per MoE layer (sigmoid_topk's correction
         # is a buffer, not a parameter, in transformers' count)
         router = (d * self.num_experts + (self.num_experts if self.router_bias else 0)
-                  + 3 * d * self.moe_shared_ffn_dim + (d if self.moe_shared_gate else 0)
+                  + mats * d * self.moe_shared_ffn_dim + (d if self.moe_shared_gate else 0)
                   + (self.num_experts if self.moe_routing == "softmax_corrected_topk" else 0))   # ERNIE's: a parameter
         n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
         n_mlp = sum(self.has_mlp(i) for i in range(self.n_layers))

@@ -668,12 +668,13 @@ def fuse_decoder(model: Decoder, tp: int = 1, consume: bool = False) -> Decoder:
             if cfg.mlp_bias:
                 out[f"{m}/gate_up_bias"] = gate_up([p[f"{m}/gate_bias"], p[f"{m}/up_bias"]])
         shared = f"{m}/shared"
-        if f"{shared}/gate" in p:
+        shared_fused = f"{shared}/gate" in p   # (ungated shared experts keep their up)
+        if shared_fused:
             out[f"{shared}/gate_up"] = _fuse_leaves([p[f"{shared}/gate"], p[f"{shared}/up"]],
                                                     gate_ups[layout.shared_shards], (f"{shared}/gate", f"{shared}/up"))
         if consume:
             for name in ([f"{a}/{n}" for n in fused_names[:6]] + [f"{m}/{n}" for n in fused_names[6:]]
-                         + [f"{shared}/gate", f"{shared}/up"]):
+                         + ([f"{shared}/gate", f"{shared}/up"] if shared_fused else [])):
                 for leaf in jax.tree.leaves(p.pop(name, None)):
                     leaf.delete()
     fused_cfg = dataclasses.replace(cfg, n_kv_heads=cfg.n_kv_heads * layout.kv_replicas)

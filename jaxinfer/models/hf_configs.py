@@ -857,29 +857,59 @@ _NEMOTRON_H_KINDS = {"M": "mamba", "mamba": "mamba", "linear_attention": "mamba"
                      "E": "moe", "moe": "moe"}
 
 
-def _nemotron_h_blocks(c: dict[str, Any]) -> tuple[list[str], list[bool]]:
-    """Nemotron-H's layers as blocks: each mixer (a Mamba-2 or attention layer) with the MLP layer
-    that follows it, where one does; an MLP layer after another (or first) a block of its own, "mlp"
-    -> (each block's kind, whether it has an MLP)."""
+def _nemotron_h_blocks(c: dict[str, Any]) -> tuple[list[str], list[str | None]]:
+    """Nemotron-H's layers as blocks: each mixer (a Mamba-2 or attention layer) with the MLP or
+    mixture-of-experts layer that follows it, where one does; an MLP or MoE layer after another (or
+    first) a block of its own, "mlp" -> (each block's kind, its MLP: "mlp", "moe" or None)."""
     types = c.get("layers_block_type") or c.get("layer_types") or list(c.get("hybrid_override_pattern") or "")
     if not isinstance(types, list) or not types or any(t not in _NEMOTRON_H_KINDS for t in types):
         raise ConfigError(f"layers_block_type (or hybrid_override_pattern) must name each layer 'mamba', "
-                          f"'attention' or 'mlp' (M, *, -), got {types!r}")
+                          f"'attention', 'mlp' or 'moe' (M, *, -, E), got {types!r}")
     kinds = [_NEMOTRON_H_KINDS[t] for t in types]
-    if "moe" in kinds:
-        raise ConfigError("Nemotron-H's mixture-of-experts layers ('moe', E: Nemotron 3 Nano / Super) are not "
-                          "supported; the dense Nemotron-H models (Mamba-2, attention and MLP layers) are")
     mixers, mlps = [], []
     for i, k in enumerate(kinds):
-        if k == "mlp" and i and kinds[i - 1] != "mlp":   # the MLP after a mixer: that mixer's block's
-            mlps[-1] = True
+        ffn = k in ("mlp", "moe")
+        if ffn and i and kinds[i - 1] not in ("mlp", "moe"):   # the MLP after a mixer: that mixer's block's
+            mlps[-1] = k
         else:   # a mixer, or an MLP after another (Nemotron-H-47B's ---): a block of its own
-            mixers.append(k)
-            mlps.append(k == "mlp")
+            mixers.append("mlp" if ffn else k)
+            mlps.append(k if ffn else None)
     if "mamba" not in mixers or "attention" not in mixers:
         raise ConfigError(f"a Nemotron-H model needs Mamba-2 and attention layers (jaxinfer's engine keeps an "
                           f"attention layer's KV beside the Mamba-2 states), got {types!r}")
     return mixers, mlps
+
+
+def _nemotron_h_moe(c: dict[str, Any], moe: tuple[bool, ...]) -> dict[str, Any]:
+    """Nemotron 3's mixture-of-experts fields: n_routed_experts ungated experts of moe_intermediate_size
+    (the MLPs' activation), DeepSeek-V3's sigmoid routing (the correction e_score_correction_bias,
+    n_group / topk_group, norm_topk_prob, routed_scaling_factor) and one ungated shared MLP of
+    moe_shared_expert_intermediate_size, which NemotronHMoE builds whatever n_shared_experts says. The
+    latent projections of Nemotron 3 Super (moe_latent_size) are refused."""
+    if c.get("moe_latent_size") is not None:
+        raise ConfigError(f"field 'moe_latent_size' = {c['moe_latent_size']!r} is not supported (Nemotron 3 Super's "
+                          "latent projections around the experts); Nemotron 3 Nano's mixtures (no latent size) are")
+    if c.get("mlp_bias"):   # (NemotronHExperts has no biases whatever mlp_bias says; its shared MLP would)
+        raise ConfigError("field 'mlp_bias' = true is not supported with mixture-of-experts layers (no published "
+                          "Nemotron 3 model has biased MLPs)")
+    # (NemotronHConfig's alias num_local_experts, where a config spells it; the class default fills n_routed_experts)
+    experts, k = c.get("num_local_experts", c["n_routed_experts"]), c["num_experts_per_tok"]
+    groups, top_groups = c["n_group"], c["topk_group"]
+    sizes = {"n_routed_experts": experts, "num_experts_per_tok": k, "n_group": groups, "topk_group": top_groups,
+             "moe_intermediate_size": c["moe_intermediate_size"],
+             "moe_shared_expert_intermediate_size": c["moe_shared_expert_intermediate_size"]}
+    if not all(_is_int(v) and v > 0 for v in sizes.values()):
+        raise ConfigError(f"the mixture's sizes must be positive integers: {sizes}")
+    for wrong, why in ((k > experts, f"num_experts_per_tok = {k} exceeds n_routed_experts = {experts}"),
+                       (experts % groups, f"n_routed_experts = {experts} is not a multiple of n_group = {groups}"),
+                       (top_groups > groups, f"topk_group = {top_groups} exceeds n_group = {groups}")):
+        if wrong:
+            raise ConfigError(f"field {why}")
+    return dict(num_experts=experts, num_experts_per_tok=k, moe_ffn_dim=c["moe_intermediate_size"],
+                moe_layers=None if all(moe) else moe, moe_routing="sigmoid_topk",
+                moe_norm_topk=bool(c["norm_topk_prob"]), moe_groups=groups, moe_topk_groups=top_groups,
+                moe_routed_scale=float(c["routed_scaling_factor"]),
+                moe_shared_ffn_dim=c["moe_shared_expert_intermediate_size"])
 
 
 def _nemotron_h(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -889,8 +919,9 @@ def _nemotron_h(c: dict[str, Any], arch: str) -> ModelConfig:
     ungated MLP of intermediate_size (-, mlp_hidden_act: squared ReLU), each x + part(norm(x)). A
     mixer and the MLP after it are one of jaxinfer's blocks; a mixer without one is a block with no
     MLP (ModelConfig.mlp_layers), an MLP layer after another (47B's runs) one with no mixer ("mlp" in
-    layer_kinds). The mixture-of-experts layers (E) are refused; the head is never the embedding
-    (NemotronHForCausalLM ties nothing, whatever tie_word_embeddings says)."""
+    layer_kinds). Nemotron 3 Nano's mixture-of-experts layers (E) take an MLP layer's place
+    (_nemotron_h_moe). The head is never the embedding (NemotronHForCausalLM ties nothing, whatever
+    tie_word_embeddings says); the next-token-prediction layers (mtp.*) are not read."""
     mixers, mlps = _nemotron_h_blocks(c)
     # NVIDIA's remote-code spellings, which NemotronHConfig renames too (they win where both are given)
     legacy = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_conv_bias": "use_conv_bias",
@@ -902,8 +933,10 @@ def _nemotron_h(c: dict[str, Any], arch: str) -> ModelConfig:
             "rms_norm_eps": c.get("layer_norm_epsilon", 1e-5), "attention_bias": False, "sliding_window": None,
             "tie_word_embeddings": False}
     cfg = _llama_like(base, arch)
+    moe = tuple(m == "moe" for m in mlps)
     return dataclasses.replace(cfg, gated_mlp=False, rope_layers=(False,) * len(mixers), layer_kinds=tuple(mixers),
-                               mlp_layers=tuple(mlps), **mamba)
+                               mlp_layers=tuple(m is not None for m in mlps), **mamba,
+                               **(_nemotron_h_moe(c, moe) if any(moe) else {}))
 
 
 # a family's config.json names of the Mamba-2 fields _mamba2_fields reads (expand: Granite's width check)
@@ -1915,7 +1948,10 @@ _HF_DEFAULTS = {
                              "max_position_embeddings": 4096, "layer_norm_epsilon": 1e-5, "mlp_hidden_act": "relu2",
                              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "mamba_num_heads": 128,
                              "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4,
-                             "use_conv_bias": True, "mamba_hidden_act": "silu"},
+                             "use_conv_bias": True, "mamba_hidden_act": "silu", "n_routed_experts": 8,
+                             "num_experts_per_tok": 2, "moe_intermediate_size": 7688,
+                             "moe_shared_expert_intermediate_size": 7688, "routed_scaling_factor": 1.0, "n_group": 1,
+                             "topk_group": 1, "norm_topk_prob": True},
     # BambaConfig's
     "BambaForCausalLM": {"vocab_size": 128000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                          "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 262144,

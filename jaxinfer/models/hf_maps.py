@@ -234,6 +234,8 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
     afmoe = cfg.architecture == "AfmoeForCausalLM"   # its router in router.gate, its correction expert_bias
     router = "gate.wg" if hunyuan else "router.gate" if afmoe else "gate"
     m[f"{o}/mlp/router"] = ((f"{p}.{block}.{router}.weight",), _t)
+    parts = ("gate", "up", "down") if cfg.gated_mlp else ("up", "down")   # (Nemotron 3's experts: up, down)
+    names = {ours: names[ours] for ours in parts}
     for ours, theirs in names.items():
         m[f"{o}/mlp/{ours}"] = (tuple(f"{p}.{block}.experts.{j}.{theirs}.weight" for j in e), _stack_t)
     if cfg.moe_routing == "sigmoid_topk":   # DeepSeek-V3 / GLM-4.5's choice correction
@@ -245,8 +247,8 @@ def _experts_map(m: WeightMap, cfg: ModelConfig, o: str, p: str) -> None:
                                            lambda b: b.reshape(-1))
     if cfg.moe_shared_ffn_dim:   # Qwen2-MoE: shared_expert (+ its gate); GLM-4.5 / DeepSeek: shared_experts
         shared = "shared_mlp" if hunyuan else "shared_expert" if cfg.moe_shared_gate else "shared_experts"
-        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-            m[f"{o}/mlp/shared/{ours}"] = ((f"{p}.{block}.{shared}.{theirs}.weight",), _t)
+        for ours in parts:
+            m[f"{o}/mlp/shared/{ours}"] = ((f"{p}.{block}.{shared}.{ours}_proj.weight",), _t)
         if cfg.moe_shared_gate:
             m[f"{o}/mlp/shared_gate"] = ((f"{p}.{block}.shared_expert_gate.weight",), _t)
 
@@ -745,14 +747,14 @@ def _fused_experts(cfg: ModelConfig, names: tuple[str, ...], transform: Transfor
                    stored: Callable[[str], bool]) -> tuple[tuple[str, ...], Transform]:
     """A per-expert entry, or, where its tensors are not stored, the layer's experts as one tensor each
     (Qwen3-VL-MoE's uploads, and transformers 5's own layout): experts.gate_up_proj (gate columns,
-    then up) and experts.down_proj. Two orientations: the uploads' [E, d, 2F] / [E, F, d] (used as
+    then up; ungated experts: experts.up_proj) and experts.down_proj. Two orientations: the uploads' [E, d, 2F] / [E, F, d] (used as
     x @ w) and transformers 5's [E, 2F, d] / [E, d, F] (F.linear's). As transformers' loader
     (Transpose(check_dims=True)), a tensor with its model's shape, [E, 2F, d] / [E, d, F], is taken as
     that one, any other is transposed; Llama 4's own model holds them as the uploads do (bmm's [E, d, 2F]
     / [E, F, d]): never transposed, whatever the sizes (d = 2F would look like the other)."""
     m = _PER_EXPERT.fullmatch(names[0])
     down = m is not None and m["part"] in ("down_proj", "w2")   # (Mixtral's and LFM2-MoE's w1 / w3 / w2)
-    fused = None if m is None else f"{m['experts']}.{'down_proj' if down else 'gate_up_proj'}"
+    fused = None if m is None else f"{m['experts']}.{'down_proj' if down else 'gate_up_proj' if cfg.gated_mlp else 'up_proj'}"
     # only where the fused tensor is there: a quantized upload's per-expert tensors (qweight, weight_packed)
     # stay the quantized readers', a missing expert stays a missing tensor
     if fused is None or stored(names[0]) or not stored(fused):
@@ -763,6 +765,8 @@ def _fused_experts(cfg: ModelConfig, names: tuple[str, ...], transform: Transfor
         return (fused,), _ident if down else lambda w, j=j: w[..., j * f:(j + 1) * f]
     if down:
         return (fused,), lambda w: w.transpose(0, 2, 1) if w.shape[1:] == (d, f) else w
+    if not cfg.gated_mlp:
+        return (fused,), lambda w: w.transpose(0, 2, 1) if w.shape[1:] == (f, d) else w
     j = 0 if m["part"] in ("gate_proj", "w1") else 1
 
     def gate_or_up(w: np.ndarray) -> np.ndarray:
