@@ -80,7 +80,8 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "stablelm": "StableLmForCausalLM", "starcoder": "GPTBigCodeForCausalLM", "arcee": "ArceeForCausalLM",
          "exaone": "LlamaForCausalLM", "internlm2": "LlamaForCausalLM", "lfm2": "Lfm2ForCausalLM",
          "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
-         "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+         "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+         "nemotron_h_moe": "NemotronHForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma": "gemma",
                 "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
@@ -89,13 +90,15 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe"
                 "command-r": "cohere", "cohere2": "cohere2", "phi2": "phi", "gptneox": "gpt_neox",
                 "stablelm": "stablelm", "starcoder": "gpt_bigcode", "arcee": "arcee", "exaone": "llama", "internlm2": "llama",
                 "lfm2": "lfm2", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",
-                "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h"}
+                "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
 _PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm", "qwen35", "qwen35moe", "qwen3next")
 # Gated DeltaNet models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): the converter stores every norm weight as
 # 1 + w but the Gated DeltaNet's own (linear_attn.norm), A_log as -exp(A_log) (ssm_a), and for qwen35
 # / qwen35moe the value heads "tiled" where there are more than key heads (_LinearAttentionVReorderBase)
 _DELTANET = ("qwen35", "qwen35moe", "qwen3next")
+# Nemotron-H (nemotron_h) and Nemotron 3 with its mixtures of experts (nemotron_h_moe)
+_NEMOTRON_H = ("nemotron_h", "nemotron_h_moe")
 # Qwen3-Next's in_proj_qkvz (transformers' name; the converter splits it into attn_qkv and attn_gate)
 _QKVZ = re.compile(r"model\.layers\.(\d+)\.linear_attn\.in_proj_qkvz\.weight")
 # Granite 4.0-H's fused MLP tensors (transformers' names on disk), which the converter splits
@@ -105,7 +108,7 @@ _GRANITE_MLP = re.compile(r"model\.layers\.(\d+)\.(block_sparse_moe|shared_mlp)\
 # (exp_probs_b), groups, a routed scale and shared experts (its build_moe_ffn with those settings)
 _SIGMOID_MOE = ("glm4moe", "deepseek2")
 # the architectures whose Q / K rows llama.cpp's converter stores in its rotary order (LlamaModel.permute)
-_PERMUTED_QK = ("llama", "smollm3", "granite", "arcee", "internlm2", "granitehybrid", "nemotron_h")
+_PERMUTED_QK = ("llama", "smollm3", "granite", "arcee", "internlm2", "granitehybrid", "nemotron_h", "nemotron_h_moe")
 # SmolLM3's NoPE layers: every 4th, a constant of llama.cpp's (hparams.n_no_rope_layer_step), in no key
 _SMOLLM3_NO_ROPE_STEP = 4
 # llama.cpp's Gemma: every `swa`-th layer global, the others sliding (hparams.set_swa_pattern), the
@@ -113,7 +116,7 @@ _SMOLLM3_NO_ROPE_STEP = 4
 # block counts), the others' by 1/sqrt(head_dim): none of it is in the file
 _GEMMA = {"gemma2": {"swa": 2, "big_layers": 46}, "gemma3": {"swa": 6, "big_layers": 62}}
 # one expert's matrix (transformers' per-expert names, as hf_maps reads them) -> llama.cpp's stacked tensor
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+_EXPERT = re.compile(r"(?:model|backbone)\.layers\.(\d+)\.(?:mlp|block_sparse_moe|mixer)\.experts\.(\d+)\."
                      r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 # gpt-oss's experts as transformers holds them: all of a layer's in one tensor, gate and up interleaved
@@ -261,7 +264,7 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
                                        "attention.head_count")}
     if arch == "qwen35moe" and need["feed_forward_length"] is None:   # (no dense MLP: none written)
         need["feed_forward_length"] = f.arch_get("expert_feed_forward_length")
-    if arch == "nemotron_h" and isinstance(need["feed_forward_length"], list):   # per layer: 0 but on MLP layers
+    if arch in _NEMOTRON_H and isinstance(need["feed_forward_length"], list):   # per layer: 0 but on MLP layers
         need["feed_forward_length"] = max(need["feed_forward_length"], default=None) or None
     missing = [k for k, v in need.items() if v is None]
     if missing:
@@ -411,7 +414,7 @@ def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) ->
         return _deltanet(f)
     elif arch == "granitehybrid":
         return _granitehybrid(f, cfg)
-    elif arch == "nemotron_h":
+    elif arch in _NEMOTRON_H:
         return _nemotron_h(f, cfg)
     return {}
 
@@ -563,26 +566,57 @@ def _nemotron_h(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's nemotron_h (NemotronHModel: Nemotron-H, Nemotron Nano 2): every layer one part, told
     apart by head_count_kv (> 0: attention) and feed_forward_length (> 0: the MLP), both per layer,
     the rest Mamba-2 layers of GraniteHybridModel's ssm.* sizes (inner_size: heads x their width, not a
-    multiple of embedding_length); the squared-ReLU MLP; no RoPE. nemotron_h_moe (Nemotron 3) is another
-    architecture, not supported."""
+    multiple of embedding_length); the squared-ReLU MLP; no RoPE. nemotron_h_moe (Nemotron 3 Nano, the
+    same class with experts): a layer with a feed_forward_length is a mixture (_nemotron_h_experts), and
+    the next-token-prediction block the converter appends (nextn_predict_layers, counted in block_count
+    and in both lists) is not run."""
     n = cfg["num_hidden_layers"]
     kv, ff = f.arch_get("attention.head_count_kv"), f.arch_get("feed_forward_length")
+    total = n + int(f.arch_get("nextn_predict_layers") or 0)
     for key, value in (("attention.head_count_kv", kv), ("feed_forward_length", ff)):
-        if not isinstance(value, list) or len(value) != n:
-            raise CheckpointError(f"{f.path}: nemotron_h.{key} must give each of the {n} layers its value (0 "
+        if not isinstance(value, list) or len(value) != total:
+            raise CheckpointError(f"{f.path}: {f.arch}.{key} must give each of the {total} layers its value (0 "
                                   f"where the layer has none), got {value!r}")
+    kv, ff = kv[:n], ff[:n]
     got = _required(f, _SSM_KEYS)
     heads, inner = int(got["ssm.time_step_rank"]), int(got["ssm.inner_size"])
     if heads <= 0 or inner % heads:
-        raise CheckpointError(f"{f.path}: nemotron_h.ssm.inner_size = {inner} must be a multiple of "
+        raise CheckpointError(f"{f.path}: {f.arch}.ssm.inner_size = {inner} must be a multiple of "
                               f"ssm.time_step_rank = {heads} (heads)")
-    types = ["attention" if k else "mlp" if m else "mamba" for k, m in zip(kv, ff)]
+    moe = f.arch == "nemotron_h_moe"
+    types = ["attention" if k else ("moe" if moe else "mlp") if m else "mamba" for k, m in zip(kv, ff)]
     mamba = [i for i, t in enumerate(types) if t == "mamba"]
-    return {"layers_block_type": types, "mamba_num_heads": heads, "mamba_head_dim": inner // heads,
+    return {**(_nemotron_h_experts(f) if moe else {}),
+            "layers_block_type": types, "mamba_num_heads": heads, "mamba_head_dim": inner // heads,
             "n_groups": int(got["ssm.group_count"]), "ssm_state_size": int(got["ssm.state_size"]),
             "conv_kernel": int(got["ssm.conv_kernel"]), "mlp_hidden_act": "relu2",
             "use_conv_bias": bool(mamba) and f"blk.{mamba[0]}.ssm_conv1d.bias" in f.tensors,
             "layer_norm_epsilon": cfg["rms_norm_eps"]}
+
+
+def _nemotron_h_experts(f: GGUFFile) -> dict[str, Any]:
+    """Nemotron 3 Nano's mixture as NemotronHModel writes it: expert_count ungated experts of
+    expert_feed_forward_length, expert_used_count a token, one shared MLP of
+    expert_shared_feed_forward_length, the sigmoid scores' choice biased by exp_probs_b, renormalized
+    where expert_weights_norm, times expert_weights_scale; expert_group_count groups (the converter
+    writes no expert_group_used_count: more than one group without it is refused). Nemotron 3 Super's
+    latent projections (moe_latent_size) are refused."""
+    latent = f.arch_get("moe_latent_size")
+    if latent:
+        raise CheckpointError(f"{f.path}: {f.arch}.moe_latent_size = {latent} is not supported (Nemotron 3 Super's "
+                              "latent projections around the experts)")
+    got = _required(f, ("expert_count", "expert_used_count", "expert_feed_forward_length",
+                        "expert_shared_feed_forward_length"))
+    groups, kept = int(f.arch_get("expert_group_count") or 1), f.arch_get("expert_group_used_count")
+    if groups > 1 and kept is None:
+        raise CheckpointError(f"{f.path}: {f.arch}.expert_group_count = {groups} without "
+                              f"{f.arch}.expert_group_used_count: how many groups a token may choose from is unknown")
+    return {"n_routed_experts": int(got["expert_count"]), "num_experts_per_tok": int(got["expert_used_count"]),
+            "moe_intermediate_size": int(got["expert_feed_forward_length"]),
+            "moe_shared_expert_intermediate_size": int(got["expert_shared_feed_forward_length"]),
+            "norm_topk_prob": bool(f.arch_get("expert_weights_norm", False)),
+            "routed_scaling_factor": float(f.arch_get("expert_weights_scale") or 1.0),
+            "n_group": groups, "topk_group": int(kept or 1)}
 
 
 def _phi3(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -648,7 +682,7 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     normalized over the chosen experts, as llama.cpp's qwen3moe does), Qwen2-MoE (not normalized, a
     gated shared expert: llama.cpp's qwen2moe), gpt-oss, GLM-4.5 and DeepSeek-V3 (_sigmoid_experts);
     every layer routed but the leading dense ones GLM-4.5's and DeepSeek's files name."""
-    if f.arch in ("granitehybrid", "nemotron_h"):   # (_granitehybrid: GraniteMoeShared's fields; nemotron_h: dense)
+    if f.arch in ("granitehybrid", *_NEMOTRON_H):   # (their own readers: GraniteMoeShared's fields; _nemotron_h)
         return {}
     count, used = f.arch_get("expert_count"), f.arch_get("expert_used_count")
     if not count:
@@ -1303,7 +1337,7 @@ class GGUFTensors:
             elif name.endswith(".A_log"):
                 x = np.log(-x)
             x = self._untile(name, x)
-        mixer = {"granitehybrid": ".mamba.", "nemotron_h": ".mixer."}.get(self.file.arch)
+        mixer = {"granitehybrid": ".mamba.", "nemotron_h": ".mixer.", "nemotron_h_moe": ".mixer."}.get(self.file.arch)
         if mixer is not None and mixer in name:   # a Mamba-2 mixer's (Mamba2Model.modify_tensors undone)
             if name.endswith(".A_log"):   # stored as -exp(A_log), [H, 1]
                 return np.log(-x).reshape(-1)

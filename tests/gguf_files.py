@@ -20,7 +20,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 
 
 # the architectures whose converters store Q / K rows permuted into llama.cpp's rotary layout
-_PERMUTED = ("llama", "smollm3", "granite", "arcee", "internlm2", "granitehybrid", "nemotron_h")
+_PERMUTED = ("llama", "smollm3", "granite", "arcee", "internlm2", "granitehybrid", "nemotron_h", "nemotron_h_moe")
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -142,8 +142,8 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
         return _lfm2_hparams(w, cfg, head_dim)
     if arch == "granitehybrid":
         return _granitehybrid_hparams(w, cfg)
-    if arch == "nemotron_h":
-        return _nemotron_h_hparams(w, cfg)
+    if arch in ("nemotron_h", "nemotron_h_moe"):
+        return _nemotron_h_hparams(w, cfg, nextn)
     if arch == "starcoder":   # StarCoderModel.set_gguf_parameters: these keys only, the MLP as 4 x the width
         w.add_context_length(cfg.n_positions)
         w.add_embedding_length(cfg.n_embd)
@@ -301,16 +301,33 @@ def _mamba2_tensor(groups: int, hf_name: str, x: np.ndarray) -> tuple[str, np.nd
     return hf_name, np.ascontiguousarray(x)
 
 
-def _nemotron_h_hparams(w, cfg) -> None:
+def _nemotron_h_hparams(w, cfg, nextn: int = 0) -> None:
     """NemotronHModel.set_gguf_parameters (over GraniteHybridModel's): head_count_kv per layer (0 but on
-    attention layers), feed_forward_length per layer (0 but on MLP layers), key / value length the
-    attention's head_dim, the Mamba-2 sizes in ssm.* (inner_size: heads x head dim), no RoPE."""
-    types = cfg.layers_block_type
+    attention layers), feed_forward_length per layer (0 but on MLP layers; with experts, nemotron_h_moe:
+    the experts' width on the mixtures' layers, 0 elsewhere), key / value length the attention's
+    head_dim, the Mamba-2 sizes in ssm.* (inner_size: heads x head dim), no RoPE; with experts their
+    expert_* keys (no expert_group_used_count), and nextn next-token-prediction blocks appended (an
+    attention and a mixture each, in both lists and block_count)."""
+    types = list(cfg.layers_block_type)
+    moe = "moe" in types
+    types += ["mtp"] * nextn
     w.add_block_count(len(types))
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length([cfg.intermediate_size if t == "mlp" else 0 for t in types])
+    w.add_feed_forward_length([cfg.moe_intermediate_size if moe and t in ("moe", "mtp") else
+                               cfg.intermediate_size if not moe and t == "mlp" else 0 for t in types])
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv([cfg.num_key_value_heads if t == "full_attention" else 0 for t in types])
+    w.add_head_count_kv([cfg.num_key_value_heads if t in ("full_attention", "mtp") else 0 for t in types])
+    if moe:
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.moe_shared_expert_intermediate_size)
+        w.add_expert_count(cfg.n_routed_experts)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_group_count(cfg.n_group)
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
@@ -535,14 +552,15 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "gpt_neox": "gptneox", "stablelm": "stablelm", "gpt_bigcode": "starcoder", "arcee": "arcee",
             "exaone": "exaone", "lfm2": "lfm2", "qwen3_next": "qwen3next", "qwen3_5_text": "qwen35",
             "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid",
-            "nemotron_h": "nemotron_h"}[cfg.model_type]
+            "nemotron_h": "nemotron_h_moe" if "moe" in getattr(cfg, "layers_block_type", ()) else "nemotron_h",
+            }[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:
         w.add_name(name)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     _hparams(w, cfg, arch, head_dim, nextn, mla=split_kv_b)
-    if arch != "nemotron_h":   # (its experts are nemotron_h_moe's, another architecture)
+    if arch not in ("nemotron_h", "nemotron_h_moe"):   # (their experts' keys: _nemotron_h_hparams)
         _moe_hparams(w, cfg, arch, nextn)
     w.add_tokenizer_model(vocab["model"])
     w.add_tokenizer_pre(vocab["pre"])
@@ -578,6 +596,9 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
         qtype = next((q for k, q in (qtypes or {}).items() if k in hf_name), "F32")
         if arch == "gpt-oss" and ".mlp.experts." in hf_name:
             _gpt_oss_experts(w, hf_name, x, qtype, rng, mxfp4, fuse_gate_up)
+            continue
+        if hf_name.endswith("mixer.experts.up_proj"):   # Nemotron 3's ungated experts [E, F, D]: ffn_up_exps
+            _add(w, f"blk.{hf_name.split('.')[2]}.ffn_up_exps.weight", np.ascontiguousarray(x), qtype, rng)
             continue
         if hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             # transformers' stacked experts: gate_up [E, 2F, D] (gate rows first), down [E, D, F] ->
@@ -620,7 +641,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             hf_name, x = _granitehybrid_tensor(w, cfg, hf_name, x, qtype, rng)
             if hf_name is None:
                 continue
-        if arch == "nemotron_h":   # the names on disk (backbone.); a Mamba-2 layer's as Mamba2Model writes them
+        if arch in ("nemotron_h", "nemotron_h_moe"):   # the names on disk (backbone.); a Mamba-2 layer's as Mamba2Model writes them
             hf_name = "backbone." + hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
             if ".mixer." in hf_name and cfg.layers_block_type[int(hf_name.split(".")[2])] == "linear_attention":
                 hf_name, x = _mamba2_tensor(cfg.n_groups, hf_name, x)

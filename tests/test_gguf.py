@@ -548,6 +548,55 @@ def test_nemotron_h_files_are_the_original_model(tmp_path):
     assert gen.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids == want
 
 
+def test_nemotron_h_moe_files_are_the_original_model(tmp_path):
+    """Nemotron 3 Nano as llama.cpp's converter writes it (nemotron_h_moe, NemotronHModel with experts:
+    feed_forward_length the experts' width on the mixtures' layers; expert_count / used_count /
+    feed_forward_length / shared_feed_forward_length / weights_norm / weights_scale / group_count;
+    ffn_up_exps and ffn_down_exps stacked, ffn_gate_inp, exp_probs_b, ffn_up_shexp / ffn_down_shexp; a
+    next-token-prediction block appended, counted in block_count and both per-layer lists) computes
+    what the HF model computes: logits, and greedy tokens through the engine; Q8_0 experts and shared MLP
+    load packed (the ungated up with no gate to agree with), as the gguf package dequantizes them. The converter never
+    writes how many expert groups a token may use: a file with more than one group is refused, as is
+    Nemotron 3 Super's latent size."""
+    pattern = ["linear_attention", "moe", "full_attention", "moe", "moe", "linear_attention", "moe"]
+    text = save_text_model(tmp_path / "spm")
+    vocab = sentencepiece_vocab(text / "tokenizer.model")
+    hf = build_hf_model("nemotron-h-moe", overrides={"vocab_size": 400, "layers_block_type": pattern, "n_group": 1,
+                                                     "topk_group": 1})
+    ids = np.random.RandomState(9).randint(3, 400, 24).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(ids):].tolist()
+    gen = _gen(write_gguf(hf, tmp_path / "nano.gguf", vocab, nextn=1))
+    cfg = gen.model_cfg
+    assert (cfg.layer_kinds, cfg.moe_layers, cfg.num_experts) == (("mamba", "attention", "mlp", "mamba"),
+                                                                  None, 8)
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    assert gen.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids == want
+    # Q8_0 experts and shared MLP stay packed, up without a gate beside it: the gguf package's dequantization
+    import gguf
+
+    from jaxinfer.gguf_file import prepare_folder
+    from jaxinfer.quant import QuantizedWeight, dequantize
+    from jaxinfer.weights import load_model
+    packed = write_gguf(hf, tmp_path / "q8.gguf", vocab, {"mixer.experts": "Q8_0", "shared_experts.up_proj": "Q8_0"})
+    model, _ = load_model(prepare_folder(packed), "float32")
+    raw = {t.name: t for t in gguf.GGUFReader(packed).tensors}
+    for ours, theirs, transpose in ((model.layers[0].mlp.up, "blk.1.ffn_up_exps.weight", (0, 2, 1)),
+                                    (model.layers[0].mlp.down, "blk.1.ffn_down_exps.weight", (0, 2, 1)),
+                                    (model.layers[0].mlp.shared.up, "blk.1.ffn_up_shexp.weight", (1, 0))):
+        w, t = ours.get_value(), raw[theirs]
+        assert isinstance(w, QuantizedWeight), theirs
+        ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape))).transpose(transpose)
+        np.testing.assert_array_equal(np.asarray(dequantize(w), np.float32), ref, err_msg=theirs)
+    grouped = build_hf_model("nemotron-h-moe", overrides={"vocab_size": 400, "layers_block_type": pattern})
+    with pytest.raises(CheckpointError, match="expert_group_count = 2 without nemotron_h_moe.expert_group_used_count"):
+        _gen(write_gguf(grouped, tmp_path / "grouped.gguf", vocab))
+    with pytest.raises(CheckpointError, match="moe_latent_size = 32"):
+        _gen(write_gguf(hf, tmp_path / "super.gguf", vocab, extra={"nemotron_h_moe.moe_latent_size": 32}))
+
+
 @pytest.mark.parametrize("name", ["granitemoehybrid", "granitemoehybrid-dense"])
 def test_granitehybrid_files_are_the_original_model(name, tmp_path):
     """Granite 4.0-H as llama.cpp's converter writes it (granitehybrid, GraniteHybridModel: head_count_kv

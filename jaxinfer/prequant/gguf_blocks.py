@@ -99,7 +99,9 @@ class GGUFBlockReader:
             return False
         kind = self._type(module)
         head, _, last = module.rpartition(".")
-        siblings = next((group for group in _FUSED if last in group), (last,))
+        # the projections fused with it: stored ones only (an ungated MLP's up has no gate to agree with)
+        siblings = [s for s in next((group for group in _FUSED if last in group), (last,))
+                    if s == last or self._type(f"{head}.{s}") is not None]
         return _packable(kind) and all(self._type(f"{head}.{s}") == kind for s in siblings)
 
     def linear(self, module: str) -> QuantizedWeight:
@@ -109,8 +111,9 @@ class GGUFBlockReader:
 
     def stacked_param(self, ours: str, hf_names: tuple[str, ...], transform, expected: tuple[int, ...]):
         """A mixture's experts (one stacked tensor in the file, llama.cpp's ffn_*_exps) as one batch=1
-        QuantizedWeight when their type is exact (and gate's and up's agree: one fused matmul here);
-        None otherwise (the loader reads them as floats)."""
+        QuantizedWeight when their type is exact (and gate's and up's agree where the file has both: one
+        fused matmul here; Nemotron 3's ungated experts have up alone); None otherwise (the loader reads
+        them as floats)."""
         if len(hf_names) == 1 and not hf_names[0].endswith("_bias") and self.st.oss_parts(hf_names[0]) is not None:
             return self._oss_param(ours, hf_names[0], transform, expected)
         found = self.st.expert_rows(hf_names[0]) if hf_names else None
@@ -120,7 +123,7 @@ class GGUFBlockReader:
         t = self.st.file.tensors[stack][0]
         kind = t.tensor_type.name
         pair = [f"blk.{stack.split('.')[1]}.ffn_{p}_exps.weight" for p in ("gate", "up")]
-        if not _packable(kind) or (stack in pair and any(
+        if not _packable(kind) or (stack in pair and pair[0] in self.st.file.tensors and any(
                 n not in self.st.file.tensors or self.st.file.tensors[n][0].tensor_type.name != kind for n in pair)):
             return None
         raw = _row_bytes(t, rows)
