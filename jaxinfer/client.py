@@ -111,6 +111,11 @@ class EngineClient:
         self._routes: dict[str, Route | None] = {}
         self._samples: dict[str, list] = {}     # request id -> its n host Requests (metrics)
         self.error: BaseException | None = None   # what a step raised: the engine is dead from then on
+        # aborts not yet applied: the next holder of the lock applies them (abort's own turn, or the next
+        # step's first). A thread that steps back to back re-takes the lock before a waiting abort() is
+        # scheduled on a loaded machine (the lock is not fair), so the stepper applies them too: an abort
+        # ends its request at the next step, never after the request has run to its end.
+        self._aborts: deque[str] = deque()
         # the step below the request API (profiling, benchmarks' memory accounting, multi-host
         # followers), under this client's lock: the one copy of that surface
         self.debug = StepDebugger(engine, self._lock)
@@ -275,6 +280,7 @@ class EngineClient:
         step order even when several threads step. Returns every delta of the step."""
         with self._lock:
             self._check_alive()
+            self._apply_aborts()
             if not self.engine.has_unfinished():
                 return []
             try:
@@ -303,8 +309,16 @@ class EngineClient:
     # ---------------------------------------------------------------- ending
     def abort(self, request_id: str) -> None:
         """Abort a request; its final deltas (finish_reason "abort") go to its route, so a caller
-        waiting on it from another thread returns."""
+        waiting on it from another thread returns. Applied by whichever comes first: this call's turn
+        at the lock or the next step (self._aborts)."""
+        self._aborts.append(request_id)
         with self._lock:
+            self._apply_aborts()
+
+    def _apply_aborts(self) -> None:
+        """Under the lock: every abort asked for so far, each request's final deltas to its route."""
+        while self._aborts:
+            request_id = self._aborts.popleft()
             if self.error is None:
                 self._route(self.engine.abort(request_id))
 

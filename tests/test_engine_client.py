@@ -139,6 +139,36 @@ def test_abort_from_another_thread_ends_the_waiting_caller(gen):
     assert _all_free(gen)
 
 
+def test_an_abort_waiting_for_the_lock_ends_its_request_at_the_next_step(gen):
+    """A thread that steps back to back re-takes the client's lock before a waiting abort() is
+    scheduled on a loaded machine (the lock is not fair: the request above once ran to its length,
+    its abort starved). Here this thread holds the lock while another calls abort(): the next step
+    this thread takes ends the request with finish_reason "abort", before abort() has returned."""
+    import threading
+    queue: deque = deque()
+    [rid] = gen.client.submit([[41, 42, 43]], SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True),
+                              route=queue.append)
+    for _ in range(5):   # until the request has produced a token
+        if not queue:
+            gen.client.step()
+    assert queue and not queue[-1].finished
+
+    def steps_while_abort_waits() -> tuple[list, bool]:
+        aborter = threading.Thread(target=gen.abort, args=(rid,), daemon=True)
+        aborter.start()
+        deadline = time.monotonic() + 30
+        while not queue[-1].finished and time.monotonic() < deadline:
+            time.sleep(0.01)   # (abort() records the request, then waits for the lock this thread holds)
+            gen.client.step()
+        return list(queue), aborter.is_alive()
+    try:
+        deltas, abort_waiting = gen.client.locked(steps_while_abort_waits)
+    finally:
+        gen.client.release(rid)
+    assert abort_waiting and deltas[-1].finish_reason == "abort" and len(deltas) < 40
+    assert _all_free(gen)
+
+
 def test_a_step_that_raises_fails_every_caller_and_every_later_one(hf_model_dir):
     """A one-off exception inside a step (its in-flight state and donated KV pages are gone): the
     caller that stepped gets it, every other caller an EngineFailedError naming it, and so does
