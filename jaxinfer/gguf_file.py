@@ -595,28 +595,23 @@ def _nemotron_h(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _nemotron_h_experts(f: GGUFFile) -> dict[str, Any]:
-    """Nemotron 3 Nano's mixture as NemotronHModel writes it: expert_count ungated experts of
-    expert_feed_forward_length, expert_used_count a token, one shared MLP of
-    expert_shared_feed_forward_length, the sigmoid scores' choice biased by exp_probs_b, renormalized
-    where expert_weights_norm, times expert_weights_scale; expert_group_count groups (the converter
-    writes no expert_group_used_count: more than one group without it is refused). Nemotron 3 Super's
-    latent projections (moe_latent_size) are refused."""
+    """Nemotron 3 Nano's mixture as NemotronHModel writes it: _sigmoid_experts' routing over
+    expert_count ungated experts of expert_feed_forward_length, and one shared MLP of
+    expert_shared_feed_forward_length (the converter writes no expert_group_used_count: more than one
+    group without it is refused). Nemotron 3 Super's latent projections (moe_latent_size) are refused."""
     latent = f.arch_get("moe_latent_size")
     if latent:
         raise CheckpointError(f"{f.path}: {f.arch}.moe_latent_size = {latent} is not supported (Nemotron 3 Super's "
                               "latent projections around the experts)")
     got = _required(f, ("expert_count", "expert_used_count", "expert_feed_forward_length",
                         "expert_shared_feed_forward_length"))
-    groups, kept = int(f.arch_get("expert_group_count") or 1), f.arch_get("expert_group_used_count")
-    if groups > 1 and kept is None:
+    groups = int(f.arch_get("expert_group_count") or 1)
+    if groups > 1 and f.arch_get("expert_group_used_count") is None:
         raise CheckpointError(f"{f.path}: {f.arch}.expert_group_count = {groups} without "
                               f"{f.arch}.expert_group_used_count: how many groups a token may choose from is unknown")
-    return {"n_routed_experts": int(got["expert_count"]), "num_experts_per_tok": int(got["expert_used_count"]),
-            "moe_intermediate_size": int(got["expert_feed_forward_length"]),
-            "moe_shared_expert_intermediate_size": int(got["expert_shared_feed_forward_length"]),
-            "norm_topk_prob": bool(f.arch_get("expert_weights_norm", False)),
-            "routed_scaling_factor": float(f.arch_get("expert_weights_scale") or 1.0),
-            "n_group": groups, "topk_group": int(kept or 1)}
+    return {**_sigmoid_experts(f, int(got["expert_count"]), int(got["expert_used_count"]),
+                               int(got["expert_feed_forward_length"]), 0),
+            "moe_shared_expert_intermediate_size": int(got["expert_shared_feed_forward_length"])}
 
 
 def _phi3(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -720,15 +715,15 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sigmoid_experts(f: GGUFFile, count: int, used: int, ffn: int, lead: int) -> dict[str, Any]:
-    """GLM-4.5's and DeepSeek-V3's mixture as llama.cpp reads it: sigmoid scores (expert_gating_func 2),
+    """GLM-4.5's, DeepSeek-V3's and Nemotron 3's mixture as llama.cpp reads it: sigmoid scores (expert_gating_func 2),
     the choice biased by exp_probs_b, expert_group_count groups of which expert_group_used_count are
     kept (1 and 1: none), the weights renormalized where expert_weights_norm and times
     expert_weights_scale (1 when absent), expert_shared_count shared experts of the experts' width,
     dense FFNs on the first leading_dense_block_count layers. A deepseek2 file with softmax scores (1,
     or no key: llama.cpp's default, DeepSeek-V2's files) is DeepSeek-V2's mixture: _softmax_experts."""
     gating = f.arch_get("expert_gating_func")
-    if gating is None:   # llama.cpp's defaults: glm4moe sigmoid, deepseek2 softmax
-        gating = 2 if f.arch == "glm4moe" else 1
+    if gating is None:   # llama.cpp's defaults: deepseek2 softmax, the others sigmoid
+        gating = 1 if f.arch == "deepseek2" else 2
     shared = int(f.arch_get("expert_shared_count") or 0)
     if shared < 1:
         raise CheckpointError(f"{f.path}: {f.arch}.expert_shared_count = {shared}: expected 1 or more shared experts")
@@ -1337,7 +1332,7 @@ class GGUFTensors:
             elif name.endswith(".A_log"):
                 x = np.log(-x)
             x = self._untile(name, x)
-        mixer = {"granitehybrid": ".mamba.", "nemotron_h": ".mixer.", "nemotron_h_moe": ".mixer."}.get(self.file.arch)
+        mixer = {"granitehybrid": ".mamba.", **dict.fromkeys(_NEMOTRON_H, ".mixer.")}.get(self.file.arch)
         if mixer is not None and mixer in name:   # a Mamba-2 mixer's (Mamba2Model.modify_tensors undone)
             if name.endswith(".A_log"):   # stored as -exp(A_log), [H, 1]
                 return np.log(-x).reshape(-1)

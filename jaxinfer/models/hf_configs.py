@@ -27,7 +27,7 @@ _HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
                   "original_max_position_embeddings", "num_experts", "num_local_experts", "num_experts_per_tok",
                   "moe_intermediate_size", "decoder_sparse_step", "shared_expert_intermediate_size",
                   "n_routed_experts", "n_group", "topk_group", "kv_lora_rank", "qk_nope_head_dim",
-                  "qk_rope_head_dim", "v_head_dim")
+                  "qk_rope_head_dim", "v_head_dim", "moe_shared_expert_intermediate_size")
 _HF_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "norm_epsilon", "layer_norm_eps", "logit_scale", "rope_theta",
                     "rope_local_base_freq", "swiglu_alpha")
 # integer fields an architecture's config may set to 0, meaning none (a dense Granite 4.0 upload: 0
@@ -895,11 +895,7 @@ def _nemotron_h_moe(c: dict[str, Any], moe: tuple[bool, ...]) -> dict[str, Any]:
     # (NemotronHConfig's alias num_local_experts, where a config spells it; the class default fills n_routed_experts)
     experts, k = c.get("num_local_experts", c["n_routed_experts"]), c["num_experts_per_tok"]
     groups, top_groups = c["n_group"], c["topk_group"]
-    sizes = {"n_routed_experts": experts, "num_experts_per_tok": k, "n_group": groups, "topk_group": top_groups,
-             "moe_intermediate_size": c["moe_intermediate_size"],
-             "moe_shared_expert_intermediate_size": c["moe_shared_expert_intermediate_size"]}
-    if not all(_is_int(v) and v > 0 for v in sizes.values()):
-        raise ConfigError(f"the mixture's sizes must be positive integers: {sizes}")
+    # (check_hf_fields has checked each size a positive integer; ModelConfig checks these too, naming its fields)
     for wrong, why in ((k > experts, f"num_experts_per_tok = {k} exceeds n_routed_experts = {experts}"),
                        (experts % groups, f"n_routed_experts = {experts} is not a multiple of n_group = {groups}"),
                        (top_groups > groups, f"topk_group = {top_groups} exceeds n_group = {groups}")):
