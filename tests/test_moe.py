@@ -74,13 +74,15 @@ def test_pallas_kernels_match_transformers(name, hf_model_dir):
 @pytest.mark.parametrize("name, overrides", [
     ("mixtral-gqa", None), ("qwen3moe-gqa", None), ("qwen3moe-mqa-window-yarn", None), ("gpt-oss", None),
     ("qwen2moe-shared", None), ("glm4moe-groups", None), ("deepseekv3-mla", None), ("deepseekv2-groups", None),
-    ("deepseekv2-groups", {"topk_method": "greedy"}), ("phimoe", None)])
+    ("deepseekv2-groups", {"topk_method": "greedy"}), ("deepseekv2-groups", {"n_group": 8, "topk_group": 3}),
+    ("phimoe", None)])
 def test_routing_matches_transformers_routers(name, overrides):
     """Our route() on the router logits against HF's router module on the same hidden states: the
     same k experts per token with the same weights (Mixtral: softmax-top-k-renormalize in HF, top-k
     then softmax here; Qwen3-MoE with and without norm_topk_prob; gpt-oss: biased logits; GLM-4.5:
     sigmoid scores, the random correction, 2 of 4 groups kept, renormalized, times 2.5; DeepSeek-V2:
-    softmax over all, 2 of 4 groups kept by their best expert or none limited (greedy), times 16;
+    softmax over all, 2 of 4 groups kept by their best expert, 3 of 8 one-expert groups, or none
+    limited (greedy), times 16;
     PhiMoE: sparsemixer's two picks, each weighted over the logits within its margin)."""
     hf = build_hf_model(name, overrides=overrides)
     layer = next(m for m in hf.model.layers if hasattr(m.mlp, "experts"))
@@ -465,6 +467,24 @@ def test_refused_moe_configs_name_the_field(change, message):
     base = "deepseekv2-groups" if message.startswith("'") else "gpt-oss"
     with pytest.raises(ConfigError, match=message):
         model_config_from_hf(cfg_dict(base) | change)
+
+
+@pytest.mark.parametrize("base,change,message", [
+    ("glm4moe-groups", {"n_group": 3}, "n_routed_experts = 8 is not a multiple of n_group = 3"),
+    ("glm4moe-groups", {"n_group": 8, "topk_group": 1}, "n_group = 8 leaves fewer than two of the n_routed_experts"),
+    ("deepseekv3-mla", {"topk_group": 3}, "topk_group = 3 exceeds n_group = 2"),
+    ("deepseekv3-mla", {"num_experts_per_tok": 9}, "num_experts_per_tok = 9 exceeds n_routed_experts = 8"),
+    ("dots1", {"n_group": 4}, "n_routed_experts = 6 is not a multiple of n_group = 4"),
+    ("exaone-moe", {"n_group": 4, "topk_group": 1}, "num_experts = 6 is not a multiple of n_group = 4"),
+    ("deepseekv2-groups", {"topk_group": 5}, "topk_group = 5 exceeds n_group = 4"),
+])
+def test_expert_groups_that_do_not_fit_are_refused_in_the_configs_words(base, change, message):
+    """DeepSeek-V3's group-limited routing in every family that has it: sizes that do not fit are
+    refused naming config.json's fields, not ModelConfig's (moe_groups) with its whole repr."""
+    kind, fields = CONFIGS[base][:2]
+    with pytest.raises(ConfigError, match=message) as e:
+        model_config_from_hf({**fields, "model_type": kind, **change})
+    assert "ModelConfig" not in str(e.value)
 
 
 def test_clamped_swiglu_needs_experts():

@@ -894,18 +894,30 @@ def _nemotron_h_moe(c: dict[str, Any], moe: tuple[bool, ...]) -> dict[str, Any]:
                           "Nemotron 3 model has biased MLPs)")
     # (NemotronHConfig's alias num_local_experts, where a config spells it; the class default fills n_routed_experts)
     experts, k = c.get("num_local_experts", c["n_routed_experts"]), c["num_experts_per_tok"]
-    groups, top_groups = c["n_group"], c["topk_group"]
-    # (check_hf_fields has checked each size a positive integer; ModelConfig checks these too, naming its fields)
-    for wrong, why in ((k > experts, f"num_experts_per_tok = {k} exceeds n_routed_experts = {experts}"),
-                       (experts % groups, f"n_routed_experts = {experts} is not a multiple of n_group = {groups}"),
-                       (top_groups > groups, f"topk_group = {top_groups} exceeds n_group = {groups}")):
-        if wrong:
-            raise ConfigError(f"field {why}")
+    groups, top_groups = _expert_groups(c, experts, "n_routed_experts")
     return dict(num_experts=experts, num_experts_per_tok=k, moe_ffn_dim=c["moe_intermediate_size"],
                 moe_layers=None if all(moe) else moe, moe_routing="sigmoid_topk",
                 moe_norm_topk=bool(c["norm_topk_prob"]), moe_groups=groups, moe_topk_groups=top_groups,
                 moe_routed_scale=float(c["routed_scaling_factor"]),
                 moe_shared_ffn_dim=c["moe_shared_expert_intermediate_size"])
+
+
+def _expert_groups(c: dict[str, Any], experts: int, experts_field: str, pair_scored: bool = True) -> tuple[int, int]:
+    """DeepSeek-V3's group-limited choice (n_group / topk_group; null or absent: 1), checked against
+    the experts in the config's own field names, where ModelConfig would refuse the same sizes naming
+    its internal fields: num_experts_per_tok within the experts, the experts in n_group equal groups
+    (of at least two where pair_scored: DeepSeek-V3's group is scored by the sum of its best two, as
+    transformers' topk(2) needs; DeepSeek-V2's by its best), and topk_group within n_group.
+    check_hf_fields has checked each a positive integer."""
+    k, groups, top = c["num_experts_per_tok"], c.get("n_group") or 1, c.get("topk_group") or 1
+    for wrong, why in ((k > experts, f"num_experts_per_tok = {k} exceeds {experts_field} = {experts}"),
+                       (experts % groups, f"{experts_field} = {experts} is not a multiple of n_group = {groups}"),
+                       (pair_scored and groups > 1 and experts // groups < 2, f"n_group = {groups} leaves fewer than two of the "
+                        f"{experts_field} = {experts} experts in a group (a group is scored by its best two)"),
+                       (top > groups, f"topk_group = {top} exceeds n_group = {groups}")):
+        if wrong:
+            raise ConfigError(f"field {why}")
+    return groups, top
 
 
 def _nemotron_h(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -1077,12 +1089,13 @@ def _exaone_moe(c: dict[str, Any], arch: str) -> ModelConfig:
     the first first_k_dense_replace)."""
     n = c["num_hidden_layers"]
     layers = _sparse_kinds(c, n, ["dense" if i < c["first_k_dense_replace"] else "sparse" for i in range(n)])
-    moe_f = c["moe_intermediate_size"]
+    moe_f, experts = c["moe_intermediate_size"], _num_experts(c, arch)
+    groups, top_groups = _expert_groups(c, experts, "num_experts")
     return dataclasses.replace(
-        _exaone4(c, arch), pre_norms=True, post_norms=False, num_experts=_num_experts(c, arch),
+        _exaone4(c, arch), pre_norms=True, post_norms=False, num_experts=experts,
         num_experts_per_tok=c["num_experts_per_tok"], moe_ffn_dim=moe_f, moe_layers=layers,
-        moe_routing="sigmoid_topk", moe_norm_topk=bool(c["norm_topk_prob"]), moe_groups=c["n_group"] or 1,
-        moe_topk_groups=c["topk_group"] or 1, moe_routed_scale=float(c["routed_scaling_factor"]),
+        moe_routing="sigmoid_topk", moe_norm_topk=bool(c["norm_topk_prob"]), moe_groups=groups,
+        moe_topk_groups=top_groups, moe_routed_scale=float(c["routed_scaling_factor"]),
         moe_shared_ffn_dim=moe_f * c["num_shared_experts"])
 
 
@@ -1271,6 +1284,7 @@ def _glm4_moe(c: dict[str, Any], arch: str) -> ModelConfig:
     if not (_is_int(e) and e > 0):
         raise ConfigError(f"field 'n_routed_experts' must be a positive integer, got {e!r}")
     first_dense = c["first_k_dense_replace"]
+    groups, top_groups = _expert_groups(c, e, "n_routed_experts" if c.get("n_routed_experts") else "num_experts")
     cfg = _llama_like({**c, "sliding_window": None}, arch)
     layers = tuple(i >= first_dense for i in range(n))
     return dataclasses.replace(
@@ -1278,7 +1292,7 @@ def _glm4_moe(c: dict[str, Any], arch: str) -> ModelConfig:
         qkv_bias=bool(c.get("attention_bias", False)), out_bias=False,
         num_experts=e, num_experts_per_tok=c["num_experts_per_tok"], moe_ffn_dim=c["moe_intermediate_size"],
         moe_layers=None if all(layers) else layers, moe_routing="sigmoid_topk",
-        moe_norm_topk=bool(c["norm_topk_prob"]), moe_groups=c["n_group"] or 1, moe_topk_groups=c["topk_group"] or 1,
+        moe_norm_topk=bool(c["norm_topk_prob"]), moe_groups=groups, moe_topk_groups=top_groups,
         moe_routed_scale=float(c["routed_scaling_factor"]),
         moe_shared_ffn_dim=c["moe_intermediate_size"] * c["n_shared_experts"])
 
@@ -1392,11 +1406,11 @@ def _deepseek_v2(c: dict[str, Any], arch: str) -> ModelConfig:
     if c.get("moe_layer_freq", 1) != 1:
         raise ConfigError(f"field 'moe_layer_freq' = {c['moe_layer_freq']!r} is not supported (1: every layer from "
                           "first_k_dense_replace on is a mixture)")
-    grouped = method == "group_limited_greedy"
-    cfg = _deepseek_v3({**c, "rope_interleave": True, "norm_topk_prob": False,
-                        "n_group": (c.get("n_group") or 1) if grouped else 1,
-                        "topk_group": (c.get("topk_group") or 1) if grouped else 1}, arch)
-    return dataclasses.replace(cfg, moe_routing="softmax_group_topk")
+    cfg = _deepseek_v3({**c, "rope_interleave": True, "norm_topk_prob": False, "n_group": 1, "topk_group": 1}, arch)
+    groups = (1, 1)   # (greedy ignores n_group / topk_group)
+    if method == "group_limited_greedy":
+        groups = _expert_groups(c, cfg.num_experts, "n_routed_experts", pair_scored=False)
+    return dataclasses.replace(cfg, moe_routing="softmax_group_topk", moe_groups=groups[0], moe_topk_groups=groups[1])
 
 
 def _num_experts(c: dict[str, Any], arch: str) -> int:
