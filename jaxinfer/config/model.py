@@ -284,8 +284,14 @@ class ModelConfig:
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
-            raise ConfigError(f"invalid ModelConfig field(s) {bad}: {self}")
+            raise ConfigError(f"invalid ModelConfig field(s) {bad}, in ModelConfig({self._set_fields()})")
         self._check_combinations()
+
+    def _set_fields(self) -> str:
+        """The fields that differ from their defaults, as the repr writes them: the context of a
+        refusal without the ~90 fields' whole repr."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                         if f.default is dataclasses.MISSING or getattr(self, f.name) != f.default)
 
     def _llama4_checks(self) -> dict[str, bool]:
         s = self.nope_query_scale
