@@ -29,6 +29,8 @@ gemma3 (text; the settings llama.cpp takes from the model size rather than the f
 rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fused, served in
 transformers' interleaved layout; sinks; the clamp llama.cpp fixes at 7.0), smollm3, granite, olmo2, olmoe
 (OLMoE: whole-width q / k norms, Q / K as stored, experts as wide as feed_forward_length, not renormalized),
+granitemoe (Granite 3.x MoE, and GraniteMoeShared where expert_shared_feed_forward_length: Granite's
+multipliers, permuted Q / K, the experts' and shared MLP's gate and up rejoined),
 seed_oss, qwen2moe (a gated shared expert), glm4moe (GLM-4.5: partial rotary, dense leading layers,
 sigmoid routing with exp_probs_b, shared experts; the appended next-token-prediction blocks skipped),
 glm4 (GLM-4-0414: gate and up fused in ffn_up, the norms after each branch, half of each head rotating
@@ -82,7 +84,8 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "exaone": "LlamaForCausalLM", "internlm2": "LlamaForCausalLM", "lfm2": "Lfm2ForCausalLM",
          "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
          "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-         "nemotron_h_moe": "NemotronHForCausalLM", "olmoe": "OlmoeForCausalLM"}
+         "nemotron_h_moe": "NemotronHForCausalLM", "olmoe": "OlmoeForCausalLM",
+         "granitemoe": "GraniteMoeForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma": "gemma",
                 "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
@@ -92,7 +95,7 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe"
                 "stablelm": "stablelm", "starcoder": "gpt_bigcode", "arcee": "arcee", "exaone": "llama", "internlm2": "llama",
                 "lfm2": "lfm2", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",
                 "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h",
-                "olmoe": "olmoe"}
+                "olmoe": "olmoe", "granitemoe": "granitemoe"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
 _PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm", "qwen35", "qwen35moe", "qwen3next")
 # Gated DeltaNet models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): the converter stores every norm weight as
@@ -103,14 +106,15 @@ _DELTANET = ("qwen35", "qwen35moe", "qwen3next")
 _NEMOTRON_H = ("nemotron_h", "nemotron_h_moe")
 # Qwen3-Next's in_proj_qkvz (transformers' name; the converter splits it into attn_qkv and attn_gate)
 _QKVZ = re.compile(r"model\.layers\.(\d+)\.linear_attn\.in_proj_qkvz\.weight")
-# Granite 4.0-H's fused MLP tensors (transformers' names on disk), which the converter splits
+# Granite 3.x MoE's and 4.0-H's fused MLP tensors (transformers' names on disk), which the converter splits
 # (GraniteMoeModel.modify_tensors): GGUFTensors.granite_parts
 _GRANITE_MLP = re.compile(r"model\.layers\.(\d+)\.(block_sparse_moe|shared_mlp)\.(input_linear|output_linear)\.weight")
 # llama.cpp's mixtures with dense leading layers, sigmoid routing with a learned correction
 # (exp_probs_b), groups, a routed scale and shared experts (its build_moe_ffn with those settings)
 _SIGMOID_MOE = ("glm4moe", "deepseek2")
 # the architectures whose Q / K rows llama.cpp's converter stores in its rotary order (LlamaModel.permute)
-_PERMUTED_QK = ("llama", "smollm3", "granite", "arcee", "internlm2", "granitehybrid", "nemotron_h", "nemotron_h_moe")
+_PERMUTED_QK = ("llama", "smollm3", "granite", "arcee", "internlm2", "granitehybrid", "nemotron_h", "nemotron_h_moe",
+                "granitemoe")
 # SmolLM3's NoPE layers: every 4th, a constant of llama.cpp's (hparams.n_no_rope_layer_step), in no key
 _SMOLLM3_NO_ROPE_STEP = 4
 # llama.cpp's Gemma: every `swa`-th layer global, the others sliding (hparams.set_swa_pattern), the
@@ -383,6 +387,11 @@ def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) ->
         return {"no_rope_layer_interval": _SMOLLM3_NO_ROPE_STEP}
     elif arch == "granite":
         return _granite(f, cfg)
+    elif arch == "granitemoe":   # GraniteMoeShared where the file gives the shared MLP's width
+        shared = f.arch_get("expert_shared_feed_forward_length")
+        return {**_granite(f, cfg), **({} if not shared else {
+            "architectures": ["GraniteMoeSharedForCausalLM"], "model_type": "granitemoeshared",
+            "shared_intermediate_size": int(shared)})}
     elif arch == "olmo2" and f.arch_get("attention.sliding_window") is not None:
         raise CheckpointError(f"{f.path}: olmo2.attention.sliding_window: OLMo 3's sliding layers from a GGUF file are "
                               "not supported (load the HF folder)")
@@ -523,8 +532,8 @@ def _granite(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     """Granite's multipliers as llama.cpp reads them (GraniteModel writes each only when the config's is
     not 0): a missing embedding, residual or logit scale is no scaling, a missing attention scale
     1/sqrt(head_dim) (llama.cpp's build_granite)."""
-    if f.arch == "granite" and f.arch_get("rope.scaling.finetuned") is False:   # llama.cpp then runs no RoPE
-        raise CheckpointError(f"{f.path}: granite.rope.scaling.finetuned = false (attention without RoPE) is "
+    if f.arch in ("granite", "granitemoe") and f.arch_get("rope.scaling.finetuned") is False:   # (then no RoPE)
+        raise CheckpointError(f"{f.path}: {f.arch}.rope.scaling.finetuned = false (attention without RoPE) is "
                               "not supported")
     get = lambda key: f.arch_get(key) or None  # noqa: E731   (0, as absent, means the default)
     scale = get("attention.scale")
@@ -683,7 +692,7 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
         return {}
     count, used = f.arch_get("expert_count"), f.arch_get("expert_used_count")
     if not count:
-        if f.arch in ("qwen3moe", "gpt-oss", "qwen2moe", "qwen35moe", "qwen3next", "olmoe", *_SIGMOID_MOE):
+        if f.arch in ("qwen3moe", "gpt-oss", "qwen2moe", "qwen35moe", "qwen3next", "olmoe", "granitemoe", *_SIGMOID_MOE):
             raise CheckpointError(f"{f.path}: metadata {f.arch}.expert_count is missing")
         return {}
     if not used:
@@ -697,6 +706,9 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": int(count),
                 "num_experts_per_tok": int(used), "sliding_window": None}
     ffn = f.arch_get("expert_feed_forward_length")
+    if f.arch == "granitemoe":   # GraniteMoeModel: the experts intermediate_size (feed_forward_length) wide
+        return {"num_local_experts": int(count), "num_experts_per_tok": int(used),
+                "intermediate_size": int(cfg["intermediate_size"] if ffn is None else ffn)}
     if f.arch == "olmoe":   # OlmoeModel writes no experts' width: llama.cpp's olmoe sizes them by feed_forward_length,
         # and weighs the chosen softmax probabilities as they are (OlmoeConfig's norm_topk_prob false, not in the file)
         return {"num_experts": int(count), "num_experts_per_tok": int(used), "norm_topk_prob": False,
@@ -1237,12 +1249,12 @@ class GGUFTensors:
         return np.concatenate([per(x) for x in parts], axis=1).reshape(-1, qkv.shape[-1])
 
     def granite_parts(self, name: str) -> list[str] | None:
-        """The tensors a granitehybrid file holds Granite 4.0-H's fused MLP tensors in (GraniteMoeModel.
+        """The tensors a granitehybrid or granitemoe file holds Granite's fused MLP tensors in (GraniteMoeModel.
         modify_tensors): the experts' input_linear [E, 2F, D] as ffn_gate_exps and ffn_up_exps, the
         shared MLP's input_linear [2S, D] as ffn_gate_shexp and ffn_up_shexp and its output_linear as
         ffn_down_shexp (a model without experts: ffn_gate, ffn_up, ffn_down); None for any other name
         (the experts' output_linear is ffn_down_exps by the name map)."""
-        m = _GRANITE_MLP.fullmatch(name) if self.file.arch == "granitehybrid" else None
+        m = _GRANITE_MLP.fullmatch(name) if self.file.arch in ("granitehybrid", "granitemoe") else None
         if m is None or (m.group(2) == "block_sparse_moe" and m.group(3) == "output_linear"):
             return None
         layer, gate_up = m.group(1), ("gate", "up") if m.group(3) == "input_linear" else ("down",)
@@ -1250,7 +1262,7 @@ class GGUFTensors:
         return [f"blk.{layer}.ffn_{p}{suffix}.weight" for p in gate_up]
 
     def _granite_mlp(self, name: str) -> np.ndarray:
-        """A fused Granite 4.0-H MLP tensor from its parts (granite_parts): gate's rows, then up's."""
+        """A fused Granite MLP tensor from its parts (granite_parts): gate's rows, then up's."""
         parts = self.granite_parts(name)
         read = [self.file.tensor(t) for t in parts]
         if any(x.shape != read[0].shape for x in read):

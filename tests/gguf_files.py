@@ -20,7 +20,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 
 
 # the architectures whose converters store Q / K rows permuted into llama.cpp's rotary layout
-_PERMUTED = ("llama", "smollm3", "granite", "arcee", "internlm2", "granitehybrid", "nemotron_h", "nemotron_h_moe")
+_PERMUTED = ("llama", "smollm3", "granite", "arcee", "internlm2", "granitehybrid", "nemotron_h", "nemotron_h_moe",
+             "granitemoe")
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -182,8 +183,10 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
     if arch == "gpt-oss":   # GptOssModel.set_gguf_parameters
         w.add_sliding_window(cfg.sliding_window)
         w.add_expert_feed_forward_length(cfg.intermediate_size)
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         _granite_scales(w, cfg)
+    if arch == "granitemoe" and getattr(cfg, "shared_intermediate_size", 0):   # GraniteMoeModel.set_gguf_parameters
+        w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
     if arch == "phi3":   # Phi3MiniModel.set_gguf_parameters: 0 for no window, the original context
         w.add_sliding_window(cfg.sliding_window or 0)
         original = rope.get("original_max_position_embeddings", getattr(cfg, "original_max_position_embeddings", None))
@@ -553,7 +556,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "exaone": "exaone", "lfm2": "lfm2", "qwen3_next": "qwen3next", "qwen3_5_text": "qwen35",
             "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid",
             "nemotron_h": "nemotron_h_moe" if "moe" in getattr(cfg, "layers_block_type", ()) else "nemotron_h",
-            "olmoe": "olmoe"}[cfg.model_type]
+            "olmoe": "olmoe", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:
@@ -637,7 +640,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             hf_name, x = _deltanet_tensor(w, cfg, arch, hf_name, x, qtype, rng, split_qkvz)
             if hf_name is None:
                 continue
-        if arch == "granitehybrid":
+        if arch in ("granitehybrid", "granitemoe"):
             hf_name, x = _granitehybrid_tensor(w, cfg, hf_name, x, qtype, rng)
             if hf_name is None:
                 continue

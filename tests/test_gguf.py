@@ -434,6 +434,27 @@ def test_olmo2_and_seed_oss_are_the_original_model(name, tmp_path):
             _gen(bad)
 
 
+@pytest.mark.parametrize("name", ["granitemoe", "granitemoeshared"])
+def test_granitemoe_files_are_the_original_model(name, tmp_path):
+    """Granite 3.x MoE and GraniteMoeShared as llama.cpp's converter writes them (granitemoe,
+    GraniteMoeModel: Granite's multipliers, Q / K permuted, the experts' input_linear split into
+    ffn_gate_exps / ffn_up_exps, the shared MLP's into ffn_gate_shexp / ffn_up_shexp with its width as
+    expert_shared_feed_forward_length, the experts feed_forward_length wide) compute what the HF model
+    computes: the class told apart by that key, logits, greedy tokens through the paged engine; a file
+    marked to run without RoPE is refused, as for granite. (An attention multiplier of 1, not the
+    tiny configs' 1/128 or 1/64, under which the attention is nearly uniform and Q / K rows left in
+    llama.cpp's order would pass unseen.)"""
+    hf, vocab, ids, expected, gen = _as_converted(name, {"attention_multiplier": 1.0}, tmp_path)
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(ids):].tolist()
+    assert gen.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids == want
+    bad = write_gguf(hf, tmp_path / "norope.gguf", vocab, extra={"granitemoe.rope.scaling.finetuned": False})
+    with pytest.raises(CheckpointError, match="granitemoe.rope.scaling.finetuned = false"):
+        _gen(bad)
+
+
 def _as_converted(name: str, overrides: dict, tmp_path: Path):
     """(HF model of tests/hf_models.py's `name` with a 400-token vocabulary, the GGUF vocabulary,
     a 24-token prompt, the HF logits of it, a Generator on the model's GGUF as the converter writes it)."""
