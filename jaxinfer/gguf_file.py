@@ -29,8 +29,10 @@ gemma3 (text; the settings llama.cpp takes from the model size rather than the f
 rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fused, served in
 transformers' interleaved layout; sinks; the clamp llama.cpp fixes at 7.0), smollm3, granite, olmo2, olmoe
 (OLMoE: whole-width q / k norms, Q / K as stored, experts as wide as feed_forward_length, not renormalized),
-granitemoe (Granite 3.x MoE, and GraniteMoeShared where expert_shared_feed_forward_length: Granite's
-multipliers, permuted Q / K, the experts' and shared MLP's gate and up rejoined),
+exaone4 (EXAONE 4.0: the norms after each branch, per-head q / k norms, the sliding layers of
+sliding_window_pattern rotating, the global ones not), granitemoe (Granite 3.x MoE, and GraniteMoeShared
+where expert_shared_feed_forward_length: Granite's multipliers, permuted Q / K, the experts' and shared
+MLP's gate and up rejoined),
 seed_oss, qwen2moe (a gated shared expert), glm4moe (GLM-4.5: partial rotary, dense leading layers,
 sigmoid routing with exp_probs_b, shared experts; the appended next-token-prediction blocks skipped),
 glm4 (GLM-4-0414: gate and up fused in ffn_up, the norms after each branch, half of each head rotating
@@ -85,7 +87,7 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
          "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
          "nemotron_h_moe": "NemotronHForCausalLM", "olmoe": "OlmoeForCausalLM",
-         "granitemoe": "GraniteMoeForCausalLM"}
+         "granitemoe": "GraniteMoeForCausalLM", "exaone4": "Exaone4ForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma": "gemma",
                 "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
@@ -95,7 +97,7 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe"
                 "stablelm": "stablelm", "starcoder": "gpt_bigcode", "arcee": "arcee", "exaone": "llama", "internlm2": "llama",
                 "lfm2": "lfm2", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",
                 "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h",
-                "olmoe": "olmoe", "granitemoe": "granitemoe"}
+                "olmoe": "olmoe", "granitemoe": "granitemoe", "exaone4": "exaone4"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
 _PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm", "qwen35", "qwen35moe", "qwen3next")
 # Gated DeltaNet models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): the converter stores every norm weight as
@@ -163,7 +165,7 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     # Qwen3.5's (llama.cpp's QWEN35): Qwen2's with combining marks (\p{M}) kept in words, out of punctuation
     "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
                r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
-    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais"), (_GPT2,)),
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"), (_GPT2,)),   # (exaone4: llama.cpp's GPT2 type)
     **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"),
                     (r"\p{N}", _GPT2)),
     "deepseek-coder": ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}"),
@@ -387,6 +389,8 @@ def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) ->
         return {"no_rope_layer_interval": _SMOLLM3_NO_ROPE_STEP}
     elif arch == "granite":
         return _granite(f, cfg)
+    elif arch == "exaone4":
+        return _exaone4(f, cfg)
     elif arch == "granitemoe":   # GraniteMoeShared where the file gives the shared MLP's width
         shared = f.arch_get("expert_shared_feed_forward_length")
         return {**_granite(f, cfg), **({} if not shared else {
@@ -526,6 +530,25 @@ def _cohere(f: GGUFFile) -> dict[str, Any]:
         raise CheckpointError(f"{f.path}: cohere2.rope.freq_base_swa = {swa_base} (a RoPE base of the sliding "
                               "layers apart from the others) is not supported")
     return {**out, "sliding_window": int(window), "sliding_window_pattern": int(period)}
+
+
+def _exaone4(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's exaone4 (Exaone4Model: EXAONE 4.0; Q / K as stored, NeoX RoPE): with
+    attention.sliding_window, the sliding layers those attention.sliding_window_pattern marks (a bool
+    per layer, the converter's layer_types), else three of every four (llama.cpp's fixed pattern for
+    the 32B, LLLG); llm_build_exaone4 rotates the sliding layers only, as transformers does. Without a
+    window (the 1.2B) every layer is global and rotates."""
+    n, window = cfg["num_hidden_layers"], f.arch_get("attention.sliding_window")
+    if not window:
+        return {"sliding_window": None, "layer_types": ["full_attention"] * n}
+    pattern = f.arch_get("attention.sliding_window_pattern")
+    if pattern is None:
+        pattern = [(i + 1) % 4 != 0 for i in range(n)]
+    if not isinstance(pattern, list) or len(pattern) != n or not all(isinstance(p, bool) for p in pattern):
+        raise CheckpointError(f"{f.path}: exaone4.attention.sliding_window_pattern must mark each of the {n} "
+                              f"layers sliding (true) or global (false), got {pattern!r}")
+    return {"sliding_window": int(window),
+            "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern]}
 
 
 def _granite(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:

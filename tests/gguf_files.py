@@ -185,6 +185,9 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
         w.add_expert_feed_forward_length(cfg.intermediate_size)
     if arch in ("granite", "granitemoe"):
         _granite_scales(w, cfg)
+    if arch == "exaone4" and cfg.sliding_window is not None:   # Exaone4Model: the window, layer_types as bools
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     if arch == "granitemoe" and getattr(cfg, "shared_intermediate_size", 0):   # GraniteMoeModel.set_gguf_parameters
         w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
     if arch == "phi3":   # Phi3MiniModel.set_gguf_parameters: 0 for no window, the original context
@@ -556,7 +559,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "exaone": "exaone", "lfm2": "lfm2", "qwen3_next": "qwen3next", "qwen3_5_text": "qwen35",
             "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid",
             "nemotron_h": "nemotron_h_moe" if "moe" in getattr(cfg, "layers_block_type", ()) else "nemotron_h",
-            "olmoe": "olmoe", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe"}[cfg.model_type]
+            "olmoe": "olmoe", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
+            "exaone4": "exaone4"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:

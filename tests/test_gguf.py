@@ -455,6 +455,26 @@ def test_granitemoe_files_are_the_original_model(name, tmp_path):
         _gen(bad)
 
 
+@pytest.mark.parametrize("name", ["exaone4", "exaone4-nowindow"])
+def test_exaone4_files_are_the_original_model(name, tmp_path):
+    """EXAONE 4.0 as llama.cpp's converter writes it (exaone4, Exaone4Model: Q / K as stored, the
+    norms after each branch as post_attention_norm / post_ffw_norm, per-head q / k norms, the window and
+    layer_types as one bool per layer) computes what the HF model computes, logits and greedy tokens
+    through the paged engine: three sliding layers that rotate and a global one that does not, or
+    (no window, the 1.2B) every layer global and rotating. A pattern of the wrong length is refused."""
+    hf, vocab, ids, expected, gen = _as_converted(name, {}, tmp_path)
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    assert gen.model_cfg.rope_layers == (None if name == "exaone4-nowindow" else (True, True, True, False))
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(ids):].tolist()
+    assert gen.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids == want
+    if name == "exaone4":
+        bad = write_gguf(hf, tmp_path / "bad.gguf", vocab, extra={"exaone4.attention.sliding_window_pattern": [True]})
+        with pytest.raises(CheckpointError, match="sliding_window_pattern must mark each of the 4"):
+            _gen(bad)
+
+
 def _as_converted(name: str, overrides: dict, tmp_path: Path):
     """(HF model of tests/hf_models.py's `name` with a 400-token vocabulary, the GGUF vocabulary,
     a 24-token prompt, the HF logits of it, a Generator on the model's GGUF as the converter writes it)."""
