@@ -29,7 +29,8 @@ gemma3 (text; the settings llama.cpp takes from the model size rather than the f
 rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fused, served in
 transformers' interleaved layout; sinks; the clamp llama.cpp fixes at 7.0), smollm3, granite, olmo2, olmoe
 (OLMoE: whole-width q / k norms, Q / K as stored, experts as wide as feed_forward_length, not renormalized),
-exaone4 (EXAONE 4.0: the norms after each branch, per-head q / k norms, the sliding layers of
+ernie4_5 (ERNIE 4.5 dense: Q / K as stored, each head rotating in pairs, as transformers holds
+them; biases where the file has them), exaone4 (EXAONE 4.0: the norms after each branch, per-head q / k norms, the sliding layers of
 sliding_window_pattern rotating, the global ones not), granitemoe (Granite 3.x MoE, and GraniteMoeShared
 where expert_shared_feed_forward_length: Granite's multipliers, permuted Q / K, the experts' and shared
 MLP's gate and up rejoined),
@@ -87,7 +88,8 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
          "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
          "nemotron_h_moe": "NemotronHForCausalLM", "olmoe": "OlmoeForCausalLM",
-         "granitemoe": "GraniteMoeForCausalLM", "exaone4": "Exaone4ForCausalLM"}
+         "granitemoe": "GraniteMoeForCausalLM", "exaone4": "Exaone4ForCausalLM",
+         "ernie4_5": "Ernie4_5ForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma": "gemma",
                 "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
@@ -97,7 +99,7 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe"
                 "stablelm": "stablelm", "starcoder": "gpt_bigcode", "arcee": "arcee", "exaone": "llama", "internlm2": "llama",
                 "lfm2": "lfm2", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",
                 "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h",
-                "olmoe": "olmoe", "granitemoe": "granitemoe", "exaone4": "exaone4"}
+                "olmoe": "olmoe", "granitemoe": "granitemoe", "exaone4": "exaone4", "ernie4_5": "ernie4_5"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
 _PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm", "qwen35", "qwen35moe", "qwen3next")
 # Gated DeltaNet models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): the converter stores every norm weight as
@@ -391,6 +393,8 @@ def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) ->
         return _granite(f, cfg)
     elif arch == "exaone4":
         return _exaone4(f, cfg)
+    elif arch == "ernie4_5":   # Ernie4_5Model: q / k / v split from qkv_proj as transformers holds them, in pairs
+        return {"use_bias": "blk.0.attn_q.bias" in f.tensors}
     elif arch == "granitemoe":   # GraniteMoeShared where the file gives the shared MLP's width
         shared = f.arch_get("expert_shared_feed_forward_length")
         return {**_granite(f, cfg), **({} if not shared else {

@@ -560,7 +560,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid",
             "nemotron_h": "nemotron_h_moe" if "moe" in getattr(cfg, "layers_block_type", ()) else "nemotron_h",
             "olmoe": "olmoe", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
-            "exaone4": "exaone4"}[cfg.model_type]
+            "exaone4": "exaone4", "ernie4_5": "ernie4_5"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:

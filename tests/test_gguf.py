@@ -414,13 +414,14 @@ def test_granite_is_the_original_model(tmp_path):
         _gen(bad)
 
 
-@pytest.mark.parametrize("name", ["olmo2", "seed_oss", "olmoe"])
+@pytest.mark.parametrize("name", ["olmo2", "seed_oss", "olmoe", "ernie4_5"])
 def test_olmo2_and_seed_oss_are_the_original_model(name, tmp_path):
     """OLMo 2 (llama.cpp's olmo2: the branch-output norms, whole-width q / k norms; Q / K as stored),
     Seed-OSS (seed_oss: q / k / v and o biases) and OLMoE (olmoe: OLMo 2's q / k norms in a pre-norm
     block, 3 of 5 experts stacked per layer with no width of their own in the file, the chosen
-    probabilities not renormalized) as llama.cpp's converter writes them compute what the HF model
-    computes; a file with OLMo 3's sliding layers is refused by name."""
+    probabilities not renormalized) and ERNIE 4.5 (ernie4_5: Q / K as transformers holds them, each
+    head rotating in pairs; biases on every projection) as llama.cpp's converter writes them compute
+    what the HF model computes; a file with OLMo 3's sliding layers is refused by name."""
     text = save_text_model(tmp_path / "spm")
     vocab = sentencepiece_vocab(text / "tokenizer.model")
     hf = build_hf_model(name, overrides={"vocab_size": 400})
