@@ -30,7 +30,8 @@ rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fus
 transformers' interleaved layout; sinks; the clamp llama.cpp fixes at 7.0), smollm3, granite, olmo2, olmoe
 (OLMoE: whole-width q / k norms, Q / K as stored, experts as wide as feed_forward_length, not renormalized),
 ernie4_5 (ERNIE 4.5 dense: Q / K as stored, each head rotating in pairs, as transformers holds
-them; biases where the file has them), exaone4 (EXAONE 4.0: the norms after each branch, per-head q / k norms, the sliding layers of
+them; biases where the file has them) and ernie4_5-moe (its mixtures: interleave_moe_layer_step,
+leading_dense_block_count, softmax scores corrected by exp_probs_b, gated shared experts), exaone4 (EXAONE 4.0: the norms after each branch, per-head q / k norms, the sliding layers of
 sliding_window_pattern rotating, the global ones not), granitemoe (Granite 3.x MoE, and GraniteMoeShared
 where expert_shared_feed_forward_length: Granite's multipliers, permuted Q / K, the experts' and shared
 MLP's gate and up rejoined),
@@ -89,7 +90,7 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
          "nemotron_h_moe": "NemotronHForCausalLM", "olmoe": "OlmoeForCausalLM",
          "granitemoe": "GraniteMoeForCausalLM", "exaone4": "Exaone4ForCausalLM",
-         "ernie4_5": "Ernie4_5ForCausalLM"}
+         "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma": "gemma",
                 "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
@@ -99,7 +100,8 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe"
                 "stablelm": "stablelm", "starcoder": "gpt_bigcode", "arcee": "arcee", "exaone": "llama", "internlm2": "llama",
                 "lfm2": "lfm2", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",
                 "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h",
-                "olmoe": "olmoe", "granitemoe": "granitemoe", "exaone4": "exaone4", "ernie4_5": "ernie4_5"}
+                "olmoe": "olmoe", "granitemoe": "granitemoe", "exaone4": "exaone4", "ernie4_5": "ernie4_5",
+                "ernie4_5-moe": "ernie4_5_moe"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
 _PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm", "qwen35", "qwen35moe", "qwen3next")
 # Gated DeltaNet models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): the converter stores every norm weight as
@@ -393,7 +395,7 @@ def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) ->
         return _granite(f, cfg)
     elif arch == "exaone4":
         return _exaone4(f, cfg)
-    elif arch == "ernie4_5":   # Ernie4_5Model: q / k / v split from qkv_proj as transformers holds them, in pairs
+    elif arch in ("ernie4_5", "ernie4_5-moe"):   # Ernie4_5Model: q / k / v as transformers holds them, in pairs
         return {"use_bias": "blk.0.attn_q.bias" in f.tensors}
     elif arch == "granitemoe":   # GraniteMoeShared where the file gives the shared MLP's width
         shared = f.arch_get("expert_shared_feed_forward_length")
@@ -719,11 +721,14 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
         return {}
     count, used = f.arch_get("expert_count"), f.arch_get("expert_used_count")
     if not count:
-        if f.arch in ("qwen3moe", "gpt-oss", "qwen2moe", "qwen35moe", "qwen3next", "olmoe", "granitemoe", *_SIGMOID_MOE):
+        if f.arch in ("qwen3moe", "gpt-oss", "qwen2moe", "qwen35moe", "qwen3next", "olmoe", "granitemoe",
+                      "ernie4_5-moe", *_SIGMOID_MOE):
             raise CheckpointError(f"{f.path}: metadata {f.arch}.expert_count is missing")
         return {}
     if not used:
         raise CheckpointError(f"{f.path}: metadata {f.arch}.expert_used_count is missing")
+    if f.arch == "ernie4_5-moe":   # (its dense layers interleaved: its own check)
+        return _ernie_experts(f, cfg, int(count), int(used))
     lead = int(f.arch_get("leading_dense_block_count") or 0) if f.arch in _SIGMOID_MOE else 0
     dense = [i for i in range(lead, cfg["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors]
     if dense:   # llama.cpp's llama, qwen3moe and qwen2moe route every layer, the others all after the lead
@@ -757,6 +762,37 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
         shared = f.arch_get("expert_shared_feed_forward_length") or cfg["intermediate_size"]
         out.update(norm_topk_prob=False, shared_expert_intermediate_size=int(shared), use_sliding_window=False)
     return out
+
+
+def _ernie_experts(f: GGUFFile, cfg: dict[str, Any], count: int, used: int) -> dict[str, Any]:
+    """ERNIE 4.5 MoE's mixture as llama.cpp's ernie4_5-moe runs it (Ernie4_5MoeModel): layer i is a
+    mixture where i >= leading_dense_block_count and (i + 1) % interleave_moe_layer_step == 0 (no end
+    index: the converter writes none), softmax scores, the choice corrected by exp_probs_b, the chosen
+    renormalized (transformers' moe_statics routing), expert_shared_count gated shared experts whose
+    total width is expert_shared_feed_forward_length. The converter writes that width as
+    intermediate_size // num_key_value_heads, which is the shared experts' width in the published
+    models; where it is not expert_shared_count times the experts' width, llama.cpp could not load the
+    file either, and it is refused."""
+    got = _required(f, ("expert_feed_forward_length", "interleave_moe_layer_step"))
+    ffn, step = int(got["expert_feed_forward_length"]), int(got["interleave_moe_layer_step"])
+    lead = int(f.arch_get("leading_dense_block_count") or 0)
+    n = cfg["num_hidden_layers"]
+    layers = [i >= lead and (i + 1) % step == 0 for i in range(n)] if step > 0 else []
+    if not any(layers):
+        raise CheckpointError(f"{f.path}: ernie4_5-moe.interleave_moe_layer_step = {step} and "
+                              f"leading_dense_block_count = {lead} leave no mixture-of-experts layer of {n}")
+    wrong = [i for i, moe in enumerate(layers) if moe != (f"blk.{i}.ffn_gate_inp.weight" in f.tensors)]
+    if wrong:
+        raise CheckpointError(f"{f.path}: layer {wrong[0]} {'lacks' if layers[wrong[0]] else 'has'} tensor "
+                              f"'blk.{wrong[0]}.ffn_gate_inp.weight', against its interleave_moe_layer_step = "
+                              f"{step} and leading_dense_block_count = {lead}")
+    shared = int(f.arch_get("expert_shared_count") or 0)
+    width = int(f.arch_get("expert_shared_feed_forward_length") or 0)
+    if shared and width != shared * ffn:
+        raise CheckpointError(f"{f.path}: ernie4_5-moe.expert_shared_feed_forward_length = {width} is not "
+                              f"expert_shared_count = {shared} times expert_feed_forward_length = {ffn}")
+    return {"moe_num_experts": count, "moe_k": used, "moe_intermediate_size": ffn, "moe_layer_interval": step,
+            "moe_layer_start_index": lead, "moe_layer_end_index": -1, "moe_num_shared_experts": shared}
 
 
 def _sigmoid_experts(f: GGUFFile, count: int, used: int, ffn: int, lead: int) -> dict[str, Any]:

@@ -396,6 +396,16 @@ def _moe_hparams(w, cfg, arch: str, nextn: int) -> None:
     import gguf
     if nextn:
         w.add_nextn_predict_layers(nextn)
+    if arch == "ernie4_5-moe":   # Ernie4_5MoeModel.set_gguf_parameters (the shared width as it computes it)
+        w.add_expert_count(cfg.moe_num_experts)
+        w.add_expert_used_count(cfg.moe_k)
+        w.add_interleave_moe_layer_step(cfg.moe_layer_interval)
+        w.add_leading_dense_block_count(cfg.moe_layer_start_index)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_count(cfg.moe_num_shared_experts)
+        if cfg.moe_num_shared_experts > 0:
+            w.add_expert_shared_feed_forward_length(cfg.intermediate_size // cfg.num_key_value_heads)
+        return
     experts = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     if not experts:
         return
@@ -560,7 +570,7 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid",
             "nemotron_h": "nemotron_h_moe" if "moe" in getattr(cfg, "layers_block_type", ()) else "nemotron_h",
             "olmoe": "olmoe", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
-            "exaone4": "exaone4", "ernie4_5": "ernie4_5"}[cfg.model_type]
+            "exaone4": "exaone4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:
@@ -652,6 +662,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             hf_name = "backbone." + hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
             if ".mixer." in hf_name and cfg.layers_block_type[int(hf_name.split(".")[2])] == "linear_attention":
                 hf_name, x = _mamba2_tensor(cfg.n_groups, hf_name, x)
+        if arch == "ernie4_5-moe":   # transformers' in-memory name of the correction: its name on disk
+            hf_name = hf_name.replace(".mlp.gate.moe_statics.", ".mlp.moe_statics.")
         if hf_name.endswith(".e_score_correction_bias"):   # TextModel's rename before the name map
             hf_name = hf_name[:-len("_bias")] + ".bias"
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))

@@ -476,6 +476,26 @@ def test_exaone4_files_are_the_original_model(name, tmp_path):
             _gen(bad)
 
 
+def test_ernie4_5_moe_files_are_the_original_model(tmp_path):
+    """ERNIE 4.5 MoE as llama.cpp's converter writes it (ernie4_5-moe, Ernie4_5MoeModel: experts stacked
+    per layer, the moe_statics correction as exp_probs_b, interleave_moe_layer_step and
+    leading_dense_block_count, the shared experts' width as intermediate_size // num_key_value_heads)
+    computes what the HF model computes: a dense first layer, then mixtures with top-2 of 4 by
+    softmax plus the correction, renormalized, and a shared expert; logits and greedy tokens through
+    the paged engine. A file whose shared width is not the shared experts' (the converter's formula
+    on another shape) is refused, naming the key."""
+    hf, vocab, ids, expected, gen = _as_converted("ernie4_5_moe", {"intermediate_size": 64}, tmp_path)
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    assert gen.model_cfg.moe_layers == (False, True, True)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(ids):].tolist()
+    assert gen.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids == want
+    other = build_hf_model("ernie4_5_moe", overrides={"vocab_size": 400})   # 96 // 2 = 48, the experts' 32
+    with pytest.raises(CheckpointError, match="expert_shared_feed_forward_length = 48 is not"):
+        _gen(write_gguf(other, tmp_path / "other.gguf", vocab))
+
+
 def _as_converted(name: str, overrides: dict, tmp_path: Path):
     """(HF model of tests/hf_models.py's `name` with a 400-token vocabulary, the GGUF vocabulary,
     a 24-token prompt, the HF logits of it, a Generator on the model's GGUF as the converter writes it)."""
