@@ -30,7 +30,8 @@ rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fus
 transformers' interleaved layout; sinks; the clamp llama.cpp fixes at 7.0), smollm3, granite, olmo2, olmoe
 (OLMoE: whole-width q / k norms, Q / K as stored, experts as wide as feed_forward_length, not renormalized),
 ernie4_5 (ERNIE 4.5 dense: Q / K as stored, each head rotating in pairs, as transformers holds
-them; biases where the file has them) and ernie4_5-moe (its mixtures: interleave_moe_layer_step,
+them; biases where the file has them) minimax-m2 (MiniMax-M2 / M2.1: whole-width q / k norms, partial
+rotary, sigmoid routing corrected by exp_probs_b), and ernie4_5-moe (its mixtures: interleave_moe_layer_step,
 leading_dense_block_count, softmax scores corrected by exp_probs_b, gated shared experts), exaone4 (EXAONE 4.0: the norms after each branch, per-head q / k norms, the sliding layers of
 sliding_window_pattern rotating, the global ones not), granitemoe (Granite 3.x MoE, and GraniteMoeShared
 where expert_shared_feed_forward_length: Granite's multipliers, permuted Q / K, the experts' and shared
@@ -90,7 +91,8 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
          "nemotron_h_moe": "NemotronHForCausalLM", "olmoe": "OlmoeForCausalLM",
          "granitemoe": "GraniteMoeForCausalLM", "exaone4": "Exaone4ForCausalLM",
-         "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM"}
+         "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
+         "minimax-m2": "MiniMaxM2ForCausalLM"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma": "gemma",
                 "gemma2": "gemma2",
                 "gemma3": "gemma3_text", "phi3": "phi3", "gpt-oss": "gpt_oss", "smollm3": "smollm3",
@@ -101,9 +103,10 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe"
                 "lfm2": "lfm2", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",
                 "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h",
                 "olmoe": "olmoe", "granitemoe": "granitemoe", "exaone4": "exaone4", "ernie4_5": "ernie4_5",
-                "ernie4_5-moe": "ernie4_5_moe"}
+                "ernie4_5-moe": "ernie4_5_moe", "minimax-m2": "minimax_m2"}
 # the architectures whose heads may rotate only their first rope.dimension_count features
-_PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm", "qwen35", "qwen35moe", "qwen3next")
+_PARTIAL_ROTARY = ("phi3", "glm4moe", "glm4", "phi2", "gptneox", "stablelm", "qwen35", "qwen35moe", "qwen3next",
+                   "minimax-m2")
 # Gated DeltaNet models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): the converter stores every norm weight as
 # 1 + w but the Gated DeltaNet's own (linear_attn.norm), A_log as -exp(A_log) (ssm_a), and for qwen35
 # / qwen35moe the value heads "tiled" where there are more than key heads (_LinearAttentionVReorderBase)
@@ -722,7 +725,7 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     count, used = f.arch_get("expert_count"), f.arch_get("expert_used_count")
     if not count:
         if f.arch in ("qwen3moe", "gpt-oss", "qwen2moe", "qwen35moe", "qwen3next", "olmoe", "granitemoe",
-                      "ernie4_5-moe", *_SIGMOID_MOE):
+                      "ernie4_5-moe", "minimax-m2", *_SIGMOID_MOE):
             raise CheckpointError(f"{f.path}: metadata {f.arch}.expert_count is missing")
         return {}
     if not used:
@@ -738,6 +741,8 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": int(count),
                 "num_experts_per_tok": int(used), "sliding_window": None}
     ffn = f.arch_get("expert_feed_forward_length")
+    if f.arch == "minimax-m2":
+        return _minimax_m2_experts(f, cfg, int(count), int(used), ffn)
     if f.arch == "granitemoe":   # GraniteMoeModel: the experts intermediate_size (feed_forward_length) wide
         return {"num_local_experts": int(count), "num_experts_per_tok": int(used),
                 "intermediate_size": int(cfg["intermediate_size"] if ffn is None else ffn)}
@@ -762,6 +767,22 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
         shared = f.arch_get("expert_shared_feed_forward_length") or cfg["intermediate_size"]
         out.update(norm_topk_prob=False, shared_expert_intermediate_size=int(shared), use_sliding_window=False)
     return out
+
+
+def _minimax_m2_experts(f: GGUFFile, cfg: dict[str, Any], count: int, used: int, ffn: Any) -> dict[str, Any]:
+    """MiniMax-M2's mixture as llama.cpp's minimax-m2 runs it (MiniMaxM2Model): every layer, the
+    experts expert_feed_forward_length wide (the converter writes intermediate_size), sigmoid scores
+    (expert_gating_func 2, which TextModel writes from scoring_func) with the choice corrected by
+    exp_probs_b, the chosen renormalized; another gating function, or a routed scale other than 1, is
+    refused."""
+    gating, scale = f.arch_get("expert_gating_func"), f.arch_get("expert_weights_scale")
+    if gating != 2:
+        raise CheckpointError(f"{f.path}: minimax-m2.expert_gating_func = {gating!r} is not supported (2: sigmoid, "
+                              "MiniMax-M2's scoring_func)")
+    if scale not in (None, 0, 1):
+        raise CheckpointError(f"{f.path}: minimax-m2.expert_weights_scale = {scale!r} is not supported (1)")
+    return {"num_local_experts": count, "num_experts_per_tok": used, "scoring_func": "sigmoid",
+            "intermediate_size": int(cfg["intermediate_size"] if ffn is None else ffn)}
 
 
 def _ernie_experts(f: GGUFFile, cfg: dict[str, Any], count: int, used: int) -> dict[str, Any]:

@@ -413,6 +413,9 @@ def _moe_hparams(w, cfg, arch: str, nextn: int) -> None:
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if arch in ("qwen3moe", "qwen2moe", "glm4moe", "deepseek2", "qwen3next", "qwen35moe"):
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "minimax-m2":   # MiniMaxM2Model: the experts' width; TextModel: scoring_func sigmoid
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if arch in ("qwen2moe", "qwen3next", "qwen35moe"):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if arch in ("glm4moe", "deepseek2"):
@@ -570,7 +573,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid",
             "nemotron_h": "nemotron_h_moe" if "moe" in getattr(cfg, "layers_block_type", ()) else "nemotron_h",
             "olmoe": "olmoe", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
-            "exaone4": "exaone4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe"}[cfg.model_type]
+            "exaone4": "exaone4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
+            "minimax_m2": "minimax-m2"}[cfg.model_type]
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     if name is not None:
@@ -662,6 +666,8 @@ def write_gguf(model, path: Path, vocab: dict, qtypes: dict[str, str] | None = N
             hf_name = "backbone." + hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
             if ".mixer." in hf_name and cfg.layers_block_type[int(hf_name.split(".")[2])] == "linear_attention":
                 hf_name, x = _mamba2_tensor(cfg.n_groups, hf_name, x)
+        if arch == "minimax-m2" and hf_name.endswith((".mlp.gate.weight", ".mlp.e_score_correction_bias")):
+            hf_name = hf_name.replace(".mlp.", ".block_sparse_moe.")   # (their names on disk)
         if arch == "ernie4_5-moe":   # transformers' in-memory name of the correction: its name on disk
             hf_name = hf_name.replace(".mlp.gate.moe_statics.", ".mlp.moe_statics.")
         if hf_name.endswith(".e_score_correction_bias"):   # TextModel's rename before the name map

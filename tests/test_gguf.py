@@ -496,6 +496,24 @@ def test_ernie4_5_moe_files_are_the_original_model(tmp_path):
         _gen(write_gguf(other, tmp_path / "other.gguf", vocab))
 
 
+def test_minimax_m2_files_are_the_original_model(tmp_path):
+    """MiniMax-M2 as llama.cpp's converter writes it (minimax-m2, MiniMaxM2Model: experts stacked, the
+    correction as exp_probs_b, expert_gating_func sigmoid, rope.dimension_count the rotary_dim, Q / K
+    as stored) computes what the HF model computes: whole-width q / k norms, half of each head
+    rotating, top-2 of 6 by sigmoid scores plus the correction, renormalized; logits and greedy
+    tokens through the paged engine. A softmax gating key is refused by name."""
+    hf, vocab, ids, expected, gen = _as_converted("minimax-m2", {}, tmp_path)
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    assert gen.model_cfg.rotary_dim == 8
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(ids):].tolist()
+    assert gen.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids == want
+    bad = write_gguf(hf, tmp_path / "softmax.gguf", vocab, extra={"minimax-m2.expert_gating_func": 1})
+    with pytest.raises(CheckpointError, match="minimax-m2.expert_gating_func = 1"):
+        _gen(bad)
+
+
 def _as_converted(name: str, overrides: dict, tmp_path: Path):
     """(HF model of tests/hf_models.py's `name` with a 400-token vocabulary, the GGUF vocabulary,
     a 24-token prompt, the HF logits of it, a Generator on the model's GGUF as the converter writes it)."""
