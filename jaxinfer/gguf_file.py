@@ -30,10 +30,10 @@ rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fus
 transformers' interleaved layout; sinks; the clamp llama.cpp fixes at 7.0), smollm3, granite, olmo2, olmoe
 (OLMoE: whole-width q / k norms, Q / K as stored, experts as wide as feed_forward_length, not renormalized),
 ernie4_5 (ERNIE 4.5 dense: Q / K as stored, each head rotating in pairs, as transformers holds
-them; biases where the file has them) minimax-m2 (MiniMax-M2 / M2.1: whole-width q / k norms, partial
+them; a file with biases refused) minimax-m2 (MiniMax-M2 / M2.1: whole-width q / k norms, partial
 rotary, sigmoid routing corrected by exp_probs_b), and ernie4_5-moe (its mixtures: interleave_moe_layer_step,
-leading_dense_block_count, softmax scores corrected by exp_probs_b, gated shared experts), exaone4 (EXAONE 4.0: the norms after each branch, per-head q / k norms, the sliding layers of
-sliding_window_pattern rotating, the global ones not), granitemoe (Granite 3.x MoE, and GraniteMoeShared
+leading_dense_block_count, softmax scores corrected by exp_probs_b, gated shared experts), exaone4 (EXAONE 4.0: the norms after each branch, per-head q / k norms; llama.cpp's sliding layers,
+three in four of the 32B's 64 only, rotating, the global ones not; every layer rotating elsewhere), granitemoe (Granite 3.x MoE, and GraniteMoeShared
 where expert_shared_feed_forward_length: Granite's multipliers, permuted Q / K, the experts' and shared
 MLP's gate and up rejoined),
 seed_oss, qwen2moe (a gated shared expert), glm4moe (GLM-4.5: partial rotary, dense leading layers,
@@ -399,7 +399,11 @@ def _arch_fields(f: GGUFFile, cfg: dict[str, Any], partial: dict[str, float]) ->
     elif arch == "exaone4":
         return _exaone4(f, cfg)
     elif arch in ("ernie4_5", "ernie4_5-moe"):   # Ernie4_5Model: q / k / v as transformers holds them, in pairs
-        return {"use_bias": "blk.0.attn_q.bias" in f.tensors}
+        if "blk.0.attn_q.bias" in f.tensors:   # (llama.cpp adds q / k / v biases only; use_bias puts them everywhere)
+            raise CheckpointError(f"{f.path}: tensor 'blk.0.attn_q.bias': {arch} with biases is not supported "
+                                  "(llama.cpp adds those of q / k / v only, transformers' use_bias one on every "
+                                  "projection; no published ERNIE 4.5 has them)")
+        return {"use_bias": False}
     elif arch == "granitemoe":   # GraniteMoeShared where the file gives the shared MLP's width
         shared = f.arch_get("expert_shared_feed_forward_length")
         return {**_granite(f, cfg), **({} if not shared else {
@@ -542,22 +546,28 @@ def _cohere(f: GGUFFile) -> dict[str, Any]:
 
 
 def _exaone4(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
-    """llama.cpp's exaone4 (Exaone4Model: EXAONE 4.0; Q / K as stored, NeoX RoPE): with
-    attention.sliding_window, the sliding layers those attention.sliding_window_pattern marks (a bool
-    per layer, the converter's layer_types), else three of every four (llama.cpp's fixed pattern for
-    the 32B, LLLG); llm_build_exaone4 rotates the sliding layers only, as transformers does. Without a
-    window (the 1.2B) every layer is global and rotates."""
-    n, window = cfg["num_hidden_layers"], f.arch_get("attention.sliding_window")
-    if not window:
+    """llama.cpp's exaone4 (Exaone4Model: EXAONE 4.0; Q / K as stored, NeoX RoPE), as its loader reads
+    it: only a 64-layer file (the 32B) has sliding layers, those of every attention.sliding_window_pattern
+    (a number; default 4; the converter's array of bools is not read) but the last, with
+    attention.sliding_window (default 4096); llm_build_exaone4 rotates the sliding layers only, as
+    transformers does. Any other file runs every layer global and rotating (the 1.2B), whatever window
+    it names. Next-token-prediction blocks and a separate base for the sliding layers' RoPE are refused."""
+    n = cfg["num_hidden_layers"]
+    if f.arch_get("nextn_predict_layers"):
+        raise CheckpointError(f"{f.path}: exaone4.nextn_predict_layers = {f.arch_get('nextn_predict_layers')} "
+                              "(next-token-prediction blocks) is not supported")
+    if n != 64:
         return {"sliding_window": None, "layer_types": ["full_attention"] * n}
-    pattern = f.arch_get("attention.sliding_window_pattern")
-    if pattern is None:
-        pattern = [(i + 1) % 4 != 0 for i in range(n)]
-    if not isinstance(pattern, list) or len(pattern) != n or not all(isinstance(p, bool) for p in pattern):
-        raise CheckpointError(f"{f.path}: exaone4.attention.sliding_window_pattern must mark each of the {n} "
-                              f"layers sliding (true) or global (false), got {pattern!r}")
-    return {"sliding_window": int(window),
-            "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern]}
+    base = f.arch_get("rope.freq_base_swa")
+    if base is not None and float(base) != cfg["rope_parameters"]["rope_theta"]:
+        raise CheckpointError(f"{f.path}: exaone4.rope.freq_base_swa = {base} (the sliding layers' own RoPE base) "
+                              "is not supported")
+    period = f.arch_get("attention.sliding_window_pattern")
+    if not (isinstance(period, int) and not isinstance(period, bool) and period >= 0):
+        period = 4   # (llama_hparams::set_swa_pattern: layer il slides where il % period < period - 1; 0: all)
+    return {"sliding_window": int(f.arch_get("attention.sliding_window") or 4096),
+            "layer_types": ["sliding_attention" if period == 0 or i % period < period - 1 else "full_attention"
+                            for i in range(n)]}
 
 
 def _granite(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -201,8 +201,8 @@ def _hparams(w, cfg, arch: str, head_dim: int, nextn: int = 0, mla: bool = True)
         w.add_logit_scale(cfg.logit_scale)
         if arch == "cohere2":
             w.add_sliding_window(cfg.sliding_window)
-    else:
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    else:   # (OlmoeModel writes 1e-5 whatever the config says)
+        w.add_layer_norm_rms_eps(1e-5 if arch == "olmoe" else cfg.rms_norm_eps)
     if arch == "deepseek2":   # DeepseekV2Model.set_gguf_parameters: the latent form as MQA (its own widths apart)
         _deepseek2_hparams(w, cfg, rope, mla)
         w.add_vocab_size(cfg.vocab_size)

@@ -113,6 +113,17 @@ def test_cli_reports_errors_without_traceback(tmp_path, capsys):
     assert "no such model folder" in err and "Traceback" not in err
 
 
+def test_a_model_config_refusal_names_the_fields_set_even_with_an_array_among_them():
+    """ModelConfig's refusal lists the fields that differ from their defaults; a field holding a numpy
+    array (a programmatic caller's sliding_layers) is shown, not compared into a ValueError."""
+    import numpy as np
+
+    from jaxinfer.config import ModelConfig
+    with pytest.raises(ConfigError, match=r"invalid ModelConfig field\(s\) \['norm'\].*sliding_layers=array"):
+        ModelConfig(vocab_size=10, d_model=8, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=4, ffn_dim=8,
+                    norm="bogus", sliding_layers=np.array([True, False]))
+
+
 def _edit_config(src, dst, **changes):
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())

@@ -415,16 +415,19 @@ def test_granite_is_the_original_model(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["olmo2", "seed_oss", "olmoe", "ernie4_5"])
-def test_olmo2_and_seed_oss_are_the_original_model(name, tmp_path):
+def test_olmo2_seed_oss_olmoe_and_ernie_files_are_the_original_model(name, tmp_path):
     """OLMo 2 (llama.cpp's olmo2: the branch-output norms, whole-width q / k norms; Q / K as stored),
     Seed-OSS (seed_oss: q / k / v and o biases) and OLMoE (olmoe: OLMo 2's q / k norms in a pre-norm
     block, 3 of 5 experts stacked per layer with no width of their own in the file, the chosen
-    probabilities not renormalized) and ERNIE 4.5 (ernie4_5: Q / K as transformers holds them, each
-    head rotating in pairs; biases on every projection) as llama.cpp's converter writes them compute
-    what the HF model computes; a file with OLMo 3's sliding layers is refused by name."""
+    probabilities not renormalized; MHA, as llama.cpp sizes its k norm by the width) and ERNIE 4.5
+    (ernie4_5: Q / K as transformers holds them, each head rotating in pairs) as llama.cpp's converter
+    writes them compute what the HF model computes; a file with OLMo 3's sliding layers is refused by
+    name, as is an ERNIE file with biases (llama.cpp adds q / k / v's only, transformers' use_bias
+    every projection's)."""
     text = save_text_model(tmp_path / "spm")
     vocab = sentencepiece_vocab(text / "tokenizer.model")
-    hf = build_hf_model(name, overrides={"vocab_size": 400})
+    extra = {"olmoe": {"num_key_value_heads": 4}, "ernie4_5": {"use_bias": False}}.get(name, {})
+    hf = build_hf_model(name, overrides={"vocab_size": 400, **extra})
     ids = np.random.RandomState(8).randint(3, 400, 24).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0].numpy()
@@ -433,6 +436,10 @@ def test_olmo2_and_seed_oss_are_the_original_model(name, tmp_path):
         bad = write_gguf(hf, tmp_path / "olmo3.gguf", vocab, extra={"olmo2.attention.sliding_window": 4096})
         with pytest.raises(CheckpointError, match="OLMo 3's sliding layers"):
             _gen(bad)
+    if name == "ernie4_5":
+        biased = write_gguf(build_hf_model(name, overrides={"vocab_size": 400}), tmp_path / "bias.gguf", vocab)
+        with pytest.raises(CheckpointError, match="'blk.0.attn_q.bias': ernie4_5 with biases"):
+            _gen(biased)
 
 
 @pytest.mark.parametrize("name", ["granitemoe", "granitemoeshared"])
@@ -456,23 +463,46 @@ def test_granitemoe_files_are_the_original_model(name, tmp_path):
         _gen(bad)
 
 
-@pytest.mark.parametrize("name", ["exaone4", "exaone4-nowindow"])
-def test_exaone4_files_are_the_original_model(name, tmp_path):
-    """EXAONE 4.0 as llama.cpp's converter writes it (exaone4, Exaone4Model: Q / K as stored, the
-    norms after each branch as post_attention_norm / post_ffw_norm, per-head q / k norms, the window and
-    layer_types as one bool per layer) computes what the HF model computes, logits and greedy tokens
-    through the paged engine: three sliding layers that rotate and a global one that does not, or
-    (no window, the 1.2B) every layer global and rotating. A pattern of the wrong length is refused."""
-    hf, vocab, ids, expected, gen = _as_converted(name, {}, tmp_path)
-    assert _rel_err(gen.logits(ids), expected) < 1e-4
-    assert gen.model_cfg.rope_layers == (None if name == "exaone4-nowindow" else (True, True, True, False))
+@pytest.mark.parametrize("case", ["no window", "a window, 4 layers", "a window, 64 layers"])
+def test_exaone4_files_are_what_llama_cpp_runs(case, tmp_path):
+    """EXAONE 4.0 as llama.cpp's converter writes it (exaone4, Exaone4Model: Q / K as stored, the norms
+    after each branch as post_attention_norm / post_ffw_norm, per-head q / k norms, the window and
+    layer_types as one bool per layer) computes what llama.cpp computes from it, which is what
+    transformers computes: with no window (the 1.2B), every layer global and rotating; a window in a
+    64-layer file (the 32B's depth, the only one llama.cpp gives sliding layers), three sliding layers
+    in four that rotate and a global one that does not; a window in a file of another depth is not
+    run, so the reference is the same weights in transformers without one. Logits, and greedy tokens
+    through the paged engine (not for 64 layers, whose decode programs take a minute to compile)."""
+    text = save_text_model(tmp_path / "spm")
+    vocab = sentencepiece_vocab(text / "tokenizer.model")
+    ids = np.random.RandomState(9).randint(3, 400, 24).tolist()
+    if case == "no window":
+        hf = ref = build_hf_model("exaone4-nowindow", overrides={"vocab_size": 400})
+    elif case == "a window, 4 layers":
+        hf = build_hf_model("exaone4", overrides={"vocab_size": 400})
+        ref = build_hf_model("exaone4", overrides={"vocab_size": 400, "sliding_window": None,
+                                                   "layer_types": ["full_attention"] * 4})
+        ref.load_state_dict(hf.state_dict())
+    else:
+        hf = ref = build_hf_model("exaone4", overrides={
+            "vocab_size": 400, "num_hidden_layers": 64,
+            "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 16})
     with torch.no_grad():
-        want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, len(ids):].tolist()
-    assert gen.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids == want
-    if name == "exaone4":
-        bad = write_gguf(hf, tmp_path / "bad.gguf", vocab, extra={"exaone4.attention.sliding_window_pattern": [True]})
-        with pytest.raises(CheckpointError, match="sliding_window_pattern must mark each of the 4"):
+        expected = ref(torch.tensor([ids])).logits[0].numpy()
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(ids):].tolist() if ref.config.num_hidden_layers < 64 else None
+    gen = _gen(write_gguf(hf, tmp_path / "exaone4.gguf", vocab))
+    assert _rel_err(gen.logits(ids), expected) < 1e-4
+    cfg = gen.model_cfg
+    if case == "a window, 64 layers":
+        assert (cfg.sliding_window, cfg.rope_layers) == (6, (True, True, True, False) * 16)
+    else:
+        assert (cfg.sliding_window, cfg.rope_layers) == (None, None)
+    if case != "a window, 64 layers":   # (64 layers' decode programs: a minute of compiling on a CPU)
+        assert gen.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids == want
+    if case == "no window":   # next-token-prediction blocks are refused by name
+        bad = write_gguf(hf, tmp_path / "mtp.gguf", vocab, extra={"exaone4.nextn_predict_layers": 1})
+        with pytest.raises(CheckpointError, match="exaone4.nextn_predict_layers = 1"):
             _gen(bad)
 
 

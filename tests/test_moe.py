@@ -474,6 +474,7 @@ def test_refused_moe_configs_name_the_field(change, message):
     ("glm4moe-groups", {"n_group": 8, "topk_group": 1}, "n_group = 8 leaves fewer than two of the n_routed_experts"),
     ("deepseekv3-mla", {"topk_group": 3}, "topk_group = 3 exceeds n_group = 2"),
     ("deepseekv3-mla", {"num_experts_per_tok": 9}, "num_experts_per_tok = 9 exceeds n_routed_experts = 8"),
+    ("deepseekv3-mla", {"num_experts_per_tok": 5}, "num_experts_per_tok = 5 exceeds the 4 experts of the topk_group = 1"),
     ("dots1", {"n_group": 4}, "n_routed_experts = 6 is not a multiple of n_group = 4"),
     ("exaone-moe", {"n_group": 4, "topk_group": 1}, "num_experts = 6 is not a multiple of n_group = 4"),
     ("deepseekv2-groups", {"topk_group": 5}, "topk_group = 5 exceeds n_group = 4"),

@@ -50,6 +50,16 @@ NORMS = ("rmsnorm", "gemma_rmsnorm", "olmo_rmsnorm", "layernorm", "layernorm_nob
          "layernorm_noparam")
 
 
+def _differs(value: Any, default: Any) -> bool:
+    """Whether a field's value is not its default, for a message: an array (a programmatic caller's
+    sliding_layers, say) compares elementwise, so anything but a plain bool counts as different."""
+    try:
+        d = value != default
+    except Exception:   # noqa: BLE001   (a value that cannot be compared is shown)
+        return True
+    return d if isinstance(d, bool) else True
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """One decoder-only transformer. Every supported HF family maps onto these fields
@@ -291,7 +301,7 @@ class ModelConfig:
         """The fields that differ from their defaults, as the repr writes them: the context of a
         refusal without the ~90 fields' whole repr."""
         return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                         if f.default is dataclasses.MISSING or getattr(self, f.name) != f.default)
+                         if f.default is dataclasses.MISSING or _differs(getattr(self, f.name), f.default))
 
     def _llama4_checks(self) -> dict[str, bool]:
         s = self.nope_query_scale

@@ -894,7 +894,8 @@ def _nemotron_h_moe(c: dict[str, Any], moe: tuple[bool, ...]) -> dict[str, Any]:
                           "Nemotron 3 model has biased MLPs)")
     # (NemotronHConfig's alias num_local_experts, where a config spells it; the class default fills n_routed_experts)
     experts, k = c.get("num_local_experts", c["n_routed_experts"]), c["num_experts_per_tok"]
-    groups, top_groups = _expert_groups(c, experts, "n_routed_experts")
+    field = "num_local_experts" if "num_local_experts" in c else "n_routed_experts"
+    groups, top_groups = _expert_groups(c, experts, field)
     return dict(num_experts=experts, num_experts_per_tok=k, moe_ffn_dim=c["moe_intermediate_size"],
                 moe_layers=None if all(moe) else moe, moe_routing="sigmoid_topk",
                 moe_norm_topk=bool(c["norm_topk_prob"]), moe_groups=groups, moe_topk_groups=top_groups,
@@ -907,17 +908,29 @@ def _expert_groups(c: dict[str, Any], experts: int, experts_field: str, pair_sco
     the experts in the config's own field names, where ModelConfig would refuse the same sizes naming
     its internal fields: num_experts_per_tok within the experts, the experts in n_group equal groups
     (of at least two where pair_scored: DeepSeek-V3's group is scored by the sum of its best two, as
-    transformers' topk(2) needs; DeepSeek-V2's by its best), and topk_group within n_group.
-    check_hf_fields has checked each a positive integer."""
+    transformers' topk(2) needs; DeepSeek-V2's by its best), topk_group within n_group, and (where
+    pair_scored) num_experts_per_tok within the kept groups' experts: transformers' V3 router fills the
+    others with -inf and would pick among them by how torch breaks ties, with nonzero weights (V2's
+    fills them with 0, so its extra picks weigh nothing). check_hf_fields has checked each a positive
+    integer."""
     k, groups, top = c["num_experts_per_tok"], c.get("n_group") or 1, c.get("topk_group") or 1
     for wrong, why in ((k > experts, f"num_experts_per_tok = {k} exceeds {experts_field} = {experts}"),
                        (experts % groups, f"{experts_field} = {experts} is not a multiple of n_group = {groups}"),
                        (pair_scored and groups > 1 and experts // groups < 2, f"n_group = {groups} leaves fewer than two of the "
                         f"{experts_field} = {experts} experts in a group (a group is scored by its best two)"),
-                       (top > groups, f"topk_group = {top} exceeds n_group = {groups}")):
+                       (top > groups, f"topk_group = {top} exceeds n_group = {groups}"),
+                       (pair_scored and groups > 1 and k > top * (experts // groups),
+                        f"num_experts_per_tok = {k} exceeds the {top * (experts // groups)} experts of the "
+                        f"topk_group = {top} groups kept (of {experts_field} = {experts} in n_group = {groups})")):
         if wrong:
             raise ConfigError(f"field {why}")
     return groups, top
+
+
+def _experts_field(c: dict[str, Any], *names: str) -> str:
+    """The field the experts' count was read from, for a message: the first of `names` the config
+    sets, else the first (its class default)."""
+    return next((n for n in names if c.get(n)), names[0])
 
 
 def _nemotron_h(c: dict[str, Any], arch: str) -> ModelConfig:
@@ -1090,7 +1103,7 @@ def _exaone_moe(c: dict[str, Any], arch: str) -> ModelConfig:
     n = c["num_hidden_layers"]
     layers = _sparse_kinds(c, n, ["dense" if i < c["first_k_dense_replace"] else "sparse" for i in range(n)])
     moe_f, experts = c["moe_intermediate_size"], _num_experts(c, arch)
-    groups, top_groups = _expert_groups(c, experts, "num_experts")
+    groups, top_groups = _expert_groups(c, experts, _experts_field(c, "num_experts", "num_local_experts"))
     return dataclasses.replace(
         _exaone4(c, arch), pre_norms=True, post_norms=False, num_experts=experts,
         num_experts_per_tok=c["num_experts_per_tok"], moe_ffn_dim=moe_f, moe_layers=layers,
@@ -1284,7 +1297,7 @@ def _glm4_moe(c: dict[str, Any], arch: str) -> ModelConfig:
     if not (_is_int(e) and e > 0):
         raise ConfigError(f"field 'n_routed_experts' must be a positive integer, got {e!r}")
     first_dense = c["first_k_dense_replace"]
-    groups, top_groups = _expert_groups(c, e, "n_routed_experts" if c.get("n_routed_experts") else "num_experts")
+    groups, top_groups = _expert_groups(c, e, _experts_field(c, "n_routed_experts", "num_experts", "num_local_experts"))
     cfg = _llama_like({**c, "sliding_window": None}, arch)
     layers = tuple(i >= first_dense for i in range(n))
     return dataclasses.replace(
