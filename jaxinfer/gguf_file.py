@@ -27,14 +27,16 @@ squared-ReLU MLP), exaone (EXAONE 3.x: Llama's block, Q/K as stored: NeoX RoPE),
 gemma3 (text; the settings llama.cpp takes from the model size rather than the file: _GEMMA), phi3
 (Phi-3, Phi-3.5, Phi-4, Phi-4-mini: fused q/k/v and gate/up, LongRoPE's factors as tensors, partial
 rotary) and gpt-oss (experts with biases in ffn_*_exps, gate and up apart or fused, served in
-transformers' interleaved layout; sinks; the clamp llama.cpp fixes at 7.0), smollm3, granite, olmo2, olmoe
-(OLMoE: whole-width q / k norms, Q / K as stored, experts as wide as feed_forward_length, not renormalized),
-ernie4_5 (ERNIE 4.5 dense: Q / K as stored, each head rotating in pairs, as transformers holds
-them; a file with biases refused) minimax-m2 (MiniMax-M2 / M2.1: whole-width q / k norms, partial
-rotary, sigmoid routing corrected by exp_probs_b), and ernie4_5-moe (its mixtures: interleave_moe_layer_step,
-leading_dense_block_count, softmax scores corrected by exp_probs_b, gated shared experts), exaone4 (EXAONE 4.0: the norms after each branch, per-head q / k norms; llama.cpp's sliding layers,
-three in four of the 32B's 64 only, rotating, the global ones not; every layer rotating elsewhere), granitemoe (Granite 3.x MoE, and GraniteMoeShared
-where expert_shared_feed_forward_length: Granite's multipliers, permuted Q / K, the experts' and shared
+transformers' interleaved layout; sinks; the clamp llama.cpp fixes at 7.0), smollm3, granite, olmo2,
+olmoe (OLMoE: whole-width q / k norms, Q / K as stored, experts as wide as feed_forward_length, not
+renormalized), ernie4_5 (ERNIE 4.5 dense: Q / K as stored, each head rotating in pairs, as
+transformers holds them; a file with biases refused), ernie4_5-moe (its mixtures:
+interleave_moe_layer_step, leading_dense_block_count, softmax scores corrected by exp_probs_b, gated
+shared experts), minimax-m2 (MiniMax-M2 / M2.1: whole-width q / k norms, partial rotary, sigmoid
+routing corrected by exp_probs_b), exaone4 (EXAONE 4.0: the norms after each branch, per-head q / k
+norms; llama.cpp's sliding layers, three in four of the 32B's 64 only, rotating, the global ones
+not; every layer rotating elsewhere), granitemoe (Granite 3.x MoE, and GraniteMoeShared where
+expert_shared_feed_forward_length: Granite's multipliers, permuted Q / K, the experts' and shared
 MLP's gate and up rejoined),
 seed_oss, qwen2moe (a gated shared expert), glm4moe (GLM-4.5: partial rotary, dense leading layers,
 sigmoid routing with exp_probs_b, shared experts; the appended next-token-prediction blocks skipped),
@@ -751,15 +753,15 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": int(count),
                 "num_experts_per_tok": int(used), "sliding_window": None}
     ffn = f.arch_get("expert_feed_forward_length")
-    if f.arch == "minimax-m2":
-        return _minimax_m2_experts(f, cfg, int(count), int(used), ffn)
-    if f.arch == "granitemoe":   # GraniteMoeModel: the experts intermediate_size (feed_forward_length) wide
-        return {"num_local_experts": int(count), "num_experts_per_tok": int(used),
-                "intermediate_size": int(cfg["intermediate_size"] if ffn is None else ffn)}
-    if f.arch == "olmoe":   # OlmoeModel writes no experts' width: llama.cpp's olmoe sizes them by feed_forward_length,
-        # and weighs the chosen softmax probabilities as they are (OlmoeConfig's norm_topk_prob false, not in the file)
-        return {"num_experts": int(count), "num_experts_per_tok": int(used), "norm_topk_prob": False,
-                "intermediate_size": int(cfg["intermediate_size"] if ffn is None else ffn)}
+    if f.arch in ("minimax-m2", "granitemoe", "olmoe"):
+        # families whose experts are intermediate_size wide: GraniteMoeModel and OlmoeModel write no
+        # experts' width (llama.cpp sizes them by feed_forward_length), MiniMaxM2Model writes that one
+        out = {"num_experts" if f.arch == "olmoe" else "num_local_experts": int(count),   # (each config's name)
+               "num_experts_per_tok": int(used), "intermediate_size": int(cfg["intermediate_size"] if ffn is None else ffn)}
+        if f.arch == "minimax-m2":
+            return {**out, **_minimax_m2_routing(f)}
+        # OLMoE: the chosen softmax probabilities weighed as they are (norm_topk_prob false, not in the file)
+        return {**out, "norm_topk_prob": False} if f.arch == "olmoe" else out
     if ffn is None:
         raise CheckpointError(f"{f.path}: metadata {f.arch}.expert_feed_forward_length is missing")
     if f.arch == "gpt-oss":   # GptOssConfig: the experts' width is intermediate_size
@@ -779,9 +781,8 @@ def _experts(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _minimax_m2_experts(f: GGUFFile, cfg: dict[str, Any], count: int, used: int, ffn: Any) -> dict[str, Any]:
-    """MiniMax-M2's mixture as llama.cpp's minimax-m2 runs it (MiniMaxM2Model): every layer, the
-    experts expert_feed_forward_length wide (the converter writes intermediate_size), sigmoid scores
+def _minimax_m2_routing(f: GGUFFile) -> dict[str, Any]:
+    """MiniMax-M2's routing as llama.cpp's minimax-m2 runs it (MiniMaxM2Model): sigmoid scores
     (expert_gating_func 2, which TextModel writes from scoring_func) with the choice corrected by
     exp_probs_b, the chosen renormalized; another gating function, or a routed scale other than 1, is
     refused."""
@@ -791,8 +792,7 @@ def _minimax_m2_experts(f: GGUFFile, cfg: dict[str, Any], count: int, used: int,
                               "MiniMax-M2's scoring_func)")
     if scale not in (None, 0, 1):
         raise CheckpointError(f"{f.path}: minimax-m2.expert_weights_scale = {scale!r} is not supported (1)")
-    return {"num_local_experts": count, "num_experts_per_tok": used, "scoring_func": "sigmoid",
-            "intermediate_size": int(cfg["intermediate_size"] if ffn is None else ffn)}
+    return {"scoring_func": "sigmoid"}
 
 
 def _ernie_experts(f: GGUFFile, cfg: dict[str, Any], count: int, used: int) -> dict[str, Any]:

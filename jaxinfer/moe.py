@@ -235,6 +235,7 @@ class MoE(nnx.Module):
         self.scores_in_dtype = cfg.moe_scores_in_dtype
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         fused, bias, gated = shards is not None, cfg.mlp_bias, cfg.gated_mlp
+        self.gated = gated
         expert = lambda n, axis, b=False: param((e, *n), ("experts", *axis), dtype, rngs,  # noqa: E731
                                                 init="zeros" if b else "normal")
         # DeepSeek's and GLM-4.5's routing: the router in float32, as transformers keeps it (its logits
@@ -290,7 +291,7 @@ class MoE(nnx.Module):
     def _activate(self, outs: list[jax.Array]) -> jax.Array:
         """The hidden rows from the gate / up side's outputs (_in_weights' order): act(gate) * up, gpt-oss's
         clamped SwiGLU, or an ungated expert's act(up)."""
-        if self.gate is None and self.gate_up is None:
+        if not self.gated:
             return ACTIVATIONS[self.act](outs[0])
         y_gate, y_up = split_gate_up(outs[0], self.shards) if len(outs) == 1 else outs
         if self.limit is not None:
@@ -302,7 +303,7 @@ class MoE(nnx.Module):
         if self.gate_up is not None:
             return [(self.gate_up.get_value(), param_value(self.gate_up_bias))]
         up = (self.up.get_value(), param_value(self.up_bias))
-        return [up] if self.gate is None else [(self.gate.get_value(), param_value(self.gate_bias)), up]
+        return [(self.gate.get_value(), param_value(self.gate_bias)), up] if self.gated else [up]
 
     def _expert_ffn(self, rows: jax.Array, ins: list, down: tuple) -> jax.Array:
         """One expert on rows [m, D]: ins [(operand, bias [.., N] or None)], down (operand, bias)."""

@@ -892,9 +892,9 @@ def _nemotron_h_moe(c: dict[str, Any], moe: tuple[bool, ...]) -> dict[str, Any]:
     if c.get("mlp_bias"):   # (NemotronHExperts has no biases whatever mlp_bias says; its shared MLP would)
         raise ConfigError("field 'mlp_bias' = true is not supported with mixture-of-experts layers (no published "
                           "Nemotron 3 model has biased MLPs)")
-    # (NemotronHConfig's alias num_local_experts, where a config spells it; the class default fills n_routed_experts)
-    experts, k = c.get("num_local_experts", c["n_routed_experts"]), c["num_experts_per_tok"]
-    field = "num_local_experts" if "num_local_experts" in c else "n_routed_experts"
+    # (NemotronHConfig's alias num_local_experts, where a config spells it)
+    field = _experts_field(c, "num_local_experts", "n_routed_experts")   # (the class default fills n_routed_experts)
+    experts, k = c[field], c["num_experts_per_tok"]
     groups, top_groups = _expert_groups(c, experts, field)
     return dict(num_experts=experts, num_experts_per_tok=k, moe_ffn_dim=c["moe_intermediate_size"],
                 moe_layers=None if all(moe) else moe, moe_routing="sigmoid_topk",
